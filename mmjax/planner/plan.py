@@ -1,0 +1,212 @@
+"""`Plan`: the parallelisation of every unit of a multimodal model (no JAX).
+
+A unit (an encoder branch with its projector, the LLM, the generator) gets its own devices
+and its own DP/TP/PP (DistTrain §4.1 "parallelism unit"); the LLM may also have CP
+(Cornstarch §4.3). Units take contiguous device ranges in `units` order, each stage
+`dp * cp * tp` devices with TP innermost. The Megatron-style rigid plan (seed 000 §2.1,
+Fig. 2) is just another Plan: encoders and generator are extra stages that share the LLM's
+dp and tp (`Plan.rigid`).
+
+Microbatches: the global batch of `global_batch` samples is cut into `num_microbatches`
+microbatches of `global_batch // num_microbatches` samples; each unit splits every
+microbatch over its own dp ranks.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+
+
+class PlanError(ValueError):
+    """A plan that cannot run; the message names the field and the fix."""
+
+
+@dataclass(frozen=True)
+class UnitPlan:
+    name: str
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    layers: tuple[int, ...] = ()  # layers per virtual stage (pp * num_chunks entries)
+    num_chunks: int = 1  # interleaved 1F1B virtual stages per device stage
+    frozen: bool = False
+    overlap_tp: bool = False
+
+    @property
+    def devices_per_stage(self) -> int:
+        return self.dp * self.cp * self.tp
+
+    @property
+    def num_devices(self) -> int:
+        return self.devices_per_stage * self.pp
+
+    def stage_layers(self, stage: int, chunk: int = 0) -> tuple[int, int]:
+        """[start, end) layer range of virtual stage `chunk * pp + stage`."""
+        v = chunk * self.pp + stage
+        start = sum(self.layers[:v])
+        return start, start + self.layers[v]
+
+
+@dataclass(frozen=True)
+class Plan:
+    units: tuple[UnitPlan, ...]
+    global_batch: int
+    num_microbatches: int
+    kind: str = "disaggregated"  # or "rigid", "ratio", "manual"
+    predicted: dict = field(default_factory=dict, compare=False)
+
+    # ---- access -------------------------------------------------------------------------
+    def unit(self, name: str) -> UnitPlan:
+        for u in self.units:
+            if u.name == name:
+                return u
+        raise KeyError(f"plan has no unit {name!r}; units: {[u.name for u in self.units]}")
+
+    @property
+    def unit_names(self) -> tuple[str, ...]:
+        return tuple(u.name for u in self.units)
+
+    @property
+    def num_devices(self) -> int:
+        return sum(u.num_devices for u in self.units)
+
+    @property
+    def microbatch_size(self) -> int:
+        return self.global_batch // self.num_microbatches
+
+    def stage_device_ranges(self) -> dict[str, list[range]]:
+        """Per unit, per pipeline stage, the indices into the global device list."""
+        out, start = {}, 0
+        for u in self.units:
+            ranges = []
+            for _ in range(u.pp):
+                ranges.append(range(start, start + u.devices_per_stage))
+                start += u.devices_per_stage
+            out[u.name] = ranges
+        return out
+
+    # ---- construction -------------------------------------------------------------------
+    @staticmethod
+    def even_layers(num_layers: int, num_stages: int) -> tuple[int, ...]:
+        """Split `num_layers` over `num_stages`, earlier stages taking the remainder."""
+        if num_stages < 1 or num_layers < num_stages:
+            raise PlanError(f"cannot split {num_layers} layers over {num_stages} stages")
+        q, r = divmod(num_layers, num_stages)
+        return tuple(q + (1 if i < r else 0) for i in range(num_stages))
+
+    @classmethod
+    def uniform(cls, model, global_batch: int, num_microbatches: int, kind="manual",
+                **unit_kw) -> "Plan":
+        """Every unit with the given dp/tp/pp (per-unit dicts allowed: dp={"llm": 2})."""
+        units = []
+        for name in model.unit_names:
+            kw = {k: (v.get(name, 1) if isinstance(v, dict) else v) for k, v in unit_kw.items()}
+            if name != "llm":
+                kw.pop("cp", None)
+            pp, chunks = kw.get("pp", 1), kw.get("num_chunks", 1)
+            kw.setdefault("layers", cls.even_layers(model.num_layers(name), pp * chunks))
+            units.append(UnitPlan(name=name, frozen=model.frozen(name), **kw))
+        return cls(tuple(units), global_batch, num_microbatches, kind=kind)
+
+    @classmethod
+    def rigid(cls, model, dp: int, tp: int, pp: int, global_batch: int,
+              num_microbatches: int) -> "Plan":
+        """Megatron-LM's rigid orchestration (seed 000 §2.1): the LLM on dp x tp x pp, each
+        encoder and the generator one extra pipeline stage with the LLM's dp and tp."""
+        units = []
+        for name in model.unit_names:
+            upp = pp if name == "llm" else 1
+            units.append(UnitPlan(name=name, dp=dp, tp=tp, pp=upp,
+                                  layers=cls.even_layers(model.num_layers(name), upp),
+                                  frozen=model.frozen(name)))
+        return cls(tuple(units), global_batch, num_microbatches, kind="rigid")
+
+    # ---- validation ---------------------------------------------------------------------
+    def validate(self, model, num_devices: int) -> "Plan":
+        """Reject a plan that cannot run on `model` with `num_devices`, before any work."""
+        known = set(model.unit_names)
+        names = [u.name for u in self.units]
+        for n in names:
+            if n not in known:
+                raise PlanError(f"Plan.units: unknown unit {n!r}; the model has units "
+                                f"{sorted(known)}: rename or remove it")
+        missing = known - set(names)
+        if missing:
+            raise PlanError(f"Plan.units: no entry for {sorted(missing)}; add a UnitPlan for each")
+        if len(set(names)) != len(names):
+            raise PlanError(f"Plan.units: duplicate unit names {names}")
+        if self.num_devices > num_devices:
+            raise PlanError(f"Plan needs {self.num_devices} devices (sum of dp*cp*tp*pp over "
+                            f"units) but only {num_devices} exist: lower dp/tp/pp")
+        if self.num_microbatches < 1 or self.global_batch % self.num_microbatches:
+            raise PlanError(f"Plan.global_batch={self.global_batch} is not divisible by "
+                            f"num_microbatches={self.num_microbatches}: pick a divisor")
+        mb = self.microbatch_size
+        for u in self.units:
+            where = f"Plan.unit[{u.name!r}]"
+            for k in ("dp", "tp", "pp", "cp", "num_chunks"):
+                if getattr(u, k) < 1:
+                    raise PlanError(f"{where}.{k}={getattr(u, k)} must be >= 1")
+            if mb % u.dp:
+                raise PlanError(f"{where}.dp={u.dp} does not divide the microbatch size {mb} "
+                                f"(global_batch/num_microbatches): choose dp dividing {mb}")
+            if u.cp > 1 and u.name != "llm":
+                raise PlanError(f"{where}.cp={u.cp}: context parallelism is for the llm only")
+            n_layers = model.num_layers(u.name)
+            nv = u.pp * u.num_chunks
+            if n_layers < nv:
+                raise PlanError(f"{where}: {n_layers} layers cannot fill pp*num_chunks={nv} "
+                                f"stages: lower pp or num_chunks")
+            if len(u.layers) != nv or sum(u.layers) != n_layers or min(u.layers) < 1:
+                raise PlanError(f"{where}.layers={u.layers} must have pp*num_chunks={nv} "
+                                f"positive entries summing to {n_layers}")
+            if u.num_chunks > 1 and self.num_microbatches % u.pp:
+                raise PlanError(f"{where}: interleaved 1F1B needs num_microbatches "
+                                f"({self.num_microbatches}) to be a multiple of pp={u.pp}")
+            for what, size in _tp_divisible(model, u.name):
+                if size % u.tp:
+                    raise PlanError(f"{where}.tp={u.tp} does not divide {what}={size}: "
+                                    f"choose tp dividing {size}")
+        return self
+
+    # ---- JSON ---------------------------------------------------------------------------
+    def to_json(self) -> dict:
+        return {"units": [dataclasses.asdict(u) for u in self.units],
+                "global_batch": self.global_batch, "num_microbatches": self.num_microbatches,
+                "kind": self.kind, "predicted": self.predicted}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Plan":
+        fields = {f.name for f in dataclasses.fields(UnitPlan)}
+        units = []
+        for u in d["units"]:
+            extra = set(u) - fields
+            if extra:
+                raise PlanError(f"Plan JSON unit {u.get('name')!r}: unknown fields {sorted(extra)}")
+            units.append(UnitPlan(**{**u, "layers": tuple(u.get("layers", ()))}))
+        return cls(tuple(units), int(d["global_batch"]), int(d["num_microbatches"]),
+                   kind=d.get("kind", "manual"), predicted=d.get("predicted", {}))
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_json(), f, indent=2)
+
+    @classmethod
+    def load(cls, path: str) -> "Plan":
+        with open(path) as f:
+            return cls.from_json(json.load(f))
+
+
+def _tp_divisible(model, unit: str):
+    """(name, size) pairs that tensor parallelism must divide for this unit."""
+    if unit == "llm":
+        c = model.llm
+        return [("llm.num_heads", c.num_heads), ("llm.num_kv_heads", c.num_kv_heads),
+                ("llm.ffn_size", c.ffn_size)]
+    if unit == "generator":
+        c = model.generator
+        return [("generator.num_heads", c.num_heads), ("generator.ffn_size", c.ffn_size)]
+    c = model.encoder(unit).encoder
+    return [(f"{unit}.num_heads", c.num_heads), (f"{unit}.ffn_size", c.ffn_size)]
