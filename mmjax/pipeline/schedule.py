@@ -1,0 +1,453 @@
+"""Pipeline schedules as data: per stage, the ordered list of actions it runs (no JAX).
+
+A schedule is either a list indexed by pipeline stage (`gpipe`, `one_f_one_b`,
+`interleaved_one_f_one_b`: one chain of stages, model chunk c of stage s is virtual stage
+`c * num_stages + s`) or a dict keyed by `StageId` over a `StageGraph` (the unit DAG of
+`multimodal_one_f_one_b`: encoder branches in parallel -> LLM stages -> generator, seed 002
+§4.1 modality parallelism, Fig. 6). Each action is `Action("F"|"B", microbatch, chunk)`.
+
+Dependencies (the single rule used by `validate` and by `simulate.py`):
+- F(mb, c) on a node needs F(mb, c) on every predecessor node (activations flow forward);
+- B(mb, c) on a node needs F(mb, c) on the same node and B(mb, c) on every successor node
+  that runs a backward (gradients flow back); stages that run no backward (seed 002 §4.2,
+  frozen with nothing trainable upstream) have no B actions and are never waited for.
+A stage runs its actions strictly in list order.
+"""
+from __future__ import annotations
+
+import re
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Hashable, Mapping, Sequence
+
+KINDS = ("F", "B")
+BACKWARD_MODES = ("full", "input_only", "none")
+_ACTION_RE = re.compile(r"^([FB])(\d+)(?:\.(\d+))?$")
+
+
+@dataclass(frozen=True)
+class Action:
+    """One forward ("F") or backward ("B") pass of one microbatch through one model chunk."""
+
+    kind: str
+    microbatch: int
+    chunk: int = 0
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"Action.kind={self.kind!r}: must be 'F' or 'B'")
+        if not isinstance(self.microbatch, int) or self.microbatch < 0:
+            raise ValueError(f"Action.microbatch={self.microbatch!r}: must be an int >= 0")
+        if not isinstance(self.chunk, int) or self.chunk < 0:
+            raise ValueError(f"Action.chunk={self.chunk!r}: must be an int >= 0")
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.microbatch}" + (f".{self.chunk}" if self.chunk else "")
+
+    @classmethod
+    def parse(cls, text: str) -> "Action":
+        """Inverse of `str`: "F3" -> Action("F", 3), "B3.1" -> Action("B", 3, 1)."""
+        m = _ACTION_RE.match(text.strip())
+        if m is None:
+            raise ValueError(f"cannot parse action {text!r}; write it like 'F3' or 'B3.1'")
+        return cls(m.group(1), int(m.group(2)), int(m.group(3) or 0))
+
+
+@dataclass(frozen=True, order=True)
+class StageId:
+    """Pipeline stage `index` of unit `unit` ("vision", "audio", ..., "llm", "generator")."""
+
+    unit: str
+    index: int
+
+    def __str__(self) -> str:
+        return f"{self.unit}:{self.index}"
+
+    @classmethod
+    def parse(cls, text: str) -> "StageId":
+        unit, sep, index = text.rpartition(":")
+        if not sep or not unit or not index.isdigit():
+            raise ValueError(f"cannot parse stage {text!r}; write it like 'llm:0'")
+        return cls(unit, int(index))
+
+
+def stage_name(stage: Hashable) -> str:
+    """The trace name of a stage: "llm:0" for a StageId, "stage:3" for stage 3 of a chain."""
+    return str(stage) if isinstance(stage, StageId) else f"stage:{stage}"
+
+
+# ---------------------------------------------------------------------------------------
+# The unit DAG
+# ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StageGraph:
+    """Stages of all units, the edges between them, and each stage's backward mode.
+
+    `has_backward[s]` is "full" (param + input grads), "input_only" (frozen stage with a
+    trainable stage upstream: only input grads) or "none" (nothing trainable at or before
+    it: no backward at all), seed 002 §4.2. `stages` is in topological order.
+    """
+
+    stages: tuple[StageId, ...]
+    edges: tuple[tuple[StageId, StageId], ...]
+    has_backward: Mapping[StageId, str] = field(hash=False)
+
+    def __post_init__(self):
+        known = set(self.stages)
+        if len(known) != len(self.stages):
+            raise ValueError(f"StageGraph.stages has duplicates: {list(map(str, self.stages))}")
+        for a, b in self.edges:
+            for s in (a, b):
+                if s not in known:
+                    raise ValueError(f"StageGraph.edges: {s} is not in StageGraph.stages")
+        pos = {s: i for i, s in enumerate(self.stages)}
+        for a, b in self.edges:
+            if pos[a] >= pos[b]:
+                raise ValueError(f"StageGraph.edges: {a} -> {b} goes against the order of "
+                                 "StageGraph.stages; list stages in topological order")
+        if set(self.has_backward) != known:
+            missing = [str(s) for s in self.stages if s not in self.has_backward]
+            extra = [str(s) for s in self.has_backward if s not in known]
+            raise ValueError(f"StageGraph.has_backward must have one entry per stage; "
+                             f"missing {missing}, unknown {extra}")
+        for s, mode in self.has_backward.items():
+            if mode not in BACKWARD_MODES:
+                raise ValueError(f"StageGraph.has_backward[{s}]={mode!r}: use one of "
+                                 f"{BACKWARD_MODES}")
+        for a, b in self.edges:
+            if self.has_backward[a] != "none" and self.has_backward[b] == "none":
+                raise ValueError(f"StageGraph.has_backward: {a} runs a backward but its "
+                                 f"successor {b} runs none, so no gradient can reach {a}; "
+                                 f"set {b} to 'input_only' or 'full'")
+
+    # ---- structure -------------------------------------------------------------------
+    def predecessors(self, stage: StageId) -> list[StageId]:
+        return [a for a, b in self.edges if b == stage]
+
+    def successors(self, stage: StageId) -> list[StageId]:
+        return [b for a, b in self.edges if a == stage]
+
+    def runs_backward(self, stage: StageId) -> bool:
+        return self.has_backward[stage] != "none"
+
+    def num_downstream(self, stage: StageId) -> int:
+        """Stages after `stage` on its path to the sink (longest path, in stages): the
+        warm-up depth of seed 002 Fig. 6 (an encoder stage counts the LLM stages too)."""
+        depth: dict[StageId, int] = {}
+        for s in reversed(self.stages):
+            depth[s] = max((1 + depth[t] for t in self.successors(s)), default=0)
+        return depth[stage]
+
+    # ---- constructors ----------------------------------------------------------------
+    @classmethod
+    def from_units(cls, encoders: Mapping[str, int], llm: int, generator: int = 0,
+                   trainable: Mapping[str, bool | Sequence[bool]] | None = None,
+                   ) -> "StageGraph":
+        """Encoder branches (name -> stages) each a chain feeding llm stage 0; llm chain;
+        the llm's last stage feeds the generator chain (if generator > 0).
+
+        `trainable[unit]` is a bool, or one bool per stage of that unit (e.g. a frozen
+        encoder whose last stage holds a trainable projector: `(False, True)`). A stage
+        runs backward iff something at or upstream of it is trainable (seed 002 §4.2);
+        "input_only" if it is itself frozen. Omitted `trainable` means all trainable.
+        """
+        for name in ("llm", "generator"):
+            if name in encoders:
+                raise ValueError(f"encoders[{name!r}]: {name!r} is not an encoder name")
+        if not isinstance(llm, int) or llm < 1:
+            raise ValueError(f"llm={llm!r}: the llm needs at least 1 pipeline stage")
+        if not isinstance(generator, int) or generator < 0:
+            raise ValueError(f"generator={generator!r}: must be an int >= 0 (0 = none)")
+        for name, n in encoders.items():
+            if not isinstance(n, int) or n < 1:
+                raise ValueError(f"encoders[{name!r}]={n!r}: an encoder needs >= 1 stage")
+        units = {**encoders, "llm": llm, **({"generator": generator} if generator else {})}
+        trainable = {u: True for u in units} if trainable is None else dict(trainable)
+        unknown = sorted(set(trainable) - set(units))
+        if unknown:
+            raise ValueError(f"trainable has unknown units {unknown}; units are {list(units)}")
+        per_stage: dict[StageId, bool] = {}
+        for u, n in units.items():
+            if u not in trainable:
+                raise ValueError(f"trainable has no entry for unit {u!r}; give True/False "
+                                 "or one bool per stage")
+            flags = trainable[u]
+            flags = (flags,) * n if isinstance(flags, bool) else tuple(flags)
+            if len(flags) != n or not all(isinstance(f, bool) for f in flags):
+                raise ValueError(f"trainable[{u!r}]={trainable[u]!r}: give a bool or {n} "
+                                 f"bools (one per stage of {u!r})")
+            per_stage.update({StageId(u, i): f for i, f in enumerate(flags)})
+
+        stages, edges = [], []
+        for u, n in units.items():
+            chain = [StageId(u, i) for i in range(n)]
+            stages += chain
+            edges += list(zip(chain[:-1], chain[1:]))
+            if u in encoders:
+                edges.append((chain[-1], StageId("llm", 0)))
+        if generator:
+            edges.append((StageId("llm", llm - 1), StageId("generator", 0)))
+
+        upstream: dict[StageId, bool] = {}  # something trainable strictly before s
+        for s in stages:
+            preds = [a for a, b in edges if b == s]
+            upstream[s] = any(upstream[a] or per_stage[a] for a in preds)
+        has_backward = {s: "full" if per_stage[s] else "input_only" if upstream[s] else "none"
+                        for s in stages}
+        return cls(tuple(stages), tuple(edges), has_backward)
+
+    @classmethod
+    def from_plan(cls, plan) -> "StageGraph":
+        """The unit DAG of a `mmjax.planner.plan.Plan`: every unit other than "llm" and
+        "generator" is an encoder branch; a unit is trainable iff not `frozen`."""
+        names = plan.unit_names
+        if "llm" not in names:
+            raise ValueError(f"plan has no 'llm' unit (units: {list(names)})")
+        for u in plan.units:
+            if u.num_chunks != 1:
+                raise ValueError(f"plan unit {u.name!r} has num_chunks={u.num_chunks}: the "
+                                 "unit DAG schedule is not interleaved; use "
+                                 "interleaved_one_f_one_b for an llm-only plan")
+        enc = {u.name: u.pp for u in plan.units if u.name not in ("llm", "generator")}
+        gen = plan.unit("generator").pp if "generator" in names else 0
+        return cls.from_units(enc, plan.unit("llm").pp, gen,
+                              {u.name: not u.frozen for u in plan.units})
+
+
+# ---------------------------------------------------------------------------------------
+# Schedules
+# ---------------------------------------------------------------------------------------
+def _check_sizes(num_stages: int, num_microbatches: int) -> None:
+    if not isinstance(num_stages, int) or num_stages < 1:
+        raise ValueError(f"num_stages={num_stages!r}: must be an int >= 1")
+    if not isinstance(num_microbatches, int) or num_microbatches < 1:
+        raise ValueError(f"num_microbatches={num_microbatches!r}: must be an int >= 1")
+
+
+def _warmup_steady_cooldown(num_warmup: int, num_microbatches: int) -> list[Action]:
+    """1F1B on one stage (seed 004, Megatron-LM): `num_warmup` forwards, then alternate
+    one forward and one backward, then drain the remaining backwards."""
+    w = min(num_warmup, num_microbatches)
+    order = [Action("F", i) for i in range(w)]
+    for i in range(num_microbatches - w):
+        order += [Action("F", w + i), Action("B", i)]
+    order += [Action("B", i) for i in range(num_microbatches - w, num_microbatches)]
+    return order
+
+
+def gpipe(num_stages: int, num_microbatches: int) -> list[list[Action]]:
+    """GPipe: every stage runs all forwards, then all backwards (in microbatch order)."""
+    _check_sizes(num_stages, num_microbatches)
+    row = ([Action("F", i) for i in range(num_microbatches)]
+           + [Action("B", i) for i in range(num_microbatches)])
+    return [list(row) for _ in range(num_stages)]
+
+
+def one_f_one_b(num_stages: int, num_microbatches: int) -> list[list[Action]]:
+    """Megatron-LM's non-interleaved 1F1B (seed 004): stage s warms up with
+    min(num_stages - s - 1, num_microbatches) forwards, so it holds at most
+    num_stages - s microbatches in flight."""
+    _check_sizes(num_stages, num_microbatches)
+    return [_warmup_steady_cooldown(num_stages - s - 1, num_microbatches)
+            for s in range(num_stages)]
+
+
+def interleaved_one_f_one_b(num_stages: int, num_microbatches: int,
+                            num_chunks: int) -> list[list[Action]]:
+    """Megatron-LM's interleaved 1F1B: each stage holds `num_chunks` model chunks (chunk c
+    of stage s is virtual stage c * num_stages + s). Virtual step k runs chunk
+    (k mod (p*v)) // p (reversed for backward) on microbatch (k // (p*v)) * p + k mod p;
+    warm-up is 2 (p - s - 1) + (v - 1) p steps, or everything when m == p."""
+    _check_sizes(num_stages, num_microbatches)
+    if not isinstance(num_chunks, int) or num_chunks < 1:
+        raise ValueError(f"num_chunks={num_chunks!r}: must be an int >= 1")
+    p, m, v = num_stages, num_microbatches, num_chunks
+    if m % p:
+        raise ValueError(f"num_microbatches={m} must be a multiple of num_stages={p} for "
+                         "the interleaved schedule; pick a multiple or use one_f_one_b")
+    total = m * v
+
+    def step(k: int, forward: bool) -> Action:
+        chunk = (k % (p * v)) // p
+        mb = (k // (p * v)) * p + k % p
+        return Action("F", mb, chunk) if forward else Action("B", mb, v - 1 - chunk)
+
+    table = []
+    for s in range(p):
+        warmup = total if m == p else min(2 * (p - s - 1) + (v - 1) * p, total)
+        order = [step(k, True) for k in range(warmup)]
+        for k in range(total - warmup):
+            order += [step(warmup + k, True), step(k, False)]
+        order += [step(k, False) for k in range(total - warmup, total)]
+        table.append(order)
+    return table
+
+
+def multimodal_one_f_one_b(graph: StageGraph,
+                           num_microbatches: int) -> dict[StageId, list[Action]]:
+    """1F1B over the unit DAG (seed 002 §4.1, Fig. 6): encoder branches run in parallel
+    and feed the LLM, which feeds the generator. Each stage warms up with as many forwards
+    as there are stages downstream of it on its path (capped by num_microbatches); a
+    stage that runs no backward (seed 002 §4.2) just runs its forwards in order."""
+    _check_sizes(1, num_microbatches)
+    out = {}
+    for s in graph.stages:
+        if graph.runs_backward(s):
+            out[s] = _warmup_steady_cooldown(graph.num_downstream(s), num_microbatches)
+        else:
+            out[s] = [Action("F", i) for i in range(num_microbatches)]
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# Dependencies, execution and validation
+# ---------------------------------------------------------------------------------------
+Key = tuple[Hashable, Action]  # (stage, action)
+
+
+@dataclass(frozen=True)
+class Topology:
+    """A schedule's stages, chunks and backward modes, and the nodes (stage, chunk) that
+    feed each other. Built by `topology`; shared by `validate` and `simulate`."""
+
+    stages: tuple[Hashable, ...]
+    num_chunks: int
+    has_backward: Mapping[Hashable, str]
+    preds: Mapping[tuple[Hashable, int], tuple[tuple[Hashable, int], ...]]
+    succs: Mapping[tuple[Hashable, int], tuple[tuple[Hashable, int], ...]]
+
+    def dependencies(self, stage: Hashable, action: Action) -> list[Key]:
+        node = (stage, action.chunk)
+        mb = action.microbatch
+        if action.kind == "F":
+            return [(s, Action("F", mb, c)) for s, c in self.preds[node]]
+        deps = [(stage, Action("F", mb, action.chunk))]
+        return deps + [(s, Action("B", mb, c)) for s, c in self.succs[node]
+                       if self.has_backward[s] != "none"]
+
+
+def topology(schedule, graph: StageGraph | None = None) -> Topology:
+    """List schedule: a chain of len(schedule) stages, chunks inferred from the actions
+    (virtual stage c * p + s), every stage runs a full backward. Dict schedule: the
+    stages and edges of `graph` (required), one chunk."""
+    if isinstance(schedule, Mapping):
+        if graph is None:
+            raise ValueError("a schedule keyed by StageId needs graph=StageGraph(...) "
+                             "to know its edges and backward modes")
+        missing = [str(s) for s in graph.stages if s not in schedule]
+        extra = [stage_name(s) for s in schedule if s not in graph.has_backward]
+        if missing or extra:
+            raise ValueError(f"schedule stages do not match the graph: missing {missing}, "
+                             f"unknown {extra}")
+        preds = {(s, 0): tuple((a, 0) for a in graph.predecessors(s)) for s in graph.stages}
+        succs = {(s, 0): tuple((b, 0) for b in graph.successors(s)) for s in graph.stages}
+        return Topology(graph.stages, 1, dict(graph.has_backward), preds, succs)
+    if not isinstance(schedule, Sequence) or isinstance(schedule, str):
+        raise ValueError(f"schedule must be a list of per-stage action lists or a dict "
+                         f"keyed by StageId, got {type(schedule).__name__}")
+    if graph is not None:
+        raise ValueError("graph= is only for dict schedules keyed by StageId; a list "
+                         "schedule is a plain chain of stages")
+    p = len(schedule)
+    if p == 0:
+        raise ValueError("schedule has no stages")
+    v = 1 + max((a.chunk for row in schedule for a in row if isinstance(a, Action)),
+                default=0)
+    virtual = [(s, c) for c in range(v) for s in range(p)]  # virtual stage c * p + s
+    preds = {n: () for n in virtual}
+    succs = {n: () for n in virtual}
+    for a, b in zip(virtual[:-1], virtual[1:]):
+        preds[b] = (a,)
+        succs[a] = (b,)
+    return Topology(tuple(range(p)), v, {s: "full" for s in range(p)}, preds, succs)
+
+
+def execute(schedule, topo: Topology, duration: Callable[[Hashable, Action], float],
+            comm: float = 0.0) -> tuple[dict[Key, float], dict[Key, float], list[str]]:
+    """Run every stage's actions in order: an action starts when its stage is free and
+    its dependencies have ended (+ `comm` when the dependency is on another stage).
+    Returns (start, end, stuck); `stuck` describes each stage that could not finish
+    (a deadlock), empty when the schedule runs to completion."""
+    start: dict[Key, float] = {}
+    end: dict[Key, float] = {}
+    pos = {s: 0 for s in topo.stages}
+    free = {s: 0.0 for s in topo.stages}
+    waiting: dict[Key, list] = {}
+    queue = deque(topo.stages)
+    while queue:
+        s = queue.popleft()
+        row = schedule[s]
+        while pos[s] < len(row):
+            a = row[pos[s]]
+            t = free[s]
+            blocked = None
+            for dep in topo.dependencies(s, a):
+                e = end.get(dep)
+                if e is None:
+                    blocked = dep
+                    break
+                t = max(t, e + (comm if dep[0] != s else 0.0))
+            if blocked is not None:
+                waiting.setdefault(blocked, []).append(s)
+                break
+            start[(s, a)] = t
+            end[(s, a)] = free[s] = t + duration(s, a)
+            pos[s] += 1
+            queue.extend(waiting.pop((s, a), ()))
+    stuck = []
+    for s in topo.stages:
+        if pos[s] < len(schedule[s]):
+            a = schedule[s][pos[s]]
+            need = [f"{d} on {stage_name(ds)}" for ds, d in topo.dependencies(s, a)
+                    if (ds, d) not in end]
+            stuck.append(f"{stage_name(s)} is stuck at action #{pos[s]} {a}, waiting for "
+                         f"{', '.join(need)}")
+    return start, end, stuck
+
+
+def check_actions(schedule, topo: Topology, num_microbatches: int | None = None) -> int:
+    """Every F, and every B on stages that run a backward, exactly once per (microbatch,
+    chunk) on every stage; no B on stages that run none. Returns num_microbatches."""
+    m = num_microbatches
+    if m is None:
+        m = 1 + max((a.microbatch for s in topo.stages for a in schedule[s]
+                     if isinstance(a, Action)), default=-1)
+    if m < 1:
+        raise ValueError("schedule has no actions (num_microbatches would be 0)")
+    for s in topo.stages:
+        name = stage_name(s)
+        seen = set()
+        for i, a in enumerate(schedule[s]):
+            if not isinstance(a, Action):
+                raise ValueError(f"{name} action #{i} is {a!r}, not an Action")
+            if a in seen:
+                raise ValueError(f"{name} runs {a} twice (again at action #{i})")
+            seen.add(a)
+            if a.microbatch >= m:
+                raise ValueError(f"{name} action #{i} {a}: microbatch >= "
+                                 f"num_microbatches={m}")
+            if a.chunk >= topo.num_chunks:
+                raise ValueError(f"{name} action #{i} {a}: chunk >= num_chunks="
+                                 f"{topo.num_chunks}")
+            if a.kind == "B" and topo.has_backward[s] == "none":
+                raise ValueError(f"{name} action #{i} {a}: this stage runs no backward "
+                                 "(has_backward='none'); drop its B actions")
+        kinds = ("F", "B") if topo.has_backward[s] != "none" else ("F",)
+        for k in kinds:
+            for c in range(topo.num_chunks):
+                for mb in range(m):
+                    if Action(k, mb, c) not in seen:
+                        raise ValueError(f"{name} is missing action {Action(k, mb, c)}")
+    return m
+
+
+def validate(schedule, graph: StageGraph | None = None,
+             num_microbatches: int | None = None) -> None:
+    """Raise ValueError (naming the stage and action) unless every F and B appears exactly
+    once per (microbatch, chunk) on each stage (B only where the stage runs a backward),
+    and the schedule runs to completion under the dependency rule (no deadlock)."""
+    topo = topology(schedule, graph)
+    check_actions(schedule, topo, num_microbatches)
+    _, _, stuck = execute(schedule, topo, lambda s, a: 1.0)
+    if stuck:
+        raise ValueError("schedule deadlocks: " + "; ".join(stuck))
