@@ -80,6 +80,7 @@ class ProjectorConfig:
     downsample: int = 1
     num_queries: int = 32
     num_heads: int = 8
+    max_items: int = 1  # cross_attention: item slots per encoder buffer row (nq tokens each)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,127 @@
+"""Building blocks shared by the models: norms, dense weights, positions, matmul hooks.
+
+Every weight is created from an explicit PRNG key, and every transformer layer from
+`fold_in(unit_key, global_layer_index)`, so a pipeline stage that builds only layers
+[start, end) gets bit-identical parameters to the same layers of the whole model.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mmjax.models.attention import dot_product_attention
+
+_normal = jax.nn.initializers.normal
+
+
+class PlainOps:
+    """Default matmul hook: plain dots. Overlapped TP swaps in decomposed collective matmuls
+    (parallel/tp_ops.py) without the model knowing; models never import parallel/."""
+
+    def column(self, x, *ws):
+        return tuple(x @ w for w in ws)
+
+    def row(self, x, w):
+        return x @ w
+
+
+PLAIN = PlainOps()
+
+
+def param(key, shape, std=0.02, dtype=jnp.float32):
+    return nnx.Param(_normal(std)(key, shape, dtype))
+
+
+def zeros(shape, dtype=jnp.float32):
+    return nnx.Param(jnp.zeros(shape, dtype))
+
+
+def ones(shape, dtype=jnp.float32):
+    return nnx.Param(jnp.ones(shape, dtype))
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        self.scale = ones((dim,))
+        self.eps = eps
+
+    def __call__(self, x):
+        xf = x.astype(jnp.float32)
+        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+
+class LayerNorm(nnx.Module):
+    """LayerNorm in float32; `affine=False` for adaLN-modulated norms (DiT)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, affine: bool = True):
+        self.eps = eps
+        self.affine = affine
+        if affine:
+            self.scale = ones((dim,))
+            self.bias = zeros((dim,))
+
+    def __call__(self, x):
+        xf = x.astype(jnp.float32)
+        mean = jnp.mean(xf, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
+        y = (xf - mean) * jax.lax.rsqrt(var + self.eps)
+        if self.affine:
+            y = y * self.scale[...] + self.bias[...]
+        return y.astype(x.dtype)
+
+
+class Dense(nnx.Module):
+    """x @ kernel + bias, kernel [in, out]."""
+
+    def __init__(self, key, din: int, dout: int, bias: bool = True, std: float | None = None):
+        self.kernel = param(key, (din, dout), std if std is not None else 1.0 / math.sqrt(din))
+        self.bias = zeros((dout,)) if bias else None
+
+    def __call__(self, x):
+        y = x @ self.kernel[...].astype(x.dtype)
+        return y if self.bias is None else y + self.bias[...].astype(x.dtype)
+
+
+def rope(x, positions, theta: float):
+    """Rotary embedding (rotate-half convention). x [B, S, H, D], positions [B, S]."""
+    d = x.shape[-1]
+    inv = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    ang = positions.astype(jnp.float32)[..., None] * inv  # [B, S, D/2]
+    cos, sin = jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
+    xf = x.astype(jnp.float32)
+    x1, x2 = xf[..., : d // 2], xf[..., d // 2:]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def sinusoidal(positions, dim: int, max_period: float = 10000.0):
+    """Sinusoidal embedding of (possibly fractional) positions [...] -> [..., dim]."""
+    half = dim // 2
+    freqs = jnp.exp(-math.log(max_period) * jnp.arange(half, dtype=jnp.float32) / half)
+    ang = positions.astype(jnp.float32)[..., None] * freqs
+    return jnp.concatenate([jnp.sin(ang), jnp.cos(ang)], axis=-1)
+
+
+class EncoderBlock(nnx.Module):
+    """Pre-LN transformer block with biases and a GELU MLP (ViT, Whisper encoder)."""
+
+    def __init__(self, key, dim: int, ffn: int, num_heads: int, eps: float):
+        ks = jax.random.split(key, 6)
+        self.num_heads = num_heads
+        self.ln1 = LayerNorm(dim, eps)
+        self.q, self.k = Dense(ks[0], dim, dim), Dense(ks[1], dim, dim)
+        self.v, self.o = Dense(ks[2], dim, dim), Dense(ks[3], dim, dim)
+        self.ln2 = LayerNorm(dim, eps)
+        self.fc1, self.fc2 = Dense(ks[4], dim, ffn), Dense(ks[5], ffn, dim)
+
+    def __call__(self, x, allowed):
+        b, s, d = x.shape
+        h = self.ln1(x)
+        split = lambda t: t.reshape(b, s, self.num_heads, d // self.num_heads)
+        att = dot_product_attention(split(self.q(h)), split(self.k(h)), split(self.v(h)), allowed)
+        x = x + self.o(att.reshape(b, s, d))
+        return x + self.fc2(jax.nn.gelu(self.fc1(self.ln2(x)), approximate=True))

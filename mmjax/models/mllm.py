@@ -1,0 +1,155 @@
+"""`MultimodalModel`: named encoder branches -> LLM -> optional diffusion generator.
+
+The execution DAG is explicit (`dag()`): every encoder branch (encoder + projector) is
+independent, all feed the LLM, the LLM feeds the generator (Cornstarch §3 modular MLLM;
+DistTrain's encoder -> backbone -> generator). Frozen flags live in the config, per module
+and per projector; `trainable_filter` selects what gets gradients and optimizer state.
+
+The per-unit functions below (`encode`, `llm_embed`, `llm_allowed`, `lm_outputs`,
+`generator_inputs`) are what both the single-device reference and the pipeline stages call,
+so both run the same arithmetic. Batch arrays follow `mmjax/data/assemble.py`.
+"""
+from __future__ import annotations
+
+import zlib
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mmjax.models.attention import allowed_mask
+from mmjax.models.audio import AudioEncoder
+from mmjax.models.config import AudioConfig, EncoderSpec, MLLMConfig, VisionConfig
+from mmjax.models.generator import DiffusionGenerator, add_noise, diffusion_loss_sum
+from mmjax.models.llm import LLM, lm_loss_sum, mask_attend, merge_modalities
+from mmjax.models.projector import make_projector
+from mmjax.models.vision import VisionEncoder
+
+
+def unit_key(root, name: str):
+    """Stable per-unit PRNG key (independent of how many units exist or their order)."""
+    return jax.random.fold_in(root, zlib.crc32(name.encode()) & 0x7FFFFFFF)
+
+
+def make_encoder(spec: EncoderSpec, key, start=0, end=None):
+    if isinstance(spec.encoder, VisionConfig):
+        return VisionEncoder(spec.encoder, key, start, end)
+    if isinstance(spec.encoder, AudioConfig):
+        return AudioEncoder(spec.encoder, key, start, end)
+    raise TypeError(f"encoder {spec.name!r}: unsupported config {type(spec.encoder).__name__}")
+
+
+def encoder_segments(spec: EncoderSpec, inputs, num_tokens: int):
+    """Per encoder-token item ids [N, T] (for cross-attention projectors)."""
+    if isinstance(spec.encoder, VisionConfig):
+        return inputs["patch_seg"]
+    return (jnp.arange(num_tokens)[None, :] < (inputs["frame_len"][:, None] + 1) // 2).astype(jnp.int32)
+
+
+def encoder_embed(spec: EncoderSpec, encoder, inputs):
+    if isinstance(spec.encoder, VisionConfig):
+        return encoder.embed(inputs["patches"], inputs["patch_pos"])
+    return encoder.embed(inputs["mels"], inputs["frame_len"])
+
+
+def encoder_layers(spec: EncoderSpec, encoder, x, inputs):
+    if isinstance(spec.encoder, VisionConfig):
+        return encoder.run_layers(x, inputs["patch_seg"])
+    return encoder.run_layers(x, inputs["frame_len"])
+
+
+def project(spec: EncoderSpec, projector, x, inputs):
+    """Encoder output [N, T, e] -> flattened LLM-width tokens [N * T', D]."""
+    y = projector(x, encoder_segments(spec, inputs, x.shape[1]))
+    return y.reshape(-1, y.shape[-1])
+
+
+def encode(spec: EncoderSpec, encoder, projector, inputs):
+    x = encoder_embed(spec, encoder, inputs)
+    return project(spec, projector, encoder.finish(encoder_layers(spec, encoder, x, inputs)), inputs)
+
+
+def llm_embed(cfg: MLLMConfig, llm: LLM, batch, enc_outputs: dict, dtype=jnp.float32):
+    x = llm.embed_tokens(batch["tokens"], dtype)
+    gathers = {e.name: batch[f"gather_{e.name}"] for e in cfg.encoders}
+    return merge_modalities(x, enc_outputs, gathers)
+
+
+def llm_allowed(batch):
+    idx = jnp.broadcast_to(jnp.arange(batch["tokens"].shape[-1]), batch["tokens"].shape)
+    bam = batch["bam"].astype(jnp.int32)
+    return allowed_mask(bam, bam, idx, idx, batch["doc"], batch["doc"], batch["sub"], batch["sub"])
+
+
+def lm_outputs(llm: LLM, h, batch, with_generator: bool):
+    """Last LLM stage: (sum of text CE, final hidden states at generator query positions)."""
+    hf = llm.final_hidden(h)
+    lm_sum = lm_loss_sum(llm.logits(hf), batch["targets"], batch["loss_mask"])
+    if not with_generator:
+        return lm_sum, None
+    flat = hf.reshape(-1, hf.shape[-1])
+    return lm_sum, flat[batch["gen_query"]]
+
+
+def generator_inputs(cfg: MLLMConfig, batch, dtype=jnp.float32):
+    noisy = add_noise(cfg.generator, batch["gen_latents"], batch["gen_noise"], batch["gen_t"])
+    return noisy.astype(dtype), batch["gen_t"]
+
+
+def normalise(lm_sum, diff_sum, batch):
+    """Divide by the GLOBAL counts, so any split or reorder of the batch changes nothing."""
+    n_tok = jnp.maximum(jnp.asarray(batch["num_target_tokens"], jnp.float32), 1.0)
+    n_gen = jnp.maximum(jnp.asarray(batch.get("num_gen_elements", 1), jnp.float32), 1.0)
+    return lm_sum / n_tok, diff_sum / n_gen
+
+
+class MultimodalModel(nnx.Module):
+    def __init__(self, cfg: MLLMConfig, key):
+        self.cfg = cfg
+        d = cfg.llm.hidden_size
+        self.encoders = nnx.Dict({e.name: make_encoder(e, unit_key(key, e.name))
+                                  for e in cfg.encoders})
+        self.projectors = nnx.Dict({
+            e.name: make_projector(e.projector, e.encoder.hidden_size, d,
+                                   unit_key(key, e.name + "/projector"))
+            for e in cfg.encoders})
+        self.llm = LLM(cfg.llm, unit_key(key, "llm"))
+        self.generator = (DiffusionGenerator(cfg.generator, d, unit_key(key, "generator"))
+                          if cfg.generator is not None else None)
+
+    def dag(self) -> list[tuple[str, str]]:
+        edges = [(e.name, "llm") for e in self.cfg.encoders]
+        return edges + ([("llm", "generator")] if self.generator is not None else [])
+
+    def __call__(self, batch, dtype=jnp.float32):
+        """-> (loss, {"lm_loss", "diffusion_loss"}) on a batch with global normalisers."""
+        cfg = self.cfg
+        enc_out = {e.name: encode(e, self.encoders[e.name], self.projectors[e.name],
+                                  batch["encoders"][e.name]) for e in cfg.encoders}
+        x = llm_embed(cfg, self.llm, batch, enc_out, dtype)
+        h = self.llm.run_layers(x, batch["positions"], mask_attend(llm_allowed(batch)))
+        lm_sum, cond = lm_outputs(self.llm, h, batch, self.generator is not None)
+        diff_sum = jnp.zeros((), jnp.float32)
+        if self.generator is not None:
+            noisy, t = generator_inputs(cfg, batch, dtype)
+            eps = self.generator(noisy, t, cond)
+            diff_sum = diffusion_loss_sum(eps, batch["gen_noise"], batch["gen_valid"])
+        lm, diff = normalise(lm_sum, diff_sum, batch)
+        return lm + diff, {"lm_loss": lm, "diffusion_loss": diff}
+
+
+def trainable_filter(cfg: MLLMConfig):
+    """nnx filter for parameters that train (frozen modules get no grads, no opt state)."""
+    frozen = []
+    for e in cfg.encoders:
+        if e.frozen:
+            frozen.append(nnx.All(nnx.PathContains("encoders"), nnx.PathContains(e.name)))
+        if e.projector_frozen:
+            frozen.append(nnx.All(nnx.PathContains("projectors"), nnx.PathContains(e.name)))
+    if cfg.llm_frozen:
+        frozen.append(nnx.PathContains("llm"))
+    if cfg.generator_frozen:
+        frozen.append(nnx.PathContains("generator"))
+    if not frozen:
+        return nnx.Param
+    return nnx.All(nnx.Param, nnx.Not(nnx.Any(*frozen)))
