@@ -1,0 +1,29 @@
+"""optax AdamW with linear warmup + cosine decay and global-norm clipping.
+
+Only trainable parameters get optimizer state; frozen modules have none (Cornstarch §3 frozen
+status; DistTrain §8.3.1 frozen settings).
+"""
+from __future__ import annotations
+
+import gin
+import optax
+
+
+@gin.configurable
+def learning_rate_schedule(total_steps: int, peak_lr: float = 1e-3, warmup_steps: int = 5,
+                           min_lr_ratio: float = 0.1):
+    if total_steps < 1:
+        raise ValueError(f"total_steps={total_steps} must be >= 1")
+    warmup_steps = min(warmup_steps, max(total_steps - 1, 0))
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0 if warmup_steps else peak_lr, peak_value=peak_lr,
+        warmup_steps=warmup_steps, decay_steps=max(total_steps, warmup_steps + 1),
+        end_value=peak_lr * min_lr_ratio)
+
+
+@gin.configurable
+def make_optimizer(schedule, weight_decay: float = 0.01, clip_norm: float = 1.0,
+                   b1: float = 0.9, b2: float = 0.95, eps: float = 1e-8):
+    parts = [optax.clip_by_global_norm(clip_norm)] if clip_norm else []
+    parts.append(optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay))
+    return optax.chain(*parts)

@@ -1,0 +1,53 @@
+"""Single-program train step: loss, gradients of trainable parameters, optax update.
+
+Parameters are kept in float32 (master weights) and cast to `compute_dtype` inside the loss,
+so gradients flow back through the cast to the float32 copy. Frozen parameters are an
+explicit separate input: they get no gradient and no optimizer state.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+
+class TrainState(NamedTuple):
+    step: jax.Array
+    trainable: nnx.State
+    frozen: nnx.State
+    opt_state: optax.OptState
+
+
+def cast_floats(tree, dtype):
+    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+                        tree)
+
+
+def split_model(model, trainable_filter):
+    """-> (graphdef, trainable params, everything else)."""
+    return nnx.split(model, trainable_filter, ...)
+
+
+def make_loss_fn(graphdef, compute_dtype=jnp.float32):
+    def loss_fn(trainable, frozen, batch):
+        model = nnx.merge(graphdef, cast_floats(trainable, compute_dtype),
+                          cast_floats(frozen, compute_dtype))
+        return model(batch, compute_dtype)
+    return loss_fn
+
+
+def make_train_step(graphdef, tx: optax.GradientTransformation, compute_dtype=jnp.float32):
+    loss_fn = make_loss_fn(graphdef, compute_dtype)
+
+    def train_step(state: TrainState, batch):
+        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            state.trainable, state.frozen, batch)
+        updates, opt_state = tx.update(grads, state.opt_state, state.trainable)
+        trainable = optax.apply_updates(state.trainable, updates)
+        metrics = {"loss": loss, **aux, "grad_norm": optax.global_norm(grads)}
+        return TrainState(state.step + 1, trainable, state.frozen, opt_state), metrics
+
+    return jax.jit(train_step, donate_argnums=(0,))

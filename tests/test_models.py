@@ -1,0 +1,143 @@
+"""Model semantics: masks, causality, packing isolation, stage slicing."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from mmjax.models.attention import allowed_mask, dot_product_attention
+from mmjax.models.audio import AudioEncoder
+from mmjax.models.generator import DiffusionGenerator
+from mmjax.models.llm import LLM, mask_attend
+from mmjax.models.projector import CrossAttentionProjector, MLPProjector
+from mmjax.models.config import ProjectorConfig
+from mmjax.models.tiny import TINY_AUDIO, TINY_GENERATOR, TINY_LLM, TINY_VISION
+from mmjax.models.vision import VisionEncoder
+
+
+def dense_reference(bam, doc, sub):
+    s = len(bam)
+    m = np.zeros((s, s), bool)
+    for q in range(s):
+        for k in range(s):
+            if doc[q] == 0 or doc[q] != doc[k]:
+                continue
+            if bam[q] & 1:
+                m[q, k] = bool(bam[q] & bam[k]) and k <= q
+            else:
+                m[q, k] = sub[q] != 0 and sub[q] == sub[k]
+    return m
+
+
+def test_bitfield_mask_matches_dense_reference():
+    # doc 1: text, image A (2 tokens), text, audio B, text; doc 2: text, image; then padding.
+    bam = np.array([7, 2, 2, 7, 4, 4, 5, 1, 3, 2, 2, 0, 0])  # token 6 sees text+audio only
+    doc = np.array([1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 0, 0])
+    sub = np.array([0, 1, 1, 0, 2, 2, 0, 0, 0, 3, 3, 0, 0])
+    idx = np.arange(len(bam))
+    got = np.asarray(allowed_mask(*(jnp.asarray(a) for a in (bam, bam, idx, idx, doc, doc, sub, sub))))
+    want = dense_reference(bam, doc, sub)
+    np.testing.assert_array_equal(got, want)
+    assert got[3, 1] and not got[1, 3]            # text sees earlier image; image not text
+    assert got[1, 2] and got[2, 1]                # image bidirectional inside itself
+    assert not got[6, 1] and got[6, 4]            # bit selects which modality text sees
+    assert not got[8, 0] and not got[9, 2]        # packed documents isolated
+    assert not got[11].any()                      # padding sees nothing
+
+
+def test_attention_fully_masked_rows_are_zero_and_gqa_shapes():
+    q = jnp.ones((1, 3, 4, 8)); k = v = jnp.ones((1, 3, 2, 8))
+    allowed = jnp.array([[[1, 0, 0], [1, 1, 0], [0, 0, 0]]], bool)
+    out = dot_product_attention(q, k, v, allowed)
+    assert out.shape == (1, 3, 4, 8)
+    np.testing.assert_allclose(out[0, 2], 0.0)
+    np.testing.assert_allclose(out[0, 0], 1.0, rtol=1e-6)
+
+
+def _causal(tokens):
+    b, s = tokens.shape
+    idx = jnp.broadcast_to(jnp.arange(s), (b, s))
+    ones = jnp.ones((b, s), jnp.int32)
+    return idx, allowed_mask(ones, ones, idx, idx, ones, ones, 0 * ones, 0 * ones)
+
+
+def test_llm_causal_future_tokens_do_not_change_logits():
+    llm = LLM(TINY_LLM, jax.random.key(0))
+    tok = jax.random.randint(jax.random.key(1), (2, 12), 16, 512)
+    pos, allowed = _causal(tok)
+    base = llm(tok, pos, allowed)
+    tok2 = tok.at[:, 7:].set(99)
+    changed = llm(tok2, pos, allowed)
+    np.testing.assert_allclose(base[:, :7], changed[:, :7], atol=1e-5)
+    assert not np.allclose(base[:, 7:], changed[:, 7:], atol=1e-3)
+
+
+def test_packed_documents_are_independent():
+    llm = LLM(TINY_LLM, jax.random.key(0))
+    a = jax.random.randint(jax.random.key(1), (1, 5), 16, 512)
+    b = jax.random.randint(jax.random.key(2), (1, 7), 16, 512)
+    packed = jnp.concatenate([a, b], axis=1)
+    doc = jnp.array([[1] * 5 + [2] * 7])
+    idx = jnp.arange(12)[None]
+    pos = jnp.array([list(range(5)) + list(range(7))])
+    ones = jnp.ones_like(doc)
+    allowed = allowed_mask(ones, ones, idx, idx, doc, doc, 0 * doc, 0 * doc)
+    out = llm(packed, pos, allowed)
+    pa, ma = _causal(a)
+    pb, mb = _causal(b)
+    np.testing.assert_allclose(out[:, :5], llm(a, pa, ma), atol=1e-5)
+    np.testing.assert_allclose(out[:, 5:], llm(b, pb, mb), atol=1e-5)
+
+
+def test_vit_segment_isolation():
+    vit = VisionEncoder(TINY_VISION, jax.random.key(0))
+    pd = TINY_VISION.patch_dim
+    patches = jax.random.normal(jax.random.key(1), (1, 10, pd))
+    seg = jnp.array([[1, 1, 1, 1, 2, 2, 2, 2, 2, 0]])
+    pos = jnp.stack([jnp.array([[0, 0, 1, 1, 0, 0, 0, 1, 1, 0]]),
+                     jnp.array([[0, 1, 0, 1, 0, 1, 2, 0, 1, 0]])], -1)
+    out = vit(patches, seg, pos)
+    other = patches.at[:, 4:].set(jax.random.normal(jax.random.key(3), (1, 6, pd)))
+    out2 = vit(other, seg, pos)
+    np.testing.assert_allclose(out[:, :4], out2[:, :4], atol=1e-6)
+    assert not np.allclose(out[:, 4:9], out2[:, 4:9], atol=1e-3)
+    alone = vit(patches[:, :4], seg[:, :4], pos[:, :4])
+    np.testing.assert_allclose(out[:, :4], alone, atol=1e-5)
+
+
+def test_audio_output_independent_of_bucket_capacity():
+    enc = AudioEncoder(TINY_AUDIO, jax.random.key(0))
+    mels = jax.random.normal(jax.random.key(1), (1, 10, TINY_AUDIO.num_mel_bins))
+    small = enc(mels, jnp.array([10]))  # capacity == length
+    big = enc(jnp.pad(mels, ((0, 0), (0, 6), (0, 0)), constant_values=5.0), jnp.array([10]))
+    assert small.shape[1] == 5 and big.shape[1] == 8
+    np.testing.assert_allclose(small, big[:, :5], atol=1e-5)
+
+
+def test_stage_slices_equal_whole_model():
+    whole = LLM(TINY_LLM, jax.random.key(0))
+    s0, s1 = LLM(TINY_LLM, jax.random.key(0), 0, 1), LLM(TINY_LLM, jax.random.key(0), 1, 4)
+    tok = jax.random.randint(jax.random.key(1), (2, 8), 16, 512)
+    pos, allowed = _causal(tok)
+    attend = mask_attend(allowed)
+    h = s1.run_layers(s0.run_layers(s0.embed_tokens(tok), pos, attend), pos, attend)
+    np.testing.assert_allclose(s1.logits(s1.final_hidden(h)), whole(tok, pos, allowed), atol=1e-5)
+    g0 = DiffusionGenerator(TINY_GENERATOR, 64, jax.random.key(0), 0, 1)
+    gw = DiffusionGenerator(TINY_GENERATOR, 64, jax.random.key(0))
+    np.testing.assert_array_equal(g0.layers[0].q.kernel[...], gw.layers[0].q.kernel[...])
+
+
+def test_projectors_shapes_and_item_isolation():
+    mlp = MLPProjector(ProjectorConfig(downsample=2), 32, 64, jax.random.key(0))
+    assert mlp(jnp.ones((3, 8, 32))).shape == (3, 4, 64)
+    with pytest.raises(ValueError, match="downsample"):
+        mlp(jnp.ones((1, 7, 32)))
+    xa = CrossAttentionProjector(ProjectorConfig(kind="cross_attention", num_queries=3,
+                                                 num_heads=2, max_items=2), 32, 64, jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (1, 6, 32))
+    seg = jnp.array([[1, 1, 1, 2, 2, 0]])
+    y = xa(x, seg)
+    assert y.shape == (1, 6, 64)
+    y2 = xa(x.at[:, 3:].set(0.0), seg)
+    np.testing.assert_allclose(y[:, :3], y2[:, :3], atol=1e-6)
+    assert not np.allclose(y[:, 3:], y2[:, 3:], atol=1e-4)
