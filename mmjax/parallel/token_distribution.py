@@ -1,0 +1,355 @@
+"""Multimodality-aware token distribution for context parallelism (seed 002 §4.3.2, §5.3, App. A).
+
+A context-parallel (CP) group of G ranks splits one sequence's query tokens; every rank then
+attends its queries against all (all-gathered) keys (§5.3). Under a multimodal Bitfield
+Attention Mask (BAM, §4.3.1) the attention work per query differs wildly between tokens, so
+an equal token count is not an equal workload (§2.3.2, C4). This module assigns contiguous
+*blocks* of `block_size` query tokens to ranks:
+
+  uniform  G contiguous chunks of blocks (naive ring attention's split),
+  zigzag   2G chunks, rank i gets chunks i and 2G-1-i (balanced only for causal masks, §2.3.2),
+  lpt      Longest-Processing-Time-first greedy on per-block work (§4.3.2, Appendix A Alg. 2),
+  random   a seeded random permutation of blocks dealt in equal shares (§5.3).
+
+Work is counted at tile granularity: a (query block, key block) tile that holds at least one
+allowed pair costs block_size**2 pairs and an empty tile costs nothing, as in a block-sparse
+kernel (FlexAttention) that skips empty tiles. From a `BitfieldMask` the work is computed
+piece by piece (runs of equal metadata split at block boundaries), never materialising S x S.
+
+No JAX here: the distribution is planned on the host from metadata only.
+"""
+from __future__ import annotations
+
+import dataclasses
+import heapq
+
+import numpy as np
+
+METHODS = ("uniform", "zigzag", "lpt", "random")
+FAMILIES = ("causal", "prepended", "embedded", "packing")
+_FAMILY_ALIASES = {"ep": "prepended", "ee": "embedded", "mp": "packing"}
+
+
+@dataclasses.dataclass(frozen=True)
+class BitfieldMask:
+    """Per-token BAM metadata of one row (seed 002 §4.3.1); the rule is `allowed` below.
+
+    bam: int64 bitfield (bit 0 = text, bit i+1 = modality i, 0 = padding); doc: 1-based packed
+    document id (0 = padding); sub: 1-based modality-subsequence id, unique per image/clip in
+    the row (0 for text and padding). A token's global index is its position in the row.
+    """
+
+    bam: np.ndarray
+    doc: np.ndarray
+    sub: np.ndarray
+
+    def __post_init__(self):
+        arrays = {}
+        for name, dtype in (("bam", np.int64), ("doc", np.int32), ("sub", np.int32)):
+            a = np.asarray(getattr(self, name))
+            if a.ndim != 1:
+                raise ValueError(f"BitfieldMask.{name} must be 1-D (one row), got shape {a.shape}")
+            if not np.issubdtype(a.dtype, np.integer):
+                raise ValueError(f"BitfieldMask.{name} must hold integers, got dtype {a.dtype}")
+            if a.size and a.min() < 0:
+                raise ValueError(f"BitfieldMask.{name} must be non-negative")
+            arrays[name] = a.astype(dtype)
+        if not arrays["bam"].shape == arrays["doc"].shape == arrays["sub"].shape:
+            raise ValueError("BitfieldMask.bam, .doc and .sub must have the same length, got "
+                             f"{arrays['bam'].shape}, {arrays['doc'].shape}, {arrays['sub'].shape}")
+        for name, a in arrays.items():
+            object.__setattr__(self, name, a)
+
+    @property
+    def seq_len(self) -> int:
+        return int(self.bam.shape[0])
+
+    def dense(self) -> np.ndarray:
+        """The full (S, S) boolean mask; only for short rows (tests, small examples)."""
+        idx = np.arange(self.seq_len)
+        return allowed(self.bam, self.bam, idx, idx, self.doc, self.doc, self.sub, self.sub)
+
+
+def allowed(bam_q, bam_k, idx_q, idx_k, doc_q, doc_k, sub_q, sub_k) -> np.ndarray:
+    """Host (numpy) twin of mmjax.models.attention.allowed_mask: bool [..., Sq, Sk]."""
+    q = lambda a: np.asarray(a)[..., :, None]
+    k = lambda a: np.asarray(a)[..., None, :]
+    same_doc = (q(doc_q) == k(doc_k)) & (q(doc_q) != 0)
+    q_text = (q(bam_q) & 1) != 0
+    text_rule = q_text & ((q(bam_q) & k(bam_k)) != 0) & (k(idx_k) <= q(idx_q))
+    mod_rule = ~q_text & (q(sub_q) == k(sub_k)) & (q(sub_q) != 0)
+    return same_doc & (text_rule | mod_rule)
+
+
+def num_blocks(seq_len: int, block_size: int) -> int:
+    """Blocks after padding the sequence to block alignment."""
+    return -(-seq_len // block_size)
+
+
+def _seq_len(mask) -> int:
+    if isinstance(mask, BitfieldMask):
+        return mask.seq_len
+    m = np.asarray(mask)
+    if m.ndim != 2 or m.shape[0] != m.shape[1] or m.dtype != np.bool_:
+        raise ValueError(f"mask must be a BitfieldMask or a square boolean (S, S) array, "
+                         f"got dtype {m.dtype} shape {m.shape}")
+    return int(m.shape[0])
+
+
+def _check_block_size(block_size) -> int:
+    if int(block_size) != block_size or block_size < 1:
+        raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+    return int(block_size)
+
+
+def block_work(mask, block_size: int = 128) -> np.ndarray:
+    """Attention work per query block: block_size**2 times its non-empty key-block tiles.
+
+    Returns int64 [num_blocks]. Padding to block alignment adds no allowed pairs. With
+    block_size=1 this is the row sum of the mask, the W_i of the ILP in seed 002 §4.3.2.
+    """
+    block_size = _check_block_size(block_size)
+    seq_len = _seq_len(mask)
+    if isinstance(mask, BitfieldMask):
+        tiles = _tiles_from_bitfield(mask, block_size)
+    else:
+        nb = num_blocks(seq_len, block_size)
+        padded = np.zeros((nb * block_size, nb * block_size), dtype=bool)
+        padded[:seq_len, :seq_len] = mask
+        tiles = padded.reshape(nb, block_size, nb, block_size).any(axis=(1, 3)).sum(axis=1)
+    return tiles.astype(np.int64) * block_size * block_size
+
+
+def _tiles_from_bitfield(mask: BitfieldMask, block_size: int) -> np.ndarray:
+    """Non-empty key tiles per query block, from runs of equal metadata ("pieces").
+
+    A piece is a maximal run of tokens with equal (bam, doc, sub) inside one block. Within a
+    query piece P and key piece K (same doc): a text query allows K iff bam bits meet and
+    K.start <= P.end (some key precedes some query); a modality query allows K iff the
+    subsequence ids match. Cost is O(pieces x pieces-per-document), not O(S^2).
+    """
+    s = mask.seq_len
+    nb = num_blocks(s, block_size)
+    if s == 0:
+        return np.zeros(0, np.int64)
+    idx = np.arange(s)
+    change = np.ones(s, dtype=bool)
+    change[1:] = ((mask.bam[1:] != mask.bam[:-1]) | (mask.doc[1:] != mask.doc[:-1])
+                  | (mask.sub[1:] != mask.sub[:-1]) | (idx[1:] % block_size == 0))
+    start = np.flatnonzero(change)
+    end = np.append(start[1:], s) - 1
+    bam, doc, sub = mask.bam[start], mask.doc[start], mask.sub[start]
+    block = start // block_size
+    real = doc != 0
+    start, end, bam, doc, sub, block = (a[real] for a in (start, end, bam, doc, sub, block))
+
+    # Key pieces grouped by document, each group in sequence order.
+    order = np.lexsort((start, doc))
+    doc_sorted = doc[order]
+    bounds = np.flatnonzero(np.diff(doc_sorted)) + 1
+    groups = {}
+    for g in np.split(order, bounds):
+        if g.size:
+            groups[int(doc[g[0]])] = (start[g], bam[g], sub[g], block[g])
+
+    tiles = np.zeros(nb, np.int64)
+    marks = np.zeros(nb, dtype=bool)
+    current = -1
+    for p in range(start.size):  # query pieces in sequence order, so blocks come in order
+        qb = int(block[p])
+        if qb != current:
+            if current >= 0:
+                tiles[current] = marks.sum()
+                marks[:] = False
+            current = qb
+        k_start, k_bam, k_sub, k_block = groups[int(doc[p])]
+        if bam[p] & 1:
+            sel = ((k_bam & bam[p]) != 0) & (k_start <= end[p])
+        elif sub[p] != 0:
+            sel = k_sub == sub[p]
+        else:
+            continue
+        marks[k_block[sel]] = True
+    if current >= 0:
+        tiles[current] = marks.sum()
+    return tiles
+
+
+def lpt(work: np.ndarray, num_ranks: int) -> np.ndarray:
+    """Greedy Longest-Processing-Time-first makespan minimisation (seed 002 Appendix A, Alg. 2).
+
+    Blocks sorted by descending work (ties: lower block first) each go to the currently
+    least-loaded rank (ties: lower rank). Returns the rank of every block, int32.
+    """
+    work = np.asarray(work)
+    order = np.argsort(-work, kind="stable")
+    heap = [(0, r) for r in range(num_ranks)]
+    ranks = []
+    for w in work[order].tolist():
+        load, r = heap[0]
+        ranks.append(r)
+        heapq.heapreplace(heap, (load + w, r))
+    assignment = np.empty(work.shape[0], np.int32)
+    assignment[order] = ranks
+    return assignment
+
+
+def assign_blocks(nblocks: int, num_ranks: int, method: str, work=None, seed: int = 0):
+    """Rank of each of `nblocks` blocks, int32 [nblocks]; `work` is needed only for "lpt"."""
+    if method == "uniform":
+        chunks = np.array_split(np.arange(nblocks), num_ranks)
+        owner = np.arange(num_ranks)
+    elif method == "zigzag":
+        chunks = np.array_split(np.arange(nblocks), 2 * num_ranks)
+        owner = np.concatenate([np.arange(num_ranks), np.arange(num_ranks)[::-1]])
+    elif method == "random":
+        perm = np.random.default_rng(seed).permutation(nblocks)
+        chunks = np.array_split(perm, num_ranks)
+        owner = np.arange(num_ranks)
+    elif method == "lpt":
+        if work is None or len(work) != nblocks:
+            raise ValueError(f"lpt needs the work of all {nblocks} blocks")
+        return lpt(work, num_ranks)
+    else:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    assignment = np.empty(nblocks, np.int32)
+    for r, chunk in zip(owner, chunks):
+        assignment[chunk] = r
+    return assignment
+
+
+def distribute(mask, num_ranks: int, method: str, block_size: int = 128,
+               seed: int = 0) -> list[np.ndarray]:
+    """Sorted global token indices of every CP rank (seed 002 §4.3.2, §5.3).
+
+    mask: a `BitfieldMask` or a dense boolean (S, S) array, allowed[q, k]. The sequence is
+    padded to block alignment; padding tokens (index >= S) are not returned. Deterministic
+    for a given (mask, num_ranks, method, block_size, seed).
+    """
+    if int(num_ranks) != num_ranks or num_ranks < 1:
+        raise ValueError(f"num_ranks must be a positive integer, got {num_ranks!r}")
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    block_size = _check_block_size(block_size)
+    seq_len = _seq_len(mask)
+    nb = num_blocks(seq_len, block_size)
+    work = block_work(mask, block_size) if method == "lpt" else None
+    assignment = assign_blocks(nb, int(num_ranks), method, work=work, seed=seed)
+    token_rank = np.repeat(assignment, block_size)[:seq_len]
+    return [np.flatnonzero(token_rank == r) for r in range(int(num_ranks))]
+
+
+def check_distribution(dist, seq_len: int) -> None:
+    """Raise ValueError unless `dist` holds every token of [0, seq_len) exactly once, sorted."""
+    for r, ids in enumerate(dist):
+        ids = np.asarray(ids)
+        if ids.ndim != 1 or (ids.size > 1 and np.any(np.diff(ids) <= 0)):
+            raise ValueError(f"rank {r}: indices must be a strictly increasing 1-D array")
+    allids = np.concatenate([np.asarray(d, np.int64) for d in dist]) if dist else np.zeros(0)
+    if allids.size != seq_len or not np.array_equal(np.sort(allids), np.arange(seq_len)):
+        raise ValueError(f"distribution must cover tokens 0..{seq_len - 1} exactly once")
+
+
+def rank_work(work: np.ndarray, dist, block_size: int) -> np.ndarray:
+    """Work per rank, int64 [G]: the sum of `work` over the query blocks each rank holds."""
+    work = np.asarray(work)
+    return np.array([work[np.unique(np.asarray(ids) // block_size)].sum() if len(ids) else 0
+                     for ids in dist], dtype=np.int64)
+
+
+def work_stats(work: np.ndarray, dist, block_size: int) -> dict:
+    """Per-rank work summary: max (the makespan), mean, and imbalance max/mean."""
+    per_rank = rank_work(work, dist, block_size)
+    mean = float(per_rank.mean())
+    return {"per_rank": per_rank.tolist(), "max": int(per_rank.max()), "mean": mean,
+            "imbalance": float(per_rank.max() / mean) if mean > 0 else 1.0}
+
+
+def static_length(dists, block_size: int = 1) -> int:
+    """Smallest per-rank length, rounded up to `block_size`, that fits every rank of every row."""
+    longest = max((len(ids) for dist in dists for ids in dist), default=0)
+    return max(block_size, -(-longest // block_size) * block_size)
+
+
+def layout_indices(dist, seq_len: int, length: int | None = None) -> np.ndarray:
+    """Gather indices of the CP layout, int32 [G * length], rank-major.
+
+    Rank r's slice [r*length, (r+1)*length) holds its sorted token indices, then the
+    sentinel `seq_len` (a padding token: doc 0, attends nothing, attended by nothing) up to
+    the static `length` (default: the longest rank). Sharding this axis over the 'cp' mesh
+    axis gives every rank exactly its tokens.
+    """
+    longest = max((len(ids) for ids in dist), default=0)
+    length = longest if length is None else int(length)
+    if length < longest:
+        raise ValueError(f"length={length} is shorter than the longest rank ({longest} tokens); "
+                         "pass length >= static_length(dists)")
+    out = np.full((len(dist), length), seq_len, dtype=np.int32)
+    for r, ids in enumerate(dist):
+        out[r, :len(ids)] = ids
+    return out.reshape(-1)
+
+
+def example_mask(family: str, seq_len: int, seed: int = 0,
+                 num_modalities: int = 2) -> BitfieldMask:
+    """Random BAM rows of the mask families of seed 002 Fig. 11, plus plain causal.
+
+    causal: one text document. prepended (EP): modality clips first, then text that sees
+    them. embedded (EE): clips embedded between text runs. packing (MP): several documents,
+    each prepended or embedded, packed into one row and followed by some padding.
+    """
+    family = _FAMILY_ALIASES.get(family, family)
+    if family not in FAMILIES:
+        raise ValueError(f"family must be one of {FAMILIES} (or ep/ee/mp), got {family!r}")
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be positive, got {seq_len}")
+    if not 1 <= num_modalities <= 30:
+        raise ValueError(f"num_modalities must be in 1..30, got {num_modalities}")
+    rng = np.random.default_rng(seed)
+    bam = np.zeros(seq_len, np.int64)
+    doc = np.zeros(seq_len, np.int32)
+    sub = np.zeros(seq_len, np.int32)
+    next_sub = [1]
+
+    def fill(lo, hi, kind, doc_id):
+        n = hi - lo
+        doc[lo:hi] = doc_id
+        if kind == "causal" or n < 4:
+            bam[lo:hi] = 1
+            return
+        n_clips = int(rng.integers(1, 4)) if kind == "prepended" else int(rng.integers(2, 6))
+        sizes = rng.integers(max(1, n // 16), max(2, n // (2 * n_clips)) + 1, size=n_clips)
+        sizes = sizes[np.cumsum(sizes) <= n - 1]  # keep at least one text token
+        text = n - int(sizes.sum())
+        if kind == "prepended":
+            gaps = np.zeros(sizes.size + 1, np.int64)
+            gaps[-1] = text
+        else:
+            cuts = np.sort(rng.integers(0, text + 1, size=sizes.size))
+            gaps = np.diff(np.concatenate([[0], cuts, [text]]))
+        modalities = rng.integers(0, num_modalities, size=sizes.size)
+        text_bits = 1
+        for m in modalities:
+            text_bits |= 1 << (int(m) + 1)
+        pos = lo
+        for i in range(sizes.size + 1):
+            bam[pos:pos + gaps[i]] = text_bits
+            pos += int(gaps[i])
+            if i < sizes.size:
+                bam[pos:pos + sizes[i]] = 1 << (int(modalities[i]) + 1)
+                sub[pos:pos + sizes[i]] = next_sub[0]
+                next_sub[0] += 1
+                pos += int(sizes[i])
+
+    if family != "packing":
+        fill(0, seq_len, family, 1)
+    else:
+        used = seq_len - int(rng.integers(0, max(1, seq_len // 16)))
+        n_docs = int(rng.integers(3, 7))
+        cuts = np.sort(rng.choice(np.arange(1, used), size=min(n_docs - 1, used - 1),
+                                  replace=False)) if used > 1 else np.zeros(0, np.int64)
+        edges = np.concatenate([[0], cuts, [used]]).astype(np.int64)
+        for d in range(edges.size - 1):
+            kind = "prepended" if rng.random() < 0.5 else "embedded"
+            fill(int(edges[d]), int(edges[d + 1]), kind, d + 1)
+    return BitfieldMask(bam=bam, doc=doc, sub=sub)

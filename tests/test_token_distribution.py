@@ -1,0 +1,179 @@
+"""Token distribution for context parallelism (seed 002 §4.3.2, §5.3, Appendix A)."""
+import itertools
+
+import numpy as np
+import pytest
+
+from mmjax.parallel import token_distribution as td
+
+
+def _random_bitfield(seq_len, rng):
+    """Arbitrary metadata: non-contiguous documents and subsequences, padding anywhere."""
+    bam = rng.integers(0, 8, size=seq_len)
+    doc = rng.integers(0, 3, size=seq_len)
+    sub = np.where(bam & 1, 0, rng.integers(0, 4, size=seq_len))
+    return td.BitfieldMask(bam=bam, doc=doc, sub=sub)
+
+
+@pytest.mark.parametrize("family", td.FAMILIES)
+def test_bitfield_block_work_equals_dense(family):
+    for seed, seq_len, block in itertools.product(range(6), (37, 256), (1, 5, 16, 32)):
+        m = td.example_mask(family, seq_len, seed)
+        np.testing.assert_array_equal(td.block_work(m, block), td.block_work(m.dense(), block))
+
+
+def test_bitfield_block_work_equals_dense_on_arbitrary_metadata():
+    rng = np.random.default_rng(0)
+    for _ in range(30):
+        m = _random_bitfield(int(rng.integers(1, 90)), rng)
+        for block in (1, 3, 8):
+            np.testing.assert_array_equal(td.block_work(m, block),
+                                          td.block_work(m.dense(), block))
+
+
+def test_block_size_one_is_row_sum():
+    m = td.example_mask("packing", 200, 3)
+    np.testing.assert_array_equal(td.block_work(m, 1), m.dense().sum(axis=1))
+
+
+def test_block_work_exact_table():
+    # Causal, 10 tokens, blocks of 4 (padded to 12): query block b sees key blocks 0..b.
+    causal = td.example_mask("causal", 10, 0)
+    np.testing.assert_array_equal(td.block_work(causal, 4), [16, 32, 48])
+    # A 4-token image (bidirectional) then 4 text tokens that see it; blocks of 2.
+    m = td.BitfieldMask(bam=[2, 2, 2, 2, 3, 3, 3, 3], doc=[1] * 8, sub=[1, 1, 1, 1, 0, 0, 0, 0])
+    np.testing.assert_array_equal(td.block_work(m, 2), [8, 8, 12, 16])
+
+
+def test_example_mask_families():
+    causal = td.example_mask("causal", 100, 0)
+    assert np.all(causal.bam == 1) and np.all(causal.doc == 1) and np.all(causal.sub == 0)
+    for seed in range(5):
+        ep = td.example_mask("ep", 300, seed)
+        text = np.flatnonzero(ep.bam & 1)
+        assert np.all(ep.sub[:text[0]] > 0) and np.all(ep.sub[text[0]:] == 0)
+        mp = td.example_mask("mp", 300, seed)
+        assert mp.doc.max() >= 3
+        assert np.all((mp.doc == 0) == (mp.bam == 0))
+        for m in (ep, td.example_mask("ee", 300, seed), mp):
+            for s in range(1, m.sub.max() + 1):  # one clip = one contiguous single-bit run
+                where = np.flatnonzero(m.sub == s)
+                assert where.size and np.all(np.diff(where) == 1)
+                assert len(set(m.bam[where])) == 1 and bin(int(m.bam[where[0]])).count("1") == 1
+    for seed in range(5):  # embedded: some text precedes some clip (unlike prepended)
+        ee = td.example_mask("embedded", 1000, seed)
+        assert np.flatnonzero(ee.bam & 1)[0] < np.flatnonzero(ee.sub)[-1]
+    a, b = td.example_mask("mp", 500, 7), td.example_mask("mp", 500, 7)
+    assert all(np.array_equal(getattr(a, f), getattr(b, f)) for f in ("bam", "doc", "sub"))
+
+
+@pytest.mark.parametrize("method", td.METHODS)
+def test_distributions_valid_and_deterministic(method):
+    for family, cp, (seq_len, block) in itertools.product(
+            td.FAMILIES, (1, 2, 4, 8), ((256, 16), (250, 16), (300, 32), (40, 16))):
+        m = td.example_mask(family, seq_len, 1)
+        dist = td.distribute(m, cp, method, block, seed=5)
+        assert len(dist) == cp
+        td.check_distribution(dist, seq_len)
+        again = td.distribute(m, cp, method, block, seed=5)
+        assert all(np.array_equal(a, b) for a, b in zip(dist, again))
+        for ids in dist:  # block granular: a block never straddles two ranks
+            blocks = np.unique(ids // block)
+            expect = np.concatenate([np.arange(b * block, min((b + 1) * block, seq_len))
+                                     for b in blocks]) if blocks.size else np.zeros(0)
+            np.testing.assert_array_equal(ids, expect)
+
+
+def test_dense_and_bitfield_masks_distribute_identically():
+    m = td.example_mask("embedded", 256, 4)
+    for method in td.METHODS:
+        a = td.distribute(m, 4, method, 16)
+        b = td.distribute(m.dense(), 4, method, 16)
+        assert all(np.array_equal(x, y) for x, y in zip(a, b))
+
+
+def test_uniform_and_zigzag_exact_tables():
+    m = td.example_mask("causal", 60, 0)  # 8 blocks of 8, the last one half padding
+    uni = td.distribute(m, 2, "uniform", 8)
+    np.testing.assert_array_equal(uni[0], np.arange(32))
+    np.testing.assert_array_equal(uni[1], np.arange(32, 60))
+    zz = td.distribute(m, 2, "zigzag", 8)  # chunks of 2 blocks: rank 0 gets 0 and 3
+    np.testing.assert_array_equal(zz[0], np.r_[0:16, 48:60])
+    np.testing.assert_array_equal(zz[1], np.arange(16, 48))
+
+
+def test_random_is_seeded_and_equal_share():
+    m = td.example_mask("causal", 1024, 0)
+    a = td.distribute(m, 4, "random", 16, seed=0)
+    b = td.distribute(m, 4, "random", 16, seed=1)
+    assert any(not np.array_equal(x, y) for x, y in zip(a, b))
+    assert [len(x) for x in a] == [256] * 4
+
+
+def test_lpt_exact_table():
+    # Sorted: block 2 (8), 4 (8), 0 (5), 1 (3), 3 (1); ties go to the lower block / rank.
+    np.testing.assert_array_equal(td.lpt(np.array([5, 3, 8, 1, 8]), 2), [0, 1, 0, 1, 1])
+    np.testing.assert_array_equal(td.lpt(np.array([4, 4, 4, 4]), 3), [0, 1, 2, 0])
+
+
+def test_lpt_within_graham_and_paper_bounds_of_brute_force_optimum():
+    rng = np.random.default_rng(0)
+    for _ in range(40):
+        n, g = int(rng.integers(2, 8)), int(rng.integers(2, 4))
+        work = rng.integers(0, 20, size=n)
+        loads = np.bincount(td.lpt(work, g), weights=work, minlength=g)
+        opt = min(np.bincount(a, weights=work, minlength=g).max()
+                  for a in itertools.product(range(g), repeat=n))
+        assert loads.max() <= (4 / 3 - 1 / (3 * g)) * opt + 1e-9
+        assert loads.max() <= work.sum() / g + work.max()
+
+
+def test_balance_table4_shape():
+    """Zigzag balances causal exactly; on multimodal masks LPT is the most balanced."""
+    causal = td.example_mask("causal", 4096, 0)
+    w = td.block_work(causal, 64)
+    assert td.work_stats(w, td.distribute(causal, 8, "zigzag", 64), 64)["imbalance"] == 1.0
+    assert td.work_stats(w, td.distribute(causal, 8, "uniform", 64), 64)["imbalance"] > 1.5
+    for family in ("prepended", "embedded", "packing"):
+        for seed in range(3):
+            m = td.example_mask(family, 8192, seed)
+            w = td.block_work(m, 64)
+            stats = {method: td.work_stats(w, td.distribute(m, 8, method, 64, seed=seed), 64)
+                     for method in td.METHODS}
+            lpt_max = stats["lpt"]["max"]
+            assert lpt_max <= w.sum() / 8 + w.max()
+            assert all(lpt_max <= s["max"] for s in stats.values()), (family, seed, stats)
+
+
+def test_rank_work_sums_to_total():
+    m = td.example_mask("packing", 500, 2)
+    w = td.block_work(m, 16)
+    for method in td.METHODS:
+        assert td.rank_work(w, td.distribute(m, 4, method, 16), 16).sum() == w.sum()
+
+
+def test_layout_indices():
+    dist = [np.array([0, 1, 4]), np.array([2, 3])]
+    np.testing.assert_array_equal(td.layout_indices(dist, 5), [0, 1, 4, 2, 3, 5])
+    np.testing.assert_array_equal(td.layout_indices(dist, 5, 4), [0, 1, 4, 5, 2, 3, 5, 5])
+    assert td.static_length([dist, [np.arange(5), np.zeros(0, int)]], 4) == 8
+    with pytest.raises(ValueError, match="length=2"):
+        td.layout_indices(dist, 5, 2)
+
+
+def test_bad_inputs_name_the_field():
+    m = td.example_mask("causal", 32, 0)
+    with pytest.raises(ValueError, match="method"):
+        td.distribute(m, 2, "ring")
+    with pytest.raises(ValueError, match="num_ranks"):
+        td.distribute(m, 0, "lpt")
+    with pytest.raises(ValueError, match="block_size"):
+        td.distribute(m, 2, "lpt", block_size=0)
+    with pytest.raises(ValueError, match="square boolean"):
+        td.block_work(np.ones((4, 5), bool), 2)
+    with pytest.raises(ValueError, match="same length"):
+        td.BitfieldMask(bam=[1, 1], doc=[1], sub=[0, 0])
+    with pytest.raises(ValueError, match="family"):
+        td.example_mask("interleaved", 32, 0)
+    with pytest.raises(ValueError, match="exactly once"):
+        td.check_distribution([np.array([0, 1]), np.array([1, 2])], 3)
