@@ -45,6 +45,14 @@ def test_block_work_exact_table():
     np.testing.assert_array_equal(td.block_work(m, 2), [8, 8, 12, 16])
 
 
+def test_long_row_block_work_without_dense_mask():
+    # 2^18 tokens: the dense mask would need 64 GiB; causal tiles are the lower triangle.
+    nb = (1 << 18) // 128
+    work = td.block_work(td.example_mask("causal", 1 << 18, 0), 128)
+    np.testing.assert_array_equal(work, (np.arange(nb) + 1) * 128 * 128)
+    assert td.block_work(td.example_mask("packing", 1 << 18, 0), 128).sum() > 0
+
+
 def test_example_mask_families():
     causal = td.example_mask("causal", 100, 0)
     assert np.all(causal.bam == 1) and np.all(causal.doc == 1) and np.all(causal.sub == 0)

@@ -181,16 +181,21 @@ def lpt(work: np.ndarray, num_ranks: int) -> np.ndarray:
     Blocks sorted by descending work (ties: lower block first) each go to the currently
     least-loaded rank (ties: lower rank). Returns the rank of every block, int32.
     """
-    work = np.asarray(work)
+    work = np.asarray(work, dtype=np.int64)
+    if work.ndim != 1 or (work.size and work.min() < 0):
+        raise ValueError("work must be a 1-D array of non-negative integers")
     order = np.argsort(-work, kind="stable")
-    heap = [(0, r) for r in range(num_ranks)]
-    ranks = []
-    for w in work[order].tolist():
-        load, r = heap[0]
-        ranks.append(r)
-        heapq.heapreplace(heap, (load + w, r))
+    # Heap of single ints key = load * G + rank: orders like (load, rank), so the pop gives
+    # the least-loaded rank with ties to the lower rank, and adding w * G keeps the rank.
+    heap = list(range(num_ranks))
+    picked = []
+    pick, replace = picked.append, heapq.heapreplace
+    for w in (work[order] * num_ranks).tolist():
+        key = heap[0]
+        pick(key)
+        replace(heap, key + w)
     assignment = np.empty(work.shape[0], np.int32)
-    assignment[order] = ranks
+    assignment[order] = np.asarray(picked, dtype=np.int64) % num_ranks
     return assignment
 
 

@@ -1,0 +1,122 @@
+"""Table 4 analogue of seed 002 (§6.5): balance of CP token distributions, and LPT's speed.
+
+For each sequence length and mask family (EP: encoder outputs prepended, EE: embedded, MP:
+multimodal packing; Fig. 11) it draws random BAM rows, distributes query blocks over the CP
+ranks with uniform (naive ring), zigzag, random and LPT, and reports the per-rank attention
+work at tile granularity: max/mean (1.0 = perfectly balanced) and each method's makespan
+(max work) relative to LPT's, averaged over the draws. The makespan is what all-gather CP
+attention waits for (§5.3). It then times LPT (Appendix A) for a 1M-token row at block 128
+(Cornstarch reports under 1 ms) and the BAM block-work pass that feeds it.
+
+  python scripts/bench_context.py [--lengths 16384 32768 65536] [--ranks 8] [--draws 5]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from mmjax.parallel import token_distribution as td
+
+ORDER = ("lpt", "random", "uniform", "zigzag")
+LABEL = {"lpt": "LPT", "random": "Random", "uniform": "Uniform", "zigzag": "Zigzag"}
+SHORT = {"prepended": "EP", "embedded": "EE", "packing": "MP", "causal": "causal"}
+
+
+def balance_rows(lengths, families, ranks, block, draws):
+    rows = []
+    for length in lengths:
+        for family in families:
+            acc = {m: {"imbalance": [], "ratio_to_lpt": [], "max": []} for m in ORDER}
+            for seed in range(draws):
+                mask = td.example_mask(family, length, seed)
+                work = td.block_work(mask, block)
+                stats = {m: td.work_stats(work, td.distribute(mask, ranks, m, block, seed=seed),
+                                          block) for m in ORDER}
+                for m in ORDER:
+                    acc[m]["imbalance"].append(stats[m]["imbalance"])
+                    acc[m]["ratio_to_lpt"].append(stats[m]["max"] / stats["lpt"]["max"])
+                    acc[m]["max"].append(stats[m]["max"])
+            rows.append({"length": length, "family": family,
+                         **{m: {k: float(np.mean(v)) for k, v in acc[m].items()} for m in ORDER}})
+    return rows
+
+
+def _median_ms(fn, repeats):
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def lpt_timing(tokens, ranks, block, repeats):
+    out = []
+    for family in ("causal", "prepended", "embedded", "packing"):
+        mask = td.example_mask(family, tokens, 0)
+        work = td.block_work(mask, block)
+        out.append({
+            "family": family, "tokens": tokens, "block": block, "blocks": int(work.size),
+            "lpt_ms": _median_ms(lambda: td.lpt(work, ranks), repeats),
+            "block_work_ms": _median_ms(lambda: td.block_work(mask, block), max(1, repeats // 5)),
+            "distribute_lpt_ms": _median_ms(lambda: td.distribute(mask, ranks, "lpt", block),
+                                            max(1, repeats // 5)),
+        })
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[16384, 32768, 65536])
+    ap.add_argument("--families", nargs="+", default=["prepended", "embedded", "packing"],
+                    choices=list(td.FAMILIES))
+    ap.add_argument("--ranks", type=int, default=8)
+    ap.add_argument("--block", type=int, default=128)
+    ap.add_argument("--draws", type=int, default=5, help="random masks per (length, family)")
+    ap.add_argument("--lpt_tokens", type=int, default=1 << 20)
+    ap.add_argument("--repeats", type=int, default=20, help="timing repeats for LPT")
+    ap.add_argument("--json", default="bench_results/context.json")
+    args = ap.parse_args()
+
+    rows = balance_rows(args.lengths, args.families, args.ranks, args.block, args.draws)
+    timing = lpt_timing(args.lpt_tokens, args.ranks, args.block, args.repeats)
+
+    console = Console(width=max(Console().width, 110))
+    table = Table(title=f"CP token distribution, {args.ranks} ranks, block {args.block}: per-rank "
+                        f"work max/mean and makespan vs LPT (mean of {args.draws} masks)")
+    table.add_column("Length", justify="right")
+    table.add_column("Mask")
+    for m in ORDER:
+        table.add_column(f"{LABEL[m]}\nmax/mean", justify="right")
+    for m in ORDER[1:]:
+        table.add_column(f"{LABEL[m]}\n/ LPT", justify="right")
+    for r in rows:
+        table.add_row(str(r["length"]), SHORT[r["family"]],
+                      *(f"{r[m]['imbalance']:.3f}" for m in ORDER),
+                      *(f"{r[m]['ratio_to_lpt']:.3f}x" for m in ORDER[1:]))
+    console.print(table)
+
+    t2 = Table(title=f"LPT distribution time, {args.lpt_tokens} tokens, block {args.block}, "
+                     f"{args.ranks} ranks (median)")
+    for col in ("Mask", "Blocks", "LPT (ms)", "BAM block work (ms)", "distribute total (ms)"):
+        t2.add_column(col, justify="right")
+    for t in timing:
+        t2.add_row(SHORT[t["family"]], str(t["blocks"]), f"{t['lpt_ms']:.2f}",
+                   f"{t['block_work_ms']:.1f}", f"{t['distribute_lpt_ms']:.1f}")
+    console.print(t2)
+
+    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump({"config": vars(args), "balance": rows, "lpt_timing": timing}, f, indent=2)
+    console.print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
