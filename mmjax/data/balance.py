@@ -1,0 +1,480 @@
+"""OrchMLLM batch post-balancing (seed 001 §5) and rearrangement composition (§6).
+
+* ``post_balance(lengths, num_ranks, policy)``: rearrange the examples of all DP instances'
+  mini-batches into ``num_ranks`` new mini-batches minimising the largest cost (§5.1, Eq. 1-2):
+  "sum" (Algorithm 1), "padded" (Algorithm 2), "sum_square" (Appendix A, Algorithm 4),
+  "conv" (Appendix A, Algorithm 5). ``batch_cost`` is the matching per-batch cost.
+* ``node_wise_rearrange``: Algorithm 3 (§5.2.2), permute the new mini-batches over ranks so the
+  largest per-rank inter-node all-to-all volume (Eq. 5) is minimal; ``inter_node_volumes``
+  measures it.
+* ``Rearrangement`` / ``compose_rearrangement``: where every example moves, (rank, slot) ->
+  (rank, slot); per encoder the single map Pi_M o Pi_E^-1 from the encoder's balanced batches
+  to the LLM rank that consumes its output (§6, "Rearrangement composition").
+
+Pure host code (numpy, cvxpy); no JAX. Every host runs it on the all-gathered lengths and gets
+the same answer (§5.2.1), so all algorithms are deterministic: ties go to the lower index.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import numpy as np
+
+POLICIES = ("sum", "padded", "sum_square", "conv")
+
+
+def _as_lengths(lengths: Sequence[float], name: str) -> np.ndarray:
+    x = np.asarray(lengths, dtype=np.float64)
+    if x.ndim != 1:
+        raise ValueError(f"{name} must be a flat sequence of per-sample lengths, got shape {x.shape}")
+    if x.size and (not np.all(np.isfinite(x)) or x.min() < 0):
+        raise ValueError(f"{name} must be finite and >= 0 (tokens per sample)")
+    return x
+
+
+def _check_ranks(num_ranks: int, name: str = "num_ranks") -> None:
+    if isinstance(num_ranks, bool) or not isinstance(num_ranks, (int, np.integer)) or num_ranks < 1:
+        raise ValueError(f"{name} must be a positive int (the DP size), got {num_ranks!r}")
+
+
+def _lpt_assign(x: np.ndarray, loads: np.ndarray, items: np.ndarray) -> np.ndarray:
+    """Greedy: ``items`` (in the given order) each to the bin of least (load, index).
+
+    Returns the bin of each item and updates ``loads`` in place. Exactly the heap algorithm,
+    vectorised: a chunk of items takes the next-lightest bins in order as long as none of them
+    would rather go to a bin already filled in this chunk (checked per item, so results match
+    the heap loop bit for bit); each chunk is usually a whole round of ``d`` items.
+    """
+    d = loads.size
+    bins = np.empty(items.size, dtype=np.int64)
+    ranked = np.argsort(loads, kind="stable")
+    i = 0
+    while i < items.size:
+        m = min(d, items.size - i)
+        xc = x[items[i:i + m]]
+        f = loads[ranked[:m]]
+        r = 1
+        if m > 1:
+            ok = f[1:] < np.minimum.accumulate(f + xc)[:-1]
+            r = m if ok.all() else 1 + int(np.argmin(ok))
+        chosen = ranked[:r]
+        bins[i:i + r] = chosen
+        loads[chosen] += xc[:r]
+        ranked = np.argsort(loads, kind="stable")
+        i += r
+    return bins
+
+
+def _descending(x: np.ndarray) -> np.ndarray:
+    return np.lexsort((np.arange(x.size), -x))
+
+
+def _group(bins: np.ndarray, items: np.ndarray, d: int) -> list[list[int]]:
+    out: list[list[int]] = [[] for _ in range(d)]
+    for b, s in zip(bins.tolist(), items.tolist()):
+        out[b].append(s)
+    return out
+
+
+def greedy_partition(sizes: Sequence[float], num_bins: int, name: str = "lengths") -> list[list[int]]:
+    """LPT greedy number partitioning: largest first, each to the lightest bin (4/3 - 1/(3d)).
+
+    Seed 001 Algorithm 1 and seed 000 Algorithm 2 (see ``reorder.intra_reorder``). Returns
+    sample indices per bin, in assignment order (descending size).
+    """
+    _check_ranks(num_bins, "num_bins")
+    x = _as_lengths(sizes, name)
+    items = _descending(x)
+    return _group(_lpt_assign(x, np.zeros(int(num_bins)), items), items, int(num_bins))
+
+
+def _least_batches(x: np.ndarray, asc: np.ndarray, bound: float) -> list[list[int]]:
+    """GETLEASTBATCHES (Algorithm 2): pack ascending lengths so (count * max) <= bound."""
+    out: list[list[int]] = [[]]
+    for s in asc.tolist():
+        if out[-1] and (len(out[-1]) + 1) * x[s] > bound:
+            out.append([])
+        out[-1].append(s)
+    return out
+
+
+def _padded(x: np.ndarray, d: int) -> list[list[int]]:
+    """Algorithm 2: binary search the smallest padded bound that fits in d batches.
+
+    Some optimal partition is contiguous in sorted order (give the batch with the k-th
+    smallest max the next-smallest items; no max grows), and packing sorted items greedily
+    decides feasibility for a bound, so with integer lengths this is exactly optimal.
+    Deviation: the paper's right end ``l_min * (n/d + 1)`` need not be feasible; we use
+    ``l_max * ceil(n / d)``, which always is (d batches of ceil(n/d) items).
+    """
+    if np.any(x != np.round(x)):
+        raise ValueError("policy 'padded' needs integer lengths (tokens per sample) for its "
+                         "binary search; round the lengths")
+    asc = np.lexsort((np.arange(x.size), x))
+    lo, hi = int(x.max()), int(x.max()) * math.ceil(x.size / d)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if len(_least_batches(x, asc, mid)) <= d:
+            hi = mid
+        else:
+            lo = mid + 1
+    batches = _least_batches(x, asc, lo)
+    return batches + [[] for _ in range(d - len(batches))]
+
+
+def _sum_square(x: np.ndarray, d: int, tolerance: float) -> list[list[int]]:
+    """Algorithm 4: like Algorithm 1, but batches whose sums are within ``tolerance`` of the
+    lightest compare by sum of squares (the comparator CMP, made a total order: the receiving
+    batch is the one of least square-sum among those with sum < min sum + tolerance)."""
+    sums, squares = np.zeros(d), np.zeros(d)
+    out: list[list[int]] = [[] for _ in range(d)]
+    for s in _descending(x).tolist():
+        near = sums < sums.min() + tolerance
+        b = int(np.argmin(np.where(near, squares, np.inf))) if tolerance > 0 else int(np.argmin(sums))
+        out[b].append(s)
+        sums[b] += x[s]
+        squares[b] += x[s] * x[s]
+    return out
+
+
+def _conv(x: np.ndarray, d: int) -> list[list[int]]:
+    """Algorithm 5 (ConvTransformer: padded attention, cost L + lambda * b * max^2).
+
+    Phase 1: descending lengths packed into batches whose padded size (count * first length)
+    stays within Algorithm 1's objective, at most d batches (groups similar lengths, so
+    little padding). Phase 2: the remaining lengths go greedily to the batch of least sum.
+    Deviation: the paper tests ``(count + 1) * s.length``; the padded size of a descending
+    batch is set by its first (longest) element, which is what we use.
+    """
+    bound = max((sum(x[s] for s in b) for b in greedy_partition(x, d)), default=0.0)
+    desc = _descending(x)
+    batches: list[list[int]] = [[]]
+    used = 0
+    for s in desc.tolist():
+        last = batches[-1]
+        if last and (len(last) + 1) * x[last[0]] > bound:
+            if len(batches) == d:
+                break
+            batches.append([])
+        batches[-1].append(s)
+        used += 1
+    batches += [[] for _ in range(d - len(batches))]
+    loads = np.array([sum(x[s] for s in b) for b in batches], dtype=np.float64)
+    rest = desc[used:]
+    for b, s in zip(_lpt_assign(x, loads, rest).tolist(), rest.tolist()):
+        batches[b].append(s)
+    return batches
+
+
+def post_balance(lengths: Sequence[float], num_ranks: int, policy: str = "sum", *,
+                 tolerance: float | None = None) -> list[list[int]]:
+    """Batch post-balancing (seed 001 §5.1 and Appendix A): sample indices per new mini-batch.
+
+    ``lengths``: per-sample length in tokens for one phase (an encoder's input tokens, or the
+    whole interleaved sequence for the LLM, §6 "Subsequences assembly"). ``policy``:
+    "sum" (no padding, Algorithm 1, LPT, 4/3-approximate), "padded" (padding, cost
+    count * max, Algorithm 2, binary search + greedy), "sum_square" (no padding with a
+    non-negligible attention term, Algorithm 4; ``tolerance`` in tokens, default the mean
+    length; 0 gives Algorithm 1), "conv" (padded attention, Algorithm 5).
+    Returns exactly ``num_ranks`` lists (some may be empty); every sample appears once.
+    """
+    _check_ranks(num_ranks)
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+    x = _as_lengths(lengths, "lengths")
+    d = int(num_ranks)
+    if x.size == 0:
+        return [[] for _ in range(d)]
+    if policy == "sum":
+        return greedy_partition(x, d)
+    if policy == "padded":
+        return _padded(x, d)
+    if policy == "sum_square":
+        tol = float(x.mean()) if tolerance is None else float(tolerance)
+        if not math.isfinite(tol) or tol < 0:
+            raise ValueError(f"tolerance must be finite and >= 0 tokens, got {tolerance!r}")
+        return _sum_square(x, d, tol)
+    return _conv(x, d)
+
+
+def batch_cost(batch_lengths: Sequence[float], policy: str = "sum", lam: float = 0.0) -> float:
+    """Cost of one mini-batch (seed 001 Eq. 1-2, Appendix A), in units of alpha.
+
+    "sum": sum l; "padded": count * max l; "sum_square": sum l + lam * sum l^2;
+    "conv": sum l + lam * count * (max l)^2, with lam = beta / alpha.
+    """
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+    x = _as_lengths(batch_lengths, "batch_lengths")
+    if x.size == 0:
+        return 0.0
+    if policy == "sum":
+        return float(x.sum())
+    if policy == "padded":
+        return float(x.size * x.max())
+    if policy == "sum_square":
+        return float(x.sum() + lam * (x * x).sum())
+    return float(x.sum() + lam * x.size * x.max() ** 2)
+
+
+# ---------------------------------------------------------------- node-wise rearrangement
+
+
+def _placement_ranks(src_rank_of_sample, new_batches, sizes, ranks_per_node):
+    src = np.asarray(src_rank_of_sample, dtype=np.int64)
+    w = _as_lengths(sizes, "sizes")
+    d = len(new_batches)
+    _check_ranks(ranks_per_node, "ranks_per_node")
+    if d == 0 or d % ranks_per_node:
+        raise ValueError(f"the number of new batches ({d}) must be a positive multiple of "
+                         f"ranks_per_node ({ranks_per_node})")
+    if src.shape != w.shape:
+        raise ValueError(f"src_rank_of_sample ({src.size}) and sizes ({w.size}) must have one "
+                         "entry per sample")
+    if src.size and (src.min() < 0 or src.max() >= d):
+        raise ValueError(f"src_rank_of_sample must be ranks in [0, {d})")
+    seen = sorted(s for b in new_batches for s in b)
+    if seen != list(range(src.size)):
+        raise ValueError("new_batches must hold every sample index exactly once")
+    return src, w, d
+
+
+def volume_matrix(src_rank_of_sample, new_batches, sizes) -> np.ndarray:
+    """V[r, i]: volume the source rank r sends to new batch i (Algorithm 3 lines 1-4)."""
+    src = np.asarray(src_rank_of_sample, dtype=np.int64)
+    w = _as_lengths(sizes, "sizes")
+    v = np.zeros((len(new_batches), len(new_batches)))
+    for i, batch in enumerate(new_batches):
+        idx = np.asarray(batch, dtype=np.int64)
+        np.add.at(v[:, i], src[idx], w[idx])
+    return v
+
+
+def inter_node_volumes(src_rank_of_sample, dst_rank_of_sample, sizes,
+                       ranks_per_node: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per-rank inter-node (send, recv) volume of an all-to-all moving each sample (Eq. 5)."""
+    _check_ranks(ranks_per_node, "ranks_per_node")
+    src = np.asarray(src_rank_of_sample, dtype=np.int64)
+    dst = np.asarray(dst_rank_of_sample, dtype=np.int64)
+    w = _as_lengths(sizes, "sizes")
+    if not (src.shape == dst.shape == w.shape):
+        raise ValueError("src_rank_of_sample, dst_rank_of_sample and sizes need one entry per sample")
+    num = int(max(src.max(initial=-1), dst.max(initial=-1)) + 1)
+    cross = (src // ranks_per_node) != (dst // ranks_per_node)
+    send = np.bincount(src[cross], weights=w[cross], minlength=num)
+    recv = np.bincount(dst[cross], weights=w[cross], minlength=num)
+    return send, recv
+
+
+def max_inter_node_volume(src_rank_of_sample, dst_rank_of_sample, sizes, ranks_per_node: int,
+                          include_recv: bool = True) -> float:
+    """max over ranks of inter-node send (and recv) volume: the all-to-all's straggler."""
+    send, recv = inter_node_volumes(src_rank_of_sample, dst_rank_of_sample, sizes, ranks_per_node)
+    return float(max(send.max(initial=0.0), recv.max(initial=0.0) if include_recv else 0.0))
+
+
+def _objective(v: np.ndarray, node_of_batch: np.ndarray, c: int, include_recv: bool) -> float:
+    src_node = np.arange(v.shape[0]) // c
+    cross = src_node[:, None] != node_of_batch[None, :]
+    send = (v * cross).sum(axis=1).max()
+    recv = (v * cross).sum(axis=0).max() if include_recv else 0.0
+    return float(max(send, recv))
+
+
+def _greedy_nodes(v: np.ndarray, c: int) -> np.ndarray:
+    """Fast path: give batches to nodes by descending node->batch volume, c per node."""
+    d = v.shape[0]
+    nodecost = v.reshape(d // c, c, d).sum(axis=1)  # [node, batch]
+    node_of = np.full(d, -1)
+    free = np.full(d // c, c)
+    for flat in np.argsort(-nodecost, axis=None, kind="stable").tolist():
+        n, b = divmod(flat, d)
+        if node_of[b] < 0 and free[n] > 0:
+            node_of[b] = n
+            free[n] -= 1
+    return node_of
+
+
+def _milp_nodes(v: np.ndarray, c: int, include_recv: bool, time_limit: float) -> np.ndarray | None:
+    """Algorithm 3 as a MILP (cvxpy + HiGHS): x[b, n] = 1 when new batch b lives on node n."""
+    import cvxpy as cp
+
+    d = v.shape[0]
+    nn = d // c
+    nodecost = v.reshape(nn, c, d).sum(axis=1)
+    x = cp.Variable((d, nn), boolean=True)
+    t = cp.Variable()
+    cons = [cp.sum(x, axis=1) == 1, cp.sum(x, axis=0) == c]
+    for n in range(nn):
+        block = v[n * c:(n + 1) * c]  # sends of the c ranks on node n, to every batch
+        cons.append(block.sum(axis=1) - block @ x[:, n] <= t)
+    if include_recv:
+        cons.append(v.sum(axis=0) - cp.sum(cp.multiply(x, nodecost.T), axis=1) <= t)
+    prob = cp.Problem(cp.Minimize(t), cons)
+    try:
+        prob.solve(solver=cp.HIGHS, time_limit=float(time_limit))
+    except cp.error.SolverError:
+        return None
+    if x.value is None:
+        return None
+    xv = np.rint(x.value).astype(np.int64)
+    if not (np.all(xv.sum(axis=1) == 1) and np.all(xv.sum(axis=0) == c)):
+        return None  # time limit hit before a feasible point
+    return xv.argmax(axis=1)
+
+
+def node_wise_rearrange(src_rank_of_sample: Sequence[int], new_batches: Sequence[Sequence[int]],
+                        sizes: Sequence[float], ranks_per_node: int, *, include_recv: bool = True,
+                        method: str = "auto", time_limit: float = 2.0,
+                        max_milp_ranks: int = 256) -> list[int]:
+    """Algorithm 3 (seed 001 §5.2.2): choose which rank receives each new mini-batch.
+
+    Returns ``perm``: new batch i goes to rank ``perm[i]`` (ranks ``n*c .. n*c+c-1`` form node
+    n). Minimises the largest per-rank inter-node volume, sends as in the paper and, with
+    ``include_recv``, receives too. Only the node of a batch matters for that objective;
+    within a node a batch stays on its own index when it can (fewest moves), others fill the
+    free ranks in order. ``method``: "milp" (the paper's ILP, HiGHS, stopped at
+    ``time_limit`` seconds), "greedy" (fast path: batches to nodes by descending volume already
+    on that node, O(d^2 log d)), "auto" (MILP up to ``max_milp_ranks`` ranks, else greedy).
+    The best of the solver's answer, the greedy one and the identity is returned, so the
+    result never has more inter-node volume than leaving batch i on rank i.
+    """
+    if method not in ("auto", "milp", "greedy"):
+        raise ValueError(f"method must be 'auto', 'milp' or 'greedy', got {method!r}")
+    src, w, d = _placement_ranks(src_rank_of_sample, new_batches, sizes, ranks_per_node)
+    c = int(ranks_per_node)
+    v = volume_matrix(src, new_batches, w)
+    identity = np.arange(d) // c
+    candidates = [identity, _greedy_nodes(v, c)]
+    if method == "milp" or (method == "auto" and d <= max_milp_ranks):
+        solved = _milp_nodes(v, c, include_recv, time_limit)
+        if solved is not None:
+            candidates.insert(0, solved)
+    scores = [_objective(v, cand, c, include_recv) for cand in candidates]
+    node_of = candidates[int(np.argmin(scores))]
+    perm = np.full(d, -1)
+    taken = np.zeros(d, dtype=bool)
+    for b in range(d):
+        if node_of[b] == b // c:
+            perm[b] = b
+            taken[b] = True
+    for b in range(d):
+        if perm[b] < 0:
+            n = node_of[b]
+            r = n * c + int(np.argmin(taken[n * c:(n + 1) * c]))
+            perm[b] = r
+            taken[r] = True
+    return perm.tolist()
+
+
+def batches_by_rank(new_batches: Sequence[Sequence[int]], perm: Sequence[int]) -> list[list[int]]:
+    """Place new batch i on rank perm[i]: the per-rank batches after node-wise rearrangement."""
+    if sorted(perm) != list(range(len(new_batches))):
+        raise ValueError(f"perm must be a permutation of range({len(new_batches)})")
+    out: list[list[int]] = [[] for _ in new_batches]
+    for i, r in enumerate(perm):
+        out[r] = list(new_batches[i])
+    return out
+
+
+# ---------------------------------------------------------------- rearrangement composition
+
+
+@dataclass(frozen=True)
+class Rearrangement:
+    """Where each example moves: ``samples[k]`` goes from ``src[k]`` to ``dst[k]``.
+
+    Positions are (rank, slot): slot = index in that rank's ordered list. This is the
+    explicit form of a rearrangement Pi (seed 001 §5.1) and of the all-to-all that applies it.
+    """
+
+    samples: tuple[int, ...]
+    src: tuple[tuple[int, int], ...]
+    dst: tuple[tuple[int, int], ...]
+    num_src_ranks: int
+    num_dst_ranks: int
+
+    def apply(self, per_rank: Sequence[Sequence]) -> list[list]:
+        """Move per-rank payloads (in src slot order) to per-rank lists in dst slot order."""
+        if len(per_rank) != self.num_src_ranks:
+            raise ValueError(f"expected {self.num_src_ranks} source ranks, got {len(per_rank)}")
+        sizes = [0] * self.num_dst_ranks
+        for r, s in self.dst:
+            sizes[r] = max(sizes[r], s + 1)
+        out: list[list] = [[None] * n for n in sizes]
+        for (sr, ss), (dr, ds) in zip(self.src, self.dst):
+            out[dr][ds] = per_rank[sr][ss]
+        return out
+
+    def inverse(self) -> "Rearrangement":
+        """Pi^-1 (e.g. gradients flowing back from the LLM to the encoder)."""
+        return Rearrangement(self.samples, self.dst, self.src, self.num_dst_ranks,
+                             self.num_src_ranks)
+
+    def then(self, other: "Rearrangement") -> "Rearrangement":
+        """``other o self``: first self, then other (other's src must be self's dst)."""
+        by_pos = {pos: k for k, pos in enumerate(other.src)}
+        dst = []
+        for pos in self.dst:
+            if pos not in by_pos:
+                raise ValueError(f"position {pos} of the first rearrangement is not moved by the second")
+            dst.append(other.dst[by_pos[pos]])
+        return Rearrangement(self.samples, self.src, tuple(dst), self.num_src_ranks,
+                             other.num_dst_ranks)
+
+    def send_ranks(self) -> tuple[list[int], list[int]]:
+        """(source rank, destination rank) per moved sample, for ``inter_node_volumes``."""
+        return [r for r, _ in self.src], [r for r, _ in self.dst]
+
+
+def rearrangement(src_batches: Sequence[Sequence[int]],
+                  dst_batches: Sequence[Sequence[int]]) -> Rearrangement:
+    """The rearrangement taking the samples of ``src_batches`` to their slots in ``dst_batches``.
+
+    Both are per-rank ordered lists of sample ids holding the same samples once each.
+    """
+    where: dict[int, tuple[int, int]] = {}
+    for r, batch in enumerate(dst_batches):
+        for slot, s in enumerate(batch):
+            if s in where:
+                raise ValueError(f"sample {s} appears twice in dst_batches")
+            where[s] = (r, slot)
+    flat = [s for batch in src_batches for s in batch]
+    if len(flat) != len(set(flat)):
+        raise ValueError("a sample appears twice in src_batches")
+    samples, src, dst = [], [], []
+    for r, batch in enumerate(src_batches):
+        for slot, s in enumerate(batch):
+            if s not in where:
+                raise ValueError(f"sample {s} of src_batches is missing from dst_batches")
+            samples.append(s)
+            src.append((r, slot))
+            dst.append(where.pop(s))
+    if where:
+        raise ValueError(f"samples {sorted(where)[:8]} of dst_batches are missing from src_batches")
+    return Rearrangement(tuple(samples), tuple(src), tuple(dst), len(src_batches), len(dst_batches))
+
+
+def compose_rearrangement(encoder_batches: Mapping[str, Sequence[Sequence[int]]],
+                          llm_batches: Sequence[Sequence[int]]) -> dict[str, Rearrangement]:
+    """Per encoder E, Pi_M o Pi_E^-1 (seed 001 §6): encoder outputs straight to their LLM rank.
+
+    ``encoder_batches[E][r]``: sample ids encoder E runs on rank r (its balanced, node-wise
+    placed batches; only samples that have E's modality). ``llm_batches[r]``: sample ids the
+    LLM runs on rank r. Sample s's output moves from (encoder rank, slot) to (LLM rank, slot),
+    the LLM slot counting only that rank's samples which have E's modality, in LLM order.
+    Going through the original instances (Pi_E^-1, then Pi_M) lands every output in the same
+    place, with one all-to-all instead of two.
+    """
+    out = {}
+    for name, batches in encoder_batches.items():
+        members = {s for b in batches for s in b}
+        dst = [[s for s in b if s in members] for b in llm_batches]
+        try:
+            out[name] = rearrangement(batches, dst)
+        except ValueError as e:
+            raise ValueError(f"encoder {name!r}: {e}") from None
+    return out
