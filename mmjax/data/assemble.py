@@ -506,6 +506,33 @@ def _check_fits(need: BatchShapes, have: BatchShapes) -> None:
         raise ValueError(f"BatchShapes.gen={have.gen} < {need.gen} image_out slots needed")
 
 
+def projected_size(slot: EncoderSlot, shapes: BatchShapes) -> int:
+    """Rows of encoder `slot`'s flattened projected output for these shapes."""
+    count, cap = shapes.encoder(slot.name)
+    if slot.queries:
+        return count * slot.max_items * slot.queries
+    per = cap // slot.downsample if slot.modality == "image" else cap // AUDIO_STRIDE // slot.downsample
+    return count * per
+
+
+def item_rows(metas: list[SampleMeta], layout: AssemblyLayout, shapes: BatchShapes
+              ) -> dict[str, list[np.ndarray]]:
+    """Per encoder, per item (image / clip, in batch order) the rows of its projected tokens
+    in the flattened encoder output: what `gather_<e>` points at, from metadata only (the
+    loader maps these rows between encoder and LLM ranks)."""
+    out = {}
+    for slot in layout.encoders:
+        count, cap = shapes.encoder(slot.name)
+        if slot.modality == "image":
+            place = pack_images(_image_runs(metas, slot), cap,
+                                slot.max_items if slot.queries else None)
+        else:
+            place = list(range(len(_audio_frames(metas))))
+        ns = [s.num_llm_tokens for m in metas for s in m.segments if s.modality == slot.modality]
+        out[slot.name] = [_gather_rows(slot, shapes, w, n) for w, n in zip(place, ns)]
+    return out
+
+
 def _check_count(name: str, used: int, count: int) -> None:
     if used > count:
         raise ValueError(f"BatchShapes[{name}] has {count} buffers but {used} are needed; "
