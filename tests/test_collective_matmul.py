@@ -23,7 +23,7 @@ from mmjax.parallel.collective_matmul import (
     matmul_reducescatter_on_mesh,
     plain_sharded_matmuls,
 )
-from mmjax.parallel.tp_ops import OverlappedTPOps, llm_stage_fn, megatron_sp_specs
+from mmjax.parallel.tp_ops import OverlappedTPOps, sequence_sharded_llm_stage, megatron_sp_specs
 
 
 def _mesh(tp):
@@ -106,6 +106,25 @@ def test_forward_backward_match_f64_reference_and_gspmd(tp, lead, seq, num_chunk
         assert out.sharding.is_equivalent_to(NamedSharding(mesh, spec), out.ndim)
 
 
+def test_bfloat16_forward_backward_close_to_f64_reference():
+    mesh = _mesh(4)
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((2, 12, 8)).astype(np.float32)
+    w1, w2 = (rng.standard_normal((8, n)).astype(np.float32) * 0.5 for n in (8, 4))
+    w3 = rng.standard_normal((8, 8)).astype(np.float32) * 0.5
+    kw = dict(num_chunks=2, bidirectional=True)
+    step = _layer_loss(
+        lambda x, ws: allgather_matmul_on_mesh(x, ws, mesh, **kw),
+        lambda a, w: matmul_reducescatter_on_mesh(a, w, mesh, **kw),
+    )
+    bf16 = [jnp.asarray(t, jnp.bfloat16) for t in (x, w1, w2, w3)]
+    (loss, outs), grads = step(*bf16)
+    _, outs_r, grads_r = _reference_f64(*(np.asarray(t, np.float32) for t in bf16))
+    for got, ref in zip((*outs, *grads), (*outs_r, *grads_r)):
+        assert got.dtype == jnp.bfloat16
+        _close(np.asarray(got, np.float32), ref, rtol=3e-2)
+
+
 def test_pieces_cover_every_row_once():
     for rows in range(1, 9):
         for chunks in (1, 2, 3, 5):
@@ -113,7 +132,9 @@ def test_pieces_cover_every_row_once():
                 ps = _pieces(rows, chunks, bidi)
                 covered = sorted(r for p in ps for r in range(p.start, p.start + p.size))
                 assert covered == list(range(rows)) and all(p.size > 0 for p in ps)
-                assert len(ps) == min(rows, chunks * (2 if bidi else 1)) or bidi
+                halves = [(rows + 1) // 2, rows // 2] if bidi else [rows]
+                assert len(ps) == sum(min(h, chunks) for h in halves)
+                assert [p.forward for p in ps] == sorted((p.forward for p in ps), reverse=True)
     assert [(p.start, p.size, p.forward) for p in _pieces(5, 2, True)] == [
         (0, 2, True), (2, 1, True), (3, 1, False), (4, 1, False)]
 
@@ -240,7 +261,7 @@ def test_llm_stage_overlap_tp_same_loss_and_grads(tp, kv_heads, num_chunks, bidi
     mesh = _mesh(tp)
 
     def make(overlap_tp):
-        stage, state = llm_stage_fn(model, mesh, mask_attend, overlap_tp=overlap_tp,
+        stage, state = sequence_sharded_llm_stage(model, mesh, mask_attend, overlap_tp=overlap_tp,
                                     num_chunks=num_chunks, bidirectional=bidirectional)
 
         def loss(state):

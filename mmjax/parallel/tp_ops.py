@@ -8,7 +8,7 @@ a Megatron block runs with sequence-sharded activations between projections:
     x [B, S/N, d] --norm--> column (all-gather-matmul) -> [B, S, n/N] (local heads / ffn)
       --attention or SwiGLU (local)--> row (matmul-reduce-scatter) -> [B, S/N, d] + residual
 
-`llm_stage_fn` wraps an LLM block stack (`module.run_layers(x, positions, attend, ops)`) in
+`sequence_sharded_llm_stage` wraps an LLM block stack (`module.run_layers(x, positions, attend, ops)`) in
 that `shard_map` when `overlap_tp=True`, with activation spec P(None, 'tp', None), column
 weights P(None, 'tp') (biases P('tp')), row weights P('tp', None), everything else
 replicated; with `overlap_tp=False` it is the same stack with plain dots (GSPMD TP).
@@ -88,7 +88,7 @@ def megatron_sp_specs(
     return jax.tree_util.tree_map_with_path(spec, state)
 
 
-def llm_stage_fn(
+def sequence_sharded_llm_stage(
     module: nnx.Module,
     mesh: Mesh | None,
     make_attend: Callable,
