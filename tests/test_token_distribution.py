@@ -153,6 +153,36 @@ def test_balance_table4_shape():
             assert all(lpt_max <= s["max"] for s in stats.values()), (family, seed, stats)
 
 
+def test_capped_lpt():
+    rng = np.random.default_rng(1)
+    for _ in range(20):
+        work = rng.integers(0, 50, size=int(rng.integers(1, 40)))
+        g = int(rng.integers(1, 6))
+        cap = -(-work.size // g)
+        capped = td.lpt(work, g, capacity=cap)
+        assert np.bincount(capped, minlength=g).max() <= cap
+        np.testing.assert_array_equal(td.lpt(work, g, capacity=work.size), td.lpt(work, g))
+    # Zero-work padding blocks pile onto one rank without a cap, never past it with one.
+    work = np.array([9, 9, 9, 9, 0, 0, 0, 0])
+    assert np.bincount(td.lpt(work, 2)).max() == 6
+    np.testing.assert_array_equal(td.lpt(work, 2, capacity=4), [0, 1, 0, 1, 0, 0, 1, 1])
+    with pytest.raises(ValueError, match="capacity"):
+        td.lpt(work, 2, capacity=3)
+
+
+def test_batch_layout_has_one_static_length():
+    rows = [td.example_mask(f, 250, seed) for seed, f in enumerate(td.FAMILIES)]
+    bam, doc, sub = (np.stack([getattr(m, k) for m in rows]) for k in ("bam", "doc", "sub"))
+    for method in td.METHODS:
+        gidx = td.batch_layout(bam, doc, sub, 4, method, 16)
+        assert gidx.shape == (4, 4 * 4 * 16)  # 16 blocks -> 4 per rank of 16 tokens
+        for row in gidx:
+            ranks = row.reshape(4, -1)
+            td.check_distribution([r[r < 250] for r in ranks], 250)
+    with pytest.raises(ValueError, match="bam, doc and sub"):
+        td.batch_layout(bam[0], doc[0], sub[0], 4, "lpt", 16)
+
+
 def test_rank_work_sums_to_total():
     m = td.example_mask("packing", 500, 2)
     w = td.block_work(m, 16)

@@ -175,32 +175,53 @@ def _tiles_from_bitfield(mask: BitfieldMask, block_size: int) -> np.ndarray:
     return tiles
 
 
-def lpt(work: np.ndarray, num_ranks: int) -> np.ndarray:
+def lpt(work: np.ndarray, num_ranks: int, capacity: int | None = None) -> np.ndarray:
     """Greedy Longest-Processing-Time-first makespan minimisation (seed 002 Appendix A, Alg. 2).
 
     Blocks sorted by descending work (ties: lower block first) each go to the currently
-    least-loaded rank (ties: lower rank). Returns the rank of every block, int32.
+    least-loaded rank (ties: lower rank). With `capacity`, a rank holding that many blocks
+    takes no more (so every rank fits a static length of capacity blocks; jit needs static
+    shapes). Returns the rank of every block, int32.
     """
     work = np.asarray(work, dtype=np.int64)
     if work.ndim != 1 or (work.size and work.min() < 0):
         raise ValueError("work must be a 1-D array of non-negative integers")
+    if capacity is not None and capacity * num_ranks < work.size:
+        raise ValueError(f"capacity={capacity} blocks per rank cannot hold {work.size} blocks "
+                         f"on {num_ranks} ranks; use capacity >= {-(-work.size // num_ranks)}")
     order = np.argsort(-work, kind="stable")
     # Heap of single ints key = load * G + rank: orders like (load, rank), so the pop gives
     # the least-loaded rank with ties to the lower rank, and adding w * G keeps the rank.
     heap = list(range(num_ranks))
     picked = []
     pick, replace = picked.append, heapq.heapreplace
-    for w in (work[order] * num_ranks).tolist():
-        key = heap[0]
-        pick(key)
-        replace(heap, key + w)
+    if capacity is None:
+        for w in (work[order] * num_ranks).tolist():
+            key = heap[0]
+            pick(key)
+            replace(heap, key + w)
+    else:
+        counts = [0] * num_ranks
+        for w in (work[order] * num_ranks).tolist():
+            key = heap[0]
+            pick(key)
+            r = key % num_ranks
+            counts[r] += 1
+            if counts[r] == capacity:
+                heapq.heappop(heap)
+            else:
+                replace(heap, key + w)
     assignment = np.empty(work.shape[0], np.int32)
     assignment[order] = np.asarray(picked, dtype=np.int64) % num_ranks
     return assignment
 
 
-def assign_blocks(nblocks: int, num_ranks: int, method: str, work=None, seed: int = 0):
-    """Rank of each of `nblocks` blocks, int32 [nblocks]; `work` is needed only for "lpt"."""
+def assign_blocks(nblocks: int, num_ranks: int, method: str, work=None, seed: int = 0,
+                  capacity: int | None = None):
+    """Rank of each of `nblocks` blocks, int32 [nblocks]; `work` and `capacity` are for "lpt".
+
+    uniform, zigzag and random never give a rank more than ceil(nblocks / G) blocks.
+    """
     if method == "uniform":
         chunks = np.array_split(np.arange(nblocks), num_ranks)
         owner = np.arange(num_ranks)
@@ -214,7 +235,7 @@ def assign_blocks(nblocks: int, num_ranks: int, method: str, work=None, seed: in
     elif method == "lpt":
         if work is None or len(work) != nblocks:
             raise ValueError(f"lpt needs the work of all {nblocks} blocks")
-        return lpt(work, num_ranks)
+        return lpt(work, num_ranks, capacity)
     else:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     assignment = np.empty(nblocks, np.int32)
@@ -224,12 +245,13 @@ def assign_blocks(nblocks: int, num_ranks: int, method: str, work=None, seed: in
 
 
 def distribute(mask, num_ranks: int, method: str, block_size: int = 128,
-               seed: int = 0) -> list[np.ndarray]:
+               seed: int = 0, *, capacity: int | None = None) -> list[np.ndarray]:
     """Sorted global token indices of every CP rank (seed 002 §4.3.2, §5.3).
 
     mask: a `BitfieldMask` or a dense boolean (S, S) array, allowed[q, k]. The sequence is
     padded to block alignment; padding tokens (index >= S) are not returned. Deterministic
-    for a given (mask, num_ranks, method, block_size, seed).
+    for a given (mask, num_ranks, method, block_size, seed). capacity: optional cap on
+    blocks per rank for "lpt" (see `lpt`); the plain Appendix A algorithm when None.
     """
     if int(num_ranks) != num_ranks or num_ranks < 1:
         raise ValueError(f"num_ranks must be a positive integer, got {num_ranks!r}")
@@ -239,7 +261,8 @@ def distribute(mask, num_ranks: int, method: str, block_size: int = 128,
     seq_len = _seq_len(mask)
     nb = num_blocks(seq_len, block_size)
     work = block_work(mask, block_size) if method == "lpt" else None
-    assignment = assign_blocks(nb, int(num_ranks), method, work=work, seed=seed)
+    assignment = assign_blocks(nb, int(num_ranks), method, work=work, seed=seed,
+                               capacity=capacity)
     token_rank = np.repeat(assignment, block_size)[:seq_len]
     return [np.flatnonzero(token_rank == r) for r in range(int(num_ranks))]
 
@@ -293,6 +316,26 @@ def layout_indices(dist, seq_len: int, length: int | None = None) -> np.ndarray:
     for r, ids in enumerate(dist):
         out[r, :len(ids)] = ids
     return out.reshape(-1)
+
+
+def batch_layout(bam, doc, sub, num_ranks: int, method: str, block_size: int = 128,
+                 seed: int = 0) -> np.ndarray:
+    """CP gather indices for a batch of rows [B, S] of BAM metadata: int32 [B, G * L].
+
+    Each row gets its own distribution. LPT is capped at ceil(blocks / G) blocks per rank,
+    so every method and every batch of this S has the same static L = ceil(blocks / G) *
+    block_size (one compilation); `mmjax.parallel.context.to_cp_layout` applies the result.
+    """
+    bam, doc, sub = (np.asarray(a) for a in (bam, doc, sub))
+    if bam.ndim != 2 or bam.shape != doc.shape or bam.shape != sub.shape:
+        raise ValueError(f"bam, doc and sub must all be [B, S], got {bam.shape}, {doc.shape}, "
+                         f"{sub.shape}")
+    seq_len = bam.shape[1]
+    cap = -(-num_blocks(seq_len, _check_block_size(block_size)) // num_ranks)
+    rows = [distribute(BitfieldMask(bam=b, doc=d, sub=s), num_ranks, method, block_size,
+                       seed=seed + i, capacity=cap)
+            for i, (b, d, s) in enumerate(zip(bam, doc, sub))]
+    return np.stack([layout_indices(r, seq_len, cap * block_size) for r in rows])
 
 
 def example_mask(family: str, seq_len: int, seed: int = 0,
