@@ -155,3 +155,48 @@ def test_bad_inputs_name_the_field():
         cp.cp_attention_sharded(q, k, v, meta, _mesh((2,), ("cp",)), num_head_groups=3)
     with pytest.raises(ValueError, match="mesh_axis"):
         cp.cp_attention_sharded(q, k, v, meta, _mesh((2,), ("sp",)))
+
+
+def test_llm_layers_with_cp_hook_match_single_device():
+    """Two decoder layers with the cp_attend hook (RoPE at global positions) inside
+    shard_map equal the model's own dense-mask path, forward and parameter gradients."""
+    from flax import nnx
+
+    from mmjax.models.config import LLMConfig
+    from mmjax.models.llm import LLM, mask_attend
+
+    cfg = LLMConfig(vocab_size=32, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                    ffn_size=64)
+    graphdef, state = nnx.split(LLM(cfg, jax.random.key(1)))
+    x = jax.random.normal(jax.random.key(2), (NB, S, cfg.hidden_size))
+    ct = jax.random.normal(jax.random.key(3), x.shape)
+    positions = jnp.broadcast_to(jnp.arange(S), (NB, S))
+    idx = np.broadcast_to(np.arange(S), (NB, S))
+    bam = jnp.asarray(BAM, jnp.int32)
+    allowed = allowed_mask(bam, bam, idx, idx, DOC, DOC, SUB, SUB)
+
+    def ref_loss(state, x):
+        out = nnx.merge(graphdef, state).run_layers(x, positions, mask_attend(allowed))
+        return jnp.sum(out * ct), out
+
+    mesh = _mesh((2,), ("cp",))
+    gidx = td.batch_layout(BAM, DOC, SUB, 2, "lpt", BLOCK)
+    meta = cp.layout_meta(BAM, DOC, SUB, gidx)
+
+    def body(state, x, pos, meta):
+        return nnx.merge(graphdef, state).run_layers(x, pos, cp.cp_attend(meta))
+
+    spec = P(None, "cp")
+    sharded = jax.shard_map(body, mesh=mesh, in_specs=(P(), spec, spec, cp.TokenMeta(*(spec,) * 4)),
+                            out_specs=spec)
+
+    def cp_loss(state, x):
+        out = sharded(state, cp.to_cp_layout(x, gidx), cp.to_cp_layout(positions, gidx), meta)
+        out = cp.from_cp_layout(out, gidx, S)
+        return jnp.sum(out * ct), out
+
+    (_, ref_out), ref_g = jax.value_and_grad(ref_loss, argnums=(0, 1), has_aux=True)(state, x)
+    (_, out), g = jax.jit(jax.value_and_grad(cp_loss, argnums=(0, 1), has_aux=True))(state, x)
+    np.testing.assert_allclose(out, ref_out, atol=1e-4, rtol=1e-4)
+    for got, want in zip(jax.tree.leaves(g), jax.tree.leaves(ref_g)):
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)

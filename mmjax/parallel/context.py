@@ -129,6 +129,12 @@ def cp_attention(q, k, v, meta: TokenMeta, *, mesh_axis: str = "cp", num_head_gr
     return jnp.concatenate(outs, axis=2)
 
 
+def cp_attend(meta: TokenMeta, *, mesh_axis: str = "cp", num_head_groups: int = 1):
+    """The LLM's `attend(q, k, v)` hook for CP, inside a shard_map body (cf. mask_attend)."""
+    return lambda q, k, v: cp_attention(q, k, v, meta, mesh_axis=mesh_axis,
+                                        num_head_groups=num_head_groups)
+
+
 def cp_attention_sharded(q, k, v, meta: TokenMeta, mesh: Mesh, *, mesh_axis: str = "cp",
                          num_head_groups: int = 1):
     """Standalone shard_map wrapper of `cp_attention` over `mesh`.
