@@ -241,7 +241,7 @@ def _llm_setup(cfg_kwargs, batch, seq):
     from mmjax.models.config import LLMConfig
     from mmjax.models.llm import LLM
 
-    cfg = LLMConfig(vocab_size=32, hidden_size=16, num_layers=2, ffn_size=24, **cfg_kwargs)
+    cfg = LLMConfig(vocab_size=32, hidden_size=16, ffn_size=24, **cfg_kwargs)
     model = LLM(cfg, jax.random.key(0))
     rng = np.random.default_rng(1)
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, seq + 1)))
@@ -250,13 +250,15 @@ def _llm_setup(cfg_kwargs, batch, seq):
     return model, tokens, positions, causal_segment_mask(segments)
 
 
-@pytest.mark.parametrize("tp,kv_heads,num_chunks,bidirectional", [(2, 2, 2, True), (4, 4, 1, False)])
-def test_llm_stage_overlap_tp_same_loss_and_grads(tp, kv_heads, num_chunks, bidirectional):
+@pytest.mark.parametrize("tp,kv_heads,layers,num_chunks,bidirectional",
+                         [(2, 2, 2, 2, True), (4, 4, 1, 1, False)])
+def test_llm_stage_overlap_tp_same_loss_and_grads(tp, kv_heads, layers, num_chunks,
+                                                  bidirectional):
     from mmjax.models.llm import lm_loss_sum, mask_attend
 
     batch, seq = 2, 8
     model, tokens, positions, allowed = _llm_setup(
-        dict(num_heads=4, num_kv_heads=kv_heads, qkv_bias=True), batch, seq)
+        dict(num_layers=layers, num_heads=4, num_kv_heads=kv_heads, qkv_bias=True), batch, seq)
     graphdef, _ = nnx.split(model)
     mesh = _mesh(tp)
 
@@ -288,7 +290,7 @@ def test_llm_stage_overlap_tp_same_loss_and_grads(tp, kv_heads, num_chunks, bidi
 
 
 def test_megatron_specs_and_divisibility_error():
-    model, *_ = _llm_setup(dict(num_heads=4, num_kv_heads=2, qkv_bias=True), 1, 2)
+    model, *_ = _llm_setup(dict(num_layers=1, num_heads=4, num_kv_heads=2, qkv_bias=True), 1, 2)
     _, state = nnx.split(model)
     specs = megatron_sp_specs(state, "tp", 2)
     layer = specs["layers"][0]
