@@ -94,8 +94,9 @@ def test_too_few_usable_candidates_names_reserve():
 def test_plans_are_partitions_and_hosts_agree(policy):
     pol = {u: policy for u in CFG.unit_names}
     p = plan(gb=12, mbs=2, dp={"vision": 2, "audio": 2, "llm": 2, "generator": 2})
-    one = GlobalBatchBuilder(source(), CFG, p, LAYOUT, pol, seed=5)(2)
-    hosts = [GlobalBatchBuilder(source(), CFG, p, LAYOUT, pol, seed=5, host_id=h, num_hosts=2)(2)
+    step = 7  # here the unreordered second microbatch has fewer image tokens
+    one = GlobalBatchBuilder(source(), CFG, p, LAYOUT, pol, seed=5)(step)
+    hosts = [GlobalBatchBuilder(source(), CFG, p, LAYOUT, pol, seed=5, host_id=h, num_hosts=2)(step)
              for h in range(2)]
     for mb, m0, m1 in zip(one.microbatches, hosts[0].microbatches, hosts[1].microbatches):
         for other in (m0, m1):  # same plan everywhere
@@ -114,6 +115,11 @@ def test_plans_are_partitions_and_hosts_agree(policy):
             assert sorted(x for r in ranks for x in r) == sorted(mb.plan.positions)
     all_pos = sorted(x for mb in one.microbatches for x in mb.plan.positions)
     assert all_pos == list(range(12))
+    if policy == "disttrain":  # Algorithm 3 (p = 1): the smallest vision microbatch runs first
+        metas = [LAYOUT.rules.meta_from_shapes(i, source().spec(i)) for i in one.sample_ids]
+        cost = [sum(metas[q].encoder_tokens("image") for q in mb.plan.positions)
+                for mb in one.microbatches]
+        assert cost[0] == min(cost) and cost != sorted(cost, reverse=True)
 
 
 def _stand_in(enc, name, r=2):

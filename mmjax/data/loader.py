@@ -377,15 +377,18 @@ class GlobalBatchBuilder:
                       if u != "generator"}
 
     def candidates(self, step: int) -> list[int]:
+        """Dataset indices at positions [step*W, (step+1)*W) of the stream: epoch e is a
+        seeded permutation (grain's Feistel `index_shuffle`, O(1) per index, no table)."""
+        from grain.experimental import index_shuffle
         w = self.plan.global_batch + self.reserve
         n = len(self.source)
-        perms = {}
         out = []
         for pos in range(step * w, (step + 1) * w):
             epoch, i = divmod(pos, n)
-            if self.shuffle and epoch not in perms:
-                perms[epoch] = np.random.default_rng([self.seed, epoch]).permutation(n)
-            out.append(int(perms[epoch][i]) if self.shuffle else i)
+            if self.shuffle:
+                i = index_shuffle(index=i, max_index=n - 1,
+                                  seed=(self.seed * 1_000_003 + epoch) % (1 << 32), rounds=4)
+            out.append(int(i))
         return out
 
     def select(self, step: int):
@@ -506,13 +509,21 @@ class Loader:
                                           shuffle, host_id, num_hosts)
         self.num_workers, self.prefetch, self.num_steps = num_workers, prefetch, num_steps
         self.skipped_samples = 0
+        self._it = None
         self._start(0)
+
+    def close(self) -> None:
+        """Stop prefetch threads / worker processes of the current pipeline."""
+        if self._it is not None:
+            self._it.close()
+            self._it = None
 
     def _start(self, step: int) -> None:
         """(Re)build the grain pipeline from global batch `step` on. Global batches are a pure
         function of the step, so the step is the whole iterator state: exact, and portable
         across worker counts (grain's own multiprocess state is not)."""
         import grain
+        self.close()
         ds = grain.MapDataset.range(step, self.num_steps).map(self.builder)
         it_ds = ds.to_iter_dataset(grain.ReadOptions(
             num_threads=1 if self.num_workers == 0 else 0, prefetch_buffer_size=self.prefetch))
