@@ -68,6 +68,20 @@ def test_padded_is_exactly_optimal():
         assert _max_cost(x, b, "padded") == _opt(x, d, "padded"), (x, d, b)
 
 
+@pytest.mark.parametrize("policy", POLICIES)
+def test_zero_lengths(policy):
+    """Samples without a phase's modality have length 0 (e.g. text-only in an encoder)."""
+    rng = np.random.default_rng(11)
+    for _ in range(8):
+        x = (rng.integers(0, 30, 8) * (rng.random(8) < 0.5)).tolist()
+        b = post_balance(x, 2, policy)
+        _valid(b, 8, 2)
+        if policy in ("sum", "padded"):
+            bound = 1.0 if policy == "padded" else 4 / 3 - 1 / 6
+            assert _max_cost(x, b, policy) <= bound * _opt(x, 2, policy) + 1e-9
+    _valid(post_balance([0, 0, 0], 2, policy), 3, 2)
+
+
 def test_sum_square_bounds():
     """Tolerance 0 is Algorithm 1. Otherwise each sample joins a batch whose sum is below
     the lightest + v <= total/d + v, so max sum <= OPT_sum + v + max length (Graham-style)."""

@@ -17,7 +17,9 @@ the same answer (§5.2.1), so all algorithms are deterministic: ties go to the l
 
 from __future__ import annotations
 
+import bisect
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -68,15 +70,29 @@ def _lpt_assign(x: np.ndarray, loads: np.ndarray, items: np.ndarray) -> np.ndarr
     return bins
 
 
+def _small_ints(x: np.ndarray) -> bool:
+    return bool(x.size) and x.max() < 65536 and bool(np.all(x == np.floor(x)))
+
+
 def _descending(x: np.ndarray) -> np.ndarray:
-    return np.lexsort((np.arange(x.size), -x))
+    """Indices by decreasing length, ties by increasing index (radix sort for token counts)."""
+    if _small_ints(x):
+        return np.argsort((65535 - x).astype(np.uint16), kind="stable")
+    return np.argsort(-x, kind="stable")
+
+
+def _ascending(x: np.ndarray) -> np.ndarray:
+    if _small_ints(x):
+        return np.argsort(x.astype(np.uint16), kind="stable")
+    return np.argsort(x, kind="stable")
 
 
 def _group(bins: np.ndarray, items: np.ndarray, d: int) -> list[list[int]]:
-    out: list[list[int]] = [[] for _ in range(d)]
-    for b, s in zip(bins.tolist(), items.tolist()):
-        out[b].append(s)
-    return out
+    """Items per bin, keeping their order (vectorised: the lists are built in one pass)."""
+    keys = bins.astype(np.uint16) if d <= 65536 else bins
+    flat = items[np.argsort(keys, kind="stable")].tolist()
+    ends = np.cumsum(np.bincount(bins, minlength=d)).tolist()
+    return [flat[e - n:e] for e, n in zip(ends, np.bincount(bins, minlength=d).tolist())]
 
 
 def greedy_partition(sizes: Sequence[float], num_bins: int, name: str = "lengths") -> list[list[int]]:
@@ -91,14 +107,25 @@ def greedy_partition(sizes: Sequence[float], num_bins: int, name: str = "lengths
     return _group(_lpt_assign(x, np.zeros(int(num_bins)), items), items, int(num_bins))
 
 
-def _least_batches(x: np.ndarray, asc: np.ndarray, bound: float) -> list[list[int]]:
-    """GETLEASTBATCHES (Algorithm 2): pack ascending lengths so (count * max) <= bound."""
-    out: list[list[int]] = [[]]
-    for s in asc.tolist():
-        if out[-1] and (len(out[-1]) + 1) * x[s] > bound:
-            out.append([])
-        out[-1].append(s)
-    return out
+def _least_batches(xs: list[float], bound: float, limit: int) -> list[int] | None:
+    """GETLEASTBATCHES (Algorithm 2) on ascending ``xs``: end index of each greedy batch with
+    count * max <= bound, or None as soon as more than ``limit`` batches are needed.
+
+    A batch starting at i holds at most bound // xs[i] items (later items are no shorter),
+    so we jump there and bisect back only when the jump overshoots.
+    """
+    ends: list[int] = []
+    i, n = 0, len(xs)
+    while i < n:
+        if len(ends) == limit:
+            return None
+        j = n if xs[i] <= 0 else min(n, i + max(1, int(bound // xs[i])))
+        if (j - i) * xs[j - 1] > bound:
+            j = i + bisect.bisect_right(range(i + 1, j + 1), bound,
+                                        key=lambda e: (e - i) * xs[e - 1])
+        ends.append(j)
+        i = j
+    return ends
 
 
 def _padded(x: np.ndarray, d: int) -> list[list[int]]:
@@ -107,22 +134,30 @@ def _padded(x: np.ndarray, d: int) -> list[list[int]]:
     Some optimal partition is contiguous in sorted order (give the batch with the k-th
     smallest max the next-smallest items; no max grows), and packing sorted items greedily
     decides feasibility for a bound, so with integer lengths this is exactly optimal.
-    Deviation: the paper's right end ``l_min * (n/d + 1)`` need not be feasible; we use
-    ``l_max * ceil(n / d)``, which always is (d batches of ceil(n/d) items).
+    Deviation: the paper's bracket [l_min, l_min * (n/d + 1)] need not contain the answer; we
+    start at the lower bound max(l_max, ceil(sum / d)) and grow by 1/4 until feasible.
     """
     if np.any(x != np.round(x)):
         raise ValueError("policy 'padded' needs integer lengths (tokens per sample) for its "
                          "binary search; round the lengths")
-    asc = np.lexsort((np.arange(x.size), x))
-    lo, hi = int(x.max()), int(x.max()) * math.ceil(x.size / d)
-    while lo < hi:
+    asc = _ascending(x)
+    xs = x[asc].tolist()
+    lo = max(int(x.max()), math.ceil(x.sum() / d), 1)
+    hi = lo
+    ends = _least_batches(xs, hi, d)
+    while ends is None:  # grow by 1/4 until feasible
+        lo, hi = hi + 1, hi + max(1, hi // 4)
+        ends = _least_batches(xs, hi, d)
+    while lo < hi:  # invariant: hi feasible (its packing in ends), everything < lo infeasible
         mid = (lo + hi) // 2
-        if len(_least_batches(x, asc, mid)) <= d:
-            hi = mid
-        else:
+        packed = _least_batches(xs, mid, d)
+        if packed is None:
             lo = mid + 1
-    batches = _least_batches(x, asc, lo)
-    return batches + [[] for _ in range(d - len(batches))]
+        else:
+            hi, ends = mid, packed
+    starts = [0] + ends[:-1]
+    out = [asc[s:e].tolist() for s, e in zip(starts, ends)]
+    return out + [[] for _ in range(d - len(out))]
 
 
 def _sum_square(x: np.ndarray, d: int, tolerance: float) -> list[list[int]]:
@@ -149,24 +184,20 @@ def _conv(x: np.ndarray, d: int) -> list[list[int]]:
     Deviation: the paper tests ``(count + 1) * s.length``; the padded size of a descending
     batch is set by its first (longest) element, which is what we use.
     """
-    bound = max((sum(x[s] for s in b) for b in greedy_partition(x, d)), default=0.0)
     desc = _descending(x)
-    batches: list[list[int]] = [[]]
-    used = 0
-    for s in desc.tolist():
-        last = batches[-1]
-        if last and (len(last) + 1) * x[last[0]] > bound:
-            if len(batches) == d:
-                break
-            batches.append([])
-        batches[-1].append(s)
-        used += 1
-    batches += [[] for _ in range(d - len(batches))]
-    loads = np.array([sum(x[s] for s in b) for b in batches], dtype=np.float64)
-    rest = desc[used:]
-    for b, s in zip(_lpt_assign(x, loads, rest).tolist(), rest.tolist()):
-        batches[b].append(s)
-    return batches
+    lpt_loads = np.zeros(d)
+    _lpt_assign(x, lpt_loads, desc)
+    bound = float(lpt_loads.max())
+    xs = x[desc]
+    bins = np.empty(x.size, dtype=np.int64)
+    i = k = 0
+    while i < x.size and k < d:
+        j = x.size if xs[i] <= 0 else min(x.size, i + max(1, int(bound // xs[i])))
+        bins[i:j] = k
+        i, k = j, k + 1
+    loads = np.bincount(bins[:i], weights=xs[:i], minlength=d)
+    bins[i:] = _lpt_assign(x, loads, desc[i:])
+    return _group(bins, desc, d)
 
 
 def post_balance(lengths: Sequence[float], num_ranks: int, policy: str = "sum", *,
@@ -180,6 +211,8 @@ def post_balance(lengths: Sequence[float], num_ranks: int, policy: str = "sum", 
     non-negligible attention term, Algorithm 4; ``tolerance`` in tokens, default the mean
     length; 0 gives Algorithm 1), "conv" (padded attention, Algorithm 5).
     Returns exactly ``num_ranks`` lists (some may be empty); every sample appears once.
+    Leave out samples that have no data for the phase (length 0): an encoder's dispatcher
+    only sees samples with its modality, and zero lengths all land on one lightest batch.
     """
     _check_ranks(num_ranks)
     if policy not in POLICIES:
@@ -223,7 +256,8 @@ def batch_cost(batch_lengths: Sequence[float], policy: str = "sum", lam: float =
 # ---------------------------------------------------------------- node-wise rearrangement
 
 
-def _placement_ranks(src_rank_of_sample, new_batches, sizes, ranks_per_node):
+def _per_sample(src_rank_of_sample, new_batches, sizes, ranks_per_node):
+    """Validated per-sample arrays: source rank, new batch, volume; and d."""
     src = np.asarray(src_rank_of_sample, dtype=np.int64)
     w = _as_lengths(sizes, "sizes")
     d = len(new_batches)
@@ -236,21 +270,21 @@ def _placement_ranks(src_rank_of_sample, new_batches, sizes, ranks_per_node):
                          "entry per sample")
     if src.size and (src.min() < 0 or src.max() >= d):
         raise ValueError(f"src_rank_of_sample must be ranks in [0, {d})")
-    seen = sorted(s for b in new_batches for s in b)
-    if seen != list(range(src.size)):
+    lens = [len(b) for b in new_batches]
+    flat = np.fromiter((s for b in new_batches for s in b), dtype=np.int64, count=sum(lens))
+    if flat.size != src.size or (flat.size and (flat.min() < 0 or flat.max() >= src.size
+                                                or np.bincount(flat).min() != 1)):
         raise ValueError("new_batches must hold every sample index exactly once")
-    return src, w, d
+    bat = np.empty(src.size, dtype=np.int64)
+    bat[flat] = np.repeat(np.arange(d), lens)
+    return src, bat, w, d
 
 
 def volume_matrix(src_rank_of_sample, new_batches, sizes) -> np.ndarray:
     """V[r, i]: volume the source rank r sends to new batch i (Algorithm 3 lines 1-4)."""
-    src = np.asarray(src_rank_of_sample, dtype=np.int64)
-    w = _as_lengths(sizes, "sizes")
-    v = np.zeros((len(new_batches), len(new_batches)))
-    for i, batch in enumerate(new_batches):
-        idx = np.asarray(batch, dtype=np.int64)
-        np.add.at(v[:, i], src[idx], w[idx])
-    return v
+    d = len(new_batches)
+    src, bat, w, _ = _per_sample(src_rank_of_sample, new_batches, sizes, 1)
+    return np.bincount(src * d + bat, weights=w, minlength=d * d).reshape(d, d)
 
 
 def inter_node_volumes(src_rank_of_sample, dst_rank_of_sample, sizes,
@@ -276,25 +310,35 @@ def max_inter_node_volume(src_rank_of_sample, dst_rank_of_sample, sizes, ranks_p
     return float(max(send.max(initial=0.0), recv.max(initial=0.0) if include_recv else 0.0))
 
 
-def _objective(v: np.ndarray, node_of_batch: np.ndarray, c: int, include_recv: bool) -> float:
-    src_node = np.arange(v.shape[0]) // c
-    cross = src_node[:, None] != node_of_batch[None, :]
-    send = (v * cross).sum(axis=1).max()
-    recv = (v * cross).sum(axis=0).max() if include_recv else 0.0
-    return float(max(send, recv))
+def _objective(src, bat, w, d, node_of_batch, c, include_recv) -> float:
+    cross = (src // c) != node_of_batch[bat]
+    send = np.bincount(src[cross], weights=w[cross], minlength=d).max(initial=0.0)
+    recv = np.bincount(bat[cross], weights=w[cross], minlength=d).max(initial=0.0)
+    return float(max(send, recv if include_recv else 0.0))
 
 
-def _greedy_nodes(v: np.ndarray, c: int) -> np.ndarray:
-    """Fast path: give batches to nodes by descending node->batch volume, c per node."""
-    d = v.shape[0]
-    nodecost = v.reshape(d // c, c, d).sum(axis=1)  # [node, batch]
+def _greedy_nodes(src, bat, w, d, c) -> np.ndarray:
+    """Fast path: batches to nodes by descending volume already on that node, c per node.
+
+    O(n + k log k) for k non-zero (node, batch) volumes; batches with nothing to keep fill
+    the free places in order.
+    """
+    nn = d // c
+    nodecost = np.bincount((src // c) * d + bat, weights=w, minlength=nn * d)
+    nz = np.flatnonzero(nodecost)
     node_of = np.full(d, -1)
-    free = np.full(d // c, c)
-    for flat in np.argsort(-nodecost, axis=None, kind="stable").tolist():
+    free = np.full(nn, c)
+    left = d
+    for flat in nz[np.argsort(-nodecost[nz], kind="stable")].tolist():
         n, b = divmod(flat, d)
         if node_of[b] < 0 and free[n] > 0:
             node_of[b] = n
             free[n] -= 1
+            left -= 1
+            if left == 0:
+                break
+    slots = np.repeat(np.arange(nn), free)
+    node_of[node_of < 0] = slots
     return node_of
 
 
@@ -315,7 +359,9 @@ def _milp_nodes(v: np.ndarray, c: int, include_recv: bool, time_limit: float) ->
         cons.append(v.sum(axis=0) - cp.sum(cp.multiply(x, nodecost.T), axis=1) <= t)
     prob = cp.Problem(cp.Minimize(t), cons)
     try:
-        prob.solve(solver=cp.HIGHS, time_limit=float(time_limit))
+        with warnings.catch_warnings():  # a time-limited solve warns "may be inaccurate"
+            warnings.simplefilter("ignore", UserWarning)
+            prob.solve(solver=cp.HIGHS, time_limit=float(time_limit))
     except cp.error.SolverError:
         return None
     if x.value is None:
@@ -329,44 +375,42 @@ def _milp_nodes(v: np.ndarray, c: int, include_recv: bool, time_limit: float) ->
 def node_wise_rearrange(src_rank_of_sample: Sequence[int], new_batches: Sequence[Sequence[int]],
                         sizes: Sequence[float], ranks_per_node: int, *, include_recv: bool = True,
                         method: str = "auto", time_limit: float = 2.0,
-                        max_milp_ranks: int = 256) -> list[int]:
+                        max_milp_ranks: int = 64) -> list[int]:
     """Algorithm 3 (seed 001 §5.2.2): choose which rank receives each new mini-batch.
 
     Returns ``perm``: new batch i goes to rank ``perm[i]`` (ranks ``n*c .. n*c+c-1`` form node
-    n). Minimises the largest per-rank inter-node volume, sends as in the paper and, with
-    ``include_recv``, receives too. Only the node of a batch matters for that objective;
-    within a node a batch stays on its own index when it can (fewest moves), others fill the
-    free ranks in order. ``method``: "milp" (the paper's ILP, HiGHS, stopped at
-    ``time_limit`` seconds), "greedy" (fast path: batches to nodes by descending volume already
-    on that node, O(d^2 log d)), "auto" (MILP up to ``max_milp_ranks`` ranks, else greedy).
-    The best of the solver's answer, the greedy one and the identity is returned, so the
-    result never has more inter-node volume than leaving batch i on rank i.
+    n). Minimises the largest per-rank inter-node volume: sends, as in the paper, and, with
+    ``include_recv``, receives too. Only a batch's node matters for that objective; within a
+    node a batch stays on its own index when it can (fewest moves), others fill the free
+    ranks in order. ``method``: "milp" (the paper's ILP with HiGHS, stopped after
+    ``time_limit`` seconds, keeping the incumbent), "greedy" (fast path: batches to nodes by
+    descending volume already there, O(n + k log k), milliseconds at 2560 ranks), "auto"
+    (MILP up to ``max_milp_ranks`` ranks, greedy above: the MILP has d^2/c binaries and dense
+    volume matrices make HiGHS hit the time limit beyond a few dozen nodes). The best of the
+    solver's answer, the greedy one and the identity is returned, so the result never has
+    more inter-node volume than leaving batch i on rank i.
     """
     if method not in ("auto", "milp", "greedy"):
         raise ValueError(f"method must be 'auto', 'milp' or 'greedy', got {method!r}")
-    src, w, d = _placement_ranks(src_rank_of_sample, new_batches, sizes, ranks_per_node)
+    src, bat, w, d = _per_sample(src_rank_of_sample, new_batches, sizes, ranks_per_node)
     c = int(ranks_per_node)
-    v = volume_matrix(src, new_batches, w)
     identity = np.arange(d) // c
-    candidates = [identity, _greedy_nodes(v, c)]
+    candidates = [identity, _greedy_nodes(src, bat, w, d, c)]
     if method == "milp" or (method == "auto" and d <= max_milp_ranks):
+        v = np.bincount(src * d + bat, weights=w, minlength=d * d).reshape(d, d)
         solved = _milp_nodes(v, c, include_recv, time_limit)
         if solved is not None:
             candidates.insert(0, solved)
-    scores = [_objective(v, cand, c, include_recv) for cand in candidates]
+    scores = [_objective(src, bat, w, d, cand, c, include_recv) for cand in candidates]
     node_of = candidates[int(np.argmin(scores))]
-    perm = np.full(d, -1)
+    perm = np.where(node_of == identity, np.arange(d), -1)
     taken = np.zeros(d, dtype=bool)
-    for b in range(d):
-        if node_of[b] == b // c:
-            perm[b] = b
-            taken[b] = True
-    for b in range(d):
-        if perm[b] < 0:
-            n = node_of[b]
-            r = n * c + int(np.argmin(taken[n * c:(n + 1) * c]))
-            perm[b] = r
-            taken[r] = True
+    taken[perm[perm >= 0]] = True
+    for b in np.flatnonzero(perm < 0).tolist():
+        n = node_of[b]
+        r = n * c + int(np.argmin(taken[n * c:(n + 1) * c]))
+        perm[b] = r
+        taken[r] = True
     return perm.tolist()
 
 

@@ -1,0 +1,235 @@
+"""Data-path benchmarks (issue 6): reordering and post-balancing, host side only.
+
+Parts (``--parts``, default 1 2 3; one function per part):
+  1. DP imbalance, max/mean per-rank cost, for a random split (as sampled) vs DistTrain's
+     intra-microbatch reordering (seed 000 Alg. 2) vs each OrchMLLM post-balance policy (seed
+     001 Alg. 1, 2, 4, 5), per phase (vision / audio encoder tokens of the samples that have
+     that modality, LLM sequence tokens), on
+     the LAION-like and three-modality (text, image, audio) mix sets of mmjax/data/synthetic.py,
+     at DP 8, 64, 512. Two cost models: linear (sum of tokens: flash attention, no padding) and
+     padded (count x longest: padded batches). intra_reorder and "sum" are the same LPT greedy
+     (see reorder.intra_reorder), so their columns agree.
+  2. Simulated 1F1B / interleaved iteration time (the seed 000 §6.2 recurrence) of random
+     order (mean over all l! orders), inter-microbatch reordering (Alg. 3) and the exhaustive
+     optimum, l = 8 microbatches, p in {2, 4, 8}; microbatch cost = encoder tokens it holds.
+  3. Balancing compute time at seed 001 Table 2 scales (DP 64 ... 2560, 60 samples per rank):
+     each policy and node-wise rearrangement (8 ranks per node; MILP up to --max_milp_ranks,
+     greedy fast path above). OrchMLLM's whole dispatcher overhead there is 16.7-53.9 ms.
+     "sum_square" is O(n d) (a numpy scan per sample) and skipped above --sum_square_max_dp.
+  (4. Loader throughput is added with the loader.)
+
+  python scripts/bench_data.py [--parts 1 2 3] [--json bench_results/bench_data.json]
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import time
+
+import cvxpy  # noqa: F401  (imported up front so part 3 does not time its import)
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from mmjax.data import balance, reorder
+from mmjax.data.sample import TokenRules
+from mmjax.data.synthetic import SyntheticConfig, SyntheticDataset
+
+# Benchmark-sized shapes (the dataclass defaults are CPU-test sized): images ~24x24 patches
+# (up to 64x64), audio ~300 frames, LAION-like text ~30 tokens.
+BENCH_CFG = SyntheticConfig(image_side_median=24.0, image_side_range=(4, 64), text_len_median=30.0,
+                            text_len_range=(1, 1024), frames_median=300.0,
+                            frames_range=(20, 3000))
+PHASES = {"laion": ("image", "llm"), "mix": ("image", "audio", "llm")}
+METHODS = ("random", "intra_reorder") + balance.POLICIES
+
+
+def phase_lengths(kind: str, n: int, seed: int) -> dict[str, np.ndarray]:
+    """Per-sample tokens for each phase of ``n`` samples of a synthetic set."""
+    ds = SyntheticDataset(kind, BENCH_CFG, seed=seed)
+    rules = TokenRules(patch_size=BENCH_CFG.patch_size)
+    metas = [ds.meta(i, rules) for i in range(n)]
+    out = {"llm": np.array([m.llm_length for m in metas], dtype=np.int64)}
+    for mod in ("image", "audio"):
+        out[mod] = np.array([m.encoder_tokens(mod) for m in metas], dtype=np.int64)
+    return out
+
+
+def _split(x: np.ndarray, d: int, method: str, rng) -> list[list[int]]:
+    if method == "random":  # as sampled: consecutive equal shares of a shuffled batch
+        return [a.tolist() for a in np.array_split(rng.permutation(x.size), d)]
+    if method == "intra_reorder":
+        return reorder.intra_reorder(x, d)
+    return balance.post_balance(x, d, method)
+
+
+def _imbalance(x: np.ndarray, batches, cost: str) -> float:
+    costs = [balance.batch_cost(x[b], cost) for b in batches]
+    mean = float(np.mean(costs))
+    return max(costs) / mean if mean > 0 else 1.0
+
+
+def part1_imbalance(args, console) -> list[dict]:
+    rows = []
+    rng = np.random.default_rng(args.seed)
+    n_max = max(args.dp) * args.samples_per_rank
+    for kind in ("laion", "mix"):
+        pool = phase_lengths(kind, n_max, args.seed)
+        for d in args.dp:
+            n = d * args.samples_per_rank
+            for phase in PHASES[kind]:
+                x = pool[phase][:n]
+                if phase != "llm":  # an encoder's dispatcher only sees samples with its modality
+                    x = x[x > 0]
+                row = {"set": kind, "dp": d, "phase": phase}
+                for m in METHODS:
+                    b = _split(x, d, m, rng)
+                    row[m] = {c: _imbalance(x, b, c) for c in ("sum", "padded")}
+                rows.append(row)
+    table = Table(title=f"(1) DP imbalance max/mean, linear / padded cost "
+                        f"({args.samples_per_rank} samples per rank)")
+    for col in ("set", "DP", "phase") + METHODS:
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(r["set"], str(r["dp"]), r["phase"],
+                      *[f"{r[m]['sum']:.3f} / {r[m]['padded']:.3f}" for m in METHODS])
+    console.print(table)
+    return rows
+
+
+def part2_pipeline(args, console) -> list[dict]:
+    rows = []
+    rng = np.random.default_rng(args.seed + 1)
+    l = args.microbatches
+    sizes = phase_lengths("laion", 4096, args.seed + 1)["image"]
+    for p, v in [(p, 1) for p in args.stages] + [(p, 2) for p in args.stages
+                                                    if l % p == 0 and p < 8]:
+        model = reorder.PipelineModel.build(p, l, v)
+        for trial in range(args.trials):
+            mb = rng.choice(sizes, (l, args.mb_size)).sum(axis=1).astype(float)
+            f, b = mb.tolist(), (2.0 * mb).tolist()
+            t0 = time.perf_counter()
+            order = reorder.inter_reorder(f, p, num_chunks=v)
+            reorder_ms = (time.perf_counter() - t0) * 1e3
+            times = [model.iteration_time([f[j] for j in o], [b[j] for j in o])
+                     for o in itertools.permutations(range(l))]
+            got = reorder.pipeline_time(f, p, order, num_chunks=v)
+            opt = min(times)
+            rows.append({"p": p, "v": v, "l": l, "trial": trial, "random_mean": float(np.mean(times)),
+                         "random_worst": max(times), "inter_reorder": got, "optimum": opt,
+                         "inter_reorder_ms": reorder_ms})
+    table = Table(title=f"(2) simulated iteration time / optimum, l = {l} microbatches of "
+                        f"{args.mb_size} LAION-like samples (cost = image tokens, b = 2f)")
+    for col in ("p", "v (chunks)", "trial", "random (mean of l!)", "random worst",
+                "inter_reorder", "optimum", "reorder ms"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        o = r["optimum"]
+        table.add_row(str(r["p"]), str(r["v"]), str(r["trial"]), f"{r['random_mean'] / o:.3f}",
+                      f"{r['random_worst'] / o:.3f}", f"{r['inter_reorder'] / o:.3f}", "1.000",
+                      f"{r['inter_reorder_ms']:.2f}")
+    console.print(table)
+    return rows
+
+
+def _times_ms(fn, repeats):
+    """CPU time (process_time: the algorithms are single-threaded host code, and the shared
+    benchmark machine's wall time includes waiting for a core) and wall time, in ms."""
+    cpu, wall = [], []
+    for _ in range(repeats):
+        t0, c0 = time.perf_counter(), time.process_time()
+        fn()
+        cpu.append((time.process_time() - c0) * 1e3)
+        wall.append((time.perf_counter() - t0) * 1e3)
+    return {"median": statistics.median(cpu), "min": min(cpu),
+            "wall_median": statistics.median(wall)}
+
+
+def part3_overhead(args, console) -> list[dict]:
+    rows = []
+    rng = np.random.default_rng(args.seed + 2)
+    pool = phase_lengths("laion", 4096, args.seed + 2)["llm"]
+    paper = {64: 16.66, 128: 18.49, 256: 21.32, 512: 24.64, 1024: 31.37, 2560: 53.88}
+    for d in args.overhead_dp:
+        x = rng.choice(pool, d * 60)
+        row = {"dp": d, "samples": int(x.size), "orchmllm_ms": paper.get(d)}
+        reps = args.repeats if d <= 512 else max(1, args.repeats // 2)
+        for pol in balance.POLICIES:
+            if pol == "sum_square" and d > args.sum_square_max_dp:
+                row[pol] = None  # O(n d) numpy scan per sample; see --sum_square_max_dp
+                continue
+            row[pol] = _times_ms(lambda: balance.post_balance(x, d, pol), reps)
+        batches = balance.post_balance(x, d, "sum")
+        src = np.arange(x.size) // 60
+        t0, c0 = time.perf_counter(), time.process_time()
+        perm = balance.node_wise_rearrange(src, batches, x, 8, time_limit=args.milp_time_limit,
+                                           max_milp_ranks=args.max_milp_ranks)
+        row["node_wise_ms"] = (time.process_time() - c0) * 1e3
+        row["node_wise_wall_ms"] = (time.perf_counter() - t0) * 1e3
+        row["node_wise_method"] = "milp" if d <= args.max_milp_ranks else "greedy"
+        dst = np.empty(x.size, dtype=np.int64)
+        ident = np.empty(x.size, dtype=np.int64)
+        for i, b in enumerate(batches):
+            dst[b] = perm[i]
+            ident[b] = i
+        row["inter_node_before"] = balance.max_inter_node_volume(src, ident, x, 8)
+        row["inter_node_after"] = balance.max_inter_node_volume(src, dst, x, 8)
+        rows.append(row)
+    table = Table(title="(3) balancing CPU time, ms, median (best) of repeats (60 samples "
+                        "per rank; node-wise: 8 ranks per node, max inter-node volume before "
+                        "-> after)")
+    for col in ("DP", "samples", *balance.POLICIES, "node-wise", "inter-node vol",
+                "OrchMLLM total"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(str(r["dp"]), str(r["samples"]),
+                      *["-" if r[p] is None else f"{r[p]['median']:.1f} ({r[p]['min']:.1f})"
+                        for p in balance.POLICIES],
+                      f"{r['node_wise_ms']:.0f} ({r['node_wise_method']})",
+                      f"{r['inter_node_before']:.0f} -> {r['inter_node_after']:.0f}",
+                      "-" if r["orchmllm_ms"] is None else f"{r['orchmllm_ms']:.1f}")
+    console.print(table)
+    return rows
+
+
+PARTS = {1: part1_imbalance, 2: part2_pipeline, 3: part3_overhead}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--parts", type=int, nargs="+", default=[1, 2, 3], choices=sorted(PARTS))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dp", type=int, nargs="+", default=[8, 64, 512])
+    ap.add_argument("--samples_per_rank", type=int, default=16)
+    ap.add_argument("--stages", type=int, nargs="+", default=[2, 4, 8])
+    ap.add_argument("--microbatches", type=int, default=8, help="l (<= 8: exhaustive search)")
+    ap.add_argument("--mb_size", type=int, default=4, help="samples per microbatch")
+    ap.add_argument("--trials", type=int, default=2)
+    ap.add_argument("--overhead_dp", type=int, nargs="+",
+                    default=[64, 128, 256, 512, 1024, 2560])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--sum_square_max_dp", type=int, default=512)
+    ap.add_argument("--max_milp_ranks", type=int, default=64,
+                    help="node-wise: MILP up to this many ranks, greedy fast path above")
+    ap.add_argument("--milp_time_limit", type=float, default=1.0)
+    ap.add_argument("--json", default="bench_results/bench_data.json")
+    args = ap.parse_args()
+    if args.microbatches > 8:
+        ap.error("--microbatches must be <= 8 (exhaustive search over l! orders)")
+    console = Console(width=max(Console().width, 140))
+    results = {"config": vars(args)}
+    for part in args.parts:
+        t0 = time.perf_counter()
+        results[f"part{part}"] = PARTS[part](args, console)
+        console.print(f"part {part}: {time.perf_counter() - t0:.1f} s")
+    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump(results, f, indent=2, default=float)
+    console.print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
