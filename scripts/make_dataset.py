@@ -36,6 +36,8 @@ def main(argv=None):
                     help="share of empty / bad-shape / too-long samples")
     ap.add_argument("--corrupt_fraction", type=float, default=0.0,
                     help="share of records written truncated (fail to decode)")
+    ap.add_argument("--raw_text", action="store_true",
+                    help="store text as bytes, tokenised byte-level by the loader's workers")
     a = ap.parse_args(argv)
     if a.num_samples < 1:
         ap.error("--num_samples must be >= 1")
@@ -47,7 +49,7 @@ def main(argv=None):
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     t = time.perf_counter()
     n = write_dataset(a.out, (ds[i] for i in range(a.num_samples)), a.patch_size, a.max_grid,
-                      corrupt)
+                      corrupt, a.raw_text)
     print(f"wrote {n} records ({len(corrupt)} corrupt) to {a.out} in "
           f"{time.perf_counter() - t:.1f}s; index {a.out}.index.json")
 

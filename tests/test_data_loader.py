@@ -220,3 +220,30 @@ def test_worker_processes_give_the_same_batches():
                    num_workers=1)
     again.set_state(state)
     assert digest(next(again)) == want[2]
+
+
+def test_raw_text_records_are_tokenised_by_the_worker(tmp_path):
+    ds = source().dataset
+    path = str(tmp_path / "raw.arrayrecord")
+    write_dataset(path, (ds[i] for i in range(6)), patch_size=2, max_grid=8, raw_text=True)
+    rec = ArrayRecordSource(path)
+    for i in range(6):
+        got, ref = rec.load(i), ds[i]
+        for a, b in zip(got.segments, ref.segments):
+            if a.modality == "text":
+                assert a.data.dtype == np.int32
+                np.testing.assert_array_equal(a.data, 16 + (b.data - 16) % 256)
+        assert LAYOUT.rules.meta(got) == LAYOUT.rules.meta(ref)
+
+
+def test_records_resize_images_to_whole_patches(tmp_path):
+    from mmjax.data.sample import Sample, Segment
+    img = np.random.default_rng(0).random((7, 4, 3), dtype=np.float32)
+    s = Sample(0, (Segment("text", np.array([20, 21], np.int32)), Segment("image", img)))
+    path = str(tmp_path / "one.arrayrecord")
+    write_dataset(path, [s], patch_size=2, max_grid=3)
+    rec = ArrayRecordSource(path)
+    got = rec.load(0).segments[1].data
+    assert got.shape == (6, 4, 3) and rec.spec(0)[1] == ("image", (6, 4, 3), 0)
+    np.testing.assert_allclose(got[0], img[0], atol=1 / 255)  # nearest-neighbour rows
+    assert got.dtype == np.float32 and 0 <= got.min() and got.max() <= 1

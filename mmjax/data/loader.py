@@ -76,17 +76,28 @@ class SyntheticSource:
         return self.dataset[index]
 
 
-def encode_record(sample: Sample) -> bytes:
+def tokenize_bytes(raw: bytes) -> np.ndarray:
+    """Byte-level tokeniser (ByT5-style): token id = FIRST_TEXT_ID + byte value, so every
+    string tokenises without a vocabulary file (needs vocab_size >= FIRST_TEXT_ID + 256)."""
+    return FIRST_TEXT_ID + np.frombuffer(raw, np.uint8).astype(np.int32)
+
+
+def encode_record(sample: Sample, raw_text: bool = False) -> bytes:
     """Sample -> bytes: 4-byte header length, JSON header, raw arrays. Images are stored
-    as uint8 pixels (what a real dataset holds), everything else as its own dtype."""
+    as uint8 pixels (what a real dataset holds). With `raw_text`, text is stored as bytes
+    (one byte per token id, (id - FIRST_TEXT_ID) mod 256) and tokenised by the worker with
+    `tokenize_bytes`; otherwise as int32 token ids."""
     segs, payload = [], []
     for s in sample.segments:
-        data = s.data
+        data, dtype = s.data, None
         if s.modality == "image":
             data = np.clip(np.rint(data * 255.0), 0, 255).astype(np.uint8)
+        if s.modality == "text" and raw_text:
+            data, dtype = ((s.data - FIRST_TEXT_ID) % 256).astype(np.uint8), "bytes"
         raw = np.ascontiguousarray(data).tobytes()
-        segs.append({"modality": s.modality, "shape": list(data.shape), "dtype": str(data.dtype),
-                     "num_queries": s.num_queries, "nbytes": len(raw)})
+        segs.append({"modality": s.modality, "shape": list(data.shape),
+                     "dtype": dtype or str(data.dtype), "num_queries": s.num_queries,
+                     "nbytes": len(raw)})
         payload.append(raw)
     head = json.dumps({"id": int(sample.id), "segments": segs}).encode()
     return struct.pack("<I", len(head)) + head + b"".join(payload)
@@ -105,8 +116,8 @@ def _resize_nearest(img: np.ndarray, h: int, w: int) -> np.ndarray:
 
 
 def decode_record(raw: bytes, patch_size: int, max_grid: int) -> Sample:
-    """bytes -> Sample: parse, uint8 pixels -> float32 in [0, 1], resize to whole patches.
-    Raises DecodeError on truncated or malformed records."""
+    """bytes -> Sample: parse, tokenise raw text, uint8 pixels -> float32 in [0, 1], resize
+    to whole patches. Raises DecodeError on truncated or malformed records."""
     try:
         (n,) = struct.unpack_from("<I", raw, 0)
         head = json.loads(raw[4:4 + n])
@@ -115,8 +126,12 @@ def decode_record(raw: bytes, patch_size: int, max_grid: int) -> Sample:
             nb = int(s["nbytes"])
             if off + nb > len(raw):
                 raise DecodeError(f"record {head.get('id')}: payload truncated")
-            data = np.frombuffer(raw, dtype=np.dtype(s["dtype"]), count=nb // np.dtype(s["dtype"]).itemsize,
-                                 offset=off).reshape(s["shape"])
+            if s["dtype"] == "bytes":
+                data = tokenize_bytes(raw[off:off + nb])
+            else:
+                dt = np.dtype(s["dtype"])
+                data = np.frombuffer(raw, dtype=dt, count=nb // dt.itemsize,
+                                     offset=off).reshape(s["shape"])
             off += nb
             if s["modality"] == "image":
                 data = data.astype(np.float32) / 255.0
@@ -158,15 +173,16 @@ class ArrayRecordSource:
 
 
 def write_dataset(path: str, samples, patch_size: int, max_grid: int,
-                  corrupt: frozenset[int] = frozenset()) -> int:
+                  corrupt: frozenset[int] = frozenset(), raw_text: bool = False) -> int:
     """Write `samples` as an ArrayRecord file plus its shape index; records whose id is in
-    `corrupt` are truncated (to exercise the loader's decode-failure path). Returns count."""
+    `corrupt` are truncated (to exercise the loader's decode-failure path); `raw_text`
+    stores text as bytes for the worker to tokenise. Returns the number of records."""
     from array_record.python.array_record_module import ArrayRecordWriter
     writer = ArrayRecordWriter(path, "group_size:1")
     specs = []
     try:
         for s in samples:
-            raw = encode_record(s)
+            raw = encode_record(s, raw_text)
             writer.write(raw[: len(raw) // 2] if s.id in corrupt else raw)
             specs.append([[m, list(sh), k] for m, sh, k in index_spec(s, patch_size, max_grid)])
     finally:
