@@ -26,8 +26,10 @@ from mmjax.parallel.collective_matmul import (
 from mmjax.parallel.tp_ops import OverlappedTPOps, sequence_sharded_llm_stage, megatron_sp_specs
 
 
-def _mesh(tp):
-    return Mesh(np.array(jax.devices()[:tp]), ("tp",))
+def _mesh(tp, dp=1):
+    if dp == 1:
+        return Mesh(np.array(jax.devices()[:tp]), ("tp",))
+    return Mesh(np.array(jax.devices()[:dp * tp]).reshape(dp, tp), ("dp", "tp"))
 
 
 def _layer_loss(column, row):
@@ -123,6 +125,34 @@ def test_bfloat16_forward_backward_close_to_f64_reference():
     for got, ref in zip((*outs, *grads), (*outs_r, *grads_r)):
         assert got.dtype == jnp.bfloat16
         _close(np.asarray(got, np.float32), ref, rtol=3e-2)
+
+
+def test_data_parallel_axis_sums_replicated_weight_grads():
+    """Inside a ('dp', 'tp') shard_map the weights are replicated over dp; the custom VJPs
+    must sum their gradients over dp, as shard_map's own transpose does."""
+    mesh = _mesh(2, dp=2)
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((4, 6, 6)).astype(np.float32)
+    w1, w2 = (rng.standard_normal((6, n)).astype(np.float32) * 0.5 for n in (4, 2))
+    w3 = rng.standard_normal((4, 6)).astype(np.float32) * 0.5
+    ops = OverlappedTPOps("tp", num_chunks=2, bidirectional=True)
+
+    def body(x, w1, w2, w3):
+        a, b = ops.column(x, w1, w2)
+        return ops.row(2.0 * a, w3), b
+
+    seq, col = P("dp", "tp", None), P(None, "tp")
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(seq, col, col, P("tp", None)),
+                       out_specs=(seq, P("dp", None, "tp")))
+    def loss(x, w1, w2, w3):
+        z, b = fn(x, w1, w2, w3)
+        return jnp.sum(z * z) + jnp.sum(jnp.sin(b))
+
+    value, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(x, w1, w2, w3)
+    value_r, _, grads_r = _reference_f64(x, w1, w2, w3)
+    _close(value, value_r)
+    for got, ref in zip(grads, grads_r):
+        _close(got, ref)
 
 
 def test_pieces_cover_every_row_once():
@@ -250,9 +280,9 @@ def _llm_setup(cfg_kwargs, batch, seq):
     return model, tokens, positions, causal_segment_mask(segments)
 
 
-@pytest.mark.parametrize("tp,kv_heads,layers,num_chunks,bidirectional",
-                         [(2, 2, 2, 2, True), (4, 4, 1, 1, False)])
-def test_llm_stage_overlap_tp_same_loss_and_grads(tp, kv_heads, layers, num_chunks,
+@pytest.mark.parametrize("dp,tp,kv_heads,layers,num_chunks,bidirectional",
+                         [(1, 2, 2, 2, 2, True), (2, 4, 4, 1, 1, False)])
+def test_llm_stage_overlap_tp_same_loss_and_grads(dp, tp, kv_heads, layers, num_chunks,
                                                   bidirectional):
     from mmjax.models.llm import lm_loss_sum, mask_attend
 
@@ -260,11 +290,12 @@ def test_llm_stage_overlap_tp_same_loss_and_grads(tp, kv_heads, layers, num_chun
     model, tokens, positions, allowed = _llm_setup(
         dict(num_layers=layers, num_heads=4, num_kv_heads=kv_heads, qkv_bias=True), batch, seq)
     graphdef, _ = nnx.split(model)
-    mesh = _mesh(tp)
+    mesh = _mesh(tp, dp)
 
     def make(overlap_tp):
-        stage, state = sequence_sharded_llm_stage(model, mesh, mask_attend, overlap_tp=overlap_tp,
-                                    num_chunks=num_chunks, bidirectional=bidirectional)
+        stage, state = sequence_sharded_llm_stage(
+            model, mesh, mask_attend, overlap_tp=overlap_tp, batch_axis="dp" if dp > 1 else None,
+            num_chunks=num_chunks, bidirectional=bidirectional)
 
         def loss(state):
             m = nnx.merge(graphdef, state)

@@ -128,6 +128,26 @@ def _weight_grad(a, b):
     return lax.dot_general(a, b, ((dims, dims), ((), ())), preferred_element_type=jnp.float32)
 
 
+def _varying_axes(a) -> frozenset:
+    """Manual mesh axes `a` varies over inside shard_map (empty outside or unchecked).
+    jax <= 0.9 spells it `typeof(a).vma`, jax 0.10 `typeof(a).manual_axis_type.varying`."""
+    t = jax.typeof(a)
+    vma = getattr(t, "vma", None)
+    if vma is None:
+        vma = getattr(getattr(t, "manual_axis_type", None), "varying", frozenset())
+    return frozenset(vma)
+
+
+def _like(ct, primal):
+    """Cast a cotangent to its primal's dtype and sum it over the mesh axes it varies on but
+    the primal does not (a weight replicated over 'dp' inside a ('dp', 'tp') shard_map), as
+    shard_map's own transpose would; custom_vjp requires matching types."""
+    extra = _varying_axes(ct) - _varying_axes(primal)
+    if extra:
+        ct = lax.psum(ct, tuple(sorted(extra)))
+    return ct.astype(primal.dtype)
+
+
 def _ring_setup(axis_name, rows: int, num_chunks: int, bidirectional: bool):
     n = lax.axis_size(axis_name)
     return n, lax.axis_index(axis_name), _pieces(rows, num_chunks, bidirectional)
@@ -172,7 +192,7 @@ def _ag_bwd(axis_name, num_chunks, bidirectional, res, dys):
         for h, p in zip(step, pieces):
             start = _source(i, s, n, p.forward) * rows + p.start
             dws = [dw + _weight_grad(h, _rows(dy, start, p.size)) for dw, dy in zip(dws, dys)]
-    return dx, tuple(dw.astype(w.dtype) for dw, w in zip(dws, ws))
+    return _like(dx, x), tuple(_like(dw, w) for dw, w in zip(dws, ws))
 
 
 _allgather_matmul.defvjp(_ag_fwd, _ag_bwd)
@@ -235,7 +255,7 @@ def _rs_bwd(axis_name, num_chunks, bidirectional, res, dy):
         for h, p in zip(step, pieces):
             start = _source(i, s, n, p.forward) * rows + p.start
             dw = dw + _weight_grad(_rows(x, start, p.size), h)
-    return dx.astype(x.dtype), dw.astype(w.dtype)
+    return _like(dx, x), _like(dw, w)
 
 
 _matmul_reducescatter.defvjp(_rs_fwd, _rs_bwd)

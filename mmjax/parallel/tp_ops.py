@@ -95,6 +95,7 @@ def sequence_sharded_llm_stage(
     *,
     overlap_tp: bool = True,
     axis_name: str = "tp",
+    batch_axis: str | None = None,
     num_chunks: int = 1,
     bidirectional: bool = False,
 ):
@@ -102,9 +103,11 @@ def sequence_sharded_llm_stage(
 
     Returns `(fn, state)`; `fn(state, x, positions, *attend_args) -> y`, x/y `[B, S, d]`,
     positions `[B, S]`, `attend = make_attend(*attend_args)` (e.g. `llm.mask_attend` with
-    the `[B, S, S]` mask). With `overlap_tp=True` the stack runs inside `shard_map` over
+    the `[B, S, S]` mask; every attend arg has the batch as its leading dim). With `overlap_tp=True` the stack runs inside `shard_map` over
     `mesh`'s `axis_name` with `OverlappedTPOps` (S must divide by the TP size); otherwise with
     the module's default plain dots, to be sharded by GSPMD under the caller's jit.
+    `batch_axis` (e.g. 'dp') shards the batch dim of x, positions and the attend args too;
+    the replicated weights' gradients are then summed over it.
     """
     graphdef, state = nnx.split(module)
 
@@ -117,12 +120,13 @@ def sequence_sharded_llm_stage(
 
     if not overlap_tp:
         return body, state
-    if mesh is None or axis_name not in mesh.axis_names:
-        raise ValueError(f"overlap_tp=True needs a mesh with a {axis_name!r} axis; got {mesh}")
+    for name in (axis_name, batch_axis):
+        if name is not None and (mesh is None or name not in mesh.axis_names):
+            raise ValueError(f"overlap_tp=True needs a mesh with a {name!r} axis; got {mesh}")
     tp = mesh.shape[axis_name]
     ops = OverlappedTPOps(axis_name, num_chunks, bidirectional)
     param_specs = megatron_sp_specs(state, axis_name, tp)
-    act = P(None, axis_name, None)
+    act, batch = P(batch_axis, axis_name, None), P(batch_axis)
 
     def fn(state, x, positions, *attend_args):
         if x.ndim != 3 or x.shape[1] % tp:
@@ -133,7 +137,7 @@ def sequence_sharded_llm_stage(
         mapped = jax.shard_map(
             lambda st, xl, pos, *args: body(st, xl, pos, *args, ops=ops),
             mesh=mesh,
-            in_specs=(param_specs, act, P(), *(P() for _ in attend_args)),
+            in_specs=(param_specs, act, batch, *(batch for _ in attend_args)),
             out_specs=act,
         )
         return mapped(state, x, positions, *attend_args)
