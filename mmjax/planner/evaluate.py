@@ -1,0 +1,124 @@
+"""Predicted iteration time of an integer parallelisation (seed 000 §5.1, Eq. 1-2), no JAX.
+
+The LLM runs microbatches of one sample per DP rank, so a global batch of BS samples is
+m = BS / DP_llm pipeline microbatches of DP_llm samples each; unit u splits each microbatch
+over its own DP_u ranks (DP_u divides DP_llm). With C_u(TP) the forward+backward time of
+one sample through the whole unit:
+
+    T_u      = (DP_llm / DP_u) * C_u(TP_u) / PP_u                 (one stage, one microbatch)
+    T_warmup = sum_u (DP_llm / DP_u) * C_u(TP_u) / VPP_u + PP comm  (Eq. 1; VPP, §5.2)
+    T_steady = max_u T_u * (m - 1)                                  (Eq. 2)
+    T_iter   = T_warmup + T_steady + max_u (DP gradient sync of u)
+
+PP communication: PP_u times one boundary tensor over the NIC (§5.1). Memory per GPU: TP x PP
+shards weights and gradients, ZeRO-1 also shards the optimizer state over DP, and the first
+stage keeps min(m, PP) microbatches of activations (1F1B; more with interleaving).
+Everything here is shared by the orchestrator, the baselines and the exhaustive search in
+the tests, so all three price a plan identically.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mmjax.planner.costs import UnitCost
+from mmjax.planner.hardware import Hardware
+
+
+@dataclass(frozen=True)
+class Choice:
+    """Integer parallelism of one unit."""
+
+    tp: int
+    dp: int
+    pp: int
+    vpp: int = 1
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.dp * self.pp
+
+
+def samples_per_rank(c: Choice, dp_llm: int) -> float:
+    return dp_llm / c.dp
+
+
+def stage_time(cost: UnitCost, c: Choice, dp_llm: int) -> float:
+    return samples_per_rank(c, dp_llm) * cost.time_s[c.tp] / c.pp
+
+
+def p2p_time(cost: UnitCost, c: Choice, dp_llm: int, hw: Hardware) -> float:
+    """One stage-to-stage transfer of a microbatch's boundary tensor."""
+    return samples_per_rank(c, dp_llm) * cost.boundary_bytes / hw.nic_bw
+
+
+def warmup_time(cost: UnitCost, c: Choice, dp_llm: int, hw: Hardware) -> float:
+    return (samples_per_rank(c, dp_llm) * cost.time_s[c.tp] / c.vpp
+            + c.pp * p2p_time(cost, c, dp_llm, hw))
+
+
+def sync_time(cost: UnitCost, c: Choice, hw: Hardware) -> float:
+    """ZeRO-1 gradient reduce-scatter + parameter all-gather over the unit's DP group."""
+    if c.dp == 1 or cost.grad_bytes == 0:
+        return 0.0
+    return 2 * (c.dp - 1) / c.dp * cost.grad_bytes / (c.tp * c.pp) / hw.group_bw(c.dp * c.tp)
+
+
+def in_flight(c: Choice, num_microbatches: int) -> float:
+    """Microbatches (in stage units) whose activations the first stage holds."""
+    if c.vpp == 1:
+        return min(num_microbatches, c.pp)
+    return min(num_microbatches, ((c.vpp + 1) * c.pp - 1) / c.vpp)
+
+
+def memory_bytes(cost: UnitCost, c: Choice, dp_llm: int, num_microbatches: int) -> float:
+    shard = c.tp * c.pp
+    return (cost.weight_bytes / shard + cost.optimizer_bytes / (shard * c.dp)
+            + cost.activation_bytes[c.tp] / c.pp * samples_per_rank(c, dp_llm)
+            * in_flight(c, num_microbatches))
+
+
+def choice_error(cost: UnitCost, c: Choice, dp_llm: int, num_microbatches: int,
+                 hw: Hardware) -> str | None:
+    """Why `c` cannot run this unit, or None."""
+    if c.tp not in cost.time_s:
+        return f"tp={c.tp} not in the unit's valid sizes {sorted(cost.time_s)}"
+    if dp_llm % c.dp:
+        return f"dp={c.dp} does not divide the LLM's dp={dp_llm}"
+    if not 1 <= c.pp <= cost.num_layers or (cost.layer_pp_divides and cost.num_layers % c.pp):
+        return f"pp={c.pp} does not split {cost.num_layers} layers"
+    if c.vpp > 1 and (c.pp == 1 or cost.num_layers % (c.pp * c.vpp)
+                      or num_microbatches % c.pp):
+        return f"vpp={c.vpp} needs pp>1, pp*vpp | layers and pp | microbatches"
+    mem = memory_bytes(cost, c, dp_llm, num_microbatches)
+    if mem > hw.hbm_bytes:
+        return f"needs {mem / 1e9:.1f} GB per GPU; have {hw.hbm_bytes / 1e9:.0f} GB"
+    return None
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    iteration_time_s: float
+    warmup_s: float
+    steady_s: float
+    sync_s: float
+    stage_time_s: dict[str, float]
+    memory_gb: dict[str, float]
+    gpus: int
+    mfu: float
+
+
+def evaluate(costs: tuple[UnitCost, ...], choices: dict[str, Choice], global_batch: int,
+             hw: Hardware) -> Evaluation:
+    """Price an integer plan; `choices["llm"].dp` sets the microbatching."""
+    dp_llm = choices["llm"].dp
+    m = global_batch // dp_llm
+    warm = sum(warmup_time(c, choices[c.name], dp_llm, hw) for c in costs)
+    stages = {c.name: stage_time(c, choices[c.name], dp_llm) for c in costs}
+    steady = max(stages.values()) * (m - 1)
+    sync = max(sync_time(c, choices[c.name], hw) for c in costs)
+    total = warm + steady + sync
+    gpus = sum(choices[c.name].gpus for c in costs)
+    flops = global_batch * sum(c.flops for c in costs)
+    return Evaluation(total, warm, steady, sync, stages,
+                      {c.name: memory_bytes(c, choices[c.name], dp_llm, m) / 1e9 for c in costs},
+                      gpus, flops / (total * gpus * hw.peak_flops))

@@ -1,0 +1,48 @@
+"""Accelerator specs used by the analytic cost model (seed 000 §5.1: communication time is
+volume / bandwidth; compute time is FLOPs / achieved throughput).
+
+Bandwidths are per GPU and unidirectional, in bytes/s. `nic_bw` is the node's scale-out
+bandwidth divided by its GPUs (A800 nodes in seed 000 §8: 4x200 Gb/s RoCE; H100 nodes in
+seed 001 §8: 8x400 Gb/s InfiniBand).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    peak_flops: float  # dense bf16 FLOP/s per GPU
+    hbm_bytes: float  # usable memory per GPU
+    nvlink_bw: float  # intra-node, per GPU, one direction
+    nic_bw: float  # inter-node, per GPU, one direction
+    gpus_per_node: int = 8
+    max_efficiency: float = 0.75  # best achieved fraction of peak for wide matmuls
+    half_width: float = 384.0  # per-GPU hidden width at which efficiency is half of the best
+
+    def efficiency(self, local_width: float) -> float:
+        """Achieved fraction of peak for a layer whose per-GPU hidden width is `local_width`:
+        narrow (ViT-sized or heavily tensor-split) layers run far below peak (seed 000 §2.2)."""
+        return self.max_efficiency * local_width / (local_width + self.half_width)
+
+    def group_bw(self, group_span: int) -> float:
+        """Bandwidth of a collective over `group_span` consecutive GPUs."""
+        return self.nvlink_bw if group_span <= self.gpus_per_node else self.nic_bw
+
+
+GB = 1e9
+A800 = Hardware("A800", peak_flops=312e12, hbm_bytes=80 * GB, nvlink_bw=200e9,
+                nic_bw=4 * 200e9 / 8 / 8)
+H100 = Hardware("H100", peak_flops=989e12, hbm_bytes=80 * GB, nvlink_bw=450e9,
+                nic_bw=8 * 400e9 / 8 / 8)
+H200 = Hardware("H200", peak_flops=989e12, hbm_bytes=141 * GB, nvlink_bw=450e9,
+                nic_bw=8 * 400e9 / 8 / 8)
+HARDWARE = {"a800": A800, "h100": H100, "h200": H200}
+
+
+def hardware(name: str) -> Hardware:
+    key = name.lower()
+    if key not in HARDWARE:
+        raise ValueError(f"unknown hardware {name!r}; choose one of {sorted(HARDWARE)}")
+    return HARDWARE[key]

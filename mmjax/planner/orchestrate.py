@@ -1,0 +1,379 @@
+"""Disaggregated model orchestration: seed 000 §5.2, Algorithm 1 (no JAX).
+
+The non-convex problem (GPU counts, TP, DP, PP of every unit) is cut into convex ones by
+enumerating the finite "parallelism" part: TP in {1, 2, 4, 8} per unit and the LLM's DP as a
+factor of the global batch. For each candidate, a *parameterised* cvxpy problem (built once
+per number of units, DPP, re-solved with new parameter values) minimises the relaxed
+T_warmup + T_steady (+ DP sync) over continuous GPU counts x_u (seed 000 Eq. 1-2):
+
+    min (m-1) tau + sum_u k_u x_u + s
+    s.t. c_u / x_u <= tau,  e_u / x_u <= s,  lo_u <= x_u <= hi_u,  sum_u x_u <= N
+
+with c_u = DP_llm TP_u C_u(TP_u), k_u the PP-communication slope, e_u the LLM's ZeRO-1 sync
+volume and lo_u the memory constraint rewritten as a lower bound on x_u (params, grads and
+ZeRO-1 states are 1/x terms; 1F1B activations are constant per GPU). Its optimum plus the
+constant part of the warm-up is a lower bound for every integer plan of the candidate.
+
+Integer repair checks the neighbours of the relaxed optimum: per unit, every DP_u dividing
+DP_llm with PP_u around x_u / (TP_u DP_u) (and the PP that meets the relaxed stage time),
+LLM PP dividing its layers (+ VPP 2 where it applies), then the best combination that fits
+N GPUs, priced exactly by `evaluate.evaluate`. Candidates are visited in order of a cheap
+closed-form bound and skipped once a bound cannot beat the incumbent.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import time
+import warnings
+from dataclasses import dataclass
+
+import cvxpy as cp
+import numpy as np
+
+from mmjax.planner.costs import UnitCost, layer_times, unit_costs, unit_work
+from mmjax.planner.evaluate import (Choice, choice_error, evaluate, memory_bytes,
+                                    p2p_time, stage_time, sync_time, warmup_time)
+from mmjax.planner.hardware import Hardware
+from mmjax.planner.partition import partition_unit
+from mmjax.planner.plan import Plan, PlanError, UnitPlan
+from mmjax.planner.workload import default_workload
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+class RelaxedProblem:
+    """The DPP-parameterised convex relaxation for k units; build once, re-solve often."""
+
+    def __init__(self, k: int):
+        self.k = k
+        self.x = cp.Variable(k)
+        self.tau = cp.Variable(nonneg=True)
+        self.s = cp.Variable(nonneg=True)
+        self.c = cp.Parameter(k, nonneg=True)
+        self.e = cp.Parameter(k, nonneg=True)
+        self.slope = cp.Parameter(k, nonneg=True)
+        self.lo = cp.Parameter(k, nonneg=True)
+        self.hi = cp.Parameter(k, nonneg=True)
+        self.n = cp.Parameter(nonneg=True)
+        self.mm = cp.Parameter(nonneg=True)
+        self.w = cp.Parameter(k, nonneg=True)  # warm-up floor C_u (0 for the LLM)
+        self.wc = cp.Parameter(k, nonneg=True)  # c_u for units whose DP is free, else 0
+        inv = cp.inv_pos(self.x)
+        cons = [cp.multiply(self.c, inv) <= self.tau, cp.multiply(self.e, inv) <= self.s,
+                self.x >= self.lo, self.x <= self.hi, cp.sum(self.x) <= self.n]
+        # warm-up of a unit with DP_u <= DP_llm: (DP_llm / DP_u) C_u >= max(C_u, c_u / x_u)
+        warm = cp.sum(cp.maximum(self.w, cp.multiply(self.wc, inv)))
+        obj = cp.Minimize(self.mm * self.tau + self.slope @ self.x + self.s + warm)
+        self.problem = cp.Problem(obj, cons)
+        assert self.problem.is_dpp()
+
+    def solve(self, c, e, slope, lo, hi, n, mm, w=None, wc=None
+              ) -> tuple[float, np.ndarray] | None:
+        """Optimum and x of the relaxation; `w`, `wc` (default 0) add the warm-up floor."""
+        if np.sum(lo) > n or np.any(lo > hi):
+            return None
+        zero = np.zeros(self.k)
+        self.w.value = zero if w is None else w
+        self.wc.value = zero if wc is None else wc
+        self.c.value, self.e.value, self.slope.value = c, e, slope
+        self.lo.value, self.hi.value = lo, hi
+        self.n.value, self.mm.value = float(n), float(mm)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                self.problem.solve(solver=cp.CLARABEL)
+        except cp.error.SolverError:
+            return None
+        if self.problem.status not in (cp.OPTIMAL, cp.OPTIMAL_INACCURATE):
+            return None
+        # an inaccurate optimum is not a safe bound: report -inf so nothing is pruned on it
+        value = float(self.problem.value) if self.problem.status == cp.OPTIMAL else -math.inf
+        return value, np.asarray(self.x.value, dtype=np.float64)
+
+
+@dataclass(frozen=True)
+class OrchestrationResult:
+    choices: dict[str, Choice]
+    iteration_time_s: float
+    solve_time_s: float
+    candidates: int  # (TP, DP) candidates enumerated
+    relaxations: int  # convex problems solved
+    repairs: int  # candidates whose integer neighbourhood was searched
+
+
+class Orchestrator:
+    """Algorithm 1 of seed 000 over `UnitCost`s (any number of encoder units)."""
+
+    def __init__(self, costs: tuple[UnitCost, ...], hw: Hardware, vpp: bool = True):
+        names = [c.name for c in costs]
+        if "llm" not in names:
+            raise ValueError(f"orchestrate: no 'llm' unit among {names}")
+        self.costs = tuple(costs)
+        self.hw = hw
+        self.vpp = vpp
+        self.llm = names.index("llm")
+        self.relaxed = RelaxedProblem(len(costs))
+
+    # ---- candidate bounds --------------------------------------------------------------
+    def _warm_const(self, tps) -> float:
+        """The warm-up every plan of the candidate pays at least (LLM with VPP 2 at best)."""
+        vmax = 2 if self.vpp else 1
+        return sum(c.time_s[t] / (vmax if i == self.llm else 1)
+                   for i, (c, t) in enumerate(zip(self.costs, tps)))
+
+    def _warm_terms(self, tps, c):
+        w = np.array([0.0 if i == self.llm else cost.time_s[t]
+                      for i, (cost, t) in enumerate(zip(self.costs, tps))])
+        wc = np.where(np.arange(len(c)) == self.llm, 0.0, c)
+        return w, wc
+
+    @staticmethod
+    def _share_bound(c, lo, hi, n) -> float:
+        """Closed-form relaxation for a set of units sharing n GPUs: the smallest tau with
+        sum_u max(lo_u, c_u / tau) <= n (and c_u / tau <= hi_u)."""
+        if len(c) == 0:
+            return 0.0
+        if lo.sum() > n:
+            return math.inf
+        active = np.ones(len(c), dtype=bool)
+        tau = 0.0
+        for _ in range(len(c) + 1):
+            room = n - lo[~active].sum()
+            tau = c[active].sum() / room if active.any() else 0.0
+            moved = active & (c <= lo * tau)
+            if not moved.any():
+                break
+            active &= ~moved
+        return max(tau, float(np.max(c / hi)))
+
+    def _bound(self, tps, dp_llm, inputs, n, bs) -> float:
+        """Lower bound of the candidate: the LLM's PP enumerated exactly (few divisors of
+        its layers), the other units relaxed to a continuous share of the rest."""
+        c, _, _, lo, hi, mm = inputs
+        cost, t, hw = self.costs[self.llm], tps[self.llm], self.hw
+        rest = np.arange(len(c)) != self.llm
+        pps = divisors(cost.num_layers) if cost.layer_pp_divides else range(1, cost.num_layers + 1)
+        m, best = bs // dp_llm, math.inf
+        for pp in pps:
+            ch = Choice(t, dp_llm, pp)
+            if ch.gpus + lo[rest].sum() > n:
+                break
+            fits = [Choice(t, dp_llm, pp, v) for v in ((2, 1) if self.vpp else (1,))
+                    if choice_error(cost, Choice(t, dp_llm, pp, v), dp_llm, m, hw) is None]
+            if not fits:
+                continue
+            tau = max(cost.time_s[t] / pp,
+                      self._share_bound(c[rest], lo[rest], hi[rest], n - ch.gpus))
+            val = mm * tau + warmup_time(cost, fits[0], dp_llm, hw) + sync_time(cost, ch, hw)
+            best = min(best, val)
+        others = sum(cost.time_s[t] for i, (cost, t) in enumerate(zip(self.costs, tps))
+                     if i != self.llm)
+        return others + best
+
+    def _relaxed_inputs(self, tps, dp_llm, n, bs):
+        hw, m = self.hw, bs // dp_llm
+        k = len(self.costs)
+        c, e, slope, lo, hi = (np.zeros(k) for _ in range(5))
+        for i, (cost, t) in enumerate(zip(self.costs, tps)):
+            c[i] = dp_llm * t * cost.time_s[t]
+            dp_lo = dp_llm if i == self.llm else 1
+            slope[i] = p2p_time(cost, Choice(t, dp_llm, 1), dp_llm, hw) / (t * dp_llm)
+            if i == self.llm and dp_llm > 1 and cost.grad_bytes:
+                e[i] = 2 * (dp_llm - 1) * cost.grad_bytes / hw.group_bw(dp_llm * t)
+            # memory: (weights * dp + optimizer) / x + activations <= HBM (activations at
+            # their smallest: one sample per rank, in-flight/pp >= min(1, m / layers))
+            act = cost.activation_bytes[t] * min(1.0, m / cost.num_layers)
+            room = hw.hbm_bytes - act
+            if room <= 0:
+                return None
+            need = (cost.weight_bytes * dp_lo + cost.optimizer_bytes) / room
+            lo[i] = max(float(t * dp_lo), need)
+            hi[i] = float(t * dp_llm * cost.num_layers)
+        return c, e, slope, lo, hi, m - 1
+
+    # ---- integer repair ----------------------------------------------------------------
+    def _unit_options(self, i, t, dp_llm, x_star, tau_star, n, m):
+        cost, hw = self.costs[i], self.hw
+        out = []
+        if i == self.llm:
+            dps = [dp_llm]
+        else:
+            dps = [d for d in divisors(dp_llm) if t * d <= n]
+        for dp in dps:
+            r = x_star / (t * dp)
+            valid = (divisors(cost.num_layers) if cost.layer_pp_divides
+                     else list(range(1, cost.num_layers + 1)))
+            # the fewest stages that fit in memory (memory falls as PP grows: bisect)
+            lo_i, hi_i = 0, len(valid)
+            while lo_i < hi_i:
+                mid = (lo_i + hi_i) // 2
+                if memory_bytes(cost, Choice(t, dp, valid[mid]), dp_llm, m) <= hw.hbm_bytes:
+                    hi_i = mid
+                else:
+                    lo_i = mid + 1
+            fits = valid[lo_i:lo_i + 2]
+            if not fits:
+                continue
+            below = [p for p in valid if p <= r][-2:]
+            above = [p for p in valid if p > r][:2]
+            pps = set(below + above + fits[:2])
+            if tau_star > 0 and not cost.layer_pp_divides:
+                pps.add(min(cost.num_layers, math.ceil(dp_llm / dp * cost.time_s[t] / tau_star)))
+            for pp in sorted(pps):
+                for v in ((1, 2) if self.vpp and i == self.llm else (1,)):
+                    ch = Choice(t, dp, pp, v)
+                    if ch.gpus > n or choice_error(cost, ch, dp_llm, m, hw):
+                        continue
+                    out.append((ch, ch.gpus, stage_time(cost, ch, dp_llm),
+                                warmup_time(cost, ch, dp_llm, hw), sync_time(cost, ch, hw)))
+        return out
+
+    def _repair(self, tps, dp_llm, x, tau, n, bs):
+        m = bs // dp_llm
+        opts = [self._unit_options(i, t, dp_llm, x[i], tau, n, m) for i, t in enumerate(tps)]
+        if any(not o for o in opts):
+            return None
+        arrays = [np.array([o[1:] for o in unit]) for unit in opts]
+        shape = [len(a) for a in arrays]
+        g = np.zeros(shape)
+        stage = np.zeros(shape)
+        warm = np.zeros(shape)
+        sync = np.zeros(shape)
+        for ax, a in enumerate(arrays):
+            view = [1] * len(shape)
+            view[ax] = len(a)
+            g = g + a[:, 0].reshape(view)
+            stage = np.maximum(stage, a[:, 1].reshape(view))
+            warm = warm + a[:, 2].reshape(view)
+            sync = np.maximum(sync, a[:, 3].reshape(view))
+        total = warm + (m - 1) * stage + sync
+        total = np.where(g <= n, total, np.inf)
+        flat = int(np.argmin(total))
+        if not np.isfinite(total.flat[flat]):
+            return None
+        idx = np.unravel_index(flat, shape)
+        return float(total.flat[flat]), {self.costs[i].name: opts[i][j][0]
+                                         for i, j in enumerate(idx)}
+
+    # ---- Algorithm 1 -------------------------------------------------------------------
+    def solve(self, num_gpus: int, global_batch: int) -> OrchestrationResult:
+        start = time.perf_counter()
+        n, bs = num_gpus, global_batch
+        tp_sets = [sorted(c.time_s) for c in self.costs]
+        cands = []
+        for dp_llm in divisors(bs):
+            for tps in itertools.product(*tp_sets):
+                if tps[self.llm] * dp_llm + sum(t for j, t in enumerate(tps) if j != self.llm) > n:
+                    continue
+                inputs = self._relaxed_inputs(tps, dp_llm, n, bs)
+                if inputs is None:
+                    continue
+                c, e, slope, lo, hi, mm = inputs
+                lb0 = self._bound(tps, dp_llm, inputs, n, bs)
+                if math.isfinite(lb0):
+                    cands.append((lb0, dp_llm, tps, inputs))
+        cands.sort(key=lambda z: z[0])
+        best_t, best, relaxations, repairs = math.inf, None, 0, 0
+        for lb0, dp_llm, tps, (c, e, slope, lo, hi, mm) in cands:
+            if lb0 >= best_t * (1 - 1e-9):
+                break
+            relaxations += 1
+            w, wc = self._warm_terms(tps, c)
+            sol = self.relaxed.solve(c, e, slope, lo, hi, n, mm, w, wc)
+            if sol is None:
+                continue
+            value, x = sol
+            const = self.costs[self.llm].time_s[tps[self.llm]] / (2 if self.vpp else 1)
+            if value + const >= best_t * (1 - 1e-9):
+                continue
+            tau = float(np.max(c / np.maximum(x, 1e-12)))
+            repairs += 1
+            rep = self._repair(tps, dp_llm, x, tau, n, bs)
+            if rep is not None and rep[0] < best_t:
+                best_t, best = rep
+        if best is None:
+            raise PlanError(infeasible_message(self.costs, self.hw, n, bs))
+        return OrchestrationResult(best, best_t, time.perf_counter() - start, len(cands),
+                                   relaxations, repairs)
+
+
+def infeasible_message(costs, hw: Hardware, n: int, bs: int) -> str:
+    """Say what is short and by how much (memory per GPU, or GPU count)."""
+    llm = next(c for c in costs if c.name == "llm")
+    tp = max(llm.time_s)
+    others = sum(min(c.time_s) for c in costs if c.name != "llm")
+    pps = [p for p in divisors(llm.num_layers) if tp * p + others <= n]
+    if not pps:
+        need = tp + others
+        return (f"too few GPUs: the smallest plan needs {need} GPUs (llm tp={tp}, one GPU "
+                f"group per other unit); have {n}: add {need - n} GPUs")
+    pp = pps[-1]
+    mem = memory_bytes(llm, Choice(tp, 1, pp), 1, bs) / 1e9
+    have = hw.hbm_bytes / 1e9
+    if mem > have:
+        bigger = [p for p in divisors(llm.num_layers) if p > pp]
+        hint = (f"add GPUs (pp={bigger[0]} needs {tp * bigger[0] + others} GPUs)"
+                if bigger else "use activation recomputation or a smaller model")
+        return (f"model needs {mem:.1f} GB per GPU at tp={tp}, pp={pp}; have {have:.0f} GB: "
+                f"{hint}, or use GPUs with more memory")
+    for c in costs:
+        t = max(c.time_s)
+        m = memory_bytes(c, Choice(t, 1, c.num_layers), 1, bs) / 1e9
+        if m > have:
+            return (f"unit {c.name!r} needs {m:.1f} GB per GPU even at tp={t}, "
+                    f"pp={c.num_layers}; have {have:.0f} GB: use activation recomputation")
+    return (f"no plan fits {n} GPUs with global_batch={bs}: add GPUs or change the global "
+            f"batch (its divisors set the LLM's DP)")
+
+
+def orchestrate(costs: tuple[UnitCost, ...], hw: Hardware, num_gpus: int, global_batch: int,
+                vpp: bool = True) -> OrchestrationResult:
+    return Orchestrator(costs, hw, vpp).solve(num_gpus, global_batch)
+
+
+def to_plan(model, costs: tuple[UnitCost, ...], choices: dict[str, Choice], global_batch: int,
+            hw: Hardware, kind: str, layer_costs: dict | None = None,
+            solve_time_s: float = 0.0) -> Plan:
+    """A validated `Plan` for integer `choices`, layers split frozen-aware (partition.py)
+    over pp x vpp virtual stages, with `predicted` filled from `evaluate`."""
+    units = []
+    for cost in costs:
+        ch = choices[cost.name]
+        stages = ch.pp * ch.vpp
+        if layer_costs and cost.name in layer_costs:
+            layers = partition_unit(cost.name, layer_costs[cost.name][ch.tp], stages).split
+        else:
+            layers = Plan.even_layers(cost.num_layers, stages)
+        units.append(UnitPlan(name=cost.name, dp=ch.dp, tp=ch.tp, pp=ch.pp, layers=layers,
+                              num_chunks=ch.vpp, frozen=model.frozen(cost.name)))
+    dp_llm = choices["llm"].dp
+    plan = Plan(tuple(units), global_batch, global_batch // dp_llm, kind=kind)
+    ev = evaluate(costs, choices, global_batch, hw)
+    plan.predicted.update({
+        "iteration_time_s": ev.iteration_time_s, "mfu": ev.mfu, "memory_gb": ev.memory_gb,
+        "stage_time_s": ev.stage_time_s, "warmup_s": ev.warmup_s, "steady_s": ev.steady_s,
+        "sync_s": ev.sync_s, "gpus": ev.gpus,
+        "samples_per_s": global_batch / ev.iteration_time_s, "solve_time_s": solve_time_s,
+        "hardware": hw.name})
+    return plan.validate(model, ev.gpus)
+
+
+def model_costs(model, hw: Hardware, workload=None, recompute: bool = False):
+    """(UnitCosts, per-unit per-TP layer costs) of `model` on its paper workload."""
+    wl = workload or default_workload(model)
+    costs = unit_costs(model, wl, hw, recompute)
+    layer_costs = {c.name: {t: layer_times(unit_work(model, wl, c.name), t, hw, recompute)
+                            for t in c.time_s} for c in costs}
+    return costs, layer_costs
+
+
+def plan_model(model, hw: Hardware, num_gpus: int, global_batch: int, workload=None,
+               recompute: bool = False, vpp: bool = True) -> Plan:
+    """The disaggregated plan for `model` on `num_gpus` GPUs (seed 000 §5)."""
+    costs, layer_costs = model_costs(model, hw, workload, recompute)
+    res = orchestrate(costs, hw, num_gpus, global_batch, vpp)
+    return to_plan(model, costs, res.choices, global_batch, hw, "disaggregated", layer_costs,
+                   res.solve_time_s)
