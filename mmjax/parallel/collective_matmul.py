@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 
@@ -336,7 +336,6 @@ def matmul_reducescatter_on_mesh(
 def plain_sharded_matmuls(mesh: Mesh, axis_name: str = "tp") -> tuple:
     """The GSPMD baselines the decomposed versions must equal: (column, row) functions that
     do `x @ w` under Megatron-SP sharding constraints and let XLA insert the collectives."""
-    from jax.sharding import NamedSharding
 
     def constrain(a, spec):
         return lax.with_sharding_constraint(a, NamedSharding(mesh, spec))

@@ -8,10 +8,11 @@ a Megatron block runs with sequence-sharded activations between projections:
     x [B, S/N, d] --norm--> column (all-gather-matmul) -> [B, S, n/N] (local heads / ffn)
       --attention or SwiGLU (local)--> row (matmul-reduce-scatter) -> [B, S/N, d] + residual
 
-`sequence_sharded_llm_stage` wraps an LLM block stack (`module.run_layers(x, positions, attend, ops)`) in
-that `shard_map` when `overlap_tp=True`, with activation spec P(None, 'tp', None), column
-weights P(None, 'tp') (biases P('tp')), row weights P('tp', None), everything else
-replicated; with `overlap_tp=False` it is the same stack with plain dots (GSPMD TP).
+`sequence_sharded_llm_stage` wraps an LLM block stack (`module.run_layers(x, positions,
+attend, ops)`) in that `shard_map` when `overlap_tp=True`, with activation spec
+P(None, 'tp', None), column weights P(None, 'tp') (biases P('tp')), row weights
+P('tp', None), everything else replicated; with `overlap_tp=False` it is the same stack with
+plain dots (GSPMD TP).
 """
 from __future__ import annotations
 
@@ -103,9 +104,10 @@ def sequence_sharded_llm_stage(
 
     Returns `(fn, state)`; `fn(state, x, positions, *attend_args) -> y`, x/y `[B, S, d]`,
     positions `[B, S]`, `attend = make_attend(*attend_args)` (e.g. `llm.mask_attend` with
-    the `[B, S, S]` mask; every attend arg has the batch as its leading dim). With `overlap_tp=True` the stack runs inside `shard_map` over
-    `mesh`'s `axis_name` with `OverlappedTPOps` (S must divide by the TP size); otherwise with
-    the module's default plain dots, to be sharded by GSPMD under the caller's jit.
+    the `[B, S, S]` mask; every attend arg has the batch as its leading dim). With
+    `overlap_tp=True` the stack runs inside `shard_map` over `mesh`'s `axis_name` with
+    `OverlappedTPOps` (S must divide by the TP size); otherwise with the module's default
+    plain dots, to be sharded by GSPMD under the caller's jit.
     `batch_axis` (e.g. 'dp') shards the batch dim of x, positions and the attend args too;
     the replicated weights' gradients are then summed over it.
     """
