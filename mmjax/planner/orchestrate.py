@@ -314,9 +314,11 @@ def infeasible_message(costs, hw: Hardware, n: int, bs: int) -> str:
     mem = memory_bytes(llm, Choice(tp, 1, pp), 1, bs) / 1e9
     have = hw.hbm_bytes / 1e9
     if mem > have:
-        bigger = [p for p in divisors(llm.num_layers) if p > pp]
-        hint = (f"add GPUs (pp={bigger[0]} needs {tp * bigger[0] + others} GPUs)"
-                if bigger else "use activation recomputation or a smaller model")
+        fit = [p for p in divisors(llm.num_layers)
+               if memory_bytes(llm, Choice(tp, 1, p), 1, bs) <= hw.hbm_bytes]
+        hint = (f"add GPUs (the LLM fits from pp={fit[0]}: {tp * fit[0] + others} GPUs, "
+                f"{tp * fit[0] + others - n} more)"
+                if fit else "use activation recomputation or a smaller model")
         return (f"model needs {mem:.1f} GB per GPU at tp={tp}, pp={pp}; have {have:.0f} GB: "
                 f"{hint}, or use GPUs with more memory")
     for c in costs:

@@ -1,0 +1,129 @@
+"""Plan a model's disaggregated orchestration (seed 000 §5) and compare with the baselines.
+
+    python scripts/plan.py --gin_file=configs/disttrain/mllm_72b.gin --gpus=1296 \
+        --global_batch=1920 [--baseline=megatron|ratio] [--hardware=a800] [--json=FILE]
+
+Prints, per unit, GPUs, DP/TP/PP, stage time and memory per GPU, and the predicted
+iteration time and MFU of the planner's plan beside the Megatron and FLOPs-ratio baselines.
+`--baseline` makes that baseline the plan that is printed first and saved. The JSON is the
+`Plan` (loadable with `Plan.load`) plus `solve_time_s` and the baselines' predictions.
+An infeasible request ends with exit code 2 and a message saying what is short.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import gin  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from mmjax.planner.baselines import baseline_plan  # noqa: E402
+from mmjax.planner.hardware import hardware  # noqa: E402
+from mmjax.planner.orchestrate import plan_model  # noqa: E402
+from mmjax.planner.plan import PlanError  # noqa: E402
+
+FAMILY_HARDWARE = {"disttrain": "a800", "orchmllm": "h100", "cornstarch": "a800"}
+
+
+def load_model(gin_file: str, gin_params: list[str]):
+    from mmjax.train.config import named_model_config
+
+    try:
+        gin.parse_config_files_and_bindings([gin_file], gin_params, skip_unknown=True)
+    except Exception as e:  # gin raises several types; all mean a bad file or binding
+        raise SystemExit(f"error in gin file {gin_file}: {e}")
+    return named_model_config()
+
+
+def unit_table(plan, title: str) -> Table:
+    p = plan.predicted
+    t = Table(title=f"{title}: {p['iteration_time_s']:.3f} s/iter, MFU {100 * p['mfu']:.1f}%, "
+                    f"{p['gpus']} GPUs")
+    for col in ("unit", "GPUs", "DP", "TP", "PP", "VPP", "layers/stage", "stage time (s)",
+                "memory (GB/GPU)", "frozen"):
+        t.add_column(col, justify="left" if col in ("unit", "layers/stage") else "right")
+    for u in plan.units:
+        layers = ",".join(str(x) for x in u.layers)
+        t.add_row(u.name, str(u.num_devices), str(u.dp), str(u.tp), str(u.pp), str(u.num_chunks),
+                  layers if len(layers) < 40 else layers[:37] + "...",
+                  f"{p['stage_time_s'][u.name]:.4f}", f"{p['memory_gb'][u.name]:.1f}",
+                  "yes" if u.frozen else "")
+    return t
+
+
+def summary_table(plans: dict) -> Table:
+    t = Table(title="side by side")
+    for col in ("plan", "GPUs", "iteration (s)", "samples/s", "MFU", "speedup of planner"):
+        t.add_column(col, justify="right")
+    ref = plans.get("planner")
+    for name, plan in plans.items():
+        p = plan.predicted
+        speed = (f"{p['iteration_time_s'] / ref.predicted['iteration_time_s']:.2f}x"
+                 if ref is not None else "-")
+        t.add_row(name, str(p["gpus"]), f"{p['iteration_time_s']:.3f}",
+                  f"{p['samples_per_s']:.1f}", f"{100 * p['mfu']:.1f}%", speed)
+    return t
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gin_file", required=True)
+    ap.add_argument("--gin_param", action="append", default=[])
+    ap.add_argument("--gpus", type=int, required=True)
+    ap.add_argument("--global_batch", type=int, required=True)
+    ap.add_argument("--baseline", choices=["megatron", "ratio"])
+    ap.add_argument("--hardware", help="a800 | h100 | h200 (default: the paper's)")
+    ap.add_argument("--recompute", action="store_true", help="activation recomputation")
+    ap.add_argument("--no_vpp", action="store_true", help="disable interleaved 1F1B")
+    ap.add_argument("--json", help="write the plan here")
+    args = ap.parse_args(argv)
+    console = Console(width=None if sys.stdout.isatty() else 132)
+    if args.gpus < 1 or args.global_batch < 1:
+        console.print("[red]--gpus and --global_batch must be positive[/red]")
+        return 2
+    model = load_model(args.gin_file, args.gin_param)
+    hw = hardware(args.hardware or FAMILY_HARDWARE.get(model.name.split("/")[0], "h100"))
+    plans, errors = {}, {}
+    try:
+        plans["planner"] = plan_model(model, hw, args.gpus, args.global_batch,
+                                      recompute=args.recompute, vpp=not args.no_vpp)
+    except PlanError as e:
+        errors["planner"] = str(e)
+    for kind in ("megatron", "ratio"):
+        try:
+            plans[kind] = baseline_plan(model, kind, hw, args.gpus, args.global_batch,
+                                        recompute=args.recompute)
+        except PlanError as e:
+            errors[kind] = str(e)
+    primary = args.baseline or "planner"
+    console.print(f"[bold]{model.name}[/bold] on {args.gpus} x {hw.name}, "
+                  f"global batch {args.global_batch}")
+    if primary not in plans:
+        console.print(f"[red]infeasible ({primary}):[/red] {errors[primary]}")
+        return 2
+    for name in [primary] + [k for k in plans if k != primary]:
+        console.print(unit_table(plans[name], name))
+    for name, err in errors.items():
+        console.print(f"[yellow]{name}: infeasible:[/yellow] {err}")
+    console.print(summary_table(plans))
+    if "planner" in plans:
+        console.print(f"planner solve time: {plans['planner'].predicted['solve_time_s'] * 1e3:.0f} ms")
+    if args.json:
+        out = plans[primary].to_json()
+        out["solve_time_s"] = plans[primary].predicted.get("solve_time_s", 0.0)
+        out["model"] = model.name
+        out["baselines"] = {k: v.predicted for k, v in plans.items() if k != primary}
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+        console.print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
