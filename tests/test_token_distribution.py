@@ -22,10 +22,19 @@ def test_bitfield_block_work_equals_dense(family):
         np.testing.assert_array_equal(td.block_work(m, block), td.block_work(m.dense(), block))
 
 
+def _random_runs(seq_len, rng):
+    """Arbitrary metadata repeated in runs, so blocks hold one piece or several."""
+    m = _random_bitfield(seq_len, rng)
+    reps = rng.integers(1, 12, size=seq_len)
+    rep = lambda a: np.repeat(a, reps)[:seq_len]
+    return td.BitfieldMask(bam=rep(m.bam), doc=rep(m.doc), sub=rep(m.sub))
+
+
 def test_bitfield_block_work_equals_dense_on_arbitrary_metadata():
     rng = np.random.default_rng(0)
-    for _ in range(30):
-        m = _random_bitfield(int(rng.integers(1, 90)), rng)
+    for i in range(60):
+        make = _random_bitfield if i % 2 else _random_runs
+        m = make(int(rng.integers(1, 120)), rng)
         for block in (1, 3, 8):
             np.testing.assert_array_equal(td.block_work(m, block),
                                           td.block_work(m.dense(), block))

@@ -108,8 +108,7 @@ def cp_attention(q, k, v, meta: TokenMeta, *, mesh_axis: str = "cp", num_head_gr
     KV heads (one collective per group for K and V together) so communication of the next
     group overlaps compute of the current one. Returns [B, L, H, D].
     """
-    b, l, h, d = q.shape
-    kv = k.shape[2]
+    h, kv = q.shape[2], k.shape[2]
     if h % kv:
         raise ValueError(f"query heads ({h}) must be a multiple of kv heads ({kv})")
     if num_head_groups < 1 or kv % num_head_groups:

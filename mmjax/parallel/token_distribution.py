@@ -123,15 +123,19 @@ def block_work(mask, block_size: int = 128) -> np.ndarray:
 def _tiles_from_bitfield(mask: BitfieldMask, block_size: int) -> np.ndarray:
     """Non-empty key tiles per query block, from runs of equal metadata ("pieces").
 
-    A piece is a maximal run of tokens with equal (bam, doc, sub) inside one block. Within a
-    query piece P and key piece K (same doc): a text query allows K iff bam bits meet and
-    K.start <= P.end (some key precedes some query); a modality query allows K iff the
-    subsequence ids match. Cost is O(pieces x pieces-per-document), not O(S^2).
+    A piece is a maximal run of tokens with equal (bam, doc, sub) inside one block. A text
+    query piece P (doc d, bits b) covers the key blocks holding a piece of doc d that shares
+    a bit with b and starts at or before P's end (some key precedes some query); those
+    blocks, in order of their first such piece, form a list whose covered prefix is found by
+    one binary search. A modality piece covers the blocks of its (doc, subsequence). A block
+    with one piece (the common case) needs only that count, vectorised per (d, b); blocks
+    with several pieces take the union. Memory and time are O(pieces), never O(S^2).
     """
     s = mask.seq_len
     nb = num_blocks(s, block_size)
+    tiles = np.zeros(nb, np.int64)
     if s == 0:
-        return np.zeros(0, np.int64)
+        return tiles
     idx = np.arange(s)
     change = np.ones(s, dtype=bool)
     change[1:] = ((mask.bam[1:] != mask.bam[:-1]) | (mask.doc[1:] != mask.doc[:-1])
@@ -142,37 +146,58 @@ def _tiles_from_bitfield(mask: BitfieldMask, block_size: int) -> np.ndarray:
     block = start // block_size
     real = doc != 0
     start, end, bam, doc, sub, block = (a[real] for a in (start, end, bam, doc, sub, block))
+    if start.size == 0:
+        return tiles
+    text = (bam & 1) != 0
+    alone = np.bincount(block, minlength=nb)[block] == 1
 
-    # Key pieces grouped by document, each group in sequence order.
-    order = np.lexsort((start, doc))
-    doc_sorted = doc[order]
-    bounds = np.flatnonzero(np.diff(doc_sorted)) + 1
-    groups = {}
-    for g in np.split(order, bounds):
-        if g.size:
-            groups[int(doc[g[0]])] = (start[g], bam[g], sub[g], block[g])
+    # Text patterns (doc, bits): distinct key blocks with their first covering start.
+    covers = {}
+    patterns, which = np.unique(np.stack([doc[text], bam[text]], axis=1), axis=0,
+                                return_inverse=True)
+    which = which.reshape(-1)
+    text_ids = np.flatnonzero(text)
+    for i, (d, b) in enumerate(patterns.tolist()):
+        sel = np.flatnonzero((doc == d) & ((bam & b) != 0))  # in sequence order
+        k_start, k_block = start[sel], block[sel]
+        first = np.ones(sel.size, dtype=bool)
+        first[1:] = k_block[1:] != k_block[:-1]
+        fs, fb = k_start[first], k_block[first]
+        covers[("t", d, b)] = (fs, fb)
+        q = text_ids[which == i]
+        q = q[alone[q]]
+        tiles[block[q]] = np.searchsorted(fs, end[q], side="right")
 
-    tiles = np.zeros(nb, np.int64)
+    # Modality subsequences (doc, sub): the blocks holding them.
+    mod_ids = np.flatnonzero(~text & (sub != 0))
+    for p in mod_ids:
+        key = ("m", int(doc[p]), int(sub[p]))
+        if key not in covers:
+            covers[key] = np.unique(block[(doc == doc[p]) & (sub == sub[p])])
+        if alone[p]:
+            tiles[block[p]] = covers[key].size
+
+    # Blocks with several pieces: union of what each piece covers.
     marks = np.zeros(nb, dtype=bool)
-    current = -1
-    for p in range(start.size):  # query pieces in sequence order, so blocks come in order
-        qb = int(block[p])
-        if qb != current:
-            if current >= 0:
-                tiles[current] = marks.sum()
-                marks[:] = False
-            current = qb
-        k_start, k_bam, k_sub, k_block = groups[int(doc[p])]
-        if bam[p] & 1:
-            sel = ((k_bam & bam[p]) != 0) & (k_start <= end[p])
-        elif sub[p] != 0:
-            sel = k_sub == sub[p]
-        else:
-            continue
-        marks[k_block[sel]] = True
-    if current >= 0:
-        tiles[current] = marks.sum()
+    shared = np.flatnonzero(~alone)
+    for qb, group in zip(*_runs(block[shared], shared)):
+        for p in group:
+            if text[p]:
+                fs, fb = covers[("t", int(doc[p]), int(bam[p]))]
+                marks[fb[:np.searchsorted(fs, end[p], side="right")]] = True
+            elif sub[p] != 0:
+                marks[covers[("m", int(doc[p]), int(sub[p]))]] = True
+        tiles[qb] = marks.sum()
+        marks[:] = False
     return tiles
+
+
+def _runs(keys: np.ndarray, values: np.ndarray):
+    """Split `values` into runs of equal consecutive `keys`: (run keys, list of value arrays)."""
+    if keys.size == 0:
+        return [], []
+    cuts = np.flatnonzero(np.diff(keys)) + 1
+    return keys[np.r_[0, cuts]].tolist(), np.split(values, cuts)
 
 
 def lpt(work: np.ndarray, num_ranks: int, capacity: int | None = None) -> np.ndarray:
