@@ -115,6 +115,9 @@ def laion_spec(cfg: SyntheticConfig, seed: int, index: int) -> Spec:
             spec.append(_text(cfg, rng))
         spec.append(_image(cfg, rng))
     spec.append(_text(cfg, rng))
+    if cfg.gen_fraction and rng.random() < cfg.gen_fraction:
+        # DistTrain's generation side: the text is a prompt for an image to generate.
+        spec.append(("image_out", cfg.latent_shape, cfg.gen_queries))
     return spec
 
 

@@ -47,7 +47,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, compute_dtype=jn
             state.trainable, state.frozen, batch)
         updates, opt_state = tx.update(grads, state.opt_state, state.trainable)
         trainable = optax.apply_updates(state.trainable, updates)
-        metrics = {"loss": loss, **aux, "grad_norm": optax.global_norm(grads)}
+        metrics = {"loss": loss, **aux, "grad_norm": optax.tree.norm(grads)}
         return TrainState(state.step + 1, trainable, state.frozen, opt_state), metrics
 
     return jax.jit(train_step, donate_argnums=(0,))

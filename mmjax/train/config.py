@@ -1,0 +1,29 @@
+"""gin entry points for model configs: a named config plus dotted-path overrides."""
+from __future__ import annotations
+
+import gin
+
+from mmjax.models.config import MLLMConfig, with_overrides
+from mmjax.models.tiny import TINY_CONFIGS
+
+
+def all_config_names() -> list[str]:
+    from mmjax.models import named
+
+    return sorted(set(TINY_CONFIGS) | set(named.NAMED_CONFIGS))
+
+
+@gin.configurable
+def named_model_config(name: str = "tiny", overrides: dict | None = None) -> MLLMConfig:
+    """`named_model_config.name = "disttrain/mllm_9b"` in gin; overrides like
+    `{"llm.num_layers": 2, "encoders.vision.frozen": True}`."""
+    if name in TINY_CONFIGS:
+        cfg = TINY_CONFIGS[name]()
+    else:
+        from mmjax.models import named
+
+        if name not in named.NAMED_CONFIGS:
+            raise ValueError(f"named_model_config.name={name!r} is unknown; "
+                             f"choose one of {all_config_names()}")
+        cfg = named.NAMED_CONFIGS[name]()
+    return with_overrides(cfg, overrides)
