@@ -10,15 +10,15 @@ Parts (``--parts``, default 1 2 3; one function per part):
      padded (count x longest: padded batches). intra_reorder and "sum" are the same LPT greedy
      (see reorder.intra_reorder), so their columns agree.
   2. Simulated 1F1B / interleaved iteration time (the seed 000 §6.2 recurrence) of random
-     order (mean over all l! orders), inter-microbatch reordering (Alg. 3) and the exhaustive
-     optimum, l = 8 microbatches, p in {2, 4, 8}; microbatch cost = encoder tokens it holds.
+     order (mean over all l! orders), ascending order, inter-microbatch reordering (Alg. 3,
+     alone and with reorder's guard) and the exhaustive optimum, l = 8 microbatches, p in
+     {2, 4, 8}; also l = 32, 64 against sampled random orders and the lower bound.
+     Microbatch cost = encoder tokens it holds.
   3. Balancing compute time at seed 001 Table 2 scales (DP 64 ... 2560, 60 samples per rank):
      each policy and node-wise rearrangement (8 ranks per node; MILP up to --max_milp_ranks,
      greedy fast path above). OrchMLLM's whole dispatcher overhead there is 16.7-53.9 ms.
      "sum_square" is O(n d) (a numpy scan per sample) and skipped above --sum_square_max_dp.
-  4. Loader throughput (mmjax/data/loader.py, seed 000 §4.2 / 003 §6): samples/s with 0, 1, 2
-     grain worker processes and the trainer's wait per step while a simulated training step
-     runs (--step_ms). Not in the default set (it spawns worker processes): --parts 4.
+  (4. Loader throughput is added with the loader.)
 
   python scripts/bench_data.py [--parts 1 2 3] [--json bench_results/bench_data.json]
 """
@@ -102,37 +102,80 @@ def part1_imbalance(args, console) -> list[dict]:
     return rows
 
 
+def _orders(f, p, v, sc):
+    return {"ascending": sorted(range(len(f)), key=lambda j: (f[j], j)),
+            "alg3": reorder.inter_reorder(f, p, num_chunks=v, guard=False, stage_costs=sc),
+            "inter_reorder": reorder.inter_reorder(f, p, num_chunks=v, stage_costs=sc)}
+
+
+def _stage_costs(kind, p, f):
+    """"uniform": every stage ~ microbatch size (one pipelined unit). "enc+llm": seed 000
+    §6.2's pipeline, encoder stage 0 ~ size, LLM stages at a fixed time (the mean encoder
+    time: the orchestrator balances the units)."""
+    if kind == "uniform":
+        return None
+    m = float(np.mean(f))
+    return [(1.0, 0.0, 0.0)] + [(0.0, m, 2 * m)] * (p - 1)
+
+
+def _lower_bound(sc, p, f, b) -> float:
+    """1F1B lower bound for every order: stage s does all its work, after some forward has
+    crossed stages 0..s-1 and before the last backward crosses them back."""
+    sc = sc or [(1.0, 0.0, 0.0)] * p
+    best = 0.0
+    for s in range(p):
+        scale, fo, bo = sc[s]
+        work = sum(scale * (fj + bj) + fo + bo for fj, bj in zip(f, b))
+        head = min(sum(sc[t][0] * fj + sc[t][1] for t in range(s)) for fj in f)
+        tail = min(sum(sc[t][0] * bj + sc[t][2] for t in range(s)) for bj in b)
+        best = max(best, head + work + tail)
+    return best
+
+
 def part2_pipeline(args, console) -> list[dict]:
     rows = []
     rng = np.random.default_rng(args.seed + 1)
-    l = args.microbatches
     sizes = phase_lengths("laion", 4096, args.seed + 1)["image"]
-    for p, v in [(p, 1) for p in args.stages] + [(p, 2) for p in args.stages
-                                                    if l % p == 0 and p < 8]:
-        model = reorder.PipelineModel.build(p, l, v)
-        for trial in range(args.trials):
-            mb = rng.choice(sizes, (l, args.mb_size)).sum(axis=1).astype(float)
-            f, b = mb.tolist(), (2.0 * mb).tolist()
-            t0 = time.perf_counter()
-            order = reorder.inter_reorder(f, p, num_chunks=v)
-            reorder_ms = (time.perf_counter() - t0) * 1e3
-            times = [model.iteration_time([f[j] for j in o], [b[j] for j in o])
-                     for o in itertools.permutations(range(l))]
-            got = reorder.pipeline_time(f, p, order, num_chunks=v)
-            opt = min(times)
-            rows.append({"p": p, "v": v, "l": l, "trial": trial, "random_mean": float(np.mean(times)),
-                         "random_worst": max(times), "inter_reorder": got, "optimum": opt,
-                         "inter_reorder_ms": reorder_ms})
-    table = Table(title=f"(2) simulated iteration time / optimum, l = {l} microbatches of "
-                        f"{args.mb_size} LAION-like samples (cost = image tokens, b = 2f)")
-    for col in ("p", "v (chunks)", "trial", "random (mean of l!)", "random worst",
-                "inter_reorder", "optimum", "reorder ms"):
+    shapes = [(p, 1, args.microbatches) for p in args.stages]
+    shapes += [(p, 2, args.microbatches) for p in args.stages if args.microbatches % p == 0 and p < 8]
+    shapes += [(p, 1, l) for l in args.long_microbatches for p in args.stages if p < l]  # v = 1
+    for (p, v, l), kind, trial in itertools.product(shapes, ("uniform", "enc+llm"),
+                                                     range(args.trials)):
+        mb = rng.choice(sizes, (l, args.mb_size)).sum(axis=1).astype(float)
+        f, b = mb.tolist(), (2.0 * mb).tolist()
+        sc = _stage_costs(kind, p, f)
+        model = reorder.PipelineModel.build(p, l, v, sc)
+
+        def run(o):
+            return model.iteration_time([f[j] for j in o], [b[j] for j in o])
+
+        t0 = time.process_time()
+        reorder.inter_reorder(f, p, num_chunks=v, stage_costs=sc)
+        row = {"model": kind, "p": p, "v": v, "l": l, "trial": trial,
+               "inter_reorder_ms": (time.process_time() - t0) * 1e3}
+        if l <= 8:
+            times = [run(o) for o in itertools.permutations(range(l))]
+            row.update(random_mean=float(np.mean(times)), random_worst=max(times),
+                       optimum=min(times), ref="optimum")
+        else:  # no exhaustive search: random = mean of sampled orders, ref = lower bound
+            times = [run(rng.permutation(l)) for _ in range(args.random_orders)]
+            row.update(random_mean=float(np.mean(times)), random_worst=max(times),
+                       optimum=None, ref="lower bound",
+                       lower_bound=_lower_bound(sc, p, f, b))
+        row.update({name: run(o) for name, o in _orders(f, p, v, sc).items()})
+        rows.append(row)
+    table = Table(title=f"(2) simulated iteration time / reference (exhaustive optimum for "
+                        f"l <= 8, else a per-stage lower bound); microbatches "
+                        f"of {args.mb_size} LAION-like samples, cost = image tokens, b = 2f")
+    for col in ("model", "p", "v", "l", "trial", "random (mean)", "random worst", "ascending",
+                "Alg. 3", "inter_reorder (guarded)", "ref", "reorder ms"):
         table.add_column(col, justify="right")
     for r in rows:
-        o = r["optimum"]
-        table.add_row(str(r["p"]), str(r["v"]), str(r["trial"]), f"{r['random_mean'] / o:.3f}",
-                      f"{r['random_worst'] / o:.3f}", f"{r['inter_reorder'] / o:.3f}", "1.000",
-                      f"{r['inter_reorder_ms']:.2f}")
+        ref = r["optimum"] if r["optimum"] is not None else r["lower_bound"]
+        table.add_row(r["model"], str(r["p"]), str(r["v"]), str(r["l"]), str(r["trial"]),
+                      *[f"{r[k] / ref:.3f}" for k in ("random_mean", "random_worst", "ascending",
+                                                      "alg3", "inter_reorder")],
+                      r["ref"], f"{r['inter_reorder_ms']:.1f}")
     console.print(table)
     return rows
 
@@ -197,61 +240,7 @@ def part3_overhead(args, console) -> list[dict]:
     return rows
 
 
-def part4_loader(args, console) -> list[dict]:
-    """Per worker count: start-up (first global batch, incl. worker spawn), steady-state
-    samples/s over --loader_steps global batches taken back to back (at most workers x
-    prefetch batches were buffered when timing starts), then the mean/max wait in next()
-    while the trainer 'trains' for --step_ms per step (~0 once prefetch keeps up)."""
-    from mmjax.data.assemble import AssemblyLayout
-    from mmjax.data.loader import Loader, SyntheticSource
-    from mmjax.models.config import (AudioConfig, EncoderSpec, LLMConfig, MLLMConfig,
-                                     ProjectorConfig, VisionConfig)
-    from mmjax.planner.plan import Plan
-
-    cfg = MLLMConfig("bench", LLMConfig(512, 64, 1, 2, 1, 128), encoders=(
-        EncoderSpec("vision", VisionConfig(32, 1, 2, 64, patch_size=14, max_grid=32),
-                    ProjectorConfig(downsample=2)),
-        EncoderSpec("audio", AudioConfig(32, 1, 2, 64, num_mel_bins=16),
-                    ProjectorConfig(downsample=2))))
-    layout = AssemblyLayout.from_config(cfg, 1024, packing="pack", vision_caps=(256, 1024),
-                                        audio_frame_caps=(256, 1024))
-    source = SyntheticSource(SyntheticDataset(
-        "mix", SyntheticConfig.for_model(cfg, image_side_range=(1, 32)), seed=args.seed))
-    gb = args.loader_global_batch
-    plan = Plan.uniform(cfg, gb, 4, dp={"vision": 2, "audio": 2, "llm": 4})
-    rows = []
-    for nw in args.loader_workers:
-        t = time.perf_counter()
-        ld = Loader(source, cfg, plan, layout, balance="orchmllm", num_workers=nw, prefetch=2)
-        first = next(ld)
-        startup = time.perf_counter() - t
-        t0 = time.perf_counter()
-        for _ in range(args.loader_steps):
-            next(ld)
-        thr = args.loader_steps * gb / (time.perf_counter() - t0)
-        waits = []
-        for _ in range(args.loader_steps):
-            t = time.perf_counter()
-            next(ld)
-            waits.append((time.perf_counter() - t) * 1e3)
-            time.sleep(args.step_ms / 1e3)  # the trainer's step
-        ld.close()
-        rows.append({"workers": nw, "global_batch": gb, "startup_s": startup,
-                     "samples_per_s": thr, "plan_ms": first.plan_seconds * 1e3,
-                     "wait_ms_mean": statistics.mean(waits), "wait_ms_max": max(waits),
-                     "step_ms": args.step_ms})
-    table = Table(title=f"(4) loader: global batch {gb} (OrchMLLM mix, post-balanced), "
-                        f"trainer step {args.step_ms:.0f} ms")
-    for col in ("workers", "start-up s", "samples/s", "plan ms", "wait ms mean", "wait ms max"):
-        table.add_column(col, justify="right")
-    for r in rows:
-        table.add_row(str(r["workers"]), f"{r['startup_s']:.1f}", f"{r['samples_per_s']:.0f}",
-                      f"{r['plan_ms']:.1f}", f"{r['wait_ms_mean']:.1f}", f"{r['wait_ms_max']:.1f}")
-    console.print(table)
-    return rows
-
-
-PARTS = {1: part1_imbalance, 2: part2_pipeline, 3: part3_overhead, 4: part4_loader}
+PARTS = {1: part1_imbalance, 2: part2_pipeline, 3: part3_overhead}
 
 
 def main():
@@ -264,6 +253,9 @@ def main():
     ap.add_argument("--microbatches", type=int, default=8, help="l (<= 8: exhaustive search)")
     ap.add_argument("--mb_size", type=int, default=4, help="samples per microbatch")
     ap.add_argument("--trials", type=int, default=2)
+    ap.add_argument("--long_microbatches", type=int, nargs="*", default=[32, 64],
+                    help="also l this long (no exhaustive optimum; vs sampled random orders)")
+    ap.add_argument("--random_orders", type=int, default=50)
     ap.add_argument("--overhead_dp", type=int, nargs="+",
                     default=[64, 128, 256, 512, 1024, 2560])
     ap.add_argument("--repeats", type=int, default=5)
@@ -271,10 +263,6 @@ def main():
     ap.add_argument("--max_milp_ranks", type=int, default=64,
                     help="node-wise: MILP up to this many ranks, greedy fast path above")
     ap.add_argument("--milp_time_limit", type=float, default=1.0)
-    ap.add_argument("--loader_workers", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--loader_steps", type=int, default=8)
-    ap.add_argument("--loader_global_batch", type=int, default=32)
-    ap.add_argument("--step_ms", type=float, default=200.0, help="part 4: simulated train step")
     ap.add_argument("--json", default="bench_results/bench_data.json")
     args = ap.parse_args()
     if args.microbatches > 8:
