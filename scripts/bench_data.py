@@ -18,7 +18,9 @@ Parts (``--parts``, default 1 2 3; one function per part):
      each policy and node-wise rearrangement (8 ranks per node; MILP up to --max_milp_ranks,
      greedy fast path above). OrchMLLM's whole dispatcher overhead there is 16.7-53.9 ms.
      "sum_square" is O(n d) (a numpy scan per sample) and skipped above --sum_square_max_dp.
-  (4. Loader throughput is added with the loader.)
+  4. Loader throughput (mmjax/data/loader.py, seed 000 §4.2 / 003 §6): samples/s with 0, 1, 2
+     grain worker processes and the trainer's wait per step while a simulated training step
+     runs (--step_ms). Not in the default set (it spawns worker processes): --parts 4.
 
   python scripts/bench_data.py [--parts 1 2 3] [--json bench_results/bench_data.json]
 """
@@ -240,7 +242,61 @@ def part3_overhead(args, console) -> list[dict]:
     return rows
 
 
-PARTS = {1: part1_imbalance, 2: part2_pipeline, 3: part3_overhead}
+def part4_loader(args, console) -> list[dict]:
+    """Per worker count: start-up (first global batch, incl. worker spawn), steady-state
+    samples/s over --loader_steps global batches taken back to back (at most workers x
+    prefetch batches were buffered when timing starts), then the mean/max wait in next()
+    while the trainer 'trains' for --step_ms per step (~0 once prefetch keeps up)."""
+    from mmjax.data.assemble import AssemblyLayout
+    from mmjax.data.loader import Loader, SyntheticSource
+    from mmjax.models.config import (AudioConfig, EncoderSpec, LLMConfig, MLLMConfig,
+                                     ProjectorConfig, VisionConfig)
+    from mmjax.planner.plan import Plan
+
+    cfg = MLLMConfig("bench", LLMConfig(512, 64, 1, 2, 1, 128), encoders=(
+        EncoderSpec("vision", VisionConfig(32, 1, 2, 64, patch_size=14, max_grid=32),
+                    ProjectorConfig(downsample=2)),
+        EncoderSpec("audio", AudioConfig(32, 1, 2, 64, num_mel_bins=16),
+                    ProjectorConfig(downsample=2))))
+    layout = AssemblyLayout.from_config(cfg, 1024, packing="pack", vision_caps=(256, 1024),
+                                        audio_frame_caps=(256, 1024))
+    source = SyntheticSource(SyntheticDataset(
+        "mix", SyntheticConfig.for_model(cfg, image_side_range=(1, 32)), seed=args.seed))
+    gb = args.loader_global_batch
+    plan = Plan.uniform(cfg, gb, 4, dp={"vision": 2, "audio": 2, "llm": 4})
+    rows = []
+    for nw in args.loader_workers:
+        t = time.perf_counter()
+        ld = Loader(source, cfg, plan, layout, balance="orchmllm", num_workers=nw, prefetch=2)
+        first = next(ld)
+        startup = time.perf_counter() - t
+        t0 = time.perf_counter()
+        for _ in range(args.loader_steps):
+            next(ld)
+        thr = args.loader_steps * gb / (time.perf_counter() - t0)
+        waits = []
+        for _ in range(args.loader_steps):
+            t = time.perf_counter()
+            next(ld)
+            waits.append((time.perf_counter() - t) * 1e3)
+            time.sleep(args.step_ms / 1e3)  # the trainer's step
+        ld.close()
+        rows.append({"workers": nw, "global_batch": gb, "startup_s": startup,
+                     "samples_per_s": thr, "plan_ms": first.plan_seconds * 1e3,
+                     "wait_ms_mean": statistics.mean(waits), "wait_ms_max": max(waits),
+                     "step_ms": args.step_ms})
+    table = Table(title=f"(4) loader: global batch {gb} (OrchMLLM mix, post-balanced), "
+                        f"trainer step {args.step_ms:.0f} ms")
+    for col in ("workers", "start-up s", "samples/s", "plan ms", "wait ms mean", "wait ms max"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(str(r["workers"]), f"{r['startup_s']:.1f}", f"{r['samples_per_s']:.0f}",
+                      f"{r['plan_ms']:.1f}", f"{r['wait_ms_mean']:.1f}", f"{r['wait_ms_max']:.1f}")
+    console.print(table)
+    return rows
+
+
+PARTS = {1: part1_imbalance, 2: part2_pipeline, 3: part3_overhead, 4: part4_loader}
 
 
 def main():
@@ -263,6 +319,10 @@ def main():
     ap.add_argument("--max_milp_ranks", type=int, default=64,
                     help="node-wise: MILP up to this many ranks, greedy fast path above")
     ap.add_argument("--milp_time_limit", type=float, default=1.0)
+    ap.add_argument("--loader_workers", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--loader_steps", type=int, default=8)
+    ap.add_argument("--loader_global_batch", type=int, default=32)
+    ap.add_argument("--step_ms", type=float, default=200.0, help="part 4: simulated train step")
     ap.add_argument("--json", default="bench_results/bench_data.json")
     args = ap.parse_args()
     if args.microbatches > 8:
