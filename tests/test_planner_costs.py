@@ -1,0 +1,147 @@
+"""Cost model: parameter layout vs the Flax modules, FLOPs, frozen rule, memory, no JAX."""
+import ast
+import glob
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from mmjax.models.config import LLMConfig
+from mmjax.models.named import named_config
+from mmjax.models.tiny import tiny, tiny_valm
+from mmjax.planner.costs import (backward_factor, llm_params, module_backward_factors,
+                                 module_params, unit_cost, unit_work)
+from mmjax.planner.evaluate import Choice, memory_bytes
+from mmjax.planner.hardware import A800, H100, H200, hardware
+from mmjax.planner.workload import Workload, cornstarch_like, default_workload
+
+
+def _count(build):
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(nnx.eval_shape(build),
+                                                                        nnx.Param)))
+
+
+@pytest.mark.parametrize("cfg", [tiny(), tiny_valm(), named_config("cornstarch/valm_ss")],
+                         ids=lambda c: c.name)
+def test_params_match_flax_modules(cfg):
+    from mmjax.models.audio import AudioEncoder
+    from mmjax.models.generator import DiffusionGenerator
+    from mmjax.models.llm import LLM
+    from mmjax.models.projector import make_projector
+    from mmjax.models.vision import VisionEncoder
+
+    key = jax.random.key(0)
+    got = {"llm": _count(lambda: LLM(cfg.llm, key))}
+    for e in cfg.encoders:
+        cls = VisionEncoder if e.modality == "image" else AudioEncoder
+        got[e.name] = _count(lambda: cls(e.encoder, key))
+        got[f"{e.name}.projector"] = _count(
+            lambda: make_projector(e.projector, e.encoder.hidden_size, cfg.llm.hidden_size, key))
+    if cfg.generator is not None:
+        got["generator"] = _count(lambda: DiffusionGenerator(cfg.generator, cfg.llm.hidden_size, key))
+    assert module_params(cfg) == got
+
+
+def test_llm_params_known_model():
+    # Llama-2-7B (vocab 32000, MHA, untied): 6,738,415,616 parameters
+    c = LLMConfig(vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32,
+                  num_kv_heads=32, ffn_size=11008)
+    assert llm_params(c) == 6_738_415_616
+
+
+def test_llm_flops_are_6nd_plus_attention():
+    m = named_config("disttrain/mllm_9b")
+    wl = Workload("fixed", (4096,) * 4, {"vision": (((256,),),) * 4}, (0,) * 4)
+    uw = unit_work(m, wl, "llm")
+    c = m.llm
+    n = 4096
+    matmul = c.num_layers * (4 * c.hidden_size ** 2 + 3 * c.hidden_size * c.ffn_size)
+    attn = c.num_layers * 2 * n * n * c.hidden_size  # causal: half of 4 n^2 d
+    head = c.hidden_size * c.vocab_size
+    assert sum(w.flops for w in uw.layers) == pytest.approx(2 * n * (matmul + head) + attn)
+    cost = unit_cost(m, wl, "llm", A800)
+    assert cost.flops == pytest.approx(3 * (2 * n * (matmul + head) + attn))
+
+
+def test_encoder_cost_sees_size_skew():
+    """Same mean tokens, more skew -> more attention FLOPs (E[n^2] > E[n]^2)."""
+    m = named_config("disttrain/mllm_9b")
+    even = Workload("even", (8192,) * 2, {"vision": ((512, 512), (512, 512))})
+    skew = Workload("skew", (8192,) * 2, {"vision": ((1000, 24), (1000, 24))})
+    f = lambda wl: sum(w.flops for w in unit_work(m, wl, "vision").layers)
+    assert f(skew) > f(even)
+
+
+def test_backward_rule_table():
+    """seed 002 §4.2: 0 (frozen, nothing trainable before), 1 (frozen, trainable before),
+    2 (trainable)."""
+    assert [backward_factor(f, b) for f in (True, False) for b in (False, True)] == [0, 1, 2, 2]
+    cs = named_config("cornstarch/vlm_m")  # frozen encoder + LLM, trainable projector
+    assert module_backward_factors(cs) == {"vision": 0, "vision.projector": 2, "llm": 1}
+    dt = named_config("disttrain/mllm_9b", {"encoders.vision.frozen": True,
+                                            "encoders.vision.projector_frozen": True,
+                                            "llm_frozen": True})
+    assert module_backward_factors(dt) == {"vision": 0, "vision.projector": 0, "llm": 0,
+                                           "generator": 2}
+    dt2 = named_config("disttrain/mllm_9b", {"generator_frozen": True})
+    assert module_backward_factors(dt2)["generator"] == 1
+
+
+def test_frozen_unit_time_and_memory():
+    m = named_config("cornstarch/vlm_m")
+    wl = cornstarch_like(m)
+    frozen = unit_cost(m, wl, "llm", A800)
+    train = unit_cost(m.replace(llm_frozen=False), wl, "llm", A800)
+    # frozen LLM after a trainable projector: backward = forward, so C = 2 fwd vs 3 fwd
+    assert frozen.time_s[1] / frozen.fwd_s[1] == pytest.approx(2.0)
+    assert train.time_s[1] / train.fwd_s[1] == pytest.approx(3.0)
+    assert frozen.optimizer_bytes == 0 and frozen.grad_bytes == 0
+    enc = unit_cost(m, wl, "vision", A800)
+    assert enc.optimizer_bytes == 12 * module_params(m)["vision.projector"]
+
+
+def test_zero1_and_pipeline_memory():
+    m = named_config("disttrain/mllm_15b")
+    cost = unit_cost(m, default_workload(m, 64), "llm", A800)
+    a = memory_bytes(cost, Choice(8, 2, 4), 2, 16)
+    b = memory_bytes(cost, Choice(8, 4, 4), 4, 16)
+    assert a - b == pytest.approx(cost.optimizer_bytes / (8 * 4) * (1 / 2 - 1 / 4))
+    # 1F1B: activations per GPU do not shrink with PP while PP <= microbatches
+    act = lambda pp: memory_bytes(cost, Choice(8, 1, pp), 1, 64) - (
+        cost.weight_bytes / (8 * pp) + cost.optimizer_bytes / (8 * pp))
+    assert act(2) == pytest.approx(act(8)) == pytest.approx(cost.activation_bytes[8])
+
+
+def test_tp_sizes_respect_heads():
+    m = named_config("cornstarch/alm_s")  # whisper-S: 20 heads
+    cost = unit_cost(m, cornstarch_like(m), "audio", A800)
+    assert sorted(cost.time_s) == [1, 2, 4]
+
+
+def test_hardware():
+    assert hardware("H100") is H100 and H200.hbm_bytes > H100.hbm_bytes
+    assert A800.efficiency(1024) > A800.efficiency(128)
+    with pytest.raises(ValueError, match="a800"):
+        hardware("tpu")
+
+
+def test_planner_imports_no_jax():
+    """planner/* (but profile.py) and models/named.py import no JAX themselves. (cvxpy 1.9
+    imports jax while probing its optional MPAX solver; that is cvxpy's, not ours.)"""
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "mmjax")
+    files = glob.glob(os.path.join(root, "planner", "*.py")) + [os.path.join(root, "models", "named.py")]
+    for path in files:
+        if path.endswith("profile.py"):
+            continue
+        for node in ast.walk(ast.parse(open(path).read())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            for n in names:
+                assert n.split(".")[0] not in ("jax", "flax", "jaxlib"), (path, n)
+    code = ("import sys; import mmjax.planner.partition, mmjax.planner.costs, "
+            "mmjax.planner.evaluate, mmjax.models.named; assert 'jax' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
