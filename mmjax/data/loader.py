@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from dataclasses import dataclass, field
 
 import gin
@@ -428,7 +429,6 @@ class GlobalBatchBuilder:
         return idx, specs, reasons
 
     def __call__(self, step: int) -> GlobalBatch:
-        import time
         t0 = time.perf_counter()
         idx, specs, reasons = self.select(int(step))
         metas = [self.layout.rules.meta_from_shapes(i, s) for i, s in zip(idx, specs)]
@@ -509,7 +509,8 @@ class Loader:
     `balance`: one policy for every phase or a dict unit -> policy ("none", "disttrain",
     "orchmllm"). `num_workers` > 0 runs planning, decoding and assembly in grain worker
     processes; each holds `prefetch` global batches, and with 0 workers a thread prefetches
-    `prefetch` global batches, so the trainer finds the next one ready.
+    `prefetch` global batches, so the trainer finds the next one ready. Gin, e.g.:
+    `Loader.balance = {"vision": "orchmllm", "audio": "orchmllm", "llm": "disttrain"}`.
     """
 
     def __init__(self, source, model: MLLMConfig, plan: Plan, layout: AssemblyLayout,
