@@ -4,7 +4,8 @@
   groups so no group is an intra-microbatch straggler (§2.3, Figure 6).
 * ``inter_reorder``: Algorithm 3 (§6.2), order the microbatches of one DP group so the pipeline
   intervals at the first PP stage are filled (Figure 12), with GETINTERVAL computed by the
-  pipeline recurrence below; the VPP (interleaved 1F1B) variant is the last paragraph of §6.2.
+  pipeline recurrence below; the VPP (interleaved 1F1B) variant is the last paragraph of §6.2;
+  by default guarded to never lose to the ascending or the given order.
 * ``PipelineModel`` / ``pipeline_time``: the recurrence of §6.2 ("each microbatch's end time is
   the max of the previous action on the same device and its upstream input, plus its own
   computation time") for 1F1B and interleaved 1F1B, used by GETINTERVAL, tests and the bench.
@@ -266,8 +267,9 @@ def inter_reorder(costs: Sequence, num_stages: int, num_chunks: int = 1,
 
     Returns ``order`` (``order[k]`` = index of the microbatch run k-th). Steps: the smallest
     microbatch first (activates all stages promptly); the p-1 smallest of the rest last (they
-    fall in the unfilled last intervals, largest of them first; 1F1B only, see below); then each remaining position
-    in turn gets the microbatch whose forward time best fills its interval. GETINTERVAL runs
+    fall in the unfilled last intervals, largest of them first; 1F1B only, see below); then
+    each remaining position in turn gets the microbatch whose forward time best fills its
+    interval. GETINTERVAL runs
     the recurrence on the order fixed so far, unplaced microbatches costing zero, and takes
     the idle time on stage 0 right after the forward pass(es) of the position being filled:
     ``interval_1`` (positions 2..p, chosen together, p-1 microbatches matched on summed
@@ -281,10 +283,11 @@ def inter_reorder(costs: Sequence, num_stages: int, num_chunks: int = 1,
     Complexity O(l^2 p v) with a full recurrence per GETINTERVAL (the paper's O(p)
     incremental DP is not needed at DP-group sizes).
     ``guard`` (default on, our addition): also score the given order and the ascending order
-    with the same recurrence and return the best of the three (Algorithm 3's order on ties).
-    Algorithm 3 wins for l <= 8 (1.01-1.04x the optimum vs 1.06-1.07x for ascending), but its
-    closest-fit rule drifts on long runs: at l = 64, p = 8 with log-normal costs ascending
-    order is ~12% faster. With the guard the result is never slower than either.
+    with the same recurrence and return the best of the three (Algorithm 3's order on ties),
+    so the result is never slower than either. In the paper's pipeline (``stage_costs``:
+    encoder stage + fixed-time LLM stages) Algorithm 3 beat ascending order at every l we
+    measured (scripts/bench_data.py part 2); with uniform stages it wins for l <= 8 but its
+    closest-fit rule drifts on long runs (l = 64, p = 8: ascending ~10-20% faster).
     """
     fwd, bwd = _fwd_bwd(costs, backward_ratio)
     l, p, v = len(fwd), num_stages, num_chunks
