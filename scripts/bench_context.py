@@ -7,7 +7,8 @@ blocks per rank, the static-shape variant the runtime uses), and reports the per
 attention work at tile granularity: max/mean (1.0 = perfectly balanced) and each method's
 makespan (max work) relative to LPT's, averaged over the draws. The makespan is what
 all-gather CP attention waits for (§5.3). It then times LPT (Appendix A) for a 1M-token row
-at block 128 (Cornstarch reports under 1 ms) and the BAM block-work pass that feeds it.
+at block 128 (Cornstarch reports under 1 ms) and the BAM block-work pass that feeds it, and
+compares LPT's makespan with the exact ILP optimum (§4.3.2 Eq. 1) at the shortest length.
 
   python scripts/bench_context.py [--lengths 16384 32768 65536] [--ranks 8] [--draws 50]
 """
@@ -54,6 +55,27 @@ def balance_rows(lengths, families, ranks, block, draws):
     return rows
 
 
+def ilp_rows(lengths, families, ranks, block, draws, time_limit):
+    """LPT's makespan over the ILP optimum (seed 002 §4.3.2 Eq. 1) on the first `draws` masks."""
+    rows = []
+    for length in lengths:
+        for family in families:
+            ratios, proven, secs = [], 0, []
+            for seed in range(draws):
+                work = td.block_work(td.example_mask(family, length, seed), block)
+                t0 = time.perf_counter()
+                assignment, optimal = td.ilp(work, ranks, time_limit)
+                secs.append(time.perf_counter() - t0)
+                best = np.bincount(assignment, weights=work, minlength=ranks).max()
+                ratios.append(np.bincount(td.lpt(work, ranks), weights=work,
+                                          minlength=ranks).max() / best)
+                proven += optimal
+            rows.append({"length": length, "family": family, "lpt_over_ilp": float(np.mean(ratios)),
+                         "max_lpt_over_ilp": float(np.max(ratios)), "proven_optimal": proven,
+                         "draws": draws, "ilp_s": float(np.mean(secs))})
+    return rows
+
+
 def _median_ms(fn, repeats):
     times = []
     for _ in range(repeats):
@@ -89,11 +111,17 @@ def main():
                     help="random masks per (length, family); seed 002 §6.5 uses 50")
     ap.add_argument("--lpt_tokens", type=int, default=1 << 20)
     ap.add_argument("--repeats", type=int, default=20, help="timing repeats for LPT")
+    ap.add_argument("--ilp_lengths", type=int, nargs="*", default=[16384],
+                    help="lengths at which to compare LPT with the exact ILP (slow)")
+    ap.add_argument("--ilp_draws", type=int, default=2)
+    ap.add_argument("--ilp_time_limit", type=float, default=10.0)
     ap.add_argument("--json", default="bench_results/context.json")
     args = ap.parse_args()
 
     rows = balance_rows(args.lengths, args.families, args.ranks, args.block, args.draws)
     timing = lpt_timing(args.lpt_tokens, args.ranks, args.block, args.repeats)
+    exact = ilp_rows(args.ilp_lengths, args.families, args.ranks, args.block, args.ilp_draws,
+                     args.ilp_time_limit)
 
     console = Console(width=max(Console().width, 110))
     table = Table(title=f"CP token distribution, {args.ranks} ranks, block {args.block}: per-rank "
@@ -119,9 +147,22 @@ def main():
                    f"{t['block_work_ms']:.1f}", f"{t['distribute_lpt_ms']:.1f}")
     console.print(t2)
 
+    if exact:
+        t3 = Table(title=f"LPT vs the exact ILP (seed 002 Eq. 1, HiGHS, {args.ilp_time_limit:g} s "
+                         f"limit), first {args.ilp_draws} masks")
+        for col in ("Length", "Mask", "LPT / ILP (mean)", "LPT / ILP (max)", "proven optimal",
+                    "ILP time (s)"):
+            t3.add_column(col, justify="right")
+        for r in exact:
+            t3.add_row(str(r["length"]), SHORT[r["family"]], f"{r['lpt_over_ilp']:.4f}",
+                       f"{r['max_lpt_over_ilp']:.4f}", f"{r['proven_optimal']}/{r['draws']}",
+                       f"{r['ilp_s']:.2f}")
+        console.print(t3)
+
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:
-        json.dump({"config": vars(args), "balance": rows, "lpt_timing": timing}, f, indent=2)
+        json.dump({"config": vars(args), "balance": rows, "lpt_timing": timing,
+                   "lpt_vs_ilp": exact}, f, indent=2)
     console.print(f"wrote {args.json}")
 
 

@@ -145,6 +145,17 @@ def test_lpt_within_graham_and_paper_bounds_of_brute_force_optimum():
         assert loads.max() <= work.sum() / g + work.max()
 
 
+def test_ilp_matches_brute_force_optimum():
+    rng = np.random.default_rng(2)
+    for _ in range(6):
+        n, g = int(rng.integers(2, 7)), int(rng.integers(2, 4))
+        work = rng.integers(1, 20, size=n)
+        assignment, optimal = td.ilp(work, g)
+        opt = min(np.bincount(a, weights=work, minlength=g).max()
+                  for a in itertools.product(range(g), repeat=n))
+        assert optimal and np.bincount(assignment, weights=work, minlength=g).max() == opt
+
+
 def test_balance_table4_shape():
     """Zigzag balances causal exactly; on multimodal masks LPT is the most balanced."""
     causal = td.example_mask("causal", 4096, 0)

@@ -241,6 +241,29 @@ def lpt(work: np.ndarray, num_ranks: int, capacity: int | None = None) -> np.nda
     return assignment
 
 
+def ilp(work: np.ndarray, num_ranks: int, time_limit: float = 10.0) -> tuple[np.ndarray, bool]:
+    """Makespan-minimising assignment by the ILP of seed 002 §4.3.2 Eq. (1), via cvxpy/HiGHS.
+
+    minimise C s.t. every block on exactly one rank and each rank's work <= C. Too slow for
+    training-time use (hence LPT); here it measures how far LPT is from optimal. Returns
+    (rank of every block, whether the solver proved optimality within `time_limit` s).
+    """
+    import cvxpy as cp  # heavy import, needed only for this reference solver
+
+    work = np.asarray(work, dtype=np.int64)
+    if work.ndim != 1 or work.size == 0:
+        raise ValueError("work must be a non-empty 1-D array")
+    scale = int(np.gcd.reduce(work)) or 1
+    x = cp.Variable((work.size, num_ranks), boolean=True)
+    c = cp.Variable()
+    problem = cp.Problem(cp.Minimize(c), [cp.sum(x, axis=1) == 1, (work // scale) @ x <= c])
+    problem.solve(solver=cp.HIGHS, time_limit=time_limit)
+    if x.value is None:
+        raise RuntimeError(f"ILP found no assignment within time_limit={time_limit}s; "
+                           "raise time_limit or use lpt")
+    return x.value.argmax(axis=1).astype(np.int32), problem.status == cp.OPTIMAL
+
+
 def assign_blocks(nblocks: int, num_ranks: int, method: str, work=None, seed: int = 0,
                   capacity: int | None = None):
     """Rank of each of `nblocks` blocks, int32 [nblocks]; `work` and `capacity` are for "lpt".
