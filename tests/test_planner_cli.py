@@ -1,0 +1,55 @@
+"""scripts/plan.py end to end in a subprocess: table, JSON plan, infeasibility message."""
+import json
+import os
+import subprocess
+import sys
+
+from mmjax.models.named import named_config
+from mmjax.planner.plan import Plan
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+
+
+def run(*args):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "plan.py"), *args],
+                          capture_output=True, text=True, cwd=ROOT)
+
+
+def test_plan_json_and_table(tmp_path):
+    out = tmp_path / "plan.json"
+    r = run("--gin_file=configs/cornstarch/valm_ss.gin", "--gpus=24", "--global_batch=24",
+            f"--json={out}")
+    assert r.returncode == 0, r.stderr
+    for word in ("planner", "megatron", "ratio", "MFU", "vision", "audio", "llm"):
+        assert word in r.stdout
+    d = json.loads(out.read_text())
+    assert d["solve_time_s"] > 0 and set(d["baselines"]) == {"megatron", "ratio"}
+    plan = Plan.load(str(out))
+    plan.validate(named_config("cornstarch/valm_ss"), 24)
+    assert plan.kind == "disaggregated" and plan.predicted["iteration_time_s"] > 0
+    assert set(plan.predicted["memory_gb"]) == {"vision", "audio", "llm"}
+
+
+def test_baseline_flag(tmp_path):
+    out = tmp_path / "rigid.json"
+    r = run("--gin_file=configs/disttrain/mllm_9b.gin", "--gpus=96", "--global_batch=128",
+            "--baseline=megatron", f"--json={out}")
+    assert r.returncode == 0, r.stderr
+    plan = Plan.load(str(out))
+    assert plan.kind == "rigid" and all(u.tp == 8 for u in plan.units)
+
+
+def test_infeasible_says_what_is_short():
+    r = run("--gin_file=configs/disttrain/mllm_72b.gin", "--gpus=16", "--global_batch=64")
+    assert r.returncode == 2
+    text = " ".join(r.stdout.split())
+    assert "GB per GPU at tp=8" in text and "add GPUs" in text
+    r = run("--gin_file=configs/disttrain/mllm_72b.gin", "--gpus=4", "--global_batch=64")
+    assert r.returncode == 2 and "too few GPUs" in r.stdout
+
+
+def test_bad_gin_file_names_it(tmp_path):
+    bad = tmp_path / "bad.gin"
+    bad.write_text("named_model_config.name = \n")
+    r = run(f"--gin_file={bad}", "--gpus=8", "--global_batch=8")
+    assert r.returncode != 0 and "bad.gin" in r.stderr
