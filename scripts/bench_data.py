@@ -17,7 +17,7 @@ Parts (``--parts``, default 1 2 3; one function per part):
   3. Balancing compute time at seed 001 Table 2 scales (DP 64 ... 2560, 60 samples per rank):
      each policy and node-wise rearrangement (8 ranks per node; MILP up to --max_milp_ranks,
      greedy fast path above). OrchMLLM's whole dispatcher overhead there is 16.7-53.9 ms.
-     "sum_square" is O(n d) (a numpy scan per sample) and skipped above --sum_square_max_dp.
+     "sum_square" is an O(n log d) pure-Python heap loop (skipped above --sum_square_max_dp).
   4. Loader throughput (mmjax/data/loader.py, seed 000 §4.2 / 003 §6): samples/s with 0, 1, 2
      grain worker processes and the trainer's wait per step while a simulated training step
      runs (--step_ms). Not in the default set (it spawns worker processes): --parts 4.
@@ -206,7 +206,7 @@ def part3_overhead(args, console) -> list[dict]:
         reps = args.repeats if d <= 512 else max(1, args.repeats // 2)
         for pol in balance.POLICIES:
             if pol == "sum_square" and d > args.sum_square_max_dp:
-                row[pol] = None  # O(n d) numpy scan per sample; see --sum_square_max_dp
+                row[pol] = None  # pure-Python heap loop; see --sum_square_max_dp
                 continue
             row[pol] = _times_ms(lambda: balance.post_balance(x, d, pol), reps)
         batches = balance.post_balance(x, d, "sum")
@@ -315,7 +315,7 @@ def main():
     ap.add_argument("--overhead_dp", type=int, nargs="+",
                     default=[64, 128, 256, 512, 1024, 2560])
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--sum_square_max_dp", type=int, default=512)
+    ap.add_argument("--sum_square_max_dp", type=int, default=2560)
     ap.add_argument("--max_milp_ranks", type=int, default=64,
                     help="node-wise: MILP up to this many ranks, greedy fast path above")
     ap.add_argument("--milp_time_limit", type=float, default=1.0)

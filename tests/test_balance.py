@@ -95,6 +95,27 @@ def test_sum_square_bounds():
             assert _max_cost(x, b, "sum") <= opt + v + max(x) + 1e-9
 
 
+def test_sum_square_heap_matches_scan_reference():
+    """The O(n log d) heap version against the literal O(n d) scan of Algorithm 4."""
+    def scan(x, d, tol):
+        x = np.asarray(x, dtype=float)
+        sums, squares = np.zeros(d), np.zeros(d)
+        out = [[] for _ in range(d)]
+        for s in sorted(range(len(x)), key=lambda i: (-x[i], i)):
+            near = sums < sums.min() + tol
+            b = int(np.argmin(np.where(near, squares, np.inf)))
+            out[b].append(s)
+            sums[b] += x[s]
+            squares[b] += x[s] * x[s]
+        return out
+
+    rng = np.random.default_rng(13)
+    for n, d, tol in [(200, 8, 30.0), (500, 37, 5.0), (300, 16, 1e9), (100, 4, 0.5),
+                      (400, 64, 100.0)]:
+        x = rng.integers(1, 60, n).tolist()
+        assert post_balance(x, d, "sum_square", tolerance=tol) == scan(x, d, tol)
+
+
 def test_sum_square_trades_linear_for_quadratic_balance():
     # Same sums either way; tie-breaking by square-sum pairs a long with short ones.
     x = [10, 10, 6, 6, 4, 4, 4, 4, 2, 2, 2, 2, 2, 2, 2, 2]

@@ -18,6 +18,7 @@ the same answer (§5.2.1), so all algorithms are deterministic: ties go to the l
 from __future__ import annotations
 
 import bisect
+import heapq
 import math
 import warnings
 from dataclasses import dataclass
@@ -163,15 +164,36 @@ def _padded(x: np.ndarray, d: int) -> list[list[int]]:
 def _sum_square(x: np.ndarray, d: int, tolerance: float) -> list[list[int]]:
     """Algorithm 4: like Algorithm 1, but batches whose sums are within ``tolerance`` of the
     lightest compare by sum of squares (the comparator CMP, made a total order: the receiving
-    batch is the one of least square-sum among those with sum < min sum + tolerance)."""
-    sums, squares = np.zeros(d), np.zeros(d)
+    batch is the one of least (square-sum, index) among those with sum < min sum + tolerance).
+
+    O(n log d): bins wait in a heap by sum until they enter the window (the minimum only
+    grows, so a bin leaves the window only by receiving a sample, and then re-queues).
+    """
+    if tolerance <= 0:
+        return greedy_partition(x, d)
+    sums, squares, version = [0.0] * d, [0.0] * d, [0] * d
+    outside = [(0.0, i) for i in range(d)]  # (sum, bin), bins not in the window
+    by_square: list[tuple[float, int, int]] = []  # (square-sum, bin, version), window bins
+    by_sum: list[tuple[float, int, int]] = []  # (sum, bin, version), window bins
     out: list[list[int]] = [[] for _ in range(d)]
-    for s in _descending(x).tolist():
-        near = sums < sums.min() + tolerance
-        b = int(np.argmin(np.where(near, squares, np.inf))) if tolerance > 0 else int(np.argmin(sums))
+    desc = _descending(x).tolist()
+    xs = x.tolist()
+    for s in desc:
+        while by_sum and by_sum[0][2] != version[by_sum[0][1]]:
+            heapq.heappop(by_sum)
+        low = min(by_sum[0][0] if by_sum else math.inf, outside[0][0] if outside else math.inf)
+        while outside and outside[0][0] < low + tolerance:
+            total, b = heapq.heappop(outside)
+            heapq.heappush(by_square, (squares[b], b, version[b]))
+            heapq.heappush(by_sum, (total, b, version[b]))
+        while by_square[0][2] != version[by_square[0][1]]:
+            heapq.heappop(by_square)
+        b = heapq.heappop(by_square)[1]
         out[b].append(s)
-        sums[b] += x[s]
-        squares[b] += x[s] * x[s]
+        sums[b] += xs[s]
+        squares[b] += xs[s] * xs[s]
+        version[b] += 1
+        heapq.heappush(outside, (sums[b], b))
     return out
 
 
