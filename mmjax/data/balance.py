@@ -116,15 +116,21 @@ def _least_batches(xs: list[float], bound: float, limit: int) -> list[int] | Non
     so we jump there and bisect back only when the jump overshoots.
     """
     ends: list[int] = []
-    i, n = 0, len(xs)
+    i, n, count = 0, len(xs), 0
     while i < n:
-        if len(ends) == limit:
+        if count == limit:
             return None
-        j = n if xs[i] <= 0 else min(n, i + max(1, int(bound // xs[i])))
+        xi = xs[i]
+        j = n if xi <= 0 else i + int(bound // xi)
+        if j > n:
+            j = n
+        elif j <= i:
+            j = i + 1
         if (j - i) * xs[j - 1] > bound:
             j = i + bisect.bisect_right(range(i + 1, j + 1), bound,
                                         key=lambda e: (e - i) * xs[e - 1])
         ends.append(j)
+        count += 1
         i = j
     return ends
 
@@ -156,8 +162,8 @@ def _padded(x: np.ndarray, d: int) -> list[list[int]]:
             lo = mid + 1
         else:
             hi, ends = mid, packed
-    starts = [0] + ends[:-1]
-    out = [asc[s:e].tolist() for s, e in zip(starts, ends)]
+    order = asc.tolist()
+    out = [order[s:e] for s, e in zip([0] + ends[:-1], ends)]
     return out + [[] for _ in range(d - len(out))]
 
 
