@@ -139,7 +139,8 @@ def part2_pipeline(args, console) -> list[dict]:
     rng = np.random.default_rng(args.seed + 1)
     sizes = phase_lengths("laion", 4096, args.seed + 1)["image"]
     shapes = [(p, 1, args.microbatches) for p in args.stages]
-    shapes += [(p, 2, args.microbatches) for p in args.stages if args.microbatches % p == 0 and p < 8]
+    shapes += [(p, 2, args.microbatches) for p in args.stages
+               if args.microbatches % p == 0 and p < 8]
     shapes += [(p, 1, l) for l in args.long_microbatches for p in args.stages if p < l]  # v = 1
     for (p, v, l), kind, trial in itertools.product(shapes, ("uniform", "enc+llm"),
                                                      range(args.trials)):

@@ -10,7 +10,7 @@ import pytest
 from mmjax.data.balance import (POLICIES, Rearrangement, batch_cost, batches_by_rank,
                                 compose_rearrangement, greedy_partition, inter_node_volumes,
                                 max_inter_node_volume, node_wise_rearrange, post_balance,
-                                rearrangement)
+                                rearrangement, volume_matrix)
 
 
 def _all_partitions(n, d):
@@ -200,6 +200,12 @@ def test_inter_node_volumes_table():
     assert recv.tolist() == [16, 0, 2, 4]
     assert max_inter_node_volume(src, dst, [1, 2, 4, 8, 16], 2) == 16
     assert max_inter_node_volume(src, dst, [1, 2, 4, 8, 16], 2, include_recv=False) == 16
+
+
+def test_volume_matrix_table():
+    # Samples: (src rank, new batch, size) = (0,1,1) (0,0,2) (1,1,4) (1,1,8).
+    v = volume_matrix([0, 0, 1, 1], [[1], [0, 2, 3]], [1, 2, 4, 8])
+    assert v.tolist() == [[2, 1], [0, 12]]
 
 
 def _volume(src, batches, perm, sizes, c):

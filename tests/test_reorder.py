@@ -172,7 +172,8 @@ def _ratios(p, v, trials, l_range, seed, model_kind="uniform"):
         l = int(rng.choice(l_range))
         costs = rng.lognormal(0.0, 0.8, l).tolist()
         f, b = _fb(costs)
-        sc = None if model_kind == "uniform" else _paper_stages(p, costs, model_kind == "enc_llm_gen")
+        sc = (None if model_kind == "uniform"
+              else _paper_stages(p, costs, model_kind == "enc_llm_gen"))
         model = PipelineModel.build(p, l, v, sc)
         times = [model.iteration_time([f[j] for j in perm], [b[j] for j in perm])
                  for perm in itertools.permutations(range(l))]

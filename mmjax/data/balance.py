@@ -32,7 +32,8 @@ POLICIES = ("sum", "padded", "sum_square", "conv")
 def _as_lengths(lengths: Sequence[float], name: str) -> np.ndarray:
     x = np.asarray(lengths, dtype=np.float64)
     if x.ndim != 1:
-        raise ValueError(f"{name} must be a flat sequence of per-sample lengths, got shape {x.shape}")
+        raise ValueError(f"{name} must be a flat sequence of per-sample lengths, "
+                         f"got shape {x.shape}")
     if x.size and (not np.all(np.isfinite(x)) or x.min() < 0):
         raise ValueError(f"{name} must be finite and >= 0 (tokens per sample)")
     return x
@@ -93,10 +94,11 @@ def _group(bins: np.ndarray, items: np.ndarray, d: int) -> list[list[int]]:
     keys = bins.astype(np.uint16) if d <= 65536 else bins
     flat = items[np.argsort(keys, kind="stable")].tolist()
     ends = np.cumsum(np.bincount(bins, minlength=d)).tolist()
-    return [flat[e - n:e] for e, n in zip(ends, np.bincount(bins, minlength=d).tolist())]
+    return [flat[s:e] for s, e in zip([0] + ends[:-1], ends)]
 
 
-def greedy_partition(sizes: Sequence[float], num_bins: int, name: str = "lengths") -> list[list[int]]:
+def greedy_partition(sizes: Sequence[float], num_bins: int,
+                     name: str = "lengths") -> list[list[int]]:
     """LPT greedy number partitioning: largest first, each to the lightest bin (4/3 - 1/(3d)).
 
     Seed 001 Algorithm 1 and seed 000 Algorithm 2 (see ``reorder.intra_reorder``). Returns
@@ -310,8 +312,11 @@ def _per_sample(src_rank_of_sample, new_batches, sizes, ranks_per_node):
 
 def volume_matrix(src_rank_of_sample, new_batches, sizes) -> np.ndarray:
     """V[r, i]: volume the source rank r sends to new batch i (Algorithm 3 lines 1-4)."""
-    d = len(new_batches)
-    src, bat, w, _ = _per_sample(src_rank_of_sample, new_batches, sizes, 1)
+    src, bat, w, d = _per_sample(src_rank_of_sample, new_batches, sizes, 1)
+    return _volumes(src, bat, w, d)
+
+
+def _volumes(src, bat, w, d) -> np.ndarray:
     return np.bincount(src * d + bat, weights=w, minlength=d * d).reshape(d, d)
 
 
@@ -323,7 +328,8 @@ def inter_node_volumes(src_rank_of_sample, dst_rank_of_sample, sizes,
     dst = np.asarray(dst_rank_of_sample, dtype=np.int64)
     w = _as_lengths(sizes, "sizes")
     if not (src.shape == dst.shape == w.shape):
-        raise ValueError("src_rank_of_sample, dst_rank_of_sample and sizes need one entry per sample")
+        raise ValueError("src_rank_of_sample, dst_rank_of_sample and sizes need one entry "
+                         "per sample")
     num = int(max(src.max(initial=-1), dst.max(initial=-1)) + 1)
     cross = (src // ranks_per_node) != (dst // ranks_per_node)
     send = np.bincount(src[cross], weights=w[cross], minlength=num)
@@ -425,8 +431,7 @@ def node_wise_rearrange(src_rank_of_sample: Sequence[int], new_batches: Sequence
     identity = np.arange(d) // c
     candidates = [identity, _greedy_nodes(src, bat, w, d, c)]
     if method == "milp" or (method == "auto" and d <= max_milp_ranks):
-        v = np.bincount(src * d + bat, weights=w, minlength=d * d).reshape(d, d)
-        solved = _milp_nodes(v, c, include_recv, time_limit)
+        solved = _milp_nodes(_volumes(src, bat, w, d), c, include_recv, time_limit)
         if solved is not None:
             candidates.insert(0, solved)
     scores = [_objective(src, bat, w, d, cand, c, include_recv) for cand in candidates]
@@ -492,7 +497,8 @@ class Rearrangement:
         dst = []
         for pos in self.dst:
             if pos not in by_pos:
-                raise ValueError(f"position {pos} of the first rearrangement is not moved by the second")
+                raise ValueError(f"position {pos} of the first rearrangement is not moved by "
+                                 "the second")
             dst.append(other.dst[by_pos[pos]])
         return Rearrangement(self.samples, self.src, tuple(dst), self.num_src_ranks,
                              other.num_dst_ranks)

@@ -1,4 +1,4 @@
-"""DistTrain disaggregated data reordering (seed 000, §6) and the pipeline recurrence it scores with.
+"""DistTrain disaggregated data reordering (seed 000, §6) and the pipeline recurrence behind it.
 
 * ``intra_reorder``: Algorithm 2 (§6.1), greedy number partitioning of a global batch over DP
   groups so no group is an intra-microbatch straggler (§2.3, Figure 6).
