@@ -40,6 +40,20 @@ def load_model(gin_file: str, gin_params: list[str]):
     return named_model_config()
 
 
+def measured_costs(model, hw, args):
+    """UnitCosts whose times come from profiled tables (profile.py imports JAX)."""
+    from mmjax.planner.profile import ProfileTable, profile_model, profiled_costs
+    from mmjax.planner.workload import default_workload
+
+    wl = default_workload(model)
+    if args.write_profile:
+        table = profile_model(model, wl)
+        table.save(args.write_profile)
+    else:
+        table = ProfileTable.load(args.profile)
+    return profiled_costs(model, wl, hw, table, args.recompute)
+
+
 def unit_table(plan, title: str) -> Table:
     p = plan.predicted
     t = Table(title=f"{title}: {p['iteration_time_s']:.3f} s/iter, MFU {100 * p['mfu']:.1f}%, "
@@ -81,6 +95,10 @@ def main(argv=None) -> int:
     ap.add_argument("--recompute", action="store_true", help="activation recomputation")
     ap.add_argument("--no_vpp", action="store_true", help="disable interleaved 1F1B")
     ap.add_argument("--json", help="write the plan here")
+    ap.add_argument("--profile", help="measured C(TP, size) tables (JSON) to use instead of "
+                                      "the analytic times")
+    ap.add_argument("--write_profile", help="profile the units on this machine's devices, "
+                                            "save the tables here and use them")
     args = ap.parse_args(argv)
     console = Console(width=None if sys.stdout.isatty() else 132)
     if args.gpus < 1 or args.global_batch < 1:
@@ -89,9 +107,12 @@ def main(argv=None) -> int:
     model = load_model(args.gin_file, args.gin_param)
     hw = hardware(args.hardware or FAMILY_HARDWARE.get(model.name.split("/")[0], "h100"))
     plans, errors = {}, {}
+    costs = None
+    if args.profile or args.write_profile:
+        costs = measured_costs(model, hw, args)
     try:
         plans["planner"] = plan_model(model, hw, args.gpus, args.global_batch,
-                                      recompute=args.recompute, vpp=not args.no_vpp)
+                                      recompute=args.recompute, vpp=not args.no_vpp, costs=costs)
     except PlanError as e:
         errors["planner"] = str(e)
     for kind in ("megatron", "ratio"):

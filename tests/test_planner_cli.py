@@ -53,3 +53,17 @@ def test_bad_gin_file_names_it(tmp_path):
     bad.write_text("named_model_config.name = \n")
     r = run(f"--gin_file={bad}", "--gpus=8", "--global_batch=8")
     assert r.returncode != 0 and "bad.gin" in r.stderr
+
+
+def test_bench_planner_table2(tmp_path):
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import bench_planner
+
+    out = tmp_path / "bench.json"
+    assert bench_planner.main(["--only=table2", "--repeats=1", f"--json={out}"]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["gpus"], r["global_batch"]) for r in rows] == [(1296, 1920), (648, 960),
+                                                              (324, 480), (112, 240)]
+    for r in rows:
+        assert r["megatron"]["speedup"] >= 1.0 and r["ratio"]["speedup"] >= 1.0
+        assert r["plan"]["llm"]["tp"] in (1, 2, 4, 8)

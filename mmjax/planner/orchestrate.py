@@ -373,9 +373,11 @@ def model_costs(model, hw: Hardware, workload=None, recompute: bool = False):
 
 
 def plan_model(model, hw: Hardware, num_gpus: int, global_batch: int, workload=None,
-               recompute: bool = False, vpp: bool = True) -> Plan:
-    """The disaggregated plan for `model` on `num_gpus` GPUs (seed 000 §5)."""
-    costs, layer_costs = model_costs(model, hw, workload, recompute)
+               recompute: bool = False, vpp: bool = True, costs=None) -> Plan:
+    """The disaggregated plan for `model` on `num_gpus` GPUs (seed 000 §5); `costs`
+    (e.g. from profile.profiled_costs) replace the analytic unit costs."""
+    analytic, layer_costs = model_costs(model, hw, workload, recompute)
+    costs = costs or analytic
     res = orchestrate(costs, hw, num_gpus, global_batch, vpp)
     return to_plan(model, costs, res.choices, global_batch, hw, "disaggregated", layer_costs,
                    res.solve_time_s)

@@ -1,0 +1,249 @@
+"""Profiler: measured C(TP, size) tables for the orchestrator (seed 000 §3, "performance
+profiler with linear interpolation"). The only planner file that imports JAX.
+
+For each unit, one transformer layer of the unit's shape (width d, FFN f, heads; SwiGLU for
+the LLM, GELU MLP for encoders and the generator) is timed forward and forward+backward at
+every TP size the machine has (weights column/row-sharded over a ('tp',) mesh, as
+Megatron/GSPMD does) and at a few sequence sizes drawn from the workload's size
+distribution (quantiles). The points form a piecewise-linear table per TP (linear
+extrapolation past the ends); `profiled_costs` turns the tables into `UnitCost.time_s`
+(layers x per-sample mean over the workload, frozen rule of seed 002 §4.2 for the backward),
+and the analytic model stays the fallback for anything not measured.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from mmjax.models.config import MLLMConfig
+from mmjax.planner.costs import (UnitCost, layer_times, module_backward_factors, unit_costs,
+                                 unit_work)
+from mmjax.planner.hardware import Hardware
+from mmjax.planner.workload import Workload
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    width: int
+    ffn: int
+    heads: int
+    gated: bool  # SwiGLU (LLM) vs GELU MLP
+    causal: bool
+
+
+def unit_shape(model: MLLMConfig, unit: str) -> LayerShape:
+    if unit == "llm":
+        c = model.llm
+        return LayerShape(c.hidden_size, c.ffn_size, c.num_heads, True, True)
+    if unit == "generator":
+        g = model.generator
+        return LayerShape(g.hidden_size, g.ffn_size, g.num_heads, False, False)
+    c = model.encoder(unit).encoder
+    return LayerShape(c.hidden_size, c.ffn_size, c.num_heads, False, False)
+
+
+# ---- the generic layer -------------------------------------------------------------------
+def init_layer(shape: LayerShape, key, dtype=jnp.float32) -> dict:
+    d, f = shape.width, shape.ffn
+    ks = jax.random.split(key, 7)
+    w = lambda k, a, b: jax.random.normal(k, (a, b), dtype) / math.sqrt(a)
+    p = {"wq": w(ks[0], d, d), "wk": w(ks[1], d, d), "wv": w(ks[2], d, d),
+         "wo": w(ks[3], d, d), "w1": w(ks[4], d, f), "w2": w(ks[5], f, d)}
+    if shape.gated:
+        p["w3"] = w(ks[6], d, f)
+    return p
+
+
+def layer_forward(shape: LayerShape, params: dict, x):
+    """Pre-norm attention + MLP over x [batch, tokens, width]."""
+    b, n, d = x.shape
+    hd = d // shape.heads
+
+    def norm(t):
+        return t * jax.lax.rsqrt(jnp.mean(t * t, axis=-1, keepdims=True) + 1e-6)
+
+    h = norm(x)
+    split = lambda t: t.reshape(b, n, shape.heads, hd)
+    att = jax.nn.dot_product_attention(split(h @ params["wq"]), split(h @ params["wk"]),
+                                       split(h @ params["wv"]), is_causal=shape.causal)
+    x = x + att.reshape(b, n, d) @ params["wo"]
+    h = norm(x)
+    if shape.gated:
+        h = jax.nn.silu(h @ params["w1"]) * (h @ params["w3"])
+    else:
+        h = jax.nn.gelu(h @ params["w1"])
+    return x + h @ params["w2"]
+
+
+def layer_specs(shape: LayerShape) -> dict:
+    """Megatron TP: q, k, v, w1, w3 column-parallel; o, w2 row-parallel."""
+    col, row = P(None, "tp"), P("tp", None)
+    specs = {"wq": col, "wk": col, "wv": col, "wo": row, "w1": col, "w2": row}
+    if shape.gated:
+        specs["w3"] = col
+    return specs
+
+
+def _time(fn, *args, repeats: int) -> float:
+    jax.block_until_ready(fn(*args))  # compile + warm up
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def time_layer(shape: LayerShape, tokens: int, tp: int, devices=None, repeats: int = 3,
+               dtype=jnp.float32) -> tuple[float, float]:
+    """(forward, backward) seconds of one layer on `tokens` tokens at tensor parallelism
+    `tp` (the first `tp` devices)."""
+    devices = list(devices or jax.devices())[:tp]
+    if len(devices) < tp:
+        raise ValueError(f"time_layer: tp={tp} needs {tp} devices; have {len(devices)}")
+    if shape.heads % tp or shape.ffn % tp:
+        raise ValueError(f"time_layer: tp={tp} must divide heads={shape.heads} and "
+                         f"ffn={shape.ffn}")
+    mesh = Mesh(np.array(devices), ("tp",))
+    params = init_layer(shape, jax.random.key(0), dtype)
+    specs = layer_specs(shape)
+    params = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in params.items()}
+    x = jax.device_put(jnp.ones((1, tokens, shape.width), dtype), NamedSharding(mesh, P()))
+    fwd = jax.jit(lambda p, x: layer_forward(shape, p, x))
+    grad = jax.jit(jax.grad(lambda p, x: jnp.sum(layer_forward(shape, p, x)), argnums=(0, 1)))
+    tf = _time(fwd, params, x, repeats=repeats)
+    tfb = _time(grad, params, x, repeats=repeats)
+    return tf, max(tfb - tf, 0.0)
+
+
+# ---- tables ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Curve:
+    """Piecewise-linear time of one layer vs tokens (linear extrapolation at both ends)."""
+
+    sizes: tuple[int, ...]
+    fwd_s: tuple[float, ...]
+    bwd_s: tuple[float, ...]
+
+    def __call__(self, tokens: float) -> tuple[float, float]:
+        return _interp(self.sizes, self.fwd_s, tokens), _interp(self.sizes, self.bwd_s, tokens)
+
+
+def _interp(xs, ys, x) -> float:
+    if len(xs) == 1:
+        return ys[0] * x / xs[0]
+    if x <= xs[0] or x >= xs[-1]:
+        i = 0 if x <= xs[0] else len(xs) - 2
+        slope = (ys[i + 1] - ys[i]) / (xs[i + 1] - xs[i])
+        return max(0.0, ys[i] + slope * (x - xs[i]))
+    return float(np.interp(x, xs, ys))
+
+
+@dataclass(frozen=True)
+class ProfileTable:
+    device: str
+    units: dict[str, dict[int, Curve]]  # unit -> tp -> curve of one layer
+
+    def to_json(self) -> dict:
+        return {"device": self.device,
+                "units": {u: {str(t): dataclasses.asdict(c) for t, c in tps.items()}
+                          for u, tps in self.units.items()}}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "ProfileTable":
+        units = {u: {int(t): Curve(tuple(c["sizes"]), tuple(c["fwd_s"]), tuple(c["bwd_s"]))
+                     for t, c in tps.items()} for u, tps in d["units"].items()}
+        return cls(d["device"], units)
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_json(), f, indent=2)
+
+    @classmethod
+    def load(cls, path: str) -> "ProfileTable":
+        with open(path) as f:
+            return cls.from_json(json.load(f))
+
+
+def sample_sizes(model: MLLMConfig, wl: Workload, unit: str, points: int = 4,
+                 multiple: int = 8) -> list[int]:
+    """Quantiles of the unit's per-sequence token counts, rounded up to `multiple`."""
+    if unit == "llm":
+        seqs = list(wl.llm_tokens)
+    elif unit == "generator":
+        seqs = [model.generator.num_patches]
+    else:
+        seqs = [n for per in wl.encoder_tokens[unit] for n in per]
+    qs = np.quantile(np.asarray(seqs, dtype=np.float64), np.linspace(0, 1, points))
+    return sorted({int(math.ceil(q / multiple) * multiple) for q in qs})
+
+
+def profile_model(model: MLLMConfig, wl: Workload, tp_sizes=(1, 2, 4, 8), points: int = 4,
+                  repeats: int = 3, devices=None, max_tokens: int | None = None) -> ProfileTable:
+    """Time one layer of every unit at each TP the machine has and a few workload sizes."""
+    devices = list(devices or jax.devices())
+    units = {}
+    for unit in model.unit_names:
+        shape = unit_shape(model, unit)
+        sizes = sample_sizes(model, wl, unit, points)
+        if max_tokens:
+            sizes = sorted({min(s, max_tokens) for s in sizes})
+        curves = {}
+        for tp in tp_sizes:
+            if tp > len(devices) or shape.heads % tp or shape.ffn % tp:
+                continue
+            meas = [time_layer(shape, s, tp, devices, repeats) for s in sizes]
+            curves[tp] = Curve(tuple(sizes), tuple(m[0] for m in meas), tuple(m[1] for m in meas))
+        units[unit] = curves
+    return ProfileTable(str(devices[0].device_kind), units)
+
+
+def profiled_costs(model: MLLMConfig, wl: Workload, hw: Hardware, table: ProfileTable,
+                   recompute: bool = False) -> tuple[UnitCost, ...]:
+    """Analytic `UnitCost`s with `time_s` replaced, where measured, by layers x mean over
+    samples of the interpolated per-sequence layer times, plus the analytic time of the
+    parts around the layers (embedding, LM head, projector; units of >= 3 layers)."""
+    factors = module_backward_factors(model)
+    out = []
+    for cost in unit_costs(model, wl, hw, recompute):
+        curves = table.units.get(cost.name, {})
+        if not curves:
+            out.append(cost)
+            continue
+        if cost.name == "llm":
+            per_sample = [[n] for n in wl.llm_tokens]
+        elif cost.name == "generator":
+            per_sample = [[model.generator.num_patches] * k for k in wl.generated]
+        else:
+            per_sample = [list(x) for x in wl.encoder_tokens[cost.name]]
+        factor = factors[cost.name]
+        times = {}  # only the measured TP sizes: never mix measured and analytic times
+        for tp, curve in curves.items():
+            if tp not in cost.time_s:
+                continue
+            f = np.mean([sum(curve(n)[0] for n in s) for s in per_sample]) if per_sample else 0.0
+            b = np.mean([sum(curve(n)[1] for n in s) for s in per_sample]) if per_sample else 0.0
+            bwd = b if factor == 2 else factor * f
+            if recompute and factor > 0:
+                bwd += f
+            times[tp] = cost.num_layers * float(f + bwd) + _analytic_extras(model, wl, hw, cost, tp,
+                                                                            recompute)
+        out.append(dataclasses.replace(cost, time_s=times))
+    return tuple(out)
+
+
+def _analytic_extras(model, wl, hw, cost: UnitCost, tp: int, recompute: bool) -> float:
+    """Analytic time outside the repeated layers: total minus L x a middle layer."""
+    if cost.num_layers < 3:
+        return 0.0
+    lt = layer_times(unit_work(model, wl, cost.name), tp, hw, recompute)
+    total = sum(f + b for f, b in lt)
+    return max(0.0, total - cost.num_layers * sum(lt[1]))
