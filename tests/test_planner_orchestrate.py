@@ -116,3 +116,50 @@ def test_too_few_gpus_message_says_how_many():
     costs, _, _ = random_problem(3)
     with pytest.raises(PlanError, match="GPU"):
         orchestrate(costs, HW, 1, 8)
+
+
+def exhaustive_vectorized(costs, hw, n, bs):
+    """All integer plans of a paper-scale setting, combined with numpy broadcasting."""
+    best = math.inf
+    for dp_llm in divisors(bs):
+        m = bs // dp_llm
+        per = []
+        for c in costs:
+            rows = []
+            for tp in c.time_s:
+                for dp in ([dp_llm] if c.name == "llm" else divisors(dp_llm)):
+                    for pp in range(1, c.num_layers + 1):
+                        for v in ((1, 2) if c.name == "llm" else (1,)):
+                            ch = Choice(tp, dp, pp, v)
+                            if ch.gpus <= n and choice_error(c, ch, dp_llm, m, hw) is None:
+                                rows.append((ch.gpus, stage_time(c, ch, dp_llm),
+                                             warmup_time(c, ch, dp_llm, hw), sync_time(c, ch, hw)))
+            per.append(np.array(rows).reshape(-1, 4))
+        if any(len(p) == 0 for p in per):
+            continue
+        g, st, w, sy = 0.0, 0.0, 0.0, 0.0
+        for ax, a in enumerate(per):
+            view = [1] * len(per)
+            view[ax] = len(a)
+            g = g + a[:, 0].reshape(view)
+            st = np.maximum(st, a[:, 1].reshape(view))
+            w = w + a[:, 2].reshape(view)
+            sy = np.maximum(sy, a[:, 3].reshape(view))
+        best = min(best, float(np.where(g <= n, w + (m - 1) * st + sy, np.inf).min()))
+    return best
+
+
+@pytest.mark.parametrize("name,gpus,batch", [("disttrain/mllm_72b", 324, 480),
+                                             ("disttrain/mllm_9b", 98, 128),
+                                             ("orchmllm/mllm_10b", 128, 512),
+                                             ("cornstarch/valm_ll", 24, 24)])
+def test_paper_scale_matches_exhaustive_search(name, gpus, batch):
+    from mmjax.models.named import named_config
+    from mmjax.planner.hardware import A800, H100
+    from mmjax.planner.orchestrate import model_costs
+
+    hw = H100 if name.startswith("orchmllm") else A800
+    costs, _ = model_costs(named_config(name), hw)
+    res = orchestrate(costs, hw, gpus, batch)
+    assert res.iteration_time_s == pytest.approx(exhaustive_vectorized(costs, hw, gpus, batch),
+                                                 rel=1e-9)
