@@ -7,7 +7,8 @@ Cornstarch VLM/ALM/VALM on 24 GPUs with 24 single-sample microbatches.
 Solve time is the median of `--repeats` runs of Algorithm 1 (costs prepared once, as a
 training manager would). Speedup = baseline iteration time / planner iteration time.
 
-    python scripts/bench_planner.py [--repeats=5] [--only=table2] [--json=bench_results/planner.json]
+    python scripts/bench_planner.py [--repeats=5] [--only=table2]
+        [--json=bench_results/planner.json]
 """
 from __future__ import annotations
 
@@ -51,7 +52,8 @@ def bench_one(name, gpus, batch, paper_ms, repeats):
         times.append(time.perf_counter() - t0)
     plan_t = res.iteration_time_s
     row = {"model": name, "gpus": gpus, "global_batch": batch, "hardware": hw.name,
-           "solve_ms_median": 1e3 * statistics.median(times), "solve_ms_all": [1e3 * t for t in times],
+           "solve_ms_median": 1e3 * statistics.median(times),
+           "solve_ms_all": [1e3 * t for t in times],
            "paper_ms": paper_ms, "iteration_time_s": plan_t,
            "mfu": evaluate(costs, res.choices, batch, hw).mfu,
            "plan": {k: vars(v) for k, v in res.choices.items()},
@@ -81,8 +83,8 @@ def main(argv=None) -> int:
                 "iter s", "MFU", "vs megatron", "vs ratio"):
         t.add_column(col, justify="left" if col in ("model", "plan (dp,tp,pp)") else "right")
     for r in rows:
-        plan = " ".join(f"{k[:3]}:{v['dp']},{v['tp']},{v['pp']}" + (f"x{v['vpp']}" if v["vpp"] > 1 else "")
-                        for k, v in r["plan"].items())
+        plan = " ".join(f"{k[:3]}:{v['dp']},{v['tp']},{v['pp']}"
+                        + (f"x{v['vpp']}" if v["vpp"] > 1 else "") for k, v in r["plan"].items())
         sp = lambda k: (f"{r[k]['speedup']:.2f}x" if "speedup" in r[k] else "infeasible")
         t.add_row(r["model"], str(r["gpus"]), str(r["global_batch"]), r["hardware"],
                   f"{r['solve_ms_median']:.0f}", str(r["paper_ms"] or "-"), plan,

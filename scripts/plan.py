@@ -133,7 +133,8 @@ def main(argv=None) -> int:
         console.print(f"[yellow]{name}: infeasible:[/yellow] {err}")
     console.print(summary_table(plans))
     if "planner" in plans:
-        console.print(f"planner solve time: {plans['planner'].predicted['solve_time_s'] * 1e3:.0f} ms")
+        ms = plans["planner"].predicted["solve_time_s"] * 1e3
+        console.print(f"planner solve time: {ms:.0f} ms")
     if args.json:
         out = plans[primary].to_json()
         out["solve_time_s"] = plans[primary].predicted.get("solve_time_s", 0.0)

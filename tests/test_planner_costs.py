@@ -42,7 +42,8 @@ def test_params_match_flax_modules(cfg):
         got[f"{e.name}.projector"] = _count(
             lambda: make_projector(e.projector, e.encoder.hidden_size, cfg.llm.hidden_size, key))
     if cfg.generator is not None:
-        got["generator"] = _count(lambda: DiffusionGenerator(cfg.generator, cfg.llm.hidden_size, key))
+        got["generator"] = _count(
+            lambda: DiffusionGenerator(cfg.generator, cfg.llm.hidden_size, key))
     assert module_params(cfg) == got
 
 
@@ -133,7 +134,8 @@ def test_planner_imports_no_jax():
     """planner/* (but profile.py) and models/named.py import no JAX themselves. (cvxpy 1.9
     imports jax while probing its optional MPAX solver; that is cvxpy's, not ours.)"""
     root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "mmjax")
-    files = glob.glob(os.path.join(root, "planner", "*.py")) + [os.path.join(root, "models", "named.py")]
+    files = (glob.glob(os.path.join(root, "planner", "*.py"))
+             + [os.path.join(root, "models", "named.py")])
     for path in files:
         if path.endswith("profile.py"):
             continue

@@ -88,8 +88,9 @@ def test_matches_exhaustive_search(seed):
     ev = evaluate(costs, res.choices, bs, HW)
     assert ev.iteration_time_s == pytest.approx(res.iteration_time_s, rel=1e-12)
     assert ev.gpus <= n
+    dp_llm = res.choices["llm"].dp
     for c in costs:
-        assert choice_error(c, res.choices[c.name], res.choices["llm"].dp, bs // res.choices["llm"].dp, HW) is None
+        assert choice_error(c, res.choices[c.name], dp_llm, bs // dp_llm, HW) is None
 
 
 @pytest.mark.slow

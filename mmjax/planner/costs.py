@@ -164,7 +164,8 @@ def _llm_work(model: MLLMConfig, wl: Workload, bwd: int) -> list[Work]:
                           c.ffn_size, c.vocab_size)
     n1, n2 = wl.llm_moments()
     w = d * h * hd + 2 * d * kv * hd + h * hd * d + 3 * d * f
-    layer = Work(flops=2 * n1 * w + 2 * n2 * h * hd, width=d, allreduce_bytes=2 * n1 * d * ACT_BYTES,
+    layer = Work(flops=2 * n1 * w + 2 * n2 * h * hd, width=d,
+                 allreduce_bytes=2 * n1 * d * ACT_BYTES,
                  act_bytes=ACT_BYTES * n1 * (10 * d + 3 * f), in_bytes=ACT_BYTES * n1 * d,
                  bwd=bwd)
     head = Work(2 * n1 * d * v, d, 0.0, ACT_BYTES * n1 * v, 0.0, bwd)

@@ -4,21 +4,26 @@ The non-convex problem (GPU counts, TP, DP, PP of every unit) is cut into convex
 enumerating the finite "parallelism" part: TP in {1, 2, 4, 8} per unit and the LLM's DP as a
 factor of the global batch. For each candidate, a *parameterised* cvxpy problem (built once
 per number of units, DPP, re-solved with new parameter values) minimises the relaxed
-T_warmup + T_steady (+ DP sync) over continuous GPU counts x_u (seed 000 Eq. 1-2):
+T_warmup + T_steady (+ DP sync) over continuous GPU counts x_u, one per unit (Eq. 1-2):
 
-    min (m-1) tau + sum_u k_u x_u + s
+    min (m-1) tau + sum_u [k_u x_u + max(C_u, c_u / x_u)] + s
     s.t. c_u / x_u <= tau,  e_u / x_u <= s,  lo_u <= x_u <= hi_u,  sum_u x_u <= N
 
-with c_u = DP_llm TP_u C_u(TP_u), k_u the PP-communication slope, e_u the LLM's ZeRO-1 sync
-volume and lo_u the memory constraint rewritten as a lower bound on x_u (params, grads and
-ZeRO-1 states are 1/x terms; 1F1B activations are constant per GPU). Its optimum plus the
-constant part of the warm-up is a lower bound for every integer plan of the candidate.
+with c_u = DP_llm TP_u C_u(TP_u) (stage time = c_u / x_u), k_u the PP-communication slope,
+max(C_u, c_u / x_u) the warm-up of a unit whose DP_u <= DP_llm is free (the LLM's is the
+constant C_llm / VPP), e_u the LLM's ZeRO-1 sync volume and lo_u the memory constraint as a
+lower bound on x_u (weights, grads and ZeRO-1 states are 1/x terms; 1F1B activations are
+constant per GPU). Every term is a valid lower bound, so the optimum bounds every integer
+plan of the candidate.
 
-Integer repair checks the neighbours of the relaxed optimum: per unit, every DP_u dividing
-DP_llm with PP_u around x_u / (TP_u DP_u) (and the PP that meets the relaxed stage time),
-LLM PP dividing its layers (+ VPP 2 where it applies), then the best combination that fits
-N GPUs, priced exactly by `evaluate.evaluate`. Candidates are visited in order of a cheap
-closed-form bound and skipped once a bound cannot beat the incumbent.
+Candidates are visited in order of a cheaper bound (the LLM's PP enumerated exactly over
+the divisors of its layers, the other units sharing the remaining GPUs in closed form) and
+skipped once a bound cannot beat the incumbent. Integer repair checks the neighbours of the
+relaxed optimum: per unit and per DP_u dividing DP_llm, the PP values around
+x_u / (TP_u DP_u), the fewest stages that fit in memory and the PP meeting the relaxed
+stage time; LLM PP dividing its layers, with VPP 2 where it applies (§5.2, warm-up / VPP);
+the best combination within N GPUs, priced exactly by `evaluate`.
+tests/test_planner_orchestrate.py checks the result against exhaustive integer search.
 """
 from __future__ import annotations
 
