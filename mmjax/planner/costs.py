@@ -201,7 +201,7 @@ def _projector_work(model: MLLMConfig, wl: Workload, name: str, bwd: int) -> Wor
         acts = ACT_BYTES * (n1 / p.downsample) * sum(dims)
     else:
         q, h = p.num_queries, p.hidden_size or out
-        count = max(1.0, len(wl.encoder_tokens[name][0]) if wl.encoder_tokens[name] else 1.0)
+        count = wl.mean_segments(name)  # nq queries per image / clip
         flops = (2 * q * count * 2 * e * e + 2 * n1 * 2 * e * e + 4 * q * n1 * e
                  + 2 * q * count * (e * h + h * out))
         acts = ACT_BYTES * (q * count * (4 * e + h) + n1 * 2 * e)

@@ -2,8 +2,8 @@
 volume / bandwidth; compute time is FLOPs / achieved throughput).
 
 Bandwidths are per GPU and unidirectional, in bytes/s. `nic_bw` is the node's scale-out
-bandwidth divided by its GPUs (A800 nodes in seed 000 §8: 4x200 Gb/s RoCE; H100 nodes in
-seed 001 §8: 8x400 Gb/s InfiniBand).
+bandwidth divided by its GPUs (A800 nodes in seed 000 §8: 4x200 Gb/s RoCE, 300 GB/s bidirectional
+NVLink; H100 nodes in seed 001 §8: 8x400 Gb/s InfiniBand, 900 GB/s bidirectional NVLink).
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ class Hardware:
 
 
 GB = 1e9
-A800 = Hardware("A800", peak_flops=312e12, hbm_bytes=80 * GB, nvlink_bw=200e9,
+A800 = Hardware("A800", peak_flops=312e12, hbm_bytes=80 * GB, nvlink_bw=150e9,
                 nic_bw=4 * 200e9 / 8 / 8)
 H100 = Hardware("H100", peak_flops=989e12, hbm_bytes=80 * GB, nvlink_bw=450e9,
                 nic_bw=8 * 400e9 / 8 / 8)

@@ -42,6 +42,10 @@ class Workload:
         s2 = np.mean([sum(v * v for v in x) for x in per])
         return float(s1), float(s2)
 
+    def mean_segments(self, unit: str) -> float:
+        """Mean number of subsequences (images, clips) of `unit` per sample."""
+        return float(np.mean([len(x) for x in self.encoder_tokens.get(unit, ())] or [0.0]))
+
     def mean_generated(self) -> float:
         return float(np.mean(self.generated)) if self.generated else 0.0
 
@@ -66,7 +70,7 @@ def laion_like(model, num_samples: int = 512, seed: int = 0, seq_len: int = 8192
     probs = np.array([0.32, 0.25, 0.18, 0.12, 0.08, 0.05])
     enc, gen = [], []
     for _ in range(num_samples):
-        k = min(8, 1 + rng.geometric(0.45) - 1)
+        k = min(8, int(rng.geometric(0.45)))
         imgs, budget = [], seq_len // 2
         for _ in range(k):
             side = int(rng.choice(sides, p=probs))
