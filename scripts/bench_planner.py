@@ -28,7 +28,8 @@ from mmjax.models.named import named_config  # noqa: E402
 from mmjax.planner.baselines import megatron_choices, ratio_choices  # noqa: E402
 from mmjax.planner.evaluate import evaluate  # noqa: E402
 from mmjax.planner.hardware import A800, H100  # noqa: E402
-from mmjax.planner.orchestrate import model_costs, orchestrate  # noqa: E402
+from mmjax.planner.build import model_costs  # noqa: E402
+from mmjax.planner.orchestrate import orchestrate  # noqa: E402
 from mmjax.planner.plan import PlanError  # noqa: E402
 
 TABLE2 = [("disttrain/mllm_72b", 1296, 1920, 922), ("disttrain/mllm_72b", 648, 960, 641),

@@ -24,7 +24,7 @@ from rich.table import Table  # noqa: E402
 
 from mmjax.planner.baselines import baseline_plan  # noqa: E402
 from mmjax.planner.hardware import hardware  # noqa: E402
-from mmjax.planner.orchestrate import plan_model  # noqa: E402
+from mmjax.planner.build import plan_model  # noqa: E402
 from mmjax.planner.plan import PlanError  # noqa: E402
 
 FAMILY_HARDWARE = {"disttrain": "a800", "orchmllm": "h100", "cornstarch": "a800"}

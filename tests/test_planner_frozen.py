@@ -5,7 +5,8 @@ import pytest
 from mmjax.models.named import named_config
 from mmjax.planner.baselines import baseline_plan, megatron_choices, ratio_choices
 from mmjax.planner.hardware import A800
-from mmjax.planner.orchestrate import model_costs, orchestrate, plan_model
+from mmjax.planner.build import model_costs, plan_model
+from mmjax.planner.orchestrate import orchestrate
 
 # seed 000 §8.3.1: projectors always trained
 DISTTRAIN_FROZEN = {

@@ -157,7 +157,7 @@ def exhaustive_vectorized(costs, hw, n, bs):
 def test_paper_scale_matches_exhaustive_search(name, gpus, batch):
     from mmjax.models.named import named_config
     from mmjax.planner.hardware import A800, H100
-    from mmjax.planner.orchestrate import model_costs
+    from mmjax.planner.build import model_costs
 
     hw = H100 if name.startswith("orchmllm") else A800
     costs, _ = model_costs(named_config(name), hw)

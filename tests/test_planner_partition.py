@@ -6,7 +6,7 @@ import pytest
 
 from mmjax.models.named import named_config
 from mmjax.planner.hardware import A800
-from mmjax.planner.orchestrate import model_costs
+from mmjax.planner.build import model_costs
 from mmjax.planner.partition import (balanced_split, loosely_coupled, max_stage_time,
                                      partition_unit, planning_weights)
 

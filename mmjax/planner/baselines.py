@@ -10,6 +10,7 @@
 """
 from __future__ import annotations
 
+from mmjax.planner.build import model_costs, to_plan
 from mmjax.planner.costs import UnitCost
 from mmjax.planner.evaluate import Choice, choice_error
 from mmjax.planner.hardware import Hardware
@@ -114,8 +115,6 @@ def ratio_choices(costs: tuple[UnitCost, ...], hw: Hardware, num_gpus: int,
 def baseline_plan(model, kind: str, hw: Hardware, num_gpus: int, global_batch: int,
                   workload=None, recompute: bool = False, pp: int | None = None):
     """The `kind` ("megatron" or "ratio") baseline as a validated, priced `Plan`."""
-    from mmjax.planner.orchestrate import model_costs, to_plan
-
     costs, layer_costs = model_costs(model, hw, workload, recompute)
     if kind == "megatron":
         choices = megatron_choices(costs, hw, num_gpus, global_batch, pp=pp,

@@ -36,13 +36,11 @@ from dataclasses import dataclass
 import cvxpy as cp
 import numpy as np
 
-from mmjax.planner.costs import UnitCost, layer_times, unit_costs, unit_work
-from mmjax.planner.evaluate import (Choice, choice_error, evaluate, memory_bytes,
-                                    p2p_time, stage_time, sync_time, warmup_time)
+from mmjax.planner.costs import UnitCost
+from mmjax.planner.evaluate import (Choice, choice_error, memory_bytes, p2p_time,
+                                    stage_time, sync_time, warmup_time)
 from mmjax.planner.hardware import Hardware
-from mmjax.planner.partition import partition_unit
-from mmjax.planner.plan import Plan, PlanError, UnitPlan
-from mmjax.planner.workload import default_workload
+from mmjax.planner.plan import PlanError
 
 
 def divisors(n: int) -> list[int]:
@@ -339,50 +337,3 @@ def infeasible_message(costs, hw: Hardware, n: int, bs: int) -> str:
 def orchestrate(costs: tuple[UnitCost, ...], hw: Hardware, num_gpus: int, global_batch: int,
                 vpp: bool = True) -> OrchestrationResult:
     return Orchestrator(costs, hw, vpp).solve(num_gpus, global_batch)
-
-
-def to_plan(model, costs: tuple[UnitCost, ...], choices: dict[str, Choice], global_batch: int,
-            hw: Hardware, kind: str, layer_costs: dict | None = None,
-            solve_time_s: float = 0.0) -> Plan:
-    """A validated `Plan` for integer `choices`, layers split frozen-aware (partition.py)
-    over pp x vpp virtual stages, with `predicted` filled from `evaluate`."""
-    units = []
-    for cost in costs:
-        ch = choices[cost.name]
-        stages = ch.pp * ch.vpp
-        if layer_costs and cost.name in layer_costs:
-            layers = partition_unit(cost.name, layer_costs[cost.name][ch.tp], stages).split
-        else:
-            layers = Plan.even_layers(cost.num_layers, stages)
-        units.append(UnitPlan(name=cost.name, dp=ch.dp, tp=ch.tp, pp=ch.pp, layers=layers,
-                              num_chunks=ch.vpp, frozen=model.frozen(cost.name)))
-    dp_llm = choices["llm"].dp
-    plan = Plan(tuple(units), global_batch, global_batch // dp_llm, kind=kind)
-    ev = evaluate(costs, choices, global_batch, hw)
-    plan.predicted.update({
-        "iteration_time_s": ev.iteration_time_s, "mfu": ev.mfu, "memory_gb": ev.memory_gb,
-        "stage_time_s": ev.stage_time_s, "warmup_s": ev.warmup_s, "steady_s": ev.steady_s,
-        "sync_s": ev.sync_s, "gpus": ev.gpus,
-        "samples_per_s": global_batch / ev.iteration_time_s, "solve_time_s": solve_time_s,
-        "hardware": hw.name})
-    return plan.validate(model, ev.gpus)
-
-
-def model_costs(model, hw: Hardware, workload=None, recompute: bool = False):
-    """(UnitCosts, per-unit per-TP layer costs) of `model` on its paper workload."""
-    wl = workload or default_workload(model)
-    costs = unit_costs(model, wl, hw, recompute)
-    layer_costs = {c.name: {t: layer_times(unit_work(model, wl, c.name), t, hw, recompute)
-                            for t in c.time_s} for c in costs}
-    return costs, layer_costs
-
-
-def plan_model(model, hw: Hardware, num_gpus: int, global_batch: int, workload=None,
-               recompute: bool = False, vpp: bool = True, costs=None) -> Plan:
-    """The disaggregated plan for `model` on `num_gpus` GPUs (seed 000 §5); `costs`
-    (e.g. from profile.profiled_costs) replace the analytic unit costs."""
-    analytic, layer_costs = model_costs(model, hw, workload, recompute)
-    costs = costs or analytic
-    res = orchestrate(costs, hw, num_gpus, global_batch, vpp)
-    return to_plan(model, costs, res.choices, global_batch, hw, "disaggregated", layer_costs,
-                   res.solve_time_s)
