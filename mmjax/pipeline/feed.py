@@ -1,0 +1,214 @@
+"""Host side of one microbatch: per unit and dp rank inputs, and the part maps the broker
+applies between units (no JAX).
+
+Each unit splits the microbatch's samples over its own dp ranks (`assignments`: contiguous
+by default, or any per-phase balancing from data/balance.py). Encoder outputs travel to the
+LLM as *parts*: part (i, j) holds, in the LLM rank's sample order, the projected tokens of
+the samples encoder rank i computed and LLM rank j consumes, so one transfer per encoder
+realises the whole rearrangement (OrchMLLM §6, rearrangement composition Pi_M o Pi_E^-1).
+The LLM's `gather_<e>` indices are rewritten to point into the parts it receives. The same
+holds for LLM -> generator, with images as the unit of a part.
+Arrays of all dp ranks are stacked rank-major along axis 0, ready to shard over 'dp'.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from mmjax.data.assemble import AssemblyLayout, Batch, assemble, batch_shapes, check_sample
+from mmjax.data.sample import Sample
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, int(np.ceil(np.log2(max(n, 1)))))
+
+
+@dataclass(frozen=True)
+class PartMap:
+    """Which part goes where: `pairs` of (src rank, src slot, dst rank, dst slot); source
+    ranks hold `src_slots` parts each, destination ranks `dst_slots`."""
+
+    src_ranks: int
+    src_slots: int
+    dst_ranks: int
+    dst_slots: int
+    pairs: tuple[tuple[int, int, int, int], ...]
+
+    @staticmethod
+    def identity(ranks: int) -> "PartMap":
+        return PartMap(ranks, 1, ranks, 1, tuple((i, 0, i, 0) for i in range(ranks)))
+
+    def inverse(self) -> "PartMap":
+        return PartMap(self.dst_ranks, self.dst_slots, self.src_ranks, self.src_slots,
+                       tuple((j, q, i, s) for i, s, j, q in self.pairs))
+
+    def apply(self, parts: np.ndarray) -> np.ndarray:
+        """Reference in numpy: [src_ranks * src_slots, ...] -> [dst_ranks * dst_slots, ...]."""
+        out = np.zeros((self.dst_ranks * self.dst_slots,) + parts.shape[1:], parts.dtype)
+        for i, s, j, q in self.pairs:
+            out[j * self.dst_slots + q] = parts[i * self.src_slots + s]
+        return out
+
+
+def contiguous(n: int, ranks: int) -> list[list[int]]:
+    if n % ranks:
+        raise ValueError(f"microbatch of {n} samples does not split over dp={ranks}")
+    k = n // ranks
+    return [list(range(r * k, (r + 1) * k)) for r in range(ranks)]
+
+
+def _stack(dicts: list[dict]) -> dict:
+    return {k: np.concatenate([d[k] for d in dicts], axis=0) for k in dicts[0]}
+
+
+def _doc_positions(batch: Batch, sample_pos: int, mask: np.ndarray):
+    """Flat (row*S + col) positions of sample `sample_pos` of `batch` where `mask`, in order."""
+    row, doc_id = batch.doc_index[sample_pos]
+    cols = np.nonzero((batch.doc[row] == doc_id) & mask[row])[0]
+    return row, cols
+
+
+def _parts(src_groups, dst_groups, items_of):
+    """Pairs (i, j) with the items (in dst order) that go from src rank i to dst rank j."""
+    owner = {s: i for i, g in enumerate(src_groups) for s in g}
+    per_pair: dict[tuple[int, int], list] = {}
+    for j, g in enumerate(dst_groups):
+        for s in g:
+            per_pair.setdefault((owner[s], j), []).extend(items_of(s))
+    return per_pair
+
+
+def _part_map(per_pair, a, b) -> tuple[PartMap, dict]:
+    src_slot, dst_slot, pairs = {}, {}, []
+    keys = sorted(per_pair)
+    for i, j in keys:
+        src_slot[(i, j)] = sum(1 for (i2, j2) in keys if i2 == i and j2 < j)
+        dst_slot[(i, j)] = sum(1 for (i2, j2) in keys if j2 == j and i2 < i)
+        pairs.append((i, src_slot[(i, j)], j, dst_slot[(i, j)]))
+    ps = max([v + 1 for v in src_slot.values()] or [1])
+    pr = max([v + 1 for v in dst_slot.values()] or [1])
+    return PartMap(a, ps, b, pr, tuple(pairs)), {"src": src_slot, "dst": dst_slot}
+
+
+@dataclass
+class MicrobatchFeed:
+    """Everything the stages of every unit need for one microbatch."""
+
+    enc_inputs: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
+    enc_pack: dict[str, np.ndarray] = field(default_factory=dict)  # [a, ps, cap] local idx
+    enc_routes: dict[str, PartMap] = field(default_factory=dict)
+    llm: dict[str, np.ndarray] = field(default_factory=dict)
+    gen_pack: np.ndarray | None = None  # [b, ps, cap] image index in the LLM rank
+    gen_routes: PartMap | None = None
+    gen: dict[str, np.ndarray] = field(default_factory=dict)
+    num_target_tokens: int = 0
+    num_gen_elements: int = 0
+
+
+def microbatch_feed(samples: list[Sample], layout: AssemblyLayout, dp: dict[str, int],
+                    assignments: dict[str, list[list[int]]] | None = None) -> MicrobatchFeed:
+    """Build the feed of one microbatch. `dp[unit]` is each unit's dp size; samples must
+    already be valid (the loader skips bad ones before forming microbatches)."""
+    n = len(samples)
+    assignments = dict(assignments or {})
+    groups = {u: assignments.get(u) or contiguous(n, d) for u, d in dp.items()}
+    for u, g in groups.items():
+        flat = sorted(s for r in g for s in r)
+        if flat != list(range(n)) or len(g) != dp[u]:
+            raise ValueError(f"assignments[{u!r}] must split samples 0..{n - 1} over {dp[u]} ranks")
+    for s in samples:
+        reason = check_sample(s, layout)
+        if reason:
+            raise ValueError(f"sample {s.id} cannot be assembled ({reason}); skip bad samples "
+                             "before forming microbatches (the loader does)")
+    metas = [layout.rules.meta(s) for s in samples]
+    feed = MicrobatchFeed()
+
+    def batches(unit, enc_inputs):
+        gs = groups[unit]
+        shapes = batch_shapes([[metas[s] for s in g] for g in gs], layout)
+        return [assemble([samples[s] for s in g], layout, shapes=shapes,
+                         encoder_inputs=enc_inputs) for g in gs]
+
+    llm_b = batches("llm", False)
+    b = dp["llm"]
+    llm_pos = {s: (j, k) for j, g in enumerate(groups["llm"]) for k, s in enumerate(g)}
+    for slot in layout.encoders:
+        e = slot.name
+        enc_b = batches(e, True)
+        enc_pos = {s: (i, k) for i, g in enumerate(groups[e]) for k, s in enumerate(g)}
+
+        def tokens_of(s, e=e, enc_b=enc_b, enc_pos=enc_pos):
+            i, k = enc_pos[s]
+            bt = enc_b[i]
+            row, cols = _doc_positions(bt, k, bt.gather[e] >= 0)
+            return [int(v) for v in bt.gather[e][row, cols]]
+
+        per_pair = _parts(groups[e], groups["llm"], tokens_of)
+        routes, slots = _part_map(per_pair, dp[e], b)
+        cap = _pow2(max([len(v) for v in per_pair.values()] or [1]))
+        pack = np.full((dp[e], routes.src_slots, cap), -1, np.int32)
+        gathers = [np.full_like(bt.gather[e], -1) for bt in llm_b]
+        for (i, j), toks in per_pair.items():
+            pack[i, slots["src"][(i, j)], :len(toks)] = toks
+        for (i, j) in per_pair:
+            off = slots["dst"][(i, j)] * cap
+            for s in groups["llm"][j]:
+                if enc_pos[s][0] != i:
+                    continue
+                row, cols = _doc_positions(llm_b[j], llm_pos[s][1], llm_b[j].gather[e] >= 0)
+                gathers[j][row, cols] = off + np.arange(len(cols))
+                off += len(cols)
+        feed.enc_inputs[e] = _stack([bt.encoders[e] for bt in enc_b])
+        feed.enc_pack[e], feed.enc_routes[e] = pack, routes
+        for j, bt in enumerate(llm_b):
+            bt.gather[e] = gathers[j]
+
+    llm_fields = ("tokens", "targets", "loss_mask", "positions", "doc", "sub")
+    feed.llm = _stack([{**{k: getattr(bt, k) for k in llm_fields},
+                        "bam": bt.bam.astype(np.int32),
+                        **{f"gather_{e}": g for e, g in bt.gather.items()}} for bt in llm_b])
+    feed.num_target_tokens = sum(bt.num_target_tokens for bt in llm_b)
+
+    if layout.gen is not None and "generator" in dp:
+        gen_b = batches("generator", False)
+        image_count = [m.count("image_out") for m in metas]
+        first_image = {}
+        for bt_j, g in zip(llm_b, groups["llm"]):
+            k = 0
+            for s in g:
+                first_image[s] = k
+                k += image_count[s]
+        per_pair = _parts(groups["generator"], groups["llm"],
+                          lambda s: [first_image[s] + t for t in range(image_count[s])])
+        # parts flow llm -> generator: swap roles (src = llm rank j, dst = gen rank i)
+        per_pair = {(j, i): v for (i, j), v in per_pair.items()}
+        routes, slots = _part_map(per_pair, b, dp["generator"])
+        cap = _pow2(max([len(v) for v in per_pair.values()] or [1]))
+        pack = np.full((b, routes.src_slots, cap), -1, np.int32)
+        c = dp["generator"]
+        per_rank = routes.dst_slots * cap
+        npch, pdim = layout.gen.num_patches, layout.gen.patch_dim
+        gen = {"gen_latents": np.zeros((c * per_rank, npch, pdim), np.float32),
+               "gen_noise": np.zeros((c * per_rank, npch, pdim), np.float32),
+               "gen_t": np.zeros((c * per_rank,), np.int32),
+               "gen_valid": np.zeros((c * per_rank,), np.float32)}
+        gen_pos = {s: (i, k) for i, g in enumerate(groups["generator"]) for k, s in enumerate(g)}
+        for (j, i), imgs in per_pair.items():
+            pack[j, slots["src"][(j, i)], :len(imgs)] = imgs
+            base = i * per_rank + slots["dst"][(j, i)] * cap
+            t = 0
+            for s in groups["llm"][j]:
+                if gen_pos[s][0] != i:
+                    continue
+                gi, gk = gen_pos[s]
+                g_first = sum(image_count[x] for x in groups["generator"][gi][:gk])
+                for m in range(image_count[s]):
+                    for key in gen:
+                        gen[key][base + t] = gen_b[gi].gen[key][g_first + m]
+                    t += 1
+        feed.llm["gen_query"] = np.concatenate([bt.gen["gen_query"] for bt in llm_b], 0)
+        feed.gen_pack, feed.gen_routes, feed.gen = pack, routes, gen
+        feed.num_gen_elements = sum(bt.num_gen_elements for bt in llm_b)
+    return feed
