@@ -107,9 +107,12 @@ class MicrobatchFeed:
 
 
 def microbatch_feed(samples: list[Sample], layout: AssemblyLayout, dp: dict[str, int],
-                    assignments: dict[str, list[list[int]]] | None = None) -> MicrobatchFeed:
+                    assignments: dict[str, list[list[int]]] | None = None, cp: int = 1,
+                    cp_method: str = "lpt", cp_block: int = 128) -> MicrobatchFeed:
     """Build the feed of one microbatch. `dp[unit]` is each unit's dp size; samples must
-    already be valid (the loader skips bad ones before forming microbatches)."""
+    already be valid (the loader skips bad ones before forming microbatches). With `cp` > 1
+    the LLM arrays are laid out for context parallelism (Cornstarch §4.3: each row's tokens
+    distributed over cp ranks by `cp_method` in blocks of `cp_block`)."""
     n = len(samples)
     assignments = dict(assignments or {})
     groups = {u: assignments.get(u) or contiguous(n, d) for u, d in dp.items()}
@@ -211,4 +214,36 @@ def microbatch_feed(samples: list[Sample], layout: AssemblyLayout, dp: dict[str,
         feed.llm["gen_query"] = np.concatenate([bt.gen["gen_query"] for bt in llm_b], 0)
         feed.gen_pack, feed.gen_routes, feed.gen = pack, routes, gen
         feed.num_gen_elements = sum(bt.num_gen_elements for bt in llm_b)
+    if cp > 1:
+        feed.llm = cp_layout(feed.llm, cp, cp_method, cp_block)
     return feed
+
+
+_PAD_VALUE = {"gather": -1}
+
+
+def cp_layout(llm: dict, cp: int, method: str, block: int) -> dict:
+    """Permute the LLM's [B, S] arrays into the CP layout [B, cp * L] (rank-major; padding
+    slots: doc 0, no target, no modality token), add `idx` (global token index, S for
+    padding) and remap `gen_query` to the new flat positions."""
+    from mmjax.parallel.token_distribution import batch_layout
+
+    gi = batch_layout(llm["bam"], llm["doc"], llm["sub"], cp, method, block)  # [B, N]
+    b, s = llm["tokens"].shape
+    rows = np.arange(b)[:, None]
+    out = {}
+    for k, v in llm.items():
+        if k == "gen_query":
+            continue
+        fill = -1 if k.startswith("gather_") else 0
+        padded = np.concatenate([v, np.full((b, 1), fill, v.dtype)], axis=1)
+        out[k] = padded[rows, gi]
+    out["idx"] = gi.astype(np.int32)
+    if "gen_query" in llm:
+        inverse = np.zeros((b, s), np.int64)
+        for r in range(b):
+            valid = np.nonzero(gi[r] < s)[0]
+            inverse[r, gi[r, valid]] = valid
+        q = llm["gen_query"]
+        out["gen_query"] = ((q // s) * gi.shape[1] + inverse[q // s, q % s]).astype(np.int32)
+    return out

@@ -27,6 +27,7 @@ from mmjax.models.llm import LLM, lm_loss_sum, mask_attend, merge_modalities
 from mmjax.models.mllm import (encoder_embed, encoder_layers, generator_inputs, llm_allowed,
                                make_encoder, project, unit_key)
 from mmjax.models.projector import make_projector
+from mmjax.parallel.context import TokenMeta, cp_attention_sharded
 from mmjax.train.step import cast_floats
 
 
@@ -80,7 +81,10 @@ def apply_encoder(cfg: MLLMConfig, name: str, module: EncoderStage, x, side, dty
     return _pack(_per_rank(y, ranks), side["pack"])
 
 
-def apply_llm(cfg: MLLMConfig, module: LLM, x, side, dtype, with_generator: bool, ranks: int):
+def apply_llm(cfg: MLLMConfig, module: LLM, x, side, dtype, with_generator: bool, ranks: int,
+              mesh=None):
+    """LLM stage; on a ('dp','cp','tp') mesh attention is Cornstarch's all-gather CP
+    attention over tokens already in CP layout (pipeline/feed.py `cp_layout`)."""
     b = side["llm"]
     if module.is_first:
         h = module.embed_tokens(b["tokens"], dtype)
@@ -93,7 +97,12 @@ def apply_llm(cfg: MLLMConfig, module: LLM, x, side, dtype, with_generator: bool
             h = hr.reshape(h.shape)
         x = h
     batch = side["llm"]
-    x = module.run_layers(x.astype(dtype), batch["positions"], mask_attend(llm_allowed(batch)))
+    if mesh is not None and "cp" in mesh.axis_names:
+        meta = TokenMeta(batch["bam"], batch["doc"], batch["sub"], batch["idx"])
+        attend = lambda q, k, v: cp_attention_sharded(q, k, v, meta, mesh)
+    else:
+        attend = mask_attend(llm_allowed(batch))
+    x = module.run_layers(x.astype(dtype), batch["positions"], attend)
     if not module.is_last:
         return x
     hf = module.final_hidden(x)
@@ -128,11 +137,11 @@ class StageFns:
 
 
 def make_stage_fns(cfg: MLLMConfig, unit: str, graphdef, mode: str, dtype,
-                   with_generator: bool, ranks: int) -> StageFns:
+                   with_generator: bool, ranks: int, mesh=None) -> StageFns:
     def run(trainable, frozen, x, side):
         module = nnx.merge(graphdef, cast_floats(trainable, dtype), cast_floats(frozen, dtype))
         if unit == "llm":
-            return apply_llm(cfg, module, x, side, dtype, with_generator, ranks)
+            return apply_llm(cfg, module, x, side, dtype, with_generator, ranks, mesh)
         if unit == "generator":
             return apply_generator(cfg, module, x, side, dtype)
         return apply_encoder(cfg, unit, module, x, side, dtype)
