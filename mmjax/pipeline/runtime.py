@@ -105,7 +105,8 @@ class PipelineRuntime:
                 mode = "params"
             st = Stage(sid, mesh, plan.unit(sid.unit).dp, gd, shard_state(tr, mesh),
                        shard_state(fr, mesh), mode)
-            st.fns = make_stage_fns(cfg, sid.unit, gd, mode, compute_dtype, with_gen, st.dp, mesh)
+            st.fns = make_stage_fns(cfg, sid.unit, gd, mode, compute_dtype, with_gen, st.dp, mesh,
+                                    plan.unit(sid.unit).overlap_tp)
             self.stages[sid] = st
         self.schedule = multimodal_one_f_one_b(self.graph, plan.num_microbatches)
         sim = simulate(self.schedule, lambda s, a: 1.0, self.graph)

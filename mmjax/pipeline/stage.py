@@ -28,6 +28,7 @@ from mmjax.models.mllm import (encoder_embed, encoder_layers, generator_inputs, 
                                make_encoder, project, unit_key)
 from mmjax.models.projector import make_projector
 from mmjax.parallel.context import TokenMeta, cp_attention_sharded
+from mmjax.parallel.tp_ops import sequence_sharded_llm_stage
 from mmjax.train.step import cast_floats
 
 
@@ -82,7 +83,7 @@ def apply_encoder(cfg: MLLMConfig, name: str, module: EncoderStage, x, side, dty
 
 
 def apply_llm(cfg: MLLMConfig, module: LLM, x, side, dtype, with_generator: bool, ranks: int,
-              mesh=None):
+              mesh=None, overlap_tp: bool = False):
     """LLM stage; on a ('dp','cp','tp') mesh attention is Cornstarch's all-gather CP
     attention over tokens already in CP layout (pipeline/feed.py `cp_layout`)."""
     b = side["llm"]
@@ -100,9 +101,13 @@ def apply_llm(cfg: MLLMConfig, module: LLM, x, side, dtype, with_generator: bool
     if mesh is not None and "cp" in mesh.axis_names:
         meta = TokenMeta(batch["bam"], batch["doc"], batch["sub"], batch["idx"])
         attend = lambda q, k, v: cp_attention_sharded(q, k, v, meta, mesh)
+        x = module.run_layers(x.astype(dtype), batch["positions"], attend)
+    elif overlap_tp:  # DistTrain §7 StepCCL: decomposed collective matmuls, sequence-sharded
+        fn, state = sequence_sharded_llm_stage(module, mesh, mask_attend, overlap_tp=True,
+                                               batch_axis="dp", num_chunks=2, bidirectional=True)
+        x = fn(state, x.astype(dtype), batch["positions"], llm_allowed(batch))
     else:
-        attend = mask_attend(llm_allowed(batch))
-    x = module.run_layers(x.astype(dtype), batch["positions"], attend)
+        x = module.run_layers(x.astype(dtype), batch["positions"], mask_attend(llm_allowed(batch)))
     if not module.is_last:
         return x
     hf = module.final_hidden(x)
@@ -137,11 +142,13 @@ class StageFns:
 
 
 def make_stage_fns(cfg: MLLMConfig, unit: str, graphdef, mode: str, dtype,
-                   with_generator: bool, ranks: int, mesh=None) -> StageFns:
+                   with_generator: bool, ranks: int, mesh=None,
+                   overlap_tp: bool = False) -> StageFns:
     def run(trainable, frozen, x, side):
         module = nnx.merge(graphdef, cast_floats(trainable, dtype), cast_floats(frozen, dtype))
         if unit == "llm":
-            return apply_llm(cfg, module, x, side, dtype, with_generator, ranks, mesh)
+            return apply_llm(cfg, module, x, side, dtype, with_generator, ranks, mesh,
+                             overlap_tp)
         if unit == "generator":
             return apply_generator(cfg, module, x, side, dtype)
         return apply_encoder(cfg, unit, module, x, side, dtype)

@@ -102,7 +102,8 @@ class Plan:
         """Every unit with the given dp/tp/pp (per-unit dicts allowed: dp={"llm": 2})."""
         units = []
         for name in model.unit_names:
-            kw = {k: (v.get(name, 1) if isinstance(v, dict) else v) for k, v in unit_kw.items()}
+            kw = {k: (v.get(name, False if k == "overlap_tp" else 1) if isinstance(v, dict)
+                      else v) for k, v in unit_kw.items()}
             if name != "llm":
                 kw.pop("cp", None)
             pp, chunks = kw.get("pp", 1), kw.get("num_chunks", 1)
@@ -152,6 +153,9 @@ class Plan:
             if mb % u.dp:
                 raise PlanError(f"{where}.dp={u.dp} does not divide the microbatch size {mb} "
                                 f"(global_batch/num_microbatches): choose dp dividing {mb}")
+            if u.overlap_tp and (u.name != "llm" or u.tp < 2 or u.cp > 1):
+                raise PlanError(f"{where}.overlap_tp=True needs the llm unit with tp >= 2 and "
+                                f"cp == 1 (got tp={u.tp}, cp={u.cp}): set overlap_tp=False")
             if u.cp > 1 and u.name != "llm":
                 raise PlanError(f"{where}.cp={u.cp}: context parallelism is for the llm only")
             n_layers = model.num_layers(u.name)
