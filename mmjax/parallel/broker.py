@@ -1,0 +1,362 @@
+"""Communication broker: move dp-blocked tensors between disjoint sub-meshes (seed 000 §7).
+
+DistTrain §7 bridges pipeline communication between parallelism units (§4.1) whose DP sizes
+differ: the broker concentrates (a > b) or scatters (a < b) the data while keeping the
+sample order, with gcd(a, b) independent broker groups. OrchMLLM §6 (rearrangement
+composition) generalises the map to any part -> (rank, slot) assignment, applied in one
+transfer.
+
+Data layout ("dp-blocked"): an inter-stage tensor is a global array of shape
+`[a * ps, *part_shape]` on the source stage mesh, sharded `P('dp')` on axis 0 and replicated
+over the other mesh axes, so source dp rank i holds parts `[i*ps, (i+1)*ps)`. The result is
+`[b * pr, *part_shape]` on the destination mesh with the same layout. `Routes` says, for
+every destination (rank j, slot q), which source (rank i, slot s) fills it, or nothing
+(zeros).
+
+Mechanism (works when the meshes sit in different processes): a 1-D mesh over the union of
+both meshes' devices; every device's existing buffer becomes one shard of a union array
+(`make_array_from_single_device_arrays`, zero-copy); inside `shard_map`, rounds of
+`lax.ppermute` in which each device sends at most one slot and receives at most one slot.
+Each part must reach every tp/cp replica of its destination rank; any replica of its source
+rank may send it. Senders are spread over the source replicas, and the resulting bipartite
+multigraph (sender device -> receiver device, one edge per delivery) is edge-coloured with
+exactly max-degree colours (König), one colour per round, so the round count is the lower
+bound for that sender choice. Slot indices travel as small int tables sharded like the
+data. The destination devices' output shards are then wrapped as the destination-mesh array.
+
+Every process touches only its addressable shards, so all processes holding devices of
+either mesh must call `transfer` with the same arguments in the same order.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+AXIS = "broker"  # the 1-D union mesh's axis
+
+
+# ---- which part goes where ------------------------------------------------------------------
+@dataclass(frozen=True)
+class Routes:
+    """Immutable, hashable part map. `sources[j * dst_slots + q]` is the `(rank, slot)` of
+    the source part that fills destination rank j, slot q, or None (zero fill)."""
+
+    src_ranks: int
+    src_slots: int
+    dst_ranks: int
+    dst_slots: int
+    sources: tuple[tuple[int, int] | None, ...]
+
+    def __post_init__(self):
+        for k in ("src_ranks", "src_slots", "dst_ranks", "dst_slots"):
+            if getattr(self, k) < 1:
+                raise ValueError(f"Routes.{k}={getattr(self, k)} must be >= 1")
+        if len(self.sources) != self.dst_ranks * self.dst_slots:
+            raise ValueError(f"Routes.sources has {len(self.sources)} entries; need dst_ranks *"
+                             f" dst_slots = {self.dst_ranks * self.dst_slots}")
+        for src in self.sources:
+            if src is None:
+                continue
+            i, s = src
+            if not (0 <= i < self.src_ranks and 0 <= s < self.src_slots):
+                raise ValueError(f"Routes: source {src} out of range (src_ranks="
+                                 f"{self.src_ranks}, src_slots={self.src_slots})")
+
+    @property
+    def pairs(self) -> tuple[tuple[int, int, int, int], ...]:
+        """(src rank, src slot, dst rank, dst slot) for every filled destination slot."""
+        return tuple((src[0], src[1], k // self.dst_slots, k % self.dst_slots)
+                     for k, src in enumerate(self.sources) if src is not None)
+
+    @property
+    def is_identity(self) -> bool:
+        return (self.src_ranks == self.dst_ranks and self.src_slots == self.dst_slots
+                and all(src == divmod(k, self.dst_slots) for k, src in enumerate(self.sources)))
+
+    @classmethod
+    def from_pairs(cls, src_ranks: int, src_slots: int, dst_ranks: int, dst_slots: int,
+                   pairs) -> "Routes":
+        """General map (OrchMLLM §6 rearrangement composition): `pairs` of
+        (src rank i, src slot s, dst rank j, dst slot q); unnamed destination slots get
+        zeros. A destination slot may be named only once."""
+        table: list = [None] * (dst_ranks * dst_slots)
+        for i, s, j, q in pairs:
+            if not (0 <= j < dst_ranks and 0 <= q < dst_slots):
+                raise ValueError(f"Routes.from_pairs: destination ({j}, {q}) out of range "
+                                 f"(dst_ranks={dst_ranks}, dst_slots={dst_slots})")
+            k = j * dst_slots + q
+            if table[k] is not None:
+                raise ValueError(f"Routes.from_pairs: destination ({j}, {q}) is filled twice, "
+                                 f"from {table[k]} and {(i, s)}; name each destination once")
+            table[k] = (int(i), int(s))
+        return cls(src_ranks, src_slots, dst_ranks, dst_slots, tuple(table))
+
+    @classmethod
+    def order_preserving(cls, a: int, b: int, parts_total: int | None = None) -> "Routes":
+        """DistTrain §7: dp a -> dp b keeping sample order. The `parts_total` parts (default
+        lcm(a, b)) are numbered in global order; part p goes from source rank
+        p // (parts_total / a) to destination rank p // (parts_total / b), so a > b
+        concentrates, a < b scatters, and a, b with gcd g form g independent groups."""
+        parts_total = math.lcm(a, b) if parts_total is None else parts_total
+        if parts_total < 1 or parts_total % a or parts_total % b:
+            raise ValueError(f"Routes.order_preserving: parts_total={parts_total} must be a "
+                             f"positive multiple of lcm(a={a}, b={b}) = {math.lcm(a, b)}")
+        ps, pr = parts_total // a, parts_total // b
+        return cls(a, ps, b, pr, tuple(divmod(p, ps) for p in range(parts_total)))
+
+    def inverse(self) -> "Routes":
+        """The transposed map, for moving gradients back: destination (j, q) sends to the
+        source (i, s) that filled it; source slots nobody read get zeros. Exact only when no
+        source part fed two destinations, so that case is rejected."""
+        table: list = [None] * (self.src_ranks * self.src_slots)
+        for i, s, j, q in self.pairs:
+            k = i * self.src_slots + s
+            if table[k] is not None:
+                raise ValueError(f"Routes.inverse: source part ({i}, {s}) feeds both "
+                                 f"{table[k]} and {(j, q)}; its gradient would be a sum, "
+                                 f"which a transfer cannot express: route each part once")
+            table[k] = (j, q)
+        return Routes(self.dst_ranks, self.dst_slots, self.src_ranks, self.src_slots,
+                      tuple(table))
+
+    def apply(self, parts: np.ndarray) -> np.ndarray:
+        """Numpy reference: `[src_ranks * src_slots, ...]` -> `[dst_ranks * dst_slots, ...]`."""
+        out = np.zeros((self.dst_ranks * self.dst_slots,) + parts.shape[1:], parts.dtype)
+        for i, s, j, q in self.pairs:
+            out[j * self.dst_slots + q] = parts[i * self.src_slots + s]
+        return out
+
+
+# ---- round tables (host, once per Routes) ---------------------------------------------------
+@dataclass(frozen=True)
+class RoundTables:
+    """Per round r, `perms[r]` are the (sender, receiver) union indices of that ppermute;
+    `send[d, r]` / `recv[d, r]` the slot union device d sends / receives in round r (-1:
+    none)."""
+
+    perms: tuple[tuple[tuple[int, int], ...], ...]
+    send: np.ndarray  # [n, max(rounds, 1)] int32
+    recv: np.ndarray  # [n, max(rounds, 1)] int32
+
+    @property
+    def rounds(self) -> int:
+        return len(self.perms)
+
+
+def _edge_colouring(edges: list[tuple[int, int]]) -> list[int]:
+    """Colour a bipartite multigraph's edges (sender u, receiver v) so no two edges at a node
+    share a colour, using exactly max-degree colours (König; alternating-path recolouring)."""
+    at_s: dict[int, dict[int, int]] = {}
+    at_r: dict[int, dict[int, int]] = {}
+    colour = [-1] * len(edges)
+
+    def first_free(used: dict[int, int]) -> int:
+        c = 0
+        while c in used:
+            c += 1
+        return c
+
+    for e, (u, v) in enumerate(edges):
+        su, rv = at_s.setdefault(u, {}), at_r.setdefault(v, {})
+        a, b = first_free(su), first_free(rv)
+        if a in rv and b not in su:
+            a = b
+        elif a in rv:
+            # Swap colours a/b on the path from v alternating a, b, a, ...; it cannot reach
+            # u (a is free there), and afterwards a is free at v.
+            path, side, node, col = [], "r", v, a
+            while True:
+                tbl = at_r if side == "r" else at_s
+                f = tbl.get(node, {}).get(col)
+                if f is None:
+                    break
+                path.append(f)
+                side, node = ("s", edges[f][0]) if side == "r" else ("r", edges[f][1])
+                col = b if col == a else a
+            for f in path:
+                del at_s[edges[f][0]][colour[f]], at_r[edges[f][1]][colour[f]]
+            for f in path:
+                colour[f] = b if colour[f] == a else a
+                at_s[edges[f][0]][colour[f]] = at_r[edges[f][1]][colour[f]] = f
+        colour[e] = a
+        su[a] = rv[a] = e
+    return colour
+
+
+def round_tables(routes: Routes, src_replicas: list[list[int]],
+                 dst_replicas: list[list[int]], n: int) -> RoundTables:
+    """Plan the ppermute rounds. `src_replicas[i]` / `dst_replicas[j]` are the union indices
+    of the devices holding dp rank i / j (their tp/cp replicas); `n` the union size.
+    Every part goes to every replica of its destination rank; a receiver that is itself a
+    replica of the source rank sends to itself, otherwise the least-loaded source replica
+    sends. Then one round per colour of the delivery multigraph."""
+    load = {d: 0 for reps in src_replicas for d in reps}
+    edges, slots = [], []
+    for i, s, j, q in routes.pairs:
+        reps = src_replicas[i]
+        for r in dst_replicas[j]:
+            u = r if r in reps else min(reps, key=lambda d: (load[d], reps.index(d)))
+            load[u] += 1
+            edges.append((u, r))
+            slots.append((s, q))
+    colour = _edge_colouring(edges)
+    rounds = max(colour, default=-1) + 1
+    send = np.full((n, max(rounds, 1)), -1, np.int32)
+    recv = np.full((n, max(rounds, 1)), -1, np.int32)
+    perms: list[list[tuple[int, int]]] = [[] for _ in range(rounds)]
+    for (u, v), (s, q), c in zip(edges, slots, colour):
+        send[u, c], recv[v, c] = s, q
+        perms[c].append((u, v))
+    return RoundTables(tuple(tuple(sorted(p)) for p in perms), send, recv)
+
+
+def _permute_rounds(perms, dst_slots, x_tree, send, recv):
+    """Per-device body inside shard_map: x leaves [src_slots, ...] -> [dst_slots, ...]."""
+    def one(x):
+        out = jnp.zeros((dst_slots,) + x.shape[1:], x.dtype)
+        for r, perm in enumerate(perms):
+            piece = lax.dynamic_slice_in_dim(x, jnp.maximum(send[0, r], 0), 1, axis=0)
+            got = lax.ppermute(piece, AXIS, perm)
+            q = recv[0, r]
+            qc = jnp.maximum(q, 0)
+            cur = lax.dynamic_slice_in_dim(out, qc, 1, axis=0)
+            out = lax.dynamic_update_slice_in_dim(out, jnp.where(q >= 0, got, cur), qc, axis=0)
+        return out
+    return jax.tree.map(one, x_tree)
+
+
+# ---- the broker -----------------------------------------------------------------------------
+@dataclass
+class _Compiled:
+    tables: RoundTables
+    send: jax.Array
+    recv: jax.Array
+    fn: object
+
+
+def _device_array(devices) -> np.ndarray:
+    arr = np.empty(len(devices), dtype=object)
+    arr[:] = list(devices)
+    return arr
+
+
+class Broker:
+    """Moves dp-blocked pytrees from `src_mesh` to `dst_mesh` (module docstring).
+
+    Holds, per `Routes`, the round tables and the jitted shard_map (an explicit per-instance
+    dict), and zero buffers for destination-only devices keyed by shape and dtype (buffers
+    are immutable, so reusing them is safe)."""
+
+    def __init__(self, src_mesh: Mesh, dst_mesh: Mesh):
+        for name, m in (("src_mesh", src_mesh), ("dst_mesh", dst_mesh)):
+            if "dp" not in m.axis_names:
+                raise ValueError(f"Broker.{name} has axes {m.axis_names}; it needs a 'dp' axis")
+        self.src_mesh, self.dst_mesh = src_mesh, dst_mesh
+        self.src_sharding = NamedSharding(src_mesh, P("dp"))
+        self.dst_sharding = NamedSharding(dst_mesh, P("dp"))
+        self.a = src_mesh.shape["dp"]
+        self.b = dst_mesh.shape["dp"]
+        src_ranks = self._ranks(src_mesh)
+        dst_ranks = self._ranks(dst_mesh)
+        union = [d for reps in src_ranks for d in reps]
+        seen = {d.id for d in union}
+        union += [d for reps in dst_ranks for d in reps if d.id not in seen]
+        self.union_devices = union
+        self.union_mesh = Mesh(_device_array(union), (AXIS,), axis_types=(AxisType.Auto,))
+        self.union_sharding = NamedSharding(self.union_mesh, P(AXIS))
+        pos = {d.id: k for k, d in enumerate(union)}
+        self.src_replicas = [[pos[d.id] for d in reps] for reps in src_ranks]
+        self.dst_replicas = [[pos[d.id] for d in reps] for reps in dst_ranks]
+        self.src_ids = {d.id for d in src_mesh.devices.flat}
+        self.dst_devices = [d for reps in dst_ranks for d in reps]
+        self.same_mesh = (src_mesh.devices.shape == dst_mesh.devices.shape and
+                          all(s.id == d.id for s, d in
+                              zip(src_mesh.devices.flat, dst_mesh.devices.flat)))
+        self.compiled: dict[Routes, _Compiled] = {}
+        self.zeros: dict[tuple, jax.Array] = {}
+
+    @staticmethod
+    def _ranks(mesh: Mesh) -> list[list]:
+        """Per dp rank, its devices (the replicas over the other axes), in mesh order."""
+        devs = np.moveaxis(mesh.devices, mesh.axis_names.index("dp"), 0)
+        return [list(devs[i].flat) for i in range(devs.shape[0])]
+
+    # ---- host-side preparation ---------------------------------------------------------------
+    def _compiled(self, routes: Routes) -> _Compiled:
+        c = self.compiled.get(routes)
+        if c is not None:
+            return c
+        if routes.src_ranks != self.a or routes.dst_ranks != self.b:
+            raise ValueError(f"Broker: routes map dp {routes.src_ranks} -> {routes.dst_ranks} "
+                             f"but the meshes have dp {self.a} -> {self.b}; build the Routes "
+                             f"for these meshes")
+        n = len(self.union_devices)
+        tables = round_tables(routes, self.src_replicas, self.dst_replicas, n)
+        sharding = self.union_sharding
+        send, recv = (jax.make_array_from_callback(t.shape, sharding, lambda idx, t=t: t[idx],
+                                                   dtype=t.dtype)
+                      for t in (tables.send, tables.recv))
+        body = partial(_permute_rounds, tables.perms, routes.dst_slots)
+        fn = jax.jit(jax.shard_map(body, mesh=self.union_mesh, in_specs=(P(AXIS),) * 3,
+                                   out_specs=P(AXIS), check_vma=False))
+        c = self.compiled[routes] = _Compiled(tables, send, recv, fn)
+        return c
+
+    def _zeros(self, shape, dtype, device) -> jax.Array:
+        key = (tuple(shape), np.dtype(dtype).str, device.id)
+        z = self.zeros.get(key)
+        if z is None:
+            z = self.zeros[key] = jnp.zeros(shape, dtype, device=device)
+        return z
+
+    # ---- wrapping ----------------------------------------------------------------------------
+    def _to_union(self, x: jax.Array, src_slots: int) -> jax.Array:
+        if x.ndim < 1 or x.shape[0] != self.a * src_slots:
+            raise ValueError(f"Broker.transfer: leaf of shape {x.shape} must have axis 0 = "
+                             f"src dp {self.a} * src_slots {src_slots} = {self.a * src_slots}")
+        if not (isinstance(x, jax.Array) and x.sharding.is_equivalent_to(self.src_sharding,
+                                                                          x.ndim)):
+            x = jax.device_put(x, self.src_sharding)
+        block = (src_slots,) + x.shape[1:]
+        local = {s.device.id: s.data for s in x.addressable_shards}
+        arrays = []
+        for d in self.union_devices:
+            if d.process_index != jax.process_index():
+                continue
+            arrays.append(local[d.id] if d.id in self.src_ids else self._zeros(block, x.dtype, d))
+        shape = (len(self.union_devices) * src_slots,) + x.shape[1:]
+        return jax.make_array_from_single_device_arrays(shape, self.union_sharding, arrays,
+                                                       dtype=x.dtype)
+
+    def _from_union(self, y: jax.Array, dst_slots: int) -> jax.Array:
+        local = {s.device.id: s.data for s in y.addressable_shards}
+        arrays = [local[d.id] for d in self.dst_devices if d.process_index == jax.process_index()]
+        shape = (self.b * dst_slots,) + y.shape[1:]
+        return jax.make_array_from_single_device_arrays(shape, self.dst_sharding, arrays,
+                                                       dtype=y.dtype)
+
+    # ---- public ------------------------------------------------------------------------------
+    def transfer_tree(self, tree, routes: Routes):
+        """Move every leaf of `tree` (dp-blocked, axis 0 = src dp * routes.src_slots; part
+        shapes and dtypes may differ per leaf) by `routes`. No host sync."""
+        leaves, treedef = jax.tree.flatten(tree)
+        if self.same_mesh and routes.is_identity:
+            return jax.tree.unflatten(treedef, [
+                x if isinstance(x, jax.Array) and x.sharding == self.dst_sharding
+                else jax.device_put(x, self.dst_sharding) for x in leaves])
+        c = self._compiled(routes)
+        ins = [self._to_union(x, routes.src_slots) for x in leaves]
+        outs = c.fn(ins, c.send, c.recv)
+        return jax.tree.unflatten(treedef, [self._from_union(y, routes.dst_slots) for y in outs])
+
+    def transfer(self, x: jax.Array, routes: Routes) -> jax.Array:
+        """Move one dp-blocked array by `routes` (see `transfer_tree`)."""
+        return self.transfer_tree([x], routes)[0]
