@@ -1,0 +1,206 @@
+"""ZeRO-1 (P_os): optimizer state partitioned over the data-parallel axis of a stage's mesh.
+
+Seed 004, ZeRO excerpt (Fig. 1 and Table 1, stage P_os): with Adam, the optimizer state (K = 12
+bytes per parameter in mixed precision; here fp32 mu and nu, 8 bytes) dominates model-state
+memory; partitioning it over the N_d data-parallel ranks cuts it to K*Psi/N_d per device while
+parameters and gradients stay replicated over dp. Each dp rank updates only its slice and the
+new parameters are all-gathered.
+
+In JAX that is three shardings and one jit (DESIGN.md step 4 "Update"):
+  * params (fp32 master weights) keep their Megatron TP sharding, replicated over 'dp';
+  * every optimizer-state leaf takes its parameter's TP spec plus 'dp' on the first dimension
+    divisible by dp that is not already sharded (scalars such as Adam's count, and leaves with
+    no such dimension, stay replicated);
+  * `update` constrains params and grads to those dp-sharded specs inside the jit, so XLA slices
+    the (already dp-reduced, replicated) gradients into the local shard, runs the optax update
+    on the shard only, and all-gathers the new params into their out_shardings.
+Gradients are expected REPLICATED over dp (the runtime's backward already sums them over dp
+and over microbatches); the slice is then free, no reduce-scatter is needed.
+
+Global-norm clipping across stages: the runtime keeps one optimizer per stage, but
+`optax.clip_by_global_norm` must see the norm over ALL trainable parameters. `global_grad_norm`
+computes it from every stage's grads, and `update(..., global_grad_norm=norm)` applies
+exactly optax's rule with it (g if norm < max_norm else g / norm * max_norm, i.e. the scale
+min(1, max_norm / norm)), so every stage clips by the factor a single optimizer over all
+params would use. Build the stage optimizer without its own clipping (`zero1_adamw` does:
+mmjax/train/optimizer.py `make_optimizer(..., clip_norm=0)` + the shared-norm clip here).
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from mmjax.parallel.tensor import mesh_param_specs
+from mmjax.train.optimizer import make_optimizer
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, P)
+
+
+def add_dp(spec: P, shape: tuple[int, ...], dp: int, dp_axis: str = "dp") -> P:
+    """`spec` plus `dp_axis` on the first dimension of `shape` that is unsharded and divisible
+    by `dp`; unchanged when dp == 1 or no dimension qualifies (the leaf stays replicated)."""
+    if dp <= 1:
+        return spec
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    for i, size in enumerate(shape):
+        if entries[i] is None and size % dp == 0:
+            entries[i] = dp_axis
+            return P(*entries)
+    return spec
+
+
+def opt_state_specs(opt_state, params, param_specs, dp: int, dp_axis: str = "dp"):
+    """PartitionSpec pytree for an optax state: a leaf whose path ends with a parameter's path
+    and has its shape (mu, nu, ...) starts from that parameter's TP spec; every leaf then gets
+    `add_dp`. Works on arrays or ShapeDtypeStructs."""
+    by_path = {}
+    for (path, leaf), spec in zip(jax.tree_util.tree_leaves_with_path(params),
+                                  jax.tree.leaves(param_specs, is_leaf=_is_spec)):
+        by_path[tuple(path)] = (tuple(leaf.shape), spec)
+
+    def one(path, leaf):
+        shape, base = tuple(leaf.shape), P()
+        for i in range(len(path)):
+            hit = by_path.get(tuple(path[i:]))
+            if hit is not None and hit[0] == shape:
+                base = hit[1]
+                break
+        return add_dp(base, shape, dp, dp_axis)
+
+    return jax.tree_util.tree_map_with_path(one, opt_state)
+
+
+def _named(mesh: Mesh, specs):
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=_is_spec)
+
+
+def _clip(grads, norm, max_norm: float):
+    """optax.clip_by_global_norm's rule with a given norm (scale min(1, max_norm / norm))."""
+    trigger = jnp.squeeze(norm < max_norm)
+    return jax.tree.map(
+        lambda t: jax.lax.select(trigger, t, (t / norm.astype(t.dtype)) * max_norm), grads)
+
+
+@jax.jit
+def grad_sq_norm(grads):
+    """Sum of squares of every gradient leaf (one stage's contribution to the global norm)."""
+    return sum((jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads)),
+               jnp.zeros((), jnp.float32))
+
+
+def global_grad_norm(grads_per_stage, device=None):
+    """L2 norm over the gradients of ALL stages (each tree on its own mesh). The per-stage sums
+    of squares are computed on their meshes and only the scalars move to `device` (default:
+    the first device); no host sync."""
+    device = jax.devices()[0] if device is None else device
+    total = jnp.zeros((), jnp.float32)
+    total = jax.device_put(total, device)
+    for grads in grads_per_stage:
+        if jax.tree.leaves(grads):
+            total = total + jax.device_put(grad_sq_norm(grads), device)
+    return jnp.sqrt(total)
+
+
+class Zero1Optimizer:
+    """ZeRO-1 wrapper of an optax transform for one stage's parameters on its ('dp', 'tp') mesh.
+
+    `params`: the stage's trainable parameters (arrays or ShapeDtypeStructs, nnx.State or dict),
+    fp32; `param_specs`: their TP specs (default: parallel/tensor.py rules for `mesh`); `tx`:
+    the optimizer WITHOUT global-norm clipping; `clip_norm`: clip by the global norm (the
+    shared `global_grad_norm` when given to `update`, else this stage's own). A stage with no
+    trainable parameters gets no state and `update` is the identity.
+    """
+
+    def __init__(self, tx: optax.GradientTransformation, mesh: Mesh, params,
+                 param_specs=None, clip_norm: float | None = None, dp_axis: str = "dp",
+                 donate: bool = False):
+        self.tx, self.mesh, self.clip_norm, self.dp_axis = tx, mesh, clip_norm, dp_axis
+        self.dp = mesh.shape[dp_axis] if dp_axis in mesh.axis_names else 1
+        abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
+        for path, leaf in jax.tree_util.tree_leaves_with_path(abstract):
+            if leaf.dtype != jnp.float32:
+                raise ValueError(f"parameter {jax.tree_util.keystr(path)} is {leaf.dtype}; "
+                                 f"ZeRO-1 keeps float32 master weights: cast params to float32")
+        self.has_state = bool(jax.tree.leaves(abstract))
+        specs = mesh_param_specs(abstract, mesh) if param_specs is None else param_specs
+        self.param_specs = specs
+        self.param_shardings = _named(mesh, specs)
+        self.shard_specs = jax.tree.map(lambda s, a: add_dp(s, a.shape, self.dp, dp_axis),
+                                        specs, abstract, is_leaf=_is_spec)
+        state_shape = jax.eval_shape(tx.init, abstract)
+        self.state_specs = opt_state_specs(state_shape, abstract, specs, self.dp, dp_axis)
+        self.state_shardings = _named(mesh, self.state_specs)
+        replicated = NamedSharding(mesh, P())
+        self._init = jax.jit(tx.init, in_shardings=(self.param_shardings,),
+                             out_shardings=self.state_shardings)
+        self._update = jax.jit(
+            self._update_shard,
+            in_shardings=(self.param_shardings, self.param_shardings, self.state_shardings,
+                          replicated),
+            out_shardings=(self.param_shardings, self.state_shardings),
+            donate_argnums=(0, 2) if donate else ())
+        self._replicated = replicated
+
+    def init(self, params):
+        """Optimizer state, every leaf sharded over 'dp' (see module docstring)."""
+        if not self.has_state:
+            return optax.EmptyState()
+        return self._init(params)
+
+    def _update_shard(self, params, grads, opt_state, norm):
+        to_shard = lambda t: jax.lax.with_sharding_constraint(t, _named(self.mesh,
+                                                                        self.shard_specs))
+        p, g = to_shard(params), to_shard(grads)
+        if self.clip_norm:
+            g = _clip(g, norm, self.clip_norm)
+        updates, opt_state = self.tx.update(g, opt_state, p)
+        new_p = to_shard(optax.apply_updates(p, updates))
+        return new_p, opt_state
+
+    def update(self, params, grads, opt_state, global_grad_norm=None):
+        """-> (new params, new opt_state). `grads`: summed over microbatches and dp, replicated
+        over dp with the params' TP sharding. `global_grad_norm`: the norm over all stages'
+        grads (scalar, any device or host); None clips with this stage's own norm."""
+        if not self.has_state:
+            return params, opt_state
+        if global_grad_norm is None:
+            global_grad_norm = jnp.sqrt(grad_sq_norm(grads)) if self.clip_norm else 0.0
+        norm = jax.device_put(jnp.asarray(global_grad_norm, jnp.float32), self._replicated)
+        return self._update(params, grads, opt_state, norm)
+
+    def lower_update(self, params, grads, opt_state):
+        """The lowered update (for HLO inspection: all-gather of params, sharded state)."""
+        return self._update.lower(params, grads, opt_state,
+                                  jax.ShapeDtypeStruct((), jnp.float32, sharding=self._replicated))
+
+
+def zero1_adamw(schedule, mesh: Mesh, params, param_specs=None, weight_decay: float = 0.01,
+                clip_norm: float = 1.0, b1: float = 0.9, b2: float = 0.95, eps: float = 1e-8,
+                donate: bool = False) -> Zero1Optimizer:
+    """The sharded twin of mmjax/train/optimizer.py `make_optimizer`: its AdamW (no local
+    clipping) with clip-by-global-norm applied from the shared norm."""
+    tx = make_optimizer(schedule, weight_decay=weight_decay, clip_norm=0, b1=b1, b2=b2, eps=eps)
+    return Zero1Optimizer(tx, mesh, params, param_specs, clip_norm=clip_norm or None,
+                          donate=donate)
+
+
+def state_bytes_per_device(opt_state) -> int:
+    """Largest optimizer-state footprint on any one device (bytes), from the leaves'
+    shardings (shard shape x itemsize), for the memory report."""
+    per_device = defaultdict(int)
+    for leaf in jax.tree.leaves(opt_state):
+        if not isinstance(leaf, jax.Array):
+            continue
+        shard = leaf.sharding.shard_shape(leaf.shape)
+        nbytes = int(np.prod(shard, dtype=np.int64)) * leaf.dtype.itemsize
+        for device in leaf.sharding.device_set:
+            per_device[device] += nbytes
+    return max(per_device.values(), default=0)
