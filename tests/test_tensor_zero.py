@@ -169,30 +169,30 @@ def _value_and_grads(graphdef, loss, argnum):
 
 @pytest.mark.parametrize("make", [_llm_first, _llm_last, _vit, _dit],
                          ids=["llm_first", "llm_last", "vit", "dit"])
-@pytest.mark.parametrize("dp,tp", [(2, 2), (1, 4)])
-def test_tp_stage_parity(make, dp, tp):
+def test_tp_stage_parity(make):
     module, loss, args, argnum = make(jax.random.key(3))
     graphdef, state = nnx.split(module)
     fn = _value_and_grads(graphdef, loss, argnum)
     ref_val, ref_grads = fn(state, *args)
-
-    mesh = _mesh(dp, tp)
-    sharded = shard_state(state, mesh)
-    specs = param_specs(state, tp)
-    for leaf, spec in zip(jax.tree.leaves(sharded), jax.tree.leaves(specs, is_leaf=_is_spec)):
-        assert leaf.sharding.spec == spec and leaf.sharding.mesh == mesh
-    assert any(s != P() for s in jax.tree.leaves(specs, is_leaf=_is_spec))
-    sargs = [jax.device_put(a, activation_sharding(mesh, a.ndim)) for a in args]
-    val, grads = fn(sharded, *sargs)
-    np.testing.assert_allclose(val, ref_val, rtol=1e-5)
-    # Per tensor ||g - g_ref|| <= 1e-5 ||g_ref||, plus 1e-6 of the global norm for tensors
-    # whose true gradient is zero (attention key biases: softmax is shift-invariant).
     total = float(optax.tree.norm(ref_grads))
-    for path, g in jax.tree_util.tree_leaves_with_path(grads):
-        r = np.asarray(_at(ref_grads, path))
-        err = float(np.linalg.norm(np.asarray(g) - r))
-        assert err <= 1e-5 * float(np.linalg.norm(r)) + 1e-6 * total, (
-            jax.tree_util.keystr(path), err, float(np.linalg.norm(r)))
+    for dp, tp in [(2, 2), (1, 4)]:
+        mesh = _mesh(dp, tp)
+        sharded = shard_state(state, mesh)
+        specs = param_specs(state, tp)
+        for leaf, spec in zip(jax.tree.leaves(sharded),
+                              jax.tree.leaves(specs, is_leaf=_is_spec)):
+            assert leaf.sharding.spec == spec and leaf.sharding.mesh == mesh
+        assert any(s != P() for s in jax.tree.leaves(specs, is_leaf=_is_spec))
+        sargs = [jax.device_put(a, activation_sharding(mesh, a.ndim)) for a in args]
+        val, grads = fn(sharded, *sargs)
+        np.testing.assert_allclose(val, ref_val, rtol=1e-5)
+        # Per tensor ||g - g_ref|| <= 1e-5 ||g_ref||, plus 1e-6 of the global norm for tensors
+        # whose true gradient is zero (attention key biases: softmax is shift-invariant).
+        for path, g in jax.tree_util.tree_leaves_with_path(grads):
+            r = np.asarray(_at(ref_grads, path))
+            err = float(np.linalg.norm(np.asarray(g) - r))
+            assert err <= 1e-5 * float(np.linalg.norm(r)) + 1e-6 * total, (
+                (dp, tp), jax.tree_util.keystr(path), err, float(np.linalg.norm(r)))
 
 
 def _layers_hlo(mesh):
@@ -290,6 +290,12 @@ def test_zero1_state_bytes_shrink_by_dp_and_hlo():
             assert "all-gather" in hlo  # new params gathered from the dp shards
             assert "all-reduce" not in hlo  # grads arrive reduced: no full-state reduction
     n = sum(x.size for x in jax.tree.leaves(params))
+    # On a ('dp', 'cp', 'tp') mesh the state is split over dp x cp.
+    cp_mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2, 1), ("dp", "cp", "tp"))
+    p = shard_state(params, cp_mesh)
+    s = zero1_adamw(schedule, cp_mesh, p).init(p)
+    assert state_bytes_per_device(s) == bytes_[4]
+    assert s[0][0].mu["layers"][0]["wq"].sharding.spec == P(("dp", "cp"), None)
     counts = 2 * 4  # int32 step counts of scale_by_adam and scale_by_schedule, replicated
     assert bytes_[1] == 2 * 4 * n + counts  # mu, nu (fp32)
     assert bytes_[4] == 2 * 4 * n // 4 + counts  # every TINY_LLM dim divides by 4

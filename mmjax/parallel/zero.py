@@ -14,6 +14,8 @@ In JAX that is three shardings and one jit (DESIGN.md step 4 "Update"):
   * `update` constrains params and grads to those dp-sharded specs inside the jit, so XLA slices
     the (already dp-reduced, replicated) gradients into the local shard, runs the optax update
     on the shard only, and all-gathers the new params into their out_shardings.
+On a ('dp', 'cp', 'tp') mesh the state is split over dp x cp (params and grads are replicated
+over cp as over dp; Megatron's distributed optimizer uses the same dp-cp group).
 Gradients are expected REPLICATED over dp (the runtime's backward already sums them over dp
 and over microbatches); the slice is then free, no reduce-scatter is needed.
 
@@ -44,9 +46,10 @@ def _is_spec(x) -> bool:
     return isinstance(x, P)
 
 
-def add_dp(spec: P, shape: tuple[int, ...], dp: int, dp_axis: str = "dp") -> P:
-    """`spec` plus `dp_axis` on the first dimension of `shape` that is unsharded and divisible
-    by `dp`; unchanged when dp == 1 or no dimension qualifies (the leaf stays replicated)."""
+def add_dp(spec: P, shape: tuple[int, ...], dp: int, dp_axis="dp") -> P:
+    """`spec` plus `dp_axis` (a name, or a tuple of names of total size `dp`) on the first
+    dimension of `shape` that is unsharded and divisible by `dp`; unchanged when dp == 1 or no
+    dimension qualifies (the leaf stays replicated)."""
     if dp <= 1:
         return spec
     entries = list(spec) + [None] * (len(shape) - len(spec))
@@ -57,7 +60,7 @@ def add_dp(spec: P, shape: tuple[int, ...], dp: int, dp_axis: str = "dp") -> P:
     return spec
 
 
-def opt_state_specs(opt_state, params, param_specs, dp: int, dp_axis: str = "dp"):
+def opt_state_specs(opt_state, params, param_specs, dp: int, dp_axis="dp"):
     """PartitionSpec pytree for an optax state: a leaf whose path ends with a parameter's path
     and has its shape (mu, nu, ...) starts from that parameter's TP spec; every leaf then gets
     `add_dp`. Works on arrays or ShapeDtypeStructs."""
@@ -115,15 +118,18 @@ class Zero1Optimizer:
     `params`: the stage's trainable parameters (arrays or ShapeDtypeStructs, nnx.State or dict),
     fp32; `param_specs`: their TP specs (default: parallel/tensor.py rules for `mesh`); `tx`:
     the optimizer WITHOUT global-norm clipping; `clip_norm`: clip by the global norm (the
-    shared `global_grad_norm` when given to `update`, else this stage's own). A stage with no
+    shared `global_grad_norm` when given to `update`, else this stage's own); `dp_axes`: the
+    mesh axes the state is split over (those of 'dp', 'cp' present). A stage with no
     trainable parameters gets no state and `update` is the identity.
     """
 
     def __init__(self, tx: optax.GradientTransformation, mesh: Mesh, params,
-                 param_specs=None, clip_norm: float | None = None, dp_axis: str = "dp",
-                 donate: bool = False):
-        self.tx, self.mesh, self.clip_norm, self.dp_axis = tx, mesh, clip_norm, dp_axis
-        self.dp = mesh.shape[dp_axis] if dp_axis in mesh.axis_names else 1
+                 param_specs=None, clip_norm: float | None = None,
+                 dp_axes: tuple[str, ...] = ("dp", "cp"), donate: bool = False):
+        self.tx, self.mesh, self.clip_norm = tx, mesh, clip_norm
+        axes = tuple(a for a in dp_axes if a in mesh.axis_names and mesh.shape[a] > 1)
+        self.dp = int(np.prod([mesh.shape[a] for a in axes], dtype=np.int64))
+        dp_axis = axes[0] if len(axes) == 1 else (axes or None)
         abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
         for path, leaf in jax.tree_util.tree_leaves_with_path(abstract):
             if leaf.dtype != jnp.float32:
