@@ -15,7 +15,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def parse_gin(files: list[str], params: list[str]) -> None:
     """Parse gin files and bindings before any work; exit 2 with gin's message and the
     file name on an error."""
-    import mmjax.train.trainer  # noqa: F401  (registers the configurables)
+    import mmjax.data.loader  # noqa: F401  (registers the configurables)
+    import mmjax.train.pipeline_step  # noqa: F401
+    import mmjax.train.trainer  # noqa: F401
 
     for f in files:
         if not os.path.exists(f):
@@ -33,9 +35,13 @@ def main(argv=None) -> int:
                    help="gin file (repeatable); default configs/tiny.gin")
     p.add_argument("--gin_param", action="append", default=[], help="gin binding K=V (repeatable)")
     p.add_argument("--workdir", default=None, help="output directory (default runs/<gin name>)")
+    p.add_argument("--plan", default=None,
+                   help="Plan JSON (scripts/plan.py --json) or 'manual' (manual_plan.* in gin): "
+                        "run on the pipeline runtime over all devices")
     args = p.parse_args(argv)
     files = args.gin_file or [os.path.join(REPO, "configs", "tiny.gin")]
-    parse_gin(files, args.gin_param)
+    params = list(args.gin_param) + ([f"train.plan = {args.plan!r}"] if args.plan else [])
+    parse_gin(files, params)
     from mmjax.train.trainer import train
 
     workdir = args.workdir or os.path.join("runs", os.path.splitext(os.path.basename(files[0]))[0])

@@ -384,8 +384,12 @@ class GlobalBatchBuilder:
     def __init__(self, source, model: MLLMConfig, plan: Plan, layout: AssemblyLayout,
                  policies: dict[str, str], post_balance_policy: str = "sum",
                  ranks_per_node: int = 0, seed: int = 0, reserve: int | None = None,
-                 shuffle: bool = True, host_id: int = 0, num_hosts: int = 1):
+                 shuffle: bool = True, host_id: int = 0, num_hosts: int = 1,
+                 feeds: bool = False, cp_method: str = "lpt", cp_block: int = 128):
         self.source, self.model, self.plan, self.layout = source, model, plan, layout
+        # feeds=True: materialise each microbatch as a pipeline/feed.py MicrobatchFeed (all
+        # units and ranks, part maps included) for the pipeline runtime, instead of Batches.
+        self.feeds, self.cp_method, self.cp_block = feeds, cp_method, cp_block
         self.policies, self.algo, self.rpn = policies, post_balance_policy, ranks_per_node
         self.seed, self.shuffle = seed, shuffle
         self.reserve = max(2, plan.global_batch // 4) if reserve is None else reserve
@@ -428,6 +432,17 @@ class GlobalBatchBuilder:
                              f"candidates are usable ({reasons}); raise `reserve`")
         return idx, specs, reasons
 
+    def _feed(self, mp: MicrobatchPlan, get):
+        """The microbatch as the pipeline runtime's feed, with this plan's rank assignments."""
+        from mmjax.pipeline.feed import microbatch_feed
+
+        where = {p: i for i, p in enumerate(mp.positions)}
+        assignments = {u: [[where[p] for p in r] for r in ranks] for u, ranks in mp.ranks.items()}
+        dp = {u.name: u.dp for u in self.plan.units}
+        return microbatch_feed([get(p) for p in mp.positions], self.layout, dp, assignments,
+                               cp=self.plan.unit("llm").cp, cp_method=self.cp_method,
+                               cp_block=self.cp_block)
+
     def __call__(self, step: int) -> GlobalBatch:
         t0 = time.perf_counter()
         idx, specs, reasons = self.select(int(step))
@@ -453,6 +468,9 @@ class GlobalBatchBuilder:
 
         mbs = []
         for mp in mb_plans:
+            if self.feeds:
+                mbs.append(Microbatch(mp, {"feed": self._feed(mp, get)}))
+                continue
             inputs = {}
             for unit, ranks in mp.ranks.items():
                 if unit == "generator":
@@ -517,13 +535,14 @@ class Loader:
                  balance="none", post_balance_policy: str = "sum", ranks_per_node: int = 0,
                  seed: int = 0, reserve: int | None = None, shuffle: bool = True,
                  num_workers: int = 0, prefetch: int = 2, host_id: int = 0,
-                 num_hosts: int = 1, num_steps: int = 1 << 31):
+                 num_hosts: int = 1, num_steps: int = 1 << 31, feeds: bool = False,
+                 cp_method: str = "lpt", cp_block: int = 128):
         if prefetch < 1:
             raise ValueError(f"Loader.prefetch={prefetch}: use >= 1 (2 keeps planning off the "
                              f"training path)")
         self.builder = GlobalBatchBuilder(source, model, plan, layout, _policies(balance, model),
                                           post_balance_policy, ranks_per_node, seed, reserve,
-                                          shuffle, host_id, num_hosts)
+                                          shuffle, host_id, num_hosts, feeds, cp_method, cp_block)
         self.num_workers, self.prefetch, self.num_steps = num_workers, prefetch, num_steps
         self.skipped_samples = 0
         self._it = None

@@ -1,9 +1,13 @@
 """optax AdamW with linear warmup + cosine decay and global-norm clipping.
 
 Only trainable parameters get optimizer state; frozen modules have none (Cornstarch §3 frozen
-status; DistTrain §8.3.1 frozen settings).
+status; DistTrain §8.3.1 frozen settings). `OptimizerSettings` is what gin binds; the single
+program trainer chains clipping and AdamW, the pipeline trainer (one ZeRO-1 optimizer per
+stage) clips every stage with the norm over all stages' gradients, so both match.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import gin
 import optax
@@ -22,8 +26,23 @@ def learning_rate_schedule(total_steps: int, peak_lr: float = 1e-3, warmup_steps
 
 
 @gin.configurable
+@dataclass(frozen=True)
+class OptimizerSettings:
+    weight_decay: float = 0.01
+    clip_norm: float = 1.0  # 0 disables clipping
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+
+
 def make_optimizer(schedule, weight_decay: float = 0.01, clip_norm: float = 1.0,
                    b1: float = 0.9, b2: float = 0.95, eps: float = 1e-8):
+    """chain(clip_by_global_norm, adamw); clip_norm=0 leaves clipping out."""
     parts = [optax.clip_by_global_norm(clip_norm)] if clip_norm else []
     parts.append(optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay))
     return optax.chain(*parts)
+
+
+def optimizer_from_settings(schedule, s: OptimizerSettings | None = None, clip: bool = True):
+    s = s or OptimizerSettings()
+    return make_optimizer(schedule, s.weight_decay, s.clip_norm if clip else 0, s.b1, s.b2, s.eps)

@@ -1,6 +1,6 @@
 """The training loop: data -> step -> metrics -> async checkpoints, resumable.
 
-Everything is gin-configurable (`train.*`, `named_model_config.*`, `make_optimizer.*`,
+Everything is gin-configurable (`train.*`, `named_model_config.*`, `OptimizerSettings.*`,
 `learning_rate_schedule.*`). Writes `workdir/metrics.jsonl` (one JSON object per step) and
 orbax checkpoints under `workdir/checkpoints`; on start it resumes from the newest one,
 including the data position, so an interrupted run continues bit-for-bit.
@@ -23,10 +23,11 @@ from mmjax.data.assemble import AssemblyLayout, BatchShapes, assemble, batch_sha
 from mmjax.data.synthetic import SyntheticConfig, SyntheticDataset
 from mmjax.models.config import MLLMConfig
 from mmjax.models.mllm import MultimodalModel, trainable_filter
+from mmjax.planner.plan import Plan
 from mmjax.train.checkpoint import Checkpointer
 from mmjax.train.config import named_model_config
 from mmjax.train.inputs import model_inputs
-from mmjax.train.optimizer import learning_rate_schedule, make_optimizer
+from mmjax.train.optimizer import learning_rate_schedule, optimizer_from_settings
 from mmjax.train.step import TrainState, make_train_step, split_model
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -94,70 +95,156 @@ class SequentialBatches:
         return assemble(samples, self.layout, shapes=self.shapes)
 
 
+class SingleProgram:
+    """Plain jit of the whole model on the default device (the parity reference)."""
+
+    def __init__(self, cfg, layout, global_batch, schedule, dtype, seed):
+        self.data = SequentialBatches(synthetic_dataset(cfg), layout, global_batch)
+        mdl = MultimodalModel(cfg, jax.random.key(seed))
+        graphdef, trainable, frozen = split_model(mdl, trainable_filter(cfg))
+        tx = optimizer_from_settings(schedule)
+        self.state = TrainState(jnp.zeros((), jnp.int32), trainable, frozen, tx.init(trainable))
+        self.step_fn = make_train_step(graphdef, tx, dtype)
+        self.num_trainable = sum(x.size for x in jax.tree.leaves(trainable))
+
+    def data_state(self) -> dict:
+        return {"batches": self.data.state()}
+
+    def restore(self, ckpt, step):
+        self.state, data_state = ckpt.restore(step, self.state)
+        self.data.restore(data_state["batches"])
+        return data_state
+
+    def checkpoint_tree(self):
+        return self.state
+
+    def step(self):
+        batch = next(self.data)
+        t0 = time.perf_counter()
+        self.state, m = self.step_fn(self.state, model_inputs(batch))
+        m = {k: float(v) for k, v in jax.device_get(m).items()}  # one sync, after dispatch
+        m["step_time_s"] = time.perf_counter() - t0
+        m["tokens"] = int(np.count_nonzero(batch.doc))
+        m["skipped"] = len(batch.skipped)
+        return m
+
+
+class Pipelined:
+    """A Plan on the pipeline runtime, fed by the grain loader (planning, balancing and
+    assembly off the training path, in its prefetch thread or worker processes)."""
+
+    def __init__(self, cfg, layout, plan, schedule, dtype, seed):
+        from mmjax.data.loader import Loader, SyntheticSource
+        from mmjax.train.pipeline_step import PipelineStep
+
+        self.step_fn = PipelineStep(cfg, plan, schedule, dtype, seed)
+        self.data = Loader(SyntheticSource(synthetic_dataset(cfg)), cfg, plan, layout,
+                           feeds=True)
+        self.num_trainable = sum(x.size for x in jax.tree.leaves(
+            [st.trainable for st in self.step_fn.runtime.stages.values()]))
+
+    def data_state(self) -> dict:
+        return {"loader": self.data.get_state()}
+
+    def restore(self, ckpt, step):
+        state, data_state = ckpt.restore(step, self.step_fn.state())
+        self.step_fn.load_state(state)
+        self.data.set_state(data_state["loader"])
+        return data_state
+
+    def checkpoint_tree(self):
+        return self.step_fn.state()
+
+    def step(self):
+        gb = next(self.data)
+        feeds = [mb.inputs["feed"] for mb in gb.microbatches]
+        t0 = time.perf_counter()
+        m = self.step_fn(feeds)
+        m["step_time_s"] = time.perf_counter() - t0
+        m["tokens"] = int(sum(np.count_nonzero(f.llm["doc"]) for f in feeds))
+        m["skipped"] = gb.skipped_samples
+        return m
+
+    def close(self):
+        self.data.close()
+
+
 @gin.configurable
 def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
           global_batch: int = 8, compute_dtype: str = "float32", seed: int = 0,
           checkpoint_every: int = 10, progress: bool = True,
-          stop_after: int | None = None) -> list[dict]:
+          stop_after: int | None = None, plan: str | None = None) -> list[dict]:
     """Train `model` for `steps` steps (this invocation stops early after `stop_after`
-    steps, as a preemption would; a rerun resumes); returns this run's metric records."""
+    steps, as a preemption would; a rerun resumes); returns this run's metric records.
+
+    `plan`: None trains the whole model as one program on the default device; "manual"
+    uses the gin-bound `manual_plan`; any other value is a Plan JSON file
+    (scripts/plan.py --json). A plan runs on the pipeline runtime over all devices."""
     if compute_dtype not in _DTYPES:
         raise ValueError(f"train.compute_dtype={compute_dtype!r}: use one of {list(_DTYPES)}")
     if global_batch < 1 or steps < 1:
         raise ValueError("train.global_batch and train.steps must be >= 1")
     cfg = model or named_model_config()
     layout = data_layout(cfg)
-    batches = SequentialBatches(synthetic_dataset(cfg), layout, global_batch)
+    schedule = learning_rate_schedule(steps)
+    dtype = _DTYPES[compute_dtype]
+    if plan is None:
+        runner = SingleProgram(cfg, layout, global_batch, schedule, dtype, seed)
+    else:
+        from mmjax.train.pipeline_step import manual_plan
+
+        if plan == "manual":
+            the_plan = manual_plan(global_batch=global_batch, model=cfg)
+        else:
+            if not os.path.exists(plan):
+                raise ValueError(f"train.plan={plan!r}: no such file; pass a Plan JSON from "
+                                 "scripts/plan.py --json, or 'manual' with manual_plan.* bindings")
+            the_plan = Plan.load(plan)
+        if the_plan.global_batch != global_batch:
+            raise ValueError(f"plan global_batch={the_plan.global_batch} differs from "
+                             f"train.global_batch={global_batch}: make them equal")
+        the_plan.validate(cfg, jax.device_count())
+        runner = Pipelined(cfg, layout, the_plan, schedule, dtype, seed)
     os.makedirs(workdir, exist_ok=True)
     console = Console(stderr=True)
-
-    mdl = MultimodalModel(cfg, jax.random.key(seed))
-    graphdef, trainable, frozen = split_model(mdl, trainable_filter(cfg))
-    schedule = learning_rate_schedule(steps)
-    tx = make_optimizer(schedule)
-    state = TrainState(jnp.zeros((), jnp.int32), trainable, frozen, tx.init(trainable))
-    step_fn = make_train_step(graphdef, tx, _DTYPES[compute_dtype])
 
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"))
     start, skipped = 0, 0
     latest = ckpt.latest_step()
     if latest is not None:
-        state, data_state = ckpt.restore(latest, state)
-        batches.restore(data_state["batches"])
+        data_state = runner.restore(ckpt, latest)
         start, skipped = latest, int(data_state.get("skipped_samples", 0))
         console.print(f"resumed from {workdir}/checkpoints step {latest}")
-    n_params = sum(x.size for x in jax.tree.leaves(trainable))
-    console.print(f"[bold]{cfg.name}[/]: {n_params:,} trainable parameters, "
-                  f"{steps} steps of {global_batch} samples")
+    where = "one program" if plan is None else f"plan {plan} on {jax.device_count()} devices"
+    console.print(f"[bold]{cfg.name}[/]: {runner.num_trainable:,} trainable parameters, "
+                  f"{steps} steps of {global_batch} samples, {where}")
 
     records = []
     metrics_path = os.path.join(workdir, "metrics.jsonl")
-    with open(metrics_path, "a") as mf, Progress(
-            TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-            TextColumn("{task.fields[info]}"), TimeRemainingColumn(), console=console,
-            disable=not progress) as bar:
-        task = bar.add_task("train", total=steps, completed=start, info="")
-        end = steps if stop_after is None else min(steps, start + stop_after)
-        for step in range(start, end):
-            batch = next(batches)
-            skipped += len(batch.skipped)
-            inputs = model_inputs(batch)
-            t0 = time.perf_counter()
-            state, m = step_fn(state, inputs)
-            m = jax.device_get(m)  # one sync per step, after dispatch: the step time
-            dt = time.perf_counter() - t0
-            tokens = int(np.count_nonzero(batch.doc))
-            rec = {"step": step + 1, "loss": float(m["loss"]), "lm_loss": float(m["lm_loss"]),
-                   "diffusion_loss": float(m["diffusion_loss"]),
-                   "grad_norm": float(m["grad_norm"]), "learning_rate": float(schedule(step)),
-                   "tokens_per_s": tokens / dt, "step_time_s": dt,
-                   "skipped_samples": skipped}
-            records.append(rec)
-            mf.write(json.dumps(rec) + "\n")
-            mf.flush()
-            bar.update(task, advance=1, info=f"loss {rec['loss']:.4f}")
-            if (step + 1) % checkpoint_every == 0 or step + 1 == end:
-                ckpt.save(step + 1, state, {"batches": batches.state(),
-                                            "skipped_samples": skipped})
-    ckpt.close()
+    try:
+        with open(metrics_path, "a") as mf, Progress(
+                TextColumn("{task.description}"), BarColumn(),
+                TextColumn("{task.completed}/{task.total}"), TextColumn("{task.fields[info]}"),
+                TimeRemainingColumn(), console=console, disable=not progress) as bar:
+            task = bar.add_task("train", total=steps, completed=start, info="")
+            end = steps if stop_after is None else min(steps, start + stop_after)
+            for step in range(start, end):
+                m = runner.step()
+                skipped += m["skipped"]
+                rec = {"step": step + 1, "loss": m["loss"], "lm_loss": m["lm_loss"],
+                       "diffusion_loss": m["diffusion_loss"], "grad_norm": m["grad_norm"],
+                       "learning_rate": float(schedule(step)),
+                       "tokens_per_s": m["tokens"] / m["step_time_s"],
+                       "step_time_s": m["step_time_s"], "skipped_samples": skipped}
+                records.append(rec)
+                mf.write(json.dumps(rec) + "\n")
+                mf.flush()
+                bar.update(task, advance=1, info=f"loss {rec['loss']:.4f}")
+                if (step + 1) % checkpoint_every == 0 or step + 1 == end:
+                    ckpt.save(step + 1, runner.checkpoint_tree(),
+                              {**runner.data_state(), "skipped_samples": skipped})
+    finally:
+        ckpt.close()
+        if hasattr(runner, "close"):
+            runner.close()
     return records
