@@ -6,7 +6,7 @@ memory; partitioning it over the N_d data-parallel ranks cuts it to K*Psi/N_d pe
 parameters and gradients stay replicated over dp. Each dp rank updates only its slice and the
 new parameters are all-gathered.
 
-In JAX that is three shardings and one jit (DESIGN.md step 4 "Update"):
+In JAX that is three shardings and a jitted update (DESIGN.md step 4 "Update"):
   * params (fp32 master weights) keep their Megatron TP sharding, replicated over 'dp';
   * every optimizer-state leaf takes its parameter's TP spec plus 'dp' on the first dimension
     divisible by dp that is not already sharded (scalars such as Adam's count, and leaves with
@@ -16,8 +16,10 @@ In JAX that is three shardings and one jit (DESIGN.md step 4 "Update"):
     on the shard only, and all-gathers the new params into their out_shardings.
 On a ('dp', 'cp', 'tp') mesh the state is split over dp x cp (params and grads are replicated
 over cp as over dp; Megatron's distributed optimizer uses the same dp-cp group).
-Gradients are expected REPLICATED over dp (the runtime's backward already sums them over dp
-and over microbatches); the slice is then free, no reduce-scatter is needed.
+`update` expects gradients REPLICATED over dp (the runtime's backward already sums them over
+dp and over microbatches); the slice is then free. Gradients left dp-partial (each dp rank's
+own sum, stacked as [dp, *shape]) go through `reduce_scatter` (one reduce-scatter into the
+shards, half an all-reduce's traffic) and then `update_from_shards`.
 
 Global-norm clipping across stages: the runtime keeps one optimizer per stage, but
 `optax.clip_by_global_norm` must see the norm over ALL trainable parameters. `global_grad_norm`
@@ -46,13 +48,17 @@ def _is_spec(x) -> bool:
     return isinstance(x, P)
 
 
+def _padded(spec: P, ndim: int) -> tuple:
+    return tuple(spec) + (None,) * (ndim - len(spec))
+
+
 def add_dp(spec: P, shape: tuple[int, ...], dp: int, dp_axis="dp") -> P:
     """`spec` plus `dp_axis` (a name, or a tuple of names of total size `dp`) on the first
     dimension of `shape` that is unsharded and divisible by `dp`; unchanged when dp == 1 or no
     dimension qualifies (the leaf stays replicated)."""
     if dp <= 1:
         return spec
-    entries = list(spec) + [None] * (len(shape) - len(spec))
+    entries = list(_padded(spec, len(shape)))
     for i, size in enumerate(shape):
         if entries[i] is None and size % dp == 0:
             entries[i] = dp_axis
@@ -130,6 +136,7 @@ class Zero1Optimizer:
         axes = tuple(a for a in dp_axes if a in mesh.axis_names and mesh.shape[a] > 1)
         self.dp = int(np.prod([mesh.shape[a] for a in axes], dtype=np.int64))
         dp_axis = axes[0] if len(axes) == 1 else (axes or None)
+        self._dp_axis = dp_axis
         abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
         for path, leaf in jax.tree_util.tree_leaves_with_path(abstract):
             if leaf.dtype != jnp.float32:
@@ -154,12 +161,26 @@ class Zero1Optimizer:
             out_shardings=(self.param_shardings, self.state_shardings),
             donate_argnums=(0, 2) if donate else ())
         self._replicated = replicated
+        # dp-partial gradients: [dp, *shape], rank r's un-reduced sum on its dp slot.
+        self.partial_shardings = jax.tree.map(
+            lambda s, a: NamedSharding(mesh, P(dp_axis, *_padded(s, len(a.shape)))),
+            specs, abstract, is_leaf=_is_spec)
+        self.grad_shard_shardings = _named(mesh, self.shard_specs)
+        self._reduce_scatter = jax.jit(
+            self._reduce_scatter_impl, in_shardings=(self.partial_shardings,),
+            out_shardings=(self.grad_shard_shardings, replicated))
+        self._update_from_shards = jax.jit(
+            self._update_shard,
+            in_shardings=(self.param_shardings, self.grad_shard_shardings,
+                          self.state_shardings, replicated),
+            out_shardings=(self.param_shardings, self.state_shardings),
+            donate_argnums=(0, 1, 2) if donate else ())
 
     def init(self, params):
         """Optimizer state, every leaf sharded over 'dp' (see module docstring)."""
         if not self.has_state:
             return optax.EmptyState()
-        return self._init(params)
+        return self._init(jax.device_put(params, self.param_shardings))
 
     def _update_shard(self, params, grads, opt_state, norm):
         to_shard = lambda t: jax.lax.with_sharding_constraint(t, _named(self.mesh,
@@ -180,7 +201,55 @@ class Zero1Optimizer:
         if global_grad_norm is None:
             global_grad_norm = jnp.sqrt(grad_sq_norm(grads)) if self.clip_norm else 0.0
         norm = jax.device_put(jnp.asarray(global_grad_norm, jnp.float32), self._replicated)
+        # No-ops when the inputs already carry these shardings; otherwise an async reshard
+        # (e.g. grads whose sharding GSPMD chose differently), instead of jit's mismatch error.
+        params, grads = (jax.device_put(t, self.param_shardings) for t in (params, grads))
+        opt_state = jax.device_put(opt_state, self.state_shardings)
         return self._update(params, grads, opt_state, norm)
+
+    def _reduce_scatter_impl(self, partial):
+        def local(spec):
+            def one(block):  # [1, *tp-local shape], this dp rank's partial sum
+                block = block[0]
+                if self._dp_axis is None:
+                    return block
+                dims = [i for i, a in enumerate(_padded(spec, block.ndim))
+                        if a == self._dp_axis]
+                if not dims:  # no dimension to split: plain all-reduce, stays replicated
+                    return jax.lax.psum(block, self._dp_axis)
+                return jax.lax.psum_scatter(block, self._dp_axis, scatter_dimension=dims[0],
+                                            tiled=True)
+            return one
+
+        in_specs = jax.tree.map(lambda sh: sh.spec, self.partial_shardings)
+        flat_specs, tree = jax.tree.flatten(self.shard_specs, is_leaf=_is_spec)
+        mapped = jax.shard_map(
+            lambda *blocks: [local(s)(b) for s, b in zip(flat_specs, blocks)],
+            mesh=self.mesh, in_specs=tuple(jax.tree.leaves(in_specs, is_leaf=_is_spec)),
+            out_specs=flat_specs)
+        grads = jax.tree.unflatten(tree, mapped(*jax.tree.leaves(partial)))
+        return grads, grad_sq_norm(grads)
+
+    def reduce_scatter(self, partial_grads):
+        """dp-partial gradients -> (grad shards, their sum of squares). `partial_grads`: per
+        parameter [dp, *shape], slot r holding dp rank r's un-reduced sum (sharding
+        `partial_shardings`: P('dp', *tp spec)). XLA reduce-scatters them straight into the
+        ZeRO-1 shards (seed 004 ZeRO: P_os with reduce-scatter instead of all-reduce); the
+        sum of squares is this stage's term of `global_grad_norm`'s square."""
+        if not self.has_state:
+            return partial_grads, jnp.zeros((), jnp.float32)
+        return self._reduce_scatter(jax.device_put(partial_grads, self.partial_shardings))
+
+    def update_from_shards(self, params, grad_shards, opt_state, global_grad_norm):
+        """`update` for grads already in the ZeRO-1 shards (from `reduce_scatter`);
+        `global_grad_norm`: sqrt of the sum of every stage's `reduce_scatter` square."""
+        if not self.has_state:
+            return params, opt_state
+        norm = jax.device_put(jnp.asarray(global_grad_norm, jnp.float32), self._replicated)
+        params = jax.device_put(params, self.param_shardings)
+        grad_shards = jax.device_put(grad_shards, self.grad_shard_shardings)
+        opt_state = jax.device_put(opt_state, self.state_shardings)
+        return self._update_from_shards(params, grad_shards, opt_state, norm)
 
     def lower_update(self, params, grads, opt_state):
         """The lowered update (for HLO inspection: all-gather of params, sharded state)."""
