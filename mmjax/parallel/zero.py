@@ -108,8 +108,10 @@ def grad_sq_norm(grads):
 def global_grad_norm(grads_per_stage, device=None):
     """L2 norm over the gradients of ALL stages (each tree on its own mesh). The per-stage sums
     of squares are computed on their meshes and only the scalars move to `device` (default:
-    the first device); no host sync."""
-    device = jax.devices()[0] if device is None else device
+    this process's first device); no host sync. Stages in other processes: sum their
+    `grad_sq_norm`s across processes (e.g. jax.experimental.multihost_utils.process_allgather)
+    and pass sqrt of the total to `update` as a host float."""
+    device = jax.local_devices()[0] if device is None else device
     total = jnp.zeros((), jnp.float32)
     total = jax.device_put(total, device)
     for grads in grads_per_stage:
