@@ -103,8 +103,22 @@ def np_llm_logits(t: dict, cfg: LLMConfig, tokens):
 
 
 def load_llm(cfg, path, start=0, end=None):
-    m = LLM(cfg, jax.random.key(7), start, end)
+    """Into an abstract module (nnx.eval_shape): no random init before loading."""
+    m = nnx.eval_shape(lambda: LLM(cfg, jax.random.key(7), start, end))
     return hf.apply_to_module(m, hf.load_llm_safetensors(path, cfg, start, end))
+
+
+def random_module(make, seed=0):
+    """A concrete module with numpy-random parameters (fast: no eager JAX init)."""
+    rng = np.random.default_rng(seed)
+    m = nnx.eval_shape(make)
+    shapes = nnx.to_pure_dict(nnx.state(m, nnx.Param))
+    return hf.apply_to_module(m, jax.tree.map(lambda a: rng.normal(size=a.shape), shapes))
+
+
+@nnx.jit
+def llm_logits(model, tokens, positions, allowed):
+    return model(tokens, positions, allowed)
 
 
 # ------------------------------------------------------------------------------ tests
@@ -141,7 +155,7 @@ def test_logits_match_numpy_reference(tmp_path, cfg):
     tokens = np.array([3, 9, 1, 22, 0, 7, 7, 15])
     s = len(tokens)
     causal = jnp.tril(jnp.ones((s, s), bool))[None]
-    got = model(jnp.asarray(tokens)[None], jnp.arange(s)[None], causal)[0]
+    got = llm_logits(model, jnp.asarray(tokens)[None], jnp.arange(s)[None], causal)[0]
     want = np_llm_logits(t, cfg, tokens)
     np.testing.assert_allclose(np.asarray(got), want, rtol=2e-4, atol=2e-4)
 
@@ -189,7 +203,7 @@ def test_layer_range_equals_slice_of_full_load(tmp_path, cfg):
 
 @pytest.mark.parametrize("cfg", [LLAMA, QWEN_TIED], ids=["untied", "tied"])
 def test_export_import_round_trip_is_exact(tmp_path, cfg):
-    model = LLM(cfg, jax.random.key(3))
+    model = random_module(lambda: LLM(cfg, jax.random.key(3)))
     ref = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     hf.export_llm_safetensors(model, cfg, tmp_path / "single")
     files = hf.export_llm_safetensors(model, cfg, tmp_path / "sharded", max_shard_bytes=4000)
@@ -198,7 +212,7 @@ def test_export_import_round_trip_is_exact(tmp_path, cfg):
     for src in ("single", "sharded"):
         back = hf.load_llm_safetensors(tmp_path / src, hf.config_from_hf(tmp_path / src))
         jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), ref, back)
-    stage = LLM(cfg, jax.random.key(3), 1, 3)  # a stage exports with its global layer names
+    stage = random_module(lambda: LLM(cfg, jax.random.key(3), 1, 3))  # a stage exports with its global layer names
     hf.export_llm_safetensors(stage, cfg, tmp_path / "stage.safetensors")
     assert hf.Checkpoint(tmp_path / "stage.safetensors").names >= {
         "model.layers.1.mlp.up_proj.weight", "model.layers.2.mlp.up_proj.weight"}
@@ -252,7 +266,7 @@ def test_errors_name_tensor_and_expected_shape(tmp_path):
     with pytest.raises(ValueError, match="tie_embeddings"):
         hf.load_llm_safetensors(tmp_path / "tied.safetensors", QWEN_TIED)
     with pytest.raises(ValueError, match=r"parameters do not match the module"):
-        hf.apply_to_module(LLM(LLAMA, jax.random.key(0), 0, 2),
+        hf.apply_to_module(nnx.eval_shape(lambda: LLM(LLAMA, jax.random.key(0), 0, 2)),
                            hf.load_llm_safetensors(tmp_path / "ok.safetensors", LLAMA))
 
 
@@ -292,7 +306,7 @@ def test_whisper_encoder_mapping_and_conv_layout(tmp_path):
     t = hf_whisper_tensors(AUDIO, prefix="model.encoder.")
     t["model.decoder.layers.0.fc1.weight"] = np.zeros((3, 3), np.float32)
     save_file(t, str(tmp_path / "model.safetensors"))
-    enc = AudioEncoder(AUDIO, jax.random.key(0))
+    enc = nnx.eval_shape(lambda: AudioEncoder(AUDIO, jax.random.key(0)))
     hf.apply_to_module(enc, hf.load_whisper_encoder_safetensors(tmp_path, AUDIO))
     p = "model.encoder.layers.1."
     assert enc.layers[1].q.kernel[...][2, 6] == t[p + "self_attn.q_proj.weight"][6, 2]
@@ -303,7 +317,7 @@ def test_whisper_encoder_mapping_and_conv_layout(tmp_path):
     np.testing.assert_array_equal(np.asarray(enc.final_ln.bias[...]), t["model.encoder.layer_norm.bias"])
     # Conv [out, in, k] -> [k, in, out]: our conv front end equals PyTorch's Conv1d.
     mels = np.random.default_rng(1).normal(size=(1, 7, 5)).astype(np.float32)
-    x = enc.embed(jnp.asarray(mels), jnp.array([7]))
+    x = nnx.jit(lambda e, m, n: e.embed(m, n))(enc, jnp.asarray(mels), jnp.array([7]))
     gelu = lambda z: np.asarray(jax.nn.gelu(jnp.asarray(z), approximate=False))
     h = gelu(np_conv1d_torch(mels[0], t["model.encoder.conv1.weight"], t["model.encoder.conv1.bias"], 1))
     h = gelu(np_conv1d_torch(h, t["model.encoder.conv2.weight"], t["model.encoder.conv2.bias"], 2))
@@ -326,7 +340,7 @@ def test_load_into_multimodal_model(tmp_path):
     cfg = MLLMConfig(name="t", llm=llm_cfg, encoders=(EncoderSpec("audio", AUDIO),))
     save_file(hf_llm_tensors(llm_cfg, seed=6), str(tmp_path / "llm.safetensors"))
     save_file(hf_whisper_tensors(AUDIO, seed=7), str(tmp_path / "whisper.safetensors"))
-    model = MultimodalModel(cfg, jax.random.key(0))
+    model = random_module(lambda: MultimodalModel(cfg, jax.random.key(0)))
     proj_before = nnx.to_pure_dict(nnx.state(model.projectors, nnx.Param))
     hf.load_into_model(model, llm_path=tmp_path / "llm.safetensors",
                        encoder_paths={"audio": tmp_path / "whisper.safetensors"})
@@ -337,3 +351,26 @@ def test_load_into_multimodal_model(tmp_path):
                                   hf_whisper_tensors(AUDIO, seed=7)["conv2.bias"])
     proj_after = nnx.to_pure_dict(nnx.state(model.projectors, nnx.Param))
     jax.tree.map(np.testing.assert_array_equal, proj_before, proj_after)
+
+
+def test_apply_keeps_dtype_and_sharding(tmp_path):
+    save_file(hf_llm_tensors(LLAMA, seed=8), str(tmp_path / "model.safetensors"))
+    model = random_module(lambda: LLM(LLAMA, jax.random.key(0), 0, 1))
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("x",))
+    sharded = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x", None))
+    model.layers[0].wq.set_value(jax.device_put(model.layers[0].wq.get_value(), sharded))
+    model.layers[0].wv.set_value(model.layers[0].wv.get_value().astype(jnp.bfloat16))
+    pure = hf.load_llm_safetensors(tmp_path, LLAMA, 0, 1)
+    hf.apply_to_module(model, pure)
+    wq, wv = model.layers[0].wq.get_value(), model.layers[0].wv.get_value()
+    assert wq.sharding == sharded and wv.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(wq), pure["layers"][0]["wq"])
+    np.testing.assert_array_equal(np.asarray(wv), pure["layers"][0]["wv"].astype(ml_dtypes.bfloat16))
+
+
+def test_audio_config_from_hf():
+    whisper_tiny = {"model_type": "whisper", "d_model": 384, "encoder_layers": 4,
+                    "encoder_attention_heads": 6, "encoder_ffn_dim": 1536, "num_mel_bins": 80}
+    assert hf.audio_config_from_hf(whisper_tiny) == AudioConfig(384, 4, 6, 1536, 80)
+    with pytest.raises(ValueError, match="expected 'whisper'"):
+        hf.audio_config_from_hf({"model_type": "llama"})

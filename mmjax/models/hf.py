@@ -14,6 +14,10 @@ RoPE: HF's Llama/Qwen2 modelling code uses the rotate-half convention, like
 `layers.rope` (first half x1*cos - x2*sin, second half x2*cos + x1*sin), so q/k weights
 need no permutation.
 
+Whisper: weights map exactly, but `AudioEncoder` is Whisper-like, not Whisper: its blocks
+use tanh-approximate GELU (Whisper: exact) and its sinusoid divides by d/2 (Whisper: d/2 - 1),
+so outputs differ slightly from HF's WhisperEncoder; fine-tuning absorbs this.
+
 Vision: HF ViT checkpoints have a CLS token and a 1-D position table over a fixed grid;
 mmjax's packed ViT has factorised 2-D positions and no CLS token, so there is no faithful
 mapping and ViT import is deliberately not offered.
@@ -321,9 +325,8 @@ def config_from_hf(config) -> LLMConfig:
     kind = c.get("model_type")
     if kind not in ("llama", "qwen2"):
         raise ValueError(f"config.json model_type={kind!r}: only 'llama' and 'qwen2' are supported")
-    for field, ok in (("hidden_act", "silu"),):
-        if c.get(field, ok) != ok:
-            raise ValueError(f"config.json {field}={c[field]!r}: mmjax's decoder uses {ok!r}")
+    if c.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"config.json hidden_act={c['hidden_act']!r}: mmjax's decoder uses 'silu'")
     for field in ("rope_scaling", "mlp_bias", "attention_bias", "use_sliding_window"):
         if c.get(field):
             raise ValueError(f"config.json {field}={c[field]!r}: not supported by mmjax's "
@@ -395,6 +398,16 @@ def whisper_entries(cfg: AudioConfig, start: int = 0, end: int | None = None,
     return out
 
 
+def audio_config_from_hf(config) -> AudioConfig:
+    """HF Whisper config.json (path, directory or dict) -> AudioConfig of its encoder."""
+    c = _read_config(config)
+    if c.get("model_type") != "whisper":
+        raise ValueError(f"config.json model_type={c.get('model_type')!r}: expected 'whisper'")
+    return AudioConfig(hidden_size=c["d_model"], num_layers=c["encoder_layers"],
+                       num_heads=c["encoder_attention_heads"], ffn_size=c["encoder_ffn_dim"],
+                       num_mel_bins=c["num_mel_bins"])
+
+
 def _whisper_prefix(ckpt: Checkpoint) -> str:
     """'' for a WhisperEncoder checkpoint, 'encoder.' / 'model.encoder.' for WhisperModel /
     WhisperForConditionalGeneration (whose decoder tensors are then left alone)."""
@@ -424,8 +437,10 @@ def load_whisper_encoder_safetensors(paths_or_dir, cfg: AudioConfig, start: int 
 
 
 def apply_to_module(module: nnx.Module, pure_dict: dict) -> nnx.Module:
-    """Put a pure dict of arrays into `module`'s parameters, keeping each parameter's dtype
-    and sharding. Keys and shapes must match exactly (ValueError naming the parameter)."""
+    """Put a pure dict of arrays into `module`'s parameters (`nnx.replace_by_pure_dict` on
+    its state, then `nnx.update`), keeping each parameter's dtype and sharding. `module`
+    may be abstract (`nnx.eval_shape`), which skips random init before loading. Keys and
+    shapes must match exactly (ValueError naming the parameter)."""
     state = nnx.state(module, nnx.Param)
     current = _flatten(nnx.to_pure_dict(state))
     new = _flatten(pure_dict)
