@@ -125,6 +125,7 @@ def test_pytree_transfer_mixed_shapes_and_dtypes():
         assert out[k].dtype == tree[k].dtype
         check_out(out[k], dm, reference(r, tree[k]))
     assert len(b.compiled) == 1
+    assert b.transfer_tree({}, r) == {}
 
 
 @pytest.mark.parametrize("src,dst,routes", [
@@ -243,6 +244,16 @@ def test_round_tables_random_routes_and_overlapping_meshes():
         r = Routes.from_pairs(a, ps, b, pr, [s + d for s, d in zip(srcs, dsts)])
         ra, rb = rng.randint(1, 2), rng.randint(1, 2)
         simulate_tables(r, *layout(a, ra, b, rb, overlap=rng.randint(0, min(a * ra, b * rb))))
+
+
+def test_round_tables_prefer_local_copies():
+    """A destination device that already holds the source rank copies locally (same devices,
+    a reorder within each rank): every send is to itself."""
+    reps = [[0, 1], [2, 3]]
+    r = Routes.from_pairs(2, 2, 2, 2, [(0, 1, 0, 0), (0, 0, 0, 1), (1, 1, 1, 0)])
+    t = simulate_tables(r, reps, [[1, 0], [3, 2]], 4)
+    assert t.rounds == 2
+    assert all(u == v for perm in t.perms for u, v in perm)
 
 
 def test_edge_colouring_uses_max_degree_colours():

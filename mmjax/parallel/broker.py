@@ -26,6 +26,11 @@ data. The destination devices' output shards are then wrapped as the destination
 
 Every process touches only its addressable shards, so all processes holding devices of
 either mesh must call `transfer` with the same arguments in the same order.
+
+XLA:CPU caveat (forced host devices, jax 0.10): its client admits 32 in-flight executions
+per device, and well beyond that many un-synced collective programs (any ppermute/psum
+program, not only the broker's) can deadlock in the collective rendezvous; a host loop on
+CPU should bound in-flight work (e.g. wait on an output every few dozen dispatches).
 """
 from __future__ import annotations
 
@@ -344,10 +349,14 @@ class Broker:
                                                        dtype=y.dtype)
 
     # ---- public ------------------------------------------------------------------------------
-    def transfer_tree(self, tree, routes: Routes):
+    def transfer_tree(self, tree, routes: Routes, wait: bool = False):
         """Move every leaf of `tree` (dp-blocked, axis 0 = src dp * routes.src_slots; part
-        shapes and dtypes may differ per leaf) by `routes`. No host sync."""
+        shapes and dtypes may differ per leaf) by `routes`. No host sync, unless `wait`:
+        then block until this process's part of the ppermutes is done (multi-process CPU
+        runs, where two gloo collectives in flight can deadlock)."""
         leaves, treedef = jax.tree.flatten(tree)
+        if not leaves:
+            return tree
         if self.same_mesh and routes.is_identity:
             return jax.tree.unflatten(treedef, [
                 x if isinstance(x, jax.Array) and x.sharding == self.dst_sharding
@@ -355,6 +364,8 @@ class Broker:
         c = self._compiled(routes)
         ins = [self._to_union(x, routes.src_slots) for x in leaves]
         outs = c.fn(ins, c.send, c.recv)
+        if wait:
+            jax.block_until_ready(outs)
         return jax.tree.unflatten(treedef, [self._from_union(y, routes.dst_slots) for y in outs])
 
     def transfer(self, x: jax.Array, routes: Routes) -> jax.Array:
