@@ -14,6 +14,7 @@ from safetensors.numpy import save_file
 from mmjax.models import hf
 from mmjax.models.audio import AudioEncoder
 from mmjax.models.config import AudioConfig, EncoderSpec, LLMConfig, MLLMConfig
+from mmjax.models.layers import sinusoidal
 from mmjax.models.llm import LLM
 from mmjax.models.mllm import MultimodalModel
 
@@ -80,7 +81,7 @@ def np_llm_logits(t: dict, cfg: LLMConfig, tokens):
     causal = np.tril(np.ones((s, s), bool))
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
-        lin = lambda h, n: h @ t[p + n + ".weight"].T + (t[p + n + ".bias"] if p + n + ".bias" in t else 0)
+        lin = lambda h, n: h @ t[p + n + ".weight"].T + t.get(p + n + ".bias", 0.0)
         h = np_rmsnorm(x, t[p + "input_layernorm.weight"], eps)
         q = lin(h, "self_attn.q_proj").reshape(s, cfg.num_heads, hd)
         k = lin(h, "self_attn.k_proj").reshape(s, cfg.num_kv_heads, hd)
@@ -135,7 +136,8 @@ def test_tensors_land_transposed(tmp_path):
     assert l1["wk"][15, 0] == t["model.layers.1.self_attn.k_proj.weight"][0, 15]
     assert l1["wo"][23, 2] == t["model.layers.1.self_attn.o_proj.weight"][2, 23]
     assert l1["w_down"][5, 9] == t["model.layers.1.mlp.down_proj.weight"][9, 5]
-    np.testing.assert_array_equal(pure["layers"][2]["w_gate"], t["model.layers.2.mlp.gate_proj.weight"].T)
+    np.testing.assert_array_equal(pure["layers"][2]["w_gate"],
+                                  t["model.layers.2.mlp.gate_proj.weight"].T)
     np.testing.assert_array_equal(pure["layers"][0]["mlp_norm"]["scale"],
                                   t["model.layers.0.post_attention_layernorm.weight"])
     np.testing.assert_array_equal(pure["embed"], t["model.embed_tokens.weight"])
@@ -212,7 +214,8 @@ def test_export_import_round_trip_is_exact(tmp_path, cfg):
     for src in ("single", "sharded"):
         back = hf.load_llm_safetensors(tmp_path / src, hf.config_from_hf(tmp_path / src))
         jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), ref, back)
-    stage = random_module(lambda: LLM(cfg, jax.random.key(3), 1, 3))  # a stage exports with its global layer names
+    # A stage exports with its global layer names.
+    stage = random_module(lambda: LLM(cfg, jax.random.key(3), 1, 3))
     hf.export_llm_safetensors(stage, cfg, tmp_path / "stage.safetensors")
     assert hf.Checkpoint(tmp_path / "stage.safetensors").names >= {
         "model.layers.1.mlp.up_proj.weight", "model.layers.2.mlp.up_proj.weight"}
@@ -259,7 +262,8 @@ def test_errors_name_tensor_and_expected_shape(tmp_path):
         hf.load_llm_safetensors(tmp_path / "ok.safetensors", fewer_layers)
     save_file(hf_llm_tensors(dataclasses.replace(LLAMA, qkv_bias=True)),
               str(tmp_path / "bias.safetensors"))  # a Qwen2 checkpoint, a bias-free config
-    with pytest.raises(ValueError, match=r"unexpected tensor 'model\.layers\.0\.self_attn\.k_proj\.bias'"):
+    with pytest.raises(ValueError,
+                       match=r"unexpected tensor 'model\.layers\.0\.self_attn\.k_proj\.bias'"):
         hf.load_llm_safetensors(tmp_path / "bias.safetensors", LLAMA)
     tied_mismatch = dict(hf_llm_tensors(QWEN_TIED), **{"lm_head.weight": t["lm_head.weight"]})
     save_file(tied_mismatch, str(tmp_path / "tied.safetensors"))
@@ -298,7 +302,8 @@ def np_conv1d_torch(x, w, b, stride):
     """PyTorch Conv1d(padding=1): x [T, C_in], w [C_out, C_in, 3] -> [T', C_out]."""
     xp = np.pad(x, ((1, 1), (0, 0)))
     n = (xp.shape[0] - 3) // stride + 1
-    return np.stack([np.einsum("kc,ock->o", xp[i * stride: i * stride + 3], w) for i in range(n)]) + b
+    out = [np.einsum("kc,ock->o", xp[i * stride: i * stride + 3], w) for i in range(n)]
+    return np.stack(out) + b
 
 
 def test_whisper_encoder_mapping_and_conv_layout(tmp_path):
@@ -313,15 +318,17 @@ def test_whisper_encoder_mapping_and_conv_layout(tmp_path):
     assert enc.layers[1].o.kernel[...][7, 0] == t[p + "self_attn.out_proj.weight"][0, 7]
     assert enc.layers[1].fc2.kernel[...][11, 3] == t[p + "fc2.weight"][3, 11]
     np.testing.assert_array_equal(np.asarray(enc.layers[1].k.bias[...]), np.zeros(8))
-    np.testing.assert_array_equal(np.asarray(enc.layers[1].ln2.scale[...]), t[p + "final_layer_norm.weight"])
-    np.testing.assert_array_equal(np.asarray(enc.final_ln.bias[...]), t["model.encoder.layer_norm.bias"])
+    np.testing.assert_array_equal(np.asarray(enc.layers[1].ln2.scale[...]),
+                                  t[p + "final_layer_norm.weight"])
+    np.testing.assert_array_equal(np.asarray(enc.final_ln.bias[...]),
+                                  t["model.encoder.layer_norm.bias"])
     # Conv [out, in, k] -> [k, in, out]: our conv front end equals PyTorch's Conv1d.
     mels = np.random.default_rng(1).normal(size=(1, 7, 5)).astype(np.float32)
     x = nnx.jit(lambda e, m, n: e.embed(m, n))(enc, jnp.asarray(mels), jnp.array([7]))
     gelu = lambda z: np.asarray(jax.nn.gelu(jnp.asarray(z), approximate=False))
-    h = gelu(np_conv1d_torch(mels[0], t["model.encoder.conv1.weight"], t["model.encoder.conv1.bias"], 1))
-    h = gelu(np_conv1d_torch(h, t["model.encoder.conv2.weight"], t["model.encoder.conv2.bias"], 2))
-    from mmjax.models.layers import sinusoidal
+    e = "model.encoder."
+    h = gelu(np_conv1d_torch(mels[0], t[e + "conv1.weight"], t[e + "conv1.bias"], 1))
+    h = gelu(np_conv1d_torch(h, t[e + "conv2.weight"], t[e + "conv2.bias"], 2))
     want = h + np.asarray(sinusoidal(jnp.arange(4), 8))
     np.testing.assert_allclose(np.asarray(x[0]), want, rtol=1e-5, atol=1e-5)
     # Stage [1, 2) holds layer 1 renumbered to 0, plus the final norm.
@@ -365,7 +372,8 @@ def test_apply_keeps_dtype_and_sharding(tmp_path):
     wq, wv = model.layers[0].wq.get_value(), model.layers[0].wv.get_value()
     assert wq.sharding == sharded and wv.dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(wq), pure["layers"][0]["wq"])
-    np.testing.assert_array_equal(np.asarray(wv), pure["layers"][0]["wv"].astype(ml_dtypes.bfloat16))
+    np.testing.assert_array_equal(np.asarray(wv),
+                                  pure["layers"][0]["wv"].astype(ml_dtypes.bfloat16))
 
 
 def test_audio_config_from_hf():

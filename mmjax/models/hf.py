@@ -16,7 +16,7 @@ need no permutation.
 
 Whisper: weights map exactly, but `AudioEncoder` is Whisper-like, not Whisper: its blocks
 use tanh-approximate GELU (Whisper: exact) and its sinusoid divides by d/2 (Whisper: d/2 - 1),
-so outputs differ slightly from HF's WhisperEncoder; fine-tuning absorbs this.
+so outputs differ slightly from HF's WhisperEncoder: a close, not bit-exact, start.
 
 Vision: HF ViT checkpoints have a CLS token and a 1-D position table over a fixed grid;
 mmjax's packed ViT has factorised 2-D positions and no CLS token, so there is no faithful
@@ -367,7 +367,8 @@ def _dense(hf: str, path: tuple, din: int, dout: int, bias: bool = True) -> list
 
 
 def _layer_norm(hf: str, path: tuple, d: int) -> list[Entry]:
-    return [Entry(hf + ".weight", path + ("scale",), (d,)), Entry(hf + ".bias", path + ("bias",), (d,))]
+    return [Entry(hf + ".weight", path + ("scale",), (d,)),
+            Entry(hf + ".bias", path + ("bias",), (d,))]
 
 
 def whisper_entries(cfg: AudioConfig, start: int = 0, end: int | None = None,
