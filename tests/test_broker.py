@@ -288,7 +288,7 @@ _TWO_PROCESS = textwrap.dedent("""
         g = np.arange(r.src_ranks * r.src_slots * 3, dtype=np.float32).reshape(-1, 3)
         x = jax.make_array_from_callback(g.shape, NamedSharding(src, P("dp")),
                                          lambda i: g[i], dtype=g.dtype)
-        y = Broker(src, dst).transfer(x, r)
+        y = Broker(src, dst).transfer(x, r, wait=True)
         want = r.apply(g)
         ok &= all(np.array_equal(np.asarray(s.data), want[s.index]) for s in y.addressable_shards)
         back = Broker(dst, src).transfer(y, r.inverse())

@@ -368,6 +368,6 @@ class Broker:
             jax.block_until_ready(outs)
         return jax.tree.unflatten(treedef, [self._from_union(y, routes.dst_slots) for y in outs])
 
-    def transfer(self, x: jax.Array, routes: Routes) -> jax.Array:
+    def transfer(self, x: jax.Array, routes: Routes, wait: bool = False) -> jax.Array:
         """Move one dp-blocked array by `routes` (see `transfer_tree`)."""
-        return self.transfer_tree([x], routes)[0]
+        return self.transfer_tree([x], routes, wait=wait)[0]
