@@ -1,0 +1,257 @@
+"""Pipeline runtime benchmark: host dispatch cost, measured vs simulated step time, timelines.
+
+For the tiny MLLM (vision -> LLM -> generator, mmjax/models/tiny.py, widened by flags) on 8
+forced CPU devices, under
+  rigid     Megatron-style `Plan.rigid(dp=1, tp=2, pp=2)` (seed 000 §2.1 Fig. 2: encoder
+            and generator are extra stages with the LLM's dp and tp),
+  disagg    vision dp2 | llm tp2 pp2 | generator dp2 (seed 000 §4.1 disaggregation),
+  planner   the planner's choice for 8 devices (planner/build.py `plan_model`, H100 cost
+            model, vpp off: see below); opt-in with --plans,
+it measures for one global batch through `PipelineRuntime.run`:
+  dispatch   host time for `run(feeds)` to return (async dispatch, no tracing, losses not
+             read) / number of schedule actions;
+  measured   wall time of `run` + reading the losses + waiting for the gradients (median
+             over --steps after --warmup; compile excluded);
+  busy       per-stage busy time from the tracing mode (blocks after every action, so each
+             action's time includes its broker input transfer);
+  simulated  `pipeline/simulate.py` on the runtime's own schedule with per-(stage, kind)
+             costs = median traced action time over --trace-steps steps; its bubble fraction
+             is the mean over stages of 1 - busy / iteration time.
+The traced step of each plan is written to <out dir>/trace_<plan>.json and rendered with
+scripts/timeline.py (PNG + Perfetto JSON); the simulated trace likewise (trace_<plan>.sim.*).
+
+On CPU the 8 "devices" are threads of one process sharing the machine's cores (2 here), so
+stages do not truly run concurrently: the measured step lands between the simulated time
+(stages fully concurrent) and the serial sum of the traced actions, and measured/simulated
+ratios reflect that core sharing (and traced actions competing for the same cores), not
+runtime overhead. On a GPU host each stage mesh has its own devices.
+The planner plan is asked for without interleaving (vpp): the runtime runs virtual stages of
+one mesh as separate schedule rows, which the simulator would count as concurrent.
+
+  python scripts/bench_runtime.py [--steps 3] [--seq 256] [--samples 8] [--plans rigid,disagg]
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=8").strip()
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import io  # noqa: E402
+import importlib.util  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from mmjax.data.assemble import AssemblyLayout, check_sample  # noqa: E402
+from mmjax.data.synthetic import SyntheticConfig, SyntheticDataset  # noqa: E402
+from mmjax.models.config import with_overrides  # noqa: E402
+from mmjax.models.tiny import tiny  # noqa: E402
+from mmjax.pipeline.feed import microbatch_feed  # noqa: E402
+from mmjax.pipeline.runtime import PipelineRuntime  # noqa: E402
+from mmjax.pipeline.schedule import StageId  # noqa: E402
+from mmjax.pipeline.simulate import simulate  # noqa: E402
+from mmjax.planner.plan import Plan  # noqa: E402
+
+PLANS = ("rigid", "disagg", "planner")
+CPU_NOTE = ("On CPU the 8 'devices' share {cores} host core(s): stages do not truly run "
+            "concurrently, so the measured step lies between the simulated step (stages fully "
+            "concurrent) and the serial sum of the traced actions; measured/simulated ratios "
+            "reflect that core sharing, not runtime overhead.")
+
+
+def _timeline():
+    """scripts/timeline.py as a module (scripts/ is not a package)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "timeline.py")
+    spec = importlib.util.spec_from_file_location("mmjax_timeline_script", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def model_config(args):
+    h = args.llm_hidden
+    return with_overrides(tiny(), {"llm.hidden_size": h, "llm.ffn_size": 2 * h,
+                                   "llm.num_layers": args.llm_layers})
+
+
+def make_plan(name: str, cfg, samples: int, microbatches: int) -> Plan:
+    if name == "rigid":
+        return Plan.rigid(cfg, dp=1, tp=2, pp=2, global_batch=samples,
+                          num_microbatches=microbatches)
+    if name == "disagg":
+        return Plan.uniform(cfg, samples, microbatches, kind="disaggregated",
+                            dp={"vision": 2, "llm": 1, "generator": 2},
+                            tp={"llm": 2}, pp={"llm": 2})
+    if name == "planner":
+        from mmjax.planner.build import plan_model
+        from mmjax.planner.hardware import hardware
+        return plan_model(cfg, hardware("h100"), 8, samples, vpp=False)
+    raise ValueError(f"--plans: unknown plan {name!r}; choose from {PLANS}")
+
+
+def batch(cfg, seq: int, n: int):
+    lay = AssemblyLayout.from_config(cfg, seq, "pad", vision_caps=(64, 256))
+    ds = SyntheticDataset("laion", SyntheticConfig.for_model(cfg, gen_fraction=0.5), seed=3)
+    samples = [s for s in (ds[i] for i in range(20 * n)) if check_sample(s, lay) is None][:n]
+    if len(samples) < n:
+        raise ValueError(f"--seq={seq}: only {len(samples)} of {n} synthetic samples fit; "
+                         "raise --seq")
+    return lay, samples
+
+
+def feeds_for(plan: Plan, lay, samples):
+    n, dp = plan.microbatch_size, {u.name: u.dp for u in plan.units}
+    return [microbatch_feed(samples[m * n:(m + 1) * n], lay, dp)
+            for m in range(plan.num_microbatches)]
+
+
+def _wait(rt: PipelineRuntime, res) -> dict:
+    losses = res.losses()
+    jax.block_until_ready([st.grads for st in rt.stages.values()])
+    return losses
+
+
+def stage_costs(traces: list[list[dict]]) -> dict[tuple[str, str], float]:
+    """Median traced seconds per (stage, kind) over all actions of all traced steps."""
+    acc: dict[tuple[str, str], list[float]] = {}
+    for tr in traces:
+        for d in tr:
+            acc.setdefault((d["stage"], d["kind"]), []).append(d["end"] - d["start"])
+    return {k: statistics.median(v) for k, v in acc.items()}
+
+
+def bench_plan(name, cfg, lay, samples, args, out_dir, timeline) -> dict:
+    plan = make_plan(name, cfg, len(samples), args.microbatches)
+    rt = PipelineRuntime(cfg, plan)
+    feeds = feeds_for(plan, lay, samples)
+    num_actions = len(rt.order)
+    for _ in range(args.warmup):  # compile every stage function and broker route
+        _wait(rt, rt.run(feeds))
+    dispatch, step = [], []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        res = rt.run(feeds)
+        t1 = time.perf_counter()
+        losses = _wait(rt, res)
+        t2 = time.perf_counter()
+        dispatch.append(t1 - t0)
+        step.append(t2 - t0)
+    traces = []
+    for _ in range(args.trace_steps):
+        res = rt.run(feeds, trace=True)
+        _wait(rt, res)
+        traces.append(res.trace)
+    costs = stage_costs(traces)
+    sim = simulate(rt.schedule, {(StageId.parse(s), k): v for (s, k), v in costs.items()},
+                   rt.graph)
+    trace = traces[-1]
+    t0 = min(d["start"] for d in trace)
+    traced_span = max(d["end"] for d in trace) - t0
+    busy = {s: sum(d["end"] - d["start"] for d in trace if d["stage"] == s)
+            for s in sorted({d["stage"] for d in trace})}
+    files = {}
+    for tag, tr in (("", [{**d, "start": d["start"] - t0, "end": d["end"] - t0}
+                          for d in trace]), (".sim", sim.trace())):
+        path = os.path.join(out_dir, f"trace_{name}{tag}.json")
+        with open(path, "w") as fh:
+            json.dump(tr, fh, indent=0)
+        with contextlib.redirect_stdout(io.StringIO()):  # its per-file summary: noise here
+            written = timeline.main([path])
+        files[f"trace{tag}"] = path
+        files[f"png{tag}"], files[f"perfetto{tag}"] = written["png"], written["chrome"]
+    measured = statistics.median(step)
+    return {
+        "plan": name, "kind": plan.kind,
+        "units": {u.name: {"dp": u.dp, "tp": u.tp, "pp": u.pp, "layers": list(u.layers)}
+                  for u in plan.units},
+        "global_batch": plan.global_batch, "num_microbatches": plan.num_microbatches,
+        "num_stages": len(rt.stages), "num_actions": num_actions,
+        "dispatch_s": statistics.median(dispatch),
+        "dispatch_us_per_action": statistics.median(dispatch) / num_actions * 1e6,
+        "measured_step_s": measured, "measured_steps_s": step,
+        "traced_step_s": traced_span, "serial_sum_s": sum(busy.values()),
+        "stage_busy_s": busy,
+        "stage_costs_s": {f"{s}/{k}": v for (s, k), v in sorted(costs.items())},
+        "simulated_step_s": sim.iteration_time,
+        "measured_over_simulated": measured / sim.iteration_time,
+        "bubble_fraction": sim.mean_bubble_fraction,
+        "stage_bubble_fraction": {str(s): b for s, b in sim.bubble_fraction.items()},
+        "loss": losses["loss"], "files": files,
+    }
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--plans", default="rigid,disagg", help=f"comma list of {PLANS}")
+    ap.add_argument("--samples", type=int, default=8, help="global batch (samples)")
+    ap.add_argument("--microbatches", type=int, default=4,
+                    help="microbatches for rigid/disagg (the planner picks its own)")
+    ap.add_argument("--seq", type=int, default=256, help="LLM sequence length")
+    ap.add_argument("--llm-hidden", type=int, default=128, help="LLM width (ffn = 2x)")
+    ap.add_argument("--llm-layers", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=1, help="untimed steps (compile)")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps (median)")
+    ap.add_argument("--trace-steps", type=int, default=2, help="traced steps for the costs")
+    ap.add_argument("--out", default=os.path.join("bench_results", "bench_runtime.json"))
+    args = ap.parse_args(argv)
+    for k in ("samples", "microbatches", "seq", "steps", "trace_steps"):
+        if getattr(args, k) < 1:
+            raise ValueError(f"--{k.replace('_', '-')}={getattr(args, k)}: must be >= 1")
+    names = [p for p in args.plans.split(",") if p]
+    for p in names:
+        if p not in PLANS:
+            raise ValueError(f"--plans: unknown plan {p!r}; choose from {PLANS}")
+    if len(jax.devices()) < 8:
+        raise RuntimeError(f"need 8 devices, found {len(jax.devices())}; run with "
+                           "XLA_FLAGS=--xla_force_host_platform_device_count=8")
+    out_dir = os.path.dirname(args.out) or "."
+    os.makedirs(out_dir, exist_ok=True)
+    cfg = model_config(args)
+    lay, samples = batch(cfg, args.seq, args.samples)
+    timeline = _timeline()
+    rows = [bench_plan(p, cfg, lay, samples, args, out_dir, timeline) for p in names]
+
+    console = Console(width=max(Console().width, 132))
+    table = Table(title=f"pipeline runtime, tiny MLLM (llm {args.llm_layers}x{args.llm_hidden}),"
+                        f" seq {args.seq}, {args.samples} samples, {jax.devices()[0].platform}")
+    for col in ("plan", "units dp/tp/pp", "#mb", "#actions", "dispatch us/action",
+                "measured step s", "serial sum s", "simulated step s", "ratio meas/sim",
+                "bubble frac"):
+        table.add_column(col, justify="left" if col.startswith(("plan", "units")) else "right")
+    for r in rows:
+        units = " ".join(f"{n}:{u['dp']}/{u['tp']}/{u['pp']}" for n, u in r["units"].items())
+        table.add_row(r["plan"], units, str(r["num_microbatches"]), str(r["num_actions"]),
+                      f"{r['dispatch_us_per_action']:.0f}", f"{r['measured_step_s']:.3f}",
+                      f"{r['serial_sum_s']:.3f}", f"{r['simulated_step_s']:.3f}",
+                      f"{r['measured_over_simulated']:.2f}", f"{r['bubble_fraction']:.2f}")
+    console.print(table)
+    for r in rows:
+        console.print(f"{r['plan']}: stage busy (traced step) "
+                      + ", ".join(f"{s} {v * 1e3:.1f} ms" for s, v in r["stage_busy_s"].items()))
+        console.print(f"  timeline {r['files']['png']} (simulated: {r['files']['png.sim']}), "
+                      f"Perfetto {r['files']['perfetto']}")
+    note = CPU_NOTE.format(cores=os.cpu_count())
+    if jax.devices()[0].platform == "cpu":
+        console.print(f"[bold]Note:[/bold] {note}")
+    result = {"settings": vars(args), "platform": jax.devices()[0].platform,
+              "num_devices": len(jax.devices()), "host_cores": os.cpu_count(),
+              "note": note if jax.devices()[0].platform == "cpu" else "", "rows": rows}
+    with open(args.out, "w") as fh:
+        json.dump(result, fh, indent=1)
+    console.print(f"wrote {args.out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""scripts/bench_runtime.py smoke test at the smallest settings: the JSON has one row per plan
+with the expected fields, the action count of the unit-DAG 1F1B schedule, a simulated step
+that re-simulating the recorded per-(stage, kind) costs reproduces exactly, and the traces
+rendered by scripts/timeline.py (no wall-clock assertions)."""
+import importlib.util
+import json
+import os
+
+import pytest
+
+from mmjax.pipeline.schedule import StageGraph, StageId, multimodal_one_f_one_b
+from mmjax.pipeline.simulate import simulate
+
+_PATH = os.path.join(os.path.dirname(__file__), os.pardir, "scripts", "bench_runtime.py")
+_spec = importlib.util.spec_from_file_location("bench_runtime_script", _PATH)
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
+
+M = 2  # microbatches
+STAGES = ("vision:0", "llm:0", "llm:1", "generator:0")  # both plans: llm pp2, 1 + 1 extra
+FIELDS = {"plan", "units", "num_microbatches", "num_actions", "dispatch_us_per_action",
+          "measured_step_s", "simulated_step_s", "measured_over_simulated", "bubble_fraction",
+          "stage_busy_s", "stage_costs_s", "serial_sum_s", "files"}
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "bench_runtime.json"
+    bench.main(["--samples", "4", "--microbatches", str(M), "--seq", "160",
+                "--llm-hidden", "64", "--warmup", "1", "--steps", "1", "--trace-steps", "1",
+                "--out", str(out)])
+    with open(out) as fh:
+        return json.load(fh)
+
+
+def test_rows_and_fields(result):
+    rows = result["rows"]
+    assert [r["plan"] for r in rows] == ["rigid", "disagg"]
+    assert result["num_devices"] == 8 and "share" in result["note"]
+    rigid, disagg = rows
+    assert {n: (u["dp"], u["tp"], u["pp"]) for n, u in rigid["units"].items()} == {
+        "vision": (1, 2, 1), "llm": (1, 2, 2), "generator": (1, 2, 1)}
+    assert {n: (u["dp"], u["tp"], u["pp"]) for n, u in disagg["units"].items()} == {
+        "vision": (2, 1, 1), "llm": (1, 2, 2), "generator": (2, 1, 1)}
+    for r in rows:
+        assert FIELDS <= set(r)
+        assert r["num_microbatches"] == M
+        # every stage trainable: one F and one B per microbatch on each of the 4 stages
+        assert r["num_actions"] == 2 * M * len(STAGES)
+        assert set(r["stage_busy_s"]) == set(STAGES)
+        assert set(r["stage_costs_s"]) == {f"{s}/{k}" for s in STAGES for k in "FB"}
+        assert r["dispatch_us_per_action"] > 0 and r["measured_step_s"] > 0
+        assert r["measured_over_simulated"] == pytest.approx(
+            r["measured_step_s"] / r["simulated_step_s"])
+
+
+def test_simulated_step_recomputes_from_recorded_costs(result):
+    graph = StageGraph.from_units({"vision": 1}, 2, 1)
+    sched = multimodal_one_f_one_b(graph, M)
+    for r in result["rows"]:
+        costs = {}
+        for key, v in r["stage_costs_s"].items():
+            stage, kind = key.split("/")
+            costs[(StageId.parse(stage), kind)] = v
+        sim = simulate(sched, costs, graph)
+        assert sim.iteration_time == pytest.approx(r["simulated_step_s"], rel=1e-12)
+        busy = {s: M * (costs[(StageId.parse(s), "F")] + costs[(StageId.parse(s), "B")])
+                for s in STAGES}
+        assert max(busy.values()) <= sim.iteration_time <= sum(busy.values()) + 1e-12
+        expect = sum(1 - b / sim.iteration_time for b in busy.values()) / len(STAGES)
+        assert r["bubble_fraction"] == pytest.approx(expect, rel=1e-9)
+
+
+def test_traces_written_and_rendered(result):
+    for r in result["rows"]:
+        files = r["files"]
+        with open(files["trace"]) as fh:
+            trace = json.load(fh)
+        got = sorted((d["stage"], d["kind"], d["microbatch"]) for d in trace)
+        assert got == sorted((s, k, m) for s in STAGES for k in "FB" for m in range(M))
+        assert min(d["start"] for d in trace) == 0.0
+        assert all(d["end"] >= d["start"] for d in trace)
+        for tag in ("", ".sim"):
+            with open(files[f"png{tag}"], "rb") as fh:
+                assert fh.read(8) == b"\x89PNG\r\n\x1a\n"
+            with open(files[f"perfetto{tag}"]) as fh:
+                events = json.load(fh)["traceEvents"]
+            assert sum(e["ph"] == "X" for e in events) == 2 * M * len(STAGES)
+
+
+def test_unknown_plan_is_rejected(tmp_path):
+    with pytest.raises(ValueError, match="--plans"):
+        bench.main(["--plans", "rigid,bogus", "--out", str(tmp_path / "x.json")])
