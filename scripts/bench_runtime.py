@@ -21,10 +21,11 @@ The traced step of each plan is written to <out dir>/trace_<plan>.json and rende
 scripts/timeline.py (PNG + Perfetto JSON); the simulated trace likewise (trace_<plan>.sim.*).
 
 On CPU the 8 "devices" are threads of one process sharing the machine's cores (2 here), so
-stages do not truly run concurrently: the measured step lands between the simulated time
-(stages fully concurrent) and the serial sum of the traced actions, and measured/simulated
-ratios reflect that core sharing (and traced actions competing for the same cores), not
-runtime overhead. On a GPU host each stage mesh has its own devices.
+stages do not truly run concurrently: the measured step is near the serial sum of the traced
+actions (plus host dispatch, which competes for the same cores), not the simulated step
+(stages fully concurrent), and measured/simulated ratios reflect that core sharing, not the
+schedule. On a GPU host each stage mesh has its own devices.
+
 The planner plan is asked for without interleaving (vpp): the runtime runs virtual stages of
 one mesh as separate schedule rows, which the simulator would count as concurrent.
 
@@ -65,9 +66,10 @@ from mmjax.planner.plan import Plan  # noqa: E402
 
 PLANS = ("rigid", "disagg", "planner")
 CPU_NOTE = ("On CPU the 8 'devices' share {cores} host core(s): stages do not truly run "
-            "concurrently, so the measured step lies between the simulated step (stages fully "
-            "concurrent) and the serial sum of the traced actions; measured/simulated ratios "
-            "reflect that core sharing, not runtime overhead.")
+            "concurrently, so the measured step is near the serial sum of the traced actions "
+            "(plus host dispatch competing for the same cores), not the simulated step (stages "
+            "fully concurrent); measured/simulated ratios reflect that core sharing, not the "
+            "schedule or runtime overhead.")
 
 
 def _timeline():
@@ -222,15 +224,16 @@ def main(argv=None) -> dict:
     timeline = _timeline()
     rows = [bench_plan(p, cfg, lay, samples, args, out_dir, timeline) for p in names]
 
-    console = Console(width=max(Console().width, 132))
+    console = Console(width=max(Console().width, 140))
     table = Table(title=f"pipeline runtime, tiny MLLM (llm {args.llm_layers}x{args.llm_hidden}),"
                         f" seq {args.seq}, {args.samples} samples, {jax.devices()[0].platform}")
     for col in ("plan", "units dp/tp/pp", "#mb", "#actions", "dispatch us/action",
                 "measured step s", "serial sum s", "simulated step s", "ratio meas/sim",
                 "bubble frac"):
-        table.add_column(col, justify="left" if col.startswith(("plan", "units")) else "right")
+        table.add_column(col, justify="left" if col.startswith(("plan", "units")) else "right",
+                         no_wrap=col.startswith("units"))
     for r in rows:
-        units = " ".join(f"{n}:{u['dp']}/{u['tp']}/{u['pp']}" for n, u in r["units"].items())
+        units = " ".join(f"{n[:3]}:{u['dp']}/{u['tp']}/{u['pp']}" for n, u in r["units"].items())
         table.add_row(r["plan"], units, str(r["num_microbatches"]), str(r["num_actions"]),
                       f"{r['dispatch_us_per_action']:.0f}", f"{r['measured_step_s']:.3f}",
                       f"{r['serial_sum_s']:.3f}", f"{r['simulated_step_s']:.3f}",
