@@ -120,6 +120,40 @@ def global_grad_norm(grads_per_stage, device=None):
     return jnp.sqrt(total)
 
 
+def multiprocess_grad_norm(grads_per_stage) -> float:
+    """`global_grad_norm` when stages sit in different processes. `grads_per_stage` in the
+    same stage order on every process; None for a stage with no device in this process.
+    Each stage's sum of squares is read by the lowest process holding it, all processes
+    exchange them (`process_allgather`), and every process adds them in stage order in
+    float32, as `global_grad_norm` does on one device. A host sync (multi-process only)."""
+    from jax.experimental import multihost_utils
+
+    mine = np.zeros(len(grads_per_stage), np.float32)
+    for k, grads in enumerate(grads_per_stage):
+        if grads is None or not jax.tree.leaves(grads):
+            continue
+        sq = jax.block_until_ready(grad_sq_norm(grads))
+        if jax.process_index() == min(d.process_index for d in sq.sharding.device_set):
+            mine[k] = np.asarray(sq.addressable_shards[0].data)
+    per_stage = np.asarray(multihost_utils.process_allgather(mine)).sum(axis=0)
+    total = np.float32(0)
+    for v in per_stage:
+        total = np.float32(total + v)
+    return float(np.sqrt(total))
+
+
+def _put(x, sharding):
+    """`device_put` that also serves shardings spanning processes (host value identical on
+    every process; each fills its addressable shards)."""
+    if sharding.is_fully_addressable:
+        return jax.device_put(x, sharding)
+    if isinstance(x, jax.Array) and x.sharding == sharding:
+        return x
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx],
+                                        dtype=host.dtype)
+
+
 class Zero1Optimizer:
     """ZeRO-1 wrapper of an optax transform for one stage's parameters on its ('dp', 'tp') mesh.
 
@@ -182,7 +216,7 @@ class Zero1Optimizer:
         """Optimizer state, every leaf sharded over 'dp' (see module docstring)."""
         if not self.has_state:
             return optax.EmptyState()
-        return self._init(jax.device_put(params, self.param_shardings))
+        return self._init(jax.tree.map(_put, params, self.param_shardings))
 
     def _update_shard(self, params, grads, opt_state, norm):
         to_shard = lambda t: jax.lax.with_sharding_constraint(t, _named(self.mesh,
@@ -202,11 +236,15 @@ class Zero1Optimizer:
             return params, opt_state
         if global_grad_norm is None:
             global_grad_norm = jnp.sqrt(grad_sq_norm(grads)) if self.clip_norm else 0.0
-        norm = jax.device_put(jnp.asarray(global_grad_norm, jnp.float32), self._replicated)
-        # No-ops when the inputs already carry these shardings; otherwise an async reshard
-        # (e.g. grads whose sharding GSPMD chose differently), instead of jit's mismatch error.
-        params, grads = (jax.device_put(t, self.param_shardings) for t in (params, grads))
-        opt_state = jax.device_put(opt_state, self.state_shardings)
+        if self._replicated.is_fully_addressable:
+            norm = jax.device_put(jnp.asarray(global_grad_norm, jnp.float32), self._replicated)
+            # No-ops when the inputs already carry these shardings; otherwise an async reshard
+            # (e.g. grads whose sharding GSPMD chose differently), instead of jit's mismatch
+            # error.
+            params, grads = (jax.device_put(t, self.param_shardings) for t in (params, grads))
+            opt_state = jax.device_put(opt_state, self.state_shardings)
+        else:  # mesh spanning processes: inputs already global; norm is a host float
+            norm = _put(np.asarray(global_grad_norm, np.float32), self._replicated)
         return self._update(params, grads, opt_state, norm)
 
     def _reduce_scatter_impl(self, partial):

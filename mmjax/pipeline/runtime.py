@@ -7,6 +7,15 @@ forward and gradients backward between stages through the broker; JAX's async di
 lets stages on disjoint devices run concurrently. The loop makes no host sync: losses stay
 device arrays until the caller reads them. Gradients are accumulated per stage over
 microbatches (each backward all-reduces over its dp axis through GSPMD).
+
+Multi-process (DESIGN.md "Units, stages and sub-meshes"; seed 000 §7): every process walks
+the same order. A process runs a stage's jitted functions only when the stage mesh holds
+one of its devices (all processes of a mesh spanning several call it); for other stages it
+keeps `jax.eval_shape` results (ShapeDtypeStructs) so that it can still take part in every
+broker transfer touching its devices, which all processes issue in the same order. Host
+inputs go only to addressable devices (`make_array_from_callback` for meshes spanning
+processes). On CPU (gloo) two cross-process collectives in flight can deadlock, so there each
+dispatch is waited on; single-process runs stay free of host syncs.
 """
 from __future__ import annotations
 
@@ -23,7 +32,7 @@ from mmjax.models.config import MLLMConfig
 from mmjax.models.mllm import trainable_filter
 from mmjax.parallel.broker import Broker, Routes
 from mmjax.parallel.mesh import stage_meshes
-from mmjax.parallel.tensor import shard_state
+from mmjax.parallel.tensor import shard_state, state_shardings
 from mmjax.pipeline.feed import MicrobatchFeed, PartMap
 from mmjax.pipeline.schedule import Action, StageGraph, StageId, multimodal_one_f_one_b
 from mmjax.pipeline.simulate import simulate
@@ -56,6 +65,40 @@ class Stage:
     fns: object = None
     backward_calls: int = 0
     grads: object = None
+    local: bool = True  # the mesh holds a device of this process
+
+
+def holds_local_device(mesh) -> bool:
+    return any(d.process_index == jax.process_index() for d in mesh.devices.flat)
+
+
+def sync_collectives() -> bool:
+    """True on multi-process CPU runs: gloo may deadlock with two collectives in flight."""
+    return jax.process_count() > 1 and jax.devices()[0].platform == "cpu"
+
+
+def global_put(tree, shardings):
+    """`device_put` for shardings that may span processes: each process fills only its
+    addressable shards from the (identical on every host) host value."""
+    def one(x, sh):
+        if sh.is_fully_addressable:
+            return jax.device_put(x, sh)
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, sh, lambda idx: host[idx],
+                                            dtype=host.dtype)
+    return jax.tree.map(one, tree, shardings)
+
+
+def abstract(tree):
+    """Shapes and dtypes only (values held by other processes)."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(tuple(a.shape), a.dtype), tree)
+
+
+def _placed(tree, sharding):
+    """Arrays with no addressable shard (this process owns none of `sharding`'s devices), to
+    stand for another process's values in a broker transfer."""
+    return jax.tree.map(lambda a: jax.make_array_from_single_device_arrays(
+        a.shape, sharding, [], dtype=a.dtype), tree)
 
 
 @dataclass
@@ -68,9 +111,47 @@ class StepResult:
     trace: list = field(default_factory=list)
 
     def losses(self) -> dict[str, float]:
-        lm = float(sum(np.asarray(v, np.float64) for v in jax.device_get(self.lm_loss)))
-        diff = float(sum(np.asarray(v, np.float64) for v in jax.device_get(self.diffusion_loss)))
+        if jax.process_count() == 1:
+            lm_terms = jax.device_get(self.lm_loss)
+            diff_terms = jax.device_get(self.diffusion_loss)
+        else:
+            lm_terms, diff_terms = gather_scalars([self.lm_loss, self.diffusion_loss])
+        lm = float(sum(np.asarray(v, np.float64) for v in lm_terms))
+        diff = float(sum(np.asarray(v, np.float64) for v in diff_terms))
         return {"loss": lm + diff, "lm_loss": lm, "diffusion_loss": diff}
+
+
+def gather_scalars(groups: list[list]) -> list[np.ndarray]:
+    """Replicated device scalars, some held by other processes (ShapeDtypeStructs here), ->
+    their values on every process: the lowest process holding each scalar contributes it,
+    the others zero, and one `process_allgather` sums the contributions (exact)."""
+    from jax.experimental import multihost_utils
+
+    flat = [v for g in groups for v in g]
+    mine = np.zeros(len(flat), np.float32)
+    for k, v in enumerate(flat):
+        if isinstance(v, jax.Array) and v.addressable_shards and jax.process_index() == min(
+                d.process_index for d in v.sharding.device_set):
+            mine[k] = np.asarray(v.addressable_shards[0].data)
+    total = np.asarray(multihost_utils.process_allgather(mine)).sum(axis=0)
+    out, k = [], 0
+    for g in groups:
+        out.append(total[k:k + len(g)])
+        k += len(g)
+    return out
+
+
+def _place(state, mesh):
+    """Stage state on its mesh with the Megatron shardings; for a mesh wholly in other
+    processes, ShapeDtypeStructs carrying those shardings (enough for `jax.eval_shape`)."""
+    here = [d.process_index == jax.process_index() for d in mesh.devices.flat]
+    if all(here):
+        return shard_state(state, mesh)
+    shardings = state_shardings(state, mesh)
+    if not any(here):
+        return jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                            state, shardings)
+    return global_put(state, shardings)
 
 
 class PipelineRuntime:
@@ -103,8 +184,8 @@ class PipelineRuntime:
             mode = self.graph.has_backward[sid]
             if mode == "full" and not self._needs_dx(sid):
                 mode = "params"
-            st = Stage(sid, mesh, plan.unit(sid.unit).dp, gd, shard_state(tr, mesh),
-                       shard_state(fr, mesh), mode)
+            st = Stage(sid, mesh, plan.unit(sid.unit).dp, gd, _place(tr, mesh),
+                       _place(fr, mesh), mode, local=holds_local_device(mesh))
             st.fns = make_stage_fns(cfg, sid.unit, gd, mode, compute_dtype, with_gen, st.dp, mesh,
                                     plan.unit(sid.unit).overlap_tp)
             self.stages[sid] = st
@@ -113,6 +194,7 @@ class PipelineRuntime:
         self.order = [(StageId.parse(t["stage"]), Action(t["kind"], t["microbatch"], t["chunk"]))
                       for t in sim.trace()]
         self.brokers: dict[tuple[StageId, StageId], Broker] = {}
+        self.sync = sync_collectives()
 
     # ---- structure ------------------------------------------------------------------
     def _needs_dx(self, sid: StageId) -> bool:
@@ -133,10 +215,14 @@ class PipelineRuntime:
 
     # ---- host inputs ----------------------------------------------------------------
     def _put(self, sid: StageId, tree):
-        mesh = self.stages[sid].mesh
-        return jax.tree.map(lambda a: jax.device_put(a, dp_sharding(mesh, np.ndim(a)))
-                            if np.ndim(a) else jax.device_put(a, jax.sharding.NamedSharding(
-                                mesh, jax.sharding.PartitionSpec())), tree)
+        st = self.stages[sid]
+        if not st.local:
+            return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype),
+                                tree)
+        mesh = st.mesh
+        return global_put(tree, jax.tree.map(
+            lambda a: dp_sharding(mesh, np.ndim(a)) if np.ndim(a) else
+            jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()), tree))
 
     def _side(self, sid: StageId, feed: MicrobatchFeed, totals):
         u = sid.unit
@@ -158,7 +244,8 @@ class PipelineRuntime:
                              f"{self.plan.num_microbatches}")
         totals = (sum(f.num_target_tokens for f in feeds), sum(f.num_gen_elements for f in feeds))
         for st in self.stages.values():
-            st.grads = jax.tree.map(jnp.zeros_like, st.trainable) if st.mode in ("full", "params") else None
+            st.grads = (jax.tree.map(jnp.zeros_like, st.trainable)
+                        if st.mode in ("full", "params") and st.local else None)
         sides, inputs, outputs, cotangents = {}, {}, {}, {}
         result = StepResult()
         last_llm = StageId("llm", self.num_virtual["llm"] - 1)
@@ -171,7 +258,10 @@ class PipelineRuntime:
             side = sides[(sid, mb)]
             if act.kind == "F":
                 x = self._gather_input(sid, mb, outputs, feeds[mb])
-                y = st.fns.forward(st.trainable, st.frozen, x, side)
+                if st.local:
+                    y = self.settle(st.fns.forward(st.trainable, st.frozen, x, side))
+                else:  # another process runs it; keep the shapes for the transfers
+                    y = jax.eval_shape(st.fns.forward, st.trainable, st.frozen, x, side)
                 inputs[(sid, mb)] = x
                 if sid == last_llm:
                     lm, y = (y if has_gen else (y, None))
@@ -183,15 +273,20 @@ class PipelineRuntime:
             else:
                 dy = self._gather_cotangent(sid, mb, cotangents, feeds[mb])
                 x = inputs.pop((sid, mb))
-                grads, dx = st.fns.backward(st.trainable, st.frozen, x, side, dy,
-                                            st.grads if st.grads is not None else {})
-                if st.grads is not None:
-                    st.grads = grads
+                if st.local:
+                    grads, dx = self.settle(st.fns.backward(
+                        st.trainable, st.frozen, x, side, dy,
+                        st.grads if st.grads is not None else {}))
+                    if st.grads is not None:
+                        st.grads = grads
+                else:  # a cotangent has its primal's shape and dtype
+                    dx = abstract(x) if st.mode in ("full", "input_only") else None
                 st.backward_calls += 1
                 if dx is not None:
                     cotangents[(sid, mb)] = dx
-            if trace:
+            if trace and st.local:
                 jax.block_until_ready((st.grads, outputs.get((sid, mb)), cotangents.get((sid, mb))))
+            if trace:
                 result.trace.append({"stage": str(sid), "kind": act.kind, "microbatch": mb,
                                      "chunk": act.chunk, "start": t0,
                                      "end": time.perf_counter()})
@@ -208,16 +303,42 @@ class PipelineRuntime:
         (p,) = preds
         return self._move(p, sid, outputs[(p, mb)], feed)
 
+    def settle(self, out):
+        """On multi-process CPU runs, finish each dispatch before the next (see module
+        docstring); otherwise a no-op, keeping the loop free of host syncs."""
+        return jax.block_until_ready(out) if self.sync else out
+
     def _move(self, src, dst, x, feed, inverse=False):
         """Broker transfer src -> dst. Within a unit every dp rank's whole block is one part
-        (viewed as [dp, block, ...] for the transfer); between units the feed's part maps."""
-        pm = self._routes(src, dst, feed) if not inverse else self._routes(dst, src, feed).inverse()
-        if src.unit != dst.unit:
-            return self.broker(src, dst).transfer_tree(x, to_routes(pm))
+        (viewed as [dp, block, ...] for the transfer); between units the feed's part maps.
+        A process with devices on neither side skips it (shapes only); one with none on the
+        source side sends no-shard placeholders, one with none on the destination side
+        keeps the result's shapes."""
+        routes = to_routes(self._routes(src, dst, feed) if not inverse
+                           else self._routes(dst, src, feed).inverse())
+        src_local, dst_local = self.stages[src].local, self.stages[dst].local
+        intra = src.unit == dst.unit
+        if not (src_local or dst_local):
+            if intra:
+                return abstract(x)
+            return jax.tree.map(lambda a: jax.ShapeDtypeStruct(
+                (routes.dst_ranks * routes.dst_slots,) + tuple(a.shape[1:]), a.dtype), x)
         dp = self.stages[src].dp
-        blocks = jax.tree.map(lambda a: a.reshape((dp, -1) + a.shape[1:]), x)
-        moved = self.broker(src, dst).transfer_tree(blocks, to_routes(pm))
-        return jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), moved)
+        broker = self.broker(src, dst)
+        if intra:
+            x = jax.tree.map(lambda a: a.reshape((dp, -1) + a.shape[1:]) if src_local else
+                             jax.ShapeDtypeStruct((dp, a.shape[0] // dp) + tuple(a.shape[1:]),
+                                                  a.dtype), x)
+        if not src_local:
+            x = _placed(x, broker.src_sharding)
+        moved = broker.transfer_tree(x, routes, wait=self.sync)
+        if not dst_local:
+            moved = abstract(moved)
+        if not intra:
+            return moved
+        return jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]) if dst_local else
+                            jax.ShapeDtypeStruct((a.shape[0] * a.shape[1],) + tuple(a.shape[2:]),
+                                                 a.dtype), moved)
 
     def _gather_cotangent(self, sid, mb, cotangents, feed):
         succ = [s for s in self.graph.successors(sid) if self.graph.runs_backward(s)]
@@ -227,7 +348,7 @@ class PipelineRuntime:
             if s.unit == "llm" and s.index == 0 and sid.unit != "llm":
                 dx = dx[sid.unit]
             moved.append(self._move(s, sid, dx, feed, inverse=True))
-        one = jnp.ones((), jnp.float32)
+        one = self._one(sid)
         if sid.unit == "llm" and not self.graph.successors(sid):
             return one
         if sid.unit == "llm" and sid.index == self.num_virtual["llm"] - 1:
@@ -239,6 +360,14 @@ class PipelineRuntime:
             return one
         (d,) = moved
         return d
+
+    def _one(self, sid):
+        """The loss cotangent 1.0 (on the stage mesh when that spans processes)."""
+        mesh = self.stages[sid].mesh
+        if all(d.process_index == jax.process_index() for d in mesh.devices.flat):
+            return jnp.ones((), jnp.float32)
+        return global_put(np.ones((), np.float32), jax.sharding.NamedSharding(
+            mesh, jax.sharding.PartitionSpec()))
 
     def _zero_cond(self, sid, mb):
         raise RuntimeError("internal: last LLM stage runs backward but the generator does "

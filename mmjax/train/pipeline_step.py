@@ -4,6 +4,10 @@ Each stage with trainable parameters owns a ZeRO-1 optimizer on its sub-mesh
 (parallel/zero.py): optimizer state sharded over the stage's dp, fp32 master weights. The
 gradient norm used for clipping is over ALL stages, so the update equals the single-program
 optimizer over the whole model.
+
+Multi-process: a process keeps optimizers only for the stages with devices in it; the
+global norm is reduced across processes (`multiprocess_grad_norm`), and on CPU each stage
+update is waited on (gloo deadlock note in pipeline/runtime.py).
 """
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from mmjax.models.config import MLLMConfig
-from mmjax.parallel.zero import Zero1Optimizer, global_grad_norm
+from mmjax.parallel.zero import Zero1Optimizer, global_grad_norm, multiprocess_grad_norm
 from mmjax.pipeline.runtime import PipelineRuntime
 from mmjax.planner.plan import Plan
 from mmjax.train.optimizer import OptimizerSettings, optimizer_from_settings
@@ -34,21 +38,27 @@ class PipelineStep:
         self.settings = settings or OptimizerSettings()
         self.runtime = PipelineRuntime(cfg, plan, devices, seed, compute_dtype)
         tx = optimizer_from_settings(schedule, self.settings, clip=False)
-        self.optimizers = {sid: Zero1Optimizer(tx, st.mesh, st.trainable,
+        trained = [sid for sid, st in self.runtime.stages.items()
+                   if st.mode in ("full", "params")]
+        self.trained = trained  # every process, same order: the global norm's terms
+        self.optimizers = {sid: Zero1Optimizer(tx, self.runtime.stages[sid].mesh,
+                                               self.runtime.stages[sid].trainable,
                                                clip_norm=self.settings.clip_norm or None)
-                           for sid, st in self.runtime.stages.items()
-                           if st.mode in ("full", "params")}
+                           for sid in trained if self.runtime.stages[sid].local}
         self.opt_states = {sid: opt.init(self.runtime.stages[sid].trainable)
                            for sid, opt in self.optimizers.items()}
 
     def __call__(self, feeds, trace: bool = False) -> dict:
         res = self.runtime.run(feeds, trace=trace)
         stages = self.runtime.stages
-        norm = global_grad_norm([stages[sid].grads for sid in self.optimizers])
+        if jax.process_count() == 1:
+            norm = global_grad_norm([stages[sid].grads for sid in self.optimizers])
+        else:
+            norm = multiprocess_grad_norm([stages[sid].grads for sid in self.trained])
         for sid, opt in self.optimizers.items():
             st = stages[sid]
-            st.trainable, self.opt_states[sid] = opt.update(st.trainable, st.grads,
-                                                            self.opt_states[sid], norm)
+            st.trainable, self.opt_states[sid] = self.runtime.settle(
+                opt.update(st.trainable, st.grads, self.opt_states[sid], norm))
         out = res.losses()  # the step's one host sync, after everything is dispatched
         out["grad_norm"] = float(norm)
         if trace:

@@ -1,0 +1,94 @@
+"""Multi-process start-up: `jax.distributed` initialisation, and `python -m mmjax.launch`.
+
+DESIGN.md "Units, stages and sub-meshes": stages may sit in different processes; every
+process runs the same host program (host-driven MPMD, seed 000 §7 broker) over the global
+device list. `initialize` must run before anything touches a JAX backend. On CPU it selects
+the gloo collectives (cross-process ppermute / psum) and the per-process device count; a
+low heartbeat timeout makes a dead peer fail the others within seconds instead of minutes.
+
+    python -m mmjax.launch --coordinator=HOST:PORT --num_processes=N --process_id=I \
+        [--local_device_count=K] [--script=scripts/train.py] -- <script args>
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import runpy
+import sys
+import traceback
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def initialize(coordinator_address: str, num_processes: int, process_id: int,
+               local_device_count: int | None = None, heartbeat_timeout_seconds: int = 10,
+               initialization_timeout: int = 120) -> None:
+    """`jax.distributed.initialize` for process `process_id` of `num_processes`.
+
+    `local_device_count`: CPU devices this process exposes (`jax_num_cpu_devices`; ignored
+    on GPU, where each process sees its local accelerators). Call before any JAX
+    computation; the CPU platform then uses gloo for cross-process collectives."""
+    if num_processes < 1:
+        raise ValueError(f"initialize: num_processes={num_processes} must be >= 1")
+    if not 0 <= process_id < num_processes:
+        raise ValueError(f"initialize: process_id={process_id} must be in "
+                         f"[0, num_processes={num_processes})")
+    import jax
+
+    if local_device_count is not None:
+        if local_device_count < 1:
+            raise ValueError(f"initialize: local_device_count={local_device_count} must be >= 1")
+        jax.config.update("jax_num_cpu_devices", int(local_device_count))
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address, num_processes=num_processes,
+                               process_id=process_id,
+                               heartbeat_timeout_seconds=heartbeat_timeout_seconds,
+                               initialization_timeout=initialization_timeout)
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    rest = []
+    if "--" in argv:
+        k = argv.index("--")
+        argv, rest = argv[:k], argv[k + 1:]
+    p = argparse.ArgumentParser(prog="python -m mmjax.launch", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--coordinator", required=True, help="HOST:PORT of process 0's coordinator")
+    p.add_argument("--num_processes", type=int, required=True)
+    p.add_argument("--process_id", type=int, required=True)
+    p.add_argument("--local_device_count", type=int, default=None,
+                   help="CPU devices per process (jax_num_cpu_devices)")
+    p.add_argument("--heartbeat_timeout_seconds", type=int, default=10)
+    p.add_argument("--script", default=os.path.join(REPO, "scripts", "train.py"),
+                   help="Python script run in-process after initialisation (its __main__)")
+    args = p.parse_args(argv)
+    if not os.path.exists(args.script):
+        sys.exit(f"error: --script={args.script!r} not found")
+    initialize(args.coordinator, args.num_processes, args.process_id,
+               args.local_device_count, args.heartbeat_timeout_seconds)
+    import jax
+
+    sys.argv = [args.script] + rest
+    code = 0
+    try:
+        runpy.run_path(args.script, run_name="__main__")
+    except SystemExit as e:  # the script's own exit status
+        if e.code is not None and not isinstance(e.code, int):
+            print(e.code, file=sys.stderr)
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:  # noqa: BLE001 (report, then exit non-zero below)
+        traceback.print_exc()
+        code = 1
+    if code == 0:
+        jax.distributed.shutdown()
+        return 0
+    # A failed process must not wait in jax.distributed's shutdown barrier (at exit) for
+    # peers that may be blocked on it: leave at once, the launcher stops the others.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+#!/usr/bin/env python
+"""Start an N-process run on this machine: `python scripts/launch_local.py --num_processes=N
+[--devices_per_process=K] [--script=scripts/train.py] [--timeout=S] -- <script args>`.
+
+Each process is `python -m mmjax.launch` with a coordinator on 127.0.0.1 at a free port
+(jax.distributed, CPU devices per process = K). Output lines are prefixed `[pI]` and
+streamed as they come. When one process fails the others are killed (a peer waiting in a
+collective would otherwise hang); the exit status is that of the first process seen failing
+(a script's own non-zero exit preferred over a peer's abort on losing it), else 0.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _pump(proc: subprocess.Popen, prefix: str, lock: threading.Lock) -> None:
+    for line in proc.stdout:
+        with lock:
+            sys.stdout.write(f"{prefix} {line}")
+            sys.stdout.flush()
+
+
+def launch(num_processes: int, script_args: list[str], devices_per_process: int = 4,
+           script: str | None = None, timeout: float | None = None) -> int:
+    """Run the processes to completion; -> exit status (see module docstring)."""
+    if num_processes < 1 or devices_per_process < 1:
+        raise ValueError("launch: --num_processes and --devices_per_process must be >= 1")
+    coordinator = f"127.0.0.1:{free_port()}"
+    env = dict(os.environ)
+    # The per-process device count comes from jax_num_cpu_devices; a forced count in
+    # XLA_FLAGS (e.g. from a test harness) would override it.
+    flags = [f for f in env.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
+    env["XLA_FLAGS"] = " ".join(flags)
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONUNBUFFERED"] = "1"
+    procs, lock = [], threading.Lock()
+    for i in range(num_processes):
+        cmd = [sys.executable, "-m", "mmjax.launch", f"--coordinator={coordinator}",
+               f"--num_processes={num_processes}", f"--process_id={i}",
+               f"--local_device_count={devices_per_process}"]
+        if script:
+            cmd.append(f"--script={script}")
+        procs.append(subprocess.Popen(cmd + ["--"] + list(script_args), env=env, cwd=REPO,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True, bufsize=1))
+    pumps = [threading.Thread(target=_pump, args=(p, f"[p{i}]", lock), daemon=True)
+             for i, p in enumerate(procs)]
+    for t in pumps:
+        t.start()
+    status, deadline = 0, None if timeout is None else time.monotonic() + timeout
+    try:
+        while any(p.poll() is None for p in procs):
+            failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
+            late = deadline is not None and time.monotonic() > deadline
+            if failed or late:
+                # Prefer a script's own exit status over a peer's abort on losing it.
+                status = max(failed, key=lambda c: c > 0) if failed else 124
+                if late:
+                    print(f"launch_local: timed out after {timeout}s", file=sys.stderr)
+                break
+            time.sleep(0.1)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        for p in procs:
+            p.wait()
+        for t in pumps:
+            t.join(timeout=5)
+    if status == 0:
+        codes = [p.returncode for p in procs if p.returncode != 0]
+        status = max(codes, key=lambda c: c > 0) if codes else 0
+    if status != 0:
+        codes = ", ".join(f"p{i}={p.returncode}" for i, p in enumerate(procs))
+        print(f"launch_local: failed ({codes})", file=sys.stderr)
+    return status
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    rest = []
+    if "--" in argv:
+        k = argv.index("--")
+        argv, rest = argv[:k], argv[k + 1:]
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--num_processes", type=int, required=True)
+    p.add_argument("--devices_per_process", type=int, default=4)
+    p.add_argument("--script", default=None, help="script to run (default scripts/train.py)")
+    p.add_argument("--timeout", type=float, default=None, help="kill all after S seconds")
+    args = p.parse_args(argv)
+    return launch(args.num_processes, rest, args.devices_per_process, args.script, args.timeout)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
