@@ -207,10 +207,17 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
         runner = Pipelined(cfg, layout, the_plan, schedule, dtype, seed)
     os.makedirs(workdir, exist_ok=True)
     console = Console(stderr=True)
-
-    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"))
+    # Multi-process (mmjax.launch): every process runs the loop; process 0 writes the
+    # metrics. Orbax saves only global (cross-process) arrays, while pipeline stages mostly
+    # live on one process's devices, so multi-process runs keep no checkpoints.
+    lead = jax.process_index() == 0
+    multi = jax.process_count() > 1
+    ckpt = None if multi else Checkpointer(os.path.join(workdir, "checkpoints"))
+    if multi and lead:
+        console.print(f"{jax.process_count()} processes: metrics from process 0, "
+                      "no checkpoints (stage arrays are process-local)")
     start, skipped = 0, 0
-    latest = ckpt.latest_step()
+    latest = ckpt.latest_step() if ckpt is not None else None
     if latest is not None:
         data_state = runner.restore(ckpt, latest)
         start, skipped = latest, int(data_state.get("skipped_samples", 0))
@@ -222,10 +229,10 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
     records = []
     metrics_path = os.path.join(workdir, "metrics.jsonl")
     try:
-        with open(metrics_path, "a") as mf, Progress(
+        with open(metrics_path if lead else os.devnull, "a") as mf, Progress(
                 TextColumn("{task.description}"), BarColumn(),
                 TextColumn("{task.completed}/{task.total}"), TextColumn("{task.fields[info]}"),
-                TimeRemainingColumn(), console=console, disable=not progress) as bar:
+                TimeRemainingColumn(), console=console, disable=not (progress and lead)) as bar:
             task = bar.add_task("train", total=steps, completed=start, info="")
             end = steps if stop_after is None else min(steps, start + stop_after)
             for step in range(start, end):
@@ -240,11 +247,12 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
                 mf.write(json.dumps(rec) + "\n")
                 mf.flush()
                 bar.update(task, advance=1, info=f"loss {rec['loss']:.4f}")
-                if (step + 1) % checkpoint_every == 0 or step + 1 == end:
+                if ckpt is not None and ((step + 1) % checkpoint_every == 0 or step + 1 == end):
                     ckpt.save(step + 1, runner.checkpoint_tree(),
                               {**runner.data_state(), "skipped_samples": skipped})
     finally:
-        ckpt.close()
+        if ckpt is not None:
+            ckpt.close()
         if hasattr(runner, "close"):
             runner.close()
     return records
