@@ -172,7 +172,9 @@ class Plan:
             for what, size in _tp_divisible(model, u.name):
                 if size % u.tp:
                     raise PlanError(f"{where}.tp={u.tp} does not divide {what}={size}: "
-                                    f"choose tp dividing {size}")
+                                    f"choose tp dividing {size}"
+                                    + (" or pad the vocabulary to a multiple of tp"
+                                       if what == "llm.vocab_size" else ""))
         return self
 
     # ---- JSON ---------------------------------------------------------------------------
@@ -207,8 +209,9 @@ def _tp_divisible(model, unit: str):
     """(name, size) pairs that tensor parallelism must divide for this unit."""
     if unit == "llm":
         c = model.llm
+        # tensor.py also shards the embedding and lm_head over the vocabulary
         return [("llm.num_heads", c.num_heads), ("llm.num_kv_heads", c.num_kv_heads),
-                ("llm.ffn_size", c.ffn_size)]
+                ("llm.ffn_size", c.ffn_size), ("llm.vocab_size", c.vocab_size)]
     if unit == "generator":
         c = model.generator
         return [("generator.num_heads", c.num_heads), ("generator.ffn_size", c.ffn_size)]
