@@ -100,7 +100,7 @@ def lpt_timing(tokens, ranks, block, repeats):
     return out
 
 
-def main():
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lengths", type=int, nargs="+", default=[16384, 32768, 65536])
     ap.add_argument("--families", nargs="+", default=["prepended", "embedded", "packing"],
@@ -116,7 +116,12 @@ def main():
     ap.add_argument("--ilp_draws", type=int, default=2)
     ap.add_argument("--ilp_time_limit", type=float, default=10.0)
     ap.add_argument("--json", default="bench_results/context.json")
-    args = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    """Run the benchmark, print the tables, write and return the JSON record."""
+    args = parse_args(argv)
 
     rows = balance_rows(args.lengths, args.families, args.ranks, args.block, args.draws)
     timing = lpt_timing(args.lpt_tokens, args.ranks, args.block, args.repeats)
@@ -160,10 +165,11 @@ def main():
         console.print(t3)
 
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+    record = {"config": vars(args), "balance": rows, "lpt_timing": timing, "lpt_vs_ilp": exact}
     with open(args.json, "w") as f:
-        json.dump({"config": vars(args), "balance": rows, "lpt_timing": timing,
-                   "lpt_vs_ilp": exact}, f, indent=2)
+        json.dump(record, f, indent=2)
     console.print(f"wrote {args.json}")
+    return record
 
 
 if __name__ == "__main__":
