@@ -80,10 +80,20 @@ class SequentialBatches:
         self.shapes: BatchShapes | None = None
 
     def state(self) -> dict:
-        return {"next_batch": self.next_batch}
+        """Position and the high-water shapes: a resumed run pads exactly as the
+        uninterrupted one would (other shapes compile other programs, whose float sums
+        associate differently), so resume is bit-exact."""
+        hw = None if self.shapes is None else {
+            "rows": self.shapes.rows, "gen": self.shapes.gen,
+            "encoders": [list(e) for e in self.shapes.encoders]}
+        return {"next_batch": self.next_batch, "shapes": hw}
 
     def restore(self, state: dict) -> None:
         self.next_batch = int(state["next_batch"])
+        hw = state.get("shapes")
+        self.shapes = None if hw is None else BatchShapes(
+            int(hw["rows"]), tuple((str(n), int(c), int(k)) for n, c, k in hw["encoders"]),
+            int(hw["gen"]))
 
     def __next__(self):
         start = self.next_batch * self.global_batch
@@ -134,12 +144,14 @@ class Pipelined:
     assembly off the training path, in its prefetch thread or worker processes)."""
 
     def __init__(self, cfg, layout, plan, schedule, dtype, seed):
-        from mmjax.data.loader import Loader, SyntheticSource
+        from mmjax.data.loader import Loader, SyntheticSource, loader_source
         from mmjax.train.pipeline_step import PipelineStep
 
         self.step_fn = PipelineStep(cfg, plan, schedule, dtype, seed)
-        self.data = Loader(SyntheticSource(synthetic_dataset(cfg)), cfg, plan, layout,
-                           feeds=True)
+        # gin: `loader_source.path` (an ArrayRecord file from scripts/make_dataset.py) or
+        # the synthetic set; `Loader.*` (balance, post_balance_policy, workers, ...).
+        source = loader_source(lambda: SyntheticSource(synthetic_dataset(cfg)))
+        self.data = Loader(source, cfg, plan, layout, feeds=True)
         self.num_trainable = sum(x.size for x in jax.tree.leaves(
             [st.trainable for st in self.step_fn.runtime.stages.values()]))
 
