@@ -6,7 +6,8 @@ import pytest
 
 from mmjax.data.assemble import AssemblyLayout, assemble, check_shapes
 from mmjax.data.loader import (ArrayRecordSource, GlobalBatchBuilder, Loader, SyntheticSource,
-                               write_dataset)
+                               microbatch_costs, rank_times, write_dataset)
+from mmjax.data.reorder import inter_reorder
 from mmjax.data.synthetic import SyntheticConfig, SyntheticDataset
 from mmjax.models.config import (AudioConfig, EncoderSpec, GeneratorConfig, LLMConfig,
                                  MLLMConfig, ProjectorConfig, VisionConfig)
@@ -115,11 +116,56 @@ def test_plans_are_partitions_and_hosts_agree(policy):
             assert sorted(x for r in ranks for x in r) == sorted(mb.plan.positions)
     all_pos = sorted(x for mb in one.microbatches for x in mb.plan.positions)
     assert all_pos == list(range(12))
-    if policy == "disttrain":  # Algorithm 3 (p = 1): the smallest vision microbatch runs first
-        metas = [LAYOUT.rules.meta_from_shapes(i, source().spec(i)) for i in one.sample_ids]
-        cost = [sum(metas[q].encoder_tokens("image") for q in mb.plan.positions)
-                for mb in one.microbatches]
-        assert cost[0] == min(cost) and cost != sorted(cost, reverse=True)
+
+
+def test_disttrain_microbatch_order_is_algorithm_3_on_the_cost_model():
+    """Algorithm 3 (seed 000 §6.2) runs on microbatch times from the planner's cost model:
+    per unit the slowest DP rank, max over the parallel encoders plus the generator; the
+    pipeline = encoder stages + fixed-time LLM stages."""
+    from mmjax.planner.costs import unit_cost
+    from mmjax.planner.hardware import H100
+    from mmjax.planner.workload import Workload
+
+    from mmjax.models.config import with_overrides
+
+    cfg = with_overrides(CFG, {"llm.num_layers": 2, "encoders.audio.encoder.num_layers": 2})
+    p = Plan.uniform(cfg, 16, 4, dp={"vision": 2, "audio": 1, "llm": 2, "generator": 2},
+                     pp={"llm": 2, "audio": 2})
+    builder = GlobalBatchBuilder(source(), cfg, p, LAYOUT, {u: "disttrain" for u in cfg.unit_names},
+                                 seed=5)
+    reordered = 0
+    for step in range(6):
+        gb = builder(step)
+        metas = [LAYOUT.rules.meta_from_shapes(i, builder.source.spec(i)) for i in gb.sample_ids]
+        run = [mb.plan.positions[0] // 4 for mb in gb.microbatches]  # original index, as run
+        ranks = [gb.microbatches[run.index(j)].plan.ranks for j in range(4)]
+        costs, stages = microbatch_costs(metas, cfg, p, ranks, cond_tokens=2)
+        assert len(stages) == 2 + 2 and stages[0] == (0.5, 0.0, 0.0) and stages[2][0] == 0.0
+        assert inter_reorder(costs, len(stages), stage_costs=stages) == run
+        reordered += run != [0, 1, 2, 3]
+        # costs[j]: slowest rank per unit, max over encoders, plus the generator
+        for j, r in enumerate(ranks):
+            def slowest(unit):
+                return max(rank_times(cfg, unit, [metas[q] for q in g], cond_tokens=2)
+                           for g in r[unit])
+            enc = [slowest("vision"), slowest("audio")]
+            gen = slowest("generator")
+            assert costs[j] == pytest.approx((max(e[0] for e in enc) + gen[0],
+                                              max(e[1] for e in enc) + gen[1]), rel=1e-12)
+    assert reordered >= 2
+    # rank_times is the planner's unit cost: n x the time of the rank's average sample
+    ms = metas[:3]
+    wl = Workload("w", tuple(m.llm_length for m in ms),
+                  {"vision": tuple(tuple(s.num_encoder_tokens for s in m.segments
+                                         if s.modality == "image") for m in ms),
+                   "audio": tuple(tuple(s.num_encoder_tokens for s in m.segments
+                                        if s.modality == "audio") for m in ms)},
+                  tuple(m.count("image_out") for m in ms), 2)
+    for unit in ("vision", "audio", "llm", "generator"):
+        uc = unit_cost(cfg, wl, unit, H100, tp_sizes=(1,))
+        f, b = rank_times(cfg, unit, ms, cond_tokens=2)
+        assert f == pytest.approx(3 * uc.fwd_s[1], rel=1e-12)
+        assert f + b == pytest.approx(3 * uc.time_s[1], rel=1e-12)
 
 
 def _stand_in(enc, name, r=2):

@@ -376,8 +376,12 @@ def _greedy_nodes(src, bat, w, d, c) -> np.ndarray:
     return node_of
 
 
-def _milp_nodes(v: np.ndarray, c: int, include_recv: bool, time_limit: float) -> np.ndarray | None:
-    """Algorithm 3 as a MILP (cvxpy + HiGHS): x[b, n] = 1 when new batch b lives on node n."""
+def _milp_nodes(v: np.ndarray, c: int, include_recv: bool, time_limit: float,
+                info: dict) -> np.ndarray | None:
+    """Algorithm 3 as a MILP (cvxpy + HiGHS): x[b, n] = 1 when new batch b lives on node n.
+
+    Sets info["milp_status"]: "optimal", or "user_limit" when the time limit stopped it
+    (the incumbent, if feasible, is still returned)."""
     import cvxpy as cp
 
     d = v.shape[0]
@@ -397,7 +401,9 @@ def _milp_nodes(v: np.ndarray, c: int, include_recv: bool, time_limit: float) ->
             warnings.simplefilter("ignore", UserWarning)
             prob.solve(solver=cp.HIGHS, time_limit=float(time_limit))
     except cp.error.SolverError:
+        info["milp_status"] = "solver_error"
         return None
+    info["milp_status"] = prob.status
     if x.value is None:
         return None
     xv = np.rint(x.value).astype(np.int64)
@@ -409,7 +415,8 @@ def _milp_nodes(v: np.ndarray, c: int, include_recv: bool, time_limit: float) ->
 def node_wise_rearrange(src_rank_of_sample: Sequence[int], new_batches: Sequence[Sequence[int]],
                         sizes: Sequence[float], ranks_per_node: int, *, include_recv: bool = True,
                         method: str = "auto", time_limit: float = 2.0,
-                        max_milp_ranks: int = 64) -> list[int]:
+                        max_milp_ranks: int = 64, require_optimal: bool = False,
+                        info: dict | None = None) -> list[int]:
     """Algorithm 3 (seed 001 §5.2.2): choose which rank receives each new mini-batch.
 
     Returns ``perm``: new batch i goes to rank ``perm[i]`` (ranks ``n*c .. n*c+c-1`` form node
@@ -422,20 +429,28 @@ def node_wise_rearrange(src_rank_of_sample: Sequence[int], new_batches: Sequence
     (MILP up to ``max_milp_ranks`` ranks, greedy above: the MILP has d^2/c binaries and dense
     volume matrices make HiGHS hit the time limit beyond a few dozen nodes). The best of the
     solver's answer, the greedy one and the identity is returned, so the result never has
-    more inter-node volume than leaving batch i on rank i.
+    more inter-node volume than leaving batch i on rank i. ``require_optimal`` drops a MILP
+    answer not proven optimal within the time limit (a time-limited incumbent depends on
+    machine speed, so hosts that must agree on the plan would not). ``info`` (a dict, if
+    given) receives "milp_status" (when the MILP ran), "chosen" ("milp", "greedy" or
+    "identity") and "objective" (per candidate, the max per-rank inter-node volume).
     """
     if method not in ("auto", "milp", "greedy"):
         raise ValueError(f"method must be 'auto', 'milp' or 'greedy', got {method!r}")
     src, bat, w, d = _per_sample(src_rank_of_sample, new_batches, sizes, ranks_per_node)
     c = int(ranks_per_node)
     identity = np.arange(d) // c
-    candidates = [identity, _greedy_nodes(src, bat, w, d, c)]
+    info = {} if info is None else info
+    names, candidates = ["identity", "greedy"], [identity, _greedy_nodes(src, bat, w, d, c)]
     if method == "milp" or (method == "auto" and d <= max_milp_ranks):
-        solved = _milp_nodes(_volumes(src, bat, w, d), c, include_recv, time_limit)
-        if solved is not None:
+        solved = _milp_nodes(_volumes(src, bat, w, d), c, include_recv, time_limit, info)
+        if solved is not None and (info["milp_status"] == "optimal" or not require_optimal):
+            names.insert(0, "milp")
             candidates.insert(0, solved)
     scores = [_objective(src, bat, w, d, cand, c, include_recv) for cand in candidates]
-    node_of = candidates[int(np.argmin(scores))]
+    best = int(np.argmin(scores))
+    info["chosen"], info["objective"] = names[best], dict(zip(names, scores))
+    node_of = candidates[best]
     perm = np.where(node_of == identity, np.arange(d), -1)
     taken = np.zeros(d, dtype=bool)
     taken[perm[perm >= 0]] = True

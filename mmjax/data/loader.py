@@ -33,8 +33,10 @@ One global batch (step k):
 from __future__ import annotations
 
 import json
+import os
 import struct
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import gin
@@ -42,15 +44,20 @@ import numpy as np
 
 from mmjax.data.assemble import (AssemblyLayout, Batch, BatchShapes, assemble, batch_shapes,
                                  check_sample, check_shapes, item_rows, projected_size)
+from mmjax.data.balance import POLICIES as POST_BALANCE_POLICIES
 from mmjax.data.balance import (batches_by_rank, compose_rearrangement, node_wise_rearrange,
                                 post_balance, Rearrangement)
 from mmjax.data.reorder import inter_reorder, intra_reorder
 from mmjax.data.sample import FIRST_TEXT_ID, Sample, SampleMeta, Segment
 from mmjax.data.synthetic import Spec, SyntheticDataset
 from mmjax.models.config import MLLMConfig
+from mmjax.planner.costs import layer_times, unit_work
+from mmjax.planner.hardware import H100, Hardware, hardware as hardware_by_name
 from mmjax.planner.plan import Plan
+from mmjax.planner.workload import Workload
 
 POLICIES = ("none", "disttrain", "orchmllm")
+NODE_WISE_METHODS = ("auto", "milp", "greedy")
 
 
 class DecodeError(ValueError):
@@ -204,6 +211,33 @@ def index_spec(sample: Sample, patch_size: int, max_grid: int) -> Spec:
     return out
 
 
+def as_source(source):
+    """A loader source: an object with `__len__`, `spec`, `load`, or the path of an
+    ArrayRecord file written by scripts/make_dataset.py (its index next to it)."""
+    if isinstance(source, (str, os.PathLike)):
+        path = os.fspath(source)
+        if not os.path.exists(path + ".index.json"):
+            raise ValueError(f"Loader.source={path!r}: no {path}.index.json; write the dataset "
+                             f"with scripts/make_dataset.py --out={path}")
+        return ArrayRecordSource(path)
+    if not all(hasattr(source, a) for a in ("__len__", "spec", "load")):
+        raise ValueError(f"Loader.source: {type(source).__name__} is not a source (needs "
+                         f"__len__, spec, load) nor an ArrayRecord path")
+    return source
+
+
+@gin.configurable
+def loader_source(default=None, path: str | None = None):
+    """The trainer's data source (gin): `loader_source.path = "/data/mix.arrayrecord"` reads
+    an ArrayRecord file written by scripts/make_dataset.py; unset, `default()` (the
+    trainer passes its gin-configured synthetic set)."""
+    if path:
+        return as_source(path)
+    if default is None:
+        raise ValueError("loader_source.path is unset and no default source was given")
+    return default()
+
+
 # ---------------------------------------------------------------------------------------
 # Planning from metadata only
 # ---------------------------------------------------------------------------------------
@@ -222,13 +256,39 @@ class MicrobatchPlan:
 
 
 def _unit_cost(unit: str, m: SampleMeta, model: MLLMConfig) -> float:
-    if unit in ("llm", "generator"):
+    """Per-sample size the within-microbatch split balances (tokens; generated images)."""
+    if unit == "llm":
         return float(m.llm_length)
+    if unit == "generator":
+        return float(m.count("image_out"))
     return float(m.encoder_tokens(model.encoder(unit).modality))
 
 
+@dataclass(frozen=True)
+class NodeWise:
+    """Node-wise rearrangement settings (seed 001 §5.2.2, Algorithm 3) for "orchmllm".
+
+    `ranks_per_node` 0 disables it (and it is skipped for a unit whose dp is not a multiple
+    above one node). `method`: "auto" (the MILP up to `max_milp_ranks` ranks, greedy above
+    or when the MILP does not prove optimality within `time_limit` s), "milp", "greedy".
+    Every host must compute the same plan, so the loader only takes a MILP answer proven
+    optimal (a time-limited incumbent depends on machine speed); otherwise greedy."""
+
+    ranks_per_node: int = 0
+    method: str = "auto"
+    time_limit: float = 0.2
+    max_milp_ranks: int = 32
+
+    def __post_init__(self):
+        if self.method not in NODE_WISE_METHODS:
+            raise ValueError(f"Loader.node_wise_method={self.method!r}: use one of "
+                             f"{NODE_WISE_METHODS}")
+        if not self.time_limit > 0:
+            raise ValueError(f"Loader.node_wise_time_limit={self.time_limit!r}: use > 0 seconds")
+
+
 def _split(unit: str, pos: list[int], metas, model, dp: int, policy: str, algo: str,
-           ranks_per_node: int) -> list[list[int]]:
+           node_wise: NodeWise) -> list[list[int]]:
     if policy == "none":
         k, r = divmod(len(pos), dp)
         cuts = np.cumsum([0] + [k + (i < r) for i in range(dp)])
@@ -238,40 +298,116 @@ def _split(unit: str, pos: list[int], metas, model, dp: int, policy: str, algo: 
         groups = intra_reorder(costs, dp)
     else:
         groups = post_balance(costs, dp, algo)
-        if ranks_per_node and dp > ranks_per_node and dp % ranks_per_node == 0:
+        rpn = node_wise.ranks_per_node
+        if rpn and dp > rpn and dp % rpn == 0:
             src = [min(i * dp // len(pos), dp - 1) for i in range(len(pos))]  # "none" split
-            perm = node_wise_rearrange(src, groups, costs, ranks_per_node, method="greedy")
+            perm = node_wise_rearrange(src, groups, costs, rpn, method=node_wise.method,
+                                       time_limit=node_wise.time_limit,
+                                       max_milp_ranks=node_wise.max_milp_ranks,
+                                       require_optimal=True)
             groups = batches_by_rank(groups, perm)
     return [[pos[i] for i in g] for g in groups]
 
 
+def rank_times(model: MLLMConfig, unit: str, metas: list[SampleMeta], tp: int = 1,
+               hw: Hardware = H100, cond_tokens: int = 64) -> tuple[float, float]:
+    """(forward, backward) seconds of `unit` on one DP rank processing `metas`, from the
+    planner's analytic cost model (planner/costs.py: per-layer FLOPs incl. the attention
+    quadratic term, frozen-aware backward, seed 002 §4.2). The model is linear in the
+    per-sample moments, so the average sample of a `Workload` of these samples times their
+    count is exactly the sum over samples."""
+    if not metas:
+        return 0.0, 0.0
+    enc = {}
+    for spec in model.encoders:
+        enc[spec.name] = tuple(tuple(s.num_encoder_tokens for s in m.segments
+                                     if s.modality == spec.modality) for m in metas)
+    wl = Workload("microbatch", tuple(m.llm_length for m in metas), enc,
+                  tuple(m.count("image_out") for m in metas), cond_tokens)
+    lt = layer_times(unit_work(model, wl, unit), tp, hw)
+    return len(metas) * sum(f for f, _ in lt), len(metas) * sum(b for _, b in lt)
+
+
+def microbatch_costs(metas: list[SampleMeta], model: MLLMConfig, plan: Plan,
+                     ranks: list[dict[str, list[list[int]]]], hw: Hardware = H100,
+                     cond_tokens: int = 64):
+    """Inputs of DistTrain's Algorithm 3 (seed 000 §6.2) for the microbatches whose per-unit
+    rank splits are `ranks[j]`: (costs, stage_costs) for `reorder.inter_reorder`.
+
+    costs[j] = (forward, backward) seconds of microbatch j "in the modality encoder and
+    generator" (§6.2): the slowest DP rank of each unit (its straggler sets the stage time),
+    the max over encoders (parallel encoders run side by side, seed 002 §4.1) plus the
+    generator. stage_costs models the pipeline: the encoder's pp stages take equal shares
+    of costs[j] (scale 1 / pp), then the LLM's pp stages at a fixed time (scale 0, offset =
+    the mean over microbatches of the LLM's slowest-rank time / pp: with fixed-length
+    sequences every LLM microbatch takes the same time, §2.3). The generator's time is in
+    costs[j] (as in the paper); a model without encoders puts the generator's stages last.
+    """
+    def unit_time(unit, r):
+        u = plan.unit(unit)
+        per_rank = [rank_times(model, unit, [metas[p] for p in g], u.tp, hw, cond_tokens)
+                    for g in r[unit]]
+        return (max(f for f, _ in per_rank), max(b for _, b in per_rank))
+
+    costs, llm = [], []
+    has_gen = "generator" in model.unit_names
+    for r in ranks:
+        enc = [unit_time(e.name, r) for e in model.encoders]
+        gen = unit_time("generator", r) if has_gen else (0.0, 0.0)
+        f = max([x[0] for x in enc], default=0.0) + gen[0]
+        b = max([x[1] for x in enc], default=0.0) + gen[1]
+        costs.append((f, b))
+        llm.append(unit_time("llm", r))
+    u_llm = plan.unit("llm")
+    n = max(len(llm), 1)
+    fl = sum(x[0] for x in llm) / n / u_llm.pp
+    bl = sum(x[1] for x in llm) / n / u_llm.pp
+    llm_stages = [(0.0, fl, bl)] * u_llm.pp
+    if model.encoders:
+        pe = max(plan.unit(e.name).pp for e in model.encoders)
+        return costs, [(1.0 / pe, 0.0, 0.0)] * pe + llm_stages
+    pg = plan.unit("generator").pp if has_gen else 1
+    return costs, llm_stages + ([(1.0 / pg, 0.0, 0.0)] * pg if has_gen else [])
+
+
 def plan_global_batch(metas: list[SampleMeta], model: MLLMConfig, plan: Plan,
                       layout: AssemblyLayout, policies: dict[str, str],
-                      post_balance_policy: str = "sum", ranks_per_node: int = 0
+                      post_balance_policy="sum", ranks_per_node: int = 0, *,
+                      node_wise: NodeWise | None = None, hardware: Hardware = H100
                       ) -> list[MicrobatchPlan]:
-    """Deterministic plan of one global batch from metadata (every host gets the same)."""
+    """Deterministic plan of one global batch from metadata (every host gets the same).
+
+    `post_balance_policy`: one OrchMLLM algorithm for every phase or a dict unit -> one of
+    ("sum", "padded", "sum_square", "conv"). Under "disttrain" (any unit) the microbatches
+    run in Algorithm 3's order over `microbatch_costs` (the planner's cost model)."""
     l = plan.num_microbatches
     n = len(metas)
     if n % l:
         raise ValueError(f"global batch of {n} samples not divisible by num_microbatches={l}")
+    algos = post_balance_policies(post_balance_policy, model)
+    if node_wise is None:
+        node_wise = NodeWise(ranks_per_node)
     size = n // l
     mbs = [list(range(i * size, (i + 1) * size)) for i in range(l)]
-    # Algorithm 3 over microbatches, driven by the first encoder unit under "disttrain".
-    driver = next((e.name for e in model.encoders if policies[e.name] == "disttrain"), None)
-    if driver is not None and l > 1:
-        u = plan.unit(driver)
-        mb_cost = [sum(_unit_cost(driver, metas[p], model) for p in mb) / u.dp for mb in mbs]
-        mbs = [mbs[j] for j in inter_reorder(mb_cost, u.pp, u.num_chunks)]
-    out = []
+    llm_dp = plan.unit("llm").dp
+    splits = []
     for pos in mbs:
         ranks = {}
         for unit in model.unit_names:
-            if unit == "generator":
-                continue
+            if unit == "generator" and plan.unit(unit).dp == llm_dp:
+                continue  # follows the LLM's split: hidden states stay on their rank
             ranks[unit] = _split(unit, pos, metas, model, plan.unit(unit).dp, policies[unit],
-                                 post_balance_policy, ranks_per_node)
-        if "generator" in model.unit_names:
+                                 algos[unit], node_wise)
+        if "generator" in model.unit_names and "generator" not in ranks:
             ranks["generator"] = ranks["llm"]
+        splits.append(ranks)
+    if l > 1 and any(p == "disttrain" for p in policies.values()):
+        gen = layout.gen.num_queries if layout.gen is not None else 64
+        costs, stages = microbatch_costs(metas, model, plan, splits, hardware, gen)
+        order = inter_reorder(costs, len(stages), stage_costs=stages)
+        mbs, splits = [mbs[j] for j in order], [splits[j] for j in order]
+    out = []
+    for pos, ranks in zip(mbs, splits):
         shapes = {u: batch_shapes([[metas[p] for p in r] for r in rs], layout)
                   for u, rs in ranks.items()}
         rearr, routes = _routes(metas, model, layout, ranks, shapes)
@@ -382,15 +518,19 @@ class GlobalBatchBuilder:
     """step -> GlobalBatch; pure function of (source, seed, step), picklable for workers."""
 
     def __init__(self, source, model: MLLMConfig, plan: Plan, layout: AssemblyLayout,
-                 policies: dict[str, str], post_balance_policy: str = "sum",
+                 policies: dict[str, str], post_balance_policy="sum",
                  ranks_per_node: int = 0, seed: int = 0, reserve: int | None = None,
                  shuffle: bool = True, host_id: int = 0, num_hosts: int = 1,
-                 feeds: bool = False, cp_method: str = "lpt", cp_block: int = 128):
+                 feeds: bool = False, cp_method: str = "lpt", cp_block: int = 128,
+                 node_wise: NodeWise | None = None, hardware: Hardware = H100):
         self.source, self.model, self.plan, self.layout = source, model, plan, layout
         # feeds=True: materialise each microbatch as a pipeline/feed.py MicrobatchFeed (all
         # units and ranks, part maps included) for the pipeline runtime, instead of Batches.
         self.feeds, self.cp_method, self.cp_block = feeds, cp_method, cp_block
-        self.policies, self.algo, self.rpn = policies, post_balance_policy, ranks_per_node
+        self.policies = policies
+        self.algo = post_balance_policies(post_balance_policy, model)
+        self.node_wise = node_wise or NodeWise(ranks_per_node)
+        self.hardware = hardware
         self.seed, self.shuffle = seed, shuffle
         self.reserve = max(2, plan.global_batch // 4) if reserve is None else reserve
         self.host_id, self.num_hosts = host_id, num_hosts
@@ -448,7 +588,8 @@ class GlobalBatchBuilder:
         idx, specs, reasons = self.select(int(step))
         metas = [self.layout.rules.meta_from_shapes(i, s) for i, s in zip(idx, specs)]
         mb_plans = plan_global_batch(metas, self.model, self.plan, self.layout, self.policies,
-                                     self.algo, self.rpn)
+                                     self.algo, node_wise=self.node_wise,
+                                     hardware=self.hardware)
         t_plan = time.perf_counter() - t0
         loaded: dict[int, Sample] = {}
         failed: set[int] = set()
@@ -503,14 +644,41 @@ def _policies(balance, model: MLLMConfig) -> dict[str, str]:
     units = model.unit_names
     if isinstance(balance, str):
         pol = {u: balance for u in units}
-    else:
+    elif isinstance(balance, Mapping):
         unknown = set(balance) - set(units)
         if unknown:
-            raise ValueError(f"balance: unknown units {sorted(unknown)}; units are {units}")
+            raise ValueError(f"Loader.balance: unknown units {sorted(unknown)}; units are {units}")
         pol = {u: balance.get(u, "none") for u in units}
+    else:
+        raise ValueError(f"Loader.balance={balance!r}: use one of {POLICIES} or a dict "
+                         f"unit -> policy")
     for u, p in pol.items():
         if p not in POLICIES:
-            raise ValueError(f"balance[{u!r}]={p!r}: use one of {POLICIES}")
+            raise ValueError(f"Loader.balance[{u!r}]={p!r}: use one of {POLICIES}")
+    return pol
+
+
+def post_balance_policies(value, model: MLLMConfig) -> dict[str, str]:
+    """`Loader.post_balance_policy`: one OrchMLLM algorithm for every phase, or a dict unit
+    -> algorithm (units left out use "sum"): "sum" (Algorithm 1, unpadded linear cost),
+    "padded" (Algorithm 2), "sum_square" (Algorithm 4, attention-heavy), "conv" (Algorithm
+    5); OrchMLLM picks per phase by its cost model (seed 001 §5.1, Appendix A)."""
+    units = model.unit_names
+    if isinstance(value, str):
+        pol = {u: value for u in units}
+    elif isinstance(value, Mapping):
+        unknown = set(value) - set(units)
+        if unknown:
+            raise ValueError(f"Loader.post_balance_policy: unknown units {sorted(unknown)}; "
+                             f"units are {units}")
+        pol = {u: value.get(u, "sum") for u in units}
+    else:
+        raise ValueError(f"Loader.post_balance_policy={value!r}: use one of "
+                         f"{POST_BALANCE_POLICIES} or a dict unit -> one of them")
+    for u, p in pol.items():
+        if p not in POST_BALANCE_POLICIES:
+            raise ValueError(f"Loader.post_balance_policy[{u!r}]={p!r}: use one of "
+                             f"{POST_BALANCE_POLICIES}")
     return pol
 
 
@@ -524,25 +692,43 @@ def _init_worker(worker_index: int, worker_count: int) -> None:
 class Loader:
     """Iterator of `GlobalBatch`es with exact resume (`get_state` / `set_state`).
 
-    `balance`: one policy for every phase or a dict unit -> policy ("none", "disttrain",
-    "orchmllm"). `num_workers` > 0 runs planning, decoding and assembly in grain worker
+    `source`: a source object (`SyntheticSource`, `ArrayRecordSource`) or the path of an
+    ArrayRecord file written by scripts/make_dataset.py. `balance`: one policy for every
+    phase or a dict unit -> policy ("none", "disttrain", "orchmllm");
+    `post_balance_policy`: the OrchMLLM algorithm, one for all phases or a dict unit ->
+    algorithm (`post_balance_policies`); `node_wise_*`: `NodeWise` (with `ranks_per_node`);
+    `hardware`: the planner's hardware whose cost model times microbatches for Algorithm 3. `num_workers` > 0 runs planning, decoding and assembly in grain worker
     processes; each holds `prefetch` global batches, and with 0 workers a thread prefetches
     `prefetch` global batches, so the trainer finds the next one ready. Gin, e.g.:
     `Loader.balance = {"vision": "orchmllm", "audio": "orchmllm", "llm": "disttrain"}`.
     """
 
     def __init__(self, source, model: MLLMConfig, plan: Plan, layout: AssemblyLayout,
-                 balance="none", post_balance_policy: str = "sum", ranks_per_node: int = 0,
+                 balance="none", post_balance_policy="sum", ranks_per_node: int = 0,
                  seed: int = 0, reserve: int | None = None, shuffle: bool = True,
                  num_workers: int = 0, prefetch: int = 2, host_id: int = 0,
                  num_hosts: int = 1, num_steps: int = 1 << 31, feeds: bool = False,
-                 cp_method: str = "lpt", cp_block: int = 128):
-        if prefetch < 1:
-            raise ValueError(f"Loader.prefetch={prefetch}: use >= 1 (2 keeps planning off the "
-                             f"training path)")
-        self.builder = GlobalBatchBuilder(source, model, plan, layout, _policies(balance, model),
-                                          post_balance_policy, ranks_per_node, seed, reserve,
-                                          shuffle, host_id, num_hosts, feeds, cp_method, cp_block)
+                 cp_method: str = "lpt", cp_block: int = 128, node_wise_method: str = "auto",
+                 node_wise_time_limit: float = 0.2, node_wise_max_milp_ranks: int = 32,
+                 hardware: str = "h100"):
+        if prefetch < 2:
+            raise ValueError(f"Loader.prefetch={prefetch}: use >= 2 (global batches prepared "
+                             f"ahead, so planning and preprocessing stay off the training "
+                             f"path; seed 003 §6)")
+        source = as_source(source)
+        rules = layout.rules
+        if getattr(source, "patch_size", rules.patch_size) != rules.patch_size:
+            raise ValueError(f"Loader.source: the dataset was written with patch_size="
+                             f"{source.patch_size} but the model's is {rules.patch_size}; "
+                             f"rewrite it with scripts/make_dataset.py --patch_size="
+                             f"{rules.patch_size}")
+        node_wise = NodeWise(ranks_per_node, node_wise_method, node_wise_time_limit,
+                             node_wise_max_milp_ranks)
+        self.builder = GlobalBatchBuilder(
+            source, model, plan, layout, _policies(balance, model), post_balance_policy,
+            seed=seed, reserve=reserve, shuffle=shuffle, host_id=host_id, num_hosts=num_hosts,
+            feeds=feeds, cp_method=cp_method, cp_block=cp_block, node_wise=node_wise,
+            hardware=hardware_by_name(hardware))
         self.num_workers, self.prefetch, self.num_steps = num_workers, prefetch, num_steps
         self.skipped_samples = 0
         self._it = None
