@@ -36,6 +36,9 @@ def test_two_pipelined_steps_equal_single_program_steps():
 
     mdl = MultimodalModel(cfg, jax.random.key(0))
     gd, tr, fr = split_model(mdl, trainable_filter(cfg))
+    flat = lambda t: {jax.tree_util.keystr(p): np.array(v)  # copies: steps may donate
+                      for p, v in jax.tree_util.tree_flatten_with_path(t)[0]}
+    ref_frozen0 = flat(nnx.to_pure_dict(fr))  # the reference's initial frozen parameters
     tx = optimizer_from_settings(schedule, SETTINGS)
     state = TrainState(jnp.zeros((), jnp.int32), tr, fr, tx.init(tr))
     step = make_train_step(gd, tx)
@@ -57,13 +60,20 @@ def test_two_pipelined_steps_equal_single_program_steps():
     got = to_reference_layout(plan, {sid: nnx.to_pure_dict(ps.runtime.stages[sid].trainable)
                                      for sid in ps.optimizers})
     ref = nnx.to_pure_dict(state.trainable)
-    flat = lambda t: {jax.tree_util.keystr(p): np.asarray(v)
-                      for p, v in jax.tree_util.tree_flatten_with_path(t)[0]}
     g, r = flat(got), flat(ref)
     assert set(g) == set(r)
     assert not any("encoders" in k for k in g)  # frozen encoder: no optimizer, no update
     for k in r:
         np.testing.assert_allclose(g[k], r[k], rtol=1e-4, atol=2e-6, err_msg=k)
+    # frozen parameters after the steps, gathered from every stage into the reference
+    # layout, are bit-identical to the reference model's initial frozen parameters
+    frozen = flat(to_reference_layout(plan, {sid: nnx.to_pure_dict(st.frozen)
+                                             for sid, st in ps.runtime.stages.items()}))
+    assert any("encoders" in k for k in ref_frozen0)  # the frozen vision encoder
+    for (k, a), (k2, b) in zip(sorted(ref_frozen0.items()), sorted(frozen.items()),
+                               strict=True):
+        assert k == k2
+        np.testing.assert_array_equal(b, a, err_msg=k)
     vision = ps.runtime.stages[list(ps.runtime.stages)[0]]
     assert vision.mode == "params"  # trainable projector, frozen encoder: no input gradient
     assert any("projectors" in k for k in g)

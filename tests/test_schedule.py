@@ -368,3 +368,210 @@ def test_multimodal_always_valid(enc, llm, gen, m, data):
             assert sum(a.kind == "B" for a in row) == m
         else:
             assert row == [Action("F", i) for i in range(m)]
+
+
+# ---- interleaved units in the unit DAG (virtual pipeline stages) ---------------------------
+def one_f_one_b_row(warmup, m):
+    """A 1F1B row with the given warm-up: Megatron's non-interleaved row of stage 0 of a
+    (warmup + 1)-stage pipeline (reference above, capped by m there)."""
+    return megatron_1f1b_reference(warmup + 1, m)[0]
+
+
+def test_chunked_graph_structure():
+    g = StageGraph.from_units({"vision": 1}, llm=2, generator=1, chunks={"llm": 2})
+    L2, L3 = StageId("llm", 2), StageId("llm", 3)
+    assert g.stages == (V, L0, L1, L2, L3, G)  # virtual stages: chunk * pp + stage
+    assert set(g.edges) == {(V, L0), (L0, L1), (L1, L2), (L2, L3), (L3, G)}
+    assert g.physical_stages == (V, L0, L1, G)
+    assert [g.physical(s) for s in g.stages] == [(V, 0), (L0, 0), (L1, 0), (L0, 1), (L1, 1),
+                                                 (G, 0)]
+    assert g.virtual(L1, 1) == L3 and g.virtual(V, 0) == V
+    assert g.num_stages("llm") == 2 and g.num_chunks("llm") == 2 and g.num_chunks("vision") == 1
+    assert g.num_downstream(V) == 5  # counts virtual stages
+    # chunks of 1 are the plain graph
+    assert StageGraph.from_units({"vision": 1}, 2, 1, chunks={"llm": 1}) == \
+        StageGraph.from_units({"vision": 1}, 2, 1)
+    with pytest.raises(ValueError, match=r"trainable\['llm'\].*4 bools \(one per virtual"):
+        StageGraph.from_units({"vision": 1}, 2, trainable={"vision": True, "llm": (True,) * 2},
+                              chunks={"llm": 2})
+    with pytest.raises(ValueError, match="chunks has unknown unit 'video'"):
+        StageGraph.from_units({"vision": 1}, 2, chunks={"video": 2})
+    with pytest.raises(ValueError, match=r"chunks\['llm'\]=0"):
+        StageGraph.from_units({"vision": 1}, 2, chunks={"llm": 0})
+    with pytest.raises(ValueError, match=r"StageGraph.chunks\['llm'\]=2: .*dividing the "
+                                         r"unit's 3 virtual stages"):
+        StageGraph((L0, L1, StageId("llm", 2)), (), {s: "full" for s in (L0, L1,
+                   StageId("llm", 2))}, {"llm": 2})
+
+
+def test_from_plan_interleaved():
+    from mmjax.planner.plan import Plan, UnitPlan
+    plan = Plan(units=(UnitPlan("vision", frozen=True), UnitPlan("llm", pp=2, num_chunks=2),
+                       UnitPlan("generator")), global_batch=8, num_microbatches=4)
+    g = StageGraph.from_plan(plan)
+    assert [str(s) for s in g.stages] == ["vision:0", "llm:0", "llm:1", "llm:2", "llm:3",
+                                          "generator:0"]
+    assert g.chunks == {"llm": 2} and [str(s) for s in g.physical_stages] == [
+        "vision:0", "llm:0", "llm:1", "generator:0"]
+    assert g.has_backward[V] == "none" and g.has_backward[StageId("llm", 3)] == "full"
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4])
+@pytest.mark.parametrize("v", [2, 3])
+@pytest.mark.parametrize("encoders", [{}, {"vision": 1, "audio": 2}])
+def test_multimodal_interleaved_llm_equals_megatron(p, v, encoders):
+    """No generator: every LLM physical stage runs exactly Megatron's interleaved row;
+    encoder stages run 1F1B warming up with the stages downstream, counting the LLM's
+    p * v virtual stages (seed 002 Fig. 6)."""
+    for m in range(p, 9, p):
+        g = StageGraph.from_units(encoders, p, chunks={"llm": v})
+        sched = multimodal_one_f_one_b(g, m)
+        assert [sched[StageId("llm", s)] for s in range(p)] == \
+            megatron_interleaved_reference(p, m, v)
+        for name, n in encoders.items():
+            for s in range(n):
+                assert sched[StageId(name, s)] == one_f_one_b_row(n - 1 - s + p * v, m)
+        validate(sched, g)
+
+
+def test_multimodal_interleaved_literal_table():
+    # p=2, v=2, m=4. Forward steps F0 F1 F0.1 F1.1 F2 F3 F2.1 F3.1, backward steps
+    # B0.1 B1.1 B0 B1 B2.1 B3.1 B2 B3 (Megatron); warm-up 2 (p-s-1) + (v-1) p + 1 for the
+    # generator downstream: 5 on llm:0, 3 on llm:1. vision warms up with 4 + 1 >= m.
+    g = StageGraph.from_units({"vision": 1}, llm=2, generator=1, chunks={"llm": 2})
+    sched = multimodal_one_f_one_b(g, 4)
+    assert by_stage(sched) == {
+        "vision:0": "F0 F1 F2 F3 B0 B1 B2 B3",
+        "llm:0": "F0 F1 F0.1 F1.1 F2 F3 B0.1 F2.1 B1.1 F3.1 B0 B1 B2.1 B3.1 B2 B3",
+        "llm:1": "F0 F1 F0.1 F1.1 B0.1 F2 B1.1 F3 B0 F2.1 B1 F3.1 B2.1 B3.1 B2 B3",
+        "generator:0": "F0 B0 F1 B1 F2 B2 F3 B3",
+    }
+    validate(sched, g)
+
+
+def test_multimodal_interleaved_two_generator_stages_raise_warmup():
+    """generator:0 (1F1B warm-up 1) needs the LLM's last chunk of microbatch k + 1 before
+    it returns the gradient of k; for k = p - 1 that microbatch's last chunk only comes in
+    the next round of p v forward steps, so the last LLM stage must warm up with at least
+    2 (v - 1) p + 1 forward steps (Megatron's (v - 1) p + 2 would deadlock). The rows
+    keep Megatron's forward and backward step sequences."""
+    p, v, m = 2, 2, 8
+    g = StageGraph.from_units({}, p, 2, chunks={"llm": v})
+    sched = multimodal_one_f_one_b(g, m)
+    validate(sched, g)
+    ref = megatron_interleaved_reference(p, m, v)
+    for s in range(p):
+        row = sched[StageId("llm", s)]
+        assert [a for a in row if a.kind == "F"] == [a for a in ref[s] if a.kind == "F"]
+        assert [a for a in row if a.kind == "B"] == [a for a in ref[s] if a.kind == "B"]
+    first_b = [a.kind for a in sched[StageId("llm", p - 1)]].index("B")
+    assert first_b - 1 >= 2 * (v - 1) * p + 1  # warm-up = forwards before the first B - 1
+    # with Megatron's + 2 warm-up (first B after 5 forwards) the schedule deadlocks
+    bad = dict(sched)
+    bad[StageId("llm", p - 1)] = table("F0 F1 F0.1 F1.1 F2 B0.1 F3 B1.1 F2.1 B0 F3.1 B1 F4 "
+                                       "B2.1 F5 B3.1 F4.1 B2 F5.1 B3 F6 B4.1 F7 B5.1 F6.1 B4 "
+                                       "F7.1 B5 B6.1 B7.1 B6 B7")[0]
+    with pytest.raises(ValueError, match="deadlocks"):
+        validate(bad, g)
+    assert sched[StageId("generator", 0)] == one_f_one_b_row(1, m)
+
+
+def test_interleaved_frozen_chunks_drop_their_backward():
+    # vision over 2 stages x 2 chunks, only its last virtual stage (the projector)
+    # trainable: chunk 0 of both stages and chunk 1 of vision:0 run no backward
+    g = StageGraph.from_units({"vision": 2}, 2, 1, {"vision": (False, False, False, True),
+                                                    "llm": True, "generator": True},
+                              chunks={"vision": 2})
+    V1 = StageId("vision", 1)
+    assert [g.has_backward[g.virtual(s, c)] for s, c in ((V, 0), (V1, 0), (V, 1), (V1, 1))] \
+        == ["none", "none", "none", "full"]
+    sched = multimodal_one_f_one_b(g, 4)
+    assert by_stage(sched)["vision:0"] == "F0 F1 F0.1 F1.1 F2 F3 F2.1 F3.1"
+    row = sched[V1]
+    assert [a for a in row if a.kind == "F"] == table("F0 F1 F0.1 F1.1 F2 F3 F2.1 F3.1")[0]
+    assert [a for a in row if a.kind == "B"] == table("B0.1 B1.1 B2.1 B3.1")[0]
+    validate(sched, g)
+    bad = dict(sched)
+    bad[V1] = row + [Action("B", 0, 0)]
+    with pytest.raises(ValueError, match=r"vision:1 action #12 B0: this stage runs no "
+                                         r"backward"):
+        validate(bad, g)
+    bad[V1] = row[:-1]
+    with pytest.raises(ValueError, match=r"vision:1 is missing action B3.1"):
+        validate(bad, g)
+    bad[V1] = row + [Action("F", 0, 2)]
+    with pytest.raises(ValueError, match=r"vision:1 action #12 F0.2: chunk >= num_chunks=2"):
+        validate(bad, g)
+    with pytest.raises(ValueError, match=r"unknown \['llm:2'\]"):
+        validate({**sched, StageId("llm", 2): []}, g)
+
+
+def test_multimodal_interleaved_needs_microbatches_multiple_of_pp():
+    g = StageGraph.from_units({}, 2, chunks={"llm": 2})
+    with pytest.raises(ValueError, match="num_microbatches=3 must be a multiple of"):
+        multimodal_one_f_one_b(g, 3)
+
+
+def _grid():
+    for encoders in ({}, {"a": 1}, {"a": 2}, {"a": 1, "b": 2}):
+        for p in (1, 2, 3, 4):
+            for v in (1, 2, 3):
+                for gen in (0, 1, 2):
+                    yield encoders, p, v, gen
+
+
+FROZEN = ("none", "encoders", "llm", "all_but_generator")
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4])
+def test_multimodal_interleaved_always_valid(p):
+    """Grid: 0..2 encoders of 1..2 stages, llm pp p with v = 1..3 chunks, generator of 0..2
+    stages, m = multiples of p up to 8, four frozen combinations: every F and B once, no
+    deadlock, and every LLM row keeps Megatron's forward/backward step sequences."""
+    for encoders, _, v, gen in (c for c in _grid() if c[1] == p):
+        units = [*encoders, "llm"] + (["generator"] if gen else [])
+        for frozen in FROZEN:
+            trainable = {u: not ((frozen == "encoders" and u in encoders)
+                                 or (frozen == "llm" and u == "llm")
+                                 or (frozen == "all_but_generator" and u != "generator"))
+                         for u in units}
+            g = StageGraph.from_units(encoders, p, gen, trainable, {"llm": v})
+            for m in range(p, 9, p):
+                sched = multimodal_one_f_one_b(g, m)
+                validate(sched, g)
+                if g.runs_backward(StageId("llm", 0)):
+                    ref = megatron_interleaved_reference(p, m, v)
+                    for s in range(p):
+                        row = sched[StageId("llm", s)]
+                        for kind in "FB":
+                            assert [a for a in row if a.kind == kind] == \
+                                [a for a in ref[s] if a.kind == kind]
+
+
+def test_dispatch_order():
+    from mmjax.pipeline.schedule import dispatch_order
+    from mmjax.pipeline.simulate import simulate
+    g = StageGraph.from_units({"vision": 1}, 2, 1, chunks={"llm": 2})
+    sched = multimodal_one_f_one_b(g, 4)
+    order = dispatch_order(sched, g)
+    assert sorted(order, key=str) == sorted(((s, a) for s, r in sched.items() for a in r),
+                                            key=str)
+    for s, row in sched.items():  # projected on a stage: its row
+        assert [a for t, a in order if t == s] == row
+    done = set()
+    for s, a in order:  # each action after what it needs (virtual graph)
+        vs = g.virtual(s, a.chunk)
+        if a.kind == "F":
+            need = [(p, "F") for p in g.predecessors(vs)]
+        else:
+            need = [(vs, "F")] + [(n, "B") for n in g.successors(vs) if g.runs_backward(n)]
+        assert all((n, k, a.microbatch) in done for n, k in need), (s, a)
+        done.add((vs, a.kind, a.microbatch))
+    # one chunk: the order of the unit-cost simulation trace
+    g1, = (StageGraph.from_units({"vision": 1, "audio": 2}, 2, 1),)
+    s1 = multimodal_one_f_one_b(g1, 5)
+    trace = simulate(s1, lambda s, a: 1.0, g1).trace()
+    assert [(str(s), a) for s, a in dispatch_order(s1, g1)] == [
+        (t["stage"], Action(t["kind"], t["microbatch"], t["chunk"])) for t in trace]
+    with pytest.raises(ValueError, match="deadlocks"):
+        dispatch_order(table("F0 B0 F1 B1", "F0 F1 B0 B1"))

@@ -117,3 +117,36 @@ def test_trace_format():
     inter = simulate(interleaved_one_f_one_b(2, 2, 2), uniform()).trace()
     assert {d["stage"] for d in inter} == {"stage:0", "stage:1"}
     assert {d["chunk"] for d in inter} == {0, 1}
+
+
+def test_interleaved_unit_in_the_dag_equals_the_chain():
+    """An LLM-only unit DAG with num_chunks=2 simulates exactly like Megatron's interleaved
+    chain (same rows, same times); dict costs may be keyed by virtual stage c * pp + s."""
+    p, m, v = 2, 4, 2
+    g = StageGraph.from_units({}, p, chunks={"llm": v})
+    sched = multimodal_one_f_one_b(g, m)
+    # per virtual stage k: F costs k + 1, B twice that
+    per_virtual = {(StageId("llm", k), kind): (k + 1.0) * (1 if kind == "F" else 2)
+                   for k in range(p * v) for kind in "FB"}
+    r = simulate(sched, per_virtual, g)
+    chain = simulate(interleaved_one_f_one_b(p, m, v),
+                     lambda s, a: (a.chunk * p + s + 1.0) * (1 if a.kind == "F" else 2))
+    assert r.iteration_time == chain.iteration_time
+    assert {(s.index, a): t for (s, a), t in r.start.items()} == chain.start
+    assert r.peak_in_flight == {StageId("llm", s): chain.peak_in_flight[s] for s in range(p)}
+    assert {d["stage"] for d in r.trace()} == {"llm:0", "llm:1"}  # physical stages
+    # (physical stage, kind) keys still work and apply to every chunk
+    phys = {(StageId("llm", s), kind): 1.0 for s in range(p) for kind in "FB"}
+    assert simulate(sched, phys, g).iteration_time == simulate(
+        interleaved_one_f_one_b(p, m, v), lambda s, a: 1.0).iteration_time
+
+
+def test_interleaved_frozen_chunk_keeps_nothing():
+    # only the encoder's last virtual stage (vision:3 = chunk 1 of vision:1) is trainable
+    g = StageGraph.from_units({"vision": 2}, 1, 0, {"vision": (False, False, False, True),
+                                                    "llm": True}, chunks={"vision": 2})
+    m = 4
+    r = simulate(multimodal_one_f_one_b(g, m), lambda s, a: 1.0, g)
+    assert r.peak_in_flight[StageId("vision", 0)] == 0
+    # chunk 0 of vision:1 keeps nothing; chunk 1 at most all m microbatches
+    assert 1 <= r.peak_in_flight[StageId("vision", 1)] <= m

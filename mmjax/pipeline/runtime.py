@@ -34,8 +34,7 @@ from mmjax.parallel.broker import Broker, Routes
 from mmjax.parallel.mesh import stage_meshes
 from mmjax.parallel.tensor import shard_state, state_shardings
 from mmjax.pipeline.feed import MicrobatchFeed, PartMap
-from mmjax.pipeline.schedule import Action, StageGraph, StageId, multimodal_one_f_one_b
-from mmjax.pipeline.simulate import simulate
+from mmjax.pipeline.schedule import StageGraph, StageId, dispatch_order, multimodal_one_f_one_b
 from mmjax.pipeline.stage import build_stage_module, dp_sharding, make_stage_fns
 from mmjax.planner.plan import Plan
 
@@ -173,9 +172,12 @@ class PipelineRuntime:
                 built[StageId(u.name, v)] = (gd, tr, fr)
             per_stage_trainable[u.name] = tuple(flags)
         nv = {u.name: u.pp * u.num_chunks for u in plan.units}
-        enc = {n: k for n, k in nv.items() if n not in ("llm", "generator")}
-        self.graph = StageGraph.from_units(enc, nv["llm"], nv.get("generator", 0),
-                                           per_stage_trainable)
+        pp = {u.name: u.pp for u in plan.units}
+        enc = {n: k for n, k in pp.items() if n not in ("llm", "generator")}
+        # stages of the graph are virtual, StageId(unit, chunk * pp + s): what run() walks
+        self.graph = StageGraph.from_units(enc, pp["llm"], pp.get("generator", 0),
+                                           per_stage_trainable,
+                                           {u.name: u.num_chunks for u in plan.units})
         self.num_virtual = nv
         self.stages: dict[StageId, Stage] = {}
         for sid in self.graph.stages:
@@ -189,10 +191,13 @@ class PipelineRuntime:
             st.fns = make_stage_fns(cfg, sid.unit, gd, mode, compute_dtype, with_gen, st.dp, mesh,
                                     plan.unit(sid.unit).overlap_tp)
             self.stages[sid] = st
+        # one row per physical stage, i.e. per mesh (Megatron's interleaved order for units
+        # with num_chunks > 1), merged into one dependency-respecting dispatch order; JAX
+        # runs each mesh's work in dispatch order, so each mesh executes exactly its row.
+        # Entries are (virtual StageId, Action) with Action.chunk the chunk on its mesh.
         self.schedule = multimodal_one_f_one_b(self.graph, plan.num_microbatches)
-        sim = simulate(self.schedule, lambda s, a: 1.0, self.graph)
-        self.order = [(StageId.parse(t["stage"]), Action(t["kind"], t["microbatch"], t["chunk"]))
-                      for t in sim.trace()]
+        self.order = [(self.graph.virtual(s, a.chunk), a)
+                      for s, a in dispatch_order(self.schedule, self.graph)]
         self.brokers: dict[tuple[StageId, StageId], Broker] = {}
         self.sync = sync_collectives()
 

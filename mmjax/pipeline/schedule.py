@@ -2,16 +2,21 @@
 
 A schedule is either a list indexed by pipeline stage (`gpipe`, `one_f_one_b`,
 `interleaved_one_f_one_b`: one chain of stages, model chunk c of stage s is virtual stage
-`c * num_stages + s`) or a dict keyed by `StageId` over a `StageGraph` (the unit DAG of
-`multimodal_one_f_one_b`: encoder branches in parallel -> LLM stages -> generator, seed 002
-§4.1 modality parallelism, Fig. 6). Each action is `Action("F"|"B", microbatch, chunk)`.
+`c * num_stages + s`) or a dict keyed by physical `StageId` over a `StageGraph` (the unit DAG
+of `multimodal_one_f_one_b`: encoder branches in parallel -> LLM stages -> generator, seed
+002 §4.1 modality parallelism, Fig. 6; a unit with `num_chunks = v > 1` runs Megatron-LM's
+interleaved order on its `pp` physical stages, chunk c of physical stage s being the unit's
+virtual stage `c * pp + s`). Each action is `Action("F"|"B", microbatch, chunk)`.
 
-Dependencies (the single rule used by `validate` and by `simulate.py`):
-- F(mb, c) on a node needs F(mb, c) on every predecessor node (activations flow forward);
-- B(mb, c) on a node needs F(mb, c) on the same node and B(mb, c) on every successor node
-  that runs a backward (gradients flow back); stages that run no backward (seed 002 §4.2,
+A node is (physical stage, chunk), i.e. one virtual stage. Dependencies (the single rule
+used by `validate`, `dispatch_order` and `simulate.py`):
+- F(mb, c) on a node needs F(mb, c') on every predecessor node (activations flow forward);
+- B(mb, c) on a node needs F(mb, c) on the same node and B(mb, c') on every successor node
+  that runs a backward (gradients flow back); nodes that run no backward (seed 002 §4.2,
   frozen with nothing trainable upstream) have no B actions and are never waited for.
-A stage runs its actions strictly in list order.
+A stage runs its actions strictly in list order. The host-driven runtime dispatches the
+actions of all stages in one global order (`dispatch_order`); JAX runs each device's work
+in dispatch order, so a stage's row is exactly what its devices execute.
 """
 from __future__ import annotations
 
@@ -86,11 +91,17 @@ class StageGraph:
     `has_backward[s]` is "full" (param + input grads), "input_only" (frozen stage with a
     trainable stage upstream: only input grads) or "none" (nothing trainable at or before
     it: no backward at all), seed 002 §4.2. `stages` is in topological order.
+
+    Interleaved units (Megatron-LM virtual pipeline stages): `chunks[unit] = v > 1` makes
+    the unit's `pp * v` stages listed here virtual; virtual stage `k = c * pp + s` is model
+    chunk `c` of physical stage `s` (`physical`, `virtual`). Schedules are keyed by
+    `physical_stages`. Units absent from `chunks` have one chunk: physical == virtual.
     """
 
     stages: tuple[StageId, ...]
     edges: tuple[tuple[StageId, StageId], ...]
     has_backward: Mapping[StageId, str] = field(hash=False)
+    chunks: Mapping[str, int] = field(default_factory=dict, hash=False)
 
     def __post_init__(self):
         known = set(self.stages)
@@ -119,6 +130,19 @@ class StageGraph:
                 raise ValueError(f"StageGraph.has_backward: {a} runs a backward but its "
                                  f"successor {b} runs none, so no gradient can reach {a}; "
                                  f"set {b} to 'input_only' or 'full'")
+        count: dict[str, int] = {}
+        for st in self.stages:
+            count[st.unit] = count.get(st.unit, 0) + 1
+        for u, v in self.chunks.items():
+            if u not in count:
+                raise ValueError(f"StageGraph.chunks names unit {u!r}, which has no stages "
+                                 f"(units: {list(count)})")
+            if not isinstance(v, int) or v < 1 or count[u] % v:
+                raise ValueError(f"StageGraph.chunks[{u!r}]={v!r}: must be an int >= 1 "
+                                 f"dividing the unit's {count[u]} virtual stages")
+            if {st.index for st in self.stages if st.unit == u} != set(range(count[u])):
+                raise ValueError(f"StageGraph: the stages of interleaved unit {u!r} must be "
+                                 f"{u}:0 .. {u}:{count[u] - 1} (virtual stage c * pp + s)")
 
     # ---- structure -------------------------------------------------------------------
     def predecessors(self, stage: StageId) -> list[StageId]:
@@ -129,6 +153,33 @@ class StageGraph:
 
     def runs_backward(self, stage: StageId) -> bool:
         return self.has_backward[stage] != "none"
+
+    # ---- virtual stages of interleaved units ----------------------------------------
+    def num_chunks(self, unit: str) -> int:
+        return self.chunks.get(unit, 1)
+
+    def num_stages(self, unit: str) -> int:
+        """Physical pipeline stages (pp) of `unit`: its virtual stages / num_chunks."""
+        return sum(st.unit == unit for st in self.stages) // self.num_chunks(unit)
+
+    def physical(self, stage: StageId) -> tuple[StageId, int]:
+        """Virtual stage k = c * pp + s of its unit -> (physical stage s, chunk c)."""
+        if self.num_chunks(stage.unit) == 1:
+            return stage, 0
+        pp = self.num_stages(stage.unit)
+        return StageId(stage.unit, stage.index % pp), stage.index // pp
+
+    def virtual(self, stage: StageId, chunk: int = 0) -> StageId:
+        """(physical stage s, chunk c) -> virtual stage c * pp + s of its unit."""
+        if self.num_chunks(stage.unit) == 1:
+            return stage
+        return StageId(stage.unit, chunk * self.num_stages(stage.unit) + stage.index)
+
+    @property
+    def physical_stages(self) -> tuple[StageId, ...]:
+        """The stages that own devices, in the order of their first (chunk 0) virtual
+        stage; equal to `stages` when no unit is interleaved."""
+        return tuple(s for s in self.stages if self.physical(s)[1] == 0)
 
     def num_downstream(self, stage: StageId) -> int:
         """Stages after `stage` on its path to the sink (longest path, in stages): the
@@ -142,14 +193,16 @@ class StageGraph:
     @classmethod
     def from_units(cls, encoders: Mapping[str, int], llm: int, generator: int = 0,
                    trainable: Mapping[str, bool | Sequence[bool]] | None = None,
-                   ) -> "StageGraph":
+                   chunks: Mapping[str, int] | None = None) -> "StageGraph":
         """Encoder branches (name -> stages) each a chain feeding llm stage 0; llm chain;
         the llm's last stage feeds the generator chain (if generator > 0).
 
-        `trainable[unit]` is a bool, or one bool per stage of that unit (e.g. a frozen
-        encoder whose last stage holds a trainable projector: `(False, True)`). A stage
-        runs backward iff something at or upstream of it is trainable (seed 002 §4.2);
-        "input_only" if it is itself frozen. Omitted `trainable` means all trainable.
+        Counts are physical pipeline stages (pp). `chunks[unit] = v` (default 1) makes the
+        unit interleaved: its chain has pp * v virtual stages (Megatron-LM's model chunks).
+        `trainable[unit]` is a bool, or one bool per (virtual) stage of that unit (e.g. a
+        frozen encoder whose last stage holds a trainable projector: `(False, True)`). A
+        stage runs backward iff something at or upstream of it is trainable (seed 002
+        §4.2); "input_only" if it is itself frozen. Omitted `trainable`: all trainable.
         """
         for name in ("llm", "generator"):
             if name in encoders:
@@ -162,6 +215,13 @@ class StageGraph:
             if not isinstance(n, int) or n < 1:
                 raise ValueError(f"encoders[{name!r}]={n!r}: an encoder needs >= 1 stage")
         units = {**encoders, "llm": llm, **({"generator": generator} if generator else {})}
+        chunks = dict(chunks or {})
+        for u, v in chunks.items():
+            if u not in units:
+                raise ValueError(f"chunks has unknown unit {u!r}; units are {list(units)}")
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"chunks[{u!r}]={v!r}: must be an int >= 1")
+        units = {u: n * chunks.get(u, 1) for u, n in units.items()}  # virtual stages
         trainable = {u: True for u in units} if trainable is None else dict(trainable)
         unknown = sorted(set(trainable) - set(units))
         if unknown:
@@ -175,7 +235,8 @@ class StageGraph:
             flags = (flags,) * n if isinstance(flags, bool) else tuple(flags)
             if len(flags) != n or not all(isinstance(f, bool) for f in flags):
                 raise ValueError(f"trainable[{u!r}]={trainable[u]!r}: give a bool or {n} "
-                                 f"bools (one per stage of {u!r})")
+                                 f"bools (one per {'virtual ' if chunks.get(u, 1) > 1 else ''}"
+                                 f"stage of {u!r})")
             per_stage.update({StageId(u, i): f for i, f in enumerate(flags)})
 
         stages, edges = [], []
@@ -186,7 +247,7 @@ class StageGraph:
             if u in encoders:
                 edges.append((chain[-1], StageId("llm", 0)))
         if generator:
-            edges.append((StageId("llm", llm - 1), StageId("generator", 0)))
+            edges.append((StageId("llm", units["llm"] - 1), StageId("generator", 0)))
 
         upstream: dict[StageId, bool] = {}  # something trainable strictly before s
         for s in stages:
@@ -194,24 +255,22 @@ class StageGraph:
             upstream[s] = any(upstream[a] or per_stage[a] for a in preds)
         has_backward = {s: "full" if per_stage[s] else "input_only" if upstream[s] else "none"
                         for s in stages}
-        return cls(tuple(stages), tuple(edges), has_backward)
+        return cls(tuple(stages), tuple(edges), has_backward,
+                   {u: v for u, v in chunks.items() if v > 1})
 
     @classmethod
     def from_plan(cls, plan) -> "StageGraph":
         """The unit DAG of a `mmjax.planner.plan.Plan`: every unit other than "llm" and
-        "generator" is an encoder branch; a unit is trainable iff not `frozen`."""
+        "generator" is an encoder branch; a unit is trainable iff not `frozen`; a unit
+        with num_chunks > 1 is interleaved (pp * num_chunks virtual stages)."""
         names = plan.unit_names
         if "llm" not in names:
             raise ValueError(f"plan has no 'llm' unit (units: {list(names)})")
-        for u in plan.units:
-            if u.num_chunks != 1:
-                raise ValueError(f"plan unit {u.name!r} has num_chunks={u.num_chunks}: the "
-                                 "unit DAG schedule is not interleaved; use "
-                                 "interleaved_one_f_one_b for an llm-only plan")
         enc = {u.name: u.pp for u in plan.units if u.name not in ("llm", "generator")}
         gen = plan.unit("generator").pp if "generator" in names else 0
         return cls.from_units(enc, plan.unit("llm").pp, gen,
-                              {u.name: not u.frozen for u in plan.units})
+                              {u.name: not u.frozen for u in plan.units},
+                              {u.name: u.num_chunks for u in plan.units})
 
 
 # ---------------------------------------------------------------------------------------
@@ -252,6 +311,40 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> list[list[Action]]:
             for s in range(num_stages)]
 
 
+def _interleaved_step(p: int, v: int, k: int, forward: bool) -> Action:
+    """Megatron-LM's virtual step k on a stage: chunk (k mod (p*v)) // p (reversed for
+    backward) of microbatch (k // (p*v)) * p + k mod p."""
+    chunk = (k % (p * v)) // p
+    mb = (k // (p * v)) * p + k % p
+    return Action("F", mb, chunk) if forward else Action("B", mb, v - 1 - chunk)
+
+
+def _interleaved_row(p: int, m: int, v: int, warmup: int) -> list[Action]:
+    """One stage's interleaved 1F1B row: `warmup` forward steps, then alternate one
+    forward step and one backward step, then drain the backward steps."""
+    total = m * v
+    w = min(warmup, total)
+    order = [_interleaved_step(p, v, k, True) for k in range(w)]
+    for k in range(total - w):
+        order += [_interleaved_step(p, v, w + k, True), _interleaved_step(p, v, k, False)]
+    order += [_interleaved_step(p, v, k, False) for k in range(total - w, total)]
+    return order
+
+
+def _megatron_interleaved_warmup(p: int, m: int, v: int, s: int) -> int:
+    """Megatron-LM's warm-up for stage s: 2 (p - s - 1) + (v - 1) p forward steps, or all
+    m v of them when m == p."""
+    return m * v if m == p else min(2 * (p - s - 1) + (v - 1) * p, m * v)
+
+
+def _check_interleaved(p: int, m: int, v: int, what: str = "num_stages") -> None:
+    if not isinstance(v, int) or v < 1:
+        raise ValueError(f"num_chunks={v!r}: must be an int >= 1")
+    if m % p:
+        raise ValueError(f"num_microbatches={m} must be a multiple of {what}={p} for "
+                         "the interleaved schedule; pick a multiple or use one_f_one_b")
+
+
 def interleaved_one_f_one_b(num_stages: int, num_microbatches: int,
                             num_chunks: int) -> list[list[Action]]:
     """Megatron-LM's interleaved 1F1B: each stage holds `num_chunks` model chunks (chunk c
@@ -259,44 +352,75 @@ def interleaved_one_f_one_b(num_stages: int, num_microbatches: int,
     (k mod (p*v)) // p (reversed for backward) on microbatch (k // (p*v)) * p + k mod p;
     warm-up is 2 (p - s - 1) + (v - 1) p steps, or everything when m == p."""
     _check_sizes(num_stages, num_microbatches)
-    if not isinstance(num_chunks, int) or num_chunks < 1:
-        raise ValueError(f"num_chunks={num_chunks!r}: must be an int >= 1")
     p, m, v = num_stages, num_microbatches, num_chunks
-    if m % p:
-        raise ValueError(f"num_microbatches={m} must be a multiple of num_stages={p} for "
-                         "the interleaved schedule; pick a multiple or use one_f_one_b")
-    total = m * v
-
-    def step(k: int, forward: bool) -> Action:
-        chunk = (k % (p * v)) // p
-        mb = (k // (p * v)) * p + k % p
-        return Action("F", mb, chunk) if forward else Action("B", mb, v - 1 - chunk)
-
-    table = []
-    for s in range(p):
-        warmup = total if m == p else min(2 * (p - s - 1) + (v - 1) * p, total)
-        order = [step(k, True) for k in range(warmup)]
-        for k in range(total - warmup):
-            order += [step(warmup + k, True), step(k, False)]
-        order += [step(k, False) for k in range(total - warmup, total)]
-        table.append(order)
-    return table
+    _check_interleaved(p, m, v)
+    return [_interleaved_row(p, m, v, _megatron_interleaved_warmup(p, m, v, s))
+            for s in range(p)]
 
 
 def multimodal_one_f_one_b(graph: StageGraph,
                            num_microbatches: int) -> dict[StageId, list[Action]]:
-    """1F1B over the unit DAG (seed 002 §4.1, Fig. 6): encoder branches run in parallel
-    and feed the LLM, which feeds the generator. Each stage warms up with as many forwards
-    as there are stages downstream of it on its path (capped by num_microbatches); a
-    stage that runs no backward (seed 002 §4.2) just runs its forwards in order."""
+    """1F1B over the unit DAG (seed 002 §4.1, Fig. 6), keyed by physical stage: encoder
+    branches run in parallel and feed the LLM, which feeds the generator.
+
+    A unit with one chunk: each stage warms up with as many forwards as there are
+    (virtual) stages downstream of it on its path, capped by num_microbatches (Fig. 6).
+    An interleaved unit (`graph.chunks[unit] = v > 1`, num_microbatches a multiple of its
+    pp): Megatron-LM's interleaved order on each of its physical stages, with warm-up
+    2 (pp - s - 1) + (v - 1) pp + d forward steps, d = the stages downstream of the
+    unit's last virtual stage (e.g. the generator after the LLM), so with nothing
+    downstream the rows are exactly `interleaved_one_f_one_b(pp, m, v)`.
+    Stages or chunks that run no backward (seed 002 §4.2) keep their forwards in order
+    and drop their B actions.
+
+    Where these warm-ups would deadlock -- e.g. a generator with a 1F1B warm-up wants the
+    LLM's last chunk of a microbatch that the interleaved order only produces in the next
+    round of p v steps -- the warm-up of a stage that holds back a forward another stage
+    waits for (it is at a backward) is raised by one, until the schedule runs (it always
+    does: with all forwards first every stage follows one consistent microbatch order).
+    """
     _check_sizes(1, num_microbatches)
-    out = {}
-    for s in graph.stages:
-        if graph.runs_backward(s):
-            out[s] = _warmup_steady_cooldown(graph.num_downstream(s), num_microbatches)
+    m = num_microbatches
+    warm: dict[StageId, int] = {}
+    cap: dict[StageId, int] = {}
+    for s in graph.physical_stages:
+        p, v = graph.num_stages(s.unit), graph.num_chunks(s.unit)
+        cap[s] = m * v
+        if v == 1:
+            warm[s] = graph.num_downstream(s)
         else:
-            out[s] = [Action("F", i) for i in range(num_microbatches)]
-    return out
+            _check_interleaved(p, m, v, f"the pp of unit {s.unit!r}")
+            last = StageId(s.unit, p * v - 1)
+            warm[s] = m * v if m == p else (_megatron_interleaved_warmup(p, m, v, s.index)
+                                            + graph.num_downstream(last))
+
+    def row(s: StageId) -> list[Action]:
+        p, v = graph.num_stages(s.unit), graph.num_chunks(s.unit)
+        if v == 1:
+            if not graph.runs_backward(s):
+                return [Action("F", i) for i in range(m)]
+            return _warmup_steady_cooldown(warm[s], m)
+        keep = {c for c in range(v) if graph.runs_backward(graph.virtual(s, c))}
+        return [a for a in _interleaved_row(p, m, v, warm[s])
+                if a.kind == "F" or a.chunk in keep]
+
+    out = {s: row(s) for s in graph.physical_stages}
+    topo = topology(out, graph)
+    while True:
+        _, end, pos = _run(out, topo, lambda s, a: 1.0)
+        stuck = {s: out[s][pos[s]] for s in topo.stages if pos[s] < len(out[s])}
+        if not stuck:
+            return out
+        at_b = [s for s, a in stuck.items() if a.kind == "B" and warm[s] < cap[s]]
+        holding = {d for s, a in stuck.items() if a.kind == "F"
+                   for d, da in topo.dependencies(s, a) if (d, da) not in end}
+        raise_ = [s for s in at_b if s in holding] or at_b
+        if not raise_:
+            raise RuntimeError("internal: multimodal_one_f_one_b could not make the "
+                               f"schedule deadlock-free (stuck: {list(map(str, stuck))})")
+        for s in raise_:
+            warm[s] += 1
+            out[s] = row(s)
 
 
 # ---------------------------------------------------------------------------------------
@@ -307,41 +431,65 @@ Key = tuple[Hashable, Action]  # (stage, action)
 
 @dataclass(frozen=True)
 class Topology:
-    """A schedule's stages, chunks and backward modes, and the nodes (stage, chunk) that
-    feed each other. Built by `topology`; shared by `validate` and `simulate`."""
+    """A schedule's stages, chunks per stage, and its nodes (stage, chunk): their backward
+    modes and the nodes that feed each other. Built by `topology`; shared by `validate`,
+    `dispatch_order` and `simulate`."""
 
     stages: tuple[Hashable, ...]
-    num_chunks: int
-    has_backward: Mapping[Hashable, str]
+    chunks: Mapping[Hashable, int]
+    has_backward: Mapping[tuple[Hashable, int], str]
     preds: Mapping[tuple[Hashable, int], tuple[tuple[Hashable, int], ...]]
     succs: Mapping[tuple[Hashable, int], tuple[tuple[Hashable, int], ...]]
 
+    def __post_init__(self):
+        object.__setattr__(self, "_deps", {})  # dependencies() cache: not a field
+
+    @property
+    def num_chunks(self) -> int:
+        return max(self.chunks.values(), default=1)
+
+    def runs_backward(self, stage: Hashable, chunk: int = 0) -> bool:
+        return self.has_backward[(stage, chunk)] != "none"
+
     def dependencies(self, stage: Hashable, action: Action) -> list[Key]:
-        node = (stage, action.chunk)
-        mb = action.microbatch
-        if action.kind == "F":
-            return [(s, Action("F", mb, c)) for s, c in self.preds[node]]
-        deps = [(stage, Action("F", mb, action.chunk))]
-        return deps + [(s, Action("B", mb, c)) for s, c in self.succs[node]
-                       if self.has_backward[s] != "none"]
+        """The (stage, action) pairs that must end before `action` starts on `stage`."""
+        key = (stage, action)
+        deps = self._deps.get(key)
+        if deps is None:
+            node = (stage, action.chunk)
+            mb = action.microbatch
+            if action.kind == "F":
+                deps = [(s, Action("F", mb, c)) for s, c in self.preds[node]]
+            else:
+                deps = [(stage, Action("F", mb, action.chunk))] + [
+                    (s, Action("B", mb, c)) for s, c in self.succs[node]
+                    if self.has_backward[(s, c)] != "none"]
+            self._deps[key] = deps
+        return deps
 
 
 def topology(schedule, graph: StageGraph | None = None) -> Topology:
     """List schedule: a chain of len(schedule) stages, chunks inferred from the actions
-    (virtual stage c * p + s), every stage runs a full backward. Dict schedule: the
-    stages and edges of `graph` (required), one chunk."""
+    (virtual stage c * p + s), every stage runs a full backward. Dict schedule: keyed by
+    the physical stages of `graph` (required); node (stage s, chunk c) is the unit's
+    virtual stage c * pp + s, with the graph's edges and backward modes."""
     if isinstance(schedule, Mapping):
         if graph is None:
             raise ValueError("a schedule keyed by StageId needs graph=StageGraph(...) "
                              "to know its edges and backward modes")
-        missing = [str(s) for s in graph.stages if s not in schedule]
-        extra = [stage_name(s) for s in schedule if s not in graph.has_backward]
+        phys = graph.physical_stages
+        known = set(phys)
+        missing = [str(s) for s in phys if s not in schedule]
+        extra = [stage_name(s) for s in schedule if s not in known]
         if missing or extra:
             raise ValueError(f"schedule stages do not match the graph: missing {missing}, "
                              f"unknown {extra}")
-        preds = {(s, 0): tuple((a, 0) for a in graph.predecessors(s)) for s in graph.stages}
-        succs = {(s, 0): tuple((b, 0) for b in graph.successors(s)) for s in graph.stages}
-        return Topology(graph.stages, 1, dict(graph.has_backward), preds, succs)
+        node = {v: graph.physical(v) for v in graph.stages}
+        preds = {node[v]: tuple(node[a] for a in graph.predecessors(v)) for v in graph.stages}
+        succs = {node[v]: tuple(node[b] for b in graph.successors(v)) for v in graph.stages}
+        modes = {node[v]: graph.has_backward[v] for v in graph.stages}
+        chunks = {s: graph.num_chunks(s.unit) for s in phys}
+        return Topology(phys, chunks, modes, preds, succs)
     if not isinstance(schedule, Sequence) or isinstance(schedule, str):
         raise ValueError(f"schedule must be a list of per-stage action lists or a dict "
                          f"keyed by StageId, got {type(schedule).__name__}")
@@ -359,15 +507,13 @@ def topology(schedule, graph: StageGraph | None = None) -> Topology:
     for a, b in zip(virtual[:-1], virtual[1:]):
         preds[b] = (a,)
         succs[a] = (b,)
-    return Topology(tuple(range(p)), v, {s: "full" for s in range(p)}, preds, succs)
+    return Topology(tuple(range(p)), {s: v for s in range(p)},
+                    {n: "full" for n in virtual}, preds, succs)
 
 
-def execute(schedule, topo: Topology, duration: Callable[[Hashable, Action], float],
-            comm: float = 0.0) -> tuple[dict[Key, float], dict[Key, float], list[str]]:
-    """Run every stage's actions in order: an action starts when its stage is free and
-    its dependencies have ended (+ `comm` when the dependency is on another stage).
-    Returns (start, end, stuck); `stuck` describes each stage that could not finish
-    (a deadlock), empty when the schedule runs to completion."""
+def _run(schedule, topo: Topology, duration: Callable[[Hashable, Action], float],
+         comm: float = 0.0) -> tuple[dict[Key, float], dict[Key, float], dict]:
+    """Event loop of `execute`; returns (start, end, position reached in each row)."""
     start: dict[Key, float] = {}
     end: dict[Key, float] = {}
     pos = {s: 0 for s in topo.stages}
@@ -394,6 +540,16 @@ def execute(schedule, topo: Topology, duration: Callable[[Hashable, Action], flo
             end[(s, a)] = free[s] = t + duration(s, a)
             pos[s] += 1
             queue.extend(waiting.pop((s, a), ()))
+    return start, end, pos
+
+
+def execute(schedule, topo: Topology, duration: Callable[[Hashable, Action], float],
+            comm: float = 0.0) -> tuple[dict[Key, float], dict[Key, float], list[str]]:
+    """Run every stage's actions in order: an action starts when its stage is free and
+    its dependencies have ended (+ `comm` when the dependency is on another stage).
+    Returns (start, end, stuck); `stuck` describes each stage that could not finish
+    (a deadlock), empty when the schedule runs to completion."""
+    start, end, pos = _run(schedule, topo, duration, comm)
     stuck = []
     for s in topo.stages:
         if pos[s] < len(schedule[s]):
@@ -426,15 +582,15 @@ def check_actions(schedule, topo: Topology, num_microbatches: int | None = None)
             if a.microbatch >= m:
                 raise ValueError(f"{name} action #{i} {a}: microbatch >= "
                                  f"num_microbatches={m}")
-            if a.chunk >= topo.num_chunks:
+            if a.chunk >= topo.chunks[s]:
                 raise ValueError(f"{name} action #{i} {a}: chunk >= num_chunks="
-                                 f"{topo.num_chunks}")
-            if a.kind == "B" and topo.has_backward[s] == "none":
+                                 f"{topo.chunks[s]}")
+            if a.kind == "B" and not topo.runs_backward(s, a.chunk):
                 raise ValueError(f"{name} action #{i} {a}: this stage runs no backward "
+                                 f"{'' if a.chunk == 0 else f'in chunk {a.chunk} '}"
                                  "(has_backward='none'); drop its B actions")
-        kinds = ("F", "B") if topo.has_backward[s] != "none" else ("F",)
-        for k in kinds:
-            for c in range(topo.num_chunks):
+        for c in range(topo.chunks[s]):
+            for k in ("F", "B") if topo.runs_backward(s, c) else ("F",):
                 for mb in range(m):
                     if Action(k, mb, c) not in seen:
                         raise ValueError(f"{name} is missing action {Action(k, mb, c)}")
@@ -451,3 +607,18 @@ def validate(schedule, graph: StageGraph | None = None,
     _, _, stuck = execute(schedule, topo, lambda s, a: 1.0)
     if stuck:
         raise ValueError("schedule deadlocks: " + "; ".join(stuck))
+
+
+def dispatch_order(schedule, graph: StageGraph | None = None) -> list[Key]:
+    """All (stage, action) pairs of a valid schedule in one global order that respects
+    every dependency and keeps each stage's row order: sorted by start time when every
+    action takes one unit (ties in stage order). A host-driven runtime dispatching in
+    this order hands each stage's devices exactly that stage's row (JAX runs a device's
+    work in dispatch order), so per stage the schedule is what runs."""
+    topo = topology(schedule, graph)
+    check_actions(schedule, topo)
+    start, _, stuck = execute(schedule, topo, lambda s, a: 1.0)
+    if stuck:
+        raise ValueError("schedule deadlocks: " + "; ".join(stuck))
+    rank = {s: i for i, s in enumerate(topo.stages)}
+    return sorted(start, key=lambda key: (start[key], rank[key[0]]))

@@ -23,7 +23,8 @@ class SimResult:
 
     bubble_fraction[s] = 1 - busy[s] / iteration_time. peak_in_flight[s] counts
     (microbatch, chunk) pairs whose F is done and B is not yet done on s: the number of
-    activation sets s holds (0 for stages that run no backward: they keep nothing).
+    activation sets s holds (chunks that run no backward keep nothing). Stages are the
+    schedule's keys: physical stages for an interleaved unit, with the chunk per action.
     """
 
     schedule: Mapping[Hashable, list[Action]]
@@ -50,7 +51,7 @@ class SimResult:
                 for start, _, s, a in items]
 
 
-def _cost_fn(costs: Costs) -> Callable[[Hashable, Action], float]:
+def _cost_fn(costs: Costs, graph: StageGraph | None) -> Callable[[Hashable, Action], float]:
     if callable(costs):
         return costs
     if not isinstance(costs, Mapping):
@@ -58,6 +59,10 @@ def _cost_fn(costs: Costs) -> Callable[[Hashable, Action], float]:
                          f"{{(stage, kind): seconds}}, got {type(costs).__name__}")
 
     def lookup(stage, action):
+        if graph is not None and isinstance(stage, StageId) and action.chunk:
+            virtual = graph.virtual(stage, action.chunk)  # chunk c of s: stage c * pp + s
+            if (virtual, action.kind) in costs:
+                return costs[(virtual, action.kind)]
         try:
             return costs[(stage, action.kind)]
         except KeyError:
@@ -69,13 +74,15 @@ def _cost_fn(costs: Costs) -> Callable[[Hashable, Action], float]:
 def simulate(schedule, costs: Costs, graph: StageGraph | None = None,
              comm: float = 0.0) -> SimResult:
     """Simulate `schedule` (list per stage, or dict by StageId with `graph`) with per-action
-    `costs` in seconds and inter-stage latency `comm`. Raises ValueError on a malformed or
-    deadlocking schedule, or a negative cost."""
+    `costs` in seconds and inter-stage latency `comm`. A callable gets (stage, action); a
+    dict is keyed by (stage, kind), and for a chunk c > 0 of an interleaved unit first by
+    (virtual stage c * pp + s, kind). Raises ValueError on a malformed or deadlocking
+    schedule, or a negative cost."""
     if comm < 0:
         raise ValueError(f"comm={comm}: latency must be >= 0")
     topo = topology(schedule, graph)
     check_actions(schedule, topo)
-    cost = _cost_fn(costs)
+    cost = _cost_fn(costs, graph)
     durations: dict[tuple[Hashable, Action], float] = {}
 
     def duration(stage, action):
@@ -94,8 +101,8 @@ def simulate(schedule, costs: Costs, graph: StageGraph | None = None,
     peak = {}
     for s in topo.stages:
         live = best = 0
-        if topo.has_backward[s] != "none":
-            for a in schedule[s]:
+        for a in schedule[s]:
+            if topo.runs_backward(s, a.chunk):
                 live += 1 if a.kind == "F" else -1
                 best = max(best, live)
         peak[s] = best
@@ -108,7 +115,8 @@ def frozen_aware_costs(graph: StageGraph, forward: Mapping[StageId, float],
                        ) -> dict[tuple[StageId, str], float]:
     """Cornstarch's backward-time rule (seed 002 §4.2): T_backward = 0 with nothing
     trainable at or before the stage, 1x T_forward for a frozen stage with trainable
-    modules upstream (input grads only), 2x T_forward for a trainable stage."""
+    modules upstream (input grads only), 2x T_forward for a trainable stage. Keyed by
+    the graph's (virtual) stages, which `simulate` looks up for interleaved units."""
     factor = {"none": 0.0, "input_only": 1.0, "full": 2.0}
     out = {}
     for s in graph.stages:
