@@ -11,6 +11,7 @@ from mmjax.data.balance import (POLICIES, Rearrangement, batch_cost, batches_by_
                                 compose_rearrangement, greedy_partition, inter_node_volumes,
                                 max_inter_node_volume, node_wise_rearrange, post_balance,
                                 rearrangement, volume_matrix)
+from mmjax.data.balance import _sum_square
 
 
 def _all_partitions(n, d):
@@ -114,6 +115,28 @@ def test_sum_square_heap_matches_scan_reference():
                       (400, 64, 100.0)]:
         x = rng.integers(1, 60, n).tolist()
         assert post_balance(x, d, "sum_square", tolerance=tol) == scan(x, d, tol)
+        # the vectorised runs (used from 256 ranks on) give the same answer
+        assert _sum_square(np.asarray(x, float), d, tol, runs_min_ranks=1) == scan(x, d, tol)
+    # runs vs scan: ties (few distinct lengths), zeros, floats, windows from tiny to everything
+    for trial in range(150):
+        n, d = int(rng.integers(1, 250)), int(rng.integers(1, 40))
+        x = [rng.integers(1, 60, n), rng.integers(0, 4, n), rng.random(n) * 100,
+             np.round(rng.lognormal(3, 1, n)), rng.choice([0.1, 0.2, 0.3, 7.7], n)][trial % 5]
+        x = x.astype(float)
+        tol = float(rng.choice([0.5, 5.0, 30.0, x.mean(), 1e9, 0.1 + 0.2]))
+        want = scan(x, d, tol)
+        assert _sum_square(x, d, tol, runs_min_ranks=1) == want, (trial, n, d, tol)
+        assert _sum_square(x, d, tol, runs_min_ranks=10**9) == want, (trial, n, d, tol)
+
+
+@pytest.mark.slow
+def test_sum_square_runs_match_heap_at_scale():
+    """2560 ranks x 60 samples (seed 001 Table 2 scale): both implementations agree."""
+    rng = np.random.default_rng(4)
+    x = np.round(rng.lognormal(7, 1, 2560 * 60))
+    tol = float(x.mean())
+    assert _sum_square(x, 2560, tol, runs_min_ranks=1) == \
+        _sum_square(x, 2560, tol, runs_min_ranks=10**9)
 
 
 def test_sum_square_trades_linear_for_quadratic_balance():
