@@ -1,6 +1,11 @@
 """Write a synthetic multimodal dataset as ArrayRecord + shape index for the loader.
 
   python scripts/make_dataset.py --kind=mix --num_samples=1000 --out=/tmp/mix.arrayrecord
+  python scripts/make_dataset.py --model=tiny --kind=laion --num_samples=64 --out=/tmp/t.arrayrecord
+
+`--model NAME` (a named config, e.g. tiny, tiny_valm) takes the vocabulary, patch size,
+largest image grid, mel bins and latent shape from that model, so the trainer can read the
+file (`--gin_param=loader_source.path="'/tmp/t.arrayrecord'"` with a --plan).
 
 Images are stored as uint8 pixels and decoded/resized by the loader's worker processes
 (seed 000 §4.2: preprocessing off the training path). `--corrupt_fraction` truncates some
@@ -27,11 +32,15 @@ def main(argv=None):
     ap.add_argument("--num_samples", type=int, default=1000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True, help="ArrayRecord path; index at OUT.index.json")
+    ap.add_argument("--model", default=None,
+                    help="named model config to match (sets the sizes below from it)")
     ap.add_argument("--vocab_size", type=int, default=512)
     ap.add_argument("--patch_size", type=int, default=14)
     ap.add_argument("--max_grid", type=int, default=64)
     ap.add_argument("--n_mels", type=int, default=16)
-    ap.add_argument("--gen_fraction", type=float, default=0.0)
+    ap.add_argument("--gen_fraction", type=float, default=None,
+                    help="share of generation tasks (samples with an image_out target); "
+                         "default 0, or the model's (0.15 with a generator) with --model")
     ap.add_argument("--bad_fraction", type=float, default=0.0,
                     help="share of empty / bad-shape / too-long samples")
     ap.add_argument("--corrupt_fraction", type=float, default=0.0,
@@ -41,8 +50,19 @@ def main(argv=None):
     a = ap.parse_args(argv)
     if a.num_samples < 1:
         ap.error("--num_samples must be >= 1")
-    cfg = SyntheticConfig(vocab_size=a.vocab_size, patch_size=a.patch_size, n_mels=a.n_mels,
-                          gen_fraction=a.gen_fraction, bad_fraction=a.bad_fraction)
+    if a.model:
+        from mmjax.train.config import named_model_config
+
+        model = named_model_config(a.model)
+        vision = [e.encoder for e in model.encoders if e.modality == "image"]
+        if vision:
+            a.patch_size, a.max_grid = vision[0].patch_size, vision[0].max_grid
+        kw = {} if a.gen_fraction is None else {"gen_fraction": a.gen_fraction}
+        cfg = SyntheticConfig.for_model(model, bad_fraction=a.bad_fraction, **kw)
+    else:
+        cfg = SyntheticConfig(vocab_size=a.vocab_size, patch_size=a.patch_size, n_mels=a.n_mels,
+                              gen_fraction=a.gen_fraction or 0.0,
+                              bad_fraction=a.bad_fraction)
     ds = SyntheticDataset(a.kind, cfg, seed=a.seed, size=a.num_samples)
     rng = np.random.default_rng([a.seed, 99])
     corrupt = frozenset(np.flatnonzero(rng.random(a.num_samples) < a.corrupt_fraction).tolist())

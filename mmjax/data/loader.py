@@ -17,10 +17,13 @@ One global batch (step k):
  2. Plan (metadata only, identical on every host; `plan_global_batch`): microbatch m = a
     contiguous slice; per unit ("phase") a policy splits each microbatch over the unit's DP
     ranks: "none" (contiguous), "disttrain" (Algorithm 2 intra-microbatch reorder per
-    microbatch, then Algorithm 3 inter-microbatch order over microbatches, seed 000 §6),
-    "orchmllm" (batch post-balancing per phase, seed 001 §5.1, optionally node-wise
-    rearranged §5.2.2). The generator follows the LLM's split (it reads LLM hidden states).
-    All DP ranks of a unit share one `BatchShapes` per microbatch (one SPMD program).
+    microbatch, then Algorithm 3 inter-microbatch order over microbatches, seed 000 §6, on
+    microbatch times from the planner's cost model: `microbatch_costs`), "orchmllm" (batch
+    post-balancing per phase with a per-phase algorithm, seed 001 §5.1 / Appendix A,
+    optionally node-wise rearranged §5.2.2, `NodeWise`). The generator follows the LLM's
+    split when their dp agree (it reads LLM hidden states, which then stay on their rank),
+    else it is split on its own (cost: generated images per sample). All DP ranks of a unit
+    share one `BatchShapes` per microbatch (one SPMD program).
  3. Routes (rearrangement composition, seed 001 §6): per encoder, `compose_rearrangement`
     gives each sample's (encoder rank, slot) -> (LLM rank, slot); expanded to token rows,
     `routes[e][d, j] = (encoder rank, row)` fills row j of LLM rank d's projected buffer
@@ -29,6 +32,8 @@ One global batch (step k):
     inputs (`Batch.encoders[e]`), LLM ranks get the LLM side + generator fields (no encoder
     pixels). A sample that fails to decode here is replaced by a blank of the same shapes
     with its loss masked out (shapes and routes stay valid), and counted as skipped.
+    With `feeds=True` (the pipeline runtime) every host builds the whole microbatch feed
+    (all units and ranks): the runtime forms its global inputs from full feeds.
 """
 from __future__ import annotations
 
