@@ -1,6 +1,6 @@
 """Data-path benchmarks (issue 6): reordering and post-balancing, host side only.
 
-Parts (``--parts``, default 1 2 3; one function per part):
+Parts (``--parts``, default all: 1 2 3 4; one function per part):
   1. DP imbalance, max/mean per-rank cost, for a random split (as sampled) vs DistTrain's
      intra-microbatch reordering (seed 000 Alg. 2) vs each OrchMLLM post-balance policy (seed
      001 Alg. 1, 2, 4, 5), per phase (vision / audio encoder tokens of the samples that have
@@ -15,14 +15,16 @@ Parts (``--parts``, default 1 2 3; one function per part):
      {2, 4, 8}; also l = 32, 64 against sampled random orders and the lower bound.
      Microbatch cost = encoder tokens it holds.
   3. Balancing compute time at seed 001 Table 2 scales (DP 64 ... 2560, 60 samples per rank):
-     each policy and node-wise rearrangement (8 ranks per node; MILP up to --max_milp_ranks,
-     greedy fast path above). OrchMLLM's whole dispatcher overhead there is 16.7-53.9 ms.
-     "sum_square" is an O(n log d) pure-Python heap loop (skipped above --sum_square_max_dp).
+     each policy and node-wise rearrangement (8 ranks per node; the MILP up to
+     --max_milp_ranks with a --milp_time_limit, reporting whether it proved optimality and
+     its objective vs the greedy fast path; greedy above). OrchMLLM's whole dispatcher
+     overhead there is 16.7-53.9 ms. "sum_square" runs the heap loop below 256 ranks and
+     vectorised runs from 256 on (identical output; skipped above --sum_square_max_dp).
   4. Loader throughput (mmjax/data/loader.py, seed 000 §4.2 / 003 §6): samples/s with 0, 1, 2
      grain worker processes and the trainer's wait per step while a simulated training step
-     runs (--step_ms). Not in the default set (it spawns worker processes): --parts 4.
+     runs (--step_ms).
 
-  python scripts/bench_data.py [--parts 1 2 3] [--json bench_results/bench_data.json]
+  python scripts/bench_data.py [--parts 1 2 3 4] [--json bench_results/bench_data.json]
 """
 from __future__ import annotations
 
@@ -213,11 +215,15 @@ def part3_overhead(args, console) -> list[dict]:
         batches = balance.post_balance(x, d, "sum")
         src = np.arange(x.size) // 60
         t0, c0 = time.perf_counter(), time.process_time()
+        info = {}
         perm = balance.node_wise_rearrange(src, batches, x, 8, time_limit=args.milp_time_limit,
-                                           max_milp_ranks=args.max_milp_ranks)
+                                           max_milp_ranks=args.max_milp_ranks, info=info)
         row["node_wise_ms"] = (time.process_time() - c0) * 1e3
         row["node_wise_wall_ms"] = (time.perf_counter() - t0) * 1e3
         row["node_wise_method"] = "milp" if d <= args.max_milp_ranks else "greedy"
+        row["milp_status"] = info.get("milp_status")  # "optimal" or "user_limit" (time)
+        row["node_wise_chosen"] = info["chosen"]
+        row["node_wise_objective"] = info["objective"]
         dst = np.empty(x.size, dtype=np.int64)
         ident = np.empty(x.size, dtype=np.int64)
         for i, b in enumerate(batches):
@@ -229,14 +235,18 @@ def part3_overhead(args, console) -> list[dict]:
     table = Table(title="(3) balancing CPU time, ms, median (best) of repeats (60 samples "
                         "per rank; node-wise: 8 ranks per node, max inter-node volume before "
                         "-> after)")
-    for col in ("DP", "samples", *balance.POLICIES, "node-wise", "inter-node vol",
-                "OrchMLLM total"):
+    for col in ("DP", "samples", *balance.POLICIES, "node-wise ms", "MILP", "MILP / greedy",
+                "inter-node vol", "OrchMLLM total"):
         table.add_column(col, justify="right")
     for r in rows:
+        obj = r["node_wise_objective"]
         table.add_row(str(r["dp"]), str(r["samples"]),
                       *["-" if r[p] is None else f"{r[p]['median']:.1f} ({r[p]['min']:.1f})"
                         for p in balance.POLICIES],
                       f"{r['node_wise_ms']:.0f} ({r['node_wise_method']})",
+                      r["milp_status"] or "-",
+                      f"{obj['milp'] / obj['greedy']:.3f}" if "milp" in obj and obj["greedy"]
+                      else "-",
                       f"{r['inter_node_before']:.0f} -> {r['inter_node_after']:.0f}",
                       "-" if r["orchmllm_ms"] is None else f"{r['orchmllm_ms']:.1f}")
     console.print(table)
@@ -300,9 +310,9 @@ def part4_loader(args, console) -> list[dict]:
 PARTS = {1: part1_imbalance, 2: part2_pipeline, 3: part3_overhead, 4: part4_loader}
 
 
-def main():
+def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--parts", type=int, nargs="+", default=[1, 2, 3], choices=sorted(PARTS))
+    ap.add_argument("--parts", type=int, nargs="+", default=sorted(PARTS), choices=sorted(PARTS))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dp", type=int, nargs="+", default=[8, 64, 512])
     ap.add_argument("--samples_per_rank", type=int, default=16)
@@ -319,13 +329,14 @@ def main():
     ap.add_argument("--sum_square_max_dp", type=int, default=2560)
     ap.add_argument("--max_milp_ranks", type=int, default=64,
                     help="node-wise: MILP up to this many ranks, greedy fast path above")
-    ap.add_argument("--milp_time_limit", type=float, default=1.0)
+    ap.add_argument("--milp_time_limit", type=float, default=0.25,
+                    help="node-wise MILP time limit, s (the best answer found is kept)")
     ap.add_argument("--loader_workers", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--loader_steps", type=int, default=8)
     ap.add_argument("--loader_global_batch", type=int, default=32)
     ap.add_argument("--step_ms", type=float, default=200.0, help="part 4: simulated train step")
     ap.add_argument("--json", default="bench_results/bench_data.json")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.microbatches > 8:
         ap.error("--microbatches must be <= 8 (exhaustive search over l! orders)")
     console = Console(width=max(Console().width, 140))
@@ -338,6 +349,7 @@ def main():
     with open(args.json, "w") as f:
         json.dump(results, f, indent=2, default=float)
     console.print(f"wrote {args.json}")
+    return results
 
 
 if __name__ == "__main__":
