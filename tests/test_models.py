@@ -1,4 +1,4 @@
-"""Model semantics: masks, causality, packing isolation, stage slicing."""
+"""Model semantics: masks, causality, packing isolation, stage slicing, DAG, bf16 compute."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,7 +11,8 @@ from mmjax.models.generator import DiffusionGenerator
 from mmjax.models.llm import LLM, mask_attend
 from mmjax.models.projector import CrossAttentionProjector, MLPProjector
 from mmjax.models.config import ProjectorConfig
-from mmjax.models.tiny import TINY_AUDIO, TINY_GENERATOR, TINY_LLM, TINY_VISION
+from mmjax.models.mllm import MultimodalModel, trainable_filter
+from mmjax.models.tiny import TINY_AUDIO, TINY_GENERATOR, TINY_LLM, TINY_VISION, tiny, tiny_valm
 from mmjax.models.vision import VisionEncoder
 
 
@@ -141,3 +142,107 @@ def test_projectors_shapes_and_item_isolation():
     y2 = xa(x.at[:, 3:].set(0.0), seg)
     np.testing.assert_allclose(y[:, :3], y2[:, :3], atol=1e-6)
     assert not np.allclose(y[:, 3:], y2[:, 3:], atol=1e-4)
+
+
+def _batch(cfg, kind):
+    from mmjax.data.assemble import AssemblyLayout, assemble
+    from mmjax.data.synthetic import SyntheticConfig, SyntheticDataset
+    from mmjax.train.inputs import model_inputs
+
+    ds = SyntheticDataset(kind, SyntheticConfig.for_model(cfg, gen_fraction=0.5), seed=3)
+    lay = AssemblyLayout.from_config(cfg, 160, "pad", vision_caps=(64, 256),
+                                     audio_frame_caps=(128, 256, 512))
+    return model_inputs(assemble([ds[i] for i in range(4)], lay))
+
+
+def _matmul_operand_dtypes(jaxpr, out):
+    """(primitive, operand dtypes) of every dot_general / conv, recursing into sub-jaxprs
+    (pjit, custom_vjp, remat, ...)."""
+    from jax.extend import core as jcore
+
+    for eq in jaxpr.eqns:
+        if eq.primitive.name in ("dot_general", "conv_general_dilated"):
+            out.append((eq.primitive.name, tuple(str(v.aval.dtype) for v in eq.invars)))
+        for p in eq.params.values():
+            for sub in (p if isinstance(p, (list, tuple)) else [p]):
+                if isinstance(sub, jcore.ClosedJaxpr):
+                    _matmul_operand_dtypes(sub.jaxpr, out)
+                elif isinstance(sub, jcore.Jaxpr):
+                    _matmul_operand_dtypes(sub, out)
+    return out
+
+
+@pytest.mark.parametrize("make,kind", [(tiny, "laion"), (tiny_valm, "mix")], ids=["tiny", "tiny_valm"])
+def test_bf16_train_step_runs_every_matmul_in_bf16(make, kind):
+    """compute_dtype=bf16: encoders (patches / mels cast like pipeline/stage.py does),
+    projectors, LLM, generator and all their backward matmuls take bf16 operands."""
+    from mmjax.train.optimizer import learning_rate_schedule, make_optimizer
+    from mmjax.train.step import TrainState, make_train_step, split_model
+
+    cfg = make()
+    graphdef, tr, fr = split_model(MultimodalModel(cfg, jax.random.key(0)), trainable_filter(cfg))
+    tx = make_optimizer(learning_rate_schedule(10))
+    state = TrainState(jnp.zeros((), jnp.int32), tr, fr, tx.init(tr))
+    jaxpr = jax.make_jaxpr(make_train_step(graphdef, tx, jnp.bfloat16))(state, _batch(cfg, kind))
+    ops = _matmul_operand_dtypes(jaxpr.jaxpr, [])
+    assert len(ops) > 100
+    if kind == "mix":
+        assert any(name == "conv_general_dilated" for name, _ in ops)  # the audio convs
+    bad = sorted({o for o in ops if o[1] != ("bfloat16", "bfloat16")})
+    assert not bad, bad
+
+
+def test_bf16_loss_and_grads_close_to_float32():
+    from mmjax.train.step import make_loss_fn, split_model
+
+    from mmjax.models.config import with_overrides
+
+    cfg = with_overrides(tiny(), {"llm.num_layers": 2})
+    batch = _batch(cfg, "laion")
+    graphdef, tr, fr = split_model(MultimodalModel(cfg, jax.random.key(0)), trainable_filter(cfg))
+    out = {}
+    for dt in (jnp.float32, jnp.bfloat16):
+        fn = jax.jit(jax.value_and_grad(make_loss_fn(graphdef, dt), has_aux=True))
+        (loss, aux), g = fn(tr, fr, batch)
+        out[dt] = float(loss), aux, jnp.concatenate([x.ravel() for x in jax.tree.leaves(g)])
+    (l32, a32, g32), (l16, a16, g16) = out[jnp.float32], out[jnp.bfloat16]
+    assert g16.dtype == jnp.float32  # gradients of the float32 master parameters
+    assert l16 != l32  # bf16 really ran
+    # bf16 has 8 mantissa bits (eps 2**-8 = 3.9e-3): the loss agrees well inside that
+    np.testing.assert_allclose(l16, l32, rtol=4e-3)
+    for k in ("lm_loss", "diffusion_loss"):
+        np.testing.assert_allclose(float(a16[k]), float(a32[k]), rtol=4e-3)
+    assert float(jnp.linalg.norm(g16 - g32) / jnp.linalg.norm(g32)) < 0.05
+
+
+def test_dag_edges_and_execution_order():
+    m = MultimodalModel(tiny(), jax.random.key(0))
+    assert m.dag() == [("vision", "llm"), ("llm", "generator")]
+    assert m.execution_order() == ["vision", "llm", "generator"]
+    v = MultimodalModel(tiny_valm(), jax.random.key(0))
+    assert v.dag() == [("vision", "llm"), ("audio", "llm")]
+    assert v.execution_order() == ["vision", "audio", "llm"]
+    order = v.execution_order()
+    assert all(order.index(a) < order.index(b) for a, b in v.dag())
+
+
+class _EdgeDropped(MultimodalModel):
+    def dag(self):
+        return [e for e in super().dag() if e != ("audio", "llm")]
+
+
+class _Cyclic(MultimodalModel):
+    def dag(self):
+        return super().dag() + [("llm", "vision")]
+
+
+def test_call_walks_the_dag():
+    cfg = tiny_valm()
+    batch = _batch(cfg, "mix")
+    # the call reads the DAG: a missing encoder -> llm edge is an error naming the encoder
+    with pytest.raises(ValueError, match=r"no edge from encoder\(s\) \['audio'\]"):
+        _EdgeDropped(cfg, jax.random.key(0))(batch)
+    with pytest.raises(ValueError, match="cycle"):
+        _Cyclic(cfg, jax.random.key(0))(batch)
+    loss, aux = MultimodalModel(cfg, jax.random.key(0))(batch)
+    assert np.isfinite(float(loss)) and float(aux["lm_loss"]) > 0

@@ -13,6 +13,8 @@ mask for a CP rank's distributed queries against all-gathered keys.
 """
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 
@@ -44,6 +46,37 @@ def segment_mask(segment_ids_q, segment_ids_k=None):
             & (segment_ids_q[..., :, None] != 0))
 
 
+def f32_einsum(spec: str, a, b):
+    """einsum with a float32 result (attention logits, LM-head logits).
+
+    Low-precision (bf16) operands keep the float32 forward, and the backward casts the float32
+    cotangent down to the operands' dtype first, so the backward matmuls run on bf16 operands
+    too instead of mixed float32 x bf16 dots (mixed-precision training keeps gradients of
+    activations in the compute dtype). float32 operands take the plain path, unchanged.
+    """
+    if a.dtype == jnp.float32 and b.dtype == jnp.float32:
+        return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+    return _lowp_einsum(spec, a, b)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _lowp_einsum(spec, a, b):
+    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+
+
+def _lowp_einsum_fwd(spec, a, b):
+    return _lowp_einsum(spec, a, b), (a, b)
+
+
+def _lowp_einsum_bwd(spec, res, g):
+    a, b = res
+    _, vjp = jax.vjp(lambda x, y: jnp.einsum(spec, x, y), a, b)
+    return vjp(g.astype(jnp.result_type(a, b)))
+
+
+_lowp_einsum.defvjp(_lowp_einsum_fwd, _lowp_einsum_bwd)
+
+
 def dot_product_attention(q, k, v, allowed):
     """Masked softmax attention with grouped-query heads.
 
@@ -53,8 +86,7 @@ def dot_product_attention(q, k, v, allowed):
     b, sq, h, d = q.shape
     kv = k.shape[2]
     qg = q.reshape(b, sq, kv, h // kv, d)
-    logits = jnp.einsum("bqkgd,bskd->bkgqs", qg, k,
-                        preferred_element_type=jnp.float32) / jnp.sqrt(d).astype(jnp.float32)
+    logits = f32_einsum("bqkgd,bskd->bkgqs", qg, k) / jnp.sqrt(d).astype(jnp.float32)
     mask = allowed[:, None, None, :, :]
     logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(logits, axis=-1)

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from mmjax.models.attention import dot_product_attention
+from mmjax.models.attention import dot_product_attention, f32_einsum
 from mmjax.models.config import LLMConfig
 from mmjax.models.layers import PLAIN, RMSNorm, param, rope, zeros
 
@@ -92,7 +92,7 @@ class LLM(nnx.Module):
     def logits(self, h):
         """h: final-normed hidden states -> float32 logits."""
         w = self.embed[...].T if self.lm_head is None else self.lm_head[...]
-        return jnp.dot(h, w.astype(h.dtype), preferred_element_type=jnp.float32)
+        return f32_einsum("...d,dv->...v", h, w.astype(h.dtype))
 
     def __call__(self, tokens, positions, allowed, ops=PLAIN):
         """Whole-model convenience: tokens -> logits."""

@@ -7,7 +7,12 @@ and per projector; `trainable_filter` selects what gets gradients and optimizer 
 
 The per-unit functions below (`encode`, `llm_embed`, `llm_allowed`, `lm_outputs`,
 `generator_inputs`) are what both the single-device reference and the pipeline stages call,
-so both run the same arithmetic. Batch arrays follow `mmjax/data/assemble.py`.
+so both run the same arithmetic, in the same compute dtype: floating encoder inputs
+(patches, log-mel frames) are cast to it like the LLM embeddings and the generator's noisy
+latents, so with bf16 compute the encoders and projectors run bf16 matmuls as the pipeline
+stages do (`pipeline/stage.py` `apply_encoder`). `MultimodalModel.__call__` runs the units
+in a topological order of `dag()`, each reading its predecessors' outputs. Batch arrays
+follow `mmjax/data/assemble.py`.
 """
 from __future__ import annotations
 
@@ -64,7 +69,16 @@ def project(spec: EncoderSpec, projector, x, inputs):
     return y.reshape(-1, y.shape[-1])
 
 
-def encode(spec: EncoderSpec, encoder, projector, inputs):
+def cast_encoder_inputs(inputs: dict, dtype) -> dict:
+    """Floating encoder inputs (patches, mels) in the compute dtype; ids/lengths untouched.
+    Dense layers cast their weights to the input's dtype, so this sets the encoder's dtype."""
+    return {k: (v.astype(dtype) if jnp.issubdtype(v.dtype, jnp.floating) else v)
+            for k, v in inputs.items()}
+
+
+def encode(spec: EncoderSpec, encoder, projector, inputs, dtype=jnp.float32):
+    """One encoder branch (encoder + projector) in `dtype` -> [N * T', D] LLM-width tokens."""
+    inputs = cast_encoder_inputs(inputs, dtype)
     x = encoder_embed(spec, encoder, inputs)
     return project(spec, projector, encoder.finish(encoder_layers(spec, encoder, x, inputs)), inputs)
 
@@ -118,22 +132,65 @@ class MultimodalModel(nnx.Module):
                           if cfg.generator is not None else None)
 
     def dag(self) -> list[tuple[str, str]]:
+        """Execution-DAG edges (src, dst): every encoder branch -> llm -> generator."""
         edges = [(e.name, "llm") for e in self.cfg.encoders]
         return edges + ([("llm", "generator")] if self.generator is not None else [])
 
+    def execution_order(self) -> list[str]:
+        """The units in a topological order of `dag()` (Kahn's algorithm; ties keep the
+        config's order). Raises ValueError on an edge naming an unknown unit or a cycle."""
+        units = list(self.cfg.unit_names)
+        edges = self.dag()
+        for src, dst in edges:
+            if src not in units or dst not in units:
+                raise ValueError(f"dag() edge ({src!r}, {dst!r}) names a unit that is not "
+                                 f"in the model; units: {units}")
+        indeg = {u: sum(1 for _, d in edges if d == u) for u in units}
+        order, ready = [], [u for u in units if indeg[u] == 0]
+        while ready:
+            u = ready.pop(0)
+            order.append(u)
+            for src, dst in edges:
+                if src == u:
+                    indeg[dst] -= 1
+                    if indeg[dst] == 0:
+                        ready.append(dst)
+        if len(order) != len(units):
+            raise ValueError(f"dag() has a cycle through {[u for u in units if u not in order]}")
+        return order
+
     def __call__(self, batch, dtype=jnp.float32):
-        """-> (loss, {"lm_loss", "diffusion_loss"}) on a batch with global normalisers."""
-        cfg = self.cfg
-        enc_out = {e.name: encode(e, self.encoders[e.name], self.projectors[e.name],
-                                  batch["encoders"][e.name]) for e in cfg.encoders}
-        x = llm_embed(cfg, self.llm, batch, enc_out, dtype)
-        h = self.llm.run_layers(x, batch["positions"], mask_attend(llm_allowed(batch)))
-        lm_sum, cond = lm_outputs(self.llm, h, batch, self.generator is not None)
-        diff_sum = jnp.zeros((), jnp.float32)
-        if self.generator is not None:
-            noisy, t = generator_inputs(cfg, batch, dtype)
-            eps = self.generator(noisy, t, cond)
-            diff_sum = diffusion_loss_sum(eps, batch["gen_noise"], batch["gen_valid"])
+        """-> (loss, {"lm_loss", "diffusion_loss"}) on a batch with global normalisers.
+
+        Walks `dag()` in topological order: an encoder branch reads its batch inputs, the
+        LLM merges the outputs of its encoder predecessors at their placeholder positions and
+        returns the text-loss sum (and the generator's conditioning states), the generator
+        reads the LLM's states."""
+        cfg, edges, out = self.cfg, self.dag(), {}
+        lm_sum, diff_sum = None, jnp.zeros((), jnp.float32)
+        for unit in self.execution_order():
+            preds = [src for src, dst in edges if dst == unit]
+            if unit == "llm":
+                missing = [e.name for e in cfg.encoders if e.name not in preds]
+                if missing:
+                    raise ValueError(f"dag() has no edge from encoder(s) {missing} to 'llm', "
+                                     f"but the batch places their tokens in the LLM sequence")
+                x = llm_embed(cfg, self.llm, batch, {p: out[p] for p in preds}, dtype)
+                h = self.llm.run_layers(x, batch["positions"], mask_attend(llm_allowed(batch)))
+                lm_sum, out["llm"] = lm_outputs(self.llm, h, batch, self.generator is not None)
+            elif unit == "generator":
+                if preds != ["llm"]:
+                    raise ValueError(f"generator must be conditioned on exactly the LLM; "
+                                     f"dag() gives predecessors {preds}")
+                noisy, t = generator_inputs(cfg, batch, dtype)
+                eps = self.generator(noisy, t, out["llm"])
+                diff_sum = diffusion_loss_sum(eps, batch["gen_noise"], batch["gen_valid"])
+            else:
+                if preds:
+                    raise ValueError(f"encoder {unit!r} takes only batch inputs; dag() gives "
+                                     f"it predecessors {preds}")
+                out[unit] = encode(cfg.encoder(unit), self.encoders[unit], self.projectors[unit],
+                                   batch["encoders"][unit], dtype)
         lm, diff = normalise(lm_sum, diff_sum, batch)
         return lm + diff, {"lm_loss": lm, "diffusion_loss": diff}
 
