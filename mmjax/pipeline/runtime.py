@@ -188,8 +188,10 @@ class PipelineRuntime:
                 mode = "params"
             st = Stage(sid, mesh, plan.unit(sid.unit).dp, gd, _place(tr, mesh),
                        _place(fr, mesh), mode, local=holds_local_device(mesh))
+            up = plan.unit(sid.unit)
             st.fns = make_stage_fns(cfg, sid.unit, gd, mode, compute_dtype, with_gen, st.dp, mesh,
-                                    plan.unit(sid.unit).overlap_tp)
+                                    up.overlap_tp, up.remat, up.tp_chunks, up.tp_bidirectional,
+                                    up.cp_head_groups)
             self.stages[sid] = st
         # one row per physical stage, i.e. per mesh (Megatron's interleaved order for units
         # with num_chunks > 1), merged into one dependency-respecting dispatch order; JAX
@@ -251,7 +253,7 @@ class PipelineRuntime:
         for st in self.stages.values():
             st.grads = (jax.tree.map(jnp.zeros_like, st.trainable)
                         if st.mode in ("full", "params") and st.local else None)
-        sides, inputs, outputs, cotangents = {}, {}, {}, {}
+        sides, residuals, outputs, cotangents = {}, {}, {}, {}
         result = StepResult()
         last_llm = StageId("llm", self.num_virtual["llm"] - 1)
         has_gen = self.cfg.generator is not None
@@ -263,11 +265,14 @@ class PipelineRuntime:
             side = sides[(sid, mb)]
             if act.kind == "F":
                 x = self._gather_input(sid, mb, outputs, feeds[mb])
-                if st.local:
-                    y = self.settle(st.fns.forward(st.trainable, st.frozen, x, side))
-                else:  # another process runs it; keep the shapes for the transfers
-                    y = jax.eval_shape(st.fns.forward, st.trainable, st.frozen, x, side)
-                inputs[(sid, mb)] = x
+                if st.local:  # keep the vjp residuals (pipeline/stage.py), not the input
+                    y, res = self.settle(st.fns.forward(st.trainable, st.frozen, x, side))
+                else:  # another process runs it; keep the shapes for the transfers and dx
+                    y, _ = jax.eval_shape(st.fns.forward, st.trainable, st.frozen, x, side)
+                    res = abstract(x)
+                if self.graph.runs_backward(sid):
+                    residuals[(sid, mb)] = res
+                del x
                 if sid == last_llm:
                     lm, y = (y if has_gen else (y, None))
                     result.lm_loss.append(lm)
@@ -277,15 +282,15 @@ class PipelineRuntime:
                 outputs[(sid, mb)] = y
             else:
                 dy = self._gather_cotangent(sid, mb, cotangents, feeds[mb])
-                x = inputs.pop((sid, mb))
+                res = residuals.pop((sid, mb))
                 if st.local:
                     grads, dx = self.settle(st.fns.backward(
-                        st.trainable, st.frozen, x, side, dy,
+                        st.trainable, st.frozen, side, res, dy,
                         st.grads if st.grads is not None else {}))
                     if st.grads is not None:
                         st.grads = grads
-                else:  # a cotangent has its primal's shape and dtype
-                    dx = abstract(x) if st.mode in ("full", "input_only") else None
+                else:  # a cotangent has its primal's shape and dtype (res = abstract(x))
+                    dx = res if st.mode in ("full", "input_only") else None
                 st.backward_calls += 1
                 if dx is not None:
                     cotangents[(sid, mb)] = dx

@@ -6,18 +6,33 @@ same per-unit keys as `MultimodalModel`, so stages equal the reference model's s
 
 `apply(module, x, side)` is the stage's arithmetic on global (dp-sharded) arrays; `x` is
 what the previous stage sent (None for an encoder's first stage), `side` the host inputs of
-this microbatch. Forward stores the stage input; backward re-runs the stage under `jax.vjp`
-("full" remat: per microbatch only the input is kept, never a copy of the params).
+this microbatch.
+
+Residuals (DESIGN.md "Execute the schedule"): `forward(trainable, frozen, x, side)` runs the
+stage under `jax.vjp` and returns `(y, Residuals)`, the leaves of the vjp function (a
+`jax.tree_util.Partial`) that the runtime keeps per in-flight microbatch;
+`backward(trainable, frozen, side, residuals, dy, acc)` rebuilds the vjp function and
+returns `(acc + dparams, dx)`. What is kept follows the plan's remat policy (`remat_wrap`:
+"full" keeps only the stage input, "dots" also the weight-matmul outputs, "none" every
+activation). Never a copy of the parameters: at trace time a dependence analysis of the
+linearised jaxpr marks every vjp leaf that is a function of the parameters alone (the
+parameters themselves, their compute-dtype casts, the transposed tied embedding) and every
+leaf that is a host input; forward drops them and backward re-traces the linearisation on
+the parameters and host inputs (the stage input a placeholder) and takes those leaves from
+there, jit's dead-code elimination leaving only their (cheap, parameter-only) computation.
+The layout (which leaves, the stage input's shapes) is recorded per input signature in the
+stage's `StageFns.layouts`; `Residuals.key` names it.
 Frozen-aware (Cornstarch §4.2): mode "full" returns parameter and input gradients, "params"
 parameter gradients only (nothing upstream needs dx), "input_only" dx only (frozen stage
 with trainable parameters upstream); a stage with mode "none" gets no B actions at all.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -83,9 +98,13 @@ def apply_encoder(cfg: MLLMConfig, name: str, module: EncoderStage, x, side, dty
 
 
 def apply_llm(cfg: MLLMConfig, module: LLM, x, side, dtype, with_generator: bool, ranks: int,
-              mesh=None, overlap_tp: bool = False):
+              mesh=None, overlap_tp: bool = False, tp_chunks: int = 2,
+              tp_bidirectional: bool = True, cp_head_groups: int = 1):
     """LLM stage; on a ('dp','cp','tp') mesh attention is Cornstarch's all-gather CP
-    attention over tokens already in CP layout (pipeline/feed.py `cp_layout`)."""
+    attention over tokens already in CP layout (pipeline/feed.py `cp_layout`), K/V gathered
+    in `cp_head_groups` groups of heads (seed 002 §5.3). With `overlap_tp` the projections
+    are decomposed collective matmuls, `tp_chunks` pieces per ring step, both ring
+    directions when `tp_bidirectional` (DistTrain §7)."""
     b = side["llm"]
     if module.is_first:
         h = module.embed_tokens(b["tokens"], dtype)
@@ -100,11 +119,13 @@ def apply_llm(cfg: MLLMConfig, module: LLM, x, side, dtype, with_generator: bool
     batch = side["llm"]
     if mesh is not None and "cp" in mesh.axis_names:
         meta = TokenMeta(batch["bam"], batch["doc"], batch["sub"], batch["idx"])
-        attend = lambda q, k, v: cp_attention_sharded(q, k, v, meta, mesh)
+        attend = lambda q, k, v: cp_attention_sharded(q, k, v, meta, mesh,
+                                                      num_head_groups=cp_head_groups)
         x = module.run_layers(x.astype(dtype), batch["positions"], attend)
     elif overlap_tp:  # DistTrain §7 StepCCL: decomposed collective matmuls, sequence-sharded
         fn, state = sequence_sharded_llm_stage(module, mesh, mask_attend, overlap_tp=True,
-                                               batch_axis="dp", num_chunks=2, bidirectional=True)
+                                               batch_axis="dp", num_chunks=tp_chunks,
+                                               bidirectional=tp_bidirectional)
         x = fn(state, x.astype(dtype), batch["positions"], llm_allowed(batch))
     else:
         x = module.run_layers(x.astype(dtype), batch["positions"], mask_attend(llm_allowed(batch)))
@@ -133,43 +154,205 @@ def apply_generator(cfg: MLLMConfig, module: DiffusionGenerator, x, side, dtype)
     return diffusion_loss_sum(eps, g["gen_noise"], g["gen_valid"]) / side["num_gen"]
 
 
+REMAT_POLICIES = ("full", "dots", "none")
+
+# Primitives whose single sub-jaxpr maps the eqn's inputs/outputs one to one, so dependence
+# can be traced through them exactly; any other higher-order primitive (scan, while, cond)
+# is treated conservatively (every output depends on every input).
+_CALL_LIKE = ("pjit", "jit", "closed_call", "core_call", "remat", "checkpoint", "shard_map",
+              "custom_vjp_call", "custom_vjp_call_jaxpr", "custom_jvp_call")
+
+
+def remat_wrap(f, remat: str):
+    """The stage function under the plan's remat policy.
+
+    "full": `nothing_saveable`, per microbatch only the stage's inputs are kept and backward
+    re-runs the forward (Megatron full recomputation). "dots": `dots_with_no_batch_dims_saveable`
+    keeps the outputs of the weight matmuls (projections, FFN, logits: dot_generals without
+    batch dimensions) and recomputes the rest: the elementwise work, norms and the attention
+    core (q.k and p.v are batched dot_generals, quadratic in the sequence and cheap to redo
+    relative to their memory), i.e. Megatron's selective recomputation (Korthikanti et al.).
+    `dots_saveable` would also keep the [B, H, S, S] attention scores, the largest activation
+    of long sequences. "none": no checkpoint, every residual is kept.
+    """
+    if remat == "full":
+        return jax.checkpoint(f, policy=jax.checkpoint_policies.nothing_saveable)
+    if remat == "dots":
+        return jax.checkpoint(f, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+    if remat == "none":
+        return f
+    raise ValueError(f"remat={remat!r}: must be one of {REMAT_POLICIES}")
+
+
+def _depends(jaxpr, in_dep) -> list[bool]:
+    """Per outvar of `jaxpr`: does it depend on an invar flagged in `in_dep`?"""
+    from jax.extend.core import Literal, jaxprs_in_params
+
+    dep = {v for v, d in zip(jaxpr.invars, in_dep) if d}
+    for eqn in jaxpr.eqns:
+        ins = [not isinstance(v, Literal) and v in dep for v in eqn.invars]
+        if not any(ins):
+            continue
+        subs = list(jaxprs_in_params(eqn.params))
+        if (eqn.primitive.name in _CALL_LIKE and len(subs) == 1
+                and len(subs[0].invars) == len(ins) and len(subs[0].outvars) == len(eqn.outvars)):
+            outs = _depends(subs[0], ins)
+        else:
+            outs = [True] * len(eqn.outvars)
+        dep.update(v for v, d in zip(eqn.outvars, outs) if d)
+    return [not isinstance(v, Literal) and v in dep for v in jaxpr.outvars]
+
+
+@jax.tree_util.register_pytree_node_class
+class Residuals:
+    """What one microbatch's forward keeps for its backward: the leaves of the `jax.vjp`
+    function that depend on the stage input or the host inputs. `key` (static) names the
+    traced signature in `StageFns.layouts`."""
+
+    def __init__(self, leaves, key: int):
+        self.leaves, self.key = list(leaves), key
+
+    def tree_flatten(self):
+        return (self.leaves,), self.key
+
+    @classmethod
+    def tree_unflatten(cls, key, children):
+        return cls(children[0], key)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize for a in self.leaves)
+
+
+@dataclass(frozen=True)
+class ResidualLayout:
+    """Per traced input signature: which vjp leaves backward rebuilds instead of receiving
+    (`recompute`: functions of the parameters alone, the parameters themselves included;
+    `side`: leaf -> index of the host input it is), and the stage input's shapes."""
+
+    num_leaves: int
+    recompute: frozenset
+    side: dict
+    x_shapes: object
+
+
 @dataclass
 class StageFns:
-    """The jitted functions of one stage; `mode` in full / params / input_only / none."""
+    """The jitted functions of one stage; `mode` in full / params / input_only / none.
+
+    `forward(trainable, frozen, x, side) -> (y, Residuals)`;
+    `backward(trainable, frozen, side, residuals, dy, acc) -> (acc + dparams, dx)` (acc is
+    donated; dparams is skipped for mode "input_only", dx is None for mode "params")."""
 
     forward: callable
     backward: callable | None
+    remat: str = "full"
+    layouts: dict = field(default_factory=dict)  # key -> ResidualLayout
+    keys: dict = field(default_factory=dict)  # input signature -> key
+
+
+def _signature(tree):
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    return treedef, tuple((tuple(a.shape), jnp.dtype(a.dtype).name) for a in leaves)
 
 
 def make_stage_fns(cfg: MLLMConfig, unit: str, graphdef, mode: str, dtype,
-                   with_generator: bool, ranks: int, mesh=None,
-                   overlap_tp: bool = False) -> StageFns:
+                   with_generator: bool, ranks: int, mesh=None, overlap_tp: bool = False,
+                   remat: str = "full", tp_chunks: int = 2, tp_bidirectional: bool = True,
+                   cp_head_groups: int = 1) -> StageFns:
+    remat_wrap(lambda: None, remat)  # validate the policy name up front
+
     def run(trainable, frozen, x, side):
         module = nnx.merge(graphdef, cast_floats(trainable, dtype), cast_floats(frozen, dtype))
         if unit == "llm":
             return apply_llm(cfg, module, x, side, dtype, with_generator, ranks, mesh,
-                             overlap_tp)
+                             overlap_tp, tp_chunks, tp_bidirectional, cp_head_groups)
         if unit == "generator":
             return apply_generator(cfg, module, x, side, dtype)
         return apply_encoder(cfg, unit, module, x, side, dtype)
 
-    forward = jax.jit(run)
     if mode == "none":
-        return StageFns(forward, None)
+        return StageFns(jax.jit(lambda t, f, x, side: (run(t, f, x, side), Residuals([], -1))),
+                        None, remat)
 
-    def backward(trainable, frozen, x, side, dy, acc):
+    def linearize(trainable, frozen, x, side):
+        """-> (y, vjp leaves, vjp treedef) for the primals this mode differentiates."""
         if mode == "input_only":
-            _, vjp = jax.vjp(lambda xx: run(trainable, frozen, xx, side), x)
-            return acc, vjp(dy)[0]
-        if mode == "params":
-            _, vjp = jax.vjp(lambda t: run(t, frozen, x, side), trainable)
-            (dt,) = vjp(dy)
-            return jax.tree.map(jnp.add, acc, dt), None
-        _, vjp = jax.vjp(lambda t, xx: run(t, frozen, xx, side), trainable, x)
-        dt, dx = vjp(dy)
-        return jax.tree.map(jnp.add, acc, dt), dx
+            y, vjp = jax.vjp(remat_wrap(lambda xx: run(trainable, frozen, xx, side), remat), x)
+        elif mode == "params":
+            y, vjp = jax.vjp(remat_wrap(lambda t: run(t, frozen, x, side), remat), trainable)
+        else:
+            y, vjp = jax.vjp(remat_wrap(lambda t, xx: run(t, frozen, xx, side), remat),
+                             trainable, x)
+        leaves, treedef = jax.tree_util.tree_flatten(vjp)
+        return y, leaves, treedef
 
-    return StageFns(forward, jax.jit(backward, donate_argnums=(5,)))
+    fns = StageFns(None, None, remat)
+
+    def layout(trainable, frozen, x, side) -> int:
+        """Trace once per input signature: which vjp leaves are functions of the parameters
+        alone (dependence analysis of the traced jaxpr) or are host inputs."""
+        sig = _signature((trainable, frozen, x, side))
+        if sig in fns.keys:
+            return fns.keys[sig]
+        counts = {}
+
+        def probe(*args):
+            y, leaves, _ = linearize(*args)
+            counts["res"] = len(leaves)
+            return y, leaves
+
+        closed = jax.make_jaxpr(probe)(trainable, frozen, x, side)
+        n_params = len(jax.tree.leaves((trainable, frozen)))
+        n_x, n_side = len(jax.tree.leaves(x)), len(jax.tree.leaves(side))
+        in_dep = [False] * n_params + [True] * (n_x + n_side)
+        outs = closed.jaxpr.outvars
+        dep = _depends(closed.jaxpr, in_dep)
+        n_res = counts["res"]
+        n_y = len(outs) - n_res
+        side_vars = closed.jaxpr.invars[n_params + n_x:]
+        side_pos, recompute = {}, set()
+        for i, (v, d) in enumerate(zip(outs[n_y:], dep[n_y:])):
+            hit = [j for j, s in enumerate(side_vars) if v is s]
+            if hit:
+                side_pos[i] = hit[0]
+            elif not d:
+                recompute.add(i)
+        key = len(fns.layouts)
+        fns.layouts[key] = ResidualLayout(n_res, frozenset(recompute), side_pos,
+                                          jax.tree.map(lambda a: jax.ShapeDtypeStruct(
+                                              tuple(a.shape), a.dtype), x))
+        fns.keys[sig] = key
+        return key
+
+    def forward(trainable, frozen, x, side):
+        key = layout(trainable, frozen, x, side)
+        lay = fns.layouts[key]
+        y, leaves, _ = linearize(trainable, frozen, x, side)
+        kept = [a for i, a in enumerate(leaves) if i not in lay.recompute and i not in lay.side]
+        return y, Residuals(kept, key)
+
+    def backward(trainable, frozen, side, residuals, dy, acc):
+        lay = fns.layouts[residuals.key]
+        # Re-trace the linearization on the parameters and host inputs (the stage input is
+        # a placeholder: every leaf depending on it comes from `residuals`); jit's dead-code
+        # elimination leaves only the parameter-only leaves' computation.
+        x0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), lay.x_shapes)
+        _, fresh, treedef = linearize(trainable, frozen, x0, side)
+        side_leaves = jax.tree.leaves(side)
+        kept = iter(residuals.leaves)
+        leaves = [fresh[i] if i in lay.recompute else
+                  side_leaves[lay.side[i]] if i in lay.side else next(kept)
+                  for i in range(lay.num_leaves)]
+        cts = jax.tree_util.tree_unflatten(treedef, leaves)(dy)
+        if mode == "input_only":
+            return acc, cts[0]
+        grads = jax.tree.map(jnp.add, acc, cts[0])
+        return grads, (cts[1] if mode == "full" else None)
+
+    fns.forward = jax.jit(forward)
+    fns.backward = jax.jit(backward, donate_argnums=(5,))
+    return fns
 
 
 def dp_sharding(mesh, ndim: int) -> NamedSharding:

@@ -33,6 +33,10 @@ class UnitPlan:
     num_chunks: int = 1  # interleaved 1F1B virtual stages per device stage
     frozen: bool = False
     overlap_tp: bool = False
+    remat: str = "full"  # full / dots / none: pipeline/stage.py `remat_wrap`
+    tp_chunks: int = 2  # overlap_tp: pieces per ring step (DistTrain §7, footnote 1)
+    tp_bidirectional: bool = True  # overlap_tp: both ring directions
+    cp_head_groups: int = 1  # cp > 1: K/V all-gathered in this many head groups (seed 002 §5.3)
 
     @property
     def devices_per_stage(self) -> int:
@@ -102,10 +106,11 @@ class Plan:
         """Every unit with the given dp/tp/pp (per-unit dicts allowed: dp={"llm": 2})."""
         units = []
         for name in model.unit_names:
-            kw = {k: (v.get(name, False if k == "overlap_tp" else 1) if isinstance(v, dict)
+            kw = {k: (v.get(name, _UNIT_DEFAULTS[k]) if isinstance(v, dict)
                       else v) for k, v in unit_kw.items()}
             if name != "llm":
                 kw.pop("cp", None)
+                kw.pop("cp_head_groups", None)
             pp, chunks = kw.get("pp", 1), kw.get("num_chunks", 1)
             kw.setdefault("layers", cls.even_layers(model.num_layers(name), pp * chunks))
             units.append(UnitPlan(name=name, frozen=model.frozen(name), **kw))
@@ -158,6 +163,7 @@ class Plan:
                                 f"cp == 1 (got tp={u.tp}, cp={u.cp}): set overlap_tp=False")
             if u.cp > 1 and u.name != "llm":
                 raise PlanError(f"{where}.cp={u.cp}: context parallelism is for the llm only")
+            _validate_knobs(model, u, where)
             n_layers = model.num_layers(u.name)
             nv = u.pp * u.num_chunks
             if n_layers < nv:
@@ -203,6 +209,30 @@ class Plan:
     def load(cls, path: str) -> "Plan":
         with open(path) as f:
             return cls.from_json(json.load(f))
+
+
+_UNIT_DEFAULTS = {f.name: f.default for f in dataclasses.fields(UnitPlan)}
+REMAT_POLICIES = ("full", "dots", "none")  # = pipeline/stage.py REMAT_POLICIES (no JAX here)
+
+
+def _validate_knobs(model, u: UnitPlan, where: str) -> None:
+    """remat policy, overlapped-TP chunking and CP head groups."""
+    if u.remat not in REMAT_POLICIES:
+        raise PlanError(f"{where}.remat={u.remat!r}: must be one of {list(REMAT_POLICIES)}")
+    if isinstance(u.tp_chunks, bool) or not isinstance(u.tp_chunks, int) or u.tp_chunks < 1:
+        raise PlanError(f"{where}.tp_chunks={u.tp_chunks!r} must be an int >= 1")
+    if not isinstance(u.tp_bidirectional, bool):
+        raise PlanError(f"{where}.tp_bidirectional={u.tp_bidirectional!r} must be true/false")
+    g = u.cp_head_groups
+    if isinstance(g, bool) or not isinstance(g, int) or g < 1:
+        raise PlanError(f"{where}.cp_head_groups={g!r} must be an int >= 1")
+    if g > 1 and u.name != "llm":
+        raise PlanError(f"{where}.cp_head_groups={g}: CP head groups are for the llm only; "
+                        f"set it to 1")
+    if g > 1 and model.llm.num_kv_heads % (u.tp * g):
+        raise PlanError(f"{where}.cp_head_groups={g}: tp * cp_head_groups = {u.tp * g} must "
+                        f"divide llm.num_kv_heads={model.llm.num_kv_heads} (each tp rank "
+                        f"gathers its kv heads in cp_head_groups groups): lower it")
 
 
 def _tp_divisible(model, unit: str):

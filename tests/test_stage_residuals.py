@@ -1,0 +1,224 @@
+"""Stage residuals (pipeline/stage.py): forward returns the `jax.vjp` residuals, backward
+consumes them; the remat policy decides what is kept, and no residual is ever a copy of the
+parameters (DESIGN.md "Execute the schedule"). Also the Plan knobs that reach the stage
+functions: remat, tp_chunks / tp_bidirectional (overlapped TP), cp_head_groups (CP).
+
+Stage-level checks use the last LLM stage with tied embeddings: its logits use the
+transposed embedding, which a plain (remat "none") vjp keeps as a residual, and in bf16
+every weight's cast would be kept too. Runtime checks compare with the single-device
+reference exactly as tests/test_runtime_parity.py does (same helpers and tolerances).
+"""
+import dataclasses
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from mmjax.pipeline.feed import microbatch_feed
+from mmjax.pipeline.stage import apply_llm, build_stage_module, make_stage_fns
+from mmjax.planner.plan import Plan, PlanError, UnitPlan
+from mmjax.train.step import cast_floats
+from test_runtime_parity import assert_same_grads, global_batch, make_cfg, reference, run_plan
+
+POLICIES = ("full", "dots", "none")
+
+
+# ---- Plan fields (no JAX work) ----------------------------------------------------------
+def test_plan_knobs_validate_and_round_trip(tmp_path):
+    cfg = make_cfg()
+    plan = Plan.uniform(cfg, 4, 2, cp={"llm": 2}, remat={"llm": "dots", "vision": "none"},
+                        cp_head_groups={"llm": 2}, tp_chunks=3, tp_bidirectional=False)
+    plan.validate(cfg, 8)
+    assert [(u.name, u.remat) for u in plan.units] == [
+        ("vision", "none"), ("llm", "dots"), ("generator", "full")]
+    assert plan.unit("llm").cp_head_groups == 2 and plan.unit("vision").cp_head_groups == 1
+    assert all(u.tp_chunks == 3 and u.tp_bidirectional is False for u in plan.units)
+    plan.save(str(tmp_path / "p.json"))
+    assert Plan.load(str(tmp_path / "p.json")) == plan
+    # JSON written before these fields existed still loads, with the defaults
+    old = plan.to_json()
+    for u in old["units"]:
+        for k in ("remat", "tp_chunks", "tp_bidirectional", "cp_head_groups"):
+            del u[k]
+    back = Plan.from_json(json.loads(json.dumps(old)))
+    assert all((u.remat, u.tp_chunks, u.tp_bidirectional, u.cp_head_groups)
+               == ("full", 2, True, 1) for u in back.units)
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("remat", "selective", "remat='selective': must be one of ['full', 'dots', 'none']"),
+    ("tp_chunks", 0, "tp_chunks=0 must be an int >= 1"),
+    ("tp_bidirectional", 1, "tp_bidirectional=1 must be true/false"),
+    ("cp_head_groups", 0, "cp_head_groups=0 must be an int >= 1"),
+    # tiny llm: 2 kv heads, tp=2 -> 2 % (2 * 2) != 0
+    ("cp_head_groups", 2, "tp * cp_head_groups = 4 must divide llm.num_kv_heads=2"),
+])
+def test_plan_knob_errors_name_the_field(field, value, needle):
+    cfg = make_cfg()
+    plan = Plan.uniform(cfg, 4, 2, cp={"llm": 2}, tp={"llm": 2})
+    units = tuple(dataclasses.replace(u, **{field: value}) if u.name == "llm" else u
+                  for u in plan.units)
+    with pytest.raises(PlanError, match="Plan.unit\\['llm'\\]") as e:
+        dataclasses.replace(plan, units=units).validate(cfg, 8)
+    assert needle in str(e.value)
+
+
+def test_cp_head_groups_only_for_llm():
+    cfg = make_cfg()
+    plan = Plan.uniform(cfg, 4, 2)
+    units = tuple(dataclasses.replace(u, cp_head_groups=2) if u.name == "vision" else u
+                  for u in plan.units)
+    with pytest.raises(PlanError, match="vision.*cp_head_groups=2: CP head groups are for "
+                                        "the llm only"):
+        dataclasses.replace(plan, units=units).validate(cfg, 8)
+
+
+def test_manual_plan_passes_the_knobs():
+    from mmjax.train.pipeline_step import manual_plan
+    cfg = make_cfg()
+    plan = manual_plan(global_batch=4, model=cfg, remat={"llm": "none"}, tp_chunks={"llm": 1},
+                       tp_bidirectional=False, cp_head_groups={"llm": 2}, cp={"llm": 2})
+    llm = plan.unit("llm")
+    assert (llm.remat, llm.tp_chunks, llm.tp_bidirectional, llm.cp_head_groups) == (
+        "none", 1, False, 2)
+    assert plan.unit("vision").remat == "full"
+
+
+# ---- one LLM stage ----------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def llm_stage():
+    """Last LLM stage (layers 2..3 + final norm + tied head) and one microbatch for it."""
+    cfg = make_cfg(**{"llm.tie_embeddings": True})
+    lay, samples = global_batch(cfg, 2)
+    feed = microbatch_feed(samples, lay, {"vision": 1, "llm": 1, "generator": 1})
+    side = jax.tree.map(jnp.asarray, {"llm": feed.llm,
+                                      "num_tokens": np.float32(feed.num_target_tokens)})
+    gd, tr, fr = nnx.split(build_stage_module(cfg, "llm", jax.random.key(0), 2, 4),
+                           nnx.Param, ...)
+    b, s = feed.llm["tokens"].shape
+    x = jax.random.normal(jax.random.key(1), (b, s, cfg.llm.hidden_size))
+    return cfg, gd, tr, fr, x, side
+
+
+@functools.lru_cache(maxsize=None)
+def stage_run(remat, dtype=jnp.float32):
+    cfg, gd, tr, fr, x, side = llm_stage()
+    fns = make_stage_fns(cfg, "llm", gd, "full", dtype, False, 1, None, remat=remat)
+    y, res = fns.forward(tr, fr, x, side)
+    grads, dx = fns.backward(tr, fr, side, res, jnp.ones((), jnp.float32),
+                             jax.tree.map(jnp.zeros_like, tr))
+    return fns, y, res, grads, dx
+
+
+def test_full_remat_keeps_only_the_stage_input():
+    x = llm_stage()[4]
+    fns, _, res, _, _ = stage_run("full")
+    assert res.nbytes <= x.nbytes + 256, (res.nbytes, x.nbytes)
+    lay = fns.layouts[res.key]
+    assert lay.recompute and lay.side  # parameters and host inputs are not kept
+
+
+def test_residual_bytes_order_none_dots_full():
+    full, dots, none = (stage_run(p)[2].nbytes for p in POLICIES)
+    assert none >= dots >= full and none > full, (none, dots, full)
+
+
+@pytest.mark.parametrize("remat,dtype", [("full", jnp.float32), ("dots", jnp.float32),
+                                         ("none", jnp.float32), ("none", jnp.bfloat16)])
+def test_no_parameter_copy_in_residuals(remat, dtype):
+    """No residual is a parameter, its transpose (tied LM head) or its compute-dtype cast."""
+    _, _, tr, fr, _, _ = llm_stage()
+    _, _, res, _, _ = stage_run(remat, dtype)
+    params = [np.asarray(p) for p in jax.tree.leaves((tr, fr)) if np.ndim(p) >= 1]
+    forms = [f for p in params for f in (p, p.T, np.asarray(jnp.asarray(p).astype(dtype)),
+                                         np.asarray(jnp.asarray(p.T).astype(dtype)))]
+    for leaf in res.leaves:
+        a = np.asarray(leaf)
+        for f in forms:
+            assert not (a.shape == f.shape and a.dtype == f.dtype
+                        and np.array_equal(a.view(np.uint8), f.view(np.uint8))), (
+                f"{remat}: residual {a.shape} {a.dtype} is a copy of a parameter")
+
+
+@pytest.mark.parametrize("remat", POLICIES)
+def test_stage_backward_matches_plain_vjp(remat):
+    cfg, gd, tr, fr, x, side = llm_stage()
+
+    def plain(t, xx):
+        module = nnx.merge(gd, t, fr)
+        return apply_llm(cfg, module, xx, side, jnp.float32, False, 1)
+
+    y_ref, vjp = jax.vjp(plain, tr, x)
+    g_ref, dx_ref = vjp(jnp.ones((), jnp.float32))
+    _, y, _, grads, dx = stage_run(remat)
+    np.testing.assert_allclose(y, y_ref, rtol=1e-6)
+    assert_same_grads({"params": nnx.to_pure_dict(grads), "dx": dx},
+                      {"params": nnx.to_pure_dict(g_ref), "dx": dx_ref})
+
+
+def test_bf16_casts_are_recomputed_not_kept():
+    """bf16 compute: remat "none" would keep each weight's bf16 cast; the dependence
+    analysis marks them parameter-only, so backward recomputes them."""
+    fns, _, res, grads, _ = stage_run("none", jnp.bfloat16)
+    lay = fns.layouts[res.key]
+    n_weights = len(jax.tree.leaves(llm_stage()[2]))
+    assert len(lay.recompute) >= n_weights
+    assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
+
+
+# ---- runtime parity ---------------------------------------------------------------------
+_REFS = {}
+
+
+def check_cached(name, cfg, plan, n=4, kind="laion", packing="pad", cp_method="lpt"):
+    """tests/test_runtime_parity.py `check`, with one reference per (name, batch)."""
+    lay, samples = global_batch(cfg, n, kind, packing)
+    key = (name, n, kind, packing)
+    if key not in _REFS:
+        _REFS[key] = reference(cfg, lay, samples)
+    ref_loss, ref_grads = _REFS[key]
+    rt, loss, grads = run_plan(cfg, plan, lay, samples, cp_method=cp_method)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    assert_same_grads(grads, ref_grads)
+    return rt
+
+
+FROZEN = {"encoders.vision.frozen": True, "llm_frozen": True}
+
+
+@pytest.mark.parametrize("remat", [{"vision": "dots", "llm": "none", "generator": "dots"},
+                                   {"vision": "none", "llm": "dots", "generator": "none"}],
+                         ids=["llm-none", "llm-dots"])
+def test_remat_policies_parity_frozen_pp2(remat):
+    """pp=2 units, a projector-only ("params") stage, frozen LLM stages ("input_only") and a
+    trainable generator ("full"), every policy; remat "full" on this plan is
+    tests/test_runtime_parity.py::test_frozen_encoder_and_llm_with_trainable_projector."""
+    cfg = make_cfg(**FROZEN)
+    plan = Plan.uniform(cfg, 4, 2, pp={"vision": 2, "llm": 2}, remat=remat)
+    rt = check_cached("frozen", cfg, plan)
+    modes = {str(s): st.mode for s, st in rt.stages.items()}
+    assert modes["vision:1"] == "params" and modes["llm:0"] == "input_only"
+    assert {str(s): st.fns.remat for s, st in rt.stages.items()}["llm:1"] == remat["llm"]
+
+
+@pytest.mark.parametrize("chunks,remat", [(1, "dots"), (3, "none")])
+def test_overlapped_tp_chunks_unidirectional(chunks, remat):
+    """Overlapped TP with 1 and 3 pieces per ring step, one ring direction, under the
+    selective and no-remat policies (shard_map + custom_vjp residuals)."""
+    cfg = make_cfg()
+    plan = Plan.uniform(cfg, 4, 2, tp={"llm": 2}, overlap_tp={"llm": True},
+                        tp_chunks={"llm": chunks}, tp_bidirectional={"llm": False},
+                        remat={"llm": remat})
+    check_cached("default", cfg, plan, packing="pack")
+
+
+def test_cp_head_groups_2():
+    """CP attention gathering K/V in 2 head groups (tiny llm: 2 kv heads, tp=1)."""
+    cfg = make_cfg()
+    plan = Plan.uniform(cfg, 4, 2, cp={"llm": 2}, cp_head_groups={"llm": 2},
+                        remat={"llm": "dots"})
+    check_cached("default", cfg, plan, packing="pack")
