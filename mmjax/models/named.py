@@ -3,7 +3,12 @@
 - DistTrain (seed 000 §8, Table 1): Llama3-7B/13B/70B backbones (Llama3 vocabulary,
   128256) + ViT-Huge/14 (0.63B) + an SD-2.1-sized DiT generator (~0.87B; the paper's
   "Stable-Diffusion 2.1 (1B)") = MLLM-9B/15B/72B. 512x512 generation for 9B/15B,
-  1024x1024 for 72B (latent side = image side / 8).
+  1024x1024 for 72B (latent side = image side / 8). Table 1's 7B/13B rows are the
+  Llama-2-7B/13B shapes (6.74B/13.02B with Llama-2's 32000 vocabulary); with the Llama3
+  vocabulary the paper names they hold 7.53B/14.00B, and the 70B row is Llama-3-70B
+  (70.55B). The MLLM names add the *nominal* sizes (13 + 0.63 + 1 ~ 15), so MLLM-15B's
+  published parts sum to 15.50B (14.00 + 0.63 + 0.87) whatever the generator and projector:
+  3.3% over its name; tests compare it with that sum (tests/test_named_configs.py).
 - OrchMLLM (seed 001 §8, Table 1): Qwen2 LLMs, ViT vision, Whisper audio encoders, MLP
   projectors with downsample rates vision 1/4/4 and audio 2/2/4 = MLLM-10B/18B/84B.
 - Cornstarch (seed 002 §6.1, Table 1): Llama-3 LLM (S 1.2B / M 8B / L 32B), EVA-CLIP vision
@@ -12,7 +17,9 @@
   projector a single trainable linear layer (seed 002 §6.1).
 
 Where a table gives only layers and width, the FFN width and head count are chosen so the
-module lands within 3% of the published size (tests/test_named_configs.py checks it).
+module lands within 3% of the published size (tests/test_named_configs.py checks it): the
+Whisper encoders keep Whisper's FFN of 4x the width, EVA-CLIP-S is EVA-CLIP-g (FFN 6144),
+EVA-CLIP-M/L's FFN widths are chosen to reach 8B/18B.
 """
 from __future__ import annotations
 
@@ -109,7 +116,7 @@ CORNSTARCH_VISION = {  # EVA-CLIP
     "l": VisionConfig(hidden_size=5120, num_layers=48, num_heads=40, ffn_size=26368),
 }
 CORNSTARCH_AUDIO = {  # Whisper
-    "s": _whisper(32, 1280, 14592, 20),
+    "s": _whisper(32, 1920, 7680, 20),  # Table 1: 32 layers, width 1920 (head dim 96)
     "m": _whisper(40, 3840, 15360, 32),
     "l": _whisper(48, 5120, 20480, 40),
 }
