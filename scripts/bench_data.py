@@ -25,6 +25,7 @@ Parts (``--parts``, default all: 1 2 3 4; one function per part):
      runs (--step_ms).
 
   python scripts/bench_data.py [--parts 1 2 3 4] [--json bench_results/bench_data.json]
+                               [--markdown bench_results/bench_data.md]
 """
 from __future__ import annotations
 
@@ -102,7 +103,7 @@ def part1_imbalance(args, console) -> list[dict]:
     for r in rows:
         table.add_row(r["set"], str(r["dp"]), r["phase"],
                       *[f"{r[m]['sum']:.3f} / {r[m]['padded']:.3f}" for m in METHODS])
-    console.print(table)
+    _show(console, table)
     return rows
 
 
@@ -181,7 +182,7 @@ def part2_pipeline(args, console) -> list[dict]:
                       *[f"{r[k] / ref:.3f}" for k in ("random_mean", "random_worst", "ascending",
                                                       "alg3", "inter_reorder")],
                       r["ref"], f"{r['inter_reorder_ms']:.1f}")
-    console.print(table)
+    _show(console, table)
     return rows
 
 
@@ -249,7 +250,7 @@ def part3_overhead(args, console) -> list[dict]:
                       else "-",
                       f"{r['inter_node_before']:.0f} -> {r['inter_node_after']:.0f}",
                       "-" if r["orchmllm_ms"] is None else f"{r['orchmllm_ms']:.1f}")
-    console.print(table)
+    _show(console, table)
     return rows
 
 
@@ -303,8 +304,26 @@ def part4_loader(args, console) -> list[dict]:
     for r in rows:
         table.add_row(str(r["workers"]), f"{r['startup_s']:.1f}", f"{r['samples_per_s']:.0f}",
                       f"{r['plan_ms']:.1f}", f"{r['wait_ms_mean']:.1f}", f"{r['wait_ms_max']:.1f}")
-    console.print(table)
+    _show(console, table)
     return rows
+
+
+_TABLES: list[Table] = []
+
+
+def _show(console, table: Table) -> None:
+    console.print(table)
+    _TABLES.append(table)
+
+
+def markdown(table: Table) -> str:
+    """A rich Table as a GitHub markdown table (title as a bold line above it)."""
+    head = [str(c.header) for c in table.columns]
+    cols = [[str(x) for x in c.cells] for c in table.columns]
+    lines = [f"**{table.title}**", "", "| " + " | ".join(head) + " |",
+             "|" + "|".join("---:" for _ in head) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in zip(*cols)]
+    return "\n".join(lines) + "\n"
 
 
 PARTS = {1: part1_imbalance, 2: part2_pipeline, 3: part3_overhead, 4: part4_loader}
@@ -336,11 +355,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--loader_global_batch", type=int, default=32)
     ap.add_argument("--step_ms", type=float, default=200.0, help="part 4: simulated train step")
     ap.add_argument("--json", default="bench_results/bench_data.json")
+    ap.add_argument("--markdown", default=None, help="also write every table as markdown here")
     args = ap.parse_args(argv)
     if args.microbatches > 8:
         ap.error("--microbatches must be <= 8 (exhaustive search over l! orders)")
     console = Console(width=max(Console().width, 140))
     results = {"config": vars(args)}
+    _TABLES.clear()
     for part in args.parts:
         t0 = time.perf_counter()
         results[f"part{part}"] = PARTS[part](args, console)
@@ -349,6 +370,10 @@ def main(argv=None) -> dict:
     with open(args.json, "w") as f:
         json.dump(results, f, indent=2, default=float)
     console.print(f"wrote {args.json}")
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write("\n".join(markdown(t) for t in _TABLES))
+        console.print(f"wrote {args.markdown}")
     return results
 
 

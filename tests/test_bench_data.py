@@ -22,15 +22,25 @@ def result(tmp_path_factory):
                       "--microbatches", "4", "--trials", "1", "--long_microbatches",
                       "--overhead_dp", "16", "--repeats", "1", "--max_milp_ranks", "16",
                       "--loader_workers", "0", "--loader_steps", "1",
-                      "--loader_global_batch", "8", "--step_ms", "1", "--json", str(out)])
+                      "--loader_global_batch", "8", "--step_ms", "1", "--json", str(out),
+                      "--markdown", str(out) + ".md"])
     with open(out) as fh:
         assert json.load(fh).keys() == res.keys()
+    with open(str(out) + ".md") as fh:
+        res["markdown"] = fh.read()
     return res
 
 
 def test_all_parts_by_default(result):
-    assert set(result) == {"config", "part1", "part2", "part3", "part4"}
+    assert set(result) == {"config", "part1", "part2", "part3", "part4", "markdown"}
     assert result["config"]["parts"] == [1, 2, 3, 4]
+    md = result["markdown"]
+    assert [line[:6] for line in md.splitlines() if line.startswith("**(")] == [
+        "**(1) ", "**(2) ", "**(3) ", "**(4) "]
+    # one markdown row per JSON row in every table
+    rows = [line for line in md.splitlines() if line.startswith("| ") and "---" not in line]
+    n = sum(len(result[f"part{k}"]) for k in (1, 2, 3, 4))
+    assert len(rows) == n + 4  # + one header per table
 
 
 def test_part1_imbalance_rows(result):
