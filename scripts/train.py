@@ -13,8 +13,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def parse_gin(files: list[str], params: list[str]) -> None:
-    """Parse gin files and bindings before any work; exit 2 with gin's message and the
-    file name on an error."""
+    """Parse the gin files, then each --gin_param binding, then finalize, before any work
+    (what gin.parse_config_files_and_bindings does, one piece at a time), so an error exits
+    with gin's message and names the culprit: the file, or the binding as given."""
     import mmjax.data.loader  # noqa: F401  (registers the configurables)
     import mmjax.train.pipeline_step  # noqa: F401
     import mmjax.train.trainer  # noqa: F401
@@ -22,11 +23,22 @@ def parse_gin(files: list[str], params: list[str]) -> None:
     for f in files:
         if not os.path.exists(f):
             sys.exit(f"error: gin file {f!r} not found (run from the repo root or pass a path)")
+    # gin raises several exception types; every one means "this piece of config is bad"
+    for f in files:
+        try:
+            gin.parse_config_file(f)
+        except Exception as e:
+            sys.exit(f"error: bad gin file {f}: {type(e).__name__}: {e}")
+    for b in params:
+        try:
+            gin.parse_config(b)
+        except Exception as e:
+            sys.exit(f"error: bad gin binding --gin_param={b!r}: {type(e).__name__}: {e}")
     try:
-        gin.parse_config_files_and_bindings(files, params)
-    except Exception as e:  # gin raises several types; all mean "bad config"
-        where = ", ".join(files) or "--gin_param"
-        sys.exit(f"error: bad gin config in {where}: {type(e).__name__}: {e}")
+        gin.finalize()
+    except Exception as e:
+        sys.exit(f"error: bad gin config ({', '.join(files)} + --gin_param bindings) at "
+                 f"finalize: {type(e).__name__}: {e}")
 
 
 def main(argv=None) -> int:

@@ -43,15 +43,25 @@ def test_train_cli_writes_metrics_and_resumes_exactly(tmp_path):
     assert [r["loss"] for r in a] == [r["loss"] for r in b]  # bit-exact resume
 
 
-def test_bad_gin_binding_fails_before_work(tmp_path):
-    p = run([f"--workdir={tmp_path}", "--gin_param=train.no_such_arg=1"], check=False)
+def test_bad_gin_binding_fails_before_work_naming_the_binding(tmp_path):
+    work = tmp_path / "run"
+    p = run([f"--workdir={work}", "--gin_param=train.steps=2", "--gin_param=train.no_such_arg=1",
+             "--gin_param=train.global_batch=4"], check=False)
     assert p.returncode != 0
-    assert "bad gin config" in p.stderr and "no_such_arg" in p.stderr
-    assert not os.path.exists(os.path.join(tmp_path, "metrics.jsonl"))
+    assert "bad gin binding --gin_param='train.no_such_arg=1'" in p.stderr, p.stderr[-2000:]
+    assert "doesn't have a parameter named 'no_such_arg'" in p.stderr  # gin's own message
+    assert "tiny.gin" not in p.stderr and "train.steps=2" not in p.stderr  # only the culprit
+    assert not work.exists()  # stopped before any work
+
+
+def test_bad_gin_file_fails_before_work_naming_the_file(tmp_path):
+    work = tmp_path / "run"
     bad = tmp_path / "bad.gin"
     bad.write_text("train.steps = = 3\n")
-    p = run([f"--gin_file={bad}", f"--workdir={tmp_path}"], check=False)
-    assert p.returncode != 0 and "bad.gin" in p.stderr
+    p = run([f"--gin_file={bad}", f"--workdir={work}", "--gin_param=train.steps=2"], check=False)
+    assert p.returncode != 0
+    assert f"bad gin file {bad}" in p.stderr and "line 1" in p.stderr, p.stderr[-2000:]
+    assert "gin binding" not in p.stderr and not work.exists()
 
 
 def test_unknown_model_name_is_a_clear_error(tmp_path):
