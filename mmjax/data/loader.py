@@ -273,8 +273,8 @@ def _unit_cost(unit: str, m: SampleMeta, model: MLLMConfig) -> float:
 class NodeWise:
     """Node-wise rearrangement settings (seed 001 §5.2.2, Algorithm 3) for "orchmllm".
 
-    `ranks_per_node` 0 disables it (and it is skipped for a unit whose dp is not a multiple
-    above one node). `method`: "auto" (the MILP up to `max_milp_ranks` ranks, greedy above
+    `ranks_per_node` 0 disables it; a unit runs it only when its dp spans several nodes
+    (dp > ranks_per_node and a multiple of it). `method`: "auto" (the MILP up to `max_milp_ranks` ranks, greedy above
     or when the MILP does not prove optimality within `time_limit` s), "milp", "greedy".
     Every host must compute the same plan, so the loader only takes a MILP answer proven
     optimal (a time-limited incumbent depends on machine speed); otherwise greedy."""
@@ -349,10 +349,10 @@ def microbatch_costs(metas: list[SampleMeta], model: MLLMConfig, plan: Plan,
     costs[j] (as in the paper); a model without encoders puts the generator's stages last.
     """
     def unit_time(unit, r):
-        u = plan.unit(unit)
+        u = plan.unit(unit)  # a cp group shares its rank's sequences (cp = 1 but the LLM)
         per_rank = [rank_times(model, unit, [metas[p] for p in g], u.tp, hw, cond_tokens)
                     for g in r[unit]]
-        return (max(f for f, _ in per_rank), max(b for _, b in per_rank))
+        return (max(f for f, _ in per_rank) / u.cp, max(b for _, b in per_rank) / u.cp)
 
     costs, llm = [], []
     has_gen = "generator" in model.unit_names
@@ -702,8 +702,9 @@ class Loader:
     phase or a dict unit -> policy ("none", "disttrain", "orchmllm");
     `post_balance_policy`: the OrchMLLM algorithm, one for all phases or a dict unit ->
     algorithm (`post_balance_policies`); `node_wise_*`: `NodeWise` (with `ranks_per_node`);
-    `hardware`: the planner's hardware whose cost model times microbatches for Algorithm 3. `num_workers` > 0 runs planning, decoding and assembly in grain worker
-    processes; each holds `prefetch` global batches, and with 0 workers a thread prefetches
+    `hardware`: the planner's hardware whose cost model times microbatches for Algorithm 3.
+    `num_workers` > 0 runs planning, decoding and assembly in grain worker processes; each
+    holds `prefetch` (>= 2) global batches, and with 0 workers a thread prefetches
     `prefetch` global batches, so the trainer finds the next one ready. Gin, e.g.:
     `Loader.balance = {"vision": "orchmllm", "audio": "orchmllm", "llm": "disttrain"}`.
     """
