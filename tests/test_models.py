@@ -172,7 +172,8 @@ def _matmul_operand_dtypes(jaxpr, out):
     return out
 
 
-@pytest.mark.parametrize("make,kind", [(tiny, "laion"), (tiny_valm, "mix")], ids=["tiny", "tiny_valm"])
+@pytest.mark.parametrize("make,kind", [(tiny, "laion"), (tiny_valm, "mix")],
+                         ids=["tiny", "tiny_valm"])
 def test_bf16_train_step_runs_every_matmul_in_bf16(make, kind):
     """compute_dtype=bf16: encoders (patches / mels cast like pipeline/stage.py does),
     projectors, LLM, generator and all their backward matmuls take bf16 operands."""

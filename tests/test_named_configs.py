@@ -1,6 +1,5 @@
 """Named paper-scale configs: sizes within 3% of the papers, exact Table shapes, Flax
 modules matching the planner's analytic counts, registry, gin files."""
-import dataclasses
 import glob
 import os
 import re

@@ -146,7 +146,8 @@ def test_optimizer_is_clipped_adamw_on_the_schedule():
     sched = learning_rate_schedule(4, peak_lr=0.1, warmup_steps=1)
     tx = make_optimizer(sched, weight_decay=wd, clip_norm=clip, b1=b1, b2=b2, eps=eps)
     rng = np.random.default_rng(0)
-    p = {"a": rng.normal(size=(3, 2)).astype(np.float32), "b": rng.normal(size=4).astype(np.float32)}
+    p = {"a": rng.normal(size=(3, 2)).astype(np.float32),
+         "b": rng.normal(size=4).astype(np.float32)}
     grads = [jax.tree.map(lambda x: (scale * rng.normal(size=x.shape)).astype(np.float32), p)
              for scale in (30.0, 0.1, 5.0, 0.3)]
     state, params = tx.init(p), jax.tree.map(jnp.asarray, p)

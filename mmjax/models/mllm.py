@@ -80,7 +80,8 @@ def encode(spec: EncoderSpec, encoder, projector, inputs, dtype=jnp.float32):
     """One encoder branch (encoder + projector) in `dtype` -> [N * T', D] LLM-width tokens."""
     inputs = cast_encoder_inputs(inputs, dtype)
     x = encoder_embed(spec, encoder, inputs)
-    return project(spec, projector, encoder.finish(encoder_layers(spec, encoder, x, inputs)), inputs)
+    y = encoder.finish(encoder_layers(spec, encoder, x, inputs))
+    return project(spec, projector, y, inputs)
 
 
 def llm_embed(cfg: MLLMConfig, llm: LLM, batch, enc_outputs: dict, dtype=jnp.float32):
