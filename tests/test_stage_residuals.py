@@ -20,8 +20,7 @@ from flax import nnx
 
 from mmjax.pipeline.feed import microbatch_feed
 from mmjax.pipeline.stage import apply_llm, build_stage_module, make_stage_fns
-from mmjax.planner.plan import Plan, PlanError, UnitPlan
-from mmjax.train.step import cast_floats
+from mmjax.planner.plan import Plan, PlanError
 from test_runtime_parity import assert_same_grads, global_batch, make_cfg, reference, run_plan
 
 POLICIES = ("full", "dots", "none")
