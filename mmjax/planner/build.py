@@ -5,7 +5,7 @@ from __future__ import annotations
 from mmjax.planner.costs import UnitCost, layer_times, unit_costs, unit_work
 from mmjax.planner.evaluate import Choice, evaluate
 from mmjax.planner.hardware import Hardware
-from mmjax.planner.orchestrate import orchestrate
+from mmjax.planner.orchestrate import GPU_TOLERANCE, orchestrate
 from mmjax.planner.partition import partition_unit
 from mmjax.planner.plan import Plan, UnitPlan
 from mmjax.planner.workload import default_workload
@@ -13,7 +13,7 @@ from mmjax.planner.workload import default_workload
 
 def to_plan(model, costs: tuple[UnitCost, ...], choices: dict[str, Choice], global_batch: int,
             hw: Hardware, kind: str, layer_costs: dict | None = None,
-            solve_time_s: float = 0.0) -> Plan:
+            solve_time_s: float = 0.0, optimal_time_s: float | None = None) -> Plan:
     """A validated `Plan` for integer `choices`, layers split frozen-aware (partition.py)
     over pp x vpp virtual stages, with `predicted` filled from `evaluate`."""
     units = []
@@ -35,6 +35,8 @@ def to_plan(model, costs: tuple[UnitCost, ...], choices: dict[str, Choice], glob
         "sync_s": ev.sync_s, "gpus": ev.gpus,
         "samples_per_s": global_batch / ev.iteration_time_s, "solve_time_s": solve_time_s,
         "hardware": hw.name})
+    if optimal_time_s is not None:  # least time before the fewest-GPUs tie-break
+        plan.predicted["optimal_time_s"] = optimal_time_s
     return plan.validate(model, ev.gpus)
 
 
@@ -48,11 +50,13 @@ def model_costs(model, hw: Hardware, workload=None, recompute: bool = False):
 
 
 def plan_model(model, hw: Hardware, num_gpus: int, global_batch: int, workload=None,
-               recompute: bool = False, vpp: bool = True, costs=None) -> Plan:
+               recompute: bool = False, vpp: bool = True, costs=None,
+               gpu_tolerance: float = GPU_TOLERANCE) -> Plan:
     """The disaggregated plan for `model` on `num_gpus` GPUs (seed 000 §5); `costs`
-    (e.g. from profile.profiled_costs) replace the analytic unit costs."""
+    (e.g. from profile.profiled_costs) replace the analytic unit costs; among plans within
+    `gpu_tolerance` of the least time, the one with the fewest GPUs (orchestrate.py)."""
     analytic, layer_costs = model_costs(model, hw, workload, recompute)
     costs = costs or analytic
-    res = orchestrate(costs, hw, num_gpus, global_batch, vpp)
+    res = orchestrate(costs, hw, num_gpus, global_batch, vpp, gpu_tolerance)
     return to_plan(model, costs, res.choices, global_batch, hw, "disaggregated", layer_costs,
-                   res.solve_time_s)
+                   res.solve_time_s, res.optimal_time_s)

@@ -20,10 +20,21 @@ Candidates are visited in order of a cheaper bound (the LLM's PP enumerated exac
 the divisors of its layers, the other units sharing the remaining GPUs in closed form) and
 skipped once a bound cannot beat the incumbent. Integer repair checks the neighbours of the
 relaxed optimum: per unit and per DP_u dividing DP_llm, the PP values around
-x_u / (TP_u DP_u), the fewest stages that fit in memory and the PP meeting the relaxed
-stage time; LLM PP dividing its layers, with VPP 2 where it applies (§5.2, warm-up / VPP);
-the best combination within N GPUs, priced exactly by `evaluate`.
-tests/test_planner_orchestrate.py checks the result against exhaustive integer search.
+x_u / (TP_u DP_u), the fewest stages that fit in memory, the PP meeting the relaxed
+stage time and the PP bringing the unit's DP sync under the relaxed one (the relaxation
+prices only the LLM's sync: a unit's depends on its free DP_u); LLM PP dividing its layers,
+with VPP 2 where it applies (§5.2, warm-up / VPP); the best combination within N GPUs,
+priced exactly by `evaluate`.
+
+Tie-break (`GPU_TOLERANCE`): seed 000 §5.1 minimises the iteration time alone, which spends
+every GPU that buys any time at all; a frozen encoder (no DP sync, small warm-up) then takes
+twice the GPUs for a fraction of a percent. Among the plans within T* (1 + eps) of the least
+time T*, the planner returns the one with the fewest GPUs in total (then the fastest of
+those): candidates are bounded against T* (1 + eps) and every repaired neighbourhood keeps
+its (GPUs, time) Pareto front. The spare GPUs are left unused, and the LLM's share of the
+used GPUs grows when encoders are frozen, the direction seed 000 §8.3.1 reports.
+tests/test_planner_orchestrate.py checks T* and the tie-broken plan against exhaustive
+integer search with the same rule.
 """
 from __future__ import annotations
 
@@ -41,6 +52,11 @@ from mmjax.planner.evaluate import (Choice, choice_error, memory_bytes, p2p_time
                                     stage_time, sync_time, warmup_time)
 from mmjax.planner.hardware import Hardware
 from mmjax.planner.plan import PlanError
+
+
+# Relative slack on the predicted iteration time within which the plan using fewer GPUs
+# wins (`Orchestrator.solve`); about the accuracy of the cost model itself.
+GPU_TOLERANCE = 0.01
 
 
 def divisors(n: int) -> list[int]:
@@ -105,12 +121,14 @@ class OrchestrationResult:
     candidates: int  # (TP, DP) candidates enumerated
     relaxations: int  # convex problems solved
     repairs: int  # candidates whose integer neighbourhood was searched
+    optimal_time_s: float = math.nan  # T*: least predicted time (before the GPU tie-break)
 
 
 class Orchestrator:
     """Algorithm 1 of seed 000 over `UnitCost`s (any number of encoder units)."""
 
-    def __init__(self, costs: tuple[UnitCost, ...], hw: Hardware, vpp: bool = True):
+    def __init__(self, costs: tuple[UnitCost, ...], hw: Hardware, vpp: bool = True,
+                 relaxed_factory=None):
         names = [c.name for c in costs]
         if "llm" not in names:
             raise ValueError(f"orchestrate: no 'llm' unit among {names}")
@@ -118,7 +136,9 @@ class Orchestrator:
         self.hw = hw
         self.vpp = vpp
         self.llm = names.index("llm")
-        self.relaxed = RelaxedProblem(len(costs))
+        # built once per orchestrator (DPP): every candidate only re-solves it with new
+        # parameter values; `relaxed_factory(k)` substitutes it (tests count constructions)
+        self.relaxed = (relaxed_factory or RelaxedProblem)(len(costs))
 
     # ---- candidate bounds --------------------------------------------------------------
     def _warm_const(self, tps) -> float:
@@ -198,7 +218,7 @@ class Orchestrator:
         return c, e, slope, lo, hi, m - 1
 
     # ---- integer repair ----------------------------------------------------------------
-    def _unit_options(self, i, t, dp_llm, x_star, tau_star, n, m):
+    def _unit_options(self, i, t, dp_llm, x_star, tau_star, s_star, n, m):
         cost, hw = self.costs[i], self.hw
         out = []
         if i == self.llm:
@@ -225,6 +245,11 @@ class Orchestrator:
             pps = set(below + above + fits[:2])
             if tau_star > 0 and not cost.layer_pp_divides:
                 pps.add(min(cost.num_layers, math.ceil(dp_llm / dp * cost.time_s[t] / tau_star)))
+            # the fewest stages whose DP sync (falling as 1/PP) is under the relaxed one
+            sync1 = sync_time(cost, Choice(t, dp, 1), hw)
+            if sync1 > 0 and not cost.layer_pp_divides:
+                pps.add(min(cost.num_layers,
+                            math.ceil(sync1 / s_star) if s_star > 0 else cost.num_layers))
             for pp in sorted(pps):
                 for v in ((1, 2) if self.vpp and i == self.llm else (1,)):
                     ch = Choice(t, dp, pp, v)
@@ -234,9 +259,9 @@ class Orchestrator:
                                 warmup_time(cost, ch, dp_llm, hw), sync_time(cost, ch, hw)))
         return out
 
-    def _repair(self, tps, dp_llm, x, tau, n, bs):
+    def _repair(self, tps, dp_llm, x, tau, s, n, bs):
         m = bs // dp_llm
-        opts = [self._unit_options(i, t, dp_llm, x[i], tau, n, m) for i, t in enumerate(tps)]
+        opts = [self._unit_options(i, t, dp_llm, x[i], tau, s, n, m) for i, t in enumerate(tps)]
         if any(not o for o in opts):
             return None
         arrays = [np.array([o[1:] for o in unit]) for unit in opts]
@@ -258,13 +283,21 @@ class Orchestrator:
         if not np.isfinite(total.flat[flat]):
             return None
         idx = np.unravel_index(flat, shape)
+        # (gpus, time) Pareto front of the neighbourhood: where the GPU tie-break starts
+        ok = np.isfinite(total)
+        gs, ts = g[ok], total[ok]
+        order = np.lexsort((ts, gs))
+        gs, ts = gs[order], ts[order]
+        keep = ts < np.minimum.accumulate(np.concatenate(([np.inf], ts[:-1])))
+        flats = np.flatnonzero(ok)[order][keep]
+        self._front.append((gs[keep], ts[keep], flats, shape, opts))
         return float(total.flat[flat]), {self.costs[i].name: opts[i][j][0]
                                          for i, j in enumerate(idx)}
 
     # ---- Algorithm 1 -------------------------------------------------------------------
-    def solve(self, num_gpus: int, global_batch: int) -> OrchestrationResult:
-        start = time.perf_counter()
-        n, bs = num_gpus, global_batch
+    def candidates(self, n: int, bs: int) -> list:
+        """Every (TP, DP) candidate with room in n GPUs, as (bound, dp_llm, tps, inputs),
+        cheapest bound first."""
         tp_sets = [sorted(c.time_s) for c in self.costs]
         cands = []
         for dp_llm in divisors(bs):
@@ -274,33 +307,92 @@ class Orchestrator:
                 inputs = self._relaxed_inputs(tps, dp_llm, n, bs)
                 if inputs is None:
                     continue
-                c, e, slope, lo, hi, mm = inputs
                 lb0 = self._bound(tps, dp_llm, inputs, n, bs)
                 if math.isfinite(lb0):
                     cands.append((lb0, dp_llm, tps, inputs))
         cands.sort(key=lambda z: z[0])
+        return cands
+
+    def relaxed_bound(self, tps, dp_llm, inputs, n) -> tuple[float, np.ndarray] | None:
+        """(lower bound of every integer plan of the candidate within n GPUs, relaxed x):
+        the convex optimum plus the LLM's warm-up constant (VPP 2 at best)."""
+        c, e, slope, lo, hi, mm = inputs
+        w, wc = self._warm_terms(tps, c)
+        sol = self.relaxed.solve(c, e, slope, lo, hi, n, mm, w, wc)
+        if sol is None:
+            return None
+        value, x = sol
+        return value + self.costs[self.llm].time_s[tps[self.llm]] / (2 if self.vpp else 1), x
+
+    def _search(self, cands, n, bs, tolerance=0.0):
+        """Branch and bound over `cands` (sorted by bound): the least time T* within n
+        GPUs, and every candidate that may hold a plan within T* (1 + tolerance) repaired,
+        its (gpus, time) Pareto front kept in self._front. Returns (T*, plan, relaxations,
+        repairs)."""
         best_t, best, relaxations, repairs = math.inf, None, 0, 0
-        for lb0, dp_llm, tps, (c, e, slope, lo, hi, mm) in cands:
-            if lb0 >= best_t * (1 - 1e-9):
+        for lb0, dp_llm, tps, inputs in cands:
+            limit = best_t * (1 + tolerance)
+            if lb0 >= limit * (1 - 1e-9):
                 break
             relaxations += 1
-            w, wc = self._warm_terms(tps, c)
-            sol = self.relaxed.solve(c, e, slope, lo, hi, n, mm, w, wc)
+            sol = self.relaxed_bound(tps, dp_llm, inputs, n)
             if sol is None:
                 continue
             value, x = sol
-            const = self.costs[self.llm].time_s[tps[self.llm]] / (2 if self.vpp else 1)
-            if value + const >= best_t * (1 - 1e-9):
+            if value >= limit * (1 - 1e-9):
                 continue
+            c, e = inputs[0], inputs[1]
             tau = float(np.max(c / np.maximum(x, 1e-12)))
+            s = float(np.max(e / np.maximum(x, 1e-12)))
             repairs += 1
-            rep = self._repair(tps, dp_llm, x, tau, n, bs)
+            rep = self._repair(tps, dp_llm, x, tau, s, n, bs)
             if rep is not None and rep[0] < best_t:
                 best_t, best = rep
+        return best_t, best, relaxations, repairs
+
+    def _fewest_gpus(self, cap: float):
+        """(time, plan) using the fewest GPUs among the repaired plans within `cap`, the
+        fastest of those."""
+        best_g, best_t, best = math.inf, math.inf, None
+        for gs, ts, flats, shape, opts in self._front:
+            within = np.flatnonzero(ts <= cap)
+            if not len(within):
+                continue
+            j = within[0]  # the front is sorted by gpus: the first within the cap
+            if (gs[j], ts[j]) < (best_g, best_t):
+                idx = np.unravel_index(int(flats[j]), shape)
+                best_g, best_t = gs[j], float(ts[j])
+                best = {self.costs[i].name: opts[i][k][0] for i, k in enumerate(idx)}
+        return best_t, best
+
+    def solve(self, num_gpus: int, global_batch: int,
+              gpu_tolerance: float = 0.0) -> OrchestrationResult:
+        """Algorithm 1: the plan of least predicted iteration time T* (seed 000 §5.1).
+
+        Tie-break (`gpu_tolerance` = eps > 0): among plans within T* (1 + eps), the one
+        using the fewest GPUs in total, then the fastest of those. The time-only objective
+        spends GPUs that would otherwise idle on units off the critical path (a frozen
+        encoder's warm-up shrinks by a fraction of a percent for twice the GPUs); the
+        tie-break hands them back, so frozen units keep only what they need and the LLM's
+        share of the used GPUs grows, as seed 000 §8.3.1 reports. Same search: candidates
+        are bounded against T* (1 + eps) instead of T*, and each repaired neighbourhood
+        keeps its (GPUs, time) Pareto front."""
+        if gpu_tolerance < 0:
+            raise ValueError(f"orchestrate: gpu_tolerance={gpu_tolerance} must be >= 0 "
+                             f"(a relative slack on the iteration time, e.g. 0.01)")
+        start = time.perf_counter()
+        n, bs = num_gpus, global_batch
+        self._front = []
+        cands = self.candidates(n, bs)
+        best_t, best, relaxations, repairs = self._search(cands, n, bs, gpu_tolerance)
         if best is None:
             raise PlanError(infeasible_message(self.costs, self.hw, n, bs))
+        optimal_t = best_t
+        if gpu_tolerance > 0:
+            best_t, best = self._fewest_gpus(optimal_t * (1 + gpu_tolerance))
+        self._front = []
         return OrchestrationResult(best, best_t, time.perf_counter() - start, len(cands),
-                                   relaxations, repairs)
+                                   relaxations, repairs, optimal_t)
 
 
 def infeasible_message(costs, hw: Hardware, n: int, bs: int) -> str:
@@ -335,5 +427,9 @@ def infeasible_message(costs, hw: Hardware, n: int, bs: int) -> str:
 
 
 def orchestrate(costs: tuple[UnitCost, ...], hw: Hardware, num_gpus: int, global_batch: int,
-                vpp: bool = True) -> OrchestrationResult:
-    return Orchestrator(costs, hw, vpp).solve(num_gpus, global_batch)
+                vpp: bool = True, gpu_tolerance: float = GPU_TOLERANCE,
+                relaxed_factory=None) -> OrchestrationResult:
+    """Algorithm 1 with the fewest-GPUs tie-break (`Orchestrator.solve`); gpu_tolerance=0
+    returns the least-time plan alone."""
+    return Orchestrator(costs, hw, vpp, relaxed_factory).solve(num_gpus, global_batch,
+                                                               gpu_tolerance)
