@@ -156,7 +156,7 @@ def test_relaxation_is_a_lower_bound_and_dpp():
     assert value2 == pytest.approx(value / 2, rel=1e-5)
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2, 4, 5, 6, 8, 9])  # seeds 3, 7: nothing fits
+@pytest.mark.parametrize("seed", [0, 1, 3, 5, 6, 7, 8, 9])  # seeds 2, 4: nothing fits
 def test_bounds_hold_for_every_candidate(seed):
     """Per (LLM DP, TPs) candidate: no candidate with an integer plan is dropped, and both
     the closed-form bound and the convex relaxation are <= the candidate's best integer
