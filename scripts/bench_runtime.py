@@ -129,7 +129,8 @@ def stage_costs(traces: list[list[dict]]) -> dict[tuple[str, str], float]:
     acc: dict[tuple[str, str], list[float]] = {}
     for tr in traces:
         for d in tr:
-            acc.setdefault((d["stage"], d["kind"]), []).append(d["end"] - d["start"])
+            stage = d.get("virtual_stage", d["stage"])  # per model chunk
+            acc.setdefault((stage, d["kind"]), []).append(d["end"] - d["start"])
     return {k: statistics.median(v) for k, v in acc.items()}
 
 

@@ -19,7 +19,6 @@ dispatch is waited on; single-process runs stay free of host syncs.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import jax
@@ -36,6 +35,7 @@ from mmjax.parallel.tensor import shard_state, state_shardings
 from mmjax.pipeline.feed import MicrobatchFeed, PartMap
 from mmjax.pipeline.schedule import StageGraph, StageId, dispatch_order, multimodal_one_f_one_b
 from mmjax.pipeline.stage import build_stage_module, dp_sharding, make_stage_fns
+from mmjax.pipeline.trace import completion_marker, make_tracer, trace_mode
 from mmjax.planner.plan import Plan
 
 
@@ -243,9 +243,12 @@ class PipelineRuntime:
         return self._put(sid, {"inputs": feed.enc_inputs[u], "pack": feed.enc_pack[u]})
 
     # ---- one step -------------------------------------------------------------------
-    def run(self, feeds: list[MicrobatchFeed], trace: bool = False) -> StepResult:
+    def run(self, feeds: list[MicrobatchFeed], trace: bool | str = False) -> StepResult:
         """Forward and backward of every microbatch; gradients accumulate in
-        `stage.grads`. Returns device-side losses (no host sync unless `trace`)."""
+        `stage.grads`. Returns device-side losses. `trace` (pipeline/trace.py): False; True
+        or "serial" (each action waited on: isolated costs, no overlap); "overlap" (waiter
+        threads stamp completions; dispatch stays free of host syncs)."""
+        tracer = make_tracer(trace_mode(trace))
         if len(feeds) != self.plan.num_microbatches:
             raise ValueError(f"got {len(feeds)} microbatch feeds; the plan has "
                              f"{self.plan.num_microbatches}")
@@ -259,7 +262,7 @@ class PipelineRuntime:
         has_gen = self.cfg.generator is not None
         for sid, act in self.order:
             st, mb = self.stages[sid], act.microbatch
-            t0 = time.perf_counter() if trace else 0.0
+            t0 = tracer.start() if tracer else 0.0
             if (sid, mb) not in sides:
                 sides[(sid, mb)] = self._side(sid, feeds[mb], totals)
             side = sides[(sid, mb)]
@@ -294,14 +297,21 @@ class PipelineRuntime:
                 st.backward_calls += 1
                 if dx is not None:
                     cotangents[(sid, mb)] = dx
-            if trace and st.local:
-                jax.block_until_ready((st.grads, outputs.get((sid, mb)), cotangents.get((sid, mb))))
-            if trace:
-                result.trace.append({"stage": str(sid), "kind": act.kind, "microbatch": mb,
-                                     "chunk": act.chunk, "start": t0,
-                                     "end": time.perf_counter()})
+            if tracer:
+                done = None
+                if st.local:
+                    done = ((outputs.get((sid, mb)), residuals.get((sid, mb))) if act.kind == "F"
+                            else (cotangents.get((sid, mb)), st.grads))
+                    done = completion_marker(done)
+                u = self.plan.unit(sid.unit)
+                phys = StageId(sid.unit, sid.index % u.pp)
+                tracer.done(str(phys), {"stage": str(phys), "kind": act.kind, "microbatch": mb,
+                                        "chunk": act.chunk, "virtual_stage": str(sid)},
+                            t0, done)
             if act.kind == "B" or not self.graph.runs_backward(sid):
                 sides.pop((sid, mb), None)
+        if tracer:
+            result.trace = tracer.finish()
         return result
 
     def _gather_input(self, sid, mb, outputs, feed):
