@@ -10,7 +10,7 @@ from mmjax.planner.evaluate import (Choice, choice_error, evaluate, stage_time, 
                                     warmup_time)
 from mmjax.planner.hardware import Hardware
 from mmjax.planner.orchestrate import (GPU_TOLERANCE, Orchestrator, RelaxedProblem, divisors,
-                                      orchestrate)
+                                      orchestrate, smallest_plan)
 from mmjax.planner.plan import PlanError
 
 HW = Hardware("test", peak_flops=1e14, hbm_bytes=40e9, nvlink_bw=2e11, nic_bw=2.5e10)
@@ -223,6 +223,60 @@ def test_too_few_gpus_message_says_how_many():
     costs, _, _ = random_problem(3)
     with pytest.raises(PlanError, match="GPU"):
         orchestrate(costs, HW, 1, 8)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 4, 5, 10])
+def test_smallest_plan_is_the_threshold(seed):
+    """smallest_plan's GPU count is exhaustive search's fewest; the planner fails on one
+    GPU fewer, saying how many to add, and succeeds on that many."""
+    costs, n, bs = random_problem(seed)
+    g, chs = smallest_plan(costs, HW, bs)
+    fewest = min((int(gs.min()) for _, gs, _ in plan_grid(costs, HW, max(n, g), bs)
+                  if len(gs)), default=None)
+    assert g == fewest
+    dp_llm = chs["llm"].dp
+    assert all(choice_error(c, chs[c.name], dp_llm, bs // dp_llm, HW) is None for c in costs)
+    with pytest.raises(PlanError, match=f"needs {g} GPUs .*add 1 GPU"):
+        orchestrate(costs, HW, g - 1, bs)
+    assert evaluate(costs, orchestrate(costs, HW, g, bs).choices, bs, HW).gpus == g
+
+
+def test_memory_short_message_says_by_how_much():
+    costs, n, bs = random_problem(0)
+    tiny = Hardware("tiny", peak_flops=1e14, hbm_bytes=2e8, nvlink_bw=2e11, nic_bw=2.5e10)
+    assert smallest_plan(costs, tiny, bs) is None
+    with pytest.raises(PlanError, match=r"needs [\d.]+ GB per GPU even at tp=\d+, pp=\d+; "
+                                        r"have 0 GB: [\d.]+ GB short per GPU"):
+        orchestrate(costs, tiny, n, bs)
+
+
+class FailingProblem(RelaxedProblem):
+    def solve(self, *args, **kwargs):
+        return None  # as if every solve failed
+
+
+def test_solver_failures_still_give_a_plan():
+    """When no relaxation solves but a plan fits, the smallest plan comes back (warned)."""
+    costs, n, bs = random_problem(0)
+    with pytest.warns(UserWarning, match="smallest plan that fits"):
+        res = orchestrate(costs, HW, n, bs, relaxed_factory=FailingProblem)
+    g, chs = smallest_plan(costs, HW, bs)
+    assert res.choices == chs and res.relaxations > 0
+    assert res.iteration_time_s == evaluate(costs, chs, bs, HW).iteration_time_s
+
+
+def test_72b_too_few_gpus_counts_memory():
+    """MLLM-72B, batch 64: the LLM at tp 8 fits in 80 GB from pp 4, so the smallest plan is
+    34 GPUs (8 x 4 + one per encoder/generator), not the 10 that GPU counts alone give."""
+    from mmjax.models.named import named_config
+    from mmjax.planner.build import model_costs
+    from mmjax.planner.hardware import A800
+
+    costs, _ = model_costs(named_config("disttrain/mllm_72b"), A800)
+    for n in (4, 16, 33):
+        with pytest.raises(PlanError, match=f"needs 34 GPUs .*have {n}: add {34 - n} GPU"):
+            orchestrate(costs, A800, n, 64)
+    assert evaluate(costs, orchestrate(costs, A800, 34, 64).choices, 64, A800).gpus == 34
 
 
 @pytest.mark.parametrize("name,gpus,batch", [("disttrain/mllm_72b", 324, 480),
