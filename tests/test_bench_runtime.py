@@ -80,7 +80,10 @@ def test_traces_written_and_rendered(result):
         assert got == sorted((s, k, m) for s in STAGES for k in "FB" for m in range(M))
         assert min(d["start"] for d in trace) == 0.0
         assert all(d["end"] >= d["start"] for d in trace)
-        for tag in ("", ".sim"):
+        with open(files["trace.overlap"]) as fh:
+            overlap = json.load(fh)
+        assert sorted((d["stage"], d["kind"], d["microbatch"]) for d in overlap) == got
+        for tag in ("", ".overlap", ".sim"):
             with open(files[f"png{tag}"], "rb") as fh:
                 assert fh.read(8) == b"\x89PNG\r\n\x1a\n"
             with open(files[f"perfetto{tag}"]) as fh:
