@@ -1,16 +1,21 @@
 """Profiler: the generic TP layer is exact, tables interpolate, and plug into the planner."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from mmjax.models.named import named_config
 from mmjax.models.tiny import tiny_valm
 from mmjax.planner.hardware import A800
 from mmjax.planner.orchestrate import orchestrate
 from mmjax.planner.profile import (Curve, LayerShape, ProfileTable, init_layer, layer_forward,
                                    layer_specs, profile_model, profiled_costs, sample_sizes)
-from mmjax.planner.workload import orchmllm_like
+from mmjax.planner.costs import unit_costs
+from mmjax.planner.plan import PlanError
+from mmjax.planner.workload import default_workload, orchmllm_like
 
 
 @pytest.mark.parametrize("gated,causal", [(True, True), (False, False)])
@@ -44,7 +49,9 @@ def test_profile_tiny_model_roundtrip_and_plan(tmp_path):
     wl = orchmllm_like(model, num_samples=32, seed=0)
     sizes = sample_sizes(model, wl, "vision", points=3)
     assert sizes == sorted(sizes) and all(s % 8 == 0 for s in sizes)
-    table = profile_model(model, wl, tp_sizes=(1, 2), points=1, repeats=1, max_tokens=64)
+    # two devices: TP 4 and 8 cannot be measured (profile_model skips them)
+    table = profile_model(model, wl, points=1, repeats=1, max_tokens=64,
+                          devices=jax.devices()[:2])
     assert set(table.units) == {"vision", "audio", "llm"}
     assert all(set(c) == {1, 2} for c in table.units.values())
     path = tmp_path / "profile.json"
@@ -57,5 +64,33 @@ def test_profile_tiny_model_roundtrip_and_plan(tmp_path):
     f = np.mean([sum(curve(n)[0] for n in s) for s in wl.encoder_tokens["vision"]])
     b = np.mean([sum(curve(n)[1] for n in s) for s in wl.encoder_tokens["vision"]])
     assert vis.time_s[1] == pytest.approx(2 * (f + b))
+    assert again.dtype == "bfloat16"  # time_layer's default: the models' compute dtype
     res = orchestrate(costs, A800, 8, 8)
     assert res.iteration_time_s > 0 and sum(c.gpus for c in res.choices.values()) <= 8
+
+
+def test_two_device_profile_still_plans_72b():
+    """MLLM-72B on 64 A800s (batch 64) needs the LLM at TP > 2 to fit in memory: with TP 1
+    and 2 measured (a 2-device machine) the planner still finds a plan, at TP 4 or 8."""
+    model = named_config("disttrain/mllm_72b")
+    wl = default_workload(model, num_samples=64)
+    curve = Curve((1024, 8192), (2e-3, 20e-3), (4e-3, 40e-3))
+    half = Curve((1024, 8192), (1.2e-3, 12e-3), (2.4e-3, 24e-3))
+    table = ProfileTable("test", {u: {1: curve, 2: half} for u in model.unit_names})
+    costs = profiled_costs(model, wl, A800, table)
+    analytic = {c.name: c for c in unit_costs(model, wl, A800)}
+    for cost in costs:  # unmeasured TP: analytic x (measured / analytic at TP 2)
+        ref = analytic[cost.name]
+        assert set(cost.time_s) == set(ref.time_s) == set(cost.fwd_s) and 8 in ref.time_s
+        ratio, fratio = cost.time_s[2] / ref.time_s[2], cost.fwd_s[2] / ref.fwd_s[2]
+        assert ratio != pytest.approx(1.0)
+        for tp in set(ref.time_s) - {1, 2}:
+            assert cost.time_s[tp] == pytest.approx(ref.time_s[tp] * ratio, rel=1e-12)
+            assert cost.fwd_s[tp] == pytest.approx(ref.fwd_s[tp] * fratio, rel=1e-12)
+    only_measured = tuple(dataclasses.replace(c, time_s={t: v for t, v in c.time_s.items()
+                                                         if t <= 2}) for c in costs)
+    with pytest.raises(PlanError, match="too few GPUs"):
+        orchestrate(only_measured, A800, 64, 64)
+    res = orchestrate(costs, A800, 64, 64)
+    assert res.choices["llm"].tp in (4, 8)
+    assert sum(c.gpus for c in res.choices.values()) <= 64

@@ -8,7 +8,11 @@ Megatron/GSPMD does) and at a few sequence sizes drawn from the workload's size
 distribution (quantiles). The points form a piecewise-linear table per TP (linear
 extrapolation past the ends); `profiled_costs` turns the tables into `UnitCost.time_s`
 (layers x per-sample mean over the workload, frozen rule of seed 002 §4.2 for the backward),
-and the analytic model stays the fallback for anything not measured.
+and the analytic model stays the fallback for anything not measured: a TP size the machine
+cannot run (fewer devices than TP) gets the analytic time scaled by measured / analytic at
+the largest measured TP, so a 2-device profile still plans a model that needs TP 8.
+Layers are timed in bfloat16 by default, the dtype the models compute in and the cost
+model assumes (`costs.WEIGHT_BYTES`, `ACT_BYTES`); XLA runs bf16 matmuls on CPU too.
 """
 from __future__ import annotations
 
@@ -103,9 +107,10 @@ def _time(fn, *args, repeats: int) -> float:
 
 
 def time_layer(shape: LayerShape, tokens: int, tp: int, devices=None, repeats: int = 3,
-               dtype=jnp.float32) -> tuple[float, float]:
+               dtype=jnp.bfloat16) -> tuple[float, float]:
     """(forward, backward) seconds of one layer on `tokens` tokens at tensor parallelism
-    `tp` (the first `tp` devices)."""
+    `tp` (the first `tp` devices), weights and activations in `dtype` (bf16: the models'
+    compute dtype)."""
     devices = list(devices or jax.devices())[:tp]
     if len(devices) < tp:
         raise ValueError(f"time_layer: tp={tp} needs {tp} devices; have {len(devices)}")
@@ -151,9 +156,10 @@ def _interp(xs, ys, x) -> float:
 class ProfileTable:
     device: str
     units: dict[str, dict[int, Curve]]  # unit -> tp -> curve of one layer
+    dtype: str = "bfloat16"  # what the layers were timed in
 
     def to_json(self) -> dict:
-        return {"device": self.device,
+        return {"device": self.device, "dtype": self.dtype,
                 "units": {u: {str(t): dataclasses.asdict(c) for t, c in tps.items()}
                           for u, tps in self.units.items()}}
 
@@ -161,7 +167,7 @@ class ProfileTable:
     def from_json(cls, d: dict) -> "ProfileTable":
         units = {u: {int(t): Curve(tuple(c["sizes"]), tuple(c["fwd_s"]), tuple(c["bwd_s"]))
                      for t, c in tps.items()} for u, tps in d["units"].items()}
-        return cls(d["device"], units)
+        return cls(d["device"], units, d.get("dtype", "float32"))  # older tables: f32
 
     def save(self, path: str) -> None:
         with open(path, "w") as f:
@@ -187,8 +193,10 @@ def sample_sizes(model: MLLMConfig, wl: Workload, unit: str, points: int = 4,
 
 
 def profile_model(model: MLLMConfig, wl: Workload, tp_sizes=(1, 2, 4, 8), points: int = 4,
-                  repeats: int = 3, devices=None, max_tokens: int | None = None) -> ProfileTable:
-    """Time one layer of every unit at each TP the machine has and a few workload sizes."""
+                  repeats: int = 3, devices=None, max_tokens: int | None = None,
+                  dtype=jnp.bfloat16) -> ProfileTable:
+    """Time one layer of every unit at each TP the machine has and a few workload sizes
+    (TP sizes above the device count are skipped: `profiled_costs` extrapolates them)."""
     devices = list(devices or jax.devices())
     units = {}
     for unit in model.unit_names:
@@ -200,17 +208,20 @@ def profile_model(model: MLLMConfig, wl: Workload, tp_sizes=(1, 2, 4, 8), points
         for tp in tp_sizes:
             if tp > len(devices) or shape.heads % tp or shape.ffn % tp:
                 continue
-            meas = [time_layer(shape, s, tp, devices, repeats) for s in sizes]
+            meas = [time_layer(shape, s, tp, devices, repeats, dtype) for s in sizes]
             curves[tp] = Curve(tuple(sizes), tuple(m[0] for m in meas), tuple(m[1] for m in meas))
         units[unit] = curves
-    return ProfileTable(str(devices[0].device_kind), units)
+    return ProfileTable(str(devices[0].device_kind), units, jnp.dtype(dtype).name)
 
 
 def profiled_costs(model: MLLMConfig, wl: Workload, hw: Hardware, table: ProfileTable,
                    recompute: bool = False) -> tuple[UnitCost, ...]:
     """Analytic `UnitCost`s with `time_s` replaced, where measured, by layers x mean over
     samples of the interpolated per-sequence layer times, plus the analytic time of the
-    parts around the layers (embedding, LM head, projector; units of >= 3 layers)."""
+    parts around the layers (embedding, LM head, projector; units of >= 3 layers). Valid TP
+    sizes that were not measured keep the analytic time, calibrated by measured / analytic
+    at the largest measured TP (the nearest in communication pattern); a unit with no
+    measured TP keeps its analytic times."""
     factors = module_backward_factors(model)
     out = []
     for cost in unit_costs(model, wl, hw, recompute):
@@ -225,7 +236,7 @@ def profiled_costs(model: MLLMConfig, wl: Workload, hw: Hardware, table: Profile
         else:
             per_sample = [list(x) for x in wl.encoder_tokens[cost.name]]
         factor = factors[cost.name]
-        times = {}  # only the measured TP sizes: never mix measured and analytic times
+        times, fwds = {}, {}
         for tp, curve in curves.items():
             if tp not in cost.time_s:
                 continue
@@ -234,16 +245,31 @@ def profiled_costs(model: MLLMConfig, wl: Workload, hw: Hardware, table: Profile
             bwd = b if factor == 2 else factor * f
             if recompute and factor > 0:
                 bwd += f
-            times[tp] = cost.num_layers * float(f + bwd) + _analytic_extras(model, wl, hw, cost, tp,
-                                                                            recompute)
-        out.append(dataclasses.replace(cost, time_s=times))
+            extra, extra_fwd = _analytic_extras(model, wl, hw, cost, tp, recompute)
+            times[tp] = cost.num_layers * float(f + bwd) + extra
+            fwds[tp] = cost.num_layers * float(f) + extra_fwd
+        if times:
+            ref = max(times)  # unmeasured TP: analytic x (measured / analytic at `ref`)
+            scale, fscale = times[ref] / cost.time_s[ref], fwds[ref] / cost.fwd_s[ref]
+            for tp in cost.time_s:
+                if tp not in times:
+                    times[tp] = cost.time_s[tp] * scale
+                    fwds[tp] = cost.fwd_s[tp] * fscale
+            times = dict(sorted(times.items()))
+            fwds = dict(sorted(fwds.items()))
+        out.append(dataclasses.replace(cost, time_s=times or cost.time_s,
+                                       fwd_s=fwds or cost.fwd_s))
     return tuple(out)
 
 
-def _analytic_extras(model, wl, hw, cost: UnitCost, tp: int, recompute: bool) -> float:
-    """Analytic time outside the repeated layers: total minus L x a middle layer."""
+def _analytic_extras(model, wl, hw, cost: UnitCost, tp: int, recompute: bool
+                     ) -> tuple[float, float]:
+    """Analytic (forward + backward, forward) time outside the repeated layers: total minus
+    L x a middle layer."""
     if cost.num_layers < 3:
-        return 0.0
+        return 0.0, 0.0
     lt = layer_times(unit_work(model, wl, cost.name), tp, hw, recompute)
     total = sum(f + b for f, b in lt)
-    return max(0.0, total - cost.num_layers * sum(lt[1]))
+    fwd = sum(f for f, _ in lt)
+    return (max(0.0, total - cost.num_layers * sum(lt[1])),
+            max(0.0, fwd - cost.num_layers * lt[1][0]))
