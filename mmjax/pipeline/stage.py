@@ -184,16 +184,31 @@ def remat_wrap(f, remat: str):
     raise ValueError(f"remat={remat!r}: must be one of {REMAT_POLICIES}")
 
 
+def _sub_jaxprs(params) -> list:
+    """The (open) jaxprs among an eqn's params, looking one level into tuples/lists; built
+    on the public `Jaxpr`/`ClosedJaxpr` types only, so it holds across jax versions."""
+    from jax.extend.core import ClosedJaxpr, Jaxpr
+
+    out = []
+    for v in params.values():
+        for item in (v if isinstance(v, (tuple, list)) else (v,)):
+            if isinstance(item, ClosedJaxpr):
+                out.append(item.jaxpr)
+            elif isinstance(item, Jaxpr):
+                out.append(item)
+    return out
+
+
 def _depends(jaxpr, in_dep) -> list[bool]:
     """Per outvar of `jaxpr`: does it depend on an invar flagged in `in_dep`?"""
-    from jax.extend.core import Literal, jaxprs_in_params
+    from jax.extend.core import Literal
 
     dep = {v for v, d in zip(jaxpr.invars, in_dep) if d}
     for eqn in jaxpr.eqns:
         ins = [not isinstance(v, Literal) and v in dep for v in eqn.invars]
         if not any(ins):
             continue
-        subs = list(jaxprs_in_params(eqn.params))
+        subs = _sub_jaxprs(eqn.params)
         if (eqn.primitive.name in _CALL_LIKE and len(subs) == 1
                 and len(subs[0].invars) == len(ins) and len(subs[0].outvars) == len(eqn.outvars)):
             outs = _depends(subs[0], ins)
