@@ -1,0 +1,55 @@
+"""The host-side planning modules import no JAX (DESIGN.md: they "import no JAX, so they run in milliseconds and are testable alone"): the schedule and
+simulator, the planner's cost model / evaluation / partitioning, the data reordering and
+balancing, and CP token distribution (seed 002 §4.3.2) must run on a host without an
+accelerator runtime and without paying JAX's import time.
+
+mmjax.planner.orchestrate is deliberately left out: it imports cvxpy, and cvxpy itself
+imports jax when it is installed, so that module cannot be JAX-free whatever we do.
+"""
+import json
+import subprocess
+import sys
+
+PURE = (
+    "mmjax.parallel.token_distribution",
+    "mmjax.pipeline.schedule",
+    "mmjax.pipeline.simulate",
+    "mmjax.data.reorder",
+    "mmjax.data.balance",
+    "mmjax.planner.costs",
+    "mmjax.planner.evaluate",
+    "mmjax.planner.partition",
+)
+
+# Imports each module in order in a fresh interpreter and records, after each, whether any
+# jax module has been loaded, so a failure names the module that pulled it in.
+_PROBE = """
+import importlib, json, sys
+seen = {}
+for name in sys.argv[1:]:
+    importlib.import_module(name)
+    seen[name] = sorted(m for m in sys.modules if m == "jax" or m.startswith("jax."))[:5]
+print(json.dumps(seen))
+"""
+
+
+def _jax_modules_after_import(modules):
+    out = subprocess.run([sys.executable, "-c", _PROBE, *modules], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_planning_modules_import_no_jax():
+    seen = _jax_modules_after_import(PURE)
+    assert list(seen) == list(PURE)
+    offenders = {name: mods for name, mods in seen.items() if mods}
+    assert not offenders, f"these imports loaded jax: {offenders}"
+
+
+def test_probe_detects_a_jax_import():
+    """The probe can fail: a module that does use JAX shows up."""
+    seen = _jax_modules_after_import(["mmjax.parallel.token_distribution",
+                                      "mmjax.parallel.context"])
+    assert seen["mmjax.parallel.token_distribution"] == []
+    assert "jax" in seen["mmjax.parallel.context"]
