@@ -2,13 +2,17 @@
 
 Settings: seed 000 Table 2 (MLLM-72B on 1296/648/324/112 A800s, global batch
 1920/960/480/240; DistTrain's solve times 922/641/441/133 ms), the §8.2 microbenchmarks
-(MLLM-9B/15B/72B on 98 GPUs, batch 128/64/40), OrchMLLM MLLM-10B/18B/84B on 128 H100s and
-Cornstarch VLM/ALM/VALM on 24 GPUs with 24 single-sample microbatches.
+(MLLM-9B/15B/72B on 98 GPUs, batch 128/64/40), OrchMLLM MLLM-10B/18B/84B on 128 H100s,
+every Cornstarch VLM/ALM/VALM config (seed 002 §6.1; encoders and LLM frozen) on 24 GPUs
+with 24 single-sample microbatches, and the four frozen settings of seed 000 §8.3.1 on
+MLLM-9B and MLLM-72B (98 GPUs).
 Solve time is the median of `--repeats` runs of Algorithm 1 (costs prepared once, as a
-training manager would). Speedup = baseline iteration time / planner iteration time.
+training manager would), fewest-GPUs tie-break included. Speedup = baseline iteration time
+/ planner iteration time; "used" is the planner's GPU count (the tie-break may leave some
+idle), "LLM share" the LLM's part of them.
 
-    python scripts/bench_planner.py [--repeats=5] [--only=table2]
-        [--json=bench_results/planner.json]
+    python scripts/bench_planner.py [--repeats=5] [--only=table2|cornstarch|frozen|all]
+        [--json=bench_results/planner.json] [--markdown=FILE]
 """
 from __future__ import annotations
 
@@ -24,26 +28,34 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from mmjax.models.named import named_config  # noqa: E402
+from mmjax.models.named import NAMED_CONFIGS, named_config  # noqa: E402
 from mmjax.planner.baselines import megatron_choices, ratio_choices  # noqa: E402
 from mmjax.planner.evaluate import evaluate  # noqa: E402
 from mmjax.planner.hardware import A800, H100  # noqa: E402
-from mmjax.planner.build import model_costs  # noqa: E402
+from mmjax.planner.build import DISTTRAIN_FROZEN, model_costs  # noqa: E402
 from mmjax.planner.orchestrate import orchestrate  # noqa: E402
 from mmjax.planner.plan import PlanError  # noqa: E402
 
-TABLE2 = [("disttrain/mllm_72b", 1296, 1920, 922), ("disttrain/mllm_72b", 648, 960, 641),
-          ("disttrain/mllm_72b", 324, 480, 441), ("disttrain/mllm_72b", 112, 240, 133)]
-OTHERS = [("disttrain/mllm_9b", 98, 128, None), ("disttrain/mllm_15b", 98, 64, None),
-          ("disttrain/mllm_72b", 98, 40, None),
-          ("orchmllm/mllm_10b", 128, 512, None), ("orchmllm/mllm_18b", 128, 512, None),
-          ("orchmllm/mllm_84b", 128, 256, None),
-          ("cornstarch/vlm_m", 24, 24, None), ("cornstarch/alm_m", 24, 24, None),
-          ("cornstarch/valm_ll", 24, 24, None)]
+# (model, GPUs, global batch, DistTrain's solve ms, frozen setting of §8.3.1 or None)
+TABLE2 = [("disttrain/mllm_72b", 1296, 1920, 922, None),
+          ("disttrain/mllm_72b", 648, 960, 641, None),
+          ("disttrain/mllm_72b", 324, 480, 441, None),
+          ("disttrain/mllm_72b", 112, 240, 133, None)]
+OTHERS = [("disttrain/mllm_9b", 98, 128, None, None), ("disttrain/mllm_15b", 98, 64, None, None),
+          ("disttrain/mllm_72b", 98, 40, None, None),
+          ("orchmllm/mllm_10b", 128, 512, None, None), ("orchmllm/mllm_18b", 128, 512, None, None),
+          ("orchmllm/mllm_84b", 128, 256, None, None)]
+CORNSTARCH = [(name, 24, 24, None, None) for name in sorted(NAMED_CONFIGS)
+              if name.startswith("cornstarch/")]
+FROZEN = [(name, 98, batch, None, setting) for name, batch in (("disttrain/mllm_9b", 128),
+                                                               ("disttrain/mllm_72b", 40))
+          for setting in DISTTRAIN_FROZEN]
+GROUPS = {"table2": TABLE2, "cornstarch": CORNSTARCH, "frozen": FROZEN,
+          "all": TABLE2 + OTHERS + CORNSTARCH + FROZEN}
 
 
-def bench_one(name, gpus, batch, paper_ms, repeats):
-    model = named_config(name)
+def bench_one(name, gpus, batch, paper_ms, setting, repeats):
+    model = named_config(name, DISTTRAIN_FROZEN[setting] if setting else None)
     hw = H100 if name.startswith("orchmllm") else A800
     costs, _ = model_costs(model, hw)
     times, res = [], None
@@ -52,7 +64,11 @@ def bench_one(name, gpus, batch, paper_ms, repeats):
         res = orchestrate(costs, hw, gpus, batch)
         times.append(time.perf_counter() - t0)
     plan_t = res.iteration_time_s
-    row = {"model": name, "gpus": gpus, "global_batch": batch, "hardware": hw.name,
+    used = {k: v.gpus for k, v in res.choices.items()}
+    row = {"model": name, "frozen_setting": setting, "gpus": gpus, "global_batch": batch,
+           "hardware": hw.name, "gpus_used": sum(used.values()),
+           "llm_share": used["llm"] / sum(used.values()),
+           "optimal_time_s": res.optimal_time_s,
            "solve_ms_median": 1e3 * statistics.median(times),
            "solve_ms_all": [1e3 * t for t in times],
            "paper_ms": paper_ms, "iteration_time_s": plan_t,
@@ -71,27 +87,45 @@ def bench_one(name, gpus, batch, paper_ms, repeats):
     return row
 
 
+COLUMNS = ("model", "GPUs", "used", "batch", "hw", "solve ms", "paper ms", "plan (dp,tp,pp)",
+           "LLM share", "iter s", "MFU", "vs megatron", "vs ratio")
+
+
+def cells(r) -> list[str]:
+    plan = " ".join(f"{k[:3]}:{v['dp']},{v['tp']},{v['pp']}"
+                    + (f"x{v['vpp']}" if v["vpp"] > 1 else "") for k, v in r["plan"].items())
+    sp = lambda k: (f"{r[k]['speedup']:.2f}x" if "speedup" in r[k] else "infeasible")
+    model = r["model"] + (f" ({r['frozen_setting']})" if r["frozen_setting"] else "")
+    return [model, str(r["gpus"]), str(r["gpus_used"]), str(r["global_batch"]), r["hardware"],
+            f"{r['solve_ms_median']:.0f}", str(r["paper_ms"] or "-"), plan,
+            f"{r['llm_share']:.2f}", f"{r['iteration_time_s']:.2f}", f"{100 * r['mfu']:.1f}%",
+            sp("megatron"), sp("ratio")]
+
+
+def markdown(rows, repeats: int) -> str:
+    out = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    out += ["| " + " | ".join(cells(r)) + " |" for r in rows]
+    return "\n".join(out) + "\n"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--only", choices=["table2", "all"], default="all")
+    ap.add_argument("--only", choices=sorted(GROUPS), default="all")
     ap.add_argument("--json", default="bench_results/planner.json")
+    ap.add_argument("--markdown", help="also write the table as markdown here")
     args = ap.parse_args(argv)
-    settings = TABLE2 + ([] if args.only == "table2" else OTHERS)
-    rows = [bench_one(*s, args.repeats) for s in settings]
+    rows = [bench_one(*s, args.repeats) for s in GROUPS[args.only]]
     t = Table(title=f"planner: solve time (median of {args.repeats}) and predicted speedup")
-    for col in ("model", "GPUs", "batch", "hw", "solve ms", "paper ms", "plan (dp,tp,pp)",
-                "iter s", "MFU", "vs megatron", "vs ratio"):
+    for col in COLUMNS:
         t.add_column(col, justify="left" if col in ("model", "plan (dp,tp,pp)") else "right")
     for r in rows:
-        plan = " ".join(f"{k[:3]}:{v['dp']},{v['tp']},{v['pp']}"
-                        + (f"x{v['vpp']}" if v["vpp"] > 1 else "") for k, v in r["plan"].items())
-        sp = lambda k: (f"{r[k]['speedup']:.2f}x" if "speedup" in r[k] else "infeasible")
-        t.add_row(r["model"], str(r["gpus"]), str(r["global_batch"]), r["hardware"],
-                  f"{r['solve_ms_median']:.0f}", str(r["paper_ms"] or "-"), plan,
-                  f"{r['iteration_time_s']:.2f}", f"{100 * r['mfu']:.1f}%", sp("megatron"),
-                  sp("ratio"))
-    Console(width=None if sys.stdout.isatty() else 160).print(t)
+        t.add_row(*cells(r))
+    Console(width=None if sys.stdout.isatty() else 200).print(t)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(markdown(rows, args.repeats))
+        print(f"wrote {args.markdown}")
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump({"repeats": args.repeats, "rows": rows}, f, indent=2)

@@ -70,3 +70,23 @@ def test_bench_planner_table2(tmp_path):
     for r in rows:
         assert r["megatron"]["speedup"] >= 1.0 and r["ratio"]["speedup"] >= 1.0
         assert r["plan"]["llm"]["tp"] in (1, 2, 4, 8)
+
+
+def test_bench_planner_cornstarch_markdown(tmp_path):
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import bench_planner
+    from mmjax.models.named import NAMED_CONFIGS
+    from mmjax.planner.orchestrate import GPU_TOLERANCE
+
+    out, md = tmp_path / "bench.json", tmp_path / "bench.md"
+    assert bench_planner.main(["--only=cornstarch", "--repeats=1", f"--json={out}",
+                               f"--markdown={md}"]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["model"] for r in rows} == {n for n in NAMED_CONFIGS if n.startswith("cornstarch/")}
+    for r in rows:
+        assert r["gpus_used"] <= 24 and 0 < r["llm_share"] < 1
+        assert r["iteration_time_s"] <= r["optimal_time_s"] * (1 + GPU_TOLERANCE) * (1 + 1e-12)
+    lines = md.read_text().splitlines()
+    assert len(lines) == 2 + len(rows) and all(line.count("|") == 14 for line in lines)
+    assert {s for _, _, _, _, s in bench_planner.FROZEN} == {"all frozen", "encoder only",
+                                                             "llm only", "generator only"}

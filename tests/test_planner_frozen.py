@@ -5,16 +5,9 @@ import pytest
 from mmjax.models.named import named_config
 from mmjax.planner.baselines import baseline_plan, megatron_choices, ratio_choices
 from mmjax.planner.hardware import A800
-from mmjax.planner.build import model_costs, plan_model
+from mmjax.planner.build import DISTTRAIN_FROZEN, model_costs, plan_model
 from mmjax.planner.orchestrate import GPU_TOLERANCE, orchestrate
 
-# seed 000 §8.3.1: projectors always trained
-DISTTRAIN_FROZEN = {
-    "all frozen": {"encoders.vision.frozen": True, "llm_frozen": True, "generator_frozen": True},
-    "encoder only": {"llm_frozen": True, "generator_frozen": True},
-    "llm only": {"encoders.vision.frozen": True, "generator_frozen": True},
-    "generator only": {"encoders.vision.frozen": True, "llm_frozen": True},
-}
 
 
 @pytest.mark.parametrize("name,gpus,batch", [("disttrain/mllm_9b", 98, 128),

@@ -11,6 +11,15 @@ from mmjax.planner.plan import Plan, UnitPlan
 from mmjax.planner.workload import default_workload
 
 
+# seed 000 §8.3.1: four frozen settings; the projectors are always trained
+DISTTRAIN_FROZEN = {
+    "all frozen": {"encoders.vision.frozen": True, "llm_frozen": True, "generator_frozen": True},
+    "encoder only": {"llm_frozen": True, "generator_frozen": True},
+    "llm only": {"encoders.vision.frozen": True, "generator_frozen": True},
+    "generator only": {"encoders.vision.frozen": True, "llm_frozen": True},
+}
+
+
 def to_plan(model, costs: tuple[UnitCost, ...], choices: dict[str, Choice], global_batch: int,
             hw: Hardware, kind: str, layer_costs: dict | None = None,
             solve_time_s: float = 0.0, optimal_time_s: float | None = None) -> Plan:
