@@ -2,6 +2,7 @@
 
     python scripts/plan.py --gin_file=configs/disttrain/mllm_72b.gin --gpus=1296 \
         --global_batch=1920 [--baseline=megatron|ratio] [--hardware=a800] [--json=FILE]
+        [--gpu_tolerance=0.01]
 
 Prints, per unit, GPUs, DP/TP/PP, stage time and memory per GPU, and the predicted
 iteration time and MFU of the planner's plan beside the Megatron and FLOPs-ratio baselines.
@@ -24,6 +25,7 @@ from rich.table import Table  # noqa: E402
 
 from mmjax.planner.baselines import baseline_plan  # noqa: E402
 from mmjax.planner.hardware import hardware  # noqa: E402
+from mmjax.planner.orchestrate import GPU_TOLERANCE  # noqa: E402
 from mmjax.planner.build import plan_model  # noqa: E402
 from mmjax.planner.plan import PlanError  # noqa: E402
 
@@ -94,6 +96,9 @@ def main(argv=None) -> int:
     ap.add_argument("--hardware", help="a800 | h100 | h200 (default: the paper's)")
     ap.add_argument("--recompute", action="store_true", help="activation recomputation")
     ap.add_argument("--no_vpp", action="store_true", help="disable interleaved 1F1B")
+    ap.add_argument("--gpu_tolerance", type=float, default=GPU_TOLERANCE,
+                    help="relative slack on the least iteration time within which the plan "
+                         "with the fewest GPUs wins (0: least time only)")
     ap.add_argument("--json", help="write the plan here")
     ap.add_argument("--profile", help="measured C(TP, size) tables (JSON) to use instead of "
                                       "the analytic times")
@@ -112,7 +117,8 @@ def main(argv=None) -> int:
         costs = measured_costs(model, hw, args)
     try:
         plans["planner"] = plan_model(model, hw, args.gpus, args.global_batch,
-                                      recompute=args.recompute, vpp=not args.no_vpp, costs=costs)
+                                      recompute=args.recompute, vpp=not args.no_vpp, costs=costs,
+                                      gpu_tolerance=args.gpu_tolerance)
     except PlanError as e:
         errors["planner"] = str(e)
     for kind in ("megatron", "ratio"):
@@ -133,8 +139,10 @@ def main(argv=None) -> int:
         console.print(f"[yellow]{name}: infeasible:[/yellow] {err}")
     console.print(summary_table(plans))
     if "planner" in plans:
-        ms = plans["planner"].predicted["solve_time_s"] * 1e3
-        console.print(f"planner solve time: {ms:.0f} ms")
+        p = plans["planner"].predicted
+        console.print(f"planner solve time: {p['solve_time_s'] * 1e3:.0f} ms; least time "
+                      f"{p['optimal_time_s']:.3f} s, picked the fewest GPUs within "
+                      f"{100 * args.gpu_tolerance:g}%: {p['gpus']} of {args.gpus} GPUs")
     if args.json:
         out = plans[primary].to_json()
         out["solve_time_s"] = plans[primary].predicted.get("solve_time_s", 0.0)
