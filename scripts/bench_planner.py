@@ -123,6 +123,7 @@ def main(argv=None) -> int:
         t.add_row(*cells(r))
     Console(width=None if sys.stdout.isatty() else 200).print(t)
     if args.markdown:
+        os.makedirs(os.path.dirname(os.path.abspath(args.markdown)), exist_ok=True)
         with open(args.markdown, "w") as f:
             f.write(markdown(rows, args.repeats))
         print(f"wrote {args.markdown}")
