@@ -205,3 +205,119 @@ def test_llm_layers_with_cp_hook_match_single_device():
     np.testing.assert_allclose(out, ref_out, atol=1e-4, rtol=1e-4)
     for got, want in zip(jax.tree.leaves(g), jax.tree.leaves(ref_g)):
         np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+
+
+def _entry_graph(hlo: str):
+    """The scheduled ENTRY computation: instruction names in order, each one's operands
+    (ENTRY instructions only), its opcode line, and whether it is or calls a dot."""
+    comps = dict(re.findall(r"\n(?:ENTRY )?%?([\w.\-]+) [^\n]*\{\n(.*?)\n\}", hlo, re.S))
+    has_dot = {name for name, body in comps.items() if re.search(r" dot\(", body)}
+    grew = True
+    while grew:
+        grew = False
+        for name, body in comps.items():
+            called = re.findall(r"(?:calls|to_apply|body)=%?([\w.\-]+)", body)
+            if name not in has_dot and any(c in has_dot for c in called):
+                has_dot.add(name)
+                grew = True
+    entry = re.search(r"\nENTRY [^\n]*\{\n(.*?)\n\}", hlo, re.S).group(1)
+    order, lines, operands, dots = [], {}, {}, set()
+    for line in entry.splitlines():
+        m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = (.*)", line)
+        if not m:
+            continue
+        name, rest = m.groups()
+        order.append(name)
+        lines[name] = rest
+        operands[name] = [o for o in re.findall(r"%([\w.\-]+)", rest) if o in lines]
+        called = re.findall(r"(?:calls|to_apply|body)=%?([\w.\-]+)", rest)
+        if re.search(r" dot\(", rest) or any(c in has_dot for c in called):
+            dots.add(name)
+    return order, lines, operands, dots
+
+
+def _shard_map_body(jaxpr):
+    """The body jaxpr of the first shard_map, looking inside jit/pjit equations."""
+    for eqn in jaxpr.eqns:
+        inner = eqn.params.get("jaxpr")
+        if inner is None:
+            continue
+        inner = getattr(inner, "jaxpr", inner)
+        if eqn.primitive.name == "shard_map":
+            return inner
+        found = _shard_map_body(inner)
+        if found is not None:
+            return found
+    return None
+
+
+def test_head_group_kv_gathers_interleave_with_attention(reference):
+    """num_head_groups=2 (seed 002 §5.3: the K/V gather of the next head group overlaps the
+    current group's attention). Checked on two levels:
+
+    - compiled CPU HLO: one K/V all-gather per head group (not merged), the gather of group
+      g+1 does not depend on group g's attention and is scheduled before group g's last
+      attention dot, so it is not hoisted after the compute. XLA CPU issues both gathers up
+      front and drops scheduling hints such as optimization barriers, so the HLO order alone
+      cannot show a scheduling-only serialisation on CPU; hence also
+    - the shard_map body's jaxpr: program order gather(g) < attention dots(g) < gather(g+1)
+      < attention dots(g+1), and gather(g+1)'s operands are data-independent of group g's
+      dots (what lets XLA's async all-gather-start/done overlap them on GPU).
+    """
+    (q, k, v, _), _, _ = reference
+    groups, ncp = 2, 2
+    gidx = _layout(ncp, "lpt")
+    meta = cp.layout_meta(BAM, DOC, SUB, gidx)
+    out_fn, _ = _cp_loss_fn(_mesh((ncp,), ("cp",)), num_head_groups=groups)
+
+    # --- jaxpr of the shard_map body
+    body = _shard_map_body(jax.make_jaxpr(out_fn)(q, k, v, gidx, meta).jaxpr)
+    assert body is not None
+    float_gather = lambda e: (e.primitive.name == "all_gather"
+                              and jnp.issubdtype(e.outvars[0].aval.dtype, jnp.floating))
+    gathers = [i for i, e in enumerate(body.eqns) if float_gather(e)]
+    dot_idx = [i for i, e in enumerate(body.eqns) if e.primitive.name == "dot_general"]
+    assert len(gathers) == groups and len(dot_idx) == 2 * groups  # q k^T and p v per group
+    bounds = gathers + [len(body.eqns)]
+    for g in range(groups):
+        assert sum(bounds[g] < i < bounds[g + 1] for i in dot_idx) == 2
+    depends = set()  # ids of vars computed from a dot of groups 0 .. g
+    for g in range(groups - 1):
+        for eqn in body.eqns[bounds[g]:bounds[g + 1]]:
+            if eqn.primitive.name == "dot_general" or any(id(x) in depends for x in eqn.invars):
+                depends.update(id(x) for x in eqn.outvars)
+        assert not any(id(x) in depends for x in body.eqns[bounds[g + 1]].invars), (
+            f"the K/V gather of head group {g + 1} waits for group {g}'s attention")
+
+    # --- compiled HLO schedule
+    order, lines, operands, dots = _entry_graph(
+        out_fn.lower(q, k, v, gidx, meta).compile().as_text())
+    pos = {name: i for i, name in enumerate(order)}
+
+    def descendants(root):
+        seen = {root}
+        for name in order[pos[root] + 1:]:
+            if any(o in seen for o in operands[name]):
+                seen.add(name)
+        return seen
+
+    # K/V gathers carry floats ([2 (k, v), B, S, kv/groups, D]); the mask metadata is int32.
+    kv_gathers = [n for n in order if re.match(r"\(?(f32|bf16)\[2,[^=]*? all-gather(-start)?\(",
+                                               lines[n])]
+    assert len(kv_gathers) == groups, [lines[n][:80] for n in kv_gathers]
+    # Which output head group each gather feeds: the operand index of the ROOT concatenate.
+    root_inputs = operands[order[-1]]
+    group_of, attn_dots = {}, {}
+    for gather in kv_gathers:
+        down = descendants(gather)
+        fed = [i for i, o in enumerate(root_inputs) if o in down]
+        assert len(fed) == 1, fed  # each gather feeds exactly one head group's output
+        group_of[fed[0]] = gather
+        attn_dots[fed[0]] = sorted((d for d in down if d in dots), key=pos.get)
+        assert len(attn_dots[fed[0]]) >= 2  # scores q k^T and probabilities @ v
+    assert sorted(group_of) == list(range(groups))
+    for g in range(groups - 1):
+        nxt = group_of[g + 1]
+        assert nxt not in descendants(group_of[g])  # independent of group g's gather/attention
+        assert pos[nxt] < pos[attn_dots[g][-1]], (
+            f"gather of head group {g + 1} is scheduled after group {g}'s attention")
