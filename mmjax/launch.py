@@ -1,7 +1,7 @@
 """Multi-process start-up: `jax.distributed` initialisation, and `python -m mmjax.launch`.
 
-DESIGN.md "Units, stages and sub-meshes": stages may sit in different processes; every
-process runs the same host program (host-driven MPMD, seed 000 §7 broker) over the global
+docs/design.md "Units, stages and sub-meshes": stages may sit in different processes; every
+process runs the same host program (host-driven MPMD, DistTrain §7 broker) over the global
 device list. `initialize` must run before anything touches a JAX backend. On CPU it selects
 the gloo collectives (cross-process ppermute / psum) and the per-process device count; a
 low heartbeat timeout makes a dead peer fail the others within seconds instead of minutes.

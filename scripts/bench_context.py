@@ -1,4 +1,4 @@
-"""Table 4 analogue of seed 002 (§6.5): balance of CP token distributions, and LPT's speed.
+"""Table 4 analogue of Cornstarch (§6.5): balance of CP token distributions, and LPT's speed.
 
 For each sequence length and mask family (EP: encoder outputs prepended, EE: embedded, MP:
 multimodal packing; Fig. 11) it draws random BAM rows, distributes query blocks over the CP
@@ -56,7 +56,7 @@ def balance_rows(lengths, families, ranks, block, draws):
 
 
 def ilp_rows(lengths, families, ranks, block, draws, time_limit):
-    """LPT's makespan over the ILP optimum (seed 002 §4.3.2 Eq. 1) on the first `draws` masks."""
+    """LPT's makespan over the ILP optimum (Cornstarch §4.3.2 Eq. 1) on the first `draws` masks."""
     rows = []
     for length in lengths:
         for family in families:
@@ -108,7 +108,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--ranks", type=int, default=8)
     ap.add_argument("--block", type=int, default=128)
     ap.add_argument("--draws", type=int, default=50,
-                    help="random masks per (length, family); seed 002 §6.5 uses 50")
+                    help="random masks per (length, family); Cornstarch §6.5 uses 50")
     ap.add_argument("--lpt_tokens", type=int, default=1 << 20)
     ap.add_argument("--repeats", type=int, default=20, help="timing repeats for LPT")
     ap.add_argument("--ilp_lengths", type=int, nargs="*", default=[16384],
@@ -153,7 +153,7 @@ def main(argv=None) -> dict:
     console.print(t2)
 
     if exact:
-        t3 = Table(title=f"LPT vs the exact ILP (seed 002 Eq. 1, HiGHS, {args.ilp_time_limit:g} s "
+        t3 = Table(title=f"LPT vs the exact ILP (Cornstarch Eq. 1, HiGHS, {args.ilp_time_limit:g} s "
                          f"limit), first {args.ilp_draws} masks")
         for col in ("Length", "Mask", "LPT / ILP (mean)", "LPT / ILP (max)", "proven optimal",
                     "ILP time (s)"):

@@ -1,26 +1,26 @@
-"""Data-path benchmarks (issue 6): reordering and post-balancing, host side only.
+"""Data-path benchmarks: reordering and post-balancing, host side only.
 
 Parts (``--parts``, default all: 1 2 3 4; one function per part):
   1. DP imbalance, max/mean per-rank cost, for a random split (as sampled) vs DistTrain's
-     intra-microbatch reordering (seed 000 Alg. 2) vs each OrchMLLM post-balance policy (seed
+     intra-microbatch reordering (DistTrain Alg. 2) vs each OrchMLLM post-balance policy (seed
      001 Alg. 1, 2, 4, 5), per phase (vision / audio encoder tokens of the samples that have
      that modality, LLM sequence tokens), on
      the LAION-like and three-modality (text, image, audio) mix sets of mmjax/data/synthetic.py,
      at DP 8, 64, 512. Two cost models: linear (sum of tokens: flash attention, no padding) and
      padded (count x longest: padded batches). intra_reorder and "sum" are the same LPT greedy
      (see reorder.intra_reorder), so their columns agree.
-  2. Simulated 1F1B / interleaved iteration time (the seed 000 §6.2 recurrence) of random
+  2. Simulated 1F1B / interleaved iteration time (the DistTrain §6.2 recurrence) of random
      order (mean over all l! orders), ascending order, inter-microbatch reordering (Alg. 3,
      alone and with reorder's guard) and the exhaustive optimum, l = 8 microbatches, p in
      {2, 4, 8}; also l = 32, 64 against sampled random orders and the lower bound.
      Microbatch cost = encoder tokens it holds.
-  3. Balancing compute time at seed 001 Table 2 scales (DP 64 ... 2560, 60 samples per rank):
+  3. Balancing compute time at OrchMLLM Table 2 scales (DP 64 ... 2560, 60 samples per rank):
      each policy and node-wise rearrangement (8 ranks per node; the MILP up to
      --max_milp_ranks with a --milp_time_limit, reporting whether it proved optimality and
      its objective vs the greedy fast path; greedy above). OrchMLLM's whole dispatcher
      overhead there is 16.7-53.9 ms. "sum_square" runs the heap loop below 256 ranks and
      vectorised runs from 256 on (identical output; skipped above --sum_square_max_dp).
-  4. Loader throughput (mmjax/data/loader.py, seed 000 §4.2 / 003 §6): samples/s with 0, 1, 2
+  4. Loader throughput (mmjax/data/loader.py, DistTrain §4.2 / 003 §6): samples/s with 0, 1, 2
      grain worker processes and the trainer's wait per step while a simulated training step
      runs (--step_ms).
 
@@ -114,7 +114,7 @@ def _orders(f, p, v, sc):
 
 
 def _stage_costs(kind, p, f):
-    """"uniform": every stage ~ microbatch size (one pipelined unit). "enc+llm": seed 000
+    """"uniform": every stage ~ microbatch size (one pipelined unit). "enc+llm": DistTrain
     §6.2's pipeline, encoder stage 0 ~ size, LLM stages at a fixed time (the mean encoder
     time: the orchestrator balances the units)."""
     if kind == "uniform":

@@ -1,10 +1,10 @@
 """Planner benchmark: solve time and predicted speedup over the baselines.
 
-Settings: seed 000 Table 2 (MLLM-72B on 1296/648/324/112 A800s, global batch
+Settings: DistTrain Table 2 (MLLM-72B on 1296/648/324/112 A800s, global batch
 1920/960/480/240; DistTrain's solve times 922/641/441/133 ms), the §8.2 microbenchmarks
 (MLLM-9B/15B/72B on 98 GPUs, batch 128/64/40), OrchMLLM MLLM-10B/18B/84B on 128 H100s,
-every Cornstarch VLM/ALM/VALM config (seed 002 §6.1; encoders and LLM frozen) on 24 GPUs
-with 24 single-sample microbatches, and the four frozen settings of seed 000 §8.3.1 on
+every Cornstarch VLM/ALM/VALM config (Cornstarch §6.1; encoders and LLM frozen) on 24 GPUs
+with 24 single-sample microbatches, and the four frozen settings of DistTrain §8.3.1 on
 MLLM-9B and MLLM-72B (98 GPUs).
 Solve time is the median of `--repeats` runs of Algorithm 1 (costs prepared once, as a
 training manager would), fewest-GPUs tie-break included. Speedup = baseline iteration time

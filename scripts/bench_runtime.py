@@ -2,9 +2,9 @@
 
 For the tiny MLLM (vision -> LLM -> generator, mmjax/models/tiny.py, widened by flags) on 8
 forced CPU devices, under
-  rigid     Megatron-style `Plan.rigid(dp=1, tp=2, pp=2)` (seed 000 §2.1 Fig. 2: encoder
+  rigid     Megatron-style `Plan.rigid(dp=1, tp=2, pp=2)` (DistTrain §2.1 Fig. 2: encoder
             and generator are extra stages with the LLM's dp and tp),
-  disagg    vision dp2 | llm tp2 pp2 | generator dp2 (seed 000 §4.1 disaggregation),
+  disagg    vision dp2 | llm tp2 pp2 | generator dp2 (DistTrain §4.1 disaggregation),
   planner   the planner's choice for 8 devices (planner/build.py `plan_model`, H100 cost
             model, vpp off: see below); opt-in with --plans,
 it measures for one global batch through `PipelineRuntime.run`:

@@ -8,7 +8,7 @@ largest image grid, mel bins and latent shape from that model, so the trainer ca
 file (`--gin_param=loader_source.path="'/tmp/t.arrayrecord'"` with a --plan).
 
 Images are stored as uint8 pixels and decoded/resized by the loader's worker processes
-(seed 000 §4.2: preprocessing off the training path). `--corrupt_fraction` truncates some
+(DistTrain §4.2: preprocessing off the training path). `--corrupt_fraction` truncates some
 records so the loader's skip path can be exercised.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Plan a model's disaggregated orchestration (seed 000 §5) and compare with the baselines.
+"""Plan a model's disaggregated orchestration (DistTrain §5) and compare with the baselines.
 
     python scripts/plan.py --gin_file=configs/disttrain/mllm_72b.gin --gpus=1296 \
         --global_batch=1920 [--baseline=megatron|ratio] [--hardware=a800] [--json=FILE]

@@ -1,4 +1,4 @@
-"""OrchMLLM post-balancing (seed 001 §5.1, App. A) vs exhaustive optima, node-wise
+"""OrchMLLM post-balancing (OrchMLLM §5.1, App. A) vs exhaustive optima, node-wise
 rearrangement (§5.2.2) vs identity and brute force, rearrangement composition (§6)."""
 
 import heapq
@@ -131,7 +131,7 @@ def test_sum_square_heap_matches_scan_reference():
 
 @pytest.mark.slow
 def test_sum_square_runs_match_heap_at_scale():
-    """2560 ranks x 60 samples (seed 001 Table 2 scale): both implementations agree."""
+    """2560 ranks x 60 samples (OrchMLLM Table 2 scale): both implementations agree."""
     rng = np.random.default_rng(4)
     x = np.round(rng.lognormal(7, 1, 2560 * 60))
     tol = float(x.mean())
@@ -319,7 +319,7 @@ def test_rearrangement_apply_inverse_then_round_trip():
 
 def test_compose_equals_reset_then_llm_rearrangement():
     """Pi_M o Pi_E^-1 moves each encoder output to the same place as going back to the
-    original instance first (the two-all-to-all path of seed 001 §6)."""
+    original instance first (the two-all-to-all path of OrchMLLM §6)."""
     rng = np.random.default_rng(10)
     n, d = 40, 4
     original = _random_batches(rng, range(n), d)

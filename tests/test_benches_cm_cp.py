@@ -1,5 +1,5 @@
 """Smoke tests of scripts/bench_collective_matmul.py (DistTrain §7, StepCCL) and
-scripts/bench_context.py (seed 002 §6.5 Table 4 analogue) at tiny sizes, in-process.
+scripts/bench_context.py (Cornstarch §6.5 Table 4 analogue) at tiny sizes, in-process.
 
 They check the JSON's keys and rows, that the decomposed variants agree with GSPMD, the plain
 CPU note, and that the balance rows re-derive from mmjax.parallel.token_distribution (no

@@ -1,4 +1,4 @@
-"""Broker (seed 000 §7): transfers between disjoint sub-meshes equal the numpy reorder."""
+"""Broker (DistTrain §7): transfers between disjoint sub-meshes equal the numpy reorder."""
 import itertools
 import os
 import random

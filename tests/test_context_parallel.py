@@ -1,6 +1,6 @@
-"""All-gather context-parallel attention equals single-device attention (seed 002 §5.3).
+"""All-gather context-parallel attention equals single-device attention (Cornstarch §5.3).
 
-One batch holds one row of each mask family (seed 002 Fig. 11 plus plain causal), each row
+One batch holds one row of each mask family (Cornstarch Fig. 11 plus plain causal), each row
 with its own token distribution, so every test case covers all four families at once.
 """
 import re
@@ -252,7 +252,7 @@ def _shard_map_body(jaxpr):
 
 
 def test_head_group_kv_gathers_interleave_with_attention(reference):
-    """num_head_groups=2 (seed 002 §5.3: the K/V gather of the next head group overlaps the
+    """num_head_groups=2 (Cornstarch §5.3: the K/V gather of the next head group overlaps the
     current group's attention). Checked on two levels:
 
     - compiled CPU HLO: one K/V all-gather per head group (not merged), the gather of group

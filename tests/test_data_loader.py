@@ -119,7 +119,7 @@ def test_plans_are_partitions_and_hosts_agree(policy):
 
 
 def test_disttrain_microbatch_order_is_algorithm_3_on_the_cost_model():
-    """Algorithm 3 (seed 000 §6.2) runs on microbatch times from the planner's cost model:
+    """Algorithm 3 (DistTrain §6.2) runs on microbatch times from the planner's cost model:
     per unit the slowest DP rank, max over the parallel encoders plus the generator; the
     pipeline = encoder stages + fixed-time LLM stages."""
     from mmjax.planner.costs import unit_cost
@@ -302,7 +302,7 @@ def _phase_cost(unit, m):
 
 
 def test_post_balance_policy_per_phase():
-    """OrchMLLM picks the algorithm per phase (seed 001 §5.1, Appendix A): a dict unit ->
+    """OrchMLLM picks the algorithm per phase (OrchMLLM §5.1, Appendix A): a dict unit ->
     policy; units left out use "sum"; bad names and units are rejected naming the field."""
     from mmjax.data.balance import post_balance
     from mmjax.data.loader import plan_global_batch
@@ -332,7 +332,7 @@ def test_post_balance_policy_per_phase():
 
 
 def test_node_wise_method_auto_uses_the_milp():
-    """Node-wise rearrangement (seed 001 §5.2.2) in the loader: "auto" solves the MILP at
+    """Node-wise rearrangement (OrchMLLM §5.2.2) in the loader: "auto" solves the MILP at
     small dp (kept only when proven optimal, so every host agrees) and never has more
     inter-node volume than greedy; on some batches strictly less. Gin-settable."""
     import gin

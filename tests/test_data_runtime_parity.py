@@ -1,6 +1,6 @@
 """The parity invariant through the data path: global batches planned by the loader
-(OrchMLLM post-balancing per phase, seed 001 §5; DistTrain intra- and inter-microbatch
-reordering, seed 000 §6) and run by the pipeline runtime give the single-device loss and
+(OrchMLLM post-balancing per phase, OrchMLLM §5; DistTrain intra- and inter-microbatch
+reordering, DistTrain §6) and run by the pipeline runtime give the single-device loss and
 gradients of the same global batch.
 
 Plan on 8 CPU devices with a different dp per unit: vision dp2, LLM dp2 x pp2, generator

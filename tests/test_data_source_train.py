@@ -1,5 +1,5 @@
 """The pipelined trainer reads a gin-bound ArrayRecord dataset written by
-scripts/make_dataset.py (`loader_source.path`), decoding in the loader (seed 000 §4.2)."""
+scripts/make_dataset.py (`loader_source.path`), decoding in the loader (DistTrain §4.2)."""
 import importlib.util
 import json
 import os

@@ -16,8 +16,8 @@ from mmjax.planner.costs import llm_params, module_params, num_params
 
 B = 1e9
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-# published module sizes (seed 000 §8: ViT-Huge 0.63B, SD-2.1 UNet 0.865B; seed 001 Table 1;
-# seed 002 Table 1) and MLLM totals named by the papers
+# published module sizes (DistTrain §8: ViT-Huge 0.63B, SD-2.1 UNet 0.865B; OrchMLLM Table 1;
+# Cornstarch Table 1) and MLLM totals named by the papers
 MODULES = {
     "disttrain/mllm_9b": {"vision": 0.632, "generator": 0.865},
     "disttrain/mllm_15b": {"vision": 0.632, "generator": 0.865},
@@ -40,7 +40,7 @@ DISTTRAIN_LLM = {"disttrain/mllm_9b": 6_738_415_616 + 2 * (LLAMA3_VOCAB - 32000)
 # (test_mllm_15b_name_is_the_nominal_sum), so its total is checked against that sum.
 TOTALS = {"disttrain/mllm_9b": 9, "disttrain/mllm_15b": 15.50, "disttrain/mllm_72b": 72,
           "orchmllm/mllm_10b": 10, "orchmllm/mllm_18b": 18, "orchmllm/mllm_84b": 84}
-# Cornstarch Table 1 (seed 002 §6.1): (layers, width, billions)
+# Cornstarch Table 1 (Cornstarch §6.1): (layers, width, billions)
 CORNSTARCH_TABLE = {
     ("llm", "s"): (16, 2048, 1.2), ("llm", "m"): (32, 4096, 8.0), ("llm", "l"): (64, 5120, 32.0),
     ("vision", "s"): (40, 1408, 1.0), ("vision", "m"): (32, 4096, 8.0),

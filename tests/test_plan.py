@@ -1,5 +1,5 @@
 """Plan.validate: one rejection per rule (each message names the field and the fix), JSON
-round trip, and the structure of the Megatron-style rigid plan (seed 000 §2.1). No JAX."""
+round trip, and the structure of the Megatron-style rigid plan (DistTrain §2.1). No JAX."""
 import dataclasses
 
 import pytest

@@ -78,7 +78,7 @@ def test_encoder_cost_sees_size_skew():
 
 
 def test_backward_rule_table():
-    """seed 002 §4.2: 0 (frozen, nothing trainable before), 1 (frozen, trainable before),
+    """Cornstarch §4.2: 0 (frozen, nothing trainable before), 1 (frozen, trainable before),
     2 (trainable)."""
     assert [backward_factor(f, b) for f in (True, False) for b in (False, True)] == [0, 1, 2, 2]
     cs = named_config("cornstarch/vlm_m")  # frozen encoder + LLM, trainable projector

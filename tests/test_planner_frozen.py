@@ -1,4 +1,4 @@
-"""Frozen settings change the plan the way the papers report (seed 000 §8.3.1, seed 002
+"""Frozen settings change the plan the way the papers report (DistTrain §8.3.1, Cornstarch
 Table 3), and the planner beats the baselines it could have chosen."""
 import pytest
 

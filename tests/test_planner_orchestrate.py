@@ -1,4 +1,4 @@
-"""Orchestrator (seed 000 §5.2, Algorithm 1) against exhaustive integer search."""
+"""Orchestrator (DistTrain §5.2, Algorithm 1) against exhaustive integer search."""
 import itertools
 import math
 

@@ -1,4 +1,4 @@
-"""Frozen-status-aware partitioning and Cornstarch Algorithm 1 (seed 002 §4.2, §5.2)."""
+"""Frozen-status-aware partitioning and Cornstarch Algorithm 1 (Cornstarch §4.2, §5.2)."""
 import itertools
 
 import numpy as np
@@ -41,7 +41,7 @@ def test_split_errors():
 
 def test_frozen_encoder_stages_take_more_layers():
     """A frozen encoder whose last layer carries a trainable projector: balancing fwd+bwd
-    puts more encoder layers in the first (backward-free) stage (seed 002 Fig. 7c)."""
+    puts more encoder layers in the first (backward-free) stage (Cornstarch Fig. 7c)."""
     layers = [(1.0, 0.0)] * 7 + [(1.0, 2.0)]
     aware = partition_unit("vision", layers, 2, aware=True)
     unaware = partition_unit("vision", layers, 2, aware=False)
@@ -54,7 +54,7 @@ CASES = ["cornstarch/vlm_m", "cornstarch/vlm_l", "cornstarch/alm_m", "cornstarch
 
 
 def test_loosely_coupled_frozen_aware_direction():
-    """seed 002 Table 3 / Table 9 (LLM-M, TP 2, 24 microbatches, 24 GPUs = 12 stages):
+    """Cornstarch Table 3 / Table 9 (LLM-M, TP 2, 24 microbatches, 24 GPUs = 12 stages):
     frozen-aware partitioning gives the LLM at least as many stages and the frozen encoder
     at most as many, and is never slower; for VLM-L it is strictly faster."""
     gains = {}

@@ -1,7 +1,7 @@
-"""The host-side planning modules import no JAX. DESIGN.md: they "import no JAX, so they
+"""The host-side planning modules import no JAX. docs/design.md: they "import no JAX, so they
 run in milliseconds and are testable alone". That covers the schedule and simulator, the
 planner's cost model / evaluation / partitioning, the data reordering and balancing, and CP
-token distribution (seed 002 §4.3.2).
+token distribution (Cornstarch §4.3.2).
 
 mmjax.planner.orchestrate is deliberately left out: it imports cvxpy, and cvxpy itself
 imports jax when it is installed, so that module cannot be JAX-free whatever we do.

@@ -1,4 +1,4 @@
-"""DistTrain reordering (seed 000 §6): Algorithm 2 vs exhaustive partitions, the pipeline
+"""DistTrain reordering (DistTrain §6): Algorithm 2 vs exhaustive partitions, the pipeline
 recurrence vs closed forms / a hand table / the general simulator, Algorithm 3 vs all orders."""
 
 import itertools
@@ -209,7 +209,7 @@ def test_inter_reorder_vs_exhaustive_1f1b(p):
 
 @pytest.mark.parametrize("kind", ["enc_llm", "enc_llm_gen"])
 def test_inter_reorder_vs_exhaustive_paper_pipeline(kind):
-    """Encoder stage + fixed-time LLM stages (+ generator), the setting of seed 000 §6.2."""
+    """Encoder stage + fixed-time LLM stages (+ generator), the setting of DistTrain §6.2."""
     r = np.concatenate([_ratios(p, 1, trials=5, l_range=range(p + 1, 8), seed=20 + p,
                                 model_kind=kind) for p in (2, 3, 4)])
     print(f"{kind}: inter_reorder/opt max {r[:, 0].max():.3f} mean {r[:, 0].mean():.3f} "

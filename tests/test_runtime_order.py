@@ -78,7 +78,7 @@ def test_llm_only_meshes_run_megatron_interleaved(pp, m):
 def test_with_encoders_llm_meshes_still_megatron_interleaved(pp, m):
     """Two encoder branches (audio over 2 stages) in front of an interleaved LLM: the LLM
     meshes keep Megatron's order; each encoder stage runs 1F1B with a warm-up of the
-    stages downstream of it, counting the LLM's 2 pp virtual stages (seed 002 Fig. 6)."""
+    stages downstream of it, counting the LLM's 2 pp virtual stages (Cornstarch Fig. 6)."""
     cfg = with_overrides(tiny_valm(), {**LLM8, "encoders.audio.encoder.num_layers": 2})
     rt = runtime(cfg, pp, m, extra_pp={"audio": 2})
     assert len(mesh_rows(rt)) == pp + 3
@@ -111,7 +111,7 @@ def test_generator_after_interleaved_llm_grows_warmup():
 
 
 def test_non_interleaved_order_unchanged():
-    """num_chunks == 1: the runtime's order is the unit-DAG 1F1B of seed 002 Fig. 6 and
+    """num_chunks == 1: the runtime's order is the unit-DAG 1F1B of Cornstarch Fig. 6 and
     virtual == physical stages."""
     cfg = with_overrides(tiny(), {})
     plan = Plan.uniform(cfg, 4, 4, pp={"llm": 2})

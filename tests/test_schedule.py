@@ -422,7 +422,7 @@ def test_from_plan_interleaved():
 def test_multimodal_interleaved_llm_equals_megatron(p, v, encoders):
     """No generator: every LLM physical stage runs exactly Megatron's interleaved row;
     encoder stages run 1F1B warming up with the stages downstream, counting the LLM's
-    p * v virtual stages (seed 002 Fig. 6)."""
+    p * v virtual stages (Cornstarch Fig. 6)."""
     for m in range(p, 9, p):
         g = StageGraph.from_units(encoders, p, chunks={"llm": v})
         sched = multimodal_one_f_one_b(g, m)

@@ -82,7 +82,7 @@ def test_deadlock_raises():
 
 
 def test_multimodal_parallel_encoders_and_frozen_costs():
-    # Fig. 6b of seed 002: vision and audio in parallel, both feed the llm
+    # Fig. 6b of Cornstarch: vision and audio in parallel, both feed the llm
     g = StageGraph.from_units({"vision": 1, "audio": 1}, llm=1)
     V, A, L = StageId("vision", 0), StageId("audio", 0), StageId("llm", 0)
     costs = {(V, "F"): 1.0, (V, "B"): 2.0, (A, "F"): 3.0, (A, "B"): 6.0,

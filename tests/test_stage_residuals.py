@@ -1,6 +1,6 @@
 """Stage residuals (pipeline/stage.py): forward returns the `jax.vjp` residuals, backward
 consumes them; the remat policy decides what is kept, and no residual is ever a copy of the
-parameters (DESIGN.md "Execute the schedule"). Also the Plan knobs that reach the stage
+parameters (docs/design.md "Execute the schedule"). Also the Plan knobs that reach the stage
 functions: remat, tp_chunks / tp_bidirectional (overlapped TP), cp_head_groups (CP).
 
 Stage-level checks use the last LLM stage with tied embeddings: its logits use the

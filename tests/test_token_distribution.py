@@ -1,4 +1,4 @@
-"""Token distribution for context parallelism (seed 002 §4.3.2, §5.3, Appendix A)."""
+"""Token distribution for context parallelism (Cornstarch §4.3.2, §5.3, Appendix A)."""
 import itertools
 
 import numpy as np

@@ -1,11 +1,11 @@
 """Batch assembly: interleave modality subsequences into fixed-shape LLM rows (no JAX).
 
 Seed 000 §2.3 (interleaved subsequences in a fixed-length sequence, DistTrain: one sample
-per row, padded -> packing="pad") and seed 001 §2.2/§6 (OrchMLLM: sequences packed without
+per row, padded -> packing="pad") and OrchMLLM §2.2/§6 (OrchMLLM: sequences packed without
 padding, subsequences assembled in the example's order -> packing="pack"). Placeholders are
 scattered from the projected encoder outputs by `gather_<encoder>` (placement "embed") or
 put before the text (placement "prepend", Cornstarch Fig. 11). Masks use Cornstarch's
-bitfield attention mask (seed 002 §4.3.1).
+bitfield attention mask (Cornstarch §4.3.1).
 
 Document layout in a row (embed): bos, then per segment in order: text ids |
 image_start <image tokens> image_end | audio_start <audio tokens> audio_end |

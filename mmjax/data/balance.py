@@ -1,4 +1,4 @@
-"""OrchMLLM batch post-balancing (seed 001 §5) and rearrangement composition (§6).
+"""OrchMLLM batch post-balancing (OrchMLLM §5) and rearrangement composition (§6).
 
 * ``post_balance(lengths, num_ranks, policy)``: rearrange the examples of all DP instances'
   mini-batches into ``num_ranks`` new mini-batches minimising the largest cost (§5.1, Eq. 1-2):
@@ -101,7 +101,7 @@ def greedy_partition(sizes: Sequence[float], num_bins: int,
                      name: str = "lengths") -> list[list[int]]:
     """LPT greedy number partitioning: largest first, each to the lightest bin (4/3 - 1/(3d)).
 
-    Seed 001 Algorithm 1 and seed 000 Algorithm 2 (see ``reorder.intra_reorder``). Returns
+    Seed 001 Algorithm 1 and DistTrain Algorithm 2 (see ``reorder.intra_reorder``). Returns
     sample indices per bin, in assignment order (descending size).
     """
     _check_ranks(num_bins, "num_bins")
@@ -314,7 +314,7 @@ def _conv(x: np.ndarray, d: int) -> list[list[int]]:
 
 def post_balance(lengths: Sequence[float], num_ranks: int, policy: str = "sum", *,
                  tolerance: float | None = None) -> list[list[int]]:
-    """Batch post-balancing (seed 001 §5.1 and Appendix A): sample indices per new mini-batch.
+    """Batch post-balancing (OrchMLLM §5.1 and Appendix A): sample indices per new mini-batch.
 
     ``lengths``: per-sample length in tokens for one phase (an encoder's input tokens, or the
     whole interleaved sequence for the LLM, §6 "Subsequences assembly"). ``policy``:
@@ -346,7 +346,7 @@ def post_balance(lengths: Sequence[float], num_ranks: int, policy: str = "sum", 
 
 
 def batch_cost(batch_lengths: Sequence[float], policy: str = "sum", lam: float = 0.0) -> float:
-    """Cost of one mini-batch (seed 001 Eq. 1-2, Appendix A), in units of alpha.
+    """Cost of one mini-batch (OrchMLLM Eq. 1-2, Appendix A), in units of alpha.
 
     "sum": sum l; "padded": count * max l; "sum_square": sum l + lam * sum l^2;
     "conv": sum l + lam * count * (max l)^2, with lam = beta / alpha.
@@ -499,7 +499,7 @@ def node_wise_rearrange(src_rank_of_sample: Sequence[int], new_batches: Sequence
                         method: str = "auto", time_limit: float = 0.5,
                         max_milp_ranks: int = 64, require_optimal: bool = False,
                         info: dict | None = None) -> list[int]:
-    """Algorithm 3 (seed 001 §5.2.2): choose which rank receives each new mini-batch.
+    """Algorithm 3 (OrchMLLM §5.2.2): choose which rank receives each new mini-batch.
 
     Returns ``perm``: new batch i goes to rank ``perm[i]`` (ranks ``n*c .. n*c+c-1`` form node
     n). Minimises the largest per-rank inter-node volume: sends, as in the paper, and, with
@@ -562,7 +562,7 @@ class Rearrangement:
     """Where each example moves: ``samples[k]`` goes from ``src[k]`` to ``dst[k]``.
 
     Positions are (rank, slot): slot = index in that rank's ordered list. This is the
-    explicit form of a rearrangement Pi (seed 001 §5.1) and of the all-to-all that applies it.
+    explicit form of a rearrangement Pi (OrchMLLM §5.1) and of the all-to-all that applies it.
     """
 
     samples: tuple[int, ...]
@@ -635,7 +635,7 @@ def rearrangement(src_batches: Sequence[Sequence[int]],
 
 def compose_rearrangement(encoder_batches: Mapping[str, Sequence[Sequence[int]]],
                           llm_batches: Sequence[Sequence[int]]) -> dict[str, Rearrangement]:
-    """Per encoder E, Pi_M o Pi_E^-1 (seed 001 §6): encoder outputs straight to their LLM rank.
+    """Per encoder E, Pi_M o Pi_E^-1 (OrchMLLM §6): encoder outputs straight to their LLM rank.
 
     ``encoder_batches[E][r]``: sample ids encoder E runs on rank r (its balanced, node-wise
     placed batches; only samples that have E's modality). ``llm_batches[r]``: sample ids the

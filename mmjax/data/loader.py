@@ -1,7 +1,7 @@
 """Asynchronous multimodal data loader: plan the global batch from metadata, materialise
 only this host's share, prefetch ahead of the trainer (no JAX).
 
-Seed 000 §4.2 / seed 003 §6 (CPU preprocessing disaggregated from training, producer-
+Seed 000 §4.2 / MMScale §6 (CPU preprocessing disaggregated from training, producer-
 consumer: decoding and reordering run in worker processes while the GPUs train) and seed
 001 §6 (the global orchestrator runs balancing on the CPU during prefetch, "as soon as all
 the mini-batches have been sampled", and composes rearrangements). Built on grain:
@@ -17,14 +17,14 @@ One global batch (step k):
  2. Plan (metadata only, identical on every host; `plan_global_batch`): microbatch m = a
     contiguous slice; per unit ("phase") a policy splits each microbatch over the unit's DP
     ranks: "none" (contiguous), "disttrain" (Algorithm 2 intra-microbatch reorder per
-    microbatch, then Algorithm 3 inter-microbatch order over microbatches, seed 000 §6, on
+    microbatch, then Algorithm 3 inter-microbatch order over microbatches, DistTrain §6, on
     microbatch times from the planner's cost model: `microbatch_costs`), "orchmllm" (batch
-    post-balancing per phase with a per-phase algorithm, seed 001 §5.1 / Appendix A,
+    post-balancing per phase with a per-phase algorithm, OrchMLLM §5.1 / Appendix A,
     optionally node-wise rearranged §5.2.2, `NodeWise`). The generator follows the LLM's
     split when their dp agree (it reads LLM hidden states, which then stay on their rank),
     else it is split on its own (cost: generated images per sample). All DP ranks of a unit
     share one `BatchShapes` per microbatch (one SPMD program).
- 3. Routes (rearrangement composition, seed 001 §6): per encoder, `compose_rearrangement`
+ 3. Routes (rearrangement composition, OrchMLLM §6): per encoder, `compose_rearrangement`
     gives each sample's (encoder rank, slot) -> (LLM rank, slot); expanded to token rows,
     `routes[e][d, j] = (encoder rank, row)` fills row j of LLM rank d's projected buffer
     (the one its `gather_<e>` indexes) from that row of the encoder rank's flattened output.
@@ -271,7 +271,7 @@ def _unit_cost(unit: str, m: SampleMeta, model: MLLMConfig) -> float:
 
 @dataclass(frozen=True)
 class NodeWise:
-    """Node-wise rearrangement settings (seed 001 §5.2.2, Algorithm 3) for "orchmllm".
+    """Node-wise rearrangement settings (OrchMLLM §5.2.2, Algorithm 3) for "orchmllm".
 
     `ranks_per_node` 0 disables it; a unit runs it only when its dp spans several nodes
     (dp > ranks_per_node and a multiple of it). `method`: "auto" (the MILP up to `max_milp_ranks` ranks, greedy above
@@ -318,7 +318,7 @@ def rank_times(model: MLLMConfig, unit: str, metas: list[SampleMeta], tp: int = 
                hw: Hardware = H100, cond_tokens: int = 64) -> tuple[float, float]:
     """(forward, backward) seconds of `unit` on one DP rank processing `metas`, from the
     planner's analytic cost model (planner/costs.py: per-layer FLOPs incl. the attention
-    quadratic term, frozen-aware backward, seed 002 §4.2). The model is linear in the
+    quadratic term, frozen-aware backward, Cornstarch §4.2). The model is linear in the
     per-sample moments, so the average sample of a `Workload` of these samples times their
     count is exactly the sum over samples."""
     if not metas:
@@ -336,12 +336,12 @@ def rank_times(model: MLLMConfig, unit: str, metas: list[SampleMeta], tp: int = 
 def microbatch_costs(metas: list[SampleMeta], model: MLLMConfig, plan: Plan,
                      ranks: list[dict[str, list[list[int]]]], hw: Hardware = H100,
                      cond_tokens: int = 64):
-    """Inputs of DistTrain's Algorithm 3 (seed 000 §6.2) for the microbatches whose per-unit
+    """Inputs of DistTrain's Algorithm 3 (DistTrain §6.2) for the microbatches whose per-unit
     rank splits are `ranks[j]`: (costs, stage_costs) for `reorder.inter_reorder`.
 
     costs[j] = (forward, backward) seconds of microbatch j "in the modality encoder and
     generator" (§6.2): the slowest DP rank of each unit (its straggler sets the stage time),
-    the max over encoders (parallel encoders run side by side, seed 002 §4.1) plus the
+    the max over encoders (parallel encoders run side by side, Cornstarch §4.1) plus the
     generator. stage_costs models the pipeline: the encoder's pp stages take equal shares
     of costs[j] (scale 1 / pp), then the LLM's pp stages at a fixed time (scale 0, offset =
     the mean over microbatches of the LLM's slowest-rank time / pp: with fixed-length
@@ -667,7 +667,7 @@ def post_balance_policies(value, model: MLLMConfig) -> dict[str, str]:
     """`Loader.post_balance_policy`: one OrchMLLM algorithm for every phase, or a dict unit
     -> algorithm (units left out use "sum"): "sum" (Algorithm 1, unpadded linear cost),
     "padded" (Algorithm 2), "sum_square" (Algorithm 4, attention-heavy), "conv" (Algorithm
-    5); OrchMLLM picks per phase by its cost model (seed 001 §5.1, Appendix A)."""
+    5); OrchMLLM picks per phase by its cost model (OrchMLLM §5.1, Appendix A)."""
     units = model.unit_names
     if isinstance(value, str):
         pol = {u: value for u in units}
@@ -720,7 +720,7 @@ class Loader:
         if prefetch < 2:
             raise ValueError(f"Loader.prefetch={prefetch}: use >= 2 (global batches prepared "
                              f"ahead, so planning and preprocessing stay off the training "
-                             f"path; seed 003 §6)")
+                             f"path; MMScale §6)")
         source = as_source(source)
         rules = layout.rules
         if getattr(source, "patch_size", rules.patch_size) != rules.patch_size:

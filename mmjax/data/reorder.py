@@ -1,4 +1,4 @@
-"""DistTrain disaggregated data reordering (seed 000, §6) and the pipeline recurrence behind it.
+"""DistTrain disaggregated data reordering (DistTrain §6) and the pipeline recurrence behind it.
 
 * ``intra_reorder``: Algorithm 2 (§6.1), greedy number partitioning of a global batch over DP
   groups so no group is an intra-microbatch straggler (§2.3, Figure 6).
@@ -42,7 +42,7 @@ _MAX_EXACT_SUBSETS = 20_000
 
 
 def intra_reorder(sizes: Sequence[float], num_groups: int) -> list[list[int]]:
-    """Algorithm 2 (seed 000 §6.1): split a global batch over ``num_groups`` DP groups.
+    """Algorithm 2 (DistTrain §6.1): split a global batch over ``num_groups`` DP groups.
 
     Greedy number partitioning: samples by size, each to the currently lightest group. Returns
     sample indices per DP group. Deviation: the paper's line 3 sorts *ascending*, but the
@@ -263,7 +263,7 @@ def _select_closest(cands: list[int], fwd: list[float], count: int, target: floa
 def inter_reorder(costs: Sequence, num_stages: int, num_chunks: int = 1,
                   backward_ratio: float = 2.0, guard: bool = True,
                   stage_costs: Sequence[tuple[float, float, float]] | None = None) -> list[int]:
-    """Algorithm 3 (seed 000 §6.2): the order to run one DP group's microbatches in.
+    """Algorithm 3 (DistTrain §6.2): the order to run one DP group's microbatches in.
 
     Returns ``order`` (``order[k]`` = index of the microbatch run k-th). Steps: the smallest
     microbatch first (activates all stages promptly); the p-1 smallest of the rest last (they

@@ -1,11 +1,11 @@
 """Training samples and their metadata (no JAX).
 
 A `Sample` is one training example: an ordered list of interleaved modality subsequences
-(seed 000 §2.3: "each input sequence consists of interleaved modality subsequences").
+(DistTrain §2.3: "each input sequence consists of interleaved modality subsequences").
 A `SampleMeta` is what planning needs: per subsequence its modality, how many LLM tokens it
 becomes and how many encoder tokens it costs. It is computed from array *shapes* only, so
 every host can compute the metadata of a whole global batch cheaply and make the same plan
-(seed 001 §7 "a structure recording the counts of subsequences ... and the order in which
+(OrchMLLM §7 "a structure recording the counts of subsequences ... and the order in which
 they are interleaved", gathered for the global orchestrator).
 
 Token-count rules (`TokenRules`, built from an `MLLMConfig`), one exact rule per modality:

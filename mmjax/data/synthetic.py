@@ -1,11 +1,11 @@
 """Seeded synthetic multimodal datasets with the skew the papers measure (no JAX).
 
-`laion_like`: image-text samples as in DistTrain's LAION-400M characterisation (seed 000
+`laion_like`: image-text samples as in DistTrain's LAION-400M characterisation (DistTrain
 §2.3, Fig. 5): right-skewed text subsequence lengths (log-normal), right-skewed image sizes
 (log-normal side lengths in patches, varied aspect ratios) and a skewed count of images per
 sample (geometric: one image is most common, a long tail has many).
 
-`orchmllm_mix`: OrchMLLM's instruction mix (seed 001 §3.1, §8 "Datasets"): image tasks
+`orchmllm_mix`: OrchMLLM's instruction mix (OrchMLLM §3.1, §8 "Datasets"): image tasks
 (LLaVA-style caption/VQA), ASR (transcript length strongly correlated with the audio
 length), spoken QA (audio question, short answer uncorrelated with it) and optionally
 text-to-image generation (an `image_out` segment). Modalities are absent from whole tasks,
@@ -104,7 +104,7 @@ def _bad(cfg, rng) -> Spec:
 
 
 def laion_spec(cfg: SyntheticConfig, seed: int, index: int) -> Spec:
-    """Interleaved text/image shapes of LAION-like sample `index` (seed 000 Fig. 5)."""
+    """Interleaved text/image shapes of LAION-like sample `index` (DistTrain Fig. 5)."""
     rng = np.random.default_rng([seed, index, 0])
     if rng.random() < cfg.bad_fraction:
         return _bad(cfg, rng)
@@ -122,7 +122,7 @@ def laion_spec(cfg: SyntheticConfig, seed: int, index: int) -> Spec:
 
 
 def mix_spec(cfg: SyntheticConfig, seed: int, index: int) -> Spec:
-    """Shapes of OrchMLLM-mix sample `index` (seed 001 §3.1): one task per sample."""
+    """Shapes of OrchMLLM-mix sample `index` (OrchMLLM §3.1): one task per sample."""
     rng = np.random.default_rng([seed, index, 0])
     if rng.random() < cfg.bad_fraction:
         return _bad(cfg, rng)

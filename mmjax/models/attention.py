@@ -1,4 +1,4 @@
-"""Attention with segment ids and Cornstarch bitfield attention masks (seed 002 §4.3.1).
+"""Attention with segment ids and Cornstarch bitfield attention masks (Cornstarch §4.3.1).
 
 A token carries `bam` (bit 0 = text, bit i+1 = modality i; 0 = padding), `doc` (packed
 document id, 0 = padding), `sub` (modality-subsequence id, unique per image/clip in a row;

@@ -1,6 +1,6 @@
 """Paper-scale named model configurations (no JAX), for planning and FLOP/byte counts.
 
-- DistTrain (seed 000 §8, Table 1): Llama3-7B/13B/70B backbones (Llama3 vocabulary,
+- DistTrain (DistTrain §8, Table 1): Llama3-7B/13B/70B backbones (Llama3 vocabulary,
   128256) + ViT-Huge/14 (0.63B) + an SD-2.1-sized DiT generator (~0.87B; the paper's
   "Stable-Diffusion 2.1 (1B)") = MLLM-9B/15B/72B. 512x512 generation for 9B/15B,
   1024x1024 for 72B (latent side = image side / 8). Table 1's 7B/13B rows are the
@@ -9,12 +9,12 @@
   (70.55B). The MLLM names add the *nominal* sizes (13 + 0.63 + 1 ~ 15), so MLLM-15B's
   published parts sum to 15.50B (14.00 + 0.63 + 0.87) whatever the generator and projector:
   3.3% over its name; tests compare it with that sum (tests/test_named_configs.py).
-- OrchMLLM (seed 001 §8, Table 1): Qwen2 LLMs, ViT vision, Whisper audio encoders, MLP
+- OrchMLLM (OrchMLLM §8, Table 1): Qwen2 LLMs, ViT vision, Whisper audio encoders, MLP
   projectors with downsample rates vision 1/4/4 and audio 2/2/4 = MLLM-10B/18B/84B.
-- Cornstarch (seed 002 §6.1, Table 1): Llama-3 LLM (S 1.2B / M 8B / L 32B), EVA-CLIP vision
+- Cornstarch (Cornstarch §6.1, Table 1): Llama-3 LLM (S 1.2B / M 8B / L 32B), EVA-CLIP vision
   (S 1B / M 8B / L 18B) and Whisper audio (S 1.4B / M 7B / L 15B) encoders. VLM-{S,M,L},
   ALM-{S,M,L} and VALM-{SS,SL,LS,LL} with the medium LLM; encoders and LLM frozen, the
-  projector a single trainable linear layer (seed 002 §6.1).
+  projector a single trainable linear layer (Cornstarch §6.1).
 
 Where a table gives only layers and width, the FFN width and head count are chosen so the
 module lands within 3% of the published size (tests/test_named_configs.py checks it): the
@@ -43,7 +43,7 @@ def sd21_dit(latent_size: int) -> GeneratorConfig:
                            latent_size=latent_size, latent_channels=4, patch_size=2)
 
 
-# ---- DistTrain (seed 000 Table 1) ----------------------------------------------------------
+# ---- DistTrain (DistTrain Table 1) ----------------------------------------------------------
 def _llama3(layers, hidden, ffn, heads, groups) -> LLMConfig:
     return LLMConfig(vocab_size=LLAMA3_VOCAB, hidden_size=hidden, num_layers=layers,
                      num_heads=heads, num_kv_heads=groups, ffn_size=ffn, rope_theta=500000.0)
@@ -67,7 +67,7 @@ def disttrain_mllm_72b() -> MLLMConfig:
     return _disttrain("disttrain/mllm_72b", _llama3(80, 8192, 28672, 64, 8), 1024)
 
 
-# ---- OrchMLLM (seed 001 Table 1) -----------------------------------------------------------
+# ---- OrchMLLM (OrchMLLM Table 1) -----------------------------------------------------------
 def _qwen2(layers, hidden, ffn, heads, kv) -> LLMConfig:
     return LLMConfig(vocab_size=QWEN2_VOCAB, hidden_size=hidden, num_layers=layers,
                      num_heads=heads, num_kv_heads=kv, ffn_size=ffn, qkv_bias=True,
@@ -103,7 +103,7 @@ def orchmllm_mllm_84b() -> MLLMConfig:
                      _whisper(48, 3072, 12288, 24), 4, 4)
 
 
-# ---- Cornstarch (seed 002 Table 1) ---------------------------------------------------------
+# ---- Cornstarch (Cornstarch Table 1) ---------------------------------------------------------
 CORNSTARCH_LLM = {
     "s": LLMConfig(vocab_size=LLAMA3_VOCAB, hidden_size=2048, num_layers=16, num_heads=32,
                    num_kv_heads=8, ffn_size=8192, tie_embeddings=True, rope_theta=500000.0),
@@ -136,7 +136,7 @@ def _cornstarch(kind: str, vision: str | None, audio: str | None) -> Callable[[]
                           encoders=tuple(encs), llm_frozen=True)
 
     build.__name__ = f"cornstarch_{kind}_{suffix}"
-    build.__doc__ = f"Cornstarch {kind.upper()}-{suffix.upper()} (seed 002 §6.1) with LLM-M."
+    build.__doc__ = f"Cornstarch {kind.upper()}-{suffix.upper()} (Cornstarch §6.1) with LLM-M."
     return build
 
 

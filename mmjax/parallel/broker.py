@@ -1,4 +1,4 @@
-"""Communication broker: move dp-blocked tensors between disjoint sub-meshes (seed 000 §7).
+"""Communication broker: move dp-blocked tensors between disjoint sub-meshes (DistTrain §7).
 
 DistTrain §7 bridges pipeline communication between parallelism units (§4.1) whose DP sizes
 differ: the broker concentrates (a > b) or scatters (a < b) the data while keeping the

@@ -1,6 +1,6 @@
-"""All-gather context-parallel attention with bitfield masks (seed 002 §4.3, §5.3).
+"""All-gather context-parallel attention with bitfield masks (Cornstarch §4.3, §5.3).
 
-Llama 3-style CP (seed 002 §5.3): each rank of the 'cp' mesh axis holds the queries of the
+Llama 3-style CP (Cornstarch §5.3): each rank of the 'cp' mesh axis holds the queries of the
 tokens `token_distribution.distribute` gave it (and the keys/values of the same tokens). It
 all-gathers keys and values, one head group at a time, so the gather of group g+1 is
 independent of and can overlap the attention of group g (XLA schedules the async
@@ -101,7 +101,7 @@ def layout_meta(bam, doc, sub, gather_idx) -> TokenMeta:
 
 
 def cp_attention(q, k, v, meta: TokenMeta, *, mesh_axis: str = "cp", num_head_groups: int = 1):
-    """CP attention for use INSIDE a shard_map body over `mesh_axis` (seed 002 §5.3).
+    """CP attention for use INSIDE a shard_map body over `mesh_axis` (Cornstarch §5.3).
 
     q: [B, L, H, D] local queries; k, v: [B, L, KV, D] the same local tokens; meta: local
     TokenMeta [B, L]. K/V are all-gathered along the sequence in `num_head_groups` groups of

@@ -1,4 +1,4 @@
-"""Multimodality-aware token distribution for context parallelism (seed 002 §4.3.2, §5.3, App. A).
+"""Multimodality-aware token distribution for context parallelism (Cornstarch §4.3.2, §5.3, App. A).
 
 A context-parallel (CP) group of G ranks splits one sequence's query tokens; every rank then
 attends its queries against all (all-gathered) keys (§5.3). Under a multimodal Bitfield
@@ -32,7 +32,7 @@ _FAMILY_ALIASES = {"ep": "prepended", "ee": "embedded", "mp": "packing"}
 
 @dataclasses.dataclass(frozen=True)
 class BitfieldMask:
-    """Per-token BAM metadata of one row (seed 002 §4.3.1); the rule is `allowed` below.
+    """Per-token BAM metadata of one row (Cornstarch §4.3.1); the rule is `allowed` below.
 
     bam: int64 bitfield (bit 0 = text, bit i+1 = modality i, 0 = padding); doc: 1-based packed
     document id (0 = padding); sub: 1-based modality-subsequence id, unique per image/clip in
@@ -106,7 +106,7 @@ def block_work(mask, block_size: int = 128) -> np.ndarray:
     """Attention work per query block: block_size**2 times its non-empty key-block tiles.
 
     Returns int64 [num_blocks]. Padding to block alignment adds no allowed pairs. With
-    block_size=1 this is the row sum of the mask, the W_i of the ILP in seed 002 §4.3.2.
+    block_size=1 this is the row sum of the mask, the W_i of the ILP in Cornstarch §4.3.2.
     """
     block_size = _check_block_size(block_size)
     seq_len = _seq_len(mask)
@@ -201,7 +201,7 @@ def _runs(keys: np.ndarray, values: np.ndarray):
 
 
 def lpt(work: np.ndarray, num_ranks: int, capacity: int | None = None) -> np.ndarray:
-    """Greedy Longest-Processing-Time-first makespan minimisation (seed 002 Appendix A, Alg. 2).
+    """Greedy Longest-Processing-Time-first makespan minimisation (Cornstarch Appendix A, Alg. 2).
 
     Blocks sorted by descending work (ties: lower block first) each go to the currently
     least-loaded rank (ties: lower rank). With `capacity`, a rank holding that many blocks
@@ -242,7 +242,7 @@ def lpt(work: np.ndarray, num_ranks: int, capacity: int | None = None) -> np.nda
 
 
 def ilp(work: np.ndarray, num_ranks: int, time_limit: float = 10.0) -> tuple[np.ndarray, bool]:
-    """Makespan-minimising assignment by the ILP of seed 002 §4.3.2 Eq. (1), via cvxpy/HiGHS.
+    """Makespan-minimising assignment by the ILP of Cornstarch §4.3.2 Eq. (1), via cvxpy/HiGHS.
 
     minimise C s.t. every block on exactly one rank and each rank's work <= C. Too slow for
     training-time use (hence LPT); here it measures how far LPT is from optimal. Returns
@@ -294,7 +294,7 @@ def assign_blocks(nblocks: int, num_ranks: int, method: str, work=None, seed: in
 
 def distribute(mask, num_ranks: int, method: str, block_size: int = 128,
                seed: int = 0, *, capacity: int | None = None) -> list[np.ndarray]:
-    """Sorted global token indices of every CP rank (seed 002 §4.3.2, §5.3).
+    """Sorted global token indices of every CP rank (Cornstarch §4.3.2, §5.3).
 
     mask: a `BitfieldMask` or a dense boolean (S, S) array, allowed[q, k]. The sequence is
     padded to block alignment; padding tokens (index >= S) are not returned. Deterministic
@@ -388,7 +388,7 @@ def batch_layout(bam, doc, sub, num_ranks: int, method: str, block_size: int = 1
 
 def example_mask(family: str, seq_len: int, seed: int = 0,
                  num_modalities: int = 2) -> BitfieldMask:
-    """Random BAM rows of the mask families of seed 002 Fig. 11, plus plain causal.
+    """Random BAM rows of the mask families of Cornstarch Fig. 11, plus plain causal.
 
     causal: one text document. prepended (EP): modality clips first, then text that sees
     them. embedded (EE): clips embedded between text runs. packing (MP): several documents,

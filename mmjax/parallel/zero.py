@@ -6,7 +6,7 @@ memory; partitioning it over the N_d data-parallel ranks cuts it to K*Psi/N_d pe
 parameters and gradients stay replicated over dp. Each dp rank updates only its slice and the
 new parameters are all-gathered.
 
-In JAX that is three shardings and a jitted update (DESIGN.md step 4 "Update"):
+In JAX that is three shardings and a jitted update (docs/design.md step 4 "Update"):
   * params (fp32 master weights) keep their Megatron TP sharding, replicated over 'dp';
   * every optimizer-state leaf takes its parameter's TP spec plus 'dp' on the first dimension
     divisible by dp that is not already sharded (scalars such as Adam's count, and leaves with
@@ -274,7 +274,7 @@ class Zero1Optimizer:
         """dp-partial gradients -> (grad shards, their sum of squares). `partial_grads`: per
         parameter [dp, *shape], slot r holding dp rank r's un-reduced sum (sharding
         `partial_shardings`: P('dp', *tp spec)). XLA reduce-scatters them straight into the
-        ZeRO-1 shards (seed 004 ZeRO: P_os with reduce-scatter instead of all-reduce); the
+        ZeRO-1 shards (the distributed-training lecture notes ZeRO: P_os with reduce-scatter instead of all-reduce); the
         sum of squares is this stage's term of `global_grad_norm`'s square."""
         if not self.has_state:
             return partial_grads, jnp.zeros((), jnp.float32)

@@ -1,4 +1,4 @@
-"""Host-driven MPMD pipeline runtime over the unit DAG (DESIGN.md "Execute the schedule").
+"""Host-driven MPMD pipeline runtime over the unit DAG (docs/design.md "Execute the schedule").
 
 Every stage of every unit lives on its own sub-mesh with its own jitted forward/backward
 (pipeline/stage.py). `PipelineRuntime.run` walks the schedule (pipeline/schedule.py
@@ -8,7 +8,7 @@ lets stages on disjoint devices run concurrently. The loop makes no host sync: l
 device arrays until the caller reads them. Gradients are accumulated per stage over
 microbatches (each backward all-reduces over its dp axis through GSPMD).
 
-Multi-process (DESIGN.md "Units, stages and sub-meshes"; seed 000 §7): every process walks
+Multi-process (docs/design.md "Units, stages and sub-meshes"; DistTrain §7): every process walks
 the same order. A process runs a stage's jitted functions only when the stage mesh holds
 one of its devices (all processes of a mesh spanning several call it); for other stages it
 keeps `jax.eval_shape` results (ShapeDtypeStructs) so that it can still take part in every

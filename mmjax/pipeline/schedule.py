@@ -12,7 +12,7 @@ A node is (physical stage, chunk), i.e. one virtual stage. Dependencies (the sin
 used by `validate`, `dispatch_order` and `simulate.py`):
 - F(mb, c) on a node needs F(mb, c') on every predecessor node (activations flow forward);
 - B(mb, c) on a node needs F(mb, c) on the same node and B(mb, c') on every successor node
-  that runs a backward (gradients flow back); nodes that run no backward (seed 002 §4.2,
+  that runs a backward (gradients flow back); nodes that run no backward (Cornstarch §4.2,
   frozen with nothing trainable upstream) have no B actions and are never waited for.
 A stage runs its actions strictly in list order. The host-driven runtime dispatches the
 actions of all stages in one global order (`dispatch_order`); JAX runs each device's work
@@ -90,7 +90,7 @@ class StageGraph:
 
     `has_backward[s]` is "full" (param + input grads), "input_only" (frozen stage with a
     trainable stage upstream: only input grads) or "none" (nothing trainable at or before
-    it: no backward at all), seed 002 §4.2. `stages` is in topological order.
+    it: no backward at all), Cornstarch §4.2. `stages` is in topological order.
 
     Interleaved units (Megatron-LM virtual pipeline stages): `chunks[unit] = v > 1` makes
     the unit's `pp * v` stages listed here virtual; virtual stage `k = c * pp + s` is model
@@ -183,7 +183,7 @@ class StageGraph:
 
     def num_downstream(self, stage: StageId) -> int:
         """Stages after `stage` on its path to the sink (longest path, in stages): the
-        warm-up depth of seed 002 Fig. 6 (an encoder stage counts the LLM stages too)."""
+        warm-up depth of Cornstarch Fig. 6 (an encoder stage counts the LLM stages too)."""
         depth: dict[StageId, int] = {}
         for s in reversed(self.stages):
             depth[s] = max((1 + depth[t] for t in self.successors(s)), default=0)
@@ -201,7 +201,7 @@ class StageGraph:
         unit interleaved: its chain has pp * v virtual stages (Megatron-LM's model chunks).
         `trainable[unit]` is a bool, or one bool per (virtual) stage of that unit (e.g. a
         frozen encoder whose last stage holds a trainable projector: `(False, True)`). A
-        stage runs backward iff something at or upstream of it is trainable (seed 002
+        stage runs backward iff something at or upstream of it is trainable (Cornstarch
         §4.2); "input_only" if it is itself frozen. Omitted `trainable`: all trainable.
         """
         for name in ("llm", "generator"):
@@ -284,7 +284,7 @@ def _check_sizes(num_stages: int, num_microbatches: int) -> None:
 
 
 def _warmup_steady_cooldown(num_warmup: int, num_microbatches: int) -> list[Action]:
-    """1F1B on one stage (seed 004, Megatron-LM): `num_warmup` forwards, then alternate
+    """1F1B on one stage (the distributed-training lecture notes, Megatron-LM): `num_warmup` forwards, then alternate
     one forward and one backward, then drain the remaining backwards."""
     w = min(num_warmup, num_microbatches)
     order = [Action("F", i) for i in range(w)]
@@ -303,7 +303,7 @@ def gpipe(num_stages: int, num_microbatches: int) -> list[list[Action]]:
 
 
 def one_f_one_b(num_stages: int, num_microbatches: int) -> list[list[Action]]:
-    """Megatron-LM's non-interleaved 1F1B (seed 004): stage s warms up with
+    """Megatron-LM's non-interleaved 1F1B (the distributed-training lecture notes): stage s warms up with
     min(num_stages - s - 1, num_microbatches) forwards, so it holds at most
     num_stages - s microbatches in flight."""
     _check_sizes(num_stages, num_microbatches)
@@ -360,7 +360,7 @@ def interleaved_one_f_one_b(num_stages: int, num_microbatches: int,
 
 def multimodal_one_f_one_b(graph: StageGraph,
                            num_microbatches: int) -> dict[StageId, list[Action]]:
-    """1F1B over the unit DAG (seed 002 §4.1, Fig. 6), keyed by physical stage: encoder
+    """1F1B over the unit DAG (Cornstarch §4.1, Fig. 6), keyed by physical stage: encoder
     branches run in parallel and feed the LLM, which feeds the generator.
 
     A unit with one chunk: each stage warms up with as many forwards as there are
@@ -370,7 +370,7 @@ def multimodal_one_f_one_b(graph: StageGraph,
     2 (pp - s - 1) + (v - 1) pp + d forward steps, d = the stages downstream of the
     unit's last virtual stage (e.g. the generator after the LLM), so with nothing
     downstream the rows are exactly `interleaved_one_f_one_b(pp, m, v)`.
-    Stages or chunks that run no backward (seed 002 §4.2) keep their forwards in order
+    Stages or chunks that run no backward (Cornstarch §4.2) keep their forwards in order
     and drop their B actions.
 
     Where these warm-ups would deadlock -- e.g. a generator with a 1F1B warm-up wants the

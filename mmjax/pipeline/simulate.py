@@ -2,7 +2,7 @@
 
 Each stage runs its actions in order; an action starts when its stage is free and its
 dependencies (schedule.py's rule) have ended, plus `comm` seconds when a dependency ran
-on another stage. The planner and the inter-microbatch reorderer (seed 000 §6, Alg. 3)
+on another stage. The planner and the inter-microbatch reorderer (DistTrain §6, Alg. 3)
 use it to cost schedules; `SimResult.trace()` has the same format the runtime's tracing
 mode emits, so `scripts/timeline.py` renders both.
 """
@@ -113,7 +113,7 @@ def simulate(schedule, costs: Costs, graph: StageGraph | None = None,
 
 def frozen_aware_costs(graph: StageGraph, forward: Mapping[StageId, float],
                        ) -> dict[tuple[StageId, str], float]:
-    """Cornstarch's backward-time rule (seed 002 §4.2): T_backward = 0 with nothing
+    """Cornstarch's backward-time rule (Cornstarch §4.2): T_backward = 0 with nothing
     trainable at or before the stage, 1x T_forward for a frozen stage with trainable
     modules upstream (input grads only), 2x T_forward for a trainable stage. Keyed by
     the graph's (virtual) stages, which `simulate` looks up for interleaved units."""

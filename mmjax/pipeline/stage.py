@@ -8,7 +8,7 @@ same per-unit keys as `MultimodalModel`, so stages equal the reference model's s
 what the previous stage sent (None for an encoder's first stage), `side` the host inputs of
 this microbatch.
 
-Residuals (DESIGN.md "Execute the schedule"): `forward(trainable, frozen, x, side)` runs the
+Residuals (docs/design.md "Execute the schedule"): `forward(trainable, frozen, x, side)` runs the
 stage under `jax.vjp` and returns `(y, Residuals)`, the leaves of the vjp function (a
 `jax.tree_util.Partial`) that the runtime keeps per in-flight microbatch;
 `backward(trainable, frozen, side, residuals, dy, acc)` rebuilds the vjp function and
@@ -102,7 +102,7 @@ def apply_llm(cfg: MLLMConfig, module: LLM, x, side, dtype, with_generator: bool
               tp_bidirectional: bool = True, cp_head_groups: int = 1):
     """LLM stage; on a ('dp','cp','tp') mesh attention is Cornstarch's all-gather CP
     attention over tokens already in CP layout (pipeline/feed.py `cp_layout`), K/V gathered
-    in `cp_head_groups` groups of heads (seed 002 §5.3). With `overlap_tp` the projections
+    in `cp_head_groups` groups of heads (Cornstarch §5.3). With `overlap_tp` the projections
     are decomposed collective matmuls, `tp_chunks` pieces per ring step, both ring
     directions when `tp_bidirectional` (DistTrain §7)."""
     b = side["llm"]

@@ -1,10 +1,10 @@
-"""Baseline orchestrations priced by the same model as the planner (seed 000 §8.1, §8.2.1).
+"""Baseline orchestrations priced by the same model as the planner (DistTrain §8.1, §8.2.1).
 
-- Megatron-LM's rigid plan (seed 000 §2.1, Fig. 2): the LLM on TP x PP x DP; every encoder
+- Megatron-LM's rigid plan (DistTrain §2.1, Fig. 2): the LLM on TP x PP x DP; every encoder
   and the generator is one extra pipeline stage with the LLM's TP and DP. TP = 8 and the
   LLM's PP as in the papers' runs (DistTrain §8.1: 1/2/10 for MLLM-9B/15B/72B; OrchMLLM §8.1:
   2/4/10), raised to the next divisor of the layers when it does not fit in memory.
-- The FLOPs-ratio plan (seed 000 §8.2.1): GPUs shared in proportion to each module's FLOPs;
+- The FLOPs-ratio plan (DistTrain §8.2.1): GPUs shared in proportion to each module's FLOPs;
   the LLM at TP 8, the other units at the smallest valid TP, replicated by DP (then PP) to
   fill their share.
 """

@@ -11,7 +11,7 @@ from mmjax.planner.plan import Plan, UnitPlan
 from mmjax.planner.workload import default_workload
 
 
-# seed 000 §8.3.1: four frozen settings; the projectors are always trained
+# DistTrain §8.3.1: four frozen settings; the projectors are always trained
 DISTTRAIN_FROZEN = {
     "all frozen": {"encoders.vision.frozen": True, "llm_frozen": True, "generator_frozen": True},
     "encoder only": {"llm_frozen": True, "generator_frozen": True},
@@ -61,7 +61,7 @@ def model_costs(model, hw: Hardware, workload=None, recompute: bool = False):
 def plan_model(model, hw: Hardware, num_gpus: int, global_batch: int, workload=None,
                recompute: bool = False, vpp: bool = True, costs=None,
                gpu_tolerance: float = GPU_TOLERANCE) -> Plan:
-    """The disaggregated plan for `model` on `num_gpus` GPUs (seed 000 §5); `costs`
+    """The disaggregated plan for `model` on `num_gpus` GPUs (DistTrain §5); `costs`
     (e.g. from profile.profiled_costs) replace the analytic unit costs; among plans within
     `gpu_tolerance` of the least time, the one with the fewest GPUs (orchestrate.py)."""
     analytic, layer_costs = model_costs(model, hw, workload, recompute)

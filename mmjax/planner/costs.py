@@ -2,12 +2,12 @@
 
 - Parameters follow the Flax modules' layout exactly (`num_params`).
 - Forward FLOPs per sample: 2 x tokens x matmul weights, plus the attention quadratic term
-  summed over a sample's subsequences (seed 000 §2.3: sizes are skewed, so E[n^2] != E[n]^2).
-- Backward time follows Cornstarch's rule (seed 002 §4.2): 0 x forward for a frozen module
+  summed over a sample's subsequences (DistTrain §2.3: sizes are skewed, so E[n^2] != E[n]^2).
+- Backward time follows Cornstarch's rule (Cornstarch §4.2): 0 x forward for a frozen module
   with nothing trainable before it, 1 x (input gradients only) for a frozen module with a
   trainable module before it, 2 x for a trainable module; activation recomputation adds one
   forward where a backward runs.
-- Memory per GPU (seed 000 §5.1): bf16 weights and fp32 gradients sharded by TP x PP,
+- Memory per GPU (DistTrain §5.1): bf16 weights and fp32 gradients sharded by TP x PP,
   fp32 master + Adam moments additionally by DP (ZeRO-1), activations of the microbatches
   1F1B keeps in flight on the first stage.
 - Communication is volume / bandwidth: TP all-reduces inside C(TP), PP point-to-point of
@@ -110,7 +110,7 @@ def num_params(config, cond_dim: int | None = None) -> int:
     raise TypeError(f"num_params: unsupported config type {type(config).__name__}")
 
 
-# ---- frozen status (seed 002 §4.2) --------------------------------------------------------
+# ---- frozen status (Cornstarch §4.2) --------------------------------------------------------
 def backward_factor(frozen: bool, trainable_before: bool) -> int:
     """Backward time in units of forward time (Cornstarch §4.2)."""
     if not frozen:
@@ -144,7 +144,7 @@ class Work:
     act_bytes: float  # activation bytes kept for backward at tp = 1 (TP + sequence
     #                   parallelism split all of it over the TP group)
     in_bytes: float  # the layer input: all that activation recomputation keeps
-    bwd: int  # backward factor (seed 002 rule)
+    bwd: int  # backward factor (Cornstarch rule)
 
 
 @dataclass(frozen=True)
@@ -289,7 +289,7 @@ class UnitCost:
     """What the orchestrator needs to know about one unit (all per average sample).
 
     time_s[tp] = C(tp): forward + backward seconds of the whole unit for one sample,
-    TP communication included (seed 000 §5.1)."""
+    TP communication included (DistTrain §5.1)."""
 
     name: str
     num_layers: int
@@ -300,7 +300,7 @@ class UnitCost:
     boundary_bytes: float  # stage-to-stage tensor for one sample
     grad_bytes: float  # gradient bytes synchronised over DP per iteration (0 if frozen)
     flops: float  # model FLOPs per sample (forward + required backward)
-    layer_pp_divides: bool = False  # PP must divide num_layers (the LLM, seed 000 §5.2)
+    layer_pp_divides: bool = False  # PP must divide num_layers (the LLM, DistTrain §5.2)
     fwd_s: dict[int, float] = field(default_factory=dict)
 
 

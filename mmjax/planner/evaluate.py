@@ -1,4 +1,4 @@
-"""Predicted iteration time of an integer parallelisation (seed 000 §5.1, Eq. 1-2), no JAX.
+"""Predicted iteration time of an integer parallelisation (DistTrain §5.1, Eq. 1-2), no JAX.
 
 The LLM runs microbatches of one sample per DP rank, so a global batch of BS samples is
 m = BS / DP_llm pipeline microbatches of DP_llm samples each; unit u splits each microbatch

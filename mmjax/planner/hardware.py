@@ -1,9 +1,9 @@
-"""Accelerator specs used by the analytic cost model (seed 000 §5.1: communication time is
+"""Accelerator specs used by the analytic cost model (DistTrain §5.1: communication time is
 volume / bandwidth; compute time is FLOPs / achieved throughput).
 
 Bandwidths are per GPU and unidirectional, in bytes/s. `nic_bw` is the node's scale-out
-bandwidth divided by its GPUs (A800 nodes in seed 000 §8: 4x200 Gb/s RoCE, 300 GB/s bidirectional
-NVLink; H100 nodes in seed 001 §8: 8x400 Gb/s InfiniBand, 900 GB/s bidirectional NVLink).
+bandwidth divided by its GPUs (A800 nodes in DistTrain §8: 4x200 Gb/s RoCE, 300 GB/s bidirectional
+NVLink; H100 nodes in OrchMLLM §8: 8x400 Gb/s InfiniBand, 900 GB/s bidirectional NVLink).
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ class Hardware:
 
     def efficiency(self, local_width: float) -> float:
         """Achieved fraction of peak for a layer whose per-GPU hidden width is `local_width`:
-        narrow (ViT-sized or heavily tensor-split) layers run far below peak (seed 000 §2.2)."""
+        narrow (ViT-sized or heavily tensor-split) layers run far below peak (DistTrain §2.2)."""
         return self.max_efficiency * local_width / (local_width + self.half_width)
 
     def group_bw(self, group_span: int) -> float:

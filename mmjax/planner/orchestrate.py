@@ -1,4 +1,4 @@
-"""Disaggregated model orchestration: seed 000 §5.2, Algorithm 1 (no JAX).
+"""Disaggregated model orchestration: DistTrain §5.2, Algorithm 1 (no JAX).
 
 The non-convex problem (GPU counts, TP, DP, PP of every unit) is cut into convex ones by
 enumerating the finite "parallelism" part: TP in {1, 2, 4, 8} per unit and the LLM's DP as a
@@ -26,13 +26,13 @@ prices only the LLM's sync: a unit's depends on its free DP_u); LLM PP dividing 
 with VPP 2 where it applies (§5.2, warm-up / VPP); the best combination within N GPUs,
 priced exactly by `evaluate`.
 
-Tie-break (`GPU_TOLERANCE`): seed 000 §5.1 minimises the iteration time alone, which spends
+Tie-break (`GPU_TOLERANCE`): DistTrain §5.1 minimises the iteration time alone, which spends
 every GPU that buys any time at all; a frozen encoder (no DP sync, small warm-up) then takes
 twice the GPUs for a fraction of a percent. Among the plans within T* (1 + eps) of the least
 time T*, the planner returns the one with the fewest GPUs in total (then the fastest of
 those): candidates are bounded against T* (1 + eps) and every repaired neighbourhood keeps
 its (GPUs, time) Pareto front. The spare GPUs are left unused, and the LLM's share of the
-used GPUs grows when encoders are frozen, the direction seed 000 §8.3.1 reports.
+used GPUs grows when encoders are frozen, the direction DistTrain §8.3.1 reports.
 tests/test_planner_orchestrate.py checks T* and the tie-broken plan against exhaustive
 integer search with the same rule.
 """
@@ -125,7 +125,7 @@ class OrchestrationResult:
 
 
 class Orchestrator:
-    """Algorithm 1 of seed 000 over `UnitCost`s (any number of encoder units)."""
+    """Algorithm 1 of DistTrain over `UnitCost`s (any number of encoder units)."""
 
     def __init__(self, costs: tuple[UnitCost, ...], hw: Hardware, vpp: bool = True,
                  relaxed_factory=None):
@@ -367,14 +367,14 @@ class Orchestrator:
 
     def solve(self, num_gpus: int, global_batch: int,
               gpu_tolerance: float = 0.0) -> OrchestrationResult:
-        """Algorithm 1: the plan of least predicted iteration time T* (seed 000 §5.1).
+        """Algorithm 1: the plan of least predicted iteration time T* (DistTrain §5.1).
 
         Tie-break (`gpu_tolerance` = eps > 0): among plans within T* (1 + eps), the one
         using the fewest GPUs in total, then the fastest of those. The time-only objective
         spends GPUs that would otherwise idle on units off the critical path (a frozen
         encoder's warm-up shrinks by a fraction of a percent for twice the GPUs); the
         tie-break hands them back, so frozen units keep only what they need and the LLM's
-        share of the used GPUs grows, as seed 000 §8.3.1 reports. Same search: candidates
+        share of the used GPUs grows, as DistTrain §8.3.1 reports. Same search: candidates
         are bounded against T* (1 + eps) instead of T*, and each repaired neighbourhood
         keeps its (GPUs, time) Pareto front."""
         if gpu_tolerance < 0:

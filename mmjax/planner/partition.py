@@ -1,10 +1,10 @@
-"""Frozen-status-aware layer partitioning (seed 002 §4.2) and Cornstarch's loosely-coupled
-parallelisation (seed 002 §5.2, Algorithm 1). No JAX.
+"""Frozen-status-aware layer partitioning (Cornstarch §4.2) and Cornstarch's loosely-coupled
+parallelisation (Cornstarch §5.2, Algorithm 1). No JAX.
 
 A unit's layers carry (forward, backward) times; the backward already follows the frozen
 rule (0 / 1 / 2 x forward, `costs.backward_factor`). Pipeline stages are balanced on
 forward + backward, not on forward alone: a frozen encoder whose backward is skipped should
-take *more* layers per stage (seed 002 Fig. 7c). `aware=False` reproduces the
+take *more* layers per stage (Cornstarch Fig. 7c). `aware=False` reproduces the
 frozen-unaware baseline that assumes backward = 2 x forward everywhere.
 """
 from __future__ import annotations
@@ -90,7 +90,7 @@ def partition_unit(name: str, layers: LayerCosts, num_stages: int,
 def iteration_time(parts: Sequence[UnitPartition], llm: UnitPartition,
                    num_microbatches: int) -> float:
     """1F1B over the unit DAG (encoders in parallel -> LLM): the longest chain's stages once
-    (fill and drain) plus (m - 1) times the slowest stage (seed 002 §4.1, Fig. 6)."""
+    (fill and drain) plus (m - 1) times the slowest stage (Cornstarch §4.1, Fig. 6)."""
     chain = max((sum(f + b for f, b in zip(p.stage_fwd_s, p.stage_bwd_s)) for p in parts),
                 default=0.0)
     chain += sum(f + b for f, b in zip(llm.stage_fwd_s, llm.stage_bwd_s))

@@ -3,7 +3,7 @@
 A unit (an encoder branch with its projector, the LLM, the generator) gets its own devices
 and its own DP/TP/PP (DistTrain §4.1 "parallelism unit"); the LLM may also have CP
 (Cornstarch §4.3). Units take contiguous device ranges in `units` order, each stage
-`dp * cp * tp` devices with TP innermost. The Megatron-style rigid plan (seed 000 §2.1,
+`dp * cp * tp` devices with TP innermost. The Megatron-style rigid plan (DistTrain §2.1,
 Fig. 2) is just another Plan: encoders and generator are extra stages that share the LLM's
 dp and tp (`Plan.rigid`).
 
@@ -36,7 +36,7 @@ class UnitPlan:
     remat: str = "full"  # full / dots / none: pipeline/stage.py `remat_wrap`
     tp_chunks: int = 2  # overlap_tp: pieces per ring step (DistTrain §7, footnote 1)
     tp_bidirectional: bool = True  # overlap_tp: both ring directions
-    cp_head_groups: int = 1  # cp > 1: K/V all-gathered in this many head groups (seed 002 §5.3)
+    cp_head_groups: int = 1  # cp > 1: K/V all-gathered in this many head groups (Cornstarch §5.3)
 
     @property
     def devices_per_stage(self) -> int:
@@ -119,7 +119,7 @@ class Plan:
     @classmethod
     def rigid(cls, model, dp: int, tp: int, pp: int, global_batch: int,
               num_microbatches: int) -> "Plan":
-        """Megatron-LM's rigid orchestration (seed 000 §2.1): the LLM on dp x tp x pp, each
+        """Megatron-LM's rigid orchestration (DistTrain §2.1): the LLM on dp x tp x pp, each
         encoder and the generator one extra pipeline stage with the LLM's dp and tp."""
         units = []
         for name in model.unit_names:

@@ -1,4 +1,4 @@
-"""Profiler: measured C(TP, size) tables for the orchestrator (seed 000 §3, "performance
+"""Profiler: measured C(TP, size) tables for the orchestrator (DistTrain §3, "performance
 profiler with linear interpolation"). The only planner file that imports JAX.
 
 For each unit, one transformer layer of the unit's shape (width d, FFN f, heads; SwiGLU for
@@ -7,7 +7,7 @@ every TP size the machine has (weights column/row-sharded over a ('tp',) mesh, a
 Megatron/GSPMD does) and at a few sequence sizes drawn from the workload's size
 distribution (quantiles). The points form a piecewise-linear table per TP (linear
 extrapolation past the ends); `profiled_costs` turns the tables into `UnitCost.time_s`
-(layers x per-sample mean over the workload, frozen rule of seed 002 §4.2 for the backward),
+(layers x per-sample mean over the workload, frozen rule of Cornstarch §4.2 for the backward),
 and the analytic model stays the fallback for anything not measured: a TP size the machine
 cannot run (fewer devices than TP) gets the analytic time scaled by measured / analytic at
 the largest measured TP, so a 2-device profile still plans a model that needs TP 8.

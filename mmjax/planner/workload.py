@@ -1,11 +1,11 @@
 """Per-sample sizes the planner costs against (no JAX).
 
 DistTrain's manager "randomly samples a subset of training data to analyze the data
-distribution" (seed 000 §3); a `Workload` is that subset reduced to sizes: LLM tokens per
+distribution" (DistTrain §3); a `Workload` is that subset reduced to sizes: LLM tokens per
 sample, and per encoder the token count of every modality subsequence (image patches;
 audio tokens after the stride-2 conv, i.e. ceil(frames / 2)). The encoder cost of a sample
 sums a linear and a quadratic (attention) term over its subsequences, so the skew of the
-size distribution enters the cost (seed 000 §2.3).
+size distribution enters the cost (DistTrain §2.3).
 """
 from __future__ import annotations
 
