@@ -120,10 +120,9 @@ class SingleProgram:
     def data_state(self) -> dict:
         return {"batches": self.data.state()}
 
-    def restore(self, ckpt, step):
-        self.state, data_state = ckpt.restore(step, self.state)
+    def load(self, state, data_state: dict) -> None:
+        self.state = state
         self.data.restore(data_state["batches"])
-        return data_state
 
     def checkpoint_tree(self):
         return self.state
@@ -158,11 +157,9 @@ class Pipelined:
     def data_state(self) -> dict:
         return {"loader": self.data.get_state()}
 
-    def restore(self, ckpt, step):
-        state, data_state = ckpt.restore(step, self.step_fn.state())
+    def load(self, state, data_state: dict) -> None:
         self.step_fn.load_state(state)
         self.data.set_state(data_state["loader"])
-        return data_state
 
     def checkpoint_tree(self):
         return self.step_fn.state()
@@ -185,13 +182,18 @@ class Pipelined:
 def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
           global_batch: int = 8, compute_dtype: str = "float32", seed: int = 0,
           checkpoint_every: int = 10, progress: bool = True,
-          stop_after: int | None = None, plan: str | None = None) -> list[dict]:
+          stop_after: int | None = None, plan: str | None = None, keep_checkpoints: int = 3,
+          keep_every: int | None = None) -> list[dict]:
     """Train `model` for `steps` steps (this invocation stops early after `stop_after`
     steps, as a preemption would; a rerun resumes); returns this run's metric records.
 
     `plan`: None trains the whole model as one program on the default device; "manual"
     uses the gin-bound `manual_plan`; any other value is a Plan JSON file
-    (scripts/plan.py --json). A plan runs on the pipeline runtime over all devices."""
+    (scripts/plan.py --json). A plan runs on the pipeline runtime over all devices.
+
+    Checkpoints: every `checkpoint_every` steps; the newest `keep_checkpoints` are kept, and
+    every multiple of `keep_every` permanently. A resume takes the newest checkpoint that
+    verifies (train/checkpoint.py), naming and setting aside any that do not."""
     if compute_dtype not in _DTYPES:
         raise ValueError(f"train.compute_dtype={compute_dtype!r}: use one of {list(_DTYPES)}")
     if global_batch < 1 or steps < 1:
@@ -224,14 +226,17 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
     # live on one process's devices, so multi-process runs keep no checkpoints.
     lead = jax.process_index() == 0
     multi = jax.process_count() > 1
-    ckpt = None if multi else Checkpointer(os.path.join(workdir, "checkpoints"))
+    ckpt = None if multi else Checkpointer(os.path.join(workdir, "checkpoints"),
+                                           keep_checkpoints, keep_every,
+                                           log=lambda msg: console.print(msg, markup=False))
     if multi and lead:
         console.print(f"{jax.process_count()} processes: metrics from process 0, "
                       "no checkpoints (stage arrays are process-local)")
     start, skipped = 0, 0
-    latest = ckpt.latest_step() if ckpt is not None else None
-    if latest is not None:
-        data_state = runner.restore(ckpt, latest)
+    found = ckpt.restore_latest(runner.checkpoint_tree()) if ckpt is not None else None
+    if found is not None:
+        latest, state, data_state = found
+        runner.load(state, data_state)
         start, skipped = latest, int(data_state.get("skipped_samples", 0))
         console.print(f"resumed from {workdir}/checkpoints step {latest}")
     where = "one program" if plan is None else f"plan {plan} on {jax.device_count()} devices"
