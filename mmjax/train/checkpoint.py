@@ -27,6 +27,7 @@ import time
 import types
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
@@ -36,6 +37,10 @@ FORMAT = 1
 
 class CheckpointUnusable(Exception):
     """This checkpoint cannot be restored faithfully (reason in the message)."""
+
+
+class NonFiniteState(ValueError):
+    """A state with NaN or inf is never written (it could not be trained on)."""
 
 
 class CheckpointMismatch(ValueError):
@@ -58,10 +63,17 @@ def leaf_checksum(x) -> tuple[int, int]:
 
 
 def integrity_record(leaves) -> dict:
-    return {"format": FORMAT, "leaves": {
-        f"leaf_{i:05d}": {"shape": list(np.shape(x)), "dtype": str(np.asarray(x).dtype)
-                          if not hasattr(x, "dtype") else str(x.dtype),
-                          "checksum": list(leaf_checksum(x))} for i, x in enumerate(leaves)}}
+    """Per leaf: shape, dtype, checksum. Refuses (NonFiniteState) a state with a non-finite
+    float: a checkpoint is only ever a state training could continue from."""
+    out = {}
+    for i, x in enumerate(leaves):
+        a = np.asarray(x)
+        if jnp.issubdtype(a.dtype, jnp.inexact) and not np.isfinite(a).all():
+            raise NonFiniteState(f"refusing to checkpoint a non-finite state (array {i}, "
+                             f"{a.dtype}{a.shape})")
+        out[f"leaf_{i:05d}"] = {"shape": list(a.shape), "dtype": str(a.dtype),
+                                "checksum": list(leaf_checksum(a))}
+    return {"format": FORMAT, "leaves": out}
 
 
 def _one_line(e: BaseException, limit: int = 160) -> str:

@@ -24,7 +24,7 @@ from mmjax.data.synthetic import SyntheticConfig, SyntheticDataset
 from mmjax.models.config import MLLMConfig
 from mmjax.models.mllm import MultimodalModel, trainable_filter
 from mmjax.planner.plan import Plan
-from mmjax.train.checkpoint import Checkpointer
+from mmjax.train.checkpoint import Checkpointer, NonFiniteState
 from mmjax.train.config import named_model_config
 from mmjax.train.inputs import model_inputs
 from mmjax.train.optimizer import learning_rate_schedule, optimizer_from_settings
@@ -178,12 +178,48 @@ class Pipelined:
         self.data.close()
 
 
+class TrainingStopped(RuntimeError):
+    """Training cannot usefully continue (one-line reason; checkpoints are intact)."""
+
+
+def truncate_metrics(path: str, upto: int) -> None:
+    """Keep the rows of `path` with step <= `upto` (rows past the restored checkpoint were
+    written by the interrupted run and are about to be redone). Rewritten atomically: a
+    temporary file then os.replace, so a kill leaves the old or the new file, never half."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        lines = f.readlines()
+    kept: dict[int, str] = {}  # step -> its last row (files from older versions repeat)
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:  # a row cut short by a kill mid-write
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= upto:
+            kept[row["step"]] = line if line.endswith("\n") else line + "\n"
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(kept[k] for k in sorted(kept))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _last_good(ckpt) -> str:
+    if ckpt is None:
+        return "none (multi-process runs keep none)"
+    ckpt.wait()
+    step = ckpt.latest_step()
+    return f"step {step} in {ckpt.directory}" if step is not None else "none yet"
+
+
 @gin.configurable
 def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
           global_batch: int = 8, compute_dtype: str = "float32", seed: int = 0,
           checkpoint_every: int = 10, progress: bool = True,
           stop_after: int | None = None, plan: str | None = None, keep_checkpoints: int = 3,
-          keep_every: int | None = None) -> list[dict]:
+          keep_every: int | None = None, max_bad_steps: int = 5) -> list[dict]:
     """Train `model` for `steps` steps (this invocation stops early after `stop_after`
     steps, as a preemption would; a rerun resumes); returns this run's metric records.
 
@@ -193,7 +229,12 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
 
     Checkpoints: every `checkpoint_every` steps; the newest `keep_checkpoints` are kept, and
     every multiple of `keep_every` permanently. A resume takes the newest checkpoint that
-    verifies (train/checkpoint.py), naming and setting aside any that do not."""
+    verifies (train/checkpoint.py), naming and setting aside any that do not.
+
+    A step whose loss or gradient norm is not finite is not applied (counted in
+    `nonfinite_steps`); `max_bad_steps` of them in a row stop the run (TrainingStopped)
+    with the last good checkpoint intact. On resume metrics.jsonl keeps only the rows up to
+    the restored step, so every step appears once."""
     if compute_dtype not in _DTYPES:
         raise ValueError(f"train.compute_dtype={compute_dtype!r}: use one of {list(_DTYPES)}")
     if global_batch < 1 or steps < 1:
@@ -232,19 +273,22 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
     if multi and lead:
         console.print(f"{jax.process_count()} processes: metrics from process 0, "
                       "no checkpoints (stage arrays are process-local)")
-    start, skipped = 0, 0
+    start, skipped, nonfinite = 0, 0, 0
     found = ckpt.restore_latest(runner.checkpoint_tree()) if ckpt is not None else None
     if found is not None:
         latest, state, data_state = found
         runner.load(state, data_state)
         start, skipped = latest, int(data_state.get("skipped_samples", 0))
+        nonfinite = int(data_state.get("nonfinite_steps", 0))
         console.print(f"resumed from {workdir}/checkpoints step {latest}")
     where = "one program" if plan is None else f"plan {plan} on {jax.device_count()} devices"
     console.print(f"[bold]{cfg.name}[/]: {runner.num_trainable:,} trainable parameters, "
                   f"{steps} steps of {global_batch} samples, {where}")
 
-    records = []
+    records, in_a_row = [], 0
     metrics_path = os.path.join(workdir, "metrics.jsonl")
+    if lead:
+        truncate_metrics(metrics_path, start)
     try:
         with open(metrics_path if lead else os.devnull, "a") as mf, Progress(
                 TextColumn("{task.description}"), BarColumn(),
@@ -255,18 +299,36 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
             for step in range(start, end):
                 m = runner.step()
                 skipped += m["skipped"]
+                bad = bool(m["nonfinite"])
+                nonfinite, in_a_row = nonfinite + bad, (in_a_row + 1) if bad else 0
                 rec = {"step": step + 1, "loss": m["loss"], "lm_loss": m["lm_loss"],
                        "diffusion_loss": m["diffusion_loss"], "grad_norm": m["grad_norm"],
                        "learning_rate": float(schedule(step)),
                        "tokens_per_s": m["tokens"] / m["step_time_s"],
-                       "step_time_s": m["step_time_s"], "skipped_samples": skipped}
+                       "step_time_s": m["step_time_s"], "skipped_samples": skipped,
+                       "nonfinite_steps": nonfinite}
                 records.append(rec)
                 mf.write(json.dumps(rec) + "\n")
                 mf.flush()
                 bar.update(task, advance=1, info=f"loss {rec['loss']:.4f}")
-                if ckpt is not None and ((step + 1) % checkpoint_every == 0 or step + 1 == end):
-                    ckpt.save(step + 1, runner.checkpoint_tree(),
-                              {**runner.data_state(), "skipped_samples": skipped})
+                if in_a_row >= max_bad_steps:
+                    raise TrainingStopped(
+                        f"{in_a_row} steps in a row ({step + 2 - in_a_row}..{step + 1}) had a "
+                        f"non-finite loss or gradient norm (last: loss {rec['loss']}, grad_norm "
+                        f"{rec['grad_norm']}); none was applied. Last good checkpoint: "
+                        f"{_last_good(ckpt)} (lower the learning rate or check the data, then "
+                        f"rerun to resume; train.max_bad_steps={max_bad_steps})")
+                # a step in a bad streak changed no parameters: no checkpoint until one is good
+                if ckpt is not None and not in_a_row and (
+                        (step + 1) % checkpoint_every == 0 or step + 1 == end):
+                    try:
+                        ckpt.save(step + 1, runner.checkpoint_tree(),
+                                  {**runner.data_state(), "skipped_samples": skipped,
+                                   "nonfinite_steps": nonfinite})
+                    except NonFiniteState as e:
+                        raise TrainingStopped(f"step {step + 1}: {e}; last good checkpoint: "
+                                              f"{_last_good(ckpt)} (lower the learning rate, "
+                                              f"then rerun to resume)") from None
     finally:
         if ckpt is not None:
             ckpt.close()
