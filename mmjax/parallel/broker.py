@@ -1,36 +1,11 @@
 """Communication broker: move dp-blocked tensors between disjoint sub-meshes (DistTrain §7).
 
-DistTrain §7 bridges pipeline communication between parallelism units (§4.1) whose DP sizes
-differ: the broker concentrates (a > b) or scatters (a < b) the data while keeping the
-sample order, with gcd(a, b) independent broker groups. OrchMLLM §6 (rearrangement
-composition) generalises the map to any part -> (rank, slot) assignment, applied in one
-transfer.
-
-Data layout ("dp-blocked"): an inter-stage tensor is a global array of shape
-`[a * ps, *part_shape]` on the source stage mesh, sharded `P('dp')` on axis 0 and replicated
-over the other mesh axes, so source dp rank i holds parts `[i*ps, (i+1)*ps)`. The result is
-`[b * pr, *part_shape]` on the destination mesh with the same layout. `Routes` says, for
-every destination (rank j, slot q), which source (rank i, slot s) fills it, or nothing
-(zeros).
-
-Mechanism (works when the meshes sit in different processes): a 1-D mesh over the union of
-both meshes' devices; every device's existing buffer becomes one shard of a union array
-(`make_array_from_single_device_arrays`, zero-copy); inside `shard_map`, rounds of
-`lax.ppermute` in which each device sends at most one slot and receives at most one slot.
-Each part must reach every tp/cp replica of its destination rank; any replica of its source
-rank may send it. Senders are spread over the source replicas, and the resulting bipartite
-multigraph (sender device -> receiver device, one edge per delivery) is edge-coloured with
-exactly max-degree colours (König), one colour per round, so the round count is the lower
-bound for that sender choice. Slot indices travel as small int tables sharded like the
-data. The destination devices' output shards are then wrapped as the destination-mesh array.
-
-Every process touches only its addressable shards, so all processes holding devices of
-either mesh must call `transfer` with the same arguments in the same order.
-
-XLA:CPU caveat (forced host devices, jax 0.10): its client admits 32 in-flight executions
-per device, and well beyond that many un-synced collective programs (any ppermute/psum
-program, not only the broker's) can deadlock in the collective rendezvous; a host loop on
-CPU should bound in-flight work (e.g. wait on an output every few dozen dispatches).
+A stage with DP size a sends to one with DP size b keeping sample order (or any part map:
+OrchMLLM §6 rearrangement composition), by rounds of `lax.ppermute` inside `shard_map` over
+the union of the two meshes' devices, so the same code works across processes. Every process
+holding devices of either mesh calls `transfer` with the same arguments in the same order.
+Layout, round construction (König edge colouring) and the XLA:CPU caveat: docs/design.md
+"The broker".
 """
 from __future__ import annotations
 

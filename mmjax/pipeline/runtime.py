@@ -1,21 +1,11 @@
 """Host-driven MPMD pipeline runtime over the unit DAG (docs/design.md "Execute the schedule").
 
 Every stage of every unit lives on its own sub-mesh with its own jitted forward/backward
-(pipeline/stage.py). `PipelineRuntime.run` walks the schedule (pipeline/schedule.py
-`multimodal_one_f_one_b`) in a dependency-respecting global order, moving activations
-forward and gradients backward between stages through the broker; JAX's async dispatch
-lets stages on disjoint devices run concurrently. The loop makes no host sync: losses stay
-device arrays until the caller reads them. Gradients are accumulated per stage over
-microbatches (each backward all-reduces over its dp axis through GSPMD).
-
-Multi-process (docs/design.md "Units, stages and sub-meshes"; DistTrain §7): every process walks
-the same order. A process runs a stage's jitted functions only when the stage mesh holds
-one of its devices (all processes of a mesh spanning several call it); for other stages it
-keeps `jax.eval_shape` results (ShapeDtypeStructs) so that it can still take part in every
-broker transfer touching its devices, which all processes issue in the same order. Host
-inputs go only to addressable devices (`make_array_from_callback` for meshes spanning
-processes). On CPU (gloo) two cross-process collectives in flight can deadlock, so there each
-dispatch is waited on; single-process runs stay free of host syncs.
+(pipeline/stage.py). `PipelineRuntime.run` walks the schedule (pipeline/schedule.py) in a
+dependency-respecting global order, moving activations and gradients between stages through
+the broker; JAX's async dispatch lets stages on disjoint devices run concurrently, and the
+loop makes no host sync in single-process runs. Multi-process behaviour: docs/design.md
+"The runtime in several processes".
 """
 from __future__ import annotations
 

@@ -1,30 +1,10 @@
 """Pipeline stages: a slice of one unit on its own sub-mesh, with jitted forward/backward.
 
-A stage module holds layers [start, end) of its unit (encoder + projector on the encoder's
-last stage; LLM layers with embedding / head at the ends; generator blocks), built from the
-same per-unit keys as `MultimodalModel`, so stages equal the reference model's slices.
-
-`apply(module, x, side)` is the stage's arithmetic on global (dp-sharded) arrays; `x` is
-what the previous stage sent (None for an encoder's first stage), `side` the host inputs of
-this microbatch.
-
-Residuals (docs/design.md "Execute the schedule"): `forward(trainable, frozen, x, side)` runs the
-stage under `jax.vjp` and returns `(y, Residuals)`, the leaves of the vjp function (a
-`jax.tree_util.Partial`) that the runtime keeps per in-flight microbatch;
-`backward(trainable, frozen, side, residuals, dy, acc)` rebuilds the vjp function and
-returns `(acc + dparams, dx)`. What is kept follows the plan's remat policy (`remat_wrap`:
-"full" keeps only the stage input, "dots" also the weight-matmul outputs, "none" every
-activation). Never a copy of the parameters: at trace time a dependence analysis of the
-linearised jaxpr marks every vjp leaf that is a function of the parameters alone (the
-parameters themselves, their compute-dtype casts, the transposed tied embedding) and every
-leaf that is a host input; forward drops them and backward re-traces the linearisation on
-the parameters and host inputs (the stage input a placeholder) and takes those leaves from
-there, jit's dead-code elimination leaving only their (cheap, parameter-only) computation.
-The layout (which leaves, the stage input's shapes) is recorded per input signature in the
-stage's `StageFns.layouts`; `Residuals.key` names it.
-Frozen-aware (Cornstarch §4.2): mode "full" returns parameter and input gradients, "params"
-parameter gradients only (nothing upstream needs dx), "input_only" dx only (frozen stage
-with trainable parameters upstream); a stage with mode "none" gets no B actions at all.
+`forward(trainable, frozen, x, side)` returns `(y, Residuals)`: the `jax.vjp` residuals under
+the plan's remat policy, with every parameter-only and host-input leaf dropped (recomputed in
+backward), so no microbatch keeps a copy of the parameters; `backward(..., residuals, dy,
+acc)` returns `(acc + dparams, dx)`. Backward modes are frozen-aware (Cornstarch §4.2).
+The long story: docs/design.md "Stage residuals".
 """
 from __future__ import annotations
 
