@@ -1,7 +1,7 @@
 """Asynchronous multimodal data loader: plan the global batch from metadata, materialise
 only this host's share, prefetch ahead of the trainer (no JAX).
 
-Seed 000 §4.2 / MMScale §6 (CPU preprocessing disaggregated from training, producer-
+DistTrain §4.2 / MMScale §6 (CPU preprocessing disaggregated from training, producer-
 consumer: decoding and reordering run in worker processes while the GPUs train) and seed
 001 §6 (the global orchestrator runs balancing on the CPU during prefetch, "as soon as all
 the mini-batches have been sampled", and composes rearrangements). Built on grain:
