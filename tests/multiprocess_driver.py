@@ -18,7 +18,7 @@ import optax
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from test_runtime_parity import global_batch, make_cfg  # noqa: E402
+from helpers import global_batch, make_cfg  # noqa: E402
 
 from mmjax.pipeline.feed import microbatch_feed  # noqa: E402
 from mmjax.planner.plan import Plan  # noqa: E402

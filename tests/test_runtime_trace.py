@@ -12,7 +12,7 @@ from mmjax.pipeline.runtime import PipelineRuntime
 from mmjax.pipeline.schedule import StageId
 from mmjax.pipeline.trace import trace_mode
 from mmjax.planner.plan import Plan
-from test_runtime_parity import global_batch, make_cfg
+from helpers import global_batch, make_cfg
 
 import importlib.util
 import os
