@@ -13,7 +13,7 @@ from flax import nnx
 
 from helpers import assert_same_grads, cached_reference, check, make_cfg
 from mmjax.models.tiny import tiny_valm
-from mmjax.pipeline.feed import microbatch_feed
+from mmjax.data.feed import microbatch_feed
 from mmjax.pipeline.runtime import PipelineRuntime, to_reference_layout
 from mmjax.planner.plan import Plan
 

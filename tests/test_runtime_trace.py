@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from mmjax.pipeline.feed import microbatch_feed
+from mmjax.data.feed import microbatch_feed
 from mmjax.pipeline.runtime import PipelineRuntime
 from mmjax.pipeline.schedule import StageId
 from mmjax.pipeline.trace import trace_mode

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from mmjax.pipeline.feed import microbatch_feed
+from mmjax.data.feed import microbatch_feed
 from mmjax.pipeline.stage import apply_llm, build_stage_module, make_stage_fns
 from mmjax.planner.plan import Plan, PlanError
 from helpers import assert_same_grads, check, global_batch, make_cfg

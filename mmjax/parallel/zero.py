@@ -18,7 +18,6 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mmjax.parallel.tensor import mesh_param_specs
-from mmjax.train.optimizer import make_optimizer
 
 
 def _is_spec(x) -> bool:
@@ -272,16 +271,6 @@ class Zero1Optimizer:
         """The lowered update (for HLO inspection: all-gather of params, sharded state)."""
         return self._update.lower(params, grads, opt_state,
                                   jax.ShapeDtypeStruct((), jnp.float32, sharding=self._replicated))
-
-
-def zero1_adamw(schedule, mesh: Mesh, params, param_specs=None, weight_decay: float = 0.01,
-                clip_norm: float = 1.0, b1: float = 0.9, b2: float = 0.95, eps: float = 1e-8,
-                donate: bool = False) -> Zero1Optimizer:
-    """The sharded twin of mmjax/train/optimizer.py `make_optimizer`: its AdamW (no local
-    clipping) with clip-by-global-norm applied from the shared norm."""
-    tx = make_optimizer(schedule, weight_decay=weight_decay, clip_norm=0, b1=b1, b2=b2, eps=eps)
-    return Zero1Optimizer(tx, mesh, params, param_specs, clip_norm=clip_norm or None,
-                          donate=donate)
 
 
 def state_bytes_per_device(opt_state) -> int:

@@ -16,22 +16,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mmjax.data.assemble import AssemblyLayout
 from mmjax.models.config import MLLMConfig
 from mmjax.models.mllm import trainable_filter
-from mmjax.parallel.broker import Broker, Routes
+from mmjax.data.routes import Routes
+from mmjax.parallel.broker import Broker
 from mmjax.parallel.mesh import stage_meshes
 from mmjax.parallel.tensor import shard_state, state_shardings
-from mmjax.pipeline.feed import MicrobatchFeed, PartMap
+from mmjax.data.feed import MicrobatchFeed
 from mmjax.pipeline.schedule import StageGraph, StageId, dispatch_order, multimodal_one_f_one_b
 from mmjax.pipeline.stage import build_stage_module, dp_sharding, make_stage_fns
 from mmjax.pipeline.trace import completion_marker, make_tracer, trace_mode
 from mmjax.planner.plan import Plan
-
-
-def to_routes(pm: PartMap) -> Routes:
-    return Routes.from_pairs(pm.src_ranks, pm.src_slots, pm.dst_ranks, pm.dst_slots,
-                             pm.pairs)
 
 
 def _stage_filter(cfg: MLLMConfig, unit: str):
@@ -203,9 +198,9 @@ class PipelineRuntime:
             self.brokers[key] = Broker(self.stages[src].mesh, self.stages[dst].mesh)
         return self.brokers[key]
 
-    def _routes(self, src: StageId, dst: StageId, feed: MicrobatchFeed) -> PartMap:
+    def _routes(self, src: StageId, dst: StageId, feed: MicrobatchFeed) -> Routes:
         if src.unit == dst.unit:
-            return PartMap.identity(self.stages[src].dp)
+            return Routes.identity(self.stages[src].dp)
         if dst.unit == "llm":
             return feed.enc_routes[src.unit]
         return feed.gen_routes
@@ -320,12 +315,12 @@ class PipelineRuntime:
 
     def _move(self, src, dst, x, feed, inverse=False):
         """Broker transfer src -> dst. Within a unit every dp rank's whole block is one part
-        (viewed as [dp, block, ...] for the transfer); between units the feed's part maps.
+        (viewed as [dp, block, ...] for the transfer); between units the feed's routes.
         A process with devices on neither side skips it (shapes only); one with none on the
         source side sends no-shard placeholders, one with none on the destination side
         keeps the result's shapes."""
-        routes = to_routes(self._routes(src, dst, feed) if not inverse
-                           else self._routes(dst, src, feed).inverse())
+        routes = (self._routes(src, dst, feed) if not inverse
+                  else self._routes(dst, src, feed).inverse())
         src_local, dst_local = self.stages[src].local, self.stages[dst].local
         intra = src.unit == dst.unit
         if not (src_local or dst_local):

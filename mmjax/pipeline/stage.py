@@ -24,7 +24,7 @@ from mmjax.models.mllm import (encoder_embed, encoder_layers, generator_inputs, 
 from mmjax.models.projector import make_projector
 from mmjax.parallel.context import TokenMeta, cp_attention_sharded
 from mmjax.parallel.tp_ops import sequence_sharded_llm_stage
-from mmjax.train.step import cast_floats
+from mmjax.models.layers import cast_floats
 
 
 class EncoderStage(nnx.Module):
@@ -81,7 +81,7 @@ def apply_llm(cfg: MLLMConfig, module: LLM, x, side, dtype, with_generator: bool
               mesh=None, overlap_tp: bool = False, tp_chunks: int = 2,
               tp_bidirectional: bool = True, cp_head_groups: int = 1):
     """LLM stage; on a ('dp','cp','tp') mesh attention is Cornstarch's all-gather CP
-    attention over tokens already in CP layout (pipeline/feed.py `cp_layout`), K/V gathered
+    attention over tokens already in CP layout (data/feed.py `cp_layout`), K/V gathered
     in `cp_head_groups` groups of heads (Cornstarch §5.3). With `overlap_tp` the projections
     are decomposed collective matmuls, `tp_chunks` pieces per ring step, both ring
     directions when `tp_bidirectional` (DistTrain §7)."""
