@@ -20,7 +20,7 @@ from flax import nnx
 
 from mmjax.data.feed import microbatch_feed
 from mmjax.pipeline.stage import apply_llm, build_stage_module, make_stage_fns
-from mmjax.planner.plan import Plan, PlanError
+from mmjax.planner.plan import Plan, PlanError, UnitPlan
 from helpers import assert_same_grads, check, global_batch, make_cfg
 
 POLICIES = ("full", "dots", "none")
@@ -106,7 +106,8 @@ def llm_stage():
 @functools.lru_cache(maxsize=None)
 def stage_run(remat, dtype=jnp.float32):
     cfg, gd, tr, fr, x, side = llm_stage()
-    fns = make_stage_fns(cfg, "llm", gd, "full", dtype, False, 1, None, remat=remat)
+    fns = make_stage_fns(cfg, UnitPlan("llm", remat=remat), gd, "full", dtype,
+                         with_generator=False)
     y, res = fns.forward(tr, fr, x, side)
     grads, dx = fns.backward(tr, fr, side, res, jnp.ones((), jnp.float32),
                              jax.tree.map(jnp.zeros_like, tr))

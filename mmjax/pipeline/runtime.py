@@ -23,7 +23,8 @@ from mmjax.parallel.broker import Broker
 from mmjax.parallel.mesh import stage_meshes
 from mmjax.parallel.tensor import shard_state, state_shardings
 from mmjax.data.feed import MicrobatchFeed
-from mmjax.pipeline.schedule import StageGraph, StageId, dispatch_order, multimodal_one_f_one_b
+from mmjax.pipeline.schedule import (Backward, StageGraph, StageId, dispatch_order,
+                                     multimodal_one_f_one_b)
 from mmjax.pipeline.stage import build_stage_module, dp_sharding, make_stage_fns
 from mmjax.pipeline.trace import completion_marker, make_tracer, trace_mode
 from mmjax.planner.plan import Plan
@@ -45,7 +46,7 @@ class Stage:
     graphdef: object
     trainable: object
     frozen: object
-    mode: str  # full / params / input_only / none
+    mode: Backward
     fns: object = None
     backward_calls: int = 0
     grads: object = None
@@ -145,7 +146,6 @@ class PipelineRuntime:
         self.cfg, self.plan, self.dtype = cfg, plan, compute_dtype
         self.meshes = stage_meshes(plan, devices)
         root = jax.random.key(seed)
-        with_gen = cfg.generator is not None
         per_stage_trainable, built = {}, {}
         for u in plan.units:
             flags = []
@@ -168,15 +168,11 @@ class PipelineRuntime:
         for sid in self.graph.stages:
             gd, tr, fr = built[sid]
             mesh = self.meshes[sid.unit][sid.index % plan.unit(sid.unit).pp]
-            mode = self.graph.has_backward[sid]
-            if mode == "full" and not self._needs_dx(sid):
-                mode = "params"
-            st = Stage(sid, mesh, plan.unit(sid.unit).dp, gd, _place(tr, mesh),
-                       _place(fr, mesh), mode, local=holds_local_device(mesh))
+            mode = Backward(self.graph.has_backward[sid])
             up = plan.unit(sid.unit)
-            st.fns = make_stage_fns(cfg, sid.unit, gd, mode, compute_dtype, with_gen, st.dp, mesh,
-                                    up.overlap_tp, up.remat, up.tp_chunks, up.tp_bidirectional,
-                                    up.cp_head_groups)
+            st = Stage(sid, mesh, up.dp, gd, _place(tr, mesh), _place(fr, mesh), mode,
+                       local=holds_local_device(mesh))
+            st.fns = make_stage_fns(cfg, up, gd, mode, compute_dtype, mesh)
             self.stages[sid] = st
         # one row per physical stage, i.e. per mesh (Megatron's interleaved order for units
         # with num_chunks > 1), merged into one dependency-respecting dispatch order; JAX
@@ -189,9 +185,6 @@ class PipelineRuntime:
         self.sync = sync_collectives()
 
     # ---- structure ------------------------------------------------------------------
-    def _needs_dx(self, sid: StageId) -> bool:
-        return any(self.graph.runs_backward(p) for p in self.graph.predecessors(sid))
-
     def broker(self, src: StageId, dst: StageId) -> Broker:
         key = (src, dst)
         if key not in self.brokers:
@@ -240,7 +233,7 @@ class PipelineRuntime:
         totals = (sum(f.num_target_tokens for f in feeds), sum(f.num_gen_elements for f in feeds))
         for st in self.stages.values():
             st.grads = (jax.tree.map(jnp.zeros_like, st.trainable)
-                        if st.mode in ("full", "params") and st.local else None)
+                        if st.mode.param_grads and st.local else None)
         sides, residuals, outputs, cotangents = {}, {}, {}, {}
         result = StepResult()
         last_llm = StageId("llm", self.num_virtual["llm"] - 1)
@@ -278,7 +271,7 @@ class PipelineRuntime:
                     if st.grads is not None:
                         st.grads = grads
                 else:  # a cotangent has its primal's shape and dtype (res = abstract(x))
-                    dx = res if st.mode in ("full", "input_only") else None
+                    dx = res if st.mode.input_grads else None
                 st.backward_calls += 1
                 if dx is not None:
                     cotangents[(sid, mb)] = dx
@@ -358,8 +351,9 @@ class PipelineRuntime:
             return one
         if sid.unit == "llm" and sid.index == self.num_virtual["llm"] - 1:
             (dcond,) = moved if moved else (None,)
-            if dcond is None:  # generator runs no backward: no gradient flows into cond
-                dcond = self._zero_cond(sid, mb)
+            if dcond is None:
+                raise RuntimeError("internal: the last LLM stage runs backward but the "
+                                   "generator does not; the frozen rule makes this impossible")
             return (one, dcond)
         if sid.unit == "generator" and not self.graph.successors(sid):
             return one
@@ -373,10 +367,6 @@ class PipelineRuntime:
             return jnp.ones((), jnp.float32)
         return global_put(np.ones((), np.float32), jax.sharding.NamedSharding(
             mesh, jax.sharding.PartitionSpec()))
-
-    def _zero_cond(self, sid, mb):
-        raise RuntimeError("internal: last LLM stage runs backward but the generator does "
-                           "not; the frozen rule makes this impossible")
 
 
 def _offset_layers(tree: dict, start: int) -> dict:

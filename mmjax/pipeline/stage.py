@@ -24,6 +24,7 @@ from mmjax.models.mllm import (encoder_embed, encoder_layers, generator_inputs, 
 from mmjax.models.projector import make_projector
 from mmjax.parallel.context import TokenMeta, cp_attention_sharded
 from mmjax.parallel.tp_ops import sequence_sharded_llm_stage
+from mmjax.planner.plan import REMAT_POLICIES, UnitPlan
 from mmjax.models.layers import cast_floats
 
 
@@ -134,7 +135,6 @@ def apply_generator(cfg: MLLMConfig, module: DiffusionGenerator, x, side, dtype)
     return diffusion_loss_sum(eps, g["gen_noise"], g["gen_valid"]) / side["num_gen"]
 
 
-REMAT_POLICIES = ("full", "dots", "none")
 
 # Primitives whose single sub-jaxpr maps the eqn's inputs/outputs one to one, so dependence
 # can be traced through them exactly; any other higher-order primitive (scan, while, cond)
@@ -251,17 +251,22 @@ def _signature(tree):
     return treedef, tuple((tuple(a.shape), jnp.dtype(a.dtype).name) for a in leaves)
 
 
-def make_stage_fns(cfg: MLLMConfig, unit: str, graphdef, mode: str, dtype,
-                   with_generator: bool, ranks: int, mesh=None, overlap_tp: bool = False,
-                   remat: str = "full", tp_chunks: int = 2, tp_bidirectional: bool = True,
-                   cp_head_groups: int = 1) -> StageFns:
+def make_stage_fns(cfg: MLLMConfig, up: UnitPlan, graphdef, mode: str, dtype,
+                   mesh=None, with_generator: bool | None = None) -> StageFns:
+    """The jitted functions of one stage of unit `up.name`, as its `UnitPlan` configures
+    them (dp ranks, remat policy, overlapped TP, CP head groups). `with_generator`
+    (default: the model has one) makes the last LLM stage also return the conditioning."""
+    unit, remat = up.name, up.remat
     remat_wrap(lambda: None, remat)  # validate the policy name up front
+    if with_generator is None:
+        with_generator = cfg.generator is not None
 
     def run(trainable, frozen, x, side):
         module = nnx.merge(graphdef, cast_floats(trainable, dtype), cast_floats(frozen, dtype))
         if unit == "llm":
-            return apply_llm(cfg, module, x, side, dtype, with_generator, ranks, mesh,
-                             overlap_tp, tp_chunks, tp_bidirectional, cp_head_groups)
+            return apply_llm(cfg, module, x, side, dtype, with_generator, up.dp, mesh,
+                             up.overlap_tp, up.tp_chunks, up.tp_bidirectional,
+                             up.cp_head_groups)
         if unit == "generator":
             return apply_generator(cfg, module, x, side, dtype)
         return apply_encoder(cfg, unit, module, x, side, dtype)
