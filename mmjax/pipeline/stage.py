@@ -1,30 +1,10 @@
 """Pipeline stages: a slice of one unit on its own sub-mesh, with jitted forward/backward.
 
-A stage module holds layers [start, end) of its unit (encoder + projector on the encoder's
-last stage; LLM layers with embedding / head at the ends; generator blocks), built from the
-same per-unit keys as `MultimodalModel`, so stages equal the reference model's slices.
-
-`apply(module, x, side)` is the stage's arithmetic on global (dp-sharded) arrays; `x` is
-what the previous stage sent (None for an encoder's first stage), `side` the host inputs of
-this microbatch.
-
-Residuals (docs/design.md "Execute the schedule"): `forward(trainable, frozen, x, side)` runs the
-stage under `jax.vjp` and returns `(y, Residuals)`, the leaves of the vjp function (a
-`jax.tree_util.Partial`) that the runtime keeps per in-flight microbatch;
-`backward(trainable, frozen, side, residuals, dy, acc)` rebuilds the vjp function and
-returns `(acc + dparams, dx)`. What is kept follows the plan's remat policy (`remat_wrap`:
-"full" keeps only the stage input, "dots" also the weight-matmul outputs, "none" every
-activation). Never a copy of the parameters: at trace time a dependence analysis of the
-linearised jaxpr marks every vjp leaf that is a function of the parameters alone (the
-parameters themselves, their compute-dtype casts, the transposed tied embedding) and every
-leaf that is a host input; forward drops them and backward re-traces the linearisation on
-the parameters and host inputs (the stage input a placeholder) and takes those leaves from
-there, jit's dead-code elimination leaving only their (cheap, parameter-only) computation.
-The layout (which leaves, the stage input's shapes) is recorded per input signature in the
-stage's `StageFns.layouts`; `Residuals.key` names it.
-Frozen-aware (Cornstarch §4.2): mode "full" returns parameter and input gradients, "params"
-parameter gradients only (nothing upstream needs dx), "input_only" dx only (frozen stage
-with trainable parameters upstream); a stage with mode "none" gets no B actions at all.
+`forward(trainable, frozen, x, side)` returns `(y, Residuals)`: the `jax.vjp` residuals under
+the plan's remat policy, with every parameter-only and host-input leaf dropped (recomputed in
+backward), so no microbatch keeps a copy of the parameters; `backward(..., residuals, dy,
+acc)` returns `(acc + dparams, dx)`. Backward modes are frozen-aware (Cornstarch §4.2).
+The long story: docs/design.md "Stage residuals".
 """
 from __future__ import annotations
 
@@ -44,7 +24,8 @@ from mmjax.models.mllm import (encoder_embed, encoder_layers, generator_inputs, 
 from mmjax.models.projector import make_projector
 from mmjax.parallel.context import TokenMeta, cp_attention_sharded
 from mmjax.parallel.tp_ops import sequence_sharded_llm_stage
-from mmjax.train.step import cast_floats
+from mmjax.planner.plan import REMAT_POLICIES, UnitPlan
+from mmjax.models.layers import cast_floats
 
 
 class EncoderStage(nnx.Module):
@@ -101,7 +82,7 @@ def apply_llm(cfg: MLLMConfig, module: LLM, x, side, dtype, with_generator: bool
               mesh=None, overlap_tp: bool = False, tp_chunks: int = 2,
               tp_bidirectional: bool = True, cp_head_groups: int = 1):
     """LLM stage; on a ('dp','cp','tp') mesh attention is Cornstarch's all-gather CP
-    attention over tokens already in CP layout (pipeline/feed.py `cp_layout`), K/V gathered
+    attention over tokens already in CP layout (data/feed.py `cp_layout`), K/V gathered
     in `cp_head_groups` groups of heads (Cornstarch §5.3). With `overlap_tp` the projections
     are decomposed collective matmuls, `tp_chunks` pieces per ring step, both ring
     directions when `tp_bidirectional` (DistTrain §7)."""
@@ -154,7 +135,6 @@ def apply_generator(cfg: MLLMConfig, module: DiffusionGenerator, x, side, dtype)
     return diffusion_loss_sum(eps, g["gen_noise"], g["gen_valid"]) / side["num_gen"]
 
 
-REMAT_POLICIES = ("full", "dots", "none")
 
 # Primitives whose single sub-jaxpr maps the eqn's inputs/outputs one to one, so dependence
 # can be traced through them exactly; any other higher-order primitive (scan, while, cond)
@@ -271,17 +251,22 @@ def _signature(tree):
     return treedef, tuple((tuple(a.shape), jnp.dtype(a.dtype).name) for a in leaves)
 
 
-def make_stage_fns(cfg: MLLMConfig, unit: str, graphdef, mode: str, dtype,
-                   with_generator: bool, ranks: int, mesh=None, overlap_tp: bool = False,
-                   remat: str = "full", tp_chunks: int = 2, tp_bidirectional: bool = True,
-                   cp_head_groups: int = 1) -> StageFns:
+def make_stage_fns(cfg: MLLMConfig, up: UnitPlan, graphdef, mode: str, dtype,
+                   mesh=None, with_generator: bool | None = None) -> StageFns:
+    """The jitted functions of one stage of unit `up.name`, as its `UnitPlan` configures
+    them (dp ranks, remat policy, overlapped TP, CP head groups). `with_generator`
+    (default: the model has one) makes the last LLM stage also return the conditioning."""
+    unit, remat = up.name, up.remat
     remat_wrap(lambda: None, remat)  # validate the policy name up front
+    if with_generator is None:
+        with_generator = cfg.generator is not None
 
     def run(trainable, frozen, x, side):
         module = nnx.merge(graphdef, cast_floats(trainable, dtype), cast_floats(frozen, dtype))
         if unit == "llm":
-            return apply_llm(cfg, module, x, side, dtype, with_generator, ranks, mesh,
-                             overlap_tp, tp_chunks, tp_bidirectional, cp_head_groups)
+            return apply_llm(cfg, module, x, side, dtype, with_generator, up.dp, mesh,
+                             up.overlap_tp, up.tp_chunks, up.tp_bidirectional,
+                             up.cp_head_groups)
         if unit == "generator":
             return apply_generator(cfg, module, x, side, dtype)
         return apply_encoder(cfg, unit, module, x, side, dtype)

@@ -212,7 +212,7 @@ class Plan:
 
 
 _UNIT_DEFAULTS = {f.name: f.default for f in dataclasses.fields(UnitPlan)}
-REMAT_POLICIES = ("full", "dots", "none")  # = pipeline/stage.py REMAT_POLICIES (no JAX here)
+REMAT_POLICIES = ("full", "dots", "none")  # pipeline/stage.py `remat_wrap` implements them
 
 
 def _validate_knobs(model, u: UnitPlan, where: str) -> None:

@@ -52,7 +52,7 @@ class PipelineStep:
         self.runtime = PipelineRuntime(cfg, plan, devices, seed, compute_dtype)
         tx = optimizer_from_settings(schedule, self.settings, clip=False)
         trained = [sid for sid, st in self.runtime.stages.items()
-                   if st.mode in ("full", "params")]
+                   if st.mode.param_grads]
         self.trained = trained  # every process, same order: the global norm's terms
         self.optimizers = {sid: Zero1Optimizer(tx, self.runtime.stages[sid].mesh,
                                                self.runtime.stages[sid].trainable,
