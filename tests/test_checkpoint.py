@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from mmjax.train.checkpoint import (CheckpointMismatch, Checkpointer, leaf_checksum)
+from mmjax.train.checkpoint import (CheckpointMismatch, Checkpointer, NonFiniteState,
+                                     leaf_checksum)
 
 LIKE = {"w": jnp.arange(4096, dtype=jnp.float32) / 7, "b": {"c": jnp.ones((3, 5), jnp.bfloat16)},
         "step": jnp.zeros((), jnp.int32)}
@@ -135,14 +136,29 @@ def test_every_checkpoint_damaged_starts_fresh_and_keeps_them(tmp_path):
 
 def test_other_models_checkpoint_is_a_user_error_not_damage(tmp_path):
     ck_dir = tmp_path / "checkpoints"
-    write(ck_dir)
-    other = {**LIKE, "w": jnp.zeros((8,), jnp.float32)}
-    ck = Checkpointer(str(ck_dir), log=pytest.fail)
-    with pytest.raises(CheckpointMismatch, match=r"array \d is float32\(4096,\), this run's "
-                                                 r"is float32\(8,\)"):
-        ck.restore_latest(other)
-    assert ck.steps() == [2, 1]  # nothing moved
+    named = {"params.w": LIKE["w"], "opt.count": LIKE["step"]}
+    ck = Checkpointer(str(ck_dir))
+    ck.save(1, named, {})
     ck.close()
+    ck = Checkpointer(str(ck_dir), log=pytest.fail)
+    state, _ = ck.restore(1, named)
+    assert set(state) == set(named)  # a {name: array} state comes back by name
+    with pytest.raises(CheckpointMismatch, match=r"params.w is float32\(4096,\), this run's "
+                                                 r"is float32\(8,\): written by another model"):
+        ck.restore_latest({**named, "params.w": jnp.zeros((8,), jnp.float32)})
+    with pytest.raises(CheckpointMismatch, match=r"only in the checkpoint: \['params.w'\], "
+                                                 r"only in this run: \['params.v'\]"):
+        ck.restore_latest({"params.v": LIKE["w"], "opt.count": LIKE["step"]})
+    assert ck.steps() == [1]  # nothing moved
+    ck.close()
+
+
+def test_nonfinite_state_is_never_written(tmp_path):
+    ck = Checkpointer(str(tmp_path / "checkpoints"))
+    with pytest.raises(NonFiniteState, match=r"params.w, float32\(3,\)"):
+        ck.save(1, {"params.w": jnp.array([1.0, jnp.nan, 2.0])}, {})
+    ck.close()
+    assert ck.steps() == []
 
 
 def test_retention_keeps_newest_permanent_and_verified(tmp_path):

@@ -100,6 +100,12 @@ def test_truncate_metrics_keeps_each_step_once_up_to_the_restored_one(tmp_path):
     assert os.listdir(tmp_path) == ["metrics.jsonl"]  # temp file replaced, none left
     truncate_metrics(path, 0)
     assert open(path).read() == ""
+    skips = str(tmp_path / "skipped.jsonl")  # several rows per step, all kept in order
+    with open(skips, "w") as f:
+        f.writelines(json.dumps({"step": s, "id": k}) + "\n" for s, k in
+                     [(1, "a"), (2, "b"), (2, "c"), (3, "d"), (2, "e")])
+    truncate_metrics(skips, 2, one_per_step=False)
+    assert [json.loads(x)["id"] for x in open(skips)] == ["a", "b", "c", "e"]
 
 
 @pytest.mark.slow

@@ -1,10 +1,11 @@
 """Async orbax checkpoints that verify on restore: train state + data state + checksums.
 
 A checkpoint (directory `<dir>/<step>`, committed atomically by orbax) holds three items:
-`state` (the state pytree by flattened leaves "leaf_00000", ..., restored into the structure
-and shardings of a freshly built state, so nnx.State and optax namedtuples round trip without
-orbax knowing their types), `data` (the data iterator's JSON state) and `integrity` (per leaf
-its shape, dtype and two checksums of its logical value, independent of how it is sharded).
+`state` (named arrays, e.g. train/logical_state.py's plan-independent names, stored as
+"leaf_00000", ... in name order and read straight into the shardings of the new run's arrays
+of the same names), `data` (the data iterator's JSON state) and `integrity` (per array its
+name, shape, dtype and two checksums of its logical value, independent of sharding). A
+pytree that is not a {name: array} dict is saved by its flattened leaves ("0", "1", ...).
 
 `restore_latest` walks the checkpoints newest first and takes the first one that restores
 and verifies. One that does not (an item missing, an array unreadable or truncated, a
@@ -30,6 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+
+from mmjax.errors import one_line
 
 _M32 = (1 << 32) - 1
 FORMAT = 1
@@ -62,26 +65,31 @@ def leaf_checksum(x) -> tuple[int, int]:
     return int(w.sum(dtype=np.uint64)) & _M32, int((w * idx).sum(dtype=np.uint64)) & _M32
 
 
-def integrity_record(leaves) -> dict:
-    """Per leaf: shape, dtype, checksum. Refuses (NonFiniteState) a state with a non-finite
-    float: a checkpoint is only ever a state training could continue from."""
+def _is_named(state) -> bool:
+    return isinstance(state, dict) and all(isinstance(k, str) and not isinstance(v, dict)
+                                           for k, v in state.items())
+
+
+def named_arrays(state) -> dict:
+    """{name: array} as is; any other pytree by its flattened leaves, named "0", "1", ..."""
+    if _is_named(state):
+        return dict(state)
+    return {str(i): x for i, x in enumerate(jax.tree.leaves(state))}
+
+
+def integrity_record(named: dict) -> dict:
+    """Per array (in name order, stored as leaf_00000, ...): name, shape, dtype, checksum.
+    Refuses (NonFiniteState) a non-finite float: a checkpoint is only ever a state training
+    could continue from."""
     out = {}
-    for i, x in enumerate(leaves):
-        a = np.asarray(x)
+    for i, name in enumerate(sorted(named)):
+        a = np.asarray(named[name])
         if jnp.issubdtype(a.dtype, jnp.inexact) and not np.isfinite(a).all():
-            raise NonFiniteState(f"refusing to checkpoint a non-finite state (array {i}, "
-                             f"{a.dtype}{a.shape})")
-        out[f"leaf_{i:05d}"] = {"shape": list(a.shape), "dtype": str(a.dtype),
+            raise NonFiniteState(f"refusing to checkpoint a non-finite state ({name}, "
+                                 f"{a.dtype}{a.shape})")
+        out[f"leaf_{i:05d}"] = {"name": name, "shape": list(a.shape), "dtype": str(a.dtype),
                                 "checksum": list(leaf_checksum(a))}
     return {"format": FORMAT, "leaves": out}
-
-
-def _one_line(e: BaseException, limit: int = 160) -> str:
-    """The root cause of `e` (orbax wraps tensorstore's error) as one short line."""
-    while e.__cause__ is not None:
-        e = e.__cause__
-    text = " ".join(str(e).split()) or type(e).__name__
-    return f"{type(e).__name__}: {text[:limit]}{'...' if len(text) > limit else ''}"
 
 
 @contextlib.contextmanager
@@ -134,11 +142,11 @@ class Checkpointer:
         previous save is finished (and old checkpoints pruned) first."""
         self.manager.wait_until_finished()
         self._prune()
-        leaves = jax.tree.leaves(state)
-        tree = {f"leaf_{i:05d}": leaf for i, leaf in enumerate(leaves)}
+        named = named_arrays(state)
+        tree = {f"leaf_{i:05d}": named[n] for i, n in enumerate(sorted(named))}
         self.manager.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(tree), data=ocp.args.JsonSave(data_state),
-            integrity=ocp.args.JsonSave(integrity_record(leaves))), force=True)
+            integrity=ocp.args.JsonSave(integrity_record(named))), force=True)
 
     def _prune(self) -> None:
         steps = self.steps()
@@ -158,53 +166,56 @@ class Checkpointer:
 
     # ---- restore -------------------------------------------------------------------------
     def restore(self, step: int, like):
-        """Restore `step` into the structure (and shardings) of `like` and verify every
-        leaf; -> (state, data_state). Raises CheckpointUnusable (damaged) or
-        CheckpointMismatch (intact, but another model's: a user error)."""
+        """Restore `step` into the names (or leaves), shapes and shardings of `like` and
+        verify every array; -> (state like `like`, data_state). Raises CheckpointUnusable
+        (damaged) or CheckpointMismatch (intact, but another model's: a user error)."""
         path = os.path.join(self.directory, str(step))
         missing = [n for n in ("state", "data", "integrity")
                    if not os.path.isdir(os.path.join(path, n))]
         if missing:
             raise CheckpointUnusable(f"missing item(s) {', '.join(missing)}")
-        leaves, treedef = jax.tree.flatten(like)
         try:
             integrity = self.manager.restore(step, args=ocp.args.Composite(
                 integrity=ocp.args.JsonRestore()))["integrity"]
+            stored = {e["name"]: (key, e) for key, e in integrity["leaves"].items()}
         except Exception as e:  # noqa: BLE001 (any failure to read means unusable)
-            raise CheckpointUnusable(f"integrity record unreadable ({_one_line(e)})") from None
-        expected = integrity.get("leaves", {}) if isinstance(integrity, dict) else {}
-        self._check_structure(expected, leaves)
-        abstract = {f"leaf_{i:05d}": ocp.utils.to_shape_dtype_struct(x) if hasattr(x, "sharding")
-                    else np.asarray(x) for i, x in enumerate(leaves)}
+            raise CheckpointUnusable(f"integrity record unreadable ({one_line(e, 160)})") from None
+        named = named_arrays(like)
+        self._check_structure(stored, named)
+        abstract = {stored[n][0]: ocp.utils.to_shape_dtype_struct(x) if hasattr(x, "sharding")
+                    else np.asarray(x) for n, x in named.items()}
         try:
             with _quiet_abandoned_reads():
                 out = self.manager.restore(step, args=ocp.args.Composite(
                     state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore()))
-            restored = [out["state"][f"leaf_{i:05d}"] for i in range(len(leaves))]
+            restored = {n: out["state"][stored[n][0]] for n in named}
             data = dict(out["data"])
         except Exception as e:  # noqa: BLE001 (tensorstore/orbax raise many types)
-            raise CheckpointUnusable(f"cannot read arrays ({_one_line(e)})") from None
-        for i, x in enumerate(restored):
-            name = f"leaf_{i:05d}"
-            if list(leaf_checksum(x)) != list(expected[name]["checksum"]):
-                raise CheckpointUnusable(f"checksum mismatch in {name} "
-                                         f"(shape {tuple(expected[name]['shape'])})")
-        return jax.tree.unflatten(treedef, restored), data
+            raise CheckpointUnusable(f"cannot read arrays ({one_line(e, 160)})") from None
+        for n, x in restored.items():
+            if list(leaf_checksum(x)) != list(stored[n][1]["checksum"]):
+                raise CheckpointUnusable(f"checksum mismatch in {n} "
+                                         f"(shape {tuple(stored[n][1]['shape'])})")
+        if _is_named(like):
+            return restored, data
+        return jax.tree.unflatten(jax.tree.structure(like),
+                                  [restored[str(i)] for i in range(len(restored))]), data
 
-    def _check_structure(self, expected: dict, leaves) -> None:
-        if len(expected) != len(leaves):
+    def _check_structure(self, stored: dict, named: dict) -> None:
+        fix = ("written by another model or configuration (use another workdir, or the "
+               "config that wrote them)")
+        if set(stored) != set(named):
+            extra, lack = sorted(set(stored) - set(named)), sorted(set(named) - set(stored))
             raise CheckpointMismatch(
-                f"checkpoints in {self.directory} hold {len(expected)} arrays, this run's "
-                f"state has {len(leaves)}: they were written by another model or plan "
-                f"(use another workdir, or the config that wrote them)")
-        for i, x in enumerate(leaves):
-            e = expected[f"leaf_{i:05d}"]
+                f"checkpoints in {self.directory} hold {len(stored)} arrays, this run has "
+                f"{len(named)} (only in the checkpoint: {extra[:3]}, only in this run: "
+                f"{lack[:3]}): {fix}")
+        for n, x in named.items():
+            e = stored[n][1]
             if tuple(e["shape"]) != tuple(np.shape(x)) or e["dtype"] != str(x.dtype):
                 raise CheckpointMismatch(
-                    f"checkpoints in {self.directory}: array {i} is {e['dtype']}"
-                    f"{tuple(e['shape'])}, this run's is {x.dtype}{tuple(np.shape(x))}: "
-                    f"written by another model or plan (use another workdir, or the config "
-                    f"that wrote them)")
+                    f"checkpoints in {self.directory}: {n} is {e['dtype']}"
+                    f"{tuple(e['shape'])}, this run's is {x.dtype}{tuple(np.shape(x))}: {fix}")
 
     def restore_latest(self, like):
         """-> (step, state, data_state) of the newest checkpoint that verifies, or None.

@@ -21,6 +21,7 @@ from mmjax.parallel.zero import Zero1Optimizer, global_grad_norm, multiprocess_g
 from mmjax.pipeline.runtime import PipelineRuntime
 from mmjax.planner.plan import Plan
 from mmjax.train.optimizer import OptimizerSettings, optimizer_from_settings
+from mmjax.train.validate import check_manual_plan
 
 
 @gin.configurable
@@ -30,10 +31,11 @@ def manual_plan(global_batch: int = 8, num_microbatches: int = 2, dp=None, tp=No
                 ) -> Plan:
     """A Plan from per-unit dicts, e.g. `manual_plan.pp = {"llm": 2}` or
     `manual_plan.remat = "dots"` in gin (a plain value applies to every unit)."""
-    kw = {k: v for k, v in dict(dp=dp, tp=tp, pp=pp, cp=cp, num_chunks=num_chunks,
-                                overlap_tp=overlap_tp, remat=remat, tp_chunks=tp_chunks,
-                                tp_bidirectional=tp_bidirectional,
-                                cp_head_groups=cp_head_groups).items() if v is not None}
+    knobs = dict(dp=dp, tp=tp, pp=pp, cp=cp, num_chunks=num_chunks, overlap_tp=overlap_tp,
+                 remat=remat, tp_chunks=tp_chunks, tp_bidirectional=tp_bidirectional,
+                 cp_head_groups=cp_head_groups)
+    check_manual_plan(model.unit_names, global_batch, num_microbatches, **knobs)
+    kw = {k: v for k, v in knobs.items() if v is not None}
     return Plan.uniform(model, global_batch, num_microbatches, **kw)
 
 

@@ -21,14 +21,18 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from mmjax.data.assemble import AssemblyLayout, BatchShapes, assemble, batch_shapes, check_sample
 from mmjax.data.synthetic import SyntheticConfig, SyntheticDataset
+from mmjax.errors import UserError
 from mmjax.models.config import MLLMConfig
 from mmjax.models.mllm import MultimodalModel, trainable_filter
 from mmjax.planner.plan import Plan
 from mmjax.train.checkpoint import Checkpointer, NonFiniteState
 from mmjax.train.config import named_model_config
 from mmjax.train.inputs import model_inputs
+from mmjax.train.logical_state import (pipeline_load_logical, pipeline_logical,
+                                       single_from_logical, single_logical)
 from mmjax.train.optimizer import learning_rate_schedule, optimizer_from_settings
 from mmjax.train.step import TrainState, make_train_step, split_model
+from mmjax.train.validate import check_data_path, check_train_settings, gin_bound
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -120,12 +124,15 @@ class SingleProgram:
     def data_state(self) -> dict:
         return {"batches": self.data.state()}
 
-    def load(self, state, data_state: dict) -> None:
-        self.state = state
-        self.data.restore(data_state["batches"])
+    def load(self, state: dict, data_state: dict, step: int) -> None:
+        """A checkpoint of either path: a pipeline run's has no `batches` state; the single
+        program then goes on from global batch `step` of its own stream."""
+        self.state = single_from_logical(self.state, state)
+        self.data.restore(data_state.get("batches", {"next_batch": step, "shapes": None}))
 
-    def checkpoint_tree(self):
-        return self.state
+    def checkpoint_tree(self) -> dict:
+        """Plan-independent named arrays (train/logical_state.py)."""
+        return single_logical(self.state)
 
     def step(self):
         batch = next(self.data)
@@ -157,12 +164,16 @@ class Pipelined:
     def data_state(self) -> dict:
         return {"loader": self.data.get_state()}
 
-    def load(self, state, data_state: dict) -> None:
-        self.step_fn.load_state(state)
-        self.data.set_state(data_state["loader"])
+    def load(self, state: dict, data_state: dict, step: int) -> None:
+        """A checkpoint of any plan (or of the single program: the loader then goes on from
+        global batch `step` of its stream)."""
+        pipeline_load_logical(self.step_fn, state)
+        self.data.set_state(data_state.get("loader", {
+            "step": step, "skipped_samples": data_state.get("skipped_samples", 0)}))
 
-    def checkpoint_tree(self):
-        return self.step_fn.state()
+    def checkpoint_tree(self) -> dict:
+        """Plan-independent named arrays (train/logical_state.py)."""
+        return pipeline_logical(self.step_fn)
 
     def step(self):
         gb = next(self.data)
@@ -182,22 +193,25 @@ class TrainingStopped(RuntimeError):
     """Training cannot usefully continue (one-line reason; checkpoints are intact)."""
 
 
-def truncate_metrics(path: str, upto: int) -> None:
-    """Keep the rows of `path` with step <= `upto` (rows past the restored checkpoint were
-    written by the interrupted run and are about to be redone). Rewritten atomically: a
-    temporary file then os.replace, so a kill leaves the old or the new file, never half."""
+def truncate_metrics(path: str, upto: int, one_per_step: bool = True) -> None:
+    """Keep the rows of JSONL `path` with step <= `upto` (rows past the restored checkpoint
+    were written by the interrupted run and are about to be redone); `one_per_step`: the
+    last row of each step only (metrics.jsonl; skipped.jsonl has one row per sample).
+    Rewritten atomically: a temporary file then os.replace, so a kill leaves the old or the
+    new file, never half of one."""
     if not os.path.exists(path):
         return
     with open(path) as f:
         lines = f.readlines()
-    kept: dict[int, str] = {}  # step -> its last row (files from older versions repeat)
-    for line in lines:
+    kept: dict = {}  # step -> its last row (files from older versions repeat), or row order
+    for n, line in enumerate(lines):
         try:
             row = json.loads(line)
         except ValueError:  # a row cut short by a kill mid-write
             continue
         if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= upto:
-            kept[row["step"]] = line if line.endswith("\n") else line + "\n"
+            key = row["step"] if one_per_step else (row["step"], n)
+            kept[key] = line if line.endswith("\n") else line + "\n"
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         f.writelines(kept[k] for k in sorted(kept))
@@ -235,10 +249,12 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
     `nonfinite_steps`); `max_bad_steps` of them in a row stop the run (TrainingStopped)
     with the last good checkpoint intact. On resume metrics.jsonl keeps only the rows up to
     the restored step, so every step appears once."""
-    if compute_dtype not in _DTYPES:
-        raise ValueError(f"train.compute_dtype={compute_dtype!r}: use one of {list(_DTYPES)}")
-    if global_batch < 1 or steps < 1:
-        raise ValueError("train.global_batch and train.steps must be >= 1")
+    check_train_settings(steps, global_batch, compute_dtype, _DTYPES, seed, checkpoint_every,
+                         progress, stop_after, plan, keep_checkpoints, keep_every, max_bad_steps)
+    check_data_path()
+    if plan is None and gin_bound("loader_source.path"):
+        raise UserError("loader_source.path is read by the pipeline runtime only: add "
+                        "--plan=manual (or a Plan JSON), or drop the binding")
     cfg = model or named_model_config()
     layout = data_layout(cfg)
     schedule = learning_rate_schedule(steps)
@@ -251,12 +267,9 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
         if plan == "manual":
             the_plan = manual_plan(global_batch=global_batch, model=cfg)
         else:
-            if not os.path.exists(plan):
-                raise ValueError(f"train.plan={plan!r}: no such file; pass a Plan JSON from "
-                                 "scripts/plan.py --json, or 'manual' with manual_plan.* bindings")
             the_plan = Plan.load(plan)
         if the_plan.global_batch != global_batch:
-            raise ValueError(f"plan global_batch={the_plan.global_batch} differs from "
+            raise UserError(f"plan global_batch={the_plan.global_batch} differs from "
                              f"train.global_batch={global_batch}: make them equal")
         the_plan.validate(cfg, jax.device_count())
         runner = Pipelined(cfg, layout, the_plan, schedule, dtype, seed)
@@ -277,7 +290,7 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
     found = ckpt.restore_latest(runner.checkpoint_tree()) if ckpt is not None else None
     if found is not None:
         latest, state, data_state = found
-        runner.load(state, data_state)
+        runner.load(state, data_state, latest)
         start, skipped = latest, int(data_state.get("skipped_samples", 0))
         nonfinite = int(data_state.get("nonfinite_steps", 0))
         console.print(f"resumed from {workdir}/checkpoints step {latest}")
@@ -289,6 +302,7 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
     metrics_path = os.path.join(workdir, "metrics.jsonl")
     if lead:
         truncate_metrics(metrics_path, start)
+        truncate_metrics(os.path.join(workdir, "skipped.jsonl"), start, one_per_step=False)
     try:
         with open(metrics_path if lead else os.devnull, "a") as mf, Progress(
                 TextColumn("{task.description}"), BarColumn(),
