@@ -84,8 +84,8 @@ def single_from_logical(like, arrays: dict):
     """{name: array} (as `single_logical(like)` names them) -> a TrainState like `like`;
     its step (applied steps) is the optimizer's count, which only applied steps advance."""
     params, opt = _single_names(like)
-    step = arrays.get("opt.count", like.step)
-    return like._replace(step=jax.numpy.asarray(step, like.step.dtype),
+    step = arrays.get("opt.count", like.step)  # a copy: the step donates both buffers
+    return like._replace(step=jax.numpy.array(step, like.step.dtype, copy=True),
                          trainable=_rebuild(like.trainable, params, arrays),
                          opt_state=_rebuild(like.opt_state, opt, arrays))
 
