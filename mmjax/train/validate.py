@@ -43,10 +43,12 @@ def check_train_settings(steps, global_batch, compute_dtype, dtypes, seed, check
     if not isinstance(progress, bool):
         raise UserError(f"train.progress={progress!r}: must be True or False")
     if plan is not None and not isinstance(plan, str):
-        raise UserError(f"train.plan={plan!r}: must be a Plan JSON path, 'manual' or None")
-    if plan not in (None, "manual") and not os.path.exists(plan):
+        raise UserError(f"train.plan={plan!r}: must be a Plan JSON path, 'manual', 'auto' "
+                        f"or None")
+    if plan not in (None, "manual", "auto") and not os.path.exists(plan):
         raise UserError(f"train.plan={plan!r}: no such file; pass a Plan JSON from "
-                        "scripts/plan.py --json, or 'manual' with manual_plan.* bindings")
+                        "scripts/plan.py --json, 'auto', or 'manual' with manual_plan.* "
+                        "bindings")
 
 
 def check_manual_plan(units, global_batch, num_microbatches, **knobs) -> None:
