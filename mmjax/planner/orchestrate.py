@@ -38,20 +38,23 @@ integer search with the same rule.
 """
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 import time
 import warnings
 from dataclasses import dataclass
 
-import cvxpy as cp
 import numpy as np
 
+from mmjax.planner.candidates import (candidate_table, divisors, llm_exact_bounds,
+                                      valid_pps)
 from mmjax.planner.costs import UnitCost
 from mmjax.planner.evaluate import (Choice, choice_error, evaluate, memory_bytes, p2p_time,
                                     stage_time, sync_time, warmup_time)
 from mmjax.planner.hardware import Hardware
 from mmjax.planner.plan import PlanError
+from mmjax.planner.relax import solve_relaxed
 
 
 # Relative slack on the predicted iteration time within which the plan using fewer GPUs
@@ -59,14 +62,15 @@ from mmjax.planner.plan import PlanError
 GPU_TOLERANCE = 0.01
 
 
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+METHODS = ("fast", "cvxpy")
 
 
 class RelaxedProblem:
     """The DPP-parameterised convex relaxation for k units; build once, re-solve often."""
 
     def __init__(self, k: int):
+        import cvxpy as cp  # the formulation of record; cvxpy imports jax: load it on use
+
         self.k = k
         self.x = cp.Variable(k)
         self.tau = cp.Variable(nonneg=True)
@@ -92,6 +96,8 @@ class RelaxedProblem:
     def solve(self, c, e, slope, lo, hi, n, mm, w=None, wc=None
               ) -> tuple[float, np.ndarray] | None:
         """Optimum and x of the relaxation; `w`, `wc` (default 0) add the warm-up floor."""
+        import cvxpy as cp
+
         if np.sum(lo) > n or np.any(lo > hi):
             return None
         zero = np.zeros(self.k)
@@ -128,17 +134,25 @@ class Orchestrator:
     """Algorithm 1 of DistTrain over `UnitCost`s (any number of encoder units)."""
 
     def __init__(self, costs: tuple[UnitCost, ...], hw: Hardware, vpp: bool = True,
-                 relaxed_factory=None):
+                 relaxed_factory=None, method: str = "fast"):
         names = [c.name for c in costs]
         if "llm" not in names:
             raise ValueError(f"orchestrate: no 'llm' unit among {names}")
+        if method not in METHODS:
+            raise ValueError(f"orchestrate: method={method!r}; choose one of {METHODS}")
         self.costs = tuple(costs)
         self.hw = hw
         self.vpp = vpp
         self.llm = names.index("llm")
-        # built once per orchestrator (DPP): every candidate only re-solves it with new
-        # parameter values; `relaxed_factory(k)` substitutes it (tests count constructions)
-        self.relaxed = (relaxed_factory or RelaxedProblem)(len(costs))
+        # "fast": candidates bounded with numpy (candidates.py), relaxations solved in closed
+        # form in batches (relax.py); "cvxpy": the scalar bounds and the DPP problem of
+        # record, built once per orchestrator and re-solved per candidate;
+        # `relaxed_factory(k)` substitutes it (tests count constructions) and implies cvxpy
+        self.method = "cvxpy" if relaxed_factory is not None else method
+        self.relaxed = ((relaxed_factory or RelaxedProblem)(len(costs))
+                        if self.method == "cvxpy" else None)
+        self._valid = [valid_pps(c) for c in self.costs]
+        self._priced = {}  # (unit, Choice, dp_llm, m) -> option row, within one solve
 
     # ---- candidate bounds --------------------------------------------------------------
     def _warm_const(self, tps) -> float:
@@ -218,8 +232,36 @@ class Orchestrator:
         return c, e, slope, lo, hi, m - 1
 
     # ---- integer repair ----------------------------------------------------------------
+    def _fewest_fit(self, i, t, dp, dp_llm, m) -> int:
+        """Index in the unit's valid PPs of the fewest stages that fit in memory (memory
+        falls as PP grows: bisect); memoised within one solve."""
+        key = ("fit", i, t, dp, dp_llm, m)
+        if key not in self._priced:
+            cost, valid = self.costs[i], self._valid[i]
+            lo_i, hi_i = 0, len(valid)
+            while lo_i < hi_i:
+                mid = (lo_i + hi_i) // 2
+                if memory_bytes(cost, Choice(t, dp, valid[mid]), dp_llm, m) <= self.hw.hbm_bytes:
+                    hi_i = mid
+                else:
+                    lo_i = mid + 1
+            self._priced[key] = lo_i
+        return self._priced[key]
+
+    def _option(self, i, ch: Choice, dp_llm, m, n):
+        """(choice, gpus, stage, warm-up, sync) of a valid choice within n GPUs, else None;
+        memoised within one solve."""
+        key = (i, ch, dp_llm, m)
+        if key not in self._priced:
+            cost, hw = self.costs[i], self.hw
+            self._priced[key] = (None if choice_error(cost, ch, dp_llm, m, hw) else
+                                 (ch, ch.gpus, stage_time(cost, ch, dp_llm),
+                                  warmup_time(cost, ch, dp_llm, hw), sync_time(cost, ch, hw)))
+        row = self._priced[key]
+        return None if row is None or ch.gpus > n else row
+
     def _unit_options(self, i, t, dp_llm, x_star, tau_star, s_star, n, m):
-        cost, hw = self.costs[i], self.hw
+        cost, hw, valid = self.costs[i], self.hw, self._valid[i]
         out = []
         if i == self.llm:
             dps = [dp_llm]
@@ -227,22 +269,12 @@ class Orchestrator:
             dps = [d for d in divisors(dp_llm) if t * d <= n]
         for dp in dps:
             r = x_star / (t * dp)
-            valid = (divisors(cost.num_layers) if cost.layer_pp_divides
-                     else list(range(1, cost.num_layers + 1)))
-            # the fewest stages that fit in memory (memory falls as PP grows: bisect)
-            lo_i, hi_i = 0, len(valid)
-            while lo_i < hi_i:
-                mid = (lo_i + hi_i) // 2
-                if memory_bytes(cost, Choice(t, dp, valid[mid]), dp_llm, m) <= hw.hbm_bytes:
-                    hi_i = mid
-                else:
-                    lo_i = mid + 1
+            lo_i = self._fewest_fit(i, t, dp, dp_llm, m)
             fits = valid[lo_i:lo_i + 2]
             if not fits:
                 continue
-            below = [p for p in valid if p <= r][-2:]
-            above = [p for p in valid if p > r][:2]
-            pps = set(below + above + fits[:2])
+            cut = bisect.bisect_right(valid, r)  # valid[:cut] <= r < valid[cut:]
+            pps = set(valid[max(0, cut - 2):cut] + valid[cut:cut + 2] + fits[:2])
             if tau_star > 0 and not cost.layer_pp_divides:
                 pps.add(min(cost.num_layers, math.ceil(dp_llm / dp * cost.time_s[t] / tau_star)))
             # the fewest stages whose DP sync (falling as 1/PP) is under the relaxed one
@@ -252,11 +284,9 @@ class Orchestrator:
                             math.ceil(sync1 / s_star) if s_star > 0 else cost.num_layers))
             for pp in sorted(pps):
                 for v in ((1, 2) if self.vpp and i == self.llm else (1,)):
-                    ch = Choice(t, dp, pp, v)
-                    if ch.gpus > n or choice_error(cost, ch, dp_llm, m, hw):
-                        continue
-                    out.append((ch, ch.gpus, stage_time(cost, ch, dp_llm),
-                                warmup_time(cost, ch, dp_llm, hw), sync_time(cost, ch, hw)))
+                    row = self._option(i, Choice(t, dp, pp, v), dp_llm, m, n)
+                    if row is not None:
+                        out.append(row)
         return out
 
     def _repair(self, tps, dp_llm, x, tau, s, n, bs):
@@ -298,6 +328,8 @@ class Orchestrator:
     def candidates(self, n: int, bs: int) -> list:
         """Every (TP, DP) candidate with room in n GPUs, as (bound, dp_llm, tps, inputs),
         cheapest bound first."""
+        if self.method == "fast":
+            return candidate_table(self.costs, self.hw, self.llm, self.vpp, n, bs)
         tp_sets = [sorted(c.time_s) for c in self.costs]
         cands = []
         for dp_llm in divisors(bs):
@@ -316,6 +348,9 @@ class Orchestrator:
     def relaxed_bound(self, tps, dp_llm, inputs, n) -> tuple[float, np.ndarray] | None:
         """(lower bound of every integer plan of the candidate within n GPUs, relaxed x):
         the convex optimum plus the LLM's warm-up constant (VPP 2 at best)."""
+        if self.method == "fast":
+            values, xs = self._relax_batch([(None, dp_llm, tps, inputs)], n)
+            return None if not np.isfinite(values[0]) else (float(values[0]), xs[0])
         c, e, slope, lo, hi, mm = inputs
         w, wc = self._warm_terms(tps, c)
         sol = self.relaxed.solve(c, e, slope, lo, hi, n, mm, w, wc)
@@ -324,21 +359,49 @@ class Orchestrator:
         value, x = sol
         return value + self.costs[self.llm].time_s[tps[self.llm]] / (2 if self.vpp else 1), x
 
+    def _relax_batch(self, cands, n) -> tuple[np.ndarray, np.ndarray]:
+        """`relaxed_bound` of many candidates at once (closed form, relax.py): values (inf
+        where infeasible) and x, one row per candidate."""
+        warm = [self._warm_terms(tps, inputs[0]) for _, _, tps, inputs in cands]
+        cols = [np.array([inp[3][f] for inp in cands]) for f in range(6)]
+        values, x, ok = solve_relaxed(*cols[:5], n, cols[5], np.array([w for w, _ in warm]),
+                                      np.array([wc for _, wc in warm]))
+        vmax = 2 if self.vpp else 1
+        llm_warm = np.array([self.costs[self.llm].time_s[tps[self.llm]] / vmax
+                             for _, _, tps, _ in cands])
+        return np.where(ok, values + llm_warm, np.inf), x
+
+    def _prune_bounds(self, cands, n) -> np.ndarray:
+        """Fast method: the tighter of each candidate's relaxation and its bound with the
+        LLM's PP enumerated exactly (candidates.llm_exact_bounds); skipping a candidate on
+        it loses nothing (a valid lower bound of all its integer plans)."""
+        return llm_exact_bounds(self.costs, self.hw, self.llm, self.vpp, n, cands)
+
     def _search(self, cands, n, bs, tolerance=0.0):
         """Branch and bound over `cands` (sorted by bound): the least time T* within n
         GPUs, and every candidate that may hold a plan within T* (1 + tolerance) repaired,
         its (gpus, time) Pareto front kept in self._front. Returns (T*, plan, relaxations,
         repairs)."""
         best_t, best, relaxations, repairs = math.inf, None, 0, 0
-        for lb0, dp_llm, tps, inputs in cands:
+        solved = []  # fast method: relaxations solved ahead in growing batches
+        for j, (lb0, dp_llm, tps, inputs) in enumerate(cands):
             limit = best_t * (1 + tolerance)
             if lb0 >= limit * (1 - 1e-9):
                 break
             relaxations += 1
-            sol = self.relaxed_bound(tps, dp_llm, inputs, n)
-            if sol is None:
-                continue
-            value, x = sol
+            if self.method == "fast":
+                if j == len(solved):
+                    batch = cands[j:j + max(32, j)]
+                    values, xs = self._relax_batch(batch, n)
+                    solved += list(zip(values, xs, self._prune_bounds(batch, n)))
+                value, x, prune = solved[j]
+                if not np.isfinite(value) or prune >= limit * (1 - 1e-9):
+                    continue
+            else:
+                sol = self.relaxed_bound(tps, dp_llm, inputs, n)
+                if sol is None:
+                    continue
+                value, x = sol
             if value >= limit * (1 - 1e-9):
                 continue
             c, e = inputs[0], inputs[1]
@@ -382,7 +445,7 @@ class Orchestrator:
                              f"(a relative slack on the iteration time, e.g. 0.01)")
         start = time.perf_counter()
         n, bs = num_gpus, global_batch
-        self._front = []
+        self._front, self._priced = [], {}
         cands = self.candidates(n, bs)
         best_t, best, relaxations, repairs = self._search(cands, n, bs, gpu_tolerance)
         if best is None:
@@ -399,19 +462,14 @@ class Orchestrator:
         optimal_t = best_t
         if gpu_tolerance > 0:
             best_t, best = self._fewest_gpus(optimal_t * (1 + gpu_tolerance))
-        self._front = []
+        self._front, self._priced = [], {}
         return OrchestrationResult(best, best_t, time.perf_counter() - start, len(cands),
                                    relaxations, repairs, optimal_t)
 
 
-def _valid_pps(cost: UnitCost) -> list[int]:
-    return (divisors(cost.num_layers) if cost.layer_pp_divides
-            else list(range(1, cost.num_layers + 1)))
-
-
 def _fewest_gpus_choice(cost: UnitCost, hw: Hardware, dp_llm: int, m: int, is_llm: bool):
     """The unit's choice (VPP 1) with the fewest GPUs that fits in memory, or None."""
-    valid, best = _valid_pps(cost), None
+    valid, best = valid_pps(cost), None
     for tp in sorted(cost.time_s):
         for dp in ([dp_llm] if is_llm else divisors(dp_llm)):
             lo, hi = 0, len(valid)  # memory falls as PP grows: bisect the fewest stages
@@ -460,7 +518,7 @@ def infeasible_message(costs, hw: Hardware, n: int, bs: int) -> str:
     sp = smallest_plan(costs, hw, bs)
     if sp is None:
         for c in costs:
-            t, pp = max(c.time_s), _valid_pps(c)[-1]
+            t, pp = max(c.time_s), valid_pps(c)[-1]
             # least memory: most TP and stages, one sample per rank, DP for ZeRO-1
             mem = min(memory_bytes(c, Choice(t, d, pp), d, bs // d) for d in divisors(bs)) / 1e9
             if mem > have:
@@ -479,7 +537,7 @@ def infeasible_message(costs, hw: Hardware, n: int, bs: int) -> str:
     llm = next(c for c in costs if c.name == "llm")
     tp = max(llm.time_s)
     others = sum(ch.gpus for k, ch in chs.items() if k != "llm")
-    pps = [p for p in _valid_pps(llm) if tp * p + others <= n]
+    pps = [p for p in valid_pps(llm) if tp * p + others <= n]
     if pps:  # why fewer do not do: the LLM at the most stages the GPUs leave it
         mem = memory_bytes(llm, Choice(tp, 1, pps[-1]), 1, bs) / 1e9
         if mem > have:
@@ -490,8 +548,9 @@ def infeasible_message(costs, hw: Hardware, n: int, bs: int) -> str:
 
 def orchestrate(costs: tuple[UnitCost, ...], hw: Hardware, num_gpus: int, global_batch: int,
                 vpp: bool = True, gpu_tolerance: float = GPU_TOLERANCE,
-                relaxed_factory=None) -> OrchestrationResult:
+                relaxed_factory=None, method: str = "fast") -> OrchestrationResult:
     """Algorithm 1 with the fewest-GPUs tie-break (`Orchestrator.solve`); gpu_tolerance=0
-    returns the least-time plan alone."""
-    return Orchestrator(costs, hw, vpp, relaxed_factory).solve(num_gpus, global_batch,
-                                                               gpu_tolerance)
+    returns the least-time plan alone. `method`: "fast" (vectorised bounds, closed-form
+    relaxations) or "cvxpy" (the DPP problem of record); both return the same plan."""
+    return Orchestrator(costs, hw, vpp, relaxed_factory, method).solve(num_gpus, global_batch,
+                                                                       gpu_tolerance)
