@@ -99,34 +99,6 @@ def _llm_terms(cost: UnitCost, hw: Hardware, vpp: bool, dp, tp, mm, lo_rest_sum,
     return ok, gpus, time / pps, warm, sync
 
 
-def llm_exact_bounds(costs, hw: Hardware, llm: int, vpp: bool, n: int, cands) -> np.ndarray:
-    """A bound per candidate at least as tight as its relaxation: the LLM's PP (and VPP)
-    enumerated exactly, the other units relaxed (relax.py) in the GPUs left, with the
-    LLM's stage time as a floor on tau. Every integer plan of the candidate costs at least
-    this."""
-    from mmjax.planner.relax import solve_relaxed
-
-    rest = np.arange(len(costs)) != llm
-    dp = np.array([cand[1] for cand in cands], dtype=np.float64)
-    tp = np.array([cand[2][llm] for cand in cands], dtype=np.float64)
-    cols = [np.array([cand[3][f] for cand in cands]) for f in range(5)]
-    mm = np.array([cand[3][5] for cand in cands], dtype=np.float64)
-    c, _, slope, lo, hi = (col[:, rest] for col in cols)
-    ok, gpus, stage, warm, sync = _llm_terms(costs[llm], hw, vpp, dp, tp, mm, lo.sum(axis=1), n)
-    fixed = warm + sync
-    r, p = np.nonzero(ok)
-    out = np.full(ok.shape, np.inf)
-    if not rest.any():
-        out[r, p] = mm[r] * stage[r, p] + fixed[r, p]
-        return out.min(axis=1)
-    w = np.array([[costs[u].time_s[cand[2][u]] for u in np.flatnonzero(rest)]
-                  for cand in cands])
-    value, _, feasible = solve_relaxed(c[r], np.zeros_like(c[r]), slope[r], lo[r], hi[r],
-                                       n - gpus[r, p], mm[r], w[r], c[r], stage[r, p])
-    out[r, p] = np.where(feasible, value + fixed[r, p], np.inf)
-    return out.min(axis=1)
-
-
 def _llm_bound(cost: UnitCost, hw: Hardware, vpp: bool, dp, tp, mm, lo_rest_sum, n,
                c_rest, lo_rest, hi_rest):
     """min over the LLM's PP of (m-1) tau + warm-up + sync per candidate row, the other
@@ -167,9 +139,9 @@ def candidate_table(costs: tuple[UnitCost, ...], hw: Hardware, llm: int, vpp: bo
     lb = others + lb
     fin = np.flatnonzero(np.isfinite(lb))
     order = fin[np.argsort(lb[fin], kind="stable")]
-    out = []
-    for j in order:
-        r = keep[j]
-        out.append((float(lb[j]), int(dp[r]), tuple(int(t) for t in tps[r]),
-                    (c[r], e[r], slope[r], lo[r], hi[r], int(mm[j]))))
-    return out
+    rows = keep[order]
+    tps_l = tps[rows].astype(int).tolist()
+    return [(b, d, tuple(t), inputs) for b, d, t, inputs in
+            zip(lb[order].tolist(), dp[rows].astype(int).tolist(), tps_l,
+                zip(c[rows], e[rows], slope[rows], lo[rows], hi[rows],
+                    mm[order].astype(int).tolist()))]

@@ -38,7 +38,6 @@ integer search with the same rule.
 """
 from __future__ import annotations
 
-import bisect
 import itertools
 import math
 import time
@@ -47,14 +46,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mmjax.planner.candidates import (candidate_table, divisors, llm_exact_bounds,
-                                      valid_pps)
+from mmjax.planner.candidates import candidate_table, divisors, valid_pps
 from mmjax.planner.costs import UnitCost
 from mmjax.planner.evaluate import (Choice, choice_error, evaluate, memory_bytes, p2p_time,
                                     stage_time, sync_time, warmup_time)
 from mmjax.planner.hardware import Hardware
 from mmjax.planner.plan import PlanError
 from mmjax.planner.relax import solve_relaxed
+from mmjax.planner.repair import OptionTable, combine
 
 
 # Relative slack on the predicted iteration time within which the plan using fewer GPUs
@@ -151,8 +150,7 @@ class Orchestrator:
         self.method = "cvxpy" if relaxed_factory is not None else method
         self.relaxed = ((relaxed_factory or RelaxedProblem)(len(costs))
                         if self.method == "cvxpy" else None)
-        self._valid = [valid_pps(c) for c in self.costs]
-        self._priced = {}  # (unit, Choice, dp_llm, m) -> option row, within one solve
+        self._priced = {}  # (unit, TP, LLM DP) -> OptionTable, within one solve
 
     # ---- candidate bounds --------------------------------------------------------------
     def _warm_const(self, tps) -> float:
@@ -232,97 +230,31 @@ class Orchestrator:
         return c, e, slope, lo, hi, m - 1
 
     # ---- integer repair ----------------------------------------------------------------
-    def _fewest_fit(self, i, t, dp, dp_llm, m) -> int:
-        """Index in the unit's valid PPs of the fewest stages that fit in memory (memory
-        falls as PP grows: bisect); memoised within one solve."""
-        key = ("fit", i, t, dp, dp_llm, m)
+    def _table(self, i, t, dp_llm, n, m) -> OptionTable:
+        """Unit i's priced integer choices at (TP, LLM DP), built once per solve."""
+        key = (i, t, dp_llm)
         if key not in self._priced:
-            cost, valid = self.costs[i], self._valid[i]
-            lo_i, hi_i = 0, len(valid)
-            while lo_i < hi_i:
-                mid = (lo_i + hi_i) // 2
-                if memory_bytes(cost, Choice(t, dp, valid[mid]), dp_llm, m) <= self.hw.hbm_bytes:
-                    hi_i = mid
-                else:
-                    lo_i = mid + 1
-            self._priced[key] = lo_i
+            self._priced[key] = OptionTable(self.costs[i], self.hw, t, dp_llm, m, n,
+                                            i == self.llm, self.vpp)
         return self._priced[key]
-
-    def _option(self, i, ch: Choice, dp_llm, m, n):
-        """(choice, gpus, stage, warm-up, sync) of a valid choice within n GPUs, else None;
-        memoised within one solve."""
-        key = (i, ch, dp_llm, m)
-        if key not in self._priced:
-            cost, hw = self.costs[i], self.hw
-            self._priced[key] = (None if choice_error(cost, ch, dp_llm, m, hw) else
-                                 (ch, ch.gpus, stage_time(cost, ch, dp_llm),
-                                  warmup_time(cost, ch, dp_llm, hw), sync_time(cost, ch, hw)))
-        row = self._priced[key]
-        return None if row is None or ch.gpus > n else row
-
-    def _unit_options(self, i, t, dp_llm, x_star, tau_star, s_star, n, m):
-        cost, hw, valid = self.costs[i], self.hw, self._valid[i]
-        out = []
-        if i == self.llm:
-            dps = [dp_llm]
-        else:
-            dps = [d for d in divisors(dp_llm) if t * d <= n]
-        for dp in dps:
-            r = x_star / (t * dp)
-            lo_i = self._fewest_fit(i, t, dp, dp_llm, m)
-            fits = valid[lo_i:lo_i + 2]
-            if not fits:
-                continue
-            cut = bisect.bisect_right(valid, r)  # valid[:cut] <= r < valid[cut:]
-            pps = set(valid[max(0, cut - 2):cut] + valid[cut:cut + 2] + fits[:2])
-            if tau_star > 0 and not cost.layer_pp_divides:
-                pps.add(min(cost.num_layers, math.ceil(dp_llm / dp * cost.time_s[t] / tau_star)))
-            # the fewest stages whose DP sync (falling as 1/PP) is under the relaxed one
-            sync1 = sync_time(cost, Choice(t, dp, 1), hw)
-            if sync1 > 0 and not cost.layer_pp_divides:
-                pps.add(min(cost.num_layers,
-                            math.ceil(sync1 / s_star) if s_star > 0 else cost.num_layers))
-            for pp in sorted(pps):
-                for v in ((1, 2) if self.vpp and i == self.llm else (1,)):
-                    row = self._option(i, Choice(t, dp, pp, v), dp_llm, m, n)
-                    if row is not None:
-                        out.append(row)
-        return out
 
     def _repair(self, tps, dp_llm, x, tau, s, n, bs):
         m = bs // dp_llm
-        opts = [self._unit_options(i, t, dp_llm, x[i], tau, s, n, m) for i, t in enumerate(tps)]
-        if any(not o for o in opts):
+        opts = [self._table(i, t, dp_llm, n, m).neighbourhood(x[i], tau, s)
+                for i, t in enumerate(tps)]
+        if any(not len(rows) for rows, _ in opts):
             return None
-        arrays = [np.array([o[1:] for o in unit]) for unit in opts]
-        shape = [len(a) for a in arrays]
-        g = np.zeros(shape)
-        stage = np.zeros(shape)
-        warm = np.zeros(shape)
-        sync = np.zeros(shape)
-        for ax, a in enumerate(arrays):
-            view = [1] * len(shape)
-            view[ax] = len(a)
-            g = g + a[:, 0].reshape(view)
-            stage = np.maximum(stage, a[:, 1].reshape(view))
-            warm = warm + a[:, 2].reshape(view)
-            sync = np.maximum(sync, a[:, 3].reshape(view))
-        total = warm + (m - 1) * stage + sync
-        total = np.where(g <= n, total, np.inf)
-        flat = int(np.argmin(total))
-        if not np.isfinite(total.flat[flat]):
+        out = combine([rows for rows, _ in opts], m, n)
+        if out is None:
             return None
-        idx = np.unravel_index(flat, shape)
-        # (gpus, time) Pareto front of the neighbourhood: where the GPU tie-break starts
-        ok = np.isfinite(total)
-        gs, ts = g[ok], total[ok]
-        order = np.lexsort((ts, gs))
-        gs, ts = gs[order], ts[order]
-        keep = ts < np.minimum.accumulate(np.concatenate(([np.inf], ts[:-1])))
-        flats = np.flatnonzero(ok)[order][keep]
-        self._front.append((gs[keep], ts[keep], flats, shape, opts))
-        return float(total.flat[flat]), {self.costs[i].name: opts[i][j][0]
-                                         for i, j in enumerate(idx)}
+        best_t, idx, front = out
+        choices = [ch for _, ch in opts]
+        self._front.append(front + (tps, choices))  # where the GPU tie-break starts
+        return best_t, self._choices(tps, choices, idx)
+
+    def _choices(self, tps, choices, idx) -> dict[str, Choice]:
+        return {self.costs[i].name: Choice(tps[i], *(int(v) for v in choices[i][j]))
+                for i, j in enumerate(idx)}
 
     # ---- Algorithm 1 -------------------------------------------------------------------
     def candidates(self, n: int, bs: int) -> list:
@@ -371,12 +303,6 @@ class Orchestrator:
                              for _, _, tps, _ in cands])
         return np.where(ok, values + llm_warm, np.inf), x
 
-    def _prune_bounds(self, cands, n) -> np.ndarray:
-        """Fast method: the tighter of each candidate's relaxation and its bound with the
-        LLM's PP enumerated exactly (candidates.llm_exact_bounds); skipping a candidate on
-        it loses nothing (a valid lower bound of all its integer plans)."""
-        return llm_exact_bounds(self.costs, self.hw, self.llm, self.vpp, n, cands)
-
     def _search(self, cands, n, bs, tolerance=0.0):
         """Branch and bound over `cands` (sorted by bound): the least time T* within n
         GPUs, and every candidate that may hold a plan within T* (1 + tolerance) repaired,
@@ -391,11 +317,10 @@ class Orchestrator:
             relaxations += 1
             if self.method == "fast":
                 if j == len(solved):
-                    batch = cands[j:j + max(32, j)]
-                    values, xs = self._relax_batch(batch, n)
-                    solved += list(zip(values, xs, self._prune_bounds(batch, n)))
-                value, x, prune = solved[j]
-                if not np.isfinite(value) or prune >= limit * (1 - 1e-9):
+                    values, xs = self._relax_batch(cands[j:j + max(64, j)], n)
+                    solved += list(zip(values, xs))
+                value, x = solved[j]
+                if not np.isfinite(value):
                     continue
             else:
                 sol = self.relaxed_bound(tps, dp_llm, inputs, n)
@@ -417,7 +342,7 @@ class Orchestrator:
         """(time, plan) using the fewest GPUs among the repaired plans within `cap`, the
         fastest of those."""
         best_g, best_t, best = math.inf, math.inf, None
-        for gs, ts, flats, shape, opts in self._front:
+        for gs, ts, flats, shape, tps, choices in self._front:
             within = np.flatnonzero(ts <= cap)
             if not len(within):
                 continue
@@ -425,7 +350,7 @@ class Orchestrator:
             if (gs[j], ts[j]) < (best_g, best_t):
                 idx = np.unravel_index(int(flats[j]), shape)
                 best_g, best_t = gs[j], float(ts[j])
-                best = {self.costs[i].name: opts[i][k][0] for i, k in enumerate(idx)}
+                best = self._choices(tps, choices, idx)
         return best_t, best
 
     def solve(self, num_gpus: int, global_batch: int,

@@ -109,11 +109,10 @@ def _log_lambda(r: _Rows, n):
     return b
 
 
-def solve_relaxed(c, e, slope, lo, hi, n, mm, w, wc, tau_min=0.0):
+def solve_relaxed(c, e, slope, lo, hi, n, mm, w, wc):
     """Optimum value, x and feasibility of the relaxation for every row (arrays [B, k]; n,
-    mm, tau_min of shape [B] or scalars; tau_min adds the constraint tau >= tau_min, a
-    stage time fixed outside the problem). Rows with sum(lo) > n or lo > hi are infeasible
-    (value inf)."""
+    mm of shape [B] or scalars). Rows with sum(lo) > n or lo > hi are infeasible (value
+    inf)."""
     c, e, slope, lo, hi, w, wc = (np.atleast_2d(np.asarray(a, dtype=np.float64))
                                   for a in (c, e, slope, lo, hi, w, wc))
     n = np.broadcast_to(np.asarray(n, dtype=np.float64), (len(c),))
@@ -123,15 +122,14 @@ def solve_relaxed(c, e, slope, lo, hi, n, mm, w, wc, tau_min=0.0):
                          "(the LLM); use orchestrate's method='cvxpy' otherwise")
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         ok = (lo.sum(axis=1) <= n) & np.all(lo <= hi, axis=1) & np.all(c > 0, axis=1)
-        floor = np.maximum(np.max(c / hi, axis=1), tau_min)
-        rows = _Rows(c, e, slope, lo, hi, w, wc, floor, mm)
+        rows = _Rows(c, e, slope, lo, hi, w, wc, np.max(c / hi, axis=1), mm)
         x, tau = _allocation(np.zeros(len(c)), rows)
         tight = np.flatnonzero((x.sum(axis=1) > n) & ok)  # the budget binds: lambda > 0
         if len(tight):
             sub = rows.take(tight)
             x[tight], tau[tight] = _allocation(np.exp(_log_lambda(sub, n[tight])), sub)
         s = np.max(e / x, axis=1)
-        tau = np.maximum(np.maximum(tau, np.max(c / x, axis=1)), tau_min)
+        tau = np.maximum(tau, np.max(c / x, axis=1))
         value = (mm * tau + s + np.sum(slope * x, axis=1)
                  + np.sum(np.maximum(w, wc / x), axis=1))
     return np.where(ok, value, np.inf), x, ok
