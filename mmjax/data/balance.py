@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import itertools
 import math
 import warnings
 from dataclasses import dataclass
@@ -383,7 +384,8 @@ def _per_sample(src_rank_of_sample, new_batches, sizes, ranks_per_node):
     if src.size and (src.min() < 0 or src.max() >= d):
         raise ValueError(f"src_rank_of_sample must be ranks in [0, {d})")
     lens = [len(b) for b in new_batches]
-    flat = np.fromiter((s for b in new_batches for s in b), dtype=np.int64, count=sum(lens))
+    flat = np.fromiter(itertools.chain.from_iterable(new_batches), dtype=np.int64,
+                       count=sum(lens))
     if flat.size != src.size or (flat.size and (flat.min() < 0 or flat.max() >= src.size
                                                 or np.bincount(flat).min() != 1)):
         raise ValueError("new_batches must hold every sample index exactly once")
@@ -442,17 +444,25 @@ def _greedy_nodes(src, bat, w, d, c) -> np.ndarray:
     nn = d // c
     nodecost = np.bincount((src // c) * d + bat, weights=w, minlength=nn * d)
     nz = np.flatnonzero(nodecost)
-    node_of = np.full(d, -1)
-    free = np.full(nn, c)
-    left = d
-    for flat in nz[np.argsort(-nodecost[nz], kind="stable")].tolist():
-        n, b = divmod(flat, d)
-        if node_of[b] < 0 and free[n] > 0:
-            node_of[b] = n
-            free[n] -= 1
-            left -= 1
-            if left == 0:
-                break
+    nz = nz[np.argsort(-nodecost[nz], kind="stable")]
+    nodes, batches = nz // d, nz % d
+    node_of, free = np.full(d, -1), np.full(nn, c)
+    owner, room = [-1] * d, [c] * nn  # the same state as Python lists for the scalar loop
+    left, pos, chunk = d, 0, d
+    while left and pos < nz.size:
+        # entries whose batch is placed or whose node is full stay rejected: drop them in
+        # bulk, then take the rest one by one in order
+        nb, bb = nodes[pos:pos + chunk], batches[pos:pos + chunk]
+        live = (node_of[bb] < 0) & (free[nb] > 0)
+        pos, chunk = pos + chunk, 2 * chunk
+        for n, b in zip(nb[live].tolist(), bb[live].tolist()):
+            if owner[b] < 0 and room[n] > 0:
+                owner[b] = n
+                room[n] -= 1
+                left -= 1
+                if left == 0:
+                    break
+        node_of, free = np.array(owner), np.array(room)
     slots = np.repeat(np.arange(nn), free)
     node_of[node_of < 0] = slots
     return node_of
@@ -536,11 +546,11 @@ def node_wise_rearrange(src_rank_of_sample: Sequence[int], new_batches: Sequence
     perm = np.where(node_of == identity, np.arange(d), -1)
     taken = np.zeros(d, dtype=bool)
     taken[perm[perm >= 0]] = True
-    for b in np.flatnonzero(perm < 0).tolist():
-        n = node_of[b]
-        r = n * c + int(np.argmin(taken[n * c:(n + 1) * c]))
-        perm[b] = r
-        taken[r] = True
+    # the other batches take their node's free ranks, lowest batch to lowest rank (each
+    # node has exactly c batches, so movers and free ranks pair up node by node)
+    movers = np.flatnonzero(perm < 0)
+    movers = movers[np.argsort(node_of[movers], kind="stable")]
+    perm[movers] = np.flatnonzero(~taken)  # free ranks, ascending: node by node
     return perm.tolist()
 
 
