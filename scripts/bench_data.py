@@ -10,8 +10,9 @@ Parts (``--parts``, default all: 1 2 3 4; one function per part):
      padded (count x longest: padded batches). intra_reorder and "sum" are the same LPT greedy
      (see reorder.intra_reorder), so their columns agree.
   2. Simulated 1F1B / interleaved iteration time (the DistTrain §6.2 recurrence) of random
-     order (mean over all l! orders), ascending order, inter-microbatch reordering (Alg. 3,
-     alone and with reorder's guard) and the exhaustive optimum, l = 8 microbatches, p in
+     order (mean over all l! orders), ascending order, inter-microbatch reordering (Alg. 3
+     alone, with reorder's guard, and guarded + the local-search step: inter_reorder's
+     default) and the exhaustive optimum, l = 8 microbatches, p in
      {2, 4, 8}; also l = 32, 64 against sampled random orders and the lower bound.
      Microbatch cost = encoder tokens it holds.
   3. Balancing compute time at OrchMLLM Table 2 scales (DP 64 ... 2560, 60 samples per rank):
@@ -44,6 +45,7 @@ from rich.table import Table
 from mmjax.data import balance, reorder
 from mmjax.data.sample import TokenRules
 from mmjax.data.synthetic import SyntheticConfig, SyntheticDataset
+from mmjax.host_info import machine
 
 # Benchmark-sized shapes (the dataclass defaults are CPU-test sized): images ~24x24 patches
 # (up to 64x64), audio ~300 frames, LAION-like text ~30 tokens.
@@ -110,6 +112,8 @@ def part1_imbalance(args, console) -> list[dict]:
 def _orders(f, p, v, sc):
     return {"ascending": sorted(range(len(f)), key=lambda j: (f[j], j)),
             "alg3": reorder.inter_reorder(f, p, num_chunks=v, guard=False, stage_costs=sc),
+            "guarded": reorder.inter_reorder(f, p, num_chunks=v, stage_costs=sc,
+                                             improve_rounds=0),
             "inter_reorder": reorder.inter_reorder(f, p, num_chunks=v, stage_costs=sc)}
 
 
@@ -174,13 +178,13 @@ def part2_pipeline(args, console) -> list[dict]:
                         f"l <= 8, else a per-stage lower bound); microbatches "
                         f"of {args.mb_size} LAION-like samples, cost = image tokens, b = 2f")
     for col in ("model", "p", "v", "l", "trial", "random (mean)", "random worst", "ascending",
-                "Alg. 3", "inter_reorder (guarded)", "ref", "reorder ms"):
+                "Alg. 3", "Alg. 3 guarded", "+ local search", "ref", "reorder ms"):
         table.add_column(col, justify="right")
     for r in rows:
         ref = r["optimum"] if r["optimum"] is not None else r["lower_bound"]
         table.add_row(r["model"], str(r["p"]), str(r["v"]), str(r["l"]), str(r["trial"]),
                       *[f"{r[k] / ref:.3f}" for k in ("random_mean", "random_worst", "ascending",
-                                                      "alg3", "inter_reorder")],
+                                                      "alg3", "guarded", "inter_reorder")],
                       r["ref"], f"{r['inter_reorder_ms']:.1f}")
     _show(console, table)
     return rows
@@ -360,7 +364,8 @@ def main(argv=None) -> dict:
     if args.microbatches > 8:
         ap.error("--microbatches must be <= 8 (exhaustive search over l! orders)")
     console = Console(width=max(Console().width, 140))
-    results = {"config": vars(args)}
+    results = {"config": vars(args), "machine": machine()}
+    console.print(f"machine: {results['machine']}")
     _TABLES.clear()
     for part in args.parts:
         t0 = time.perf_counter()
