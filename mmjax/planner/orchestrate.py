@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mmjax.planner.candidates import candidate_table, divisors, valid_pps
+from mmjax.planner.candidates import candidate_table, divisors, share_bound, valid_pps
 from mmjax.planner.costs import UnitCost
 from mmjax.planner.evaluate import (Choice, choice_error, evaluate, memory_bytes, p2p_time,
                                     stage_time, sync_time, warmup_time)
@@ -168,21 +168,8 @@ class Orchestrator:
     @staticmethod
     def _share_bound(c, lo, hi, n) -> float:
         """Closed-form relaxation for a set of units sharing n GPUs: the smallest tau with
-        sum_u max(lo_u, c_u / tau) <= n (and c_u / tau <= hi_u)."""
-        if len(c) == 0:
-            return 0.0
-        if lo.sum() > n:
-            return math.inf
-        active = np.ones(len(c), dtype=bool)
-        tau = 0.0
-        for _ in range(len(c) + 1):
-            room = n - lo[~active].sum()
-            tau = c[active].sum() / room if active.any() else 0.0
-            moved = active & (c <= lo * tau)
-            if not moved.any():
-                break
-            active &= ~moved
-        return max(tau, float(np.max(c / hi)))
+        sum_u max(lo_u, c_u / tau) <= n (and c_u / tau <= hi_u); candidates.share_bound."""
+        return float(share_bound(c, lo, hi, np.float64(n)))
 
     def _bound(self, tps, dp_llm, inputs, n, bs) -> float:
         """Lower bound of the candidate: the LLM's PP enumerated exactly (few divisors of
