@@ -143,3 +143,21 @@ def test_method_is_validated():
     costs, n, bs = random_problem(0)
     with pytest.raises(ValueError, match="method='simplex'"):
         orchestrate(costs, HW, n, bs, method="simplex")
+
+
+def test_a_unit_with_no_work_plans_like_cvxpy():
+    """A generator with nothing to generate in the data (time 0, c_u = 0): the closed
+    form must not drop every candidate (it once did: the smallest plan came back)."""
+    import dataclasses
+    import warnings
+
+    costs, n, bs = random_problem(1)
+    idle = dataclasses.replace(costs[0], time_s={t: 0.0 for t in costs[0].time_s},
+                               fwd_s={})
+    costs = (idle,) + costs[1:]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the "found no plan" fallback warns
+        fast = orchestrate(costs, HW, n, bs)
+    ref = orchestrate(costs, HW, n, bs, method="cvxpy")
+    assert fast.choices == ref.choices
+    assert fast.iteration_time_s == pytest.approx(ref.iteration_time_s, rel=1e-12)

@@ -24,6 +24,7 @@ PURE = (
     "mmjax.planner.relax",
     "mmjax.planner.repair",
     "mmjax.planner.orchestrate",
+    "mmjax.data.data_spec",
 )
 
 # Imports each module in order in a fresh interpreter and records, after each, whether any

@@ -70,7 +70,7 @@ def _allocation(lam, r: _Rows):
     active = p < tau_c[:, None, :]
     a_u = r.e[:, None, :] + r.wc[:, None, :] * (p >= r.tau_k[:, None, :])
     k_sum = np.sum(active * (r.c * b)[:, None, :], axis=2)
-    d_sum = r.mm[:, None] + np.sum(active * (a_u / r.c[:, None, :]), axis=2)
+    d_sum = r.mm[:, None] + np.sum(np.where(active, a_u / r.c[:, None, :], 0.0), axis=2)
     deriv = d_sum - k_sum / pts ** 2
     root = np.where(d_sum > 0, np.sqrt(k_sum / d_sum), np.inf)
     nxt = np.concatenate([pts[:, 1:], np.full((len(pts), 1), np.inf)], axis=1)
@@ -121,7 +121,7 @@ def solve_relaxed(c, e, slope, lo, hi, n, mm, w, wc):
         raise ValueError("solve_relaxed: at most one unit per row may have a sync volume e_u "
                          "(the LLM); use orchestrate's method='cvxpy' otherwise")
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        ok = (lo.sum(axis=1) <= n) & np.all(lo <= hi, axis=1) & np.all(c > 0, axis=1)
+        ok = (lo.sum(axis=1) <= n) & np.all(lo <= hi, axis=1) & np.all(c >= 0, axis=1)
         rows = _Rows(c, e, slope, lo, hi, w, wc, np.max(c / hi, axis=1), mm)
         x, tau = _allocation(np.zeros(len(c)), rows)
         tight = np.flatnonzero((x.sum(axis=1) > n) & ok)  # the budget binds: lambda > 0

@@ -24,6 +24,7 @@ from mmjax.data.synthetic import SyntheticConfig, SyntheticDataset
 from mmjax.models.config import MLLMConfig
 from mmjax.models.mllm import MultimodalModel, trainable_filter
 from mmjax.planner.plan import Plan
+from mmjax.train.auto_plan import auto_plan
 from mmjax.train.checkpoint import Checkpointer
 from mmjax.train.config import named_model_config
 from mmjax.train.inputs import model_inputs
@@ -139,19 +140,25 @@ class SingleProgram:
         return m
 
 
+def train_source(cfg):
+    """The trainer's data source (gin): `loader_source.path` (an ArrayRecord file from
+    scripts/make_dataset.py) or the gin-configured synthetic set."""
+    from mmjax.data.loader import SyntheticSource, loader_source
+
+    return loader_source(lambda: SyntheticSource(synthetic_dataset(cfg)))
+
+
 class Pipelined:
     """A Plan on the pipeline runtime, fed by the grain loader (planning, balancing and
     assembly off the training path, in its prefetch thread or worker processes)."""
 
     def __init__(self, cfg, layout, plan, schedule, dtype, seed):
-        from mmjax.data.loader import Loader, SyntheticSource, loader_source
+        from mmjax.data.loader import Loader
         from mmjax.train.pipeline_step import PipelineStep
 
         self.step_fn = PipelineStep(cfg, plan, schedule, dtype, seed)
-        # gin: `loader_source.path` (an ArrayRecord file from scripts/make_dataset.py) or
-        # the synthetic set; `Loader.*` (balance, post_balance_policy, workers, ...).
-        source = loader_source(lambda: SyntheticSource(synthetic_dataset(cfg)))
-        self.data = Loader(source, cfg, plan, layout, feeds=True)
+        # gin: `Loader.*` (balance, post_balance_policy, workers, ...)
+        self.data = Loader(train_source(cfg), cfg, plan, layout, feeds=True)
         self.num_trainable = sum(x.size for x in jax.tree.leaves(
             [st.trainable for st in self.step_fn.runtime.stages.values()]))
 
@@ -190,7 +197,8 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
     steps, as a preemption would; a rerun resumes); returns this run's metric records.
 
     `plan`: None trains the whole model as one program on the default device; "manual"
-    uses the gin-bound `manual_plan`; any other value is a Plan JSON file
+    uses the gin-bound `manual_plan`; "auto" plans at start-up for the devices present
+    and the run's data (train/auto_plan.py); any other value is a Plan JSON file
     (scripts/plan.py --json). A plan runs on the pipeline runtime over all devices."""
     if compute_dtype not in _DTYPES:
         raise ValueError(f"train.compute_dtype={compute_dtype!r}: use one of {list(_DTYPES)}")
@@ -207,6 +215,10 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
 
         if plan == "manual":
             the_plan = manual_plan(global_batch=global_batch, model=cfg)
+        elif plan == "auto":
+            the_plan = auto_plan(cfg, global_batch, train_source(cfg))
+            Console(stderr=True).print("auto plan: " + "; ".join(
+                f"{u.name} dp={u.dp} tp={u.tp} pp={u.pp}" for u in the_plan.units))
         else:
             if not os.path.exists(plan):
                 raise ValueError(f"train.plan={plan!r}: no such file; pass a Plan JSON from "
