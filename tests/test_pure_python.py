@@ -25,6 +25,7 @@ PURE = (
     "mmjax.planner.repair",
     "mmjax.planner.orchestrate",
     "mmjax.data.data_spec",
+    "mmjax.planner.measured",
 )
 
 # Imports each module in order in a fresh interpreter and records, after each, whether any

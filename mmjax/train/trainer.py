@@ -140,6 +140,15 @@ class SingleProgram:
         return m
 
 
+def write_trace(workdir: str, step: int, cfg, plan: Plan, trace: list[dict]) -> str:
+    """`<workdir>/traces/step_<step>.json`: what scripts/replan.py reads."""
+    path = os.path.join(workdir, "traces", f"step_{step}.json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"model": cfg.name, "plan": plan.to_json(), "trace": trace}, f)
+    return path
+
+
 def train_source(cfg):
     """The trainer's data source (gin): `loader_source.path` (an ArrayRecord file from
     scripts/make_dataset.py) or the gin-configured synthetic set."""
@@ -174,11 +183,13 @@ class Pipelined:
     def checkpoint_tree(self):
         return self.step_fn.state()
 
-    def step(self):
+    def step(self, trace: bool = False):
+        """One training step; `trace`: time every action alone (pipeline/trace.py "serial")
+        and return the records under "trace"."""
         gb = next(self.data)
         feeds = [mb.inputs["feed"] for mb in gb.microbatches]
         t0 = time.perf_counter()
-        m = self.step_fn(feeds)
+        m = self.step_fn(feeds, trace=trace)
         m["step_time_s"] = time.perf_counter() - t0
         m["tokens"] = int(sum(np.count_nonzero(f.llm["doc"]) for f in feeds))
         m["skipped"] = gb.skipped_samples
@@ -192,18 +203,23 @@ class Pipelined:
 def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
           global_batch: int = 8, compute_dtype: str = "float32", seed: int = 0,
           checkpoint_every: int = 10, progress: bool = True,
-          stop_after: int | None = None, plan: str | None = None) -> list[dict]:
+          stop_after: int | None = None, plan: str | None = None,
+          trace_every: int = 0) -> list[dict]:
     """Train `model` for `steps` steps (this invocation stops early after `stop_after`
     steps, as a preemption would; a rerun resumes); returns this run's metric records.
 
     `plan`: None trains the whole model as one program on the default device; "manual"
     uses the gin-bound `manual_plan`; "auto" plans at start-up for the devices present
     and the run's data (train/auto_plan.py); any other value is a Plan JSON file
-    (scripts/plan.py --json). A plan runs on the pipeline runtime over all devices."""
+    (scripts/plan.py --json). A plan runs on the pipeline runtime over all devices.
+    `trace_every` = N > 0 (with a plan): every N-th step runs traced and writes
+    `<workdir>/traces/step_<n>.json` (model, Plan, serial trace) for scripts/replan.py."""
     if compute_dtype not in _DTYPES:
         raise ValueError(f"train.compute_dtype={compute_dtype!r}: use one of {list(_DTYPES)}")
     if global_batch < 1 or steps < 1:
         raise ValueError("train.global_batch and train.steps must be >= 1")
+    if trace_every < 0:
+        raise ValueError(f"train.trace_every={trace_every}: use 0 (off) or N >= 1")
     cfg = model or named_model_config()
     layout = data_layout(cfg)
     schedule = learning_rate_schedule(steps)
@@ -260,7 +276,10 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
             task = bar.add_task("train", total=steps, completed=start, info="")
             end = steps if stop_after is None else min(steps, start + stop_after)
             for step in range(start, end):
-                m = runner.step()
+                traced = plan is not None and trace_every > 0 and (step + 1) % trace_every == 0
+                m = runner.step(trace=True) if traced else runner.step()
+                if traced and lead:
+                    write_trace(workdir, step + 1, cfg, the_plan, m.pop("trace"))
                 skipped += m["skipped"]
                 rec = {"step": step + 1, "loss": m["loss"], "lm_loss": m["lm_loss"],
                        "diffusion_loss": m["diffusion_loss"], "grad_norm": m["grad_norm"],
