@@ -227,21 +227,21 @@ class Orchestrator:
 
     def _repair(self, tps, dp_llm, x, tau, s, n, bs):
         m = bs // dp_llm
-        opts = [self._table(i, t, dp_llm, n, m).neighbourhood(x[i], tau, s)
-                for i, t in enumerate(tps)]
+        tables = [self._table(i, t, dp_llm, n, m) for i, t in enumerate(tps)]
+        opts = [tb.neighbourhood(x[i], tau, s) for i, tb in enumerate(tables)]
         if any(not len(rows) for rows, _ in opts):
             return None
         out = combine([rows for rows, _ in opts], m, n)
         if out is None:
             return None
         best_t, idx, front = out
-        choices = [ch for _, ch in opts]
-        self._front.append(front + (tps, choices))  # where the GPU tie-break starts
-        return best_t, self._choices(tps, choices, idx)
+        picked = [(tb, flat) for tb, (_, flat) in zip(tables, opts)]
+        self._front.append(front + (picked,))  # where the GPU tie-break starts
+        return best_t, self._choices(picked, idx)
 
-    def _choices(self, tps, choices, idx) -> dict[str, Choice]:
-        return {self.costs[i].name: Choice(tps[i], *(int(v) for v in choices[i][j]))
-                for i, j in enumerate(idx)}
+    def _choices(self, picked, idx) -> dict[str, Choice]:
+        return {self.costs[i].name: tb.choice(flat[j])
+                for i, ((tb, flat), j) in enumerate(zip(picked, idx))}
 
     # ---- Algorithm 1 -------------------------------------------------------------------
     def candidates(self, n: int, bs: int) -> list:
@@ -329,7 +329,7 @@ class Orchestrator:
         """(time, plan) using the fewest GPUs among the repaired plans within `cap`, the
         fastest of those."""
         best_g, best_t, best = math.inf, math.inf, None
-        for gs, ts, flats, shape, tps, choices in self._front:
+        for gs, ts, flats, shape, picked in self._front:
             within = np.flatnonzero(ts <= cap)
             if not len(within):
                 continue
@@ -337,7 +337,7 @@ class Orchestrator:
             if (gs[j], ts[j]) < (best_g, best_t):
                 idx = np.unravel_index(int(flats[j]), shape)
                 best_g, best_t = gs[j], float(ts[j])
-                best = self._choices(tps, choices, idx)
+                best = self._choices(picked, idx)
         return best_t, best
 
     def solve(self, num_gpus: int, global_batch: int,

@@ -56,15 +56,13 @@ class OptionTable:
         self._sync1 = np.array([sync_time(cost, Choice(t, d, 1), hw) for d in self.dps])
         self._base = np.array([dp_llm / d * time for d in self.dps])  # stage time x tau
         self._dp_arr, self._pp_arr = np.asarray(self.dps), np.asarray(self.valid)
-        self._v_arr, self._idx = np.asarray(self.vs), np.arange(len(self.valid))[None, :]
-        self._prices = np.stack([self.gpus, self.stage, self.warm, self.sync], axis=-1)
-        self._choices = np.stack(np.broadcast_arrays(self._dp_arr[:, None, None],
-                                                     self._pp_arr[None, :, None],
-                                                     self._v_arr[None, None, :]), axis=-1)
+        self._idx = np.arange(len(self.valid))[None, :]
+        self._prices = np.stack([self.gpus, self.stage, self.warm, self.sync],
+                                axis=-1).reshape(-1, 4)
 
     def neighbourhood(self, x_star: float, tau_star: float, s_star: float):
-        """(rows [options, 4] of gpus, stage, warm-up, sync; choices [options, 3] of DP,
-        PP, VPP) of the PPs around the relaxed optimum, in (DP, PP, VPP) order."""
+        """(rows [options, 4] of gpus, stage, warm-up, sync; their flat (DP, PP, VPP)
+        indices, for `choice`) of the PPs around the relaxed optimum, in that order."""
         cost, idx = self.cost, self._idx
         cut = np.searchsorted(self._pp_arr, x_star / (self.t * self._dp_arr), side="right")
         cut = cut[:, None]
@@ -80,8 +78,13 @@ class OptionTable:
                 p = np.full(len(self._sync1), cost.num_layers)
             pick |= (idx == p[:, None] - 1) & (self._sync1 > 0)[:, None]
         pick &= (fewest < len(self.valid))
-        sel = self.ok & pick[:, :, None]
-        return self._prices[sel], self._choices[sel]
+        sel = (self.ok & pick[:, :, None]).ravel()
+        return self._prices[sel], np.flatnonzero(sel)
+
+    def choice(self, flat: int) -> Choice:
+        """The Choice of an option by its flat (DP, PP, VPP) index (from `neighbourhood`)."""
+        j, p, w = np.unravel_index(int(flat), self.ok.shape)
+        return Choice(self.t, self.dps[j], self.valid[p], self.vs[w])
 
 
 def combine(arrays, m: int, n: int):
