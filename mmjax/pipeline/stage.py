@@ -8,7 +8,7 @@ The long story: docs/design.md "Stage residuals".
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -231,24 +231,111 @@ class ResidualLayout:
     x_shapes: object
 
 
-@dataclass
-class StageFns:
-    """The jitted functions of one stage; `mode` in full / params / input_only / none.
-
-    `forward(trainable, frozen, x, side) -> (y, Residuals)`;
-    `backward(trainable, frozen, side, residuals, dy, acc) -> (acc + dparams, dx)` (acc is
-    donated; dparams is skipped for mode "input_only", dx is None for mode "params")."""
-
-    forward: callable
-    backward: callable | None
-    remat: str = "full"
-    layouts: dict = field(default_factory=dict)  # key -> ResidualLayout
-    keys: dict = field(default_factory=dict)  # input signature -> key
-
-
 def _signature(tree):
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     return treedef, tuple((tuple(a.shape), jnp.dtype(a.dtype).name) for a in leaves)
+
+
+def residual_layout(linearize, args) -> ResidualLayout:
+    """Which vjp leaves of `linearize(*args)` are functions of the parameters alone
+    (dependence analysis of the traced jaxpr) or are host inputs; traced on shapes only.
+    `args` = (trainable, frozen, x, side)."""
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(tuple(a.shape), a.dtype), args)
+    counts = {}
+
+    def probe(*xs):
+        y, leaves, _ = linearize(*xs)
+        counts["res"] = len(leaves)
+        return y, leaves
+
+    closed = jax.make_jaxpr(probe)(*abstract)
+    trainable, frozen, x, side = abstract
+    n_params = len(jax.tree.leaves((trainable, frozen)))
+    n_x, n_side = len(jax.tree.leaves(x)), len(jax.tree.leaves(side))
+    outs = closed.jaxpr.outvars
+    dep = _depends(closed.jaxpr, [False] * n_params + [True] * (n_x + n_side))
+    n_y = len(outs) - counts["res"]
+    side_vars = closed.jaxpr.invars[n_params + n_x:]
+    side_pos, recompute = {}, set()
+    for i, (v, d) in enumerate(zip(outs[n_y:], dep[n_y:])):
+        hit = [j for j, sv in enumerate(side_vars) if v is sv]
+        if hit:
+            side_pos[i] = hit[0]
+        elif not d:
+            recompute.add(i)
+    return ResidualLayout(counts["res"], frozenset(recompute), side_pos, x)
+
+
+class StageFns:
+    """The jitted functions of one stage; `mode` a schedule `Backward` mode.
+
+    `forward(trainable, frozen, x, side) -> (y, Residuals)`;
+    `backward(trainable, frozen, side, residuals, dy, acc) -> (acc + dparams, dx)` (acc is
+    donated; dparams is skipped for mode "input_only", dx is None for mode "params").
+    `layout(...)` computes the residual layout of an input signature, once, before the
+    forward of that signature is traced; `layouts[key]` is read by the backward."""
+
+    def __init__(self, run, mode: str, remat: str):
+        self.run, self.mode, self.remat = run, mode, remat
+        self.layouts: dict[int, ResidualLayout] = {}
+        self._keys: dict = {}  # input signature -> key
+        self._forward = jax.jit(self._forward_impl, static_argnames=("key",))
+        self.backward = (None if mode == "none"
+                         else jax.jit(self._backward_impl, donate_argnums=(5,)))
+
+    def _linearize(self, trainable, frozen, x, side):
+        """-> (y, vjp leaves, vjp treedef) for the primals this mode differentiates."""
+        run, remat = self.run, self.remat
+        if self.mode == "input_only":
+            y, vjp = jax.vjp(remat_wrap(lambda xx: run(trainable, frozen, xx, side), remat), x)
+        elif self.mode == "params":
+            y, vjp = jax.vjp(remat_wrap(lambda t: run(t, frozen, x, side), remat), trainable)
+        else:
+            y, vjp = jax.vjp(remat_wrap(lambda t, xx: run(t, frozen, xx, side), remat),
+                             trainable, x)
+        leaves, treedef = jax.tree_util.tree_flatten(vjp)
+        return y, leaves, treedef
+
+    def layout(self, trainable, frozen, x, side) -> int:
+        """The key of this input signature's residual layout (computed on first sight)."""
+        if self.mode == "none":
+            return -1
+        sig = _signature((trainable, frozen, x, side))
+        if sig not in self._keys:
+            key = len(self.layouts)
+            self.layouts[key] = residual_layout(self._linearize, (trainable, frozen, x, side))
+            self._keys[sig] = key
+        return self._keys[sig]
+
+    def forward(self, trainable, frozen, x, side):
+        return self._forward(trainable, frozen, x, side,
+                             key=self.layout(trainable, frozen, x, side))
+
+    def _forward_impl(self, trainable, frozen, x, side, key):
+        if self.mode == "none":
+            return self.run(trainable, frozen, x, side), Residuals([], -1)
+        lay = self.layouts[key]
+        y, leaves, _ = self._linearize(trainable, frozen, x, side)
+        kept = [a for i, a in enumerate(leaves) if i not in lay.recompute and i not in lay.side]
+        return y, Residuals(kept, key)
+
+    def _backward_impl(self, trainable, frozen, side, residuals, dy, acc):
+        lay = self.layouts[residuals.key]
+        # Re-trace the linearization on the parameters and host inputs (the stage input is
+        # a placeholder: every leaf depending on it comes from `residuals`); jit's dead-code
+        # elimination leaves only the parameter-only leaves' computation.
+        x0 = jax.tree.map(lambda sd: jnp.zeros(sd.shape, sd.dtype), lay.x_shapes)
+        _, fresh, treedef = self._linearize(trainable, frozen, x0, side)
+        side_leaves = jax.tree.leaves(side)
+        kept = iter(residuals.leaves)
+        leaves = [fresh[i] if i in lay.recompute else
+                  side_leaves[lay.side[i]] if i in lay.side else next(kept)
+                  for i in range(lay.num_leaves)]
+        cts = jax.tree_util.tree_unflatten(treedef, leaves)(dy)
+        if self.mode == "input_only":
+            return acc, cts[0]
+        grads = jax.tree.map(jnp.add, acc, cts[0])
+        return grads, (cts[1] if self.mode == "full" else None)
 
 
 def make_stage_fns(cfg: MLLMConfig, up: UnitPlan, graphdef, mode: str, dtype,
@@ -256,8 +343,8 @@ def make_stage_fns(cfg: MLLMConfig, up: UnitPlan, graphdef, mode: str, dtype,
     """The jitted functions of one stage of unit `up.name`, as its `UnitPlan` configures
     them (dp ranks, remat policy, overlapped TP, CP head groups). `with_generator`
     (default: the model has one) makes the last LLM stage also return the conditioning."""
-    unit, remat = up.name, up.remat
-    remat_wrap(lambda: None, remat)  # validate the policy name up front
+    unit = up.name
+    remat_wrap(lambda: None, up.remat)  # validate the policy name up front
     if with_generator is None:
         with_generator = cfg.generator is not None
 
@@ -271,88 +358,7 @@ def make_stage_fns(cfg: MLLMConfig, up: UnitPlan, graphdef, mode: str, dtype,
             return apply_generator(cfg, module, x, side, dtype)
         return apply_encoder(cfg, unit, module, x, side, dtype)
 
-    if mode == "none":
-        return StageFns(jax.jit(lambda t, f, x, side: (run(t, f, x, side), Residuals([], -1))),
-                        None, remat)
-
-    def linearize(trainable, frozen, x, side):
-        """-> (y, vjp leaves, vjp treedef) for the primals this mode differentiates."""
-        if mode == "input_only":
-            y, vjp = jax.vjp(remat_wrap(lambda xx: run(trainable, frozen, xx, side), remat), x)
-        elif mode == "params":
-            y, vjp = jax.vjp(remat_wrap(lambda t: run(t, frozen, x, side), remat), trainable)
-        else:
-            y, vjp = jax.vjp(remat_wrap(lambda t, xx: run(t, frozen, xx, side), remat),
-                             trainable, x)
-        leaves, treedef = jax.tree_util.tree_flatten(vjp)
-        return y, leaves, treedef
-
-    fns = StageFns(None, None, remat)
-
-    def layout(trainable, frozen, x, side) -> int:
-        """Trace once per input signature: which vjp leaves are functions of the parameters
-        alone (dependence analysis of the traced jaxpr) or are host inputs."""
-        sig = _signature((trainable, frozen, x, side))
-        if sig in fns.keys:
-            return fns.keys[sig]
-        counts = {}
-
-        def probe(*args):
-            y, leaves, _ = linearize(*args)
-            counts["res"] = len(leaves)
-            return y, leaves
-
-        closed = jax.make_jaxpr(probe)(trainable, frozen, x, side)
-        n_params = len(jax.tree.leaves((trainable, frozen)))
-        n_x, n_side = len(jax.tree.leaves(x)), len(jax.tree.leaves(side))
-        in_dep = [False] * n_params + [True] * (n_x + n_side)
-        outs = closed.jaxpr.outvars
-        dep = _depends(closed.jaxpr, in_dep)
-        n_res = counts["res"]
-        n_y = len(outs) - n_res
-        side_vars = closed.jaxpr.invars[n_params + n_x:]
-        side_pos, recompute = {}, set()
-        for i, (v, d) in enumerate(zip(outs[n_y:], dep[n_y:])):
-            hit = [j for j, s in enumerate(side_vars) if v is s]
-            if hit:
-                side_pos[i] = hit[0]
-            elif not d:
-                recompute.add(i)
-        key = len(fns.layouts)
-        fns.layouts[key] = ResidualLayout(n_res, frozenset(recompute), side_pos,
-                                          jax.tree.map(lambda a: jax.ShapeDtypeStruct(
-                                              tuple(a.shape), a.dtype), x))
-        fns.keys[sig] = key
-        return key
-
-    def forward(trainable, frozen, x, side):
-        key = layout(trainable, frozen, x, side)
-        lay = fns.layouts[key]
-        y, leaves, _ = linearize(trainable, frozen, x, side)
-        kept = [a for i, a in enumerate(leaves) if i not in lay.recompute and i not in lay.side]
-        return y, Residuals(kept, key)
-
-    def backward(trainable, frozen, side, residuals, dy, acc):
-        lay = fns.layouts[residuals.key]
-        # Re-trace the linearization on the parameters and host inputs (the stage input is
-        # a placeholder: every leaf depending on it comes from `residuals`); jit's dead-code
-        # elimination leaves only the parameter-only leaves' computation.
-        x0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), lay.x_shapes)
-        _, fresh, treedef = linearize(trainable, frozen, x0, side)
-        side_leaves = jax.tree.leaves(side)
-        kept = iter(residuals.leaves)
-        leaves = [fresh[i] if i in lay.recompute else
-                  side_leaves[lay.side[i]] if i in lay.side else next(kept)
-                  for i in range(lay.num_leaves)]
-        cts = jax.tree_util.tree_unflatten(treedef, leaves)(dy)
-        if mode == "input_only":
-            return acc, cts[0]
-        grads = jax.tree.map(jnp.add, acc, cts[0])
-        return grads, (cts[1] if mode == "full" else None)
-
-    fns.forward = jax.jit(forward)
-    fns.backward = jax.jit(backward, donate_argnums=(5,))
-    return fns
+    return StageFns(run, mode, up.remat)
 
 
 def dp_sharding(mesh, ndim: int) -> NamedSharding:
