@@ -191,7 +191,7 @@ class PipelineRuntime:
             up = plan.unit(sid.unit)
             st.fns = make_stage_fns(cfg, sid.unit, gd, mode, compute_dtype, with_gen, st.dp, mesh,
                                     up.overlap_tp, up.remat, up.tp_chunks, up.tp_bidirectional,
-                                    up.cp_head_groups)
+                                    up.cp_head_groups, up.attention_impl)
             self.stages[sid] = st
         # one row per physical stage, i.e. per mesh (Megatron's interleaved order for units
         # with num_chunks > 1), merged into one dependency-respecting dispatch order; JAX
