@@ -147,3 +147,9 @@ def test_auto_choice_and_clear_errors():
     x = jnp.zeros((1, 8, 2, 4))
     with pytest.raises(ValueError, match="needs a GPU"):
         bam_attention(x, x, x, meta, implementation="cudnn", mask_family="causal")
+
+
+def test_token_distribution_weighs_the_kernels_key_tiles():
+    from mmjax.models import attention_pallas
+
+    assert td.DEFAULT_KEY_BLOCK == attention_pallas.BLOCK_K

@@ -31,8 +31,8 @@ from jax.experimental import pallas as pl
 from mmjax.models.attention import TokenMeta, allowed_mask, meta_mask
 from mmjax.models.attention_chunked import _pad_seq, flash_backward
 
-BLOCK_Q = 64
-BLOCK_K = 64
+BLOCK_Q = 128
+BLOCK_K = 32  # = parallel/token_distribution.py DEFAULT_KEY_BLOCK (Cornstarch: 128 x 32 tiles)
 _F32 = jnp.float32
 _NEG = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite "-inf": no inf - inf inside the tile
 
