@@ -18,11 +18,12 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mmjax.models.config import MLLMConfig
 from mmjax.models.generator import DiffusionGenerator, diffusion_loss_sum
-from mmjax.models.llm import LLM, lm_loss_sum, mask_attend, merge_modalities
-from mmjax.models.mllm import (encoder_embed, encoder_layers, generator_inputs, llm_allowed,
+from mmjax.models.attention import TokenMeta, choose_implementation
+from mmjax.models.llm import LLM, lm_loss_sum, merge_modalities, meta_attend
+from mmjax.models.mllm import (encoder_embed, encoder_layers, generator_inputs, llm_meta,
                                make_encoder, project, unit_key)
 from mmjax.models.projector import make_projector
-from mmjax.parallel.context import TokenMeta, cp_attention_sharded
+from mmjax.parallel.context import cp_attention_sharded
 from mmjax.parallel.tp_ops import sequence_sharded_llm_stage
 from mmjax.planner.plan import REMAT_POLICIES, UnitPlan
 from mmjax.models.layers import cast_floats
@@ -63,26 +64,29 @@ def _pack(flat, pack):
     return out.reshape((-1,) + out.shape[2:])
 
 
-def apply_encoder(cfg: MLLMConfig, name: str, module: EncoderStage, x, side, dtype):
+def apply_encoder(cfg: MLLMConfig, name: str, module: EncoderStage, x, side, dtype,
+                  attention_impl: str = "auto"):
     spec = cfg.encoder(name)
     enc = module.encoders[name]
     inputs = {k: (v.astype(dtype) if jnp.issubdtype(v.dtype, jnp.floating) else v)
               for k, v in side["inputs"].items()}
     if enc.is_first:
         x = encoder_embed(spec, enc, inputs)
-    x = encoder_layers(spec, enc, x, inputs)
+    x = encoder_layers(spec, enc, x, inputs, attention_impl)
     if not module.is_last:
         return x
     ranks = side["pack"].shape[0]
-    y = project(spec, module.projectors[name], enc.finish(x), inputs)  # [ranks*N, D]
+    y = project(spec, module.projectors[name], enc.finish(x), inputs, attention_impl)
     return _pack(_per_rank(y, ranks), side["pack"])
 
 
 def apply_llm(cfg: MLLMConfig, module: LLM, x, side, dtype, with_generator: bool, ranks: int,
               mesh=None, overlap_tp: bool = False, tp_chunks: int = 2,
-              tp_bidirectional: bool = True, cp_head_groups: int = 1):
-    """LLM stage; on a ('dp','cp','tp') mesh attention is Cornstarch's all-gather CP
-    attention over tokens already in CP layout (data/feed.py `cp_layout`), K/V gathered
+              tp_bidirectional: bool = True, cp_head_groups: int = 1,
+              attention_impl: str = "auto"):
+    """LLM stage (attention: `bam_attention` with `attention_impl` on the tokens' metadata);
+    on a ('dp','cp','tp') mesh attention is Cornstarch's all-gather CP attention over
+    tokens already in CP layout (data/feed.py `cp_layout`), K/V gathered
     in `cp_head_groups` groups of heads (Cornstarch §5.3). With `overlap_tp` the projections
     are decomposed collective matmuls, `tp_chunks` pieces per ring step, both ring
     directions when `tp_bidirectional` (DistTrain §7)."""
@@ -101,15 +105,18 @@ def apply_llm(cfg: MLLMConfig, module: LLM, x, side, dtype, with_generator: bool
     if mesh is not None and "cp" in mesh.axis_names:
         meta = TokenMeta(batch["bam"], batch["doc"], batch["sub"], batch["idx"])
         attend = lambda q, k, v: cp_attention_sharded(q, k, v, meta, mesh,
-                                                      num_head_groups=cp_head_groups)
+                                                      num_head_groups=cp_head_groups,
+                                                      implementation=attention_impl)
         x = module.run_layers(x.astype(dtype), batch["positions"], attend)
     elif overlap_tp:  # DistTrain §7 StepCCL: decomposed collective matmuls, sequence-sharded
-        fn, state = sequence_sharded_llm_stage(module, mesh, mask_attend, overlap_tp=True,
+        make_attend = lambda *meta: meta_attend(TokenMeta(*meta), attention_impl)
+        fn, state = sequence_sharded_llm_stage(module, mesh, make_attend, overlap_tp=True,
                                                batch_axis="dp", num_chunks=tp_chunks,
                                                bidirectional=tp_bidirectional)
-        x = fn(state, x.astype(dtype), batch["positions"], llm_allowed(batch))
+        x = fn(state, x.astype(dtype), batch["positions"], *llm_meta(batch))
     else:
-        x = module.run_layers(x.astype(dtype), batch["positions"], mask_attend(llm_allowed(batch)))
+        x = module.run_layers(x.astype(dtype), batch["positions"],
+                              meta_attend(llm_meta(batch), attention_impl))
     if not module.is_last:
         return x
     hf = module.final_hidden(x)
@@ -122,13 +129,14 @@ def apply_llm(cfg: MLLMConfig, module: LLM, x, side, dtype, with_generator: bool
     return lm, _pack(cond, side["gen_pack"])
 
 
-def apply_generator(cfg: MLLMConfig, module: DiffusionGenerator, x, side, dtype):
+def apply_generator(cfg: MLLMConfig, module: DiffusionGenerator, x, side, dtype,
+                    attention_impl: str = "auto"):
     g = side["gen"]
     if module.is_first:
         cond = x.reshape((-1,) + x.shape[2:])                          # [ranks*slots*cap, K, d]
         noisy, t = generator_inputs(cfg, g, dtype)
         x = module.embed(noisy, t, cond)
-    x = module.run_layers(jax.tree.map(lambda a: a.astype(dtype), x))
+    x = module.run_layers(jax.tree.map(lambda a: a.astype(dtype), x), attention_impl)
     if not module.is_last:
         return x
     eps = module.finish(x)
@@ -341,10 +349,12 @@ class StageFns:
 def make_stage_fns(cfg: MLLMConfig, up: UnitPlan, graphdef, mode: str, dtype,
                    mesh=None, with_generator: bool | None = None) -> StageFns:
     """The jitted functions of one stage of unit `up.name`, as its `UnitPlan` configures
-    them (dp ranks, remat policy, overlapped TP, CP head groups). `with_generator`
+    them (dp ranks, remat policy, overlapped TP, CP head groups, attention implementation).
+    `with_generator`
     (default: the model has one) makes the last LLM stage also return the conditioning."""
-    unit = up.name
+    unit, impl = up.name, up.attention_impl
     remat_wrap(lambda: None, up.remat)  # validate the policy name up front
+    choose_implementation(impl, 1, 1, dtype)  # validate the name up front
     if with_generator is None:
         with_generator = cfg.generator is not None
 
@@ -353,10 +363,10 @@ def make_stage_fns(cfg: MLLMConfig, up: UnitPlan, graphdef, mode: str, dtype,
         if unit == "llm":
             return apply_llm(cfg, module, x, side, dtype, with_generator, up.dp, mesh,
                              up.overlap_tp, up.tp_chunks, up.tp_bidirectional,
-                             up.cp_head_groups)
+                             up.cp_head_groups, impl)
         if unit == "generator":
-            return apply_generator(cfg, module, x, side, dtype)
-        return apply_encoder(cfg, unit, module, x, side, dtype)
+            return apply_generator(cfg, module, x, side, dtype, impl)
+        return apply_encoder(cfg, unit, module, x, side, dtype, impl)
 
     return StageFns(run, mode, up.remat)
 

@@ -28,16 +28,18 @@ def split_model(model, trainable_filter):
     return nnx.split(model, trainable_filter, ...)
 
 
-def make_loss_fn(graphdef, compute_dtype=jnp.float32):
+def make_loss_fn(graphdef, compute_dtype=jnp.float32, attention_impl="auto"):
+    """attention_impl: a `bam_attention` implementation, or a {unit: implementation} dict."""
     def loss_fn(trainable, frozen, batch):
         model = nnx.merge(graphdef, cast_floats(trainable, compute_dtype),
                           cast_floats(frozen, compute_dtype))
-        return model(batch, compute_dtype)
+        return model(batch, compute_dtype, attention_impl)
     return loss_fn
 
 
-def make_train_step(graphdef, tx: optax.GradientTransformation, compute_dtype=jnp.float32):
-    loss_fn = make_loss_fn(graphdef, compute_dtype)
+def make_train_step(graphdef, tx: optax.GradientTransformation, compute_dtype=jnp.float32,
+                    attention_impl="auto"):
+    loss_fn = make_loss_fn(graphdef, compute_dtype, attention_impl)
 
     def train_step(state: TrainState, batch):
         (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(

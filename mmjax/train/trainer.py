@@ -108,13 +108,13 @@ class SequentialBatches:
 class SingleProgram:
     """Plain jit of the whole model on the default device (the parity reference)."""
 
-    def __init__(self, cfg, layout, global_batch, schedule, dtype, seed):
+    def __init__(self, cfg, layout, global_batch, schedule, dtype, seed, attention_impl="auto"):
         self.data = SequentialBatches(synthetic_dataset(cfg), layout, global_batch)
         mdl = MultimodalModel(cfg, jax.random.key(seed))
         graphdef, trainable, frozen = split_model(mdl, trainable_filter(cfg))
         tx = optimizer_from_settings(schedule)
         self.state = TrainState(jnp.zeros((), jnp.int32), trainable, frozen, tx.init(trainable))
-        self.step_fn = make_train_step(graphdef, tx, dtype)
+        self.step_fn = make_train_step(graphdef, tx, dtype, attention_impl)
         self.num_trainable = sum(x.size for x in jax.tree.leaves(trainable))
 
     def data_state(self) -> dict:
@@ -185,13 +185,16 @@ class Pipelined:
 def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
           global_batch: int = 8, compute_dtype: str = "float32", seed: int = 0,
           checkpoint_every: int = 10, progress: bool = True,
-          stop_after: int | None = None, plan: str | None = None) -> list[dict]:
+          stop_after: int | None = None, plan: str | None = None,
+          attention_impl: str | None = None) -> list[dict]:
     """Train `model` for `steps` steps (this invocation stops early after `stop_after`
     steps, as a preemption would; a rerun resumes); returns this run's metric records.
 
     `plan`: None trains the whole model as one program on the default device; "manual"
     uses the gin-bound `manual_plan`; any other value is a Plan JSON file
-    (scripts/plan.py --json). A plan runs on the pipeline runtime over all devices."""
+    (scripts/plan.py --json). A plan runs on the pipeline runtime over all devices.
+    `attention_impl` (models/attention.py `bam_attention`: auto, dense, chunked, pallas,
+    cudnn) sets every unit's attention; with a plan it replaces each unit's plan field."""
     if compute_dtype not in _DTYPES:
         raise ValueError(f"train.compute_dtype={compute_dtype!r}: use one of {list(_DTYPES)}")
     if global_batch < 1 or steps < 1:
@@ -200,8 +203,13 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
     layout = data_layout(cfg)
     schedule = learning_rate_schedule(steps)
     dtype = _DTYPES[compute_dtype]
+    if attention_impl is not None:
+        from mmjax.models.attention import choose_implementation
+
+        choose_implementation(attention_impl, 1, 1, dtype)  # reject a bad name up front
     if plan is None:
-        runner = SingleProgram(cfg, layout, global_batch, schedule, dtype, seed)
+        runner = SingleProgram(cfg, layout, global_batch, schedule, dtype, seed,
+                               attention_impl or "auto")
     else:
         from mmjax.train.pipeline_step import manual_plan
 
@@ -215,6 +223,9 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
         if the_plan.global_batch != global_batch:
             raise ValueError(f"plan global_batch={the_plan.global_batch} differs from "
                              f"train.global_batch={global_batch}: make them equal")
+        if attention_impl is not None:
+            the_plan = dataclasses.replace(the_plan, units=tuple(
+                dataclasses.replace(u, attention_impl=attention_impl) for u in the_plan.units))
         the_plan.validate(cfg, jax.device_count())
         runner = Pipelined(cfg, layout, the_plan, schedule, dtype, seed)
     os.makedirs(workdir, exist_ok=True)
