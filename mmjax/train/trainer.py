@@ -109,13 +109,13 @@ class SequentialBatches:
 class SingleProgram:
     """Plain jit of the whole model on the default device (the parity reference)."""
 
-    def __init__(self, cfg, layout, global_batch, schedule, dtype, seed):
+    def __init__(self, cfg, layout, global_batch, schedule, dtype, seed, attention_impl="auto"):
         self.data = SequentialBatches(synthetic_dataset(cfg), layout, global_batch)
         mdl = MultimodalModel(cfg, jax.random.key(seed))
         graphdef, trainable, frozen = split_model(mdl, trainable_filter(cfg))
         tx = optimizer_from_settings(schedule)
         self.state = TrainState(jnp.zeros((), jnp.int32), trainable, frozen, tx.init(trainable))
-        self.step_fn = make_train_step(graphdef, tx, dtype)
+        self.step_fn = make_train_step(graphdef, tx, dtype, attention_impl)
         self.num_trainable = sum(x.size for x in jax.tree.leaves(trainable))
 
     def data_state(self) -> dict:
@@ -204,7 +204,7 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
           global_batch: int = 8, compute_dtype: str = "float32", seed: int = 0,
           checkpoint_every: int = 10, progress: bool = True,
           stop_after: int | None = None, plan: str | None = None,
-          trace_every: int = 0) -> list[dict]:
+          attention_impl: str | None = None, trace_every: int = 0) -> list[dict]:
     """Train `model` for `steps` steps (this invocation stops early after `stop_after`
     steps, as a preemption would; a rerun resumes); returns this run's metric records.
 
@@ -212,6 +212,8 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
     uses the gin-bound `manual_plan`; "auto" plans at start-up for the devices present
     and the run's data (train/auto_plan.py); any other value is a Plan JSON file
     (scripts/plan.py --json). A plan runs on the pipeline runtime over all devices.
+    `attention_impl` (models/attention.py `bam_attention`: auto, dense, chunked, pallas,
+    cudnn) sets every unit's attention; with a plan it replaces each unit's plan field.
     `trace_every` = N > 0 (with a plan): every N-th step runs traced and writes
     `<workdir>/traces/step_<n>.json` (model, Plan, serial trace) for scripts/replan.py."""
     if compute_dtype not in _DTYPES:
@@ -224,8 +226,13 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
     layout = data_layout(cfg)
     schedule = learning_rate_schedule(steps)
     dtype = _DTYPES[compute_dtype]
+    if attention_impl is not None:
+        from mmjax.models.attention import choose_implementation
+
+        choose_implementation(attention_impl, 1, 1, dtype)  # reject a bad name up front
     if plan is None:
-        runner = SingleProgram(cfg, layout, global_batch, schedule, dtype, seed)
+        runner = SingleProgram(cfg, layout, global_batch, schedule, dtype, seed,
+                               attention_impl or "auto")
     else:
         from mmjax.train.pipeline_step import manual_plan
 
@@ -243,6 +250,9 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
         if the_plan.global_batch != global_batch:
             raise ValueError(f"plan global_batch={the_plan.global_batch} differs from "
                              f"train.global_batch={global_batch}: make them equal")
+        if attention_impl is not None:
+            the_plan = dataclasses.replace(the_plan, units=tuple(
+                dataclasses.replace(u, attention_impl=attention_impl) for u in the_plan.units))
         the_plan.validate(cfg, jax.device_count())
         runner = Pipelined(cfg, layout, the_plan, schedule, dtype, seed)
     os.makedirs(workdir, exist_ok=True)
