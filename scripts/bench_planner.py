@@ -29,6 +29,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+import cvxpy  # noqa: E402,F401  (imported up front so method="cvxpy" does not time its import)
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
