@@ -26,6 +26,12 @@ prices only the LLM's sync: a unit's depends on its free DP_u); LLM PP dividing 
 with VPP 2 where it applies (§5.2, warm-up / VPP); the best combination within N GPUs,
 priced exactly by `evaluate`.
 
+Two methods, same plan (tests/test_planner_fast.py): "fast" (default) bounds every candidate
+at once with numpy (candidates.py), solves the relaxations exactly in closed form, a batch
+of candidates at a time (relax.py), and prices the integer neighbourhoods vectorised
+(repair.py); "cvxpy" is the formulation of record described here (scalar bounds, the DPP
+problem re-solved per candidate; cvxpy is imported only then).
+
 Tie-break (`GPU_TOLERANCE`): DistTrain §5.1 minimises the iteration time alone, which spends
 every GPU that buys any time at all; a frozen encoder (no DP sync, small warm-up) then takes
 twice the GPUs for a fraction of a percent. Among the plans within T* (1 + eps) of the least
