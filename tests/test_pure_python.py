@@ -28,6 +28,7 @@ PURE = (
     "mmjax.planner.orchestrate",
     "mmjax.data.data_spec",
     "mmjax.planner.measured",
+    "mmjax.data.node_milp",
 )
 
 # Imports each module in order in a fresh interpreter and records, after each, whether any
