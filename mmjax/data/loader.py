@@ -509,8 +509,9 @@ def owned_ranks(plan: Plan, unit: str, host_id: int, num_hosts: int) -> list[int
 def _blank(spec: Spec, sample_id: int) -> Sample:
     segs = []
     for mod, shape, k, *_ in spec:
-        if mod == "text":
-            segs.append(Segment("text", np.full(shape, FIRST_TEXT_ID, np.int32)))
+        if mod == "text":  # fully masked: a blank trains nothing, on either path
+            segs.append(Segment("text", np.full(shape, FIRST_TEXT_ID, np.int32),
+                                loss_mask=np.zeros(shape, bool)))
         else:
             segs.append(Segment(mod, np.zeros(shape, np.float32), k))
     return Sample(sample_id, tuple(segs))
