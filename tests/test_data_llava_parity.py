@@ -5,7 +5,7 @@ same global batch (OrchMLLM §5 post-balancing, DistTrain §6 reordering).
 
 Mixed set: images of very different sizes (3x3 to 8x8 patches, one sample with two images)
 and text-only samples; a missing and a corrupt image are skipped by the planner. Plan on 6
-CPU devices: vision dp2, LLM dp2 x pp2; 12 samples in 3 microbatches.
+CPU devices: vision dp2, LLM dp2 x pp2; 8 samples in 2 microbatches.
 """
 import numpy as np
 import pytest
@@ -33,11 +33,11 @@ def setup(tmp_path_factory):
     cfg = make_cfg(**{"encoders.vision.encoder.max_grid": 8, "generator": None,
                       "llm.num_layers": 2, "encoders.vision.encoder.num_layers": 1,
                       "llm.vocab_size": padded_vocab(tok.vocab_size)})
-    lay = AssemblyLayout.from_config(cfg, 192, "pad", vision_caps=(64, 128),
+    lay = AssemblyLayout.from_config(cfg, 192, "pad", vision_caps=(128,),
                                      special=tok.special_tokens())
     img, aud = default_processors(cfg, None, None)
     src = LlavaSource(info["json"], tok, img, aud, info["image_root"], index_workers=2)
-    plan = Plan.uniform(cfg, 12, 3, dp={"vision": 2, "llm": 2}, pp={"llm": 2})
+    plan = Plan.uniform(cfg, 8, 2, dp={"vision": 2, "llm": 2}, pp={"llm": 2})
     idx = GlobalBatchBuilder(src, cfg, plan, lay, _policies("none", cfg), seed=1,
                              reserve=8).select(STEP)[0]
     samples = [src.load(i) for i in idx]
