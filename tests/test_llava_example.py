@@ -22,7 +22,7 @@ def _script(name):
 
 
 @pytest.mark.slow
-def test_llava_tiny_trains_and_skips_bad_images(tmp_path):
+def test_llava_tiny_trains_and_skips_bad_images(tmp_path, capsys):
     data = str(tmp_path / "data")
     _script("make_example_data").main([f"--out={data}", "--num_samples=16"])
     run = str(tmp_path / "run")
@@ -47,3 +47,12 @@ def test_llava_tiny_trains_and_skips_bad_images(tmp_path):
     assert names["corrupt-image"].split(":")[0] in ("unreadable", "decode")
     assert recs[-1]["skipped_samples"] == len(skipped)
     assert os.path.isdir(os.path.join(run, "checkpoints"))
+    # scripts/generate.py decodes text from the checkpoint through the same chat template
+    try:
+        assert _script("generate").main([f"--workdir={run}", f"--image={data}/images/0002.png",
+                                         "--prompt=What colour is the shape?",
+                                         "--max_new_tokens=8"]) == 0
+    finally:
+        gin.clear_config()
+    out = capsys.readouterr().out.strip().splitlines()[-1]
+    assert out and "<|" not in out  # plain text, special tokens stripped

@@ -271,6 +271,9 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
         layout, source = _data(cfg, tok)
         runner = Pipelined(cfg, layout, the_plan, schedule, dtype, seed, source)
     os.makedirs(workdir, exist_ok=True)
+    if jax.process_index() == 0:  # what scripts/generate.py rebuilds the model and data from
+        with open(os.path.join(workdir, "config.gin"), "w") as f:
+            f.write(gin.config_str())
     console = Console(stderr=True)
     # Multi-process (mmjax.launch): every process runs the loop; process 0 writes the
     # metrics. Orbax saves only global (cross-process) arrays, while pipeline stages mostly
