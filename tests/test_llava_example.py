@@ -30,7 +30,10 @@ def test_llava_tiny_trains_and_skips_bad_images(tmp_path, capsys):
         [os.path.join(REPO, "configs", "examples", "llava_tiny.gin")],
         [f"tokenizer.path = '{data}/tokenizer'", f"llava_source.json_path = '{data}/train.json'",
          f"llava_source.image_root = '{data}/images'", "train.steps = 3",
-         "train.checkpoint_every = 3", "train.progress = False"], finalize_config=False)
+         "train.checkpoint_every = 3", "train.progress = False", "train.eval_every = 2",
+         f"eval_source.json_path = '{data}/train.json'",
+         f"eval_source.image_root = '{data}/images'", "eval_source.max_batches = 1"],
+        finalize_config=False)
     try:
         recs = train(run)
     finally:
@@ -39,6 +42,9 @@ def test_llava_tiny_trains_and_skips_bad_images(tmp_path, capsys):
     assert all(np.isfinite(r["loss"]) and r["loss"] > 0 for r in recs)
     # prompts are masked: fewer tokens trained than seen
     assert all(0 < r["tokens_trained"] < r["tokens_seen"] for r in recs)
+    # validation loss on the held-out source at steps 2 and 3 (the end)
+    assert ["eval_loss" in r for r in recs] == [False, True, True]
+    assert all(np.isfinite(r["eval_loss"]) and r["eval_loss"] > 0 for r in recs[1:])
     with open(os.path.join(run, "skipped.jsonl")) as f:
         skipped = [json.loads(line) for line in f]
     # 3 steps x 8 samples cover the 19 records: both bad images come up and are named
@@ -54,5 +60,5 @@ def test_llava_tiny_trains_and_skips_bad_images(tmp_path, capsys):
                                          "--max_new_tokens=8"]) == 0
     finally:
         gin.clear_config()
-    out = capsys.readouterr().out.strip().splitlines()[-1]
-    assert out and "<|" not in out  # plain text, special tokens stripped
+    out = capsys.readouterr().out.splitlines()
+    assert out and "<|" not in out[-1]  # plain text, special tokens stripped

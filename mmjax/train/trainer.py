@@ -21,7 +21,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from mmjax.data.assemble import AssemblyLayout, BatchShapes, assemble, batch_shapes, check_sample
 from mmjax.data.synthetic import SyntheticConfig, SyntheticDataset
-from mmjax.data.sources import configured_source
+from mmjax.data.sources import configured_source, eval_source
 from mmjax.data.tokenizer import tokenizer
 from mmjax.models.config import MLLMConfig
 from mmjax.models.mllm import MultimodalModel, trainable_filter
@@ -30,7 +30,7 @@ from mmjax.train.checkpoint import Checkpointer
 from mmjax.train.config import named_model_config
 from mmjax.train.inputs import model_inputs
 from mmjax.train.optimizer import learning_rate_schedule, optimizer_from_settings
-from mmjax.train.step import TrainState, make_train_step, split_model
+from mmjax.train.step import TrainState, make_loss_fn, make_train_step, split_model
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -139,6 +139,7 @@ class SingleProgram:
         tx = optimizer_from_settings(schedule)
         self.state = TrainState(jnp.zeros((), jnp.int32), trainable, frozen, tx.init(trainable))
         self.step_fn = make_train_step(graphdef, tx, dtype)
+        self.graphdef, self.dtype, self.global_batch, self.eval_fn = graphdef, dtype, global_batch, None
         self.num_trainable = sum(x.size for x in jax.tree.leaves(trainable))
 
     def data_state(self) -> dict:
@@ -168,6 +169,25 @@ class SingleProgram:
         m["skipped"] = len(skipped)
         m["skipped_list"] = skipped
         return m
+
+    def evaluate(self, source, max_batches: int, layout) -> float:
+        """Mean loss per trained token over the first `max_batches` batches of `source`."""
+        from mmjax.data.stream import SourceBatches
+
+        if self.eval_fn is None:
+            loss_fn = make_loss_fn(self.graphdef, self.dtype)
+            self.eval_fn = jax.jit(lambda s, b: loss_fn(s.trainable, s.frozen, b)[1]["lm_loss"])
+        data = SourceBatches(source, layout, self.global_batch, shuffle=False)
+        total, count = 0.0, 0
+        try:
+            for _ in range(min(max_batches, max(1, len(source) // self.global_batch))):
+                batch, _ = next(data)
+                n = batch.num_target_tokens
+                total += float(self.eval_fn(self.state, model_inputs(batch))) * n
+                count += n
+        finally:
+            data.close()
+        return total / max(count, 1)
 
     def close(self):
         if hasattr(self.data, "close"):
@@ -232,13 +252,16 @@ def _data(cfg: MLLMConfig, tok):
 def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
           global_batch: int = 8, compute_dtype: str = "float32", seed: int = 0,
           checkpoint_every: int = 10, progress: bool = True,
-          stop_after: int | None = None, plan: str | None = None) -> list[dict]:
+          stop_after: int | None = None, plan: str | None = None,
+          eval_every: int = 0) -> list[dict]:
     """Train `model` for `steps` steps (this invocation stops early after `stop_after`
     steps, as a preemption would; a rerun resumes); returns this run's metric records.
 
     `plan`: None trains the whole model as one program on the default device; "manual"
     uses the gin-bound `manual_plan`; any other value is a Plan JSON file
-    (scripts/plan.py --json). A plan runs on the pipeline runtime over all devices."""
+    (scripts/plan.py --json). A plan runs on the pipeline runtime over all devices.
+    `eval_every` > 0: every that many steps (and at the end), the validation loss on the
+    held-out `eval_source.*` set goes into the step's metrics as `eval_loss`."""
     if compute_dtype not in _DTYPES:
         raise ValueError(f"train.compute_dtype={compute_dtype!r}: use one of {list(_DTYPES)}")
     if global_batch < 1 or steps < 1:
@@ -249,6 +272,10 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
         cfg = fit_vocab(cfg, tok)
     schedule = learning_rate_schedule(steps)
     dtype = _DTYPES[compute_dtype]
+    held_out = eval_source(cfg, tok) if eval_every else None
+    if eval_every and (held_out is None or plan is not None):
+        raise ValueError("train.eval_every needs eval_source.json_path (or .urls) and a "
+                         "single-program run (no --plan)")
     if plan is None:
         layout, source = _data(cfg, tok)
         runner = SingleProgram(cfg, layout, global_batch, schedule, dtype, seed, source)
@@ -318,6 +345,8 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
                        "tokens_seen": m["tokens"], "tokens_trained": m["tokens_trained"],
                        "step_time_s": m["step_time_s"], "data_wait_s": m["data_wait_s"],
                        "skipped_samples": skipped}
+                if eval_every and ((step + 1) % eval_every == 0 or step + 1 == end):
+                    rec["eval_loss"] = runner.evaluate(*held_out, layout)
                 records.append(rec)
                 mf.write(json.dumps(rec) + "\n")
                 mf.flush()

@@ -60,3 +60,29 @@ def configured_source(model: MLLMConfig, tokenizer):
         raise ValueError("both llava_source.json_path and webdataset_source.urls are set: "
                          "keep one")
     return llava if llava is not None else wds
+
+
+@gin.configurable
+def eval_source(model: MLLMConfig, tokenizer, json_path: str | None = None,
+                image_root: str = "", urls=None, chat_template: str | None = None,
+                loss_on: str = "assistant", image_processor: str | None = None,
+                audio_processor: str | None = None, max_batches: int = 4):
+    """The held-out set for `train.eval_every` (a LLaVA file or WebDataset shards), or None;
+    -> (source, max_batches)."""
+    if json_path and urls:
+        raise ValueError("eval_source: set json_path or urls, not both")
+    if not (json_path or urls):
+        return None
+    if max_batches < 1:
+        raise ValueError(f"eval_source.max_batches={max_batches}: use >= 1")
+    img, aud = default_processors(model, image_processor, audio_processor)
+    if json_path:
+        from mmjax.data.sources.llava import LlavaSource
+
+        src = LlavaSource(json_path, tokenizer, img, aud, image_root, None, chat_template,
+                          loss_on)
+    else:
+        from mmjax.data.sources.webdataset import WebDatasetSource
+
+        src = WebDatasetSource(urls, tokenizer, img, aud, chat_template or "plain", loss_on)
+    return src, max_batches
