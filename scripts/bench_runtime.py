@@ -61,7 +61,7 @@ from mmjax.data.assemble import AssemblyLayout, check_sample  # noqa: E402
 from mmjax.data.synthetic import SyntheticConfig, SyntheticDataset  # noqa: E402
 from mmjax.models.config import with_overrides  # noqa: E402
 from mmjax.models.tiny import tiny  # noqa: E402
-from mmjax.pipeline.feed import microbatch_feed  # noqa: E402
+from mmjax.data.feed import microbatch_feed  # noqa: E402
 from mmjax.pipeline.runtime import PipelineRuntime  # noqa: E402
 from mmjax.pipeline.schedule import StageId  # noqa: E402
 from mmjax.pipeline.simulate import simulate  # noqa: E402

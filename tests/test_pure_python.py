@@ -16,6 +16,8 @@ PURE = (
     "mmjax.pipeline.simulate",
     "mmjax.data.reorder",
     "mmjax.data.balance",
+    "mmjax.data.routes",
+    "mmjax.data.feed",
     "mmjax.planner.costs",
     "mmjax.planner.evaluate",
     "mmjax.planner.partition",

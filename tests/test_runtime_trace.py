@@ -7,12 +7,12 @@ import jax
 import numpy as np
 import pytest
 
-from mmjax.pipeline.feed import microbatch_feed
+from mmjax.data.feed import microbatch_feed
 from mmjax.pipeline.runtime import PipelineRuntime
 from mmjax.pipeline.schedule import StageId
 from mmjax.pipeline.trace import trace_mode
 from mmjax.planner.plan import Plan
-from test_runtime_parity import global_batch, make_cfg
+from helpers import global_batch, make_cfg
 
 import importlib.util
 import os

@@ -1,6 +1,6 @@
 """Batch assembly: interleave modality subsequences into fixed-shape LLM rows (no JAX).
 
-Seed 000 §2.3 (interleaved subsequences in a fixed-length sequence, DistTrain: one sample
+DistTrain §2.3 (interleaved subsequences in a fixed-length sequence, DistTrain: one sample
 per row, padded -> packing="pad") and OrchMLLM §2.2/§6 (OrchMLLM: sequences packed without
 padding, subsequences assembled in the example's order -> packing="pack"). Placeholders are
 scattered from the projected encoder outputs by `gather_<encoder>` (placement "embed") or

@@ -1,7 +1,7 @@
 """Asynchronous multimodal data loader: plan the global batch from metadata, materialise
 only this host's share, prefetch ahead of the trainer (no JAX).
 
-Seed 000 §4.2 / MMScale §6 (CPU preprocessing disaggregated from training, producer-
+DistTrain §4.2 / MMScale §6 (CPU preprocessing disaggregated from training, producer-
 consumer: decoding and reordering run in worker processes while the GPUs train) and seed
 001 §6 (the global orchestrator runs balancing on the CPU during prefetch, "as soon as all
 the mini-batches have been sampled", and composes rearrangements). Built on grain:
@@ -52,6 +52,7 @@ from mmjax.data.assemble import (AssemblyLayout, Batch, BatchShapes, assemble, b
 from mmjax.data.balance import POLICIES as POST_BALANCE_POLICIES
 from mmjax.data.balance import (batches_by_rank, compose_rearrangement, node_wise_rearrange,
                                 post_balance, Rearrangement)
+from mmjax.data.feed import microbatch_feed
 from mmjax.data.reorder import inter_reorder, intra_reorder
 from mmjax.data.sample import FIRST_TEXT_ID, Sample, SampleMeta, Segment
 from mmjax.data.synthetic import Spec, SyntheticDataset
@@ -545,7 +546,7 @@ class GlobalBatchBuilder:
                  feeds: bool = False, cp_method: str = "lpt", cp_block: int = 128,
                  node_wise: NodeWise | None = None, hardware: Hardware = H100):
         self.source, self.model, self.plan, self.layout = source, model, plan, layout
-        # feeds=True: materialise each microbatch as a pipeline/feed.py MicrobatchFeed (all
+        # feeds=True: materialise each microbatch as a data/feed.py MicrobatchFeed (all
         # units and ranks, part maps included) for the pipeline runtime, instead of Batches.
         self.feeds, self.cp_method, self.cp_block = feeds, cp_method, cp_block
         self.policies = policies
@@ -599,7 +600,6 @@ class GlobalBatchBuilder:
 
     def _feed(self, mp: MicrobatchPlan, get):
         """The microbatch as the pipeline runtime's feed, with this plan's rank assignments."""
-        from mmjax.pipeline.feed import microbatch_feed
 
         where = {p: i for i, p in enumerate(mp.positions)}
         assignments = {u: [[where[p] for p in r] for r in ranks] for u, ranks in mp.ranks.items()}

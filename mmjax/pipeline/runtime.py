@@ -1,21 +1,11 @@
 """Host-driven MPMD pipeline runtime over the unit DAG (docs/design.md "Execute the schedule").
 
 Every stage of every unit lives on its own sub-mesh with its own jitted forward/backward
-(pipeline/stage.py). `PipelineRuntime.run` walks the schedule (pipeline/schedule.py
-`multimodal_one_f_one_b`) in a dependency-respecting global order, moving activations
-forward and gradients backward between stages through the broker; JAX's async dispatch
-lets stages on disjoint devices run concurrently. The loop makes no host sync: losses stay
-device arrays until the caller reads them. Gradients are accumulated per stage over
-microbatches (each backward all-reduces over its dp axis through GSPMD).
-
-Multi-process (docs/design.md "Units, stages and sub-meshes"; DistTrain §7): every process walks
-the same order. A process runs a stage's jitted functions only when the stage mesh holds
-one of its devices (all processes of a mesh spanning several call it); for other stages it
-keeps `jax.eval_shape` results (ShapeDtypeStructs) so that it can still take part in every
-broker transfer touching its devices, which all processes issue in the same order. Host
-inputs go only to addressable devices (`make_array_from_callback` for meshes spanning
-processes). On CPU (gloo) two cross-process collectives in flight can deadlock, so there each
-dispatch is waited on; single-process runs stay free of host syncs.
+(pipeline/stage.py). `PipelineRuntime.run` walks the schedule (pipeline/schedule.py) in a
+dependency-respecting global order, moving activations and gradients between stages through
+the broker; JAX's async dispatch lets stages on disjoint devices run concurrently, and the
+loop makes no host sync in single-process runs. Multi-process behaviour: docs/design.md
+"The runtime in several processes".
 """
 from __future__ import annotations
 
@@ -26,22 +16,18 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mmjax.data.assemble import AssemblyLayout
 from mmjax.models.config import MLLMConfig
 from mmjax.models.mllm import trainable_filter
-from mmjax.parallel.broker import Broker, Routes
+from mmjax.data.routes import Routes
+from mmjax.parallel.broker import Broker
 from mmjax.parallel.mesh import stage_meshes
 from mmjax.parallel.tensor import shard_state, state_shardings
-from mmjax.pipeline.feed import MicrobatchFeed, PartMap
-from mmjax.pipeline.schedule import StageGraph, StageId, dispatch_order, multimodal_one_f_one_b
+from mmjax.data.feed import MicrobatchFeed
+from mmjax.pipeline.schedule import (Backward, StageGraph, StageId, dispatch_order,
+                                     multimodal_one_f_one_b)
 from mmjax.pipeline.stage import build_stage_module, dp_sharding, make_stage_fns
 from mmjax.pipeline.trace import completion_marker, make_tracer, trace_mode
 from mmjax.planner.plan import Plan
-
-
-def to_routes(pm: PartMap) -> Routes:
-    return Routes.from_pairs(pm.src_ranks, pm.src_slots, pm.dst_ranks, pm.dst_slots,
-                             pm.pairs)
 
 
 def _stage_filter(cfg: MLLMConfig, unit: str):
@@ -60,7 +46,7 @@ class Stage:
     graphdef: object
     trainable: object
     frozen: object
-    mode: str  # full / params / input_only / none
+    mode: Backward
     fns: object = None
     backward_calls: int = 0
     grads: object = None
@@ -160,7 +146,6 @@ class PipelineRuntime:
         self.cfg, self.plan, self.dtype = cfg, plan, compute_dtype
         self.meshes = stage_meshes(plan, devices)
         root = jax.random.key(seed)
-        with_gen = cfg.generator is not None
         per_stage_trainable, built = {}, {}
         for u in plan.units:
             flags = []
@@ -183,15 +168,11 @@ class PipelineRuntime:
         for sid in self.graph.stages:
             gd, tr, fr = built[sid]
             mesh = self.meshes[sid.unit][sid.index % plan.unit(sid.unit).pp]
-            mode = self.graph.has_backward[sid]
-            if mode == "full" and not self._needs_dx(sid):
-                mode = "params"
-            st = Stage(sid, mesh, plan.unit(sid.unit).dp, gd, _place(tr, mesh),
-                       _place(fr, mesh), mode, local=holds_local_device(mesh))
+            mode = Backward(self.graph.has_backward[sid])
             up = plan.unit(sid.unit)
-            st.fns = make_stage_fns(cfg, sid.unit, gd, mode, compute_dtype, with_gen, st.dp, mesh,
-                                    up.overlap_tp, up.remat, up.tp_chunks, up.tp_bidirectional,
-                                    up.cp_head_groups)
+            st = Stage(sid, mesh, up.dp, gd, _place(tr, mesh), _place(fr, mesh), mode,
+                       local=holds_local_device(mesh))
+            st.fns = make_stage_fns(cfg, up, gd, mode, compute_dtype, mesh)
             self.stages[sid] = st
         # one row per physical stage, i.e. per mesh (Megatron's interleaved order for units
         # with num_chunks > 1), merged into one dependency-respecting dispatch order; JAX
@@ -204,18 +185,15 @@ class PipelineRuntime:
         self.sync = sync_collectives()
 
     # ---- structure ------------------------------------------------------------------
-    def _needs_dx(self, sid: StageId) -> bool:
-        return any(self.graph.runs_backward(p) for p in self.graph.predecessors(sid))
-
     def broker(self, src: StageId, dst: StageId) -> Broker:
         key = (src, dst)
         if key not in self.brokers:
             self.brokers[key] = Broker(self.stages[src].mesh, self.stages[dst].mesh)
         return self.brokers[key]
 
-    def _routes(self, src: StageId, dst: StageId, feed: MicrobatchFeed) -> PartMap:
+    def _routes(self, src: StageId, dst: StageId, feed: MicrobatchFeed) -> Routes:
         if src.unit == dst.unit:
-            return PartMap.identity(self.stages[src].dp)
+            return Routes.identity(self.stages[src].dp)
         if dst.unit == "llm":
             return feed.enc_routes[src.unit]
         return feed.gen_routes
@@ -255,7 +233,7 @@ class PipelineRuntime:
         totals = (sum(f.num_target_tokens for f in feeds), sum(f.num_gen_elements for f in feeds))
         for st in self.stages.values():
             st.grads = (jax.tree.map(jnp.zeros_like, st.trainable)
-                        if st.mode in ("full", "params") and st.local else None)
+                        if st.mode.param_grads and st.local else None)
         sides, residuals, outputs, cotangents = {}, {}, {}, {}
         result = StepResult()
         last_llm = StageId("llm", self.num_virtual["llm"] - 1)
@@ -293,7 +271,7 @@ class PipelineRuntime:
                     if st.grads is not None:
                         st.grads = grads
                 else:  # a cotangent has its primal's shape and dtype (res = abstract(x))
-                    dx = res if st.mode in ("full", "input_only") else None
+                    dx = res if st.mode.input_grads else None
                 st.backward_calls += 1
                 if dx is not None:
                     cotangents[(sid, mb)] = dx
@@ -330,12 +308,12 @@ class PipelineRuntime:
 
     def _move(self, src, dst, x, feed, inverse=False):
         """Broker transfer src -> dst. Within a unit every dp rank's whole block is one part
-        (viewed as [dp, block, ...] for the transfer); between units the feed's part maps.
+        (viewed as [dp, block, ...] for the transfer); between units the feed's routes.
         A process with devices on neither side skips it (shapes only); one with none on the
         source side sends no-shard placeholders, one with none on the destination side
         keeps the result's shapes."""
-        routes = to_routes(self._routes(src, dst, feed) if not inverse
-                           else self._routes(dst, src, feed).inverse())
+        routes = (self._routes(src, dst, feed) if not inverse
+                  else self._routes(dst, src, feed).inverse())
         src_local, dst_local = self.stages[src].local, self.stages[dst].local
         intra = src.unit == dst.unit
         if not (src_local or dst_local):
@@ -373,8 +351,9 @@ class PipelineRuntime:
             return one
         if sid.unit == "llm" and sid.index == self.num_virtual["llm"] - 1:
             (dcond,) = moved if moved else (None,)
-            if dcond is None:  # generator runs no backward: no gradient flows into cond
-                dcond = self._zero_cond(sid, mb)
+            if dcond is None:
+                raise RuntimeError("internal: the last LLM stage runs backward but the "
+                                   "generator does not; the frozen rule makes this impossible")
             return (one, dcond)
         if sid.unit == "generator" and not self.graph.successors(sid):
             return one
@@ -388,10 +367,6 @@ class PipelineRuntime:
             return jnp.ones((), jnp.float32)
         return global_put(np.ones((), np.float32), jax.sharding.NamedSharding(
             mesh, jax.sharding.PartitionSpec()))
-
-    def _zero_cond(self, sid, mb):
-        raise RuntimeError("internal: last LLM stage runs backward but the generator does "
-                           "not; the frozen rule makes this impossible")
 
 
 def _offset_layers(tree: dict, start: int) -> dict:

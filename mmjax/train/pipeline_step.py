@@ -25,14 +25,16 @@ from mmjax.train.optimizer import OptimizerSettings, optimizer_from_settings
 @gin.configurable
 def manual_plan(global_batch: int = 8, num_microbatches: int = 2, dp=None, tp=None, pp=None,
                 cp=None, num_chunks=None, overlap_tp=None, model: MLLMConfig | None = None,
-                remat=None, tp_chunks=None, tp_bidirectional=None, cp_head_groups=None
-                ) -> Plan:
+                remat=None, tp_chunks=None, tp_bidirectional=None, cp_head_groups=None,
+                attention_impl=None) -> Plan:
     """A Plan from per-unit dicts, e.g. `manual_plan.pp = {"llm": 2}` or
-    `manual_plan.remat = "dots"` in gin (a plain value applies to every unit)."""
+    `manual_plan.remat = "dots"` / `manual_plan.attention_impl = "chunked"` in gin (a plain
+    value applies to every unit)."""
     kw = {k: v for k, v in dict(dp=dp, tp=tp, pp=pp, cp=cp, num_chunks=num_chunks,
                                 overlap_tp=overlap_tp, remat=remat, tp_chunks=tp_chunks,
                                 tp_bidirectional=tp_bidirectional,
-                                cp_head_groups=cp_head_groups).items() if v is not None}
+                                cp_head_groups=cp_head_groups,
+                                attention_impl=attention_impl).items() if v is not None}
     return Plan.uniform(model, global_batch, num_microbatches, **kw)
 
 
@@ -43,7 +45,7 @@ class PipelineStep:
         self.runtime = PipelineRuntime(cfg, plan, devices, seed, compute_dtype)
         tx = optimizer_from_settings(schedule, self.settings, clip=False)
         trained = [sid for sid, st in self.runtime.stages.items()
-                   if st.mode in ("full", "params")]
+                   if st.mode.param_grads]
         self.trained = trained  # every process, same order: the global norm's terms
         self.optimizers = {sid: Zero1Optimizer(tx, self.runtime.stages[sid].mesh,
                                                self.runtime.stages[sid].trainable,

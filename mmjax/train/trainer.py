@@ -124,7 +124,8 @@ class SingleProgram:
     """Plain jit of the whole model on the default device (the parity reference). Reads
     the synthetic set, or a real source (`SourceBatches`: skips and names bad samples)."""
 
-    def __init__(self, cfg, layout, global_batch, schedule, dtype, seed, source=None):
+    def __init__(self, cfg, layout, global_batch, schedule, dtype, seed, source=None,
+                 attention_impl="auto"):
         if source is None:
             self.data = SequentialBatches(synthetic_dataset(cfg), layout, global_batch)
         else:
@@ -138,8 +139,9 @@ class SingleProgram:
         graphdef, trainable, frozen = split_model(mdl, trainable_filter(cfg))
         tx = optimizer_from_settings(schedule)
         self.state = TrainState(jnp.zeros((), jnp.int32), trainable, frozen, tx.init(trainable))
-        self.step_fn = make_train_step(graphdef, tx, dtype)
+        self.step_fn = make_train_step(graphdef, tx, dtype, attention_impl)
         self.graphdef, self.dtype, self.global_batch, self.eval_fn = graphdef, dtype, global_batch, None
+        self.attention_impl = attention_impl
         self.num_trainable = sum(x.size for x in jax.tree.leaves(trainable))
 
     def data_state(self) -> dict:
@@ -175,7 +177,7 @@ class SingleProgram:
         from mmjax.data.stream import SourceBatches
 
         if self.eval_fn is None:
-            loss_fn = make_loss_fn(self.graphdef, self.dtype)
+            loss_fn = make_loss_fn(self.graphdef, self.dtype, self.attention_impl)
             self.eval_fn = jax.jit(lambda s, b: loss_fn(s.trainable, s.frozen, b)[1]["lm_loss"])
         data = SourceBatches(source, layout, self.global_batch, shuffle=False)
         total, count = 0.0, 0
@@ -253,7 +255,7 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
           global_batch: int = 8, compute_dtype: str = "float32", seed: int = 0,
           checkpoint_every: int = 10, progress: bool = True,
           stop_after: int | None = None, plan: str | None = None,
-          eval_every: int = 0) -> list[dict]:
+          eval_every: int = 0, attention_impl: str | None = None) -> list[dict]:
     """Train `model` for `steps` steps (this invocation stops early after `stop_after`
     steps, as a preemption would; a rerun resumes); returns this run's metric records.
 
@@ -261,7 +263,9 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
     uses the gin-bound `manual_plan`; any other value is a Plan JSON file
     (scripts/plan.py --json). A plan runs on the pipeline runtime over all devices.
     `eval_every` > 0: every that many steps (and at the end), the validation loss on the
-    held-out `eval_source.*` set goes into the step's metrics as `eval_loss`."""
+    held-out `eval_source.*` set goes into the step's metrics as `eval_loss`.
+    `attention_impl` (models/attention.py `bam_attention`: auto, dense, chunked, pallas,
+    cudnn) sets every unit's attention; with a plan it replaces each unit's plan field."""
     if compute_dtype not in _DTYPES:
         raise ValueError(f"train.compute_dtype={compute_dtype!r}: use one of {list(_DTYPES)}")
     if global_batch < 1 or steps < 1:
@@ -276,9 +280,14 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
     if eval_every and (held_out is None or plan is not None):
         raise ValueError("train.eval_every needs eval_source.json_path (or .urls) and a "
                          "single-program run (no --plan)")
+    if attention_impl is not None:
+        from mmjax.models.attention import choose_implementation
+
+        choose_implementation(attention_impl, 1, 1, dtype)  # reject a bad name up front
     if plan is None:
         layout, source = _data(cfg, tok)
-        runner = SingleProgram(cfg, layout, global_batch, schedule, dtype, seed, source)
+        runner = SingleProgram(cfg, layout, global_batch, schedule, dtype, seed, source,
+                               attention_impl or "auto")
     else:
         from mmjax.train.pipeline_step import manual_plan
 
@@ -294,6 +303,9 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
                              f"train.global_batch={global_batch}: make them equal")
         if tok is not None:
             cfg = fit_vocab(cfg, tok, [u.tp for u in the_plan.units])
+        if attention_impl is not None:
+            the_plan = dataclasses.replace(the_plan, units=tuple(
+                dataclasses.replace(u, attention_impl=attention_impl) for u in the_plan.units))
         the_plan.validate(cfg, jax.device_count())
         layout, source = _data(cfg, tok)
         runner = Pipelined(cfg, layout, the_plan, schedule, dtype, seed, source)
