@@ -4,7 +4,9 @@ Batch k holds the next `global_batch` usable samples of a seeded per-epoch shuff
 `index_shuffle`); a sample is skipped, and named with its reason, when its source reports a
 problem (missing image, placeholder mismatch), its shapes do not fit the layout (too long),
 or it fails to decode. A background thread prepares `prefetch` batches ahead, so decoding
-overlaps the training step. The state (next position, high-water shapes) is that of the
+overlaps the training step; inside it, `workers` threads decode the candidates of a batch
+side by side (Pillow's decoding and resizing release the GIL), in a fixed order, so the
+batch is the same for any worker count. The state (next position, high-water shapes) is that of the
 last batch handed out, so a resumed run sees exactly the same batches.
 """
 from __future__ import annotations
@@ -19,13 +21,14 @@ from mmjax.data.loader import DecodeError, sample_name, source_problem
 
 class SourceBatches:
     def __init__(self, source, layout: AssemblyLayout, global_batch: int, seed: int = 0,
-                 shuffle: bool = True, prefetch: int = 2, grow_shapes=None):
+                 shuffle: bool = True, prefetch: int = 2, grow_shapes=None, workers: int = 4):
         self.source, self.layout, self.global_batch = source, layout, global_batch
         self.seed, self.shuffle, self.prefetch = seed, shuffle, prefetch
         # grow_shapes(previous shapes, metas) -> shapes (the trainer's high-water rule);
         # default: each batch's own shapes
         self.grow_shapes = grow_shapes or (lambda _, metas: batch_shapes([metas], layout))
         self.position, self.shapes = 0, None
+        self.workers = max(1, int(workers))
         self._thread = None
 
     def state(self) -> dict:
@@ -75,13 +78,14 @@ class SourceBatches:
             if tried >= limit:
                 raise ValueError(f"{tried} samples in a row are unusable (e.g. "
                                  f"{skipped[-1][1]}); see skipped.jsonl and fix the data")
-            i = self.index_at(position)
-            position, tried = position + 1, tried + 1
-            s, why = self._usable(i)
-            if s is None:
-                skipped.append((sample_name(self.source, i), why))
-            else:
-                samples.append(s)
+            need = self.global_batch - len(samples)
+            idx = [self.index_at(p) for p in range(position, position + need)]
+            position, tried = position + need, tried + need
+            for i, (s, why) in zip(idx, self._pool.map(self._usable, idx)):
+                if s is None:
+                    skipped.append((sample_name(self.source, i), why))
+                else:
+                    samples.append(s)
         metas = [self.layout.rules.meta(s) for s in samples]
         shapes = self.grow_shapes(shapes, metas)
         batch = assemble(samples, self.layout, shapes=shapes)
@@ -104,6 +108,9 @@ class SourceBatches:
     def __next__(self):
         """(batch, skipped [(name, reason)])."""
         if self._thread is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(self.workers)
             self._queue, self._stop = queue.Queue(self.prefetch), threading.Event()
             self._thread = threading.Thread(target=self._produce, daemon=True, args=(
                 self._queue, self._stop, self.position, self.shapes))
@@ -119,4 +126,5 @@ class SourceBatches:
         if self._thread is not None:
             self._stop.set()
             self._thread.join()
+            self._pool.shutdown()
             self._thread = None
