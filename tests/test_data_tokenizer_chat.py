@@ -140,3 +140,16 @@ def test_assembly_trains_only_assistant_tokens(tok):
     sp = tok.special_tokens()
     assert b.tokens[0, 0] == sp.bos and sp.eos in b.tokens[0]
     assert sp.eos not in scored and sp.image_start not in scored
+
+
+def test_model_vocabulary_covers_the_tokenizer(tok):
+    from mmjax.models.config import with_overrides
+    from mmjax.train.trainer import fit_vocab
+
+    assert 256 < tok.vocab_size <= 384
+    small = with_overrides(tiny(), {"llm.vocab_size": 128})
+    assert fit_vocab(small, tok).llm.vocab_size == 384
+    assert fit_vocab(small, tok, (1, 2, 6)).llm.vocab_size == 384  # lcm(128, 6) = 384
+    assert fit_vocab(small, tok, (5,)).llm.vocab_size == 640  # lcm(128, 5)
+    assert fit_vocab(tiny(), tok).llm.vocab_size == 512  # larger and aligned: kept
+    assert fit_vocab(tiny(), tok, (3,)).llm.vocab_size == 384  # 512 is not a multiple of 3
