@@ -123,7 +123,7 @@ def feeds_for(plan: Plan, lay, samples):
 
 def _wait(rt: PipelineRuntime, res) -> dict:
     losses = res.losses()
-    jax.block_until_ready([st.grads for st in rt.stages.values()])
+    jax.block_until_ready(res.grads)
     return losses
 
 
