@@ -9,7 +9,6 @@ CPU devices: vision dp2, LLM dp2 x pp2; 8 samples in 2 microbatches.
 """
 import numpy as np
 import pytest
-from flax import nnx
 
 from mmjax.data.assemble import AssemblyLayout
 from mmjax.data.example_data import write_llava_example
@@ -20,7 +19,7 @@ from mmjax.data.tokenizer import Tokenizer, padded_vocab
 from mmjax.pipeline.runtime import PipelineRuntime, to_reference_layout
 from mmjax.planner.plan import Plan
 
-from test_runtime_parity import assert_same_grads, make_cfg, reference
+from helpers import assert_same_grads, make_cfg, reference
 
 STEP = 1
 pytestmark = pytest.mark.slow  # three runtime compiles plus the reference: ~60 s on 2 cores
@@ -69,7 +68,6 @@ def test_llava_plans_on_the_runtime_match_the_reference(setup, balance):
     assert any(mp.ranks["vision"] != c or mp.ranks["llm"] != c for mp, c in zip(mps, contiguous))
     rt = PipelineRuntime(cfg, plan)
     res = rt.run([mb.inputs["feed"] for mb in gb.microbatches])
-    grads = to_reference_layout(plan, {sid: nnx.to_pure_dict(st.grads)
-                                       for sid, st in rt.stages.items() if st.grads is not None})
+    grads = to_reference_layout(plan, res.pure_grads())
     np.testing.assert_allclose(res.losses()["loss"], ref_loss, rtol=1e-5)
     assert_same_grads(grads, ref_grads)
