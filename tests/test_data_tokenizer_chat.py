@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from mmjax.data.assemble import AssemblyLayout, assemble
-from mmjax.data.chat import ChatError, ChatFormat, TEMPLATES
+from mmjax.data.chat import ChatError, ChatFormat
 from mmjax.data.example_data import write_tokenizer
 from mmjax.data.sample import Sample, Segment
 from mmjax.data.tokenizer import MARKERS, PLACEHOLDERS, Tokenizer, padded_vocab, tokenizer
