@@ -24,7 +24,7 @@ FIELDS = {"plan", "units", "num_microbatches", "num_actions", "dispatch_us_per_a
 def result(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "bench_runtime.json"
     bench.main(["--samples", "4", "--microbatches", str(M), "--seq", "160",
-                "--llm-hidden", "64", "--warmup", "1", "--steps", "1", "--trace-steps", "1",
+                "--llm_hidden", "64", "--warmup", "1", "--steps", "1", "--trace_steps", "1",
                 "--out", str(out)])
     with open(out) as fh:
         return json.load(fh)

@@ -49,7 +49,6 @@ class Stage:
     mode: Backward
     fns: object = None
     backward_calls: int = 0
-    grads: object = None
     local: bool = True  # the mesh holds a device of this process
 
 
@@ -89,11 +88,18 @@ def _placed(tree, sharding):
 @dataclass
 class StepResult:
     """Per-microbatch loss terms as device scalars (on the last stages' meshes); reading
-    them (`losses()`) is the step's one host sync, after the whole schedule is dispatched."""
+    them (`losses()`) is the step's one host sync, after the whole schedule is dispatched.
+    `grads[sid]`: the step's parameter gradients of every local stage that has them (summed
+    over microbatches and dp ranks)."""
 
     lm_loss: list = field(default_factory=list)
     diffusion_loss: list = field(default_factory=list)
     trace: list = field(default_factory=list)
+    grads: dict = field(default_factory=dict)
+
+    def pure_grads(self) -> dict:
+        """`grads` as pure dicts per stage (what `to_reference_layout` takes)."""
+        return {sid: nnx.to_pure_dict(g) for sid, g in self.grads.items()}
 
     def losses(self) -> dict[str, float]:
         if jax.process_count() == 1:
@@ -104,6 +110,20 @@ class StepResult:
         lm = float(sum(np.asarray(v, np.float64) for v in lm_terms))
         diff = float(sum(np.asarray(v, np.float64) for v in diff_terms))
         return {"loss": lm + diff, "lm_loss": lm, "diffusion_loss": diff}
+
+
+@dataclass
+class _Step:
+    """The in-flight state of one `run`: per (stage, microbatch) host inputs, forward
+    outputs, residuals and cotangents; the result being filled."""
+
+    feeds: list
+    totals: tuple
+    sides: dict = field(default_factory=dict)
+    outputs: dict = field(default_factory=dict)
+    residuals: dict = field(default_factory=dict)
+    cotangents: dict = field(default_factory=dict)
+    result: StepResult = field(default_factory=StepResult)
 
 
 def gather_scalars(groups: list[list]) -> list[np.ndarray]:
@@ -222,75 +242,82 @@ class PipelineRuntime:
 
     # ---- one step -------------------------------------------------------------------
     def run(self, feeds: list[MicrobatchFeed], trace: bool | str = False) -> StepResult:
-        """Forward and backward of every microbatch; gradients accumulate in
-        `stage.grads`. Returns device-side losses. `trace` (pipeline/trace.py): False; True
-        or "serial" (each action waited on: isolated costs, no overlap); "overlap" (waiter
+        """Forward and backward of every microbatch. Returns device-side losses and the
+        step's gradients (`StepResult.grads`). `trace` (pipeline/trace.py): False; True or
+        "serial" (each action waited on: isolated costs, no overlap); "overlap" (waiter
         threads stamp completions; dispatch stays free of host syncs)."""
         tracer = make_tracer(trace_mode(trace))
         if len(feeds) != self.plan.num_microbatches:
             raise ValueError(f"got {len(feeds)} microbatch feeds; the plan has "
                              f"{self.plan.num_microbatches}")
-        totals = (sum(f.num_target_tokens for f in feeds), sum(f.num_gen_elements for f in feeds))
-        for st in self.stages.values():
-            st.grads = (jax.tree.map(jnp.zeros_like, st.trainable)
-                        if st.mode.param_grads and st.local else None)
-        sides, residuals, outputs, cotangents = {}, {}, {}, {}
-        result = StepResult()
-        last_llm = StageId("llm", self.num_virtual["llm"] - 1)
-        has_gen = self.cfg.generator is not None
+        step = _Step(feeds, (sum(f.num_target_tokens for f in feeds),
+                             sum(f.num_gen_elements for f in feeds)))
+        step.result.grads = {sid: jax.tree.map(jnp.zeros_like, st.trainable)
+                             for sid, st in self.stages.items()
+                             if st.mode.param_grads and st.local}
         for sid, act in self.order:
-            st, mb = self.stages[sid], act.microbatch
+            mb = act.microbatch
             t0 = tracer.start() if tracer else 0.0
-            if (sid, mb) not in sides:
-                sides[(sid, mb)] = self._side(sid, feeds[mb], totals)
-            side = sides[(sid, mb)]
+            if (sid, mb) not in step.sides:
+                step.sides[(sid, mb)] = self._side(sid, feeds[mb], step.totals)
             if act.kind == "F":
-                x = self._gather_input(sid, mb, outputs, feeds[mb])
-                if st.local:  # keep the vjp residuals (pipeline/stage.py), not the input
-                    y, res = self.settle(st.fns.forward(st.trainable, st.frozen, x, side))
-                else:  # another process runs it; keep the shapes for the transfers and dx
-                    y, _ = jax.eval_shape(st.fns.forward, st.trainable, st.frozen, x, side)
-                    res = abstract(x)
-                if self.graph.runs_backward(sid):
-                    residuals[(sid, mb)] = res
-                del x
-                if sid == last_llm:
-                    lm, y = (y if has_gen else (y, None))
-                    result.lm_loss.append(lm)
-                elif sid.unit == "generator" and not self.graph.successors(sid):
-                    result.diffusion_loss.append(y)
-                    y = None
-                outputs[(sid, mb)] = y
+                self._forward(sid, mb, step)
             else:
-                dy = self._gather_cotangent(sid, mb, cotangents, feeds[mb])
-                res = residuals.pop((sid, mb))
-                if st.local:
-                    grads, dx = self.settle(st.fns.backward(
-                        st.trainable, st.frozen, side, res, dy,
-                        st.grads if st.grads is not None else {}))
-                    if st.grads is not None:
-                        st.grads = grads
-                else:  # a cotangent has its primal's shape and dtype (res = abstract(x))
-                    dx = res if st.mode.input_grads else None
-                st.backward_calls += 1
-                if dx is not None:
-                    cotangents[(sid, mb)] = dx
+                self._backward(sid, mb, step)
             if tracer:
-                done = None
-                if st.local:
-                    done = ((outputs.get((sid, mb)), residuals.get((sid, mb))) if act.kind == "F"
-                            else (cotangents.get((sid, mb)), st.grads))
-                    done = completion_marker(done)
-                u = self.plan.unit(sid.unit)
-                phys = StageId(sid.unit, sid.index % u.pp)
-                tracer.done(str(phys), {"stage": str(phys), "kind": act.kind, "microbatch": mb,
-                                        "chunk": act.chunk, "virtual_stage": str(sid)},
-                            t0, done)
+                self._trace(tracer, sid, act, t0, step)
             if act.kind == "B" or not self.graph.runs_backward(sid):
-                sides.pop((sid, mb), None)
+                step.sides.pop((sid, mb), None)
         if tracer:
-            result.trace = tracer.finish()
-        return result
+            step.result.trace = tracer.finish()
+        return step.result
+
+    def _forward(self, sid: StageId, mb: int, step: "_Step"):
+        st, side = self.stages[sid], step.sides[(sid, mb)]
+        x = self._gather_input(sid, mb, step.outputs, step.feeds[mb])
+        if st.local:  # keep the vjp residuals (pipeline/stage.py), not the input
+            y, res = self.settle(st.fns.forward(st.trainable, st.frozen, x, side))
+        else:  # another process runs it; keep the shapes for the transfers and dx
+            y, _ = jax.eval_shape(st.fns.forward, st.trainable, st.frozen, x, side)
+            res = abstract(x)
+        if self.graph.runs_backward(sid):
+            step.residuals[(sid, mb)] = res
+        del x
+        if sid == StageId("llm", self.num_virtual["llm"] - 1):
+            lm, y = (y if self.cfg.generator is not None else (y, None))
+            step.result.lm_loss.append(lm)
+        elif sid.unit == "generator" and not self.graph.successors(sid):
+            step.result.diffusion_loss.append(y)
+            y = None
+        step.outputs[(sid, mb)] = y
+
+    def _backward(self, sid: StageId, mb: int, step: "_Step"):
+        st, side = self.stages[sid], step.sides[(sid, mb)]
+        dy = self._gather_cotangent(sid, mb, step.cotangents, step.feeds[mb])
+        res = step.residuals.pop((sid, mb))
+        grads = step.result.grads
+        if st.local:
+            acc, dx = self.settle(st.fns.backward(st.trainable, st.frozen, side, res, dy,
+                                                  grads.get(sid, {})))
+            if sid in grads:
+                grads[sid] = acc
+        else:  # a cotangent has its primal's shape and dtype (res = abstract(x))
+            dx = res if st.mode.input_grads else None
+        st.backward_calls += 1
+        if dx is not None:
+            step.cotangents[(sid, mb)] = dx
+
+    def _trace(self, tracer, sid: StageId, act, t0: float, step: "_Step"):
+        st, mb = self.stages[sid], act.microbatch
+        done = None
+        if st.local:
+            done = ((step.outputs.get((sid, mb)), step.residuals.get((sid, mb)))
+                    if act.kind == "F" else
+                    (step.cotangents.get((sid, mb)), step.result.grads.get(sid)))
+            done = completion_marker(done)
+        phys = StageId(sid.unit, sid.index % self.plan.unit(sid.unit).pp)
+        tracer.done(str(phys), {"stage": str(phys), "kind": act.kind, "microbatch": mb,
+                                "chunk": act.chunk, "virtual_stage": str(sid)}, t0, done)
 
     def _gather_input(self, sid, mb, outputs, feed):
         preds = self.graph.predecessors(sid)
