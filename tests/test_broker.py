@@ -202,12 +202,19 @@ def test_new_route_map_reuses_the_compiled_program():
     assert hlo.count("all-to-all(") == 1
     for op in ("collective-permute(", "all-reduce(", "all-gather("):
         assert op not in hlo
+    # A map whose busiest pair needs capacity 2 compiles once more; the capacity then stays,
+    # so returning to a capacity-1 map rebuilds its tables and reuses the capacity-2 program.
+    busy = Routes.from_pairs(3, 2, 2, 4, [(0, 0, 1, 0), (0, 1, 1, 1), (2, 1, 0, 3)])
+    for r in (busy, permutation_routes()):
+        check_out(b.transfer(put(g, sm), r), dm, reference(r, g))
+    assert b.tables[permutation_routes()].host.capacity == 2
+    assert len(b.programs) == 2
 
 
 # ---- exchange tables (host only) --------------------------------------------------------------
-def simulate_tables(routes, src_reps, dst_reps, n):
+def simulate_tables(routes, src_reps, dst_reps, n, min_capacity=1):
     """Run the exchange tables on numpy 'devices': gather, all-to-all, gather."""
-    t = exchange_tables(routes, src_reps, dst_reps, n)
+    t = exchange_tables(routes, src_reps, dst_reps, n, min_capacity)
     cap = t.capacity
     assert cap & (cap - 1) == 0 and t.send.shape == (n, n * cap)
     rank_of = {d: i for i, reps in enumerate(src_reps) for d in reps}
@@ -263,7 +270,12 @@ def test_exchange_tables_random_routes_and_overlapping_meshes():
         srcs = [(rng.randrange(a), rng.randrange(ps)) for _ in dsts]
         r = Routes.from_pairs(a, ps, b, pr, [s + d for s, d in zip(srcs, dsts)])
         ra, rb = rng.randint(1, 2), rng.randint(1, 2)
-        simulate_tables(r, *layout(a, ra, b, rb, overlap=rng.randint(0, min(a * ra, b * rb))))
+        src, dst, n = layout(a, ra, b, rb, overlap=rng.randint(0, min(a * ra, b * rb)))
+        floor = rng.choice([1, 2, 4])
+        t = simulate_tables(r, src, dst, n, min_capacity=floor)
+        busiest = max(np.bincount([u * n + v for u, v, *_ in deliveries(r, src, dst)],
+                                  minlength=1).max(), 1)
+        assert t.capacity == max(floor, 1 << (int(busiest) - 1).bit_length())
 
 
 def test_exchange_tables_prefer_local_copies():

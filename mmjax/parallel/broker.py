@@ -65,14 +65,17 @@ def deliveries(routes: Routes, src_replicas: list[list[int]],
 
 
 def exchange_tables(routes: Routes, src_replicas: list[list[int]],
-                    dst_replicas: list[list[int]], n: int) -> ExchangeTables:
+                    dst_replicas: list[list[int]], n: int,
+                    min_capacity: int = 1) -> ExchangeTables:
     """Plan one all-to-all: `src_replicas[i]` / `dst_replicas[j]` are the union indices of
-    the devices holding dp rank i / j (their tp/cp replicas); `n` the union size."""
+    the devices holding dp rank i / j (their tp/cp replicas); `n` the union size. The
+    capacity is the busiest pair's count rounded up to a power of two, at least
+    `min_capacity` (a power of two)."""
     ds = deliveries(routes, src_replicas, dst_replicas)
     count = np.zeros((n, n), np.int64)
     for u, v, _, _ in ds:
         count[u, v] += 1
-    cap = _bucket(int(count.max(initial=0)))
+    cap = max(_bucket(int(count.max(initial=0))), min_capacity)
     send = np.full((n, n * cap), -1, np.int32)
     recv = np.full((n, routes.dst_slots), -1, np.int32)
     used = np.zeros((n, n), np.int64)
@@ -116,6 +119,7 @@ class Broker:
     """Moves dp-blocked pytrees from `src_mesh` to `dst_mesh` (module docstring).
 
     Holds, per `Routes`, the exchange index tables on device (the last `TABLES_KEPT`); per
+    slot counts, the largest capacity used so far; per
     shape key (leaf shapes/dtypes, union size, capacity bucket, slot counts), the compiled
     exchange, which no route map changes; and zero buffers for destination-only devices keyed
     by shape and dtype (buffers are immutable, so reusing them is safe)."""
@@ -147,6 +151,7 @@ class Broker:
                               zip(src_mesh.devices.flat, dst_mesh.devices.flat)))
         self.tables: dict[Routes, _Tables] = {}
         self.programs: dict[tuple, object] = {}
+        self.capacity: dict[tuple[int, int], int] = {}  # (src_slots, dst_slots) -> C so far
         self._fn = jax.jit(jax.shard_map(_exchange, mesh=self.union_mesh,
                                          in_specs=(P(AXIS),) * 3, out_specs=P(AXIS),
                                          check_vma=False))
@@ -161,14 +166,20 @@ class Broker:
     # ---- host-side preparation ---------------------------------------------------------------
     def _tables(self, routes: Routes) -> _Tables:
         t = self.tables.get(routes)
-        if t is not None:
+        if t is not None and t.host.capacity >= self.capacity[(routes.src_slots,
+                                                              routes.dst_slots)]:
             return t
         if routes.src_ranks != self.a or routes.dst_ranks != self.b:
             raise ValueError(f"Broker: routes map dp {routes.src_ranks} -> {routes.dst_ranks} "
                              f"but the meshes have dp {self.a} -> {self.b}; build the Routes "
                              f"for these meshes")
+        # The capacity never shrinks for given slot counts, so a run compiles at most one
+        # program per capacity doubling instead of flipping between buckets; all processes
+        # make the same calls in the same order, so they agree on it.
+        slots = (routes.src_slots, routes.dst_slots)
         host = exchange_tables(routes, self.src_replicas, self.dst_replicas,
-                               len(self.union_devices))
+                               len(self.union_devices), self.capacity.get(slots, 1))
+        self.capacity[slots] = host.capacity
         send, recv = (jax.make_array_from_callback(a.shape, self.union_sharding,
                                                    lambda idx, a=a: a[idx], dtype=a.dtype)
                       for a in (host.send, host.recv))
