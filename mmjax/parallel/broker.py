@@ -119,10 +119,10 @@ class Broker:
     """Moves dp-blocked pytrees from `src_mesh` to `dst_mesh` (module docstring).
 
     Holds, per `Routes`, the exchange index tables on device (the last `TABLES_KEPT`); per
-    slot counts, the largest capacity used so far; per
-    shape key (leaf shapes/dtypes, union size, capacity bucket, slot counts), the compiled
-    exchange, which no route map changes; and zero buffers for destination-only devices keyed
-    by shape and dtype (buffers are immutable, so reusing them is safe)."""
+    slot counts, the largest capacity used so far; per shape key (leaf shapes/dtypes, union
+    size, capacity bucket, slot counts), the compiled exchange, which no route map changes;
+    and zero buffers for destination-only devices keyed by shape and dtype (buffers are
+    immutable, so reusing them is safe)."""
 
     def __init__(self, src_mesh: Mesh, dst_mesh: Mesh):
         for name, m in (("src_mesh", src_mesh), ("dst_mesh", dst_mesh)):
