@@ -23,13 +23,13 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from mmjax.parallel.broker import Broker, Routes  # noqa: E402
-from mmjax.parallel.mesh import stage_mesh  # noqa: E402
+from mmjax.parallel.broker import Broker, Routes
+from mmjax.parallel.mesh import stage_mesh
 
 CASES = [  # (src dp, src tp, dst dp, dst tp, parts per source rank)
     (2, 2, 4, 1, 4),
