@@ -229,3 +229,35 @@ def test_load_export_load_is_bit_identical(ckpts, tmp_path, name):
     a = nnx.to_pure_dict(nnx.state(module, nnx.Param))
     b = nnx.to_pure_dict(nnx.state(back, nnx.Param))
     jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), a, b)
+
+
+def test_packed_buffer_of_two_images_equals_each_image_alone(ckpts):
+    """Training layout: two images of different grids share one buffer row (class tokens in
+    the appended slots, positions interpolated per image) = HF's tower on each image."""
+    path, t = ckpts["clip"]
+    module, cfg = hf.load(path, max_images=2)
+    rng = np.random.default_rng(4)
+    imgs = [rng.normal(size=(3, 12, 12)), rng.normal(size=(3, 16, 8))]
+    patches, seg, pos = [], [], []
+    for k, img in enumerate(imgs):
+        gh, gw = img.shape[1] // 4, img.shape[2] // 4
+        x = img.transpose(1, 2, 0).reshape(gh, 4, gw, 4, 3).transpose(0, 2, 1, 3, 4)
+        patches.append(x.reshape(gh * gw, 48))
+        seg += [k + 1] * (gh * gw)
+        pos += [divmod(i, gw) for i in range(gh * gw)]
+    pad = 3
+    patches = np.concatenate(patches + [np.zeros((pad, 48))])[None].astype(np.float32)
+    seg = np.array(seg + [0] * pad)[None]
+    pos = np.array(pos + [(0, 0)] * pad)[None]
+
+    @nnx.jit
+    def run(m, p, s, q):
+        x = m.run_layers(m.embed(p, s, q), s)
+        return m.finish(x), m.class_tokens(x)
+
+    out, cls = run(module, patches, seg, pos)
+    assert out.shape == (1, 20, 16) and cls.shape == (1, 2, 16)
+    for k, (lo, hi) in enumerate([(0, 9), (9, 17)]):
+        want = ref.vision_tower(t, "clip", CLIP_V, imgs[k])
+        assert_close(out[0, lo:hi], want[1:])
+        assert_close(cls[0, k], want[0])

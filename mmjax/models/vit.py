@@ -81,18 +81,20 @@ class StandardViT(nnx.Module):
                          if self.is_last and cfg.final_norm else None)
 
     def _positions(self, patch_seg, patch_pos, dtype):
-        """Each patch's bicubically resampled table row [N, T, d] (HF interpolate_pos_encoding)."""
+        """Each patch's bicubically resampled table row [N, T, d] (HF interpolate_pos_encoding):
+        separable per-axis weights over the native grid, then one matmul with the table."""
         g0, off = self.cfg.native_grid, int(self.cfg.class_token)
-        table = self.pos_embed[...].astype(jnp.float32)
+        table = self.pos_embed[...][off:].astype(jnp.float32)  # [g0 * g0, d]
         grid = image_grids(patch_seg, patch_pos)
-        ri, rw = bicubic_taps(patch_pos[..., 0], grid[..., 0], g0)
-        ci, cw = bicubic_taps(patch_pos[..., 1], grid[..., 1], g0)
-        out = 0.0
-        for a in range(4):
-            for b in range(4):
-                w = (rw[..., a] * cw[..., b])[..., None]
-                out = out + w * table[off + ri[..., a] * g0 + ci[..., b]]
-        return out.astype(dtype)
+
+        def axis_weights(dst, size):  # [N, T, g0]: the 4 taps' weights, summed per source
+            idx, w = bicubic_taps(dst, size, g0)
+            return jnp.einsum("ntk,ntkg->ntg", w, jax.nn.one_hot(idx, g0, dtype=jnp.float32))
+
+        rows = axis_weights(patch_pos[..., 0], grid[..., 0])
+        cols = axis_weights(patch_pos[..., 1], grid[..., 1])
+        weights = (rows[..., :, None] * cols[..., None, :]).reshape(*rows.shape[:2], g0 * g0)
+        return jnp.einsum("ntp,pd->ntd", weights, table).astype(dtype)
 
     def embed(self, patches, patch_seg, patch_pos):
         x = self.patch_embed(patches)
