@@ -52,7 +52,7 @@ class AudioEncoder(nnx.Module):
             self.embed_positions = nnx.Param(whisper_sinusoids(cfg.max_source_positions, d))
         self.layers = nnx.List([
             EncoderBlock(jax.random.fold_in(k_layers, i), d, cfg.ffn_size, cfg.num_heads,
-                         cfg.norm_eps, act="gelu") for i in range(start, end)])
+                         cfg.norm_eps, act="gelu", k_bias=False) for i in range(start, end)])
         self.final_ln = LayerNorm(d, cfg.norm_eps) if self.is_last else None
 
     def embed(self, mels, frame_len):

@@ -254,3 +254,27 @@ def _set_path(obj, parts, value, full):
         raise ValueError(f"override {full!r}: {type(obj).__name__} has no field {head!r}; fields: {names}")
     new = _set_path(getattr(obj, head), rest, value, full) if rest else value
     return dataclasses.replace(obj, **{head: new})
+
+
+def config_to_dict(cfg: MLLMConfig) -> dict:
+    """MLLMConfig -> JSON-able dict (encoders tagged "vision" / "audio"); `config_from_dict`
+    inverts it. A workdir keeps it so tools (scripts/export_hf.py) rebuild the model."""
+    d = dataclasses.asdict(cfg)
+    for spec, e in zip(cfg.encoders, d["encoders"]):
+        e["encoder"]["type"] = "vision" if isinstance(spec.encoder, VisionConfig) else "audio"
+    return d
+
+
+def config_from_dict(d: dict) -> MLLMConfig:
+    llm = dict(d["llm"])
+    if llm.get("rope_llama3") is not None:
+        llm["rope_llama3"] = tuple(llm["rope_llama3"])
+    encoders = []
+    for e in d["encoders"]:
+        enc = dict(e["encoder"])
+        kind = VisionConfig if enc.pop("type") == "vision" else AudioConfig
+        encoders.append(EncoderSpec(e["name"], kind(**enc), ProjectorConfig(**e["projector"]),
+                                    e["frozen"], e["projector_frozen"]))
+    gen = GeneratorConfig(**d["generator"]) if d.get("generator") else None
+    rest = {k: v for k, v in d.items() if k not in ("llm", "encoders", "generator")}
+    return MLLMConfig(llm=LLMConfig(**llm), encoders=tuple(encoders), generator=gen, **rest)

@@ -143,15 +143,16 @@ ACTIVATIONS = {
 
 class EncoderBlock(nnx.Module):
     """Pre-LN transformer block with biases and an MLP (ViT, CLIP, SigLIP, Whisper encoder);
-    `act` names an entry of ACTIVATIONS (exact GELU, tanh GELU, CLIP's quick_gelu)."""
+    `act` names an entry of ACTIVATIONS (exact GELU, tanh GELU, CLIP's quick_gelu);
+    `k_bias=False`: no key bias (Whisper's k_proj has none)."""
 
     def __init__(self, key, dim: int, ffn: int, num_heads: int, eps: float,
-                 act: str = "gelu_tanh"):
+                 act: str = "gelu_tanh", k_bias: bool = True):
         ks = jax.random.split(key, 6)
         self.num_heads = num_heads
         self.act = act
         self.ln1 = LayerNorm(dim, eps)
-        self.q, self.k = Dense(ks[0], dim, dim), Dense(ks[1], dim, dim)
+        self.q, self.k = Dense(ks[0], dim, dim), Dense(ks[1], dim, dim, bias=k_bias)
         self.v, self.o = Dense(ks[2], dim, dim), Dense(ks[3], dim, dim)
         self.ln2 = LayerNorm(dim, eps)
         self.fc1, self.fc2 = Dense(ks[4], dim, ffn), Dense(ks[5], ffn, dim)

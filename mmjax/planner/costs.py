@@ -59,7 +59,7 @@ def vision_params(c: VisionConfig) -> int:
 def audio_params(c: AudioConfig) -> int:
     d = c.hidden_size
     return (c.num_mel_bins * 3 * d + d + d * 3 * d + d + c.max_source_positions * d
-            + c.num_layers * _encoder_layer_params(d, c.ffn_size) + 2 * d)
+            + c.num_layers * (_encoder_layer_params(d, c.ffn_size) - d) + 2 * d)  # no k bias
 
 
 def _mlp_dims(p: ProjectorConfig, enc_dim: int, llm_dim: int) -> list[int]:

@@ -21,7 +21,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from mmjax.data.assemble import AssemblyLayout, BatchShapes, assemble, batch_shapes, check_sample
 from mmjax.data.synthetic import SyntheticConfig, SyntheticDataset
-from mmjax.models.config import MLLMConfig
+from mmjax.models.config import MLLMConfig, config_to_dict
 from mmjax.models.mllm import MultimodalModel, trainable_filter
 from mmjax.planner.plan import Plan
 from mmjax.train.checkpoint import Checkpointer
@@ -181,6 +181,18 @@ class Pipelined:
         self.data.close()
 
 
+RUN_INFO = "run.json"
+
+
+def write_run_info(workdir: str, cfg: MLLMConfig, plan: Plan | None, seed: int) -> None:
+    """DIR/run.json: the model config, plan and seed a checkpoint belongs to (what
+    scripts/export_hf.py rebuilds the model from)."""
+    info = {"model": config_to_dict(cfg), "plan": None if plan is None else plan.to_json(),
+            "seed": seed}
+    with open(os.path.join(workdir, RUN_INFO), "w") as f:
+        json.dump(info, f, indent=1)
+
+
 @gin.configurable
 def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
           global_batch: int = 8, compute_dtype: str = "float32", seed: int = 0,
@@ -218,6 +230,8 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
         the_plan.validate(cfg, jax.device_count())
         runner = Pipelined(cfg, layout, the_plan, schedule, dtype, seed)
     os.makedirs(workdir, exist_ok=True)
+    if jax.process_index() == 0:
+        write_run_info(workdir, cfg, None if plan is None else the_plan, seed)
     console = Console(stderr=True)
     # Multi-process (mmjax.launch): every process runs the loop; process 0 writes the
     # metrics. Orbax saves only global (cross-process) arrays, while pipeline stages mostly

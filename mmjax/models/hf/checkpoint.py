@@ -245,9 +245,9 @@ def layer_range(num_layers: int, start: int, end: int | None, what: str) -> tupl
 
 
 def dense(hf: str, path: tuple, din: int, dout: int, bias: bool = True) -> list[Entry]:
-    """An HF nn.Linear -> our `Dense` (kernel [in, out], bias)."""
-    return [Entry(hf + ".weight", path + ("kernel",), (din, dout), True),
-            Entry(hf + ".bias" if bias else None, path + ("bias",), (dout,))]
+    """An HF nn.Linear -> our `Dense` (kernel [in, out], bias when it has one)."""
+    out = [Entry(hf + ".weight", path + ("kernel",), (din, dout), True)]
+    return out + ([Entry(hf + ".bias", path + ("bias",), (dout,))] if bias else [])
 
 
 def layer_norm(hf: str, path: tuple, d: int) -> list[Entry]:

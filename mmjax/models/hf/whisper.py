@@ -2,8 +2,7 @@
 
 Whisper's `embed_positions.weight` (its fixed sinusoid table, never trained) loads into
 `AudioEncoder.embed_positions`; a checkpoint without it gets the sinusoid HF initialises
-(`layers.whisper_sinusoids`). Whisper's k_proj has no bias: our k bias gets zeros (a key bias
-only shifts each query's scores by a constant, so it cannot change attention).
+(`layers.whisper_sinusoids`). Whisper's k_proj has no bias, nor has `AudioEncoder`'s.
 """
 from __future__ import annotations
 
