@@ -36,9 +36,10 @@ def write_checkpoint(d, config: dict, tensors: dict, shards: int = 1):
     return d
 
 
-def llm_tensors(c: dict, seed=0) -> dict:
+def llm_tensors(c: dict, seed=0, std=0.3) -> dict:
     """HF Llama / Mistral / Qwen2 tensors for config dict `c`."""
     rng = np.random.default_rng(seed)
+    rand = lambda rng, *shape: globals()["rand"](rng, *shape, std=std)
     d, v, f = c["hidden_size"], c["vocab_size"], c["intermediate_size"]
     hd = c.get("head_dim") or d // c["num_attention_heads"]
     hq, hkv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
@@ -63,9 +64,10 @@ def llm_tensors(c: dict, seed=0) -> dict:
     return t
 
 
-def tower_tensors(family: str, v: dict, seed=0, prefix="vision_model.") -> dict:
+def tower_tensors(family: str, v: dict, seed=0, prefix="vision_model.", std=0.3) -> dict:
     """HF CLIP / SigLIP vision-tower tensors for vision config dict `v`."""
     rng = np.random.default_rng(seed)
+    rand = lambda rng, *shape: globals()["rand"](rng, *shape, std=std)
     d, f, p, ch = v["hidden_size"], v["intermediate_size"], v["patch_size"], v["num_channels"]
     n = (v["image_size"] // p) ** 2 + (family == "clip")
     e = prefix + "embeddings."

@@ -28,6 +28,7 @@ from flax import nnx
 
 from mmjax.data.assemble import AssemblyLayout
 from mmjax.models.config import MLLMConfig
+from mmjax.models.hf import pretrained as hf_pretrained
 from mmjax.models.mllm import trainable_filter
 from mmjax.parallel.broker import Broker, Routes
 from mmjax.parallel.mesh import stage_meshes
@@ -153,10 +154,23 @@ def _place(state, mesh):
     return global_put(state, shardings)
 
 
+def _load_pretrained(cfg: MLLMConfig, up, sid: StageId, path, tr, fr):
+    """A stage's placed states with its layers of the HF checkpoint at `path`."""
+    start, end = up.stage_layers(sid.index % up.pp, sid.index // up.pp)
+    plan = hf_pretrained.load_plan(path, hf_pretrained.unit_config(cfg, sid.unit), start, end)
+    root = () if sid.unit == "llm" else ("encoders", sid.unit)
+    return (hf_pretrained.load_stage_state(tr, plan, root),
+            hf_pretrained.load_stage_state(fr, plan, root))
+
+
 class PipelineRuntime:
     def __init__(self, cfg: MLLMConfig, plan: Plan, devices=None, seed: int = 0,
-                 compute_dtype=jnp.float32):
+                 compute_dtype=jnp.float32, pretrained: dict | None = None):
+        """`pretrained` {unit: HF checkpoint directory}: each stage of those units reads
+        its own layers (its devices' blocks) straight onto its sub-mesh after placement;
+        `cfg` must already describe them (`hf.pretrained_config`)."""
         plan.validate(cfg, len(devices if devices is not None else jax.devices()))
+        pretrained = pretrained or {}
         self.cfg, self.plan, self.dtype = cfg, plan, compute_dtype
         self.meshes = stage_meshes(plan, devices)
         root = jax.random.key(seed)
@@ -186,9 +200,11 @@ class PipelineRuntime:
             mode = self.graph.has_backward[sid]
             if mode == "full" and not self._needs_dx(sid):
                 mode = "params"
-            st = Stage(sid, mesh, plan.unit(sid.unit).dp, gd, _place(tr, mesh),
-                       _place(fr, mesh), mode, local=holds_local_device(mesh))
             up = plan.unit(sid.unit)
+            tr, fr = _place(tr, mesh), _place(fr, mesh)
+            if sid.unit in pretrained:
+                tr, fr = _load_pretrained(cfg, up, sid, pretrained[sid.unit], tr, fr)
+            st = Stage(sid, mesh, up.dp, gd, tr, fr, mode, local=holds_local_device(mesh))
             st.fns = make_stage_fns(cfg, sid.unit, gd, mode, compute_dtype, with_gen, st.dp, mesh,
                                     up.overlap_tp, up.remat, up.tp_chunks, up.tp_bidirectional,
                                     up.cp_head_groups)

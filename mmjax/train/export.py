@@ -66,7 +66,8 @@ def restore_params(workdir: str, step: int | None = None) -> tuple[MLLMConfig, d
         from mmjax.pipeline.runtime import to_reference_layout
         from mmjax.train.pipeline_step import PipelineStep
         plan = Plan.from_json(info["plan"])
-        step_fn = PipelineStep(cfg, plan, learning_rate_schedule(1), seed=seed)
+        step_fn = PipelineStep(cfg, plan, learning_rate_schedule(1), seed=seed,
+                               pretrained=info.get("pretrained"))  # frozen parts as trained
         state, _ = ckpt.restore(step, step_fn.state())
         step_fn.load_state(state)
         stages = {sid: _pure(nnx.merge(st.graphdef, st.trainable, st.frozen))

@@ -38,9 +38,10 @@ def manual_plan(global_batch: int = 8, num_microbatches: int = 2, dp=None, tp=No
 
 class PipelineStep:
     def __init__(self, cfg: MLLMConfig, plan: Plan, schedule, compute_dtype=jnp.float32,
-                 seed: int = 0, settings: OptimizerSettings | None = None, devices=None):
+                 seed: int = 0, settings: OptimizerSettings | None = None, devices=None,
+                 pretrained: dict | None = None):
         self.settings = settings or OptimizerSettings()
-        self.runtime = PipelineRuntime(cfg, plan, devices, seed, compute_dtype)
+        self.runtime = PipelineRuntime(cfg, plan, devices, seed, compute_dtype, pretrained)
         tx = optimizer_from_settings(schedule, self.settings, clip=False)
         trained = [sid for sid, st in self.runtime.stages.items()
                    if st.mode in ("full", "params")]

@@ -22,10 +22,11 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from mmjax.data.assemble import AssemblyLayout, BatchShapes, assemble, batch_shapes, check_sample
 from mmjax.data.synthetic import SyntheticConfig, SyntheticDataset
 from mmjax.models.config import MLLMConfig, config_to_dict
+from mmjax.models.hf.pretrained import load_into_model, prepare_pretrained
 from mmjax.models.mllm import MultimodalModel, trainable_filter
 from mmjax.planner.plan import Plan
 from mmjax.train.checkpoint import Checkpointer
-from mmjax.train.config import named_model_config
+from mmjax.train.config import named_model_config, pretrained
 from mmjax.train.inputs import model_inputs
 from mmjax.train.optimizer import learning_rate_schedule, optimizer_from_settings
 from mmjax.train.step import TrainState, make_train_step, split_model
@@ -108,9 +109,12 @@ class SequentialBatches:
 class SingleProgram:
     """Plain jit of the whole model on the default device (the parity reference)."""
 
-    def __init__(self, cfg, layout, global_batch, schedule, dtype, seed):
+    def __init__(self, cfg, layout, global_batch, schedule, dtype, seed, pretrained=None):
         self.data = SequentialBatches(synthetic_dataset(cfg), layout, global_batch)
         mdl = MultimodalModel(cfg, jax.random.key(seed))
+        if pretrained:
+            encoders = {k: v for k, v in pretrained.items() if k != "llm"}
+            load_into_model(mdl, pretrained.get("llm"), encoders)
         graphdef, trainable, frozen = split_model(mdl, trainable_filter(cfg))
         tx = optimizer_from_settings(schedule)
         self.state = TrainState(jnp.zeros((), jnp.int32), trainable, frozen, tx.init(trainable))
@@ -143,11 +147,11 @@ class Pipelined:
     """A Plan on the pipeline runtime, fed by the grain loader (planning, balancing and
     assembly off the training path, in its prefetch thread or worker processes)."""
 
-    def __init__(self, cfg, layout, plan, schedule, dtype, seed):
+    def __init__(self, cfg, layout, plan, schedule, dtype, seed, pretrained=None):
         from mmjax.data.loader import Loader, SyntheticSource, loader_source
         from mmjax.train.pipeline_step import PipelineStep
 
-        self.step_fn = PipelineStep(cfg, plan, schedule, dtype, seed)
+        self.step_fn = PipelineStep(cfg, plan, schedule, dtype, seed, pretrained=pretrained)
         # gin: `loader_source.path` (an ArrayRecord file from scripts/make_dataset.py) or
         # the synthetic set; `Loader.*` (balance, post_balance_policy, workers, ...).
         source = loader_source(lambda: SyntheticSource(synthetic_dataset(cfg)))
@@ -184,11 +188,13 @@ class Pipelined:
 RUN_INFO = "run.json"
 
 
-def write_run_info(workdir: str, cfg: MLLMConfig, plan: Plan | None, seed: int) -> None:
-    """DIR/run.json: the model config, plan and seed a checkpoint belongs to (what
-    scripts/export_hf.py rebuilds the model from)."""
+def write_run_info(workdir: str, cfg: MLLMConfig, plan: Plan | None, seed: int,
+                   pretrained: dict | None = None) -> None:
+    """DIR/run.json: the model config, plan, seed and pretrained directories a checkpoint
+    belongs to (what scripts/export_hf.py rebuilds the model from)."""
     info = {"model": config_to_dict(cfg), "plan": None if plan is None else plan.to_json(),
-            "seed": seed}
+            "seed": seed, "pretrained": {k: os.path.abspath(v) for k, v in
+                                         (pretrained or {}).items()}}
     with open(os.path.join(workdir, RUN_INFO), "w") as f:
         json.dump(info, f, indent=1)
 
@@ -209,11 +215,14 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
     if global_batch < 1 or steps < 1:
         raise ValueError("train.global_batch and train.steps must be >= 1")
     cfg = model or named_model_config()
+    dirs = pretrained()  # gin: pretrained.<unit> = "/hf/checkpoint/dir"
+    if dirs:  # configs from config.json; files, names and shapes checked before any work
+        cfg = prepare_pretrained(cfg, dirs)
     layout = data_layout(cfg)
     schedule = learning_rate_schedule(steps)
     dtype = _DTYPES[compute_dtype]
     if plan is None:
-        runner = SingleProgram(cfg, layout, global_batch, schedule, dtype, seed)
+        runner = SingleProgram(cfg, layout, global_batch, schedule, dtype, seed, dirs)
     else:
         from mmjax.train.pipeline_step import manual_plan
 
@@ -228,10 +237,10 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
             raise ValueError(f"plan global_batch={the_plan.global_batch} differs from "
                              f"train.global_batch={global_batch}: make them equal")
         the_plan.validate(cfg, jax.device_count())
-        runner = Pipelined(cfg, layout, the_plan, schedule, dtype, seed)
+        runner = Pipelined(cfg, layout, the_plan, schedule, dtype, seed, dirs)
     os.makedirs(workdir, exist_ok=True)
     if jax.process_index() == 0:
-        write_run_info(workdir, cfg, None if plan is None else the_plan, seed)
+        write_run_info(workdir, cfg, None if plan is None else the_plan, seed, dirs)
     console = Console(stderr=True)
     # Multi-process (mmjax.launch): every process runs the loop; process 0 writes the
     # metrics. Orbax saves only global (cross-process) arrays, while pipeline stages mostly

@@ -17,7 +17,9 @@ from mmjax.models.hf.dispatch import (build_module, config_for, hf_forward, load
                                       model_type)
 from mmjax.models.hf.llm import (config_from_hf, config_to_hf, export_llm_safetensors,
                                  llm_entries, load_llm_safetensors, rope_from_hf)
-from mmjax.models.hf.pretrained import load_into_model
+from mmjax.models.hf.pretrained import (PretrainedError, check_pretrained, load_into_model,
+                                        load_plan, load_stage_state, prepare_pretrained,
+                                        pretrained_config)
 from mmjax.models.hf.vision import (export_vit_safetensors, load_vit_safetensors,
                                     vision_config_from_hf, vision_config_to_hf, vit_entries)
 from mmjax.models.hf.whisper import (audio_config_from_hf, audio_config_to_hf,

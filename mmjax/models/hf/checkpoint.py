@@ -29,11 +29,11 @@ _IGNORED = re.compile(r"(^|\.)(rotary_emb\.inv_freq|position_ids)$")
 
 @dataclass(frozen=True)
 class Entry:
-    """One tensor: HF name (None: no HF tensor, load zeros), our pure-dict path, our shape;
+    """One tensor: HF name, our pure-dict path, our shape;
     `transpose`: HF holds the transpose; `patch` > 0: HF holds a Conv2d patch kernel
     [out, C, patch, patch] for our [patch * patch * C, out]."""
 
-    hf: str | None
+    hf: str
     path: tuple
     shape: tuple[int, ...]
     transpose: bool = False
@@ -118,6 +118,11 @@ class Checkpoint:
         with safe_open(str(self.file[name]), framework="numpy") as f:
             return f.get_tensor(name)
 
+    def read_slice(self, name: str, index: tuple) -> np.ndarray:
+        """Only block `index` (slices, HF layout) of tensor `name` is read from the file."""
+        with safe_open(str(self.file[name]), framework="numpy") as f:
+            return f.get_slice(name)[index]
+
 
 def _set(tree: dict, path: tuple, value):
     for k in path[:-1]:
@@ -144,36 +149,58 @@ def _fmt(path: tuple) -> str:
     return ".".join(str(k) for k in path)
 
 
+@dataclass
+class LoadPlan:
+    """What loading one module (or stage) reads: `entries` from `ckpt`; `known`: every HF
+    name (under `prefix`) the whole module has, so a checkpoint name under `prefix` outside
+    it (and not an ignored buffer) is unexpected."""
+
+    ckpt: Checkpoint
+    entries: list[Entry]
+    known: set[str]
+    what: str
+    prefix: str = ""
+
+    def check(self) -> None:
+        """Unexpected / missing tensors and shape mismatches, from the headers alone."""
+        unexpected = sorted(n for n in self.ckpt.names if n.startswith(self.prefix)
+                            and n not in self.known and not _IGNORED.search(n))
+        if unexpected:
+            more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
+            raise ValueError(f"{self.what}: unexpected tensor {unexpected[0]!r}{more} in the "
+                             f"checkpoint; the config does not describe this model (check "
+                             f"num_layers, qkv_bias, tie_embeddings and sizes against config.json)")
+        for e in self.entries:
+            if e.hf not in self.ckpt.file:
+                raise ValueError(f"{self.what}: missing tensor {e.hf!r}: expected shape "
+                                 f"{e.hf_shape} (HF layout) for {_fmt(e.path)}")
+            if self.ckpt.shape[e.hf] != e.hf_shape:
+                raise ValueError(f"{self.what}: tensor {e.hf!r} has shape "
+                                 f"{self.ckpt.shape[e.hf]}, expected {e.hf_shape} (HF layout) "
+                                 f"for {_fmt(e.path)} {e.shape}; the config does not match "
+                                 f"the checkpoint")
+
+    def read(self, dtype=np.float32) -> dict:
+        """Check, then read every entry whole into a pure dict."""
+        self.check()
+        pure: dict = {}
+        for e in self.entries:
+            _set(pure, e.path, np.ascontiguousarray(e.to_ours(self.ckpt.read(e.hf)), dtype=dtype))
+        return pure
+
+    def read_part(self, e: Entry, index: tuple) -> np.ndarray:
+        """Our-layout block `index` (a tuple of slices over e.shape) of entry `e`, reading
+        only that block of the file (safetensors get_slice) unless it is a patch kernel."""
+        if e.patch:
+            return e.to_ours(self.ckpt.read(e.hf))[index]
+        hf_index = tuple(index[::-1]) if e.transpose else tuple(index)
+        return e.to_ours(self.ckpt.read_slice(e.hf, hf_index))
+
+
 def load_entries(ckpt: Checkpoint, entries: list[Entry], known: set[str], what: str,
                  prefix: str = "", dtype=np.float32) -> dict:
-    """Check then read `entries` from `ckpt` into a pure dict.
-
-    known: every HF name (under `prefix`) the whole module has; a checkpoint name under
-    `prefix` outside it (and not an ignored buffer) is unexpected. Missing names and shape
-    mismatches are checked for every entry before any tensor data is read.
-    """
-    unexpected = sorted(n for n in ckpt.names
-                        if n.startswith(prefix) and n not in known and not _IGNORED.search(n))
-    if unexpected:
-        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
-        raise ValueError(f"{what}: unexpected tensor {unexpected[0]!r}{more} in the checkpoint; "
-                         f"the config does not describe this model (check num_layers, "
-                         f"qkv_bias, tie_embeddings and sizes against config.json)")
-    for e in entries:
-        if e.hf is None:
-            continue
-        if e.hf not in ckpt.file:
-            raise ValueError(f"{what}: missing tensor {e.hf!r}: expected shape {e.hf_shape} "
-                             f"(HF layout) for {_fmt(e.path)}")
-        if ckpt.shape[e.hf] != e.hf_shape:
-            raise ValueError(f"{what}: tensor {e.hf!r} has shape {ckpt.shape[e.hf]}, expected "
-                             f"{e.hf_shape} (HF layout) for {_fmt(e.path)} {e.shape}; "
-                             f"the config does not match the checkpoint")
-    pure: dict = {}
-    for e in entries:
-        arr = np.zeros(e.shape, dtype) if e.hf is None else ckpt.read(e.hf)
-        _set(pure, e.path, np.ascontiguousarray(e.to_ours(arr), dtype=dtype))
-    return pure
+    """Check then read `entries` from `ckpt` into a pure dict (see `LoadPlan`)."""
+    return LoadPlan(ckpt, entries, known, what, prefix).read(dtype)
 
 
 def save_entries(pure: dict, entries: list[Entry], path, what: str,

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from mmjax.models.config import LLMConfig
-from mmjax.models.hf.checkpoint import (Checkpoint, Entry, layer_range, load_entries,
+from mmjax.models.hf.checkpoint import (Checkpoint, Entry, LoadPlan, layer_range,
                                         module_pure, read_config, save_entries)
 
 LLM_TYPES = ("llama", "mistral", "qwen2")
@@ -54,6 +54,28 @@ def llm_entries(cfg: LLMConfig, start: int = 0, end: int | None = None) -> list[
     return out
 
 
+def llm_load_plan(paths_or_dir, cfg: LLMConfig, start: int = 0, end: int | None = None
+                  ) -> LoadPlan:
+    """What loading layers [start, end) reads (a tied checkpoint may carry lm_head.weight)."""
+    ckpt = Checkpoint(paths_or_dir)
+    known = {e.hf for e in llm_entries(cfg)}
+    if cfg.tie_embeddings and "lm_head.weight" in ckpt.file:
+        known.add("lm_head.weight")
+    return LoadPlan(ckpt, llm_entries(cfg, start, end), known, "LLM")
+
+
+def check_tied_head(ckpt: Checkpoint, cfg: LLMConfig, embed=None) -> None:
+    """A tied checkpoint's `lm_head.weight`, if any, must equal the embedding."""
+    if not (cfg.tie_embeddings and "lm_head.weight" in ckpt.file):
+        return
+    embed = ckpt.read("model.embed_tokens.weight") if embed is None else embed
+    if not np.array_equal(np.asarray(ckpt.read("lm_head.weight"), np.float32),
+                          np.asarray(embed, np.float32)):
+        raise ValueError("LLM: cfg.tie_embeddings is True but the checkpoint's "
+                         "'lm_head.weight' differs from 'model.embed_tokens.weight'; "
+                         "set tie_embeddings=False (config.json tie_word_embeddings)")
+
+
 def load_llm_safetensors(paths_or_dir, cfg: LLMConfig, start: int = 0, end: int | None = None,
                          dtype=np.float32) -> dict:
     """HF Llama/Qwen2 safetensors -> pure dict for `LLM(cfg, key, start, end)`.
@@ -62,18 +84,10 @@ def load_llm_safetensors(paths_or_dir, cfg: LLMConfig, start: int = 0, end: int 
     head the stage holds. A tied checkpoint may still carry `lm_head.weight`; it is accepted
     only if it equals the embedding.
     """
-    ckpt = Checkpoint(paths_or_dir)
-    entries = llm_entries(cfg, start, end)
-    known = {e.hf for e in llm_entries(cfg)}
-    tied_head = cfg.tie_embeddings and "lm_head.weight" in ckpt.file
-    if tied_head:
-        known.add("lm_head.weight")
-    pure = load_entries(ckpt, entries, known, "LLM", dtype=dtype)
-    if tied_head and "embed" in pure:
-        if not np.array_equal(np.asarray(ckpt.read("lm_head.weight"), dtype), pure["embed"]):
-            raise ValueError("LLM: cfg.tie_embeddings is True but the checkpoint's "
-                             "'lm_head.weight' differs from 'model.embed_tokens.weight'; "
-                             "set tie_embeddings=False (config.json tie_word_embeddings)")
+    plan = llm_load_plan(paths_or_dir, cfg, start, end)
+    pure = plan.read(dtype)
+    if "embed" in pure:
+        check_tied_head(plan.ckpt, cfg, pure["embed"])
     return pure
 
 

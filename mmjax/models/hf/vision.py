@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 
 from mmjax.models.config import VisionConfig
-from mmjax.models.hf.checkpoint import (Checkpoint, Entry, dense, layer_norm, layer_range,
-                                        load_entries, module_pure, read_config, save_entries)
+from mmjax.models.hf.checkpoint import (Checkpoint, Entry, LoadPlan, dense, layer_norm,
+                                        layer_range, module_pure, read_config, save_entries)
 
 VISION_TYPES = ("clip", "clip_vision_model", "siglip", "siglip_vision_model")
 _ACTS = {"quick_gelu": "quick_gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
@@ -125,19 +125,24 @@ def _vision_prefix(ckpt: Checkpoint) -> str:
     return found[0] + "vision_model."
 
 
-def load_vit_safetensors(paths_or_dir, cfg: VisionConfig, start: int = 0,
-                         end: int | None = None, dtype=np.float32) -> dict:
-    """HF CLIP / SigLIP safetensors -> pure dict for `StandardViT(cfg, key, start, end)`.
-    Layers past `cfg.depth` and the post-LayerNorm (when the projector reads an inner
-    hidden state) are known but not read; so is SigLIP's pooling head."""
+def vit_load_plan(paths_or_dir, cfg: VisionConfig, start: int = 0,
+                  end: int | None = None) -> LoadPlan:
+    """What loading layers [start, end) reads. Layers past `cfg.depth` and the
+    post-LayerNorm (when the projector reads an inner hidden state) are known but not
+    read; so is SigLIP's pooling head."""
     ckpt = Checkpoint(paths_or_dir)
     prefix = _vision_prefix(ckpt)
     whole = dataclasses.replace(cfg, feature_layer=None)
     known = {e.hf for e in vit_entries(whole, prefix=prefix)}
     known |= {prefix + f"post_layernorm.{w}" for w in ("weight", "bias")}
     known |= {n for n in ckpt.names if n.startswith(prefix + "head.")}
-    return load_entries(ckpt, vit_entries(cfg, start, end, prefix), known, "vision",
-                        prefix=prefix, dtype=dtype)
+    return LoadPlan(ckpt, vit_entries(cfg, start, end, prefix), known, "vision", prefix)
+
+
+def load_vit_safetensors(paths_or_dir, cfg: VisionConfig, start: int = 0,
+                         end: int | None = None, dtype=np.float32) -> dict:
+    """HF CLIP / SigLIP safetensors -> pure dict for `StandardViT(cfg, key, start, end)`."""
+    return vit_load_plan(paths_or_dir, cfg, start, end).read(dtype)
 
 
 def export_vit_safetensors(module_or_pure_dict, cfg: VisionConfig, path,

@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 
 from mmjax.models.config import AudioConfig
-from mmjax.models.hf.checkpoint import (Checkpoint, Entry, dense, layer_norm, layer_range,
-                                        load_entries, module_pure, read_config, save_entries)
+from mmjax.models.hf.checkpoint import (Checkpoint, Entry, LoadPlan, dense, layer_norm,
+                                        layer_range, module_pure, read_config, save_entries)
 from mmjax.models.layers import whisper_sinusoids
 
 
@@ -80,18 +80,25 @@ def _whisper_prefix(ckpt: Checkpoint) -> str:
                      "'model.encoder.conv1.weight'): not a Whisper encoder checkpoint")
 
 
+def whisper_load_plan(paths_or_dir, cfg: AudioConfig, start: int = 0,
+                      end: int | None = None) -> LoadPlan:
+    """What loading layers [start, end) reads; a checkpoint without `embed_positions.weight`
+    keeps the module's init (the sinusoid HF initialises)."""
+    ckpt = Checkpoint(paths_or_dir)
+    prefix = _whisper_prefix(ckpt)
+    table = prefix + "embed_positions.weight"
+    entries = [e for e in whisper_entries(cfg, start, end, prefix)
+               if e.hf != table or table in ckpt.file]
+    known = {e.hf for e in whisper_entries(cfg, prefix=prefix)}
+    return LoadPlan(ckpt, entries, known, "audio", prefix)
+
+
 def load_whisper_encoder_safetensors(paths_or_dir, cfg: AudioConfig, start: int = 0,
                                      end: int | None = None, dtype=np.float32) -> dict:
     """HF Whisper encoder safetensors -> pure dict for `AudioEncoder(cfg, key, start, end)`."""
-    ckpt = Checkpoint(paths_or_dir)
-    prefix = _whisper_prefix(ckpt)
-    entries = whisper_entries(cfg, start, end, prefix)
-    table = prefix + "embed_positions.weight"
-    if table not in ckpt.file:  # not stored: the sinusoid HF initialises
-        entries = [e for e in entries if e.hf != table]
-    known = {e.hf for e in whisper_entries(cfg, prefix=prefix) if e.hf is not None}
-    pure = load_entries(ckpt, entries, known, "audio", prefix=prefix, dtype=dtype)
-    if start == 0 and table not in ckpt.file:
+    plan = whisper_load_plan(paths_or_dir, cfg, start, end)
+    pure = plan.read(dtype)
+    if start == 0 and "embed_positions" not in pure:
         pure["embed_positions"] = np.asarray(
             whisper_sinusoids(cfg.max_source_positions, cfg.hidden_size), dtype)
     return pure
