@@ -162,10 +162,3 @@ def test_rigid_plan_structure():
     frozen = with_overrides(cfg, {"encoders.audio.frozen": True})
     assert [u.frozen for u in Plan.rigid(frozen, 1, 1, 1, 4, 2).units] == [False, True, False]
 
-
-def test_tied_embeddings_refused_over_llm_pipeline_stages():
-    cfg = with_overrides(tiny(), {"llm.tie_embeddings": True})
-    with pytest.raises(PlanError, match=r"Plan.unit\['llm'\]: tie_embeddings=True with the llm "
-                                        r"over 2 pipeline stages"):
-        Plan.uniform(cfg, 4, 2, pp={"llm": 2}).validate(cfg, 8)
-    Plan.uniform(cfg, 4, 2, pp={"vision": 2}).validate(cfg, 8)  # one llm stage: fine

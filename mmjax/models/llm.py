@@ -68,9 +68,8 @@ class LLM(nnx.Module):
         self.is_first, self.is_last = start == 0, end == cfg.num_layers
         k_embed, k_layers, k_head = (jax.random.fold_in(key, i) for i in range(3))
         d, v = cfg.hidden_size, cfg.vocab_size
-        # A tied last stage would keep its own copy of the embedding (Megatron's embedding
-        # group); nothing sums the two copies' gradients yet, so `Plan.validate` refuses a
-        # tied LLM over several pipeline stages.
+        # A tied last stage keeps its own copy of the embedding (Megatron's embedding group);
+        # the pipeline runtime sums the two copies' gradients every step.
         has_embed = self.is_first or (self.is_last and cfg.tie_embeddings)
         self.embed = param(k_embed, (v, d), 0.02) if has_embed else None
         self.layers = nnx.List([DecoderLayer(cfg, jax.random.fold_in(k_layers, i))

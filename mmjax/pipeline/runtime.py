@@ -193,6 +193,12 @@ class PipelineRuntime:
                                            per_stage_trainable,
                                            {u.name: u.num_chunks for u in plan.units})
         self.num_virtual = nv
+        if cfg.llm.tie_embeddings and nv["llm"] > 1 and not all(
+                holds_local_device(m) for m in (self.meshes["llm"][0], self.meshes["llm"][-1])):
+            raise ValueError("tie_embeddings=True with the llm's first and last stage in "
+                             "different processes is not supported (the embedding group sums "
+                             "their gradients in one process): place both in one process or "
+                             "use llm pp=1")
         self.stages: dict[StageId, Stage] = {}
         for sid in self.graph.stages:
             gd, tr, fr = built[sid]
@@ -326,9 +332,34 @@ class PipelineRuntime:
                             t0, done)
             if act.kind == "B" or not self.graph.runs_backward(sid):
                 sides.pop((sid, mb), None)
+        self._sum_tied_embedding_grads()
         if tracer:
             result.trace = tracer.finish()
         return result
+
+    def tied_embedding_stages(self) -> tuple[StageId, StageId] | None:
+        """(first, last) LLM stage when both hold a copy of a tied embedding, else None."""
+        n = self.num_virtual["llm"]
+        if not self.cfg.llm.tie_embeddings or n == 1:
+            return None
+        return StageId("llm", 0), StageId("llm", n - 1)
+
+    def _sum_tied_embedding_grads(self) -> None:
+        """Megatron's embedding group: a tied LLM over several stages keeps the embedding on
+        its first stage (input) and last stage (LM head); each copy gets the sum of both
+        gradients every step, so copies that start equal stay equal, and equal the single
+        model's embedding (its gradient is that sum)."""
+        pair = self.tied_embedding_stages()
+        if pair is None:
+            return
+        first, last = (self.stages[s] for s in pair)
+        if first.grads is None or last.grads is None:  # a frozen LLM: nothing to sum
+            return
+        a, b = nnx.to_pure_dict(first.grads), nnx.to_pure_dict(last.grads)
+        total = a["embed"] + jax.device_put(b["embed"], a["embed"].sharding)
+        a["embed"], b["embed"] = total, jax.device_put(total, b["embed"].sharding)
+        nnx.replace_by_pure_dict(first.grads, a)
+        nnx.replace_by_pure_dict(last.grads, b)
 
     def _gather_input(self, sid, mb, outputs, feed):
         preds = self.graph.predecessors(sid)

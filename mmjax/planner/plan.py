@@ -172,11 +172,6 @@ class Plan:
             if len(u.layers) != nv or sum(u.layers) != n_layers or min(u.layers) < 1:
                 raise PlanError(f"{where}.layers={u.layers} must have pp*num_chunks={nv} "
                                 f"positive entries summing to {n_layers}")
-            if u.name == "llm" and nv > 1 and model.llm.tie_embeddings:
-                raise PlanError(f"{where}: tie_embeddings=True with the llm over {nv} pipeline "
-                                f"stages would train two copies of the embedding (first and "
-                                f"last stage); use pp=1 and num_chunks=1 for the llm, or an "
-                                f"untied model (llm.tie_embeddings=False)")
             if u.num_chunks > 1 and self.num_microbatches % u.pp:
                 raise PlanError(f"{where}: interleaved 1F1B needs num_microbatches "
                                 f"({self.num_microbatches}) to be a multiple of pp={u.pp}")

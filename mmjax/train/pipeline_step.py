@@ -14,6 +14,7 @@ from __future__ import annotations
 import gin
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from mmjax.models.config import MLLMConfig
 from mmjax.parallel.zero import Zero1Optimizer, global_grad_norm, multiprocess_grad_norm
@@ -57,9 +58,9 @@ class PipelineStep:
         res = self.runtime.run(feeds, trace=trace)
         stages = self.runtime.stages
         if jax.process_count() == 1:
-            norm = global_grad_norm([stages[sid].grads for sid in self.optimizers])
+            norm = global_grad_norm([self._norm_terms(sid) for sid in self.optimizers])
         else:
-            norm = multiprocess_grad_norm([stages[sid].grads for sid in self.trained])
+            norm = multiprocess_grad_norm([self._norm_terms(sid) for sid in self.trained])
         for sid, opt in self.optimizers.items():
             st = stages[sid]
             st.trainable, self.opt_states[sid] = self.runtime.settle(
@@ -69,6 +70,15 @@ class PipelineStep:
         if trace:
             out["trace"] = res.trace
         return out
+
+    def _norm_terms(self, sid):
+        """A stage's gradients in the global norm; the last stage's copy of a tied
+        embedding is left out (the single model has one embedding, counted once)."""
+        grads = self.runtime.stages[sid].grads
+        pair = self.runtime.tied_embedding_stages()
+        if grads is None or pair is None or sid != pair[1]:
+            return grads
+        return {k: v for k, v in nnx.to_pure_dict(grads).items() if k != "embed"}
 
     # ---- checkpoint state -------------------------------------------------------------
     def state(self) -> dict:
