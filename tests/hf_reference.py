@@ -9,7 +9,8 @@ import math
 
 import numpy as np
 from safetensors.numpy import save_file
-from scipy.special import erf
+
+erf = np.vectorize(math.erf)
 
 # ------------------------------------------------------------------------ checkpoints
 
