@@ -96,6 +96,9 @@ def main(argv=None) -> int:
     ap.add_argument("--hardware", help="a800 | h100 | h200 (default: the paper's)")
     ap.add_argument("--recompute", action="store_true", help="activation recomputation")
     ap.add_argument("--no_vpp", action="store_true", help="disable interleaved 1F1B")
+    ap.add_argument("--attention_impl", choices=["dense", "chunked", "pallas"],
+                    help="cost attention by this implementation's tiles and memory and put it "
+                         "in every unit of the plan (default: exact pairs, attention_impl auto)")
     ap.add_argument("--gpu_tolerance", type=float, default=GPU_TOLERANCE,
                     help="relative slack on the least iteration time within which the plan "
                          "with the fewest GPUs wins (0: least time only)")
@@ -118,7 +121,8 @@ def main(argv=None) -> int:
     try:
         plans["planner"] = plan_model(model, hw, args.gpus, args.global_batch,
                                       recompute=args.recompute, vpp=not args.no_vpp, costs=costs,
-                                      gpu_tolerance=args.gpu_tolerance)
+                                      gpu_tolerance=args.gpu_tolerance,
+                                      attention_impl=args.attention_impl)
     except PlanError as e:
         errors["planner"] = str(e)
     for kind in ("megatron", "ratio"):

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from test_runtime_parity import assert_same_grads, global_batch
+from helpers import assert_same_grads, global_batch
 from test_vit_training import CLIP_TINY
 
 import hf_reference as ref
@@ -19,7 +19,7 @@ from mmjax.models.config import with_overrides
 from mmjax.models.hf.checkpoint import Checkpoint
 from mmjax.models.mllm import MultimodalModel, trainable_filter
 from mmjax.models.tiny import tiny
-from mmjax.pipeline.feed import microbatch_feed
+from mmjax.data.feed import microbatch_feed
 from mmjax.pipeline.runtime import PipelineRuntime, to_reference_layout
 from mmjax.planner.plan import Plan
 from mmjax.train.inputs import model_inputs
@@ -83,10 +83,9 @@ def test_pp2_tp2_llm_and_dp2_clip_tower_match_single_device(dirs, monkeypatch):
 
     feeds = [microbatch_feed(samples[m * 2:(m + 1) * 2], lay, {"vision": 2, "llm": 1})
              for m in range(2)]
-    loss = rt.run(feeds).losses()["loss"]
-    grads = to_reference_layout(plan, {sid: nnx.to_pure_dict(st.grads)
-                                       for sid, st in rt.stages.items() if st.grads is not None})
-    np.testing.assert_allclose(loss, float(ref_loss), rtol=1e-5)
+    res = rt.run(feeds)
+    grads = to_reference_layout(plan, res.pure_grads())
+    np.testing.assert_allclose(res.losses()["loss"], float(ref_loss), rtol=1e-5)
     assert_same_grads(grads, nnx.to_pure_dict(ref_grads))
 
 

@@ -4,7 +4,7 @@ single-device loss and gradients)."""
 import dataclasses
 
 import pytest
-from test_runtime_parity import check, make_cfg
+from helpers import check, make_cfg
 
 from mmjax.data.assemble import AssemblyLayout, pack_images
 from mmjax.models.config import VisionConfig

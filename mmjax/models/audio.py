@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mmjax.models.attention import segment_mask
+from mmjax.models.attention import segment_meta
 from mmjax.models.config import AudioConfig
 from mmjax.models.layers import EncoderBlock, LayerNorm, param, whisper_sinusoids, zeros
 
@@ -69,15 +69,15 @@ class AudioEncoder(nnx.Module):
         pos = jax.lax.stop_gradient(self.embed_positions[...][: x.shape[1]])
         return x + pos.astype(x.dtype)
 
-    def run_layers(self, x, frame_len):
-        seg = audio_token_mask(frame_len, x.shape[1]).astype(jnp.int32)
-        allowed = segment_mask(seg)
+    def run_layers(self, x, frame_len, attention_impl: str = "auto"):
+        meta = segment_meta(audio_token_mask(frame_len, x.shape[1]).astype(jnp.int32))
         for layer in self.layers:
-            x = layer(x, allowed)
+            x = layer(x, meta, attention_impl)
         return x
 
     def finish(self, x):
         return self.final_ln(x)
 
-    def __call__(self, mels, frame_len):
-        return self.finish(self.run_layers(self.embed(mels, frame_len), frame_len))
+    def __call__(self, mels, frame_len, attention_impl: str = "auto"):
+        x = self.run_layers(self.embed(mels, frame_len), frame_len, attention_impl)
+        return self.finish(x)

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mmjax.models.attention import dot_product_attention
+from mmjax.models.attention import bam_attention
 
 _normal = jax.nn.initializers.normal
 
@@ -157,10 +157,18 @@ class EncoderBlock(nnx.Module):
         self.ln2 = LayerNorm(dim, eps)
         self.fc1, self.fc2 = Dense(ks[4], dim, ffn), Dense(ks[5], ffn, dim)
 
-    def __call__(self, x, allowed):
+    def __call__(self, x, meta, attention_impl: str = "auto"):
+        """x [B, S, d]; meta: the tokens' TokenMeta (`segment_meta` for packed items)."""
         b, s, d = x.shape
         h = self.ln1(x)
         split = lambda t: t.reshape(b, s, self.num_heads, d // self.num_heads)
-        att = dot_product_attention(split(self.q(h)), split(self.k(h)), split(self.v(h)), allowed)
+        att = bam_attention(split(self.q(h)), split(self.k(h)), split(self.v(h)), meta,
+                            implementation=attention_impl)
         x = x + self.o(att.reshape(b, s, d))
         return x + self.fc2(ACTIVATIONS[self.act](self.fc1(self.ln2(x))))
+
+
+def cast_floats(tree, dtype):
+    """Every floating leaf of `tree` in `dtype` (mixed precision: fp32 master -> bf16 compute)."""
+    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+                        tree)

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from mmjax.models.attention import dot_product_attention, f32_einsum
+from mmjax.models.attention import TokenMeta, bam_attention, dot_product_attention, f32_einsum
 from mmjax.models.config import LLMConfig
 from mmjax.models.layers import PLAIN, RMSNorm, param, rope, zeros
 
@@ -55,8 +55,14 @@ class DecoderLayer(nnx.Module):
 
 
 def mask_attend(allowed):
-    """The default attention hook: dense masked attention with a precomputed mask."""
+    """Attention hook with a precomputed dense [B, S, S] mask (tests, small examples)."""
     return lambda q, k, v: dot_product_attention(q, k, v, allowed)
+
+
+def meta_attend(meta: TokenMeta, attention_impl: str = "auto"):
+    """The default attention hook: `bam_attention` from the tokens' metadata, so no
+    implementation but "dense" ever builds the [B, S, S] mask."""
+    return lambda q, k, v: bam_attention(q, k, v, meta, implementation=attention_impl)
 
 
 class LLM(nnx.Module):
@@ -94,10 +100,13 @@ class LLM(nnx.Module):
         w = self.embed[...].T if self.lm_head is None else self.lm_head[...]
         return f32_einsum("...d,dv->...v", h, w.astype(h.dtype))
 
-    def __call__(self, tokens, positions, allowed, ops=PLAIN):
-        """Whole-model convenience: tokens -> logits."""
+    def __call__(self, tokens, positions, allowed, ops=PLAIN, attention_impl: str = "auto"):
+        """Whole-model convenience: tokens -> logits; `allowed` is a dense [B, S, S] mask or
+        the tokens' TokenMeta (then attention runs `attention_impl`)."""
         x = self.embed_tokens(tokens)
-        h = self.final_hidden(self.run_layers(x, positions, mask_attend(allowed), ops))
+        attend = (meta_attend(allowed, attention_impl) if isinstance(allowed, TokenMeta)
+                  else mask_attend(allowed))
+        h = self.final_hidden(self.run_layers(x, positions, attend, ops))
         return self.logits(h)
 
 

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mmjax.models.attention import segment_mask
+from mmjax.models.attention import segment_mask, segment_meta
 from mmjax.models.config import VisionConfig
 from mmjax.models.layers import Dense, EncoderBlock, LayerNorm, param
 
@@ -105,13 +105,13 @@ class StandardViT(nnx.Module):
             x = jnp.concatenate([x, jnp.broadcast_to(cls, (n, k, x.shape[-1]))], axis=1)
         return x if self.pre_ln is None else self.pre_ln(x)
 
-    def run_layers(self, x, patch_seg):
+    def run_layers(self, x, patch_seg, attention_impl: str = "auto"):
         seg = patch_seg
         if self.cfg.class_token:
             seg = jnp.concatenate([seg, class_slot_segments(seg, self.cfg.max_images)], axis=1)
-        allowed = segment_mask(seg)
+        meta = segment_meta(seg)
         for layer in self.layers:
-            x = layer(x, allowed)
+            x = layer(x, meta, attention_impl)
         return x
 
     def finish(self, x):

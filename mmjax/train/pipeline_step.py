@@ -26,14 +26,16 @@ from mmjax.train.optimizer import OptimizerSettings, optimizer_from_settings
 @gin.configurable
 def manual_plan(global_batch: int = 8, num_microbatches: int = 2, dp=None, tp=None, pp=None,
                 cp=None, num_chunks=None, overlap_tp=None, model: MLLMConfig | None = None,
-                remat=None, tp_chunks=None, tp_bidirectional=None, cp_head_groups=None
-                ) -> Plan:
+                remat=None, tp_chunks=None, tp_bidirectional=None, cp_head_groups=None,
+                attention_impl=None) -> Plan:
     """A Plan from per-unit dicts, e.g. `manual_plan.pp = {"llm": 2}` or
-    `manual_plan.remat = "dots"` in gin (a plain value applies to every unit)."""
+    `manual_plan.remat = "dots"` / `manual_plan.attention_impl = "chunked"` in gin (a plain
+    value applies to every unit)."""
     kw = {k: v for k, v in dict(dp=dp, tp=tp, pp=pp, cp=cp, num_chunks=num_chunks,
                                 overlap_tp=overlap_tp, remat=remat, tp_chunks=tp_chunks,
                                 tp_bidirectional=tp_bidirectional,
-                                cp_head_groups=cp_head_groups).items() if v is not None}
+                                cp_head_groups=cp_head_groups,
+                                attention_impl=attention_impl).items() if v is not None}
     return Plan.uniform(model, global_batch, num_microbatches, **kw)
 
 
@@ -45,7 +47,7 @@ class PipelineStep:
         self.runtime = PipelineRuntime(cfg, plan, devices, seed, compute_dtype, pretrained)
         tx = optimizer_from_settings(schedule, self.settings, clip=False)
         trained = [sid for sid, st in self.runtime.stages.items()
-                   if st.mode in ("full", "params")]
+                   if st.mode.param_grads]
         self.trained = trained  # every process, same order: the global norm's terms
         self.optimizers = {sid: Zero1Optimizer(tx, self.runtime.stages[sid].mesh,
                                                self.runtime.stages[sid].trainable,
@@ -58,27 +60,29 @@ class PipelineStep:
         res = self.runtime.run(feeds, trace=trace)
         stages = self.runtime.stages
         if jax.process_count() == 1:
-            norm = global_grad_norm([self._norm_terms(sid) for sid in self.optimizers])
+            norm = global_grad_norm([self._norm_terms(res.grads, sid)
+                                     for sid in self.optimizers])
         else:
-            norm = multiprocess_grad_norm([self._norm_terms(sid) for sid in self.trained])
+            norm = multiprocess_grad_norm([self._norm_terms(res.grads, sid)
+                                           for sid in self.trained])
         for sid, opt in self.optimizers.items():
             st = stages[sid]
             st.trainable, self.opt_states[sid] = self.runtime.settle(
-                opt.update(st.trainable, st.grads, self.opt_states[sid], norm))
+                opt.update(st.trainable, res.grads[sid], self.opt_states[sid], norm))
         out = res.losses()  # the step's one host sync, after everything is dispatched
         out["grad_norm"] = float(norm)
         if trace:
             out["trace"] = res.trace
         return out
 
-    def _norm_terms(self, sid):
+    def _norm_terms(self, grads: dict, sid):
         """A stage's gradients in the global norm; the last stage's copy of a tied
         embedding is left out (the single model has one embedding, counted once)."""
-        grads = self.runtime.stages[sid].grads
+        g = grads.get(sid)
         pair = self.runtime.tied_embedding_stages()
-        if grads is None or pair is None or sid != pair[1]:
-            return grads
-        return {k: v for k, v in nnx.to_pure_dict(grads).items() if k != "embed"}
+        if g is None or pair is None or sid != pair[1]:
+            return g
+        return {k: v for k, v in nnx.to_pure_dict(g).items() if k != "embed"}
 
     # ---- checkpoint state -------------------------------------------------------------
     def state(self) -> dict:

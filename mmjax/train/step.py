@@ -13,6 +13,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from mmjax.models.layers import cast_floats
+
 
 class TrainState(NamedTuple):
     step: jax.Array
@@ -21,26 +23,23 @@ class TrainState(NamedTuple):
     opt_state: optax.OptState
 
 
-def cast_floats(tree, dtype):
-    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
-                        tree)
-
-
 def split_model(model, trainable_filter):
     """-> (graphdef, trainable params, everything else)."""
     return nnx.split(model, trainable_filter, ...)
 
 
-def make_loss_fn(graphdef, compute_dtype=jnp.float32):
+def make_loss_fn(graphdef, compute_dtype=jnp.float32, attention_impl="auto"):
+    """attention_impl: a `bam_attention` implementation, or a {unit: implementation} dict."""
     def loss_fn(trainable, frozen, batch):
         model = nnx.merge(graphdef, cast_floats(trainable, compute_dtype),
                           cast_floats(frozen, compute_dtype))
-        return model(batch, compute_dtype)
+        return model(batch, compute_dtype, attention_impl)
     return loss_fn
 
 
-def make_train_step(graphdef, tx: optax.GradientTransformation, compute_dtype=jnp.float32):
-    loss_fn = make_loss_fn(graphdef, compute_dtype)
+def make_train_step(graphdef, tx: optax.GradientTransformation, compute_dtype=jnp.float32,
+                    attention_impl="auto"):
+    loss_fn = make_loss_fn(graphdef, compute_dtype, attention_impl)
 
     def train_step(state: TrainState, batch):
         (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(
