@@ -58,7 +58,11 @@ def main(argv=None) -> int:
     from mmjax.train.trainer import train
 
     workdir = args.workdir or os.path.join("runs", os.path.splitext(os.path.basename(files[0]))[0])
-    records = train(workdir=workdir)
+    from mmjax.models.hf import PretrainedError
+    try:
+        records = train(workdir=workdir)
+    except PretrainedError as e:
+        sys.exit(f"error: {e}")
     if records:
         print(f"done: {len(records)} steps, loss {records[0]['loss']:.4f} -> "
               f"{records[-1]['loss']:.4f}; metrics in {workdir}/metrics.jsonl")

@@ -163,3 +163,4 @@ def test_rigid_plan_structure():
     p.validate(cfg, 16)
     frozen = with_overrides(cfg, {"encoders.audio.frozen": True})
     assert [u.frozen for u in Plan.rigid(frozen, 1, 1, 1, 4, 2).units] == [False, True, False]
+

@@ -44,6 +44,14 @@ class EncoderSlot:
     feature_dim: int  # patch_dim (vision) or n_mels (audio)
     patch_size: int = 0  # vision
     max_grid: int = 0  # vision: max patches per side
+    class_slots: int = 0  # vision with a class token: images per buffer row at most
+
+    @property
+    def items_per_buffer(self) -> int | None:
+        """Images per buffer row at most (cross-attention item slots, class-token slots)."""
+        if self.queries:
+            return self.max_items
+        return self.class_slots or None
 
 
 @dataclass(frozen=True)
@@ -100,7 +108,8 @@ class AssemblyLayout:
                 slots.append(EncoderSlot(spec.name, "image", i + 1, r,
                                          spec.projector.num_queries if ca else 0,
                                          spec.projector.max_items, enc.patch_dim,
-                                         enc.patch_size, enc.max_grid))
+                                         enc.patch_size, enc.max_grid,
+                                         enc.max_images if enc.class_token else 0))
                 bad = [c for c in vision_caps if c % r]
                 if bad:
                     raise ValueError(f"vision_caps {bad} not multiples of downsample {r}")
@@ -304,7 +313,7 @@ def batch_shapes(groups: list[list[SampleMeta]], layout: AssemblyLayout) -> Batc
         if slot.modality == "image":
             runs = [_image_runs(m, slot) for m in groups]
             cap = _bucket(max([max(r) for r in runs if r] or [0]), layout.vision_caps)
-            mi = slot.max_items if slot.queries else None
+            mi = slot.items_per_buffer
             nb = max([max(b for b, _, _ in pack_images(r, cap, mi)) + 1 for r in runs if r] or [1])
             encs.append((slot.name, _pow2(nb), cap))
         else:
@@ -411,7 +420,7 @@ def assemble(samples: list[Sample], layout: AssemblyLayout, shapes: BatchShapes 
         count, cap = shapes.encoder(slot.name)
         if slot.modality == "image":
             runs = _image_runs(metas, slot)
-            place[slot.name] = pack_images(runs, cap, slot.max_items if slot.queries else None)
+            place[slot.name] = pack_images(runs, cap, slot.items_per_buffer)
             used = max([b for b, _, _ in place[slot.name]] or [-1]) + 1
             _check_count(slot.name, used, count)
             if encoder_inputs:

@@ -29,6 +29,7 @@ from mmjax.models.generator import DiffusionGenerator, add_noise, diffusion_loss
 from mmjax.models.llm import LLM, lm_loss_sum, merge_modalities, meta_attend
 from mmjax.models.projector import make_projector
 from mmjax.models.vision import VisionEncoder
+from mmjax.models.vit import StandardViT
 
 
 def unit_key(root, name: str):
@@ -38,7 +39,8 @@ def unit_key(root, name: str):
 
 def make_encoder(spec: EncoderSpec, key, start=0, end=None):
     if isinstance(spec.encoder, VisionConfig):
-        return VisionEncoder(spec.encoder, key, start, end)
+        kind = StandardViT if spec.encoder.kind == "vit" else VisionEncoder
+        return kind(spec.encoder, key, start, end)
     if isinstance(spec.encoder, AudioConfig):
         return AudioEncoder(spec.encoder, key, start, end)
     raise TypeError(f"encoder {spec.name!r}: unsupported config {type(spec.encoder).__name__}")
@@ -53,6 +55,8 @@ def encoder_segments(spec: EncoderSpec, inputs, num_tokens: int):
 
 def encoder_embed(spec: EncoderSpec, encoder, inputs):
     if isinstance(spec.encoder, VisionConfig):
+        if spec.encoder.kind == "vit":
+            return encoder.embed(inputs["patches"], inputs["patch_seg"], inputs["patch_pos"])
         return encoder.embed(inputs["patches"], inputs["patch_pos"])
     return encoder.embed(inputs["mels"], inputs["frame_len"])
 
@@ -223,8 +227,10 @@ class MultimodalModel(nnx.Module):
 
 
 def trainable_filter(cfg: MLLMConfig):
-    """nnx filter for parameters that train (frozen modules get no grads, no opt state)."""
-    frozen = []
+    """nnx filter for parameters that train (frozen modules get no grads, no opt state).
+    Whisper's position table (`embed_positions`) is fixed, as in Whisper, so never trains."""
+    frozen = [nnx.PathContains("embed_positions")] if any(
+        isinstance(e.encoder, AudioConfig) for e in cfg.encoders) else []
     for e in cfg.encoders:
         if e.frozen:
             frozen.append(nnx.All(nnx.PathContains("encoders"), nnx.PathContains(e.name)))

@@ -17,6 +17,7 @@ import numpy as np
 from flax import nnx
 
 from mmjax.models.config import MLLMConfig
+from mmjax.models.hf import pretrained as hf_pretrained
 from mmjax.models.mllm import trainable_filter
 from mmjax.data.routes import Routes
 from mmjax.parallel.broker import Broker
@@ -159,10 +160,23 @@ def _place(state, mesh):
     return global_put(state, shardings)
 
 
+def _load_pretrained(cfg: MLLMConfig, up, sid: StageId, path, tr, fr):
+    """A stage's placed states with its layers of the HF checkpoint at `path`."""
+    start, end = up.stage_layers(sid.index % up.pp, sid.index // up.pp)
+    plan = hf_pretrained.load_plan(path, hf_pretrained.unit_config(cfg, sid.unit), start, end)
+    root = () if sid.unit == "llm" else ("encoders", sid.unit)
+    return (hf_pretrained.load_stage_state(tr, plan, root),
+            hf_pretrained.load_stage_state(fr, plan, root))
+
+
 class PipelineRuntime:
     def __init__(self, cfg: MLLMConfig, plan: Plan, devices=None, seed: int = 0,
-                 compute_dtype=jnp.float32):
+                 compute_dtype=jnp.float32, pretrained: dict | None = None):
+        """`pretrained` {unit: HF checkpoint directory}: each stage of those units reads
+        its own layers (its devices' blocks) straight onto its sub-mesh after placement;
+        `cfg` must already describe them (`hf.pretrained_config`)."""
         plan.validate(cfg, len(devices if devices is not None else jax.devices()))
+        pretrained = pretrained or {}
         self.cfg, self.plan, self.dtype = cfg, plan, compute_dtype
         self.meshes = stage_meshes(plan, devices)
         root = jax.random.key(seed)
@@ -184,14 +198,22 @@ class PipelineRuntime:
                                            per_stage_trainable,
                                            {u.name: u.num_chunks for u in plan.units})
         self.num_virtual = nv
+        if cfg.llm.tie_embeddings and nv["llm"] > 1 and not all(
+                holds_local_device(m) for m in (self.meshes["llm"][0], self.meshes["llm"][-1])):
+            raise ValueError("tie_embeddings=True with the llm's first and last stage in "
+                             "different processes is not supported (the embedding group sums "
+                             "their gradients in one process): place both in one process or "
+                             "use llm pp=1")
         self.stages: dict[StageId, Stage] = {}
         for sid in self.graph.stages:
             gd, tr, fr = built[sid]
             mesh = self.meshes[sid.unit][sid.index % plan.unit(sid.unit).pp]
             mode = Backward(self.graph.has_backward[sid])
             up = plan.unit(sid.unit)
-            st = Stage(sid, mesh, up.dp, gd, _place(tr, mesh), _place(fr, mesh), mode,
-                       local=holds_local_device(mesh))
+            tr, fr = _place(tr, mesh), _place(fr, mesh)
+            if sid.unit in pretrained:
+                tr, fr = _load_pretrained(cfg, up, sid, pretrained[sid.unit], tr, fr)
+            st = Stage(sid, mesh, up.dp, gd, tr, fr, mode, local=holds_local_device(mesh))
             st.fns = make_stage_fns(cfg, up, gd, mode, compute_dtype, mesh)
             self.stages[sid] = st
         # one row per physical stage, i.e. per mesh (Megatron's interleaved order for units
@@ -268,6 +290,7 @@ class PipelineRuntime:
                 self._trace(tracer, sid, act, t0, step)
             if act.kind == "B" or not self.graph.runs_backward(sid):
                 step.sides.pop((sid, mb), None)
+        self._sum_tied_embedding_grads(step.result.grads)
         if tracer:
             step.result.trace = tracer.finish()
         return step.result
@@ -318,6 +341,28 @@ class PipelineRuntime:
         phys = StageId(sid.unit, sid.index % self.plan.unit(sid.unit).pp)
         tracer.done(str(phys), {"stage": str(phys), "kind": act.kind, "microbatch": mb,
                                 "chunk": act.chunk, "virtual_stage": str(sid)}, t0, done)
+
+    def tied_embedding_stages(self) -> tuple[StageId, StageId] | None:
+        """(first, last) LLM stage when both hold a copy of a tied embedding, else None."""
+        n = self.num_virtual["llm"]
+        if not self.cfg.llm.tie_embeddings or n == 1:
+            return None
+        return StageId("llm", 0), StageId("llm", n - 1)
+
+    def _sum_tied_embedding_grads(self, grads: dict) -> None:
+        """Megatron's embedding group: a tied LLM over several stages keeps the embedding on
+        its first stage (input) and last stage (LM head); each copy gets the sum of both
+        gradients every step, so copies that start equal stay equal, and equal the single
+        model's embedding (its gradient is that sum). `grads`: StageId -> gradient state."""
+        pair = self.tied_embedding_stages()
+        if pair is None or pair[0] not in grads or pair[1] not in grads:  # a frozen LLM
+            return
+        first, last = grads[pair[0]], grads[pair[1]]
+        a, b = nnx.to_pure_dict(first), nnx.to_pure_dict(last)
+        total = a["embed"] + jax.device_put(b["embed"], a["embed"].sharding)
+        a["embed"], b["embed"] = total, jax.device_put(total, b["embed"].sharding)
+        nnx.replace_by_pure_dict(first, a)
+        nnx.replace_by_pure_dict(last, b)
 
     def _gather_input(self, sid, mb, outputs, feed):
         preds = self.graph.predecessors(sid)

@@ -35,7 +35,7 @@ class EncoderStage(nnx.Module):
     def __init__(self, cfg: MLLMConfig, name: str, root_key, start: int, end: int):
         spec = cfg.encoder(name)
         self.encoders = nnx.Dict({name: make_encoder(spec, unit_key(root_key, name), start, end)})
-        self.is_last = end == spec.encoder.num_layers
+        self.is_last = end == cfg.num_layers(name)
         self.projectors = nnx.Dict({name: make_projector(
             spec.projector, spec.encoder.hidden_size, cfg.llm.hidden_size,
             unit_key(root_key, name + "/projector"))} if self.is_last else {})

@@ -56,14 +56,17 @@ def llm_params(c: LLMConfig) -> int:
 
 def vision_params(c: VisionConfig) -> int:
     d = c.hidden_size
-    return (c.patch_dim * d + d + 2 * c.max_grid * d
-            + c.num_layers * _encoder_layer_params(d, c.ffn_size) + 2 * d)
+    layers = c.depth * _encoder_layer_params(d, c.ffn_size)
+    if c.kind == "packed":
+        return c.patch_dim * d + d + 2 * c.max_grid * d + layers + 2 * d
+    return (c.patch_dim * d + d * c.patch_bias + c.num_positions * d + d * c.class_token
+            + 2 * d * c.pre_norm + layers + 2 * d * c.final_norm)
 
 
 def audio_params(c: AudioConfig) -> int:
     d = c.hidden_size
-    return (c.num_mel_bins * 3 * d + d + d * 3 * d + d
-            + c.num_layers * _encoder_layer_params(d, c.ffn_size) + 2 * d)
+    return (c.num_mel_bins * 3 * d + d + d * 3 * d + d + c.max_source_positions * d
+            + c.num_layers * (_encoder_layer_params(d, c.ffn_size) - d) + 2 * d)  # no k bias
 
 
 def _mlp_dims(p: ProjectorConfig, enc_dim: int, llm_dim: int) -> list[int]:
@@ -211,7 +214,7 @@ def _encoder_work(model: MLLMConfig, wl: Workload, name: str, bwd: int,
     else:  # conv1 over 2n frames, conv2 (stride 2) over n outputs
         front = Work(2 * 2 * n1 * c.num_mel_bins * 3 * d + 2 * n1 * 3 * d * d, d, 0.0,
                      ACT_BYTES * 2 * n1 * (c.num_mel_bins + 2 * d), 0.0, bwd)
-    works = [layer] * c.num_layers
+    works = [layer] * (c.depth if isinstance(c, VisionConfig) else c.num_layers)
     works[0] = _merge(front, works[0])
     return works
 

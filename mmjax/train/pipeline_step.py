@@ -14,6 +14,7 @@ from __future__ import annotations
 import gin
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from mmjax.models.config import MLLMConfig
 from mmjax.parallel.zero import Zero1Optimizer, global_grad_norm, multiprocess_grad_norm
@@ -40,9 +41,10 @@ def manual_plan(global_batch: int = 8, num_microbatches: int = 2, dp=None, tp=No
 
 class PipelineStep:
     def __init__(self, cfg: MLLMConfig, plan: Plan, schedule, compute_dtype=jnp.float32,
-                 seed: int = 0, settings: OptimizerSettings | None = None, devices=None):
+                 seed: int = 0, settings: OptimizerSettings | None = None, devices=None,
+                 pretrained: dict | None = None):
         self.settings = settings or OptimizerSettings()
-        self.runtime = PipelineRuntime(cfg, plan, devices, seed, compute_dtype)
+        self.runtime = PipelineRuntime(cfg, plan, devices, seed, compute_dtype, pretrained)
         tx = optimizer_from_settings(schedule, self.settings, clip=False)
         trained = [sid for sid, st in self.runtime.stages.items()
                    if st.mode.param_grads]
@@ -58,9 +60,11 @@ class PipelineStep:
         res = self.runtime.run(feeds, trace=trace)
         stages = self.runtime.stages
         if jax.process_count() == 1:
-            norm = global_grad_norm([res.grads[sid] for sid in self.optimizers])
+            norm = global_grad_norm([self._norm_terms(res.grads, sid)
+                                     for sid in self.optimizers])
         else:
-            norm = multiprocess_grad_norm([res.grads.get(sid) for sid in self.trained])
+            norm = multiprocess_grad_norm([self._norm_terms(res.grads, sid)
+                                           for sid in self.trained])
         for sid, opt in self.optimizers.items():
             st = stages[sid]
             st.trainable, self.opt_states[sid] = self.runtime.settle(
@@ -70,6 +74,15 @@ class PipelineStep:
         if trace:
             out["trace"] = res.trace
         return out
+
+    def _norm_terms(self, grads: dict, sid):
+        """A stage's gradients in the global norm; the last stage's copy of a tied
+        embedding is left out (the single model has one embedding, counted once)."""
+        g = grads.get(sid)
+        pair = self.runtime.tied_embedding_stages()
+        if g is None or pair is None or sid != pair[1]:
+            return g
+        return {k: v for k, v in nnx.to_pure_dict(g).items() if k != "embed"}
 
     # ---- checkpoint state -------------------------------------------------------------
     def state(self) -> dict:

@@ -23,12 +23,14 @@ from mmjax.data.assemble import AssemblyLayout, BatchShapes, assemble, batch_sha
 from mmjax.data.synthetic import SyntheticConfig, SyntheticDataset
 from mmjax.data.sources import configured_source, eval_source
 from mmjax.data.tokenizer import tokenizer
-from mmjax.models.config import MLLMConfig
+from mmjax.models.config import MLLMConfig, config_to_dict
+from mmjax.models.hf.pretrained import (PretrainedError, load_into_model,
+                                        prepare_pretrained)
 from mmjax.models.mllm import MultimodalModel, trainable_filter
 from mmjax.planner.plan import Plan
 from mmjax.train.auto_plan import auto_plan
 from mmjax.train.checkpoint import Checkpointer
-from mmjax.train.config import named_model_config
+from mmjax.train.config import named_model_config, pretrained
 from mmjax.train.inputs import model_inputs
 from mmjax.train.optimizer import learning_rate_schedule, optimizer_from_settings
 from mmjax.train.step import TrainState, make_loss_fn, make_train_step, split_model
@@ -126,7 +128,7 @@ class SingleProgram:
     the synthetic set, or a real source (`SourceBatches`: skips and names bad samples)."""
 
     def __init__(self, cfg, layout, global_batch, schedule, dtype, seed, source=None,
-                 attention_impl="auto"):
+                 attention_impl="auto", pretrained=None):
         if source is None:
             self.data = SequentialBatches(synthetic_dataset(cfg), layout, global_batch)
         else:
@@ -137,6 +139,9 @@ class SingleProgram:
                     [metas], _layout_at_least(layout, hw)))
             self.data = SourceBatches(source, layout, global_batch, seed=seed, grow_shapes=grow)
         mdl = MultimodalModel(cfg, jax.random.key(seed))
+        if pretrained:
+            encoders = {k: v for k, v in pretrained.items() if k != "llm"}
+            load_into_model(mdl, pretrained.get("llm"), encoders)
         graphdef, trainable, frozen = split_model(mdl, trainable_filter(cfg))
         tx = optimizer_from_settings(schedule)
         self.state = TrainState(jnp.zeros((), jnp.int32), trainable, frozen, tx.init(trainable))
@@ -218,11 +223,11 @@ class Pipelined:
     """A Plan on the pipeline runtime, fed by the grain loader (planning, balancing and
     assembly off the training path, in its prefetch thread or worker processes)."""
 
-    def __init__(self, cfg, layout, plan, schedule, dtype, seed, source=None):
+    def __init__(self, cfg, layout, plan, schedule, dtype, seed, source=None, pretrained=None):
         from mmjax.data.loader import Loader
         from mmjax.train.pipeline_step import PipelineStep
 
-        self.step_fn = PipelineStep(cfg, plan, schedule, dtype, seed)
+        self.step_fn = PipelineStep(cfg, plan, schedule, dtype, seed, pretrained=pretrained)
         # gin: a real source (`llava_source.*`, `webdataset_source.*`), else
         # `loader_source.path` or the synthetic set (`train_source`); `Loader.*` (balance,
         # post_balance_policy, workers, ...).
@@ -263,6 +268,31 @@ class Pipelined:
         self.data.close()
 
 
+RUN_INFO = "run.json"
+
+
+def write_run_info(workdir: str, cfg: MLLMConfig, plan: Plan | None, seed: int,
+                   pretrained: dict | None = None) -> None:
+    """DIR/run.json: the model config, plan, seed and pretrained directories a checkpoint
+    belongs to (what scripts/export_hf.py rebuilds the model from)."""
+    info = {"model": config_to_dict(cfg), "plan": None if plan is None else plan.to_json(),
+            "seed": seed, "pretrained": {k: os.path.abspath(v) for k, v in
+                                         (pretrained or {}).items()}}
+    with open(os.path.join(workdir, RUN_INFO), "w") as f:
+        json.dump(info, f, indent=1)
+
+
+def _check_pretrained_vocab(cfg: MLLMConfig, dirs: dict) -> None:
+    """A pretrained LLM keeps its vocabulary: a tokenizer that needs another is an error."""
+    if "llm" in dirs:
+        from mmjax.models.hf import config_for
+        want = config_for(dirs["llm"]).vocab_size
+        if cfg.llm.vocab_size != want:
+            raise PretrainedError(f"pretrained: the tokenizer / tp need vocab_size "
+                                  f"{cfg.llm.vocab_size}, the LLM checkpoint has {want}; use "
+                                  f"the checkpoint's tokenizer and a tp dividing {want}")
+
+
 def _data(cfg: MLLMConfig, tok):
     """The layout (with the tokenizer's special ids) and the configured real source."""
     layout = data_layout(cfg, special=tok.special_tokens() if tok is not None else None)
@@ -296,9 +326,13 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
     if trace_every < 0:
         raise ValueError(f"train.trace_every={trace_every}: use 0 (off) or N >= 1")
     cfg = model or named_model_config()
+    dirs = pretrained()  # gin: pretrained.<unit> = "/hf/checkpoint/dir"
+    if dirs:  # configs from config.json; files, names and shapes checked before any work
+        cfg = prepare_pretrained(cfg, dirs)
     tok = tokenizer()
     if tok is not None:
         cfg = fit_vocab(cfg, tok)
+    _check_pretrained_vocab(cfg, dirs)
     schedule = learning_rate_schedule(steps)
     dtype = _DTYPES[compute_dtype]
     held_out = eval_source(cfg, tok) if eval_every else None
@@ -312,7 +346,7 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
     if plan is None:
         layout, source = _data(cfg, tok)
         runner = SingleProgram(cfg, layout, global_batch, schedule, dtype, seed, source,
-                               attention_impl or "auto")
+                               attention_impl or "auto", dirs)
     else:
         from mmjax.train.pipeline_step import manual_plan
 
@@ -339,11 +373,13 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
                 dataclasses.replace(u, attention_impl=attention_impl) for u in the_plan.units))
         the_plan.validate(cfg, jax.device_count())
         layout, source = _data(cfg, tok)
-        runner = Pipelined(cfg, layout, the_plan, schedule, dtype, seed, source)
+        _check_pretrained_vocab(cfg, dirs)
+        runner = Pipelined(cfg, layout, the_plan, schedule, dtype, seed, source, dirs)
     os.makedirs(workdir, exist_ok=True)
     if jax.process_index() == 0:  # what scripts/generate.py rebuilds the model and data from
         with open(os.path.join(workdir, "config.gin"), "w") as f:
             f.write(gin.config_str())
+        write_run_info(workdir, cfg, None if plan is None else the_plan, seed, dirs)
     console = Console(stderr=True)
     # Multi-process (mmjax.launch): every process runs the loop; process 0 writes the
     # metrics. Orbax saves only global (cross-process) arrays, while pipeline stages mostly
