@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from mmjax.models import hf
-from mmjax.models.config import AudioConfig, EncoderSpec, VisionConfig, with_overrides
+from mmjax.models.config import EncoderSpec, VisionConfig, with_overrides
 from mmjax.models.mllm import MultimodalModel, trainable_filter
 from mmjax.models.tiny import tiny_valm
 from mmjax.planner.plan import Plan

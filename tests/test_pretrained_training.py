@@ -2,7 +2,6 @@
 its own tensors (and, with tp, only its slices) straight onto its sub-mesh, the design's
 invariant against the single-device model loaded the same way, and bad input refused
 before any work."""
-import dataclasses
 
 import gin
 import jax
