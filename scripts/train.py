@@ -48,7 +48,8 @@ def main(argv=None) -> int:
     p.add_argument("--gin_param", action="append", default=[], help="gin binding K=V (repeatable)")
     p.add_argument("--workdir", default=None, help="output directory (default runs/<gin name>)")
     p.add_argument("--plan", default=None,
-                   help="Plan JSON (scripts/plan.py --json) or 'manual' (manual_plan.* in gin): "
+                   help="Plan JSON (scripts/plan.py --json), 'manual' (manual_plan.* in gin) or "
+                        "'auto' (plan at start-up for the devices present and the run's data): "
                         "run on the pipeline runtime over all devices")
     args = p.parse_args(argv)
     files = args.gin_file or [os.path.join(REPO, "configs", "tiny.gin")]
@@ -59,8 +60,11 @@ def main(argv=None) -> int:
     from mmjax.train.trainer import TrainingStopped, train
 
     workdir = args.workdir or os.path.join("runs", os.path.splitext(os.path.basename(files[0]))[0])
+    from mmjax.models.hf import PretrainedError
     try:
         records = train(workdir=workdir)
+    except PretrainedError as e:
+        sys.exit(f"error: {e}")
     except (UserError, TrainingStopped, CheckpointMismatch) as e:
         # gin appends "In call to configurable ..." on a second line: the first says it all
         print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)

@@ -66,8 +66,7 @@ def run_plan(cfg, plan, lay, samples, assignments=None, cp_method="lpt"):
                              cp_method=cp_method, cp_block=16)
              for m in range(plan.num_microbatches)]
     res = rt.run(feeds)
-    grads = to_reference_layout(plan, {sid: nnx.to_pure_dict(st.grads)
-                                       for sid, st in rt.stages.items() if st.grads is not None})
+    grads = to_reference_layout(plan, res.pure_grads())
     return rt, res.losses()["loss"], grads
 
 

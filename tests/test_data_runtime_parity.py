@@ -16,7 +16,6 @@ from mmjax.data.synthetic import SyntheticConfig, SyntheticDataset
 from mmjax.pipeline.runtime import PipelineRuntime, to_reference_layout
 from mmjax.planner.plan import Plan
 
-from flax import nnx
 from helpers import assert_same_grads, make_cfg, reference
 
 STEP = 3  # a global batch whose microbatches the DistTrain plan reorders (asserted below)
@@ -58,7 +57,6 @@ def test_loader_plans_on_the_runtime_match_the_reference(setup, balance):
 
     rt = PipelineRuntime(cfg, plan)
     res = rt.run([mb.inputs["feed"] for mb in gb.microbatches])
-    grads = to_reference_layout(plan, {sid: nnx.to_pure_dict(st.grads)
-                                       for sid, st in rt.stages.items() if st.grads is not None})
+    grads = to_reference_layout(plan, res.pure_grads())
     np.testing.assert_allclose(res.losses()["loss"], ref_loss, rtol=1e-5)
     assert_same_grads(grads, ref_grads)

@@ -14,7 +14,6 @@ from safetensors.numpy import save_file
 from mmjax.models import hf
 from mmjax.models.audio import AudioEncoder
 from mmjax.models.config import AudioConfig, EncoderSpec, LLMConfig, MLLMConfig
-from mmjax.models.layers import sinusoidal
 from mmjax.models.llm import LLM
 from mmjax.models.mllm import MultimodalModel
 
@@ -234,10 +233,11 @@ def test_config_from_hf():
             "tie_word_embeddings": True, "use_sliding_window": False}
     assert hf.config_from_hf(qwen) == LLMConfig(151936, 896, 24, 14, 2, 4864, rope_theta=1e6,
                                                 tie_embeddings=True, qkv_bias=True)
-    with pytest.raises(ValueError, match="rope_scaling"):
+    with pytest.raises(ValueError, match=r"rope_type='llama3': llama3 scaling needs "
+                                         r"\['low_freq_factor'"):
         hf.config_from_hf(llama | {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
-    with pytest.raises(ValueError, match="model_type='mistral'"):
-        hf.config_from_hf(llama | {"model_type": "mistral"})
+    with pytest.raises(ValueError, match="model_type='gemma'"):
+        hf.config_from_hf(llama | {"model_type": "gemma"})
 
 
 def test_errors_name_tensor_and_expected_shape(tmp_path):
@@ -276,7 +276,8 @@ def test_errors_name_tensor_and_expected_shape(tmp_path):
 
 # ------------------------------------------------------------------------- Whisper encoder
 
-AUDIO = AudioConfig(hidden_size=8, num_layers=2, num_heads=2, ffn_size=12, num_mel_bins=5)
+AUDIO = AudioConfig(hidden_size=8, num_layers=2, num_heads=2, ffn_size=12, num_mel_bins=5,
+                    max_source_positions=30)
 
 
 def hf_whisper_tensors(cfg: AudioConfig, prefix="", seed=0) -> dict:
@@ -284,7 +285,7 @@ def hf_whisper_tensors(cfg: AudioConfig, prefix="", seed=0) -> dict:
     d, m, f = cfg.hidden_size, cfg.num_mel_bins, cfg.ffn_size
     r = lambda *s: rng.normal(0, 0.3, s).astype(np.float32)
     t = {"conv1.weight": r(d, m, 3), "conv1.bias": r(d), "conv2.weight": r(d, d, 3),
-         "conv2.bias": r(d), "embed_positions.weight": r(30, d),
+         "conv2.bias": r(d), "embed_positions.weight": r(cfg.max_source_positions, d),
          "layer_norm.weight": 1 + r(d), "layer_norm.bias": r(d)}
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
@@ -317,7 +318,7 @@ def test_whisper_encoder_mapping_and_conv_layout(tmp_path):
     assert enc.layers[1].q.kernel[...][2, 6] == t[p + "self_attn.q_proj.weight"][6, 2]
     assert enc.layers[1].o.kernel[...][7, 0] == t[p + "self_attn.out_proj.weight"][0, 7]
     assert enc.layers[1].fc2.kernel[...][11, 3] == t[p + "fc2.weight"][3, 11]
-    np.testing.assert_array_equal(np.asarray(enc.layers[1].k.bias[...]), np.zeros(8))
+    assert enc.layers[1].k.bias is None  # Whisper's k_proj has no bias
     np.testing.assert_array_equal(np.asarray(enc.layers[1].ln2.scale[...]),
                                   t[p + "final_layer_norm.weight"])
     np.testing.assert_array_equal(np.asarray(enc.final_ln.bias[...]),
@@ -329,7 +330,7 @@ def test_whisper_encoder_mapping_and_conv_layout(tmp_path):
     e = "model.encoder."
     h = gelu(np_conv1d_torch(mels[0], t[e + "conv1.weight"], t[e + "conv1.bias"], 1))
     h = gelu(np_conv1d_torch(h, t[e + "conv2.weight"], t[e + "conv2.bias"], 2))
-    want = h + np.asarray(sinusoidal(jnp.arange(4), 8))
+    want = h + t[e + "embed_positions.weight"][:4]  # the stored table, not a formula
     np.testing.assert_allclose(np.asarray(x[0]), want, rtol=1e-5, atol=1e-5)
     # Stage [1, 2) holds layer 1 renumbered to 0, plus the final norm.
     stage = hf.load_whisper_encoder_safetensors(tmp_path, AUDIO, 1, 2)
@@ -380,5 +381,9 @@ def test_audio_config_from_hf():
     whisper_tiny = {"model_type": "whisper", "d_model": 384, "encoder_layers": 4,
                     "encoder_attention_heads": 6, "encoder_ffn_dim": 1536, "num_mel_bins": 80}
     assert hf.audio_config_from_hf(whisper_tiny) == AudioConfig(384, 4, 6, 1536, 80)
+    assert hf.audio_config_from_hf(whisper_tiny | {"max_source_positions": 7}) == AudioConfig(
+        384, 4, 6, 1536, 80, max_source_positions=7)
+    with pytest.raises(ValueError, match="activation_function='relu'"):
+        hf.audio_config_from_hf(whisper_tiny | {"activation_function": "relu"})
     with pytest.raises(ValueError, match="expected 'whisper'"):
         hf.audio_config_from_hf({"model_type": "llama"})

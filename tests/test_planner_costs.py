@@ -147,3 +147,33 @@ def test_planner_imports_no_jax():
     code = ("import sys; import mmjax.planner.partition, mmjax.planner.costs, "
             "mmjax.planner.evaluate, mmjax.models.named; assert 'jax' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_attention_cost_follows_the_implementations_tiles():
+    """Tile counts, not S^2: exact tables for small cases, and the LLM's FLOPs / kept bytes
+    per implementation (dense pays every pair and keeps [S, S] float32 buffers)."""
+    from mmjax.planner.attention_cost import causal_tiles, computed_pairs, kept_bytes_per_head
+
+    assert causal_tiles(8, 4, 2) == 2 + 4  # query block 0 sees key blocks 0-1, block 1 all 4
+    assert causal_tiles(10, 4, 4) == 1 + 2 + 3
+    assert computed_pairs(10, "dense", True) == 100
+    assert computed_pairs(300, "chunked", False) == 3 * 128 * 3 * 128
+    assert computed_pairs(256, "chunked", True) == 3 * 128 * 128
+    assert computed_pairs(256, "pallas", True) == (4 + 8) * 128 * 32
+    assert kept_bytes_per_head(1000, "dense") == 8 * 10 ** 6
+    assert kept_bytes_per_head(1000, "pallas") == 4000
+    with pytest.raises(ValueError, match="cudnn"):
+        computed_pairs(64, "cudnn", False)
+    m = named_config("disttrain/mllm_9b")
+    c, n = m.llm, 4096
+    wl = Workload("fixed", (n,) * 4, {"vision": (((256,),),) * 4}, (0,) * 4)
+    exact = unit_work(m, wl, "llm").layers[1]
+    per = {i: unit_work(m, wl, "llm", {"llm": i}).layers[1] for i in ("dense", "chunked", "pallas")}
+    hq = c.num_heads * c.dim_per_head
+    attn = lambda w: w.flops - (exact.flops - 2 * n * n * hq)
+    assert attn(per["dense"]) == pytest.approx(4 * n * n * hq)
+    assert attn(per["chunked"]) == pytest.approx(4 * causal_tiles(n, 128, 128) * 128 * 128 * hq)
+    # aligned causal: 128 x 32 tiles cover the same pairs as 128 x 128 ones
+    assert attn(per["pallas"]) == attn(per["chunked"]) < attn(per["dense"])
+    assert per["dense"].act_bytes - exact.act_bytes == 8 * n * n * c.num_heads
+    assert per["pallas"].act_bytes - exact.act_bytes == 4 * n * c.num_heads

@@ -61,7 +61,7 @@ from mmjax.models.config import MLLMConfig
 from mmjax.planner.costs import layer_times, unit_work
 from mmjax.planner.hardware import H100, Hardware, hardware as hardware_by_name
 from mmjax.planner.plan import Plan
-from mmjax.planner.workload import Workload
+from mmjax.planner.workload import workload_from_metas
 
 POLICIES = ("none", "disttrain", "orchmllm")
 NODE_WISE_METHODS = ("auto", "milp", "greedy")
@@ -243,6 +243,20 @@ def index_spec(sample: Sample, patch_size: int, max_grid: int) -> Spec:
     return out
 
 
+def source_problem(source, index: int) -> str | None:
+    """Why sample `index` is unusable, known from the source's index (e.g. a missing or
+    unreadable image), or None; sources without the notion have no such problems."""
+    problem = getattr(source, "problem", None)
+    return problem(index) if problem is not None else None
+
+
+def sample_name(source, index: int) -> str:
+    """The sample's name for `skipped.jsonl`: the source's own id (e.g. a LLaVA `id`),
+    else the dataset index."""
+    name = getattr(source, "name", None)
+    return str(name(index)) if name is not None else str(index)
+
+
 def as_source(source):
     """A loader source: an object with `__len__`, `spec`, `load`, or the path of an
     ArrayRecord file written by scripts/make_dataset.py (its index next to it)."""
@@ -353,12 +367,7 @@ def rank_times(model: MLLMConfig, unit: str, metas: list[SampleMeta], tp: int = 
     count is exactly the sum over samples."""
     if not metas:
         return 0.0, 0.0
-    enc = {}
-    for spec in model.encoders:
-        enc[spec.name] = tuple(tuple(s.num_encoder_tokens for s in m.segments
-                                     if s.modality == spec.modality) for m in metas)
-    wl = Workload("microbatch", tuple(m.llm_length for m in metas), enc,
-                  tuple(m.count("image_out") for m in metas), cond_tokens)
+    wl = workload_from_metas("microbatch", metas, model, cond_tokens)
     lt = layer_times(unit_work(model, wl, unit), tp, hw)
     return len(metas) * sum(f for f, _ in lt), len(metas) * sum(b for _, b in lt)
 
@@ -505,6 +514,7 @@ class GlobalBatch:
     num_gen_elements: int
     decode_failures: int = 0  # samples blanked at materialisation on this host
     plan_seconds: float = 0.0
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (sample name, reason)
 
 
 def owned_ranks(plan: Plan, unit: str, host_id: int, num_hosts: int) -> list[int]:
@@ -523,9 +533,10 @@ def owned_ranks(plan: Plan, unit: str, host_id: int, num_hosts: int) -> list[int
 
 def _blank(spec: Spec, sample_id: int) -> Sample:
     segs = []
-    for mod, shape, k in spec:
-        if mod == "text":
-            segs.append(Segment("text", np.full(shape, FIRST_TEXT_ID, np.int32)))
+    for mod, shape, k, *_ in spec:
+        if mod == "text":  # fully masked: a blank trains nothing, on either path
+            segs.append(Segment("text", np.full(shape, FIRST_TEXT_ID, np.int32),
+                                loss_mask=np.zeros(shape, bool)))
         else:
             segs.append(Segment(mod, np.zeros(shape, np.float32), k))
     return Sample(sample_id, tuple(segs))
@@ -587,18 +598,22 @@ class GlobalBatchBuilder:
             out.append(int(i))
         return out
 
-    def select(self, step: int):
-        """(indices, specs, skip reasons) of the first `global_batch` usable candidates."""
+    def select(self, step: int, skipped: list | None = None):
+        """(indices, specs, skip reasons) of the first `global_batch` usable candidates;
+        (sample name, reason) of each skipped one is appended to `skipped`. A source may
+        name a sample's problem up front (`problem(i)`: a missing image, say)."""
         gb = self.plan.global_batch
         idx, specs, reasons = [], [], {}
         for i in self.candidates(step):
             if len(idx) == gb:
                 break
             spec = self.source.spec(i)
-            why = check_shapes(spec, self.layout)
+            why = source_problem(self.source, i) or check_shapes(spec, self.layout)
             if why:
                 kind = why.split(":")[0]
                 reasons[kind] = reasons.get(kind, 0) + 1
+                if skipped is not None:
+                    skipped.append((sample_name(self.source, i), why))
             else:
                 idx.append(i)
                 specs.append(spec)
@@ -619,7 +634,8 @@ class GlobalBatchBuilder:
 
     def __call__(self, step: int) -> GlobalBatch:
         t0 = time.perf_counter()
-        idx, specs, reasons = self.select(int(step))
+        skipped: list[tuple[str, str]] = []
+        idx, specs, reasons = self.select(int(step), skipped)
         metas = [self.layout.rules.meta_from_shapes(i, s) for i, s in zip(idx, specs)]
         mb_plans = plan_global_batch(metas, self.model, self.plan, self.layout, self.policies,
                                      self.algo, node_wise=self.node_wise,
@@ -635,7 +651,8 @@ class GlobalBatchBuilder:
                     bad = check_sample(s, self.layout)
                     if bad or self.layout.rules.meta(s) != metas[p]:
                         raise DecodeError(bad or "decoded shapes differ from the index")
-                except DecodeError:
+                except DecodeError as e:
+                    skipped.append((sample_name(self.source, idx[p]), str(e)))
                     s = _blank(specs[p], idx[p])
                     failed.add(idx[p])
                 loaded[p] = s
@@ -667,7 +684,8 @@ class GlobalBatchBuilder:
         if failed:
             reasons["decode"] = reasons.get("decode", 0) + len(failed)
         return GlobalBatch(int(step), idx, mbs, sum(reasons.values()), reasons,
-                           sum(m.num_targets for m in metas), n_gen, len(failed), t_plan)
+                           sum(m.num_targets for m in metas), n_gen, len(failed), t_plan,
+                           skipped)
 
 
 # ---------------------------------------------------------------------------------------

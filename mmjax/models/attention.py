@@ -10,13 +10,44 @@ document id, 0 = padding), `sub` (modality-subsequence id, unique per image/clip
 
 Indices are global (not local to a context-parallel shard), so the same function builds the
 mask for a CP rank's distributed queries against all-gathered keys.
+
+Every attention site calls `bam_attention(q, k, v, meta_q, meta_k, implementation=...)` with
+per-token `TokenMeta` instead of a [B, Sq, Sk] mask, so an implementation can build the mask
+tile by tile (Cornstarch §4.3.1: the bitfield mask is never materialised):
+
+  dense    the whole [B, H, Sq, Sk] logits (the reference; `dot_product_attention`)
+  chunked  blockwise online softmax in pure XLA, O(S * block) memory (attention_chunked.py)
+  pallas   block-sparse flash attention that visits only non-empty tiles (attention_pallas.py)
+  cudnn    cuDNN fused attention for plain causal masks on GPU (attention_cudnn.py)
+  auto     the fastest valid one for the platform, the mask family and the length
 """
 from __future__ import annotations
 
 from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+IMPLEMENTATIONS = ("auto", "dense", "chunked", "pallas", "cudnn")
+# "bam": any bitfield mask; "causal": causal text with one document per row, its real tokens
+# first (only this family may run on cuDNN, whose public API has no segment ids).
+MASK_FAMILIES = ("bam", "causal")
+# auto on CPU: the dense path up to this many (query, key) pairs per row, chunked beyond.
+AUTO_DENSE_MAX_PAIRS = 1 << 21
+
+
+class TokenMeta(NamedTuple):
+    """Per-token mask metadata, each int32 [B, S] (Cornstarch §4.3.1).
+
+    bam: bitfield (bit 0 text, bit i+1 modality i); doc: packed document id (0 = padding);
+    sub: modality-subsequence id (0 for text); idx: the token's *global* index in its row.
+    """
+
+    bam: jax.Array
+    doc: jax.Array
+    sub: jax.Array
+    idx: jax.Array
 
 
 def allowed_mask(bam_q, bam_k, idx_q, idx_k, doc_q, doc_k, sub_q, sub_k):
@@ -28,6 +59,35 @@ def allowed_mask(bam_q, bam_k, idx_q, idx_k, doc_q, doc_k, sub_q, sub_k):
     text_rule = q_text & ((q(bam_q) & k(bam_k)) != 0) & (k(idx_k) <= q(idx_q))
     mod_rule = ~q_text & (q(sub_q) == k(sub_k)) & (q(sub_q) != 0)
     return same_doc & (text_rule | mod_rule)
+
+
+def meta_mask(meta_q: TokenMeta, meta_k: TokenMeta):
+    """The bool [B, Sq, Sk] mask of two TokenMeta."""
+    return allowed_mask(meta_q.bam, meta_k.bam, meta_q.idx, meta_k.idx,
+                        meta_q.doc, meta_k.doc, meta_q.sub, meta_k.sub)
+
+
+def _positions(segment_ids):
+    return jnp.broadcast_to(jnp.arange(segment_ids.shape[-1], dtype=jnp.int32),
+                            segment_ids.shape)
+
+
+def causal_meta(segment_ids) -> TokenMeta:
+    """Causal text inside packed documents ([B, S] ids, 0 = padding): `causal_segment_mask`."""
+    seg = jnp.asarray(segment_ids, jnp.int32)
+    return TokenMeta((seg != 0).astype(jnp.int32), seg, jnp.zeros_like(seg), _positions(seg))
+
+
+def segment_meta(segment_ids) -> TokenMeta:
+    """Bidirectional attention inside segments ([B, S] ids, 0 = padding): `segment_mask`.
+    Every token is a modality token (bit 1) whose subsequence is its segment."""
+    seg = jnp.asarray(segment_ids, jnp.int32)
+    return TokenMeta(jnp.where(seg != 0, 2, 0).astype(jnp.int32), seg, seg, _positions(seg))
+
+
+def full_meta(batch: int, length: int) -> TokenMeta:
+    """Every token sees every token (the generator's self- and cross-attention)."""
+    return segment_meta(jnp.ones((batch, length), jnp.int32))
 
 
 def causal_segment_mask(segment_ids):
@@ -93,3 +153,82 @@ def dot_product_attention(q, k, v, allowed):
     probs = jnp.where(mask, probs, 0.0).astype(v.dtype)
     out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v)
     return out.reshape(b, sq, h, d)
+
+
+def choose_implementation(implementation: str, sq: int, sk: int, dtype, mask_family: str = "bam",
+                          platform: str | None = None) -> str:
+    """The implementation `bam_attention` runs; "auto" picks by platform, mask and length.
+
+    CPU: dense up to AUTO_DENSE_MAX_PAIRS pairs per row, chunked beyond (Pallas only runs in
+    interpret mode there). GPU: cuDNN for plain causal bf16/fp16 masks, chunked for other long
+    sequences, dense for short ones. "cudnn" off GPU or on a non-causal mask is a user error.
+    """
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"error: attention implementation {implementation!r} is unknown "
+                         f"(use one of {list(IMPLEMENTATIONS)})")
+    if mask_family not in MASK_FAMILIES:
+        raise ValueError(f"error: mask_family={mask_family!r} is unknown "
+                         f"(use one of {list(MASK_FAMILIES)})")
+    platform = platform or jax.default_backend()
+    if implementation == "cudnn":
+        cudnn_error(platform, mask_family, dtype)
+        return "cudnn"
+    if implementation != "auto":
+        return implementation
+    if platform == "gpu" and mask_family == "causal" and jnp.dtype(dtype) in (
+            jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return "cudnn"
+    return "dense" if sq * sk <= AUTO_DENSE_MAX_PAIRS else "chunked"
+
+
+def cudnn_error(platform: str, mask_family: str, dtype) -> None:
+    """Raise the one-line user error when cuDNN cannot run this attention."""
+    if platform != "gpu":
+        raise ValueError(f"error: attention implementation 'cudnn' needs a GPU but the platform "
+                         f"is {platform!r} (use 'chunked', 'pallas', 'dense' or 'auto')")
+    if mask_family != "causal":
+        raise ValueError("error: attention implementation 'cudnn' runs only plain causal masks "
+                         f"(mask_family='causal'), got {mask_family!r} (use 'pallas' or 'auto')")
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        raise ValueError(f"error: attention implementation 'cudnn' needs bfloat16/float16 "
+                         f"inputs, got {jnp.dtype(dtype).name} (set compute_dtype or use 'auto')")
+
+
+def _check_inputs(q, k, v, meta_q: TokenMeta, meta_k: TokenMeta) -> None:
+    if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape:
+        raise ValueError(f"bam_attention: q must be [B, Sq, H, D] and k, v [B, Sk, KV, D]; got "
+                         f"{q.shape}, {k.shape}, {v.shape}")
+    if q.shape[2] % k.shape[2] or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"bam_attention: q {q.shape} and k {k.shape} disagree on batch or head "
+                         f"dim, or query heads are not a multiple of kv heads")
+    for name, meta, x in (("meta_q", meta_q, q), ("meta_k", meta_k, k)):
+        for f, a in zip(TokenMeta._fields, meta):
+            if tuple(a.shape) != tuple(x.shape[:2]):
+                raise ValueError(f"bam_attention: {name}.{f} has shape {a.shape}, expected "
+                                 f"{tuple(x.shape[:2])}")
+
+
+def bam_attention(q, k, v, meta_q: TokenMeta, meta_k: TokenMeta | None = None, *,
+                  implementation: str = "auto", mask_family: str = "bam"):
+    """Attention under the bitfield mask given by token metadata (Cornstarch §4.3.1).
+
+    q: [B, Sq, H, D]; k, v: [B, Sk, KV, D] (H a multiple of KV: grouped-query heads);
+    meta_q / meta_k: TokenMeta of int32 [B, Sq] / [B, Sk] (meta_k defaults to meta_q).
+    Softmax in float32; a query with no allowed key outputs zeros (and gets zero gradients).
+    Every implementation computes the same function (see the module docstring).
+    """
+    meta_k = meta_q if meta_k is None else meta_k
+    meta_q = TokenMeta(*(jnp.asarray(a, jnp.int32) for a in meta_q))
+    meta_k = TokenMeta(*(jnp.asarray(a, jnp.int32) for a in meta_k))
+    _check_inputs(q, k, v, meta_q, meta_k)
+    impl = choose_implementation(implementation, q.shape[1], k.shape[1], q.dtype, mask_family)
+    if impl == "dense":
+        return dot_product_attention(q, k, v, meta_mask(meta_q, meta_k))
+    if impl == "chunked":
+        from mmjax.models.attention_chunked import chunked_attention
+        return chunked_attention(q, k, v, meta_q, meta_k)
+    if impl == "pallas":
+        from mmjax.models.attention_pallas import pallas_attention
+        return pallas_attention(q, k, v, meta_q, meta_k)
+    from mmjax.models.attention_cudnn import cudnn_attention
+    return cudnn_attention(q, k, v, meta_q, meta_k)

@@ -1,8 +1,12 @@
-"""Whisper-style audio encoder over log-mel frames.
+"""Whisper audio encoder over log-mel frames, as HF's WhisperEncoder computes it.
 
-conv1d(k=3) -> GELU -> conv1d(k=3, stride 2) -> GELU -> sinusoidal positions -> pre-LN
-transformer -> LayerNorm. A clip of T valid frames gives ceil(T / 2) valid tokens; clips are
-padded to a bucketed frame capacity and padding tokens are masked out of attention.
+conv1d(k=3, pad 1) -> GELU -> conv1d(k=3, stride 2, pad 1) -> GELU -> + Whisper's fixed
+position table `embed_positions` (initialised to `layers.whisper_sinusoids`, HF's init;
+loaded from the checkpoint when it has one; never trained) -> pre-LN transformer with exact
+GELU -> LayerNorm. A clip of T valid
+frames gives ceil(T / 2) valid tokens; clips are padded to a bucketed frame capacity and
+padding tokens are masked out of attention (HF runs full 3000-frame windows: a full window
+here is the same computation). Buffers longer than `max_source_positions` tokens are refused.
 """
 from __future__ import annotations
 
@@ -10,9 +14,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mmjax.models.attention import segment_mask
+from mmjax.models.attention import segment_meta
 from mmjax.models.config import AudioConfig
-from mmjax.models.layers import EncoderBlock, LayerNorm, param, sinusoidal, zeros
+from mmjax.models.layers import EncoderBlock, LayerNorm, param, whisper_sinusoids, zeros
 
 
 def _conv1d(x, kernel, bias, stride):
@@ -43,9 +47,12 @@ class AudioEncoder(nnx.Module):
             self.conv1_bias = zeros((d,))
             self.conv2_kernel = param(k2, (3, d, d), (3 * d) ** -0.5)
             self.conv2_bias = zeros((d,))
+            # Whisper's fixed position table (HF `embed_positions`); never trained:
+            # `mllm.trainable_filter` leaves it out and `embed` stops its gradient.
+            self.embed_positions = nnx.Param(whisper_sinusoids(cfg.max_source_positions, d))
         self.layers = nnx.List([
             EncoderBlock(jax.random.fold_in(k_layers, i), d, cfg.ffn_size, cfg.num_heads,
-                         cfg.norm_eps) for i in range(start, end)])
+                         cfg.norm_eps, act="gelu", k_bias=False) for i in range(start, end)])
         self.final_ln = LayerNorm(d, cfg.norm_eps) if self.is_last else None
 
     def embed(self, mels, frame_len):
@@ -55,18 +62,22 @@ class AudioEncoder(nnx.Module):
         x = jax.nn.gelu(_conv1d(x, self.conv1_kernel[...], self.conv1_bias[...], 1), approximate=False)
         x = jnp.where(keep[..., None], x, 0.0)  # output independent of the bucket capacity
         x = jax.nn.gelu(_conv1d(x, self.conv2_kernel[...], self.conv2_bias[...], 2), approximate=False)
-        pos = sinusoidal(jnp.arange(x.shape[1]), x.shape[-1])
+        if x.shape[1] > self.cfg.max_source_positions:
+            raise ValueError(f"audio: {mels.shape[1]} frames give {x.shape[1]} tokens, more "
+                             f"than max_source_positions={self.cfg.max_source_positions}; use "
+                             f"audio_frame_caps <= {2 * self.cfg.max_source_positions}")
+        pos = jax.lax.stop_gradient(self.embed_positions[...][: x.shape[1]])
         return x + pos.astype(x.dtype)
 
-    def run_layers(self, x, frame_len):
-        seg = audio_token_mask(frame_len, x.shape[1]).astype(jnp.int32)
-        allowed = segment_mask(seg)
+    def run_layers(self, x, frame_len, attention_impl: str = "auto"):
+        meta = segment_meta(audio_token_mask(frame_len, x.shape[1]).astype(jnp.int32))
         for layer in self.layers:
-            x = layer(x, allowed)
+            x = layer(x, meta, attention_impl)
         return x
 
     def finish(self, x):
         return self.final_ln(x)
 
-    def __call__(self, mels, frame_len):
-        return self.finish(self.run_layers(self.embed(mels, frame_len), frame_len))
+    def __call__(self, mels, frame_len, attention_impl: str = "auto"):
+        x = self.run_layers(self.embed(mels, frame_len), frame_len, attention_impl)
+        return self.finish(x)

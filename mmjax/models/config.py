@@ -26,6 +26,9 @@ class LLMConfig:
     tie_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2
     norm_eps: float = 1e-6
+    # Llama 3.1 RoPE scaling (factor, low_freq_factor, high_freq_factor,
+    # original_max_position_embeddings); None: plain RoPE.
+    rope_llama3: tuple[float, float, float, int] | None = None
 
     @property
     def dim_per_head(self) -> int:
@@ -34,7 +37,18 @@ class LLMConfig:
 
 @dataclass(frozen=True)
 class VisionConfig:
-    """ViT over packed variable-resolution patches (pre-LN, GELU MLP, biases)."""
+    """A vision tower over packed patch buffers (pre-LN blocks with biases).
+
+    kind="packed": NaViT-style ViT (factorised learned 2-D positions, final LayerNorm).
+    kind="vit": standard ViT as CLIP / SigLIP (`models/vit.py`): learned 1-D position table
+    over the native `image_size / patch_size` grid, bicubically resampled to other grids;
+    `class_token` (CLIP), `pre_norm` (CLIP's pre_layrnorm), `post_norm` (SigLIP's
+    post_layernorm), `patch_bias` (SigLIP's patch conv has a bias, CLIP's none).
+    `act`: "gelu_tanh" (packed, SigLIP), "quick_gelu" (OpenAI CLIP), "gelu" (exact).
+    `feature_layer`: None -> the projector reads the tower's output (HF last_hidden_state);
+    k < 0 -> HF hidden_states[k] (LLaVA: -2), so only `depth` layers are built and run.
+    `max_images`: with a class token, images per packed buffer row (one class slot each).
+    """
 
     hidden_size: int
     num_layers: int
@@ -42,18 +56,59 @@ class VisionConfig:
     ffn_size: int
     patch_size: int = 14
     num_channels: int = 3
-    max_grid: int = 64  # max patches per side (factorised learned 2-D positions)
+    max_grid: int = 64  # max patches per side (packed: factorised learned 2-D positions)
     norm_eps: float = 1e-6
+    kind: Literal["packed", "vit"] = "packed"
+    image_size: int = 224
+    class_token: bool = False
+    pre_norm: bool = False
+    post_norm: bool = True
+    patch_bias: bool = True
+    act: Literal["gelu_tanh", "quick_gelu", "gelu"] = "gelu_tanh"
+    feature_layer: int | None = None
+    max_images: int = 1
+
+    def __post_init__(self):
+        if self.kind not in ("packed", "vit"):
+            raise ValueError(f"VisionConfig.kind={self.kind!r}: use 'packed' or 'vit'")
+        if self.act not in ("gelu_tanh", "quick_gelu", "gelu"):
+            raise ValueError(f"VisionConfig.act={self.act!r}: use gelu_tanh, quick_gelu or gelu")
+        if self.feature_layer is not None and not -self.num_layers <= self.feature_layer < 0:
+            raise ValueError(f"VisionConfig.feature_layer={self.feature_layer}: use None or "
+                             f"-{self.num_layers}..-1 (HF hidden_states index; LLaVA: -2)")
+        if self.kind == "packed" and (self.class_token or self.pre_norm or not self.post_norm
+                                      or not self.patch_bias or self.feature_layer is not None
+                                      or self.act != "gelu_tanh"):
+            raise ValueError("VisionConfig: class_token / pre_norm / post_norm / patch_bias / "
+                             "act / feature_layer are options of kind='vit'; set kind='vit'")
 
     @property
     def patch_dim(self) -> int:
         return self.patch_size * self.patch_size * self.num_channels
 
+    @property
+    def depth(self) -> int:
+        """Layers built and run: all, or up to the hidden state `feature_layer` names."""
+        return self.num_layers if self.feature_layer is None else self.num_layers + 1 + self.feature_layer
+
+    @property
+    def final_norm(self) -> bool:
+        return self.post_norm and self.feature_layer is None
+
+    @property
+    def native_grid(self) -> int:
+        return self.image_size // self.patch_size
+
+    @property
+    def num_positions(self) -> int:
+        return self.native_grid ** 2 + int(self.class_token)
+
 
 @dataclass(frozen=True)
 class AudioConfig:
-    """Whisper-style encoder: conv1d(k3) -> GELU -> conv1d(k3, stride 2) -> GELU ->
-    sinusoidal positions -> pre-LN transformer -> final LayerNorm."""
+    """Whisper encoder (HF WhisperEncoder): conv1d(k3) -> GELU -> conv1d(k3, stride 2) ->
+    GELU -> + Whisper's sinusoid table -> pre-LN transformer (exact GELU) -> LayerNorm.
+    `max_source_positions`: Whisper's window in tokens (1500, i.e. 3000 frames = 30 s)."""
 
     hidden_size: int
     num_layers: int
@@ -61,6 +116,7 @@ class AudioConfig:
     ffn_size: int
     num_mel_bins: int = 80
     norm_eps: float = 1e-5
+    max_source_positions: int = 1500
 
 
 @dataclass(frozen=True)
@@ -168,7 +224,8 @@ class MLLMConfig:
         if unit == "generator":
             assert self.generator is not None
             return self.generator.num_layers
-        return self.encoder(unit).encoder.num_layers
+        enc = self.encoder(unit).encoder
+        return enc.depth if isinstance(enc, VisionConfig) else enc.num_layers
 
     def replace(self, **kw) -> "MLLMConfig":
         return dataclasses.replace(self, **kw)
@@ -197,3 +254,27 @@ def _set_path(obj, parts, value, full):
         raise ValueError(f"override {full!r}: {type(obj).__name__} has no field {head!r}; fields: {names}")
     new = _set_path(getattr(obj, head), rest, value, full) if rest else value
     return dataclasses.replace(obj, **{head: new})
+
+
+def config_to_dict(cfg: MLLMConfig) -> dict:
+    """MLLMConfig -> JSON-able dict (encoders tagged "vision" / "audio"); `config_from_dict`
+    inverts it. A workdir keeps it so tools (scripts/export_hf.py) rebuild the model."""
+    d = dataclasses.asdict(cfg)
+    for spec, e in zip(cfg.encoders, d["encoders"]):
+        e["encoder"]["type"] = "vision" if isinstance(spec.encoder, VisionConfig) else "audio"
+    return d
+
+
+def config_from_dict(d: dict) -> MLLMConfig:
+    llm = dict(d["llm"])
+    if llm.get("rope_llama3") is not None:
+        llm["rope_llama3"] = tuple(llm["rope_llama3"])
+    encoders = []
+    for e in d["encoders"]:
+        enc = dict(e["encoder"])
+        kind = VisionConfig if enc.pop("type") == "vision" else AudioConfig
+        encoders.append(EncoderSpec(e["name"], kind(**enc), ProjectorConfig(**e["projector"]),
+                                    e["frozen"], e["projector_frozen"]))
+    gen = GeneratorConfig(**d["generator"]) if d.get("generator") else None
+    rest = {k: v for k, v in d.items() if k not in ("llm", "encoders", "generator")}
+    return MLLMConfig(llm=LLMConfig(**llm), encoders=tuple(encoders), generator=gen, **rest)

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mmjax.models.attention import dot_product_attention
+from mmjax.models.attention import bam_attention, full_meta
 from mmjax.models.config import GeneratorConfig
 from mmjax.models.layers import Dense, LayerNorm, sinusoidal
 
@@ -40,10 +40,12 @@ def grid_positions(cfg: GeneratorConfig):
                             sinusoidal(jnp.asarray(c.reshape(-1)), half)], axis=-1)
 
 
-def _attend(qd, kd, vd, od, x, ctx, heads, allowed):
+def _attend(qd, kd, vd, od, x, ctx, heads, attention_impl):
+    """Unmasked attention of x's patches to ctx (itself or the LLM conditioning states)."""
     b, s, d = x.shape
     split = lambda a: a.reshape(*a.shape[:2], heads, d // heads)
-    att = dot_product_attention(split(qd(x)), split(kd(ctx)), split(vd(ctx)), allowed)
+    att = bam_attention(split(qd(x)), split(kd(ctx)), split(vd(ctx)), full_meta(b, s),
+                        full_meta(b, ctx.shape[1]), implementation=attention_impl)
     return od(att.reshape(b, s, d))
 
 
@@ -60,15 +62,13 @@ class DiTBlock(nnx.Module):
         self.norm2 = LayerNorm(d, cfg.norm_eps, affine=False)
         self.fc1, self.fc2 = Dense(ks[9], d, f), Dense(ks[10], f, d)
 
-    def __call__(self, x, c, cond):
+    def __call__(self, x, c, cond, attention_impl: str = "auto"):
         shift1, scale1, gate1, shift2, scale2, gate2 = jnp.split(
             self.modulation(jax.nn.silu(c))[:, None, :], 6, axis=-1)
-        full = jnp.ones((x.shape[0], x.shape[1], x.shape[1]), bool)
         h = self.norm1(x) * (1 + scale1) + shift1
-        x = x + gate1 * _attend(self.q, self.k, self.v, self.o, h, h, self.heads, full)
-        cross = jnp.ones((x.shape[0], x.shape[1], cond.shape[1]), bool)
+        x = x + gate1 * _attend(self.q, self.k, self.v, self.o, h, h, self.heads, attention_impl)
         x = x + _attend(self.cq, self.ck, self.cv, self.co, self.ln_cross(x), cond,
-                        self.heads, cross)
+                        self.heads, attention_impl)
         h = self.norm2(x) * (1 + scale2) + shift2
         return x + gate2 * self.fc2(jax.nn.gelu(self.fc1(h), approximate=True))
 
@@ -103,10 +103,10 @@ class DiffusionGenerator(nnx.Module):
         c = self.t_fc2(jax.nn.silu(self.t_fc1(temb)))
         return x, c, self.cond_proj(cond_hidden.astype(noisy.dtype))
 
-    def run_layers(self, carry):
+    def run_layers(self, carry, attention_impl: str = "auto"):
         x, c, cond = carry
         for layer in self.layers:
-            x = layer(x, c, cond)
+            x = layer(x, c, cond, attention_impl)
         return x, c, cond
 
     def finish(self, carry):
@@ -114,8 +114,8 @@ class DiffusionGenerator(nnx.Module):
         shift, scale = jnp.split(self.final_modulation(jax.nn.silu(c))[:, None, :], 2, axis=-1)
         return self.final_linear(self.final_norm(x) * (1 + scale) + shift)
 
-    def __call__(self, noisy, t, cond_hidden):
-        return self.finish(self.run_layers(self.embed(noisy, t, cond_hidden)))
+    def __call__(self, noisy, t, cond_hidden, attention_impl: str = "auto"):
+        return self.finish(self.run_layers(self.embed(noisy, t, cond_hidden), attention_impl))
 
 
 def diffusion_loss_sum(eps_pred, noise, valid):

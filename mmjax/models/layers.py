@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mmjax.models.attention import dot_product_attention
+from mmjax.models.attention import bam_attention
 
 _normal = jax.nn.initializers.normal
 
@@ -86,10 +86,28 @@ class Dense(nnx.Module):
         return y if self.bias is None else y + self.bias[...].astype(x.dtype)
 
 
-def rope(x, positions, theta: float):
-    """Rotary embedding (rotate-half convention). x [B, S, H, D], positions [B, S]."""
+def rope_inv_freq(dim: int, theta: float, llama3: tuple | None = None):
+    """RoPE inverse frequencies [dim/2] in float32. `llama3` = (factor, low_freq_factor,
+    high_freq_factor, original_max_positions) applies Llama 3.1's scaling: wavelengths
+    longer than original/low are divided by `factor`, shorter than original/high kept, and
+    the band between blended linearly in original/wavelength (HF `_compute_llama3_parameters`)."""
+    inv = 1.0 / (theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+    if llama3 is None:
+        return inv
+    factor, low, high, original = llama3
+    wavelen = 2 * math.pi / inv
+    scaled = jnp.where(wavelen > original / low, inv / factor, inv)
+    smooth = (original / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= original / high) & (wavelen <= original / low)
+    return jnp.where(medium, blended, scaled)
+
+
+def rope(x, positions, theta: float, llama3: tuple | None = None):
+    """Rotary embedding (rotate-half convention). x [B, S, H, D], positions [B, S];
+    `llama3`: see `rope_inv_freq`."""
     d = x.shape[-1]
-    inv = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    inv = rope_inv_freq(d, theta, llama3)
     ang = positions.astype(jnp.float32)[..., None] * inv  # [B, S, D/2]
     cos, sin = jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
     xf = x.astype(jnp.float32)
@@ -106,25 +124,48 @@ def sinusoidal(positions, dim: int, max_period: float = 10000.0):
     return jnp.concatenate([jnp.sin(ang), jnp.cos(ang)], axis=-1)
 
 
-class EncoderBlock(nnx.Module):
-    """Pre-LN transformer block with biases and a GELU MLP (ViT, Whisper encoder)."""
+def whisper_sinusoids(length: int, dim: int, max_timescale: float = 10000.0):
+    """Whisper's fixed position table [length, dim]: [sin | cos] of t * exp(-i * log(max) /
+    (dim/2 - 1)), i < dim/2 (what OpenAI's Whisper and HF's WhisperEncoder store)."""
+    half = dim // 2
+    inc = math.log(max_timescale) / (half - 1)
+    ang = jnp.arange(length, dtype=jnp.float32)[:, None] * jnp.exp(
+        -inc * jnp.arange(half, dtype=jnp.float32))[None, :]
+    return jnp.concatenate([jnp.sin(ang), jnp.cos(ang)], axis=-1)
 
-    def __init__(self, key, dim: int, ffn: int, num_heads: int, eps: float):
+
+ACTIVATIONS = {
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),
+}
+
+
+class EncoderBlock(nnx.Module):
+    """Pre-LN transformer block with biases and an MLP (ViT, CLIP, SigLIP, Whisper encoder);
+    `act` names an entry of ACTIVATIONS (exact GELU, tanh GELU, CLIP's quick_gelu);
+    `k_bias=False`: no key bias (Whisper's k_proj has none)."""
+
+    def __init__(self, key, dim: int, ffn: int, num_heads: int, eps: float,
+                 act: str = "gelu_tanh", k_bias: bool = True):
         ks = jax.random.split(key, 6)
         self.num_heads = num_heads
+        self.act = act
         self.ln1 = LayerNorm(dim, eps)
-        self.q, self.k = Dense(ks[0], dim, dim), Dense(ks[1], dim, dim)
+        self.q, self.k = Dense(ks[0], dim, dim), Dense(ks[1], dim, dim, bias=k_bias)
         self.v, self.o = Dense(ks[2], dim, dim), Dense(ks[3], dim, dim)
         self.ln2 = LayerNorm(dim, eps)
         self.fc1, self.fc2 = Dense(ks[4], dim, ffn), Dense(ks[5], ffn, dim)
 
-    def __call__(self, x, allowed):
+    def __call__(self, x, meta, attention_impl: str = "auto"):
+        """x [B, S, d]; meta: the tokens' TokenMeta (`segment_meta` for packed items)."""
         b, s, d = x.shape
         h = self.ln1(x)
         split = lambda t: t.reshape(b, s, self.num_heads, d // self.num_heads)
-        att = dot_product_attention(split(self.q(h)), split(self.k(h)), split(self.v(h)), allowed)
+        att = bam_attention(split(self.q(h)), split(self.k(h)), split(self.v(h)), meta,
+                            implementation=attention_impl)
         x = x + self.o(att.reshape(b, s, d))
-        return x + self.fc2(jax.nn.gelu(self.fc1(self.ln2(x)), approximate=True))
+        return x + self.fc2(ACTIVATIONS[self.act](self.fc1(self.ln2(x))))
 
 
 def cast_floats(tree, dtype):

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from mmjax.models.attention import dot_product_attention, f32_einsum
+from mmjax.models.attention import TokenMeta, bam_attention, dot_product_attention, f32_einsum
 from mmjax.models.config import LLMConfig
 from mmjax.models.layers import PLAIN, RMSNorm, param, rope, zeros
 
@@ -24,7 +24,7 @@ class DecoderLayer(nnx.Module):
         d, hd, f = cfg.hidden_size, cfg.dim_per_head, cfg.ffn_size
         hq, hkv = cfg.num_heads * hd, cfg.num_kv_heads * hd
         ks = jax.random.split(key, 7)
-        self.head_dim, self.theta = hd, cfg.rope_theta
+        self.head_dim, self.theta, self.llama3 = hd, cfg.rope_theta, cfg.rope_llama3
         self.attn_norm = RMSNorm(d, cfg.norm_eps)
         self.wq = param(ks[0], (d, hq), d ** -0.5)
         self.wk = param(ks[1], (d, hkv), d ** -0.5)
@@ -46,8 +46,8 @@ class DecoderLayer(nnx.Module):
         if self.bq is not None:
             q, k, v = q + w(self.bq), k + w(self.bk), v + w(self.bv)
         heads = lambda t: t.reshape(*t.shape[:2], -1, self.head_dim)
-        q = rope(heads(q), positions, self.theta)
-        k = rope(heads(k), positions, self.theta)
+        q = rope(heads(q), positions, self.theta, self.llama3)
+        k = rope(heads(k), positions, self.theta, self.llama3)
         o = attend(q, k, heads(v))
         x = x + ops.row(o.reshape(*o.shape[:2], -1), w(self.wo))
         g, u = ops.column(self.mlp_norm(x), w(self.w_gate), w(self.w_up))
@@ -55,8 +55,14 @@ class DecoderLayer(nnx.Module):
 
 
 def mask_attend(allowed):
-    """The default attention hook: dense masked attention with a precomputed mask."""
+    """Attention hook with a precomputed dense [B, S, S] mask (tests, small examples)."""
     return lambda q, k, v: dot_product_attention(q, k, v, allowed)
+
+
+def meta_attend(meta: TokenMeta, attention_impl: str = "auto"):
+    """The default attention hook: `bam_attention` from the tokens' metadata, so no
+    implementation but "dense" ever builds the [B, S, S] mask."""
+    return lambda q, k, v: bam_attention(q, k, v, meta, implementation=attention_impl)
 
 
 class LLM(nnx.Module):
@@ -69,7 +75,7 @@ class LLM(nnx.Module):
         k_embed, k_layers, k_head = (jax.random.fold_in(key, i) for i in range(3))
         d, v = cfg.hidden_size, cfg.vocab_size
         # A tied last stage keeps its own copy of the embedding (Megatron's embedding group);
-        # the runtime sums the two copies' gradients.
+        # the pipeline runtime sums the two copies' gradients every step.
         has_embed = self.is_first or (self.is_last and cfg.tie_embeddings)
         self.embed = param(k_embed, (v, d), 0.02) if has_embed else None
         self.layers = nnx.List([DecoderLayer(cfg, jax.random.fold_in(k_layers, i))
@@ -94,10 +100,13 @@ class LLM(nnx.Module):
         w = self.embed[...].T if self.lm_head is None else self.lm_head[...]
         return f32_einsum("...d,dv->...v", h, w.astype(h.dtype))
 
-    def __call__(self, tokens, positions, allowed, ops=PLAIN):
-        """Whole-model convenience: tokens -> logits."""
+    def __call__(self, tokens, positions, allowed, ops=PLAIN, attention_impl: str = "auto"):
+        """Whole-model convenience: tokens -> logits; `allowed` is a dense [B, S, S] mask or
+        the tokens' TokenMeta (then attention runs `attention_impl`)."""
         x = self.embed_tokens(tokens)
-        h = self.final_hidden(self.run_layers(x, positions, mask_attend(allowed), ops))
+        attend = (meta_attend(allowed, attention_impl) if isinstance(allowed, TokenMeta)
+                  else mask_attend(allowed))
+        h = self.final_hidden(self.run_layers(x, positions, attend, ops))
         return self.logits(h)
 
 

@@ -22,13 +22,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mmjax.models.attention import allowed_mask
+from mmjax.models.attention import IMPLEMENTATIONS, TokenMeta, allowed_mask
 from mmjax.models.audio import AudioEncoder
 from mmjax.models.config import AudioConfig, EncoderSpec, MLLMConfig, VisionConfig
 from mmjax.models.generator import DiffusionGenerator, add_noise, diffusion_loss_sum
-from mmjax.models.llm import LLM, lm_loss_sum, mask_attend, merge_modalities
+from mmjax.models.llm import LLM, lm_loss_sum, merge_modalities, meta_attend
 from mmjax.models.projector import make_projector
 from mmjax.models.vision import VisionEncoder
+from mmjax.models.vit import StandardViT
 
 
 def unit_key(root, name: str):
@@ -38,7 +39,8 @@ def unit_key(root, name: str):
 
 def make_encoder(spec: EncoderSpec, key, start=0, end=None):
     if isinstance(spec.encoder, VisionConfig):
-        return VisionEncoder(spec.encoder, key, start, end)
+        kind = StandardViT if spec.encoder.kind == "vit" else VisionEncoder
+        return kind(spec.encoder, key, start, end)
     if isinstance(spec.encoder, AudioConfig):
         return AudioEncoder(spec.encoder, key, start, end)
     raise TypeError(f"encoder {spec.name!r}: unsupported config {type(spec.encoder).__name__}")
@@ -53,19 +55,21 @@ def encoder_segments(spec: EncoderSpec, inputs, num_tokens: int):
 
 def encoder_embed(spec: EncoderSpec, encoder, inputs):
     if isinstance(spec.encoder, VisionConfig):
+        if spec.encoder.kind == "vit":
+            return encoder.embed(inputs["patches"], inputs["patch_seg"], inputs["patch_pos"])
         return encoder.embed(inputs["patches"], inputs["patch_pos"])
     return encoder.embed(inputs["mels"], inputs["frame_len"])
 
 
-def encoder_layers(spec: EncoderSpec, encoder, x, inputs):
+def encoder_layers(spec: EncoderSpec, encoder, x, inputs, attention_impl: str = "auto"):
     if isinstance(spec.encoder, VisionConfig):
-        return encoder.run_layers(x, inputs["patch_seg"])
-    return encoder.run_layers(x, inputs["frame_len"])
+        return encoder.run_layers(x, inputs["patch_seg"], attention_impl)
+    return encoder.run_layers(x, inputs["frame_len"], attention_impl)
 
 
-def project(spec: EncoderSpec, projector, x, inputs):
+def project(spec: EncoderSpec, projector, x, inputs, attention_impl: str = "auto"):
     """Encoder output [N, T, e] -> flattened LLM-width tokens [N * T', D]."""
-    y = projector(x, encoder_segments(spec, inputs, x.shape[1]))
+    y = projector(x, encoder_segments(spec, inputs, x.shape[1]), attention_impl)
     return y.reshape(-1, y.shape[-1])
 
 
@@ -76,12 +80,13 @@ def cast_encoder_inputs(inputs: dict, dtype) -> dict:
             for k, v in inputs.items()}
 
 
-def encode(spec: EncoderSpec, encoder, projector, inputs, dtype=jnp.float32):
+def encode(spec: EncoderSpec, encoder, projector, inputs, dtype=jnp.float32,
+           attention_impl: str = "auto"):
     """One encoder branch (encoder + projector) in `dtype` -> [N * T', D] LLM-width tokens."""
     inputs = cast_encoder_inputs(inputs, dtype)
     x = encoder_embed(spec, encoder, inputs)
-    y = encoder.finish(encoder_layers(spec, encoder, x, inputs))
-    return project(spec, projector, y, inputs)
+    y = encoder.finish(encoder_layers(spec, encoder, x, inputs, attention_impl))
+    return project(spec, projector, y, inputs, attention_impl)
 
 
 def llm_embed(cfg: MLLMConfig, llm: LLM, batch, enc_outputs: dict, dtype=jnp.float32):
@@ -90,7 +95,26 @@ def llm_embed(cfg: MLLMConfig, llm: LLM, batch, enc_outputs: dict, dtype=jnp.flo
     return merge_modalities(x, enc_outputs, gathers)
 
 
+def llm_meta(batch) -> TokenMeta:
+    """The LLM tokens' bitfield-mask metadata (Cornstarch §4.3.1), int32 [B, S] each."""
+    idx = jnp.broadcast_to(jnp.arange(batch["tokens"].shape[-1], dtype=jnp.int32),
+                           batch["tokens"].shape)
+    return TokenMeta(batch["bam"].astype(jnp.int32), batch["doc"].astype(jnp.int32),
+                     batch["sub"].astype(jnp.int32), idx)
+
+
+def unit_attention(attention_impl, unit: str) -> str:
+    """The attention implementation of `unit`: one name for all units, or a {unit: name}
+    dict (missing units: "auto"), as a Plan gives per unit."""
+    impl = attention_impl.get(unit, "auto") if isinstance(attention_impl, dict) else attention_impl
+    if impl not in IMPLEMENTATIONS:
+        raise ValueError(f"error: attention_impl for unit {unit!r} is {impl!r} "
+                         f"(use one of {list(IMPLEMENTATIONS)})")
+    return impl
+
+
 def llm_allowed(batch):
+    """The dense [B, S, S] mask of `llm_meta` (tests and the dense reference)."""
     idx = jnp.broadcast_to(jnp.arange(batch["tokens"].shape[-1]), batch["tokens"].shape)
     bam = batch["bam"].astype(jnp.int32)
     return allowed_mask(bam, bam, idx, idx, batch["doc"], batch["doc"], batch["sub"], batch["sub"])
@@ -160,8 +184,11 @@ class MultimodalModel(nnx.Module):
             raise ValueError(f"dag() has a cycle through {[u for u in units if u not in order]}")
         return order
 
-    def __call__(self, batch, dtype=jnp.float32):
+    def __call__(self, batch, dtype=jnp.float32, attention_impl="auto"):
         """-> (loss, {"lm_loss", "diffusion_loss"}) on a batch with global normalisers.
+
+        `attention_impl`: one `bam_attention` implementation for every unit, or a dict
+        {unit: implementation} (the per-unit choice a Plan makes).
 
         Walks `dag()` in topological order: an encoder branch reads its batch inputs, the
         LLM merges the outputs of its encoder predecessors at their placeholder positions and
@@ -177,28 +204,33 @@ class MultimodalModel(nnx.Module):
                     raise ValueError(f"dag() has no edge from encoder(s) {missing} to 'llm', "
                                      f"but the batch places their tokens in the LLM sequence")
                 x = llm_embed(cfg, self.llm, batch, {p: out[p] for p in preds}, dtype)
-                h = self.llm.run_layers(x, batch["positions"], mask_attend(llm_allowed(batch)))
+                attend = meta_attend(llm_meta(batch), unit_attention(attention_impl, "llm"))
+                h = self.llm.run_layers(x, batch["positions"], attend)
                 lm_sum, out["llm"] = lm_outputs(self.llm, h, batch, self.generator is not None)
             elif unit == "generator":
                 if preds != ["llm"]:
                     raise ValueError(f"generator must be conditioned on exactly the LLM; "
                                      f"dag() gives predecessors {preds}")
                 noisy, t = generator_inputs(cfg, batch, dtype)
-                eps = self.generator(noisy, t, out["llm"])
+                eps = self.generator(noisy, t, out["llm"],
+                                     unit_attention(attention_impl, "generator"))
                 diff_sum = diffusion_loss_sum(eps, batch["gen_noise"], batch["gen_valid"])
             else:
                 if preds:
                     raise ValueError(f"encoder {unit!r} takes only batch inputs; dag() gives "
                                      f"it predecessors {preds}")
                 out[unit] = encode(cfg.encoder(unit), self.encoders[unit], self.projectors[unit],
-                                   batch["encoders"][unit], dtype)
+                                   batch["encoders"][unit], dtype,
+                                   unit_attention(attention_impl, unit))
         lm, diff = normalise(lm_sum, diff_sum, batch)
         return lm + diff, {"lm_loss": lm, "diffusion_loss": diff}
 
 
 def trainable_filter(cfg: MLLMConfig):
-    """nnx filter for parameters that train (frozen modules get no grads, no opt state)."""
-    frozen = []
+    """nnx filter for parameters that train (frozen modules get no grads, no opt state).
+    Whisper's position table (`embed_positions`) is fixed, as in Whisper, so never trains."""
+    frozen = [nnx.PathContains("embed_positions")] if any(
+        isinstance(e.encoder, AudioConfig) for e in cfg.encoders) else []
     for e in cfg.encoders:
         if e.frozen:
             frozen.append(nnx.All(nnx.PathContains("encoders"), nnx.PathContains(e.name)))

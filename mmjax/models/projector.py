@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mmjax.models.attention import dot_product_attention
+from mmjax.models.attention import TokenMeta, bam_attention, segment_meta
 from mmjax.models.config import ProjectorConfig
 from mmjax.models.layers import Dense, LayerNorm, param
 
@@ -29,7 +29,7 @@ class MLPProjector(nnx.Module):
         else:
             self.fc1, self.fc2 = Dense(k1, din, h), Dense(k2, h, llm_dim)
 
-    def __call__(self, x, segment_ids=None):
+    def __call__(self, x, segment_ids=None, attention_impl: str = "auto"):
         n, t, e = x.shape
         if t % self.r:
             raise ValueError(f"encoder capacity {t} not a multiple of downsample {self.r}")
@@ -49,19 +49,20 @@ class CrossAttentionProjector(nnx.Module):
         self.v, self.o = Dense(ks[3], enc_dim, enc_dim), Dense(ks[4], enc_dim, enc_dim)
         self.fc1, self.fc2 = Dense(ks[5], enc_dim, h), Dense(ks[6], h, llm_dim)
 
-    def __call__(self, x, segment_ids):
+    def __call__(self, x, segment_ids, attention_impl: str = "auto"):
         """x [N, T, e], segment_ids [N, T] (1-based item ids; 0 = padding) ->
         [N, max_items * num_queries, llm_dim]; slot s's queries see only item s+1."""
         n, t, e = x.shape
         dt = x.dtype
         q0 = jnp.broadcast_to(self.queries[...].astype(dt), (n, self.max_items, self.nq, e))
         q0 = q0.reshape(n, self.max_items * self.nq, e)
-        slot = jnp.repeat(jnp.arange(1, self.max_items + 1), self.nq)
-        allowed = slot[None, :, None] == segment_ids[:, None, :]
+        slot = jnp.broadcast_to(jnp.repeat(jnp.arange(1, self.max_items + 1, dtype=jnp.int32),
+                                           self.nq), (n, self.max_items * self.nq))
+        meta_q = TokenMeta(jnp.full_like(slot, 2), slot, slot, jnp.zeros_like(slot))
         split = lambda a: a.reshape(*a.shape[:2], self.heads, e // self.heads)
         kv = self.ln_kv(x)
-        att = dot_product_attention(split(self.q(self.ln_q(q0))), split(self.k(kv)),
-                                    split(self.v(kv)), allowed)
+        att = bam_attention(split(self.q(self.ln_q(q0))), split(self.k(kv)), split(self.v(kv)),
+                            meta_q, segment_meta(segment_ids), implementation=attention_impl)
         y = q0 + self.o(att.reshape(n, -1, e))
         return self.fc2(jax.nn.gelu(self.fc1(y), approximate=True))
 

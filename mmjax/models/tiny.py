@@ -9,7 +9,7 @@ TINY_LLM = LLMConfig(vocab_size=512, hidden_size=64, num_layers=4, num_heads=4,
 TINY_VISION = VisionConfig(hidden_size=32, num_layers=2, num_heads=2, ffn_size=64,
                            patch_size=4, max_grid=16)
 TINY_AUDIO = AudioConfig(hidden_size=32, num_layers=2, num_heads=2, ffn_size=64,
-                         num_mel_bins=16)
+                         num_mel_bins=16, max_source_positions=2048)
 TINY_GENERATOR = GeneratorConfig(hidden_size=32, num_layers=2, num_heads=2, ffn_size=64,
                                  latent_size=8, latent_channels=4, patch_size=2)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-from mmjax.models.attention import segment_mask
+from mmjax.models.attention import segment_meta
 from mmjax.models.config import VisionConfig
 from mmjax.models.layers import Dense, EncoderBlock, LayerNorm, param
 
@@ -40,14 +40,15 @@ class VisionEncoder(nnx.Module):
         return (x + self.pos_row[...].astype(dt)[patch_pos[..., 0]]
                 + self.pos_col[...].astype(dt)[patch_pos[..., 1]])
 
-    def run_layers(self, x, patch_seg):
-        allowed = segment_mask(patch_seg)
+    def run_layers(self, x, patch_seg, attention_impl: str = "auto"):
+        meta = segment_meta(patch_seg)
         for layer in self.layers:
-            x = layer(x, allowed)
+            x = layer(x, meta, attention_impl)
         return x
 
     def finish(self, x):
         return self.final_ln(x)
 
-    def __call__(self, patches, patch_seg, patch_pos):
-        return self.finish(self.run_layers(self.embed(patches, patch_pos), patch_seg))
+    def __call__(self, patches, patch_seg, patch_pos, attention_impl: str = "auto"):
+        x = self.run_layers(self.embed(patches, patch_pos), patch_seg, attention_impl)
+        return self.finish(x)

@@ -13,27 +13,15 @@ Labels are shifted on the global sequence before `to_cp_layout`.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from mmjax.models.attention import allowed_mask, dot_product_attention
+from mmjax.models.attention import TokenMeta, bam_attention
 
-
-class TokenMeta(NamedTuple):
-    """Per-token mask metadata in CP layout, each int32 [B, L] (L = local or global length).
-
-    bam: bitfield (bit 0 text, bit i+1 modality i); doc: packed document id (0 = padding);
-    sub: modality-subsequence id (0 for text); idx: the token's *global* index in its row.
-    """
-
-    bam: jax.Array
-    doc: jax.Array
-    sub: jax.Array
-    idx: jax.Array
+__all__ = ["TokenMeta", "to_cp_layout", "from_cp_layout", "layout_meta", "cp_attention",
+           "cp_attend", "cp_attention_sharded"]
 
 
 def to_cp_layout(x: jax.Array, gather_idx) -> jax.Array:
@@ -100,13 +88,16 @@ def layout_meta(bam, doc, sub, gather_idx) -> TokenMeta:
     return TokenMeta(*cols, idx=jnp.asarray(gather_idx))
 
 
-def cp_attention(q, k, v, meta: TokenMeta, *, mesh_axis: str = "cp", num_head_groups: int = 1):
+def cp_attention(q, k, v, meta: TokenMeta, *, mesh_axis: str = "cp", num_head_groups: int = 1,
+                 implementation: str = "auto"):
     """CP attention for use INSIDE a shard_map body over `mesh_axis` (Cornstarch §5.3).
 
     q: [B, L, H, D] local queries; k, v: [B, L, KV, D] the same local tokens; meta: local
     TokenMeta [B, L]. K/V are all-gathered along the sequence in `num_head_groups` groups of
     KV heads (one collective per group for K and V together) so communication of the next
-    group overlaps compute of the current one. Returns [B, L, H, D].
+    group overlaps compute of the current one. Each group runs `bam_attention` with
+    `implementation` on the local queries against the gathered keys, so with a block-sparse
+    implementation a rank's work is its share of non-empty tiles. Returns [B, L, H, D].
     """
     h, kv = q.shape[2], k.shape[2]
     if h % kv:
@@ -115,27 +106,27 @@ def cp_attention(q, k, v, meta: TokenMeta, *, mesh_axis: str = "cp", num_head_gr
         raise ValueError(f"num_head_groups={num_head_groups} must divide the kv heads ({kv})")
     gather = lambda a, axis: jax.lax.all_gather(a, mesh_axis, axis=axis, tiled=True)
     keys = TokenMeta(*(gather(a, 1) for a in meta))
-    allowed = allowed_mask(meta.bam, keys.bam, meta.idx, keys.idx,
-                           meta.doc, keys.doc, meta.sub, keys.sub)
     kv_per, h_per = kv // num_head_groups, h // num_head_groups
     outs = []
     for g in range(num_head_groups):
         kv_g = jnp.stack([k[:, :, g * kv_per:(g + 1) * kv_per],
                           v[:, :, g * kv_per:(g + 1) * kv_per]])
         k_all, v_all = gather(kv_g, 2)
-        outs.append(dot_product_attention(q[:, :, g * h_per:(g + 1) * h_per],
-                                          k_all, v_all, allowed))
+        outs.append(bam_attention(q[:, :, g * h_per:(g + 1) * h_per], k_all, v_all, meta, keys,
+                                  implementation=implementation))
     return jnp.concatenate(outs, axis=2)
 
 
-def cp_attend(meta: TokenMeta, *, mesh_axis: str = "cp", num_head_groups: int = 1):
-    """The LLM's `attend(q, k, v)` hook for CP, inside a shard_map body (cf. mask_attend)."""
+def cp_attend(meta: TokenMeta, *, mesh_axis: str = "cp", num_head_groups: int = 1,
+              implementation: str = "auto"):
+    """The LLM's `attend(q, k, v)` hook for CP, inside a shard_map body (cf. meta_attend)."""
     return lambda q, k, v: cp_attention(q, k, v, meta, mesh_axis=mesh_axis,
-                                        num_head_groups=num_head_groups)
+                                        num_head_groups=num_head_groups,
+                                        implementation=implementation)
 
 
 def cp_attention_sharded(q, k, v, meta: TokenMeta, mesh: Mesh, *, mesh_axis: str = "cp",
-                         num_head_groups: int = 1):
+                         num_head_groups: int = 1, implementation: str = "auto"):
     """Standalone shard_map wrapper of `cp_attention` over `mesh`.
 
     Inputs are global arrays in CP layout (`to_cp_layout`): sequence axis over `mesh_axis`,
@@ -152,7 +143,8 @@ def cp_attention_sharded(q, k, v, meta: TokenMeta, mesh: Mesh, *, mesh_axis: str
     x_spec = P(batch, mesh_axis, heads, None)
     m_spec = TokenMeta(*(P(batch, mesh_axis),) * 4)
     body = lambda q_, k_, v_, m_: cp_attention(q_, k_, v_, m_, mesh_axis=mesh_axis,
-                                               num_head_groups=num_head_groups)
+                                               num_head_groups=num_head_groups,
+                                               implementation=implementation)
     specs = (x_spec, x_spec, x_spec, m_spec)
     # Explicit-axis meshes require inputs already laid out as in_specs (reshard is a no-op
     # when they are); on Auto meshes a sharding constraint does the same.

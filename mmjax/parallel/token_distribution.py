@@ -11,9 +11,12 @@ an equal token count is not an equal workload (§2.3.2, C4). This module assigns
   lpt      Longest-Processing-Time-first greedy on per-block work (§4.3.2, Appendix A Alg. 2),
   random   a seeded random permutation of blocks dealt in equal shares (§5.3).
 
-Work is counted at tile granularity: a (query block, key block) tile that holds at least one
-allowed pair costs block_size**2 pairs and an empty tile costs nothing, as in a block-sparse
-kernel (FlexAttention) that skips empty tiles. From a `BitfieldMask` the work is computed
+Work is counted at the attention kernel's tile granularity: a (query block, key block) tile of
+block_size x key_block tokens that holds at least one allowed pair costs block_size * key_block
+pairs and an empty tile costs nothing, as in a block-sparse kernel (FlexAttention in
+Cornstarch, `mmjax/models/attention_pallas.py` here) that skips empty tiles; the key block
+defaults to the Pallas kernel's (DEFAULT_KEY_BLOCK), and `token_cost` adds a per-token linear
+term (work that scales with a block's real tokens, not its pairs). From a `BitfieldMask` the work is computed
 piece by piece (runs of equal metadata split at block boundaries), never materialising S x S.
 
 No JAX here: the distribution is planned on the host from metadata only.
@@ -26,6 +29,7 @@ import heapq
 import numpy as np
 
 METHODS = ("uniform", "zigzag", "lpt", "random")
+DEFAULT_KEY_BLOCK = 32  # = models/attention_pallas.py BLOCK_K (no JAX here); Cornstarch's 128 x 32
 FAMILIES = ("causal", "prepended", "embedded", "packing")
 _FAMILY_ALIASES = {"ep": "prepended", "ee": "embedded", "mp": "packing"}
 
@@ -102,28 +106,60 @@ def _check_block_size(block_size) -> int:
     return int(block_size)
 
 
-def block_work(mask, block_size: int = 128) -> np.ndarray:
-    """Attention work per query block: block_size**2 times its non-empty key-block tiles.
+def block_work(mask, block_size: int = 128, key_block: int | None = None,
+               token_cost: float = 0.0) -> np.ndarray:
+    """Attention work per query block: block_size * key_block times its non-empty tiles
+    (key_block None: square block_size tiles), plus token_cost per real query token.
 
-    Returns int64 [num_blocks]. Padding to block alignment adds no allowed pairs. With
-    block_size=1 this is the row sum of the mask, the W_i of the ILP in Cornstarch §4.3.2.
+    Returns int64 [num_blocks] (float64 when token_cost != 0). Padding to block alignment adds
+    no allowed pairs. With block_size = key_block = 1 this is the row sum of the mask, the W_i
+    of the ILP in Cornstarch §4.3.2.
     """
     block_size = _check_block_size(block_size)
+    key_block = block_size if key_block is None else _check_block_size(key_block)
     seq_len = _seq_len(mask)
     if isinstance(mask, BitfieldMask):
-        tiles = _tiles_from_bitfield(mask, block_size)
+        tiles = _tiles_from_bitfield(mask, block_size, key_block)
     else:
-        nb = num_blocks(seq_len, block_size)
-        padded = np.zeros((nb * block_size, nb * block_size), dtype=bool)
+        nb, nk = num_blocks(seq_len, block_size), num_blocks(seq_len, key_block)
+        padded = np.zeros((nb * block_size, nk * key_block), dtype=bool)
         padded[:seq_len, :seq_len] = mask
-        tiles = padded.reshape(nb, block_size, nb, block_size).any(axis=(1, 3)).sum(axis=1)
-    return tiles.astype(np.int64) * block_size * block_size
+        tiles = padded.reshape(nb, block_size, nk, key_block).any(axis=(1, 3)).sum(axis=1)
+    work = tiles.astype(np.int64) * block_size * key_block
+    if token_cost == 0:
+        return work
+    return work + float(token_cost) * _real_tokens(mask, block_size)
 
 
-def _tiles_from_bitfield(mask: BitfieldMask, block_size: int) -> np.ndarray:
+def _real_tokens(mask, block_size: int) -> np.ndarray:
+    """Tokens per query block that are not padding (doc != 0, or a non-empty mask row)."""
+    seq_len = _seq_len(mask)
+    real = (mask.doc != 0) if isinstance(mask, BitfieldMask) else np.asarray(mask).any(axis=1)
+    padded = np.zeros(num_blocks(seq_len, block_size) * block_size, np.float64)
+    padded[:seq_len] = real
+    return padded.reshape(-1, block_size).sum(axis=1)
+
+
+def _pieces(mask: BitfieldMask, block_size: int):
+    """Runs of equal (bam, doc, sub) split at block boundaries, padding dropped:
+    (start, end, bam, doc, sub, block) arrays."""
+    s = mask.seq_len
+    idx = np.arange(s)
+    change = np.ones(s, dtype=bool)
+    change[1:] = ((mask.bam[1:] != mask.bam[:-1]) | (mask.doc[1:] != mask.doc[:-1])
+                  | (mask.sub[1:] != mask.sub[:-1]) | (idx[1:] % block_size == 0))
+    start = np.flatnonzero(change)
+    end = np.append(start[1:], s) - 1
+    bam, doc, sub = mask.bam[start], mask.doc[start], mask.sub[start]
+    real = doc != 0
+    return tuple(a[real] for a in (start, end, bam, doc, sub, start // block_size))
+
+
+def _tiles_from_bitfield(mask: BitfieldMask, block_size: int, key_block: int) -> np.ndarray:
     """Non-empty key tiles per query block, from runs of equal metadata ("pieces").
 
-    A piece is a maximal run of tokens with equal (bam, doc, sub) inside one block. A text
+    A piece is a maximal run of tokens with equal (bam, doc, sub) inside one block (query
+    pieces split at query blocks, key pieces at key blocks). A text
     query piece P (doc d, bits b) covers the key blocks holding a piece of doc d that shares
     a bit with b and starts at or before P's end (some key precedes some query); those
     blocks, in order of their first such piece, form a list whose covered prefix is found by
@@ -136,18 +172,12 @@ def _tiles_from_bitfield(mask: BitfieldMask, block_size: int) -> np.ndarray:
     tiles = np.zeros(nb, np.int64)
     if s == 0:
         return tiles
-    idx = np.arange(s)
-    change = np.ones(s, dtype=bool)
-    change[1:] = ((mask.bam[1:] != mask.bam[:-1]) | (mask.doc[1:] != mask.doc[:-1])
-                  | (mask.sub[1:] != mask.sub[:-1]) | (idx[1:] % block_size == 0))
-    start = np.flatnonzero(change)
-    end = np.append(start[1:], s) - 1
-    bam, doc, sub = mask.bam[start], mask.doc[start], mask.sub[start]
-    block = start // block_size
-    real = doc != 0
-    start, end, bam, doc, sub, block = (a[real] for a in (start, end, bam, doc, sub, block))
+    start, end, bam, doc, sub, block = _pieces(mask, block_size)
     if start.size == 0:
         return tiles
+    k_pieces = _pieces(mask, key_block) if key_block != block_size else (
+        start, end, bam, doc, sub, block)
+    kstart, _, kbam, kdoc, ksub, kblock = k_pieces
     text = (bam & 1) != 0
     alone = np.bincount(block, minlength=nb)[block] == 1
 
@@ -158,8 +188,8 @@ def _tiles_from_bitfield(mask: BitfieldMask, block_size: int) -> np.ndarray:
     which = which.reshape(-1)
     text_ids = np.flatnonzero(text)
     for i, (d, b) in enumerate(patterns.tolist()):
-        sel = np.flatnonzero((doc == d) & ((bam & b) != 0))  # in sequence order
-        k_start, k_block = start[sel], block[sel]
+        sel = np.flatnonzero((kdoc == d) & ((kbam & b) != 0))  # in sequence order
+        k_start, k_block = kstart[sel], kblock[sel]
         first = np.ones(sel.size, dtype=bool)
         first[1:] = k_block[1:] != k_block[:-1]
         fs, fb = k_start[first], k_block[first]
@@ -173,12 +203,12 @@ def _tiles_from_bitfield(mask: BitfieldMask, block_size: int) -> np.ndarray:
     for p in mod_ids:
         key = ("m", int(doc[p]), int(sub[p]))
         if key not in covers:
-            covers[key] = np.unique(block[(doc == doc[p]) & (sub == sub[p])])
+            covers[key] = np.unique(kblock[(kdoc == doc[p]) & (ksub == sub[p])])
         if alone[p]:
             tiles[block[p]] = covers[key].size
 
     # Blocks with several pieces: union of what each piece covers.
-    marks = np.zeros(nb, dtype=bool)
+    marks = np.zeros(num_blocks(s, key_block), dtype=bool)
     shared = np.flatnonzero(~alone)
     for qb, group in zip(*_runs(block[shared], shared)):
         for p in group:
@@ -293,13 +323,18 @@ def assign_blocks(nblocks: int, num_ranks: int, method: str, work=None, seed: in
 
 
 def distribute(mask, num_ranks: int, method: str, block_size: int = 128,
-               seed: int = 0, *, capacity: int | None = None) -> list[np.ndarray]:
+               seed: int = 0, *, capacity: int | None = None,
+               key_block: int | None = DEFAULT_KEY_BLOCK,
+               token_cost: float = 0.0) -> list[np.ndarray]:
     """Sorted global token indices of every CP rank (Cornstarch §4.3.2, §5.3).
 
     mask: a `BitfieldMask` or a dense boolean (S, S) array, allowed[q, k]. The sequence is
     padded to block alignment; padding tokens (index >= S) are not returned. Deterministic
     for a given (mask, num_ranks, method, block_size, seed). capacity: optional cap on
     blocks per rank for "lpt" (see `lpt`); the plain Appendix A algorithm when None.
+    LPT weighs a query block by `block_work(mask, block_size, key_block, token_cost)`: its
+    non-empty block_size x key_block tiles (the attention kernel's, DEFAULT_KEY_BLOCK; None
+    for square tiles) plus token_cost per real token.
     """
     if int(num_ranks) != num_ranks or num_ranks < 1:
         raise ValueError(f"num_ranks must be a positive integer, got {num_ranks!r}")
@@ -308,7 +343,7 @@ def distribute(mask, num_ranks: int, method: str, block_size: int = 128,
     block_size = _check_block_size(block_size)
     seq_len = _seq_len(mask)
     nb = num_blocks(seq_len, block_size)
-    work = block_work(mask, block_size) if method == "lpt" else None
+    work = block_work(mask, block_size, key_block, token_cost) if method == "lpt" else None
     assignment = assign_blocks(nb, int(num_ranks), method, work=work, seed=seed,
                                capacity=capacity)
     token_rank = np.repeat(assignment, block_size)[:seq_len]
@@ -367,12 +402,14 @@ def layout_indices(dist, seq_len: int, length: int | None = None) -> np.ndarray:
 
 
 def batch_layout(bam, doc, sub, num_ranks: int, method: str, block_size: int = 128,
-                 seed: int = 0) -> np.ndarray:
+                 seed: int = 0, key_block: int | None = DEFAULT_KEY_BLOCK,
+                 token_cost: float = 0.0) -> np.ndarray:
     """CP gather indices for a batch of rows [B, S] of BAM metadata: int32 [B, G * L].
 
     Each row gets its own distribution. LPT is capped at ceil(blocks / G) blocks per rank,
     so every method and every batch of this S has the same static L = ceil(blocks / G) *
     block_size (one compilation); `mmjax.parallel.context.to_cp_layout` applies the result.
+    key_block / token_cost: LPT's work model (see `distribute`).
     """
     bam, doc, sub = (np.asarray(a) for a in (bam, doc, sub))
     if bam.ndim != 2 or bam.shape != doc.shape or bam.shape != sub.shape:
@@ -381,7 +418,7 @@ def batch_layout(bam, doc, sub, num_ranks: int, method: str, block_size: int = 1
     seq_len = bam.shape[1]
     cap = -(-num_blocks(seq_len, _check_block_size(block_size)) // num_ranks)
     rows = [distribute(BitfieldMask(bam=b, doc=d, sub=s), num_ranks, method, block_size,
-                       seed=seed + i, capacity=cap)
+                       seed=seed + i, capacity=cap, key_block=key_block, token_cost=token_cost)
             for i, (b, d, s) in enumerate(zip(bam, doc, sub))]
     return np.stack([layout_indices(r, seq_len, cap * block_size) for r in rows])
 

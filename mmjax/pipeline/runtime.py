@@ -17,6 +17,7 @@ import numpy as np
 from flax import nnx
 
 from mmjax.models.config import MLLMConfig
+from mmjax.models.hf import pretrained as hf_pretrained
 from mmjax.models.mllm import trainable_filter
 from mmjax.data.routes import Routes
 from mmjax.parallel.broker import Broker
@@ -49,7 +50,6 @@ class Stage:
     mode: Backward
     fns: object = None
     backward_calls: int = 0
-    grads: object = None
     local: bool = True  # the mesh holds a device of this process
 
 
@@ -89,11 +89,18 @@ def _placed(tree, sharding):
 @dataclass
 class StepResult:
     """Per-microbatch loss terms as device scalars (on the last stages' meshes); reading
-    them (`losses()`) is the step's one host sync, after the whole schedule is dispatched."""
+    them (`losses()`) is the step's one host sync, after the whole schedule is dispatched.
+    `grads[sid]`: the step's parameter gradients of every local stage that has them (summed
+    over microbatches and dp ranks)."""
 
     lm_loss: list = field(default_factory=list)
     diffusion_loss: list = field(default_factory=list)
     trace: list = field(default_factory=list)
+    grads: dict = field(default_factory=dict)
+
+    def pure_grads(self) -> dict:
+        """`grads` as pure dicts per stage (what `to_reference_layout` takes)."""
+        return {sid: nnx.to_pure_dict(g) for sid, g in self.grads.items()}
 
     def losses(self) -> dict[str, float]:
         if jax.process_count() == 1:
@@ -104,6 +111,20 @@ class StepResult:
         lm = float(sum(np.asarray(v, np.float64) for v in lm_terms))
         diff = float(sum(np.asarray(v, np.float64) for v in diff_terms))
         return {"loss": lm + diff, "lm_loss": lm, "diffusion_loss": diff}
+
+
+@dataclass
+class _Step:
+    """The in-flight state of one `run`: per (stage, microbatch) host inputs, forward
+    outputs, residuals and cotangents; the result being filled."""
+
+    feeds: list
+    totals: tuple
+    sides: dict = field(default_factory=dict)
+    outputs: dict = field(default_factory=dict)
+    residuals: dict = field(default_factory=dict)
+    cotangents: dict = field(default_factory=dict)
+    result: StepResult = field(default_factory=StepResult)
 
 
 def gather_scalars(groups: list[list]) -> list[np.ndarray]:
@@ -139,10 +160,23 @@ def _place(state, mesh):
     return global_put(state, shardings)
 
 
+def _load_pretrained(cfg: MLLMConfig, up, sid: StageId, path, tr, fr):
+    """A stage's placed states with its layers of the HF checkpoint at `path`."""
+    start, end = up.stage_layers(sid.index % up.pp, sid.index // up.pp)
+    plan = hf_pretrained.load_plan(path, hf_pretrained.unit_config(cfg, sid.unit), start, end)
+    root = () if sid.unit == "llm" else ("encoders", sid.unit)
+    return (hf_pretrained.load_stage_state(tr, plan, root),
+            hf_pretrained.load_stage_state(fr, plan, root))
+
+
 class PipelineRuntime:
     def __init__(self, cfg: MLLMConfig, plan: Plan, devices=None, seed: int = 0,
-                 compute_dtype=jnp.float32):
+                 compute_dtype=jnp.float32, pretrained: dict | None = None):
+        """`pretrained` {unit: HF checkpoint directory}: each stage of those units reads
+        its own layers (its devices' blocks) straight onto its sub-mesh after placement;
+        `cfg` must already describe them (`hf.pretrained_config`)."""
         plan.validate(cfg, len(devices if devices is not None else jax.devices()))
+        pretrained = pretrained or {}
         self.cfg, self.plan, self.dtype = cfg, plan, compute_dtype
         self.meshes = stage_meshes(plan, devices)
         root = jax.random.key(seed)
@@ -164,14 +198,22 @@ class PipelineRuntime:
                                            per_stage_trainable,
                                            {u.name: u.num_chunks for u in plan.units})
         self.num_virtual = nv
+        if cfg.llm.tie_embeddings and nv["llm"] > 1 and not all(
+                holds_local_device(m) for m in (self.meshes["llm"][0], self.meshes["llm"][-1])):
+            raise ValueError("tie_embeddings=True with the llm's first and last stage in "
+                             "different processes is not supported (the embedding group sums "
+                             "their gradients in one process): place both in one process or "
+                             "use llm pp=1")
         self.stages: dict[StageId, Stage] = {}
         for sid in self.graph.stages:
             gd, tr, fr = built[sid]
             mesh = self.meshes[sid.unit][sid.index % plan.unit(sid.unit).pp]
             mode = Backward(self.graph.has_backward[sid])
             up = plan.unit(sid.unit)
-            st = Stage(sid, mesh, up.dp, gd, _place(tr, mesh), _place(fr, mesh), mode,
-                       local=holds_local_device(mesh))
+            tr, fr = _place(tr, mesh), _place(fr, mesh)
+            if sid.unit in pretrained:
+                tr, fr = _load_pretrained(cfg, up, sid, pretrained[sid.unit], tr, fr)
+            st = Stage(sid, mesh, up.dp, gd, tr, fr, mode, local=holds_local_device(mesh))
             st.fns = make_stage_fns(cfg, up, gd, mode, compute_dtype, mesh)
             self.stages[sid] = st
         # one row per physical stage, i.e. per mesh (Megatron's interleaved order for units
@@ -222,75 +264,105 @@ class PipelineRuntime:
 
     # ---- one step -------------------------------------------------------------------
     def run(self, feeds: list[MicrobatchFeed], trace: bool | str = False) -> StepResult:
-        """Forward and backward of every microbatch; gradients accumulate in
-        `stage.grads`. Returns device-side losses. `trace` (pipeline/trace.py): False; True
-        or "serial" (each action waited on: isolated costs, no overlap); "overlap" (waiter
+        """Forward and backward of every microbatch. Returns device-side losses and the
+        step's gradients (`StepResult.grads`). `trace` (pipeline/trace.py): False; True or
+        "serial" (each action waited on: isolated costs, no overlap); "overlap" (waiter
         threads stamp completions; dispatch stays free of host syncs)."""
         tracer = make_tracer(trace_mode(trace))
         if len(feeds) != self.plan.num_microbatches:
             raise ValueError(f"got {len(feeds)} microbatch feeds; the plan has "
                              f"{self.plan.num_microbatches}")
-        totals = (sum(f.num_target_tokens for f in feeds), sum(f.num_gen_elements for f in feeds))
-        for st in self.stages.values():
-            st.grads = (jax.tree.map(jnp.zeros_like, st.trainable)
-                        if st.mode.param_grads and st.local else None)
-        sides, residuals, outputs, cotangents = {}, {}, {}, {}
-        result = StepResult()
-        last_llm = StageId("llm", self.num_virtual["llm"] - 1)
-        has_gen = self.cfg.generator is not None
+        step = _Step(feeds, (sum(f.num_target_tokens for f in feeds),
+                             sum(f.num_gen_elements for f in feeds)))
+        step.result.grads = {sid: jax.tree.map(jnp.zeros_like, st.trainable)
+                             for sid, st in self.stages.items()
+                             if st.mode.param_grads and st.local}
         for sid, act in self.order:
-            st, mb = self.stages[sid], act.microbatch
+            mb = act.microbatch
             t0 = tracer.start() if tracer else 0.0
-            if (sid, mb) not in sides:
-                sides[(sid, mb)] = self._side(sid, feeds[mb], totals)
-            side = sides[(sid, mb)]
+            if (sid, mb) not in step.sides:
+                step.sides[(sid, mb)] = self._side(sid, feeds[mb], step.totals)
             if act.kind == "F":
-                x = self._gather_input(sid, mb, outputs, feeds[mb])
-                if st.local:  # keep the vjp residuals (pipeline/stage.py), not the input
-                    y, res = self.settle(st.fns.forward(st.trainable, st.frozen, x, side))
-                else:  # another process runs it; keep the shapes for the transfers and dx
-                    y, _ = jax.eval_shape(st.fns.forward, st.trainable, st.frozen, x, side)
-                    res = abstract(x)
-                if self.graph.runs_backward(sid):
-                    residuals[(sid, mb)] = res
-                del x
-                if sid == last_llm:
-                    lm, y = (y if has_gen else (y, None))
-                    result.lm_loss.append(lm)
-                elif sid.unit == "generator" and not self.graph.successors(sid):
-                    result.diffusion_loss.append(y)
-                    y = None
-                outputs[(sid, mb)] = y
+                self._forward(sid, mb, step)
             else:
-                dy = self._gather_cotangent(sid, mb, cotangents, feeds[mb])
-                res = residuals.pop((sid, mb))
-                if st.local:
-                    grads, dx = self.settle(st.fns.backward(
-                        st.trainable, st.frozen, side, res, dy,
-                        st.grads if st.grads is not None else {}))
-                    if st.grads is not None:
-                        st.grads = grads
-                else:  # a cotangent has its primal's shape and dtype (res = abstract(x))
-                    dx = res if st.mode.input_grads else None
-                st.backward_calls += 1
-                if dx is not None:
-                    cotangents[(sid, mb)] = dx
+                self._backward(sid, mb, step)
             if tracer:
-                done = None
-                if st.local:
-                    done = ((outputs.get((sid, mb)), residuals.get((sid, mb))) if act.kind == "F"
-                            else (cotangents.get((sid, mb)), st.grads))
-                    done = completion_marker(done)
-                u = self.plan.unit(sid.unit)
-                phys = StageId(sid.unit, sid.index % u.pp)
-                tracer.done(str(phys), {"stage": str(phys), "kind": act.kind, "microbatch": mb,
-                                        "chunk": act.chunk, "virtual_stage": str(sid)},
-                            t0, done)
+                self._trace(tracer, sid, act, t0, step)
             if act.kind == "B" or not self.graph.runs_backward(sid):
-                sides.pop((sid, mb), None)
+                step.sides.pop((sid, mb), None)
+        self._sum_tied_embedding_grads(step.result.grads)
         if tracer:
-            result.trace = tracer.finish()
-        return result
+            step.result.trace = tracer.finish()
+        return step.result
+
+    def _forward(self, sid: StageId, mb: int, step: "_Step"):
+        st, side = self.stages[sid], step.sides[(sid, mb)]
+        x = self._gather_input(sid, mb, step.outputs, step.feeds[mb])
+        if st.local:  # keep the vjp residuals (pipeline/stage.py), not the input
+            y, res = self.settle(st.fns.forward(st.trainable, st.frozen, x, side))
+        else:  # another process runs it; keep the shapes for the transfers and dx
+            y, _ = jax.eval_shape(st.fns.forward, st.trainable, st.frozen, x, side)
+            res = abstract(x)
+        if self.graph.runs_backward(sid):
+            step.residuals[(sid, mb)] = res
+        del x
+        if sid == StageId("llm", self.num_virtual["llm"] - 1):
+            lm, y = (y if self.cfg.generator is not None else (y, None))
+            step.result.lm_loss.append(lm)
+        elif sid.unit == "generator" and not self.graph.successors(sid):
+            step.result.diffusion_loss.append(y)
+            y = None
+        step.outputs[(sid, mb)] = y
+
+    def _backward(self, sid: StageId, mb: int, step: "_Step"):
+        st, side = self.stages[sid], step.sides[(sid, mb)]
+        dy = self._gather_cotangent(sid, mb, step.cotangents, step.feeds[mb])
+        res = step.residuals.pop((sid, mb))
+        grads = step.result.grads
+        if st.local:
+            acc, dx = self.settle(st.fns.backward(st.trainable, st.frozen, side, res, dy,
+                                                  grads.get(sid, {})))
+            if sid in grads:
+                grads[sid] = acc
+        else:  # a cotangent has its primal's shape and dtype (res = abstract(x))
+            dx = res if st.mode.input_grads else None
+        st.backward_calls += 1
+        if dx is not None:
+            step.cotangents[(sid, mb)] = dx
+
+    def _trace(self, tracer, sid: StageId, act, t0: float, step: "_Step"):
+        st, mb = self.stages[sid], act.microbatch
+        done = None
+        if st.local:
+            done = ((step.outputs.get((sid, mb)), step.residuals.get((sid, mb)))
+                    if act.kind == "F" else
+                    (step.cotangents.get((sid, mb)), step.result.grads.get(sid)))
+            done = completion_marker(done)
+        phys = StageId(sid.unit, sid.index % self.plan.unit(sid.unit).pp)
+        tracer.done(str(phys), {"stage": str(phys), "kind": act.kind, "microbatch": mb,
+                                "chunk": act.chunk, "virtual_stage": str(sid)}, t0, done)
+
+    def tied_embedding_stages(self) -> tuple[StageId, StageId] | None:
+        """(first, last) LLM stage when both hold a copy of a tied embedding, else None."""
+        n = self.num_virtual["llm"]
+        if not self.cfg.llm.tie_embeddings or n == 1:
+            return None
+        return StageId("llm", 0), StageId("llm", n - 1)
+
+    def _sum_tied_embedding_grads(self, grads: dict) -> None:
+        """Megatron's embedding group: a tied LLM over several stages keeps the embedding on
+        its first stage (input) and last stage (LM head); each copy gets the sum of both
+        gradients every step, so copies that start equal stay equal, and equal the single
+        model's embedding (its gradient is that sum). `grads`: StageId -> gradient state."""
+        pair = self.tied_embedding_stages()
+        if pair is None or pair[0] not in grads or pair[1] not in grads:  # a frozen LLM
+            return
+        first, last = grads[pair[0]], grads[pair[1]]
+        a, b = nnx.to_pure_dict(first), nnx.to_pure_dict(last)
+        total = a["embed"] + jax.device_put(b["embed"], a["embed"].sharding)
+        a["embed"], b["embed"] = total, jax.device_put(total, b["embed"].sharding)
+        nnx.replace_by_pure_dict(first, a)
+        nnx.replace_by_pure_dict(last, b)
 
     def _gather_input(self, sid, mb, outputs, feed):
         preds = self.graph.predecessors(sid)

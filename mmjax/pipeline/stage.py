@@ -8,7 +8,7 @@ The long story: docs/design.md "Stage residuals".
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -18,11 +18,12 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mmjax.models.config import MLLMConfig
 from mmjax.models.generator import DiffusionGenerator, diffusion_loss_sum
-from mmjax.models.llm import LLM, lm_loss_sum, mask_attend, merge_modalities
-from mmjax.models.mllm import (encoder_embed, encoder_layers, generator_inputs, llm_allowed,
+from mmjax.models.attention import TokenMeta, choose_implementation
+from mmjax.models.llm import LLM, lm_loss_sum, merge_modalities, meta_attend
+from mmjax.models.mllm import (encoder_embed, encoder_layers, generator_inputs, llm_meta,
                                make_encoder, project, unit_key)
 from mmjax.models.projector import make_projector
-from mmjax.parallel.context import TokenMeta, cp_attention_sharded
+from mmjax.parallel.context import cp_attention_sharded
 from mmjax.parallel.tp_ops import sequence_sharded_llm_stage
 from mmjax.planner.plan import REMAT_POLICIES, UnitPlan
 from mmjax.models.layers import cast_floats
@@ -34,7 +35,7 @@ class EncoderStage(nnx.Module):
     def __init__(self, cfg: MLLMConfig, name: str, root_key, start: int, end: int):
         spec = cfg.encoder(name)
         self.encoders = nnx.Dict({name: make_encoder(spec, unit_key(root_key, name), start, end)})
-        self.is_last = end == spec.encoder.num_layers
+        self.is_last = end == cfg.num_layers(name)
         self.projectors = nnx.Dict({name: make_projector(
             spec.projector, spec.encoder.hidden_size, cfg.llm.hidden_size,
             unit_key(root_key, name + "/projector"))} if self.is_last else {})
@@ -63,26 +64,29 @@ def _pack(flat, pack):
     return out.reshape((-1,) + out.shape[2:])
 
 
-def apply_encoder(cfg: MLLMConfig, name: str, module: EncoderStage, x, side, dtype):
+def apply_encoder(cfg: MLLMConfig, name: str, module: EncoderStage, x, side, dtype,
+                  attention_impl: str = "auto"):
     spec = cfg.encoder(name)
     enc = module.encoders[name]
     inputs = {k: (v.astype(dtype) if jnp.issubdtype(v.dtype, jnp.floating) else v)
               for k, v in side["inputs"].items()}
     if enc.is_first:
         x = encoder_embed(spec, enc, inputs)
-    x = encoder_layers(spec, enc, x, inputs)
+    x = encoder_layers(spec, enc, x, inputs, attention_impl)
     if not module.is_last:
         return x
     ranks = side["pack"].shape[0]
-    y = project(spec, module.projectors[name], enc.finish(x), inputs)  # [ranks*N, D]
+    y = project(spec, module.projectors[name], enc.finish(x), inputs, attention_impl)
     return _pack(_per_rank(y, ranks), side["pack"])
 
 
 def apply_llm(cfg: MLLMConfig, module: LLM, x, side, dtype, with_generator: bool, ranks: int,
               mesh=None, overlap_tp: bool = False, tp_chunks: int = 2,
-              tp_bidirectional: bool = True, cp_head_groups: int = 1):
-    """LLM stage; on a ('dp','cp','tp') mesh attention is Cornstarch's all-gather CP
-    attention over tokens already in CP layout (data/feed.py `cp_layout`), K/V gathered
+              tp_bidirectional: bool = True, cp_head_groups: int = 1,
+              attention_impl: str = "auto"):
+    """LLM stage (attention: `bam_attention` with `attention_impl` on the tokens' metadata);
+    on a ('dp','cp','tp') mesh attention is Cornstarch's all-gather CP attention over
+    tokens already in CP layout (data/feed.py `cp_layout`), K/V gathered
     in `cp_head_groups` groups of heads (Cornstarch §5.3). With `overlap_tp` the projections
     are decomposed collective matmuls, `tp_chunks` pieces per ring step, both ring
     directions when `tp_bidirectional` (DistTrain §7)."""
@@ -101,15 +105,18 @@ def apply_llm(cfg: MLLMConfig, module: LLM, x, side, dtype, with_generator: bool
     if mesh is not None and "cp" in mesh.axis_names:
         meta = TokenMeta(batch["bam"], batch["doc"], batch["sub"], batch["idx"])
         attend = lambda q, k, v: cp_attention_sharded(q, k, v, meta, mesh,
-                                                      num_head_groups=cp_head_groups)
+                                                      num_head_groups=cp_head_groups,
+                                                      implementation=attention_impl)
         x = module.run_layers(x.astype(dtype), batch["positions"], attend)
     elif overlap_tp:  # DistTrain §7 StepCCL: decomposed collective matmuls, sequence-sharded
-        fn, state = sequence_sharded_llm_stage(module, mesh, mask_attend, overlap_tp=True,
+        make_attend = lambda *meta: meta_attend(TokenMeta(*meta), attention_impl)
+        fn, state = sequence_sharded_llm_stage(module, mesh, make_attend, overlap_tp=True,
                                                batch_axis="dp", num_chunks=tp_chunks,
                                                bidirectional=tp_bidirectional)
-        x = fn(state, x.astype(dtype), batch["positions"], llm_allowed(batch))
+        x = fn(state, x.astype(dtype), batch["positions"], *llm_meta(batch))
     else:
-        x = module.run_layers(x.astype(dtype), batch["positions"], mask_attend(llm_allowed(batch)))
+        x = module.run_layers(x.astype(dtype), batch["positions"],
+                              meta_attend(llm_meta(batch), attention_impl))
     if not module.is_last:
         return x
     hf = module.final_hidden(x)
@@ -122,13 +129,14 @@ def apply_llm(cfg: MLLMConfig, module: LLM, x, side, dtype, with_generator: bool
     return lm, _pack(cond, side["gen_pack"])
 
 
-def apply_generator(cfg: MLLMConfig, module: DiffusionGenerator, x, side, dtype):
+def apply_generator(cfg: MLLMConfig, module: DiffusionGenerator, x, side, dtype,
+                    attention_impl: str = "auto"):
     g = side["gen"]
     if module.is_first:
         cond = x.reshape((-1,) + x.shape[2:])                          # [ranks*slots*cap, K, d]
         noisy, t = generator_inputs(cfg, g, dtype)
         x = module.embed(noisy, t, cond)
-    x = module.run_layers(jax.tree.map(lambda a: a.astype(dtype), x))
+    x = module.run_layers(jax.tree.map(lambda a: a.astype(dtype), x), attention_impl)
     if not module.is_last:
         return x
     eps = module.finish(x)
@@ -231,33 +239,122 @@ class ResidualLayout:
     x_shapes: object
 
 
-@dataclass
-class StageFns:
-    """The jitted functions of one stage; `mode` in full / params / input_only / none.
-
-    `forward(trainable, frozen, x, side) -> (y, Residuals)`;
-    `backward(trainable, frozen, side, residuals, dy, acc) -> (acc + dparams, dx)` (acc is
-    donated; dparams is skipped for mode "input_only", dx is None for mode "params")."""
-
-    forward: callable
-    backward: callable | None
-    remat: str = "full"
-    layouts: dict = field(default_factory=dict)  # key -> ResidualLayout
-    keys: dict = field(default_factory=dict)  # input signature -> key
-
-
 def _signature(tree):
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     return treedef, tuple((tuple(a.shape), jnp.dtype(a.dtype).name) for a in leaves)
 
 
+def residual_layout(linearize, args) -> ResidualLayout:
+    """Which vjp leaves of `linearize(*args)` are functions of the parameters alone
+    (dependence analysis of the traced jaxpr) or are host inputs; traced on shapes only.
+    `args` = (trainable, frozen, x, side)."""
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(tuple(a.shape), a.dtype), args)
+    counts = {}
+
+    def probe(*xs):
+        y, leaves, _ = linearize(*xs)
+        counts["res"] = len(leaves)
+        return y, leaves
+
+    closed = jax.make_jaxpr(probe)(*abstract)
+    trainable, frozen, x, side = abstract
+    n_params = len(jax.tree.leaves((trainable, frozen)))
+    n_x, n_side = len(jax.tree.leaves(x)), len(jax.tree.leaves(side))
+    outs = closed.jaxpr.outvars
+    dep = _depends(closed.jaxpr, [False] * n_params + [True] * (n_x + n_side))
+    n_y = len(outs) - counts["res"]
+    side_vars = closed.jaxpr.invars[n_params + n_x:]
+    side_pos, recompute = {}, set()
+    for i, (v, d) in enumerate(zip(outs[n_y:], dep[n_y:])):
+        hit = [j for j, sv in enumerate(side_vars) if v is sv]
+        if hit:
+            side_pos[i] = hit[0]
+        elif not d:
+            recompute.add(i)
+    return ResidualLayout(counts["res"], frozenset(recompute), side_pos, x)
+
+
+class StageFns:
+    """The jitted functions of one stage; `mode` a schedule `Backward` mode.
+
+    `forward(trainable, frozen, x, side) -> (y, Residuals)`;
+    `backward(trainable, frozen, side, residuals, dy, acc) -> (acc + dparams, dx)` (acc is
+    donated; dparams is skipped for mode "input_only", dx is None for mode "params").
+    `layout(...)` computes the residual layout of an input signature, once, before the
+    forward of that signature is traced; `layouts[key]` is read by the backward."""
+
+    def __init__(self, run, mode: str, remat: str):
+        self.run, self.mode, self.remat = run, mode, remat
+        self.layouts: dict[int, ResidualLayout] = {}
+        self._keys: dict = {}  # input signature -> key
+        self._forward = jax.jit(self._forward_impl, static_argnames=("key",))
+        self.backward = (None if mode == "none"
+                         else jax.jit(self._backward_impl, donate_argnums=(5,)))
+
+    def _linearize(self, trainable, frozen, x, side):
+        """-> (y, vjp leaves, vjp treedef) for the primals this mode differentiates."""
+        run, remat = self.run, self.remat
+        if self.mode == "input_only":
+            y, vjp = jax.vjp(remat_wrap(lambda xx: run(trainable, frozen, xx, side), remat), x)
+        elif self.mode == "params":
+            y, vjp = jax.vjp(remat_wrap(lambda t: run(t, frozen, x, side), remat), trainable)
+        else:
+            y, vjp = jax.vjp(remat_wrap(lambda t, xx: run(t, frozen, xx, side), remat),
+                             trainable, x)
+        leaves, treedef = jax.tree_util.tree_flatten(vjp)
+        return y, leaves, treedef
+
+    def layout(self, trainable, frozen, x, side) -> int:
+        """The key of this input signature's residual layout (computed on first sight)."""
+        if self.mode == "none":
+            return -1
+        sig = _signature((trainable, frozen, x, side))
+        if sig not in self._keys:
+            key = len(self.layouts)
+            self.layouts[key] = residual_layout(self._linearize, (trainable, frozen, x, side))
+            self._keys[sig] = key
+        return self._keys[sig]
+
+    def forward(self, trainable, frozen, x, side):
+        return self._forward(trainable, frozen, x, side,
+                             key=self.layout(trainable, frozen, x, side))
+
+    def _forward_impl(self, trainable, frozen, x, side, key):
+        if self.mode == "none":
+            return self.run(trainable, frozen, x, side), Residuals([], -1)
+        lay = self.layouts[key]
+        y, leaves, _ = self._linearize(trainable, frozen, x, side)
+        kept = [a for i, a in enumerate(leaves) if i not in lay.recompute and i not in lay.side]
+        return y, Residuals(kept, key)
+
+    def _backward_impl(self, trainable, frozen, side, residuals, dy, acc):
+        lay = self.layouts[residuals.key]
+        # Re-trace the linearization on the parameters and host inputs (the stage input is
+        # a placeholder: every leaf depending on it comes from `residuals`); jit's dead-code
+        # elimination leaves only the parameter-only leaves' computation.
+        x0 = jax.tree.map(lambda sd: jnp.zeros(sd.shape, sd.dtype), lay.x_shapes)
+        _, fresh, treedef = self._linearize(trainable, frozen, x0, side)
+        side_leaves = jax.tree.leaves(side)
+        kept = iter(residuals.leaves)
+        leaves = [fresh[i] if i in lay.recompute else
+                  side_leaves[lay.side[i]] if i in lay.side else next(kept)
+                  for i in range(lay.num_leaves)]
+        cts = jax.tree_util.tree_unflatten(treedef, leaves)(dy)
+        if self.mode == "input_only":
+            return acc, cts[0]
+        grads = jax.tree.map(jnp.add, acc, cts[0])
+        return grads, (cts[1] if self.mode == "full" else None)
+
+
 def make_stage_fns(cfg: MLLMConfig, up: UnitPlan, graphdef, mode: str, dtype,
                    mesh=None, with_generator: bool | None = None) -> StageFns:
     """The jitted functions of one stage of unit `up.name`, as its `UnitPlan` configures
-    them (dp ranks, remat policy, overlapped TP, CP head groups). `with_generator`
+    them (dp ranks, remat policy, overlapped TP, CP head groups, attention implementation).
+    `with_generator`
     (default: the model has one) makes the last LLM stage also return the conditioning."""
-    unit, remat = up.name, up.remat
-    remat_wrap(lambda: None, remat)  # validate the policy name up front
+    unit, impl = up.name, up.attention_impl
+    remat_wrap(lambda: None, up.remat)  # validate the policy name up front
+    choose_implementation(impl, 1, 1, dtype)  # validate the name up front
     if with_generator is None:
         with_generator = cfg.generator is not None
 
@@ -266,93 +363,12 @@ def make_stage_fns(cfg: MLLMConfig, up: UnitPlan, graphdef, mode: str, dtype,
         if unit == "llm":
             return apply_llm(cfg, module, x, side, dtype, with_generator, up.dp, mesh,
                              up.overlap_tp, up.tp_chunks, up.tp_bidirectional,
-                             up.cp_head_groups)
+                             up.cp_head_groups, impl)
         if unit == "generator":
-            return apply_generator(cfg, module, x, side, dtype)
-        return apply_encoder(cfg, unit, module, x, side, dtype)
+            return apply_generator(cfg, module, x, side, dtype, impl)
+        return apply_encoder(cfg, unit, module, x, side, dtype, impl)
 
-    if mode == "none":
-        return StageFns(jax.jit(lambda t, f, x, side: (run(t, f, x, side), Residuals([], -1))),
-                        None, remat)
-
-    def linearize(trainable, frozen, x, side):
-        """-> (y, vjp leaves, vjp treedef) for the primals this mode differentiates."""
-        if mode == "input_only":
-            y, vjp = jax.vjp(remat_wrap(lambda xx: run(trainable, frozen, xx, side), remat), x)
-        elif mode == "params":
-            y, vjp = jax.vjp(remat_wrap(lambda t: run(t, frozen, x, side), remat), trainable)
-        else:
-            y, vjp = jax.vjp(remat_wrap(lambda t, xx: run(t, frozen, xx, side), remat),
-                             trainable, x)
-        leaves, treedef = jax.tree_util.tree_flatten(vjp)
-        return y, leaves, treedef
-
-    fns = StageFns(None, None, remat)
-
-    def layout(trainable, frozen, x, side) -> int:
-        """Trace once per input signature: which vjp leaves are functions of the parameters
-        alone (dependence analysis of the traced jaxpr) or are host inputs."""
-        sig = _signature((trainable, frozen, x, side))
-        if sig in fns.keys:
-            return fns.keys[sig]
-        counts = {}
-
-        def probe(*args):
-            y, leaves, _ = linearize(*args)
-            counts["res"] = len(leaves)
-            return y, leaves
-
-        closed = jax.make_jaxpr(probe)(trainable, frozen, x, side)
-        n_params = len(jax.tree.leaves((trainable, frozen)))
-        n_x, n_side = len(jax.tree.leaves(x)), len(jax.tree.leaves(side))
-        in_dep = [False] * n_params + [True] * (n_x + n_side)
-        outs = closed.jaxpr.outvars
-        dep = _depends(closed.jaxpr, in_dep)
-        n_res = counts["res"]
-        n_y = len(outs) - n_res
-        side_vars = closed.jaxpr.invars[n_params + n_x:]
-        side_pos, recompute = {}, set()
-        for i, (v, d) in enumerate(zip(outs[n_y:], dep[n_y:])):
-            hit = [j for j, s in enumerate(side_vars) if v is s]
-            if hit:
-                side_pos[i] = hit[0]
-            elif not d:
-                recompute.add(i)
-        key = len(fns.layouts)
-        fns.layouts[key] = ResidualLayout(n_res, frozenset(recompute), side_pos,
-                                          jax.tree.map(lambda a: jax.ShapeDtypeStruct(
-                                              tuple(a.shape), a.dtype), x))
-        fns.keys[sig] = key
-        return key
-
-    def forward(trainable, frozen, x, side):
-        key = layout(trainable, frozen, x, side)
-        lay = fns.layouts[key]
-        y, leaves, _ = linearize(trainable, frozen, x, side)
-        kept = [a for i, a in enumerate(leaves) if i not in lay.recompute and i not in lay.side]
-        return y, Residuals(kept, key)
-
-    def backward(trainable, frozen, side, residuals, dy, acc):
-        lay = fns.layouts[residuals.key]
-        # Re-trace the linearization on the parameters and host inputs (the stage input is
-        # a placeholder: every leaf depending on it comes from `residuals`); jit's dead-code
-        # elimination leaves only the parameter-only leaves' computation.
-        x0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), lay.x_shapes)
-        _, fresh, treedef = linearize(trainable, frozen, x0, side)
-        side_leaves = jax.tree.leaves(side)
-        kept = iter(residuals.leaves)
-        leaves = [fresh[i] if i in lay.recompute else
-                  side_leaves[lay.side[i]] if i in lay.side else next(kept)
-                  for i in range(lay.num_leaves)]
-        cts = jax.tree_util.tree_unflatten(treedef, leaves)(dy)
-        if mode == "input_only":
-            return acc, cts[0]
-        grads = jax.tree.map(jnp.add, acc, cts[0])
-        return grads, (cts[1] if mode == "full" else None)
-
-    fns.forward = jax.jit(forward)
-    fns.backward = jax.jit(backward, donate_argnums=(5,))
-    return fns
+    return StageFns(run, mode, up.remat)
 
 
 def dp_sharding(mesh, ndim: int) -> NamedSharding:

@@ -2,7 +2,7 @@
 (orchestrate.py), frozen-aware layer splits (partition.py) and `Plan.predicted` (no JAX)."""
 from __future__ import annotations
 
-from mmjax.planner.costs import UnitCost, layer_times, unit_costs, unit_work
+from mmjax.planner.costs import UnitCost, impl_of, layer_times, unit_costs, unit_work
 from mmjax.planner.evaluate import Choice, evaluate
 from mmjax.planner.hardware import Hardware
 from mmjax.planner.orchestrate import GPU_TOLERANCE, orchestrate
@@ -22,7 +22,8 @@ DISTTRAIN_FROZEN = {
 
 def to_plan(model, costs: tuple[UnitCost, ...], choices: dict[str, Choice], global_batch: int,
             hw: Hardware, kind: str, layer_costs: dict | None = None,
-            solve_time_s: float = 0.0, optimal_time_s: float | None = None) -> Plan:
+            solve_time_s: float = 0.0, optimal_time_s: float | None = None,
+            attention_impl=None) -> Plan:
     """A validated `Plan` for integer `choices`, layers split frozen-aware (partition.py)
     over pp x vpp virtual stages, with `predicted` filled from `evaluate`."""
     units = []
@@ -34,7 +35,8 @@ def to_plan(model, costs: tuple[UnitCost, ...], choices: dict[str, Choice], glob
         else:
             layers = Plan.even_layers(cost.num_layers, stages)
         units.append(UnitPlan(name=cost.name, dp=ch.dp, tp=ch.tp, pp=ch.pp, layers=layers,
-                              num_chunks=ch.vpp, frozen=model.frozen(cost.name)))
+                              num_chunks=ch.vpp, frozen=model.frozen(cost.name),
+                              attention_impl=impl_of(attention_impl, cost.name) or "auto"))
     dp_llm = choices["llm"].dp
     plan = Plan(tuple(units), global_batch, global_batch // dp_llm, kind=kind)
     ev = evaluate(costs, choices, global_batch, hw)
@@ -49,23 +51,27 @@ def to_plan(model, costs: tuple[UnitCost, ...], choices: dict[str, Choice], glob
     return plan.validate(model, ev.gpus)
 
 
-def model_costs(model, hw: Hardware, workload=None, recompute: bool = False):
-    """(UnitCosts, per-unit per-TP layer costs) of `model` on its paper workload."""
+def model_costs(model, hw: Hardware, workload=None, recompute: bool = False,
+                attention_impl=None):
+    """(UnitCosts, per-unit per-TP layer costs) of `model` on its paper workload; with
+    `attention_impl` (a name or {unit: name}) attention is costed by that implementation's
+    tiles (planner/attention_cost.py)."""
     wl = workload or default_workload(model)
-    costs = unit_costs(model, wl, hw, recompute)
-    layer_costs = {c.name: {t: layer_times(unit_work(model, wl, c.name), t, hw, recompute)
+    costs = unit_costs(model, wl, hw, recompute, attention_impl)
+    layer_costs = {c.name: {t: layer_times(unit_work(model, wl, c.name, attention_impl), t, hw,
+                                           recompute)
                             for t in c.time_s} for c in costs}
     return costs, layer_costs
 
 
 def plan_model(model, hw: Hardware, num_gpus: int, global_batch: int, workload=None,
                recompute: bool = False, vpp: bool = True, costs=None,
-               gpu_tolerance: float = GPU_TOLERANCE) -> Plan:
+               gpu_tolerance: float = GPU_TOLERANCE, attention_impl=None) -> Plan:
     """The disaggregated plan for `model` on `num_gpus` GPUs (DistTrain §5); `costs`
     (e.g. from profile.profiled_costs) replace the analytic unit costs; among plans within
     `gpu_tolerance` of the least time, the one with the fewest GPUs (orchestrate.py)."""
-    analytic, layer_costs = model_costs(model, hw, workload, recompute)
+    analytic, layer_costs = model_costs(model, hw, workload, recompute, attention_impl)
     costs = costs or analytic
     res = orchestrate(costs, hw, num_gpus, global_batch, vpp, gpu_tolerance)
     return to_plan(model, costs, res.choices, global_batch, hw, "disaggregated", layer_costs,
-                   res.solve_time_s, res.optimal_time_s)
+                   res.solve_time_s, res.optimal_time_s, attention_impl)

@@ -3,6 +3,10 @@
 - Parameters follow the Flax modules' layout exactly (`num_params`).
 - Forward FLOPs per sample: 2 x tokens x matmul weights, plus the attention quadratic term
   summed over a sample's subsequences (DistTrain §2.3: sizes are skewed, so E[n^2] != E[n]^2).
+  With an `attention_impl` (per unit) the LLM's and encoders' attention FLOPs and kept bytes
+  come from the tiles that implementation computes (planner/attention_cost.py): the dense
+  path pays every pair and keeps [S, S] float32 buffers, the tiled ones pay non-empty tiles
+  and keep one float per row; without one, the exact allowed pairs and no [S, S] buffer.
 - Backward time follows Cornstarch's rule (Cornstarch §4.2): 0 x forward for a frozen module
   with nothing trainable before it, 1 x (input gradients only) for a frozen module with a
   trainable module before it, 2 x for a trainable module; activation recomputation adds one
@@ -21,8 +25,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from mmjax.models.config import (AudioConfig, GeneratorConfig, LLMConfig, MLLMConfig,
                                  ProjectorConfig, VisionConfig)
+from mmjax.planner.attention_cost import computed_pairs, kept_bytes_per_head
 from mmjax.planner.hardware import Hardware
 from mmjax.planner.workload import Workload
 
@@ -49,14 +56,17 @@ def llm_params(c: LLMConfig) -> int:
 
 def vision_params(c: VisionConfig) -> int:
     d = c.hidden_size
-    return (c.patch_dim * d + d + 2 * c.max_grid * d
-            + c.num_layers * _encoder_layer_params(d, c.ffn_size) + 2 * d)
+    layers = c.depth * _encoder_layer_params(d, c.ffn_size)
+    if c.kind == "packed":
+        return c.patch_dim * d + d + 2 * c.max_grid * d + layers + 2 * d
+    return (c.patch_dim * d + d * c.patch_bias + c.num_positions * d + d * c.class_token
+            + 2 * d * c.pre_norm + layers + 2 * d * c.final_norm)
 
 
 def audio_params(c: AudioConfig) -> int:
     d = c.hidden_size
-    return (c.num_mel_bins * 3 * d + d + d * 3 * d + d
-            + c.num_layers * _encoder_layer_params(d, c.ffn_size) + 2 * d)
+    return (c.num_mel_bins * 3 * d + d + d * 3 * d + d + c.max_source_positions * d
+            + c.num_layers * (_encoder_layer_params(d, c.ffn_size) - d) + 2 * d)  # no k bias
 
 
 def _mlp_dims(p: ProjectorConfig, enc_dim: int, llm_dim: int) -> list[int]:
@@ -158,15 +168,28 @@ class UnitWork:
     tp_divides: tuple[int, ...]  # sizes TP must divide
 
 
-def _llm_work(model: MLLMConfig, wl: Workload, bwd: int) -> list[Work]:
+def _attention_terms(sizes, impl: str, causal: bool, heads: int) -> tuple[float, float]:
+    """Mean over samples of (computed pairs, kept attention bytes of all heads); sizes: per
+    sample, the lengths of its attention segments."""
+    pairs = np.mean([sum(computed_pairs(n, impl, causal) for n in s) for s in sizes])
+    kept = np.mean([sum(kept_bytes_per_head(n, impl) for n in s) for s in sizes]) * heads
+    return float(pairs), float(kept)
+
+
+def _llm_work(model: MLLMConfig, wl: Workload, bwd: int, impl: str | None = None) -> list[Work]:
     c = model.llm
     d, hd, h, kv, f, v = (c.hidden_size, c.dim_per_head, c.num_heads, c.num_kv_heads,
                           c.ffn_size, c.vocab_size)
     n1, n2 = wl.llm_moments()
     w = d * h * hd + 2 * d * kv * hd + h * hd * d + 3 * d * f
-    layer = Work(flops=2 * n1 * w + 2 * n2 * h * hd, width=d,
+    attn = 2 * n2 * h * hd  # exact causal pairs: half of 4 n^2 h hd
+    kept = 0.0
+    if impl is not None:
+        pairs, kept = _attention_terms([(n,) for n in wl.llm_tokens], impl, True, h)
+        attn = 4 * pairs * h * hd
+    layer = Work(flops=2 * n1 * w + attn, width=d,
                  allreduce_bytes=2 * n1 * d * ACT_BYTES,
-                 act_bytes=ACT_BYTES * n1 * (10 * d + 3 * f), in_bytes=ACT_BYTES * n1 * d,
+                 act_bytes=ACT_BYTES * n1 * (10 * d + 3 * f) + kept, in_bytes=ACT_BYTES * n1 * d,
                  bwd=bwd)
     head = Work(2 * n1 * d * v, d, 0.0, ACT_BYTES * n1 * v, 0.0, bwd)
     works = [layer] * c.num_layers
@@ -174,19 +197,24 @@ def _llm_work(model: MLLMConfig, wl: Workload, bwd: int) -> list[Work]:
     return works
 
 
-def _encoder_work(model: MLLMConfig, wl: Workload, name: str, bwd: int) -> list[Work]:
+def _encoder_work(model: MLLMConfig, wl: Workload, name: str, bwd: int,
+                  impl: str | None = None) -> list[Work]:
     spec = model.encoder(name)
     c = spec.encoder
     d, f = c.hidden_size, c.ffn_size
     n1, n2 = wl.encoder_moments(name)
-    layer = Work(2 * n1 * (4 * d * d + 2 * d * f) + 4 * n2 * d, d, 2 * n1 * d * ACT_BYTES,
-                 ACT_BYTES * n1 * (10 * d + 2 * f), ACT_BYTES * n1 * d, bwd)
+    attn, kept = 4 * n2 * d, 0.0
+    if impl is not None:  # bidirectional inside each image / clip
+        pairs, kept = _attention_terms(wl.encoder_tokens[name], impl, False, c.num_heads)
+        attn = 4 * pairs * d
+    layer = Work(2 * n1 * (4 * d * d + 2 * d * f) + attn, d, 2 * n1 * d * ACT_BYTES,
+                 ACT_BYTES * n1 * (10 * d + 2 * f) + kept, ACT_BYTES * n1 * d, bwd)
     if isinstance(c, VisionConfig):
         front = Work(2 * n1 * c.patch_dim * d, d, 0.0, ACT_BYTES * n1 * c.patch_dim, 0.0, bwd)
     else:  # conv1 over 2n frames, conv2 (stride 2) over n outputs
         front = Work(2 * 2 * n1 * c.num_mel_bins * 3 * d + 2 * n1 * 3 * d * d, d, 0.0,
                      ACT_BYTES * 2 * n1 * (c.num_mel_bins + 2 * d), 0.0, bwd)
-    works = [layer] * c.num_layers
+    works = [layer] * (c.depth if isinstance(c, VisionConfig) else c.num_layers)
     works[0] = _merge(front, works[0])
     return works
 
@@ -229,13 +257,22 @@ def _merge(a: Work, b: Work) -> Work:
                 a.act_bytes + b.act_bytes, a.in_bytes + b.in_bytes, max(a.bwd, b.bwd))
 
 
-def unit_work(model: MLLMConfig, wl: Workload, unit: str) -> UnitWork:
-    """Per-layer forward work of `unit` for one average sample of `wl`."""
+def impl_of(attention_impl, unit: str) -> str | None:
+    """The implementation costed for `unit`: None (exact pairs), one name, or a dict."""
+    if isinstance(attention_impl, dict):
+        return attention_impl.get(unit)
+    return attention_impl
+
+
+def unit_work(model: MLLMConfig, wl: Workload, unit: str, attention_impl=None) -> UnitWork:
+    """Per-layer forward work of `unit` for one average sample of `wl`; attention_impl (one
+    name or {unit: name}) costs attention by that implementation's tiles."""
+    impl = impl_of(attention_impl, unit)
     bwd = module_backward_factors(model)
     params = module_params(model)
     if unit == "llm":
         c = model.llm
-        return UnitWork(unit, tuple(_llm_work(model, wl, bwd["llm"])), (), params["llm"],
+        return UnitWork(unit, tuple(_llm_work(model, wl, bwd["llm"], impl)), (), params["llm"],
                         0 if model.llm_frozen else params["llm"],
                         ACT_BYTES * wl.llm_moments()[0] * c.hidden_size,
                         (c.num_heads, c.num_kv_heads, c.ffn_size))
@@ -251,7 +288,7 @@ def unit_work(model: MLLMConfig, wl: Workload, unit: str) -> UnitWork:
     proj = _projector_work(model, wl, unit, bwd[f"{unit}.projector"])
     trainable = ((0 if spec.frozen else params[unit])
                  + (0 if spec.projector_frozen else params[f"{unit}.projector"]))
-    return UnitWork(unit, tuple(_encoder_work(model, wl, unit, bwd[unit])), (proj,),
+    return UnitWork(unit, tuple(_encoder_work(model, wl, unit, bwd[unit], impl)), (proj,),
                     params[unit] + params[f"{unit}.projector"], trainable,
                     ACT_BYTES * wl.encoder_moments(unit)[0] * spec.encoder.hidden_size,
                     (spec.encoder.num_heads, spec.encoder.ffn_size))
@@ -305,8 +342,8 @@ class UnitCost:
 
 
 def unit_cost(model: MLLMConfig, wl: Workload, unit: str, hw: Hardware,
-              recompute: bool = False, tp_sizes=TP_SIZES) -> UnitCost:
-    uw = unit_work(model, wl, unit)
+              recompute: bool = False, tp_sizes=TP_SIZES, attention_impl=None) -> UnitCost:
+    uw = unit_work(model, wl, unit, attention_impl)
     tps = [t for t in tp_sizes if t <= hw.gpus_per_node and all(s % t == 0 for s in uw.tp_divides)]
     times, fwds, acts = {}, {}, {}
     for t in tps:
@@ -324,7 +361,8 @@ def unit_cost(model: MLLMConfig, wl: Workload, unit: str, hw: Hardware,
                     layer_pp_divides=(unit == "llm"), fwd_s=fwds)
 
 
-def unit_costs(model: MLLMConfig, wl: Workload, hw: Hardware, recompute: bool = False
-               ) -> tuple[UnitCost, ...]:
+def unit_costs(model: MLLMConfig, wl: Workload, hw: Hardware, recompute: bool = False,
+               attention_impl=None) -> tuple[UnitCost, ...]:
     """One `UnitCost` per unit, in `model.unit_names` order."""
-    return tuple(unit_cost(model, wl, u, hw, recompute) for u in model.unit_names)
+    return tuple(unit_cost(model, wl, u, hw, recompute, attention_impl=attention_impl)
+                 for u in model.unit_names)

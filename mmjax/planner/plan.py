@@ -39,6 +39,7 @@ class UnitPlan:
     tp_chunks: int = 2  # overlap_tp: pieces per ring step (DistTrain §7, footnote 1)
     tp_bidirectional: bool = True  # overlap_tp: both ring directions
     cp_head_groups: int = 1  # cp > 1: K/V all-gathered in this many head groups (Cornstarch §5.3)
+    attention_impl: str = "auto"  # models/attention.py bam_attention: auto/dense/chunked/pallas/cudnn
 
     @property
     def devices_per_stage(self) -> int:
@@ -147,7 +148,9 @@ class Plan:
             raise PlanError(f"Plan.units: duplicate unit names {names}")
         if self.num_devices > num_devices:
             raise PlanError(f"Plan needs {self.num_devices} devices (sum of dp*cp*tp*pp over "
-                            f"units) but only {num_devices} exist: lower dp/tp/pp")
+                            f"units) but only {num_devices} exist: lower dp/tp/pp, or on CPU "
+                            f"force host devices with XLA_FLAGS=--xla_force_host_platform_"
+                            f"device_count={self.num_devices}")
         if self.num_microbatches < 1 or self.global_batch % self.num_microbatches:
             raise PlanError(f"Plan.global_batch={self.global_batch} is not divisible by "
                             f"num_microbatches={self.num_microbatches}: pick a divisor")
@@ -263,12 +266,21 @@ def _unit_from_json(u) -> UnitPlan:
         raise PlanError(f"Plan JSON unit {name!r} layers={layers!r}: must be a list of ints")
     return UnitPlan(**{**u, "layers": tuple(layers)})
 REMAT_POLICIES = ("full", "dots", "none")  # pipeline/stage.py `remat_wrap` implements them
+# models/attention.py IMPLEMENTATIONS implements them (no JAX here)
+ATTENTION_IMPLS = ("auto", "dense", "chunked", "pallas", "cudnn")
 
 
 def _validate_knobs(model, u: UnitPlan, where: str) -> None:
-    """remat policy, overlapped-TP chunking and CP head groups."""
+    """remat policy, attention implementation, overlapped-TP chunking and CP head groups."""
     if u.remat not in REMAT_POLICIES:
         raise PlanError(f"{where}.remat={u.remat!r}: must be one of {list(REMAT_POLICIES)}")
+    if u.attention_impl not in ATTENTION_IMPLS:
+        raise PlanError(f"{where}.attention_impl={u.attention_impl!r}: must be one of "
+                        f"{list(ATTENTION_IMPLS)}")
+    if u.attention_impl == "cudnn":
+        raise PlanError(f"{where}.attention_impl='cudnn': cuDNN runs only plain causal masks, "
+                        f"and every unit attends under segment or bitfield masks: use 'auto', "
+                        f"'chunked' or 'pallas'")
     if isinstance(u.tp_chunks, bool) or not isinstance(u.tp_chunks, int) or u.tp_chunks < 1:
         raise PlanError(f"{where}.tp_chunks={u.tp_chunks!r} must be an int >= 1")
     if not isinstance(u.tp_bidirectional, bool):

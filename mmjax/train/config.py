@@ -27,3 +27,10 @@ def named_model_config(name: str = "tiny", overrides: dict | None = None) -> MLL
                              f"choose one of {all_config_names()}")
         cfg = named.NAMED_CONFIGS[name]()
     return with_overrides(cfg, overrides)
+
+
+@gin.configurable
+def pretrained(**units) -> dict[str, str]:
+    """Local HF checkpoint directories per unit, e.g. `pretrained.llm = "/models/llama3-8b"`,
+    `pretrained.vision = "/models/clip-vit-l-336"` (unit names: 'llm' and the encoders')."""
+    return {unit: path for unit, path in units.items() if path}

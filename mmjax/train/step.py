@@ -29,11 +29,12 @@ def split_model(model, trainable_filter):
     return nnx.split(model, trainable_filter, ...)
 
 
-def make_loss_fn(graphdef, compute_dtype=jnp.float32):
+def make_loss_fn(graphdef, compute_dtype=jnp.float32, attention_impl="auto"):
+    """attention_impl: a `bam_attention` implementation, or a {unit: implementation} dict."""
     def loss_fn(trainable, frozen, batch):
         model = nnx.merge(graphdef, cast_floats(trainable, compute_dtype),
                           cast_floats(frozen, compute_dtype))
-        return model(batch, compute_dtype)
+        return model(batch, compute_dtype, attention_impl)
     return loss_fn
 
 
@@ -43,11 +44,12 @@ def all_finite(tree) -> jax.Array:
                              [jnp.array(True)]))
 
 
-def make_train_step(graphdef, tx: optax.GradientTransformation, compute_dtype=jnp.float32):
+def make_train_step(graphdef, tx: optax.GradientTransformation, compute_dtype=jnp.float32,
+                    attention_impl="auto"):
     """Jitted (state, batch) -> (state, metrics). A step whose loss, gradient norm or updated
     parameters are not finite is not applied (selected on device, no host sync);
     `metrics["nonfinite"]` is 1 for such a step, else 0; `state.step` counts applied steps."""
-    loss_fn = make_loss_fn(graphdef, compute_dtype)
+    loss_fn = make_loss_fn(graphdef, compute_dtype, attention_impl)
 
     def train_step(state: TrainState, batch):
         (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(

@@ -21,17 +21,22 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from mmjax.data.assemble import AssemblyLayout, BatchShapes, assemble, batch_shapes, check_sample
 from mmjax.data.synthetic import SyntheticConfig, SyntheticDataset
+from mmjax.data.sources import configured_source, eval_source
+from mmjax.data.tokenizer import tokenizer
 from mmjax.errors import UserError
-from mmjax.models.config import MLLMConfig
+from mmjax.models.config import MLLMConfig, config_to_dict
+from mmjax.models.hf.pretrained import (PretrainedError, load_into_model,
+                                        prepare_pretrained)
 from mmjax.models.mllm import MultimodalModel, trainable_filter
 from mmjax.planner.plan import Plan
+from mmjax.train.auto_plan import auto_plan
 from mmjax.train.checkpoint import Checkpointer, NonFiniteState
-from mmjax.train.config import named_model_config
+from mmjax.train.config import named_model_config, pretrained
 from mmjax.train.inputs import model_inputs
 from mmjax.train.logical_state import (pipeline_load_logical, pipeline_logical,
                                        single_from_logical, single_logical)
 from mmjax.train.optimizer import learning_rate_schedule, optimizer_from_settings
-from mmjax.train.step import TrainState, make_train_step, split_model
+from mmjax.train.step import TrainState, make_loss_fn, make_train_step, split_model
 from mmjax.train.validate import check_data_path, check_train_settings, gin_bound
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -40,9 +45,22 @@ _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 @gin.configurable
 def data_layout(cfg: MLLMConfig, seq_len: int = 256, packing: str = "pad",
                 vision_caps=(64, 256, 1024), audio_frame_caps=(128, 256, 512, 1024),
-                gen_num_queries: int = 16) -> AssemblyLayout:
+                gen_num_queries: int = 16, special=None) -> AssemblyLayout:
+    """`special`: a tokenizer's special ids (`Tokenizer.special_tokens()`), else reserved."""
     return AssemblyLayout.from_config(cfg, seq_len, packing, tuple(vision_caps),
-                                      tuple(audio_frame_caps), gen_num_queries)
+                                      tuple(audio_frame_caps), gen_num_queries, special)
+
+
+def fit_vocab(cfg: MLLMConfig, tok, tps=(1,)) -> MLLMConfig:
+    """The model's vocabulary covers the tokenizer: rounded up to a multiple of 128 and of
+    every tp (the embedding is split by tp); a larger, divisible vocabulary is kept."""
+    from mmjax.data.tokenizer import padded_vocab
+
+    v = cfg.llm.vocab_size
+    if v >= tok.vocab_size and v == padded_vocab(v, tps):
+        return cfg
+    return cfg.replace(llm=dataclasses.replace(cfg.llm, vocab_size=padded_vocab(tok.vocab_size,
+                                                                                tps)))
 
 
 @gin.configurable
@@ -110,15 +128,30 @@ class SequentialBatches:
 
 
 class SingleProgram:
-    """Plain jit of the whole model on the default device (the parity reference)."""
+    """Plain jit of the whole model on the default device (the parity reference). Reads
+    the synthetic set, or a real source (`SourceBatches`: skips and names bad samples)."""
 
-    def __init__(self, cfg, layout, global_batch, schedule, dtype, seed):
-        self.data = SequentialBatches(synthetic_dataset(cfg), layout, global_batch)
+    def __init__(self, cfg, layout, global_batch, schedule, dtype, seed, source=None,
+                 attention_impl="auto", pretrained=None):
+        if source is None:
+            self.data = SequentialBatches(synthetic_dataset(cfg), layout, global_batch)
+        else:
+            from mmjax.data.stream import SourceBatches
+
+            def grow(shapes, metas):
+                return high_water(shapes, lambda hw: batch_shapes(
+                    [metas], _layout_at_least(layout, hw)))
+            self.data = SourceBatches(source, layout, global_batch, seed=seed, grow_shapes=grow)
         mdl = MultimodalModel(cfg, jax.random.key(seed))
+        if pretrained:
+            encoders = {k: v for k, v in pretrained.items() if k != "llm"}
+            load_into_model(mdl, pretrained.get("llm"), encoders)
         graphdef, trainable, frozen = split_model(mdl, trainable_filter(cfg))
         tx = optimizer_from_settings(schedule)
         self.state = TrainState(jnp.zeros((), jnp.int32), trainable, frozen, tx.init(trainable))
-        self.step_fn = make_train_step(graphdef, tx, dtype)
+        self.step_fn = make_train_step(graphdef, tx, dtype, attention_impl)
+        self.graphdef, self.dtype, self.global_batch, self.eval_fn = graphdef, dtype, global_batch, None
+        self.attention_impl = attention_impl
         self.num_trainable = sum(x.size for x in jax.tree.leaves(trainable))
 
     def data_state(self) -> dict:
@@ -135,29 +168,77 @@ class SingleProgram:
         return single_logical(self.state)
 
     def step(self):
-        batch = next(self.data)
+        t_wait = time.perf_counter()
+        batch, skipped = next(self.data), []
+        if isinstance(batch, tuple):  # SourceBatches: (batch, skipped before assembly)
+            batch, skipped = batch
+        skipped = skipped + [(str(i), r) for i, r in batch.skipped]
         t0 = time.perf_counter()
         self.state, m = self.step_fn(self.state, model_inputs(batch))
         m = {k: float(v) for k, v in jax.device_get(m).items()}  # one sync, after dispatch
         m["step_time_s"] = time.perf_counter() - t0
+        m["data_wait_s"] = t0 - t_wait
         m["tokens"] = int(np.count_nonzero(batch.doc))
-        m["skipped"] = len(batch.skipped)
+        m["tokens_trained"] = int(batch.num_target_tokens)
+        m["skipped"] = len(skipped)
+        m["skipped_list"] = skipped
         return m
+
+    def evaluate(self, source, max_batches: int, layout) -> float:
+        """Mean loss per trained token over the first `max_batches` batches of `source`."""
+        from mmjax.data.stream import SourceBatches
+
+        if self.eval_fn is None:
+            loss_fn = make_loss_fn(self.graphdef, self.dtype, self.attention_impl)
+            self.eval_fn = jax.jit(lambda s, b: loss_fn(s.trainable, s.frozen, b)[1]["lm_loss"])
+        data = SourceBatches(source, layout, self.global_batch, shuffle=False)
+        total, count = 0.0, 0
+        try:
+            for _ in range(min(max_batches, max(1, len(source) // self.global_batch))):
+                batch, _ = next(data)
+                n = batch.num_target_tokens
+                total += float(self.eval_fn(self.state, model_inputs(batch))) * n
+                count += n
+        finally:
+            data.close()
+        return total / max(count, 1)
+
+    def close(self):
+        if hasattr(self.data, "close"):
+            self.data.close()
+
+
+def write_trace(workdir: str, step: int, cfg, plan: Plan, trace: list[dict]) -> str:
+    """`<workdir>/traces/step_<step>.json`: what scripts/replan.py reads."""
+    path = os.path.join(workdir, "traces", f"step_{step}.json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"model": cfg.name, "plan": plan.to_json(), "trace": trace}, f)
+    return path
+
+
+def train_source(cfg):
+    """The trainer's data source (gin): `loader_source.path` (an ArrayRecord file from
+    scripts/make_dataset.py) or the gin-configured synthetic set."""
+    from mmjax.data.loader import SyntheticSource, loader_source
+
+    return loader_source(lambda: SyntheticSource(synthetic_dataset(cfg)))
 
 
 class Pipelined:
     """A Plan on the pipeline runtime, fed by the grain loader (planning, balancing and
     assembly off the training path, in its prefetch thread or worker processes)."""
 
-    def __init__(self, cfg, layout, plan, schedule, dtype, seed):
-        from mmjax.data.loader import Loader, SyntheticSource, loader_source
+    def __init__(self, cfg, layout, plan, schedule, dtype, seed, source=None, pretrained=None):
+        from mmjax.data.loader import Loader
         from mmjax.train.pipeline_step import PipelineStep
 
-        self.step_fn = PipelineStep(cfg, plan, schedule, dtype, seed)
-        # gin: `loader_source.path` (an ArrayRecord file from scripts/make_dataset.py) or
-        # the synthetic set; `Loader.*` (balance, post_balance_policy, workers, ...).
-        source = loader_source(lambda: SyntheticSource(synthetic_dataset(cfg)))
-        self.data = Loader(source, cfg, plan, layout, feeds=True)
+        self.step_fn = PipelineStep(cfg, plan, schedule, dtype, seed, pretrained=pretrained)
+        # gin: a real source (`llava_source.*`, `webdataset_source.*`), else
+        # `loader_source.path` or the synthetic set (`train_source`); `Loader.*` (balance,
+        # post_balance_policy, workers, ...).
+        self.data = Loader(source if source is not None else train_source(cfg), cfg, plan,
+                           layout, feeds=True)
         self.num_trainable = sum(x.size for x in jax.tree.leaves(
             [st.trainable for st in self.step_fn.runtime.stages.values()]))
 
@@ -175,14 +256,20 @@ class Pipelined:
         """Plan-independent named arrays (train/logical_state.py)."""
         return pipeline_logical(self.step_fn)
 
-    def step(self):
+    def step(self, trace: bool = False):
+        """One training step; `trace`: time every action alone (pipeline/trace.py "serial")
+        and return the records under "trace"."""
+        t_wait = time.perf_counter()
         gb = next(self.data)
         feeds = [mb.inputs["feed"] for mb in gb.microbatches]
         t0 = time.perf_counter()
-        m = self.step_fn(feeds)
+        m = self.step_fn(feeds, trace=trace)
         m["step_time_s"] = time.perf_counter() - t0
+        m["data_wait_s"] = t0 - t_wait
         m["tokens"] = int(sum(np.count_nonzero(f.llm["doc"]) for f in feeds))
+        m["tokens_trained"] = int(sum(f.num_target_tokens for f in feeds))
         m["skipped"] = gb.skipped_samples
+        m["skipped_list"] = list(gb.skipped)
         return m
 
     def close(self):
@@ -228,18 +315,58 @@ def _last_good(ckpt) -> str:
     return f"step {step} in {ckpt.directory}" if step is not None else "none yet"
 
 
+RUN_INFO = "run.json"
+
+
+def write_run_info(workdir: str, cfg: MLLMConfig, plan: Plan | None, seed: int,
+                   pretrained: dict | None = None) -> None:
+    """DIR/run.json: the model config, plan, seed and pretrained directories a checkpoint
+    belongs to (what scripts/export_hf.py rebuilds the model from)."""
+    info = {"model": config_to_dict(cfg), "plan": None if plan is None else plan.to_json(),
+            "seed": seed, "pretrained": {k: os.path.abspath(v) for k, v in
+                                         (pretrained or {}).items()}}
+    with open(os.path.join(workdir, RUN_INFO), "w") as f:
+        json.dump(info, f, indent=1)
+
+
+def _check_pretrained_vocab(cfg: MLLMConfig, dirs: dict) -> None:
+    """A pretrained LLM keeps its vocabulary: a tokenizer that needs another is an error."""
+    if "llm" in dirs:
+        from mmjax.models.hf import config_for
+        want = config_for(dirs["llm"]).vocab_size
+        if cfg.llm.vocab_size != want:
+            raise PretrainedError(f"pretrained: the tokenizer / tp need vocab_size "
+                                  f"{cfg.llm.vocab_size}, the LLM checkpoint has {want}; use "
+                                  f"the checkpoint's tokenizer and a tp dividing {want}")
+
+
+def _data(cfg: MLLMConfig, tok):
+    """The layout (with the tokenizer's special ids) and the configured real source."""
+    layout = data_layout(cfg, special=tok.special_tokens() if tok is not None else None)
+    return layout, configured_source(cfg, tok)
+
+
 @gin.configurable
 def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
           global_batch: int = 8, compute_dtype: str = "float32", seed: int = 0,
           checkpoint_every: int = 10, progress: bool = True,
-          stop_after: int | None = None, plan: str | None = None, keep_checkpoints: int = 3,
-          keep_every: int | None = None, max_bad_steps: int = 5) -> list[dict]:
+          stop_after: int | None = None, plan: str | None = None,
+          eval_every: int = 0, attention_impl: str | None = None,
+          trace_every: int = 0, keep_checkpoints: int = 3, keep_every: int | None = None,
+          max_bad_steps: int = 5) -> list[dict]:
     """Train `model` for `steps` steps (this invocation stops early after `stop_after`
     steps, as a preemption would; a rerun resumes); returns this run's metric records.
 
     `plan`: None trains the whole model as one program on the default device; "manual"
-    uses the gin-bound `manual_plan`; any other value is a Plan JSON file
+    uses the gin-bound `manual_plan`; "auto" plans at start-up for the devices present
+    and the run's data (train/auto_plan.py); any other value is a Plan JSON file
     (scripts/plan.py --json). A plan runs on the pipeline runtime over all devices.
+    `eval_every` > 0: every that many steps (and at the end), the validation loss on the
+    held-out `eval_source.*` set goes into the step's metrics as `eval_loss`.
+    `attention_impl` (models/attention.py `bam_attention`: auto, dense, chunked, pallas,
+    cudnn) sets every unit's attention; with a plan it replaces each unit's plan field.
+    `trace_every` = N > 0 (with a plan): every N-th step runs traced and writes
+    `<workdir>/traces/step_<n>.json` (model, Plan, serial trace) for scripts/replan.py.
 
     Checkpoints: every `checkpoint_every` steps; the newest `keep_checkpoints` are kept, and
     every multiple of `keep_every` permanently. A resume takes the newest checkpoint that
@@ -251,29 +378,64 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
     the restored step, so every step appears once."""
     check_train_settings(steps, global_batch, compute_dtype, _DTYPES, seed, checkpoint_every,
                          progress, stop_after, plan, keep_checkpoints, keep_every, max_bad_steps)
+    if trace_every < 0:
+        raise UserError(f"train.trace_every={trace_every}: use 0 (off) or N >= 1")
     check_data_path()
     if plan is None and gin_bound("loader_source.path"):
         raise UserError("loader_source.path is read by the pipeline runtime only: add "
                         "--plan=manual (or a Plan JSON), or drop the binding")
     cfg = model or named_model_config()
-    layout = data_layout(cfg)
+    dirs = pretrained()  # gin: pretrained.<unit> = "/hf/checkpoint/dir"
+    if dirs:  # configs from config.json; files, names and shapes checked before any work
+        cfg = prepare_pretrained(cfg, dirs)
+    tok = tokenizer()
+    if tok is not None:
+        cfg = fit_vocab(cfg, tok)
+    _check_pretrained_vocab(cfg, dirs)
     schedule = learning_rate_schedule(steps)
     dtype = _DTYPES[compute_dtype]
+    held_out = eval_source(cfg, tok) if eval_every else None
+    if eval_every and (held_out is None or plan is not None):
+        raise ValueError("train.eval_every needs eval_source.json_path (or .urls) and a "
+                         "single-program run (no --plan)")
+    if attention_impl is not None:
+        from mmjax.models.attention import choose_implementation
+
+        choose_implementation(attention_impl, 1, 1, dtype)  # reject a bad name up front
     if plan is None:
-        runner = SingleProgram(cfg, layout, global_batch, schedule, dtype, seed)
+        layout, source = _data(cfg, tok)
+        runner = SingleProgram(cfg, layout, global_batch, schedule, dtype, seed, source,
+                               attention_impl or "auto", dirs)
     else:
         from mmjax.train.pipeline_step import manual_plan
 
         if plan == "manual":
             the_plan = manual_plan(global_batch=global_batch, model=cfg)
+        elif plan == "auto":  # planned for the source this run reads
+            real = _data(cfg, tok)[1]
+            the_plan = auto_plan(cfg, global_batch, real if real is not None
+                                 else train_source(cfg))
+            Console(stderr=True).print("auto plan: " + "; ".join(
+                f"{u.name} dp={u.dp} tp={u.tp} pp={u.pp}" for u in the_plan.units))
         else:
             the_plan = Plan.load(plan)
         if the_plan.global_batch != global_batch:
             raise UserError(f"plan global_batch={the_plan.global_batch} differs from "
-                             f"train.global_batch={global_batch}: make them equal")
+                            f"train.global_batch={global_batch}: make them equal")
+        if tok is not None:
+            cfg = fit_vocab(cfg, tok, [u.tp for u in the_plan.units])
+        if attention_impl is not None:
+            the_plan = dataclasses.replace(the_plan, units=tuple(
+                dataclasses.replace(u, attention_impl=attention_impl) for u in the_plan.units))
         the_plan.validate(cfg, jax.device_count())
-        runner = Pipelined(cfg, layout, the_plan, schedule, dtype, seed)
+        layout, source = _data(cfg, tok)
+        _check_pretrained_vocab(cfg, dirs)
+        runner = Pipelined(cfg, layout, the_plan, schedule, dtype, seed, source, dirs)
     os.makedirs(workdir, exist_ok=True)
+    if jax.process_index() == 0:  # what scripts/generate.py rebuilds the model and data from
+        with open(os.path.join(workdir, "config.gin"), "w") as f:
+            f.write(gin.config_str())
+        write_run_info(workdir, cfg, None if plan is None else the_plan, seed, dirs)
     console = Console(stderr=True)
     # Multi-process (mmjax.launch): every process runs the loop; process 0 writes the
     # metrics. Orbax saves only global (cross-process) arrays, while pipeline stages mostly
@@ -300,30 +462,44 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
 
     records, in_a_row = [], 0
     metrics_path = os.path.join(workdir, "metrics.jsonl")
+    skipped_path = os.path.join(workdir, "skipped.jsonl")
     if lead:
         truncate_metrics(metrics_path, start)
-        truncate_metrics(os.path.join(workdir, "skipped.jsonl"), start, one_per_step=False)
+        truncate_metrics(skipped_path, start, one_per_step=False)
     try:
-        with open(metrics_path if lead else os.devnull, "a") as mf, Progress(
+        with open(metrics_path if lead else os.devnull, "a") as mf, \
+                open(skipped_path if lead else os.devnull, "a") as sf, Progress(
                 TextColumn("{task.description}"), BarColumn(),
                 TextColumn("{task.completed}/{task.total}"), TextColumn("{task.fields[info]}"),
                 TimeRemainingColumn(), console=console, disable=not (progress and lead)) as bar:
             task = bar.add_task("train", total=steps, completed=start, info="")
             end = steps if stop_after is None else min(steps, start + stop_after)
             for step in range(start, end):
-                m = runner.step()
+                traced = plan is not None and trace_every > 0 and (step + 1) % trace_every == 0
+                m = runner.step(trace=True) if traced else runner.step()
+                if traced and lead:
+                    write_trace(workdir, step + 1, cfg, the_plan, m.pop("trace"))
                 skipped += m["skipped"]
                 bad = bool(m["nonfinite"])
                 nonfinite, in_a_row = nonfinite + bad, (in_a_row + 1) if bad else 0
+                # tokens seen (every non-pad LLM position) and tokens trained (loss targets:
+                # masked prompt tokens count in neither the loss nor the trained figure)
                 rec = {"step": step + 1, "loss": m["loss"], "lm_loss": m["lm_loss"],
                        "diffusion_loss": m["diffusion_loss"], "grad_norm": m["grad_norm"],
                        "learning_rate": float(schedule(step)),
                        "tokens_per_s": m["tokens"] / m["step_time_s"],
-                       "step_time_s": m["step_time_s"], "skipped_samples": skipped,
-                       "nonfinite_steps": nonfinite}
+                       "trained_tokens_per_s": m["tokens_trained"] / m["step_time_s"],
+                       "tokens_seen": m["tokens"], "tokens_trained": m["tokens_trained"],
+                       "step_time_s": m["step_time_s"], "data_wait_s": m["data_wait_s"],
+                       "skipped_samples": skipped, "nonfinite_steps": nonfinite}
+                if eval_every and ((step + 1) % eval_every == 0 or step + 1 == end):
+                    rec["eval_loss"] = runner.evaluate(*held_out, layout)
                 records.append(rec)
                 mf.write(json.dumps(rec) + "\n")
                 mf.flush()
+                for name, reason in m["skipped_list"]:
+                    sf.write(json.dumps({"step": step + 1, "id": name, "reason": reason}) + "\n")
+                sf.flush()
                 bar.update(task, advance=1, info=f"loss {rec['loss']:.4f}")
                 if in_a_row >= max_bad_steps:
                     raise TrainingStopped(

@@ -1,0 +1,181 @@
+"""Block-sparse bitfield-mask flash attention as a Pallas kernel (Cornstarch §4.3.1).
+
+The forward kernel runs one program per (query block, batch row, query head). It never sees
+a mask: it reads the tokens' metadata (bam, doc, sub, idx) and builds each tile's mask in
+registers with the BAM rule (`models/attention.py: allowed_mask`). Which key blocks it visits
+comes from a block map computed from the metadata before the kernel: per (row, query block)
+the compacted list of key blocks holding at least one allowed pair, its length first
+(`block_lists`). The kernel loops over that list only, so empty tiles cost nothing; the work
+of a query block is its count of non-empty tiles, the quantity Cornstarch's LPT token
+distribution balances (§4.3.2). With `debug=True` the kernel also writes how many tiles each
+program visited (`visited_tiles`).
+
+Backward: the custom VJP runs the chunked FlashAttention-2 backward in XLA
+(`attention_chunked.flash_backward`) on the kernel's output and log-sum-exp, with the same
+block sizes; it skips every tile that is empty in all rows of the batch (`lax.cond` on the
+tile's mask), i.e. the same block map merged over the batch. It is not a Pallas kernel.
+
+On GPU the kernel lowers through Triton; elsewhere it runs with `interpret=True` (slow, for
+tests). Block sizes are powers of two (Triton's tile shapes); lengths that are not a multiple
+of the block are padded with doc-0 tokens, as in the chunked path.
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from mmjax.models.attention import TokenMeta, allowed_mask, meta_mask
+from mmjax.models.attention_chunked import _pad_seq, flash_backward
+
+BLOCK_Q = 128
+BLOCK_K = 32  # = parallel/token_distribution.py DEFAULT_KEY_BLOCK (Cornstarch: 128 x 32 tiles)
+_F32 = jnp.float32
+_NEG = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite "-inf": no inf - inf inside the tile
+
+
+def _pow2_block(seq_len: int, block: int) -> tuple[int, int]:
+    """(block, num blocks): a power of two no larger than needed."""
+    b = min(block, pl.next_power_of_2(seq_len))
+    return b, -(-seq_len // b)
+
+
+def tile_map(meta_q: TokenMeta, meta_k: TokenMeta, bq: int, bk: int):
+    """bool [B, nq, nk]: does tile (query block, key block) hold an allowed pair?
+
+    One query block at a time (`lax.map`), so memory is O(bq * Sk), never [Sq, Sk]. Inputs are
+    block-aligned (padded) metadata."""
+    b, sq = meta_q.doc.shape
+    nq, nk = sq // bq, meta_k.doc.shape[1] // bk
+
+    def one(mqi):
+        m = meta_mask(TokenMeta(*mqi), meta_k)  # [B, bq, Sk]
+        return m.reshape(b, bq, nk, bk).any(axis=(1, 3))
+
+    blocks = TokenMeta(*(a.reshape(b, nq, bq).transpose(1, 0, 2) for a in meta_q))
+    return lax.map(one, blocks).transpose(1, 0, 2)
+
+
+def block_lists(tiles):
+    """[B, nq, nk] bool -> int32 [B, nq, W]: entry 0 the count of non-empty key blocks, then
+    their indices in increasing order (W a power of two > nk; the tail is unused)."""
+    nk = tiles.shape[-1]
+    width = pl.next_power_of_2(nk + 1)
+    order = jnp.argsort(~tiles, axis=-1, stable=True).astype(jnp.int32)
+    count = tiles.sum(-1, dtype=jnp.int32)[..., None]
+    pad = jnp.zeros(tiles.shape[:-1] + (width - nk - 1,), jnp.int32)
+    return jnp.concatenate([count, order, pad], axis=-1)
+
+
+def _kernel(list_ref, q_ref, k_ref, v_ref, qb_ref, qd_ref, qs_ref, qi_ref,
+            kb_ref, kd_ref, ks_ref, ki_ref, o_ref, lse_ref, *visit_ref, scale, bk):
+    q = q_ref[...]
+    bq = q.shape[0]
+    q_meta = (qb_ref[...], qd_ref[...], qs_ref[...], qi_ref[...])
+    count = list_ref[0]
+
+    def body(t, carry):
+        o, m, l = carry
+        sl = pl.ds(list_ref[t + 1] * bk, bk)
+        k, v = k_ref[sl, :], v_ref[sl, :]
+        mask = allowed_mask(q_meta[0], kb_ref[sl], q_meta[3], ki_ref[sl],
+                            q_meta[1], kd_ref[sl], q_meta[2], ks_ref[sl])
+        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=_F32)
+        s = jnp.where(mask, s * scale, _NEG)
+        m_new = jnp.maximum(m, s.max(axis=-1))
+        p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
+        alpha = jnp.exp(m - m_new)
+        pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                             preferred_element_type=_F32)
+        return alpha[:, None] * o + pv, m_new, alpha * l + p.sum(axis=-1)
+
+    init = (jnp.zeros(q.shape, _F32), jnp.full((bq,), _NEG, _F32), jnp.zeros((bq,), _F32))
+    o, m, l = lax.fori_loop(0, count, body, init)
+    seen = l > 0
+    safe_l = jnp.where(seen, l, 1.0)
+    o_ref[...] = jnp.where(seen[:, None], o / safe_l[:, None], 0.0).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(seen, m + jnp.log(safe_l), 0.0)
+    if visit_ref:
+        visit_ref[0][...] = jnp.full((bq,), count, jnp.int32)
+
+
+def _pallas_forward(q, k, v, mq: TokenMeta, mk: TokenMeta, bq: int, bk: int, debug: bool):
+    """Block-aligned inputs -> (out [B,Sq,H,D], lse [B,H,Sq] f32[, visits [B,H,Sq]])."""
+    b, sq, h, d = q.shape
+    sk, kv = k.shape[1], k.shape[2]
+    g, nq = h // kv, sq // bq
+    lists = block_lists(tile_map(mq, mk, bq, bk))
+    width = lists.shape[-1]
+    interpret = jax.default_backend() != "gpu"
+    q_spec = pl.BlockSpec((None, bq, None, d), lambda i, r, j: (r, i, j, 0))
+    k_spec = pl.BlockSpec((None, sk, None, d), lambda i, r, j: (r, 0, j // g, 0))
+    mq_spec = pl.BlockSpec((None, bq), lambda i, r, j: (r, i))
+    mk_spec = pl.BlockSpec((None, sk), lambda i, r, j: (r, 0))
+    row_spec = pl.BlockSpec((None, None, bq), lambda i, r, j: (r, j, i))
+    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, sq), _F32)]
+    out_specs = [q_spec, row_spec]
+    if debug:
+        out_shape.append(jax.ShapeDtypeStruct((b, h, sq), jnp.int32))
+        out_specs.append(row_spec)
+    kernel = partial(_kernel, scale=float(d) ** -0.5, bk=bk)
+    return pl.pallas_call(
+        kernel, grid=(nq, b, h),
+        in_specs=[pl.BlockSpec((None, None, width), lambda i, r, j: (r, i, 0)),
+                  q_spec, k_spec, k_spec, *([mq_spec] * 4), *([mk_spec] * 4)],
+        out_specs=out_specs, out_shape=out_shape, interpret=interpret,
+        name="bam_flash_forward",
+    )(lists, q, k, v, *mq, *mk)
+
+
+def _pad_inputs(q, k, v, meta_q, meta_k, block_q, block_k):
+    bq, nq = _pow2_block(q.shape[1], block_q)
+    bk, nk = _pow2_block(k.shape[1], block_k)
+    qp = _pad_seq(q, nq * bq)
+    kp, vp = _pad_seq(k, nk * bk), _pad_seq(v, nk * bk)
+    mq = TokenMeta(*(_pad_seq(a, nq * bq) for a in meta_q))
+    mk = TokenMeta(*(_pad_seq(a, nk * bk) for a in meta_k))
+    return (qp, kp, vp, mq, mk), bq, bk
+
+
+def pallas_attention(q, k, v, meta_q: TokenMeta, meta_k: TokenMeta, *,
+                     block_q: int = BLOCK_Q, block_k: int = BLOCK_K):
+    """`bam_attention` semantics with the block-sparse Pallas kernel."""
+    args, bq, bk = _pad_inputs(q, k, v, meta_q, meta_k, block_q, block_k)
+    return _sparse_attention(*args, bq, bk)[:, :q.shape[1]]
+
+
+def visited_tiles(q, k, v, meta_q: TokenMeta, meta_k: TokenMeta, *,
+                  block_q: int = BLOCK_Q, block_k: int = BLOCK_K):
+    """Debug run of the kernel: int32 [B, H, nq], the key tiles each program visited."""
+    args, bq, bk = _pad_inputs(q, k, v, meta_q, meta_k, block_q, block_k)
+    visits = _pallas_forward(*args, bq, bk, debug=True)[2]
+    return visits[:, :, ::bq]
+
+
+def _lse_blocks(lse, bq, kv):
+    """[B, H, Sq] -> [nq, B, KV, G, bq] (the chunked backward's layout)."""
+    b, h, sq = lse.shape
+    return lse.reshape(b, kv, h // kv, sq // bq, bq).transpose(3, 0, 1, 2, 4)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _sparse_attention(q, k, v, mq, mk, bq, bk):
+    return _pallas_forward(q, k, v, mq, mk, bq, bk, debug=False)[0]
+
+
+def _sparse_fwd(q, k, v, mq, mk, bq, bk):
+    out, lse = _pallas_forward(q, k, v, mq, mk, bq, bk, debug=False)
+    return out, (q, k, v, mq, mk, out, lse)
+
+
+def _sparse_bwd(bq, bk, res, dout):
+    q, k, v, mq, mk, out, lse = res
+    lse = _lse_blocks(lse, bq, k.shape[2])
+    dq, dk, dv = flash_backward(q, k, v, mq, mk, out, lse, dout, bq, bk)
+    return dq, dk, dv, None, None
+
+
+_sparse_attention.defvjp(_sparse_fwd, _sparse_bwd)

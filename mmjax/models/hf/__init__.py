@@ -1,0 +1,27 @@
+"""Import (and export) Hugging Face safetensors checkpoints.
+
+Cornstarch §3 builds an MLLM from pretrained unimodal models (a Hugging Face LLM, a CLIP /
+SigLIP vision tower, a Whisper encoder) plus new projectors; this package puts such
+checkpoints into mmjax's NNX modules and writes trained ones back.
+
+- `checkpoint`: safetensors headers / lazy reads, the HF-name tables (`Entry`), export.
+- `llm`: Llama / Mistral / Qwen2 decoders (both config layouts, llama3 RoPE scaling).
+- `vision`: CLIP / SigLIP vision towers (`models.vit.StandardViT`).
+- `whisper`: the Whisper encoder (`models.audio.AudioEncoder`).
+- `dispatch`: `load(path) -> (module, config)`, `hf_forward(module, **hf_inputs)`.
+- `pretrained`: loading checkpoints into a `MultimodalModel` or pipeline stages.
+"""
+from mmjax.models.hf.checkpoint import (INDEX_NAME, Checkpoint, Entry, apply_to_module,
+                                        load_entries, read_config, save_entries)
+from mmjax.models.hf.dispatch import (build_module, config_for, hf_forward, load, load_pure,
+                                      model_type)
+from mmjax.models.hf.llm import (config_from_hf, config_to_hf, export_llm_safetensors,
+                                 llm_entries, load_llm_safetensors, rope_from_hf)
+from mmjax.models.hf.pretrained import (PretrainedError, check_pretrained, load_into_model,
+                                        load_plan, load_stage_state, prepare_pretrained,
+                                        pretrained_config)
+from mmjax.models.hf.vision import (export_vit_safetensors, load_vit_safetensors,
+                                    vision_config_from_hf, vision_config_to_hf, vit_entries)
+from mmjax.models.hf.whisper import (audio_config_from_hf, audio_config_to_hf,
+                                     export_whisper_encoder_safetensors,
+                                     load_whisper_encoder_safetensors, whisper_entries)

@@ -1,0 +1,315 @@
+"""Safetensors checkpoints and the tables that map them onto mmjax modules.
+
+Each module has a table of `Entry`s: HF tensor name -> path in our pure parameter dict, our
+shape, and how the HF array is laid out: HF Linear weights are [out, in] and ours [in, out],
+HF Conv1d weights [out, in, k] and ours [k, in, out] (both `.T`); an HF Conv2d patch
+embedding [out, C, p, p] is our dense kernel over patches flattened (py, px, c). The same
+table drives strict checks (missing / unexpected tensors, shapes, all before any data is
+read), lazy per-tensor reads, and export. Layer ranges [start, end) load a pipeline stage,
+renumbered from 0 as the modules hold them.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+INDEX_NAME = "model.safetensors.index.json"
+# Non-parameter buffers some older HF checkpoints carry.
+_IGNORED = re.compile(r"(^|\.)(rotary_emb\.inv_freq|position_ids)$")
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor: HF name, our pure-dict path, our shape;
+    `transpose`: HF holds the transpose; `patch` > 0: HF holds a Conv2d patch kernel
+    [out, C, patch, patch] for our [patch * patch * C, out]."""
+
+    hf: str
+    path: tuple
+    shape: tuple[int, ...]
+    transpose: bool = False
+    patch: int = 0
+
+    @property
+    def hf_shape(self) -> tuple[int, ...]:
+        if self.patch:
+            p = self.patch
+            return (self.shape[1], self.shape[0] // (p * p), p, p)
+        return self.shape[::-1] if self.transpose else self.shape
+
+    def to_ours(self, arr: np.ndarray) -> np.ndarray:
+        if self.patch:
+            return arr.transpose(2, 3, 1, 0).reshape(self.shape)
+        return arr.T if self.transpose else arr
+
+    def to_hf(self, arr: np.ndarray) -> np.ndarray:
+        if self.patch:
+            p, (_, c, _, _) = self.patch, self.hf_shape
+            return arr.reshape(p, p, c, self.shape[1]).transpose(3, 2, 0, 1)
+        return arr.T if self.transpose else arr
+
+
+# ---------------------------------------------------------------------------- checkpoint
+
+
+def _shard_files(paths_or_dir) -> tuple[list[Path], dict | None]:
+    """-> (shard files, index weight_map or None) for a file, a list of files, an index
+    json or a directory (index json if present, else every *.safetensors in it)."""
+    if isinstance(paths_or_dir, (list, tuple)):
+        files = [Path(p) for p in paths_or_dir]
+        if not files:
+            raise ValueError("no checkpoint files given: pass *.safetensors paths or a directory")
+        return files, None
+    p = Path(paths_or_dir)
+    if p.is_dir():
+        if (p / INDEX_NAME).exists():
+            p = p / INDEX_NAME
+        else:
+            files = sorted(p.glob("*.safetensors"))
+            if not files:
+                raise FileNotFoundError(f"no *.safetensors files or {INDEX_NAME} in {p}")
+            return files, None
+    if p.name.endswith(".index.json"):
+        weight_map = json.loads(p.read_text())["weight_map"]
+        return [p.parent / f for f in sorted(set(weight_map.values()))], weight_map
+    if not p.exists():
+        raise FileNotFoundError(f"checkpoint {p} does not exist")
+    return [p], None
+
+
+class Checkpoint:
+    """Tensor names, shapes and shard of a safetensors checkpoint (headers only); `read`
+    loads one tensor at a time, so a stage never holds more than its own weights."""
+
+    def __init__(self, paths_or_dir):
+        files, weight_map = _shard_files(paths_or_dir)
+        self.file: dict[str, Path] = {}
+        self.shape: dict[str, tuple[int, ...]] = {}
+        for fp in files:
+            if not fp.exists():
+                raise FileNotFoundError(f"checkpoint shard {fp} does not exist")
+            with safe_open(str(fp), framework="numpy") as f:
+                for name in f.keys():
+                    if name in self.file:
+                        raise ValueError(f"tensor {name!r} is in two shards: "
+                                         f"{self.file[name].name} and {fp.name}")
+                    self.file[name] = fp
+                    self.shape[name] = tuple(f.get_slice(name).get_shape())
+        if weight_map is not None:
+            for name, shard in weight_map.items():
+                if name not in self.file or self.file[name].name != shard:
+                    raise ValueError(f"{INDEX_NAME} puts tensor {name!r} in {shard}, "
+                                     f"but that shard does not hold it")
+
+    @property
+    def names(self) -> set[str]:
+        return set(self.file)
+
+    def read(self, name: str) -> np.ndarray:
+        with safe_open(str(self.file[name]), framework="numpy") as f:
+            return f.get_tensor(name)
+
+    def read_slice(self, name: str, index: tuple) -> np.ndarray:
+        """Only block `index` (slices, HF layout) of tensor `name` is read from the file."""
+        with safe_open(str(self.file[name]), framework="numpy") as f:
+            return f.get_slice(name)[index]
+
+
+def _set(tree: dict, path: tuple, value):
+    for k in path[:-1]:
+        tree = tree.setdefault(k, {})
+    tree[path[-1]] = value
+
+
+def _get(tree: dict, path: tuple):
+    for k in path:
+        tree = tree[k]
+    return tree
+
+
+def _flatten(tree, prefix=()) -> dict[tuple, object]:
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    out = {}
+    for k, v in tree.items():
+        out.update(_flatten(v, prefix + (k,)))
+    return out
+
+
+def _fmt(path: tuple) -> str:
+    return ".".join(str(k) for k in path)
+
+
+@dataclass
+class LoadPlan:
+    """What loading one module (or stage) reads: `entries` from `ckpt`; `known`: every HF
+    name (under `prefix`) the whole module has, so a checkpoint name under `prefix` outside
+    it (and not an ignored buffer) is unexpected."""
+
+    ckpt: Checkpoint
+    entries: list[Entry]
+    known: set[str]
+    what: str
+    prefix: str = ""
+
+    def check(self) -> None:
+        """Unexpected / missing tensors and shape mismatches, from the headers alone."""
+        unexpected = sorted(n for n in self.ckpt.names if n.startswith(self.prefix)
+                            and n not in self.known and not _IGNORED.search(n))
+        if unexpected:
+            more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
+            raise ValueError(f"{self.what}: unexpected tensor {unexpected[0]!r}{more} in the "
+                             f"checkpoint; the config does not describe this model (check "
+                             f"num_layers, qkv_bias, tie_embeddings and sizes against config.json)")
+        for e in self.entries:
+            if e.hf not in self.ckpt.file:
+                raise ValueError(f"{self.what}: missing tensor {e.hf!r}: expected shape "
+                                 f"{e.hf_shape} (HF layout) for {_fmt(e.path)}")
+            if self.ckpt.shape[e.hf] != e.hf_shape:
+                raise ValueError(f"{self.what}: tensor {e.hf!r} has shape "
+                                 f"{self.ckpt.shape[e.hf]}, expected {e.hf_shape} (HF layout) "
+                                 f"for {_fmt(e.path)} {e.shape}; the config does not match "
+                                 f"the checkpoint")
+
+    def read(self, dtype=np.float32) -> dict:
+        """Check, then read every entry whole into a pure dict."""
+        self.check()
+        pure: dict = {}
+        for e in self.entries:
+            _set(pure, e.path, np.ascontiguousarray(e.to_ours(self.ckpt.read(e.hf)), dtype=dtype))
+        return pure
+
+    def read_part(self, e: Entry, index: tuple) -> np.ndarray:
+        """Our-layout block `index` (a tuple of slices over e.shape) of entry `e`, reading
+        only that block of the file (safetensors get_slice) unless it is a patch kernel."""
+        if e.patch:
+            return e.to_ours(self.ckpt.read(e.hf))[index]
+        hf_index = tuple(index[::-1]) if e.transpose else tuple(index)
+        return e.to_ours(self.ckpt.read_slice(e.hf, hf_index))
+
+
+def load_entries(ckpt: Checkpoint, entries: list[Entry], known: set[str], what: str,
+                 prefix: str = "", dtype=np.float32) -> dict:
+    """Check then read `entries` from `ckpt` into a pure dict (see `LoadPlan`)."""
+    return LoadPlan(ckpt, entries, known, what, prefix).read(dtype)
+
+
+def save_entries(pure: dict, entries: list[Entry], path, what: str,
+                 max_shard_bytes: int | None = None, dtype=None) -> list[Path]:
+    """Write `pure` as HF-named safetensors: one file (`path` ends in .safetensors), or a
+    directory holding model.safetensors, or shards + model.safetensors.index.json when
+    the tensors exceed `max_shard_bytes`. Entries without an HF name are not written."""
+    have = set(_flatten(pure))
+    want = {e.path for e in entries}
+    if have != want:
+        bad = sorted(map(_fmt, have ^ want))
+        raise ValueError(f"{what}: parameters do not match the config: {bad[:5]} "
+                         f"(missing or extra); pass the config the module was built with")
+    tensors: dict[str, np.ndarray] = {}
+    for e in entries:
+        arr = np.asarray(jax.device_get(_get(pure, e.path)))
+        if arr.shape != e.shape:
+            raise ValueError(f"{what}: {_fmt(e.path)} has shape {arr.shape}, expected {e.shape}")
+        if e.hf is not None:
+            arr = e.to_hf(arr)
+            tensors[e.hf] = np.ascontiguousarray(arr if dtype is None else arr.astype(dtype))
+    meta = {"format": "pt"}  # what transformers expects of a PyTorch-loadable file
+    path = Path(path)
+    if path.suffix == ".safetensors":
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(path), metadata=meta)
+        return [path]
+    path.mkdir(parents=True, exist_ok=True)
+    shards: list[dict] = [{}]
+    size = 0
+    for name, arr in tensors.items():
+        if max_shard_bytes is not None and shards[-1] and size + arr.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = arr
+        size += arr.nbytes
+    if len(shards) == 1:
+        save_file(shards[0], str(path / "model.safetensors"), metadata=meta)
+        return [path / "model.safetensors"]
+    n, files, weight_map = len(shards), [], {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        save_file(shard, str(path / fname), metadata=meta)
+        files.append(path / fname)
+        weight_map.update({name: fname for name in shard})
+    total = sum(a.nbytes for a in tensors.values())
+    (path / INDEX_NAME).write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    return files
+
+
+def read_config(config) -> dict:
+    """config.json as a dict, from a dict, a config.json path or a checkpoint directory."""
+    if isinstance(config, dict):
+        return config
+    p = Path(config)
+    f = p / "config.json" if p.is_dir() else p
+    if not f.exists():
+        raise FileNotFoundError(f"{f} does not exist: a Hugging Face checkpoint directory holds "
+                                f"config.json next to its *.safetensors")
+    return json.loads(f.read_text())
+
+
+def layer_range(num_layers: int, start: int, end: int | None, what: str) -> tuple[int, int]:
+    end = num_layers if end is None else end
+    if not 0 <= start < end <= num_layers:
+        raise ValueError(f"{what} layer range [{start}, {end}) outside 0..{num_layers}")
+    return start, end
+
+
+def dense(hf: str, path: tuple, din: int, dout: int, bias: bool = True) -> list[Entry]:
+    """An HF nn.Linear -> our `Dense` (kernel [in, out], bias when it has one)."""
+    out = [Entry(hf + ".weight", path + ("kernel",), (din, dout), True)]
+    return out + ([Entry(hf + ".bias", path + ("bias",), (dout,))] if bias else [])
+
+
+def layer_norm(hf: str, path: tuple, d: int) -> list[Entry]:
+    return [Entry(hf + ".weight", path + ("scale",), (d,)),
+            Entry(hf + ".bias", path + ("bias",), (d,))]
+
+
+def module_pure(module_or_pure_dict) -> dict:
+    if isinstance(module_or_pure_dict, nnx.Module):
+        return nnx.to_pure_dict(nnx.state(module_or_pure_dict, nnx.Param))
+    return module_or_pure_dict
+
+
+def apply_to_module(module: nnx.Module, pure_dict: dict) -> nnx.Module:
+    """Put a pure dict of arrays into `module`'s parameters (`nnx.replace_by_pure_dict` on
+    its state, then `nnx.update`), keeping each parameter's dtype and sharding. `module`
+    may be abstract (`nnx.eval_shape`), which skips random init before loading. Keys and
+    shapes must match exactly (ValueError naming the parameter)."""
+    state = nnx.state(module, nnx.Param)
+    current = _flatten(nnx.to_pure_dict(state))
+    new = _flatten(pure_dict)
+    if set(current) != set(new):
+        missing = sorted(map(_fmt, set(current) - set(new)))
+        extra = sorted(map(_fmt, set(new) - set(current)))
+        raise ValueError(f"parameters do not match the module: missing {missing[:5]}, "
+                         f"unexpected {extra[:5]}; load with the module's config and layer range")
+    values: dict = {}
+    for path, old in current.items():
+        arr = np.asarray(new[path])
+        if arr.shape != tuple(old.shape):
+            raise ValueError(f"parameter {_fmt(path)}: got shape {arr.shape}, the module has "
+                             f"{tuple(old.shape)}")
+        arr = jnp.asarray(arr, dtype=old.dtype)
+        sharding = getattr(old, "sharding", None)
+        _set(values, path, jax.device_put(arr, sharding) if sharding is not None else arr)
+    nnx.replace_by_pure_dict(state, values)
+    nnx.update(module, state)
+    return module

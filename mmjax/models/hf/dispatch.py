@@ -1,0 +1,143 @@
+"""One entry point for a local Hugging Face directory: `load` builds the matching mmjax
+module from config.json and its safetensors; `hf_forward` runs it with HF's input and
+output names, which is how a user checks an import against transformers."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from mmjax.models.audio import AudioEncoder
+from mmjax.models.config import AudioConfig, VisionConfig
+from mmjax.models.hf.checkpoint import apply_to_module, read_config
+from mmjax.models.hf.llm import LLM_TYPES, config_from_hf, load_llm_safetensors
+from mmjax.models.hf.vision import VISION_TYPES, load_vit_safetensors, vision_config_from_hf
+from mmjax.models.hf.whisper import audio_config_from_hf, load_whisper_encoder_safetensors
+from mmjax.models.llm import LLM
+from mmjax.models.vit import StandardViT
+
+_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
+                  "Qwen2ForCausalLM": "qwen2", "CLIPModel": "clip",
+                  "CLIPVisionModel": "clip_vision_model", "SiglipModel": "siglip",
+                  "SiglipVisionModel": "siglip_vision_model", "WhisperModel": "whisper",
+                  "WhisperForConditionalGeneration": "whisper"}
+
+
+def model_type(config) -> str:
+    """config.json's model_type, or the one its `architectures` implies; ValueError if neither
+    names a supported family."""
+    c = read_config(config)
+    kind = c.get("model_type") or next(
+        (_ARCHITECTURES[a] for a in c.get("architectures", []) if a in _ARCHITECTURES), None)
+    if kind not in LLM_TYPES + VISION_TYPES + ("whisper",):
+        raise ValueError(f"config.json model_type={kind!r} (architectures="
+                         f"{c.get('architectures')}): supported: "
+                         f"{', '.join(LLM_TYPES + VISION_TYPES + ('whisper',))}")
+    return kind
+
+
+def config_for(path, **vision_options):
+    """The mmjax config (LLMConfig, VisionConfig or AudioConfig) of an HF directory."""
+    c = dict(read_config(path))
+    c["model_type"] = model_type(c)
+    if c["model_type"] in LLM_TYPES:
+        return config_from_hf(c)
+    if c["model_type"] in VISION_TYPES:
+        return vision_config_from_hf(c, **vision_options)
+    return audio_config_from_hf(c)
+
+
+def load_pure(path, cfg, start: int = 0, end: int | None = None, dtype=np.float32) -> dict:
+    """The pure parameter dict of layers [start, end) of the module `cfg` describes."""
+    if isinstance(cfg, VisionConfig):
+        return load_vit_safetensors(path, cfg, start, end, dtype)
+    if isinstance(cfg, AudioConfig):
+        return load_whisper_encoder_safetensors(path, cfg, start, end, dtype)
+    return load_llm_safetensors(path, cfg, start, end, dtype)
+
+
+def build_module(cfg, key=None, start: int = 0, end: int | None = None):
+    """An abstract (no random init) module for `cfg`, to load weights into."""
+    key = jax.random.key(0) if key is None else key
+    kind = (StandardViT if isinstance(cfg, VisionConfig) else
+            AudioEncoder if isinstance(cfg, AudioConfig) else LLM)
+    return nnx.eval_shape(lambda: kind(cfg, key, start, end))
+
+
+def load(path, dtype="float32", **vision_options):
+    """Local HF directory (config.json + model.safetensors, or shards with
+    model.safetensors.index.json) -> (module, config). Dispatches on model_type /
+    architectures: llama, mistral, qwen2 -> `LLM`; clip(_vision_model), siglip(_vision_model)
+    -> `StandardViT` (vision tower); whisper -> `AudioEncoder` (encoder). Parameters are
+    cast to `dtype`. `vision_options`: feature_layer, max_images (vision only)."""
+    cfg = config_for(path, **vision_options)
+    module = apply_to_module(build_module(cfg), load_pure(path, cfg))
+    if jnp.dtype(dtype) != jnp.float32:
+        state = nnx.state(module, nnx.Param)
+        nnx.update(module, jax.tree.map(lambda a: a.astype(dtype), state))
+    return module, cfg
+
+
+@nnx.jit
+def _llm_logits(module, tokens, allowed):
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    return module(tokens, positions, allowed)
+
+
+@nnx.jit
+def _vit_states(module, pixel_values):
+    b, c, h, w = pixel_values.shape
+    p = module.cfg.patch_size
+    gh, gw = h // p, w // p
+    x = pixel_values.transpose(0, 2, 3, 1)[:, : gh * p, : gw * p]
+    patches = x.reshape(b, gh, p, gw, p, c).transpose(0, 1, 3, 2, 4, 5).reshape(b, gh * gw, -1)
+    seg = jnp.ones((b, gh * gw), jnp.int32)
+    pos = jnp.broadcast_to(jnp.stack(jnp.divmod(jnp.arange(gh * gw), gw), -1), (b, gh * gw, 2))
+    x = module.run_layers(module.embed(patches, seg, pos), seg)
+    if module.cfg.class_token:  # HF order: class token first
+        x = jnp.concatenate([module.class_tokens(x), x[:, : gh * gw]], axis=1)
+    return x if module.final_ln is None else module.final_ln(x)
+
+
+@nnx.jit
+def _whisper_states(module, input_features):
+    mels = input_features.transpose(0, 2, 1)
+    frame_len = jnp.full((mels.shape[0],), mels.shape[1], jnp.int32)
+    return module(mels, frame_len)
+
+
+def hf_forward(module, **inputs) -> dict:
+    """Run a module `load` built with HF's inputs; -> dict with HF's output names.
+
+    LLM: input_ids [B, S] (attention_mask [B, S], 1 = token, optional) -> logits.
+    Vision tower: pixel_values [B, C, H, W] -> last_hidden_state [B, (1 +) patches, d]
+    (class token first for CLIP; other sizes than the native one interpolate the
+    positions as HF's interpolate_pos_encoding=True does); with feature_layer k the
+    key is f"hidden_states[{k}]".
+    Whisper encoder: input_features [B, n_mels, 2 * max_source_positions] -> last_hidden_state.
+    """
+    if isinstance(module, LLM):
+        tokens = jnp.asarray(inputs.pop("input_ids"))
+        s = tokens.shape[1]
+        allowed = jnp.tril(jnp.ones((s, s), bool))[None]
+        if "attention_mask" in inputs:
+            allowed = allowed & (jnp.asarray(inputs.pop("attention_mask")) != 0)[:, None, :]
+        out = {"logits": _llm_logits(module, tokens, allowed)}
+    elif isinstance(module, StandardViT):
+        x = _vit_states(module, jnp.asarray(inputs.pop("pixel_values"), jnp.float32))
+        k = module.cfg.feature_layer
+        out = {"last_hidden_state" if k is None else f"hidden_states[{k}]": x}
+    elif isinstance(module, AudioEncoder):
+        feats = jnp.asarray(inputs.pop("input_features"), jnp.float32)
+        frames = 2 * module.cfg.max_source_positions
+        if feats.shape[-1] != frames:
+            raise ValueError(f"input_features has {feats.shape[-1]} frames; Whisper takes "
+                             f"exactly {frames} (pad to 2 * max_source_positions, as HF does)")
+        out = {"last_hidden_state": _whisper_states(module, feats)}
+    else:
+        raise TypeError(f"hf_forward: {type(module).__name__} is not a module `load` builds")
+    if inputs:
+        raise ValueError(f"hf_forward: unsupported inputs {sorted(inputs)} for "
+                         f"{type(module).__name__}")
+    return out

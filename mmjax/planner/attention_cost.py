@@ -1,0 +1,58 @@
+"""Attention work and memory of each `bam_attention` implementation, from tile counts (no JAX).
+
+A tiled kernel pays for whole tiles: a (query block, key block) tile with any allowed pair
+costs block_q * block_k pairs, an empty one nothing (`chunked` skips it with a branch,
+`pallas` never visits it, cuDNN skips the tiles above the causal diagonal). The dense path
+computes every pair of the [S, S] matrix and keeps float32 logits and probabilities of it
+for the backward pass; the tiled ones keep only the output and one log-sum-exp per row.
+The planner charges 4 * pairs * head_dim FLOPs per head (Q K^T and P V) and these bytes, so
+a plan's memory and time follow the implementation it will run, not S^2.
+
+Block shapes mirror models/attention_chunked.py and models/attention_pallas.py (this module
+imports no JAX); a sequence shorter than a block shrinks the block as the kernels do.
+"""
+from __future__ import annotations
+
+BLOCKS = {"chunked": (128, 128), "pallas": (128, 32), "cudnn": (128, 128)}
+IMPLS = ("dense",) + tuple(BLOCKS)
+DENSE_BYTES_PER_PAIR = 8  # float32 logits + float32 probabilities per (query, key) pair
+ROW_BYTES = 4  # float32 log-sum-exp per query row
+
+
+def _blocks(n: int, impl: str) -> tuple[int, int]:
+    bq, bk = BLOCKS[impl]
+    if impl == "pallas":  # power-of-two tiles no larger than needed
+        p2 = 1 << max(0, (n - 1).bit_length())
+        return min(bq, p2), min(bk, p2)
+    return min(bq, n), min(bk, n)
+
+
+def causal_tiles(n: int, bq: int, bk: int) -> int:
+    """Non-empty bq x bk tiles of a causal mask over n tokens."""
+    nk = -(-n // bk)
+    return sum(min(nk, (min((i + 1) * bq, n) - 1) // bk + 1) for i in range(-(-n // bq)))
+
+
+def full_tiles(n: int, bq: int, bk: int) -> int:
+    """Tiles of a bidirectional n-token segment (all non-empty)."""
+    return -(-n // bq) * -(-n // bk)
+
+
+def computed_pairs(n: int, impl: str, causal: bool) -> int:
+    """(query, key) pairs the implementation computes for one n-token sequence."""
+    if impl not in IMPLS:
+        raise ValueError(f"error: attention_impl={impl!r} is unknown (use one of {list(IMPLS)})")
+    if n <= 0:
+        return 0
+    if impl == "dense":
+        return n * n
+    if impl == "cudnn" and not causal:
+        raise ValueError("error: attention_impl='cudnn' runs only causal masks (use 'pallas')")
+    bq, bk = _blocks(n, impl)
+    tiles = causal_tiles(n, bq, bk) if causal else full_tiles(n, bq, bk)
+    return tiles * bq * bk
+
+
+def kept_bytes_per_head(n: int, impl: str) -> int:
+    """Attention bytes one head keeps for the backward pass beyond its output."""
+    return DENSE_BYTES_PER_PAIR * n * n if impl == "dense" else ROW_BYTES * n

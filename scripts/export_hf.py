@@ -1,0 +1,36 @@
+#!/usr/bin/env python
+"""Export a training checkpoint as Hugging Face checkpoints:
+`python scripts/export_hf.py --workdir=DIR [--step=N] --out=OUT`.
+
+Writes OUT/llm (Llama / Qwen2 safetensors + config.json, sharded above 5 GB with
+model.safetensors.index.json), OUT/<encoder> for CLIP / SigLIP-shaped towers and Whisper
+encoders, and OUT/mmjax_extra.safetensors for projectors / generator. Works for
+single-program and plan checkpoints (a plan is rebuilt on as many devices as it used; on a
+CPU host set XLA_FLAGS=--xla_force_host_platform_device_count=N)."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--workdir", required=True, help="training workdir (holds run.json, checkpoints/)")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--max_shard_gb", type=float, default=5.0, help="shard size (GB)")
+    args = p.parse_args(argv)
+    from mmjax.train.export import export_workdir
+
+    try:
+        written = export_workdir(args.workdir, args.out, args.step,
+                                 int(args.max_shard_gb * 10 ** 9))
+    except (ValueError, FileNotFoundError) as e:
+        sys.exit(f"error: {e}")
+    for unit, path in written.items():
+        print(f"{unit}: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""bam_attention: every implementation equals a float64 numpy reference (Cornstarch §4.3.1).
+
+One batch holds a row of each mask family (Cornstarch Fig. 11 plus plain causal) with padding
+at the end (fully masked query rows), grouped-query heads, and a length that is not a multiple
+of any block; forward and gradients are compared with the softmax-attention formula in float64.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mmjax.models.attention import (TokenMeta, bam_attention, choose_implementation,
+                                    segment_meta)
+from mmjax.models.attention_chunked import chunked_attention
+from mmjax.models.attention_pallas import pallas_attention, visited_tiles
+from mmjax.parallel import token_distribution as td
+
+S, PAD, H, KV, D = 72, 6, 4, 2, 8  # 72 is not a multiple of the 16/32 blocks below
+
+
+def _meta(seq_len, pad, seed0=0):
+    rows = [td.example_mask(f, seq_len - pad, seed0 + i) for i, f in enumerate(td.FAMILIES)]
+    cols = [np.stack([np.pad(getattr(m, f), (0, pad)) for m in rows]) for f in ("bam", "doc", "sub")]
+    idx = np.broadcast_to(np.arange(seq_len), cols[0].shape)
+    return TokenMeta(*(np.asarray(a, np.int32) for a in (*cols, idx)))
+
+
+def _inputs(b, sq, sk, h, kv, seed=0):
+    r = np.random.default_rng(seed)
+    return (r.normal(size=(b, sq, h, D)), r.normal(size=(b, sk, kv, D)),
+            r.normal(size=(b, sk, kv, D)), r.normal(size=(b, sq, h, D)))
+
+
+def reference(q, k, v, ct, mq, mk):
+    """float64 softmax attention over allowed keys and its VJP for cotangent ct (zeros for
+    queries with no allowed key): (out, dq, dk, dv)."""
+    mask = td.allowed(mq.bam, mk.bam, mq.idx, mk.idx, mq.doc, mk.doc, mq.sub, mk.sub)
+    g = q.shape[2] // k.shape[2]
+    kk, vv = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)  # head h uses kv head h // g
+    s = np.einsum("bqhd,bkhd->bhqk", q, kk) / np.sqrt(q.shape[-1])
+    m = mask[:, None]
+    s = np.where(m, s, -np.inf)
+    mx = np.max(s, axis=-1, keepdims=True)
+    p = np.where(m, np.exp(s - np.where(np.isfinite(mx), mx, 0)), 0.0)
+    den = p.sum(-1, keepdims=True)
+    p = np.where(den > 0, p / np.where(den > 0, den, 1), 0.0)
+    out = np.einsum("bhqk,bkhd->bqhd", p, vv)
+    dp = np.einsum("bqhd,bkhd->bhqk", ct, vv)
+    ds = p * (dp - (dp * p).sum(-1, keepdims=True)) / np.sqrt(q.shape[-1])
+    dq = np.einsum("bhqk,bkhd->bqhd", ds, kk)
+    fold = lambda x: x.reshape(x.shape[0], x.shape[1], k.shape[2], g, D).sum(3)
+    dk = fold(np.einsum("bhqk,bqhd->bkhd", ds, q))
+    dv = fold(np.einsum("bhqk,bqhd->bkhd", p, ct))
+    return out, dq, dk, dv
+
+
+IMPLS = {
+    "dense": lambda q, k, v, mq, mk: bam_attention(q, k, v, mq, mk, implementation="dense"),
+    "chunked": lambda q, k, v, mq, mk: chunked_attention(q, k, v, mq, mk, block_q=16, block_k=32),
+    "pallas": lambda q, k, v, mq, mk: pallas_attention(q, k, v, mq, mk, block_q=32, block_k=16),
+}
+
+
+def _run(impl, dtype, q, k, v, ct, mq, mk):
+    f = IMPLS[impl]
+    cast = lambda x: jnp.asarray(x, dtype)
+    mq, mk = (TokenMeta(*(jnp.asarray(a) for a in m)) for m in (mq, mk))
+
+    @jax.jit
+    def fwd_bwd(q, k, v, ct):
+        out, vjp = jax.vjp(lambda *a: f(*a, mq, mk), q, k, v)
+        return (out, *vjp(ct))
+
+    return [np.asarray(x, np.float64) for x in fwd_bwd(cast(q), cast(k), cast(v), cast(ct))]
+
+
+def _check(got, want, rtol):
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        scale = np.abs(w).max()
+        np.testing.assert_allclose(g, w, rtol=rtol, atol=rtol * scale, err_msg=name)
+
+
+@pytest.fixture(scope="module")
+def self_attention_case():
+    meta = _meta(S, PAD)
+    q, k, v, ct = _inputs(len(td.FAMILIES), S, S, H, KV)
+    return (q, k, v, ct, meta, meta), reference(q, k, v, ct, meta, meta)
+
+
+@pytest.mark.parametrize("impl", ["dense", "chunked", "pallas"])
+def test_float32_equals_float64_reference(self_attention_case, impl):
+    args, want = self_attention_case
+    got = _run(impl, jnp.float32, *args)
+    _check(got, want, 1e-5)
+    pad_rows = args[4].doc == 0
+    assert pad_rows.any()
+    for x in got[:2]:  # fully masked queries: zero output and zero gradient
+        assert np.all(x[pad_rows] == 0)
+
+
+@pytest.mark.parametrize("impl", ["dense", "chunked"])
+def test_bfloat16_within_its_tolerance(self_attention_case, impl):
+    args, want = self_attention_case
+    _check(_run(impl, jnp.bfloat16, *args), want, 3e-2)
+
+
+def test_cross_attention_and_uneven_lengths_chunked():
+    """Projector-style cross-attention: 10 queries in 2 item slots over 37 encoder tokens."""
+    slot = np.repeat([1, 2], 5)[None].repeat(2, 0).astype(np.int32)
+    seg = np.array([[1] * 15 + [2] * 20 + [0] * 2, [1] * 30 + [0] * 7], np.int32)
+    mq = TokenMeta(np.full_like(slot, 2), slot, slot, np.zeros_like(slot))
+    mk = TokenMeta(*(np.asarray(a) for a in segment_meta(jnp.asarray(seg))))
+    q, k, v, ct = _inputs(2, 10, 37, 2, 2, seed=3)
+    want = reference(q, k, v, ct, mq, mk)
+    _check(_run("chunked", jnp.float32, q, k, v, ct, mq, mk), want, 1e-5)
+    assert np.all(want[0][1, 5:] == 0)  # slot 2 of row 2 has no item: zeros
+
+
+def test_visited_tiles_equal_nonempty_tiles_and_skip_the_embedded_mask():
+    """The kernel's own visit counter equals the non-empty tiles of the dense mask, and on
+    Cornstarch's embedded-encoder mask it does under half the dense tile work (16 x 16 tiles:
+    the causal text part alone costs about half plus the diagonal's 1/nb)."""
+    s, blk = 512, 16
+    m = td.example_mask("embedded", s, 5)
+    meta = TokenMeta(*(np.asarray(a, np.int32)[None] for a in (m.bam, m.doc, m.sub, np.arange(s))))
+    q, k, v, _ = _inputs(1, s, s, 1, 1)
+    f = jax.jit(lambda q, k, v: visited_tiles(q, k, v, meta, meta, block_q=blk, block_k=blk))
+    visits = np.asarray(f(*(jnp.asarray(x, jnp.float32) for x in (q, k, v))))[0, 0]
+    nb = s // blk
+    want = m.dense().reshape(nb, blk, nb, blk).any(axis=(1, 3)).sum(axis=1)
+    np.testing.assert_array_equal(visits, want)
+    assert visits.sum() < 0.5 * nb * nb, visits
+
+
+def test_auto_choice_and_clear_errors():
+    assert choose_implementation("auto", 128, 128, jnp.float32, platform="cpu") == "dense"
+    assert choose_implementation("auto", 8192, 8192, jnp.float32, platform="cpu") == "chunked"
+    assert choose_implementation("auto", 4096, 4096, jnp.bfloat16, "causal", "gpu") == "cudnn"
+    assert choose_implementation("auto", 4096, 4096, jnp.bfloat16, "bam", "gpu") == "chunked"
+    with pytest.raises(ValueError, match="error: attention implementation 'cudnn' needs a GPU"):
+        choose_implementation("cudnn", 64, 64, jnp.bfloat16, "causal", platform="cpu")
+    with pytest.raises(ValueError, match="only plain causal"):
+        choose_implementation("cudnn", 64, 64, jnp.bfloat16, "bam", platform="gpu")
+    with pytest.raises(ValueError, match="'flash' is unknown"):
+        choose_implementation("flash", 64, 64, jnp.float32)
+    meta = segment_meta(jnp.ones((1, 8), jnp.int32))
+    x = jnp.zeros((1, 8, 2, 4))
+    with pytest.raises(ValueError, match="needs a GPU"):
+        bam_attention(x, x, x, meta, implementation="cudnn", mask_family="causal")
+
+
+def test_token_distribution_weighs_the_kernels_key_tiles():
+    from mmjax.models import attention_pallas
+
+    assert td.DEFAULT_KEY_BLOCK == attention_pallas.BLOCK_K
