@@ -25,7 +25,7 @@ class SqrtModel(nnx.Module):
     def __init__(self):
         self.w = nnx.Param(jnp.full((4,), 2.0))
 
-    def __call__(self, batch, dtype):
+    def __call__(self, batch, dtype, attention_impl="auto"):
         loss = jnp.sum(jnp.sqrt(self.w[...] * batch["x"]))
         return loss, {"lm_loss": loss, "diffusion_loss": jnp.zeros(())}
 
