@@ -15,7 +15,7 @@ it measures for one global batch through `PipelineRuntime.run`:
   busy       per-stage busy time from the tracing mode (blocks after every action, so each
              action's time includes its broker input transfer);
   simulated  `pipeline/simulate.py` on the runtime's own schedule with per-(stage, kind)
-             costs = median traced action time over --trace-steps steps; its bubble fraction
+             costs = median traced action time over --trace_steps steps; its bubble fraction
              is the mean over stages of 1 - busy / iteration time.
   overlap    one step traced in the runtime's "overlap" mode (dispatch stays asynchronous;
              per-mesh waiter threads stamp completions): the concurrent timeline.
@@ -61,7 +61,7 @@ from mmjax.data.assemble import AssemblyLayout, check_sample  # noqa: E402
 from mmjax.data.synthetic import SyntheticConfig, SyntheticDataset  # noqa: E402
 from mmjax.models.config import with_overrides  # noqa: E402
 from mmjax.models.tiny import tiny  # noqa: E402
-from mmjax.pipeline.feed import microbatch_feed  # noqa: E402
+from mmjax.data.feed import microbatch_feed  # noqa: E402
 from mmjax.pipeline.runtime import PipelineRuntime  # noqa: E402
 from mmjax.pipeline.schedule import StageId  # noqa: E402
 from mmjax.pipeline.simulate import simulate  # noqa: E402
@@ -123,7 +123,7 @@ def feeds_for(plan: Plan, lay, samples):
 
 def _wait(rt: PipelineRuntime, res) -> dict:
     losses = res.losses()
-    jax.block_until_ready([st.grads for st in rt.stages.values()])
+    jax.block_until_ready(res.grads)
     return losses
 
 
@@ -212,16 +212,16 @@ def main(argv=None) -> dict:
     ap.add_argument("--microbatches", type=int, default=4,
                     help="microbatches for rigid/disagg (the planner picks its own)")
     ap.add_argument("--seq", type=int, default=256, help="LLM sequence length")
-    ap.add_argument("--llm-hidden", type=int, default=128, help="LLM width (ffn = 2x)")
-    ap.add_argument("--llm-layers", type=int, default=4)
+    ap.add_argument("--llm_hidden", type=int, default=128, help="LLM width (ffn = 2x)")
+    ap.add_argument("--llm_layers", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps (compile)")
     ap.add_argument("--steps", type=int, default=3, help="timed steps (median)")
-    ap.add_argument("--trace-steps", type=int, default=2, help="traced steps for the costs")
+    ap.add_argument("--trace_steps", type=int, default=2, help="traced steps for the costs")
     ap.add_argument("--out", default=os.path.join("bench_results", "bench_runtime.json"))
     args = ap.parse_args(argv)
     for k in ("samples", "microbatches", "seq", "steps", "trace_steps"):
         if getattr(args, k) < 1:
-            raise ValueError(f"--{k.replace('_', '-')}={getattr(args, k)}: must be >= 1")
+            raise ValueError(f"--{k}={getattr(args, k)}: must be >= 1")
     names = [p for p in args.plans.split(",") if p]
     for p in names:
         if p not in PLANS:

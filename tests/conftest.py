@@ -1,7 +1,28 @@
-"""Force 8 CPU devices before JAX initialises, so sharding tests run anywhere."""
+"""Test-session setup, before JAX initialises (subprocesses inherit the environment):
+
+- 8 forced CPU devices, so sharding tests run anywhere;
+- JAX's persistent compilation cache, with every program cached. Programs with the same HLO
+  are then compiled once per machine, not once per test: the reference model shared by the
+  parity tests, stage programs shared by plans, and everything the CLI subprocesses compile.
+  `MMJAX_TEST_CACHE` moves it (default `~/.cache/mmjax/jax-tests`); set it to an empty
+  directory to time a cold run.
+"""
 import os
+
+import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
     os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
+_cache = os.environ.get("MMJAX_TEST_CACHE",
+                        os.path.join(os.path.expanduser("~"), ".cache", "mmjax", "jax-tests"))
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _cache)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+
+@pytest.fixture(scope="session")
+def reference_cache():
+    """Reference (single-device) losses and gradients, computed once per session and key."""
+    return {}

@@ -18,9 +18,9 @@ import optax
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from test_runtime_parity import global_batch, make_cfg  # noqa: E402
+from helpers import global_batch, make_cfg  # noqa: E402
 
-from mmjax.pipeline.feed import microbatch_feed  # noqa: E402
+from mmjax.data.feed import microbatch_feed  # noqa: E402
 from mmjax.planner.plan import Plan  # noqa: E402
 from mmjax.train.pipeline_step import PipelineStep  # noqa: E402
 

@@ -1,15 +1,12 @@
 """scripts/bench_runtime.py smoke test at the smallest settings: the JSON has one row per plan
-with the expected fields, the action count of the unit-DAG 1F1B schedule, a simulated step
-that re-simulating the recorded per-(stage, kind) costs reproduces exactly, and the traces
-rendered by scripts/timeline.py (no wall-clock assertions)."""
+with the plans' units, the action count of the unit-DAG 1F1B schedule and one timed cost per
+(stage, kind), and the traces rendered by scripts/timeline.py hold exactly the schedule's
+actions (no wall-clock assertions)."""
 import importlib.util
 import json
 import os
 
 import pytest
-
-from mmjax.pipeline.schedule import StageGraph, StageId, multimodal_one_f_one_b
-from mmjax.pipeline.simulate import simulate
 
 _PATH = os.path.join(os.path.dirname(__file__), os.pardir, "scripts", "bench_runtime.py")
 _spec = importlib.util.spec_from_file_location("bench_runtime_script", _PATH)
@@ -27,7 +24,7 @@ FIELDS = {"plan", "units", "num_microbatches", "num_actions", "dispatch_us_per_a
 def result(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "bench_runtime.json"
     bench.main(["--samples", "4", "--microbatches", str(M), "--seq", "160",
-                "--llm-hidden", "64", "--warmup", "1", "--steps", "1", "--trace-steps", "1",
+                "--llm_hidden", "64", "--warmup", "1", "--steps", "1", "--trace_steps", "1",
                 "--out", str(out)])
     with open(out) as fh:
         return json.load(fh)
@@ -50,25 +47,6 @@ def test_rows_and_fields(result):
         assert set(r["stage_busy_s"]) == set(STAGES)
         assert set(r["stage_costs_s"]) == {f"{s}/{k}" for s in STAGES for k in "FB"}
         assert r["dispatch_us_per_action"] > 0 and r["measured_step_s"] > 0
-        assert r["measured_over_simulated"] == pytest.approx(
-            r["measured_step_s"] / r["simulated_step_s"])
-
-
-def test_simulated_step_recomputes_from_recorded_costs(result):
-    graph = StageGraph.from_units({"vision": 1}, 2, 1)
-    sched = multimodal_one_f_one_b(graph, M)
-    for r in result["rows"]:
-        costs = {}
-        for key, v in r["stage_costs_s"].items():
-            stage, kind = key.split("/")
-            costs[(StageId.parse(stage), kind)] = v
-        sim = simulate(sched, costs, graph)
-        assert sim.iteration_time == pytest.approx(r["simulated_step_s"], rel=1e-12)
-        busy = {s: M * (costs[(StageId.parse(s), "F")] + costs[(StageId.parse(s), "B")])
-                for s in STAGES}
-        assert max(busy.values()) <= sim.iteration_time <= sum(busy.values()) + 1e-12
-        expect = sum(1 - b / sim.iteration_time for b in busy.values()) / len(STAGES)
-        assert r["bubble_fraction"] == pytest.approx(expect, rel=1e-9)
 
 
 def test_traces_written_and_rendered(result):

@@ -17,6 +17,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from helpers import computations_with_dots, entry_lines, hlo_computations, is_dot_line
 from mmjax.parallel.collective_matmul import (
     _pieces,
     allgather_matmul_on_mesh,
@@ -194,25 +195,13 @@ def test_bad_input_errors_name_the_field():
 
 def _entry_schedule(hlo: str) -> list[str]:
     """The scheduled ENTRY computation as a list of 'D' (a dot, or a call/fusion whose
-    computation holds one) and 'C' (collective-permute) tokens; also the collectives seen."""
-    comps = dict(re.findall(r"\n(?:ENTRY )?%?([\w.\-]+) [^\n]*\{\n(.*?)\n\}", hlo, re.S))
-    has_dot = {name for name, body in comps.items() if re.search(r" dot\(", body)}
-    grew = True
-    while grew:
-        grew = False
-        for name, body in comps.items():
-            called = re.findall(r"(?:calls|to_apply|body)=%?([\w.\-]+)", body)
-            if name not in has_dot and any(c in has_dot for c in called):
-                has_dot.add(name)
-                grew = True
-    entry = re.search(r"\nENTRY [^\n]*\{\n(.*?)\n\}", hlo, re.S).group(1)
+    computation holds one) and 'C' (collective-permute) tokens."""
+    has_dot = computations_with_dots(hlo_computations(hlo))
     tokens = []
-    for line in entry.splitlines():
+    for line in entry_lines(hlo):
         if re.search(r" collective-permute(-start)?\(", line):
             tokens.append("C")
-        elif re.search(r" dot\(", line) or any(
-            c in has_dot for c in re.findall(r"(?:calls|to_apply|body)=%?([\w.\-]+)", line)
-        ):
+        elif is_dot_line(line, has_dot):
             tokens.append("D")
     return tokens
 

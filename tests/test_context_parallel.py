@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
+from helpers import computations_with_dots, entry_lines, hlo_computations, is_dot_line
 from mmjax.models.attention import allowed_mask, dot_product_attention
 from mmjax.parallel import context as cp
 from mmjax.parallel import token_distribution as td
@@ -210,19 +211,9 @@ def test_llm_layers_with_cp_hook_match_single_device():
 def _entry_graph(hlo: str):
     """The scheduled ENTRY computation: instruction names in order, each one's operands
     (ENTRY instructions only), its opcode line, and whether it is or calls a dot."""
-    comps = dict(re.findall(r"\n(?:ENTRY )?%?([\w.\-]+) [^\n]*\{\n(.*?)\n\}", hlo, re.S))
-    has_dot = {name for name, body in comps.items() if re.search(r" dot\(", body)}
-    grew = True
-    while grew:
-        grew = False
-        for name, body in comps.items():
-            called = re.findall(r"(?:calls|to_apply|body)=%?([\w.\-]+)", body)
-            if name not in has_dot and any(c in has_dot for c in called):
-                has_dot.add(name)
-                grew = True
-    entry = re.search(r"\nENTRY [^\n]*\{\n(.*?)\n\}", hlo, re.S).group(1)
+    has_dot = computations_with_dots(hlo_computations(hlo))
     order, lines, operands, dots = [], {}, {}, set()
-    for line in entry.splitlines():
+    for line in entry_lines(hlo):
         m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = (.*)", line)
         if not m:
             continue
@@ -230,8 +221,7 @@ def _entry_graph(hlo: str):
         order.append(name)
         lines[name] = rest
         operands[name] = [o for o in re.findall(r"%([\w.\-]+)", rest) if o in lines]
-        called = re.findall(r"(?:calls|to_apply|body)=%?([\w.\-]+)", rest)
-        if re.search(r" dot\(", rest) or any(c in has_dot for c in called):
+        if is_dot_line(rest, has_dot):
             dots.add(name)
     return order, lines, operands, dots
 

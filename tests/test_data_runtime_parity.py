@@ -7,7 +7,6 @@ Plan on 8 CPU devices with a different dp per unit: vision dp2, LLM dp2 x pp2, g
 dp1 (7 devices); 12 samples in 3 microbatches. The reference is computed once (the global batch's samples do not depend
 on the balancing policy); tolerances and the gradient check are test_runtime_parity's.
 """
-import jax
 import numpy as np
 import pytest
 
@@ -17,8 +16,7 @@ from mmjax.data.synthetic import SyntheticConfig, SyntheticDataset
 from mmjax.pipeline.runtime import PipelineRuntime, to_reference_layout
 from mmjax.planner.plan import Plan
 
-from flax import nnx
-from test_runtime_parity import assert_same_grads, make_cfg, reference
+from helpers import assert_same_grads, make_cfg, reference
 
 STEP = 3  # a global batch whose microbatches the DistTrain plan reorders (asserted below)
 
@@ -59,7 +57,6 @@ def test_loader_plans_on_the_runtime_match_the_reference(setup, balance):
 
     rt = PipelineRuntime(cfg, plan)
     res = rt.run([mb.inputs["feed"] for mb in gb.microbatches])
-    grads = to_reference_layout(plan, {sid: nnx.to_pure_dict(st.grads)
-                                       for sid, st in rt.stages.items() if st.grads is not None})
+    grads = to_reference_layout(plan, res.pure_grads())
     np.testing.assert_allclose(res.losses()["loss"], ref_loss, rtol=1e-5)
     assert_same_grads(grads, ref_grads)

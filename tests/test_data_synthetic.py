@@ -44,7 +44,7 @@ def _skew(x):
 
 
 def test_laion_skew_directions():
-    """Seed 000 Fig. 5: text lengths, image sizes and image counts are right-skewed."""
+    """DistTrain Fig. 5: text lengths, image sizes and image counts are right-skewed."""
     ds = SyntheticDataset("laion", CFG, seed=0)
     specs = [ds.spec(i) for i in range(1500)]
     text = [sh[0] for sp in specs for m, sh, _ in sp if m == "text"]
@@ -56,7 +56,7 @@ def test_laion_skew_directions():
 
 
 def test_mix_composition_incoherence():
-    """Seed 001 §3.1: ASR text tracks audio length, spoken-QA answers do not; vision and
+    """OrchMLLM §3.1: ASR text tracks audio length, spoken-QA answers do not; vision and
     audio shares of a sample vary widely (whole tasks lack a modality)."""
     ds = SyntheticDataset("mix", CFG, seed=0)
     asr, sqa, vis_share, aud_share = [], [], [], []

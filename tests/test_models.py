@@ -3,7 +3,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from mmjax.models.attention import allowed_mask, dot_product_attention
 from mmjax.models.audio import AudioEncoder

@@ -13,7 +13,7 @@ from flax import nnx
 
 from mmjax.data.assemble import assemble
 from mmjax.models.mllm import MultimodalModel, trainable_filter
-from mmjax.pipeline.feed import microbatch_feed
+from mmjax.data.feed import microbatch_feed
 from mmjax.pipeline.runtime import to_reference_layout
 from mmjax.planner.plan import Plan
 from mmjax.train.inputs import model_inputs
@@ -21,7 +21,7 @@ from mmjax.train.optimizer import OptimizerSettings, optimizer_from_settings
 from mmjax.train.pipeline_step import PipelineStep
 from mmjax.train.step import TrainState, make_train_step, split_model
 
-from test_runtime_parity import global_batch, make_cfg
+from helpers import global_batch, make_cfg
 
 # eps large enough that gradients which are zero in exact arithmetic (attention key biases:
 # float noise ~1e-10) give no Adam update; clip_norm small so clipping is active.

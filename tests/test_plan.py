@@ -34,7 +34,9 @@ def test_valid_plan_passes_and_returns_itself():
 def test_more_devices_than_exist():
     p = plan_with(llm={"tp": 2, "pp": 2}, vision={"dp": 2})  # 2 + 4 + 1 = 7 devices
     p.validate(CFG, 7)
-    with pytest.raises(PlanError, match=r"needs 7 devices .* only 6 exist: lower dp/tp/pp"):
+    with pytest.raises(PlanError, match=r"needs 7 devices .* only 6 exist: lower dp/tp/pp, or "
+                                     r"on CPU force host devices with XLA_FLAGS="
+                                     r"--xla_force_host_platform_device_count=7"):
         p.validate(CFG, 6)
 
 

@@ -50,7 +50,7 @@ def test_disttrain_frozen_encoders_give_the_llm_more(name, gpus, batch):
 @pytest.mark.parametrize("name", ["cornstarch/vlm_m", "cornstarch/vlm_l", "cornstarch/alm_m",
                                   "cornstarch/valm_ll"])
 def test_frozen_encoders_move_gpus_to_the_llm(name):
-    """Seed 002 Table 3 setting (encoders and LLM frozen, projector trained) vs the same
+    """Cornstarch Table 3 setting (encoders and LLM frozen, projector trained) vs the same
     model fully trainable, 24 microbatches: averaged over cluster sizes (single sizes are
     dominated by divisibility), the LLM gets a larger share of the GPUs."""
     m = named_config(name)

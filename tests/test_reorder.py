@@ -158,7 +158,7 @@ def test_recurrence_validates():
 
 
 def _paper_stages(p, costs, generator):
-    """Seed 000 §6.2's pipeline: encoder stage 0 (time ~ size), LLM stages with a fixed time
+    """DistTrain §6.2's pipeline: encoder stage 0 (time ~ size), LLM stages with a fixed time
     (the mean encoder time: orchestration balances the units), optionally a generator last."""
     m = float(np.mean(costs))
     llm = (0.0, m, 2 * m)

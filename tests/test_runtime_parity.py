@@ -6,121 +6,51 @@ compares the loss and every gradient (fp32). Gradient comparison: per tensor, re
 error ||g - g_ref|| / ||g_ref|| <= 1e-5, except tensors whose true gradient is zero (e.g.
 attention key biases, softmax-invariant), which must be zero to 1e-6 of the global norm.
 """
-import dataclasses
-
 import jax
 import numpy as np
 import pytest
-from flax import nnx
 
-from mmjax.data.assemble import AssemblyLayout, assemble, check_sample
-from mmjax.data.synthetic import SyntheticConfig, SyntheticDataset
-from mmjax.models.config import with_overrides
-from mmjax.models.mllm import MultimodalModel, trainable_filter
-from mmjax.models.tiny import tiny, tiny_valm
-from mmjax.pipeline.feed import microbatch_feed
+from helpers import assert_same_grads, cached_reference, check, make_cfg
+from mmjax.models.tiny import tiny_valm
+from mmjax.data.feed import microbatch_feed
 from mmjax.pipeline.runtime import PipelineRuntime, to_reference_layout
-from mmjax.planner.plan import Plan, UnitPlan
-from mmjax.train.inputs import model_inputs
-from mmjax.train.step import make_loss_fn, split_model
-
-TINY = {"llm.num_layers": 4, "encoders.vision.encoder.num_layers": 2}
+from mmjax.planner.plan import Plan
 
 
-def make_cfg(base=tiny, **overrides):
-    return with_overrides(base(), {**TINY, **overrides})
-
-
-def global_batch(cfg, n, kind="laion", packing="pad"):
-    lay = AssemblyLayout.from_config(cfg, 160, packing, vision_caps=(64, 256),
-                                     audio_frame_caps=(128, 256, 512))
-    ds = SyntheticDataset(kind, SyntheticConfig.for_model(cfg, gen_fraction=0.5,
-                                                          frames_median=60.0), seed=3)
-    samples = [s for s in (ds[i] for i in range(6 * n)) if check_sample(s, lay) is None][:n]
-    assert len(samples) == n
-    return lay, samples
-
-
-def reference(cfg, lay, samples):
-    mdl = MultimodalModel(cfg, jax.random.key(0))
-    gd, tr, fr = split_model(mdl, trainable_filter(cfg))
-    (loss, aux), g = jax.jit(jax.value_and_grad(make_loss_fn(gd), has_aux=True))(
-        tr, fr, model_inputs(assemble(samples, lay)))
-    return float(loss), nnx.to_pure_dict(g)
-
-
-def run_plan(cfg, plan, lay, samples, assignments=None, cp_method="lpt"):
-    rt = PipelineRuntime(cfg, plan)
-    n = plan.microbatch_size
-    dp = {u.name: u.dp for u in plan.units}
-    feeds = [microbatch_feed(samples[m * n:(m + 1) * n], lay, dp,
-                             (assignments or {}).get(m), cp=plan.unit("llm").cp,
-                             cp_method=cp_method, cp_block=16)
-             for m in range(plan.num_microbatches)]
-    res = rt.run(feeds)
-    grads = to_reference_layout(plan, {sid: nnx.to_pure_dict(st.grads)
-                                       for sid, st in rt.stages.items() if st.grads is not None})
-    return rt, res.losses()["loss"], grads
-
-
-def assert_same_grads(got, ref):
-    flat_ref = dict((jax.tree_util.keystr(p), np.asarray(v))
-                    for p, v in jax.tree_util.tree_flatten_with_path(ref)[0])
-    flat_got = dict((jax.tree_util.keystr(p), np.asarray(v))
-                    for p, v in jax.tree_util.tree_flatten_with_path(got)[0])
-    assert set(flat_got) == set(flat_ref), (set(flat_ref) ^ set(flat_got))
-    gnorm = np.sqrt(sum(float(np.sum(v.astype(np.float64) ** 2)) for v in flat_ref.values()))
-    for k, r in flat_ref.items():
-        diff = np.linalg.norm((flat_got[k] - r).astype(np.float64))
-        rn = np.linalg.norm(r.astype(np.float64))
-        if rn < 1e-6 * gnorm:
-            assert diff <= 1e-6 * gnorm, (k, diff, gnorm)
-        else:
-            assert diff <= 1e-5 * rn, (k, diff / rn)
-
-
-def check(cfg, plan, n=8, kind="laion", packing="pad", assignments=None, cp_method="lpt"):
-    lay, samples = global_batch(cfg, n, kind, packing)
-    ref_loss, ref_grads = reference(cfg, lay, samples)
-    rt, loss, grads = run_plan(cfg, plan, lay, samples, assignments, cp_method)
-    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-    assert_same_grads(grads, ref_grads)
-    return rt
-
-
-def test_rigid_plan():
+def test_rigid_plan(reference_cache):
     cfg = make_cfg()
-    check(cfg, Plan.rigid(cfg, dp=1, tp=2, pp=2, global_batch=8, num_microbatches=2))
+    check(cfg, Plan.rigid(cfg, dp=1, tp=2, pp=2, global_batch=8, num_microbatches=2),
+          cache=reference_cache)
 
 
-def test_encoder_dp2_llm_tp2_pp2_generator_dp1():
+def test_encoder_dp2_llm_tp2_pp2_generator_dp1(reference_cache):
     cfg = make_cfg()
     plan = Plan.uniform(cfg, 8, 2, dp={"vision": 2, "llm": 1, "generator": 1},
                         tp={"llm": 2}, pp={"llm": 2})
-    check(cfg, plan)
+    check(cfg, plan, cache=reference_cache)
 
 
-def test_dp_sizes_differ_between_units_4_2_1():
+def test_dp_sizes_differ_between_units_4_2_1(reference_cache):
     cfg = make_cfg()
     plan = Plan.uniform(cfg, 8, 2, dp={"vision": 4, "llm": 2, "generator": 1})
-    check(cfg, plan)
+    check(cfg, plan, cache=reference_cache)
 
 
-def test_two_encoders_in_parallel_packed_rows():
+def test_two_encoders_in_parallel_packed_rows(reference_cache):
     cfg = make_cfg(tiny_valm, **{"encoders.audio.encoder.num_layers": 2})
     plan = Plan.uniform(cfg, 8, 2, dp={"vision": 2, "audio": 2, "llm": 2}, pp={"audio": 2})
-    check(cfg, plan, kind="mix", packing="pack")
+    check(cfg, plan, kind="mix", packing="pack", cache=reference_cache)
 
 
-def test_llm_pp4():
+def test_llm_pp4(reference_cache):
     cfg = make_cfg()
-    check(cfg, Plan.uniform(cfg, 4, 4, pp={"llm": 4}), n=4)
+    check(cfg, Plan.uniform(cfg, 4, 4, pp={"llm": 4}), n=4, cache=reference_cache)
 
 
-def test_frozen_encoder_and_llm_with_trainable_projector():
+def test_frozen_encoder_and_llm_with_trainable_projector(reference_cache):
     cfg = make_cfg(**{"encoders.vision.frozen": True, "llm_frozen": True})
     plan = Plan.uniform(cfg, 4, 2, pp={"vision": 2, "llm": 2})
-    rt = check(cfg, plan, n=4)
+    rt = check(cfg, plan, n=4, cache=reference_cache)
     modes = {str(s): st.mode for s, st in rt.stages.items()}
     assert modes["vision:0"] == "none" and rt.stages[list(rt.stages)[0]].backward_calls == 0
     assert modes["vision:1"] == "params"  # projector trainable, nothing upstream
@@ -130,32 +60,32 @@ def test_frozen_encoder_and_llm_with_trainable_projector():
     assert calls == {"vision:0": 0, "vision:1": 2, "llm:0": 2, "llm:1": 2, "generator:0": 2}
 
 
-def test_only_generator_trainable():
+def test_only_generator_trainable(reference_cache):
     cfg = make_cfg(**{"encoders.vision.frozen": True, "encoders.vision.projector_frozen": True,
                       "llm_frozen": True})
     plan = Plan.uniform(cfg, 4, 2, pp={"llm": 2}, dp={"generator": 2})
-    rt = check(cfg, plan, n=4)
+    rt = check(cfg, plan, n=4, cache=reference_cache)
     calls = {str(s): st.backward_calls for s, st in rt.stages.items()}
     assert calls == {"vision:0": 0, "llm:0": 0, "llm:1": 0, "generator:0": 2}
 
 
-def test_balanced_assignments_per_unit():
+def test_balanced_assignments_per_unit(reference_cache):
     """OrchMLLM-style per-phase rearrangement: encoder and LLM ranks hold different
     samples; the composed part maps still give the reference."""
     cfg = make_cfg()
     plan = Plan.uniform(cfg, 8, 1, dp={"vision": 2, "llm": 2, "generator": 2})
     assignments = {0: {"vision": [[0, 3, 5, 6], [1, 2, 4, 7]], "llm": [[7, 1, 2, 0], [3, 4, 5, 6]],
                        "generator": [[6, 5, 2, 1], [0, 3, 4, 7]]}}
-    check(cfg, plan, assignments=assignments)
+    check(cfg, plan, assignments=assignments, cache=reference_cache)
 
 
-def test_interleaved_vpp2():
+def test_interleaved_vpp2(reference_cache):
     cfg = make_cfg()
     plan = Plan.uniform(cfg, 4, 2, pp={"llm": 2}, num_chunks={"llm": 2})
-    check(cfg, plan, n=4)
+    check(cfg, plan, n=4, cache=reference_cache)
 
 
-def test_interleaved_steady_state_dispatch_makes_no_host_sync(monkeypatch):
+def test_interleaved_steady_state_dispatch_makes_no_host_sync(monkeypatch, reference_cache):
     """Interleaved vpp2 with m = 2 pp (Megatron's steady state; warm-up grown for the
     generator), single process: `rt.run` dispatches the whole step with device-to-host
     transfers disallowed, and -- since on CPU reading a device array is zero-copy and the
@@ -164,8 +94,7 @@ def test_interleaved_steady_state_dispatch_makes_no_host_sync(monkeypatch):
     made to raise. Afterwards loss and gradients match the reference."""
     cfg = make_cfg()
     plan = Plan.uniform(cfg, 8, 4, pp={"llm": 2}, num_chunks={"llm": 2})
-    lay, samples = global_batch(cfg, 8)
-    ref_loss, ref_grads = reference(cfg, lay, samples)
+    lay, samples, ref_loss, ref_grads = cached_reference(reference_cache, cfg, 8)
     rt = PipelineRuntime(cfg, plan)
     assert jax.process_count() == 1 and not rt.sync
     dp = {u.name: u.dp for u in plan.units}
@@ -182,35 +111,34 @@ def test_interleaved_steady_state_dispatch_makes_no_host_sync(monkeypatch):
         res = rt.run(feeds)
         with pytest.raises(AssertionError, match="host sync"):  # the traps are armed
             float(res.lm_loss[0])
-    grads = to_reference_layout(plan, {sid: nnx.to_pure_dict(st.grads)
-                                       for sid, st in rt.stages.items() if st.grads is not None})
+    grads = to_reference_layout(plan, res.pure_grads())
     np.testing.assert_allclose(res.losses()["loss"], ref_loss, rtol=1e-5)
     assert_same_grads(grads, ref_grads)
 
 
 @pytest.mark.parametrize("method", ["lpt", "zigzag"])
-def test_llm_context_parallel_cp2_packed(method):
+def test_llm_context_parallel_cp2_packed(method, reference_cache):
     """Cornstarch CP inside the pipeline: LLM on ('dp','cp','tp') = (1, 2, 2) with
     multimodal packing; generator conditioning read back through the CP layout."""
     cfg = make_cfg()
     plan = Plan.uniform(cfg, 4, 2, cp={"llm": 2}, tp={"llm": 2})
-    check(cfg, plan, n=4, packing="pack", cp_method=method)
+    check(cfg, plan, n=4, packing="pack", cp_method=method, cache=reference_cache)
 
 
-def test_overlapped_tp_llm_stage():
+def test_overlapped_tp_llm_stage(reference_cache):
     """StepCCL-style decomposed collective matmuls in the LLM stages (overlap_tp=True)."""
     cfg = make_cfg()
     plan = Plan.uniform(cfg, 4, 2, tp={"llm": 2}, pp={"llm": 2}, overlap_tp={"llm": True})
-    check(cfg, plan, n=4)
+    check(cfg, plan, n=4, cache=reference_cache)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("impl,cp", [("chunked", 2), ("pallas", 2)])
-def test_attention_implementations_keep_parity(impl, cp):
+def test_attention_implementations_keep_parity(impl, cp, reference_cache):
     """Every unit on the chunked / block-sparse Pallas attention (interpret mode on CPU),
     the LLM on cp2 with LPT over packed rows, against the single-device reference (dense
     attention at these lengths): the same loss and gradients."""
     cfg = make_cfg()
     plan = Plan.uniform(cfg, 4, 2, cp={"llm": cp}, attention_impl=impl)
     assert {u.attention_impl for u in plan.units} == {impl}
-    check(cfg, plan, n=4, packing="pack", cp_method="lpt")
+    check(cfg, plan, n=4, packing="pack", cp_method="lpt", cache=reference_cache)

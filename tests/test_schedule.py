@@ -178,7 +178,9 @@ def test_graph_structure():
     assert g.stages == (V, A, A1, L0, L1, G)
     assert set(g.edges) == {(V, L0), (A, A1), (A1, L0), (L0, L1), (L1, G)}
     assert [g.num_downstream(s) for s in g.stages] == [3, 4, 3, 2, 1, 0]
-    assert all(mode == "full" for mode in g.has_backward.values())
+    # first stages need no input gradient ("params"); everything downstream is "full"
+    assert [g.has_backward[s] for s in g.stages] == [
+        "params", "params", "full", "full", "full", "full"]
 
 
 def test_multimodal_literal_table():
@@ -214,7 +216,7 @@ def test_frozen_encoders_run_no_backward():
     g = StageGraph.from_units({"vision": 1, "audio": 1}, llm=2, generator=1,
                               trainable={"vision": False, "audio": False, "llm": True,
                                          "generator": True})
-    assert g.has_backward == {V: "none", A: "none", L0: "full", L1: "full", G: "full"}
+    assert g.has_backward == {V: "none", A: "none", L0: "params", L1: "full", G: "full"}
     sched = multimodal_one_f_one_b(g, 4)
     assert by_stage(sched) == {
         "vision:0": "F0 F1 F2 F3",
@@ -232,7 +234,7 @@ def test_frozen_llm_with_trainable_projector_is_input_only():
                               trainable={"vision": (False, True), "audio": False,
                                          "llm": False, "generator": False})
     V1 = StageId("vision", 1)
-    assert g.has_backward == {V: "none", V1: "full", A: "none", L0: "input_only",
+    assert g.has_backward == {V: "none", V1: "params", A: "none", L0: "input_only",
                               L1: "input_only", G: "input_only"}
     sched = multimodal_one_f_one_b(g, 4)
     assert by_stage(sched) == {
@@ -249,7 +251,7 @@ def test_frozen_llm_with_trainable_projector_is_input_only():
 def test_only_generator_trainable():
     g = StageGraph.from_units({"vision": 1}, llm=2, generator=1,
                               trainable={"vision": False, "llm": False, "generator": True})
-    assert [g.has_backward[s] for s in g.stages] == ["none", "none", "none", "full"]
+    assert [g.has_backward[s] for s in g.stages] == ["none", "none", "none", "params"]
     sched = multimodal_one_f_one_b(g, 3)
     assert by_stage(sched) == {"vision:0": "F0 F1 F2", "llm:0": "F0 F1 F2",
                                "llm:1": "F0 F1 F2", "generator:0": "F0 B0 F1 B1 F2 B2"}
@@ -278,7 +280,7 @@ def test_from_plan():
                 global_batch=8, num_microbatches=4)
     g = StageGraph.from_plan(plan)
     assert [(str(s), g.has_backward[s]) for s in g.stages] == [
-        ("vision:0", "none"), ("vision:1", "none"), ("llm:0", "full"), ("llm:1", "full"),
+        ("vision:0", "none"), ("vision:1", "none"), ("llm:0", "params"), ("llm:1", "full"),
         ("generator:0", "input_only")]
 
 
@@ -484,7 +486,7 @@ def test_interleaved_frozen_chunks_drop_their_backward():
                               chunks={"vision": 2})
     V1 = StageId("vision", 1)
     assert [g.has_backward[g.virtual(s, c)] for s, c in ((V, 0), (V1, 0), (V, 1), (V1, 1))] \
-        == ["none", "none", "none", "full"]
+        == ["none", "none", "none", "params"]
     sched = multimodal_one_f_one_b(g, 4)
     assert by_stage(sched)["vision:0"] == "F0 F1 F0.1 F1.1 F2 F3 F2.1 F3.1"
     row = sched[V1]

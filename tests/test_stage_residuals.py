@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from mmjax.pipeline.feed import microbatch_feed
+from mmjax.data.feed import microbatch_feed
 from mmjax.pipeline.stage import apply_llm, build_stage_module, make_stage_fns
-from mmjax.planner.plan import Plan, PlanError
-from test_runtime_parity import assert_same_grads, global_batch, make_cfg, reference, run_plan
+from mmjax.planner.plan import Plan, PlanError, UnitPlan
+from helpers import assert_same_grads, check, global_batch, make_cfg
 
 POLICIES = ("full", "dots", "none")
 
@@ -106,7 +106,8 @@ def llm_stage():
 @functools.lru_cache(maxsize=None)
 def stage_run(remat, dtype=jnp.float32):
     cfg, gd, tr, fr, x, side = llm_stage()
-    fns = make_stage_fns(cfg, "llm", gd, "full", dtype, False, 1, None, remat=remat)
+    fns = make_stage_fns(cfg, UnitPlan("llm", remat=remat), gd, "full", dtype,
+                         with_generator=False)
     y, res = fns.forward(tr, fr, x, side)
     grads, dx = fns.backward(tr, fr, side, res, jnp.ones((), jnp.float32),
                              jax.tree.map(jnp.zeros_like, tr))
@@ -170,20 +171,11 @@ def test_bf16_casts_are_recomputed_not_kept():
 
 
 # ---- runtime parity ---------------------------------------------------------------------
-_REFS = {}
 
 
-def check_cached(name, cfg, plan, n=4, kind="laion", packing="pad", cp_method="lpt"):
-    """tests/test_runtime_parity.py `check`, with one reference per (name, batch)."""
-    lay, samples = global_batch(cfg, n, kind, packing)
-    key = (name, n, kind, packing)
-    if key not in _REFS:
-        _REFS[key] = reference(cfg, lay, samples)
-    ref_loss, ref_grads = _REFS[key]
-    rt, loss, grads = run_plan(cfg, plan, lay, samples, cp_method=cp_method)
-    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-    assert_same_grads(grads, ref_grads)
-    return rt
+def check_cached(cache, cfg, plan, n=4, kind="laion", packing="pad", cp_method="lpt"):
+    """tests/helpers.py `check` with the session's reference cache."""
+    return check(cfg, plan, n, kind, packing, cp_method=cp_method, cache=cache)
 
 
 FROZEN = {"encoders.vision.frozen": True, "llm_frozen": True}
@@ -192,32 +184,32 @@ FROZEN = {"encoders.vision.frozen": True, "llm_frozen": True}
 @pytest.mark.parametrize("remat", [{"vision": "dots", "llm": "none", "generator": "dots"},
                                    {"vision": "none", "llm": "dots", "generator": "none"}],
                          ids=["llm-none", "llm-dots"])
-def test_remat_policies_parity_frozen_pp2(remat):
+def test_remat_policies_parity_frozen_pp2(remat, reference_cache):
     """pp=2 units, a projector-only ("params") stage, frozen LLM stages ("input_only") and a
     trainable generator ("full"), every policy; remat "full" on this plan is
     tests/test_runtime_parity.py::test_frozen_encoder_and_llm_with_trainable_projector."""
     cfg = make_cfg(**FROZEN)
     plan = Plan.uniform(cfg, 4, 2, pp={"vision": 2, "llm": 2}, remat=remat)
-    rt = check_cached("frozen", cfg, plan)
+    rt = check_cached(reference_cache, cfg, plan)
     modes = {str(s): st.mode for s, st in rt.stages.items()}
     assert modes["vision:1"] == "params" and modes["llm:0"] == "input_only"
     assert {str(s): st.fns.remat for s, st in rt.stages.items()}["llm:1"] == remat["llm"]
 
 
 @pytest.mark.parametrize("chunks,remat", [(1, "dots"), (3, "none")])
-def test_overlapped_tp_chunks_unidirectional(chunks, remat):
+def test_overlapped_tp_chunks_unidirectional(chunks, remat, reference_cache):
     """Overlapped TP with 1 and 3 pieces per ring step, one ring direction, under the
     selective and no-remat policies (shard_map + custom_vjp residuals)."""
     cfg = make_cfg()
     plan = Plan.uniform(cfg, 4, 2, tp={"llm": 2}, overlap_tp={"llm": True},
                         tp_chunks={"llm": chunks}, tp_bidirectional={"llm": False},
                         remat={"llm": remat})
-    check_cached("default", cfg, plan, packing="pack")
+    check_cached(reference_cache, cfg, plan, packing="pack")
 
 
-def test_cp_head_groups_2():
+def test_cp_head_groups_2(reference_cache):
     """CP attention gathering K/V in 2 head groups (tiny llm: 2 kv heads, tp=1)."""
     cfg = make_cfg()
     plan = Plan.uniform(cfg, 4, 2, cp={"llm": 2}, cp_head_groups={"llm": 2},
                         remat={"llm": "dots"})
-    check_cached("default", cfg, plan, packing="pack")
+    check_cached(reference_cache, cfg, plan, packing="pack")

@@ -1,7 +1,6 @@
 """Single-device training with the project optimizer (train/optimizer.py): invariances,
 frozen modules, overfitting, learning-rate schedule, clipping."""
 import dataclasses
-import json
 
 import jax
 import jax.numpy as jnp

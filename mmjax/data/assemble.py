@@ -1,6 +1,6 @@
 """Batch assembly: interleave modality subsequences into fixed-shape LLM rows (no JAX).
 
-Seed 000 §2.3 (interleaved subsequences in a fixed-length sequence, DistTrain: one sample
+DistTrain §2.3 (interleaved subsequences in a fixed-length sequence, DistTrain: one sample
 per row, padded -> packing="pad") and OrchMLLM §2.2/§6 (OrchMLLM: sequences packed without
 padding, subsequences assembled in the example's order -> packing="pack"). Placeholders are
 scattered from the projected encoder outputs by `gather_<encoder>` (placement "embed") or
@@ -27,8 +27,7 @@ from typing import Literal
 
 import numpy as np
 
-from mmjax.data.sample import (BOS, DELIMITERS, EOS, FIRST_TEXT_ID, AUDIO_STRIDE, Sample,
-                               SampleMeta, TokenRules)
+from mmjax.data.sample import (AUDIO_STRIDE, Sample, SampleMeta, SpecialTokens, TokenRules)
 from mmjax.models.config import MLLMConfig, VisionConfig
 
 
@@ -78,12 +77,14 @@ class AssemblyLayout:
     placement: Literal["embed", "prepend"] = "embed"
     vision_caps: tuple[int, ...] = (256, 1024, 4096)
     audio_frame_caps: tuple[int, ...] = (256, 1024, 3072)
+    special: SpecialTokens = SpecialTokens()  # a tokenizer's ids, or the reserved ones
 
     @classmethod
     def from_config(cls, cfg: MLLMConfig, seq_len: int, packing: str = "pad",
                     vision_caps: tuple[int, ...] = (256, 1024, 4096),
                     audio_frame_caps: tuple[int, ...] = (256, 1024, 3072),
-                    gen_num_queries: int = 16) -> "AssemblyLayout":
+                    gen_num_queries: int = 16,
+                    special: SpecialTokens | None = None) -> "AssemblyLayout":
         if packing not in ("pad", "pack"):
             raise ValueError(f"packing={packing!r}: use 'pad' (DistTrain) or 'pack' (OrchMLLM)")
         slots, seen = [], set()
@@ -118,7 +119,7 @@ class AssemblyLayout:
                           gen_num_queries, g.num_train_timesteps)
         return cls(seq_len, cfg.llm.vocab_size, TokenRules.from_config(cfg), tuple(slots), gen,
                    packing, cfg.placement, tuple(sorted(vision_caps)),
-                   tuple(sorted(audio_frame_caps)))
+                   tuple(sorted(audio_frame_caps)), special or SpecialTokens())
 
     def slot(self, modality: str) -> EncoderSlot | None:
         for s in self.encoders:
@@ -140,7 +141,7 @@ def check_shapes(shapes, layout: AssemblyLayout) -> str | None:
     alone (what planning sees), or None. Reasons start with empty/decode/too_long/unsupported."""
     if not shapes:
         return "empty: sample has no segments"
-    for i, (mod, shape, k) in enumerate(shapes):
+    for i, (mod, shape, k, *_) in enumerate(shapes):
         where = f"segment {i} ({mod})"
         if mod == "text":
             if len(shape) != 1:
@@ -186,7 +187,9 @@ def check_shapes(shapes, layout: AssemblyLayout) -> str | None:
 
 
 def sample_shapes(sample: Sample):
-    return [(s.modality, tuple(np.shape(s.data)), s.num_queries) for s in sample.segments]
+    """The sample's spec: (modality, shape, num_queries), plus num_masked for masked text."""
+    return [(s.modality, tuple(np.shape(s.data)), s.num_queries)
+            + ((s.num_masked,) if s.num_masked else ()) for s in sample.segments]
 
 
 def check_sample(sample: Sample, layout: AssemblyLayout) -> str | None:
@@ -203,8 +206,9 @@ def check_sample(sample: Sample, layout: AssemblyLayout) -> str | None:
     if reason is not None:
         return reason
     for i, s in enumerate(sample.segments):
-        if s.modality == "text" and (s.data.min() < FIRST_TEXT_ID or s.data.max() >= layout.vocab_size):
-            return (f"decode: segment {i} (text) ids outside [{FIRST_TEXT_ID}, "
+        lo = layout.special.first_text
+        if s.modality == "text" and (s.data.min() < lo or s.data.max() >= layout.vocab_size):
+            return (f"decode: segment {i} (text) ids outside [{lo}, "
                     f"{layout.vocab_size})")
         if s.modality != "text" and not np.isfinite(s.data).all():
             return f"decode: segment {i} ({s.modality}) has non-finite values"
@@ -398,6 +402,7 @@ def assemble(samples: list[Sample], layout: AssemblyLayout, shapes: BatchShapes 
     sub = np.zeros((B, S), np.int32)
     bam = np.zeros((B, S), np.int64)
     is_text = np.zeros((B, S), bool)
+    trained = np.zeros((B, S), bool)  # the token at this position is a loss target
     gather = {e.name: np.full((B, S), -1, np.int32) for e in layout.encoders}
 
     # Encoder-side placement of every image / audio clip, in batch order.
@@ -442,21 +447,25 @@ def assemble(samples: list[Sample], layout: AssemblyLayout, shapes: BatchShapes 
         docs_in_row[row] += 1
         doc_id = docs_in_row[row]
         col = col0
+        wrappers_trained = all(s.num_masked == 0 for s in sample.segments)
 
-        def put_text(ids):
+        def put_text(ids, mask=None):
             nonlocal col
             n = len(ids)
             tokens[row, col:col + n] = ids
             bam[row, col:col + n] = layout.text_bits
             is_text[row, col:col + n] = True
+            trained[row, col:col + n] = wrappers_trained if mask is None else mask
             col += n
 
-        put_text([BOS])
+        sp = layout.special
+        put_text([sp.bos])
         for seg_index, seg in _doc_blocks(sample, layout.placement):
             if seg.modality == "text":
-                put_text(np.asarray(seg.data, np.int32))
+                put_text(np.asarray(seg.data, np.int32),
+                         True if seg.loss_mask is None else np.asarray(seg.loss_mask, bool))
                 continue
-            start, end = DELIMITERS[seg.modality]
+            start, end = sp.delimiters(seg.modality)
             put_text([start])
             k = counters[seg.modality]
             counters[seg.modality] += 1
@@ -480,7 +489,7 @@ def assemble(samples: list[Sample], layout: AssemblyLayout, shapes: BatchShapes 
                     _put_encoder_input(slot, enc_out[slot.name], place[slot.name][k], seg.data)
             col += n
             put_text([end])
-        put_text([EOS])
+        put_text([sp.eos])
         doc[row, col0:col] = doc_id
         positions[row, col0:col] = np.arange(col - col0)
         fill[row] = col
@@ -488,7 +497,8 @@ def assemble(samples: list[Sample], layout: AssemblyLayout, shapes: BatchShapes 
         where.append((row, doc_id))
 
     nxt_ok = np.zeros((B, S), bool)
-    nxt_ok[:, :-1] = (doc[:, 1:] == doc[:, :-1]) & (doc[:, :-1] != 0) & is_text[:, 1:]
+    nxt_ok[:, :-1] = ((doc[:, 1:] == doc[:, :-1]) & (doc[:, :-1] != 0) & is_text[:, 1:]
+                      & trained[:, 1:])
     targets = np.where(nxt_ok, np.roll(tokens, -1, axis=1), 0).astype(np.int32)
     loss_mask = nxt_ok.astype(np.float32)
     n_gen = int(gen["gen_valid"].sum()) * layout.gen.num_patches * layout.gen.patch_dim if gen else 0

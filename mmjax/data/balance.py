@@ -101,7 +101,7 @@ def greedy_partition(sizes: Sequence[float], num_bins: int,
                      name: str = "lengths") -> list[list[int]]:
     """LPT greedy number partitioning: largest first, each to the lightest bin (4/3 - 1/(3d)).
 
-    Seed 001 Algorithm 1 and DistTrain Algorithm 2 (see ``reorder.intra_reorder``). Returns
+    OrchMLLM Algorithm 1 and DistTrain Algorithm 2 (see ``reorder.intra_reorder``). Returns
     sample indices per bin, in assignment order (descending size).
     """
     _check_ranks(num_bins, "num_bins")

@@ -1,7 +1,7 @@
 """Asynchronous multimodal data loader: plan the global batch from metadata, materialise
 only this host's share, prefetch ahead of the trainer (no JAX).
 
-Seed 000 §4.2 / MMScale §6 (CPU preprocessing disaggregated from training, producer-
+DistTrain §4.2 / MMScale §6 (CPU preprocessing disaggregated from training, producer-
 consumer: decoding and reordering run in worker processes while the GPUs train) and seed
 001 §6 (the global orchestrator runs balancing on the CPU during prefetch, "as soon as all
 the mini-batches have been sampled", and composes rearrangements). Built on grain:
@@ -52,6 +52,7 @@ from mmjax.data.assemble import (AssemblyLayout, Batch, BatchShapes, assemble, b
 from mmjax.data.balance import POLICIES as POST_BALANCE_POLICIES
 from mmjax.data.balance import (batches_by_rank, compose_rearrangement, node_wise_rearrange,
                                 post_balance, Rearrangement)
+from mmjax.data.feed import microbatch_feed
 from mmjax.data.reorder import inter_reorder, intra_reorder
 from mmjax.data.sample import FIRST_TEXT_ID, Sample, SampleMeta, Segment
 from mmjax.data.synthetic import Spec, SyntheticDataset
@@ -214,6 +215,20 @@ def index_spec(sample: Sample, patch_size: int, max_grid: int) -> Spec:
             shape = decoded_image_shape(shape[0], shape[1], patch_size, max_grid)
         out.append((s.modality, shape, s.num_queries))
     return out
+
+
+def source_problem(source, index: int) -> str | None:
+    """Why sample `index` is unusable, known from the source's index (e.g. a missing or
+    unreadable image), or None; sources without the notion have no such problems."""
+    problem = getattr(source, "problem", None)
+    return problem(index) if problem is not None else None
+
+
+def sample_name(source, index: int) -> str:
+    """The sample's name for `skipped.jsonl`: the source's own id (e.g. a LLaVA `id`),
+    else the dataset index."""
+    name = getattr(source, "name", None)
+    return str(name(index)) if name is not None else str(index)
 
 
 def as_source(source):
@@ -475,6 +490,7 @@ class GlobalBatch:
     num_gen_elements: int
     decode_failures: int = 0  # samples blanked at materialisation on this host
     plan_seconds: float = 0.0
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (sample name, reason)
 
 
 def owned_ranks(plan: Plan, unit: str, host_id: int, num_hosts: int) -> list[int]:
@@ -493,9 +509,10 @@ def owned_ranks(plan: Plan, unit: str, host_id: int, num_hosts: int) -> list[int
 
 def _blank(spec: Spec, sample_id: int) -> Sample:
     segs = []
-    for mod, shape, k in spec:
-        if mod == "text":
-            segs.append(Segment("text", np.full(shape, FIRST_TEXT_ID, np.int32)))
+    for mod, shape, k, *_ in spec:
+        if mod == "text":  # fully masked: a blank trains nothing, on either path
+            segs.append(Segment("text", np.full(shape, FIRST_TEXT_ID, np.int32),
+                                loss_mask=np.zeros(shape, bool)))
         else:
             segs.append(Segment(mod, np.zeros(shape, np.float32), k))
     return Sample(sample_id, tuple(segs))
@@ -529,7 +546,7 @@ class GlobalBatchBuilder:
                  feeds: bool = False, cp_method: str = "lpt", cp_block: int = 128,
                  node_wise: NodeWise | None = None, hardware: Hardware = H100):
         self.source, self.model, self.plan, self.layout = source, model, plan, layout
-        # feeds=True: materialise each microbatch as a pipeline/feed.py MicrobatchFeed (all
+        # feeds=True: materialise each microbatch as a data/feed.py MicrobatchFeed (all
         # units and ranks, part maps included) for the pipeline runtime, instead of Batches.
         self.feeds, self.cp_method, self.cp_block = feeds, cp_method, cp_block
         self.policies = policies
@@ -557,18 +574,22 @@ class GlobalBatchBuilder:
             out.append(int(i))
         return out
 
-    def select(self, step: int):
-        """(indices, specs, skip reasons) of the first `global_batch` usable candidates."""
+    def select(self, step: int, skipped: list | None = None):
+        """(indices, specs, skip reasons) of the first `global_batch` usable candidates;
+        (sample name, reason) of each skipped one is appended to `skipped`. A source may
+        name a sample's problem up front (`problem(i)`: a missing image, say)."""
         gb = self.plan.global_batch
         idx, specs, reasons = [], [], {}
         for i in self.candidates(step):
             if len(idx) == gb:
                 break
             spec = self.source.spec(i)
-            why = check_shapes(spec, self.layout)
+            why = source_problem(self.source, i) or check_shapes(spec, self.layout)
             if why:
                 kind = why.split(":")[0]
                 reasons[kind] = reasons.get(kind, 0) + 1
+                if skipped is not None:
+                    skipped.append((sample_name(self.source, i), why))
             else:
                 idx.append(i)
                 specs.append(spec)
@@ -579,7 +600,6 @@ class GlobalBatchBuilder:
 
     def _feed(self, mp: MicrobatchPlan, get):
         """The microbatch as the pipeline runtime's feed, with this plan's rank assignments."""
-        from mmjax.pipeline.feed import microbatch_feed
 
         where = {p: i for i, p in enumerate(mp.positions)}
         assignments = {u: [[where[p] for p in r] for r in ranks] for u, ranks in mp.ranks.items()}
@@ -590,7 +610,8 @@ class GlobalBatchBuilder:
 
     def __call__(self, step: int) -> GlobalBatch:
         t0 = time.perf_counter()
-        idx, specs, reasons = self.select(int(step))
+        skipped: list[tuple[str, str]] = []
+        idx, specs, reasons = self.select(int(step), skipped)
         metas = [self.layout.rules.meta_from_shapes(i, s) for i, s in zip(idx, specs)]
         mb_plans = plan_global_batch(metas, self.model, self.plan, self.layout, self.policies,
                                      self.algo, node_wise=self.node_wise,
@@ -606,7 +627,8 @@ class GlobalBatchBuilder:
                     bad = check_sample(s, self.layout)
                     if bad or self.layout.rules.meta(s) != metas[p]:
                         raise DecodeError(bad or "decoded shapes differ from the index")
-                except DecodeError:
+                except DecodeError as e:
+                    skipped.append((sample_name(self.source, idx[p]), str(e)))
                     s = _blank(specs[p], idx[p])
                     failed.add(idx[p])
                 loaded[p] = s
@@ -638,7 +660,8 @@ class GlobalBatchBuilder:
         if failed:
             reasons["decode"] = reasons.get("decode", 0) + len(failed)
         return GlobalBatch(int(step), idx, mbs, sum(reasons.values()), reasons,
-                           sum(m.num_targets for m in metas), n_gen, len(failed), t_plan)
+                           sum(m.num_targets for m in metas), n_gen, len(failed), t_plan,
+                           skipped)
 
 
 # ---------------------------------------------------------------------------------------

@@ -43,6 +43,28 @@ AUDIO_STRIDE = 2  # Whisper's second conv
 
 
 @dataclass(frozen=True)
+class SpecialTokens:
+    """The ids assembly writes around documents and modality blocks. The defaults are the
+    reserved ids above (synthetic and byte-level data); a real tokenizer supplies its own
+    (`mmjax.data.tokenizer.Tokenizer.special_tokens`), its modality markers being added
+    special tokens. Text ids must lie in [first_text, vocab_size)."""
+
+    bos: int = BOS
+    eos: int = EOS
+    image_start: int = IMAGE_START
+    image_end: int = IMAGE_END
+    audio_start: int = AUDIO_START
+    audio_end: int = AUDIO_END
+    gen_start: int = GEN_START
+    gen_end: int = GEN_END
+    first_text: int = FIRST_TEXT_ID
+
+    def delimiters(self, modality: str) -> tuple[int, int]:
+        prefix = {"image": "image", "audio": "audio", "image_out": "gen"}[modality]
+        return getattr(self, prefix + "_start"), getattr(self, prefix + "_end")
+
+
+@dataclass(frozen=True)
 class Segment:
     """One modality subsequence.
 
@@ -54,10 +76,24 @@ class Segment:
     modality: str
     data: np.ndarray
     num_queries: int = 0  # image_out only
+    # text only: bool [L], True where the token is trained (a chat's assistant turns);
+    # None trains every token. A sample with masked text trains none of its wrapper tokens
+    # (bos/eos, modality delimiters): those belong to no assistant turn.
+    loss_mask: np.ndarray | None = None
 
     def __post_init__(self):
         if self.modality not in MODALITIES:
             raise ValueError(f"Segment.modality={self.modality!r}: use one of {MODALITIES}")
+        if self.loss_mask is not None and (self.modality != "text"
+                                           or np.shape(self.loss_mask) != np.shape(self.data)):
+            raise ValueError("Segment.loss_mask: only for text, with the text's shape")
+
+    @property
+    def num_masked(self) -> int:
+        """Text tokens left out of the loss."""
+        if self.loss_mask is None:
+            return 0
+        return int(np.size(self.loss_mask) - np.count_nonzero(self.loss_mask))
 
 
 @dataclass(frozen=True)
@@ -72,6 +108,7 @@ class SegmentMeta:
     num_llm_tokens: int  # placeholder/text tokens it occupies, without its delimiters
     num_encoder_tokens: int  # tokens in the encoder (generator for image_out); 0 for text
     input_size: int = 0  # image: patches; audio: frames; image_out: latent patches; text: L
+    num_masked: int = 0  # text: tokens left out of the loss (chat prompts)
 
 
 @dataclass(frozen=True)
@@ -90,8 +127,16 @@ class SampleMeta:
         return sum(s.num_llm_tokens for s in self.segments if s.modality != "text")
 
     @property
+    def num_masked(self) -> int:
+        return sum(s.num_masked for s in self.segments)
+
+    @property
     def num_targets(self) -> int:
-        """Scored positions: every text/special token but bos is predicted exactly once."""
+        """Scored positions: every text/special token but bos is predicted exactly once;
+        with masked text (loss on assistant turns only) just the unmasked text tokens."""
+        if self.num_masked:
+            return sum(s.num_llm_tokens - s.num_masked for s in self.segments
+                       if s.modality == "text")
         return self.llm_length - self.num_placeholders - 1
 
     def encoder_tokens(self, modality: str) -> int:
@@ -128,11 +173,11 @@ class TokenRules:
             kw["gen_patch_size"] = cfg.generator.patch_size
         return cls(**kw)
 
-    def segment_meta(self, modality: str, shape: tuple[int, ...], num_queries: int = 0
-                     ) -> SegmentMeta:
-        """Metadata of a segment from its array shape alone."""
+    def segment_meta(self, modality: str, shape: tuple[int, ...], num_queries: int = 0,
+                     num_masked: int = 0) -> SegmentMeta:
+        """Metadata of a segment from its array shape alone (text: and its masked count)."""
         if modality == "text":
-            return SegmentMeta("text", int(shape[0]), 0, int(shape[0]))
+            return SegmentMeta("text", int(shape[0]), 0, int(shape[0]), int(num_masked))
         if modality == "image":
             n = (shape[0] // self.patch_size) * (shape[1] // self.patch_size)
             llm = self.image_queries or math.ceil(n / self.image_downsample)
@@ -150,10 +195,11 @@ class TokenRules:
 
     def meta(self, sample: Sample) -> SampleMeta:
         return SampleMeta(sample.id, tuple(
-            self.segment_meta(s.modality, s.data.shape, s.num_queries) for s in sample.segments))
+            self.segment_meta(s.modality, s.data.shape, s.num_queries, s.num_masked)
+            for s in sample.segments))
 
-    def meta_from_shapes(self, sample_id: int,
-                         shapes: list[tuple[str, tuple[int, ...], int]]) -> SampleMeta:
-        """Metadata from (modality, shape, num_queries) triples, without any pixels."""
-        return SampleMeta(sample_id, tuple(self.segment_meta(m, tuple(s), k)
-                                           for m, s, k in shapes))
+    def meta_from_shapes(self, sample_id: int, shapes) -> SampleMeta:
+        """Metadata from (modality, shape, num_queries[, num_masked]) entries (a source's
+        spec; the 4th field only for masked text), without any pixels."""
+        return SampleMeta(sample_id, tuple(self.segment_meta(e[0], tuple(e[1]), *e[2:])
+                                           for e in shapes))

@@ -127,3 +127,9 @@ class EncoderBlock(nnx.Module):
                             implementation=attention_impl)
         x = x + self.o(att.reshape(b, s, d))
         return x + self.fc2(jax.nn.gelu(self.fc1(self.ln2(x)), approximate=True))
+
+
+def cast_floats(tree, dtype):
+    """Every floating leaf of `tree` in `dtype` (mixed precision: fp32 master -> bf16 compute)."""
+    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+                        tree)

@@ -1,40 +1,14 @@
 """Communication broker: move dp-blocked tensors between disjoint sub-meshes (DistTrain §7).
 
-DistTrain §7 bridges pipeline communication between parallelism units (§4.1) whose DP sizes
-differ: the broker concentrates (a > b) or scatters (a < b) the data while keeping the
-sample order, with gcd(a, b) independent broker groups. OrchMLLM §6 (rearrangement
-composition) generalises the map to any part -> (rank, slot) assignment, applied in one
-transfer.
-
-Data layout ("dp-blocked"): an inter-stage tensor is a global array of shape
-`[a * ps, *part_shape]` on the source stage mesh, sharded `P('dp')` on axis 0 and replicated
-over the other mesh axes, so source dp rank i holds parts `[i*ps, (i+1)*ps)`. The result is
-`[b * pr, *part_shape]` on the destination mesh with the same layout. `Routes` says, for
-every destination (rank j, slot q), which source (rank i, slot s) fills it, or nothing
-(zeros).
-
-Mechanism (works when the meshes sit in different processes): a 1-D mesh over the union of
-both meshes' devices; every device's existing buffer becomes one shard of a union array
-(`make_array_from_single_device_arrays`, zero-copy); inside `shard_map`, rounds of
-`lax.ppermute` in which each device sends at most one slot and receives at most one slot.
-Each part must reach every tp/cp replica of its destination rank; any replica of its source
-rank may send it. Senders are spread over the source replicas, and the resulting bipartite
-multigraph (sender device -> receiver device, one edge per delivery) is edge-coloured with
-exactly max-degree colours (König), one colour per round, so the round count is the lower
-bound for that sender choice. Slot indices travel as small int tables sharded like the
-data. The destination devices' output shards are then wrapped as the destination-mesh array.
-
-Every process touches only its addressable shards, so all processes holding devices of
-either mesh must call `transfer` with the same arguments in the same order.
-
-XLA:CPU caveat (forced host devices, jax 0.10): its client admits 32 in-flight executions
-per device, and well beyond that many un-synced collective programs (any ppermute/psum
-program, not only the broker's) can deadlock in the collective rendezvous; a host loop on
-CPU should bound in-flight work (e.g. wait on an output every few dozen dispatches).
+A stage with DP size a sends to one with DP size b keeping sample order (or any part map:
+OrchMLLM §6 rearrangement composition), by rounds of `lax.ppermute` inside `shard_map` over
+the union of the two meshes' devices, so the same code works across processes. Every process
+holding devices of either mesh calls `transfer` with the same arguments in the same order.
+Layout, round construction (König edge colouring) and the XLA:CPU caveat: docs/design.md
+"The broker".
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from functools import partial
 
@@ -45,101 +19,12 @@ from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from mmjax.data.routes import Routes
+
 AXIS = "broker"  # the 1-D union mesh's axis
 
 
 # ---- which part goes where ------------------------------------------------------------------
-@dataclass(frozen=True)
-class Routes:
-    """Immutable, hashable part map. `sources[j * dst_slots + q]` is the `(rank, slot)` of
-    the source part that fills destination rank j, slot q, or None (zero fill)."""
-
-    src_ranks: int
-    src_slots: int
-    dst_ranks: int
-    dst_slots: int
-    sources: tuple[tuple[int, int] | None, ...]
-
-    def __post_init__(self):
-        for k in ("src_ranks", "src_slots", "dst_ranks", "dst_slots"):
-            if getattr(self, k) < 1:
-                raise ValueError(f"Routes.{k}={getattr(self, k)} must be >= 1")
-        if len(self.sources) != self.dst_ranks * self.dst_slots:
-            raise ValueError(f"Routes.sources has {len(self.sources)} entries; need dst_ranks *"
-                             f" dst_slots = {self.dst_ranks * self.dst_slots}")
-        for src in self.sources:
-            if src is None:
-                continue
-            i, s = src
-            if not (0 <= i < self.src_ranks and 0 <= s < self.src_slots):
-                raise ValueError(f"Routes: source {src} out of range (src_ranks="
-                                 f"{self.src_ranks}, src_slots={self.src_slots})")
-
-    @property
-    def pairs(self) -> tuple[tuple[int, int, int, int], ...]:
-        """(src rank, src slot, dst rank, dst slot) for every filled destination slot."""
-        return tuple((src[0], src[1], k // self.dst_slots, k % self.dst_slots)
-                     for k, src in enumerate(self.sources) if src is not None)
-
-    @property
-    def is_identity(self) -> bool:
-        return (self.src_ranks == self.dst_ranks and self.src_slots == self.dst_slots
-                and all(src == divmod(k, self.dst_slots) for k, src in enumerate(self.sources)))
-
-    @classmethod
-    def from_pairs(cls, src_ranks: int, src_slots: int, dst_ranks: int, dst_slots: int,
-                   pairs) -> "Routes":
-        """General map (OrchMLLM §6 rearrangement composition): `pairs` of
-        (src rank i, src slot s, dst rank j, dst slot q); unnamed destination slots get
-        zeros. A destination slot may be named only once."""
-        table: list = [None] * (dst_ranks * dst_slots)
-        for i, s, j, q in pairs:
-            if not (0 <= j < dst_ranks and 0 <= q < dst_slots):
-                raise ValueError(f"Routes.from_pairs: destination ({j}, {q}) out of range "
-                                 f"(dst_ranks={dst_ranks}, dst_slots={dst_slots})")
-            k = j * dst_slots + q
-            if table[k] is not None:
-                raise ValueError(f"Routes.from_pairs: destination ({j}, {q}) is filled twice, "
-                                 f"from {table[k]} and {(i, s)}; name each destination once")
-            table[k] = (int(i), int(s))
-        return cls(src_ranks, src_slots, dst_ranks, dst_slots, tuple(table))
-
-    @classmethod
-    def order_preserving(cls, a: int, b: int, parts_total: int | None = None) -> "Routes":
-        """DistTrain §7: dp a -> dp b keeping sample order. The `parts_total` parts (default
-        lcm(a, b)) are numbered in global order; part p goes from source rank
-        p // (parts_total / a) to destination rank p // (parts_total / b), so a > b
-        concentrates, a < b scatters, and a, b with gcd g form g independent groups."""
-        parts_total = math.lcm(a, b) if parts_total is None else parts_total
-        if parts_total < 1 or parts_total % a or parts_total % b:
-            raise ValueError(f"Routes.order_preserving: parts_total={parts_total} must be a "
-                             f"positive multiple of lcm(a={a}, b={b}) = {math.lcm(a, b)}")
-        ps, pr = parts_total // a, parts_total // b
-        return cls(a, ps, b, pr, tuple(divmod(p, ps) for p in range(parts_total)))
-
-    def inverse(self) -> "Routes":
-        """The transposed map, for moving gradients back: destination (j, q) sends to the
-        source (i, s) that filled it; source slots nobody read get zeros. Exact only when no
-        source part fed two destinations, so that case is rejected."""
-        table: list = [None] * (self.src_ranks * self.src_slots)
-        for i, s, j, q in self.pairs:
-            k = i * self.src_slots + s
-            if table[k] is not None:
-                raise ValueError(f"Routes.inverse: source part ({i}, {s}) feeds both "
-                                 f"{table[k]} and {(j, q)}; its gradient would be a sum, "
-                                 f"which a transfer cannot express: route each part once")
-            table[k] = (j, q)
-        return Routes(self.dst_ranks, self.dst_slots, self.src_ranks, self.src_slots,
-                      tuple(table))
-
-    def apply(self, parts: np.ndarray) -> np.ndarray:
-        """Numpy reference: `[src_ranks * src_slots, ...]` -> `[dst_ranks * dst_slots, ...]`."""
-        out = np.zeros((self.dst_ranks * self.dst_slots,) + parts.shape[1:], parts.dtype)
-        for i, s, j, q in self.pairs:
-            out[j * self.dst_slots + q] = parts[i * self.src_slots + s]
-        return out
-
-
 # ---- round tables (host, once per Routes) ---------------------------------------------------
 @dataclass(frozen=True)
 class RoundTables:

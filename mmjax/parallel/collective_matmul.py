@@ -1,29 +1,10 @@
 """Decomposed collective matmuls: overlapped tensor parallelism (StepCCL in JAX).
 
-DistTrain §7 "Mitigating TP overhead with StepCCL" (Fig. 13-14): split each TP GEMM and its
-collective into small (communication, GEMM) pairs so that moving chunk k+1 overlaps the GEMM
-of chunk k, then remap the layout so the result equals the plain version. Here the
-communication is a ring of `lax.ppermute` steps inside `shard_map` (XLA schedules the async
-collective-permutes against the independent dots) and the remap is one gather of blocks.
-
-Layouts (Megatron sequence parallelism), inside `shard_map` over the TP axis of size N:
-- `allgather_matmul(x, w)`: x `[..., S/N, d]` sequence shard, w `[d, n/N]` column shard ->
-  `[..., S, n/N]`: `all_gather(x, seq) @ w` without ever materialising the gathered x.
-- `matmul_reducescatter(x, w)`: x `[..., S, n/N]`, w `[n/N, d]` row shard -> `[..., S/N, d]`:
-  `psum_scatter(x @ w, seq)`, partial products accumulated around the ring.
-
-Chunking (footnote 1: "the number is configurable"): every ring step moves each rank's
-sequence shard as `num_chunks` separate pieces, one ppermute and one dot per piece, so the
-GEMM of piece k overlaps the transfer of piece k+1. `bidirectional=True` sends the first
-half of every shard around the ring one way and the second half the other way, using both
-directions of each link. Uneven sizes are fine (pieces are split like `np.array_split`;
-empty pieces are dropped).
-
-Backward passes are overlapped too (`jax.custom_vjp`): the cotangent of all-gather-matmul is
-a decomposed matmul-reduce-scatter for dx plus the weight-gradient dots fed by a second ring
-all-gather of x (x is re-gathered, not saved, as in Megatron sequence parallelism), and vice
-versa. The weight-gradient dots accumulate in float32 and do not depend on the remap, so
-XLA can overlap the remap with them (the paper's fix for costly backward remaps).
+DistTrain §7 (Fig. 13-14): each TP GEMM and its collective split into (communication, GEMM)
+pairs around a `lax.ppermute` ring inside `shard_map`, so moving chunk k+1 overlaps the GEMM
+of chunk k; a block gather remaps the layout. `allgather_matmul` and `matmul_reducescatter`
+(Megatron sequence-parallel layouts), chunked and optionally bidirectional, with overlapped
+custom-VJP backwards. Details: docs/design.md "Overlapped TP".
 """
 from __future__ import annotations
 

@@ -1,33 +1,10 @@
 """ZeRO-1 (P_os): optimizer state partitioned over the data-parallel axis of a stage's mesh.
 
-Seed 004, ZeRO excerpt (Fig. 1 and Table 1, stage P_os): with Adam, the optimizer state (K = 12
-bytes per parameter in mixed precision; here fp32 mu and nu, 8 bytes) dominates model-state
-memory; partitioning it over the N_d data-parallel ranks cuts it to K*Psi/N_d per device while
-parameters and gradients stay replicated over dp. Each dp rank updates only its slice and the
-new parameters are all-gathered.
-
-In JAX that is three shardings and a jitted update (docs/design.md step 4 "Update"):
-  * params (fp32 master weights) keep their Megatron TP sharding, replicated over 'dp';
-  * every optimizer-state leaf takes its parameter's TP spec plus 'dp' on the first dimension
-    divisible by dp that is not already sharded (scalars such as Adam's count, and leaves with
-    no such dimension, stay replicated);
-  * `update` constrains params and grads to those dp-sharded specs inside the jit, so XLA slices
-    the (already dp-reduced, replicated) gradients into the local shard, runs the optax update
-    on the shard only, and all-gathers the new params into their out_shardings.
-On a ('dp', 'cp', 'tp') mesh the state is split over dp x cp (params and grads are replicated
-over cp as over dp; Megatron's distributed optimizer uses the same dp-cp group).
-`update` expects gradients REPLICATED over dp (the runtime's backward already sums them over
-dp and over microbatches); the slice is then free. Gradients left dp-partial (each dp rank's
-own sum, stacked as [dp, *shape]) go through `reduce_scatter` (one reduce-scatter into the
-shards, half an all-reduce's traffic) and then `update_from_shards`.
-
-Global-norm clipping across stages: the runtime keeps one optimizer per stage, but
-`optax.clip_by_global_norm` must see the norm over ALL trainable parameters. `global_grad_norm`
-computes it from every stage's grads, and `update(..., global_grad_norm=norm)` applies
-exactly optax's rule with it (g if norm < max_norm else g / norm * max_norm, i.e. the scale
-min(1, max_norm / norm)), so every stage clips by the factor a single optimizer over all
-params would use. Build the stage optimizer without its own clipping (`zero1_adamw` does:
-mmjax/train/optimizer.py `make_optimizer(..., clip_norm=0)` + the shared-norm clip here).
+Params keep their Megatron TP sharding; every optimizer-state leaf adds 'dp' on its first
+free divisible dimension; the jitted update runs optax on the local shard and all-gathers the
+new params. `global_grad_norm` + `update(..., global_grad_norm=)` clip every stage by the
+factor one optimizer over all parameters would use. Details: docs/design.md "ZeRO-1 and
+global-norm clipping".
 """
 from __future__ import annotations
 
@@ -41,7 +18,6 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mmjax.parallel.tensor import mesh_param_specs
-from mmjax.train.optimizer import make_optimizer
 
 
 def _is_spec(x) -> bool:
@@ -295,16 +271,6 @@ class Zero1Optimizer:
         """The lowered update (for HLO inspection: all-gather of params, sharded state)."""
         return self._update.lower(params, grads, opt_state,
                                   jax.ShapeDtypeStruct((), jnp.float32, sharding=self._replicated))
-
-
-def zero1_adamw(schedule, mesh: Mesh, params, param_specs=None, weight_decay: float = 0.01,
-                clip_norm: float = 1.0, b1: float = 0.9, b2: float = 0.95, eps: float = 1e-8,
-                donate: bool = False) -> Zero1Optimizer:
-    """The sharded twin of mmjax/train/optimizer.py `make_optimizer`: its AdamW (no local
-    clipping) with clip-by-global-norm applied from the shared norm."""
-    tx = make_optimizer(schedule, weight_decay=weight_decay, clip_norm=0, b1=b1, b2=b2, eps=eps)
-    return Zero1Optimizer(tx, mesh, params, param_specs, clip_norm=clip_norm or None,
-                          donate=donate)
 
 
 def state_bytes_per_device(opt_state) -> int:

@@ -1,21 +1,11 @@
 """Host-driven MPMD pipeline runtime over the unit DAG (docs/design.md "Execute the schedule").
 
 Every stage of every unit lives on its own sub-mesh with its own jitted forward/backward
-(pipeline/stage.py). `PipelineRuntime.run` walks the schedule (pipeline/schedule.py
-`multimodal_one_f_one_b`) in a dependency-respecting global order, moving activations
-forward and gradients backward between stages through the broker; JAX's async dispatch
-lets stages on disjoint devices run concurrently. The loop makes no host sync: losses stay
-device arrays until the caller reads them. Gradients are accumulated per stage over
-microbatches (each backward all-reduces over its dp axis through GSPMD).
-
-Multi-process (docs/design.md "Units, stages and sub-meshes"; DistTrain §7): every process walks
-the same order. A process runs a stage's jitted functions only when the stage mesh holds
-one of its devices (all processes of a mesh spanning several call it); for other stages it
-keeps `jax.eval_shape` results (ShapeDtypeStructs) so that it can still take part in every
-broker transfer touching its devices, which all processes issue in the same order. Host
-inputs go only to addressable devices (`make_array_from_callback` for meshes spanning
-processes). On CPU (gloo) two cross-process collectives in flight can deadlock, so there each
-dispatch is waited on; single-process runs stay free of host syncs.
+(pipeline/stage.py). `PipelineRuntime.run` walks the schedule (pipeline/schedule.py) in a
+dependency-respecting global order, moving activations and gradients between stages through
+the broker; JAX's async dispatch lets stages on disjoint devices run concurrently, and the
+loop makes no host sync in single-process runs. Multi-process behaviour: docs/design.md
+"The runtime in several processes".
 """
 from __future__ import annotations
 
@@ -26,22 +16,18 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mmjax.data.assemble import AssemblyLayout
 from mmjax.models.config import MLLMConfig
 from mmjax.models.mllm import trainable_filter
-from mmjax.parallel.broker import Broker, Routes
+from mmjax.data.routes import Routes
+from mmjax.parallel.broker import Broker
 from mmjax.parallel.mesh import stage_meshes
 from mmjax.parallel.tensor import shard_state, state_shardings
-from mmjax.pipeline.feed import MicrobatchFeed, PartMap
-from mmjax.pipeline.schedule import StageGraph, StageId, dispatch_order, multimodal_one_f_one_b
+from mmjax.data.feed import MicrobatchFeed
+from mmjax.pipeline.schedule import (Backward, StageGraph, StageId, dispatch_order,
+                                     multimodal_one_f_one_b)
 from mmjax.pipeline.stage import build_stage_module, dp_sharding, make_stage_fns
 from mmjax.pipeline.trace import completion_marker, make_tracer, trace_mode
 from mmjax.planner.plan import Plan
-
-
-def to_routes(pm: PartMap) -> Routes:
-    return Routes.from_pairs(pm.src_ranks, pm.src_slots, pm.dst_ranks, pm.dst_slots,
-                             pm.pairs)
 
 
 def _stage_filter(cfg: MLLMConfig, unit: str):
@@ -60,10 +46,9 @@ class Stage:
     graphdef: object
     trainable: object
     frozen: object
-    mode: str  # full / params / input_only / none
+    mode: Backward
     fns: object = None
     backward_calls: int = 0
-    grads: object = None
     local: bool = True  # the mesh holds a device of this process
 
 
@@ -103,11 +88,18 @@ def _placed(tree, sharding):
 @dataclass
 class StepResult:
     """Per-microbatch loss terms as device scalars (on the last stages' meshes); reading
-    them (`losses()`) is the step's one host sync, after the whole schedule is dispatched."""
+    them (`losses()`) is the step's one host sync, after the whole schedule is dispatched.
+    `grads[sid]`: the step's parameter gradients of every local stage that has them (summed
+    over microbatches and dp ranks)."""
 
     lm_loss: list = field(default_factory=list)
     diffusion_loss: list = field(default_factory=list)
     trace: list = field(default_factory=list)
+    grads: dict = field(default_factory=dict)
+
+    def pure_grads(self) -> dict:
+        """`grads` as pure dicts per stage (what `to_reference_layout` takes)."""
+        return {sid: nnx.to_pure_dict(g) for sid, g in self.grads.items()}
 
     def losses(self) -> dict[str, float]:
         if jax.process_count() == 1:
@@ -118,6 +110,20 @@ class StepResult:
         lm = float(sum(np.asarray(v, np.float64) for v in lm_terms))
         diff = float(sum(np.asarray(v, np.float64) for v in diff_terms))
         return {"loss": lm + diff, "lm_loss": lm, "diffusion_loss": diff}
+
+
+@dataclass
+class _Step:
+    """The in-flight state of one `run`: per (stage, microbatch) host inputs, forward
+    outputs, residuals and cotangents; the result being filled."""
+
+    feeds: list
+    totals: tuple
+    sides: dict = field(default_factory=dict)
+    outputs: dict = field(default_factory=dict)
+    residuals: dict = field(default_factory=dict)
+    cotangents: dict = field(default_factory=dict)
+    result: StepResult = field(default_factory=StepResult)
 
 
 def gather_scalars(groups: list[list]) -> list[np.ndarray]:
@@ -160,7 +166,6 @@ class PipelineRuntime:
         self.cfg, self.plan, self.dtype = cfg, plan, compute_dtype
         self.meshes = stage_meshes(plan, devices)
         root = jax.random.key(seed)
-        with_gen = cfg.generator is not None
         per_stage_trainable, built = {}, {}
         for u in plan.units:
             flags = []
@@ -183,15 +188,11 @@ class PipelineRuntime:
         for sid in self.graph.stages:
             gd, tr, fr = built[sid]
             mesh = self.meshes[sid.unit][sid.index % plan.unit(sid.unit).pp]
-            mode = self.graph.has_backward[sid]
-            if mode == "full" and not self._needs_dx(sid):
-                mode = "params"
-            st = Stage(sid, mesh, plan.unit(sid.unit).dp, gd, _place(tr, mesh),
-                       _place(fr, mesh), mode, local=holds_local_device(mesh))
+            mode = Backward(self.graph.has_backward[sid])
             up = plan.unit(sid.unit)
-            st.fns = make_stage_fns(cfg, sid.unit, gd, mode, compute_dtype, with_gen, st.dp, mesh,
-                                    up.overlap_tp, up.remat, up.tp_chunks, up.tp_bidirectional,
-                                    up.cp_head_groups, up.attention_impl)
+            st = Stage(sid, mesh, up.dp, gd, _place(tr, mesh), _place(fr, mesh), mode,
+                       local=holds_local_device(mesh))
+            st.fns = make_stage_fns(cfg, up, gd, mode, compute_dtype, mesh)
             self.stages[sid] = st
         # one row per physical stage, i.e. per mesh (Megatron's interleaved order for units
         # with num_chunks > 1), merged into one dependency-respecting dispatch order; JAX
@@ -204,18 +205,15 @@ class PipelineRuntime:
         self.sync = sync_collectives()
 
     # ---- structure ------------------------------------------------------------------
-    def _needs_dx(self, sid: StageId) -> bool:
-        return any(self.graph.runs_backward(p) for p in self.graph.predecessors(sid))
-
     def broker(self, src: StageId, dst: StageId) -> Broker:
         key = (src, dst)
         if key not in self.brokers:
             self.brokers[key] = Broker(self.stages[src].mesh, self.stages[dst].mesh)
         return self.brokers[key]
 
-    def _routes(self, src: StageId, dst: StageId, feed: MicrobatchFeed) -> PartMap:
+    def _routes(self, src: StageId, dst: StageId, feed: MicrobatchFeed) -> Routes:
         if src.unit == dst.unit:
-            return PartMap.identity(self.stages[src].dp)
+            return Routes.identity(self.stages[src].dp)
         if dst.unit == "llm":
             return feed.enc_routes[src.unit]
         return feed.gen_routes
@@ -244,75 +242,82 @@ class PipelineRuntime:
 
     # ---- one step -------------------------------------------------------------------
     def run(self, feeds: list[MicrobatchFeed], trace: bool | str = False) -> StepResult:
-        """Forward and backward of every microbatch; gradients accumulate in
-        `stage.grads`. Returns device-side losses. `trace` (pipeline/trace.py): False; True
-        or "serial" (each action waited on: isolated costs, no overlap); "overlap" (waiter
+        """Forward and backward of every microbatch. Returns device-side losses and the
+        step's gradients (`StepResult.grads`). `trace` (pipeline/trace.py): False; True or
+        "serial" (each action waited on: isolated costs, no overlap); "overlap" (waiter
         threads stamp completions; dispatch stays free of host syncs)."""
         tracer = make_tracer(trace_mode(trace))
         if len(feeds) != self.plan.num_microbatches:
             raise ValueError(f"got {len(feeds)} microbatch feeds; the plan has "
                              f"{self.plan.num_microbatches}")
-        totals = (sum(f.num_target_tokens for f in feeds), sum(f.num_gen_elements for f in feeds))
-        for st in self.stages.values():
-            st.grads = (jax.tree.map(jnp.zeros_like, st.trainable)
-                        if st.mode in ("full", "params") and st.local else None)
-        sides, residuals, outputs, cotangents = {}, {}, {}, {}
-        result = StepResult()
-        last_llm = StageId("llm", self.num_virtual["llm"] - 1)
-        has_gen = self.cfg.generator is not None
+        step = _Step(feeds, (sum(f.num_target_tokens for f in feeds),
+                             sum(f.num_gen_elements for f in feeds)))
+        step.result.grads = {sid: jax.tree.map(jnp.zeros_like, st.trainable)
+                             for sid, st in self.stages.items()
+                             if st.mode.param_grads and st.local}
         for sid, act in self.order:
-            st, mb = self.stages[sid], act.microbatch
+            mb = act.microbatch
             t0 = tracer.start() if tracer else 0.0
-            if (sid, mb) not in sides:
-                sides[(sid, mb)] = self._side(sid, feeds[mb], totals)
-            side = sides[(sid, mb)]
+            if (sid, mb) not in step.sides:
+                step.sides[(sid, mb)] = self._side(sid, feeds[mb], step.totals)
             if act.kind == "F":
-                x = self._gather_input(sid, mb, outputs, feeds[mb])
-                if st.local:  # keep the vjp residuals (pipeline/stage.py), not the input
-                    y, res = self.settle(st.fns.forward(st.trainable, st.frozen, x, side))
-                else:  # another process runs it; keep the shapes for the transfers and dx
-                    y, _ = jax.eval_shape(st.fns.forward, st.trainable, st.frozen, x, side)
-                    res = abstract(x)
-                if self.graph.runs_backward(sid):
-                    residuals[(sid, mb)] = res
-                del x
-                if sid == last_llm:
-                    lm, y = (y if has_gen else (y, None))
-                    result.lm_loss.append(lm)
-                elif sid.unit == "generator" and not self.graph.successors(sid):
-                    result.diffusion_loss.append(y)
-                    y = None
-                outputs[(sid, mb)] = y
+                self._forward(sid, mb, step)
             else:
-                dy = self._gather_cotangent(sid, mb, cotangents, feeds[mb])
-                res = residuals.pop((sid, mb))
-                if st.local:
-                    grads, dx = self.settle(st.fns.backward(
-                        st.trainable, st.frozen, side, res, dy,
-                        st.grads if st.grads is not None else {}))
-                    if st.grads is not None:
-                        st.grads = grads
-                else:  # a cotangent has its primal's shape and dtype (res = abstract(x))
-                    dx = res if st.mode in ("full", "input_only") else None
-                st.backward_calls += 1
-                if dx is not None:
-                    cotangents[(sid, mb)] = dx
+                self._backward(sid, mb, step)
             if tracer:
-                done = None
-                if st.local:
-                    done = ((outputs.get((sid, mb)), residuals.get((sid, mb))) if act.kind == "F"
-                            else (cotangents.get((sid, mb)), st.grads))
-                    done = completion_marker(done)
-                u = self.plan.unit(sid.unit)
-                phys = StageId(sid.unit, sid.index % u.pp)
-                tracer.done(str(phys), {"stage": str(phys), "kind": act.kind, "microbatch": mb,
-                                        "chunk": act.chunk, "virtual_stage": str(sid)},
-                            t0, done)
+                self._trace(tracer, sid, act, t0, step)
             if act.kind == "B" or not self.graph.runs_backward(sid):
-                sides.pop((sid, mb), None)
+                step.sides.pop((sid, mb), None)
         if tracer:
-            result.trace = tracer.finish()
-        return result
+            step.result.trace = tracer.finish()
+        return step.result
+
+    def _forward(self, sid: StageId, mb: int, step: "_Step"):
+        st, side = self.stages[sid], step.sides[(sid, mb)]
+        x = self._gather_input(sid, mb, step.outputs, step.feeds[mb])
+        if st.local:  # keep the vjp residuals (pipeline/stage.py), not the input
+            y, res = self.settle(st.fns.forward(st.trainable, st.frozen, x, side))
+        else:  # another process runs it; keep the shapes for the transfers and dx
+            y, _ = jax.eval_shape(st.fns.forward, st.trainable, st.frozen, x, side)
+            res = abstract(x)
+        if self.graph.runs_backward(sid):
+            step.residuals[(sid, mb)] = res
+        del x
+        if sid == StageId("llm", self.num_virtual["llm"] - 1):
+            lm, y = (y if self.cfg.generator is not None else (y, None))
+            step.result.lm_loss.append(lm)
+        elif sid.unit == "generator" and not self.graph.successors(sid):
+            step.result.diffusion_loss.append(y)
+            y = None
+        step.outputs[(sid, mb)] = y
+
+    def _backward(self, sid: StageId, mb: int, step: "_Step"):
+        st, side = self.stages[sid], step.sides[(sid, mb)]
+        dy = self._gather_cotangent(sid, mb, step.cotangents, step.feeds[mb])
+        res = step.residuals.pop((sid, mb))
+        grads = step.result.grads
+        if st.local:
+            acc, dx = self.settle(st.fns.backward(st.trainable, st.frozen, side, res, dy,
+                                                  grads.get(sid, {})))
+            if sid in grads:
+                grads[sid] = acc
+        else:  # a cotangent has its primal's shape and dtype (res = abstract(x))
+            dx = res if st.mode.input_grads else None
+        st.backward_calls += 1
+        if dx is not None:
+            step.cotangents[(sid, mb)] = dx
+
+    def _trace(self, tracer, sid: StageId, act, t0: float, step: "_Step"):
+        st, mb = self.stages[sid], act.microbatch
+        done = None
+        if st.local:
+            done = ((step.outputs.get((sid, mb)), step.residuals.get((sid, mb)))
+                    if act.kind == "F" else
+                    (step.cotangents.get((sid, mb)), step.result.grads.get(sid)))
+            done = completion_marker(done)
+        phys = StageId(sid.unit, sid.index % self.plan.unit(sid.unit).pp)
+        tracer.done(str(phys), {"stage": str(phys), "kind": act.kind, "microbatch": mb,
+                                "chunk": act.chunk, "virtual_stage": str(sid)}, t0, done)
 
     def _gather_input(self, sid, mb, outputs, feed):
         preds = self.graph.predecessors(sid)
@@ -330,12 +335,12 @@ class PipelineRuntime:
 
     def _move(self, src, dst, x, feed, inverse=False):
         """Broker transfer src -> dst. Within a unit every dp rank's whole block is one part
-        (viewed as [dp, block, ...] for the transfer); between units the feed's part maps.
+        (viewed as [dp, block, ...] for the transfer); between units the feed's routes.
         A process with devices on neither side skips it (shapes only); one with none on the
         source side sends no-shard placeholders, one with none on the destination side
         keeps the result's shapes."""
-        routes = to_routes(self._routes(src, dst, feed) if not inverse
-                           else self._routes(dst, src, feed).inverse())
+        routes = (self._routes(src, dst, feed) if not inverse
+                  else self._routes(dst, src, feed).inverse())
         src_local, dst_local = self.stages[src].local, self.stages[dst].local
         intra = src.unit == dst.unit
         if not (src_local or dst_local):
@@ -373,8 +378,9 @@ class PipelineRuntime:
             return one
         if sid.unit == "llm" and sid.index == self.num_virtual["llm"] - 1:
             (dcond,) = moved if moved else (None,)
-            if dcond is None:  # generator runs no backward: no gradient flows into cond
-                dcond = self._zero_cond(sid, mb)
+            if dcond is None:
+                raise RuntimeError("internal: the last LLM stage runs backward but the "
+                                   "generator does not; the frozen rule makes this impossible")
             return (one, dcond)
         if sid.unit == "generator" and not self.graph.successors(sid):
             return one
@@ -388,10 +394,6 @@ class PipelineRuntime:
             return jnp.ones((), jnp.float32)
         return global_put(np.ones((), np.float32), jax.sharding.NamedSharding(
             mesh, jax.sharding.PartitionSpec()))
-
-    def _zero_cond(self, sid, mb):
-        raise RuntimeError("internal: last LLM stage runs backward but the generator does "
-                           "not; the frozen rule makes this impossible")
 
 
 def _offset_layers(tree: dict, start: int) -> dict:

@@ -20,13 +20,34 @@ in dispatch order, so a stage's row is exactly what its devices execute.
 """
 from __future__ import annotations
 
+import enum
 import re
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, Mapping, Sequence
 
 KINDS = ("F", "B")
-BACKWARD_MODES = ("full", "input_only", "none")
+
+
+class Backward(str, enum.Enum):
+    """What a stage's backward computes (Cornstarch §4.2, frozen-status aware): the schedule
+    decides it from the trainable flags, the runtime's stage functions implement it."""
+
+    FULL = "full"              # parameter and input gradients
+    PARAMS = "params"          # parameter gradients only: nothing upstream needs dx
+    INPUT_ONLY = "input_only"  # input gradients only: a frozen stage, trainable upstream
+    NONE = "none"              # no backward at all: nothing trainable at or upstream
+
+    @property
+    def param_grads(self) -> bool:
+        return self in (Backward.FULL, Backward.PARAMS)
+
+    @property
+    def input_grads(self) -> bool:
+        return self in (Backward.FULL, Backward.INPUT_ONLY)
+
+
+BACKWARD_MODES = tuple(m.value for m in Backward)
 _ACTION_RE = re.compile(r"^([FB])(\d+)(?:\.(\d+))?$")
 
 
@@ -88,9 +109,10 @@ def stage_name(stage: Hashable) -> str:
 class StageGraph:
     """Stages of all units, the edges between them, and each stage's backward mode.
 
-    `has_backward[s]` is "full" (param + input grads), "input_only" (frozen stage with a
-    trainable stage upstream: only input grads) or "none" (nothing trainable at or before
-    it: no backward at all), Cornstarch §4.2. `stages` is in topological order.
+    `has_backward[s]` is a `Backward` mode (or its string): "full" (param + input grads),
+    "params" (a trainable stage with nothing trainable upstream: no input grads needed),
+    "input_only" (frozen stage with a trainable stage upstream) or "none" (nothing trainable
+    at or before it: no backward at all), Cornstarch §4.2. `stages` is in topological order.
 
     Interleaved units (Megatron-LM virtual pipeline stages): `chunks[unit] = v > 1` makes
     the unit's `pp * v` stages listed here virtual; virtual stage `k = c * pp + s` is model
@@ -253,7 +275,8 @@ class StageGraph:
         for s in stages:
             preds = [a for a, b in edges if b == s]
             upstream[s] = any(upstream[a] or per_stage[a] for a in preds)
-        has_backward = {s: "full" if per_stage[s] else "input_only" if upstream[s] else "none"
+        has_backward = {s: (Backward.FULL if upstream[s] else Backward.PARAMS) if per_stage[s]
+                        else Backward.INPUT_ONLY if upstream[s] else Backward.NONE
                         for s in stages}
         return cls(tuple(stages), tuple(edges), has_backward,
                    {u: v for u, v in chunks.items() if v > 1})
@@ -441,8 +464,7 @@ class Topology:
     preds: Mapping[tuple[Hashable, int], tuple[tuple[Hashable, int], ...]]
     succs: Mapping[tuple[Hashable, int], tuple[tuple[Hashable, int], ...]]
 
-    def __post_init__(self):
-        object.__setattr__(self, "_deps", {})  # dependencies() cache: not a field
+    _deps: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def num_chunks(self) -> int:
@@ -508,7 +530,7 @@ def topology(schedule, graph: StageGraph | None = None) -> Topology:
         preds[b] = (a,)
         succs[a] = (b,)
     return Topology(tuple(range(p)), {s: v for s in range(p)},
-                    {n: "full" for n in virtual}, preds, succs)
+                    {n: Backward.FULL for n in virtual}, preds, succs)
 
 
 def _run(schedule, topo: Topology, duration: Callable[[Hashable, Action], float],

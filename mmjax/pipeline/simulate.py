@@ -115,9 +115,10 @@ def frozen_aware_costs(graph: StageGraph, forward: Mapping[StageId, float],
                        ) -> dict[tuple[StageId, str], float]:
     """Cornstarch's backward-time rule (Cornstarch §4.2): T_backward = 0 with nothing
     trainable at or before the stage, 1x T_forward for a frozen stage with trainable
-    modules upstream (input grads only), 2x T_forward for a trainable stage. Keyed by
+    modules upstream (input grads only), 2x T_forward for a trainable stage (the paper's
+    rule, also for a first trainable stage whose backward skips the input gradient). Keyed by
     the graph's (virtual) stages, which `simulate` looks up for interleaved units."""
-    factor = {"none": 0.0, "input_only": 1.0, "full": 2.0}
+    factor = {"none": 0.0, "input_only": 1.0, "params": 2.0, "full": 2.0}
     out = {}
     for s in graph.stages:
         if s not in forward:

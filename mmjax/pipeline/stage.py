@@ -1,34 +1,14 @@
 """Pipeline stages: a slice of one unit on its own sub-mesh, with jitted forward/backward.
 
-A stage module holds layers [start, end) of its unit (encoder + projector on the encoder's
-last stage; LLM layers with embedding / head at the ends; generator blocks), built from the
-same per-unit keys as `MultimodalModel`, so stages equal the reference model's slices.
-
-`apply(module, x, side)` is the stage's arithmetic on global (dp-sharded) arrays; `x` is
-what the previous stage sent (None for an encoder's first stage), `side` the host inputs of
-this microbatch.
-
-Residuals (docs/design.md "Execute the schedule"): `forward(trainable, frozen, x, side)` runs the
-stage under `jax.vjp` and returns `(y, Residuals)`, the leaves of the vjp function (a
-`jax.tree_util.Partial`) that the runtime keeps per in-flight microbatch;
-`backward(trainable, frozen, side, residuals, dy, acc)` rebuilds the vjp function and
-returns `(acc + dparams, dx)`. What is kept follows the plan's remat policy (`remat_wrap`:
-"full" keeps only the stage input, "dots" also the weight-matmul outputs, "none" every
-activation). Never a copy of the parameters: at trace time a dependence analysis of the
-linearised jaxpr marks every vjp leaf that is a function of the parameters alone (the
-parameters themselves, their compute-dtype casts, the transposed tied embedding) and every
-leaf that is a host input; forward drops them and backward re-traces the linearisation on
-the parameters and host inputs (the stage input a placeholder) and takes those leaves from
-there, jit's dead-code elimination leaving only their (cheap, parameter-only) computation.
-The layout (which leaves, the stage input's shapes) is recorded per input signature in the
-stage's `StageFns.layouts`; `Residuals.key` names it.
-Frozen-aware (Cornstarch §4.2): mode "full" returns parameter and input gradients, "params"
-parameter gradients only (nothing upstream needs dx), "input_only" dx only (frozen stage
-with trainable parameters upstream); a stage with mode "none" gets no B actions at all.
+`forward(trainable, frozen, x, side)` returns `(y, Residuals)`: the `jax.vjp` residuals under
+the plan's remat policy, with every parameter-only and host-input leaf dropped (recomputed in
+backward), so no microbatch keeps a copy of the parameters; `backward(..., residuals, dy,
+acc)` returns `(acc + dparams, dx)`. Backward modes are frozen-aware (Cornstarch §4.2).
+The long story: docs/design.md "Stage residuals".
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -45,7 +25,8 @@ from mmjax.models.mllm import (encoder_embed, encoder_layers, generator_inputs, 
 from mmjax.models.projector import make_projector
 from mmjax.parallel.context import cp_attention_sharded
 from mmjax.parallel.tp_ops import sequence_sharded_llm_stage
-from mmjax.train.step import cast_floats
+from mmjax.planner.plan import REMAT_POLICIES, UnitPlan
+from mmjax.models.layers import cast_floats
 
 
 class EncoderStage(nnx.Module):
@@ -103,8 +84,9 @@ def apply_llm(cfg: MLLMConfig, module: LLM, x, side, dtype, with_generator: bool
               mesh=None, overlap_tp: bool = False, tp_chunks: int = 2,
               tp_bidirectional: bool = True, cp_head_groups: int = 1,
               attention_impl: str = "auto"):
-    """LLM stage (attention: `bam_attention` with `attention_impl` on the tokens' metadata); on a ('dp','cp','tp') mesh attention is Cornstarch's all-gather CP
-    attention over tokens already in CP layout (pipeline/feed.py `cp_layout`), K/V gathered
+    """LLM stage (attention: `bam_attention` with `attention_impl` on the tokens' metadata);
+    on a ('dp','cp','tp') mesh attention is Cornstarch's all-gather CP attention over
+    tokens already in CP layout (data/feed.py `cp_layout`), K/V gathered
     in `cp_head_groups` groups of heads (Cornstarch §5.3). With `overlap_tp` the projections
     are decomposed collective matmuls, `tp_chunks` pieces per ring step, both ring
     directions when `tp_bidirectional` (DistTrain §7)."""
@@ -161,7 +143,6 @@ def apply_generator(cfg: MLLMConfig, module: DiffusionGenerator, x, side, dtype,
     return diffusion_loss_sum(eps, g["gen_noise"], g["gen_valid"]) / side["num_gen"]
 
 
-REMAT_POLICIES = ("full", "dots", "none")
 
 # Primitives whose single sub-jaxpr maps the eqn's inputs/outputs one to one, so dependence
 # can be traced through them exactly; any other higher-order primitive (scan, while, cond)
@@ -258,52 +239,64 @@ class ResidualLayout:
     x_shapes: object
 
 
-@dataclass
-class StageFns:
-    """The jitted functions of one stage; `mode` in full / params / input_only / none.
-
-    `forward(trainable, frozen, x, side) -> (y, Residuals)`;
-    `backward(trainable, frozen, side, residuals, dy, acc) -> (acc + dparams, dx)` (acc is
-    donated; dparams is skipped for mode "input_only", dx is None for mode "params")."""
-
-    forward: callable
-    backward: callable | None
-    remat: str = "full"
-    layouts: dict = field(default_factory=dict)  # key -> ResidualLayout
-    keys: dict = field(default_factory=dict)  # input signature -> key
-
-
 def _signature(tree):
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     return treedef, tuple((tuple(a.shape), jnp.dtype(a.dtype).name) for a in leaves)
 
 
-def make_stage_fns(cfg: MLLMConfig, unit: str, graphdef, mode: str, dtype,
-                   with_generator: bool, ranks: int, mesh=None, overlap_tp: bool = False,
-                   remat: str = "full", tp_chunks: int = 2, tp_bidirectional: bool = True,
-                   cp_head_groups: int = 1, attention_impl: str = "auto") -> StageFns:
-    remat_wrap(lambda: None, remat)  # validate the policy name up front
-    choose_implementation(attention_impl, 1, 1, dtype)  # validate the name up front
+def residual_layout(linearize, args) -> ResidualLayout:
+    """Which vjp leaves of `linearize(*args)` are functions of the parameters alone
+    (dependence analysis of the traced jaxpr) or are host inputs; traced on shapes only.
+    `args` = (trainable, frozen, x, side)."""
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(tuple(a.shape), a.dtype), args)
+    counts = {}
 
-    def run(trainable, frozen, x, side):
-        module = nnx.merge(graphdef, cast_floats(trainable, dtype), cast_floats(frozen, dtype))
-        if unit == "llm":
-            return apply_llm(cfg, module, x, side, dtype, with_generator, ranks, mesh,
-                             overlap_tp, tp_chunks, tp_bidirectional, cp_head_groups,
-                             attention_impl)
-        if unit == "generator":
-            return apply_generator(cfg, module, x, side, dtype, attention_impl)
-        return apply_encoder(cfg, unit, module, x, side, dtype, attention_impl)
+    def probe(*xs):
+        y, leaves, _ = linearize(*xs)
+        counts["res"] = len(leaves)
+        return y, leaves
 
-    if mode == "none":
-        return StageFns(jax.jit(lambda t, f, x, side: (run(t, f, x, side), Residuals([], -1))),
-                        None, remat)
+    closed = jax.make_jaxpr(probe)(*abstract)
+    trainable, frozen, x, side = abstract
+    n_params = len(jax.tree.leaves((trainable, frozen)))
+    n_x, n_side = len(jax.tree.leaves(x)), len(jax.tree.leaves(side))
+    outs = closed.jaxpr.outvars
+    dep = _depends(closed.jaxpr, [False] * n_params + [True] * (n_x + n_side))
+    n_y = len(outs) - counts["res"]
+    side_vars = closed.jaxpr.invars[n_params + n_x:]
+    side_pos, recompute = {}, set()
+    for i, (v, d) in enumerate(zip(outs[n_y:], dep[n_y:])):
+        hit = [j for j, sv in enumerate(side_vars) if v is sv]
+        if hit:
+            side_pos[i] = hit[0]
+        elif not d:
+            recompute.add(i)
+    return ResidualLayout(counts["res"], frozenset(recompute), side_pos, x)
 
-    def linearize(trainable, frozen, x, side):
+
+class StageFns:
+    """The jitted functions of one stage; `mode` a schedule `Backward` mode.
+
+    `forward(trainable, frozen, x, side) -> (y, Residuals)`;
+    `backward(trainable, frozen, side, residuals, dy, acc) -> (acc + dparams, dx)` (acc is
+    donated; dparams is skipped for mode "input_only", dx is None for mode "params").
+    `layout(...)` computes the residual layout of an input signature, once, before the
+    forward of that signature is traced; `layouts[key]` is read by the backward."""
+
+    def __init__(self, run, mode: str, remat: str):
+        self.run, self.mode, self.remat = run, mode, remat
+        self.layouts: dict[int, ResidualLayout] = {}
+        self._keys: dict = {}  # input signature -> key
+        self._forward = jax.jit(self._forward_impl, static_argnames=("key",))
+        self.backward = (None if mode == "none"
+                         else jax.jit(self._backward_impl, donate_argnums=(5,)))
+
+    def _linearize(self, trainable, frozen, x, side):
         """-> (y, vjp leaves, vjp treedef) for the primals this mode differentiates."""
-        if mode == "input_only":
+        run, remat = self.run, self.remat
+        if self.mode == "input_only":
             y, vjp = jax.vjp(remat_wrap(lambda xx: run(trainable, frozen, xx, side), remat), x)
-        elif mode == "params":
+        elif self.mode == "params":
             y, vjp = jax.vjp(remat_wrap(lambda t: run(t, frozen, x, side), remat), trainable)
         else:
             y, vjp = jax.vjp(remat_wrap(lambda t, xx: run(t, frozen, xx, side), remat),
@@ -311,72 +304,71 @@ def make_stage_fns(cfg: MLLMConfig, unit: str, graphdef, mode: str, dtype,
         leaves, treedef = jax.tree_util.tree_flatten(vjp)
         return y, leaves, treedef
 
-    fns = StageFns(None, None, remat)
-
-    def layout(trainable, frozen, x, side) -> int:
-        """Trace once per input signature: which vjp leaves are functions of the parameters
-        alone (dependence analysis of the traced jaxpr) or are host inputs."""
+    def layout(self, trainable, frozen, x, side) -> int:
+        """The key of this input signature's residual layout (computed on first sight)."""
+        if self.mode == "none":
+            return -1
         sig = _signature((trainable, frozen, x, side))
-        if sig in fns.keys:
-            return fns.keys[sig]
-        counts = {}
+        if sig not in self._keys:
+            key = len(self.layouts)
+            self.layouts[key] = residual_layout(self._linearize, (trainable, frozen, x, side))
+            self._keys[sig] = key
+        return self._keys[sig]
 
-        def probe(*args):
-            y, leaves, _ = linearize(*args)
-            counts["res"] = len(leaves)
-            return y, leaves
+    def forward(self, trainable, frozen, x, side):
+        return self._forward(trainable, frozen, x, side,
+                             key=self.layout(trainable, frozen, x, side))
 
-        closed = jax.make_jaxpr(probe)(trainable, frozen, x, side)
-        n_params = len(jax.tree.leaves((trainable, frozen)))
-        n_x, n_side = len(jax.tree.leaves(x)), len(jax.tree.leaves(side))
-        in_dep = [False] * n_params + [True] * (n_x + n_side)
-        outs = closed.jaxpr.outvars
-        dep = _depends(closed.jaxpr, in_dep)
-        n_res = counts["res"]
-        n_y = len(outs) - n_res
-        side_vars = closed.jaxpr.invars[n_params + n_x:]
-        side_pos, recompute = {}, set()
-        for i, (v, d) in enumerate(zip(outs[n_y:], dep[n_y:])):
-            hit = [j for j, s in enumerate(side_vars) if v is s]
-            if hit:
-                side_pos[i] = hit[0]
-            elif not d:
-                recompute.add(i)
-        key = len(fns.layouts)
-        fns.layouts[key] = ResidualLayout(n_res, frozenset(recompute), side_pos,
-                                          jax.tree.map(lambda a: jax.ShapeDtypeStruct(
-                                              tuple(a.shape), a.dtype), x))
-        fns.keys[sig] = key
-        return key
-
-    def forward(trainable, frozen, x, side):
-        key = layout(trainable, frozen, x, side)
-        lay = fns.layouts[key]
-        y, leaves, _ = linearize(trainable, frozen, x, side)
+    def _forward_impl(self, trainable, frozen, x, side, key):
+        if self.mode == "none":
+            return self.run(trainable, frozen, x, side), Residuals([], -1)
+        lay = self.layouts[key]
+        y, leaves, _ = self._linearize(trainable, frozen, x, side)
         kept = [a for i, a in enumerate(leaves) if i not in lay.recompute and i not in lay.side]
         return y, Residuals(kept, key)
 
-    def backward(trainable, frozen, side, residuals, dy, acc):
-        lay = fns.layouts[residuals.key]
+    def _backward_impl(self, trainable, frozen, side, residuals, dy, acc):
+        lay = self.layouts[residuals.key]
         # Re-trace the linearization on the parameters and host inputs (the stage input is
         # a placeholder: every leaf depending on it comes from `residuals`); jit's dead-code
         # elimination leaves only the parameter-only leaves' computation.
-        x0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), lay.x_shapes)
-        _, fresh, treedef = linearize(trainable, frozen, x0, side)
+        x0 = jax.tree.map(lambda sd: jnp.zeros(sd.shape, sd.dtype), lay.x_shapes)
+        _, fresh, treedef = self._linearize(trainable, frozen, x0, side)
         side_leaves = jax.tree.leaves(side)
         kept = iter(residuals.leaves)
         leaves = [fresh[i] if i in lay.recompute else
                   side_leaves[lay.side[i]] if i in lay.side else next(kept)
                   for i in range(lay.num_leaves)]
         cts = jax.tree_util.tree_unflatten(treedef, leaves)(dy)
-        if mode == "input_only":
+        if self.mode == "input_only":
             return acc, cts[0]
         grads = jax.tree.map(jnp.add, acc, cts[0])
-        return grads, (cts[1] if mode == "full" else None)
+        return grads, (cts[1] if self.mode == "full" else None)
 
-    fns.forward = jax.jit(forward)
-    fns.backward = jax.jit(backward, donate_argnums=(5,))
-    return fns
+
+def make_stage_fns(cfg: MLLMConfig, up: UnitPlan, graphdef, mode: str, dtype,
+                   mesh=None, with_generator: bool | None = None) -> StageFns:
+    """The jitted functions of one stage of unit `up.name`, as its `UnitPlan` configures
+    them (dp ranks, remat policy, overlapped TP, CP head groups, attention implementation).
+    `with_generator`
+    (default: the model has one) makes the last LLM stage also return the conditioning."""
+    unit, impl = up.name, up.attention_impl
+    remat_wrap(lambda: None, up.remat)  # validate the policy name up front
+    choose_implementation(impl, 1, 1, dtype)  # validate the name up front
+    if with_generator is None:
+        with_generator = cfg.generator is not None
+
+    def run(trainable, frozen, x, side):
+        module = nnx.merge(graphdef, cast_floats(trainable, dtype), cast_floats(frozen, dtype))
+        if unit == "llm":
+            return apply_llm(cfg, module, x, side, dtype, with_generator, up.dp, mesh,
+                             up.overlap_tp, up.tp_chunks, up.tp_bidirectional,
+                             up.cp_head_groups, impl)
+        if unit == "generator":
+            return apply_generator(cfg, module, x, side, dtype, impl)
+        return apply_encoder(cfg, unit, module, x, side, dtype, impl)
+
+    return StageFns(run, mode, up.remat)
 
 
 def dp_sharding(mesh, ndim: int) -> NamedSharding:

@@ -112,7 +112,7 @@ class LooselyCoupled:
 def loosely_coupled(llm_layers: LayerCosts, encoder_layers: Mapping[str, LayerCosts],
                     num_microbatches: int, max_total_stages: int | None = None,
                     max_unit_stages: int | None = None, aware: bool = True) -> LooselyCoupled:
-    """Seed 002 Algorithm 1: for each LLM stage count i, partition the LLM (per-stage time
+    """Cornstarch Algorithm 1: for each LLM stage count i, partition the LLM (per-stage time
     t_i), give every encoder the fewest stages whose slowest stage fits t_i, and keep the
     combination with the smallest iteration time. With `aware=False` both the partitions
     and the choice use the backward = 2 x forward assumption; the returned time is always

@@ -146,7 +146,9 @@ class Plan:
             raise PlanError(f"Plan.units: duplicate unit names {names}")
         if self.num_devices > num_devices:
             raise PlanError(f"Plan needs {self.num_devices} devices (sum of dp*cp*tp*pp over "
-                            f"units) but only {num_devices} exist: lower dp/tp/pp")
+                            f"units) but only {num_devices} exist: lower dp/tp/pp, or on CPU "
+                            f"force host devices with XLA_FLAGS=--xla_force_host_platform_"
+                            f"device_count={self.num_devices}")
         if self.num_microbatches < 1 or self.global_batch % self.num_microbatches:
             raise PlanError(f"Plan.global_batch={self.global_batch} is not divisible by "
                             f"num_microbatches={self.num_microbatches}: pick a divisor")
@@ -213,8 +215,8 @@ class Plan:
 
 
 _UNIT_DEFAULTS = {f.name: f.default for f in dataclasses.fields(UnitPlan)}
-REMAT_POLICIES = ("full", "dots", "none")  # = pipeline/stage.py REMAT_POLICIES (no JAX here)
-# = models/attention.py IMPLEMENTATIONS (no JAX here)
+REMAT_POLICIES = ("full", "dots", "none")  # pipeline/stage.py `remat_wrap` implements them
+# models/attention.py IMPLEMENTATIONS implements them (no JAX here)
 ATTENTION_IMPLS = ("auto", "dense", "chunked", "pallas", "cudnn")
 
 

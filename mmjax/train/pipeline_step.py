@@ -45,7 +45,7 @@ class PipelineStep:
         self.runtime = PipelineRuntime(cfg, plan, devices, seed, compute_dtype)
         tx = optimizer_from_settings(schedule, self.settings, clip=False)
         trained = [sid for sid, st in self.runtime.stages.items()
-                   if st.mode in ("full", "params")]
+                   if st.mode.param_grads]
         self.trained = trained  # every process, same order: the global norm's terms
         self.optimizers = {sid: Zero1Optimizer(tx, self.runtime.stages[sid].mesh,
                                                self.runtime.stages[sid].trainable,
@@ -58,13 +58,13 @@ class PipelineStep:
         res = self.runtime.run(feeds, trace=trace)
         stages = self.runtime.stages
         if jax.process_count() == 1:
-            norm = global_grad_norm([stages[sid].grads for sid in self.optimizers])
+            norm = global_grad_norm([res.grads[sid] for sid in self.optimizers])
         else:
-            norm = multiprocess_grad_norm([stages[sid].grads for sid in self.trained])
+            norm = multiprocess_grad_norm([res.grads.get(sid) for sid in self.trained])
         for sid, opt in self.optimizers.items():
             st = stages[sid]
             st.trainable, self.opt_states[sid] = self.runtime.settle(
-                opt.update(st.trainable, st.grads, self.opt_states[sid], norm))
+                opt.update(st.trainable, res.grads[sid], self.opt_states[sid], norm))
         out = res.losses()  # the step's one host sync, after everything is dispatched
         out["grad_norm"] = float(norm)
         if trace:

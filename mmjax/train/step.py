@@ -13,17 +13,14 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from mmjax.models.layers import cast_floats
+
 
 class TrainState(NamedTuple):
     step: jax.Array
     trainable: nnx.State
     frozen: nnx.State
     opt_state: optax.OptState
-
-
-def cast_floats(tree, dtype):
-    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
-                        tree)
 
 
 def split_model(model, trainable_filter):

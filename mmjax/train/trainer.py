@@ -21,6 +21,8 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from mmjax.data.assemble import AssemblyLayout, BatchShapes, assemble, batch_shapes, check_sample
 from mmjax.data.synthetic import SyntheticConfig, SyntheticDataset
+from mmjax.data.sources import configured_source, eval_source
+from mmjax.data.tokenizer import tokenizer
 from mmjax.models.config import MLLMConfig
 from mmjax.models.mllm import MultimodalModel, trainable_filter
 from mmjax.planner.plan import Plan
@@ -28,7 +30,7 @@ from mmjax.train.checkpoint import Checkpointer
 from mmjax.train.config import named_model_config
 from mmjax.train.inputs import model_inputs
 from mmjax.train.optimizer import learning_rate_schedule, optimizer_from_settings
-from mmjax.train.step import TrainState, make_train_step, split_model
+from mmjax.train.step import TrainState, make_loss_fn, make_train_step, split_model
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -36,9 +38,22 @@ _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 @gin.configurable
 def data_layout(cfg: MLLMConfig, seq_len: int = 256, packing: str = "pad",
                 vision_caps=(64, 256, 1024), audio_frame_caps=(128, 256, 512, 1024),
-                gen_num_queries: int = 16) -> AssemblyLayout:
+                gen_num_queries: int = 16, special=None) -> AssemblyLayout:
+    """`special`: a tokenizer's special ids (`Tokenizer.special_tokens()`), else reserved."""
     return AssemblyLayout.from_config(cfg, seq_len, packing, tuple(vision_caps),
-                                      tuple(audio_frame_caps), gen_num_queries)
+                                      tuple(audio_frame_caps), gen_num_queries, special)
+
+
+def fit_vocab(cfg: MLLMConfig, tok, tps=(1,)) -> MLLMConfig:
+    """The model's vocabulary covers the tokenizer: rounded up to a multiple of 128 and of
+    every tp (the embedding is split by tp); a larger, divisible vocabulary is kept."""
+    from mmjax.data.tokenizer import padded_vocab
+
+    v = cfg.llm.vocab_size
+    if v >= tok.vocab_size and v == padded_vocab(v, tps):
+        return cfg
+    return cfg.replace(llm=dataclasses.replace(cfg.llm, vocab_size=padded_vocab(tok.vocab_size,
+                                                                                tps)))
 
 
 @gin.configurable
@@ -106,15 +121,27 @@ class SequentialBatches:
 
 
 class SingleProgram:
-    """Plain jit of the whole model on the default device (the parity reference)."""
+    """Plain jit of the whole model on the default device (the parity reference). Reads
+    the synthetic set, or a real source (`SourceBatches`: skips and names bad samples)."""
 
-    def __init__(self, cfg, layout, global_batch, schedule, dtype, seed, attention_impl="auto"):
-        self.data = SequentialBatches(synthetic_dataset(cfg), layout, global_batch)
+    def __init__(self, cfg, layout, global_batch, schedule, dtype, seed, source=None,
+                 attention_impl="auto"):
+        if source is None:
+            self.data = SequentialBatches(synthetic_dataset(cfg), layout, global_batch)
+        else:
+            from mmjax.data.stream import SourceBatches
+
+            def grow(shapes, metas):
+                return high_water(shapes, lambda hw: batch_shapes(
+                    [metas], _layout_at_least(layout, hw)))
+            self.data = SourceBatches(source, layout, global_batch, seed=seed, grow_shapes=grow)
         mdl = MultimodalModel(cfg, jax.random.key(seed))
         graphdef, trainable, frozen = split_model(mdl, trainable_filter(cfg))
         tx = optimizer_from_settings(schedule)
         self.state = TrainState(jnp.zeros((), jnp.int32), trainable, frozen, tx.init(trainable))
         self.step_fn = make_train_step(graphdef, tx, dtype, attention_impl)
+        self.graphdef, self.dtype, self.global_batch, self.eval_fn = graphdef, dtype, global_batch, None
+        self.attention_impl = attention_impl
         self.num_trainable = sum(x.size for x in jax.tree.leaves(trainable))
 
     def data_state(self) -> dict:
@@ -129,28 +156,60 @@ class SingleProgram:
         return self.state
 
     def step(self):
-        batch = next(self.data)
+        t_wait = time.perf_counter()
+        batch, skipped = next(self.data), []
+        if isinstance(batch, tuple):  # SourceBatches: (batch, skipped before assembly)
+            batch, skipped = batch
+        skipped = skipped + [(str(i), r) for i, r in batch.skipped]
         t0 = time.perf_counter()
         self.state, m = self.step_fn(self.state, model_inputs(batch))
         m = {k: float(v) for k, v in jax.device_get(m).items()}  # one sync, after dispatch
         m["step_time_s"] = time.perf_counter() - t0
+        m["data_wait_s"] = t0 - t_wait
         m["tokens"] = int(np.count_nonzero(batch.doc))
-        m["skipped"] = len(batch.skipped)
+        m["tokens_trained"] = int(batch.num_target_tokens)
+        m["skipped"] = len(skipped)
+        m["skipped_list"] = skipped
         return m
+
+    def evaluate(self, source, max_batches: int, layout) -> float:
+        """Mean loss per trained token over the first `max_batches` batches of `source`."""
+        from mmjax.data.stream import SourceBatches
+
+        if self.eval_fn is None:
+            loss_fn = make_loss_fn(self.graphdef, self.dtype, self.attention_impl)
+            self.eval_fn = jax.jit(lambda s, b: loss_fn(s.trainable, s.frozen, b)[1]["lm_loss"])
+        data = SourceBatches(source, layout, self.global_batch, shuffle=False)
+        total, count = 0.0, 0
+        try:
+            for _ in range(min(max_batches, max(1, len(source) // self.global_batch))):
+                batch, _ = next(data)
+                n = batch.num_target_tokens
+                total += float(self.eval_fn(self.state, model_inputs(batch))) * n
+                count += n
+        finally:
+            data.close()
+        return total / max(count, 1)
+
+    def close(self):
+        if hasattr(self.data, "close"):
+            self.data.close()
 
 
 class Pipelined:
     """A Plan on the pipeline runtime, fed by the grain loader (planning, balancing and
     assembly off the training path, in its prefetch thread or worker processes)."""
 
-    def __init__(self, cfg, layout, plan, schedule, dtype, seed):
+    def __init__(self, cfg, layout, plan, schedule, dtype, seed, source=None):
         from mmjax.data.loader import Loader, SyntheticSource, loader_source
         from mmjax.train.pipeline_step import PipelineStep
 
         self.step_fn = PipelineStep(cfg, plan, schedule, dtype, seed)
-        # gin: `loader_source.path` (an ArrayRecord file from scripts/make_dataset.py) or
-        # the synthetic set; `Loader.*` (balance, post_balance_policy, workers, ...).
-        source = loader_source(lambda: SyntheticSource(synthetic_dataset(cfg)))
+        # gin: a real source (`llava_source.*`, `webdataset_source.*`), else
+        # `loader_source.path` (an ArrayRecord file from scripts/make_dataset.py) or the
+        # synthetic set; `Loader.*` (balance, post_balance_policy, workers, ...).
+        if source is None:
+            source = loader_source(lambda: SyntheticSource(synthetic_dataset(cfg)))
         self.data = Loader(source, cfg, plan, layout, feeds=True)
         self.num_trainable = sum(x.size for x in jax.tree.leaves(
             [st.trainable for st in self.step_fn.runtime.stages.values()]))
@@ -168,17 +227,27 @@ class Pipelined:
         return self.step_fn.state()
 
     def step(self):
+        t_wait = time.perf_counter()
         gb = next(self.data)
         feeds = [mb.inputs["feed"] for mb in gb.microbatches]
         t0 = time.perf_counter()
         m = self.step_fn(feeds)
         m["step_time_s"] = time.perf_counter() - t0
+        m["data_wait_s"] = t0 - t_wait
         m["tokens"] = int(sum(np.count_nonzero(f.llm["doc"]) for f in feeds))
+        m["tokens_trained"] = int(sum(f.num_target_tokens for f in feeds))
         m["skipped"] = gb.skipped_samples
+        m["skipped_list"] = list(gb.skipped)
         return m
 
     def close(self):
         self.data.close()
+
+
+def _data(cfg: MLLMConfig, tok):
+    """The layout (with the tokenizer's special ids) and the configured real source."""
+    layout = data_layout(cfg, special=tok.special_tokens() if tok is not None else None)
+    return layout, configured_source(cfg, tok)
 
 
 @gin.configurable
@@ -186,13 +255,15 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
           global_batch: int = 8, compute_dtype: str = "float32", seed: int = 0,
           checkpoint_every: int = 10, progress: bool = True,
           stop_after: int | None = None, plan: str | None = None,
-          attention_impl: str | None = None) -> list[dict]:
+          eval_every: int = 0, attention_impl: str | None = None) -> list[dict]:
     """Train `model` for `steps` steps (this invocation stops early after `stop_after`
     steps, as a preemption would; a rerun resumes); returns this run's metric records.
 
     `plan`: None trains the whole model as one program on the default device; "manual"
     uses the gin-bound `manual_plan`; any other value is a Plan JSON file
     (scripts/plan.py --json). A plan runs on the pipeline runtime over all devices.
+    `eval_every` > 0: every that many steps (and at the end), the validation loss on the
+    held-out `eval_source.*` set goes into the step's metrics as `eval_loss`.
     `attention_impl` (models/attention.py `bam_attention`: auto, dense, chunked, pallas,
     cudnn) sets every unit's attention; with a plan it replaces each unit's plan field."""
     if compute_dtype not in _DTYPES:
@@ -200,15 +271,22 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
     if global_batch < 1 or steps < 1:
         raise ValueError("train.global_batch and train.steps must be >= 1")
     cfg = model or named_model_config()
-    layout = data_layout(cfg)
+    tok = tokenizer()
+    if tok is not None:
+        cfg = fit_vocab(cfg, tok)
     schedule = learning_rate_schedule(steps)
     dtype = _DTYPES[compute_dtype]
+    held_out = eval_source(cfg, tok) if eval_every else None
+    if eval_every and (held_out is None or plan is not None):
+        raise ValueError("train.eval_every needs eval_source.json_path (or .urls) and a "
+                         "single-program run (no --plan)")
     if attention_impl is not None:
         from mmjax.models.attention import choose_implementation
 
         choose_implementation(attention_impl, 1, 1, dtype)  # reject a bad name up front
     if plan is None:
-        runner = SingleProgram(cfg, layout, global_batch, schedule, dtype, seed,
+        layout, source = _data(cfg, tok)
+        runner = SingleProgram(cfg, layout, global_batch, schedule, dtype, seed, source,
                                attention_impl or "auto")
     else:
         from mmjax.train.pipeline_step import manual_plan
@@ -223,12 +301,18 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
         if the_plan.global_batch != global_batch:
             raise ValueError(f"plan global_batch={the_plan.global_batch} differs from "
                              f"train.global_batch={global_batch}: make them equal")
+        if tok is not None:
+            cfg = fit_vocab(cfg, tok, [u.tp for u in the_plan.units])
         if attention_impl is not None:
             the_plan = dataclasses.replace(the_plan, units=tuple(
                 dataclasses.replace(u, attention_impl=attention_impl) for u in the_plan.units))
         the_plan.validate(cfg, jax.device_count())
-        runner = Pipelined(cfg, layout, the_plan, schedule, dtype, seed)
+        layout, source = _data(cfg, tok)
+        runner = Pipelined(cfg, layout, the_plan, schedule, dtype, seed, source)
     os.makedirs(workdir, exist_ok=True)
+    if jax.process_index() == 0:  # what scripts/generate.py rebuilds the model and data from
+        with open(os.path.join(workdir, "config.gin"), "w") as f:
+            f.write(gin.config_str())
     console = Console(stderr=True)
     # Multi-process (mmjax.launch): every process runs the loop; process 0 writes the
     # metrics. Orbax saves only global (cross-process) arrays, while pipeline stages mostly
@@ -251,8 +335,10 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
 
     records = []
     metrics_path = os.path.join(workdir, "metrics.jsonl")
+    skipped_path = os.path.join(workdir, "skipped.jsonl")
     try:
-        with open(metrics_path if lead else os.devnull, "a") as mf, Progress(
+        with open(metrics_path if lead else os.devnull, "a") as mf, \
+                open(skipped_path if lead else os.devnull, "a") as sf, Progress(
                 TextColumn("{task.description}"), BarColumn(),
                 TextColumn("{task.completed}/{task.total}"), TextColumn("{task.fields[info]}"),
                 TimeRemainingColumn(), console=console, disable=not (progress and lead)) as bar:
@@ -261,14 +347,24 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
             for step in range(start, end):
                 m = runner.step()
                 skipped += m["skipped"]
+                # tokens seen (every non-pad LLM position) and tokens trained (loss targets:
+                # masked prompt tokens count in neither the loss nor the trained figure)
                 rec = {"step": step + 1, "loss": m["loss"], "lm_loss": m["lm_loss"],
                        "diffusion_loss": m["diffusion_loss"], "grad_norm": m["grad_norm"],
                        "learning_rate": float(schedule(step)),
                        "tokens_per_s": m["tokens"] / m["step_time_s"],
-                       "step_time_s": m["step_time_s"], "skipped_samples": skipped}
+                       "trained_tokens_per_s": m["tokens_trained"] / m["step_time_s"],
+                       "tokens_seen": m["tokens"], "tokens_trained": m["tokens_trained"],
+                       "step_time_s": m["step_time_s"], "data_wait_s": m["data_wait_s"],
+                       "skipped_samples": skipped}
+                if eval_every and ((step + 1) % eval_every == 0 or step + 1 == end):
+                    rec["eval_loss"] = runner.evaluate(*held_out, layout)
                 records.append(rec)
                 mf.write(json.dumps(rec) + "\n")
                 mf.flush()
+                for name, reason in m["skipped_list"]:
+                    sf.write(json.dumps({"step": step + 1, "id": name, "reason": reason}) + "\n")
+                sf.flush()
                 bar.update(task, advance=1, info=f"loss {rec['loss']:.4f}")
                 if ckpt is not None and ((step + 1) % checkpoint_every == 0 or step + 1 == end):
                     ckpt.save(step + 1, runner.checkpoint_tree(),

@@ -1,4 +1,4 @@
-"""Host side of one microbatch: per unit and dp rank inputs, and the part maps the broker
+"""Host side of one microbatch: per unit and dp rank inputs, and the routes the broker
 applies between units (no JAX).
 
 Each unit splits the microbatch's samples over its own dp ranks (`assignments`: contiguous
@@ -17,38 +17,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mmjax.data.assemble import AssemblyLayout, Batch, assemble, batch_shapes, check_sample
+from mmjax.data.routes import Routes
 from mmjax.data.sample import Sample
 
 
 def _pow2(n: int) -> int:
     return 1 << max(0, int(np.ceil(np.log2(max(n, 1)))))
-
-
-@dataclass(frozen=True)
-class PartMap:
-    """Which part goes where: `pairs` of (src rank, src slot, dst rank, dst slot); source
-    ranks hold `src_slots` parts each, destination ranks `dst_slots`."""
-
-    src_ranks: int
-    src_slots: int
-    dst_ranks: int
-    dst_slots: int
-    pairs: tuple[tuple[int, int, int, int], ...]
-
-    @staticmethod
-    def identity(ranks: int) -> "PartMap":
-        return PartMap(ranks, 1, ranks, 1, tuple((i, 0, i, 0) for i in range(ranks)))
-
-    def inverse(self) -> "PartMap":
-        return PartMap(self.dst_ranks, self.dst_slots, self.src_ranks, self.src_slots,
-                       tuple((j, q, i, s) for i, s, j, q in self.pairs))
-
-    def apply(self, parts: np.ndarray) -> np.ndarray:
-        """Reference in numpy: [src_ranks * src_slots, ...] -> [dst_ranks * dst_slots, ...]."""
-        out = np.zeros((self.dst_ranks * self.dst_slots,) + parts.shape[1:], parts.dtype)
-        for i, s, j, q in self.pairs:
-            out[j * self.dst_slots + q] = parts[i * self.src_slots + s]
-        return out
 
 
 def contiguous(n: int, ranks: int) -> list[list[int]]:
@@ -79,7 +53,7 @@ def _parts(src_groups, dst_groups, items_of):
     return per_pair
 
 
-def _part_map(per_pair, a, b) -> tuple[PartMap, dict]:
+def _part_map(per_pair, a, b) -> tuple[Routes, dict]:
     src_slot, dst_slot, pairs = {}, {}, []
     keys = sorted(per_pair)
     for i, j in keys:
@@ -88,7 +62,7 @@ def _part_map(per_pair, a, b) -> tuple[PartMap, dict]:
         pairs.append((i, src_slot[(i, j)], j, dst_slot[(i, j)]))
     ps = max([v + 1 for v in src_slot.values()] or [1])
     pr = max([v + 1 for v in dst_slot.values()] or [1])
-    return PartMap(a, ps, b, pr, tuple(pairs)), {"src": src_slot, "dst": dst_slot}
+    return Routes.from_pairs(a, ps, b, pr, pairs), {"src": src_slot, "dst": dst_slot}
 
 
 @dataclass
@@ -97,10 +71,10 @@ class MicrobatchFeed:
 
     enc_inputs: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
     enc_pack: dict[str, np.ndarray] = field(default_factory=dict)  # [a, ps, cap] local idx
-    enc_routes: dict[str, PartMap] = field(default_factory=dict)
+    enc_routes: dict[str, Routes] = field(default_factory=dict)
     llm: dict[str, np.ndarray] = field(default_factory=dict)
     gen_pack: np.ndarray | None = None  # [b, ps, cap] image index in the LLM rank
-    gen_routes: PartMap | None = None
+    gen_routes: Routes | None = None
     gen: dict[str, np.ndarray] = field(default_factory=dict)
     num_target_tokens: int = 0
     num_gen_elements: int = 0

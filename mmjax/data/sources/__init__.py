@@ -1,0 +1,88 @@
+"""Real-data sources for the loader and the trainer (gin: `llava_source.*`,
+`webdataset_source.*`; the ArrayRecord source is `loader_source.path`)."""
+from __future__ import annotations
+
+import gin
+
+from mmjax.data.preprocess import (NativeResizeProcessor, WhisperFeatureExtractor,
+                                   load_processor)
+from mmjax.models.config import MLLMConfig, VisionConfig
+
+
+def default_processors(model: MLLMConfig, image_processor: str | None,
+                       audio_processor: str | None):
+    """The configured processors, or the model's own: the packed ViT's native-aspect resize
+    (its patch size and grid) and a Whisper extractor with the audio encoder's mel bins."""
+    vision = [e.encoder for e in model.encoders if isinstance(e.encoder, VisionConfig)]
+    audio = [e.encoder for e in model.encoders if not isinstance(e.encoder, VisionConfig)]
+    img = (load_processor(image_processor) if image_processor else
+           NativeResizeProcessor(vision[0].patch_size, vision[0].max_grid) if vision else
+           NativeResizeProcessor())
+    aud = (load_processor(audio_processor) if audio_processor else
+           WhisperFeatureExtractor(feature_size=audio[0].num_mel_bins if audio else 80))
+    return img, aud
+
+
+@gin.configurable
+def llava_source(model: MLLMConfig, tokenizer, json_path: str | None = None,
+                 image_root: str = "", audio_root: str | None = None,
+                 chat_template: str | None = None, loss_on: str = "assistant",
+                 image_processor: str | None = None, audio_processor: str | None = None,
+                 index_workers: int = 8):
+    """A `LlavaSource` when `llava_source.json_path` is set, else None. `chat_template`:
+    None uses the tokenizer's, or "llama3" / "qwen2" / "plain" / a Jinja string."""
+    if not json_path:
+        return None
+    from mmjax.data.sources.llava import LlavaSource
+
+    img, aud = default_processors(model, image_processor, audio_processor)
+    return LlavaSource(json_path, tokenizer, img, aud, image_root, audio_root, chat_template,
+                       loss_on, index_workers)
+
+
+@gin.configurable
+def webdataset_source(model: MLLMConfig, tokenizer, urls=None, chat_template: str = "plain",
+                      loss_on: str = "assistant", image_processor: str | None = None,
+                      index_workers: int = 8):
+    """A `WebDatasetSource` when `webdataset_source.urls` is set, else None."""
+    if not urls:
+        return None
+    from mmjax.data.sources.webdataset import WebDatasetSource
+
+    img, aud = default_processors(model, image_processor, None)
+    return WebDatasetSource(urls, tokenizer, img, aud, chat_template, loss_on, index_workers)
+
+
+def configured_source(model: MLLMConfig, tokenizer):
+    """The gin-configured real-data source (LLaVA or WebDataset), or None."""
+    llava, wds = llava_source(model, tokenizer), webdataset_source(model, tokenizer)
+    if llava is not None and wds is not None:
+        raise ValueError("both llava_source.json_path and webdataset_source.urls are set: "
+                         "keep one")
+    return llava if llava is not None else wds
+
+
+@gin.configurable
+def eval_source(model: MLLMConfig, tokenizer, json_path: str | None = None,
+                image_root: str = "", urls=None, chat_template: str | None = None,
+                loss_on: str = "assistant", image_processor: str | None = None,
+                audio_processor: str | None = None, max_batches: int = 4):
+    """The held-out set for `train.eval_every` (a LLaVA file or WebDataset shards), or None;
+    -> (source, max_batches)."""
+    if json_path and urls:
+        raise ValueError("eval_source: set json_path or urls, not both")
+    if not (json_path or urls):
+        return None
+    if max_batches < 1:
+        raise ValueError(f"eval_source.max_batches={max_batches}: use >= 1")
+    img, aud = default_processors(model, image_processor, audio_processor)
+    if json_path:
+        from mmjax.data.sources.llava import LlavaSource
+
+        src = LlavaSource(json_path, tokenizer, img, aud, image_root, None, chat_template,
+                          loss_on)
+    else:
+        from mmjax.data.sources.webdataset import WebDatasetSource
+
+        src = WebDatasetSource(urls, tokenizer, img, aud, chat_template or "plain", loss_on)
+    return src, max_batches

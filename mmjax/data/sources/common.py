@@ -1,0 +1,169 @@
+"""A source of chat records with images / audio: metadata from the sidecar index, samples
+decoded on demand (no JAX). Shared by the LLaVA and WebDataset sources.
+
+A record is JSON-able: {"id", "images": [ref], "audio": [ref], "conversations": [...]}; a
+ref is a file path or ["tar", shard, offset, size] (a member of a tar shard). The index
+entry of a record is {"pieces": [["text", L, num_masked] | ["image", h, w] |
+["audio", num_samples], ...]} in LLM order, or {"problem": "kind: why"} for a record that
+cannot be used (missing or unreadable file, placeholder count mismatch, bad conversation):
+the loader skips it, counts it and names it (`skipped.jsonl`).
+"""
+from __future__ import annotations
+
+import io
+import os
+
+import numpy as np
+
+from mmjax.data.chat import ChatError, ChatFormat
+from mmjax.data.index import cached_index, index_key
+from mmjax.data.loader import DecodeError
+from mmjax.data.preprocess import audio_num_samples, load_audio
+from mmjax.data.sample import Sample, Segment
+
+
+def open_ref(ref):
+    """A binary file object for a path or a tar member ref."""
+    if isinstance(ref, str):
+        return open(ref, "rb")
+    _, shard, offset, size = ref
+    with open(shard, "rb") as f:
+        f.seek(int(offset))
+        data = f.read(int(size))
+    if len(data) != int(size):
+        raise OSError(f"{shard}: member at {offset} truncated")
+    return io.BytesIO(data)
+
+
+def ref_name(ref) -> str:
+    return ref if isinstance(ref, str) else f"{ref[1]}@{ref[2]}"
+
+
+class EntryBuilder:
+    """record -> index entry (picklable: index workers rebuild the chat format)."""
+
+    def __init__(self, tokenizer, chat_template, loss_on: str, audio_rate: int):
+        self.tokenizer, self.chat_template, self.loss_on = tokenizer, chat_template, loss_on
+        self.audio_rate = audio_rate
+        self._chat = None
+
+    def __getstate__(self):
+        return {**self.__dict__, "_chat": None}
+
+    @property
+    def chat(self) -> ChatFormat:
+        if self._chat is None:
+            self._chat = ChatFormat(self.tokenizer, self.chat_template, self.loss_on)
+        return self._chat
+
+    def __call__(self, rec: dict) -> dict:
+        from PIL import Image
+
+        try:
+            chat = self.chat(rec["conversations"])
+        except (ChatError, KeyError, TypeError) as e:
+            return {"problem": f"chat: {e}"}
+        n_img, n_aud = chat.count("image"), chat.count("audio")
+        if n_img != len(rec["images"]) or n_aud != len(rec["audio"]):
+            return {"problem": f"placeholders: the conversation has {n_img} <image> and "
+                               f"{n_aud} <audio> but the record lists {len(rec['images'])} "
+                               f"image(s) and {len(rec['audio'])} audio file(s)"}
+        sizes, lengths = [], []
+        for ref in rec["images"]:
+            try:
+                with open_ref(ref) as f, Image.open(f) as im:  # header only
+                    sizes.append((im.height, im.width))
+            except FileNotFoundError:
+                return {"problem": f"missing: image {ref_name(ref)} not found"}
+            except Exception as e:  # PIL raises many types for unreadable headers
+                return {"problem": f"unreadable: image {ref_name(ref)}: {e}"}
+        for ref in rec["audio"]:
+            if not isinstance(ref, str) or not os.path.isfile(ref):
+                return {"problem": f"missing: audio {ref_name(ref)} not found"}
+            try:
+                lengths.append(audio_num_samples(ref, self.audio_rate))
+            except Exception as e:  # soundfile raises RuntimeError / LibsndfileError
+                return {"problem": f"unreadable: audio {ref}: {e}"}
+        pieces, im, au = [], iter(sizes), iter(lengths)
+        for kind, ids, mask in chat.pieces:
+            if kind == "text":
+                pieces.append(["text", len(ids), 0 if mask is None else int((~mask).sum())])
+            elif kind == "image":
+                pieces.append(["image", *next(im)])
+            else:
+                pieces.append(["audio", next(au)])
+        return {"pieces": pieces}
+
+
+class ChatRecordSource:
+    """Loader source over chat records (`__len__`, `spec`, `load`, `problem`, `name`)."""
+
+    def __init__(self, records: list[dict], tokenizer, chat_template, loss_on: str,
+                 image_processor, audio_processor, index_path: str, data_key,
+                 index_workers: int = 8):
+        if tokenizer is None:
+            raise ValueError("a LLaVA / WebDataset source needs a tokenizer: set tokenizer.path "
+                             "to a directory with tokenizer.json and tokenizer_config.json")
+        self.records = records
+        self.image_processor, self.audio_processor = image_processor, audio_processor
+        self.builder = EntryBuilder(tokenizer, chat_template, loss_on,
+                                    audio_processor.sampling_rate)
+        self.builder.chat  # fail fast on a bad template / loss_on, before indexing
+        key = index_key(data_key, tokenizer.fingerprint(), chat_template, loss_on,
+                        audio_processor.sampling_rate, 1)
+        self.entries = cached_index(index_path, key, records, self.builder, index_workers,
+                                    label=f"indexing {len(records)} records")
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def name(self, index: int) -> str:
+        return str(self.records[index]["id"])
+
+    def problem(self, index: int) -> str | None:
+        return self.entries[index].get("problem")
+
+    def spec(self, index: int):
+        out = []
+        for piece in self.entries[index].get("pieces", []):
+            if piece[0] == "text":
+                out.append(("text", (piece[1],), 0) + ((piece[2],) if piece[2] else ()))
+            elif piece[0] == "image":
+                h, w = self.image_processor.output_size(piece[1], piece[2])
+                out.append(("image", (h, w, 3), 0))
+            else:
+                frames = self.audio_processor.num_frames(piece[1], "longest")
+                out.append(("audio", (frames, self.audio_processor.feature_size), 0))
+        return out
+
+    def load(self, index: int) -> Sample:
+        """Decode record `index`; DecodeError (with the reason) on any bad input."""
+        from PIL import Image
+
+        rec = self.records[index]
+        try:
+            chat = self.builder.chat(rec["conversations"])
+        except ChatError as e:
+            raise DecodeError(f"chat: {e}") from None
+        images, audio = iter(rec["images"]), iter(rec["audio"])
+        segs = []
+        for kind, ids, mask in chat.pieces:
+            if kind == "text":
+                segs.append(Segment("text", ids, loss_mask=mask))
+                continue
+            ref = next(images if kind == "image" else audio, None)
+            if ref is None:
+                raise DecodeError(f"placeholders: more <{kind}> than files")
+            try:
+                if kind == "image":
+                    with open_ref(ref) as f, Image.open(f) as im:
+                        im.load()
+                        data = self.image_processor(im).transpose(1, 2, 0)
+                else:
+                    wave = load_audio(ref, self.audio_processor.sampling_rate)
+                    data = self.audio_processor(wave, padding="longest").T
+            except Exception as e:  # PIL / soundfile raise many types on bad files
+                raise DecodeError(f"decode: {kind} {ref_name(ref)}: {type(e).__name__}: {e}"
+                                  ) from None
+            segs.append(Segment(kind, np.ascontiguousarray(data, np.float32)))
+        return Sample(int(index), tuple(segs))

@@ -1,0 +1,168 @@
+"""Tokenizers: a Hugging Face `tokenizers` file, or bytes for the synthetic set (no JAX).
+
+`tokenizer.path` (gin) names a local directory holding `tokenizer.json` (the `tokenizers`
+library's format) and, optionally, `tokenizer_config.json` (bos/eos/pad tokens and the
+`chat_template`, as Hugging Face writes them). The modality markers that assembly wraps
+around every image / audio / generated-image block (`MARKERS`) and the placeholders that
+conversations use (`<image>`, `<audio>`) are added as special tokens, so they are single ids
+and never ordinary text. The model's vocabulary must cover the tokenizer: `padded_vocab`
+rounds it up to a multiple of 128 and of every tensor-parallel degree (the embedding is
+split by tp).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from dataclasses import dataclass
+
+import gin
+import numpy as np
+
+from mmjax.data.sample import FIRST_TEXT_ID, SpecialTokens
+
+MARKERS = {"image_start": "<|image_start|>", "image_end": "<|image_end|>",
+           "audio_start": "<|audio_start|>", "audio_end": "<|audio_end|>",
+           "gen_start": "<|gen_start|>", "gen_end": "<|gen_end|>"}
+PLACEHOLDERS = {"image": "<image>", "audio": "<audio>"}
+
+
+def padded_vocab(size: int, tps=(1,), multiple: int = 128) -> int:
+    """`size` rounded up to a multiple of `multiple` and of every tp degree in `tps`."""
+    step = math.lcm(multiple, *[max(int(t), 1) for t in tps])
+    return -(-int(size) // step) * step
+
+
+def _token_content(value) -> str | None:
+    """tokenizer_config.json writes special tokens as a string or {"content": ...}."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+@dataclass
+class Encoding:
+    ids: np.ndarray  # int32 [L]
+    offsets: list[tuple[int, int]]  # character span of each token in the input
+
+
+class Tokenizer:
+    """A `tokenizers` tokenizer with its config: encode/decode, special ids, chat template."""
+
+    def __init__(self, path: str):
+        from tokenizers import Tokenizer as HFTokenizer
+
+        file = os.path.join(path, "tokenizer.json")
+        if not os.path.isfile(file):
+            raise ValueError(f"tokenizer.path={path!r}: no tokenizer.json there (point it at a "
+                             f"directory holding tokenizer.json and tokenizer_config.json)")
+        self.path = path
+        self.tok = HFTokenizer.from_file(file)
+        conf_file = os.path.join(path, "tokenizer_config.json")
+        self.config = {}
+        if os.path.isfile(conf_file):
+            with open(conf_file) as f:
+                self.config = json.load(f)
+        self.tok.add_special_tokens(list(MARKERS.values()) + list(PLACEHOLDERS.values()))
+        self.bos_token = _token_content(self.config.get("bos_token"))
+        self.eos_token = _token_content(self.config.get("eos_token"))
+        self.pad_token = _token_content(self.config.get("pad_token"))
+        for name in ("bos_token", "eos_token", "pad_token"):
+            t = getattr(self, name)
+            if t is not None and self.tok.token_to_id(t) is None:
+                raise ValueError(f"{conf_file}: {name}={t!r} is not in tokenizer.json")
+        if self.eos_token is None:
+            raise ValueError(f"tokenizer.path={path!r}: tokenizer_config.json names no "
+                             f"eos_token (add \"eos_token\": \"...\")")
+        template = self.config.get("chat_template")
+        if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+            named = {t["name"]: t["template"] for t in template}
+            template = named.get("default", next(iter(named.values()), None))
+        self.chat_template = template
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    @property
+    def vocab_size(self) -> int:
+        """Largest id + 1 (ids of added tokens need not be contiguous)."""
+        return max(self.tok.get_vocab(with_added_tokens=True).values()) + 1
+
+    def token_id(self, token: str) -> int:
+        i = self.tok.token_to_id(token)
+        if i is None:
+            raise KeyError(f"token {token!r} not in the tokenizer")
+        return i
+
+    def special_tokens(self) -> SpecialTokens:
+        """Assembly's ids: documents start with bos (pad or eos where there is no bos, as
+        in Qwen2) and end with eos; modality blocks are wrapped in the markers."""
+        start = self.bos_token or self.pad_token or self.eos_token
+        return SpecialTokens(bos=self.token_id(start), eos=self.token_id(self.eos_token),
+                             first_text=0,
+                             **{k: self.token_id(v) for k, v in MARKERS.items()})
+
+    def placeholder_id(self, modality: str) -> int:
+        return self.token_id(PLACEHOLDERS[modality])
+
+    def encode(self, text: str) -> Encoding:
+        """Token ids of `text` without added bos/eos (chat templates write their own)."""
+        e = self.tok.encode(text, add_special_tokens=False)
+        return Encoding(np.asarray(e.ids, np.int32), list(e.offsets))
+
+    def encode_batch(self, texts: list[str]) -> list[Encoding]:
+        out = self.tok.encode_batch(texts, add_special_tokens=False)
+        return [Encoding(np.asarray(e.ids, np.int32), list(e.offsets)) for e in out]
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self.tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def fingerprint(self) -> str:
+        """Hash of tokenizer.json and tokenizer_config.json: cached token counts are valid
+        only for the tokenizer that made them."""
+        h = hashlib.sha256()
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            file = os.path.join(self.path, name)
+            if os.path.isfile(file):
+                with open(file, "rb") as f:
+                    h.update(f.read())
+        return h.hexdigest()[:16]
+
+
+class ByteTokenizer:
+    """Byte-level fallback (id = FIRST_TEXT_ID + byte), for synthetic and byte-level
+    ArrayRecord data only: no chat template, reserved special ids."""
+
+    chat_template = None
+    bos_token = eos_token = pad_token = None
+    vocab_size = FIRST_TEXT_ID + 256
+
+    def special_tokens(self) -> SpecialTokens:
+        return SpecialTokens()
+
+    def encode(self, text: str) -> Encoding:
+        ids, offsets = [], []
+        for i, ch in enumerate(text):
+            for b in ch.encode():
+                ids.append(FIRST_TEXT_ID + b)
+                offsets.append((i, i + 1))
+        return Encoding(np.asarray(ids, np.int32), offsets)
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        raw = bytes(int(i) - FIRST_TEXT_ID for i in ids if FIRST_TEXT_ID <= int(i) < 272)
+        return raw.decode(errors="replace")
+
+    def fingerprint(self) -> str:
+        return "bytes"
+
+
+@gin.configurable
+def tokenizer(path: str | None = None) -> Tokenizer | None:
+    """The configured tokenizer (`tokenizer.path = "/data/tok"`), or None when unset."""
+    if not path:
+        return None
+    if not os.path.isdir(path):
+        raise ValueError(f"tokenizer.path={path!r} is not a directory (it must hold "
+                         f"tokenizer.json and tokenizer_config.json)")
+    return Tokenizer(path)
