@@ -10,14 +10,16 @@ Parts (``--parts``, default all: 1 2 3 4; one function per part):
      padded (count x longest: padded batches). intra_reorder and "sum" are the same LPT greedy
      (see reorder.intra_reorder), so their columns agree.
   2. Simulated 1F1B / interleaved iteration time (the DistTrain §6.2 recurrence) of random
-     order (mean over all l! orders), ascending order, inter-microbatch reordering (Alg. 3,
-     alone and with reorder's guard) and the exhaustive optimum, l = 8 microbatches, p in
+     order (mean over all l! orders), ascending order, inter-microbatch reordering (Alg. 3
+     alone, with reorder's guard, and guarded + the local-search step: inter_reorder's
+     default) and the exhaustive optimum, l = 8 microbatches, p in
      {2, 4, 8}; also l = 32, 64 against sampled random orders and the lower bound.
      Microbatch cost = encoder tokens it holds.
   3. Balancing compute time at OrchMLLM Table 2 scales (DP 64 ... 2560, 60 samples per rank):
      each policy and node-wise rearrangement (8 ranks per node; the MILP up to
      --max_milp_ranks with a --milp_time_limit, reporting whether it proved optimality and
-     its objective vs the greedy fast path; greedy above). OrchMLLM's whole dispatcher
+     its objective vs the greedy fast path and its gap to HiGHS' proven bound; greedy
+     above). OrchMLLM's whole dispatcher
      overhead there is 16.7-53.9 ms. "sum_square" runs the heap loop below 256 ranks and
      vectorised runs from 256 on (identical output; skipped above --sum_square_max_dp).
   4. Loader throughput (mmjax/data/loader.py, DistTrain §4.2 / 003 §6): samples/s with 0, 1, 2
@@ -44,6 +46,7 @@ from rich.table import Table
 from mmjax.data import balance, reorder
 from mmjax.data.sample import TokenRules
 from mmjax.data.synthetic import SyntheticConfig, SyntheticDataset
+from mmjax.host_info import machine
 
 # Benchmark-sized shapes (the dataclass defaults are CPU-test sized): images ~24x24 patches
 # (up to 64x64), audio ~300 frames, LAION-like text ~30 tokens.
@@ -110,6 +113,8 @@ def part1_imbalance(args, console) -> list[dict]:
 def _orders(f, p, v, sc):
     return {"ascending": sorted(range(len(f)), key=lambda j: (f[j], j)),
             "alg3": reorder.inter_reorder(f, p, num_chunks=v, guard=False, stage_costs=sc),
+            "guarded": reorder.inter_reorder(f, p, num_chunks=v, stage_costs=sc,
+                                             improve_rounds=0),
             "inter_reorder": reorder.inter_reorder(f, p, num_chunks=v, stage_costs=sc)}
 
 
@@ -159,8 +164,9 @@ def part2_pipeline(args, console) -> list[dict]:
         reorder.inter_reorder(f, p, num_chunks=v, stage_costs=sc)
         row = {"model": kind, "p": p, "v": v, "l": l, "trial": trial,
                "inter_reorder_ms": (time.process_time() - t0) * 1e3}
-        if l <= 8:
-            times = [run(o) for o in itertools.permutations(range(l))]
+        if l <= 8:  # every order at once on the batched recurrence
+            perms = np.array(list(itertools.permutations(range(l))))
+            times = reorder.batch_iteration_time(model, mb[perms], 2.0 * mb[perms]).tolist()
             row.update(random_mean=float(np.mean(times)), random_worst=max(times),
                        optimum=min(times), ref="optimum")
         else:  # no exhaustive search: random = mean of sampled orders, ref = lower bound
@@ -174,13 +180,13 @@ def part2_pipeline(args, console) -> list[dict]:
                         f"l <= 8, else a per-stage lower bound); microbatches "
                         f"of {args.mb_size} LAION-like samples, cost = image tokens, b = 2f")
     for col in ("model", "p", "v", "l", "trial", "random (mean)", "random worst", "ascending",
-                "Alg. 3", "inter_reorder (guarded)", "ref", "reorder ms"):
+                "Alg. 3", "Alg. 3 guarded", "+ local search", "ref", "reorder ms"):
         table.add_column(col, justify="right")
     for r in rows:
         ref = r["optimum"] if r["optimum"] is not None else r["lower_bound"]
         table.add_row(r["model"], str(r["p"]), str(r["v"]), str(r["l"]), str(r["trial"]),
                       *[f"{r[k] / ref:.3f}" for k in ("random_mean", "random_worst", "ascending",
-                                                      "alg3", "inter_reorder")],
+                                                      "alg3", "guarded", "inter_reorder")],
                       r["ref"], f"{r['inter_reorder_ms']:.1f}")
     _show(console, table)
     return rows
@@ -223,6 +229,7 @@ def part3_overhead(args, console) -> list[dict]:
         row["node_wise_wall_ms"] = (time.perf_counter() - t0) * 1e3
         row["node_wise_method"] = "milp" if d <= args.max_milp_ranks else "greedy"
         row["milp_status"] = info.get("milp_status")  # "optimal" or "user_limit" (time)
+        row["milp_gap"] = info.get("milp_gap")  # to HiGHS' proven bound (0: optimal)
         row["node_wise_chosen"] = info["chosen"]
         row["node_wise_objective"] = info["objective"]
         dst = np.empty(x.size, dtype=np.int64)
@@ -245,7 +252,8 @@ def part3_overhead(args, console) -> list[dict]:
                       *["-" if r[p] is None else f"{r[p]['median']:.1f} ({r[p]['min']:.1f})"
                         for p in balance.POLICIES],
                       f"{r['node_wise_ms']:.0f} ({r['node_wise_method']})",
-                      r["milp_status"] or "-",
+                      "-" if r["milp_status"] is None else
+                      f"{r['milp_status']} (gap {100 * r['milp_gap']:.1f}%)",
                       f"{obj['milp'] / obj['greedy']:.3f}" if "milp" in obj and obj["greedy"]
                       else "-",
                       f"{r['inter_node_before']:.0f} -> {r['inter_node_after']:.0f}",
@@ -360,7 +368,8 @@ def main(argv=None) -> dict:
     if args.microbatches > 8:
         ap.error("--microbatches must be <= 8 (exhaustive search over l! orders)")
     console = Console(width=max(Console().width, 140))
-    results = {"config": vars(args)}
+    results = {"config": vars(args), "machine": machine()}
+    console.print(f"machine: {results['machine']}")
     _TABLES.clear()
     for part in args.parts:
         t0 = time.perf_counter()

@@ -6,8 +6,12 @@ Settings: DistTrain Table 2 (MLLM-72B on 1296/648/324/112 A800s, global batch
 every Cornstarch VLM/ALM/VALM config (Cornstarch §6.1; encoders and LLM frozen) on 24 GPUs
 with 24 single-sample microbatches, and the four frozen settings of DistTrain §8.3.1 on
 MLLM-9B and MLLM-72B (98 GPUs).
-Solve time is the median of `--repeats` runs of Algorithm 1 (costs prepared once, as a
-training manager would), fewest-GPUs tie-break included. Speedup = baseline iteration time
+Solve time is the median CPU time (process_time: the development machine is shared, its
+wall time includes waiting for a core; wall medians are in the JSON) of `--repeats` runs
+of Algorithm 1 (costs prepared once, as a training manager would), fewest-GPUs tie-break
+included, with the default fast method (numpy bounds, closed-form relaxations); for the
+Table 2 rows also of method="cvxpy" (the DPP formulation of record, what the planner ran
+before) and whether both return the same plan. The JSON names the machine. Speedup = baseline iteration time
 / planner iteration time; "used" is the planner's GPU count (the tie-break may leave some
 idle), "LLM share" the LLM's part of them.
 
@@ -25,6 +29,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+import cvxpy  # noqa: E402,F401  (imported up front so method="cvxpy" does not time its import)
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
@@ -35,6 +40,7 @@ from mmjax.planner.hardware import A800, H100  # noqa: E402
 from mmjax.planner.build import DISTTRAIN_FROZEN, model_costs  # noqa: E402
 from mmjax.planner.orchestrate import orchestrate  # noqa: E402
 from mmjax.planner.plan import PlanError  # noqa: E402
+from mmjax.host_info import machine  # noqa: E402
 
 # (model, GPUs, global batch, DistTrain's solve ms, frozen setting of §8.3.1 or None)
 TABLE2 = [("disttrain/mllm_72b", 1296, 1920, 922, None),
@@ -54,15 +60,22 @@ GROUPS = {"table2": TABLE2, "cornstarch": CORNSTARCH, "frozen": FROZEN,
           "all": TABLE2 + OTHERS + CORNSTARCH + FROZEN}
 
 
-def bench_one(name, gpus, batch, paper_ms, setting, repeats):
+def _solve_times(costs, hw, gpus, batch, repeats, method):
+    """(result, CPU seconds per run, wall seconds per run)."""
+    cpu, wall, res = [], [], None
+    for _ in range(repeats):
+        t0, c0 = time.perf_counter(), time.process_time()
+        res = orchestrate(costs, hw, gpus, batch, method=method)
+        cpu.append(time.process_time() - c0)
+        wall.append(time.perf_counter() - t0)
+    return res, cpu, wall
+
+
+def bench_one(name, gpus, batch, paper_ms, setting, repeats, with_cvxpy=False):
     model = named_config(name, DISTTRAIN_FROZEN[setting] if setting else None)
     hw = H100 if name.startswith("orchmllm") else A800
     costs, _ = model_costs(model, hw)
-    times, res = [], None
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        res = orchestrate(costs, hw, gpus, batch)
-        times.append(time.perf_counter() - t0)
+    res, times, wall = _solve_times(costs, hw, gpus, batch, repeats, "fast")
     plan_t = res.iteration_time_s
     used = {k: v.gpus for k, v in res.choices.items()}
     row = {"model": name, "frozen_setting": setting, "gpus": gpus, "global_batch": batch,
@@ -71,10 +84,16 @@ def bench_one(name, gpus, batch, paper_ms, setting, repeats):
            "optimal_time_s": res.optimal_time_s,
            "solve_ms_median": 1e3 * statistics.median(times),
            "solve_ms_all": [1e3 * t for t in times],
+           "solve_wall_ms_median": 1e3 * statistics.median(wall),
+           "cvxpy_ms_median": None, "cvxpy_same_plan": None,
            "paper_ms": paper_ms, "iteration_time_s": plan_t,
            "mfu": evaluate(costs, res.choices, batch, hw).mfu,
            "plan": {k: vars(v) for k, v in res.choices.items()},
            "candidates": res.candidates, "relaxations": res.relaxations, "repairs": res.repairs}
+    if with_cvxpy:
+        ref, cvx, _ = _solve_times(costs, hw, gpus, batch, max(1, repeats // 2), "cvxpy")
+        row["cvxpy_ms_median"] = 1e3 * statistics.median(cvx)
+        row["cvxpy_same_plan"] = ref.choices == res.choices
     for kind, fn in (("megatron", lambda: megatron_choices(costs, hw, gpus, batch,
                                                            model_name=name)),
                      ("ratio", lambda: ratio_choices(costs, hw, gpus, batch))):
@@ -87,7 +106,8 @@ def bench_one(name, gpus, batch, paper_ms, setting, repeats):
     return row
 
 
-COLUMNS = ("model", "GPUs", "used", "batch", "hw", "solve ms", "paper ms", "plan (dp,tp,pp)",
+COLUMNS = ("model", "GPUs", "used", "batch", "hw", "solve ms", "cvxpy ms", "paper ms",
+           "plan (dp,tp,pp)",
            "LLM share", "iter s", "MFU", "vs megatron", "vs ratio")
 
 
@@ -97,7 +117,10 @@ def cells(r) -> list[str]:
     sp = lambda k: (f"{r[k]['speedup']:.2f}x" if "speedup" in r[k] else "infeasible")
     model = r["model"] + (f" ({r['frozen_setting']})" if r["frozen_setting"] else "")
     return [model, str(r["gpus"]), str(r["gpus_used"]), str(r["global_batch"]), r["hardware"],
-            f"{r['solve_ms_median']:.0f}", str(r["paper_ms"] or "-"), plan,
+            f"{r['solve_ms_median']:.0f}",
+            "-" if r["cvxpy_ms_median"] is None else
+            f"{r['cvxpy_ms_median']:.0f}" + ("" if r["cvxpy_same_plan"] else " (other plan)"),
+            str(r["paper_ms"] or "-"), plan,
             f"{r['llm_share']:.2f}", f"{r['iteration_time_s']:.2f}", f"{100 * r['mfu']:.1f}%",
             sp("megatron"), sp("ratio")]
 
@@ -115,8 +138,10 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default="bench_results/planner.json")
     ap.add_argument("--markdown", help="also write the table as markdown here")
     args = ap.parse_args(argv)
-    rows = [bench_one(*s, args.repeats) for s in GROUPS[args.only]]
-    t = Table(title=f"planner: solve time (median of {args.repeats}) and predicted speedup")
+    info = machine()
+    rows = [bench_one(*s, args.repeats, with_cvxpy=s in TABLE2) for s in GROUPS[args.only]]
+    t = Table(title=f"planner: solve CPU ms (median of {args.repeats}) and predicted speedup; "
+                    f"{info['cpu']}, {info['cores']} cores, load {info['load_avg_1m']}")
     for col in COLUMNS:
         t.add_column(col, justify="left" if col in ("model", "plan (dp,tp,pp)") else "right")
     for r in rows:
@@ -129,7 +154,7 @@ def main(argv=None) -> int:
         print(f"wrote {args.markdown}")
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
-        json.dump({"repeats": args.repeats, "rows": rows}, f, indent=2)
+        json.dump({"repeats": args.repeats, "machine": info, "rows": rows}, f, indent=2)
     print(f"wrote {args.json}")
     return 0
 

@@ -2,12 +2,16 @@
 
     python scripts/plan.py --gin_file=configs/disttrain/mllm_72b.gin --gpus=1296 \
         --global_batch=1920 [--baseline=megatron|ratio] [--hardware=a800] [--json=FILE]
-        [--gpu_tolerance=0.01]
+        [--gpu_tolerance=0.01] [--data=SPEC [--data_samples=512]]
 
 Prints, per unit, GPUs, DP/TP/PP, stage time and memory per GPU, and the predicted
 iteration time and MFU of the planner's plan beside the Megatron and FLOPs-ratio baselines.
 `--baseline` makes that baseline the plan that is printed first and saved. The JSON is the
 `Plan` (loadable with `Plan.load`) plus `solve_time_s` and the baselines' predictions.
+`--data` plans for the user's data instead of the paper's synthetic workload: a source spec
+(mmjax/data/data_spec.py: `synthetic:laion`, `synthetic:mix@3`, `arrayrecord:/path` or the
+path of a scripts/make_dataset.py file) from which `--data_samples` samples' shapes (LLM
+tokens, image patches, audio frames) make the workload.
 An infeasible request ends with exit code 2 and a message saying what is short.
 """
 from __future__ import annotations
@@ -28,6 +32,7 @@ from mmjax.planner.hardware import hardware  # noqa: E402
 from mmjax.planner.orchestrate import GPU_TOLERANCE  # noqa: E402
 from mmjax.planner.build import plan_model  # noqa: E402
 from mmjax.planner.plan import PlanError  # noqa: E402
+from mmjax.planner.workload import default_workload  # noqa: E402
 
 FAMILY_HARDWARE = {"disttrain": "a800", "orchmllm": "h100", "cornstarch": "a800"}
 
@@ -42,12 +47,17 @@ def load_model(gin_file: str, gin_params: list[str]):
     return named_model_config()
 
 
-def measured_costs(model, hw, args):
+def data_workload(model, spec: str, samples: int):
+    """The workload of `samples` samples of the source `spec` (data/data_spec.py)."""
+    from mmjax.data.data_spec import open_source, sample_workload
+
+    return sample_workload(open_source(spec, model), model, samples, name=spec)
+
+
+def measured_costs(model, hw, args, wl):
     """UnitCosts whose times come from profiled tables (profile.py imports JAX)."""
     from mmjax.planner.profile import ProfileTable, profile_model, profiled_costs
-    from mmjax.planner.workload import default_workload
 
-    wl = default_workload(model)
     if args.write_profile:
         table = profile_model(model, wl)
         table.save(args.write_profile)
@@ -107,6 +117,10 @@ def main(argv=None) -> int:
                                       "the analytic times")
     ap.add_argument("--write_profile", help="profile the units on this machine's devices, "
                                             "save the tables here and use them")
+    ap.add_argument("--data", help="plan for this data source (synthetic:laion, "
+                                   "arrayrecord:/path, ...) instead of the paper's workload")
+    ap.add_argument("--data_samples", type=int, default=512,
+                    help="samples drawn from --data to build the workload")
     args = ap.parse_args(argv)
     console = Console(width=None if sys.stdout.isatty() else 132)
     if args.gpus < 1 or args.global_batch < 1:
@@ -116,10 +130,21 @@ def main(argv=None) -> int:
     hw = hardware(args.hardware or FAMILY_HARDWARE.get(model.name.split("/")[0], "h100"))
     plans, errors = {}, {}
     costs = None
-    if args.profile or args.write_profile:
-        costs = measured_costs(model, hw, args)
     try:
-        plans["planner"] = plan_model(model, hw, args.gpus, args.global_batch,
+        wl = (data_workload(model, args.data, args.data_samples) if args.data
+              else default_workload(model))
+    except ValueError as e:
+        console.print(f"error: {e}")
+        return 2
+    if args.data:
+        (llm, _), enc = wl.llm_moments(), {e.name: wl.encoder_moments(e.name)[0]
+                                           for e in model.encoders}
+        console.print(f"workload: {wl.num_samples} samples of {args.data}: mean LLM tokens "
+                      f"{llm:.0f}" + "".join(f", {k} tokens {v:.0f}" for k, v in enc.items()))
+    if args.profile or args.write_profile:
+        costs = measured_costs(model, hw, args, wl)
+    try:
+        plans["planner"] = plan_model(model, hw, args.gpus, args.global_batch, workload=wl,
                                       recompute=args.recompute, vpp=not args.no_vpp, costs=costs,
                                       gpu_tolerance=args.gpu_tolerance,
                                       attention_impl=args.attention_impl)
@@ -128,7 +153,7 @@ def main(argv=None) -> int:
     for kind in ("megatron", "ratio"):
         try:
             plans[kind] = baseline_plan(model, kind, hw, args.gpus, args.global_batch,
-                                        recompute=args.recompute)
+                                        workload=wl, recompute=args.recompute)
         except PlanError as e:
             errors[kind] = str(e)
     primary = args.baseline or "planner"

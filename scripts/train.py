@@ -48,7 +48,8 @@ def main(argv=None) -> int:
     p.add_argument("--gin_param", action="append", default=[], help="gin binding K=V (repeatable)")
     p.add_argument("--workdir", default=None, help="output directory (default runs/<gin name>)")
     p.add_argument("--plan", default=None,
-                   help="Plan JSON (scripts/plan.py --json) or 'manual' (manual_plan.* in gin): "
+                   help="Plan JSON (scripts/plan.py --json), 'manual' (manual_plan.* in gin) or "
+                        "'auto' (plan at start-up for the devices present and the run's data): "
                         "run on the pipeline runtime over all devices")
     args = p.parse_args(argv)
     files = args.gin_file or [os.path.join(REPO, "configs", "tiny.gin")]

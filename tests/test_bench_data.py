@@ -32,7 +32,8 @@ def result(tmp_path_factory):
 
 
 def test_all_parts_by_default(result):
-    assert set(result) == {"config", "part1", "part2", "part3", "part4", "markdown"}
+    assert set(result) == {"config", "machine", "part1", "part2", "part3", "part4", "markdown"}
+    assert result["machine"]["cores"] >= 1
     assert result["config"]["parts"] == [1, 2, 3, 4]
     md = result["markdown"]
     assert [line[:6] for line in md.splitlines() if line.startswith("**(")] == [
@@ -65,6 +66,7 @@ def test_part2_pipeline_rows(result):
         assert r["optimum"] <= min(r["ascending"], r["alg3"], r["inter_reorder"])
         assert r["optimum"] <= r["random_mean"] <= r["random_worst"]
         assert r["inter_reorder"] <= r["ascending"] + 1e-12  # guarded
+        assert r["inter_reorder"] <= r["guarded"] + 1e-12  # the local search never loses
 
 
 def test_part3_overhead_row(result):

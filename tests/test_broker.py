@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mmjax.parallel.broker import Broker, Routes, _edge_colouring, round_tables
+from mmjax.parallel.broker import Broker, Routes, deliveries, exchange_tables
 from mmjax.parallel.mesh import stage_mesh
 
 
@@ -124,7 +124,7 @@ def test_pytree_transfer_mixed_shapes_and_dtypes():
     for k in tree:
         assert out[k].dtype == tree[k].dtype
         check_out(out[k], dm, reference(r, tree[k]))
-    assert len(b.compiled) == 1
+    assert len(b.tables) == 1 and len(b.programs) == 1
     assert b.transfer_tree({}, r) == {}
 
 
@@ -185,23 +185,48 @@ def test_same_mesh_identity_returns_input():
     check_out(b.transfer(put(g, m), swap), m, reference(swap, g))
 
 
-# ---- round tables (host only) -----------------------------------------------------------------
-def simulate_tables(routes, src_reps, dst_reps, n):
-    """Run the round tables on numpy 'devices' and check the per-round exclusivity."""
-    t = round_tables(routes, src_reps, dst_reps, n)
+# ---- one compiled program per shape ------------------------------------------------------------
+def test_new_route_map_reuses_the_compiled_program():
+    """Two different route maps of the same shapes (and capacity bucket) run one compiled
+    program, whose single collective is one all-to-all whatever the route."""
+    sm, dm = meshes((3, 1), (2, 2))
+    b = Broker(sm, dm)
+    g = data(6, (5,), seed=7)
+    other = Routes.from_pairs(3, 2, 2, 4, [(0, 1, 1, 3), (2, 0, 0, 0), (1, 0, 0, 2),
+                                           (0, 0, 0, 1), (2, 1, 1, 1)])
+    for r in (permutation_routes(), other):
+        check_out(b.transfer(put(g, sm), r), dm, reference(r, g))
+    assert len(b.tables) == 2
+    assert len(b.programs) == 1
+    hlo = next(iter(b.programs.values())).as_text()
+    assert hlo.count("all-to-all(") == 1
+    for op in ("collective-permute(", "all-reduce(", "all-gather("):
+        assert op not in hlo
+    # A map whose busiest pair needs capacity 2 compiles once more; the capacity then stays,
+    # so returning to a capacity-1 map rebuilds its tables and reuses the capacity-2 program.
+    busy = Routes.from_pairs(3, 2, 2, 4, [(0, 0, 1, 0), (0, 1, 1, 1), (2, 1, 0, 3)])
+    for r in (busy, permutation_routes()):
+        check_out(b.transfer(put(g, sm), r), dm, reference(r, g))
+    assert b.tables[permutation_routes()].host.capacity == 2
+    assert len(b.programs) == 2
+
+
+# ---- exchange tables (host only) --------------------------------------------------------------
+def simulate_tables(routes, src_reps, dst_reps, n, min_capacity=1):
+    """Run the exchange tables on numpy 'devices': gather, all-to-all, gather."""
+    t = exchange_tables(routes, src_reps, dst_reps, n, min_capacity)
+    cap = t.capacity
+    assert cap & (cap - 1) == 0 and t.send.shape == (n, n * cap)
     rank_of = {d: i for i, reps in enumerate(src_reps) for d in reps}
-    bufs = {d: np.arange(routes.src_slots) + 100 * rank_of[d] if d in rank_of else None
-            for d in range(n)}
-    outs = {d: np.full(routes.dst_slots, -1) for d in range(n)}
-    for r, perm in enumerate(t.perms):
-        senders = [u for u, _ in perm]
-        receivers = [v for _, v in perm]
-        assert len(set(senders)) == len(senders), f"round {r}: a device sends twice"
-        assert len(set(receivers)) == len(receivers), f"round {r}: a device receives twice"
-        assert {u for u in range(n) if t.send[u, r] >= 0} == set(senders)
-        assert {v for v in range(n) if t.recv[v, r] >= 0} == set(receivers)
-        for u, v in perm:
-            outs[v][t.recv[v, r]] = bufs[u][t.send[u, r]]
+    bufs = {d: np.arange(routes.src_slots) + 100 * rank_of[d] if d in rank_of
+            else np.full(routes.src_slots, -7) for d in range(n)}
+    sent = {u: np.where(t.send[u] >= 0, bufs[u][np.maximum(t.send[u], 0)], -9)
+            for u in range(n)}
+    for u in range(n):  # only source devices send
+        assert u in rank_of or (t.send[u] < 0).all()
+    got = {v: np.concatenate([sent[u][v * cap:(v + 1) * cap] for u in range(n)])
+           for v in range(n)}
+    outs = {v: np.where(t.recv[v] >= 0, got[v][np.maximum(t.recv[v], 0)], -1) for v in range(n)}
     for j, reps in enumerate(dst_reps):
         want = np.full(routes.dst_slots, -1)
         for i, s, jj, q in routes.pairs:
@@ -223,18 +248,20 @@ def layout(a, ra, b, rb, overlap=0):
 
 @pytest.mark.parametrize("a,ra,b,rb", [(4, 1, 1, 1), (1, 1, 4, 1), (2, 2, 1, 2), (1, 2, 2, 1),
                                        (2, 1, 3, 2), (3, 2, 2, 1), (1, 4, 4, 1), (4, 1, 1, 4)])
-def test_round_tables_exclusive_complete_and_minimal(a, ra, b, rb):
+def test_exchange_tables_complete_with_minimal_capacity(a, ra, b, rb):
     r = Routes.order_preserving(a, b)
     src, dst, n = layout(a, ra, b, rb)
     t = simulate_tables(r, src, dst, n)
-    # Lower bounds: a receiver takes one slot per round; a source rank's deliveries spread
-    # over its replicas, one per replica per round.
-    per_recv = r.dst_slots
-    per_send = max(-(-sum(1 for i, *_ in r.pairs if i == k) * rb // ra) for k in range(a))
-    assert t.rounds == max(per_recv, per_send)
+    # Lower bound on the busiest sender -> receiver pair: a receiver gets the parts of source
+    # rank k from at most ra replicas, so some pair carries ceil(parts(k -> j) / ra).
+    need = max(-(-sum(1 for i, _, j, _ in r.pairs if (i, j) == (k, jj)) // ra)
+               for k in range(a) for jj in range(b))
+    busiest = np.bincount([u * n + v for u, v, _, _ in deliveries(r, src, dst)]).max()
+    assert busiest == need
+    assert t.capacity == 1 << (need - 1).bit_length()
 
 
-def test_round_tables_random_routes_and_overlapping_meshes():
+def test_exchange_tables_random_routes_and_overlapping_meshes():
     rng = random.Random(0)
     for trial in range(60):
         a, b = rng.randint(1, 4), rng.randint(1, 4)
@@ -243,30 +270,21 @@ def test_round_tables_random_routes_and_overlapping_meshes():
         srcs = [(rng.randrange(a), rng.randrange(ps)) for _ in dsts]
         r = Routes.from_pairs(a, ps, b, pr, [s + d for s, d in zip(srcs, dsts)])
         ra, rb = rng.randint(1, 2), rng.randint(1, 2)
-        simulate_tables(r, *layout(a, ra, b, rb, overlap=rng.randint(0, min(a * ra, b * rb))))
+        src, dst, n = layout(a, ra, b, rb, overlap=rng.randint(0, min(a * ra, b * rb)))
+        floor = rng.choice([1, 2, 4])
+        t = simulate_tables(r, src, dst, n, min_capacity=floor)
+        busiest = max(np.bincount([u * n + v for u, v, *_ in deliveries(r, src, dst)],
+                                  minlength=1).max(), 1)
+        assert t.capacity == max(floor, 1 << (int(busiest) - 1).bit_length())
 
 
-def test_round_tables_prefer_local_copies():
+def test_exchange_tables_prefer_local_copies():
     """A destination device that already holds the source rank copies locally (same devices,
-    a reorder within each rank): every send is to itself."""
+    a reorder within each rank): every delivery is to itself."""
     reps = [[0, 1], [2, 3]]
     r = Routes.from_pairs(2, 2, 2, 2, [(0, 1, 0, 0), (0, 0, 0, 1), (1, 1, 1, 0)])
-    t = simulate_tables(r, reps, [[1, 0], [3, 2]], 4)
-    assert t.rounds == 2
-    assert all(u == v for perm in t.perms for u, v in perm)
-
-
-def test_edge_colouring_uses_max_degree_colours():
-    rng = random.Random(1)
-    for _ in range(200):
-        edges = [(rng.randrange(4), rng.randrange(5)) for _ in range(rng.randint(1, 25))]
-        col = _edge_colouring(edges)
-        deg = max(max(sum(1 for u, _ in edges if u == x) for x in range(4)),
-                  max(sum(1 for _, v in edges if v == x) for x in range(5)))
-        assert max(col) + 1 == deg
-        for e, f in itertools.combinations(range(len(edges)), 2):
-            if col[e] == col[f]:
-                assert edges[e][0] != edges[f][0] and edges[e][1] != edges[f][1]
+    simulate_tables(r, reps, [[1, 0], [3, 2]], 4)
+    assert all(u == v for u, v, _, _ in deliveries(r, reps, [[1, 0], [3, 2]]))
 
 
 # ---- two processes ------------------------------------------------------------------------

@@ -70,6 +70,8 @@ def test_bench_planner_table2(tmp_path):
     for r in rows:
         assert r["megatron"]["speedup"] >= 1.0 and r["ratio"]["speedup"] >= 1.0
         assert r["plan"]["llm"]["tp"] in (1, 2, 4, 8)
+        assert r["cvxpy_same_plan"] is True and r["cvxpy_ms_median"] > 0
+    assert json.loads(out.read_text())["machine"]["cores"] >= 1
 
 
 def test_bench_planner_cornstarch_markdown(tmp_path):
@@ -87,6 +89,6 @@ def test_bench_planner_cornstarch_markdown(tmp_path):
         assert r["gpus_used"] <= 24 and 0 < r["llm_share"] < 1
         assert r["iteration_time_s"] <= r["optimal_time_s"] * (1 + GPU_TOLERANCE) * (1 + 1e-12)
     lines = md.read_text().splitlines()
-    assert len(lines) == 2 + len(rows) and all(line.count("|") == 14 for line in lines)
+    assert len(lines) == 2 + len(rows) and all(line.count("|") == 15 for line in lines)
     assert {s for _, _, _, _, s in bench_planner.FROZEN} == {"all frozen", "encoder only",
                                                              "llm only", "generator only"}

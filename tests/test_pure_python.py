@@ -3,8 +3,9 @@ run in milliseconds and are testable alone". That covers the schedule and simula
 planner's cost model / evaluation / partitioning, the data reordering and balancing, and CP
 token distribution (Cornstarch §4.3.2).
 
-mmjax.planner.orchestrate is deliberately left out: it imports cvxpy, and cvxpy itself
-imports jax when it is installed, so that module cannot be JAX-free whatever we do.
+mmjax.planner.orchestrate is in: its default method (numpy bounds, closed-form relaxations)
+needs no cvxpy; cvxpy, which itself imports jax when it is installed, is imported only when
+method="cvxpy" (the formulation of record) runs.
 """
 import json
 import subprocess
@@ -28,6 +29,13 @@ PURE = (
     "mmjax.planner.costs",
     "mmjax.planner.evaluate",
     "mmjax.planner.partition",
+    "mmjax.planner.candidates",
+    "mmjax.planner.relax",
+    "mmjax.planner.repair",
+    "mmjax.planner.orchestrate",
+    "mmjax.data.data_spec",
+    "mmjax.planner.measured",
+    "mmjax.data.node_milp",
 )
 
 # Imports each module in order in a fresh interpreter and records, after each, whether any

@@ -11,7 +11,7 @@
   (rank, slot); per encoder the single map Pi_M o Pi_E^-1 from the encoder's balanced batches
   to the LLM rank that consumes its output (§6, "Rearrangement composition").
 
-Pure host code (numpy, cvxpy); no JAX. Every host runs it on the all-gathered lengths and gets
+Pure host code (numpy, highspy); no JAX. Every host runs it on the all-gathered lengths and gets
 the same answer (§5.2.1), so all algorithms are deterministic: ties go to the lower index.
 """
 
@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import itertools
 import math
-import warnings
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 import numpy as np
+
+from mmjax.data.node_milp import milp_nodes
 
 POLICIES = ("sum", "padded", "sum_square", "conv")
 
@@ -383,7 +385,8 @@ def _per_sample(src_rank_of_sample, new_batches, sizes, ranks_per_node):
     if src.size and (src.min() < 0 or src.max() >= d):
         raise ValueError(f"src_rank_of_sample must be ranks in [0, {d})")
     lens = [len(b) for b in new_batches]
-    flat = np.fromiter((s for b in new_batches for s in b), dtype=np.int64, count=sum(lens))
+    flat = np.fromiter(itertools.chain.from_iterable(new_batches), dtype=np.int64,
+                       count=sum(lens))
     if flat.size != src.size or (flat.size and (flat.min() < 0 or flat.max() >= src.size
                                                 or np.bincount(flat).min() != 1)):
         raise ValueError("new_batches must hold every sample index exactly once")
@@ -442,56 +445,28 @@ def _greedy_nodes(src, bat, w, d, c) -> np.ndarray:
     nn = d // c
     nodecost = np.bincount((src // c) * d + bat, weights=w, minlength=nn * d)
     nz = np.flatnonzero(nodecost)
-    node_of = np.full(d, -1)
-    free = np.full(nn, c)
-    left = d
-    for flat in nz[np.argsort(-nodecost[nz], kind="stable")].tolist():
-        n, b = divmod(flat, d)
-        if node_of[b] < 0 and free[n] > 0:
-            node_of[b] = n
-            free[n] -= 1
-            left -= 1
-            if left == 0:
-                break
+    nz = nz[np.argsort(-nodecost[nz], kind="stable")]
+    nodes, batches = nz // d, nz % d
+    node_of, free = np.full(d, -1), np.full(nn, c)
+    owner, room = [-1] * d, [c] * nn  # the same state as Python lists for the scalar loop
+    left, pos, chunk = d, 0, d
+    while left and pos < nz.size:
+        # entries whose batch is placed or whose node is full stay rejected: drop them in
+        # bulk, then take the rest one by one in order
+        nb, bb = nodes[pos:pos + chunk], batches[pos:pos + chunk]
+        live = (node_of[bb] < 0) & (free[nb] > 0)
+        pos, chunk = pos + chunk, 2 * chunk
+        for n, b in zip(nb[live].tolist(), bb[live].tolist()):
+            if owner[b] < 0 and room[n] > 0:
+                owner[b] = n
+                room[n] -= 1
+                left -= 1
+                if left == 0:
+                    break
+        node_of, free = np.array(owner), np.array(room)
     slots = np.repeat(np.arange(nn), free)
     node_of[node_of < 0] = slots
     return node_of
-
-
-def _milp_nodes(v: np.ndarray, c: int, include_recv: bool, time_limit: float,
-                info: dict) -> np.ndarray | None:
-    """Algorithm 3 as a MILP (cvxpy + HiGHS): x[b, n] = 1 when new batch b lives on node n.
-
-    Sets info["milp_status"]: "optimal", or "user_limit" when the time limit stopped it
-    (the incumbent, if feasible, is still returned)."""
-    import cvxpy as cp
-
-    d = v.shape[0]
-    nn = d // c
-    nodecost = v.reshape(nn, c, d).sum(axis=1)
-    x = cp.Variable((d, nn), boolean=True)
-    t = cp.Variable()
-    cons = [cp.sum(x, axis=1) == 1, cp.sum(x, axis=0) == c]
-    for n in range(nn):
-        block = v[n * c:(n + 1) * c]  # sends of the c ranks on node n, to every batch
-        cons.append(block.sum(axis=1) - block @ x[:, n] <= t)
-    if include_recv:
-        cons.append(v.sum(axis=0) - cp.sum(cp.multiply(x, nodecost.T), axis=1) <= t)
-    prob = cp.Problem(cp.Minimize(t), cons)
-    try:
-        with warnings.catch_warnings():  # a time-limited solve warns "may be inaccurate"
-            warnings.simplefilter("ignore", UserWarning)
-            prob.solve(solver=cp.HIGHS, time_limit=float(time_limit))
-    except cp.error.SolverError:
-        info["milp_status"] = "solver_error"
-        return None
-    info["milp_status"] = prob.status
-    if x.value is None:
-        return None
-    xv = np.rint(x.value).astype(np.int64)
-    if not (np.all(xv.sum(axis=1) == 1) and np.all(xv.sum(axis=0) == c)):
-        return None  # time limit hit before a feasible point
-    return xv.argmax(axis=1)
 
 
 def node_wise_rearrange(src_rank_of_sample: Sequence[int], new_batches: Sequence[Sequence[int]],
@@ -514,7 +489,9 @@ def node_wise_rearrange(src_rank_of_sample: Sequence[int], new_batches: Sequence
     more inter-node volume than leaving batch i on rank i. ``require_optimal`` drops a MILP
     answer not proven optimal within the time limit (a time-limited incumbent depends on
     machine speed, so hosts that must agree on the plan would not). ``info`` (a dict, if
-    given) receives "milp_status" (when the MILP ran), "chosen" ("milp", "greedy" or
+    given) receives "milp_status", "milp_bound" and "milp_gap" (when the MILP ran: HiGHS'
+    proven lower bound and the answer's relative gap to it; the solve is warm-started from
+    the greedy placement), "chosen" ("milp", "greedy" or
     "identity") and "objective" (per candidate, the max per-rank inter-node volume).
     """
     if method not in ("auto", "milp", "greedy"):
@@ -523,9 +500,11 @@ def node_wise_rearrange(src_rank_of_sample: Sequence[int], new_batches: Sequence
     c = int(ranks_per_node)
     identity = np.arange(d) // c
     info = {} if info is None else info
-    names, candidates = ["identity", "greedy"], [identity, _greedy_nodes(src, bat, w, d, c)]
+    greedy = _greedy_nodes(src, bat, w, d, c)
+    names, candidates = ["identity", "greedy"], [identity, greedy]
     if method == "milp" or (method == "auto" and d <= max_milp_ranks):
-        solved = _milp_nodes(_volumes(src, bat, w, d), c, include_recv, time_limit, info)
+        solved = milp_nodes(_volumes(src, bat, w, d), c, include_recv, time_limit, info,
+                             greedy, _objective(src, bat, w, d, greedy, c, include_recv))
         if solved is not None and (info["milp_status"] == "optimal" or not require_optimal):
             names.insert(0, "milp")
             candidates.insert(0, solved)
@@ -536,11 +515,11 @@ def node_wise_rearrange(src_rank_of_sample: Sequence[int], new_batches: Sequence
     perm = np.where(node_of == identity, np.arange(d), -1)
     taken = np.zeros(d, dtype=bool)
     taken[perm[perm >= 0]] = True
-    for b in np.flatnonzero(perm < 0).tolist():
-        n = node_of[b]
-        r = n * c + int(np.argmin(taken[n * c:(n + 1) * c]))
-        perm[b] = r
-        taken[r] = True
+    # the other batches take their node's free ranks, lowest batch to lowest rank (each
+    # node has exactly c batches, so movers and free ranks pair up node by node)
+    movers = np.flatnonzero(perm < 0)
+    movers = movers[np.argsort(node_of[movers], kind="stable")]
+    perm[movers] = np.flatnonzero(~taken)  # free ranks, ascending: node by node
     return perm.tolist()
 
 

@@ -60,7 +60,7 @@ from mmjax.models.config import MLLMConfig
 from mmjax.planner.costs import layer_times, unit_work
 from mmjax.planner.hardware import H100, Hardware, hardware as hardware_by_name
 from mmjax.planner.plan import Plan
-from mmjax.planner.workload import Workload
+from mmjax.planner.workload import workload_from_metas
 
 POLICIES = ("none", "disttrain", "orchmllm")
 NODE_WISE_METHODS = ("auto", "milp", "greedy")
@@ -338,12 +338,7 @@ def rank_times(model: MLLMConfig, unit: str, metas: list[SampleMeta], tp: int = 
     count is exactly the sum over samples."""
     if not metas:
         return 0.0, 0.0
-    enc = {}
-    for spec in model.encoders:
-        enc[spec.name] = tuple(tuple(s.num_encoder_tokens for s in m.segments
-                                     if s.modality == spec.modality) for m in metas)
-    wl = Workload("microbatch", tuple(m.llm_length for m in metas), enc,
-                  tuple(m.count("image_out") for m in metas), cond_tokens)
+    wl = workload_from_metas("microbatch", metas, model, cond_tokens)
     lt = layer_times(unit_work(model, wl, unit), tp, hw)
     return len(metas) * sum(f for f, _ in lt), len(metas) * sum(b for _, b in lt)
 

@@ -1,16 +1,16 @@
 """Communication broker: move dp-blocked tensors between disjoint sub-meshes (DistTrain §7).
 
 A stage with DP size a sends to one with DP size b keeping sample order (or any part map:
-OrchMLLM §6 rearrangement composition), by rounds of `lax.ppermute` inside `shard_map` over
-the union of the two meshes' devices, so the same code works across processes. Every process
-holding devices of either mesh calls `transfer` with the same arguments in the same order.
-Layout, round construction (König edge colouring) and the XLA:CPU caveat: docs/design.md
-"The broker".
+OrchMLLM §6 rearrangement composition), by one `lax.all_to_all` inside `shard_map` over the
+union of the two meshes' devices, so the same code works across processes. The route map is
+a pair of device-input index tables, so the compiled program depends on shapes only and a
+new assignment every step costs no compile. Every process holding devices of either mesh
+calls `transfer` with the same arguments in the same order. Layout, tables and the XLA:CPU
+caveat: docs/design.md "The broker".
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -22,114 +22,91 @@ from jax.sharding import PartitionSpec as P
 from mmjax.data.routes import Routes
 
 AXIS = "broker"  # the 1-D union mesh's axis
+TABLES_KEPT = 64  # route maps whose device index tables a Broker keeps (oldest dropped first)
 
 
-# ---- which part goes where ------------------------------------------------------------------
-# ---- round tables (host, once per Routes) ---------------------------------------------------
+# ---- exchange tables (host, once per Routes) ------------------------------------------------
 @dataclass(frozen=True)
-class RoundTables:
-    """Per round r, `perms[r]` are the (sender, receiver) union indices of that ppermute;
-    `send[d, r]` / `recv[d, r]` the slot union device d sends / receives in round r (-1:
-    none)."""
+class ExchangeTables:
+    """Index tables of one all-to-all exchange over the union mesh (n devices, capacity C
+    slots per sender -> receiver pair). `send[u, v * C + c]` is the source slot device u puts
+    in its c-th place for device v (-1: nothing); `recv[v, q]` is where device v reads its
+    destination slot q in the received `[n * C]` buffer, `u * C + c` (-1: zeros)."""
 
-    perms: tuple[tuple[tuple[int, int], ...], ...]
-    send: np.ndarray  # [n, max(rounds, 1)] int32
-    recv: np.ndarray  # [n, max(rounds, 1)] int32
-
-    @property
-    def rounds(self) -> int:
-        return len(self.perms)
+    capacity: int
+    send: np.ndarray  # [n, n * capacity] int32
+    recv: np.ndarray  # [n, dst_slots] int32
 
 
-def _edge_colouring(edges: list[tuple[int, int]]) -> list[int]:
-    """Colour a bipartite multigraph's edges (sender u, receiver v) so no two edges at a node
-    share a colour, using exactly max-degree colours (König; alternating-path recolouring)."""
-    at_s: dict[int, dict[int, int]] = {}
-    at_r: dict[int, dict[int, int]] = {}
-    colour = [-1] * len(edges)
-
-    def first_free(used: dict[int, int]) -> int:
-        c = 0
-        while c in used:
-            c += 1
-        return c
-
-    for e, (u, v) in enumerate(edges):
-        su, rv = at_s.setdefault(u, {}), at_r.setdefault(v, {})
-        a, b = first_free(su), first_free(rv)
-        if a in rv and b not in su:
-            a = b
-        elif a in rv:
-            # Swap colours a/b on the path from v alternating a, b, a, ...; it cannot reach
-            # u (a is free there), and afterwards a is free at v.
-            path, side, node, col = [], "r", v, a
-            while True:
-                tbl = at_r if side == "r" else at_s
-                f = tbl.get(node, {}).get(col)
-                if f is None:
-                    break
-                path.append(f)
-                side, node = ("s", edges[f][0]) if side == "r" else ("r", edges[f][1])
-                col = b if col == a else a
-            for f in path:
-                del at_s[edges[f][0]][colour[f]], at_r[edges[f][1]][colour[f]]
-            for f in path:
-                colour[f] = b if colour[f] == a else a
-                at_s[edges[f][0]][colour[f]] = at_r[edges[f][1]][colour[f]] = f
-        colour[e] = a
-        su[a] = rv[a] = e
-    return colour
+def _bucket(k: int) -> int:
+    """Capacity bucket: the next power of two >= max(k, 1), so route maps whose busiest pair
+    differs a little share one compiled program."""
+    return 1 << max(k - 1, 0).bit_length()
 
 
-def round_tables(routes: Routes, src_replicas: list[list[int]],
-                 dst_replicas: list[list[int]], n: int) -> RoundTables:
-    """Plan the ppermute rounds. `src_replicas[i]` / `dst_replicas[j]` are the union indices
-    of the devices holding dp rank i / j (their tp/cp replicas); `n` the union size.
-    Every part goes to every replica of its destination rank; a receiver that is itself a
-    replica of the source rank sends to itself, otherwise the least-loaded source replica
-    sends. Then one round per colour of the delivery multigraph."""
+def deliveries(routes: Routes, src_replicas: list[list[int]],
+               dst_replicas: list[list[int]]) -> list[tuple[int, int, int, int]]:
+    """(sender u, receiver v, src slot s, dst slot q) union-index deliveries. Every part goes
+    to every replica of its destination rank; a receiver that is itself a replica of the
+    source rank sends to itself, otherwise the source replica with the fewest deliveries to
+    that receiver (then fewest in all) sends, which keeps the per-pair capacity low."""
     load = {d: 0 for reps in src_replicas for d in reps}
-    edges, slots = [], []
+    pair: dict[tuple[int, int], int] = {}
+    out = []
     for i, s, j, q in routes.pairs:
         reps = src_replicas[i]
-        for r in dst_replicas[j]:
-            u = r if r in reps else min(reps, key=lambda d: (load[d], reps.index(d)))
+        for v in dst_replicas[j]:
+            u = v if v in reps else min(
+                reps, key=lambda d: (pair.get((d, v), 0), load[d], reps.index(d)))
             load[u] += 1
-            edges.append((u, r))
-            slots.append((s, q))
-    colour = _edge_colouring(edges)
-    rounds = max(colour, default=-1) + 1
-    send = np.full((n, max(rounds, 1)), -1, np.int32)
-    recv = np.full((n, max(rounds, 1)), -1, np.int32)
-    perms: list[list[tuple[int, int]]] = [[] for _ in range(rounds)]
-    for (u, v), (s, q), c in zip(edges, slots, colour):
-        send[u, c], recv[v, c] = s, q
-        perms[c].append((u, v))
-    return RoundTables(tuple(tuple(sorted(p)) for p in perms), send, recv)
+            pair[(u, v)] = pair.get((u, v), 0) + 1
+            out.append((u, v, s, q))
+    return out
 
 
-def _permute_rounds(perms, dst_slots, x_tree, send, recv):
-    """Per-device body inside shard_map: x leaves [src_slots, ...] -> [dst_slots, ...]."""
+def exchange_tables(routes: Routes, src_replicas: list[list[int]],
+                    dst_replicas: list[list[int]], n: int,
+                    min_capacity: int = 1) -> ExchangeTables:
+    """Plan one all-to-all: `src_replicas[i]` / `dst_replicas[j]` are the union indices of
+    the devices holding dp rank i / j (their tp/cp replicas); `n` the union size. The
+    capacity is the busiest pair's count rounded up to a power of two, at least
+    `min_capacity` (a power of two)."""
+    ds = deliveries(routes, src_replicas, dst_replicas)
+    count = np.zeros((n, n), np.int64)
+    for u, v, _, _ in ds:
+        count[u, v] += 1
+    cap = max(_bucket(int(count.max(initial=0))), min_capacity)
+    send = np.full((n, n * cap), -1, np.int32)
+    recv = np.full((n, routes.dst_slots), -1, np.int32)
+    used = np.zeros((n, n), np.int64)
+    for u, v, s, q in ds:
+        c = used[u, v]
+        used[u, v] += 1
+        send[u, v * cap + c] = s
+        recv[v, q] = u * cap + c
+    return ExchangeTables(cap, send, recv)
+
+
+def _exchange(x_tree, send, recv):
+    """Per-device body inside shard_map: x leaves [src_slots, ...] -> [dst_slots, ...].
+    Shapes alone fix the program: C and dst_slots come from the tables' shapes."""
+    take, put_at = send[0], recv[0]
+
     def one(x):
-        out = jnp.zeros((dst_slots,) + x.shape[1:], x.dtype)
-        for r, perm in enumerate(perms):
-            piece = lax.dynamic_slice_in_dim(x, jnp.maximum(send[0, r], 0), 1, axis=0)
-            got = lax.ppermute(piece, AXIS, perm)
-            q = recv[0, r]
-            qc = jnp.maximum(q, 0)
-            cur = lax.dynamic_slice_in_dim(out, qc, 1, axis=0)
-            out = lax.dynamic_update_slice_in_dim(out, jnp.where(q >= 0, got, cur), qc, axis=0)
-        return out
+        buf = jnp.take(x, jnp.maximum(take, 0), axis=0)             # [n * C, ...]
+        got = lax.all_to_all(buf, AXIS, 0, 0, tiled=True)           # got[u*C+c] from u
+        out = jnp.take(got, jnp.maximum(put_at, 0), axis=0)         # [dst_slots, ...]
+        keep = (put_at >= 0).reshape((-1,) + (1,) * (x.ndim - 1))
+        return jnp.where(keep, out, jnp.zeros((), x.dtype))
     return jax.tree.map(one, x_tree)
 
 
 # ---- the broker -----------------------------------------------------------------------------
 @dataclass
-class _Compiled:
-    tables: RoundTables
+class _Tables:
+    host: ExchangeTables
     send: jax.Array
     recv: jax.Array
-    fn: object
 
 
 def _device_array(devices) -> np.ndarray:
@@ -141,9 +118,11 @@ def _device_array(devices) -> np.ndarray:
 class Broker:
     """Moves dp-blocked pytrees from `src_mesh` to `dst_mesh` (module docstring).
 
-    Holds, per `Routes`, the round tables and the jitted shard_map (an explicit per-instance
-    dict), and zero buffers for destination-only devices keyed by shape and dtype (buffers
-    are immutable, so reusing them is safe)."""
+    Holds, per `Routes`, the exchange index tables on device (the last `TABLES_KEPT`); per
+    slot counts, the largest capacity used so far; per shape key (leaf shapes/dtypes, union
+    size, capacity bucket, slot counts), the compiled exchange, which no route map changes;
+    and zero buffers for destination-only devices keyed by shape and dtype (buffers are
+    immutable, so reusing them is safe)."""
 
     def __init__(self, src_mesh: Mesh, dst_mesh: Mesh):
         for name, m in (("src_mesh", src_mesh), ("dst_mesh", dst_mesh)):
@@ -170,7 +149,12 @@ class Broker:
         self.same_mesh = (src_mesh.devices.shape == dst_mesh.devices.shape and
                           all(s.id == d.id for s, d in
                               zip(src_mesh.devices.flat, dst_mesh.devices.flat)))
-        self.compiled: dict[Routes, _Compiled] = {}
+        self.tables: dict[Routes, _Tables] = {}
+        self.programs: dict[tuple, object] = {}
+        self.capacity: dict[tuple[int, int], int] = {}  # (src_slots, dst_slots) -> C so far
+        self._fn = jax.jit(jax.shard_map(_exchange, mesh=self.union_mesh,
+                                         in_specs=(P(AXIS),) * 3, out_specs=P(AXIS),
+                                         check_vma=False))
         self.zeros: dict[tuple, jax.Array] = {}
 
     @staticmethod
@@ -180,25 +164,38 @@ class Broker:
         return [list(devs[i].flat) for i in range(devs.shape[0])]
 
     # ---- host-side preparation ---------------------------------------------------------------
-    def _compiled(self, routes: Routes) -> _Compiled:
-        c = self.compiled.get(routes)
-        if c is not None:
-            return c
+    def _tables(self, routes: Routes) -> _Tables:
+        t = self.tables.get(routes)
+        if t is not None and t.host.capacity >= self.capacity[(routes.src_slots,
+                                                              routes.dst_slots)]:
+            return t
         if routes.src_ranks != self.a or routes.dst_ranks != self.b:
             raise ValueError(f"Broker: routes map dp {routes.src_ranks} -> {routes.dst_ranks} "
                              f"but the meshes have dp {self.a} -> {self.b}; build the Routes "
                              f"for these meshes")
-        n = len(self.union_devices)
-        tables = round_tables(routes, self.src_replicas, self.dst_replicas, n)
-        sharding = self.union_sharding
-        send, recv = (jax.make_array_from_callback(t.shape, sharding, lambda idx, t=t: t[idx],
-                                                   dtype=t.dtype)
-                      for t in (tables.send, tables.recv))
-        body = partial(_permute_rounds, tables.perms, routes.dst_slots)
-        fn = jax.jit(jax.shard_map(body, mesh=self.union_mesh, in_specs=(P(AXIS),) * 3,
-                                   out_specs=P(AXIS), check_vma=False))
-        c = self.compiled[routes] = _Compiled(tables, send, recv, fn)
-        return c
+        # The capacity never shrinks for given slot counts, so a run compiles at most one
+        # program per capacity doubling instead of flipping between buckets; all processes
+        # make the same calls in the same order, so they agree on it.
+        slots = (routes.src_slots, routes.dst_slots)
+        host = exchange_tables(routes, self.src_replicas, self.dst_replicas,
+                               len(self.union_devices), self.capacity.get(slots, 1))
+        self.capacity[slots] = host.capacity
+        send, recv = (jax.make_array_from_callback(a.shape, self.union_sharding,
+                                                   lambda idx, a=a: a[idx], dtype=a.dtype)
+                      for a in (host.send, host.recv))
+        if len(self.tables) >= TABLES_KEPT:
+            del self.tables[next(iter(self.tables))]
+        t = self.tables[routes] = _Tables(host, send, recv)
+        return t
+
+    def _program(self, ins: list[jax.Array], t: _Tables):
+        """The compiled exchange for these leaf shapes and table shapes (union size, capacity
+        bucket, dst_slots): compiled once, whatever the route map."""
+        key = (tuple((x.shape, x.dtype.str) for x in ins), t.send.shape, t.recv.shape)
+        prog = self.programs.get(key)
+        if prog is None:
+            prog = self.programs[key] = self._fn.lower(ins, t.send, t.recv).compile()
+        return prog
 
     def _zeros(self, shape, dtype, device) -> jax.Array:
         key = (tuple(shape), np.dtype(dtype).str, device.id)
@@ -237,7 +234,7 @@ class Broker:
     def transfer_tree(self, tree, routes: Routes, wait: bool = False):
         """Move every leaf of `tree` (dp-blocked, axis 0 = src dp * routes.src_slots; part
         shapes and dtypes may differ per leaf) by `routes`. No host sync, unless `wait`:
-        then block until this process's part of the ppermutes is done (multi-process CPU
+        then block until this process's part of the exchange is done (multi-process CPU
         runs, where two gloo collectives in flight can deadlock)."""
         leaves, treedef = jax.tree.flatten(tree)
         if not leaves:
@@ -246,9 +243,9 @@ class Broker:
             return jax.tree.unflatten(treedef, [
                 x if isinstance(x, jax.Array) and x.sharding == self.dst_sharding
                 else jax.device_put(x, self.dst_sharding) for x in leaves])
-        c = self._compiled(routes)
+        t = self._tables(routes)
         ins = [self._to_union(x, routes.src_slots) for x in leaves]
-        outs = c.fn(ins, c.send, c.recv)
+        outs = self._program(ins, t)(ins, t.send, t.recv)
         if wait:
             jax.block_until_ready(outs)
         return jax.tree.unflatten(treedef, [self._from_union(y, routes.dst_slots) for y in outs])

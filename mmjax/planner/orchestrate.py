@@ -26,6 +26,12 @@ prices only the LLM's sync: a unit's depends on its free DP_u); LLM PP dividing 
 with VPP 2 where it applies (§5.2, warm-up / VPP); the best combination within N GPUs,
 priced exactly by `evaluate`.
 
+Two methods, same plan (tests/test_planner_fast.py): "fast" (default) bounds every candidate
+at once with numpy (candidates.py), solves the relaxations exactly in closed form, a batch
+of candidates at a time (relax.py), and prices the integer neighbourhoods vectorised
+(repair.py); "cvxpy" is the formulation of record described here (scalar bounds, the DPP
+problem re-solved per candidate; cvxpy is imported only then).
+
 Tie-break (`GPU_TOLERANCE`): DistTrain §5.1 minimises the iteration time alone, which spends
 every GPU that buys any time at all; a frozen encoder (no DP sync, small warm-up) then takes
 twice the GPUs for a fraction of a percent. Among the plans within T* (1 + eps) of the least
@@ -44,14 +50,16 @@ import time
 import warnings
 from dataclasses import dataclass
 
-import cvxpy as cp
 import numpy as np
 
+from mmjax.planner.candidates import candidate_table, divisors, share_bound, valid_pps
 from mmjax.planner.costs import UnitCost
 from mmjax.planner.evaluate import (Choice, choice_error, evaluate, memory_bytes, p2p_time,
                                     stage_time, sync_time, warmup_time)
 from mmjax.planner.hardware import Hardware
 from mmjax.planner.plan import PlanError
+from mmjax.planner.relax import solve_relaxed
+from mmjax.planner.repair import OptionTable, combine
 
 
 # Relative slack on the predicted iteration time within which the plan using fewer GPUs
@@ -59,14 +67,15 @@ from mmjax.planner.plan import PlanError
 GPU_TOLERANCE = 0.01
 
 
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+METHODS = ("fast", "cvxpy")
 
 
 class RelaxedProblem:
     """The DPP-parameterised convex relaxation for k units; build once, re-solve often."""
 
     def __init__(self, k: int):
+        import cvxpy as cp  # the formulation of record; cvxpy imports jax: load it on use
+
         self.k = k
         self.x = cp.Variable(k)
         self.tau = cp.Variable(nonneg=True)
@@ -92,6 +101,8 @@ class RelaxedProblem:
     def solve(self, c, e, slope, lo, hi, n, mm, w=None, wc=None
               ) -> tuple[float, np.ndarray] | None:
         """Optimum and x of the relaxation; `w`, `wc` (default 0) add the warm-up floor."""
+        import cvxpy as cp
+
         if np.sum(lo) > n or np.any(lo > hi):
             return None
         zero = np.zeros(self.k)
@@ -128,17 +139,24 @@ class Orchestrator:
     """Algorithm 1 of DistTrain over `UnitCost`s (any number of encoder units)."""
 
     def __init__(self, costs: tuple[UnitCost, ...], hw: Hardware, vpp: bool = True,
-                 relaxed_factory=None):
+                 relaxed_factory=None, method: str = "fast"):
         names = [c.name for c in costs]
         if "llm" not in names:
             raise ValueError(f"orchestrate: no 'llm' unit among {names}")
+        if method not in METHODS:
+            raise ValueError(f"orchestrate: method={method!r}; choose one of {METHODS}")
         self.costs = tuple(costs)
         self.hw = hw
         self.vpp = vpp
         self.llm = names.index("llm")
-        # built once per orchestrator (DPP): every candidate only re-solves it with new
-        # parameter values; `relaxed_factory(k)` substitutes it (tests count constructions)
-        self.relaxed = (relaxed_factory or RelaxedProblem)(len(costs))
+        # "fast": candidates bounded with numpy (candidates.py), relaxations solved in closed
+        # form in batches (relax.py); "cvxpy": the scalar bounds and the DPP problem of
+        # record, built once per orchestrator and re-solved per candidate;
+        # `relaxed_factory(k)` substitutes it (tests count constructions) and implies cvxpy
+        self.method = "cvxpy" if relaxed_factory is not None else method
+        self.relaxed = ((relaxed_factory or RelaxedProblem)(len(costs))
+                        if self.method == "cvxpy" else None)
+        self._priced = {}  # (unit, TP, LLM DP) -> OptionTable, within one solve
 
     # ---- candidate bounds --------------------------------------------------------------
     def _warm_const(self, tps) -> float:
@@ -156,21 +174,8 @@ class Orchestrator:
     @staticmethod
     def _share_bound(c, lo, hi, n) -> float:
         """Closed-form relaxation for a set of units sharing n GPUs: the smallest tau with
-        sum_u max(lo_u, c_u / tau) <= n (and c_u / tau <= hi_u)."""
-        if len(c) == 0:
-            return 0.0
-        if lo.sum() > n:
-            return math.inf
-        active = np.ones(len(c), dtype=bool)
-        tau = 0.0
-        for _ in range(len(c) + 1):
-            room = n - lo[~active].sum()
-            tau = c[active].sum() / room if active.any() else 0.0
-            moved = active & (c <= lo * tau)
-            if not moved.any():
-                break
-            active &= ~moved
-        return max(tau, float(np.max(c / hi)))
+        sum_u max(lo_u, c_u / tau) <= n (and c_u / tau <= hi_u); candidates.share_bound."""
+        return float(share_bound(c, lo, hi, np.float64(n)))
 
     def _bound(self, tps, dp_llm, inputs, n, bs) -> float:
         """Lower bound of the candidate: the LLM's PP enumerated exactly (few divisors of
@@ -218,86 +223,38 @@ class Orchestrator:
         return c, e, slope, lo, hi, m - 1
 
     # ---- integer repair ----------------------------------------------------------------
-    def _unit_options(self, i, t, dp_llm, x_star, tau_star, s_star, n, m):
-        cost, hw = self.costs[i], self.hw
-        out = []
-        if i == self.llm:
-            dps = [dp_llm]
-        else:
-            dps = [d for d in divisors(dp_llm) if t * d <= n]
-        for dp in dps:
-            r = x_star / (t * dp)
-            valid = (divisors(cost.num_layers) if cost.layer_pp_divides
-                     else list(range(1, cost.num_layers + 1)))
-            # the fewest stages that fit in memory (memory falls as PP grows: bisect)
-            lo_i, hi_i = 0, len(valid)
-            while lo_i < hi_i:
-                mid = (lo_i + hi_i) // 2
-                if memory_bytes(cost, Choice(t, dp, valid[mid]), dp_llm, m) <= hw.hbm_bytes:
-                    hi_i = mid
-                else:
-                    lo_i = mid + 1
-            fits = valid[lo_i:lo_i + 2]
-            if not fits:
-                continue
-            below = [p for p in valid if p <= r][-2:]
-            above = [p for p in valid if p > r][:2]
-            pps = set(below + above + fits[:2])
-            if tau_star > 0 and not cost.layer_pp_divides:
-                pps.add(min(cost.num_layers, math.ceil(dp_llm / dp * cost.time_s[t] / tau_star)))
-            # the fewest stages whose DP sync (falling as 1/PP) is under the relaxed one
-            sync1 = sync_time(cost, Choice(t, dp, 1), hw)
-            if sync1 > 0 and not cost.layer_pp_divides:
-                pps.add(min(cost.num_layers,
-                            math.ceil(sync1 / s_star) if s_star > 0 else cost.num_layers))
-            for pp in sorted(pps):
-                for v in ((1, 2) if self.vpp and i == self.llm else (1,)):
-                    ch = Choice(t, dp, pp, v)
-                    if ch.gpus > n or choice_error(cost, ch, dp_llm, m, hw):
-                        continue
-                    out.append((ch, ch.gpus, stage_time(cost, ch, dp_llm),
-                                warmup_time(cost, ch, dp_llm, hw), sync_time(cost, ch, hw)))
-        return out
+    def _table(self, i, t, dp_llm, n, m) -> OptionTable:
+        """Unit i's priced integer choices at (TP, LLM DP), built once per solve."""
+        key = (i, t, dp_llm)
+        if key not in self._priced:
+            self._priced[key] = OptionTable(self.costs[i], self.hw, t, dp_llm, m, n,
+                                            i == self.llm, self.vpp)
+        return self._priced[key]
 
     def _repair(self, tps, dp_llm, x, tau, s, n, bs):
         m = bs // dp_llm
-        opts = [self._unit_options(i, t, dp_llm, x[i], tau, s, n, m) for i, t in enumerate(tps)]
-        if any(not o for o in opts):
+        tables = [self._table(i, t, dp_llm, n, m) for i, t in enumerate(tps)]
+        opts = [tb.neighbourhood(x[i], tau, s) for i, tb in enumerate(tables)]
+        if any(not len(rows) for rows, _ in opts):
             return None
-        arrays = [np.array([o[1:] for o in unit]) for unit in opts]
-        shape = [len(a) for a in arrays]
-        g = np.zeros(shape)
-        stage = np.zeros(shape)
-        warm = np.zeros(shape)
-        sync = np.zeros(shape)
-        for ax, a in enumerate(arrays):
-            view = [1] * len(shape)
-            view[ax] = len(a)
-            g = g + a[:, 0].reshape(view)
-            stage = np.maximum(stage, a[:, 1].reshape(view))
-            warm = warm + a[:, 2].reshape(view)
-            sync = np.maximum(sync, a[:, 3].reshape(view))
-        total = warm + (m - 1) * stage + sync
-        total = np.where(g <= n, total, np.inf)
-        flat = int(np.argmin(total))
-        if not np.isfinite(total.flat[flat]):
+        out = combine([rows for rows, _ in opts], m, n)
+        if out is None:
             return None
-        idx = np.unravel_index(flat, shape)
-        # (gpus, time) Pareto front of the neighbourhood: where the GPU tie-break starts
-        ok = np.isfinite(total)
-        gs, ts = g[ok], total[ok]
-        order = np.lexsort((ts, gs))
-        gs, ts = gs[order], ts[order]
-        keep = ts < np.minimum.accumulate(np.concatenate(([np.inf], ts[:-1])))
-        flats = np.flatnonzero(ok)[order][keep]
-        self._front.append((gs[keep], ts[keep], flats, shape, opts))
-        return float(total.flat[flat]), {self.costs[i].name: opts[i][j][0]
-                                         for i, j in enumerate(idx)}
+        best_t, idx, front = out
+        picked = [(tb, flat) for tb, (_, flat) in zip(tables, opts)]
+        self._front.append(front + (picked,))  # where the GPU tie-break starts
+        return best_t, self._choices(picked, idx)
+
+    def _choices(self, picked, idx) -> dict[str, Choice]:
+        return {self.costs[i].name: tb.choice(flat[j])
+                for i, ((tb, flat), j) in enumerate(zip(picked, idx))}
 
     # ---- Algorithm 1 -------------------------------------------------------------------
     def candidates(self, n: int, bs: int) -> list:
         """Every (TP, DP) candidate with room in n GPUs, as (bound, dp_llm, tps, inputs),
         cheapest bound first."""
+        if self.method == "fast":
+            return candidate_table(self.costs, self.hw, self.llm, self.vpp, n, bs)
         tp_sets = [sorted(c.time_s) for c in self.costs]
         cands = []
         for dp_llm in divisors(bs):
@@ -316,6 +273,9 @@ class Orchestrator:
     def relaxed_bound(self, tps, dp_llm, inputs, n) -> tuple[float, np.ndarray] | None:
         """(lower bound of every integer plan of the candidate within n GPUs, relaxed x):
         the convex optimum plus the LLM's warm-up constant (VPP 2 at best)."""
+        if self.method == "fast":
+            values, xs = self._relax_batch([(None, dp_llm, tps, inputs)], n)
+            return None if not np.isfinite(values[0]) else (float(values[0]), xs[0])
         c, e, slope, lo, hi, mm = inputs
         w, wc = self._warm_terms(tps, c)
         sol = self.relaxed.solve(c, e, slope, lo, hi, n, mm, w, wc)
@@ -324,21 +284,42 @@ class Orchestrator:
         value, x = sol
         return value + self.costs[self.llm].time_s[tps[self.llm]] / (2 if self.vpp else 1), x
 
+    def _relax_batch(self, cands, n) -> tuple[np.ndarray, np.ndarray]:
+        """`relaxed_bound` of many candidates at once (closed form, relax.py): values (inf
+        where infeasible) and x, one row per candidate."""
+        warm = [self._warm_terms(tps, inputs[0]) for _, _, tps, inputs in cands]
+        cols = [np.array([inp[3][f] for inp in cands]) for f in range(6)]
+        values, x, ok = solve_relaxed(*cols[:5], n, cols[5], np.array([w for w, _ in warm]),
+                                      np.array([wc for _, wc in warm]))
+        vmax = 2 if self.vpp else 1
+        llm_warm = np.array([self.costs[self.llm].time_s[tps[self.llm]] / vmax
+                             for _, _, tps, _ in cands])
+        return np.where(ok, values + llm_warm, np.inf), x
+
     def _search(self, cands, n, bs, tolerance=0.0):
         """Branch and bound over `cands` (sorted by bound): the least time T* within n
         GPUs, and every candidate that may hold a plan within T* (1 + tolerance) repaired,
         its (gpus, time) Pareto front kept in self._front. Returns (T*, plan, relaxations,
         repairs)."""
         best_t, best, relaxations, repairs = math.inf, None, 0, 0
-        for lb0, dp_llm, tps, inputs in cands:
+        solved = []  # fast method: relaxations solved ahead in growing batches
+        for j, (lb0, dp_llm, tps, inputs) in enumerate(cands):
             limit = best_t * (1 + tolerance)
             if lb0 >= limit * (1 - 1e-9):
                 break
             relaxations += 1
-            sol = self.relaxed_bound(tps, dp_llm, inputs, n)
-            if sol is None:
-                continue
-            value, x = sol
+            if self.method == "fast":
+                if j == len(solved):
+                    values, xs = self._relax_batch(cands[j:j + max(64, j)], n)
+                    solved += list(zip(values, xs))
+                value, x = solved[j]
+                if not np.isfinite(value):
+                    continue
+            else:
+                sol = self.relaxed_bound(tps, dp_llm, inputs, n)
+                if sol is None:
+                    continue
+                value, x = sol
             if value >= limit * (1 - 1e-9):
                 continue
             c, e = inputs[0], inputs[1]
@@ -354,7 +335,7 @@ class Orchestrator:
         """(time, plan) using the fewest GPUs among the repaired plans within `cap`, the
         fastest of those."""
         best_g, best_t, best = math.inf, math.inf, None
-        for gs, ts, flats, shape, opts in self._front:
+        for gs, ts, flats, shape, picked in self._front:
             within = np.flatnonzero(ts <= cap)
             if not len(within):
                 continue
@@ -362,7 +343,7 @@ class Orchestrator:
             if (gs[j], ts[j]) < (best_g, best_t):
                 idx = np.unravel_index(int(flats[j]), shape)
                 best_g, best_t = gs[j], float(ts[j])
-                best = {self.costs[i].name: opts[i][k][0] for i, k in enumerate(idx)}
+                best = self._choices(picked, idx)
         return best_t, best
 
     def solve(self, num_gpus: int, global_batch: int,
@@ -382,7 +363,7 @@ class Orchestrator:
                              f"(a relative slack on the iteration time, e.g. 0.01)")
         start = time.perf_counter()
         n, bs = num_gpus, global_batch
-        self._front = []
+        self._front, self._priced = [], {}
         cands = self.candidates(n, bs)
         best_t, best, relaxations, repairs = self._search(cands, n, bs, gpu_tolerance)
         if best is None:
@@ -399,19 +380,14 @@ class Orchestrator:
         optimal_t = best_t
         if gpu_tolerance > 0:
             best_t, best = self._fewest_gpus(optimal_t * (1 + gpu_tolerance))
-        self._front = []
+        self._front, self._priced = [], {}
         return OrchestrationResult(best, best_t, time.perf_counter() - start, len(cands),
                                    relaxations, repairs, optimal_t)
 
 
-def _valid_pps(cost: UnitCost) -> list[int]:
-    return (divisors(cost.num_layers) if cost.layer_pp_divides
-            else list(range(1, cost.num_layers + 1)))
-
-
 def _fewest_gpus_choice(cost: UnitCost, hw: Hardware, dp_llm: int, m: int, is_llm: bool):
     """The unit's choice (VPP 1) with the fewest GPUs that fits in memory, or None."""
-    valid, best = _valid_pps(cost), None
+    valid, best = valid_pps(cost), None
     for tp in sorted(cost.time_s):
         for dp in ([dp_llm] if is_llm else divisors(dp_llm)):
             lo, hi = 0, len(valid)  # memory falls as PP grows: bisect the fewest stages
@@ -460,7 +436,7 @@ def infeasible_message(costs, hw: Hardware, n: int, bs: int) -> str:
     sp = smallest_plan(costs, hw, bs)
     if sp is None:
         for c in costs:
-            t, pp = max(c.time_s), _valid_pps(c)[-1]
+            t, pp = max(c.time_s), valid_pps(c)[-1]
             # least memory: most TP and stages, one sample per rank, DP for ZeRO-1
             mem = min(memory_bytes(c, Choice(t, d, pp), d, bs // d) for d in divisors(bs)) / 1e9
             if mem > have:
@@ -479,7 +455,7 @@ def infeasible_message(costs, hw: Hardware, n: int, bs: int) -> str:
     llm = next(c for c in costs if c.name == "llm")
     tp = max(llm.time_s)
     others = sum(ch.gpus for k, ch in chs.items() if k != "llm")
-    pps = [p for p in _valid_pps(llm) if tp * p + others <= n]
+    pps = [p for p in valid_pps(llm) if tp * p + others <= n]
     if pps:  # why fewer do not do: the LLM at the most stages the GPUs leave it
         mem = memory_bytes(llm, Choice(tp, 1, pps[-1]), 1, bs) / 1e9
         if mem > have:
@@ -490,8 +466,9 @@ def infeasible_message(costs, hw: Hardware, n: int, bs: int) -> str:
 
 def orchestrate(costs: tuple[UnitCost, ...], hw: Hardware, num_gpus: int, global_batch: int,
                 vpp: bool = True, gpu_tolerance: float = GPU_TOLERANCE,
-                relaxed_factory=None) -> OrchestrationResult:
+                relaxed_factory=None, method: str = "fast") -> OrchestrationResult:
     """Algorithm 1 with the fewest-GPUs tie-break (`Orchestrator.solve`); gpu_tolerance=0
-    returns the least-time plan alone."""
-    return Orchestrator(costs, hw, vpp, relaxed_factory).solve(num_gpus, global_batch,
-                                                               gpu_tolerance)
+    returns the least-time plan alone. `method`: "fast" (vectorised bounds, closed-form
+    relaxations) or "cvxpy" (the DPP problem of record); both return the same plan."""
+    return Orchestrator(costs, hw, vpp, relaxed_factory, method).solve(num_gpus, global_batch,
+                                                                       gpu_tolerance)

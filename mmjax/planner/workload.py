@@ -125,6 +125,20 @@ def cornstarch_like(model, num_samples: int = 24) -> Workload:
     return Workload("cornstarch_like", (total,) * num_samples, enc)
 
 
+def workload_from_metas(name: str, metas, model, cond_tokens: int = 64) -> Workload:
+    """The workload of real samples (`data.sample.SampleMeta`s: shapes only, no pixels):
+    LLM tokens per sample, per encoder the encoder tokens of each of the sample's
+    subsequences of its modality, and the images it generates (DistTrain §3: the manager
+    samples the training data to analyse its distribution)."""
+    if not metas:
+        raise ValueError(f"workload {name!r}: no samples; sample at least one")
+    enc = {spec.name: tuple(tuple(s.num_encoder_tokens for s in m.segments
+                                  if s.modality == spec.modality) for m in metas)
+           for spec in model.encoders}
+    return Workload(name, tuple(m.llm_length for m in metas), enc,
+                    tuple(m.count("image_out") for m in metas), cond_tokens)
+
+
 def default_workload(model, num_samples: int = 512, seed: int = 0) -> Workload:
     """The paper's dataset for the model family named by `model.name`."""
     family = model.name.split("/")[0]

@@ -26,6 +26,7 @@ from mmjax.data.tokenizer import tokenizer
 from mmjax.models.config import MLLMConfig
 from mmjax.models.mllm import MultimodalModel, trainable_filter
 from mmjax.planner.plan import Plan
+from mmjax.train.auto_plan import auto_plan
 from mmjax.train.checkpoint import Checkpointer
 from mmjax.train.config import named_model_config
 from mmjax.train.inputs import model_inputs
@@ -196,21 +197,37 @@ class SingleProgram:
             self.data.close()
 
 
+def write_trace(workdir: str, step: int, cfg, plan: Plan, trace: list[dict]) -> str:
+    """`<workdir>/traces/step_<step>.json`: what scripts/replan.py reads."""
+    path = os.path.join(workdir, "traces", f"step_{step}.json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"model": cfg.name, "plan": plan.to_json(), "trace": trace}, f)
+    return path
+
+
+def train_source(cfg):
+    """The trainer's data source (gin): `loader_source.path` (an ArrayRecord file from
+    scripts/make_dataset.py) or the gin-configured synthetic set."""
+    from mmjax.data.loader import SyntheticSource, loader_source
+
+    return loader_source(lambda: SyntheticSource(synthetic_dataset(cfg)))
+
+
 class Pipelined:
     """A Plan on the pipeline runtime, fed by the grain loader (planning, balancing and
     assembly off the training path, in its prefetch thread or worker processes)."""
 
     def __init__(self, cfg, layout, plan, schedule, dtype, seed, source=None):
-        from mmjax.data.loader import Loader, SyntheticSource, loader_source
+        from mmjax.data.loader import Loader
         from mmjax.train.pipeline_step import PipelineStep
 
         self.step_fn = PipelineStep(cfg, plan, schedule, dtype, seed)
         # gin: a real source (`llava_source.*`, `webdataset_source.*`), else
-        # `loader_source.path` (an ArrayRecord file from scripts/make_dataset.py) or the
-        # synthetic set; `Loader.*` (balance, post_balance_policy, workers, ...).
-        if source is None:
-            source = loader_source(lambda: SyntheticSource(synthetic_dataset(cfg)))
-        self.data = Loader(source, cfg, plan, layout, feeds=True)
+        # `loader_source.path` or the synthetic set (`train_source`); `Loader.*` (balance,
+        # post_balance_policy, workers, ...).
+        self.data = Loader(source if source is not None else train_source(cfg), cfg, plan,
+                           layout, feeds=True)
         self.num_trainable = sum(x.size for x in jax.tree.leaves(
             [st.trainable for st in self.step_fn.runtime.stages.values()]))
 
@@ -226,12 +243,14 @@ class Pipelined:
     def checkpoint_tree(self):
         return self.step_fn.state()
 
-    def step(self):
+    def step(self, trace: bool = False):
+        """One training step; `trace`: time every action alone (pipeline/trace.py "serial")
+        and return the records under "trace"."""
         t_wait = time.perf_counter()
         gb = next(self.data)
         feeds = [mb.inputs["feed"] for mb in gb.microbatches]
         t0 = time.perf_counter()
-        m = self.step_fn(feeds)
+        m = self.step_fn(feeds, trace=trace)
         m["step_time_s"] = time.perf_counter() - t0
         m["data_wait_s"] = t0 - t_wait
         m["tokens"] = int(sum(np.count_nonzero(f.llm["doc"]) for f in feeds))
@@ -255,21 +274,27 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
           global_batch: int = 8, compute_dtype: str = "float32", seed: int = 0,
           checkpoint_every: int = 10, progress: bool = True,
           stop_after: int | None = None, plan: str | None = None,
-          eval_every: int = 0, attention_impl: str | None = None) -> list[dict]:
+          eval_every: int = 0, attention_impl: str | None = None,
+          trace_every: int = 0) -> list[dict]:
     """Train `model` for `steps` steps (this invocation stops early after `stop_after`
     steps, as a preemption would; a rerun resumes); returns this run's metric records.
 
     `plan`: None trains the whole model as one program on the default device; "manual"
-    uses the gin-bound `manual_plan`; any other value is a Plan JSON file
+    uses the gin-bound `manual_plan`; "auto" plans at start-up for the devices present
+    and the run's data (train/auto_plan.py); any other value is a Plan JSON file
     (scripts/plan.py --json). A plan runs on the pipeline runtime over all devices.
     `eval_every` > 0: every that many steps (and at the end), the validation loss on the
     held-out `eval_source.*` set goes into the step's metrics as `eval_loss`.
     `attention_impl` (models/attention.py `bam_attention`: auto, dense, chunked, pallas,
-    cudnn) sets every unit's attention; with a plan it replaces each unit's plan field."""
+    cudnn) sets every unit's attention; with a plan it replaces each unit's plan field.
+    `trace_every` = N > 0 (with a plan): every N-th step runs traced and writes
+    `<workdir>/traces/step_<n>.json` (model, Plan, serial trace) for scripts/replan.py."""
     if compute_dtype not in _DTYPES:
         raise ValueError(f"train.compute_dtype={compute_dtype!r}: use one of {list(_DTYPES)}")
     if global_batch < 1 or steps < 1:
         raise ValueError("train.global_batch and train.steps must be >= 1")
+    if trace_every < 0:
+        raise ValueError(f"train.trace_every={trace_every}: use 0 (off) or N >= 1")
     cfg = model or named_model_config()
     tok = tokenizer()
     if tok is not None:
@@ -293,6 +318,12 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
 
         if plan == "manual":
             the_plan = manual_plan(global_batch=global_batch, model=cfg)
+        elif plan == "auto":  # planned for the source this run reads
+            real = _data(cfg, tok)[1]
+            the_plan = auto_plan(cfg, global_batch, real if real is not None
+                                 else train_source(cfg))
+            Console(stderr=True).print("auto plan: " + "; ".join(
+                f"{u.name} dp={u.dp} tp={u.tp} pp={u.pp}" for u in the_plan.units))
         else:
             if not os.path.exists(plan):
                 raise ValueError(f"train.plan={plan!r}: no such file; pass a Plan JSON from "
@@ -345,7 +376,10 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
             task = bar.add_task("train", total=steps, completed=start, info="")
             end = steps if stop_after is None else min(steps, start + stop_after)
             for step in range(start, end):
-                m = runner.step()
+                traced = plan is not None and trace_every > 0 and (step + 1) % trace_every == 0
+                m = runner.step(trace=True) if traced else runner.step()
+                if traced and lead:
+                    write_trace(workdir, step + 1, cfg, the_plan, m.pop("trace"))
                 skipped += m["skipped"]
                 # tokens seen (every non-pad LLM position) and tokens trained (loss targets:
                 # masked prompt tokens count in neither the loss nor the trained figure)

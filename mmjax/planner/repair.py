@@ -1,0 +1,118 @@
+"""Integer repair of a relaxed optimum (DistTrain §5.2), vectorised with numpy (no JAX).
+
+`OptionTable` prices every integer choice (DP_u, PP_u, VPP_u) of one unit at one TP and
+LLM DP once per solve, with the formulas of evaluate.py in the same order of operations
+(so the prices are bit-identical); `neighbourhood` picks, per DP_u, the PP values around
+the relaxed x_u / (TP_u DP_u), the fewest stages that fit in memory and, for units whose PP
+need not divide their layers, the PP meeting the relaxed stage time and the PP bringing
+the unit's DP sync under the relaxed one; `combine` prices every combination of the units'
+neighbourhoods and keeps the best plan and the (GPUs, time) Pareto front.
+"""
+from __future__ import annotations
+
+
+import numpy as np
+
+from mmjax.planner.candidates import divisors, valid_pps
+from mmjax.planner.costs import UnitCost
+from mmjax.planner.evaluate import Choice, sync_time
+from mmjax.planner.hardware import Hardware
+
+
+class OptionTable:
+    """Every (DP_u, PP_u, VPP_u) of one unit at TP t under LLM DP dp_llm (m microbatches):
+    arrays [DP, PP, VPP] of validity, GPUs, stage, warm-up and sync time."""
+
+    def __init__(self, cost: UnitCost, hw: Hardware, t: int, dp_llm: int, m: int, n: int,
+                 is_llm: bool, vpp: bool):
+        self.cost, self.hw, self.t, self.dp_llm = cost, hw, t, dp_llm
+        self.valid = valid_pps(cost)
+        self.dps = [dp_llm] if is_llm else [d for d in divisors(dp_llm) if t * d <= n]
+        self.vs = (1, 2) if vpp and is_llm else (1,)
+        dp = np.array(self.dps, dtype=np.float64)[:, None, None]
+        pp = np.array(self.valid, dtype=np.float64)[None, :, None]
+        v = np.array(self.vs, dtype=np.float64)[None, None, :]
+        spr = dp_llm / dp
+        time = cost.time_s[t]
+        self.gpus = t * dp * pp + 0 * v
+        self.stage = spr * time / pp + 0 * v
+        self.warm = spr * time / v + pp * (spr * cost.boundary_bytes / hw.nic_bw)
+        bw = np.where(dp * t <= hw.gpus_per_node, hw.nvlink_bw, hw.nic_bw)
+        if cost.grad_bytes == 0:
+            self.sync = np.zeros_like(self.gpus)
+        else:
+            self.sync = np.where(dp == 1, 0.0,
+                                 2 * (dp - 1) / dp * cost.grad_bytes / (t * pp) / bw) + 0 * v
+        shard = t * pp
+        flight = np.where(v == 1, np.minimum(m, pp), np.minimum(m, ((v + 1) * pp - 1) / v))
+        mem = (cost.weight_bytes / shard + cost.optimizer_bytes / (shard * dp)
+               + cost.activation_bytes[t] / pp * spr * flight)
+        fits = mem <= hw.hbm_bytes
+        vpp_ok = (v == 1) | ((pp > 1) & (cost.num_layers % (pp * v) == 0) & (m % pp == 0))
+        self.ok = fits & vpp_ok & (self.gpus <= n)
+        # the fewest stages that fit in memory at VPP 1, per DP (len(valid): none fits)
+        fit1 = fits[:, :, 0]
+        self._fewest = np.where(fit1.any(axis=1), np.argmax(fit1, axis=1), len(self.valid))
+        self._sync1 = np.array([sync_time(cost, Choice(t, d, 1), hw) for d in self.dps])
+        self._base = np.array([dp_llm / d * time for d in self.dps])  # stage time x tau
+        self._dp_arr, self._pp_arr = np.asarray(self.dps), np.asarray(self.valid)
+        self._idx = np.arange(len(self.valid))[None, :]
+        self._prices = np.stack([self.gpus, self.stage, self.warm, self.sync],
+                                axis=-1).reshape(-1, 4)
+
+    def neighbourhood(self, x_star: float, tau_star: float, s_star: float):
+        """(rows [options, 4] of gpus, stage, warm-up, sync; their flat (DP, PP, VPP)
+        indices, for `choice`) of the PPs around the relaxed optimum, in that order."""
+        cost, idx = self.cost, self._idx
+        cut = np.searchsorted(self._pp_arr, x_star / (self.t * self._dp_arr), side="right")
+        cut = cut[:, None]
+        fewest = self._fewest[:, None]
+        pick = (((idx >= cut - 2) & (idx < cut + 2)) | ((idx >= fewest) & (idx < fewest + 2)))
+        if not cost.layer_pp_divides:  # valid = 1..layers: PP p sits at index p - 1
+            if tau_star > 0:
+                pick |= idx == np.minimum(cost.num_layers,
+                                          np.ceil(self._base / tau_star))[:, None] - 1
+            if s_star > 0:
+                p = np.minimum(cost.num_layers, np.ceil(self._sync1 / s_star))
+            else:
+                p = np.full(len(self._sync1), cost.num_layers)
+            pick |= (idx == p[:, None] - 1) & (self._sync1 > 0)[:, None]
+        pick &= (fewest < len(self.valid))
+        sel = (self.ok & pick[:, :, None]).ravel()
+        return self._prices[sel], np.flatnonzero(sel)
+
+    def choice(self, flat: int) -> Choice:
+        """The Choice of an option by its flat (DP, PP, VPP) index (from `neighbourhood`)."""
+        j, p, w = np.unravel_index(int(flat), self.ok.shape)
+        return Choice(self.t, self.dps[j], self.valid[p], self.vs[w])
+
+
+def combine(arrays, m: int, n: int):
+    """Price every combination of the units' options (rows [options, 4] per unit): the
+    best (time, index tuple) and the (gpus, time) Pareto front (gpus, times, flat indices,
+    shape), or None when no combination fits in n GPUs."""
+    shape = [len(a) for a in arrays]
+    g = np.zeros(shape)
+    stage = np.zeros(shape)
+    warm = np.zeros(shape)
+    sync = np.zeros(shape)
+    for ax, a in enumerate(arrays):
+        view = [1] * len(shape)
+        view[ax] = len(a)
+        g = g + a[:, 0].reshape(view)
+        stage = np.maximum(stage, a[:, 1].reshape(view))
+        warm = warm + a[:, 2].reshape(view)
+        sync = np.maximum(sync, a[:, 3].reshape(view))
+    total = warm + (m - 1) * stage + sync
+    total = np.where(g <= n, total, np.inf)
+    flat = int(np.argmin(total))
+    if not np.isfinite(total.flat[flat]):
+        return None
+    ok = np.isfinite(total)
+    gs, ts = g[ok], total[ok]
+    order = np.lexsort((ts, gs))
+    gs, ts = gs[order], ts[order]
+    keep = ts < np.minimum.accumulate(np.concatenate(([np.inf], ts[:-1])))
+    flats = np.flatnonzero(ok)[order][keep]
+    return (float(total.flat[flat]), np.unravel_index(flat, shape),
+            (gs[keep], ts[keep], flats, shape))

@@ -1,0 +1,39 @@
+"""`train.plan = "auto"`: plan at start-up for the devices present and the run's data
+(DistTrain §3: the manager samples the training data, profiles, and orchestrates before
+training). The planner (planner/build.py, DistTrain §5) runs on the workload of samples
+drawn from the trainer's own source (data/data_spec.py), for `jax.device_count()` devices
+of the hardware the devices are (by device kind; the analytic H100 model for others, e.g.
+CPU devices in tests)."""
+from __future__ import annotations
+
+import gin
+import jax
+
+from mmjax.data.data_spec import sample_workload
+from mmjax.planner.build import plan_model
+from mmjax.planner.hardware import A800, H100, H200, hardware
+from mmjax.planner.plan import Plan, PlanError
+
+_KINDS = (("H200", H200), ("H100", H100), ("A800", A800), ("A100", A800))
+
+
+def device_hardware(devices=None):
+    """The `Hardware` spec of the devices present (by device kind), H100's otherwise."""
+    kind = str((devices or jax.devices())[0].device_kind).upper()
+    return next((hw for key, hw in _KINDS if key in kind), H100)
+
+
+@gin.configurable
+def auto_plan(cfg, global_batch: int, source, num_devices: int | None = None,
+              hardware_name: str | None = None, data_samples: int = 256) -> Plan:
+    """A validated plan for `cfg` on the devices present, planned for `data_samples`
+    samples of `source` (gin: `auto_plan.hardware_name = "h100"` to override the device
+    kind's spec)."""
+    n = num_devices or jax.device_count()
+    hw = hardware(hardware_name) if hardware_name else device_hardware()
+    wl = sample_workload(source, cfg, data_samples, name="train data")
+    try:
+        plan = plan_model(cfg, hw, n, global_batch, workload=wl)
+    except PlanError as e:
+        raise PlanError(f"train.plan='auto' on {n} devices: {e}") from None
+    return plan.validate(cfg, n)

@@ -1,0 +1,102 @@
+"""Re-plan from measured times: the traced steps of a run against the planner's predictions.
+
+    python scripts/replan.py --workdir=runs/x [--gpus=N] [--hardware=h100]
+        [--prior_actions=4] [--json=new_plan.json]
+
+Reads `<workdir>/traces/step_*.json` (written by `train.trace_every`: the run's model
+name, Plan and serial trace), learns the measured profile (planner/measured.py: per unit,
+measured / analytic time with the analytic model as prior), prints per virtual stage the
+measured and predicted forward + backward time of one microbatch, the learned factors,
+and the planner's plan on the measured costs (DistTrain §5) with its predicted gain over
+the traced plan. `--gpus` defaults to the traced plan's device count.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from mmjax.planner.hardware import hardware  # noqa: E402
+from mmjax.planner.measured import replan  # noqa: E402
+from mmjax.planner.plan import Plan, PlanError  # noqa: E402
+
+
+def load_model(name: str):
+    from mmjax.models.named import NAMED_CONFIGS, named_config
+    from mmjax.models.tiny import TINY_CONFIGS
+
+    if name in TINY_CONFIGS:
+        return TINY_CONFIGS[name]()
+    if name in NAMED_CONFIGS:
+        return named_config(name)
+    raise ValueError(f"model {name!r} of the traces is not a named config")
+
+
+def load_traces(workdir: str):
+    """(model name, Plan, concatenated trace) of every traced step in the workdir."""
+    paths = sorted(glob.glob(os.path.join(workdir, "traces", "step_*.json")))
+    if not paths:
+        raise ValueError(f"no traces in {workdir}/traces: train with train.trace_every=N")
+    trace, name, plan = [], None, None
+    for p in paths:
+        with open(p) as f:
+            d = json.load(f)
+        name, plan = d["model"], Plan.from_json(d["plan"])
+        trace += d["trace"]
+    return name, plan, trace
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workdir", required=True)
+    ap.add_argument("--gpus", type=int, help="devices to plan for (default: the traced plan's)")
+    ap.add_argument("--hardware", default="h100", help="a800 | h100 | h200: the analytic prior")
+    ap.add_argument("--prior_actions", type=float, default=4.0,
+                    help="weight of the analytic model, in traced actions")
+    ap.add_argument("--json", help="write the new plan here (loadable with Plan.load)")
+    args = ap.parse_args(argv)
+    console = Console(width=None if sys.stdout.isatty() else 132)
+    try:
+        name, plan, trace = load_traces(args.workdir)
+        model = load_model(name)
+        hw = hardware(args.hardware)
+        res = replan(model, plan, trace, hw, args.gpus or plan.num_devices,
+                     prior_actions=args.prior_actions)
+    except (ValueError, PlanError) as e:
+        console.print(f"error: {e}")
+        return 2
+    t = Table(title=f"{name}: {len(trace)} traced actions; one microbatch, forward + backward")
+    for col in ("stage", "actions", "measured s", "predicted s", "measured / predicted"):
+        t.add_column(col, justify="right")
+    for r in res.stages:
+        ratio = r["measured_s"] / r["predicted_s"] if r["predicted_s"] > 0 else float("nan")
+        t.add_row(r["stage"], str(r["actions"]), f"{r['measured_s']:.4g}",
+                  f"{r['predicted_s']:.4g}", f"{ratio:.3f}")
+    console.print(t)
+    console.print("learned factors (measured / analytic, prior 1): " + ", ".join(
+        f"{k} {v:.3f}" for k, v in res.factors.items()))
+    new = Table(title="plan on the measured profile")
+    for col in ("unit", "devices before", "devices after", "dp,tp,pp before", "dp,tp,pp after"):
+        new.add_column(col, justify="right")
+    for u in res.plan.units:
+        old = plan.unit(u.name)
+        new.add_row(u.name, str(old.num_devices), str(u.num_devices),
+                    f"{old.dp},{old.tp},{old.pp}", f"{u.dp},{u.tp},{u.pp}")
+    console.print(new)
+    console.print(f"traced plan {res.current_s:.4g} s/iter on the measured costs; new plan "
+                  f"{res.predicted_s:.4g} s/iter: predicted gain {res.gain:.3f}x")
+    if args.json:
+        res.plan.save(args.json)
+        console.print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""Re-planning from measured times (planner/measured.py, scripts/replan.py): per-unit
+factors learned from a trace with the analytic model as prior, and a slowed unit gets
+more devices."""
+import json
+import os
+import sys
+
+import pytest
+
+from mmjax.models.named import named_config
+from mmjax.planner.build import model_costs, plan_model
+from mmjax.planner.hardware import A800
+from mmjax.planner.measured import predicted_actions, replan, unit_factors
+
+ROOT = os.path.join(os.path.dirname(__file__), os.pardir)
+
+
+def synthetic_trace(plan, layer_costs, slow: dict[str, float]):
+    """A serial trace of `plan` whose actions take the analytic time x slow[unit]."""
+    trace, t = [], 0.0
+    for (stage, kind), sec in predicted_actions(plan, layer_costs).items():
+        unit = stage.rpartition(":")[0]
+        for mb in range(plan.num_microbatches):
+            d = sec * slow.get(unit, 1.0)
+            trace.append({"stage": stage, "virtual_stage": stage, "kind": kind,
+                          "microbatch": mb, "chunk": 0, "start": t, "end": t + d})
+            t += d
+    return trace
+
+
+@pytest.fixture(scope="module")
+def setting():
+    model = named_config("disttrain/mllm_9b")
+    plan = plan_model(model, A800, 98, 128)
+    _, layer_costs = model_costs(model, A800)
+    return model, plan, layer_costs
+
+
+def test_factors_are_measured_over_analytic_shrunk_to_the_prior(setting):
+    model, plan, layer_costs = setting
+    trace = synthetic_trace(plan, layer_costs, {"vision": 3.0})
+    f = unit_factors(plan, layer_costs, trace, prior_actions=4.0)
+    n = sum(1 for d in trace if d["stage"].startswith("vision:"))
+    assert f["vision"] == pytest.approx((4.0 + 3.0 * n) / (4.0 + n), rel=1e-9)
+    assert f["llm"] == pytest.approx(1.0, rel=1e-9)
+    one = [d for d in trace if d["stage"].startswith("vision:")][:1]
+    assert unit_factors(plan, layer_costs, one, 4.0)["vision"] == pytest.approx(7 / 5)
+    with pytest.raises(ValueError, match="not in the plan"):
+        unit_factors(plan, layer_costs, [{**one[0], "virtual_stage": "audio:0"}])
+
+
+def test_a_slowed_unit_gets_more_devices(setting):
+    model, plan, layer_costs = setting
+    same = replan(model, plan, synthetic_trace(plan, layer_costs, {}), A800, 98)
+    assert same.gain == pytest.approx(1.0, rel=1e-6)
+    slow = replan(model, plan, synthetic_trace(plan, layer_costs, {"vision": 10.0}), A800, 98)
+    before = plan.unit("vision").num_devices
+    after = slow.plan.unit("vision").num_devices
+    print(f"vision devices {before} -> {after}, predicted gain {slow.gain:.3f}")
+    assert after > before and slow.gain > 1.0
+    assert slow.predicted_s <= slow.current_s
+    rows = {r["stage"]: r for r in slow.stages}
+    assert rows["vision:0"]["measured_s"] == pytest.approx(10 * rows["vision:0"]["predicted_s"])
+
+
+def test_replan_cli_prints_measured_predicted_and_gain(setting, tmp_path, capsys):
+    model, plan, layer_costs = setting
+    trace = synthetic_trace(plan, layer_costs, {"vision": 4.0})
+    (tmp_path / "traces").mkdir()
+    with open(tmp_path / "traces" / "step_2.json", "w") as f:
+        json.dump({"model": model.name, "plan": plan.to_json(), "trace": trace}, f)
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import replan as replan_cli
+
+    assert replan_cli.main([f"--workdir={tmp_path}", "--hardware=a800", "--gpus=98",
+                            f"--json={tmp_path / 'new.json'}"]) == 0
+    out = capsys.readouterr().out
+    assert "vision:0" in out and "predicted gain" in out
+    assert replan_cli.main([f"--workdir={tmp_path / 'nothing'}"]) == 2
+    assert "error: no traces" in capsys.readouterr().out
