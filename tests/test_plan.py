@@ -134,6 +134,20 @@ def test_overlap_tp_and_cp_rules():
         plan_with(vision={"cp": 2}).validate(CFG, 8)
 
 
+def test_attention_impl_field_validated_and_round_trips():
+    p = plan_with(llm={"attention_impl": "pallas"}, vision={"attention_impl": "chunked"})
+    p.validate(CFG, 8)
+    q = Plan.from_json(p.to_json())
+    assert q.unit("llm").attention_impl == "pallas" and q.unit("vision").attention_impl == "chunked"
+    assert q.unit("generator").attention_impl == "auto"
+    with pytest.raises(PlanError, match=r"unit\['llm'\].attention_impl='flash': must be one of"):
+        plan_with(llm={"attention_impl": "flash"}).validate(CFG, 8)
+    with pytest.raises(PlanError, match="cuDNN runs only plain causal masks"):
+        plan_with(vision={"attention_impl": "cudnn"}).validate(CFG, 8)
+    with pytest.raises(PlanError, match="overlap_tp=True runs attention inside"):
+        plan_with(llm={"tp": 2, "overlap_tp": True, "attention_impl": "pallas"}).validate(CFG, 8)
+
+
 def test_json_round_trip(tmp_path):
     p = plan_with(tiny_valm(), vision={"dp": 2}, llm={"tp": 2, "pp": 2, "num_chunks": 2},
                   audio={"frozen": True})

@@ -130,3 +130,15 @@ def test_overlapped_tp_llm_stage(reference_cache):
     cfg = make_cfg()
     plan = Plan.uniform(cfg, 4, 2, tp={"llm": 2}, pp={"llm": 2}, overlap_tp={"llm": True})
     check(cfg, plan, n=4, cache=reference_cache)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("impl,cp", [("chunked", 2), ("pallas", 2)])
+def test_attention_implementations_keep_parity(impl, cp, reference_cache):
+    """Every unit on the chunked / block-sparse Pallas attention (interpret mode on CPU),
+    the LLM on cp2 with LPT over packed rows, against the single-device reference (dense
+    attention at these lengths): the same loss and gradients."""
+    cfg = make_cfg()
+    plan = Plan.uniform(cfg, 4, 2, cp={"llm": cp}, attention_impl=impl)
+    assert {u.attention_impl for u in plan.units} == {impl}
+    check(cfg, plan, n=4, packing="pack", cp_method="lpt", cache=reference_cache)

@@ -33,8 +33,9 @@ IMPLEMENTATIONS = ("auto", "dense", "chunked", "pallas", "cudnn")
 # "bam": any bitfield mask; "causal": causal text with one document per row, its real tokens
 # first (only this family may run on cuDNN, whose public API has no segment ids).
 MASK_FAMILIES = ("bam", "causal")
-# auto on CPU: the dense path up to this many (query, key) pairs per row, chunked beyond.
-AUTO_DENSE_MAX_PAIRS = 1 << 21
+# auto on CPU: the dense path up to this many (query, key) pairs per row (512 x 512), chunked
+# beyond: scripts/bench_attention.py measures chunked ahead of dense from 1k tokens on a CPU.
+AUTO_DENSE_MAX_PAIRS = 1 << 18
 
 
 class TokenMeta(NamedTuple):

@@ -88,6 +88,15 @@ def _split_rows(x, bq, kv):
     return x.reshape(b, s // bq, bq, kv, h // kv).transpose(1, 0, 3, 4, 2)
 
 
+def _zero_like_all(*trees):
+    """A float32 zero that varies over every mesh axis any input varies over (inside
+    shard_map), so loop carries started from it type-check against the tile updates."""
+    z = jnp.zeros((), _F32)
+    for leaf in jax.tree.leaves(trees):
+        z = z + jnp.sum(leaf[..., :0]).astype(_F32)
+    return z
+
+
 def _logits(qi, ki, scale):
     return jnp.einsum("bkgqd,bksd->bkgqs", qi, ki, preferred_element_type=_F32) * scale
 
@@ -99,6 +108,7 @@ def _tile_mask(mqi: TokenMeta, mki: TokenMeta):
 def _forward_block(qi, mqi, kb, vb, mkb, scale):
     """One query block against every key block: (out [B,KV,G,bq,D] f32, lse [B,KV,G,bq])."""
     b, kv, g, bq, d = qi.shape
+    z = _zero_like_all(qi, mqi, kb, vb, mkb)
 
     def step(carry, xs):
         ki, vi, mki = xs
@@ -117,8 +127,8 @@ def _forward_block(qi, mqi, kb, vb, mkb, scale):
 
         return lax.cond(jnp.any(mask), visit, lambda c: c, carry), None
 
-    init = (jnp.full((b, kv, g, bq), -jnp.inf, _F32), jnp.zeros((b, kv, g, bq), _F32),
-            jnp.zeros((b, kv, g, bq, d), _F32))
+    init = (jnp.full((b, kv, g, bq), -jnp.inf, _F32) + z, jnp.zeros((b, kv, g, bq), _F32) + z,
+            jnp.zeros((b, kv, g, bq, d), _F32) + z)
     (m, l, acc), _ = lax.scan(step, init, (kb, vb, mkb))
     seen = l > 0
     out = jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None], 0.0)
@@ -153,6 +163,7 @@ def flash_backward(q, k, v, mq, mk, out, lse, dout, bq, bk):
     delta = jnp.sum(dout.astype(_F32) * out.astype(_F32), axis=-1)  # [B, Sq, H]
     qb, dob = _split_q(q, bq, kv), _split_q(dout, bq, kv)
     lseb, deltab, mqb = lse, _split_rows(delta, bq, kv), _meta_blocks(mq, bq)
+    z = _zero_like_all(q, k, v, mq, mk, out, lse, dout)
 
     def key_block(dq_all, xs):
         ki, vi, mki = xs
@@ -177,12 +188,12 @@ def flash_backward(q, k, v, mq, mk, out, lse, dout, bq, bk):
             dk, dv, dqi = lax.cond(jnp.any(mask), visit, lambda a: a, (*carry, dqi))
             return (dk, dv), dqi
 
-        zeros = jnp.zeros(ki.shape, _F32)
+        zeros = jnp.zeros(ki.shape, _F32) + z
         (dk, dv), dq_all = lax.scan(query_block, (zeros, zeros),
                                     (qb, dob, lseb, deltab, mqb, dq_all))
         return dq_all, (dk, dv)
 
-    dq0 = jnp.zeros(qb.shape, _F32)
+    dq0 = jnp.zeros(qb.shape, _F32) + z
     dq, (dk, dv) = lax.scan(key_block, dq0, (_split_k(k, bk), _split_k(v, bk),
                                              _meta_blocks(mk, bk)))
     return _merge_q(dq).astype(q.dtype), _merge_k(dk).astype(k.dtype), _merge_k(dv).astype(v.dtype)

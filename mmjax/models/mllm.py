@@ -5,7 +5,7 @@ independent, all feed the LLM, the LLM feeds the generator (Cornstarch §3 modul
 DistTrain's encoder -> backbone -> generator). Frozen flags live in the config, per module
 and per projector; `trainable_filter` selects what gets gradients and optimizer state.
 
-The per-unit functions below (`encode`, `llm_embed`, `llm_allowed`, `lm_outputs`,
+The per-unit functions below (`encode`, `llm_embed`, `llm_meta`, `lm_outputs`,
 `generator_inputs`) are what both the single-device reference and the pipeline stages call,
 so both run the same arithmetic, in the same compute dtype: floating encoder inputs
 (patches, log-mel frames) are cast to it like the LLM embeddings and the generator's noisy

@@ -166,6 +166,10 @@ class Plan:
             if u.overlap_tp and (u.name != "llm" or u.tp < 2 or u.cp > 1):
                 raise PlanError(f"{where}.overlap_tp=True needs the llm unit with tp >= 2 and "
                                 f"cp == 1 (got tp={u.tp}, cp={u.cp}): set overlap_tp=False")
+            if u.overlap_tp and u.attention_impl == "pallas":
+                raise PlanError(f"{where}: overlap_tp=True runs attention inside a type-checked "
+                                f"shard_map the Pallas kernel cannot enter: set attention_impl "
+                                f"to 'chunked' or overlap_tp=False")
             if u.cp > 1 and u.name != "llm":
                 raise PlanError(f"{where}.cp={u.cp}: context parallelism is for the llm only")
             _validate_knobs(model, u, where)
