@@ -8,6 +8,11 @@ low heartbeat timeout makes a dead peer fail the others within seconds instead o
 
     python -m mmjax.launch --coordinator=HOST:PORT --num_processes=N --process_id=I \
         [--local_device_count=K] [--script=scripts/train.py] -- <script args>
+
+Cluster settings come from the flags, else the environment (`cluster_settings`):
+MMJAX_COORDINATOR / MMJAX_NUM_PROCESSES / MMJAX_PROCESS_ID, the process id of a Kubernetes
+indexed Job (JOB_COMPLETION_INDEX), or, under SLURM (srun), jax.distributed's own
+auto-detection (coordinator = first node of the step, one process per task).
 """
 from __future__ import annotations
 
@@ -20,17 +25,41 @@ import traceback
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def initialize(coordinator_address: str, num_processes: int, process_id: int,
+def cluster_settings(coordinator, num_processes, process_id, env=None) -> dict:
+    """The jax.distributed arguments: explicit flags first, then MMJAX_* variables, then a
+    Kubernetes indexed Job's JOB_COMPLETION_INDEX for the process id. Under SLURM, what is
+    still unset is left to jax.distributed's SLURM auto-detection (None). Raises ValueError
+    naming what is missing elsewhere."""
+    env = os.environ if env is None else env
+    coordinator = coordinator or env.get("MMJAX_COORDINATOR")
+    if num_processes is None and env.get("MMJAX_NUM_PROCESSES"):
+        num_processes = int(env["MMJAX_NUM_PROCESSES"])
+    if process_id is None:
+        pid = env.get("MMJAX_PROCESS_ID", env.get("JOB_COMPLETION_INDEX"))
+        process_id = None if pid is None else int(pid)
+    settings = {"coordinator": coordinator, "num_processes": num_processes,
+                "process_id": process_id}
+    missing = [k for k, v in settings.items() if v is None]
+    if missing and "SLURM_JOB_ID" not in env:
+        raise ValueError(f"launch: {', '.join('--' + k for k in missing)} not given and not "
+                         f"in the environment (MMJAX_COORDINATOR, MMJAX_NUM_PROCESSES, "
+                         f"MMJAX_PROCESS_ID or JOB_COMPLETION_INDEX; or run under srun)")
+    return settings
+
+
+def initialize(coordinator_address: str | None, num_processes: int | None,
+               process_id: int | None,
                local_device_count: int | None = None, heartbeat_timeout_seconds: int = 10,
                initialization_timeout: int = 120) -> None:
     """`jax.distributed.initialize` for process `process_id` of `num_processes`.
 
     `local_device_count`: CPU devices this process exposes (`jax_num_cpu_devices`; ignored
     on GPU, where each process sees its local accelerators). Call before any JAX
-    computation; the CPU platform then uses gloo for cross-process collectives."""
-    if num_processes < 1:
+    computation; the CPU platform then uses gloo for cross-process collectives. A None
+    setting is left to jax.distributed's auto-detection (SLURM)."""
+    if num_processes is not None and num_processes < 1:
         raise ValueError(f"initialize: num_processes={num_processes} must be >= 1")
-    if not 0 <= process_id < num_processes:
+    if None not in (num_processes, process_id) and not 0 <= process_id < num_processes:
         raise ValueError(f"initialize: process_id={process_id} must be in "
                          f"[0, num_processes={num_processes})")
     import jax
@@ -54,9 +83,10 @@ def main(argv=None) -> int:
         argv, rest = argv[:k], argv[k + 1:]
     p = argparse.ArgumentParser(prog="python -m mmjax.launch", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--coordinator", required=True, help="HOST:PORT of process 0's coordinator")
-    p.add_argument("--num_processes", type=int, required=True)
-    p.add_argument("--process_id", type=int, required=True)
+    p.add_argument("--coordinator", default=None,
+                   help="HOST:PORT of process 0's coordinator (default: environment, SLURM)")
+    p.add_argument("--num_processes", type=int, default=None)
+    p.add_argument("--process_id", type=int, default=None)
     p.add_argument("--local_device_count", type=int, default=None,
                    help="CPU devices per process (jax_num_cpu_devices)")
     p.add_argument("--heartbeat_timeout_seconds", type=int, default=10)
@@ -65,7 +95,11 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if not os.path.exists(args.script):
         sys.exit(f"error: --script={args.script!r} not found")
-    initialize(args.coordinator, args.num_processes, args.process_id,
+    try:
+        c = cluster_settings(args.coordinator, args.num_processes, args.process_id)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
+    initialize(c["coordinator"], c["num_processes"], c["process_id"],
                args.local_device_count, args.heartbeat_timeout_seconds)
     import jax
 

@@ -1,16 +1,24 @@
 #!/usr/bin/env python
 """Start an N-process run on this machine: `python scripts/launch_local.py --num_processes=N
-[--devices_per_process=K] [--script=scripts/train.py] [--timeout=S] -- <script args>`.
+[--devices_per_process=K] [--script=scripts/train.py] [--timeout=S] [--max_restarts=R]
+-- <script args>`.
 
 Each process is `python -m mmjax.launch` with a coordinator on 127.0.0.1 at a free port
 (jax.distributed, CPU devices per process = K). Output lines are prefixed `[pI]` and
 streamed as they come. When one process fails the others are killed (a peer waiting in a
-collective would otherwise hang); the exit status is that of the first process seen failing
+collective would otherwise hang; a hung process makes its peers fail within seconds through
+the coordinator's heartbeat); the exit status is that of the first process seen failing
 (a script's own non-zero exit preferred over a peer's abort on losing it), else 0.
+
+Supervision: with `--max_restarts=R` a failed attempt restarts all N processes (a fresh
+coordinator), up to R times; the script resumes from its last checkpoint (scripts/train.py
+does). When restarts run out the launcher exits with the culprit's status, naming it and
+printing its last output lines.
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import socket
 import subprocess
@@ -27,16 +35,41 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _pump(proc: subprocess.Popen, prefix: str, lock: threading.Lock) -> None:
+def _pump(proc: subprocess.Popen, prefix: str, lock: threading.Lock, tail) -> None:
     for line in proc.stdout:
+        tail.append(line.rstrip("\n"))
         with lock:
             sys.stdout.write(f"{prefix} {line}")
             sys.stdout.flush()
 
 
 def launch(num_processes: int, script_args: list[str], devices_per_process: int = 4,
-           script: str | None = None, timeout: float | None = None) -> int:
-    """Run the processes to completion; -> exit status (see module docstring)."""
+           script: str | None = None, timeout: float | None = None,
+           max_restarts: int = 0, tail_lines: int = 20) -> int:
+    """Run the processes, restarting all of them after a failure up to `max_restarts`
+    times; -> exit status (see module docstring)."""
+    if max_restarts < 0:
+        raise ValueError("launch: --max_restarts must be >= 0")
+    for attempt in range(max_restarts + 1):
+        status, culprit, tail = _attempt(num_processes, script_args, devices_per_process,
+                                         script, timeout, tail_lines)
+        if status == 0:
+            return 0
+        who = f"process p{culprit} (exit status {status})"
+        if attempt < max_restarts:
+            print(f"launch_local: {who} failed; restarting all {num_processes} processes "
+                  f"(restart {attempt + 1} of {max_restarts})", file=sys.stderr, flush=True)
+            continue
+        after = f" after {max_restarts} restart(s)" if max_restarts else ""
+        print(f"launch_local: {who} failed{after}; its last lines:", file=sys.stderr)
+        for line in tail:
+            print(f"  [p{culprit}] {line}", file=sys.stderr)
+        return status
+    return status  # unreachable: the loop returns
+
+
+def _attempt(num_processes, script_args, devices_per_process, script, timeout, tail_lines):
+    """One start of all processes; -> (exit status, culprit process id, its last lines)."""
     if num_processes < 1 or devices_per_process < 1:
         raise ValueError("launch: --num_processes and --devices_per_process must be >= 1")
     coordinator = f"127.0.0.1:{free_port()}"
@@ -58,18 +91,21 @@ def launch(num_processes: int, script_args: list[str], devices_per_process: int 
         procs.append(subprocess.Popen(cmd + ["--"] + list(script_args), env=env, cwd=REPO,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       text=True, bufsize=1))
-    pumps = [threading.Thread(target=_pump, args=(p, f"[p{i}]", lock), daemon=True)
+    tails = [collections.deque(maxlen=tail_lines) for _ in procs]
+    pumps = [threading.Thread(target=_pump, args=(p, f"[p{i}]", lock, tails[i]), daemon=True)
              for i, p in enumerate(procs)]
     for t in pumps:
         t.start()
-    status, deadline = 0, None if timeout is None else time.monotonic() + timeout
+    status, culprit = 0, 0
+    deadline = None if timeout is None else time.monotonic() + timeout
     try:
         while any(p.poll() is None for p in procs):
-            failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
+            failed = [(p.returncode, i) for i, p in enumerate(procs)
+                      if p.returncode not in (None, 0)]
             late = deadline is not None and time.monotonic() > deadline
             if failed or late:
                 # Prefer a script's own exit status over a peer's abort on losing it.
-                status = max(failed, key=lambda c: c > 0) if failed else 124
+                status, culprit = max(failed, key=lambda c: c[0] > 0) if failed else (124, 0)
                 if late:
                     print(f"launch_local: timed out after {timeout}s", file=sys.stderr)
                 break
@@ -83,12 +119,12 @@ def launch(num_processes: int, script_args: list[str], devices_per_process: int 
         for t in pumps:
             t.join(timeout=5)
     if status == 0:
-        codes = [p.returncode for p in procs if p.returncode != 0]
-        status = max(codes, key=lambda c: c > 0) if codes else 0
+        codes = [(p.returncode, i) for i, p in enumerate(procs) if p.returncode != 0]
+        status, culprit = max(codes, key=lambda c: c[0] > 0) if codes else (0, 0)
     if status != 0:
         codes = ", ".join(f"p{i}={p.returncode}" for i, p in enumerate(procs))
         print(f"launch_local: failed ({codes})", file=sys.stderr)
-    return status
+    return status, culprit, list(tails[culprit])
 
 
 def main(argv=None) -> int:
@@ -102,9 +138,15 @@ def main(argv=None) -> int:
     p.add_argument("--num_processes", type=int, required=True)
     p.add_argument("--devices_per_process", type=int, default=4)
     p.add_argument("--script", default=None, help="script to run (default scripts/train.py)")
-    p.add_argument("--timeout", type=float, default=None, help="kill all after S seconds")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="kill all after S seconds (per attempt)")
+    p.add_argument("--max_restarts", type=int, default=0,
+                   help="restart all processes after a failure up to R times")
     args = p.parse_args(argv)
-    return launch(args.num_processes, rest, args.devices_per_process, args.script, args.timeout)
+    if args.max_restarts < 0:
+        p.error("--max_restarts must be >= 0")
+    return launch(args.num_processes, rest, args.devices_per_process, args.script, args.timeout,
+                  args.max_restarts)
 
 
 if __name__ == "__main__":

@@ -55,7 +55,9 @@ def main(argv=None) -> int:
     files = args.gin_file or [os.path.join(REPO, "configs", "tiny.gin")]
     params = list(args.gin_param) + ([f"train.plan = {args.plan!r}"] if args.plan else [])
     parse_gin(files, params)
-    from mmjax.train.trainer import train
+    from mmjax.errors import UserError
+    from mmjax.train.checkpoint import CheckpointMismatch
+    from mmjax.train.trainer import TrainingStopped, train
 
     workdir = args.workdir or os.path.join("runs", os.path.splitext(os.path.basename(files[0]))[0])
     from mmjax.models.hf import PretrainedError
@@ -63,6 +65,10 @@ def main(argv=None) -> int:
         records = train(workdir=workdir)
     except PretrainedError as e:
         sys.exit(f"error: {e}")
+    except (UserError, TrainingStopped, CheckpointMismatch) as e:
+        # gin appends "In call to configurable ..." on a second line: the first says it all
+        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2 if isinstance(e, UserError) else 1
     if records:
         print(f"done: {len(records)} steps, loss {records[0]['loss']:.4f} -> "
               f"{records[-1]['loss']:.4f}; metrics in {workdir}/metrics.jsonl")

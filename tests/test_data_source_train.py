@@ -1,13 +1,17 @@
 """The pipelined trainer reads a gin-bound ArrayRecord dataset written by
-scripts/make_dataset.py (`loader_source.path`), decoding in the loader (DistTrain §4.2)."""
+scripts/make_dataset.py (`loader_source.path`), decoding in the loader (DistTrain §4.2);
+records that are truncated or whose Riegeli chunk checksum fails are skipped, counted and
+named; a file that cannot be opened is a one-line error naming it."""
 import importlib.util
 import json
 import os
 
 import gin
 import numpy as np
+import pytest
 
-from mmjax.data.loader import ArrayRecordSource, GlobalBatchBuilder, _policies
+from mmjax.data.loader import ArrayRecordSource, DecodeError, GlobalBatchBuilder, _policies
+from mmjax.errors import UserError
 from mmjax.models.config import with_overrides
 from mmjax.models.tiny import tiny
 from mmjax.planner.plan import Plan
@@ -29,6 +33,22 @@ def test_pipelined_training_from_make_dataset_arrayrecord(tmp_path):
                                   "generator.num_layers": 1})
     plan_path = str(tmp_path / "plan.json")
     Plan.uniform(cfg, 4, 2, dp={"vision": 2}, pp={"llm": 2}).save(plan_path)
+    builder = GlobalBatchBuilder(src, cfg, Plan.load(plan_path), data_layout(cfg),
+                                 _policies("orchmllm", cfg), reserve=8)
+    # flip 16 bytes inside the chunks of two intact records the run will read: their
+    # Riegeli chunk checksums fail (a RuntimeError from the reader)
+    intact = [i for step in range(2) for i in builder.select(step)[0] if _decodes(src, i)]
+    flipped = intact[:1] + intact[-1:]
+    raw = bytearray(open(data, "rb").read())
+    for i in flipped:
+        at = raw.index(b'{"id": %d, "segments"' % i) + 40
+        raw[at:at + 16] = bytes(b ^ 0xFF for b in raw[at:at + 16])
+    open(data, "wb").write(bytes(raw))
+    src = ArrayRecordSource(data)
+    for i in flipped:
+        with pytest.raises(DecodeError, match=rf"{data} record {i}: unreadable \(RuntimeError: "
+                                              rf"Corrupted Riegeli/records file: chunk"):
+            src.load(i)
     with gin.unlock_config():
         gin.parse_config([f"loader_source.path = '{data}'", "Loader.balance = 'orchmllm'",
                           "Loader.reserve = 8"])
@@ -44,8 +64,38 @@ def test_pipelined_training_from_make_dataset_arrayrecord(tmp_path):
     builder = GlobalBatchBuilder(src, cfg, Plan.load(plan_path), data_layout(cfg),
                                  _policies("orchmllm", cfg), reserve=8)
     gbs = [builder(step) for step in range(2)]
-    assert sum(g.skip_reasons.get("decode", 0) for g in gbs) > 0
+    undecodable = [i for g in gbs for i in g.sample_ids if not _decodes(src, i)]
+    assert set(flipped) < set(undecodable)
+    assert sum(g.skip_reasons.get("decode", 0) for g in gbs) == len(undecodable)
     assert [r["skipped_samples"] for r in recs] == list(np.cumsum([g.skipped_samples
                                                                    for g in gbs]))
     with open(tmp_path / "run" / "metrics.jsonl") as f:
         assert [json.loads(x)["step"] for x in f] == [1, 2]
+
+
+def _decodes(src, i) -> bool:
+    try:
+        src.load(i)
+        return True
+    except DecodeError:
+        return False
+
+
+@pytest.mark.parametrize("damage", ["emptied", "truncated", "no index", "missing"])
+def test_unopenable_dataset_is_one_line_error_naming_the_file(tmp_path, damage):
+    data = str(tmp_path / "d.arrayrecord")
+    make_dataset.main(["--model=tiny", "--kind=laion", "--num_samples=12", f"--out={data}"])
+    raw = open(data, "rb").read()
+    if damage == "emptied":
+        open(data, "wb").close()
+    elif damage == "truncated":
+        open(data, "wb").write(raw[:len(raw) // 2])
+    elif damage == "no index":
+        os.remove(data + ".index.json")
+    else:
+        os.remove(data)
+    with pytest.raises(UserError) as e:
+        from mmjax.data.loader import as_source
+        as_source(data)
+    msg = str(e.value)
+    assert data in msg and "\n" not in msg and "scripts/make_dataset.py" in msg, msg

@@ -85,3 +85,60 @@ def test_launch_rejects_bad_process_id():
 
     with pytest.raises(ValueError, match="process_id=2"):
         initialize("127.0.0.1:1", num_processes=2, process_id=2)
+
+
+_FAILS_ONCE = textwrap.dedent("""
+    import os, sys
+    import jax
+    marker = sys.argv[1]
+    if jax.process_index() == 1 and not os.path.exists(marker):
+        open(marker, "w").close()
+        print("process 1 fails on the first attempt", flush=True)
+        sys.exit(3)
+    print("attempt ok", flush=True)
+""")
+
+
+@pytest.mark.slow
+def test_launch_local_restarts_all_then_gives_up_naming_the_culprit(tmp_path):
+    once, always = tmp_path / "once.py", tmp_path / "always.py"
+    once.write_text(_FAILS_ONCE)
+    always.write_text(_FAILING)
+    run = lambda script, *extra: subprocess.run(
+        LAUNCH + ["--num_processes=2", "--devices_per_process=1", "--max_restarts=1",
+                  f"--script={script}", "--", *extra],
+        env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    res = run(once, str(tmp_path / "marker"))
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert "process p1 (exit status 3) failed; restarting all 2 processes (restart 1 of 1)" \
+        in res.stderr
+    second = res.stdout.split("process 1 fails on the first attempt")[1]  # the restart
+    assert "[p0] attempt ok" in second and "[p1] attempt ok" in second
+    res = run(always)
+    assert res.returncode == 3, res.stdout[-2000:] + res.stderr[-2000:]
+    assert res.stderr.count("restarting all 2 processes") == 1
+    assert "launch_local: process p1 (exit status 3) failed after 1 restart(s); its last " \
+           "lines:\n  [p1] process 1 fails" in res.stderr
+
+
+@pytest.mark.parametrize("flags,env,want", [
+    (("h:1", 2, 1), {}, ("h:1", 2, 1)),
+    ((None, None, None), {"MMJAX_COORDINATOR": "c:2", "MMJAX_NUM_PROCESSES": "4",
+                          "MMJAX_PROCESS_ID": "3"}, ("c:2", 4, 3)),
+    (("h:1", 4, None), {"JOB_COMPLETION_INDEX": "2"}, ("h:1", 4, 2)),  # k8s indexed Job
+    (("h:1", None, None), {"MMJAX_NUM_PROCESSES": "2", "MMJAX_PROCESS_ID": "1",
+                           "JOB_COMPLETION_INDEX": "0"}, ("h:1", 2, 1)),
+    ((None, None, None), {"SLURM_JOB_ID": "7"}, (None, None, None)),  # jax auto-detects
+])
+def test_cluster_settings_from_flags_environment_kubernetes_and_slurm(flags, env, want):
+    from mmjax.launch import cluster_settings
+
+    got = cluster_settings(*flags, env=env)
+    assert (got["coordinator"], got["num_processes"], got["process_id"]) == want
+
+
+def test_cluster_settings_missing_outside_slurm_names_what_is_missing():
+    from mmjax.launch import cluster_settings
+
+    with pytest.raises(ValueError, match=r"--coordinator, --process_id not given"):
+        cluster_settings(None, 2, None, env={})

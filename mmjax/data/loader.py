@@ -56,6 +56,7 @@ from mmjax.data.feed import microbatch_feed
 from mmjax.data.reorder import inter_reorder, intra_reorder
 from mmjax.data.sample import FIRST_TEXT_ID, Sample, SampleMeta, Segment
 from mmjax.data.synthetic import Spec, SyntheticDataset
+from mmjax.errors import UserError, one_line
 from mmjax.models.config import MLLMConfig
 from mmjax.planner.costs import layer_times, unit_work
 from mmjax.planner.hardware import H100, Hardware, hardware as hardware_by_name
@@ -156,25 +157,38 @@ def decode_record(raw: bytes, patch_size: int, max_grid: int) -> Sample:
         return Sample(int(head["id"]), tuple(segs))
     except DecodeError:
         raise
-    except (ValueError, KeyError, TypeError, struct.error, UnicodeDecodeError) as e:
-        raise DecodeError(f"cannot decode record: {e}") from None
+    except Exception as e:  # noqa: BLE001 (untrusted bytes: any failure means undecodable)
+        raise DecodeError(f"cannot decode record: {one_line(e, 160)}") from None
 
 
 class ArrayRecordSource:
     """Records written by `scripts/make_dataset.py`: `<path>` (ArrayRecord, one encoded
     sample per record) and `<path>.index.json` (per record the decoded shapes, so planning
-    reads no pixels)."""
+    reads no pixels). A file that cannot be opened is a UserError naming it (before any
+    training); a record that cannot be read (Riegeli chunk checksum, I/O error) or decoded
+    is a DecodeError naming the file and record index, which the loader skips and counts."""
 
     def __init__(self, path: str):
         import grain
-        with open(path + ".index.json") as f:
-            index = json.load(f)
-        self.patch_size, self.max_grid = int(index["patch_size"]), int(index["max_grid"])
-        self.specs = [[(m, tuple(s), int(k)) for m, s, k in spec] for spec in index["specs"]]
-        self.records = grain.sources.ArrayRecordDataSource([path])
-        if len(self.records) != len(self.specs):
-            raise ValueError(f"{path}: {len(self.records)} records but the index lists "
-                             f"{len(self.specs)}; rewrite it with scripts/make_dataset.py")
+        try:
+            with open(path + ".index.json") as f:
+                index = json.load(f)
+            self.patch_size, self.max_grid = int(index["patch_size"]), int(index["max_grid"])
+            self.specs = [[(m, tuple(s), int(k)) for m, s, k in spec]
+                          for spec in index["specs"]]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise UserError(f"{path}.index.json: unreadable index ({one_line(e, 120)}); "
+                            f"rewrite the dataset with scripts/make_dataset.py") from None
+        try:
+            self.records = grain.sources.ArrayRecordDataSource([path])
+            n = len(self.records)
+        except Exception as e:  # noqa: BLE001 (array_record raises RuntimeError, OSError...)
+            raise UserError(f"{path}: cannot open the ArrayRecord file ({one_line(e, 120)}); "
+                            f"rewrite it with scripts/make_dataset.py") from None
+        if n != len(self.specs):
+            raise UserError(f"{path}: {n} records but the index lists "
+                            f"{len(self.specs)}; rewrite it with scripts/make_dataset.py")
+        self.path = path
 
     def __len__(self) -> int:
         return len(self.specs)
@@ -182,8 +196,20 @@ class ArrayRecordSource:
     def spec(self, index: int) -> Spec:
         return self.specs[index]
 
+    def name(self, index: int) -> str:
+        """The record's name in skip reports: file and record index."""
+        return f"{self.path}:{index}"
+
     def load(self, index: int) -> Sample:
-        return decode_record(self.records[index], self.patch_size, self.max_grid)
+        try:
+            raw = self.records[index]
+        except Exception as e:  # noqa: BLE001 (Riegeli checksum RuntimeError, OSError...)
+            raise DecodeError(f"{self.path} record {index}: unreadable "
+                              f"({one_line(e, 160)})") from None
+        try:
+            return decode_record(raw, self.patch_size, self.max_grid)
+        except DecodeError as e:
+            raise DecodeError(f"{self.path} record {index}: {e}") from None
 
 
 def write_dataset(path: str, samples, patch_size: int, max_grid: int,
@@ -236,9 +262,12 @@ def as_source(source):
     ArrayRecord file written by scripts/make_dataset.py (its index next to it)."""
     if isinstance(source, (str, os.PathLike)):
         path = os.fspath(source)
+        if not os.path.exists(path):
+            raise UserError(f"loader_source.path={path!r}: no such file; write the dataset "
+                            f"with scripts/make_dataset.py --out={path}")
         if not os.path.exists(path + ".index.json"):
-            raise ValueError(f"Loader.source={path!r}: no {path}.index.json; write the dataset "
-                             f"with scripts/make_dataset.py --out={path}")
+            raise UserError(f"loader_source.path={path!r}: no {path}.index.json; write the "
+                            f"dataset with scripts/make_dataset.py --out={path}")
         return ArrayRecordSource(path)
     if not all(hasattr(source, a) for a in ("__len__", "spec", "load")):
         raise ValueError(f"Loader.source: {type(source).__name__} is not a source (needs "

@@ -74,6 +74,12 @@ def _clip(grads, norm, max_norm: float):
         lambda t: jax.lax.select(trigger, t, (t / norm.astype(t.dtype)) * max_norm), grads)
 
 
+def keep_if_nonfinite(ok, new, old):
+    """`new` where the scalar `ok` holds, else `old` (leaf by leaf, on device): the
+    non-finite-step guard of both training paths."""
+    return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+
+
 @jax.jit
 def grad_sq_norm(grads):
     """Sum of squares of every gradient leaf (one stage's contribution to the global norm)."""
@@ -195,14 +201,16 @@ class Zero1Optimizer:
         return self._init(jax.tree.map(_put, params, self.param_shardings))
 
     def _update_shard(self, params, grads, opt_state, norm):
+        """A non-finite `norm` (the trainer folds a non-finite loss into it) leaves params
+        and state as they were: the step is skipped on device, with no host sync."""
         to_shard = lambda t: jax.lax.with_sharding_constraint(t, _named(self.mesh,
                                                                         self.shard_specs))
         p, g = to_shard(params), to_shard(grads)
         if self.clip_norm:
             g = _clip(g, norm, self.clip_norm)
-        updates, opt_state = self.tx.update(g, opt_state, p)
+        updates, new_state = self.tx.update(g, opt_state, p)
         new_p = to_shard(optax.apply_updates(p, updates))
-        return new_p, opt_state
+        return keep_if_nonfinite(jnp.isfinite(norm), (new_p, new_state), (params, opt_state))
 
     def update(self, params, grads, opt_state, global_grad_norm=None):
         """-> (new params, new opt_state). `grads`: summed over microbatches and dp, replicated

@@ -17,8 +17,10 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 
+from mmjax.errors import UserError
 
-class PlanError(ValueError):
+
+class PlanError(UserError):
     """A plan that cannot run; the message names the field and the fix."""
 
 
@@ -198,15 +200,24 @@ class Plan:
 
     @classmethod
     def from_json(cls, d: dict) -> "Plan":
-        fields = {f.name for f in dataclasses.fields(UnitPlan)}
-        units = []
-        for u in d["units"]:
-            extra = set(u) - fields
-            if extra:
-                raise PlanError(f"Plan JSON unit {u.get('name')!r}: unknown fields {sorted(extra)}")
-            units.append(UnitPlan(**{**u, "layers": tuple(u.get("layers", ()))}))
-        return cls(tuple(units), int(d["global_batch"]), int(d["num_microbatches"]),
-                   kind=d.get("kind", "manual"), predicted=d.get("predicted", {}))
+        """A Plan from its JSON; every field is checked for presence and type (PlanError
+        naming it), so a hand-edited plan never silently falls back to a default."""
+        if not isinstance(d, dict):
+            raise PlanError(f"Plan JSON: expected an object, got {type(d).__name__}")
+        unknown = set(d) - {"units", "global_batch", "num_microbatches", "kind", "predicted"}
+        if unknown:
+            raise PlanError(f"Plan JSON: unknown fields {sorted(unknown)}; allowed: units, "
+                            f"global_batch, num_microbatches, kind, predicted")
+        for k in ("global_batch", "num_microbatches"):
+            _check_type(f"Plan JSON {k}", d.get(k, _MISSING), int)
+        _check_type("Plan JSON kind", d.get("kind", "manual"), str)
+        _check_type("Plan JSON predicted", d.get("predicted", {}), dict)
+        if not isinstance(d.get("units"), list) or not d["units"]:
+            raise PlanError("Plan JSON units: must be a non-empty list of unit objects "
+                            "(write plans with scripts/plan.py --json)")
+        return cls(tuple(_unit_from_json(u) for u in d["units"]), d["global_batch"],
+                   d["num_microbatches"], kind=d.get("kind", "manual"),
+                   predicted=d.get("predicted", {}))
 
     def save(self, path: str) -> None:
         with open(path, "w") as f:
@@ -214,11 +225,50 @@ class Plan:
 
     @classmethod
     def load(cls, path: str) -> "Plan":
-        with open(path) as f:
-            return cls.from_json(json.load(f))
+        try:
+            with open(path) as f:
+                d = json.load(f)
+        except (OSError, ValueError) as e:
+            raise PlanError(f"plan file {path}: cannot read it as JSON ({e}); write it with "
+                            f"scripts/plan.py --json") from None
+        return cls.from_json(d)
 
 
 _UNIT_DEFAULTS = {f.name: f.default for f in dataclasses.fields(UnitPlan)}
+_UNIT_REQUIRED = ("name", "dp", "tp", "pp", "layers")  # the rest have defaults (older JSON)
+_MISSING = object()
+
+
+def _check_type(where: str, value, kind) -> None:
+    if value is _MISSING:
+        raise PlanError(f"{where}: missing; add it (scripts/plan.py --json writes every field)")
+    ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+    if not ok:
+        want = "true/false" if kind is bool else kind.__name__
+        raise PlanError(f"{where}={value!r}: must be {want}")
+
+
+def _unit_from_json(u) -> UnitPlan:
+    if not isinstance(u, dict):
+        raise PlanError(f"Plan JSON units: each entry must be an object, got {u!r}")
+    name = u.get("name", "?")
+    extra = set(u) - set(_UNIT_DEFAULTS) - {"name"}
+    if extra:
+        raise PlanError(f"Plan JSON unit {name!r}: unknown fields {sorted(extra)}; allowed: "
+                        f"{sorted(_UNIT_DEFAULTS)}")
+    for k in _UNIT_REQUIRED:
+        if k not in u:
+            raise PlanError(f"Plan JSON unit {name!r}: field {k!r} is missing; add it")
+    _check_type("Plan JSON unit name", u["name"], str)
+    for k, v in u.items():
+        if k in ("name", "layers"):
+            continue
+        _check_type(f"Plan JSON unit {name!r} {k}", v, type(_UNIT_DEFAULTS[k]))
+    layers = u["layers"]
+    if not isinstance(layers, (list, tuple)) or not all(
+            isinstance(x, int) and not isinstance(x, bool) for x in layers):
+        raise PlanError(f"Plan JSON unit {name!r} layers={layers!r}: must be a list of ints")
+    return UnitPlan(**{**u, "layers": tuple(layers)})
 REMAT_POLICIES = ("full", "dots", "none")  # pipeline/stage.py `remat_wrap` implements them
 # models/attention.py IMPLEMENTATIONS implements them (no JAX here)
 ATTENTION_IMPLS = ("auto", "dense", "chunked", "pallas", "cudnn")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import gin
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from mmjax.models.config import MLLMConfig
@@ -21,6 +22,7 @@ from mmjax.parallel.zero import Zero1Optimizer, global_grad_norm, multiprocess_g
 from mmjax.pipeline.runtime import PipelineRuntime
 from mmjax.planner.plan import Plan
 from mmjax.train.optimizer import OptimizerSettings, optimizer_from_settings
+from mmjax.train.validate import check_manual_plan
 
 
 @gin.configurable
@@ -31,12 +33,20 @@ def manual_plan(global_batch: int = 8, num_microbatches: int = 2, dp=None, tp=No
     """A Plan from per-unit dicts, e.g. `manual_plan.pp = {"llm": 2}` or
     `manual_plan.remat = "dots"` / `manual_plan.attention_impl = "chunked"` in gin (a plain
     value applies to every unit)."""
-    kw = {k: v for k, v in dict(dp=dp, tp=tp, pp=pp, cp=cp, num_chunks=num_chunks,
-                                overlap_tp=overlap_tp, remat=remat, tp_chunks=tp_chunks,
-                                tp_bidirectional=tp_bidirectional,
-                                cp_head_groups=cp_head_groups,
-                                attention_impl=attention_impl).items() if v is not None}
+    knobs = dict(dp=dp, tp=tp, pp=pp, cp=cp, num_chunks=num_chunks, overlap_tp=overlap_tp,
+                 remat=remat, tp_chunks=tp_chunks, tp_bidirectional=tp_bidirectional,
+                 cp_head_groups=cp_head_groups, attention_impl=attention_impl)
+    check_manual_plan(model.unit_names, global_batch, num_microbatches, **knobs)
+    kw = {k: v for k, v in knobs.items() if v is not None}
     return Plan.uniform(model, global_batch, num_microbatches, **kw)
+
+
+def _fold_loss(norm, loss_terms):
+    """norm + 0 * sum(loss terms) on the norm's device: equal to `norm` when the loss is
+    finite, NaN when it is not, so one scalar tells every stage's update to skip."""
+    dev = list(norm.devices())[0]
+    total = sum((jax.device_put(t, dev) for t in loss_terms), jnp.zeros((), jnp.float32))
+    return norm + 0.0 * total
 
 
 class PipelineStep:
@@ -62,15 +72,21 @@ class PipelineStep:
         if jax.process_count() == 1:
             norm = global_grad_norm([self._norm_terms(res.grads, sid)
                                      for sid in self.optimizers])
-        else:
+            guard = _fold_loss(norm, res.lm_loss + res.diffusion_loss)
+        else:  # the norm and the losses are host values here already
             norm = multiprocess_grad_norm([self._norm_terms(res.grads, sid)
                                            for sid in self.trained])
+            losses = res.losses()
+            guard = norm if np.isfinite(losses["loss"]) else float("nan")
+        # every stage's update is skipped on device when `guard` is not finite
         for sid, opt in self.optimizers.items():
             st = stages[sid]
             st.trainable, self.opt_states[sid] = self.runtime.settle(
-                opt.update(st.trainable, res.grads[sid], self.opt_states[sid], norm))
-        out = res.losses()  # the step's one host sync, after everything is dispatched
+                opt.update(st.trainable, res.grads[sid], self.opt_states[sid], guard))
+        # the step's one host sync, after everything is dispatched
+        out = res.losses() if jax.process_count() == 1 else losses
         out["grad_norm"] = float(norm)
+        out["nonfinite"] = float(not np.isfinite(float(guard)))
         if trace:
             out["trace"] = res.trace
         return out

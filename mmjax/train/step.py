@@ -14,6 +14,7 @@ import optax
 from flax import nnx
 
 from mmjax.models.layers import cast_floats
+from mmjax.parallel.zero import keep_if_nonfinite
 
 
 class TrainState(NamedTuple):
@@ -37,16 +38,31 @@ def make_loss_fn(graphdef, compute_dtype=jnp.float32, attention_impl="auto"):
     return loss_fn
 
 
+def all_finite(tree) -> jax.Array:
+    """True iff every element of every leaf is finite (a norm would overflow first)."""
+    return jnp.all(jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(tree)] or
+                             [jnp.array(True)]))
+
+
 def make_train_step(graphdef, tx: optax.GradientTransformation, compute_dtype=jnp.float32,
                     attention_impl="auto"):
+    """Jitted (state, batch) -> (state, metrics). A step whose loss, gradient norm or updated
+    parameters are not finite is not applied (selected on device, no host sync);
+    `metrics["nonfinite"]` is 1 for such a step, else 0; `state.step` counts applied steps."""
     loss_fn = make_loss_fn(graphdef, compute_dtype, attention_impl)
 
     def train_step(state: TrainState, batch):
         (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(
             state.trainable, state.frozen, batch)
+        norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.trainable)
         trainable = optax.apply_updates(state.trainable, updates)
-        metrics = {"loss": loss, **aux, "grad_norm": optax.tree.norm(grads)}
-        return TrainState(state.step + 1, trainable, state.frozen, opt_state), metrics
+        ok = jnp.isfinite(loss) & jnp.isfinite(norm) & all_finite(trainable)
+        trainable, opt_state = keep_if_nonfinite(ok, (trainable, opt_state),
+                                                 (state.trainable, state.opt_state))
+        metrics = {"loss": loss, **aux, "grad_norm": norm,
+                   "nonfinite": 1.0 - ok.astype(jnp.float32)}
+        return TrainState(state.step + ok.astype(state.step.dtype), trainable, state.frozen,
+                          opt_state), metrics
 
     return jax.jit(train_step, donate_argnums=(0,))

@@ -23,17 +23,21 @@ from mmjax.data.assemble import AssemblyLayout, BatchShapes, assemble, batch_sha
 from mmjax.data.synthetic import SyntheticConfig, SyntheticDataset
 from mmjax.data.sources import configured_source, eval_source
 from mmjax.data.tokenizer import tokenizer
+from mmjax.errors import UserError
 from mmjax.models.config import MLLMConfig, config_to_dict
 from mmjax.models.hf.pretrained import (PretrainedError, load_into_model,
                                         prepare_pretrained)
 from mmjax.models.mllm import MultimodalModel, trainable_filter
 from mmjax.planner.plan import Plan
 from mmjax.train.auto_plan import auto_plan
-from mmjax.train.checkpoint import Checkpointer
+from mmjax.train.checkpoint import Checkpointer, NonFiniteState
 from mmjax.train.config import named_model_config, pretrained
 from mmjax.train.inputs import model_inputs
+from mmjax.train.logical_state import (pipeline_load_logical, pipeline_logical,
+                                       single_from_logical, single_logical)
 from mmjax.train.optimizer import learning_rate_schedule, optimizer_from_settings
 from mmjax.train.step import TrainState, make_loss_fn, make_train_step, split_model
+from mmjax.train.validate import check_data_path, check_train_settings, gin_bound
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -153,13 +157,15 @@ class SingleProgram:
     def data_state(self) -> dict:
         return {"batches": self.data.state()}
 
-    def restore(self, ckpt, step):
-        self.state, data_state = ckpt.restore(step, self.state)
-        self.data.restore(data_state["batches"])
-        return data_state
+    def load(self, state: dict, data_state: dict, step: int) -> None:
+        """A checkpoint of either path: a pipeline run's has no `batches` state; the single
+        program then goes on from global batch `step` of its own stream."""
+        self.state = single_from_logical(self.state, state)
+        self.data.restore(data_state.get("batches", {"next_batch": step, "shapes": None}))
 
-    def checkpoint_tree(self):
-        return self.state
+    def checkpoint_tree(self) -> dict:
+        """Plan-independent named arrays (train/logical_state.py)."""
+        return single_logical(self.state)
 
     def step(self):
         t_wait = time.perf_counter()
@@ -239,14 +245,16 @@ class Pipelined:
     def data_state(self) -> dict:
         return {"loader": self.data.get_state()}
 
-    def restore(self, ckpt, step):
-        state, data_state = ckpt.restore(step, self.step_fn.state())
-        self.step_fn.load_state(state)
-        self.data.set_state(data_state["loader"])
-        return data_state
+    def load(self, state: dict, data_state: dict, step: int) -> None:
+        """A checkpoint of any plan (or of the single program: the loader then goes on from
+        global batch `step` of its stream)."""
+        pipeline_load_logical(self.step_fn, state)
+        self.data.set_state(data_state.get("loader", {
+            "step": step, "skipped_samples": data_state.get("skipped_samples", 0)}))
 
-    def checkpoint_tree(self):
-        return self.step_fn.state()
+    def checkpoint_tree(self) -> dict:
+        """Plan-independent named arrays (train/logical_state.py)."""
+        return pipeline_logical(self.step_fn)
 
     def step(self, trace: bool = False):
         """One training step; `trace`: time every action alone (pipeline/trace.py "serial")
@@ -266,6 +274,45 @@ class Pipelined:
 
     def close(self):
         self.data.close()
+
+
+class TrainingStopped(RuntimeError):
+    """Training cannot usefully continue (one-line reason; checkpoints are intact)."""
+
+
+def truncate_metrics(path: str, upto: int, one_per_step: bool = True) -> None:
+    """Keep the rows of JSONL `path` with step <= `upto` (rows past the restored checkpoint
+    were written by the interrupted run and are about to be redone); `one_per_step`: the
+    last row of each step only (metrics.jsonl; skipped.jsonl has one row per sample).
+    Rewritten atomically: a temporary file then os.replace, so a kill leaves the old or the
+    new file, never half of one."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        lines = f.readlines()
+    kept: dict = {}  # step -> its last row (files from older versions repeat), or row order
+    for n, line in enumerate(lines):
+        try:
+            row = json.loads(line)
+        except ValueError:  # a row cut short by a kill mid-write
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= upto:
+            key = row["step"] if one_per_step else (row["step"], n)
+            kept[key] = line if line.endswith("\n") else line + "\n"
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(kept[k] for k in sorted(kept))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _last_good(ckpt) -> str:
+    if ckpt is None:
+        return "none (multi-process runs keep none)"
+    ckpt.wait()
+    step = ckpt.latest_step()
+    return f"step {step} in {ckpt.directory}" if step is not None else "none yet"
 
 
 RUN_INFO = "run.json"
@@ -305,7 +352,8 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
           checkpoint_every: int = 10, progress: bool = True,
           stop_after: int | None = None, plan: str | None = None,
           eval_every: int = 0, attention_impl: str | None = None,
-          trace_every: int = 0) -> list[dict]:
+          trace_every: int = 0, keep_checkpoints: int = 3, keep_every: int | None = None,
+          max_bad_steps: int = 5) -> list[dict]:
     """Train `model` for `steps` steps (this invocation stops early after `stop_after`
     steps, as a preemption would; a rerun resumes); returns this run's metric records.
 
@@ -318,13 +366,24 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
     `attention_impl` (models/attention.py `bam_attention`: auto, dense, chunked, pallas,
     cudnn) sets every unit's attention; with a plan it replaces each unit's plan field.
     `trace_every` = N > 0 (with a plan): every N-th step runs traced and writes
-    `<workdir>/traces/step_<n>.json` (model, Plan, serial trace) for scripts/replan.py."""
-    if compute_dtype not in _DTYPES:
-        raise ValueError(f"train.compute_dtype={compute_dtype!r}: use one of {list(_DTYPES)}")
-    if global_batch < 1 or steps < 1:
-        raise ValueError("train.global_batch and train.steps must be >= 1")
+    `<workdir>/traces/step_<n>.json` (model, Plan, serial trace) for scripts/replan.py.
+
+    Checkpoints: every `checkpoint_every` steps; the newest `keep_checkpoints` are kept, and
+    every multiple of `keep_every` permanently. A resume takes the newest checkpoint that
+    verifies (train/checkpoint.py), naming and setting aside any that do not.
+
+    A step whose loss or gradient norm is not finite is not applied (counted in
+    `nonfinite_steps`); `max_bad_steps` of them in a row stop the run (TrainingStopped)
+    with the last good checkpoint intact. On resume metrics.jsonl keeps only the rows up to
+    the restored step, so every step appears once."""
+    check_train_settings(steps, global_batch, compute_dtype, _DTYPES, seed, checkpoint_every,
+                         progress, stop_after, plan, keep_checkpoints, keep_every, max_bad_steps)
     if trace_every < 0:
-        raise ValueError(f"train.trace_every={trace_every}: use 0 (off) or N >= 1")
+        raise UserError(f"train.trace_every={trace_every}: use 0 (off) or N >= 1")
+    check_data_path()
+    if plan is None and gin_bound("loader_source.path"):
+        raise UserError("loader_source.path is read by the pipeline runtime only: add "
+                        "--plan=manual (or a Plan JSON), or drop the binding")
     cfg = model or named_model_config()
     dirs = pretrained()  # gin: pretrained.<unit> = "/hf/checkpoint/dir"
     if dirs:  # configs from config.json; files, names and shapes checked before any work
@@ -359,13 +418,10 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
             Console(stderr=True).print("auto plan: " + "; ".join(
                 f"{u.name} dp={u.dp} tp={u.tp} pp={u.pp}" for u in the_plan.units))
         else:
-            if not os.path.exists(plan):
-                raise ValueError(f"train.plan={plan!r}: no such file; pass a Plan JSON from "
-                                 "scripts/plan.py --json, or 'manual' with manual_plan.* bindings")
             the_plan = Plan.load(plan)
         if the_plan.global_batch != global_batch:
-            raise ValueError(f"plan global_batch={the_plan.global_batch} differs from "
-                             f"train.global_batch={global_batch}: make them equal")
+            raise UserError(f"plan global_batch={the_plan.global_batch} differs from "
+                            f"train.global_batch={global_batch}: make them equal")
         if tok is not None:
             cfg = fit_vocab(cfg, tok, [u.tp for u in the_plan.units])
         if attention_impl is not None:
@@ -386,23 +442,30 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
     # live on one process's devices, so multi-process runs keep no checkpoints.
     lead = jax.process_index() == 0
     multi = jax.process_count() > 1
-    ckpt = None if multi else Checkpointer(os.path.join(workdir, "checkpoints"))
+    ckpt = None if multi else Checkpointer(os.path.join(workdir, "checkpoints"),
+                                           keep_checkpoints, keep_every,
+                                           log=lambda msg: console.print(msg, markup=False))
     if multi and lead:
         console.print(f"{jax.process_count()} processes: metrics from process 0, "
                       "no checkpoints (stage arrays are process-local)")
-    start, skipped = 0, 0
-    latest = ckpt.latest_step() if ckpt is not None else None
-    if latest is not None:
-        data_state = runner.restore(ckpt, latest)
+    start, skipped, nonfinite = 0, 0, 0
+    found = ckpt.restore_latest(runner.checkpoint_tree()) if ckpt is not None else None
+    if found is not None:
+        latest, state, data_state = found
+        runner.load(state, data_state, latest)
         start, skipped = latest, int(data_state.get("skipped_samples", 0))
+        nonfinite = int(data_state.get("nonfinite_steps", 0))
         console.print(f"resumed from {workdir}/checkpoints step {latest}")
     where = "one program" if plan is None else f"plan {plan} on {jax.device_count()} devices"
     console.print(f"[bold]{cfg.name}[/]: {runner.num_trainable:,} trainable parameters, "
                   f"{steps} steps of {global_batch} samples, {where}")
 
-    records = []
+    records, in_a_row = [], 0
     metrics_path = os.path.join(workdir, "metrics.jsonl")
     skipped_path = os.path.join(workdir, "skipped.jsonl")
+    if lead:
+        truncate_metrics(metrics_path, start)
+        truncate_metrics(skipped_path, start, one_per_step=False)
     try:
         with open(metrics_path if lead else os.devnull, "a") as mf, \
                 open(skipped_path if lead else os.devnull, "a") as sf, Progress(
@@ -417,6 +480,8 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
                 if traced and lead:
                     write_trace(workdir, step + 1, cfg, the_plan, m.pop("trace"))
                 skipped += m["skipped"]
+                bad = bool(m["nonfinite"])
+                nonfinite, in_a_row = nonfinite + bad, (in_a_row + 1) if bad else 0
                 # tokens seen (every non-pad LLM position) and tokens trained (loss targets:
                 # masked prompt tokens count in neither the loss nor the trained figure)
                 rec = {"step": step + 1, "loss": m["loss"], "lm_loss": m["lm_loss"],
@@ -426,7 +491,7 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
                        "trained_tokens_per_s": m["tokens_trained"] / m["step_time_s"],
                        "tokens_seen": m["tokens"], "tokens_trained": m["tokens_trained"],
                        "step_time_s": m["step_time_s"], "data_wait_s": m["data_wait_s"],
-                       "skipped_samples": skipped}
+                       "skipped_samples": skipped, "nonfinite_steps": nonfinite}
                 if eval_every and ((step + 1) % eval_every == 0 or step + 1 == end):
                     rec["eval_loss"] = runner.evaluate(*held_out, layout)
                 records.append(rec)
@@ -436,9 +501,24 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
                     sf.write(json.dumps({"step": step + 1, "id": name, "reason": reason}) + "\n")
                 sf.flush()
                 bar.update(task, advance=1, info=f"loss {rec['loss']:.4f}")
-                if ckpt is not None and ((step + 1) % checkpoint_every == 0 or step + 1 == end):
-                    ckpt.save(step + 1, runner.checkpoint_tree(),
-                              {**runner.data_state(), "skipped_samples": skipped})
+                if in_a_row >= max_bad_steps:
+                    raise TrainingStopped(
+                        f"{in_a_row} steps in a row ({step + 2 - in_a_row}..{step + 1}) had a "
+                        f"non-finite loss or gradient norm (last: loss {rec['loss']}, grad_norm "
+                        f"{rec['grad_norm']}); none was applied. Last good checkpoint: "
+                        f"{_last_good(ckpt)} (lower the learning rate or check the data, then "
+                        f"rerun to resume; train.max_bad_steps={max_bad_steps})")
+                # a step in a bad streak changed no parameters: no checkpoint until one is good
+                if ckpt is not None and not in_a_row and (
+                        (step + 1) % checkpoint_every == 0 or step + 1 == end):
+                    try:
+                        ckpt.save(step + 1, runner.checkpoint_tree(),
+                                  {**runner.data_state(), "skipped_samples": skipped,
+                                   "nonfinite_steps": nonfinite})
+                    except NonFiniteState as e:
+                        raise TrainingStopped(f"step {step + 1}: {e}; last good checkpoint: "
+                                              f"{_last_good(ckpt)} (lower the learning rate, "
+                                              f"then rerun to resume)") from None
     finally:
         if ckpt is not None:
             ckpt.close()

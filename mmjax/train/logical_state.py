@@ -1,0 +1,144 @@
+"""Plan-independent training state: every trainable array and its optimizer moments named by
+its place in the whole model ("params.llm.layers.3.attn.q.kernel", "opt.mu.llm.layers.3...",
+"opt.count"), in its logical (unsharded, un-staged) shape.
+
+The single-program state and a pipeline plan's per-stage state (layers numbered within the
+stage, optimizer state ZeRO-1 sharded) map to the same names and shapes, so a checkpoint
+written under one plan restores under any other: orbax reads each named array straight into
+the sharding the new run's leaf has (resharding on read). Frozen parameters are not part of
+it: they are rebuilt from the seed or the pretrained weights, exactly as at the start.
+"""
+from __future__ import annotations
+
+import jax
+from jax.tree_util import DictKey, GetAttrKey, SequenceKey
+
+
+def _keys(path) -> list:
+    """A pytree path as plain keys, nnx's `.value` wrapper dropped."""
+    out = []
+    for k in path:
+        if isinstance(k, DictKey):
+            out.append(k.key)
+        elif isinstance(k, SequenceKey):
+            out.append(k.idx)
+        elif isinstance(k, GetAttrKey):
+            if k.name != "value":
+                out.append(k.name)
+        else:
+            out.append(str(k))
+    return out
+
+
+def _join(keys) -> str:
+    return ".".join(str(k) for k in keys)
+
+
+def _opt_names(opt_state, param_name) -> list[str]:
+    """Names of the optimizer-state leaves: "opt.<field>.<param name>" for per-parameter
+    fields (Adam's mu, nu), "opt.<field>" for scalars (counts), the chain position dropped
+    (the single program chains clipping in front, the pipeline clips outside). Repeated
+    scalar names get "#k" in order."""
+    names, seen = [], {}
+    for path, _ in jax.tree_util.tree_flatten_with_path(opt_state)[0]:
+        keys = _keys(path)
+        first = next((i for i, k in enumerate(keys) if isinstance(k, str)), len(keys))
+        field, rest = keys[first:first + 1], keys[first + 1:]
+        name = "opt." + _join(field) + ("." + param_name(rest) if rest else "")
+        if name in seen:
+            seen[name] += 1
+            name = f"{name}#{seen[name]}"
+        else:
+            seen[name] = 0
+        names.append(name)
+    return names
+
+
+def _named(tree, names) -> dict:
+    leaves = jax.tree.leaves(tree)
+    if len(leaves) != len(names) or len(set(names)) != len(names):
+        raise RuntimeError("internal: state leaves and logical names do not pair up")
+    return dict(zip(names, leaves))
+
+
+def _rebuild(like, names, arrays: dict):
+    return jax.tree.unflatten(jax.tree.structure(like), [arrays[n] for n in names])
+
+
+# ---- single program: TrainState(step, trainable, frozen, opt_state) -------------------------
+
+def _single_names(state):
+    params = [_join(_keys(p)) for p, _ in jax.tree_util.tree_flatten_with_path(
+        state.trainable)[0]]
+    opt = _opt_names(state.opt_state, _join)
+    return ["params." + n for n in params], opt
+
+
+def single_logical(state) -> dict:
+    """TrainState -> {name: array} (trainable parameters, optimizer state)."""
+    params, opt = _single_names(state)
+    return {**_named(state.trainable, params), **_named(state.opt_state, opt)}
+
+
+def single_from_logical(like, arrays: dict):
+    """{name: array} (as `single_logical(like)` names them) -> a TrainState like `like`;
+    its step (applied steps) is the optimizer's count, which only applied steps advance."""
+    params, opt = _single_names(like)
+    step = arrays.get("opt.count", like.step)  # a copy: the step donates both buffers
+    return like._replace(step=jax.numpy.array(step, like.step.dtype, copy=True),
+                         trainable=_rebuild(like.trainable, params, arrays),
+                         opt_state=_rebuild(like.opt_state, opt, arrays))
+
+
+# ---- pipeline: per stage trainable + ZeRO-1 optimizer state ----------------------------------
+
+def stage_param_name(plan, sid, keys) -> str:
+    """A stage's parameter path -> its name in the whole model (what
+    pipeline.runtime.to_reference_layout does to trees): the unit prefix for the LLM and the
+    generator, and layer numbers offset by the stage's first layer."""
+    u = plan.unit(sid.unit)
+    start, _ = u.stage_layers(sid.index % u.pp, sid.index // u.pp)
+    keys = list(keys)
+    if sid.unit in ("llm", "generator"):
+        keys = [sid.unit] + keys
+        at = 1
+    else:
+        at = 2 if keys[:2] == ["encoders", sid.unit] else None
+    if at is not None and len(keys) > at + 1 and keys[at] == "layers":
+        keys[at + 1] = int(keys[at + 1]) + start
+    return _join(keys)
+
+
+def _stage_names(plan, sid, params, opt_state):
+    name = lambda keys: stage_param_name(plan, sid, keys)
+    pn = ["params." + name(_keys(p)) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    return pn, _opt_names(opt_state, name)
+
+
+def pipeline_logical(step_fn) -> dict:
+    """A PipelineStep's trainable parameters and ZeRO-1 state -> {name: array}. Scalars
+    shared by every stage (the optimizer counts) are taken from the first stage; every
+    stage holds the same value (all stages update, or skip, together)."""
+    plan = step_fn.runtime.plan
+    out = {}
+    for sid, opt_state in step_fn.opt_states.items():
+        params = step_fn.runtime.stages[sid].trainable
+        pn, on = _stage_names(plan, sid, params, opt_state)
+        out.update(_named(params, pn))
+        for n, leaf in _named(opt_state, on).items():
+            out.setdefault(n, leaf)
+    return out
+
+
+def pipeline_load_logical(step_fn, arrays: dict) -> None:
+    """Set a PipelineStep's parameters and optimizer state from {name: array} (arrays on
+    the shardings of `pipeline_logical(step_fn)`; shared scalars are copied onto each
+    stage's own devices)."""
+    plan = step_fn.runtime.plan
+    for sid, opt_state in step_fn.opt_states.items():
+        stage = step_fn.runtime.stages[sid]
+        pn, on = _stage_names(plan, sid, stage.trainable, opt_state)
+        stage.trainable = _rebuild(stage.trainable, pn, arrays)
+        opt = [jax.device_put(arrays[n], x.sharding)
+               for n, x in zip(on, jax.tree.leaves(opt_state))]
+        step_fn.opt_states[sid] = jax.tree.unflatten(jax.tree.structure(opt_state), opt)

@@ -1,0 +1,149 @@
+"""Non-finite steps are not applied (both training paths, selected on device), a streak
+stops the run with the last good checkpoint intact, and metrics.jsonl keeps each step once
+across resumes."""
+import dataclasses
+import json
+import os
+
+import gin
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import Mesh
+
+from mmjax.parallel.zero import Zero1Optimizer
+from mmjax.train.pipeline_step import _fold_loss
+from mmjax.train.step import TrainState, make_train_step, split_model
+
+
+class SqrtModel(nnx.Module):
+    """loss = sum(sqrt(w * x)): x = 0 gives a finite loss with a NaN gradient."""
+
+    def __init__(self):
+        self.w = nnx.Param(jnp.full((4,), 2.0))
+
+    def __call__(self, batch, dtype, attention_impl="auto"):
+        loss = jnp.sum(jnp.sqrt(self.w[...] * batch["x"]))
+        return loss, {"lm_loss": loss, "diffusion_loss": jnp.zeros(())}
+
+
+def _copy(tree):
+    return [np.array(x) for x in jax.tree.leaves(tree)]
+
+
+@pytest.fixture(scope="module")
+def sqrt_step():
+    graphdef, trainable, frozen = split_model(SqrtModel(), nnx.Param)
+    steps = {}
+    for lr in (0.1, 1e38):  # 1e38: finite loss and gradient, the update overflows
+        tx = optax.sgd(lr)
+        steps[lr] = (make_train_step(graphdef, tx),
+                     lambda tx=tx: TrainState(jnp.zeros((), jnp.int32),  # copies: donated
+                                              jax.tree.map(jnp.copy, trainable), frozen,
+                                              tx.init(trainable)))
+    return steps
+
+
+@pytest.mark.parametrize("case", ["nan loss", "nan gradient", "overflowing update"])
+def test_single_program_step_is_skipped_on_device_and_counted(sqrt_step, case):
+    lr = 1e38 if case == "overflowing update" else 0.1
+    step, init = sqrt_step[lr]
+    x = {"nan loss": [1.0, np.nan, 1.0, 1.0], "nan gradient": [1.0, 0.0, 1.0, 1.0],
+         "overflowing update": [1e4, 1e4, 1e4, 1e4]}[case]
+    state = init()
+    before = _copy(state)
+    state, m = step(state, {"x": jnp.asarray(x, jnp.float32)})
+    assert float(m["nonfinite"]) == 1.0 and int(state.step) == 0
+    if case == "nan gradient":
+        assert np.isfinite(float(m["loss"])) and not np.isfinite(float(m["grad_norm"]))
+    for a, b in zip(before, _copy(state)):
+        np.testing.assert_array_equal(a, b)  # parameters and optimizer state untouched
+    if lr == 0.1:  # a good batch afterwards is applied as usual
+        state, m = step(state, {"x": jnp.ones(4, jnp.float32)})
+        assert float(m["nonfinite"]) == 0.0 and int(state.step) == 1
+        assert not np.array_equal(before[0], np.asarray(jax.tree.leaves(state.trainable)[0]))
+
+
+def test_zero1_update_skips_when_the_folded_norm_is_not_finite():
+    mesh = Mesh(np.array(jax.devices()[:2]).reshape(2, 1), ("dp", "tp"))
+    params = {"w": jnp.arange(8.0, dtype=jnp.float32).reshape(4, 2)}
+    opt = Zero1Optimizer(optax.adam(0.1), mesh, params, clip_norm=1.0)
+    state = opt.init(params)
+    grads = {"w": jnp.ones((4, 2), jnp.float32)}
+    norm = jnp.sqrt(jnp.float32(8.0))
+    ok = _fold_loss(norm, [jnp.float32(1.5), jnp.float32(2.0)])
+    assert np.asarray(ok).tobytes() == np.asarray(norm).tobytes()  # bit-identical when finite
+    bad = _fold_loss(norm, [jnp.float32(1.5), jnp.float32(np.inf)])
+    assert np.isnan(float(bad))
+    before = _copy((params, state))
+    p2, s2 = opt.update(params, grads, state, bad)
+    for a, b in zip(before, _copy((p2, s2))):
+        np.testing.assert_array_equal(a, b)
+    p3, _ = opt.update(params, grads, state, ok)
+    assert not np.array_equal(np.asarray(p3["w"]), before[0])
+
+
+def test_truncate_metrics_keeps_each_step_once_up_to_the_restored_one(tmp_path):
+    from mmjax.train.trainer import truncate_metrics
+
+    path = str(tmp_path / "metrics.jsonl")
+    rows = [{"step": s, "loss": float(s)} for s in (1, 2, 3, 2, 3, 4, 5)]
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+        f.write('{"step": 6, "lo')  # cut short by a kill
+    truncate_metrics(path, 3)
+    got = [json.loads(x) for x in open(path)]
+    assert [r["step"] for r in got] == [1, 2, 3]
+    assert os.listdir(tmp_path) == ["metrics.jsonl"]  # temp file replaced, none left
+    truncate_metrics(path, 0)
+    assert open(path).read() == ""
+    skips = str(tmp_path / "skipped.jsonl")  # several rows per step, all kept in order
+    with open(skips, "w") as f:
+        f.writelines(json.dumps({"step": s, "id": k}) + "\n" for s, k in
+                     [(1, "a"), (2, "b"), (2, "c"), (3, "d"), (2, "e")])
+    truncate_metrics(skips, 2, one_per_step=False)
+    assert [json.loads(x)["id"] for x in open(skips)] == ["a", "b", "c", "e"]
+
+
+@pytest.mark.slow
+def test_diverging_run_stops_keeps_good_checkpoint_and_resume_writes_each_step_once(tmp_path):
+    """2 good steps (checkpoint 2); rerun at lr 1e30: steps go non-finite, are skipped, and
+    after max_bad_steps the run stops naming checkpoint 2, which stays (keep_checkpoints=1)
+    and verifies; a rerun at a sane lr resumes from 2 to the end, every step once."""
+    from mmjax.models.config import EncoderSpec, MLLMConfig, ProjectorConfig
+    from mmjax.models.tiny import TINY_LLM, TINY_VISION
+    from mmjax.train.trainer import TrainingStopped, train
+
+    cfg = MLLMConfig("tiny_guard", dataclasses.replace(TINY_LLM, num_layers=1, hidden_size=32,
+                                                       ffn_size=64),
+                     encoders=(EncoderSpec("vision", dataclasses.replace(
+                         TINY_VISION, num_layers=1, hidden_size=16, ffn_size=32),
+                         ProjectorConfig(downsample=1)),))
+    work = str(tmp_path / "run")
+
+    def run(lr, **kw):
+        gin.clear_config()
+        gin.parse_config(["data_layout.seq_len = 64", "data_layout.vision_caps = (64,)",
+                          f"learning_rate_schedule.peak_lr = {lr}",
+                          "learning_rate_schedule.warmup_steps = 0"])
+        try:
+            return train(work, model=cfg, steps=6, global_batch=4, progress=False,
+                         checkpoint_every=2, max_bad_steps=2, keep_checkpoints=1, **kw)
+        finally:
+            gin.clear_config()
+
+    run(1e-3, stop_after=2)
+    with pytest.raises(TrainingStopped, match=r"2 steps in a row \(\d\.\.\d\) had a non-finite "
+                                              r".*Last good checkpoint: step 2 in "):
+        run(1e30)
+    assert sorted(os.listdir(os.path.join(work, "checkpoints"))) == ["2"]
+    rows = [json.loads(x) for x in open(os.path.join(work, "metrics.jsonl"))]
+    assert rows[-1]["nonfinite_steps"] == 2 and not np.isfinite(rows[-1]["loss"])
+    recs = run(1e-3)
+    assert [r["step"] for r in recs] == [3, 4, 5, 6]
+    rows = [json.loads(x) for x in open(os.path.join(work, "metrics.jsonl"))]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert all(np.isfinite(r["loss"]) and r["nonfinite_steps"] == 0 for r in rows)
