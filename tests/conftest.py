@@ -4,8 +4,10 @@
 - JAX's persistent compilation cache, with every program cached. Programs with the same HLO
   are then compiled once per machine, not once per test: the reference model shared by the
   parity tests, stage programs shared by plans, and everything the CLI subprocesses compile.
-  `MMJAX_TEST_CACHE` moves it (default `~/.cache/mmjax/jax-tests`); set it to an empty
-  directory to time a cold run.
+  `MMJAX_TEST_CACHE` moves it (default `~/.cache/mmjax/jax-tests`, at most 4 GiB); set it
+  to an empty directory to time a cold run;
+- two pytest-xdist workers (pyproject's addopts): the suite is mostly single-threaded XLA
+  compilation and Python tracing, so two processes use both cores.
 """
 import os
 
@@ -20,6 +22,9 @@ _cache = os.environ.get("MMJAX_TEST_CACHE",
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _cache)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+# A size limit turns on the cache's file lock, so concurrent pytest workers and the CLI
+# subprocesses never read an entry another process is still writing.
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))
 
 
 @pytest.fixture(scope="session")
