@@ -692,22 +692,28 @@ class GlobalBatchBuilder:
 # The grain pipeline
 # ---------------------------------------------------------------------------------------
 
-def _policies(balance, model: MLLMConfig) -> dict[str, str]:
+def _per_unit(value, model: MLLMConfig, setting: str, allowed, default: str) -> dict[str, str]:
+    """A per-unit choice from one name (every unit) or a dict unit -> name (units left out
+    get `default`), validated against `allowed`, errors naming `setting`."""
     units = model.unit_names
-    if isinstance(balance, str):
-        pol = {u: balance for u in units}
-    elif isinstance(balance, Mapping):
-        unknown = set(balance) - set(units)
+    if isinstance(value, str):
+        pol = {u: value for u in units}
+    elif isinstance(value, Mapping):
+        unknown = set(value) - set(units)
         if unknown:
-            raise ValueError(f"Loader.balance: unknown units {sorted(unknown)}; units are {units}")
-        pol = {u: balance.get(u, "none") for u in units}
+            raise ValueError(f"{setting}: unknown units {sorted(unknown)}; units are {units}")
+        pol = {u: value.get(u, default) for u in units}
     else:
-        raise ValueError(f"Loader.balance={balance!r}: use one of {POLICIES} or a dict "
-                         f"unit -> policy")
+        raise ValueError(f"{setting}={value!r}: use one of {allowed} or a dict unit -> one "
+                         f"of them")
     for u, p in pol.items():
-        if p not in POLICIES:
-            raise ValueError(f"Loader.balance[{u!r}]={p!r}: use one of {POLICIES}")
+        if p not in allowed:
+            raise ValueError(f"{setting}[{u!r}]={p!r}: use one of {allowed}")
     return pol
+
+
+def _policies(balance, model: MLLMConfig) -> dict[str, str]:
+    return _per_unit(balance, model, "Loader.balance", POLICIES, "none")
 
 
 def post_balance_policies(value, model: MLLMConfig) -> dict[str, str]:
@@ -715,23 +721,7 @@ def post_balance_policies(value, model: MLLMConfig) -> dict[str, str]:
     -> algorithm (units left out use "sum"): "sum" (Algorithm 1, unpadded linear cost),
     "padded" (Algorithm 2), "sum_square" (Algorithm 4, attention-heavy), "conv" (Algorithm
     5); OrchMLLM picks per phase by its cost model (OrchMLLM §5.1, Appendix A)."""
-    units = model.unit_names
-    if isinstance(value, str):
-        pol = {u: value for u in units}
-    elif isinstance(value, Mapping):
-        unknown = set(value) - set(units)
-        if unknown:
-            raise ValueError(f"Loader.post_balance_policy: unknown units {sorted(unknown)}; "
-                             f"units are {units}")
-        pol = {u: value.get(u, "sum") for u in units}
-    else:
-        raise ValueError(f"Loader.post_balance_policy={value!r}: use one of "
-                         f"{POST_BALANCE_POLICIES} or a dict unit -> one of them")
-    for u, p in pol.items():
-        if p not in POST_BALANCE_POLICIES:
-            raise ValueError(f"Loader.post_balance_policy[{u!r}]={p!r}: use one of "
-                             f"{POST_BALANCE_POLICIES}")
-    return pol
+    return _per_unit(value, model, "Loader.post_balance_policy", POST_BALANCE_POLICIES, "sum")
 
 
 def _init_worker(worker_index: int, worker_count: int) -> None:

@@ -204,10 +204,14 @@ class Plan:
         naming it), so a hand-edited plan never silently falls back to a default."""
         if not isinstance(d, dict):
             raise PlanError(f"Plan JSON: expected an object, got {type(d).__name__}")
+        # scripts/plan.py --json also records what it compared (read by people, not here)
+        report = {"model", "solve_time_s", "baselines"}
         unknown = set(d) - {"units", "global_batch", "num_microbatches", "kind", "predicted"}
+        unknown -= report
         if unknown:
             raise PlanError(f"Plan JSON: unknown fields {sorted(unknown)}; allowed: units, "
-                            f"global_batch, num_microbatches, kind, predicted")
+                            f"global_batch, num_microbatches, kind, predicted (and the "
+                            f"report fields {sorted(report)})")
         for k in ("global_batch", "num_microbatches"):
             _check_type(f"Plan JSON {k}", d.get(k, _MISSING), int)
         _check_type("Plan JSON kind", d.get("kind", "manual"), str)
