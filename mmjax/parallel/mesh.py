@@ -56,3 +56,15 @@ def stage_meshes(plan: Plan, devices=None) -> dict[str, list[Mesh]]:
         u = plan.unit(name)
         out[name] = [stage_mesh([devs[k] for k in r], u.dp, u.tp, u.cp) for r in ranges]
     return out
+
+
+def put_global(x, sharding):
+    """`device_put` that also serves shardings spanning processes: each process fills only
+    its addressable shards from the host value (identical on every process)."""
+    if sharding.is_fully_addressable:
+        return jax.device_put(x, sharding)
+    if isinstance(x, jax.Array) and x.sharding == sharding:
+        return x
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx],
+                                        dtype=host.dtype)

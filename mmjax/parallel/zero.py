@@ -17,6 +17,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from mmjax.parallel.mesh import put_global
 from mmjax.parallel.tensor import mesh_param_specs
 
 
@@ -124,18 +125,6 @@ def multiprocess_grad_norm(grads_per_stage) -> float:
     return float(np.sqrt(total))
 
 
-def _put(x, sharding):
-    """`device_put` that also serves shardings spanning processes (host value identical on
-    every process; each fills its addressable shards)."""
-    if sharding.is_fully_addressable:
-        return jax.device_put(x, sharding)
-    if isinstance(x, jax.Array) and x.sharding == sharding:
-        return x
-    host = np.asarray(x)
-    return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx],
-                                        dtype=host.dtype)
-
-
 class Zero1Optimizer:
     """ZeRO-1 wrapper of an optax transform for one stage's parameters on its ('dp', 'tp') mesh.
 
@@ -198,7 +187,7 @@ class Zero1Optimizer:
         """Optimizer state, every leaf sharded over 'dp' (see module docstring)."""
         if not self.has_state:
             return optax.EmptyState()
-        return self._init(jax.tree.map(_put, params, self.param_shardings))
+        return self._init(jax.tree.map(put_global, params, self.param_shardings))
 
     def _update_shard(self, params, grads, opt_state, norm):
         """A non-finite `norm` (the trainer folds a non-finite loss into it) leaves params
@@ -228,7 +217,7 @@ class Zero1Optimizer:
             params, grads = (jax.device_put(t, self.param_shardings) for t in (params, grads))
             opt_state = jax.device_put(opt_state, self.state_shardings)
         else:  # mesh spanning processes: inputs already global; norm is a host float
-            norm = _put(np.asarray(global_grad_norm, np.float32), self._replicated)
+            norm = put_global(np.asarray(global_grad_norm, np.float32), self._replicated)
         return self._update(params, grads, opt_state, norm)
 
     def _reduce_scatter_impl(self, partial):

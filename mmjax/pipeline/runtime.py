@@ -21,7 +21,7 @@ from mmjax.models.hf import pretrained as hf_pretrained
 from mmjax.models.mllm import trainable_filter
 from mmjax.data.routes import Routes
 from mmjax.parallel.broker import Broker
-from mmjax.parallel.mesh import stage_meshes
+from mmjax.parallel.mesh import put_global, stage_meshes
 from mmjax.parallel.tensor import shard_state, state_shardings
 from mmjax.data.feed import MicrobatchFeed
 from mmjax.pipeline.schedule import (Backward, StageGraph, StageId, dispatch_order,
@@ -63,15 +63,8 @@ def sync_collectives() -> bool:
 
 
 def global_put(tree, shardings):
-    """`device_put` for shardings that may span processes: each process fills only its
-    addressable shards from the (identical on every host) host value."""
-    def one(x, sh):
-        if sh.is_fully_addressable:
-            return jax.device_put(x, sh)
-        host = np.asarray(x)
-        return jax.make_array_from_callback(host.shape, sh, lambda idx: host[idx],
-                                            dtype=host.dtype)
-    return jax.tree.map(one, tree, shardings)
+    """`put_global` over a tree of arrays and their shardings."""
+    return jax.tree.map(put_global, tree, shardings)
 
 
 def abstract(tree):
