@@ -60,6 +60,7 @@ def restore_model(cfg, workdir: str, step: int | None):
 
     from mmjax.models.mllm import MultimodalModel, trainable_filter
     from mmjax.train.checkpoint import Checkpointer
+    from mmjax.train.logical_state import single_from_logical, single_logical
     from mmjax.train.optimizer import learning_rate_schedule, optimizer_from_settings
     from mmjax.train.step import TrainState, split_model
 
@@ -73,7 +74,8 @@ def restore_model(cfg, workdir: str, step: int | None):
     tx = optimizer_from_settings(learning_rate_schedule(_bound("train.steps", 30)))
     like = TrainState(jnp.zeros((), jnp.int32), trainable, frozen, tx.init(trainable))
     try:
-        state, _ = ckpt.restore(step, like)
+        named, _ = ckpt.restore(step, single_logical(like))  # the trainer's layout
+        state = single_from_logical(like, named)
     except (ValueError, KeyError) as e:
         sys.exit(f"error: {workdir} step {step} is not a single-program checkpoint of this model "
                  f"({type(e).__name__}: {e}); generate reads runs trained without --plan")

@@ -14,6 +14,7 @@ from mmjax.models.mllm import MultimodalModel, trainable_filter
 from mmjax.models.tiny import tiny_valm
 from mmjax.planner.plan import Plan
 from mmjax.train.checkpoint import Checkpointer
+from mmjax.train.logical_state import pipeline_logical, single_logical
 from mmjax.train.export import export_workdir, restore_params
 from mmjax.train.optimizer import learning_rate_schedule, optimizer_from_settings
 from mmjax.train.step import TrainState, split_model
@@ -57,7 +58,7 @@ def test_single_program_checkpoint_round_trip(tmp_path):
     tr = perturbed(tr, 1)
     tx = optimizer_from_settings(learning_rate_schedule(1))
     ckpt = Checkpointer(str(tmp_path / "run" / "checkpoints"), async_save=False)
-    ckpt.save(3, TrainState(jnp.ones((), jnp.int32), tr, fr, tx.init(tr)), {})
+    ckpt.save(3, single_logical(TrainState(jnp.ones((), jnp.int32), tr, fr, tx.init(tr))), {})
     ckpt.close()
     write_run_info(str(tmp_path / "run"), cfg, None, 0)
     written = export_workdir(str(tmp_path / "run"), tmp_path / "out", max_shard_bytes=20000)
@@ -78,7 +79,7 @@ def test_plan_checkpoint_round_trip(tmp_path):
     for k, st in enumerate(step_fn.runtime.stages.values()):
         st.trainable = perturbed(st.trainable, k)
     ckpt = Checkpointer(str(tmp_path / "run" / "checkpoints"), async_save=False)
-    ckpt.save(2, step_fn.state(), {})
+    ckpt.save(2, pipeline_logical(step_fn), {})
     ckpt.close()
     write_run_info(str(tmp_path / "run"), cfg, plan, 0)
     want = to_reference_layout(plan, {sid: pure(nnx.merge(st.graphdef, st.trainable, st.frozen))

@@ -27,6 +27,8 @@ from mmjax.models.hf.checkpoint import _flatten, _fmt
 from mmjax.models.mllm import MultimodalModel, trainable_filter
 from mmjax.planner.plan import Plan
 from mmjax.train.checkpoint import Checkpointer
+from mmjax.train.logical_state import (pipeline_load_logical, pipeline_logical,
+                                       single_from_logical, single_logical)
 from mmjax.train.optimizer import learning_rate_schedule, optimizer_from_settings
 from mmjax.train.step import TrainState, split_model
 
@@ -61,15 +63,16 @@ def restore_params(workdir: str, step: int | None = None) -> tuple[MLLMConfig, d
             graphdef, tr, fr = split_model(MultimodalModel(cfg, jax.random.key(seed)),
                                            trainable_filter(cfg))
             like = TrainState(jnp.zeros((), jnp.int32), tr, fr, tx.init(tr))
-            state, _ = ckpt.restore(step, like)
+            named, _ = ckpt.restore(step, single_logical(like))  # the trainer's layout
+            state = single_from_logical(like, named)
             return cfg, _pure(nnx.merge(graphdef, state.trainable, state.frozen)), step
         from mmjax.pipeline.runtime import to_reference_layout
         from mmjax.train.pipeline_step import PipelineStep
         plan = Plan.from_json(info["plan"])
         step_fn = PipelineStep(cfg, plan, learning_rate_schedule(1), seed=seed,
                                pretrained=info.get("pretrained"))  # frozen parts as trained
-        state, _ = ckpt.restore(step, step_fn.state())
-        step_fn.load_state(state)
+        named, _ = ckpt.restore(step, pipeline_logical(step_fn))  # the trainer's layout
+        pipeline_load_logical(step_fn, named)
         stages = {sid: _pure(nnx.merge(st.graphdef, st.trainable, st.frozen))
                   for sid, st in step_fn.runtime.stages.items()}
         return cfg, to_reference_layout(plan, stages), step
