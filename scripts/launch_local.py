@@ -62,14 +62,20 @@ def launch(num_processes: int, script_args: list[str], devices_per_process: int 
             continue
         after = f" after {max_restarts} restart(s)" if max_restarts else ""
         print(f"launch_local: {who} failed{after}; its last lines:", file=sys.stderr)
-        for line in tail:
+        for line in tail[culprit]:
             print(f"  [p{culprit}] {line}", file=sys.stderr)
+        for i, lines in sorted(tail.items()):
+            if i != culprit:  # a peer that failed on its own too: its story may be the cause
+                print(f"launch_local: process p{i} also failed; its last lines:", file=sys.stderr)
+                for line in lines:
+                    print(f"  [p{i}] {line}", file=sys.stderr)
         return status
     return status  # unreachable: the loop returns
 
 
 def _attempt(num_processes, script_args, devices_per_process, script, timeout, tail_lines):
-    """One start of all processes; -> (exit status, culprit process id, its last lines)."""
+    """One start of all processes; -> (exit status, culprit process id, {process id: last
+    lines} for the culprit and every peer that exited non-zero on its own)."""
     if num_processes < 1 or devices_per_process < 1:
         raise ValueError("launch: --num_processes and --devices_per_process must be >= 1")
     coordinator = f"127.0.0.1:{free_port()}"
@@ -111,8 +117,9 @@ def _attempt(num_processes, script_args, devices_per_process, script, timeout, t
                 break
             time.sleep(0.1)
     finally:
-        for p in procs:
-            if p.poll() is None:
+        killed = [p.poll() is None for p in procs]
+        for p, k in zip(procs, killed):
+            if k:
                 p.kill()
         for p in procs:
             p.wait()
@@ -124,7 +131,9 @@ def _attempt(num_processes, script_args, devices_per_process, script, timeout, t
     if status != 0:
         codes = ", ".join(f"p{i}={p.returncode}" for i, p in enumerate(procs))
         print(f"launch_local: failed ({codes})", file=sys.stderr)
-    return status, culprit, list(tails[culprit])
+    failed = {i: list(tails[i]) for i, p in enumerate(procs)
+              if i == culprit or (p.returncode not in (0, None) and not killed[i])}
+    return status, culprit, failed
 
 
 def main(argv=None) -> int:

@@ -27,6 +27,19 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))
 
 
+@pytest.fixture
+def gloo_jobs(tmp_path_factory):
+    """Held by a test that starts a multi-process (gloo) job: one such job at a time across
+    the xdist workers. Gloo gives a peer 30 s to reach each collective; two jobs compiling
+    at once on a 2-core machine can exceed that."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    shared = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
+    with FileLock(str(shared / "gloo_jobs.lock")):
+        yield
+
+
 @pytest.fixture(scope="session")
 def reference_cache():
     """Reference (single-device) losses and gradients, computed once per session and key."""

@@ -319,7 +319,7 @@ _TWO_PROCESS = textwrap.dedent("""
 
 
 @pytest.mark.slow
-def test_two_process_transfer(tmp_path):
+def test_two_process_transfer(tmp_path, gloo_jobs):
     """Meshes in different processes (2 x 4 CPU devices, jax.distributed on localhost)."""
     import socket
     with socket.socket() as s:
