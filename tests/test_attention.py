@@ -98,7 +98,7 @@ def test_float32_equals_float64_reference(self_attention_case, impl):
         assert np.all(x[pad_rows] == 0)
 
 
-@pytest.mark.parametrize("impl", ["dense", "chunked"])
+@pytest.mark.parametrize("impl", ["dense", "chunked", "pallas"])
 def test_bfloat16_within_its_tolerance(self_attention_case, impl):
     args, want = self_attention_case
     _check(_run(impl, jnp.bfloat16, *args), want, 3e-2)

@@ -10,10 +10,10 @@ of a query block is its count of non-empty tiles, the quantity Cornstarch's LPT 
 distribution balances (§4.3.2). With `debug=True` the kernel also writes how many tiles each
 program visited (`visited_tiles`).
 
-Backward: the custom VJP runs the chunked FlashAttention-2 backward in XLA
-(`attention_chunked.flash_backward`) on the kernel's output and log-sum-exp, with the same
-block sizes; it skips every tile that is empty in all rows of the batch (`lax.cond` on the
-tile's mask), i.e. the same block map merged over the batch. It is not a Pallas kernel.
+Backward: two Pallas kernels (`attention_pallas_bwd.py`, FlashAttention-2's backward split as
+its Triton kernels split it) recompute each non-empty tile's probabilities from the saved
+log-sum-exp; they walk the same block map (transposed for dK/dV), so the backward's work is
+the non-empty tile count too.
 
 On GPU the kernel lowers through Triton; elsewhere it runs with `interpret=True` (slow, for
 tests). Block sizes are powers of two (Triton's tile shapes); lengths that are not a multiple
@@ -29,7 +29,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from mmjax.models.attention import TokenMeta, allowed_mask, meta_mask
-from mmjax.models.attention_chunked import _pad_seq, flash_backward
+from mmjax.models.attention_chunked import _pad_seq
+from mmjax.models.attention_pallas_bwd import pallas_backward
 
 BLOCK_Q = 128
 BLOCK_K = 32  # = parallel/token_distribution.py DEFAULT_KEY_BLOCK (Cornstarch: 128 x 32 tiles)
@@ -102,12 +103,13 @@ def _kernel(list_ref, q_ref, k_ref, v_ref, qb_ref, qd_ref, qs_ref, qi_ref,
         visit_ref[0][...] = jnp.full((bq,), count, jnp.int32)
 
 
-def _pallas_forward(q, k, v, mq: TokenMeta, mk: TokenMeta, bq: int, bk: int, debug: bool):
-    """Block-aligned inputs -> (out [B,Sq,H,D], lse [B,H,Sq] f32[, visits [B,H,Sq]])."""
+def _pallas_forward(q, k, v, mq: TokenMeta, mk: TokenMeta, lists, bq: int, bk: int,
+                    debug: bool):
+    """Block-aligned inputs and the query blocks' key-block lists -> (out [B,Sq,H,D],
+    lse [B,H,Sq] f32[, visits [B,H,Sq]])."""
     b, sq, h, d = q.shape
     sk, kv = k.shape[1], k.shape[2]
     g, nq = h // kv, sq // bq
-    lists = block_lists(tile_map(mq, mk, bq, bk))
     width = lists.shape[-1]
     interpret = jax.default_backend() != "gpu"
     q_spec = pl.BlockSpec((None, bq, None, d), lambda i, r, j: (r, i, j, 0))
@@ -151,30 +153,27 @@ def visited_tiles(q, k, v, meta_q: TokenMeta, meta_k: TokenMeta, *,
                   block_q: int = BLOCK_Q, block_k: int = BLOCK_K):
     """Debug run of the kernel: int32 [B, H, nq], the key tiles each program visited."""
     args, bq, bk = _pad_inputs(q, k, v, meta_q, meta_k, block_q, block_k)
-    visits = _pallas_forward(*args, bq, bk, debug=True)[2]
+    lists = block_lists(tile_map(args[3], args[4], bq, bk))
+    visits = _pallas_forward(*args, lists, bq, bk, debug=True)[2]
     return visits[:, :, ::bq]
-
-
-def _lse_blocks(lse, bq, kv):
-    """[B, H, Sq] -> [nq, B, KV, G, bq] (the chunked backward's layout)."""
-    b, h, sq = lse.shape
-    return lse.reshape(b, kv, h // kv, sq // bq, bq).transpose(3, 0, 1, 2, 4)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(5, 6))
 def _sparse_attention(q, k, v, mq, mk, bq, bk):
-    return _pallas_forward(q, k, v, mq, mk, bq, bk, debug=False)[0]
+    lists = block_lists(tile_map(mq, mk, bq, bk))
+    return _pallas_forward(q, k, v, mq, mk, lists, bq, bk, debug=False)[0]
 
 
 def _sparse_fwd(q, k, v, mq, mk, bq, bk):
-    out, lse = _pallas_forward(q, k, v, mq, mk, bq, bk, debug=False)
-    return out, (q, k, v, mq, mk, out, lse)
+    tiles = tile_map(mq, mk, bq, bk)
+    q_lists, k_lists = block_lists(tiles), block_lists(tiles.transpose(0, 2, 1))
+    out, lse = _pallas_forward(q, k, v, mq, mk, q_lists, bq, bk, debug=False)
+    return out, (q, k, v, mq, mk, out, lse, q_lists, k_lists)
 
 
 def _sparse_bwd(bq, bk, res, dout):
-    q, k, v, mq, mk, out, lse = res
-    lse = _lse_blocks(lse, bq, k.shape[2])
-    dq, dk, dv = flash_backward(q, k, v, mq, mk, out, lse, dout, bq, bk)
+    q, k, v, mq, mk, out, lse, q_lists, k_lists = res
+    dq, dk, dv = pallas_backward(q, k, v, mq, mk, out, lse, dout, q_lists, k_lists, bq, bk)
     return dq, dk, dv, None, None
 
 
