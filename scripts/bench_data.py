@@ -2,8 +2,8 @@
 
 Parts (``--parts``, default all: 1 2 3 4; one function per part):
   1. DP imbalance, max/mean per-rank cost, for a random split (as sampled) vs DistTrain's
-     intra-microbatch reordering (DistTrain Alg. 2) vs each OrchMLLM post-balance policy (seed
-     001 Alg. 1, 2, 4, 5), per phase (vision / audio encoder tokens of the samples that have
+     intra-microbatch reordering (DistTrain Alg. 2) vs each OrchMLLM post-balance policy
+     (OrchMLLM Alg. 1, 2, 4, 5), per phase (vision / audio encoder tokens of the samples that have
      that modality, LLM sequence tokens), on
      the LAION-like and three-modality (text, image, audio) mix sets of mmjax/data/synthetic.py,
      at DP 8, 64, 512. Two cost models: linear (sum of tokens: flash attention, no padding) and

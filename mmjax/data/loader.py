@@ -2,8 +2,8 @@
 only this host's share, prefetch ahead of the trainer (no JAX).
 
 DistTrain §4.2 / MMScale §6 (CPU preprocessing disaggregated from training, producer-
-consumer: decoding and reordering run in worker processes while the GPUs train) and seed
-001 §6 (the global orchestrator runs balancing on the CPU during prefetch, "as soon as all
+consumer: decoding and reordering run in worker processes while the GPUs train) and OrchMLLM
+§6 (the global orchestrator runs balancing on the CPU during prefetch, "as soon as all
 the mini-batches have been sampled", and composes rearrangements). Built on grain:
 `MapDataset.range(steps).map(GlobalBatchBuilder)` -> `to_iter_dataset` -> `mp_prefetch`
 (worker processes) or thread prefetch. A global batch is a pure function of (seed, step),

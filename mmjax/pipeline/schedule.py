@@ -3,8 +3,8 @@
 A schedule is either a list indexed by pipeline stage (`gpipe`, `one_f_one_b`,
 `interleaved_one_f_one_b`: one chain of stages, model chunk c of stage s is virtual stage
 `c * num_stages + s`) or a dict keyed by physical `StageId` over a `StageGraph` (the unit DAG
-of `multimodal_one_f_one_b`: encoder branches in parallel -> LLM stages -> generator, seed
-002 §4.1 modality parallelism, Fig. 6; a unit with `num_chunks = v > 1` runs Megatron-LM's
+of `multimodal_one_f_one_b`: encoder branches in parallel -> LLM stages -> generator,
+Cornstarch §4.1 modality parallelism, Fig. 6; a unit with `num_chunks = v > 1` runs Megatron-LM's
 interleaved order on its `pp` physical stages, chunk c of physical stage s being the unit's
 virtual stage `c * pp + s`). Each action is `Action("F"|"B", microbatch, chunk)`.
 
