@@ -28,6 +28,7 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from mmjax.planner.baselines import baseline_plan  # noqa: E402
+from mmjax.planner.placement import node_map  # noqa: E402
 from mmjax.planner.hardware import hardware  # noqa: E402
 from mmjax.planner.orchestrate import GPU_TOLERANCE  # noqa: E402
 from mmjax.planner.build import plan_model  # noqa: E402
@@ -80,6 +81,14 @@ def unit_table(plan, title: str) -> Table:
                   f"{p['stage_time_s'][u.name]:.4f}", f"{p['memory_gb'][u.name]:.1f}",
                   "yes" if u.frozen else "")
     return t
+
+
+def node_map_text(plan) -> str:
+    """The primary plan's placement: which stage groups sit on which node."""
+    n = plan.devices_per_node
+    head = (f"node map ({n} GPUs a node; every TP group inside one node):" if n
+            else "placement: contiguous (devices_per_node = 0)")
+    return "\n".join([head] + ["  " + ln for ln in node_map(plan.units, plan.stage_devices(), n)])
 
 
 def summary_table(plans: dict) -> Table:
@@ -164,6 +173,8 @@ def main(argv=None) -> int:
         return 2
     for name in [primary] + [k for k in plans if k != primary]:
         console.print(unit_table(plans[name], name))
+        if name == primary:
+            console.print(node_map_text(plans[name]))
     for name, err in errors.items():
         console.print(f"[yellow]{name}: infeasible:[/yellow] {err}")
     console.print(summary_table(plans))

@@ -172,8 +172,8 @@ def test_rigid_plan_structure():
     assert [(u.name, u.dp, u.tp, u.pp, u.layers, u.num_chunks) for u in p.units] == [
         ("vision", 2, 2, 1, (2,), 1), ("audio", 2, 2, 1, (2,), 1), ("llm", 2, 2, 2, (2, 2), 1)]
     assert p.num_devices == 4 + 4 + 8
-    assert p.stage_device_ranges() == {"vision": [range(0, 4)], "audio": [range(4, 8)],
-                                       "llm": [range(8, 12), range(12, 16)]}
+    assert p.stage_devices() == {"vision": [list(range(0, 4))], "audio": [list(range(4, 8))],
+                                 "llm": [list(range(8, 12)), list(range(12, 16))]}
     p.validate(cfg, 16)
     frozen = with_overrides(cfg, {"encoders.audio.frozen": True})
     assert [u.frozen for u in Plan.rigid(frozen, 1, 1, 1, 4, 2).units] == [False, True, False]

@@ -30,6 +30,18 @@ def test_encoder_dp2_llm_tp2_pp2_generator_dp1(reference_cache):
     check(cfg, plan, cache=reference_cache)
 
 
+@pytest.mark.slow
+def test_node_aware_placement(reference_cache):
+    """Nodes of 3 devices: the LLM's tp-2 groups go to devices 0-1 and 3-4, the singles fill
+    the holes (vision 2 and 5): stages on non-contiguous devices train the same model."""
+    cfg = make_cfg()
+    plan = Plan.uniform(cfg, 8, 2, dp={"vision": 2, "llm": 1, "generator": 1},
+                        tp={"llm": 2}, pp={"llm": 2}, devices_per_node=3)
+    assert plan.stage_devices() == {"vision": [[2, 5]], "llm": [[0, 1], [3, 4]],
+                                    "generator": [[6]]}
+    check(cfg, plan, cache=reference_cache)
+
+
 def test_dp_sizes_differ_between_units_4_2_1(reference_cache):
     cfg = make_cfg()
     plan = Plan.uniform(cfg, 8, 2, dp={"vision": 4, "llm": 2, "generator": 1})

@@ -524,8 +524,8 @@ def owned_ranks(plan: Plan, unit: str, host_id: int, num_hosts: int) -> list[int
     per_host = -(-plan.num_devices // num_hosts)
     out = []
     for d in range(u.dp):
-        devs = [r.start + d * u.cp * u.tp + j for r in plan.stage_device_ranges()[unit]
-                for j in range(u.cp * u.tp)]
+        g = u.cp * u.tp
+        devs = [x for idx in plan.stage_devices()[unit] for x in idx[d * g:(d + 1) * g]]
         if any(x // per_host == host_id for x in devs):
             out.append(d)
     return out

@@ -1,8 +1,9 @@
 """Sub-meshes: one disjoint `Mesh` per pipeline stage of every parallelism unit.
 
 DistTrain §4.1 ("parallelism unit") gives every module its own devices with its own DP/TP;
-Cornstarch §4.1 runs the encoders on their own devices in parallel. `Plan.stage_device_ranges`
-says which indices of the global device list each stage owns; here they become meshes with
+Cornstarch §4.1 runs the encoders on their own devices in parallel. `Plan.stage_devices`
+says which indices of the global device list each stage owns (node-aware when the plan
+has `devices_per_node`); here they become meshes with
 axes ('dp', 'tp'), or ('dp', 'cp', 'tp') when the unit has cp > 1. TP is innermost, so a tp
 group sits on contiguous devices (one NVLink island on GPUs).
 
@@ -43,7 +44,7 @@ def stage_meshes(plan: Plan, devices=None) -> dict[str, list[Mesh]]:
     """Per unit, per pipeline stage, its disjoint sub-mesh (see module docstring).
 
     `devices` defaults to `jax.devices()` (every process's devices in a multi-process run);
-    stages take the index ranges of `plan.stage_device_ranges()` into that list."""
+    stages take the indices of `plan.stage_devices()` into that list."""
     devs = list(jax.devices() if devices is None else devices)
     if plan.num_devices > len(devs):
         raise ValueError(f"stage_meshes: the plan needs {plan.num_devices} devices (sum of "
@@ -52,9 +53,9 @@ def stage_meshes(plan: Plan, devices=None) -> dict[str, list[Mesh]]:
     if len({d.id for d in devs}) != len(devs):
         raise ValueError("stage_meshes: `devices` lists a device twice; pass distinct devices")
     out: dict[str, list[Mesh]] = {}
-    for name, ranges in plan.stage_device_ranges().items():
+    for name, stages in plan.stage_devices().items():
         u = plan.unit(name)
-        out[name] = [stage_mesh([devs[k] for k in r], u.dp, u.tp, u.cp) for r in ranges]
+        out[name] = [stage_mesh([devs[k] for k in idx], u.dp, u.tp, u.cp) for idx in stages]
     return out
 
 

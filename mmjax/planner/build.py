@@ -38,7 +38,8 @@ def to_plan(model, costs: tuple[UnitCost, ...], choices: dict[str, Choice], glob
                               num_chunks=ch.vpp, frozen=model.frozen(cost.name),
                               attention_impl=impl_of(attention_impl, cost.name) or "auto"))
     dp_llm = choices["llm"].dp
-    plan = Plan(tuple(units), global_batch, global_batch // dp_llm, kind=kind)
+    plan = Plan(tuple(units), global_batch, global_batch // dp_llm, kind=kind,
+                devices_per_node=hw.gpus_per_node)
     ev = evaluate(costs, choices, global_batch, hw)
     plan.predicted.update({
         "iteration_time_s": ev.iteration_time_s, "mfu": ev.mfu, "memory_gb": ev.memory_gb,

@@ -2,8 +2,9 @@
 
 A unit (an encoder branch with its projector, the LLM, the generator) gets its own devices
 and its own DP/TP/PP (DistTrain §4.1 "parallelism unit"); the LLM may also have CP
-(Cornstarch §4.3). Units take contiguous device ranges in `units` order, each stage
-`dp * cp * tp` devices with TP innermost. The Megatron-style rigid plan (DistTrain §2.1,
+(Cornstarch §4.3). Each stage is `dp * cp * tp` devices with TP innermost; which global
+device indices it owns is `stage_devices()`: contiguous in `units` order, or node-aware
+when `devices_per_node > 0` (every cp*tp group inside one node, planner/placement.py). The Megatron-style rigid plan (DistTrain §2.1,
 Fig. 2) is just another Plan: encoders and generator are extra stages that share the LLM's
 dp and tp (`Plan.rigid`).
 
@@ -18,6 +19,7 @@ import json
 from dataclasses import dataclass, field
 
 from mmjax.errors import UserError
+from mmjax.planner.placement import stage_devices
 
 
 class PlanError(UserError):
@@ -62,6 +64,7 @@ class Plan:
     global_batch: int
     num_microbatches: int
     kind: str = "disaggregated"  # or "rigid", "ratio", "manual"
+    devices_per_node: int = 0  # > 0: node-aware placement (planner/placement.py); 0: contiguous
     predicted: dict = field(default_factory=dict, compare=False)
 
     # ---- access -------------------------------------------------------------------------
@@ -83,16 +86,10 @@ class Plan:
     def microbatch_size(self) -> int:
         return self.global_batch // self.num_microbatches
 
-    def stage_device_ranges(self) -> dict[str, list[range]]:
-        """Per unit, per pipeline stage, the indices into the global device list."""
-        out, start = {}, 0
-        for u in self.units:
-            ranges = []
-            for _ in range(u.pp):
-                ranges.append(range(start, start + u.devices_per_stage))
-                start += u.devices_per_stage
-            out[u.name] = ranges
-        return out
+    def stage_devices(self) -> dict[str, list[list[int]]]:
+        """Per unit, per pipeline stage, its indices into the global device list (mesh
+        order: dp-major, then cp, then tp); see planner/placement.py."""
+        return stage_devices(self.units, self.devices_per_node)
 
     # ---- construction -------------------------------------------------------------------
     @staticmethod
@@ -105,7 +102,7 @@ class Plan:
 
     @classmethod
     def uniform(cls, model, global_batch: int, num_microbatches: int, kind="manual",
-                **unit_kw) -> "Plan":
+                devices_per_node: int = 0, **unit_kw) -> "Plan":
         """Every unit with the given dp/tp/pp (per-unit dicts allowed: dp={"llm": 2})."""
         units = []
         for name in model.unit_names:
@@ -117,7 +114,8 @@ class Plan:
             pp, chunks = kw.get("pp", 1), kw.get("num_chunks", 1)
             kw.setdefault("layers", cls.even_layers(model.num_layers(name), pp * chunks))
             units.append(UnitPlan(name=name, frozen=model.frozen(name), **kw))
-        return cls(tuple(units), global_batch, num_microbatches, kind=kind)
+        return cls(tuple(units), global_batch, num_microbatches, kind=kind,
+                   devices_per_node=devices_per_node)
 
     @classmethod
     def rigid(cls, model, dp: int, tp: int, pp: int, global_batch: int,
@@ -151,6 +149,10 @@ class Plan:
                             f"units) but only {num_devices} exist: lower dp/tp/pp, or on CPU "
                             f"force host devices with XLA_FLAGS=--xla_force_host_platform_"
                             f"device_count={self.num_devices}")
+        if not isinstance(self.devices_per_node, int) or self.devices_per_node < 0:
+            raise PlanError(f"Plan.devices_per_node={self.devices_per_node!r} must be an int "
+                            f">= 0 (0: contiguous placement)")
+        self.stage_devices()  # a placement that cannot pack says so now
         if self.num_microbatches < 1 or self.global_batch % self.num_microbatches:
             raise PlanError(f"Plan.global_batch={self.global_batch} is not divisible by "
                             f"num_microbatches={self.num_microbatches}: pick a divisor")
@@ -196,7 +198,8 @@ class Plan:
     def to_json(self) -> dict:
         return {"units": [dataclasses.asdict(u) for u in self.units],
                 "global_batch": self.global_batch, "num_microbatches": self.num_microbatches,
-                "kind": self.kind, "predicted": self.predicted}
+                "kind": self.kind, "devices_per_node": self.devices_per_node,
+                "predicted": self.predicted}
 
     @classmethod
     def from_json(cls, d: dict) -> "Plan":
@@ -206,21 +209,25 @@ class Plan:
             raise PlanError(f"Plan JSON: expected an object, got {type(d).__name__}")
         # scripts/plan.py --json also records what it compared (read by people, not here)
         report = {"model", "solve_time_s", "baselines"}
-        unknown = set(d) - {"units", "global_batch", "num_microbatches", "kind", "predicted"}
+        unknown = set(d) - {"units", "global_batch", "num_microbatches", "kind",
+                            "devices_per_node", "predicted"}
         unknown -= report
         if unknown:
             raise PlanError(f"Plan JSON: unknown fields {sorted(unknown)}; allowed: units, "
-                            f"global_batch, num_microbatches, kind, predicted (and the "
+                            f"global_batch, num_microbatches, kind, devices_per_node, "
+                            f"predicted (and the "
                             f"report fields {sorted(report)})")
         for k in ("global_batch", "num_microbatches"):
             _check_type(f"Plan JSON {k}", d.get(k, _MISSING), int)
         _check_type("Plan JSON kind", d.get("kind", "manual"), str)
         _check_type("Plan JSON predicted", d.get("predicted", {}), dict)
+        _check_type("Plan JSON devices_per_node", d.get("devices_per_node", 0), int)
         if not isinstance(d.get("units"), list) or not d["units"]:
             raise PlanError("Plan JSON units: must be a non-empty list of unit objects "
                             "(write plans with scripts/plan.py --json)")
         return cls(tuple(_unit_from_json(u) for u in d["units"]), d["global_batch"],
                    d["num_microbatches"], kind=d.get("kind", "manual"),
+                   devices_per_node=d.get("devices_per_node", 0),
                    predicted=d.get("predicted", {}))
 
     def save(self, path: str) -> None:
