@@ -60,3 +60,21 @@ def test_loader_plans_on_the_runtime_match_the_reference(setup, balance):
     grads = to_reference_layout(plan, res.pure_grads())
     np.testing.assert_allclose(res.losses()["loss"], ref_loss, rtol=1e-5)
     assert_same_grads(grads, ref_grads)
+
+
+@pytest.mark.slow
+def test_feeds_padded_to_the_scanned_floor_keep_parity(setup):
+    """Feeds padded to the shape floor of the first steps (Loader.shape_scan_steps): more
+    rows, buffers and part slots, all empty, and the same loss and gradients."""
+    cfg, lay, src, plan, idx, ref_loss, ref_grads = setup
+    builder = GlobalBatchBuilder(src, cfg, plan, lay, _policies("orchmllm", cfg), seed=1,
+                                 reserve=8, feeds=True, cp_block=16)
+    own = [mb.inputs["feed"].shapes for mb in builder(STEP).microbatches]
+    builder.floor = builder.scan_floor(STEP + 4)
+    feeds = [mb.inputs["feed"] for mb in builder(STEP).microbatches]
+    assert all(f.shapes == builder.floor for f in feeds)  # every microbatch one shape
+    assert any(f.shapes != o for f, o in zip(feeds, own))  # and padding happened
+    res = PipelineRuntime(cfg, plan).run(feeds)
+    np.testing.assert_allclose(res.losses()["loss"], ref_loss, rtol=1e-5)
+    assert_same_grads(to_reference_layout(plan, res.pure_grads()), ref_grads)
+

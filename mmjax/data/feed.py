@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from mmjax.data.assemble import AssemblyLayout, Batch, assemble, batch_shapes, check_sample
+from mmjax.data.assemble import (AssemblyLayout, Batch, BatchShapes, assemble, batch_shapes,
+                                 check_sample)
 from mmjax.data.routes import Routes
 from mmjax.data.sample import Sample
 
@@ -53,16 +54,58 @@ def _parts(src_groups, dst_groups, items_of):
     return per_pair
 
 
-def _part_map(per_pair, a, b) -> tuple[Routes, dict]:
+def _part_map(per_pair, a, b, min_slots: tuple[int, int] = (1, 1)) -> tuple[Routes, dict]:
     src_slot, dst_slot, pairs = {}, {}, []
     keys = sorted(per_pair)
     for i, j in keys:
         src_slot[(i, j)] = sum(1 for (i2, j2) in keys if i2 == i and j2 < j)
         dst_slot[(i, j)] = sum(1 for (i2, j2) in keys if j2 == j and i2 < i)
         pairs.append((i, src_slot[(i, j)], j, dst_slot[(i, j)]))
-    ps = max([v + 1 for v in src_slot.values()] or [1])
-    pr = max([v + 1 for v in dst_slot.values()] or [1])
+    ps = max([v + 1 for v in src_slot.values()] + [min_slots[0]])
+    pr = max([v + 1 for v in dst_slot.values()] + [min_slots[1]])
     return Routes.from_pairs(a, ps, b, pr, pairs), {"src": src_slot, "dst": dst_slot}
+
+
+def _max_batch_shapes(a: BatchShapes, b: BatchShapes | None) -> BatchShapes:
+    """Field-wise max of two BatchShapes (same encoders)."""
+    if b is None:
+        return a
+    encs = tuple((n, max(c, b.encoder(n)[0]), max(cap, b.encoder(n)[1]))
+                 for n, c, cap in a.encoders)
+    return BatchShapes(max(a.rows, b.rows), encs, max(a.gen, b.gen))
+
+
+@dataclass(frozen=True)
+class FeedShapes:
+    """Every static size of a microbatch feed: per unit its BatchShapes, per transfer
+    (an encoder's name, or "generator") its part capacity and (src, dst) slot counts. The
+    stage and broker programs are compiled per FeedShapes; a floor (`microbatch_feed`'s
+    `floor`) makes feeds share one, so a run compiles once (data/loader.py scans the first
+    steps for it)."""
+
+    units: tuple[tuple[str, BatchShapes], ...] = ()
+    parts: tuple[tuple[str, int, int, int], ...] = ()  # (name, cap, src slots, dst slots)
+
+    def unit(self, name: str) -> BatchShapes | None:
+        return dict(self.units).get(name)
+
+    def part(self, name: str) -> tuple[int, int, int]:
+        for n, cap, ps, pr in self.parts:
+            if n == name:
+                return cap, ps, pr
+        return 1, 1, 1
+
+    def union(self, other: "FeedShapes | None") -> "FeedShapes":
+        """The smallest FeedShapes at least as large as both."""
+        if other is None:
+            return self
+        names = sorted({n for n, _ in self.units} | {n for n, _ in other.units})
+        units = tuple((n, _max_batch_shapes(self.unit(n), other.unit(n))
+                       if self.unit(n) is not None else other.unit(n)) for n in names)
+        pnames = sorted({n for n, *_ in self.parts} | {n for n, *_ in other.parts})
+        parts = tuple((n, *(max(x, y) for x, y in zip(self.part(n), other.part(n))))
+                      for n in pnames)
+        return FeedShapes(units, parts)
 
 
 @dataclass
@@ -78,15 +121,19 @@ class MicrobatchFeed:
     gen: dict[str, np.ndarray] = field(default_factory=dict)
     num_target_tokens: int = 0
     num_gen_elements: int = 0
+    shapes: FeedShapes = field(default_factory=FeedShapes)
 
 
 def microbatch_feed(samples: list[Sample], layout: AssemblyLayout, dp: dict[str, int],
                     assignments: dict[str, list[list[int]]] | None = None, cp: int = 1,
-                    cp_method: str = "lpt", cp_block: int = 128) -> MicrobatchFeed:
+                    cp_method: str = "lpt", cp_block: int = 128,
+                    floor: FeedShapes | None = None) -> MicrobatchFeed:
     """Build the feed of one microbatch. `dp[unit]` is each unit's dp size; samples must
     already be valid (the loader skips bad ones before forming microbatches). With `cp` > 1
     the LLM arrays are laid out for context parallelism (Cornstarch §4.3: each row's tokens
-    distributed over cp ranks by `cp_method` in blocks of `cp_block`)."""
+    distributed over cp ranks by `cp_method` in blocks of `cp_block`). `floor`: sizes at
+    least these (padding: masked rows, empty buffers, empty part slots), `feed.shapes` the
+    sizes used."""
     n = len(samples)
     assignments = dict(assignments or {})
     groups = {u: assignments.get(u) or contiguous(n, d) for u, d in dp.items()}
@@ -101,10 +148,14 @@ def microbatch_feed(samples: list[Sample], layout: AssemblyLayout, dp: dict[str,
                              "before forming microbatches (the loader does)")
     metas = [layout.rules.meta(s) for s in samples]
     feed = MicrobatchFeed()
+    floor = floor or FeedShapes()
+    unit_shapes, part_shapes = {}, {}
 
     def batches(unit, enc_inputs):
         gs = groups[unit]
-        shapes = batch_shapes([[metas[s] for s in g] for g in gs], layout)
+        shapes = _max_batch_shapes(batch_shapes([[metas[s] for s in g] for g in gs], layout),
+                                   floor.unit(unit))
+        unit_shapes[unit] = shapes
         return [assemble([samples[s] for s in g], layout, shapes=shapes,
                          encoder_inputs=enc_inputs) for g in gs]
 
@@ -123,8 +174,10 @@ def microbatch_feed(samples: list[Sample], layout: AssemblyLayout, dp: dict[str,
             return [int(v) for v in bt.gather[e][row, cols]]
 
         per_pair = _parts(groups[e], groups["llm"], tokens_of)
-        routes, slots = _part_map(per_pair, dp[e], b)
-        cap = _pow2(max([len(v) for v in per_pair.values()] or [1]))
+        low_cap, *low_slots = floor.part(e)
+        routes, slots = _part_map(per_pair, dp[e], b, tuple(low_slots))
+        cap = max(_pow2(max([len(v) for v in per_pair.values()] or [1])), low_cap)
+        part_shapes[e] = (cap, routes.src_slots, routes.dst_slots)
         pack = np.full((dp[e], routes.src_slots, cap), -1, np.int32)
         gathers = [np.full_like(bt.gather[e], -1) for bt in llm_b]
         for (i, j), toks in per_pair.items():
@@ -161,8 +214,10 @@ def microbatch_feed(samples: list[Sample], layout: AssemblyLayout, dp: dict[str,
                           lambda s: [first_image[s] + t for t in range(image_count[s])])
         # parts flow llm -> generator: swap roles (src = llm rank j, dst = gen rank i)
         per_pair = {(j, i): v for (i, j), v in per_pair.items()}
-        routes, slots = _part_map(per_pair, b, dp["generator"])
-        cap = _pow2(max([len(v) for v in per_pair.values()] or [1]))
+        low_cap, *low_slots = floor.part("generator")
+        routes, slots = _part_map(per_pair, b, dp["generator"], tuple(low_slots))
+        cap = max(_pow2(max([len(v) for v in per_pair.values()] or [1])), low_cap)
+        part_shapes["generator"] = (cap, routes.src_slots, routes.dst_slots)
         pack = np.full((b, routes.src_slots, cap), -1, np.int32)
         c = dp["generator"]
         per_rank = routes.dst_slots * cap
@@ -190,6 +245,8 @@ def microbatch_feed(samples: list[Sample], layout: AssemblyLayout, dp: dict[str,
         feed.num_gen_elements = sum(bt.num_gen_elements for bt in llm_b)
     if cp > 1:
         feed.llm = cp_layout(feed.llm, cp, cp_method, cp_block)
+    feed.shapes = FeedShapes(tuple(sorted(unit_shapes.items())),
+                             tuple(sorted((n, *v) for n, v in part_shapes.items())))
     return feed
 
 

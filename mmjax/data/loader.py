@@ -582,6 +582,22 @@ class GlobalBatchBuilder:
         self.host_id, self.num_hosts = host_id, num_hosts
         self.owned = {u: owned_ranks(plan, u, host_id, num_hosts) for u in model.unit_names
                       if u != "generator"}
+        self.floor = None  # FeedShapes every feed is padded to (`scan_floor`)
+
+    def scan_floor(self, steps: int):
+        """The union of the feed shapes of global batches 0 .. steps-1, from the samples'
+        shapes alone (blank samples, nothing decoded). Always from step 0, so a resumed run
+        pads exactly as the uninterrupted one did."""
+        self.floor, floor = None, None
+        for step in range(steps):
+            idx, specs, _ = self.select(step)
+            metas = [self.layout.rules.meta_from_shapes(i, s) for i, s in zip(idx, specs)]
+            for mp in plan_global_batch(metas, self.model, self.plan, self.layout,
+                                        self.policies, self.algo, node_wise=self.node_wise,
+                                        hardware=self.hardware):
+                feed = self._feed(mp, lambda p: _blank(specs[p], idx[p]))
+                floor = feed.shapes.union(floor)
+        return floor
 
     def candidates(self, step: int) -> list[int]:
         """Dataset indices at positions [step*W, (step+1)*W) of the stream: epoch e is a
@@ -630,7 +646,7 @@ class GlobalBatchBuilder:
         dp = {u.name: u.dp for u in self.plan.units}
         return microbatch_feed([get(p) for p in mp.positions], self.layout, dp, assignments,
                                cp=self.plan.unit("llm").cp, cp_method=self.cp_method,
-                               cp_block=self.cp_block)
+                               cp_block=self.cp_block, floor=self.floor)
 
     def __call__(self, step: int) -> GlobalBatch:
         t0 = time.perf_counter()
@@ -740,6 +756,9 @@ class Loader:
     `post_balance_policy`: the OrchMLLM algorithm, one for all phases or a dict unit ->
     algorithm (`post_balance_policies`); `node_wise_*`: `NodeWise` (with `ranks_per_node`);
     `hardware`: the planner's hardware whose cost model times microbatches for Algorithm 3.
+    `shape_scan_steps` (feeds): every feed is padded to the union of the shapes of the first
+    that many global batches (planned from metadata at start-up), so the stage and broker
+    programs compile once, not once per new combination of balanced shapes.
     `num_workers` > 0 runs planning, decoding and assembly in grain worker processes; each
     holds `prefetch` (>= 2) global batches, and with 0 workers a thread prefetches
     `prefetch` global batches, so the trainer finds the next one ready. Gin, e.g.:
@@ -753,7 +772,7 @@ class Loader:
                  num_hosts: int = 1, num_steps: int = 1 << 31, feeds: bool = False,
                  cp_method: str = "lpt", cp_block: int = 128, node_wise_method: str = "auto",
                  node_wise_time_limit: float = 0.2, node_wise_max_milp_ranks: int = 32,
-                 hardware: str = "h100"):
+                 hardware: str = "h100", shape_scan_steps: int = 16):
         if prefetch < 2:
             raise ValueError(f"Loader.prefetch={prefetch}: use >= 2 (global batches prepared "
                              f"ahead, so planning and preprocessing stay off the training "
@@ -773,6 +792,11 @@ class Loader:
             feeds=feeds, cp_method=cp_method, cp_block=cp_block, node_wise=node_wise,
             hardware=hardware_by_name(hardware))
         self.num_workers, self.prefetch, self.num_steps = num_workers, prefetch, num_steps
+        if shape_scan_steps < 0:
+            raise ValueError(f"Loader.shape_scan_steps={shape_scan_steps}: use >= 0 (0: every "
+                             f"microbatch at its own shapes, a compile per new shape)")
+        if feeds and shape_scan_steps:
+            self.builder.floor = self.builder.scan_floor(min(shape_scan_steps, num_steps))
         self.skipped_samples = 0
         self._it = None
         self._start(0)
