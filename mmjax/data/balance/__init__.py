@@ -19,22 +19,24 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
+import numpy as np
+
 from mmjax.data.balance.conv import _conv
-from mmjax.data.balance.lpt import _as_lengths, _check_ranks, greedy_partition
+from mmjax.data.balance.lpt import _as_lengths, _check_ranks, _greedy, _lists, greedy_partition
 from mmjax.data.balance.node_wise import (_greedy_nodes, _per_sample, batches_by_rank,
                                           inter_node_volumes, max_inter_node_volume,
                                           node_wise_rearrange, volume_matrix)
 from mmjax.data.balance.padded import _padded
 from mmjax.data.balance.rearrangement import (Rearrangement, compose_rearrangement,
                                               rearrangement)
-from mmjax.data.balance.sum_square import _sum_square
+from mmjax.data.balance.sum_square import _sum_square, _sum_square_flat
 
 POLICIES = ("sum", "padded", "sum_square", "conv")
 
 __all__ = ["POLICIES", "Rearrangement", "batch_cost", "batches_by_rank", "compose_rearrangement",
            "greedy_partition", "inter_node_volumes", "max_inter_node_volume",
-           "node_wise_rearrange", "post_balance", "rearrangement", "volume_matrix",
-           "_greedy_nodes", "_per_sample", "_sum_square"]
+           "node_wise_rearrange", "post_balance", "post_balance_flat", "rearrangement",
+           "volume_matrix", "_greedy_nodes", "_per_sample", "_sum_square"]
 
 
 def post_balance(lengths: Sequence[float], num_ranks: int, policy: str = "sum", *,
@@ -51,22 +53,30 @@ def post_balance(lengths: Sequence[float], num_ranks: int, policy: str = "sum", 
     Leave out samples that have no data for the phase (length 0): an encoder's dispatcher
     only sees samples with its modality, and zero lengths all land on one lightest batch.
     """
+    return _lists(*post_balance_flat(lengths, num_ranks, policy, tolerance=tolerance))
+
+
+def post_balance_flat(lengths: Sequence[float], num_ranks: int, policy: str = "sum", *,
+                      tolerance: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """`post_balance` as arrays: (sample indices batch after batch, count per batch), the
+    same batches in the same order. Skips building ``num_ranks`` Python lists (at 2560
+    ranks x 60 samples that alone costs more than the balancing)."""
     _check_ranks(num_ranks)
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
     x = _as_lengths(lengths, "lengths")
     d = int(num_ranks)
     if x.size == 0:
-        return [[] for _ in range(d)]
+        return np.zeros(0, dtype=np.int64), np.zeros(d, dtype=np.int64)
     if policy == "sum":
-        return greedy_partition(x, d)
+        return _greedy(x, d)
     if policy == "padded":
         return _padded(x, d)
     if policy == "sum_square":
         tol = float(x.mean()) if tolerance is None else float(tolerance)
         if not math.isfinite(tol) or tol < 0:
             raise ValueError(f"tolerance must be finite and >= 0 tokens, got {tolerance!r}")
-        return _sum_square(x, d, tol)
+        return _sum_square_flat(x, d, tol)
     return _conv(x, d)
 
 

@@ -2,6 +2,7 @@
 grouping, and the LPT greedy of Algorithm 1 (also DistTrain Algorithm 2)."""
 from __future__ import annotations
 
+import itertools
 from typing import Sequence
 
 import numpy as np
@@ -22,16 +23,25 @@ def _check_ranks(num_ranks: int, name: str = "num_ranks") -> None:
         raise ValueError(f"{name} must be a positive int (the DP size), got {num_ranks!r}")
 
 
-def _lpt_assign(x: np.ndarray, loads: np.ndarray, items: np.ndarray) -> np.ndarray:
+def _lpt_assign(x: np.ndarray, loads: np.ndarray, items: np.ndarray,
+                counts: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Greedy: ``items`` (in the given order) each to the bin of least (load, index).
 
-    Returns the bin of each item and updates ``loads`` in place. Exactly the heap algorithm,
-    vectorised: a chunk of items takes the next-lightest bins in order as long as none of them
-    would rather go to a bin already filled in this chunk (checked per item, so results match
-    the heap loop bit for bit); each chunk is usually a whole round of ``d`` items.
+    Returns (bin, slot) per item, slot = the item's place in its bin counting from
+    ``counts`` (items already there; updated in place, as ``loads`` is). Exactly the heap
+    algorithm, vectorised: a chunk of items takes the next-lightest bins in order as long as
+    none of them would rather go to a bin already filled in this chunk (checked per item, so
+    results match the heap loop bit for bit); each chunk is usually a whole round of ``d``
+    items and gives each bin at most one item, so slots are counted per chunk. Whole
+    lengths (token counts) run on int64 keys (`_lpt_keys`): one plain sort per chunk
+    instead of a stable argsort.
     """
     d = loads.size
+    counts = np.zeros(d, dtype=np.int64) if counts is None else counts
+    if items.size and _int_keys_fit(x[items], loads):
+        return _lpt_keys(x, loads, items, counts)
     bins = np.empty(items.size, dtype=np.int64)
+    slots = np.empty(items.size, dtype=np.int64)
     ranked = np.argsort(loads, kind="stable")
     i = 0
     while i < items.size:
@@ -44,35 +54,117 @@ def _lpt_assign(x: np.ndarray, loads: np.ndarray, items: np.ndarray) -> np.ndarr
             r = m if ok.all() else 1 + int(np.argmin(ok))
         chosen = ranked[:r]
         bins[i:i + r] = chosen
+        slots[i:i + r] = counts[chosen]
+        counts[chosen] += 1
         loads[chosen] += xc[:r]
         ranked = np.argsort(loads, kind="stable")
         i += r
-    return bins
+    return bins, slots
+
+
+def _int_keys_fit(xi: np.ndarray, loads: np.ndarray) -> bool:
+    """Whole lengths and loads whose keys load * 2^k + bin stay below 2^62."""
+    k = max(1, int(loads.size - 1).bit_length())
+    top = float(loads.max()) + float(xi.sum())
+    return (top < 2.0 ** (62 - k) and bool(np.all(xi == np.floor(xi)))
+            and bool(np.all(loads == np.floor(loads))))
+
+
+def _lpt_keys(x: np.ndarray, loads: np.ndarray, items: np.ndarray,
+              counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`_lpt_assign` on int64 keys (load << k) | bin: keys are distinct and order bins by
+    (load, index), so the heap's choice is the least key. A chunk's t-th item goes to the
+    t-th least key as long as that key is below every key already raised in the chunk."""
+    d = loads.size
+    k = max(1, int(d - 1).bit_length())
+    mask = (1 << k) - 1
+    keys = np.sort((loads.astype(np.int64) << k) | np.arange(d, dtype=np.int64))
+    xi = x[items].astype(np.int64) << k
+    n = items.size
+    bins = np.empty(n, dtype=np.int64)
+    slots = np.empty(n, dtype=np.int64)
+    i = 0
+    while i < n:
+        m = min(d, n - i)
+        new = keys[:m] + xi[i:i + m]
+        r = m
+        if m > 1:
+            ok = keys[1:m] < np.minimum.accumulate(new[:-1])
+            if not ok.all():
+                r = 1 + int(np.argmin(ok))
+        chosen = keys[:r] & mask
+        bins[i:i + r] = chosen
+        slots[i:i + r] = counts[chosen]
+        counts[chosen] += 1
+        keys = np.sort(new) if r == d else np.sort(np.concatenate((new[:r], keys[r:])))
+        i += r
+    loads[keys & mask] = (keys >> k).astype(np.float64)
+    return bins, slots
 
 
 def _small_ints(x: np.ndarray) -> bool:
     return bool(x.size) and x.max() < 65536 and bool(np.all(x == np.floor(x)))
 
 
+def _sorted_by(x: np.ndarray, descending: bool) -> np.ndarray:
+    """Indices by length (decreasing or increasing), ties by increasing index. Token counts
+    sort as unique integer keys (length << bits of n) | index, uint32 where they fit: a plain
+    sort, ~4x faster than a stable argsort."""
+    n = x.size
+    if not _small_ints(x):
+        return np.argsort(-x if descending else x, kind="stable")
+    xi = x.astype(np.int64)
+    v = int(xi.max()) - xi if descending else xi
+    ib = max(1, (n - 1).bit_length())
+    dt = np.uint32 if max(1, int(v.max()).bit_length()) + ib <= 32 else np.uint64
+    keys = (v.astype(dt) << dt(ib)) | np.arange(n, dtype=dt)
+    return (np.sort(keys) & dt((1 << ib) - 1)).astype(np.int64)
+
+
 def _descending(x: np.ndarray) -> np.ndarray:
-    """Indices by decreasing length, ties by increasing index (radix sort for token counts)."""
-    if _small_ints(x):
-        return np.argsort((65535 - x).astype(np.uint16), kind="stable")
-    return np.argsort(-x, kind="stable")
+    """Indices by decreasing length, ties by increasing index."""
+    return _sorted_by(x, True)
 
 
 def _ascending(x: np.ndarray) -> np.ndarray:
-    if _small_ints(x):
-        return np.argsort(x.astype(np.uint16), kind="stable")
-    return np.argsort(x, kind="stable")
+    return _sorted_by(x, False)
 
 
-def _group(bins: np.ndarray, items: np.ndarray, d: int) -> list[list[int]]:
-    """Items per bin, keeping their order (vectorised: the lists are built in one pass)."""
+def _group(bins: np.ndarray, items: np.ndarray, d: int) -> tuple[np.ndarray, np.ndarray]:
+    """Items per bin, keeping their order: (items bin after bin, count per bin)."""
     keys = bins.astype(np.uint16) if d <= 65536 else bins
-    flat = items[np.argsort(keys, kind="stable")].tolist()
-    ends = np.cumsum(np.bincount(bins, minlength=d)).tolist()
-    return [flat[s:e] for s, e in zip([0] + ends[:-1], ends)]
+    return items[np.argsort(keys, kind="stable")], np.bincount(bins, minlength=d)
+
+
+def _place(bins: np.ndarray, slots: np.ndarray, items: np.ndarray,
+           counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`_group` when each item's slot in its bin is known: one scatter, no sort."""
+    flat = np.empty(items.size, dtype=np.int64)
+    flat[(np.cumsum(counts) - counts)[bins] + slots] = items
+    return flat, counts
+
+
+def _lists(flat: np.ndarray, counts: np.ndarray) -> list[list[int]]:
+    """(items bin after bin, count per bin) as one list of sample indices per bin."""
+    if counts.size and counts.min() == counts.max():  # equal batches: one 2-D tolist
+        return flat.reshape(counts.size, -1).tolist()
+    items = flat.tolist()
+    ends = np.cumsum(counts).tolist()
+    return [items[s:e] for s, e in zip([0] + ends[:-1], ends)]
+
+
+def _flat(batches: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """The inverse of `_lists`."""
+    counts = np.array([len(b) for b in batches], dtype=np.int64)
+    return np.fromiter(itertools.chain.from_iterable(batches), np.int64, int(counts.sum())), counts
+
+
+def _greedy(x: np.ndarray, d: int) -> tuple[np.ndarray, np.ndarray]:
+    """Algorithm 1 on checked lengths, grouped (`_group`)."""
+    items = _descending(x)
+    counts = np.zeros(d, dtype=np.int64)
+    bins, slots = _lpt_assign(x, np.zeros(d), items, counts)
+    return _place(bins, slots, items, counts)
 
 
 def greedy_partition(sizes: Sequence[float], num_bins: int,
@@ -83,6 +175,4 @@ def greedy_partition(sizes: Sequence[float], num_bins: int,
     sample indices per bin, in assignment order (descending size).
     """
     _check_ranks(num_bins, "num_bins")
-    x = _as_lengths(sizes, name)
-    items = _descending(x)
-    return _group(_lpt_assign(x, np.zeros(int(num_bins)), items), items, int(num_bins))
+    return _lists(*_greedy(_as_lengths(sizes, name), int(num_bins)))
