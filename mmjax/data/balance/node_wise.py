@@ -8,6 +8,7 @@ from typing import Sequence
 import numpy as np
 
 from mmjax.data.balance.lpt import _as_lengths, _check_ranks
+from mmjax.data.balance.node_swaps import swap_improve
 from mmjax.data.node_milp import milp_nodes
 
 
@@ -122,30 +123,39 @@ def node_wise_rearrange(src_rank_of_sample: Sequence[int], new_batches: Sequence
     ``include_recv``, receives too. Only a batch's node matters for that objective; within a
     node a batch stays on its own index when it can (fewest moves), others fill the free
     ranks in order. ``method``: "milp" (the paper's ILP with HiGHS, stopped after
-    ``time_limit`` seconds, keeping the incumbent), "greedy" (fast path: batches to nodes by
-    descending volume already there, O(n + k log k), milliseconds at 2560 ranks), "auto"
-    (MILP up to ``max_milp_ranks`` ranks, greedy above: the MILP has d^2/c binaries and dense
-    volume matrices make HiGHS hit the time limit beyond a few dozen nodes). The best of the
-    solver's answer, the greedy one and the identity is returned, so the result never has
-    more inter-node volume than leaving batch i on rank i. ``require_optimal`` drops a MILP
-    answer not proven optimal within the time limit (a time-limited incumbent depends on
-    machine speed, so hosts that must agree on the plan would not). ``info`` (a dict, if
-    given) receives "milp_status", "milp_bound" and "milp_gap" (when the MILP ran: HiGHS'
-    proven lower bound and the answer's relative gap to it; the solve is warm-started from
-    the greedy placement), "chosen" ("milp", "greedy" or
-    "identity") and "objective" (per candidate, the max per-rank inter-node volume).
+    ``time_limit`` seconds, keeping the incumbent; warm-started from "local"), "greedy" (fast
+    path: batches to nodes by descending volume already there, O(n + k log k), milliseconds
+    at 2560 ranks), "local" (greedy, then best-improvement pairwise swaps of batches between
+    nodes, `node_swaps.swap_improve`: ~10 ms at 64 ranks and within ~1% of what the MILP
+    reaches in 10 s there; O(d^2 c) per round, so seconds from a few hundred ranks on),
+    "auto" ("milp" up to ``max_milp_ranks`` ranks, "greedy" above: the MILP has d^2/c
+    binaries and HiGHS does not prove optimality at 64 ranks within seconds, see
+    docs/design.md). The best of the candidates computed and the identity is returned, so
+    the result never has more inter-node volume than leaving batch i on rank i.
+    ``require_optimal`` drops a MILP answer not proven optimal within the time limit (a
+    time-limited incumbent depends on machine speed, so hosts that must agree on the plan
+    would not). ``info`` (a dict, if given) receives "milp_status", "milp_bound" and
+    "milp_gap" (when the MILP ran: HiGHS' proven lower bound and the answer's relative gap
+    to it), "chosen" ("milp", "local", "greedy" or "identity") and "objective" (per
+    candidate, the max per-rank inter-node volume).
     """
-    if method not in ("auto", "milp", "greedy"):
-        raise ValueError(f"method must be 'auto', 'milp' or 'greedy', got {method!r}")
+    if method not in ("auto", "milp", "greedy", "local"):
+        raise ValueError(f"method must be 'auto', 'milp', 'greedy' or 'local', got {method!r}")
     src, bat, w, d = _per_sample(src_rank_of_sample, new_batches, sizes, ranks_per_node)
     c = int(ranks_per_node)
     identity = np.arange(d) // c
     info = {} if info is None else info
     greedy = _greedy_nodes(src, bat, w, d, c)
     names, candidates = ["identity", "greedy"], [identity, greedy]
-    if method == "milp" or (method == "auto" and d <= max_milp_ranks):
-        solved = milp_nodes(_volumes(src, bat, w, d), c, include_recv, time_limit, info,
-                             greedy, _objective(src, bat, w, d, greedy, c, include_recv))
+    milp = method == "milp" or (method == "auto" and d <= max_milp_ranks)
+    if milp or method == "local":
+        v = _volumes(src, bat, w, d)
+        local = swap_improve(v, greedy, c, include_recv)
+        names.insert(0, "local")
+        candidates.insert(0, local)
+    if milp:
+        solved = milp_nodes(v, c, include_recv, time_limit, info,
+                            local, _objective(src, bat, w, d, local, c, include_recv))
         if solved is not None and (info["milp_status"] == "optimal" or not require_optimal):
             names.insert(0, "milp")
             candidates.insert(0, solved)
