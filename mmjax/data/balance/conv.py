@@ -22,11 +22,14 @@ def _conv(x: np.ndarray, d: int) -> tuple[np.ndarray, np.ndarray]:
     bound = float(lpt_loads.max())
     xs = x[desc]
     n = x.size
-    v = memoryview(xs)  # Python floats without per-element numpy scalars
+    with np.errstate(divide="ignore", invalid="ignore"):
+        step = np.where(xs > 0, np.floor_divide(bound, xs), n)  # zero lengths: all the rest
+    jump = np.minimum(np.arange(1, n + 1) + np.maximum(step, 1.0) - 1, n).astype(np.int64)
+    jm = memoryview(jump)  # next batch start per start: the chain is d lookups
     ends = []
     i = 0
     while i < n and len(ends) < d:
-        i = n if v[i] <= 0 else min(n, i + max(1, int(bound // v[i])))
+        i = jm[i]
         ends.append(i)
     sizes = np.diff(ends, prepend=0)
     bins, slots = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)

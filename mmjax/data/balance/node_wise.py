@@ -130,7 +130,7 @@ def node_wise_rearrange(src_rank_of_sample: Sequence[int], new_batches: Sequence
     reaches in 10 s there; O(d^2 c) per round, so seconds from a few hundred ranks on),
     "auto" ("milp" up to ``max_milp_ranks`` ranks, "greedy" above: the MILP has d^2/c
     binaries and HiGHS does not prove optimality at 64 ranks within seconds, see
-    docs/design.md). The best of the candidates computed and the identity is returned, so
+    `node_milp`). The best of the candidates computed and the identity is returned, so
     the result never has more inter-node volume than leaving batch i on rank i.
     ``require_optimal`` drops a MILP answer not proven optimal within the time limit (a
     time-limited incumbent depends on machine speed, so hosts that must agree on the plan
