@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mmjax.data.balance.lpt import _descending, _lpt_assign, _place
+from mmjax.data.balance.lpt import _lpt_assign, _place, _sorted_by
 
 
 def _conv(x: np.ndarray, d: int) -> tuple[np.ndarray, np.ndarray]:
@@ -16,27 +16,26 @@ def _conv(x: np.ndarray, d: int) -> tuple[np.ndarray, np.ndarray]:
     batch is set by its first (longest) element, which is what we use. Returns
     (samples batch after batch, count per batch).
     """
-    desc = _descending(x)
+    desc, xs = _sorted_by(x, True)
     lpt_loads = np.zeros(d)
-    _lpt_assign(x, lpt_loads, desc)
+    _lpt_assign(x, lpt_loads, desc, xs=xs)
     bound = float(lpt_loads.max())
-    xs = x[desc]
     n = x.size
-    with np.errstate(divide="ignore", invalid="ignore"):
-        step = np.where(xs > 0, np.floor_divide(bound, xs), n)  # zero lengths: all the rest
-    jump = np.minimum(np.arange(1, n + 1) + np.maximum(step, 1.0) - 1, n).astype(np.int64)
-    jm = memoryview(jump)  # next batch start per start: the chain is d lookups
+    v = memoryview(xs)  # Python floats, no numpy scalar per step
     ends = []
     i = 0
     while i < n and len(ends) < d:
-        i = jm[i]
+        xi = v[i]
+        j = i + int(bound // xi) if xi > 0 else n  # zero lengths: all the rest
+        i = n if j > n else (i + 1 if j <= i else j)
         ends.append(i)
-    sizes = np.diff(ends, prepend=0)
+    ends_a = np.array(ends, dtype=np.int64)
+    sizes = np.diff(ends_a, prepend=0)
     bins, slots = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
     bins[:i] = np.repeat(np.arange(len(ends)), sizes)
-    slots[:i] = np.arange(i) - np.repeat(np.array(ends) - sizes, sizes)
+    slots[:i] = np.arange(i) - np.repeat(ends_a - sizes, sizes)
     loads = np.bincount(bins[:i], weights=xs[:i], minlength=d)
     counts = np.zeros(d, dtype=np.int64)
     counts[:len(ends)] = sizes
-    bins[i:], slots[i:] = _lpt_assign(x, loads, desc[i:], counts)
+    bins[i:], slots[i:] = _lpt_assign(x, loads, desc[i:], counts, xs[i:])
     return _place(bins, slots, desc, counts)

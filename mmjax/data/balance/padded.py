@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-from mmjax.data.balance.lpt import _ascending
+from mmjax.data.balance.lpt import _sorted_by
 
 
 def _least_batches(v, n: int, bound: float, limit: int) -> list[int]:
@@ -95,8 +95,8 @@ def _padded(x: np.ndarray, d: int) -> tuple[np.ndarray, np.ndarray]:
     if np.any(x != np.round(x)):
         raise ValueError("policy 'padded' needs integer lengths (tokens per sample) for its "
                          "binary search; round the lengths")
-    asc = _ascending(x)
-    xs = np.ascontiguousarray(x[asc])
+    asc, xs = _sorted_by(x, False)
+    xs = np.ascontiguousarray(xs)
     n = xs.size
     v = memoryview(xs)
     total = float(xs.sum())
