@@ -91,14 +91,17 @@ def _lpt_keys(xs: np.ndarray, loads: np.ndarray,
         new = keys[:m] + xi[i:i + m]
         r = m
         if m > 1:
-            ok = keys[1:m] < np.minimum.accumulate(new[:-1])
-            if not ok.all():
-                r = 1 + int(np.argmin(ok))
-        chosen = keys[:r] & mask
-        bins[i:i + r] = chosen
-        slots[i:i + r] = counts[chosen]
+            late = np.flatnonzero(keys[1:m] > np.minimum.accumulate(new[:-1]))
+            if late.size:
+                r = 1 + int(late[0])
+        chosen = np.bitwise_and(keys[:r], mask, out=bins[i:i + r])
+        np.take(counts, chosen, out=slots[i:i + r])
         counts[chosen] += 1
-        keys = np.sort(new) if r == d else np.sort(np.concatenate((new[:r], keys[r:])))
+        if r == d:
+            new.sort()
+            keys = new
+        else:
+            keys = np.sort(np.concatenate((new[:r], keys[r:])))
         i += r
     loads[keys & mask] = (keys >> k).astype(np.float64)
     return bins, slots
