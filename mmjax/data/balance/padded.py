@@ -55,19 +55,19 @@ def _least_batches(v, n: int, bound: float, limit: int) -> list[int]:
     return ends
 
 
-def _next_probe(seen, n: int, lo: int, hi: int | None, total: float, held: float,
+def _next_probe(seen: list[tuple[int, float]], d: int, lo: int, hi: int | None,
                 width: list[int]) -> int:
-    """Where to probe next: the bound at which d batches would hold all n samples, by the
-    secant through the last two infeasible probes (samples held grow about linearly with the
-    bound near the answer), or after one by scaling with the work not yet held; clamped to
-    [lo, hi). Bisection whenever the interval did not halve over the last two probes
+    """Where to probe next: the root of f(bound) = d, f = batches the greedy packing needs
+    (fractional: ``seen`` holds (bound, f) per probe), by the secant through the last two
+    probes, or by scaling one (f is about inversely proportional to the bound); clamped to
+    [lo, hi), and bisection whenever the interval did not halve over the last two probes
     (``width``: its widths so far), so the search is never much worse than bisection."""
-    b1, c1 = seen[-1] if seen else (lo, 0)
-    if len(seen) >= 2 and seen[-2][1] < c1:
-        b0, c0 = seen[-2]
-        guess = b1 + (n - c1) * (b1 - b0) / (c1 - c0)
+    b1, f1 = seen[-1]
+    if len(seen) >= 2 and seen[-2][1] != f1:
+        b0, f0 = seen[-2]
+        guess = b1 + (d - f1) * (b1 - b0) / (f1 - f0)
     else:
-        guess = b1 * total / held if held > 0 else 2.0 * max(b1, 1)
+        guess = b1 * f1 / d
     guess = max(lo, math.ceil(guess))
     if hi is None:
         return guess
@@ -103,7 +103,7 @@ def _padded(x: np.ndarray, d: int) -> tuple[np.ndarray, np.ndarray]:
     work = np.cumsum(xs)
     lo = max(int(x.max()), math.ceil(total / d), 1)
     hi, best, probe = None, None, lo
-    seen: list[tuple[int, int]] = []  # (infeasible bound, samples its d batches hold)
+    seen: list[tuple[int, float]] = []  # (bound, batches its greedy packing needs)
     width: list[int] = []
     while True:
         ends = _least_batches(v, n, probe, d)
@@ -111,13 +111,13 @@ def _padded(x: np.ndarray, d: int) -> tuple[np.ndarray, np.ndarray]:
         size = np.diff(e, prepend=0)
         if ends[-1] == n:  # feasible: its packing's largest cost is feasible with it
             hi, best = int((size * xs[e - 1]).max()), ends
+            seen.append((probe, len(ends) - 1 + size[-1] * xs[n - 1] / probe))
         else:  # the same first d batches up to the least cost of growing one of them
             lo = max(probe + 1, int(((size + 1) * xs[e]).min()))
-            seen.append((probe, ends[-1]))
+            seen.append((probe, d * total / float(work[ends[-1] - 1])))
         if hi is not None and lo >= hi:
             break
-        held = float(work[seen[-1][1] - 1]) if seen and seen[-1][1] else 0.0
-        probe = _next_probe(seen, n, lo, hi, total, held, width)
+        probe = _next_probe(seen, d, lo, hi, width)
     counts = np.zeros(d, dtype=np.int64)
     counts[:len(best)] = np.diff(best, prepend=0)
     return asc, counts
