@@ -78,6 +78,19 @@ def _objective(src, bat, w, d, node_of_batch, c, include_recv) -> float:
     return float(max(send, recv if include_recv else 0.0))
 
 
+def _descending_stable(a: np.ndarray) -> np.ndarray:
+    """np.argsort(-a, kind="stable"); for whole numbers (token volumes) a plain sort of the
+    unique keys (max - a) << bits | index, several times faster."""
+    if a.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    top = float(a.max())
+    ib = max(1, int(a.size - 1).bit_length())
+    if top >= 2.0 ** (63 - ib) or not np.all(a == np.floor(a)):
+        return np.argsort(-a, kind="stable")
+    keys = ((int(top) - a.astype(np.int64)) << ib) | np.arange(a.size, dtype=np.int64)
+    return np.sort(keys) & ((1 << ib) - 1)
+
+
 def _greedy_nodes(src, bat, w, d, c) -> np.ndarray:
     """Fast path: batches to nodes by descending volume already on that node, c per node.
 
@@ -87,25 +100,29 @@ def _greedy_nodes(src, bat, w, d, c) -> np.ndarray:
     nn = d // c
     nodecost = np.bincount((src // c) * d + bat, weights=w, minlength=nn * d)
     nz = np.flatnonzero(nodecost)
-    nz = nz[np.argsort(-nodecost[nz], kind="stable")]
-    nodes, batches = nz // d, nz % d
+    nz = nz[_descending_stable(nodecost[nz])]
     node_of, free = np.full(d, -1), np.full(nn, c)
     owner, room = [-1] * d, [c] * nn  # the same state as Python lists for the scalar loop
     left, pos, chunk = d, 0, d
     while left and pos < nz.size:
         # entries whose batch is placed or whose node is full stay rejected: drop them in
         # bulk, then take the rest one by one in order
-        nb, bb = nodes[pos:pos + chunk], batches[pos:pos + chunk]
+        part = nz[pos:pos + chunk]
+        nb = part // d
+        bb = part - nb * d
         live = (node_of[bb] < 0) & (free[nb] > 0)
         pos, chunk = pos + chunk, 2 * chunk
+        placed: list[int] = []
         for n, b in zip(nb[live].tolist(), bb[live].tolist()):
             if owner[b] < 0 and room[n] > 0:
                 owner[b] = n
                 room[n] -= 1
+                placed.append(b)
                 left -= 1
                 if left == 0:
                     break
-        node_of, free = np.array(owner), np.array(room)
+        node_of[placed] = [owner[b] for b in placed]
+        free = np.array(room)
     slots = np.repeat(np.arange(nn), free)
     node_of[node_of < 0] = slots
     return node_of
