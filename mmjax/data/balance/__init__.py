@@ -11,6 +11,10 @@
   (rank, slot); per encoder the single map Pi_M o Pi_E^-1 from the encoder's balanced batches
   to the LLM rank that consumes its output (§6, "Rearrangement composition").
 
+Files: lpt.py (Algorithm 1 and the shared pieces), padded.py, sum_square.py, conv.py,
+node_wise.py (+ node_swaps.py, and data/node_milp.py for the MILP), rearrangement.py; every
+public name imports from here. ``post_balance_flat`` is ``post_balance`` as arrays.
+
 Pure host code (numpy, highspy); no JAX. Every host runs it on the all-gathered lengths and gets
 the same answer (§5.2.1), so all algorithms are deterministic: ties go to the lower index.
 """
@@ -23,20 +27,22 @@ import numpy as np
 
 from mmjax.data.balance.conv import _conv
 from mmjax.data.balance.lpt import _as_lengths, _check_ranks, _greedy, _lists, greedy_partition
-from mmjax.data.balance.node_wise import (_greedy_nodes, _per_sample, batches_by_rank,
-                                          inter_node_volumes, max_inter_node_volume,
-                                          node_wise_rearrange, volume_matrix)
+from mmjax.data.balance.node_wise import (batches_by_rank, inter_node_volumes,
+                                          max_inter_node_volume, node_wise_rearrange,
+                                          volume_matrix)
+# private helpers tests reach through this module, as before the split
+from mmjax.data.balance.node_wise import _greedy_nodes, _per_sample  # noqa: F401
 from mmjax.data.balance.padded import _padded
 from mmjax.data.balance.rearrangement import (Rearrangement, compose_rearrangement,
                                               rearrangement)
-from mmjax.data.balance.sum_square import _sum_square, _sum_square_flat
+from mmjax.data.balance.sum_square import _sum_square, _sum_square_flat  # noqa: F401
 
 POLICIES = ("sum", "padded", "sum_square", "conv")
 
 __all__ = ["POLICIES", "Rearrangement", "batch_cost", "batches_by_rank", "compose_rearrangement",
            "greedy_partition", "inter_node_volumes", "max_inter_node_volume",
            "node_wise_rearrange", "post_balance", "post_balance_flat", "rearrangement",
-           "volume_matrix", "_greedy_nodes", "_per_sample", "_sum_square"]
+           "volume_matrix"]
 
 
 def post_balance(lengths: Sequence[float], num_ranks: int, policy: str = "sum", *,
