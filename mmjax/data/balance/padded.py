@@ -90,9 +90,9 @@ def _padded(x: np.ndarray, d: int) -> tuple[np.ndarray, np.ndarray]:
     drops to its packing's largest batch cost (the packing is the same there), an infeasible
     one rises to the least cost of growing one of its batches by the next item (below that
     the first d batches are the same, so still infeasible). The answer, the least feasible
-    integer bound, and its packing are the binary search's; probes go where the secant on the number
-    of batches needed (`_next_probe`) puts them: 4-14 probes at 256-2560 ranks (6.5 on
-    average), the plain binary search took 17.
+    integer bound, and its packing are the binary search's; probes go where the secant on
+    the number of batches needed (`_next_probe`) puts them: 4-14 probes at 256-2560 ranks
+    (6.5 on average), the plain binary search took 17.
     """
     if np.any(x != np.round(x)):
         raise ValueError("policy 'padded' needs integer lengths (tokens per sample) for its "
