@@ -64,7 +64,7 @@ from mmjax.planner.plan import Plan
 from mmjax.planner.workload import workload_from_metas
 
 POLICIES = ("none", "disttrain", "orchmllm")
-NODE_WISE_METHODS = ("auto", "milp", "greedy")
+NODE_WISE_METHODS = ("auto", "milp", "local", "greedy")
 
 
 class DecodeError(ValueError):
@@ -318,8 +318,10 @@ class NodeWise:
     """Node-wise rearrangement settings (OrchMLLM §5.2.2, Algorithm 3) for "orchmllm".
 
     `ranks_per_node` 0 disables it; a unit runs it only when its dp spans several nodes
-    (dp > ranks_per_node and a multiple of it). `method`: "auto" (the MILP up to `max_milp_ranks` ranks, greedy above
-    or when the MILP does not prove optimality within `time_limit` s), "milp", "greedy".
+    (dp > ranks_per_node and a multiple of it). `method`: "auto" (the MILP up to
+    `max_milp_ranks` ranks, else, or when the MILP does not prove optimality within
+    `time_limit` s, the better of greedy and its pairwise-swap local search), "milp",
+    "local" (greedy + swaps, deterministic), "greedy".
     Every host must compute the same plan, so the loader only takes a MILP answer proven
     optimal (a time-limited incumbent depends on machine speed); otherwise greedy."""
 
