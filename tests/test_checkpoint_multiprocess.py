@@ -103,6 +103,7 @@ def test_kill_9_of_a_two_process_run_resumes_bit_identical(straight, tmp_path, g
     pids = sorted(_worker_pids(launcher.pid))
     assert launcher.poll() is None and len(pids) == 2, (kill_after, pids)
     os.kill(pids[victim], signal.SIGKILL)
+    print(f"kill -9 of process p{victim} after {kill_after} step(s)")  # shown with -s
     out, _ = launcher.communicate(timeout=560)
     assert launcher.returncode == 0, out[-6000:]
     assert "restarting all 2 processes" in out, out[-3000:]
