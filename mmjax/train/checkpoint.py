@@ -13,6 +13,13 @@ checksum mismatch, an empty directory named like a step) is reported in one line
 to `<dir>.unusable/<step>` (kept for inspection, out of the way of the next save of that
 step). Directories whose name is not a step number are ignored.
 
+Multi-process runs: every process passes the same named arrays (stages it does not hold as
+arrays without local shards) and writes the replica-0 shards it holds; arrays held by some
+processes only are widened with zero replicas for the save (`_widened`: orbax wants a shard
+of every array on every process). Checksums and the non-finite check are summed over the
+processes' own shards (`global_checksums`), and every decision about a checkpoint is taken
+alike by all processes (docs/design.md, "Checkpoints").
+
 Retention (`_prune`, after each save commits): the newest `keep` checkpoints, every step
 that is a multiple of `keep_every` (permanent) and the checkpoint this run restored from
 (verified) are kept; older ones are deleted.
