@@ -50,7 +50,7 @@ def _cmd(workdir, processes, devices, extra, restarts=0):
 
 def _run(workdir, processes, devices, extra):
     p = subprocess.run(_cmd(workdir, processes, devices, extra), env=_env(), cwd=ROOT,
-                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=560)
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=560, check=False)
     assert p.returncode == 0, p.stdout[-6000:]
     return p.stdout
 
@@ -83,7 +83,8 @@ def straight(tmp_path_factory, reference_cache, gloo_jobs):
 
 
 def _worker_pids(launcher_pid):
-    out = subprocess.run(["pgrep", "-P", str(launcher_pid)], stdout=subprocess.PIPE, text=True)
+    out = subprocess.run(["pgrep", "-P", str(launcher_pid)], stdout=subprocess.PIPE, text=True,
+                         check=False)
     return [int(p) for p in out.stdout.split()]
 
 
@@ -97,8 +98,10 @@ def test_kill_9_of_a_two_process_run_resumes_bit_identical(straight, tmp_path, g
     metrics = os.path.join(work, "metrics.jsonl")
     deadline = time.monotonic() + 500
     while time.monotonic() < deadline and launcher.poll() is None:
-        if os.path.exists(metrics) and len(open(metrics).readlines()) >= kill_after:
-            break
+        if os.path.exists(metrics):
+            with open(metrics) as f:
+                if len(f.readlines()) >= kill_after:
+                    break
         time.sleep(0.2)
     pids = sorted(_worker_pids(launcher.pid))
     assert launcher.poll() is None and len(pids) == 2, (kill_after, pids)
