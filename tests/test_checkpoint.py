@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mmjax.train.checkpoint import (CheckpointMismatch, Checkpointer, NonFiniteState,
-                                     leaf_checksum)
+                                     global_checksums, leaf_checksum, partial_checksum)
 
 LIKE = {"w": jnp.arange(4096, dtype=jnp.float32) / 7, "b": {"c": jnp.ones((3, 5), jnp.bfloat16)},
         "step": jnp.zeros((), jnp.int32)}
@@ -190,3 +190,18 @@ def test_checksum_detects_one_flipped_bit_and_swaps_and_ignores_sharding():
         assert leaf_checksum(jax.device_put(x, NamedSharding(mesh, spec))) == base
     for dt in (np.int64, np.float16, np.bool_, np.uint8):
         assert len(leaf_checksum(np.ones(5, dt))) == 2
+
+
+def test_checksum_from_owned_shards_equals_the_whole_arrays():
+    """What each process adds up in a multi-process save: the replica-0 shards it holds,
+    positions in the global array. Over all shards it is the whole array's checksum."""
+    mesh = jax.make_mesh((2, 2, 2), ("a", "b", "c"), devices=jax.devices()[:8])
+    x = np.random.default_rng(0).standard_normal((4, 6, 8)).astype(np.float32)
+    for spec in (P("a", "b", "c"), P(None, "c"), P("c", None, "a"), P()):
+        y = jax.device_put(x, NamedSharding(mesh, spec))
+        assert partial_checksum(y) == (*leaf_checksum(x), 0)
+    x[1, 2, 3] = np.nan
+    assert partial_checksum(jax.device_put(x, NamedSharding(mesh, P("a"))))[2] == 1
+    scalar = np.array(5, np.int32)
+    assert global_checksums([scalar, jnp.arange(10)]) == [
+        (*leaf_checksum(scalar), False), (*leaf_checksum(np.arange(10, dtype=np.int32)), False)]

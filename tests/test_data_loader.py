@@ -9,6 +9,7 @@ from mmjax.data.loader import (ArrayRecordSource, GlobalBatchBuilder, Loader, Sy
                                microbatch_costs, rank_times, write_dataset)
 from mmjax.data.reorder import inter_reorder
 from mmjax.data.synthetic import SyntheticConfig, SyntheticDataset
+from mmjax.errors import UserError
 from mmjax.models.config import (AudioConfig, EncoderSpec, GeneratorConfig, LLMConfig,
                                  MLLMConfig, ProjectorConfig, VisionConfig)
 from mmjax.planner.plan import Plan
@@ -327,7 +328,7 @@ def test_post_balance_policy_per_phase():
     ld.close()
     with pytest.raises(ValueError, match=r"Loader.post_balance_policy\['llm'\]='pad'.*sum_square"):
         Loader(source(), CFG, p, LAYOUT, post_balance_policy={"llm": "pad"})
-    with pytest.raises(ValueError, match=r"Loader.post_balance_policy: unknown units \['text'\]"):
+    with pytest.raises(UserError, match=r"Loader.post_balance_policy: unknown units \['text'\]"):
         Loader(source(), CFG, p, LAYOUT, post_balance_policy={"text": "sum"})
 
 
@@ -360,7 +361,7 @@ def test_node_wise_method_auto_uses_the_milp():
             assert vols["auto"] <= vols["greedy"]
             better += vols["auto"] < vols["greedy"]
     assert better >= 1
-    with pytest.raises(ValueError, match="Loader.node_wise_method='ilp'"):
+    with pytest.raises(UserError, match="Loader.node_wise_method='ilp'"):
         Loader(source(), CFG, p, LAYOUT, ranks_per_node=2, node_wise_method="ilp")
     with gin.unlock_config():
         gin.parse_config("Loader.node_wise_method = 'greedy'\nLoader.node_wise_time_limit = 0.05")
@@ -373,7 +374,7 @@ def test_node_wise_method_auto_uses_the_milp():
 
 
 def test_prefetch_below_two_and_bad_sources_are_rejected(tmp_path):
-    with pytest.raises(ValueError, match=r"Loader.prefetch=1: use >= 2"):
+    with pytest.raises(UserError, match=r"Loader.prefetch=1: use >= 2"):
         Loader(source(), CFG, plan(), LAYOUT, prefetch=1)
     with pytest.raises(ValueError, match="make_dataset.py --out="):
         Loader(str(tmp_path / "missing.arrayrecord"), CFG, plan(), LAYOUT)

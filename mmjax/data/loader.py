@@ -332,10 +332,10 @@ class NodeWise:
 
     def __post_init__(self):
         if self.method not in NODE_WISE_METHODS:
-            raise ValueError(f"Loader.node_wise_method={self.method!r}: use one of "
-                             f"{NODE_WISE_METHODS}")
+            raise UserError(f"Loader.node_wise_method={self.method!r}: use one of "
+                            f"{NODE_WISE_METHODS}")
         if not self.time_limit > 0:
-            raise ValueError(f"Loader.node_wise_time_limit={self.time_limit!r}: use > 0 seconds")
+            raise UserError(f"Loader.node_wise_time_limit={self.time_limit!r}: use > 0 seconds")
 
 
 def _split(unit: str, pos: list[int], metas, model, dp: int, policy: str, algo: str,
@@ -636,8 +636,8 @@ class GlobalBatchBuilder:
                 idx.append(i)
                 specs.append(spec)
         if len(idx) < gb:
-            raise ValueError(f"global batch {step}: only {len(idx)} of {gb + self.reserve} "
-                             f"candidates are usable ({reasons}); raise `reserve`")
+            raise UserError(f"global batch {step}: only {len(idx)} of {gb + self.reserve} "
+                            f"candidates are usable ({reasons}); raise `reserve`")
         return idx, specs, reasons
 
     def _feed(self, mp: MicrobatchPlan, get):
@@ -719,14 +719,14 @@ def _per_unit(value, model: MLLMConfig, setting: str, allowed, default: str) -> 
     elif isinstance(value, Mapping):
         unknown = set(value) - set(units)
         if unknown:
-            raise ValueError(f"{setting}: unknown units {sorted(unknown)}; units are {units}")
+            raise UserError(f"{setting}: unknown units {sorted(unknown)}; units are {units}")
         pol = {u: value.get(u, default) for u in units}
     else:
-        raise ValueError(f"{setting}={value!r}: use one of {allowed} or a dict unit -> one "
-                         f"of them")
+        raise UserError(f"{setting}={value!r}: use one of {allowed} or a dict unit -> one "
+                        f"of them")
     for u, p in pol.items():
         if p not in allowed:
-            raise ValueError(f"{setting}[{u!r}]={p!r}: use one of {allowed}")
+            raise UserError(f"{setting}[{u!r}]={p!r}: use one of {allowed}")
     return pol
 
 
@@ -776,16 +776,16 @@ class Loader:
                  node_wise_time_limit: float = 0.2, node_wise_max_milp_ranks: int = 32,
                  hardware: str = "h100", shape_scan_steps: int = 16):
         if prefetch < 2:
-            raise ValueError(f"Loader.prefetch={prefetch}: use >= 2 (global batches prepared "
-                             f"ahead, so planning and preprocessing stay off the training "
-                             f"path; MMScale §6)")
+            raise UserError(f"Loader.prefetch={prefetch}: use >= 2 (global batches prepared "
+                            f"ahead, so planning and preprocessing stay off the training "
+                            f"path; MMScale §6)")
         source = as_source(source)
         rules = layout.rules
         if getattr(source, "patch_size", rules.patch_size) != rules.patch_size:
-            raise ValueError(f"Loader.source: the dataset was written with patch_size="
-                             f"{source.patch_size} but the model's is {rules.patch_size}; "
-                             f"rewrite it with scripts/make_dataset.py --patch_size="
-                             f"{rules.patch_size}")
+            raise UserError(f"Loader.source: the dataset was written with patch_size="
+                            f"{source.patch_size} but the model's is {rules.patch_size}; "
+                            f"rewrite it with scripts/make_dataset.py --patch_size="
+                            f"{rules.patch_size}")
         node_wise = NodeWise(ranks_per_node, node_wise_method, node_wise_time_limit,
                              node_wise_max_milp_ranks)
         self.builder = GlobalBatchBuilder(

@@ -13,6 +13,13 @@ checksum mismatch, an empty directory named like a step) is reported in one line
 to `<dir>.unusable/<step>` (kept for inspection, out of the way of the next save of that
 step). Directories whose name is not a step number are ignored.
 
+Multi-process runs: every process passes the same named arrays (stages it does not hold as
+arrays without local shards) and writes the replica-0 shards it holds; arrays held by some
+processes only are widened with zero replicas for the save (`_widened`: orbax wants a shard
+of every array on every process). Checksums and the non-finite check are summed over the
+processes' own shards (`global_checksums`), and every decision about a checkpoint is taken
+alike by all processes (docs/design.md, "Checkpoints").
+
 Retention (`_prune`, after each save commits): the newest `keep` checkpoints, every step
 that is a multiple of `keep_every` (permanent) and the checkpoint this run restored from
 (verified) are kept; older ones are deleted.
@@ -56,11 +63,7 @@ def leaf_checksum(x) -> tuple[int, int]:
     first, swapped elements change the second. Computed on the logical (gathered) value, so
     it does not depend on the sharding the array was saved or restored with."""
     a = np.ascontiguousarray(np.asarray(x)).reshape(-1)
-    if a.dtype.itemsize not in (1, 2, 4, 8):
-        raise TypeError(f"leaf_checksum: unsupported dtype {a.dtype}")
-    w = a.view(f"u{a.dtype.itemsize}").astype(np.uint64)
-    if a.dtype.itemsize == 8:
-        w = (w ^ (w >> np.uint64(32))) & np.uint64(_M32)
+    w = _bits(a)
     idx = np.arange(1, a.size + 1, dtype=np.uint64)
     return int(w.sum(dtype=np.uint64)) & _M32, int((w * idx).sum(dtype=np.uint64)) & _M32
 
@@ -77,19 +80,153 @@ def named_arrays(state) -> dict:
     return {str(i): x for i, x in enumerate(jax.tree.leaves(state))}
 
 
+def _bits(a: np.ndarray) -> np.ndarray:
+    """Element bit patterns as uint64 (64-bit ones folded to 32), as `leaf_checksum`."""
+    if a.dtype.itemsize not in (1, 2, 4, 8):
+        raise TypeError(f"leaf_checksum: unsupported dtype {a.dtype}")
+    w = np.ascontiguousarray(a).view(f"u{a.dtype.itemsize}").astype(np.uint64)
+    if a.dtype.itemsize == 8:
+        w = (w ^ (w >> np.uint64(32))) & np.uint64(_M32)
+    return w
+
+
+def _nonfinite(a: np.ndarray) -> int:
+    return int(jnp.issubdtype(a.dtype, jnp.inexact) and not np.isfinite(a).all())
+
+
+def partial_checksum(x) -> tuple[int, int, int]:
+    """(sum, weighted sum, non-finite) of `leaf_checksum` over the elements this process
+    owns: the shards with replica_id 0 among its addressable ones, positions taken in the
+    global array. Both sums are additive over elements, so adding every process's parts
+    (mod 2**32) gives `leaf_checksum` of the whole array without gathering it. A host
+    value (not a jax.Array) is counted by process 0."""
+    if not isinstance(x, jax.Array):
+        if jax.process_index():
+            return 0, 0, 0
+        a = np.asarray(x)
+        return (*leaf_checksum(a), _nonfinite(a))
+    shape = tuple(x.shape)
+    strides = [int(np.prod(shape[d + 1:], dtype=np.int64)) for d in range(len(shape))]
+    s = ws = bad = 0
+    for sh in x.addressable_shards:
+        if sh.replica_id:
+            continue
+        a = np.asarray(sh.data)
+        w = _bits(a)
+        pos = np.ones(a.shape, np.uint64)
+        for d, sl in enumerate(sh.index):
+            start = sl.start or 0
+            ax = (np.arange(a.shape[d], dtype=np.uint64) + np.uint64(start)) * np.uint64(strides[d])
+            pos = pos + ax.reshape((-1,) + (1,) * (a.ndim - d - 1))
+        s += int(w.sum(dtype=np.uint64))
+        ws += int((w * pos).sum(dtype=np.uint64))
+        bad |= _nonfinite(a)
+    return s & _M32, ws & _M32, bad
+
+
+def global_checksums(arrays: list) -> list[tuple[int, int, bool]]:
+    """Per array: its `leaf_checksum` and whether it holds a non-finite value, computed
+    from each process's own shards and summed across processes (one small all-gather)."""
+    parts = np.array([partial_checksum(x) for x in arrays], np.uint32).reshape(-1, 3)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        parts = np.asarray(multihost_utils.process_allgather(parts)).reshape(
+            -1, len(arrays), 3)
+    else:
+        parts = parts[None]
+    total = parts.astype(np.uint64).sum(axis=0)
+    return [(int(a) & _M32, int(b) & _M32, bool(c)) for a, b, c in total]
+
+
+def all_processes(ok: bool) -> bool:
+    """True when `ok` on every process (a decision every process must take alike)."""
+    if jax.process_count() == 1:
+        return ok
+    from jax.experimental import multihost_utils
+
+    return bool(np.asarray(multihost_utils.process_allgather(np.array([int(ok)], np.int32))).all())
+
+
+def barrier(name: str) -> None:
+    if jax.process_count() > 1:
+        ocp.multihost.sync_global_processes(f"mmjax_checkpoint_{name}")
+
+
 def integrity_record(named: dict) -> dict:
     """Per array (in name order, stored as leaf_00000, ...): name, shape, dtype, checksum.
     Refuses (NonFiniteState) a non-finite float: a checkpoint is only ever a state training
-    could continue from."""
+    could continue from. Multi-process: every process gets the same record."""
+    names = sorted(named)
+    sums = global_checksums([named[n] for n in names])
     out = {}
-    for i, name in enumerate(sorted(named)):
-        a = np.asarray(named[name])
-        if jnp.issubdtype(a.dtype, jnp.inexact) and not np.isfinite(a).all():
+    for i, (name, (s, ws, bad)) in enumerate(zip(names, sums)):
+        x = named[name]
+        if bad:
             raise NonFiniteState(f"refusing to checkpoint a non-finite state ({name}, "
-                                 f"{a.dtype}{a.shape})")
-        out[f"leaf_{i:05d}"] = {"name": name, "shape": list(a.shape), "dtype": str(a.dtype),
-                                "checksum": list(leaf_checksum(a))}
+                                 f"{np.dtype(x.dtype)}{tuple(np.shape(x))})")
+        out[f"leaf_{i:05d}"] = {"name": name, "shape": list(np.shape(x)),
+                                "dtype": str(np.dtype(x.dtype)), "checksum": [s, ws]}
     return {"format": FORMAT, "leaves": out}
+
+
+def _widened(sharding):
+    """Multi-process: `sharding` stretched so that every process holds a shard, or None
+    when it does already. Orbax's multi-host save and restore need a shard of every array
+    in every process, while a pipeline stage's arrays live in the processes of its mesh
+    only. Each process without a device in the mesh adds a row of its own devices as
+    replicas (replica_id > 0: never written, their reads discarded), so the stage's own
+    shards keep their blocks, and replica 0 stays on the stage's devices."""
+    if jax.process_count() == 1:
+        return None
+    if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+        (dev,) = sharding.device_set
+        sharding = jax.sharding.NamedSharding(jax.sharding.Mesh(np.array([dev]), ("one",)),
+                                              jax.sharding.PartitionSpec())
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        raise TypeError(f"checkpoint: unsupported sharding {type(sharding).__name__}")
+    mesh = sharding.mesh
+    held = {d.process_index for d in mesh.devices.flat}
+    lacking = [p for p in range(jax.process_count()) if p not in held]
+    if not lacking:
+        return None
+    rows = [mesh.devices]
+    for p in lacking:
+        own = sorted((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)
+        if len(own) < mesh.devices.size:
+            raise ValueError(f"checkpoint: a {mesh.devices.size}-device stage mesh needs as "
+                             f"many devices in process {p}, which has {len(own)}")
+        rows.append(np.array(own[:mesh.devices.size], dtype=object).reshape(mesh.devices.shape))
+    wide = jax.sharding.Mesh(np.stack(rows), ("checkpoint_copy",) + tuple(mesh.axis_names))
+    return jax.sharding.NamedSharding(wide, sharding.spec)
+
+
+def _widen(x, wide):
+    """`x` on `wide`: its own shards where it has them, zeros on the added replicas."""
+    mine = {s.device: s.data for s in x.addressable_shards}
+    shape = wide.shard_shape(x.shape)
+    parts = [mine[d] if d in mine else jax.device_put(np.zeros(shape, x.dtype), d)
+             for d in wide.addressable_devices]
+    return jax.make_array_from_single_device_arrays(x.shape, wide, parts, dtype=x.dtype)
+
+
+def _narrow(x, sharding):
+    """A restored widened array back on `sharding` (the added replicas dropped)."""
+    keep = sharding.addressable_devices
+    return jax.make_array_from_single_device_arrays(
+        x.shape, sharding, [s.data for s in x.addressable_shards if s.device in keep],
+        dtype=x.dtype)
+
+
+def _handlers() -> dict:
+    """Item handlers: arrays written by replica 0 only (orbax's replica-parallel writing
+    would let the zero replicas of `_widened` write parts of a shard)."""
+    th = ocp.type_handlers
+    registry = th.create_type_handler_registry(
+        (int, th.ScalarHandler()), (float, th.ScalarHandler()), (np.number, th.ScalarHandler()),
+        (np.ndarray, th.NumpyHandler()), (jax.Array, th.ArrayHandler(use_replica_parallel=False)))
+    return {"state": ocp.PyTreeCheckpointHandler(type_handler_registry=registry),
+            "data": ocp.JsonCheckpointHandler(), "integrity": ocp.JsonCheckpointHandler()}
 
 
 @contextlib.contextmanager
@@ -121,7 +258,8 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(max_to_keep=None,
                                                enable_async_checkpointing=async_save,
                                                create=True)
-        self.manager = ocp.CheckpointManager(self.directory, options=options)
+        self.manager = ocp.CheckpointManager(self.directory, options=options,
+                                             item_handlers=_handlers())
 
     # ---- discovery -----------------------------------------------------------------------
     def steps(self) -> list[int]:
@@ -143,12 +281,18 @@ class Checkpointer:
         self.manager.wait_until_finished()
         self._prune()
         named = named_arrays(state)
-        tree = {f"leaf_{i:05d}": named[n] for i, n in enumerate(sorted(named))}
+        record = integrity_record(named)
+        tree = {}
+        for i, n in enumerate(sorted(named)):
+            x = named[n]
+            wide = _widened(x.sharding) if isinstance(x, jax.Array) else None
+            tree[f"leaf_{i:05d}"] = x if wide is None else _widen(x, wide)
         self.manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(tree), data=ocp.args.JsonSave(data_state),
-            integrity=ocp.args.JsonSave(integrity_record(named))), force=True)
+            state=ocp.args.PyTreeSave(tree), data=ocp.args.JsonSave(data_state),
+            integrity=ocp.args.JsonSave(record)), force=True)
 
     def _prune(self) -> None:
+        barrier("prune")  # every process lists the same directories
         steps = self.steps()
         keep = set(steps[:self.keep])
         if self.keep_every:
@@ -160,9 +304,10 @@ class Checkpointer:
             self.manager.reload()
             for s in gone:
                 if s in self.manager.all_steps():
-                    self.manager.delete(s)
-                else:
+                    self.manager.delete(s)  # every process (orbax syncs them)
+                elif jax.process_index() == 0:
                     shutil.rmtree(os.path.join(self.directory, str(s)), ignore_errors=True)
+            barrier("pruned")
 
     # ---- restore -------------------------------------------------------------------------
     def restore(self, step: int, like):
@@ -182,18 +327,33 @@ class Checkpointer:
             raise CheckpointUnusable(f"integrity record unreadable ({one_line(e, 160)})") from None
         named = named_arrays(like)
         self._check_structure(stored, named)
-        abstract = {stored[n][0]: ocp.utils.to_shape_dtype_struct(x) if hasattr(x, "sharding")
-                    else np.asarray(x) for n, x in named.items()}
+        abstract, wides = {}, {}
+        for n, x in named.items():
+            if not hasattr(x, "sharding"):
+                abstract[stored[n][0]] = np.asarray(x)
+                continue
+            wides[n] = _widened(x.sharding)
+            abstract[stored[n][0]] = jax.ShapeDtypeStruct(
+                x.shape, x.dtype, sharding=wides[n] or x.sharding)
+        error = None
         try:
             with _quiet_abandoned_reads():
                 out = self.manager.restore(step, args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore()))
+                    state=ocp.args.PyTreeRestore(
+                        abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(
+                            abstract)), data=ocp.args.JsonRestore()))
             restored = {n: out["state"][stored[n][0]] for n in named}
+            restored = {n: _narrow(x, named[n].sharding) if wides.get(n) is not None else x
+                        for n, x in restored.items()}
             data = dict(out["data"])
         except Exception as e:  # noqa: BLE001 (tensorstore/orbax raise many types)
-            raise CheckpointUnusable(f"cannot read arrays ({one_line(e, 160)})") from None
-        for n, x in restored.items():
-            if list(leaf_checksum(x)) != list(stored[n][1]["checksum"]):
+            error = f"cannot read arrays ({one_line(e, 160)})"
+        # each process reads its own shards: all of them agree before going on
+        if not all_processes(error is None):
+            raise CheckpointUnusable(error or "cannot read arrays (in another process)")
+        names = sorted(restored)
+        for n, (s, ws, _) in zip(names, global_checksums([restored[n] for n in names])):
+            if [s, ws] != list(stored[n][1]["checksum"]):
                 raise CheckpointUnusable(f"checksum mismatch in {n} "
                                          f"(shape {tuple(stored[n][1]['shape'])})")
         if _is_named(like):
@@ -220,6 +380,7 @@ class Checkpointer:
     def restore_latest(self, like):
         """-> (step, state, data_state) of the newest checkpoint that verifies, or None.
         Unusable ones on the way are named in one line each and set aside."""
+        barrier("restore")  # every process sees the same steps
         for step in self.steps():
             try:
                 state, data = self.restore(step, like)
@@ -236,9 +397,11 @@ class Checkpointer:
         aside = self.directory.rstrip("/") + ".unusable"
         os.makedirs(aside, exist_ok=True)
         dest = os.path.join(aside, str(step))
-        if os.path.exists(dest):
+        if os.path.exists(dest):  # the name process 0 picks (the others only report it)
             dest = f"{dest}-{int(time.time())}"
-        os.replace(os.path.join(self.directory, str(step)), dest)
+        if jax.process_index() == 0:
+            os.replace(os.path.join(self.directory, str(step)), dest)
+        barrier(f"set_aside_{step}")
         self.manager.reload()
         return dest
 

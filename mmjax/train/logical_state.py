@@ -142,3 +142,60 @@ def pipeline_load_logical(step_fn, arrays: dict) -> None:
         opt = [jax.device_put(arrays[n], x.sharding)
                for n, x in zip(on, jax.tree.leaves(opt_state))]
         step_fn.opt_states[sid] = jax.tree.unflatten(jax.tree.structure(opt_state), opt)
+
+
+# ---- multi-process: the same names on every process ------------------------------------------
+
+def _no_shards(shape, dtype, sharding):
+    """A global array of `shape` on `sharding` whose devices are all in other processes: this
+    process holds no shard of it (what it contributes to a multi-host save: nothing)."""
+    return jax.make_array_from_single_device_arrays(tuple(shape), sharding, [], dtype=dtype)
+
+
+def _remote_stage(step_fn, sid):
+    """A stage with no device in this process: its parameters and ZeRO-1 state as global
+    arrays without local shards, on the shardings the owning processes use."""
+    from mmjax.parallel.zero import Zero1Optimizer
+
+    st = step_fn.runtime.stages[sid]
+    params = jax.tree.map(lambda a: _no_shards(a.shape, a.dtype, a.sharding), st.trainable)
+    opt = Zero1Optimizer(step_fn.tx, st.mesh, st.trainable)
+    if not opt.has_state:
+        import optax
+
+        return params, optax.EmptyState()
+    shapes = jax.eval_shape(step_fn.tx.init, jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), st.trainable))
+    return params, jax.tree.map(lambda a, sh: _no_shards(a.shape, a.dtype, sh), shapes,
+                                opt.state_shardings)
+
+
+def pipeline_global_logical(step_fn) -> dict:
+    """`pipeline_logical` with every trained stage of the plan, also those held by other
+    processes (arrays without local shards): the same names, shapes and shardings on every
+    process, as a multi-host orbax save and restore need. One process: `pipeline_logical`."""
+    if jax.process_count() == 1:
+        return pipeline_logical(step_fn)
+    plan = step_fn.runtime.plan
+    out = {}
+    for sid in step_fn.trained:
+        if sid in step_fn.opt_states:
+            params, opt_state = step_fn.runtime.stages[sid].trainable, step_fn.opt_states[sid]
+        else:
+            params, opt_state = _remote_stage(step_fn, sid)
+        pn, on = _stage_names(plan, sid, params, opt_state)
+        out.update(_named(params, pn))
+        for n, leaf in _named(opt_state, on).items():
+            out.setdefault(n, leaf)
+    return out
+
+
+def restore_target(named: dict) -> dict:
+    """What to restore a multi-process run's state into: scalars (the optimizer counts, one
+    name for every stage) as host values, copied onto each local stage's devices by
+    `pipeline_load_logical`; every other array on its own sharding."""
+    if jax.process_count() == 1:
+        return named
+    import numpy as np
+
+    return {n: np.zeros((), x.dtype) if not x.shape else x for n, x in named.items()}

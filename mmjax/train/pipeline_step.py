@@ -56,6 +56,7 @@ class PipelineStep:
         self.settings = settings or OptimizerSettings()
         self.runtime = PipelineRuntime(cfg, plan, devices, seed, compute_dtype, pretrained)
         tx = optimizer_from_settings(schedule, self.settings, clip=False)
+        self.tx = tx  # every stage's transform (checkpoints: state shapes of remote stages)
         trained = [sid for sid, st in self.runtime.stages.items()
                    if st.mode.param_grads]
         self.trained = trained  # every process, same order: the global norm's terms

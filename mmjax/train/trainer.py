@@ -33,8 +33,8 @@ from mmjax.train.auto_plan import auto_plan
 from mmjax.train.checkpoint import Checkpointer, NonFiniteState
 from mmjax.train.config import named_model_config, pretrained
 from mmjax.train.inputs import model_inputs
-from mmjax.train.logical_state import (pipeline_load_logical, pipeline_logical,
-                                       single_from_logical, single_logical)
+from mmjax.train.logical_state import (pipeline_global_logical, pipeline_load_logical,
+                                       restore_target, single_from_logical, single_logical)
 from mmjax.train.optimizer import learning_rate_schedule, optimizer_from_settings
 from mmjax.train.step import TrainState, make_loss_fn, make_train_step, split_model
 from mmjax.train.validate import check_data_path, check_train_settings, gin_bound
@@ -253,8 +253,12 @@ class Pipelined:
             "step": step, "skipped_samples": data_state.get("skipped_samples", 0)}))
 
     def checkpoint_tree(self) -> dict:
-        """Plan-independent named arrays (train/logical_state.py)."""
-        return pipeline_logical(self.step_fn)
+        """Plan-independent named arrays (train/logical_state.py), the same on every
+        process (stages held by other processes as arrays without local shards)."""
+        return pipeline_global_logical(self.step_fn)
+
+    def restore_target(self) -> dict:
+        return restore_target(self.checkpoint_tree())
 
     def step(self, trace: bool = False):
         """One training step; `trace`: time every action alone (pipeline/trace.py "serial")
@@ -308,8 +312,6 @@ def truncate_metrics(path: str, upto: int, one_per_step: bool = True) -> None:
 
 
 def _last_good(ckpt) -> str:
-    if ckpt is None:
-        return "none (multi-process runs keep none)"
     ckpt.wait()
     step = ckpt.latest_step()
     return f"step {step} in {ckpt.directory}" if step is not None else "none yet"
@@ -438,18 +440,16 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
         write_run_info(workdir, cfg, None if plan is None else the_plan, seed, dirs)
     console = Console(stderr=True)
     # Multi-process (mmjax.launch): every process runs the loop; process 0 writes the
-    # metrics. Orbax saves only global (cross-process) arrays, while pipeline stages mostly
-    # live on one process's devices, so multi-process runs keep no checkpoints.
+    # metrics. Checkpoints: each process writes the shards it holds (orbax multi-host, one
+    # commit when all have written), in the plan-independent layout.
     lead = jax.process_index() == 0
-    multi = jax.process_count() > 1
-    ckpt = None if multi else Checkpointer(os.path.join(workdir, "checkpoints"),
-                                           keep_checkpoints, keep_every,
-                                           log=lambda msg: console.print(msg, markup=False))
-    if multi and lead:
+    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep_checkpoints, keep_every,
+                        log=lambda msg: console.print(msg, markup=False) if lead else None)
+    if jax.process_count() > 1 and lead:
         console.print(f"{jax.process_count()} processes: metrics from process 0, "
-                      "no checkpoints (stage arrays are process-local)")
+                      "checkpoints from all")
     start, skipped, nonfinite = 0, 0, 0
-    found = ckpt.restore_latest(runner.checkpoint_tree()) if ckpt is not None else None
+    found = ckpt.restore_latest(getattr(runner, "restore_target", runner.checkpoint_tree)())
     if found is not None:
         latest, state, data_state = found
         runner.load(state, data_state, latest)
