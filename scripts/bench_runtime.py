@@ -17,6 +17,9 @@ it measures for one global batch through `PipelineRuntime.run`:
   simulated  `pipeline/simulate.py` on the runtime's own schedule with per-(stage, kind)
              costs = median traced action time over --trace_steps steps; its bubble fraction
              is the mean over stages of 1 - busy / iteration time.
+  collectives  per stage per training step, from the compiled HLO: the forward and
+             backward programs (each run once per microbatch) and the ZeRO-1 sync and update
+             programs (parallel/zero.py: one reduce-scatter, one all-gather), as op counts;
   overlap    one step traced in the runtime's "overlap" mode (dispatch stays asynchronous;
              per-mesh waiter threads stamp completions): the concurrent timeline.
 The serial-traced step of each plan is written to <out dir>/trace_<plan>.json and rendered
@@ -51,9 +54,12 @@ import io  # noqa: E402
 import importlib.util  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
+import re  # noqa: E402
 import time  # noqa: E402
+from collections import Counter  # noqa: E402
 
 import jax  # noqa: E402
+import optax  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
@@ -62,6 +68,7 @@ from mmjax.data.synthetic import SyntheticConfig, SyntheticDataset  # noqa: E402
 from mmjax.models.config import with_overrides  # noqa: E402
 from mmjax.models.tiny import tiny  # noqa: E402
 from mmjax.data.feed import microbatch_feed  # noqa: E402
+from mmjax.parallel.zero import Zero1Optimizer  # noqa: E402
 from mmjax.pipeline.runtime import PipelineRuntime  # noqa: E402
 from mmjax.pipeline.schedule import StageId  # noqa: E402
 from mmjax.pipeline.simulate import simulate  # noqa: E402
@@ -137,6 +144,36 @@ def stage_costs(traces: list[list[dict]]) -> dict[tuple[str, str], float]:
     return {k: statistics.median(v) for k, v in acc.items()}
 
 
+_COLLECTIVE = re.compile(r"\b(all-reduce|reduce-scatter|all-gather|all-to-all|"
+                         r"collective-permute)(-start)?\(")
+
+
+def _ops(lowered) -> Counter:
+    return Counter(m.group(1) for m in _COLLECTIVE.finditer(lowered.compile().as_text()))
+
+
+def collectives_per_step(rt: PipelineRuntime) -> dict[str, dict[str, int]]:
+    """Per stage: collective ops one training step issues, from the compiled programs (the
+    forward/backward run once per microbatch; the ZeRO-1 sync and update once per step)."""
+    m, out = rt.plan.num_microbatches, {}
+    for sid, st in rt.stages.items():
+        count = Counter()
+        for kind in st.fns.signatures:
+            for op, n in _ops(st.fns.lowered(kind)).items():
+                count[op] += n * m
+        if st.mode.param_grads and jax.tree.leaves(st.trainable):
+            opt = Zero1Optimizer(optax.adamw(1e-3), st.mesh, st.trainable, clip_norm=1.0)
+            put = lambda t, sh, lead=(): jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(
+                lead + tuple(a.shape), a.dtype, sharding=s), t, sh)
+            state = put(jax.eval_shape(opt.tx.init, st.trainable), opt.state_shardings)
+            master = put(st.trainable, opt.master_shardings)
+            count += _ops(opt._sync.lower(put(st.trainable, opt.rank_partial_shardings,
+                                              (st.dp,))))
+            count += _ops(opt.lower_step(master, master, state))
+        out[str(sid)] = dict(sorted(count.items()))
+    return out
+
+
 def bench_plan(name, cfg, lay, samples, args, out_dir, timeline) -> dict:
     plan = make_plan(name, cfg, len(samples), args.microbatches)
     rt = PipelineRuntime(cfg, plan)
@@ -202,6 +239,7 @@ def bench_plan(name, cfg, lay, samples, args, out_dir, timeline) -> dict:
         "bubble_fraction": sim.mean_bubble_fraction,
         "stage_bubble_fraction": {str(s): b for s, b in sim.bubble_fraction.items()},
         "loss": losses["loss"], "files": files,
+        "collectives_per_step": collectives_per_step(rt),
     }
 
 
@@ -252,6 +290,10 @@ def main(argv=None) -> dict:
                       f"{r['measured_over_simulated']:.2f}", f"{r['bubble_fraction']:.2f}")
     console.print(table)
     for r in rows:
+        console.print(f"{r['plan']}: collectives per stage per step "
+                      + "; ".join(f"{s} " + (", ".join(f"{n} {op}" for op, n in c.items())
+                                             or "none")
+                                  for s, c in r["collectives_per_step"].items()))
         console.print(f"{r['plan']}: stage busy (traced step) "
                       + ", ".join(f"{s} {v * 1e3:.1f} ms" for s, v in r["stage_busy_s"].items()))
         console.print(f"  timeline {r['files']['png']} (simulated: {r['files']['png.sim']}), "

@@ -17,7 +17,7 @@ M = 2  # microbatches
 STAGES = ("vision:0", "llm:0", "llm:1", "generator:0")  # both plans: llm pp2, 1 + 1 extra
 FIELDS = {"plan", "units", "num_microbatches", "num_actions", "dispatch_us_per_action",
           "measured_step_s", "simulated_step_s", "measured_over_simulated", "bubble_fraction",
-          "stage_busy_s", "stage_costs_s", "serial_sum_s", "files"}
+          "stage_busy_s", "stage_costs_s", "serial_sum_s", "files", "collectives_per_step"}
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +39,11 @@ def test_rows_and_fields(result):
         "vision": (1, 2, 1), "llm": (1, 2, 2), "generator": (1, 2, 1)}
     assert {n: (u["dp"], u["tp"], u["pp"]) for n, u in disagg["units"].items()} == {
         "vision": (2, 1, 1), "llm": (1, 2, 2), "generator": (2, 1, 1)}
+    for s in ("vision:0", "generator:0"):  # disagg dp2 tp1: one sync, one gather per step
+        c = disagg["collectives_per_step"][s]
+        assert c["reduce-scatter"] == 1 and c["all-gather"] == 1, c
+        assert set(c) <= {"reduce-scatter", "all-gather", "all-reduce"} and c.get(
+            "all-reduce", 0) <= 1, c  # (+ one flat all-reduce of leaves too small to split)
     for r in rows:
         assert FIELDS <= set(r)
         assert r["num_microbatches"] == M

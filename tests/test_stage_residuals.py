@@ -109,9 +109,13 @@ def stage_run(remat, dtype=jnp.float32):
     fns = make_stage_fns(cfg, UnitPlan("llm", remat=remat), gd, "full", dtype,
                          with_generator=False)
     y, res = fns.forward(tr, fr, x, side)
-    grads, dx = fns.backward(tr, fr, side, res, jnp.ones((), jnp.float32),
-                             jax.tree.map(jnp.zeros_like, tr))
-    return fns, y, res, grads, dx
+    # one dp rank: the loss is a per-rank vector [1], the gradients per-rank partials [1, ...]
+    assert y.shape == (1,)
+    partials, dx = fns.backward(tr, fr, side, res, jnp.ones((1,), jnp.float32),
+                                jax.tree.map(lambda a: jnp.zeros((1,) + a.shape, jnp.float32),
+                                             tr))
+    assert all(g.shape[0] == 1 for g in jax.tree.leaves(partials))
+    return fns, y[0], res, jax.tree.map(lambda g: g[0], partials), dx
 
 
 def test_full_remat_keeps_only_the_stage_input():

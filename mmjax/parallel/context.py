@@ -126,16 +126,18 @@ def cp_attend(meta: TokenMeta, *, mesh_axis: str = "cp", num_head_groups: int = 
 
 
 def cp_attention_sharded(q, k, v, meta: TokenMeta, mesh: Mesh, *, mesh_axis: str = "cp",
-                         num_head_groups: int = 1, implementation: str = "auto"):
+                         num_head_groups: int = 1, implementation: str = "auto",
+                         batch_axis: str | None = "dp"):
     """Standalone shard_map wrapper of `cp_attention` over `mesh`.
 
     Inputs are global arrays in CP layout (`to_cp_layout`): sequence axis over `mesh_axis`,
-    batch over 'dp' and heads over 'tp' when the mesh has those axes ('dp','cp','tp').
+    batch over `batch_axis` ('dp'; None inside a vmap over dp ranks) and heads over 'tp'
+    when the mesh has those axes ('dp','cp','tp').
     """
     names = mesh.axis_names
     if mesh_axis not in names:
         raise ValueError(f"mesh has axes {names}; mesh_axis={mesh_axis!r} is not one of them")
-    batch = "dp" if "dp" in names else None
+    batch = batch_axis if batch_axis in names else None
     heads = "tp" if "tp" in names else None
     if heads and k.shape[2] % (mesh.shape["tp"] * num_head_groups):
         raise ValueError(f"kv heads ({k.shape[2]}) must be divisible by tp * num_head_groups "

@@ -134,11 +134,19 @@ class Zero1Optimizer:
     shared `global_grad_norm` when given to `update`, else this stage's own); `dp_axes`: the
     mesh axes the state is split over (those of 'dp', 'cp' present). A stage with no
     trainable parameters gets no state and `update` is the identity.
+
+    The pipeline's path (one gradient sync per step): `sync` reduce-scatters the step's
+    per-rank partial gradients `[dp, ...]` (blocked over the mesh's 'dp' axis) straight into
+    the ZeRO-1 shards in ONE flat reduce-scatter; `step` runs AdamW on the float32 master
+    shards (`shard_specs`) and returns them with the compute copy (`compute_dtype`,
+    replicated over dp) from ONE flat all-gather. `norm_skip`: top-level parameter names
+    left out of this stage's norm term (the last stage's copy of a tied embedding).
     """
 
     def __init__(self, tx: optax.GradientTransformation, mesh: Mesh, params,
                  param_specs=None, clip_norm: float | None = None,
-                 dp_axes: tuple[str, ...] = ("dp", "cp"), donate: bool = False):
+                 dp_axes: tuple[str, ...] = ("dp", "cp"), donate: bool = False,
+                 compute_dtype=jnp.float32, norm_skip: tuple[str, ...] = ()):
         self.tx, self.mesh, self.clip_norm = tx, mesh, clip_norm
         axes = tuple(a for a in dp_axes if a in mesh.axis_names and mesh.shape[a] > 1)
         self.dp = int(np.prod([mesh.shape[a] for a in axes], dtype=np.int64))
@@ -182,6 +190,27 @@ class Zero1Optimizer:
                           self.state_shardings, replicated),
             out_shardings=(self.param_shardings, self.state_shardings),
             donate_argnums=(0, 1, 2) if donate else ())
+
+        # ---- the pipeline's path: flat sync and fused update + all-gather ----
+        self.compute_dtype = compute_dtype
+        self.rank_partial_shardings = jax.tree.map(
+            lambda s, a: NamedSharding(mesh, P("dp", *_padded(s, len(a.shape)))),
+            specs, abstract, is_leaf=_is_spec)
+        self.master_shardings = self.grad_shard_shardings
+        self._in_norm = tuple(not (path and getattr(path[0], "key", None) in norm_skip)
+                              for path, _ in jax.tree_util.tree_leaves_with_path(abstract))
+        self._abstract = abstract
+        every = tuple(mesh.axis_names)
+        self.sq_sharding = NamedSharding(mesh, P(every))
+        self._sync = jax.jit(self._sync_impl, in_shardings=(self.rank_partial_shardings,),
+                             out_shardings=(self.grad_shard_shardings, self.sq_sharding))
+        self._step = jax.jit(
+            self._step_impl,
+            in_shardings=(self.master_shardings, self.grad_shard_shardings,
+                          self.state_shardings, replicated),
+            out_shardings=(self.master_shardings, self.state_shardings,
+                           _named(mesh, specs)),
+            donate_argnums=(0, 2) if donate else ())  # grad shards: no output to alias
 
     def init(self, params):
         """Optimizer state, every leaf sharded over 'dp' (see module docstring)."""
@@ -263,6 +292,141 @@ class Zero1Optimizer:
         grad_shards = jax.device_put(grad_shards, self.grad_shard_shardings)
         opt_state = jax.device_put(opt_state, self.state_shardings)
         return self._update_from_shards(params, grad_shards, opt_state, norm)
+
+    # ---- one gradient sync per step --------------------------------------------------
+    def _split_dim(self, spec, ndim: int):
+        """The dimension ZeRO-1 splits over dp in a shard spec (None: replicated leaf)."""
+        for i, a in enumerate(_padded(spec, ndim)):
+            if a == self._dp_axis:
+                return i
+        return None
+
+    def _owner(self, spec, ndim: int):
+        """1.0 on the devices that hold replica 0 of a leaf sharded as `spec` (so a sum of
+        per-device terms counts every element once), else 0.0; inside shard_map."""
+        used = set()
+        for a in _padded(spec, ndim):
+            used.update(a if isinstance(a, tuple) else (a,))
+        first = jnp.ones((), jnp.float32)
+        for name in self.mesh.axis_names:
+            if name not in used and self.mesh.shape[name] > 1:
+                first = first * (jax.lax.axis_index(name) == 0).astype(jnp.float32)
+        return first
+
+    def _sync_impl(self, partials):
+        dp_size = self.mesh.shape["dp"] if "dp" in self.mesh.axis_names else 1
+        rest = [a for a in ((self._dp_axis,) if isinstance(self._dp_axis, str) else
+                            (self._dp_axis or ())) if a != "dp"]
+        rest_size = int(np.prod([self.mesh.shape[a] for a in rest], dtype=np.int64))
+        flat_specs, tree = jax.tree.flatten(self.shard_specs, is_leaf=_is_spec)
+        in_specs = tuple(sh.spec for sh in jax.tree.leaves(self.rank_partial_shardings))
+        in_norm = self._in_norm
+
+        def body(*blocks):
+            blocks = [b[0] for b in blocks]  # this dp rank's partial sums, tp-local shapes
+            dims = [self._split_dim(s, b.ndim) for s, b in zip(flat_specs, blocks)]
+            split = [k for k, d in enumerate(dims) if d is not None]
+            whole = [k for k, d in enumerate(dims) if d is None]
+            out = list(blocks)
+            if split:  # one flat reduce-scatter over 'dp' (Megatron's contiguous buffer)
+                moved = [jnp.moveaxis(blocks[k], dims[k], 0) for k in split]
+                buf = jnp.concatenate([m.reshape(dp_size, -1) for m in moved], axis=1)
+                if dp_size > 1:
+                    buf = jax.lax.psum_scatter(buf, "dp", scatter_dimension=0, tiled=True)
+                off = 0
+                for k, m in zip(split, moved):
+                    n = m.size // dp_size
+                    piece = buf[0, off:off + n].reshape((m.shape[0] // dp_size,) + m.shape[1:])
+                    off += n
+                    if rest_size > 1:  # ZeRO over ('dp', 'cp'): this cp rank's slice
+                        idx = jax.lax.axis_index(rest[0] if len(rest) == 1 else tuple(rest))
+                        size = piece.shape[0] // rest_size
+                        piece = jax.lax.dynamic_slice_in_dim(piece, idx * size, size, 0)
+                    out[k] = jnp.moveaxis(piece, 0, dims[k])
+            if whole and dp_size > 1:  # leaves too small to split: one flat all-reduce
+                buf = jax.lax.psum(jnp.concatenate([blocks[k].reshape(-1) for k in whole]),
+                                   "dp")
+                off = 0
+                for k in whole:
+                    out[k] = buf[off:off + blocks[k].size].reshape(blocks[k].shape)
+                    off += blocks[k].size
+            sq = jnp.zeros((), jnp.float32)
+            for k, (g, s) in enumerate(zip(out, flat_specs)):
+                if in_norm[k]:
+                    sq = sq + self._owner(s, g.ndim) * jnp.sum(jnp.square(g))
+            return out, sq.reshape(1)
+
+        every = tuple(self.mesh.axis_names)
+        mapped = jax.shard_map(body, mesh=self.mesh, in_specs=in_specs,
+                               out_specs=(list(flat_specs), P(every)), check_vma=False)
+        shards, sq = mapped(*jax.tree.leaves(partials))
+        return jax.tree.unflatten(tree, shards), sq
+
+    def sync(self, partials):
+        """Per-rank partial gradients `[dp, ...]` (`rank_partial_shardings`) -> (grad shards
+        on `grad_shard_shardings`, per-device sums of squares `[devices]` whose total is this
+        stage's term of the global norm's square). One program; its only collectives are one
+        flat reduce-scatter over 'dp' (plus one flat all-reduce for leaves with no dimension
+        divisible by dp); the norm term needs none."""
+        if not self.has_state:
+            return partials, None
+        return self._sync(partials)
+
+    def _step_impl(self, master, grad_shards, opt_state, norm):
+        g = _clip(grad_shards, norm, self.clip_norm) if self.clip_norm else grad_shards
+        updates, new_state = self.tx.update(g, opt_state, master)
+        new_master = optax.apply_updates(master, updates)
+        new_master, new_state = keep_if_nonfinite(jnp.isfinite(norm), (new_master, new_state),
+                                                  (master, opt_state))
+        return new_master, new_state, self._gather(new_master)
+
+    def _gather(self, master):
+        """fp32 master shards -> the compute copy (compute dtype, replicated over dp): one
+        flat all-gather over the ZeRO axes."""
+        flat_specs, tree = jax.tree.flatten(self.shard_specs, is_leaf=_is_spec)
+        out_specs = list(jax.tree.leaves(self.param_specs, is_leaf=_is_spec))
+        dtype, axes = self.compute_dtype, self._dp_axis
+
+        def body(*blocks):
+            blocks = [b.astype(dtype) if jnp.issubdtype(b.dtype, jnp.floating) else b
+                      for b in blocks]
+            dims = [self._split_dim(s, b.ndim) for s, b in zip(flat_specs, blocks)]
+            split = [k for k, d in enumerate(dims) if d is not None]
+            out = list(blocks)
+            if split and axes is not None:
+                moved = [jnp.moveaxis(blocks[k], dims[k], 0) for k in split]
+                buf = jnp.concatenate([m.reshape(1, -1) for m in moved], axis=1)
+                buf = jax.lax.all_gather(buf, axes, axis=0, tiled=True)  # [dp, T]
+                off = 0
+                for k, m in zip(split, moved):
+                    n = m.size
+                    piece = buf[:, off:off + n].reshape((buf.shape[0] * m.shape[0],)
+                                                       + m.shape[1:])
+                    off += n
+                    out[k] = jnp.moveaxis(piece, 0, dims[k])
+            return out
+
+        mapped = jax.shard_map(body, mesh=self.mesh, in_specs=tuple(flat_specs),
+                               out_specs=out_specs, check_vma=False)
+        return jax.tree.unflatten(tree, mapped(*jax.tree.leaves(master)))
+
+    def step(self, master, grad_shards, opt_state, global_grad_norm):
+        """-> (new master shards, new opt_state, compute params): AdamW (clipped by
+        `global_grad_norm`, skipped when it is not finite) on the float32 master shards and
+        one all-gather of the result in the compute dtype, in one program."""
+        if not self.has_state:
+            return master, opt_state, master
+        if self._replicated.is_fully_addressable:
+            norm = jax.device_put(jnp.asarray(global_grad_norm, jnp.float32), self._replicated)
+            master = jax.device_put(master, self.master_shardings)
+            opt_state = jax.device_put(opt_state, self.state_shardings)
+        else:
+            norm = put_global(np.asarray(global_grad_norm, np.float32), self._replicated)
+        return self._step(master, grad_shards, opt_state, norm)
+
+    def lower_step(self, master, grad_shards, opt_state):
+        return self._step.lower(master, grad_shards, opt_state,
+                                jax.ShapeDtypeStruct((), jnp.float32, sharding=self._replicated))
 
     def lower_update(self, params, grads, opt_state):
         """The lowered update (for HLO inspection: all-gather of params, sharded state)."""

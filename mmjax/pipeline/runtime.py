@@ -22,11 +22,13 @@ from mmjax.models.mllm import trainable_filter
 from mmjax.data.routes import Routes
 from mmjax.parallel.broker import Broker
 from mmjax.parallel.mesh import put_global, stage_meshes
+from mmjax.models.layers import cast_floats
 from mmjax.parallel.tensor import shard_state, state_shardings
 from mmjax.data.feed import MicrobatchFeed
 from mmjax.pipeline.schedule import (Backward, StageGraph, StageId, dispatch_order,
                                      multimodal_one_f_one_b)
-from mmjax.pipeline.stage import build_stage_module, dp_sharding, make_stage_fns
+from mmjax.pipeline.stage import (build_stage_module, dp_sharding, make_stage_fns,
+                                  partial_shardings)
 from mmjax.pipeline.trace import completion_marker, make_tracer, trace_mode
 from mmjax.planner.plan import Plan
 
@@ -51,6 +53,10 @@ class Stage:
     fns: object = None
     backward_calls: int = 0
     local: bool = True  # the mesh holds a device of this process
+    compute: object = None     # the params forward/backward read (see `PipelineRuntime.params`)
+    compute_of: object = None  # the `trainable` that `compute` was gathered from
+    gather: object = None      # jitted trainable -> compute (cast, all-gather over dp)
+    zeros: object = None       # jitted () -> zero partial-gradient accumulators [dp, ...]
 
 
 def holds_local_device(mesh) -> bool:
@@ -81,15 +87,22 @@ def _placed(tree, sharding):
 
 @dataclass
 class StepResult:
-    """Per-microbatch loss terms as device scalars (on the last stages' meshes); reading
-    them (`losses()`) is the step's one host sync, after the whole schedule is dispatched.
-    `grads[sid]`: the step's parameter gradients of every local stage that has them (summed
-    over microbatches and dp ranks)."""
+    """Per-microbatch loss terms as device vectors `[dp]` (each dp rank's partial sum, on the
+    last stages' meshes); reading them (`losses()`) is the step's one host sync, after the
+    whole schedule is dispatched. `partials[sid]`: float32 `[dp, ...]` per parameter, slot r
+    dp rank r's gradient summed over the step's microbatches (not over dp ranks), for every
+    local stage with trainable parameters."""
 
     lm_loss: list = field(default_factory=list)
     diffusion_loss: list = field(default_factory=list)
     trace: list = field(default_factory=list)
-    grads: dict = field(default_factory=dict)
+    partials: dict = field(default_factory=dict)
+
+    @property
+    def grads(self) -> dict:
+        """`partials` summed over the dp ranks (one all-reduce per stage, on request: the
+        training step reduce-scatters `partials` instead)."""
+        return {sid: _sum_ranks(p) for sid, p in self.partials.items()}
 
     def pure_grads(self) -> dict:
         """`grads` as pure dicts per stage (what `to_reference_layout` takes)."""
@@ -101,8 +114,8 @@ class StepResult:
             diff_terms = jax.device_get(self.diffusion_loss)
         else:
             lm_terms, diff_terms = gather_scalars([self.lm_loss, self.diffusion_loss])
-        lm = float(sum(np.asarray(v, np.float64) for v in lm_terms))
-        diff = float(sum(np.asarray(v, np.float64) for v in diff_terms))
+        lm = float(sum(np.sum(np.asarray(v, np.float64)) for v in lm_terms))
+        diff = float(sum(np.sum(np.asarray(v, np.float64)) for v in diff_terms))
         return {"loss": lm + diff, "lm_loss": lm, "diffusion_loss": diff}
 
 
@@ -120,18 +133,24 @@ class _Step:
     result: StepResult = field(default_factory=StepResult)
 
 
+@jax.jit
+def _sum_ranks(partials):
+    return jax.tree.map(lambda a: jnp.sum(a, axis=0), partials)
+
+
 def gather_scalars(groups: list[list]) -> list[np.ndarray]:
-    """Replicated device scalars, some held by other processes (ShapeDtypeStructs here), ->
-    their values on every process: the lowest process holding each scalar contributes it,
-    the others zero, and one `process_allgather` sums the contributions (exact)."""
+    """Device scalars or per-rank vectors (summed), some held by other processes
+    (ShapeDtypeStructs here), -> their totals on every process: each process adds the
+    shards it holds as replica 0, the others zero, and one `process_allgather` sums the
+    contributions (each element counted once)."""
     from jax.experimental import multihost_utils
 
     flat = [v for g in groups for v in g]
-    mine = np.zeros(len(flat), np.float32)
+    mine = np.zeros(len(flat), np.float64)
     for k, v in enumerate(flat):
-        if isinstance(v, jax.Array) and v.addressable_shards and jax.process_index() == min(
-                d.process_index for d in v.sharding.device_set):
-            mine[k] = np.asarray(v.addressable_shards[0].data)
+        if isinstance(v, jax.Array):
+            mine[k] = sum(float(np.sum(np.asarray(sh.data, np.float64)))
+                          for sh in v.addressable_shards if sh.replica_id == 0)
     total = np.asarray(multihost_utils.process_allgather(mine)).sum(axis=0)
     out, k = [], 0
     for g in groups:
@@ -208,6 +227,7 @@ class PipelineRuntime:
                 tr, fr = _load_pretrained(cfg, up, sid, pretrained[sid.unit], tr, fr)
             st = Stage(sid, mesh, up.dp, gd, tr, fr, mode, local=holds_local_device(mesh))
             st.fns = make_stage_fns(cfg, up, gd, mode, compute_dtype, mesh)
+            self._stage_programs(st)
             self.stages[sid] = st
         # one row per physical stage, i.e. per mesh (Megatron's interleaved order for units
         # with num_chunks > 1), merged into one dependency-respecting dispatch order; JAX
@@ -218,6 +238,35 @@ class PipelineRuntime:
                       for s, a in dispatch_order(self.schedule, self.graph)]
         self.brokers: dict[tuple[StageId, StageId], Broker] = {}
         self.sync = sync_collectives()
+
+    # ---- parameters -------------------------------------------------------------------
+    def _stage_programs(self, st: Stage) -> None:
+        """The stage's parameter programs: `gather` (fp32 params in any dp sharding -> the
+        compute copy: compute dtype, replicated over dp, TP-sharded) and `zeros` (the step's
+        float32 partial-gradient accumulators)."""
+        compute_sh = state_shardings(st.trainable, st.mesh)
+        dtype = self.dtype
+        st.gather = jax.jit(lambda t: cast_floats(t, dtype), out_shardings=compute_sh)
+        if st.mode.param_grads:
+            abstract_tr = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+                                       st.trainable)
+            sh = partial_shardings(abstract_tr, st.mesh)
+            st.zeros = jax.jit(lambda: jax.tree.map(
+                lambda a: jnp.zeros((st.dp,) + tuple(a.shape), jnp.float32), abstract_tr),
+                out_shardings=sh)
+
+    def params(self, sid: StageId):
+        """The compute copy of stage `sid`'s trainable params, gathered from `trainable`
+        (fp32, the master) whenever `trainable` was replaced since (a checkpoint load); the
+        training step hands over the copy its update program all-gathers, so a step
+        normally gathers nothing here."""
+        st = self.stages[sid]
+        if not st.local:
+            return st.trainable
+        if st.compute_of is not st.trainable:
+            st.compute = self.settle(st.gather(st.trainable))
+            st.compute_of = st.trainable
+        return st.compute
 
     # ---- structure ------------------------------------------------------------------
     def broker(self, src: StageId, dst: StageId) -> Broker:
@@ -267,9 +316,9 @@ class PipelineRuntime:
                              f"{self.plan.num_microbatches}")
         step = _Step(feeds, (sum(f.num_target_tokens for f in feeds),
                              sum(f.num_gen_elements for f in feeds)))
-        step.result.grads = {sid: jax.tree.map(jnp.zeros_like, st.trainable)
-                             for sid, st in self.stages.items()
-                             if st.mode.param_grads and st.local}
+        step.result.partials = {sid: self.settle(st.zeros())
+                                for sid, st in self.stages.items()
+                                if st.mode.param_grads and st.local}
         for sid, act in self.order:
             mb = act.microbatch
             t0 = tracer.start() if tracer else 0.0
@@ -283,7 +332,7 @@ class PipelineRuntime:
                 self._trace(tracer, sid, act, t0, step)
             if act.kind == "B" or not self.graph.runs_backward(sid):
                 step.sides.pop((sid, mb), None)
-        self._sum_tied_embedding_grads(step.result.grads)
+        self._sum_tied_embedding_grads(step.result.partials)
         if tracer:
             step.result.trace = tracer.finish()
         return step.result
@@ -292,7 +341,7 @@ class PipelineRuntime:
         st, side = self.stages[sid], step.sides[(sid, mb)]
         x = self._gather_input(sid, mb, step.outputs, step.feeds[mb])
         if st.local:  # keep the vjp residuals (pipeline/stage.py), not the input
-            y, res = self.settle(st.fns.forward(st.trainable, st.frozen, x, side))
+            y, res = self.settle(st.fns.forward(self.params(sid), st.frozen, x, side))
         else:  # another process runs it; keep the shapes for the transfers and dx
             y, _ = jax.eval_shape(st.fns.forward, st.trainable, st.frozen, x, side)
             res = abstract(x)
@@ -311,9 +360,9 @@ class PipelineRuntime:
         st, side = self.stages[sid], step.sides[(sid, mb)]
         dy = self._gather_cotangent(sid, mb, step.cotangents, step.feeds[mb])
         res = step.residuals.pop((sid, mb))
-        grads = step.result.grads
+        grads = step.result.partials
         if st.local:
-            acc, dx = self.settle(st.fns.backward(st.trainable, st.frozen, side, res, dy,
+            acc, dx = self.settle(st.fns.backward(self.params(sid), st.frozen, side, res, dy,
                                                   grads.get(sid, {})))
             if sid in grads:
                 grads[sid] = acc
@@ -329,7 +378,7 @@ class PipelineRuntime:
         if st.local:
             done = ((step.outputs.get((sid, mb)), step.residuals.get((sid, mb)))
                     if act.kind == "F" else
-                    (step.cotangents.get((sid, mb)), step.result.grads.get(sid)))
+                    (step.cotangents.get((sid, mb)), step.result.partials.get(sid)))
             done = completion_marker(done)
         phys = StageId(sid.unit, sid.index % self.plan.unit(sid.unit).pp)
         tracer.done(str(phys), {"stage": str(phys), "kind": act.kind, "microbatch": mb,
@@ -426,12 +475,9 @@ class PipelineRuntime:
         return d
 
     def _one(self, sid):
-        """The loss cotangent 1.0 (on the stage mesh when that spans processes)."""
-        mesh = self.stages[sid].mesh
-        if all(d.process_index == jax.process_index() for d in mesh.devices.flat):
-            return jnp.ones((), jnp.float32)
-        return global_put(np.ones((), np.float32), jax.sharding.NamedSharding(
-            mesh, jax.sharding.PartitionSpec()))
+        """The loss cotangent 1.0 per dp rank, `[dp]` on the stage mesh's dp axis."""
+        st = self.stages[sid]
+        return global_put(np.ones((st.dp,), np.float32), dp_sharding(st.mesh, 1))
 
 
 def _offset_layers(tree: dict, start: int) -> dict:

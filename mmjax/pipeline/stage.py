@@ -1,10 +1,14 @@
 """Pipeline stages: a slice of one unit on its own sub-mesh, with jitted forward/backward.
 
-`forward(trainable, frozen, x, side)` returns `(y, Residuals)`: the `jax.vjp` residuals under
+`forward(params, frozen, x, side)` returns `(y, Residuals)`: the `jax.vjp` residuals under
 the plan's remat policy, with every parameter-only and host-input leaf dropped (recomputed in
 backward), so no microbatch keeps a copy of the parameters; `backward(..., residuals, dy,
-acc)` returns `(acc + dparams, dx)`. Backward modes are frozen-aware (Cornstarch §4.2).
-The long story: docs/design.md "Stage residuals".
+acc)` returns `(acc + dparams, dx)`. The stage runs as a `vmap` over its dp ranks
+(`spmd_axis_name='dp'`), each rank on its own copy of the parameters, so `dparams` is every
+rank's un-reduced partial gradient `[dp, ...]`: no dp collective in any microbatch (the
+step's one reduce-scatter is parallel/zero.py's). Loss outputs are per-rank `[dp]` partial
+sums. Backward modes are frozen-aware (Cornstarch §4.2). The long story: docs/design.md
+"Stage residuals" and "One gradient sync per step".
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ from mmjax.models.mllm import (encoder_embed, encoder_layers, generator_inputs, 
                                make_encoder, project, unit_key)
 from mmjax.models.projector import make_projector
 from mmjax.parallel.context import cp_attention_sharded
+from mmjax.parallel.tensor import mesh_param_specs
 from mmjax.parallel.tp_ops import sequence_sharded_llm_stage
 from mmjax.planner.plan import REMAT_POLICIES, UnitPlan
 from mmjax.models.layers import cast_floats
@@ -83,13 +88,14 @@ def apply_encoder(cfg: MLLMConfig, name: str, module: EncoderStage, x, side, dty
 def apply_llm(cfg: MLLMConfig, module: LLM, x, side, dtype, with_generator: bool, ranks: int,
               mesh=None, overlap_tp: bool = False, tp_chunks: int = 2,
               tp_bidirectional: bool = True, cp_head_groups: int = 1,
-              attention_impl: str = "auto"):
+              attention_impl: str = "auto", batch_axis: str | None = "dp"):
     """LLM stage (attention: `bam_attention` with `attention_impl` on the tokens' metadata);
     on a ('dp','cp','tp') mesh attention is Cornstarch's all-gather CP attention over
     tokens already in CP layout (data/feed.py `cp_layout`), K/V gathered
     in `cp_head_groups` groups of heads (Cornstarch §5.3). With `overlap_tp` the projections
     are decomposed collective matmuls, `tp_chunks` pieces per ring step, both ring
-    directions when `tp_bidirectional` (DistTrain §7)."""
+    directions when `tp_bidirectional` (DistTrain §7). `batch_axis`: the mesh axis the batch
+    is split over in those shard_maps (None inside the stage's vmap over dp ranks)."""
     b = side["llm"]
     if module.is_first:
         h = module.embed_tokens(b["tokens"], dtype)
@@ -106,12 +112,13 @@ def apply_llm(cfg: MLLMConfig, module: LLM, x, side, dtype, with_generator: bool
         meta = TokenMeta(batch["bam"], batch["doc"], batch["sub"], batch["idx"])
         attend = lambda q, k, v: cp_attention_sharded(q, k, v, meta, mesh,
                                                       num_head_groups=cp_head_groups,
-                                                      implementation=attention_impl)
+                                                      implementation=attention_impl,
+                                                      batch_axis=batch_axis)
         x = module.run_layers(x.astype(dtype), batch["positions"], attend)
     elif overlap_tp:  # DistTrain §7 StepCCL: decomposed collective matmuls, sequence-sharded
         make_attend = lambda *meta: meta_attend(TokenMeta(*meta), attention_impl)
         fn, state = sequence_sharded_llm_stage(module, mesh, make_attend, overlap_tp=True,
-                                               batch_axis="dp", num_chunks=tp_chunks,
+                                               batch_axis=batch_axis, num_chunks=tp_chunks,
                                                bidirectional=tp_bidirectional)
         x = fn(state, x.astype(dtype), batch["positions"], *llm_meta(batch))
     else:
@@ -274,33 +281,75 @@ def residual_layout(linearize, args) -> ResidualLayout:
     return ResidualLayout(counts["res"], frozenset(recompute), side_pos, x)
 
 
+def _split_ranks(tree, dp: int):
+    """Rank-major leading dims [dp * b, ...] -> [dp, b, ...] (scalars stay shared)."""
+    return jax.tree.map(lambda a: a.reshape((dp, a.shape[0] // dp) + a.shape[1:])
+                        if a.ndim else a, tree)
+
+
+def _rank_axes(tree):
+    return jax.tree.map(lambda a: 0 if a.ndim else None, tree)
+
+
 class StageFns:
     """The jitted functions of one stage; `mode` a schedule `Backward` mode.
 
-    `forward(trainable, frozen, x, side) -> (y, Residuals)`;
-    `backward(trainable, frozen, side, residuals, dy, acc) -> (acc + dparams, dx)` (acc is
+    `forward(params, frozen, x, side) -> (y, Residuals)`;
+    `backward(params, frozen, side, residuals, dy, acc) -> (acc + dparams, dx)` (acc is
     donated; dparams is skipped for mode "input_only", dx is None for mode "params").
+    `params`: the compute copy (replicated over dp, TP-sharded); `acc`/`dparams`: float32
+    per-rank partial gradients `[dp, ...]` on `partial_shardings(params, mesh)`.
     `layout(...)` computes the residual layout of an input signature, once, before the
-    forward of that signature is traced; `layouts[key]` is read by the backward."""
+    forward of that signature is traced; `layouts[key]` is read by the backward.
+    `launches` counts program launches per kind ("F", "B": the dispatch log)."""
 
-    def __init__(self, run, mode: str, remat: str):
-        self.run, self.mode, self.remat = run, mode, remat
+    def __init__(self, run, mode: str, remat: str, dp: int = 1, mesh=None):
+        self.run, self.mode, self.remat, self.dp, self.mesh = run, mode, remat, dp, mesh
         self.layouts: dict[int, ResidualLayout] = {}
         self._keys: dict = {}  # input signature -> key
+        self.signatures: dict[str, object] = {}  # kind -> last abstract arguments (for HLO)
         self._forward = jax.jit(self._forward_impl, static_argnames=("key",))
-        self.backward = (None if mode == "none"
-                         else jax.jit(self._backward_impl, donate_argnums=(5,)))
+        self._backward = (None if mode == "none"
+                          else jax.jit(self._backward_impl, donate_argnums=(5,)))
+        self.backward = None if mode == "none" else self._run_backward
+
+    def _block(self, params):
+        """Per-rank copies `[dp, ...]` of the dp-replicated params, slot r on dp rank r (a
+        local broadcast: no communication). Differentiating with respect to them gives each
+        rank's own partial gradient instead of GSPMD's all-reduced one."""
+        if self.dp == 1 or self.mesh is None:
+            return jax.tree.map(lambda a: a[None], params)
+        specs = mesh_param_specs(params, self.mesh)
+        return jax.tree.map(lambda a, s: jax.lax.with_sharding_constraint(
+            jnp.broadcast_to(a[None], (self.dp,) + a.shape),
+            NamedSharding(self.mesh, P("dp", *_padded_spec(s, a.ndim)))), params, specs)
+
+    def _run_ranks(self, blocked, frozen, x, side):
+        """The stage on every dp rank: `vmap` over the rank axis (spmd_axis_name 'dp'), rank r
+        on its params slot and its rows of x and side; outputs merged back rank-major, per-rank
+        scalars (losses) kept as `[dp]` vectors."""
+        if self.dp == 1:
+            y = self.run(jax.tree.map(lambda a: a[0], blocked), frozen, x, side, 1)
+            return jax.tree.map(lambda a: a[None] if a.ndim == 0 else a, y)
+        dp = self.dp
+        one = lambda t, xx, ss: self.run(t, frozen, xx, ss, 1)
+        y = jax.vmap(one, in_axes=(0, _rank_axes(x), _rank_axes(side)),
+                     spmd_axis_name="dp")(blocked, _split_ranks(x, dp), _split_ranks(side, dp))
+        return jax.tree.map(lambda a: a if a.ndim == 1 else
+                            a.reshape((a.shape[0] * a.shape[1],) + a.shape[2:]), y)
 
     def _linearize(self, trainable, frozen, x, side):
-        """-> (y, vjp leaves, vjp treedef) for the primals this mode differentiates."""
-        run, remat = self.run, self.remat
+        """-> (y, vjp leaves, vjp treedef) for the primals this mode differentiates (the
+        per-rank param copies, not the shared params: see `_block`)."""
+        run, remat = self._run_ranks, self.remat
+        blocked = self._block(trainable)
         if self.mode == "input_only":
-            y, vjp = jax.vjp(remat_wrap(lambda xx: run(trainable, frozen, xx, side), remat), x)
+            y, vjp = jax.vjp(remat_wrap(lambda xx: run(blocked, frozen, xx, side), remat), x)
         elif self.mode == "params":
-            y, vjp = jax.vjp(remat_wrap(lambda t: run(t, frozen, x, side), remat), trainable)
+            y, vjp = jax.vjp(remat_wrap(lambda t: run(t, frozen, x, side), remat), blocked)
         else:
             y, vjp = jax.vjp(remat_wrap(lambda t, xx: run(t, frozen, xx, side), remat),
-                             trainable, x)
+                             blocked, x)
         leaves, treedef = jax.tree_util.tree_flatten(vjp)
         return y, leaves, treedef
 
@@ -316,12 +365,28 @@ class StageFns:
         return self._keys[sig]
 
     def forward(self, trainable, frozen, x, side):
-        return self._forward(trainable, frozen, x, side,
-                             key=self.layout(trainable, frozen, x, side))
+        args = (trainable, frozen, x, side)
+        key = self.layout(*args)
+        self.signatures["F"] = (_abstract(args), key)
+        return self._forward(*args, key=key)
+
+    def _run_backward(self, trainable, frozen, side, residuals, dy, acc):
+        args = (trainable, frozen, side, residuals, dy, acc)
+        self.signatures["B"] = _abstract(args)
+        return self._backward(*args)
+
+    def lowered(self, kind: str):
+        """The lowered forward ("F") or backward ("B") of the last signature run (for HLO
+        inspection: which collectives one microbatch issues)."""
+        if kind == "F":
+            args, key = self.signatures["F"]
+            return self._forward.lower(*args, key=key)
+        return self._backward.lower(*self.signatures["B"])
 
     def _forward_impl(self, trainable, frozen, x, side, key):
         if self.mode == "none":
-            return self.run(trainable, frozen, x, side), Residuals([], -1)
+            return (self._run_ranks(self._block(trainable), frozen, x, side),
+                    Residuals([], -1))
         lay = self.layouts[key]
         y, leaves, _ = self._linearize(trainable, frozen, x, side)
         kept = [a for i, a in enumerate(leaves) if i not in lay.recompute and i not in lay.side]
@@ -342,7 +407,7 @@ class StageFns:
         cts = jax.tree_util.tree_unflatten(treedef, leaves)(dy)
         if self.mode == "input_only":
             return acc, cts[0]
-        grads = jax.tree.map(jnp.add, acc, cts[0])
+        grads = jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, cts[0])
         return grads, (cts[1] if self.mode == "full" else None)
 
 
@@ -358,18 +423,33 @@ def make_stage_fns(cfg: MLLMConfig, up: UnitPlan, graphdef, mode: str, dtype,
     if with_generator is None:
         with_generator = cfg.generator is not None
 
-    def run(trainable, frozen, x, side):
+    def run(trainable, frozen, x, side, ranks):
         module = nnx.merge(graphdef, cast_floats(trainable, dtype), cast_floats(frozen, dtype))
-        if unit == "llm":
-            return apply_llm(cfg, module, x, side, dtype, with_generator, up.dp, mesh,
+        if unit == "llm":  # the batch is one rank's (StageFns vmaps over dp): no 'dp' axis
+            return apply_llm(cfg, module, x, side, dtype, with_generator, ranks, mesh,
                              up.overlap_tp, up.tp_chunks, up.tp_bidirectional,
-                             up.cp_head_groups, impl)
+                             up.cp_head_groups, impl, batch_axis=None)
         if unit == "generator":
             return apply_generator(cfg, module, x, side, dtype, impl)
         return apply_encoder(cfg, unit, module, x, side, dtype, impl)
 
-    return StageFns(run, mode, up.remat)
+    return StageFns(run, mode, up.remat, up.dp if mesh is not None else 1, mesh)
 
 
 def dp_sharding(mesh, ndim: int) -> NamedSharding:
     return NamedSharding(mesh, P("dp", *([None] * (ndim - 1))))
+
+
+def _padded_spec(spec, ndim: int) -> tuple:
+    return tuple(spec) + (None,) * (ndim - len(spec))
+
+
+def _abstract(tree):
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(
+        tuple(a.shape), a.dtype, sharding=getattr(a, "sharding", None)), tree)
+
+
+def partial_shardings(params, mesh):
+    """Shardings of a stage's per-rank partial gradients `[dp, ...]`: P('dp', *TP spec)."""
+    return jax.tree.map(lambda a, s: NamedSharding(mesh, P("dp", *_padded_spec(s, len(a.shape)))),
+                        params, mesh_param_specs(params, mesh))

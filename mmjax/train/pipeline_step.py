@@ -1,9 +1,14 @@
 """One training step of a Plan on the pipeline runtime: schedule, global-norm clip, ZeRO-1.
 
 Each stage with trainable parameters owns a ZeRO-1 optimizer on its sub-mesh
-(parallel/zero.py): optimizer state sharded over the stage's dp, fp32 master weights. The
-gradient norm used for clipping is over ALL stages, so the update equals the single-program
-optimizer over the whole model.
+(parallel/zero.py): the float32 master weights (the stage's `trainable`) and the optimizer
+state live only as 1/dp shards; the forward/backward read a compute copy. Per step and
+stage: the runtime accumulates each dp rank's partial gradients locally over the
+microbatches, then ONE reduce-scatter (`Zero1Optimizer.sync`) into the shards and ONE
+program with the AdamW update and the all-gather of the compute copy
+(`Zero1Optimizer.step`); `dispatch_log` records those launches. The gradient norm used for
+clipping is over ALL stages, so the update equals the single-program optimizer over the
+whole model. Details: docs/design.md "One gradient sync per step".
 
 Multi-process: a process keeps optimizers only for the stages with devices in it; the
 global norm is reduced across processes (`multiprocess_grad_norm`), and on CPU each stage
@@ -15,10 +20,9 @@ import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from mmjax.models.config import MLLMConfig
-from mmjax.parallel.zero import Zero1Optimizer, global_grad_norm, multiprocess_grad_norm
+from mmjax.parallel.zero import Zero1Optimizer
 from mmjax.pipeline.runtime import PipelineRuntime
 from mmjax.planner.plan import Plan
 from mmjax.train.optimizer import OptimizerSettings, optimizer_from_settings
@@ -45,8 +49,39 @@ def _fold_loss(norm, loss_terms):
     """norm + 0 * sum(loss terms) on the norm's device: equal to `norm` when the loss is
     finite, NaN when it is not, so one scalar tells every stage's update to skip."""
     dev = list(norm.devices())[0]
-    total = sum((jax.device_put(t, dev) for t in loss_terms), jnp.zeros((), jnp.float32))
+    total = sum((jnp.sum(jax.device_put(t, dev)) for t in loss_terms),
+                jnp.zeros((), jnp.float32))
     return norm + 0.0 * total
+
+
+def _norm_from_squares(squares, device=None):
+    """sqrt of the sum of every stage's per-device squares (`Zero1Optimizer.sync`), each
+    vector copied to one device and summed there in stage order: no collective program."""
+    device = jax.local_devices()[0] if device is None else device
+    total = jax.device_put(jnp.zeros((), jnp.float32), device)
+    for sq in squares:
+        if sq is not None:
+            total = total + jnp.sum(jax.device_put(sq, device))
+    return jnp.sqrt(total)
+
+
+def _multiprocess_norm(squares) -> float:
+    """`_norm_from_squares` when stages sit in different processes (None: a stage with no
+    device here): each process adds the elements it holds, one `process_allgather` sums
+    the contributions per stage, then every process adds the stages in order in float32."""
+    from jax.experimental import multihost_utils
+
+    mine = np.zeros(len(squares), np.float32)
+    for k, sq in enumerate(squares):
+        if sq is not None:
+            sq = jax.block_until_ready(sq)
+            mine[k] = sum(float(np.sum(np.asarray(sh.data))) for sh in sq.addressable_shards
+                          if sh.replica_id == 0)
+    per_stage = np.asarray(multihost_utils.process_allgather(mine)).sum(axis=0)
+    total = np.float32(0)
+    for v in per_stage:
+        total = np.float32(total + v)
+    return float(np.sqrt(total))
 
 
 class PipelineStep:
@@ -60,30 +95,48 @@ class PipelineStep:
         trained = [sid for sid, st in self.runtime.stages.items()
                    if st.mode.param_grads]
         self.trained = trained  # every process, same order: the global norm's terms
-        self.optimizers = {sid: Zero1Optimizer(tx, self.runtime.stages[sid].mesh,
-                                               self.runtime.stages[sid].trainable,
-                                               clip_norm=self.settings.clip_norm or None)
-                           for sid in trained if self.runtime.stages[sid].local}
-        self.opt_states = {sid: opt.init(self.runtime.stages[sid].trainable)
-                           for sid, opt in self.optimizers.items()}
+        pair = self.runtime.tied_embedding_stages()
+        self.optimizers = {sid: Zero1Optimizer(
+            tx, self.runtime.stages[sid].mesh, self.runtime.stages[sid].trainable,
+            clip_norm=self.settings.clip_norm or None, donate=True,
+            compute_dtype=compute_dtype,
+            # the single model has one embedding: the last stage's copy is counted once
+            norm_skip=("embed",) if pair is not None and sid == pair[1] else ())
+            for sid in trained if self.runtime.stages[sid].local}
+        self.opt_states = {}
+        for sid, opt in self.optimizers.items():
+            st = self.runtime.stages[sid]
+            self.opt_states[sid] = opt.init(st.trainable)
+            compute = self.runtime.params(sid)  # from the placed (replicated) params
+            # the master weights keep only their ZeRO-1 shard on each device
+            st.trainable = self.runtime.settle(
+                jax.jit(lambda t: t, out_shardings=opt.master_shardings)(st.trainable))
+            st.compute, st.compute_of = compute, st.trainable
+        # (StageId, program) per launch of a gradient-sync or update program, this step
+        self.dispatch_log: list[tuple] = []
 
     def __call__(self, feeds, trace: bool = False) -> dict:
         res = self.runtime.run(feeds, trace=trace)
         stages = self.runtime.stages
+        self.dispatch_log = []
+        shards, squares = {}, {}
+        for sid, opt in self.optimizers.items():  # one reduce-scatter per stage
+            shards[sid], squares[sid] = self.runtime.settle(opt.sync(res.partials.pop(sid)))
+            self.dispatch_log.append((sid, "reduce_scatter"))
         if jax.process_count() == 1:
-            norm = global_grad_norm([self._norm_terms(res.grads, sid)
-                                     for sid in self.optimizers])
+            norm = _norm_from_squares([squares[sid] for sid in self.optimizers])
             guard = _fold_loss(norm, res.lm_loss + res.diffusion_loss)
         else:  # the norm and the losses are host values here already
-            norm = multiprocess_grad_norm([self._norm_terms(res.grads, sid)
-                                           for sid in self.trained])
+            norm = _multiprocess_norm([squares.get(sid) for sid in self.trained])
             losses = res.losses()
             guard = norm if np.isfinite(losses["loss"]) else float("nan")
         # every stage's update is skipped on device when `guard` is not finite
-        for sid, opt in self.optimizers.items():
+        for sid, opt in self.optimizers.items():  # update + one all-gather per stage
             st = stages[sid]
-            st.trainable, self.opt_states[sid] = self.runtime.settle(
-                opt.update(st.trainable, res.grads[sid], self.opt_states[sid], guard))
+            st.trainable, self.opt_states[sid], st.compute = self.runtime.settle(
+                opt.step(st.trainable, shards.pop(sid), self.opt_states[sid], guard))
+            st.compute_of = st.trainable
+            self.dispatch_log.append((sid, "update_all_gather"))
         # the step's one host sync, after everything is dispatched
         out = res.losses() if jax.process_count() == 1 else losses
         out["grad_norm"] = float(norm)
@@ -91,15 +144,6 @@ class PipelineStep:
         if trace:
             out["trace"] = res.trace
         return out
-
-    def _norm_terms(self, grads: dict, sid):
-        """A stage's gradients in the global norm; the last stage's copy of a tied
-        embedding is left out (the single model has one embedding, counted once)."""
-        g = grads.get(sid)
-        pair = self.runtime.tied_embedding_stages()
-        if g is None or pair is None or sid != pair[1]:
-            return g
-        return {k: v for k, v in nnx.to_pure_dict(g).items() if k != "embed"}
 
     # ---- checkpoint state -------------------------------------------------------------
     def state(self) -> dict:

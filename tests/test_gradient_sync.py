@@ -1,0 +1,167 @@
+"""One gradient sync per step (issue 14): each dp rank accumulates its own partial gradients
+over the step's microbatches, then one reduce-scatter per stage into the ZeRO-1 shards and one
+program with the AdamW update and the all-gather of the compute params. Checked on the
+compiled programs (collective counts), the dispatch log, the live arrays' shard sizes, and
+numerically against the replicated ZeRO-1 update."""
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from helpers import global_batch, make_cfg
+from mmjax.data.feed import microbatch_feed
+from mmjax.models.llm import LLM
+from mmjax.models.tiny import TINY_LLM
+from mmjax.parallel.tensor import shard_state
+from mmjax.parallel.zero import Zero1Optimizer
+from mmjax.planner.plan import Plan
+from mmjax.train.optimizer import OptimizerSettings, make_optimizer
+from mmjax.train.pipeline_step import PipelineStep
+
+_COLLECTIVE = re.compile(r"\b(all-reduce|reduce-scatter|all-gather|all-to-all|"
+                         r"collective-permute)(-start)?\(")
+
+
+def _collectives(hlo: str) -> Counter:
+    return Counter(m.group(1) for m in _COLLECTIVE.finditer(hlo))
+
+
+def _grads(params, seed):
+    leaves, tree = jax.tree.flatten(params)
+    ks = jax.random.split(jax.random.key(seed), len(leaves))
+    return jax.tree.unflatten(tree, [0.1 * jax.random.normal(k, x.shape)
+                                     for k, x in zip(ks, leaves)])
+
+
+@pytest.mark.parametrize("shape,names", [((2, 2), ("dp", "tp")),
+                                         ((2, 2, 2), ("dp", "cp", "tp")),
+                                         ((4, 1), ("dp", "tp"))])
+def test_sync_and_step_equal_the_replicated_update(shape, names):
+    """`sync` (one flat reduce-scatter of per-rank partials blocked over 'dp') + `step`
+    (AdamW on the master shards + one flat all-gather) == `update` on the summed grads."""
+    params = nnx.state(LLM(TINY_LLM, jax.random.key(5), 0, 2), nnx.Param)
+    mesh = Mesh(np.array(jax.devices()[:int(np.prod(shape))]).reshape(shape), names)
+    p = shard_state(params, mesh)
+    tx = make_optimizer(1e-2, weight_decay=0.01, clip_norm=0)
+    opt = Zero1Optimizer(tx, mesh, p, clip_norm=1.0)
+    s = opt.init(p)
+    dp = mesh.shape["dp"]
+    parts = [_grads(params, 10 + r) for r in range(dp)]
+    partial = jax.device_put(jax.tree.map(lambda *g: jnp.stack(g), *parts),
+                             opt.rank_partial_shardings)
+    shards, sq = opt.sync(partial)
+    summed = jax.tree.map(lambda *g: sum(g), *parts)
+    for g, want, spec in zip(jax.tree.leaves(shards), jax.tree.leaves(summed),
+                             jax.tree.leaves(opt.shard_specs, is_leaf=lambda x: isinstance(x, P))):
+        assert g.sharding.spec == spec
+        np.testing.assert_allclose(np.asarray(g), np.asarray(want), rtol=1e-6, atol=1e-7)
+    norm = np.sqrt(float(np.sum(np.asarray(sq))))
+    np.testing.assert_allclose(norm, optax.tree.norm(summed), rtol=1e-6)
+    master = jax.device_put(p, opt.master_shardings)
+    got_m, got_s, compute = opt.step(master, shards, s, norm)
+    want_p, want_s = opt.update(p, shard_state(summed, mesh), s, norm)
+    for a, b in zip(jax.tree.leaves((got_m, got_s)), jax.tree.leaves((want_p, want_s))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=0)
+    for c, m, sh in zip(jax.tree.leaves(compute), jax.tree.leaves(got_m),
+                        jax.tree.leaves(opt.param_shardings)):
+        np.testing.assert_array_equal(np.asarray(c), np.asarray(m))  # the exact gather
+        assert c.sharding.is_equivalent_to(sh, c.ndim)
+    # one flat reduce-scatter (+ one all-reduce for leaves with no dp-divisible dimension)
+    unsplit = sum(opt._split_dim(sp, len(a.shape)) is None for sp, a in zip(
+        jax.tree.leaves(opt.shard_specs, is_leaf=lambda x: isinstance(x, P)),
+        jax.tree.leaves(p)))
+    rs = _collectives(opt._sync.lower(partial).compile().as_text())
+    assert rs == Counter({"reduce-scatter": 1, **({"all-reduce": 1} if unsplit else {})}), rs
+    up = _collectives(opt.lower_step(master, shards, s).compile().as_text())
+    assert up == Counter({"all-gather": 1}), up
+
+
+def _step(m: int):
+    cfg = make_cfg()
+    lay, samples = global_batch(cfg, 8)
+    plan = Plan.uniform(cfg, 8, m, dp={"vision": 2, "llm": 2, "generator": 2})
+    ps = PipelineStep(cfg, plan, 1e-2, settings=OptimizerSettings(clip_norm=1.0))
+    n, dp = plan.microbatch_size, {u.name: u.dp for u in plan.units}
+    feeds = [microbatch_feed(samples[k * n:(k + 1) * n], lay, dp) for k in range(m)]
+    calls = {sid: st.backward_calls for sid, st in ps.runtime.stages.items()}
+    out = ps(feeds)
+    assert np.isfinite(out["loss"]) and out["nonfinite"] == 0.0
+    return ps, calls
+
+
+@pytest.fixture(scope="module")
+def steps():
+    return {m: _step(m) for m in (2, 4)}
+
+
+@pytest.mark.slow
+def test_one_reduce_scatter_and_one_all_gather_per_stage_per_step(steps):
+    """m=2 vs m=4 microbatches: the forward/backward programs (run m times) hold no
+    collective at all; per stage per step the dispatch log has exactly one sync program
+    (one reduce-scatter) and one update program (one all-gather), whatever m."""
+    per_m = {}
+    for m, (ps, calls0) in steps.items():
+        log = Counter(ps.dispatch_log)
+        assert set(ps.optimizers) and all(ps.runtime.stages[s].dp == 2 for s in ps.optimizers)
+        for sid, st in ps.runtime.stages.items():
+            if sid in ps.optimizers:
+                assert log[(sid, "reduce_scatter")] == 1 and log[(sid, "update_all_gather")] == 1
+                assert st.backward_calls - calls0[sid] == m  # m microbatch backwards ...
+            for kind in ("F", "B") if st.mode.param_grads or st.mode.input_grads else ("F",):
+                hlo = st.fns.lowered(kind).compile().as_text()
+                assert _collectives(hlo) == Counter(), (sid, kind, _collectives(hlo))
+        assert len(ps.dispatch_log) == 2 * len(ps.optimizers)
+        per_m[m] = {}
+        for sid, opt in ps.optimizers.items():  # ... and one sync + one update program
+            partial = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct((2,) + a.shape,
+                                                                      jnp.float32, sharding=sh),
+                                   ps.runtime.stages[sid].trainable, opt.rank_partial_shardings)
+            rs = _collectives(opt._sync.lower(partial).compile().as_text())
+            master = ps.runtime.stages[sid].trainable
+            up = _collectives(opt.lower_step(master, master, ps.opt_states[sid])
+                              .compile().as_text())
+            assert rs["reduce-scatter"] == 1 and set(rs) <= {"reduce-scatter", "all-reduce"}
+            assert up == Counter({"all-gather": 1}), up
+            per_m[m][str(sid)] = (rs, up)
+    assert per_m[2] == per_m[4]
+
+
+@pytest.mark.slow
+def test_master_weights_and_moments_live_as_one_dp_shard(steps):
+    """dp=2: each device holds ~1/2 of the stage's fp32 master weights and Adam moments
+    (live arrays' addressable shards); the compute copy stays whole (replicated over dp)."""
+    ps, _ = steps[2]
+    for sid, opt in ps.optimizers.items():
+        st = ps.runtime.stages[sid]
+        full = sum(a.nbytes for a in jax.tree.leaves(st.trainable))
+        unsplit = sum(a.nbytes for a, spec in zip(
+            jax.tree.leaves(st.trainable),
+            jax.tree.leaves(opt.shard_specs, is_leaf=lambda x: isinstance(x, P)))
+            if opt._split_dim(spec, a.ndim) is None)
+
+        def per_device(tree):
+            out = Counter()
+            for a in jax.tree.leaves(tree):
+                if isinstance(a, jax.Array):
+                    for sh in a.addressable_shards:
+                        out[sh.device] += sh.data.nbytes
+            return out
+
+        master = per_device(st.trainable)
+        moments = per_device(ps.opt_states[sid])
+        compute = per_device(st.compute)
+        assert len(master) == 2 and len(compute) == 2
+        for dev in master:
+            assert master[dev] == (full - unsplit) // 2 + unsplit, (sid, master[dev], full)
+            assert master[dev] <= 0.55 * full
+            assert moments[dev] <= 2 * (0.55 * full) + 64  # mu and nu (+ counters)
+            assert compute[dev] == full
