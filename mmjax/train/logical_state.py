@@ -158,12 +158,15 @@ def _remote_stage(step_fn, sid):
     from mmjax.parallel.zero import Zero1Optimizer
 
     st = step_fn.runtime.stages[sid]
-    params = jax.tree.map(lambda a: _no_shards(a.shape, a.dtype, a.sharding), st.trainable)
     opt = Zero1Optimizer(step_fn.tx, st.mesh, st.trainable)
     if not opt.has_state:
         import optax
 
+        params = jax.tree.map(lambda a: _no_shards(a.shape, a.dtype, a.sharding), st.trainable)
         return params, optax.EmptyState()
+    # the owners keep the fp32 master weights as ZeRO-1 shards: the same sharding here
+    params = jax.tree.map(lambda a, sh: _no_shards(a.shape, a.dtype, sh), st.trainable,
+                          opt.master_shardings)
     shapes = jax.eval_shape(step_fn.tx.init, jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), st.trainable))
     return params, jax.tree.map(lambda a, sh: _no_shards(a.shape, a.dtype, sh), shapes,
