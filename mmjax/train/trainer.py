@@ -19,7 +19,7 @@ import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-from mmjax.data.assemble import AssemblyLayout, BatchShapes, assemble, batch_shapes, check_sample
+from mmjax.data.assemble import AssemblyLayout, BatchShapes, batch_shapes
 from mmjax.data.synthetic import SyntheticConfig, SyntheticDataset
 from mmjax.data.sources import configured_source, eval_source
 from mmjax.data.tokenizer import tokenizer
@@ -37,7 +37,7 @@ from mmjax.train.logical_state import (pipeline_load_logical, pipeline_logical,
                                        single_from_logical, single_logical)
 from mmjax.train.optimizer import learning_rate_schedule, optimizer_from_settings
 from mmjax.train.step import TrainState, make_loss_fn, make_train_step, split_model
-from mmjax.train.validate import check_data_path, check_train_settings, gin_bound
+from mmjax.train.validate import check_data_path, check_train_settings
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -93,55 +93,20 @@ def _layout_at_least(layout: AssemblyLayout, shapes: BatchShapes | None) -> Asse
     return dataclasses.replace(layout, **kw)
 
 
-class SequentialBatches:
-    """Global batch k = samples [k*B, (k+1)*B) of a random-access dataset; state = k."""
-
-    def __init__(self, dataset, layout: AssemblyLayout, global_batch: int):
-        self.dataset, self.layout, self.global_batch = dataset, layout, global_batch
-        self.next_batch = 0
-        self.shapes: BatchShapes | None = None
-
-    def state(self) -> dict:
-        """Position and the high-water shapes: a resumed run pads exactly as the
-        uninterrupted one would (other shapes compile other programs, whose float sums
-        associate differently), so resume is bit-exact."""
-        hw = None if self.shapes is None else {
-            "rows": self.shapes.rows, "gen": self.shapes.gen,
-            "encoders": [list(e) for e in self.shapes.encoders]}
-        return {"next_batch": self.next_batch, "shapes": hw}
-
-    def restore(self, state: dict) -> None:
-        self.next_batch = int(state["next_batch"])
-        hw = state.get("shapes")
-        self.shapes = None if hw is None else BatchShapes(
-            int(hw["rows"]), tuple((str(n), int(c), int(k)) for n, c, k in hw["encoders"]),
-            int(hw["gen"]))
-
-    def __next__(self):
-        start = self.next_batch * self.global_batch
-        samples = [self.dataset[i] for i in range(start, start + self.global_batch)]
-        self.next_batch += 1
-        metas = [self.layout.rules.meta(s) for s in samples if check_sample(s, self.layout) is None]
-        self.shapes = high_water(self.shapes, lambda hw: batch_shapes(
-            [metas], _layout_at_least(self.layout, hw)))
-        return assemble(samples, self.layout, shapes=self.shapes)
-
-
 class SingleProgram:
     """Plain jit of the whole model on the default device (the parity reference). Reads
-    the synthetic set, or a real source (`SourceBatches`: skips and names bad samples)."""
+    the global batches every plan reads (train/single_data.py: the pipeline path's loader
+    over a real source, `loader_source.path` or the synthetic set), whole."""
 
     def __init__(self, cfg, layout, global_batch, schedule, dtype, seed, source=None,
                  attention_impl="auto", pretrained=None):
-        if source is None:
-            self.data = SequentialBatches(synthetic_dataset(cfg), layout, global_batch)
-        else:
-            from mmjax.data.stream import SourceBatches
+        from mmjax.train.single_data import LoaderBatches
 
-            def grow(shapes, metas):
-                return high_water(shapes, lambda hw: batch_shapes(
-                    [metas], _layout_at_least(layout, hw)))
-            self.data = SourceBatches(source, layout, global_batch, seed=seed, grow_shapes=grow)
+        def grow(shapes, metas):
+            return high_water(shapes, lambda hw: batch_shapes(
+                [metas], _layout_at_least(layout, hw)))
+        self.data = LoaderBatches(source if source is not None else train_source(cfg), cfg,
+                                  layout, global_batch, grow)
         mdl = MultimodalModel(cfg, jax.random.key(seed))
         if pretrained:
             encoders = {k: v for k, v in pretrained.items() if k != "llm"}
@@ -381,9 +346,6 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
     if trace_every < 0:
         raise UserError(f"train.trace_every={trace_every}: use 0 (off) or N >= 1")
     check_data_path()
-    if plan is None and gin_bound("loader_source.path"):
-        raise UserError("loader_source.path is read by the pipeline runtime only: add "
-                        "--plan=manual (or a Plan JSON), or drop the binding")
     cfg = model or named_model_config()
     dirs = pretrained()  # gin: pretrained.<unit> = "/hf/checkpoint/dir"
     if dirs:  # configs from config.json; files, names and shapes checked before any work
