@@ -733,14 +733,15 @@ def _per_unit(value, model: MLLMConfig, setting: str, allowed, default: str) -> 
     elif isinstance(value, Mapping):
         unknown = set(value) - set(units)
         if unknown:
-            raise ValueError(f"{setting}: unknown units {sorted(unknown)}; units are {units}")
+            raise UserError(f"{setting}: unknown units {sorted(unknown)} (the units are "
+                            f"{units})")
         pol = {u: value.get(u, default) for u in units}
     else:
-        raise ValueError(f"{setting}={value!r}: use one of {allowed} or a dict unit -> one "
-                         f"of them")
+        raise UserError(f"{setting}={value!r}: use one of {allowed} or a dict unit -> one "
+                        f"of them")
     for u, p in pol.items():
         if p not in allowed:
-            raise ValueError(f"{setting}[{u!r}]={p!r}: use one of {allowed}")
+            raise UserError(f"{setting}[{u!r}]={p!r}: use one of {allowed}")
     return pol
 
 
@@ -787,13 +788,13 @@ class Loader:
                  node_wise_time_limit: float = 0.2, node_wise_max_milp_ranks: int = 32,
                  hardware: str = "h100"):
         if prefetch < 2:
-            raise ValueError(f"Loader.prefetch={prefetch}: use >= 2 (global batches prepared "
+            raise UserError(f"Loader.prefetch={prefetch}: use >= 2 (global batches prepared "
                              f"ahead, so planning and preprocessing stay off the training "
                              f"path; MMScale §6)")
         source = as_source(source)
         rules = layout.rules
         if getattr(source, "patch_size", rules.patch_size) != rules.patch_size:
-            raise ValueError(f"Loader.source: the dataset was written with patch_size="
+            raise UserError(f"Loader.source: the dataset was written with patch_size="
                              f"{source.patch_size} but the model's is {rules.patch_size}; "
                              f"rewrite it with scripts/make_dataset.py --patch_size="
                              f"{rules.patch_size}")

@@ -358,7 +358,7 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
     dtype = _DTYPES[compute_dtype]
     held_out = eval_source(cfg, tok) if eval_every else None
     if eval_every and (held_out is None or plan is not None):
-        raise ValueError("train.eval_every needs eval_source.json_path (or .urls) and a "
+        raise UserError("train.eval_every needs eval_source.json_path (or .urls) and a "
                          "single-program run (no --plan)")
     if attention_impl is not None:
         from mmjax.models.attention import choose_implementation
