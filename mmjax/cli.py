@@ -24,12 +24,14 @@ def user_error_types() -> tuple[type, ...]:
 
 
 def run_main(main, argv=None) -> int:
-    """`main(argv)`'s exit code; a user error -> one line on stderr, exit 2 (`--debug` in
-    argv: re-raised with its traceback)."""
+    """`main(argv)`'s exit code (0 when it returns a non-int, e.g. a benchmark's record); a
+    user error -> one line on stderr, exit 2 (`--debug` in argv: re-raised with its
+    traceback)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     debug = "--debug" in argv
     try:
-        return main([a for a in argv if a != "--debug"])
+        rc = main([a for a in argv if a != "--debug"])
+        return rc if isinstance(rc, int) and not isinstance(rc, bool) else 0
     except Exception as e:
         if debug or not isinstance(e, user_error_types()):
             raise

@@ -269,4 +269,6 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    from mmjax.cli import run_main
+
+    sys.exit(run_main(main))

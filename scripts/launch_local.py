@@ -27,6 +27,7 @@ import threading
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
 
 
 def free_port() -> int:
@@ -159,4 +160,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from mmjax.cli import run_main
+
+    sys.exit(run_main(main))

@@ -246,4 +246,6 @@ def main(argv=None) -> dict[str, str]:
 
 
 if __name__ == "__main__":
-    main()
+    from mmjax.cli import run_main
+
+    sys.exit(run_main(main))
