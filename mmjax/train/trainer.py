@@ -17,7 +17,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from mmjax.data.assemble import AssemblyLayout, BatchShapes, batch_shapes
 from mmjax.data.synthetic import SyntheticConfig, SyntheticDataset
@@ -36,6 +35,8 @@ from mmjax.train.inputs import model_inputs
 from mmjax.train.logical_state import (pipeline_load_logical, pipeline_logical,
                                        single_from_logical, single_logical)
 from mmjax.train.optimizer import learning_rate_schedule, optimizer_from_settings
+from mmjax.train.progress import Progress as StepProgress
+from mmjax.train.progress import console as progress_console
 from mmjax.train.step import TrainState, make_loss_fn, make_train_step, split_model
 from mmjax.train.validate import check_data_path, check_train_settings
 
@@ -118,6 +119,10 @@ class SingleProgram:
         self.graphdef, self.dtype, self.global_batch, self.eval_fn = graphdef, dtype, global_batch, None
         self.attention_impl = attention_impl
         self.num_trainable = sum(x.size for x in jax.tree.leaves(trainable))
+        # batch shapes -> the step compiled ahead of time for them: compilation is seen
+        # (and reported) when it happens, not hidden in a step's time
+        self.compiled: dict = {}
+        self.progress = None  # train/progress.py Progress, set by the trainer
 
     def data_state(self) -> dict:
         return {"batches": self.data.state()}
@@ -138,10 +143,28 @@ class SingleProgram:
         if isinstance(batch, tuple):  # SourceBatches: (batch, skipped before assembly)
             batch, skipped = batch
         skipped = skipped + [(str(i), r) for i, r in batch.skipped]
+        inputs = model_inputs(batch)
+        leaves, treedef = jax.tree.flatten(inputs)
+        key = (str(treedef), tuple((np.shape(x), str(np.asarray(x).dtype)) for x in leaves))
+        compile_s = 0.0
+        if key not in self.compiled:
+            sh = batch.shapes
+            what = (f"the training step for {sh.rows} rows x {batch.tokens.shape[1]} tokens"
+                    + "".join(f", {n} {k} x {c}" for n, c, k in sh.encoders)
+                    + (f", {sh.gen} generated images" if sh.gen else "")
+                    + ("" if not self.compiled else " (new batch shapes)"))
+            if self.progress is not None:
+                self.progress.compiling(what)
+            t = time.perf_counter()
+            self.compiled[key] = self.step_fn.lower(self.state, inputs).compile()
+            compile_s = time.perf_counter() - t
+            if self.progress is not None:
+                self.progress.compiled(what, compile_s)
         t0 = time.perf_counter()
-        self.state, m = self.step_fn(self.state, model_inputs(batch))
+        self.state, m = self.compiled[key](self.state, inputs)
         m = {k: float(v) for k, v in jax.device_get(m).items()}  # one sync, after dispatch
         m["step_time_s"] = time.perf_counter() - t0
+        m["compile_s"] = compile_s
         m["data_wait_s"] = t0 - t_wait
         m["tokens"] = int(np.count_nonzero(batch.doc))
         m["tokens_trained"] = int(batch.num_target_tokens)
@@ -206,6 +229,7 @@ class Pipelined:
                            layout, feeds=True)
         self.num_trainable = sum(x.size for x in jax.tree.leaves(
             [st.trainable for st in self.step_fn.runtime.stages.values()]))
+        self.progress, self.steps_run = None, 0  # train/progress.py Progress
 
     def data_state(self) -> dict:
         return {"loader": self.data.get_state()}
@@ -227,9 +251,16 @@ class Pipelined:
         t_wait = time.perf_counter()
         gb = next(self.data)
         feeds = [mb.inputs["feed"] for mb in gb.microbatches]
+        first = self.steps_run == 0
+        if first and self.progress is not None:  # the stages compile inside the first step
+            self.progress.compiling("the pipeline's stage programs (inside the first step)")
         t0 = time.perf_counter()
         m = self.step_fn(feeds, trace=trace)
         m["step_time_s"] = time.perf_counter() - t0
+        self.steps_run += 1
+        m["compile_s"] = m["step_time_s"] if first else 0.0
+        if first and self.progress is not None:
+            self.progress.compiled("the first pipelined step", m["step_time_s"])
         m["data_wait_s"] = t0 - t_wait
         m["tokens"] = int(sum(np.count_nonzero(f.llm["doc"]) for f in feeds))
         m["tokens_trained"] = int(sum(f.num_target_tokens for f in feeds))
@@ -398,7 +429,7 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
         with open(os.path.join(workdir, "config.gin"), "w") as f:
             f.write(gin.config_str())
         write_run_info(workdir, cfg, None if plan is None else the_plan, seed, dirs)
-    console = Console(stderr=True)
+    console = progress_console()
     # Multi-process (mmjax.launch): every process runs the loop; process 0 writes the
     # metrics. Orbax saves only global (cross-process) arrays, while pipeline stages mostly
     # live on one process's devices, so multi-process runs keep no checkpoints.
@@ -422,6 +453,8 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
     console.print(f"[bold]{cfg.name}[/]: {runner.num_trainable:,} trainable parameters, "
                   f"{steps} steps of {global_batch} samples, {where}")
 
+    report = StepProgress(console, steps, start, global_batch, enabled=progress and lead)
+    runner.progress = report
     records, in_a_row = [], 0
     metrics_path = os.path.join(workdir, "metrics.jsonl")
     skipped_path = os.path.join(workdir, "skipped.jsonl")
@@ -430,11 +463,7 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
         truncate_metrics(skipped_path, start, one_per_step=False)
     try:
         with open(metrics_path if lead else os.devnull, "a") as mf, \
-                open(skipped_path if lead else os.devnull, "a") as sf, Progress(
-                TextColumn("{task.description}"), BarColumn(),
-                TextColumn("{task.completed}/{task.total}"), TextColumn("{task.fields[info]}"),
-                TimeRemainingColumn(), console=console, disable=not (progress and lead)) as bar:
-            task = bar.add_task("train", total=steps, completed=start, info="")
+                open(skipped_path if lead else os.devnull, "a") as sf:
             end = steps if stop_after is None else min(steps, start + stop_after)
             for step in range(start, end):
                 traced = plan is not None and trace_every > 0 and (step + 1) % trace_every == 0
@@ -462,7 +491,7 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
                 for name, reason in m["skipped_list"]:
                     sf.write(json.dumps({"step": step + 1, "id": name, "reason": reason}) + "\n")
                 sf.flush()
-                bar.update(task, advance=1, info=f"loss {rec['loss']:.4f}")
+                report.step(rec, m.get("compile_s", 0.0) > 0)
                 if in_a_row >= max_bad_steps:
                     raise TrainingStopped(
                         f"{in_a_row} steps in a row ({step + 2 - in_a_row}..{step + 1}) had a "
@@ -481,6 +510,8 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
                         raise TrainingStopped(f"step {step + 1}: {e}; last good checkpoint: "
                                               f"{_last_good(ckpt)} (lower the learning rate, "
                                               f"then rerun to resume)") from None
+        if records:
+            report.say("trained " + report.summary(len(records)))
     finally:
         if ckpt is not None:
             ckpt.close()
