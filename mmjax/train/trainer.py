@@ -272,6 +272,21 @@ class Pipelined:
         self.data.close()
 
 
+def parse_trace_steps(trace_steps: str | None, plan: str | None) -> tuple[int, int]:
+    """`train.trace_steps` "A:B" -> (A, B), 1-based inclusive; None -> an empty range."""
+    if trace_steps is None:
+        return (1, 0)
+    a, sep, b = str(trace_steps).partition(":")
+    if not (sep and a.isdigit() and b.isdigit() and 1 <= int(a) <= int(b)):
+        raise UserError(f"train.trace_steps={trace_steps!r}: use 'A:B' with 1 <= A <= B, "
+                        f"e.g. '3:4'")
+    if plan is None:
+        raise UserError("train.trace_steps traces the pipeline runtime's actions: add "
+                        "--plan=manual (or a Plan JSON); the single program is one XLA "
+                        "program (profile it with jax.profiler)")
+    return int(a), int(b)
+
+
 class TrainingStopped(RuntimeError):
     """Training cannot usefully continue (one-line reason; checkpoints are intact)."""
 
@@ -349,7 +364,7 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
           stop_after: int | None = None, plan: str | None = None,
           eval_every: int = 0, attention_impl: str | None = None,
           trace_every: int = 0, keep_checkpoints: int = 3, keep_every: int | None = None,
-          max_bad_steps: int = 5) -> list[dict]:
+          max_bad_steps: int = 5, trace_steps: str | None = None) -> list[dict]:
     """Train `model` for `steps` steps (this invocation stops early after `stop_after`
     steps, as a preemption would; a rerun resumes); returns this run's metric records.
 
@@ -363,6 +378,8 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
     cudnn) sets every unit's attention; with a plan it replaces each unit's plan field.
     `trace_every` = N > 0 (with a plan): every N-th step runs traced and writes
     `<workdir>/traces/step_<n>.json` (model, Plan, serial trace) for scripts/replan.py.
+    `trace_steps` = "A:B" (with a plan): steps A..B (1-based, inclusive) run traced and
+    write those files too (scripts/train.py --trace_steps renders each as a timeline).
 
     Checkpoints: every `checkpoint_every` steps; the newest `keep_checkpoints` are kept, and
     every multiple of `keep_every` permanently. A resume takes the newest checkpoint that
@@ -376,6 +393,7 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
                          progress, stop_after, plan, keep_checkpoints, keep_every, max_bad_steps)
     if trace_every < 0:
         raise UserError(f"train.trace_every={trace_every}: use 0 (off) or N >= 1")
+    trace_range = parse_trace_steps(trace_steps, plan)
     check_data_path()
     cfg = model or named_model_config()
     dirs = pretrained()  # gin: pretrained.<unit> = "/hf/checkpoint/dir"
@@ -466,7 +484,9 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
                 open(skipped_path if lead else os.devnull, "a") as sf:
             end = steps if stop_after is None else min(steps, start + stop_after)
             for step in range(start, end):
-                traced = plan is not None and trace_every > 0 and (step + 1) % trace_every == 0
+                traced = plan is not None and (
+                    (trace_every > 0 and (step + 1) % trace_every == 0)
+                    or trace_range[0] <= step + 1 <= trace_range[1])
                 m = runner.step(trace=True) if traced else runner.step()
                 if traced and lead:
                     write_trace(workdir, step + 1, cfg, the_plan, m.pop("trace"))
