@@ -16,7 +16,6 @@ import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
-from rich.console import Console
 
 from mmjax.data.assemble import AssemblyLayout, BatchShapes, batch_shapes
 from mmjax.data.synthetic import SyntheticConfig, SyntheticDataset
@@ -426,7 +425,7 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
             real = _data(cfg, tok)[1]
             the_plan = auto_plan(cfg, global_batch, real if real is not None
                                  else train_source(cfg))
-            Console(stderr=True).print("auto plan: " + "; ".join(
+            progress_console().print("auto plan: " + "; ".join(
                 f"{u.name} dp={u.dp} tp={u.tp} pp={u.pp}" for u in the_plan.units))
         else:
             the_plan = Plan.load(plan)
