@@ -73,12 +73,12 @@ def run_case(case, maps, part, rng):
     return rows
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--maps", type=int, default=4)
     ap.add_argument("--part", default="16,256", help="part shape, comma separated")
     ap.add_argument("--json", default="")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     part = tuple(int(v) for v in args.part.split(","))
     rng = np.random.default_rng(0)
     rows = [row for case in CASES for row in run_case(case, args.maps, part, rng)]
@@ -89,4 +89,6 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    from mmjax.cli import run_main
+
+    sys.exit(run_main(main))

@@ -36,6 +36,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     ).strip()
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from mmjax.errors import UserError  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -60,10 +61,10 @@ def parse_shapes(text: str) -> list[tuple[int, int, int]]:
     for item in text.split(";"):
         parts = [p for p in item.replace(" ", "").split(",") if p]
         if len(parts) != 3:
-            raise SystemExit(f"--shapes: expected 'tokens,hidden,tp;...', got {item!r}")
+            raise UserError(f"--shapes: expected 'tokens,hidden,tp;...', got {item!r}")
         tokens, hidden, tp = map(int, parts)
         if tokens % tp or (4 * hidden) % tp:
-            raise SystemExit(f"--shapes: tokens {tokens} and 4*hidden {4 * hidden} must "
+            raise UserError(f"--shapes: tokens {tokens} and 4*hidden {4 * hidden} must "
                              f"divide by tp {tp}")
         shapes.append((tokens, hidden, tp))
     return shapes
@@ -184,7 +185,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     args.chunks = [int(c) for c in args.chunks.split(",") if c]
     if not args.chunks or min(args.chunks) < 1:
-        raise SystemExit("--chunks: give positive integers, e.g. 1,2,4")
+        raise UserError("--chunks: give positive integers, e.g. 1,2,4")
 
     console = Console(width=None if sys.stdout.isatty() else 140)
     platform = jax.default_backend()
@@ -236,4 +237,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from mmjax.cli import run_main
+
+    sys.exit(run_main(main))

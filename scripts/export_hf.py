@@ -10,7 +10,11 @@ CPU host set XLA_FLAGS=--xla_force_host_platform_device_count=N)."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from mmjax.errors import UserError  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -26,11 +30,13 @@ def main(argv=None) -> int:
         written = export_workdir(args.workdir, args.out, args.step,
                                  int(args.max_shard_gb * 10 ** 9))
     except (ValueError, FileNotFoundError) as e:
-        sys.exit(f"error: {e}")
+        raise UserError(f"{e}")
     for unit, path in written.items():
         print(f"{unit}: {path}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from mmjax.cli import run_main
+
+    sys.exit(run_main(main))

@@ -16,6 +16,7 @@ import sys
 import gin
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from mmjax.errors import UserError  # noqa: E402
 
 STOP_TOKENS = ("<|eot_id|>", "<|im_end|>", "<|end_of_text|>", "<|endoftext|>")
 
@@ -67,7 +68,7 @@ def restore_model(cfg, workdir: str, step: int | None):
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"))
     step = step or ckpt.latest_step()
     if step is None:
-        sys.exit(f"error: no checkpoint in {workdir}/checkpoints (train first, or pass --workdir "
+        raise UserError(f"no checkpoint in {workdir}/checkpoints (train first, or pass --workdir "
                  f"of a finished run)")
     model = MultimodalModel(cfg, jax.random.key(0))
     graphdef, trainable, frozen = split_model(model, trainable_filter(cfg))
@@ -77,7 +78,7 @@ def restore_model(cfg, workdir: str, step: int | None):
         named, _ = ckpt.restore(step, single_logical(like))  # the trainer's layout
         state = single_from_logical(like, named)
     except (ValueError, KeyError) as e:
-        sys.exit(f"error: {workdir} step {step} is not a single-program checkpoint of this model "
+        raise UserError(f"{workdir} step {step} is not a single-program checkpoint of this model "
                  f"({type(e).__name__}: {e}); generate reads runs trained without --plan")
     finally:
         ckpt.close()
@@ -100,9 +101,9 @@ def main(argv=None) -> int:
     for path, what in ((conf, "--workdir (no config.gin: not a scripts/train.py run)"),
                        (a.image, "--image"), (a.audio, "--audio")):
         if path is not None and not os.path.isfile(path):
-            sys.exit(f"error: {what}: {path} not found")
+            raise UserError(f"{what}: {path} not found")
     if not 0.0 < a.top_p <= 1.0 or a.temperature < 0 or a.max_new_tokens < 1:
-        sys.exit("error: need 0 < --top_p <= 1, --temperature >= 0, --max_new_tokens >= 1")
+        raise UserError("need 0 < --top_p <= 1, --temperature >= 0, --max_new_tokens >= 1")
 
     from mmjax.data.assemble import assemble, check_sample
     from mmjax.data.chat import ChatFormat
@@ -115,7 +116,7 @@ def main(argv=None) -> int:
     gin.parse_config_file(conf)
     tok = tokenizer()
     if tok is None:
-        sys.exit("error: the run has no tokenizer.path (synthetic data): nothing to decode to text")
+        raise UserError("the run has no tokenizer.path (synthetic data): nothing to decode to text")
     cfg = fit_vocab(named_model_config(), tok)
     layout = data_layout(cfg, special=tok.special_tokens())
     image_proc, audio_proc = default_processors(cfg, _bound("llava_source.image_processor"),
@@ -125,7 +126,7 @@ def main(argv=None) -> int:
     sample = prompt_sample(tok, chat, image_proc, audio_proc, a.prompt, a.image, a.audio)
     why = check_sample(sample, layout)
     if why:
-        sys.exit(f"error: the prompt cannot be fed to this model: {why}")
+        raise UserError(f"the prompt cannot be fed to this model: {why}")
     batch = model_inputs(assemble([sample], layout))
     prompt_len = int((batch["doc"][0] == 1).sum()) - 1  # the document's eos is not prompt
     model, step = restore_model(cfg, a.workdir, a.step)
@@ -138,4 +139,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from mmjax.cli import run_main
+
+    sys.exit(run_main(main))

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -27,6 +28,7 @@ import threading
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
 
 
 def free_port() -> int:
@@ -35,8 +37,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# gloo's per-connection chatter (written by C++ straight to stderr, so it can land in the
+# middle of another line) and absl/glog info and warning lines (I0000 ..., W0000 ...,
+# "WARNING: All log messages before absl::InitializeLog() ..."): noise to a user.
+_GLOO = re.compile(r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. Expected number of "
+                   r"connected peer ranks is : \d+")
+_ABSL = re.compile(r"^(?:[IW]\d{4} [\d:.]+\s+\d+ \S+:\d+\] |WARNING: All log "
+                   r"messages before absl::InitializeLog\(\) is called)")
+
+
+def quiet(line: str) -> str | None:
+    """`line` without gloo and absl noise; None when nothing else is left."""
+    cleaned = _GLOO.sub("", line)
+    if (cleaned != line and not cleaned.strip()) or _ABSL.match(cleaned):
+        return None
+    return cleaned
+
+
 def _pump(proc: subprocess.Popen, prefix: str, lock: threading.Lock, tail) -> None:
-    for line in proc.stdout:
+    for raw in proc.stdout:
+        line = quiet(raw.rstrip("\n"))
+        if line is None:
+            continue
+        line += "\n"
         tail.append(line.rstrip("\n"))
         with lock:
             sys.stdout.write(f"{prefix} {line}")
@@ -159,4 +182,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from mmjax.cli import run_main
+
+    sys.exit(run_main(main))

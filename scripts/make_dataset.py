@@ -75,4 +75,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    from mmjax.cli import run_main
+
+    sys.exit(run_main(main))

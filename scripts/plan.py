@@ -23,7 +23,6 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import gin  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
@@ -39,12 +38,11 @@ FAMILY_HARDWARE = {"disttrain": "a800", "orchmllm": "h100", "cornstarch": "a800"
 
 
 def load_model(gin_file: str, gin_params: list[str]):
+    """The model of `gin_file` + bindings, parsed strictly (a misspelt name is an error)."""
+    from mmjax.cli import parse_gin
     from mmjax.train.config import named_model_config
 
-    try:
-        gin.parse_config_files_and_bindings([gin_file], gin_params, skip_unknown=True)
-    except Exception as e:  # gin raises several types; all mean a bad file or binding
-        raise SystemExit(f"error in gin file {gin_file}: {e}")
+    parse_gin([gin_file], gin_params, finalize=False)
     return named_model_config()
 
 
@@ -106,7 +104,10 @@ def summary_table(plans: dict) -> Table:
 
 
 def main(argv=None) -> int:
+    from mmjax.cli import add_debug_flag
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_debug_flag(ap)
     ap.add_argument("--gin_file", required=True)
     ap.add_argument("--gin_param", action="append", default=[])
     ap.add_argument("--gpus", type=int, required=True)
@@ -133,8 +134,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     console = Console(width=None if sys.stdout.isatty() else 132)
     if args.gpus < 1 or args.global_batch < 1:
-        console.print("[red]--gpus and --global_batch must be positive[/red]")
-        return 2
+        from mmjax.errors import UserError
+        raise UserError(f"--gpus={args.gpus} --global_batch={args.global_batch}: both must "
+                        f"be >= 1")
     model = load_model(args.gin_file, args.gin_param)
     hw = hardware(args.hardware or FAMILY_HARDWARE.get(model.name.split("/")[0], "h100"))
     plans, errors = {}, {}
@@ -143,7 +145,7 @@ def main(argv=None) -> int:
         wl = (data_workload(model, args.data, args.data_samples) if args.data
               else default_workload(model))
     except ValueError as e:
-        console.print(f"error: {e}")
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     if args.data:
         (llm, _), enc = wl.llm_moments(), {e.name: wl.encoder_moments(e.name)[0]
@@ -169,7 +171,8 @@ def main(argv=None) -> int:
     console.print(f"[bold]{model.name}[/bold] on {args.gpus} x {hw.name}, "
                   f"global batch {args.global_batch}")
     if primary not in plans:
-        console.print(f"[red]infeasible ({primary}):[/red] {errors[primary]}")
+        print(f"error: infeasible ({primary}): {' '.join(errors[primary].split())}",
+              file=sys.stderr)
         return 2
     for name in [primary] + [k for k in plans if k != primary]:
         console.print(unit_table(plans[name], name))
@@ -196,4 +199,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from mmjax.cli import run_main
+
+    sys.exit(run_main(main))

@@ -61,4 +61,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from mmjax.cli import run_main
+
+    sys.exit(run_main(main))

@@ -55,8 +55,12 @@ def check_trace(trace) -> list[dict]:
 
 
 def load_trace(path: str) -> list[dict]:
+    """A trace list, or the trainer's `traces/step_<n>.json` ({model, plan, trace})."""
     with open(path) as f:
-        return check_trace(json.load(f))
+        data = json.load(f)
+    if isinstance(data, dict) and "trace" in data:
+        data = data["trace"]
+    return check_trace(data)
 
 
 def stage_rows(trace: list[dict]) -> list[str]:
@@ -246,4 +250,6 @@ def main(argv=None) -> dict[str, str]:
 
 
 if __name__ == "__main__":
-    main()
+    from mmjax.cli import run_main
+
+    sys.exit(run_main(main))

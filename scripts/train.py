@@ -1,44 +1,36 @@
 #!/usr/bin/env python
 """Train an MLLM: `python scripts/train.py [--gin_file=configs/tiny.gin] [--gin_param=K=V ...]
-[--workdir=DIR]`. Writes DIR/metrics.jsonl and checkpoints; resumes from DIR's newest."""
+[--workdir=DIR] [--plan=...]`. Writes DIR/metrics.jsonl and checkpoints; resumes from DIR's newest."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
-import gin
-
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from mmjax.cli import add_debug_flag, parse_gin, refuse_unused_bindings, run_main  # noqa: E402
 
 
-def parse_gin(files: list[str], params: list[str]) -> None:
-    """Parse the gin files, then each --gin_param binding, then finalize, before any work
-    (what gin.parse_config_files_and_bindings does, one piece at a time), so an error exits
-    with gin's message and names the culprit: the file, or the binding as given."""
-    import mmjax.data.loader  # noqa: F401  (registers the configurables)
-    import mmjax.train.pipeline_step  # noqa: F401
-    import mmjax.train.trainer  # noqa: F401
+def render_traces(workdir: str, trace_steps: str) -> list[str]:
+    """Each traced step's timeline (scripts/timeline.py): PNG + Perfetto JSON beside it;
+    -> the PNGs' paths."""
+    import importlib.util
 
-    for f in files:
-        if not os.path.exists(f):
-            sys.exit(f"error: gin file {f!r} not found (run from the repo root or pass a path)")
-    # gin raises several exception types; every one means "this piece of config is bad"
-    for f in files:
-        try:
-            gin.parse_config_file(f)
-        except Exception as e:
-            sys.exit(f"error: bad gin file {f}: {type(e).__name__}: {e}")
-    for b in params:
-        try:
-            gin.parse_config(b)
-        except Exception as e:
-            sys.exit(f"error: bad gin binding --gin_param={b!r}: {type(e).__name__}: {e}")
-    try:
-        gin.finalize()
-    except Exception as e:
-        sys.exit(f"error: bad gin config ({', '.join(files)} + --gin_param bindings) at "
-                 f"finalize: {type(e).__name__}: {e}")
+    spec = importlib.util.spec_from_file_location(
+        "timeline", os.path.join(REPO, "scripts", "timeline.py"))
+    timeline = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(timeline)
+    a, b = (int(x) for x in trace_steps.split(":"))
+    pngs = []
+    for n in range(a, b + 1):
+        path = os.path.join(workdir, "traces", f"step_{n}.json")
+        if os.path.exists(path):
+            with contextlib.redirect_stdout(sys.stderr):
+                pngs.append(timeline.main([path])["png"])
+    return pngs
 
 
 def main(argv=None) -> int:
@@ -51,24 +43,28 @@ def main(argv=None) -> int:
                    help="Plan JSON (scripts/plan.py --json), 'manual' (manual_plan.* in gin) or "
                         "'auto' (plan at start-up for the devices present and the run's data): "
                         "run on the pipeline runtime over all devices")
+    p.add_argument("--trace_steps", default=None, metavar="A:B",
+                   help="with --plan: run steps A..B (1-based, inclusive) traced, writing "
+                        "DIR/traces/step_<n>.json (every stage action's start and end) and "
+                        "its timeline, step_<n>.png (Gantt chart) and step_<n>.perfetto.json")
+    add_debug_flag(p)
     args = p.parse_args(argv)
     files = args.gin_file or [os.path.join(REPO, "configs", "tiny.gin")]
+    refuse_unused_bindings(args.gin_param, args.plan)
     params = list(args.gin_param) + ([f"train.plan = {args.plan!r}"] if args.plan else [])
+    if args.trace_steps:
+        params.append(f"train.trace_steps = {args.trace_steps!r}")
     parse_gin(files, params)
-    from mmjax.errors import UserError
-    from mmjax.train.checkpoint import CheckpointMismatch
     from mmjax.train.trainer import TrainingStopped, train
 
     workdir = args.workdir or os.path.join("runs", os.path.splitext(os.path.basename(files[0]))[0])
-    from mmjax.models.hf import PretrainedError
     try:
         records = train(workdir=workdir)
-    except PretrainedError as e:
-        sys.exit(f"error: {e}")
-    except (UserError, TrainingStopped, CheckpointMismatch) as e:
-        # gin appends "In call to configurable ..." on a second line: the first says it all
+    except TrainingStopped as e:  # not bad input: the run itself went wrong (exit 1)
         print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
-        return 2 if isinstance(e, UserError) else 1
+        return 1
+    if args.trace_steps:
+        render_traces(workdir, args.trace_steps)
     if records:
         print(f"done: {len(records)} steps, loss {records[0]['loss']:.4f} -> "
               f"{records[-1]['loss']:.4f}; metrics in {workdir}/metrics.jsonl")
@@ -78,4 +74,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

@@ -12,6 +12,7 @@ import jax
 import numpy as np
 import pytest
 
+from mmjax.errors import UserError
 from mmjax.parallel import token_distribution as td
 
 
@@ -67,9 +68,9 @@ def test_collective_matmul_bench_rows_and_cpu_note(cm_result):
 
 def test_collective_matmul_bench_bad_shapes_name_the_flag():
     bench = _load("bench_collective_matmul")
-    with pytest.raises(SystemExit, match="--shapes"):
+    with pytest.raises(UserError, match="--shapes"):
         bench.parse_shapes("10,8,4")  # 10 tokens over tp=4
-    with pytest.raises(SystemExit, match="--chunks"):
+    with pytest.raises(UserError, match="--chunks"):
         bench.main(["--chunks", "0", "--json", os.devnull])
 
 

@@ -91,7 +91,7 @@ def test_plan_cli_plans_for_the_data(tmp_path, capsys):
     gin.clear_config()
     assert plan_cli.main([f"--gin_file={gin_file}", "--gpus=98", "--global_batch=128",
                           "--data=nope:x"]) == 2
-    assert "error: data spec 'nope:x'" in capsys.readouterr().out
+    assert "error: data spec 'nope:x'" in capsys.readouterr().err  # errors go to stderr
     gin.clear_config()
 
 

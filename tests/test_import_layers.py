@@ -22,7 +22,8 @@ HOST_MODULES = ("mmjax.models.config", "mmjax.models.named", "mmjax.models.tiny"
                 "mmjax.parallel.token_distribution")
 # The planner's profiler times real layers on devices (DistTrain §3's profiler): it sits
 # above the models it measures, outside the JAX-free host layer.
-OVERRIDES = {"mmjax.planner.profile": "pipeline"}
+# The scripts' shared command-line handling sits on top, beside the launcher.
+OVERRIDES = {"mmjax.planner.profile": "pipeline", "mmjax.cli": "launch"}
 
 
 def layer(module: str) -> int:

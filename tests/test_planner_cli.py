@@ -42,12 +42,12 @@ def test_baseline_flag(tmp_path):
 def test_infeasible_says_what_is_short():
     r = run("--gin_file=configs/disttrain/mllm_72b.gin", "--gpus=16", "--global_batch=64")
     assert r.returncode == 2
-    text = " ".join(r.stdout.split())
+    text = " ".join(r.stderr.split())  # the error line goes to stderr
     # memory counts: the LLM fits in 80 GB from tp=8 x pp=4, so 34 GPUs, not 10
     assert "smallest plan that fits in memory needs 34 GPUs" in text, text
     assert "have 16: add 18 GPUs" in text and "GB per GPU; have 80 GB" in text
     r = run("--gin_file=configs/disttrain/mllm_72b.gin", "--gpus=4", "--global_batch=64")
-    text = " ".join(r.stdout.split())
+    text = " ".join(r.stderr.split())
     assert r.returncode == 2 and "too few GPUs" in text and "have 4: add 30 GPUs" in text
 
 

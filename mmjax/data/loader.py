@@ -519,6 +519,17 @@ class GlobalBatch:
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (sample name, reason)
 
 
+@dataclass
+class GlobalSamples:
+    """One global batch as samples (`GlobalBatchBuilder.samples`), before any planning."""
+    step: int
+    sample_ids: list[int]
+    samples: list[Sample]  # decode failures blanked (fully masked), ids in `failed`
+    failed: set[int]
+    skipped_samples: int
+    skipped: list[tuple[str, str]]
+
+
 def owned_ranks(plan: Plan, unit: str, host_id: int, num_hosts: int) -> list[int]:
     """DP ranks of `unit` with a device on this host (devices split over hosts in contiguous
     blocks, as jax.devices() orders them across processes)."""
@@ -544,7 +555,7 @@ def _blank(spec: Spec, sample_id: int) -> Sample:
     return Sample(sample_id, tuple(segs))
 
 
-def _mask_out(batch: Batch, samples: list[Sample], failed: set[int]) -> None:
+def mask_out_failed(batch: Batch, samples: list[Sample], failed: set[int]) -> None:
     """Drop the loss of blanked samples (their shapes stay, so routes stay valid)."""
     g = 0
     for s, (row, doc) in zip(samples, batch.doc_index):
@@ -650,17 +661,11 @@ class GlobalBatchBuilder:
                                cp=self.plan.unit("llm").cp, cp_method=self.cp_method,
                                cp_block=self.cp_block, floor=self.floor)
 
-    def __call__(self, step: int) -> GlobalBatch:
-        t0 = time.perf_counter()
-        skipped: list[tuple[str, str]] = []
-        idx, specs, reasons = self.select(int(step), skipped)
-        metas = [self.layout.rules.meta_from_shapes(i, s) for i, s in zip(idx, specs)]
-        mb_plans = plan_global_batch(metas, self.model, self.plan, self.layout, self.policies,
-                                     self.algo, node_wise=self.node_wise,
-                                     hardware=self.hardware)
-        t_plan = time.perf_counter() - t0
+    def _getter(self, idx, specs, metas, skipped: list, failed: set):
+        """position -> its sample, loaded once; a sample that fails to decode (or decodes to
+        other shapes than its index says) is named in `skipped`, added to `failed` and
+        replaced by a blank of its shapes that trains nothing."""
         loaded: dict[int, Sample] = {}
-        failed: set[int] = set()
 
         def get(p):
             if p not in loaded:
@@ -675,6 +680,33 @@ class GlobalBatchBuilder:
                     failed.add(idx[p])
                 loaded[p] = s
             return loaded[p]
+        return get
+
+    def samples(self, step: int) -> GlobalSamples:
+        """Global batch `step` as its samples, in global batch order, selected and decoded
+        exactly as `__call__` does (the single-program trainer's data: the same samples,
+        skips and blanks as every plan's)."""
+        skipped: list[tuple[str, str]] = []
+        idx, specs, reasons = self.select(int(step), skipped)
+        metas = [self.layout.rules.meta_from_shapes(i, s) for i, s in zip(idx, specs)]
+        failed: set[int] = set()
+        get = self._getter(idx, specs, metas, skipped, failed)
+        samples = [get(p) for p in range(len(idx))]
+        if failed:
+            reasons["decode"] = reasons.get("decode", 0) + len(failed)
+        return GlobalSamples(int(step), idx, samples, failed, sum(reasons.values()), skipped)
+
+    def __call__(self, step: int) -> GlobalBatch:
+        t0 = time.perf_counter()
+        skipped: list[tuple[str, str]] = []
+        idx, specs, reasons = self.select(int(step), skipped)
+        metas = [self.layout.rules.meta_from_shapes(i, s) for i, s in zip(idx, specs)]
+        mb_plans = plan_global_batch(metas, self.model, self.plan, self.layout, self.policies,
+                                     self.algo, node_wise=self.node_wise,
+                                     hardware=self.hardware)
+        t_plan = time.perf_counter() - t0
+        failed: set[int] = set()
+        get = self._getter(idx, specs, metas, skipped, failed)
 
         mbs = []
         for mp in mb_plans:
@@ -690,7 +722,7 @@ class GlobalBatchBuilder:
                     if unit == "llm":
                         b = assemble(samples, self.layout, mp.shapes["llm"], encoder_inputs=False)
                         if failed:
-                            _mask_out(b, samples, failed)
+                            mask_out_failed(b, samples, failed)
                         inputs[(unit, r)] = b
                     else:
                         b = assemble(samples, self.layout, mp.shapes[unit])
@@ -795,13 +827,13 @@ class Loader:
             hardware=hardware_by_name(hardware))
         self.num_workers, self.prefetch, self.num_steps = num_workers, prefetch, num_steps
         if shape_scan_steps < 0:
-            raise ValueError(f"Loader.shape_scan_steps={shape_scan_steps}: use >= 0 (0: every "
-                             f"microbatch at its own shapes, a compile per new shape)")
+            raise UserError(f"Loader.shape_scan_steps={shape_scan_steps}: use >= 0 (0: every "
+                            f"microbatch at its own shapes, a compile per new shape)")
         if feeds and shape_scan_steps:
             self.builder.floor = self.builder.scan_floor(min(shape_scan_steps, num_steps))
         self.skipped_samples = 0
         self._it = None
-        self._start(0)
+        self.step = 0  # the grain pipeline starts at the first `next` (or `set_state`)
 
     def close(self) -> None:
         """Stop prefetch threads / worker processes of the current pipeline."""
@@ -830,6 +862,8 @@ class Loader:
         return self
 
     def __next__(self) -> GlobalBatch:
+        if self._it is None:
+            self._start(self.step)
         gb = next(self._it)
         self.skipped_samples += gb.skipped_samples
         self.step = gb.step + 1

@@ -10,6 +10,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal
 
+from mmjax.errors import UserError
+
 
 @dataclass(frozen=True)
 class LLMConfig:
@@ -70,16 +72,16 @@ class VisionConfig:
 
     def __post_init__(self):
         if self.kind not in ("packed", "vit"):
-            raise ValueError(f"VisionConfig.kind={self.kind!r}: use 'packed' or 'vit'")
+            raise UserError(f"VisionConfig.kind={self.kind!r}: use 'packed' or 'vit'")
         if self.act not in ("gelu_tanh", "quick_gelu", "gelu"):
-            raise ValueError(f"VisionConfig.act={self.act!r}: use gelu_tanh, quick_gelu or gelu")
+            raise UserError(f"VisionConfig.act={self.act!r}: use gelu_tanh, quick_gelu or gelu")
         if self.feature_layer is not None and not -self.num_layers <= self.feature_layer < 0:
-            raise ValueError(f"VisionConfig.feature_layer={self.feature_layer}: use None or "
+            raise UserError(f"VisionConfig.feature_layer={self.feature_layer}: use None or "
                              f"-{self.num_layers}..-1 (HF hidden_states index; LLaVA: -2)")
         if self.kind == "packed" and (self.class_token or self.pre_norm or not self.post_norm
                                       or not self.patch_bias or self.feature_layer is not None
                                       or self.act != "gelu_tanh"):
-            raise ValueError("VisionConfig: class_token / pre_norm / post_norm / patch_bias / "
+            raise UserError("VisionConfig: class_token / pre_norm / post_norm / patch_bias / "
                              "act / feature_layer are options of kind='vit'; set kind='vit'")
 
     @property
@@ -248,10 +250,10 @@ def _set_path(obj, parts, value, full):
             if getattr(item, "name", None) == head:
                 new = _set_path(item, rest, value, full) if rest else value
                 return obj[:i] + (new,) + obj[i + 1:]
-        raise ValueError(f"override {full!r}: no element named {head!r}")
+        raise UserError(f"override {full!r}: no element named {head!r}")
     if not dataclasses.is_dataclass(obj) or head not in {f.name for f in dataclasses.fields(obj)}:
         names = [f.name for f in dataclasses.fields(obj)] if dataclasses.is_dataclass(obj) else []
-        raise ValueError(f"override {full!r}: {type(obj).__name__} has no field {head!r}; fields: {names}")
+        raise UserError(f"override {full!r}: {type(obj).__name__} has no field {head!r}; fields: {names}")
     new = _set_path(getattr(obj, head), rest, value, full) if rest else value
     return dataclasses.replace(obj, **{head: new})
 

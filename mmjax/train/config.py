@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import gin
 
+from mmjax.errors import UserError
 from mmjax.models.config import MLLMConfig, with_overrides
 from mmjax.models.tiny import TINY_CONFIGS
 
@@ -23,8 +24,8 @@ def named_model_config(name: str = "tiny", overrides: dict | None = None) -> MLL
         from mmjax.models import named
 
         if name not in named.NAMED_CONFIGS:
-            raise ValueError(f"named_model_config.name={name!r} is unknown; "
-                             f"choose one of {all_config_names()}")
+            raise UserError(f"named_model_config.name={name!r} is unknown (choose one of "
+                            f"{all_config_names()})")
         cfg = named.NAMED_CONFIGS[name]()
     return with_overrides(cfg, overrides)
 

@@ -16,10 +16,8 @@ import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
-from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-from mmjax.data.assemble import AssemblyLayout, BatchShapes, assemble, batch_shapes, check_sample
+from mmjax.data.assemble import AssemblyLayout, BatchShapes, batch_shapes
 from mmjax.data.synthetic import SyntheticConfig, SyntheticDataset
 from mmjax.data.sources import configured_source, eval_source
 from mmjax.data.tokenizer import tokenizer
@@ -36,8 +34,10 @@ from mmjax.train.inputs import model_inputs
 from mmjax.train.logical_state import (pipeline_global_logical, pipeline_load_logical,
                                        restore_target, single_from_logical, single_logical)
 from mmjax.train.optimizer import learning_rate_schedule, optimizer_from_settings
+from mmjax.train.progress import Progress as StepProgress
+from mmjax.train.progress import console as progress_console
 from mmjax.train.step import TrainState, make_loss_fn, make_train_step, split_model
-from mmjax.train.validate import check_data_path, check_train_settings, gin_bound
+from mmjax.train.validate import check_data_path, check_train_settings
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -93,55 +93,20 @@ def _layout_at_least(layout: AssemblyLayout, shapes: BatchShapes | None) -> Asse
     return dataclasses.replace(layout, **kw)
 
 
-class SequentialBatches:
-    """Global batch k = samples [k*B, (k+1)*B) of a random-access dataset; state = k."""
-
-    def __init__(self, dataset, layout: AssemblyLayout, global_batch: int):
-        self.dataset, self.layout, self.global_batch = dataset, layout, global_batch
-        self.next_batch = 0
-        self.shapes: BatchShapes | None = None
-
-    def state(self) -> dict:
-        """Position and the high-water shapes: a resumed run pads exactly as the
-        uninterrupted one would (other shapes compile other programs, whose float sums
-        associate differently), so resume is bit-exact."""
-        hw = None if self.shapes is None else {
-            "rows": self.shapes.rows, "gen": self.shapes.gen,
-            "encoders": [list(e) for e in self.shapes.encoders]}
-        return {"next_batch": self.next_batch, "shapes": hw}
-
-    def restore(self, state: dict) -> None:
-        self.next_batch = int(state["next_batch"])
-        hw = state.get("shapes")
-        self.shapes = None if hw is None else BatchShapes(
-            int(hw["rows"]), tuple((str(n), int(c), int(k)) for n, c, k in hw["encoders"]),
-            int(hw["gen"]))
-
-    def __next__(self):
-        start = self.next_batch * self.global_batch
-        samples = [self.dataset[i] for i in range(start, start + self.global_batch)]
-        self.next_batch += 1
-        metas = [self.layout.rules.meta(s) for s in samples if check_sample(s, self.layout) is None]
-        self.shapes = high_water(self.shapes, lambda hw: batch_shapes(
-            [metas], _layout_at_least(self.layout, hw)))
-        return assemble(samples, self.layout, shapes=self.shapes)
-
-
 class SingleProgram:
     """Plain jit of the whole model on the default device (the parity reference). Reads
-    the synthetic set, or a real source (`SourceBatches`: skips and names bad samples)."""
+    the global batches every plan reads (train/single_data.py: the pipeline path's loader
+    over a real source, `loader_source.path` or the synthetic set), whole."""
 
     def __init__(self, cfg, layout, global_batch, schedule, dtype, seed, source=None,
                  attention_impl="auto", pretrained=None):
-        if source is None:
-            self.data = SequentialBatches(synthetic_dataset(cfg), layout, global_batch)
-        else:
-            from mmjax.data.stream import SourceBatches
+        from mmjax.train.single_data import LoaderBatches
 
-            def grow(shapes, metas):
-                return high_water(shapes, lambda hw: batch_shapes(
-                    [metas], _layout_at_least(layout, hw)))
-            self.data = SourceBatches(source, layout, global_batch, seed=seed, grow_shapes=grow)
+        def grow(shapes, metas):
+            return high_water(shapes, lambda hw: batch_shapes(
+                [metas], _layout_at_least(layout, hw)))
+        self.data = LoaderBatches(source if source is not None else train_source(cfg), cfg,
+                                  layout, global_batch, grow)
         mdl = MultimodalModel(cfg, jax.random.key(seed))
         if pretrained:
             encoders = {k: v for k, v in pretrained.items() if k != "llm"}
@@ -153,6 +118,10 @@ class SingleProgram:
         self.graphdef, self.dtype, self.global_batch, self.eval_fn = graphdef, dtype, global_batch, None
         self.attention_impl = attention_impl
         self.num_trainable = sum(x.size for x in jax.tree.leaves(trainable))
+        # batch shapes -> the step compiled ahead of time for them: compilation is seen
+        # (and reported) when it happens, not hidden in a step's time
+        self.compiled: dict = {}
+        self.progress = None  # train/progress.py Progress, set by the trainer
 
     def data_state(self) -> dict:
         return {"batches": self.data.state()}
@@ -173,10 +142,28 @@ class SingleProgram:
         if isinstance(batch, tuple):  # SourceBatches: (batch, skipped before assembly)
             batch, skipped = batch
         skipped = skipped + [(str(i), r) for i, r in batch.skipped]
+        inputs = model_inputs(batch)
+        leaves, treedef = jax.tree.flatten(inputs)
+        key = (str(treedef), tuple((np.shape(x), str(np.asarray(x).dtype)) for x in leaves))
+        compile_s = 0.0
+        if key not in self.compiled:
+            sh = batch.shapes
+            what = (f"the training step for {sh.rows} rows x {batch.tokens.shape[1]} tokens"
+                    + "".join(f", {n} {k} x {c}" for n, c, k in sh.encoders)
+                    + (f", {sh.gen} generated images" if sh.gen else "")
+                    + ("" if not self.compiled else " (new batch shapes)"))
+            if self.progress is not None:
+                self.progress.compiling(what)
+            t = time.perf_counter()
+            self.compiled[key] = self.step_fn.lower(self.state, inputs).compile()
+            compile_s = time.perf_counter() - t
+            if self.progress is not None:
+                self.progress.compiled(what, compile_s)
         t0 = time.perf_counter()
-        self.state, m = self.step_fn(self.state, model_inputs(batch))
+        self.state, m = self.compiled[key](self.state, inputs)
         m = {k: float(v) for k, v in jax.device_get(m).items()}  # one sync, after dispatch
         m["step_time_s"] = time.perf_counter() - t0
+        m["compile_s"] = compile_s
         m["data_wait_s"] = t0 - t_wait
         m["tokens"] = int(np.count_nonzero(batch.doc))
         m["tokens_trained"] = int(batch.num_target_tokens)
@@ -241,6 +228,7 @@ class Pipelined:
                            layout, feeds=True)
         self.num_trainable = sum(x.size for x in jax.tree.leaves(
             [st.trainable for st in self.step_fn.runtime.stages.values()]))
+        self.progress, self.steps_run = None, 0  # train/progress.py Progress
 
     def data_state(self) -> dict:
         return {"loader": self.data.get_state()}
@@ -266,9 +254,16 @@ class Pipelined:
         t_wait = time.perf_counter()
         gb = next(self.data)
         feeds = [mb.inputs["feed"] for mb in gb.microbatches]
+        first = self.steps_run == 0
+        if first and self.progress is not None:  # the stages compile inside the first step
+            self.progress.compiling("the pipeline's stage programs (inside the first step)")
         t0 = time.perf_counter()
         m = self.step_fn(feeds, trace=trace)
         m["step_time_s"] = time.perf_counter() - t0
+        self.steps_run += 1
+        m["compile_s"] = m["step_time_s"] if first else 0.0
+        if first and self.progress is not None:
+            self.progress.compiled("the first pipelined step", m["step_time_s"])
         m["data_wait_s"] = t0 - t_wait
         m["tokens"] = int(sum(np.count_nonzero(f.llm["doc"]) for f in feeds))
         m["tokens_trained"] = int(sum(f.num_target_tokens for f in feeds))
@@ -278,6 +273,21 @@ class Pipelined:
 
     def close(self):
         self.data.close()
+
+
+def parse_trace_steps(trace_steps: str | None, plan: str | None) -> tuple[int, int]:
+    """`train.trace_steps` "A:B" -> (A, B), 1-based inclusive; None -> an empty range."""
+    if trace_steps is None:
+        return (1, 0)
+    a, sep, b = str(trace_steps).partition(":")
+    if not (sep and a.isdigit() and b.isdigit() and 1 <= int(a) <= int(b)):
+        raise UserError(f"train.trace_steps={trace_steps!r}: use 'A:B' with 1 <= A <= B, "
+                        f"e.g. '3:4'")
+    if plan is None:
+        raise UserError("train.trace_steps traces the pipeline runtime's actions: add "
+                        "--plan=manual (or a Plan JSON); the single program is one XLA "
+                        "program (profile it with jax.profiler)")
+    return int(a), int(b)
 
 
 class TrainingStopped(RuntimeError):
@@ -355,7 +365,7 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
           stop_after: int | None = None, plan: str | None = None,
           eval_every: int = 0, attention_impl: str | None = None,
           trace_every: int = 0, keep_checkpoints: int = 3, keep_every: int | None = None,
-          max_bad_steps: int = 5) -> list[dict]:
+          max_bad_steps: int = 5, trace_steps: str | None = None) -> list[dict]:
     """Train `model` for `steps` steps (this invocation stops early after `stop_after`
     steps, as a preemption would; a rerun resumes); returns this run's metric records.
 
@@ -369,6 +379,8 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
     cudnn) sets every unit's attention; with a plan it replaces each unit's plan field.
     `trace_every` = N > 0 (with a plan): every N-th step runs traced and writes
     `<workdir>/traces/step_<n>.json` (model, Plan, serial trace) for scripts/replan.py.
+    `trace_steps` = "A:B" (with a plan): steps A..B (1-based, inclusive) run traced and
+    write those files too (scripts/train.py --trace_steps renders each as a timeline).
 
     Checkpoints: every `checkpoint_every` steps; the newest `keep_checkpoints` are kept, and
     every multiple of `keep_every` permanently. A resume takes the newest checkpoint that
@@ -382,10 +394,8 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
                          progress, stop_after, plan, keep_checkpoints, keep_every, max_bad_steps)
     if trace_every < 0:
         raise UserError(f"train.trace_every={trace_every}: use 0 (off) or N >= 1")
+    trace_range = parse_trace_steps(trace_steps, plan)
     check_data_path()
-    if plan is None and gin_bound("loader_source.path"):
-        raise UserError("loader_source.path is read by the pipeline runtime only: add "
-                        "--plan=manual (or a Plan JSON), or drop the binding")
     cfg = model or named_model_config()
     dirs = pretrained()  # gin: pretrained.<unit> = "/hf/checkpoint/dir"
     if dirs:  # configs from config.json; files, names and shapes checked before any work
@@ -398,7 +408,7 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
     dtype = _DTYPES[compute_dtype]
     held_out = eval_source(cfg, tok) if eval_every else None
     if eval_every and (held_out is None or plan is not None):
-        raise ValueError("train.eval_every needs eval_source.json_path (or .urls) and a "
+        raise UserError("train.eval_every needs eval_source.json_path (or .urls) and a "
                          "single-program run (no --plan)")
     if attention_impl is not None:
         from mmjax.models.attention import choose_implementation
@@ -417,7 +427,7 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
             real = _data(cfg, tok)[1]
             the_plan = auto_plan(cfg, global_batch, real if real is not None
                                  else train_source(cfg))
-            Console(stderr=True).print("auto plan: " + "; ".join(
+            progress_console().print("auto plan: " + "; ".join(
                 f"{u.name} dp={u.dp} tp={u.tp} pp={u.pp}" for u in the_plan.units))
         else:
             the_plan = Plan.load(plan)
@@ -438,7 +448,7 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
         with open(os.path.join(workdir, "config.gin"), "w") as f:
             f.write(gin.config_str())
         write_run_info(workdir, cfg, None if plan is None else the_plan, seed, dirs)
-    console = Console(stderr=True)
+    console = progress_console()
     # Multi-process (mmjax.launch): every process runs the loop; process 0 writes the
     # metrics. Checkpoints: each process writes the shards it holds (orbax multi-host, one
     # commit when all have written), in the plan-independent layout.
@@ -460,6 +470,8 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
     console.print(f"[bold]{cfg.name}[/]: {runner.num_trainable:,} trainable parameters, "
                   f"{steps} steps of {global_batch} samples, {where}")
 
+    report = StepProgress(console, steps, start, global_batch, enabled=progress and lead)
+    runner.progress = report
     records, in_a_row = [], 0
     metrics_path = os.path.join(workdir, "metrics.jsonl")
     skipped_path = os.path.join(workdir, "skipped.jsonl")
@@ -468,14 +480,12 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
         truncate_metrics(skipped_path, start, one_per_step=False)
     try:
         with open(metrics_path if lead else os.devnull, "a") as mf, \
-                open(skipped_path if lead else os.devnull, "a") as sf, Progress(
-                TextColumn("{task.description}"), BarColumn(),
-                TextColumn("{task.completed}/{task.total}"), TextColumn("{task.fields[info]}"),
-                TimeRemainingColumn(), console=console, disable=not (progress and lead)) as bar:
-            task = bar.add_task("train", total=steps, completed=start, info="")
+                open(skipped_path if lead else os.devnull, "a") as sf:
             end = steps if stop_after is None else min(steps, start + stop_after)
             for step in range(start, end):
-                traced = plan is not None and trace_every > 0 and (step + 1) % trace_every == 0
+                traced = plan is not None and (
+                    (trace_every > 0 and (step + 1) % trace_every == 0)
+                    or trace_range[0] <= step + 1 <= trace_range[1])
                 m = runner.step(trace=True) if traced else runner.step()
                 if traced and lead:
                     write_trace(workdir, step + 1, cfg, the_plan, m.pop("trace"))
@@ -500,7 +510,7 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
                 for name, reason in m["skipped_list"]:
                     sf.write(json.dumps({"step": step + 1, "id": name, "reason": reason}) + "\n")
                 sf.flush()
-                bar.update(task, advance=1, info=f"loss {rec['loss']:.4f}")
+                report.step(rec, m.get("compile_s", 0.0) > 0)
                 if in_a_row >= max_bad_steps:
                     raise TrainingStopped(
                         f"{in_a_row} steps in a row ({step + 2 - in_a_row}..{step + 1}) had a "
@@ -519,6 +529,8 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
                         raise TrainingStopped(f"step {step + 1}: {e}; last good checkpoint: "
                                               f"{_last_good(ckpt)} (lower the learning rate, "
                                               f"then rerun to resume)") from None
+        if records:
+            report.say("trained " + report.summary(len(records)))
     finally:
         if ckpt is not None:
             ckpt.close()

@@ -1,0 +1,106 @@
+"""What every script under scripts/ shares: strict gin parsing and one-line user errors.
+
+A user error (bad setting, plan, data, checkpoint, device count: `UserError` and the
+library's other input errors) prints `error: <what> (<how to fix>)` on one line and exits 2;
+anything else is a bug and keeps its traceback. `--debug` shows the traceback of a user
+error too.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+from mmjax.errors import UserError
+
+EXIT_USER_ERROR = 2
+
+
+def user_error_types() -> tuple[type, ...]:
+    """The exception types that mean bad input (imported lazily: some pull in JAX)."""
+    from mmjax.models.hf.pretrained import PretrainedError
+    from mmjax.train.checkpoint import CheckpointMismatch
+
+    return UserError, PretrainedError, CheckpointMismatch
+
+
+def run_main(main, argv=None) -> int:
+    """`main(argv)`'s exit code (0 when it returns a non-int, e.g. a benchmark's record); a
+    user error -> one line on stderr, exit 2 (`--debug` in argv: re-raised with its
+    traceback)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    debug = "--debug" in argv
+    try:
+        rc = main([a for a in argv if a != "--debug"])
+        return rc if isinstance(rc, int) and not isinstance(rc, bool) else 0
+    except Exception as e:
+        if debug or not isinstance(e, user_error_types()):
+            raise
+        # gin appends "In call to configurable ..." on further lines: the first says it all
+        print(f"error: {(str(e).splitlines() or [type(e).__name__])[0]}", file=sys.stderr)
+        return EXIT_USER_ERROR
+
+
+def add_debug_flag(parser) -> None:
+    parser.add_argument("--debug", action="store_true",
+                        help="show the full traceback of a user error (bad setting, plan, "
+                             "data, checkpoint) instead of its one-line message")
+
+
+def register_configurables() -> None:
+    """Import every module with gin configurables the scripts' gin files bind."""
+    import mmjax.data.loader  # noqa: F401
+    import mmjax.train.pipeline_step  # noqa: F401
+    import mmjax.train.trainer  # noqa: F401
+
+
+def parse_gin(files: list[str], params: list[str], finalize: bool = True) -> None:
+    """Parse the gin files, then each --gin_param binding, then finalize, before any work,
+    strictly (an unknown configurable or parameter is an error, never skipped), so an error
+    names the culprit: the file, or the binding as given. Raises UserError."""
+    import gin
+
+    register_configurables()
+    for f in files:
+        if not os.path.exists(f):
+            raise UserError(f"gin file {f!r} not found (run from the repo root or pass a path)")
+    # gin raises several exception types; every one means "this piece of config is bad"
+    for f in files:
+        try:
+            gin.parse_config_file(f)
+        except Exception as e:
+            raise UserError(f"bad gin file {f}: {type(e).__name__}: {_flat(e)} (fix the "
+                            f"file)") from e
+    for b in params:
+        try:
+            gin.parse_config(b)
+        except Exception as e:
+            raise UserError(f"bad gin binding --gin_param={b!r}: {type(e).__name__}: "
+                            f"{_flat(e)} (check the name's spelling: configurable.parameter "
+                            f"= value)") from e
+    if not finalize:
+        return
+    try:
+        gin.finalize()
+    except Exception as e:
+        raise UserError(f"bad gin config ({', '.join(files)} + --gin_param bindings) at "
+                        f"finalize: {type(e).__name__}: {_flat(e)}") from e
+
+
+def _flat(e: BaseException) -> str:
+    return " ".join(str(e).split())
+
+
+def binding_key(binding: str) -> str:
+    """`'manual_plan.dp = {...}'` -> `'manual_plan.dp'` (scope prefixes dropped)."""
+    return binding.split("=", 1)[0].strip().rsplit("/", 1)[-1]
+
+
+def refuse_unused_bindings(params: list[str], plan: str | None) -> None:
+    """A --gin_param binding this run would not read is an error, not a silent no-op:
+    `manual_plan.*` is read only with --plan=manual. (gin files may carry them as
+    defaults for that mode.)"""
+    for b in params:
+        key = binding_key(b)
+        if key.startswith("manual_plan.") and plan != "manual":
+            raise UserError(f"--gin_param={b!r}: manual_plan.* is read only with "
+                            f"--plan=manual (add --plan=manual, or drop the binding)")

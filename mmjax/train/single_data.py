@@ -1,0 +1,69 @@
+"""The single-program trainer's global batches, drawn by the pipeline path's loader.
+
+Global batch k holds exactly the samples every plan trains at step k (`Loader`'s seeded
+selection, skips and decode blanks: `GlobalBatchBuilder.samples`), assembled as one batch,
+so `train.py` and `train.py --plan=...` give the same loss curve up to float reassociation.
+All `Loader.*` gin settings that choose samples (seed, shuffle, reserve) apply to both
+paths; those that place them (balance, workers, node-wise) only change where a plan
+computes them. Shapes only grow (`grow`: the trainer's high-water rule), so jit compiles a
+handful of programs per run; a grain thread decodes the next batches during the step.
+"""
+from __future__ import annotations
+
+from mmjax.data.assemble import BatchShapes, assemble
+from mmjax.data.loader import Loader, mask_out_failed
+from mmjax.planner.plan import Plan
+
+
+class LoaderBatches:
+    """Iterator of (Batch, skipped [(name, reason)]); `state` / `restore` resume exactly."""
+
+    def __init__(self, source, cfg, layout, global_batch: int, grow, prefetch: int = 2):
+        # a one-device plan: the loader's selection depends on global_batch only
+        plan = Plan.uniform(cfg, global_batch, 1)
+        self.loader = Loader(source, cfg, plan, layout)  # gin: Loader.seed, .shuffle, ...
+        self.builder, self.layout, self.grow, self.prefetch = (
+            self.loader.builder, layout, grow, prefetch)
+        self.next_batch = 0
+        self.shapes: BatchShapes | None = None
+        self._it = None
+
+    def state(self) -> dict:
+        """Next global batch and the high-water shapes: a resumed run pads exactly as the
+        uninterrupted one (other shapes compile other programs, whose float sums associate
+        differently), so resume is bit-exact."""
+        hw = None if self.shapes is None else {
+            "rows": self.shapes.rows, "gen": self.shapes.gen,
+            "encoders": [list(e) for e in self.shapes.encoders]}
+        return {"next_batch": self.next_batch, "shapes": hw}
+
+    def restore(self, state: dict) -> None:
+        self.close()
+        self.next_batch = int(state["next_batch"])
+        hw = state.get("shapes")
+        self.shapes = None if hw is None else BatchShapes(
+            int(hw["rows"]), tuple((str(n), int(c), int(k)) for n, c, k in hw["encoders"]),
+            int(hw["gen"]))
+
+    def __next__(self):
+        if self._it is None:
+            import grain
+
+            ds = grain.MapDataset.range(self.next_batch, 1 << 31).map(self.builder.samples)
+            self._it = iter(ds.to_iter_dataset(grain.ReadOptions(
+                num_threads=1, prefetch_buffer_size=self.prefetch)))
+        gs = next(self._it)
+        metas = [self.layout.rules.meta(s) for s in gs.samples]
+        self.shapes = self.grow(self.shapes, metas)
+        batch = assemble(gs.samples, self.layout, shapes=self.shapes)
+        if gs.failed:
+            mask_out_failed(batch, gs.samples, gs.failed)
+        self.next_batch = gs.step + 1
+        return batch, list(gs.skipped)
+
+    def close(self) -> None:
+        if self._it is not None:
+            if hasattr(self._it, "close"):
+                self._it.close()
+            self._it = None
+        self.loader.close()
