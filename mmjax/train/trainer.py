@@ -359,13 +359,27 @@ def _data(cfg: MLLMConfig, tok):
 
 
 @gin.configurable
+def use_compilation_cache(workdir: str, setting: str) -> str | None:
+    """Point JAX's persistent compilation cache at `setting` (see `train`); -> the path."""
+    if not isinstance(setting, str):
+        raise UserError(f"train.compilation_cache_dir={setting!r}: use a directory, \"\" "
+                        f"(default: <workdir>/compilation_cache) or \"off\"")
+    if setting == "off":
+        return None
+    path = setting or os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(
+        workdir, "compilation_cache")
+    jax.config.update("jax_compilation_cache_dir", path)
+    return path
+
+
 def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
           global_batch: int = 8, compute_dtype: str = "float32", seed: int = 0,
           checkpoint_every: int = 10, progress: bool = True,
           stop_after: int | None = None, plan: str | None = None,
           eval_every: int = 0, attention_impl: str | None = None,
           trace_every: int = 0, keep_checkpoints: int = 3, keep_every: int | None = None,
-          max_bad_steps: int = 5, trace_steps: str | None = None) -> list[dict]:
+          max_bad_steps: int = 5, trace_steps: str | None = None,
+          compilation_cache_dir: str = "") -> list[dict]:
     """Train `model` for `steps` steps (this invocation stops early after `stop_after`
     steps, as a preemption would; a rerun resumes); returns this run's metric records.
 
@@ -389,12 +403,18 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
     A step whose loss or gradient norm is not finite is not applied (counted in
     `nonfinite_steps`); `max_bad_steps` of them in a row stop the run (TrainingStopped)
     with the last good checkpoint intact. On resume metrics.jsonl keeps only the rows up to
-    the restored step, so every step appears once."""
+    the restored step, so every step appears once.
+
+    `compilation_cache_dir`: JAX's persistent compilation cache, so a resume or rerun loads
+    its programs instead of compiling them: "" (default) uses $JAX_COMPILATION_CACHE_DIR if
+    set, else `<workdir>/compilation_cache`; "off" disables it; any other value is the
+    directory."""
     check_train_settings(steps, global_batch, compute_dtype, _DTYPES, seed, checkpoint_every,
                          progress, stop_after, plan, keep_checkpoints, keep_every, max_bad_steps)
     if trace_every < 0:
         raise UserError(f"train.trace_every={trace_every}: use 0 (off) or N >= 1")
     trace_range = parse_trace_steps(trace_steps, plan)
+    use_compilation_cache(workdir, compilation_cache_dir)
     check_data_path()
     cfg = model or named_model_config()
     dirs = pretrained()  # gin: pretrained.<unit> = "/hf/checkpoint/dir"
