@@ -18,7 +18,6 @@ the gap to HiGHS' proven bound, over seeds.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -31,7 +30,7 @@ from rich.table import Table
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 import balance_reference as before  # noqa: E402  (the frozen previous implementation)
 
-from bench_data import phase_lengths  # noqa: E402
+from bench_data import phase_lengths, run_parts  # noqa: E402
 from mmjax.data import balance  # noqa: E402
 from mmjax.data.balance import node_wise  # noqa: E402
 from mmjax.data.balance.node_swaps import swap_improve  # noqa: E402
@@ -160,14 +159,7 @@ def main(argv=None) -> dict:
     console = Console(width=max(Console().width, 140))
     results = {"config": vars(args), "machine": machine()}
     console.print(f"machine: {results['machine']}")
-    for part in args.parts:
-        t0 = time.perf_counter()
-        results[f"part{part}"] = PARTS[part](args, console)
-        console.print(f"part {part}: {time.perf_counter() - t0:.1f} s")
-    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(results, f, indent=2, default=float)
-    console.print(f"wrote {args.json}")
+    run_parts(PARTS, args, console, results)
     return results
 
 

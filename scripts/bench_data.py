@@ -60,6 +60,19 @@ PHASES = {"laion": ("image", "llm"), "mix": ("image", "audio", "llm")}
 METHODS = ("random", "intra_reorder") + balance.POLICIES
 
 
+def run_parts(parts: dict, args, console, results: dict) -> None:
+    """Run the chosen parts (each `fn(args, console) -> dict`) into `results`, timing each,
+    then write `results` to `args.json`."""
+    for part in args.parts:
+        t0 = time.perf_counter()
+        results[f"part{part}"] = parts[part](args, console)
+        console.print(f"part {part}: {time.perf_counter() - t0:.1f} s")
+    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump(results, f, indent=2, default=float)
+    console.print(f"wrote {args.json}")
+
+
 def phase_lengths(kind: str, n: int, seed: int) -> dict[str, np.ndarray]:
     """Per-sample tokens for each phase of ``n`` samples of a synthetic set."""
     ds = SyntheticDataset(kind, BENCH_CFG, seed=seed)
@@ -374,14 +387,7 @@ def main(argv=None) -> dict:
     results = {"config": vars(args), "machine": machine()}
     console.print(f"machine: {results['machine']}")
     _TABLES.clear()
-    for part in args.parts:
-        t0 = time.perf_counter()
-        results[f"part{part}"] = PARTS[part](args, console)
-        console.print(f"part {part}: {time.perf_counter() - t0:.1f} s")
-    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(results, f, indent=2, default=float)
-    console.print(f"wrote {args.json}")
+    run_parts(PARTS, args, console, results)
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write("\n".join(markdown(t) for t in _TABLES))

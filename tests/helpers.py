@@ -2,6 +2,8 @@
 comparison and HLO parsing. Imported by the test modules (tests/ is on sys.path)."""
 from __future__ import annotations
 
+import importlib.util
+import os
 import re
 
 import jax
@@ -126,3 +128,13 @@ def entry_lines(hlo: str) -> list[str]:
 
 def is_dot_line(line: str, has_dot: set[str]) -> bool:
     return bool(re.search(r" dot\(", line)) or any(c in has_dot for c in re.findall(_CALLS, line))
+
+
+def load_script(name: str):
+    """scripts/<name>.py as a module (to call its main or helpers in-process)."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location(f"{name}_cli",
+                                                  os.path.join(repo, "scripts", name + ".py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

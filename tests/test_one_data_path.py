@@ -1,12 +1,13 @@
 """One data path for both modes: the single-program trainer (`train.py`) reads the global
 batches every plan reads (the pipeline path's loader), so `train.py` and
 `train.py --plan=...` give the same loss curve up to float reassociation."""
-import importlib.util
 import os
 
 import gin
 import numpy as np
 import pytest
+
+from helpers import load_script
 
 import mmjax.data.loader  # noqa: F401  (registers Loader with gin)
 from mmjax.models.config import with_overrides
@@ -40,15 +41,8 @@ def test_single_program_and_a_plan_give_the_same_loss_curve(tmp_path):
     np.testing.assert_allclose([r["loss"] for r in planned], [r["loss"] for r in single],
                                rtol=1e-5)
     # --trace_steps: the traced step's actions, rendered as a timeline
-    written = _script("train").render_traces(str(tmp_path / "plan"), "3:3")
+    written = load_script("train").render_traces(str(tmp_path / "plan"), "3:3")
     assert written == [str(tmp_path / "plan" / "traces" / "step_3.png")]
     assert os.path.getsize(written[0]) > 1000
     assert not (tmp_path / "plan" / "traces" / "step_2.json").exists()
 
-
-def _script(name):
-    spec = importlib.util.spec_from_file_location(f"{name}_cli", os.path.join(REPO, "scripts",
-                                                                             name + ".py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod

@@ -1,11 +1,12 @@
 """No setting silently ignored (issue: the first hour of a new user): each formerly ignored
 setting is now honoured in both modes or refused with one line, exit 2."""
-import importlib.util
 import os
 
 import gin
 import jax.numpy as jnp
 import pytest
+
+from helpers import load_script
 
 from mmjax.cli import run_main
 from mmjax.data.loader import ArrayRecordSource, GlobalBatchBuilder, _policies
@@ -16,13 +17,6 @@ from mmjax.train.trainer import SingleProgram, data_layout
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-
-def _script(name):
-    spec = importlib.util.spec_from_file_location(f"{name}_cli", os.path.join(REPO, "scripts",
-                                                                             name + ".py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _one_error_line(capsys) -> str:
@@ -35,7 +29,7 @@ def test_loader_source_path_is_read_by_the_single_program(tmp_path):
     """`loader_source.path` without --plan: the single program trains the file's samples,
     the very ones a plan's loader selects (was: silently the synthetic set)."""
     data = str(tmp_path / "d.arrayrecord")
-    _script("make_dataset").main(["--model=tiny", "--kind=laion", "--num_samples=24",
+    load_script("make_dataset").main(["--model=tiny", "--kind=laion", "--num_samples=24",
                                   "--seed=2", f"--out={data}"])
     cfg = tiny()
     with gin.unlock_config():
@@ -55,7 +49,7 @@ def test_loader_source_path_is_read_by_the_single_program(tmp_path):
 
 
 def test_manual_plan_binding_without_plan_manual_is_refused(capsys):
-    train = _script("train")
+    train = load_script("train")
     assert run_main(train.main, ['--gin_param=manual_plan.dp={"vision": 2}']) == 2
     assert "manual_plan.* is read only with --plan=manual" in _one_error_line(capsys)
     assert run_main(train.main, ["--plan=plan.json", "--gin_param=manual_plan.pp={'llm': 2}"]
@@ -79,7 +73,7 @@ def test_misspelt_gin_configurable_is_an_error(capsys, script):
     if script == "plan":
         argv += ["--gpus=8", "--global_batch=8"]
     try:
-        assert run_main(_script(script).main, argv) == 2
+        assert run_main(load_script(script).main, argv) == 2
     finally:
         gin.clear_config()
     assert "No configurable matching 'trian'" in _one_error_line(capsys)

@@ -358,7 +358,6 @@ def _data(cfg: MLLMConfig, tok):
     return layout, configured_source(cfg, tok)
 
 
-@gin.configurable
 def use_compilation_cache(workdir: str, setting: str) -> str | None:
     """Point JAX's persistent compilation cache at `setting` (see `train`); -> the path."""
     if not isinstance(setting, str):
@@ -372,6 +371,7 @@ def use_compilation_cache(workdir: str, setting: str) -> str | None:
     return path
 
 
+@gin.configurable
 def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
           global_batch: int = 8, compute_dtype: str = "float32", seed: int = 0,
           checkpoint_every: int = 10, progress: bool = True,
