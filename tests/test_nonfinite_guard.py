@@ -126,7 +126,11 @@ def test_diverging_run_stops_keeps_good_checkpoint_and_resume_writes_each_step_o
 
     def run(lr, **kw):
         gin.clear_config()
+        import mmjax.data.loader  # noqa: F401  (registers Loader with gin)
+
+        # seq_len 64 rejects about half the synthetic samples: draw enough candidates
         gin.parse_config(["data_layout.seq_len = 64", "data_layout.vision_caps = (64,)",
+                          "Loader.reserve = 16",
                           f"learning_rate_schedule.peak_lr = {lr}",
                           "learning_rate_schedule.warmup_steps = 0"])
         try:

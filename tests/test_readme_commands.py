@@ -60,7 +60,9 @@ def _strip_comment(line: str) -> str:
 def table_commands(text: str) -> list[str]:
     """Concrete commands (no placeholders) in the first column of the command table."""
     out = []
-    for m in re.finditer(r"^\| `(python (scripts/\S+)[^`]*)`(?: / `(--[^`]+)`)?", text, re.M):
+    # an environment prefix (`XLA_FLAGS=... python scripts/...`) is part of the command
+    for m in re.finditer(r"^\| `((?:[A-Z_]+=\S+ )*python (scripts/\S+)[^`]*)`(?: / `(--[^`]+)`)?",
+                         text, re.M):
         # "`python scripts/x.py A` / `B`": two commands, the second `python scripts/x.py B`
         for cmd in (m.group(1), m.group(3) and f"python {m.group(2)} {m.group(3)}"):
             if cmd and not PLACEHOLDER.search(cmd.replace("\\|", "|")):

@@ -603,7 +603,10 @@ class GlobalBatchBuilder:
         pads exactly as the uninterrupted one did."""
         self.floor, floor = None, None
         for step in range(steps):
-            idx, specs, _ = self.select(step)
+            try:
+                idx, specs, _ = self.select(step)
+            except UserError:  # too few usable samples: that step raises if it is reached
+                continue
             metas = [self.layout.rules.meta_from_shapes(i, s) for i, s in zip(idx, specs)]
             for mp in plan_global_batch(metas, self.model, self.plan, self.layout,
                                         self.policies, self.algo, node_wise=self.node_wise,
