@@ -337,6 +337,32 @@ class PipelineRuntime:
             step.result.trace = tracer.finish()
         return step.result
 
+    def evaluate(self, feeds: list[MicrobatchFeed]) -> StepResult:
+        """The LM loss terms of `feeds` by forward passes alone (validation): every LLM and
+        encoder stage's `apply` in the schedule's forward order, nothing kept for a backward
+        and no gradients; the generator (diffusion loss) is not run. `losses()["lm_loss"]`
+        is the feeds' mean loss per trained token, as in `run`."""
+        step = _Step(feeds, (sum(f.num_target_tokens for f in feeds),
+                             sum(f.num_gen_elements for f in feeds)))
+        last_llm = StageId("llm", self.num_virtual["llm"] - 1)
+        for sid, act in self.order:
+            if act.kind != "F" or sid.unit == "generator":
+                continue
+            mb, st = act.microbatch, self.stages[sid]
+            side = self._side(sid, feeds[mb], step.totals)
+            x = self._gather_input(sid, mb, step.outputs, feeds[mb])
+            if st.local:
+                y = self.settle(st.fns.apply(self.params(sid), st.frozen, x, side))
+            else:
+                y = jax.eval_shape(st.fns.apply, st.trainable, st.frozen, x, side)
+            if sid == last_llm:
+                step.result.lm_loss.append(y[0] if self.cfg.generator is not None else y)
+            else:
+                step.outputs[(sid, mb)] = y
+            for p in self.graph.predecessors(sid):  # inputs are read once: free them
+                step.outputs.pop((p, mb), None)
+        return step.result
+
     def _forward(self, sid: StageId, mb: int, step: "_Step"):
         st, side = self.stages[sid], step.sides[(sid, mb)]
         x = self._gather_input(sid, mb, step.outputs, step.feeds[mb])

@@ -294,7 +294,7 @@ def _rank_axes(tree):
 class StageFns:
     """The jitted functions of one stage; `mode` a schedule `Backward` mode.
 
-    `forward(params, frozen, x, side) -> (y, Residuals)`;
+    `forward(params, frozen, x, side) -> (y, Residuals)`; `apply(...) -> y` (evaluation);
     `backward(params, frozen, side, residuals, dy, acc) -> (acc + dparams, dx)` (acc is
     donated; dparams is skipped for mode "input_only", dx is None for mode "params").
     `params`: the compute copy (replicated over dp, TP-sharded); `acc`/`dparams`: float32
@@ -312,6 +312,7 @@ class StageFns:
         self._backward = (None if mode == "none"
                           else jax.jit(self._backward_impl, donate_argnums=(5,)))
         self.backward = None if mode == "none" else self._run_backward
+        self.apply = jax.jit(self._apply_impl)  # forward only (evaluation): no residuals
 
     def _block(self, params):
         """Per-rank copies `[dp, ...]` of the dp-replicated params, slot r on dp rank r (a
@@ -391,6 +392,10 @@ class StageFns:
         y, leaves, _ = self._linearize(trainable, frozen, x, side)
         kept = [a for i, a in enumerate(leaves) if i not in lay.recompute and i not in lay.side]
         return y, Residuals(kept, key)
+
+    def _apply_impl(self, trainable, frozen, x, side):
+        """The stage's outputs alone (no vjp, nothing kept for a backward)."""
+        return self._run_ranks(self._block(trainable), frozen, x, side)
 
     def _backward_impl(self, trainable, frozen, side, residuals, dy, acc):
         lay = self.layouts[residuals.key]

@@ -18,10 +18,13 @@ from mmjax.planner.plan import Plan
 class LoaderBatches:
     """Iterator of (Batch, skipped [(name, reason)]); `state` / `restore` resume exactly."""
 
-    def __init__(self, source, cfg, layout, global_batch: int, grow, prefetch: int = 2):
-        # a one-device plan: the loader's selection depends on global_batch only
+    def __init__(self, source, cfg, layout, global_batch: int, grow, prefetch: int = 2,
+                 shuffle: bool | None = None):
+        # a one-device plan: the loader's selection depends on global_batch only;
+        # `shuffle` None keeps the gin setting (evaluation passes False)
         plan = Plan.uniform(cfg, global_batch, 1)
-        self.loader = Loader(source, cfg, plan, layout)  # gin: Loader.seed, .shuffle, ...
+        kw = {} if shuffle is None else {"shuffle": shuffle}
+        self.loader = Loader(source, cfg, plan, layout, **kw)  # gin: Loader.seed, .shuffle
         self.builder, self.layout, self.grow, self.prefetch = (
             self.loader.builder, layout, grow, prefetch)
         self.next_batch = 0

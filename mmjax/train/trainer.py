@@ -107,6 +107,7 @@ class SingleProgram:
                 [metas], _layout_at_least(layout, hw)))
         self.data = LoaderBatches(source if source is not None else train_source(cfg), cfg,
                                   layout, global_batch, grow)
+        self.cfg = cfg
         mdl = MultimodalModel(cfg, jax.random.key(seed))
         if pretrained:
             encoders = {k: v for k, v in pretrained.items() if k != "llm"}
@@ -172,16 +173,19 @@ class SingleProgram:
         return m
 
     def evaluate(self, source, max_batches: int, layout) -> float:
-        """Mean loss per trained token over the first `max_batches` batches of `source`."""
-        from mmjax.data.stream import SourceBatches
+        """Mean loss per trained token over the held-out set's first global batches
+        (`eval_batches`: the same samples every plan evaluates)."""
+        from mmjax.data.assemble import batch_shapes
+        from mmjax.train.single_data import LoaderBatches
 
         if self.eval_fn is None:
             loss_fn = make_loss_fn(self.graphdef, self.dtype, self.attention_impl)
             self.eval_fn = jax.jit(lambda s, b: loss_fn(s.trainable, s.frozen, b)[1]["lm_loss"])
-        data = SourceBatches(source, layout, self.global_batch, shuffle=False)
+        data = LoaderBatches(source, self.cfg, layout, self.global_batch,
+                             lambda _, metas: batch_shapes([metas], layout), shuffle=False)
         total, count = 0.0, 0
         try:
-            for _ in range(min(max_batches, max(1, len(source) // self.global_batch))):
+            for _ in range(eval_batches(source, max_batches, self.global_batch)):
                 batch, _ = next(data)
                 n = batch.num_target_tokens
                 total += float(self.eval_fn(self.state, model_inputs(batch))) * n
@@ -193,6 +197,11 @@ class SingleProgram:
     def close(self):
         if hasattr(self.data, "close"):
             self.data.close()
+
+
+def eval_batches(source, max_batches: int, global_batch: int) -> int:
+    """How many held-out global batches an evaluation reads (at least one)."""
+    return min(max_batches, max(1, len(source) // global_batch))
 
 
 def write_trace(workdir: str, step: int, cfg, plan: Plan, trace: list[dict]) -> str:
@@ -221,6 +230,7 @@ class Pipelined:
         from mmjax.train.pipeline_step import PipelineStep
 
         self.step_fn = PipelineStep(cfg, plan, schedule, dtype, seed, pretrained=pretrained)
+        self.cfg, self.plan, self.global_batch = cfg, plan, plan.global_batch
         # gin: a real source (`llava_source.*`, `webdataset_source.*`), else
         # `loader_source.path` or the synthetic set (`train_source`); `Loader.*` (balance,
         # post_balance_policy, workers, ...).
@@ -270,6 +280,27 @@ class Pipelined:
         m["skipped"] = gb.skipped_samples
         m["skipped_list"] = list(gb.skipped)
         return m
+
+    def evaluate(self, source, max_batches: int, layout) -> float:
+        """Mean loss per trained token over the held-out set's first global batches, by
+        forward passes alone on this plan (`PipelineRuntime.evaluate`); the same samples
+        as the single program's `evaluate`, so both report the same `eval_loss`."""
+        from mmjax.data.loader import Loader
+
+        n = eval_batches(source, max_batches, self.global_batch)
+        data = Loader(source, self.cfg, self.plan, layout, feeds=True, shuffle=False,
+                      num_steps=n)
+        total, count = 0.0, 0
+        try:
+            for _ in range(n):
+                feeds = [mb.inputs["feed"] for mb in next(data).microbatches]
+                lm = self.step_fn.runtime.evaluate(feeds).losses()["lm_loss"]
+                tokens = sum(f.num_target_tokens for f in feeds)
+                total += lm * tokens
+                count += tokens
+        finally:
+            data.close()
+        return total / max(count, 1)
 
     def close(self):
         self.data.close()
@@ -427,9 +458,9 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
     schedule = learning_rate_schedule(steps)
     dtype = _DTYPES[compute_dtype]
     held_out = eval_source(cfg, tok) if eval_every else None
-    if eval_every and (held_out is None or plan is not None):
-        raise UserError("train.eval_every needs eval_source.json_path (or .urls) and a "
-                         "single-program run (no --plan)")
+    if eval_every and held_out is None:
+        raise UserError("train.eval_every needs a held-out set: set eval_source.json_path "
+                        "(a LLaVA JSON/JSONL) or eval_source.urls (WebDataset shards)")
     if attention_impl is not None:
         from mmjax.models.attention import choose_implementation
 
