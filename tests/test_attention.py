@@ -137,6 +137,8 @@ def test_auto_choice_and_clear_errors():
     assert choose_implementation("auto", 8192, 8192, jnp.float32, platform="cpu") == "chunked"
     assert choose_implementation("auto", 4096, 4096, jnp.bfloat16, "causal", "gpu") == "cudnn"
     assert choose_implementation("auto", 4096, 4096, jnp.bfloat16, "bam", "gpu") == "chunked"
+    assert choose_implementation("auto", 1024, 77, jnp.bfloat16, "full", "gpu") == "cudnn"
+    assert choose_implementation("auto", 1024, 77, jnp.float32, "full", "gpu") == "dense"
     with pytest.raises(ValueError, match="error: attention implementation 'cudnn' needs a GPU"):
         choose_implementation("cudnn", 64, 64, jnp.bfloat16, "causal", platform="cpu")
     with pytest.raises(ValueError, match="only plain causal"):
@@ -147,6 +149,23 @@ def test_auto_choice_and_clear_errors():
     x = jnp.zeros((1, 8, 2, 4))
     with pytest.raises(ValueError, match="needs a GPU"):
         bam_attention(x, x, x, meta, implementation="cudnn", mask_family="causal")
+
+
+def test_the_generator_attends_as_the_full_mask_family():
+    """The DiT's self- and cross-attention declare mask_family="full", so on a GPU "auto"
+    runs them on cuDNN; here "cudnn" is refused only for the platform, not the mask."""
+    from mmjax.models.generator import DiffusionGenerator
+    from mmjax.models.tiny import tiny
+
+    model = tiny()
+    cfg = model.generator
+    gen = DiffusionGenerator(cfg, model.llm.hidden_size, jax.random.key(0))
+    patches = (cfg.latent_size // cfg.patch_size) ** 2
+    args = (jnp.zeros((1, patches, cfg.patch_dim)), jnp.zeros((1,)),
+            jnp.zeros((1, 3, model.llm.hidden_size)))
+    assert np.isfinite(np.asarray(gen(*args, attention_impl="dense"))).all()
+    with pytest.raises(ValueError, match="needs a GPU"):
+        gen(*args, attention_impl="cudnn")
 
 
 def test_token_distribution_weighs_the_kernels_key_tiles():

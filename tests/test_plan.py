@@ -142,8 +142,9 @@ def test_attention_impl_field_validated_and_round_trips():
     assert q.unit("generator").attention_impl == "auto"
     with pytest.raises(PlanError, match=r"unit\['llm'\].attention_impl='flash': must be one of"):
         plan_with(llm={"attention_impl": "flash"}).validate(CFG, 8)
-    with pytest.raises(PlanError, match="cuDNN runs only plain causal masks"):
+    with pytest.raises(PlanError, match="cuDNN runs only plain causal or full masks"):
         plan_with(vision={"attention_impl": "cudnn"}).validate(CFG, 8)
+    plan_with(generator={"attention_impl": "cudnn"}).validate(CFG, 8)  # full masks: allowed
     with pytest.raises(PlanError, match="overlap_tp=True runs attention inside"):
         plan_with(llm={"tp": 2, "overlap_tp": True, "attention_impl": "pallas"}).validate(CFG, 8)
 

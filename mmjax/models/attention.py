@@ -18,7 +18,7 @@ tile by tile (Cornstarch §4.3.1: the bitfield mask is never materialised):
   dense    the whole [B, H, Sq, Sk] logits (the reference; `dot_product_attention`)
   chunked  blockwise online softmax in pure XLA, O(S * block) memory (attention_chunked.py)
   pallas   block-sparse flash attention that visits only non-empty tiles (attention_pallas.py)
-  cudnn    cuDNN fused attention for plain causal masks on GPU (attention_cudnn.py)
+  cudnn    cuDNN fused attention for plain causal or full masks on GPU (attention_cudnn.py)
   auto     the fastest valid one for the platform, the mask family and the length
 """
 from __future__ import annotations
@@ -31,8 +31,11 @@ import jax.numpy as jnp
 
 IMPLEMENTATIONS = ("auto", "dense", "chunked", "pallas", "cudnn")
 # "bam": any bitfield mask; "causal": causal text with one document per row, its real tokens
-# first (only this family may run on cuDNN, whose public API has no segment ids).
-MASK_FAMILIES = ("bam", "causal")
+# first; "full": every real token of a row sees every real key, real tokens first (the DiT's
+# self- and cross-attention). Only "causal" and "full" may run on cuDNN: its public API takes
+# per-row lengths, not segment ids.
+MASK_FAMILIES = ("bam", "causal", "full")
+CUDNN_FAMILIES = ("causal", "full")
 # auto on CPU: the dense path up to this many (query, key) pairs per row (512 x 512), chunked
 # beyond: scripts/bench_attention.py measures chunked ahead of dense from 1k tokens on a CPU.
 AUTO_DENSE_MAX_PAIRS = 1 << 18
@@ -161,8 +164,9 @@ def choose_implementation(implementation: str, sq: int, sk: int, dtype, mask_fam
     """The implementation `bam_attention` runs; "auto" picks by platform, mask and length.
 
     CPU: dense up to AUTO_DENSE_MAX_PAIRS pairs per row, chunked beyond (Pallas only runs in
-    interpret mode there). GPU: cuDNN for plain causal bf16/fp16 masks, chunked for other long
-    sequences, dense for short ones. "cudnn" off GPU or on a non-causal mask is a user error.
+    interpret mode there). GPU: cuDNN for bf16/fp16 plain causal or full masks, chunked for
+    other long sequences, dense for short ones. "cudnn" off GPU or on a bitfield mask is a
+    user error.
     """
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"error: attention implementation {implementation!r} is unknown "
@@ -176,7 +180,7 @@ def choose_implementation(implementation: str, sq: int, sk: int, dtype, mask_fam
         return "cudnn"
     if implementation != "auto":
         return implementation
-    if platform == "gpu" and mask_family == "causal" and jnp.dtype(dtype) in (
+    if platform == "gpu" and mask_family in CUDNN_FAMILIES and jnp.dtype(dtype) in (
             jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return "cudnn"
     return "dense" if sq * sk <= AUTO_DENSE_MAX_PAIRS else "chunked"
@@ -187,9 +191,10 @@ def cudnn_error(platform: str, mask_family: str, dtype) -> None:
     if platform != "gpu":
         raise ValueError(f"error: attention implementation 'cudnn' needs a GPU but the platform "
                          f"is {platform!r} (use 'chunked', 'pallas', 'dense' or 'auto')")
-    if mask_family != "causal":
-        raise ValueError("error: attention implementation 'cudnn' runs only plain causal masks "
-                         f"(mask_family='causal'), got {mask_family!r} (use 'pallas' or 'auto')")
+    if mask_family not in CUDNN_FAMILIES:
+        raise ValueError("error: attention implementation 'cudnn' runs only plain causal or "
+                         f"full masks (mask_family 'causal' / 'full'), got {mask_family!r} "
+                         f"(use 'pallas' or 'auto')")
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         raise ValueError(f"error: attention implementation 'cudnn' needs bfloat16/float16 "
                          f"inputs, got {jnp.dtype(dtype).name} (set compute_dtype or use 'auto')")
@@ -232,4 +237,4 @@ def bam_attention(q, k, v, meta_q: TokenMeta, meta_k: TokenMeta | None = None, *
         from mmjax.models.attention_pallas import pallas_attention
         return pallas_attention(q, k, v, meta_q, meta_k)
     from mmjax.models.attention_cudnn import cudnn_attention
-    return cudnn_attention(q, k, v, meta_q, meta_k)
+    return cudnn_attention(q, k, v, meta_q, meta_k, causal=mask_family == "causal")

@@ -1,8 +1,8 @@
-"""cuDNN fused attention for the plain causal mask family (GPU only).
+"""cuDNN fused attention for the plain causal and full mask families (GPU only).
 
 `bam_attention(..., mask_family="causal")` promises one causal document per row with its real
 tokens first (doc != 0) and padding after: exactly cuDNN's PADDING_CAUSAL mask given per-row
-lengths. jax's public API has no segment ids, so packed or multimodal masks never come here
+lengths; `mask_family="full"` the same without causality (cuDNN's PADDING mask). jax's public API has no segment ids, so packed or multimodal masks never come here
 (`models/attention.py: choose_implementation` rejects them with a one-line error).
 """
 from __future__ import annotations
@@ -13,11 +13,11 @@ import jax.numpy as jnp
 from mmjax.models.attention import TokenMeta
 
 
-def cudnn_attention(q, k, v, meta_q: TokenMeta, meta_k: TokenMeta):
-    """q [B,Sq,H,D], k/v [B,Sk,KV,D] under causal attention over each row's real tokens."""
+def cudnn_attention(q, k, v, meta_q: TokenMeta, meta_k: TokenMeta, causal: bool = True):
+    """q [B,Sq,H,D], k/v [B,Sk,KV,D] under (causal) attention over each row's real tokens."""
     q_len = jnp.sum(meta_q.doc != 0, axis=1, dtype=jnp.int32)
     k_len = jnp.sum(meta_k.doc != 0, axis=1, dtype=jnp.int32)
-    out = jax.nn.dot_product_attention(q, k, v, is_causal=True, query_seq_lengths=q_len,
+    out = jax.nn.dot_product_attention(q, k, v, is_causal=causal, query_seq_lengths=q_len,
                                        key_value_seq_lengths=k_len, implementation="cudnn")
     real = (meta_q.doc != 0)[:, :, None, None]
     return jnp.where(real, out, jnp.zeros_like(out))

@@ -45,7 +45,8 @@ def _attend(qd, kd, vd, od, x, ctx, heads, attention_impl):
     b, s, d = x.shape
     split = lambda a: a.reshape(*a.shape[:2], heads, d // heads)
     att = bam_attention(split(qd(x)), split(kd(ctx)), split(vd(ctx)), full_meta(b, s),
-                        full_meta(b, ctx.shape[1]), implementation=attention_impl)
+                        full_meta(b, ctx.shape[1]), implementation=attention_impl,
+                        mask_family="full")
     return od(att.reshape(b, s, d))
 
 

@@ -292,10 +292,10 @@ def _validate_knobs(model, u: UnitPlan, where: str) -> None:
     if u.attention_impl not in ATTENTION_IMPLS:
         raise PlanError(f"{where}.attention_impl={u.attention_impl!r}: must be one of "
                         f"{list(ATTENTION_IMPLS)}")
-    if u.attention_impl == "cudnn":
-        raise PlanError(f"{where}.attention_impl='cudnn': cuDNN runs only plain causal masks, "
-                        f"and every unit attends under segment or bitfield masks: use 'auto', "
-                        f"'chunked' or 'pallas'")
+    if u.attention_impl == "cudnn" and u.name != "generator":
+        raise PlanError(f"{where}.attention_impl='cudnn': cuDNN runs only plain causal or full "
+                        f"masks (the generator's), and {u.name!r} attends under segment or "
+                        f"bitfield masks: use 'auto', 'chunked' or 'pallas'")
     if isinstance(u.tp_chunks, bool) or not isinstance(u.tp_chunks, int) or u.tp_chunks < 1:
         raise PlanError(f"{where}.tp_chunks={u.tp_chunks!r} must be an int >= 1")
     if not isinstance(u.tp_bidirectional, bool):
