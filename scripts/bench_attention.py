@@ -170,7 +170,7 @@ def plot(krows, path):
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384, 65536])
-    ap.add_argument("--families", nargs="+", default=list(td.FAMILIES))
+    ap.add_argument("--families", nargs="+", default=list(td.FAMILIES), choices=td.FAMILIES)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--kv_heads", type=int, default=2)
     ap.add_argument("--dim", type=int, default=64)

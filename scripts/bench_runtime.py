@@ -71,7 +71,7 @@ from mmjax.models.tiny import tiny  # noqa: E402
 from mmjax.data.feed import microbatch_feed  # noqa: E402
 from mmjax.parallel.zero import Zero1Optimizer  # noqa: E402
 from mmjax.pipeline.runtime import PipelineRuntime  # noqa: E402
-from mmjax.pipeline.schedule import StageId  # noqa: E402
+from mmjax.pipeline.stage_graph import StageId  # noqa: E402
 from mmjax.pipeline.simulate import simulate  # noqa: E402
 from mmjax.planner.plan import Plan  # noqa: E402
 

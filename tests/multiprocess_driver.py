@@ -45,12 +45,21 @@ def ordered_devices(layout: str) -> list:
     return [devs[k] for k in LAYOUTS[layout]]
 
 
-def run_steps(layout: str, steps: int) -> list[dict]:
-    cfg = make_cfg()
+def pretrained_cfg(dirs: dict):
+    """The tiny model with a CLIP-style tower and the LLM and tower shapes of the HF
+    checkpoints in `dirs` (tests/test_pretrained_training.py writes them)."""
+    from test_vit_training import CLIP_TINY
+
+    from mmjax.models import hf
+    return hf.prepare_pretrained(make_cfg(**{"encoders.vision.encoder": CLIP_TINY}), dirs)
+
+
+def run_steps(layout: str, steps: int, pretrained: dict | None = None) -> list[dict]:
+    cfg = pretrained_cfg(pretrained) if pretrained else make_cfg()
     plan = small_plan(cfg)
     lay, samples = global_batch(cfg, plan.global_batch)
     step = PipelineStep(cfg, plan, optax.constant_schedule(1e-2),
-                        devices=ordered_devices(layout))
+                        devices=ordered_devices(layout), pretrained=pretrained)
     n, dp = plan.microbatch_size, {u.name: u.dp for u in plan.units}
     feeds = [microbatch_feed(samples[m * n:(m + 1) * n], lay, dp)
              for m in range(plan.num_microbatches)]
@@ -61,8 +70,22 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--layout", choices=sorted(LAYOUTS), default="split")
     p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--pretrained", default="",
+                   help="unit=DIR,unit=DIR: HF checkpoints to start from; each process then "
+                        "prints `READS <json>`, the checkpoint tensors it read")
     args = p.parse_args(argv)
-    out = run_steps(args.layout, args.steps)
+    dirs = dict(kv.split("=", 1) for kv in args.pretrained.split(",") if kv)
+    reads = []
+    if dirs:  # record every tensor this process reads (names only), as the in-process
+        # test does with pytest's monkeypatch
+        from mmjax.models.hf.checkpoint import Checkpoint
+
+        read_slice, read = Checkpoint.read_slice, Checkpoint.read
+        Checkpoint.read_slice = lambda self, n, i: reads.append(n) or read_slice(self, n, i)
+        Checkpoint.read = lambda self, n: reads.append(n) or read(self, n)
+    out = run_steps(args.layout, args.steps, dirs or None)
+    if dirs:
+        print("READS " + json.dumps(sorted(set(reads))), flush=True)
     if jax.process_index() == 0:
         print("LOSSES " + json.dumps(out), flush=True)
     return 0

@@ -117,3 +117,45 @@ def test_bad_pretrained_input_fails_before_any_work(dirs, tmp_path, gin_pretrain
         with pytest.raises(hf.PretrainedError, match=match):
             train(workdir=str(tmp_path / "run"), model=base_cfg(), steps=1)
         assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_two_processes_load_only_their_stages_and_match_one_process(dirs, gloo_jobs):
+    """2 processes x 4 CPU devices (tests/multiprocess_driver.py, layout "span": vision and
+    LLM stage 0 on process 0, LLM stage 1 across both, the generator on process 1) start
+    from the HF checkpoints: each process reads only the tensors of stages it holds, and the
+    losses equal one process with 8 devices."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from multiprocess_driver import run_steps
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    spec = ",".join(f"{u}={d}" for u, d in dirs.items())
+    proc = subprocess.run(
+        [sys.executable, os.path.join(root, "scripts", "launch_local.py"), "--num_processes=2",
+         "--devices_per_process=4", "--timeout=400",
+         "--script=" + os.path.join(root, "tests", "multiprocess_driver.py"), "--",
+         "--layout=span", "--steps=2", f"--pretrained={spec}"],
+        env=env, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        timeout=420)
+    out = proc.stdout
+    assert proc.returncode == 0, out[-8000:]
+    reads = {p: set(json.loads(ln.split("READS ", 1)[1])) for p in (0, 1)
+             for ln in out.splitlines() if ln.startswith(f"[p{p}] READS ")}
+    layer = lambda names, i: {n for n in names if n.startswith(f"model.layers.{i}.")}
+    # process 1 holds half of LLM stage 1 (layer 1 + head) and the generator: no tower,
+    # no embedding, no layer 0
+    assert layer(reads[1], 1) and not layer(reads[1], 0)
+    assert not any(n.startswith("vision_model.") or "embed_tokens" in n for n in reads[1])
+    assert any(n.startswith("vision_model.") for n in reads[0]) and layer(reads[0], 0)
+    got = json.loads(next(ln for ln in out.splitlines()
+                          if ln.startswith("[p0] LOSSES "))[len("[p0] LOSSES "):])
+    ref = run_steps("span", 2, dirs)
+    for g, r in zip(got, ref):
+        for k in ("loss", "lm_loss", "diffusion_loss", "grad_norm"):
+            np.testing.assert_allclose(g[k], r[k], rtol=1e-5, err_msg=k)

@@ -13,6 +13,8 @@ import sys
 
 PURE = (
     "mmjax.parallel.token_distribution",
+    "mmjax.pipeline.stage_graph",
+    "mmjax.pipeline.dependencies",
     "mmjax.pipeline.schedule",
     "mmjax.pipeline.simulate",
     "mmjax.data.reorder",

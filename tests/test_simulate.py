@@ -1,8 +1,8 @@
 """Simulator: closed-form pipeline times, bubbles, in-flight counts, comm, frozen costs."""
 import pytest
 
-from mmjax.pipeline.schedule import (Action, StageGraph, StageId, gpipe,
-                                     interleaved_one_f_one_b, multimodal_one_f_one_b,
+from mmjax.pipeline.stage_graph import Action, StageGraph, StageId
+from mmjax.pipeline.schedule import (gpipe, interleaved_one_f_one_b, multimodal_one_f_one_b,
                                      one_f_one_b)
 from mmjax.pipeline.simulate import frozen_aware_costs, simulate
 

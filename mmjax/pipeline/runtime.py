@@ -25,8 +25,9 @@ from mmjax.parallel.mesh import put_global, stage_meshes
 from mmjax.models.layers import cast_floats
 from mmjax.parallel.tensor import shard_state, state_shardings
 from mmjax.data.feed import MicrobatchFeed
-from mmjax.pipeline.schedule import (Backward, StageGraph, StageId, dispatch_order,
-                                     multimodal_one_f_one_b)
+from mmjax.pipeline.stage_graph import Backward, StageGraph, StageId
+from mmjax.pipeline.dependencies import dispatch_order
+from mmjax.pipeline.schedule import multimodal_one_f_one_b
 from mmjax.pipeline.stage import (build_stage_module, dp_sharding, make_stage_fns,
                                   partial_shardings)
 from mmjax.pipeline.trace import completion_marker, make_tracer, trace_mode
