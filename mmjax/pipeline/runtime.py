@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from mmjax.errors import UserError
 from mmjax.models.config import MLLMConfig
 from mmjax.models.hf import pretrained as hf_pretrained
 from mmjax.models.mllm import trainable_filter
@@ -213,10 +214,10 @@ class PipelineRuntime:
         self.num_virtual = nv
         if cfg.llm.tie_embeddings and nv["llm"] > 1 and not all(
                 holds_local_device(m) for m in (self.meshes["llm"][0], self.meshes["llm"][-1])):
-            raise ValueError("tie_embeddings=True with the llm's first and last stage in "
-                             "different processes is not supported (the embedding group sums "
-                             "their gradients in one process): place both in one process or "
-                             "use llm pp=1")
+            raise UserError("tie_embeddings=True with the llm's first and last stage in "
+                            "different processes: the embedding group sums their gradients "
+                            "within one process (order the plan's devices so both stages sit "
+                            "on one host, or use llm pp=1)")
         self.stages: dict[StageId, Stage] = {}
         for sid in self.graph.stages:
             gd, tr, fr = built[sid]
