@@ -283,7 +283,7 @@ def part4_loader(args, console) -> list[dict]:
     samples/s over --loader_steps global batches taken back to back (at most workers x
     prefetch batches were buffered when timing starts), then the mean/max wait in next()
     while the trainer 'trains' for --step_ms per step (~0 once prefetch keeps up)."""
-    from mmjax.data.assemble import AssemblyLayout
+    from mmjax.data.layout import AssemblyLayout
     from mmjax.data.loader import Loader, SyntheticSource
     from mmjax.models.config import (AudioConfig, EncoderSpec, LLMConfig, MLLMConfig,
                                      ProjectorConfig, VisionConfig)

@@ -64,7 +64,7 @@ import optax  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from mmjax.data.assemble import AssemblyLayout, check_sample  # noqa: E402
+from mmjax.data.layout import AssemblyLayout, check_sample  # noqa: E402
 from mmjax.data.synthetic import SyntheticConfig, SyntheticDataset  # noqa: E402
 from mmjax.models.config import with_overrides  # noqa: E402
 from mmjax.models.tiny import tiny  # noqa: E402

@@ -105,7 +105,8 @@ def main(argv=None) -> int:
     if not 0.0 < a.top_p <= 1.0 or a.temperature < 0 or a.max_new_tokens < 1:
         raise UserError("need 0 < --top_p <= 1, --temperature >= 0, --max_new_tokens >= 1")
 
-    from mmjax.data.assemble import assemble, check_sample
+    from mmjax.data.layout import check_sample
+    from mmjax.data.assemble import assemble
     from mmjax.data.chat import ChatFormat
     from mmjax.data.sources import default_processors
     from mmjax.models.decode import generate

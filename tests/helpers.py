@@ -10,7 +10,8 @@ import jax
 import numpy as np
 from flax import nnx
 
-from mmjax.data.assemble import AssemblyLayout, assemble, check_sample
+from mmjax.data.layout import AssemblyLayout, check_sample
+from mmjax.data.assemble import assemble
 from mmjax.data.synthetic import SyntheticConfig, SyntheticDataset
 from mmjax.models.config import with_overrides
 from mmjax.models.mllm import MultimodalModel, trainable_filter

@@ -2,8 +2,9 @@
 import numpy as np
 import pytest
 
-from mmjax.data.assemble import (AssemblyLayout, BatchShapes, assemble, batch_shapes,
-                                 check_sample, patchify)
+from mmjax.data.layout import AssemblyLayout, check_sample
+from mmjax.data.batch_shapes import BatchShapes, batch_shapes
+from mmjax.data.assemble import assemble, patchify
 from mmjax.data.sample import Sample, Segment, TokenRules
 from mmjax.data.synthetic import SyntheticConfig, SyntheticDataset
 from mmjax.models.config import (AudioConfig, EncoderSpec, GeneratorConfig, LLMConfig,

@@ -10,7 +10,7 @@ CPU devices: vision dp2, LLM dp2 x pp2; 8 samples in 2 microbatches.
 import numpy as np
 import pytest
 
-from mmjax.data.assemble import AssemblyLayout
+from mmjax.data.layout import AssemblyLayout
 from mmjax.data.example_data import write_llava_example
 from mmjax.data.loader import GlobalBatchBuilder, _policies
 from mmjax.data.sources import default_processors

@@ -4,7 +4,8 @@ import hashlib
 import numpy as np
 import pytest
 
-from mmjax.data.assemble import AssemblyLayout, assemble, check_shapes
+from mmjax.data.layout import AssemblyLayout, check_shapes
+from mmjax.data.assemble import assemble
 from mmjax.data.loader import (ArrayRecordSource, GlobalBatchBuilder, Loader, SyntheticSource,
                                microbatch_costs, rank_times, write_dataset)
 from mmjax.data.reorder import inter_reorder

@@ -10,7 +10,7 @@ on the balancing policy); tolerances and the gradient check are test_runtime_par
 import numpy as np
 import pytest
 
-from mmjax.data.assemble import AssemblyLayout
+from mmjax.data.layout import AssemblyLayout
 from mmjax.data.loader import GlobalBatchBuilder, SyntheticSource, _policies
 from mmjax.data.synthetic import SyntheticConfig, SyntheticDataset
 from mmjax.pipeline.runtime import PipelineRuntime, to_reference_layout

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mmjax.data.assemble import AssemblyLayout, sample_shapes
+from mmjax.data.layout import AssemblyLayout, sample_shapes
 from mmjax.data.example_data import write_llava_example, write_tokenizer
 from mmjax.data.loader import DecodeError
 from mmjax.data.sources import default_processors

@@ -1,7 +1,7 @@
 """Synthetic datasets: determinism per (seed, index), shapes/metadata agree, skew directions."""
 import numpy as np
 
-from mmjax.data.assemble import AssemblyLayout, check_sample, sample_shapes
+from mmjax.data.layout import AssemblyLayout, check_sample, sample_shapes
 from mmjax.data.sample import TokenRules
 from mmjax.data.synthetic import SyntheticConfig, SyntheticDataset, laion_like, orchmllm_mix
 from mmjax.models.config import (AudioConfig, EncoderSpec, GeneratorConfig, LLMConfig,

@@ -2,7 +2,8 @@
 import numpy as np
 import pytest
 
-from mmjax.data.assemble import AssemblyLayout, assemble
+from mmjax.data.layout import AssemblyLayout
+from mmjax.data.assemble import assemble
 from mmjax.data.chat import ChatError, ChatFormat
 from mmjax.data.example_data import write_tokenizer
 from mmjax.data.sample import Sample, Segment

@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mmjax.data.assemble import AssemblyLayout, assemble
+from mmjax.data.layout import AssemblyLayout
+from mmjax.data.assemble import assemble
 from mmjax.data.sample import Sample, Segment
 from mmjax.models.config import with_overrides
 from mmjax.models.decode import generate, sample_token

@@ -144,7 +144,8 @@ def test_projectors_shapes_and_item_isolation():
 
 
 def _batch(cfg, kind):
-    from mmjax.data.assemble import AssemblyLayout, assemble
+    from mmjax.data.layout import AssemblyLayout
+    from mmjax.data.assemble import assemble
     from mmjax.data.synthetic import SyntheticConfig, SyntheticDataset
     from mmjax.train.inputs import model_inputs
 

@@ -8,7 +8,8 @@ import numpy as np
 import optax
 import pytest
 
-from mmjax.data.assemble import AssemblyLayout, assemble
+from mmjax.data.layout import AssemblyLayout
+from mmjax.data.assemble import assemble
 from mmjax.data.synthetic import SyntheticConfig, SyntheticDataset
 from mmjax.models.config import with_overrides
 from mmjax.models.mllm import MultimodalModel, trainable_filter

@@ -6,7 +6,8 @@ import dataclasses
 import pytest
 from helpers import check, make_cfg
 
-from mmjax.data.assemble import AssemblyLayout, pack_images
+from mmjax.data.layout import AssemblyLayout
+from mmjax.data.batch_shapes import pack_images
 from mmjax.models.config import VisionConfig
 from mmjax.planner.costs import num_params
 from mmjax.planner.plan import Plan

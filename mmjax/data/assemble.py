@@ -21,314 +21,15 @@ sets and counts are rounded up to powers of two, so jit sees few shapes. Token-c
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
-from typing import Literal
 
 import numpy as np
 
-from mmjax.data.sample import (AUDIO_STRIDE, Sample, SampleMeta, SpecialTokens, TokenRules)
-from mmjax.models.config import MLLMConfig, VisionConfig
+from mmjax.data.batch_shapes import (BatchShapes, audio_frames, image_runs, batch_shapes,
+                                     pack_images, pack_rows)
+from mmjax.data.layout import AssemblyLayout, EncoderSlot, check_sample
+from mmjax.data.sample import AUDIO_STRIDE, Sample, SampleMeta
 
-
-@dataclass(frozen=True)
-class EncoderSlot:
-    """How one encoder branch reads its inputs and lays out its projected outputs."""
-
-    name: str
-    modality: str  # "image" or "audio"
-    bit: int  # BAM bit = encoder index + 1
-    downsample: int  # r (1 for cross-attention)
-    queries: int  # > 0: cross-attention projector, tokens per item
-    max_items: int  # cross-attention: item slots per buffer row
-    feature_dim: int  # patch_dim (vision) or n_mels (audio)
-    patch_size: int = 0  # vision
-    max_grid: int = 0  # vision: max patches per side
-    class_slots: int = 0  # vision with a class token: images per buffer row at most
-
-    @property
-    def items_per_buffer(self) -> int | None:
-        """Images per buffer row at most (cross-attention item slots, class-token slots)."""
-        if self.queries:
-            return self.max_items
-        return self.class_slots or None
-
-
-@dataclass(frozen=True)
-class GenSlot:
-    latent_shape: tuple[int, int, int]  # (C, h, w)
-    patch_size: int
-    num_queries: int  # K query tokens per image_out
-    num_train_timesteps: int
-
-    @property
-    def num_patches(self) -> int:
-        return (self.latent_shape[1] // self.patch_size) * (self.latent_shape[2] // self.patch_size)
-
-    @property
-    def patch_dim(self) -> int:
-        return self.patch_size * self.patch_size * self.latent_shape[0]
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, math.ceil(math.log2(max(n, 1))))
-
-
-@dataclass(frozen=True)
-class AssemblyLayout:
-    seq_len: int
-    vocab_size: int
-    rules: TokenRules
-    encoders: tuple[EncoderSlot, ...] = ()
-    gen: GenSlot | None = None
-    packing: Literal["pad", "pack"] = "pad"
-    placement: Literal["embed", "prepend"] = "embed"
-    vision_caps: tuple[int, ...] = (256, 1024, 4096)
-    audio_frame_caps: tuple[int, ...] = (256, 1024, 3072)
-    special: SpecialTokens = SpecialTokens()  # a tokenizer's ids, or the reserved ones
-
-    @classmethod
-    def from_config(cls, cfg: MLLMConfig, seq_len: int, packing: str = "pad",
-                    vision_caps: tuple[int, ...] = (256, 1024, 4096),
-                    audio_frame_caps: tuple[int, ...] = (256, 1024, 3072),
-                    gen_num_queries: int = 16,
-                    special: SpecialTokens | None = None) -> "AssemblyLayout":
-        if packing not in ("pad", "pack"):
-            raise ValueError(f"packing={packing!r}: use 'pad' (DistTrain) or 'pack' (OrchMLLM)")
-        slots, seen = [], set()
-        for i, spec in enumerate(cfg.encoders):
-            if spec.modality in seen:
-                raise ValueError(f"MLLMConfig.encoders: two encoders for modality "
-                                 f"{spec.modality!r}; assembly maps each modality to one encoder")
-            seen.add(spec.modality)
-            ca = spec.projector.kind == "cross_attention"
-            r = 1 if ca else spec.projector.downsample
-            enc = spec.encoder
-            if isinstance(enc, VisionConfig):
-                slots.append(EncoderSlot(spec.name, "image", i + 1, r,
-                                         spec.projector.num_queries if ca else 0,
-                                         spec.projector.max_items, enc.patch_dim,
-                                         enc.patch_size, enc.max_grid,
-                                         enc.max_images if enc.class_token else 0))
-                bad = [c for c in vision_caps if c % r]
-                if bad:
-                    raise ValueError(f"vision_caps {bad} not multiples of downsample {r}")
-            else:
-                slots.append(EncoderSlot(spec.name, "audio", i + 1, r,
-                                         spec.projector.num_queries if ca else 0,
-                                         spec.projector.max_items, enc.num_mel_bins))
-                bad = [c for c in audio_frame_caps if c % (AUDIO_STRIDE * r)]
-                if bad:
-                    raise ValueError(f"audio_frame_caps {bad} not multiples of "
-                                     f"{AUDIO_STRIDE}*downsample={AUDIO_STRIDE * r}")
-        gen = None
-        if cfg.generator is not None:
-            g = cfg.generator
-            gen = GenSlot((g.latent_channels, g.latent_size, g.latent_size), g.patch_size,
-                          gen_num_queries, g.num_train_timesteps)
-        return cls(seq_len, cfg.llm.vocab_size, TokenRules.from_config(cfg), tuple(slots), gen,
-                   packing, cfg.placement, tuple(sorted(vision_caps)),
-                   tuple(sorted(audio_frame_caps)), special or SpecialTokens())
-
-    def slot(self, modality: str) -> EncoderSlot | None:
-        for s in self.encoders:
-            if s.modality == modality:
-                return s
-        return None
-
-    @property
-    def text_bits(self) -> int:
-        return 1 | sum(1 << s.bit for s in self.encoders)
-
-
-# ---------------------------------------------------------------------------------------
-# Rejection of bad samples
-# ---------------------------------------------------------------------------------------
-
-def check_shapes(shapes, layout: AssemblyLayout) -> str | None:
-    """Reason a sample cannot be assembled, from (modality, shape, num_queries) triples
-    alone (what planning sees), or None. Reasons start with empty/decode/too_long/unsupported."""
-    if not shapes:
-        return "empty: sample has no segments"
-    for i, (mod, shape, k, *_) in enumerate(shapes):
-        where = f"segment {i} ({mod})"
-        if mod == "text":
-            if len(shape) != 1:
-                return f"decode: {where} has shape {shape}, expected [L]"
-            if shape[0] == 0:
-                return f"empty: {where} has no tokens"
-            continue
-        if mod == "image_out":
-            if layout.gen is None:
-                return f"unsupported: {where} but the model has no generator"
-            if tuple(shape) != layout.gen.latent_shape:
-                return f"decode: {where} latent shape {shape} != {layout.gen.latent_shape}"
-            if k != layout.gen.num_queries:
-                return f"decode: {where} reads {k} query tokens, layout has {layout.gen.num_queries}"
-            continue
-        slot = layout.slot(mod)
-        if slot is None:
-            return f"unsupported: {where} but the model has no {mod} encoder"
-        if mod == "image":
-            p = slot.patch_size
-            if len(shape) != 3 or shape[2] != 3:
-                return f"decode: {where} has shape {shape}, expected [H, W, 3]"
-            if shape[0] == 0 or shape[1] == 0:
-                return f"empty: {where} has no pixels"
-            if shape[0] % p or shape[1] % p:
-                return f"decode: {where} side {shape[:2]} not a multiple of patch size {p}"
-            if max(shape[0], shape[1]) // p > slot.max_grid:
-                return f"too_long: {where} grid {shape[0] // p}x{shape[1] // p} > max_grid {slot.max_grid}"
-            n = (shape[0] // p) * (shape[1] // p)
-            if math.ceil(n / slot.downsample) * slot.downsample > layout.vision_caps[-1]:
-                return f"too_long: {where} has {n} patches > largest vision cap {layout.vision_caps[-1]}"
-        else:  # audio
-            if len(shape) != 2 or shape[1] != slot.feature_dim:
-                return f"decode: {where} has shape {shape}, expected [T, {slot.feature_dim}]"
-            if shape[0] == 0:
-                return f"empty: {where} has no frames"
-            if shape[0] > layout.audio_frame_caps[-1]:
-                return f"too_long: {where} has {shape[0]} frames > largest cap {layout.audio_frame_caps[-1]}"
-    meta = layout.rules.meta_from_shapes(-1, shapes)
-    if meta.llm_length > layout.seq_len:
-        return f"too_long: {meta.llm_length} LLM tokens > seq_len {layout.seq_len}"
-    return None
-
-
-def sample_shapes(sample: Sample):
-    """The sample's spec: (modality, shape, num_queries), plus num_masked for masked text."""
-    return [(s.modality, tuple(np.shape(s.data)), s.num_queries)
-            + ((s.num_masked,) if s.num_masked else ()) for s in sample.segments]
-
-
-def check_sample(sample: Sample, layout: AssemblyLayout) -> str | None:
-    """Why `sample` cannot be assembled (a reason string), or None if it can."""
-    for i, s in enumerate(sample.segments):
-        if not isinstance(s.data, np.ndarray):
-            return f"decode: segment {i} ({s.modality}) data is {type(s.data).__name__}, not ndarray"
-        if s.modality == "text":
-            if not np.issubdtype(s.data.dtype, np.integer):
-                return f"decode: segment {i} (text) dtype {s.data.dtype} is not integer"
-        elif not np.issubdtype(s.data.dtype, np.floating):
-            return f"decode: segment {i} ({s.modality}) dtype {s.data.dtype} is not floating"
-    reason = check_shapes(sample_shapes(sample), layout)
-    if reason is not None:
-        return reason
-    for i, s in enumerate(sample.segments):
-        lo = layout.special.first_text
-        if s.modality == "text" and (s.data.min() < lo or s.data.max() >= layout.vocab_size):
-            return (f"decode: segment {i} (text) ids outside [{lo}, "
-                    f"{layout.vocab_size})")
-        if s.modality != "text" and not np.isfinite(s.data).all():
-            return f"decode: segment {i} ({s.modality}) has non-finite values"
-    return None
-
-
-# ---------------------------------------------------------------------------------------
-# Shapes (bucket capacities) from metadata only
-# ---------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class BatchShapes:
-    """Static shapes of one assembled batch: LLM rows, and per encoder (count, capacity)
-    = (Nb, cap patches) for vision or (Nc, frames_cap) for audio; G image_out slots."""
-
-    rows: int
-    encoders: tuple[tuple[str, int, int], ...] = ()
-    gen: int = 0
-
-    def encoder(self, name: str) -> tuple[int, int]:
-        for n, count, cap in self.encoders:
-            if n == name:
-                return count, cap
-        raise KeyError(name)
-
-
-def _bucket(need: int, caps: tuple[int, ...]) -> int:
-    for c in caps:
-        if c >= need:
-            return c
-    raise ValueError(f"need capacity {need} > largest bucket {caps[-1]}")
-
-
-def pack_rows(lengths: list[int], seq_len: int, packing: str) -> list[int]:
-    """Row of each document: one per row ("pad"), or first fit in order ("pack")."""
-    if packing == "pad":
-        return list(range(len(lengths)))
-    free: list[int] = []
-    rows = []
-    for n in lengths:
-        for r, f in enumerate(free):
-            if f >= n:
-                free[r] -= n
-                rows.append(r)
-                break
-        else:
-            free.append(seq_len - n)
-            rows.append(len(free) - 1)
-    return rows
-
-
-def pack_images(runs: list[int], cap: int, max_items: int | None) -> list[tuple[int, int, int]]:
-    """(buffer, patch offset, 1-based seg id) per image: first fit decreasing by run length
-    (ties by order), at most `max_items` images per buffer when given."""
-    order = sorted(range(len(runs)), key=lambda i: (-runs[i], i))
-    free, items = [], []
-    out: list[tuple[int, int, int]] = [(0, 0, 0)] * len(runs)
-    for i in order:
-        for b in range(len(free)):
-            if free[b] >= runs[i] and (max_items is None or items[b] < max_items):
-                break
-        else:
-            free.append(cap)
-            items.append(0)
-            b = len(free) - 1
-        out[i] = (b, cap - free[b], items[b] + 1)
-        free[b] -= runs[i]
-        items[b] += 1
-    return out
-
-
-def _image_runs(metas: list[SampleMeta], slot: EncoderSlot) -> list[int]:
-    r = slot.downsample
-    return [math.ceil(s.input_size / r) * r for m in metas for s in m.segments
-            if s.modality == "image"]
-
-
-def _audio_frames(metas: list[SampleMeta]) -> list[int]:
-    return [s.input_size for m in metas for s in m.segments if s.modality == "audio"]
-
-
-def batch_shapes(groups: list[list[SampleMeta]], layout: AssemblyLayout) -> BatchShapes:
-    """Common static shapes for several batches (e.g. all DP ranks of one microbatch, which
-    must share shapes inside one SPMD program): per field the max over `groups`."""
-    rows = 1
-    for metas in groups:
-        lens = [m.llm_length for m in metas]
-        rows = max(rows, (max(pack_rows(lens, layout.seq_len, layout.packing)) + 1) if lens else 1)
-    if layout.packing == "pack":
-        rows = _pow2(rows)
-    encs = []
-    for slot in layout.encoders:
-        if slot.modality == "image":
-            runs = [_image_runs(m, slot) for m in groups]
-            cap = _bucket(max([max(r) for r in runs if r] or [0]), layout.vision_caps)
-            mi = slot.items_per_buffer
-            nb = max([max(b for b, _, _ in pack_images(r, cap, mi)) + 1 for r in runs if r] or [1])
-            encs.append((slot.name, _pow2(nb), cap))
-        else:
-            frames = [_audio_frames(m) for m in groups]
-            cap = _bucket(max([max(f) for f in frames if f] or [0]), layout.audio_frame_caps)
-            encs.append((slot.name, _pow2(max([len(f) for f in frames] + [1])), cap))
-    gen = 0
-    if layout.gen is not None:
-        gen = _pow2(max([sum(m.count("image_out") for m in metas) for metas in groups] + [1]))
-    return BatchShapes(rows, tuple(encs), gen)
-
-
-# ---------------------------------------------------------------------------------------
-# Assembly
-# ---------------------------------------------------------------------------------------
 
 @dataclass
 class Batch:
@@ -419,7 +120,7 @@ def assemble(samples: list[Sample], layout: AssemblyLayout, shapes: BatchShapes 
     for slot in layout.encoders:
         count, cap = shapes.encoder(slot.name)
         if slot.modality == "image":
-            runs = _image_runs(metas, slot)
+            runs = image_runs(metas, slot)
             place[slot.name] = pack_images(runs, cap, slot.items_per_buffer)
             used = max([b for b, _, _ in place[slot.name]] or [-1]) + 1
             _check_count(slot.name, used, count)
@@ -429,7 +130,7 @@ def assemble(samples: list[Sample], layout: AssemblyLayout, shapes: BatchShapes 
                     "patch_seg": np.zeros((count, cap), np.int32),
                     "patch_pos": np.zeros((count, cap, 2), np.int32)}
         else:
-            place[slot.name] = list(range(len(_audio_frames(metas))))
+            place[slot.name] = list(range(len(audio_frames(metas))))
             _check_count(slot.name, len(place[slot.name]), count)
             if encoder_inputs:
                 enc_out[slot.name] = {
@@ -543,10 +244,10 @@ def item_rows(metas: list[SampleMeta], layout: AssemblyLayout, shapes: BatchShap
     for slot in layout.encoders:
         count, cap = shapes.encoder(slot.name)
         if slot.modality == "image":
-            place = pack_images(_image_runs(metas, slot), cap,
+            place = pack_images(image_runs(metas, slot), cap,
                                 slot.max_items if slot.queries else None)
         else:
-            place = list(range(len(_audio_frames(metas))))
+            place = list(range(len(audio_frames(metas))))
         ns = [s.num_llm_tokens for m in metas for s in m.segments if s.modality == slot.modality]
         out[slot.name] = [_gather_rows(slot, shapes, w, n) for w, n in zip(place, ns)]
     return out

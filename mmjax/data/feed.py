@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from mmjax.data.assemble import (AssemblyLayout, Batch, BatchShapes, assemble, batch_shapes,
-                                 check_sample)
+from mmjax.data.layout import AssemblyLayout, check_sample
+from mmjax.data.batch_shapes import BatchShapes, batch_shapes
+from mmjax.data.assemble import Batch, assemble
 from mmjax.data.routes import Routes
 from mmjax.data.sample import Sample
 

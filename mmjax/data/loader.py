@@ -47,8 +47,9 @@ from dataclasses import dataclass, field
 import gin
 import numpy as np
 
-from mmjax.data.assemble import (AssemblyLayout, Batch, BatchShapes, assemble, batch_shapes,
-                                 check_sample, check_shapes, item_rows, projected_size)
+from mmjax.data.layout import AssemblyLayout, check_sample, check_shapes
+from mmjax.data.batch_shapes import BatchShapes, batch_shapes
+from mmjax.data.assemble import Batch, assemble, item_rows, projected_size
 from mmjax.data.balance import POLICIES as POST_BALANCE_POLICIES
 from mmjax.data.balance import (batches_by_rank, compose_rearrangement, node_wise_rearrange,
                                 post_balance, Rearrangement)

@@ -14,8 +14,9 @@ from __future__ import annotations
 import queue
 import threading
 
-from mmjax.data.assemble import (AssemblyLayout, BatchShapes, assemble, batch_shapes,
-                                 check_sample, check_shapes)
+from mmjax.data.layout import AssemblyLayout, check_sample, check_shapes
+from mmjax.data.batch_shapes import BatchShapes, batch_shapes
+from mmjax.data.assemble import assemble
 from mmjax.data.loader import DecodeError, sample_name, source_problem
 
 

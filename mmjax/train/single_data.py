@@ -10,7 +10,8 @@ handful of programs per run; a grain thread decodes the next batches during the 
 """
 from __future__ import annotations
 
-from mmjax.data.assemble import BatchShapes, assemble
+from mmjax.data.batch_shapes import BatchShapes
+from mmjax.data.assemble import assemble
 from mmjax.data.loader import Loader, mask_out_failed
 from mmjax.planner.plan import Plan
 

@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mmjax.data.assemble import AssemblyLayout, BatchShapes, batch_shapes
+from mmjax.data.layout import AssemblyLayout
+from mmjax.data.batch_shapes import BatchShapes, batch_shapes
 from mmjax.data.synthetic import SyntheticConfig, SyntheticDataset
 from mmjax.data.sources import configured_source, eval_source
 from mmjax.data.tokenizer import tokenizer
@@ -175,7 +176,7 @@ class SingleProgram:
     def evaluate(self, source, max_batches: int, layout) -> float:
         """Mean loss per trained token over the held-out set's first global batches
         (`eval_batches`: the same samples every plan evaluates)."""
-        from mmjax.data.assemble import batch_shapes
+        from mmjax.data.batch_shapes import batch_shapes
         from mmjax.train.single_data import LoaderBatches
 
         if self.eval_fn is None:

@@ -1,0 +1,110 @@
+"""Static batch shapes from sample metadata only (no JAX): LLM rows (one per sample, or
+first-fit packing), encoder buffers (images first-fit-decreasing into buffers of a bucket
+capacity, audio clips one per row), generated-image slots; counts rounded up to powers of
+two so jit sees few shapes (DistTrain §2.3, OrchMLLM §2.2).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from mmjax.data.layout import AssemblyLayout, EncoderSlot, next_pow2
+from mmjax.data.sample import SampleMeta
+
+
+@dataclass(frozen=True)
+class BatchShapes:
+    """Static shapes of one assembled batch: LLM rows, and per encoder (count, capacity)
+    = (Nb, cap patches) for vision or (Nc, frames_cap) for audio; G image_out slots."""
+
+    rows: int
+    encoders: tuple[tuple[str, int, int], ...] = ()
+    gen: int = 0
+
+    def encoder(self, name: str) -> tuple[int, int]:
+        for n, count, cap in self.encoders:
+            if n == name:
+                return count, cap
+        raise KeyError(name)
+
+
+def _bucket(need: int, caps: tuple[int, ...]) -> int:
+    for c in caps:
+        if c >= need:
+            return c
+    raise ValueError(f"need capacity {need} > largest bucket {caps[-1]}")
+
+
+def pack_rows(lengths: list[int], seq_len: int, packing: str) -> list[int]:
+    """Row of each document: one per row ("pad"), or first fit in order ("pack")."""
+    if packing == "pad":
+        return list(range(len(lengths)))
+    free: list[int] = []
+    rows = []
+    for n in lengths:
+        for r, f in enumerate(free):
+            if f >= n:
+                free[r] -= n
+                rows.append(r)
+                break
+        else:
+            free.append(seq_len - n)
+            rows.append(len(free) - 1)
+    return rows
+
+
+def pack_images(runs: list[int], cap: int, max_items: int | None) -> list[tuple[int, int, int]]:
+    """(buffer, patch offset, 1-based seg id) per image: first fit decreasing by run length
+    (ties by order), at most `max_items` images per buffer when given."""
+    order = sorted(range(len(runs)), key=lambda i: (-runs[i], i))
+    free, items = [], []
+    out: list[tuple[int, int, int]] = [(0, 0, 0)] * len(runs)
+    for i in order:
+        for b in range(len(free)):
+            if free[b] >= runs[i] and (max_items is None or items[b] < max_items):
+                break
+        else:
+            free.append(cap)
+            items.append(0)
+            b = len(free) - 1
+        out[i] = (b, cap - free[b], items[b] + 1)
+        free[b] -= runs[i]
+        items[b] += 1
+    return out
+
+
+def image_runs(metas: list[SampleMeta], slot: EncoderSlot) -> list[int]:
+    r = slot.downsample
+    return [math.ceil(s.input_size / r) * r for m in metas for s in m.segments
+            if s.modality == "image"]
+
+
+def audio_frames(metas: list[SampleMeta]) -> list[int]:
+    return [s.input_size for m in metas for s in m.segments if s.modality == "audio"]
+
+
+def batch_shapes(groups: list[list[SampleMeta]], layout: AssemblyLayout) -> BatchShapes:
+    """Common static shapes for several batches (e.g. all DP ranks of one microbatch, which
+    must share shapes inside one SPMD program): per field the max over `groups`."""
+    rows = 1
+    for metas in groups:
+        lens = [m.llm_length for m in metas]
+        rows = max(rows, (max(pack_rows(lens, layout.seq_len, layout.packing)) + 1) if lens else 1)
+    if layout.packing == "pack":
+        rows = next_pow2(rows)
+    encs = []
+    for slot in layout.encoders:
+        if slot.modality == "image":
+            runs = [image_runs(m, slot) for m in groups]
+            cap = _bucket(max([max(r) for r in runs if r] or [0]), layout.vision_caps)
+            mi = slot.items_per_buffer
+            nb = max([max(b for b, _, _ in pack_images(r, cap, mi)) + 1 for r in runs if r] or [1])
+            encs.append((slot.name, next_pow2(nb), cap))
+        else:
+            frames = [audio_frames(m) for m in groups]
+            cap = _bucket(max([max(f) for f in frames if f] or [0]), layout.audio_frame_caps)
+            encs.append((slot.name, next_pow2(max([len(f) for f in frames] + [1])), cap))
+    gen = 0
+    if layout.gen is not None:
+        gen = next_pow2(max([sum(m.count("image_out") for m in metas) for metas in groups] + [1]))
+    return BatchShapes(rows, tuple(encs), gen)
