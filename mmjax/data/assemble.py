@@ -104,24 +104,30 @@ def assemble(samples: list[Sample], layout: AssemblyLayout, shapes: BatchShapes 
     need = batch_shapes([metas], layout)
     shapes = shapes or need
     _check_fits(need, shapes)
-    S, B = layout.seq_len, shapes.rows
+    enc_out, place = _encoder_buffers(layout, metas, shapes, encoder_inputs)
+    gen = _generator_buffers(layout, shapes)
+    rows = _Rows(layout, shapes, gen, enc_out if encoder_inputs else None, place)
+    row_ids, where = [], []
+    for sample, row in zip(good, pack_rows([m.llm_length for m in metas], layout.seq_len,
+                                           layout.packing)):
+        where.append(rows.put_document(sample, row))
+        row_ids.append(sample.id)
+    targets, loss_mask = rows.targets()
+    n_gen = int(gen["gen_valid"].sum()) * layout.gen.num_patches * layout.gen.patch_dim if gen else 0
+    return Batch(rows.tokens, targets, loss_mask, rows.positions, rows.doc, rows.sub, rows.bam,
+                 rows.gather, enc_out, gen, int(loss_mask.sum()), n_gen, shapes, row_ids, where,
+                 skipped)
 
-    tokens = np.zeros((B, S), np.int32)
-    positions = np.zeros((B, S), np.int32)
-    doc = np.zeros((B, S), np.int32)
-    sub = np.zeros((B, S), np.int32)
-    bam = np.zeros((B, S), np.int64)
-    is_text = np.zeros((B, S), bool)
-    trained = np.zeros((B, S), bool)  # the token at this position is a loss target
-    gather = {e.name: np.full((B, S), -1, np.int32) for e in layout.encoders}
 
-    # Encoder-side placement of every image / audio clip, in batch order.
+def _encoder_buffers(layout: AssemblyLayout, metas: list[SampleMeta], shapes: BatchShapes,
+                     encoder_inputs: bool) -> tuple[dict, dict]:
+    """Zeroed encoder input buffers (when `encoder_inputs`) and every item's place in them,
+    in batch order: images packed first-fit-decreasing into buffers, audio one per row."""
     enc_out, place = {}, {}
     for slot in layout.encoders:
         count, cap = shapes.encoder(slot.name)
         if slot.modality == "image":
-            runs = image_runs(metas, slot)
-            place[slot.name] = pack_images(runs, cap, slot.items_per_buffer)
+            place[slot.name] = pack_images(image_runs(metas, slot), cap, slot.items_per_buffer)
             used = max([b for b, _, _ in place[slot.name]] or [-1]) + 1
             _check_count(slot.name, used, count)
             if encoder_inputs:
@@ -136,84 +142,102 @@ def assemble(samples: list[Sample], layout: AssemblyLayout, shapes: BatchShapes 
                 enc_out[slot.name] = {
                     "mels": np.zeros((count, cap, slot.feature_dim), np.float32),
                     "frame_len": np.zeros((count,), np.int32)}
-    gen = None
-    if layout.gen is not None:
-        g, K = shapes.gen, layout.gen.num_queries
-        npch, pdim = layout.gen.num_patches, layout.gen.patch_dim
-        gen = {"gen_query": np.zeros((g, K), np.int32),
-               "gen_latents": np.zeros((g, npch, pdim), np.float32),
-               "gen_noise": np.zeros((g, npch, pdim), np.float32),
-               "gen_t": np.zeros((g,), np.int32), "gen_valid": np.zeros((g,), np.float32)}
+    return enc_out, place
 
-    rows = pack_rows([m.llm_length for m in metas], S, layout.packing)
-    fill = [0] * B
-    docs_in_row = [0] * B
-    sub_next = [1] * B
-    counters = {"image": 0, "audio": 0, "image_out": 0}
-    row_ids: list[int] = []
-    where: list[tuple[int, int]] = []
-    for sample, row in zip(good, rows):
-        col0 = fill[row]
-        docs_in_row[row] += 1
-        doc_id = docs_in_row[row]
-        col = col0
-        wrappers_trained = all(s.num_masked == 0 for s in sample.segments)
 
-        def put_text(ids, mask=None):
-            nonlocal col
-            n = len(ids)
-            tokens[row, col:col + n] = ids
-            bam[row, col:col + n] = layout.text_bits
-            is_text[row, col:col + n] = True
-            trained[row, col:col + n] = wrappers_trained if mask is None else mask
-            col += n
+def _generator_buffers(layout: AssemblyLayout, shapes: BatchShapes) -> dict | None:
+    if layout.gen is None:
+        return None
+    g, k = shapes.gen, layout.gen.num_queries
+    npch, pdim = layout.gen.num_patches, layout.gen.patch_dim
+    return {"gen_query": np.zeros((g, k), np.int32),
+            "gen_latents": np.zeros((g, npch, pdim), np.float32),
+            "gen_noise": np.zeros((g, npch, pdim), np.float32),
+            "gen_t": np.zeros((g,), np.int32), "gen_valid": np.zeros((g,), np.float32)}
 
-        sp = layout.special
-        put_text([sp.bos])
-        for seg_index, seg in _doc_blocks(sample, layout.placement):
+
+class _Rows:
+    """The LLM side [B, S] being filled document by document (the layout in the module
+    docstring), plus the generator's and encoders' buffers the documents point into."""
+
+    def __init__(self, layout: AssemblyLayout, shapes: BatchShapes, gen, enc_out, place):
+        b, s = shapes.rows, layout.seq_len
+        self.layout, self.shapes, self.gen, self.enc_out, self.place = (
+            layout, shapes, gen, enc_out, place)
+        self.tokens, self.positions = np.zeros((b, s), np.int32), np.zeros((b, s), np.int32)
+        self.doc, self.sub = np.zeros((b, s), np.int32), np.zeros((b, s), np.int32)
+        self.bam = np.zeros((b, s), np.int64)
+        self.is_text = np.zeros((b, s), bool)
+        self.trained = np.zeros((b, s), bool)  # the token at this position is a loss target
+        self.gather = {e.name: np.full((b, s), -1, np.int32) for e in layout.encoders}
+        self.fill, self.docs, self.sub_next = [0] * b, [0] * b, [1] * b
+        self.counters = {"image": 0, "audio": 0, "image_out": 0}
+
+    def _text(self, row: int, col: int, ids, trained) -> int:
+        n = len(ids)
+        self.tokens[row, col:col + n] = ids
+        self.bam[row, col:col + n] = self.layout.text_bits
+        self.is_text[row, col:col + n] = True
+        self.trained[row, col:col + n] = trained
+        return col + n
+
+    def put_document(self, sample: Sample, row: int) -> tuple[int, int]:
+        """Write `sample` after the row's last document; -> (row, document id)."""
+        col0 = col = self.fill[row]
+        self.docs[row] += 1
+        doc_id, sp = self.docs[row], self.layout.special
+        wrappers = all(s.num_masked == 0 for s in sample.segments)
+        col = self._text(row, col, [sp.bos], wrappers)
+        for seg_index, seg in _doc_blocks(sample, self.layout.placement):
             if seg.modality == "text":
-                put_text(np.asarray(seg.data, np.int32),
-                         True if seg.loss_mask is None else np.asarray(seg.loss_mask, bool))
+                col = self._text(row, col, np.asarray(seg.data, np.int32),
+                                 True if seg.loss_mask is None else np.asarray(seg.loss_mask, bool))
                 continue
             start, end = sp.delimiters(seg.modality)
-            put_text([start])
-            k = counters[seg.modality]
-            counters[seg.modality] += 1
-            n = layout.rules.segment_meta(seg.modality, seg.data.shape, seg.num_queries).num_llm_tokens
-            span = slice(col, col + n)
-            sub[row, span] = sub_next[row]
-            sub_next[row] += 1
-            if seg.modality == "image_out":
-                bam[row, span] = layout.text_bits
-                gen["gen_query"][k] = row * S + np.arange(col, col + n)
-                lat = np.ascontiguousarray(seg.data.transpose(1, 2, 0), np.float32)
-                gen["gen_latents"][k] = patchify(lat, layout.gen.patch_size)
-                noise, t = gen_noise_and_t(sample.id, seg_index, (npch, pdim),
-                                           layout.gen.num_train_timesteps)
-                gen["gen_noise"][k], gen["gen_t"][k], gen["gen_valid"][k] = noise, t, 1.0
-            else:
-                slot = layout.slot(seg.modality)
-                bam[row, span] = 1 << slot.bit
-                gather[slot.name][row, span] = _gather_rows(slot, shapes, place[slot.name][k], n)
-                if encoder_inputs:
-                    _put_encoder_input(slot, enc_out[slot.name], place[slot.name][k], seg.data)
-            col += n
-            put_text([end])
-        put_text([sp.eos])
-        doc[row, col0:col] = doc_id
-        positions[row, col0:col] = np.arange(col - col0)
-        fill[row] = col
-        row_ids.append(sample.id)
-        where.append((row, doc_id))
+            col = self._text(row, col, [start], wrappers)
+            col = self._modality(sample, seg_index, seg, row, col)
+            col = self._text(row, col, [end], wrappers)
+        col = self._text(row, col, [sp.eos], wrappers)
+        self.doc[row, col0:col] = doc_id
+        self.positions[row, col0:col] = np.arange(col - col0)
+        self.fill[row] = col
+        return row, doc_id
 
-    nxt_ok = np.zeros((B, S), bool)
-    nxt_ok[:, :-1] = ((doc[:, 1:] == doc[:, :-1]) & (doc[:, :-1] != 0) & is_text[:, 1:]
-                      & trained[:, 1:])
-    targets = np.where(nxt_ok, np.roll(tokens, -1, axis=1), 0).astype(np.int32)
-    loss_mask = nxt_ok.astype(np.float32)
-    n_gen = int(gen["gen_valid"].sum()) * layout.gen.num_patches * layout.gen.patch_dim if gen else 0
-    return Batch(tokens, targets, loss_mask, positions, doc, sub, bam, gather, enc_out, gen,
-                 int(loss_mask.sum()), n_gen, shapes, row_ids, where, skipped)
+    def _modality(self, sample: Sample, seg_index: int, seg, row: int, col: int) -> int:
+        """An image / audio / image_out segment's tokens at (row, col); -> the next column."""
+        lay, s = self.layout, self.layout.seq_len
+        k = self.counters[seg.modality]
+        self.counters[seg.modality] += 1
+        n = lay.rules.segment_meta(seg.modality, seg.data.shape, seg.num_queries).num_llm_tokens
+        span = slice(col, col + n)
+        self.sub[row, span] = self.sub_next[row]
+        self.sub_next[row] += 1
+        if seg.modality == "image_out":
+            gen, g = self.gen, lay.gen
+            self.bam[row, span] = lay.text_bits
+            gen["gen_query"][k] = row * s + np.arange(col, col + n)
+            lat = np.ascontiguousarray(seg.data.transpose(1, 2, 0), np.float32)
+            gen["gen_latents"][k] = patchify(lat, g.patch_size)
+            noise, t = gen_noise_and_t(sample.id, seg_index, (g.num_patches, g.patch_dim),
+                                       g.num_train_timesteps)
+            gen["gen_noise"][k], gen["gen_t"][k], gen["gen_valid"][k] = noise, t, 1.0
+        else:
+            slot = lay.slot(seg.modality)
+            where = self.place[slot.name][k]
+            self.bam[row, span] = 1 << slot.bit
+            self.gather[slot.name][row, span] = _gather_rows(slot, self.shapes, where, n)
+            if self.enc_out is not None:
+                _put_encoder_input(slot, self.enc_out[slot.name], where, seg.data)
+        return col + n
+
+    def targets(self) -> tuple[np.ndarray, np.ndarray]:
+        """Next-token targets and the float loss mask: a position is trained when the next
+        token is text of the same document and marked trained."""
+        doc, ok = self.doc, np.zeros(self.doc.shape, bool)
+        ok[:, :-1] = ((doc[:, 1:] == doc[:, :-1]) & (doc[:, :-1] != 0) & self.is_text[:, 1:]
+                      & self.trained[:, 1:])
+        return (np.where(ok, np.roll(self.tokens, -1, axis=1), 0).astype(np.int32),
+                ok.astype(np.float32))
 
 
 def _check_fits(need: BatchShapes, have: BatchShapes) -> None:
