@@ -209,41 +209,8 @@ class StageGraph:
         stage runs backward iff something at or upstream of it is trainable (Cornstarch
         §4.2); "input_only" if it is itself frozen. Omitted `trainable`: all trainable.
         """
-        for name in ("llm", "generator"):
-            if name in encoders:
-                raise ValueError(f"encoders[{name!r}]: {name!r} is not an encoder name")
-        if not isinstance(llm, int) or llm < 1:
-            raise ValueError(f"llm={llm!r}: the llm needs at least 1 pipeline stage")
-        if not isinstance(generator, int) or generator < 0:
-            raise ValueError(f"generator={generator!r}: must be an int >= 0 (0 = none)")
-        for name, n in encoders.items():
-            if not isinstance(n, int) or n < 1:
-                raise ValueError(f"encoders[{name!r}]={n!r}: an encoder needs >= 1 stage")
-        units = {**encoders, "llm": llm, **({"generator": generator} if generator else {})}
-        chunks = dict(chunks or {})
-        for u, v in chunks.items():
-            if u not in units:
-                raise ValueError(f"chunks has unknown unit {u!r}; units are {list(units)}")
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"chunks[{u!r}]={v!r}: must be an int >= 1")
-        units = {u: n * chunks.get(u, 1) for u, n in units.items()}  # virtual stages
-        trainable = {u: True for u in units} if trainable is None else dict(trainable)
-        unknown = sorted(set(trainable) - set(units))
-        if unknown:
-            raise ValueError(f"trainable has unknown units {unknown}; units are {list(units)}")
-        per_stage: dict[StageId, bool] = {}
-        for u, n in units.items():
-            if u not in trainable:
-                raise ValueError(f"trainable has no entry for unit {u!r}; give True/False "
-                                 "or one bool per stage")
-            flags = trainable[u]
-            flags = (flags,) * n if isinstance(flags, bool) else tuple(flags)
-            if len(flags) != n or not all(isinstance(f, bool) for f in flags):
-                raise ValueError(f"trainable[{u!r}]={trainable[u]!r}: give a bool or {n} "
-                                 f"bools (one per {'virtual ' if chunks.get(u, 1) > 1 else ''}"
-                                 f"stage of {u!r})")
-            per_stage.update({StageId(u, i): f for i, f in enumerate(flags)})
-
+        units = _unit_stages(encoders, llm, generator, chunks)
+        per_stage = _stage_flags(units, trainable, chunks or {})
         stages, edges = [], []
         for u, n in units.items():
             chain = [StageId(u, i) for i in range(n)]
@@ -253,16 +220,9 @@ class StageGraph:
                 edges.append((chain[-1], StageId("llm", 0)))
         if generator:
             edges.append((StageId("llm", units["llm"] - 1), StageId("generator", 0)))
-
-        upstream: dict[StageId, bool] = {}  # something trainable strictly before s
-        for s in stages:
-            preds = [a for a, b in edges if b == s]
-            upstream[s] = any(upstream[a] or per_stage[a] for a in preds)
-        has_backward = {s: (Backward.FULL if upstream[s] else Backward.PARAMS) if per_stage[s]
-                        else Backward.INPUT_ONLY if upstream[s] else Backward.NONE
-                        for s in stages}
+        has_backward = _backward_modes(stages, edges, per_stage)
         return cls(tuple(stages), tuple(edges), has_backward,
-                   {u: v for u, v in chunks.items() if v > 1})
+                   {u: v for u, v in (chunks or {}).items() if v > 1})
 
     @classmethod
     def from_plan(cls, plan) -> "StageGraph":
@@ -277,3 +237,60 @@ class StageGraph:
         return cls.from_units(enc, plan.unit("llm").pp, gen,
                               {u.name: not u.frozen for u in plan.units},
                               {u.name: u.num_chunks for u in plan.units})
+
+
+def _unit_stages(encoders: Mapping[str, int], llm: int, generator: int,
+                 chunks: Mapping[str, int] | None) -> dict[str, int]:
+    """Unit -> number of virtual stages (pp * chunks), encoders first, after checking the
+    counts `StageGraph.from_units` takes."""
+    for name in ("llm", "generator"):
+        if name in encoders:
+            raise ValueError(f"encoders[{name!r}]: {name!r} is not an encoder name")
+    if not isinstance(llm, int) or llm < 1:
+        raise ValueError(f"llm={llm!r}: the llm needs at least 1 pipeline stage")
+    if not isinstance(generator, int) or generator < 0:
+        raise ValueError(f"generator={generator!r}: must be an int >= 0 (0 = none)")
+    for name, n in encoders.items():
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"encoders[{name!r}]={n!r}: an encoder needs >= 1 stage")
+    units = {**encoders, "llm": llm, **({"generator": generator} if generator else {})}
+    for u, v in (chunks or {}).items():
+        if u not in units:
+            raise ValueError(f"chunks has unknown unit {u!r}; units are {list(units)}")
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"chunks[{u!r}]={v!r}: must be an int >= 1")
+    return {u: n * (chunks or {}).get(u, 1) for u, n in units.items()}
+
+
+def _stage_flags(units: dict[str, int], trainable, chunks: Mapping[str, int]
+                 ) -> dict[StageId, bool]:
+    """Each virtual stage's trainable flag from `trainable[unit]` (one bool, or one per
+    stage; omitted: everything trainable)."""
+    trainable = {u: True for u in units} if trainable is None else dict(trainable)
+    unknown = sorted(set(trainable) - set(units))
+    if unknown:
+        raise ValueError(f"trainable has unknown units {unknown}; units are {list(units)}")
+    per_stage: dict[StageId, bool] = {}
+    for u, n in units.items():
+        if u not in trainable:
+            raise ValueError(f"trainable has no entry for unit {u!r}; give True/False "
+                             "or one bool per stage")
+        flags = trainable[u]
+        flags = (flags,) * n if isinstance(flags, bool) else tuple(flags)
+        if len(flags) != n or not all(isinstance(f, bool) for f in flags):
+            raise ValueError(f"trainable[{u!r}]={trainable[u]!r}: give a bool or {n} "
+                             f"bools (one per {'virtual ' if chunks.get(u, 1) > 1 else ''}"
+                             f"stage of {u!r})")
+        per_stage.update({StageId(u, i): f for i, f in enumerate(flags)})
+    return per_stage
+
+
+def _backward_modes(stages: list[StageId], edges: list, per_stage: dict[StageId, bool]
+                    ) -> dict[StageId, Backward]:
+    """Cornstarch §4.2: a stage runs backward iff something at or upstream of it is
+    trainable; params only when nothing upstream needs dx; input only when it is frozen."""
+    upstream: dict[StageId, bool] = {}  # something trainable strictly before s
+    for s in stages:  # stages are in topological order
+        upstream[s] = any(upstream[a] or per_stage[a] for a, b in edges if b == s)
+    return {s: (Backward.FULL if upstream[s] else Backward.PARAMS) if per_stage[s]
+            else Backward.INPUT_ONLY if upstream[s] else Backward.NONE for s in stages}
