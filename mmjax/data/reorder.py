@@ -331,52 +331,37 @@ def inter_reorder(costs: Sequence, num_stages: int, num_chunks: int = 1,
                   backward_ratio: float = 2.0, guard: bool = True,
                   stage_costs: Sequence[tuple[float, float, float]] | None = None,
                   improve_rounds: int = 16) -> list[int]:
-    """Algorithm 3 (DistTrain §6.2): the order to run one DP group's microbatches in.
+    """Algorithm 3 (DistTrain §6.2): the order to run one DP group's microbatches in;
+    ``order[k]`` = index of the microbatch run k-th.
 
-    Returns ``order`` (``order[k]`` = index of the microbatch run k-th). Steps: the smallest
-    microbatch first (activates all stages promptly); the p-1 smallest of the rest last (they
-    fall in the unfilled last intervals, largest of them first; 1F1B only, see below); then
-    each remaining position in turn gets the microbatch whose forward time best fills its
-    interval. GETINTERVAL runs
-    the recurrence on the order fixed so far, unplaced microbatches costing zero, and takes
-    the idle time on stage 0 right after the forward pass(es) of the position being filled:
-    ``interval_1`` (positions 2..p, chosen together, p-1 microbatches matched on summed
-    forward time) and ``interval_i`` = gap between B_{i-1} and B_i (one microbatch). The
-    pseudo-code's loop bound (l - p) over-counts; we loop until every position is filled.
-    VPP (num_chunks = v > 1): a microbatch's forward is v chunks on stage 0, so its interval is
-    the sum of the v gaps after its v chunk forwards (§6.2 last paragraph). Deviation: with
-    v > 1 we keep no rear block; against exhaustive search (p = 2-3, v = 2-3, l <= 6) putting
-    the p-1 smallest last made interleaved orders worse (mean 1.065x the optimum instead of
-    1.036x; random orders 1.09x), as the interleaved cool-down is only (p-1)/v passes long.
-    Complexity O(l^2 p v) with a full recurrence per GETINTERVAL (the paper's O(p)
-    incremental DP is not needed at DP-group sizes).
-    ``guard`` (default on, our addition): also score the given order and the ascending order
-    with the same recurrence and return the best of the three (Algorithm 3's order on ties),
-    so the result is never slower than either. In the paper's pipeline (``stage_costs``:
-    encoder stage + fixed-time LLM stages) Algorithm 3 beat ascending order at every l we
-    measured (scripts/bench_data.py part 2); with uniform stages it wins for l <= 8 but its
-    closest-fit rule drifts on long runs (l = 64, p = 8: ascending ~10-20% faster).
-    ``improve_rounds`` (with ``guard``, our addition): each of the three orders then gets up
-    to that many rounds of best-improvement local search over swaps and single moves
-    (`improve_order`, every neighbour scored on the same recurrence at once) before the
-    fastest is taken; 0 turns it off. On 200 random skewed instances (l <= 8) this lands
-    within 1.02x of the exhaustive optimum (tests/test_reorder.py). Above 16 microbatches
-    the search is bounded: the best of the three only, moves within 8 positions, at most
-    ``max(2, improve_rounds * 16 / l)`` rounds.
+    The smallest microbatch first, the p-1 smallest of the rest last (1F1B only), then each
+    position gets the microbatch whose forward time best fills its GETINTERVAL gap on stage
+    0. ``guard`` (our addition) also scores the given and the ascending order and takes the
+    fastest; ``improve_rounds`` of local search (`improve_order`) polish each first. The
+    deviations from the pseudo-code and the measurements behind them: docs/design.md
+    "Inter-microbatch reordering".
     """
     fwd, bwd = _fwd_bwd(costs, backward_ratio)
     l, p, v = len(fwd), num_stages, num_chunks
     _check_stages(p, v, l)
     if l == 0:
         return []
+    model = PipelineModel.build(p, l, v, stage_costs)
+    order = _algorithm3(fwd, bwd, p, v, model, _stage_costs(stage_costs, p)[0][0])
+    if not guard:
+        return order
+    return _guarded(order, fwd, bwd, model, improve_rounds)
+
+
+def _algorithm3(fwd, bwd, p: int, v: int, model, scale0: float) -> list[int]:
+    """Algorithm 3's order: first, rear block, then closest fit of each interval."""
+    l = len(fwd)
     by_size = sorted(range(l), key=lambda j: (fwd[j], j))
     first, rest = by_size[0], by_size[1:]
     n_rear = min(p - 1 if v == 1 else 0, len(rest))
     rear = sorted(rest[:n_rear], key=lambda j: (-fwd[j], j))
     pending = rest[n_rear:]  # still sorted by (forward, index)
     slots: list[int | None] = [first] + [None] * len(pending) + rear
-    model = PipelineModel.build(p, l, v, stage_costs)
-    scale0 = _stage_costs(stage_costs, p)[0][0]
     fill = [scale0 * x for x in fwd]  # what a microbatch adds to stage 0's forward passes
     stage0 = [a for a, act in enumerate(model.actions) if act[1] == 0]
     while pending:
@@ -394,9 +379,13 @@ def inter_reorder(costs: Sequence, num_stages: int, num_chunks: int = 1,
         for pos, j in zip(group, chosen):
             slots[pos] = j
             pending.remove(j)
-    order = [j for j in slots if j is not None]
-    if not guard:
-        return order
+    return [j for j in slots if j is not None]
+
+
+def _guarded(order: list[int], fwd, bwd, model, improve_rounds: int) -> list[int]:
+    """The fastest of Algorithm 3's, the ascending and the given order, each improved by
+    local search first (long runs: the best one only, fewer rounds)."""
+    l = len(fwd)
     candidates = [order, sorted(range(l), key=lambda j: (fwd[j], j)), list(range(l))]
     times = [model.iteration_time([fwd[j] for j in c], [bwd[j] for j in c]) for c in candidates]
     if improve_rounds > 0 and l > _FULL_SEARCH_MAX_L:  # long runs: one start, fewer rounds
