@@ -236,26 +236,51 @@ class MLLMConfig:
 def with_overrides(cfg, overrides: dict | None):
     """Apply dotted-path overrides, e.g. {"llm.num_layers": 2, "encoders.vision.frozen": True}.
 
-    Raises ValueError naming the bad path, so a typo in a gin binding fails before any work.
+    All overrides of one dataclass are applied in one `replace`, so options that are only
+    valid together (a ViT's `kind="vit"` with its `class_token`) work in any key order.
+    Raises UserError naming the bad path, so a typo in a gin binding fails before any work.
     """
+    tree: dict = {}
     for path, value in (overrides or {}).items():
-        cfg = _set_path(cfg, path.split("."), value, path)
-    return cfg
+        node = tree
+        for part in path.split("."):
+            node = node.setdefault(part, {})
+        node[_VALUE] = (value, path)
+    return _apply(cfg, tree, "")
 
 
-def _set_path(obj, parts, value, full):
-    head, rest = parts[0], parts[1:]
+_VALUE = object()  # key of a path's own value in the override tree
+
+
+def _apply(obj, tree: dict, prefix: str):
+    """`obj` with the override subtree applied (a node's own value first, then its children)."""
+    if _VALUE in tree:
+        obj = tree[_VALUE][0]
+    children = {k: v for k, v in tree.items() if k is not _VALUE}
+    if not children:
+        return obj
     if isinstance(obj, tuple):  # encoders: select by name
-        for i, item in enumerate(obj):
-            if getattr(item, "name", None) == head:
-                new = _set_path(item, rest, value, full) if rest else value
-                return obj[:i] + (new,) + obj[i + 1:]
-        raise UserError(f"override {full!r}: no element named {head!r}")
-    if not dataclasses.is_dataclass(obj) or head not in {f.name for f in dataclasses.fields(obj)}:
-        names = [f.name for f in dataclasses.fields(obj)] if dataclasses.is_dataclass(obj) else []
-        raise UserError(f"override {full!r}: {type(obj).__name__} has no field {head!r}; fields: {names}")
-    new = _set_path(getattr(obj, head), rest, value, full) if rest else value
-    return dataclasses.replace(obj, **{head: new})
+        out = list(obj)
+        for head, sub in children.items():
+            idx = [i for i, item in enumerate(out) if getattr(item, "name", None) == head]
+            if not idx:
+                raise UserError(f"override {_first_path(sub)!r}: no element named {head!r}")
+            out[idx[0]] = _apply(out[idx[0]], sub, prefix + head + ".")
+        return tuple(out)
+    names = [f.name for f in dataclasses.fields(obj)] if dataclasses.is_dataclass(obj) else []
+    for head, sub in children.items():
+        if head not in names:
+            raise UserError(f"override {_first_path(sub)!r}: {type(obj).__name__} has no field "
+                            f"{head!r}; fields: {names}")
+    return dataclasses.replace(obj, **{head: _apply(getattr(obj, head), sub, prefix + head + ".")
+                                       for head, sub in children.items()})
+
+
+def _first_path(tree: dict) -> str:
+    """The full dotted path of the first override under `tree` (for error messages)."""
+    while _VALUE not in tree:
+        tree = next(iter(tree.values()))
+    return tree[_VALUE][1]
 
 
 def config_to_dict(cfg: MLLMConfig) -> dict:

@@ -4,20 +4,28 @@ from __future__ import annotations
 
 import gin
 
-from mmjax.data.preprocess import (NativeResizeProcessor, WhisperFeatureExtractor,
-                                   load_processor)
+from mmjax.data.preprocess import (ImageProcessor, NativeResizeProcessor,
+                                   WhisperFeatureExtractor, load_processor)
 from mmjax.models.config import MLLMConfig, VisionConfig
 
 
 def default_processors(model: MLLMConfig, image_processor: str | None,
                        audio_processor: str | None):
-    """The configured processors, or the model's own: the packed ViT's native-aspect resize
-    (its patch size and grid) and a Whisper extractor with the audio encoder's mel bins."""
+    """The configured processors, or the model's own: for a standard ViT (kind="vit") CLIP's
+    (shortest edge to `image_size`, centre crop to `image_size` squared, CLIP mean/std, as
+    LLaVA feeds CLIP ViT-L/14-336), for the packed ViT its native-aspect resize (its patch
+    size and grid), and a Whisper extractor with the audio encoder's mel bins."""
     vision = [e.encoder for e in model.encoders if isinstance(e.encoder, VisionConfig)]
     audio = [e.encoder for e in model.encoders if not isinstance(e.encoder, VisionConfig)]
-    img = (load_processor(image_processor) if image_processor else
-           NativeResizeProcessor(vision[0].patch_size, vision[0].max_grid) if vision else
-           NativeResizeProcessor())
+    if image_processor:
+        img = load_processor(image_processor)
+    elif vision and vision[0].kind == "vit":
+        side = vision[0].image_size
+        img = ImageProcessor(size={"shortest_edge": side},
+                             crop_size={"height": side, "width": side})
+    else:
+        img = (NativeResizeProcessor(vision[0].patch_size, vision[0].max_grid) if vision
+               else NativeResizeProcessor())
     aud = (load_processor(audio_processor) if audio_processor else
            WhisperFeatureExtractor(feature_size=audio[0].num_mel_bins if audio else 80))
     return img, aud
