@@ -125,6 +125,13 @@ class AssemblyLayout:
     def text_bits(self) -> int:
         return 1 | sum(1 << s.bit for s in self.encoders)
 
+    @property
+    def llm_mask_family(self) -> str:
+        """"causal" when every LLM row is one causal text document with its real tokens
+        first (no encoders, packing "pad"): cuDNN can run it (models/attention.py); else
+        "bam", the general bitfield mask."""
+        return "causal" if not self.encoders and self.packing == "pad" else "bam"
+
 
 def check_shapes(shapes, layout: AssemblyLayout) -> str | None:
     """Reason a sample cannot be assembled, from (modality, shape, num_queries) triples

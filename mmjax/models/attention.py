@@ -187,14 +187,15 @@ def choose_implementation(implementation: str, sq: int, sk: int, dtype, mask_fam
 
 
 def cudnn_error(platform: str, mask_family: str, dtype) -> None:
-    """Raise the one-line user error when cuDNN cannot run this attention."""
-    if platform != "gpu":
-        raise ValueError(f"error: attention implementation 'cudnn' needs a GPU but the platform "
-                         f"is {platform!r} (use 'chunked', 'pallas', 'dense' or 'auto')")
+    """Raise the one-line user error when cuDNN cannot run this attention (the mask first:
+    no platform makes cuDNN run a bitfield mask)."""
     if mask_family not in CUDNN_FAMILIES:
         raise ValueError("error: attention implementation 'cudnn' runs only plain causal or "
                          f"full masks (mask_family 'causal' / 'full'), got {mask_family!r} "
                          f"(use 'pallas' or 'auto')")
+    if platform != "gpu":
+        raise ValueError(f"error: attention implementation 'cudnn' needs a GPU but the platform "
+                         f"is {platform!r} (use 'chunked', 'pallas', 'dense' or 'auto')")
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         raise ValueError(f"error: attention implementation 'cudnn' needs bfloat16/float16 "
                          f"inputs, got {jnp.dtype(dtype).name} (set compute_dtype or use 'auto')")

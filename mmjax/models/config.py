@@ -245,6 +245,7 @@ def with_overrides(cfg, overrides: dict | None):
         node = tree
         for part in path.split("."):
             node = node.setdefault(part, {})
+        node.clear()  # a whole value replaces what earlier overrides set below it
         node[_VALUE] = (value, path)
     return _apply(cfg, tree, "")
 

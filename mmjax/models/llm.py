@@ -59,10 +59,13 @@ def mask_attend(allowed):
     return lambda q, k, v: dot_product_attention(q, k, v, allowed)
 
 
-def meta_attend(meta: TokenMeta, attention_impl: str = "auto"):
+def meta_attend(meta: TokenMeta, attention_impl: str = "auto", mask_family: str = "bam"):
     """The default attention hook: `bam_attention` from the tokens' metadata, so no
-    implementation but "dense" ever builds the [B, S, S] mask."""
-    return lambda q, k, v: bam_attention(q, k, v, meta, implementation=attention_impl)
+    implementation but "dense" ever builds the [B, S, S] mask. `mask_family="causal"`
+    promises one causal document per row, real tokens first (text-only batches, one sample
+    per row: `AssemblyLayout.llm_mask_family`), which lets "auto" pick cuDNN on a GPU."""
+    return lambda q, k, v: bam_attention(q, k, v, meta, implementation=attention_impl,
+                                         mask_family=mask_family)
 
 
 class LLM(nnx.Module):

@@ -184,11 +184,13 @@ class MultimodalModel(nnx.Module):
             raise ValueError(f"dag() has a cycle through {[u for u in units if u not in order]}")
         return order
 
-    def __call__(self, batch, dtype=jnp.float32, attention_impl="auto"):
+    def __call__(self, batch, dtype=jnp.float32, attention_impl="auto",
+                 llm_mask_family: str = "bam"):
         """-> (loss, {"lm_loss", "diffusion_loss"}) on a batch with global normalisers.
 
         `attention_impl`: one `bam_attention` implementation for every unit, or a dict
-        {unit: implementation} (the per-unit choice a Plan makes).
+        {unit: implementation} (the per-unit choice a Plan makes); `llm_mask_family`: the
+        LLM's mask family (`AssemblyLayout.llm_mask_family`).
 
         Walks `dag()` in topological order: an encoder branch reads its batch inputs, the
         LLM merges the outputs of its encoder predecessors at their placeholder positions and
@@ -204,7 +206,8 @@ class MultimodalModel(nnx.Module):
                     raise ValueError(f"dag() has no edge from encoder(s) {missing} to 'llm', "
                                      f"but the batch places their tokens in the LLM sequence")
                 x = llm_embed(cfg, self.llm, batch, {p: out[p] for p in preds}, dtype)
-                attend = meta_attend(llm_meta(batch), unit_attention(attention_impl, "llm"))
+                attend = meta_attend(llm_meta(batch), unit_attention(attention_impl, "llm"),
+                                     llm_mask_family)
                 h = self.llm.run_layers(x, batch["positions"], attend)
                 lm_sum, out["llm"] = lm_outputs(self.llm, h, batch, self.generator is not None)
             elif unit == "generator":

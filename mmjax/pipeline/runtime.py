@@ -185,10 +185,12 @@ def _load_pretrained(cfg: MLLMConfig, up, sid: StageId, path, tr, fr):
 
 class PipelineRuntime:
     def __init__(self, cfg: MLLMConfig, plan: Plan, devices=None, seed: int = 0,
-                 compute_dtype=jnp.float32, pretrained: dict | None = None):
+                 compute_dtype=jnp.float32, pretrained: dict | None = None,
+                 llm_mask_family: str = "bam"):
         """`pretrained` {unit: HF checkpoint directory}: each stage of those units reads
         its own layers (its devices' blocks) straight onto its sub-mesh after placement;
-        `cfg` must already describe them (`hf.pretrained_config`)."""
+        `cfg` must already describe them (`hf.pretrained_config`). `llm_mask_family`: the
+        feeds' `AssemblyLayout.llm_mask_family`."""
         plan.validate(cfg, len(devices if devices is not None else jax.devices()))
         pretrained = pretrained or {}
         self.cfg, self.plan, self.dtype = cfg, plan, compute_dtype
@@ -228,7 +230,8 @@ class PipelineRuntime:
             if sid.unit in pretrained:
                 tr, fr = _load_pretrained(cfg, up, sid, pretrained[sid.unit], tr, fr)
             st = Stage(sid, mesh, up.dp, gd, tr, fr, mode, local=holds_local_device(mesh))
-            st.fns = make_stage_fns(cfg, up, gd, mode, compute_dtype, mesh)
+            st.fns = make_stage_fns(cfg, up, gd, mode, compute_dtype, mesh,
+                                    llm_mask_family=llm_mask_family)
             self._stage_programs(st)
             self.stages[sid] = st
         # one row per physical stage, i.e. per mesh (Megatron's interleaved order for units

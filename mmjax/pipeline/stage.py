@@ -88,14 +88,17 @@ def apply_encoder(cfg: MLLMConfig, name: str, module: EncoderStage, x, side, dty
 def apply_llm(cfg: MLLMConfig, module: LLM, x, side, dtype, with_generator: bool, ranks: int,
               mesh=None, overlap_tp: bool = False, tp_chunks: int = 2,
               tp_bidirectional: bool = True, cp_head_groups: int = 1,
-              attention_impl: str = "auto", batch_axis: str | None = "dp"):
+              attention_impl: str = "auto", batch_axis: str | None = "dp",
+              mask_family: str = "bam"):
     """LLM stage (attention: `bam_attention` with `attention_impl` on the tokens' metadata);
     on a ('dp','cp','tp') mesh attention is Cornstarch's all-gather CP attention over
     tokens already in CP layout (data/feed.py `cp_layout`), K/V gathered
     in `cp_head_groups` groups of heads (Cornstarch §5.3). With `overlap_tp` the projections
     are decomposed collective matmuls, `tp_chunks` pieces per ring step, both ring
     directions when `tp_bidirectional` (DistTrain §7). `batch_axis`: the mesh axis the batch
-    is split over in those shard_maps (None inside the stage's vmap over dp ranks)."""
+    is split over in those shard_maps (None inside the stage's vmap over dp ranks).
+    `mask_family` (`AssemblyLayout.llm_mask_family`) holds on the plain path only: CP and
+    overlapped TP attend over sharded query layouts."""
     b = side["llm"]
     if module.is_first:
         h = module.embed_tokens(b["tokens"], dtype)
@@ -123,7 +126,7 @@ def apply_llm(cfg: MLLMConfig, module: LLM, x, side, dtype, with_generator: bool
         x = fn(state, x.astype(dtype), batch["positions"], *llm_meta(batch))
     else:
         x = module.run_layers(x.astype(dtype), batch["positions"],
-                              meta_attend(llm_meta(batch), attention_impl))
+                              meta_attend(llm_meta(batch), attention_impl, mask_family))
     if not module.is_last:
         return x
     hf = module.final_hidden(x)
@@ -417,14 +420,16 @@ class StageFns:
 
 
 def make_stage_fns(cfg: MLLMConfig, up: UnitPlan, graphdef, mode: str, dtype,
-                   mesh=None, with_generator: bool | None = None) -> StageFns:
+                   mesh=None, with_generator: bool | None = None,
+                   llm_mask_family: str = "bam") -> StageFns:
     """The jitted functions of one stage of unit `up.name`, as its `UnitPlan` configures
     them (dp ranks, remat policy, overlapped TP, CP head groups, attention implementation).
     `with_generator`
     (default: the model has one) makes the last LLM stage also return the conditioning."""
     unit, impl = up.name, up.attention_impl
     remat_wrap(lambda: None, up.remat)  # validate the policy name up front
-    choose_implementation(impl, 1, 1, dtype)  # validate the name up front
+    family = {"llm": llm_mask_family, "generator": "full"}.get(unit, "bam")
+    choose_implementation(impl, 1, 1, dtype, family)  # validate the choice up front
     if with_generator is None:
         with_generator = cfg.generator is not None
 
@@ -433,7 +438,8 @@ def make_stage_fns(cfg: MLLMConfig, up: UnitPlan, graphdef, mode: str, dtype,
         if unit == "llm":  # the batch is one rank's (StageFns vmaps over dp): no 'dp' axis
             return apply_llm(cfg, module, x, side, dtype, with_generator, ranks, mesh,
                              up.overlap_tp, up.tp_chunks, up.tp_bidirectional,
-                             up.cp_head_groups, impl, batch_axis=None)
+                             up.cp_head_groups, impl, batch_axis=None,
+                             mask_family=llm_mask_family)
         if unit == "generator":
             return apply_generator(cfg, module, x, side, dtype, impl)
         return apply_encoder(cfg, unit, module, x, side, dtype, impl)

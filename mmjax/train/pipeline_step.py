@@ -87,9 +87,10 @@ def _multiprocess_norm(squares) -> float:
 class PipelineStep:
     def __init__(self, cfg: MLLMConfig, plan: Plan, schedule, compute_dtype=jnp.float32,
                  seed: int = 0, settings: OptimizerSettings | None = None, devices=None,
-                 pretrained: dict | None = None):
+                 pretrained: dict | None = None, llm_mask_family: str = "bam"):
         self.settings = settings or OptimizerSettings()
-        self.runtime = PipelineRuntime(cfg, plan, devices, seed, compute_dtype, pretrained)
+        self.runtime = PipelineRuntime(cfg, plan, devices, seed, compute_dtype, pretrained,
+                                       llm_mask_family)
         tx = optimizer_from_settings(schedule, self.settings, clip=False)
         self.tx = tx  # every stage's transform (checkpoints: state shapes of remote stages)
         trained = [sid for sid, st in self.runtime.stages.items()

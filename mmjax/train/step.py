@@ -29,12 +29,14 @@ def split_model(model, trainable_filter):
     return nnx.split(model, trainable_filter, ...)
 
 
-def make_loss_fn(graphdef, compute_dtype=jnp.float32, attention_impl="auto"):
-    """attention_impl: a `bam_attention` implementation, or a {unit: implementation} dict."""
+def make_loss_fn(graphdef, compute_dtype=jnp.float32, attention_impl="auto",
+                 llm_mask_family: str = "bam"):
+    """attention_impl: a `bam_attention` implementation, or a {unit: implementation} dict;
+    llm_mask_family: `AssemblyLayout.llm_mask_family` of the batches."""
     def loss_fn(trainable, frozen, batch):
         model = nnx.merge(graphdef, cast_floats(trainable, compute_dtype),
                           cast_floats(frozen, compute_dtype))
-        return model(batch, compute_dtype, attention_impl)
+        return model(batch, compute_dtype, attention_impl, llm_mask_family)
     return loss_fn
 
 
@@ -45,11 +47,11 @@ def all_finite(tree) -> jax.Array:
 
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, compute_dtype=jnp.float32,
-                    attention_impl="auto"):
+                    attention_impl="auto", llm_mask_family: str = "bam"):
     """Jitted (state, batch) -> (state, metrics). A step whose loss, gradient norm or updated
     parameters are not finite is not applied (selected on device, no host sync);
     `metrics["nonfinite"]` is 1 for such a step, else 0; `state.step` counts applied steps."""
-    loss_fn = make_loss_fn(graphdef, compute_dtype, attention_impl)
+    loss_fn = make_loss_fn(graphdef, compute_dtype, attention_impl, llm_mask_family)
 
     def train_step(state: TrainState, batch):
         (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(

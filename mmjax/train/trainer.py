@@ -116,7 +116,8 @@ class SingleProgram:
         graphdef, trainable, frozen = split_model(mdl, trainable_filter(cfg))
         tx = optimizer_from_settings(schedule)
         self.state = TrainState(jnp.zeros((), jnp.int32), trainable, frozen, tx.init(trainable))
-        self.step_fn = make_train_step(graphdef, tx, dtype, attention_impl)
+        self.step_fn = make_train_step(graphdef, tx, dtype, attention_impl,
+                                       layout.llm_mask_family)
         self.graphdef, self.dtype, self.global_batch, self.eval_fn = graphdef, dtype, global_batch, None
         self.attention_impl = attention_impl
         self.num_trainable = sum(x.size for x in jax.tree.leaves(trainable))
@@ -180,7 +181,8 @@ class SingleProgram:
         from mmjax.train.single_data import LoaderBatches
 
         if self.eval_fn is None:
-            loss_fn = make_loss_fn(self.graphdef, self.dtype, self.attention_impl)
+            loss_fn = make_loss_fn(self.graphdef, self.dtype, self.attention_impl,
+                                   layout.llm_mask_family)
             self.eval_fn = jax.jit(lambda s, b: loss_fn(s.trainable, s.frozen, b)[1]["lm_loss"])
         data = LoaderBatches(source, self.cfg, layout, self.global_batch,
                              lambda _, metas: batch_shapes([metas], layout), shuffle=False)
@@ -230,7 +232,8 @@ class Pipelined:
         from mmjax.data.loader import Loader
         from mmjax.train.pipeline_step import PipelineStep
 
-        self.step_fn = PipelineStep(cfg, plan, schedule, dtype, seed, pretrained=pretrained)
+        self.step_fn = PipelineStep(cfg, plan, schedule, dtype, seed, pretrained=pretrained,
+                                    llm_mask_family=layout.llm_mask_family)
         self.cfg, self.plan, self.global_batch = cfg, plan, plan.global_batch
         # gin: a real source (`llava_source.*`, `webdataset_source.*`), else
         # `loader_source.path` or the synthetic set (`train_source`); `Loader.*` (balance,
