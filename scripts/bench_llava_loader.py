@@ -98,7 +98,7 @@ def main(argv=None) -> int:
 
     from mmjax.data.example_data import write_llava_example
     from mmjax.train.config import named_model_config
-    from mmjax.train.trainer import data_layout, fit_vocab
+    from mmjax.train.data_config import data_layout, fit_vocab
 
     write_llava_example(a.data, a.num_samples)
     res, src = index_build(a.data)

@@ -112,7 +112,8 @@ def main(argv=None) -> int:
     from mmjax.models.decode import generate
     from mmjax.train.config import named_model_config
     from mmjax.train.inputs import model_inputs
-    from mmjax.train.trainer import data_layout, fit_vocab, tokenizer
+    from mmjax.data.tokenizer import tokenizer
+    from mmjax.train.data_config import data_layout, fit_vocab
 
     gin.parse_config_file(conf)
     tok = tokenizer()

@@ -9,7 +9,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _PROBE = """
 import sys, jax
-from mmjax.train.trainer import use_compilation_cache
+from mmjax.train.run_files import use_compilation_cache
 print(use_compilation_cache(sys.argv[1], sys.argv[2]))
 jax.jit(lambda x: x * 3 + 1)(1.0).block_until_ready()
 """
@@ -43,7 +43,7 @@ def test_environment_cache_wins_over_the_default_and_off_disables(tmp_path):
 
 def test_bad_value_is_a_user_error(tmp_path):
     from mmjax.errors import UserError
-    from mmjax.train.trainer import use_compilation_cache
+    from mmjax.train.run_files import use_compilation_cache
 
     with pytest.raises(UserError, match="train.compilation_cache_dir"):
         use_compilation_cache(str(tmp_path), 3)

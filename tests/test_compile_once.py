@@ -11,7 +11,8 @@ from jax._src import monitoring
 
 from helpers import make_cfg
 from mmjax.planner.plan import Plan
-from mmjax.train.trainer import Pipelined, data_layout
+from mmjax.train.data_config import data_layout
+from mmjax.train.pipelined import Pipelined
 
 
 @pytest.mark.slow

@@ -15,7 +15,8 @@ from mmjax.errors import UserError
 from mmjax.models.config import with_overrides
 from mmjax.models.tiny import tiny
 from mmjax.planner.plan import Plan
-from mmjax.train.trainer import data_layout, train
+from mmjax.train.data_config import data_layout
+from mmjax.train.trainer import train
 
 _PATH = os.path.join(os.path.dirname(__file__), os.pardir, "scripts", "make_dataset.py")
 _spec = importlib.util.spec_from_file_location("make_dataset_script", _PATH)

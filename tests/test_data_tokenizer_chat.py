@@ -145,7 +145,7 @@ def test_assembly_trains_only_assistant_tokens(tok):
 
 def test_model_vocabulary_covers_the_tokenizer(tok):
     from mmjax.models.config import with_overrides
-    from mmjax.train.trainer import fit_vocab
+    from mmjax.train.data_config import fit_vocab
 
     assert 256 < tok.vocab_size <= 384
     small = with_overrides(tiny(), {"llm.vocab_size": 128})

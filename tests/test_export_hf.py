@@ -18,7 +18,7 @@ from mmjax.train.logical_state import pipeline_logical, single_logical
 from mmjax.train.export import export_workdir, restore_params
 from mmjax.train.optimizer import learning_rate_schedule, optimizer_from_settings
 from mmjax.train.step import TrainState, split_model
-from mmjax.train.trainer import write_run_info
+from mmjax.train.run_files import write_run_info
 
 SIGLIP = VisionConfig(hidden_size=32, num_layers=2, num_heads=2, ffn_size=64, patch_size=4,
                       max_grid=16, kind="vit", image_size=16)

@@ -25,7 +25,7 @@ class SqrtModel(nnx.Module):
     def __init__(self):
         self.w = nnx.Param(jnp.full((4,), 2.0))
 
-    def __call__(self, batch, dtype, attention_impl="auto"):
+    def __call__(self, batch, dtype, attention_impl="auto", llm_mask_family="bam"):
         loss = jnp.sum(jnp.sqrt(self.w[...] * batch["x"]))
         return loss, {"lm_loss": loss, "diffusion_loss": jnp.zeros(())}
 
@@ -87,7 +87,7 @@ def test_zero1_update_skips_when_the_folded_norm_is_not_finite():
 
 
 def test_truncate_metrics_keeps_each_step_once_up_to_the_restored_one(tmp_path):
-    from mmjax.train.trainer import truncate_metrics
+    from mmjax.train.run_files import truncate_metrics
 
     path = str(tmp_path / "metrics.jsonl")
     rows = [{"step": s, "loss": float(s)} for s in (1, 2, 3, 2, 3, 4, 5)]

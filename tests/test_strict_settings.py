@@ -13,7 +13,8 @@ from mmjax.data.loader import ArrayRecordSource, GlobalBatchBuilder, _policies
 from mmjax.errors import UserError
 from mmjax.models.tiny import tiny
 from mmjax.planner.plan import Plan
-from mmjax.train.trainer import SingleProgram, data_layout
+from mmjax.train.data_config import data_layout
+from mmjax.train.single_program import SingleProgram
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -94,3 +94,8 @@ def eval_source(model: MLLMConfig, tokenizer, json_path: str | None = None,
 
         src = WebDatasetSource(urls, tokenizer, img, aud, chat_template or "plain", loss_on)
     return src, max_batches
+
+
+def eval_batches(source, max_batches: int, global_batch: int) -> int:
+    """How many held-out global batches an evaluation reads (at least one)."""
+    return min(max_batches, max(1, len(source) // global_batch))

@@ -1,0 +1,152 @@
+"""The single-program trainer: the whole model as one jitted step on the default device
+(the parity reference), fed the global batches every plan reads."""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mmjax.data.batch_shapes import BatchShapes, batch_shapes
+from mmjax.data.layout import AssemblyLayout
+from mmjax.data.sources import eval_batches
+from mmjax.models.hf.pretrained import load_into_model
+from mmjax.models.mllm import MultimodalModel, trainable_filter
+from mmjax.train.data_config import train_source
+from mmjax.train.inputs import model_inputs
+from mmjax.train.logical_state import single_from_logical, single_logical
+from mmjax.train.optimizer import optimizer_from_settings
+from mmjax.train.step import TrainState, make_loss_fn, make_train_step, split_model
+
+
+def high_water(shapes: BatchShapes | None, need_fn) -> BatchShapes:
+    """Static shapes that only grow: each encoder keeps the largest capacity seen so far
+    (so buffer counts are computed at that capacity) and every count is the running max.
+    jit then compiles a handful of shapes per run instead of one per batch."""
+    if shapes is None:
+        return need_fn(None)
+    need = need_fn(shapes)
+    encs = tuple((n, max(c0, c1), max(k0, k1))
+                 for (n, c0, k0), (_, c1, k1) in zip(shapes.encoders, need.encoders))
+    return BatchShapes(max(shapes.rows, need.rows), encs, max(shapes.gen, need.gen))
+
+
+def _layout_at_least(layout: AssemblyLayout, shapes: BatchShapes | None) -> AssemblyLayout:
+    if shapes is None:
+        return layout
+    kw = {}
+    for slot in layout.encoders:
+        cap = shapes.encoder(slot.name)[1]
+        key = "vision_caps" if slot.modality == "image" else "audio_frame_caps"
+        kw[key] = tuple(c for c in getattr(layout, key) if c >= cap)
+    return dataclasses.replace(layout, **kw)
+
+
+class SingleProgram:
+    """Plain jit of the whole model on the default device (the parity reference). Reads
+    the global batches every plan reads (train/single_data.py: the pipeline path's loader
+    over a real source, `loader_source.path` or the synthetic set), whole."""
+
+    def __init__(self, cfg, layout, global_batch, schedule, dtype, seed, source=None,
+                 attention_impl="auto", pretrained=None):
+        from mmjax.train.single_data import LoaderBatches
+
+        def grow(shapes, metas):
+            return high_water(shapes, lambda hw: batch_shapes(
+                [metas], _layout_at_least(layout, hw)))
+        self.data = LoaderBatches(source if source is not None else train_source(cfg), cfg,
+                                  layout, global_batch, grow)
+        self.cfg = cfg
+        mdl = MultimodalModel(cfg, jax.random.key(seed))
+        if pretrained:
+            encoders = {k: v for k, v in pretrained.items() if k != "llm"}
+            load_into_model(mdl, pretrained.get("llm"), encoders)
+        graphdef, trainable, frozen = split_model(mdl, trainable_filter(cfg))
+        tx = optimizer_from_settings(schedule)
+        self.state = TrainState(jnp.zeros((), jnp.int32), trainable, frozen, tx.init(trainable))
+        self.step_fn = make_train_step(graphdef, tx, dtype, attention_impl,
+                                       layout.llm_mask_family)
+        self.graphdef, self.dtype, self.global_batch, self.eval_fn = graphdef, dtype, global_batch, None
+        self.attention_impl = attention_impl
+        self.num_trainable = sum(x.size for x in jax.tree.leaves(trainable))
+        # batch shapes -> the step compiled ahead of time for them: compilation is seen
+        # (and reported) when it happens, not hidden in a step's time
+        self.compiled: dict = {}
+        self.progress = None  # train/progress.py Progress, set by the trainer
+
+    def data_state(self) -> dict:
+        return {"batches": self.data.state()}
+
+    def load(self, state: dict, data_state: dict, step: int) -> None:
+        """A checkpoint of either path: a pipeline run's has no `batches` state; the single
+        program then goes on from global batch `step` of its own stream."""
+        self.state = single_from_logical(self.state, state)
+        self.data.restore(data_state.get("batches", {"next_batch": step, "shapes": None}))
+
+    def checkpoint_tree(self) -> dict:
+        """Plan-independent named arrays (train/logical_state.py)."""
+        return single_logical(self.state)
+
+    def step(self):
+        t_wait = time.perf_counter()
+        batch, skipped = next(self.data), []
+        if isinstance(batch, tuple):  # SourceBatches: (batch, skipped before assembly)
+            batch, skipped = batch
+        skipped = skipped + [(str(i), r) for i, r in batch.skipped]
+        inputs = model_inputs(batch)
+        leaves, treedef = jax.tree.flatten(inputs)
+        key = (str(treedef), tuple((np.shape(x), str(np.asarray(x).dtype)) for x in leaves))
+        compile_s = 0.0
+        if key not in self.compiled:
+            sh = batch.shapes
+            what = (f"the training step for {sh.rows} rows x {batch.tokens.shape[1]} tokens"
+                    + "".join(f", {n} {k} x {c}" for n, c, k in sh.encoders)
+                    + (f", {sh.gen} generated images" if sh.gen else "")
+                    + ("" if not self.compiled else " (new batch shapes)"))
+            if self.progress is not None:
+                self.progress.compiling(what)
+            t = time.perf_counter()
+            self.compiled[key] = self.step_fn.lower(self.state, inputs).compile()
+            compile_s = time.perf_counter() - t
+            if self.progress is not None:
+                self.progress.compiled(what, compile_s)
+        t0 = time.perf_counter()
+        self.state, m = self.compiled[key](self.state, inputs)
+        m = {k: float(v) for k, v in jax.device_get(m).items()}  # one sync, after dispatch
+        m["step_time_s"] = time.perf_counter() - t0
+        m["compile_s"] = compile_s
+        m["data_wait_s"] = t0 - t_wait
+        m["tokens"] = int(np.count_nonzero(batch.doc))
+        m["tokens_trained"] = int(batch.num_target_tokens)
+        m["skipped"] = len(skipped)
+        m["skipped_list"] = skipped
+        return m
+
+    def evaluate(self, source, max_batches: int, layout) -> float:
+        """Mean loss per trained token over the held-out set's first global batches
+        (`eval_batches`: the same samples every plan evaluates)."""
+        from mmjax.data.batch_shapes import batch_shapes
+        from mmjax.train.single_data import LoaderBatches
+
+        if self.eval_fn is None:
+            loss_fn = make_loss_fn(self.graphdef, self.dtype, self.attention_impl,
+                                   layout.llm_mask_family)
+            self.eval_fn = jax.jit(lambda s, b: loss_fn(s.trainable, s.frozen, b)[1]["lm_loss"])
+        data = LoaderBatches(source, self.cfg, layout, self.global_batch,
+                             lambda _, metas: batch_shapes([metas], layout), shuffle=False)
+        total, count = 0.0, 0
+        try:
+            for _ in range(eval_batches(source, max_batches, self.global_batch)):
+                batch, _ = next(data)
+                n = batch.num_target_tokens
+                total += float(self.eval_fn(self.state, model_inputs(batch))) * n
+                count += n
+        finally:
+            data.close()
+        return total / max(count, 1)
+
+    def close(self):
+        if hasattr(self.data, "close"):
+            self.data.close()
