@@ -16,7 +16,8 @@ from mmjax.data.loader import GlobalBatchBuilder, _policies
 from mmjax.data.sources import default_processors
 from mmjax.data.sources.llava import LlavaSource
 from mmjax.data.tokenizer import Tokenizer, padded_vocab
-from mmjax.pipeline.runtime import PipelineRuntime, to_reference_layout
+from mmjax.pipeline.reference_layout import to_reference_layout
+from mmjax.pipeline.runtime import PipelineRuntime
 from mmjax.planner.plan import Plan
 
 from helpers import assert_same_grads, make_cfg, reference

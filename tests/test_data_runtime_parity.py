@@ -13,7 +13,8 @@ import pytest
 from mmjax.data.layout import AssemblyLayout
 from mmjax.data.loader import GlobalBatchBuilder, SyntheticSource, _policies
 from mmjax.data.synthetic import SyntheticConfig, SyntheticDataset
-from mmjax.pipeline.runtime import PipelineRuntime, to_reference_layout
+from mmjax.pipeline.reference_layout import to_reference_layout
+from mmjax.pipeline.runtime import PipelineRuntime
 from mmjax.planner.plan import Plan
 
 from helpers import assert_same_grads, make_cfg, reference

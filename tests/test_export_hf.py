@@ -71,7 +71,7 @@ def test_single_program_checkpoint_round_trip(tmp_path):
 
 @pytest.mark.slow
 def test_plan_checkpoint_round_trip(tmp_path):
-    from mmjax.pipeline.runtime import to_reference_layout
+    from mmjax.pipeline.reference_layout import to_reference_layout
     from mmjax.train.pipeline_step import PipelineStep
     cfg = model_cfg()
     plan = Plan.uniform(cfg, 4, 2, pp={"llm": 2, "vision": 2}, tp={"llm": 2})

@@ -14,7 +14,7 @@ from flax import nnx
 from mmjax.data.assemble import assemble
 from mmjax.models.mllm import MultimodalModel, trainable_filter
 from mmjax.data.feed import microbatch_feed
-from mmjax.pipeline.runtime import to_reference_layout
+from mmjax.pipeline.reference_layout import to_reference_layout
 from mmjax.planner.plan import Plan
 from mmjax.train.inputs import model_inputs
 from mmjax.train.optimizer import OptimizerSettings, optimizer_from_settings

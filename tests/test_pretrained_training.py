@@ -19,7 +19,8 @@ from mmjax.models.hf.checkpoint import Checkpoint
 from mmjax.models.mllm import MultimodalModel, trainable_filter
 from mmjax.models.tiny import tiny
 from mmjax.data.feed import microbatch_feed
-from mmjax.pipeline.runtime import PipelineRuntime, to_reference_layout
+from mmjax.pipeline.reference_layout import to_reference_layout
+from mmjax.pipeline.runtime import PipelineRuntime
 from mmjax.planner.plan import Plan
 from mmjax.train.inputs import model_inputs
 from mmjax.train.step import make_loss_fn, split_model

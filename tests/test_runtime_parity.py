@@ -13,7 +13,8 @@ import pytest
 from helpers import assert_same_grads, cached_reference, check, make_cfg
 from mmjax.models.tiny import tiny_valm
 from mmjax.data.feed import microbatch_feed
-from mmjax.pipeline.runtime import PipelineRuntime, to_reference_layout
+from mmjax.pipeline.reference_layout import to_reference_layout
+from mmjax.pipeline.runtime import PipelineRuntime
 from mmjax.planner.plan import Plan
 
 

@@ -6,7 +6,8 @@ import pytest
 from helpers import assert_same_grads, cached_reference, make_cfg
 
 from mmjax.data.feed import microbatch_feed
-from mmjax.pipeline.runtime import PipelineRuntime, to_reference_layout
+from mmjax.pipeline.reference_layout import to_reference_layout
+from mmjax.pipeline.runtime import PipelineRuntime
 from mmjax.planner.plan import Plan
 
 

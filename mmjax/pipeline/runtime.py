@@ -22,15 +22,18 @@ from mmjax.models.hf import pretrained as hf_pretrained
 from mmjax.models.mllm import trainable_filter
 from mmjax.data.routes import Routes
 from mmjax.parallel.broker import Broker
-from mmjax.parallel.mesh import put_global, stage_meshes
+from mmjax.parallel.mesh import stage_meshes
 from mmjax.models.layers import cast_floats
-from mmjax.parallel.tensor import shard_state, state_shardings
+from mmjax.parallel.tensor import state_shardings
 from mmjax.data.feed import MicrobatchFeed
 from mmjax.pipeline.stage_graph import Backward, StageGraph, StageId
 from mmjax.pipeline.dependencies import dispatch_order
 from mmjax.pipeline.schedule import multimodal_one_f_one_b
 from mmjax.pipeline.stage import (build_stage_module, dp_sharding, make_stage_fns,
                                   partial_shardings)
+from mmjax.pipeline.multiprocess import (abstract, global_put, holds_local_device,
+                                         place_state, placeholders, sync_collectives)
+from mmjax.pipeline.step_result import StepResult
 from mmjax.pipeline.trace import completion_marker, make_tracer, trace_mode
 from mmjax.planner.plan import Plan
 
@@ -61,66 +64,6 @@ class Stage:
     zeros: object = None       # jitted () -> zero partial-gradient accumulators [dp, ...]
 
 
-def holds_local_device(mesh) -> bool:
-    return any(d.process_index == jax.process_index() for d in mesh.devices.flat)
-
-
-def sync_collectives() -> bool:
-    """True on multi-process CPU runs: gloo may deadlock with two collectives in flight."""
-    return jax.process_count() > 1 and jax.devices()[0].platform == "cpu"
-
-
-def global_put(tree, shardings):
-    """`put_global` over a tree of arrays and their shardings."""
-    return jax.tree.map(put_global, tree, shardings)
-
-
-def abstract(tree):
-    """Shapes and dtypes only (values held by other processes)."""
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(tuple(a.shape), a.dtype), tree)
-
-
-def _placed(tree, sharding):
-    """Arrays with no addressable shard (this process owns none of `sharding`'s devices), to
-    stand for another process's values in a broker transfer."""
-    return jax.tree.map(lambda a: jax.make_array_from_single_device_arrays(
-        a.shape, sharding, [], dtype=a.dtype), tree)
-
-
-@dataclass
-class StepResult:
-    """Per-microbatch loss terms as device vectors `[dp]` (each dp rank's partial sum, on the
-    last stages' meshes); reading them (`losses()`) is the step's one host sync, after the
-    whole schedule is dispatched. `partials[sid]`: float32 `[dp, ...]` per parameter, slot r
-    dp rank r's gradient summed over the step's microbatches (not over dp ranks), for every
-    local stage with trainable parameters."""
-
-    lm_loss: list = field(default_factory=list)
-    diffusion_loss: list = field(default_factory=list)
-    trace: list = field(default_factory=list)
-    partials: dict = field(default_factory=dict)
-
-    @property
-    def grads(self) -> dict:
-        """`partials` summed over the dp ranks (one all-reduce per stage, on request: the
-        training step reduce-scatters `partials` instead)."""
-        return {sid: _sum_ranks(p) for sid, p in self.partials.items()}
-
-    def pure_grads(self) -> dict:
-        """`grads` as pure dicts per stage (what `to_reference_layout` takes)."""
-        return {sid: nnx.to_pure_dict(g) for sid, g in self.grads.items()}
-
-    def losses(self) -> dict[str, float]:
-        if jax.process_count() == 1:
-            lm_terms = jax.device_get(self.lm_loss)
-            diff_terms = jax.device_get(self.diffusion_loss)
-        else:
-            lm_terms, diff_terms = gather_scalars([self.lm_loss, self.diffusion_loss])
-        lm = float(sum(np.sum(np.asarray(v, np.float64)) for v in lm_terms))
-        diff = float(sum(np.sum(np.asarray(v, np.float64)) for v in diff_terms))
-        return {"loss": lm + diff, "lm_loss": lm, "diffusion_loss": diff}
-
-
 @dataclass
 class _Step:
     """The in-flight state of one `run`: per (stage, microbatch) host inputs, forward
@@ -133,45 +76,6 @@ class _Step:
     residuals: dict = field(default_factory=dict)
     cotangents: dict = field(default_factory=dict)
     result: StepResult = field(default_factory=StepResult)
-
-
-@jax.jit
-def _sum_ranks(partials):
-    return jax.tree.map(lambda a: jnp.sum(a, axis=0), partials)
-
-
-def gather_scalars(groups: list[list]) -> list[np.ndarray]:
-    """Device scalars or per-rank vectors (summed), some held by other processes
-    (ShapeDtypeStructs here), -> their totals on every process: each process adds the
-    shards it holds as replica 0, the others zero, and one `process_allgather` sums the
-    contributions (each element counted once)."""
-    from jax.experimental import multihost_utils
-
-    flat = [v for g in groups for v in g]
-    mine = np.zeros(len(flat), np.float64)
-    for k, v in enumerate(flat):
-        if isinstance(v, jax.Array):
-            mine[k] = sum(float(np.sum(np.asarray(sh.data, np.float64)))
-                          for sh in v.addressable_shards if sh.replica_id == 0)
-    total = np.asarray(multihost_utils.process_allgather(mine)).sum(axis=0)
-    out, k = [], 0
-    for g in groups:
-        out.append(total[k:k + len(g)])
-        k += len(g)
-    return out
-
-
-def _place(state, mesh):
-    """Stage state on its mesh with the Megatron shardings; for a mesh wholly in other
-    processes, ShapeDtypeStructs carrying those shardings (enough for `jax.eval_shape`)."""
-    here = [d.process_index == jax.process_index() for d in mesh.devices.flat]
-    if all(here):
-        return shard_state(state, mesh)
-    shardings = state_shardings(state, mesh)
-    if not any(here):
-        return jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
-                            state, shardings)
-    return global_put(state, shardings)
 
 
 def _load_pretrained(cfg: MLLMConfig, up, sid: StageId, path, tr, fr):
@@ -226,7 +130,7 @@ class PipelineRuntime:
             mesh = self.meshes[sid.unit][sid.index % plan.unit(sid.unit).pp]
             mode = Backward(self.graph.has_backward[sid])
             up = plan.unit(sid.unit)
-            tr, fr = _place(tr, mesh), _place(fr, mesh)
+            tr, fr = place_state(tr, mesh), place_state(fr, mesh)
             if sid.unit in pretrained:
                 tr, fr = _load_pretrained(cfg, up, sid, pretrained[sid.unit], tr, fr)
             st = Stage(sid, mesh, up.dp, gd, tr, fr, mode, local=holds_local_device(mesh))
@@ -473,7 +377,7 @@ class PipelineRuntime:
                              jax.ShapeDtypeStruct((dp, a.shape[0] // dp) + tuple(a.shape[1:]),
                                                   a.dtype), x)
         if not src_local:
-            x = _placed(x, broker.src_sharding)
+            x = placeholders(x, broker.src_sharding)
         moved = broker.transfer_tree(x, routes, wait=self.sync)
         if not dst_local:
             moved = abstract(moved)
@@ -511,34 +415,3 @@ class PipelineRuntime:
         return global_put(np.ones((st.dp,), np.float32), dp_sharding(st.mesh, 1))
 
 
-def _offset_layers(tree: dict, start: int) -> dict:
-    out = dict(tree)
-    if "layers" in out:
-        out["layers"] = {int(k) + start: v for k, v in out["layers"].items()}
-    return out
-
-
-def _deep_merge(a: dict, b: dict) -> dict:
-    out = dict(a)
-    for k, v in b.items():
-        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and k in out else v
-    return out
-
-
-def to_reference_layout(plan: Plan, trees: dict) -> dict:
-    """Per-stage pure dicts (StageId -> nnx pure dict) -> one pure dict laid out like
-    `MultimodalModel` (layers renumbered globally), for parity checks and checkpoints."""
-    out: dict = {}
-    for sid, tree in trees.items():
-        u = plan.unit(sid.unit)
-        start, _ = u.stage_layers(sid.index % u.pp, sid.index // u.pp)
-        if sid.unit in ("llm", "generator"):
-            part = {sid.unit: _offset_layers(tree, start)}
-        else:
-            part = {}
-            if "encoders" in tree:
-                part["encoders"] = {sid.unit: _offset_layers(tree["encoders"][sid.unit], start)}
-            if "projectors" in tree:
-                part["projectors"] = tree["projectors"]
-        out = _deep_merge(out, part)
-    return out

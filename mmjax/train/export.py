@@ -66,7 +66,7 @@ def restore_params(workdir: str, step: int | None = None) -> tuple[MLLMConfig, d
             named, _ = ckpt.restore(step, single_logical(like))  # the trainer's layout
             state = single_from_logical(like, named)
             return cfg, _pure(nnx.merge(graphdef, state.trainable, state.frozen)), step
-        from mmjax.pipeline.runtime import to_reference_layout
+        from mmjax.pipeline.reference_layout import to_reference_layout
         from mmjax.train.pipeline_step import PipelineStep
         plan = Plan.from_json(info["plan"])
         step_fn = PipelineStep(cfg, plan, learning_rate_schedule(1), seed=seed,
