@@ -284,7 +284,8 @@ def part4_loader(args, console) -> list[dict]:
     prefetch batches were buffered when timing starts), then the mean/max wait in next()
     while the trainer 'trains' for --step_ms per step (~0 once prefetch keeps up)."""
     from mmjax.data.layout import AssemblyLayout
-    from mmjax.data.loader import Loader, SyntheticSource
+    from mmjax.data.loader import Loader
+    from mmjax.data.records import SyntheticSource
     from mmjax.models.config import (AudioConfig, EncoderSpec, LLMConfig, MLLMConfig,
                                      ProjectorConfig, VisionConfig)
     from mmjax.planner.plan import Plan

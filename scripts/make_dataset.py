@@ -22,7 +22,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from mmjax.data.loader import write_dataset  # noqa: E402
+from mmjax.data.records import write_dataset  # noqa: E402
 from mmjax.data.synthetic import SyntheticConfig, SyntheticDataset  # noqa: E402
 
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from helpers import make_cfg
-from mmjax.data.loader import DecodeError, decode_record, encode_record
+from mmjax.data.records import DecodeError, decode_record, encode_record
 from mmjax.data.synthetic import SyntheticConfig, SyntheticDataset
 from mmjax.errors import UserError
 from mmjax.planner.plan import Plan

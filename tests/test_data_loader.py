@@ -6,8 +6,10 @@ import pytest
 
 from mmjax.data.layout import AssemblyLayout, check_shapes
 from mmjax.data.assemble import assemble
-from mmjax.data.loader import (ArrayRecordSource, GlobalBatchBuilder, Loader, SyntheticSource,
-                               microbatch_costs, rank_times, write_dataset)
+from mmjax.data.records import ArrayRecordSource, SyntheticSource, write_dataset
+from mmjax.data.global_batch import GlobalBatchBuilder
+from mmjax.data.loader import Loader
+from mmjax.data.batch_plan import microbatch_costs, rank_times
 from mmjax.data.reorder import inter_reorder
 from mmjax.data.synthetic import SyntheticConfig, SyntheticDataset
 from mmjax.errors import UserError
@@ -214,7 +216,7 @@ def test_orchmllm_balances_each_phase():
         b = GlobalBatchBuilder(src, CFG, p, LAYOUT, {u: policy for u in CFG.unit_names}, seed=9)
         idx, specs, _ = b.select(0)
         metas = [LAYOUT.rules.meta_from_shapes(i, s) for i, s in zip(idx, specs)]
-        from mmjax.data.loader import plan_global_batch
+        from mmjax.data.batch_plan import plan_global_batch
         mp = plan_global_batch(metas, CFG, p, LAYOUT, b.policies)[0]
         out = {}
         for unit, mod in (("vision", "image"), ("audio", "audio"), ("llm", None)):
@@ -307,7 +309,7 @@ def test_post_balance_policy_per_phase():
     """OrchMLLM picks the algorithm per phase (OrchMLLM §5.1, Appendix A): a dict unit ->
     policy; units left out use "sum"; bad names and units are rejected naming the field."""
     from mmjax.data.balance import post_balance
-    from mmjax.data.loader import plan_global_batch
+    from mmjax.data.batch_plan import plan_global_batch
 
     p = plan(gb=24, mbs=1, dp={"vision": 4, "audio": 2, "llm": 4, "generator": 4})
     pol = {u: "orchmllm" for u in CFG.unit_names}
@@ -340,7 +342,7 @@ def test_node_wise_method_auto_uses_the_milp():
     import gin
 
     from mmjax.data.balance import max_inter_node_volume
-    from mmjax.data.loader import NodeWise
+    from mmjax.data.batch_plan import NodeWise
 
     p = plan(gb=24, mbs=1, dp={"vision": 4, "audio": 2, "llm": 4, "generator": 4})
     pol = {u: "orchmllm" for u in CFG.unit_names}

@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 
 from mmjax.data.layout import AssemblyLayout
-from mmjax.data.loader import GlobalBatchBuilder, SyntheticSource, _policies
+from mmjax.data.global_batch import GlobalBatchBuilder
+from mmjax.data.records import SyntheticSource
+from mmjax.data.batch_plan import unit_policies
 from mmjax.data.synthetic import SyntheticConfig, SyntheticDataset
 from mmjax.pipeline.reference_layout import to_reference_layout
 from mmjax.pipeline.runtime import PipelineRuntime
@@ -30,7 +32,7 @@ def setup():
     src = SyntheticSource(SyntheticDataset("laion", SyntheticConfig.for_model(
         cfg, gen_fraction=0.5, frames_median=60.0), seed=3, size=200))
     plan = Plan.uniform(cfg, 12, 3, dp={"vision": 2, "llm": 2, "generator": 1}, pp={"llm": 2})
-    idx = GlobalBatchBuilder(src, cfg, plan, lay, _policies("none", cfg), seed=1,
+    idx = GlobalBatchBuilder(src, cfg, plan, lay, unit_policies("none", cfg), seed=1,
                              reserve=8).select(STEP)[0]
     ref_loss, ref_grads = reference(cfg, lay, [src.load(i) for i in idx])
     return cfg, lay, src, plan, idx, ref_loss, ref_grads
@@ -39,7 +41,7 @@ def setup():
 @pytest.mark.parametrize("balance", ["orchmllm", "disttrain"])
 def test_loader_plans_on_the_runtime_match_the_reference(setup, balance):
     cfg, lay, src, plan, idx, ref_loss, ref_grads = setup
-    builder = GlobalBatchBuilder(src, cfg, plan, lay, _policies(balance, cfg), seed=1,
+    builder = GlobalBatchBuilder(src, cfg, plan, lay, unit_policies(balance, cfg), seed=1,
                                  reserve=8, feeds=True, cp_block=16)
     gb = builder(STEP)
     assert gb.sample_ids == idx and gb.decode_failures == 0
@@ -68,7 +70,7 @@ def test_feeds_padded_to_the_scanned_floor_keep_parity(setup):
     """Feeds padded to the shape floor of the first steps (Loader.shape_scan_steps): more
     rows, buffers and part slots, all empty, and the same loss and gradients."""
     cfg, lay, src, plan, idx, ref_loss, ref_grads = setup
-    builder = GlobalBatchBuilder(src, cfg, plan, lay, _policies("orchmllm", cfg), seed=1,
+    builder = GlobalBatchBuilder(src, cfg, plan, lay, unit_policies("orchmllm", cfg), seed=1,
                                  reserve=8, feeds=True, cp_block=16)
     own = [mb.inputs["feed"].shapes for mb in builder(STEP).microbatches]
     builder.floor = builder.scan_floor(STEP + 4)

@@ -10,7 +10,9 @@ import gin
 import numpy as np
 import pytest
 
-from mmjax.data.loader import ArrayRecordSource, DecodeError, GlobalBatchBuilder, _policies
+from mmjax.data.records import ArrayRecordSource, DecodeError
+from mmjax.data.global_batch import GlobalBatchBuilder
+from mmjax.data.batch_plan import unit_policies
 from mmjax.errors import UserError
 from mmjax.models.config import with_overrides
 from mmjax.models.tiny import tiny
@@ -35,7 +37,7 @@ def test_pipelined_training_from_make_dataset_arrayrecord(tmp_path):
     plan_path = str(tmp_path / "plan.json")
     Plan.uniform(cfg, 4, 2, dp={"vision": 2}, pp={"llm": 2}).save(plan_path)
     builder = GlobalBatchBuilder(src, cfg, Plan.load(plan_path), data_layout(cfg),
-                                 _policies("orchmllm", cfg), reserve=8)
+                                 unit_policies("orchmllm", cfg), reserve=8)
     # flip 16 bytes inside the chunks of two intact records the run will read: their
     # Riegeli chunk checksums fail (a RuntimeError from the reader)
     intact = [i for step in range(2) for i in builder.select(step)[0] if _decodes(src, i)]
@@ -63,7 +65,7 @@ def test_pipelined_training_from_make_dataset_arrayrecord(tmp_path):
     # exactly the file's skips: bad shapes, and truncated records (blanked, counted) that
     # the synthetic fallback does not have
     builder = GlobalBatchBuilder(src, cfg, Plan.load(plan_path), data_layout(cfg),
-                                 _policies("orchmllm", cfg), reserve=8)
+                                 unit_policies("orchmllm", cfg), reserve=8)
     gbs = [builder(step) for step in range(2)]
     undecodable = [i for g in gbs for i in g.sample_ids if not _decodes(src, i)]
     assert set(flipped) < set(undecodable)
@@ -96,7 +98,7 @@ def test_unopenable_dataset_is_one_line_error_naming_the_file(tmp_path, damage):
     else:
         os.remove(data)
     with pytest.raises(UserError) as e:
-        from mmjax.data.loader import as_source
+        from mmjax.data.records import as_source
         as_source(data)
     msg = str(e.value)
     assert data in msg and "\n" not in msg and "scripts/make_dataset.py" in msg, msg

@@ -11,7 +11,7 @@ from PIL import Image
 
 from mmjax.data.layout import AssemblyLayout, sample_shapes
 from mmjax.data.example_data import write_llava_example, write_tokenizer
-from mmjax.data.loader import DecodeError
+from mmjax.data.records import DecodeError
 from mmjax.data.sources import default_processors
 from mmjax.data.sources.common import EntryBuilder
 from mmjax.data.sources.llava import LlavaSource

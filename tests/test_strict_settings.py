@@ -9,7 +9,9 @@ import pytest
 from helpers import load_script
 
 from mmjax.cli import run_main
-from mmjax.data.loader import ArrayRecordSource, GlobalBatchBuilder, _policies
+from mmjax.data.records import ArrayRecordSource
+from mmjax.data.global_batch import GlobalBatchBuilder
+from mmjax.data.batch_plan import unit_policies
 from mmjax.errors import UserError
 from mmjax.models.tiny import tiny
 from mmjax.planner.plan import Plan
@@ -45,7 +47,7 @@ def test_loader_source_path_is_read_by_the_single_program(tmp_path):
     finally:
         gin.clear_config()
     want = GlobalBatchBuilder(ArrayRecordSource(data), cfg, Plan.uniform(cfg, 4, 1), lay,
-                              _policies("none", cfg), reserve=4)
+                              unit_policies("none", cfg), reserve=4)
     assert [b.sample_ids for b in batches] == [want.select(k)[0] for k in range(2)]
 
 
@@ -61,7 +63,7 @@ def test_manual_plan_binding_without_plan_manual_is_refused(capsys):
 def test_misspelt_unit_names_are_refused():
     cfg = tiny()
     with pytest.raises(UserError, match=r"Loader.balance: unknown units \['visoin'\]"):
-        _policies({"visoin": "orchmllm"}, cfg)
+        unit_policies({"visoin": "orchmllm"}, cfg)
     from mmjax.train.pipeline_step import manual_plan
     with pytest.raises(UserError, match=r"manual_plan.dp: unknown unit\(s\) \['visoin'\]"):
         manual_plan(global_batch=8, dp={"visoin": 2}, model=cfg)

@@ -36,7 +36,7 @@ def _synthetic(arg: str, model):
 
 
 def _arrayrecord(arg: str, model):
-    from mmjax.data.loader import as_source  # grain / array_record on use only
+    from mmjax.data.records import as_source  # grain / array_record on use only
 
     return as_source(arg)
 

@@ -17,7 +17,7 @@ import threading
 from mmjax.data.layout import AssemblyLayout, check_sample, check_shapes
 from mmjax.data.batch_shapes import BatchShapes, batch_shapes
 from mmjax.data.assemble import assemble
-from mmjax.data.loader import DecodeError, sample_name, source_problem
+from mmjax.data.records import DecodeError, sample_name, source_problem
 
 
 class SourceBatches:

@@ -43,7 +43,7 @@ def synthetic_dataset(cfg: MLLMConfig, kind: str = "laion", seed: int = 0,
 def train_source(cfg):
     """The trainer's data source (gin): `loader_source.path` (an ArrayRecord file from
     scripts/make_dataset.py) or the gin-configured synthetic set."""
-    from mmjax.data.loader import SyntheticSource, loader_source
+    from mmjax.data.records import SyntheticSource, loader_source
 
     return loader_source(lambda: SyntheticSource(synthetic_dataset(cfg)))
 

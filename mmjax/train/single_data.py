@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from mmjax.data.batch_shapes import BatchShapes
 from mmjax.data.assemble import assemble
-from mmjax.data.loader import Loader, mask_out_failed
+from mmjax.data.loader import Loader
+from mmjax.data.global_batch import mask_out_failed
 from mmjax.planner.plan import Plan
 
 

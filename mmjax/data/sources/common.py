@@ -17,7 +17,7 @@ import numpy as np
 
 from mmjax.data.chat import ChatError, ChatFormat
 from mmjax.data.index import cached_index, index_key
-from mmjax.data.loader import DecodeError
+from mmjax.data.records import DecodeError
 from mmjax.data.preprocess import audio_num_samples, load_audio
 from mmjax.data.sample import Sample, Segment
 

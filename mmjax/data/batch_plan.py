@@ -1,0 +1,266 @@
+"""Planning a global batch from sample metadata alone (no JAX), identical on every host:
+microbatches, each unit's split over its DP ranks by the balancing policy (DistTrain §6
+reordering, OrchMLLM §5.1 post-balancing and §5.2.2 node-wise rearrangement), and the
+routes between units (OrchMLLM §6 rearrangement composition). Step 2-3 of data/loader.py's
+docstring."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from mmjax.data.layout import AssemblyLayout
+from mmjax.data.batch_shapes import BatchShapes, batch_shapes
+from mmjax.data.assemble import item_rows, projected_size
+from mmjax.data.balance import POLICIES as POST_BALANCE_POLICIES
+from mmjax.data.balance import (batches_by_rank, compose_rearrangement, node_wise_rearrange,
+                                post_balance, Rearrangement)
+from mmjax.data.reorder import inter_reorder, intra_reorder
+from mmjax.data.sample import SampleMeta
+from mmjax.errors import UserError
+from mmjax.models.config import MLLMConfig
+from mmjax.planner.costs import layer_times, unit_work
+from mmjax.planner.hardware import H100, Hardware
+from mmjax.planner.plan import Plan
+from mmjax.planner.workload import workload_from_metas
+
+
+POLICIES = ("none", "disttrain", "orchmllm")
+NODE_WISE_METHODS = ("auto", "milp", "local", "greedy")
+
+
+@dataclass
+class MicrobatchPlan:
+    """One microbatch: per unit, per DP rank, the ordered positions (into the global batch)
+    it processes, the unit's common shapes, and per encoder the sample- and token-level
+    moves from encoder ranks to LLM ranks."""
+
+    positions: list[int]
+    ranks: dict[str, list[list[int]]]
+    shapes: dict[str, BatchShapes]
+    rearrangements: dict[str, Rearrangement]
+    routes: dict[str, np.ndarray]  # e -> int32 [dp_llm, rows, 2]: (encoder rank, row); -1 pad
+
+
+def _unit_cost(unit: str, m: SampleMeta, model: MLLMConfig) -> float:
+    """Per-sample size the within-microbatch split balances (tokens; generated images)."""
+    if unit == "llm":
+        return float(m.llm_length)
+    if unit == "generator":
+        return float(m.count("image_out"))
+    return float(m.encoder_tokens(model.encoder(unit).modality))
+
+
+@dataclass(frozen=True)
+class NodeWise:
+    """Node-wise rearrangement settings (OrchMLLM §5.2.2, Algorithm 3) for "orchmllm".
+
+    `ranks_per_node` 0 disables it; a unit runs it only when its dp spans several nodes
+    (dp > ranks_per_node and a multiple of it). `method`: "auto" (the MILP up to
+    `max_milp_ranks` ranks, else, or when the MILP does not prove optimality within
+    `time_limit` s, the better of greedy and its pairwise-swap local search), "milp",
+    "local" (greedy + swaps, deterministic), "greedy".
+    Every host must compute the same plan, so the loader only takes a MILP answer proven
+    optimal (a time-limited incumbent depends on machine speed); otherwise greedy."""
+
+    ranks_per_node: int = 0
+    method: str = "auto"
+    time_limit: float = 0.2
+    max_milp_ranks: int = 32
+
+    def __post_init__(self):
+        if self.method not in NODE_WISE_METHODS:
+            raise UserError(f"Loader.node_wise_method={self.method!r}: use one of "
+                            f"{NODE_WISE_METHODS}")
+        if not self.time_limit > 0:
+            raise UserError(f"Loader.node_wise_time_limit={self.time_limit!r}: use > 0 seconds")
+
+
+def _split(unit: str, pos: list[int], metas, model, dp: int, policy: str, algo: str,
+           node_wise: NodeWise) -> list[list[int]]:
+    if policy == "none":
+        k, r = divmod(len(pos), dp)
+        cuts = np.cumsum([0] + [k + (i < r) for i in range(dp)])
+        return [pos[cuts[i]:cuts[i + 1]] for i in range(dp)]
+    costs = [_unit_cost(unit, metas[p], model) for p in pos]
+    if policy == "disttrain":
+        groups = intra_reorder(costs, dp)
+    else:
+        groups = post_balance(costs, dp, algo)
+        rpn = node_wise.ranks_per_node
+        if rpn and dp > rpn and dp % rpn == 0:
+            src = [min(i * dp // len(pos), dp - 1) for i in range(len(pos))]  # "none" split
+            perm = node_wise_rearrange(src, groups, costs, rpn, method=node_wise.method,
+                                       time_limit=node_wise.time_limit,
+                                       max_milp_ranks=node_wise.max_milp_ranks,
+                                       require_optimal=True)
+            groups = batches_by_rank(groups, perm)
+    return [[pos[i] for i in g] for g in groups]
+
+
+def rank_times(model: MLLMConfig, unit: str, metas: list[SampleMeta], tp: int = 1,
+               hw: Hardware = H100, cond_tokens: int = 64) -> tuple[float, float]:
+    """(forward, backward) seconds of `unit` on one DP rank processing `metas`, from the
+    planner's analytic cost model (planner/costs.py: per-layer FLOPs incl. the attention
+    quadratic term, frozen-aware backward, Cornstarch §4.2). The model is linear in the
+    per-sample moments, so the average sample of a `Workload` of these samples times their
+    count is exactly the sum over samples."""
+    if not metas:
+        return 0.0, 0.0
+    wl = workload_from_metas("microbatch", metas, model, cond_tokens)
+    lt = layer_times(unit_work(model, wl, unit), tp, hw)
+    return len(metas) * sum(f for f, _ in lt), len(metas) * sum(b for _, b in lt)
+
+
+def microbatch_costs(metas: list[SampleMeta], model: MLLMConfig, plan: Plan,
+                     ranks: list[dict[str, list[list[int]]]], hw: Hardware = H100,
+                     cond_tokens: int = 64):
+    """Inputs of DistTrain's Algorithm 3 (DistTrain §6.2) for the microbatches whose per-unit
+    rank splits are `ranks[j]`: (costs, stage_costs) for `reorder.inter_reorder`.
+
+    costs[j] = (forward, backward) seconds of microbatch j "in the modality encoder and
+    generator" (§6.2): the slowest DP rank of each unit (its straggler sets the stage time),
+    the max over encoders (parallel encoders run side by side, Cornstarch §4.1) plus the
+    generator. stage_costs models the pipeline: the encoder's pp stages take equal shares
+    of costs[j] (scale 1 / pp), then the LLM's pp stages at a fixed time (scale 0, offset =
+    the mean over microbatches of the LLM's slowest-rank time / pp: with fixed-length
+    sequences every LLM microbatch takes the same time, §2.3). The generator's time is in
+    costs[j] (as in the paper); a model without encoders puts the generator's stages last.
+    """
+    def unit_time(unit, r):
+        u = plan.unit(unit)  # a cp group shares its rank's sequences (cp = 1 but the LLM)
+        per_rank = [rank_times(model, unit, [metas[p] for p in g], u.tp, hw, cond_tokens)
+                    for g in r[unit]]
+        return (max(f for f, _ in per_rank) / u.cp, max(b for _, b in per_rank) / u.cp)
+
+    costs, llm = [], []
+    has_gen = "generator" in model.unit_names
+    for r in ranks:
+        enc = [unit_time(e.name, r) for e in model.encoders]
+        gen = unit_time("generator", r) if has_gen else (0.0, 0.0)
+        f = max([x[0] for x in enc], default=0.0) + gen[0]
+        b = max([x[1] for x in enc], default=0.0) + gen[1]
+        costs.append((f, b))
+        llm.append(unit_time("llm", r))
+    u_llm = plan.unit("llm")
+    n = max(len(llm), 1)
+    fl = sum(x[0] for x in llm) / n / u_llm.pp
+    bl = sum(x[1] for x in llm) / n / u_llm.pp
+    llm_stages = [(0.0, fl, bl)] * u_llm.pp
+    if model.encoders:
+        pe = max(plan.unit(e.name).pp for e in model.encoders)
+        return costs, [(1.0 / pe, 0.0, 0.0)] * pe + llm_stages
+    pg = plan.unit("generator").pp if has_gen else 1
+    return costs, llm_stages + ([(1.0 / pg, 0.0, 0.0)] * pg if has_gen else [])
+
+
+def plan_global_batch(metas: list[SampleMeta], model: MLLMConfig, plan: Plan,
+                      layout: AssemblyLayout, policies: dict[str, str],
+                      post_balance_policy="sum", ranks_per_node: int = 0, *,
+                      node_wise: NodeWise | None = None, hardware: Hardware = H100
+                      ) -> list[MicrobatchPlan]:
+    """Deterministic plan of one global batch from metadata (every host gets the same).
+
+    `post_balance_policy`: one OrchMLLM algorithm for every phase or a dict unit -> one of
+    ("sum", "padded", "sum_square", "conv"). Under "disttrain" (any unit) the microbatches
+    run in Algorithm 3's order over `microbatch_costs` (the planner's cost model)."""
+    l = plan.num_microbatches
+    n = len(metas)
+    if n % l:
+        raise ValueError(f"global batch of {n} samples not divisible by num_microbatches={l}")
+    algos = post_balance_policies(post_balance_policy, model)
+    if node_wise is None:
+        node_wise = NodeWise(ranks_per_node)
+    size = n // l
+    mbs = [list(range(i * size, (i + 1) * size)) for i in range(l)]
+    llm_dp = plan.unit("llm").dp
+    splits = []
+    for pos in mbs:
+        ranks = {}
+        for unit in model.unit_names:
+            if unit == "generator" and plan.unit(unit).dp == llm_dp:
+                continue  # follows the LLM's split: hidden states stay on their rank
+            ranks[unit] = _split(unit, pos, metas, model, plan.unit(unit).dp, policies[unit],
+                                 algos[unit], node_wise)
+        if "generator" in model.unit_names and "generator" not in ranks:
+            ranks["generator"] = ranks["llm"]
+        splits.append(ranks)
+    if l > 1 and any(p == "disttrain" for p in policies.values()):
+        gen = layout.gen.num_queries if layout.gen is not None else 64
+        costs, stages = microbatch_costs(metas, model, plan, splits, hardware, gen)
+        order = inter_reorder(costs, len(stages), stage_costs=stages)
+        mbs, splits = [mbs[j] for j in order], [splits[j] for j in order]
+    out = []
+    for pos, ranks in zip(mbs, splits):
+        shapes = {u: batch_shapes([[metas[p] for p in r] for r in rs], layout)
+                  for u, rs in ranks.items()}
+        rearr, routes = _routes(metas, model, layout, ranks, shapes)
+        out.append(MicrobatchPlan(pos, ranks, shapes, rearr, routes))
+    return out
+
+
+def _routes(metas, model, layout, ranks, shapes):
+    """Rearrangement composition per encoder, at sample and at token-row granularity."""
+    enc_batches = {}
+    for slot in layout.encoders:
+        enc_batches[slot.name] = [[p for p in r if metas[p].count(slot.modality)]
+                                  for r in ranks[slot.name]]
+    rearr = compose_rearrangement(enc_batches, ranks["llm"])
+    routes = {}
+    for slot in layout.encoders:
+        def rows_by_rank(unit):
+            out = []
+            for r in ranks[unit]:
+                rows = item_rows([metas[p] for p in r], layout, shapes[unit])[slot.name]
+                it = iter(rows)
+                per_sample = {p: [next(it) for _ in range(metas[p].count(slot.modality))]
+                              for p in r}
+                out.append(per_sample)
+            return out
+        src, dst = rows_by_rank(slot.name), rows_by_rank("llm")
+        n_rows = projected_size(slot, shapes["llm"])
+        table = np.full((len(ranks["llm"]), n_rows, 2), -1, np.int32)
+        for s, (er, _), (lr, _) in zip(rearr[slot.name].samples, rearr[slot.name].src,
+                                       rearr[slot.name].dst):
+            for a, b in zip(src[er][s], dst[lr][s]):
+                table[lr, b, 0] = er
+                table[lr, b, 1] = a
+        routes[slot.name] = table
+    return rearr, routes
+
+
+# ---------------------------------------------------------------------------------------
+# Global batches
+# ---------------------------------------------------------------------------------------
+
+def _per_unit(value, model: MLLMConfig, setting: str, allowed, default: str) -> dict[str, str]:
+    """A per-unit choice from one name (every unit) or a dict unit -> name (units left out
+    get `default`), validated against `allowed`, errors naming `setting`."""
+    units = model.unit_names
+    if isinstance(value, str):
+        pol = {u: value for u in units}
+    elif isinstance(value, Mapping):
+        unknown = set(value) - set(units)
+        if unknown:
+            raise UserError(f"{setting}: unknown units {sorted(unknown)}; units are {units}")
+        pol = {u: value.get(u, default) for u in units}
+    else:
+        raise UserError(f"{setting}={value!r}: use one of {allowed} or a dict unit -> one "
+                        f"of them")
+    for u, p in pol.items():
+        if p not in allowed:
+            raise UserError(f"{setting}[{u!r}]={p!r}: use one of {allowed}")
+    return pol
+
+
+def unit_policies(balance, model: MLLMConfig) -> dict[str, str]:
+    return _per_unit(balance, model, "Loader.balance", POLICIES, "none")
+
+
+def post_balance_policies(value, model: MLLMConfig) -> dict[str, str]:
+    """`Loader.post_balance_policy`: one OrchMLLM algorithm for every phase, or a dict unit
+    -> algorithm (units left out use "sum"): "sum" (Algorithm 1, unpadded linear cost),
+    "padded" (Algorithm 2), "sum_square" (Algorithm 4, attention-heavy), "conv" (Algorithm
+    5); OrchMLLM picks per phase by its cost model (OrchMLLM §5.1, Appendix A)."""
+    return _per_unit(value, model, "Loader.post_balance_policy", POST_BALANCE_POLICIES, "sum")

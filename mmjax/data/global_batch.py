@@ -1,0 +1,274 @@
+"""One global batch (no JAX): the builder that selects a step's samples from the seeded
+shuffle (skipping bad ones), plans it (data/batch_plan.py) and materialises this host's
+share; what it returns (`GlobalBatch`, `Microbatch`, `GlobalSamples`). Steps 1 and 4 of
+data/loader.py's docstring."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from mmjax.data.layout import AssemblyLayout, check_sample, check_shapes
+from mmjax.data.assemble import Batch, assemble
+from mmjax.data.feed import microbatch_feed
+from mmjax.data.sample import FIRST_TEXT_ID, Sample, Segment
+from mmjax.data.synthetic import Spec
+from mmjax.errors import UserError
+from mmjax.models.config import MLLMConfig
+from mmjax.planner.hardware import H100, Hardware
+from mmjax.planner.plan import Plan
+from mmjax.data.batch_plan import (MicrobatchPlan, NodeWise, plan_global_batch,
+                                   post_balance_policies)
+from mmjax.data.records import DecodeError, sample_name, source_problem
+
+
+@dataclass
+class Microbatch:
+    """`inputs[(unit, rank)]`: for an encoder unit, that encoder's input arrays
+    (`Batch.encoders[e]`); for "llm", the Batch (LLM side, gather_<e>, generator fields;
+    no encoder pixels). Only pairs this host owns are present."""
+
+    plan: MicrobatchPlan
+    inputs: dict[tuple[str, int], object]
+
+
+@dataclass
+class GlobalBatch:
+    step: int
+    sample_ids: list[int]  # dataset indices, global batch order
+    microbatches: list[Microbatch]  # in execution order
+    skipped_samples: int
+    skip_reasons: dict[str, int]
+    num_target_tokens: int  # global normaliser, from metadata
+    num_gen_elements: int
+    decode_failures: int = 0  # samples blanked at materialisation on this host
+    plan_seconds: float = 0.0
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (sample name, reason)
+
+
+@dataclass
+class GlobalSamples:
+    """One global batch as samples (`GlobalBatchBuilder.samples`), before any planning."""
+    step: int
+    sample_ids: list[int]
+    samples: list[Sample]  # decode failures blanked (fully masked), ids in `failed`
+    failed: set[int]
+    skipped_samples: int
+    skipped: list[tuple[str, str]]
+
+
+def owned_ranks(plan: Plan, unit: str, host_id: int, num_hosts: int) -> list[int]:
+    """DP ranks of `unit` with a device on this host (devices split over hosts in contiguous
+    blocks, as jax.devices() orders them across processes)."""
+    u = plan.unit(unit)
+    per_host = -(-plan.num_devices // num_hosts)
+    out = []
+    for d in range(u.dp):
+        g = u.cp * u.tp
+        devs = [x for idx in plan.stage_devices()[unit] for x in idx[d * g:(d + 1) * g]]
+        if any(x // per_host == host_id for x in devs):
+            out.append(d)
+    return out
+
+
+def _blank(spec: Spec, sample_id: int) -> Sample:
+    segs = []
+    for mod, shape, k, *_ in spec:
+        if mod == "text":  # fully masked: a blank trains nothing, on either path
+            segs.append(Segment("text", np.full(shape, FIRST_TEXT_ID, np.int32),
+                                loss_mask=np.zeros(shape, bool)))
+        else:
+            segs.append(Segment(mod, np.zeros(shape, np.float32), k))
+    return Sample(sample_id, tuple(segs))
+
+
+def mask_out_failed(batch: Batch, samples: list[Sample], failed: set[int]) -> None:
+    """Drop the loss of blanked samples (their shapes stay, so routes stay valid)."""
+    g = 0
+    for s, (row, doc) in zip(samples, batch.doc_index):
+        n_out = sum(seg.modality == "image_out" for seg in s.segments)
+        if s.id in failed:
+            m = batch.doc[row] == doc
+            batch.loss_mask[row, m] = 0.0
+            batch.targets[row, m] = 0
+            if batch.gen is not None:
+                batch.gen["gen_valid"][g:g + n_out] = 0.0
+        g += n_out
+    batch.num_target_tokens = int(batch.loss_mask.sum())
+    if batch.gen is not None:
+        per = batch.gen["gen_latents"].shape[1] * batch.gen["gen_latents"].shape[2]
+        batch.num_gen_elements = int(batch.gen["gen_valid"].sum()) * per
+
+
+class GlobalBatchBuilder:
+    """step -> GlobalBatch; pure function of (source, seed, step), picklable for workers."""
+
+    def __init__(self, source, model: MLLMConfig, plan: Plan, layout: AssemblyLayout,
+                 policies: dict[str, str], post_balance_policy="sum",
+                 ranks_per_node: int = 0, seed: int = 0, reserve: int | None = None,
+                 shuffle: bool = True, host_id: int = 0, num_hosts: int = 1,
+                 feeds: bool = False, cp_method: str = "lpt", cp_block: int = 128,
+                 node_wise: NodeWise | None = None, hardware: Hardware = H100):
+        self.source, self.model, self.plan, self.layout = source, model, plan, layout
+        # feeds=True: materialise each microbatch as a data/feed.py MicrobatchFeed (all
+        # units and ranks, part maps included) for the pipeline runtime, instead of Batches.
+        self.feeds, self.cp_method, self.cp_block = feeds, cp_method, cp_block
+        self.policies = policies
+        self.algo = post_balance_policies(post_balance_policy, model)
+        self.node_wise = node_wise or NodeWise(ranks_per_node)
+        self.hardware = hardware
+        self.seed, self.shuffle = seed, shuffle
+        self.reserve = max(2, plan.global_batch // 4) if reserve is None else reserve
+        self.host_id, self.num_hosts = host_id, num_hosts
+        self.owned = {u: owned_ranks(plan, u, host_id, num_hosts) for u in model.unit_names
+                      if u != "generator"}
+        self.floor = None  # FeedShapes every feed is padded to (`scan_floor`)
+
+    def scan_floor(self, steps: int):
+        """The union of the feed shapes of global batches 0 .. steps-1, from the samples'
+        shapes alone (blank samples, nothing decoded). Always from step 0, so a resumed run
+        pads exactly as the uninterrupted one did."""
+        self.floor, floor = None, None
+        for step in range(steps):
+            try:
+                idx, specs, _ = self.select(step)
+            except UserError:  # too few usable samples: that step raises if it is reached
+                continue
+            metas = [self.layout.rules.meta_from_shapes(i, s) for i, s in zip(idx, specs)]
+            for mp in plan_global_batch(metas, self.model, self.plan, self.layout,
+                                        self.policies, self.algo, node_wise=self.node_wise,
+                                        hardware=self.hardware):
+                feed = self._feed(mp, lambda p: _blank(specs[p], idx[p]))
+                floor = feed.shapes.union(floor)
+        return floor
+
+    def candidates(self, step: int) -> list[int]:
+        """Dataset indices at positions [step*W, (step+1)*W) of the stream: epoch e is a
+        seeded permutation (grain's Feistel `index_shuffle`, O(1) per index, no table)."""
+        from grain.experimental import index_shuffle
+        w = self.plan.global_batch + self.reserve
+        n = len(self.source)
+        out = []
+        for pos in range(step * w, (step + 1) * w):
+            epoch, i = divmod(pos, n)
+            if self.shuffle:
+                i = index_shuffle(index=i, max_index=n - 1,
+                                  seed=(self.seed * 1_000_003 + epoch) % (1 << 32), rounds=4)
+            out.append(int(i))
+        return out
+
+    def select(self, step: int, skipped: list | None = None):
+        """(indices, specs, skip reasons) of the first `global_batch` usable candidates;
+        (sample name, reason) of each skipped one is appended to `skipped`. A source may
+        name a sample's problem up front (`problem(i)`: a missing image, say)."""
+        gb = self.plan.global_batch
+        idx, specs, reasons = [], [], {}
+        for i in self.candidates(step):
+            if len(idx) == gb:
+                break
+            spec = self.source.spec(i)
+            why = source_problem(self.source, i) or check_shapes(spec, self.layout)
+            if why:
+                kind = why.split(":")[0]
+                reasons[kind] = reasons.get(kind, 0) + 1
+                if skipped is not None:
+                    skipped.append((sample_name(self.source, i), why))
+            else:
+                idx.append(i)
+                specs.append(spec)
+        if len(idx) < gb:
+            raise UserError(f"global batch {step}: only {len(idx)} of {gb + self.reserve} "
+                            f"candidates are usable ({reasons}); raise `reserve`")
+        return idx, specs, reasons
+
+    def _feed(self, mp: MicrobatchPlan, get):
+        """The microbatch as the pipeline runtime's feed, with this plan's rank assignments."""
+
+        where = {p: i for i, p in enumerate(mp.positions)}
+        assignments = {u: [[where[p] for p in r] for r in ranks] for u, ranks in mp.ranks.items()}
+        dp = {u.name: u.dp for u in self.plan.units}
+        return microbatch_feed([get(p) for p in mp.positions], self.layout, dp, assignments,
+                               cp=self.plan.unit("llm").cp, cp_method=self.cp_method,
+                               cp_block=self.cp_block, floor=self.floor)
+
+    def _getter(self, idx, specs, metas, skipped: list, failed: set):
+        """position -> its sample, loaded once; a sample that fails to decode (or decodes to
+        other shapes than its index says) is named in `skipped`, added to `failed` and
+        replaced by a blank of its shapes that trains nothing."""
+        loaded: dict[int, Sample] = {}
+
+        def get(p):
+            if p not in loaded:
+                try:
+                    s = self.source.load(idx[p])
+                    bad = check_sample(s, self.layout)
+                    if bad or self.layout.rules.meta(s) != metas[p]:
+                        raise DecodeError(bad or "decoded shapes differ from the index")
+                except DecodeError as e:
+                    skipped.append((sample_name(self.source, idx[p]), str(e)))
+                    s = _blank(specs[p], idx[p])
+                    failed.add(idx[p])
+                loaded[p] = s
+            return loaded[p]
+        return get
+
+    def samples(self, step: int) -> GlobalSamples:
+        """Global batch `step` as its samples, in global batch order, selected and decoded
+        exactly as `__call__` does (the single-program trainer's data: the same samples,
+        skips and blanks as every plan's)."""
+        skipped: list[tuple[str, str]] = []
+        idx, specs, reasons = self.select(int(step), skipped)
+        metas = [self.layout.rules.meta_from_shapes(i, s) for i, s in zip(idx, specs)]
+        failed: set[int] = set()
+        get = self._getter(idx, specs, metas, skipped, failed)
+        samples = [get(p) for p in range(len(idx))]
+        if failed:
+            reasons["decode"] = reasons.get("decode", 0) + len(failed)
+        return GlobalSamples(int(step), idx, samples, failed, sum(reasons.values()), skipped)
+
+    def __call__(self, step: int) -> GlobalBatch:
+        t0 = time.perf_counter()
+        skipped: list[tuple[str, str]] = []
+        idx, specs, reasons = self.select(int(step), skipped)
+        metas = [self.layout.rules.meta_from_shapes(i, s) for i, s in zip(idx, specs)]
+        mb_plans = plan_global_batch(metas, self.model, self.plan, self.layout, self.policies,
+                                     self.algo, node_wise=self.node_wise,
+                                     hardware=self.hardware)
+        t_plan = time.perf_counter() - t0
+        failed: set[int] = set()
+        get = self._getter(idx, specs, metas, skipped, failed)
+
+        mbs = []
+        for mp in mb_plans:
+            if self.feeds:
+                mbs.append(Microbatch(mp, {"feed": self._feed(mp, get)}))
+                continue
+            inputs = {}
+            for unit, ranks in mp.ranks.items():
+                if unit == "generator":
+                    continue
+                for r in self.owned[unit]:
+                    samples = [get(p) for p in ranks[r]]
+                    if unit == "llm":
+                        b = assemble(samples, self.layout, mp.shapes["llm"], encoder_inputs=False)
+                        if failed:
+                            mask_out_failed(b, samples, failed)
+                        inputs[(unit, r)] = b
+                    else:
+                        b = assemble(samples, self.layout, mp.shapes[unit])
+                        inputs[(unit, r)] = b.encoders[unit]
+            mbs.append(Microbatch(mp, inputs))
+        gen = self.layout.gen
+        n_gen = sum(m.count("image_out") for m in metas) * (gen.num_patches * gen.patch_dim
+                                                              if gen else 0)
+        if failed:
+            reasons["decode"] = reasons.get("decode", 0) + len(failed)
+        return GlobalBatch(int(step), idx, mbs, sum(reasons.values()), reasons,
+                           sum(m.num_targets for m in metas), n_gen, len(failed), t_plan,
+                           skipped)
+
+
+# ---------------------------------------------------------------------------------------
+# The grain pipeline
+# ---------------------------------------------------------------------------------------
