@@ -8,7 +8,8 @@ import sys
 import numpy as np
 import pytest
 
-from mmjax.planner.orchestrate import Orchestrator, RelaxedProblem, orchestrate
+from mmjax.planner.orchestrate import Orchestrator, orchestrate
+from mmjax.planner.relaxed_problem import RelaxedProblem
 from mmjax.planner.relax import solve_relaxed
 
 ROOT = os.path.join(os.path.dirname(__file__), os.pardir)

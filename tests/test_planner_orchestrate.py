@@ -9,8 +9,9 @@ from mmjax.planner.costs import UnitCost
 from mmjax.planner.evaluate import (Choice, choice_error, evaluate, stage_time, sync_time,
                                     warmup_time)
 from mmjax.planner.hardware import Hardware
-from mmjax.planner.orchestrate import (GPU_TOLERANCE, Orchestrator, RelaxedProblem, divisors,
-                                      orchestrate, smallest_plan)
+from mmjax.planner.orchestrate import GPU_TOLERANCE, Orchestrator, divisors, orchestrate
+from mmjax.planner.relaxed_problem import RelaxedProblem
+from mmjax.planner.infeasible import smallest_plan
 from mmjax.planner.plan import PlanError
 
 HW = Hardware("test", peak_flops=1e14, hbm_bytes=40e9, nvlink_bw=2e11, nic_bw=2.5e10)

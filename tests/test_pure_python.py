@@ -42,6 +42,8 @@ PURE = (
     "mmjax.planner.relax",
     "mmjax.planner.repair",
     "mmjax.planner.orchestrate",
+    "mmjax.planner.infeasible",
+    "mmjax.planner.relaxed_problem",
     "mmjax.data.data_spec",
     "mmjax.planner.measured",
     "mmjax.data.node_milp",

@@ -1,46 +1,10 @@
 """Disaggregated model orchestration: DistTrain §5.2, Algorithm 1 (no JAX).
 
-The non-convex problem (GPU counts, TP, DP, PP of every unit) is cut into convex ones by
-enumerating the finite "parallelism" part: TP in {1, 2, 4, 8} per unit and the LLM's DP as a
-factor of the global batch. For each candidate, a *parameterised* cvxpy problem (built once
-per number of units, DPP, re-solved with new parameter values) minimises the relaxed
-T_warmup + T_steady (+ DP sync) over continuous GPU counts x_u, one per unit (Eq. 1-2):
-
-    min (m-1) tau + sum_u [k_u x_u + max(C_u, c_u / x_u)] + s
-    s.t. c_u / x_u <= tau,  e_u / x_u <= s,  lo_u <= x_u <= hi_u,  sum_u x_u <= N
-
-with c_u = DP_llm TP_u C_u(TP_u) (stage time = c_u / x_u), k_u the PP-communication slope,
-max(C_u, c_u / x_u) the warm-up of a unit whose DP_u <= DP_llm is free (the LLM's is the
-constant C_llm / VPP), e_u the LLM's ZeRO-1 sync volume and lo_u the memory constraint as a
-lower bound on x_u (weights, grads and ZeRO-1 states are 1/x terms; 1F1B activations are
-constant per GPU). Every term is a valid lower bound, so the optimum bounds every integer
-plan of the candidate.
-
-Candidates are visited in order of a cheaper bound (the LLM's PP enumerated exactly over
-the divisors of its layers, the other units sharing the remaining GPUs in closed form) and
-skipped once a bound cannot beat the incumbent. Integer repair checks the neighbours of the
-relaxed optimum: per unit and per DP_u dividing DP_llm, the PP values around
-x_u / (TP_u DP_u), the fewest stages that fit in memory, the PP meeting the relaxed
-stage time and the PP bringing the unit's DP sync under the relaxed one (the relaxation
-prices only the LLM's sync: a unit's depends on its free DP_u); LLM PP dividing its layers,
-with VPP 2 where it applies (§5.2, warm-up / VPP); the best combination within N GPUs,
-priced exactly by `evaluate`.
-
-Two methods, same plan (tests/test_planner_fast.py): "fast" (default) bounds every candidate
-at once with numpy (candidates.py), solves the relaxations exactly in closed form, a batch
-of candidates at a time (relax.py), and prices the integer neighbourhoods vectorised
-(repair.py); "cvxpy" is the formulation of record described here (scalar bounds, the DPP
-problem re-solved per candidate; cvxpy is imported only then).
-
-Tie-break (`GPU_TOLERANCE`): DistTrain §5.1 minimises the iteration time alone, which spends
-every GPU that buys any time at all; a frozen encoder (no DP sync, small warm-up) then takes
-twice the GPUs for a fraction of a percent. Among the plans within T* (1 + eps) of the least
-time T*, the planner returns the one with the fewest GPUs in total (then the fastest of
-those): candidates are bounded against T* (1 + eps) and every repaired neighbourhood keeps
-its (GPUs, time) Pareto front. The spare GPUs are left unused, and the LLM's share of the
-used GPUs grows when encoders are frozen, the direction DistTrain §8.3.1 reports.
-tests/test_planner_orchestrate.py checks T* and the tie-broken plan against exhaustive
-integer search with the same rule.
+Enumerate the parallelism part (TP per unit, the LLM's DP), bound and solve the convex
+relaxation over continuous GPU counts per candidate, skip candidates whose bound cannot win,
+repair the relaxed optimum to integers and price the neighbours exactly; among plans within
+`GPU_TOLERANCE` of the least time take the one with the fewest GPUs. The formulation, the
+bounds, the repair and the tie-break: docs/design.md "The planner".
 """
 from __future__ import annotations
 
@@ -52,13 +16,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mmjax.planner.candidates import candidate_table, divisors, share_bound, valid_pps
+from mmjax.planner.candidates import candidate_table, divisors, share_bound
 from mmjax.planner.costs import UnitCost
-from mmjax.planner.evaluate import (Choice, choice_error, evaluate, memory_bytes, p2p_time,
-                                    stage_time, sync_time, warmup_time)
+from mmjax.planner.evaluate import Choice, choice_error, evaluate, p2p_time, sync_time, warmup_time
 from mmjax.planner.hardware import Hardware
 from mmjax.planner.plan import PlanError
+from mmjax.planner.infeasible import infeasible_message, smallest_plan
 from mmjax.planner.relax import solve_relaxed
+from mmjax.planner.relaxed_problem import RelaxedProblem
 from mmjax.planner.repair import OptionTable, combine
 
 
@@ -68,60 +33,6 @@ GPU_TOLERANCE = 0.01
 
 
 METHODS = ("fast", "cvxpy")
-
-
-class RelaxedProblem:
-    """The DPP-parameterised convex relaxation for k units; build once, re-solve often."""
-
-    def __init__(self, k: int):
-        import cvxpy as cp  # the formulation of record; cvxpy imports jax: load it on use
-
-        self.k = k
-        self.x = cp.Variable(k)
-        self.tau = cp.Variable(nonneg=True)
-        self.s = cp.Variable(nonneg=True)
-        self.c = cp.Parameter(k, nonneg=True)
-        self.e = cp.Parameter(k, nonneg=True)
-        self.slope = cp.Parameter(k, nonneg=True)
-        self.lo = cp.Parameter(k, nonneg=True)
-        self.hi = cp.Parameter(k, nonneg=True)
-        self.n = cp.Parameter(nonneg=True)
-        self.mm = cp.Parameter(nonneg=True)
-        self.w = cp.Parameter(k, nonneg=True)  # warm-up floor C_u (0 for the LLM)
-        self.wc = cp.Parameter(k, nonneg=True)  # c_u for units whose DP is free, else 0
-        inv = cp.inv_pos(self.x)
-        cons = [cp.multiply(self.c, inv) <= self.tau, cp.multiply(self.e, inv) <= self.s,
-                self.x >= self.lo, self.x <= self.hi, cp.sum(self.x) <= self.n]
-        # warm-up of a unit with DP_u <= DP_llm: (DP_llm / DP_u) C_u >= max(C_u, c_u / x_u)
-        warm = cp.sum(cp.maximum(self.w, cp.multiply(self.wc, inv)))
-        obj = cp.Minimize(self.mm * self.tau + self.slope @ self.x + self.s + warm)
-        self.problem = cp.Problem(obj, cons)
-        assert self.problem.is_dpp()
-
-    def solve(self, c, e, slope, lo, hi, n, mm, w=None, wc=None
-              ) -> tuple[float, np.ndarray] | None:
-        """Optimum and x of the relaxation; `w`, `wc` (default 0) add the warm-up floor."""
-        import cvxpy as cp
-
-        if np.sum(lo) > n or np.any(lo > hi):
-            return None
-        zero = np.zeros(self.k)
-        self.w.value = zero if w is None else w
-        self.wc.value = zero if wc is None else wc
-        self.c.value, self.e.value, self.slope.value = c, e, slope
-        self.lo.value, self.hi.value = lo, hi
-        self.n.value, self.mm.value = float(n), float(mm)
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                self.problem.solve(solver=cp.CLARABEL)
-        except cp.error.SolverError:
-            return None
-        if self.problem.status not in (cp.OPTIMAL, cp.OPTIMAL_INACCURATE):
-            return None
-        # an inaccurate optimum is not a safe bound: report -inf so nothing is pruned on it
-        value = float(self.problem.value) if self.problem.status == cp.OPTIMAL else -math.inf
-        return value, np.asarray(self.x.value, dtype=np.float64)
 
 
 @dataclass(frozen=True)
@@ -383,85 +294,6 @@ class Orchestrator:
         self._front, self._priced = [], {}
         return OrchestrationResult(best, best_t, time.perf_counter() - start, len(cands),
                                    relaxations, repairs, optimal_t)
-
-
-def _fewest_gpus_choice(cost: UnitCost, hw: Hardware, dp_llm: int, m: int, is_llm: bool):
-    """The unit's choice (VPP 1) with the fewest GPUs that fits in memory, or None."""
-    valid, best = valid_pps(cost), None
-    for tp in sorted(cost.time_s):
-        for dp in ([dp_llm] if is_llm else divisors(dp_llm)):
-            lo, hi = 0, len(valid)  # memory falls as PP grows: bisect the fewest stages
-            while lo < hi:
-                mid = (lo + hi) // 2
-                if memory_bytes(cost, Choice(tp, dp, valid[mid]), dp_llm, m) <= hw.hbm_bytes:
-                    hi = mid
-                else:
-                    lo = mid + 1
-            if lo < len(valid):
-                ch = Choice(tp, dp, valid[lo])
-                key = (ch.gpus, stage_time(cost, ch, dp_llm))
-                if best is None or key < best[0]:
-                    best = (key, ch)
-    return None if best is None else best[1]
-
-
-def smallest_plan(costs, hw: Hardware, bs: int) -> tuple[int, dict[str, Choice]] | None:
-    """(GPUs, choices) of the plan with the fewest GPUs that fits in memory (any LLM DP
-    dividing the global batch; the fastest of equals), or None when some unit fits nowhere.
-    Units only share the GPU budget, so the fewest per unit add up to the fewest in all."""
-    best = None
-    for dp_llm in divisors(bs):
-        m = bs // dp_llm
-        chs = {c.name: _fewest_gpus_choice(c, hw, dp_llm, m, c.name == "llm") for c in costs}
-        if any(ch is None for ch in chs.values()):
-            continue
-        g = sum(ch.gpus for ch in chs.values())
-        if best is None or g < best[0]:
-            best = (g, chs)
-        elif g == best[0]:
-            if (evaluate(costs, chs, bs, hw).iteration_time_s
-                    < evaluate(costs, best[1], bs, hw).iteration_time_s):
-                best = (g, chs)
-    return best
-
-
-def _describe(choices: dict[str, Choice]) -> str:
-    return "; ".join(f"{k} tp={c.tp} dp={c.dp} pp={c.pp}" for k, c in choices.items())
-
-
-def infeasible_message(costs, hw: Hardware, n: int, bs: int) -> str:
-    """Say what is short and by how much: memory per GPU (a unit that fits on no
-    parallelisation), or the GPU count (the smallest plan that also fits in memory)."""
-    have = hw.hbm_bytes / 1e9
-    sp = smallest_plan(costs, hw, bs)
-    if sp is None:
-        for c in costs:
-            t, pp = max(c.time_s), valid_pps(c)[-1]
-            # least memory: most TP and stages, one sample per rank, DP for ZeRO-1
-            mem = min(memory_bytes(c, Choice(t, d, pp), d, bs // d) for d in divisors(bs)) / 1e9
-            if mem > have:
-                return (f"unit {c.name!r} needs {mem:.1f} GB per GPU even at tp={t}, pp={pp}; "
-                        f"have {have:.0f} GB: {mem - have:.1f} GB short per GPU: use "
-                        f"activation recomputation or GPUs with more memory")
-        return (f"no LLM DP dividing global_batch={bs} fits every unit in {have:.0f} GB per "
-                f"GPU: change the global batch, use activation recomputation or GPUs with "
-                f"more memory")
-    g, chs = sp
-    if g <= n:
-        return (f"nothing is short: the smallest plan that fits in memory needs {g} of the "
-                f"{n} GPUs ({_describe(chs)})")
-    msg = (f"too few GPUs: the smallest plan that fits in memory needs {g} GPUs "
-           f"({_describe(chs)}); have {n}: add {g - n} GPU{'s' if g - n > 1 else ''}")
-    llm = next(c for c in costs if c.name == "llm")
-    tp = max(llm.time_s)
-    others = sum(ch.gpus for k, ch in chs.items() if k != "llm")
-    pps = [p for p in valid_pps(llm) if tp * p + others <= n]
-    if pps:  # why fewer do not do: the LLM at the most stages the GPUs leave it
-        mem = memory_bytes(llm, Choice(tp, 1, pps[-1]), 1, bs) / 1e9
-        if mem > have:
-            msg += (f" (with {n} GPUs the LLM gets at most pp={pps[-1]} at tp={tp} and needs "
-                    f"{mem:.1f} GB per GPU; have {have:.0f} GB)")
-    return msg
 
 
 def orchestrate(costs: tuple[UnitCost, ...], hw: Hardware, num_gpus: int, global_batch: int,

@@ -1,7 +1,7 @@
 """Closed-form solver of the orchestrator's convex relaxation (DistTrain §5.2), batched over
 candidates, in numpy (no JAX, no cvxpy).
 
-The problem of record is `orchestrate.RelaxedProblem` (cvxpy, DPP): over continuous GPU
+The problem of record is `relaxed_problem.RelaxedProblem` (cvxpy, DPP): over continuous GPU
 counts x_u, one per unit,
 
     min M tau + s + sum_u [slope_u x_u + max(w_u, wc_u / x_u)]
