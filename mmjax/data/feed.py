@@ -147,48 +147,81 @@ def microbatch_feed(samples: list[Sample], layout: AssemblyLayout, dp: dict[str,
         if reason:
             raise ValueError(f"sample {s.id} cannot be assembled ({reason}); skip bad samples "
                              "before forming microbatches (the loader does)")
-    metas = [layout.rules.meta(s) for s in samples]
+    build = _FeedBuilder(samples, layout, dp, groups, floor or FeedShapes())
     feed = MicrobatchFeed()
-    floor = floor or FeedShapes()
-    unit_shapes, part_shapes = {}, {}
+    llm_b = build.batches("llm", False)
+    for slot in layout.encoders:
+        build.encoder(feed, slot.name, llm_b)
+    llm_fields = ("tokens", "targets", "loss_mask", "positions", "doc", "sub")
+    feed.llm = _stack([{**{k: getattr(bt, k) for k in llm_fields},
+                        "bam": bt.bam.astype(np.int32),
+                        **{f"gather_{e}": g for e, g in bt.gather.items()}} for bt in llm_b])
+    feed.num_target_tokens = sum(bt.num_target_tokens for bt in llm_b)
+    if layout.gen is not None and "generator" in dp:
+        build.generator(feed, llm_b)
+    if cp > 1:
+        feed.llm = cp_layout(feed.llm, cp, cp_method, cp_block)
+    feed.shapes = FeedShapes(tuple(sorted(build.unit_shapes.items())),
+                             tuple(sorted((n, *v) for n, v in build.part_shapes.items())))
+    return feed
 
-    def batches(unit, enc_inputs):
-        gs = groups[unit]
-        shapes = _max_batch_shapes(batch_shapes([[metas[s] for s in g] for g in gs], layout),
-                                   floor.unit(unit))
-        unit_shapes[unit] = shapes
-        return [assemble([samples[s] for s in g], layout, shapes=shapes,
+
+class _FeedBuilder:
+    """One microbatch's per-rank batches and the parts that move between units (encoder
+    outputs to the LLM ranks that read them, LLM states to the generator ranks)."""
+
+    def __init__(self, samples, layout: AssemblyLayout, dp: dict, groups: dict,
+                 floor: FeedShapes):
+        self.samples, self.layout, self.dp, self.groups, self.floor = (
+            samples, layout, dp, groups, floor)
+        self.metas = [layout.rules.meta(s) for s in samples]
+        self.unit_shapes, self.part_shapes = {}, {}
+        self.llm_pos = {s: (j, k) for j, g in enumerate(groups["llm"]) for k, s in enumerate(g)}
+
+    def batches(self, unit: str, enc_inputs: bool) -> list:
+        """One assembled batch per dp rank of `unit`, all at the unit's common shapes."""
+        gs = self.groups[unit]
+        shapes = _max_batch_shapes(
+            batch_shapes([[self.metas[s] for s in g] for g in gs], self.layout),
+            self.floor.unit(unit))
+        self.unit_shapes[unit] = shapes
+        return [assemble([self.samples[s] for s in g], self.layout, shapes=shapes,
                          encoder_inputs=enc_inputs) for g in gs]
 
-    llm_b = batches("llm", False)
-    b = dp["llm"]
-    llm_pos = {s: (j, k) for j, g in enumerate(groups["llm"]) for k, s in enumerate(g)}
-    for slot in layout.encoders:
-        e = slot.name
-        enc_b = batches(e, True)
+    def _route(self, name: str, per_pair: dict, src: int, dst: int):
+        """(routes, slots, cap, pack) of the parts `per_pair[(src rank, dst rank)]`."""
+        low_cap, *low_slots = self.floor.part(name)
+        routes, slots = _part_map(per_pair, src, dst, tuple(low_slots))
+        cap = max(_pow2(max([len(v) for v in per_pair.values()] or [1])), low_cap)
+        self.part_shapes[name] = (cap, routes.src_slots, routes.dst_slots)
+        pack = np.full((src, routes.src_slots, cap), -1, np.int32)
+        for pair, items in per_pair.items():
+            pack[pair[0], slots["src"][pair], :len(items)] = items
+        return routes, slots, cap, pack
+
+    def encoder(self, feed: MicrobatchFeed, e: str, llm_b: list) -> None:
+        """Encoder `e`'s inputs per rank, its outputs' routes to the LLM ranks, and the LLM
+        batches' `gather_<e>` rewritten to index the received parts."""
+        groups = self.groups
+        enc_b = self.batches(e, True)
         enc_pos = {s: (i, k) for i, g in enumerate(groups[e]) for k, s in enumerate(g)}
 
-        def tokens_of(s, e=e, enc_b=enc_b, enc_pos=enc_pos):
+        def tokens_of(s):
             i, k = enc_pos[s]
             bt = enc_b[i]
             row, cols = _doc_positions(bt, k, bt.gather[e] >= 0)
             return [int(v) for v in bt.gather[e][row, cols]]
 
         per_pair = _parts(groups[e], groups["llm"], tokens_of)
-        low_cap, *low_slots = floor.part(e)
-        routes, slots = _part_map(per_pair, dp[e], b, tuple(low_slots))
-        cap = max(_pow2(max([len(v) for v in per_pair.values()] or [1])), low_cap)
-        part_shapes[e] = (cap, routes.src_slots, routes.dst_slots)
-        pack = np.full((dp[e], routes.src_slots, cap), -1, np.int32)
+        routes, slots, cap, pack = self._route(e, per_pair, self.dp[e], self.dp["llm"])
         gathers = [np.full_like(bt.gather[e], -1) for bt in llm_b]
-        for (i, j), toks in per_pair.items():
-            pack[i, slots["src"][(i, j)], :len(toks)] = toks
         for (i, j) in per_pair:
             off = slots["dst"][(i, j)] * cap
             for s in groups["llm"][j]:
                 if enc_pos[s][0] != i:
                     continue
-                row, cols = _doc_positions(llm_b[j], llm_pos[s][1], llm_b[j].gather[e] >= 0)
+                row, cols = _doc_positions(llm_b[j], self.llm_pos[s][1],
+                                           llm_b[j].gather[e] >= 0)
                 gathers[j][row, cols] = off + np.arange(len(cols))
                 off += len(cols)
         feed.enc_inputs[e] = _stack([bt.encoders[e] for bt in enc_b])
@@ -196,17 +229,14 @@ def microbatch_feed(samples: list[Sample], layout: AssemblyLayout, dp: dict[str,
         for j, bt in enumerate(llm_b):
             bt.gather[e] = gathers[j]
 
-    llm_fields = ("tokens", "targets", "loss_mask", "positions", "doc", "sub")
-    feed.llm = _stack([{**{k: getattr(bt, k) for k in llm_fields},
-                        "bam": bt.bam.astype(np.int32),
-                        **{f"gather_{e}": g for e, g in bt.gather.items()}} for bt in llm_b])
-    feed.num_target_tokens = sum(bt.num_target_tokens for bt in llm_b)
-
-    if layout.gen is not None and "generator" in dp:
-        gen_b = batches("generator", False)
-        image_count = [m.count("image_out") for m in metas]
+    def generator(self, feed: MicrobatchFeed, llm_b: list) -> None:
+        """The generator's inputs, gathered per receiving rank in the order its parts
+        arrive from the LLM ranks, and the LLM's `gen_query` positions."""
+        groups, layout = self.groups, self.layout
+        gen_b = self.batches("generator", False)
+        image_count = [m.count("image_out") for m in self.metas]
         first_image = {}
-        for bt_j, g in zip(llm_b, groups["llm"]):
+        for g in groups["llm"]:
             k = 0
             for s in g:
                 first_image[s] = k
@@ -215,12 +245,8 @@ def microbatch_feed(samples: list[Sample], layout: AssemblyLayout, dp: dict[str,
                           lambda s: [first_image[s] + t for t in range(image_count[s])])
         # parts flow llm -> generator: swap roles (src = llm rank j, dst = gen rank i)
         per_pair = {(j, i): v for (i, j), v in per_pair.items()}
-        low_cap, *low_slots = floor.part("generator")
-        routes, slots = _part_map(per_pair, b, dp["generator"], tuple(low_slots))
-        cap = max(_pow2(max([len(v) for v in per_pair.values()] or [1])), low_cap)
-        part_shapes["generator"] = (cap, routes.src_slots, routes.dst_slots)
-        pack = np.full((b, routes.src_slots, cap), -1, np.int32)
-        c = dp["generator"]
+        c = self.dp["generator"]
+        routes, slots, cap, pack = self._route("generator", per_pair, self.dp["llm"], c)
         per_rank = routes.dst_slots * cap
         npch, pdim = layout.gen.num_patches, layout.gen.patch_dim
         gen = {"gen_latents": np.zeros((c * per_rank, npch, pdim), np.float32),
@@ -228,8 +254,7 @@ def microbatch_feed(samples: list[Sample], layout: AssemblyLayout, dp: dict[str,
                "gen_t": np.zeros((c * per_rank,), np.int32),
                "gen_valid": np.zeros((c * per_rank,), np.float32)}
         gen_pos = {s: (i, k) for i, g in enumerate(groups["generator"]) for k, s in enumerate(g)}
-        for (j, i), imgs in per_pair.items():
-            pack[j, slots["src"][(j, i)], :len(imgs)] = imgs
+        for (j, i) in per_pair:
             base = i * per_rank + slots["dst"][(j, i)] * cap
             t = 0
             for s in groups["llm"][j]:
@@ -244,11 +269,6 @@ def microbatch_feed(samples: list[Sample], layout: AssemblyLayout, dp: dict[str,
         feed.llm["gen_query"] = np.concatenate([bt.gen["gen_query"] for bt in llm_b], 0)
         feed.gen_pack, feed.gen_routes, feed.gen = pack, routes, gen
         feed.num_gen_elements = sum(bt.num_gen_elements for bt in llm_b)
-    if cp > 1:
-        feed.llm = cp_layout(feed.llm, cp, cp_method, cp_block)
-    feed.shapes = FeedShapes(tuple(sorted(unit_shapes.items())),
-                             tuple(sorted((n, *v) for n, v in part_shapes.items())))
-    return feed
 
 
 _PAD_VALUE = {"gather": -1}
