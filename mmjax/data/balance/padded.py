@@ -2,57 +2,12 @@
 padded bound with greedy packing of the sorted lengths."""
 from __future__ import annotations
 
-import bisect
 import math
 
 import numpy as np
 
+from mmjax.data.balance.kernels import least_batches
 from mmjax.data.balance.lpt import _sorted_by
-
-
-def _least_batches(v, n: int, bound: float, limit: int) -> list[int]:
-    """GETLEASTBATCHES (Algorithm 2) on ascending lengths ``v`` (a memoryview of n floats):
-    end index of each greedy batch with count * max <= bound, stopping after ``limit``
-    batches (then the list does not end at n: the bound is infeasible).
-
-    A batch from i ends at the largest j with (j - i) * v[j - 1] <= bound. Upper and lower
-    bounds on j alternate: u = i + bound // v[i] (no later item is shorter), then
-    l = i + bound // v[u - 1] is feasible and u' = i + bound // v[l] bounds j again; lengths
-    change slowly along the sorted order, so this settles in a step or two (bisection after
-    a few rounds keeps the worst case logarithmic).
-    """
-    ends: list[int] = []
-    append = ends.append
-    i = k = 0
-    while i < n and k < limit:
-        xi = v[i]
-        u = i + int(bound // xi) if xi > 0 else n
-        if u > n:
-            u = n
-        elif u <= i:
-            u = i + 1
-        if (u - i) * v[u - 1] > bound:  # u infeasible; j in [i + 1, u)
-            for _ in range(4):
-                low = i + int(bound // v[u - 1])  # feasible
-                if low >= u:
-                    low = u - 1
-                elif low <= i:
-                    low = i + 1
-                if (low + 1 - i) * v[low] > bound:
-                    u = low
-                    break
-                vl = v[low]
-                up = i + int(bound // vl) if vl > 0 else n
-                u = up if up < u else u - 1
-                if (u - i) * v[u - 1] <= bound:
-                    break
-            else:  # bisect: largest feasible j in [i + 1, u]
-                u = i + bisect.bisect_right(range(i + 1, u + 1), bound,
-                                            key=lambda e: (e - i) * v[e - 1])
-        append(u)
-        i = u
-        k += 1
-    return ends
 
 
 def _next_probe(seen: list[tuple[int, float]], d: int, lo: int, hi: int | None,
@@ -100,7 +55,6 @@ def _padded(x: np.ndarray, d: int) -> tuple[np.ndarray, np.ndarray]:
     asc, xs = _sorted_by(x, False)
     xs = np.ascontiguousarray(xs)
     n = xs.size
-    v = memoryview(xs)
     total = float(xs.sum())
     work = np.cumsum(xs)
     lo = max(int(x.max()), math.ceil(total / d), 1)
@@ -108,8 +62,8 @@ def _padded(x: np.ndarray, d: int) -> tuple[np.ndarray, np.ndarray]:
     seen: list[tuple[int, float]] = []  # (bound, batches its greedy packing needs)
     width: list[int] = []
     while True:
-        ends = _least_batches(v, n, probe, d)
-        e = np.array(ends)
+        e = least_batches(xs, float(probe), d)  # compiled GETLEASTBATCHES
+        ends = e.tolist()
         size = np.diff(e, prepend=0)
         if ends[-1] == n:  # feasible: its packing's largest cost is feasible with it
             hi, best = int((size * xs[e - 1]).max()), ends
