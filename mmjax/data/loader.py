@@ -101,6 +101,7 @@ class Loader:
             feeds=feeds, cp_method=cp_method, cp_block=cp_block, node_wise=node_wise,
             hardware=hardware_by_name(hardware))
         self.num_workers, self.prefetch, self.num_steps = num_workers, prefetch, num_steps
+        self.shape_scan_steps = shape_scan_steps
         if shape_scan_steps < 0:
             raise UserError(f"Loader.shape_scan_steps={shape_scan_steps}: use >= 0 (0: every "
                             f"microbatch at its own shapes, a compile per new shape)")

@@ -5,8 +5,10 @@ selection, skips and decode blanks: `GlobalBatchBuilder.samples`), assembled as 
 so `train.py` and `train.py --plan=...` give the same loss curve up to float reassociation.
 All `Loader.*` gin settings that choose samples (seed, shuffle, reserve) apply to both
 paths; those that place them (balance, workers, node-wise) only change where a plan
-computes them. Shapes only grow (`grow`: the trainer's high-water rule), so jit compiles a
-handful of programs per run; a grain thread decodes the next batches during the step.
+computes them. Shapes start at the high-water shapes of the first `Loader.shape_scan_steps`
+global batches (planned from metadata at start-up) and only grow (`grow`: the trainer's
+high-water rule), so jit compiles once in a usual run; a grain thread decodes the next
+batches during the step.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from mmjax.data.batch_shapes import BatchShapes
 from mmjax.data.assemble import assemble
 from mmjax.data.loader import Loader
 from mmjax.data.global_batch import mask_out_failed
+from mmjax.errors import UserError
 from mmjax.planner.plan import Plan
 
 
@@ -21,7 +24,7 @@ class LoaderBatches:
     """Iterator of (Batch, skipped [(name, reason)]); `state` / `restore` resume exactly."""
 
     def __init__(self, source, cfg, layout, global_batch: int, grow, prefetch: int = 2,
-                 shuffle: bool | None = None):
+                 shuffle: bool | None = None, scan_steps: int | None = None):
         # a one-device plan: the loader's selection depends on global_batch only;
         # `shuffle` None keeps the gin setting (evaluation passes False)
         plan = Plan.uniform(cfg, global_batch, 1)
@@ -30,8 +33,26 @@ class LoaderBatches:
         self.builder, self.layout, self.grow, self.prefetch = (
             self.loader.builder, layout, grow, prefetch)
         self.next_batch = 0
-        self.shapes: BatchShapes | None = None
+        # the high-water shapes of the first `scan_steps` (default `Loader.shape_scan_steps`)
+        # global batches, from their metadata: one compile up front instead of one per new
+        # shape met later
+        scan = self.loader.shape_scan_steps if scan_steps is None else scan_steps
+        self.floor = self._scan(min(scan, self.loader.num_steps))
+        self.shapes: BatchShapes | None = self.floor
         self._it = None
+
+    def _scan(self, steps: int) -> BatchShapes | None:
+        """Shapes grown over global batches 0 .. steps-1 (always from step 0, so a resumed
+        run starts from the same floor), from the samples' shapes alone."""
+        shapes = None
+        for step in range(steps):
+            try:
+                idx, specs, _ = self.builder.select(step)
+            except UserError:  # too few usable samples: that step raises if it is reached
+                continue
+            shapes = self.grow(shapes, [self.layout.rules.meta_from_shapes(i, s)
+                                        for i, s in zip(idx, specs)])
+        return shapes
 
     def state(self) -> dict:
         """Next global batch and the high-water shapes: a resumed run pads exactly as the
@@ -46,7 +67,7 @@ class LoaderBatches:
         self.close()
         self.next_batch = int(state["next_batch"])
         hw = state.get("shapes")
-        self.shapes = None if hw is None else BatchShapes(
+        self.shapes = self.floor if hw is None else BatchShapes(
             int(hw["rows"]), tuple((str(n), int(c), int(k)) for n, c, k in hw["encoders"]),
             int(hw["gen"]))
 

@@ -44,20 +44,27 @@ def _layout_at_least(layout: AssemblyLayout, shapes: BatchShapes | None) -> Asse
     return dataclasses.replace(layout, **kw)
 
 
+SHAPE_SCAN_MAX = 1024  # global batches whose shapes a run scans at start-up (metadata only)
+
+
 class SingleProgram:
     """Plain jit of the whole model on the default device (the parity reference). Reads
     the global batches every plan reads (train/single_data.py: the pipeline path's loader
     over a real source, `loader_source.path` or the synthetic set), whole."""
 
     def __init__(self, cfg, layout, global_batch, schedule, dtype, seed, source=None,
-                 attention_impl="auto", pretrained=None):
+                 attention_impl="auto", pretrained=None, steps: int | None = None):
+        """`steps`: the run's length; the batch shapes are scanned (from metadata) over up to
+        `SHAPE_SCAN_MAX` of its global batches up front, so the step compiles once."""
         from mmjax.train.single_data import LoaderBatches
 
         def grow(shapes, metas):
             return high_water(shapes, lambda hw: batch_shapes(
                 [metas], _layout_at_least(layout, hw)))
         self.data = LoaderBatches(source if source is not None else train_source(cfg), cfg,
-                                  layout, global_batch, grow)
+                                  layout, global_batch, grow,
+                                  scan_steps=None if steps is None else min(steps,
+                                                                            SHAPE_SCAN_MAX))
         self.cfg = cfg
         mdl = MultimodalModel(cfg, jax.random.key(seed))
         if pretrained:
@@ -65,7 +72,10 @@ class SingleProgram:
             load_into_model(mdl, pretrained.get("llm"), encoders)
         graphdef, trainable, frozen = split_model(mdl, trainable_filter(cfg))
         tx = optimizer_from_settings(schedule)
-        self.state = TrainState(jnp.zeros((), jnp.int32), trainable, frozen, tx.init(trainable))
+        # committed to the device as a restored checkpoint's arrays are, so a fresh run and
+        # its resume lower to the same program (one persistent-cache entry, no recompile)
+        self.state = jax.device_put(TrainState(jnp.zeros((), jnp.int32), trainable, frozen,
+                                               tx.init(trainable)), jax.devices()[0])
         self.step_fn = make_train_step(graphdef, tx, dtype, attention_impl,
                                        layout.llm_mask_family)
         self.graphdef, self.dtype, self.global_batch, self.eval_fn = graphdef, dtype, global_batch, None

@@ -133,7 +133,7 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
         the_plan = None
         layout, source = layout_and_source(cfg, tok)
         runner = SingleProgram(cfg, layout, global_batch, schedule, dtype, seed, source,
-                               attention_impl or "auto", dirs)
+                               attention_impl or "auto", dirs, steps)
     else:
         the_plan, cfg = _the_plan(plan, cfg, tok, dirs, global_batch, attention_impl)
         layout, source = layout_and_source(cfg, tok)
