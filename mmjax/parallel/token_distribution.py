@@ -23,7 +23,6 @@ No JAX here: the distribution is planned on the host from metadata only.
 """
 from __future__ import annotations
 
-import dataclasses
 import heapq
 
 import numpy as np
@@ -34,23 +33,22 @@ FAMILIES = ("causal", "prepended", "embedded", "packing")
 _FAMILY_ALIASES = {"ep": "prepended", "ee": "embedded", "mp": "packing"}
 
 
-@dataclasses.dataclass(frozen=True)
 class BitfieldMask:
     """Per-token BAM metadata of one row (Cornstarch §4.3.1); the rule is `allowed` below.
 
     bam: int64 bitfield (bit 0 = text, bit i+1 = modality i, 0 = padding); doc: 1-based packed
     document id (0 = padding); sub: 1-based modality-subsequence id, unique per image/clip in
     the row (0 for text and padding). A token's global index is its position in the row.
+    Built once from any integer sequences (checked, converted); read-only by convention.
     """
 
-    bam: np.ndarray
-    doc: np.ndarray
-    sub: np.ndarray
+    __slots__ = ("bam", "doc", "sub")
 
-    def __post_init__(self):
+    def __init__(self, bam, doc, sub):
         arrays = {}
-        for name, dtype in (("bam", np.int64), ("doc", np.int32), ("sub", np.int32)):
-            a = np.asarray(getattr(self, name))
+        for name, dtype, value in (("bam", np.int64, bam), ("doc", np.int32, doc),
+                                   ("sub", np.int32, sub)):
+            a = np.asarray(value)
             if a.ndim != 1:
                 raise ValueError(f"BitfieldMask.{name} must be 1-D (one row), got shape {a.shape}")
             if not np.issubdtype(a.dtype, np.integer):
@@ -61,8 +59,7 @@ class BitfieldMask:
         if not arrays["bam"].shape == arrays["doc"].shape == arrays["sub"].shape:
             raise ValueError("BitfieldMask.bam, .doc and .sub must have the same length, got "
                              f"{arrays['bam'].shape}, {arrays['doc'].shape}, {arrays['sub'].shape}")
-        for name, a in arrays.items():
-            object.__setattr__(self, name, a)
+        self.bam, self.doc, self.sub = arrays["bam"], arrays["doc"], arrays["sub"]
 
     @property
     def seq_len(self) -> int:

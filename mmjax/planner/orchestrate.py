@@ -153,8 +153,8 @@ class Orchestrator:
             return None
         best_t, idx, front = out
         picked = [(tb, flat) for tb, (_, flat) in zip(tables, opts)]
-        self._front.append(front + (picked,))  # where the GPU tie-break starts
-        return best_t, self._choices(picked, idx)
+        # the neighbourhood's (gpus, time) Pareto front: where the GPU tie-break starts
+        return best_t, self._choices(picked, idx), front + (picked,)
 
     def _choices(self, picked, idx) -> dict[str, Choice]:
         return {self.costs[i].name: tb.choice(flat[j])
@@ -210,9 +210,8 @@ class Orchestrator:
     def _search(self, cands, n, bs, tolerance=0.0):
         """Branch and bound over `cands` (sorted by bound): the least time T* within n
         GPUs, and every candidate that may hold a plan within T* (1 + tolerance) repaired,
-        its (gpus, time) Pareto front kept in self._front. Returns (T*, plan, relaxations,
-        repairs)."""
-        best_t, best, relaxations, repairs = math.inf, None, 0, 0
+        its (gpus, time) Pareto front kept. Returns (T*, plan, relaxations, repairs, fronts)."""
+        best_t, best, relaxations, repairs, fronts = math.inf, None, 0, 0, []
         solved = []  # fast method: relaxations solved ahead in growing batches
         for j, (lb0, dp_llm, tps, inputs) in enumerate(cands):
             limit = best_t * (1 + tolerance)
@@ -238,15 +237,18 @@ class Orchestrator:
             s = float(np.max(e / np.maximum(x, 1e-12)))
             repairs += 1
             rep = self._repair(tps, dp_llm, x, tau, s, n, bs)
-            if rep is not None and rep[0] < best_t:
-                best_t, best = rep
-        return best_t, best, relaxations, repairs
+            if rep is None:
+                continue
+            fronts.append(rep[2])
+            if rep[0] < best_t:
+                best_t, best = rep[0], rep[1]
+        return best_t, best, relaxations, repairs, fronts
 
-    def _fewest_gpus(self, cap: float):
-        """(time, plan) using the fewest GPUs among the repaired plans within `cap`, the
-        fastest of those."""
+    def _fewest_gpus(self, fronts: list, cap: float):
+        """(time, plan) using the fewest GPUs among the repaired plans (`fronts`: each
+        neighbourhood's Pareto front) within `cap`, the fastest of those."""
         best_g, best_t, best = math.inf, math.inf, None
-        for gs, ts, flats, shape, picked in self._front:
+        for gs, ts, flats, shape, picked in fronts:
             within = np.flatnonzero(ts <= cap)
             if not len(within):
                 continue
@@ -274,9 +276,9 @@ class Orchestrator:
                              f"(a relative slack on the iteration time, e.g. 0.01)")
         start = time.perf_counter()
         n, bs = num_gpus, global_batch
-        self._front, self._priced = [], {}
+        self._priced = {}
         cands = self.candidates(n, bs)
-        best_t, best, relaxations, repairs = self._search(cands, n, bs, gpu_tolerance)
+        best_t, best, relaxations, repairs, fronts = self._search(cands, n, bs, gpu_tolerance)
         if best is None:
             sp = smallest_plan(self.costs, self.hw, bs)
             if sp is None or sp[0] > n:
@@ -290,8 +292,8 @@ class Orchestrator:
             gpu_tolerance = 0.0
         optimal_t = best_t
         if gpu_tolerance > 0:
-            best_t, best = self._fewest_gpus(optimal_t * (1 + gpu_tolerance))
-        self._front, self._priced = [], {}
+            best_t, best = self._fewest_gpus(fronts, optimal_t * (1 + gpu_tolerance))
+        self._priced = {}
         return OrchestrationResult(best, best_t, time.perf_counter() - start, len(cands),
                                    relaxations, repairs, optimal_t)
 
