@@ -42,7 +42,7 @@ def test_ten_balanced_steps_compile_only_in_the_first():
         # without the floor the same ten global batches have several shapes (compiles)
         builder = run.data.builder
         builder.floor = None
-        natural = {mb.inputs["feed"].shapes for k in range(10)
+        natural = {mb.feed.shapes for k in range(10)
                    for mb in builder(k).microbatches}
     finally:
         gin.clear_config()

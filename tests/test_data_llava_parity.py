@@ -69,7 +69,7 @@ def test_llava_plans_on_the_runtime_match_the_reference(setup, balance):
                   for mp in mps]
     assert any(mp.ranks["vision"] != c or mp.ranks["llm"] != c for mp, c in zip(mps, contiguous))
     rt = PipelineRuntime(cfg, plan)
-    res = rt.run([mb.inputs["feed"] for mb in gb.microbatches])
+    res = rt.run([mb.feed for mb in gb.microbatches])
     grads = to_reference_layout(plan, res.pure_grads())
     np.testing.assert_allclose(res.losses()["loss"], ref_loss, rtol=1e-5)
     assert_same_grads(grads, ref_grads)

@@ -59,7 +59,7 @@ def test_loader_plans_on_the_runtime_match_the_reference(setup, balance):
     assert all(len(mp.ranks["generator"]) == 1 for mp in mps)
 
     rt = PipelineRuntime(cfg, plan)
-    res = rt.run([mb.inputs["feed"] for mb in gb.microbatches])
+    res = rt.run([mb.feed for mb in gb.microbatches])
     grads = to_reference_layout(plan, res.pure_grads())
     np.testing.assert_allclose(res.losses()["loss"], ref_loss, rtol=1e-5)
     assert_same_grads(grads, ref_grads)
@@ -72,9 +72,9 @@ def test_feeds_padded_to_the_scanned_floor_keep_parity(setup):
     cfg, lay, src, plan, idx, ref_loss, ref_grads = setup
     builder = GlobalBatchBuilder(src, cfg, plan, lay, unit_policies("orchmllm", cfg), seed=1,
                                  reserve=8, feeds=True, cp_block=16)
-    own = [mb.inputs["feed"].shapes for mb in builder(STEP).microbatches]
+    own = [mb.feed.shapes for mb in builder(STEP).microbatches]
     builder.floor = builder.scan_floor(STEP + 4)
-    feeds = [mb.inputs["feed"] for mb in builder(STEP).microbatches]
+    feeds = [mb.feed for mb in builder(STEP).microbatches]
     assert all(f.shapes == builder.floor for f in feeds)  # every microbatch one shape
     assert any(f.shapes != o for f, o in zip(feeds, own))  # and padding happened
     res = PipelineRuntime(cfg, plan).run(feeds)

@@ -11,7 +11,7 @@ import numpy as np
 
 from mmjax.data.layout import AssemblyLayout, check_sample, check_shapes
 from mmjax.data.assemble import Batch, assemble
-from mmjax.data.feed import microbatch_feed
+from mmjax.data.feed import MicrobatchFeed, microbatch_feed
 from mmjax.data.sample import FIRST_TEXT_ID, Sample, Segment
 from mmjax.data.synthetic import Spec
 from mmjax.errors import UserError
@@ -27,10 +27,12 @@ from mmjax.data.records import DecodeError, sample_name, source_problem
 class Microbatch:
     """`inputs[(unit, rank)]`: for an encoder unit, that encoder's input arrays
     (`Batch.encoders[e]`); for "llm", the Batch (LLM side, gather_<e>, generator fields;
-    no encoder pixels). Only pairs this host owns are present."""
+    no encoder pixels). Only pairs this host owns are present. With `feeds=True` (the
+    pipeline runtime) `inputs` is empty and `feed` holds the microbatch's feed."""
 
     plan: MicrobatchPlan
     inputs: dict[tuple[str, int], object]
+    feed: MicrobatchFeed | None = None
 
 
 @dataclass
@@ -242,7 +244,7 @@ class GlobalBatchBuilder:
         mbs = []
         for mp in mb_plans:
             if self.feeds:
-                mbs.append(Microbatch(mp, {"feed": self._feed(mp, get)}))
+                mbs.append(Microbatch(mp, {}, self._feed(mp, get)))
                 continue
             inputs = {}
             for unit, ranks in mp.ranks.items():

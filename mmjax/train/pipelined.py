@@ -59,7 +59,7 @@ class Pipelined:
         and return the records under "trace"."""
         t_wait = time.perf_counter()
         gb = next(self.data)
-        feeds = [mb.inputs["feed"] for mb in gb.microbatches]
+        feeds = [mb.feed for mb in gb.microbatches]
         first = self.steps_run == 0
         if first and self.progress is not None:  # the stages compile inside the first step
             self.progress.compiling("the pipeline's stage programs (inside the first step)")
@@ -89,7 +89,7 @@ class Pipelined:
         total, count = 0.0, 0
         try:
             for _ in range(n):
-                feeds = [mb.inputs["feed"] for mb in next(data).microbatches]
+                feeds = [mb.feed for mb in next(data).microbatches]
                 lm = self.step_fn.runtime.evaluate(feeds).losses()["lm_loss"]
                 tokens = sum(f.num_target_tokens for f in feeds)
                 total += lm * tokens
