@@ -104,3 +104,15 @@ def refuse_unused_bindings(params: list[str], plan: str | None) -> None:
         if key.startswith("manual_plan.") and plan != "manual":
             raise UserError(f"--gin_param={b!r}: manual_plan.* is read only with "
                             f"--plan=manual (add --plan=manual, or drop the binding)")
+
+
+def write_json(path: str, obj) -> None:
+    """A benchmark's results: `obj` as indented JSON at `path` (folders made), and a line
+    saying where."""
+    import json
+    import os
+
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1)
+    print(f"wrote {path}")

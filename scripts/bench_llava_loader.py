@@ -14,7 +14,6 @@ compiler, not the loader; the table says how many.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -98,6 +97,7 @@ def main(argv=None) -> int:
 
     from mmjax.data.example_data import write_llava_example
     from mmjax.train.config import named_model_config
+    from mmjax.cli import write_json
     from mmjax.train.data_config import data_layout, fit_vocab
 
     write_llava_example(a.data, a.num_samples)
@@ -117,10 +117,7 @@ def main(argv=None) -> int:
     for k, v in res.items():
         table.add_row(k, f"{v:.3f}" if isinstance(v, float) else str(v))
     Console().print(table)
-    os.makedirs(os.path.dirname(a.json), exist_ok=True)
-    with open(a.json, "w") as f:
-        json.dump(res, f, indent=1)
-    print(f"wrote {a.json}")
+    write_json(a.json, res)
     return 0
 
 

@@ -14,7 +14,6 @@ Median of `--repeats`; prints a table and writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shutil
@@ -78,6 +77,8 @@ def main(argv=None) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from mmjax.cli import write_json
+
     res = measure(a.repeats)
     res["machine"] = {"cpu_count": os.cpu_count(), "python": platform.python_version(),
                       "load_avg_1m": os.getloadavg()[0]}
@@ -87,10 +88,7 @@ def main(argv=None) -> int:
     for k in ("cold", "warm", "resume"):
         t.add_row(k, f"{res[k]['first_step_s']:.1f}", f"{res[k]['total_s']:.1f}")
     Console(width=100).print(t)
-    os.makedirs(os.path.dirname(a.json), exist_ok=True)
-    with open(a.json, "w") as f:
-        json.dump(res, f, indent=1)
-    print(f"wrote {a.json}")
+    write_json(a.json, res)
     return 0
 
 
