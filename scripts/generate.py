@@ -114,7 +114,9 @@ def main(argv=None) -> int:
     from mmjax.train.inputs import model_inputs
     from mmjax.data.tokenizer import tokenizer
     from mmjax.train.data_config import data_layout, fit_vocab
+    from mmjax.cli import register_configurables
 
+    register_configurables()  # every configurable config.gin may bind
     gin.parse_config_file(conf)
     tok = tokenizer()
     if tok is None:
