@@ -17,6 +17,7 @@ from flax import nnx
 from mmjax.models.attention import segment_meta
 from mmjax.models.config import AudioConfig
 from mmjax.models.layers import EncoderBlock, LayerNorm, param, whisper_sinusoids, zeros
+from mmjax.models.scan import run_stack
 
 
 def _conv1d(x, kernel, bias, stride):
@@ -71,9 +72,8 @@ class AudioEncoder(nnx.Module):
 
     def run_layers(self, x, frame_len, attention_impl: str = "auto"):
         meta = segment_meta(audio_token_mask(frame_len, x.shape[1]).astype(jnp.int32))
-        for layer in self.layers:
-            x = layer(x, meta, attention_impl)
-        return x
+        return run_stack(self.layers, x, lambda layer, h: layer(h, meta, attention_impl),
+                         self.cfg.scan_layers)
 
     def finish(self, x):
         return self.final_ln(x)

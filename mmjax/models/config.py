@@ -31,6 +31,8 @@ class LLMConfig:
     # Llama 3.1 RoPE scaling (factor, low_freq_factor, high_freq_factor,
     # original_max_position_embeddings); None: plain RoPE.
     rope_llama3: tuple[float, float, float, int] | None = None
+    # one lax.scan over the stacked layers (compile time flat in depth; models/scan.py)
+    scan_layers: bool = False
 
     @property
     def dim_per_head(self) -> int:
@@ -69,6 +71,8 @@ class VisionConfig:
     act: Literal["gelu_tanh", "quick_gelu", "gelu"] = "gelu_tanh"
     feature_layer: int | None = None
     max_images: int = 1
+    # one lax.scan over the stacked layers (compile time flat in depth; models/scan.py)
+    scan_layers: bool = False
 
     def __post_init__(self):
         if self.kind not in ("packed", "vit"):
@@ -119,6 +123,8 @@ class AudioConfig:
     num_mel_bins: int = 80
     norm_eps: float = 1e-5
     max_source_positions: int = 1500
+    # one lax.scan over the stacked layers (compile time flat in depth; models/scan.py)
+    scan_layers: bool = False
 
 
 @dataclass(frozen=True)
@@ -157,6 +163,8 @@ class GeneratorConfig:
     beta_start: float = 1e-4
     beta_end: float = 0.02
     norm_eps: float = 1e-6
+    # one lax.scan over the stacked layers (compile time flat in depth; models/scan.py)
+    scan_layers: bool = False
 
     @property
     def num_patches(self) -> int:

@@ -18,6 +18,7 @@ from flax import nnx
 from mmjax.models.attention import bam_attention, full_meta
 from mmjax.models.config import GeneratorConfig
 from mmjax.models.layers import Dense, LayerNorm, sinusoidal
+from mmjax.models.scan import run_stack
 
 
 def ddpm_alphas_cumprod(cfg: GeneratorConfig) -> np.ndarray:
@@ -106,8 +107,8 @@ class DiffusionGenerator(nnx.Module):
 
     def run_layers(self, carry, attention_impl: str = "auto"):
         x, c, cond = carry
-        for layer in self.layers:
-            x = layer(x, c, cond, attention_impl)
+        x = run_stack(self.layers, x, lambda layer, h: layer(h, c, cond, attention_impl),
+                      self.cfg.scan_layers)
         return x, c, cond
 
     def finish(self, carry):

@@ -14,7 +14,6 @@ from flax import nnx
 
 from mmjax.models.attention import bam_attention
 
-_normal = jax.nn.initializers.normal
 
 
 class PlainOps:
@@ -32,7 +31,11 @@ PLAIN = PlainOps()
 
 
 def param(key, shape, std=0.02, dtype=jnp.float32):
-    return nnx.Param(_normal(std)(key, shape, dtype))
+    """N(0, std^2) weights. The barrier keeps XLA from folding `std` into the sampler's own
+    constants inside a jitted init (parallel/sharded_init.py), which moved values by an ulp:
+    eager and jitted initialisation give the same bits."""
+    return nnx.Param(jax.lax.optimization_barrier(jax.random.normal(key, shape, dtype))
+                     * jnp.asarray(std, dtype))
 
 
 def zeros(shape, dtype=jnp.float32):

@@ -17,6 +17,7 @@ from flax import nnx
 from mmjax.models.attention import TokenMeta, bam_attention, dot_product_attention, f32_einsum
 from mmjax.models.config import LLMConfig
 from mmjax.models.layers import PLAIN, RMSNorm, param, rope, zeros
+from mmjax.models.scan import run_stack
 
 
 class DecoderLayer(nnx.Module):
@@ -91,9 +92,8 @@ class LLM(nnx.Module):
         return self.embed[...].astype(dtype)[tokens]
 
     def run_layers(self, x, positions, attend, ops=PLAIN):
-        for layer in self.layers:
-            x = layer(x, positions, attend, ops)
-        return x
+        return run_stack(self.layers, x, lambda layer, h: layer(h, positions, attend, ops),
+                         self.cfg.scan_layers)
 
     def final_hidden(self, x):
         return self.final_norm(x)

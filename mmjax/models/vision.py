@@ -13,6 +13,7 @@ from flax import nnx
 from mmjax.models.attention import segment_meta
 from mmjax.models.config import VisionConfig
 from mmjax.models.layers import Dense, EncoderBlock, LayerNorm, param
+from mmjax.models.scan import run_stack
 
 
 class VisionEncoder(nnx.Module):
@@ -42,9 +43,8 @@ class VisionEncoder(nnx.Module):
 
     def run_layers(self, x, patch_seg, attention_impl: str = "auto"):
         meta = segment_meta(patch_seg)
-        for layer in self.layers:
-            x = layer(x, meta, attention_impl)
-        return x
+        return run_stack(self.layers, x, lambda layer, h: layer(h, meta, attention_impl),
+                         self.cfg.scan_layers)
 
     def finish(self, x):
         return self.final_ln(x)

@@ -25,6 +25,7 @@ from flax import nnx
 from mmjax.models.attention import segment_mask, segment_meta
 from mmjax.models.config import VisionConfig
 from mmjax.models.layers import Dense, EncoderBlock, LayerNorm, param
+from mmjax.models.scan import run_stack
 
 _A = -0.75  # PyTorch's bicubic coefficient
 
@@ -110,9 +111,8 @@ class StandardViT(nnx.Module):
         if self.cfg.class_token:
             seg = jnp.concatenate([seg, class_slot_segments(seg, self.cfg.max_images)], axis=1)
         meta = segment_meta(seg)
-        for layer in self.layers:
-            x = layer(x, meta, attention_impl)
-        return x
+        return run_stack(self.layers, x, lambda layer, h: layer(h, meta, attention_impl),
+                         self.cfg.scan_layers)
 
     def finish(self, x):
         """The projector's input: patch tokens only [N, T, d] (class slots dropped)."""

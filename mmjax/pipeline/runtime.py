@@ -9,6 +9,8 @@ loop makes no host sync in single-process runs. Multi-process behaviour: docs/de
 """
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass, field
 
 import jax
@@ -29,10 +31,11 @@ from mmjax.data.feed import MicrobatchFeed
 from mmjax.pipeline.stage_graph import Backward, StageGraph, StageId
 from mmjax.pipeline.dependencies import dispatch_order
 from mmjax.pipeline.schedule import multimodal_one_f_one_b
+from mmjax.parallel.sharded_init import abstract_split, init_split
 from mmjax.pipeline.stage import (build_stage_module, dp_sharding, make_stage_fns,
                                   partial_shardings)
 from mmjax.pipeline.multiprocess import (abstract, global_put, holds_local_device,
-                                         place_state, placeholders, sync_collectives)
+                                         placeholders, sync_collectives)
 from mmjax.pipeline.step_result import StepResult
 from mmjax.pipeline.trace import completion_marker, make_tracer, trace_mode
 from mmjax.planner.plan import Plan
@@ -105,10 +108,11 @@ class PipelineRuntime:
             flags = []
             for v in range(u.pp * u.num_chunks):  # virtual stage v = chunk * pp + stage
                 start, end = u.stage_layers(v % u.pp, v // u.pp)
-                module = build_stage_module(cfg, u.name, root, start, end)
-                gd, tr, fr = nnx.split(module, _stage_filter(cfg, u.name), ...)
+                build = functools.partial(build_stage_module, cfg, u.name, root, start, end)
+                filters = (_stage_filter(cfg, u.name), ...)
+                _, tr, _ = nnx.split(nnx.eval_shape(build), *filters)
                 flags.append(bool(jax.tree.leaves(tr)))
-                built[StageId(u.name, v)] = (gd, tr, fr)
+                built[StageId(u.name, v)] = (build, filters)
             per_stage_trainable[u.name] = tuple(flags)
         nv = {u.name: u.pp * u.num_chunks for u in plan.units}
         pp = {u.name: u.pp for u in plan.units}
@@ -126,11 +130,13 @@ class PipelineRuntime:
                             "on one host, or use llm pp=1)")
         self.stages: dict[StageId, Stage] = {}
         for sid in self.graph.stages:
-            gd, tr, fr = built[sid]
             mesh = self.meshes[sid.unit][sid.index % plan.unit(sid.unit).pp]
             mode = Backward(self.graph.has_backward[sid])
             up = plan.unit(sid.unit)
-            tr, fr = place_state(tr, mesh), place_state(fr, mesh)
+            # made by one jitted program straight into its shards on this stage's mesh (no
+            # process ever holds a whole stage); a mesh wholly elsewhere: shapes only
+            gd, tr, fr = (init_split if holds_local_device(mesh) else abstract_split)(
+                *built[sid], mesh)
             if sid.unit in pretrained:
                 tr, fr = _load_pretrained(cfg, up, sid, pretrained[sid.unit], tr, fr)
             st = Stage(sid, mesh, up.dp, gd, tr, fr, mode, local=holds_local_device(mesh))

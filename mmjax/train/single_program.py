@@ -8,12 +8,14 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from mmjax.data.batch_shapes import BatchShapes, batch_shapes
 from mmjax.data.layout import AssemblyLayout
 from mmjax.data.sources import eval_batches
 from mmjax.models.hf.pretrained import load_into_model
 from mmjax.models.mllm import MultimodalModel, trainable_filter
+from mmjax.parallel.sharded_init import init_split
 from mmjax.train.data_config import train_source
 from mmjax.train.inputs import model_inputs
 from mmjax.train.logical_state import single_from_logical, single_logical
@@ -66,16 +68,21 @@ class SingleProgram:
                                   scan_steps=None if steps is None else min(steps,
                                                                             SHAPE_SCAN_MAX))
         self.cfg = cfg
-        mdl = MultimodalModel(cfg, jax.random.key(seed))
+        build = lambda: MultimodalModel(cfg, jax.random.key(seed))
+        filters = (trainable_filter(cfg), ...)
+        tx = optimizer_from_settings(schedule)
+        # one jitted init program (parallel/sharded_init.py), not an eager op per parameter:
+        # one compile, then a persistent-cache hit on every resume
+        graphdef, trainable, frozen = init_split(build, filters)
         if pretrained:
+            mdl = nnx.merge(graphdef, trainable, frozen)
             encoders = {k: v for k, v in pretrained.items() if k != "llm"}
             load_into_model(mdl, pretrained.get("llm"), encoders)
-        graphdef, trainable, frozen = split_model(mdl, trainable_filter(cfg))
-        tx = optimizer_from_settings(schedule)
+            _, trainable, frozen = split_model(mdl, filters[0])
         # committed to the device as a restored checkpoint's arrays are, so a fresh run and
         # its resume lower to the same program (one persistent-cache entry, no recompile)
         self.state = jax.device_put(TrainState(jnp.zeros((), jnp.int32), trainable, frozen,
-                                               tx.init(trainable)), jax.devices()[0])
+                                               jax.jit(tx.init)(trainable)), jax.devices()[0])
         self.step_fn = make_train_step(graphdef, tx, dtype, attention_impl,
                                        layout.llm_mask_family)
         self.graphdef, self.dtype, self.global_batch, self.eval_fn = graphdef, dtype, global_batch, None
@@ -124,7 +131,8 @@ class SingleProgram:
                 self.progress.compiled(what, compile_s)
         t0 = time.perf_counter()
         self.state, m = self.compiled[key](self.state, inputs)
-        m = {k: float(v) for k, v in jax.device_get(m).items()}  # one sync, after dispatch
+        m = {k: float(v) for k, v in jax.device_get(m).items()  # one sync, after dispatch
+             if k != "applied"}  # the same as `nonfinite`
         m["step_time_s"] = time.perf_counter() - t0
         m["compile_s"] = compile_s
         m["data_wait_s"] = t0 - t_wait
