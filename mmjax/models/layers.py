@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 from flax import nnx
 
@@ -31,11 +32,14 @@ PLAIN = PlainOps()
 
 
 def param(key, shape, std=0.02, dtype=jnp.float32):
-    """N(0, std^2) weights. The barrier keeps XLA from folding `std` into the sampler's own
-    constants inside a jitted init (parallel/sharded_init.py), which moved values by an ulp:
-    eager and jitted initialisation give the same bits."""
-    return nnx.Param(jax.lax.optimization_barrier(jax.random.normal(key, shape, dtype))
-                     * jnp.asarray(std, dtype))
+    """N(0, std^2) weights, built as `jax.random.normal` builds them (sqrt(2) erfinv(u),
+    u ~ U(-1, 1)) but with the scale in that one constant: `normal(...) * std` let XLA fold
+    the two constants together inside a jitted init (parallel/sharded_init.py) and move
+    values by an ulp. This way eager and jitted, sharded or not, give the same bits."""
+    dtype = jnp.dtype(dtype)
+    lo = np.nextafter(np.array(-1.0, dtype), np.array(0.0, dtype))
+    u = jax.random.uniform(key, shape, dtype, lo, 1.0)
+    return nnx.Param(jax.lax.erf_inv(u) * np.array(np.sqrt(2.0) * std, dtype))
 
 
 def zeros(shape, dtype=jnp.float32):

@@ -59,6 +59,17 @@ def disttrain_mllm_9b() -> MLLMConfig:
     return _disttrain("disttrain/mllm_9b", _llama3(32, 4096, 11008, 32, 32), 512)
 
 
+def disttrain_mllm_9b_mid() -> MLLMConfig:
+    """MLLM-9B's widths (Llama-2-7B's layer shapes and 32000 vocabulary, ViT-H/14, the
+    DiT) with depth cut to LLM 2, ViT 2, DiT 1 layers: 0.78B parameters, 3.1 GB in fp32, a
+    real-shaped model for runtime memory and sharded-initialisation checks on CPU."""
+    cfg = _disttrain("disttrain/mllm_9b_mid", LLMConfig(
+        vocab_size=32000, hidden_size=4096, num_layers=2, num_heads=32, num_kv_heads=32,
+        ffn_size=11008, rope_theta=500000.0), 512)
+    return with_overrides(cfg, {"encoders.vision.encoder.num_layers": 2,
+                                "generator.num_layers": 1})
+
+
 def disttrain_mllm_15b() -> MLLMConfig:
     return _disttrain("disttrain/mllm_15b", _llama3(40, 5120, 13824, 40, 40), 512)
 
@@ -142,6 +153,7 @@ def _cornstarch(kind: str, vision: str | None, audio: str | None) -> Callable[[]
 
 _REGISTRY: dict[str, Callable[[], MLLMConfig]] = {
     "disttrain/mllm_9b": disttrain_mllm_9b,
+    "disttrain/mllm_9b_mid": disttrain_mllm_9b_mid,
     "disttrain/mllm_15b": disttrain_mllm_15b,
     "disttrain/mllm_72b": disttrain_mllm_72b,
     "orchmllm/mllm_10b": orchmllm_mllm_10b,

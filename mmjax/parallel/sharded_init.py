@@ -1,15 +1,17 @@
 """Create a module's parameters with one jitted program, directly in their final sharding.
 
-Built eagerly, every parameter is its own dispatched op (a compile per new shape: 6.7 s of
-the tiny model's start-up) and lands whole on the default device before it is placed, so
-an 8B LLM stage would need its whole fp32 copy on one device. Here `nnx.eval_shape` gives
-the structure, and one `jax.jit` with `out_shardings` creates each array as shards on its
-own mesh (XLA partitions the RNG: every device draws only its block, the same values as an
-unsharded draw, JAX's partitionable threefry). The program lands in the persistent
-compilation cache, so a resume does not pay it again. Keys are the model's own (per-layer
-`fold_in`), so every plan still initialises the same model.
+Built eagerly, every parameter is its own dispatched op and lands whole on the default
+device before it is placed, so an 8B LLM stage would need its whole fp32 copy on one
+device. Here `nnx.eval_shape` gives the structure, and one jitted program creates each
+array as shards on its own mesh (XLA partitions the RNG: every device draws only its block,
+the same values as an unsharded draw, JAX's partitionable threefry). The module is named
+by a constructor and hashable arguments, static to `jax.jit`, so JAX reuses the compiled
+init for every equal stage in a process, and the persistent compilation cache across runs.
+Keys are the model's own (per-layer `fold_in`), so every plan initialises the same model.
 """
 from __future__ import annotations
+
+import functools
 
 import jax
 from flax import nnx
@@ -17,23 +19,31 @@ from flax import nnx
 from mmjax.parallel.tensor import state_shardings
 
 
-def init_split(build, filters: tuple, mesh=None):
-    """(graphdef, *states): `nnx.split(build(), *filters)` with every state created by one
-    jitted program. `mesh`: place each state with its Megatron shardings on that mesh
-    (parallel/tensor.py `state_shardings`); None: on the default device."""
-    graphdef, *abstract = nnx.split(nnx.eval_shape(build), *filters)
-    shardings = None if mesh is None else tuple(state_shardings(a, mesh) for a in abstract)
-
-    def make():
-        return tuple(nnx.split(build(), *filters)[1:])
-
-    return (graphdef, *jax.jit(make, out_shardings=shardings)())
+def init_split(make_module, args: tuple, key, filters: tuple, mesh=None):
+    """(graphdef, *states) of `nnx.split(make_module(*args, key), *filters)`, every state
+    created by one jitted program. `make_module` and `args` must be hashable (a function and
+    configs, names, layer numbers). `mesh`: each state gets its Megatron shardings on that
+    mesh (parallel/tensor.py `state_shardings`); None: the default device."""
+    graphdef = nnx.split(nnx.eval_shape(lambda: make_module(*args, key)), *filters)[0]
+    return (graphdef, *_init_states(make_module, args, filters, mesh, key))
 
 
-def abstract_split(build, filters: tuple, mesh):
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _init_states(make_module, args, filters, mesh, key):
+    states = nnx.split(make_module(*args, key), *filters)[1:]
+    if mesh is not None:
+        states = [jax.lax.with_sharding_constraint(s, state_shardings(s, mesh))
+                  for s in states]
+    return tuple(states)
+
+
+def abstract_split(make_module, args: tuple, key, filters: tuple, mesh=None):
     """(graphdef, *states) of ShapeDtypeStructs carrying the shardings `init_split` would
-    give: a stage whose mesh lies wholly in other processes (enough for `jax.eval_shape`)."""
-    graphdef, *abstract = nnx.split(nnx.eval_shape(build), *filters)
+    give on `mesh`: a stage whose mesh lies wholly in other processes (enough for
+    `jax.eval_shape`); mesh None: shapes only."""
+    graphdef, *abstract = nnx.split(nnx.eval_shape(lambda: make_module(*args, key)), *filters)
+    if mesh is None:
+        return (graphdef, *abstract)
     return (graphdef, *(jax.tree.map(
         lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), a,
         state_shardings(a, mesh)) for a in abstract))

@@ -7,6 +7,7 @@ import jax
 import numpy as np
 
 from mmjax.parallel.mesh import put_global
+from mmjax.parallel.tensor import shard_state, state_shardings
 
 
 def holds_local_device(mesh) -> bool:
@@ -56,3 +57,14 @@ def gather_scalars(groups: list[list]) -> list[np.ndarray]:
     return out
 
 
+def place_state(state, mesh):
+    """Stage state on its mesh with the Megatron shardings; for a mesh wholly in other
+    processes, ShapeDtypeStructs carrying those shardings (enough for `jax.eval_shape`)."""
+    here = [d.process_index == jax.process_index() for d in mesh.devices.flat]
+    if all(here):
+        return shard_state(state, mesh)
+    shardings = state_shardings(state, mesh)
+    if not any(here):
+        return jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                            state, shardings)
+    return global_put(state, shardings)

@@ -9,7 +9,6 @@ loop makes no host sync in single-process runs. Multi-process behaviour: docs/de
 """
 from __future__ import annotations
 
-import functools
 
 from dataclasses import dataclass, field
 
@@ -32,10 +31,10 @@ from mmjax.pipeline.stage_graph import Backward, StageGraph, StageId
 from mmjax.pipeline.dependencies import dispatch_order
 from mmjax.pipeline.schedule import multimodal_one_f_one_b
 from mmjax.parallel.sharded_init import abstract_split, init_split
-from mmjax.pipeline.stage import (build_stage_module, dp_sharding, make_stage_fns,
+from mmjax.pipeline.stage import (stage_module, dp_sharding, make_stage_fns,
                                   partial_shardings)
 from mmjax.pipeline.multiprocess import (abstract, global_put, holds_local_device,
-                                         placeholders, sync_collectives)
+                                         place_state, placeholders, sync_collectives)
 from mmjax.pipeline.step_result import StepResult
 from mmjax.pipeline.trace import completion_marker, make_tracer, trace_mode
 from mmjax.planner.plan import Plan
@@ -47,6 +46,24 @@ def _stage_filter(cfg: MLLMConfig, unit: str):
     if unit == "generator":
         return nnx.Nothing if cfg.generator_frozen else nnx.Param
     return trainable_filter(cfg)
+
+
+EAGER_INIT_BYTES = 256 << 20  # smaller stages are built eagerly and placed (no compile)
+
+
+def _stage_state(make_module, args, key, filters, mesh):
+    """(graphdef, trainable, frozen) of a stage on its mesh. A stage of EAGER_INIT_BYTES or
+    more is made by one jitted program straight into its shards (parallel/sharded_init.py:
+    no process ever holds it whole); a smaller one is built eagerly and placed, which
+    costs no compile per stage and device assignment (2-4 s each on CPU); both give the
+    same bits. A mesh wholly in other processes: shapes and shardings only."""
+    if not holds_local_device(mesh):
+        return abstract_split(make_module, args, key, filters, mesh)
+    _, *abstract = abstract_split(make_module, args, key, filters)
+    if sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract)) >= EAGER_INIT_BYTES:
+        return init_split(make_module, args, key, filters, mesh)
+    graphdef, *states = nnx.split(make_module(*args, key), *filters)
+    return (graphdef, *(place_state(st, mesh) for st in states))
 
 
 @dataclass
@@ -108,11 +125,11 @@ class PipelineRuntime:
             flags = []
             for v in range(u.pp * u.num_chunks):  # virtual stage v = chunk * pp + stage
                 start, end = u.stage_layers(v % u.pp, v // u.pp)
-                build = functools.partial(build_stage_module, cfg, u.name, root, start, end)
-                filters = (_stage_filter(cfg, u.name), ...)
-                _, tr, _ = nnx.split(nnx.eval_shape(build), *filters)
+                made = (stage_module, (cfg, u.name, start, end), root,
+                        (_stage_filter(cfg, u.name), ...))
+                _, tr, _ = abstract_split(*made, None)
                 flags.append(bool(jax.tree.leaves(tr)))
-                built[StageId(u.name, v)] = (build, filters)
+                built[StageId(u.name, v)] = made
             per_stage_trainable[u.name] = tuple(flags)
         nv = {u.name: u.pp * u.num_chunks for u in plan.units}
         pp = {u.name: u.pp for u in plan.units}
@@ -133,10 +150,7 @@ class PipelineRuntime:
             mesh = self.meshes[sid.unit][sid.index % plan.unit(sid.unit).pp]
             mode = Backward(self.graph.has_backward[sid])
             up = plan.unit(sid.unit)
-            # made by one jitted program straight into its shards on this stage's mesh (no
-            # process ever holds a whole stage); a mesh wholly elsewhere: shapes only
-            gd, tr, fr = (init_split if holds_local_device(mesh) else abstract_split)(
-                *built[sid], mesh)
+            gd, tr, fr = _stage_state(*built[sid], mesh)
             if sid.unit in pretrained:
                 tr, fr = _load_pretrained(cfg, up, sid, pretrained[sid.unit], tr, fr)
             st = Stage(sid, mesh, up.dp, gd, tr, fr, mode, local=holds_local_device(mesh))

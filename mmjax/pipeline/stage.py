@@ -55,6 +55,11 @@ def build_stage_module(cfg: MLLMConfig, unit: str, root_key, start: int, end: in
     return EncoderStage(cfg, unit, root_key, start, end)
 
 
+def stage_module(cfg: MLLMConfig, unit: str, start: int, end: int, root_key):
+    """`build_stage_module` with the key last: the constructor `init_split` takes."""
+    return build_stage_module(cfg, unit, root_key, start, end)
+
+
 def _per_rank(x, ranks):
     return x.reshape((ranks, x.shape[0] // ranks) + x.shape[1:])
 

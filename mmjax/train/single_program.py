@@ -68,12 +68,12 @@ class SingleProgram:
                                   scan_steps=None if steps is None else min(steps,
                                                                             SHAPE_SCAN_MAX))
         self.cfg = cfg
-        build = lambda: MultimodalModel(cfg, jax.random.key(seed))
         filters = (trainable_filter(cfg), ...)
         tx = optimizer_from_settings(schedule)
         # one jitted init program (parallel/sharded_init.py), not an eager op per parameter:
         # one compile, then a persistent-cache hit on every resume
-        graphdef, trainable, frozen = init_split(build, filters)
+        graphdef, trainable, frozen = init_split(MultimodalModel, (cfg,), jax.random.key(seed),
+                                                 filters)
         if pretrained:
             mdl = nnx.merge(graphdef, trainable, frozen)
             encoders = {k: v for k, v in pretrained.items() if k != "llm"}
