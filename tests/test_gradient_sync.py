@@ -165,3 +165,17 @@ def test_master_weights_and_moments_live_as_one_dp_shard(steps):
             assert master[dev] <= 0.55 * full
             assert moments[dev] <= 2 * (0.55 * full) + 64  # mu and nu (+ counters)
             assert compute[dev] == full
+
+
+@pytest.mark.slow
+def test_each_stage_syncs_right_after_its_last_backward(steps):
+    """The reduce-scatter of a stage is dispatched as soon as its own backwards are, while
+    upstream stages still have backwards to run (DAG order: generator, LLM, vision)."""
+    for m, (ps, calls0) in steps.items():
+        total = sum(st.backward_calls - calls0[sid] for sid, st in ps.runtime.stages.items())
+        after = {sid.unit: n for sid, n in ps.sync_after.items()}
+        assert set(after) == {"vision", "llm", "generator"}
+        assert after["generator"] < after["llm"] < total, (m, after, total)
+        assert after["vision"] == total  # the last unit to finish its backwards
+        gen = next(s for s in ps.runtime.stages if s.unit == "generator")
+        assert after["generator"] >= ps.runtime.stages[gen].backward_calls - calls0[gen] == m

@@ -165,6 +165,8 @@ class PipelineRuntime:
         self.schedule = multimodal_one_f_one_b(self.graph, plan.num_microbatches)
         self.order = [(self.graph.virtual(s, a.chunk), a)
                       for s, a in dispatch_order(self.schedule, self.graph)]
+        # index in `order` of each stage's last backward (where its gradient sync may start)
+        self.last_backward = {sid: i for i, (sid, a) in enumerate(self.order) if a.kind == "B"}
         self.brokers: dict[tuple[StageId, StageId], Broker] = {}
         self.sync = sync_collectives()
 
@@ -234,11 +236,16 @@ class PipelineRuntime:
         return self._put(sid, {"inputs": feed.enc_inputs[u], "pack": feed.enc_pack[u]})
 
     # ---- one step -------------------------------------------------------------------
-    def run(self, feeds: list[MicrobatchFeed], trace: bool | str = False) -> StepResult:
+    def run(self, feeds: list[MicrobatchFeed], trace: bool | str = False,
+            on_grads=None) -> StepResult:
         """Forward and backward of every microbatch. Returns device-side losses and the
         step's gradients (`StepResult.grads`). `trace` (pipeline/trace.py): False; True or
         "serial" (each action waited on: isolated costs, no overlap); "overlap" (waiter
-        threads stamp completions; dispatch stays free of host syncs)."""
+        threads stamp completions; dispatch stays free of host syncs). `on_grads(sid,
+        partials)`: called as soon as a stage's last backward is dispatched, with its
+        accumulated partial gradients (taken out of the result), so the stage's gradient
+        sync overlaps the backward work other stages still have; a tied embedding's two
+        stages are handed over after the loop, once their copies are summed."""
         tracer = make_tracer(trace_mode(trace))
         if len(feeds) != self.plan.num_microbatches:
             raise ValueError(f"got {len(feeds)} microbatch feeds; the plan has "
@@ -248,7 +255,8 @@ class PipelineRuntime:
         step.result.partials = {sid: self.settle(st.zeros())
                                 for sid, st in self.stages.items()
                                 if st.mode.param_grads and st.local}
-        for sid, act in self.order:
+        tied = self.tied_embedding_stages() or ()
+        for i, (sid, act) in enumerate(self.order):
             mb = act.microbatch
             t0 = tracer.start() if tracer else 0.0
             if (sid, mb) not in step.sides:
@@ -261,7 +269,13 @@ class PipelineRuntime:
                 self._trace(tracer, sid, act, t0, step)
             if act.kind == "B" or not self.graph.runs_backward(sid):
                 step.sides.pop((sid, mb), None)
+            if (on_grads is not None and self.last_backward.get(sid) == i and sid not in tied
+                    and sid in step.result.partials):
+                on_grads(sid, step.result.partials.pop(sid))
         self._sum_tied_embedding_grads(step.result.partials)
+        if on_grads is not None:
+            for sid in list(step.result.partials):
+                on_grads(sid, step.result.partials.pop(sid))
         if tracer:
             step.result.trace = tracer.finish()
         return step.result

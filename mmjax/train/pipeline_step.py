@@ -4,7 +4,8 @@ Each stage with trainable parameters owns a ZeRO-1 optimizer on its sub-mesh
 (parallel/zero.py): the float32 master weights (the stage's `trainable`) and the optimizer
 state live only as 1/dp shards; the forward/backward read a compute copy. Per step and
 stage: the runtime accumulates each dp rank's partial gradients locally over the
-microbatches, then ONE reduce-scatter (`Zero1Optimizer.sync`) into the shards and ONE
+microbatches, then ONE reduce-scatter (`Zero1Optimizer.sync`, dispatched right after the
+stage's last backward, so it overlaps the other stages' remaining backwards) and ONE
 program with the AdamW update and the all-gather of the compute copy
 (`Zero1Optimizer.step`); `dispatch_log` records those launches. The gradient norm used for
 clipping is over ALL stages, so the update equals the single-program optimizer over the
@@ -113,17 +114,25 @@ class PipelineStep:
             st.trainable = self.runtime.settle(
                 jax.jit(lambda t: t, out_shardings=opt.master_shardings)(st.trainable))
             st.compute, st.compute_of = compute, st.trainable
-        # (StageId, program) per launch of a gradient-sync or update program, this step
+        # (StageId, program) per launch of a gradient-sync or update program, this step;
+        # `sync_after[sid]`: backward actions dispatched (all stages) before sid's sync
         self.dispatch_log: list[tuple] = []
+        self.sync_after: dict = {}
 
     def __call__(self, feeds, trace: bool = False) -> dict:
-        res = self.runtime.run(feeds, trace=trace)
         stages = self.runtime.stages
-        self.dispatch_log = []
+        self.dispatch_log, self.sync_after = [], {}
         shards, squares = {}, {}
-        for sid, opt in self.optimizers.items():  # one reduce-scatter per stage
-            shards[sid], squares[sid] = self.runtime.settle(opt.sync(res.partials.pop(sid)))
+        backwards0 = sum(st.backward_calls for st in stages.values())
+
+        def sync(sid, partials):  # one reduce-scatter per stage, right after its last B
+            if sid not in self.optimizers:  # an untrained or remote stage
+                return
+            shards[sid], squares[sid] = self.runtime.settle(self.optimizers[sid].sync(partials))
             self.dispatch_log.append((sid, "reduce_scatter"))
+            self.sync_after[sid] = sum(st.backward_calls for st in stages.values()) - backwards0
+
+        res = self.runtime.run(feeds, trace=trace, on_grads=sync)
         if jax.process_count() == 1:
             norm = _norm_from_squares([squares[sid] for sid in self.optimizers])
             guard = _fold_loss(norm, res.lm_loss + res.diffusion_loss)
