@@ -140,3 +140,43 @@ def test_four_steps_on_two_processes_then_four_on_another_plan(straight, tmp_pat
     # the new run's checkpoint holds the same arrays, in the same logical shapes
     a, b = _leaves(straight, STEPS), _leaves(work, STEPS)
     assert {n: x.shape for n, x in a.items()} == {n: x.shape for n, x in b.items()}
+
+
+PLAN_TP = ["--plan=manual", '--gin_param=manual_plan.tp={"llm": 2}']  # 4 devices, tp 2
+
+
+@pytest.mark.slow
+def test_one_process_with_llm_tp2_then_two_processes_on_plan_a(straight, tmp_path, gloo_jobs):
+    """1 -> 2 processes and tp 2 -> tp 1 (and pp 1 -> 2): the plan-independent checkpoint of
+    a one-process tp-2 run restores onto the two-process plan A."""
+    work = str(tmp_path / "grow")
+    _run(work, 1, 4, PLAN_TP + ["--gin_param=train.stop_after=4"])
+    out = _run(work, 2, 2, PLAN_A)
+    assert "resumed from" in out and "step 4" in out, out[-3000:]
+    want, got = _metrics(straight), _metrics(work)
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    for g, w in zip(got, want):
+        for k in ("loss", "lm_loss", "diffusion_loss", "grad_norm"):
+            np.testing.assert_allclose(g[k], w[k], rtol=1e-5, err_msg=f"step {g['step']} {k}")
+
+
+@pytest.mark.slow
+def test_two_processes_skip_a_damaged_newest_checkpoint(straight, tmp_path, gloo_jobs):
+    """Both processes verify the newest checkpoint (4), find a data file of it truncated,
+    set it aside and resume from 2; the finished run equals the uninterrupted one."""
+    work = str(tmp_path / "damaged")
+    _run(work, 2, 2, PLAN_A + ["--gin_param=train.stop_after=4"])
+    files = [os.path.join(r, f) for r, _, fs in
+             os.walk(os.path.join(work, "checkpoints", "4", "state")) for f in fs
+             if "ocdbt" in r or f.startswith("d")]
+    big = max(files, key=os.path.getsize)
+    with open(big, "r+b") as f:
+        f.truncate(os.path.getsize(big) // 2)
+    out = _run(work, 2, 2, PLAN_A)
+    assert "checkpoint step 4" in out and "is unusable" in out, out[-3000:]
+    assert "resumed from" in out and "step 2" in out, out[-3000:]
+    assert os.path.isdir(os.path.join(work, "checkpoints.unusable", "4"))
+    want, got = _metrics(straight), _metrics(work)
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    for g, w in zip(got, want):
+        assert {k: g[k] for k in EXACT} == {k: w[k] for k in EXACT}, g["step"]
