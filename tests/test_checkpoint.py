@@ -205,3 +205,16 @@ def test_checksum_from_owned_shards_equals_the_whole_arrays():
     scalar = np.array(5, np.int32)
     assert global_checksums([scalar, jnp.arange(10)]) == [
         (*leaf_checksum(scalar), False), (*leaf_checksum(np.arange(10, dtype=np.int32)), False)]
+
+
+def test_bench_checkpoint_reports_save_and_restore(tmp_path):
+    import json
+
+    from helpers import load_script
+
+    out = tmp_path / "bench.json"
+    assert load_script("bench_checkpoint").main(
+        ["--models", "tiny", "--repeats", "1", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())["models"]["tiny"]
+    assert r["arrays"] > 300 and 0.003 < r["gb"] < 0.01  # params + two AdamW moments
+    assert 0 < r["save_call_s"] <= r["commit_s"] and r["restore_s"] > 0
