@@ -9,13 +9,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import SingleDeviceSharding
 
 from mmjax.data.batch_shapes import BatchShapes, batch_shapes
 from mmjax.data.layout import AssemblyLayout
 from mmjax.data.sources import eval_batches
 from mmjax.models.hf.pretrained import load_into_model
 from mmjax.models.mllm import MultimodalModel, trainable_filter
-from mmjax.parallel.sharded_init import init_split
+from mmjax.parallel.sharded_init import abstract_split, init_split
 from mmjax.train.data_config import train_source
 from mmjax.train.inputs import model_inputs
 from mmjax.train.logical_state import single_from_logical, single_logical
@@ -70,28 +71,51 @@ class SingleProgram:
         self.cfg = cfg
         filters = (trainable_filter(cfg), ...)
         tx = optimizer_from_settings(schedule)
-        # one jitted init program (parallel/sharded_init.py), not an eager op per parameter:
-        # one compile, then a persistent-cache hit on every resume
-        graphdef, trainable, frozen = init_split(MultimodalModel, (cfg,), jax.random.key(seed),
-                                                 filters)
+        key = jax.random.key(seed)
+        graphdef, tr, fr = abstract_split(MultimodalModel, (cfg,), key, filters)
+        device = jax.devices()[0]
+
+        def fresh() -> TrainState:
+            # one jitted init program (parallel/sharded_init.py), not an eager op per
+            # parameter: one compile, then a persistent-cache hit
+            _, trainable, frozen = init_split(MultimodalModel, (cfg,), key, filters)
+            if pretrained:
+                mdl = nnx.merge(graphdef, trainable, frozen)
+                encoders = {k: v for k, v in pretrained.items() if k != "llm"}
+                load_into_model(mdl, pretrained.get("llm"), encoders)
+                _, trainable, frozen = split_model(mdl, filters[0])
+            # committed to the device as a restored checkpoint's arrays are, so a fresh
+            # run and its resume lower to the same program (one persistent-cache entry)
+            return jax.device_put(TrainState(jnp.zeros((), jnp.int32), trainable, frozen,
+                                             jax.jit(tx.init)(trainable)), device)
+        # made on first use: a resume restores into `abstract` and, with no frozen
+        # parameters to take from the init, never runs it
+        self._fresh, self._state = fresh, None
+        on_device = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                                   sharding=SingleDeviceSharding(device))
+        self.abstract = jax.tree.map(on_device, TrainState(
+            jax.ShapeDtypeStruct((), jnp.int32), tr, fr, jax.eval_shape(tx.init, tr)))
         if pretrained:
-            mdl = nnx.merge(graphdef, trainable, frozen)
-            encoders = {k: v for k, v in pretrained.items() if k != "llm"}
-            load_into_model(mdl, pretrained.get("llm"), encoders)
-            _, trainable, frozen = split_model(mdl, filters[0])
-        # committed to the device as a restored checkpoint's arrays are, so a fresh run and
-        # its resume lower to the same program (one persistent-cache entry, no recompile)
-        self.state = jax.device_put(TrainState(jnp.zeros((), jnp.int32), trainable, frozen,
-                                               jax.jit(tx.init)(trainable)), jax.devices()[0])
+            self._state = fresh()  # its errors before any work
         self.step_fn = make_train_step(graphdef, tx, dtype, attention_impl,
                                        layout.llm_mask_family)
         self.graphdef, self.dtype, self.global_batch, self.eval_fn = graphdef, dtype, global_batch, None
         self.attention_impl = attention_impl
-        self.num_trainable = sum(x.size for x in jax.tree.leaves(trainable))
+        self.num_trainable = sum(x.size for x in jax.tree.leaves(tr))
         # batch shapes -> the step compiled ahead of time for them: compilation is seen
         # (and reported) when it happens, not hidden in a step's time
         self.compiled: dict = {}
         self.progress = None  # train/progress.py Progress, set by the trainer
+
+    @property
+    def state(self) -> TrainState:
+        if self._state is None:
+            self._state = self._fresh()
+        return self._state
+
+    @state.setter
+    def state(self, value: TrainState) -> None:
+        self._state = value
 
     def data_state(self) -> dict:
         return {"batches": self.data.state()}
@@ -99,8 +123,13 @@ class SingleProgram:
     def load(self, state: dict, data_state: dict, step: int) -> None:
         """A checkpoint of either path: a pipeline run's has no `batches` state; the single
         program then goes on from global batch `step` of its own stream."""
-        self.state = single_from_logical(self.state, state)
+        frozen = jax.tree.leaves(self.abstract.frozen)
+        self.state = single_from_logical(self.state if frozen else self.abstract, state)
         self.data.restore(data_state.get("batches", {"next_batch": step, "shapes": None}))
+
+    def restore_target(self) -> dict:
+        """The checkpoint's names, shapes and shardings, without running the init."""
+        return single_logical(self.abstract)
 
     def checkpoint_tree(self) -> dict:
         """Plan-independent named arrays (train/logical_state.py)."""
