@@ -7,8 +7,9 @@ AdamW moments of a model (fp32), on this machine's disk.
   python scripts/bench_checkpoint.py [--models tiny disttrain/mllm_9b_mid] [--repeats 3]
                                      [--json bench_results/bench_checkpoint.json]
 
-`disttrain/mllm_9b_mid` (0.78B parameters: 9.3 GB with the moments) needs about 20 GB of
-host memory; `--llm_only` keeps its LLM (0.67B, 8 GB).
+`disttrain/mllm_9b_mid --llm_only` (its LLM: 0.67B parameters, 8 GB with the moments) peaks
+near 3x that in host memory (the state, orbax's host copy, the restored copy): run it alone,
+with `--repeats 1`, on a 24 GB machine.
 """
 from __future__ import annotations
 
