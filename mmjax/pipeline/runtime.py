@@ -9,7 +9,6 @@ loop makes no host sync in single-process runs. Multi-process behaviour: docs/de
 """
 from __future__ import annotations
 
-
 from dataclasses import dataclass, field
 
 import jax
