@@ -16,96 +16,103 @@ from numba import njit
 
 
 @njit(cache=True, inline="always")
-def _less(a1, a2, a3, b1, b2, b3):
-    """Lexicographic (a1, a2, a3) < (b1, b2, b3), as Python compares tuples."""
-    if a1 != b1:
-        return a1 < b1
-    if a2 != b2:
-        return a2 < b2
-    return a3 < b3
+def _before(ka, ba, kb, bb):
+    """(ka, ba) < (kb, bb): key, then bin index."""
+    return ka < kb or (ka == kb and ba < bb)
 
 
-@njit(cache=True)
-def _push(k1, k2, k3, size, v1, v2, v3):
-    """Push (v1, v2, v3) onto the min-heap held in k1/k2/k3[:size]; -> the new size."""
-    i = size
+@njit(cache=True, inline="always")
+def _push(h, hb, n, v, b, by_bin):
+    """Insert (v, b) into the min-heap h/hb[:n] (ordered by key, then bin when `by_bin`);
+    -> the new size."""
+    i = n
     while i > 0:
         p = (i - 1) >> 1
-        if not _less(v1, v2, v3, k1[p], k2[p], k3[p]):
+        if h[p] < v or (h[p] == v and (not by_bin or hb[p] < b)):
             break
-        k1[i], k2[i], k3[i] = k1[p], k2[p], k3[p]
+        h[i], hb[i] = h[p], hb[p]
         i = p
-    k1[i], k2[i], k3[i] = v1, v2, v3
-    return size + 1
+    h[i], hb[i] = v, b
+    return n + 1
 
 
-@njit(cache=True)
-def _sift_down(k1, k2, k3, size, i):
-    v1, v2, v3 = k1[i], k2[i], k3[i]
+@njit(cache=True, inline="always")
+def _replace_top(h, hb, n, v, b, by_bin):
+    """Remove the root of the min-heap h/hb[:n] and insert (v, b), Floyd's bottom-up way:
+    the hole goes down to a leaf along the lesser children (a select per level rather than
+    a hard-to-predict branch), then (v, b) rises from there, usually a level or two."""
+    i = 0
     while True:
         c = 2 * i + 1
-        if c >= size:
+        if c + 1 < n:
+            r = c + 1
+            if by_bin:
+                c = r if _before(h[r], hb[r], h[c], hb[c]) else c
+            else:
+                c = r if h[r] < h[c] else c
+        elif c >= n:
             break
-        if c + 1 < size and _less(k1[c + 1], k2[c + 1], k3[c + 1], k1[c], k2[c], k3[c]):
-            c += 1
-        if not _less(k1[c], k2[c], k3[c], v1, v2, v3):
-            break
-        k1[i], k2[i], k3[i] = k1[c], k2[c], k3[c]
+        h[i], hb[i] = h[c], hb[c]
         i = c
-    k1[i], k2[i], k3[i] = v1, v2, v3
-
-
-@njit(cache=True)
-def _pop(k1, k2, k3, size):
-    """Remove the root of the min-heap k1/k2/k3[:size]; -> the new size (read the root
-    before calling)."""
-    size -= 1
-    if size > 0:
-        k1[0], k2[0], k3[0] = k1[size], k2[size], k3[size]
-        _sift_down(k1, k2, k3, size, 0)
-    return size
+    while i > 0:
+        p = (i - 1) >> 1
+        if h[p] < v or (h[p] == v and (not by_bin or hb[p] < b)):
+            break
+        h[i], hb[i] = h[p], hb[p]
+        i = p
+    h[i], hb[i] = v, b
 
 
 @njit(cache=True)
 def sum_square_heap(xs, d, tolerance):
     """OrchMLLM Algorithm 4 on lengths ``xs`` in the order they are placed: each goes to the
     batch of least (square-sum, index) among those whose sum is below the least sum +
-    ``tolerance``. Three heaps as in the Python loop: bins outside the window by (sum, bin),
-    window bins by (square-sum, bin, version) and by (sum, bin, version), stale entries
-    skipped by version. -> the bin of each item."""
+    ``tolerance`` (the window). The window only widens until a bin receives an item (the
+    least sum never falls), so: window bins in a heap by (square-sum, bin), whose root is the
+    receiver; the others in a heap by sum, entering when the bound passes them; the least
+    sum of all bins from a min-tree over the bins (one leaf-to-root path per item, stopping
+    where the minimum is unchanged). -> the bin of each item."""
     n = xs.size
-    cap = n + d + 1
+    size = 1
+    while size < d:
+        size *= 2
     sums, squares = np.zeros(d), np.zeros(d)
-    version = np.zeros(d, np.int64)
-    o1, o2, o3 = np.empty(cap), np.empty(cap, np.int64), np.zeros(cap, np.int64)
-    q1, q2, q3 = np.empty(cap), np.empty(cap, np.int64), np.empty(cap, np.int64)
-    s1, s2, s3 = np.empty(cap), np.empty(cap, np.int64), np.empty(cap, np.int64)
-    no = 0
-    for b in range(d):  # (0.0, b) in increasing b: already a heap
-        o1[b], o2[b] = 0.0, b
-    no, nq, ns = d, 0, 0
+    low = np.full(2 * size, np.inf)  # low[1]: the least sum; leaves at size + bin
+    low[size:size + d] = 0.0
+    for i in range(size - 1, 0, -1):
+        low[i] = min(low[2 * i], low[2 * i + 1])
+    qh, qb, nq = np.zeros(d), np.arange(d), d  # the window: all bins, (0.0, b) is a heap
+    oh, ob, no = np.empty(d), np.empty(d, np.int64), 0  # outside, by sum
     bins = np.empty(n, np.int64)
-    inf = np.inf
-    for i in range(n):
-        while ns > 0 and s3[0] != version[s2[0]]:
-            ns = _pop(s1, s2, s3, ns)
-        low = min(s1[0] if ns > 0 else inf, o1[0] if no > 0 else inf)
-        bound = low + tolerance
-        while no > 0 and o1[0] < bound:
-            total, b = o1[0], o2[0]
-            no = _pop(o1, o2, o3, no)
-            nq = _push(q1, q2, q3, nq, squares[b], b, version[b])
-            ns = _push(s1, s2, s3, ns, total, b, version[b])
-        while q3[0] != version[q2[0]]:
-            nq = _pop(q1, q2, q3, nq)
-        b = q2[0]
-        nq = _pop(q1, q2, q3, nq)
-        bins[i] = b
-        v = xs[i]
-        sums[b] += v
+    for t in range(n):
+        bound = low[1] + tolerance
+        while no > 0 and oh[0] < bound:  # bins the rising bound lets into the window
+            b = ob[0]
+            no -= 1
+            if no > 0:
+                _replace_top(oh, ob, no, oh[no], ob[no], False)
+            nq = _push(qh, qb, nq, squares[b], b, True)
+        b = qb[0]
+        bins[t] = b
+        v = xs[t]
+        s = sums[b] + v
+        sums[b] = s
         squares[b] += v * v
-        version[b] += 1
-        no = _push(o1, o2, o3, no, sums[b], b, 0)
+        low[size + b] = s
+        i = (b + size) >> 1
+        while i >= 1:
+            m = min(low[2 * i], low[2 * i + 1])
+            if low[i] == m:
+                break
+            low[i] = m
+            i >>= 1
+        if s < low[1] + tolerance:  # still in the window, with its new square-sum
+            _replace_top(qh, qb, nq, squares[b], b, True)
+        else:
+            nq -= 1
+            if nq > 0:
+                _replace_top(qh, qb, nq, qh[nq], qb[nq], True)
+            no = _push(oh, ob, no, s, b, False)
     return bins
 
 
