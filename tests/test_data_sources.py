@@ -175,3 +175,31 @@ def test_source_batches_skip_name_and_resume(example):
     assert b.sample_ids == after.sample_ids
     np.testing.assert_array_equal(b.tokens, after.tokens)
     np.testing.assert_array_equal(b.loss_mask, after.loss_mask)
+
+
+def test_load_parts_reads_only_the_modalities_asked(example, tmp_path):
+    """A host holding only the LLM (or another encoder) of a sample decodes its text and
+    none of its image files: zeros of the indexed shapes instead (data/global_batch.py)."""
+    import shutil
+
+    root = tmp_path / "images"
+    shutil.copytree(example["image_root"], root)
+    img, aud = default_processors(MODEL, None, None)
+    src = LlavaSource(example["json"], example["tok"], img, aud, str(root), index_workers=2)
+    two = [src.name(i) for i in range(len(src))].index("two-images")
+    whole = src.load(two)
+    parts = src.load_parts(two, frozenset({"image"}))
+    for a, b in zip(whole.segments, parts.segments):
+        np.testing.assert_array_equal(a.data, b.data)
+    for f in os.listdir(root):  # no file is read for a text-only load
+        os.remove(root / f)
+    with pytest.raises(DecodeError):
+        src.load(two)
+    text = src.load_parts(two, frozenset({"text"}))
+    assert sample_shapes(text) == [tuple(e) for e in src.spec(two)]
+    for a, b in zip(whole.segments, text.segments):
+        if a.modality == "text":
+            np.testing.assert_array_equal(a.data, b.data)
+            np.testing.assert_array_equal(a.loss_mask, b.loss_mask)
+        else:
+            assert not b.data.any()

@@ -123,6 +123,10 @@ class MicrobatchFeed:
     num_target_tokens: int = 0
     num_gen_elements: int = 0
     shapes: FeedShapes = field(default_factory=FeedShapes)
+    # host-side map of each sample (in the order given): its (row of `llm`, doc id) and
+    # its images' indices in `gen`, so a sample found bad later can be masked (`mask_samples`)
+    sample_rows: list = field(default_factory=list)
+    sample_gen: list = field(default_factory=list)
 
 
 def microbatch_feed(samples: list[Sample], layout: AssemblyLayout, dp: dict[str, int],
@@ -157,6 +161,12 @@ def microbatch_feed(samples: list[Sample], layout: AssemblyLayout, dp: dict[str,
                         "bam": bt.bam.astype(np.int32),
                         **{f"gather_{e}": g for e, g in bt.gather.items()}} for bt in llm_b])
     feed.num_target_tokens = sum(bt.num_target_tokens for bt in llm_b)
+    rows = llm_b[0].tokens.shape[0]
+    for i in range(n):
+        j, k = build.llm_pos[i]
+        row, doc = llm_b[j].doc_index[k]
+        feed.sample_rows.append((j * rows + row, doc))
+    feed.sample_gen = [[] for _ in range(n)]
     if layout.gen is not None and "generator" in dp:
         build.generator(feed, llm_b)
     if cp > 1:
@@ -265,6 +275,7 @@ class _FeedBuilder:
                 for m in range(image_count[s]):
                     for key in gen:
                         gen[key][base + t] = gen_b[gi].gen[key][g_first + m]
+                    feed.sample_gen[s].append(base + t)
                     t += 1
         feed.llm["gen_query"] = np.concatenate([bt.gen["gen_query"] for bt in llm_b], 0)
         feed.gen_pack, feed.gen_routes, feed.gen = pack, routes, gen
@@ -272,6 +283,28 @@ class _FeedBuilder:
 
 
 _PAD_VALUE = {"gather": -1}
+
+
+def gen_elements_per_image(layout: AssemblyLayout) -> int:
+    """Diffusion-loss elements of one generated image (0 without a generator)."""
+    g = layout.gen
+    return g.num_patches * g.patch_dim if g is not None else 0
+
+
+def mask_samples(feed: MicrobatchFeed, samples, gen_elements_per_image: int) -> None:
+    """Drop samples (indices in the feed's sample order) from the loss: no LLM target, no
+    generator image (`num_gen_elements` recounted; `num_target_tokens` is the caller's).
+    Their shapes stay, so every route and buffer is unchanged, and a masked sample adds
+    exactly nothing to the loss or the gradients, whatever its inputs hold."""
+    for i in samples:
+        row, doc = feed.sample_rows[i]
+        m = feed.llm["doc"][row] == doc
+        feed.llm["loss_mask"][row][m] = 0
+        feed.llm["targets"][row][m] = 0
+        for g in feed.sample_gen[i]:
+            feed.gen["gen_valid"][g] = 0
+    if feed.gen:
+        feed.num_gen_elements = int(feed.gen["gen_valid"].sum()) * gen_elements_per_image
 
 
 def cp_layout(llm: dict, cp: int, method: str, block: int) -> dict:

@@ -11,7 +11,8 @@ import numpy as np
 
 from mmjax.data.layout import AssemblyLayout, check_sample, check_shapes
 from mmjax.data.assemble import Batch, assemble
-from mmjax.data.feed import MicrobatchFeed, microbatch_feed
+from mmjax.data.feed import (MicrobatchFeed, gen_elements_per_image, mask_samples,
+                             microbatch_feed)
 from mmjax.data.sample import FIRST_TEXT_ID, Sample, Segment
 from mmjax.data.synthetic import Spec
 from mmjax.errors import UserError
@@ -47,6 +48,11 @@ class GlobalBatch:
     decode_failures: int = 0  # samples blanked at materialisation on this host
     plan_seconds: float = 0.0
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (sample name, reason)
+    # decode failures found on this host: position -> (sample name, reason); with several
+    # hosts each decodes only its ranks' samples, so hosts agree on these before the step
+    # (train/host_failures.py)
+    failed_at: dict[int, tuple[str, str]] = field(default_factory=dict)
+    position_targets: list[int] = field(default_factory=list)  # loss targets, from metadata
 
 
 @dataclass
@@ -60,18 +66,25 @@ class GlobalSamples:
     skipped: list[tuple[str, str]]
 
 
-def owned_ranks(plan: Plan, unit: str, host_id: int, num_hosts: int) -> list[int]:
-    """DP ranks of `unit` with a device on this host (devices split over hosts in contiguous
-    blocks, as jax.devices() orders them across processes)."""
-    u = plan.unit(unit)
+def host_devices(plan: Plan, host_id: int, num_hosts: int) -> frozenset[int] | None:
+    """Indices into the global device list of host `host_id`'s devices (devices split over
+    hosts in contiguous blocks, as jax.devices() orders them across processes); None for
+    one host (every device)."""
+    if num_hosts <= 1:
+        return None
     per_host = -(-plan.num_devices // num_hosts)
-    out = []
-    for d in range(u.dp):
-        g = u.cp * u.tp
-        devs = [x for idx in plan.stage_devices()[unit] for x in idx[d * g:(d + 1) * g]]
-        if any(x // per_host == host_id for x in devs):
-            out.append(d)
-    return out
+    return frozenset(range(host_id * per_host, (host_id + 1) * per_host))
+
+
+def owned_ranks(plan: Plan, unit: str, local: frozenset[int] | None) -> list[int]:
+    """DP ranks of `unit` with a device among `local` (global device indices; None: all)."""
+    u = plan.unit(unit)
+    if local is None:
+        return list(range(u.dp))
+    g = u.cp * u.tp
+    stages = plan.stage_devices()[unit]
+    return [d for d in range(u.dp)
+            if any(x in local for idx in stages for x in idx[d * g:(d + 1) * g])]
 
 
 def _blank(spec: Spec, sample_id: int) -> Sample:
@@ -111,7 +124,8 @@ class GlobalBatchBuilder:
                  ranks_per_node: int = 0, seed: int = 0, reserve: int | None = None,
                  shuffle: bool = True, host_id: int = 0, num_hosts: int = 1,
                  feeds: bool = False, cp_method: str = "lpt", cp_block: int = 128,
-                 node_wise: NodeWise | None = None, hardware: Hardware = H100):
+                 node_wise: NodeWise | None = None, hardware: Hardware = H100,
+                 local_devices: frozenset[int] | None = None):
         self.source, self.model, self.plan, self.layout = source, model, plan, layout
         # feeds=True: materialise each microbatch as a data/feed.py MicrobatchFeed (all
         # units and ranks, part maps included) for the pipeline runtime, instead of Batches.
@@ -122,9 +136,12 @@ class GlobalBatchBuilder:
         self.hardware = hardware
         self.seed, self.shuffle = seed, shuffle
         self.reserve = max(2, plan.global_batch // 4) if reserve is None else reserve
-        self.host_id, self.num_hosts = host_id, num_hosts
-        self.owned = {u: owned_ranks(plan, u, host_id, num_hosts) for u in model.unit_names
-                      if u != "generator"}
+        # this host's devices (global indices): it materialises only the samples its DP
+        # ranks hold; `local_devices` (the runtime's own device map) wins over the
+        # contiguous-block split of `host_id` / `num_hosts`
+        self.local = (frozenset(local_devices) if local_devices is not None
+                      else host_devices(plan, host_id, num_hosts))
+        self.owned = {u: owned_ranks(plan, u, self.local) for u in model.unit_names}
         self.floor = None  # FeedShapes every feed is padded to (`scan_floor`)
 
     def scan_floor(self, steps: int):
@@ -194,21 +211,27 @@ class GlobalBatchBuilder:
                                cp=self.plan.unit("llm").cp, cp_method=self.cp_method,
                                cp_block=self.cp_block, floor=self.floor)
 
-    def _getter(self, idx, specs, metas, skipped: list, failed: set):
+    def _getter(self, idx, specs, metas, skipped: list, failed: set,
+                failed_at: dict | None = None):
         """position -> its sample, loaded once; a sample that fails to decode (or decodes to
-        other shapes than its index says) is named in `skipped`, added to `failed` and
-        replaced by a blank of its shapes that trains nothing."""
+        other shapes than its index says) is named in `skipped`, added to `failed` (and
+        `failed_at[position]` = (name, reason)) and replaced by a blank of its shapes that
+        trains nothing."""
         loaded: dict[int, Sample] = {}
+        load_parts = getattr(self.source, "load_parts", None)
 
-        def get(p):
+        def get(p, modalities=None):
             if p not in loaded:
                 try:
-                    s = self.source.load(idx[p])
+                    s = (self.source.load(idx[p]) if modalities is None or load_parts is None
+                         else load_parts(idx[p], modalities))
                     bad = check_sample(s, self.layout)
                     if bad or self.layout.rules.meta(s) != metas[p]:
                         raise DecodeError(bad or "decoded shapes differ from the index")
                 except DecodeError as e:
                     skipped.append((sample_name(self.source, idx[p]), str(e)))
+                    if failed_at is not None:
+                        failed_at[p] = skipped[-1]
                     s = _blank(specs[p], idx[p])
                     failed.add(idx[p])
                 loaded[p] = s
@@ -239,12 +262,17 @@ class GlobalBatchBuilder:
                                      hardware=self.hardware)
         t_plan = time.perf_counter() - t0
         failed: set[int] = set()
-        get = self._getter(idx, specs, metas, skipped, failed)
+        failed_at: dict[int, tuple[str, str]] = {}
+        get = self._getter(idx, specs, metas, skipped, failed, failed_at)
 
         mbs = []
         for mp in mb_plans:
             if self.feeds:
-                mbs.append(Microbatch(mp, {}, self._feed(mp, get)))
+                feed = self._feed(mp, self._here(mp, get, specs, idx))
+                bad = [i for i, p in enumerate(mp.positions) if p in failed_at]
+                if bad:
+                    mask_samples(feed, bad, gen_elements_per_image(self.layout))
+                mbs.append(Microbatch(mp, {}, feed))
                 continue
             inputs = {}
             for unit, ranks in mp.ranks.items():
@@ -261,14 +289,32 @@ class GlobalBatchBuilder:
                         b = assemble(samples, self.layout, mp.shapes[unit])
                         inputs[(unit, r)] = b.encoders[unit]
             mbs.append(Microbatch(mp, inputs))
-        gen = self.layout.gen
-        n_gen = sum(m.count("image_out") for m in metas) * (gen.num_patches * gen.patch_dim
-                                                              if gen else 0)
+        n_gen = sum(m.count("image_out") for m in metas) * gen_elements_per_image(self.layout)
         if failed:
             reasons["decode"] = reasons.get("decode", 0) + len(failed)
         return GlobalBatch(int(step), idx, mbs, sum(reasons.values()), reasons,
                            sum(m.num_targets for m in metas), n_gen, len(failed), t_plan,
-                           skipped)
+                           skipped, failed_at, [m.num_targets for m in metas])
+
+    def _here(self, mp: MicrobatchPlan, get, specs, idx):
+        """`get` for the samples on this host's DP ranks, each decoded only in the
+        modalities those ranks read (an encoder's its own, the LLM text, the generator its
+        target images) where the source can (`load_parts`); a shape-only blank for the
+        others, whose feed rows never reach a device here (`put_global` fills only this
+        host's shards). A part this host skips may fail on another host: the hosts agree
+        on failures before the step (train/host_failures.py) and mask them then."""
+        if self.local is None:
+            return get
+        reads = {u: {"llm": "text", "generator": "image_out"}.get(u) for u in self.owned}
+        for slot in self.layout.encoders:
+            reads[slot.name] = slot.modality
+        need: dict[int, set] = {}
+        for u, ranks in mp.ranks.items():
+            for r in self.owned.get(u, ()):
+                for p in ranks[r]:
+                    need.setdefault(p, set()).add(reads[u])
+        return lambda p: (get(p, frozenset(need[p])) if p in need
+                          else _blank(specs[p], idx[p]))
 
 
 # ---------------------------------------------------------------------------------------

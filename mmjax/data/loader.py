@@ -81,7 +81,8 @@ class Loader:
                  num_hosts: int = 1, num_steps: int = 1 << 31, feeds: bool = False,
                  cp_method: str = "lpt", cp_block: int = 128, node_wise_method: str = "auto",
                  node_wise_time_limit: float = 0.2, node_wise_max_milp_ranks: int = 32,
-                 hardware: str = "h100", shape_scan_steps: int = 16):
+                 hardware: str = "h100", shape_scan_steps: int = 16,
+                 local_devices: frozenset[int] | None = None):
         if prefetch < 2:
             raise UserError(f"Loader.prefetch={prefetch}: use >= 2 (global batches prepared "
                             f"ahead, so planning and preprocessing stay off the training "
@@ -99,7 +100,7 @@ class Loader:
             source, model, plan, layout, unit_policies(balance, model), post_balance_policy,
             seed=seed, reserve=reserve, shuffle=shuffle, host_id=host_id, num_hosts=num_hosts,
             feeds=feeds, cp_method=cp_method, cp_block=cp_block, node_wise=node_wise,
-            hardware=hardware_by_name(hardware))
+            hardware=hardware_by_name(hardware), local_devices=local_devices)
         self.num_workers, self.prefetch, self.num_steps = num_workers, prefetch, num_steps
         self.shape_scan_steps = shape_scan_steps
         if shape_scan_steps < 0:

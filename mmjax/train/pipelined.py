@@ -9,9 +9,11 @@ import time
 import jax
 import numpy as np
 
+from mmjax.data.feed import gen_elements_per_image
 from mmjax.data.sources import eval_batches
 from mmjax.planner.plan import Plan
 from mmjax.train.data_config import train_source
+from mmjax.train.host_failures import agree_on_failures
 from mmjax.train.logical_state import (pipeline_global_logical, pipeline_load_logical,
                                        restore_target)
 
@@ -27,11 +29,15 @@ class Pipelined:
         self.step_fn = PipelineStep(cfg, plan, schedule, dtype, seed, pretrained=pretrained,
                                     llm_mask_family=layout.llm_mask_family)
         self.cfg, self.plan, self.global_batch = cfg, plan, plan.global_batch
+        self.layout = layout
         # gin: a real source (`llava_source.*`, `webdataset_source.*`), else
         # `loader_source.path` or the synthetic set (`train_source`); `Loader.*` (balance,
         # post_balance_policy, workers, ...).
+        # several processes: each host decodes only its own DP ranks' samples
+        self.local = (None if jax.process_count() == 1 else frozenset(
+            i for i, d in enumerate(jax.devices()) if d.process_index == jax.process_index()))
         self.data = Loader(source if source is not None else train_source(cfg), cfg, plan,
-                           layout, feeds=True)
+                           layout, feeds=True, local_devices=self.local)
         self.num_trainable = sum(x.size for x in jax.tree.leaves(
             [st.trainable for st in self.step_fn.runtime.stages.values()]))
         self.progress, self.steps_run = None, 0  # train/progress.py Progress
@@ -59,6 +65,11 @@ class Pipelined:
         and return the records under "trace"."""
         t_wait = time.perf_counter()
         gb = next(self.data)
+        if self.local is not None:  # the hosts' decode failures, agreed before the step
+            from jax.experimental import multihost_utils
+
+            self.data.skipped_samples += agree_on_failures(
+                gb, multihost_utils.process_allgather, gen_elements_per_image(self.layout))
         feeds = [mb.feed for mb in gb.microbatches]
         first = self.steps_run == 0
         if first and self.progress is not None:  # the stages compile inside the first step

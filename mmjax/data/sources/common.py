@@ -138,9 +138,17 @@ class ChatRecordSource:
 
     def load(self, index: int) -> Sample:
         """Decode record `index`; DecodeError (with the reason) on any bad input."""
+        return self.load_parts(index, None)
+
+    def load_parts(self, index: int, modalities) -> Sample:
+        """Record `index` with only the files of `modalities` ("image", "audio"; None: all)
+        decoded; the others are zeros of their indexed shapes, not read (a host whose
+        devices hold only the LLM or another encoder of this sample, data/global_batch.py)."""
         from PIL import Image
 
         rec = self.records[index]
+        shapes = ([] if modalities is None else
+                  [sh for kind, sh, *_ in self.spec(index) if kind != "text"])
         try:
             chat = self.builder.chat(rec["conversations"])
         except ChatError as e:
@@ -154,6 +162,12 @@ class ChatRecordSource:
             ref = next(images if kind == "image" else audio, None)
             if ref is None:
                 raise DecodeError(f"placeholders: more <{kind}> than files")
+            if modalities is not None and kind not in modalities:
+                k = sum(1 for sg in segs if sg.modality != "text")
+                if k >= len(shapes):
+                    raise DecodeError(f"placeholders: more <{kind}> than the index has")
+                segs.append(Segment(kind, np.zeros(shapes[k], np.float32)))
+                continue
             try:
                 if kind == "image":
                     with open_ref(ref) as f, Image.open(f) as im:
