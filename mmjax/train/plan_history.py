@@ -1,0 +1,34 @@
+"""The plans a re-planning run switched to (`train.replan_every`): `<workdir>/plans/
+step_<n>.json` is the plan in effect from step n on. A resume continues on the plan of the
+checkpoint it restores, so rerunning the same command never silently changes plans."""
+from __future__ import annotations
+
+import os
+import re
+
+from mmjax.planner.plan import Plan
+
+PLANS = "plans"
+
+
+def plan_path(workdir: str, step: int) -> str:
+    return os.path.join(workdir, PLANS, f"step_{step}.json")
+
+
+def write_plan(workdir: str, step: int, plan: Plan) -> str:
+    """Save the plan in effect from `step` on; -> its path relative to `workdir`."""
+    path = plan_path(workdir, step)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    plan.save(path)
+    return os.path.relpath(path, workdir)
+
+
+def plan_in_effect(workdir: str, step: int) -> tuple[int, str] | None:
+    """(k, path) of the newest `plans/step_<k>.json` with k <= `step`, or None."""
+    folder = os.path.join(workdir, PLANS)
+    if not os.path.isdir(folder):
+        return None
+    found = [int(m.group(1)) for m in (re.fullmatch(r"step_(\d+)\.json", n)
+                                       for n in os.listdir(folder)) if m]
+    found = [k for k in found if k <= step]
+    return (max(found), plan_path(workdir, max(found))) if found else None

@@ -1,0 +1,156 @@
+"""`train.replan_every` (train/replanning.py): the run re-plans from its measured step times
+(DistTrain §5 on the measured profile) and, when the predicted gain is high enough,
+continues under the new plan from a plan-independent checkpoint."""
+import json
+import os
+import re
+import sys
+
+import gin
+import numpy as np
+import pytest
+
+import mmjax.data.loader  # noqa: F401  (registers Loader with gin)
+from mmjax.data.data_spec import sample_workload
+from mmjax.errors import UserError
+from mmjax.models.config import with_overrides
+from mmjax.models.tiny import tiny
+from mmjax.planner.build import model_costs
+from mmjax.planner.hardware import H100
+from mmjax.planner.measured import predicted_actions
+from mmjax.planner.plan import Plan
+from mmjax.train.data_config import train_source
+from mmjax.train.plan_history import plan_in_effect, write_plan
+from mmjax.train.replanning import (Replanner, decision_from_json, decision_json,
+                                    from_process_0)
+from mmjax.train.trainer import train
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_replan import synthetic_trace  # noqa: E402
+
+
+def small_tiny():
+    return with_overrides(tiny(), {"llm.num_layers": 2, "encoders.vision.encoder.num_layers": 1,
+                                   "generator.num_layers": 1})
+
+
+def plan_a(cfg):
+    """Six of the eight devices, the vision encoder on one: near the planner's own plan
+    for the analytic costs (predicted gain ~1.06 on 8 devices)."""
+    return Plan.uniform(cfg, 4, 2, dp={"llm": 2}, pp={"llm": 2})
+
+
+@pytest.fixture(scope="module")
+def setting():
+    cfg = small_tiny()
+    wl = sample_workload(train_source(cfg), cfg, 256)
+    return cfg, wl, model_costs(cfg, H100, wl)[1]
+
+
+class SlowUnit(Replanner):
+    """A machine on which the analytic model is exact except that `unit` runs 10x slower:
+    every traced action (the runtime's own actions) takes its analytic time, x10 for
+    `unit`, so the decision does not hang on this CPU's timings."""
+
+    def __init__(self, *args, unit: str, **kw):
+        super().__init__(*args, **kw)
+        self.unit = unit
+
+    def measured_trace(self, plan, trace):
+        pred = predicted_actions(plan, model_costs(self.model, self.hardware,
+                                                   self.workload)[1])
+        out, t = [], 0.0
+        for d in trace:
+            stage = d.get("virtual_stage", d["stage"])
+            dur = pred[(stage, d["kind"])] * (10.0 if stage.startswith(self.unit + ":")
+                                              else 1.0)
+            out.append({**d, "start": t, "end": t + dur})
+            t += dur
+        return out
+
+
+def test_a_slowed_unit_switches_plans_an_unslowed_run_does_not(setting):
+    cfg, wl, layer_costs = setting
+    a = plan_a(cfg)
+    replanner = Replanner(cfg, H100, wl, 8, min_gain=1.10)
+    assert replanner.decide(a, synthetic_trace(a, layer_costs, {})) is None
+    new, gain = replanner.decide(a, synthetic_trace(a, layer_costs, {"vision": 10.0}))
+    print(f"vision devices {a.unit('vision').num_devices} -> "
+          f"{new.unit('vision').num_devices}, predicted gain {gain:.3f}")
+    assert new.unit("vision").num_devices > a.unit("vision").num_devices
+    assert gain >= 1.10
+    new.validate(cfg, 8)
+    # process 0's decision as every process receives it (single process: unchanged)
+    text = decision_json((new, gain))
+    assert from_process_0(text) == text and from_process_0(None) is None
+    back, g = decision_from_json(text)
+    assert back.to_json() == new.to_json() and g == gain
+
+
+def test_the_plan_in_effect_is_the_newest_at_or_before_the_step(tmp_path, setting):
+    cfg = setting[0]
+    assert plan_in_effect(str(tmp_path), 10) is None
+    assert write_plan(str(tmp_path), 4, plan_a(cfg)) == os.path.join("plans", "step_4.json")
+    write_plan(str(tmp_path), 8, plan_a(cfg))
+    assert plan_in_effect(str(tmp_path), 3) is None
+    assert plan_in_effect(str(tmp_path), 7) == (4, str(tmp_path / "plans" / "step_4.json"))
+    assert plan_in_effect(str(tmp_path), 8)[0] == 8
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"plan": None, "replan_every": 4}, r"train.replan_every .*add --plan=auto or a plan JSON"),
+    ({"plan": "auto", "replan_every": -1}, r"train.replan_every=-1: use 0"),
+    ({"plan": "auto", "replan_every": 4, "replan_min_gain": 1.0}, r"replan_min_gain=1.0: must"),
+    ({"plan": "auto", "replan_every": 4, "replan_min_gain": "x"}, r"replan_min_gain='x'"),
+    ({"plan": "auto", "replanner": object()}, r"set train.replan_every=N"),
+])
+def test_replan_settings_are_checked_before_any_work(tmp_path, kw, match):
+    with pytest.raises(UserError) as e:
+        train(str(tmp_path / "run"), **kw)
+    assert re.search(match, str(e.value).splitlines()[0])  # gin appends lines after it
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_replanner_rejects_a_min_gain_of_at_most_one(setting):
+    with pytest.raises(UserError, match="must be a number > 1"):
+        Replanner(setting[0], H100, setting[1], 8, min_gain=0.9)
+
+
+@pytest.mark.slow  # three short trainers on the tiny model; plan A/B programs cached
+def test_a_run_switches_to_the_plan_that_feeds_a_slow_unit_and_resumes_on_it(
+        tmp_path, setting, capsys):
+    cfg, wl, _ = setting
+    a = plan_a(cfg)
+    path_a = str(tmp_path / "plan_a.json")
+    a.save(path_a)
+    with gin.unlock_config():
+        gin.parse_config(["Loader.reserve = 4", "Loader.seed = 5",
+                          "data_layout.seq_len = 128"])
+    slow = lambda: SlowUnit(cfg, H100, wl, 8, min_gain=1.10, unit="vision")
+    try:
+        run = lambda name, **kw: train(str(tmp_path / name), model=cfg, global_batch=4,
+                                       progress=False, plan=path_a, checkpoint_every=100,
+                                       **kw)
+        straight = run("straight", steps=8)
+        switched = run("switched", steps=8, replan_every=4, replanner=slow())
+        capsys.readouterr()
+        resumed = run("switched", steps=10, replan_every=4, replanner=slow())
+        said = capsys.readouterr().err
+    finally:
+        gin.clear_config()
+    work = tmp_path / "switched"
+    assert [r["step"] for r in switched] == list(range(1, 9))
+    assert [("replanned" in r) for r in switched] == [i == 4 for i in range(1, 9)]
+    mark = switched[3]["replanned"]
+    assert mark["plan"] == os.path.join("plans", "step_4.json") and mark["gain"] >= 1.10
+    b = Plan.load(str(work / "plans" / "step_4.json"))
+    assert b.unit("vision").num_devices > a.unit("vision").num_devices
+    assert sorted(os.listdir(work / "plans")) == ["step_4.json"]  # step 8: B stays
+    # steps 5..8 ran on plan B from step 4's checkpoint: the plan-A run's losses
+    np.testing.assert_allclose([r["loss"] for r in switched], [r["loss"] for r in straight],
+                               rtol=1e-5)
+    # the rerun continues on plan B, and says so
+    assert [r["step"] for r in resumed] == [9, 10]
+    assert f"resuming on {work / 'plans' / 'step_4.json'}" in said
+    with open(work / "run.json") as f:
+        assert Plan.from_json(json.load(f)["plan"]).to_json() == b.to_json()
