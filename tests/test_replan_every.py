@@ -4,6 +4,7 @@ continues under the new plan from a plan-independent checkpoint."""
 import json
 import os
 import re
+import subprocess
 import sys
 
 import gin
@@ -134,7 +135,9 @@ def test_a_run_switches_to_the_plan_that_feeds_a_slow_unit_and_resumes_on_it(
         straight = run("straight", steps=8)
         switched = run("switched", steps=8, replan_every=4, replanner=slow())
         capsys.readouterr()
-        resumed = run("switched", steps=10, replan_every=4, replanner=slow())
+        # the rerun: more steps, the replanner train builds (real CPU timings) that only
+        # a 1e9x predicted gain would move
+        resumed = run("switched", steps=12, replan_every=4, replan_min_gain=1e9)
         said = capsys.readouterr().err
     finally:
         gin.clear_config()
@@ -150,7 +153,51 @@ def test_a_run_switches_to_the_plan_that_feeds_a_slow_unit_and_resumes_on_it(
     np.testing.assert_allclose([r["loss"] for r in switched], [r["loss"] for r in straight],
                                rtol=1e-5)
     # the rerun continues on plan B, and says so
-    assert [r["step"] for r in resumed] == [9, 10]
+    assert [r["step"] for r in resumed] == [9, 10, 11, 12]
+    assert not any("replanned" in r for r in resumed)
+    assert sorted(os.listdir(work / "plans")) == ["step_4.json"]
     assert f"resuming on {work / 'plans' / 'step_4.json'}" in said
     with open(work / "run.json") as f:
         assert Plan.from_json(json.load(f)["plan"]).to_json() == b.to_json()
+
+
+_BROADCAST = """
+import jax
+from mmjax.train.replanning import from_process_0
+p = jax.process_index()
+print("GOT", from_process_0(f"plan of process {p}"), from_process_0(None if p == 0 else "x"),
+      flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_every_process_takes_process_0s_decision(tmp_path, gloo_jobs):
+    script = tmp_path / "broadcast.py"
+    script.write_text(_BROADCAST)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    res = subprocess.run([sys.executable, os.path.join(root, "scripts", "launch_local.py"),
+                          "--num_processes=2", "--devices_per_process=1",
+                          f"--script={script}"], env=env, cwd=root, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    for p in (0, 1):
+        assert f"[p{p}] GOT plan of process 0 None" in res.stdout, res.stdout[-2000:]
+
+
+def test_replanning_plans_for_the_hardware_and_data_start_up_planning_does(setting):
+    from mmjax.planner.hardware import A800
+    from mmjax.train.auto_plan import device_hardware, run_planning_inputs
+
+    cfg = setting[0]
+    hw, wl = run_planning_inputs(cfg, train_source(cfg))
+    # the devices' hardware and 256 samples of the source, as auto_plan
+    assert hw == device_hardware() and wl.llm_tokens == setting[1].llm_tokens
+    with gin.unlock_config():
+        gin.parse_config(["auto_plan.hardware_name = 'a800'", "auto_plan.data_samples = 16"])
+    try:
+        hw, wl = run_planning_inputs(cfg, train_source(cfg))
+    finally:
+        gin.clear_config()
+    assert hw == A800 and len(wl.llm_tokens) == 16

@@ -50,17 +50,17 @@ def _shape(plan: Plan):
 
 
 def from_process_0(text: str | None) -> str | None:
-    """Process 0's `text` on every process (one decision for all), as uint8 bytes;
-    single process: `text` itself."""
+    """Process 0's `text` on every process (one decision for all), broadcast as the uint8
+    bytes of its JSON (never empty); single process: `text` itself."""
     if jax.process_count() == 1:
         return text
     from jax.experimental import multihost_utils
 
-    data = np.frombuffer((text or "").encode(), np.uint8)
+    data = np.frombuffer(json.dumps(text).encode(), np.uint8)
     size = int(multihost_utils.broadcast_one_to_all(np.int32(data.size)))
     buf = data if jax.process_index() == 0 else np.zeros(size, np.uint8)
-    got = bytes(np.asarray(multihost_utils.broadcast_one_to_all(buf), np.uint8)).decode()
-    return got or None
+    got = np.asarray(multihost_utils.broadcast_one_to_all(buf), np.uint8)
+    return json.loads(got.tobytes().decode())
 
 
 def decision_json(decision: tuple[Plan, float] | None) -> str | None:
@@ -76,7 +76,13 @@ def decision_from_json(text: str | None) -> tuple[Plan, float] | None:
 
 
 def switch_line(step: int, old: Plan, new: Plan, gain: float, where: str) -> str:
-    """One console line: every unit's dp/tp/pp before -> after, the gain, the file."""
-    units = "; ".join(f"{u.name} dp={o.dp} tp={o.tp} pp={o.pp} -> dp={u.dp} tp={u.tp} "
-                      f"pp={u.pp}" for u in new.units for o in [old.unit(u.name)])
-    return f"step {step}: re-planned, predicted gain {gain:.3f}x: {units} ({where})"
+    """One console line: each changed unit's dp/tp/pp/layers before -> after, the gain,
+    the plan's file."""
+    knobs = lambda u: f"dp={u.dp} tp={u.tp} pp={u.pp} layers={list(u.layers)}"
+    changed = [f"{u.name} {knobs(old.unit(u.name))} -> {knobs(u)}" for u in new.units
+               if knobs(u) != knobs(old.unit(u.name))]
+    same = [u.name for u in new.units if knobs(u) == knobs(old.unit(u.name))]
+    mbs = (f"; microbatches {old.num_microbatches} -> {new.num_microbatches}"
+           if old.num_microbatches != new.num_microbatches else "")
+    return (f"step {step}: re-planned (predicted gain {gain:.3f}x): " + "; ".join(changed)
+            + (f"; {', '.join(same)} unchanged" if same else "") + mbs + f" -> {where}")
