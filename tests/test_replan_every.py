@@ -4,6 +4,7 @@ continues under the new plan from a plan-independent checkpoint."""
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -134,31 +135,44 @@ def test_a_run_switches_to_the_plan_that_feeds_a_slow_unit_and_resumes_on_it(
                                        **kw)
         straight = run("straight", steps=8)
         switched = run("switched", steps=8, replan_every=4, replanner=slow())
+        work = tmp_path / "switched"
+        b = Plan.load(str(work / "plans" / "step_4.json"))
+        plans_after_8 = sorted(os.listdir(work / "plans"))
         capsys.readouterr()
         # the rerun: more steps, the replanner train builds (real CPU timings) that only
         # a 1e9x predicted gain would move
         resumed = run("switched", steps=12, replan_every=4, replan_min_gain=1e9)
         said = capsys.readouterr().err
+        plans_after_12 = sorted(os.listdir(work / "plans"))
+        with open(work / "run.json") as f:
+            run_plan_12 = Plan.from_json(json.load(f)["plan"])
+        # every checkpoint damaged: the run starts afresh on the plan it started with
+        for step in os.listdir(tmp_path / "switched" / "checkpoints"):
+            shutil.rmtree(tmp_path / "switched" / "checkpoints" / step / "integrity")
+        afresh = run("switched", steps=12, stop_after=1)
+        said_afresh = capsys.readouterr().err
     finally:
         gin.clear_config()
-    work = tmp_path / "switched"
     assert [r["step"] for r in switched] == list(range(1, 9))
     assert [("replanned" in r) for r in switched] == [i == 4 for i in range(1, 9)]
     mark = switched[3]["replanned"]
     assert mark["plan"] == os.path.join("plans", "step_4.json") and mark["gain"] >= 1.10
-    b = Plan.load(str(work / "plans" / "step_4.json"))
     assert b.unit("vision").num_devices > a.unit("vision").num_devices
-    assert sorted(os.listdir(work / "plans")) == ["step_4.json"]  # step 8: B stays
+    assert plans_after_8 == ["step_4.json"]  # step 8: B stays
     # steps 5..8 ran on plan B from step 4's checkpoint: the plan-A run's losses
     np.testing.assert_allclose([r["loss"] for r in switched], [r["loss"] for r in straight],
                                rtol=1e-5)
     # the rerun continues on plan B, and says so
     assert [r["step"] for r in resumed] == [9, 10, 11, 12]
     assert not any("replanned" in r for r in resumed)
-    assert sorted(os.listdir(work / "plans")) == ["step_4.json"]
+    assert plans_after_12 == ["step_4.json"]
     assert f"resuming on {work / 'plans' / 'step_4.json'}" in said
+    assert run_plan_12.to_json() == b.to_json()
+    assert f"no usable checkpoint: starting on {path_a}" in said_afresh
+    assert not os.listdir(work / "plans")
+    np.testing.assert_allclose(afresh[0]["loss"], straight[0]["loss"], rtol=1e-5)
     with open(work / "run.json") as f:
-        assert Plan.from_json(json.load(f)["plan"]).to_json() == b.to_json()
+        assert Plan.from_json(json.load(f)["plan"]).to_json() == a.to_json()
 
 
 _BROADCAST = """
@@ -201,3 +215,30 @@ def test_replanning_plans_for_the_hardware_and_data_start_up_planning_does(setti
     finally:
         gin.clear_config()
     assert hw == A800 and len(wl.llm_tokens) == 16
+
+
+def test_a_resume_forgets_the_plans_its_checkpoint_predates(tmp_path, setting):
+    from mmjax.train.plan_history import forget_plans_after
+
+    for k in (4, 8, 12):
+        write_plan(str(tmp_path), k, plan_a(setting[0]))
+    forget_plans_after(str(tmp_path), 8)
+    assert sorted(os.listdir(tmp_path / "plans")) == ["step_4.json", "step_8.json"]
+
+
+def test_replan_script_reads_the_traces_of_the_newest_plan(tmp_path, setting):
+    cfg, _, layer_costs = setting
+    a = plan_a(cfg)
+    b = Plan.uniform(cfg, 4, 2, dp={"vision": 2, "llm": 2}, pp={"llm": 2})
+    (tmp_path / "traces").mkdir()
+    for step, plan in ((4, a), (8, b), (12, b), (100, a), (110, b)):  # 110 after 100, not 12
+        with open(tmp_path / "traces" / f"step_{step}.json", "w") as f:
+            json.dump({"model": cfg.name, "plan": plan.to_json(),
+                       "trace": synthetic_trace(plan, layer_costs, {"vision": step})}, f)
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "scripts"))
+    import replan as replan_cli
+
+    name, plan, trace = replan_cli.load_traces(str(tmp_path))
+    assert plan.to_json() == b.to_json()
+    per_step = len(synthetic_trace(b, layer_costs, {}))
+    assert len(trace) == 3 * per_step

@@ -23,12 +23,22 @@ def write_plan(workdir: str, step: int, plan: Plan) -> str:
     return os.path.relpath(path, workdir)
 
 
-def plan_in_effect(workdir: str, step: int) -> tuple[int, str] | None:
-    """(k, path) of the newest `plans/step_<k>.json` with k <= `step`, or None."""
+def _steps(workdir: str) -> list[int]:
     folder = os.path.join(workdir, PLANS)
     if not os.path.isdir(folder):
-        return None
-    found = [int(m.group(1)) for m in (re.fullmatch(r"step_(\d+)\.json", n)
-                                       for n in os.listdir(folder)) if m]
-    found = [k for k in found if k <= step]
+        return []
+    return [int(m.group(1)) for m in (re.fullmatch(r"step_(\d+)\.json", n)
+                                      for n in os.listdir(folder)) if m]
+
+
+def plan_in_effect(workdir: str, step: int) -> tuple[int, str] | None:
+    """(k, path) of the newest `plans/step_<k>.json` with k <= `step`, or None."""
+    found = [k for k in _steps(workdir) if k <= step]
     return (max(found), plan_path(workdir, max(found))) if found else None
+
+
+def forget_plans_after(workdir: str, step: int) -> None:
+    """Remove the plans from after `step` (a resume from `step` decides those again)."""
+    for k in _steps(workdir):
+        if k > step:
+            os.remove(plan_path(workdir, k))

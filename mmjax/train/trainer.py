@@ -28,7 +28,7 @@ from mmjax.train.config import named_model_config, pretrained
 from mmjax.train.data_config import fit_vocab, layout_and_source, train_source
 from mmjax.train.optimizer import learning_rate_schedule
 from mmjax.train.pipelined import Pipelined, write_trace
-from mmjax.train.plan_history import plan_in_effect, write_plan
+from mmjax.train.plan_history import forget_plans_after, plan_in_effect, plan_path, write_plan
 from mmjax.train.progress import Progress as StepProgress
 from mmjax.train.progress import console as progress_console
 from mmjax.train.replanning import (Replanner, decision_from_json, decision_json,
@@ -147,13 +147,15 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
         runner = SingleProgram(cfg, layout, global_batch, schedule, dtype, seed, source,
                                attention_impl or "auto", dirs, steps)
     else:
+        start_plan = plan
         resumed_plan = plan_in_effect(workdir, (checkpoint_steps(
             os.path.join(workdir, "checkpoints")) or [0])[0])
-        if resumed_plan is not None:  # a re-planned run continues on its plan
+        if resumed_plan is not None and jax.process_index() == 0:
             progress_console().print(f"resuming on {resumed_plan[1]}: the plan in effect "
                                      f"from step {resumed_plan[0]} (remove "
                                      f"{os.path.join(workdir, 'plans')} to use "
                                      f"train.plan={plan})", markup=False)
+        if resumed_plan is not None:  # a re-planned run continues on its plan
             plan = resumed_plan[1]
         the_plan, cfg = _the_plan(plan, cfg, tok, dirs, global_batch, attention_impl)
         layout, source = layout_and_source(cfg, tok)
@@ -168,6 +170,18 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
             f.write(gin.config_str())
         write_run_info(workdir, cfg, the_plan, seed, dirs)
     loop = _Loop(workdir, runner, schedule, keep_checkpoints, keep_every)
+    if the_plan is not None and plan_in_effect(workdir, loop.start) != resumed_plan:
+        # the newest checkpoint was unusable and an older one predates the plan chosen above
+        in_effect = plan_in_effect(workdir, loop.start)
+        plan = in_effect[1] if in_effect else start_plan
+        loop.console.print(f"checkpoint step {loop.start} ran {plan}: continuing on it"
+                           if loop.start else f"no usable checkpoint: starting on {plan}",
+                           markup=False)
+        the_plan = _the_plan(plan, cfg, tok, dirs, global_batch, attention_impl)[0]
+        loop.rebuild(loop.start, lambda: Pipelined(cfg, layout, the_plan, schedule, dtype,
+                                                   seed, source, dirs))
+        if jax.process_index() == 0:
+            write_run_info(workdir, cfg, the_plan, seed, dirs)
     if replan_every:
         loop.replanning(replanner, replan_every, the_plan, lambda p: _prepared(
             p, cfg, tok, dirs, global_batch, attention_impl, same_config=True),
@@ -180,7 +194,7 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
         end = steps if stop_after is None else min(steps, loop.start + stop_after)
         report = StepProgress(loop.console, steps, loop.start, global_batch,
                               enabled=progress and loop.lead)
-        runner.progress = report
+        loop.runner.progress = report
         return loop.run(end, report, checkpoint_every, max_bad_steps,
                         lambda n: the_plan is not None and (
                             (trace_every > 0 and n % trace_every == 0)
@@ -275,6 +289,7 @@ class _Loop:
         if self.lead:
             truncate_metrics(self.metrics_path, self.start)
             truncate_metrics(self.skipped_path, self.start, one_per_step=False)
+            forget_plans_after(workdir, self.start)  # decisions the checkpoints lost
 
     def replanning(self, replanner, every: int, plan, prepare, build, record_plan) -> None:
         """Every `every` steps, `replanner` decides (on process 0, from the traces of the
@@ -315,7 +330,7 @@ class _Loop:
                 if not self.in_a_row and (n % checkpoint_every == 0 or n == end or switch):
                     self.save(n)
                 if switch is not None:
-                    self.switch(n, switch[0], report, rebuild=n < end)
+                    self.switch(n, switch[0], switch[1], report, rebuild=n < end)
         if records:
             report.say("trained " + report.summary(len(records)))
         return records
@@ -338,27 +353,31 @@ class _Loop:
         if decision is None:
             return None
         new, gain = decision
-        where = write_plan(self.workdir, n, new) if self.lead else f"plans/step_{n}.json"
-        if self.lead:
-            self.console.print(switch_line(n, self.plan, new, gain, where), markup=False)
-        return new, gain, where
+        return new, gain, os.path.relpath(plan_path(self.workdir, n), self.workdir)
 
-    def switch(self, n: int, plan, report, rebuild: bool) -> None:
-        """Continue from step `n`'s checkpoint (committed first) under `plan`; without
-        `rebuild` (the invocation's last step) only the record changes: a rerun resumes
-        on `plan`."""
+    def switch(self, n: int, plan, gain: float, report, rebuild: bool) -> None:
+        """Continue from step `n`'s checkpoint (committed first, then plans/step_<n>.json
+        written) under `plan`; without `rebuild` (the invocation's last step) only the
+        record changes: a rerun resumes on `plan`."""
         self.ckpt.wait()
         if self.lead:
+            where = write_plan(self.workdir, n, plan)
             self.record_plan(plan)
+            self.console.print(switch_line(n, self.plan, plan, gain, where), markup=False)
         self.plan, self.plan_traces = plan, []
-        if not rebuild:
-            return
+        if rebuild:
+            self.rebuild(n, lambda: self.build(plan), report)
+
+    def rebuild(self, n: int, make_runner, report=None) -> None:
+        """Replace the runner by `make_runner()` (another plan), restored from step `n`'s
+        checkpoint (n = 0: a fresh start)."""
         self.runner.close()
-        self.runner = None
-        self.runner = self.build(plan)
+        self.runner = None  # the old plan's arrays go before the new plan's are made
+        self.runner = make_runner()
         self.runner.progress = report
-        state, data_state = self.ckpt.restore(n, self.runner.restore_target())
-        self.runner.load(state, data_state, n)
+        if n:
+            state, data_state = self.ckpt.restore(n, self.runner.restore_target())
+            self.runner.load(state, data_state, n)
 
     def record(self, n: int, m: dict) -> dict:
         """The metrics row of step `n`: tokens seen (every non-pad LLM position) and tokens
