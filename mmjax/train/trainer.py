@@ -314,7 +314,7 @@ class _Loop:
                 rec = self.record(n, m)
                 if evaluate_at(n):
                     rec["eval_loss"] = evaluate()
-                # a step in a bad streak changed no parameters: no checkpoint, no switch
+                # no switch in a bad streak: it could not checkpoint
                 switch = self.replan(n, trace) if replan and not self.in_a_row else None
                 if switch is not None:
                     rec["replanned"] = {"gain": switch[1], "plan": switch[2]}
@@ -345,7 +345,7 @@ class _Loop:
                 decision = self.replanner.decide(self.plan, self.plan_traces)
                 if decision is not None:
                     decision = (self.prepare(decision[0])[0], decision[1])
-            except UserError as e:  # PlanError included: the run goes on, on its plan
+            except ValueError as e:  # UserError, PlanError: the run goes on, on its plan
                 self.console.print(f"step {n}: re-planning keeps the plan: {e}", markup=False)
                 decision = None
             text = decision_json(decision)
