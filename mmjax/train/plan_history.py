@@ -6,7 +6,10 @@ from __future__ import annotations
 import os
 import re
 
+import jax
+
 from mmjax.planner.plan import Plan
+from mmjax.train.checkpoint import checkpoint_steps
 
 PLANS = "plans"
 
@@ -42,3 +45,15 @@ def forget_plans_after(workdir: str, step: int) -> None:
     for k in _steps(workdir):
         if k > step:
             os.remove(plan_path(workdir, k))
+
+
+def plan_to_resume(workdir: str, plan: str, console) -> tuple[int, str] | None:
+    """(k, path) of the plan in effect at the newest checkpoint, said in one line, or None
+    (the run starts, or resumes, on `plan`)."""
+    newest = checkpoint_steps(os.path.join(workdir, "checkpoints"))
+    found = plan_in_effect(workdir, newest[0]) if newest else None
+    if found is not None and jax.process_index() == 0:
+        console.print(f"resuming on {found[1]}: the plan in effect from step {found[0]} "
+                      f"(remove {os.path.join(workdir, PLANS)} to use train.plan={plan})",
+                      markup=False)
+    return found

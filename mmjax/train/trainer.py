@@ -23,12 +23,13 @@ from mmjax.models.config import MLLMConfig
 from mmjax.models.hf.pretrained import PretrainedError, prepare_pretrained
 from mmjax.planner.plan import Plan
 from mmjax.train.auto_plan import auto_plan, run_planning_inputs
-from mmjax.train.checkpoint import Checkpointer, NonFiniteState, checkpoint_steps
+from mmjax.train.checkpoint import Checkpointer, NonFiniteState
 from mmjax.train.config import named_model_config, pretrained
 from mmjax.train.data_config import fit_vocab, layout_and_source, train_source
 from mmjax.train.optimizer import learning_rate_schedule
 from mmjax.train.pipelined import Pipelined, write_trace
-from mmjax.train.plan_history import forget_plans_after, plan_in_effect, plan_path, write_plan
+from mmjax.train.plan_history import (forget_plans_after, plan_in_effect, plan_path,
+                                      plan_to_resume, write_plan)
 from mmjax.train.progress import Progress as StepProgress
 from mmjax.train.progress import console as progress_console
 from mmjax.train.replanning import (Replanner, decision_from_json, decision_json,
@@ -147,16 +148,8 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
         runner = SingleProgram(cfg, layout, global_batch, schedule, dtype, seed, source,
                                attention_impl or "auto", dirs, steps)
     else:
-        start_plan = plan
-        resumed_plan = plan_in_effect(workdir, (checkpoint_steps(
-            os.path.join(workdir, "checkpoints")) or [0])[0])
-        if resumed_plan is not None and jax.process_index() == 0:
-            progress_console().print(f"resuming on {resumed_plan[1]}: the plan in effect "
-                                     f"from step {resumed_plan[0]} (remove "
-                                     f"{os.path.join(workdir, 'plans')} to use "
-                                     f"train.plan={plan})", markup=False)
-        if resumed_plan is not None:  # a re-planned run continues on its plan
-            plan = resumed_plan[1]
+        start_plan, resumed_plan = plan, plan_to_resume(workdir, plan, progress_console())
+        plan = resumed_plan[1] if resumed_plan else plan  # a re-planned run stays re-planned
         the_plan, cfg = _the_plan(plan, cfg, tok, dirs, global_batch, attention_impl)
         layout, source = layout_and_source(cfg, tok)
         runner = Pipelined(cfg, layout, the_plan, schedule, dtype, seed, source, dirs)
@@ -174,13 +167,14 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
         # the newest checkpoint was unusable and an older one predates the plan chosen above
         in_effect = plan_in_effect(workdir, loop.start)
         plan = in_effect[1] if in_effect else start_plan
-        loop.console.print(f"checkpoint step {loop.start} ran {plan}: continuing on it"
-                           if loop.start else f"no usable checkpoint: starting on {plan}",
-                           markup=False)
+        if loop.lead:
+            loop.console.print(f"checkpoint step {loop.start} ran {plan}: continuing on it"
+                               if loop.start else f"no usable checkpoint: starting on {plan}",
+                               markup=False)
         the_plan = _the_plan(plan, cfg, tok, dirs, global_batch, attention_impl)[0]
         loop.rebuild(loop.start, lambda: Pipelined(cfg, layout, the_plan, schedule, dtype,
                                                    seed, source, dirs))
-        if jax.process_index() == 0:
+        if loop.lead:
             write_run_info(workdir, cfg, the_plan, seed, dirs)
     if replan_every:
         loop.replanning(replanner, replan_every, the_plan, lambda p: _prepared(
