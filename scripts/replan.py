@@ -40,17 +40,19 @@ def load_model(name: str):
 
 
 def load_traces(workdir: str):
-    """(model name, Plan, concatenated trace) of every traced step in the workdir."""
-    paths = sorted(glob.glob(os.path.join(workdir, "traces", "step_*.json")))
+    """(model name, Plan, concatenated trace) of the traced steps in the workdir that ran
+    the newest traced step's plan (a run re-planned by train.replan_every traced several)."""
+    paths = sorted(glob.glob(os.path.join(workdir, "traces", "step_*.json")),
+                   key=lambda p: int(os.path.basename(p)[len("step_"):-len(".json")]))
     if not paths:
         raise ValueError(f"no traces in {workdir}/traces: train with train.trace_every=N")
-    trace, name, plan = [], None, None
+    runs = []
     for p in paths:
         with open(p) as f:
-            d = json.load(f)
-        name, plan = d["model"], Plan.from_json(d["plan"])
-        trace += d["trace"]
-    return name, plan, trace
+            runs.append(json.load(f))
+    name, plan = runs[-1]["model"], runs[-1]["plan"]
+    trace = [a for d in runs if d["plan"] == plan for a in d["trace"]]
+    return name, Plan.from_json(plan), trace
 
 
 def main(argv=None) -> int:

@@ -13,6 +13,7 @@ from mmjax.data.data_spec import sample_workload
 from mmjax.planner.build import plan_model
 from mmjax.planner.hardware import A800, H100, H200, hardware
 from mmjax.planner.plan import Plan, PlanError
+from mmjax.train.validate import gin_bound
 
 _KINDS = (("H200", H200), ("H100", H100), ("A800", A800), ("A100", A800))
 
@@ -23,6 +24,21 @@ def device_hardware(devices=None):
     return next((hw for key, hw in _KINDS if key in kind), H100)
 
 
+def planning_inputs(cfg, source, hardware_name: str | None = None, data_samples: int = 256):
+    """(Hardware, Workload) the planner plans a run for: the named hardware (else the
+    devices'), and `data_samples` samples of the run's `source`."""
+    hw = hardware(hardware_name) if hardware_name else device_hardware()
+    return hw, sample_workload(source, cfg, data_samples, name="train data")
+
+
+def run_planning_inputs(cfg, source):
+    """`planning_inputs` under the run's gin `auto_plan.*` settings, so re-planning plans
+    for the hardware and data that start-up planning does."""
+    get = lambda p, default: (gin.query_parameter(f"auto_plan.{p}")
+                              if gin_bound(f"auto_plan.{p}") else default)
+    return planning_inputs(cfg, source, get("hardware_name", None), get("data_samples", 256))
+
+
 @gin.configurable
 def auto_plan(cfg, global_batch: int, source, num_devices: int | None = None,
               hardware_name: str | None = None, data_samples: int = 256) -> Plan:
@@ -30,8 +46,7 @@ def auto_plan(cfg, global_batch: int, source, num_devices: int | None = None,
     samples of `source` (gin: `auto_plan.hardware_name = "h100"` to override the device
     kind's spec)."""
     n = num_devices or jax.device_count()
-    hw = hardware(hardware_name) if hardware_name else device_hardware()
-    wl = sample_workload(source, cfg, data_samples, name="train data")
+    hw, wl = planning_inputs(cfg, source, hardware_name, data_samples)
     try:
         plan = plan_model(cfg, hw, n, global_batch, workload=wl)
     except PlanError as e:

@@ -244,6 +244,15 @@ def _quiet_abandoned_reads():
         sys.unraisablehook = default
 
 
+def checkpoint_steps(directory: str) -> list[int]:
+    """Step directories (name = a step number), newest first; others are ignored."""
+    if not os.path.isdir(directory):
+        return []
+    return sorted((int(n) for n in os.listdir(directory)
+                   if n.isdigit() and os.path.isdir(os.path.join(directory, n))),
+                  reverse=True)
+
+
 class Checkpointer:
     def __init__(self, directory: str, keep: int = 3, keep_every: int | None = None,
                  async_save: bool = True, log=None):
@@ -263,12 +272,7 @@ class Checkpointer:
 
     # ---- discovery -----------------------------------------------------------------------
     def steps(self) -> list[int]:
-        """Step directories (name = a step number), newest first; others are ignored."""
-        if not os.path.isdir(self.directory):
-            return []
-        return sorted((int(n) for n in os.listdir(self.directory)
-                       if n.isdigit() and os.path.isdir(os.path.join(self.directory, n))),
-                      reverse=True)
+        return checkpoint_steps(self.directory)
 
     def latest_step(self) -> int | None:
         steps = self.steps()

@@ -22,17 +22,21 @@ from mmjax.errors import UserError
 from mmjax.models.config import MLLMConfig
 from mmjax.models.hf.pretrained import PretrainedError, prepare_pretrained
 from mmjax.planner.plan import Plan
-from mmjax.train.auto_plan import auto_plan
+from mmjax.train.auto_plan import auto_plan, run_planning_inputs
 from mmjax.train.checkpoint import Checkpointer, NonFiniteState
 from mmjax.train.config import named_model_config, pretrained
 from mmjax.train.data_config import fit_vocab, layout_and_source, train_source
 from mmjax.train.optimizer import learning_rate_schedule
 from mmjax.train.pipelined import Pipelined, write_trace
+from mmjax.train.plan_history import (forget_plans_after, plan_in_effect, plan_path,
+                                      plan_to_resume, write_plan)
 from mmjax.train.progress import Progress as StepProgress
 from mmjax.train.progress import console as progress_console
+from mmjax.train.replanning import (Replanner, decision_from_json, decision_json,
+                                    from_process_0, switch_line)
 from mmjax.train.run_files import truncate_metrics, use_compilation_cache, write_run_info
 from mmjax.train.single_program import SingleProgram
-from mmjax.train.validate import check_data_path, check_train_settings
+from mmjax.train.validate import check_data_path, check_replan_settings, check_train_settings
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -81,7 +85,8 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
           eval_every: int = 0, attention_impl: str | None = None,
           trace_every: int = 0, keep_checkpoints: int = 3, keep_every: int | None = None,
           max_bad_steps: int = 5, trace_steps: str | None = None,
-          compilation_cache_dir: str = "") -> list[dict]:
+          compilation_cache_dir: str = "", replan_every: int = 0,
+          replan_min_gain: float = 1.10, replanner: Replanner | None = None) -> list[dict]:
     """Train `model` for `steps` steps (this invocation stops early after `stop_after`
     steps, as a preemption would; a rerun resumes); returns this run's metric records.
 
@@ -97,6 +102,13 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
     `<workdir>/traces/step_<n>.json` (model, Plan, serial trace) for scripts/replan.py.
     `trace_steps` = "A:B" (with a plan): steps A..B (1-based, inclusive) run traced and
     write those files too (scripts/train.py --trace_steps renders each as a timeline).
+    `replan_every` = N > 0 (with a plan): every N-th step runs traced and the traces of the
+    plan in effect re-plan the run (train/replanning.py, DistTrain §5 on measured times);
+    when the new plan's predicted gain is >= `replan_min_gain`, the run checkpoints that
+    step and continues under the new plan, written to `<workdir>/plans/step_<n>.json`
+    (the step's metrics row gets "replanned"). A resume continues on the plan in effect at
+    its checkpoint. `replanner`: an explicit `Replanner` instead of the one built from
+    these settings (e.g. one that models a slower unit).
 
     Checkpoints: every `checkpoint_every` steps; the newest `keep_checkpoints` are kept, and
     every multiple of `keep_every` permanently. A resume takes the newest checkpoint that
@@ -116,6 +128,7 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
     if trace_every < 0:
         raise UserError(f"train.trace_every={trace_every}: use 0 (off) or N >= 1")
     trace_range = parse_trace_steps(trace_steps, plan)
+    check_replan_settings(replan_every, replan_min_gain, plan, replanner)
     use_compilation_cache(workdir, compilation_cache_dir)
     check_data_path()
     cfg, tok, dirs = _model_and_tokenizer(model)
@@ -135,15 +148,39 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
         runner = SingleProgram(cfg, layout, global_batch, schedule, dtype, seed, source,
                                attention_impl or "auto", dirs, steps)
     else:
+        start_plan, resumed_plan = plan, plan_to_resume(workdir, plan, progress_console())
+        plan = resumed_plan[1] if resumed_plan else plan  # a re-planned run stays re-planned
         the_plan, cfg = _the_plan(plan, cfg, tok, dirs, global_batch, attention_impl)
         layout, source = layout_and_source(cfg, tok)
         runner = Pipelined(cfg, layout, the_plan, schedule, dtype, seed, source, dirs)
+        if replan_every and replanner is None:
+            hw, wl = run_planning_inputs(cfg, source if source is not None
+                                         else train_source(cfg))
+            replanner = Replanner(cfg, hw, wl, jax.device_count(), replan_min_gain)
     os.makedirs(workdir, exist_ok=True)
     if jax.process_index() == 0:  # what scripts/generate.py rebuilds the model and data from
         with open(os.path.join(workdir, "config.gin"), "w") as f:
             f.write(gin.config_str())
         write_run_info(workdir, cfg, the_plan, seed, dirs)
     loop = _Loop(workdir, runner, schedule, keep_checkpoints, keep_every)
+    if the_plan is not None and plan_in_effect(workdir, loop.start) != resumed_plan:
+        # the newest checkpoint was unusable and an older one predates the plan chosen above
+        in_effect = plan_in_effect(workdir, loop.start)
+        plan = in_effect[1] if in_effect else start_plan
+        if loop.lead:
+            loop.console.print(f"checkpoint step {loop.start} ran {plan}: continuing on it"
+                               if loop.start else f"no usable checkpoint: starting on {plan}",
+                               markup=False)
+        the_plan = _the_plan(plan, cfg, tok, dirs, global_batch, attention_impl)[0]
+        loop.rebuild(loop.start, lambda: Pipelined(cfg, layout, the_plan, schedule, dtype,
+                                                   seed, source, dirs))
+        if loop.lead:
+            write_run_info(workdir, cfg, the_plan, seed, dirs)
+    if replan_every:
+        loop.replanning(replanner, replan_every, the_plan, lambda p: _prepared(
+            p, cfg, tok, dirs, global_batch, attention_impl, same_config=True),
+            lambda p: Pipelined(cfg, layout, p, schedule, dtype, seed, source, dirs),
+            lambda p: write_run_info(workdir, cfg, p, seed, dirs))
     try:
         where = "one program" if plan is None else f"plan {plan} on {jax.device_count()} devices"
         loop.console.print(f"[bold]{cfg.name}[/]: {runner.num_trainable:,} trainable "
@@ -151,13 +188,13 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
         end = steps if stop_after is None else min(steps, loop.start + stop_after)
         report = StepProgress(loop.console, steps, loop.start, global_batch,
                               enabled=progress and loop.lead)
-        runner.progress = report
+        loop.runner.progress = report
         return loop.run(end, report, checkpoint_every, max_bad_steps,
                         lambda n: the_plan is not None and (
                             (trace_every > 0 and n % trace_every == 0)
                             or trace_range[0] <= n <= trace_range[1]),
                         lambda n: eval_every and (n % eval_every == 0 or n == end),
-                        lambda: runner.evaluate(*held_out, layout), cfg, the_plan)
+                        lambda: loop.runner.evaluate(*held_out, layout), cfg, the_plan)
     finally:
         loop.close()
 
@@ -191,11 +228,22 @@ def _the_plan(plan: str, cfg: MLLMConfig, tok, dirs: dict, global_batch: int,
             f"{u.name} dp={u.dp} tp={u.tp} pp={u.pp}" for u in the_plan.units))
     else:
         the_plan = Plan.load(plan)
+    return _prepared(the_plan, cfg, tok, dirs, global_batch, attention_impl)
+
+
+def _prepared(the_plan: Plan, cfg: MLLMConfig, tok, dirs: dict, global_batch: int,
+              attention_impl: str | None, same_config: bool = False):
+    """`the_plan` validated for the run, and the config its tp sizes need (`same_config`:
+    a plan to switch to must train the running config, e.g. the same padded vocabulary)."""
     if the_plan.global_batch != global_batch:
         raise UserError(f"plan global_batch={the_plan.global_batch} differs from "
                         f"train.global_batch={global_batch}: make them equal")
     if tok is not None:
-        cfg = fit_vocab(cfg, tok, [u.tp for u in the_plan.units])
+        fitted = fit_vocab(cfg, tok, [u.tp for u in the_plan.units])
+        if same_config and fitted != cfg:
+            raise UserError(f"the plan's tp sizes need vocab_size {fitted.llm.vocab_size}, "
+                            f"the run trains {cfg.llm.vocab_size}")
+        cfg = fitted
     if attention_impl is not None:
         the_plan = dataclasses.replace(the_plan, units=tuple(
             dataclasses.replace(u, attention_impl=attention_impl) for u in the_plan.units))
@@ -221,6 +269,7 @@ class _Loop:
             console.print(f"{jax.process_count()} processes: metrics from process 0, "
                           "checkpoints from all")
         self.start, self.skipped, self.nonfinite, self.in_a_row = 0, 0, 0, 0
+        self.replan_every, self.plan, self.plan_traces = 0, None, []
         found = self.ckpt.restore_latest(
             getattr(runner, "restore_target", runner.checkpoint_tree)())
         if found is not None:
@@ -234,20 +283,35 @@ class _Loop:
         if self.lead:
             truncate_metrics(self.metrics_path, self.start)
             truncate_metrics(self.skipped_path, self.start, one_per_step=False)
+            forget_plans_after(workdir, self.start)  # decisions the checkpoints lost
+
+    def replanning(self, replanner, every: int, plan, prepare, build, record_plan) -> None:
+        """Every `every` steps, `replanner` decides (on process 0, from the traces of the
+        plan in effect since it started); a new plan, `prepare`d for the run, is saved under
+        plans/ and the run continues from that step's checkpoint on `build(plan)`."""
+        self.replanner, self.replan_every, self.plan = replanner, every, plan
+        self.prepare, self.build, self.record_plan = prepare, build, record_plan
 
     def run(self, end: int, report, checkpoint_every: int, max_bad_steps: int, traced,
             evaluate_at, evaluate, cfg, plan) -> list[dict]:
         records = []
+        self.plan = self.plan or plan
         with open(self.metrics_path if self.lead else os.devnull, "a") as mf, \
                 open(self.skipped_path if self.lead else os.devnull, "a") as sf:
             for step in range(self.start, end):
                 n = step + 1
-                m = self.runner.step(trace=True) if traced(n) else self.runner.step()
+                replan = self.replan_every and n % self.replan_every == 0
+                m = self.runner.step(trace=True) if traced(n) or replan else self.runner.step()
+                trace = m.pop("trace", None)
                 if traced(n) and self.lead:
-                    write_trace(self.workdir, n, cfg, plan, m.pop("trace"))
+                    write_trace(self.workdir, n, cfg, self.plan, trace)
                 rec = self.record(n, m)
                 if evaluate_at(n):
                     rec["eval_loss"] = evaluate()
+                # no switch in a bad streak: it could not checkpoint
+                switch = self.replan(n, trace) if replan and not self.in_a_row else None
+                if switch is not None:
+                    rec["replanned"] = {"gain": switch[1], "plan": switch[2]}
                 records.append(rec)
                 mf.write(json.dumps(rec) + "\n")
                 mf.flush()
@@ -257,11 +321,57 @@ class _Loop:
                 report.step(rec, m.get("compile_s", 0.0) > 0)
                 self.guard(n, rec, max_bad_steps)
                 # a step in a bad streak changed no parameters: no checkpoint until one is good
-                if not self.in_a_row and (n % checkpoint_every == 0 or n == end):
+                if not self.in_a_row and (n % checkpoint_every == 0 or n == end or switch):
                     self.save(n)
+                if switch is not None:
+                    self.switch(n, switch[0], switch[1], report, rebuild=n < end)
         if records:
             report.say("trained " + report.summary(len(records)))
         return records
+
+    def replan(self, n: int, trace) -> tuple | None:
+        """(new plan, predicted gain, its file under the workdir) when process 0's
+        replanner switches plans at step `n`, the same on every process; else None."""
+        text = None
+        if self.lead:
+            self.plan_traces += trace
+            try:
+                decision = self.replanner.decide(self.plan, self.plan_traces)
+                if decision is not None:
+                    decision = (self.prepare(decision[0])[0], decision[1])
+            except ValueError as e:  # UserError, PlanError: the run goes on, on its plan
+                self.console.print(f"step {n}: re-planning keeps the plan: {e}", markup=False)
+                decision = None
+            text = decision_json(decision)
+        decision = decision_from_json(from_process_0(text))
+        if decision is None:
+            return None
+        new, gain = decision
+        return new, gain, os.path.relpath(plan_path(self.workdir, n), self.workdir)
+
+    def switch(self, n: int, plan, gain: float, report, rebuild: bool) -> None:
+        """Continue from step `n`'s checkpoint (committed first, then plans/step_<n>.json
+        written) under `plan`; without `rebuild` (the invocation's last step) only the
+        record changes: a rerun resumes on `plan`."""
+        self.ckpt.wait()
+        if self.lead:
+            where = write_plan(self.workdir, n, plan)
+            self.record_plan(plan)
+            self.console.print(switch_line(n, self.plan, plan, gain, where), markup=False)
+        self.plan, self.plan_traces = plan, []
+        if rebuild:
+            self.rebuild(n, lambda: self.build(plan), report)
+
+    def rebuild(self, n: int, make_runner, report=None) -> None:
+        """Replace the runner by `make_runner()` (another plan), restored from step `n`'s
+        checkpoint (n = 0: a fresh start)."""
+        self.runner.close()
+        self.runner = None  # the old plan's arrays go before the new plan's are made
+        self.runner = make_runner()
+        self.runner.progress = report
+        if n:
+            state, data_state = self.ckpt.restore(n, self.runner.restore_target())
+            self.runner.load(state, data_state, n)
 
     def record(self, n: int, m: dict) -> dict:
         """The metrics row of step `n`: tokens seen (every non-pad LLM position) and tokens
@@ -300,5 +410,5 @@ class _Loop:
 
     def close(self) -> None:
         self.ckpt.close()
-        if hasattr(self.runner, "close"):
+        if self.runner is not None and hasattr(self.runner, "close"):
             self.runner.close()

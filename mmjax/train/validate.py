@@ -91,3 +91,23 @@ def check_data_path() -> None:
     if not isinstance(path, str) or not os.path.exists(path):
         raise UserError(f"loader_source.path={path!r}: no such file; write the dataset with "
                         f"scripts/make_dataset.py --out=PATH")
+
+
+def check_min_gain(value) -> None:
+    """`train.replan_min_gain`: the predicted speed-up a plan switch must promise."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 1:
+        raise UserError(f"train.replan_min_gain={value!r}: must be a number > 1 "
+                        f"(e.g. 1.10 for a 10% predicted speed-up)")
+
+
+def check_replan_settings(replan_every, replan_min_gain, plan, replanner) -> None:
+    """`train.replan_every` / `train.replan_min_gain` (and an explicit `replanner`)."""
+    if not _is_int(replan_every) or replan_every < 0:
+        raise UserError(f"train.replan_every={replan_every!r}: use 0 (off) or N >= 1")
+    check_min_gain(replan_min_gain)
+    if replan_every and plan is None:
+        raise UserError("train.replan_every re-plans the pipeline runtime: add --plan=auto "
+                        "or a plan JSON (the single program has no plan to change)")
+    if replanner is not None and not replan_every:
+        raise UserError("train(replanner=...) is used every train.replan_every steps: set "
+                        "train.replan_every=N")
