@@ -12,6 +12,7 @@ import pytest
 
 from mmjax.data.records import ArrayRecordSource, DecodeError
 from mmjax.data.global_batch import GlobalBatchBuilder
+from mmjax.data.loader import Loader  # noqa: F401 (gin: the `Loader.*` bindings below)
 from mmjax.data.batch_plan import unit_policies
 from mmjax.errors import UserError
 from mmjax.models.config import with_overrides
