@@ -17,6 +17,10 @@ it measures for one global batch through `PipelineRuntime.run`:
   simulated  `pipeline/simulate.py` on the runtime's own schedule with per-(stage, kind)
              costs = median traced action time over --trace_steps steps; its bubble fraction
              is the mean over stages of 1 - busy / iteration time.
+  traffic    bytes one step moves between stages (the brokers' ledgers) and in the dp
+             syncs, by link class (same device, intra-node, inter-node) on nodes of
+             --devices_per_node devices, with the node map; and the programs traced or
+             compiled in the timed steps (jax.monitoring; 0 after warm-up);
   collectives  per stage per training step, from the compiled HLO: the forward and
              backward programs (each run once per microbatch) and the ZeRO-1 sync and update
              programs (parallel/zero.py: one reduce-scatter, one all-gather), as op counts;
@@ -50,6 +54,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import contextlib  # noqa: E402
 import io  # noqa: E402
 import importlib.util  # noqa: E402
@@ -60,6 +65,7 @@ import time  # noqa: E402
 from collections import Counter  # noqa: E402
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
@@ -97,19 +103,61 @@ def model_config(args):
                                    "llm.num_layers": args.llm_layers})
 
 
-def make_plan(name: str, cfg, samples: int, microbatches: int) -> Plan:
+def make_plan(name: str, cfg, samples: int, microbatches: int, per_node: int = 0) -> Plan:
+    """The named plan, placed on nodes of `per_node` devices (planner/placement.py: no TP
+    group straddles a node); 0: one node."""
     if name == "rigid":
-        return Plan.rigid(cfg, dp=1, tp=2, pp=2, global_batch=samples,
+        plan = Plan.rigid(cfg, dp=1, tp=2, pp=2, global_batch=samples,
                           num_microbatches=microbatches)
-    if name == "disagg":
-        return Plan.uniform(cfg, samples, microbatches, kind="disaggregated",
+    elif name == "disagg":
+        plan = Plan.uniform(cfg, samples, microbatches, kind="disaggregated",
                             dp={"vision": 2, "llm": 1, "generator": 2},
                             tp={"llm": 2}, pp={"llm": 2})
-    if name == "planner":
+    elif name == "planner":
         from mmjax.planner.build import plan_model
         from mmjax.planner.hardware import hardware
-        return plan_model(cfg, hardware("h100"), 8, samples, vpp=False)
-    raise ValueError(f"--plans: unknown plan {name!r}; choose from {PLANS}")
+        plan = plan_model(cfg, hardware("h100"), 8, samples, vpp=False)
+    else:
+        raise ValueError(f"--plans: unknown plan {name!r}; choose from {PLANS}")
+    return dataclasses.replace(plan, devices_per_node=per_node) if per_node else plan
+
+
+def node_of(device_index: int, per_node: int) -> int:
+    return device_index // per_node if per_node else 0
+
+
+def traffic(rt: PipelineRuntime, ledgers: list[dict], per_node: int) -> dict:
+    """Bytes one step moves, by link class: broker exchanges between stages (counted by the
+    brokers' ledgers: the parts delivered, a device's parts to itself as "same device"),
+    and each stage's ZeRO-1 gradient sync (ring reduce-scatter of the float32 partials, ring
+    all-gather of the compute copy: (dp-1)/dp of each per device, computed from the shapes)
+    on the link class of its dp groups."""
+    index = {d.id: k for k, d in enumerate(jax.devices())}
+    out = {"broker_same_device": 0, "broker_intra_node": 0, "broker_inter_node": 0,
+           "sync_intra_node": 0, "sync_inter_node": 0}
+    for ledger in ledgers:
+        for (u, v), nbytes in ledger.items():
+            cls = ("same_device" if u == v else "intra_node"
+                   if node_of(index[u], per_node) == node_of(index[v], per_node) else "inter_node")
+            out[f"broker_{cls}"] += nbytes
+    for st in rt.stages.values():
+        if not (st.mode.param_grads and jax.tree.leaves(st.trainable)) or st.dp == 1:
+            continue
+        params = sum(x.size for x in jax.tree.leaves(st.trainable))
+        per_device = params / st.mesh.devices.size * st.dp  # one dp rank's TP shard
+        nbytes = st.mesh.devices.size * (st.dp - 1) / st.dp * per_device * (
+            4 + np.dtype(rt.dtype).itemsize)
+        nodes = {node_of(index[d.id], per_node) for d in st.mesh.devices.flat}
+        out["sync_intra_node" if len(nodes) == 1 else "sync_inter_node"] += int(nbytes)
+    return out
+
+
+def node_map(plan: Plan) -> str:
+    """Per unit, its stages' device indices (planner/placement.py), nodes marked."""
+    per = plan.devices_per_node
+    return "; ".join(f"{u}: " + " | ".join(",".join(f"{d}@n{node_of(d, per)}" for d in idx)
+                                           for idx in stages)
+                     for u, stages in plan.stage_devices().items())
 
 
 def batch(cfg, seq: int, n: int):
@@ -174,13 +222,20 @@ def collectives_per_step(rt: PipelineRuntime) -> dict[str, dict[str, int]]:
     return out
 
 
-def bench_plan(name, cfg, lay, samples, args, out_dir, timeline) -> dict:
-    plan = make_plan(name, cfg, len(samples), args.microbatches)
+def bench_plan(name, cfg, lay, samples, args, out_dir, timeline, compiles) -> dict:
+    plan = make_plan(name, cfg, len(samples), args.microbatches, args.devices_per_node)
     rt = PipelineRuntime(cfg, plan)
     feeds = feeds_for(plan, lay, samples)
     num_actions = len(rt.order)
     for _ in range(args.warmup):  # compile every stage function and broker route
         _wait(rt, rt.run(feeds))
+    for b in rt.brokers.values():  # one untimed step with the traffic counted
+        b.ledger = {}
+    _wait(rt, rt.run(feeds))
+    moved = traffic(rt, [b.ledger for b in rt.brokers.values()], args.devices_per_node)
+    for b in rt.brokers.values():
+        b.ledger = None
+    compiled_before = compiles["n"]
     dispatch, step = [], []
     for _ in range(args.steps):
         t0 = time.perf_counter()
@@ -190,6 +245,10 @@ def bench_plan(name, cfg, lay, samples, args, out_dir, timeline) -> dict:
         t2 = time.perf_counter()
         dispatch.append(t1 - t0)
         step.append(t2 - t0)
+    # the timed steps trace and compile nothing (tests/test_compile_once.py: nor do new
+    # balanced global batches, padded to one shape floor);
+    # the traced modes below compile their completion markers once (pipeline/trace.py)
+    compiled_after_warmup = compiles["n"] - compiled_before
     traces = []
     for _ in range(args.trace_steps):
         res = rt.run(feeds, trace=True)
@@ -240,6 +299,8 @@ def bench_plan(name, cfg, lay, samples, args, out_dir, timeline) -> dict:
         "stage_bubble_fraction": {str(s): b for s, b in sim.bubble_fraction.items()},
         "loss": losses["loss"], "files": files,
         "collectives_per_step": collectives_per_step(rt),
+        "bytes_per_step": moved, "devices_per_node": args.devices_per_node,
+        "node_map": node_map(plan), "compiles_after_warmup": compiled_after_warmup,
     }
 
 
@@ -255,6 +316,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps (compile)")
     ap.add_argument("--steps", type=int, default=3, help="timed steps (median)")
     ap.add_argument("--trace_steps", type=int, default=2, help="traced steps for the costs")
+    ap.add_argument("--devices_per_node", type=int, default=4,
+                    help="devices per (virtual) node: placement and link classes")
     ap.add_argument("--out", default=os.path.join("bench_results", "bench_runtime.json"))
     args = ap.parse_args(argv)
     for k in ("samples", "microbatches", "seq", "steps", "trace_steps"):
@@ -272,7 +335,19 @@ def main(argv=None) -> dict:
     cfg = model_config(args)
     lay, samples = batch(cfg, args.seq, args.samples)
     timeline = _timeline()
-    rows = [bench_plan(p, cfg, lay, samples, args, out_dir, timeline) for p in names]
+    compiles = {"n": 0}  # programs traced or compiled (jax.monitoring), to count after warm-up
+
+    def count(event, duration, **kw):
+        if event in ("/jax/core/compile/jaxpr_trace_duration",
+                     "/jax/core/compile/backend_compile_duration"):
+            compiles["n"] += 1
+
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        rows = [bench_plan(p, cfg, lay, samples, args, out_dir, timeline, compiles)
+                for p in names]
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
 
     console = Console(width=max(Console().width, 140))
     table = Table(title=f"pipeline runtime, tiny MLLM (llm {args.llm_layers}x{args.llm_hidden}),"
@@ -294,6 +369,13 @@ def main(argv=None) -> dict:
                       + "; ".join(f"{s} " + (", ".join(f"{n} {op}" for op, n in c.items())
                                              or "none")
                                   for s, c in r["collectives_per_step"].items()))
+        mb = {k: v / 2 ** 20 for k, v in r["bytes_per_step"].items()}
+        console.print(f"{r['plan']}: nodes of {r['devices_per_node']} devices: {r['node_map']}")
+        console.print(f"{r['plan']}: MiB per step: broker same device "
+                      f"{mb['broker_same_device']:.2f}, intra-node {mb['broker_intra_node']:.2f}, "
+                      f"inter-node {mb['broker_inter_node']:.2f}; gradient sync intra-node "
+                      f"{mb['sync_intra_node']:.2f}, inter-node {mb['sync_inter_node']:.2f}; "
+                      f"programs traced or compiled in the timed steps: {r['compiles_after_warmup']}")
         console.print(f"{r['plan']}: stage busy (traced step) "
                       + ", ".join(f"{s} {v * 1e3:.1f} ms" for s, v in r["stage_busy_s"].items()))
         console.print(f"  timeline {r['files']['png']} (simulated: {r['files']['png.sim']}), "

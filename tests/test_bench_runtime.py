@@ -17,7 +17,8 @@ M = 2  # microbatches
 STAGES = ("vision:0", "llm:0", "llm:1", "generator:0")  # both plans: llm pp2, 1 + 1 extra
 FIELDS = {"plan", "units", "num_microbatches", "num_actions", "dispatch_us_per_action",
           "measured_step_s", "simulated_step_s", "measured_over_simulated", "bubble_fraction",
-          "stage_busy_s", "stage_costs_s", "serial_sum_s", "files", "collectives_per_step"}
+          "stage_busy_s", "stage_costs_s", "serial_sum_s", "files", "collectives_per_step",
+          "bytes_per_step", "node_map", "compiles_after_warmup"}
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +53,22 @@ def test_rows_and_fields(result):
         assert set(r["stage_busy_s"]) == set(STAGES)
         assert set(r["stage_costs_s"]) == {f"{s}/{k}" for s in STAGES for k in "FB"}
         assert r["dispatch_us_per_action"] > 0 and r["measured_step_s"] > 0
+
+
+def test_traffic_by_link_class_and_no_compile_after_warmup(result):
+    """Nodes of 4 devices: disagg's placement (TP groups first, none straddling a node)
+    puts the LLM's two tp-2 stages on node 0 and vision and the generator on node 1, so the
+    LLM's stage-to-stage transfer stays in a node, the encoder's and the generator's cross,
+    and both dp syncs (vision, generator) stay inside node 1."""
+    rigid, disagg = result["rows"]
+    assert disagg["node_map"] == ("vision: 4@n1,5@n1; llm: 0@n0,1@n0 | 2@n0,3@n0; "
+                                  "generator: 6@n1,7@n1")
+    b = disagg["bytes_per_step"]
+    assert b["broker_intra_node"] > 0 and b["broker_inter_node"] > 0
+    assert b["sync_intra_node"] > 0 and b["sync_inter_node"] == 0
+    assert rigid["bytes_per_step"]["sync_intra_node"] == 0  # dp 1 everywhere: no dp sync
+    for r in (rigid, disagg):
+        assert r["compiles_after_warmup"] == 0  # one global batch shape: nothing new
 
 
 def test_traces_written_and_rendered(result):

@@ -343,3 +343,27 @@ def test_two_process_transfer(tmp_path, gloo_jobs):
             pytest.fail("two-process broker run timed out")
     for p, out in zip(procs, outs):
         assert p.returncode == 0 and "OK" in out, out[-3000:]
+
+
+def test_ledger_counts_the_parts_each_device_delivers():
+    """With a ledger set, an exchange adds per (sender, receiver) device the bytes of the
+    parts it delivers: here dp 2 x tp 2 -> dp 1 x tp 2, order preserving: each destination
+    replica receives both source ranks' parts (a 4x3 float32 and 5 int32 each), each from
+    the sender `deliveries` picks; without a ledger nothing is counted."""
+    sm, dm = meshes((2, 2), (1, 2))
+    r = Routes.order_preserving(2, 1)
+    tree = {"h": put(data(2, (4, 3)), sm), "ids": put(np.zeros((2, 5), np.int32), sm)}
+    b = Broker(sm, dm)
+    b.transfer_tree(tree, r)
+    assert b.ledger is None
+    b.ledger = {}
+    b.transfer_tree(tree, r)
+    b.transfer_tree(tree, r)
+    part = 4 * 3 * 4 + 5 * 4  # bytes of one slot of every leaf
+    u = [d.id for d in b.union_devices]
+    want = {}
+    for a, v, _, _ in deliveries(r, b.src_replicas, b.dst_replicas):
+        want[(u[a], u[v])] = want.get((u[a], u[v]), 0) + 2 * part
+    assert b.ledger == want
+    assert sum(want.values()) == 2 * part * 2 * 2  # 2 parts to each of 2 replicas, twice
+    assert {d.id for d in dm.devices.flat} == {v for _, v in want}

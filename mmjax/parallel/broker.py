@@ -36,6 +36,7 @@ class ExchangeTables:
     capacity: int
     send: np.ndarray  # [n, n * capacity] int32
     recv: np.ndarray  # [n, dst_slots] int32
+    count: np.ndarray | None = None  # [n, n] parts device u delivers to device v
 
 
 def _bucket(k: int) -> int:
@@ -84,7 +85,7 @@ def exchange_tables(routes: Routes, src_replicas: list[list[int]],
         used[u, v] += 1
         send[u, v * cap + c] = s
         recv[v, q] = u * cap + c
-    return ExchangeTables(cap, send, recv)
+    return ExchangeTables(cap, send, recv, count)
 
 
 def _exchange(x_tree, send, recv):
@@ -156,6 +157,10 @@ class Broker:
                                          in_specs=(P(AXIS),) * 3, out_specs=P(AXIS),
                                          check_vma=False))
         self.zeros: dict[tuple, jax.Array] = {}
+        # set by the owner to count traffic (scripts/bench_runtime.py): (sender device id,
+        # receiver device id) -> bytes of the parts delivered (a device's parts to itself
+        # included); None: nothing counted, nothing spent
+        self.ledger: dict[tuple[int, int], int] | None = None
 
     @staticmethod
     def _ranks(mesh: Mesh) -> list[list]:
@@ -244,11 +249,20 @@ class Broker:
                 x if isinstance(x, jax.Array) and x.sharding == self.dst_sharding
                 else jax.device_put(x, self.dst_sharding) for x in leaves])
         t = self._tables(routes)
+        if self.ledger is not None:
+            self._count(t.host.count, leaves, routes.src_slots)
         ins = [self._to_union(x, routes.src_slots) for x in leaves]
         outs = self._program(ins, t)(ins, t.send, t.recv)
         if wait:
             jax.block_until_ready(outs)
         return jax.tree.unflatten(treedef, [self._from_union(y, routes.dst_slots) for y in outs])
+
+    def _count(self, count: np.ndarray, leaves, src_slots: int) -> None:
+        """Add one exchange's delivered bytes per device pair to `ledger` (shapes only)."""
+        part = sum(int(np.prod(x.shape[1:])) * np.dtype(x.dtype).itemsize for x in leaves)
+        for u, v in zip(*np.nonzero(count)):
+            key = (self.union_devices[u].id, self.union_devices[v].id)
+            self.ledger[key] = self.ledger.get(key, 0) + int(count[u, v]) * part
 
     def transfer(self, x: jax.Array, routes: Routes, wait: bool = False) -> jax.Array:
         """Move one dp-blocked array by `routes` (see `transfer_tree`)."""
