@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import concurrent.futures
 import time
 
 import jax
@@ -135,6 +136,20 @@ class SingleProgram:
         """Plan-independent named arrays (train/logical_state.py)."""
         return single_logical(self.state)
 
+    def _compile(self, inputs):
+        """The step compiled for `inputs`' shapes, lowered from the abstract state (the
+        state's shapes and placement), so a fresh run's init (its own jitted program)
+        compiles and runs in a thread meanwhile: XLA compiles without the GIL, and the two
+        compilations take the longer one's time on two cores, not the sum."""
+        if self._state is not None:
+            return self.step_fn.lower(self._state, inputs).compile()
+        made = concurrent.futures.ThreadPoolExecutor(1, "mmjax-init").submit(self._fresh)
+        try:
+            compiled = self.step_fn.lower(self.abstract, inputs).compile()
+        finally:
+            self._state = made.result()
+        return compiled
+
     def step(self):
         t_wait = time.perf_counter()
         batch, skipped = next(self.data), []
@@ -154,7 +169,7 @@ class SingleProgram:
             if self.progress is not None:
                 self.progress.compiling(what)
             t = time.perf_counter()
-            self.compiled[key] = self.step_fn.lower(self.state, inputs).compile()
+            self.compiled[key] = self._compile(inputs)
             compile_s = time.perf_counter() - t
             if self.progress is not None:
                 self.progress.compiled(what, compile_s)
