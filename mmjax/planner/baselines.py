@@ -113,7 +113,7 @@ def ratio_choices(costs: tuple[UnitCost, ...], hw: Hardware, num_gpus: int,
 
 
 def baseline_plan(model, kind: str, hw: Hardware, num_gpus: int, global_batch: int,
-                  workload=None, recompute: bool = False, pp: int | None = None):
+                  workload=None, recompute="auto", pp: int | None = None):
     """The `kind` ("megatron" or "ratio") baseline as a validated, priced `Plan`."""
     costs, layer_costs = model_costs(model, hw, workload, recompute)
     if kind == "megatron":

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from mmjax.planner.costs import UnitCost, impl_of, layer_times, unit_costs, unit_work
-from mmjax.planner.evaluate import Choice, evaluate
+from mmjax.planner.evaluate import Choice, evaluate, remat_variant
 from mmjax.planner.hardware import Hardware
 from mmjax.planner.orchestrate import GPU_TOLERANCE, orchestrate
 from mmjax.planner.partition import partition_unit
@@ -34,8 +34,10 @@ def to_plan(model, costs: tuple[UnitCost, ...], choices: dict[str, Choice], glob
             layers = partition_unit(cost.name, layer_costs[cost.name][ch.tp], stages).split
         else:
             layers = Plan.even_layers(cost.num_layers, stages)
+        remat = remat_variant(cost, ch, choices["llm"].dp, global_batch // choices["llm"].dp,
+                              hw.hbm_bytes).remat
         units.append(UnitPlan(name=cost.name, dp=ch.dp, tp=ch.tp, pp=ch.pp, layers=layers,
-                              num_chunks=ch.vpp, frozen=model.frozen(cost.name),
+                              num_chunks=ch.vpp, frozen=model.frozen(cost.name), remat=remat,
                               attention_impl=impl_of(attention_impl, cost.name) or "auto"))
     dp_llm = choices["llm"].dp
     plan = Plan(tuple(units), global_batch, global_batch // dp_llm, kind=kind,
@@ -52,21 +54,21 @@ def to_plan(model, costs: tuple[UnitCost, ...], choices: dict[str, Choice], glob
     return plan.validate(model, ev.gpus)
 
 
-def model_costs(model, hw: Hardware, workload=None, recompute: bool = False,
-                attention_impl=None):
+def model_costs(model, hw: Hardware, workload=None, recompute="auto", attention_impl=None):
     """(UnitCosts, per-unit per-TP layer costs) of `model` on its paper workload; with
     `attention_impl` (a name or {unit: name}) attention is costed by that implementation's
-    tiles (planner/attention_cost.py)."""
+    tiles (planner/attention_cost.py). `recompute`: "auto" (each unit may take any remat
+    policy: the least recompute that fits, per choice), a policy, a bool, or {unit: ...}."""
     wl = workload or default_workload(model)
     costs = unit_costs(model, wl, hw, recompute, attention_impl)
     layer_costs = {c.name: {t: layer_times(unit_work(model, wl, c.name, attention_impl), t, hw,
-                                           recompute)
+                                           c.remat)
                             for t in c.time_s} for c in costs}
     return costs, layer_costs
 
 
 def plan_model(model, hw: Hardware, num_gpus: int, global_batch: int, workload=None,
-               recompute: bool = False, vpp: bool = True, costs=None,
+               recompute="auto", vpp: bool = True, costs=None,
                gpu_tolerance: float = GPU_TOLERANCE, attention_impl=None) -> Plan:
     """The disaggregated plan for `model` on `num_gpus` GPUs (DistTrain §5); `costs`
     (e.g. from profile.profiled_costs) replace the analytic unit costs; among plans within

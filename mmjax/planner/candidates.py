@@ -13,6 +13,7 @@ import itertools
 import numpy as np
 
 from mmjax.planner.costs import UnitCost
+from mmjax.planner.evaluate import leanest, stage_bytes
 from mmjax.planner.hardware import Hardware
 
 
@@ -48,7 +49,8 @@ def _unit_inputs(cost: UnitCost, hw: Hardware, dps, is_llm: bool, bs: int):
     """Per (LLM DP, TP of the unit): c, e, slope, lo, hi and whether activations fit."""
     tps = np.array(sorted(cost.time_s), dtype=np.float64)
     time = np.array([cost.time_s[int(t)] for t in tps])
-    act1 = np.array([cost.activation_bytes[int(t)] for t in tps])
+    lean = leanest(cost)
+    act1 = np.array([lean.activation_bytes[int(t)] for t in tps])
     d = dps[:, None]
     m = bs // dps
     c = d * tps * time
@@ -73,14 +75,12 @@ def _llm_terms(cost: UnitCost, hw: Hardware, vpp: bool, dp, tp, mm, lo_rest_sum,
     pps = np.array(valid_pps(cost), dtype=np.float64)[None, :]
     d, t, m = dp[:, None], tp[:, None], (mm + 1)[:, None]
     time = np.array([cost.time_s[int(x)] for x in tp])[:, None]
-    act = np.array([cost.activation_bytes[int(x)] for x in tp])[:, None]
     gpus = t * d * pps
     ok = gpus + lo_rest_sum[:, None] <= n
 
     def mem(v):
         flight = np.minimum(m, pps) if v == 1 else np.minimum(m, ((v + 1) * pps - 1) / v)
-        return (cost.weight_bytes / (t * pps) + cost.optimizer_bytes / (t * pps * d)
-                + act / pps * 1.0 * flight)
+        return stage_bytes(leanest(cost), t, d, pps, 1.0, flight)
 
     fits1 = mem(1) <= hw.hbm_bytes
     fits2 = np.zeros_like(fits1)

@@ -18,7 +18,8 @@ import numpy as np
 
 from mmjax.planner.candidates import candidate_table, divisors, share_bound
 from mmjax.planner.costs import UnitCost
-from mmjax.planner.evaluate import Choice, choice_error, evaluate, p2p_time, sync_time, warmup_time
+from mmjax.planner.evaluate import (Choice, choice_error, evaluate, leanest, p2p_time, sync_time,
+                                    warmup_time)
 from mmjax.planner.hardware import Hardware
 from mmjax.planner.plan import PlanError
 from mmjax.planner.infeasible import infeasible_message, smallest_plan
@@ -124,7 +125,7 @@ class Orchestrator:
                 e[i] = 2 * (dp_llm - 1) * cost.grad_bytes / hw.group_bw(dp_llm * t)
             # memory: (weights * dp + optimizer) / x + activations <= HBM (activations at
             # their smallest: one sample per rank, in-flight/pp >= min(1, m / layers))
-            act = cost.activation_bytes[t] * min(1.0, m / cost.num_layers)
+            act = leanest(cost).activation_bytes[t] * min(1.0, m / cost.num_layers)
             room = hw.hbm_bytes - act
             if room <= 0:
                 return None
