@@ -96,7 +96,7 @@ def predicted_stage(cfg, plan, ps, sid, flight: int, b: int = 4):
         g = side["gen"]["gen_latents"].shape[0] / dp
         cond = args[2].shape[-2] if args[2] is not None else 0
         acts = generator_acts(cfg.generator, g, cond, tp, b, end - start, first, last,
-                              cfg.llm.hidden_size)
+                              cfg.llm.hidden_size, "dense")
     else:
         spec = cfg.encoder(sid.unit)
         key = "patches" if "patches" in side["inputs"] else "features"
