@@ -2,12 +2,15 @@
 (orchestrate.py), frozen-aware layer splits (partition.py) and `Plan.predicted` (no JAX)."""
 from __future__ import annotations
 
+import dataclasses
+
 from mmjax.planner.costs import UnitCost, impl_of, layer_times, unit_costs, unit_work
 from mmjax.planner.evaluate import Choice, evaluate, remat_variant
 from mmjax.planner.hardware import Hardware
+from mmjax.planner.knobs import CP_SIZES, LONG_SEQUENCE, cp_cost, overlap_pays
 from mmjax.planner.orchestrate import GPU_TOLERANCE, orchestrate
 from mmjax.planner.partition import partition_unit
-from mmjax.planner.plan import Plan, UnitPlan
+from mmjax.planner.plan import Plan, PlanError, UnitPlan
 from mmjax.planner.workload import default_workload
 
 
@@ -23,7 +26,7 @@ DISTTRAIN_FROZEN = {
 def to_plan(model, costs: tuple[UnitCost, ...], choices: dict[str, Choice], global_batch: int,
             hw: Hardware, kind: str, layer_costs: dict | None = None,
             solve_time_s: float = 0.0, optimal_time_s: float | None = None,
-            attention_impl=None) -> Plan:
+            attention_impl=None, cp: int = 1) -> Plan:
     """A validated `Plan` for integer `choices`, layers split frozen-aware (partition.py)
     over pp x vpp virtual stages, with `predicted` filled from `evaluate`."""
     units = []
@@ -36,8 +39,10 @@ def to_plan(model, costs: tuple[UnitCost, ...], choices: dict[str, Choice], glob
             layers = Plan.even_layers(cost.num_layers, stages)
         remat = remat_variant(cost, ch, choices["llm"].dp, global_batch // choices["llm"].dp,
                               hw.hbm_bytes).remat
-        units.append(UnitPlan(name=cost.name, dp=ch.dp, tp=ch.tp, pp=ch.pp, layers=layers,
-                              num_chunks=ch.vpp, frozen=model.frozen(cost.name), remat=remat,
+        g = cp if cost.name == "llm" else 1  # the LLM's cost is keyed by tp * cp (knobs.py)
+        units.append(UnitPlan(name=cost.name, dp=ch.dp, tp=ch.tp // g, pp=ch.pp, cp=g,
+                              layers=layers, num_chunks=ch.vpp, frozen=model.frozen(cost.name),
+                              remat=remat,
                               attention_impl=impl_of(attention_impl, cost.name) or "auto"))
     dp_llm = choices["llm"].dp
     plan = Plan(tuple(units), global_batch, global_batch // dp_llm, kind=kind,
@@ -72,9 +77,52 @@ def plan_model(model, hw: Hardware, num_gpus: int, global_batch: int, workload=N
                gpu_tolerance: float = GPU_TOLERANCE, attention_impl=None) -> Plan:
     """The disaggregated plan for `model` on `num_gpus` GPUs (DistTrain §5); `costs`
     (e.g. from profile.profiled_costs) replace the analytic unit costs; among plans within
-    `gpu_tolerance` of the least time, the one with the fewest GPUs (orchestrate.py)."""
-    analytic, layer_costs = model_costs(model, hw, workload, recompute, attention_impl)
+    `gpu_tolerance` of the least time, the one with the fewest GPUs (orchestrate.py). Per
+    unit the plan's `remat` is the least recompute that fits; the LLM gets context
+    parallelism when sequences are long or nothing fits without it and it is faster
+    (planner/knobs.py), and overlapped TP where the cost model says it hides the TP
+    collectives."""
+    wl = workload or default_workload(model)
+    analytic, layer_costs = model_costs(model, hw, wl, recompute, attention_impl)
     costs = costs or analytic
-    res = orchestrate(costs, hw, num_gpus, global_batch, vpp, gpu_tolerance)
-    return to_plan(model, costs, res.choices, global_batch, hw, "disaggregated", layer_costs,
-                   res.solve_time_s, res.optimal_time_s, attention_impl)
+    long = wl.llm_moments()[0] >= LONG_SEQUENCE
+    best, error = _fastest_cp(model, wl, costs, (1,) + (CP_SIZES if long else ()), hw,
+                              num_gpus, global_batch, vpp, gpu_tolerance)
+    if best is None and not long:  # nothing fits without context parallelism
+        best, _ = _fastest_cp(model, wl, costs, CP_SIZES, hw, num_gpus, global_batch, vpp,
+                              gpu_tolerance)
+    if best is None:
+        raise error
+    return _finish(model, wl, best, layer_costs, global_batch, hw, attention_impl)
+
+
+def _fastest_cp(model, wl, costs, cps, hw, num_gpus, global_batch, vpp, gpu_tolerance):
+    """((cp, OrchestrationResult, costs) of the fastest LLM CP size in `cps`, or None;
+    the first PlanError)."""
+    best, error = None, None
+    for cp in cps:
+        try_costs = tuple(cp_cost(model, wl, c, cp, hw) if c.name == "llm" else c
+                          for c in costs)
+        try:
+            res = orchestrate(try_costs, hw, num_gpus, global_batch, vpp, gpu_tolerance)
+        except PlanError as e:
+            error = error or e
+            continue
+        if best is None or res.iteration_time_s < best[1].iteration_time_s:
+            best = (cp, res, try_costs)
+    return best, error
+
+
+def _finish(model, wl, best, layer_costs, global_batch, hw, attention_impl) -> Plan:
+    cp, res, costs = best
+    if cp > 1:
+        layer_costs = {**layer_costs, "llm": {t * cp: v for t, v in layer_costs["llm"].items()}}
+    plan = to_plan(model, costs, res.choices, global_batch, hw, "disaggregated", layer_costs,
+                   res.solve_time_s, res.optimal_time_s, attention_impl, cp=cp)
+    llm = plan.unit("llm")
+    if cp == 1 and llm.attention_impl != "pallas" and overlap_pays(model, wl, llm.tp, hw,
+                                                                   attention_impl):
+        units = tuple(dataclasses.replace(u, overlap_tp=True) if u.name == "llm" else u
+                      for u in plan.units)
+        plan = dataclasses.replace(plan, units=units).validate(model, plan.num_devices)
+    return plan

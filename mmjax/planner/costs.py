@@ -400,7 +400,7 @@ def unit_acts(model: MLLMConfig, wl: Workload, unit: str, tp: int, impl: str | N
         return memory.llm_acts(model.llm, n1, n2, tp, b, impl)
     if unit == "generator":
         return memory.generator_acts(model.generator, wl.mean_generated(), wl.cond_tokens, tp,
-                                     b, cond_dim=model.llm.hidden_size)
+                                     b, cond_dim=model.llm.hidden_size, impl=impl)
     spec = model.encoder(unit)
     c, p = spec.encoder, spec.projector
     n1, n2 = wl.encoder_moments(unit)

@@ -132,17 +132,22 @@ def encoder_acts(c, tokens: float, pairs: float, tp: int, b: int, impl: str | No
 
 
 def generator_acts(g, images: float, cond: float, tp: int, b: int, layers: int | None = None,
-                   first: bool = True, last: bool = True, cond_dim: int | None = None) -> Acts:
+                   first: bool = True, last: bool = True, cond_dim: int | None = None,
+                   impl: str | None = None) -> Acts:
     """The DiT (models/generator.py), per block per image of n patches and m conditioning
-    tokens: self- and cross-attention (full masks: no mask buffers), adaLN modulation."""
+    tokens: self- and cross-attention (full masks: no mask buffers; the dense path keeps
+    fp32 logits and probabilities, a tiled one a row statistic), adaLN modulation."""
     d, f, h, n, m = g.hidden_size, g.ffn_size, g.num_heads, g.num_patches, cond
-    per = h / tp * (2 * F32 * (n * n + n * m) + 2 * DENSE_ROW_BYTES * n)
+    dense = impl == "dense"
+    per = h / tp * (2 * F32 * (n * n + n * m) + 2 * DENSE_ROW_BYTES * n if dense
+                    else 2 * ROW_BYTES * n)
     block = (b * (n * 12 * d + m * 4 * d + 7 * d) + F32 * 7 * n
              + b * (n * (7 * d + 6 * f)) / tp + per)
     block_dots = b * (n * 6 * d + 7 * d) + b * n * (4 * d + f) / tp
     L = g.num_layers if layers is None else layers
     ends = b * n * (first * (g.patch_dim + 2 * d) + last * g.patch_dim)
-    return Acts(none=images * (L * block + ends), dots=images * L * block_dots, scores=images * h / tp * F32 * n * n,
+    return Acts(none=images * (L * block + ends), dots=images * L * block_dots,
+                scores=images * h / tp * F32 * n * n if dense else 0.0,
                 boundary=b * images * n * d,
                 input=b * images * (m * (cond_dim or d) if first else n * d))
 
