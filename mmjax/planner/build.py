@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 from mmjax.planner.costs import UnitCost, impl_of, layer_times, unit_costs, unit_work
-from mmjax.planner.evaluate import Choice, evaluate, remat_variant
+from mmjax.planner.evaluate import (Choice, evaluate, in_flight, pipeline_in_flight,
+                                    remat_variant)
 from mmjax.planner.hardware import Hardware
 from mmjax.planner.knobs import CP_SIZES, LONG_SEQUENCE, cp_cost, overlap_pays
 from mmjax.planner.orchestrate import GPU_TOLERANCE, orchestrate
@@ -85,6 +86,40 @@ def plan_model(model, hw: Hardware, num_gpus: int, global_batch: int, workload=N
     wl = workload or default_workload(model)
     analytic, layer_costs = model_costs(model, hw, wl, recompute, attention_impl)
     costs = costs or analytic
+    for _ in range(FIT_ROUNDS):
+        plan = _solve(model, wl, costs, layer_costs, hw, num_gpus, global_batch, vpp,
+                      gpu_tolerance, attention_impl)
+        over = {u.name: plan.predicted["memory_gb"][u.name] * 1e9 / hw.hbm_bytes
+                for u in plan.units if plan.predicted["memory_gb"][u.name] * 1e9 > hw.hbm_bytes}
+        if not over:
+            return plan
+        costs = tuple(_deeper(c, plan, global_batch) if c.name in over else c for c in costs)
+    raise PlanError(f"planner: no plan found whose stages fit {hw.hbm_bytes / 1e9:.0f} GB per "
+                    f"GPU with the runtime's in-flight microbatches (over: "
+                    f"{sorted(over)}): add GPUs or memory")
+
+
+# Re-solves when a unit's first stage holds more microbatches under the runtime's schedule
+# than the orchestrator's per-unit 1F1B count (an encoder also holds the LLM's depth).
+FIT_ROUNDS = 6
+
+
+def _deeper(cost: UnitCost, plan: Plan, global_batch: int) -> UnitCost:
+    """`cost` whose per-in-flight activation terms the orchestrator scales by the runtime's
+    in-flight count over its own (evaluate.pipeline_in_flight / in_flight) in `plan`."""
+    choices = {u.name: Choice(u.tp * u.cp, u.dp, u.pp, u.num_chunks) for u in plan.units}
+    m = plan.num_microbatches
+    k = pipeline_in_flight(choices, m)[cost.name] / in_flight(choices[cost.name], m)
+    k = max(k, cost.flight_scale)
+    out = dataclasses.replace(cost, flight_scale=k)
+    if cost.variants:
+        out = dataclasses.replace(out, variants={
+            p: dataclasses.replace(v, flight_scale=k) for p, v in cost.variants.items()})
+    return out
+
+
+def _solve(model, wl, costs, layer_costs, hw, num_gpus, global_batch, vpp, gpu_tolerance,
+           attention_impl) -> Plan:
     long = wl.llm_moments()[0] >= LONG_SEQUENCE
     best, error = _fastest_cp(model, wl, costs, (1,) + (CP_SIZES if long else ()), hw,
                               num_gpus, global_batch, vpp, gpu_tolerance)

@@ -369,6 +369,9 @@ class UnitCost:
     # policy -> this unit under that remat policy (none, dots, full): the planner picks per
     # choice the least recompute that fits (evaluate.remat_variant); {}: `remat` only
     variants: dict = field(default_factory=dict, compare=False, repr=False)
+    # the orchestrator's in-flight count x this = the runtime's (build.py: an encoder's
+    # first stage also holds the LLM's pipeline depth)
+    flight_scale: float = 1.0
 
 
 def replicated_params(model: MLLMConfig, unit: str) -> int:

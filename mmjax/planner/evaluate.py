@@ -85,11 +85,14 @@ def _per_tp(table: dict, tp):
     return np.array([table.get(int(x), 0.0) for x in sizes])[inverse].reshape(arr.shape)
 
 
-def stage_bytes(cost: UnitCost, tp, dp, pp, spr, flight):
+def stage_bytes(cost: UnitCost, tp, dp, pp, spr, flight, exact: bool = False):
     """Bytes per GPU of one stage of `cost`'s unit (numpy-broadcastable over the choice):
-    planner/memory.py `unit_stage_bytes`, the runtime's buffers (run and optimizer step)."""
+    planner/memory.py `unit_stage_bytes`, the runtime's buffers (run and optimizer step).
+    The orchestrator's `flight` (the unit's own 1F1B count) is scaled by the cost's
+    `flight_scale`; `exact`: `flight` is the runtime's count already."""
+    k = 1.0 if exact else cost.flight_scale
     run = unit_stage_bytes(cost.weight_bytes, cost.optimizer_bytes,
-                           _per_tp(cost.activation_bytes, tp), cost.input_bytes,
+                           k * _per_tp(cost.activation_bytes, tp), k * cost.input_bytes,
                            _per_tp(cost.work_bytes, tp), _per_tp(cost.fixed_bytes, tp),
                            cost.step_weight_bytes, cost.replicated, tp, dp, pp, spr, flight,
                            cost.dtype_bytes)
@@ -128,6 +131,25 @@ def remat_variant(cost: UnitCost, c: Choice, dp_llm: int, num_microbatches: int,
     return min(options, key=lambda v: _bytes(v, c, dp_llm, num_microbatches))
 
 
+def pipeline_in_flight(choices: dict[str, Choice], num_microbatches: int) -> dict:
+    """Per unit, the microbatches (in stage units) its first stage holds under the runtime's
+    schedule (pipeline/schedule.py `multimodal_one_f_one_b`): a stage warms up with as many
+    forwards as there are virtual stages from it to the end of its path, so an encoder also
+    holds the LLM's and the generator's depth; `in_flight` counts the unit's own alone."""
+    m, llm = num_microbatches, choices["llm"]
+    gen = choices["generator"].pp if "generator" in choices else 0
+    own = {name: in_flight(c, m) for name, c in choices.items()}
+    out = {}
+    for name, c in choices.items():
+        if name == "llm":
+            out[name] = min(m, own[name] + gen / llm.vpp)
+        elif name == "generator":
+            out[name] = own[name]
+        else:
+            out[name] = min(m, c.pp + llm.pp * llm.vpp + gen)
+    return out
+
+
 def memory_bytes(cost: UnitCost, c: Choice, dp_llm: int, num_microbatches: int) -> float:
     """Bytes per GPU of `c`'s first stage; with remat variants and no `c.remat`, the
     leanest variant's (whether any policy fits)."""
@@ -160,7 +182,7 @@ class Evaluation:
     steady_s: float
     sync_s: float
     stage_time_s: dict[str, float]
-    memory_gb: dict[str, float]
+    memory_gb: dict[str, float]  # first stage, with the runtime's in-flight microbatches
     gpus: int
     mfu: float
 
@@ -178,6 +200,10 @@ def evaluate(costs: tuple[UnitCost, ...], choices: dict[str, Choice], global_bat
     total = warm + steady + sync
     gpus = sum(choices[c.name].gpus for c in costs)
     flops = global_batch * sum(c.flops for c in costs)
-    return Evaluation(total, warm, steady, sync, stages,
-                      {c.name: memory_bytes(c, choices[c.name], dp_llm, m) / 1e9 for c in costs},
-                      gpus, flops / (total * gpus * hw.peak_flops))
+    flights = pipeline_in_flight(choices, m)
+    memory = {c.name: float(stage_bytes(c, choices[c.name].tp, choices[c.name].dp,
+                                        choices[c.name].pp,
+                                        samples_per_rank(choices[c.name], dp_llm),
+                                        flights[c.name], exact=True)) / 1e9 for c in costs}
+    return Evaluation(total, warm, steady, sync, stages, memory, gpus,
+                      flops / (total * gpus * hw.peak_flops))
