@@ -93,3 +93,21 @@ def test_overlapped_tp_when_it_hides_the_collectives():
     llm = plan.unit("llm")
     assert llm.overlap_tp == (llm.tp > 1 and overlap_pays(m, default_workload(m), llm.tp,
                                                           A800))
+
+
+def test_bounds_price_the_llm_at_its_remat_and_match_the_scalar_bounds():
+    """The fast candidate bounds (numpy) equal the scalar ones of the cvxpy path with remat
+    variants, and never exceed the plan found (they are lower bounds)."""
+    import numpy as np
+
+    from mmjax.planner.build import model_costs
+    from mmjax.planner.orchestrate import Orchestrator
+
+    m = named_config(MODEL)
+    costs, _ = model_costs(m, A800)
+    fast = Orchestrator(costs, A800).candidates(98, 128)
+    ref = Orchestrator(costs, A800, method="cvxpy").candidates(98, 128)
+    assert [(d, t) for _, d, t, _ in fast] == [(d, t) for _, d, t, _ in ref]
+    np.testing.assert_allclose([b for b, *_ in fast], [b for b, *_ in ref], rtol=1e-12)
+    best = Orchestrator(costs, A800).solve(98, 128).optimal_time_s
+    assert fast[0][0] <= best * (1 + 1e-12)
