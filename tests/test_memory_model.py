@@ -116,3 +116,21 @@ def test_replicated_parameters_follow_the_runtime_rules():
         assert replicated_params(cfg, unit) == whole, unit
         total = params[unit] + params.get(f"{unit}.projector", 0)
         assert sum(int(np.prod(a.shape)) for a in jax.tree.leaves(tr)) == total
+
+
+@pytest.mark.slow
+def test_dots_under_the_dp_vmap_keeps_the_weight_matmuls_and_matches_the_reference():
+    """With dp > 1 the stage vmaps over its ranks, so every weight matmul has a batch
+    dimension; "dots" still keeps their outputs (more than "full"'s stage input) and the
+    step equals the single-device model."""
+    from helpers import check
+
+    cfg = make_cfg()
+    plan = Plan.uniform(cfg, 4, 2, dp={"vision": 2, "llm": 2, "generator": 2},
+                        pp={"llm": 2}, remat="dots")
+    rt = check(cfg, plan, n=4)
+    assert rt is not None
+    errors = stage_errors("dp2pp2", "dots")
+    full = stage_errors("dp2pp2", "full")
+    for sid in ("llm:0", "llm:1"):
+        assert errors[sid][3] > 10 * full[sid][3], (sid, errors[sid][3], full[sid][3])
