@@ -11,9 +11,10 @@ plan the planner accepts is a plan that fits:
 - the step's float32 gradient accumulators `[dp, ...]`: each rank its own full TP shard
   (pipeline/stage.py: no dp collective inside a microbatch), 4 bytes / tp;
 - per in-flight microbatch the vjp residuals under the unit's remat policy;
-- one microbatch's working set: the backward of "full" / "dots" re-runs the stage forward
-  (the checkpoint wraps the whole stage), holding what "none" would have kept; "none"
-  holds the parameter cotangents and about three fp32 attention-score buffers of a layer;
+- one microbatch's working set: the parameter cotangents in the compute dtype, and the
+  backward of "full" / "dots" re-runs the stage forward (the checkpoint wraps the whole
+  stage), holding what "none" would have kept, while "none" holds about three fp32
+  attention-score buffers of a layer;
 - the optimizer step: master, gradient shards, m, v, their new values and the gathered
   compute copy (the accumulators are gone by then).
 
