@@ -78,6 +78,8 @@ def in_flight(c: Choice, num_microbatches: int) -> float:
 
 def _per_tp(table: dict, tp):
     """`table[tp]` for an int or an array of TP sizes (0 where absent)."""
+    if isinstance(tp, int):
+        return table.get(tp, 0.0)
     arr = np.asarray(tp)
     if arr.ndim == 0:
         return table.get(int(arr), 0.0)

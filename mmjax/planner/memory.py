@@ -209,7 +209,7 @@ def step_bytes(b: int, dp):
     """Optimizer-step bytes per parameter of the ZeRO-1 shard beyond master, m and v: the
     fp32 gradient shard, the new master, m and v (8, reused by donation but for 8 bytes),
     and with dp > 1 the compute-dtype shard the all-gather sends."""
-    return STEP_BYTES + b * (np.asarray(dp) > 1)
+    return STEP_BYTES + b * (dp > 1)
 
 
 def unit_stage_bytes(weight, optimizer, act, boundary, work, fixed, step_weight, rep, tp, dp,
@@ -229,4 +229,6 @@ def unit_stage_bytes(weight, optimizer, act, boundary, work, fixed, step_weight,
     if step_weight is None:  # a cost without the step's terms (hand-made tests)
         return run
     step = (step_weight + optimizer * (1 + step_bytes(b, dp) / OPTIMIZER_BYTES) / dp) * share
+    if isinstance(run, float) and isinstance(step, float):  # the scalar path: no numpy
+        return max(run, step)
     return np.maximum(run, step)

@@ -103,6 +103,8 @@ class Orchestrator:
                 break
             fits = [Choice(t, dp_llm, pp, v) for v in ((2, 1) if self.vpp else (1,))
                     if choice_error(cost, Choice(t, dp_llm, pp, v), dp_llm, m, hw) is None]
+            if not fits:
+                continue
             share = self._share_bound(c[rest], lo[rest], hi[rest], n - ch.gpus)
             for f in fits:  # each at the remat variant it runs (the least recompute that fits)
                 rc = remat_variant(cost, f, dp_llm, m, hw.hbm_bytes)
