@@ -114,7 +114,9 @@ def main(argv=None) -> int:
     ap.add_argument("--global_batch", type=int, required=True)
     ap.add_argument("--baseline", choices=["megatron", "ratio"])
     ap.add_argument("--hardware", help="a800 | h100 | h200 (default: the paper's)")
-    ap.add_argument("--recompute", action="store_true", help="activation recomputation")
+    ap.add_argument("--recompute", default="auto", choices=("auto", "none", "dots", "full"),
+                    help="remat policy of every unit (the runtime's remat_wrap); auto: per "
+                         "unit the least recomputation that fits (default)")
     ap.add_argument("--no_vpp", action="store_true", help="disable interleaved 1F1B")
     ap.add_argument("--attention_impl", choices=["dense", "chunked", "pallas"],
                     help="cost attention by this implementation's tiles and memory and put it "

@@ -41,7 +41,7 @@ def record(method: str | None = None) -> dict:
             kw = {} if method is None else {"method": method}
             res = orchestrate(costs, hw, gpus, batch, gpu_tolerance=tol, **kw)
             out[setting_key(name, gpus, batch, setting, tol)] = {
-                "plan": {k: [v.tp, v.dp, v.pp, v.vpp] for k, v in res.choices.items()},
+                "plan": {k: [v.tp, v.dp, v.pp, v.vpp, v.remat] for k, v in res.choices.items()},
                 "iteration_time_s": res.iteration_time_s,
                 "optimal_time_s": res.optimal_time_s}
     return out

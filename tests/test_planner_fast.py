@@ -49,7 +49,7 @@ def test_cvxpy_method_gives_the_recorded_plan(name, gpus, batch):
     want = _fixture()
     for tol in TOLERANCES:
         res = orchestrate(costs, A800, gpus, batch, gpu_tolerance=tol, method="cvxpy")
-        plan = {k: [v.tp, v.dp, v.pp, v.vpp] for k, v in res.choices.items()}
+        plan = {k: [v.tp, v.dp, v.pp, v.vpp, v.remat] for k, v in res.choices.items()}
         assert plan == want[setting_key(name, gpus, batch, None, tol)]["plan"]
 
 

@@ -26,20 +26,23 @@ def test_disttrain_frozen_settings(name, gpus, batch):
         assert plan.predicted["mfu"] > rigid.predicted["mfu"], setting
 
 
-@pytest.mark.parametrize("name,gpus,batch", [("disttrain/mllm_9b", 98, 128),
-                                             ("disttrain/mllm_15b", 98, 64),
-                                             ("disttrain/mllm_72b", 98, 40)])
-def test_disttrain_frozen_encoders_give_the_llm_more(name, gpus, batch):
+@pytest.mark.parametrize("name,gpus,batch,strict", [("disttrain/mllm_9b", 98, 128, True),
+                                                    ("disttrain/mllm_15b", 98, 64, True),
+                                                    ("disttrain/mllm_72b", 98, 40, False)])
+def test_disttrain_frozen_encoders_give_the_llm_more(name, gpus, batch, strict):
     """§8.3.1 "llm only" (vision encoder and generator frozen, projectors and LLM trained)
     vs full training on the §8.2 clusters: the LLM keeps at least as many GPUs and gets a
     strictly larger share of the GPUs in use. (Least time alone gives the frozen units
     spare GPUs for ~0.7% of warm-up: 9B's LLM share fell 0.80 -> 0.67; the fewest-GPUs
-    tie-break of orchestrate.py hands them back.)"""
+    tie-break of orchestrate.py hands them back.) MLLM-72B: PP must divide its 80 layers and
+    DP the batch of 40, so no LLM below 98 GPUs exceeds 80; with the runtime's memory model
+    (planner/memory.py) the trained ViT and DiT also fit on one GPU each, so the shares tie."""
     full = plan_model(named_config(name), A800, gpus, batch)
     frozen = plan_model(named_config(name, DISTTRAIN_FROZEN["llm only"]), A800, gpus, batch)
     llm = lambda p: p.unit("llm").num_devices
     assert llm(frozen) >= llm(full)
-    assert llm(frozen) / frozen.num_devices > llm(full) / full.num_devices, (
+    more = (lambda a, b: a > b) if strict else (lambda a, b: a >= b)
+    assert more(llm(frozen) / frozen.num_devices, llm(full) / full.num_devices), (
         {u.name: u.num_devices for u in full.units},
         {u.name: u.num_devices for u in frozen.units})
     for p in (full, frozen):  # the tie-break stays within its tolerance of the least time
@@ -58,7 +61,8 @@ def test_frozen_encoders_move_gpus_to_the_llm(name):
     ov["llm_frozen"] = False
     share = lambda p: p.unit("llm").num_devices / p.num_devices
     frozen, trainable = [], []
-    for gpus in (16, 24, 32, 48):
+    for gpus in (24, 32, 48, 64):  # frozen weights stay fp32 in the runtime: VALM-LL
+        #                             needs 17 GPUs (planner/memory.py)
         frozen.append(share(plan_model(m, A800, gpus, 24)))
         trainable.append(share(plan_model(named_config(name, ov), A800, gpus, 24)))
     assert sum(frozen) > sum(trainable), (frozen, trainable)

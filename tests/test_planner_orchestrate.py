@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from mmjax.planner.costs import UnitCost
-from mmjax.planner.evaluate import (Choice, choice_error, evaluate, stage_time, sync_time,
-                                    warmup_time)
+from mmjax.planner.evaluate import (Choice, choice_error, evaluate, remat_variant, stage_time,
+                                    sync_time, warmup_time)
 from mmjax.planner.hardware import Hardware
 from mmjax.planner.orchestrate import GPU_TOLERANCE, Orchestrator, divisors, orchestrate
 from mmjax.planner.relaxed_problem import RelaxedProblem
@@ -57,8 +57,10 @@ def unit_rows(c, hw, tps, dp_llm, m, n, vpp=True):
                 for v in ((1, 2) if vpp and c.name == "llm" else (1,)):
                     ch = Choice(tp, dp, pp, v)
                     if ch.gpus <= n and choice_error(c, ch, dp_llm, m, hw) is None:
-                        rows.append((ch.gpus, stage_time(c, ch, dp_llm),
-                                     warmup_time(c, ch, dp_llm, hw), sync_time(c, ch, hw)))
+                        # the remat policy this choice runs: the least recompute that fits
+                        rc = remat_variant(c, ch, dp_llm, m, hw.hbm_bytes)
+                        rows.append((ch.gpus, stage_time(rc, ch, dp_llm),
+                                     warmup_time(rc, ch, dp_llm, hw), sync_time(rc, ch, hw)))
     return np.array(rows).reshape(-1, 4)
 
 

@@ -166,13 +166,28 @@ _CALL_LIKE = ("pjit", "jit", "closed_call", "core_call", "remat", "checkpoint", 
               "custom_vjp_call", "custom_vjp_call_jaxpr", "custom_jvp_call")
 
 
-def remat_wrap(f, remat: str):
-    """The stage function under the plan's remat policy.
+def _weight_dots_saveable(rank_dims: int):
+    """Checkpoint policy: save a dot_general with at most `rank_dims` batch dimensions. The
+    stage vmaps over its dp ranks, each on its own parameter copy (`StageFns._block`), so
+    inside that vmap every weight matmul carries one batch dimension (the rank) and JAX's
+    `dots_with_no_batch_dims_saveable` would save nothing; the attention core (q.k, p.v:
+    batch, heads and the rank) stays above the bound either way."""
+    def policy(prim, *_, **params):
+        if prim.name != "dot_general":
+            return False
+        (_, _), (lhs_batch, _) = params["dimension_numbers"]
+        return len(lhs_batch) <= rank_dims
+    return policy
+
+
+def remat_wrap(f, remat: str, rank_dims: int = 0):
+    """The stage function under the plan's remat policy (`rank_dims`: 1 when `f` runs its
+    dp ranks under a vmap, see `_weight_dots_saveable`).
 
     "full": `nothing_saveable`, per microbatch only the stage's inputs are kept and backward
-    re-runs the forward (Megatron full recomputation). "dots": `dots_with_no_batch_dims_saveable`
-    keeps the outputs of the weight matmuls (projections, FFN, logits: dot_generals without
-    batch dimensions) and recomputes the rest: the elementwise work, norms and the attention
+    re-runs the forward (Megatron full recomputation). "dots": `_weight_dots_saveable` keeps
+    the outputs of the weight matmuls (projections, FFN, logits: dot_generals without batch
+    dimensions beyond the dp rank) and recomputes the rest: the elementwise work, norms and the attention
     core (q.k and p.v are batched dot_generals, quadratic in the sequence and cheap to redo
     relative to their memory), i.e. Megatron's selective recomputation (Korthikanti et al.).
     `dots_saveable` would also keep the [B, H, S, S] attention scores, the largest activation
@@ -181,7 +196,7 @@ def remat_wrap(f, remat: str):
     if remat == "full":
         return jax.checkpoint(f, policy=jax.checkpoint_policies.nothing_saveable)
     if remat == "dots":
-        return jax.checkpoint(f, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+        return jax.checkpoint(f, policy=_weight_dots_saveable(rank_dims))
     if remat == "none":
         return f
     raise ValueError(f"remat={remat!r}: must be one of {REMAT_POLICIES}")
@@ -350,14 +365,16 @@ class StageFns:
     def _linearize(self, trainable, frozen, x, side):
         """-> (y, vjp leaves, vjp treedef) for the primals this mode differentiates (the
         per-rank param copies, not the shared params: see `_block`)."""
-        run, remat = self._run_ranks, self.remat
+        run, policy = self._run_ranks, self.remat
+        ranks = 1 if self.dp > 1 else 0  # `_run_ranks` vmaps over the dp ranks
+        remat = lambda f, p: remat_wrap(f, p, ranks)
         blocked = self._block(trainable)
         if self.mode == "input_only":
-            y, vjp = jax.vjp(remat_wrap(lambda xx: run(blocked, frozen, xx, side), remat), x)
+            y, vjp = jax.vjp(remat(lambda xx: run(blocked, frozen, xx, side), policy), x)
         elif self.mode == "params":
-            y, vjp = jax.vjp(remat_wrap(lambda t: run(t, frozen, x, side), remat), blocked)
+            y, vjp = jax.vjp(remat(lambda t: run(t, frozen, x, side), policy), blocked)
         else:
-            y, vjp = jax.vjp(remat_wrap(lambda t, xx: run(t, frozen, xx, side), remat),
+            y, vjp = jax.vjp(remat(lambda t, xx: run(t, frozen, xx, side), policy),
                              blocked, x)
         leaves, treedef = jax.tree_util.tree_flatten(vjp)
         return y, leaves, treedef

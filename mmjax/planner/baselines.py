@@ -81,11 +81,15 @@ def ratio_choices(costs: tuple[UnitCost, ...], hw: Hardware, num_gpus: int,
     llm = next(c for c in costs if c.name == "llm")
     tp_llm = _largest_tp(llm, tp)
     share = {c.name: c.flops / total for c in costs}
-    reserve = sum(min(c.time_s) for c in costs if c.name != "llm")
-    budget_llm = max(tp_llm, min(int(share["llm"] * num_gpus), num_gpus - reserve))
     best = None
     for dp in divisors(global_batch):
         m = global_batch // dp
+        # the other units keep at least the fewest GPUs they fit in at this microbatching
+        least = [_fill(c, min(c.time_s), 0, dp, m, hw) for c in costs if c.name != "llm"]
+        if any(ch is None for ch in least):
+            continue
+        reserve = sum(ch.gpus for ch in least)
+        budget_llm = max(tp_llm, min(int(share["llm"] * num_gpus), num_gpus - reserve))
         for p in divisors(llm.num_layers):
             ch = Choice(tp_llm, dp, p)
             if ch.gpus <= budget_llm and choice_error(llm, ch, dp, m, hw) is None:
@@ -93,7 +97,7 @@ def ratio_choices(costs: tuple[UnitCost, ...], hw: Hardware, num_gpus: int,
                     best = ch
     if best is None:
         raise PlanError(f"ratio baseline: the LLM does not fit its FLOPs share of "
-                        f"{budget_llm} GPUs at tp={tp_llm}: add GPUs")
+                        f"{int(share['llm'] * num_gpus)} GPUs at tp={tp_llm}: add GPUs")
     choices = {"llm": best}
     m = global_batch // best.dp
     for c in costs:
@@ -113,7 +117,7 @@ def ratio_choices(costs: tuple[UnitCost, ...], hw: Hardware, num_gpus: int,
 
 
 def baseline_plan(model, kind: str, hw: Hardware, num_gpus: int, global_batch: int,
-                  workload=None, recompute: bool = False, pp: int | None = None):
+                  workload=None, recompute="auto", pp: int | None = None):
     """The `kind` ("megatron" or "ratio") baseline as a validated, priced `Plan`."""
     costs, layer_costs = model_costs(model, hw, workload, recompute)
     if kind == "megatron":

@@ -2,12 +2,16 @@
 (orchestrate.py), frozen-aware layer splits (partition.py) and `Plan.predicted` (no JAX)."""
 from __future__ import annotations
 
+import dataclasses
+
 from mmjax.planner.costs import UnitCost, impl_of, layer_times, unit_costs, unit_work
-from mmjax.planner.evaluate import Choice, evaluate
+from mmjax.planner.evaluate import (Choice, evaluate, in_flight, pipeline_in_flight,
+                                    remat_variant)
 from mmjax.planner.hardware import Hardware
+from mmjax.planner.knobs import CP_SIZES, LONG_SEQUENCE, cp_cost, overlap_pays
 from mmjax.planner.orchestrate import GPU_TOLERANCE, orchestrate
 from mmjax.planner.partition import partition_unit
-from mmjax.planner.plan import Plan, UnitPlan
+from mmjax.planner.plan import Plan, PlanError, UnitPlan
 from mmjax.planner.workload import default_workload
 
 
@@ -23,7 +27,7 @@ DISTTRAIN_FROZEN = {
 def to_plan(model, costs: tuple[UnitCost, ...], choices: dict[str, Choice], global_batch: int,
             hw: Hardware, kind: str, layer_costs: dict | None = None,
             solve_time_s: float = 0.0, optimal_time_s: float | None = None,
-            attention_impl=None) -> Plan:
+            attention_impl=None, cp: int = 1) -> Plan:
     """A validated `Plan` for integer `choices`, layers split frozen-aware (partition.py)
     over pp x vpp virtual stages, with `predicted` filled from `evaluate`."""
     units = []
@@ -34,8 +38,12 @@ def to_plan(model, costs: tuple[UnitCost, ...], choices: dict[str, Choice], glob
             layers = partition_unit(cost.name, layer_costs[cost.name][ch.tp], stages).split
         else:
             layers = Plan.even_layers(cost.num_layers, stages)
-        units.append(UnitPlan(name=cost.name, dp=ch.dp, tp=ch.tp, pp=ch.pp, layers=layers,
-                              num_chunks=ch.vpp, frozen=model.frozen(cost.name),
+        remat = remat_variant(cost, ch, choices["llm"].dp, global_batch // choices["llm"].dp,
+                              hw.hbm_bytes).remat
+        g = cp if cost.name == "llm" else 1  # the LLM's cost is keyed by tp * cp (knobs.py)
+        units.append(UnitPlan(name=cost.name, dp=ch.dp, tp=ch.tp // g, pp=ch.pp, cp=g,
+                              layers=layers, num_chunks=ch.vpp, frozen=model.frozen(cost.name),
+                              remat=remat,
                               attention_impl=impl_of(attention_impl, cost.name) or "auto"))
     dp_llm = choices["llm"].dp
     plan = Plan(tuple(units), global_batch, global_batch // dp_llm, kind=kind,
@@ -52,27 +60,104 @@ def to_plan(model, costs: tuple[UnitCost, ...], choices: dict[str, Choice], glob
     return plan.validate(model, ev.gpus)
 
 
-def model_costs(model, hw: Hardware, workload=None, recompute: bool = False,
-                attention_impl=None):
+def model_costs(model, hw: Hardware, workload=None, recompute="auto", attention_impl=None):
     """(UnitCosts, per-unit per-TP layer costs) of `model` on its paper workload; with
     `attention_impl` (a name or {unit: name}) attention is costed by that implementation's
-    tiles (planner/attention_cost.py)."""
+    tiles (planner/attention_cost.py). `recompute`: "auto" (each unit may take any remat
+    policy: the least recompute that fits, per choice), a policy, a bool, or {unit: ...}."""
     wl = workload or default_workload(model)
     costs = unit_costs(model, wl, hw, recompute, attention_impl)
     layer_costs = {c.name: {t: layer_times(unit_work(model, wl, c.name, attention_impl), t, hw,
-                                           recompute)
+                                           c.remat)
                             for t in c.time_s} for c in costs}
     return costs, layer_costs
 
 
 def plan_model(model, hw: Hardware, num_gpus: int, global_batch: int, workload=None,
-               recompute: bool = False, vpp: bool = True, costs=None,
+               recompute="auto", vpp: bool = True, costs=None,
                gpu_tolerance: float = GPU_TOLERANCE, attention_impl=None) -> Plan:
     """The disaggregated plan for `model` on `num_gpus` GPUs (DistTrain §5); `costs`
     (e.g. from profile.profiled_costs) replace the analytic unit costs; among plans within
-    `gpu_tolerance` of the least time, the one with the fewest GPUs (orchestrate.py)."""
-    analytic, layer_costs = model_costs(model, hw, workload, recompute, attention_impl)
+    `gpu_tolerance` of the least time, the one with the fewest GPUs (orchestrate.py). Per
+    unit the plan's `remat` is the least recompute that fits; the LLM gets context
+    parallelism when sequences are long or nothing fits without it and it is faster
+    (planner/knobs.py), and overlapped TP where the cost model says it hides the TP
+    collectives."""
+    wl = workload or default_workload(model)
+    analytic, layer_costs = model_costs(model, hw, wl, recompute, attention_impl)
     costs = costs or analytic
-    res = orchestrate(costs, hw, num_gpus, global_batch, vpp, gpu_tolerance)
-    return to_plan(model, costs, res.choices, global_batch, hw, "disaggregated", layer_costs,
-                   res.solve_time_s, res.optimal_time_s, attention_impl)
+    for _ in range(FIT_ROUNDS):
+        plan = _solve(model, wl, costs, layer_costs, hw, num_gpus, global_batch, vpp,
+                      gpu_tolerance, attention_impl)
+        over = {u.name: plan.predicted["memory_gb"][u.name] * 1e9 / hw.hbm_bytes
+                for u in plan.units if plan.predicted["memory_gb"][u.name] * 1e9 > hw.hbm_bytes}
+        if not over:
+            return plan
+        costs = tuple(_deeper(c, plan, global_batch) if c.name in over else c for c in costs)
+    raise PlanError(f"planner: no plan found whose stages fit {hw.hbm_bytes / 1e9:.0f} GB per "
+                    f"GPU with the runtime's in-flight microbatches (over: "
+                    f"{sorted(over)}): add GPUs or memory")
+
+
+# Re-solves when a unit's first stage holds more microbatches under the runtime's schedule
+# than the orchestrator's per-unit 1F1B count (an encoder also holds the LLM's depth).
+FIT_ROUNDS = 6
+
+
+def _deeper(cost: UnitCost, plan: Plan, global_batch: int) -> UnitCost:
+    """`cost` whose per-in-flight activation terms the orchestrator scales by the runtime's
+    in-flight count over its own (evaluate.pipeline_in_flight / in_flight) in `plan`."""
+    choices = {u.name: Choice(u.tp * u.cp, u.dp, u.pp, u.num_chunks) for u in plan.units}
+    m = plan.num_microbatches
+    k = pipeline_in_flight(choices, m)[cost.name] / in_flight(choices[cost.name], m)
+    k = max(k, cost.flight_scale)
+    out = dataclasses.replace(cost, flight_scale=k)
+    if cost.variants:
+        out = dataclasses.replace(out, variants={
+            p: dataclasses.replace(v, flight_scale=k) for p, v in cost.variants.items()})
+    return out
+
+
+def _solve(model, wl, costs, layer_costs, hw, num_gpus, global_batch, vpp, gpu_tolerance,
+           attention_impl) -> Plan:
+    long = wl.llm_moments()[0] >= LONG_SEQUENCE
+    best, error = _fastest_cp(model, wl, costs, (1,) + (CP_SIZES if long else ()), hw,
+                              num_gpus, global_batch, vpp, gpu_tolerance)
+    if best is None and not long:  # nothing fits without context parallelism
+        best, _ = _fastest_cp(model, wl, costs, CP_SIZES, hw, num_gpus, global_batch, vpp,
+                              gpu_tolerance)
+    if best is None:
+        raise error
+    return _finish(model, wl, best, layer_costs, global_batch, hw, attention_impl)
+
+
+def _fastest_cp(model, wl, costs, cps, hw, num_gpus, global_batch, vpp, gpu_tolerance):
+    """((cp, OrchestrationResult, costs) of the fastest LLM CP size in `cps`, or None;
+    the first PlanError)."""
+    best, error = None, None
+    for cp in cps:
+        try_costs = tuple(cp_cost(model, wl, c, cp, hw) if c.name == "llm" else c
+                          for c in costs)
+        try:
+            res = orchestrate(try_costs, hw, num_gpus, global_batch, vpp, gpu_tolerance)
+        except PlanError as e:
+            error = error or e
+            continue
+        if best is None or res.iteration_time_s < best[1].iteration_time_s:
+            best = (cp, res, try_costs)
+    return best, error
+
+
+def _finish(model, wl, best, layer_costs, global_batch, hw, attention_impl) -> Plan:
+    cp, res, costs = best
+    if cp > 1:
+        layer_costs = {**layer_costs, "llm": {t * cp: v for t, v in layer_costs["llm"].items()}}
+    plan = to_plan(model, costs, res.choices, global_batch, hw, "disaggregated", layer_costs,
+                   res.solve_time_s, res.optimal_time_s, attention_impl, cp=cp)
+    llm = plan.unit("llm")
+    if cp == 1 and llm.attention_impl != "pallas" and overlap_pays(model, wl, llm.tp, hw,
+                                                                   attention_impl):
+        units = tuple(dataclasses.replace(u, overlap_tp=True) if u.name == "llm" else u
+                      for u in plan.units)
+        plan = dataclasses.replace(plan, units=units).validate(model, plan.num_devices)
+    return plan

@@ -13,6 +13,7 @@ import itertools
 import numpy as np
 
 from mmjax.planner.costs import UnitCost
+from mmjax.planner.evaluate import leanest, stage_bytes, variants
 from mmjax.planner.hardware import Hardware
 
 
@@ -48,7 +49,8 @@ def _unit_inputs(cost: UnitCost, hw: Hardware, dps, is_llm: bool, bs: int):
     """Per (LLM DP, TP of the unit): c, e, slope, lo, hi and whether activations fit."""
     tps = np.array(sorted(cost.time_s), dtype=np.float64)
     time = np.array([cost.time_s[int(t)] for t in tps])
-    act1 = np.array([cost.activation_bytes[int(t)] for t in tps])
+    lean = leanest(cost)
+    act1 = np.array([lean.activation_bytes[int(t)] for t in tps])
     d = dps[:, None]
     m = bs // dps
     c = d * tps * time
@@ -68,46 +70,54 @@ def _unit_inputs(cost: UnitCost, hw: Hardware, dps, is_llm: bool, bs: int):
 
 
 def _llm_terms(cost: UnitCost, hw: Hardware, vpp: bool, dp, tp, mm, lo_rest_sum, n):
-    """Per (candidate row, LLM PP): whether the LLM fits (memory, GPUs left for the other
-    units' least), its GPUs, stage time and warm-up + DP sync (VPP 2 where it fits)."""
+    """Per (candidate row, LLM PP), for VPP 1 and 2: whether the LLM fits (memory, GPUs
+    left for the other units' least), its GPUs, stage time and warm-up + DP sync, each
+    option at the least-recompute remat variant that fits (evaluate.remat_variant), so the
+    bound is the LLM's exact price."""
     pps = np.array(valid_pps(cost), dtype=np.float64)[None, :]
     d, t, m = dp[:, None], tp[:, None], (mm + 1)[:, None]
-    time = np.array([cost.time_s[int(x)] for x in tp])[:, None]
-    act = np.array([cost.activation_bytes[int(x)] for x in tp])[:, None]
+    options = variants(cost)
+    times = np.array([[vc.time_s[int(x)] for x in tp] for vc in options])  # [K, rows]
+    rows = np.arange(len(tp))[:, None]
     gpus = t * d * pps
-    ok = gpus + lo_rest_sum[:, None] <= n
+    room = gpus + lo_rest_sum[:, None] <= n
 
-    def mem(v):
+    def first_fit(v):
         flight = np.minimum(m, pps) if v == 1 else np.minimum(m, ((v + 1) * pps - 1) / v)
-        return (cost.weight_bytes / (t * pps) + cost.optimizer_bytes / (t * pps * d)
-                + act / pps * 1.0 * flight)
+        pick = np.full(np.broadcast_shapes(t.shape, pps.shape), -1)
+        for k, vc in enumerate(options):
+            fits = stage_bytes(vc, t, d, pps, 1.0, flight) <= hw.hbm_bytes
+            pick = np.where((pick < 0) & fits, k, pick)
+        return pick >= 0, times[np.maximum(pick, 0), rows]
 
-    fits1 = mem(1) <= hw.hbm_bytes
-    fits2 = np.zeros_like(fits1)
-    if vpp:
-        fits2 = ((pps > 1) & (cost.num_layers % (2 * pps) == 0) & (m % pps == 0)
-                 & (mem(2) <= hw.hbm_bytes))
-    v = np.where(fits2, 2.0, 1.0)
-    ok &= fits1 | fits2
     p2p = 1.0 * cost.boundary_bytes / hw.nic_bw
-    warm = 1.0 * time / v + pps * p2p
     if cost.grad_bytes:
         bw = np.where(d * t <= hw.gpus_per_node, hw.nvlink_bw, hw.nic_bw)
         sync = np.where(d > 1, 2 * (d - 1) / d * cost.grad_bytes / (t * pps) / bw, 0.0)
     else:
         sync = np.zeros_like(gpus)
-    return ok, gpus, time / pps, warm, sync
+    out = []
+    for v in ((1, 2) if vpp else (1,)):
+        fits, time = first_fit(v)
+        if v == 2:
+            fits &= (pps > 1) & (cost.num_layers % (2 * pps) == 0) & (m % pps == 0)
+        out.append((room & fits, gpus, time / pps, time / v + pps * p2p, sync))
+    return out
 
 
 def _llm_bound(cost: UnitCost, hw: Hardware, vpp: bool, dp, tp, mm, lo_rest_sum, n,
                c_rest, lo_rest, hi_rest):
-    """min over the LLM's PP of (m-1) tau + warm-up + sync per candidate row, the other
-    units sharing the GPUs left in closed form (`share_bound`)."""
-    ok, gpus, stage, warm, sync = _llm_terms(cost, hw, vpp, dp, tp, mm, lo_rest_sum, n)
-    share = share_bound(c_rest[:, None, :], lo_rest[:, None, :], hi_rest[:, None, :], n - gpus)
-    with np.errstate(invalid="ignore"):  # 0 x inf where the LLM leaves no room (masked)
-        val = mm[:, None] * np.maximum(stage, share) + warm + sync
-    return np.min(np.where(ok, val, np.inf), axis=1)
+    """min over the LLM's PP and VPP of (m-1) tau + warm-up + sync per candidate row, the
+    other units sharing the GPUs left in closed form (`share_bound`)."""
+    best = None
+    for ok, gpus, stage, warm, sync in _llm_terms(cost, hw, vpp, dp, tp, mm, lo_rest_sum, n):
+        share = share_bound(c_rest[:, None, :], lo_rest[:, None, :], hi_rest[:, None, :],
+                            n - gpus)
+        with np.errstate(invalid="ignore"):  # 0 x inf where the LLM leaves no room (masked)
+            val = mm[:, None] * np.maximum(stage, share) + warm + sync
+        val = np.min(np.where(ok, val, np.inf), axis=1)
+        best = val if best is None else np.minimum(best, val)
+    return best
 
 
 def candidate_table(costs: tuple[UnitCost, ...], hw: Hardware, llm: int, vpp: bool, n: int,

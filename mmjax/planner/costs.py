@@ -11,9 +11,15 @@
   with nothing trainable before it, 1 x (input gradients only) for a frozen module with a
   trainable module before it, 2 x for a trainable module; activation recomputation adds one
   forward where a backward runs.
-- Memory per GPU (DistTrain §5.1): bf16 weights and fp32 gradients sharded by TP x PP,
-  fp32 master + Adam moments additionally by DP (ZeRO-1), activations of the microbatches
-  1F1B keeps in flight on the first stage.
+- Memory per GPU (DistTrain §5.1) as the runtime holds it (planner/memory.py): the compute
+  copy, fp32 per-rank gradient accumulators and fp32 frozen weights on one TP rank (Megatron
+  rules split all but `replicated_params`) / PP, fp32 master + AdamW moments also / DP
+  (ZeRO-1), the residuals of the microbatches 1F1B keeps in flight under the unit's remat
+  policy, one microbatch's backward working set, and the optimizer step.
+- Activation recomputation (`remat`, pipeline/stage.py `remat_wrap`): "full" re-runs the
+  forward in the backward; "dots" (Megatron selective recomputation, Korthikanti et al.
+  §4.2) re-runs all but the weight matmuls, i.e. pays the attention core again; "none"
+  recomputes nothing.
 - Communication is volume / bandwidth: TP all-reduces inside C(TP), PP point-to-point of
   one boundary tensor, DP reduce-scatter + all-gather of gradients/parameters.
 
@@ -23,20 +29,20 @@ piecewise-linear tables).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from mmjax.models.config import (AudioConfig, GeneratorConfig, LLMConfig, MLLMConfig,
                                  ProjectorConfig, VisionConfig)
+from mmjax.planner import memory
 from mmjax.planner.attention_cost import computed_pairs, kept_bytes_per_head
 from mmjax.planner.hardware import Hardware
 from mmjax.planner.workload import Workload
 
 TP_SIZES = (1, 2, 4, 8)
 WEIGHT_BYTES = 2  # bf16 compute copy
-GRAD_BYTES = 4  # fp32 gradient
-OPTIMIZER_BYTES = 12  # fp32 master + Adam m, v (ZeRO-1: sharded over DP)
 ACT_BYTES = 2  # bf16 activations
 
 
@@ -155,6 +161,7 @@ class Work:
     #                   parallelism split all of it over the TP group)
     in_bytes: float  # the layer input: all that activation recomputation keeps
     bwd: int  # backward factor (Cornstarch rule)
+    attn_flops: float = 0.0  # the attention core's share of `flops` (what "dots" re-runs)
 
 
 @dataclass(frozen=True)
@@ -190,7 +197,7 @@ def _llm_work(model: MLLMConfig, wl: Workload, bwd: int, impl: str | None = None
     layer = Work(flops=2 * n1 * w + attn, width=d,
                  allreduce_bytes=2 * n1 * d * ACT_BYTES,
                  act_bytes=ACT_BYTES * n1 * (10 * d + 3 * f) + kept, in_bytes=ACT_BYTES * n1 * d,
-                 bwd=bwd)
+                 bwd=bwd, attn_flops=attn)
     head = Work(2 * n1 * d * v, d, 0.0, ACT_BYTES * n1 * v, 0.0, bwd)
     works = [layer] * c.num_layers
     works[-1] = _merge(works[-1], head)
@@ -208,7 +215,7 @@ def _encoder_work(model: MLLMConfig, wl: Workload, name: str, bwd: int,
         pairs, kept = _attention_terms(wl.encoder_tokens[name], impl, False, c.num_heads)
         attn = 4 * pairs * d
     layer = Work(2 * n1 * (4 * d * d + 2 * d * f) + attn, d, 2 * n1 * d * ACT_BYTES,
-                 ACT_BYTES * n1 * (10 * d + 2 * f) + kept, ACT_BYTES * n1 * d, bwd)
+                 ACT_BYTES * n1 * (10 * d + 2 * f) + kept, ACT_BYTES * n1 * d, bwd, attn)
     if isinstance(c, VisionConfig):
         front = Work(2 * n1 * c.patch_dim * d, d, 0.0, ACT_BYTES * n1 * c.patch_dim, 0.0, bwd)
     else:  # conv1 over 2n frames, conv2 (stride 2) over n outputs
@@ -242,7 +249,8 @@ def _generator_work(model: MLLMConfig, wl: Workload, bwd: int) -> list[Work]:
     k = wl.mean_generated()
     block = Work(k * (2 * n * (6 * d * d + 2 * d * f) + 2 * m * 2 * d * d + 2 * 6 * d * d
                       + 4 * n * n * d + 4 * n * m * d), d, k * 4 * n * d * ACT_BYTES,
-                 ACT_BYTES * k * (n * (16 * d + 2 * f) + m * 2 * d), ACT_BYTES * k * n * d, bwd)
+                 ACT_BYTES * k * (n * (16 * d + 2 * f) + m * 2 * d), ACT_BYTES * k * n * d, bwd,
+                 k * (4 * n * n * d + 4 * n * m * d))
     front = Work(k * (2 * n * pd * d + 2 * m * c * d + 2 * (256 * d + d * d)), d, 0.0,
                  ACT_BYTES * k * (n * pd + m * c), 0.0, bwd)
     back = Work(k * (2 * n * d * pd + 2 * 2 * d * d), d, 0.0, ACT_BYTES * k * n * pd, 0.0, bwd)
@@ -254,7 +262,8 @@ def _generator_work(model: MLLMConfig, wl: Workload, bwd: int) -> list[Work]:
 
 def _merge(a: Work, b: Work) -> Work:
     return Work(a.flops + b.flops, max(a.width, b.width), a.allreduce_bytes + b.allreduce_bytes,
-                a.act_bytes + b.act_bytes, a.in_bytes + b.in_bytes, max(a.bwd, b.bwd))
+                a.act_bytes + b.act_bytes, a.in_bytes + b.in_bytes, max(a.bwd, b.bwd),
+                a.attn_flops + b.attn_flops)
 
 
 def impl_of(attention_impl, unit: str) -> str | None:
@@ -295,20 +304,29 @@ def unit_work(model: MLLMConfig, wl: Workload, unit: str, attention_impl=None) -
 
 
 # ---- time and memory ----------------------------------------------------------------------
-def work_time(w: Work, tp: int, hw: Hardware, recompute: bool = False) -> tuple[float, float]:
-    """(forward, backward) seconds of one piece at tensor-parallel size `tp`."""
-    fwd = w.flops / (tp * hw.peak_flops * hw.efficiency(w.width / tp))
+def remat_policy(recompute) -> str:
+    """The runtime's remat policy for a `recompute` argument: a policy name, or a bool
+    (True: "full", False: "none")."""
+    if isinstance(recompute, str):
+        if recompute not in memory.REMATS:
+            raise ValueError(f"remat={recompute!r}: must be one of {list(memory.REMATS)}")
+        return recompute
+    return "full" if recompute else "none"
+
+
+def work_time(w: Work, tp: int, hw: Hardware, recompute=False) -> tuple[float, float]:
+    """(forward, backward) seconds of one piece at tensor-parallel size `tp`; `recompute`
+    (a remat policy or a bool) adds what the backward re-runs: the whole forward ("full",
+    Megatron full recomputation) or the attention core ("dots", Megatron selective
+    recomputation: the weight matmuls' outputs are kept)."""
+    eff = tp * hw.peak_flops * hw.efficiency(w.width / tp)
+    fwd = w.flops / eff
     comm = 0.0 if tp == 1 else 2 * (tp - 1) / tp * w.allreduce_bytes / hw.nvlink_bw
     fwd += comm
-    bwd = w.bwd * fwd + (fwd if recompute and w.bwd > 0 else 0.0)
+    policy = remat_policy(recompute)
+    redo = fwd if policy == "full" else w.attn_flops / eff if policy == "dots" else 0.0
+    bwd = w.bwd * fwd + (redo if w.bwd > 0 else 0.0)
     return fwd, bwd
-
-
-def work_activation(w: Work, tp: int, recompute: bool = False) -> float:
-    """Bytes kept for backward per GPU of a TP group (0 when no backward runs)."""
-    if w.bwd == 0:
-        return 0.0
-    return (w.in_bytes if recompute else w.act_bytes) / tp
 
 
 def layer_times(uw: UnitWork, tp: int, hw: Hardware, recompute: bool = False
@@ -326,43 +344,132 @@ class UnitCost:
     """What the orchestrator needs to know about one unit (all per average sample).
 
     time_s[tp] = C(tp): forward + backward seconds of the whole unit for one sample,
-    TP communication included (DistTrain §5.1)."""
+    TP communication included (DistTrain §5.1). Memory terms as planner/memory.py
+    `unit_stage_bytes` combines them (`evaluate.memory_bytes`); the defaults of the later
+    fields leave the plain weights / optimizer / activations sum."""
 
     name: str
     num_layers: int
     time_s: dict[int, float]
-    weight_bytes: float  # bf16 weights + fp32 grads of the whole unit (sharded by TP x PP)
+    weight_bytes: float  # compute copy, fp32 accumulators and frozen weights, cotangents
     optimizer_bytes: float  # ZeRO-1 state of the whole unit (sharded by TP x PP x DP)
-    activation_bytes: dict[int, float]  # tp -> one sample, whole unit, per GPU
+    activation_bytes: dict[int, float]  # tp -> kept residuals, one sample, whole unit, per GPU
     boundary_bytes: float  # stage-to-stage tensor for one sample
     grad_bytes: float  # gradient bytes synchronised over DP per iteration (0 if frozen)
     flops: float  # model FLOPs per sample (forward + required backward)
     layer_pp_divides: bool = False  # PP must divide num_layers (the LLM, DistTrain §5.2)
     fwd_s: dict[int, float] = field(default_factory=dict)
+    remat: str = "none"  # the runtime's remat policy these times and bytes assume
+    input_bytes: float = 0.0  # stage input kept per in-flight microbatch, one sample
+    work_bytes: dict[int, float] = field(default_factory=dict)  # tp -> backward rebuilds
+    fixed_bytes: dict[int, float] = field(default_factory=dict)  # tp -> score buffers, I/O
+    step_weight_bytes: float | None = None  # optimizer step: compute copies, frozen
+    replicated: float = 0.0  # fraction of the parameters TP does not split
+    dtype_bytes: int = WEIGHT_BYTES  # compute dtype
+    # policy -> this unit under that remat policy (none, dots, full): the planner picks per
+    # choice the least recompute that fits (evaluate.remat_variant); {}: `remat` only
+    variants: dict = field(default_factory=dict, compare=False, repr=False)
+    # the orchestrator's in-flight count x this = the runtime's (build.py: an encoder's
+    # first stage also holds the LLM's pipeline depth)
+    flight_scale: float = 1.0
+
+
+def replicated_params(model: MLLMConfig, unit: str) -> int:
+    """Parameters of `unit` that Megatron TP leaves whole on every rank (parallel/tensor.py
+    `megatron_role`): all but the blocks' q/k/v/o/fc1/fc2 (and cross-attention) matrices
+    with their column biases, the LLM's projections and its vocabulary matrices."""
+    params = module_params(model)
+    if unit == "llm":
+        c = model.llm
+        return c.num_layers * 2 * c.hidden_size + c.hidden_size
+    if unit == "generator":
+        g = model.generator
+        d, f = g.hidden_size, g.ffn_size
+        return params[unit] - g.num_layers * (8 * d * d + 6 * d + 2 * d * f + f)
+    c = model.encoder(unit).encoder
+    d, f = c.hidden_size, c.ffn_size
+    biases = 2 if isinstance(c, AudioConfig) else 3  # Whisper's key has no bias
+    layers = c.depth if isinstance(c, VisionConfig) else c.num_layers
+    return (params[unit] + params[f"{unit}.projector"]
+            - layers * (4 * d * d + biases * d + 2 * d * f + f))
+
+
+def unit_acts(model: MLLMConfig, wl: Workload, unit: str, tp: int, impl: str | None,
+              b: int = ACT_BYTES) -> memory.Acts:
+    """planner/memory.py's activation bytes of one average sample through the whole unit
+    at `tp`; `impl` None (exact pairs, no [S, S] buffer) is costed as a tiled kernel."""
+    if unit == "llm":
+        n1, n2 = wl.llm_moments()
+        return memory.llm_acts(model.llm, n1, n2, tp, b, impl)
+    if unit == "generator":
+        return memory.generator_acts(model.generator, wl.mean_generated(), wl.cond_tokens, tp,
+                                     b, cond_dim=model.llm.hidden_size, impl=impl)
+    spec = model.encoder(unit)
+    c, p = spec.encoder, spec.projector
+    n1, n2 = wl.encoder_moments(unit)
+    in_dim = c.patch_dim if isinstance(c, VisionConfig) else 2 * c.num_mel_bins
+    out = (n1 / p.downsample if p.kind == "mlp"
+           else p.num_queries * wl.mean_segments(unit))
+    return memory.encoder_acts(c, n1, n2, tp, b, impl, in_dim, out, model.llm.hidden_size)
 
 
 def unit_cost(model: MLLMConfig, wl: Workload, unit: str, hw: Hardware,
-              recompute: bool = False, tp_sizes=TP_SIZES, attention_impl=None) -> UnitCost:
+              recompute=False, tp_sizes=TP_SIZES, attention_impl=None) -> UnitCost:
+    """`recompute`: the unit's remat policy ("none" / "dots" / "full"; a bool: True is
+    "full", False "none"), which sets both the backward time and the memory terms."""
+    remat = remat_policy(recompute)
+    impl = impl_of(attention_impl, unit)
     uw = unit_work(model, wl, unit, attention_impl)
     tps = [t for t in tp_sizes if t <= hw.gpus_per_node and all(s % t == 0 for s in uw.tp_divides)]
-    times, fwds, acts = {}, {}, {}
+    backward = any(w.bwd for w in uw.layers + uw.extra)
+    times, fwds, acts, work, fixed = {}, {}, {}, {}, {}
+    b = ACT_BYTES
     for t in tps:
-        lt = layer_times(uw, t, hw, recompute)
-        times[t] = sum(f + b for f, b in lt)
+        lt = layer_times(uw, t, hw, remat)
+        times[t] = sum(f + bb for f, bb in lt)
         fwds[t] = sum(f for f, _ in lt)
-        acts[t] = (sum(work_activation(w, t, recompute) for w in uw.layers)
-                   + sum(work_activation(w, 1, recompute) for w in uw.extra))
+        a = unit_acts(model, wl, unit, t, impl, b)
+        io = a.input + 2 * a.boundary
+        if not backward:  # forward only: nothing kept, one layer's scores at a time
+            acts[t], work[t], fixed[t] = 0.0, 0.0, a.scores + io
+            continue
+        acts[t] = a.kept(remat)
+        work[t] = a.recomputed(remat)
+        fixed[t] = (memory.SCORE_BUFFERS * a.scores if remat == "none" else 0.0) + io
     flops = sum(w.flops * (1 + w.bwd) for w in uw.layers + uw.extra)
+    trainable, frozen = uw.trainable_params, uw.params - uw.trainable_params
+    a1 = unit_acts(model, wl, unit, tps[0], impl, b) if tps else None
     return UnitCost(name=unit, num_layers=len(uw.layers), time_s=times,
-                    weight_bytes=WEIGHT_BYTES * uw.params + GRAD_BYTES * uw.trainable_params,
-                    optimizer_bytes=OPTIMIZER_BYTES * uw.trainable_params,
+                    weight_bytes=((2 * b + memory.ACC_BYTES) * trainable
+                                  + memory.FROZEN_BYTES * frozen),
+                    optimizer_bytes=memory.OPTIMIZER_BYTES * trainable,
                     activation_bytes=acts, boundary_bytes=uw.boundary_bytes,
                     grad_bytes=2.0 * uw.trainable_params, flops=flops,
-                    layer_pp_divides=(unit == "llm"), fwd_s=fwds)
+                    layer_pp_divides=(unit == "llm"), fwd_s=fwds, remat=remat,
+                    input_bytes=a1.input if (a1 and backward and remat != "none") else 0.0,
+                    work_bytes=work, fixed_bytes=fixed,
+                    step_weight_bytes=2 * b * trainable + memory.FROZEN_BYTES * frozen,
+                    replicated=replicated_params(model, unit) / max(uw.params, 1),
+                    dtype_bytes=b)
 
 
-def unit_costs(model: MLLMConfig, wl: Workload, hw: Hardware, recompute: bool = False,
+def with_remat_variants(model: MLLMConfig, wl: Workload, unit: str, hw: Hardware,
+                        attention_impl=None) -> UnitCost:
+    """The unit's "none" cost carrying all three policies as `variants` (none, dots, full):
+    its times are the fastest, and the planner picks per choice the least recompute that
+    fits (DistTrain §5.2 memory constraint; Megatron selective before full recomputation)."""
+    costs = {p: unit_cost(model, wl, unit, hw, p, attention_impl=attention_impl)
+             for p in memory.REMATS}
+    return dataclasses.replace(costs["none"], variants=costs)
+
+
+def unit_costs(model: MLLMConfig, wl: Workload, hw: Hardware, recompute=False,
                attention_impl=None) -> tuple[UnitCost, ...]:
-    """One `UnitCost` per unit, in `model.unit_names` order."""
-    return tuple(unit_cost(model, wl, u, hw, recompute, attention_impl=attention_impl)
-                 for u in model.unit_names)
+    """One `UnitCost` per unit, in `model.unit_names` order; `recompute`: one policy for
+    every unit, {unit: policy}, or "auto" (each unit with its `with_remat_variants`)."""
+    def one(u):
+        r = recompute.get(u, False) if isinstance(recompute, dict) else recompute
+        if r == "auto":
+            return with_remat_variants(model, wl, u, hw, attention_impl)
+        return unit_cost(model, wl, u, hw, r, attention_impl=attention_impl)
+    return tuple(one(u) for u in model.unit_names)

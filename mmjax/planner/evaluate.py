@@ -10,9 +10,10 @@ one sample through the whole unit:
     T_steady = max_u T_u * (m - 1)                                  (Eq. 2)
     T_iter   = T_warmup + T_steady + max_u (DP gradient sync of u)
 
-PP communication: PP_u times one boundary tensor over the NIC (§5.1). Memory per GPU: TP x PP
-shards weights and gradients, ZeRO-1 also shards the optimizer state over DP, and the first
-stage keeps min(m, PP) microbatches of activations (1F1B; more with interleaving).
+PP communication: PP_u times one boundary tensor over the NIC (§5.1). Memory per GPU: the
+runtime's buffers (planner/memory.py): TP x PP shards weights and accumulators, ZeRO-1 also
+shards the optimizer state over DP, and the first stage keeps min(m, PP) microbatches of
+residuals (1F1B; more with interleaving) under the unit's remat policy.
 Everything here is shared by the orchestrator, the baselines and the exhaustive search in
 the tests, so all three price a plan identically.
 """
@@ -20,8 +21,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from mmjax.planner.costs import UnitCost
 from mmjax.planner.hardware import Hardware
+from mmjax.planner.memory import unit_stage_bytes
 
 
 @dataclass(frozen=True)
@@ -32,6 +36,8 @@ class Choice:
     dp: int
     pp: int
     vpp: int = 1
+    remat: str | None = None  # the unit's remat policy; None: the cost's own, or the
+    #                            least-recompute variant that fits (`remat_variant`)
 
     @property
     def gpus(self) -> int:
@@ -70,11 +76,87 @@ def in_flight(c: Choice, num_microbatches: int) -> float:
     return min(num_microbatches, ((c.vpp + 1) * c.pp - 1) / c.vpp)
 
 
+def _per_tp(table: dict, tp):
+    """`table[tp]` for an int or an array of TP sizes (0 where absent)."""
+    if isinstance(tp, int):
+        return table.get(tp, 0.0)
+    arr = np.asarray(tp)
+    if arr.ndim == 0:
+        return table.get(int(arr), 0.0)
+    sizes, inverse = np.unique(arr, return_inverse=True)
+    return np.array([table.get(int(x), 0.0) for x in sizes])[inverse].reshape(arr.shape)
+
+
+def stage_bytes(cost: UnitCost, tp, dp, pp, spr, flight, exact: bool = False):
+    """Bytes per GPU of one stage of `cost`'s unit (numpy-broadcastable over the choice):
+    planner/memory.py `unit_stage_bytes`, the runtime's buffers (run and optimizer step).
+    The orchestrator's `flight` (the unit's own 1F1B count) is scaled by the cost's
+    `flight_scale`; `exact`: `flight` is the runtime's count already."""
+    k = 1.0 if exact else cost.flight_scale
+    run = unit_stage_bytes(cost.weight_bytes, cost.optimizer_bytes,
+                           k * _per_tp(cost.activation_bytes, tp), k * cost.input_bytes,
+                           _per_tp(cost.work_bytes, tp), _per_tp(cost.fixed_bytes, tp),
+                           cost.step_weight_bytes, cost.replicated, tp, dp, pp, spr, flight,
+                           cost.dtype_bytes)
+    return run
+
+
+def variants(cost: UnitCost) -> list[UnitCost]:
+    """The unit under each remat policy it may take, least recompute (fastest) first."""
+    return list(cost.variants.values()) if cost.variants else [cost]
+
+
+def leanest(cost: UnitCost) -> UnitCost:
+    """The variant keeping the fewest activations ("full" when variants exist): what the
+    candidate bounds assume, so they stay lower bounds."""
+    return cost.variants.get("full", cost) if cost.variants else cost
+
+
+def _bytes(cost: UnitCost, c: Choice, dp_llm: int, num_microbatches: int) -> float:
+    return float(stage_bytes(cost, c.tp, c.dp, c.pp, samples_per_rank(c, dp_llm),
+                             in_flight(c, num_microbatches)))
+
+
+def remat_variant(cost: UnitCost, c: Choice, dp_llm: int, num_microbatches: int,
+                  hbm: float | None = None) -> UnitCost:
+    """The cost `c` runs: its `remat` variant when set, else the first of `variants` (none,
+    dots, full: the least recompute) that fits in `hbm` bytes, else the leanest."""
+    if not cost.variants:
+        return cost
+    if c.remat is not None:
+        return cost.variants[c.remat]
+    options = variants(cost)
+    if hbm is not None:
+        for v in options:
+            if _bytes(v, c, dp_llm, num_microbatches) <= hbm:
+                return v
+    return min(options, key=lambda v: _bytes(v, c, dp_llm, num_microbatches))
+
+
+def pipeline_in_flight(choices: dict[str, Choice], num_microbatches: int) -> dict:
+    """Per unit, the microbatches (in stage units) its first stage holds under the runtime's
+    schedule (pipeline/schedule.py `multimodal_one_f_one_b`): a stage warms up with as many
+    forwards as there are virtual stages from it to the end of its path, so an encoder also
+    holds the LLM's and the generator's depth; `in_flight` counts the unit's own alone."""
+    m, llm = num_microbatches, choices["llm"]
+    gen = choices["generator"].pp if "generator" in choices else 0
+    own = {name: in_flight(c, m) for name, c in choices.items()}
+    out = {}
+    for name, c in choices.items():
+        if name == "llm":
+            out[name] = min(m, own[name] + gen / llm.vpp)
+        elif name == "generator":
+            out[name] = own[name]
+        else:
+            out[name] = min(m, c.pp + llm.pp * llm.vpp + gen)
+    return out
+
+
 def memory_bytes(cost: UnitCost, c: Choice, dp_llm: int, num_microbatches: int) -> float:
-    shard = c.tp * c.pp
-    return (cost.weight_bytes / shard + cost.optimizer_bytes / (shard * c.dp)
-            + cost.activation_bytes[c.tp] / c.pp * samples_per_rank(c, dp_llm)
-            * in_flight(c, num_microbatches))
+    """Bytes per GPU of `c`'s first stage; with remat variants and no `c.remat`, the
+    leanest variant's (whether any policy fits)."""
+    return _bytes(remat_variant(cost, c, dp_llm, num_microbatches), c, dp_llm,
+                  num_microbatches)
 
 
 def choice_error(cost: UnitCost, c: Choice, dp_llm: int, num_microbatches: int,
@@ -102,7 +184,7 @@ class Evaluation:
     steady_s: float
     sync_s: float
     stage_time_s: dict[str, float]
-    memory_gb: dict[str, float]
+    memory_gb: dict[str, float]  # first stage, with the runtime's in-flight microbatches
     gpus: int
     mfu: float
 
@@ -112,6 +194,7 @@ def evaluate(costs: tuple[UnitCost, ...], choices: dict[str, Choice], global_bat
     """Price an integer plan; `choices["llm"].dp` sets the microbatching."""
     dp_llm = choices["llm"].dp
     m = global_batch // dp_llm
+    costs = tuple(remat_variant(c, choices[c.name], dp_llm, m, hw.hbm_bytes) for c in costs)
     warm = sum(warmup_time(c, choices[c.name], dp_llm, hw) for c in costs)
     stages = {c.name: stage_time(c, choices[c.name], dp_llm) for c in costs}
     steady = max(stages.values()) * (m - 1)
@@ -119,6 +202,10 @@ def evaluate(costs: tuple[UnitCost, ...], choices: dict[str, Choice], global_bat
     total = warm + steady + sync
     gpus = sum(choices[c.name].gpus for c in costs)
     flops = global_batch * sum(c.flops for c in costs)
-    return Evaluation(total, warm, steady, sync, stages,
-                      {c.name: memory_bytes(c, choices[c.name], dp_llm, m) / 1e9 for c in costs},
-                      gpus, flops / (total * gpus * hw.peak_flops))
+    flights = pipeline_in_flight(choices, m)
+    memory = {c.name: float(stage_bytes(c, choices[c.name].tp, choices[c.name].dp,
+                                        choices[c.name].pp,
+                                        samples_per_rank(choices[c.name], dp_llm),
+                                        flights[c.name], exact=True)) / 1e9 for c in costs}
+    return Evaluation(total, warm, steady, sync, stages, memory, gpus,
+                      flops / (total * gpus * hw.peak_flops))

@@ -65,10 +65,16 @@ def unit_factors(plan: Plan, layer_costs: dict, trace: list[dict],
 
 
 def measured_costs(costs: tuple[UnitCost, ...], layer_costs: dict, factors: dict[str, float]):
-    """(UnitCosts, layer costs) with every unit's times scaled by its measured factor."""
-    out = tuple(dataclasses.replace(
-        c, time_s={t: v * factors.get(c.name, 1.0) for t, v in c.time_s.items()},
-        fwd_s={t: v * factors.get(c.name, 1.0) for t, v in c.fwd_s.items()}) for c in costs)
+    """(UnitCosts, layer costs) with every unit's times (each remat variant's too) scaled
+    by its measured factor."""
+    def scale(c):
+        k = factors.get(c.name, 1.0)
+        out = dataclasses.replace(c, time_s={t: v * k for t, v in c.time_s.items()},
+                                  fwd_s={t: v * k for t, v in c.fwd_s.items()})
+        if c.variants:
+            out = dataclasses.replace(out, variants={p: scale(v) for p, v in c.variants.items()})
+        return out
+    out = tuple(scale(c) for c in costs)
     layers = {u: {t: [(f * factors.get(u, 1.0), b * factors.get(u, 1.0)) for f, b in lt]
                   for t, lt in per.items()} for u, per in layer_costs.items()}
     return out, layers
@@ -113,7 +119,7 @@ def replan(model, plan: Plan, trace: list[dict], hw, num_gpus: int, workload=Non
     costs, layer_costs = model_costs(model, hw, workload)
     factors = unit_factors(plan, layer_costs, trace, prior_actions)
     m_costs, _ = measured_costs(costs, layer_costs, factors)
-    current = {u.name: Choice(u.tp, u.dp, u.pp, u.num_chunks) for u in plan.units}
+    current = {u.name: Choice(u.tp, u.dp, u.pp, u.num_chunks, u.remat) for u in plan.units}
     now = evaluate(m_costs, current, plan.global_batch, hw).iteration_time_s
     new = plan_model(model, hw, num_gpus, plan.global_batch, workload=workload, costs=m_costs)
     return Replan(factors, stage_table(plan, layer_costs, trace), now, new,

@@ -18,7 +18,8 @@ import numpy as np
 
 from mmjax.planner.candidates import candidate_table, divisors, share_bound
 from mmjax.planner.costs import UnitCost
-from mmjax.planner.evaluate import Choice, choice_error, evaluate, p2p_time, sync_time, warmup_time
+from mmjax.planner.evaluate import (Choice, choice_error, evaluate, leanest, p2p_time,
+                                    remat_variant, sync_time, warmup_time)
 from mmjax.planner.hardware import Hardware
 from mmjax.planner.plan import PlanError
 from mmjax.planner.infeasible import infeasible_message, smallest_plan
@@ -104,10 +105,12 @@ class Orchestrator:
                     if choice_error(cost, Choice(t, dp_llm, pp, v), dp_llm, m, hw) is None]
             if not fits:
                 continue
-            tau = max(cost.time_s[t] / pp,
-                      self._share_bound(c[rest], lo[rest], hi[rest], n - ch.gpus))
-            val = mm * tau + warmup_time(cost, fits[0], dp_llm, hw) + sync_time(cost, ch, hw)
-            best = min(best, val)
+            share = self._share_bound(c[rest], lo[rest], hi[rest], n - ch.gpus)
+            for f in fits:  # each at the remat variant it runs (the least recompute that fits)
+                rc = remat_variant(cost, f, dp_llm, m, hw.hbm_bytes)
+                tau = max(rc.time_s[t] / pp, share)
+                val = mm * tau + warmup_time(rc, f, dp_llm, hw) + sync_time(cost, ch, hw)
+                best = min(best, val)
         others = sum(cost.time_s[t] for i, (cost, t) in enumerate(zip(self.costs, tps))
                      if i != self.llm)
         return others + best
@@ -124,7 +127,7 @@ class Orchestrator:
                 e[i] = 2 * (dp_llm - 1) * cost.grad_bytes / hw.group_bw(dp_llm * t)
             # memory: (weights * dp + optimizer) / x + activations <= HBM (activations at
             # their smallest: one sample per rank, in-flight/pp >= min(1, m / layers))
-            act = cost.activation_bytes[t] * min(1.0, m / cost.num_layers)
+            act = leanest(cost).activation_bytes[t] * min(1.0, m / cost.num_layers)
             room = hw.hbm_bytes - act
             if room <= 0:
                 return None

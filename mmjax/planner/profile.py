@@ -29,7 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mmjax.models.config import MLLMConfig
 from mmjax.planner.costs import (UnitCost, layer_times, module_backward_factors, unit_costs,
-                                 unit_work)
+                                 unit_work, work_time)
 from mmjax.planner.hardware import Hardware
 from mmjax.planner.workload import Workload
 
@@ -215,51 +215,71 @@ def profile_model(model: MLLMConfig, wl: Workload, tp_sizes=(1, 2, 4, 8), points
 
 
 def profiled_costs(model: MLLMConfig, wl: Workload, hw: Hardware, table: ProfileTable,
-                   recompute: bool = False) -> tuple[UnitCost, ...]:
+                   recompute="auto") -> tuple[UnitCost, ...]:
     """Analytic `UnitCost`s with `time_s` replaced, where measured, by layers x mean over
     samples of the interpolated per-sequence layer times, plus the analytic time of the
     parts around the layers (embedding, LM head, projector; units of >= 3 layers). Valid TP
     sizes that were not measured keep the analytic time, calibrated by measured / analytic
     at the largest measured TP (the nearest in communication pattern); a unit with no
     measured TP keeps its analytic times."""
-    factors = module_backward_factors(model)
     out = []
     for cost in unit_costs(model, wl, hw, recompute):
-        curves = table.units.get(cost.name, {})
-        if not curves:
-            out.append(cost)
-            continue
-        if cost.name == "llm":
-            per_sample = [[n] for n in wl.llm_tokens]
-        elif cost.name == "generator":
-            per_sample = [[model.generator.num_patches] * k for k in wl.generated]
-        else:
-            per_sample = [list(x) for x in wl.encoder_tokens[cost.name]]
-        factor = factors[cost.name]
-        times, fwds = {}, {}
-        for tp, curve in curves.items():
-            if tp not in cost.time_s:
-                continue
-            f = np.mean([sum(curve(n)[0] for n in s) for s in per_sample]) if per_sample else 0.0
-            b = np.mean([sum(curve(n)[1] for n in s) for s in per_sample]) if per_sample else 0.0
-            bwd = b if factor == 2 else factor * f
-            if recompute and factor > 0:
-                bwd += f
-            extra, extra_fwd = _analytic_extras(model, wl, hw, cost, tp, recompute)
-            times[tp] = cost.num_layers * float(f + bwd) + extra
-            fwds[tp] = cost.num_layers * float(f) + extra_fwd
-        if times:
-            ref = max(times)  # unmeasured TP: analytic x (measured / analytic at `ref`)
-            scale, fscale = times[ref] / cost.time_s[ref], fwds[ref] / cost.fwd_s[ref]
-            for tp in cost.time_s:
-                if tp not in times:
-                    times[tp] = cost.time_s[tp] * scale
-                    fwds[tp] = cost.fwd_s[tp] * fscale
-            times = dict(sorted(times.items()))
-            fwds = dict(sorted(fwds.items()))
-        out.append(dataclasses.replace(cost, time_s=times or cost.time_s,
-                                       fwd_s=fwds or cost.fwd_s))
+        one = _profiled(model, wl, hw, table, cost)
+        if cost.variants:
+            one = dataclasses.replace(one, variants={
+                p: _profiled(model, wl, hw, table, v) for p, v in cost.variants.items()})
+        out.append(one)
     return tuple(out)
+
+
+def _profiled(model: MLLMConfig, wl: Workload, hw: Hardware, table: ProfileTable,
+              cost: UnitCost) -> UnitCost:
+    """`cost` (one remat policy: `cost.remat`) with its times from `table` where measured;
+    the backward re-runs the measured forward ("full") or the analytic attention core
+    ("dots")."""
+    factors = module_backward_factors(model)
+    curves = table.units.get(cost.name, {})
+    if not curves:
+        return cost
+    if cost.name == "llm":
+        per_sample = [[n] for n in wl.llm_tokens]
+    elif cost.name == "generator":
+        per_sample = [[model.generator.num_patches] * k for k in wl.generated]
+    else:
+        per_sample = [list(x) for x in wl.encoder_tokens[cost.name]]
+    factor = factors[cost.name]
+    times, fwds = {}, {}
+    for tp, curve in curves.items():
+        if tp not in cost.time_s:
+            continue
+        f = np.mean([sum(curve(n)[0] for n in s) for s in per_sample]) if per_sample else 0.0
+        b = np.mean([sum(curve(n)[1] for n in s) for s in per_sample]) if per_sample else 0.0
+        bwd = b if factor == 2 else factor * f
+        if cost.remat == "full" and factor > 0:
+            bwd += f
+        elif cost.remat == "dots" and factor > 0:
+            bwd += _attention_redo(model, wl, hw, cost, tp)
+        extra, extra_fwd = _analytic_extras(model, wl, hw, cost, tp, cost.remat)
+        times[tp] = cost.num_layers * float(f + bwd) + extra
+        fwds[tp] = cost.num_layers * float(f) + extra_fwd
+    if times:
+        ref = max(times)  # unmeasured TP: analytic x (measured / analytic at `ref`)
+        scale, fscale = times[ref] / cost.time_s[ref], fwds[ref] / cost.fwd_s[ref]
+        for tp in cost.time_s:
+            if tp not in times:
+                times[tp] = cost.time_s[tp] * scale
+                fwds[tp] = cost.fwd_s[tp] * fscale
+        times = dict(sorted(times.items()))
+        fwds = dict(sorted(fwds.items()))
+    return dataclasses.replace(cost, time_s=times or cost.time_s, fwd_s=fwds or cost.fwd_s)
+
+
+def _attention_redo(model, wl, hw, cost: UnitCost, tp: int) -> float:
+    """Analytic seconds a middle layer's backward spends re-running the attention core
+    under "dots" (what selective recomputation adds, Korthikanti et al. §4.2)."""
+    uw = unit_work(model, wl, cost.name)
+    mid = uw.layers[len(uw.layers) // 2]
+    return work_time(mid, tp, hw, "dots")[1] - work_time(mid, tp, hw, "none")[1]
 
 
 def _analytic_extras(model, wl, hw, cost: UnitCost, tp: int, recompute: bool

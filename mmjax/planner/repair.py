@@ -15,7 +15,7 @@ import numpy as np
 
 from mmjax.planner.candidates import divisors, valid_pps
 from mmjax.planner.costs import UnitCost
-from mmjax.planner.evaluate import Choice, sync_time
+from mmjax.planner.evaluate import Choice, stage_bytes, sync_time, variants
 from mmjax.planner.hardware import Hardware
 
 
@@ -33,21 +33,26 @@ class OptionTable:
         pp = np.array(self.valid, dtype=np.float64)[None, :, None]
         v = np.array(self.vs, dtype=np.float64)[None, None, :]
         spr = dp_llm / dp
+        flight = np.where(v == 1, np.minimum(m, pp), np.minimum(m, ((v + 1) * pp - 1) / v))
+        # per option the least-recompute remat variant that fits (evaluate.remat_variant)
+        self._variants = variants(cost)
+        pick = np.full(np.broadcast_shapes(dp.shape, pp.shape, v.shape), -1)
+        for k, vc in enumerate(self._variants):
+            fits_k = stage_bytes(vc, t, dp, pp, spr, flight) <= hw.hbm_bytes
+            pick = np.where((pick < 0) & fits_k, k, pick)
+        self._pick = pick
+        fits = pick >= 0
+        times = np.array([vc.time_s[t] for vc in self._variants])[np.maximum(pick, 0)]
         time = cost.time_s[t]
         self.gpus = t * dp * pp + 0 * v
-        self.stage = spr * time / pp + 0 * v
-        self.warm = spr * time / v + pp * (spr * cost.boundary_bytes / hw.nic_bw)
+        self.stage = spr * times / pp + 0 * v
+        self.warm = spr * times / v + pp * (spr * cost.boundary_bytes / hw.nic_bw)
         bw = np.where(dp * t <= hw.gpus_per_node, hw.nvlink_bw, hw.nic_bw)
         if cost.grad_bytes == 0:
             self.sync = np.zeros_like(self.gpus)
         else:
             self.sync = np.where(dp == 1, 0.0,
                                  2 * (dp - 1) / dp * cost.grad_bytes / (t * pp) / bw) + 0 * v
-        shard = t * pp
-        flight = np.where(v == 1, np.minimum(m, pp), np.minimum(m, ((v + 1) * pp - 1) / v))
-        mem = (cost.weight_bytes / shard + cost.optimizer_bytes / (shard * dp)
-               + cost.activation_bytes[t] / pp * spr * flight)
-        fits = mem <= hw.hbm_bytes
         vpp_ok = (v == 1) | ((pp > 1) & (cost.num_layers % (pp * v) == 0) & (m % pp == 0))
         self.ok = fits & vpp_ok & (self.gpus <= n)
         # the fewest stages that fit in memory at VPP 1, per DP (len(valid): none fits)
@@ -84,7 +89,8 @@ class OptionTable:
     def choice(self, flat: int) -> Choice:
         """The Choice of an option by its flat (DP, PP, VPP) index (from `neighbourhood`)."""
         j, p, w = np.unravel_index(int(flat), self.ok.shape)
-        return Choice(self.t, self.dps[j], self.valid[p], self.vs[w])
+        remat = self._variants[self._pick[j, p, w]].remat if self.cost.variants else None
+        return Choice(self.t, self.dps[j], self.valid[p], self.vs[w], remat)
 
 
 def combine(arrays, m: int, n: int):

@@ -1,0 +1,183 @@
+"""Per-stage device memory of a pipeline step from XLA's own account, and the planner's
+prediction of the same stage (planner/memory.py), for tests/test_memory_model.py.
+
+Compiled side, per stage and device: each program's footprint is XLA's
+`memory_analysis()`: argument + output - alias (donated buffers reused) + temp. A phase
+adds what the runtime holds outside that program's arguments, read from its arrays: the
+forward and backward run beside the master and AdamW shards (and the forward beside the
+accumulators) and the residuals of the other in-flight microbatches; the optimizer step
+beside the frozen parameters and the compute copy it replaces. The stage's peak is the
+largest phase."""
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from mmjax.parallel.zero import state_bytes_per_device
+from mmjax.planner.memory import encoder_acts, generator_acts, llm_acts, stage_memory
+
+
+def _footprint(compiled) -> int:
+    m = compiled.memory_analysis()
+    return (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+            + m.temp_size_in_bytes)
+
+
+def _device_bytes(tree) -> int:
+    per = {}
+    for a in jax.tree.leaves(tree):
+        for s in a.addressable_shards:
+            per[s.device] = per.get(s.device, 0) + s.data.nbytes
+    return max(per.values(), default=0)
+
+
+def _shard_bytes(avals, shardings) -> int:
+    return sum(int(np.prod(sh.shard_shape(a.shape))) * np.dtype(a.dtype).itemsize
+               for a, sh in zip(jax.tree.leaves(avals), jax.tree.leaves(shardings)))
+
+
+def in_flight(schedule) -> dict:
+    """Per physical stage: the most microbatches whose forward ran and backward has not."""
+    out = {}
+    for stage, actions in schedule.items():
+        live = peak = 0
+        for a in actions:
+            live += 1 if a.kind == "F" else -1 if a.kind == "B" else 0
+            peak = max(peak, live)
+        out[stage] = peak
+    return out
+
+
+def compiled_stage(ps, sid, flight: int) -> dict:
+    """XLA's account of stage `sid` of a `PipelineStep` that has run a step."""
+    st, opt = ps.runtime.stages[sid], ps.optimizers[sid]
+    fwd = st.fns.lowered("F").compile()
+    bwd = st.fns.lowered("B").compile()
+    step = opt.lower_step(st.trainable, st.trainable, ps.opt_states[sid]).compile()
+    lowered = st.fns.lowered("F")
+    out_avals = lowered.out_info[1].leaves
+    res = _shard_bytes(out_avals, fwd.output_shardings[1].leaves)
+    master = _device_bytes(st.trainable)
+    adam = state_bytes_per_device(ps.opt_states[sid])
+    compute = _device_bytes(st.compute)
+    frozen = _device_bytes(st.frozen)
+    acc = 4 * compute // np.dtype(jax.tree.leaves(st.compute)[0].dtype).itemsize
+    others = (flight - 1) * res
+    phases = {"F": master + adam + acc + others + _footprint(fwd),
+              "B": master + adam + others + _footprint(bwd),
+              "S": frozen + compute + _footprint(step)}
+    return {"residuals": res, "phases": phases, "peak": max(phases.values()),
+            "step": _footprint(step), "backward": _footprint(bwd)}
+
+
+def _count(tree) -> int:
+    return sum(int(np.prod(a.shape)) for a in jax.tree.leaves(tree))
+
+
+def predicted_stage(cfg, plan, ps, sid, flight: int, b: int = 4):
+    """The planner's `StageMemory` of stage `sid`: parameter counts of the stage, the
+    tokens its microbatch carries per device (rows x row length, as the feed pads them)."""
+    st = ps.runtime.stages[sid]
+    up = plan.unit(sid.unit)
+    start, end = up.stage_layers(sid.index % up.pp, sid.index // up.pp)
+    args, _ = st.fns.signatures["F"]
+    side = args[3]
+    trainable = _device_bytes(st.compute) / np.dtype(jax.tree.leaves(st.compute)[0].dtype).itemsize
+    frozen = _device_bytes(st.frozen) / 4 if jax.tree.leaves(st.frozen) else 0
+    dp, tp = up.dp, up.tp
+    L = cfg.num_layers(sid.unit)
+    first, last = start == 0, end == L
+    if sid.unit == "llm":
+        rows, seq = side["llm"]["tokens"].shape
+        enc = sum(int(np.prod(x.shape[:-1])) for x in jax.tree.leaves(args[2])) / dp
+        acts = llm_acts(cfg.llm, rows / dp * seq, rows / dp * seq * seq, tp, b, "dense",
+                        end - start, first, last, enc)
+    elif sid.unit == "generator":
+        g = side["gen"]["gen_latents"].shape[0] / dp
+        cond = args[2].shape[-2] if args[2] is not None else 0
+        acts = generator_acts(cfg.generator, g, cond, tp, b, end - start, first, last,
+                              cfg.llm.hidden_size, "dense")
+    else:
+        spec = cfg.encoder(sid.unit)
+        key = "patches" if "patches" in side["inputs"] else "features"
+        rows, seq = side["inputs"][key].shape[:2]
+        pack = side["pack"].shape
+        out_tokens = pack[1] * pack[2]
+        acts = encoder_acts(spec.encoder, rows / dp * seq, rows / dp * seq * seq, tp, b, "dense",
+                            side["inputs"][key].shape[-1], out_tokens, cfg.llm.hidden_size,
+                            end - start, first, last)
+    return stage_memory(trainable, frozen, acts, up.remat, dp, 1.0, flight, b)
+
+
+# ---- one stage compiled from shapes alone (the mid-size config: nothing is allocated) ----
+def abstract_stage(cfg, up, start: int, end: int, feed, mesh, dtype) -> dict:
+    """XLA's account of a middle LLM stage (layers [start, end), input and output the hidden
+    states) built as the runtime builds it (`make_stage_fns`, `Zero1Optimizer`), lowered
+    and compiled on ShapeDtypeStructs carrying the runtime's shardings."""
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from mmjax.parallel.sharded_init import abstract_split
+    from mmjax.parallel.zero import Zero1Optimizer
+    from mmjax.pipeline.stage import dp_sharding, make_stage_fns, partial_shardings, stage_module
+    from mmjax.parallel.tensor import state_shardings
+
+    gd, tr, fr = abstract_split(stage_module, (cfg, "llm", start, end), jax.random.key(0),
+                                (nnx.Param, ...), mesh)
+    compute = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, dtype, sharding=sh), tr,
+                           state_shardings(tr, mesh))
+    place = lambda a: jax.ShapeDtypeStruct(
+        np.shape(a), np.asarray(a).dtype,
+        sharding=dp_sharding(mesh, np.ndim(a)) if np.ndim(a) else NamedSharding(mesh, P()))
+    side = {"llm": feed.llm, "num_tokens": np.float32(1)}
+    if cfg.generator is not None:
+        side["gen_pack"] = feed.gen_pack
+    side = jax.tree.map(place, side)
+    rows, seq = feed.llm["tokens"].shape
+    x = jax.ShapeDtypeStruct((rows, seq, cfg.llm.hidden_size), dtype,
+                             sharding=dp_sharding(mesh, 3))
+    fns = make_stage_fns(cfg, up, gd, "full", dtype, mesh)
+    key = fns.layout(compute, fr, x, side)
+    fwd = fns._forward.lower(compute, fr, x, side, key=key).compile()
+    lowered = fns._forward.lower(compute, fr, x, side, key=key)
+    y_aval, res_aval = lowered.out_info
+    y_sh, res_sh = fwd.output_shardings
+    residuals = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                             res_aval, res_sh)
+    dy = jax.ShapeDtypeStruct(y_aval.shape, y_aval.dtype, sharding=y_sh)
+    acc = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct((up.dp,) + a.shape, jnp.float32,
+                                                          sharding=sh),
+                       tr, partial_shardings(tr, mesh))
+    bwd = fns._backward.lower(compute, fr, side, residuals, dy, acc).compile()
+    opt = Zero1Optimizer(optax.adamw(1e-3), mesh, tr, clip_norm=1.0, donate=True,
+                         compute_dtype=dtype)
+    master = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                          tr, opt.master_shardings)
+    state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                         jax.eval_shape(opt.tx.init, tr), opt.state_shardings)
+    step = opt.lower_step(master, master, state).compile()
+    per_rank = _shard_bytes(tr, state_shardings(tr, mesh)) / 4
+    return {"residuals": _shard_bytes(res_aval, res_sh), "forward": _footprint(fwd),
+            "backward": _footprint(bwd), "step": _footprint(step),
+            "master": _shard_bytes(master, opt.master_shardings),
+            "adam": _shard_bytes(state, opt.state_shardings), "trainable": per_rank,
+            "rows": rows, "seq": seq}
+
+
+def abstract_peak(r: dict, flight: int) -> float:
+    """The stage's peak from `abstract_stage`'s account (phases as `compiled_stage`)."""
+    acc = r["trainable"] * 4
+    others = (flight - 1) * r["residuals"]
+    return max(r["master"] + r["adam"] + acc + others + r["forward"],
+               r["master"] + r["adam"] + others + r["backward"],
+               r["trainable"] * 4 + r["step"])
+
+
+def predicted_abstract(cfg, up, r: dict, flight: int, b: int = 4):
+    """The planner's `StageMemory` of `abstract_stage`'s middle stage (one layer)."""
+    rows, seq = r["rows"], r["seq"]
+    acts = llm_acts(cfg.llm, rows / up.dp * seq, rows / up.dp * seq * seq, up.tp, b, "dense",
+                    1, False, False)
+    return stage_memory(r["trainable"], 0, acts, up.remat, up.dp, 1.0, flight, b)
