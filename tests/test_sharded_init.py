@@ -117,3 +117,50 @@ def test_mid_size_llm_initialises_sharded_without_a_whole_copy():
     # scratch (measured 1.55-1.81x the unit); an eager build holds a whole copy and every
     # shard, 2x the unit before any scratch
     assert r["rss_growth"] < 2.0 * unit, (r["rss_growth"], unit)
+
+
+PER_PROCESS = r"""
+import json, resource
+import jax, numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+from mmjax.models.named import named_config
+from mmjax.parallel.sharded_init import init_split
+from mmjax.pipeline.stage import stage_module
+
+cfg = named_config("disttrain/mllm_9b_mid")
+mesh = Mesh(np.array(jax.devices()).reshape(1, 8), ("dp", "tp"))
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+gd, tr, fr = init_split(stage_module, (cfg, "llm", 0, cfg.llm.num_layers), jax.random.key(0),
+                        (nnx.Param, ...), mesh)
+jax.block_until_ready(tr)
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+held = sum(s.data.nbytes for x in jax.tree.leaves(tr) for s in x.addressable_shards)
+print("RESULT " + json.dumps({"unit_bytes": sum(x.nbytes for x in jax.tree.leaves(tr)),
+                              "held": held, "rss_growth": peak - before}))
+"""
+
+
+@pytest.mark.slow
+def test_mid_size_llm_on_eight_processes_no_host_holds_the_unit(tmp_path, gloo_jobs):
+    """The same tp-8 init over 8 processes of one device each (as on 8 hosts): each
+    process creates only its own shard, so its memory grows by far less than the unit."""
+    script = tmp_path / "init.py"
+    script.write_text(PER_PROCESS)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update({"JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT})
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "launch_local.py"),
+                          "--num_processes=8", "--devices_per_process=1", "--timeout=800",
+                          f"--script={script}"], env=env, capture_output=True, text=True,
+                         timeout=900, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = [json.loads(line.split("RESULT ", 1)[1]) for line in out.stdout.splitlines()
+            if "RESULT " in line]
+    assert len(rows) == 8
+    unit = rows[0]["unit_bytes"]
+    assert unit > 2.6e9
+    for r in rows:
+        assert r["held"] < 0.13 * unit  # its eighth (plus the small replicated norms)
+        # its shard plus one device's scratch (0.26 GB): far below the 2.67 GB unit
+        assert r["rss_growth"] < 0.35 * unit, (r["rss_growth"], unit)
+    print("per-process RSS growth / unit:", [round(r["rss_growth"] / unit, 3) for r in rows])
