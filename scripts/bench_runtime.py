@@ -21,6 +21,9 @@ it measures for one global batch through `PipelineRuntime.run`:
              syncs, by link class (same device, intra-node, inter-node) on nodes of
              --devices_per_node devices, with the node map; and the programs traced or
              compiled in the timed steps (jax.monitoring; 0 after warm-up);
+  memory     per stage, the planner's predicted peak bytes per device (planner/memory.py)
+             against XLA's account of the compiled stage programs (memory_analysis plus
+             what the runtime holds beside them: pipeline/memory_account.py);
   collectives  per stage per training step, from the compiled HLO: the forward and
              backward programs (each run once per microbatch) and the ZeRO-1 sync and update
              programs (parallel/zero.py: one reduce-scatter, one all-gather), as op counts;
@@ -222,6 +225,25 @@ def collectives_per_step(rt: PipelineRuntime) -> dict[str, dict[str, int]]:
     return out
 
 
+def stage_memory_rows(cfg, plan: Plan, feeds) -> dict:
+    """Per stage: the planner's predicted peak bytes per device (planner/memory.py) and XLA's
+    account of the compiled stage programs (pipeline/memory_account.py), after one whole
+    training step (forward, backward, ZeRO-1 sync and update) of `feeds`."""
+    from mmjax.pipeline.memory_account import compiled_stage, in_flight, predicted_stage
+    from mmjax.train.pipeline_step import PipelineStep
+
+    ps = PipelineStep(cfg, plan, 1e-3)
+    ps(feeds)
+    flight = in_flight(ps.runtime.schedule)
+    out = {}
+    for sid in ps.runtime.stages:
+        c = compiled_stage(ps, sid, flight[sid])["peak"]
+        p = predicted_stage(cfg, plan, ps, sid, flight[sid]).peak
+        out[str(sid)] = {"predicted_bytes": float(p), "compiled_bytes": float(c),
+                         "error": float(p / c - 1)}
+    return out
+
+
 def bench_plan(name, cfg, lay, samples, args, out_dir, timeline, compiles) -> dict:
     plan = make_plan(name, cfg, len(samples), args.microbatches, args.devices_per_node)
     rt = PipelineRuntime(cfg, plan)
@@ -301,6 +323,7 @@ def bench_plan(name, cfg, lay, samples, args, out_dir, timeline, compiles) -> di
         "collectives_per_step": collectives_per_step(rt),
         "bytes_per_step": moved, "devices_per_node": args.devices_per_node,
         "node_map": node_map(plan), "compiles_after_warmup": compiled_after_warmup,
+        "stage_memory": stage_memory_rows(cfg, plan, feeds),
     }
 
 
@@ -376,6 +399,9 @@ def main(argv=None) -> dict:
                       f"inter-node {mb['broker_inter_node']:.2f}; gradient sync intra-node "
                       f"{mb['sync_intra_node']:.2f}, inter-node {mb['sync_inter_node']:.2f}; "
                       f"programs traced or compiled in the timed steps: {r['compiles_after_warmup']}")
+        console.print(f"{r['plan']}: peak MB per device, planner / compiled: " + ", ".join(
+            f"{s} {m['predicted_bytes'] / 2 ** 20:.2f} / {m['compiled_bytes'] / 2 ** 20:.2f} "
+            f"({m['error']:+.1%})" for s, m in r["stage_memory"].items()))
         console.print(f"{r['plan']}: stage busy (traced step) "
                       + ", ".join(f"{s} {v * 1e3:.1f} ms" for s, v in r["stage_busy_s"].items()))
         console.print(f"  timeline {r['files']['png']} (simulated: {r['files']['png.sim']}), "

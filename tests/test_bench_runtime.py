@@ -18,7 +18,7 @@ STAGES = ("vision:0", "llm:0", "llm:1", "generator:0")  # both plans: llm pp2, 1
 FIELDS = {"plan", "units", "num_microbatches", "num_actions", "dispatch_us_per_action",
           "measured_step_s", "simulated_step_s", "measured_over_simulated", "bubble_fraction",
           "stage_busy_s", "stage_costs_s", "serial_sum_s", "files", "collectives_per_step",
-          "bytes_per_step", "node_map", "compiles_after_warmup"}
+          "bytes_per_step", "node_map", "compiles_after_warmup", "stage_memory"}
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +69,10 @@ def test_traffic_by_link_class_and_no_compile_after_warmup(result):
     assert rigid["bytes_per_step"]["sync_intra_node"] == 0  # dp 1 everywhere: no dp sync
     for r in (rigid, disagg):
         assert r["compiles_after_warmup"] == 0  # one global batch shape: nothing new
+        # the planner's per-stage memory within 15% of the compiled programs' account
+        assert set(r["stage_memory"]) == set(STAGES)
+        for s, m in r["stage_memory"].items():
+            assert abs(m["error"]) <= 0.15, (r["plan"], s, m)
 
 
 def test_traces_written_and_rendered(result):

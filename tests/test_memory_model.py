@@ -1,7 +1,7 @@
 """The planner's per-stage memory model (planner/memory.py) against XLA's account of the
 runtime's compiled stage programs, and the planner's use of it.
 
-Compiled side (tests/compiled_memory.py): every program's footprint is `memory_analysis()`
+Compiled side (pipeline/memory_account.py): every program's footprint is `memory_analysis()`
 argument + output - alias + temp; a stage's peak adds what the runtime holds outside each
 program (master and AdamW shards, accumulators, the other in-flight microbatches'
 residuals, frozen weights and the compute copy the step replaces) and takes the largest
@@ -16,14 +16,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import pytest
-from compiled_memory import (abstract_peak, abstract_stage, compiled_stage, in_flight,
-                             predicted_abstract, predicted_stage)
 from helpers import global_batch, make_cfg
 
 from mmjax.data.feed import microbatch_feed
 from mmjax.models.config import with_overrides
 from mmjax.models.named import named_config
 from mmjax.parallel.mesh import stage_mesh
+from mmjax.pipeline.memory_account import (abstract_peak, abstract_stage, compiled_stage,
+                                           in_flight, predicted_abstract, predicted_stage)
 from mmjax.planner.costs import module_params, replicated_params
 from mmjax.planner.plan import Plan, UnitPlan
 

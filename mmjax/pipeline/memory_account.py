@@ -1,5 +1,6 @@
 """Per-stage device memory of a pipeline step from XLA's own account, and the planner's
-prediction of the same stage (planner/memory.py), for tests/test_memory_model.py.
+prediction of the same stage (planner/memory.py): tests/test_memory_model.py and
+scripts/bench_runtime.py compare them.
 
 Compiled side, per stage and device: each program's footprint is XLA's
 `memory_analysis()`: argument + output - alias (donated buffers reused) + temp. A phase
