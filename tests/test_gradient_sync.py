@@ -194,18 +194,23 @@ def _typed(hlo: str) -> list[tuple[str, str]]:
     return [(m.group(2), m.group(1)) for m in _RESULT.finditer(hlo)]
 
 
-def _dims(t: str) -> list[int]:
-    return [int(d) for d in re.match(r"\w+\[([\d,]*)\]", t).group(1).split(",") if d]
+def _dims(t: str) -> list[list[int]]:
+    """The dimensions of each array of an HLO result type (one, or several for a tuple)."""
+    return [[int(d) for d in ds.split(",") if d] for ds in re.findall(r"\w+\[([\d,]*)\]", t)]
 
 
-def _cp_plan(cfg, m: int) -> Plan:
-    return Plan.uniform(cfg, 8, m, dp={"vision": 2, "llm": 2, "generator": 2}, cp={"llm": 2})
+_CP_LAYOUTS = {"dp2_cp2": dict(dp={"vision": 2, "llm": 2, "generator": 2}, cp={"llm": 2}),
+               "dp1_cp2_pp2": dict(cp={"llm": 2}, pp={"llm": 2})}
 
 
-def _cp_step(m: int):
+def _cp_plan(cfg, m: int, layout: str = "dp2_cp2") -> Plan:
+    return Plan.uniform(cfg, 8, m, **_CP_LAYOUTS[layout])
+
+
+def _cp_step(m: int, layout: str):
     cfg = make_cfg()
     lay, samples = global_batch(cfg, 8, packing="pack")
-    plan = _cp_plan(cfg, m)
+    plan = _cp_plan(cfg, m, layout)
     ps = PipelineStep(cfg, plan, 1e-2, settings=OptimizerSettings(clip_norm=1.0))
     n, dp = plan.microbatch_size, {u.name: u.dp for u in plan.units}
     feeds = [microbatch_feed(samples[k * n:(k + 1) * n], lay, dp, cp=2, cp_method="lpt",
@@ -214,11 +219,6 @@ def _cp_step(m: int):
     out = ps(feeds)
     assert np.isfinite(out["loss"]) and out["nonfinite"] == 0.0
     return ps, calls, cfg
-
-
-@pytest.fixture(scope="module")
-def cp_steps():
-    return {m: _cp_step(m) for m in (2, 4)}
 
 
 def test_cp_stage_keeps_per_cp_rank_partials_and_matches_the_reference(reference_cache):
@@ -232,46 +232,55 @@ def test_cp_stage_keeps_per_cp_rank_partials_and_matches_the_reference(reference
 
 
 @pytest.mark.slow
-def test_cp_stage_reduces_its_gradients_once_per_step_over_dp_x_cp(cp_steps):
+@pytest.mark.parametrize("layout", list(_CP_LAYOUTS))
+def test_cp_stage_reduces_its_gradients_once_per_step_over_dp_x_cp(layout):
     """No microbatch program of a cp=2 LLM stage reduces parameter gradients: the backward's
     only reductions are the reduce-scatters transposing Cornstarch's K/V all-gathers (§5.3;
     one per layer and head group, local K/V shapes [.., L, kv, head_dim]) and, on the first
     stage, the all-reduce of the encoder features' cotangent (an activation, replicated over
-    cp); the forward's only one is the loss scalar. (A GSPMD stage instead all-reduced every
-    parameter gradient over cp, one combined all-reduce per microbatch.) Per step the dispatch
-    log has one sync program, whose one reduce-scatter spans dp x cp = 4 devices, and one
-    update program (one all-gather), the same for m = 2 and m = 4."""
+    cp); the forward's are the loss scalar and hidden states (the generator's conditioning).
+    (A GSPMD stage instead all-reduced every parameter gradient over cp: one combined,
+    tuple-typed all-reduce per microbatch.) Per step the dispatch log has one sync program,
+    whose one reduce-scatter spans dp x cp devices, and one update program (one
+    all-gather), the same for m = 2 and m = 4."""
     per_m = {}
-    for m, (ps, calls0, cfg) in cp_steps.items():
+    for m in (2, 4):
+        ps, calls0, cfg = _cp_step(m, layout)
         log = Counter(ps.dispatch_log)
+        up = ps.runtime.plan.unit("llm")
+        hidden, head_dim = cfg.llm.hidden_size, cfg.llm.hidden_size // cfg.llm.num_heads
         llm = {sid: st for sid, st in ps.runtime.stages.items() if sid.unit == "llm"}
-        assert llm and all(sid in ps.optimizers for sid in llm)
+        assert len(llm) == up.pp and all(sid in ps.optimizers for sid in llm)
         for sid, st in llm.items():
             assert log[(sid, "reduce_scatter")] == 1 and log[(sid, "update_all_gather")] == 1
             assert st.backward_calls - calls0[sid] == m
-            up = ps.plan.unit("llm")
             layers = len(range(*up.stage_layers(sid.index % up.pp, sid.index // up.pp)))
             kv_gathers = layers * up.cp_head_groups
             fwd = _typed(st.fns.lowered("F").compile().as_text())
             bwd = _typed(st.fns.lowered("B").compile().as_text())
-            head_dim = cfg.llm.hidden_size // cfg.llm.num_heads
-            # K/V (float) all-gathers, one per layer and head group; the rest gather metadata
+            # K/V all-gathers [.., kv heads, head_dim], one per layer and head group; the
+            # other float ones gather hidden states over cp (the stage output), the int ones
+            # token metadata
             for hlo in (fwd, bwd):
-                floats = [t for c, t in hlo if c == "all-gather" and t.startswith("f32")]
-                assert len(floats) == kv_gathers, (sid, hlo)
-                assert all(_dims(t)[-1] == head_dim for t in floats), floats
-            reductions = [(c, t) for c, t in fwd if c != "all-gather"]
-            assert all(c == "all-reduce" and np.prod(_dims(t)) == 1 for c, t in reductions), fwd
+                floats = [_dims(t)[0][-1] for c, t in hlo
+                          if c == "all-gather" and t.startswith("f32")]
+                assert floats.count(head_dim) == kv_gathers, (sid, hlo)
+                assert set(floats) <= {head_dim, hidden}, (sid, hlo)
+            reductions = [(c, d) for c, t in fwd if c != "all-gather" for d in _dims(t)]
+            assert all(c == "all-reduce" and (np.prod(d) == 1 or d[-1] == hidden)
+                       for c, d in reductions), (sid, fwd)
             scatters = [t for c, t in bwd if c == "reduce-scatter"]
-            assert len(scatters) == kv_gathers and all(
-                _dims(t)[-1] == head_dim and not t.startswith("(") for t in scatters), bwd
+            assert len(scatters) == kv_gathers, (sid, bwd)
+            assert all(len(_dims(t)) == 1 and _dims(t)[0][-1] == head_dim
+                       for t in scatters), (sid, bwd)
             reduces = [t for c, t in bwd if c == "all-reduce"]
-            if sid.index == 0:  # d(encoder features): [per dp rank's tokens, llm hidden]
-                x = st.fns.layouts[0].x_shapes["vision"]
-                assert len(reduces) == 1 and not reduces[0].startswith("("), reduces
-                assert np.prod(_dims(reduces[0])) == np.prod(x.shape) // 2, (reduces, x)
+            if sid.index == 0:  # d(encoder features): [part of a dp rank's tokens, hidden]
+                x = st.fns.layouts[st.fns.signatures["B"][3].key].x_shapes["vision"]
+                assert len(reduces) == 1 and len(_dims(reduces[0])) == 1, (sid, reduces)
+                d = _dims(reduces[0])[0]
+                assert d[-1] == hidden and np.prod(d) <= np.prod(x.shape) // up.dp, (d, x)
             else:
-                assert reduces == [], reduces
+                assert reduces == [], (sid, reduces)
         per_m[m] = {}
         for sid, st in llm.items():
             opt = ps.optimizers[sid]
@@ -283,11 +292,11 @@ def test_cp_stage_reduces_its_gradients_once_per_step_over_dp_x_cp(cp_steps):
             rs = _collectives(sync_hlo)
             assert rs["reduce-scatter"] == 1 and set(rs) <= {"reduce-scatter", "all-reduce"}, rs
             groups = re.search(r"reduce-scatter\([^\n]*replica_groups=(\S+)", sync_hlo).group(1)
-            assert "4" in groups and _replica_group_size(groups) == 4, groups
-            up = _collectives(opt.lower_step(st.trainable, st.trainable, ps.opt_states[sid])
-                              .compile().as_text())
-            assert up == Counter({"all-gather": 1}), up
-            per_m[m][str(sid)] = (rs, up)
+            assert _replica_group_size(groups) == up.dp * up.cp == st.fns.ranks, groups
+            upd = _collectives(opt.lower_step(st.trainable, st.trainable, ps.opt_states[sid])
+                               .compile().as_text())
+            assert upd == Counter({"all-gather": 1}), upd
+            per_m[m][str(sid)] = (rs, upd)
     assert per_m[2] == per_m[4]
 
 
