@@ -6,8 +6,10 @@ backward), so no microbatch keeps a copy of the parameters; `backward(..., resid
 acc)` returns `(acc + dparams, dx)`. The stage runs as a `vmap` over its dp ranks
 (`spmd_axis_name='dp'`), each rank on its own copy of the parameters, so `dparams` is every
 rank's un-reduced partial gradient `[dp, ...]`: no dp collective in any microbatch (the
-step's one reduce-scatter is parallel/zero.py's). Loss outputs are per-rank `[dp]` partial
-sums. Backward modes are frozen-aware (Cornstarch §4.2). The long story: docs/design.md
+step's one reduce-scatter is parallel/zero.py's). An LLM stage with cp > 1 also vmaps over
+its cp ranks (`spmd_axis_name='cp'`, each on its L tokens of the CP layout): partials
+`[dp * cp, ...]`, reduced over dp x cp once per step (Megatron-LM). Loss outputs are
+per-rank `[dp]` partial sums. Backward modes are frozen-aware (Cornstarch §4.2). The long story: docs/design.md
 "Stage residuals" and "One gradient sync per step".
 """
 from __future__ import annotations
@@ -360,7 +362,8 @@ class StageFns:
     `backward(params, frozen, side, residuals, dy, acc) -> (acc + dparams, dx)` (acc is
     donated; dparams is skipped for mode "input_only", dx is None for mode "params").
     `params`: the compute copy (replicated over dp, TP-sharded); `acc`/`dparams`: float32
-    per-rank partial gradients `[dp, ...]` on `partial_shardings(params, mesh)`.
+    per-rank partial gradients `[ranks, ...]` on `partial_shardings(params, mesh)` (ranks =
+    dp, or dp * cp when `cp` > 1: `run` then takes params `[cp, ...]` and vmaps over them).
     `layout(...)` computes the residual layout of an input signature, once, before the
     forward of that signature is traced; `layouts[key]` is read by the backward.
     `launches` counts program launches per kind ("F", "B": the dispatch log)."""
