@@ -221,14 +221,18 @@ def _cp_step(m: int, layout: str):
     return ps, calls, cfg
 
 
-def test_cp_stage_keeps_per_cp_rank_partials_and_matches_the_reference(reference_cache):
-    """LLM on ('dp','cp','tp') = (2, 2, 1): the stage vmaps over dp x cp ranks with
-    per-(dp, cp) parameter copies; the summed partials give the reference's loss and
-    gradients (rtol 1e-5)."""
+@pytest.mark.parametrize("layout", list(_CP_LAYOUTS))
+def test_cp_stage_keeps_per_cp_rank_partials_and_matches_the_reference(layout, reference_cache):
+    """LLM on ('dp','cp','tp') = (2, 2, 1), or (1, 2, 1) over 2 pipeline stages: each stage
+    vmaps over dp x cp ranks with per-(dp, cp) parameter copies; the summed partials give
+    the reference's loss and gradients (rtol 1e-5)."""
     cfg = make_cfg()
-    rt = check(cfg, _cp_plan(cfg, 2), n=8, packing="pack", cache=reference_cache)
+    plan = _cp_plan(cfg, 2, layout)
+    rt = check(cfg, plan, n=8, packing="pack", cache=reference_cache)
     llm = [st for sid, st in rt.stages.items() if sid.unit == "llm"]
-    assert llm and all(st.fns.cp == 2 and st.fns.ranks == 4 for st in llm)
+    dp = plan.unit("llm").dp
+    assert len(llm) == plan.unit("llm").pp
+    assert all(st.fns.cp == 2 and st.fns.ranks == 2 * dp for st in llm)
 
 
 @pytest.mark.slow
