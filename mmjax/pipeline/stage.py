@@ -9,8 +9,8 @@ rank's un-reduced partial gradient `[dp, ...]`: no dp collective in any microbat
 step's one reduce-scatter is parallel/zero.py's). An LLM stage with cp > 1 also vmaps over
 its cp ranks (`spmd_axis_name='cp'`, each on its L tokens of the CP layout): partials
 `[dp * cp, ...]`, reduced over dp x cp once per step (Megatron-LM). Loss outputs are
-per-rank `[dp]` partial sums. Backward modes are frozen-aware (Cornstarch §4.2). The long story: docs/design.md
-"Stage residuals" and "One gradient sync per step".
+per-rank `[dp]` partial sums. Backward modes are frozen-aware (Cornstarch §4.2). The long
+story: docs/design.md "Stage residuals" and "One gradient sync per step".
 """
 from __future__ import annotations
 
