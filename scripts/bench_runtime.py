@@ -80,6 +80,7 @@ from mmjax.models.tiny import tiny  # noqa: E402
 from mmjax.data.feed import microbatch_feed  # noqa: E402
 from mmjax.parallel.zero import Zero1Optimizer  # noqa: E402
 from mmjax.pipeline.runtime import PipelineRuntime  # noqa: E402
+from mmjax.pipeline.stage import rank_axes  # noqa: E402
 from mmjax.pipeline.stage_graph import StageId  # noqa: E402
 from mmjax.pipeline.simulate import simulate  # noqa: E402
 from mmjax.planner.plan import Plan  # noqa: E402
@@ -213,13 +214,14 @@ def collectives_per_step(rt: PipelineRuntime) -> dict[str, dict[str, int]]:
             for op, n in _ops(st.fns.lowered(kind)).items():
                 count[op] += n * m
         if st.mode.param_grads and jax.tree.leaves(st.trainable):
-            opt = Zero1Optimizer(optax.adamw(1e-3), st.mesh, st.trainable, clip_norm=1.0)
+            opt = Zero1Optimizer(optax.adamw(1e-3), st.mesh, st.trainable, clip_norm=1.0,
+                                 rank_axes=rank_axes(st.mesh))
             put = lambda t, sh, lead=(): jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(
                 lead + tuple(a.shape), a.dtype, sharding=s), t, sh)
             state = put(jax.eval_shape(opt.tx.init, st.trainable), opt.state_shardings)
             master = put(st.trainable, opt.master_shardings)
             count += _ops(opt._sync.lower(put(st.trainable, opt.rank_partial_shardings,
-                                              (st.dp,))))
+                                              (st.fns.ranks,))))
             count += _ops(opt.lower_step(master, master, state))
         out[str(sid)] = dict(sorted(count.items()))
     return out

@@ -1,8 +1,9 @@
-"""One gradient sync per step (issue 14): each dp rank accumulates its own partial gradients
-over the step's microbatches, then one reduce-scatter per stage into the ZeRO-1 shards and one
-program with the AdamW update and the all-gather of the compute params. Checked on the
-compiled programs (collective counts), the dispatch log, the live arrays' shard sizes, and
-numerically against the replicated ZeRO-1 update."""
+"""One gradient sync per step: each dp rank (each dp x cp rank of a CP stage) accumulates its
+own partial gradients over the step's microbatches, then one reduce-scatter per stage into
+the ZeRO-1 shards and one program with the AdamW update and the all-gather of the compute
+params. Checked on the compiled programs (collective counts), the dispatch log, the live
+arrays' shard sizes, and numerically against the replicated ZeRO-1 update and the
+single-device reference."""
 from __future__ import annotations
 
 import re
@@ -17,7 +18,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from helpers import global_batch, make_cfg
+from helpers import check, global_batch, make_cfg
 from mmjax.data.feed import microbatch_feed
 from mmjax.models.llm import LLM
 from mmjax.models.tiny import TINY_LLM
@@ -42,19 +43,22 @@ def _grads(params, seed):
                                      for k, x in zip(ks, leaves)])
 
 
-@pytest.mark.parametrize("shape,names", [((2, 2), ("dp", "tp")),
-                                         ((2, 2, 2), ("dp", "cp", "tp")),
-                                         ((4, 1), ("dp", "tp"))])
-def test_sync_and_step_equal_the_replicated_update(shape, names):
-    """`sync` (one flat reduce-scatter of per-rank partials blocked over 'dp') + `step`
-    (AdamW on the master shards + one flat all-gather) == `update` on the summed grads."""
+@pytest.mark.parametrize("shape,names,rank_axes", [((2, 2), ("dp", "tp"), ("dp",)),
+                                                   ((2, 2, 2), ("dp", "cp", "tp"), ("dp",)),
+                                                   ((2, 2, 2), ("dp", "cp", "tp"), ("dp", "cp")),
+                                                   ((1, 2, 2), ("dp", "cp", "tp"), ("dp", "cp")),
+                                                   ((4, 1), ("dp", "tp"), ("dp",))])
+def test_sync_and_step_equal_the_replicated_update(shape, names, rank_axes):
+    """`sync` (one flat reduce-scatter of per-rank partials blocked over 'dp', or over
+    ('dp', 'cp') for a CP stage's per-(dp, cp) partials) + `step` (AdamW on the master
+    shards + one flat all-gather) == `update` on the summed grads."""
     params = nnx.state(LLM(TINY_LLM, jax.random.key(5), 0, 2), nnx.Param)
     mesh = Mesh(np.array(jax.devices()[:int(np.prod(shape))]).reshape(shape), names)
     p = shard_state(params, mesh)
     tx = make_optimizer(1e-2, weight_decay=0.01, clip_norm=0)
-    opt = Zero1Optimizer(tx, mesh, p, clip_norm=1.0)
+    opt = Zero1Optimizer(tx, mesh, p, clip_norm=1.0, rank_axes=rank_axes)
     s = opt.init(p)
-    dp = mesh.shape["dp"]
+    dp = int(np.prod([mesh.shape[a] for a in rank_axes]))  # the partials' ranks
     parts = [_grads(params, 10 + r) for r in range(dp)]
     partial = jax.device_put(jax.tree.map(lambda *g: jnp.stack(g), *parts),
                              opt.rank_partial_shardings)
@@ -179,3 +183,130 @@ def test_each_stage_syncs_right_after_its_last_backward(steps):
         assert after["vision"] == total  # the last unit to finish its backwards
         gen = next(s for s in ps.runtime.stages if s.unit == "generator")
         assert after["generator"] >= ps.runtime.stages[gen].backward_calls - calls0[gen] == m
+
+
+# ---- context parallelism: the gradients reduce over dp x cp once per step -------------------
+_RESULT = re.compile(r"= (\(.*?\)|\S+) (all-reduce|reduce-scatter|all-gather)(-start)?\(")
+
+
+def _typed(hlo: str) -> list[tuple[str, str]]:
+    """(collective, result type) of every all-reduce / reduce-scatter / all-gather."""
+    return [(m.group(2), m.group(1)) for m in _RESULT.finditer(hlo)]
+
+
+def _dims(t: str) -> list[list[int]]:
+    """The dimensions of each array of an HLO result type (one, or several for a tuple)."""
+    return [[int(d) for d in ds.split(",") if d] for ds in re.findall(r"\w+\[([\d,]*)\]", t)]
+
+
+_CP_LAYOUTS = {"dp2_cp2": dict(dp={"vision": 2, "llm": 2, "generator": 2}, cp={"llm": 2}),
+               "dp1_cp2_pp2": dict(cp={"llm": 2}, pp={"llm": 2})}
+
+
+def _cp_plan(cfg, m: int, layout: str = "dp2_cp2") -> Plan:
+    return Plan.uniform(cfg, 8, m, **_CP_LAYOUTS[layout])
+
+
+def _cp_step(m: int, layout: str):
+    cfg = make_cfg()
+    lay, samples = global_batch(cfg, 8, packing="pack")
+    plan = _cp_plan(cfg, m, layout)
+    ps = PipelineStep(cfg, plan, 1e-2, settings=OptimizerSettings(clip_norm=1.0))
+    n, dp = plan.microbatch_size, {u.name: u.dp for u in plan.units}
+    feeds = [microbatch_feed(samples[k * n:(k + 1) * n], lay, dp, cp=2, cp_method="lpt",
+                             cp_block=16) for k in range(m)]
+    calls = {sid: st.backward_calls for sid, st in ps.runtime.stages.items()}
+    out = ps(feeds)
+    assert np.isfinite(out["loss"]) and out["nonfinite"] == 0.0
+    return ps, calls, cfg
+
+
+@pytest.mark.parametrize("layout", list(_CP_LAYOUTS))
+def test_cp_stage_keeps_per_cp_rank_partials_and_matches_the_reference(layout, reference_cache):
+    """LLM on ('dp','cp','tp') = (2, 2, 1), or (1, 2, 1) over 2 pipeline stages: each stage
+    vmaps over dp x cp ranks with per-(dp, cp) parameter copies; the summed partials give
+    the reference's loss and gradients (rtol 1e-5)."""
+    cfg = make_cfg()
+    plan = _cp_plan(cfg, 2, layout)
+    rt = check(cfg, plan, n=8, packing="pack", cache=reference_cache)
+    llm = [st for sid, st in rt.stages.items() if sid.unit == "llm"]
+    dp = plan.unit("llm").dp
+    assert len(llm) == plan.unit("llm").pp
+    assert all(st.fns.cp == 2 and st.fns.ranks == 2 * dp for st in llm)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(_CP_LAYOUTS))
+def test_cp_stage_reduces_its_gradients_once_per_step_over_dp_x_cp(layout):
+    """No microbatch program of a cp=2 LLM stage reduces parameter gradients: the backward's
+    only reductions are the reduce-scatters transposing Cornstarch's K/V all-gathers (§5.3;
+    one per layer and head group, local K/V shapes [.., L, kv, head_dim]) and, on the first
+    stage, the all-reduce of the encoder features' cotangent (an activation, replicated over
+    cp); the forward's are the loss scalar and hidden states (the generator's conditioning).
+    (A GSPMD stage instead all-reduced every parameter gradient over cp: one combined,
+    tuple-typed all-reduce per microbatch.) Per step the dispatch log has one sync program,
+    whose one reduce-scatter spans dp x cp devices, and one update program (one
+    all-gather), the same for m = 2 and m = 4."""
+    per_m = {}
+    for m in (2, 4):
+        ps, calls0, cfg = _cp_step(m, layout)
+        log = Counter(ps.dispatch_log)
+        up = ps.runtime.plan.unit("llm")
+        hidden, head_dim = cfg.llm.hidden_size, cfg.llm.hidden_size // cfg.llm.num_heads
+        llm = {sid: st for sid, st in ps.runtime.stages.items() if sid.unit == "llm"}
+        assert len(llm) == up.pp and all(sid in ps.optimizers for sid in llm)
+        for sid, st in llm.items():
+            assert log[(sid, "reduce_scatter")] == 1 and log[(sid, "update_all_gather")] == 1
+            assert st.backward_calls - calls0[sid] == m
+            layers = len(range(*up.stage_layers(sid.index % up.pp, sid.index // up.pp)))
+            kv_gathers = layers * up.cp_head_groups
+            fwd = _typed(st.fns.lowered("F").compile().as_text())
+            bwd = _typed(st.fns.lowered("B").compile().as_text())
+            # K/V all-gathers [.., kv heads, head_dim], one per layer and head group; the
+            # other float ones gather hidden states over cp (the stage output), the int ones
+            # token metadata
+            for hlo in (fwd, bwd):
+                floats = [_dims(t)[0][-1] for c, t in hlo
+                          if c == "all-gather" and t.startswith("f32")]
+                assert floats.count(head_dim) == kv_gathers, (sid, hlo)
+                assert set(floats) <= {head_dim, hidden}, (sid, hlo)
+            reductions = [(c, d) for c, t in fwd if c != "all-gather" for d in _dims(t)]
+            assert all(c == "all-reduce" and (np.prod(d) == 1 or d[-1] == hidden)
+                       for c, d in reductions), (sid, fwd)
+            scatters = [t for c, t in bwd if c == "reduce-scatter"]
+            assert len(scatters) == kv_gathers, (sid, bwd)
+            assert all(len(_dims(t)) == 1 and _dims(t)[0][-1] == head_dim
+                       for t in scatters), (sid, bwd)
+            reduces = [t for c, t in bwd if c == "all-reduce"]
+            if sid.index == 0:  # d(encoder features): [part of a dp rank's tokens, hidden]
+                x = st.fns.layouts[st.fns.signatures["B"][3].key].x_shapes["vision"]
+                assert len(reduces) == 1 and len(_dims(reduces[0])) == 1, (sid, reduces)
+                d = _dims(reduces[0])[0]
+                assert d[-1] == hidden and np.prod(d) <= np.prod(x.shape) // up.dp, (d, x)
+            else:
+                assert reduces == [], (sid, reduces)
+        per_m[m] = {}
+        for sid, st in llm.items():
+            opt = ps.optimizers[sid]
+            partial = jax.tree.map(
+                lambda a, sh: jax.ShapeDtypeStruct((st.fns.ranks,) + a.shape, jnp.float32,
+                                                   sharding=sh),
+                st.trainable, opt.rank_partial_shardings)
+            sync_hlo = opt._sync.lower(partial).compile().as_text()
+            rs = _collectives(sync_hlo)
+            assert rs["reduce-scatter"] == 1 and set(rs) <= {"reduce-scatter", "all-reduce"}, rs
+            groups = re.search(r"reduce-scatter\([^\n]*replica_groups=(\S+)", sync_hlo).group(1)
+            assert _replica_group_size(groups) == up.dp * up.cp == st.fns.ranks, groups
+            upd = _collectives(opt.lower_step(st.trainable, st.trainable, ps.opt_states[sid])
+                               .compile().as_text())
+            assert upd == Counter({"all-gather": 1}), upd
+            per_m[m][str(sid)] = (rs, upd)
+    assert per_m[2] == per_m[4]
+
+
+def _replica_group_size(groups: str) -> int:
+    """Devices per replica group of an HLO `replica_groups=` value ({{0,1,2,3}} or the
+    iota form [G,S]<=[N])."""
+    if groups.startswith("{"):
+        return len(re.match(r"\{\{([\d,]*)\}", groups).group(1).split(","))
+    return int(re.match(r"\[\d+,(\d+)\]", groups).group(1))

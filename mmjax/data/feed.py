@@ -170,7 +170,7 @@ def microbatch_feed(samples: list[Sample], layout: AssemblyLayout, dp: dict[str,
     if layout.gen is not None and "generator" in dp:
         build.generator(feed, llm_b)
     if cp > 1:
-        feed.llm = cp_layout(feed.llm, cp, cp_method, cp_block)
+        feed.llm = cp_layout(feed.llm, cp, cp_method, cp_block, ranks=dp["llm"])
     feed.shapes = FeedShapes(tuple(sorted(build.unit_shapes.items())),
                              tuple(sorted((n, *v) for n, v in build.part_shapes.items())))
     return feed
@@ -307,10 +307,11 @@ def mask_samples(feed: MicrobatchFeed, samples, gen_elements_per_image: int) -> 
         feed.num_gen_elements = int(feed.gen["gen_valid"].sum()) * gen_elements_per_image
 
 
-def cp_layout(llm: dict, cp: int, method: str, block: int) -> dict:
+def cp_layout(llm: dict, cp: int, method: str, block: int, ranks: int = 1) -> dict:
     """Permute the LLM's [B, S] arrays into the CP layout [B, cp * L] (rank-major; padding
     slots: doc 0, no target, no modality token), add `idx` (global token index, S for
-    padding) and remap `gen_query` to the new flat positions."""
+    padding) and remap `gen_query` to the new flat positions. `ranks`: the LLM's dp ranks
+    (rows and `gen_query` rank-major, each rank's positions relative to its own rows)."""
     from mmjax.parallel.token_distribution import batch_layout
 
     gi = batch_layout(llm["bam"], llm["doc"], llm["sub"], cp, method, block)  # [B, N]
@@ -330,5 +331,6 @@ def cp_layout(llm: dict, cp: int, method: str, block: int) -> dict:
             valid = np.nonzero(gi[r] < s)[0]
             inverse[r, gi[r, valid]] = valid
         q = llm["gen_query"]
-        out["gen_query"] = ((q // s) * gi.shape[1] + inverse[q // s, q % s]).astype(np.int32)
+        row = q // s + (np.arange(q.shape[0]) // (q.shape[0] // ranks) * (b // ranks))[:, None]
+        out["gen_query"] = ((q // s) * gi.shape[1] + inverse[row, q % s]).astype(np.int32)
     return out

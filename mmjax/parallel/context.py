@@ -127,12 +127,14 @@ def cp_attend(meta: TokenMeta, *, mesh_axis: str = "cp", num_head_groups: int = 
 
 def cp_attention_sharded(q, k, v, meta: TokenMeta, mesh: Mesh, *, mesh_axis: str = "cp",
                          num_head_groups: int = 1, implementation: str = "auto",
-                         batch_axis: str | None = "dp"):
+                         batch_axis: str | None = "dp", local_sequence: bool = False):
     """Standalone shard_map wrapper of `cp_attention` over `mesh`.
 
     Inputs are global arrays in CP layout (`to_cp_layout`): sequence axis over `mesh_axis`,
     batch over `batch_axis` ('dp'; None inside a vmap over dp ranks) and heads over 'tp'
-    when the mesh has those axes ('dp','cp','tp').
+    when the mesh has those axes ('dp','cp','tp'). `local_sequence`: the inputs are one cp
+    rank's tokens [B, L, ...], inside a vmap over cp ranks whose `spmd_axis_name` is
+    `mesh_axis` (the vmap places the rank axis on it; the K/V gather is the same).
     """
     names = mesh.axis_names
     if mesh_axis not in names:
@@ -142,8 +144,9 @@ def cp_attention_sharded(q, k, v, meta: TokenMeta, mesh: Mesh, *, mesh_axis: str
     if heads and k.shape[2] % (mesh.shape["tp"] * num_head_groups):
         raise ValueError(f"kv heads ({k.shape[2]}) must be divisible by tp * num_head_groups "
                          f"({mesh.shape['tp']} * {num_head_groups})")
-    x_spec = P(batch, mesh_axis, heads, None)
-    m_spec = TokenMeta(*(P(batch, mesh_axis),) * 4)
+    seq = None if local_sequence else mesh_axis
+    x_spec = P(batch, seq, heads, None)
+    m_spec = TokenMeta(*(P(batch, seq),) * 4)
     body = lambda q_, k_, v_, m_: cp_attention(q_, k_, v_, m_, mesh_axis=mesh_axis,
                                                num_head_groups=num_head_groups,
                                                implementation=implementation)
@@ -154,7 +157,8 @@ def cp_attention_sharded(q, k, v, meta: TokenMeta, mesh: Mesh, *, mesh_axis: str
     place = jax.sharding.reshard if explicit else jax.lax.with_sharding_constraint
     args = jax.tree.map(lambda a, s: place(a, NamedSharding(mesh, s)),
                         (q, k, v, meta), specs, is_leaf=lambda x: isinstance(x, P))
-    # A pallas_call's outputs carry no varying-axes types, so the Pallas kernel runs with
-    # shard_map's vma check off (the collectives' transposes are the same either way).
+    # A pallas_call's outputs carry no varying-axes types, and under a vmap over cp ranks the
+    # batched inputs already vary over `mesh_axis`: both run with shard_map's vma check off
+    # (the collectives' transposes are the same either way).
     return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=x_spec,
-                         check_vma=implementation != "pallas")(*args)
+                         check_vma=implementation != "pallas" and not local_sequence)(*args)

@@ -141,12 +141,16 @@ class Zero1Optimizer:
     shards (`shard_specs`) and returns them with the compute copy (`compute_dtype`,
     replicated over dp) from ONE flat all-gather. `norm_skip`: top-level parameter names
     left out of this stage's norm term (the last stage's copy of a tied embedding).
+    `rank_axes`: the mesh axes the partials' leading rank axis is blocked over: ('dp',), or
+    ('dp', 'cp') for a CP stage whose cp ranks keep their own partials (then the one
+    reduce-scatter covers dp x cp, Megatron-LM's gradient reduction over the dp x cp group).
     """
 
     def __init__(self, tx: optax.GradientTransformation, mesh: Mesh, params,
                  param_specs=None, clip_norm: float | None = None,
                  dp_axes: tuple[str, ...] = ("dp", "cp"), donate: bool = False,
-                 compute_dtype=jnp.float32, norm_skip: tuple[str, ...] = ()):
+                 compute_dtype=jnp.float32, norm_skip: tuple[str, ...] = (),
+                 rank_axes: tuple[str, ...] = ("dp",)):
         self.tx, self.mesh, self.clip_norm = tx, mesh, clip_norm
         axes = tuple(a for a in dp_axes if a in mesh.axis_names and mesh.shape[a] > 1)
         self.dp = int(np.prod([mesh.shape[a] for a in axes], dtype=np.int64))
@@ -193,8 +197,11 @@ class Zero1Optimizer:
 
         # ---- the pipeline's path: flat sync and fused update + all-gather ----
         self.compute_dtype = compute_dtype
+        rank_axes = tuple(a for a in rank_axes if a in mesh.axis_names)
+        self._rank_axes = rank_axes
+        rank_entry = rank_axes[0] if len(rank_axes) == 1 else rank_axes
         self.rank_partial_shardings = jax.tree.map(
-            lambda s, a: NamedSharding(mesh, P("dp", *_padded(s, len(a.shape)))),
+            lambda s, a: NamedSharding(mesh, P(rank_entry, *_padded(s, len(a.shape)))),
             specs, abstract, is_leaf=_is_spec)
         self.master_shardings = self.grad_shard_shardings
         self._in_norm = tuple(not (path and getattr(path[0], "key", None) in norm_skip)
@@ -314,25 +321,27 @@ class Zero1Optimizer:
         return first
 
     def _sync_impl(self, partials):
-        dp_size = self.mesh.shape["dp"] if "dp" in self.mesh.axis_names else 1
+        ranks = tuple(a for a in self._rank_axes if self.mesh.shape[a] > 1)
+        dp_size = int(np.prod([self.mesh.shape[a] for a in ranks], dtype=np.int64))
+        red = ranks[0] if len(ranks) == 1 else ranks  # the axes the one reduce-scatter covers
         rest = [a for a in ((self._dp_axis,) if isinstance(self._dp_axis, str) else
-                            (self._dp_axis or ())) if a != "dp"]
+                            (self._dp_axis or ())) if a not in ranks]
         rest_size = int(np.prod([self.mesh.shape[a] for a in rest], dtype=np.int64))
         flat_specs, tree = jax.tree.flatten(self.shard_specs, is_leaf=_is_spec)
         in_specs = tuple(sh.spec for sh in jax.tree.leaves(self.rank_partial_shardings))
         in_norm = self._in_norm
 
         def body(*blocks):
-            blocks = [b[0] for b in blocks]  # this dp rank's partial sums, tp-local shapes
+            blocks = [b[0] for b in blocks]  # this rank's partial sums, tp-local shapes
             dims = [self._split_dim(s, b.ndim) for s, b in zip(flat_specs, blocks)]
             split = [k for k, d in enumerate(dims) if d is not None]
             whole = [k for k, d in enumerate(dims) if d is None]
             out = list(blocks)
-            if split:  # one flat reduce-scatter over 'dp' (Megatron's contiguous buffer)
+            if split:  # one flat reduce-scatter over the ranks (Megatron's contiguous buffer)
                 moved = [jnp.moveaxis(blocks[k], dims[k], 0) for k in split]
                 buf = jnp.concatenate([m.reshape(dp_size, -1) for m in moved], axis=1)
                 if dp_size > 1:
-                    buf = jax.lax.psum_scatter(buf, "dp", scatter_dimension=0, tiled=True)
+                    buf = jax.lax.psum_scatter(buf, red, scatter_dimension=0, tiled=True)
                 off = 0
                 for k, m in zip(split, moved):
                     n = m.size // dp_size
@@ -345,7 +354,7 @@ class Zero1Optimizer:
                     out[k] = jnp.moveaxis(piece, 0, dims[k])
             if whole and dp_size > 1:  # leaves too small to split: one flat all-reduce
                 buf = jax.lax.psum(jnp.concatenate([blocks[k].reshape(-1) for k in whole]),
-                                   "dp")
+                                   red)
                 off = 0
                 for k in whole:
                     out[k] = buf[off:off + blocks[k].size].reshape(blocks[k].shape)
@@ -363,11 +372,12 @@ class Zero1Optimizer:
         return jax.tree.unflatten(tree, shards), sq
 
     def sync(self, partials):
-        """Per-rank partial gradients `[dp, ...]` (`rank_partial_shardings`) -> (grad shards
-        on `grad_shard_shardings`, per-device sums of squares `[devices]` whose total is this
-        stage's term of the global norm's square). One program; its only collectives are one
-        flat reduce-scatter over 'dp' (plus one flat all-reduce for leaves with no dimension
-        divisible by dp); the norm term needs none."""
+        """Per-rank partial gradients `[ranks, ...]` (`rank_partial_shardings`: ranks = dp,
+        or dp * cp) -> (grad shards on `grad_shard_shardings`, per-device sums of squares
+        `[devices]` whose total is this stage's term of the global norm's square). One
+        program; its only collectives are one flat reduce-scatter over `rank_axes` (plus one
+        flat all-reduce for leaves with no dimension divisible by their size); the norm term
+        needs none."""
         if not self.has_state:
             return partials, None
         return self._sync(partials)

@@ -173,7 +173,7 @@ class PipelineRuntime:
     def _stage_programs(self, st: Stage) -> None:
         """The stage's parameter programs: `gather` (fp32 params in any dp sharding -> the
         compute copy: compute dtype, replicated over dp, TP-sharded) and `zeros` (the step's
-        float32 partial-gradient accumulators)."""
+        float32 partial-gradient accumulators `[ranks, ...]`, ranks = dp or dp * cp)."""
         compute_sh = state_shardings(st.trainable, st.mesh)
         dtype = self.dtype
         st.gather = jax.jit(lambda t: cast_floats(t, dtype), out_shardings=compute_sh)
@@ -182,7 +182,8 @@ class PipelineRuntime:
                                        st.trainable)
             sh = partial_shardings(abstract_tr, st.mesh)
             st.zeros = jax.jit(lambda: jax.tree.map(
-                lambda a: jnp.zeros((st.dp,) + tuple(a.shape), jnp.float32), abstract_tr),
+                lambda a: jnp.zeros((st.fns.ranks,) + tuple(a.shape), jnp.float32),
+                abstract_tr),
                 out_shardings=sh)
 
     def params(self, sid: StageId):

@@ -6,9 +6,11 @@ backward), so no microbatch keeps a copy of the parameters; `backward(..., resid
 acc)` returns `(acc + dparams, dx)`. The stage runs as a `vmap` over its dp ranks
 (`spmd_axis_name='dp'`), each rank on its own copy of the parameters, so `dparams` is every
 rank's un-reduced partial gradient `[dp, ...]`: no dp collective in any microbatch (the
-step's one reduce-scatter is parallel/zero.py's). Loss outputs are per-rank `[dp]` partial
-sums. Backward modes are frozen-aware (Cornstarch §4.2). The long story: docs/design.md
-"Stage residuals" and "One gradient sync per step".
+step's one reduce-scatter is parallel/zero.py's). An LLM stage with cp > 1 also vmaps over
+its cp ranks (`spmd_axis_name='cp'`, each on its L tokens of the CP layout): partials
+`[dp * cp, ...]`, reduced over dp x cp once per step (Megatron-LM). Loss outputs are
+per-rank `[dp]` partial sums. Backward modes are frozen-aware (Cornstarch §4.2). The long
+story: docs/design.md "Stage residuals" and "One gradient sync per step".
 """
 from __future__ import annotations
 
@@ -104,17 +106,8 @@ def apply_llm(cfg: MLLMConfig, module: LLM, x, side, dtype, with_generator: bool
     is split over in those shard_maps (None inside the stage's vmap over dp ranks).
     `mask_family` (`AssemblyLayout.llm_mask_family`) holds on the plain path only: CP and
     overlapped TP attend over sharded query layouts."""
-    b = side["llm"]
     if module.is_first:
-        h = module.embed_tokens(b["tokens"], dtype)
-        for e in cfg.encoders:
-            parts = x[e.name]
-            flat = _per_rank(parts, ranks).reshape(ranks, -1, parts.shape[-1])
-            g = _per_rank(b[f"gather_{e.name}"], ranks)
-            hr = jax.vmap(lambda hh, ff, gg: merge_modalities(hh, {"e": ff}, {"e": gg}))(
-                _per_rank(h, ranks), flat, g)
-            h = hr.reshape(h.shape)
-        x = h
+        x = _embed_inputs(cfg, module, x, side["llm"], dtype, ranks)
     batch = side["llm"]
     if mesh is not None and "cp" in mesh.axis_names:
         meta = TokenMeta(batch["bam"], batch["doc"], batch["sub"], batch["idx"])
@@ -138,10 +131,73 @@ def apply_llm(cfg: MLLMConfig, module: LLM, x, side, dtype, with_generator: bool
     lm = lm_loss_sum(module.logits(hf), batch["targets"], batch["loss_mask"]) / side["num_tokens"]
     if not with_generator:
         return lm
+    return lm, _condition(hf, side, ranks)
+
+
+def _embed_inputs(cfg: MLLMConfig, module: LLM, x, b, dtype, ranks: int):
+    """The first LLM stage's input: token embeddings with the encoders' outputs `x` merged
+    in at their placeholder positions (`b[f"gather_{name}"]`)."""
+    h = module.embed_tokens(b["tokens"], dtype)
+    for e in cfg.encoders:
+        parts = x[e.name]
+        flat = _per_rank(parts, ranks).reshape(ranks, -1, parts.shape[-1])
+        g = _per_rank(b[f"gather_{e.name}"], ranks)
+        hr = jax.vmap(lambda hh, ff, gg: merge_modalities(hh, {"e": ff}, {"e": gg}))(
+            _per_rank(h, ranks), flat, g)
+        h = hr.reshape(h.shape)
+    return h
+
+
+def _condition(hf, side, ranks: int):
+    """The generator's conditioning: the final hidden states at `gen_query`, packed."""
     hr = _per_rank(hf, ranks).reshape(ranks, -1, hf.shape[-1])        # [ranks, rows*S, d]
-    q = _per_rank(batch["gen_query"], ranks)                           # [ranks, G, K]
+    q = _per_rank(side["llm"]["gen_query"], ranks)                     # [ranks, G, K]
     cond = jax.vmap(lambda hh, qq: hh[qq])(hr, q)                      # [ranks, G, K, d]
-    return lm, _pack(cond, side["gen_pack"])
+    return _pack(cond, side["gen_pack"])
+
+
+def apply_llm_cp_ranks(cfg: MLLMConfig, graphdef, trainable, frozen, x, side, dtype,
+                       with_generator: bool, mesh, cp: int, cp_head_groups: int = 1,
+                       attention_impl: str = "auto"):
+    """One dp rank's LLM stage as a `vmap` over its cp ranks (`spmd_axis_name='cp'`): cp
+    rank r computes on its own L = N / cp tokens of the CP layout (rank-major, data/feed.py
+    `cp_layout`) with its own slot of `trainable` `[cp, ...]`, so the parameter gradients
+    stay per-cp-rank partials (Megatron-LM reduces them over dp x cp once per step); the
+    only cp collectives are Cornstarch's K/V all-gathers (§5.3) and their reduce-scatters.
+    The loss comes out summed over cp ranks; the conditioning for the generator is read
+    from the merged final hidden states (activations only)."""
+    tokens = {k: v for k, v in side["llm"].items() if k != "gen_query"}
+
+    def split(a):  # [B, N, ...] -> [cp, B, N / cp, ...]
+        return jnp.moveaxis(a.reshape((a.shape[0], cp, a.shape[1] // cp) + a.shape[2:]), 1, 0)
+
+    def merge(a):  # [cp, B, L, ...] -> [B, cp * L, ...]
+        a = jnp.moveaxis(a, 0, 1)
+        return a.reshape((a.shape[0], a.shape[1] * a.shape[2]) + a.shape[3:])
+
+    per_token_x = x is not None and not isinstance(x, dict)  # the first stage's is per dp rank
+
+    def one(t, xx, b):
+        module = nnx.merge(graphdef, cast_floats(t, dtype), cast_floats(frozen, dtype))
+        meta = TokenMeta(b["bam"], b["doc"], b["sub"], b["idx"])
+        attend = lambda q, k, v: cp_attention_sharded(q, k, v, meta, mesh,
+                                                      num_head_groups=cp_head_groups,
+                                                      implementation=attention_impl,
+                                                      batch_axis=None, local_sequence=True)
+        if module.is_first:
+            xx = _embed_inputs(cfg, module, xx, b, dtype, 1)
+        h = module.run_layers(xx.astype(dtype), b["positions"], attend)
+        if not module.is_last:
+            return h
+        hf = module.final_hidden(h)
+        return lm_loss_sum(module.logits(hf), b["targets"], b["loss_mask"]), hf
+
+    out = jax.vmap(one, in_axes=(0, 0 if per_token_x else None, 0), spmd_axis_name="cp")(
+        trainable, split(x) if per_token_x else x, jax.tree.map(split, tokens))
+    if not isinstance(out, tuple):
+        return merge(out)
+    lm = jnp.sum(out[0]) / side["num_tokens"]
+    return (lm, _condition(merge(out[1]), side, 1)) if with_generator else lm
 
 
 def apply_generator(cfg: MLLMConfig, module: DiffusionGenerator, x, side, dtype,
@@ -321,13 +377,15 @@ class StageFns:
     `backward(params, frozen, side, residuals, dy, acc) -> (acc + dparams, dx)` (acc is
     donated; dparams is skipped for mode "input_only", dx is None for mode "params").
     `params`: the compute copy (replicated over dp, TP-sharded); `acc`/`dparams`: float32
-    per-rank partial gradients `[dp, ...]` on `partial_shardings(params, mesh)`.
+    per-rank partial gradients `[ranks, ...]` on `partial_shardings(params, mesh)` (ranks =
+    dp, or dp * cp when `cp` > 1: `run` then takes params `[cp, ...]` and vmaps over them).
     `layout(...)` computes the residual layout of an input signature, once, before the
     forward of that signature is traced; `layouts[key]` is read by the backward.
     `launches` counts program launches per kind ("F", "B": the dispatch log)."""
 
-    def __init__(self, run, mode: str, remat: str, dp: int = 1, mesh=None):
+    def __init__(self, run, mode: str, remat: str, dp: int = 1, mesh=None, cp: int = 1):
         self.run, self.mode, self.remat, self.dp, self.mesh = run, mode, remat, dp, mesh
+        self.cp, self.ranks = cp, dp * cp  # cp > 1: `run` takes params [cp, ...] (see _block)
         self.layouts: dict[int, ResidualLayout] = {}
         self._keys: dict = {}  # input signature -> key
         self.signatures: dict[str, object] = {}  # kind -> last abstract arguments (for HLO)
@@ -340,7 +398,14 @@ class StageFns:
     def _block(self, params):
         """Per-rank copies `[dp, ...]` of the dp-replicated params, slot r on dp rank r (a
         local broadcast: no communication). Differentiating with respect to them gives each
-        rank's own partial gradient instead of GSPMD's all-reduced one."""
+        rank's own partial gradient instead of GSPMD's all-reduced one. With cp > 1 the
+        copies are per (dp, cp) rank, `[dp * cp, ...]` on P(('dp', 'cp'), *TP spec)."""
+        if self.cp > 1:
+            specs = mesh_param_specs(params, self.mesh)
+            return jax.tree.map(lambda a, s: jax.lax.with_sharding_constraint(
+                jnp.broadcast_to(a[None], (self.ranks,) + a.shape),
+                NamedSharding(self.mesh, P(("dp", "cp"), *_padded_spec(s, a.ndim)))),
+                params, specs)
         if self.dp == 1 or self.mesh is None:
             return jax.tree.map(lambda a: a[None], params)
         specs = mesh_param_specs(params, self.mesh)
@@ -351,8 +416,16 @@ class StageFns:
     def _run_ranks(self, blocked, frozen, x, side):
         """The stage on every dp rank: `vmap` over the rank axis (spmd_axis_name 'dp'), rank r
         on its params slot and its rows of x and side; outputs merged back rank-major, per-rank
-        scalars (losses) kept as `[dp]` vectors."""
-        if self.dp == 1:
+        scalars (losses) kept as `[dp]` vectors. With cp > 1 rank r gets its cp ranks' slots
+        `[cp, ...]` (the stage function vmaps over them)."""
+        if self.cp > 1:
+            abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), blocked)
+            specs = mesh_param_specs(abstract, self.mesh)
+            blocked = jax.tree.map(lambda a, s: jax.lax.with_sharding_constraint(
+                a.reshape((self.dp, self.cp) + a.shape[1:]),
+                NamedSharding(self.mesh, P("dp", "cp", *_padded_spec(s, a.ndim - 1)))),
+                blocked, specs)
+        elif self.dp == 1:
             y = self.run(jax.tree.map(lambda a: a[0], blocked), frozen, x, side, 1)
             return jax.tree.map(lambda a: a[None] if a.ndim == 0 else a, y)
         dp = self.dp
@@ -454,8 +527,12 @@ def make_stage_fns(cfg: MLLMConfig, up: UnitPlan, graphdef, mode: str, dtype,
     choose_implementation(impl, 1, 1, dtype, family)  # validate the choice up front
     if with_generator is None:
         with_generator = cfg.generator is not None
+    cp = mesh.shape["cp"] if unit == "llm" and mesh is not None and "cp" in mesh.axis_names else 1
 
     def run(trainable, frozen, x, side, ranks):
+        if cp > 1:  # trainable [cp, ...]: one slot per cp rank (StageFns._block)
+            return apply_llm_cp_ranks(cfg, graphdef, trainable, frozen, x, side, dtype,
+                                      with_generator, mesh, cp, up.cp_head_groups, impl)
         module = nnx.merge(graphdef, cast_floats(trainable, dtype), cast_floats(frozen, dtype))
         if unit == "llm":  # the batch is one rank's (StageFns vmaps over dp): no 'dp' axis
             return apply_llm(cfg, module, x, side, dtype, with_generator, ranks, mesh,
@@ -466,7 +543,7 @@ def make_stage_fns(cfg: MLLMConfig, up: UnitPlan, graphdef, mode: str, dtype,
             return apply_generator(cfg, module, x, side, dtype, impl)
         return apply_encoder(cfg, unit, module, x, side, dtype, impl)
 
-    return StageFns(run, mode, up.remat, up.dp if mesh is not None else 1, mesh)
+    return StageFns(run, mode, up.remat, up.dp if mesh is not None else 1, mesh, cp)
 
 
 def dp_sharding(mesh, ndim: int) -> NamedSharding:
@@ -482,7 +559,17 @@ def _abstract(tree):
         tuple(a.shape), a.dtype, sharding=getattr(a, "sharding", None)), tree)
 
 
+def rank_axes(mesh) -> tuple[str, ...]:
+    """The mesh axes a stage's per-rank partial gradients are blocked over: ('dp', 'cp') on
+    a mesh with cp > 1 (an LLM stage: StageFns vmaps over both), else ('dp',)."""
+    cp = "cp" in mesh.axis_names and mesh.shape["cp"] > 1
+    return ("dp", "cp") if cp else ("dp",)
+
+
 def partial_shardings(params, mesh):
-    """Shardings of a stage's per-rank partial gradients `[dp, ...]`: P('dp', *TP spec)."""
-    return jax.tree.map(lambda a, s: NamedSharding(mesh, P("dp", *_padded_spec(s, len(a.shape)))),
+    """Shardings of a stage's per-rank partial gradients `[ranks, ...]` (ranks = dp, or
+    dp * cp): P('dp', *TP spec), or P(('dp', 'cp'), *TP spec)."""
+    axes = rank_axes(mesh)
+    axes = axes[0] if len(axes) == 1 else axes
+    return jax.tree.map(lambda a, s: NamedSharding(mesh, P(axes, *_padded_spec(s, len(a.shape)))),
                         params, mesh_param_specs(params, mesh))

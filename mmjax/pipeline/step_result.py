@@ -18,7 +18,8 @@ class StepResult:
     last stages' meshes); reading them (`losses()`) is the step's one host sync, after the
     whole schedule is dispatched. `partials[sid]`: float32 `[dp, ...]` per parameter, slot r
     dp rank r's gradient summed over the step's microbatches (not over dp ranks), for every
-    local stage with trainable parameters."""
+    local stage with trainable parameters; `[dp * cp, ...]` (slot r * cp + c: dp rank r, cp
+    rank c) for an LLM stage with cp > 1."""
 
     lm_loss: list = field(default_factory=list)
     diffusion_loss: list = field(default_factory=list)
@@ -27,7 +28,7 @@ class StepResult:
 
     @property
     def grads(self) -> dict:
-        """`partials` summed over the dp ranks (one all-reduce per stage, on request: the
+        """`partials` summed over the (dp, cp) ranks (one all-reduce per stage, on request: the
         training step reduce-scatters `partials` instead)."""
         return {sid: _sum_ranks(p) for sid, p in self.partials.items()}
 

@@ -25,6 +25,7 @@ import numpy as np
 from mmjax.models.config import MLLMConfig
 from mmjax.parallel.zero import Zero1Optimizer
 from mmjax.pipeline.runtime import PipelineRuntime
+from mmjax.pipeline.stage import rank_axes
 from mmjax.planner.plan import Plan
 from mmjax.train.optimizer import OptimizerSettings, optimizer_from_settings
 from mmjax.train.validate import check_manual_plan
@@ -103,7 +104,8 @@ class PipelineStep:
             clip_norm=self.settings.clip_norm or None, donate=True,
             compute_dtype=compute_dtype,
             # the single model has one embedding: the last stage's copy is counted once
-            norm_skip=("embed",) if pair is not None and sid == pair[1] else ())
+            norm_skip=("embed",) if pair is not None and sid == pair[1] else (),
+            rank_axes=rank_axes(self.runtime.stages[sid].mesh))
             for sid in trained if self.runtime.stages[sid].local}
         self.opt_states = {}
         for sid, opt in self.optimizers.items():
