@@ -122,7 +122,8 @@ def abstract_stage(cfg, up, start: int, end: int, feed, mesh, dtype) -> dict:
 
     from mmjax.parallel.sharded_init import abstract_split
     from mmjax.parallel.zero import Zero1Optimizer
-    from mmjax.pipeline.stage import dp_sharding, make_stage_fns, partial_shardings, stage_module
+    from mmjax.pipeline.stage import (dp_sharding, make_stage_fns, partial_shardings,
+                                      rank_axes, stage_module)
     from mmjax.parallel.tensor import state_shardings
 
     gd, tr, fr = abstract_split(stage_module, (cfg, "llm", start, end), jax.random.key(0),
@@ -148,12 +149,12 @@ def abstract_stage(cfg, up, start: int, end: int, feed, mesh, dtype) -> dict:
     residuals = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
                              res_aval, res_sh)
     dy = jax.ShapeDtypeStruct(y_aval.shape, y_aval.dtype, sharding=y_sh)
-    acc = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct((up.dp,) + a.shape, jnp.float32,
+    acc = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct((fns.ranks,) + a.shape, jnp.float32,
                                                           sharding=sh),
                        tr, partial_shardings(tr, mesh))
     bwd = fns._backward.lower(compute, fr, side, residuals, dy, acc).compile()
     opt = Zero1Optimizer(optax.adamw(1e-3), mesh, tr, clip_norm=1.0, donate=True,
-                         compute_dtype=dtype)
+                         compute_dtype=dtype, rank_axes=rank_axes(mesh))
     master = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
                           tr, opt.master_shardings)
     state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
