@@ -67,11 +67,13 @@ def _replace_top(h, hb, n, v, b, by_bin):
 def sum_square_heap(xs, d, tolerance):
     """OrchMLLM Algorithm 4 on lengths ``xs`` in the order they are placed: each goes to the
     batch of least (square-sum, index) among those whose sum is below the least sum +
-    ``tolerance`` (the window). The window only widens until a bin receives an item (the
-    least sum never falls), so: window bins in a heap by (square-sum, bin), whose root is the
-    receiver; the others in a heap by sum, entering when the bound passes them; the least
-    sum of all bins from a min-tree over the bins (one leaf-to-root path per item, stopping
-    where the minimum is unchanged). -> the bin of each item."""
+    ``tolerance`` > 0 (the window). The least sum never falls, so a bin leaves the window
+    only by receiving an item, and re-enters once the rising bound passes its sum:
+    window bins in a heap by (square-sum, bin), whose root is the receiver; the others in
+    buckets of width tolerance / 8 by sum (a bucket queue: a bin waits at a sum at least the
+    bound, so the buckets below the bound empty wholly, the bound's own is scanned); the
+    least sum of all bins from a min-tree over the bins (one leaf-to-root path per item,
+    stopping where the minimum is unchanged). -> the bin of each item."""
     n = xs.size
     size = 1
     while size < d:
@@ -82,16 +84,34 @@ def sum_square_heap(xs, d, tolerance):
     for i in range(size - 1, 0, -1):
         low[i] = min(low[2 * i], low[2 * i + 1])
     qh, qb, nq = np.zeros(d), np.arange(d), d  # the window: all bins, (0.0, b) is a heap
-    oh, ob, no = np.empty(d), np.empty(d, np.int64), 0  # outside, by sum
+    width = tolerance / 8.0
+    # a waiting sum lies below the bound + the largest item: that many buckets, cyclic;
+    # fewer (bounded memory) only share buckets, every entry is checked against the bound
+    span = (tolerance + (xs.max() if n else 0.0)) / width
+    nb = int(min(span, 4.0 * d + 64.0)) + 4
+    head = np.full(nb, -1, np.int64)  # per bucket, its first waiting bin (-1: none)
+    nxt = np.empty(d, np.int64)  # the next bin in the same bucket
+    kcur, waiting, last = 0, 0, -1.0
     bins = np.empty(n, np.int64)
     for t in range(n):
         bound = low[1] + tolerance
-        while no > 0 and oh[0] < bound:  # bins the rising bound lets into the window
-            b = ob[0]
-            no -= 1
-            if no > 0:
-                _replace_top(oh, ob, no, oh[no], ob[no], False)
-            nq = _push(qh, qb, nq, squares[b], b, True)
+        if waiting > 0 and bound > last:  # bins the risen bound lets into the window
+            last = bound
+            kb = int(bound // width)
+            for k in range(max(kcur, kb - nb + 1), kb + 1):
+                slot = k % nb
+                b, keep = head[slot], -1
+                while b >= 0:
+                    after = nxt[b]
+                    if sums[b] < bound:
+                        nq = _push(qh, qb, nq, squares[b], b, True)
+                        waiting -= 1
+                    else:
+                        nxt[b] = keep
+                        keep = b
+                    b = after
+                head[slot] = keep
+            kcur = kb
         b = qb[0]
         bins[t] = b
         v = xs[t]
@@ -112,7 +132,12 @@ def sum_square_heap(xs, d, tolerance):
             nq -= 1
             if nq > 0:
                 _replace_top(qh, qb, nq, qh[nq], qb[nq], True)
-            no = _push(oh, ob, no, s, b, False)
+            if waiting == 0:
+                kcur = int((low[1] + tolerance) // width)
+            slot = int(s // width) % nb
+            nxt[b] = head[slot]
+            head[slot] = b
+            waiting += 1
     return bins
 
 
