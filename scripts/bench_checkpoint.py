@@ -34,7 +34,7 @@ def train_state(name: str, llm_only: bool) -> dict:
 
     from mmjax.models.mllm import MultimodalModel
     from mmjax.parallel.sharded_init import init_split
-    from mmjax.pipeline.stage import stage_module
+    from mmjax.pipeline.stage_modules import stage_module
     from mmjax.train.config import named_model_config
 
     cfg = named_model_config(name)

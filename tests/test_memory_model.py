@@ -103,7 +103,7 @@ def test_replicated_parameters_follow_the_runtime_rules():
     import numpy as np
 
     from mmjax.parallel.sharded_init import abstract_split
-    from mmjax.pipeline.stage import stage_module
+    from mmjax.pipeline.stage_modules import stage_module
 
     cfg = make_cfg()
     mesh = Mesh(np.array(jax.devices()[:2]).reshape(1, 2), ("dp", "tp"))

@@ -23,7 +23,7 @@ from jax.sharding import Mesh
 from mmjax.models.mllm import MultimodalModel, trainable_filter
 from mmjax.parallel.sharded_init import init_split
 from mmjax.parallel.tensor import state_shardings
-from mmjax.pipeline.stage import stage_module
+from mmjax.pipeline.stage_modules import stage_module
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -34,7 +34,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from mmjax.models.named import named_config
 from mmjax.parallel.sharded_init import _init_states, init_split
-from mmjax.pipeline.stage import stage_module
+from mmjax.pipeline.stage_modules import stage_module
 
 cfg = named_config("disttrain/mllm_9b_mid")
 mesh = Mesh(np.array(jax.devices()).reshape(1, 8), ("dp", "tp"))
@@ -126,7 +126,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from mmjax.models.named import named_config
 from mmjax.parallel.sharded_init import init_split
-from mmjax.pipeline.stage import stage_module
+from mmjax.pipeline.stage_modules import stage_module
 
 cfg = named_config("disttrain/mllm_9b_mid")
 mesh = Mesh(np.array(jax.devices()).reshape(1, 8), ("dp", "tp"))

@@ -19,7 +19,8 @@ import pytest
 from flax import nnx
 
 from mmjax.data.feed import microbatch_feed
-from mmjax.pipeline.stage import apply_llm, build_stage_module, make_stage_fns
+from mmjax.pipeline.stage import make_stage_fns
+from mmjax.pipeline.stage_modules import apply_llm, build_stage_module
 from mmjax.planner.plan import Plan, PlanError, UnitPlan
 from helpers import assert_same_grads, check, global_batch, make_cfg
 

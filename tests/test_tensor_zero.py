@@ -24,7 +24,7 @@ from mmjax.models.vision import VisionEncoder
 from mmjax.parallel.tensor import (activation_sharding, mesh_param_specs, param_specs,
                                    path_names, shard_state)
 from mmjax.parallel.zero import Zero1Optimizer, global_grad_norm, state_bytes_per_device
-from mmjax.pipeline.stage import build_stage_module
+from mmjax.pipeline.stage_modules import build_stage_module
 from mmjax.train.optimizer import learning_rate_schedule, make_optimizer, zero1_adamw
 
 B = 4  # batch, divisible by every dp used here

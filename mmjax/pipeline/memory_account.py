@@ -122,8 +122,8 @@ def abstract_stage(cfg, up, start: int, end: int, feed, mesh, dtype) -> dict:
 
     from mmjax.parallel.sharded_init import abstract_split
     from mmjax.parallel.zero import Zero1Optimizer
-    from mmjax.pipeline.stage import (dp_sharding, make_stage_fns, partial_shardings,
-                                      rank_axes, stage_module)
+    from mmjax.pipeline.stage import dp_sharding, make_stage_fns, partial_shardings, rank_axes
+    from mmjax.pipeline.stage_modules import stage_module
     from mmjax.parallel.tensor import state_shardings
 
     gd, tr, fr = abstract_split(stage_module, (cfg, "llm", start, end), jax.random.key(0),

@@ -30,8 +30,8 @@ from mmjax.pipeline.stage_graph import Backward, StageGraph, StageId
 from mmjax.pipeline.dependencies import dispatch_order
 from mmjax.pipeline.schedule import multimodal_one_f_one_b
 from mmjax.parallel.sharded_init import abstract_split, init_split
-from mmjax.pipeline.stage import (stage_module, dp_sharding, make_stage_fns,
-                                  partial_shardings)
+from mmjax.pipeline.stage import dp_sharding, make_stage_fns, partial_shardings
+from mmjax.pipeline.stage_modules import stage_module
 from mmjax.pipeline.multiprocess import (abstract, global_put, holds_local_device,
                                          place_state, placeholders, sync_collectives)
 from mmjax.pipeline.step_result import StepResult
