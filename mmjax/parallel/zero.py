@@ -103,28 +103,6 @@ def global_grad_norm(grads_per_stage, device=None):
     return jnp.sqrt(total)
 
 
-def multiprocess_grad_norm(grads_per_stage) -> float:
-    """`global_grad_norm` when stages sit in different processes. `grads_per_stage` in the
-    same stage order on every process; None for a stage with no device in this process.
-    Each stage's sum of squares is read by the lowest process holding it, all processes
-    exchange them (`process_allgather`), and every process adds them in stage order in
-    float32, as `global_grad_norm` does on one device. A host sync (multi-process only)."""
-    from jax.experimental import multihost_utils
-
-    mine = np.zeros(len(grads_per_stage), np.float32)
-    for k, grads in enumerate(grads_per_stage):
-        if grads is None or not jax.tree.leaves(grads):
-            continue
-        sq = jax.block_until_ready(grad_sq_norm(grads))
-        if jax.process_index() == min(d.process_index for d in sq.sharding.device_set):
-            mine[k] = np.asarray(sq.addressable_shards[0].data)
-    per_stage = np.asarray(multihost_utils.process_allgather(mine)).sum(axis=0)
-    total = np.float32(0)
-    for v in per_stage:
-        total = np.float32(total + v)
-    return float(np.sqrt(total))
-
-
 class Zero1Optimizer:
     """ZeRO-1 wrapper of an optax transform for one stage's parameters on its ('dp', 'tp') mesh.
 

@@ -12,7 +12,7 @@ clipping is over ALL stages, so the update equals the single-program optimizer o
 whole model. Details: docs/design.md "One gradient sync per step".
 
 Multi-process: a process keeps optimizers only for the stages with devices in it; the
-global norm is reduced across processes (`multiprocess_grad_norm`), and on CPU each stage
+global norm is reduced across processes (`_multiprocess_norm`), and on CPU each stage
 update is waited on (gloo deadlock note in pipeline/runtime.py).
 """
 from __future__ import annotations
