@@ -22,22 +22,26 @@ def _before(ka, ba, kb, bb):
 
 
 @njit(cache=True, inline="always")
-def _push(h, hb, n, v, b, by_bin):
-    """Insert (v, b) into the min-heap h/hb[:n] (ordered by key, then bin when `by_bin`);
-    -> the new size."""
-    i = n
+def _rise(h, hb, i, v, b):
+    """Put (v, b) in the hole at `i` of the min-heap h/hb by (key, bin), moving it up."""
     while i > 0:
         p = (i - 1) >> 1
-        if h[p] < v or (h[p] == v and (not by_bin or hb[p] < b)):
+        if _before(h[p], hb[p], v, b):
             break
         h[i], hb[i] = h[p], hb[p]
         i = p
     h[i], hb[i] = v, b
+
+
+@njit(cache=True, inline="always")
+def _push(h, hb, n, v, b):
+    """Insert (v, b) into the min-heap h/hb[:n]; -> the new size."""
+    _rise(h, hb, n, v, b)
     return n + 1
 
 
 @njit(cache=True, inline="always")
-def _replace_top(h, hb, n, v, b, by_bin):
+def _replace_top(h, hb, n, v, b):
     """Remove the root of the min-heap h/hb[:n] and insert (v, b), Floyd's bottom-up way:
     the hole goes down to a leaf along the lesser children (a select per level rather than
     a hard-to-predict branch), then (v, b) rises from there, usually a level or two."""
@@ -45,22 +49,12 @@ def _replace_top(h, hb, n, v, b, by_bin):
     while True:
         c = 2 * i + 1
         if c + 1 < n:
-            r = c + 1
-            if by_bin:
-                c = r if _before(h[r], hb[r], h[c], hb[c]) else c
-            else:
-                c = r if h[r] < h[c] else c
+            c = c + 1 if _before(h[c + 1], hb[c + 1], h[c], hb[c]) else c
         elif c >= n:
             break
         h[i], hb[i] = h[c], hb[c]
         i = c
-    while i > 0:
-        p = (i - 1) >> 1
-        if h[p] < v or (h[p] == v and (not by_bin or hb[p] < b)):
-            break
-        h[i], hb[i] = h[p], hb[p]
-        i = p
-    h[i], hb[i] = v, b
+    _rise(h, hb, i, v, b)
 
 
 @njit(cache=True)
@@ -104,7 +98,7 @@ def sum_square_heap(xs, d, tolerance):
                 while b >= 0:
                     after = nxt[b]
                     if sums[b] < bound:
-                        nq = _push(qh, qb, nq, squares[b], b, True)
+                        nq = _push(qh, qb, nq, squares[b], b)
                         waiting -= 1
                     else:
                         nxt[b] = keep
@@ -127,11 +121,11 @@ def sum_square_heap(xs, d, tolerance):
             low[i] = m
             i >>= 1
         if s < low[1] + tolerance:  # still in the window, with its new square-sum
-            _replace_top(qh, qb, nq, squares[b], b, True)
+            _replace_top(qh, qb, nq, squares[b], b)
         else:
             nq -= 1
             if nq > 0:
-                _replace_top(qh, qb, nq, qh[nq], qb[nq], True)
+                _replace_top(qh, qb, nq, qh[nq], qb[nq])
             if waiting == 0:
                 kcur = int((low[1] + tolerance) // width)
             slot = int(s // width) % nb
