@@ -36,6 +36,7 @@ from mmjax.models.attention import TokenMeta, bam_attention
 from mmjax.parallel import token_distribution as td
 
 IMPLS = ("dense", "chunked", "pallas")
+GPU_IMPLS = IMPLS + ("cudnn",)  # cuDNN runs only the plain causal mask (one document per row)
 SHORT = {"causal": "causal", "prepended": "EP", "embedded": "EE", "packing": "MP"}
 TILES = {"chunked": (128, 128), "pallas": (128, td.DEFAULT_KEY_BLOCK)}
 
@@ -46,34 +47,69 @@ def row_meta(family: str, seq_len: int, seed: int = 0) -> tuple[td.BitfieldMask,
     return m, TokenMeta(*(jnp.asarray(np.asarray(a, np.int32)[None]) for a in cols))
 
 
-def fwd_bwd(impl: str, meta: TokenMeta):
-    def loss(q, k, v):
-        return jnp.sum(bam_attention(q, k, v, meta, implementation=impl).astype(jnp.float32))
+def implementations(family: str, dtype) -> tuple[str, ...]:
+    """What runs this mask here: cuDNN joins on a GPU for the plain causal mask in bf16."""
+    if jax.default_backend() == "gpu" and family == "causal" and dtype == jnp.bfloat16:
+        return GPU_IMPLS
+    return IMPLS
+
+
+def fwd_bwd(impl: str):
+    """jit of (sum(out * cotangent), its grads in q, k, v). The metadata and the cotangent are
+    arguments, as in training: closed over, XLA would constant-fold the mask. A random
+    cotangent makes the gradient check see every output element, not only their sum."""
+    mask_family = "causal" if impl == "cudnn" else "bam"
+
+    def loss(q, k, v, meta, cotangent):
+        out = bam_attention(q, k, v, meta, implementation=impl, mask_family=mask_family)
+        return jnp.sum(out.astype(jnp.float32) * cotangent)
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
 
 
-def measure(impl, meta, seq_len, heads, kv_heads, dim, dtype, run: bool, repeats: int) -> dict:
+def _inputs(seq_len, heads, kv_heads, dim, dtype):
+    ks = jax.random.split(jax.random.key(0), 4)
+    shapes = [(1, seq_len, h, dim) for h in (heads, kv_heads, kv_heads)]
+    qkv = [jax.random.normal(k, s, dtype) for k, s in zip(ks, shapes)]
+    cot = jax.random.normal(ks[3], (1, seq_len, heads, dim), jnp.float32)
+    return qkv, cot
+
+
+def parity(compiled, impl, meta, seq_len, heads, kv_heads, dim, dtype) -> float:
+    """Largest error of the grads in q, k, v against dense attention in float32 on the same
+    inputs, relative to the largest reference gradient (bf16 rounding is ~4e-3)."""
+    qkv, cot = _inputs(seq_len, heads, kv_heads, dim, dtype)
+    _, got = compiled(*qkv, meta, cot)
+    _, ref = fwd_bwd("dense")(*(a.astype(jnp.float32) for a in qkv), meta, cot)
+    return max(float(jnp.max(jnp.abs(g.astype(jnp.float32) - r)) / jnp.max(jnp.abs(r)))
+               for g, r in zip(got, ref))
+
+
+def measure(impl, meta, seq_len, heads, kv_heads, dim, dtype, run: bool, repeats: int,
+            check: bool = False) -> dict:
     shapes = [jax.ShapeDtypeStruct((1, seq_len, h, dim), dtype) for h in (heads, kv_heads, kv_heads)]
+    cot_shape = jax.ShapeDtypeStruct((1, seq_len, heads, dim), jnp.float32)
     t0 = time.perf_counter()
-    compiled = fwd_bwd(impl, meta).lower(*shapes).compile()
+    compiled = fwd_bwd(impl).lower(*shapes, meta, cot_shape).compile()
     out = {"compile_s": time.perf_counter() - t0,
-           "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes), "time_s": None}
+           "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes), "time_s": None,
+           "grad_error": None}
     if run:
-        ks = jax.random.split(jax.random.key(0), 3)
-        args = [jax.random.normal(k, s.shape, dtype) for k, s in zip(ks, shapes)]
-        jax.block_until_ready(compiled(*args))
+        args, cot = _inputs(seq_len, heads, kv_heads, dim, dtype)
+        jax.block_until_ready(compiled(*args, meta, cot))
         times = []
         for _ in range(repeats):
             t0 = time.perf_counter()
-            jax.block_until_ready(compiled(*args))
+            jax.block_until_ready(compiled(*args, meta, cot))
             times.append(time.perf_counter() - t0)
         out["time_s"] = float(np.median(times))
+    if check:
+        out["grad_error"] = parity(compiled, impl, meta, seq_len, heads, kv_heads, dim, dtype)
     return out
 
 
 def kernel_rows(args) -> list[dict]:
     rows = []
-    dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
+    dtype = jnp.dtype(args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32"))
     for seq_len in args.lengths:
         for family in args.families:
             mask, meta = row_meta(family, seq_len)
@@ -82,11 +118,12 @@ def kernel_rows(args) -> list[dict]:
             dense_tiles = -(-seq_len // bq) * -(-seq_len // bk)
             row = {"length": seq_len, "family": family, "pallas_tiles": tiles,
                    "dense_tiles": dense_tiles}
-            for impl in IMPLS:
+            for impl in implementations(family, dtype):
                 run = seq_len <= args.run_max.get(impl, 0)
                 compile_ok = seq_len <= args.compile_max.get(impl, 1 << 30)
+                check = run and seq_len <= args.check_max
                 row[impl] = (measure(impl, meta, seq_len, args.heads, args.kv_heads, args.dim,
-                                     dtype, run, args.repeats) if compile_ok else None)
+                                     dtype, run, args.repeats, check) if compile_ok else None)
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows
@@ -113,17 +150,20 @@ def cp_rows(args) -> list[dict]:
 def _fmt_t(m):
     if m is None:
         return "-"
-    t = "compile only" if m["time_s"] is None else f"{m['time_s'] * 1e3:.1f} ms"
-    return f"{t}, {m['temp_bytes'] / 2 ** 20:.1f} MiB"
+    t = "compile only" if m["time_s"] is None else f"{m['time_s'] * 1e3:.2f} ms"
+    err = "" if m.get("grad_error") is None else f", err {m['grad_error']:.1e}"
+    return f"{t}, {m['temp_bytes'] / 2 ** 20:.1f} MiB{err}"
 
 
 def print_tables(console, krows, crows, args):
+    impls = GPU_IMPLS if jax.default_backend() == "gpu" else IMPLS
     t = Table(title=f"bam_attention fwd+bwd on {jax.devices()[0].device_kind} "
-                    f"(H={args.heads}, KV={args.kv_heads}, D={args.dim}): time, compiled temp")
-    for col in ("S", "Mask", *IMPLS, "pallas tiles / dense"):
+                    f"(H={args.heads}, KV={args.kv_heads}, D={args.dim}): time, compiled temp, "
+                    f"grad error vs float32 dense")
+    for col in ("S", "Mask", *impls, "pallas tiles / dense"):
         t.add_column(col)
     for r in krows:
-        t.add_row(str(r["length"]), SHORT[r["family"]], *(_fmt_t(r[i]) for i in IMPLS),
+        t.add_row(str(r["length"]), SHORT[r["family"]], *(_fmt_t(r.get(i)) for i in impls),
                   f"{r['pallas_tiles'] / r['dense_tiles']:.2f}")
     console.print(t)
     t2 = Table(title=f"CP work per rank ({crows[0]['ranks']} ranks, {crows[0]['length']} tokens, "
@@ -145,9 +185,10 @@ def plot(krows, path):
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for impl, style in zip(IMPLS, ("o-", "s-", "^-")):
+    for impl, style in zip(GPU_IMPLS, ("o-", "s-", "^-", "d-")):
         for family, alpha in (("causal", 1.0), ("packing", 0.5)):
-            pts = [(r["length"], r[impl]) for r in krows if r["family"] == family and r[impl]]
+            pts = [(r["length"], r[impl]) for r in krows
+                   if r["family"] == family and r.get(impl)]
             lab = f"{impl} ({SHORT[family]})"
             mem = [(s, m["temp_bytes"] / 2 ** 20) for s, m in pts]
             tim = [(s, m["time_s"] * 1e3) for s, m in pts if m["time_s"] is not None]
@@ -171,6 +212,8 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384, 65536])
     ap.add_argument("--families", nargs="+", default=list(td.FAMILIES), choices=td.FAMILIES)
+    ap.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
+                    help="q/k/v dtype (default: bfloat16 on GPU, float32 elsewhere)")
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--kv_heads", type=int, default=2)
     ap.add_argument("--dim", type=int, default=64)
@@ -180,6 +223,8 @@ def parse_args(argv=None):
                     help="per implementation, the longest length that is timed (JSON)")
     ap.add_argument("--compile_max", type=json.loads, default={"dense": 16384, "pallas": 16384},
                     help="per implementation, the longest length that is compiled (JSON)")
+    ap.add_argument("--check_max", type=int, default=4096,
+                    help="grads checked against float32 dense up to this length (timed cases)")
     ap.add_argument("--ranks", type=int, default=8)
     ap.add_argument("--cp_length", type=int, default=16384)
     ap.add_argument("--json", default="bench_results/attention.json")

@@ -136,7 +136,9 @@ def test_auto_choice_and_clear_errors():
     assert choose_implementation("auto", 128, 128, jnp.float32, platform="cpu") == "dense"
     assert choose_implementation("auto", 8192, 8192, jnp.float32, platform="cpu") == "chunked"
     assert choose_implementation("auto", 4096, 4096, jnp.bfloat16, "causal", "gpu") == "cudnn"
-    assert choose_implementation("auto", 4096, 4096, jnp.bfloat16, "bam", "gpu") == "chunked"
+    assert choose_implementation("auto", 4096, 4096, jnp.bfloat16, "bam", "gpu") == "pallas"
+    assert choose_implementation("auto", 4096, 4096, jnp.float32, "causal", "gpu") == "pallas"
+    assert choose_implementation("auto", 256, 256, jnp.bfloat16, "bam", "gpu") == "dense"
     assert choose_implementation("auto", 1024, 77, jnp.bfloat16, "full", "gpu") == "cudnn"
     assert choose_implementation("auto", 1024, 77, jnp.float32, "full", "gpu") == "dense"
     with pytest.raises(ValueError, match="error: attention implementation 'cudnn' needs a GPU"):

@@ -1,0 +1,161 @@
+"""Single-device training step: time, throughput and MFU, measured against the planner's
+analytic prediction (DistTrain §5.1's per-unit cost C(tp) at tp = 1).
+
+Builds the single-program trainer (train/single_program.py: the whole model as one jitted
+step, real optimizer, the synthetic LAION-like stream through the real loader) for a preset
+model, runs `--warmup` untimed steps (compile) and `--steps` timed ones, and reports:
+
+* step time (median), data wait, tokens/s;
+* model FLOPs per step from the planner's cost model (`planner/costs.py` `unit_costs` on
+  the workload of the batches' own samples: forward + required backward, real tokens
+  only) and MFU = those FLOPs / step time / the device's dense bf16 peak;
+* XLA's own FLOP count of the compiled step (`cost_analysis`; custom calls such as cuDNN
+  attention and Triton kernels count 0 there, so it is a lower bound);
+* the planner's predicted step time for the same samples, and measured / predicted per
+  unit is what `planner/profile.py` would learn (the calibration factor).
+
+  python scripts/bench_step.py [--preset llava_1b] [--global_batch 8] [--seq_len 2048]
+      [--dtype bfloat16] [--attention auto] [--json bench_results/bench_step.json]
+
+Presets: `tiny` (CPU, seconds); `llava_1b`: a Llama-3.2-1B-wide LLM (2048 hidden,
+16 layers, GQA 32/8, 128k vocabulary) behind a SigLIP-so400m-wide NaViT encoder (1152 hidden,
+27 layers, patch 14) with a 1024-wide, 12-layer DiT generator: one GPU's worth.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax
+import jax.numpy as jnp
+from rich.console import Console
+from rich.table import Table
+
+from mmjax.data.data_spec import sample_workload
+from mmjax.host_info import machine
+from mmjax.planner.costs import unit_costs
+from mmjax.train.auto_plan import device_hardware
+from mmjax.train.config import named_model_config
+from mmjax.data.records import SyntheticSource
+from mmjax.train.data_config import data_layout, synthetic_dataset
+from mmjax.train.optimizer import learning_rate_schedule
+from mmjax.train.single_program import SingleProgram
+
+PRESETS = {
+    "tiny": {},
+    "llava_1b": {
+        "llm.vocab_size": 128256, "llm.hidden_size": 2048, "llm.num_layers": 16,
+        "llm.num_heads": 32, "llm.num_kv_heads": 8, "llm.ffn_size": 8192,
+        "llm.rope_theta": 500000.0, "llm.tie_embeddings": True, "llm.qkv_bias": False,
+        "encoders.vision.encoder.hidden_size": 1152, "encoders.vision.encoder.num_layers": 27,
+        "encoders.vision.encoder.num_heads": 16, "encoders.vision.encoder.ffn_size": 4304,
+        "encoders.vision.encoder.patch_size": 14, "encoders.vision.encoder.max_grid": 32,
+        "generator.hidden_size": 1024, "generator.num_layers": 12,
+        "generator.num_heads": 16, "generator.ffn_size": 4096, "generator.latent_size": 32,
+    },
+}
+
+
+# the synthetic stream's shapes per preset (data/synthetic.py SyntheticConfig): LLaVA-like
+# for llava_1b (one or two images of ~24 x 24 patches, a few hundred text tokens)
+PRESET_DATA = {
+    "tiny": {},
+    "llava_1b": {"image_side_median": 24.0, "image_side_sigma": 0.2,
+                 "image_side_range": (8, 32), "max_images": 2, "image_count_p": 0.8,
+                 "text_len_median": 200.0, "text_len_range": (16, 1024)},
+}
+
+
+def run(args) -> dict:
+    cfg = named_model_config("tiny", PRESETS[args.preset])
+    dtype = jnp.dtype(args.dtype)
+    layout = data_layout(cfg, seq_len=args.seq_len, packing=args.packing)
+    source = SyntheticSource(synthetic_dataset(cfg, **PRESET_DATA[args.preset]))
+    total = args.warmup + args.steps
+    prog = SingleProgram(cfg, layout, args.global_batch, learning_rate_schedule(total),
+                         dtype.type, seed=0, source=source, attention_impl=args.attention,
+                         steps=total)
+    steps = [prog.step() for _ in range(total)]
+    timed = steps[args.warmup:]
+    step_s = statistics.median(m["step_time_s"] for m in timed)
+    wait_s = statistics.median(m["data_wait_s"] for m in timed)
+    tokens = statistics.mean(m["tokens"] for m in timed)
+
+    hw = device_hardware()
+    wl = sample_workload(source, cfg, total * args.global_batch, name="bench batches")
+    impl = None if args.attention == "auto" else args.attention  # None: exact pairs
+    costs = unit_costs(cfg, wl, hw, recompute=False, attention_impl=impl)
+    flops = args.global_batch * sum(c.flops for c in costs)
+    predicted = {c.name: args.global_batch * c.time_s[1] for c in costs}
+    compiled = next(iter(prog.compiled.values()))
+    xla = compiled.cost_analysis()
+    xla = xla[0] if isinstance(xla, (list, tuple)) else xla
+    record = {
+        "machine": machine(), "device": str(jax.devices()[0].device_kind),
+        "backend": jax.default_backend(), "args": vars(args),
+        "trainable_params": int(prog.num_trainable),
+        "compile_s": steps[0]["compile_s"], "step_time_s": step_s, "data_wait_s": wait_s,
+        "step_times_s": [m["step_time_s"] for m in timed],
+        "tokens_per_step": tokens, "tokens_per_s": tokens / step_s,
+        "model_flops_per_step": flops, "xla_flops_per_step": float(xla.get("flops", 0.0)),
+        "peak_flops": hw.peak_flops, "hardware_model": hw.name,
+        "mfu": flops / step_s / hw.peak_flops,
+        "predicted_step_s": sum(predicted.values()), "predicted_unit_s": predicted,
+        "losses": [m["loss"] for m in steps],
+    }
+    return record
+
+
+def show(console, r) -> None:
+    t = Table(title=f"{r['args']['preset']} training step on {r['device']} "
+                    f"({r['backend']}, {r['args']['dtype']}, attention {r['args']['attention']})")
+    for col in ("quantity", "value"):
+        t.add_column(col)
+    rows = [("trainable parameters", f"{r['trainable_params'] / 1e6:,.1f} M"),
+            ("samples x seq (packing)", f"{r['args']['global_batch']} x {r['args']['seq_len']} "
+                                        f"({r['args']['packing']})"),
+            ("compile (first step)", f"{r['compile_s']:.1f} s"),
+            ("step time (median)", f"{r['step_time_s'] * 1e3:.1f} ms"),
+            ("data wait (median)", f"{r['data_wait_s'] * 1e3:.1f} ms"),
+            ("LLM tokens / s", f"{r['tokens_per_s']:,.0f}"),
+            ("model GFLOP / step (planner)", f"{r['model_flops_per_step'] / 1e9:,.1f}"),
+            ("XLA GFLOP / step (lower bound)", f"{r['xla_flops_per_step'] / 1e9:,.1f}"),
+            (f"MFU (of {r['peak_flops'] / 1e12:.0f} TFLOP/s)", f"{100 * r['mfu']:.2f}%"),
+            ("predicted step (planner)", f"{r['predicted_step_s'] * 1e3:.1f} ms"),
+            ("measured / predicted", f"{r['step_time_s'] / r['predicted_step_s']:.2f}"),
+            ("loss first -> last", f"{r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}")]
+    for row in rows:
+        t.add_row(*row)
+    console.print(t)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    ap.add_argument("--global_batch", type=int, default=8)
+    ap.add_argument("--seq_len", type=int, default=256)
+    ap.add_argument("--packing", default="pack", choices=("pad", "pack"))
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--attention", default="auto")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--json", default=os.path.join("bench_results", "bench_step.json"))
+    args = ap.parse_args(argv)
+    record = run(args)
+    show(Console(width=120), record)
+    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump(record, f, indent=2)
+    print(f"wrote {args.json}")
+    return record
+
+
+if __name__ == "__main__":
+    from mmjax.cli import run_main
+
+    sys.exit(run_main(main))
