@@ -1,0 +1,192 @@
+"""OrchMLLM Appendix A, Algorithm 4 on whole lengths (token counts): the same picks as the
+float kernel (`kernels.sum_square_heap`), with every per-sample structure made O(1) or
+small by integer sums (numba, no JAX).
+
+* order: a counting sort by length, descending, ties by index;
+* the least sum: a count of bins per sum value; it only rises, so it walks up the counts;
+* bins outside the window: a list per sum value; when the bound rises, the lists it passes
+  enter the window whole (no bin is checked twice);
+* the window: a 4-ary min-heap of int64 keys (square-sum << k) | bin, so one compare
+  orders by (square-sum, index);
+* grouping: a counting sort of the picks by bin.
+
+Every sum lies in [least, least + tolerance + longest): the per-sum arrays are cyclic,
+``W`` (a power of two above that span) long. Exact while sums and square-sums are exact
+in float64 (`fits`); there the bound ``least + tolerance`` is the float kernel's very
+float, and an integer sum is below it iff below its ceiling.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit
+
+_MAX_W = 1 << 22  # longest per-sum arrays (32 MiB each); wider spans take the float kernel
+
+
+@njit(cache=True)
+def _whole_stats(x):
+    """(max, sum, sum of squares) of ``x``; max -1 if some length is not whole."""
+    top, total, total2 = 0.0, 0.0, 0.0
+    for v in x:
+        if v != np.floor(v):
+            return -1.0, 0.0, 0.0
+        top = max(top, v)
+        total += v
+        total2 += v * v
+    return top, total, total2
+
+
+def fits(x: np.ndarray, d: int, tolerance: float) -> int:
+    """The per-sum array length ``W`` for `sum_square_int`, or 0 where it does not apply:
+    lengths not whole, sums or keys past exact float64 / int64, a tolerance below 2^-8
+    (so least + tolerance > least in float64) or a span past `_MAX_W`."""
+    top, total, total2 = _whole_stats(x)
+    k = max(1, (d - 1).bit_length())
+    if top < 0 or total >= 2.0 ** 40 or total2 >= min(2.0 ** 52, 2.0 ** (61 - k)):
+        return 0
+    if tolerance < 2.0 ** -8:
+        return 0
+    span = math.ceil(min(tolerance, total + 1.0)) + int(top) + 2
+    return 0 if span > _MAX_W else 1 << max(1, (span - 1).bit_length())
+
+
+@njit(cache=True)
+def _descending(x, top):
+    """(indices by decreasing whole length, ties by increasing index; the lengths)."""
+    n = x.size
+    start = np.zeros(top + 1, np.int64)
+    for i in range(n):
+        start[np.int64(x[i])] += 1
+    pos = 0
+    for v in range(top, -1, -1):
+        c = start[v]
+        start[v] = pos
+        pos += c
+    order, xs = np.empty(n, np.int64), np.empty(n, np.int64)
+    for i in range(n):
+        v = np.int64(x[i])
+        p = start[v]
+        order[p], xs[p] = i, v
+        start[v] = p + 1
+    return order, xs
+
+
+@njit(cache=True)
+def _group(bins, order, d):
+    """(items bin after bin in pick order, count per bin)."""
+    counts = np.zeros(d, np.int64)
+    for b in bins:
+        counts[b] += 1
+    start = np.empty(d, np.int64)
+    pos = 0
+    for b in range(d):
+        start[b] = pos
+        pos += counts[b]
+    flat = np.empty(bins.size, np.int64)
+    for t in range(bins.size):
+        b = bins[t]
+        flat[start[b]] = order[t]
+        start[b] += 1
+    return flat, counts
+
+
+@njit(cache=True, inline="always")
+def _rise(h, i, v):
+    """Put key v in the hole at `i` of the 4-ary min-heap h, moving it up."""
+    while i > 0:
+        p = (i - 1) >> 2
+        if h[p] < v:
+            break
+        h[i] = h[p]
+        i = p
+    h[i] = v
+
+
+@njit(cache=True, inline="always")
+def _replace_top(h, n, v):
+    """Remove the root of the 4-ary min-heap h[:n] and insert key v: the hole goes down to
+    a leaf along the least children (selects, not branches), then v rises from there."""
+    i = 0
+    while True:
+        c = 4 * i + 1
+        if c + 3 < n:
+            a = c if h[c] < h[c + 1] else c + 1
+            e = c + 2 if h[c + 2] < h[c + 3] else c + 3
+            c = a if h[a] < h[e] else e
+        elif c < n:
+            for j in range(c + 1, n):
+                c = j if h[j] < h[c] else c
+        else:
+            break
+        h[i] = h[c]
+        i = c
+    _rise(h, i, v)
+
+
+@njit(cache=True)
+def _assign(xs, d, tolerance, w):
+    """The bin of each whole length ``xs`` (descending) under Algorithm 4."""
+    n = xs.size
+    k = 1
+    while (1 << k) < d:
+        k += 1
+    bmask, wmask = (1 << k) - 1, w - 1
+    sums = np.zeros(d, np.int64)
+    keys = np.arange(d, dtype=np.int64)  # a waiting bin's key
+    count = np.zeros(w, np.int64)  # bins per sum value (cyclic)
+    count[0] = d
+    head = np.full(w, -1, np.int64)  # per sum value, its first waiting bin (-1: none)
+    nxt = np.empty(d, np.int64)  # the next waiting bin of the same sum
+    h, nq = np.arange(d, dtype=np.int64), d  # the window: all bins, square-sum 0
+    least, waiting = 0, 0
+    bound = np.int64(np.ceil(least + tolerance))  # a whole sum is in the window iff < bound
+    bins = np.empty(n, np.int64)
+    for t in range(n):
+        key = h[0]
+        b = key & bmask
+        bins[t] = b
+        v = xs[t]
+        s0 = sums[b]
+        s = s0 + v
+        sums[b] = s
+        count[s0 & wmask] -= 1
+        count[s & wmask] += 1
+        new_bound = bound
+        if s0 == least and count[s0 & wmask] == 0:
+            least += 1
+            while count[least & wmask] == 0:
+                least += 1
+            new_bound = np.int64(np.ceil(least + tolerance))
+        key += (v * v) << k
+        if s < new_bound:  # still in the window, with its new square-sum
+            _replace_top(h, nq, key)
+        else:
+            nq -= 1
+            if nq > 0:
+                _replace_top(h, nq, h[nq])
+            keys[b] = key
+            nxt[b] = head[s & wmask]
+            head[s & wmask] = b
+            waiting += 1
+        if new_bound > bound:  # the waiting bins it passes enter the window
+            for u in range(bound, new_bound if waiting > 0 else bound):
+                c = head[u & wmask]
+                head[u & wmask] = -1
+                while c >= 0:
+                    _rise(h, nq, keys[c])
+                    nq += 1
+                    waiting -= 1
+                    c = nxt[c]
+            bound = new_bound
+    return bins
+
+
+def sum_square_int(x: np.ndarray, d: int, tolerance: float,
+                   w: int) -> tuple[np.ndarray, np.ndarray]:
+    """Algorithm 4 on whole lengths ``x`` (``w`` from `fits`): (items batch after batch,
+    count per batch), as `lpt._group` gives them."""
+    tolerance = min(tolerance, float(x.sum()) + 1.0)  # larger: every bin always in the window
+    order, xs = _descending(x, int(x.max()))
+    return _group(_assign(xs, d, tolerance, w), order, d)
