@@ -44,7 +44,7 @@ def fits(x: np.ndarray, d: int, tolerance: float) -> int:
     (so least + tolerance > least in float64) or a span past `_MAX_W`."""
     top, total, total2 = _whole_stats(x)
     k = max(1, (d - 1).bit_length())
-    if top < 0 or total >= 2.0 ** 40 or total2 >= min(2.0 ** 52, 2.0 ** (61 - k)):
+    if top < 0 or x.size >= 2 ** 31 or total >= 2.0 ** 40 or total2 >= min(2.0 ** 52, 2.0 ** (61 - k)):
         return 0
     if tolerance < 2.0 ** -8:
         return 0
@@ -53,43 +53,36 @@ def fits(x: np.ndarray, d: int, tolerance: float) -> int:
 
 
 @njit(cache=True)
-def _descending(x, top):
-    """(indices by decreasing whole length, ties by increasing index; the lengths)."""
-    n = x.size
-    start = np.zeros(top + 1, np.int64)
-    for i in range(n):
-        start[np.int64(x[i])] += 1
-    pos = 0
-    for v in range(top, -1, -1):
-        c = start[v]
-        start[v] = pos
-        pos += c
-    order, xs = np.empty(n, np.int64), np.empty(n, np.int64)
-    for i in range(n):
-        v = np.int64(x[i])
-        p = start[v]
-        order[p], xs[p] = i, v
-        start[v] = p + 1
-    return order, xs
+def _value_counts(x, top):
+    """How many of the whole lengths ``x`` equal each of 0 .. ``top``."""
+    many = np.zeros(top + 1, np.int64)
+    for v in x:
+        many[np.int64(v)] += 1
+    return many
 
 
 @njit(cache=True)
-def _group(bins, order, d):
-    """(items bin after bin in pick order, count per bin)."""
-    counts = np.zeros(d, np.int64)
-    for b in bins:
-        counts[b] += 1
-    start = np.empty(d, np.int64)
+def _group(x, many, picks, k, counts, flat):
+    """Fill ``flat`` with the items batch after batch, in pick order. ``picks``: per item in
+    decreasing order (ties by index), (place in its batch << k) | batch; ``counts``: per
+    batch. The items of one length were picked in index order, so a walk over ``x`` meets
+    each item's pick at its length's cursor: no sorted order is stored."""
+    start = np.empty(counts.size, np.int64)
     pos = 0
-    for b in range(d):
+    for b in range(counts.size):
         start[b] = pos
         pos += counts[b]
-    flat = np.empty(bins.size, np.int64)
-    for t in range(bins.size):
-        b = bins[t]
-        flat[start[b]] = order[t]
-        start[b] += 1
-    return flat, counts
+    cursor = np.empty(many.size, np.int64)
+    pos = 0
+    for v in range(many.size - 1, -1, -1):
+        cursor[v] = pos
+        pos += many[v]
+    mask = (1 << k) - 1
+    for i in range(x.size):
+        v = np.int64(x[i])
+        p = np.int64(picks[cursor[v]])
+        cursor[v] += 1
+        flat[start[p & mask] + (p >> k)] = i
 
 
 @njit(cache=True, inline="always")
@@ -126,12 +119,11 @@ def _replace_top(h, n, v):
 
 
 @njit(cache=True)
-def _assign(xs, d, tolerance, w):
-    """The bin of each whole length ``xs`` (descending) under Algorithm 4."""
-    n = xs.size
-    k = 1
-    while (1 << k) < d:
-        k += 1
+def _assign(many, tolerance, w, k, picks, counts):
+    """Algorithm 4 on whole lengths in decreasing order (``many`` of each, from
+    `_value_counts`): fill ``picks`` with each one's (place in its batch << k) | batch
+    (2^k >= d batches) and ``counts`` (zeros) with the count per batch."""
+    d = counts.size
     bmask, wmask = (1 << k) - 1, w - 1
     sums = np.zeros(d, np.int64)
     keys = np.arange(d, dtype=np.int64)  # a waiting bin's key
@@ -142,45 +134,47 @@ def _assign(xs, d, tolerance, w):
     h, nq = np.arange(d, dtype=np.int64), d  # the window: all bins, square-sum 0
     least, waiting = 0, 0
     bound = np.int64(np.ceil(least + tolerance))  # a whole sum is in the window iff < bound
-    bins = np.empty(n, np.int64)
-    for t in range(n):
-        key = h[0]
-        b = key & bmask
-        bins[t] = b
-        v = xs[t]
-        s0 = sums[b]
-        s = s0 + v
-        sums[b] = s
-        count[s0 & wmask] -= 1
-        count[s & wmask] += 1
-        new_bound = bound
-        if s0 == least and count[s0 & wmask] == 0:
-            least += 1
-            while count[least & wmask] == 0:
+    t = 0
+    for v in range(many.size - 1, -1, -1):
+        square = (v * v) << k
+        for _ in range(many[v]):
+            key = h[0]
+            b = key & bmask
+            picks[t] = (counts[b] << k) | b
+            counts[b] += 1
+            t += 1
+            s0 = sums[b]
+            s = s0 + v
+            sums[b] = s
+            count[s0 & wmask] -= 1
+            count[s & wmask] += 1
+            new_bound = bound
+            if s0 == least and count[s0 & wmask] == 0:
                 least += 1
-            new_bound = np.int64(np.ceil(least + tolerance))
-        key += (v * v) << k
-        if s < new_bound:  # still in the window, with its new square-sum
-            _replace_top(h, nq, key)
-        else:
-            nq -= 1
-            if nq > 0:
-                _replace_top(h, nq, h[nq])
-            keys[b] = key
-            nxt[b] = head[s & wmask]
-            head[s & wmask] = b
-            waiting += 1
-        if new_bound > bound:  # the waiting bins it passes enter the window
-            for u in range(bound, new_bound if waiting > 0 else bound):
-                c = head[u & wmask]
-                head[u & wmask] = -1
-                while c >= 0:
-                    _rise(h, nq, keys[c])
-                    nq += 1
-                    waiting -= 1
-                    c = nxt[c]
-            bound = new_bound
-    return bins
+                while count[least & wmask] == 0:
+                    least += 1
+                new_bound = np.int64(np.ceil(least + tolerance))
+            key += square
+            if s < new_bound:  # still in the window, with its new square-sum
+                _replace_top(h, nq, key)
+            else:
+                nq -= 1
+                if nq > 0:
+                    _replace_top(h, nq, h[nq])
+                keys[b] = key
+                nxt[b] = head[s & wmask]
+                head[s & wmask] = b
+                waiting += 1
+            if new_bound > bound:  # the waiting bins it passes enter the window
+                for u in range(bound, new_bound if waiting > 0 else bound):
+                    c = head[u & wmask]
+                    head[u & wmask] = -1
+                    while c >= 0:
+                        _rise(h, nq, keys[c])
+                        nq += 1
+                        waiting -= 1
+                        c = nxt[c]
+                bound = new_bound
 
 
 def sum_square_int(x: np.ndarray, d: int, tolerance: float,
@@ -188,5 +182,12 @@ def sum_square_int(x: np.ndarray, d: int, tolerance: float,
     """Algorithm 4 on whole lengths ``x`` (``w`` from `fits`): (items batch after batch,
     count per batch), as `lpt._group` gives them."""
     tolerance = min(tolerance, float(x.sum()) + 1.0)  # larger: every bin always in the window
-    order, xs = _descending(x, int(x.max()))
-    return _group(_assign(xs, d, tolerance, w), order, d)
+    n, k = x.size, max(1, (d - 1).bit_length())
+    # numpy allocates the large arrays (it reuses freed pages, numba's page-fault), 32-bit
+    # where they fit
+    picks = np.empty(n, np.int32 if n << k < 2 ** 31 else np.int64)
+    flat, counts = np.empty(n, np.int64), np.zeros(d, np.int64)
+    many = _value_counts(x, int(x.max()))
+    _assign(many, tolerance, w, k, picks, counts)
+    _group(x, many, picks, k, counts, flat)
+    return flat, counts
