@@ -100,20 +100,23 @@ def _rise(h, i, v):
 @njit(cache=True, inline="always")
 def _replace_top(h, n, v):
     """Remove the root of the 4-ary min-heap h[:n] and insert key v: the hole goes down to
-    a leaf along the least children (selects, not branches), then v rises from there."""
+    a leaf along the least children, then v rises from there (usually not at all). Each
+    level selects the least child's key and place together (no reload, no branch)."""
     i = 0
     while True:
         c = 4 * i + 1
         if c + 3 < n:
-            a = c if h[c] < h[c + 1] else c + 1
-            e = c + 2 if h[c + 2] < h[c + 3] else c + 3
-            c = a if h[a] < h[e] else e
+            x0, x1, x2, x3 = h[c], h[c + 1], h[c + 2], h[c + 3]
+            a, xa = (c + 1, x1) if x1 < x0 else (c, x0)
+            e, xe = (c + 3, x3) if x3 < x2 else (c + 2, x2)
+            c, least = (e, xe) if xe < xa else (a, xa)
         elif c < n:
             for j in range(c + 1, n):
                 c = j if h[j] < h[c] else c
+            least = h[c]
         else:
             break
-        h[i] = h[c]
+        h[i] = least
         i = c
     _rise(h, i, v)
 
@@ -127,10 +130,10 @@ def _assign(many, tolerance, w, k, picks, counts):
     bmask, wmask = (1 << k) - 1, w - 1
     sums = np.zeros(d, np.int64)
     keys = np.arange(d, dtype=np.int64)  # a waiting bin's key
-    count = np.zeros(w, np.int64)  # bins per sum value (cyclic)
+    count = np.zeros(w, np.int32)  # bins per sum value (cyclic)
     count[0] = d
-    head = np.full(w, -1, np.int64)  # per sum value, its first waiting bin (-1: none)
-    nxt = np.empty(d, np.int64)  # the next waiting bin of the same sum
+    head = np.full(w, -1, np.int32)  # per sum value, its first waiting bin (-1: none)
+    nxt = np.empty(d, np.int32)  # the next waiting bin of the same sum
     h, nq = np.arange(d, dtype=np.int64), d  # the window: all bins, square-sum 0
     least, waiting = 0, 0
     bound = np.int64(np.ceil(least + tolerance))  # a whole sum is in the window iff < bound
