@@ -136,7 +136,7 @@ def test_sum_square_whole_lengths_path_matches_float_kernel_and_scan():
     tolerances from tiny (below 2^-8: the float kernel) to past every sum; and past the
     integer path's limits (long lengths, huge sums), where it steps aside."""
     from mmjax.data.balance.sum_square import _sum_square_flat
-    from mmjax.data.balance.sum_square_int import fits
+    from mmjax.data.balance.sum_square_int import sum_square_int
 
     rng = np.random.default_rng(17)
     taken = 0
@@ -150,7 +150,7 @@ def test_sum_square_whole_lengths_path_matches_float_kernel_and_scan():
         tol = float(rng.choice([0.001, 0.004, 0.3, 1.0, 2.5, 7.0, mean, 3 * mean + 1, 1e12]))
         if tol <= 0:
             continue
-        taken += fits(x, d, tol) > 0
+        taken += sum_square_int(x, d, tol) is not None
         got = _sum_square_flat(x, d, tol)
         slow = _sum_square_flat(x, d, tol, whole=False)
         assert all(np.array_equal(a, b) for a, b in zip(got, slow)), (trial, n, d, tol)

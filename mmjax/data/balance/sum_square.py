@@ -6,7 +6,7 @@ import numpy as np
 
 from mmjax.data.balance.kernels import sum_square_heap
 from mmjax.data.balance.lpt import _descending, _greedy, _group, _lists
-from mmjax.data.balance.sum_square_int import fits, sum_square_int
+from mmjax.data.balance.sum_square_int import sum_square_int
 
 
 def _sum_square(x: np.ndarray, d: int, tolerance: float) -> list[list[int]]:
@@ -26,9 +26,9 @@ def _sum_square_flat(x: np.ndarray, d: int, tolerance: float,
     False, the float kernel `kernels.sum_square_heap`: the same batches."""
     if tolerance <= 0:
         return _greedy(x, d)
-    w = fits(x, d, tolerance) if whole else 0
-    if w:
-        return sum_square_int(x, d, tolerance, w)
+    out = sum_square_int(x, d, tolerance) if whole else None
+    if out is not None:
+        return out
     desc = _descending(x)
     bins = sum_square_heap(np.ascontiguousarray(x[desc]), d, float(tolerance))
     return _group(bins, desc, d)

@@ -1,19 +1,20 @@
-"""OrchMLLM Appendix A, Algorithm 4 on whole lengths (token counts): the same picks as the
-float kernel (`kernels.sum_square_heap`), with every per-sample structure made O(1) or
-small by integer sums (numba, no JAX).
+"""OrchMLLM Appendix A, Algorithm 4 on whole lengths (token counts): the same batches as
+the float kernel (`kernels.sum_square_heap`), with integer sums making each per-sample
+step O(1) or small (numba, no JAX).
 
-* order: a counting sort by length, descending, ties by index;
+* the order: lengths counted per value (a counting sort), placed longest first, ties by
+  index;
 * the least sum: a count of bins per sum value; it only rises, so it walks up the counts;
 * bins outside the window: a list per sum value; when the bound rises, the lists it passes
   enter the window whole (no bin is checked twice);
-* the window: a 4-ary min-heap of int64 keys (square-sum << k) | bin, so one compare
-  orders by (square-sum, index);
-* grouping: a counting sort of the picks by bin.
+* the window: a 4-ary min-heap of int64 keys (square-sum << k) | bin: one compare orders
+  by (square-sum, index);
+* the batches: each pick records its place in its batch, so grouping is one scatter.
 
-Every sum lies in [least, least + tolerance + longest): the per-sum arrays are cyclic,
-``W`` (a power of two above that span) long. Exact while sums and square-sums are exact
-in float64 (`fits`); there the bound ``least + tolerance`` is the float kernel's very
-float, and an integer sum is below it iff below its ceiling.
+Every sum lies in [least, least + tolerance + longest): the per-sum arrays are cyclic, a
+power of two above that span long. Exact while sums and square-sums are exact in float64;
+there the bound least + tolerance is the float kernel's very float, and a whole sum is
+below it iff below its ceiling.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import math
 import numpy as np
 from numba import njit
 
-_MAX_W = 1 << 22  # longest per-sum arrays (32 MiB each); wider spans take the float kernel
+_MAX_SPAN = 1 << 22  # longest per-sum arrays (16 MiB each); wider spans take the float kernel
 
 
 @njit(cache=True)
@@ -36,20 +37,6 @@ def _whole_stats(x):
         total += v
         total2 += v * v
     return top, total, total2
-
-
-def fits(x: np.ndarray, d: int, tolerance: float) -> int:
-    """The per-sum array length ``W`` for `sum_square_int`, or 0 where it does not apply:
-    lengths not whole, sums or keys past exact float64 / int64, a tolerance below 2^-8
-    (so least + tolerance > least in float64) or a span past `_MAX_W`."""
-    top, total, total2 = _whole_stats(x)
-    k = max(1, (d - 1).bit_length())
-    if top < 0 or x.size >= 2 ** 31 or total >= 2.0 ** 40 or total2 >= min(2.0 ** 52, 2.0 ** (61 - k)):
-        return 0
-    if tolerance < 2.0 ** -8:
-        return 0
-    span = math.ceil(min(tolerance, total + 1.0)) + int(top) + 2
-    return 0 if span > _MAX_W else 1 << max(1, (span - 1).bit_length())
 
 
 @njit(cache=True)
@@ -125,7 +112,8 @@ def _replace_top(h, n, v):
 def _assign(many, tolerance, w, k, picks, counts):
     """Algorithm 4 on whole lengths in decreasing order (``many`` of each, from
     `_value_counts`): fill ``picks`` with each one's (place in its batch << k) | batch
-    (2^k >= d batches) and ``counts`` (zeros) with the count per batch."""
+    (2^k >= d batches) and ``counts`` (zeros) with the count per batch; ``w``: the length
+    of the cyclic per-sum arrays."""
     d = counts.size
     bmask, wmask = (1 << k) - 1, w - 1
     sums = np.zeros(d, np.int64)
@@ -180,17 +168,26 @@ def _assign(many, tolerance, w, k, picks, counts):
                 bound = new_bound
 
 
-def sum_square_int(x: np.ndarray, d: int, tolerance: float,
-                   w: int) -> tuple[np.ndarray, np.ndarray]:
-    """Algorithm 4 on whole lengths ``x`` (``w`` from `fits`): (items batch after batch,
-    count per batch), as `lpt._group` gives them."""
-    tolerance = min(tolerance, float(x.sum()) + 1.0)  # larger: every bin always in the window
+def sum_square_int(x: np.ndarray, d: int,
+                   tolerance: float) -> tuple[np.ndarray, np.ndarray] | None:
+    """Algorithm 4 on lengths ``x``: (items batch after batch, count per batch), as
+    `lpt._group` gives them; None where this path does not apply: lengths not whole, sums
+    or keys past exact float64 / int64, a tolerance below 2^-8 (least + tolerance must
+    exceed least in float64) or a span past `_MAX_SPAN`."""
+    top, total, total2 = _whole_stats(x)
     n, k = x.size, max(1, (d - 1).bit_length())
+    if (top < 0 or n >= 2 ** 31 or total >= 2.0 ** 40 or tolerance < 2.0 ** -8
+            or total2 >= min(2.0 ** 52, 2.0 ** (61 - k))):
+        return None
+    tolerance = min(tolerance, total + 1.0)  # larger: every bin always in the window
+    span = math.ceil(tolerance) + int(top) + 2
+    if span > _MAX_SPAN:
+        return None
     # numpy allocates the large arrays (it reuses freed pages, numba's page-fault), 32-bit
     # where they fit
     picks = np.empty(n, np.int32 if n << k < 2 ** 31 else np.int64)
     flat, counts = np.empty(n, np.int64), np.zeros(d, np.int64)
-    many = _value_counts(x, int(x.max()))
-    _assign(many, tolerance, w, k, picks, counts)
+    many = _value_counts(x, int(top))
+    _assign(many, tolerance, 1 << (span - 1).bit_length(), k, picks, counts)
     _group(x, many, picks, k, counts, flat)
     return flat, counts
