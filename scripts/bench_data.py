@@ -20,8 +20,7 @@ Parts (``--parts``, default all: 1 2 3 4; one function per part):
      --max_milp_ranks with a --milp_time_limit, reporting whether it proved optimality and
      its objective vs the greedy fast path and its gap to HiGHS' proven bound; greedy
      above). OrchMLLM's whole dispatcher
-     overhead there is 16.7-53.9 ms. "sum_square" runs the heap loop below 256 ranks and
-     vectorised runs from 256 on (identical output; skipped above --sum_square_max_dp).
+     overhead there is 16.7-53.9 ms. "sum_square" is skipped above --sum_square_max_dp.
   4. Loader throughput (mmjax/data/loader.py, DistTrain §4.2 / 003 §6): samples/s with 0, 1, 2
      grain worker processes and the trainer's wait per step while a simulated training step
      runs (--step_ms).

@@ -12,6 +12,8 @@ from mmjax.data.balance import (POLICIES, Rearrangement, batch_cost, batches_by_
                                 max_inter_node_volume, node_wise_rearrange, post_balance,
                                 rearrangement, volume_matrix)
 from mmjax.data.balance import _sum_square
+from mmjax.data.balance.sum_square import _sum_square_flat
+from mmjax.data.balance.sum_square_int import sum_square_int
 
 
 def _all_partitions(n, d):
@@ -96,20 +98,23 @@ def test_sum_square_bounds():
             assert _max_cost(x, b, "sum") <= opt + v + max(x) + 1e-9
 
 
+def _scan_sum_square(x, d, tol):
+    """The literal O(n d) scan of Algorithm 4."""
+    x = np.asarray(x, dtype=float)
+    sums, squares = np.zeros(d), np.zeros(d)
+    out = [[] for _ in range(d)]
+    for s in sorted(range(len(x)), key=lambda i: (-x[i], i)):
+        near = sums < sums.min() + tol
+        b = int(np.argmin(np.where(near, squares, np.inf)))
+        out[b].append(s)
+        sums[b] += x[s]
+        squares[b] += x[s] * x[s]
+    return out
+
+
 def test_sum_square_heap_matches_scan_reference():
     """The O(n log d) heap version against the literal O(n d) scan of Algorithm 4."""
-    def scan(x, d, tol):
-        x = np.asarray(x, dtype=float)
-        sums, squares = np.zeros(d), np.zeros(d)
-        out = [[] for _ in range(d)]
-        for s in sorted(range(len(x)), key=lambda i: (-x[i], i)):
-            near = sums < sums.min() + tol
-            b = int(np.argmin(np.where(near, squares, np.inf)))
-            out[b].append(s)
-            sums[b] += x[s]
-            squares[b] += x[s] * x[s]
-        return out
-
+    scan = _scan_sum_square
     rng = np.random.default_rng(13)
     for n, d, tol in [(200, 8, 30.0), (500, 37, 5.0), (300, 16, 1e9), (100, 4, 0.5),
                       (400, 64, 100.0)]:
@@ -125,6 +130,44 @@ def test_sum_square_heap_matches_scan_reference():
         tol = float(rng.choice([0.5, 5.0, 30.0, x.mean(), 1e9, 0.1 + 0.2]))
         want = scan(x, d, tol)
         assert _sum_square(x, d, tol) == want, (trial, n, d, tol)
+
+
+def test_sum_square_whole_lengths_path_matches_float_kernel_and_scan():
+    """Whole lengths take the integer kernel (`sum_square_int`): the same batches as the
+    float kernel and the literal scan, on ties, zeros, all-equal lengths, d = 1, n < d,
+    tolerances from tiny (below 2^-8: the float kernel) to past every sum; and past the
+    integer path's limits (long lengths, huge sums), where it steps aside."""
+    rng = np.random.default_rng(17)
+    taken, tried = 0, 0
+    for trial in range(240):
+        n = int(rng.integers(1, 300))
+        d = int(rng.choice([1, 2, 3, 5, 16, 64, 333, n + 3]))
+        x = [rng.integers(1, 60, n), rng.integers(0, 4, n), np.full(n, 7),
+             np.round(rng.lognormal(5, 1, n)), rng.choice([0, 1, 100, 1000], n),
+             np.zeros(n), rng.integers(0, 2, n) * 5_000_000][trial % 7].astype(float)
+        mean = float(x.mean())
+        tol = float(rng.choice([0.001, 0.004, 0.3, 1.0, 2.5, 7.0, mean, 3 * mean + 1, 1e12]))
+        if tol <= 0:
+            continue
+        taken += sum_square_int(x, d, tol) is not None
+        tried += 1
+        got = _sum_square_flat(x, d, tol)
+        slow = _sum_square_flat(x, d, tol, whole=False)
+        assert all(np.array_equal(a, b) for a, b in zip(got, slow)), (trial, n, d, tol)
+        if n * d <= 20000:
+            want = _scan_sum_square(x, d, tol)
+            assert _sum_square(x, d, tol) == want, (trial, n, d, tol)
+    assert 150 < taken < tried  # most cases ran the integer kernel, some the float one
+
+
+def test_sum_square_whole_lengths_at_scale():
+    """2560 ranks x 60 LAION-like token counts: integer kernel = float kernel."""
+    rng = np.random.default_rng(5)
+    x = np.round(rng.lognormal(7, 1, 2560 * 60))
+    for tol in (float(x.mean()), 1.0, 40000.0):
+        got = _sum_square_flat(x, 2560, tol)
+        slow = _sum_square_flat(x, 2560, tol, whole=False)
+        assert all(np.array_equal(a, b) for a, b in zip(got, slow)), tol
 
 
 @pytest.mark.slow
