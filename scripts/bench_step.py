@@ -15,11 +15,13 @@ model, runs `--warmup` untimed steps (compile) and `--steps` timed ones, and rep
   unit is what `planner/profile.py` would learn (the calibration factor).
 
   python scripts/bench_step.py [--preset llava_1b] [--global_batch 8] [--seq_len 2048]
-      [--dtype bfloat16] [--attention auto] [--json bench_results/bench_step.json]
+      [--dtype bfloat16] [--attention auto] [--override llm.num_layers=4 ...]
+      [--json bench_results/bench_step.json]
 
 Presets: `tiny` (CPU, seconds); `llava_1b`: a Llama-3.2-1B-wide LLM (2048 hidden,
 16 layers, GQA 32/8, 128k vocabulary) behind a SigLIP-so400m-wide NaViT encoder (1152 hidden,
-27 layers, patch 14) with a 1024-wide, 12-layer DiT generator: one GPU's worth.
+27 layers, patch 14) with a 1024-wide, 12-layer DiT generator: one GPU's worth, every
+unit's layers in one `lax.scan` (compile time flat in depth).
 """
 from __future__ import annotations
 
@@ -52,6 +54,8 @@ PRESETS = {
         "llm.vocab_size": 128256, "llm.hidden_size": 2048, "llm.num_layers": 16,
         "llm.num_heads": 32, "llm.num_kv_heads": 8, "llm.ffn_size": 8192,
         "llm.rope_theta": 500000.0, "llm.tie_embeddings": True, "llm.qkv_bias": False,
+        "llm.scan_layers": True, "encoders.vision.encoder.scan_layers": True,
+        "generator.scan_layers": True,
         "encoders.vision.encoder.hidden_size": 1152, "encoders.vision.encoder.num_layers": 27,
         "encoders.vision.encoder.num_heads": 16, "encoders.vision.encoder.ffn_size": 4304,
         "encoders.vision.encoder.patch_size": 14, "encoders.vision.encoder.max_grid": 32,
@@ -72,7 +76,11 @@ PRESET_DATA = {
 
 
 def run(args) -> dict:
-    cfg = named_model_config("tiny", PRESETS[args.preset])
+    overrides = dict(PRESETS[args.preset])
+    for item in args.override:
+        key, _, value = item.partition("=")
+        overrides[key] = json.loads(value)
+    cfg = named_model_config("tiny", overrides)
     dtype = jnp.dtype(args.dtype)
     layout = data_layout(cfg, seq_len=args.seq_len, packing=args.packing)
     source = SyntheticSource(synthetic_dataset(cfg, **PRESET_DATA[args.preset]))
@@ -80,7 +88,12 @@ def run(args) -> dict:
     prog = SingleProgram(cfg, layout, args.global_batch, learning_rate_schedule(total),
                          dtype.type, seed=0, source=source, attention_impl=args.attention,
                          steps=total)
-    steps = [prog.step() for _ in range(total)]
+    steps = []
+    for i in range(total):
+        steps.append(prog.step())
+        m = steps[-1]
+        print(f"step {i + 1}/{total}: {m['step_time_s'] * 1e3:.1f} ms, compile "
+              f"{m['compile_s']:.1f} s, loss {m['loss']:.4f}", flush=True)
     timed = steps[args.warmup:]
     step_s = statistics.median(m["step_time_s"] for m in timed)
     wait_s = statistics.median(m["data_wait_s"] for m in timed)
@@ -139,6 +152,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     ap.add_argument("--global_batch", type=int, default=8)
     ap.add_argument("--seq_len", type=int, default=256)
+    ap.add_argument("--override", action="append", default=[], metavar="PATH=JSON",
+                    help='a model config override on top of the preset, e.g. llm.num_layers=4')
     ap.add_argument("--packing", default="pack", choices=("pad", "pack"))
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--attention", default="auto")

@@ -48,7 +48,7 @@ def reference(q, k, v, ct, mq, mk):
     dp = np.einsum("bqhd,bkhd->bhqk", ct, vv)
     ds = p * (dp - (dp * p).sum(-1, keepdims=True)) / np.sqrt(q.shape[-1])
     dq = np.einsum("bhqk,bkhd->bqhd", ds, kk)
-    fold = lambda x: x.reshape(x.shape[0], x.shape[1], k.shape[2], g, D).sum(3)
+    fold = lambda x: x.reshape(x.shape[0], x.shape[1], k.shape[2], g, q.shape[-1]).sum(3)
     dk = fold(np.einsum("bhqk,bqhd->bkhd", ds, q))
     dv = fold(np.einsum("bhqk,bqhd->bkhd", p, ct))
     return out, dq, dk, dv
@@ -174,3 +174,63 @@ def test_token_distribution_weighs_the_kernels_key_tiles():
     from mmjax.models import attention_pallas
 
     assert td.DEFAULT_KEY_BLOCK == attention_pallas.BLOCK_K
+
+
+def test_pallas_head_dim_that_is_not_a_power_of_two():
+    """SigLIP's head dim is 72: the kernel zero-pads it to 128 for Triton and keeps the
+    model's scale, so output and gradients still equal the formula."""
+    d = 12
+    meta = _meta(S, PAD)
+    r = np.random.default_rng(3)
+    q, ct = (r.normal(size=(len(td.FAMILIES), S, H, d)) for _ in range(2))
+    k, v = (r.normal(size=(len(td.FAMILIES), S, KV, d)) for _ in range(2))
+    want = reference(q, k, v, ct, meta, meta)
+    got = _run("pallas", jnp.float32, q, k, v, ct, meta, meta)
+    assert got[0].shape == q.shape and got[3].shape == v.shape
+    _check(got, want, 1e-5)
+
+
+def _kernel_shapes(jaxpr, out: set) -> None:
+    """Every array shape an equation of `jaxpr` (and of the jaxprs inside it) produces."""
+    for eqn in jaxpr.eqns:
+        for var in eqn.outvars:
+            aval = var.aval
+            if hasattr(aval, "shape") and type(aval).__name__ == "ShapedArray":
+                out.add(tuple(aval.shape))
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    _kernel_shapes(inner, out)
+
+
+def test_pallas_kernels_use_only_power_of_two_tiles():
+    """Triton lowers a Pallas kernel only if every array it loads, stores or computes has a
+    power-of-two size (jax's Triton lowering, `_check_tensor_size`). On an H100 a SigLIP
+    encoder (head dim 72) failed there before the head dim was padded; this checks the
+    forward and both backward kernels' jaxprs for that rule on CPU."""
+    n, d = 200, 72  # a length that is no multiple of the blocks, SigLIP's head dim
+    meta = TokenMeta(*(jnp.asarray(a) for a in _meta(n, 8)))
+    b = meta.doc.shape[0]
+    q = jnp.zeros((b, n, 4, d), jnp.bfloat16)
+    kv = jnp.zeros((b, n, 2, d), jnp.bfloat16)
+    loss = lambda q, k, v: pallas_attention(q, k, v, meta, meta).astype(jnp.float32).sum()
+    closed = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, kv, kv)
+    kernels = []
+
+    def find(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                kernels.append(eqn.params["jaxpr"])
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, (tuple, list)) else (value,):
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        find(inner)
+    find(closed.jaxpr)
+    assert len(kernels) == 3  # forward, dK/dV, dQ
+    for kernel in kernels:
+        shapes = set()
+        _kernel_shapes(kernel, shapes)
+        bad = [s for s in shapes if int(np.prod(s)) & (int(np.prod(s)) - 1)]
+        assert not bad, f"kernel arrays whose size is not a power of two: {bad}"

@@ -16,8 +16,10 @@ log-sum-exp; they walk the same block map (transposed for dK/dV), so the backwar
 the non-empty tile count too.
 
 On GPU the kernel lowers through Triton; elsewhere it runs with `interpret=True` (slow, for
-tests). Block sizes are powers of two (Triton's tile shapes); lengths that are not a multiple
-of the block are padded with doc-0 tokens, as in the chunked path.
+tests). Triton takes only tiles whose sizes are powers of two: block sizes are, lengths that
+are not a multiple of the block are padded with doc-0 tokens (as in the chunked path), and a
+head dim that is not (SigLIP's 72) is zero-padded (zeros add nothing to q . k, the extra
+output columns are dropped; the scale stays the model's).
 """
 from __future__ import annotations
 
@@ -104,7 +106,7 @@ def _kernel(list_ref, q_ref, k_ref, v_ref, qb_ref, qd_ref, qs_ref, qi_ref,
 
 
 def _pallas_forward(q, k, v, mq: TokenMeta, mk: TokenMeta, lists, bq: int, bk: int,
-                    debug: bool):
+                    scale: float, debug: bool):
     """Block-aligned inputs and the query blocks' key-block lists -> (out [B,Sq,H,D],
     lse [B,H,Sq] f32[, visits [B,H,Sq]])."""
     b, sq, h, d = q.shape
@@ -122,7 +124,7 @@ def _pallas_forward(q, k, v, mq: TokenMeta, mk: TokenMeta, lists, bq: int, bk: i
     if debug:
         out_shape.append(jax.ShapeDtypeStruct((b, h, sq), jnp.int32))
         out_specs.append(row_spec)
-    kernel = partial(_kernel, scale=float(d) ** -0.5, bk=bk)
+    kernel = partial(_kernel, scale=scale, bk=bk)
     return pl.pallas_call(
         kernel, grid=(nq, b, h),
         in_specs=[pl.BlockSpec((None, None, width), lambda i, r, j: (r, i, 0)),
@@ -132,11 +134,18 @@ def _pallas_forward(q, k, v, mq: TokenMeta, mk: TokenMeta, lists, bq: int, bk: i
     )(lists, q, k, v, *mq, *mk)
 
 
+def _pad_head(x, width: int):
+    d = x.shape[-1]
+    return x if d == width else jnp.pad(x, ((0, 0),) * (x.ndim - 1) + ((0, width - d),))
+
+
 def _pad_inputs(q, k, v, meta_q, meta_k, block_q, block_k):
+    """Block-aligned lengths and a power-of-two head dim (Triton's tile sizes)."""
     bq, nq = _pow2_block(q.shape[1], block_q)
     bk, nk = _pow2_block(k.shape[1], block_k)
-    qp = _pad_seq(q, nq * bq)
-    kp, vp = _pad_seq(k, nk * bk), _pad_seq(v, nk * bk)
+    width = pl.next_power_of_2(q.shape[-1])
+    qp = _pad_head(_pad_seq(q, nq * bq), width)
+    kp, vp = (_pad_head(_pad_seq(x, nk * bk), width) for x in (k, v))
     mq = TokenMeta(*(_pad_seq(a, nq * bq) for a in meta_q))
     mk = TokenMeta(*(_pad_seq(a, nk * bk) for a in meta_k))
     return (qp, kp, vp, mq, mk), bq, bk
@@ -146,7 +155,8 @@ def pallas_attention(q, k, v, meta_q: TokenMeta, meta_k: TokenMeta, *,
                      block_q: int = BLOCK_Q, block_k: int = BLOCK_K):
     """`bam_attention` semantics with the block-sparse Pallas kernel."""
     args, bq, bk = _pad_inputs(q, k, v, meta_q, meta_k, block_q, block_k)
-    return _sparse_attention(*args, bq, bk)[:, :q.shape[1]]
+    scale = float(q.shape[-1]) ** -0.5
+    return _sparse_attention(*args, bq, bk, scale)[:, :q.shape[1], :, :q.shape[-1]]
 
 
 def visited_tiles(q, k, v, meta_q: TokenMeta, meta_k: TokenMeta, *,
@@ -154,26 +164,27 @@ def visited_tiles(q, k, v, meta_q: TokenMeta, meta_k: TokenMeta, *,
     """Debug run of the kernel: int32 [B, H, nq], the key tiles each program visited."""
     args, bq, bk = _pad_inputs(q, k, v, meta_q, meta_k, block_q, block_k)
     lists = block_lists(tile_map(args[3], args[4], bq, bk))
-    visits = _pallas_forward(*args, lists, bq, bk, debug=True)[2]
+    visits = _pallas_forward(*args, lists, bq, bk, float(q.shape[-1]) ** -0.5, debug=True)[2]
     return visits[:, :, ::bq]
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _sparse_attention(q, k, v, mq, mk, bq, bk):
+@partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _sparse_attention(q, k, v, mq, mk, bq, bk, scale):
     lists = block_lists(tile_map(mq, mk, bq, bk))
-    return _pallas_forward(q, k, v, mq, mk, lists, bq, bk, debug=False)[0]
+    return _pallas_forward(q, k, v, mq, mk, lists, bq, bk, scale, debug=False)[0]
 
 
-def _sparse_fwd(q, k, v, mq, mk, bq, bk):
+def _sparse_fwd(q, k, v, mq, mk, bq, bk, scale):
     tiles = tile_map(mq, mk, bq, bk)
     q_lists, k_lists = block_lists(tiles), block_lists(tiles.transpose(0, 2, 1))
-    out, lse = _pallas_forward(q, k, v, mq, mk, q_lists, bq, bk, debug=False)
+    out, lse = _pallas_forward(q, k, v, mq, mk, q_lists, bq, bk, scale, debug=False)
     return out, (q, k, v, mq, mk, out, lse, q_lists, k_lists)
 
 
-def _sparse_bwd(bq, bk, res, dout):
+def _sparse_bwd(bq, bk, scale, res, dout):
     q, k, v, mq, mk, out, lse, q_lists, k_lists = res
-    dq, dk, dv = pallas_backward(q, k, v, mq, mk, out, lse, dout, q_lists, k_lists, bq, bk)
+    dq, dk, dv = pallas_backward(q, k, v, mq, mk, out, lse, dout, q_lists, k_lists, bq, bk,
+                                 scale)
     return dq, dk, dv, None, None
 
 

@@ -85,14 +85,14 @@ def _dq_kernel(list_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref,
 
 
 def pallas_backward(q, k, v, mq: TokenMeta, mk: TokenMeta, out, lse, dout,
-                    q_lists, k_lists, bq: int, bk: int):
+                    q_lists, k_lists, bq: int, bk: int, scale: float):
     """(dq, dk, dv) of block-aligned inputs. `lse` f32 [B, H, Sq] from the forward kernel;
     `q_lists` [B, nq, W]: per query block its non-empty key blocks (the forward's list);
-    `k_lists` [B, nk, W']: per key block its non-empty query blocks."""
+    `k_lists` [B, nk, W']: per key block its non-empty query blocks; `scale` the logits'
+    (1 / sqrt of the model's head dim, which zero padding may have widened)."""
     b, sq, h, d = q.shape
     sk, kv = k.shape[1], k.shape[2]
     g = h // kv
-    scale = float(d) ** -0.5
     interpret = jax.default_backend() != "gpu"
     delta = jnp.sum(dout.astype(_F32) * out.astype(_F32), axis=-1).transpose(0, 2, 1)
 
