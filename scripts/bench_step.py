@@ -79,7 +79,10 @@ def run(args) -> dict:
     overrides = dict(PRESETS[args.preset])
     for item in args.override:
         key, _, value = item.partition("=")
-        overrides[key] = json.loads(value)
+        try:
+            overrides[key] = json.loads(value)
+        except json.JSONDecodeError:  # a bare string: kind=vit
+            overrides[key] = value
     cfg = named_model_config("tiny", overrides)
     dtype = jnp.dtype(args.dtype)
     layout = data_layout(cfg, seq_len=args.seq_len, packing=args.packing)
