@@ -19,7 +19,8 @@ README = os.path.join(REPO, "README.md")
 NEEDS = {"/models/": "Hugging Face checkpoints under /models", "/data/": "the user's data",
          "#SBATCH": "a Slurm cluster", "srun ": "a Slurm cluster",
          "runs/llava_qwen": "the pretrained example's run (Hugging Face checkpoints)",
-         "bench_results/trace_disagg.json": "the trace scripts/bench_runtime.py writes first"}
+         "bench_results/trace_disagg.json": "the trace scripts/bench_runtime.py writes first",
+         "--preset llava_1b": "a GPU (one step of a 1.9B-parameter MLLM)"}
 # set-up steps of a block, not run (the rest of the block is): the environment, the suite
 SETUP = ("pip install", "pytest")
 SLOW = ("scripts/train.py", "scripts/generate.py", "scripts/launch_local.py")
