@@ -41,6 +41,7 @@ from rich.table import Table
 from mmjax.data.data_spec import sample_workload
 from mmjax.host_info import machine
 from mmjax.planner.costs import unit_costs
+from mmjax.planner.hardware_profile import HardwareProfile
 from mmjax.train.auto_plan import device_hardware
 from mmjax.train.config import named_model_config
 from mmjax.data.records import SyntheticSource
@@ -62,7 +63,21 @@ PRESETS = {
         "generator.hidden_size": 1024, "generator.num_layers": 12,
         "generator.num_heads": 16, "generator.ffn_size": 4096, "generator.latent_size": 32,
     },
+    # a Llama-3-8B-wide LLM alone (text only), layers cut to fit one 80 GB GPU with AdamW
+    "llama3_8b_cut": {
+        "encoders": (), "generator": None,
+        "llm.vocab_size": 128256, "llm.hidden_size": 4096, "llm.num_layers": 8,
+        "llm.num_heads": 32, "llm.num_kv_heads": 8, "llm.ffn_size": 14336,
+        "llm.rope_theta": 500000.0, "llm.tie_embeddings": False, "llm.qkv_bias": False,
+        "llm.scan_layers": True,
+    },
 }
+
+
+# the units of each preset (what --remat applies to)
+PRESETS_UNITS = {"tiny": ("llm", "encoders.vision.encoder", "generator"),
+                 "llava_1b": ("llm", "encoders.vision.encoder", "generator"),
+                 "llama3_8b_cut": ("llm",)}
 
 
 # the synthetic stream's shapes per preset (data/synthetic.py SyntheticConfig): LLaVA-like
@@ -72,11 +87,15 @@ PRESET_DATA = {
     "llava_1b": {"image_side_median": 24.0, "image_side_sigma": 0.2,
                  "image_side_range": (8, 32), "max_images": 2, "image_count_p": 0.8,
                  "text_len_median": 200.0, "text_len_range": (16, 1024)},
+    "llama3_8b_cut": {"max_images": 0, "text_len_median": 1024.0,
+                      "text_len_range": (64, 3000)},
 }
 
 
 def run(args) -> dict:
     overrides = dict(PRESETS[args.preset])
+    if args.remat != "none":  # per-layer recomputation in every unit (models/scan.py)
+        overrides.update({f"{u}.remat": args.remat for u in PRESETS_UNITS[args.preset]})
     for item in args.override:
         key, _, value = item.partition("=")
         try:
@@ -97,6 +116,9 @@ def run(args) -> dict:
         m = steps[-1]
         print(f"step {i + 1}/{total}: {m['step_time_s'] * 1e3:.1f} ms, compile "
               f"{m['compile_s']:.1f} s, loss {m['loss']:.4f}", flush=True)
+    trace_file = None
+    if args.trace:  # one more step under the profiler (not counted in the timings)
+        trace_file = traced_step(prog, args.trace)
     timed = steps[args.warmup:]
     step_s = statistics.median(m["step_time_s"] for m in timed)
     wait_s = statistics.median(m["data_wait_s"] for m in timed)
@@ -105,9 +127,16 @@ def run(args) -> dict:
     hw = device_hardware()
     wl = sample_workload(source, cfg, total * args.global_batch, name="bench batches")
     impl = None if args.attention == "auto" else args.attention  # None: exact pairs
-    costs = unit_costs(cfg, wl, hw, recompute=False, attention_impl=impl)
+    recompute = args.remat  # per-layer remat costs what the stage-level policy does
+    costs = unit_costs(cfg, wl, hw, recompute=recompute, attention_impl=impl)
     flops = args.global_batch * sum(c.flops for c in costs)
     predicted = {c.name: args.global_batch * c.time_s[1] for c in costs}
+    profiled = {}
+    if args.profile:  # the same costs priced by the measured device profile
+        table = HardwareProfile.load(args.profile, hw.peak_flops)
+        phw = hw.with_profile(table, call_tokens=tokens)
+        profiled = {c.name: args.global_batch * c.time_s[1]
+                    for c in unit_costs(cfg, wl, phw, recompute=recompute, attention_impl=impl)}
     compiled = next(iter(prog.compiled.values()))
     xla = compiled.cost_analysis()
     xla = xla[0] if isinstance(xla, (list, tuple)) else xla
@@ -122,9 +151,25 @@ def run(args) -> dict:
         "peak_flops": hw.peak_flops, "hardware_model": hw.name,
         "mfu": flops / step_s / hw.peak_flops,
         "predicted_step_s": sum(predicted.values()), "predicted_unit_s": predicted,
-        "losses": [m["loss"] for m in steps],
+        "profile": args.profile or None, "profiled_step_s": sum(profiled.values()) or None,
+        "profiled_unit_s": profiled,
+        "losses": [m["loss"] for m in steps], "trace": trace_file,
     }
     return record
+
+
+def traced_step(prog, trace_dir: str) -> str | None:
+    """Run one step under `jax.profiler.trace` and return the Perfetto trace it wrote
+    (`scripts/trace_breakdown.py` splits its device time into attention / matmuls / norms /
+    other / idle)."""
+    import glob
+
+    os.makedirs(trace_dir, exist_ok=True)
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        prog.step()
+    found = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True),
+                   key=os.path.getmtime)
+    return found[-1] if found else None
 
 
 def show(console, r) -> None:
@@ -143,8 +188,12 @@ def show(console, r) -> None:
             ("XLA GFLOP / step (lower bound)", f"{r['xla_flops_per_step'] / 1e9:,.1f}"),
             (f"MFU (of {r['peak_flops'] / 1e12:.0f} TFLOP/s)", f"{100 * r['mfu']:.2f}%"),
             ("predicted step (planner)", f"{r['predicted_step_s'] * 1e3:.1f} ms"),
-            ("measured / predicted", f"{r['step_time_s'] / r['predicted_step_s']:.2f}"),
-            ("loss first -> last", f"{r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}")]
+            ("measured / predicted", f"{r['step_time_s'] / r['predicted_step_s']:.2f}")]
+    if r.get("profiled_step_s"):
+        rows += [("predicted step (measured profile)", f"{r['profiled_step_s'] * 1e3:.1f} ms"),
+                 ("measured / predicted (profile)",
+                  f"{r['step_time_s'] / r['profiled_step_s']:.2f}")]
+    rows.append(("loss first -> last", f"{r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}"))
     for row in rows:
         t.add_row(*row)
     console.print(t)
@@ -162,6 +211,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--attention", default="auto")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--remat", default="none", choices=("none", "dots", "full"),
+                    help="per-layer recomputation in every unit (models/scan.py)")
+    ap.add_argument("--profile", default="", metavar="FILE",
+                    help="a measured hardware profile (scripts/profile_hardware.py): also "
+                         "print the step it predicts")
+    ap.add_argument("--trace", default="", metavar="DIR",
+                    help="after the timed steps, profile one more step into DIR (Perfetto)")
     ap.add_argument("--json", default=os.path.join("bench_results", "bench_step.json"))
     args = ap.parse_args(argv)
     record = run(args)

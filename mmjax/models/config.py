@@ -33,6 +33,9 @@ class LLMConfig:
     rope_llama3: tuple[float, float, float, int] | None = None
     # one lax.scan over the stacked layers (compile time flat in depth; models/scan.py)
     scan_layers: bool = False
+    # per-layer recomputation inside the stack (models/scan.py): "none", "dots" (keep the
+    # weight matmuls' outputs) or "full" (keep each layer's input only)
+    remat: str = "none"
 
     @property
     def dim_per_head(self) -> int:
@@ -73,6 +76,9 @@ class VisionConfig:
     max_images: int = 1
     # one lax.scan over the stacked layers (compile time flat in depth; models/scan.py)
     scan_layers: bool = False
+    # per-layer recomputation inside the stack (models/scan.py): "none", "dots" (keep the
+    # weight matmuls' outputs) or "full" (keep each layer's input only)
+    remat: str = "none"
 
     def __post_init__(self):
         if self.kind not in ("packed", "vit"):
@@ -125,6 +131,9 @@ class AudioConfig:
     max_source_positions: int = 1500
     # one lax.scan over the stacked layers (compile time flat in depth; models/scan.py)
     scan_layers: bool = False
+    # per-layer recomputation inside the stack (models/scan.py): "none", "dots" (keep the
+    # weight matmuls' outputs) or "full" (keep each layer's input only)
+    remat: str = "none"
 
 
 @dataclass(frozen=True)
@@ -165,6 +174,9 @@ class GeneratorConfig:
     norm_eps: float = 1e-6
     # one lax.scan over the stacked layers (compile time flat in depth; models/scan.py)
     scan_layers: bool = False
+    # per-layer recomputation inside the stack (models/scan.py): "none", "dots" (keep the
+    # weight matmuls' outputs) or "full" (keep each layer's input only)
+    remat: str = "none"
 
     @property
     def num_patches(self) -> int:

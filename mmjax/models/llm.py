@@ -93,7 +93,7 @@ class LLM(nnx.Module):
 
     def run_layers(self, x, positions, attend, ops=PLAIN):
         return run_stack(self.layers, x, lambda layer, h: layer(h, positions, attend, ops),
-                         self.cfg.scan_layers)
+                         self.cfg.scan_layers, self.cfg.remat)
 
     def final_hidden(self, x):
         return self.final_norm(x)

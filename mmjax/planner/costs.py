@@ -162,6 +162,8 @@ class Work:
     in_bytes: float  # the layer input: all that activation recomputation keeps
     bwd: int  # backward factor (Cornstarch rule)
     attn_flops: float = 0.0  # the attention core's share of `flops` (what "dots" re-runs)
+    tokens: float = 0.0  # mean tokens of one sample through this piece (measured profiles)
+    kind: str = "gelu_full"  # layer kind a measured profile prices it as (hardware_profile)
 
 
 @dataclass(frozen=True)
@@ -197,8 +199,9 @@ def _llm_work(model: MLLMConfig, wl: Workload, bwd: int, impl: str | None = None
     layer = Work(flops=2 * n1 * w + attn, width=d,
                  allreduce_bytes=2 * n1 * d * ACT_BYTES,
                  act_bytes=ACT_BYTES * n1 * (10 * d + 3 * f) + kept, in_bytes=ACT_BYTES * n1 * d,
-                 bwd=bwd, attn_flops=attn)
-    head = Work(2 * n1 * d * v, d, 0.0, ACT_BYTES * n1 * v, 0.0, bwd)
+                 bwd=bwd, attn_flops=attn, tokens=n1, kind="gated_causal")
+    head = Work(2 * n1 * d * v, d, 0.0, ACT_BYTES * n1 * v, 0.0, bwd, tokens=n1,
+                kind="gated_causal")
     works = [layer] * c.num_layers
     works[-1] = _merge(works[-1], head)
     return works
@@ -215,12 +218,14 @@ def _encoder_work(model: MLLMConfig, wl: Workload, name: str, bwd: int,
         pairs, kept = _attention_terms(wl.encoder_tokens[name], impl, False, c.num_heads)
         attn = 4 * pairs * d
     layer = Work(2 * n1 * (4 * d * d + 2 * d * f) + attn, d, 2 * n1 * d * ACT_BYTES,
-                 ACT_BYTES * n1 * (10 * d + 2 * f) + kept, ACT_BYTES * n1 * d, bwd, attn)
+                 ACT_BYTES * n1 * (10 * d + 2 * f) + kept, ACT_BYTES * n1 * d, bwd, attn,
+                 tokens=n1)
     if isinstance(c, VisionConfig):
-        front = Work(2 * n1 * c.patch_dim * d, d, 0.0, ACT_BYTES * n1 * c.patch_dim, 0.0, bwd)
+        front = Work(2 * n1 * c.patch_dim * d, d, 0.0, ACT_BYTES * n1 * c.patch_dim, 0.0, bwd,
+                     tokens=n1)
     else:  # conv1 over 2n frames, conv2 (stride 2) over n outputs
         front = Work(2 * 2 * n1 * c.num_mel_bins * 3 * d + 2 * n1 * 3 * d * d, d, 0.0,
-                     ACT_BYTES * 2 * n1 * (c.num_mel_bins + 2 * d), 0.0, bwd)
+                     ACT_BYTES * 2 * n1 * (c.num_mel_bins + 2 * d), 0.0, bwd, tokens=n1)
     works = [layer] * (c.depth if isinstance(c, VisionConfig) else c.num_layers)
     works[0] = _merge(front, works[0])
     return works
@@ -240,7 +245,8 @@ def _projector_work(model: MLLMConfig, wl: Workload, name: str, bwd: int) -> Wor
         flops = (2 * q * count * 2 * e * e + 2 * n1 * 2 * e * e + 4 * q * n1 * e
                  + 2 * q * count * (e * h + h * out))
         acts = ACT_BYTES * (q * count * (4 * e + h) + n1 * 2 * e)
-    return Work(flops, out, 0.0, acts, 0.0, bwd)
+    return Work(flops, out, 0.0, acts, 0.0, bwd, tokens=n1 / p.downsample if p.kind == "mlp"
+                else n1)
 
 
 def _generator_work(model: MLLMConfig, wl: Workload, bwd: int) -> list[Work]:
@@ -250,10 +256,11 @@ def _generator_work(model: MLLMConfig, wl: Workload, bwd: int) -> list[Work]:
     block = Work(k * (2 * n * (6 * d * d + 2 * d * f) + 2 * m * 2 * d * d + 2 * 6 * d * d
                       + 4 * n * n * d + 4 * n * m * d), d, k * 4 * n * d * ACT_BYTES,
                  ACT_BYTES * k * (n * (16 * d + 2 * f) + m * 2 * d), ACT_BYTES * k * n * d, bwd,
-                 k * (4 * n * n * d + 4 * n * m * d))
+                 k * (4 * n * n * d + 4 * n * m * d), tokens=k * n)
     front = Work(k * (2 * n * pd * d + 2 * m * c * d + 2 * (256 * d + d * d)), d, 0.0,
-                 ACT_BYTES * k * (n * pd + m * c), 0.0, bwd)
-    back = Work(k * (2 * n * d * pd + 2 * 2 * d * d), d, 0.0, ACT_BYTES * k * n * pd, 0.0, bwd)
+                 ACT_BYTES * k * (n * pd + m * c), 0.0, bwd, tokens=k * n)
+    back = Work(k * (2 * n * d * pd + 2 * 2 * d * d), d, 0.0, ACT_BYTES * k * n * pd, 0.0, bwd,
+                tokens=k * n)
     works = [block] * g.num_layers
     works[0] = _merge(front, works[0])
     works[-1] = _merge(works[-1], back)
@@ -263,7 +270,7 @@ def _generator_work(model: MLLMConfig, wl: Workload, bwd: int) -> list[Work]:
 def _merge(a: Work, b: Work) -> Work:
     return Work(a.flops + b.flops, max(a.width, b.width), a.allreduce_bytes + b.allreduce_bytes,
                 a.act_bytes + b.act_bytes, a.in_bytes + b.in_bytes, max(a.bwd, b.bwd),
-                a.attn_flops + b.attn_flops)
+                a.attn_flops + b.attn_flops, max(a.tokens, b.tokens), b.kind)
 
 
 def impl_of(attention_impl, unit: str) -> str | None:
@@ -319,7 +326,7 @@ def work_time(w: Work, tp: int, hw: Hardware, recompute=False) -> tuple[float, f
     (a remat policy or a bool) adds what the backward re-runs: the whole forward ("full",
     Megatron full recomputation) or the attention core ("dots", Megatron selective
     recomputation: the weight matmuls' outputs are kept)."""
-    eff = tp * hw.peak_flops * hw.efficiency(w.width / tp)
+    eff = tp * hw.peak_flops * hw.efficiency(w.width / tp, w.tokens, w.kind)
     fwd = w.flops / eff
     comm = 0.0 if tp == 1 else 2 * (tp - 1) / tp * w.allreduce_bytes / hw.nvlink_bw
     fwd += comm

@@ -7,7 +7,7 @@ NVLink; H100 nodes in OrchMLLM §8: 8x400 Gb/s InfiniBand, 900 GB/s bidirectiona
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(frozen=True)
@@ -20,11 +20,26 @@ class Hardware:
     gpus_per_node: int = 8
     max_efficiency: float = 0.75  # best achieved fraction of peak for wide matmuls
     half_width: float = 384.0  # per-GPU hidden width at which efficiency is half of the best
+    # a measured HardwareProfile (planner/hardware_profile.py) replacing the assumed curve,
+    # read at max(the piece's tokens per sample, call_tokens): the tokens one layer call
+    # runs together (a microbatch's packed rows), which set the matmuls' M dimension
+    profile: object = field(default=None, compare=False, repr=False)
+    call_tokens: float = 0.0
 
-    def efficiency(self, local_width: float) -> float:
+    def efficiency(self, local_width: float, tokens: float = 0.0,
+                   kind: str = "gelu_full") -> float:
         """Achieved fraction of peak for a layer whose per-GPU hidden width is `local_width`:
-        narrow (ViT-sized or heavily tensor-split) layers run far below peak (DistTrain §2.2)."""
+        narrow (ViT-sized or heavily tensor-split) layers run far below peak (DistTrain §2.2).
+        With a measured profile: its efficiency at this width and token count."""
+        if self.profile is not None:
+            return self.profile.efficiency(kind, local_width, max(tokens, self.call_tokens))
         return self.max_efficiency * local_width / (local_width + self.half_width)
+
+    def with_profile(self, profile, call_tokens: float = 0.0) -> "Hardware":
+        """This hardware priced by a measured `HardwareProfile` (its peak stays this one's:
+        the profile's efficiencies are fractions of it)."""
+        return replace(self, name=f"{self.name} (profiled: {profile.device})", profile=profile,
+                       call_tokens=call_tokens)
 
     def group_bw(self, group_span: int) -> float:
         """Bandwidth of a collective over `group_span` consecutive GPUs."""

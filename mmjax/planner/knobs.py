@@ -63,7 +63,7 @@ def cp_cost(model, wl, cost: UnitCost, cp: int, hw: Hardware) -> UnitCost:
 def overlap_time(w: Work, tp: int, hw: Hardware) -> tuple[float, float]:
     """(plain, overlapped) forward seconds of one piece at `tp`: the TP collectives after
     the matmuls, or hidden behind the decomposed matmuls (DistTrain §7)."""
-    compute = w.flops / (tp * hw.peak_flops * hw.efficiency(w.width / tp))
+    compute = w.flops / (tp * hw.peak_flops * hw.efficiency(w.width / tp, w.tokens, w.kind))
     comm = 0.0 if tp == 1 else 2 * (tp - 1) / tp * w.allreduce_bytes / hw.nvlink_bw
     slower = compute * (1 + DECOMPOSE_OVERHEAD)
     return compute + comm, slower + max(0.0, comm - slower)

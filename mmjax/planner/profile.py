@@ -66,8 +66,9 @@ def init_layer(shape: LayerShape, key, dtype=jnp.float32) -> dict:
     return p
 
 
-def layer_forward(shape: LayerShape, params: dict, x):
-    """Pre-norm attention + MLP over x [batch, tokens, width]."""
+def layer_forward(shape: LayerShape, params: dict, x, attention: str | None = None):
+    """Pre-norm attention + MLP over x [batch, tokens, width]; `attention` is
+    `jax.nn.dot_product_attention`'s implementation (None: XLA's choice)."""
     b, n, d = x.shape
     hd = d // shape.heads
 
@@ -77,7 +78,8 @@ def layer_forward(shape: LayerShape, params: dict, x):
     h = norm(x)
     split = lambda t: t.reshape(b, n, shape.heads, hd)
     att = jax.nn.dot_product_attention(split(h @ params["wq"]), split(h @ params["wk"]),
-                                       split(h @ params["wv"]), is_causal=shape.causal)
+                                       split(h @ params["wv"]), is_causal=shape.causal,
+                                       implementation=attention)
     x = x + att.reshape(b, n, d) @ params["wo"]
     h = norm(x)
     if shape.gated:
@@ -107,7 +109,7 @@ def _time(fn, *args, repeats: int) -> float:
 
 
 def time_layer(shape: LayerShape, tokens: int, tp: int, devices=None, repeats: int = 3,
-               dtype=jnp.bfloat16) -> tuple[float, float]:
+               dtype=jnp.bfloat16, attention: str | None = None) -> tuple[float, float]:
     """(forward, backward) seconds of one layer on `tokens` tokens at tensor parallelism
     `tp` (the first `tp` devices), weights and activations in `dtype` (bf16: the models'
     compute dtype)."""
@@ -122,8 +124,9 @@ def time_layer(shape: LayerShape, tokens: int, tp: int, devices=None, repeats: i
     specs = layer_specs(shape)
     params = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in params.items()}
     x = jax.device_put(jnp.ones((1, tokens, shape.width), dtype), NamedSharding(mesh, P()))
-    fwd = jax.jit(lambda p, x: layer_forward(shape, p, x))
-    grad = jax.jit(jax.grad(lambda p, x: jnp.sum(layer_forward(shape, p, x)), argnums=(0, 1)))
+    fwd = jax.jit(lambda p, x: layer_forward(shape, p, x, attention))
+    grad = jax.jit(jax.grad(lambda p, x: jnp.sum(layer_forward(shape, p, x, attention)),
+                            argnums=(0, 1)))
     tf = _time(fwd, params, x, repeats=repeats)
     tfb = _time(grad, params, x, repeats=repeats)
     return tf, max(tfb - tf, 0.0)
@@ -293,3 +296,44 @@ def _analytic_extras(model, wl, hw, cost: UnitCost, tp: int, recompute: bool
     fwd = sum(f for f, _ in lt)
     return (max(0.0, total - cost.num_layers * sum(lt[1])),
             max(0.0, fwd - cost.num_layers * lt[1][0]))
+
+
+# ---- the device profile (planner/hardware_profile.py) -----------------------------------
+def profile_hardware(widths=(768, 1152, 2048, 4096, 8192), tokens=(512, 2048, 8192),
+                     kinds=("gated_causal", "gelu_full"), repeats: int = 5,
+                     dtype=jnp.bfloat16, attention: str | None = "auto", on_point=None
+                     ) -> dict:
+    """Time one generic layer forward and backward at every (kind, width, tokens) on this
+    machine's first device and return the JSON a `HardwareProfile` reads (device named).
+    `attention="auto"`: cuDNN's fused kernel on GPU in bf16 (what the models' `auto` runs for
+    plain causal / full masks), XLA's elsewhere."""
+    from mmjax.planner.hardware_profile import layer_dims
+
+    dev = jax.devices()[0]
+    if attention == "auto":
+        gpu = dev.platform == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+        attention = "cudnn" if gpu else None
+    points = []
+    for kind in kinds:
+        for w in widths:
+            f, heads = layer_dims(kind, w)
+            shape = LayerShape(w, f, heads, kind == "gated_causal", kind == "gated_causal")
+            for n in tokens:
+                impl = attention
+                try:
+                    fwd, bwd = time_layer(shape, n, 1, [dev], repeats, dtype, impl)
+                except Exception as exc:  # cuDNN refuses a shape: XLA's attention, noted
+                    if impl is None:
+                        raise
+                    impl = None
+                    fwd, bwd = time_layer(shape, n, 1, [dev], repeats, dtype, impl)
+                    print(f"{kind} {w}x{n}: {attention} failed ({type(exc).__name__}), "
+                          f"timed with XLA's attention", flush=True)
+                point = {"kind": kind, "width": w, "tokens": n, "fwd_s": fwd, "bwd_s": bwd,
+                         "attention": impl or "xla"}
+                points.append(point)
+                if on_point is not None:
+                    on_point(point)
+    return {"device": str(dev.device_kind), "platform": dev.platform,
+            "jax": jax.__version__, "dtype": jnp.dtype(dtype).name,
+            "attention": attention or "xla", "repeats": repeats, "points": points}
