@@ -29,6 +29,8 @@ from rich.table import Table  # noqa: E402
 from mmjax.planner.baselines import baseline_plan  # noqa: E402
 from mmjax.planner.placement import node_map  # noqa: E402
 from mmjax.planner.hardware import hardware  # noqa: E402
+from mmjax.planner.hardware_profile import (DEFAULT_CALL_TOKENS, HardwareProfile,  # noqa: E402
+                                            is_hardware_profile)
 from mmjax.planner.orchestrate import GPU_TOLERANCE  # noqa: E402
 from mmjax.planner.build import plan_model  # noqa: E402
 from mmjax.planner.plan import PlanError  # noqa: E402
@@ -63,6 +65,26 @@ def measured_costs(model, hw, args, wl):
     else:
         table = ProfileTable.load(args.profile)
     return profiled_costs(model, wl, hw, table, args.recompute)
+
+
+def profiled_hardware(args, hw):
+    """The hardware a measured device profile describes: its own device's spec (a profile's
+    efficiencies are fractions of that device's peak), priced by the profile. A `--hardware`
+    naming another device is an error, not a silent mix."""
+    from mmjax.errors import UserError
+    from mmjax.planner.hardware import hardware_of_device
+
+    with open(args.profile) as f:
+        device = json.load(f).get("device", "")
+    own = hardware_of_device(device)
+    if own is None:
+        raise UserError(f"--profile={args.profile}: device {device!r} has no spec here "
+                        f"(profile one of: a800, h100, h200)")
+    if args.hardware and hardware(args.hardware).name != own.name:
+        raise UserError(f"--hardware={args.hardware} but --profile={args.profile} was measured "
+                        f"on {device!r} (drop --hardware or profile that device)")
+    return own.with_profile(HardwareProfile.load(args.profile, own.peak_flops),
+                            call_tokens=args.profile_tokens)
 
 
 def unit_table(plan, title: str) -> Table:
@@ -125,8 +147,14 @@ def main(argv=None) -> int:
                     help="relative slack on the least iteration time within which the plan "
                          "with the fewest GPUs wins (0: least time only)")
     ap.add_argument("--json", help="write the plan here")
-    ap.add_argument("--profile", help="measured C(TP, size) tables (JSON) to use instead of "
-                                      "the analytic times")
+    ap.add_argument("--profile", help="a measured profile (JSON): this device's hardware "
+                                      "profile (scripts/profile_hardware.py, e.g. "
+                                      "configs/hardware/h100.json) in place of the assumed "
+                                      "efficiency curve, or the model's C(TP, size) tables "
+                                      "(--write_profile) in place of the analytic times")
+    ap.add_argument("--profile_tokens", type=float, default=DEFAULT_CALL_TOKENS,
+                    help="with a hardware profile: the tokens one layer call runs together "
+                         "(a microbatch's packed rows), at least the sample's own")
     ap.add_argument("--write_profile", help="profile the units on this machine's devices, "
                                             "save the tables here and use them")
     ap.add_argument("--data", help="plan for this data source (synthetic:laion, "
@@ -154,7 +182,9 @@ def main(argv=None) -> int:
                                            for e in model.encoders}
         console.print(f"workload: {wl.num_samples} samples of {args.data}: mean LLM tokens "
                       f"{llm:.0f}" + "".join(f", {k} tokens {v:.0f}" for k, v in enc.items()))
-    if args.profile or args.write_profile:
+    if args.profile and not args.write_profile and is_hardware_profile(args.profile):
+        hw = profiled_hardware(args, hw)
+    elif args.profile or args.write_profile:
         costs = measured_costs(model, hw, args, wl)
     try:
         plans["planner"] = plan_model(model, hw, args.gpus, args.global_batch, workload=wl,

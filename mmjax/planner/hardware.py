@@ -61,3 +61,13 @@ def hardware(name: str) -> Hardware:
     if key not in HARDWARE:
         raise ValueError(f"unknown hardware {name!r}; choose one of {sorted(HARDWARE)}")
     return HARDWARE[key]
+
+
+# device kind (as jax names it, upper-cased) -> spec; A100s price as A800s (same chip)
+DEVICE_KINDS = (("H200", H200), ("H100", H100), ("A800", A800), ("A100", A800))
+
+
+def hardware_of_device(device_kind: str) -> Hardware | None:
+    """The spec of a device by its kind string ("NVIDIA H100 80GB HBM3"), None if unknown."""
+    kind = device_kind.upper()
+    return next((hw for key, hw in DEVICE_KINDS if key in kind), None)

@@ -18,6 +18,22 @@ from dataclasses import dataclass
 import numpy as np
 
 KINDS = ("gated_causal", "gelu_full")
+# tokens one layer call runs together when planning with a profile (a microbatch of packed
+# rows): a layer's matmuls are M x width x width, and M, not one sample, sets their speed
+DEFAULT_CALL_TOKENS = 4096.0
+
+
+def is_hardware_profile(path: str) -> bool:
+    """Whether the JSON at `path` is a hardware profile (its measured "points"), not a
+    model's C(TP, size) tables (planner/profile.py ProfileTable, "units")."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--profile={path}: cannot read it as JSON ({e}); give a file "
+                         f"written by scripts/profile_hardware.py or plan.py "
+                         f"--write_profile") from None
+    return isinstance(data, dict) and "points" in data
 
 
 def layer_dims(kind: str, width: int) -> tuple[int, int]:

@@ -11,17 +11,15 @@ import jax
 
 from mmjax.data.data_spec import sample_workload
 from mmjax.planner.build import plan_model
-from mmjax.planner.hardware import A800, H100, H200, hardware
+from mmjax.planner.hardware import H100, hardware, hardware_of_device
 from mmjax.planner.plan import Plan, PlanError
 from mmjax.train.validate import gin_bound
 
-_KINDS = (("H200", H200), ("H100", H100), ("A800", A800), ("A100", A800))
 
 
 def device_hardware(devices=None):
     """The `Hardware` spec of the devices present (by device kind), H100's otherwise."""
-    kind = str((devices or jax.devices())[0].device_kind).upper()
-    return next((hw for key, hw in _KINDS if key in kind), H100)
+    return hardware_of_device(str((devices or jax.devices())[0].device_kind)) or H100
 
 
 def planning_inputs(cfg, source, hardware_name: str | None = None, data_samples: int = 256):
