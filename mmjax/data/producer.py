@@ -18,7 +18,9 @@ its old session are dropped. Messages are pickles: run producers on a trusted ne
 
 Wire format (multipart frames): trainer -> producer `[b"init", sid, pickle(fn)]`,
 `[b"get", sid, step]`; producer -> trainer `[b"ready", sid]`, `[b"batch", sid, step,
-pickle(result)]`, `[b"error", sid, step, pickle(exception)]`.
+pickle(result), *buffers]` (pickle protocol 5: the arrays' bytes are separate frames, sent
+and received without a copy; received arrays are writable views of the message),
+`[b"error", sid, step, pickle(exception)]`.
 """
 from __future__ import annotations
 
@@ -93,8 +95,10 @@ def serve(listen: str, cpus: list[int] | None = None, announce=print) -> None:
             continue  # the trainer re-initialised: the request is stale
         fn = sessions[ident][1]
         try:
-            out = pickle.dumps(fn(step), protocol=pickle.HIGHEST_PROTOCOL)
-            sock.send_multipart([ident, b"batch", sid, b"%d" % step, out], copy=False)
+            bufs: list = []  # the arrays' memory travels as frames of their own, uncopied
+            out = pickle.dumps(fn(step), protocol=5, buffer_callback=bufs.append)
+            sock.send_multipart([ident, b"batch", sid, b"%d" % step, out]
+                                + [b.raw() for b in bufs], copy=False)
         except Exception as e:  # the trainer raises it, as the in-process loader would
             sock.send_multipart([ident, b"error", sid, b"%d" % step, _exception_payload(e)])
 

@@ -195,19 +195,20 @@ class ProducerPool:
 
     # ------------------------------------------------------------------ receiving
 
-    def _receive(self, p: _Producer, frames: list[bytes]) -> None:
-        kind, sid = frames[0], frames[1]
+    def _receive(self, p: _Producer, frames) -> None:
+        kind, sid = frames[0].bytes, frames[1].bytes
         if sid != p.sid:
             return  # an earlier session's answer
         if kind == b"ready":
             p.ready = True
             return
-        step = int(frames[2])
+        step = int(frames[2].bytes)
         p.outstanding.pop(step, None)
         if kind == b"error":
-            raise pickle.loads(frames[3])
-        if step >= self.next and step not in self.results:
-            self.results[step] = pickle.loads(frames[3])
+            raise pickle.loads(frames[3].bytes)
+        if step >= self.next and step not in self.results:  # zero-copy: arrays view frames
+            self.results[step] = pickle.loads(frames[3].buffer,
+                                              buffers=[f.buffer for f in frames[4:]])
 
     def __iter__(self):
         return self
@@ -229,7 +230,7 @@ class ProducerPool:
                 p = next(q for q in self.producers if q.sock is sock)
                 while True:
                     try:
-                        self._receive(p, sock.recv_multipart(zmq.NOBLOCK))
+                        self._receive(p, sock.recv_multipart(zmq.NOBLOCK, copy=False))
                     except zmq.Again:
                         break
             self._check()
