@@ -51,8 +51,10 @@ def _exception_payload(e: BaseException) -> bytes:
         return pickle.dumps(RuntimeError("".join(traceback.format_exception(e))))
 
 
-def serve(listen: str, cpus: list[int] | None = None, announce=print) -> None:
-    """Bind `listen` and serve trainers until killed."""
+def serve(listen: str, cpus: list[int] | None = None, announce=print,
+          parent_pid: int = 0) -> None:
+    """Bind `listen` and serve trainers until killed (or, with `parent_pid`, until that
+    process is gone: a local producer never outlives its trainer)."""
     import zmq
 
     if cpus:
@@ -89,6 +91,8 @@ def serve(listen: str, cpus: list[int] | None = None, announce=print) -> None:
                 except zmq.Again:
                     break
         if not pending:
+            if parent_pid and os.getppid() != parent_pid:
+                return
             continue
         ident, sid, step = pending.popleft()
         if sessions.get(ident, (None,))[0] != sid:
@@ -109,6 +113,8 @@ def main(argv=None) -> int:
                     help="HOST:PORT to serve on (PORT 0: a free port, printed on stdout)")
     ap.add_argument("--cpus", default="",
                     help="comma-separated CPU ids to pin this producer to (default: any)")
+    ap.add_argument("--parent_pid", type=int, default=0,
+                    help="exit when this process (the trainer that started it) is gone")
     a = ap.parse_args(argv)
     try:
         endpoint(a.listen)
@@ -117,7 +123,7 @@ def main(argv=None) -> int:
         print(f"error: --listen / --cpus: {e} (use --listen=HOST:PORT --cpus=2,3)",
               file=sys.stderr)
         return 2
-    serve(a.listen, cpus)
+    serve(a.listen, cpus, parent_pid=a.parent_pid)
     return 0
 
 

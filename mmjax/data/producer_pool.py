@@ -37,7 +37,8 @@ def spawn_local(cpus: list[int] | None = None, wait_s: float = 120.0):
     env["PYTHONPATH"] = os.pathsep.join([_package_root()] + [p for p in [
         env.get("PYTHONPATH")] if p])
     env.setdefault("JAX_PLATFORMS", "cpu")
-    cmd = [sys.executable, "-m", "mmjax.data.producer", "--listen=127.0.0.1:0"]
+    cmd = [sys.executable, "-m", "mmjax.data.producer", "--listen=127.0.0.1:0",
+           f"--parent_pid={os.getpid()}"]
     if cpus:
         cmd.append("--cpus=" + ",".join(map(str, cpus)))
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
