@@ -151,11 +151,12 @@ def main(argv=None) -> int:
           f"{a.producers} producer(s) on CPUs {rows[0]['producer_cpus']}, trainer on CPU "
           f"{rows[0]['trainer_cpu']})")
     print(f"{'(images, resolution)':>22} | {'in process (ms)':>15} | {'producers (ms)':>14} | "
-          f"{'simulated step (ms)':>19}")
+          f"{'producers, median':>17} | {'simulated step (ms)':>19}")
     for r in rows:
+        med = statistics.median(r["producer_wait_all_s"])
         print(f"{str((r['images_per_sample'], r['resolution'])):>22} | "
               f"{r['in_process_s'] * 1e3:15.0f} | {r['producer_wait_s'] * 1e3:14.1f} | "
-              f"{r['step_s'] * 1e3:19.0f}")
+              f"{med * 1e3:17.1f} | {r['step_s'] * 1e3:19.0f}")
     if a.json:
         os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
         with open(a.json, "w") as f:
