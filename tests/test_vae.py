@@ -68,3 +68,32 @@ def test_export_roundtrip(tiny, tmp_path):
     for k in a:
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
     assert vae_config_from_hf(tmp_path) == cfg
+
+
+def test_matches_diffusers_itself():
+    """A tiny AutoencoderKL built and saved by diffusers 0.42 (tests/fixtures/
+    make_diffusers_vae.py): our import and the numpy reference both give diffusers' float64
+    outputs (posterior mean and logvar, decode) within 1e-4."""
+    import os
+
+    import jax.numpy as jnp
+    from safetensors.numpy import load_file
+
+    from mmjax.models.hf.vae import load_vae_safetensors
+    d = os.path.join(os.path.dirname(__file__), "data", "diffusers_tiny_vae")
+    want = np.load(os.path.join(d, "expected.npz"))
+    vae, cfg = load_vae_safetensors(d)
+    img = want["images"].transpose(0, 2, 3, 1)
+    mean, logvar = vae.encode(jnp.asarray(img, jnp.float32))
+    for got, key in ((mean, "mean"), (logvar, "logvar")):
+        np.testing.assert_allclose(np.asarray(got), want[key].transpose(0, 2, 3, 1), atol=1e-4,
+                                   rtol=0, err_msg=key)
+    rec = vae.decode(jnp.asarray(want["latents"].transpose(0, 2, 3, 1), jnp.float32))
+    np.testing.assert_allclose(np.asarray(rec), want["decoded"].transpose(0, 2, 3, 1),
+                               atol=1e-4, rtol=0)
+    import json
+    ref = Ref(load_file(os.path.join(d, "diffusion_pytorch_model.safetensors")),
+              json.load(open(os.path.join(d, "config.json"))))
+    rmean, rlogvar = ref.encode(want["images"])
+    np.testing.assert_allclose(rmean, want["mean"], atol=1e-9, rtol=0)
+    np.testing.assert_allclose(ref.decode(want["latents"]), want["decoded"], atol=1e-9, rtol=0)
