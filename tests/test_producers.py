@@ -139,3 +139,28 @@ def test_single_program_batches_with_a_producer():
     for a, b in zip(ref, got):
         for k, v in a.arrays().items():
             np.testing.assert_array_equal(v, b.arrays()[k], err_msg=k)
+
+
+@pytest.mark.slow
+def test_backpressure_and_errors():
+    import math
+    import operator
+    import time
+
+    from mmjax.data.producer_pool import ProducerPool
+
+    pool = ProducerPool(operator.neg, 0, 100, local=2, prefetch=2)
+    try:
+        assert [next(pool) for _ in range(3)] == [0, -1, -2]
+        time.sleep(1.0)  # a slow trainer: nothing beyond the window is asked for or held
+        held = set(pool.results) | {s for p in pool.producers for s in p.outstanding}
+        assert held and max(held) < pool.next + pool.window == 3 + 4
+        assert [next(pool) for _ in range(5)] == [-3, -4, -5, -6, -7]
+    finally:
+        pool.close()
+    pool = ProducerPool(math.log, 0, 3, local=1)  # log(0): the producer's error, raised here
+    try:
+        with pytest.raises(ValueError, match="math domain error"):
+            next(pool)
+    finally:
+        pool.close()
