@@ -62,7 +62,6 @@ class _Producer:
 
     def connect(self) -> None:
         import zmq
-        from zmq.utils.monitor import recv_monitor_message  # noqa: F401 (import check)
 
         self.close_sockets()
         self.sock = self.pool.ctx.socket(zmq.DEALER)
@@ -219,7 +218,6 @@ class ProducerPool:
 
         if self.next >= self.stop_step:
             raise StopIteration
-        poller = zmq.Poller()
         while self.next not in self.results:
             self._fill()
             if self.next in self.results:
