@@ -6,6 +6,9 @@ and image / audio processors:
 
 Reads WORKDIR/config.gin (written by scripts/train.py) and the newest checkpoint of a
 single-program run; decodes with a KV cache: greedy by default, or --temperature / --top_p.
+--output_image=PATH (a model with a generator and vae.path) then draws: the DiT samples
+latents (--sampler ddim|ddpm, --diffusion_steps) conditioned on the LLM after the reply, and
+the VAE decodes them to a PNG.
 """
 from __future__ import annotations
 
@@ -29,8 +32,10 @@ def _bound(name: str, default=None):
 
 
 def prompt_sample(tok, chat, image_proc, audio_proc, prompt: str, image: str | None,
-                  audio: str | None):
-    """The user turn (with its placeholders) rendered with the generation prompt -> Sample."""
+                  audio: str | None, reply: str | None = None, image_out=None):
+    """The user turn (with its placeholders) rendered with the generation prompt -> Sample;
+    with `reply`, the whole exchange (user turn, assistant reply) as training renders it,
+    followed by `image_out` (an image-output segment: latent shape, K queries) when given."""
     import numpy as np
     from PIL import Image
 
@@ -38,7 +43,11 @@ def prompt_sample(tok, chat, image_proc, audio_proc, prompt: str, image: str | N
     from mmjax.data.sample import Sample, Segment
 
     content = ("<image>\n" if image else "") + ("<audio>\n" if audio else "") + prompt
-    rendered = chat([{"from": "human", "value": content}], add_generation_prompt=True)
+    turns = [{"from": "human", "value": content}]
+    if reply is None:
+        rendered = chat(turns, add_generation_prompt=True)
+    else:
+        rendered = chat(turns + [{"from": "gpt", "value": reply}])
     segs = []
     for kind, ids, _ in rendered.pieces:
         if kind == "text":
@@ -51,6 +60,9 @@ def prompt_sample(tok, chat, image_proc, audio_proc, prompt: str, image: str | N
             wave = load_audio(audio, audio_proc.sampling_rate)
             segs.append(Segment("audio", np.ascontiguousarray(
                 audio_proc(wave, padding="longest").T)))
+    if image_out is not None:
+        shape, k = image_out
+        segs.append(Segment("image_out", np.zeros(shape, np.float32), num_queries=k))
     return Sample(0, tuple(segs))
 
 
@@ -96,6 +108,11 @@ def main(argv=None) -> int:
     ap.add_argument("--top_p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--step", type=int, default=None, help="checkpoint step (default newest)")
+    ap.add_argument("--output_image", default=None,
+                    help="also draw an image after the reply (a model with a generator and "
+                         "vae.path): PNG written here")
+    ap.add_argument("--sampler", default="ddim", choices=["ddim", "ddpm"])
+    ap.add_argument("--diffusion_steps", type=int, default=50)
     a = ap.parse_args(argv)
     conf = os.path.join(a.workdir, "config.gin")
     for path, what in ((conf, "--workdir (no config.gin: not a scripts/train.py run)"),
@@ -104,6 +121,11 @@ def main(argv=None) -> int:
             raise UserError(f"{what}: {path} not found")
     if not 0.0 < a.top_p <= 1.0 or a.temperature < 0 or a.max_new_tokens < 1:
         raise UserError("need 0 < --top_p <= 1, --temperature >= 0, --max_new_tokens >= 1")
+    if a.output_image is not None and not 1 <= a.diffusion_steps <= 1000:
+        raise UserError(f"--diffusion_steps={a.diffusion_steps}: use 1 .. 1000")
+    if a.output_image is not None and not os.path.isdir(os.path.dirname(
+            os.path.abspath(a.output_image))):
+        raise UserError(f"--output_image={a.output_image}: its directory does not exist")
 
     from mmjax.data.layout import check_sample
     from mmjax.data.assemble import assemble
@@ -127,6 +149,10 @@ def main(argv=None) -> int:
                                                 _bound("llava_source.audio_processor"))
     chat = ChatFormat(tok, _bound("llava_source.chat_template"),
                       _bound("llava_source.loss_on", "assistant"))
+    vae_path = _bound("vae.path")
+    if a.output_image is not None and (cfg.generator is None or not vae_path):
+        raise UserError("--output_image: the run has no image output (its model has no "
+                        "generator or its config.gin no vae.path)")
     sample = prompt_sample(tok, chat, image_proc, audio_proc, a.prompt, a.image, a.audio)
     why = check_sample(sample, layout)
     if why:
@@ -138,8 +164,37 @@ def main(argv=None) -> int:
                                          if tok.tok.token_to_id(t) is not None}
     ids = generate(model, batch, prompt_len, a.max_new_tokens, tuple(stop), a.temperature,
                    a.top_p, a.seed, vocab=tok.vocab_size)
-    print(tok.decode(ids))
+    reply = tok.decode(ids)
+    print(reply)
+    if a.output_image is not None:
+        draw(a, model, cfg, layout, tok, chat, image_proc, audio_proc, reply, vae_path)
     return 0
+
+
+def draw(a, model, cfg, layout, tok, chat, image_proc, audio_proc, reply: str,
+         vae_path: str) -> None:
+    """The exchange as training renders it, then the image-output queries: the DiT samples
+    latents conditioned on the LLM's states there; the VAE decodes them to a PNG."""
+    from PIL import Image
+
+    from mmjax.data.assemble import assemble
+    from mmjax.models.hf.vae import load_vae_safetensors
+    from mmjax.models.image_generation import generate_images
+    from mmjax.train.inputs import model_inputs
+
+    g = layout.gen
+    sample = prompt_sample(tok, chat, image_proc, audio_proc, a.prompt, a.image, a.audio,
+                           reply=reply, image_out=(g.latent_shape, g.num_queries))
+    try:
+        vae, vae_cfg = load_vae_safetensors(vae_path)
+    except (FileNotFoundError, ValueError) as e:
+        raise UserError(f"vae.path={vae_path!r}: {e}") from None
+    batch = model_inputs(assemble([sample], layout))
+    pixels = generate_images(model, vae, batch, a.seed, a.diffusion_steps, a.sampler,
+                             llm_mask_family=layout.llm_mask_family)
+    Image.fromarray(pixels[0]).save(a.output_image, format="PNG")
+    side = pixels.shape[1]
+    print(f"wrote {a.output_image} ({side} x {side}, {a.sampler} {a.diffusion_steps} steps)")
 
 
 if __name__ == "__main__":

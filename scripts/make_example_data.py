@@ -6,7 +6,9 @@
 OUT/train.json (LLaVA records: multi-turn, system prompts, two images in one sample,
 text-only samples, and on purpose a corrupt and a missing image), OUT/images/*.jpg|png
 (varied sizes) and OUT/tokenizer/ (tokenizer.json + tokenizer_config.json with the Llama-3
-chat template). Train on it with configs/examples/llava_tiny.gin.
+chat template). Train on it with configs/examples/llava_tiny.gin. Also OUT/train_gen.json
+(records whose `output_image` the generator learns to draw) and OUT/vae/ (a tiny random
+diffusers AutoencoderKL): configs/examples/llava_gen_tiny.gin.
 """
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from mmjax.data.example_data import write_llava_example  # noqa: E402
+from mmjax.data.example_data import (write_generation_example,  # noqa: E402
+                                     write_llava_example)
 
 
 def main(argv=None) -> int:
@@ -31,6 +34,9 @@ def main(argv=None) -> int:
     print(f"wrote {a.num_samples + 3} records to {info['json']} (images in "
           f"{info['image_root']}, tokenizer in {info['tokenizer']}); "
           f"deliberately bad: {', '.join(info['bad'])}")
+    gen = write_generation_example(a.out, seed=a.seed + 1)
+    print(f"wrote image-generation records (output_image) to {gen['json']} and a tiny VAE "
+          f"to {gen['vae']} (configs/examples/llava_gen_tiny.gin)")
     return 0
 
 

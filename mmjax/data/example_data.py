@@ -118,3 +118,32 @@ def write_llava_example(out: str, num_samples: int = 48, seed: int = 0) -> dict:
     tok_dir = write_tokenizer(os.path.join(out, "tokenizer"), texts * 4)
     return {"json": json_path, "image_root": img_dir, "tokenizer": tok_dir,
             "bad": [r["id"] for r in bad]}
+
+
+def write_generation_example(out: str, num_samples: int = 16, seed: int = 1) -> dict:
+    """Image-generation records next to the LLaVA example: `out`/train_gen.json, where each
+    record asks for a picture and names it as its `output_image` (the generator's target),
+    and `out`/vae/ (a tiny random diffusers AutoencoderKL, 16 x 16 pixels -> 8 x 8 x 4
+    latents; `vae.path`). Train with configs/examples/llava_gen_tiny.gin."""
+    from PIL import Image
+
+    from mmjax.data.example_vae import write_tiny_vae
+
+    rng = np.random.default_rng(seed)
+    img_dir = os.path.join(out, "images")
+    os.makedirs(img_dir, exist_ok=True)
+    records = []
+    for i in range(num_samples):
+        colour = list(COLOURS)[i % len(COLOURS)]
+        shape = SHAPES[(i // len(COLOURS)) % len(SHAPES)]
+        name = f"gen_{i:04d}.png"
+        Image.fromarray(_picture(rng, 32, 32, colour, shape)).save(os.path.join(img_dir, name))
+        records.append({"id": f"gen-{i:04d}", "output_image": name, "conversations": [
+            {"from": "human", "value": f"Draw a {colour} {shape}."},
+            {"from": "gpt", "value": f"Here is a {colour} {shape}."}]})
+    json_path = os.path.join(out, "train_gen.json")
+    with open(json_path, "w") as f:
+        json.dump(records, f, indent=1)
+    vae_dir = os.path.join(out, "vae")
+    write_tiny_vae(vae_dir)
+    return {"json": json_path, "vae": vae_dir}

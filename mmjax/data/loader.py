@@ -70,7 +70,12 @@ class Loader:
     programs compile once, not once per new combination of balanced shapes.
     `num_workers` > 0 runs planning, decoding and assembly in grain worker processes; each
     holds `prefetch` (>= 2) global batches, and with 0 workers a thread prefetches
-    `prefetch` global batches, so the trainer finds the next one ready. Gin, e.g.:
+    `prefetch` global batches, so the trainer finds the next one ready.
+    `producers` > 0 starts that many preprocessing processes on this host (pinned to
+    `producer_cpus` if given), and `producer_addresses` ("HOST:PORT", each started with
+    `python -m mmjax.data.producer --listen=HOST:PORT`) attaches to producers elsewhere
+    (DistTrain §4.2, data/producer_pool.py): they build whole global batches, `prefetch`
+    each ahead of the trainer; the batches are the same as without them. Gin, e.g.:
     `Loader.balance = {"vision": "orchmllm", "audio": "orchmllm", "llm": "disttrain"}`.
     """
 
@@ -82,7 +87,8 @@ class Loader:
                  cp_method: str = "lpt", cp_block: int = 128, node_wise_method: str = "auto",
                  node_wise_time_limit: float = 0.2, node_wise_max_milp_ranks: int = 32,
                  hardware: str = "h100", shape_scan_steps: int = 16,
-                 local_devices: frozenset[int] | None = None):
+                 local_devices: frozenset[int] | None = None, producers: int = 0,
+                 producer_addresses=(), producer_cpus=(), producer_timeout: float = 300.0):
         if prefetch < 2:
             raise UserError(f"Loader.prefetch={prefetch}: use >= 2 (global batches prepared "
                             f"ahead, so planning and preprocessing stay off the training "
@@ -101,6 +107,20 @@ class Loader:
             seed=seed, reserve=reserve, shuffle=shuffle, host_id=host_id, num_hosts=num_hosts,
             feeds=feeds, cp_method=cp_method, cp_block=cp_block, node_wise=node_wise,
             hardware=hardware_by_name(hardware), local_devices=local_devices)
+        if producers < 0 or producer_timeout <= 0:
+            raise UserError(f"Loader.producers={producers} / producer_timeout="
+                            f"{producer_timeout}: use producers >= 0 and a timeout > 0 s")
+        if (producers or producer_addresses) and num_workers:
+            raise UserError("Loader.num_workers and Loader.producers / producer_addresses are "
+                            "both set: producers replace grain workers; keep one")
+        from mmjax.data.producer import endpoint
+        for a in producer_addresses:
+            try:
+                endpoint(a)
+            except ValueError as e:
+                raise UserError(f"Loader.producer_addresses: {e}") from None
+        self.producers, self.producer_addresses = producers, tuple(producer_addresses)
+        self.producer_cpus, self.producer_timeout = tuple(producer_cpus), producer_timeout
         self.num_workers, self.prefetch, self.num_steps = num_workers, prefetch, num_steps
         self.shape_scan_steps = shape_scan_steps
         if shape_scan_steps < 0:
@@ -118,13 +138,28 @@ class Loader:
             self._it.close()
             self._it = None
 
+    def stream(self, fn, step: int):
+        """Iterator of fn(s) for s = step, step + 1, ...: from producer processes when the
+        loader has them, else grain (worker processes or a prefetch thread). `fn` is the
+        builder or `builder.samples` (the single program's global batches)."""
+        if self.producers or self.producer_addresses:
+            from mmjax.data.producer_pool import ProducerPool
+            return ProducerPool(fn, step, self.num_steps, self.producers,
+                                self.producer_addresses, self.prefetch, self.producer_timeout,
+                                self.producer_cpus)
+        return self._grain(fn, step)
+
     def _start(self, step: int) -> None:
-        """(Re)build the grain pipeline from global batch `step` on. Global batches are a pure
+        """(Re)start the stream from global batch `step` on. Global batches are a pure
         function of the step, so the step is the whole iterator state: exact, and portable
-        across worker counts (grain's own multiprocess state is not)."""
-        import grain
+        across worker and producer counts (grain's own multiprocess state is not)."""
         self.close()
-        ds = grain.MapDataset.range(step, self.num_steps).map(self.builder)
+        self._it = self.stream(self.builder, step)
+        self.step = step
+
+    def _grain(self, fn, step: int):
+        import grain
+        ds = grain.MapDataset.range(step, self.num_steps).map(fn)
         it_ds = ds.to_iter_dataset(grain.ReadOptions(
             num_threads=1 if self.num_workers == 0 else 0, prefetch_buffer_size=self.prefetch))
         if self.num_workers > 0:
@@ -132,8 +167,7 @@ class Loader:
             it_ds = it_ds.mp_prefetch(grain.MultiprocessingOptions(
                 num_workers=self.num_workers, per_worker_buffer_size=self.prefetch),
                 worker_init_fn=_init_worker)
-        self._it = iter(it_ds)
-        self.step = step
+        return iter(it_ds)
 
     def __iter__(self):
         return self
@@ -147,8 +181,13 @@ class Loader:
         return gb
 
     def get_state(self) -> dict:
-        """JSON-able state (stored with the checkpoint): next step and the skip counter."""
-        return {"step": self.step, "skipped_samples": self.skipped_samples}
+        """JSON-able state (stored with the checkpoint): next step and the skip counter;
+        with producers also their positions (the steps each has in flight; a resume
+        restarts them all from `step`, whatever their number)."""
+        state = {"step": self.step, "skipped_samples": self.skipped_samples}
+        if hasattr(self._it, "positions"):
+            state["producers"] = self._it.positions()
+        return state
 
     def set_state(self, state: dict) -> None:
         self._start(int(state["step"]))

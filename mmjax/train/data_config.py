@@ -10,6 +10,7 @@ from mmjax.data.layout import AssemblyLayout
 from mmjax.data.sources import configured_source
 from mmjax.data.synthetic import SyntheticConfig, SyntheticDataset
 from mmjax.models.config import MLLMConfig
+from mmjax.train.vae_latents import output_image_encoder
 
 
 @gin.configurable
@@ -51,4 +52,5 @@ def train_source(cfg):
 def layout_and_source(cfg: MLLMConfig, tok):
     """The layout (with the tokenizer's special ids) and the configured real source."""
     layout = data_layout(cfg, special=tok.special_tokens() if tok is not None else None)
-    return layout, configured_source(cfg, tok)
+    out = output_image_encoder(cfg, layout.gen.num_queries) if layout.gen is not None else None
+    return layout, configured_source(cfg, tok, out)

@@ -72,6 +72,9 @@ class LoaderBatches:
             int(hw["gen"]))
 
     def __next__(self):
+        if self._it is None and (self.loader.producers or self.loader.producer_addresses):
+            # producer processes build the samples (DistTrain §4.2), as for a plan
+            self._it = self.loader.stream(self.builder.samples, self.next_batch)
         if self._it is None:
             import grain
 

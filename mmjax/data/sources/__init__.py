@@ -36,16 +36,17 @@ def llava_source(model: MLLMConfig, tokenizer, json_path: str | None = None,
                  image_root: str = "", audio_root: str | None = None,
                  chat_template: str | None = None, loss_on: str = "assistant",
                  image_processor: str | None = None, audio_processor: str | None = None,
-                 index_workers: int = 8):
+                 index_workers: int = 8, output_images=None):
     """A `LlavaSource` when `llava_source.json_path` is set, else None. `chat_template`:
-    None uses the tokenizer's, or "llama3" / "qwen2" / "plain" / a Jinja string."""
+    None uses the tokenizer's, or "llama3" / "qwen2" / "plain" / a Jinja string;
+    `output_images`: the VAE latent encoder for records with an `output_image`."""
     if not json_path:
         return None
     from mmjax.data.sources.llava import LlavaSource
 
     img, aud = default_processors(model, image_processor, audio_processor)
     return LlavaSource(json_path, tokenizer, img, aud, image_root, audio_root, chat_template,
-                       loss_on, index_workers)
+                       loss_on, index_workers, output_images)
 
 
 @gin.configurable
@@ -61,9 +62,10 @@ def webdataset_source(model: MLLMConfig, tokenizer, urls=None, chat_template: st
     return WebDatasetSource(urls, tokenizer, img, aud, chat_template, loss_on, index_workers)
 
 
-def configured_source(model: MLLMConfig, tokenizer):
+def configured_source(model: MLLMConfig, tokenizer, output_images=None):
     """The gin-configured real-data source (LLaVA or WebDataset), or None."""
-    llava, wds = llava_source(model, tokenizer), webdataset_source(model, tokenizer)
+    llava = llava_source(model, tokenizer, output_images=output_images)
+    wds = webdataset_source(model, tokenizer)
     if llava is not None and wds is not None:
         raise ValueError("both llava_source.json_path and webdataset_source.urls are set: "
                          "keep one")

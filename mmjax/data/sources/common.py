@@ -4,7 +4,8 @@ decoded on demand (no JAX). Shared by the LLaVA and WebDataset sources.
 A record is JSON-able: {"id", "images": [ref], "audio": [ref], "conversations": [...]}; a
 ref is a file path or ["tar", shard, offset, size] (a member of a tar shard). The index
 entry of a record is {"pieces": [["text", L, num_masked] | ["image", h, w] |
-["audio", num_samples], ...]} in LLM order, or {"problem": "kind: why"} for a record that
+["audio", num_samples] | ["image_out", h, w], ...]} in LLM order (an `output_image`, the
+generator's target, last), or {"problem": "kind: why"} for a record that
 cannot be used (missing or unreadable file, placeholder count mismatch, bad conversation):
 the loader skips it, counts it and names it (`skipped.jsonl`).
 """
@@ -92,6 +93,15 @@ class EntryBuilder:
                 pieces.append(["image", *next(im)])
             else:
                 pieces.append(["audio", next(au)])
+        out = rec.get("output_image")
+        if out is not None:  # the generator's target, after the conversation
+            try:
+                with open_ref(out) as f, Image.open(f) as img:
+                    pieces.append(["image_out", img.height, img.width])
+            except FileNotFoundError:
+                return {"problem": f"missing: output_image {ref_name(out)} not found"}
+            except Exception as e:
+                return {"problem": f"unreadable: output_image {ref_name(out)}: {e}"}
         return {"pieces": pieces}
 
 
@@ -100,7 +110,7 @@ class ChatRecordSource:
 
     def __init__(self, records: list[dict], tokenizer, chat_template, loss_on: str,
                  image_processor, audio_processor, index_path: str, data_key,
-                 index_workers: int = 8):
+                 index_workers: int = 8, output_images=None):
         if tokenizer is None:
             raise ValueError("a LLaVA / WebDataset source needs a tokenizer: set tokenizer.path "
                              "to a directory with tokenizer.json and tokenizer_config.json")
@@ -113,6 +123,15 @@ class ChatRecordSource:
                         audio_processor.sampling_rate, 1)
         self.entries = cached_index(index_path, key, records, self.builder, index_workers,
                                     label=f"indexing {len(records)} records")
+        # `output_images`: image -> generator latents [C, h, w] (train/vae_latents.py's
+        # LatentEncoder: a frozen VAE on this process's CPU), with `latent_shape` and
+        # `num_queries`; needed when a record names an `output_image`
+        self.output_images = output_images
+        n_out = sum(1 for r in records if r.get("output_image") is not None)
+        if n_out and output_images is None:
+            raise ValueError(f"{n_out} record(s) name an output_image (a generation target) "
+                             f"but no VAE encodes them: set vae.path to a diffusers "
+                             f"AutoencoderKL directory (and use a model with a generator)")
 
     def __len__(self) -> int:
         return len(self.records)
@@ -131,6 +150,9 @@ class ChatRecordSource:
             elif piece[0] == "image":
                 h, w = self.image_processor.output_size(piece[1], piece[2])
                 out.append(("image", (h, w, 3), 0))
+            elif piece[0] == "image_out":
+                enc = self.output_images
+                out.append(("image_out", enc.latent_shape, enc.num_queries))
             else:
                 frames = self.audio_processor.num_frames(piece[1], "longest")
                 out.append(("audio", (frames, self.audio_processor.feature_size), 0))
@@ -141,7 +163,8 @@ class ChatRecordSource:
         return self.load_parts(index, None)
 
     def load_parts(self, index: int, modalities) -> Sample:
-        """Record `index` with only the files of `modalities` ("image", "audio"; None: all)
+        """Record `index` with only the files of `modalities` ("image", "audio", "image_out";
+        None: all)
         decoded; the others are zeros of their indexed shapes, not read (a host whose
         devices hold only the LLM or another encoder of this sample, data/global_batch.py)."""
         from PIL import Image
@@ -180,4 +203,18 @@ class ChatRecordSource:
                 raise DecodeError(f"decode: {kind} {ref_name(ref)}: {type(e).__name__}: {e}"
                                   ) from None
             segs.append(Segment(kind, np.ascontiguousarray(data, np.float32)))
+        out = rec.get("output_image")
+        if out is not None:
+            enc = self.output_images
+            if modalities is not None and "image_out" not in modalities:
+                data = np.zeros(enc.latent_shape, np.float32)
+            else:
+                try:
+                    with open_ref(out) as f, Image.open(f) as im:
+                        im.load()
+                        data = enc(im)
+                except Exception as e:  # PIL raises many types on bad files
+                    raise DecodeError(f"decode: output_image {ref_name(out)}: "
+                                      f"{type(e).__name__}: {e}") from None
+            segs.append(Segment("image_out", data, num_queries=enc.num_queries))
         return Sample(int(index), tuple(segs))

@@ -3,7 +3,9 @@
 Each record: `id`, optional `image` (a path or a list of paths, relative to `image_root`),
 optional `audio` (likewise, relative to `audio_root`), and `conversations`: turns
 {"from": "human" | "gpt" | "system", "value": ...} with one `<image>` / `<audio>`
-placeholder per file, where that file's tokens go.
+placeholder per file, where that file's tokens go; optional `output_image` (one path,
+relative to `image_root`): the image the generator learns to produce after the conversation
+(its VAE latents, K query tokens after the last turn; needs `vae.path`).
 """
 from __future__ import annotations
 
@@ -21,6 +23,12 @@ def _paths(value, root: str, field: str, where: str) -> list[str]:
     if not isinstance(items, list) or not all(isinstance(v, str) for v in items):
         raise ValueError(f"{where}: `{field}` must be a path or a list of paths")
     return [v if os.path.isabs(v) else os.path.join(root, v) for v in items]
+
+
+def _output(value, root: str, where: str) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"{where}: `output_image` must be one path (the image to generate)")
+    return None if value is None else _paths(value, root, "output_image", where)[0]
 
 
 def read_llava(json_path: str, image_root: str = "", audio_root: str | None = None
@@ -48,7 +56,8 @@ def read_llava(json_path: str, image_root: str = "", audio_root: str | None = No
         records.append({"id": str(r.get("id", k)),
                         "images": _paths(r.get("image"), image_root, "image", where),
                         "audio": _paths(r.get("audio"), audio_root, "audio", where),
-                        "conversations": r.get("conversations")})
+                        "conversations": r.get("conversations"),
+                        "output_image": _output(r.get("output_image"), image_root, where)})
     return records
 
 
@@ -58,11 +67,11 @@ class LlavaSource(ChatRecordSource):
     def __init__(self, json_path: str, tokenizer, image_processor, audio_processor,
                  image_root: str = "", audio_root: str | None = None,
                  chat_template: str | None = None, loss_on: str = "assistant",
-                 index_workers: int = 8):
+                 index_workers: int = 8, output_images=None):
         records = read_llava(json_path, image_root, audio_root)
         data_key = (file_digest(json_path), os.path.abspath(image_root or "."),
                     os.path.abspath(audio_root or image_root or "."),
                     type(image_processor).__name__)
         super().__init__(records, tokenizer, chat_template, loss_on, image_processor,
                          audio_processor, json_path + ".mmjax_index.json", data_key,
-                         index_workers)
+                         index_workers, output_images)

@@ -8,6 +8,7 @@ checkpoints into mmjax's NNX modules and writes trained ones back.
 - `llm`: Llama / Mistral / Qwen2 decoders (both config layouts, llama3 RoPE scaling).
 - `vision`: CLIP / SigLIP vision towers (`models.vit.StandardViT`).
 - `whisper`: the Whisper encoder (`models.audio.AudioEncoder`).
+- `vae`: diffusers' AutoencoderKL (`models.vae.AutoencoderKL`, the generator's frozen VAE).
 - `dispatch`: `load(path) -> (module, config)`, `hf_forward(module, **hf_inputs)`.
 - `pretrained`: loading checkpoints into a `MultimodalModel` or pipeline stages.
 """
@@ -25,3 +26,5 @@ from mmjax.models.hf.vision import (export_vit_safetensors, load_vit_safetensors
 from mmjax.models.hf.whisper import (audio_config_from_hf, audio_config_to_hf,
                                      export_whisper_encoder_safetensors,
                                      load_whisper_encoder_safetensors, whisper_entries)
+from mmjax.models.hf.vae import (export_vae_safetensors, load_vae_safetensors,
+                                 vae_config_from_hf, vae_config_to_hf, vae_entries)

@@ -1,0 +1,77 @@
+"""Where the generator's frozen VAE encodes target images: on CPU in the data path (the
+host's or the producers' cores) or on an accelerator (no JAX).
+
+DistTrain treats a frozen module as a unit the planner places; for the VAE the choice is
+between CPU time, which the producers overlap with the step (DistTrain §4.2: it costs the
+step only what exceeds the step time), and accelerator time, which is fast but sits on the
+critical path of the devices it runs on. Costs per training step, analytic (DistTrain §5.1:
+time = FLOPs / achieved throughput, transfer = bytes / bandwidth):
+- host: images x encoder FLOPs / (cores x per-core CPU rate), minus the step time it hides
+  behind (clipped at 0);
+- device: images x encoder FLOPs / (accelerator peak x efficiency at the VAE's width), plus
+  the pixels' host-to-device copy (float32) at `pcie_bw`.
+The smaller cost wins (host on a tie: it keeps the accelerators for training).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mmjax.planner.hardware import Hardware
+
+CPU_FLOPS_PER_CORE = 50e9  # fp32 convolutions, one AVX-512 server core, achieved
+PCIE_BW = 25e9  # host -> device, bytes/s (PCIe 4 x16, achieved)
+PLACEMENTS = ("auto", "host", "device")
+
+
+def vae_encoder_flops(block_out_channels, layers_per_block: int, in_channels: int,
+                      latent_channels: int, side: int, attention: bool = True) -> float:
+    """Multiply-adds x 2 of diffusers' AutoencoderKL encoder (+ quant_conv) on one
+    side x side image (models/vae.py's layout)."""
+    def conv(h, cin, cout, k):
+        return 2.0 * h * h * k * k * cin * cout
+
+    ch = list(block_out_channels)
+    h, flops = side, conv(side, in_channels, ch[0], 3)
+    for i, c in enumerate(ch):
+        for j in range(layers_per_block):
+            cin = ch[max(i - 1, 0)] if j == 0 else c
+            flops += conv(h, cin, c, 3) + conv(h, c, c, 3) + (conv(h, cin, c, 1) if cin != c else 0)
+        if i < len(ch) - 1:
+            h //= 2
+            flops += conv(h, c, c, 3)
+    c = ch[-1]
+    flops += 2 * (conv(h, c, c, 3) * 2)  # two mid-block ResNets
+    if attention:
+        n = h * h
+        flops += 4 * 2.0 * n * c * c + 2 * 2.0 * n * n * c
+    flops += conv(h, c, 2 * latent_channels, 3) + conv(h, 2 * latent_channels,
+                                                        2 * latent_channels, 1)
+    return flops
+
+
+@dataclass(frozen=True)
+class VAEPlacement:
+    placement: str  # "host" or "device"
+    host_s: float  # cost to the step, seconds
+    device_s: float
+    reason: str
+
+
+def choose_vae_placement(images_per_step: int, flops_per_image: float, side: int,
+                         hardware: Hardware, cpu_cores: int, step_time_s: float = 0.0,
+                         num_devices: int = 1, channel_width: int = 512,
+                         cpu_flops_per_core: float = CPU_FLOPS_PER_CORE,
+                         pcie_bw: float = PCIE_BW) -> VAEPlacement:
+    """The cheaper placement for one training step (see the module doc)."""
+    if images_per_step <= 0:
+        return VAEPlacement("host", 0.0, 0.0, "no images to encode")
+    work = images_per_step * flops_per_image
+    cpu = work / (max(cpu_cores, 1) * cpu_flops_per_core)
+    host = max(0.0, cpu - step_time_s)
+    rate = hardware.peak_flops * hardware.efficiency(channel_width) * max(num_devices, 1)
+    device = work / rate + images_per_step * side * side * 3 * 4 / pcie_bw
+    choice = "host" if host <= device else "device"
+    return VAEPlacement(choice, host, device,
+                        f"host {host * 1e3:.1f} ms/step ({cpu * 1e3:.1f} ms on {cpu_cores} "
+                        f"core(s), {step_time_s * 1e3:.0f} ms hidden by the step) vs device "
+                        f"{device * 1e3:.1f} ms/step on {hardware.name}")
