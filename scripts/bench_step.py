@@ -38,6 +38,7 @@ import jax.numpy as jnp
 from rich.console import Console
 from rich.table import Table
 
+from mmjax.cli import write_json
 from mmjax.data.data_spec import sample_workload
 from mmjax.host_info import machine
 from mmjax.planner.costs import unit_costs
@@ -222,10 +223,7 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     record = run(args)
     show(Console(width=120), record)
-    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(record, f, indent=2)
-    print(f"wrote {args.json}")
+    write_json(args.json, record)
     return record
 
 

@@ -10,7 +10,6 @@ the assumed efficiency curve (planner/hardware_profile.py).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -37,6 +36,7 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     widths, tokens = _ints(args.widths), _ints(args.tokens)
 
+    from mmjax.cli import write_json
     from mmjax.planner.profile import profile_hardware
 
     def show(p):
@@ -44,10 +44,8 @@ def main(argv=None) -> dict:
               f"fwd {p['fwd_s'] * 1e3:8.3f} ms  bwd {p['bwd_s'] * 1e3:8.3f} ms", flush=True)
 
     prof = profile_hardware(widths, tokens, repeats=args.repeats, on_point=show)
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(prof, f, indent=2)
-    print(f"wrote {args.out} ({len(prof['points'])} points on {prof['device']})")
+    write_json(args.out, prof)
+    print(f"{len(prof['points'])} points on {prof['device']}")
     return prof
 
 
