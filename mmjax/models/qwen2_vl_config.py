@@ -7,6 +7,8 @@ Qwen2.5-VL's (RMSNorm blocks, gated SiLU MLP, window attention except in
 """
 from __future__ import annotations
 
+import numpy as np
+
 from mmjax.errors import UserError
 
 
@@ -57,3 +59,61 @@ def check_mrope(section, head_dim: int) -> None:
 def merged_grid(height: int, width: int, patch_size: int, merge: int) -> tuple[int, int]:
     """An image's LLM token grid (rows, cols) = patch grid / merge."""
     return height // patch_size // merge, width // patch_size // merge
+
+
+def patch_positions(grid_h: int, grid_w: int, merge: int):
+    """(row, col) [gh * gw, 2] of an image's patches in HF's order: merge x merge blocks
+    row-major, the patches of a block consecutive (HF `get_vision_position_ids`)."""
+    rows, cols = np.meshgrid(np.arange(grid_h), np.arange(grid_w), indexing="ij")
+    block = (grid_h // merge, merge, grid_w // merge, merge)
+    order = lambda a: a.reshape(block).transpose(0, 2, 1, 3).reshape(-1)
+    return np.stack([order(rows), order(cols)], axis=-1).astype(np.int32)
+
+
+def vision_token_positions(start: int, merged_h: int, merged_w: int):
+    """M-RoPE (t, h, w) [n, 3] of one image's LLM tokens starting at text position `start`
+    (t = start, h = start + row, w = start + col); the text after it resumes at
+    start + max(merged_h, merged_w) (HF `get_rope_index`)."""
+    rows, cols = np.meshgrid(np.arange(merged_h), np.arange(merged_w), indexing="ij")
+    t = np.full(merged_h * merged_w, start)
+    return np.stack([t, start + rows.reshape(-1), start + cols.reshape(-1)], -1).astype(np.int32)
+
+
+def mrope_positions(input_ids, mm_token_type_ids, image_grid_thw, merge: int,
+                    attention_mask=None):
+    """HF `Qwen2VLModel.get_rope_index` for text and images: [B, S, 3] positions. Runs of
+    text count up by one; each run of image tokens takes the next grid of image_grid_thw
+    (`vision_token_positions`). Masked positions (attention_mask 0) stay 0."""
+    ids = np.asarray(input_ids)
+    kinds = np.asarray(mm_token_type_ids)
+    mask = np.ones_like(ids) if attention_mask is None else np.asarray(attention_mask)
+    grids = iter(np.asarray(image_grid_thw).reshape(-1, 3).tolist())
+    out = np.zeros(ids.shape + (3,), np.int32)
+    for b in range(ids.shape[0]):
+        keep = np.flatnonzero(mask[b])
+        kind = kinds[b, keep]
+        pos, cur, i = [], 0, 0
+        while i < len(kind):
+            j = i
+            while j < len(kind) and kind[j] == kind[i]:
+                j += 1
+            if kind[i] == 0:
+                pos.append(np.repeat(np.arange(cur, cur + j - i)[:, None], 3, 1))
+                cur += j - i
+            elif kind[i] == 1:
+                t, h, w = next(grids)
+                if t != 1:
+                    raise ValueError(f"image_grid_thw: t={t}; images have t=1 (videos are "
+                                     f"not supported by mmjax's Qwen2-VL)")
+                if (j - i) != (h // merge) * (w // merge):
+                    raise ValueError(f"row {b}: {j - i} image tokens but image_grid_thw "
+                                     f"({t}, {h}, {w}) gives {(h // merge) * (w // merge)}")
+                pos.append(vision_token_positions(cur, h // merge, w // merge))
+                cur += max(h, w) // merge
+            else:
+                raise ValueError("mm_token_type_ids: video tokens (2) are not supported by "
+                                 "mmjax's Qwen2-VL; images (1) and text (0) only")
+            i = j
+        if pos:
+            out[b, keep] = np.concatenate(pos)
+    return out
