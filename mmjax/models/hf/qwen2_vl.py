@@ -234,8 +234,7 @@ def _text_fields(cfg: MLLMConfig) -> dict:
     return {"vocab_size": llm.vocab_size, "hidden_size": llm.hidden_size,
             "intermediate_size": llm.ffn_size, "num_hidden_layers": llm.num_layers,
             "num_attention_heads": llm.num_heads, "num_key_value_heads": llm.num_kv_heads,
-            "rms_norm_eps": llm.norm_eps, "hidden_act": "silu", "use_sliding_window": False,
-            "tie_word_embeddings": llm.tie_embeddings}
+            "rms_norm_eps": llm.norm_eps, "hidden_act": "silu", "use_sliding_window": False}
 
 
 def _vision_fields(kind: str, cfg: MLLMConfig) -> dict:
@@ -277,6 +276,8 @@ def qwen2_vl_config_to_hf(cfg: MLLMConfig, config_format: str = "nested",
         raise ValueError(f"config_format={config_format!r}: use one of {CONFIG_FORMATS}")
     vision.setdefault("model_type", kind + "_vision")
     text = dict(out.get("text_config") or {"model_type": kind + "_text"}, **_text_fields(cfg))
+    if cfg.llm.tie_embeddings or "tie_word_embeddings" in text:  # where transformers puts it
+        text["tie_word_embeddings"] = cfg.llm.tie_embeddings
     rope = dict(text.get("rope_parameters") or {"rope_type": "default"})
     rope.update(rope_theta=cfg.llm.rope_theta, mrope_section=list(cfg.llm.mrope_section))
     text["rope_parameters"] = rope
