@@ -207,3 +207,19 @@ def test_video_inputs_refused(loaded):
     with pytest.raises(ValueError, match="t=2"):
         hf.hf_forward(model, input_ids=ref["input_ids"], pixel_values=ref["pixel_values"],
                       image_grid_thw=grids)
+
+
+def test_export_model_writes_whole_checkpoint(loaded, tmp_path):
+    """scripts/export_hf.py's export of a Qwen2-VL-shaped run: one whole checkpoint in
+    out/model with transformers 5's save_pretrained names, loading back to the same
+    parameters."""
+    from mmjax.train.export import export_model
+
+    model, cfg = loaded[("qwen2_vl", "tf5names")]
+    written = export_model(cfg, _pure(model), tmp_path)
+    assert written == {"model": tmp_path / "model"}
+    src, out = _tensors(_dir("qwen2_vl", "tf5")), _tensors(tmp_path / "model")
+    assert sorted(src) == sorted(out)
+    assert all(np.array_equal(src[k], out[k]) for k in src)
+    again, again_cfg = hf.load(tmp_path / "model")
+    assert again_cfg == cfg
