@@ -51,7 +51,8 @@ def processor_from_config(conf: dict):
     if "Whisper" in kind or ("n_fft" in conf and "feature_size" in conf):
         return WhisperFeatureExtractor(**{k: conf[k] for k in WhisperFeatureExtractor.KEYS
                                           if k in conf})
-    if "Qwen2VL" in kind or "Qwen2_5_VL" in kind or {"merge_size", "temporal_patch_size"} <= set(conf):
+    qwen = {"merge_size", "temporal_patch_size"} <= set(conf)
+    if "Qwen2VL" in kind or "Qwen2_5_VL" in kind or qwen:
         from mmjax.data.qwen2_vl_processor import Qwen2VLImageProcessor  # it builds on this module
         return Qwen2VLImageProcessor(**{k: conf[k] for k in Qwen2VLImageProcessor.KEYS
                                         if k in conf})

@@ -15,7 +15,8 @@ def default_processors(model: MLLMConfig, image_processor: str | None,
     """The configured processors, or the model's own: for a standard ViT (kind="vit") CLIP's
     (shortest edge to `image_size`, centre crop to `image_size` squared, CLIP mean/std, as
     LLaVA feeds CLIP ViT-L/14-336), for the packed ViT its native-aspect resize (its patch
-    size and grid), for Qwen2-VL its own processor (smart resize, CLIP mean/std), and a Whisper extractor with the audio encoder's mel bins."""
+    size and grid), for Qwen2-VL its own processor (smart resize, CLIP mean/std), and a
+    Whisper extractor with the audio encoder's mel bins."""
     vision = [e.encoder for e in model.encoders if isinstance(e.encoder, VisionConfig)]
     audio = [e.encoder for e in model.encoders if not isinstance(e.encoder, VisionConfig)]
     if image_processor:
