@@ -1,10 +1,21 @@
 """Qwen2-VL inside mmjax's training path: the assembled buffers are HF's (patch order,
 features, M-RoPE positions) and pipelined / data-parallel / context-parallel plans give
 the single-device reference's loss and gradients (the invariant of docs/design.md)."""
+import os
+
+import jax
 import numpy as np
 import pytest
+from flax import nnx
 
-from helpers import check, global_batch, make_cfg
+from helpers import assert_same_grads, check, global_batch, make_cfg
+from mmjax.data.feed import microbatch_feed
+from mmjax.models import hf
+from mmjax.models.mllm import MultimodalModel, trainable_filter
+from mmjax.pipeline.reference_layout import to_reference_layout
+from mmjax.pipeline.runtime import PipelineRuntime
+from mmjax.train.inputs import model_inputs
+from mmjax.train.step import make_loss_fn, split_model
 from mmjax.data.assemble import assemble
 from mmjax.data.qwen2_vl_processor import patchify
 from mmjax.models.qwen2_vl_config import mrope_positions, patch_positions
@@ -71,3 +82,45 @@ def test_plans_match_reference(cfg25, reference_cache, kw):
     tower and the LLM, DP, CP: loss within 1e-5 and every gradient within 1e-5 relative of
     the single-device model on the same global batch."""
     check(cfg25, Plan.uniform(cfg25, 8, 2, **kw), packing="pack", cache=reference_cache)
+
+
+QWEN25_DIR = os.path.join(os.path.dirname(__file__), "data", "qwen2_vl", "qwen2_5_vl_tf5names")
+
+
+def _pretrained(cfg_base):
+    dirs = {"llm": QWEN25_DIR, "vision": QWEN25_DIR}
+    return dirs, hf.prepare_pretrained(cfg_base, dirs)
+
+
+def test_pretrained_units_from_a_whole_checkpoint():
+    """`pretrained.llm` / `pretrained.vision` = one whole Qwen2.5-VL checkpoint: the configs
+    (tower, merger projector, M-RoPE LLM) come from its config.json and the model holds
+    exactly the weights `hf.load` gives (the merger's MLP included)."""
+    dirs, cfg = _pretrained(make_cfg(tiny_qwen2_vl))
+    whole, whole_cfg = hf.load(QWEN25_DIR)
+    assert cfg.llm == whole_cfg.llm and cfg.encoders == whole_cfg.encoders
+    mdl = nnx.eval_shape(lambda: MultimodalModel(cfg, jax.random.key(0)))
+    hf.load_into_model(mdl, dirs["llm"], {"vision": dirs["vision"]})
+    pure = lambda m: jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(m, nnx.Param)))
+    jax.tree.map(np.testing.assert_array_equal, pure(mdl), pure(whole))
+
+
+@pytest.mark.slow
+def test_pretrained_pipeline_stages_match_single_device():
+    """Each stage of a pp-2 tower (window and full blocks split) and a pp-2 LLM reads its
+    own part of the whole checkpoint (the merger on the tower's last stage): loss and
+    gradients equal the single-device model loaded with `load_into_model`."""
+    dirs, cfg = _pretrained(make_cfg(tiny_qwen2_vl))
+    lay, samples = global_batch(cfg, 4, packing="pack")
+    mdl = MultimodalModel(cfg, jax.random.key(0))
+    hf.load_into_model(mdl, dirs["llm"], {"vision": dirs["vision"]})
+    gd, tr, fr = split_model(mdl, trainable_filter(cfg))
+    (ref_loss, _), ref_grads = jax.jit(jax.value_and_grad(make_loss_fn(gd), has_aux=True))(
+        tr, fr, model_inputs(assemble(samples, lay)))
+    plan = Plan.uniform(cfg, 4, 2, pp={"vision": 2, "llm": 2})
+    rt = PipelineRuntime(cfg, plan, pretrained=dirs)
+    feeds = [microbatch_feed(samples[m * 2:(m + 1) * 2], lay, {u.name: u.dp for u in plan.units})
+             for m in range(2)]
+    res = rt.run(feeds)
+    np.testing.assert_allclose(res.losses()["loss"], float(ref_loss), rtol=1e-5)
+    assert_same_grads(to_reference_layout(plan, res.pure_grads()), nnx.to_pure_dict(ref_grads))
