@@ -376,11 +376,10 @@ def qwen2_vl_forward(model, input_ids, pixel_values=None, image_grid_thw=None,
 
 
 def is_qwen2_vl_dir(path) -> bool:
-    """Is `path` a whole Qwen2-VL / Qwen2.5-VL checkpoint directory?"""
-    try:
-        return model_type_of(read_config(path)) is not None
-    except FileNotFoundError:
+    """Is `path` a whole Qwen2-VL / Qwen2.5-VL checkpoint directory (with config.json)?"""
+    if isinstance(path, (list, tuple)) or not (Path(path) / "config.json").is_file():
         return False
+    return model_type_of(read_config(path)) is not None
 
 
 def _relative(entries: list[Entry], root: tuple, start: int = 0) -> list[Entry]:
