@@ -20,9 +20,9 @@ from mmjax.models.config import AudioConfig, MLLMConfig, VisionConfig
 from mmjax.models.hf.checkpoint import LoadPlan, _flatten, _set, apply_to_module, read_config
 from mmjax.models.hf.dispatch import config_for, load_pure, model_type
 from mmjax.models.hf.llm import LLM_TYPES, check_tied_head, llm_load_plan
-from mmjax.models.hf.qwen2_vl import (is_qwen2_vl_dir, qwen2_vl_check_tied,
-                                      qwen2_vl_config_from_hf, qwen2_vl_projector_plan,
-                                      qwen2_vl_unit_plan)
+from mmjax.models.hf.qwen2_vl import qwen2_vl_config_from_hf
+from mmjax.models.hf.qwen2_vl_pretrained import (is_qwen2_vl_dir, qwen2_vl_check_tied,
+                                                 qwen2_vl_projector_plan, qwen2_vl_unit_plan)
 from mmjax.models.hf.vision import VISION_TYPES, vit_load_plan
 from mmjax.models.hf.whisper import whisper_load_plan
 
