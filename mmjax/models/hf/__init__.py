@@ -8,7 +8,8 @@ checkpoints into mmjax's NNX modules and writes trained ones back.
 - `llm`: Llama / Mistral / Qwen2 decoders (both config layouts, llama3 RoPE scaling).
 - `vision`: CLIP / SigLIP vision towers (`models.vit.StandardViT`).
 - `whisper`: the Whisper encoder (`models.audio.AudioEncoder`).
-- `qwen2_vl`: whole Qwen2-VL / Qwen2.5-VL checkpoints <-> `MultimodalModel` (both layouts).
+- `qwen2_vl`: whole Qwen2-VL / Qwen2.5-VL checkpoints <-> `MultimodalModel` (both layouts);
+  `qwen2_vl_pretrained`: such a checkpoint as the pretrained LLM / tower of a training run.
 - `dispatch`: `load(path) -> (module, config)`, `hf_forward(module, **hf_inputs)`.
 - `pretrained`: loading checkpoints into a `MultimodalModel` or pipeline stages.
 """
