@@ -18,6 +18,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 LAYERS = ("host", "models", "parallel", "pipeline", "train", "launch")
 HOST_MODULES = ("mmjax.models.config", "mmjax.models.named", "mmjax.models.tiny",
+                "mmjax.models.qwen2_vl_config",
                 "mmjax.pipeline.stage_graph", "mmjax.pipeline.dependencies",
                 "mmjax.pipeline.schedule", "mmjax.pipeline.simulate",
                 "mmjax.parallel.token_distribution")

@@ -28,7 +28,9 @@ import numpy as np
 from mmjax.data.batch_shapes import (BatchShapes, audio_frames, image_runs, batch_shapes,
                                      pack_images, pack_rows)
 from mmjax.data.layout import AssemblyLayout, EncoderSlot, check_sample
+from mmjax.data.qwen2_vl_processor import patchify as qwen_patchify
 from mmjax.data.sample import AUDIO_STRIDE, Sample, SampleMeta
+from mmjax.models.qwen2_vl_config import merged_grid, patch_positions, vision_token_positions
 
 
 @dataclass
@@ -164,7 +166,9 @@ class _Rows:
         b, s = shapes.rows, layout.seq_len
         self.layout, self.shapes, self.gen, self.enc_out, self.place = (
             layout, shapes, gen, enc_out, place)
-        self.tokens, self.positions = np.zeros((b, s), np.int32), np.zeros((b, s), np.int32)
+        self.tokens = np.zeros((b, s), np.int32)
+        self.positions = np.zeros((b, s, 3) if layout.mrope else (b, s), np.int32)
+        self.images: list[tuple[int, int, int]] = []  # this document's (col, rows, cols)
         self.doc, self.sub = np.zeros((b, s), np.int32), np.zeros((b, s), np.int32)
         self.bam = np.zeros((b, s), np.int64)
         self.is_text = np.zeros((b, s), bool)
@@ -184,6 +188,7 @@ class _Rows:
     def put_document(self, sample: Sample, row: int) -> tuple[int, int]:
         """Write `sample` after the row's last document; -> (row, document id)."""
         col0 = col = self.fill[row]
+        self.images = []
         self.docs[row] += 1
         doc_id, sp = self.docs[row], self.layout.special
         wrappers = all(s.num_masked == 0 for s in sample.segments)
@@ -199,7 +204,10 @@ class _Rows:
             col = self._text(row, col, [end], wrappers)
         col = self._text(row, col, [sp.eos], wrappers)
         self.doc[row, col0:col] = doc_id
-        self.positions[row, col0:col] = np.arange(col - col0)
+        if self.layout.mrope:
+            self.positions[row, col0:col] = _mrope_positions(col0, col, self.images)
+        else:
+            self.positions[row, col0:col] = np.arange(col - col0)
         self.fill[row] = col
         return row, doc_id
 
@@ -226,6 +234,9 @@ class _Rows:
             where = self.place[slot.name][k]
             self.bam[row, span] = 1 << slot.bit
             self.gather[slot.name][row, span] = _gather_rows(slot, self.shapes, where, n)
+            if slot.merge:
+                self.images.append((col,) + merged_grid(*seg.data.shape[:2], slot.patch_size,
+                                                        slot.merge))
             if self.enc_out is not None:
                 _put_encoder_input(slot, self.enc_out[slot.name], where, seg.data)
         return col + n
@@ -238,6 +249,20 @@ class _Rows:
                       & self.trained[:, 1:])
         return (np.where(ok, np.roll(self.tokens, -1, axis=1), 0).astype(np.int32),
                 ok.astype(np.float32))
+
+
+def _mrope_positions(col0: int, col: int, images) -> np.ndarray:
+    """M-RoPE positions [col - col0, 3] of one document (HF get_rope_index): text counts up
+    by one; an image's tokens (col, rows, cols) sit on its merged grid from the current
+    position, after which text resumes at current + max(rows, cols)."""
+    out, cur, at = [], 0, col0
+    for start, rows, cols in images:
+        out.append(np.repeat(np.arange(cur, cur + start - at)[:, None], 3, 1))
+        cur += start - at
+        out.append(vision_token_positions(cur, rows, cols))
+        cur, at = cur + max(rows, cols), start + rows * cols
+    out.append(np.repeat(np.arange(cur, cur + col - at)[:, None], 3, 1))
+    return np.concatenate(out)
 
 
 def _check_fits(need: BatchShapes, have: BatchShapes) -> None:
@@ -306,8 +331,14 @@ def _put_encoder_input(slot: EncoderSlot, buf: dict, where, data: np.ndarray) ->
         if b >= buf["patches"].shape[0]:
             raise ValueError(f"vision buffers: image needs buffer {b} but BatchShapes gives "
                              f"{buf['patches'].shape[0]}; compute shapes with batch_shapes")
-        buf["patches"][b, offset:offset + n] = patchify(data.astype(np.float32), p)
         buf["patch_seg"][b, offset:offset + n] = seg
+        if slot.merge:  # Qwen2-VL: HF's patch order and (c, t, py, px) features
+            t = slot.feature_dim // (p * p * data.shape[2])
+            chw = data.astype(np.float32).transpose(2, 0, 1)
+            buf["patches"][b, offset:offset + n] = qwen_patchify(chw, p, slot.merge, t)[0]
+            buf["patch_pos"][b, offset:offset + n] = patch_positions(gh, gw, slot.merge)
+            return
+        buf["patches"][b, offset:offset + n] = patchify(data.astype(np.float32), p)
         rr, cc = np.divmod(np.arange(n), gw)
         buf["patch_pos"][b, offset:offset + n, 0] = rr
         buf["patch_pos"][b, offset:offset + n, 1] = cc

@@ -322,7 +322,8 @@ def cp_layout(llm: dict, cp: int, method: str, block: int, ranks: int = 1) -> di
         if k == "gen_query":
             continue
         fill = -1 if k.startswith("gather_") else 0
-        padded = np.concatenate([v, np.full((b, 1), fill, v.dtype)], axis=1)
+        # trailing dims ride along (Qwen2-VL's M-RoPE positions [B, S, 3])
+        padded = np.concatenate([v, np.full((b, 1) + v.shape[2:], fill, v.dtype)], axis=1)
         out[k] = padded[rows, gi]
     out["idx"] = gi.astype(np.int32)
     if "gen_query" in llm:

@@ -30,6 +30,9 @@ class EncoderSlot:
     patch_size: int = 0  # vision
     max_grid: int = 0  # vision: max patches per side
     class_slots: int = 0  # vision with a class token: images per buffer row at most
+    # vision kind="qwen2_vl": its spatial merge size (sides are multiples of patch_size *
+    # merge; patches in HF's merge-block order, data/qwen2_vl_processor.py); 0 otherwise
+    merge: int = 0
 
     @property
     def items_per_buffer(self) -> int | None:
@@ -71,6 +74,9 @@ class AssemblyLayout:
     vision_caps: tuple[int, ...] = (256, 1024, 4096)
     audio_frame_caps: tuple[int, ...] = (256, 1024, 3072)
     special: SpecialTokens = SpecialTokens()  # a tokenizer's ids, or the reserved ones
+    # Qwen2-VL M-RoPE (LLMConfig.mrope_section set): positions [B, S, 3] (t, h, w), an
+    # image's tokens on its merged grid (HF get_rope_index, `assemble._mrope_positions`)
+    mrope: bool = False
 
     @classmethod
     def from_config(cls, cfg: MLLMConfig, seq_len: int, packing: str = "pad",
@@ -94,7 +100,8 @@ class AssemblyLayout:
                                          spec.projector.num_queries if ca else 0,
                                          spec.projector.max_items, enc.patch_dim,
                                          enc.patch_size, enc.max_grid,
-                                         enc.max_images if enc.class_token else 0))
+                                         enc.max_images if enc.class_token else 0,
+                                         enc.spatial_merge_size if enc.kind == "qwen2_vl" else 0))
                 bad = [c for c in vision_caps if c % r]
                 if bad:
                     raise ValueError(f"vision_caps {bad} not multiples of downsample {r}")
@@ -113,7 +120,8 @@ class AssemblyLayout:
                           gen_num_queries, g.num_train_timesteps)
         return cls(seq_len, cfg.llm.vocab_size, TokenRules.from_config(cfg), tuple(slots), gen,
                    packing, cfg.placement, tuple(sorted(vision_caps)),
-                   tuple(sorted(audio_frame_caps)), special or SpecialTokens())
+                   tuple(sorted(audio_frame_caps)), special or SpecialTokens(),
+                   cfg.llm.mrope_section is not None)
 
     def slot(self, modality: str) -> EncoderSlot | None:
         for s in self.encoders:
@@ -165,6 +173,10 @@ def check_shapes(shapes, layout: AssemblyLayout) -> str | None:
                 return f"empty: {where} has no pixels"
             if shape[0] % p or shape[1] % p:
                 return f"decode: {where} side {shape[:2]} not a multiple of patch size {p}"
+            unit = p * max(slot.merge, 1)
+            if shape[0] % unit or shape[1] % unit:
+                return (f"decode: {where} side {shape[:2]} not a multiple of patch size * "
+                        f"merge size {unit} (Qwen2-VL)")
             if max(shape[0], shape[1]) // p > slot.max_grid:
                 return f"too_long: {where} grid {shape[0] // p}x{shape[1] // p} > max_grid {slot.max_grid}"
             n = (shape[0] // p) * (shape[1] // p)

@@ -10,6 +10,8 @@ returns:
   - `NativeResizeProcessor` (`"image_processor_type": "NativeResize"`): the packed ViT's own
     native-aspect resize (each side to the nearest multiple of the patch size, 1..max_grid
     patches), so variable-size images stay variable.
+  - `Qwen2VLImageProcessor` (`data/qwen2_vl_processor.py`; Qwen2-VL / Qwen2.5-VL's
+    smart resize to multiples of 28 within min/max pixels).
   - `WhisperFeatureExtractor` (`feature_size` 80 / 128, `n_fft`, `hop_length`,
     `chunk_length` 30 s, `sampling_rate`): periodic Hann window, centred STFT with reflect
     padding, power spectrum, Slaney-scale Slaney-normalised mel filters, log10 with a 1e-10
@@ -49,6 +51,11 @@ def processor_from_config(conf: dict):
     if "Whisper" in kind or ("n_fft" in conf and "feature_size" in conf):
         return WhisperFeatureExtractor(**{k: conf[k] for k in WhisperFeatureExtractor.KEYS
                                           if k in conf})
+    qwen = {"merge_size", "temporal_patch_size"} <= set(conf)
+    if "Qwen2VL" in kind or "Qwen2_5_VL" in kind or qwen:
+        from mmjax.data.qwen2_vl_processor import Qwen2VLImageProcessor  # it builds on this module
+        return Qwen2VLImageProcessor(**{k: conf[k] for k in Qwen2VLImageProcessor.KEYS
+                                        if k in conf})
     if kind == "NativeResize":
         return NativeResizeProcessor(**{k: conf[k] for k in NativeResizeProcessor.KEYS
                                         if k in conf})

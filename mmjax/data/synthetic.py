@@ -59,8 +59,10 @@ class SyntheticConfig:
         base = {"vocab_size": cfg.llm.vocab_size}
         for spec in cfg.encoders:
             if isinstance(spec.encoder, VisionConfig):
-                base["patch_size"] = spec.encoder.patch_size
-                base["image_side_range"] = (1, min(16, spec.encoder.max_grid))
+                # Qwen2-VL: sides in units of patch * merge (its processor's multiple)
+                unit = spec.encoder.spatial_merge_size if spec.encoder.kind == "qwen2_vl" else 1
+                base["patch_size"] = spec.encoder.patch_size * unit
+                base["image_side_range"] = (1, min(16, spec.encoder.max_grid // unit))
             else:
                 base["n_mels"] = spec.encoder.num_mel_bins
         if cfg.generator is not None:

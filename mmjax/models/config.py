@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from mmjax.errors import UserError
+from mmjax.models.qwen2_vl_config import check_mrope, check_qwen2_vl_vision
 
 
 @dataclass(frozen=True)
@@ -31,11 +32,17 @@ class LLMConfig:
     # Llama 3.1 RoPE scaling (factor, low_freq_factor, high_freq_factor,
     # original_max_position_embeddings); None: plain RoPE.
     rope_llama3: tuple[float, float, float, int] | None = None
+    # Qwen2-VL M-RoPE: frequency sections (t, h, w) over head_dim / 2 (HF `mrope_section`);
+    # positions are then [B, S, 3] (`layers.rope`). None: plain 1-D RoPE.
+    mrope_section: tuple[int, ...] | None = None
     # one lax.scan over the stacked layers (compile time flat in depth; models/scan.py)
     scan_layers: bool = False
     # per-layer recomputation inside the stack (models/scan.py): "none", "dots" (keep the
     # weight matmuls' outputs) or "full" (keep each layer's input only)
     remat: str = "none"
+
+    def __post_init__(self):
+        check_mrope(self.mrope_section, self.dim_per_head)
 
     @property
     def dim_per_head(self) -> int:
@@ -55,6 +62,12 @@ class VisionConfig:
     `feature_layer`: None -> the projector reads the tower's output (HF last_hidden_state);
     k < 0 -> HF hidden_states[k] (LLaVA: -2), so only `depth` layers are built and run.
     `max_images`: with a class token, images per packed buffer row (one class slot each).
+    kind="qwen2_vl": Qwen2-VL / Qwen2.5-VL's native-resolution ViT (`models/qwen2_vl_vision.py`):
+    patches of `temporal_patch_size` frames (patch_dim C*T*p*p in HF's (c, t, py, px) order),
+    2-D RoPE over (row, col), no learned positions, no final norm (the `patch_merger`
+    projector's ln_q is it); `norm` "layer" + `act` quick_gelu (Qwen2-VL) or "rms" + gated
+    `act` silu MLP (Qwen2.5-VL, `gated_mlp`); `window_size` > 0: window attention over
+    window_size/patch_size patches per side except in `fullatt_block_indexes` (Qwen2.5-VL).
     """
 
     hidden_size: int
@@ -79,12 +92,29 @@ class VisionConfig:
     # per-layer recomputation inside the stack (models/scan.py): "none", "dots" (keep the
     # weight matmuls' outputs) or "full" (keep each layer's input only)
     remat: str = "none"
+    # kind="qwen2_vl" only (see the docstring)
+    temporal_patch_size: int = 1
+    spatial_merge_size: int = 1
+    norm: Literal["layer", "rms"] = "layer"
+    gated_mlp: bool = False
+    window_size: int = 0
+    fullatt_block_indexes: tuple[int, ...] = ()
+    rope_theta: float = 10000.0
 
     def __post_init__(self):
-        if self.kind not in ("packed", "vit"):
-            raise UserError(f"VisionConfig.kind={self.kind!r}: use 'packed' or 'vit'")
-        if self.act not in ("gelu_tanh", "quick_gelu", "gelu"):
-            raise UserError(f"VisionConfig.act={self.act!r}: use gelu_tanh, quick_gelu or gelu")
+        if self.kind not in ("packed", "vit", "qwen2_vl"):
+            raise UserError(f"VisionConfig.kind={self.kind!r}: use 'packed', 'vit' or 'qwen2_vl'")
+        if self.act not in ("gelu_tanh", "quick_gelu", "gelu", "silu"):
+            raise UserError(f"VisionConfig.act={self.act!r}: use gelu_tanh, quick_gelu, gelu "
+                             f"or silu")
+        if self.kind != "qwen2_vl" and (self.temporal_patch_size != 1 or self.spatial_merge_size
+                                        != 1 or self.norm != "layer" or self.gated_mlp
+                                        or self.window_size or self.fullatt_block_indexes):
+            raise UserError("VisionConfig: temporal_patch_size / spatial_merge_size / norm / "
+                             "gated_mlp / window_size / fullatt_block_indexes are options of "
+                             "kind='qwen2_vl'; set kind='qwen2_vl'")
+        if self.kind == "qwen2_vl":
+            check_qwen2_vl_vision(self)
         if self.feature_layer is not None and not -self.num_layers <= self.feature_layer < 0:
             raise UserError(f"VisionConfig.feature_layer={self.feature_layer}: use None or "
                              f"-{self.num_layers}..-1 (HF hidden_states index; LLaVA: -2)")
@@ -96,7 +126,7 @@ class VisionConfig:
 
     @property
     def patch_dim(self) -> int:
-        return self.patch_size * self.patch_size * self.num_channels
+        return self.patch_size * self.patch_size * self.num_channels * self.temporal_patch_size
 
     @property
     def depth(self) -> int:
@@ -145,9 +175,12 @@ class ProjectorConfig:
     encoder tokens (OrchMLLM §8 rates 1/2/4).
     kind="cross_attention": `num_queries` learned queries cross-attend to the encoder
     tokens, then an MLP maps to the LLM width (Perceiver-resampler style).
+    kind="patch_merger": Qwen2-VL's PatchMerger (`models/qwen2_vl_vision.py`): the tower's
+    norm (ln_q) on each token, `downsample` (= spatial_merge_size^2) consecutive tokens
+    concatenated, Linear -> exact GELU -> Linear to the LLM width.
     """
 
-    kind: Literal["mlp", "cross_attention"] = "mlp"
+    kind: Literal["mlp", "cross_attention", "patch_merger"] = "mlp"
     num_layers: int = 2
     hidden_size: int | None = None  # default: LLM hidden size
     downsample: int = 1
@@ -315,12 +348,15 @@ def config_to_dict(cfg: MLLMConfig) -> dict:
 
 def config_from_dict(d: dict) -> MLLMConfig:
     llm = dict(d["llm"])
-    if llm.get("rope_llama3") is not None:
-        llm["rope_llama3"] = tuple(llm["rope_llama3"])
+    for key in ("rope_llama3", "mrope_section"):
+        if llm.get(key) is not None:
+            llm[key] = tuple(llm[key])
     encoders = []
     for e in d["encoders"]:
         enc = dict(e["encoder"])
         kind = VisionConfig if enc.pop("type") == "vision" else AudioConfig
+        if "fullatt_block_indexes" in enc:
+            enc["fullatt_block_indexes"] = tuple(enc["fullatt_block_indexes"])
         encoders.append(EncoderSpec(e["name"], kind(**enc), ProjectorConfig(**e["projector"]),
                                     e["frozen"], e["projector_frozen"]))
     gen = GeneratorConfig(**d["generator"]) if d.get("generator") else None

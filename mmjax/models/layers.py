@@ -110,12 +110,19 @@ def rope_inv_freq(dim: int, theta: float, llama3: tuple | None = None):
     return jnp.where(medium, blended, scaled)
 
 
-def rope(x, positions, theta: float, llama3: tuple | None = None):
+def rope(x, positions, theta: float, llama3: tuple | None = None, mrope_section=None):
     """Rotary embedding (rotate-half convention). x [B, S, H, D], positions [B, S];
-    `llama3`: see `rope_inv_freq`."""
+    `llama3`: see `rope_inv_freq`. `mrope_section` (Qwen2-VL M-RoPE, sections t/h/w over the
+    D/2 frequencies): positions may be [B, S, 3] and frequency j turns with the position
+    component of the section it lies in (HF `recomposition_frequencies`); [B, S] positions
+    are the same position on all three (text)."""
     d = x.shape[-1]
     inv = rope_inv_freq(d, theta, llama3)
-    ang = positions.astype(jnp.float32)[..., None] * inv  # [B, S, D/2]
+    if mrope_section is not None and positions.ndim == x.ndim - 1:
+        comp = np.repeat(np.arange(len(mrope_section)) % 3, mrope_section)
+        ang = positions.astype(jnp.float32)[..., comp] * inv  # [B, S, D/2]
+    else:
+        ang = positions.astype(jnp.float32)[..., None] * inv  # [B, S, D/2]
     cos, sin = jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
     xf = x.astype(jnp.float32)
     x1, x2 = xf[..., : d // 2], xf[..., d // 2:]
@@ -145,6 +152,7 @@ ACTIVATIONS = {
     "gelu": lambda x: jax.nn.gelu(x, approximate=False),
     "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
     "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),
+    "silu": jax.nn.silu,
 }
 
 

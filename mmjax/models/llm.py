@@ -26,6 +26,7 @@ class DecoderLayer(nnx.Module):
         hq, hkv = cfg.num_heads * hd, cfg.num_kv_heads * hd
         ks = jax.random.split(key, 7)
         self.head_dim, self.theta, self.llama3 = hd, cfg.rope_theta, cfg.rope_llama3
+        self.mrope = cfg.mrope_section
         self.attn_norm = RMSNorm(d, cfg.norm_eps)
         self.wq = param(ks[0], (d, hq), d ** -0.5)
         self.wk = param(ks[1], (d, hkv), d ** -0.5)
@@ -47,8 +48,8 @@ class DecoderLayer(nnx.Module):
         if self.bq is not None:
             q, k, v = q + w(self.bq), k + w(self.bk), v + w(self.bv)
         heads = lambda t: t.reshape(*t.shape[:2], -1, self.head_dim)
-        q = rope(heads(q), positions, self.theta, self.llama3)
-        k = rope(heads(k), positions, self.theta, self.llama3)
+        q = rope(heads(q), positions, self.theta, self.llama3, self.mrope)
+        k = rope(heads(k), positions, self.theta, self.llama3, self.mrope)
         o = attend(q, k, heads(v))
         x = x + ops.row(o.reshape(*o.shape[:2], -1), w(self.wo))
         g, u = ops.column(self.mlp_norm(x), w(self.w_gate), w(self.w_up))

@@ -28,6 +28,7 @@ from mmjax.models.config import AudioConfig, EncoderSpec, MLLMConfig, VisionConf
 from mmjax.models.generator import DiffusionGenerator, add_noise, diffusion_loss_sum
 from mmjax.models.llm import LLM, lm_loss_sum, merge_modalities, meta_attend
 from mmjax.models.projector import make_projector
+from mmjax.models.qwen2_vl_vision import Qwen2VLVision
 from mmjax.models.vision import VisionEncoder
 from mmjax.models.vit import StandardViT
 
@@ -39,7 +40,8 @@ def unit_key(root, name: str):
 
 def make_encoder(spec: EncoderSpec, key, start=0, end=None):
     if isinstance(spec.encoder, VisionConfig):
-        kind = StandardViT if spec.encoder.kind == "vit" else VisionEncoder
+        kind = {"vit": StandardViT, "qwen2_vl": Qwen2VLVision}.get(spec.encoder.kind,
+                                                                   VisionEncoder)
         return kind(spec.encoder, key, start, end)
     if isinstance(spec.encoder, AudioConfig):
         return AudioEncoder(spec.encoder, key, start, end)
@@ -57,12 +59,16 @@ def encoder_embed(spec: EncoderSpec, encoder, inputs):
     if isinstance(spec.encoder, VisionConfig):
         if spec.encoder.kind == "vit":
             return encoder.embed(inputs["patches"], inputs["patch_seg"], inputs["patch_pos"])
+        if spec.encoder.kind == "qwen2_vl":
+            return encoder.embed(inputs["patches"])
         return encoder.embed(inputs["patches"], inputs["patch_pos"])
     return encoder.embed(inputs["mels"], inputs["frame_len"])
 
 
 def encoder_layers(spec: EncoderSpec, encoder, x, inputs, attention_impl: str = "auto"):
     if isinstance(spec.encoder, VisionConfig):
+        if spec.encoder.kind == "qwen2_vl":  # 2-D RoPE and windows read the positions
+            return encoder.run_layers(x, inputs["patch_seg"], inputs["patch_pos"], attention_impl)
         return encoder.run_layers(x, inputs["patch_seg"], attention_impl)
     return encoder.run_layers(x, inputs["frame_len"], attention_impl)
 

@@ -15,6 +15,7 @@ from flax import nnx
 from mmjax.models.attention import TokenMeta, bam_attention, segment_meta
 from mmjax.models.config import ProjectorConfig
 from mmjax.models.layers import Dense, LayerNorm, param
+from mmjax.models.qwen2_vl_vision import PatchMergerMLP
 
 
 class MLPProjector(nnx.Module):
@@ -72,4 +73,7 @@ def make_projector(cfg: ProjectorConfig, enc_dim: int, llm_dim: int, key):
         return MLPProjector(cfg, enc_dim, llm_dim, key)
     if cfg.kind == "cross_attention":
         return CrossAttentionProjector(cfg, enc_dim, llm_dim, key)
-    raise ValueError(f"ProjectorConfig.kind={cfg.kind!r}: use 'mlp' or 'cross_attention'")
+    if cfg.kind == "patch_merger":
+        return PatchMergerMLP(cfg, enc_dim, llm_dim, key)
+    raise ValueError(f"ProjectorConfig.kind={cfg.kind!r}: use 'mlp', 'cross_attention' or "
+                     f"'patch_merger'")

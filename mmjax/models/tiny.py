@@ -1,6 +1,8 @@
 """Tiny configurations that train on a laptop CPU in seconds (tests, quick start)."""
 from __future__ import annotations
 
+import dataclasses
+
 from mmjax.models.config import (AudioConfig, EncoderSpec, GeneratorConfig, LLMConfig,
                                  MLLMConfig, ProjectorConfig, VisionConfig)
 
@@ -28,4 +30,27 @@ def tiny_valm() -> MLLMConfig:
                                 EncoderSpec("audio", TINY_AUDIO, ProjectorConfig(downsample=2))))
 
 
-TINY_CONFIGS = {"tiny": tiny, "tiny_valm": tiny_valm}
+def _tiny_qwen(name: str, qwen25: bool) -> MLLMConfig:
+    """Qwen2-VL-shaped (qwen25: Qwen2.5-VL's RMSNorm / gated blocks and window attention):
+    native-resolution tower (patch 4, 2x2 merge, 2 frames per patch) -> patch merger ->
+    an LLM with M-RoPE (sections 2/3/3 of its 8 frequencies)."""
+    extra = dict(norm="rms", gated_mlp=True, act="silu", window_size=16,
+                 fullatt_block_indexes=(1,)) if qwen25 else dict(act="quick_gelu")
+    vision = VisionConfig(hidden_size=32, num_layers=2, num_heads=2, ffn_size=64, patch_size=4,
+                          max_grid=32, kind="qwen2_vl", post_norm=False, patch_bias=False,
+                          temporal_patch_size=2, spatial_merge_size=2, **extra)
+    llm = dataclasses.replace(TINY_LLM, mrope_section=(2, 3, 3))
+    return MLLMConfig(name=name, llm=llm, encoders=(
+        EncoderSpec("vision", vision, ProjectorConfig(kind="patch_merger", downsample=4)),))
+
+
+def tiny_qwen2_vl() -> MLLMConfig:
+    return _tiny_qwen("tiny_qwen2_vl", False)
+
+
+def tiny_qwen2_5_vl() -> MLLMConfig:
+    return _tiny_qwen("tiny_qwen2_5_vl", True)
+
+
+TINY_CONFIGS = {"tiny": tiny, "tiny_valm": tiny_valm, "tiny_qwen2_vl": tiny_qwen2_vl,
+                "tiny_qwen2_5_vl": tiny_qwen2_5_vl}

@@ -102,8 +102,14 @@ def _load_pretrained(cfg: MLLMConfig, up, sid: StageId, path, tr, fr):
     start, end = up.stage_layers(sid.index % up.pp, sid.index // up.pp)
     plan = hf_pretrained.load_plan(path, hf_pretrained.unit_config(cfg, sid.unit), start, end)
     root = () if sid.unit == "llm" else ("encoders", sid.unit)
-    return (hf_pretrained.load_stage_state(tr, plan, root),
-            hf_pretrained.load_stage_state(fr, plan, root))
+    tr, fr = (hf_pretrained.load_stage_state(tr, plan, root),
+              hf_pretrained.load_stage_state(fr, plan, root))
+    proj = hf_pretrained.projector_plan(path, cfg, sid.unit)  # Qwen2-VL's merger
+    if proj is not None and end == cfg.num_layers(sid.unit):
+        root = ("projectors", sid.unit)
+        tr, fr = (hf_pretrained.load_stage_state(tr, proj, root),
+                  hf_pretrained.load_stage_state(fr, proj, root))
+    return tr, fr
 
 
 class PipelineRuntime:

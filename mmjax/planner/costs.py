@@ -65,6 +65,11 @@ def vision_params(c: VisionConfig) -> int:
     layers = c.depth * _encoder_layer_params(d, c.ffn_size)
     if c.kind == "packed":
         return c.patch_dim * d + d + 2 * c.max_grid * d + layers + 2 * d
+    if c.kind == "qwen2_vl":  # no positions; norms with(out) bias; gated MLP (Qwen2.5-VL)
+        f, nb = c.ffn_size, 2 if c.norm == "layer" else 1
+        mlp = 3 * d * f + 2 * f + d if c.gated_mlp else 2 * d * f + f + d
+        layer = 2 * nb * d + 3 * d * d + 3 * d + d * d + d + mlp
+        return c.patch_dim * d + c.depth * layer + nb * d
     return (c.patch_dim * d + d * c.patch_bias + c.num_positions * d + d * c.class_token
             + 2 * d * c.pre_norm + layers + 2 * d * c.final_norm)
 
@@ -76,12 +81,13 @@ def audio_params(c: AudioConfig) -> int:
 
 
 def _mlp_dims(p: ProjectorConfig, enc_dim: int, llm_dim: int) -> list[int]:
-    h = p.hidden_size or llm_dim
+    """Widths of an "mlp" or "patch_merger" projector (the merger's hidden: r * enc_dim)."""
+    h = p.hidden_size or (enc_dim * p.downsample if p.kind == "patch_merger" else llm_dim)
     return [enc_dim * p.downsample] + [h] * (p.num_layers - 1) + [llm_dim]
 
 
 def projector_params(p: ProjectorConfig, enc_dim: int, llm_dim: int) -> int:
-    if p.kind == "mlp":
+    if p.kind in ("mlp", "patch_merger"):
         dims = _mlp_dims(p, enc_dim, llm_dim)
         return sum(a * b + b for a, b in zip(dims[:-1], dims[1:]))
     e, h = enc_dim, p.hidden_size or llm_dim
@@ -217,7 +223,8 @@ def _encoder_work(model: MLLMConfig, wl: Workload, name: str, bwd: int,
     if impl is not None:  # bidirectional inside each image / clip
         pairs, kept = _attention_terms(wl.encoder_tokens[name], impl, False, c.num_heads)
         attn = 4 * pairs * d
-    layer = Work(2 * n1 * (4 * d * d + 2 * d * f) + attn, d, 2 * n1 * d * ACT_BYTES,
+    mats = 3 if getattr(c, "gated_mlp", False) else 2  # Qwen2.5-VL's gate / up / down
+    layer = Work(2 * n1 * (4 * d * d + mats * d * f) + attn, d, 2 * n1 * d * ACT_BYTES,
                  ACT_BYTES * n1 * (10 * d + 2 * f) + kept, ACT_BYTES * n1 * d, bwd, attn,
                  tokens=n1)
     if isinstance(c, VisionConfig):
@@ -235,7 +242,7 @@ def _projector_work(model: MLLMConfig, wl: Workload, name: str, bwd: int) -> Wor
     spec = model.encoder(name)
     p, e, out = spec.projector, spec.encoder.hidden_size, model.llm.hidden_size
     n1, _ = wl.encoder_moments(name)
-    if p.kind == "mlp":
+    if p.kind in ("mlp", "patch_merger"):
         dims = _mlp_dims(p, e, out)
         flops = 2 * (n1 / p.downsample) * sum(a * b for a, b in zip(dims[:-1], dims[1:]))
         acts = ACT_BYTES * (n1 / p.downsample) * sum(dims)
@@ -415,7 +422,7 @@ def unit_acts(model: MLLMConfig, wl: Workload, unit: str, tp: int, impl: str | N
     c, p = spec.encoder, spec.projector
     n1, n2 = wl.encoder_moments(unit)
     in_dim = c.patch_dim if isinstance(c, VisionConfig) else 2 * c.num_mel_bins
-    out = (n1 / p.downsample if p.kind == "mlp"
+    out = (n1 / p.downsample if p.kind in ("mlp", "patch_merger")
            else p.num_queries * wl.mean_segments(unit))
     return memory.encoder_acts(c, n1, n2, tp, b, impl, in_dim, out, model.llm.hidden_size)
 

@@ -7,7 +7,8 @@ them), the stages' parameters are put back into `MultimodalModel` layout, and ea
 with an HF counterpart is written: the LLM (Llama / Qwen2), CLIP / SigLIP-shaped towers
 (`VisionConfig(kind="vit")`) and Whisper encoders. Projectors, the generator and packed
 NaViT-style towers have no HF format: they go to `mmjax_extra.safetensors` (dotted names)
-so nothing trained is dropped.
+so nothing trained is dropped. A Qwen2-VL-shaped model (tower kind="qwen2_vl") is written
+whole, as one Qwen2VL / Qwen2_5_VLForConditionalGeneration checkpoint in out/model.
 """
 from __future__ import annotations
 
@@ -85,6 +86,10 @@ def export_model(cfg: MLLMConfig, pure: dict, out, max_shard_bytes: int = MAX_SH
     """Write each unit of a `MultimodalModel`-layout pure dict: out/llm, out/<encoder> as HF
     checkpoints, the rest into out/mmjax_extra.safetensors. -> {unit: directory}."""
     out = Path(out)
+    if any(getattr(e.encoder, "kind", None) == "qwen2_vl" for e in cfg.encoders):
+        # Qwen2-VL / Qwen2.5-VL: one whole Qwen2(_5)VLForConditionalGeneration checkpoint
+        hf.save_qwen2_vl(pure, cfg, out / "model", max_shard_bytes=max_shard_bytes)
+        return {"model": out / "model"}
     written = {"llm": out / "llm"}
     hf.export_llm_safetensors(pure["llm"], cfg.llm, out / "llm", max_shard_bytes=max_shard_bytes)
     extra = {k: v for k, v in pure.items() if k not in ("llm", "encoders")}

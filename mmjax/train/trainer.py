@@ -69,8 +69,8 @@ def _last_good(ckpt) -> str:
 def _check_pretrained_vocab(cfg: MLLMConfig, dirs: dict) -> None:
     """A pretrained LLM keeps its vocabulary: a tokenizer that needs another is an error."""
     if "llm" in dirs:
-        from mmjax.models.hf import config_for
-        want = config_for(dirs["llm"]).vocab_size
+        from mmjax.models.hf.pretrained import pretrained_config
+        want = pretrained_config(cfg, {"llm": dirs["llm"]}).llm.vocab_size
         if cfg.llm.vocab_size != want:
             raise PretrainedError(f"pretrained: the tokenizer / tp need vocab_size "
                                   f"{cfg.llm.vocab_size}, the LLM checkpoint has {want}; use "

@@ -6,6 +6,7 @@ import gin
 
 from mmjax.data.preprocess import (ImageProcessor, NativeResizeProcessor,
                                    WhisperFeatureExtractor, load_processor)
+from mmjax.data.qwen2_vl_processor import Qwen2VLImageProcessor
 from mmjax.models.config import MLLMConfig, VisionConfig
 
 
@@ -14,11 +15,16 @@ def default_processors(model: MLLMConfig, image_processor: str | None,
     """The configured processors, or the model's own: for a standard ViT (kind="vit") CLIP's
     (shortest edge to `image_size`, centre crop to `image_size` squared, CLIP mean/std, as
     LLaVA feeds CLIP ViT-L/14-336), for the packed ViT its native-aspect resize (its patch
-    size and grid), and a Whisper extractor with the audio encoder's mel bins."""
+    size and grid), for Qwen2-VL its own processor (smart resize, CLIP mean/std), and a
+    Whisper extractor with the audio encoder's mel bins."""
     vision = [e.encoder for e in model.encoders if isinstance(e.encoder, VisionConfig)]
     audio = [e.encoder for e in model.encoders if not isinstance(e.encoder, VisionConfig)]
     if image_processor:
         img = load_processor(image_processor)
+    elif vision and vision[0].kind == "qwen2_vl":
+        v = vision[0]
+        img = Qwen2VLImageProcessor(patch_size=v.patch_size, merge_size=v.spatial_merge_size,
+                                    temporal_patch_size=v.temporal_patch_size)
     elif vision and vision[0].kind == "vit":
         side = vision[0].image_size
         img = ImageProcessor(size={"shortest_edge": side},

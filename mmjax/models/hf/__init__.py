@@ -9,6 +9,8 @@ checkpoints into mmjax's NNX modules and writes trained ones back.
 - `vision`: CLIP / SigLIP vision towers (`models.vit.StandardViT`).
 - `whisper`: the Whisper encoder (`models.audio.AudioEncoder`).
 - `vae`: diffusers' AutoencoderKL (`models.vae.AutoencoderKL`, the generator's frozen VAE).
+- `qwen2_vl`: whole Qwen2-VL / Qwen2.5-VL checkpoints <-> `MultimodalModel` (both layouts);
+  `qwen2_vl_pretrained`: such a checkpoint as the pretrained LLM / tower of a training run.
 - `dispatch`: `load(path) -> (module, config)`, `hf_forward(module, **hf_inputs)`.
 - `pretrained`: loading checkpoints into a `MultimodalModel` or pipeline stages.
 """
@@ -21,6 +23,8 @@ from mmjax.models.hf.llm import (config_from_hf, config_to_hf, export_llm_safete
 from mmjax.models.hf.pretrained import (PretrainedError, check_pretrained, load_into_model,
                                         load_plan, load_stage_state, prepare_pretrained,
                                         pretrained_config)
+from mmjax.models.hf.qwen2_vl import (load_qwen2_vl, qwen2_vl_config_from_hf,
+                                      qwen2_vl_config_to_hf, qwen2_vl_entries, save_qwen2_vl)
 from mmjax.models.hf.vision import (export_vit_safetensors, load_vit_safetensors,
                                     vision_config_from_hf, vision_config_to_hf, vit_entries)
 from mmjax.models.hf.whisper import (audio_config_from_hf, audio_config_to_hf,

@@ -13,8 +13,10 @@ from mmjax.models.config import AudioConfig, VisionConfig
 from mmjax.models.hf.checkpoint import apply_to_module, read_config
 from mmjax.models.hf.llm import LLM_TYPES, config_from_hf, load_llm_safetensors
 from mmjax.models.hf.vision import VISION_TYPES, load_vit_safetensors, vision_config_from_hf
+from mmjax.models.hf.qwen2_vl import load_qwen2_vl, model_type_of, qwen2_vl_forward
 from mmjax.models.hf.whisper import audio_config_from_hf, load_whisper_encoder_safetensors
 from mmjax.models.llm import LLM
+from mmjax.models.mllm import MultimodalModel
 from mmjax.models.vit import StandardViT
 
 _ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
@@ -70,7 +72,11 @@ def load(path, dtype="float32", **vision_options):
     model.safetensors.index.json) -> (module, config). Dispatches on model_type /
     architectures: llama, mistral, qwen2 -> `LLM`; clip(_vision_model), siglip(_vision_model)
     -> `StandardViT` (vision tower); whisper -> `AudioEncoder` (encoder). Parameters are
-    cast to `dtype`. `vision_options`: feature_layer, max_images (vision only)."""
+    cast to `dtype`. `vision_options`: feature_layer, max_images (vision only).
+    qwen2_vl / qwen2_5_vl (whole Qwen2VL / Qwen2_5_VLForConditionalGeneration checkpoints)
+    -> `MultimodalModel` and its `MLLMConfig` (`hf/qwen2_vl.py`)."""
+    if model_type_of(read_config(path)) is not None:
+        return load_qwen2_vl(path, dtype)
     cfg = config_for(path, **vision_options)
     module = apply_to_module(build_module(cfg), load_pure(path, cfg))
     if jnp.dtype(dtype) != jnp.float32:
@@ -116,7 +122,13 @@ def hf_forward(module, **inputs) -> dict:
     positions as HF's interpolate_pos_encoding=True does); with feature_layer k the
     key is f"hidden_states[{k}]".
     Whisper encoder: input_features [B, n_mels, 2 * max_source_positions] -> last_hidden_state.
+    Qwen2-VL / Qwen2.5-VL (`MultimodalModel` with a qwen2_vl tower): input_ids,
+    attention_mask, pixel_values [patches, C*t*p*p], image_grid_thw [images, 3],
+    mm_token_type_ids (default: 1 at the image token) -> logits.
     """
+    if isinstance(module, MultimodalModel) and any(
+            getattr(e.encoder, "kind", None) == "qwen2_vl" for e in module.cfg.encoders):
+        return qwen2_vl_forward(module, **inputs)
     if isinstance(module, LLM):
         tokens = jnp.asarray(inputs.pop("input_ids"))
         s = tokens.shape[1]

@@ -20,6 +20,9 @@ from mmjax.models.config import AudioConfig, MLLMConfig, VisionConfig
 from mmjax.models.hf.checkpoint import LoadPlan, _flatten, _set, apply_to_module, read_config
 from mmjax.models.hf.dispatch import config_for, load_pure, model_type
 from mmjax.models.hf.llm import LLM_TYPES, check_tied_head, llm_load_plan
+from mmjax.models.hf.qwen2_vl import qwen2_vl_config_from_hf
+from mmjax.models.hf.qwen2_vl_pretrained import (is_qwen2_vl_dir, qwen2_vl_check_tied,
+                                                 qwen2_vl_projector_plan, qwen2_vl_unit_plan)
 from mmjax.models.hf.vision import VISION_TYPES, vit_load_plan
 from mmjax.models.hf.whisper import whisper_load_plan
 
@@ -39,6 +42,8 @@ def prepare_pretrained(cfg: MLLMConfig, dirs: dict) -> MLLMConfig:
 
 
 def load_plan(path, cfg, start: int = 0, end: int | None = None) -> LoadPlan:
+    if is_qwen2_vl_dir(path):  # a whole Qwen2-VL checkpoint: its LLM or its tower
+        return qwen2_vl_unit_plan(path, cfg, start, end)
     if isinstance(cfg, VisionConfig):
         return vit_load_plan(path, cfg, start, end)
     if isinstance(cfg, AudioConfig):
@@ -48,7 +53,14 @@ def load_plan(path, cfg, start: int = 0, end: int | None = None) -> LoadPlan:
 
 def _unit_config(old, path):
     """The unit's config from config.json; a vision tower keeps the config's feature_layer,
-    max_images and (if larger) max_grid, which are mmjax choices, not checkpoint facts."""
+    max_images and (if larger) max_grid, which are mmjax choices, not checkpoint facts.
+    A whole Qwen2-VL checkpoint gives its LLM or its tower."""
+    if is_qwen2_vl_dir(path):
+        full = qwen2_vl_config_from_hf(path)
+        if not isinstance(old, VisionConfig):
+            return full.llm
+        new = full.encoder("vision").encoder
+        return dataclasses.replace(new, max_grid=max(new.max_grid, old.max_grid))
     kind = model_type(read_config(path))
     if isinstance(old, VisionConfig):
         if kind not in VISION_TYPES:
@@ -78,6 +90,10 @@ def pretrained_config(cfg: MLLMConfig, dirs: dict) -> MLLMConfig:
         cfg = cfg.replace(llm=_unit_config(cfg.llm, dirs["llm"]))
     encoders = tuple(dataclasses.replace(e, encoder=_unit_config(e.encoder, dirs[e.name]))
                      if e.name in dirs else e for e in cfg.encoders)
+    # a Qwen2-VL tower brings its merger: the projector is the checkpoint's patch_merger
+    encoders = tuple(dataclasses.replace(e, projector=qwen2_vl_config_from_hf(
+        dirs[e.name]).encoder("vision").projector)
+        if e.name in dirs and is_qwen2_vl_dir(dirs[e.name]) else e for e in encoders)
     return cfg.replace(encoders=encoders)
 
 
@@ -91,7 +107,11 @@ def check_pretrained(cfg: MLLMConfig, dirs: dict) -> None:
     for unit, path in dirs.items():
         plan = load_plan(path, unit_config(cfg, unit))
         plan.check()
-        if unit == "llm":
+        if unit != "llm" and is_qwen2_vl_dir(path):
+            qwen2_vl_projector_plan(path).check()
+        elif unit == "llm" and is_qwen2_vl_dir(path):
+            qwen2_vl_check_tied(path, cfg.llm)
+        elif unit == "llm":
             check_tied_head(plan.ckpt, cfg.llm)
 
 
@@ -114,14 +134,30 @@ def load_stage_state(state: nnx.State, plan: LoadPlan, root: tuple = ()) -> nnx.
     return state
 
 
+def projector_plan(path, cfg: MLLMConfig, unit: str) -> LoadPlan | None:
+    """The pretrained projector of encoder `unit` (a whole Qwen2-VL checkpoint's merger MLP),
+    or None: other checkpoints hold no projector (it keeps its init)."""
+    if unit != "llm" and is_qwen2_vl_dir(path):
+        return qwen2_vl_projector_plan(path)
+    return None
+
+
 def load_into_model(model, llm_path=None, encoder_paths: dict | None = None):
-    """`llm_path`: an HF Llama / Mistral / Qwen2 checkpoint for `model.llm`; `encoder_paths`
-    {encoder name: HF CLIP / SigLIP (vision, kind="vit") or Whisper checkpoint}."""
+    """`llm_path`: an HF Llama / Mistral / Qwen2 checkpoint (or a whole Qwen2-VL one) for
+    `model.llm`; `encoder_paths` {encoder name: HF CLIP / SigLIP (vision, kind="vit"),
+    Whisper or whole Qwen2-VL checkpoint (tower and merger)}."""
     if llm_path is not None:
         llm = model.llm
-        apply_to_module(llm, load_pure(llm_path, model.cfg.llm, llm.start, llm.end))
+        apply_to_module(llm, load_plan(llm_path, model.cfg.llm, llm.start, llm.end).read()
+                        if is_qwen2_vl_dir(llm_path)
+                        else load_pure(llm_path, model.cfg.llm, llm.start, llm.end))
     for name, path in (encoder_paths or {}).items():
         enc_cfg = model.cfg.encoder(name).encoder
+        if is_qwen2_vl_dir(path):
+            enc = model.encoders[name]
+            apply_to_module(enc, load_plan(path, enc_cfg, enc.start, enc.end).read())
+            apply_to_module(model.projectors[name], qwen2_vl_projector_plan(path).read())
+            continue
         if getattr(enc_cfg, "kind", "vit") != "vit":
             raise ValueError(f"encoder {name!r}: HF ViT checkpoints (1-D position table) have "
                              f"no faithful mapping onto the packed ViT (factorised 2-D "
