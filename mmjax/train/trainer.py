@@ -34,7 +34,8 @@ from mmjax.train.progress import Progress as StepProgress
 from mmjax.train.progress import console as progress_console
 from mmjax.train.replanning import (Replanner, decision_from_json, decision_json,
                                     from_process_0, switch_line)
-from mmjax.train.run_files import truncate_metrics, use_compilation_cache, write_run_info
+from mmjax.train.run_files import (pretrained_sources, truncate_metrics,
+                                   use_compilation_cache, write_run_info)
 from mmjax.train.single_program import SingleProgram
 from mmjax.train.validate import check_data_path, check_replan_settings, check_train_settings
 
@@ -158,10 +159,11 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
                                          else train_source(cfg))
             replanner = Replanner(cfg, hw, wl, jax.device_count(), replan_min_gain)
     os.makedirs(workdir, exist_ok=True)
+    sources = pretrained_sources(workdir, dirs)  # a resume reads what the run trained with
     if jax.process_index() == 0:  # what scripts/generate.py rebuilds the model and data from
         with open(os.path.join(workdir, "config.gin"), "w") as f:
             f.write(gin.config_str())
-        write_run_info(workdir, cfg, the_plan, seed, dirs)
+        write_run_info(workdir, cfg, the_plan, seed, dirs, sources)
     loop = _Loop(workdir, runner, schedule, keep_checkpoints, keep_every)
     if the_plan is not None and plan_in_effect(workdir, loop.start) != resumed_plan:
         # the newest checkpoint was unusable and an older one predates the plan chosen above
@@ -175,12 +177,12 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
         loop.rebuild(loop.start, lambda: Pipelined(cfg, layout, the_plan, schedule, dtype,
                                                    seed, source, dirs))
         if loop.lead:
-            write_run_info(workdir, cfg, the_plan, seed, dirs)
+            write_run_info(workdir, cfg, the_plan, seed, dirs, sources)
     if replan_every:
         loop.replanning(replanner, replan_every, the_plan, lambda p: _prepared(
             p, cfg, tok, dirs, global_batch, attention_impl, same_config=True),
             lambda p: Pipelined(cfg, layout, p, schedule, dtype, seed, source, dirs),
-            lambda p: write_run_info(workdir, cfg, p, seed, dirs))
+            lambda p: write_run_info(workdir, cfg, p, seed, dirs, sources))
     try:
         where = "one program" if plan is None else f"plan {plan} on {jax.device_count()} devices"
         loop.console.print(f"[bold]{cfg.name}[/]: {runner.num_trainable:,} trainable "
