@@ -71,6 +71,7 @@ class AssemblyLayout:
     vision_caps: tuple[int, ...] = (256, 1024, 4096)
     audio_frame_caps: tuple[int, ...] = (256, 1024, 3072)
     special: SpecialTokens = SpecialTokens()  # a tokenizer's ids, or the reserved ones
+    image_attention: Literal["bidirectional", "causal"] = "bidirectional"  # MLLMConfig's
 
     @classmethod
     def from_config(cls, cfg: MLLMConfig, seq_len: int, packing: str = "pad",
@@ -113,7 +114,8 @@ class AssemblyLayout:
                           gen_num_queries, g.num_train_timesteps)
         return cls(seq_len, cfg.llm.vocab_size, TokenRules.from_config(cfg), tuple(slots), gen,
                    packing, cfg.placement, tuple(sorted(vision_caps)),
-                   tuple(sorted(audio_frame_caps)), special or SpecialTokens())
+                   tuple(sorted(audio_frame_caps)), special or SpecialTokens(),
+                   cfg.image_attention)
 
     def slot(self, modality: str) -> EncoderSlot | None:
         for s in self.encoders:
