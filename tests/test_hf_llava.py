@@ -104,3 +104,43 @@ def test_refusals_name_the_field(tmp_path, field, value, match):
     with pytest.raises(ValueError, match=rf"^config.json {field}=.*: mmjax supports .*{match}") as e:
         hf.load(d)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("semantics", ["llava", "mmjax"])
+def test_training_path_has_llava_semantics(loaded, semantics):
+    """A sample assembled for training (image tokens causal, no markers, exact-GELU
+    projector) gives the loss of transformers' logits; mmjax's bidirectional image mask with
+    markers, still available, does not."""
+    import jax
+    from flax import nnx
+
+    from mmjax.data.assemble import assemble
+    from mmjax.data.sample import Sample, Segment, SpecialTokens
+    from mmjax.train.data_config import data_layout
+    from mmjax.train.inputs import model_inputs
+
+    _, model, cfg = loaded["tf4"]
+    if semantics == "mmjax":
+        cfg = cfg.replace(image_attention="bidirectional", modality_markers=True)
+        model = nnx.merge(nnx.graphdef(MultimodalModel(cfg, jax.random.key(0))),
+                          nnx.state(model))
+    ids, pixels = REF["input_ids"][0], REF["pixel_values"][0]
+    special = SpecialTokens(bos=int(ids[0]), eos=int(ids[-1]), first_text=0,
+                            image_start=120, image_end=121)
+    sample = Sample(0, (Segment("text", ids[1:3].astype(np.int32)),
+                        Segment("image", np.ascontiguousarray(pixels.transpose(1, 2, 0))),
+                        Segment("text", ids[19:23].astype(np.int32))))
+    layout = data_layout(cfg, seq_len=32, vision_caps=(16,), special=special)
+    batch = model_inputs(assemble([sample], layout))
+    loss, _ = model(batch)
+    logits = REF["logits"][0].astype(np.float64)
+    logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+        - logits.max(-1, keepdims=True)
+    scored = [0, 1, 18, 19, 20, 21, 22]  # positions whose next token is text
+    want = -np.mean([logp[p, ids[p + 1]] for p in scored])
+    if semantics == "llava":
+        np.testing.assert_array_equal(np.asarray(batch["tokens"][0, :24] != 0),
+                                      ids != llava_tiny.IMAGE_TOKEN)
+        assert abs(float(loss) - want) / want < 1e-5
+    else:
+        assert abs(float(loss) - want) / want > 1e-3
