@@ -26,7 +26,7 @@ from mmjax.models import hf
 from mmjax.models.config import AudioConfig, MLLMConfig, config_from_dict
 from mmjax.models.hf.checkpoint import _flatten, _fmt
 from mmjax.models.mllm import MultimodalModel, trainable_filter
-from mmjax.models.hf.pretrained import load_into_model
+from mmjax.models.hf.pretrained import load_pretrained_dirs
 from mmjax.parallel.sharded_init import abstract_split, init_split
 from mmjax.train.checkpoint import Checkpointer
 from mmjax.train.logical_state import single_from_logical, single_logical
@@ -98,8 +98,7 @@ def restore_model(workdir: str, step: int | None = None
         ckpt.close()
     if jax.tree.leaves(fr):  # frozen parameters: the init, then the pretrained files
         whole = nnx.merge(*init_split(MultimodalModel, (cfg,), key, filters[:1] + (...,)))
-        encoders = {k: v for k, v in dirs.items() if k != "llm"}
-        load_into_model(whole, dirs.get("llm"), encoders)
+        load_pretrained_dirs(whole, dirs)
         fr = split_model(whole, filters[0])[2]
     return cfg, nnx.merge(graphdef, trainable, fr), step, dirs
 
@@ -145,5 +144,11 @@ def export_model(cfg: MLLMConfig, pure: dict, out, max_shard_bytes: int = MAX_SH
 
 def export_workdir(workdir: str, out, step: int | None = None,
                    max_shard_bytes: int = MAX_SHARD_BYTES) -> dict[str, Path]:
+    """-> {unit: where it went}. A run started from a whole LLaVA checkpoint
+    (`pretrained.model`) is written whole, over that checkpoint: OUT/model."""
     cfg, model, _, dirs = restore_model(workdir, step)
+    if "model" in dirs:
+        hf.save_llava(model, cfg, Path(out) / "model", source=dirs["model"],
+                      max_shard_bytes=max_shard_bytes)
+        return {"model": Path(out) / "model"}
     return export_model(cfg, _pure(model), out, max_shard_bytes, dirs)

@@ -69,9 +69,10 @@ def _last_good(ckpt) -> str:
 
 def _check_pretrained_vocab(cfg: MLLMConfig, dirs: dict) -> None:
     """A pretrained LLM keeps its vocabulary: a tokenizer that needs another is an error."""
-    if "llm" in dirs:
-        from mmjax.models.hf import config_for
-        want = config_for(dirs["llm"]).vocab_size
+    if "llm" in dirs or "model" in dirs:
+        from mmjax.models.hf import config_for, llava_config_from_hf
+        want = (config_for(dirs["llm"]) if "llm" in dirs else
+                llava_config_from_hf(dirs["model"])[0].llm).vocab_size
         if cfg.llm.vocab_size != want:
             raise PretrainedError(f"pretrained: the tokenizer / tp need vocab_size "
                                   f"{cfg.llm.vocab_size}, the LLM checkpoint has {want}; use "

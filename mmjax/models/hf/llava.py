@@ -132,6 +132,24 @@ def llava_load_plan(path, cfg: MLLMConfig) -> LoadPlan:
     return LoadPlan(ckpt, llava_entries(cfg, layout), known, "llava")
 
 
+def llava_stage_plan(path, cfg: MLLMConfig, unit: str, start: int = 0,
+                     end: int | None = None) -> LoadPlan:
+    """A pipeline stage's share of a LLaVA checkpoint: the LLM's layers [start, end) (paths
+    within the LLM), or the tower's (paths from the encoder stage's root, the projector on
+    its last stage)."""
+    plan = llava_load_plan(path, cfg)
+    layout = _layout(plan.ckpt)
+    if unit == "llm":
+        entries = _rename_llm(llm_entries(cfg.llm, start, end), layout)
+    else:
+        tower = cfg.encoder(unit).encoder
+        entries = [dataclasses.replace(e, path=("encoders", unit) + e.path)
+                   for e in vit_entries(tower, start, end, layout["tower"])]
+        if end is None or end == tower.depth:
+            entries += [e for e in plan.entries if e.path[0] == "projectors"]
+    return LoadPlan(plan.ckpt, entries, plan.known, "llava", plan.prefix)
+
+
 def is_llava(config) -> bool:
     c = read_config(config)
     return c.get("model_type") == "llava" or "LlavaForConditionalGeneration" in (
