@@ -58,3 +58,21 @@ def test_clip_export_carries_post_layernorm(tmp_path):
     assert sorted(alone) == sorted(t)  # every CLIPVisionModel tensor
     np.testing.assert_array_equal(alone["vision_model.post_layernorm.weight"], np.ones(32))
     np.testing.assert_array_equal(alone["vision_model.post_layernorm.bias"], np.zeros(32))
+
+
+def test_tower_from_clipmodel_written_back_as_clipmodel(tmp_path):
+    t = ref.tower_tensors("clip", CLIP, seed=7)
+    rng = np.random.default_rng(8)
+    text = {"text_model.embeddings.token_embedding.weight": ref.rand(rng, 50, 16),
+            "text_projection.weight": ref.rand(rng, 8, 16),
+            "visual_projection.weight": ref.rand(rng, 8, 32), "logit_scale": np.ones((), np.float32)}
+    conf = {"model_type": "clip", "architectures": ["CLIPModel"], "vision_config": CLIP}
+    src = ref.write_checkpoint(tmp_path / "clipmodel", conf, {**t, **text})
+    module, cfg = hf.load(src)
+    module = StandardViT(cfg, jax.random.key(3))  # as after training: other tower weights
+    hf.save(module, cfg, tmp_path / "back", source=src)
+    back = load_file(str(tmp_path / "back" / "model.safetensors"))
+    assert sorted(back) == sorted({**t, **text})
+    assert all(back[k].tobytes() == v.tobytes() for k, v in text.items())  # untouched
+    assert back["vision_model.pre_layrnorm.weight"].tobytes() != t["vision_model.pre_layrnorm.weight"].tobytes()
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["architectures"] == ["CLIPModel"]
