@@ -70,3 +70,15 @@ def test_run_from_whole_llava_exports_frozen_parts_bit_identical(tmp_path, plann
     ref_llm = nnx.to_pure_dict(nnx.state(ref.llm, nnx.Param))
     for a, b in zip(__import__("jax").tree.leaves(llm), __import__("jax").tree.leaves(ref_llm)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_pretrained_vocabulary_that_covers_the_tokenizer_is_kept():
+    """LLaVA-1.5's 32064 is no multiple of 128: kept for a pretrained LLM (tp dividing it),
+    padded otherwise."""
+    from types import SimpleNamespace
+    from mmjax.train.data_config import fit_vocab
+    cfg = with_overrides(tiny(), {"llm.vocab_size": 32064})
+    tok = SimpleNamespace(vocab_size=32010)  # 32002 + mmjax's markers
+    assert fit_vocab(cfg, tok, (1, 4), pretrained=True).llm.vocab_size == 32064
+    assert fit_vocab(cfg, tok, (5,), pretrained=True).llm.vocab_size == 32640
+    assert fit_vocab(cfg, tok).llm.vocab_size == 32128

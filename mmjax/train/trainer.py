@@ -211,7 +211,7 @@ def _model_and_tokenizer(model: MLLMConfig | None):
         cfg = prepare_pretrained(cfg, dirs)
     tok = tokenizer()
     if tok is not None:
-        cfg = fit_vocab(cfg, tok)
+        cfg = fit_vocab(cfg, tok, pretrained="llm" in dirs or "model" in dirs)
     _check_pretrained_vocab(cfg, dirs)
     return cfg, tok, dirs
 
@@ -242,7 +242,8 @@ def _prepared(the_plan: Plan, cfg: MLLMConfig, tok, dirs: dict, global_batch: in
         raise UserError(f"plan global_batch={the_plan.global_batch} differs from "
                         f"train.global_batch={global_batch}: make them equal")
     if tok is not None:
-        fitted = fit_vocab(cfg, tok, [u.tp for u in the_plan.units])
+        fitted = fit_vocab(cfg, tok, [u.tp for u in the_plan.units],
+                           pretrained="llm" in dirs or "model" in dirs)
         if same_config and fitted != cfg:
             raise UserError(f"the plan's tp sizes need vocab_size {fitted.llm.vocab_size}, "
                             f"the run trains {cfg.llm.vocab_size}")
