@@ -26,6 +26,9 @@ def test_chat_template_jinja_takes_priority(tmp_path):
     del conf["chat_template"]  # transformers 5 writes the template only to the .jinja file
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(conf))
     assert Tokenizer(str(tmp_path)).chat_template == JINJA
+    (tmp_path / "chat_template.jinja").unlink()  # a LLaVA processor's legacy file
+    (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": "{{ x }}"}))
+    assert Tokenizer(str(tmp_path)).chat_template == "{{ x }}"
 
 
 def test_rgba_composited_onto_white_like_transformers():

@@ -51,7 +51,7 @@ def chat_template(path: str, config: dict) -> str | None:
     """The default chat template as transformers 5 reads it: `chat_template.jinja` beside
     tokenizer_config.json takes priority, then `additional_chat_templates/default.jinja`,
     then tokenizer_config.json's `chat_template` (a string, or a list of named templates
-    whose "default" is used)."""
+    whose "default" is used), then a processor's legacy `chat_template.json`."""
     for name in ("chat_template.jinja", os.path.join("additional_chat_templates",
                                                       "default.jinja")):
         file = os.path.join(path, name)
@@ -62,6 +62,10 @@ def chat_template(path: str, config: dict) -> str | None:
     if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
         named = {t["name"]: t["template"] for t in template}
         template = named.get("default", next(iter(named.values()), None))
+    legacy = os.path.join(path, "chat_template.json")  # a processor's (LLaVA checkpoints)
+    if template is None and os.path.isfile(legacy):
+        with open(legacy, encoding="utf-8") as f:
+            template = json.load(f).get("chat_template")
     return template
 
 
