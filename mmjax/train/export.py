@@ -1,13 +1,14 @@
 """A training checkpoint -> Hugging Face checkpoints (scripts/export_hf.py).
 
-The workdir's run.json names the model config, plan and seed; the checkpoint is restored
-into the same structure the trainer saved (one program's TrainState, or a plan's per-stage
-trainable parameters and optimizer states, the frozen parts rebuilt as training built
-them), the stages' parameters are put back into `MultimodalModel` layout, and each unit
-with an HF counterpart is written: the LLM (Llama / Qwen2), CLIP / SigLIP-shaped towers
-(`VisionConfig(kind="vit")`) and Whisper encoders. Projectors, the generator and packed
-NaViT-style towers have no HF format: they go to `mmjax_extra.safetensors` (dotted names)
-so nothing trained is dropped.
+The workdir's run.json names the model config, seed and pretrained files (with their sizes and
+hashes). Every run is restored the same way, on any host: the checkpoint's trainable arrays
+by their plan-independent names (train/logical_state.py), frozen parameters rebuilt as the
+run built them (seed init, then the verified pretrained files: bit for bit). Each unit with an
+HF counterpart is written, over its source checkpoint when it has one (models/hf/write_back.py):
+the LLM (Llama / Mistral / Qwen2), CLIP / SigLIP towers (`VisionConfig(kind="vit")`, also when
+read at an inner `feature_layer`), Whisper encoders; a run started from a whole LLaVA is written
+whole. Projectors, the generator and packed NaViT-style towers have no HF format: they go to
+`mmjax_extra.safetensors` (dotted names) so nothing trained is dropped.
 """
 from __future__ import annotations
 
