@@ -8,22 +8,6 @@ encoders (written back over the checkpoint each was imported from: untouched ten
 copied), OUT/model for a run started from a whole LLaVA (`pretrained.model`), and
 OUT/mmjax_extra.safetensors for projectors / generator. Frozen pretrained units are re-read
 from the files the run recorded (refused in one line if gone or changed). Single-program and
-plan checkpoints alike, on any host: no plan device count is needed."""Export a training checkpoint as Hugging Face checkpoints:
-`python scripts/export_hf.py --workdir=DIR [--step=N] --out=OUT`.
-
-Writes OUT/llm (Llama / Qwen2 safetensors + config.json, sharded above 5 GB with
-model.safetensors.index.json), OUT/<encoder> for CLIP / SigLIP-shaped towers and Whisper
-encoders, and OUT/mmjax_extra.safetensors for projectors / generator. Works for
-single-program and plan checkpoints (a plan is rebuilt on as many devices as it used; on a
-CPU host set XLA_FLAGS=--xla_force_host_platform_device_count=N)."""Export a training checkpoint as Hugging Face checkpoints:
-`python scripts/export_hf.py --workdir=DIR [--step=N] --out=OUT`.
-
-Writes OUT/llm (Llama / Qwen2 safetensors + config.json, sharded above 5 GB with
-model.safetensors.index.json), OUT/<encoder> for CLIP / SigLIP-shaped towers and Whisper
-encoders (written back over the checkpoint each was imported from: untouched tensors
-copied), OUT/model for a run started from a whole LLaVA (`pretrained.model`), and
-OUT/mmjax_extra.safetensors for projectors / generator. Frozen pretrained units are re-read
-from the files the run recorded (refused in one line if gone or changed). Single-program and
 plan checkpoints alike, on any host: no plan device count is needed."""
 from __future__ import annotations
 
