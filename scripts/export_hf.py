@@ -26,12 +26,13 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--max_shard_gb", type=float, default=5.0, help="shard size (GB)")
     args = p.parse_args(argv)
+    from mmjax.train.checkpoint import CheckpointUnusable
     from mmjax.train.export import export_workdir
 
     try:
         written = export_workdir(args.workdir, args.out, args.step,
                                  int(args.max_shard_gb * 10 ** 9))
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, CheckpointUnusable) as e:
         raise UserError(f"{e}")
     for unit, path in written.items():
         print(f"{unit}: {path}")
