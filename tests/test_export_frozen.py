@@ -119,10 +119,6 @@ def test_changed_or_missing_pretrained_files_refused(dirs, tmp_path):
     shutil.rmtree(moved["vision"])
     with pytest.raises(ValueError, match=r"^pretrained\.llm: |^pretrained\.vision: .* is gone"):
         export_workdir(run, tmp_path / "out")
-    out = subprocess.run([sys.executable, "scripts/export_hf.py", f"--workdir={run}",
-                          f"--out={tmp_path}/out"], cwd=ROOT, capture_output=True, text=True)
-    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
-    assert out.stderr.startswith("error: pretrained.")
 
 
 @pytest.fixture
@@ -166,6 +162,17 @@ def test_trained_frozen_run_exports_its_pretrained_weights(dirs, tmp_path, gin_p
         hf.prepare_pretrained(cfg, dirs), jax.random.key(0)).projectors, nnx.Param))
     assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(proj),
                                                         jax.tree.leaves(init)))  # trained
+    # the CLI: one line, exit 2, when a pretrained directory is gone
+    moved = tmp_path / "moved"
+    shutil.move(dirs["vision"], moved)
+    try:
+        out = subprocess.run([sys.executable, "scripts/export_hf.py", f"--workdir={run}",
+                              f"--out={tmp_path}/out2"], cwd=ROOT, env=env,
+                             capture_output=True, text=True)
+    finally:
+        shutil.move(moved, dirs["vision"])
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert out.stderr.startswith("error: pretrained.vision: ") and "is gone" in out.stderr
     # a resume must read the same pretrained weights
     info = json.load(open(os.path.join(run, "run.json")))
     assert set(info["pretrained_sources"]) == {"llm", "vision"}

@@ -166,13 +166,16 @@ def hf_forward(module, **inputs) -> dict:
     return out
 
 
-def save(module, config, out_dir, source=None, max_shard_bytes: int | None = None, **options):
+def save(module, config, out_dir, source=None, max_shard_bytes: int | None = 5 * 10 ** 9,
+         **options):
     """Write a module `load` built (or one of the same kinds) as a transformers checkpoint:
     the tensor names, shapes and config.json `save_pretrained` writes for its class.
     `source` (default: the directory `load` read it from, if any): that checkpoint is
     written again with the module's tensors in place and every other tensor copied, so a
     part of a larger checkpoint (a tower of a CLIPModel, a Whisper encoder) goes back into
-    the original class. `options`: image_token_index (a LLaVA model without a source)."""
+    the original class. Shards above `max_shard_bytes` (5 GB, as save_pretrained) with
+    model.safetensors.index.json. `options`: image_token_index (a LLaVA model without a
+    source)."""
     from mmjax.models.hf.vision import export_vit_safetensors
     from mmjax.models.hf.whisper import export_whisper_encoder_safetensors
     from mmjax.models.hf.llm import export_llm_safetensors
