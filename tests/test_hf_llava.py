@@ -93,6 +93,7 @@ def test_save_without_source_writes_transformers5_names(loaded, tmp_path):
 @pytest.mark.parametrize("field,value,match", [
     ("vision_feature_select_strategy", "full", "'default'"),
     ("vision_feature_layer", [-2, -1], "one layer"),
+    ("vision_feature_layer", 0, "a layer's output"),
     ("projector_hidden_act", "relu", "gelu"),
     ("multimodal_projector_bias", False, "with biases"),
 ])
@@ -144,3 +145,15 @@ def test_training_path_has_llava_semantics(loaded, semantics):
         assert abs(float(loss) - want) / want < 1e-5
     else:
         assert abs(float(loss) - want) / want > 1e-3
+
+
+def test_positive_feature_layer_is_hidden_states_index(tmp_path):
+    d = llava_tiny.write(tmp_path / "l")
+    c = json.loads((d / "config.json").read_text())
+    c["vision_feature_layer"] = 2  # hidden_states[2] of 3 layers = hidden_states[-2]
+    (d / "config.json").write_text(json.dumps(c))
+    model, cfg = hf.load(d)
+    assert cfg.encoder("vision").encoder.feature_layer == -2
+    got = np.asarray(hf.hf_forward(model, input_ids=REF["input_ids"],
+                                   pixel_values=REF["pixel_values"])["logits"])
+    assert rel_err(got, REF["logits"]) < 1e-4

@@ -67,8 +67,12 @@ def llava_config_from_hf(config) -> tuple[MLLMConfig, dict]:
         text.setdefault("tie_word_embeddings", c["tie_word_embeddings"])
     llm = config_from_hf(text)
     n = vision.get("num_hidden_layers", 12)
-    tower = vision_config_from_hf(vision, feature_layer=None if layer in (-1, n) else
-                                  (layer if layer < 0 else layer - n))
+    # hidden_states[k], k in 0..n (0: the embeddings) -> mmjax's negative feature_layer
+    # (-1: the last layer's output, before SigLIP's post_layernorm, as HF reads it)
+    feature = layer if layer < 0 else layer - (n + 1)
+    if not -n <= feature <= -1:
+        _refuse("vision_feature_layer", layer, f"a layer's output, -{n}..-1 or 1..{n}")
+    tower = vision_config_from_hf(vision, feature_layer=feature)
     proj = ProjectorConfig(kind="mlp", num_layers=2, hidden_size=llm.hidden_size, act=_ACTS[act])
     cfg = MLLMConfig(name="llava", llm=llm, encoders=(EncoderSpec("vision", tower, proj),),
                      image_attention="causal", modality_markers=False)
@@ -268,7 +272,7 @@ def save_llava(model, cfg: MLLMConfig, out, source=None, image_token_index: int 
         raise ValueError("llava: save without a source needs image_token_index (the "
                          "tokenizer's <image> id)")
     tower = cfg.encoder("vision").encoder
-    if tower.feature_layer is not None:
+    if tower.depth < tower.num_layers:
         raise ValueError(f"llava: encoders.vision.encoder.feature_layer={tower.feature_layer} "
                          f"holds {tower.depth} of {tower.num_layers} layers and no source "
                          f"checkpoint to copy the rest from: pass source=")
