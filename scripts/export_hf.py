@@ -4,9 +4,11 @@
 
 Writes OUT/llm (Llama / Qwen2 safetensors + config.json, sharded above 5 GB with
 model.safetensors.index.json), OUT/<encoder> for CLIP / SigLIP-shaped towers and Whisper
-encoders, and OUT/mmjax_extra.safetensors for projectors / generator. Works for
-single-program and plan checkpoints (a plan is rebuilt on as many devices as it used; on a
-CPU host set XLA_FLAGS=--xla_force_host_platform_device_count=N)."""
+encoders (written back over the checkpoint each was imported from: untouched tensors
+copied), OUT/model for a run started from a whole LLaVA (`pretrained.model`), and
+OUT/mmjax_extra.safetensors for projectors / generator. Frozen pretrained units are re-read
+from the files the run recorded (refused in one line if gone or changed). Single-program and
+plan checkpoints alike, on any host: no plan device count is needed."""
 from __future__ import annotations
 
 import argparse
@@ -24,12 +26,13 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--max_shard_gb", type=float, default=5.0, help="shard size (GB)")
     args = p.parse_args(argv)
+    from mmjax.train.checkpoint import CheckpointUnusable
     from mmjax.train.export import export_workdir
 
     try:
         written = export_workdir(args.workdir, args.out, args.step,
                                  int(args.max_shard_gb * 10 ** 9))
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, CheckpointUnusable) as e:
         raise UserError(f"{e}")
     for unit, path in written.items():
         print(f"{unit}: {path}")

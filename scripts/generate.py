@@ -4,11 +4,12 @@ and image / audio processors:
 
   python scripts/generate.py --workdir=/tmp/llava_run --image=cat.jpg --prompt="What colour is it?"
 
-Reads WORKDIR/config.gin (written by scripts/train.py) and the newest checkpoint of a
-single-program run; decodes with a KV cache: greedy by default, or --temperature / --top_p.
---output_image=PATH (a model with a generator and vae.path) then draws: the DiT samples
-latents (--sampler ddim|ddpm, --diffusion_steps) conditioned on the LLM after the reply, and
-the VAE decodes them to a PNG.
+Reads WORKDIR/config.gin and run.json (written by scripts/train.py) and the newest
+checkpoint of the run (single program or plan; frozen pretrained units re-read from the files
+the run recorded, checked unchanged); decodes with a KV cache: greedy by default, or
+--temperature / --top_p. --output_image=PATH (a model with a generator and vae.path) then
+draws: the DiT samples latents (--sampler ddim|ddpm, --diffusion_steps) conditioned on the
+LLM after the reply, and the VAE decodes them to a PNG.
 """
 from __future__ import annotations
 
@@ -66,35 +67,19 @@ def prompt_sample(tok, chat, image_proc, audio_proc, prompt: str, image: str | N
     return Sample(0, tuple(segs))
 
 
-def restore_model(cfg, workdir: str, step: int | None):
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
+def restore_model(workdir: str, step: int | None):
+    """(config, the whole model as trained, step): trainable arrays from the checkpoint of
+    any run (single program or plan), frozen units from the pretrained files the run
+    recorded, verified (mmjax/train/export.py `restore_model`)."""
+    from mmjax.train.checkpoint import CheckpointMismatch, CheckpointUnusable
+    from mmjax.train.export import restore_model as restore
 
-    from mmjax.models.mllm import MultimodalModel, trainable_filter
-    from mmjax.train.checkpoint import Checkpointer
-    from mmjax.train.logical_state import single_from_logical, single_logical
-    from mmjax.train.optimizer import learning_rate_schedule, optimizer_from_settings
-    from mmjax.train.step import TrainState, split_model
-
-    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"))
-    step = step or ckpt.latest_step()
-    if step is None:
-        raise UserError(f"no checkpoint in {workdir}/checkpoints (train first, or pass --workdir "
-                 f"of a finished run)")
-    model = MultimodalModel(cfg, jax.random.key(0))
-    graphdef, trainable, frozen = split_model(model, trainable_filter(cfg))
-    tx = optimizer_from_settings(learning_rate_schedule(_bound("train.steps", 30)))
-    like = TrainState(jnp.zeros((), jnp.int32), trainable, frozen, tx.init(trainable))
     try:
-        named, _ = ckpt.restore(step, single_logical(like))  # the trainer's layout
-        state = single_from_logical(like, named)
-    except (ValueError, KeyError) as e:
-        raise UserError(f"{workdir} step {step} is not a single-program checkpoint of this model "
-                 f"({type(e).__name__}: {e}); generate reads runs trained without --plan")
-    finally:
-        ckpt.close()
-    return nnx.merge(graphdef, state.trainable, state.frozen), step
+        cfg, model, step, _ = restore(workdir, step)
+    except (ValueError, FileNotFoundError, CheckpointUnusable) as e:
+        why = str(e) if not isinstance(e, CheckpointMismatch) else f"{type(e).__name__}: {e}"
+        raise UserError(f"{workdir}: {why}") from None
+    return cfg, model, step
 
 
 def main(argv=None) -> int:
@@ -132,10 +117,9 @@ def main(argv=None) -> int:
     from mmjax.data.chat import ChatFormat
     from mmjax.data.sources import default_processors
     from mmjax.models.decode import generate
-    from mmjax.train.config import named_model_config
     from mmjax.train.inputs import model_inputs
     from mmjax.data.tokenizer import tokenizer
-    from mmjax.train.data_config import data_layout, fit_vocab
+    from mmjax.train.data_config import data_layout
     from mmjax.cli import register_configurables
 
     register_configurables()  # every configurable config.gin may bind
@@ -143,7 +127,7 @@ def main(argv=None) -> int:
     tok = tokenizer()
     if tok is None:
         raise UserError("the run has no tokenizer.path (synthetic data): nothing to decode to text")
-    cfg = fit_vocab(named_model_config(), tok)
+    cfg, model, _ = restore_model(a.workdir, a.step)  # run.json's config, as trained
     layout = data_layout(cfg, special=tok.special_tokens())
     image_proc, audio_proc = default_processors(cfg, _bound("llava_source.image_processor"),
                                                 _bound("llava_source.audio_processor"))
@@ -159,7 +143,6 @@ def main(argv=None) -> int:
         raise UserError(f"the prompt cannot be fed to this model: {why}")
     batch = model_inputs(assemble([sample], layout))
     prompt_len = int((batch["doc"][0] == 1).sum()) - 1  # the document's eos is not prompt
-    model, step = restore_model(cfg, a.workdir, a.step)
     stop = {tok.special_tokens().eos} | {tok.tok.token_to_id(t) for t in STOP_TOKENS
                                          if tok.tok.token_to_id(t) is not None}
     ids = generate(model, batch, prompt_len, a.max_new_tokens, tuple(stop), a.temperature,

@@ -198,6 +198,9 @@ class _Rows:
                 col = self._text(row, col, np.asarray(seg.data, np.int32),
                                  True if seg.loss_mask is None else np.asarray(seg.loss_mask, bool))
                 continue
+            if not self.layout.rules.markers:  # LLaVA: the block alone
+                col = self._modality(sample, seg_index, seg, row, col)
+                continue
             start, end = sp.delimiters(seg.modality)
             col = self._text(row, col, [start], wrappers)
             col = self._modality(sample, seg_index, seg, row, col)
@@ -232,7 +235,9 @@ class _Rows:
         else:
             slot = lay.slot(seg.modality)
             where = self.place[slot.name][k]
-            self.bam[row, span] = 1 << slot.bit
+            # causal images (HF LLaVA) see what text sees; else their own block, both ways
+            self.bam[row, span] = (lay.text_bits if slot.modality == "image"
+                                   and lay.image_attention == "causal" else 1 << slot.bit)
             self.gather[slot.name][row, span] = _gather_rows(slot, self.shapes, where, n)
             if slot.merge:
                 self.images.append((col,) + merged_grid(*seg.data.shape[:2], slot.patch_size,

@@ -77,6 +77,7 @@ class AssemblyLayout:
     # Qwen2-VL M-RoPE (LLMConfig.mrope_section set): positions [B, S, 3] (t, h, w), an
     # image's tokens on its merged grid (HF get_rope_index, `assemble._mrope_positions`)
     mrope: bool = False
+    image_attention: Literal["bidirectional", "causal"] = "bidirectional"  # MLLMConfig's
 
     @classmethod
     def from_config(cls, cfg: MLLMConfig, seq_len: int, packing: str = "pad",
@@ -121,7 +122,7 @@ class AssemblyLayout:
         return cls(seq_len, cfg.llm.vocab_size, TokenRules.from_config(cfg), tuple(slots), gen,
                    packing, cfg.placement, tuple(sorted(vision_caps)),
                    tuple(sorted(audio_frame_caps)), special or SpecialTokens(),
-                   cfg.llm.mrope_section is not None)
+                   cfg.llm.mrope_section is not None, cfg.image_attention)
 
     def slot(self, modality: str) -> EncoderSlot | None:
         for s in self.encoders:

@@ -74,6 +74,19 @@ def _size_dict(size) -> dict:
     return dict(size)
 
 
+def convert_to_rgb(image):
+    """HF's `convert_to_rgb`: an image with transparency (an alpha band, or a palette /
+    grey image with a transparency entry) is composited onto opaque white, then RGB; any
+    other mode is converted directly."""
+    from PIL import Image
+
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        rgba = image.convert("RGBA")
+        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, rgba).convert("RGB")
+    return image.convert("RGB")
+
+
 class _PilImageOps:
     """Resize / rescale / normalise shared by the image processors (HF semantics)."""
 
@@ -83,7 +96,7 @@ class _PilImageOps:
         if not isinstance(image, Image.Image):
             image = Image.fromarray(np.asarray(image))
         if self.do_convert_rgb and image.mode != "RGB":
-            image = image.convert("RGB")
+            image = convert_to_rgb(image)
         return image
 
     def _finish(self, arr: np.ndarray) -> np.ndarray:

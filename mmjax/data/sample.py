@@ -24,6 +24,8 @@ its start/end special tokens (see `assemble.py`), so `SampleMeta.llm_length` cou
 """
 from __future__ import annotations
 
+import dataclasses
+
 import math
 from dataclasses import dataclass, field
 
@@ -109,6 +111,7 @@ class SegmentMeta:
     num_encoder_tokens: int  # tokens in the encoder (generator for image_out); 0 for text
     input_size: int = 0  # image: patches; audio: frames; image_out: latent patches; text: L
     num_masked: int = 0  # text: tokens left out of the loss (chat prompts)
+    delimiters: int = 0  # begin / end marker tokens around it (2 for a modality block, or 0)
 
 
 @dataclass(frozen=True)
@@ -118,9 +121,8 @@ class SampleMeta:
 
     @property
     def llm_length(self) -> int:
-        """Tokens of this document in the LLM sequence: bos + eos + 2 per modality block."""
-        return 2 + sum(s.num_llm_tokens + (0 if s.modality == "text" else 2)
-                       for s in self.segments)
+        """Tokens of this document in the LLM sequence: bos + eos + its blocks' markers."""
+        return 2 + sum(s.num_llm_tokens + s.delimiters for s in self.segments)
 
     @property
     def num_placeholders(self) -> int:
@@ -156,6 +158,7 @@ class TokenRules:
     audio_downsample: int = 1
     audio_queries: int = 0
     gen_patch_size: int = 2
+    markers: bool = True  # modality blocks wrapped in begin / end tokens (LLaVA: none)
 
     @classmethod
     def from_config(cls, cfg: MLLMConfig) -> "TokenRules":
@@ -171,11 +174,18 @@ class TokenRules:
                           audio_queries=spec.projector.num_queries if ca else 0)
         if cfg.generator is not None:
             kw["gen_patch_size"] = cfg.generator.patch_size
-        return cls(**kw)
+        return cls(markers=cfg.modality_markers, **kw)
 
     def segment_meta(self, modality: str, shape: tuple[int, ...], num_queries: int = 0,
                      num_masked: int = 0) -> SegmentMeta:
         """Metadata of a segment from its array shape alone (text: and its masked count)."""
+        meta = self._segment_meta(modality, shape, num_queries, num_masked)
+        if modality == "text" or not self.markers:
+            return meta
+        return dataclasses.replace(meta, delimiters=2)
+
+    def _segment_meta(self, modality: str, shape: tuple[int, ...], num_queries: int = 0,
+                      num_masked: int = 0) -> SegmentMeta:
         if modality == "text":
             return SegmentMeta("text", int(shape[0]), 0, int(shape[0]), int(num_masked))
         if modality == "image":

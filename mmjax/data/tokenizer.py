@@ -47,6 +47,28 @@ class Encoding:
     offsets: list[tuple[int, int]]  # character span of each token in the input
 
 
+def chat_template(path: str, config: dict) -> str | None:
+    """The default chat template as transformers 5 reads it: `chat_template.jinja` beside
+    tokenizer_config.json takes priority, then `additional_chat_templates/default.jinja`,
+    then tokenizer_config.json's `chat_template` (a string, or a list of named templates
+    whose "default" is used), then a processor's legacy `chat_template.json`."""
+    for name in ("chat_template.jinja", os.path.join("additional_chat_templates",
+                                                      "default.jinja")):
+        file = os.path.join(path, name)
+        if os.path.isfile(file):
+            with open(file, encoding="utf-8") as f:
+                return f.read()
+    template = config.get("chat_template")
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+        named = {t["name"]: t["template"] for t in template}
+        template = named.get("default", next(iter(named.values()), None))
+    legacy = os.path.join(path, "chat_template.json")  # a processor's (LLaVA checkpoints)
+    if template is None and os.path.isfile(legacy):
+        with open(legacy, encoding="utf-8") as f:
+            template = json.load(f).get("chat_template")
+    return template
+
+
 class Tokenizer:
     """A `tokenizers` tokenizer with its config: encode/decode, special ids, chat template."""
 
@@ -75,11 +97,7 @@ class Tokenizer:
         if self.eos_token is None:
             raise ValueError(f"tokenizer.path={path!r}: tokenizer_config.json names no "
                              f"eos_token (add \"eos_token\": \"...\")")
-        template = self.config.get("chat_template")
-        if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
-            named = {t["name"]: t["template"] for t in template}
-            template = named.get("default", next(iter(named.values()), None))
-        self.chat_template = template
+        self.chat_template = chat_template(path, self.config)
 
     def __len__(self) -> int:
         return self.vocab_size
@@ -122,7 +140,7 @@ class Tokenizer:
         """Hash of tokenizer.json and tokenizer_config.json: cached token counts are valid
         only for the tokenizer that made them."""
         h = hashlib.sha256()
-        for name in ("tokenizer.json", "tokenizer_config.json"):
+        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
             file = os.path.join(self.path, name)
             if os.path.isfile(file):
                 with open(file, "rb") as f:

@@ -187,6 +187,9 @@ class ProjectorConfig:
     num_queries: int = 32
     num_heads: int = 8
     max_items: int = 1  # cross_attention: item slots per encoder buffer row (nq tokens each)
+    # the MLP's activation: "gelu_tanh" (mmjax's default) or "gelu" (exact, as HF LLaVA's
+    # projector_hidden_act="gelu" names it)
+    act: Literal["gelu_tanh", "gelu"] = "gelu_tanh"
 
 
 @dataclass(frozen=True)
@@ -253,6 +256,12 @@ class MLLMConfig:
     llm_frozen: bool = False
     generator_frozen: bool = False
     placement: Literal["embed", "prepend"] = "embed"
+    # HF LLaVA semantics (hf/llava.py sets both): "causal" puts image tokens under the LLM's
+    # causal mask like text; "bidirectional" (mmjax's default, Cornstarch §4.3.1) lets an
+    # image's tokens see each other. `modality_markers`: wrap each modality block in its
+    # begin / end tokens (LLaVA has none).
+    image_attention: Literal["bidirectional", "causal"] = "bidirectional"
+    modality_markers: bool = True
 
     def encoder(self, name: str) -> EncoderSpec:
         for spec in self.encoders:

@@ -140,12 +140,14 @@ def sinusoidal(positions, dim: int, max_period: float = 10000.0):
 
 def whisper_sinusoids(length: int, dim: int, max_timescale: float = 10000.0):
     """Whisper's fixed position table [length, dim]: [sin | cos] of t * exp(-i * log(max) /
-    (dim/2 - 1)), i < dim/2 (what OpenAI's Whisper and HF's WhisperEncoder store)."""
+    (dim/2 - 1)), i < dim/2 (what OpenAI's Whisper and HF's WhisperEncoder store). Computed
+    on the host in NumPy float32, so the frozen table has the same bits eagerly, under jit
+    and on any backend (export and generation rebuild it; docs/design.md, "Export")."""
     half = dim // 2
-    inc = math.log(max_timescale) / (half - 1)
-    ang = jnp.arange(length, dtype=jnp.float32)[:, None] * jnp.exp(
-        -inc * jnp.arange(half, dtype=jnp.float32))[None, :]
-    return jnp.concatenate([jnp.sin(ang), jnp.cos(ang)], axis=-1)
+    inc = np.float32(math.log(max_timescale) / (half - 1))
+    ang = np.arange(length, dtype=np.float32)[:, None] * np.exp(
+        -inc * np.arange(half, dtype=np.float32))[None, :]
+    return jnp.asarray(np.concatenate([np.sin(ang), np.cos(ang)], axis=-1))
 
 
 ACTIVATIONS = {

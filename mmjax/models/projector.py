@@ -1,7 +1,8 @@
 """Encoder -> LLM projectors.
 
 `MLPProjector`: concatenate `downsample` consecutive encoder tokens (OrchMLLM §8 rates
-1/2/4), then 1 (Cornstarch: a single linear layer) or 2 dense layers with GELU (LLaVA).
+1/2/4), then 1 (Cornstarch: a single linear layer) or 2 dense layers with GELU (LLaVA;
+`ProjectorConfig.act`: tanh-approximated or exact).
 `CrossAttentionProjector`: `num_queries` learned queries per item cross-attend to that
 item's encoder tokens (items told apart by segment ids), then a 2-layer MLP to the LLM width
 (Perceiver-resampler style). Both return [N, tokens_per_row, llm_hidden].
@@ -22,7 +23,9 @@ class MLPProjector(nnx.Module):
     def __init__(self, cfg: ProjectorConfig, enc_dim: int, llm_dim: int, key):
         if cfg.num_layers not in (1, 2):
             raise ValueError(f"ProjectorConfig.num_layers={cfg.num_layers}: use 1 or 2")
-        self.r = cfg.downsample
+        if cfg.act not in ("gelu_tanh", "gelu"):
+            raise ValueError(f"ProjectorConfig.act={cfg.act!r}: use 'gelu_tanh' or 'gelu'")
+        self.r, self.exact = cfg.downsample, cfg.act == "gelu"
         din, h = enc_dim * cfg.downsample, cfg.hidden_size or llm_dim
         k1, k2 = jax.random.split(key)
         if cfg.num_layers == 1:
@@ -36,7 +39,7 @@ class MLPProjector(nnx.Module):
             raise ValueError(f"encoder capacity {t} not a multiple of downsample {self.r}")
         x = x.reshape(n, t // self.r, e * self.r)
         x = self.fc1(x)
-        return x if self.fc2 is None else self.fc2(jax.nn.gelu(x, approximate=True))
+        return x if self.fc2 is None else self.fc2(jax.nn.gelu(x, approximate=not self.exact))
 
 
 class CrossAttentionProjector(nnx.Module):

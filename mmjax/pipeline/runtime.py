@@ -97,15 +97,15 @@ class _Step:
     result: StepResult = field(default_factory=StepResult)
 
 
-def _load_pretrained(cfg: MLLMConfig, up, sid: StageId, path, tr, fr):
-    """A stage's placed states with its layers of the HF checkpoint at `path`."""
+def _load_pretrained(cfg: MLLMConfig, up, sid: StageId, path, tr, fr, whole: bool = False):
+    """A stage's placed states with its layers of the HF checkpoint at `path` (`whole`: a
+    whole-model LLaVA checkpoint, `pretrained.model`)."""
     start, end = up.stage_layers(sid.index % up.pp, sid.index // up.pp)
-    plan = hf_pretrained.load_plan(path, hf_pretrained.unit_config(cfg, sid.unit), start, end)
-    root = () if sid.unit == "llm" else ("encoders", sid.unit)
+    plan, root = hf_pretrained.stage_load_plan(path, cfg, sid.unit, start, end, whole)
     tr, fr = (hf_pretrained.load_stage_state(tr, plan, root),
               hf_pretrained.load_stage_state(fr, plan, root))
-    proj = hf_pretrained.projector_plan(path, cfg, sid.unit)  # Qwen2-VL's merger
-    if proj is not None and end == cfg.num_layers(sid.unit):
+    proj = None if whole else hf_pretrained.projector_plan(path, cfg, sid.unit)  # Qwen2-VL
+    if proj is not None and end == cfg.num_layers(sid.unit):  # the merger, on the last stage
         root = ("projectors", sid.unit)
         tr, fr = (hf_pretrained.load_stage_state(tr, proj, root),
                   hf_pretrained.load_stage_state(fr, proj, root))
@@ -156,7 +156,9 @@ class PipelineRuntime:
             mode = Backward(self.graph.has_backward[sid])
             up = plan.unit(sid.unit)
             gd, tr, fr = _stage_state(*built[sid], mesh)
-            if sid.unit in pretrained:
+            if "model" in pretrained and sid.unit != "generator":
+                tr, fr = _load_pretrained(cfg, up, sid, pretrained["model"], tr, fr, True)
+            elif sid.unit in pretrained:
                 tr, fr = _load_pretrained(cfg, up, sid, pretrained[sid.unit], tr, fr)
             st = Stage(sid, mesh, up.dp, gd, tr, fr, mode, local=holds_local_device(mesh))
             st.fns = make_stage_fns(cfg, up, gd, mode, compute_dtype, mesh,

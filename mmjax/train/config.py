@@ -33,5 +33,7 @@ def named_model_config(name: str = "tiny", overrides: dict | None = None) -> MLL
 @gin.configurable
 def pretrained(**units) -> dict[str, str]:
     """Local HF checkpoint directories per unit, e.g. `pretrained.llm = "/models/llama3-8b"`,
-    `pretrained.vision = "/models/clip-vit-l-336"` (unit names: 'llm' and the encoders')."""
+    `pretrained.vision = "/models/clip-vit-l-336"` (unit names: 'llm' and the encoders'), or
+    the whole model from one LlavaForConditionalGeneration directory:
+    `pretrained.model = "/models/llava-1.5-7b-hf"`."""
     return {unit: path for unit, path in units.items() if path}

@@ -22,13 +22,16 @@ def data_layout(cfg: MLLMConfig, seq_len: int = 256, packing: str = "pad",
                                       tuple(audio_frame_caps), gen_num_queries, special)
 
 
-def fit_vocab(cfg: MLLMConfig, tok, tps=(1,)) -> MLLMConfig:
+def fit_vocab(cfg: MLLMConfig, tok, tps=(1,), pretrained: bool = False) -> MLLMConfig:
     """The model's vocabulary covers the tokenizer: rounded up to a multiple of 128 and of
-    every tp (the embedding is split by tp); a larger, divisible vocabulary is kept."""
+    every tp (the embedding is split by tp); a larger, divisible vocabulary is kept.
+    `pretrained`: the LLM's vocabulary is a checkpoint's (e.g. LLaVA-1.5's 32064): kept when
+    it covers the tokenizer and every tp divides it."""
     from mmjax.data.tokenizer import padded_vocab
 
     v = cfg.llm.vocab_size
-    if v >= tok.vocab_size and v == padded_vocab(v, tps):
+    if v >= tok.vocab_size and (v == padded_vocab(v, tps)
+                                or pretrained and all(v % t == 0 for t in tps)):
         return cfg
     return cfg.replace(llm=dataclasses.replace(cfg.llm, vocab_size=padded_vocab(tok.vocab_size,
                                                                                 tps)))

@@ -1,13 +1,14 @@
 """A training checkpoint -> Hugging Face checkpoints (scripts/export_hf.py).
 
-The workdir's run.json names the model config, plan and seed; the checkpoint is restored
-into the same structure the trainer saved (one program's TrainState, or a plan's per-stage
-trainable parameters and optimizer states, the frozen parts rebuilt as training built
-them), the stages' parameters are put back into `MultimodalModel` layout, and each unit
-with an HF counterpart is written: the LLM (Llama / Qwen2), CLIP / SigLIP-shaped towers
-(`VisionConfig(kind="vit")`) and Whisper encoders. Projectors, the generator and packed
-NaViT-style towers have no HF format: they go to `mmjax_extra.safetensors` (dotted names)
-so nothing trained is dropped. A Qwen2-VL-shaped model (tower kind="qwen2_vl") is written
+The workdir's run.json names the model config, seed and pretrained files (with their sizes and
+hashes). Every run is restored the same way, on any host: the checkpoint's trainable arrays
+by their plan-independent names (train/logical_state.py), frozen parameters rebuilt as the
+run built them (seed init, then the verified pretrained files: bit for bit). Each unit with an
+HF counterpart is written, over its source checkpoint when it has one (models/hf/write_back.py):
+the LLM (Llama / Mistral / Qwen2), CLIP / SigLIP towers (`VisionConfig(kind="vit")`, also when
+read at an inner `feature_layer`), Whisper encoders; a run started from a whole LLaVA is written
+whole. Projectors, the generator and packed NaViT-style towers have no HF format: they go to
+`mmjax_extra.safetensors` (dotted names) so nothing trained is dropped. A Qwen2-VL-shaped model (tower kind="qwen2_vl") is written
 whole, as one Qwen2VL / Qwen2_5_VLForConditionalGeneration checkpoint in out/model.
 """
 from __future__ import annotations
@@ -20,16 +21,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import SingleDeviceSharding
 from safetensors.numpy import save_file
 
 from mmjax.models import hf
 from mmjax.models.config import AudioConfig, MLLMConfig, config_from_dict
 from mmjax.models.hf.checkpoint import _flatten, _fmt
 from mmjax.models.mllm import MultimodalModel, trainable_filter
-from mmjax.planner.plan import Plan
+from mmjax.models.hf.pretrained import load_pretrained_dirs
+from mmjax.parallel.sharded_init import abstract_split, init_split
 from mmjax.train.checkpoint import Checkpointer
-from mmjax.train.logical_state import (pipeline_load_logical, pipeline_logical,
-                                       single_from_logical, single_logical)
+from mmjax.train.logical_state import single_from_logical, single_logical
+from mmjax.train.pretrained_sources import verify as verify_sources
 from mmjax.train.optimizer import learning_rate_schedule, optimizer_from_settings
 from mmjax.train.step import TrainState, split_model
 
@@ -49,58 +52,91 @@ def _pure(module) -> dict:
     return nnx.to_pure_dict(nnx.state(module, nnx.Param))
 
 
-def restore_params(workdir: str, step: int | None = None) -> tuple[MLLMConfig, dict, int]:
-    """-> (model config, `MultimodalModel`-layout pure dict of all parameters, step)."""
+def _pretrained_dirs(info: dict) -> dict:
+    """{unit: dir} the run loaded pretrained weights from, checked against the sizes and
+    hashes run.json recorded (ValueError in one line when gone or changed)."""
+    sources = info.get("pretrained_sources")
+    if sources:
+        return verify_sources(sources)
+    dirs = info.get("pretrained") or {}  # a run.json from before the record: existence only
+    for unit, d in dirs.items():
+        if not os.path.isdir(d):
+            raise ValueError(f"pretrained.{unit}: {d} is gone: restore the files the run "
+                             f"trained with (frozen units are rebuilt from them)")
+    return dirs
+
+
+def restore_model(workdir: str, step: int | None = None
+                  ) -> tuple[MLLMConfig, MultimodalModel, int, dict]:
+    """-> (model config, the whole `MultimodalModel` as trained at `step` (default newest),
+    step, pretrained dirs). Trainable arrays come from the checkpoint; frozen ones are
+    rebuilt exactly as the run built them: from the verified pretrained files, else from
+    the seed's init. Checkpoints are plan-independent (train/logical_state.py), so a plan
+    run restores here on any host, with no device count of the plan's."""
     info = read_run_info(workdir)
     cfg, seed = config_from_dict(info["model"]), int(info["seed"])
+    dirs = _pretrained_dirs(info)
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), async_save=False)
     try:
         steps = ckpt.manager.all_steps()
+        if not steps:
+            raise ValueError(f"no checkpoint in {workdir}/checkpoints: train first (or pass "
+                             f"--workdir of a run that wrote one)")
         step = ckpt.latest_step() if step is None else step
-        if step is None or step not in steps:
+        if step not in steps:
             raise ValueError(f"--step={step}: {workdir}/checkpoints holds steps {sorted(steps)}")
+        filters = (trainable_filter(cfg), ...)
+        key = jax.random.key(seed)
         tx = optimizer_from_settings(learning_rate_schedule(1))
-        if info["plan"] is None:
-            graphdef, tr, fr = split_model(MultimodalModel(cfg, jax.random.key(seed)),
-                                           trainable_filter(cfg))
-            like = TrainState(jnp.zeros((), jnp.int32), tr, fr, tx.init(tr))
-            named, _ = ckpt.restore(step, single_logical(like))  # the trainer's layout
-            state = single_from_logical(like, named)
-            return cfg, _pure(nnx.merge(graphdef, state.trainable, state.frozen)), step
-        from mmjax.pipeline.reference_layout import to_reference_layout
-        from mmjax.train.pipeline_step import PipelineStep
-        plan = Plan.from_json(info["plan"])
-        step_fn = PipelineStep(cfg, plan, learning_rate_schedule(1), seed=seed,
-                               pretrained=info.get("pretrained"))  # frozen parts as trained
-        named, _ = ckpt.restore(step, pipeline_logical(step_fn))  # the trainer's layout
-        pipeline_load_logical(step_fn, named)
-        stages = {sid: _pure(nnx.merge(st.graphdef, st.trainable, st.frozen))
-                  for sid, st in step_fn.runtime.stages.items()}
-        return cfg, to_reference_layout(plan, stages), step
+        graphdef, tr, fr = abstract_split(MultimodalModel, (cfg,), key, filters)
+        device = jax.devices()[0]
+        on_device = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                                   sharding=SingleDeviceSharding(device))
+        like = jax.tree.map(on_device, TrainState(jax.ShapeDtypeStruct((), jnp.int32), tr, fr,
+                                                  jax.eval_shape(tx.init, tr)))
+        named, _ = ckpt.restore(step, single_logical(like))  # either path's checkpoints
+        trainable = single_from_logical(like, named).trainable
     finally:
         ckpt.close()
+    if jax.tree.leaves(fr):  # frozen parameters: the init, then the pretrained files
+        whole = nnx.merge(*init_split(MultimodalModel, (cfg,), key, filters[:1] + (...,)))
+        load_pretrained_dirs(whole, dirs)
+        fr = split_model(whole, filters[0])[2]
+    return cfg, nnx.merge(graphdef, trainable, fr), step, dirs
 
 
-def export_model(cfg: MLLMConfig, pure: dict, out, max_shard_bytes: int = MAX_SHARD_BYTES
-                 ) -> dict[str, Path]:
+def restore_params(workdir: str, step: int | None = None) -> tuple[MLLMConfig, dict, int]:
+    """-> (model config, `MultimodalModel`-layout pure dict of all parameters, step)."""
+    cfg, model, step, _ = restore_model(workdir, step)
+    return cfg, _pure(model), step
+
+
+def export_model(cfg: MLLMConfig, pure: dict, out, max_shard_bytes: int = MAX_SHARD_BYTES,
+                 sources: dict | None = None) -> dict[str, Path]:
     """Write each unit of a `MultimodalModel`-layout pure dict: out/llm, out/<encoder> as HF
-    checkpoints, the rest into out/mmjax_extra.safetensors. -> {unit: directory}."""
-    out = Path(out)
+    checkpoints, the rest into out/mmjax_extra.safetensors. -> {unit: directory}.
+    `sources` {unit: pretrained dir}: a unit imported from a checkpoint is written back over
+    it (every tensor the unit does not hold, e.g. a tower's layers above `feature_layer`,
+    copied untouched: models/hf/write_back.py)."""
+    out, sources = Path(out), sources or {}
     if any(getattr(e.encoder, "kind", None) == "qwen2_vl" for e in cfg.encoders):
         # Qwen2-VL / Qwen2.5-VL: one whole Qwen2(_5)VLForConditionalGeneration checkpoint
         hf.save_qwen2_vl(pure, cfg, out / "model", max_shard_bytes=max_shard_bytes)
         return {"model": out / "model"}
     written = {"llm": out / "llm"}
-    hf.export_llm_safetensors(pure["llm"], cfg.llm, out / "llm", max_shard_bytes=max_shard_bytes)
+    hf.export_llm_safetensors(pure["llm"], cfg.llm, out / "llm", max_shard_bytes=max_shard_bytes,
+                              source=sources.get("llm"))
     extra = {k: v for k, v in pure.items() if k not in ("llm", "encoders")}
     for spec in cfg.encoders:
         enc, where = spec.encoder, out / spec.name
         tree = pure["encoders"][spec.name]
         if isinstance(enc, AudioConfig):
-            hf.export_whisper_encoder_safetensors(tree, enc, where, max_shard_bytes)
-        elif enc.kind == "vit" and enc.feature_layer is None:
-            hf.export_vit_safetensors(tree, enc, where, max_shard_bytes)
-        else:  # packed ViT, or a tower cut at feature_layer: no HF tower holds it
+            hf.export_whisper_encoder_safetensors(tree, enc, where, max_shard_bytes,
+                                                  source=sources.get(spec.name))
+        elif enc.kind == "vit":
+            hf.export_vit_safetensors(tree, enc, where, max_shard_bytes,
+                                      source=sources.get(spec.name))
+        else:  # the packed NaViT-style ViT: no HF tower holds it
             extra.setdefault("encoders", {})[spec.name] = tree
             continue
         written[spec.name] = where
@@ -114,5 +150,11 @@ def export_model(cfg: MLLMConfig, pure: dict, out, max_shard_bytes: int = MAX_SH
 
 def export_workdir(workdir: str, out, step: int | None = None,
                    max_shard_bytes: int = MAX_SHARD_BYTES) -> dict[str, Path]:
-    cfg, pure, _ = restore_params(workdir, step)
-    return export_model(cfg, pure, out, max_shard_bytes)
+    """-> {unit: where it went}. A run started from a whole LLaVA checkpoint
+    (`pretrained.model`) is written whole, over that checkpoint: OUT/model."""
+    cfg, model, _, dirs = restore_model(workdir, step)
+    if "model" in dirs:
+        hf.save_llava(model, cfg, Path(out) / "model", source=dirs["model"],
+                      max_shard_bytes=max_shard_bytes)
+        return {"model": Path(out) / "model"}
+    return export_model(cfg, _pure(model), out, max_shard_bytes, dirs)

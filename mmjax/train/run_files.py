@@ -43,13 +43,47 @@ def truncate_metrics(path: str, upto: int, one_per_step: bool = True) -> None:
 RUN_INFO = "run.json"
 
 
+def read_run_info(workdir: str) -> dict | None:
+    """DIR/run.json as a dict, or None when there is none."""
+    path = os.path.join(workdir, RUN_INFO)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def pretrained_sources(workdir: str, dirs: dict) -> dict:
+    """The record of `dirs` for run.json. A run resuming from checkpoints must read the
+    same pretrained content it trained with (frozen units are rebuilt from it): UserError
+    in one line otherwise."""
+    from mmjax.train import pretrained_sources as ps
+    from mmjax.train.checkpoint import checkpoint_steps
+
+    info = read_run_info(workdir) or {}
+    before = info.get("pretrained_sources") or {}
+    try:
+        now = ps.record(dirs, before)
+    except (ValueError, FileNotFoundError) as e:
+        raise UserError(f"pretrained: {e}") from None
+    if before and checkpoint_steps(os.path.join(workdir, "checkpoints")) \
+            and not ps.same_sources(before, now):
+        unit = min(u for u in set(before) | set(now) if u not in before or u not in now
+                   or not ps.same_sources({u: before[u]}, {u: now[u]}))
+        raise UserError(f"pretrained.{unit}: the checkpoints in {workdir} were trained from "
+                        f"other pretrained weights than {dirs.get(unit, 'none')} (run.json's "
+                        f"pretrained_sources): restore those files or use a new workdir")
+    return now
+
+
 def write_run_info(workdir: str, cfg: MLLMConfig, plan: Plan | None, seed: int,
-                   pretrained: dict | None = None) -> None:
+                   pretrained: dict | None = None, sources: dict | None = None) -> None:
     """DIR/run.json: the model config, plan, seed and pretrained directories a checkpoint
-    belongs to (what scripts/export_hf.py rebuilds the model from)."""
+    belongs to (what scripts/export_hf.py and generate.py rebuild the model from), and
+    `sources`: the pretrained files' sizes and hashes (train/pretrained_sources.py)."""
     info = {"model": config_to_dict(cfg), "plan": None if plan is None else plan.to_json(),
             "seed": seed, "pretrained": {k: os.path.abspath(v) for k, v in
-                                         (pretrained or {}).items()}}
+                                         (pretrained or {}).items()},
+            "pretrained_sources": sources or {}}
     with open(os.path.join(workdir, RUN_INFO), "w") as f:
         json.dump(info, f, indent=1)
 

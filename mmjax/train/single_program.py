@@ -15,7 +15,7 @@ from jax.sharding import SingleDeviceSharding
 from mmjax.data.batch_shapes import BatchShapes, batch_shapes
 from mmjax.data.layout import AssemblyLayout
 from mmjax.data.sources import eval_batches
-from mmjax.models.hf.pretrained import load_into_model
+from mmjax.models.hf.pretrained import load_pretrained_dirs
 from mmjax.models.mllm import MultimodalModel, trainable_filter
 from mmjax.parallel.sharded_init import abstract_split, init_split
 from mmjax.train.data_config import train_source
@@ -82,8 +82,7 @@ class SingleProgram:
             _, trainable, frozen = init_split(MultimodalModel, (cfg,), key, filters)
             if pretrained:
                 mdl = nnx.merge(graphdef, trainable, frozen)
-                encoders = {k: v for k, v in pretrained.items() if k != "llm"}
-                load_into_model(mdl, pretrained.get("llm"), encoders)
+                load_pretrained_dirs(mdl, pretrained)
                 _, trainable, frozen = split_model(mdl, filters[0])
             # committed to the device as a restored checkpoint's arrays are, so a fresh
             # run and its resume lower to the same program (one persistent-cache entry)

@@ -34,7 +34,8 @@ from mmjax.train.progress import Progress as StepProgress
 from mmjax.train.progress import console as progress_console
 from mmjax.train.replanning import (Replanner, decision_from_json, decision_json,
                                     from_process_0, switch_line)
-from mmjax.train.run_files import truncate_metrics, use_compilation_cache, write_run_info
+from mmjax.train.run_files import (pretrained_sources, truncate_metrics,
+                                   use_compilation_cache, write_run_info)
 from mmjax.train.single_program import SingleProgram
 from mmjax.train.validate import check_data_path, check_replan_settings, check_train_settings
 
@@ -68,9 +69,10 @@ def _last_good(ckpt) -> str:
 
 def _check_pretrained_vocab(cfg: MLLMConfig, dirs: dict) -> None:
     """A pretrained LLM keeps its vocabulary: a tokenizer that needs another is an error."""
-    if "llm" in dirs:
+    if "llm" in dirs or "model" in dirs:  # a whole LLaVA, or an LLM (Qwen2-VL's too)
         from mmjax.models.hf.pretrained import pretrained_config
-        want = pretrained_config(cfg, {"llm": dirs["llm"]}).llm.vocab_size
+        which = {u: dirs[u] for u in ("model", "llm") if u in dirs}
+        want = pretrained_config(cfg, which).llm.vocab_size
         if cfg.llm.vocab_size != want:
             raise PretrainedError(f"pretrained: the tokenizer / tp need vocab_size "
                                   f"{cfg.llm.vocab_size}, the LLM checkpoint has {want}; use "
@@ -158,10 +160,11 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
                                          else train_source(cfg))
             replanner = Replanner(cfg, hw, wl, jax.device_count(), replan_min_gain)
     os.makedirs(workdir, exist_ok=True)
+    sources = pretrained_sources(workdir, dirs)  # a resume reads what the run trained with
     if jax.process_index() == 0:  # what scripts/generate.py rebuilds the model and data from
         with open(os.path.join(workdir, "config.gin"), "w") as f:
             f.write(gin.config_str())
-        write_run_info(workdir, cfg, the_plan, seed, dirs)
+        write_run_info(workdir, cfg, the_plan, seed, dirs, sources)
     loop = _Loop(workdir, runner, schedule, keep_checkpoints, keep_every)
     if the_plan is not None and plan_in_effect(workdir, loop.start) != resumed_plan:
         # the newest checkpoint was unusable and an older one predates the plan chosen above
@@ -175,12 +178,12 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
         loop.rebuild(loop.start, lambda: Pipelined(cfg, layout, the_plan, schedule, dtype,
                                                    seed, source, dirs))
         if loop.lead:
-            write_run_info(workdir, cfg, the_plan, seed, dirs)
+            write_run_info(workdir, cfg, the_plan, seed, dirs, sources)
     if replan_every:
         loop.replanning(replanner, replan_every, the_plan, lambda p: _prepared(
             p, cfg, tok, dirs, global_batch, attention_impl, same_config=True),
             lambda p: Pipelined(cfg, layout, p, schedule, dtype, seed, source, dirs),
-            lambda p: write_run_info(workdir, cfg, p, seed, dirs))
+            lambda p: write_run_info(workdir, cfg, p, seed, dirs, sources))
     try:
         where = "one program" if plan is None else f"plan {plan} on {jax.device_count()} devices"
         loop.console.print(f"[bold]{cfg.name}[/]: {runner.num_trainable:,} trainable "
@@ -208,7 +211,7 @@ def _model_and_tokenizer(model: MLLMConfig | None):
         cfg = prepare_pretrained(cfg, dirs)
     tok = tokenizer()
     if tok is not None:
-        cfg = fit_vocab(cfg, tok)
+        cfg = fit_vocab(cfg, tok, pretrained="llm" in dirs or "model" in dirs)
     _check_pretrained_vocab(cfg, dirs)
     return cfg, tok, dirs
 
@@ -239,7 +242,8 @@ def _prepared(the_plan: Plan, cfg: MLLMConfig, tok, dirs: dict, global_batch: in
         raise UserError(f"plan global_batch={the_plan.global_batch} differs from "
                         f"train.global_batch={global_batch}: make them equal")
     if tok is not None:
-        fitted = fit_vocab(cfg, tok, [u.tp for u in the_plan.units])
+        fitted = fit_vocab(cfg, tok, [u.tp for u in the_plan.units],
+                           pretrained="llm" in dirs or "model" in dirs)
         if same_config and fitted != cfg:
             raise UserError(f"the plan's tp sizes need vocab_size {fitted.llm.vocab_size}, "
                             f"the run trains {cfg.llm.vocab_size}")

@@ -222,6 +222,12 @@ def save_entries(pure: dict, entries: list[Entry], path, what: str,
         if e.hf is not None:
             arr = e.to_hf(arr)
             tensors[e.hf] = np.ascontiguousarray(arr if dtype is None else arr.astype(dtype))
+    return write_safetensors(tensors, path, max_shard_bytes)
+
+
+def write_safetensors(tensors: dict, path, max_shard_bytes: int | None = None) -> list[Path]:
+    """{HF name: array} -> one file (`path` ends in .safetensors), or a directory holding
+    model.safetensors, or shards + model.safetensors.index.json above `max_shard_bytes`."""
     meta = {"format": "pt"}  # what transformers expects of a PyTorch-loadable file
     path = Path(path)
     if path.suffix == ".safetensors":

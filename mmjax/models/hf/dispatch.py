@@ -3,6 +3,8 @@ module from config.json and its safetensors; `hf_forward` runs it with HF's inpu
 output names, which is how a user checks an import against transformers."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,8 +15,10 @@ from mmjax.models.config import AudioConfig, VisionConfig
 from mmjax.models.hf.checkpoint import apply_to_module, read_config
 from mmjax.models.hf.llm import LLM_TYPES, config_from_hf, load_llm_safetensors
 from mmjax.models.hf.vision import VISION_TYPES, load_vit_safetensors, vision_config_from_hf
-from mmjax.models.hf.qwen2_vl import load_qwen2_vl, model_type_of, qwen2_vl_forward
+from mmjax.models.hf.qwen2_vl import (load_qwen2_vl, model_type_of, qwen2_vl_forward,
+                                      save_qwen2_vl)
 from mmjax.models.hf.whisper import audio_config_from_hf, load_whisper_encoder_safetensors
+from mmjax.models.hf.llava import llava_forward, load_llava, save_llava
 from mmjax.models.llm import LLM
 from mmjax.models.mllm import MultimodalModel
 from mmjax.models.vit import StandardViT
@@ -23,7 +27,8 @@ _ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
                   "Qwen2ForCausalLM": "qwen2", "CLIPModel": "clip",
                   "CLIPVisionModel": "clip_vision_model", "SiglipModel": "siglip",
                   "SiglipVisionModel": "siglip_vision_model", "WhisperModel": "whisper",
-                  "WhisperForConditionalGeneration": "whisper"}
+                  "WhisperForConditionalGeneration": "whisper",
+                  "LlavaForConditionalGeneration": "llava"}
 
 
 def model_type(config) -> str:
@@ -32,10 +37,10 @@ def model_type(config) -> str:
     c = read_config(config)
     kind = c.get("model_type") or next(
         (_ARCHITECTURES[a] for a in c.get("architectures", []) if a in _ARCHITECTURES), None)
-    if kind not in LLM_TYPES + VISION_TYPES + ("whisper",):
+    if kind not in LLM_TYPES + VISION_TYPES + ("whisper", "llava"):
         raise ValueError(f"config.json model_type={kind!r} (architectures="
                          f"{c.get('architectures')}): supported: "
-                         f"{', '.join(LLM_TYPES + VISION_TYPES + ('whisper',))}")
+                         f"{', '.join(LLM_TYPES + VISION_TYPES + ('whisper', 'llava'))}")
     return kind
 
 
@@ -71,14 +76,27 @@ def load(path, dtype="float32", **vision_options):
     """Local HF directory (config.json + model.safetensors, or shards with
     model.safetensors.index.json) -> (module, config). Dispatches on model_type /
     architectures: llama, mistral, qwen2 -> `LLM`; clip(_vision_model), siglip(_vision_model)
-    -> `StandardViT` (vision tower); whisper -> `AudioEncoder` (encoder). Parameters are
-    cast to `dtype`. `vision_options`: feature_layer, max_images (vision only).
-    qwen2_vl / qwen2_5_vl (whole Qwen2VL / Qwen2_5_VLForConditionalGeneration checkpoints)
-    -> `MultimodalModel` and its `MLLMConfig` (`hf/qwen2_vl.py`)."""
+    -> `StandardViT` (vision tower); whisper -> `AudioEncoder` (encoder); llava
+    (LlavaForConditionalGeneration, any transformers layout) -> `MultimodalModel` with HF's
+    semantics (hf/llava.py); qwen2_vl / qwen2_5_vl (whole Qwen2VL /
+    Qwen2_5_VLForConditionalGeneration checkpoints) -> `MultimodalModel` (`hf/qwen2_vl.py`).
+    Parameters are cast to `dtype`. `vision_options`: feature_layer, max_images (vision
+    only). The module remembers its source (`hf_source`), which `save` writes over."""
     if model_type_of(read_config(path)) is not None:
+        if vision_options:
+            raise ValueError(f"load: {sorted(vision_options)} do not apply to a Qwen2-VL "
+                             f"checkpoint (its config.json describes the tower)")
         return load_qwen2_vl(path, dtype)
-    cfg = config_for(path, **vision_options)
-    module = apply_to_module(build_module(cfg), load_pure(path, cfg))
+    if model_type(path) == "llava":
+        if vision_options:
+            raise ValueError(f"load: {sorted(vision_options)} do not apply to a LLaVA "
+                             f"checkpoint (its config.json names the feature layer)")
+        module, cfg, facts = load_llava(path)
+        module.hf_image_token = facts["image_token_index"]
+    else:
+        cfg = config_for(path, **vision_options)
+        module = apply_to_module(build_module(cfg), load_pure(path, cfg))
+    module.hf_source = str(Path(path).resolve())
     if jnp.dtype(dtype) != jnp.float32:
         state = nnx.state(module, nnx.Param)
         nnx.update(module, jax.tree.map(lambda a: a.astype(dtype), state))
@@ -126,10 +144,16 @@ def hf_forward(module, **inputs) -> dict:
     attention_mask, pixel_values [patches, C*t*p*p], image_grid_thw [images, 3],
     mm_token_type_ids (default: 1 at the image token) -> logits.
     """
-    if isinstance(module, MultimodalModel) and any(
-            getattr(e.encoder, "kind", None) == "qwen2_vl" for e in module.cfg.encoders):
+    if _is_qwen2_vl(module):
         return qwen2_vl_forward(module, **inputs)
-    if isinstance(module, LLM):
+    if isinstance(module, MultimodalModel):
+        if getattr(module, "hf_image_token", None) is None:
+            raise ValueError("hf_forward: this MultimodalModel was not loaded from a LLaVA "
+                             "checkpoint (hf.load): its image token id is unknown")
+        ids, pixels = inputs.pop("input_ids"), inputs.pop("pixel_values")
+        out = {"logits": llava_forward(module, module.hf_image_token, ids, pixels,
+                                       inputs.pop("attention_mask", None))}
+    elif isinstance(module, LLM):
         tokens = jnp.asarray(inputs.pop("input_ids"))
         s = tokens.shape[1]
         allowed = jnp.tril(jnp.ones((s, s), bool))[None]
@@ -153,3 +177,46 @@ def hf_forward(module, **inputs) -> dict:
         raise ValueError(f"hf_forward: unsupported inputs {sorted(inputs)} for "
                          f"{type(module).__name__}")
     return out
+
+
+def _is_qwen2_vl(module) -> bool:
+    return isinstance(module, MultimodalModel) and any(
+        getattr(e.encoder, "kind", None) == "qwen2_vl" for e in module.cfg.encoders)
+
+
+def save(module, config, out_dir, source=None, max_shard_bytes: int | None = 5 * 10 ** 9,
+         **options):
+    """Write a module `load` built (or one of the same kinds) as a transformers checkpoint:
+    the tensor names, shapes and config.json `save_pretrained` writes for its class.
+    `source` (default: the directory `load` read it from, if any): that checkpoint is
+    written again with the module's tensors in place and every other tensor copied, so a
+    part of a larger checkpoint (a tower of a CLIPModel, a Whisper encoder) goes back into
+    the original class. Shards above `max_shard_bytes` (5 GB, as save_pretrained) with
+    model.safetensors.index.json. `options`: image_token_index (a LLaVA model without a
+    source)."""
+    from mmjax.models.hf.vision import export_vit_safetensors
+    from mmjax.models.hf.whisper import export_whisper_encoder_safetensors
+    from mmjax.models.hf.llm import export_llm_safetensors
+
+    if _is_qwen2_vl(module):  # its own layouts (hf_source: the config and tensor names)
+        if source is not None or options:
+            raise ValueError("save: a Qwen2-VL model is written in the layout it was loaded "
+                             "from; `source` and options do not apply")
+        return save_qwen2_vl(module, config, out_dir, max_shard_bytes=max_shard_bytes)
+    source = source if source is not None else getattr(module, "hf_source", None)
+    if isinstance(module, MultimodalModel):
+        token = options.pop("image_token_index", getattr(module, "hf_image_token", None))
+        files = save_llava(module, config, out_dir, source, token, max_shard_bytes)
+    elif isinstance(module, StandardViT):
+        files = export_vit_safetensors(module, config, out_dir, max_shard_bytes, source=source)
+    elif isinstance(module, AudioEncoder):
+        files = export_whisper_encoder_safetensors(module, config, out_dir, max_shard_bytes,
+                                                   source=source)
+    elif isinstance(module, LLM):
+        files = export_llm_safetensors(module, config, out_dir, max_shard_bytes=max_shard_bytes,
+                                       source=source)
+    else:
+        raise TypeError(f"save: {type(module).__name__} is not a module `load` builds")
+    if options:
+        raise ValueError(f"save: unsupported options {sorted(options)}")
+    return files

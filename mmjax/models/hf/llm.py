@@ -92,13 +92,29 @@ def load_llm_safetensors(paths_or_dir, cfg: LLMConfig, start: int = 0, end: int 
 
 
 def export_llm_safetensors(module_or_pure_dict, cfg: LLMConfig, path, start: int = 0,
-                           max_shard_bytes: int | None = None, dtype=None) -> list[Path]:
+                           max_shard_bytes: int | None = None, dtype=None,
+                           source=None) -> list[Path]:
     """Inverse of `load_llm_safetensors`: an `LLM` module (or its pure dict, holding layers
     [start, start + n)) -> HF-named safetensors. Writing to a directory also writes
-    config.json, so the directory is a loadable HF checkpoint. Returns the files written."""
+    config.json, so the directory is a loadable HF checkpoint. Returns the files written.
+    `source`: the checkpoint a whole LLM was imported from, written again with this LLM's
+    tensors in place (unchanged ones copied byte for byte, in their dtype; write_back.py)."""
     start = getattr(module_or_pure_dict, "start", start)
     pure = module_pure(module_or_pure_dict)
     n = len(pure.get("layers", {}))
+    if source is not None:
+        from mmjax.models.hf.write_back import write_over_source
+
+        entries = llm_entries(cfg, start, start + n)
+        plan = llm_load_plan(source, cfg)
+        plan.check()
+        ours = {}
+        for e in entries:
+            node = pure
+            for k in e.path:
+                node = node[k]
+            ours[e.hf] = np.ascontiguousarray(e.to_hf(np.asarray(node)))
+        return write_over_source(ours, source, path, "LLM", max_shard_bytes)
     files = save_entries(pure, llm_entries(cfg, start, start + n), path, "LLM",
                          max_shard_bytes, dtype)
     if Path(path).suffix != ".safetensors":

@@ -1,5 +1,7 @@
 """Pretrained parts into a model (Cornstarch §3): the LLM and any encoder from HF
-checkpoints; projectors and the generator keep their init.
+checkpoints (projectors and the generator keep their init), or the whole model from one
+LlavaForConditionalGeneration checkpoint (`pretrained.model = DIR`: tower, projector and LLM,
+with HF LLaVA's semantics; hf/llava.py).
 
 `pretrained_config` builds the units' configs from the checkpoints' config.json (no
 hand-copied sizes); `check_pretrained` checks every file, tensor name and shape from the
@@ -79,9 +81,39 @@ def _unit_config(old, path):
     return config_for(path)
 
 
+def _model_config(cfg: MLLMConfig, path) -> MLLMConfig:
+    """The whole model from a LLaVA config.json; the run keeps its name, frozen flags and
+    the tower's max_images / max_grid (mmjax choices)."""
+    from mmjax.models.hf.llava import is_llava, llava_config_from_hf
+
+    if not is_llava(path):
+        raise ValueError(f"pretrained.model: {path} is not a LlavaForConditionalGeneration "
+                         f"checkpoint (config.json model_type={read_config(path).get('model_type')!r}); "
+                         f"whole-model checkpoints supported: llava")
+    new, _ = llava_config_from_hf(path)
+    old = {e.name: e for e in cfg.encoders}
+    if "vision" not in old or cfg.generator is not None or len(old) != 1:
+        raise ValueError(f"pretrained.model: a LLaVA checkpoint is one 'vision' tower, a "
+                         f"projector and an LLM; the gin model has encoders {sorted(old)} and "
+                         f"generator={cfg.generator is not None} (use e.g. --model=llava_tiny)")
+    spec, was = new.encoder("vision"), old["vision"]
+    tower = spec.encoder
+    if getattr(was.encoder, "kind", None) == "vit":
+        tower = dataclasses.replace(tower, max_images=was.encoder.max_images,
+                                    max_grid=max(tower.max_grid, was.encoder.max_grid))
+    spec = dataclasses.replace(spec, encoder=tower, frozen=was.frozen,
+                               projector_frozen=was.projector_frozen)
+    return new.replace(name=cfg.name, encoders=(spec,), llm_frozen=cfg.llm_frozen)
+
+
 def pretrained_config(cfg: MLLMConfig, dirs: dict) -> MLLMConfig:
     """`cfg` with each unit named in `dirs` ({"llm": dir, "<encoder>": dir}) replaced by the
-    config its checkpoint's config.json describes."""
+    config its checkpoint's config.json describes; {"model": dir}: the whole model."""
+    if "model" in dirs:
+        if len(dirs) > 1:
+            raise ValueError(f"pretrained.model names the whole model: leave "
+                             f"{sorted(u for u in dirs if u != 'model')} unset")
+        return _model_config(cfg, dirs["model"])
     for unit in dirs:
         if unit not in cfg.unit_names or unit == "generator":
             raise ValueError(f"pretrained.{unit}: no such unit; pretrained units are 'llm' and "
@@ -104,6 +136,10 @@ def unit_config(cfg: MLLMConfig, unit: str):
 def check_pretrained(cfg: MLLMConfig, dirs: dict) -> None:
     """Every shard present, every tensor of every unit present with its shape, nothing
     unexpected (headers only; a tied LLM's head is compared with its embedding)."""
+    if "model" in dirs:
+        from mmjax.models.hf.llava import llava_load_plan
+        llava_load_plan(dirs["model"], cfg).check()
+        return
     for unit, path in dirs.items():
         plan = load_plan(path, unit_config(cfg, unit))
         plan.check()
@@ -140,6 +176,28 @@ def projector_plan(path, cfg: MLLMConfig, unit: str) -> LoadPlan | None:
     if unit != "llm" and is_qwen2_vl_dir(path):
         return qwen2_vl_projector_plan(path)
     return None
+
+
+def stage_load_plan(path, cfg: MLLMConfig, unit: str, start: int, end: int | None,
+                    whole_model: bool = False) -> tuple[LoadPlan, tuple]:
+    """(what a stage of `unit` with layers [start, end) reads, the root its entries' paths
+    hang from in the stage's state). `whole_model`: `path` is a LLaVA checkpoint of the
+    whole model; an encoder's last stage then also reads the projector."""
+    if not whole_model:
+        root = () if unit == "llm" else ("encoders", unit)
+        return load_plan(path, unit_config(cfg, unit), start, end), root
+    from mmjax.models.hf.llava import llava_stage_plan
+    return llava_stage_plan(path, cfg, unit, start, end), ()
+
+
+def load_pretrained_dirs(model, dirs: dict):
+    """`load_into_model` for a run's {unit: dir} (or {"model": dir})."""
+    if "model" in dirs:
+        from mmjax.models.hf.llava import llava_load_plan
+        apply_to_module(model, llava_load_plan(dirs["model"], model.cfg).read())
+        return model
+    encoders = {k: v for k, v in dirs.items() if k != "llm"}
+    return load_into_model(model, dirs.get("llm"), encoders)
 
 
 def load_into_model(model, llm_path=None, encoder_paths: dict | None = None):

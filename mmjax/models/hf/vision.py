@@ -6,8 +6,14 @@ its last_hidden_state is the last layer's output (`post_layernorm` only feeds th
 SigLIP (`siglip_vision_model` / `siglip`): no class token, patch conv with bias,
 gelu_pytorch_tanh, `post_layernorm` on last_hidden_state; its attention-pooling head is not
 part of the tower mmjax uses (its tensors are accepted and left alone, as are CLIP's text
-tower and projections). Tensors live under `vision_model.` (any prefix before it, e.g.
-LLaVA's `vision_tower.vision_model.`, is found from the patch embedding's name).
+tower and projections). transformers 4 writes a tower's tensors under `vision_model.`
+(LLaVA's under `vision_tower.vision_model.`), transformers 5 without it (`embeddings.*`,
+LLaVA's `vision_tower.embeddings.*`): the prefix is found from the patch embedding's name.
+
+Export: a tower imported from a checkpoint is written back over it (`write_back`): layers
+above the one the projector reads, `post_layernorm`, a CLIPModel's text tower are copied
+untouched. A tower without a source gets CLIP's `post_layernorm` as HF initialises it (it
+only feeds the pooler), so transformers loads every export with no missing keys.
 """
 from __future__ import annotations
 
@@ -116,13 +122,16 @@ def vit_entries(cfg: VisionConfig, start: int = 0, end: int | None = None,
     return out
 
 
-def _vision_prefix(ckpt: Checkpoint) -> str:
-    tail = "vision_model.embeddings.patch_embedding.weight"
-    found = sorted(n[: -len(tail)] for n in ckpt.names if n.endswith(tail))
+def vision_prefix(ckpt: Checkpoint) -> str:
+    """The tower's prefix: what precedes `embeddings.patch_embedding.weight` ("vision_model."
+    as transformers 4 writes, "" or "vision_tower." as transformers 5 does)."""
+    tail = "embeddings.patch_embedding.weight"
+    found = sorted(n[: -len(tail)] for n in ckpt.names if n.endswith(tail)
+                   and (n == tail or n[-len(tail) - 1] == "."))
     if len(found) != 1:
-        raise ValueError(f"vision: expected one '*{tail}' tensor, found {len(found)}: not a "
-                         f"CLIP / SigLIP vision checkpoint")
-    return found[0] + "vision_model."
+        raise ValueError(f"vision: expected one '*{tail}' tensor, found {len(found)} "
+                         f"{found[:3]}: not a CLIP / SigLIP vision checkpoint")
+    return found[0]
 
 
 def vit_load_plan(paths_or_dir, cfg: VisionConfig, start: int = 0,
@@ -131,7 +140,7 @@ def vit_load_plan(paths_or_dir, cfg: VisionConfig, start: int = 0,
     post-LayerNorm (when the projector reads an inner hidden state) are known but not
     read; so is SigLIP's pooling head."""
     ckpt = Checkpoint(paths_or_dir)
-    prefix = _vision_prefix(ckpt)
+    prefix = vision_prefix(ckpt)
     whole = dataclasses.replace(cfg, feature_layer=None)
     known = {e.hf for e in vit_entries(whole, prefix=prefix)}
     known |= {prefix + f"post_layernorm.{w}" for w in ("weight", "bias")}
@@ -145,15 +154,51 @@ def load_vit_safetensors(paths_or_dir, cfg: VisionConfig, start: int = 0,
     return vit_load_plan(paths_or_dir, cfg, start, end).read(dtype)
 
 
+def _post_layernorm_init(cfg: VisionConfig, prefix: str) -> dict:
+    d = cfg.hidden_size  # HF's _init_weights: LayerNorm weight 1, bias 0
+    return {prefix + "post_layernorm.weight": np.ones(d, np.float32),
+            prefix + "post_layernorm.bias": np.zeros(d, np.float32)}
+
+
+def vit_hf_tensors(module_or_pure_dict, cfg: VisionConfig, prefix: str) -> dict:
+    """{HF name: array in HF layout} of the layers a `StandardViT` holds."""
+    import jax
+
+    pure, out = module_pure(module_or_pure_dict), {}
+    for e in vit_entries(cfg, prefix=prefix):
+        node = pure
+        for k in e.path:
+            node = node[k]
+        arr = np.asarray(jax.device_get(node))
+        if arr.shape != e.shape:
+            raise ValueError(f"vision: {'.'.join(map(str, e.path))} has shape {arr.shape}, "
+                             f"expected {e.shape}")
+        out[e.hf] = np.ascontiguousarray(e.to_hf(arr))
+    return out
+
+
 def export_vit_safetensors(module_or_pure_dict, cfg: VisionConfig, path,
-                           max_shard_bytes: int | None = None) -> list[Path]:
-    """A whole `StandardViT` (feature_layer None) -> HF-named safetensors (+ config.json)."""
+                           max_shard_bytes: int | None = None, source=None) -> list[Path]:
+    """A `StandardViT` -> an HF CLIP / SigLIP tower directory (or one .safetensors file).
+    `source`: the checkpoint it was imported from, written again with this tower's tensors
+    in place (every tensor it does not hold copied). Without one, a tower cut at
+    `feature_layer` is written with the layers it holds (config num_hidden_layers = its
+    depth: the layers above never existed)."""
     _check_exportable(cfg)
-    if cfg.feature_layer is not None:
-        raise ValueError(f"vision: feature_layer={cfg.feature_layer} holds only {cfg.depth} of "
-                         f"{cfg.num_layers} layers; an HF tower needs them all")
-    files = save_entries(module_pure(module_or_pure_dict), vit_entries(cfg), path, "vision",
-                         max_shard_bytes)
+    if source is not None:
+        from mmjax.models.hf.write_back import write_over_source
+
+        prefix = vision_prefix(Checkpoint(source))
+        vit_load_plan(source, cfg).check()  # the source is this tower's checkpoint
+        return write_over_source(vit_hf_tensors(module_or_pure_dict, cfg, prefix), source,
+                                 path, "vision", max_shard_bytes)
+    whole = dataclasses.replace(cfg, num_layers=cfg.depth, feature_layer=None)
+    tensors = vit_hf_tensors(module_or_pure_dict, cfg, "vision_model.")
+    if not any(k.endswith("post_layernorm.weight") for k in tensors):
+        tensors.update(_post_layernorm_init(cfg, "vision_model."))
+    from mmjax.models.hf.checkpoint import write_safetensors
+
+    files = write_safetensors(tensors, path, max_shard_bytes)
     if Path(path).suffix != ".safetensors":
-        (Path(path) / "config.json").write_text(json.dumps(vision_config_to_hf(cfg), indent=2))
+        (Path(path) / "config.json").write_text(json.dumps(vision_config_to_hf(whole), indent=2))
     return files

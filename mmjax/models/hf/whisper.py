@@ -63,7 +63,7 @@ def audio_config_from_hf(config) -> AudioConfig:
 
 
 def audio_config_to_hf(cfg: AudioConfig) -> dict:
-    return {"architectures": ["WhisperModel"], "model_type": "whisper", "d_model": cfg.hidden_size,
+    return {"architectures": ["WhisperEncoder"], "model_type": "whisper", "d_model": cfg.hidden_size,
             "encoder_layers": cfg.num_layers, "encoder_attention_heads": cfg.num_heads,
             "encoder_ffn_dim": cfg.ffn_size, "num_mel_bins": cfg.num_mel_bins,
             "max_source_positions": cfg.max_source_positions, "activation_function": "gelu",
@@ -105,10 +105,31 @@ def load_whisper_encoder_safetensors(paths_or_dir, cfg: AudioConfig, start: int 
 
 
 def export_whisper_encoder_safetensors(module_or_pure_dict, cfg: AudioConfig, path,
-                                       max_shard_bytes: int | None = None) -> list[Path]:
-    """A whole `AudioEncoder` -> HF WhisperEncoder-named safetensors (+ config.json)."""
-    files = save_entries(module_pure(module_or_pure_dict), whisper_entries(cfg), path, "audio",
-                         max_shard_bytes)
-    if Path(path).suffix != ".safetensors":
-        (Path(path) / "config.json").write_text(json.dumps(audio_config_to_hf(cfg), indent=2))
-    return files
+                                       max_shard_bytes: int | None = None,
+                                       source=None) -> list[Path]:
+    """A whole `AudioEncoder` -> HF Whisper safetensors (+ config.json). `source`: the
+    Whisper checkpoint it was imported from (a WhisperModel / WhisperForConditionalGeneration
+    or an encoder alone), written again with this encoder in place and the decoder copied
+    untouched (write_back.py). Without one: the encoder alone, unprefixed, as transformers'
+    `WhisperEncoder.from_pretrained` reads it (config architectures ["WhisperEncoder"])."""
+    if source is None:
+        files = save_entries(module_pure(module_or_pure_dict), whisper_entries(cfg), path,
+                             "audio", max_shard_bytes)
+        if Path(path).suffix != ".safetensors":
+            (Path(path) / "config.json").write_text(json.dumps(audio_config_to_hf(cfg),
+                                                               indent=2))
+        return files
+    from mmjax.models.hf.write_back import write_over_source
+
+    plan = whisper_load_plan(source, cfg)
+    plan.check()
+    pure = module_pure(module_or_pure_dict)
+    ours = {}
+    for e in whisper_entries(cfg, prefix=plan.prefix):
+        node = pure
+        for k in e.path:
+            node = node[k]
+        ours[e.hf] = np.ascontiguousarray(e.to_hf(np.asarray(node)))
+    if plan.prefix + "embed_positions.weight" not in plan.ckpt.file:  # HF's init: not stored
+        ours.pop(plan.prefix + "embed_positions.weight")
+    return write_over_source(ours, source, path, "audio", max_shard_bytes)
