@@ -14,6 +14,7 @@ from jax.sharding import SingleDeviceSharding
 
 from mmjax.data.batch_shapes import BatchShapes, batch_shapes
 from mmjax.data.layout import AssemblyLayout
+from mmjax.data.loader import SHAPE_SCAN_MAX
 from mmjax.data.sources import eval_batches
 from mmjax.models.hf.pretrained import load_into_model
 from mmjax.models.mllm import MultimodalModel, trainable_filter
@@ -48,7 +49,6 @@ def _layout_at_least(layout: AssemblyLayout, shapes: BatchShapes | None) -> Asse
     return dataclasses.replace(layout, **kw)
 
 
-SHAPE_SCAN_MAX = 1024  # global batches whose shapes a run scans at start-up (metadata only)
 
 
 class SingleProgram:
@@ -179,7 +179,7 @@ class SingleProgram:
              if k != "applied"}  # the same as `nonfinite`
         m["step_time_s"] = time.perf_counter() - t0
         m["compile_s"] = compile_s
-        m["data_wait_s"] = t0 - t_wait
+        m["data_wait_s"] = t0 - t_wait - compile_s  # the wait for data alone
         m["tokens"] = int(np.count_nonzero(batch.doc))
         m["tokens_trained"] = int(batch.num_target_tokens)
         m["skipped"] = len(skipped)
@@ -197,7 +197,8 @@ class SingleProgram:
                                    layout.llm_mask_family)
             self.eval_fn = jax.jit(lambda s, b: loss_fn(s.trainable, s.frozen, b)[1]["lm_loss"])
         data = LoaderBatches(source, self.cfg, layout, self.global_batch,
-                             lambda _, metas: batch_shapes([metas], layout), shuffle=False)
+                             lambda _, metas: batch_shapes([metas], layout), shuffle=False,
+                             scan_steps=0)  # each batch at its own shapes
         total, count = 0.0, 0
         try:
             for _ in range(eval_batches(source, max_batches, self.global_batch)):

@@ -24,6 +24,7 @@ from mmjax.models.hf.pretrained import PretrainedError, prepare_pretrained
 from mmjax.planner.plan import Plan
 from mmjax.train.auto_plan import auto_plan, run_planning_inputs
 from mmjax.train.checkpoint import Checkpointer, NonFiniteState
+from mmjax.train.compile_watch import CompileWatch, watched_step
 from mmjax.train.config import named_model_config, pretrained
 from mmjax.train.data_config import fit_vocab, layout_and_source, train_source
 from mmjax.train.optimizer import learning_rate_schedule
@@ -34,7 +35,9 @@ from mmjax.train.progress import Progress as StepProgress
 from mmjax.train.progress import console as progress_console
 from mmjax.train.replanning import (Replanner, decision_from_json, decision_json,
                                     from_process_0, switch_line)
+from mmjax.train.loss_plot import plot_workdir
 from mmjax.train.run_files import truncate_metrics, use_compilation_cache, write_run_info
+from mmjax.train.run_report import SkipReport, pretrained_lines
 from mmjax.train.single_program import SingleProgram
 from mmjax.train.validate import check_data_path, check_replan_settings, check_train_settings
 
@@ -152,7 +155,7 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
         plan = resumed_plan[1] if resumed_plan else plan  # a re-planned run stays re-planned
         the_plan, cfg = _the_plan(plan, cfg, tok, dirs, global_batch, attention_impl)
         layout, source = layout_and_source(cfg, tok)
-        runner = Pipelined(cfg, layout, the_plan, schedule, dtype, seed, source, dirs)
+        runner = Pipelined(cfg, layout, the_plan, schedule, dtype, seed, source, dirs, steps)
         if replan_every and replanner is None:
             hw, wl = run_planning_inputs(cfg, source if source is not None
                                          else train_source(cfg))
@@ -162,6 +165,8 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
         with open(os.path.join(workdir, "config.gin"), "w") as f:
             f.write(gin.config_str())
         write_run_info(workdir, cfg, the_plan, seed, dirs)
+        for line in pretrained_lines(cfg, dirs):  # read into the runner's fresh parameters
+            progress_console().print(line, markup=False, highlight=False)
     loop = _Loop(workdir, runner, schedule, keep_checkpoints, keep_every)
     if the_plan is not None and plan_in_effect(workdir, loop.start) != resumed_plan:
         # the newest checkpoint was unusable and an older one predates the plan chosen above
@@ -173,13 +178,13 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
                                markup=False)
         the_plan = _the_plan(plan, cfg, tok, dirs, global_batch, attention_impl)[0]
         loop.rebuild(loop.start, lambda: Pipelined(cfg, layout, the_plan, schedule, dtype,
-                                                   seed, source, dirs))
+                                                   seed, source, dirs, steps))
         if loop.lead:
             write_run_info(workdir, cfg, the_plan, seed, dirs)
     if replan_every:
         loop.replanning(replanner, replan_every, the_plan, lambda p: _prepared(
             p, cfg, tok, dirs, global_batch, attention_impl, same_config=True),
-            lambda p: Pipelined(cfg, layout, p, schedule, dtype, seed, source, dirs),
+            lambda p: Pipelined(cfg, layout, p, schedule, dtype, seed, source, dirs, steps),
             lambda p: write_run_info(workdir, cfg, p, seed, dirs))
     try:
         where = "one program" if plan is None else f"plan {plan} on {jax.device_count()} devices"
@@ -269,6 +274,7 @@ class _Loop:
             console.print(f"{jax.process_count()} processes: metrics from process 0, "
                           "checkpoints from all")
         self.start, self.skipped, self.nonfinite, self.in_a_row = 0, 0, 0, 0
+        self.plotted = None  # the last step in loss.png
         self.replan_every, self.plan, self.plan_traces = 0, None, []
         found = self.ckpt.restore_latest(
             getattr(runner, "restore_target", runner.checkpoint_tree)())
@@ -296,18 +302,24 @@ class _Loop:
             evaluate_at, evaluate, cfg, plan) -> list[dict]:
         records = []
         self.plan = self.plan or plan
+        skips = SkipReport(report.say, self.skipped_path)
         with open(self.metrics_path if self.lead else os.devnull, "a") as mf, \
                 open(self.skipped_path if self.lead else os.devnull, "a") as sf:
             for step in range(self.start, end):
                 n = step + 1
                 replan = self.replan_every and n % self.replan_every == 0
-                m = self.runner.step(trace=True) if traced(n) or replan else self.runner.step()
+                m = watched_step(self.runner, n, traced(n) or replan, report.say,
+                                 warm=step > self.start)
                 trace = m.pop("trace", None)
                 if traced(n) and self.lead:
                     write_trace(self.workdir, n, cfg, self.plan, trace)
                 rec = self.record(n, m)
                 if evaluate_at(n):
-                    rec["eval_loss"] = evaluate()
+                    with CompileWatch() as w:
+                        rec["eval_loss"] = evaluate()
+                    report.say(f"step {n}: eval_loss {rec['eval_loss']:.4f}" + (
+                        f" (compiled the evaluation's {w.count} programs in {w.seconds:.1f} s)"
+                        if w.count else ""))
                 # no switch in a bad streak: it could not checkpoint
                 switch = self.replan(n, trace) if replan and not self.in_a_row else None
                 if switch is not None:
@@ -319,15 +331,29 @@ class _Loop:
                     sf.write(json.dumps({"step": n, "id": name, "reason": reason}) + "\n")
                 sf.flush()
                 report.step(rec, m.get("compile_s", 0.0) > 0)
+                skips.step(n, m["skipped"], m["skipped_list"])
                 self.guard(n, rec, max_bad_steps)
                 # a step in a bad streak changed no parameters: no checkpoint until one is good
                 if not self.in_a_row and (n % checkpoint_every == 0 or n == end or switch):
                     self.save(n)
+                    if self.lead:
+                        self.plot()
                 if switch is not None:
                     self.switch(n, switch[0], switch[1], report, rebuild=n < end)
         if records:
             report.say("trained " + report.summary(len(records)))
+            said = skips.summary(len(records) * report.global_batch)
+            if said:
+                report.say(said)
+            if self.lead and self.plotted != records[-1]["step"]:
+                self.plot()
+            if self.lead and self.plotted is not None:
+                report.say(f"loss curve: {os.path.join(self.workdir, 'loss.png')}")
         return records
+
+    def plot(self) -> None:
+        """DIR/loss.png from metrics.jsonl (matplotlib; at each checkpoint and the end)."""
+        self.plotted = plot_workdir(self.workdir)
 
     def replan(self, n: int, trace) -> tuple | None:
         """(new plan, predicted gain, its file under the workdir) when process 0's
