@@ -30,6 +30,16 @@ def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
 
 def plot_runs(runs: dict[str, list[dict]], out: str) -> str:
     """Write the PNG of `runs` {label: metrics rows} to `out` (atomically); -> `out`."""
+    fig = figure(runs)
+    tmp = out + ".tmp.png"
+    fig.savefig(tmp, dpi=100)
+    os.replace(tmp, out)
+    return out
+
+
+def figure(runs: dict[str, list[dict]]):
+    """The matplotlib Figure: losses against step above (one line per curve and run, the
+    label "<run>: <curve>" with several runs, else "<curve>"), learning rate below."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -54,10 +64,7 @@ def plot_runs(runs: dict[str, list[dict]], out: str) -> str:
     lr.grid(alpha=0.3)
     if several:
         lr.legend(fontsize=8)
-    tmp = out + ".tmp.png"
-    fig.savefig(tmp, dpi=100)
-    os.replace(tmp, out)
-    return out
+    return fig
 
 
 def plot_workdir(workdir: str) -> int | None:
