@@ -22,6 +22,7 @@ from mmjax.parallel.sharded_init import abstract_split, init_split
 from mmjax.train.data_config import train_source
 from mmjax.train.inputs import model_inputs
 from mmjax.train.logical_state import single_from_logical, single_logical
+from mmjax.train.memory_check import check_single_program
 from mmjax.train.optimizer import optimizer_from_settings
 from mmjax.train.step import TrainState, make_loss_fn, make_train_step, split_model
 
@@ -57,9 +58,12 @@ class SingleProgram:
     over a real source, `loader_source.path` or the synthetic set), whole."""
 
     def __init__(self, cfg, layout, global_batch, schedule, dtype, seed, source=None,
-                 attention_impl="auto", pretrained=None, steps: int | None = None):
+                 attention_impl="auto", pretrained=None, steps: int | None = None,
+                 check_memory: bool = True):
         """`steps`: the run's length; the batch shapes are scanned (from metadata) over up to
-        `SHAPE_SCAN_MAX` of its global batches up front, so the step compiles once."""
+        `SHAPE_SCAN_MAX` of its global batches up front, so the step compiles once.
+        `check_memory`: refuse (UserError) a step whose estimated peak memory at those
+        shapes exceeds the device's, before anything is compiled (train/memory_check.py)."""
         from mmjax.train.single_data import LoaderBatches
 
         def grow(shapes, metas):
@@ -75,6 +79,15 @@ class SingleProgram:
         key = jax.random.key(seed)
         graphdef, tr, fr = abstract_split(MultimodalModel, (cfg,), key, filters)
         device = jax.devices()[0]
+        self.memory_line = None
+        if self.data.floor is not None:
+            count = lambda t: sum(x.size for x in jax.tree.leaves(t))
+            est = check_single_program(cfg, self.data.floor, layout.seq_len, count(tr),
+                                       count(fr), dtype, attention_impl, global_batch, device,
+                                       refuse=check_memory)
+            self.memory_line = (f"memory: the step needs about {est['peak'] / 1e9:.2f} GB "
+                                f"(estimate) of {est['device'] / 1e9:.1f} GB on "
+                                f"{device.platform}:{device.id}")
 
         def fresh() -> TrainState:
             # one jitted init program (parallel/sharded_init.py), not an eager op per

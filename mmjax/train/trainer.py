@@ -89,7 +89,8 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
           trace_every: int = 0, keep_checkpoints: int = 3, keep_every: int | None = None,
           max_bad_steps: int = 5, trace_steps: str | None = None,
           compilation_cache_dir: str = "", replan_every: int = 0,
-          replan_min_gain: float = 1.10, replanner: Replanner | None = None) -> list[dict]:
+          replan_min_gain: float = 1.10, replanner: Replanner | None = None,
+          check_memory: bool = True) -> list[dict]:
     """Train `model` for `steps` steps (this invocation stops early after `stop_after`
     steps, as a preemption would; a rerun resumes); returns this run's metric records.
 
@@ -125,7 +126,8 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
     `compilation_cache_dir`: JAX's persistent compilation cache, so a resume or rerun loads
     its programs instead of compiling them: "" (default) uses $JAX_COMPILATION_CACHE_DIR if
     set, else `<workdir>/compilation_cache`; "off" disables it; any other value is the
-    directory."""
+    directory. `check_memory` (one program): stop before compiling when the step's estimated
+    memory exceeds the device's (train/memory_check.py); False tries anyway."""
     check_train_settings(steps, global_batch, compute_dtype, _DTYPES, seed, checkpoint_every,
                          progress, stop_after, plan, keep_checkpoints, keep_every, max_bad_steps)
     if trace_every < 0:
@@ -149,7 +151,7 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
         the_plan = None
         layout, source = layout_and_source(cfg, tok)
         runner = SingleProgram(cfg, layout, global_batch, schedule, dtype, seed, source,
-                               attention_impl or "auto", dirs, steps)
+                               attention_impl or "auto", dirs, steps, check_memory)
     else:
         start_plan, resumed_plan = plan, plan_to_resume(workdir, plan, progress_console())
         plan = resumed_plan[1] if resumed_plan else plan  # a re-planned run stays re-planned
@@ -165,8 +167,9 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
         with open(os.path.join(workdir, "config.gin"), "w") as f:
             f.write(gin.config_str())
         write_run_info(workdir, cfg, the_plan, seed, dirs)
-        for line in pretrained_lines(cfg, dirs):  # read into the runner's fresh parameters
-            progress_console().print(line, markup=False, highlight=False)
+        for line in pretrained_lines(cfg, dirs) + [getattr(runner, "memory_line", None)]:
+            if line:  # pretrained: read into the runner's fresh parameters
+                progress_console().print(line, markup=False, highlight=False)
     loop = _Loop(workdir, runner, schedule, keep_checkpoints, keep_every)
     if the_plan is not None and plan_in_effect(workdir, loop.start) != resumed_plan:
         # the newest checkpoint was unusable and an older one predates the plan chosen above
