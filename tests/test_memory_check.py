@@ -2,6 +2,7 @@
 estimated from planner/memory.py's terms at the run's largest batch shapes and compared
 with the device's (train/memory_check.py); XLA's RESOURCE_EXHAUSTED becomes one line."""
 import os
+import re
 import subprocess
 import sys
 
@@ -80,3 +81,24 @@ def test_resource_exhausted_is_one_line_with_a_hint(capsys):
     assert out_of_memory_line(ValueError("other")) is None
     with pytest.raises(RuntimeError):
         run_main(oom, ["--debug"])
+
+
+def test_a_plan_is_checked_per_unit_with_the_planners_memory_model():
+    """The tiny manual plan fits (a few MB per stage, as tests/test_memory_model.py
+    measures); 65536 samples in one microbatch of 8192 tokens do not: refused naming
+    the LLM, before anything is built."""  # CPU: host memory over the 8 forced devices
+    from mmjax.planner.plan import Plan
+    from mmjax.train.data_config import train_source
+    from mmjax.train.memory_check import check_plan
+
+    cfg = TINY_CONFIGS["tiny"]()
+    plan = Plan.uniform(cfg, 8, 2, dp={"vision": 2}, pp={"llm": 2})
+    line = check_plan(cfg, plan, train_source(cfg), jax.devices()[0])
+    assert line.startswith("memory per device (estimate): vision ") and " llm " in line
+    big = Plan.uniform(cfg, 65536, 1)
+    with pytest.raises(UserError) as e:
+        check_plan(cfg, big, train_source(cfg), jax.devices()[0])
+    msg = str(e.value)
+    assert "\n" not in msg and "more pp or tp" in msg
+    assert re.search(r"devices: (\w+ [\d.]+ GB, )*llm [\d.]+ GB", msg), msg
+    assert "(now 65536)" in msg

@@ -17,13 +17,15 @@ from mmjax.planner.workload import Workload
 GB = 1e9
 
 
-def device_memory(device) -> tuple[float, str]:
-    """(bytes, how it was read): the allocator's limit on an accelerator, the machine's
-    physical memory for a CPU device."""
+def device_memory(device, shared_by: int = 1) -> tuple[float, str]:
+    """(bytes, how it was read): the allocator's limit on an accelerator; for a CPU device
+    the machine's physical memory over the `shared_by` devices that run on it at once."""
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     if stats and stats.get("bytes_limit"):
         return float(stats["bytes_limit"]), f"{device.device_kind} memory"
-    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")), "host memory"
+    host = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    return host / shared_by, ("host memory" if shared_by == 1
+                              else f"host memory shared by {shared_by} devices")
 
 
 def _impl(attention_impl: str, length: int, dtype) -> str | None:
@@ -109,3 +111,46 @@ def out_of_memory_line(err: BaseException) -> str | None:
             f"data_layout.seq_len, recompute activations (manual_plan.remat = \"full\" with a "
             f"plan) or spread the model over more devices (--plan=auto); --debug shows the "
             f"traceback")
+
+
+def check_plan(cfg, plan, source, device, refuse: bool = True,
+               data_samples: int = 256) -> str:
+    """The planner's bytes per device of each unit's first stage under `plan`
+    (planner/evaluate.py `stage_bytes`: its samples per rank per microbatch, its remat and
+    the runtime's in-flight microbatches; sample shapes from `data_samples` samples of the
+    run's `source`) against `device`'s memory -> one console line; with `refuse`, a
+    UserError naming the units that cannot fit and the settings to change."""
+    import dataclasses
+
+    from mmjax.data.data_spec import sample_workload
+    from mmjax.planner.build import model_costs
+    from mmjax.planner.evaluate import (Choice, pipeline_in_flight, remat_variant,
+                                        stage_bytes)
+    from mmjax.train.auto_plan import device_hardware
+
+    import jax
+
+    have, what = device_memory(device, jax.local_device_count())
+    hw = dataclasses.replace(device_hardware([device]), hbm_bytes=have)
+    costs, _ = model_costs(cfg, hw, sample_workload(source, cfg, data_samples, name="run data"))
+    choices = {u.name: Choice(u.tp, u.dp, u.pp, u.num_chunks, u.remat) for u in plan.units}
+    m = plan.num_microbatches
+    flight = pipeline_in_flight(choices, m)
+    need = {}
+    for cost in costs:
+        c = choices[cost.name]
+        cost = remat_variant(cost, c, choices["llm"].dp, m, have)
+        need[cost.name] = float(stage_bytes(cost, c.tp, c.dp, c.pp,
+                                            plan.microbatch_size / c.dp, flight[cost.name],
+                                            exact=True))
+    over = {u: b for u, b in need.items() if b > have}
+    if refuse and over:
+        names = ", ".join(f"{u} {b / GB:.1f} GB" for u, b in over.items())
+        raise UserError(
+            f"the plan needs more memory per device than {device.platform}:{device.id}'s "
+            f"{have / GB:.1f} GB of {what}: {names} (the planner's estimate for the run's "
+            f"data; give those units more pp or tp, manual_plan.remat = \"full\", more "
+            f"microbatches or a lower train.global_batch (now {plan.global_batch}); "
+            f"--plan=auto plans to fit; train.check_memory=False runs anyway)")
+    return ("memory per device (estimate): " + ", ".join(
+        f"{u} {b / GB:.2f} GB" for u, b in need.items()) + f" of {have / GB:.1f} GB")

@@ -23,12 +23,18 @@ class Pipelined:
     assembly off the training path, in its prefetch thread or worker processes)."""
 
     def __init__(self, cfg, layout, plan, schedule, dtype, seed, source=None, pretrained=None,
-                 steps: int | None = None):
+                 steps: int | None = None, check_memory: bool = True):
         """`steps`: the run's length: the loader pads every feed to the shapes of all its
         global batches (up to `SHAPE_SCAN_MAX`, scanned from metadata at start-up), so no
-        stage program compiles after the first step."""
+        stage program compiles after the first step. `check_memory`: refuse a plan whose
+        units the planner's memory model does not fit in a device, before anything is
+        built (train/memory_check.py)."""
         from mmjax.data.loader import Loader
+        from mmjax.train.memory_check import check_plan
         from mmjax.train.pipeline_step import PipelineStep
+
+        self.memory_line = check_plan(cfg, plan, source if source is not None
+                                      else train_source(cfg), jax.devices()[0], check_memory)
 
         self.step_fn = PipelineStep(cfg, plan, schedule, dtype, seed, pretrained=pretrained,
                                     llm_mask_family=layout.llm_mask_family)

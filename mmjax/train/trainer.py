@@ -157,7 +157,8 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
         plan = resumed_plan[1] if resumed_plan else plan  # a re-planned run stays re-planned
         the_plan, cfg = _the_plan(plan, cfg, tok, dirs, global_batch, attention_impl)
         layout, source = layout_and_source(cfg, tok)
-        runner = Pipelined(cfg, layout, the_plan, schedule, dtype, seed, source, dirs, steps)
+        runner = Pipelined(cfg, layout, the_plan, schedule, dtype, seed, source, dirs, steps,
+                           check_memory)
         if replan_every and replanner is None:
             hw, wl = run_planning_inputs(cfg, source if source is not None
                                          else train_source(cfg))
@@ -181,13 +182,15 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
                                markup=False)
         the_plan = _the_plan(plan, cfg, tok, dirs, global_batch, attention_impl)[0]
         loop.rebuild(loop.start, lambda: Pipelined(cfg, layout, the_plan, schedule, dtype,
-                                                   seed, source, dirs, steps))
+                                                   seed, source, dirs, steps,
+                                                   check_memory))
         if loop.lead:
             write_run_info(workdir, cfg, the_plan, seed, dirs)
     if replan_every:
         loop.replanning(replanner, replan_every, the_plan, lambda p: _prepared(
             p, cfg, tok, dirs, global_batch, attention_impl, same_config=True),
-            lambda p: Pipelined(cfg, layout, p, schedule, dtype, seed, source, dirs, steps),
+            lambda p: Pipelined(cfg, layout, p, schedule, dtype, seed, source, dirs, steps,
+                                check_memory),
             lambda p: write_run_info(workdir, cfg, p, seed, dirs))
     try:
         where = "one program" if plan is None else f"plan {plan} on {jax.device_count()} devices"
