@@ -20,7 +20,7 @@ from mmjax.data.sources import eval_source
 from mmjax.data.tokenizer import tokenizer
 from mmjax.errors import UserError
 from mmjax.models.config import MLLMConfig
-from mmjax.models.hf.pretrained import PretrainedError, prepare_pretrained
+from mmjax.models.hf.pretrained import prepare_pretrained
 from mmjax.planner.plan import Plan
 from mmjax.train.auto_plan import auto_plan, run_planning_inputs
 from mmjax.train.checkpoint import Checkpointer, NonFiniteState
@@ -39,24 +39,10 @@ from mmjax.train.loss_plot import plot_workdir
 from mmjax.train.run_files import truncate_metrics, use_compilation_cache, write_run_info
 from mmjax.train.run_report import SkipReport, pretrained_lines
 from mmjax.train.single_program import SingleProgram
-from mmjax.train.validate import check_data_path, check_replan_settings, check_train_settings
+from mmjax.train.validate import (check_data_path, check_pretrained_vocab, check_replan_settings,
+                                  check_train_settings, parse_trace_steps)
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-
-
-def parse_trace_steps(trace_steps: str | None, plan: str | None) -> tuple[int, int]:
-    """`train.trace_steps` "A:B" -> (A, B), 1-based inclusive; None -> an empty range."""
-    if trace_steps is None:
-        return (1, 0)
-    a, sep, b = str(trace_steps).partition(":")
-    if not (sep and a.isdigit() and b.isdigit() and 1 <= int(a) <= int(b)):
-        raise UserError(f"train.trace_steps={trace_steps!r}: use 'A:B' with 1 <= A <= B, "
-                        f"e.g. '3:4'")
-    if plan is None:
-        raise UserError("train.trace_steps traces the pipeline runtime's actions: add "
-                        "--plan=manual (or a Plan JSON); the single program is one XLA "
-                        "program (profile it with jax.profiler)")
-    return int(a), int(b)
 
 
 class TrainingStopped(RuntimeError):
@@ -67,17 +53,6 @@ def _last_good(ckpt) -> str:
     ckpt.wait()
     step = ckpt.latest_step()
     return f"step {step} in {ckpt.directory}" if step is not None else "none yet"
-
-
-def _check_pretrained_vocab(cfg: MLLMConfig, dirs: dict) -> None:
-    """A pretrained LLM keeps its vocabulary: a tokenizer that needs another is an error."""
-    if "llm" in dirs:
-        from mmjax.models.hf import config_for
-        want = config_for(dirs["llm"]).vocab_size
-        if cfg.llm.vocab_size != want:
-            raise PretrainedError(f"pretrained: the tokenizer / tp need vocab_size "
-                                  f"{cfg.llm.vocab_size}, the LLM checkpoint has {want}; use "
-                                  f"the checkpoint's tokenizer and a tp dividing {want}")
 
 
 @gin.configurable
@@ -220,7 +195,7 @@ def _model_and_tokenizer(model: MLLMConfig | None):
     tok = tokenizer()
     if tok is not None:
         cfg = fit_vocab(cfg, tok)
-    _check_pretrained_vocab(cfg, dirs)
+    check_pretrained_vocab(cfg, dirs)
     return cfg, tok, dirs
 
 
@@ -259,7 +234,7 @@ def _prepared(the_plan: Plan, cfg: MLLMConfig, tok, dirs: dict, global_batch: in
         the_plan = dataclasses.replace(the_plan, units=tuple(
             dataclasses.replace(u, attention_impl=attention_impl) for u in the_plan.units))
     the_plan.validate(cfg, jax.device_count())
-    _check_pretrained_vocab(cfg, dirs)
+    check_pretrained_vocab(cfg, dirs)
     return the_plan, cfg
 
 
