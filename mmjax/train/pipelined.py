@@ -34,7 +34,8 @@ class Pipelined:
         from mmjax.train.pipeline_step import PipelineStep
 
         self.memory_line = check_plan(cfg, plan, source if source is not None
-                                      else train_source(cfg), jax.devices()[0], check_memory)
+                                      else train_source(cfg), jax.local_devices()[0],
+                                      check_memory)  # this process's (memory_stats)
 
         self.step_fn = PipelineStep(cfg, plan, schedule, dtype, seed, pretrained=pretrained,
                                     llm_mask_family=layout.llm_mask_family)
