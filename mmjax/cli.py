@@ -2,7 +2,8 @@
 
 A user error (bad setting, plan, data, checkpoint, device count: `UserError` and the
 library's other input errors) prints `error: <what> (<how to fix>)` on one line and exits 2;
-anything else is a bug and keeps its traceback. `--debug` shows the traceback of a user
+XLA's RESOURCE_EXHAUSTED prints one line with the settings to change (exit 1); anything else
+is a bug and keeps its traceback. `--debug` shows the traceback of a user
 error too.
 """
 from __future__ import annotations
@@ -13,6 +14,7 @@ import sys
 from mmjax.errors import UserError
 
 EXIT_USER_ERROR = 2
+EXIT_OUT_OF_MEMORY = 1  # not bad input: the run itself did not fit
 
 
 def user_error_types() -> tuple[type, ...]:
@@ -33,6 +35,13 @@ def run_main(main, argv=None) -> int:
         rc = main([a for a in argv if a != "--debug"])
         return rc if isinstance(rc, int) and not isinstance(rc, bool) else 0
     except Exception as e:
+        if not debug and not isinstance(e, user_error_types()):
+            from mmjax.train.memory_check import out_of_memory_line
+
+            line = out_of_memory_line(e)  # XLA's RESOURCE_EXHAUSTED: a hint, no traceback
+            if line:
+                print(line, file=sys.stderr)
+                return EXIT_OUT_OF_MEMORY
         if debug or not isinstance(e, user_error_types()):
             raise
         # gin appends "In call to configurable ..." on further lines: the first says it all

@@ -67,6 +67,19 @@ def prompt_sample(tok, chat, image_proc, audio_proc, prompt: str, image: str | N
     return Sample(0, tuple(segs))
 
 
+def check_inputs(cfg, a) -> None:
+    """A model with an image or audio encoder gets that input (a prompt without it is a
+    question about nothing: the model answers with noise), unless --text_only says so."""
+    given = {"image": a.image, "audio": a.audio}
+    for e in cfg.encoders:
+        if e.modality in given and given[e.modality] is None and not a.text_only:
+            raise UserError(f"--{e.modality}: model {cfg.name} reads {e.modality}s; pass "
+                            f"--{e.modality}=FILE (or --text_only for a prompt without one)")
+    for mod, path in given.items():
+        if path is not None and all(e.modality != mod for e in cfg.encoders):
+            raise UserError(f"--{mod}: model {cfg.name} has no {mod} encoder (drop --{mod})")
+
+
 def restore_model(workdir: str, step: int | None):
     """(config, the whole model as trained, step): trainable arrays from the checkpoint of
     any run (single program or plan), frozen units from the pretrained files the run
@@ -98,6 +111,8 @@ def main(argv=None) -> int:
                          "vae.path): PNG written here")
     ap.add_argument("--sampler", default="ddim", choices=["ddim", "ddpm"])
     ap.add_argument("--diffusion_steps", type=int, default=50)
+    ap.add_argument("--text_only", action="store_true",
+                    help="a prompt without the model's image / audio input, on purpose")
     a = ap.parse_args(argv)
     conf = os.path.join(a.workdir, "config.gin")
     for path, what in ((conf, "--workdir (no config.gin: not a scripts/train.py run)"),
@@ -128,6 +143,7 @@ def main(argv=None) -> int:
     if tok is None:
         raise UserError("the run has no tokenizer.path (synthetic data): nothing to decode to text")
     cfg, model, _ = restore_model(a.workdir, a.step)  # run.json's config, as trained
+    check_inputs(cfg, a)
     layout = data_layout(cfg, special=tok.special_tokens())
     image_proc, audio_proc = default_processors(cfg, _bound("llava_source.image_processor"),
                                                 _bound("llava_source.audio_processor"))

@@ -1,11 +1,14 @@
 """Write a synthetic multimodal dataset as ArrayRecord + shape index for the loader.
 
-  python scripts/make_dataset.py --kind=mix --num_samples=1000 --out=/tmp/mix.arrayrecord
-  python scripts/make_dataset.py --model=tiny --kind=laion --num_samples=64 --out=/tmp/t.arrayrecord
+  python scripts/make_dataset.py --out=data/tiny.arrayrecord      # fits configs/tiny.gin
+  python scripts/make_dataset.py --model=tiny_valm --num_samples=64 --out=/tmp/valm.arrayrecord
 
-`--model NAME` (a named config, e.g. tiny, tiny_valm) takes the vocabulary, patch size,
-largest image grid, mel bins and latent shape from that model, so the trainer can read the
-file (`--gin_param=loader_source.path="'/tmp/t.arrayrecord'"` with a --plan).
+`--model NAME` (a named config, default `tiny`: the default config's model) takes the
+vocabulary, patch size, largest image grid, mel bins and latent shape from that model, so
+the trainer can read the file (`--gin_param=loader_source.path="'data/tiny.arrayrecord'"`).
+`--kind` defaults to what the model reads: `mix` (image, audio and text samples) for a
+model with an audio encoder, `laion` (image-text) otherwise. `--model=none` writes generic
+shapes from `--vocab_size`, `--patch_size`, `--max_grid`, `--n_mels`.
 
 Images are stored as uint8 pixels and decoded/resized by the loader's worker processes
 (DistTrain §4.2: preprocessing off the training path). `--corrupt_fraction` truncates some
@@ -23,17 +26,20 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from mmjax.data.records import write_dataset  # noqa: E402
+from mmjax.errors import UserError  # noqa: E402
 from mmjax.data.synthetic import SyntheticConfig, SyntheticDataset  # noqa: E402
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--kind", choices=("laion", "mix"), default="mix")
+    ap.add_argument("--kind", choices=("laion", "mix"), default=None,
+                    help="default: mix for a model with an audio encoder, else laion")
     ap.add_argument("--num_samples", type=int, default=1000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True, help="ArrayRecord path; index at OUT.index.json")
-    ap.add_argument("--model", default=None,
-                    help="named model config to match (sets the sizes below from it)")
+    ap.add_argument("--model", default="tiny",
+                    help="named model config to match (sets the sizes below from it); "
+                         "default tiny (configs/tiny.gin's); 'none': the sizes below")
     ap.add_argument("--vocab_size", type=int, default=512)
     ap.add_argument("--patch_size", type=int, default=14)
     ap.add_argument("--max_grid", type=int, default=64)
@@ -50,16 +56,24 @@ def main(argv=None):
     a = ap.parse_args(argv)
     if a.num_samples < 1:
         ap.error("--num_samples must be >= 1")
-    if a.model:
+    if a.model and a.model != "none":
         from mmjax.train.config import named_model_config
 
         model = named_model_config(a.model)
         vision = [e.encoder for e in model.encoders if e.modality == "image"]
+        audio = any(e.modality == "audio" for e in model.encoders)
+        if a.kind is None:
+            a.kind = "mix" if audio else "laion"
+        if a.kind == "mix" and not audio:
+            raise UserError(f"--kind=mix writes audio samples, which model {a.model!r} cannot "
+                            f"read (no audio encoder): use --kind=laion or a model with audio, "
+                            f"e.g. --model=tiny_valm")
         if vision:
             a.patch_size, a.max_grid = vision[0].patch_size, vision[0].max_grid
         kw = {} if a.gen_fraction is None else {"gen_fraction": a.gen_fraction}
         cfg = SyntheticConfig.for_model(model, bad_fraction=a.bad_fraction, **kw)
     else:
+        a.kind = a.kind or "mix"
         cfg = SyntheticConfig(vocab_size=a.vocab_size, patch_size=a.patch_size, n_mels=a.n_mels,
                               gen_fraction=a.gen_fraction or 0.0,
                               bad_fraction=a.bad_fraction)

@@ -13,9 +13,9 @@ the traced plan. `--gpus` defaults to the traced plan's device count.
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
+import re
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -24,7 +24,7 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from mmjax.planner.hardware import hardware  # noqa: E402
-from mmjax.planner.measured import replan  # noqa: E402
+from mmjax.planner.measured import plan_changes, replan  # noqa: E402
 from mmjax.planner.plan import Plan, PlanError  # noqa: E402
 
 
@@ -42,8 +42,12 @@ def load_model(name: str):
 def load_traces(workdir: str):
     """(model name, Plan, concatenated trace) of the traced steps in the workdir that ran
     the newest traced step's plan (a run re-planned by train.replan_every traced several)."""
-    paths = sorted(glob.glob(os.path.join(workdir, "traces", "step_*.json")),
-                   key=lambda p: int(os.path.basename(p)[len("step_"):-len(".json")]))
+    # only step_<n>.json: the trainer writes step_<n>.perfetto.json and .png beside them
+    tdir = os.path.join(workdir, "traces")
+    steps = sorted(int(m.group(1)) for m in map(re.compile(r"step_(\d+)\.json").fullmatch,
+                                                 os.listdir(tdir) if os.path.isdir(tdir) else [])
+                   if m)
+    paths = [os.path.join(tdir, f"step_{n}.json") for n in steps]
     if not paths:
         raise ValueError(f"no traces in {workdir}/traces: train with train.trace_every=N")
     runs = []
@@ -85,15 +89,22 @@ def main(argv=None) -> int:
     console.print("learned factors (measured / analytic, prior 1): " + ", ".join(
         f"{k} {v:.3f}" for k, v in res.factors.items()))
     new = Table(title="plan on the measured profile")
-    for col in ("unit", "devices before", "devices after", "dp,tp,pp before", "dp,tp,pp after"):
+    for col in ("unit", "devices before", "devices after", "dp,tp,pp before", "dp,tp,pp after",
+                "remat before", "remat after"):
         new.add_column(col, justify="right")
     for u in res.plan.units:
         old = plan.unit(u.name)
         new.add_row(u.name, str(old.num_devices), str(u.num_devices),
-                    f"{old.dp},{old.tp},{old.pp}", f"{u.dp},{u.tp},{u.pp}")
+                    f"{old.dp},{old.tp},{old.pp}", f"{u.dp},{u.tp},{u.pp}", old.remat, u.remat)
     console.print(new)
-    console.print(f"traced plan {res.current_s:.4g} s/iter on the measured costs; new plan "
-                  f"{res.predicted_s:.4g} s/iter: predicted gain {res.gain:.3f}x")
+    changes = plan_changes(plan, res.plan)
+    if not changes:
+        console.print(f"the plan on the measured costs is the traced plan ({res.current_s:.4g} "
+                      f"s/iter): no change, gain 1.000x")
+    else:
+        console.print("changes: " + "; ".join(changes))
+        console.print(f"traced plan {res.current_s:.4g} s/iter on the measured costs; new plan "
+                      f"{res.predicted_s:.4g} s/iter: predicted gain {res.gain:.3f}x")
     if args.json:
         res.plan.save(args.json)
         console.print(f"wrote {args.json}")

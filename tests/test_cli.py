@@ -88,3 +88,13 @@ def test_default_command_trains_tiny_gin_with_loss_clearly_decreasing(tmp_path):
         assert r["loss"] == pytest.approx(r["lm_loss"] + r["diffusion_loss"], rel=1e-5)
     losses = [r["loss"] for r in recs]
     assert np.mean(losses[-5:]) < 0.75 * np.mean(losses[:5]), losses
+    # what the run says: its skips (count and share), the loss curve it drew
+    skipped = recs[-1]["skipped_samples"]
+    if skipped:
+        assert (f"skipped {skipped} samples ({100 * skipped / 240:.1f}% of the 240 trained"
+                in p.stderr), p.stderr[-2000:]
+        assert "step 1: skipped sample" in p.stderr or "skipped sample" in p.stderr
+    assert os.path.getsize(os.path.join(work, "loss.png")) > 10_000
+    assert f"loss curve: {work}/loss.png" in p.stderr
+    # step 1's compile is reported apart, not as waiting for data
+    assert recs[0]["data_wait_s"] < 1.0, recs[0]["data_wait_s"]

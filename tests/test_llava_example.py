@@ -31,7 +31,7 @@ def test_llava_tiny_trains_and_skips_bad_images(tmp_path, capsys):
         [f"tokenizer.path = '{data}/tokenizer'", f"llava_source.json_path = '{data}/train.json'",
          f"llava_source.image_root = '{data}/images'", "train.steps = 3",
          "train.checkpoint_every = 3", "train.progress = False", "train.eval_every = 2",
-         f"eval_source.json_path = '{data}/train.json'",
+         f"eval_source.json_path = '{data}/val.json'",
          f"eval_source.image_root = '{data}/images'", "eval_source.max_batches = 1"],
         finalize_config=False)
     try:
@@ -62,3 +62,13 @@ def test_llava_tiny_trains_and_skips_bad_images(tmp_path, capsys):
         gin.clear_config()
     out = capsys.readouterr().out.splitlines()
     assert out and "<|" not in out[-1]  # plain text, special tokens stripped
+    # a vision model without --image: one line, exit 2, nothing decoded
+    from mmjax.cli import run_main
+
+    try:
+        assert run_main(_script("generate").main, [f"--workdir={run}", "--prompt=Hi"]) == 2
+    finally:
+        gin.clear_config()
+    cap = capsys.readouterr()
+    assert cap.out == "" and cap.err.startswith("error: --image: model llava_tiny reads images")
+    assert len(cap.err.strip().splitlines()) == 1

@@ -65,7 +65,7 @@ def test_a_slowed_unit_gets_more_devices(setting):
 
 def test_replan_cli_prints_measured_predicted_and_gain(setting, tmp_path, capsys):
     model, plan, layer_costs = setting
-    trace = synthetic_trace(plan, layer_costs, {"vision": 4.0})
+    trace = synthetic_trace(plan, layer_costs, {"vision": 10.0})  # a slow unit: a new plan
     (tmp_path / "traces").mkdir()
     with open(tmp_path / "traces" / "step_2.json", "w") as f:
         json.dump({"model": model.name, "plan": plan.to_json(), "trace": trace}, f)
@@ -75,6 +75,43 @@ def test_replan_cli_prints_measured_predicted_and_gain(setting, tmp_path, capsys
     assert replan_cli.main([f"--workdir={tmp_path}", "--hardware=a800", "--gpus=98",
                             f"--json={tmp_path / 'new.json'}"]) == 0
     out = capsys.readouterr().out
-    assert "vision:0" in out and "predicted gain" in out
+    assert "vision:0" in out and "predicted gain" in out and "changes: " in out
+    assert os.path.exists(tmp_path / "new.json")
     assert replan_cli.main([f"--workdir={tmp_path / 'nothing'}"]) == 2
     assert "error: no traces" in capsys.readouterr().out
+
+
+def test_replan_cli_reads_a_trace_steps_run_and_says_no_change(setting, tmp_path, capsys):
+    """`--trace_steps` also writes step_<n>.perfetto.json and .png beside each trace: they
+    are not traces; the plan's own measured profile re-plans into the same plan, so the
+    script says "no change" (gain 1.000x), never a gain."""
+    model, plan, layer_costs = setting
+    (tmp_path / "traces").mkdir()
+    for n in (3, 4):
+        with open(tmp_path / "traces" / f"step_{n}.json", "w") as f:
+            json.dump({"model": model.name, "plan": plan.to_json(),
+                       "trace": synthetic_trace(plan, layer_costs, {})}, f)
+        (tmp_path / "traces" / f"step_{n}.perfetto.json").write_text("{}")
+        (tmp_path / "traces" / f"step_{n}.png").write_bytes(b"")
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import replan as replan_cli
+
+    assert replan_cli.main([f"--workdir={tmp_path}", "--hardware=a800", "--gpus=98"]) == 0
+    out = capsys.readouterr().out
+    assert "no change, gain 1.000x" in out and "predicted gain" not in out
+
+
+def test_plan_changes_names_every_changed_setting(setting):
+    import dataclasses
+
+    from mmjax.planner.measured import plan_changes
+
+    _, plan, _ = setting
+    assert plan_changes(plan, plan) == []
+    llm = plan.unit("llm")
+    other = dataclasses.replace(plan, num_microbatches=plan.num_microbatches * 2, units=tuple(
+        dataclasses.replace(u, remat="none" if u.remat != "none" else "full")
+        if u.name == "llm" else u for u in plan.units))
+    assert plan_changes(plan, other) == [
+        f"microbatches {plan.num_microbatches} -> {plan.num_microbatches * 2}",
+        f"llm remat {llm.remat} -> {other.unit('llm').remat}"]

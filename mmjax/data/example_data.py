@@ -69,9 +69,11 @@ def _conversation(rng, colour: str, shape: str, n_turns: int, system: bool) -> l
     return turns
 
 
-def write_llava_example(out: str, num_samples: int = 48, seed: int = 0) -> dict:
-    """Write `out`/images/*.jpg|png, `out`/train.json (LLaVA format) and `out`/tokenizer;
-    returns {"json": ..., "image_root": ..., "tokenizer": ..., "bad": [ids]}."""
+def write_llava_example(out: str, num_samples: int = 48, seed: int = 0,
+                        num_val: int = 16) -> dict:
+    """Write `out`/images/*.jpg|png, `out`/train.json (LLaVA format), `out`/val.json (a
+    held-out split of `num_val` clean samples, images `val-*.png`, for `train.eval_every`)
+    and `out`/tokenizer; returns {"json", "val_json", "image_root", "tokenizer", "bad"}."""
     from PIL import Image
 
     rng = np.random.default_rng(seed)
@@ -116,8 +118,29 @@ def write_llava_example(out: str, num_samples: int = 48, seed: int = 0) -> dict:
     with open(json_path, "w") as f:
         json.dump(records, f, indent=1)
     tok_dir = write_tokenizer(os.path.join(out, "tokenizer"), texts * 4)
-    return {"json": json_path, "image_root": img_dir, "tokenizer": tok_dir,
-            "bad": [r["id"] for r in bad]}
+    val_path = os.path.join(out, "val.json")
+    with open(val_path, "w") as f:
+        json.dump(_held_out(img_dir, num_val, seed), f, indent=1)
+    return {"json": json_path, "val_json": val_path, "image_root": img_dir,
+            "tokenizer": tok_dir, "bad": [r["id"] for r in bad]}
+
+
+def _held_out(img_dir: str, n: int, seed: int) -> list[dict]:
+    """`n` validation records like the training ones (own random stream and image names,
+    so the training split does not depend on them)."""
+    from PIL import Image
+
+    rng = np.random.default_rng([seed, 7])
+    records = []
+    for i in range(n):
+        colour = list(COLOURS)[rng.integers(len(COLOURS))]
+        shape = SHAPES[rng.integers(len(SHAPES))]
+        h, w = (int(x) for x in rng.integers(12, 72, size=2))
+        name = f"val-{i:04d}.png"
+        Image.fromarray(_picture(rng, h, w, colour, shape)).save(os.path.join(img_dir, name))
+        records.append({"id": f"val-{i:04d}", "image": name,
+                        "conversations": _conversation(rng, colour, shape, 1 + i % 2, False)})
+    return records
 
 
 def write_generation_example(out: str, num_samples: int = 16, seed: int = 1) -> dict:

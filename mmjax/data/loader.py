@@ -49,6 +49,12 @@ from mmjax.data.global_batch import GlobalBatch, GlobalBatchBuilder
 from mmjax.data.records import as_source
 
 
+# global batches whose shapes a run scans at start-up by default (metadata only: about a
+# millisecond each unbalanced, more with balancing); a longer run pads to these and
+# compiles, with a console line, if a later batch needs more
+SHAPE_SCAN_MAX = 1024
+
+
 def _init_worker(worker_index: int, worker_count: int) -> None:
     from absl import flags
     if not flags.FLAGS.is_parsed():
@@ -67,7 +73,8 @@ class Loader:
     `hardware`: the planner's hardware whose cost model times microbatches for Algorithm 3.
     `shape_scan_steps` (feeds): every feed is padded to the union of the shapes of the first
     that many global batches (planned from metadata at start-up), so the stage and broker
-    programs compile once, not once per new combination of balanced shapes.
+    programs compile once, not once per new combination of balanced shapes; None (default):
+    every global batch of the run (`num_steps`), up to `SHAPE_SCAN_MAX`.
     `num_workers` > 0 runs planning, decoding and assembly in grain worker processes; each
     holds `prefetch` (>= 2) global batches, and with 0 workers a thread prefetches
     `prefetch` global batches, so the trainer finds the next one ready.
@@ -86,7 +93,7 @@ class Loader:
                  num_hosts: int = 1, num_steps: int = 1 << 31, feeds: bool = False,
                  cp_method: str = "lpt", cp_block: int = 128, node_wise_method: str = "auto",
                  node_wise_time_limit: float = 0.2, node_wise_max_milp_ranks: int = 32,
-                 hardware: str = "h100", shape_scan_steps: int = 16,
+                 hardware: str = "h100", shape_scan_steps: int | None = None,
                  local_devices: frozenset[int] | None = None, producers: int = 0,
                  producer_addresses=(), producer_cpus=(), producer_timeout: float = 300.0):
         if prefetch < 2:
@@ -122,6 +129,8 @@ class Loader:
         self.producers, self.producer_addresses = producers, tuple(producer_addresses)
         self.producer_cpus, self.producer_timeout = tuple(producer_cpus), producer_timeout
         self.num_workers, self.prefetch, self.num_steps = num_workers, prefetch, num_steps
+        if shape_scan_steps is None:
+            shape_scan_steps = min(num_steps, SHAPE_SCAN_MAX)
         self.shape_scan_steps = shape_scan_steps
         if shape_scan_steps < 0:
             raise UserError(f"Loader.shape_scan_steps={shape_scan_steps}: use >= 0 (0: every "

@@ -96,6 +96,24 @@ def stage_table(plan: Plan, layer_costs: dict, trace: list[dict]) -> list[dict]:
     return rows
 
 
+def plan_changes(old: Plan, new: Plan) -> list[str]:
+    """What `new` changes against `old`, one phrase per changed setting ("llm remat full ->
+    none", "microbatches 2 -> 8"); empty when the two train alike."""
+    out = []
+    if old.num_microbatches != new.num_microbatches:
+        out.append(f"microbatches {old.num_microbatches} -> {new.num_microbatches}")
+    fields = ("dp", "tp", "pp", "cp", "layers", "num_chunks", "remat", "overlap_tp")
+    for u in new.units:
+        o = next((x for x in old.units if x.name == u.name), None)
+        if o is None:
+            out.append(f"{u.name} added")
+            continue
+        out += [f"{u.name} {f} {getattr(o, f)} -> {getattr(u, f)}" for f in fields
+                if getattr(o, f) != getattr(u, f)]
+    out += [f"{o.name} removed" for o in old.units if o.name not in {u.name for u in new.units}]
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class Replan:
     factors: dict[str, float]  # measured / analytic, per unit
@@ -106,6 +124,7 @@ class Replan:
 
     @property
     def gain(self) -> float:
+        """Iteration time before / after; exactly 1 when the plan does not change."""
         return self.current_s / self.predicted_s
 
 
@@ -122,5 +141,6 @@ def replan(model, plan: Plan, trace: list[dict], hw, num_gpus: int, workload=Non
     current = {u.name: Choice(u.tp, u.dp, u.pp, u.num_chunks, u.remat) for u in plan.units}
     now = evaluate(m_costs, current, plan.global_batch, hw).iteration_time_s
     new = plan_model(model, hw, num_gpus, plan.global_batch, workload=workload, costs=m_costs)
-    return Replan(factors, stage_table(plan, layer_costs, trace), now, new,
-                  new.predicted["iteration_time_s"])
+    # the same plan predicts the same time: no gain from re-planning into what runs
+    after = now if not plan_changes(plan, new) else new.predicted["iteration_time_s"]
+    return Replan(factors, stage_table(plan, layer_costs, trace), now, new, after)

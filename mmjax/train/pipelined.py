@@ -22,9 +22,20 @@ class Pipelined:
     """A Plan on the pipeline runtime, fed by the grain loader (planning, balancing and
     assembly off the training path, in its prefetch thread or worker processes)."""
 
-    def __init__(self, cfg, layout, plan, schedule, dtype, seed, source=None, pretrained=None):
+    def __init__(self, cfg, layout, plan, schedule, dtype, seed, source=None, pretrained=None,
+                 steps: int | None = None, check_memory: bool = True):
+        """`steps`: the run's length: the loader pads every feed to the shapes of all its
+        global batches (up to `SHAPE_SCAN_MAX`, scanned from metadata at start-up), so no
+        stage program compiles after the first step. `check_memory`: refuse a plan whose
+        units the planner's memory model does not fit in a device, before anything is
+        built (train/memory_check.py)."""
         from mmjax.data.loader import Loader
+        from mmjax.train.memory_check import check_plan
         from mmjax.train.pipeline_step import PipelineStep
+
+        self.memory_line = check_plan(cfg, plan, source if source is not None
+                                      else train_source(cfg), jax.local_devices()[0],
+                                      check_memory)  # this process's (memory_stats)
 
         self.step_fn = PipelineStep(cfg, plan, schedule, dtype, seed, pretrained=pretrained,
                                     llm_mask_family=layout.llm_mask_family)
@@ -37,10 +48,12 @@ class Pipelined:
         self.local = (None if jax.process_count() == 1 else frozenset(
             i for i, d in enumerate(jax.devices()) if d.process_index == jax.process_index()))
         self.data = Loader(source if source is not None else train_source(cfg), cfg, plan,
-                           layout, feeds=True, local_devices=self.local)
+                           layout, feeds=True, local_devices=self.local,
+                           **({} if steps is None else {"num_steps": steps}))
+        self.seen_shapes = set()  # feed shapes run so far: a new one compiles
         self.num_trainable = sum(x.size for x in jax.tree.leaves(
             [st.trainable for st in self.step_fn.runtime.stages.values()]))
-        self.progress, self.steps_run = None, 0  # train/progress.py Progress
+        self.progress, self.steps_run, self.steps_traced = None, 0, 0  # Progress: trainer
 
     def data_state(self) -> dict:
         return {"loader": self.data.get_state()}
@@ -82,6 +95,15 @@ class Pipelined:
         if first and self.progress is not None:
             self.progress.compiled("the first pipelined step", m["step_time_s"])
         m["data_wait_s"] = t0 - t_wait
+        new = {f.shapes for f in feeds} - self.seen_shapes
+        if new and not first:
+            m["compile_reason"] = (f"{len(new)} new microbatch shapes outside the floor "
+                                   f"scanned at start-up (Loader.shape_scan_steps="
+                                   f"{self.data.shape_scan_steps})")
+        elif trace and self.steps_traced == 0:
+            m["compile_reason"] = "the first traced step: each action runs alone"
+        self.seen_shapes |= {f.shapes for f in feeds}
+        self.steps_traced += bool(trace)
         m["tokens"] = int(sum(np.count_nonzero(f.llm["doc"]) for f in feeds))
         m["tokens_trained"] = int(sum(f.num_target_tokens for f in feeds))
         m["skipped"] = gb.skipped_samples

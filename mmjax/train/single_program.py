@@ -14,6 +14,7 @@ from jax.sharding import SingleDeviceSharding
 
 from mmjax.data.batch_shapes import BatchShapes, batch_shapes
 from mmjax.data.layout import AssemblyLayout
+from mmjax.data.loader import SHAPE_SCAN_MAX
 from mmjax.data.sources import eval_batches
 from mmjax.models.hf.pretrained import load_pretrained_dirs
 from mmjax.models.mllm import MultimodalModel, trainable_filter
@@ -21,6 +22,7 @@ from mmjax.parallel.sharded_init import abstract_split, init_split
 from mmjax.train.data_config import train_source
 from mmjax.train.inputs import model_inputs
 from mmjax.train.logical_state import single_from_logical, single_logical
+from mmjax.train.memory_check import check_single_program
 from mmjax.train.optimizer import optimizer_from_settings
 from mmjax.train.step import TrainState, make_loss_fn, make_train_step, split_model
 
@@ -48,7 +50,6 @@ def _layout_at_least(layout: AssemblyLayout, shapes: BatchShapes | None) -> Asse
     return dataclasses.replace(layout, **kw)
 
 
-SHAPE_SCAN_MAX = 1024  # global batches whose shapes a run scans at start-up (metadata only)
 
 
 class SingleProgram:
@@ -57,9 +58,12 @@ class SingleProgram:
     over a real source, `loader_source.path` or the synthetic set), whole."""
 
     def __init__(self, cfg, layout, global_batch, schedule, dtype, seed, source=None,
-                 attention_impl="auto", pretrained=None, steps: int | None = None):
+                 attention_impl="auto", pretrained=None, steps: int | None = None,
+                 check_memory: bool = True):
         """`steps`: the run's length; the batch shapes are scanned (from metadata) over up to
-        `SHAPE_SCAN_MAX` of its global batches up front, so the step compiles once."""
+        `SHAPE_SCAN_MAX` of its global batches up front, so the step compiles once.
+        `check_memory`: refuse (UserError) a step whose estimated peak memory at those
+        shapes exceeds the device's, before anything is compiled (train/memory_check.py)."""
         from mmjax.train.single_data import LoaderBatches
 
         def grow(shapes, metas):
@@ -75,6 +79,15 @@ class SingleProgram:
         key = jax.random.key(seed)
         graphdef, tr, fr = abstract_split(MultimodalModel, (cfg,), key, filters)
         device = jax.devices()[0]
+        self.memory_line = None
+        if self.data.floor is not None:
+            count = lambda t: sum(x.size for x in jax.tree.leaves(t))
+            est = check_single_program(cfg, self.data.floor, layout.seq_len, count(tr),
+                                       count(fr), dtype, attention_impl, global_batch, device,
+                                       refuse=check_memory)
+            self.memory_line = (f"memory: the step needs about {est['peak'] / 1e9:.2f} GB "
+                                f"(estimate) of {est['device'] / 1e9:.1f} GB on "
+                                f"{device.platform}:{device.id}")
 
         def fresh() -> TrainState:
             # one jitted init program (parallel/sharded_init.py), not an eager op per
@@ -178,7 +191,7 @@ class SingleProgram:
              if k != "applied"}  # the same as `nonfinite`
         m["step_time_s"] = time.perf_counter() - t0
         m["compile_s"] = compile_s
-        m["data_wait_s"] = t0 - t_wait
+        m["data_wait_s"] = t0 - t_wait - compile_s  # the wait for data alone
         m["tokens"] = int(np.count_nonzero(batch.doc))
         m["tokens_trained"] = int(batch.num_target_tokens)
         m["skipped"] = len(skipped)
@@ -196,7 +209,8 @@ class SingleProgram:
                                    layout.llm_mask_family)
             self.eval_fn = jax.jit(lambda s, b: loss_fn(s.trainable, s.frozen, b)[1]["lm_loss"])
         data = LoaderBatches(source, self.cfg, layout, self.global_batch,
-                             lambda _, metas: batch_shapes([metas], layout), shuffle=False)
+                             lambda _, metas: batch_shapes([metas], layout), shuffle=False,
+                             scan_steps=0)  # each batch at its own shapes
         total, count = 0.0, 0
         try:
             for _ in range(eval_batches(source, max_batches, self.global_batch)):

@@ -20,10 +20,11 @@ from mmjax.data.sources import eval_source
 from mmjax.data.tokenizer import tokenizer
 from mmjax.errors import UserError
 from mmjax.models.config import MLLMConfig
-from mmjax.models.hf.pretrained import PretrainedError, prepare_pretrained
+from mmjax.models.hf.pretrained import prepare_pretrained
 from mmjax.planner.plan import Plan
 from mmjax.train.auto_plan import auto_plan, run_planning_inputs
 from mmjax.train.checkpoint import Checkpointer, NonFiniteState
+from mmjax.train.compile_watch import CompileWatch, watched_step
 from mmjax.train.config import named_model_config, pretrained
 from mmjax.train.data_config import fit_vocab, layout_and_source, train_source
 from mmjax.train.optimizer import learning_rate_schedule
@@ -34,27 +35,15 @@ from mmjax.train.progress import Progress as StepProgress
 from mmjax.train.progress import console as progress_console
 from mmjax.train.replanning import (Replanner, decision_from_json, decision_json,
                                     from_process_0, switch_line)
+from mmjax.train.loss_plot import plot_workdir
 from mmjax.train.run_files import (pretrained_sources, truncate_metrics,
                                    use_compilation_cache, write_run_info)
+from mmjax.train.run_report import SkipReport, pretrained_lines
 from mmjax.train.single_program import SingleProgram
-from mmjax.train.validate import check_data_path, check_replan_settings, check_train_settings
+from mmjax.train.validate import (check_data_path, check_pretrained_vocab, check_replan_settings,
+                                  check_train_settings, parse_trace_steps)
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-
-
-def parse_trace_steps(trace_steps: str | None, plan: str | None) -> tuple[int, int]:
-    """`train.trace_steps` "A:B" -> (A, B), 1-based inclusive; None -> an empty range."""
-    if trace_steps is None:
-        return (1, 0)
-    a, sep, b = str(trace_steps).partition(":")
-    if not (sep and a.isdigit() and b.isdigit() and 1 <= int(a) <= int(b)):
-        raise UserError(f"train.trace_steps={trace_steps!r}: use 'A:B' with 1 <= A <= B, "
-                        f"e.g. '3:4'")
-    if plan is None:
-        raise UserError("train.trace_steps traces the pipeline runtime's actions: add "
-                        "--plan=manual (or a Plan JSON); the single program is one XLA "
-                        "program (profile it with jax.profiler)")
-    return int(a), int(b)
 
 
 class TrainingStopped(RuntimeError):
@@ -67,18 +56,6 @@ def _last_good(ckpt) -> str:
     return f"step {step} in {ckpt.directory}" if step is not None else "none yet"
 
 
-def _check_pretrained_vocab(cfg: MLLMConfig, dirs: dict) -> None:
-    """A pretrained LLM keeps its vocabulary: a tokenizer that needs another is an error."""
-    if "llm" in dirs or "model" in dirs:  # a whole LLaVA, or an LLM (Qwen2-VL's too)
-        from mmjax.models.hf.pretrained import pretrained_config
-        which = {u: dirs[u] for u in ("model", "llm") if u in dirs}
-        want = pretrained_config(cfg, which).llm.vocab_size
-        if cfg.llm.vocab_size != want:
-            raise PretrainedError(f"pretrained: the tokenizer / tp need vocab_size "
-                                  f"{cfg.llm.vocab_size}, the LLM checkpoint has {want}; use "
-                                  f"the checkpoint's tokenizer and a tp dividing {want}")
-
-
 @gin.configurable
 def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
           global_batch: int = 8, compute_dtype: str = "float32", seed: int = 0,
@@ -88,7 +65,8 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
           trace_every: int = 0, keep_checkpoints: int = 3, keep_every: int | None = None,
           max_bad_steps: int = 5, trace_steps: str | None = None,
           compilation_cache_dir: str = "", replan_every: int = 0,
-          replan_min_gain: float = 1.10, replanner: Replanner | None = None) -> list[dict]:
+          replan_min_gain: float = 1.10, replanner: Replanner | None = None,
+          check_memory: bool = True) -> list[dict]:
     """Train `model` for `steps` steps (this invocation stops early after `stop_after`
     steps, as a preemption would; a rerun resumes); returns this run's metric records.
 
@@ -124,7 +102,8 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
     `compilation_cache_dir`: JAX's persistent compilation cache, so a resume or rerun loads
     its programs instead of compiling them: "" (default) uses $JAX_COMPILATION_CACHE_DIR if
     set, else `<workdir>/compilation_cache`; "off" disables it; any other value is the
-    directory."""
+    directory. `check_memory` (one program): stop before compiling when the step's estimated
+    memory exceeds the device's (train/memory_check.py); False tries anyway."""
     check_train_settings(steps, global_batch, compute_dtype, _DTYPES, seed, checkpoint_every,
                          progress, stop_after, plan, keep_checkpoints, keep_every, max_bad_steps)
     if trace_every < 0:
@@ -148,13 +127,14 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
         the_plan = None
         layout, source = layout_and_source(cfg, tok)
         runner = SingleProgram(cfg, layout, global_batch, schedule, dtype, seed, source,
-                               attention_impl or "auto", dirs, steps)
+                               attention_impl or "auto", dirs, steps, check_memory)
     else:
         start_plan, resumed_plan = plan, plan_to_resume(workdir, plan, progress_console())
         plan = resumed_plan[1] if resumed_plan else plan  # a re-planned run stays re-planned
         the_plan, cfg = _the_plan(plan, cfg, tok, dirs, global_batch, attention_impl)
         layout, source = layout_and_source(cfg, tok)
-        runner = Pipelined(cfg, layout, the_plan, schedule, dtype, seed, source, dirs)
+        runner = Pipelined(cfg, layout, the_plan, schedule, dtype, seed, source, dirs, steps,
+                           check_memory)
         if replan_every and replanner is None:
             hw, wl = run_planning_inputs(cfg, source if source is not None
                                          else train_source(cfg))
@@ -165,6 +145,9 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
         with open(os.path.join(workdir, "config.gin"), "w") as f:
             f.write(gin.config_str())
         write_run_info(workdir, cfg, the_plan, seed, dirs, sources)
+        for line in pretrained_lines(cfg, dirs) + [getattr(runner, "memory_line", None)]:
+            if line:  # pretrained: read into the runner's fresh parameters
+                progress_console().print(line, markup=False, highlight=False)
     loop = _Loop(workdir, runner, schedule, keep_checkpoints, keep_every)
     if the_plan is not None and plan_in_effect(workdir, loop.start) != resumed_plan:
         # the newest checkpoint was unusable and an older one predates the plan chosen above
@@ -176,13 +159,15 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
                                markup=False)
         the_plan = _the_plan(plan, cfg, tok, dirs, global_batch, attention_impl)[0]
         loop.rebuild(loop.start, lambda: Pipelined(cfg, layout, the_plan, schedule, dtype,
-                                                   seed, source, dirs))
+                                                   seed, source, dirs, steps,
+                                                   check_memory))
         if loop.lead:
             write_run_info(workdir, cfg, the_plan, seed, dirs, sources)
     if replan_every:
         loop.replanning(replanner, replan_every, the_plan, lambda p: _prepared(
             p, cfg, tok, dirs, global_batch, attention_impl, same_config=True),
-            lambda p: Pipelined(cfg, layout, p, schedule, dtype, seed, source, dirs),
+            lambda p: Pipelined(cfg, layout, p, schedule, dtype, seed, source, dirs, steps,
+                                check_memory),
             lambda p: write_run_info(workdir, cfg, p, seed, dirs, sources))
     try:
         where = "one program" if plan is None else f"plan {plan} on {jax.device_count()} devices"
@@ -212,7 +197,7 @@ def _model_and_tokenizer(model: MLLMConfig | None):
     tok = tokenizer()
     if tok is not None:
         cfg = fit_vocab(cfg, tok, pretrained="llm" in dirs or "model" in dirs)
-    _check_pretrained_vocab(cfg, dirs)
+    check_pretrained_vocab(cfg, dirs)
     return cfg, tok, dirs
 
 
@@ -252,7 +237,7 @@ def _prepared(the_plan: Plan, cfg: MLLMConfig, tok, dirs: dict, global_batch: in
         the_plan = dataclasses.replace(the_plan, units=tuple(
             dataclasses.replace(u, attention_impl=attention_impl) for u in the_plan.units))
     the_plan.validate(cfg, jax.device_count())
-    _check_pretrained_vocab(cfg, dirs)
+    check_pretrained_vocab(cfg, dirs)
     return the_plan, cfg
 
 
@@ -273,6 +258,7 @@ class _Loop:
             console.print(f"{jax.process_count()} processes: metrics from process 0, "
                           "checkpoints from all")
         self.start, self.skipped, self.nonfinite, self.in_a_row = 0, 0, 0, 0
+        self.plotted = None  # the last step in loss.png
         self.replan_every, self.plan, self.plan_traces = 0, None, []
         found = self.ckpt.restore_latest(
             getattr(runner, "restore_target", runner.checkpoint_tree)())
@@ -300,18 +286,24 @@ class _Loop:
             evaluate_at, evaluate, cfg, plan) -> list[dict]:
         records = []
         self.plan = self.plan or plan
+        skips = SkipReport(report.say, self.skipped_path)
         with open(self.metrics_path if self.lead else os.devnull, "a") as mf, \
                 open(self.skipped_path if self.lead else os.devnull, "a") as sf:
             for step in range(self.start, end):
                 n = step + 1
                 replan = self.replan_every and n % self.replan_every == 0
-                m = self.runner.step(trace=True) if traced(n) or replan else self.runner.step()
+                m = watched_step(self.runner, n, traced(n) or replan, report.say,
+                                 warm=step > self.start)
                 trace = m.pop("trace", None)
                 if traced(n) and self.lead:
                     write_trace(self.workdir, n, cfg, self.plan, trace)
                 rec = self.record(n, m)
                 if evaluate_at(n):
-                    rec["eval_loss"] = evaluate()
+                    with CompileWatch() as w:
+                        rec["eval_loss"] = evaluate()
+                    report.say(f"step {n}: eval_loss {rec['eval_loss']:.4f}" + (
+                        f" (compiled the evaluation's {w.count} programs in {w.seconds:.1f} s)"
+                        if w.count else ""))
                 # no switch in a bad streak: it could not checkpoint
                 switch = self.replan(n, trace) if replan and not self.in_a_row else None
                 if switch is not None:
@@ -323,15 +315,29 @@ class _Loop:
                     sf.write(json.dumps({"step": n, "id": name, "reason": reason}) + "\n")
                 sf.flush()
                 report.step(rec, m.get("compile_s", 0.0) > 0)
+                skips.step(n, m["skipped"], m["skipped_list"])
                 self.guard(n, rec, max_bad_steps)
                 # a step in a bad streak changed no parameters: no checkpoint until one is good
                 if not self.in_a_row and (n % checkpoint_every == 0 or n == end or switch):
                     self.save(n)
+                    if self.lead:
+                        self.plot()
                 if switch is not None:
                     self.switch(n, switch[0], switch[1], report, rebuild=n < end)
         if records:
             report.say("trained " + report.summary(len(records)))
+            said = skips.summary(len(records) * report.global_batch)
+            if said:
+                report.say(said)
+            if self.lead and self.plotted != records[-1]["step"]:
+                self.plot()
+            if self.lead and self.plotted is not None:
+                report.say(f"loss curve: {os.path.join(self.workdir, 'loss.png')}")
         return records
+
+    def plot(self) -> None:
+        """DIR/loss.png from metrics.jsonl (matplotlib; at each checkpoint and the end)."""
+        self.plotted = plot_workdir(self.workdir)
 
     def replan(self, n: int, trace) -> tuple | None:
         """(new plan, predicted gain, its file under the workdir) when process 0's

@@ -111,3 +111,30 @@ def check_replan_settings(replan_every, replan_min_gain, plan, replanner) -> Non
     if replanner is not None and not replan_every:
         raise UserError("train(replanner=...) is used every train.replan_every steps: set "
                         "train.replan_every=N")
+
+
+def parse_trace_steps(trace_steps: str | None, plan: str | None) -> tuple[int, int]:
+    """`train.trace_steps` "A:B" -> (A, B), 1-based inclusive; None -> an empty range."""
+    if trace_steps is None:
+        return (1, 0)
+    a, sep, b = str(trace_steps).partition(":")
+    if not (sep and a.isdigit() and b.isdigit() and 1 <= int(a) <= int(b)):
+        raise UserError(f"train.trace_steps={trace_steps!r}: use 'A:B' with 1 <= A <= B, "
+                        f"e.g. '3:4'")
+    if plan is None:
+        raise UserError("train.trace_steps traces the pipeline runtime's actions: add "
+                        "--plan=manual (or a Plan JSON); the single program is one XLA "
+                        "program (profile it with jax.profiler)")
+    return int(a), int(b)
+
+
+def check_pretrained_vocab(cfg, dirs: dict) -> None:
+    """A pretrained LLM keeps its vocabulary: a tokenizer that needs another is an error."""
+    if "llm" in dirs or "model" in dirs:  # a whole LLaVA, or an LLM (Qwen2-VL's too)
+        from mmjax.models.hf.pretrained import PretrainedError, pretrained_config
+        which = {u: dirs[u] for u in ("model", "llm") if u in dirs}
+        want = pretrained_config(cfg, which).llm.vocab_size
+        if cfg.llm.vocab_size != want:
+            raise PretrainedError(f"pretrained: the tokenizer / tp need vocab_size "
+                                  f"{cfg.llm.vocab_size}, the LLM checkpoint has {want}; use "
+                                  f"the checkpoint's tokenizer and a tp dividing {want}")

@@ -1,0 +1,156 @@
+"""Will the step fit? The single program's peak device memory estimated before anything is
+compiled or allocated, from planner/memory.py's terms (DistTrain §5.1's weights, optimizer
+state and activations, counted as planner/memory.py counts a stage's) at the run's largest
+batch shapes, against the device's memory: a run that cannot fit stops with one line
+naming the estimate and what to change, instead of compiling for minutes and dying with
+RESOURCE_EXHAUSTED. An estimate, not XLA's own account: XLA fuses and reuses buffers, so
+the real peak is usually lower (the check refuses only above the device's memory)."""
+from __future__ import annotations
+
+import os
+import re
+
+from mmjax.errors import UserError
+from mmjax.planner import memory
+from mmjax.planner.workload import Workload
+
+GB = 1e9
+
+
+def device_memory(device, shared_by: int = 1) -> tuple[float, str]:
+    """(bytes, how it was read): the allocator's limit on an accelerator; for a CPU device
+    the machine's physical memory over the `shared_by` devices that run on it at once."""
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if stats and stats.get("bytes_limit"):
+        return float(stats["bytes_limit"]), f"{device.device_kind} memory"
+    host = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    return host / shared_by, ("host memory" if shared_by == 1
+                              else f"host memory shared by {shared_by} devices")
+
+
+def _impl(attention_impl: str, length: int, dtype) -> str | None:
+    """planner/memory.py's attention kind: "dense" keeps [S, S] buffers, None a tiled one."""
+    from mmjax.models.attention import choose_implementation
+
+    return "dense" if choose_implementation(attention_impl, length, length, dtype) == "dense" \
+        else None
+
+
+def single_program_bytes(cfg, shapes, seq_len: int, trainable: int, frozen: int, dtype,
+                         attention_impl: str = "auto") -> dict:
+    """Peak bytes of the whole model's training step on one device, at batch `shapes`
+    (BatchShapes: LLM rows of `seq_len` tokens, per encoder (count, capacity) buffers,
+    generated images) -> {"peak", "state", "activations", "work", "step"}. No remat (the
+    single program keeps every residual), float32 master weights, AdamW moments and
+    gradients, the compute copy in `dtype`."""
+    import numpy as np
+
+    b = np.dtype(dtype).itemsize
+    copy = b if b != 4 else 0  # float32 compute reads the master weights themselves
+    state = (memory.OPTIMIZER_BYTES + memory.ACC_BYTES + copy) * trainable \
+        + memory.FROZEN_BYTES * frozen
+    acts, work = 0.0, [0.0]
+    rows = shapes.rows
+    llm = memory.llm_acts(cfg.llm, seq_len, seq_len * seq_len, 1, b,
+                          _impl(attention_impl, seq_len, dtype))
+    acts += rows * (llm.none + llm.boundary)
+    work.append(rows * memory.SCORE_BUFFERS * llm.scores)
+    for name, count, cap in shapes.encoders:
+        spec = cfg.encoder(name)
+        c, p = spec.encoder, spec.projector
+        in_dim = c.patch_dim if spec.modality == "image" else 2 * c.num_mel_bins
+        out = cap / p.downsample if p.kind == "mlp" else p.num_queries
+        e = memory.encoder_acts(c, cap, cap * cap, 1, b, _impl(attention_impl, cap, dtype),
+                                in_dim, out, cfg.llm.hidden_size)
+        acts += count * (e.none + e.boundary)
+        work.append(count * memory.SCORE_BUFFERS * e.scores)
+    if cfg.generator is not None and shapes.gen:
+        g = memory.generator_acts(cfg.generator, shapes.gen, Workload.cond_tokens, 1, b,
+                                  cond_dim=cfg.llm.hidden_size,
+                                  impl=_impl(attention_impl, cfg.generator.num_patches, dtype))
+        acts += g.none + g.boundary
+        work.append(memory.SCORE_BUFFERS * g.scores)
+    run = state + acts + max(work) + b * trainable  # + the parameter cotangents
+    step = (memory.OPTIMIZER_BYTES + memory.STEP_BYTES + copy) * trainable \
+        + memory.FROZEN_BYTES * frozen
+    return {"peak": max(run, step), "state": state, "activations": acts, "work": max(work),
+            "step": step}
+
+
+def check_single_program(cfg, shapes, seq_len, trainable, frozen, dtype, attention_impl,
+                         global_batch: int, device, refuse: bool = True) -> dict:
+    """`single_program_bytes` with the device's bytes under "device"; with `refuse`, a
+    UserError naming the estimate and the fix when it exceeds `device`'s memory."""
+    est = single_program_bytes(cfg, shapes, seq_len, trainable, frozen, dtype, attention_impl)
+    have, what = device_memory(device)
+    est["device"] = have
+    if refuse and est["peak"] > have:
+        enc = "".join(f", {n} {k} x {c}" for n, c, k in shapes.encoders)
+        raise UserError(
+            f"the training step needs about {est['peak'] / GB:.1f} GB ({est['state'] / GB:.1f}"
+            f" GB parameters and optimizer state, {est['activations'] / GB:.1f} GB activations"
+            f" of {shapes.rows} rows x {seq_len} tokens{enc}) but {device.platform}:"
+            f"{device.id} has {have / GB:.1f} GB of {what} (lower train.global_batch (now "
+            f"{global_batch}) or data_layout.seq_len, or train over more devices with "
+            f"recomputation: --plan=auto, or --plan=manual with manual_plan.remat; "
+            f"train.check_memory=False runs anyway)")
+    return est
+
+
+_BYTES = re.compile(r"(\d{6,}) bytes")
+
+
+def out_of_memory_line(err: BaseException) -> str | None:
+    """One line for XLA's RESOURCE_EXHAUSTED (None for any other error)."""
+    text = str(err)
+    if "RESOURCE_EXHAUSTED" not in text and "Out of memory" not in text:
+        return None
+    m = _BYTES.search(text)
+    size = f" ({int(m.group(1)) / GB:.1f} GB requested)" if m else ""
+    return (f"error: the device ran out of memory{size}: lower train.global_batch or "
+            f"data_layout.seq_len, recompute activations (manual_plan.remat = \"full\" with a "
+            f"plan) or spread the model over more devices (--plan=auto); --debug shows the "
+            f"traceback")
+
+
+def check_plan(cfg, plan, source, device, refuse: bool = True,
+               data_samples: int = 256) -> str:
+    """The planner's bytes per device of each unit's first stage under `plan`
+    (planner/evaluate.py `stage_bytes`: its samples per rank per microbatch, its remat and
+    the runtime's in-flight microbatches; sample shapes from `data_samples` samples of the
+    run's `source`) against `device`'s memory -> one console line; with `refuse`, a
+    UserError naming the units that cannot fit and the settings to change."""
+    import dataclasses
+
+    from mmjax.data.data_spec import sample_workload
+    from mmjax.planner.build import model_costs
+    from mmjax.planner.evaluate import (Choice, pipeline_in_flight, remat_variant,
+                                        stage_bytes)
+    from mmjax.train.auto_plan import device_hardware
+
+    import jax
+
+    have, what = device_memory(device, jax.local_device_count())
+    hw = dataclasses.replace(device_hardware([device]), hbm_bytes=have)
+    costs, _ = model_costs(cfg, hw, sample_workload(source, cfg, data_samples, name="run data"))
+    choices = {u.name: Choice(u.tp, u.dp, u.pp, u.num_chunks, u.remat) for u in plan.units}
+    m = plan.num_microbatches
+    flight = pipeline_in_flight(choices, m)
+    need = {}
+    for cost in costs:
+        c = choices[cost.name]
+        cost = remat_variant(cost, c, choices["llm"].dp, m, have)
+        need[cost.name] = float(stage_bytes(cost, c.tp, c.dp, c.pp,
+                                            plan.microbatch_size / c.dp, flight[cost.name],
+                                            exact=True))
+    over = {u: b for u, b in need.items() if b > have}
+    if refuse and over:
+        names = ", ".join(f"{u} {b / GB:.1f} GB" for u, b in over.items())
+        raise UserError(
+            f"the plan needs more memory per device than {device.platform}:{device.id}'s "
+            f"{have / GB:.1f} GB of {what}: {names} (the planner's estimate for the run's "
+            f"data; give those units more pp or tp, manual_plan.remat = \"full\", more "
+            f"microbatches or a lower train.global_batch (now {plan.global_batch}); "
+            f"--plan=auto plans to fit; train.check_memory=False runs anyway)")
+    return ("memory per device (estimate): " + ", ".join(
+        f"{u} {b / GB:.2f} GB" for u, b in need.items()) + f" of {have / GB:.1f} GB")
