@@ -35,7 +35,7 @@ def test_image_output_run_learns_and_generate_writes_a_png(tmp_path):
     png = str(tmp_path / "out.png")
     try:
         assert _script("generate").main([f"--workdir={run}", "--prompt=Draw a red square.",
-                                         "--max_new_tokens=8", f"--output_image={png}",
+                                         "--text_only", "--max_new_tokens=8", f"--output_image={png}",
                                          "--diffusion_steps=10", "--sampler=ddpm"]) == 0
     finally:
         gin.clear_config()
