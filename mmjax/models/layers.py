@@ -187,6 +187,7 @@ ACTIVATIONS = {
     "gelu": lambda x: jax.nn.gelu(x, approximate=False),
     "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
     "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),
+    "silu": jax.nn.silu,
 }
 
 

@@ -94,7 +94,8 @@ def _rope(c: dict, kind) -> tuple[float, tuple | None, float | None]:
         _refuse("rope_theta", c["rope_theta"], f"differs from rope_parameters.rope_theta={theta}; "
                 "keep one")
     flat = params if params.get("rope_type", "default") != "default" else dict(legacy)
-    flat.setdefault("partial_rotary_factor", params.get("partial_rotary_factor", 1.0))
+    flat.setdefault("partial_rotary_factor",
+                    params.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0)))
     where = "rope_parameters" if flat is params else "rope_scaling"
     if kind == "phi3" and flat.get("rope_type", flat.get("type")) in ("su", "yarn", "longrope"):
         _refuse(f"{where}.rope_type", flat.get("rope_type", flat.get("type")),
