@@ -48,7 +48,8 @@ def load_plan(path, cfg, start: int = 0, end: int | None = None) -> LoadPlan:
 
 def _unit_config(old, path):
     """The unit's config from config.json; a vision tower keeps the config's feature_layer,
-    max_images and (if larger) max_grid, which are mmjax choices, not checkpoint facts."""
+    max_images and (if larger) max_grid, an LLM its scan_layers: mmjax choices, not
+    checkpoint facts."""
     kind = model_type(read_config(path))
     if isinstance(old, VisionConfig):
         if kind not in VISION_TYPES:
@@ -64,7 +65,10 @@ def _unit_config(old, path):
     if not isinstance(old, (VisionConfig, AudioConfig)) and kind not in LLM_TYPES:
         raise ValueError(f"pretrained llm checkpoint {path}: model_type={kind!r}, expected "
                          f"one of {', '.join(LLM_TYPES)}")
-    return config_for(path)
+    new = config_for(path)
+    if not isinstance(old, (VisionConfig, AudioConfig)):  # layer scan: an mmjax choice
+        new = dataclasses.replace(new, scan_layers=old.scan_layers)
+    return new
 
 
 def pretrained_config(cfg: MLLMConfig, dirs: dict) -> MLLMConfig:
