@@ -225,19 +225,18 @@ def config_to_hf(cfg: LLMConfig) -> dict:
         "num_key_value_heads": cfg.num_kv_heads, "intermediate_size": cfg.ffn_size,
         "head_dim": cfg.dim_per_head, "rope_theta": cfg.rope_theta,
         "tie_word_embeddings": cfg.tie_embeddings, "rms_norm_eps": cfg.norm_eps,
-        "max_position_embeddings": 8192,
     }
     act = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh"}[cfg.mlp_act]
     out["hidden_activation" if kind in GEMMA else "hidden_act"] = act
     if cfg.rope_scaling is not None:
         out["rope_scaling"] = _scaling_to_hf(cfg.rope_scaling)
-        if len(cfg.rope_scaling) > 2:
-            out["max_position_embeddings"] = max(8192, int(cfg.rope_scaling[-2 if
-                                                 cfg.rope_scaling[0] == "llama3" else 2]))
+        if cfg.rope_scaling[0] == "yarn":  # the context YaRN extends to (transformers checks)
+            out["max_position_embeddings"] = int(cfg.rope_scaling[1] * cfg.rope_scaling[2])
     if cfg.rope_local_theta is not None:
         out["rope_local_base_freq"] = cfg.rope_local_theta
     if kind in GEMMA:
-        out["query_pre_attn_scalar"] = (cfg.attn_scale or cfg.dim_per_head ** -0.5) ** -2
+        qpas = round((cfg.attn_scale or cfg.dim_per_head ** -0.5) ** -2, 6)
+        out["query_pre_attn_scalar"] = int(qpas) if qpas == int(qpas) else qpas
         out["attn_logit_softcapping"] = cfg.attn_softcap
         out["final_logit_softcapping"] = cfg.final_softcap
     out["sliding_window"] = cfg.sliding_window
@@ -246,7 +245,8 @@ def config_to_hf(cfg: LLMConfig) -> dict:
         out["max_window_layers"] = next((i for i in range(cfg.num_layers) if cfg.is_sliding(i)),
                                         cfg.num_layers)
     if kind == "phi3":
-        out["pad_token_id"] = None  # the class default 32000 may lie outside a small vocab
+        # the class defaults (32000) may lie outside a small vocabulary
+        out["pad_token_id"] = out["eos_token_id"] = None
     if kind in GEMMA + ("qwen2", "qwen3"):
         out["layer_types"] = ["sliding_attention" if cfg.is_sliding(i) else "full_attention"
                               for i in range(cfg.num_layers)]
