@@ -155,3 +155,21 @@ def test_gpu_cudnn_window_and_triton_kernel_equal_dense():
         for g, w in zip(got, want):
             g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
             np.testing.assert_allclose(g, w, atol=3e-2 * np.abs(w).max(), rtol=3e-2)
+
+
+def test_a_models_attention_options_validate_the_choice_up_front():
+    """What pipeline stages check before any work: a Gemma 2 LLM (soft-caps) never runs on
+    cuDNN; a scanned local/global stack passes a traced window."""
+    from mmjax.models.config import LLMConfig
+    from mmjax.models.llm import attention_options
+    cfg = LLMConfig(vocab_size=8, hidden_size=16, num_layers=4, num_heads=2, num_kv_heads=1,
+                    ffn_size=8, sliding_window=64, sliding_layers=(True, False) * 2,
+                    attn_softcap=50.0)
+    assert attention_options(cfg) == [AttnOptions(None, 50.0, None), AttnOptions(64, 50.0, None)]
+    scanned = attention_options(LLMConfig(**{**cfg.__dict__, "scan_layers": True,
+                                             "attn_softcap": None}))
+    assert len(scanned) == 1 and not isinstance(scanned[0].window, int)
+    with pytest.raises(ValueError, match="soft-capping"):
+        for options in attention_options(cfg):
+            choose_implementation("cudnn", 1, 1, jnp.bfloat16, "causal", platform="gpu",
+                                  options=options)

@@ -106,6 +106,17 @@ def window_mask(allowed, q_idx, k_idx, window):
     return allowed & (q_idx[:, :, None] - k_idx[:, None, :] < window)
 
 
+def attention_options(cfg: LLMConfig) -> list[AttnOptions]:
+    """The distinct `AttnOptions` the layers of `cfg` pass their hook (a traced window where
+    a layer scan carries differing local/global flags), to validate an attention choice
+    before any work (`pipeline/stage.py`)."""
+    if cfg.scan_layers and cfg.layers_differ:
+        return [AttnOptions(jnp.int32(cfg.sliding_window), cfg.attn_softcap, cfg.attn_scale)]
+    windows = {cfg.sliding_window if cfg.is_sliding(i) else None for i in range(cfg.num_layers)}
+    return [AttnOptions(w, cfg.attn_softcap, cfg.attn_scale) for w in sorted(
+        windows, key=lambda w: -1 if w is None else w)]
+
+
 def mask_attend(allowed):
     """Attention hook with a precomputed dense [B, S, S] mask (tests, small examples); a
     layer's window narrows it by token index."""
