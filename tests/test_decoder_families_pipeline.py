@@ -1,7 +1,9 @@
-"""A Gemma 3 LLM (local/global layers, sliding window, soft-caps, q/k and sandwich norms, fused
-nothing) and a Phi-3 LLM (fused qkv / gate_up) as pretrained units of a pipelined run: pp=2
+"""A Gemma 3 LLM (local/global layers, sliding window, soft-caps, q/k and sandwich norms) and a
+Phi-3 LLM (fused qkv / gate_up, sliding window) as pretrained units of a pipelined run: pp=2
 x tp=2 stages, each reading its own slices, with a layer scan whose per-layer local flag is
 traced where a stage's layers differ, equal the single-device model (loss and gradients)."""
+import json
+
 import jax
 import numpy as np
 import pytest
@@ -39,7 +41,6 @@ PHI3 = dict(BASE, model_type="phi3", sliding_window=12, pad_token_id=0,
 def write(root, config):
     """A checkpoint with the family's HF names (checked against transformers by
     test_decoder_families) and small random values."""
-    import json
     root.mkdir()
     (root / "config.json").write_text(json.dumps(config))
     rng = np.random.default_rng(0)
