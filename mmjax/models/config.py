@@ -58,7 +58,8 @@ class LLMConfig:
     sliding_window: int | None = None
     sliding_layers: tuple[bool, ...] | None = None
     rope_local_theta: float | None = None
-    # the Hugging Face model_type it was imported from (export writes that family back)
+    # the Hugging Face model_type to export as, where the options do not imply it (Phi-3's
+    # fused tensors; a Mistral without a window); None: inferred (hf/llm_config.py)
     hf_type: str | None = None
 
     def __post_init__(self):

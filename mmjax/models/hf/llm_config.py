@@ -11,6 +11,7 @@ compute is refused with one line naming the field.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from mmjax.models.config import LLMConfig
@@ -173,7 +174,7 @@ def config_from_hf(config) -> LLMConfig:
     gemma = kind in GEMMA
     get = lambda key, default: c.get(key, default) if gemma else None
     qpas = get("query_pre_attn_scalar", 256)
-    return LLMConfig(
+    cfg = LLMConfig(
         vocab_size=c["vocab_size"], hidden_size=d, num_layers=c["num_hidden_layers"],
         num_heads=heads, num_kv_heads=c.get("num_key_value_heads") or heads,
         ffn_size=c["intermediate_size"],
@@ -187,8 +188,10 @@ def config_from_hf(config) -> LLMConfig:
         attn_softcap=get("attn_logit_softcapping", 50.0 if kind == "gemma2" else None),
         final_softcap=get("final_logit_softcapping", 30.0 if kind == "gemma2" else None),
         sliding_window=window, sliding_layers=flags,
-        rope_local_theta=local_theta if window is not None else None,
-        hf_type=kind)
+        rope_local_theta=local_theta if window is not None else None)
+    # the family is recorded only where the options do not imply it (Phi-3, a Mistral
+    # without a window), so configs of the other families compare equal to mmjax's own
+    return cfg if _infer_type(cfg) == kind else dataclasses.replace(cfg, hf_type=kind)
 
 
 def _infer_type(cfg: LLMConfig) -> str:
