@@ -162,16 +162,23 @@ def test_bad_inputs_name_the_field():
         cp.cp_attention_sharded(q, k, v, meta, _mesh((2,), ("sp",)))
 
 
-def test_llm_layers_with_cp_hook_match_single_device():
-    """A decoder layer with the cp_attend hook (RoPE at global positions) inside
+# Gemma-style local/global layers in a layer scan: the per-layer window is traced inside the
+# shard_map and applies to the tokens' global indices on every CP rank.
+LOCAL_GLOBAL = {"num_layers": 2, "sliding_window": 5, "sliding_layers": (True, False),
+                "rope_local_theta": 100.0, "attn_softcap": 5.0, "scan_layers": True}
+
+
+@pytest.mark.parametrize("extra", [{}, LOCAL_GLOBAL], ids=["plain", "local_global"])
+def test_llm_layers_with_cp_hook_match_single_device(extra):
+    """Decoder layers with the cp_attend hook (RoPE at global positions) inside
     shard_map equal the model's own dense-mask path, forward and parameter gradients."""
     from flax import nnx
 
     from mmjax.models.config import LLMConfig
     from mmjax.models.llm import LLM, mask_attend
 
-    cfg = LLMConfig(vocab_size=32, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2,
-                    ffn_size=64)
+    cfg = LLMConfig(**{"vocab_size": 32, "hidden_size": 32, "num_layers": 1, "num_heads": 4,
+                       "num_kv_heads": 2, "ffn_size": 64, **extra})
     graphdef, state = nnx.split(LLM(cfg, jax.random.key(1)))
     x = jax.random.normal(jax.random.key(2), (NB, S, cfg.hidden_size))
     ct = jax.random.normal(jax.random.key(3), x.shape)

@@ -16,10 +16,18 @@ from mmjax.models.tiny import tiny
 from mmjax.train.inputs import model_inputs
 
 
-@pytest.fixture(scope="module")
-def prompt():
+# A Gemma-3-style LLM: one sliding-window layer with its own RoPE base, one global layer,
+# soft-capped attention and final logits (the cache path applies the window by cache slot).
+LOCAL_GLOBAL = {"llm.sliding_window": 4, "llm.sliding_layers": (True, False),
+                "llm.rope_local_theta": 100.0, "llm.attn_softcap": 5.0,
+                "llm.final_softcap": 10.0, "llm.qk_norm": True, "llm.sandwich_norms": True}
+
+
+@pytest.fixture(scope="module", params=["plain", "local_global"])
+def prompt(request):
+    extra = LOCAL_GLOBAL if request.param == "local_global" else {}
     cfg = with_overrides(tiny(), {"generator": None, "llm.num_layers": 2,
-                                  "encoders.vision.encoder.num_layers": 1})
+                                  "encoders.vision.encoder.num_layers": 1, **extra})
     lay = AssemblyLayout.from_config(cfg, 64, vision_caps=(64,))
     rng = np.random.default_rng(0)
     s = Sample(0, (Segment("text", rng.integers(16, 500, 5).astype(np.int32)),

@@ -20,6 +20,14 @@ tile by tile (Cornstarch §4.3.1: the bitfield mask is never materialised):
   pallas   block-sparse flash attention that visits only non-empty tiles (attention_pallas.py)
   cudnn    cuDNN fused attention for plain causal or full masks on GPU (attention_cudnn.py)
   auto     the fastest valid one for the platform, the mask family and the length
+
+Every implementation also takes the decoder families' options (`AttnOptions`): a sliding
+`window` (a query sees keys with idx_q - idx_k < window, as HF's sliding_window masks; it
+may be a traced per-layer value inside a layer scan), attention-logit soft-capping
+`softcap` (Gemma 2: s -> softcap * tanh(s / softcap)) and the logit `scale` (Gemma's
+query_pre_attn_scalar ** -0.5; default head_dim ** -0.5). Windows enter the mask as a
+per-query lowest allowed key index (`window_floor`), so block-sparse kernels drop tiles
+wholly outside the window from their block maps.
 """
 from __future__ import annotations
 
@@ -39,6 +47,23 @@ CUDNN_FAMILIES = ("causal", "full")
 # auto on CPU: the dense path up to this many (query, key) pairs per row (512 x 512), chunked
 # beyond: scripts/bench_attention.py measures chunked ahead of dense from 1k tokens on a CPU.
 AUTO_DENSE_MAX_PAIRS = 1 << 18
+# `window_floor` without a window: lower than any key index.
+NO_FLOOR = -(1 << 30)
+
+
+class AttnOptions(NamedTuple):
+    """Per-call attention options a decoder layer passes its `attend` hook.
+
+    window: None, a Python int, or a traced int32 scalar (a layer scan's per-layer window;
+    >= 2**30 means none); softcap / scale: static floats or None (None: no capping,
+    head_dim ** -0.5)."""
+
+    window: object = None
+    softcap: float | None = None
+    scale: float | None = None
+
+
+NO_OPTIONS = AttnOptions()
 
 
 class TokenMeta(NamedTuple):
@@ -54,21 +79,37 @@ class TokenMeta(NamedTuple):
     idx: jax.Array
 
 
-def allowed_mask(bam_q, bam_k, idx_q, idx_k, doc_q, doc_k, sub_q, sub_k):
-    """Boolean [..., Sq, Sk] mask from per-token metadata of shape [..., Sq] and [..., Sk]."""
+def allowed_mask(bam_q, bam_k, idx_q, idx_k, doc_q, doc_k, sub_q, sub_k, floor_q=None):
+    """Boolean [..., Sq, Sk] mask from per-token metadata of shape [..., Sq] and [..., Sk];
+    `floor_q` [..., Sq]: each query's lowest allowed key index (a sliding window)."""
     q = lambda a: a[..., :, None]
     k = lambda a: a[..., None, :]
     same_doc = (q(doc_q) == k(doc_k)) & (q(doc_q) != 0)
     q_text = q(bam_q & 1) != 0
     text_rule = q_text & ((q(bam_q) & k(bam_k)) != 0) & (k(idx_k) <= q(idx_q))
     mod_rule = ~q_text & (q(sub_q) == k(sub_k)) & (q(sub_q) != 0)
-    return same_doc & (text_rule | mod_rule)
+    out = same_doc & (text_rule | mod_rule)
+    return out if floor_q is None else out & (k(idx_k) >= q(floor_q))
 
 
-def meta_mask(meta_q: TokenMeta, meta_k: TokenMeta):
-    """The bool [B, Sq, Sk] mask of two TokenMeta."""
+def window_floor(meta_q: TokenMeta, window=None):
+    """int32 [B, Sq]: the lowest key index each query may see, idx_q - window + 1 (HF's
+    sliding window: idx_q - idx_k < window), or NO_FLOOR everywhere without a window."""
+    if window is None:
+        return jnp.full(meta_q.idx.shape, NO_FLOOR, jnp.int32)
+    w = jnp.minimum(jnp.asarray(window, jnp.int32), -NO_FLOOR)
+    return jnp.maximum(meta_q.idx - w + 1, NO_FLOOR).astype(jnp.int32)
+
+
+def meta_mask(meta_q: TokenMeta, meta_k: TokenMeta, floor_q=None):
+    """The bool [B, Sq, Sk] mask of two TokenMeta (and an optional `window_floor`)."""
     return allowed_mask(meta_q.bam, meta_k.bam, meta_q.idx, meta_k.idx,
-                        meta_q.doc, meta_k.doc, meta_q.sub, meta_k.sub)
+                        meta_q.doc, meta_k.doc, meta_q.sub, meta_k.sub, floor_q)
+
+
+def cap_logits(s, softcap: float | None):
+    """Attention / final logit soft-capping (Gemma 2): softcap * tanh(s / softcap)."""
+    return s if softcap is None else softcap * jnp.tanh(s / softcap)
 
 
 def _positions(segment_ids):
@@ -141,16 +182,21 @@ def _lowp_einsum_bwd(spec, res, g):
 _lowp_einsum.defvjp(_lowp_einsum_fwd, _lowp_einsum_bwd)
 
 
-def dot_product_attention(q, k, v, allowed):
+def dot_product_attention(q, k, v, allowed, softcap: float | None = None,
+                          scale: float | None = None):
     """Masked softmax attention with grouped-query heads.
 
     q: [B, Sq, H, D]; k, v: [B, Sk, KV, D] with H a multiple of KV; allowed: bool broadcastable
     to [B, Sq, Sk]. Softmax runs in float32; a query with no allowed key outputs zeros.
+    `scale` (default D ** -0.5) multiplies the logits, then `softcap` caps them.
     """
     b, sq, h, d = q.shape
     kv = k.shape[2]
     qg = q.reshape(b, sq, kv, h // kv, d)
-    logits = f32_einsum("bqkgd,bskd->bkgqs", qg, k) / jnp.sqrt(d).astype(jnp.float32)
+    logits = f32_einsum("bqkgd,bskd->bkgqs", qg, k)
+    logits = (logits / jnp.sqrt(d).astype(jnp.float32) if scale is None
+              else logits * jnp.float32(scale))
+    logits = cap_logits(logits, softcap)
     mask = allowed[:, None, None, :, :]
     logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(logits, axis=-1)
@@ -160,14 +206,15 @@ def dot_product_attention(q, k, v, allowed):
 
 
 def choose_implementation(implementation: str, sq: int, sk: int, dtype, mask_family: str = "bam",
-                          platform: str | None = None) -> str:
+                          platform: str | None = None, options: AttnOptions = NO_OPTIONS) -> str:
     """The implementation `bam_attention` runs; "auto" picks by platform, mask and length.
 
     CPU: dense up to AUTO_DENSE_MAX_PAIRS pairs per row, chunked beyond (Pallas only runs in
     interpret mode there). GPU: cuDNN for bf16/fp16 plain causal or full masks, the Pallas
     (Triton) kernel for other long sequences (on an H100 it ran 15x faster than chunked at
     4096 tokens, README), dense for short ones. "cudnn" off GPU or on a bitfield mask is a
-    user error.
+    user error. cuDNN expresses a sliding window only as a static int on a causal mask and
+    has no logit soft-capping: other options never pick it (`cudnn_options_error`).
     """
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"error: attention implementation {implementation!r} is unknown "
@@ -178,11 +225,16 @@ def choose_implementation(implementation: str, sq: int, sk: int, dtype, mask_fam
     platform = platform or jax.default_backend()
     if implementation == "cudnn":
         cudnn_error(platform, mask_family, dtype)
+        why = cudnn_options_error(mask_family, options)
+        if why:
+            raise ValueError(f"error: attention implementation 'cudnn' {why} (use 'pallas', "
+                             f"'chunked', 'dense' or 'auto')")
         return "cudnn"
     if implementation != "auto":
         return implementation
     if platform == "gpu" and mask_family in CUDNN_FAMILIES and jnp.dtype(dtype) in (
-            jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+            jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and not cudnn_options_error(
+            mask_family, options):
         return "cudnn"
     if sq * sk <= AUTO_DENSE_MAX_PAIRS:
         return "dense"
@@ -204,6 +256,19 @@ def cudnn_error(platform: str, mask_family: str, dtype) -> None:
                          f"inputs, got {jnp.dtype(dtype).name} (set compute_dtype or use 'auto')")
 
 
+def cudnn_options_error(mask_family: str, options: AttnOptions) -> str:
+    """Why cuDNN cannot run these options ('' if it can): its sliding window is a static
+    left window on a causal mask, and it has no logit soft-capping."""
+    if options.softcap is not None:
+        return f"has no attention-logit soft-capping (softcap={options.softcap})"
+    if options.window is not None:
+        if not isinstance(options.window, int):
+            return "takes only a static sliding window (this one varies per layer in a scan)"
+        if mask_family != "causal":
+            return f"takes a sliding window only on the causal mask family, not {mask_family!r}"
+    return ""
+
+
 def _check_inputs(q, k, v, meta_q: TokenMeta, meta_k: TokenMeta) -> None:
     if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape:
         raise ValueError(f"bam_attention: q must be [B, Sq, H, D] and k, v [B, Sk, KV, D]; got "
@@ -219,26 +284,34 @@ def _check_inputs(q, k, v, meta_q: TokenMeta, meta_k: TokenMeta) -> None:
 
 
 def bam_attention(q, k, v, meta_q: TokenMeta, meta_k: TokenMeta | None = None, *,
-                  implementation: str = "auto", mask_family: str = "bam"):
+                  implementation: str = "auto", mask_family: str = "bam",
+                  options: AttnOptions = NO_OPTIONS):
     """Attention under the bitfield mask given by token metadata (Cornstarch §4.3.1).
 
     q: [B, Sq, H, D]; k, v: [B, Sk, KV, D] (H a multiple of KV: grouped-query heads);
     meta_q / meta_k: TokenMeta of int32 [B, Sq] / [B, Sk] (meta_k defaults to meta_q).
     Softmax in float32; a query with no allowed key outputs zeros (and gets zero gradients).
-    Every implementation computes the same function (see the module docstring).
+    `options`: sliding window, logit soft-capping and scale (`AttnOptions`). Every
+    implementation computes the same function (see the module docstring).
     """
     meta_k = meta_q if meta_k is None else meta_k
     meta_q = TokenMeta(*(jnp.asarray(a, jnp.int32) for a in meta_q))
     meta_k = TokenMeta(*(jnp.asarray(a, jnp.int32) for a in meta_k))
     _check_inputs(q, k, v, meta_q, meta_k)
-    impl = choose_implementation(implementation, q.shape[1], k.shape[1], q.dtype, mask_family)
+    impl = choose_implementation(implementation, q.shape[1], k.shape[1], q.dtype, mask_family,
+                                 options=options)
+    window, softcap, scale = options
     if impl == "dense":
-        return dot_product_attention(q, k, v, meta_mask(meta_q, meta_k))
+        floor = None if window is None else window_floor(meta_q, window)
+        return dot_product_attention(q, k, v, meta_mask(meta_q, meta_k, floor), softcap, scale)
     if impl == "chunked":
         from mmjax.models.attention_chunked import chunked_attention
-        return chunked_attention(q, k, v, meta_q, meta_k)
+        return chunked_attention(q, k, v, meta_q, meta_k, window=window, softcap=softcap,
+                                 scale=scale)
     if impl == "pallas":
         from mmjax.models.attention_pallas import pallas_attention
-        return pallas_attention(q, k, v, meta_q, meta_k)
+        return pallas_attention(q, k, v, meta_q, meta_k, window=window, softcap=softcap,
+                                scale=scale)
     from mmjax.models.attention_cudnn import cudnn_attention
-    return cudnn_attention(q, k, v, meta_q, meta_k, causal=mask_family == "causal")
+    return cudnn_attention(q, k, v, meta_q, meta_k, causal=mask_family == "causal",
+                           window=window, scale=scale)

@@ -10,7 +10,10 @@ log-sum-exp; the custom VJP recomputes each tile's probabilities in the backward
 key blocks). Memory is O(S * block), there is no [S, S] array in forward or backward.
 
 Lengths that are not a multiple of the block are padded internally with doc-0 tokens (they
-attend nothing and nothing attends them) and cut off again.
+attend nothing and nothing attends them) and cut off again. A sliding window enters as each
+query's lowest allowed key index (`attention.window_floor`), so tiles outside it are empty
+and skipped; soft-capped logits (Gemma 2) are differentiated through the tanh in the
+backward pass.
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from mmjax.models.attention import TokenMeta, meta_mask
+from mmjax.models.attention import TokenMeta, cap_logits, meta_mask, window_floor
 
 BLOCK_Q = 128
 BLOCK_K = 128
@@ -42,8 +45,10 @@ def block_shape(seq_len: int, block: int) -> tuple[int, int]:
 
 
 def chunked_attention(q, k, v, meta_q: TokenMeta, meta_k: TokenMeta, *,
-                      block_q: int = BLOCK_Q, block_k: int = BLOCK_K):
-    """`bam_attention` semantics (q [B,Sq,H,D], k/v [B,Sk,KV,D]) in O(S * block) memory."""
+                      block_q: int = BLOCK_Q, block_k: int = BLOCK_K, window=None,
+                      softcap: float | None = None, scale: float | None = None):
+    """`bam_attention` semantics (q [B,Sq,H,D], k/v [B,Sk,KV,D]) in O(S * block) memory;
+    `window` / `softcap` / `scale`: `attention.AttnOptions`."""
     sq, sk = q.shape[1], k.shape[1]
     bq, nq = block_shape(sq, block_q)
     bk, nk = block_shape(sk, block_k)
@@ -51,7 +56,9 @@ def chunked_attention(q, k, v, meta_q: TokenMeta, meta_k: TokenMeta, *,
     kp, vp = _pad_seq(k, nk * bk), _pad_seq(v, nk * bk)
     mq = TokenMeta(*(_pad_seq(a, nq * bq) for a in meta_q))
     mk = TokenMeta(*(_pad_seq(a, nk * bk) for a in meta_k))
-    return flash_attention(qp, kp, vp, mq, mk, bq, bk)[:, :sq]
+    floor = _pad_seq(window_floor(meta_q, window), nq * bq)
+    scale = float(q.shape[-1]) ** -0.5 if scale is None else float(scale)
+    return flash_attention(qp, kp, vp, mq, mk, floor, bq, bk, scale, softcap)[:, :sq]
 
 
 def _meta_blocks(meta: TokenMeta, blk: int) -> TokenMeta:
@@ -97,26 +104,27 @@ def _zero_like_all(*trees):
     return z
 
 
-def _logits(qi, ki, scale):
-    return jnp.einsum("bkgqd,bksd->bkgqs", qi, ki, preferred_element_type=_F32) * scale
+def _logits(qi, ki, scale, softcap):
+    s = jnp.einsum("bkgqd,bksd->bkgqs", qi, ki, preferred_element_type=_F32) * scale
+    return cap_logits(s, softcap)
 
 
-def _tile_mask(mqi: TokenMeta, mki: TokenMeta):
-    return meta_mask(mqi, mki)[:, None, None]  # [B, 1, 1, bq, bk]
+def _tile_mask(mqi: TokenMeta, mki: TokenMeta, fqi):
+    return meta_mask(mqi, mki, fqi)[:, None, None]  # [B, 1, 1, bq, bk]
 
 
-def _forward_block(qi, mqi, kb, vb, mkb, scale):
+def _forward_block(qi, mqi, fqi, kb, vb, mkb, scale, softcap):
     """One query block against every key block: (out [B,KV,G,bq,D] f32, lse [B,KV,G,bq])."""
     b, kv, g, bq, d = qi.shape
     z = _zero_like_all(qi, mqi, kb, vb, mkb)
 
     def step(carry, xs):
         ki, vi, mki = xs
-        mask = _tile_mask(mqi, mki)
+        mask = _tile_mask(mqi, mki, fqi)
 
         def visit(carry):
             m, l, acc = carry
-            s = jnp.where(mask, _logits(qi, ki, scale), -jnp.inf)
+            s = jnp.where(mask, _logits(qi, ki, scale, softcap), -jnp.inf)
             m_new = jnp.maximum(m, s.max(-1))
             m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
             p = jnp.exp(s - m_safe[..., None])
@@ -136,49 +144,59 @@ def _forward_block(qi, mqi, kb, vb, mkb, scale):
     return out, lse
 
 
-def _forward(q, k, v, mq, mk, bq, bk):
-    kv, d = k.shape[2], q.shape[3]
-    scale = 1.0 / jnp.sqrt(jnp.asarray(d, _F32))
+def _blocks(x, blk):
+    """[B, n*blk] -> [n, B, blk]."""
+    return x.reshape(x.shape[0], -1, blk).transpose(1, 0, 2)
+
+
+def _forward(q, k, v, mq, mk, fq, bq, bk, scale, softcap):
+    kv = k.shape[2]
     kb, vb, mkb = _split_k(k, bk), _split_k(v, bk), _meta_blocks(mk, bk)
-    out, lse = lax.map(lambda xs: _forward_block(xs[0], xs[1], kb, vb, mkb, scale),
-                       (_split_q(q, bq, kv), _meta_blocks(mq, bq)))
+    out, lse = lax.map(
+        lambda xs: _forward_block(xs[0], xs[1], xs[2], kb, vb, mkb, scale, softcap),
+        (_split_q(q, bq, kv), _meta_blocks(mq, bq), _blocks(fq, bq)))
     return _merge_q(out).astype(q.dtype), lse  # lse [nq, B, KV, G, bq]
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def flash_attention(q, k, v, mq: TokenMeta, mk: TokenMeta, bq: int, bk: int):
-    """Blockwise attention on block-aligned inputs (Sq = nq*bq, Sk = nk*bk)."""
-    return _forward(q, k, v, mq, mk, bq, bk)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def flash_attention(q, k, v, mq: TokenMeta, mk: TokenMeta, fq, bq: int, bk: int,
+                    scale: float, softcap: float | None = None):
+    """Blockwise attention on block-aligned inputs (Sq = nq*bq, Sk = nk*bk); `fq` [B, Sq]
+    each query's lowest allowed key index (`attention.window_floor`)."""
+    return _forward(q, k, v, mq, mk, fq, bq, bk, scale, softcap)[0]
 
 
-def _flash_fwd(q, k, v, mq, mk, bq, bk):
-    out, lse = _forward(q, k, v, mq, mk, bq, bk)
-    return out, (q, k, v, mq, mk, out, lse)
+def _flash_fwd(q, k, v, mq, mk, fq, bq, bk, scale, softcap):
+    out, lse = _forward(q, k, v, mq, mk, fq, bq, bk, scale, softcap)
+    return out, (q, k, v, mq, mk, fq, out, lse)
 
 
-def flash_backward(q, k, v, mq, mk, out, lse, dout, bq, bk):
+def flash_backward(q, k, v, mq, mk, fq, out, lse, dout, bq, bk, scale, softcap=None):
     """FlashAttention-2 backward: (dq, dk, dv) recomputing each non-empty tile once."""
-    kv, d = k.shape[2], q.shape[3]
-    scale = 1.0 / jnp.sqrt(jnp.asarray(d, _F32))
+    kv = k.shape[2]
     delta = jnp.sum(dout.astype(_F32) * out.astype(_F32), axis=-1)  # [B, Sq, H]
     qb, dob = _split_q(q, bq, kv), _split_q(dout, bq, kv)
     lseb, deltab, mqb = lse, _split_rows(delta, bq, kv), _meta_blocks(mq, bq)
+    fqb = _blocks(fq, bq)
     z = _zero_like_all(q, k, v, mq, mk, out, lse, dout)
 
     def key_block(dq_all, xs):
         ki, vi, mki = xs
 
         def query_block(carry, ys):
-            qi, doi, lsei, di, mqi, dqi = ys
-            mask = _tile_mask(mqi, mki)
+            qi, doi, lsei, di, mqi, fqi, dqi = ys
+            mask = _tile_mask(mqi, mki, fqi)
 
             def visit(args):
                 dk, dv, dqi = args
-                p = jnp.where(mask, jnp.exp(_logits(qi, ki, scale) - lsei[..., None]), 0.0)
+                s = _logits(qi, ki, scale, softcap)
+                p = jnp.where(mask, jnp.exp(s - lsei[..., None]), 0.0)
                 dv = dv + jnp.einsum("bkgqs,bkgqd->bksd", p.astype(doi.dtype), doi,
                                      preferred_element_type=_F32)
                 dp = jnp.einsum("bkgqd,bksd->bkgqs", doi, vi, preferred_element_type=_F32)
                 ds = p * (dp - di[..., None]) * scale
+                if softcap is not None:  # d(c tanh(x / c)) / dx = 1 - tanh^2
+                    ds = ds * (1.0 - jnp.square(s / softcap))
                 dk = dk + jnp.einsum("bkgqs,bkgqd->bksd", ds.astype(qi.dtype), qi,
                                      preferred_element_type=_F32)
                 dqi = dqi + jnp.einsum("bkgqs,bksd->bkgqd", ds.astype(ki.dtype), ki,
@@ -190,7 +208,7 @@ def flash_backward(q, k, v, mq, mk, out, lse, dout, bq, bk):
 
         zeros = jnp.zeros(ki.shape, _F32) + z
         (dk, dv), dq_all = lax.scan(query_block, (zeros, zeros),
-                                    (qb, dob, lseb, deltab, mqb, dq_all))
+                                    (qb, dob, lseb, deltab, mqb, fqb, dq_all))
         return dq_all, (dk, dv)
 
     dq0 = jnp.zeros(qb.shape, _F32) + z
@@ -199,10 +217,10 @@ def flash_backward(q, k, v, mq, mk, out, lse, dout, bq, bk):
     return _merge_q(dq).astype(q.dtype), _merge_k(dk).astype(k.dtype), _merge_k(dv).astype(v.dtype)
 
 
-def _flash_bwd(bq, bk, res, dout):
-    q, k, v, mq, mk, out, lse = res
-    dq, dk, dv = flash_backward(q, k, v, mq, mk, out, lse, dout, bq, bk)
-    return dq, dk, dv, None, None
+def _flash_bwd(bq, bk, scale, softcap, res, dout):
+    q, k, v, mq, mk, fq, out, lse = res
+    dq, dk, dv = flash_backward(q, k, v, mq, mk, fq, out, lse, dout, bq, bk, scale, softcap)
+    return dq, dk, dv, None, None, None
 
 
 flash_attention.defvjp(_flash_fwd, _flash_bwd)

@@ -20,6 +20,13 @@ tests). Triton takes only tiles whose sizes are powers of two: block sizes are, 
 are not a multiple of the block are padded with doc-0 tokens (as in the chunked path), and a
 head dim that is not (SigLIP's 72) is zero-padded (zeros add nothing to q . k, the extra
 output columns are dropped; the scale stays the model's).
+
+Sliding windows (Mistral, Gemma's local layers) enter as a fifth per-query array, each query's
+lowest allowed key index (`attention.window_floor`): the block map is built with it, so tiles
+wholly outside the window are never visited (`visited_tiles` counts them), and the kernel's
+in-register mask applies it inside the boundary tiles. The window may be traced (one per
+layer inside a layer scan). Gemma 2's logit soft-capping is applied in the kernels (and
+differentiated through the tanh in the backward kernels).
 """
 from __future__ import annotations
 
@@ -30,7 +37,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from mmjax.models.attention import TokenMeta, allowed_mask, meta_mask
+from mmjax.models.attention import (TokenMeta, allowed_mask, cap_logits, meta_mask,
+                                    window_floor)
 from mmjax.models.attention_chunked import _pad_seq
 from mmjax.models.attention_pallas_bwd import pallas_backward
 
@@ -46,20 +54,23 @@ def _pow2_block(seq_len: int, block: int) -> tuple[int, int]:
     return b, -(-seq_len // b)
 
 
-def tile_map(meta_q: TokenMeta, meta_k: TokenMeta, bq: int, bk: int):
+def tile_map(meta_q: TokenMeta, meta_k: TokenMeta, bq: int, bk: int, floor_q=None):
     """bool [B, nq, nk]: does tile (query block, key block) hold an allowed pair?
 
     One query block at a time (`lax.map`), so memory is O(bq * Sk), never [Sq, Sk]. Inputs are
-    block-aligned (padded) metadata."""
+    block-aligned (padded) metadata; `floor_q` [B, Sq]: the queries' `window_floor`."""
     b, sq = meta_q.doc.shape
     nq, nk = sq // bq, meta_k.doc.shape[1] // bk
+    floor_q = window_floor(meta_q) if floor_q is None else floor_q
 
-    def one(mqi):
-        m = meta_mask(TokenMeta(*mqi), meta_k)  # [B, bq, Sk]
+    def one(xs):
+        mqi, fqi = xs
+        m = meta_mask(TokenMeta(*mqi), meta_k, fqi)  # [B, bq, Sk]
         return m.reshape(b, bq, nk, bk).any(axis=(1, 3))
 
-    blocks = TokenMeta(*(a.reshape(b, nq, bq).transpose(1, 0, 2) for a in meta_q))
-    return lax.map(one, blocks).transpose(1, 0, 2)
+    split = lambda a: a.reshape(b, nq, bq).transpose(1, 0, 2)
+    blocks = TokenMeta(*(split(a) for a in meta_q))
+    return lax.map(one, (blocks, split(floor_q))).transpose(1, 0, 2)
 
 
 def block_lists(tiles):
@@ -73,11 +84,11 @@ def block_lists(tiles):
     return jnp.concatenate([count, order, pad], axis=-1)
 
 
-def _kernel(list_ref, q_ref, k_ref, v_ref, qb_ref, qd_ref, qs_ref, qi_ref,
-            kb_ref, kd_ref, ks_ref, ki_ref, o_ref, lse_ref, *visit_ref, scale, bk):
+def _kernel(list_ref, q_ref, k_ref, v_ref, qb_ref, qd_ref, qs_ref, qi_ref, qf_ref,
+            kb_ref, kd_ref, ks_ref, ki_ref, o_ref, lse_ref, *visit_ref, scale, bk, softcap):
     q = q_ref[...]
     bq = q.shape[0]
-    q_meta = (qb_ref[...], qd_ref[...], qs_ref[...], qi_ref[...])
+    q_meta = (qb_ref[...], qd_ref[...], qs_ref[...], qi_ref[...], qf_ref[...])
     count = list_ref[0]
 
     def body(t, carry):
@@ -85,9 +96,9 @@ def _kernel(list_ref, q_ref, k_ref, v_ref, qb_ref, qd_ref, qs_ref, qi_ref,
         sl = pl.ds(list_ref[t + 1] * bk, bk)
         k, v = k_ref[sl, :], v_ref[sl, :]
         mask = allowed_mask(q_meta[0], kb_ref[sl], q_meta[3], ki_ref[sl],
-                            q_meta[1], kd_ref[sl], q_meta[2], ks_ref[sl])
+                            q_meta[1], kd_ref[sl], q_meta[2], ks_ref[sl], q_meta[4])
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=_F32)
-        s = jnp.where(mask, s * scale, _NEG)
+        s = jnp.where(mask, cap_logits(s * scale, softcap), _NEG)
         m_new = jnp.maximum(m, s.max(axis=-1))
         p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
         alpha = jnp.exp(m - m_new)
@@ -105,10 +116,10 @@ def _kernel(list_ref, q_ref, k_ref, v_ref, qb_ref, qd_ref, qs_ref, qi_ref,
         visit_ref[0][...] = jnp.full((bq,), count, jnp.int32)
 
 
-def _pallas_forward(q, k, v, mq: TokenMeta, mk: TokenMeta, lists, bq: int, bk: int,
-                    scale: float, debug: bool):
-    """Block-aligned inputs and the query blocks' key-block lists -> (out [B,Sq,H,D],
-    lse [B,H,Sq] f32[, visits [B,H,Sq]])."""
+def _pallas_forward(q, k, v, mq: TokenMeta, mk: TokenMeta, fq, lists, bq: int, bk: int,
+                    scale: float, debug: bool, softcap: float | None = None):
+    """Block-aligned inputs (`fq` [B, Sq]: the queries' window floor) and the query blocks'
+    key-block lists -> (out [B,Sq,H,D], lse [B,H,Sq] f32[, visits [B,H,Sq]])."""
     b, sq, h, d = q.shape
     sk, kv = k.shape[1], k.shape[2]
     g, nq = h // kv, sq // bq
@@ -124,14 +135,14 @@ def _pallas_forward(q, k, v, mq: TokenMeta, mk: TokenMeta, lists, bq: int, bk: i
     if debug:
         out_shape.append(jax.ShapeDtypeStruct((b, h, sq), jnp.int32))
         out_specs.append(row_spec)
-    kernel = partial(_kernel, scale=scale, bk=bk)
+    kernel = partial(_kernel, scale=scale, bk=bk, softcap=softcap)
     return pl.pallas_call(
         kernel, grid=(nq, b, h),
         in_specs=[pl.BlockSpec((None, None, width), lambda i, r, j: (r, i, 0)),
-                  q_spec, k_spec, k_spec, *([mq_spec] * 4), *([mk_spec] * 4)],
+                  q_spec, k_spec, k_spec, *([mq_spec] * 5), *([mk_spec] * 4)],
         out_specs=out_specs, out_shape=out_shape, interpret=interpret,
         name="bam_flash_forward",
-    )(lists, q, k, v, *mq, *mk)
+    )(lists, q, k, v, *mq, fq, *mk)
 
 
 def _pad_head(x, width: int):
@@ -139,8 +150,9 @@ def _pad_head(x, width: int):
     return x if d == width else jnp.pad(x, ((0, 0),) * (x.ndim - 1) + ((0, width - d),))
 
 
-def _pad_inputs(q, k, v, meta_q, meta_k, block_q, block_k):
-    """Block-aligned lengths and a power-of-two head dim (Triton's tile sizes)."""
+def _pad_inputs(q, k, v, meta_q, meta_k, block_q, block_k, window=None):
+    """Block-aligned lengths and a power-of-two head dim (Triton's tile sizes); the window
+    as the queries' floor (padding gets floor 0: it attends nothing anyway)."""
     bq, nq = _pow2_block(q.shape[1], block_q)
     bk, nk = _pow2_block(k.shape[1], block_k)
     width = pl.next_power_of_2(q.shape[-1])
@@ -148,44 +160,48 @@ def _pad_inputs(q, k, v, meta_q, meta_k, block_q, block_k):
     kp, vp = (_pad_head(_pad_seq(x, nk * bk), width) for x in (k, v))
     mq = TokenMeta(*(_pad_seq(a, nq * bq) for a in meta_q))
     mk = TokenMeta(*(_pad_seq(a, nk * bk) for a in meta_k))
-    return (qp, kp, vp, mq, mk), bq, bk
+    fq = _pad_seq(window_floor(TokenMeta(*meta_q), window), nq * bq)
+    return (qp, kp, vp, mq, mk, fq), bq, bk
 
 
 def pallas_attention(q, k, v, meta_q: TokenMeta, meta_k: TokenMeta, *,
-                     block_q: int = BLOCK_Q, block_k: int = BLOCK_K):
-    """`bam_attention` semantics with the block-sparse Pallas kernel."""
-    args, bq, bk = _pad_inputs(q, k, v, meta_q, meta_k, block_q, block_k)
-    scale = float(q.shape[-1]) ** -0.5
-    return _sparse_attention(*args, bq, bk, scale)[:, :q.shape[1], :, :q.shape[-1]]
+                     block_q: int = BLOCK_Q, block_k: int = BLOCK_K, window=None,
+                     softcap: float | None = None, scale: float | None = None):
+    """`bam_attention` semantics with the block-sparse Pallas kernel; `window` / `softcap` /
+    `scale`: `attention.AttnOptions`."""
+    args, bq, bk = _pad_inputs(q, k, v, meta_q, meta_k, block_q, block_k, window)
+    scale = float(q.shape[-1]) ** -0.5 if scale is None else float(scale)
+    out = _sparse_attention(*args, bq, bk, scale, softcap)
+    return out[:, :q.shape[1], :, :q.shape[-1]]
 
 
 def visited_tiles(q, k, v, meta_q: TokenMeta, meta_k: TokenMeta, *,
-                  block_q: int = BLOCK_Q, block_k: int = BLOCK_K):
+                  block_q: int = BLOCK_Q, block_k: int = BLOCK_K, window=None):
     """Debug run of the kernel: int32 [B, H, nq], the key tiles each program visited."""
-    args, bq, bk = _pad_inputs(q, k, v, meta_q, meta_k, block_q, block_k)
-    lists = block_lists(tile_map(args[3], args[4], bq, bk))
+    args, bq, bk = _pad_inputs(q, k, v, meta_q, meta_k, block_q, block_k, window)
+    lists = block_lists(tile_map(args[3], args[4], bq, bk, args[5]))
     visits = _pallas_forward(*args, lists, bq, bk, float(q.shape[-1]) ** -0.5, debug=True)[2]
     return visits[:, :, ::bq]
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _sparse_attention(q, k, v, mq, mk, bq, bk, scale):
-    lists = block_lists(tile_map(mq, mk, bq, bk))
-    return _pallas_forward(q, k, v, mq, mk, lists, bq, bk, scale, debug=False)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def _sparse_attention(q, k, v, mq, mk, fq, bq, bk, scale, softcap):
+    lists = block_lists(tile_map(mq, mk, bq, bk, fq))
+    return _pallas_forward(q, k, v, mq, mk, fq, lists, bq, bk, scale, False, softcap)[0]
 
 
-def _sparse_fwd(q, k, v, mq, mk, bq, bk, scale):
-    tiles = tile_map(mq, mk, bq, bk)
+def _sparse_fwd(q, k, v, mq, mk, fq, bq, bk, scale, softcap):
+    tiles = tile_map(mq, mk, bq, bk, fq)
     q_lists, k_lists = block_lists(tiles), block_lists(tiles.transpose(0, 2, 1))
-    out, lse = _pallas_forward(q, k, v, mq, mk, q_lists, bq, bk, scale, debug=False)
-    return out, (q, k, v, mq, mk, out, lse, q_lists, k_lists)
+    out, lse = _pallas_forward(q, k, v, mq, mk, fq, q_lists, bq, bk, scale, False, softcap)
+    return out, (q, k, v, mq, mk, fq, out, lse, q_lists, k_lists)
 
 
-def _sparse_bwd(bq, bk, scale, res, dout):
-    q, k, v, mq, mk, out, lse, q_lists, k_lists = res
-    dq, dk, dv = pallas_backward(q, k, v, mq, mk, out, lse, dout, q_lists, k_lists, bq, bk,
-                                 scale)
-    return dq, dk, dv, None, None
+def _sparse_bwd(bq, bk, scale, softcap, res, dout):
+    q, k, v, mq, mk, fq, out, lse, q_lists, k_lists = res
+    dq, dk, dv = pallas_backward(q, k, v, mq, mk, fq, out, lse, dout, q_lists, k_lists, bq,
+                                 bk, scale, softcap)
+    return dq, dk, dv, None, None, None
 
 
 _sparse_attention.defvjp(_sparse_fwd, _sparse_bwd)

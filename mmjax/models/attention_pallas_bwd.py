@@ -13,7 +13,9 @@ so no program writes another's output:
 
 Each tile's mask is built in registers from the token metadata (Cornstarch §4.3.1), as in the
 forward kernel, and empty tiles are never visited: backward work is the non-empty tile count,
-like the forward's. `delta` (rowsum(dO * O)) is computed once in XLA and read by both.
+like the forward's. `delta` (rowsum(dO * O)) is computed once in XLA and read by both. The
+queries' window floor is a fifth query-metadata array; soft-capped logits multiply dS by the
+tanh's derivative, 1 - (s / softcap)^2.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from mmjax.models.attention import TokenMeta, allowed_mask
+from mmjax.models.attention import TokenMeta, allowed_mask, cap_logits
 
 _F32 = jnp.float32
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
@@ -32,15 +34,17 @@ _NN = (((1,), (0,)), ((), ()))  # a @ b
 _TN = (((0,), (0,)), ((), ()))  # a.T @ b
 
 
-def _probs(q, k, lse, mask, scale):
-    """Softmax probabilities of one tile, recomputed from the log-sum-exp; 0 where masked."""
-    s = lax.dot_general(q, k, _NT, preferred_element_type=_F32) * scale
-    return jnp.where(mask, jnp.exp(s - lse[:, None]), 0.0)
+def _probs(q, k, lse, mask, scale, softcap):
+    """Softmax probabilities of one tile, recomputed from the log-sum-exp (0 where masked),
+    and the factor dS picks up from soft-capping (1 without it)."""
+    s = cap_logits(lax.dot_general(q, k, _NT, preferred_element_type=_F32) * scale, softcap)
+    dcap = 1.0 if softcap is None else 1.0 - jnp.square(s / softcap)
+    return jnp.where(mask, jnp.exp(s - lse[:, None]), 0.0), dcap
 
 
 def _dkv_kernel(list_ref, k_ref, v_ref, q_ref, do_ref, lse_ref, delta_ref,
-                qb_ref, qd_ref, qs_ref, qi_ref, kb_ref, kd_ref, ks_ref, ki_ref,
-                dk_ref, dv_ref, *, scale, bq):
+                qb_ref, qd_ref, qs_ref, qi_ref, qf_ref, kb_ref, kd_ref, ks_ref, ki_ref,
+                dk_ref, dv_ref, *, scale, bq, softcap):
     k, v = k_ref[...], v_ref[...]
     k_meta = (kb_ref[...], kd_ref[...], ks_ref[...], ki_ref[...])
 
@@ -49,11 +53,11 @@ def _dkv_kernel(list_ref, k_ref, v_ref, q_ref, do_ref, lse_ref, delta_ref,
         sl = pl.ds(list_ref[t + 1] * bq, bq)
         q, do = q_ref[sl, :], do_ref[sl, :]
         mask = allowed_mask(qb_ref[sl], k_meta[0], qi_ref[sl], k_meta[3],
-                            qd_ref[sl], k_meta[1], qs_ref[sl], k_meta[2])
-        p = _probs(q, k, lse_ref[sl], mask, scale)                       # [bq, bk]
+                            qd_ref[sl], k_meta[1], qs_ref[sl], k_meta[2], qf_ref[sl])
+        p, dcap = _probs(q, k, lse_ref[sl], mask, scale, softcap)       # [bq, bk]
         dv = dv + lax.dot_general(p.astype(do.dtype), do, _TN, preferred_element_type=_F32)
         dp = lax.dot_general(do, v, _NT, preferred_element_type=_F32)    # [bq, bk]
-        ds = p * (dp - delta_ref[sl][:, None]) * scale
+        ds = p * (dp - delta_ref[sl][:, None]) * scale * dcap
         dk = dk + lax.dot_general(ds.astype(q.dtype), q, _TN, preferred_element_type=_F32)
         return dk, dv
 
@@ -64,32 +68,34 @@ def _dkv_kernel(list_ref, k_ref, v_ref, q_ref, do_ref, lse_ref, delta_ref,
 
 
 def _dq_kernel(list_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref,
-               qb_ref, qd_ref, qs_ref, qi_ref, kb_ref, kd_ref, ks_ref, ki_ref,
-               dq_ref, *, scale, bk):
+               qb_ref, qd_ref, qs_ref, qi_ref, qf_ref, kb_ref, kd_ref, ks_ref, ki_ref,
+               dq_ref, *, scale, bk, softcap):
     q, do = q_ref[...], do_ref[...]
     lse, delta = lse_ref[...], delta_ref[...]
-    q_meta = (qb_ref[...], qd_ref[...], qs_ref[...], qi_ref[...])
+    q_meta = (qb_ref[...], qd_ref[...], qs_ref[...], qi_ref[...], qf_ref[...])
 
     def body(t, dq):
         sl = pl.ds(list_ref[t + 1] * bk, bk)
         k, v = k_ref[sl, :], v_ref[sl, :]
         mask = allowed_mask(q_meta[0], kb_ref[sl], q_meta[3], ki_ref[sl],
-                            q_meta[1], kd_ref[sl], q_meta[2], ks_ref[sl])
-        p = _probs(q, k, lse, mask, scale)
+                            q_meta[1], kd_ref[sl], q_meta[2], ks_ref[sl], q_meta[4])
+        p, dcap = _probs(q, k, lse, mask, scale, softcap)
         dp = lax.dot_general(do, v, _NT, preferred_element_type=_F32)
-        ds = p * (dp - delta[:, None]) * scale
+        ds = p * (dp - delta[:, None]) * scale * dcap
         return dq + lax.dot_general(ds.astype(k.dtype), k, _NN, preferred_element_type=_F32)
 
     dq = lax.fori_loop(0, list_ref[0], body, jnp.zeros(q.shape, _F32))
     dq_ref[...] = dq.astype(dq_ref.dtype)
 
 
-def pallas_backward(q, k, v, mq: TokenMeta, mk: TokenMeta, out, lse, dout,
-                    q_lists, k_lists, bq: int, bk: int, scale: float):
+def pallas_backward(q, k, v, mq: TokenMeta, mk: TokenMeta, fq, out, lse, dout,
+                    q_lists, k_lists, bq: int, bk: int, scale: float,
+                    softcap: float | None = None):
     """(dq, dk, dv) of block-aligned inputs. `lse` f32 [B, H, Sq] from the forward kernel;
     `q_lists` [B, nq, W]: per query block its non-empty key blocks (the forward's list);
     `k_lists` [B, nk, W']: per key block its non-empty query blocks; `scale` the logits'
-    (1 / sqrt of the model's head dim, which zero padding may have widened)."""
+    (1 / sqrt of the model's head dim, which zero padding may have widened); `fq` [B, Sq]
+    the queries' window floor; `softcap` the forward's logit cap."""
     b, sq, h, d = q.shape
     sk, kv = k.shape[1], k.shape[2]
     g = h // kv
@@ -105,13 +111,13 @@ def pallas_backward(q, k, v, mq: TokenMeta, mk: TokenMeta, out, lse, dout,
     per_head = pl.BlockSpec((None, bk, None, d), lambda i, r, j: (r, i, j, 0))
     wk = k_lists.shape[-1]
     dk_h, dv_h = pl.pallas_call(
-        partial(_dkv_kernel, scale=scale, bq=bq), grid=(sk // bk, b, h),
+        partial(_dkv_kernel, scale=scale, bq=bq, softcap=softcap), grid=(sk // bk, b, h),
         in_specs=[pl.BlockSpec((None, None, wk), lambda i, r, j: (r, i, 0)),
-                  kblk, kblk, qall, qall, rows, rows, *([mq_all] * 4), *([mk_blk] * 4)],
+                  kblk, kblk, qall, qall, rows, rows, *([mq_all] * 5), *([mk_blk] * 4)],
         out_specs=[per_head, per_head],
         out_shape=[jax.ShapeDtypeStruct((b, sk, h, d), _F32)] * 2,
         interpret=interpret, name="bam_flash_backward_dkv",
-    )(k_lists, k, v, q, dout, lse, delta, *mq, *mk)
+    )(k_lists, k, v, q, dout, lse, delta, *mq, fq, *mk)
     fold = lambda x: x.reshape(b, sk, kv, g, d).sum(3)  # GQA: sum the group's query heads
 
     # dQ: grid over query blocks, as the forward.
@@ -122,10 +128,10 @@ def pallas_backward(q, k, v, mq: TokenMeta, mk: TokenMeta, out, lse, dout,
     mk_all = pl.BlockSpec((None, sk), lambda i, r, j: (r, 0))
     wq = q_lists.shape[-1]
     dq = pl.pallas_call(
-        partial(_dq_kernel, scale=scale, bk=bk), grid=(sq // bq, b, h),
+        partial(_dq_kernel, scale=scale, bk=bk, softcap=softcap), grid=(sq // bq, b, h),
         in_specs=[pl.BlockSpec((None, None, wq), lambda i, r, j: (r, i, 0)),
-                  qblk, qblk, row_blk, row_blk, kall, kall, *([mq_blk] * 4), *([mk_all] * 4)],
+                  qblk, qblk, row_blk, row_blk, kall, kall, *([mq_blk] * 5), *([mk_all] * 4)],
         out_specs=qblk, out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         interpret=interpret, name="bam_flash_backward_dq",
-    )(q_lists, q, dout, lse, delta, k, v, *mq, *mk)
+    )(q_lists, q, dout, lse, delta, k, v, *mq, fq, *mk)
     return dq, fold(dk_h).astype(k.dtype), fold(dv_h).astype(v.dtype)

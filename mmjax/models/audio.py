@@ -73,7 +73,7 @@ class AudioEncoder(nnx.Module):
     def run_layers(self, x, frame_len, attention_impl: str = "auto"):
         meta = segment_meta(audio_token_mask(frame_len, x.shape[1]).astype(jnp.int32))
         return run_stack(self.layers, x, lambda layer, h: layer(h, meta, attention_impl),
-                         self.cfg.scan_layers, self.cfg.remat)
+                         self.cfg.scan_layers, remat=self.cfg.remat)
 
     def finish(self, x):
         return self.final_ln(x)

@@ -14,9 +14,25 @@ from mmjax.errors import UserError
 from mmjax.models.qwen2_vl_config import check_mrope, check_qwen2_vl_vision
 
 
+ROPE_SCALINGS = ("linear", "llama3", "yarn")
+MLP_ACTIVATIONS = ("silu", "gelu_tanh")
+
+
 @dataclass(frozen=True)
 class LLMConfig:
-    """Llama/Qwen2-style decoder (RMSNorm, RoPE, GQA, SwiGLU)."""
+    """Llama/Qwen2-style decoder (RMSNorm, RoPE, GQA, SwiGLU) and the options of the other
+    decoder families mmjax imports (Qwen3, Gemma 2 / 3, Phi-3, Mistral's sliding window).
+
+    `rope_scaling`: None, ("linear", factor), ("llama3", factor, low_freq_factor,
+    high_freq_factor, original_max_positions) or ("yarn", factor, original_max_positions,
+    beta_fast, beta_slow, attention_factor, truncate) (`layers.rope_inv_freq`).
+    `sliding_window`: keys with idx_q - idx_k < window only, on the layers `sliding_layers`
+    marks (None: every layer); `rope_local_theta`: the sliding layers' own unscaled RoPE
+    base (Gemma 3's local layers). Gemma: `gemma_norms` ((1 + w) RMSNorm scales),
+    `sandwich_norms` (norms on the attention and MLP outputs too), `embed_scale`
+    (embeddings * sqrt(hidden_size)), `attn_scale` (query_pre_attn_scalar ** -0.5),
+    `attn_softcap` / `final_softcap` (tanh soft-capping), `mlp_act="gelu_tanh"` (GeGLU).
+    """
 
     vocab_size: int
     hidden_size: int
@@ -29,9 +45,7 @@ class LLMConfig:
     tie_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2
     norm_eps: float = 1e-6
-    # Llama 3.1 RoPE scaling (factor, low_freq_factor, high_freq_factor,
-    # original_max_position_embeddings); None: plain RoPE.
-    rope_llama3: tuple[float, float, float, int] | None = None
+    rope_scaling: tuple | None = None  # see the class docstring; None: plain RoPE
     # Qwen2-VL M-RoPE: frequency sections (t, h, w) over head_dim / 2 (HF `mrope_section`);
     # positions are then [B, S, 3] (`layers.rope`). None: plain 1-D RoPE.
     mrope_section: tuple[int, ...] | None = None
@@ -40,13 +54,50 @@ class LLMConfig:
     # per-layer recomputation inside the stack (models/scan.py): "none", "dots" (keep the
     # weight matmuls' outputs) or "full" (keep each layer's input only)
     remat: str = "none"
+    qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm over each head's q and k before RoPE
+    gemma_norms: bool = False
+    sandwich_norms: bool = False
+    embed_scale: bool = False
+    mlp_act: str = "silu"
+    attn_scale: float | None = None  # None: head_dim ** -0.5
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    sliding_window: int | None = None
+    sliding_layers: tuple[bool, ...] | None = None
+    rope_local_theta: float | None = None
+    # the Hugging Face model_type to export as, where the options do not imply it (Phi-3's
+    # fused tensors; a Mistral without a window); None: inferred (hf/llm_config.py)
+    hf_type: str | None = None
 
     def __post_init__(self):
         check_mrope(self.mrope_section, self.dim_per_head)
+        if self.mlp_act not in MLP_ACTIVATIONS:
+            raise UserError(f"LLMConfig.mlp_act={self.mlp_act!r}: use one of {MLP_ACTIVATIONS}")
+        if self.rope_scaling is not None and (not isinstance(self.rope_scaling, tuple)
+                                              or self.rope_scaling[0] not in ROPE_SCALINGS):
+            raise UserError(f"LLMConfig.rope_scaling={self.rope_scaling!r}: use None or a tuple "
+                            f"starting with one of {ROPE_SCALINGS}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise UserError(f"LLMConfig.sliding_window={self.sliding_window}: use None or >= 1")
+        if self.sliding_layers is not None and len(self.sliding_layers) != self.num_layers:
+            raise UserError(f"LLMConfig.sliding_layers has {len(self.sliding_layers)} entries "
+                            f"for {self.num_layers} layers: give one bool per layer")
 
     @property
     def dim_per_head(self) -> int:
         return self.head_dim or self.hidden_size // self.num_heads
+
+    def is_sliding(self, layer: int) -> bool:
+        """Does layer `layer` attend through the sliding window (and its local RoPE)?"""
+        if self.sliding_window is None:
+            return False
+        return True if self.sliding_layers is None else bool(self.sliding_layers[layer])
+
+    @property
+    def layers_differ(self) -> bool:
+        """Do layers differ in window or RoPE (a layer scan then carries a per-layer flag)?"""
+        flags = {self.is_sliding(i) for i in range(self.num_layers)}
+        return len(flags) > 1
 
 
 @dataclass(frozen=True)
@@ -357,7 +408,10 @@ def config_to_dict(cfg: MLLMConfig) -> dict:
 
 def config_from_dict(d: dict) -> MLLMConfig:
     llm = dict(d["llm"])
-    for key in ("rope_llama3", "mrope_section"):
+    old = llm.pop("rope_llama3", None)  # workdirs written before rope_scaling
+    if old is not None:
+        llm["rope_scaling"] = ("llama3", *old)
+    for key in ("rope_scaling", "sliding_layers", "mrope_section"):
         if llm.get(key) is not None:
             llm[key] = tuple(llm[key])
     encoders = []

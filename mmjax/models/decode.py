@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mmjax.models.attention import dot_product_attention
+from mmjax.models.attention import NO_OPTIONS, dot_product_attention
+from mmjax.models.llm import window_mask
 from mmjax.models.mllm import encode, llm_allowed, llm_embed
 
 
@@ -32,14 +33,19 @@ def empty_cache(cfg, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
 def _run_cached(llm, x, positions, allowed, cache: KVCache, start):
     """x [B, T, d] at cache slots [start, start + T) -> (last position's logits, cache)."""
     ks, vs = [], []
+    flags = llm.local_flags()
     for i, layer in enumerate(llm.layers):
-        def attend(q, k, v, i=i):
+        def attend(q, k, v, options=NO_OPTIONS, i=i):
             ck = jax.lax.dynamic_update_slice(cache.k[i], k.astype(cache.k.dtype), (0, start, 0, 0))
             cv = jax.lax.dynamic_update_slice(cache.v[i], v.astype(cache.v.dtype), (0, start, 0, 0))
             ks.append(ck)
             vs.append(cv)
-            return dot_product_attention(q, ck.astype(q.dtype), cv.astype(q.dtype), allowed)
-        x = layer(x, positions, attend)
+            slots = lambda n, s0: jnp.broadcast_to(s0 + jnp.arange(n), (q.shape[0], n))
+            mask = window_mask(allowed, slots(q.shape[1], start), slots(ck.shape[1], 0),
+                               options.window)  # cache slots are the tokens' indices
+            return dot_product_attention(q, ck.astype(q.dtype), cv.astype(q.dtype), mask,
+                                         options.softcap, options.scale)
+        x = layer(x, positions, attend, local=flags[i])
     logits = llm.logits(llm.final_hidden(x[:, -1:]))[:, 0]
     return logits, KVCache(jnp.stack(ks), jnp.stack(vs))
 

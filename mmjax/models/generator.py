@@ -108,7 +108,7 @@ class DiffusionGenerator(nnx.Module):
     def run_layers(self, carry, attention_impl: str = "auto"):
         x, c, cond = carry
         x = run_stack(self.layers, x, lambda layer, h: layer(h, c, cond, attention_impl),
-                      self.cfg.scan_layers, self.cfg.remat)
+                      self.cfg.scan_layers, remat=self.cfg.remat)
         return x, c, cond
 
     def finish(self, carry):

@@ -51,14 +51,19 @@ def ones(shape, dtype=jnp.float32):
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float = 1e-6):
-        self.scale = ones((dim,))
+    """RMSNorm in float32; `plus_one`: Gemma's form, scale stored as w (initialised 0) and
+    applied as (1 + w), so checkpoints map one to one."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, plus_one: bool = False):
+        self.scale = zeros((dim,)) if plus_one else ones((dim,))
         self.eps = eps
+        self.plus_one = plus_one
 
     def __call__(self, x):
         xf = x.astype(jnp.float32)
         y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+        w = self.scale[...].astype(jnp.float32)
+        return (y * (1.0 + w if self.plus_one else w)).astype(x.dtype)
 
 
 class LayerNorm(nnx.Module):
@@ -93,15 +98,34 @@ class Dense(nnx.Module):
         return y if self.bias is None else y + self.bias[...].astype(x.dtype)
 
 
-def rope_inv_freq(dim: int, theta: float, llama3: tuple | None = None):
-    """RoPE inverse frequencies [dim/2] in float32. `llama3` = (factor, low_freq_factor,
-    high_freq_factor, original_max_positions) applies Llama 3.1's scaling: wavelengths
-    longer than original/low are divided by `factor`, shorter than original/high kept, and
-    the band between blended linearly in original/wavelength (HF `_compute_llama3_parameters`)."""
+def rope_inv_freq(dim: int, theta: float, scaling: tuple | None = None):
+    """RoPE inverse frequencies [dim/2] in float32, as HF's `ROPE_INIT_FUNCTIONS` compute them.
+
+    `scaling` (`LLMConfig.rope_scaling`): ("linear", factor) divides every frequency;
+    ("llama3", factor, low, high, original): wavelengths longer than original/low are divided
+    by `factor`, shorter than original/high kept, the band between blended linearly in
+    original/wavelength (`_compute_llama3_parameters`); ("yarn", factor, original, beta_fast,
+    beta_slow, attention_factor, truncate): YaRN's ramp between interpolated and extrapolated
+    frequencies over the dims whose rotations at `original` positions fall between beta_slow
+    and beta_fast (Peng et al., YaRN §3.2; `_compute_yarn_parameters`)."""
     inv = 1.0 / (theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
-    if llama3 is None:
+    if scaling is None:
         return inv
-    factor, low, high, original = llama3
+    kind, *p = scaling
+    if kind == "linear":
+        return inv / p[0]
+    if kind == "yarn":
+        factor, original, beta_fast, beta_slow, _, truncate = p
+        corr = lambda rot: dim * math.log(original / (rot * 2 * math.pi)) / (2 * math.log(theta))
+        low, high = corr(beta_fast), corr(beta_slow)
+        if truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        high = high + 0.001 if low == high else high
+        ramp = jnp.clip((jnp.arange(dim // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
+        extrapolation = 1 - ramp
+        return inv / factor * (1 - extrapolation) + inv * extrapolation
+    factor, low, high, original = p
     wavelen = 2 * math.pi / inv
     scaled = jnp.where(wavelen > original / low, inv / factor, inv)
     smooth = (original / wavelen - low) / (high - low)
@@ -110,24 +134,42 @@ def rope_inv_freq(dim: int, theta: float, llama3: tuple | None = None):
     return jnp.where(medium, blended, scaled)
 
 
-def rope(x, positions, theta: float, llama3: tuple | None = None, mrope_section=None):
-    """Rotary embedding (rotate-half convention). x [B, S, H, D], positions [B, S];
-    `llama3`: see `rope_inv_freq`. `mrope_section` (Qwen2-VL M-RoPE, sections t/h/w over the
-    D/2 frequencies): positions may be [B, S, 3] and frequency j turns with the position
+def rope_attention_factor(scaling: tuple | None) -> float:
+    """The factor HF multiplies cos and sin by: YaRN's (config attention_factor, else
+    0.1 ln(factor) + 1 for factor > 1); 1 for the other types."""
+    if scaling is None or scaling[0] != "yarn":
+        return 1.0
+    factor, attention_factor = scaling[1], scaling[5]
+    if attention_factor is not None:
+        return float(attention_factor)
+    return 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0
+
+
+def apply_rope(x, positions, inv, factor=1.0, mrope_section=None):
+    """Rotary embedding (rotate-half convention) with inverse frequencies `inv` [D/2] (may be
+    traced: a layer scan selects a layer's table) and cos / sin scaled by `factor`.
+    x [B, S, H, D], positions [B, S]. `mrope_section` (Qwen2-VL M-RoPE, sections t/h/w over
+    the D/2 frequencies): positions may be [B, S, 3] and frequency j turns with the position
     component of the section it lies in (HF `recomposition_frequencies`); [B, S] positions
     are the same position on all three (text)."""
     d = x.shape[-1]
-    inv = rope_inv_freq(d, theta, llama3)
     if mrope_section is not None and positions.ndim == x.ndim - 1:
         comp = np.repeat(np.arange(len(mrope_section)) % 3, mrope_section)
         ang = positions.astype(jnp.float32)[..., comp] * inv  # [B, S, D/2]
     else:
         ang = positions.astype(jnp.float32)[..., None] * inv  # [B, S, D/2]
-    cos, sin = jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
+    cos, sin = jnp.cos(ang)[:, :, None, :] * factor, jnp.sin(ang)[:, :, None, :] * factor
     xf = x.astype(jnp.float32)
     x1, x2 = xf[..., : d // 2], xf[..., d // 2:]
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x.dtype)
+
+
+def rope(x, positions, theta: float, scaling: tuple | None = None, mrope_section=None):
+    """Rotary embedding (rotate-half convention). x [B, S, H, D], positions [B, S] (or
+    [B, S, 3] with `mrope_section`, see `apply_rope`); `scaling`: see `rope_inv_freq`."""
+    inv = rope_inv_freq(x.shape[-1], theta, scaling)
+    return apply_rope(x, positions, inv, rope_attention_factor(scaling), mrope_section)
 
 
 def sinusoidal(positions, dim: int, max_period: float = 10000.0):

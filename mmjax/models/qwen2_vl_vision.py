@@ -120,12 +120,12 @@ class Qwen2VLVision(nnx.Module):
         kinds = [full_attention_layer(cfg, i) for i in range(self.start, self.end)]
         if all(kinds):
             return run_stack(self.layers, x, lambda layer, h: layer(h, ang, full, attention_impl),
-                             cfg.scan_layers, cfg.remat)
+                             cfg.scan_layers, remat=cfg.remat)
         window = segment_meta(window_segments(patch_seg, patch_pos, window_patches(cfg)))
         for layer, is_full in zip(self.layers, kinds):  # windowed and full blocks alternate
             meta = full if is_full else window
             x = run_stack([layer], x, lambda lyr, h, m=meta: lyr(h, ang, m, attention_impl),
-                          False, cfg.remat)
+                          False, remat=cfg.remat)
         return x
 
     def finish(self, x):

@@ -14,51 +14,76 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
-
 REMATS = ("none", "dots", "full")
-
-
 _POLICY = {"full": jax.checkpoint_policies.nothing_saveable,
            "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
 
-def layer_remat(f, remat: str):
-    """`f` under the per-layer recomputation policy `remat` (one of REMATS)."""
-    if remat == "none":
-        return f
-    if remat in _POLICY:
-        return jax.checkpoint(f, policy=_POLICY[remat], static_argnums=(0,))
-    raise ValueError(f"remat={remat!r}: a unit's `remat` must be one of {list(REMATS)}")
+def remat_policy(remat: str):
+    """The `jax.checkpoint` policy of a unit's `remat` (None for "none")."""
+    if remat not in REMATS:
+        raise ValueError(f"remat={remat!r}: a unit's `remat` must be one of {list(REMATS)}")
+    return _POLICY.get(remat)
 
 
-def run_stack(layers, x, call, scan: bool = True, remat: str = "none"):
+def run_stack(layers, x, call, scan: bool = True, per_layer=None, remat: str = "none"):
     """`call(layers[-1], ... call(layers[0], x))`: `call(layer, x) -> x` with the same
     shape and dtype. With `scan` and two or more structurally identical layers, one
-    `lax.scan` over the stacked layer states; otherwise a plain Python loop. Each layer
-    runs under `layer_remat(.., remat)` (a function of the layer's state, not the module)."""
+    `lax.scan` over the stacked layer states; otherwise a plain Python loop.
+
+    `per_layer`: a NumPy array with one entry per layer (a decoder's local/global flags);
+    `call(layer, x, flag)` then gets layer i's entry, a NumPy scalar in the loop (so the
+    layer specialises on it) and a traced scalar carried through the scan.
+    `remat`: each layer under `jax.checkpoint` with that policy, as a function of the
+    layer's state (the module is merged inside, so no module crosses the checkpoint)."""
     layers = list(layers)
-    layer_remat(lambda: None, remat)  # the policy name checked even for an empty stack
+    policy = remat_policy(remat)
+    flags = None if per_layer is None else np.asarray(per_layer)
+    if flags is not None and len(flags) != len(layers):
+        raise ValueError(f"run_stack: {len(flags)} per-layer entries for {len(layers)} layers")
 
-    def run(graphdef, state, h):
-        return call(nnx.merge(graphdef, state), h)
-    run = layer_remat(run, remat) if remat != "none" else run
+    def one(graphdef, state, h, flag):
+        layer = nnx.merge(graphdef, state)
+        return call(layer, h) if flags is None else call(layer, h, flag)
+
+    def step(graphdef, state, h, flag):
+        if isinstance(flag, jax.Array):  # traced through the scan: an argument
+            return jax.checkpoint(lambda s, hh, f: one(graphdef, s, hh, f),
+                                  policy=policy)(state, h, flag)
+        return jax.checkpoint(lambda s, hh: one(graphdef, s, hh, flag),  # static: closed over
+                              policy=policy)(state, h)
+
+    if not scan or len(layers) < 2:
+        return _loop(layers, x, call, flags, policy, step)
     splits = [nnx.split(layer) for layer in layers]
-    same = all(g == splits[0][0] for g, _ in splits[1:])
-    if not scan or len(layers) < 2 or not same:
-        if remat == "none":  # the modules themselves: no split / merge round trip
-            for layer in layers:
-                x = call(layer, x)
-            return x
-        for graphdef, state in splits:
-            x = run(graphdef, state, x)
-        return x
     graphdef = splits[0][0]
+    if any(g != graphdef for g, _ in splits[1:]):
+        return _loop(layers, x, call, flags, policy, step)
     stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *(s for _, s in splits))
+    # Equal entries stay static (the body specialises on them); only differing ones are traced.
+    same = flags is None or bool((flags == flags[0]).all())
+    xs = (stacked, None if same else jnp.asarray(flags))
 
-    def body(carry, state):
-        return run(graphdef, state, carry), None
+    def body(carry, xs):
+        state, flag = xs
+        flag = None if flags is None else flags[0] if same else flag
+        if policy is None:
+            return one(graphdef, state, carry, flag), None
+        return step(graphdef, state, carry, flag), None
 
-    x, _ = jax.lax.scan(body, x, stacked)
+    x, _ = jax.lax.scan(body, x, xs)
+    return x
+
+
+def _loop(layers, x, call, flags, policy, step):
+    for i, layer in enumerate(layers):
+        flag = None if flags is None else flags[i]
+        if policy is None:  # the modules themselves: no split / merge round trip
+            x = call(layer, x) if flags is None else call(layer, x, flag)
+        else:
+            graphdef, state = nnx.split(layer)
+            x = step(graphdef, state, x, flag)
     return x

@@ -44,7 +44,7 @@ class VisionEncoder(nnx.Module):
     def run_layers(self, x, patch_seg, attention_impl: str = "auto"):
         meta = segment_meta(patch_seg)
         return run_stack(self.layers, x, lambda layer, h: layer(h, meta, attention_impl),
-                         self.cfg.scan_layers, self.cfg.remat)
+                         self.cfg.scan_layers, remat=self.cfg.remat)
 
     def finish(self, x):
         return self.final_ln(x)

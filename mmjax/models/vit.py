@@ -112,7 +112,7 @@ class StandardViT(nnx.Module):
             seg = jnp.concatenate([seg, class_slot_segments(seg, self.cfg.max_images)], axis=1)
         meta = segment_meta(seg)
         return run_stack(self.layers, x, lambda layer, h: layer(h, meta, attention_impl),
-                         self.cfg.scan_layers, self.cfg.remat)
+                         self.cfg.scan_layers, remat=self.cfg.remat)
 
     def finish(self, x):
         """The projector's input: patch tokens only [N, T, d] (class slots dropped)."""

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from mmjax.models.attention import TokenMeta, bam_attention
+from mmjax.models.attention import NO_OPTIONS, AttnOptions, TokenMeta, bam_attention
 
 __all__ = ["TokenMeta", "to_cp_layout", "from_cp_layout", "layout_meta", "cp_attention",
            "cp_attend", "cp_attention_sharded"]
@@ -89,7 +89,7 @@ def layout_meta(bam, doc, sub, gather_idx) -> TokenMeta:
 
 
 def cp_attention(q, k, v, meta: TokenMeta, *, mesh_axis: str = "cp", num_head_groups: int = 1,
-                 implementation: str = "auto"):
+                 implementation: str = "auto", options: AttnOptions = NO_OPTIONS):
     """CP attention for use INSIDE a shard_map body over `mesh_axis` (Cornstarch §5.3).
 
     q: [B, L, H, D] local queries; k, v: [B, L, KV, D] the same local tokens; meta: local
@@ -113,21 +113,23 @@ def cp_attention(q, k, v, meta: TokenMeta, *, mesh_axis: str = "cp", num_head_gr
                           v[:, :, g * kv_per:(g + 1) * kv_per]])
         k_all, v_all = gather(kv_g, 2)
         outs.append(bam_attention(q[:, :, g * h_per:(g + 1) * h_per], k_all, v_all, meta, keys,
-                                  implementation=implementation))
+                                  implementation=implementation, options=options))
     return jnp.concatenate(outs, axis=2)
 
 
 def cp_attend(meta: TokenMeta, *, mesh_axis: str = "cp", num_head_groups: int = 1,
               implementation: str = "auto"):
-    """The LLM's `attend(q, k, v)` hook for CP, inside a shard_map body (cf. meta_attend)."""
-    return lambda q, k, v: cp_attention(q, k, v, meta, mesh_axis=mesh_axis,
-                                        num_head_groups=num_head_groups,
-                                        implementation=implementation)
+    """The LLM's `attend(q, k, v, options)` hook for CP, inside a shard_map body (cf.
+    meta_attend); windows use the tokens' global indices, so they hold across ranks."""
+    return lambda q, k, v, o=NO_OPTIONS: cp_attention(q, k, v, meta, mesh_axis=mesh_axis,
+                                                      num_head_groups=num_head_groups,
+                                                      implementation=implementation, options=o)
 
 
 def cp_attention_sharded(q, k, v, meta: TokenMeta, mesh: Mesh, *, mesh_axis: str = "cp",
                          num_head_groups: int = 1, implementation: str = "auto",
-                         batch_axis: str | None = "dp", local_sequence: bool = False):
+                         batch_axis: str | None = "dp", local_sequence: bool = False,
+                         options: AttnOptions = NO_OPTIONS):
     """Standalone shard_map wrapper of `cp_attention` over `mesh`.
 
     Inputs are global arrays in CP layout (`to_cp_layout`): sequence axis over `mesh_axis`,
@@ -149,7 +151,7 @@ def cp_attention_sharded(q, k, v, meta: TokenMeta, mesh: Mesh, *, mesh_axis: str
     m_spec = TokenMeta(*(P(batch, seq),) * 4)
     body = lambda q_, k_, v_, m_: cp_attention(q_, k_, v_, m_, mesh_axis=mesh_axis,
                                                num_head_groups=num_head_groups,
-                                               implementation=implementation)
+                                               implementation=implementation, options=options)
     specs = (x_spec, x_spec, x_spec, m_spec)
     # Explicit-axis meshes require inputs already laid out as in_specs (reshard is a no-op
     # when they are); on Auto meshes a sharding constraint does the same.

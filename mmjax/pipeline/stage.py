@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mmjax.models.attention import choose_implementation
 from mmjax.models.config import MLLMConfig
+from mmjax.models.llm import attention_options
 from mmjax.models.layers import cast_floats
 from mmjax.parallel.tensor import mesh_param_specs
 from mmjax.pipeline.residuals import (Residuals, ResidualLayout, input_signature,
@@ -195,6 +196,9 @@ def make_stage_fns(cfg: MLLMConfig, up: UnitPlan, graphdef, mode: str, dtype,
     remat_wrap(lambda: None, up.remat)  # validate the policy name up front
     family = {"llm": llm_mask_family, "generator": "full"}.get(unit, "bam")
     choose_implementation(impl, 1, 1, dtype, family)  # validate the choice up front
+    if unit == "llm":  # and against the layers' options (windows, soft-caps)
+        for options in attention_options(cfg.llm):
+            choose_implementation(impl, 1, 1, dtype, family, options=options)
     if with_generator is None:
         with_generator = cfg.generator is not None
     cp = mesh.shape["cp"] if unit == "llm" and mesh is not None and "cp" in mesh.axis_names else 1

@@ -10,7 +10,7 @@ from flax import nnx
 
 from mmjax.models.config import MLLMConfig
 from mmjax.models.generator import DiffusionGenerator, diffusion_loss_sum
-from mmjax.models.attention import TokenMeta
+from mmjax.models.attention import NO_OPTIONS, TokenMeta
 from mmjax.models.layers import cast_floats
 from mmjax.models.llm import LLM, lm_loss_sum, merge_modalities, meta_attend
 from mmjax.models.mllm import (encoder_embed, encoder_layers, generator_inputs, llm_meta,
@@ -95,9 +95,9 @@ def apply_llm(cfg: MLLMConfig, module: LLM, x, side, dtype, with_generator: bool
     batch = side["llm"]
     if mesh is not None and "cp" in mesh.axis_names:
         meta = TokenMeta(batch["bam"], batch["doc"], batch["sub"], batch["idx"])
-        attend = lambda q, k, v: cp_attention_sharded(q, k, v, meta, mesh,
+        attend = lambda q, k, v, o=NO_OPTIONS: cp_attention_sharded(q, k, v, meta, mesh,
                                                       num_head_groups=cp_head_groups,
-                                                      implementation=attention_impl,
+                                                      implementation=attention_impl, options=o,
                                                       batch_axis=batch_axis)
         x = module.run_layers(x.astype(dtype), batch["positions"], attend)
     elif overlap_tp:  # DistTrain §7 StepCCL: decomposed collective matmuls, sequence-sharded
@@ -164,9 +164,9 @@ def apply_llm_cp_ranks(cfg: MLLMConfig, graphdef, trainable, frozen, x, side, dt
     def one(t, xx, b):
         module = nnx.merge(graphdef, cast_floats(t, dtype), cast_floats(frozen, dtype))
         meta = TokenMeta(b["bam"], b["doc"], b["sub"], b["idx"])
-        attend = lambda q, k, v: cp_attention_sharded(q, k, v, meta, mesh,
+        attend = lambda q, k, v, o=NO_OPTIONS: cp_attention_sharded(q, k, v, meta, mesh,
                                                       num_head_groups=cp_head_groups,
-                                                      implementation=attention_impl,
+                                                      implementation=attention_impl, options=o,
                                                       batch_axis=None, local_sequence=True)
         if module.is_first:
             xx = _embed_inputs(cfg, module, xx, b, dtype, 1)

@@ -5,7 +5,8 @@ SigLIP vision tower, a Whisper encoder) plus new projectors; this package puts s
 checkpoints into mmjax's NNX modules and writes trained ones back.
 
 - `checkpoint`: safetensors headers / lazy reads, the HF-name tables (`Entry`), export.
-- `llm`: Llama / Mistral / Qwen2 decoders (both config layouts, llama3 RoPE scaling).
+- `llm`, `llm_config`: Llama / Mistral / Qwen2 / Qwen3 / Gemma 2 / Gemma 3 / Phi-3 decoders
+  (both config layouts, linear / llama3 / yarn RoPE, sliding windows).
 - `vision`: CLIP / SigLIP vision towers (`models.vit.StandardViT`).
 - `whisper`: the Whisper encoder (`models.audio.AudioEncoder`).
 - `vae`: diffusers' AutoencoderKL (`models.vae.AutoencoderKL`, the generator's frozen VAE).

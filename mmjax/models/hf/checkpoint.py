@@ -3,7 +3,8 @@
 Each module has a table of `Entry`s: HF tensor name -> path in our pure parameter dict, our
 shape, and how the HF array is laid out: HF Linear weights are [out, in] and ours [in, out],
 HF Conv1d weights [out, in, k] and ours [k, in, out] (both `.T`); an HF Conv2d patch
-embedding [out, C, p, p] is our dense kernel over patches flattened (py, px, c). The same
+embedding [out, C, p, p] is our dense kernel over patches flattened (py, px, c); a fused HF
+Linear (Phi-3's qkv_proj / gate_up_proj) is several entries, each a block of its output rows. The same
 table drives strict checks (missing / unexpected tensors, shapes, all before any data is
 read), lazy per-tensor reads, and export. Layer ranges [start, end) load a pipeline stage,
 renumbered from 0 as the modules hold them.
@@ -31,24 +32,32 @@ _IGNORED = re.compile(r"(^|\.)(rotary_emb\.inv_freq|position_ids)$")
 class Entry:
     """One tensor: HF name, our pure-dict path, our shape;
     `transpose`: HF holds the transpose; `patch` > 0: HF holds a Conv2d patch kernel
-    [out, C, patch, patch] for our [patch * patch * C, out]."""
+    [out, C, patch, patch] for our [patch * patch * C, out]; `rows` = (start, stop, total):
+    ours is rows [start, stop) of a fused HF tensor of `total` rows (transposed)."""
 
     hf: str
     path: tuple
     shape: tuple[int, ...]
     transpose: bool = False
     patch: int = 0
+    rows: tuple[int, int, int] | None = None
 
     @property
     def hf_shape(self) -> tuple[int, ...]:
+        """The whole HF tensor's shape (a fused one's, for `rows` entries)."""
         if self.patch:
             p = self.patch
             return (self.shape[1], self.shape[0] // (p * p), p, p)
+        if self.rows:
+            return (self.rows[2], self.shape[0])
         return self.shape[::-1] if self.transpose else self.shape
 
     def to_ours(self, arr: np.ndarray) -> np.ndarray:
+        """Our array from the HF tensor (the whole fused tensor for `rows` entries)."""
         if self.patch:
             return arr.transpose(2, 3, 1, 0).reshape(self.shape)
+        if self.rows:
+            return arr[self.rows[0]:self.rows[1]].T
         return arr.T if self.transpose else arr
 
     def to_hf(self, arr: np.ndarray) -> np.ndarray:
@@ -184,8 +193,11 @@ class LoadPlan:
         """Check, then read every entry whole into a pure dict."""
         self.check()
         pure: dict = {}
+        last: tuple = (None, None)  # a fused tensor's blocks are consecutive: read it once
         for e in self.entries:
-            _set(pure, e.path, np.ascontiguousarray(e.to_ours(self.ckpt.read(e.hf)), dtype=dtype))
+            arr = last[1] if e.rows and last[0] == e.hf else self.ckpt.read(e.hf)
+            last = (e.hf, arr) if e.rows else (None, None)
+            _set(pure, e.path, np.ascontiguousarray(e.to_ours(arr), dtype=dtype))
         return pure
 
     def read_part(self, e: Entry, index: tuple) -> np.ndarray:
@@ -193,6 +205,11 @@ class LoadPlan:
         only that block of the file (safetensors get_slice) unless it is a patch kernel."""
         if e.patch:
             return e.to_ours(self.ckpt.read(e.hf))[index]
+        if e.rows:  # our columns are HF rows offset by the block's start
+            cols, rws = index[1], index[0]
+            lo, hi, _ = cols.indices(e.shape[1])
+            block = self.ckpt.read_slice(e.hf, (slice(e.rows[0] + lo, e.rows[0] + hi), rws))
+            return block.T
         hf_index = tuple(index[::-1]) if e.transpose else tuple(index)
         return e.to_ours(self.ckpt.read_slice(e.hf, hf_index))
 
@@ -219,7 +236,11 @@ def save_entries(pure: dict, entries: list[Entry], path, what: str,
         arr = np.asarray(jax.device_get(_get(pure, e.path)))
         if arr.shape != e.shape:
             raise ValueError(f"{what}: {_fmt(e.path)} has shape {arr.shape}, expected {e.shape}")
-        if e.hf is not None:
+        if e.hf is not None and e.rows:  # one block of a fused tensor
+            arr = arr.T if dtype is None else arr.T.astype(dtype)
+            fused = tensors.setdefault(e.hf, np.zeros(e.hf_shape, arr.dtype))
+            fused[e.rows[0]:e.rows[1]] = arr
+        elif e.hf is not None:
             arr = e.to_hf(arr)
             tensors[e.hf] = np.ascontiguousarray(arr if dtype is None else arr.astype(dtype))
     return write_safetensors(tensors, path, max_shard_bytes)

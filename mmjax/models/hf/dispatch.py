@@ -24,7 +24,10 @@ from mmjax.models.mllm import MultimodalModel
 from mmjax.models.vit import StandardViT
 
 _ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-                  "Qwen2ForCausalLM": "qwen2", "CLIPModel": "clip",
+                  "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+                  "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text",
+                  "Phi3ForCausalLM": "phi3", "MixtralForCausalLM": "mixtral",
+                  "CLIPModel": "clip",
                   "CLIPVisionModel": "clip_vision_model", "SiglipModel": "siglip",
                   "SiglipVisionModel": "siglip_vision_model", "WhisperModel": "whisper",
                   "WhisperForConditionalGeneration": "whisper",
@@ -37,6 +40,10 @@ def model_type(config) -> str:
     c = read_config(config)
     kind = c.get("model_type") or next(
         (_ARCHITECTURES[a] for a in c.get("architectures", []) if a in _ARCHITECTURES), None)
+    if kind == "mixtral" or c.get("num_local_experts"):
+        raise ValueError(f"config.json num_local_experts={c.get('num_local_experts')!r} "
+                         f"(model_type={kind!r}): mixture-of-experts layers (Mixtral) are not in "
+                         f"mmjax; supported dense LLMs: {', '.join(LLM_TYPES)}")
     if kind not in LLM_TYPES + VISION_TYPES + ("whisper", "llava"):
         raise ValueError(f"config.json model_type={kind!r} (architectures="
                          f"{c.get('architectures')}): supported: "
@@ -75,7 +82,7 @@ def build_module(cfg, key=None, start: int = 0, end: int | None = None):
 def load(path, dtype="float32", **vision_options):
     """Local HF directory (config.json + model.safetensors, or shards with
     model.safetensors.index.json) -> (module, config). Dispatches on model_type /
-    architectures: llama, mistral, qwen2 -> `LLM`; clip(_vision_model), siglip(_vision_model)
+    architectures: llama, mistral, qwen2, qwen3, gemma2, gemma3_text, phi3 -> `LLM`; clip(_vision_model), siglip(_vision_model)
     -> `StandardViT` (vision tower); whisper -> `AudioEncoder` (encoder); llava
     (LlavaForConditionalGeneration, any transformers layout) -> `MultimodalModel` with HF's
     semantics (hf/llava.py); qwen2_vl / qwen2_5_vl (whole Qwen2VL /

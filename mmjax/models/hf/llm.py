@@ -1,10 +1,14 @@
-"""Hugging Face decoder LLMs (Llama 2 / 3 / 3.1 / 3.2, Mistral, Qwen2 / 2.5) <-> `models.llm.LLM`.
+"""Hugging Face decoder LLMs <-> `models.llm.LLM`: Llama 2 / 3 / 3.1 / 3.2, Mistral, Qwen2 / 2.5,
+Qwen3, Gemma 2, Gemma 3 (text), Phi-3.
 
 RoPE: HF's modelling code uses the rotate-half convention, like `layers.rope` (first half
-x1*cos - x2*sin, second half x2*cos + x1*sin), so q/k weights need no permutation. RoPE
-settings are read from either config layout: transformers 4 (top-level `rope_theta`, a
-`rope_scaling` dict) and transformers 5 (`rope_parameters` with `rope_theta` and `rope_type`);
-`llama3` scaling is modelled exactly (`layers.rope_inv_freq`), anything else is refused.
+x1*cos - x2*sin, second half x2*cos + x1*sin), so q/k weights need no permutation. Config
+reading (both transformers 4 and 5 layouts, RoPE scaling, sliding windows, refusals) is
+`llm_config.py`. Tensor names: Llama's, plus Qwen3 / Gemma 3's `self_attn.{q,k}_norm`, Gemma's
+four norms per layer (`input_layernorm`, `post_attention_layernorm` on the attention output,
+`pre_feedforward_layernorm`, `post_feedforward_layernorm`), and Phi-3's fused
+`self_attn.qkv_proj` (q, k, v rows) and `mlp.gate_up_proj` (gate, up rows), split into
+mmjax's separate projections on load and fused again on export.
 """
 from __future__ import annotations
 
@@ -15,38 +19,66 @@ import numpy as np
 
 from mmjax.models.config import LLMConfig
 from mmjax.models.hf.checkpoint import (Checkpoint, Entry, LoadPlan, layer_range,
-                                        module_pure, read_config, save_entries)
+                                        module_pure, save_entries)
+from mmjax.models.hf.llm_config import (LLM_TYPES, _infer_type, config_from_hf, config_to_hf,
+                                        rope_from_hf)
 
-LLM_TYPES = ("llama", "mistral", "qwen2")
-_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+__all__ = ["LLM_TYPES", "config_from_hf", "config_to_hf", "rope_from_hf", "llm_entries",
+           "llm_load_plan", "check_tied_head", "load_llm_safetensors", "export_llm_safetensors"]
+
+
+def _layer_entries(cfg: LLMConfig, i: int, j: int, kind: str) -> list[Entry]:
+    """HF entries of global layer i, held as local layer j."""
+    d, f, hd = cfg.hidden_size, cfg.ffn_size, cfg.dim_per_head
+    hq, hkv = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    p, L = f"model.layers.{i}.", ("layers", j)
+    norm = lambda name, ours, n=d: Entry(p + name + ".weight", L + (ours, "scale"), (n,))
+    out = [norm("input_layernorm", "attn_norm")]
+    if kind == "phi3":
+        qkv, tot = p + "self_attn.qkv_proj.weight", hq + 2 * hkv
+        out += [Entry(qkv, L + ("wq",), (d, hq), rows=(0, hq, tot)),
+                Entry(qkv, L + ("wk",), (d, hkv), rows=(hq, hq + hkv, tot)),
+                Entry(qkv, L + ("wv",), (d, hkv), rows=(hq + hkv, tot, tot))]
+    else:
+        out += [Entry(p + "self_attn.q_proj.weight", L + ("wq",), (d, hq), True),
+                Entry(p + "self_attn.k_proj.weight", L + ("wk",), (d, hkv), True),
+                Entry(p + "self_attn.v_proj.weight", L + ("wv",), (d, hkv), True)]
+    if cfg.qkv_bias:
+        out += [Entry(p + "self_attn.q_proj.bias", L + ("bq",), (hq,)),
+                Entry(p + "self_attn.k_proj.bias", L + ("bk",), (hkv,)),
+                Entry(p + "self_attn.v_proj.bias", L + ("bv",), (hkv,))]
+    if cfg.qk_norm:
+        out += [norm("self_attn.q_norm", "q_norm", hd), norm("self_attn.k_norm", "k_norm", hd)]
+    out.append(Entry(p + "self_attn.o_proj.weight", L + ("wo",), (hq, d), True))
+    if cfg.sandwich_norms:
+        out += [norm("post_attention_layernorm", "attn_post_norm"),
+                norm("pre_feedforward_layernorm", "mlp_norm"),
+                norm("post_feedforward_layernorm", "mlp_post_norm")]
+    else:
+        out.append(norm("post_attention_layernorm", "mlp_norm"))
+    if kind == "phi3":
+        gu = p + "mlp.gate_up_proj.weight"
+        out += [Entry(gu, L + ("w_gate",), (d, f), rows=(0, f, 2 * f)),
+                Entry(gu, L + ("w_up",), (d, f), rows=(f, 2 * f, 2 * f))]
+    else:
+        out += [Entry(p + "mlp.gate_proj.weight", L + ("w_gate",), (d, f), True),
+                Entry(p + "mlp.up_proj.weight", L + ("w_up",), (d, f), True)]
+    out.append(Entry(p + "mlp.down_proj.weight", L + ("w_down",), (f, d), True))
+    return out
 
 
 def llm_entries(cfg: LLMConfig, start: int = 0, end: int | None = None) -> list[Entry]:
-    """HF Llama/Qwen2 names for the parameters of `LLM(cfg, key, start, end)`."""
+    """HF names (of the family `cfg` came from) for the parameters of `LLM(cfg, key, start,
+    end)`."""
     start, end = layer_range(cfg.num_layers, start, end, "LLM")
-    d, v, f = cfg.hidden_size, cfg.vocab_size, cfg.ffn_size
-    hq, hkv = cfg.num_heads * cfg.dim_per_head, cfg.num_kv_heads * cfg.dim_per_head
+    d, v = cfg.hidden_size, cfg.vocab_size
+    kind = _infer_type(cfg)
     is_first, is_last = start == 0, end == cfg.num_layers
     out = []
     if is_first or (is_last and cfg.tie_embeddings):
         out.append(Entry("model.embed_tokens.weight", ("embed",), (v, d)))
     for i in range(start, end):
-        p, j = f"model.layers.{i}.", i - start
-        out += [
-            Entry(p + "input_layernorm.weight", ("layers", j, "attn_norm", "scale"), (d,)),
-            Entry(p + "self_attn.q_proj.weight", ("layers", j, "wq"), (d, hq), True),
-            Entry(p + "self_attn.k_proj.weight", ("layers", j, "wk"), (d, hkv), True),
-            Entry(p + "self_attn.v_proj.weight", ("layers", j, "wv"), (d, hkv), True),
-            Entry(p + "self_attn.o_proj.weight", ("layers", j, "wo"), (hq, d), True),
-            Entry(p + "post_attention_layernorm.weight", ("layers", j, "mlp_norm", "scale"), (d,)),
-            Entry(p + "mlp.gate_proj.weight", ("layers", j, "w_gate"), (d, f), True),
-            Entry(p + "mlp.up_proj.weight", ("layers", j, "w_up"), (d, f), True),
-            Entry(p + "mlp.down_proj.weight", ("layers", j, "w_down"), (f, d), True),
-        ]
-        if cfg.qkv_bias:
-            out += [Entry(p + "self_attn.q_proj.bias", ("layers", j, "bq"), (hq,)),
-                    Entry(p + "self_attn.k_proj.bias", ("layers", j, "bk"), (hkv,)),
-                    Entry(p + "self_attn.v_proj.bias", ("layers", j, "bv"), (hkv,))]
+        out += _layer_entries(cfg, i, i - start, kind)
     if is_last:
         out.append(Entry("model.norm.weight", ("final_norm", "scale"), (d,)))
         if not cfg.tie_embeddings:
@@ -122,85 +154,3 @@ def export_llm_safetensors(module_or_pure_dict, cfg: LLMConfig, path, start: int
     return files
 
 
-def _refuse(field: str, value, why: str):
-    raise ValueError(f"config.json {field}={value!r}: {why}")
-
-
-def rope_from_hf(c: dict) -> tuple[float, tuple | None]:
-    """(rope_theta, llama3 scaling or None) from either config layout."""
-    params = c.get("rope_parameters") or {}
-    legacy = c.get("rope_scaling") or {}
-    if any(isinstance(v, dict) for v in params.values()):
-        _refuse("rope_parameters", params, "per-layer-type RoPE is not modelled by mmjax's decoder")
-    theta = params.get("rope_theta", c.get("rope_theta", 10000.0))
-    if "rope_theta" in params and "rope_theta" in c and float(c["rope_theta"]) != float(theta):
-        _refuse("rope_theta", c["rope_theta"], f"differs from rope_parameters.rope_theta={theta}; "
-                "keep one")
-    scaling = params if params.get("rope_type", "default") != "default" else legacy
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    partial = scaling.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0))
-    if partial != 1.0:
-        _refuse("partial_rotary_factor", partial, "mmjax's decoder rotates the whole head")
-    if rope_type == "default":
-        return float(theta), None
-    if rope_type != "llama3":
-        _refuse("rope_type", rope_type, "mmjax models RoPE types 'default' and 'llama3' only")
-    missing = [k for k in _LLAMA3_KEYS if k not in scaling]
-    if missing:
-        _refuse("rope_type", rope_type, f"llama3 scaling needs {missing}")
-    f, lo, hi, orig = (scaling[k] for k in _LLAMA3_KEYS)
-    return float(theta), (float(f), float(lo), float(hi), int(orig))
-
-
-def _check_decoder(c: dict, kind: str) -> None:
-    if kind not in LLM_TYPES:
-        _refuse("model_type", kind, f"supported LLMs: {', '.join(LLM_TYPES)}")
-    if c.get("hidden_act", "silu") != "silu":
-        _refuse("hidden_act", c["hidden_act"], "mmjax's decoder uses 'silu'")
-    for field in ("attention_bias", "mlp_bias"):
-        if c.get(field):
-            _refuse(field, c[field], "mmjax's decoder has biases only on q/k/v, for qwen2")
-    if kind == "qwen2" and c.get("use_sliding_window"):
-        _refuse("use_sliding_window", True, "mmjax's decoder attends to every earlier token")
-    window = c.get("sliding_window")
-    if kind == "mistral" and window is not None and window < c.get("max_position_embeddings", 0):
-        _refuse("sliding_window", window, "mmjax's decoder attends to every earlier token "
-                "(use a checkpoint with sliding_window null, e.g. Mistral v0.2+)")
-
-
-def config_from_hf(config) -> LLMConfig:
-    """HF Llama / Mistral / Qwen2 config.json (path, checkpoint directory or dict) ->
-    LLMConfig. Features mmjax's decoder lacks raise ValueError naming the field instead of
-    loading a model that would silently compute something else."""
-    c = read_config(config)
-    kind = c.get("model_type")
-    _check_decoder(c, kind)
-    theta, llama3 = rope_from_hf(c)
-    d, heads = c["hidden_size"], c["num_attention_heads"]
-    head_dim = c.get("head_dim")
-    return LLMConfig(
-        vocab_size=c["vocab_size"], hidden_size=d, num_layers=c["num_hidden_layers"],
-        num_heads=heads, num_kv_heads=c.get("num_key_value_heads") or heads,
-        ffn_size=c["intermediate_size"],
-        head_dim=None if head_dim in (None, d // heads) else head_dim,
-        rope_theta=theta, rope_llama3=llama3,
-        tie_embeddings=bool(c.get("tie_word_embeddings", False)),
-        qkv_bias=kind == "qwen2", norm_eps=float(c.get("rms_norm_eps", 1e-6)))
-
-
-def config_to_hf(cfg: LLMConfig) -> dict:
-    """LLMConfig -> HF config.json dict (qwen2 when the model has q/k/v biases, else llama),
-    transformers 4 layout (transformers 5 reads it too)."""
-    out = {
-        "architectures": ["Qwen2ForCausalLM" if cfg.qkv_bias else "LlamaForCausalLM"],
-        "model_type": "qwen2" if cfg.qkv_bias else "llama",
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
-        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_kv_heads, "intermediate_size": cfg.ffn_size,
-        "head_dim": cfg.dim_per_head, "rope_theta": cfg.rope_theta,
-        "tie_word_embeddings": cfg.tie_embeddings, "rms_norm_eps": cfg.norm_eps,
-        "hidden_act": "silu",
-    }
-    if cfg.rope_llama3 is not None:
-        out["rope_scaling"] = dict(zip(_LLAMA3_KEYS, cfg.rope_llama3), rope_type="llama3")
-    return out

@@ -55,12 +55,12 @@ def load_plan(path, cfg, start: int = 0, end: int | None = None) -> LoadPlan:
 
 def _unit_config(old, path):
     """The unit's config from config.json; a vision tower keeps the config's feature_layer,
-    max_images and (if larger) max_grid, which are mmjax choices, not checkpoint facts.
-    A whole Qwen2-VL checkpoint gives its LLM or its tower."""
+    max_images and (if larger) max_grid, an LLM its scan_layers: mmjax choices, not
+    checkpoint facts. A whole Qwen2-VL checkpoint gives its LLM or its tower."""
     if is_qwen2_vl_dir(path):
         full = qwen2_vl_config_from_hf(path)
         if not isinstance(old, VisionConfig):
-            return full.llm
+            return dataclasses.replace(full.llm, scan_layers=old.scan_layers)
         new = full.encoder("vision").encoder
         return dataclasses.replace(new, max_grid=max(new.max_grid, old.max_grid))
     kind = model_type(read_config(path))
@@ -78,7 +78,10 @@ def _unit_config(old, path):
     if not isinstance(old, (VisionConfig, AudioConfig)) and kind not in LLM_TYPES:
         raise ValueError(f"pretrained llm checkpoint {path}: model_type={kind!r}, expected "
                          f"one of {', '.join(LLM_TYPES)}")
-    return config_for(path)
+    new = config_for(path)
+    if not isinstance(old, (VisionConfig, AudioConfig)):  # layer scan: an mmjax choice
+        new = dataclasses.replace(new, scan_layers=old.scan_layers)
+    return new
 
 
 def _model_config(cfg: MLLMConfig, path) -> MLLMConfig:
