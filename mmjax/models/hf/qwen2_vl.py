@@ -92,6 +92,9 @@ def _text_dict(c: dict) -> tuple[dict, tuple[int, ...]]:
     if rope_type not in ("default", "mrope"):
         _refuse("rope_parameters.rope_type" if params else "rope_scaling.type", rope_type,
                 "mmjax's Qwen2-VL decoder models M-RoPE with the default frequencies only")
+    if text.get("use_sliding_window"):
+        _refuse("text_config.use_sliding_window" if nested else "use_sliding_window", True,
+                "mmjax's Qwen2-VL decoder attends over the whole sequence (no window)")
     section = rope.get("mrope_section", [16, 24, 24])
     theta = params.get("rope_theta", text.get("rope_theta", 1000000.0))
     tie = bool(c.get("tie_word_embeddings") or text.get("tie_word_embeddings"))
