@@ -36,6 +36,7 @@ from mmjax.train.replanning import (Replanner, decision_from_json, decision_json
                                     from_process_0, switch_line)
 from mmjax.train.run_files import truncate_metrics, use_compilation_cache, write_run_info
 from mmjax.train.single_program import SingleProgram
+from mmjax.settings import check_bound_settings, check_train_args
 from mmjax.train.validate import check_data_path, check_replan_settings, check_train_settings
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -86,7 +87,8 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
           trace_every: int = 0, keep_checkpoints: int = 3, keep_every: int | None = None,
           max_bad_steps: int = 5, trace_steps: str | None = None,
           compilation_cache_dir: str = "", replan_every: int = 0,
-          replan_min_gain: float = 1.10, replanner: Replanner | None = None) -> list[dict]:
+          replan_min_gain: float = 1.10, replanner: Replanner | None = None,
+          dry_run: bool = False) -> list[dict]:
     """Train `model` for `steps` steps (this invocation stops early after `stop_after`
     steps, as a preemption would; a rerun resumes); returns this run's metric records.
 
@@ -122,16 +124,21 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
     `compilation_cache_dir`: JAX's persistent compilation cache, so a resume or rerun loads
     its programs instead of compiling them: "" (default) uses $JAX_COMPILATION_CACHE_DIR if
     set, else `<workdir>/compilation_cache`; "off" disables it; any other value is the
-    directory."""
+    directory.
+
+    `dry_run` (scripts/train.py --check): every check above, the plan, the optimizer and
+    the first global batch built, then return [] having written nothing."""
     check_train_settings(steps, global_batch, compute_dtype, _DTYPES, seed, checkpoint_every,
                          progress, stop_after, plan, keep_checkpoints, keep_every, max_bad_steps)
-    if trace_every < 0:
-        raise UserError(f"train.trace_every={trace_every}: use 0 (off) or N >= 1")
+    check_train_args(eval_every=eval_every, attention_impl=attention_impl,
+                     trace_every=trace_every, compilation_cache_dir=compilation_cache_dir,
+                     replan_every=replan_every)
+    check_bound_settings(None, plan, eval_every, replan_every)  # types and ranges
     trace_range = parse_trace_steps(trace_steps, plan)
     check_replan_settings(replan_every, replan_min_gain, plan, replanner)
-    use_compilation_cache(workdir, compilation_cache_dir)
     check_data_path()
     cfg, tok, dirs = _model_and_tokenizer(model)
+    check_bound_settings(cfg.unit_names, plan, eval_every, replan_every)  # per-unit keys
     schedule = learning_rate_schedule(steps)
     dtype = _DTYPES[compute_dtype]
     held_out = eval_source(cfg, tok) if eval_every else None
@@ -142,6 +149,10 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
         from mmjax.models.attention import choose_implementation
 
         choose_implementation(attention_impl, 1, 1, dtype)  # reject a bad name up front
+    if dry_run:
+        _dry_run(cfg, tok, dirs, plan, global_batch, attention_impl, schedule)
+        return []
+    use_compilation_cache(workdir, compilation_cache_dir)
     if plan is None:
         the_plan = None
         layout, source = layout_and_source(cfg, tok)
@@ -197,6 +208,26 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
                         lambda: loop.runner.evaluate(*held_out, layout), cfg, the_plan)
     finally:
         loop.close()
+
+
+def _dry_run(cfg, tok, dirs, plan, global_batch, attention_impl, schedule) -> None:
+    """What a run builds before its first step, short of parameters and programs: the
+    plan, the optimizer, the data source and the first global batch (selected, decoded,
+    assembled), so a setting that would break them fails here."""
+    from mmjax.data.loader import Loader
+    from mmjax.train.optimizer import optimizer_from_settings
+
+    optimizer_from_settings(schedule)
+    float(schedule(0))
+    the_plan = (_the_plan(plan, cfg, tok, dirs, global_batch, attention_impl)[0]
+                if plan is not None else Plan.uniform(cfg, global_batch, 1))
+    layout, source = layout_and_source(cfg, tok)
+    loader = Loader(source if source is not None else train_source(cfg), cfg, the_plan,
+                    layout)
+    try:
+        loader.builder(0)
+    finally:
+        loader.close()
 
 
 def _model_and_tokenizer(model: MLLMConfig | None):
