@@ -76,7 +76,7 @@ SETTINGS: dict[str, dict[str, Setting]] = {
         "keep_every": _int(None, 1, none=True), "max_bad_steps": _int(5, 1),
         "trace_steps": Setting("str", None, none=True, needs="plan"),
         "compilation_cache_dir": Setting("str", ""), "replan_every": _int(0, needs="plan"),
-        "replan_min_gain": _float(1.10, 1, 100, open_lo=True),
+        "replan_min_gain": _float(1.10, 1, 100, open_lo=True, needs="replan"),
     },
     "named_model_config": {"name": Setting("str", "tiny"), "overrides": Setting("dict", None,
                                                                                  none=True)},
@@ -129,16 +129,19 @@ SETTINGS: dict[str, dict[str, Setting]] = {
     "llava_source": {
         "model": _PROGRAM, "tokenizer": _PROGRAM,
         "json_path": Setting("file", None, none=True, fix="a LLaVA .json or .jsonl file"),
-        "image_root": Setting("str", ""), "audio_root": Setting("str", None, none=True),
-        "chat_template": Setting("str", None, none=True), "loss_on": Setting(
-            "choice", "assistant", choices=_LOSS_ON),
-        "image_processor": Setting("str", None, none=True),
-        "audio_processor": Setting("str", None, none=True), "index_workers": _int(8, 1, 256)},
+        "image_root": Setting("str", "", needs="llava"),
+        "audio_root": Setting("str", None, none=True, needs="llava"),
+        "chat_template": Setting("str", None, none=True, needs="llava"),
+        "loss_on": Setting("choice", "assistant", choices=_LOSS_ON, needs="llava"),
+        "image_processor": Setting("str", None, none=True, needs="llava"),
+        "audio_processor": Setting("str", None, none=True, needs="llava"),
+        "index_workers": _int(8, 1, 256, needs="llava")},
     "webdataset_source": {
         "model": _PROGRAM, "tokenizer": _PROGRAM, "urls": Setting("strs", None, none=True),
-        "chat_template": Setting("str", "plain"), "loss_on": Setting(
-            "choice", "assistant", choices=_LOSS_ON),
-        "image_processor": Setting("str", None, none=True), "index_workers": _int(8, 1, 256)},
+        "chat_template": Setting("str", "plain", needs="webdataset"),
+        "loss_on": Setting("choice", "assistant", choices=_LOSS_ON, needs="webdataset"),
+        "image_processor": Setting("str", None, none=True, needs="webdataset"),
+        "index_workers": _int(8, 1, 256, needs="webdataset")},
     "eval_source": {
         "model": _PROGRAM, "tokenizer": _PROGRAM,
         "json_path": Setting("file", None, none=True, needs="eval"),
@@ -151,17 +154,20 @@ SETTINGS: dict[str, dict[str, Setting]] = {
         "max_batches": _int(4, 1, 1 << 20, needs="eval")},
 }
 
+# the model's sizes (`SyntheticConfig.for_model`): another value makes every sample undecodable
+_MODEL = Setting("program", fix="the synthetic set takes it from the model")
+
 # synthetic_dataset's **overrides: SyntheticConfig fields (data/synthetic.py)
 SYNTHETIC_OVERRIDES: dict[str, Setting] = {
-    "vocab_size": _int(512, 300, 1 << 24), "patch_size": _int(14, 1, 64),
+    "vocab_size": _int(512, 300, 1 << 24), "patch_size": _MODEL,
     "image_side_median": _float(4.0, 0, 1e4, open_lo=True),
     "image_side_sigma": _float(0.5, 0, 10), "image_side_range": Setting("range", (1, 16), 1, 4096),
     "max_images": _int(6, 0, 1024), "image_count_p": _float(0.55, 0, 1, open_lo=True),
     "text_len_median": _float(20.0, 0, 1e6, open_lo=True), "text_len_sigma": _float(0.8, 0, 10),
-    "text_len_range": Setting("range", (1, 256), 1, 1 << 22), "n_mels": _int(16, 1, 1024),
+    "text_len_range": Setting("range", (1, 256), 1, 1 << 22), "n_mels": _MODEL,
     "frames_median": _float(96.0, 0, 1e6, open_lo=True), "frames_sigma": _float(0.6, 0, 10),
     "frames_range": Setting("range", (8, 1000), 1, 1 << 22),
-    "latent_shape": Setting("ints3", (4, 8, 8), 1, 4096), "gen_queries": _int(16, 1, 4096),
+    "latent_shape": _MODEL, "gen_queries": _int(16, 1, 4096),
     "gen_fraction": _float(0.0, 0, 1), "too_long_tokens": _int(1 << 15, 1, 1 << 30)}
 
 _WHAT = {"int": "an int", "float": "a number", "bool": "True or False", "str": "a string",
@@ -221,7 +227,9 @@ def problem(value, s: Setting) -> str | None:
             return "no such directory"
         return None
     if k == "dict":
-        return None if isinstance(value, dict) else "must be a dict"
+        if not isinstance(value, dict):
+            return "must be a dict"
+        return None if value else "an empty dict changes nothing (drop the binding)"
     if k in ("ints", "range", "ints3"):
         items = list(value) if isinstance(value, (list, tuple)) else None
         want = {"range": 2, "ints3": 3}.get(k)
@@ -243,8 +251,9 @@ def problem(value, s: Setting) -> str | None:
 def check(name: str, value, s: Setting, units=None) -> None:
     """Raise `UserError("name=value: why (fix)")` when `value` is not valid for `s`."""
     if s.kind == "program":
-        raise UserError(f"{name}={value!r}: set by the program itself, a binding has no "
-                        f"effect (drop it)")
+        why = s.fix or "a binding has no effect"
+        raise UserError(f"{name}={value!r}: set by the program itself ({why}; drop the "
+                        f"binding)")
     if s.per_unit and isinstance(value, dict):
         unknown = [u for u in value if units is not None and u not in units]
         if unknown:
@@ -262,15 +271,39 @@ def check(name: str, value, s: Setting, units=None) -> None:
         raise UserError(f"{name}={value!r}: {why} ({fix})")
 
 
-def _mode_ok(needs: str | None, plan, eval_every) -> bool:
-    return (needs is None or (needs == "plan" and plan is not None)
-            or (needs == "auto" and plan == "auto") or (needs == "eval" and bool(eval_every)))
-
-
 _NEEDS = {"plan": _PLAN, "auto": "add --plan=auto, or drop the setting",
-          "eval": "set train.eval_every=N, or drop the setting"}
+          "eval": "set train.eval_every=N, or drop the setting",
+          "replan": "set train.replan_every=N with a plan, or drop the setting",
+          "llava": "set llava_source.json_path, or drop the setting",
+          "webdataset": "set webdataset_source.urls, or drop the setting"}
 _READ = {"plan": "read only with a plan", "auto": "read only with --plan=auto",
-         "eval": "read only when train.eval_every > 0"}
+         "eval": "read only when train.eval_every > 0",
+         "replan": "read only when train.replan_every > 0",
+         "llava": "read only with llava_source.json_path",
+         "webdataset": "read only with webdataset_source.urls"}
+
+
+def _modes(plan, eval_every, replan_every) -> set[str]:
+    """The modes this run is in (what `Setting.needs` names)."""
+    import gin
+
+    def bound(conf, key):
+        try:
+            return bool(gin.get_bindings(conf).get(key))
+        except ValueError:
+            return False
+    modes = {"plan"} if plan is not None else set()
+    if plan == "auto" or (plan is not None and replan_every):
+        modes.add("auto")  # re-planning plans with auto_plan's settings too
+    if eval_every:
+        modes.add("eval")
+    if replan_every:
+        modes.add("replan")
+    if bound("llava_source", "json_path"):
+        modes.add("llava")
+    if bound("webdataset_source", "urls"):
+        modes.add("webdataset")
+    return modes
 
 
 def check_bound_settings(units, plan=None, eval_every=0, replan_every=0) -> None:
@@ -279,6 +312,7 @@ def check_bound_settings(units, plan=None, eval_every=0, replan_every=0) -> None
     `units`: the model's unit names (for per-unit dicts and `pretrained.*`)."""
     import gin
 
+    modes = _modes(plan, eval_every, replan_every)
     for conf, table in SETTINGS.items():
         try:
             bound = gin.get_bindings(conf)
@@ -301,10 +335,9 @@ def check_bound_settings(units, plan=None, eval_every=0, replan_every=0) -> None
             if s is None:  # gin refuses unknown parameters of fixed signatures at parse
                 raise UserError(f"{name}={value!r}: {conf} has no setting {key!r}")
             check(name, value, s, units)
-            needs = "plan" if (conf == "auto_plan" and replan_every) else s.needs
-            if not _mode_ok(needs, plan, eval_every) and value != s.default:
-                raise UserError(f"{name}={value!r}: {_READ[needs]}, so it would have no "
-                                f"effect in this run ({_NEEDS[needs]})")
+            if s.needs is not None and s.needs not in modes and value != s.default:
+                raise UserError(f"{name}={value!r}: {_READ[s.needs]}, so it would have no "
+                                f"effect in this run ({_NEEDS[s.needs]})")
 
 
 def _check_pretrained(name: str, unit: str, value, units) -> None:

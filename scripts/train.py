@@ -11,7 +11,8 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from mmjax.cli import add_debug_flag, parse_gin, refuse_unused_bindings, run_main  # noqa: E402
+from mmjax.cli import (ArgumentParser, add_debug_flag, parse_gin,  # noqa: E402
+                       refuse_unused_bindings, run_main)
 
 
 def render_traces(workdir: str, trace_steps: str) -> list[str]:
@@ -42,6 +43,10 @@ def check_flags(args) -> None:
         value = getattr(args, flag)
         if value is not None and not value.strip():
             raise UserError(f"--{flag}={value!r}: empty (give a value or leave the flag out)")
+    for b in args.gin_param:
+        if not b.strip() or "=" not in b or not b.split("=", 1)[1].strip():
+            raise UserError(f"--gin_param={b!r}: give a binding configurable.parameter = "
+                            f"value")
     if args.workdir is not None and os.path.exists(args.workdir) and \
             not os.path.isdir(args.workdir):
         raise UserError(f"--workdir={args.workdir!r}: is a file (give a directory)")
@@ -69,7 +74,7 @@ def removed_if_refused(workdir: str):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__)
+    p = ArgumentParser(description=__doc__)
     p.add_argument("--gin_file", action="append", default=None,
                    help="gin file (repeatable); default configs/tiny.gin")
     p.add_argument("--gin_param", action="append", default=[], help="gin binding K=V (repeatable)")

@@ -15,6 +15,7 @@ import os
 
 import numpy as np
 
+from mmjax.errors import UserError
 from mmjax.data.chat import ChatError, ChatFormat
 from mmjax.data.index import cached_index, index_key
 from mmjax.data.records import DecodeError
@@ -102,7 +103,7 @@ class ChatRecordSource:
                  image_processor, audio_processor, index_path: str, data_key,
                  index_workers: int = 8):
         if tokenizer is None:
-            raise ValueError("a LLaVA / WebDataset source needs a tokenizer: set tokenizer.path "
+            raise UserError("a LLaVA / WebDataset source needs a tokenizer: set tokenizer.path "
                              "to a directory with tokenizer.json and tokenizer_config.json")
         self.records = records
         self.image_processor, self.audio_processor = image_processor, audio_processor

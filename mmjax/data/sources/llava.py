@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 
+from mmjax.errors import UserError
 from mmjax.data.index import file_digest
 from mmjax.data.sources.common import ChatRecordSource
 
@@ -19,7 +20,7 @@ def _paths(value, root: str, field: str, where: str) -> list[str]:
         return []
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, list) or not all(isinstance(v, str) for v in items):
-        raise ValueError(f"{where}: `{field}` must be a path or a list of paths")
+        raise UserError(f"{where}: `{field}` must be a path or a list of paths")
     return [v if os.path.isabs(v) else os.path.join(root, v) for v in items]
 
 
@@ -27,7 +28,7 @@ def read_llava(json_path: str, image_root: str = "", audio_root: str | None = No
                ) -> list[dict]:
     """The records of a LLaVA JSON / JSONL file, with resolved file paths."""
     if not os.path.isfile(json_path):
-        raise ValueError(f"llava_source.json_path={json_path!r}: no such file")
+        raise UserError(f"llava_source.json_path={json_path!r}: no such file")
     try:
         with open(json_path) as f:
             if json_path.endswith(".jsonl"):
@@ -35,16 +36,16 @@ def read_llava(json_path: str, image_root: str = "", audio_root: str | None = No
             else:
                 raw = json.load(f)
     except ValueError as e:
-        raise ValueError(f"llava_source.json_path={json_path!r}: not valid JSON/JSONL ({e})"
+        raise UserError(f"llava_source.json_path={json_path!r}: not valid JSON/JSONL ({e})"
                          ) from None
     if not isinstance(raw, list):
-        raise ValueError(f"llava_source.json_path={json_path!r}: expected a list of records")
+        raise UserError(f"llava_source.json_path={json_path!r}: expected a list of records")
     audio_root = image_root if audio_root is None else audio_root
     records = []
     for k, r in enumerate(raw):
         where = f"{json_path} record {k}"
         if not isinstance(r, dict):
-            raise ValueError(f"{where}: a record must be an object with id/conversations")
+            raise UserError(f"{where}: a record must be an object with id/conversations")
         records.append({"id": str(r.get("id", k)),
                         "images": _paths(r.get("image"), image_root, "image", where),
                         "audio": _paths(r.get("audio"), audio_root, "audio", where),
