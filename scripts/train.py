@@ -100,6 +100,7 @@ def main(argv=None) -> int:
     if args.trace_steps is not None:
         params.append(f"train.trace_steps = {args.trace_steps!r}")
     parse_gin(files, params)
+    from mmjax.train.preemption import EXIT_PREEMPTED, Preempted
     from mmjax.train.trainer import TrainingStopped, train
 
     workdir = args.workdir or os.path.join("runs", os.path.splitext(os.path.basename(files[0]))[0])
@@ -109,6 +110,12 @@ def main(argv=None) -> int:
     except TrainingStopped as e:  # not bad input: the run itself went wrong (exit 1)
         print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 1
+    except Preempted as e:  # SIGTERM / SIGINT: checkpoint written, rerun to resume
+        import jax
+
+        if jax.process_index() == 0:
+            print(f"preempted: {e}", file=sys.stderr)
+        return EXIT_PREEMPTED
     if args.check:
         print(f"check: the settings, the plan and the first global batch are good; "
               f"nothing written")

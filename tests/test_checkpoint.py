@@ -72,7 +72,18 @@ def drop_manifest(d):
     os.remove(os.path.join(d, "state", "manifest.ocdbt"))
 
 
+def edit_loader_state(d):  # the data item's JSON, a valid edit: next batch 2 -> 7
+    files = [f for f in glob.glob(os.path.join(d, "data", "**"), recursive=True)
+             if os.path.isfile(f) and '"next"' in open(f, errors="ignore").read()]
+    assert len(files) == 1, files
+    text = open(files[0]).read()
+    open(files[0], "w").write(text.replace('"next": 2', '"next": 7').replace('"next":2',
+                                                                             '"next":7'))
+    assert open(files[0]).read() != text
+
+
 DAMAGE = {"flipped bytes": (flip_bytes, "checksum mismatch"),
+          "edited loader state": (edit_loader_state, "loader state checksum mismatch"),
           "truncated file": (truncate, "cannot read arrays"),
           "emptied files": (empty_files, "unreadable"),
           "half-deleted": (half_delete, "cannot read arrays"),

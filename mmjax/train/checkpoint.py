@@ -4,7 +4,8 @@ A checkpoint (directory `<dir>/<step>`, committed atomically by orbax) holds thr
 `state` (named arrays, e.g. train/logical_state.py's plan-independent names, stored as
 "leaf_00000", ... in name order and read straight into the shardings of the new run's arrays
 of the same names), `data` (the data iterator's JSON state) and `integrity` (per array its
-name, shape, dtype and two checksums of its logical value, independent of sharding). A
+name, shape, dtype and two checksums of its logical value, independent of sharding; and
+the SHA-256 of the data state). A
 pytree that is not a {name: array} dict is saved by its flattened leaves ("0", "1", ...).
 
 `restore_latest` walks the checkpoints newest first and takes the first one that restores
@@ -170,6 +171,17 @@ def integrity_record(named: dict) -> dict:
     return {"format": FORMAT, "leaves": out}
 
 
+def data_digest(data_state: dict) -> str:
+    """SHA-256 of the data iterator's JSON state (canonical: sorted keys), so an edited
+    `next_batch` or skip count is caught like a flipped parameter bit. Checkpoints written
+    before it was recorded have none and are read as they are."""
+    import hashlib
+    import json
+
+    text = json.dumps(data_state, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 def _widened(sharding):
     """Multi-process: `sharding` stretched so that every process holds a shard, or None
     when it does already. Orbax's multi-host save and restore need a shard of every array
@@ -285,7 +297,7 @@ class Checkpointer:
         self.manager.wait_until_finished()
         self._prune()
         named = named_arrays(state)
-        record = integrity_record(named)
+        record = {**integrity_record(named), "data_sha256": data_digest(data_state)}
         tree = {}
         for i, n in enumerate(sorted(named)):
             x = named[n]
@@ -352,6 +364,8 @@ class Checkpointer:
             data = dict(out["data"])
         except Exception as e:  # noqa: BLE001 (tensorstore/orbax raise many types)
             error = f"cannot read arrays ({one_line(e, 160)})"
+        if error is None and integrity.get("data_sha256") not in (None, data_digest(data)):
+            error = "loader state checksum mismatch (the data item was edited or damaged)"
         # each process reads its own shards: all of them agree before going on
         if not all_processes(error is None):
             raise CheckpointUnusable(error or "cannot read arrays (in another process)")

@@ -28,6 +28,7 @@ from mmjax.train.config import named_model_config, pretrained
 from mmjax.train.data_config import fit_vocab, layout_and_source, train_source
 from mmjax.train.optimizer import learning_rate_schedule
 from mmjax.train.pipelined import Pipelined, write_trace
+from mmjax.train.preemption import Preempted, Preemption
 from mmjax.train.plan_history import (forget_plans_after, plan_in_effect, plan_path,
                                       plan_to_resume, write_plan)
 from mmjax.train.progress import Progress as StepProgress
@@ -328,9 +329,11 @@ class _Loop:
         records = []
         self.plan = self.plan or plan
         with open(self.metrics_path if self.lead else os.devnull, "a") as mf, \
-                open(self.skipped_path if self.lead else os.devnull, "a") as sf:
+                open(self.skipped_path if self.lead else os.devnull, "a") as sf, \
+                Preemption(self.lead) as preempt:
             for step in range(self.start, end):
                 n = step + 1
+                preempt.step = step
                 replan = self.replan_every and n % self.replan_every == 0
                 m = self.runner.step(trace=True) if traced(n) or replan else self.runner.step()
                 trace = m.pop("trace", None)
@@ -352,13 +355,26 @@ class _Loop:
                 report.step(rec, m.get("compile_s", 0.0) > 0)
                 self.guard(n, rec, max_bad_steps)
                 # a step in a bad streak changed no parameters: no checkpoint until one is good
-                if not self.in_a_row and (n % checkpoint_every == 0 or n == end or switch):
+                saved = not self.in_a_row and (n % checkpoint_every == 0 or n == end
+                                               or switch)
+                if saved:
                     self.save(n)
                 if switch is not None:
                     self.switch(n, switch[0], switch[1], report, rebuild=n < end)
+                if n < end and preempt.requested():
+                    self.preempted(n, preempt.signame or "a peer's signal", saved)
         if records:
             report.say("trained " + report.summary(len(records)))
         return records
+
+    def preempted(self, n: int, signame: str, saved: bool) -> None:
+        """Stop after step `n` on a signal: its checkpoint written (unless a bad streak
+        holds it back: then the last good one stands) and committed, then `Preempted`."""
+        if not saved and not self.in_a_row:
+            self.save(n)
+        self.ckpt.wait()
+        resume = self.ckpt.latest_step()
+        raise Preempted(signame, n, resume, self.ckpt.directory)
 
     def replan(self, n: int, trace) -> tuple | None:
         """(new plan, predicted gain, its file under the workdir) when process 0's
