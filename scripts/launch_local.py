@@ -8,7 +8,12 @@ Each process is `python -m mmjax.launch` with a coordinator on 127.0.0.1 at a fr
 streamed as they come. When one process fails the others are killed (a peer waiting in a
 collective would otherwise hang; a hung process makes its peers fail within seconds through
 the coordinator's heartbeat); the exit status is that of the first process seen failing
-(a script's own non-zero exit preferred over a peer's abort on losing it), else 0.
+(128 + N for a death by signal N), else 0. The first failure is named with its cause (exit
+status, signal, heartbeat lost: a process stopped or frozen stops touching its heartbeat
+file), and a peer that then dies reporting the lost connection is named as a consequence.
+SIGTERM / SIGINT to the launcher are forwarded to every process (each in its own session, so
+a terminal's Ctrl-C arrives once); scripts/train.py then finishes its step, checkpoints and
+exits 75, and so does the launcher.
 
 Supervision: with `--max_restarts=R` a failed attempt restarts all N processes (a fresh
 coordinator), up to R times; the script resumes from its last checkpoint (scripts/train.py
@@ -113,6 +118,7 @@ def launch(num_processes: int, script_args: list[str], devices_per_process: int 
                       flush=True)
                 continue
             after = f" after {max_restarts} restart(s)" if max_restarts else ""
+            status = status if status >= 0 else 128 - status  # killed by N: 128 + N
             print(f"launch_local: {who} failed{after}; its last lines:", file=sys.stderr)
             for line in tail[culprit]:
                 print(f"  [p{culprit}] {line}", file=sys.stderr)
@@ -149,6 +155,15 @@ class _Stop:
         for p in self.procs:
             if p.poll() is None:
                 os.kill(p.pid, signum)
+
+
+def _stopped(pid: int) -> bool:
+    """The process is stopped (SIGSTOP / SIGTSTP: state T in /proc; False elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
 
 
 def _alive(path: str, since: float, timeout: float) -> bool:
@@ -209,8 +224,9 @@ def _attempt(num_processes, script_args, devices_per_process, script, timeout, t
                 time.sleep(0.1)
                 continue
             failed = [i for i, p in enumerate(procs) if p.returncode not in (None, 0)]
-            hung = {i for i, p in enumerate(procs) if p.returncode is None and not _alive(
-                os.path.join(beats, f"p{i}"), t_start, heartbeat_timeout)}
+            hung = {i for i, p in enumerate(procs) if p.returncode is None and (
+                not _alive(os.path.join(beats, f"p{i}"), t_start, heartbeat_timeout)
+                or (failed and _stopped(p.pid)))}
             late = deadline is not None and time.monotonic() > deadline
             if failed or hung or late:
                 culprit, why = _first(procs, failed, hung, tails, heartbeat_timeout)
