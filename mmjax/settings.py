@@ -125,7 +125,9 @@ SETTINGS: dict[str, dict[str, Setting]] = {
         "node_wise_time_limit": _float(0.2, 0, 3600, open_lo=True, needs="plan"),
         "node_wise_max_milp_ranks": _int(32, 1, 1 << 16, needs="plan"),
         "hardware": Setting("choice", "h100", choices=_HARDWARE, needs="plan"),
-        "shape_scan_steps": _int(16, 0, 1 << 20)},
+        "shape_scan_steps": _int(16, 0, 1 << 20, needs="plan"),
+        "max_bad_fraction": _float(0.5, 0, 1, open_lo=True,
+                                   fix="a share in (0, 1], e.g. 0.2; 1 never stops")},
     "llava_source": {
         "model": _PROGRAM, "tokenizer": _PROGRAM,
         "json_path": Setting("file", None, none=True, fix="a LLaVA .json or .jsonl file"),

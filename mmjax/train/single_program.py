@@ -155,7 +155,7 @@ class SingleProgram:
         batch, skipped = next(self.data), []
         if isinstance(batch, tuple):  # SourceBatches: (batch, skipped before assembly)
             batch, skipped = batch
-        skipped = skipped + [(str(i), r) for i, r in batch.skipped]
+        skipped = skipped + [(str(i), r, ("", "record", int(i))) for i, r in batch.skipped]
         inputs = model_inputs(batch)
         leaves, treedef = jax.tree.flatten(inputs)
         key = (str(treedef), tuple((np.shape(x), str(np.asarray(x).dtype)) for x in leaves))

@@ -349,11 +349,13 @@ class _Loop:
                 records.append(rec)
                 mf.write(json.dumps(rec) + "\n")
                 mf.flush()
-                for name, reason in m["skipped_list"]:
-                    sf.write(json.dumps({"step": n, "id": name, "reason": reason}) + "\n")
+                for name, reason, (file, kind, at) in m["skipped_list"]:
+                    sf.write(json.dumps({"step": n, "id": name, "file": file, kind: at,
+                                         "reason": reason}) + "\n")
                 sf.flush()
                 report.step(rec, m.get("compile_s", 0.0) > 0)
                 self.guard(n, rec, max_bad_steps)
+                self.bad_data_guard(n, sf)
                 # a step in a bad streak changed no parameters: no checkpoint until one is good
                 saved = not self.in_a_row and (n % checkpoint_every == 0 or n == end
                                                or switch)
@@ -444,6 +446,32 @@ class _Loop:
                 f"{rec['grad_norm']}); none was applied. Last good checkpoint: "
                 f"{_last_good(self.ckpt)} (lower the learning rate or check the data, then "
                 f"rerun to resume; train.max_bad_steps={max_bad_steps})")
+
+    def bad_data_guard(self, n: int, skip_log) -> None:
+        """Stop (TrainingStopped) once the share of bad samples among those drawn passes
+        `Loader.max_bad_fraction`, naming the files with the most bad samples
+        (skipped.jsonl); judged from 4 global batches on."""
+        data = self.runner.data
+        limit = getattr(getattr(data, "loader", data), "max_bad_fraction", 1.0)
+        good = n * self.runner.global_batch
+        drawn = good + self.skipped
+        if limit >= 1.0 or drawn < 4 * self.runner.global_batch or \
+                self.skipped <= limit * drawn:
+            return
+        counts: dict[str, int] = {}
+        skip_log.flush()
+        if os.path.exists(self.skipped_path):
+            with open(self.skipped_path) as f:
+                for row in map(json.loads, f):
+                    counts[row.get("file", "?")] = counts.get(row.get("file", "?"), 0) + 1
+        worst = ", ".join(f"{os.path.basename(k) or '?'} ({v})" for k, v in sorted(
+            counts.items(), key=lambda kv: -kv[1])[:3])
+        raise TrainingStopped(
+            f"{self.skipped} of {drawn} samples drawn by step {n} were bad "
+            f"({self.skipped / drawn:.0%} > Loader.max_bad_fraction={limit}); most in: "
+            f"{worst or 'see skipped.jsonl'} (fix the data, see skipped.jsonl for each "
+            f"sample and reason, or raise Loader.max_bad_fraction); last good checkpoint: "
+            f"{_last_good(self.ckpt)}")
 
     def save(self, n: int) -> None:
         try:
