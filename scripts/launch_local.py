@@ -228,12 +228,13 @@ def _attempt(num_processes, script_args, devices_per_process, script, timeout, t
                 not _alive(os.path.join(beats, f"p{i}"), t_start, heartbeat_timeout)
                 or (failed and _stopped(p.pid)))}
             late = deadline is not None and time.monotonic() > deadline
-            if failed or hung or late:
+            if failed or hung:
                 culprit, why = _first(procs, failed, hung, tails, heartbeat_timeout)
                 status = procs[culprit].returncode if culprit in failed else 124
-                if late and not (failed or hung):
-                    why = f"timed out after {timeout}s"
-                    print(f"launch_local: timed out after {timeout}s", file=sys.stderr)
+                break
+            if late:
+                status, culprit, why = 124, 0, f"timed out after {timeout}s"
+                print(f"launch_local: timed out after {timeout}s", file=sys.stderr)
                 break
             time.sleep(0.1)
     finally:

@@ -296,7 +296,7 @@ def _typed(old, new, path: str):
     and a size that is positive (non-negative) stays so; else a UserError naming the path."""
     def bad(why):
         return UserError(f"override {path!r}={new!r}: {why} (the current value is {old!r})")
-    if dataclasses.is_dataclass(old) and not isinstance(new, type(old)):
+    if dataclasses.is_dataclass(old) and new is not None and not isinstance(new, type(old)):
         raise UserError(f"override {path!r}={new!r}: must be a {type(old).__name__} "
                         f"(override its fields one by one, e.g. {path}.<field>)")
     if isinstance(old, bool) or old is None or dataclasses.is_dataclass(old):
