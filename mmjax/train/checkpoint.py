@@ -276,11 +276,25 @@ class Checkpointer:
         self.keep, self.keep_every = keep, keep_every
         self.log = log or (lambda msg: print(msg, file=sys.stderr))
         self.verified_step: int | None = None  # restored from this run: never deleted
+        self.set_aside: list[int] = []  # steps found unusable by `restore_latest`
+        self._remove_stray_temporaries()
         options = ocp.CheckpointManagerOptions(max_to_keep=None,
                                                enable_async_checkpointing=async_save,
                                                create=True)
         self.manager = ocp.CheckpointManager(self.directory, options=options,
                                              item_handlers=_handlers())
+
+    def _remove_stray_temporaries(self) -> None:
+        """A save killed mid-write leaves orbax's temporary directory (`<step>.orbax-
+        checkpoint-tmp-<time>`): never a checkpoint, removed (by process 0) before anything
+        else here."""
+        if jax.process_index() == 0 and os.path.isdir(self.directory):
+            for name in os.listdir(self.directory):
+                if ".orbax-checkpoint-tmp" in name:
+                    shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+                    self.log(f"removed {name}, the temporary directory of an unfinished "
+                             f"save, from {self.directory}")
+        barrier("stray_temporaries")
 
     # ---- discovery -----------------------------------------------------------------------
     def steps(self) -> list[int]:
@@ -403,6 +417,7 @@ class Checkpointer:
             try:
                 state, data = self.restore(step, like)
             except CheckpointUnusable as e:
+                self.set_aside.append(step)
                 where = os.path.relpath(self._set_aside(step), os.path.dirname(self.directory))
                 self.log(f"checkpoint step {step} in {self.directory} is unusable: {e}; "
                          f"moved to {where}, trying the next older one")

@@ -29,6 +29,7 @@ from mmjax.train.data_config import fit_vocab, layout_and_source, train_source
 from mmjax.train.optimizer import learning_rate_schedule
 from mmjax.train.pipelined import Pipelined, write_trace
 from mmjax.train.preemption import Preempted, Preemption
+from mmjax.train.spike_guard import SpikeGuard
 from mmjax.train.plan_history import (forget_plans_after, plan_in_effect, plan_path,
                                       plan_to_resume, write_plan)
 from mmjax.train.progress import Progress as StepProgress
@@ -89,6 +90,7 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
           max_bad_steps: int = 5, trace_steps: str | None = None,
           compilation_cache_dir: str = "", replan_every: int = 0,
           replan_min_gain: float = 1.10, replanner: Replanner | None = None,
+          spike_factor: float = 100.0, spike_window: int = 20,
           dry_run: bool = False) -> list[dict]:
     """Train `model` for `steps` steps (this invocation stops early after `stop_after`
     steps, as a preemption would; a rerun resumes); returns this run's metric records.
@@ -118,8 +120,12 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
     verifies (train/checkpoint.py), naming and setting aside any that do not.
 
     A step whose loss or gradient norm is not finite is not applied (counted in
-    `nonfinite_steps`); `max_bad_steps` of them in a row stop the run (TrainingStopped)
-    with the last good checkpoint intact. On resume metrics.jsonl keeps only the rows up to
+    `nonfinite_steps`), nor one whose loss or gradient norm exceeds `spike_factor` times
+    its median over the last `spike_window` applied steps (the loss-spike guard, judged
+    once half the window is filled; counted in `spike_steps`, each one logged; 0 turns it
+    off); `max_bad_steps` of either in a row stop the run (TrainingStopped) naming the last
+    good checkpoint. A checkpoint due inside a bad streak is written at the first good step
+    after it. On resume metrics.jsonl keeps only the rows up to
     the restored step, so every step appears once.
 
     `compilation_cache_dir`: JAX's persistent compilation cache, so a resume or rerun loads
@@ -133,7 +139,11 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
                          progress, stop_after, plan, keep_checkpoints, keep_every, max_bad_steps)
     check_train_args(eval_every=eval_every, attention_impl=attention_impl,
                      trace_every=trace_every, compilation_cache_dir=compilation_cache_dir,
-                     replan_every=replan_every)
+                     replan_every=replan_every, spike_factor=spike_factor,
+                     spike_window=spike_window)
+    if 0 < spike_factor <= 1:
+        raise UserError(f"train.spike_factor={spike_factor!r}: must be 0 (off) or > 1 (a "
+                        f"step above that many times the median is held back; e.g. 100)")
     check_bound_settings(None, plan, eval_every, replan_every)  # types and ranges
     trace_range = parse_trace_steps(trace_steps, plan)
     check_replan_settings(replan_every, replan_min_gain, plan, replanner)
@@ -174,7 +184,8 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
         with open(os.path.join(workdir, "config.gin"), "w") as f:
             f.write(gin.config_str())
         write_run_info(workdir, cfg, the_plan, seed, dirs)
-    loop = _Loop(workdir, runner, schedule, keep_checkpoints, keep_every)
+    loop = _Loop(workdir, runner, schedule, keep_checkpoints, keep_every,
+                 SpikeGuard(spike_factor, spike_window))
     if the_plan is not None and plan_in_effect(workdir, loop.start) != resumed_plan:
         # the newest checkpoint was unusable and an older one predates the plan chosen above
         in_effect = plan_in_effect(workdir, loop.start)
@@ -290,8 +301,11 @@ class _Loop:
     (mmjax.launch): every process runs it; process 0 writes the metrics; every process
     writes the checkpoint shards it holds (orbax multi-host, one commit)."""
 
-    def __init__(self, workdir: str, runner, schedule, keep: int, keep_every: int | None):
+    def __init__(self, workdir: str, runner, schedule, keep: int, keep_every: int | None,
+                 spikes: SpikeGuard | None = None):
         self.workdir, self.runner, self.schedule = workdir, runner, schedule
+        self.spikes = spikes or SpikeGuard(0.0, 20)
+        self.owed = False  # a checkpoint fell due inside a bad streak
         self.lead = jax.process_index() == 0
         self.console = console = progress_console()
         self.ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep, keep_every,
@@ -301,6 +315,7 @@ class _Loop:
             console.print(f"{jax.process_count()} processes: metrics from process 0, "
                           "checkpoints from all")
         self.start, self.skipped, self.nonfinite, self.in_a_row = 0, 0, 0, 0
+        self.spike_steps = 0
         self.replan_every, self.plan, self.plan_traces = 0, None, []
         found = self.ckpt.restore_latest(
             getattr(runner, "restore_target", runner.checkpoint_tree)())
@@ -309,7 +324,12 @@ class _Loop:
             runner.load(state, data_state, latest)
             self.start, self.skipped = latest, int(data_state.get("skipped_samples", 0))
             self.nonfinite = int(data_state.get("nonfinite_steps", 0))
+            self.spike_steps = int(data_state.get("spike_steps", 0))
+            self.spikes.restore(data_state.get("spike_history", []))
             console.print(f"resumed from {workdir}/checkpoints step {latest}")
+        elif self.ckpt.set_aside and self.lead:
+            console.print(f"no usable checkpoint in {workdir}/checkpoints (set aside: steps "
+                          f"{self.ckpt.set_aside}): starting from step 0", markup=False)
         self.metrics_path = os.path.join(workdir, "metrics.jsonl")
         self.skipped_path = os.path.join(workdir, "skipped.jsonl")
         if self.lead:
@@ -335,7 +355,9 @@ class _Loop:
                 n = step + 1
                 preempt.step = step
                 replan = self.replan_every and n % self.replan_every == 0
-                m = self.runner.step(trace=True) if traced(n) or replan else self.runner.step()
+                limits = self.spikes.limits()
+                m = (self.runner.step(trace=True, limits=limits) if traced(n) or replan
+                     else self.runner.step(limits=limits))
                 trace = m.pop("trace", None)
                 if traced(n) and self.lead:
                     write_trace(self.workdir, n, cfg, self.plan, trace)
@@ -357,8 +379,9 @@ class _Loop:
                 self.guard(n, rec, max_bad_steps)
                 self.bad_data_guard(n, sf)
                 # a step in a bad streak changed no parameters: no checkpoint until one is good
-                saved = not self.in_a_row and (n % checkpoint_every == 0 or n == end
-                                               or switch)
+                due = n % checkpoint_every == 0 or n == end or bool(switch)
+                saved = not self.in_a_row and (due or self.owed)
+                self.owed = bool(self.in_a_row and due) or (self.owed and not saved)
                 if saved:
                     self.save(n)
                 if switch is not None:
@@ -427,8 +450,16 @@ class _Loop:
         trained (loss targets: masked prompt tokens count in neither the loss nor the
         trained figure)."""
         self.skipped += m["skipped"]
-        bad = bool(m["nonfinite"])
-        self.nonfinite, self.in_a_row = self.nonfinite + bad, (self.in_a_row + 1) if bad else 0
+        spike = bool(m.get("spike", 0.0))
+        bad = bool(m["nonfinite"]) or spike
+        self.nonfinite += bool(m["nonfinite"])
+        self.spike_steps += spike
+        self.in_a_row = (self.in_a_row + 1) if bad else 0
+        if spike and self.lead:
+            self.console.print(f"step {n}: {self.spikes.describe(m)}: not applied (loss-spike "
+                               f"guard, {self.in_a_row} in a row)", markup=False)
+        if not bad:
+            self.spikes.add(m["loss"], m["grad_norm"])
         return {"step": n, "loss": m["loss"], "lm_loss": m["lm_loss"],
                 "diffusion_loss": m["diffusion_loss"], "grad_norm": m["grad_norm"],
                 "learning_rate": float(self.schedule(n - 1)),
@@ -436,13 +467,14 @@ class _Loop:
                 "trained_tokens_per_s": m["tokens_trained"] / m["step_time_s"],
                 "tokens_seen": m["tokens"], "tokens_trained": m["tokens_trained"],
                 "step_time_s": m["step_time_s"], "data_wait_s": m["data_wait_s"],
-                "skipped_samples": self.skipped, "nonfinite_steps": self.nonfinite}
+                "skipped_samples": self.skipped, "nonfinite_steps": self.nonfinite,
+                "spike_steps": self.spike_steps}
 
     def guard(self, n: int, rec: dict, max_bad_steps: int) -> None:
         if self.in_a_row >= max_bad_steps:
             raise TrainingStopped(
                 f"{self.in_a_row} steps in a row ({n + 1 - self.in_a_row}..{n}) had a "
-                f"non-finite loss or gradient norm (last: loss {rec['loss']}, grad_norm "
+                f"non-finite or spiking loss or gradient norm (last: loss {rec['loss']}, grad_norm "
                 f"{rec['grad_norm']}); none was applied. Last good checkpoint: "
                 f"{_last_good(self.ckpt)} (lower the learning rate or check the data, then "
                 f"rerun to resume; train.max_bad_steps={max_bad_steps})")
@@ -477,7 +509,9 @@ class _Loop:
         try:
             self.ckpt.save(n, self.runner.checkpoint_tree(),
                            {**self.runner.data_state(), "skipped_samples": self.skipped,
-                            "nonfinite_steps": self.nonfinite})
+                            "nonfinite_steps": self.nonfinite,
+                            "spike_steps": self.spike_steps,
+                            "spike_history": self.spikes.state()})
         except NonFiniteState as e:
             raise TrainingStopped(f"step {n}: {e}; last good checkpoint: "
                                   f"{_last_good(self.ckpt)} (lower the learning rate, "
