@@ -75,7 +75,7 @@ SETTINGS: dict[str, dict[str, Setting]] = {
         "trace_every": _int(0, needs="plan"), "keep_checkpoints": _int(3, 1),
         "keep_every": _int(None, 1, none=True), "max_bad_steps": _int(5, 1),
         "trace_steps": Setting("str", None, none=True, needs="plan"),
-        "spike_factor": _float(100.0, 0, 1e12, fix="0 turns the guard off, else > 1, "
+        "spike_factor": _float(100.0, 0, 1e6, fix="0 turns the guard off, else > 1, "
                                "e.g. 100"),
         "spike_window": _int(20, 2, 100_000),
         "compilation_cache_dir": Setting("str", ""), "replan_every": _int(0, needs="plan"),
