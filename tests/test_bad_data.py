@@ -9,6 +9,7 @@ import gin
 import numpy as np
 import pytest
 
+import mmjax.data.loader  # noqa: F401  (registers Loader with gin)
 from mmjax.data.example_data import write_llava_example
 from mmjax.train.trainer import train
 

@@ -214,3 +214,17 @@ def test_spike_guard_limits_are_factor_times_running_medians_and_survive_a_resum
     again.restore(json.loads(json.dumps(g.state())))  # through the checkpoint's JSON
     assert again.limits() == g.limits()
     assert SpikeGuard(0.0, 6).limits() == (np.inf, np.inf)
+
+
+def test_a_checkpoint_due_in_a_bad_streak_is_written_at_the_first_good_step():
+    from mmjax.train.trainer import checkpoint_now
+
+    owed, saved = False, []
+    # checkpoint every 2; steps 3..5 bad (a streak over step 4), steps 6.. good again
+    for n, bad in zip(range(1, 9), [0, 0, 1, 2, 3, 0, 0, 0]):
+        save, owed = checkpoint_now(n % 2 == 0, bad, owed)
+        saved += [n] if save else []
+    assert saved == [2, 6, 8]  # step 4's checkpoint was written at step 6, not lost
+    assert checkpoint_now(False, 0, False) == (False, False)
+    assert checkpoint_now(True, 1, False) == (False, True)
+    assert checkpoint_now(False, 0, True) == (True, False)

@@ -59,6 +59,14 @@ def parse_trace_steps(trace_steps: str | None, plan: str | None) -> tuple[int, i
     return int(a), int(b)
 
 
+def checkpoint_now(due: bool, in_a_row: int, owed: bool) -> tuple[bool, bool]:
+    """(save this step, a checkpoint still owed): a step in a bad streak changed no
+    parameters and is not saved; a checkpoint that fell due inside the streak is written at
+    the first good step after it, so a recovered streak never costs a checkpoint."""
+    save = not in_a_row and (due or owed)
+    return save, (owed or due) and not save
+
+
 class TrainingStopped(RuntimeError):
     """Training cannot usefully continue (one-line reason; checkpoints are intact)."""
 
@@ -379,9 +387,8 @@ class _Loop:
                 self.guard(n, rec, max_bad_steps)
                 self.bad_data_guard(n, sf)
                 # a step in a bad streak changed no parameters: no checkpoint until one is good
-                due = n % checkpoint_every == 0 or n == end or bool(switch)
-                saved = not self.in_a_row and (due or self.owed)
-                self.owed = bool(self.in_a_row and due) or (self.owed and not saved)
+                saved, self.owed = checkpoint_now(n % checkpoint_every == 0 or n == end
+                                                  or bool(switch), self.in_a_row, self.owed)
                 if saved:
                     self.save(n)
                 if switch is not None:
