@@ -105,7 +105,8 @@ def test_a_short_window_draws_replacements_the_same_way_on_every_restart():
 def test_a_data_set_without_enough_usable_samples_is_one_line():
     builder = GlobalBatchBuilder(source(bad=0.999), CFG, plan(), LAYOUT,
                                  {u: "none" for u in CFG.unit_names}, reserve=0)
-    with pytest.raises(ValueError, match=r"usable samples in the whole data set of 500"):
+    with pytest.raises(ValueError, match=r"global batch 0: only \d of \d+ samples drawn are "
+                                         r"usable .*data set of 500\); see skipped.jsonl"):
         builder(0)
 
 

@@ -116,6 +116,9 @@ def mask_out_failed(batch: Batch, samples: list[Sample], failed: set[int]) -> No
         batch.num_gen_elements = int(batch.gen["gen_valid"].sum()) * per
 
 
+REPLACEMENTS = 16  # a short batch draws up to this many windows of replacements
+
+
 class GlobalBatchBuilder:
     """step -> GlobalBatch; pure function of (source, seed, step), picklable for workers."""
 
@@ -182,12 +185,13 @@ class GlobalBatchBuilder:
     def _draws(self, step: int):
         """The step's candidates, lazily: its window, then replacements (when more than
         `reserve` of the window are unusable) from a second seeded stream at the step's own
-        positions, at most one data set's worth: a pure function of (seed, step), so a
-        restart draws the same ones."""
+        positions, at most `REPLACEMENTS` windows' worth (or the data set): a pure function
+        of (seed, step), so a restart draws the same ones. A batch that still runs short is
+        a data set that is mostly bad: an error, not an endless search."""
         w = self.plan.global_batch + self.reserve
         for p in range(step * w, (step + 1) * w):
             yield self._index(p)
-        for j in range(len(self.source)):
+        for j in range(min(len(self.source), REPLACEMENTS * w)):
             yield self._index(step * w + j, salt=1)
 
     def select(self, step: int, skipped: list | None = None):
@@ -216,9 +220,10 @@ class GlobalBatchBuilder:
                 idx.append(i)
                 specs.append(spec)
         if len(idx) < gb:
-            raise UserError(f"global batch {step}: only {len(idx)} usable samples in the "
-                            f"whole data set of {len(self.source)} ({reasons}); see "
-                            f"skipped.jsonl and fix the data")
+            raise UserError(f"global batch {step}: only {len(idx)} of {len(seen)} samples "
+                            f"drawn are usable ({reasons}; data set of "
+                            f"{len(self.source)}); see skipped.jsonl and fix the data (or "
+                            f"the settings that reject them, e.g. data_layout.seq_len)")
         return idx, specs, reasons
 
     def _feed(self, mp: MicrobatchPlan, get):
