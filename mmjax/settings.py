@@ -78,7 +78,8 @@ SETTINGS: dict[str, dict[str, Setting]] = {
         "spike_factor": _float(100.0, 0, 1e6, fix="0 turns the guard off, else > 1, "
                                "e.g. 100"),
         "spike_window": _int(20, 2, 100_000),
-        "compilation_cache_dir": Setting("str", ""), "replan_every": _int(0, needs="plan"),
+        "compilation_cache_dir": Setting("str", ""),
+        "replan_every": _int(0, needs="plan", fix="0 turns it off, N >= 1 re-plans every N steps"),
         "replan_min_gain": _float(1.10, 1, 100, open_lo=True, needs="replan"),
     },
     "named_model_config": {"name": Setting("str", "tiny"), "overrides": Setting("dict", None,
