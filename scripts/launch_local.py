@@ -107,9 +107,10 @@ def launch(num_processes: int, script_args: list[str], devices_per_process: int 
                                                   tail_lines, stop, heartbeat_timeout)
             if status == 0 or stop.signame:
                 if stop.signame:
+                    how = ("all stopped with a checkpoint" if status == EXIT_PREEMPTED
+                           else describe(status))
                     print(f"launch_local: {stop.signame} forwarded to all {num_processes} "
-                          f"processes; {'all stopped with a checkpoint' if status == EXIT_PREEMPTED else describe(status)}"
-                          f" (exit {status})", file=sys.stderr, flush=True)
+                          f"processes; {how} (exit {status})", file=sys.stderr, flush=True)
                 return status
             who = f"process p{culprit} ({why})"
             if attempt < max_restarts:
@@ -261,8 +262,8 @@ def _attempt(num_processes, script_args, devices_per_process, script, timeout, t
         for i, p in enumerate(procs):
             if i != culprit and p.returncode not in (0, None) and not killed[i]:
                 lost = any(_PEER_LOSS.search(x) for x in tails[i])
-                print(f"launch_local: p{i} then {describe(p.returncode)}"
-                      f"{' after losing its peer p' + str(culprit) + ' (a consequence)' if lost else ''}",
+                why_i = f" after losing its peer p{culprit} (a consequence)" if lost else ""
+                print(f"launch_local: p{i} then {describe(p.returncode)}{why_i}",
                       file=sys.stderr)
     failed = {i: list(tails[i]) for i, p in enumerate(procs)
               if i == culprit or (p.returncode not in (0, None) and not killed[i]
