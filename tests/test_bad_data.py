@@ -120,3 +120,18 @@ def test_a_mostly_bad_set_stops_with_one_line_naming_the_worst_file(tmp_path):
     msg = str(e.value).splitlines()[0]  # gin appends "In call to configurable" lines
     assert "Loader.max_bad_fraction=0.02" in msg and "see skipped.jsonl" in msg, msg
     assert "most in: train.jsonl (" in msg, msg
+
+
+def test_the_bad_fraction_rule_names_the_worst_files(tmp_path):
+    from mmjax.train.bad_data import too_much_bad_data
+
+    log = tmp_path / "skipped.jsonl"
+    log.write_text("".join(json.dumps({"step": 1, "id": str(k), "file": f, "line": k,
+                                       "reason": "json: x"}) + "\n"
+                           for k, f in enumerate(["/d/a.jsonl"] * 3 + ["/d/b.jsonl"] * 5)))
+    assert too_much_bad_data(3, 8, 8, 0.5, str(log)) is None  # 8 of 32: under 4 batches
+    assert too_much_bad_data(4, 8, 8, 0.5, str(log)) is None  # 8 of 40 = 20%
+    why = too_much_bad_data(4, 8, 8, 0.1, str(log))
+    assert why.startswith("8 of 40 samples drawn by step 4 were bad (20% > "
+                          "Loader.max_bad_fraction=0.1); most in: b.jsonl (5), a.jsonl (3)")
+    assert too_much_bad_data(4, 8, 8, 1.0, str(log)) is None

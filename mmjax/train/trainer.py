@@ -28,6 +28,7 @@ from mmjax.train.config import named_model_config, pretrained
 from mmjax.train.data_config import fit_vocab, layout_and_source, train_source
 from mmjax.train.optimizer import learning_rate_schedule
 from mmjax.train.pipelined import Pipelined, write_trace
+from mmjax.train.bad_data import too_much_bad_data
 from mmjax.train.preemption import Preempted, Preemption
 from mmjax.train.spike_guard import SpikeGuard
 from mmjax.train.plan_history import (forget_plans_after, plan_in_effect, plan_path,
@@ -487,30 +488,14 @@ class _Loop:
                 f"rerun to resume; train.max_bad_steps={max_bad_steps})")
 
     def bad_data_guard(self, n: int, skip_log) -> None:
-        """Stop (TrainingStopped) once the share of bad samples among those drawn passes
-        `Loader.max_bad_fraction`, naming the files with the most bad samples
-        (skipped.jsonl); judged from 4 global batches on."""
+        """Stop once the share of bad samples passes `Loader.max_bad_fraction`."""
         data = self.runner.data
         limit = getattr(getattr(data, "loader", data), "max_bad_fraction", 1.0)
-        good = n * self.runner.global_batch
-        drawn = good + self.skipped
-        if limit >= 1.0 or drawn < 4 * self.runner.global_batch or \
-                self.skipped <= limit * drawn:
-            return
-        counts: dict[str, int] = {}
         skip_log.flush()
-        if os.path.exists(self.skipped_path):
-            with open(self.skipped_path) as f:
-                for row in map(json.loads, f):
-                    counts[row.get("file", "?")] = counts.get(row.get("file", "?"), 0) + 1
-        worst = ", ".join(f"{os.path.basename(k) or '?'} ({v})" for k, v in sorted(
-            counts.items(), key=lambda kv: -kv[1])[:3])
-        raise TrainingStopped(
-            f"{self.skipped} of {drawn} samples drawn by step {n} were bad "
-            f"({self.skipped / drawn:.0%} > Loader.max_bad_fraction={limit}); most in: "
-            f"{worst or 'see skipped.jsonl'} (fix the data, see skipped.jsonl for each "
-            f"sample and reason, or raise Loader.max_bad_fraction); last good checkpoint: "
-            f"{_last_good(self.ckpt)}")
+        why = too_much_bad_data(n, self.runner.global_batch, self.skipped, limit,
+                                self.skipped_path)
+        if why:
+            raise TrainingStopped(f"{why}; last good checkpoint: {_last_good(self.ckpt)}")
 
     def save(self, n: int) -> None:
         try:
