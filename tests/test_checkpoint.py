@@ -118,7 +118,8 @@ def test_damaged_newest_checkpoint_falls_back_to_previous(tmp_path, kind, capsys
 
 
 def test_stray_and_foreign_directories(tmp_path):
-    """An empty dir named like a step is skipped (named); other names are ignored."""
+    """An empty dir named like a step is skipped (named); a stray temporary directory of an
+    unfinished save is removed (named); other names are ignored."""
     ck_dir = tmp_path / "checkpoints"
     write(ck_dir)
     for name in ("9", "notes", "x_5", "3.orbax-checkpoint-tmp-1"):
@@ -128,7 +129,10 @@ def test_stray_and_foreign_directories(tmp_path):
     assert ck.steps() == [9, 2, 1]
     step, _, _ = ck.restore_latest(LIKE)
     assert step == 2
-    assert len(lines) == 1 and "checkpoint step 9" in lines[0] and "missing item(s)" in lines[0]
+    assert len(lines) == 2 and lines[0].startswith("removed 3.orbax-checkpoint-tmp-1, the "
+                                                   "temporary directory of an unfinished save")
+    assert "checkpoint step 9" in lines[1] and "missing item(s)" in lines[1]
+    assert not os.path.exists(ck_dir / "3.orbax-checkpoint-tmp-1")
     ck.close()
     assert os.path.isdir(ck_dir / "notes") and os.path.isdir(ck_dir / "x_5")
 
