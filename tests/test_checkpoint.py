@@ -146,6 +146,7 @@ def test_every_checkpoint_damaged_starts_fresh_and_keeps_them(tmp_path):
     ck = Checkpointer(str(ck_dir), log=lines.append)
     assert ck.restore_latest(LIKE) is None and len(lines) == 2
     assert sorted(os.listdir(str(ck_dir) + ".unusable")) == ["1", "2"]
+    assert ck.set_aside == [2, 1]  # the trainer says it starts from step 0 because of them
     ck.close()
 
 
