@@ -5,7 +5,8 @@ The handler only records the signal (so a save in progress is never cut: the ste
 looks at the flag between steps). In a multi-process run every process must stop after
 the same step, though each may see its signal at another moment: the loop asks
 `requested()` after every step, one all-gather of the flags, and all stop when any has one.
-A second Ctrl-C stops at once (KeyboardInterrupt, no checkpoint). The grace period a
+A second Ctrl-C stops at once (KeyboardInterrupt, no checkpoint). A signal during start-up
+(restore, init) stops the run before its first step. The grace period a
 cluster must give between SIGTERM and SIGKILL: one step plus one checkpoint save
 (docs/design.md "Preemption").
 """
@@ -24,8 +25,9 @@ class Preempted(Exception):
     def __init__(self, signame: str, step: int, resume: int | None, where: str):
         self.signame, self.step, self.resume, self.where = signame, step, resume, where
         at = f"step {resume} ({where})" if resume else "step 0 (no checkpoint yet)"
-        super().__init__(f"{signame}: stopped after step {step}; the run will resume from "
-                         f"{at}: rerun the same command")
+        done = f"after step {step}" if step else "before its first step"
+        super().__init__(f"{signame}: stopped {done}; the run will resume from {at}: rerun "
+                         f"the same command")
 
 
 class Preemption:

@@ -326,8 +326,15 @@ class _Loop:
         self.start, self.skipped, self.nonfinite, self.in_a_row = 0, 0, 0, 0
         self.spike_steps = 0
         self.replan_every, self.plan, self.plan_traces = 0, None, []
-        found = self.ckpt.restore_latest(
-            getattr(runner, "restore_target", runner.checkpoint_tree)())
+        # from here a SIGTERM / SIGINT waits for a step boundary (restore and compile
+        # included: the run then stops before its first step, nothing lost)
+        self.preempt = Preemption(self.lead).__enter__()
+        try:
+            found = self.ckpt.restore_latest(
+                getattr(runner, "restore_target", runner.checkpoint_tree)())
+        except BaseException:
+            self.preempt.__exit__(None, None, None)
+            raise
         if found is not None:
             latest, state, data_state = found
             runner.load(state, data_state, latest)
@@ -357,9 +364,14 @@ class _Loop:
             evaluate_at, evaluate, cfg, plan) -> list[dict]:
         records = []
         self.plan = self.plan or plan
+        preempt = self.preempt
+        preempt.step = self.start
+        if self.start < end and preempt.requested():  # a signal during start-up
+            self.ckpt.wait()
+            raise Preempted(preempt.signame or "a peer's signal", self.start,
+                            self.ckpt.latest_step(), self.ckpt.directory)
         with open(self.metrics_path if self.lead else os.devnull, "a") as mf, \
-                open(self.skipped_path if self.lead else os.devnull, "a") as sf, \
-                Preemption(self.lead) as preempt:
+                open(self.skipped_path if self.lead else os.devnull, "a") as sf:
             for step in range(self.start, end):
                 n = step + 1
                 preempt.step = step
@@ -510,6 +522,7 @@ class _Loop:
                                   f"then rerun to resume)") from None
 
     def close(self) -> None:
+        self.preempt.__exit__(None, None, None)
         self.ckpt.close()
         if self.runner is not None and hasattr(self.runner, "close"):
             self.runner.close()
