@@ -8,6 +8,7 @@ error too.
 """
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
@@ -47,6 +48,14 @@ def run_main(main, argv=None) -> int:
         # gin appends "In call to configurable ..." on further lines: the first says it all
         print(f"error: {(str(e).splitlines() or [type(e).__name__])[0]}", file=sys.stderr)
         return EXIT_USER_ERROR
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose errors (unknown flag, missing value) are one-line user errors (exit
+    2 through `run_main`), not a usage block."""
+
+    def error(self, message: str):
+        raise UserError(f"{message} (see {self.prog} --help)")
 
 
 def add_debug_flag(parser) -> None:

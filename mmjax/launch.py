@@ -75,6 +75,22 @@ def initialize(coordinator_address: str | None, num_processes: int | None,
                                initialization_timeout=initialization_timeout)
 
 
+def beat_to(path: str | None, every: float = 1.0) -> None:
+    """Touch `path` every `every` s from a daemon thread: the launcher's sign of life of
+    this process (a stopped or frozen process stops beating; scripts/launch_local.py)."""
+    if not path:
+        return
+    import threading
+    import time
+
+    def beat():
+        while True:
+            with open(path, "a"):
+                os.utime(path)
+            time.sleep(every)
+    threading.Thread(target=beat, name="mmjax-heartbeat", daemon=True).start()
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     rest = []
@@ -99,6 +115,7 @@ def main(argv=None) -> int:
         c = cluster_settings(args.coordinator, args.num_processes, args.process_id)
     except ValueError as e:
         sys.exit(f"error: {e}")
+    beat_to(os.environ.get("MMJAX_HEARTBEAT_FILE"))
     initialize(c["coordinator"], c["num_processes"], c["process_id"],
                args.local_device_count, args.heartbeat_timeout_seconds)
     import jax

@@ -8,7 +8,12 @@ Each process is `python -m mmjax.launch` with a coordinator on 127.0.0.1 at a fr
 streamed as they come. When one process fails the others are killed (a peer waiting in a
 collective would otherwise hang; a hung process makes its peers fail within seconds through
 the coordinator's heartbeat); the exit status is that of the first process seen failing
-(a script's own non-zero exit preferred over a peer's abort on losing it), else 0.
+(128 + N for a death by signal N), else 0. The first failure is named with its cause (exit
+status, signal, heartbeat lost: a process stopped or frozen stops touching its heartbeat
+file), and a peer that then dies reporting the lost connection is named as a consequence.
+SIGTERM / SIGINT to the launcher are forwarded to every process (each in its own session, so
+a terminal's Ctrl-C arrives once); scripts/train.py then finishes its step, checkpoints and
+exits 75, and so does the launcher.
 
 Supervision: with `--max_restarts=R` a failed attempt restarts all N processes (a fresh
 coordinator), up to R times; the script resumes from its last checkpoint (scripts/train.py
@@ -21,6 +26,8 @@ import argparse
 import collections
 import os
 import re
+import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -66,39 +73,119 @@ def _pump(proc: subprocess.Popen, prefix: str, lock: threading.Lock, tail) -> No
             sys.stdout.flush()
 
 
+EXIT_PREEMPTED = 75  # mmjax/train/preemption.py: stopped on a signal with a checkpoint
+# what a process prints when it dies because a peer did (gloo / the coordination service)
+_PEER_LOSS = re.compile(r"gloo|connection (?:closed|reset|refused)|heartbeat|coordination "
+                        r"service|DEADLINE_EXCEEDED|UNAVAILABLE|socket closed|peer",
+                        re.IGNORECASE)
+
+
+def describe(rc: int) -> str:
+    """A process's end in words: its exit status or the signal that killed it."""
+    if rc < 0:
+        try:
+            return f"killed by {signal.Signals(-rc).name}"
+        except ValueError:
+            return f"killed by signal {-rc}"
+    return f"exit status {rc}"
+
+
 def launch(num_processes: int, script_args: list[str], devices_per_process: int = 4,
            script: str | None = None, timeout: float | None = None,
-           max_restarts: int = 0, tail_lines: int = 20) -> int:
+           max_restarts: int = 0, tail_lines: int = 20,
+           heartbeat_timeout: float = 60.0) -> int:
     """Run the processes, restarting all of them after a failure up to `max_restarts`
-    times; -> exit status (see module docstring)."""
+    times; -> exit status (see module docstring). SIGTERM / SIGINT are forwarded to every
+    process (each finishes its step, checkpoints and exits 75) and end the run, no restart."""
     if max_restarts < 0:
         raise ValueError("launch: --max_restarts must be >= 0")
-    for attempt in range(max_restarts + 1):
-        status, culprit, tail = _attempt(num_processes, script_args, devices_per_process,
-                                         script, timeout, tail_lines)
-        if status == 0:
-            return 0
-        who = f"process p{culprit} (exit status {status})"
-        if attempt < max_restarts:
-            print(f"launch_local: {who} failed; restarting all {num_processes} processes "
-                  f"(restart {attempt + 1} of {max_restarts})", file=sys.stderr, flush=True)
-            continue
-        after = f" after {max_restarts} restart(s)" if max_restarts else ""
-        print(f"launch_local: {who} failed{after}; its last lines:", file=sys.stderr)
-        for line in tail[culprit]:
-            print(f"  [p{culprit}] {line}", file=sys.stderr)
-        for i, lines in sorted(tail.items()):
-            if i != culprit:  # a peer that failed on its own too: its story may be the cause
-                print(f"launch_local: process p{i} also failed; its last lines:", file=sys.stderr)
-                for line in lines:
-                    print(f"  [p{i}] {line}", file=sys.stderr)
-        return status
+    stop = _Stop()
+    with stop:
+        for attempt in range(max_restarts + 1):
+            status, culprit, tail, why = _attempt(num_processes, script_args,
+                                                  devices_per_process, script, timeout,
+                                                  tail_lines, stop, heartbeat_timeout)
+            if status == 0 or stop.signame:
+                if stop.signame:
+                    how = ("all stopped with a checkpoint" if status == EXIT_PREEMPTED
+                           else describe(status))
+                    print(f"launch_local: {stop.signame} forwarded to all {num_processes} "
+                          f"processes; {how} (exit {status})", file=sys.stderr, flush=True)
+                return status
+            who = f"process p{culprit} ({why})"
+            if attempt < max_restarts:
+                print(f"launch_local: {who} failed; restarting all {num_processes} processes "
+                      f"(restart {attempt + 1} of {max_restarts})", file=sys.stderr,
+                      flush=True)
+                continue
+            after = f" after {max_restarts} restart(s)" if max_restarts else ""
+            status = status if status >= 0 else 128 - status  # killed by N: 128 + N
+            print(f"launch_local: {who} failed{after}; its last lines:", file=sys.stderr)
+            for line in tail[culprit]:
+                print(f"  [p{culprit}] {line}", file=sys.stderr)
+            for i, lines in sorted(tail.items()):
+                if i != culprit:  # failed on its own too: its story may be the cause
+                    print(f"launch_local: process p{i} also failed; its last lines:",
+                          file=sys.stderr)
+                    for line in lines:
+                        print(f"  [p{i}] {line}", file=sys.stderr)
+            return status
     return status  # unreachable: the loop returns
 
 
-def _attempt(num_processes, script_args, devices_per_process, script, timeout, tail_lines):
+class _Stop:
+    """While active: SIGTERM / SIGINT are recorded and forwarded to the live processes
+    (`procs`, set per attempt) instead of killing the launcher."""
+
+    def __init__(self):
+        self.signame, self.procs, self._old = None, [], {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._old[sig] = signal.signal(sig, self._forward)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        return False
+
+    def _forward(self, signum, frame) -> None:
+        self.signame = self.signame or signal.Signals(signum).name
+        for p in self.procs:
+            if p.poll() is None:
+                os.kill(p.pid, signum)
+
+
+def _stopped(pid: int) -> bool:
+    """The process is stopped (SIGSTOP / SIGTSTP: state T in /proc; False elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
+def _alive(path: str, since: float, timeout: float) -> bool:
+    """A process's heartbeat (a file mmjax.launch touches every second) is fresh: not
+    older than `timeout` s (before its first beat: counted from the start)."""
+    try:
+        last = os.path.getmtime(path)
+    except OSError:
+        last = since
+    return time.time() - max(last, since) < timeout
+
+
+def _attempt(num_processes, script_args, devices_per_process, script, timeout, tail_lines,
+             stop=None, heartbeat_timeout: float = 60.0):
     """One start of all processes; -> (exit status, culprit process id, {process id: last
-    lines} for the culprit and every peer that exited non-zero on its own)."""
+    lines} for the culprit and every peer that failed on its own, the culprit's story).
+    The culprit is the first process seen failing (exit, signal, or heartbeat lost); a
+    peer that then dies reporting a lost connection is a consequence and named as one."""
+    import tempfile
+
+    stop = stop or _Stop()
     if num_processes < 1 or devices_per_process < 1:
         raise ValueError("launch: --num_processes and --devices_per_process must be >= 1")
     coordinator = f"127.0.0.1:{free_port()}"
@@ -110,33 +197,45 @@ def _attempt(num_processes, script_args, devices_per_process, script, timeout, t
     env["XLA_FLAGS"] = " ".join(flags)
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     env["PYTHONUNBUFFERED"] = "1"
+    beats = tempfile.mkdtemp(prefix="mmjax_heartbeats_")
     procs, lock = [], threading.Lock()
+    t_start = time.time()
     for i in range(num_processes):
         cmd = [sys.executable, "-m", "mmjax.launch", f"--coordinator={coordinator}",
                f"--num_processes={num_processes}", f"--process_id={i}",
                f"--local_device_count={devices_per_process}"]
         if script:
             cmd.append(f"--script={script}")
-        procs.append(subprocess.Popen(cmd + ["--"] + list(script_args), env=env, cwd=REPO,
+        env_i = {**env, "MMJAX_HEARTBEAT_FILE": os.path.join(beats, f"p{i}")}
+        # own session: a terminal's Ctrl-C reaches the launcher only, which forwards it once
+        procs.append(subprocess.Popen(cmd + ["--"] + list(script_args), env=env_i, cwd=REPO,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True, bufsize=1))
+                                      text=True, bufsize=1, start_new_session=True))
+    stop.procs = procs
     tails = [collections.deque(maxlen=tail_lines) for _ in procs]
     pumps = [threading.Thread(target=_pump, args=(p, f"[p{i}]", lock, tails[i]), daemon=True)
              for i, p in enumerate(procs)]
     for t in pumps:
         t.start()
-    status, culprit = 0, 0
+    status, culprit, why, hung = 0, 0, "", set()
     deadline = None if timeout is None else time.monotonic() + timeout
     try:
         while any(p.poll() is None for p in procs):
-            failed = [(p.returncode, i) for i, p in enumerate(procs)
-                      if p.returncode not in (None, 0)]
+            if stop.signame:  # every process finishes its step and checkpoints: wait
+                time.sleep(0.1)
+                continue
+            failed = [i for i, p in enumerate(procs) if p.returncode not in (None, 0)]
+            hung = {i for i, p in enumerate(procs) if p.returncode is None and (
+                not _alive(os.path.join(beats, f"p{i}"), t_start, heartbeat_timeout)
+                or (failed and _stopped(p.pid)))}
             late = deadline is not None and time.monotonic() > deadline
-            if failed or late:
-                # Prefer a script's own exit status over a peer's abort on losing it.
-                status, culprit = max(failed, key=lambda c: c[0] > 0) if failed else (124, 0)
-                if late:
-                    print(f"launch_local: timed out after {timeout}s", file=sys.stderr)
+            if failed or hung:
+                culprit, why = _first(procs, failed, hung, tails, heartbeat_timeout)
+                status = procs[culprit].returncode if culprit in failed else 124
+                break
+            if late:
+                status, culprit, why = 124, 0, f"timed out after {timeout}s"
+                print(f"launch_local: timed out after {timeout}s", file=sys.stderr)
                 break
             time.sleep(0.1)
     finally:
@@ -148,15 +247,42 @@ def _attempt(num_processes, script_args, devices_per_process, script, timeout, t
             p.wait()
         for t in pumps:
             t.join(timeout=5)
+        shutil.rmtree(beats, ignore_errors=True)
+    if stop.signame:
+        codes = {p.returncode for p in procs}
+        return (EXIT_PREEMPTED if codes == {EXIT_PREEMPTED} else max(codes, key=abs)), 0, {}, ""
     if status == 0:
-        codes = [(p.returncode, i) for i, p in enumerate(procs) if p.returncode != 0]
-        status, culprit = max(codes, key=lambda c: c[0] > 0) if codes else (0, 0)
+        codes = [i for i, p in enumerate(procs) if p.returncode != 0]
+        if codes:
+            culprit, why = _first(procs, codes, set(), tails, heartbeat_timeout)
+            status = procs[culprit].returncode
     if status != 0:
         codes = ", ".join(f"p{i}={p.returncode}" for i, p in enumerate(procs))
-        print(f"launch_local: failed ({codes})", file=sys.stderr)
+        print(f"launch_local: failed ({codes}); first: p{culprit}, {why}", file=sys.stderr)
+        for i, p in enumerate(procs):
+            if i != culprit and p.returncode not in (0, None) and not killed[i]:
+                lost = any(_PEER_LOSS.search(x) for x in tails[i])
+                why_i = f" after losing its peer p{culprit} (a consequence)" if lost else ""
+                print(f"launch_local: p{i} then {describe(p.returncode)}{why_i}",
+                      file=sys.stderr)
     failed = {i: list(tails[i]) for i, p in enumerate(procs)
-              if i == culprit or (p.returncode not in (0, None) and not killed[i])}
-    return status, culprit, failed
+              if i == culprit or (p.returncode not in (0, None) and not killed[i]
+                                  and not any(_PEER_LOSS.search(x) for x in tails[i]))}
+    return status, culprit, failed, why
+
+
+def _first(procs, failed, hung, tails, heartbeat_timeout) -> tuple[int, str]:
+    """(culprit, its story) among the processes seen failing in one poll: a lost
+    heartbeat (stopped or frozen) first, then a death by signal, then an exit whose last
+    lines do not report a lost peer, then any."""
+    if hung:
+        i = min(hung)
+        return i, f"heartbeat lost: no sign of life for {heartbeat_timeout:g}s (stopped or hung)"
+    def rank(i):  # its own failure before a peer's report of the loss; a signal first
+        lost = any(_PEER_LOSS.search(x) for x in tails[i])
+        return (lost, procs[i].returncode >= 0, i)
+    i = min(failed, key=rank)
+    return i, describe(procs[i].returncode)
 
 
 def main(argv=None) -> int:
@@ -174,11 +300,14 @@ def main(argv=None) -> int:
                    help="kill all after S seconds (per attempt)")
     p.add_argument("--max_restarts", type=int, default=0,
                    help="restart all processes after a failure up to R times")
+    p.add_argument("--heartbeat_timeout", type=float, default=60.0,
+                   help="a process with no heartbeat for S seconds (stopped, frozen) counts "
+                        "as failed: all are stopped (and restarted with --max_restarts)")
     args = p.parse_args(argv)
     if args.max_restarts < 0:
         p.error("--max_restarts must be >= 0")
     return launch(args.num_processes, rest, args.devices_per_process, args.script, args.timeout,
-                  args.max_restarts)
+                  args.max_restarts, heartbeat_timeout=args.heartbeat_timeout)
 
 
 if __name__ == "__main__":

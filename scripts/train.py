@@ -11,7 +11,8 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from mmjax.cli import add_debug_flag, parse_gin, refuse_unused_bindings, run_main  # noqa: E402
+from mmjax.cli import (ArgumentParser, add_debug_flag, parse_gin,  # noqa: E402
+                       refuse_unused_bindings, run_main)
 
 
 def render_traces(workdir: str, trace_steps: str) -> list[str]:
@@ -33,8 +34,47 @@ def render_traces(workdir: str, trace_steps: str) -> list[str]:
     return pngs
 
 
+def check_flags(args) -> None:
+    """The flags' own values, before gin: an empty --plan / --workdir / --trace_steps is
+    an error, not the default."""
+    from mmjax.errors import UserError
+
+    for flag in ("plan", "workdir", "trace_steps"):
+        value = getattr(args, flag)
+        if value is not None and not value.strip():
+            raise UserError(f"--{flag}={value!r}: empty (give a value or leave the flag out)")
+    for b in args.gin_param:
+        if not b.strip() or "=" not in b or not b.split("=", 1)[1].strip():
+            raise UserError(f"--gin_param={b!r}: give a binding configurable.parameter = "
+                            f"value")
+    if args.workdir is not None and os.path.exists(args.workdir) and \
+            not os.path.isdir(args.workdir):
+        raise UserError(f"--workdir={args.workdir!r}: is a file (give a directory)")
+
+
+@contextlib.contextmanager
+def removed_if_refused(workdir: str):
+    """A run refused with a user error leaves nothing: a workdir it created is removed,
+    unless a step was trained (metrics or a checkpoint written: work is never deleted)."""
+    import shutil
+
+    from mmjax.cli import user_error_types
+
+    existed = os.path.exists(workdir)
+    try:
+        yield
+    except user_error_types():
+        ckpts = os.path.join(workdir, "checkpoints")
+        metrics = os.path.join(workdir, "metrics.jsonl")
+        trained = (os.path.isdir(ckpts) and os.listdir(ckpts)) or (
+            os.path.exists(metrics) and os.path.getsize(metrics))
+        if not existed and not trained:
+            shutil.rmtree(workdir, ignore_errors=True)
+        raise
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__)
+    p = ArgumentParser(description=__doc__)
     p.add_argument("--gin_file", action="append", default=None,
                    help="gin file (repeatable); default configs/tiny.gin")
     p.add_argument("--gin_param", action="append", default=[], help="gin binding K=V (repeatable)")
@@ -47,22 +87,39 @@ def main(argv=None) -> int:
                    help="with --plan: run steps A..B (1-based, inclusive) traced, writing "
                         "DIR/traces/step_<n>.json (every stage action's start and end) and "
                         "its timeline, step_<n>.png (Gantt chart) and step_<n>.perfetto.json")
+    p.add_argument("--check", action="store_true",
+                   help="check the settings, the plan and the first global batch, then exit "
+                        "(0: the run would start; 2: one line saying what is wrong); writes "
+                        "nothing")
     add_debug_flag(p)
     args = p.parse_args(argv)
+    check_flags(args)
     files = args.gin_file or [os.path.join(REPO, "configs", "tiny.gin")]
     refuse_unused_bindings(args.gin_param, args.plan)
     params = list(args.gin_param) + ([f"train.plan = {args.plan!r}"] if args.plan else [])
-    if args.trace_steps:
+    if args.trace_steps is not None:
         params.append(f"train.trace_steps = {args.trace_steps!r}")
     parse_gin(files, params)
+    from mmjax.train.preemption import EXIT_PREEMPTED, Preempted
     from mmjax.train.trainer import TrainingStopped, train
 
     workdir = args.workdir or os.path.join("runs", os.path.splitext(os.path.basename(files[0]))[0])
     try:
-        records = train(workdir=workdir)
+        with removed_if_refused(workdir):
+            records = train(workdir=workdir, dry_run=args.check)
     except TrainingStopped as e:  # not bad input: the run itself went wrong (exit 1)
         print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 1
+    except Preempted as e:  # SIGTERM / SIGINT: checkpoint written, rerun to resume
+        import jax
+
+        if jax.process_index() == 0:
+            print(f"preempted: {e}", file=sys.stderr)
+        return EXIT_PREEMPTED
+    if args.check:
+        print(f"check: the settings, the plan and the first global batch are good; "
+              f"nothing written")
+        return 0
     if args.trace_steps:
         render_traces(workdir, args.trace_steps)
     if records:

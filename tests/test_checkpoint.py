@@ -72,7 +72,18 @@ def drop_manifest(d):
     os.remove(os.path.join(d, "state", "manifest.ocdbt"))
 
 
+def edit_loader_state(d):  # the data item's JSON, a valid edit: next batch 2 -> 7
+    files = [f for f in glob.glob(os.path.join(d, "data", "**"), recursive=True)
+             if os.path.isfile(f) and '"next"' in open(f, errors="ignore").read()]
+    assert len(files) == 1, files
+    text = open(files[0]).read()
+    open(files[0], "w").write(text.replace('"next": 2', '"next": 7').replace('"next":2',
+                                                                             '"next":7'))
+    assert open(files[0]).read() != text
+
+
 DAMAGE = {"flipped bytes": (flip_bytes, "checksum mismatch"),
+          "edited loader state": (edit_loader_state, "loader state checksum mismatch"),
           "truncated file": (truncate, "cannot read arrays"),
           "emptied files": (empty_files, "unreadable"),
           "half-deleted": (half_delete, "cannot read arrays"),
@@ -107,7 +118,8 @@ def test_damaged_newest_checkpoint_falls_back_to_previous(tmp_path, kind, capsys
 
 
 def test_stray_and_foreign_directories(tmp_path):
-    """An empty dir named like a step is skipped (named); other names are ignored."""
+    """An empty dir named like a step is skipped (named); a stray temporary directory of an
+    unfinished save is removed (named); other names are ignored."""
     ck_dir = tmp_path / "checkpoints"
     write(ck_dir)
     for name in ("9", "notes", "x_5", "3.orbax-checkpoint-tmp-1"):
@@ -117,7 +129,10 @@ def test_stray_and_foreign_directories(tmp_path):
     assert ck.steps() == [9, 2, 1]
     step, _, _ = ck.restore_latest(LIKE)
     assert step == 2
-    assert len(lines) == 1 and "checkpoint step 9" in lines[0] and "missing item(s)" in lines[0]
+    assert len(lines) == 2 and lines[0].startswith("removed 3.orbax-checkpoint-tmp-1, the "
+                                                   "temporary directory of an unfinished save")
+    assert "checkpoint step 9" in lines[1] and "missing item(s)" in lines[1]
+    assert not os.path.exists(ck_dir / "3.orbax-checkpoint-tmp-1")
     ck.close()
     assert os.path.isdir(ck_dir / "notes") and os.path.isdir(ck_dir / "x_5")
 
@@ -131,6 +146,7 @@ def test_every_checkpoint_damaged_starts_fresh_and_keeps_them(tmp_path):
     ck = Checkpointer(str(ck_dir), log=lines.append)
     assert ck.restore_latest(LIKE) is None and len(lines) == 2
     assert sorted(os.listdir(str(ck_dir) + ".unusable")) == ["1", "2"]
+    assert ck.set_aside == [2, 1]  # the trainer says it starts from step 0 because of them
     ck.close()
 
 

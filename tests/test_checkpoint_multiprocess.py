@@ -132,6 +132,44 @@ def test_kill_9_of_a_two_process_run_resumes_bit_identical(straight, tmp_path, g
 
 
 @pytest.mark.slow
+def test_sigterm_to_the_launcher_checkpoints_every_process_and_the_rerun_is_bit_identical(
+        straight, tmp_path, gloo_jobs):
+    """SIGTERM to launch_local at a random step: forwarded to both processes, which finish
+    the same step, checkpoint it and exit 75 (the launcher too); the rerun ends with every
+    metric and checkpoint leaf of the uninterrupted run."""
+    work = str(tmp_path / "preempted")
+    after = random.Random().randint(1, STEPS - 2)
+    launcher = subprocess.Popen(_cmd(work, 2, 2, PLAN_A), env=_env(), cwd=ROOT,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = os.path.join(work, "metrics.jsonl")
+    deadline = time.monotonic() + 500
+    while time.monotonic() < deadline and launcher.poll() is None:
+        if os.path.exists(metrics):
+            with open(metrics) as f:
+                if len(f.readlines()) >= after:
+                    break
+        time.sleep(0.1)
+    launcher.send_signal(signal.SIGTERM)
+    out, _ = launcher.communicate(timeout=560)
+    reached = len(_metrics(work))
+    print(f"SIGTERM after {after} rows: stopped after step {reached}")
+    assert launcher.returncode == 75, out[-6000:]
+    assert f"[p0] preempted: SIGTERM: stopped after step {reached}; the run will resume from " \
+           f"step {reached}" in out, out[-3000:]
+    assert "all stopped with a checkpoint (exit 75)" in out
+    assert os.path.isdir(os.path.join(work, "checkpoints", str(reached)))
+    _run(work, 2, 2, PLAN_A)
+    want, got = _metrics(straight), _metrics(work)
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    for g, w in zip(got, want):
+        assert {k: g[k] for k in EXACT} == {k: w[k] for k in EXACT}, after
+    a, b = _leaves(straight, STEPS), _leaves(work, STEPS)
+    assert sorted(a) == sorted(b) and len(a) > 50
+    for name in a:
+        np.testing.assert_array_equal(b[name], a[name], err_msg=name)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["plan_b_one_process", "one_program"])
 def test_four_steps_on_two_processes_then_four_on_another_plan(straight, tmp_path, how,
                                                                 gloo_jobs):

@@ -88,10 +88,25 @@ def test_skipped_samples_counted_exactly():
     assert ld.skipped_samples == total > 0
 
 
-def test_too_few_usable_candidates_names_reserve():
-    builder = GlobalBatchBuilder(source(bad=0.9), CFG, plan(), LAYOUT,
+def test_a_short_window_draws_replacements_the_same_way_on_every_restart():
+    """90% bad samples and no reserve: the window runs short, replacements come from the
+    second seeded stream (was: "raise reserve", again on every restart); a fresh builder
+    (a restart) draws the very same; a batch never holds a sample twice."""
+    make = lambda: GlobalBatchBuilder(source(bad=0.9), CFG, plan(), LAYOUT,
+                                      {u: "none" for u in CFG.unit_names}, reserve=0)
+    a, b = make(), make()
+    for step in range(3):
+        ga, gb = a(step), b(step)
+        assert ga.sample_ids == gb.sample_ids and len(set(ga.sample_ids)) == 8
+        assert ga.skipped_samples == gb.skipped_samples >= 8 * 4  # ~9 bad per good one
+        assert [w for _, _, w in ga.skipped] == [w for _, _, w in gb.skipped]
+
+
+def test_a_data_set_without_enough_usable_samples_is_one_line():
+    builder = GlobalBatchBuilder(source(bad=0.999), CFG, plan(), LAYOUT,
                                  {u: "none" for u in CFG.unit_names}, reserve=0)
-    with pytest.raises(ValueError, match="reserve"):
+    with pytest.raises(ValueError, match=r"global batch 0: only \d of \d+ samples drawn are "
+                                         r"usable .*data set of 500\); see skipped.jsonl"):
         builder(0)
 
 

@@ -164,7 +164,7 @@ def test_source_batches_skip_name_and_resume(example):
         batch, skipped = next(data)
         seen += skipped
         assert len(batch.sample_ids) == 6
-    assert {n for n, _ in seen} >= {"corrupt-image", "missing-image"}
+    assert {n for n, _, _ in seen} >= {"corrupt-image", "missing-image"}
     state = data.state()
     after = next(data)[0]
     data.close()

@@ -117,6 +117,58 @@ def test_launch_local_restarts_all_then_gives_up_naming_the_culprit(tmp_path):
            "lines:\n  [p1] process 1 fails" in res.stderr
 
 
+_STOPS_ONCE = textwrap.dedent("""
+    import os, signal, sys, time
+    import jax
+    marker = sys.argv[1]
+    if jax.process_index() == 1 and not os.path.exists(marker):
+        open(marker, "w").close()
+        print("process 1 stops itself", flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP)
+    time.sleep(3)
+    print("attempt ok", flush=True)
+""")
+
+_KILLED = textwrap.dedent("""
+    import os, signal, time
+    import jax
+    from jax.experimental import multihost_utils
+    multihost_utils.sync_global_devices("start")
+    if jax.process_index() == 1:
+        time.sleep(1)
+        os.kill(os.getpid(), signal.SIGKILL)
+    multihost_utils.sync_global_devices("never")  # p0 waits for its lost peer
+""")
+
+
+@pytest.mark.slow
+def test_a_stopped_process_is_found_by_its_heartbeat_and_the_group_restarted(tmp_path):
+    script = tmp_path / "stops.py"
+    script.write_text(_STOPS_ONCE)
+    res = subprocess.run(LAUNCH + ["--num_processes=2", "--devices_per_process=1",
+                                   "--max_restarts=1", "--heartbeat_timeout=5",
+                                   f"--script={script}", "--", str(tmp_path / "marker")],
+                         env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert "process p1 (heartbeat lost: no sign of life for 5s (stopped or hung)) failed; " \
+           "restarting all 2 processes (restart 1 of 1)" in res.stderr, res.stderr[-2000:]
+    second = res.stdout.split("process 1 stops itself")[1]
+    assert "[p0] attempt ok" in second and "[p1] attempt ok" in second
+
+
+@pytest.mark.slow
+def test_the_killed_process_is_blamed_and_its_peers_abort_called_a_consequence(tmp_path):
+    script = tmp_path / "killed.py"
+    script.write_text(_KILLED)
+    res = subprocess.run(LAUNCH + ["--num_processes=2", "--devices_per_process=1",
+                                   f"--script={script}"],
+                         env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 128 + 9, res.stdout[-2000:] + res.stderr[-2000:]
+    assert "first: p1, killed by SIGKILL" in res.stderr, res.stderr[-2000:]
+    assert "launch_local: process p1 (killed by SIGKILL) failed; its last lines:" in res.stderr
+    assert "process p0 also failed" not in res.stderr  # its abort is not a second cause
+
+
 @pytest.mark.parametrize("flags,env,want", [
     (("h:1", 2, 1), {}, ("h:1", 2, 1)),
     ((None, None, None), {"MMJAX_COORDINATOR": "c:2", "MMJAX_NUM_PROCESSES": "4",

@@ -175,3 +175,56 @@ def test_the_guard_flag_is_computed_once_not_per_leaf(n):
     hlo = make_train_step(graphdef, tx).lower(state, {"x": jnp.ones(3)}).compile().as_text()
     ands = hlo.count(" and(")
     assert ands < 8 * n, (n, ands)
+
+
+def test_a_finite_spike_above_the_limits_is_held_back_on_device(sqrt_step):
+    """The loss-spike guard's limits (train/spike_guard.py) go into the step: a loss or a
+    gradient norm above them leaves parameters and optimizer state as they were."""
+    step, init = sqrt_step[0.1]
+    x = {"x": jnp.ones(4, jnp.float32)}  # loss = 4 * sqrt(2) = 5.66
+    for limits, spike in (((5.0, np.inf), 1.0), ((np.inf, 0.1), 1.0), ((6.0, 10.0), 0.0),
+                          ((np.inf, np.inf), 0.0)):
+        state = init()
+        before = _copy(state)
+        state, m = step(state, x, jnp.asarray(limits, jnp.float32))
+        assert float(m["spike"]) == spike and float(m["nonfinite"]) == 0.0, limits
+        assert int(state.step) == (0 if spike else 1) and bool(m["applied"]) == (not spike)
+        same = all(np.array_equal(a, b) for a, b in zip(before, _copy(state)))
+        assert same == bool(spike), limits
+    ok = _fold_loss(jnp.float32(3.0), [jnp.float32(1.5), jnp.float32(2.0)], 4.0, 5.0)
+    assert float(ok) == 3.0
+    assert np.isnan(float(_fold_loss(jnp.float32(3.0), [jnp.float32(1.5),
+                                                         jnp.float32(2.0)], 3.0, 5.0)))
+    assert np.isnan(float(_fold_loss(jnp.float32(3.0), [jnp.float32(1.0)], 4.0, 2.9)))
+
+
+def test_spike_guard_limits_are_factor_times_running_medians_and_survive_a_resume():
+    from mmjax.train.spike_guard import SpikeGuard
+
+    g = SpikeGuard(10.0, 6)
+    for loss, norm in [(4.0, 1.0), (3.0, 2.0)]:
+        g.add(loss, norm)
+        assert g.limits() == (np.inf, np.inf)  # judged once half the window is filled
+    g.add(2.0, 4.0)
+    assert g.limits() == (30.0, 20.0)
+    for k in range(10):
+        g.add(1.0 + k, 0.5)
+    assert len(g.history) == 6 and g.limits() == (10 * 7.5, 10 * 0.5)
+    again = SpikeGuard(10.0, 6)
+    again.restore(json.loads(json.dumps(g.state())))  # through the checkpoint's JSON
+    assert again.limits() == g.limits()
+    assert SpikeGuard(0.0, 6).limits() == (np.inf, np.inf)
+
+
+def test_a_checkpoint_due_in_a_bad_streak_is_written_at_the_first_good_step():
+    from mmjax.train.trainer import checkpoint_now
+
+    owed, saved = False, []
+    # checkpoint every 2; steps 3..5 bad (a streak over step 4), steps 6.. good again
+    for n, bad in zip(range(1, 9), [0, 0, 1, 2, 3, 0, 0, 0]):
+        save, owed = checkpoint_now(n % 2 == 0, bad, owed)
+        saved += [n] if save else []
+    assert saved == [2, 6, 8]  # step 4's checkpoint was written at step 6, not lost
+    assert checkpoint_now(False, 0, False) == (False, False)
+    assert checkpoint_now(True, 1, False) == (False, True)
+    assert checkpoint_now(False, 0, True) == (True, False)

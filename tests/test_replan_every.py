@@ -102,7 +102,7 @@ def test_the_plan_in_effect_is_the_newest_at_or_before_the_step(tmp_path, settin
 
 @pytest.mark.parametrize("kw, match", [
     ({"plan": None, "replan_every": 4}, r"train.replan_every .*add --plan=auto or a plan JSON"),
-    ({"plan": "auto", "replan_every": -1}, r"train.replan_every=-1: use 0"),
+    ({"plan": "auto", "replan_every": -1}, r"train.replan_every=-1: must be an int >= 0"),
     ({"plan": "auto", "replan_every": 4, "replan_min_gain": 1.0}, r"replan_min_gain=1.0: must"),
     ({"plan": "auto", "replan_every": 4, "replan_min_gain": "x"}, r"replan_min_gain='x'"),
     ({"plan": "auto", "replanner": object()}, r"set train.replan_every=N"),

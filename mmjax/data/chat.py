@@ -22,6 +22,7 @@ from datetime import datetime
 
 import numpy as np
 
+from mmjax.errors import UserError
 from mmjax.data.tokenizer import PLACEHOLDERS
 
 LOSS_ON = ("assistant", "all")
@@ -114,10 +115,10 @@ class ChatFormat:
 
     def __init__(self, tokenizer, template: str | None = None, loss_on: str = "assistant"):
         if loss_on not in LOSS_ON:
-            raise ValueError(f"loss_on={loss_on!r}: use one of {LOSS_ON}")
+            raise UserError(f"loss_on={loss_on!r}: use one of {LOSS_ON}")
         source = TEMPLATES.get(template, template) if template else tokenizer.chat_template
         if not source:
-            raise ValueError(f"chat template: the tokenizer has no chat_template; name one of "
+            raise UserError(f"chat template: the tokenizer has no chat_template; name one of "
                              f"{sorted(TEMPLATES)} (e.g. llava_source.chat_template = \"plain\")")
         self.tokenizer, self.loss_on = tokenizer, loss_on
         self.template = _environment().from_string(source)

@@ -21,7 +21,7 @@ from mmjax.planner.hardware import H100, Hardware
 from mmjax.planner.plan import Plan
 from mmjax.data.batch_plan import (MicrobatchPlan, NodeWise, plan_global_batch,
                                    post_balance_policies)
-from mmjax.data.records import DecodeError, sample_name, source_problem
+from mmjax.data.records import DecodeError, sample_name, sample_where, source_problem
 
 
 @dataclass
@@ -116,6 +116,9 @@ def mask_out_failed(batch: Batch, samples: list[Sample], failed: set[int]) -> No
         batch.num_gen_elements = int(batch.gen["gen_valid"].sum()) * per
 
 
+REPLACEMENTS = 16  # a short batch draws up to this many windows of replacements
+
+
 class GlobalBatchBuilder:
     """step -> GlobalBatch; pure function of (source, seed, step), picklable for workers."""
 
@@ -162,43 +165,65 @@ class GlobalBatchBuilder:
                 floor = feed.shapes.union(floor)
         return floor
 
-    def candidates(self, step: int) -> list[int]:
-        """Dataset indices at positions [step*W, (step+1)*W) of the stream: epoch e is a
-        seeded permutation (grain's Feistel `index_shuffle`, O(1) per index, no table)."""
+    def _index(self, pos: int, salt: int = 0) -> int:
+        """Dataset index at stream position `pos`: epoch e is a seeded permutation (grain's
+        Feistel `index_shuffle`, O(1) per index, no table); `salt` picks another stream."""
         from grain.experimental import index_shuffle
-        w = self.plan.global_batch + self.reserve
         n = len(self.source)
-        out = []
-        for pos in range(step * w, (step + 1) * w):
-            epoch, i = divmod(pos, n)
-            if self.shuffle:
-                i = index_shuffle(index=i, max_index=n - 1,
-                                  seed=(self.seed * 1_000_003 + epoch) % (1 << 32), rounds=4)
-            out.append(int(i))
-        return out
+        epoch, i = divmod(pos, n)
+        if self.shuffle or salt:
+            seed = (self.seed * 1_000_003 + epoch + salt * 7_919) % (1 << 32)
+            i = index_shuffle(index=i, max_index=n - 1, seed=seed, rounds=4)
+        return int(i)
+
+    def candidates(self, step: int) -> list[int]:
+        """Dataset indices at positions [step*W, (step+1)*W) of the stream, W = global
+        batch + reserve."""
+        w = self.plan.global_batch + self.reserve
+        return [self._index(p) for p in range(step * w, (step + 1) * w)]
+
+    def _draws(self, step: int):
+        """The step's candidates, lazily: its window, then replacements (when more than
+        `reserve` of the window are unusable) from a second seeded stream at the step's own
+        positions, at most `REPLACEMENTS` windows' worth (or the data set): a pure function
+        of (seed, step), so a restart draws the same ones. A batch that still runs short is
+        a data set that is mostly bad: an error, not an endless search."""
+        w = self.plan.global_batch + self.reserve
+        for p in range(step * w, (step + 1) * w):
+            yield self._index(p)
+        for j in range(min(len(self.source), REPLACEMENTS * w)):
+            yield self._index(step * w + j, salt=1)
 
     def select(self, step: int, skipped: list | None = None):
         """(indices, specs, skip reasons) of the first `global_batch` usable candidates;
-        (sample name, reason) of each skipped one is appended to `skipped`. A source may
-        name a sample's problem up front (`problem(i)`: a missing image, say)."""
+        (sample name, reason, where) of each skipped one is appended to `skipped`. A source
+        may name a sample's problem up front (`problem(i)`: a missing image, say). Short of
+        usable samples in the window, replacements are drawn (`_draws`); a sample is used
+        at most once per batch."""
         gb = self.plan.global_batch
-        idx, specs, reasons = [], [], {}
-        for i in self.candidates(step):
+        idx, specs, reasons, seen = [], [], {}, set()
+        for i in self._draws(step):
             if len(idx) == gb:
                 break
+            if i in seen:
+                continue
+            seen.add(i)
             spec = self.source.spec(i)
             why = source_problem(self.source, i) or check_shapes(spec, self.layout)
             if why:
                 kind = why.split(":")[0]
                 reasons[kind] = reasons.get(kind, 0) + 1
                 if skipped is not None:
-                    skipped.append((sample_name(self.source, i), why))
+                    skipped.append((sample_name(self.source, i), why,
+                                    sample_where(self.source, i)))
             else:
                 idx.append(i)
                 specs.append(spec)
         if len(idx) < gb:
-            raise UserError(f"global batch {step}: only {len(idx)} of {gb + self.reserve} "
-                            f"candidates are usable ({reasons}); raise `reserve`")
+            raise UserError(f"global batch {step}: only {len(idx)} of {len(seen)} samples "
+                            f"drawn are usable ({reasons}; data set of "
+                            f"{len(self.source)}); see skipped.jsonl and fix the data (or "
+                            f"the settings that reject them, e.g. data_layout.seq_len)")
         return idx, specs, reasons
 
     def _feed(self, mp: MicrobatchPlan, get):
@@ -215,7 +240,7 @@ class GlobalBatchBuilder:
                 failed_at: dict | None = None):
         """position -> its sample, loaded once; a sample that fails to decode (or decodes to
         other shapes than its index says) is named in `skipped`, added to `failed` (and
-        `failed_at[position]` = (name, reason)) and replaced by a blank of its shapes that
+        `failed_at[position]` = (name, reason, where)) and replaced by a blank of its shapes that
         trains nothing."""
         loaded: dict[int, Sample] = {}
         load_parts = getattr(self.source, "load_parts", None)
@@ -229,7 +254,8 @@ class GlobalBatchBuilder:
                     if bad or self.layout.rules.meta(s) != metas[p]:
                         raise DecodeError(bad or "decoded shapes differ from the index")
                 except DecodeError as e:
-                    skipped.append((sample_name(self.source, idx[p]), str(e)))
+                    skipped.append((sample_name(self.source, idx[p]), str(e),
+                                    sample_where(self.source, idx[p])))
                     if failed_at is not None:
                         failed_at[p] = skipped[-1]
                     s = _blank(specs[p], idx[p])
@@ -242,7 +268,7 @@ class GlobalBatchBuilder:
         """Global batch `step` as its samples, in global batch order, selected and decoded
         exactly as `__call__` does (the single-program trainer's data: the same samples,
         skips and blanks as every plan's)."""
-        skipped: list[tuple[str, str]] = []
+        skipped: list[tuple] = []
         idx, specs, reasons = self.select(int(step), skipped)
         metas = [self.layout.rules.meta_from_shapes(i, s) for i, s in zip(idx, specs)]
         failed: set[int] = set()
@@ -254,7 +280,7 @@ class GlobalBatchBuilder:
 
     def __call__(self, step: int) -> GlobalBatch:
         t0 = time.perf_counter()
-        skipped: list[tuple[str, str]] = []
+        skipped: list[tuple] = []
         idx, specs, reasons = self.select(int(step), skipped)
         metas = [self.layout.rules.meta_from_shapes(i, s) for i, s in zip(idx, specs)]
         mb_plans = plan_global_batch(metas, self.model, self.plan, self.layout, self.policies,
@@ -262,7 +288,7 @@ class GlobalBatchBuilder:
                                      hardware=self.hardware)
         t_plan = time.perf_counter() - t0
         failed: set[int] = set()
-        failed_at: dict[int, tuple[str, str]] = {}
+        failed_at: dict[int, tuple] = {}
         get = self._getter(idx, specs, metas, skipped, failed, failed_at)
 
         mbs = []

@@ -12,6 +12,7 @@ from typing import Literal
 
 import numpy as np
 
+from mmjax.errors import UserError
 from mmjax.data.sample import AUDIO_STRIDE, Sample, SpecialTokens, TokenRules
 from mmjax.models.config import MLLMConfig, VisionConfig
 
@@ -86,7 +87,7 @@ class AssemblyLayout:
                     gen_num_queries: int = 16,
                     special: SpecialTokens | None = None) -> "AssemblyLayout":
         if packing not in ("pad", "pack"):
-            raise ValueError(f"packing={packing!r}: use 'pad' (DistTrain) or 'pack' (OrchMLLM)")
+            raise UserError(f"packing={packing!r}: use 'pad' (DistTrain) or 'pack' (OrchMLLM)")
         slots, seen = [], set()
         for i, spec in enumerate(cfg.encoders):
             if spec.modality in seen:
@@ -105,14 +106,14 @@ class AssemblyLayout:
                                          enc.spatial_merge_size if enc.kind == "qwen2_vl" else 0))
                 bad = [c for c in vision_caps if c % r]
                 if bad:
-                    raise ValueError(f"vision_caps {bad} not multiples of downsample {r}")
+                    raise UserError(f"vision_caps {bad} not multiples of downsample {r}")
             else:
                 slots.append(EncoderSlot(spec.name, "audio", i + 1, r,
                                          spec.projector.num_queries if ca else 0,
                                          spec.projector.max_items, enc.num_mel_bins))
                 bad = [c for c in audio_frame_caps if c % (AUDIO_STRIDE * r)]
                 if bad:
-                    raise ValueError(f"audio_frame_caps {bad} not multiples of "
+                    raise UserError(f"audio_frame_caps {bad} not multiples of "
                                      f"{AUDIO_STRIDE}*downsample={AUDIO_STRIDE * r}")
         gen = None
         if cfg.generator is not None:

@@ -82,7 +82,10 @@ class Loader:
     `producer_cpus` if given), and `producer_addresses` ("HOST:PORT", each started with
     `python -m mmjax.data.producer --listen=HOST:PORT`) attaches to producers elsewhere
     (DistTrain §4.2, data/producer_pool.py): they build whole global batches, `prefetch`
-    each ahead of the trainer; the batches are the same as without them. Gin, e.g.:
+    each ahead of the trainer; the batches are the same as without them.
+    `max_bad_fraction`: a run stops (one line naming the worst files) once more than this
+    share of the samples it drew were bad (skipped; at least 4 global batches drawn).
+    Gin, e.g.:
     `Loader.balance = {"vision": "orchmllm", "audio": "orchmllm", "llm": "disttrain"}`.
     """
 
@@ -94,8 +97,9 @@ class Loader:
                  cp_method: str = "lpt", cp_block: int = 128, node_wise_method: str = "auto",
                  node_wise_time_limit: float = 0.2, node_wise_max_milp_ranks: int = 32,
                  hardware: str = "h100", shape_scan_steps: int | None = None,
-                 local_devices: frozenset[int] | None = None, producers: int = 0,
-                 producer_addresses=(), producer_cpus=(), producer_timeout: float = 300.0):
+                 local_devices: frozenset[int] | None = None, max_bad_fraction: float = 0.5,
+                 producers: int = 0, producer_addresses=(), producer_cpus=(),
+                 producer_timeout: float = 300.0):
         if prefetch < 2:
             raise UserError(f"Loader.prefetch={prefetch}: use >= 2 (global batches prepared "
                             f"ahead, so planning and preprocessing stay off the training "
@@ -137,6 +141,8 @@ class Loader:
                             f"microbatch at its own shapes, a compile per new shape)")
         if feeds and shape_scan_steps:
             self.builder.floor = self.builder.scan_floor(min(shape_scan_steps, num_steps))
+        # the trainer stops a run whose share of bad samples passes this (train/trainer.py)
+        self.max_bad_fraction = max_bad_fraction
         self.skipped_samples = 0
         self._it = None
         self.step = 0  # the grain pipeline starts at the first `next` (or `set_state`)

@@ -27,6 +27,7 @@ import math
 import os
 
 import numpy as np
+from mmjax.errors import UserError
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -35,7 +36,7 @@ OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 def _read_config(path: str) -> dict:
     file = os.path.join(path, "preprocessor_config.json") if os.path.isdir(path) else path
     if not os.path.isfile(file):
-        raise ValueError(f"processor path {path!r}: no preprocessor_config.json (give the file "
+        raise UserError(f"processor path {path!r}: no preprocessor_config.json (give the file "
                          f"or the directory of a Hugging Face model)")
     with open(file) as f:
         return json.load(f)
@@ -60,7 +61,7 @@ def processor_from_config(conf: dict):
         return NativeResizeProcessor(**{k: conf[k] for k in NativeResizeProcessor.KEYS
                                         if k in conf})
     if "size" not in conf and "crop_size" not in conf:
-        raise ValueError(f"preprocessor_config.json of type {kind!r}: neither an image "
+        raise UserError(f"preprocessor_config.json of type {kind!r}: neither an image "
                          f"processor (size / crop_size) nor a Whisper feature extractor")
     return ImageProcessor(**{k: conf[k] for k in ImageProcessor.KEYS if k in conf})
 
@@ -126,9 +127,9 @@ class ImageProcessor(_PilImageOps):
         self.do_center_crop = (self.crop_size is not None) if do_center_crop is None \
             else bool(do_center_crop)
         if self.do_center_crop and self.crop_size is None:
-            raise ValueError("preprocessor_config.json: do_center_crop without crop_size")
+            raise UserError("preprocessor_config.json: do_center_crop without crop_size")
         if "shortest_edge" not in self.size and not {"height", "width"} <= set(self.size):
-            raise ValueError(f"preprocessor_config.json: size={self.size}: use "
+            raise UserError(f"preprocessor_config.json: size={self.size}: use "
                              f"{{'shortest_edge': s}} or {{'height': h, 'width': w}}")
         self.do_resize, self.resample = bool(do_resize), int(resample)
         self.do_rescale, self.rescale_factor = bool(do_rescale), float(rescale_factor)

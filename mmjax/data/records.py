@@ -198,6 +198,15 @@ def source_problem(source, index: int) -> str | None:
     return problem(index) if problem is not None else None
 
 
+def sample_where(source, index: int) -> tuple:
+    """Where the sample is, for `skipped.jsonl`: (file, "line" | "record", number): the
+    source's own `where` (a LLaVA JSONL line), else its file (`path`) and the index."""
+    where = getattr(source, "where", None)
+    if where is not None:
+        return tuple(where(index))
+    return (str(getattr(source, "path", type(source).__name__)), "record", int(index))
+
+
 def sample_name(source, index: int) -> str:
     """The sample's name for `skipped.jsonl`: the source's own id (e.g. a LLaVA `id`),
     else the dataset index."""

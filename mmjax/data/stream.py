@@ -17,7 +17,7 @@ import threading
 from mmjax.data.layout import AssemblyLayout, check_sample, check_shapes
 from mmjax.data.batch_shapes import BatchShapes, batch_shapes
 from mmjax.data.assemble import assemble
-from mmjax.data.records import DecodeError, sample_name, source_problem
+from mmjax.data.records import DecodeError, sample_name, sample_where, source_problem
 
 
 class SourceBatches:
@@ -84,7 +84,8 @@ class SourceBatches:
             position, tried = position + need, tried + need
             for i, (s, why) in zip(idx, self._pool.map(self._usable, idx)):
                 if s is None:
-                    skipped.append((sample_name(self.source, i), why))
+                    skipped.append((sample_name(self.source, i), why,
+                                    sample_where(self.source, i)))
                 else:
                     samples.append(s)
         metas = [self.layout.rules.meta(s) for s in samples]
@@ -107,7 +108,7 @@ class SourceBatches:
             q.put(e)
 
     def __next__(self):
-        """(batch, skipped [(name, reason)])."""
+        """(batch, skipped [(name, reason, where)])."""
         if self._thread is None:
             from concurrent.futures import ThreadPoolExecutor
 

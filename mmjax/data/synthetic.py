@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mmjax.errors import UserError
 from mmjax.data.sample import FIRST_TEXT_ID, Sample, SampleMeta, Segment, TokenRules
 from mmjax.models.config import MLLMConfig, VisionConfig
 
@@ -172,7 +173,7 @@ class SyntheticDataset:
 
     def __init__(self, kind: str, cfg: SyntheticConfig, seed: int = 0, size: int = 1 << 20):
         if kind not in KINDS:
-            raise ValueError(f"SyntheticDataset kind={kind!r}: use one of {KINDS}")
+            raise UserError(f"SyntheticDataset kind={kind!r}: use one of {KINDS}")
         self.kind, self.cfg, self.seed, self.size = kind, cfg, seed, size
 
     def __len__(self) -> int:

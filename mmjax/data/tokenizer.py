@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import gin
 import numpy as np
 
+from mmjax.errors import UserError
 from mmjax.data.sample import FIRST_TEXT_ID, SpecialTokens
 
 MARKERS = {"image_start": "<|image_start|>", "image_end": "<|image_end|>",
@@ -77,7 +78,7 @@ class Tokenizer:
 
         file = os.path.join(path, "tokenizer.json")
         if not os.path.isfile(file):
-            raise ValueError(f"tokenizer.path={path!r}: no tokenizer.json there (point it at a "
+            raise UserError(f"tokenizer.path={path!r}: no tokenizer.json there (point it at a "
                              f"directory holding tokenizer.json and tokenizer_config.json)")
         self.path = path
         self.tok = HFTokenizer.from_file(file)
@@ -93,9 +94,9 @@ class Tokenizer:
         for name in ("bos_token", "eos_token", "pad_token"):
             t = getattr(self, name)
             if t is not None and self.tok.token_to_id(t) is None:
-                raise ValueError(f"{conf_file}: {name}={t!r} is not in tokenizer.json")
+                raise UserError(f"{conf_file}: {name}={t!r} is not in tokenizer.json")
         if self.eos_token is None:
-            raise ValueError(f"tokenizer.path={path!r}: tokenizer_config.json names no "
+            raise UserError(f"tokenizer.path={path!r}: tokenizer_config.json names no "
                              f"eos_token (add \"eos_token\": \"...\")")
         self.chat_template = chat_template(path, self.config)
 
@@ -181,6 +182,6 @@ def tokenizer(path: str | None = None) -> Tokenizer | None:
     if not path:
         return None
     if not os.path.isdir(path):
-        raise ValueError(f"tokenizer.path={path!r} is not a directory (it must hold "
+        raise UserError(f"tokenizer.path={path!r} is not a directory (it must hold "
                          f"tokenizer.json and tokenizer_config.json)")
     return Tokenizer(path)

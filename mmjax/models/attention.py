@@ -36,6 +36,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from mmjax.errors import UserError
 
 IMPLEMENTATIONS = ("auto", "dense", "chunked", "pallas", "cudnn")
 # "bam": any bitfield mask; "causal": causal text with one document per row, its real tokens
@@ -217,10 +218,10 @@ def choose_implementation(implementation: str, sq: int, sk: int, dtype, mask_fam
     has no logit soft-capping: other options never pick it (`cudnn_options_error`).
     """
     if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"error: attention implementation {implementation!r} is unknown "
+        raise UserError(f"attention implementation {implementation!r} is unknown "
                          f"(use one of {list(IMPLEMENTATIONS)})")
     if mask_family not in MASK_FAMILIES:
-        raise ValueError(f"error: mask_family={mask_family!r} is unknown "
+        raise UserError(f"mask_family={mask_family!r} is unknown "
                          f"(use one of {list(MASK_FAMILIES)})")
     platform = platform or jax.default_backend()
     if implementation == "cudnn":
@@ -245,14 +246,14 @@ def cudnn_error(platform: str, mask_family: str, dtype) -> None:
     """Raise the one-line user error when cuDNN cannot run this attention (the mask first:
     no platform makes cuDNN run a bitfield mask)."""
     if mask_family not in CUDNN_FAMILIES:
-        raise ValueError("error: attention implementation 'cudnn' runs only plain causal or "
+        raise UserError("attention implementation 'cudnn' runs only plain causal or "
                          f"full masks (mask_family 'causal' / 'full'), got {mask_family!r} "
                          f"(use 'pallas' or 'auto')")
     if platform != "gpu":
-        raise ValueError(f"error: attention implementation 'cudnn' needs a GPU but the platform "
+        raise UserError(f"attention implementation 'cudnn' needs a GPU but the platform "
                          f"is {platform!r} (use 'chunked', 'pallas', 'dense' or 'auto')")
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        raise ValueError(f"error: attention implementation 'cudnn' needs bfloat16/float16 "
+        raise UserError(f"attention implementation 'cudnn' needs bfloat16/float16 "
                          f"inputs, got {jnp.dtype(dtype).name} (set compute_dtype or use 'auto')")
 
 

@@ -4,7 +4,8 @@ A checkpoint (directory `<dir>/<step>`, committed atomically by orbax) holds thr
 `state` (named arrays, e.g. train/logical_state.py's plan-independent names, stored as
 "leaf_00000", ... in name order and read straight into the shardings of the new run's arrays
 of the same names), `data` (the data iterator's JSON state) and `integrity` (per array its
-name, shape, dtype and two checksums of its logical value, independent of sharding). A
+name, shape, dtype and two checksums of its logical value, independent of sharding; and
+the SHA-256 of the data state). A
 pytree that is not a {name: array} dict is saved by its flattened leaves ("0", "1", ...).
 
 `restore_latest` walks the checkpoints newest first and takes the first one that restores
@@ -170,6 +171,17 @@ def integrity_record(named: dict) -> dict:
     return {"format": FORMAT, "leaves": out}
 
 
+def data_digest(data_state: dict) -> str:
+    """SHA-256 of the data iterator's JSON state (canonical: sorted keys), so an edited
+    `next_batch` or skip count is caught like a flipped parameter bit. Checkpoints written
+    before it was recorded have none and are read as they are."""
+    import hashlib
+    import json
+
+    text = json.dumps(data_state, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 def _widened(sharding):
     """Multi-process: `sharding` stretched so that every process holds a shard, or None
     when it does already. Orbax's multi-host save and restore need a shard of every array
@@ -264,11 +276,25 @@ class Checkpointer:
         self.keep, self.keep_every = keep, keep_every
         self.log = log or (lambda msg: print(msg, file=sys.stderr))
         self.verified_step: int | None = None  # restored from this run: never deleted
+        self.set_aside: list[int] = []  # steps found unusable by `restore_latest`
+        self._remove_stray_temporaries()
         options = ocp.CheckpointManagerOptions(max_to_keep=None,
                                                enable_async_checkpointing=async_save,
                                                create=True)
         self.manager = ocp.CheckpointManager(self.directory, options=options,
                                              item_handlers=_handlers())
+
+    def _remove_stray_temporaries(self) -> None:
+        """A save killed mid-write leaves orbax's temporary directory (`<step>.orbax-
+        checkpoint-tmp-<time>`): never a checkpoint, removed (by process 0) before anything
+        else here."""
+        if jax.process_index() == 0 and os.path.isdir(self.directory):
+            for name in os.listdir(self.directory):
+                if ".orbax-checkpoint-tmp" in name:
+                    shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+                    self.log(f"removed {name}, the temporary directory of an unfinished "
+                             f"save, from {self.directory}")
+        barrier("stray_temporaries")
 
     # ---- discovery -----------------------------------------------------------------------
     def steps(self) -> list[int]:
@@ -285,7 +311,7 @@ class Checkpointer:
         self.manager.wait_until_finished()
         self._prune()
         named = named_arrays(state)
-        record = integrity_record(named)
+        record = {**integrity_record(named), "data_sha256": data_digest(data_state)}
         tree = {}
         for i, n in enumerate(sorted(named)):
             x = named[n]
@@ -352,6 +378,8 @@ class Checkpointer:
             data = dict(out["data"])
         except Exception as e:  # noqa: BLE001 (tensorstore/orbax raise many types)
             error = f"cannot read arrays ({one_line(e, 160)})"
+        if error is None and integrity.get("data_sha256") not in (None, data_digest(data)):
+            error = "loader state checksum mismatch (the data item was edited or damaged)"
         # each process reads its own shards: all of them agree before going on
         if not all_processes(error is None):
             raise CheckpointUnusable(error or "cannot read arrays (in another process)")
@@ -389,6 +417,7 @@ class Checkpointer:
             try:
                 state, data = self.restore(step, like)
             except CheckpointUnusable as e:
+                self.set_aside.append(step)
                 where = os.path.relpath(self._set_aside(step), os.path.dirname(self.directory))
                 self.log(f"checkpoint step {step} in {self.directory} is unusable: {e}; "
                          f"moved to {where}, trying the next older one")

@@ -32,12 +32,14 @@ class CompileWatch:
         jax.monitoring.unregister_event_duration_listener(self._listen)
 
 
-def watched_step(runner, n: int, trace: bool, say, warm: bool) -> dict:
+def watched_step(runner, n: int, trace: bool, say, warm: bool, limits=None) -> dict:
     """`runner.step()`'s metrics, its compilations counted: once `warm` (a step of this
     invocation has run), any compilation the runner did not announce itself is said on the
-    console with its seconds and reason, and kept out of the ETA (`compile_s`)."""
+    console with its seconds and reason, and kept out of the ETA (`compile_s`). `limits`:
+    the loss-spike guard's bounds for this step."""
     with CompileWatch() as w:
-        m = runner.step(trace=True) if trace else runner.step()
+        m = (runner.step(trace=True, limits=limits) if trace
+             else runner.step(limits=limits))  # limits: the spike guard's (train/spike_guard.py)
     why = m.pop("compile_reason", "")
     if warm and w.count and not m.get("compile_s"):
         m["compile_s"] = w.seconds

@@ -22,7 +22,8 @@ def agree_on_failures(gb, allgather, gen_elements_per_image: int) -> int:
     feed's samples failed elsewhere masked, `num_target_tokens` recounted from metadata). `allgather(array) -> [processes, *array.shape]`, the same
     calls on every process (multihost_utils.process_allgather). -> the change in the skip
     count (for the loader's running total)."""
-    mine = json.dumps(sorted([p, n, r] for p, (n, r) in gb.failed_at.items())).encode()
+    mine = json.dumps(sorted([p, n, r, list(w)] for p, (n, r, w) in gb.failed_at.items())
+                      ).encode()
     sizes = np.asarray(allgather(np.array([len(mine)], np.int64))).reshape(-1)
     union: dict[int, tuple[str, str]] = {}
     if any(int(n) > 2 for n in sizes):  # "[]" is two bytes
@@ -30,8 +31,8 @@ def agree_on_failures(gb, allgather, gen_elements_per_image: int) -> int:
         buf[:len(mine)] = np.frombuffer(mine, np.uint8)
         rows = np.asarray(allgather(buf)).reshape(len(sizes), -1)
         for k, n in enumerate(sizes):
-            for p, name, reason in json.loads(rows[k, :int(n)].tobytes()):
-                union.setdefault(int(p), (name, reason))
+            for p, name, reason, where in json.loads(rows[k, :int(n)].tobytes()):
+                union.setdefault(int(p), (name, reason, tuple(where)))
     local = len(gb.failed_at)
     before = gb.skipped_samples
     gb.skipped = gb.skipped[:len(gb.skipped) - local] + [union[p] for p in sorted(union)]

@@ -47,13 +47,18 @@ def manual_plan(global_batch: int = 8, num_microbatches: int = 2, dp=None, tp=No
     return Plan.uniform(model, global_batch, num_microbatches, **kw)
 
 
-def _fold_loss(norm, loss_terms):
+def _fold_loss(norm, loss_terms, max_loss=np.inf, max_norm=np.inf):
     """norm + 0 * sum(loss terms) on the norm's device: equal to `norm` when the loss is
-    finite, NaN when it is not, so one scalar tells every stage's update to skip."""
+    finite (and the loss and norm within the spike guard's limits), NaN when it is not, so
+    one scalar tells every stage's update to skip."""
     dev = list(norm.devices())[0]
     total = sum((jnp.sum(jax.device_put(t, dev)) for t in loss_terms),
                 jnp.zeros((), jnp.float32))
-    return norm + 0.0 * total
+    folded = norm + 0.0 * total
+    if np.isinf(max_loss) and np.isinf(max_norm):
+        return folded
+    calm = (total <= max_loss) & (norm <= max_norm)
+    return jnp.where(calm, folded, jnp.nan)
 
 
 def _norm_from_squares(squares, device=None):
@@ -121,7 +126,9 @@ class PipelineStep:
         self.dispatch_log: list[tuple] = []
         self.sync_after: dict = {}
 
-    def __call__(self, feeds, trace: bool = False) -> dict:
+    def __call__(self, feeds, trace: bool = False, limits=(np.inf, np.inf)) -> dict:
+        """One step over `feeds`; `limits` = (max loss, max gradient norm): a finite step
+        above either is not applied (the trainer's loss-spike guard; "spike" 1)."""
         stages = self.runtime.stages
         self.dispatch_log, self.sync_after = [], {}
         shards, squares = {}, {}
@@ -135,13 +142,15 @@ class PipelineStep:
             self.sync_after[sid] = sum(st.backward_calls for st in stages.values()) - backwards0
 
         res = self.runtime.run(feeds, trace=trace, on_grads=sync)
+        max_loss, max_norm = (float(x) for x in limits)
         if jax.process_count() == 1:
             norm = _norm_from_squares([squares[sid] for sid in self.optimizers])
-            guard = _fold_loss(norm, res.lm_loss + res.diffusion_loss)
+            guard = _fold_loss(norm, res.lm_loss + res.diffusion_loss, max_loss, max_norm)
         else:  # the norm and the losses are host values here already
             norm = _multiprocess_norm([squares.get(sid) for sid in self.trained])
             losses = res.losses()
-            guard = norm if np.isfinite(losses["loss"]) else float("nan")
+            calm = losses["loss"] <= max_loss and norm <= max_norm
+            guard = norm if np.isfinite(losses["loss"]) and calm else float("nan")
         # every stage's update is skipped on device when `guard` is not finite
         for sid, opt in self.optimizers.items():  # update + one all-gather per stage
             st = stages[sid]
@@ -152,7 +161,9 @@ class PipelineStep:
         # the step's one host sync, after everything is dispatched
         out = res.losses() if jax.process_count() == 1 else losses
         out["grad_norm"] = float(norm)
-        out["nonfinite"] = float(not np.isfinite(float(guard)))
+        finite = bool(np.isfinite(out["loss"]) and np.isfinite(float(norm)))
+        out["nonfinite"] = float(not finite)
+        out["spike"] = float(finite and not np.isfinite(float(guard)))
         if trace:
             out["trace"] = res.trace
         return out

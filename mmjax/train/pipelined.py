@@ -73,7 +73,7 @@ class Pipelined:
     def restore_target(self) -> dict:
         return restore_target(self.checkpoint_tree())
 
-    def step(self, trace: bool = False):
+    def step(self, trace: bool = False, limits=(np.inf, np.inf)):
         """One training step; `trace`: time every action alone (pipeline/trace.py "serial")
         and return the records under "trace"."""
         t_wait = time.perf_counter()
@@ -88,7 +88,7 @@ class Pipelined:
         if first and self.progress is not None:  # the stages compile inside the first step
             self.progress.compiling("the pipeline's stage programs (inside the first step)")
         t0 = time.perf_counter()
-        m = self.step_fn(feeds, trace=trace)
+        m = self.step_fn(feeds, trace=trace, limits=limits)
         m["step_time_s"] = time.perf_counter() - t0
         self.steps_run += 1
         m["compile_s"] = m["step_time_s"] if first else 0.0

@@ -21,7 +21,8 @@ from mmjax.planner.plan import Plan
 
 
 class LoaderBatches:
-    """Iterator of (Batch, skipped [(name, reason)]); `state` / `restore` resume exactly."""
+    """Iterator of (Batch, skipped [(name, reason, where)]); `state` / `restore` resume
+    exactly."""
 
     def __init__(self, source, cfg, layout, global_batch: int, grow, prefetch: int = 2,
                  shuffle: bool | None = None, scan_steps: int | None = None):

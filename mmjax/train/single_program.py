@@ -52,6 +52,9 @@ def _layout_at_least(layout: AssemblyLayout, shapes: BatchShapes | None) -> Asse
 
 
 
+_NO_LIMITS = np.full(2, np.inf, np.float32)  # the spike guard's limits, off
+
+
 class SingleProgram:
     """Plain jit of the whole model on the default device (the parity reference). Reads
     the global batches every plan reads (train/single_data.py: the pipeline path's loader
@@ -154,20 +157,21 @@ class SingleProgram:
         compiles and runs in a thread meanwhile: XLA compiles without the GIL, and the two
         compilations take the longer one's time on two cores, not the sum."""
         if self._state is not None:
-            return self.step_fn.lower(self._state, inputs).compile()
+            return self.step_fn.lower(self._state, inputs, _NO_LIMITS).compile()
         made = concurrent.futures.ThreadPoolExecutor(1, "mmjax-init").submit(self._fresh)
         try:
-            compiled = self.step_fn.lower(self.abstract, inputs).compile()
+            compiled = self.step_fn.lower(self.abstract, inputs, _NO_LIMITS).compile()
         finally:
             self._state = made.result()
         return compiled
 
-    def step(self):
+    def step(self, limits=(np.inf, np.inf)):
+        """One step; `limits` = (max loss, max gradient norm) of the loss-spike guard."""
         t_wait = time.perf_counter()
         batch, skipped = next(self.data), []
         if isinstance(batch, tuple):  # SourceBatches: (batch, skipped before assembly)
             batch, skipped = batch
-        skipped = skipped + [(str(i), r) for i, r in batch.skipped]
+        skipped = skipped + [(str(i), r, ("", "record", int(i))) for i, r in batch.skipped]
         inputs = model_inputs(batch)
         leaves, treedef = jax.tree.flatten(inputs)
         key = (str(treedef), tuple((np.shape(x), str(np.asarray(x).dtype)) for x in leaves))
@@ -186,7 +190,8 @@ class SingleProgram:
             if self.progress is not None:
                 self.progress.compiled(what, compile_s)
         t0 = time.perf_counter()
-        self.state, m = self.compiled[key](self.state, inputs)
+        self.state, m = self.compiled[key](self.state, inputs,
+                                           np.asarray(limits, np.float32))
         m = {k: float(v) for k, v in jax.device_get(m).items()  # one sync, after dispatch
              if k != "applied"}  # the same as `nonfinite`
         m["step_time_s"] = time.perf_counter() - t0

@@ -50,24 +50,30 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, compute_dtype=jn
                     attention_impl="auto", llm_mask_family: str = "bam"):
     """Jitted (state, batch) -> (state, metrics). A step whose loss, gradient norm or updated
     parameters are not finite is not applied (selected on device, no host sync);
-    `metrics["nonfinite"]` is 1 for such a step, else 0 (`metrics["applied"]` the same as a
-    bool); `state.step` counts applied steps."""
+    `metrics["nonfinite"]` is 1 for such a step, else 0; with `limits` = [max loss, max
+    gradient norm] (the trainer's loss-spike guard) a finite step above either is not
+    applied either (`metrics["spike"]` 1); `metrics["applied"]` says whether it was;
+    `state.step` counts applied steps."""
     loss_fn = make_loss_fn(graphdef, compute_dtype, attention_impl, llm_mask_family)
 
-    def train_step(state: TrainState, batch):
+    def train_step(state: TrainState, batch, limits=None):
         (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(
             state.trainable, state.frozen, batch)
         norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.trainable)
         trainable = optax.apply_updates(state.trainable, updates)
-        ok = jnp.isfinite(loss) & jnp.isfinite(norm) & all_finite(trainable)
+        finite = jnp.isfinite(loss) & jnp.isfinite(norm) & all_finite(trainable)
+        # the loss-spike guard: `limits` = [max loss, max grad norm] (inf: off)
+        calm = jnp.array(True) if limits is None else (loss <= limits[0]) & (norm <= limits[1])
+        ok = finite & calm
         trainable, opt_state = keep_if_nonfinite(ok, (trainable, opt_state),
                                                  (state.trainable, state.opt_state))
         # `applied` is returned as is: an output keeps `ok` one materialised value. Consumed
         # only by the selects, XLA:CPU fuses its and-chain over every leaf's flag into each
         # leaf's select (quadratic HLO: 21 MB and 40 s of compile for the tiny model, not 15)
         metrics = {"loss": loss, **aux, "grad_norm": norm,
-                   "nonfinite": 1.0 - ok.astype(jnp.float32), "applied": ok}
+                   "nonfinite": 1.0 - finite.astype(jnp.float32),
+                   "spike": (finite & ~calm).astype(jnp.float32), "applied": ok}
         return TrainState(state.step + ok.astype(state.step.dtype), trainable, state.frozen,
                           opt_state), metrics
 

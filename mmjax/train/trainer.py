@@ -29,6 +29,9 @@ from mmjax.train.config import named_model_config, pretrained
 from mmjax.train.data_config import fit_vocab, layout_and_source, train_source
 from mmjax.train.optimizer import learning_rate_schedule
 from mmjax.train.pipelined import Pipelined, write_trace
+from mmjax.train.bad_data import too_much_bad_data
+from mmjax.train.preemption import Preempted, Preemption
+from mmjax.train.spike_guard import SpikeGuard
 from mmjax.train.plan_history import (forget_plans_after, plan_in_effect, plan_path,
                                       plan_to_resume, write_plan)
 from mmjax.train.progress import Progress as StepProgress
@@ -40,10 +43,19 @@ from mmjax.train.run_files import (pretrained_sources, truncate_metrics,
                                    use_compilation_cache, write_run_info)
 from mmjax.train.run_report import SkipReport, pretrained_lines
 from mmjax.train.single_program import SingleProgram
+from mmjax.settings import check_bound_settings, check_train_args
 from mmjax.train.validate import (check_data_path, check_pretrained_vocab, check_replan_settings,
                                   check_train_settings, parse_trace_steps)
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def checkpoint_now(due: bool, in_a_row: int, owed: bool) -> tuple[bool, bool]:
+    """(save this step, a checkpoint still owed): a step in a bad streak changed no
+    parameters and is not saved; a checkpoint that fell due inside the streak is written at
+    the first good step after it, so a recovered streak never costs a checkpoint."""
+    save = not in_a_row and (due or owed)
+    return save, (owed or due) and not save
 
 
 class TrainingStopped(RuntimeError):
@@ -66,7 +78,8 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
           max_bad_steps: int = 5, trace_steps: str | None = None,
           compilation_cache_dir: str = "", replan_every: int = 0,
           replan_min_gain: float = 1.10, replanner: Replanner | None = None,
-          check_memory: bool = True) -> list[dict]:
+          check_memory: bool = True, spike_factor: float = 100.0, spike_window: int = 20,
+          dry_run: bool = False) -> list[dict]:
     """Train `model` for `steps` steps (this invocation stops early after `stop_after`
     steps, as a preemption would; a rerun resumes); returns this run's metric records.
 
@@ -95,24 +108,37 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
     verifies (train/checkpoint.py), naming and setting aside any that do not.
 
     A step whose loss or gradient norm is not finite is not applied (counted in
-    `nonfinite_steps`); `max_bad_steps` of them in a row stop the run (TrainingStopped)
-    with the last good checkpoint intact. On resume metrics.jsonl keeps only the rows up to
+    `nonfinite_steps`), nor one whose loss or gradient norm exceeds `spike_factor` times
+    its median over the last `spike_window` applied steps (the loss-spike guard, judged
+    once half the window is filled; counted in `spike_steps`, each one logged; 0 turns it
+    off); `max_bad_steps` of either in a row stop the run (TrainingStopped) naming the last
+    good checkpoint. A checkpoint due inside a bad streak is written at the first good step
+    after it. On resume metrics.jsonl keeps only the rows up to
     the restored step, so every step appears once.
 
     `compilation_cache_dir`: JAX's persistent compilation cache, so a resume or rerun loads
     its programs instead of compiling them: "" (default) uses $JAX_COMPILATION_CACHE_DIR if
     set, else `<workdir>/compilation_cache`; "off" disables it; any other value is the
     directory. `check_memory` (one program): stop before compiling when the step's estimated
-    memory exceeds the device's (train/memory_check.py); False tries anyway."""
+    memory exceeds the device's (train/memory_check.py); False tries anyway.
+
+    `dry_run` (scripts/train.py --check): every check above, the plan, the optimizer and
+    the first global batch built, then return [] having written nothing."""
     check_train_settings(steps, global_batch, compute_dtype, _DTYPES, seed, checkpoint_every,
                          progress, stop_after, plan, keep_checkpoints, keep_every, max_bad_steps)
-    if trace_every < 0:
-        raise UserError(f"train.trace_every={trace_every}: use 0 (off) or N >= 1")
+    check_train_args(eval_every=eval_every, attention_impl=attention_impl,
+                     trace_every=trace_every, compilation_cache_dir=compilation_cache_dir,
+                     replan_every=replan_every, spike_factor=spike_factor,
+                     spike_window=spike_window)
+    if 0 < spike_factor <= 1:
+        raise UserError(f"train.spike_factor={spike_factor!r}: must be 0 (off) or > 1 (a "
+                        f"step above that many times the median is held back; e.g. 100)")
+    check_bound_settings(None, plan, eval_every, replan_every)  # types and ranges
     trace_range = parse_trace_steps(trace_steps, plan)
     check_replan_settings(replan_every, replan_min_gain, plan, replanner)
-    use_compilation_cache(workdir, compilation_cache_dir)
     check_data_path()
     cfg, tok, dirs = _model_and_tokenizer(model)
+    check_bound_settings(cfg.unit_names, plan, eval_every, replan_every)  # per-unit keys
     schedule = learning_rate_schedule(steps)
     dtype = _DTYPES[compute_dtype]
     held_out = eval_source(cfg, tok) if eval_every else None
@@ -123,6 +149,10 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
         from mmjax.models.attention import choose_implementation
 
         choose_implementation(attention_impl, 1, 1, dtype)  # reject a bad name up front
+    if dry_run:
+        _dry_run(cfg, tok, dirs, plan, global_batch, attention_impl, schedule)
+        return []
+    use_compilation_cache(workdir, compilation_cache_dir)
     if plan is None:
         the_plan = None
         layout, source = layout_and_source(cfg, tok)
@@ -148,7 +178,8 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
         for line in pretrained_lines(cfg, dirs) + [getattr(runner, "memory_line", None)]:
             if line:  # pretrained: read into the runner's fresh parameters
                 progress_console().print(line, markup=False, highlight=False)
-    loop = _Loop(workdir, runner, schedule, keep_checkpoints, keep_every)
+    loop = _Loop(workdir, runner, schedule, keep_checkpoints, keep_every,
+                 SpikeGuard(spike_factor, spike_window))
     if the_plan is not None and plan_in_effect(workdir, loop.start) != resumed_plan:
         # the newest checkpoint was unusable and an older one predates the plan chosen above
         in_effect = plan_in_effect(workdir, loop.start)
@@ -185,6 +216,26 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
                         lambda: loop.runner.evaluate(*held_out, layout), cfg, the_plan)
     finally:
         loop.close()
+
+
+def _dry_run(cfg, tok, dirs, plan, global_batch, attention_impl, schedule) -> None:
+    """What a run builds before its first step, short of parameters and programs: the
+    plan, the optimizer, the data source and the first global batch (selected, decoded,
+    assembled), so a setting that would break them fails here."""
+    from mmjax.data.loader import Loader
+    from mmjax.train.optimizer import optimizer_from_settings
+
+    optimizer_from_settings(schedule)
+    float(schedule(0))
+    the_plan = (_the_plan(plan, cfg, tok, dirs, global_batch, attention_impl)[0]
+                if plan is not None else Plan.uniform(cfg, global_batch, 1))
+    layout, source = layout_and_source(cfg, tok)
+    loader = Loader(source if source is not None else train_source(cfg), cfg, the_plan,
+                    layout)
+    try:
+        loader.builder(0)
+    finally:
+        loader.close()
 
 
 def _model_and_tokenizer(model: MLLMConfig | None):
@@ -247,8 +298,11 @@ class _Loop:
     (mmjax.launch): every process runs it; process 0 writes the metrics; every process
     writes the checkpoint shards it holds (orbax multi-host, one commit)."""
 
-    def __init__(self, workdir: str, runner, schedule, keep: int, keep_every: int | None):
+    def __init__(self, workdir: str, runner, schedule, keep: int, keep_every: int | None,
+                 spikes: SpikeGuard | None = None):
         self.workdir, self.runner, self.schedule = workdir, runner, schedule
+        self.spikes = spikes or SpikeGuard(0.0, 20)
+        self.owed = False  # a checkpoint fell due inside a bad streak
         self.lead = jax.process_index() == 0
         self.console = console = progress_console()
         self.ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep, keep_every,
@@ -259,15 +313,28 @@ class _Loop:
                           "checkpoints from all")
         self.start, self.skipped, self.nonfinite, self.in_a_row = 0, 0, 0, 0
         self.plotted = None  # the last step in loss.png
+        self.spike_steps = 0
         self.replan_every, self.plan, self.plan_traces = 0, None, []
-        found = self.ckpt.restore_latest(
-            getattr(runner, "restore_target", runner.checkpoint_tree)())
+        # from here a SIGTERM / SIGINT waits for a step boundary (restore and compile
+        # included: the run then stops before its first step, nothing lost)
+        self.preempt = Preemption(self.lead).__enter__()
+        try:
+            found = self.ckpt.restore_latest(
+                getattr(runner, "restore_target", runner.checkpoint_tree)())
+        except BaseException:
+            self.preempt.__exit__(None, None, None)
+            raise
         if found is not None:
             latest, state, data_state = found
             runner.load(state, data_state, latest)
             self.start, self.skipped = latest, int(data_state.get("skipped_samples", 0))
             self.nonfinite = int(data_state.get("nonfinite_steps", 0))
+            self.spike_steps = int(data_state.get("spike_steps", 0))
+            self.spikes.restore(data_state.get("spike_history", []))
             console.print(f"resumed from {workdir}/checkpoints step {latest}")
+        elif self.ckpt.set_aside and self.lead:
+            console.print(f"no usable checkpoint in {workdir}/checkpoints (set aside: steps "
+                          f"{self.ckpt.set_aside}): starting from step 0", markup=False)
         self.metrics_path = os.path.join(workdir, "metrics.jsonl")
         self.skipped_path = os.path.join(workdir, "skipped.jsonl")
         if self.lead:
@@ -287,13 +354,20 @@ class _Loop:
         records = []
         self.plan = self.plan or plan
         skips = SkipReport(report.say, self.skipped_path)
+        preempt = self.preempt
+        preempt.step = self.start
+        if self.start < end and preempt.requested():  # a signal during start-up
+            self.ckpt.wait()
+            raise Preempted(preempt.signame or "a peer's signal", self.start,
+                            self.ckpt.latest_step(), self.ckpt.directory)
         with open(self.metrics_path if self.lead else os.devnull, "a") as mf, \
                 open(self.skipped_path if self.lead else os.devnull, "a") as sf:
             for step in range(self.start, end):
                 n = step + 1
+                preempt.step = step
                 replan = self.replan_every and n % self.replan_every == 0
                 m = watched_step(self.runner, n, traced(n) or replan, report.say,
-                                 warm=step > self.start)
+                                 warm=step > self.start, limits=self.spikes.limits())
                 trace = m.pop("trace", None)
                 if traced(n) and self.lead:
                     write_trace(self.workdir, n, cfg, self.plan, trace)
@@ -311,19 +385,25 @@ class _Loop:
                 records.append(rec)
                 mf.write(json.dumps(rec) + "\n")
                 mf.flush()
-                for name, reason in m["skipped_list"]:
-                    sf.write(json.dumps({"step": n, "id": name, "reason": reason}) + "\n")
+                for name, reason, (file, kind, at) in m["skipped_list"]:
+                    sf.write(json.dumps({"step": n, "id": name, "file": file, kind: at,
+                                         "reason": reason}) + "\n")
                 sf.flush()
                 report.step(rec, m.get("compile_s", 0.0) > 0)
                 skips.step(n, m["skipped"], m["skipped_list"])
                 self.guard(n, rec, max_bad_steps)
+                self.bad_data_guard(n, sf)
                 # a step in a bad streak changed no parameters: no checkpoint until one is good
-                if not self.in_a_row and (n % checkpoint_every == 0 or n == end or switch):
+                saved, self.owed = checkpoint_now(n % checkpoint_every == 0 or n == end
+                                                  or bool(switch), self.in_a_row, self.owed)
+                if saved:
                     self.save(n)
                     if self.lead:
                         self.plot()
                 if switch is not None:
                     self.switch(n, switch[0], switch[1], report, rebuild=n < end)
+                if n < end and preempt.requested():
+                    self.preempted(n, preempt.signame or "a peer's signal", saved)
         if records:
             report.say("trained " + report.summary(len(records)))
             said = skips.summary(len(records) * report.global_batch)
@@ -338,6 +418,15 @@ class _Loop:
     def plot(self) -> None:
         """DIR/loss.png from metrics.jsonl (matplotlib; at each checkpoint and the end)."""
         self.plotted = plot_workdir(self.workdir)
+
+    def preempted(self, n: int, signame: str, saved: bool) -> None:
+        """Stop after step `n` on a signal: its checkpoint written (unless a bad streak
+        holds it back: then the last good one stands) and committed, then `Preempted`."""
+        if not saved and not self.in_a_row:
+            self.save(n)
+        self.ckpt.wait()
+        resume = self.ckpt.latest_step()
+        raise Preempted(signame, n, resume, self.ckpt.directory)
 
     def replan(self, n: int, trace) -> tuple | None:
         """(new plan, predicted gain, its file under the workdir) when process 0's
@@ -388,8 +477,16 @@ class _Loop:
         trained (loss targets: masked prompt tokens count in neither the loss nor the
         trained figure)."""
         self.skipped += m["skipped"]
-        bad = bool(m["nonfinite"])
-        self.nonfinite, self.in_a_row = self.nonfinite + bad, (self.in_a_row + 1) if bad else 0
+        spike = bool(m.get("spike", 0.0))
+        bad = bool(m["nonfinite"]) or spike
+        self.nonfinite += bool(m["nonfinite"])
+        self.spike_steps += spike
+        self.in_a_row = (self.in_a_row + 1) if bad else 0
+        if spike and self.lead:
+            self.console.print(f"step {n}: {self.spikes.describe(m)}: not applied (loss-spike "
+                               f"guard, {self.in_a_row} in a row)", markup=False)
+        if not bad:
+            self.spikes.add(m["loss"], m["grad_norm"])
         return {"step": n, "loss": m["loss"], "lm_loss": m["lm_loss"],
                 "diffusion_loss": m["diffusion_loss"], "grad_norm": m["grad_norm"],
                 "learning_rate": float(self.schedule(n - 1)),
@@ -397,28 +494,42 @@ class _Loop:
                 "trained_tokens_per_s": m["tokens_trained"] / m["step_time_s"],
                 "tokens_seen": m["tokens"], "tokens_trained": m["tokens_trained"],
                 "step_time_s": m["step_time_s"], "data_wait_s": m["data_wait_s"],
-                "skipped_samples": self.skipped, "nonfinite_steps": self.nonfinite}
+                "skipped_samples": self.skipped, "nonfinite_steps": self.nonfinite,
+                "spike_steps": self.spike_steps}
 
     def guard(self, n: int, rec: dict, max_bad_steps: int) -> None:
         if self.in_a_row >= max_bad_steps:
             raise TrainingStopped(
                 f"{self.in_a_row} steps in a row ({n + 1 - self.in_a_row}..{n}) had a "
-                f"non-finite loss or gradient norm (last: loss {rec['loss']}, grad_norm "
+                f"non-finite or spiking loss or gradient norm (last: loss {rec['loss']}, grad_norm "
                 f"{rec['grad_norm']}); none was applied. Last good checkpoint: "
                 f"{_last_good(self.ckpt)} (lower the learning rate or check the data, then "
                 f"rerun to resume; train.max_bad_steps={max_bad_steps})")
+
+    def bad_data_guard(self, n: int, skip_log) -> None:
+        """Stop once the share of bad samples passes `Loader.max_bad_fraction`."""
+        data = self.runner.data
+        limit = getattr(getattr(data, "loader", data), "max_bad_fraction", 1.0)
+        skip_log.flush()
+        why = too_much_bad_data(n, self.runner.global_batch, self.skipped, limit,
+                                self.skipped_path)
+        if why:
+            raise TrainingStopped(f"{why}; last good checkpoint: {_last_good(self.ckpt)}")
 
     def save(self, n: int) -> None:
         try:
             self.ckpt.save(n, self.runner.checkpoint_tree(),
                            {**self.runner.data_state(), "skipped_samples": self.skipped,
-                            "nonfinite_steps": self.nonfinite})
+                            "nonfinite_steps": self.nonfinite,
+                            "spike_steps": self.spike_steps,
+                            "spike_history": self.spikes.state()})
         except NonFiniteState as e:
             raise TrainingStopped(f"step {n}: {e}; last good checkpoint: "
                                   f"{_last_good(self.ckpt)} (lower the learning rate, "
                                   f"then rerun to resume)") from None
 
     def close(self) -> None:
+        self.preempt.__exit__(None, None, None)
         self.ckpt.close()
         if self.runner is not None and hasattr(self.runner, "close"):
             self.runner.close()

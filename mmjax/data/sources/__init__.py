@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gin
 
+from mmjax.errors import UserError
 from mmjax.data.preprocess import (ImageProcessor, NativeResizeProcessor,
                                    WhisperFeatureExtractor, load_processor)
 from mmjax.data.qwen2_vl_processor import Qwen2VLImageProcessor
@@ -73,7 +74,7 @@ def configured_source(model: MLLMConfig, tokenizer, output_images=None):
     llava = llava_source(model, tokenizer, output_images=output_images)
     wds = webdataset_source(model, tokenizer)
     if llava is not None and wds is not None:
-        raise ValueError("both llava_source.json_path and webdataset_source.urls are set: "
+        raise UserError("both llava_source.json_path and webdataset_source.urls are set: "
                          "keep one")
     return llava if llava is not None else wds
 
@@ -86,11 +87,11 @@ def eval_source(model: MLLMConfig, tokenizer, json_path: str | None = None,
     """The held-out set for `train.eval_every` (a LLaVA file or WebDataset shards), or None;
     -> (source, max_batches)."""
     if json_path and urls:
-        raise ValueError("eval_source: set json_path or urls, not both")
+        raise UserError("eval_source: set json_path or urls, not both")
     if not (json_path or urls):
         return None
     if max_batches < 1:
-        raise ValueError(f"eval_source.max_batches={max_batches}: use >= 1")
+        raise UserError(f"eval_source.max_batches={max_batches}: use >= 1")
     img, aud = default_processors(model, image_processor, audio_processor)
     if json_path:
         from mmjax.data.sources.llava import LlavaSource

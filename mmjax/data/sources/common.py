@@ -16,7 +16,8 @@ import os
 
 import numpy as np
 
-from mmjax.data.chat import ChatError, ChatFormat
+from mmjax.errors import UserError
+from mmjax.data.chat import ChatFormat
 from mmjax.data.index import cached_index, index_key
 from mmjax.data.records import DecodeError
 from mmjax.data.preprocess import audio_num_samples, load_audio
@@ -60,10 +61,13 @@ class EntryBuilder:
     def __call__(self, rec: dict) -> dict:
         from PIL import Image
 
+        if rec.get("problem"):  # a malformed line or record (read_llava)
+            return {"problem": rec["problem"]}
         try:
             chat = self.chat(rec["conversations"])
-        except (ChatError, KeyError, TypeError) as e:
-            return {"problem": f"chat: {e}"}
+        except Exception as e:  # noqa: BLE001 (a template can fail in many ways)
+            return {"problem": f"chat: the template cannot render the conversation "
+                               f"({type(e).__name__}: {e})"}
         n_img, n_aud = chat.count("image"), chat.count("audio")
         if n_img != len(rec["images"]) or n_aud != len(rec["audio"]):
             return {"problem": f"placeholders: the conversation has {n_img} <image> and "
@@ -112,7 +116,7 @@ class ChatRecordSource:
                  image_processor, audio_processor, index_path: str, data_key,
                  index_workers: int = 8, output_images=None):
         if tokenizer is None:
-            raise ValueError("a LLaVA / WebDataset source needs a tokenizer: set tokenizer.path "
+            raise UserError("a LLaVA / WebDataset source needs a tokenizer: set tokenizer.path "
                              "to a directory with tokenizer.json and tokenizer_config.json")
         self.records = records
         self.image_processor, self.audio_processor = image_processor, audio_processor
@@ -138,6 +142,11 @@ class ChatRecordSource:
 
     def name(self, index: int) -> str:
         return str(self.records[index]["id"])
+
+    def where(self, index: int) -> tuple:
+        """(file, "line" | "record", number) of record `index` (skipped.jsonl)."""
+        w = self.records[index].get("where")
+        return tuple(w) if w else ("", "record", int(index))
 
     def problem(self, index: int) -> str | None:
         return self.entries[index].get("problem")
@@ -172,10 +181,12 @@ class ChatRecordSource:
         rec = self.records[index]
         shapes = ([] if modalities is None else
                   [sh for kind, sh, *_ in self.spec(index) if kind != "text"])
+        if rec.get("problem"):
+            raise DecodeError(rec["problem"])
         try:
             chat = self.builder.chat(rec["conversations"])
-        except ChatError as e:
-            raise DecodeError(f"chat: {e}") from None
+        except Exception as e:  # noqa: BLE001 (ChatError, jinja errors, bad turns)
+            raise DecodeError(f"chat: {type(e).__name__}: {e}") from None
         images, audio = iter(rec["images"]), iter(rec["audio"])
         segs = []
         for kind, ids, mask in chat.pieces:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 
+from mmjax.errors import UserError
 from mmjax.data.index import file_digest
 from mmjax.data.sources.common import ChatRecordSource
 
@@ -21,7 +22,7 @@ def _paths(value, root: str, field: str, where: str) -> list[str]:
         return []
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, list) or not all(isinstance(v, str) for v in items):
-        raise ValueError(f"{where}: `{field}` must be a path or a list of paths")
+        raise UserError(f"{where}: `{field}` must be a path or a list of paths")
     return [v if os.path.isabs(v) else os.path.join(root, v) for v in items]
 
 
@@ -33,31 +34,56 @@ def _output(value, root: str, where: str) -> str | None:
 
 def read_llava(json_path: str, image_root: str = "", audio_root: str | None = None
                ) -> list[dict]:
-    """The records of a LLaVA JSON / JSONL file, with resolved file paths."""
+    """The records of a LLaVA JSON / JSONL file, with resolved file paths and where each
+    is (`where`: file, "line" / "record", number). A JSONL line that is not valid JSON, or
+    a record of the wrong form, becomes a record with a `problem` (skipped and named in
+    skipped.jsonl by the loader; the rest of the set trains). A JSON list that does not
+    parse at all is a UserError (nothing of it can be read)."""
     if not os.path.isfile(json_path):
-        raise ValueError(f"llava_source.json_path={json_path!r}: no such file")
+        raise UserError(f"llava_source.json_path={json_path!r}: no such file")
+    raw = []  # (where, record or None, problem)
     try:
         with open(json_path) as f:
             if json_path.endswith(".jsonl"):
-                raw = [json.loads(line) for line in f if line.strip()]
+                for n, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        raw.append(((json_path, "line", n), json.loads(line), None))
+                    except ValueError as e:
+                        raw.append(((json_path, "line", n), None, f"json: line {n}: {e}"))
             else:
-                raw = json.load(f)
-    except ValueError as e:
-        raise ValueError(f"llava_source.json_path={json_path!r}: not valid JSON/JSONL ({e})"
-                         ) from None
-    if not isinstance(raw, list):
-        raise ValueError(f"llava_source.json_path={json_path!r}: expected a list of records")
+                items = json.load(f)
+                if not isinstance(items, list):
+                    raise UserError(f"llava_source.json_path={json_path!r}: expected a list "
+                                    f"of records")
+                raw = [((json_path, "record", k), r, None) for k, r in enumerate(items)]
+    except (ValueError, UnicodeDecodeError) as e:
+        if isinstance(e, UserError):
+            raise
+        raise UserError(f"llava_source.json_path={json_path!r}: not valid JSON ({e}); fix "
+                        f"the file, or write it as JSONL (one record a line: a bad line is "
+                        f"skipped)") from None
     audio_root = image_root if audio_root is None else audio_root
     records = []
-    for k, r in enumerate(raw):
-        where = f"{json_path} record {k}"
-        if not isinstance(r, dict):
-            raise ValueError(f"{where}: a record must be an object with id/conversations")
-        records.append({"id": str(r.get("id", k)),
-                        "images": _paths(r.get("image"), image_root, "image", where),
-                        "audio": _paths(r.get("audio"), audio_root, "audio", where),
-                        "conversations": r.get("conversations"),
-                        "output_image": _output(r.get("output_image"), image_root, where)})
+    for k, (where, r, problem) in enumerate(raw):
+        label = f"{where[0]} {where[1]} {where[2]}"
+        rec = {"id": str(r.get("id", k)) if isinstance(r, dict) else f"{where[1]}-{where[2]}",
+               "images": [], "audio": [], "conversations": None, "output_image": None,
+               "where": list(where)}
+        try:
+            if problem is None and not isinstance(r, dict):
+                raise UserError(f"{label}: a record must be an object with id/conversations")
+            if problem is None:
+                rec.update(images=_paths(r.get("image"), image_root, "image", label),
+                           audio=_paths(r.get("audio"), audio_root, "audio", label),
+                           conversations=r.get("conversations"),
+                           output_image=_output(r.get("output_image"), image_root, label))
+        except (UserError, ValueError) as e:
+            problem = f"record: {e}"
+        if problem is not None:
+            rec["problem"] = problem
+        records.append(rec)
     return records
 
 

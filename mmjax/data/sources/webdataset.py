@@ -14,6 +14,7 @@ import os
 import re
 import tarfile
 
+from mmjax.errors import UserError
 from mmjax.data.index import cached_index, index_key
 from mmjax.data.sources.common import ChatRecordSource
 
@@ -40,7 +41,7 @@ def shard_paths(urls) -> list[str]:
     paths = [p for pat in patterns for p in expand_braces(pat)]
     missing = [p for p in paths if not os.path.isfile(p)]
     if not paths or missing:
-        raise ValueError(f"webdataset_source.urls={urls!r}: "
+        raise UserError(f"webdataset_source.urls={urls!r}: "
                          + (f"missing shards {missing[:3]}" if missing else "no shards")
                          + " (local tar paths, brace patterns allowed)")
     return paths
