@@ -98,7 +98,7 @@ class Loader:
                  node_wise_time_limit: float = 0.2, node_wise_max_milp_ranks: int = 32,
                  hardware: str = "h100", shape_scan_steps: int | None = None,
                  local_devices: frozenset[int] | None = None, max_bad_fraction: float = 0.5,
-                 producers: int = 0, producer_addresses=(), producer_cpus=(),
+                 producers: int = 0, producer_addresses=None, producer_cpus=None,
                  producer_timeout: float = 300.0):
         if prefetch < 2:
             raise UserError(f"Loader.prefetch={prefetch}: use >= 2 (global batches prepared "
@@ -125,6 +125,7 @@ class Loader:
             raise UserError("Loader.num_workers and Loader.producers / producer_addresses are "
                             "both set: producers replace grain workers; keep one")
         from mmjax.data.producer import endpoint
+        producer_addresses, producer_cpus = producer_addresses or (), producer_cpus or ()
         for a in producer_addresses:
             try:
                 endpoint(a)
