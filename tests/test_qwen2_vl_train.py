@@ -105,6 +105,20 @@ def test_pretrained_units_from_a_whole_checkpoint():
     jax.tree.map(np.testing.assert_array_equal, pure(mdl), pure(whole))
 
 
+def test_pretrained_model_names_the_whole_checkpoint():
+    """`pretrained.model = DIR` of a whole Qwen2-VL checkpoint is its LLM and its tower, so it
+    configures exactly what naming both units does; a LLaVA directory and a mix stay as
+    given (the LLaVA loader, `pretrained_config`'s one-line refusal)."""
+    whole = hf.expand_whole_model({"model": QWEN25_DIR})
+    assert whole == {"llm": QWEN25_DIR, "vision": QWEN25_DIR}
+    base = make_cfg(tiny_qwen2_vl)
+    assert hf.prepare_pretrained(base, whole) == _pretrained(base)[1]
+    mixed = {"model": QWEN25_DIR, "llm": QWEN25_DIR}
+    assert hf.expand_whole_model(mixed) == mixed
+    with pytest.raises(hf.PretrainedError, match="pretrained.model names the whole model"):
+        hf.prepare_pretrained(base, mixed)
+
+
 @pytest.mark.slow
 def test_pretrained_pipeline_stages_match_single_device():
     """Each stage of a pp-2 tower (window and full blocks split) and a pp-2 LLM reads its

@@ -17,9 +17,9 @@ class SkipReport:
         self.total = 0
 
     def step(self, n: int, count: int, listed: list[tuple[str, str]]) -> None:
-        """Step `n` skipped `count` samples, `listed` as (sample id, reason)."""
+        """Step `n` skipped `count` samples, `listed` as (sample id, reason, where...)."""
         self.total += count
-        for name, why in listed:
+        for name, why, *_ in listed:
             kind = why.partition(":")[0].strip() or "other"
             if not self.reasons[kind]:
                 self.say(f"step {n}: skipped sample {name} ({why}); every skip is counted in "
@@ -45,6 +45,11 @@ def pretrained_lines(cfg, dirs: dict) -> list[str]:
 
     out = []
     for unit, path in dirs.items():
+        if unit == "model":  # a whole LLaVA: tower, projector and LLM
+            from mmjax.models.hf.llava import llava_load_plan
+            n = len(llava_load_plan(path, cfg).entries)
+            out.append(f"loaded pretrained model (every unit) from {path} ({n} tensors)")
+            continue
         n = len(load_plan(path, unit_config(cfg, unit)).entries)
         out.append(f"loaded pretrained {unit} from {path} ({n} tensors)")
     return out

@@ -20,7 +20,7 @@ from mmjax.data.sources import eval_source
 from mmjax.data.tokenizer import tokenizer
 from mmjax.errors import UserError
 from mmjax.models.config import MLLMConfig
-from mmjax.models.hf.pretrained import prepare_pretrained
+from mmjax.models.hf.pretrained import expand_whole_model, prepare_pretrained
 from mmjax.planner.plan import Plan
 from mmjax.train.auto_plan import auto_plan, run_planning_inputs
 from mmjax.train.checkpoint import Checkpointer, NonFiniteState
@@ -242,7 +242,8 @@ def _model_and_tokenizer(model: MLLMConfig | None):
     """(model config, tokenizer or None, pretrained dirs): the gin-named model, its sizes
     from the pretrained checkpoints' config.json, its vocabulary covering the tokenizer."""
     cfg = model or named_model_config()
-    dirs = pretrained()  # gin: pretrained.<unit> = "/hf/checkpoint/dir"
+    # gin: pretrained.<unit> = "/hf/checkpoint/dir"; pretrained.model: a whole checkpoint
+    dirs = expand_whole_model(pretrained())
     if dirs:  # configs from config.json; files, names and shapes checked before any work
         cfg = prepare_pretrained(cfg, dirs)
     tok = tokenizer()

@@ -26,7 +26,8 @@ from mmjax.models.hf.llava import (is_llava, llava_config_from_hf, llava_config_
                                    llava_load_plan, load_llava, save_llava)
 from mmjax.models.hf.llm import (config_from_hf, config_to_hf, export_llm_safetensors,
                                  llm_entries, load_llm_safetensors, rope_from_hf)
-from mmjax.models.hf.pretrained import (PretrainedError, check_pretrained, load_into_model,
+from mmjax.models.hf.pretrained import (PretrainedError, check_pretrained, expand_whole_model,
+                                        load_into_model,
                                         load_plan, load_stage_state, prepare_pretrained,
                                         pretrained_config)
 from mmjax.models.hf.qwen2_vl import (load_qwen2_vl, qwen2_vl_config_from_hf,

@@ -33,6 +33,17 @@ class PretrainedError(ValueError):
     """A pretrained checkpoint that cannot start training (raised before any work)."""
 
 
+def expand_whole_model(dirs: dict) -> dict:
+    """`pretrained.model` naming a whole Qwen2-VL / Qwen2.5-VL checkpoint is its LLM and its
+    tower (the merger comes with the tower's last stage): {"llm": dir, "vision": dir}, the
+    form every loader reads. A whole LLaVA stays {"model": dir} (hf/llava.py reads it);
+    anything else is returned as it is (`pretrained_config` judges it)."""
+    path = dirs.get("model")
+    if path is None or len(dirs) > 1 or not is_qwen2_vl_dir(path):
+        return dirs
+    return {"llm": path, "vision": path}
+
+
 def prepare_pretrained(cfg: MLLMConfig, dirs: dict) -> MLLMConfig:
     """`pretrained_config` + `check_pretrained`, errors as one `PretrainedError`."""
     try:
