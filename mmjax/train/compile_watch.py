@@ -38,8 +38,10 @@ def watched_step(runner, n: int, trace: bool, say, warm: bool, limits=None) -> d
     console with its seconds and reason, and kept out of the ETA (`compile_s`). `limits`:
     the loss-spike guard's bounds for this step."""
     with CompileWatch() as w:
-        m = (runner.step(trace=True, limits=limits) if trace
-             else runner.step(limits=limits))  # limits: the spike guard's (train/spike_guard.py)
+        kw = {"trace": True} if trace else {}
+        if limits is not None:  # the spike guard's bounds (train/spike_guard.py)
+            kw["limits"] = limits
+        m = runner.step(**kw)
     why = m.pop("compile_reason", "")
     if warm and w.count and not m.get("compile_s"):
         m["compile_s"] = w.seconds
