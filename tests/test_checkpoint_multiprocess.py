@@ -138,7 +138,7 @@ def test_sigterm_to_the_launcher_checkpoints_every_process_and_the_rerun_is_bit_
     the same step, checkpoint it and exit 75 (the launcher too); the rerun ends with every
     metric and checkpoint leaf of the uninterrupted run."""
     work = str(tmp_path / "preempted")
-    after = random.Random().randint(1, STEPS - 2)
+    after = random.Random().randint(1, STEPS - 4)
     launcher = subprocess.Popen(_cmd(work, 2, 2, PLAN_A), env=_env(), cwd=ROOT,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     metrics = os.path.join(work, "metrics.jsonl")

@@ -109,7 +109,8 @@ def test_truncate_metrics_keeps_each_step_once_up_to_the_restored_one(tmp_path):
 
 
 @pytest.mark.slow
-def test_diverging_run_stops_keeps_good_checkpoint_and_resume_writes_each_step_once(tmp_path):
+def test_diverging_run_stops_keeps_good_checkpoint_and_resume_writes_each_step_once(
+        tmp_path, monkeypatch):
     """2 good steps (checkpoint 2); rerun at lr 1e30: steps go non-finite, are skipped, and
     after max_bad_steps the run stops naming checkpoint 2, which stays (keep_checkpoints=1)
     and verifies; a rerun at a sane lr resumes from 2 to the end, every step once."""
@@ -123,14 +124,20 @@ def test_diverging_run_stops_keeps_good_checkpoint_and_resume_writes_each_step_o
                          TINY_VISION, num_layers=1, hidden_size=16, ffn_size=32),
                          ProjectorConfig(downsample=1)),))
     work = str(tmp_path / "run")
+    # the settings table refuses a peak_lr above 10 (a user's typo); this test needs one
+    # that overflows the update, so it widens that one entry for itself
+    from mmjax import settings
+    monkeypatch.setitem(settings.SETTINGS["learning_rate_schedule"], "peak_lr",
+                        settings._float(1e-3, 0, 1e31, open_lo=True))
 
     def run(lr, **kw):
         gin.clear_config()
         import mmjax.data.loader  # noqa: F401  (registers Loader with gin)
 
-        # seq_len 64 rejects about half the synthetic samples: draw enough candidates
+        # seq_len 64 rejects about half the synthetic samples (too long, counted as bad):
+        # draw enough candidates and let more than half of them go
         gin.parse_config(["data_layout.seq_len = 64", "data_layout.vision_caps = (64,)",
-                          "Loader.reserve = 16",
+                          "Loader.reserve = 16", "Loader.max_bad_fraction = 0.9",
                           f"learning_rate_schedule.peak_lr = {lr}",
                           "learning_rate_schedule.warmup_steps = 0"])
         try:

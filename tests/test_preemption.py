@@ -15,7 +15,7 @@ import pytest
 from mmjax.train.preemption import EXIT_PREEMPTED, Preempted, Preemption
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEPS = 6
+STEPS = 12  # enough steps past the signal that the step in flight is never the last
 SMALL = ['--gin_param=named_model_config.overrides={"llm.num_layers": 1}',
          "--gin_param=train.global_batch=4", "--gin_param=data_layout.seq_len=128",
          "--gin_param=train.checkpoint_every=100", "--gin_param=train.progress=False",
@@ -78,7 +78,7 @@ def test_signal_checkpoints_the_step_reached_and_the_rerun_is_bit_identical(tmp_
     p = subprocess.run(_train(straight), cwd=REPO, env=_env(), capture_output=True,
                        text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
-    after = random.Random().randint(1, STEPS - 2)
+    after = random.Random().randint(1, STEPS - 8)
     proc = subprocess.Popen(_train(work), cwd=REPO, env=_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     _wait_rows(os.path.join(work, "metrics.jsonl"), after, proc)
