@@ -1,11 +1,15 @@
-"""Post-balancing and node-wise rearrangement compute time, before vs after the rewrite of
-mmjax/data/balance/ (OrchMLLM §5.1 / App. A policies, §5.2.2 node-wise rearrangement).
+"""Post-balancing and node-wise rearrangement compute time (OrchMLLM §5.1 / App. A
+policies, §5.2.2 node-wise rearrangement).
 
 Part 1: each policy at OrchMLLM Table 2 scales (DP 64 ... 2560, 60 LAION-like LLM sequence
-lengths per rank): the previous implementation (tests/balance_reference.py, a frozen copy),
-the current ``post_balance`` (one Python list per rank, as the loader takes them) and
-``post_balance_flat`` (the same batches as arrays); repeats interleaved so every column
-sees the same machine load; CPU time (process_time), median and min; the outputs are
+lengths per rank), CPU time (process_time), median and min of interleaved repeats (every
+column sees the same machine load): "loader", the loader's own call
+(`batch_plan.split_unit`: the microbatch's cost array -> per-rank sample indices as a
+`RankSplit`, what the feed reads); "post_balance_flat", the balancer alone on arrays;
+"post_balance (lists)", the list API (a Python list of costs in, one list per rank out:
+how the loader called the balancers before); "before", the frozen previous implementation
+(tests/balance_reference.py) on lists. "costs from metadata" is `batch_plan.unit_costs`
+(one pass over the SampleMetas, once per global batch for every unit). The outputs are
 checked identical. OrchMLLM's whole dispatcher overhead there is 16.7-53.9 ms.
 
 Part 2: node-wise rearrangement (8 ranks per node, 60 samples per rank, sources = the
@@ -30,13 +34,24 @@ from rich.table import Table
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 import balance_reference as before  # noqa: E402  (the frozen previous implementation)
 
-from bench_data import phase_lengths, run_parts  # noqa: E402
+from bench_data import BENCH_CFG, phase_lengths, run_parts  # noqa: E402
 from mmjax.data import balance  # noqa: E402
 from mmjax.data.balance import node_wise  # noqa: E402
 from mmjax.data.balance.node_swaps import swap_improve  # noqa: E402
+from mmjax.data.batch_plan import NodeWise, split_unit, unit_costs  # noqa: E402
 from mmjax.data.node_milp import milp_nodes  # noqa: E402
+from mmjax.data.sample import TokenRules  # noqa: E402
+from mmjax.data.synthetic import SyntheticDataset  # noqa: E402
 from mmjax.host_info import machine  # noqa: E402
+from mmjax.models.config import (AudioConfig, EncoderSpec, LLMConfig, MLLMConfig,  # noqa: E402
+                                 ProjectorConfig, VisionConfig)
 
+# the units whose costs the loader computes for a LAION-like mix: LLM, vision, audio
+MODEL = MLLMConfig(
+    "bench", LLMConfig(256, 32, 1, 2, 1, 64),
+    encoders=(EncoderSpec("vision", VisionConfig(16, 1, 2, 32, patch_size=BENCH_CFG.patch_size),
+                          ProjectorConfig()),
+              EncoderSpec("audio", AudioConfig(16, 1, 2, 32), ProjectorConfig())))
 PAPER_MS = {64: 16.66, 128: 18.49, 256: 21.32, 512: 24.64, 1024: 31.37, 2560: 53.88}
 
 
@@ -47,36 +62,46 @@ def _cpu_ms(fn) -> float:
 
 
 def part1_policies(args, console) -> list[dict]:
+    ds = SyntheticDataset("laion", BENCH_CFG, seed=args.seed)
+    rules = TokenRules(patch_size=BENCH_CFG.patch_size)
+    pool = [ds.meta(i, rules) for i in range(4096)]
     rng = np.random.default_rng(args.seed)
-    pool = phase_lengths("laion", 4096, args.seed)["llm"]
+    no_node_wise = NodeWise(0)
     rows = []
     for d in args.dp:
-        x = rng.choice(pool, d * args.samples_per_rank)
+        metas = [pool[i] for i in rng.choice(len(pool), d * args.samples_per_rank)]
+        t = time.process_time()
+        costs = unit_costs(metas, MODEL)["llm"]
+        costs_ms = (time.process_time() - t) * 1e3
+        x = costs.astype(np.int64)
         for pol in balance.POLICIES:
-            same = balance.post_balance(x, d, pol) == before.post_balance(x, d, pol)
-            fns = {"before": lambda: before.post_balance(x, d, pol),
-                   "after": lambda: balance.post_balance(x, d, pol),
-                   "after_flat": lambda: balance.post_balance_flat(x, d, pol)}
+            loader = split_unit(costs, d, "orchmllm", pol, no_node_wise).lists()
+            same = loader == before.post_balance(x, d, pol) == balance.post_balance(x, d, pol)
+            fns = {"before": lambda: before.post_balance(x.tolist(), d, pol),
+                   "lists": lambda: balance.post_balance(costs.tolist(), d, pol),
+                   "loader": lambda: split_unit(costs, d, "orchmllm", pol, no_node_wise),
+                   "arrays": lambda: balance.post_balance_flat(x, d, pol)}
             reps = args.repeats if d <= 512 else max(3, args.repeats // 2)
             times = {k: [] for k in fns}
             for _ in range(reps):  # interleaved: the same load for every column
                 for k, fn in fns.items():
                     times[k].append(_cpu_ms(fn))
             row = {"dp": d, "samples": int(x.size), "policy": pol, "identical": bool(same),
-                   "orchmllm_total_ms": PAPER_MS.get(d)}
+                   "costs_from_metadata_ms": costs_ms, "orchmllm_total_ms": PAPER_MS.get(d)}
             for k, ts in times.items():
                 row[k] = {"median": statistics.median(ts), "min": min(ts)}
             rows.append(row)
     table = Table(title=f"(1) post-balance CPU ms, median (min) of interleaved repeats, "
-                        f"{args.samples_per_rank} LAION-like samples per rank")
-    for col in ("DP", "policy", "before", "after (lists)", "after (arrays)", "speed-up",
-                "same output", "OrchMLLM total"):
+                        f"{args.samples_per_rank} LAION-like samples per rank; 'loader' is "
+                        "the loader's call (batch_plan.split_unit: cost array -> RankSplit)")
+    for col in ("DP", "policy", "before (lists)", "post_balance (lists)", "loader",
+                "post_balance_flat", "costs from metadata", "same output", "OrchMLLM total"):
         table.add_column(col, justify="right")
     for r in rows:
         table.add_row(str(r["dp"]), r["policy"],
                       *[f"{r[k]['median']:.1f} ({r[k]['min']:.1f})"
-                        for k in ("before", "after", "after_flat")],
-                      f"{r['before']['median'] / r['after']['median']:.1f}x",
+                        for k in ("before", "lists", "loader", "arrays")],
+                      f"{r['costs_from_metadata_ms']:.1f}",
                       "yes" if r["identical"] else "NO",
                       "-" if r["orchmllm_total_ms"] is None else f"{r['orchmllm_total_ms']:.1f}")
     console.print(table)

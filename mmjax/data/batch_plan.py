@@ -14,9 +14,10 @@ from mmjax.data.layout import AssemblyLayout
 from mmjax.data.batch_shapes import BatchShapes, batch_shapes
 from mmjax.data.assemble import item_rows, projected_size
 from mmjax.data.balance import POLICIES as POST_BALANCE_POLICIES
-from mmjax.data.balance import (batches_by_rank, compose_rearrangement, node_wise_rearrange,
-                                post_balance, Rearrangement)
-from mmjax.data.reorder import inter_reorder, intra_reorder
+from mmjax.data.balance import (compose_rearrangement, node_wise_rearrange_flat,
+                                post_balance_flat, Rearrangement)
+from mmjax.data.rank_split import RankSplit
+from mmjax.data.reorder import inter_reorder
 from mmjax.data.sample import SampleMeta
 from mmjax.errors import UserError
 from mmjax.models.config import MLLMConfig
@@ -32,24 +33,49 @@ NODE_WISE_METHODS = ("auto", "milp", "local", "greedy")
 
 @dataclass
 class MicrobatchPlan:
-    """One microbatch: per unit, per DP rank, the ordered positions (into the global batch)
-    it processes, the unit's common shapes, and per encoder the sample- and token-level
-    moves from encoder ranks to LLM ranks."""
+    """One microbatch: per unit how its samples split over the unit's DP ranks (`splits`,
+    indices into `positions`, the global batch positions of the microbatch), the unit's
+    common shapes, and per encoder the sample- and token-level moves from encoder ranks to
+    LLM ranks."""
 
     positions: list[int]
-    ranks: dict[str, list[list[int]]]
+    splits: dict[str, RankSplit]
     shapes: dict[str, BatchShapes]
     rearrangements: dict[str, Rearrangement]
     routes: dict[str, np.ndarray]  # e -> int32 [dp_llm, rows, 2]: (encoder rank, row); -1 pad
 
+    @property
+    def ranks(self) -> dict[str, list[list[int]]]:
+        """Per unit, per DP rank, the global batch positions it processes, in order."""
+        pos = np.asarray(self.positions, dtype=np.int64)
+        return {u: RankSplit(pos[s.items], s.counts).lists() for u, s in self.splits.items()}
 
-def _unit_cost(unit: str, m: SampleMeta, model: MLLMConfig) -> float:
-    """Per-sample size the within-microbatch split balances (tokens; generated images)."""
-    if unit == "llm":
-        return float(m.llm_length)
-    if unit == "generator":
-        return float(m.count("image_out"))
-    return float(m.encoder_tokens(model.encoder(unit).modality))
+
+def unit_costs(metas: list[SampleMeta], model: MLLMConfig) -> dict[str, np.ndarray]:
+    """Per unit, the size its DP split balances, one float64 per sample: the LLM's sequence
+    tokens, an encoder's input tokens, the generator's generated images. One pass over the
+    metadata per global batch; every microbatch and policy then slices these arrays."""
+    enc_mod = {e.name: e.modality for e in model.encoders}
+    mods = tuple(sorted(set(enc_mod.values())))
+    llm, images_out, enc = [], [], {mod: [] for mod in mods}
+    for m in metas:
+        tokens, out, per_mod = 2, 0, dict.fromkeys(mods, 0)
+        for seg in m.segments:
+            tokens += seg.num_llm_tokens + seg.delimiters
+            if seg.modality in per_mod:
+                per_mod[seg.modality] += seg.num_encoder_tokens
+            elif seg.modality == "image_out":
+                out += 1
+        llm.append(tokens)
+        images_out.append(out)
+        for mod in mods:
+            enc[mod].append(per_mod[mod])
+    cols = {"llm": np.array(llm, dtype=np.float64)}
+    if "generator" in model.unit_names:
+        cols["generator"] = np.array(images_out, dtype=np.float64)
+    for name, mod in enc_mod.items():
+        cols[name] = np.array(enc[mod], dtype=np.float64)
+    return cols
 
 
 @dataclass(frozen=True)
@@ -77,26 +103,29 @@ class NodeWise:
             raise UserError(f"Loader.node_wise_time_limit={self.time_limit!r}: use > 0 seconds")
 
 
-def _split(unit: str, pos: list[int], metas, model, dp: int, policy: str, algo: str,
-           node_wise: NodeWise) -> list[list[int]]:
+def split_unit(costs: np.ndarray, dp: int, policy: str, algo: str,
+               node_wise: NodeWise) -> RankSplit:
+    """One unit's split of a microbatch over its `dp` ranks, as the loader computes it:
+    `costs` (the microbatch's slice of `unit_costs`) -> indices into the microbatch per
+    rank. "none": contiguous; "disttrain": DistTrain Algorithm 2 (§6.1, the same LPT as
+    OrchMLLM Algorithm 1, see `reorder.intra_reorder`); "orchmllm": the post-balancing
+    policy `algo` (OrchMLLM §5.1), then node-wise rearrangement (§5.2.2) when configured."""
     if policy == "none":
-        k, r = divmod(len(pos), dp)
-        cuts = np.cumsum([0] + [k + (i < r) for i in range(dp)])
-        return [pos[cuts[i]:cuts[i + 1]] for i in range(dp)]
-    costs = [_unit_cost(unit, metas[p], model) for p in pos]
+        return RankSplit.contiguous(costs.size, dp)
     if policy == "disttrain":
-        groups = intra_reorder(costs, dp)
-    else:
-        groups = post_balance(costs, dp, algo)
-        rpn = node_wise.ranks_per_node
-        if rpn and dp > rpn and dp % rpn == 0:
-            src = [min(i * dp // len(pos), dp - 1) for i in range(len(pos))]  # "none" split
-            perm = node_wise_rearrange(src, groups, costs, rpn, method=node_wise.method,
-                                       time_limit=node_wise.time_limit,
-                                       max_milp_ranks=node_wise.max_milp_ranks,
-                                       require_optimal=True)
-            groups = batches_by_rank(groups, perm)
-    return [[pos[i] for i in g] for g in groups]
+        return RankSplit(*post_balance_flat(costs, dp, "sum"))
+    split = RankSplit(*post_balance_flat(costs, dp, algo))
+    rpn = node_wise.ranks_per_node
+    if rpn and dp > rpn and dp % rpn == 0:
+        n = costs.size
+        src = np.minimum(np.arange(n) * dp // n, dp - 1)  # where the "none" split had them
+        perm = node_wise_rearrange_flat(src, split.items, split.counts, costs, rpn,
+                                        method=node_wise.method,
+                                        time_limit=node_wise.time_limit,
+                                        max_milp_ranks=node_wise.max_milp_ranks,
+                                        require_optimal=True)
+        split = split.permute_ranks(perm)
+    return split
 
 
 def rank_times(model: MLLMConfig, unit: str, metas: list[SampleMeta], tp: int = 1,
@@ -174,29 +203,37 @@ def plan_global_batch(metas: list[SampleMeta], model: MLLMConfig, plan: Plan,
         node_wise = NodeWise(ranks_per_node)
     size = n // l
     mbs = [list(range(i * size, (i + 1) * size)) for i in range(l)]
+    costs = unit_costs(metas, model)
     llm_dp = plan.unit("llm").dp
     splits = []
-    for pos in mbs:
-        ranks = {}
+    for i in range(l):
+        mb_costs = {u: c[i * size:(i + 1) * size] for u, c in costs.items()}
+        units = {}
         for unit in model.unit_names:
             if unit == "generator" and plan.unit(unit).dp == llm_dp:
                 continue  # follows the LLM's split: hidden states stay on their rank
-            ranks[unit] = _split(unit, pos, metas, model, plan.unit(unit).dp, policies[unit],
-                                 algos[unit], node_wise)
-        if "generator" in model.unit_names and "generator" not in ranks:
-            ranks["generator"] = ranks["llm"]
-        splits.append(ranks)
+            units[unit] = split_unit(mb_costs[unit], plan.unit(unit).dp, policies[unit],
+                                     algos[unit], node_wise)
+        if "generator" in model.unit_names and "generator" not in units:
+            units["generator"] = units["llm"]
+        splits.append(units)
     if l > 1 and any(p == "disttrain" for p in policies.values()):
         gen = layout.gen.num_queries if layout.gen is not None else 64
-        costs, stages = microbatch_costs(metas, model, plan, splits, hardware, gen)
-        order = inter_reorder(costs, len(stages), stage_costs=stages)
+        ranks = [{u: [[pos[k] for k in g] for g in s.lists()] for u, s in units.items()}
+                 for pos, units in zip(mbs, splits)]
+        mb_costs, stages = microbatch_costs(metas, model, plan, ranks, hardware, gen)
+        order = inter_reorder(mb_costs, len(stages), stage_costs=stages)
         mbs, splits = [mbs[j] for j in order], [splits[j] for j in order]
     out = []
-    for pos, ranks in zip(mbs, splits):
-        shapes = {u: batch_shapes([[metas[p] for p in r] for r in rs], layout)
-                  for u, rs in ranks.items()}
-        rearr, routes = _routes(metas, model, layout, ranks, shapes)
-        out.append(MicrobatchPlan(pos, ranks, shapes, rearr, routes))
+    for pos, units in zip(mbs, splits):
+        mp = MicrobatchPlan(pos, units, {}, {}, {})
+        ranks = mp.ranks
+        mp.shapes.update({u: batch_shapes([[metas[p] for p in r] for r in rs], layout)
+                          for u, rs in ranks.items()})
+        rearr, routes = _routes(metas, model, layout, ranks, mp.shapes)
+        mp.rearrangements.update(rearr)
+        mp.routes.update(routes)
+        out.append(mp)
     return out
 
 

@@ -19,19 +19,13 @@ import numpy as np
 from mmjax.data.layout import AssemblyLayout, check_sample
 from mmjax.data.batch_shapes import BatchShapes, batch_shapes
 from mmjax.data.assemble import Batch, assemble
+from mmjax.data.rank_split import RankSplit
 from mmjax.data.routes import Routes
 from mmjax.data.sample import Sample
 
 
 def _pow2(n: int) -> int:
     return 1 << max(0, int(np.ceil(np.log2(max(n, 1)))))
-
-
-def contiguous(n: int, ranks: int) -> list[list[int]]:
-    if n % ranks:
-        raise ValueError(f"microbatch of {n} samples does not split over dp={ranks}")
-    k = n // ranks
-    return [list(range(r * k, (r + 1) * k)) for r in range(ranks)]
 
 
 def _stack(dicts: list[dict]) -> dict:
@@ -130,7 +124,8 @@ class MicrobatchFeed:
 
 
 def microbatch_feed(samples: list[Sample], layout: AssemblyLayout, dp: dict[str, int],
-                    assignments: dict[str, list[list[int]]] | None = None, cp: int = 1,
+                    assignments: dict[str, RankSplit | list[list[int]]] | None = None,
+                    cp: int = 1,
                     cp_method: str = "lpt", cp_block: int = 128,
                     floor: FeedShapes | None = None) -> MicrobatchFeed:
     """Build the feed of one microbatch. `dp[unit]` is each unit's dp size; samples must
@@ -141,11 +136,17 @@ def microbatch_feed(samples: list[Sample], layout: AssemblyLayout, dp: dict[str,
     sizes used."""
     n = len(samples)
     assignments = dict(assignments or {})
-    groups = {u: assignments.get(u) or contiguous(n, d) for u, d in dp.items()}
-    for u, g in groups.items():
-        flat = sorted(s for r in g for s in r)
-        if flat != list(range(n)) or len(g) != dp[u]:
-            raise ValueError(f"assignments[{u!r}] must split samples 0..{n - 1} over {dp[u]} ranks")
+    groups = {}
+    for u, d in dp.items():
+        a = assignments.get(u)
+        if a is None or (not isinstance(a, RankSplit) and not a):
+            if n % d:
+                raise ValueError(f"microbatch of {n} samples does not split over dp={d}")
+            a = RankSplit.contiguous(n, d)
+        elif not isinstance(a, RankSplit):
+            a = RankSplit.from_lists(a)
+        a.check(n, d, f"assignments[{u!r}]")
+        groups[u] = a.lists()
     for s in samples:
         reason = check_sample(s, layout)
         if reason:

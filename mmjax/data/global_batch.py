@@ -229,10 +229,8 @@ class GlobalBatchBuilder:
     def _feed(self, mp: MicrobatchPlan, get):
         """The microbatch as the pipeline runtime's feed, with this plan's rank assignments."""
 
-        where = {p: i for i, p in enumerate(mp.positions)}
-        assignments = {u: [[where[p] for p in r] for r in ranks] for u, ranks in mp.ranks.items()}
         dp = {u.name: u.dp for u in self.plan.units}
-        return microbatch_feed([get(p) for p in mp.positions], self.layout, dp, assignments,
+        return microbatch_feed([get(p) for p in mp.positions], self.layout, dp, mp.splits,
                                cp=self.plan.unit("llm").cp, cp_method=self.cp_method,
                                cp_block=self.cp_block, floor=self.floor)
 
@@ -335,10 +333,10 @@ class GlobalBatchBuilder:
         for slot in self.layout.encoders:
             reads[slot.name] = slot.modality
         need: dict[int, set] = {}
-        for u, ranks in mp.ranks.items():
+        for u, split in mp.splits.items():
             for r in self.owned.get(u, ()):
-                for p in ranks[r]:
-                    need.setdefault(p, set()).add(reads[u])
+                for i in split.rank(r).tolist():
+                    need.setdefault(mp.positions[i], set()).add(reads[u])
         return lambda p: (get(p, frozenset(need[p])) if p in need
                           else _blank(specs[p], idx[p]))
 

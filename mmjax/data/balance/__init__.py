@@ -29,7 +29,7 @@ from mmjax.data.balance.conv import _conv
 from mmjax.data.balance.lpt import _as_lengths, _check_ranks, _greedy, _lists, greedy_partition
 from mmjax.data.balance.node_wise import (batches_by_rank, inter_node_volumes,
                                           max_inter_node_volume, node_wise_rearrange,
-                                          volume_matrix)
+                                          node_wise_rearrange_flat, volume_matrix)
 # private helpers tests reach through this module, as before the split
 from mmjax.data.balance.node_wise import _greedy_nodes, _per_sample  # noqa: F401
 from mmjax.data.balance.padded import _padded
@@ -41,7 +41,7 @@ POLICIES = ("sum", "padded", "sum_square", "conv")
 
 __all__ = ["POLICIES", "Rearrangement", "batch_cost", "batches_by_rank", "compose_rearrangement",
            "greedy_partition", "inter_node_volumes", "max_inter_node_volume",
-           "node_wise_rearrange", "post_balance", "post_balance_flat", "rearrangement",
+           "node_wise_rearrange", "node_wise_rearrange_flat", "post_balance", "post_balance_flat", "rearrangement",
            "volume_matrix"]
 
 

@@ -14,9 +14,17 @@ from mmjax.data.node_milp import milp_nodes
 
 def _per_sample(src_rank_of_sample, new_batches, sizes, ranks_per_node):
     """Validated per-sample arrays: source rank, new batch, volume; and d."""
+    lens = np.array([len(b) for b in new_batches], dtype=np.int64)
+    flat = np.fromiter(itertools.chain.from_iterable(new_batches), dtype=np.int64,
+                       count=int(lens.sum()))
+    return _per_sample_flat(src_rank_of_sample, flat, lens, sizes, ranks_per_node)
+
+
+def _per_sample_flat(src_rank_of_sample, flat, lens, sizes, ranks_per_node):
+    """`_per_sample` with the new batches as (sample indices batch after batch, counts)."""
     src = np.asarray(src_rank_of_sample, dtype=np.int64)
     w = _as_lengths(sizes, "sizes")
-    d = len(new_batches)
+    d = len(lens)
     _check_ranks(ranks_per_node, "ranks_per_node")
     if d == 0 or d % ranks_per_node:
         raise ValueError(f"the number of new batches ({d}) must be a positive multiple of "
@@ -26,9 +34,6 @@ def _per_sample(src_rank_of_sample, new_batches, sizes, ranks_per_node):
                          "entry per sample")
     if src.size and (src.min() < 0 or src.max() >= d):
         raise ValueError(f"src_rank_of_sample must be ranks in [0, {d})")
-    lens = [len(b) for b in new_batches]
-    flat = np.fromiter(itertools.chain.from_iterable(new_batches), dtype=np.int64,
-                       count=sum(lens))
     if flat.size != src.size or (flat.size and (flat.min() < 0 or flat.max() >= src.size
                                                 or np.bincount(flat).min() != 1)):
         raise ValueError("new_batches must hold every sample index exactly once")
@@ -156,10 +161,34 @@ def node_wise_rearrange(src_rank_of_sample: Sequence[int], new_batches: Sequence
     to it), "chosen" ("milp", "local", "greedy" or "identity") and "objective" (per
     candidate, the max per-rank inter-node volume).
     """
+    _check_method(method)
+    per_sample = _per_sample(src_rank_of_sample, new_batches, sizes, ranks_per_node)
+    return _rearrange(*per_sample, int(ranks_per_node), include_recv, method, time_limit,
+                      max_milp_ranks, require_optimal, info).tolist()
+
+
+def node_wise_rearrange_flat(src_rank_of_sample, items: np.ndarray, counts: np.ndarray,
+                             sizes, ranks_per_node: int, *, include_recv: bool = True,
+                             method: str = "auto", time_limit: float = 0.5,
+                             max_milp_ranks: int = 64, require_optimal: bool = False,
+                             info: dict | None = None) -> np.ndarray:
+    """`node_wise_rearrange` with the new batches as arrays (sample indices batch after
+    batch, count per batch, as `post_balance_flat` returns them); ``perm`` as an array."""
+    _check_method(method)
+    per_sample = _per_sample_flat(src_rank_of_sample, np.asarray(items, dtype=np.int64),
+                                  np.asarray(counts, dtype=np.int64), sizes, ranks_per_node)
+    return _rearrange(*per_sample, int(ranks_per_node), include_recv, method, time_limit,
+                      max_milp_ranks, require_optimal, info)
+
+
+def _check_method(method: str) -> None:
     if method not in ("auto", "milp", "greedy", "local"):
         raise ValueError(f"method must be 'auto', 'milp', 'greedy' or 'local', got {method!r}")
-    src, bat, w, d = _per_sample(src_rank_of_sample, new_batches, sizes, ranks_per_node)
-    c = int(ranks_per_node)
+
+
+def _rearrange(src, bat, w, d, c, include_recv, method, time_limit, max_milp_ranks,
+               require_optimal, info) -> np.ndarray:
+    """Algorithm 3 on validated per-sample arrays (`node_wise_rearrange`)."""
     identity = np.arange(d) // c
     info = {} if info is None else info
     greedy = _greedy_nodes(src, bat, w, d, c)
@@ -188,7 +217,7 @@ def node_wise_rearrange(src_rank_of_sample: Sequence[int], new_batches: Sequence
     movers = np.flatnonzero(perm < 0)
     movers = movers[np.argsort(node_of[movers], kind="stable")]
     perm[movers] = np.flatnonzero(~taken)  # free ranks, ascending: node by node
-    return perm.tolist()
+    return perm
 
 
 def batches_by_rank(new_batches: Sequence[Sequence[int]], perm: Sequence[int]) -> list[list[int]]:
