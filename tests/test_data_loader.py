@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from mmjax.data.layout import AssemblyLayout, check_shapes
-from mmjax.data.assemble import assemble
+from mmjax.data.assemble import assemble, item_rows, projected_size
+from mmjax.data.balance import compose_rearrangement
 from mmjax.data.records import ArrayRecordSource, SyntheticSource, write_dataset
 from mmjax.data.global_batch import GlobalBatchBuilder
 from mmjax.data.loader import Loader
@@ -42,9 +43,7 @@ def plan(gb=8, mbs=2, dp=DP):
 def digest(gb) -> str:
     h = hashlib.sha256(repr((gb.sample_ids, gb.skipped_samples)).encode())
     for mb in gb.microbatches:
-        h.update(repr(mb.plan.ranks).encode())
-        for e, r in sorted(mb.plan.routes.items()):
-            h.update(r.tobytes())
+        h.update(repr((mb.plan.ranks, sorted(mb.plan.shapes.items()))).encode())
         for key in sorted(mb.inputs):
             x = mb.inputs[key]
             arrays = x.arrays() if hasattr(x, "arrays") else x
@@ -121,8 +120,7 @@ def test_plans_are_partitions_and_hosts_agree(policy):
     for mb, m0, m1 in zip(one.microbatches, hosts[0].microbatches, hosts[1].microbatches):
         for other in (m0, m1):  # same plan everywhere
             assert other.plan.ranks == mb.plan.ranks and other.plan.positions == mb.plan.positions
-            for e in mb.plan.routes:
-                np.testing.assert_array_equal(other.plan.routes[e], mb.plan.routes[e])
+            assert other.plan.shapes == mb.plan.shapes
         assert not set(m0.inputs) & set(m1.inputs)  # each host materialises its own share
         assert set(m0.inputs) | set(m1.inputs) == set(mb.inputs)
         for key in mb.inputs:
@@ -187,6 +185,35 @@ def test_disttrain_microbatch_order_is_algorithm_3_on_the_cost_model():
         assert f + b == pytest.approx(3 * uc.time_s[1], rel=1e-12)
 
 
+def token_routes(mp, metas, layout):
+    """Per encoder, int32 [dp_llm, rows, 2]: row j of LLM rank d's projected buffer (the one
+    its gather_<e> indexes) comes from (encoder rank, row) of that rank's flattened output
+    (-1: padding): rearrangement composition (OrchMLLM §6) expanded to token rows."""
+    ranks, shapes = mp.ranks, mp.shapes
+    enc_batches = {slot.name: [[p for p in r if metas[p].count(slot.modality)]
+                               for r in ranks[slot.name]] for slot in layout.encoders}
+    rearr = compose_rearrangement(enc_batches, ranks["llm"])
+    routes = {}
+    for slot in layout.encoders:
+        def rows_by_rank(unit):
+            out = []
+            for r in ranks[unit]:
+                it = iter(item_rows([metas[p] for p in r], layout, shapes[unit])[slot.name])
+                out.append({p: [next(it) for _ in range(metas[p].count(slot.modality))]
+                            for p in r})
+            return out
+        src, dst = rows_by_rank(slot.name), rows_by_rank("llm")
+        table = np.full((len(ranks["llm"]), projected_size(slot, shapes["llm"]), 2), -1,
+                        np.int32)
+        for s, (er, _), (lr, _) in zip(rearr[slot.name].samples, rearr[slot.name].src,
+                                       rearr[slot.name].dst):
+            for a, b in zip(src[er][s], dst[lr][s]):
+                table[lr, b, 0] = er
+                table[lr, b, 1] = a
+        routes[slot.name] = table
+    return routes
+
+
 def _stand_in(enc, name, r=2):
     """Stand-in encoder+projector outputs with recognisable rows (see test_data_assemble)."""
     if name == "vision":
@@ -202,12 +229,14 @@ def test_routes_deliver_encoder_outputs_to_llm_gather(policy):
     p = plan(gb=16, mbs=2, dp={"vision": 2, "audio": 4, "llm": 2, "generator": 2})
     src = source()
     gb = GlobalBatchBuilder(src, CFG, p, LAYOUT, {u: policy for u in CFG.unit_names}, seed=2)(1)
+    metas = [LAYOUT.rules.meta(src.load(i)) for i in gb.sample_ids]
     checked = 0
     for mb in gb.microbatches:
         assert mb.plan.ranks["vision"] != mb.plan.ranks["llm"] or policy == "disttrain"
+        routes = token_routes(mb.plan, metas, LAYOUT)
         for e in ("vision", "audio"):
             outs = [_stand_in(mb.inputs[(e, r)], e) for r in range(p.unit(e).dp)]
-            route = mb.plan.routes[e]
+            route = routes[e]
             for d in range(2):
                 llm = mb.inputs[("llm", d)]
                 buf = np.zeros((route.shape[1], outs[0].shape[1]), np.float32)

@@ -1,8 +1,7 @@
 """Planning a global batch from sample metadata alone (no JAX), identical on every host:
 microbatches, each unit's split over its DP ranks by the balancing policy (DistTrain §6
-reordering, OrchMLLM §5.1 post-balancing and §5.2.2 node-wise rearrangement), and the
-routes between units (OrchMLLM §6 rearrangement composition). Step 2-3 of data/loader.py's
-docstring."""
+reordering, OrchMLLM §5.1 post-balancing and §5.2.2 node-wise rearrangement), and each
+unit's common shapes. Step 2 of data/loader.py's docstring."""
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -12,10 +11,8 @@ import numpy as np
 
 from mmjax.data.layout import AssemblyLayout
 from mmjax.data.batch_shapes import BatchShapes, batch_shapes
-from mmjax.data.assemble import item_rows, projected_size
 from mmjax.data.balance import POLICIES as POST_BALANCE_POLICIES
-from mmjax.data.balance import (compose_rearrangement, node_wise_rearrange_flat,
-                                post_balance_flat, Rearrangement)
+from mmjax.data.balance import node_wise_rearrange_flat, post_balance_flat
 from mmjax.data.rank_split import RankSplit
 from mmjax.data.reorder import inter_reorder
 from mmjax.data.sample import SampleMeta
@@ -34,15 +31,13 @@ NODE_WISE_METHODS = ("auto", "milp", "local", "greedy")
 @dataclass
 class MicrobatchPlan:
     """One microbatch: per unit how its samples split over the unit's DP ranks (`splits`,
-    indices into `positions`, the global batch positions of the microbatch), the unit's
-    common shapes, and per encoder the sample- and token-level moves from encoder ranks to
-    LLM ranks."""
+    indices into `positions`, the global batch positions of the microbatch) and the unit's
+    common shapes. The moves between units follow from the splits (data/feed.py builds
+    them; `balance.compose_rearrangement` is the sample-level map, OrchMLLM §6)."""
 
     positions: list[int]
     splits: dict[str, RankSplit]
     shapes: dict[str, BatchShapes]
-    rearrangements: dict[str, Rearrangement]
-    routes: dict[str, np.ndarray]  # e -> int32 [dp_llm, rows, 2]: (encoder rank, row); -1 pad
 
     @property
     def ranks(self) -> dict[str, list[list[int]]]:
@@ -226,45 +221,11 @@ def plan_global_batch(metas: list[SampleMeta], model: MLLMConfig, plan: Plan,
         mbs, splits = [mbs[j] for j in order], [splits[j] for j in order]
     out = []
     for pos, units in zip(mbs, splits):
-        mp = MicrobatchPlan(pos, units, {}, {}, {})
-        ranks = mp.ranks
+        mp = MicrobatchPlan(pos, units, {})
         mp.shapes.update({u: batch_shapes([[metas[p] for p in r] for r in rs], layout)
-                          for u, rs in ranks.items()})
-        rearr, routes = _routes(metas, model, layout, ranks, mp.shapes)
-        mp.rearrangements.update(rearr)
-        mp.routes.update(routes)
+                          for u, rs in mp.ranks.items()})
         out.append(mp)
     return out
-
-
-def _routes(metas, model, layout, ranks, shapes):
-    """Rearrangement composition per encoder, at sample and at token-row granularity."""
-    enc_batches = {}
-    for slot in layout.encoders:
-        enc_batches[slot.name] = [[p for p in r if metas[p].count(slot.modality)]
-                                  for r in ranks[slot.name]]
-    rearr = compose_rearrangement(enc_batches, ranks["llm"])
-    routes = {}
-    for slot in layout.encoders:
-        def rows_by_rank(unit):
-            out = []
-            for r in ranks[unit]:
-                rows = item_rows([metas[p] for p in r], layout, shapes[unit])[slot.name]
-                it = iter(rows)
-                per_sample = {p: [next(it) for _ in range(metas[p].count(slot.modality))]
-                              for p in r}
-                out.append(per_sample)
-            return out
-        src, dst = rows_by_rank(slot.name), rows_by_rank("llm")
-        n_rows = projected_size(slot, shapes["llm"])
-        table = np.full((len(ranks["llm"]), n_rows, 2), -1, np.int32)
-        for s, (er, _), (lr, _) in zip(rearr[slot.name].samples, rearr[slot.name].src,
-                                       rearr[slot.name].dst):
-            for a, b in zip(src[er][s], dst[lr][s]):
-                table[lr, b, 0] = er
-                table[lr, b, 1] = a
-        routes[slot.name] = table
-    return rearr, routes
 
 
 # ---------------------------------------------------------------------------------------

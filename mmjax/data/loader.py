@@ -24,10 +24,10 @@ One global batch (step k):
     split when their dp agree (it reads LLM hidden states, which then stay on their rank),
     else it is split on its own (cost: generated images per sample). All DP ranks of a unit
     share one `BatchShapes` per microbatch (one SPMD program).
- 3. Routes (rearrangement composition, OrchMLLM §6): per encoder, `compose_rearrangement`
-    gives each sample's (encoder rank, slot) -> (LLM rank, slot); expanded to token rows,
-    `routes[e][d, j] = (encoder rank, row)` fills row j of LLM rank d's projected buffer
-    (the one its `gather_<e>` indexes) from that row of the encoder rank's flattened output.
+ 3. Routes (rearrangement composition, OrchMLLM §6): follow from the splits; the feed
+    (data/feed.py) turns them into one part per (encoder rank, LLM rank) pair and rewrites
+    the LLM's `gather_<e>` to index the parts it receives (`compose_rearrangement` in
+    data/balance/ is the same map at sample level).
  4. Materialise the (unit, rank) pairs this host owns: encoder ranks get their encoder
     inputs (`Batch.encoders[e]`), LLM ranks get the LLM side + generator fields (no encoder
     pixels). A sample that fails to decode here is replaced by a blank of the same shapes
