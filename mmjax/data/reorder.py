@@ -6,9 +6,9 @@
   intervals at the first PP stage are filled (Figure 12), with GETINTERVAL computed by the
   pipeline recurrence below; the VPP (interleaved 1F1B) variant is the last paragraph of §6.2;
   by default guarded to never lose to the ascending or the given order.
-* ``PipelineModel`` / ``pipeline_time``: the recurrence of §6.2 ("each microbatch's end time is
-  the max of the previous action on the same device and its upstream input, plus its own
-  computation time") for 1F1B and interleaved 1F1B, used by GETINTERVAL, tests and the bench.
+* ``pipeline_time``: the iteration time of an order under the §6.2 recurrence, which is
+  pipeline/simulate.py's timing model (``PipelineModel``: 1F1B and interleaved 1F1B from
+  pipeline/schedule.py's tables), also what GETINTERVAL reads.
 * ``exhaustive_best_order``: the optimum over all orders, for scoring on small ``l``.
 
 Cost model (what ``costs`` holds). §6.2 measures a microbatch by "the computation time of the
@@ -31,12 +31,13 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 
 from mmjax.data.balance import greedy_partition
+from mmjax.pipeline.simulate import (PipelineModel, batch_iteration_time, check_stages,
+                                     stage_affine)
 
 # Above this many candidate subsets SELECTCLOSEST for the first interval switches from exact
 # enumeration to a greedy pick (keeps inter_reorder O(l * (l + p)) per call, as in §6.2).
@@ -76,153 +77,6 @@ def _fwd_bwd(costs: Sequence, backward_ratio: float) -> tuple[list[float], list[
         fwd.append(f)
         bwd.append(b)
     return fwd, bwd
-
-
-def _stage_costs(stage_costs, p: int) -> list[tuple[float, float, float]]:
-    """Per stage (scale, forward offset, backward offset); default (1, 0, 0) everywhere."""
-    if stage_costs is None:
-        return [(1.0, 0.0, 0.0)] * p
-    out = []
-    for s, entry in enumerate(stage_costs):
-        vals = tuple(float(e) for e in entry) if isinstance(entry, (tuple, list)) else ()
-        if len(vals) != 3 or not all(math.isfinite(e) and e >= 0 for e in vals):
-            raise ValueError(f"stage_costs[{s}] must be (scale, forward_offset, backward_offset), "
-                             f"finite and >= 0, got {entry!r}")
-        out.append(vals)
-    if len(out) != p:
-        raise ValueError(f"stage_costs needs one entry per stage ({p}), got {len(out)}")
-    return out
-
-
-def _check_stages(num_stages: int, num_chunks: int, num_microbatches: int) -> None:
-    for name, v in (("num_stages", num_stages), ("num_chunks", num_chunks)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be a positive int, got {v!r}")
-    if num_chunks > 1 and num_microbatches % num_stages:
-        raise ValueError(
-            f"interleaved 1F1B (num_chunks={num_chunks}) needs the number of microbatches "
-            f"({num_microbatches}) to be a multiple of num_stages ({num_stages}); pad the batch "
-            "or use num_chunks=1")
-
-
-def _stage_actions(p: int, l: int, v: int, s: int) -> list[tuple[str, int, int]]:
-    """Ordered (kind, position, chunk) actions of stage ``s``: 1F1B, or Megatron's interleaved
-    1F1B (same tables as ``mmjax.pipeline.schedule``; not imported, to keep this module a leaf)."""
-    if v == 1:
-        w = min(p - s - 1, l)
-        acts = [("F", k, 0) for k in range(w)]
-        for i in range(l - w):
-            acts += [("F", w + i, 0), ("B", i, 0)]
-        return acts + [("B", k, 0) for k in range(l - w, l)]
-
-    def fwd(k):
-        return ("F", (k // (p * v)) * p + k % p, (k // p) % v)
-
-    def bwd(k):
-        return ("B", (k // (p * v)) * p + k % p, v - 1 - (k // p) % v)
-
-    total = l * v
-    w = total if l == p else min((p - s - 1) * 2 + (v - 1) * p, total)
-    acts = [fwd(k) for k in range(w)]
-    for i in range(total - w):
-        acts += [fwd(w + i), bwd(i)]
-    return acts + [bwd(k) for k in range(total - w, total)]
-
-
-@dataclass(frozen=True)
-class PipelineModel:
-    """The §6.2 recurrence for one (p, l, v): actions in a topological order with their deps.
-
-    Built once per shape, then ``times`` evaluates any microbatch order in O(p * l * v):
-    ``end[a] = max(end[previous action on the stage], end[upstream action]) + duration[a]``.
-    """
-
-    num_stages: int
-    num_microbatches: int
-    num_chunks: int
-    actions: tuple[tuple[str, int, int, int], ...]  # topological: (kind, stage, position, chunk)
-    prev_on_stage: tuple[int, ...]  # index into actions, or -1
-    upstream: tuple[int, ...]  # index into actions, or -1
-    scale: tuple[float, ...]  # per action: duration = (scale * cost + offset) / num_chunks
-    offset: tuple[float, ...]
-
-    @classmethod
-    def build(cls, num_stages: int, num_microbatches: int, num_chunks: int = 1,
-              stage_costs: Sequence[tuple[float, float, float]] | None = None) -> "PipelineModel":
-        p, l, v = num_stages, num_microbatches, num_chunks
-        _check_stages(p, v, l)
-        affine = _stage_costs(stage_costs, p)
-        per_stage = [_stage_actions(p, l, v, s) for s in range(p)]
-        index: dict[tuple[str, int, int, int], int] = {}
-        actions, prev, up = [], [], []
-        ptr = [0] * p
-        last = [-1] * p
-        remaining = sum(len(a) for a in per_stage)
-        while remaining:
-            progressed = False
-            for s in range(p):
-                while ptr[s] < len(per_stage[s]):
-                    kind, k, c = per_stage[s][ptr[s]]
-                    vs = c * p + s  # virtual stage
-                    if kind == "F":
-                        dep = None if vs == 0 else ("F", (vs - 1) % p, k, (vs - 1) // p)
-                    else:
-                        dep = (("F", s, k, c) if vs == p * v - 1
-                               else ("B", (vs + 1) % p, k, (vs + 1) // p))
-                    if dep is not None and dep not in index:
-                        break
-                    key = (kind, s, k, c)
-                    index[key] = len(actions)
-                    actions.append(key)
-                    prev.append(last[s])
-                    up.append(-1 if dep is None else index[dep])
-                    last[s] = index[key]
-                    ptr[s] += 1
-                    remaining -= 1
-                    progressed = True
-            if not progressed:
-                raise RuntimeError(f"schedule deadlocks for p={p}, l={l}, v={v}")
-        scale = tuple(affine[s][0] for _, s, _, _ in actions)
-        offset = tuple(affine[s][1 if kind == "F" else 2] for kind, s, _, _ in actions)
-        return cls(p, l, v, tuple(actions), tuple(prev), tuple(up), scale, offset)
-
-    def times(self, fwd_by_pos: Sequence[float], bwd_by_pos: Sequence[float]):
-        """(start, end) of every action, with per-position forward/backward costs."""
-        v = self.num_chunks
-        start, end = [0.0] * len(self.actions), [0.0] * len(self.actions)
-        for a, (kind, _s, k, _c) in enumerate(self.actions):
-            t0 = 0.0
-            pa, ua = self.prev_on_stage[a], self.upstream[a]
-            if pa >= 0:
-                t0 = end[pa]
-            if ua >= 0 and end[ua] > t0:
-                t0 = end[ua]
-            start[a] = t0
-            base = fwd_by_pos[k] if kind == "F" else bwd_by_pos[k]
-            end[a] = t0 + (self.scale[a] * base + self.offset[a]) / v
-        return start, end
-
-    def iteration_time(self, fwd_by_pos: Sequence[float], bwd_by_pos: Sequence[float]) -> float:
-        return max(self.times(fwd_by_pos, bwd_by_pos)[1], default=0.0)
-
-
-def batch_iteration_time(model: PipelineModel, fwd_by_pos: np.ndarray,
-                         bwd_by_pos: np.ndarray) -> np.ndarray:
-    """`PipelineModel.iteration_time` of many orders at once: fwd/bwd_by_pos [orders, l]
-    -> [orders]; the same recurrence, one numpy step per action over all orders."""
-    fwd_by_pos = np.asarray(fwd_by_pos, dtype=np.float64)
-    bwd_by_pos = np.asarray(bwd_by_pos, dtype=np.float64)
-    v = model.num_chunks
-    end = np.zeros((len(model.actions), len(fwd_by_pos)))
-    zero = np.zeros(len(fwd_by_pos))
-    for a, (kind, _s, k, _c) in enumerate(model.actions):
-        pa, ua = model.prev_on_stage[a], model.upstream[a]
-        t0 = end[pa] if pa >= 0 else zero
-        if ua >= 0:
-            t0 = np.maximum(t0, end[ua])
-        base = fwd_by_pos[:, k] if kind == "F" else bwd_by_pos[:, k]
-        end[a] = t0 + (model.scale[a] * base + model.offset[a]) / v
-    return end.max(axis=0) if len(end) else zero
 
 
 # Local search: the full neighbourhood up to this many microbatches; beyond, swaps and moves
@@ -343,11 +197,11 @@ def inter_reorder(costs: Sequence, num_stages: int, num_chunks: int = 1,
     """
     fwd, bwd = _fwd_bwd(costs, backward_ratio)
     l, p, v = len(fwd), num_stages, num_chunks
-    _check_stages(p, v, l)
+    check_stages(p, v, l)
     if l == 0:
         return []
     model = PipelineModel.build(p, l, v, stage_costs)
-    order = _algorithm3(fwd, bwd, p, v, model, _stage_costs(stage_costs, p)[0][0])
+    order = _algorithm3(fwd, bwd, p, v, model, stage_affine(stage_costs, p)[0][0])
     if not guard:
         return order
     return _guarded(order, fwd, bwd, model, improve_rounds)

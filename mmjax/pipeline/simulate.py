@@ -1,18 +1,27 @@
-"""Discrete-event simulation of a pipeline schedule (no JAX).
+"""The timing model of a pipeline schedule (no JAX): the one recurrence every cost of a
+schedule goes through.
 
 Each stage runs its actions in order; an action starts when its stage is free and its
 dependencies (schedule.py's rule) have ended, plus `comm` seconds when a dependency ran
-on another stage. The planner and the inter-microbatch reorderer (DistTrain §6, Alg. 3)
-use it to cost schedules; `SimResult.trace()` has the same format the runtime's tracing
-mode emits, so `scripts/timeline.py` renders both.
+on another stage (DistTrain §6.2: "each microbatch's end time is the max of the previous
+action on the same device and its upstream input, plus its own computation time").
+`Recurrence` compiles a schedule once; `simulate` evaluates it with per-action costs
+(`SimResult.trace()` has the runtime's trace format, so `scripts/timeline.py` renders
+both); `PipelineModel` is the 1F1B / interleaved 1F1B chain with per-stage affine costs
+that the inter-microbatch reorderer (data/reorder.py, DistTrain §6.2 Algorithm 3)
+evaluates for many microbatch orders (`batch_iteration_time`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Hashable, Mapping
+import math
+from typing import Callable, Hashable, Mapping, Sequence
 
+import numpy as np
+
+from mmjax.pipeline.dependencies import Key, Topology, check_actions, execute, topology
+from mmjax.pipeline.schedule import interleaved_one_f_one_b, one_f_one_b
 from mmjax.pipeline.stage_graph import Action, StageGraph, StageId, stage_name
-from mmjax.pipeline.dependencies import check_actions, execute, topology
 
 Costs = Callable[[Hashable, Action], float] | Mapping[tuple[Hashable, str], float]
 
@@ -49,6 +58,63 @@ class SimResult:
         return [dict(stage=stage_name(s), kind=a.kind, microbatch=a.microbatch,
                      chunk=a.chunk, start=start, end=self.end[(s, a)])
                 for start, _, s, a in items]
+
+
+@dataclass(frozen=True)
+class Recurrence:
+    """A schedule compiled for timing: its (stage, action) keys in an order where every
+    dependency comes first, each one's previous action on its stage, and its dependencies
+    on other stages (a dependency on its own stage ran before its previous action there).
+    `times` evaluates it for any durations."""
+
+    keys: tuple[Key, ...]
+    prev: tuple[int, ...]  # -1: first on its stage
+    deps: tuple[tuple[int, ...], ...]  # on other stages (they pay comm)
+
+    @classmethod
+    def compile(cls, schedule, topo: Topology) -> "Recurrence":
+        """Raises ValueError naming the stuck stages when the schedule deadlocks."""
+        start, _, stuck = execute(schedule, topo, lambda s, a: 1.0)
+        if stuck:
+            raise ValueError("schedule deadlocks: " + "; ".join(stuck))
+        keys = tuple(start)  # the order the event loop ran them: dependencies first
+        index = {k: i for i, k in enumerate(keys)}
+        last: dict[Hashable, int] = {}
+        prev, deps = [], []
+        for i, (s, a) in enumerate(keys):
+            prev.append(last.get(s, -1))
+            last[s] = i
+            # a dependency on the same stage ran before the previous action there (rows run
+            # in order, durations >= 0), so only those on other stages can start it later
+            deps.append(tuple(index[d] for d in topo.dependencies(s, a) if d[0] != s))
+        return cls(keys, tuple(prev), tuple(deps))
+
+    def times(self, durations: Sequence[float], comm: float = 0.0
+              ) -> tuple[list[float], list[float]]:
+        """(start, end) per key for `durations` (per key, in `keys` order)."""
+        n = len(self.keys)
+        start, end = [0.0] * n, [0.0] * n
+        for i, p, deps, d in zip(range(n), self.prev, self.deps, durations):
+            t = end[p] if p >= 0 else 0.0
+            for j in deps:
+                e = end[j] + comm
+                if e > t:
+                    t = e
+            start[i] = t
+            end[i] = t + d
+        return start, end
+
+    def batch_end(self, duration: Callable[[int], np.ndarray], sets: int) -> np.ndarray:
+        """The latest end for many duration sets at once: `duration(i)` gives key i's
+        durations [sets] (no comm); the same recurrence, one numpy step per key."""
+        end = [None] * len(self.keys)
+        zero = np.zeros(sets)
+        for i, p, deps in zip(range(len(self.keys)), self.prev, self.deps):
+            t = end[p] if p >= 0 else zero
+            for j in deps:
+                t = np.maximum(t, end[j])
+            end[i] = t + duration(i)
+        return np.max(end, axis=0) if end else zero
 
 
 def _cost_fn(costs: Costs, graph: StageGraph | None) -> Callable[[Hashable, Action], float]:
@@ -92,9 +158,9 @@ def simulate(schedule, costs: Costs, graph: StageGraph | None = None,
         durations[(stage, action)] = d
         return d
 
-    start, end, stuck = execute(schedule, topo, duration, comm)
-    if stuck:
-        raise ValueError("schedule deadlocks: " + "; ".join(stuck))
+    rec = Recurrence.compile(schedule, topo)
+    starts, ends = rec.times([duration(s, a) for s, a in rec.keys], comm)
+    start, end = dict(zip(rec.keys, starts)), dict(zip(rec.keys, ends))
     iteration = max(end.values(), default=0.0)
     busy = {s: sum(durations[(s, a)] for a in schedule[s]) for s in topo.stages}
     bubble = {s: (1.0 - busy[s] / iteration) if iteration > 0 else 0.0 for s in topo.stages}
@@ -126,3 +192,90 @@ def frozen_aware_costs(graph: StageGraph, forward: Mapping[StageId, float],
         out[(s, "F")] = float(forward[s])
         out[(s, "B")] = factor[graph.has_backward[s]] * float(forward[s])
     return out
+
+
+# ---------------------------------------------------------------------------------------
+# The 1F1B chain of the inter-microbatch reorderer (DistTrain §6.2)
+# ---------------------------------------------------------------------------------------
+
+def check_stages(num_stages: int, num_chunks: int, num_microbatches: int) -> None:
+    """The chain's sizes: positive ints, and p | l for interleaved 1F1B."""
+    for name, v in (("num_stages", num_stages), ("num_chunks", num_chunks)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    if num_chunks > 1 and num_microbatches % num_stages:
+        raise ValueError(
+            f"interleaved 1F1B (num_chunks={num_chunks}) needs the number of microbatches "
+            f"({num_microbatches}) to be a multiple of num_stages ({num_stages}); pad the batch "
+            "or use num_chunks=1")
+
+
+def stage_affine(stage_costs, p: int) -> list[tuple[float, float, float]]:
+    """Per stage (scale, forward offset, backward offset); default (1, 0, 0) everywhere."""
+    if stage_costs is None:
+        return [(1.0, 0.0, 0.0)] * p
+    out = []
+    for s, entry in enumerate(stage_costs):
+        vals = tuple(float(e) for e in entry) if isinstance(entry, (tuple, list)) else ()
+        if len(vals) != 3 or not all(math.isfinite(e) and e >= 0 for e in vals):
+            raise ValueError(f"stage_costs[{s}] must be (scale, forward_offset, backward_offset), "
+                             f"finite and >= 0, got {entry!r}")
+        out.append(vals)
+    if len(out) != p:
+        raise ValueError(f"stage_costs needs one entry per stage ({p}), got {len(out)}")
+    return out
+
+
+@dataclass(frozen=True)
+class PipelineModel:
+    """`one_f_one_b(p, l)` (or `interleaved_one_f_one_b(p, l, v)`) compiled once; stage s
+    runs the microbatch at position k in ``(scale_s * cost_k + offset_s) / v`` (forward or
+    backward cost and offset), so `times` evaluates any microbatch order in O(p * l * v).
+    `actions[i]` = (kind, stage, position, chunk), dependencies first."""
+
+    num_stages: int
+    num_microbatches: int
+    num_chunks: int
+    actions: tuple[tuple[str, int, int, int], ...]
+    recurrence: Recurrence
+    scale: tuple[float, ...]  # per action
+    offset: tuple[float, ...]
+
+    @classmethod
+    def build(cls, num_stages: int, num_microbatches: int, num_chunks: int = 1,
+              stage_costs: Sequence[tuple[float, float, float]] | None = None) -> "PipelineModel":
+        p, l, v = num_stages, num_microbatches, num_chunks
+        check_stages(p, v, l)
+        affine = stage_affine(stage_costs, p)
+        if l == 0:
+            return cls(p, 0, v, (), Recurrence((), (), ()), (), ())
+        table = one_f_one_b(p, l) if v == 1 else interleaved_one_f_one_b(p, l, v)
+        rec = Recurrence.compile(table, topology(table))
+        actions = tuple((a.kind, s, a.microbatch, a.chunk) for s, a in rec.keys)
+        scale = tuple(affine[s][0] for _, s, _, _ in actions)
+        offset = tuple(affine[s][1 if kind == "F" else 2] for kind, s, _, _ in actions)
+        return cls(p, l, v, actions, rec, scale, offset)
+
+    def times(self, fwd_by_pos: Sequence[float], bwd_by_pos: Sequence[float]):
+        """(start, end) of every action, with per-position forward/backward costs."""
+        v = self.num_chunks
+        return self.recurrence.times(
+            [(sc * (fwd_by_pos[k] if kind == "F" else bwd_by_pos[k]) + off) / v
+             for (kind, _s, k, _c), sc, off in zip(self.actions, self.scale, self.offset)])
+
+    def iteration_time(self, fwd_by_pos: Sequence[float], bwd_by_pos: Sequence[float]) -> float:
+        return max(self.times(fwd_by_pos, bwd_by_pos)[1], default=0.0)
+
+
+def batch_iteration_time(model: PipelineModel, fwd_by_pos: np.ndarray,
+                         bwd_by_pos: np.ndarray) -> np.ndarray:
+    """`PipelineModel.iteration_time` of many orders at once: fwd/bwd_by_pos [orders, l]
+    -> [orders]."""
+    fwd = np.ascontiguousarray(np.asarray(fwd_by_pos, dtype=np.float64).T)  # [l, orders]
+    bwd = np.ascontiguousarray(np.asarray(bwd_by_pos, dtype=np.float64).T)
+    v = model.num_chunks
+
+    def duration(i):
+        kind, _s, k, _c = model.actions[i]
+        return (model.scale[i] * (fwd[k] if kind == "F" else bwd[k]) + model.offset[i]) / v
+    return model.recurrence.batch_end(duration, fwd.shape[1])
