@@ -114,13 +114,11 @@ def test_remote_producer_and_its_loss(reference):
 def test_single_program_batches_with_a_producer():
     import numpy as np
 
-    from mmjax.data.batch_shapes import batch_shapes
+    from mmjax.data.batch_shapes import grow_shapes
     from mmjax.train.single_data import LoaderBatches
-    from mmjax.train.single_program import _layout_at_least, high_water
 
     def grow(shapes, metas):  # the single program's rule
-        return high_water(shapes, lambda hw: batch_shapes(
-            [metas], _layout_at_least(LAYOUT, hw)))
+        return grow_shapes(shapes, metas, LAYOUT)
 
     def batches(**kw):
         import gin

@@ -5,6 +5,7 @@ two so jit sees few shapes (DistTrain §2.3, OrchMLLM §2.2).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -26,6 +27,30 @@ class BatchShapes:
             if n == name:
                 return count, cap
         raise KeyError(name)
+
+    def union(self, other: "BatchShapes | None") -> "BatchShapes":
+        """The shape floor: field-wise max with `other` (same encoders); None is no floor."""
+        if other is None:
+            return self
+        encs = tuple((n, max(c, other.encoder(n)[0]), max(cap, other.encoder(n)[1]))
+                     for n, c, cap in self.encoders)
+        return BatchShapes(max(self.rows, other.rows), encs, max(self.gen, other.gen))
+
+
+def grow_shapes(shapes: BatchShapes | None, metas: list[SampleMeta],
+                layout: AssemblyLayout) -> BatchShapes:
+    """Shapes that fit `metas` and only grow from `shapes` (a run's high-water mark): the
+    need is computed at encoder capacities of at least the current ones (buffer counts
+    depend on the capacity), then `union`. jit then compiles a handful of shapes per run
+    instead of one per batch."""
+    if shapes is not None:
+        kw = {}
+        for slot in layout.encoders:
+            cap = shapes.encoder(slot.name)[1]
+            key = "vision_caps" if slot.modality == "image" else "audio_frame_caps"
+            kw[key] = tuple(c for c in getattr(layout, key) if c >= cap)
+        layout = dataclasses.replace(layout, **kw)
+    return batch_shapes([metas], layout).union(shapes)
 
 
 def _bucket(need: int, caps: tuple[int, ...]) -> int:

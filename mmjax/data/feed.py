@@ -61,15 +61,6 @@ def _part_map(per_pair, a, b, min_slots: tuple[int, int] = (1, 1)) -> tuple[Rout
     return Routes.from_pairs(a, ps, b, pr, pairs), {"src": src_slot, "dst": dst_slot}
 
 
-def _max_batch_shapes(a: BatchShapes, b: BatchShapes | None) -> BatchShapes:
-    """Field-wise max of two BatchShapes (same encoders)."""
-    if b is None:
-        return a
-    encs = tuple((n, max(c, b.encoder(n)[0]), max(cap, b.encoder(n)[1]))
-                 for n, c, cap in a.encoders)
-    return BatchShapes(max(a.rows, b.rows), encs, max(a.gen, b.gen))
-
-
 @dataclass(frozen=True)
 class FeedShapes:
     """Every static size of a microbatch feed: per unit its BatchShapes, per transfer
@@ -95,7 +86,7 @@ class FeedShapes:
         if other is None:
             return self
         names = sorted({n for n, _ in self.units} | {n for n, _ in other.units})
-        units = tuple((n, _max_batch_shapes(self.unit(n), other.unit(n))
+        units = tuple((n, self.unit(n).union(other.unit(n))
                        if self.unit(n) is not None else other.unit(n)) for n in names)
         pnames = sorted({n for n, *_ in self.parts} | {n for n, *_ in other.parts})
         parts = tuple((n, *(max(x, y) for x, y in zip(self.part(n), other.part(n))))
@@ -192,9 +183,8 @@ class _FeedBuilder:
     def batches(self, unit: str, enc_inputs: bool) -> list:
         """One assembled batch per dp rank of `unit`, all at the unit's common shapes."""
         gs = self.groups[unit]
-        shapes = _max_batch_shapes(
-            batch_shapes([[self.metas[s] for s in g] for g in gs], self.layout),
-            self.floor.unit(unit))
+        shapes = batch_shapes([[self.metas[s] for s in g] for g in gs],
+                              self.layout).union(self.floor.unit(unit))
         self.unit_shapes[unit] = shapes
         return [assemble([self.samples[s] for s in g], self.layout, shapes=shapes,
                          encoder_inputs=enc_inputs) for g in gs]
@@ -292,18 +282,29 @@ def gen_elements_per_image(layout: AssemblyLayout) -> int:
     return g.num_patches * g.patch_dim if g is not None else 0
 
 
+def mask_documents(loss_mask: np.ndarray, targets: np.ndarray, doc: np.ndarray, docs,
+                   gen_valid: np.ndarray | None = None, images=()) -> None:
+    """The one failed-sample mask: drop documents `docs` ((row, doc id) pairs) from the
+    LLM loss (no target) and generated images `images` (indices into `gen_valid`) from
+    the diffusion loss, in place. Shapes stay, so every route and buffer is unchanged, and
+    a masked sample adds exactly nothing to the loss or the gradients, whatever its inputs
+    hold. Callers recount their normalisers."""
+    for row, d in docs:
+        m = doc[row] == d
+        loss_mask[row][m] = 0
+        targets[row][m] = 0
+    if gen_valid is not None:
+        for g in images:
+            gen_valid[g] = 0
+
+
 def mask_samples(feed: MicrobatchFeed, samples, gen_elements_per_image: int) -> None:
-    """Drop samples (indices in the feed's sample order) from the loss: no LLM target, no
-    generator image (`num_gen_elements` recounted; `num_target_tokens` is the caller's).
-    Their shapes stay, so every route and buffer is unchanged, and a masked sample adds
-    exactly nothing to the loss or the gradients, whatever its inputs hold."""
-    for i in samples:
-        row, doc = feed.sample_rows[i]
-        m = feed.llm["doc"][row] == doc
-        feed.llm["loss_mask"][row][m] = 0
-        feed.llm["targets"][row][m] = 0
-        for g in feed.sample_gen[i]:
-            feed.gen["gen_valid"][g] = 0
+    """`mask_documents` on a feed: samples by index in the feed's sample order;
+    `num_gen_elements` recounted (`num_target_tokens` is the caller's)."""
+    llm = feed.llm
+    mask_documents(llm["loss_mask"], llm["targets"], llm["doc"],
+                   [feed.sample_rows[i] for i in samples], feed.gen.get("gen_valid"),
+                   [g for i in samples for g in feed.sample_gen[i]])
     if feed.gen:
         feed.num_gen_elements = int(feed.gen["gen_valid"].sum()) * gen_elements_per_image
 

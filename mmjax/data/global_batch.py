@@ -11,8 +11,8 @@ import numpy as np
 
 from mmjax.data.layout import AssemblyLayout, check_sample, check_shapes
 from mmjax.data.assemble import Batch, assemble
-from mmjax.data.feed import (MicrobatchFeed, gen_elements_per_image, mask_samples,
-                             microbatch_feed)
+from mmjax.data.feed import (MicrobatchFeed, gen_elements_per_image, mask_documents,
+                             mask_samples, microbatch_feed)
 from mmjax.data.sample import FIRST_TEXT_ID, Sample, Segment
 from mmjax.data.synthetic import Spec
 from mmjax.errors import UserError
@@ -99,17 +99,17 @@ def _blank(spec: Spec, sample_id: int) -> Sample:
 
 
 def mask_out_failed(batch: Batch, samples: list[Sample], failed: set[int]) -> None:
-    """Drop the loss of blanked samples (their shapes stay, so routes stay valid)."""
-    g = 0
-    for s, (row, doc) in zip(samples, batch.doc_index):
+    """`mask_documents` on an assembled Batch: the samples whose ids are in `failed`;
+    its token and generated-element counts recounted."""
+    docs, images, g = [], [], 0
+    for s, row_doc in zip(samples, batch.doc_index):
         n_out = sum(seg.modality == "image_out" for seg in s.segments)
         if s.id in failed:
-            m = batch.doc[row] == doc
-            batch.loss_mask[row, m] = 0.0
-            batch.targets[row, m] = 0
-            if batch.gen is not None:
-                batch.gen["gen_valid"][g:g + n_out] = 0.0
+            docs.append(row_doc)
+            images.extend(range(g, g + n_out))
         g += n_out
+    mask_documents(batch.loss_mask, batch.targets, batch.doc, docs,
+                   None if batch.gen is None else batch.gen["gen_valid"], images)
     batch.num_target_tokens = int(batch.loss_mask.sum())
     if batch.gen is not None:
         per = batch.gen["gen_latents"].shape[1] * batch.gen["gen_latents"].shape[2]
@@ -147,17 +147,25 @@ class GlobalBatchBuilder:
         self.owned = {u: owned_ranks(plan, u, self.local) for u in model.unit_names}
         self.floor = None  # FeedShapes every feed is padded to (`scan_floor`)
 
-    def scan_floor(self, steps: int):
-        """The union of the feed shapes of global batches 0 .. steps-1, from the samples'
-        shapes alone (blank samples, nothing decoded). Always from step 0, so a resumed run
-        pads exactly as the uninterrupted one did."""
-        self.floor, floor = None, None
+    def scan(self, steps: int):
+        """(indices, specs, metas) of each global batch 0 .. steps-1 from the samples'
+        shapes alone (nothing decoded), skipping a step with too few usable samples (it
+        raises if it is reached). Always from step 0, so a resumed run pads exactly as the
+        uninterrupted one did. The one shape scan: `scan_floor` and the single-program
+        trainer's start-up shapes (train/single_data.py) fold over it."""
         for step in range(steps):
             try:
                 idx, specs, _ = self.select(step)
-            except UserError:  # too few usable samples: that step raises if it is reached
+            except UserError:
                 continue
-            metas = [self.layout.rules.meta_from_shapes(i, s) for i, s in zip(idx, specs)]
+            yield idx, specs, [self.layout.rules.meta_from_shapes(i, s)
+                               for i, s in zip(idx, specs)]
+
+    def scan_floor(self, steps: int):
+        """The union of the feed shapes of global batches 0 .. steps-1 (`scan`), built on
+        blank samples."""
+        self.floor, floor = None, None
+        for idx, specs, metas in self.scan(steps):
             for mp in plan_global_batch(metas, self.model, self.plan, self.layout,
                                         self.policies, self.algo, node_wise=self.node_wise,
                                         hardware=self.hardware):

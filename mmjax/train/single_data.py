@@ -16,7 +16,6 @@ from mmjax.data.batch_shapes import BatchShapes
 from mmjax.data.assemble import assemble
 from mmjax.data.loader import Loader
 from mmjax.data.global_batch import mask_out_failed
-from mmjax.errors import UserError
 from mmjax.planner.plan import Plan
 
 
@@ -43,16 +42,10 @@ class LoaderBatches:
         self._it = None
 
     def _scan(self, steps: int) -> BatchShapes | None:
-        """Shapes grown over global batches 0 .. steps-1 (always from step 0, so a resumed
-        run starts from the same floor), from the samples' shapes alone."""
+        """Shapes grown over global batches 0 .. steps-1 (`GlobalBatchBuilder.scan`)."""
         shapes = None
-        for step in range(steps):
-            try:
-                idx, specs, _ = self.builder.select(step)
-            except UserError:  # too few usable samples: that step raises if it is reached
-                continue
-            shapes = self.grow(shapes, [self.layout.rules.meta_from_shapes(i, s)
-                                        for i, s in zip(idx, specs)])
+        for _, _, metas in self.builder.scan(steps):
+            shapes = self.grow(shapes, metas)
         return shapes
 
     def state(self) -> dict:

@@ -2,7 +2,6 @@
 (the parity reference), fed the global batches every plan reads."""
 from __future__ import annotations
 
-import dataclasses
 import concurrent.futures
 import time
 
@@ -12,8 +11,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import SingleDeviceSharding
 
-from mmjax.data.batch_shapes import BatchShapes, batch_shapes
-from mmjax.data.layout import AssemblyLayout
+from mmjax.data.batch_shapes import grow_shapes
 from mmjax.data.loader import SHAPE_SCAN_MAX
 from mmjax.data.sources import eval_batches
 from mmjax.models.hf.pretrained import load_pretrained_dirs
@@ -25,31 +23,6 @@ from mmjax.train.logical_state import single_from_logical, single_logical
 from mmjax.train.memory_check import check_single_program
 from mmjax.train.optimizer import optimizer_from_settings
 from mmjax.train.step import TrainState, make_loss_fn, make_train_step, split_model
-
-
-def high_water(shapes: BatchShapes | None, need_fn) -> BatchShapes:
-    """Static shapes that only grow: each encoder keeps the largest capacity seen so far
-    (so buffer counts are computed at that capacity) and every count is the running max.
-    jit then compiles a handful of shapes per run instead of one per batch."""
-    if shapes is None:
-        return need_fn(None)
-    need = need_fn(shapes)
-    encs = tuple((n, max(c0, c1), max(k0, k1))
-                 for (n, c0, k0), (_, c1, k1) in zip(shapes.encoders, need.encoders))
-    return BatchShapes(max(shapes.rows, need.rows), encs, max(shapes.gen, need.gen))
-
-
-def _layout_at_least(layout: AssemblyLayout, shapes: BatchShapes | None) -> AssemblyLayout:
-    if shapes is None:
-        return layout
-    kw = {}
-    for slot in layout.encoders:
-        cap = shapes.encoder(slot.name)[1]
-        key = "vision_caps" if slot.modality == "image" else "audio_frame_caps"
-        kw[key] = tuple(c for c in getattr(layout, key) if c >= cap)
-    return dataclasses.replace(layout, **kw)
-
-
 
 
 _NO_LIMITS = np.full(2, np.inf, np.float32)  # the spike guard's limits, off
@@ -70,8 +43,7 @@ class SingleProgram:
         from mmjax.train.single_data import LoaderBatches
 
         def grow(shapes, metas):
-            return high_water(shapes, lambda hw: batch_shapes(
-                [metas], _layout_at_least(layout, hw)))
+            return grow_shapes(shapes, metas, layout)
         self.data = LoaderBatches(source if source is not None else train_source(cfg), cfg,
                                   layout, global_batch, grow,
                                   scan_steps=None if steps is None else min(steps,
