@@ -26,6 +26,7 @@ from mmjax.models.attention import IMPLEMENTATIONS, TokenMeta, allowed_mask
 from mmjax.models.audio import AudioEncoder
 from mmjax.models.config import AudioConfig, EncoderSpec, MLLMConfig, VisionConfig
 from mmjax.models.generator import DiffusionGenerator, add_noise, diffusion_loss_sum
+from mmjax.models.layers import cast_floats
 from mmjax.models.llm import LLM, lm_loss_sum, merge_modalities, meta_attend
 from mmjax.models.projector import make_projector
 from mmjax.models.qwen2_vl_vision import Qwen2VLVision
@@ -79,17 +80,10 @@ def project(spec: EncoderSpec, projector, x, inputs, attention_impl: str = "auto
     return y.reshape(-1, y.shape[-1])
 
 
-def cast_encoder_inputs(inputs: dict, dtype) -> dict:
-    """Floating encoder inputs (patches, mels) in the compute dtype; ids/lengths untouched.
-    Dense layers cast their weights to the input's dtype, so this sets the encoder's dtype."""
-    return {k: (v.astype(dtype) if jnp.issubdtype(v.dtype, jnp.floating) else v)
-            for k, v in inputs.items()}
-
-
 def encode(spec: EncoderSpec, encoder, projector, inputs, dtype=jnp.float32,
            attention_impl: str = "auto"):
     """One encoder branch (encoder + projector) in `dtype` -> [N * T', D] LLM-width tokens."""
-    inputs = cast_encoder_inputs(inputs, dtype)
+    inputs = cast_floats(inputs, dtype)  # sets the encoder's dtype (Dense casts weights)
     x = encoder_embed(spec, encoder, inputs)
     y = encoder.finish(encoder_layers(spec, encoder, x, inputs, attention_impl))
     return project(spec, projector, y, inputs, attention_impl)

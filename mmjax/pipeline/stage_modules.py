@@ -12,9 +12,9 @@ from mmjax.models.config import MLLMConfig
 from mmjax.models.generator import DiffusionGenerator, diffusion_loss_sum
 from mmjax.models.attention import NO_OPTIONS, TokenMeta
 from mmjax.models.layers import cast_floats
-from mmjax.models.llm import LLM, lm_loss_sum, merge_modalities, meta_attend
-from mmjax.models.mllm import (encoder_embed, encoder_layers, generator_inputs, llm_meta,
-                               make_encoder, project, unit_key)
+from mmjax.models.llm import LLM, lm_loss_sum, meta_attend
+from mmjax.models.mllm import (encoder_embed, encoder_layers, generator_inputs, llm_embed,
+                               llm_meta, make_encoder, project, unit_key)
 from mmjax.models.projector import make_projector
 from mmjax.parallel.context import cp_attention_sharded
 from mmjax.parallel.tp_ops import sequence_sharded_llm_stage
@@ -64,8 +64,7 @@ def apply_encoder(cfg: MLLMConfig, name: str, module: EncoderStage, x, side, dty
                   attention_impl: str = "auto"):
     spec = cfg.encoder(name)
     enc = module.encoders[name]
-    inputs = {k: (v.astype(dtype) if jnp.issubdtype(v.dtype, jnp.floating) else v)
-              for k, v in side["inputs"].items()}
+    inputs = cast_floats(side["inputs"], dtype)
     if enc.is_first:
         x = encoder_embed(spec, enc, inputs)
     x = encoder_layers(spec, enc, x, inputs, attention_impl)
@@ -119,17 +118,14 @@ def apply_llm(cfg: MLLMConfig, module: LLM, x, side, dtype, with_generator: bool
 
 
 def _embed_inputs(cfg: MLLMConfig, module: LLM, x, b, dtype, ranks: int):
-    """The first LLM stage's input: token embeddings with the encoders' outputs `x` merged
-    in at their placeholder positions (`b[f"gather_{name}"]`)."""
-    h = module.embed_tokens(b["tokens"], dtype)
-    for e in cfg.encoders:
-        parts = x[e.name]
-        flat = _per_rank(parts, ranks).reshape(ranks, -1, parts.shape[-1])
-        g = _per_rank(b[f"gather_{e.name}"], ranks)
-        hr = jax.vmap(lambda hh, ff, gg: merge_modalities(hh, {"e": ff}, {"e": gg}))(
-            _per_rank(h, ranks), flat, g)
-        h = hr.reshape(h.shape)
-    return h
+    """The first LLM stage's input: per DP rank, `llm_embed` of its tokens with the encoder
+    outputs it received (`x[name]`, that rank's parts) merged in at its placeholders."""
+    batch = {k: _per_rank(b[k], ranks)
+             for k in ["tokens"] + [f"gather_{e.name}" for e in cfg.encoders]}
+    parts = {e.name: _per_rank(x[e.name], ranks).reshape(ranks, -1, x[e.name].shape[-1])
+             for e in cfg.encoders}
+    h = jax.vmap(lambda bb, pp: llm_embed(cfg, module, bb, pp, dtype))(batch, parts)
+    return h.reshape(b["tokens"].shape + h.shape[-1:])
 
 
 def _condition(hf, side, ranks: int):
