@@ -2,7 +2,8 @@
 applies between units (no JAX).
 
 Each unit splits the microbatch's samples over its own dp ranks (`assignments`: contiguous
-by default, or any per-phase balancing from data/balance.py). Encoder outputs travel to the
+by default, or any per-phase balancing from data/balance/, as the batch plan's `RankSplit`
+arrays or one list of sample indices per rank). Encoder outputs travel to the
 LLM as *parts*: part (i, j) holds, in the LLM rank's sample order, the projected tokens of
 the samples encoder rank i computed and LLM rank j consumes, so one transfer per encoder
 realises the whole rearrangement (OrchMLLM §6, rearrangement composition Pi_M o Pi_E^-1).
