@@ -85,6 +85,9 @@ def _lpt_keys(xs: np.ndarray, loads: np.ndarray,
     n = xs.size
     bins = np.empty(n, dtype=np.int64)
     slots = np.empty(n, dtype=np.int64)
+    # while every bin holds the same count (a fresh start, then whole rounds), a whole
+    # round's slots are that count and every bin gains one: no gather, no scatter
+    even = counts.size == 0 or counts.min() == counts.max()
     i = 0
     while i < n:
         m = min(d, n - i)
@@ -95,8 +98,13 @@ def _lpt_keys(xs: np.ndarray, loads: np.ndarray,
             if late.size:
                 r = 1 + int(late[0])
         chosen = np.bitwise_and(keys[:r], mask, out=bins[i:i + r])
-        np.take(counts, chosen, out=slots[i:i + r])
-        counts[chosen] += 1
+        if r == d and even:
+            slots[i:i + r] = counts[0]
+            counts += 1
+        else:
+            np.take(counts, chosen, out=slots[i:i + r])
+            counts[chosen] += 1
+            even = even and r == d
         if r == d:
             new.sort()
             keys = new
