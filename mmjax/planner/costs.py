@@ -7,6 +7,8 @@
   come from the tiles that implementation computes (planner/attention_cost.py): the dense
   path pays every pair and keeps [S, S] float32 buffers, the tiled ones pay non-empty tiles
   and keep one float per row; without one, the exact allowed pairs and no [S, S] buffer.
+  Sliding-window layers (`LLMConfig.is_sliding`: Mistral, Gemma 2/3's local layers) pay only
+  the pairs / tiles inside their window, so a local/global pattern gives per-layer costs.
 - Backward time follows Cornstarch's rule (Cornstarch §4.2): 0 x forward for a frozen module
   with nothing trainable before it, 1 x (input gradients only) for a frozen module with a
   trainable module before it, 2 x for a trainable module; activation recomputation adds one
@@ -37,7 +39,7 @@ import numpy as np
 from mmjax.models.config import (AudioConfig, GeneratorConfig, LLMConfig, MLLMConfig,
                                  ProjectorConfig, VisionConfig)
 from mmjax.planner import memory
-from mmjax.planner.attention_cost import computed_pairs, kept_bytes_per_head
+from mmjax.planner.attention_cost import computed_pairs, exact_pairs, kept_bytes_per_head
 from mmjax.planner.hardware import Hardware
 from mmjax.planner.workload import Workload
 
@@ -183,32 +185,43 @@ class UnitWork:
     tp_divides: tuple[int, ...]  # sizes TP must divide
 
 
-def _attention_terms(sizes, impl: str, causal: bool, heads: int) -> tuple[float, float]:
+def _attention_terms(sizes, impl: str, causal: bool, heads: int,
+                     window: int | None = None) -> tuple[float, float]:
     """Mean over samples of (computed pairs, kept attention bytes of all heads); sizes: per
-    sample, the lengths of its attention segments."""
-    pairs = np.mean([sum(computed_pairs(n, impl, causal) for n in s) for s in sizes])
+    sample, the lengths of its attention segments; `window`: a causal sliding window."""
+    pairs = np.mean([sum(computed_pairs(n, impl, causal, window) for n in s) for s in sizes])
     kept = np.mean([sum(kept_bytes_per_head(n, impl) for n in s) for s in sizes]) * heads
     return float(pairs), float(kept)
 
 
-def _llm_work(model: MLLMConfig, wl: Workload, bwd: int, impl: str | None = None) -> list[Work]:
+def _llm_layer(model: MLLMConfig, wl: Workload, bwd: int, impl: str | None,
+               window: int | None) -> Work:
+    """One decoder layer; `window`: its sliding window (None: global causal attention)."""
     c = model.llm
-    d, hd, h, kv, f, v = (c.hidden_size, c.dim_per_head, c.num_heads, c.num_kv_heads,
-                          c.ffn_size, c.vocab_size)
+    d, hd, h, kv, f = c.hidden_size, c.dim_per_head, c.num_heads, c.num_kv_heads, c.ffn_size
     n1, n2 = wl.llm_moments()
     w = d * h * hd + 2 * d * kv * hd + h * hd * d + 3 * d * f
     attn = 2 * n2 * h * hd  # exact causal pairs: half of 4 n^2 h hd
+    if window is not None:  # exact pairs inside the window
+        attn = 4 * h * hd * float(np.mean([exact_pairs(n, True, window) for n in wl.llm_tokens]))
     kept = 0.0
     if impl is not None:
-        pairs, kept = _attention_terms([(n,) for n in wl.llm_tokens], impl, True, h)
+        pairs, kept = _attention_terms([(n,) for n in wl.llm_tokens], impl, True, h, window)
         attn = 4 * pairs * h * hd
-    layer = Work(flops=2 * n1 * w + attn, width=d,
-                 allreduce_bytes=2 * n1 * d * ACT_BYTES,
-                 act_bytes=ACT_BYTES * n1 * (10 * d + 3 * f) + kept, in_bytes=ACT_BYTES * n1 * d,
-                 bwd=bwd, attn_flops=attn, tokens=n1, kind="gated_causal")
+    return Work(flops=2 * n1 * w + attn, width=d, allreduce_bytes=2 * n1 * d * ACT_BYTES,
+                act_bytes=ACT_BYTES * n1 * (10 * d + 3 * f) + kept, in_bytes=ACT_BYTES * n1 * d,
+                bwd=bwd, attn_flops=attn, tokens=n1, kind="gated_causal")
+
+
+def _llm_work(model: MLLMConfig, wl: Workload, bwd: int, impl: str | None = None) -> list[Work]:
+    c = model.llm
+    n1, _ = wl.llm_moments()
+    d, v = c.hidden_size, c.vocab_size
+    local = _llm_layer(model, wl, bwd, impl, c.sliding_window) if c.sliding_window else None
+    glob = _llm_layer(model, wl, bwd, impl, None)
     head = Work(2 * n1 * d * v, d, 0.0, ACT_BYTES * n1 * v, 0.0, bwd, tokens=n1,
                 kind="gated_causal")
-    works = [layer] * c.num_layers
+    works = [local if c.is_sliding(i) else glob for i in range(c.num_layers)]
     works[-1] = _merge(works[-1], head)
     return works
 
