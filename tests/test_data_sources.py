@@ -203,3 +203,38 @@ def test_load_parts_reads_only_the_modalities_asked(example, tmp_path):
             np.testing.assert_array_equal(a.loss_mask, b.loss_mask)
         else:
             assert not b.data.any()
+
+
+def test_webdataset_skips_name_their_shard_and_member(example, tmp_path):
+    """Issue 28: a bad WebDataset sample (an undecodable image, a caption that is neither
+    text nor a conversation) is skipped and named by its tar file and member, in the skip
+    rows the trainer writes to skipped.jsonl."""
+    from mmjax.data.records import sample_where
+    good = [(f"g{i}.png", _png(12, 16, i)) for i in range(5)]
+    good += [(f"g{i}.txt", b"a caption") for i in range(5)]
+    _tar(tmp_path / "ok-00.tar", good)
+    _tar(tmp_path / "ok-01.tar", [("d/bad.jpg", b"\xff\xd8\xff garbage"), ("d/bad.txt", b"x"),
+                                  ("nocap.json", b"[1, 2]"), ("ok.png", _png(8, 8, 9)),
+                                  ("ok.txt", b"fine")])
+    img, aud = default_processors(MODEL, None, None)
+    src = WebDatasetSource(str(tmp_path / "ok-{00..01}.tar"), example["tok"], img, aud,
+                           index_workers=1)
+    shard1 = str(tmp_path / "ok-01.tar")
+    names = [src.name(i) for i in range(len(src))]
+    bad, nocap = names.index("ok-01.tar/d/bad"), names.index("ok-01.tar/nocap")
+    assert sample_where(src, bad) == (shard1, "member", "d/bad.jpg")
+    assert sample_where(src, nocap) == (shard1, "member", "nocap.json")
+    assert sample_where(src, 0) == (str(tmp_path / "ok-00.tar"), "member", "g0.png")
+    layout = AssemblyLayout.from_config(
+        MODEL.replace(llm=MODEL.llm.__class__(**{**MODEL.llm.__dict__,
+                                                "vocab_size": padded_vocab(example["tok"].vocab_size)})),
+        256, vision_caps=(64, 128, 256), special=example["tok"].special_tokens())
+    data = SourceBatches(src, layout, global_batch=4, seed=0, shuffle=False)
+    rows = {}
+    for _ in range(2):  # 8 draws cover the 8 samples
+        rows.update({n: (why, where) for n, why, where in next(data)[1]})
+    data.close()
+    assert set(rows) == {"ok-01.tar/d/bad", "ok-01.tar/nocap"}
+    assert rows["ok-01.tar/d/bad"][1] == (shard1, "member", "d/bad.jpg")
+    assert rows["ok-01.tar/d/bad"][0].split(":")[0] in ("unreadable", "decode")
+    assert rows["ok-01.tar/nocap"][1] == (shard1, "member", "nocap.json")
