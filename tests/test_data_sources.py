@@ -238,3 +238,51 @@ def test_webdataset_skips_name_their_shard_and_member(example, tmp_path):
     assert rows["ok-01.tar/d/bad"][1] == (shard1, "member", "d/bad.jpg")
     assert rows["ok-01.tar/d/bad"][0].split(":")[0] in ("unreadable", "decode")
     assert rows["ok-01.tar/nocap"][1] == (shard1, "member", "nocap.json")
+
+
+def test_undecodable_audio_is_skipped_counted_and_named(example, tmp_path):
+    """Issue 28: in a LLaVA-style JSONL with audio, an undecodable WAV (junk bytes), a FLAC
+    cut in half (its header promises more than its frames hold: it fails at decode, not at
+    indexing) and a missing file are each skipped, counted in the global batch and named
+    with the JSONL file, line and reason, as the trainer writes them to skipped.jsonl; the
+    good clips train."""
+    import soundfile as sf
+    from mmjax.data.loader import Loader
+    from mmjax.planner.plan import Plan
+
+    t = np.arange(16000) / 16000
+    wave = np.sin(2 * np.pi * 300 * t).astype(np.float32)
+    for k in range(3):
+        sf.write(str(tmp_path / f"good{k}.wav"), wave * (k + 1) / 4, 16000)
+    sf.write(str(tmp_path / "cut.flac"), np.random.default_rng(0).normal(size=48000)
+             .astype(np.float32) * 0.1, 16000)
+    raw = open(tmp_path / "cut.flac", "rb").read()
+    open(tmp_path / "cut.flac", "wb").write(raw[:len(raw) // 2])
+    (tmp_path / "junk.wav").write_bytes(b"RIFF\x00\x01\x00\x00WAVEjunkjunkjunk" * 8)
+    turn = lambda: [{"from": "human", "value": "<audio>\nTranscribe."},
+                    {"from": "gpt", "value": "A hum."}]
+    names = ["good0", "junk", "good1", "cut", "missing", "good2"]
+    files = {"junk": "junk.wav", "cut": "cut.flac", "missing": "gone.wav"}
+    recs = [{"id": n, "audio": str(tmp_path / files.get(n, n + ".wav")),
+             "conversations": turn()} for n in names]
+    jp = tmp_path / "speech.jsonl"
+    jp.write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+    src = _source(example, str(jp))
+    vocab = padded_vocab(example["tok"].vocab_size)
+    cfg = MODEL.replace(llm=MODEL.llm.__class__(**{**MODEL.llm.__dict__, "vocab_size": vocab}))
+    layout = AssemblyLayout.from_config(cfg, 256, vision_caps=(64, 128, 256),
+                                        special=example["tok"].special_tokens())
+    loader = Loader(src, cfg, Plan.uniform(cfg, 3, 1), layout, shuffle=False, reserve=0)
+    rows, trained = {}, []
+    for step in range(2):  # 6 draws: every line, the bad ones replaced from the 2nd stream
+        gs = loader.builder.samples(step)
+        rows.update({n: (why, where) for n, why, where in gs.skipped})
+        trained += [i for i in gs.sample_ids if i not in gs.failed]
+        assert gs.skipped_samples == len(gs.skipped)
+    assert set(rows) == {"junk", "cut", "missing"}
+    for n, (why, where) in rows.items():
+        assert where == (str(jp), "line", names.index(n) + 1), (n, where)
+    assert rows["junk"][0].startswith(("unreadable: audio", "decode: audio"))
+    assert rows["cut"][0].startswith("decode")
+    assert rows["missing"][0].startswith("missing: audio")
+    assert {src.name(i) for i in trained} >= {"good0", "good1", "good2"}
