@@ -240,3 +240,35 @@ def test_sliding_window_attention_costs_its_window():
         if impl != "dense":
             assert mixed[local[0]].attn_flops < full[local[0]].attn_flops
     assert causal_tiles(n, 128, 128) > window_tiles(n, 128, 128, w)
+
+
+def test_qwen2_5_vl_window_blocks_cost_their_windows():
+    """Qwen2.5-VL's tower: blocks outside fullatt_block_indexes pay their windows' exact
+    pairs (checked against windows cut from a square grid by definition); full blocks and
+    the tiled kernels (windows interleaved in patch order) pay the whole image."""
+    from mmjax.models.qwen2_vl_config import window_patches
+    from mmjax.models.tiny import tiny_qwen2_5_vl
+    from mmjax.planner.attention_cost import image_window_pairs
+
+    def by_definition(rows, cols, side):
+        r, c = np.divmod(np.arange(rows * cols), cols)
+        win = (r // side) * 1000 + c // side
+        return int((win[:, None] == win[None, :]).sum())
+
+    for rows, side in [(8, 4), (10, 4), (7, 3), (3, 8)]:
+        assert image_window_pairs(rows * rows, side) == by_definition(rows, rows, side)
+    m = tiny_qwen2_5_vl()
+    c = m.encoder("vision").encoder
+    side = window_patches(c)
+    assert side and c.fullatt_block_indexes
+    sizes = ((144, 64), (256,), (100,), (36, 36))
+    wl = Workload("q", (300,) * 4, {"vision": sizes}, (0,) * 4)
+    layers = unit_work(m, wl, "vision").layers
+    d = c.hidden_size
+    full = 4 * d * np.mean([sum(n * n for n in s) for s in sizes])
+    win = 4 * d * np.mean([sum(image_window_pairs(n, side) for n in s) for s in sizes])
+    assert win < full
+    for i, w in enumerate(layers[1:], 1):  # layer 0 carries the patch embedding
+        assert w.attn_flops == pytest.approx(full if i in c.fullatt_block_indexes else win)
+    tiled = unit_work(m, wl, "vision", {"vision": "chunked"}).layers
+    assert len({w.attn_flops for w in tiled[1:]}) == 1

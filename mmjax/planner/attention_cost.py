@@ -61,6 +61,19 @@ def exact_pairs(n: int, causal: bool, window: int | None = None) -> int:
     return window * (window + 1) // 2 + (n - window) * window
 
 
+def image_window_pairs(n: int, side: int) -> int:
+    """Pairs of Qwen2.5-VL's window attention over one image of n patches in windows of
+    side x side patches (edge windows smaller). The workload keeps patch counts, not grids:
+    the image is costed as a square of round(sqrt(n)) rows (an estimate; exact for square
+    grids), pairs = P(rows) * P(cols) with P(x) = (x // side) side^2 + (x % side)^2."""
+    if n <= 0:
+        return 0
+    rows = max(1, round(n ** 0.5))
+    cols = -(-n // rows)
+    p = lambda x: (x // side) * side * side + (x % side) ** 2
+    return min(n * n, p(rows) * p(cols))
+
+
 def full_tiles(n: int, bq: int, bk: int) -> int:
     """Tiles of a bidirectional n-token segment (all non-empty)."""
     return -(-n // bq) * -(-n // bk)

@@ -8,7 +8,9 @@
   path pays every pair and keeps [S, S] float32 buffers, the tiled ones pay non-empty tiles
   and keep one float per row; without one, the exact allowed pairs and no [S, S] buffer.
   Sliding-window layers (`LLMConfig.is_sliding`: Mistral, Gemma 2/3's local layers) pay only
-  the pairs / tiles inside their window, so a local/global pattern gives per-layer costs.
+  the pairs / tiles inside their window, so a local/global pattern gives per-layer costs;
+  Qwen2.5-VL's window blocks pay their windows' pairs (exact-pair costing only: mmjax keeps
+  patches in image order, so the tiled kernels' tiles over interleaved windows stay full).
 - Backward time follows Cornstarch's rule (Cornstarch §4.2): 0 x forward for a frozen module
   with nothing trainable before it, 1 x (input gradients only) for a frozen module with a
   trainable module before it, 2 x for a trainable module; activation recomputation adds one
@@ -39,7 +41,9 @@ import numpy as np
 from mmjax.models.config import (AudioConfig, GeneratorConfig, LLMConfig, MLLMConfig,
                                  ProjectorConfig, VisionConfig)
 from mmjax.planner import memory
-from mmjax.planner.attention_cost import computed_pairs, exact_pairs, kept_bytes_per_head
+from mmjax.models.qwen2_vl_config import full_attention_layer, window_patches
+from mmjax.planner.attention_cost import (computed_pairs, exact_pairs, image_window_pairs,
+                                          kept_bytes_per_head)
 from mmjax.planner.hardware import Hardware
 from mmjax.planner.workload import Workload
 
@@ -237,16 +241,23 @@ def _encoder_work(model: MLLMConfig, wl: Workload, name: str, bwd: int,
         pairs, kept = _attention_terms(wl.encoder_tokens[name], impl, False, c.num_heads)
         attn = 4 * pairs * d
     mats = 3 if getattr(c, "gated_mlp", False) else 2  # Qwen2.5-VL's gate / up / down
-    layer = Work(2 * n1 * (4 * d * d + mats * d * f) + attn, d, 2 * n1 * d * ACT_BYTES,
-                 ACT_BYTES * n1 * (10 * d + 2 * f) + kept, ACT_BYTES * n1 * d, bwd, attn,
-                 tokens=n1)
+    make = lambda a: Work(2 * n1 * (4 * d * d + mats * d * f) + a, d, 2 * n1 * d * ACT_BYTES,
+                          ACT_BYTES * n1 * (10 * d + 2 * f) + kept, ACT_BYTES * n1 * d, bwd, a,
+                          tokens=n1)
+    layer = make(attn)
+    side = window_patches(c) if getattr(c, "kind", None) == "qwen2_vl" else 0
+    if side and impl is None:  # Qwen2.5-VL: window blocks pay their windows' exact pairs
+        win = make(4 * d * float(np.mean([sum(image_window_pairs(n, side) for n in s)
+                                          for s in wl.encoder_tokens[name]])))
+        works = [layer if full_attention_layer(c, i) else win for i in range(c.depth)]
+    else:  # the tiled kernels: windows interleave in patch order, their tiles stay full
+        works = [layer] * (c.depth if isinstance(c, VisionConfig) else c.num_layers)
     if isinstance(c, VisionConfig):
         front = Work(2 * n1 * c.patch_dim * d, d, 0.0, ACT_BYTES * n1 * c.patch_dim, 0.0, bwd,
                      tokens=n1)
     else:  # conv1 over 2n frames, conv2 (stride 2) over n outputs
         front = Work(2 * 2 * n1 * c.num_mel_bins * 3 * d + 2 * n1 * 3 * d * d, d, 0.0,
                      ACT_BYTES * 2 * n1 * (c.num_mel_bins + 2 * d), 0.0, bwd, tokens=n1)
-    works = [layer] * (c.depth if isinstance(c, VisionConfig) else c.num_layers)
     works[0] = _merge(front, works[0])
     return works
 
