@@ -45,9 +45,25 @@ def _clip(out):
     ref.write_checkpoint(Path(out), CLIP, ref.tower_tensors("clip", CLIP, seed=2, std=0.1))
 
 
-def _llava(out):
+def _llava(out, vocab: int = 1024):
+    """tests/fixtures/llava_tiny.py's LLaVA (transformers 5 layout) with its vocabulary
+    widened to `vocab` rows, so the example data's tokenizer (with mmjax's markers) fits."""
+    import json
+
     import llava_tiny
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
     llava_tiny.write(Path(out), "tf5")
+    file = os.path.join(out, "model.safetensors")
+    t = load_file(file)
+    rng = np.random.default_rng(0)
+    for name in ("language_model.model.embed_tokens.weight", "language_model.lm_head.weight"):
+        extra = rng.normal(0, 0.02, (vocab - t[name].shape[0], t[name].shape[1]))
+        t[name] = np.concatenate([t[name], extra.astype(t[name].dtype)])
+    save_file(t, file)
+    conf = json.load(open(os.path.join(out, "config.json")))
+    conf["text_config"]["vocab_size"] = vocab
+    json.dump(conf, open(os.path.join(out, "config.json"), "w"))
 
 
 # /models/<name> -> a tiny checkpoint of the same class (first pattern matching the name,
@@ -210,6 +226,7 @@ def test_models_paths_get_stand_ins_of_their_class(tmp_path):
                          "/models/Qwen2.5-0.5B /models/clip-vit-large-patch14-336", tmp_path)
     llava, vl25, llm, clip = cmd.split()[1:]
     assert is_llava(llava) and is_qwen2_vl_dir(vl25)
+    assert read_config(llava)["text_config"]["vocab_size"] == 1024  # a tokenizer fits
     assert read_config(vl25)["model_type"] == "qwen2_5_vl"
     assert read_config(llm)["model_type"] == "qwen2"
     assert read_config(clip)["model_type"] == "clip_vision_model"
