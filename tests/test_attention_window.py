@@ -5,7 +5,8 @@ gradients, with a float64 NumPy formula under the bitfield mask narrowed to the 
 (idx_q - idx_k < window, HF's sliding_window). The window is also given as a traced value
 (a layer scan's per-layer window). The Pallas kernel's own visit counter shows the tiles
 outside the window are skipped. cuDNN (GPU only) is chosen only where it can express the
-options.
+options. The GPU-only test below adds what a CPU cannot run (cuDNN, the Triton lowering of the
+same Pallas kernel); the kernel's logic itself is covered here on CPU.
 """
 import jax
 import jax.numpy as jnp
@@ -33,11 +34,14 @@ def reference(q, k, v, ct, m, window, softcap, scale):
     """float64 attention under the window-narrowed mask with capped, scaled logits, and its
     VJP for cotangent ct: (out, dq, dk, dv)."""
     mask = td.allowed(m.bam, m.bam, m.idx, m.idx, m.doc, m.doc, m.sub, m.sub)
-    mask = mask & (m.idx[:, :, None] - m.idx[:, None, :] < window)
+    if window is not None:
+        mask = mask & (m.idx[:, :, None] - m.idx[:, None, :] < window)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
     g = q.shape[2] // k.shape[2]
     kk, vv = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)
     raw = np.einsum("bqhd,bkhd->bhqk", q, kk) * scale
-    s = softcap * np.tanh(raw / softcap)
+    s = raw if softcap is None else softcap * np.tanh(raw / softcap)
+    dcap = 1.0 if softcap is None else 1 - np.tanh(raw / softcap) ** 2
     mm = mask[:, None]
     s = np.where(mm, s, -np.inf)
     mx = np.max(s, axis=-1, keepdims=True)
@@ -46,7 +50,7 @@ def reference(q, k, v, ct, m, window, softcap, scale):
     p = np.where(den > 0, p / np.where(den > 0, den, 1), 0.0)
     out = np.einsum("bhqk,bkhd->bqhd", p, vv)
     dp = np.einsum("bqhd,bkhd->bhqk", ct, vv)
-    ds = p * (dp - (dp * p).sum(-1, keepdims=True)) * (1 - np.tanh(raw / softcap) ** 2) * scale
+    ds = p * (dp - (dp * p).sum(-1, keepdims=True)) * dcap * scale
     dq = np.einsum("bhqk,bkhd->bqhd", ds, kk)
     fold = lambda x: x.reshape(x.shape[0], x.shape[1], k.shape[2], g, q.shape[-1]).sum(3)
     return (out, dq, fold(np.einsum("bhqk,bqhd->bkhd", ds, q)),
@@ -70,21 +74,36 @@ def case():
     return (q, k, v, ct, meta), reference(q, k, v, ct, meta, WINDOW, SOFTCAP, SCALE)
 
 
+# (window, softcap, scale): all three, then each path alone (Mistral's plain window, Gemma 2's
+# global layers' soft-cap without a window)
+OPTIONS = {"all": (WINDOW, SOFTCAP, SCALE), "window": (WINDOW, None, None),
+           "softcap": (None, SOFTCAP, None)}
+
+
 @pytest.mark.parametrize("traced", [False, True])
 @pytest.mark.parametrize("impl", ["dense", "chunked", "pallas"])
-def test_window_softcap_scale_equal_the_formula(case, impl, traced):
+@pytest.mark.parametrize("opts", list(OPTIONS))
+def test_window_softcap_scale_equal_the_formula(case, impl, traced, opts):
+    """Every CPU-runnable implementation (Pallas in interpret mode) against the float64
+    formula, forward and all three gradients, for each option alone and together."""
     (q, k, v, ct, meta), want = case
+    window, softcap, scale = OPTIONS[opts]
+    if window is None and traced:
+        pytest.skip("no window to trace")
+    if opts != "all":
+        want = reference(q, k, v, ct, meta, window, softcap, scale)
     m = TokenMeta(*(jnp.asarray(a) for a in meta))
     f = IMPLS[impl]
 
     @jax.jit
-    def fwd_bwd(q, k, v, ct, window):
-        w = window if traced else WINDOW
-        out, vjp = jax.vjp(lambda *a: f(*a, m, m, window=w, softcap=SOFTCAP, scale=SCALE),
+    def fwd_bwd(q, k, v, ct, traced_window):
+        w = traced_window if traced else window
+        out, vjp = jax.vjp(lambda *a: f(*a, m, m, window=w, softcap=softcap, scale=scale),
                            q, k, v)
         return (out, *vjp(ct))
 
-    got = fwd_bwd(*(jnp.asarray(x, jnp.float32) for x in (q, k, v, ct)), jnp.int32(WINDOW))
+    got = fwd_bwd(*(jnp.asarray(x, jnp.float32) for x in (q, k, v, ct)),
+                  jnp.int32(window or 0))
     for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
         np.testing.assert_allclose(np.asarray(g, np.float64), w, rtol=1e-5,
                                    atol=1e-5 * np.abs(w).max(), err_msg=name)
@@ -94,6 +113,8 @@ def test_the_window_changes_the_result(case):
     (q, k, v, ct, meta), want = case
     wide = reference(q, k, v, ct, meta, 10 ** 6, SOFTCAP, SCALE)
     assert np.abs(wide[0] - want[0]).max() > 1e-2
+    uncapped = reference(q, k, v, ct, meta, WINDOW, None, SCALE)
+    assert np.abs(uncapped[0] - want[0]).max() > 1e-2  # and so does the soft-cap
 
 
 def test_pallas_skips_tiles_outside_the_window():

@@ -50,7 +50,7 @@ def test_pipelined_training_from_make_dataset_arrayrecord(tmp_path):
     open(data, "wb").write(bytes(raw))
     src = ArrayRecordSource(data)
     for i in flipped:
-        with pytest.raises(DecodeError, match=rf"{data} record {i}: unreadable \(RuntimeError: "
+        with pytest.raises(DecodeError, match=rf"unreadable: {data} record {i} \(RuntimeError: "
                                               rf"Corrupted Riegeli/records file: chunk"):
             src.load(i)
     with gin.unlock_config():
@@ -103,3 +103,49 @@ def test_unopenable_dataset_is_one_line_error_naming_the_file(tmp_path, damage):
         as_source(data)
     msg = str(e.value)
     assert data in msg and "\n" not in msg and "scripts/make_dataset.py" in msg, msg
+
+
+@pytest.mark.slow
+def test_three_damaged_records_are_each_skipped_and_named(tmp_path):
+    """Issue 28: three separate damaged records (Riegeli chunk checksums broken at three
+    places of the file) are each skipped, counted and written to skipped.jsonl with the
+    file, the record index and an "unreadable" reason; the run trains to the end. A damaged
+    record the index already rejects (too long) is skipped for that reason without a read,
+    and damage in a record never drawn has nothing to report, so the three are chosen among
+    the records the run reads."""
+    data = str(tmp_path / "three.arrayrecord")
+    make_dataset.main(["--model=tiny", "--kind=laion", "--num_samples=16", "--seed=1",
+                       f"--out={data}"])
+    cfg = with_overrides(tiny(), {"llm.num_layers": 1, "encoders.vision.encoder.num_layers": 1,
+                                  "generator.num_layers": 1})
+    src = ArrayRecordSource(data)
+    layout = data_layout(cfg)
+    from mmjax.data.layout import check_shapes
+    usable = [i for i in range(16) if check_shapes(src.spec(i), layout) is None]
+    damaged = [usable[1], usable[len(usable) // 2], usable[-1]]
+    raw = bytearray(open(data, "rb").read())
+    for i in damaged:
+        at = raw.index(b'{"id": %d, "segments"' % i) + 40
+        raw[at:at + 16] = bytes(b ^ 0xFF for b in raw[at:at + 16])
+    open(data, "wb").write(bytes(raw))
+    with gin.unlock_config():  # in order, no reserve: steps 1-4 draw records 0-15
+        gin.parse_config([f"loader_source.path = '{data}'", "Loader.shuffle = False",
+                          "Loader.reserve = 0"])
+    try:
+        recs = train(str(tmp_path / "run"), model=cfg, steps=4, global_batch=4,
+                     progress=False, checkpoint_every=100)
+    finally:
+        gin.clear_config()
+    assert [r["step"] for r in recs] == [1, 2, 3, 4]
+    assert all(np.isfinite(r["loss"]) for r in recs)
+    with open(tmp_path / "run" / "skipped.jsonl") as f:
+        rows = [json.loads(x) for x in f]
+    assert recs[-1]["skipped_samples"] == len(rows)
+    unreadable = {r["record"]: r for r in rows if r["reason"].startswith("unreadable:")}
+    assert sorted(unreadable) == sorted(damaged)
+    for i, row in unreadable.items():
+        assert row["file"] == data and row["id"] == f"{data}:{i}"
+        assert f"record {i} (RuntimeError: Corrupted Riegeli/records file: chunk" in row["reason"]
+    # the rest of the rows are the index's own rejections, never a damaged record's
+    assert all(r["reason"].startswith("too_long") for r in rows
+               if not r["reason"].startswith("unreadable:"))

@@ -203,3 +203,86 @@ def test_load_parts_reads_only_the_modalities_asked(example, tmp_path):
             np.testing.assert_array_equal(a.loss_mask, b.loss_mask)
         else:
             assert not b.data.any()
+
+
+def test_webdataset_skips_name_their_shard_and_member(example, tmp_path):
+    """Issue 28: a bad WebDataset sample (an undecodable image, a caption that is neither
+    text nor a conversation) is skipped and named by its tar file and member, in the skip
+    rows the trainer writes to skipped.jsonl."""
+    from mmjax.data.records import sample_where
+    good = [(f"g{i}.png", _png(12, 16, i)) for i in range(5)]
+    good += [(f"g{i}.txt", b"a caption") for i in range(5)]
+    _tar(tmp_path / "ok-00.tar", good)
+    _tar(tmp_path / "ok-01.tar", [("d/bad.jpg", b"\xff\xd8\xff garbage"), ("d/bad.txt", b"x"),
+                                  ("nocap.json", b"[1, 2]"), ("ok.png", _png(8, 8, 9)),
+                                  ("ok.txt", b"fine")])
+    img, aud = default_processors(MODEL, None, None)
+    src = WebDatasetSource(str(tmp_path / "ok-{00..01}.tar"), example["tok"], img, aud,
+                           index_workers=1)
+    shard1 = str(tmp_path / "ok-01.tar")
+    names = [src.name(i) for i in range(len(src))]
+    bad, nocap = names.index("ok-01.tar/d/bad"), names.index("ok-01.tar/nocap")
+    assert sample_where(src, bad) == (shard1, "member", "d/bad.jpg")
+    assert sample_where(src, nocap) == (shard1, "member", "nocap.json")
+    assert sample_where(src, 0) == (str(tmp_path / "ok-00.tar"), "member", "g0.png")
+    layout = AssemblyLayout.from_config(
+        MODEL.replace(llm=MODEL.llm.__class__(**{**MODEL.llm.__dict__,
+                                                "vocab_size": padded_vocab(example["tok"].vocab_size)})),
+        256, vision_caps=(64, 128, 256), special=example["tok"].special_tokens())
+    data = SourceBatches(src, layout, global_batch=4, seed=0, shuffle=False)
+    rows = {}
+    for _ in range(2):  # 8 draws cover the 8 samples
+        rows.update({n: (why, where) for n, why, where in next(data)[1]})
+    data.close()
+    assert set(rows) == {"ok-01.tar/d/bad", "ok-01.tar/nocap"}
+    assert rows["ok-01.tar/d/bad"][1] == (shard1, "member", "d/bad.jpg")
+    assert rows["ok-01.tar/d/bad"][0].split(":")[0] in ("unreadable", "decode")
+    assert rows["ok-01.tar/nocap"][1] == (shard1, "member", "nocap.json")
+
+
+def test_undecodable_audio_is_skipped_counted_and_named(example, tmp_path):
+    """Issue 28: in a LLaVA-style JSONL with audio, an undecodable WAV (junk bytes), a FLAC
+    cut in half (its header promises more than its frames hold: it fails at decode, not at
+    indexing) and a missing file are each skipped, counted in the global batch and named
+    with the JSONL file, line and reason, as the trainer writes them to skipped.jsonl; the
+    good clips train."""
+    import soundfile as sf
+    from mmjax.data.loader import Loader
+    from mmjax.planner.plan import Plan
+
+    t = np.arange(16000) / 16000
+    wave = np.sin(2 * np.pi * 300 * t).astype(np.float32)
+    for k in range(3):
+        sf.write(str(tmp_path / f"good{k}.wav"), wave * (k + 1) / 4, 16000)
+    sf.write(str(tmp_path / "cut.flac"), np.random.default_rng(0).normal(size=48000)
+             .astype(np.float32) * 0.1, 16000)
+    raw = open(tmp_path / "cut.flac", "rb").read()
+    open(tmp_path / "cut.flac", "wb").write(raw[:len(raw) // 2])
+    (tmp_path / "junk.wav").write_bytes(b"RIFF\x00\x01\x00\x00WAVEjunkjunkjunk" * 8)
+    turn = lambda: [{"from": "human", "value": "<audio>\nTranscribe."},
+                    {"from": "gpt", "value": "A hum."}]
+    names = ["good0", "junk", "good1", "cut", "missing", "good2"]
+    files = {"junk": "junk.wav", "cut": "cut.flac", "missing": "gone.wav"}
+    recs = [{"id": n, "audio": str(tmp_path / files.get(n, n + ".wav")),
+             "conversations": turn()} for n in names]
+    jp = tmp_path / "speech.jsonl"
+    jp.write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+    src = _source(example, str(jp))
+    vocab = padded_vocab(example["tok"].vocab_size)
+    cfg = MODEL.replace(llm=MODEL.llm.__class__(**{**MODEL.llm.__dict__, "vocab_size": vocab}))
+    layout = AssemblyLayout.from_config(cfg, 256, vision_caps=(64, 128, 256),
+                                        special=example["tok"].special_tokens())
+    loader = Loader(src, cfg, Plan.uniform(cfg, 3, 1), layout, shuffle=False, reserve=0)
+    rows, trained = {}, []
+    for step in range(2):  # 6 draws: every line, the bad ones replaced from the 2nd stream
+        gs = loader.builder.samples(step)
+        rows.update({n: (why, where) for n, why, where in gs.skipped})
+        trained += [i for i in gs.sample_ids if i not in gs.failed]
+        assert gs.skipped_samples == len(gs.skipped)
+    assert set(rows) == {"junk", "cut", "missing"}
+    for n, (why, where) in rows.items():
+        assert where == (str(jp), "line", names.index(n) + 1), (n, where)
+    assert rows["junk"][0].startswith(("unreadable: audio", "decode: audio"))
+    assert rows["cut"][0].startswith("decode")
+    assert rows["missing"][0].startswith("missing: audio")
+    assert {src.name(i) for i in trained} >= {"good0", "good1", "good2"}

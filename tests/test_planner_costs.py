@@ -1,4 +1,5 @@
 """Cost model: parameter layout vs the Flax modules, FLOPs, frozen rule, memory, no JAX."""
+import dataclasses
 import ast
 import glob
 import os
@@ -181,3 +182,93 @@ def test_attention_cost_follows_the_implementations_tiles():
     assert attn(per["pallas"]) == attn(per["chunked"]) < attn(per["dense"])
     assert per["dense"].act_bytes - exact.act_bytes == 8 * n * n * c.num_heads
     assert per["pallas"].act_bytes - exact.act_bytes == 4 * n * c.num_heads
+
+
+def _brute_window(n, window, bq, bk):
+    """(allowed pairs, non-empty bq x bk tiles) of a causal sliding-window mask, by building
+    the mask from its definition (idx_k <= idx_q, idx_q - idx_k < window)."""
+    i = np.arange(n)
+    diff = i[:, None] - i[None, :]
+    mask = (diff >= 0) & (diff < (window if window is not None else n + 1))
+    tiles = sum(bool(mask[a:a + bq, b:b + bk].any())
+                for a in range(0, n, bq) for b in range(0, n, bk))
+    return int(mask.sum()), tiles
+
+
+def test_sliding_window_attention_costs_its_window():
+    """Windowed layers pay the pairs / tiles inside their window (checked against the mask
+    built from its definition), and a Gemma-3-like local/global pattern costs each layer by
+    its own kind: local layers by the window, global ones by full causal attention."""
+    from mmjax.planner.attention_cost import (computed_pairs, exact_pairs, window_tiles,
+                                              causal_tiles)
+    for n, w, bq, bk in [(10, 3, 4, 2), (37, 5, 8, 4), (64, 16, 16, 16), (50, 100, 8, 8),
+                         (300, 128, 128, 32), (33, 1, 4, 4)]:
+        pairs, tiles = _brute_window(n, w, bq, bk)
+        assert exact_pairs(n, True, w) == pairs
+        assert window_tiles(n, bq, bk, w) == tiles
+    assert exact_pairs(7, True) == 28 and exact_pairs(7, False) == 49
+    # a window no shorter than the sequence is no window
+    assert computed_pairs(200, "chunked", True, 500) == computed_pairs(200, "chunked", True)
+    assert computed_pairs(4096, "chunked", True, 1024) == window_tiles(4096, 128, 128,
+                                                                       1024) * 128 * 128
+    assert window_tiles(4096, 128, 128, 1024) == 32 * 9 - 36  # 8 diagonals + the last partial
+    assert computed_pairs(4096, "dense", True, 1024) == 4096 ** 2  # dense computes them all
+
+    m = named_config("disttrain/mllm_9b")
+    L, n, w = m.llm.num_layers, 4096, 1024
+    pattern = tuple((i + 1) % 6 != 0 for i in range(L))  # Gemma 3: 5 local, 1 global
+    gemma = dataclasses.replace(m, llm=dataclasses.replace(m.llm, sliding_window=w,
+                                                           sliding_layers=pattern))
+    wl = Workload("fixed", (n,) * 4, {"vision": (((256,),),) * 4}, (0,) * 4)
+    hq = m.llm.num_heads * m.llm.dim_per_head
+    base = unit_work(m, wl, "llm")
+    for impl in (None, "chunked", "pallas", "dense"):
+        full = unit_work(m, wl, "llm", None if impl is None else {"llm": impl}).layers
+        mixed = unit_work(gemma, wl, "llm", None if impl is None else {"llm": impl}).layers
+        for i in range(L - 1):  # the last carries the LM head
+            if impl is None:
+                want = 4 * hq * exact_pairs(n, True, w) if pattern[i] else 2 * n * n * hq
+            elif impl == "dense":
+                want = 4 * hq * n * n
+            else:
+                want = 4 * hq * computed_pairs(n, impl, True, w if pattern[i] else None)
+            assert mixed[i].attn_flops == pytest.approx(want)
+            assert mixed[i].flops - mixed[i].attn_flops == pytest.approx(
+                base.layers[i].flops - base.layers[i].attn_flops)
+            assert mixed[i].act_bytes == full[i].act_bytes  # kept rows / [S, S] as before
+        local = [i for i in range(L - 1) if pattern[i]]
+        if impl != "dense":
+            assert mixed[local[0]].attn_flops < full[local[0]].attn_flops
+    assert causal_tiles(n, 128, 128) > window_tiles(n, 128, 128, w)
+
+
+def test_qwen2_5_vl_window_blocks_cost_their_windows():
+    """Qwen2.5-VL's tower: blocks outside fullatt_block_indexes pay their windows' exact
+    pairs (checked against windows cut from a square grid by definition); full blocks and
+    the tiled kernels (windows interleaved in patch order) pay the whole image."""
+    from mmjax.models.qwen2_vl_config import window_patches
+    from mmjax.models.tiny import tiny_qwen2_5_vl
+    from mmjax.planner.attention_cost import image_window_pairs
+
+    def by_definition(rows, cols, side):
+        r, c = np.divmod(np.arange(rows * cols), cols)
+        win = (r // side) * 1000 + c // side
+        return int((win[:, None] == win[None, :]).sum())
+
+    for rows, side in [(8, 4), (10, 4), (7, 3), (3, 8)]:
+        assert image_window_pairs(rows * rows, side) == by_definition(rows, rows, side)
+    m = tiny_qwen2_5_vl()
+    c = m.encoder("vision").encoder
+    side = window_patches(c)
+    assert side and c.fullatt_block_indexes
+    sizes = ((144, 64), (256,), (100,), (36, 36))
+    wl = Workload("q", (300,) * 4, {"vision": sizes}, (0,) * 4)
+    layers = unit_work(m, wl, "vision").layers
+    d = c.hidden_size
+    full = 4 * d * np.mean([sum(n * n for n in s) for s in sizes])
+    win = 4 * d * np.mean([sum(image_window_pairs(n, side) for n in s) for s in sizes])
+    assert win < full
+    for i, w in enumerate(layers[1:], 1):  # layer 0 carries the patch embedding
+        assert w.attn_flops == pytest.approx(full if i in c.fullatt_block_indexes else win)
+    tiled = unit_work(m, wl, "vision", {"vision": "chunked"}).layers
+    assert len({w.attn_flops for w in tiled[1:]}) == 1

@@ -44,6 +44,34 @@ def test_a_signal_only_sets_the_flag_and_a_second_ctrl_c_stops_at_once():
                       "(/w/checkpoints): rerun the same command")
 
 
+def test_a_signal_during_a_save_lets_the_save_finish(tmp_path):
+    """SIGTERM and SIGINT landing while a checkpoint is being written (from another thread,
+    as a cluster's notice arrives at any moment) only set the flag: the save completes and
+    commits, and the checkpoint restores bit for bit."""
+    import threading
+
+    import jax
+    import jax.numpy as jnp
+    from mmjax.train.checkpoint import Checkpointer
+
+    state = {"w": jnp.arange(1 << 20, dtype=jnp.float32) / 7, "step": jnp.int32(5)}
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        ck = Checkpointer(str(tmp_path / sig.name))
+        with Preemption(lead=False) as p:
+            fire = threading.Timer(0.002, os.kill, (os.getpid(), sig))
+            fire.start()
+            ck.save(5, state, {"next": 5})
+            ck.wait()
+            fire.join()
+            time.sleep(0.01)
+            assert p.signame == sig.name
+        step, got, data = ck.restore_latest(state)
+        ck.close()
+        assert step == 5 and data == {"next": 5}
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(state)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def _train(workdir):
     return [sys.executable, os.path.join(REPO, "scripts", "train.py"), *SMALL,
             f"--workdir={workdir}"]

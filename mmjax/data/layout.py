@@ -6,6 +6,7 @@ cannot be assembled (from shapes alone, so planning can skip them before decodin
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -120,9 +121,13 @@ class AssemblyLayout:
             g = cfg.generator
             gen = GenSlot((g.latent_channels, g.latent_size, g.latent_size), g.patch_size,
                           gen_num_queries, g.num_train_timesteps)
+        special = special or SpecialTokens()
+        if cfg.image_markers is not None:  # the checkpoint's own (Qwen2-VL's vision_start/end)
+            special = dataclasses.replace(special, image_start=int(cfg.image_markers[0]),
+                                          image_end=int(cfg.image_markers[1]))
         return cls(seq_len, cfg.llm.vocab_size, TokenRules.from_config(cfg), tuple(slots), gen,
                    packing, cfg.placement, tuple(sorted(vision_caps)),
-                   tuple(sorted(audio_frame_caps)), special or SpecialTokens(),
+                   tuple(sorted(audio_frame_caps)), special,
                    cfg.llm.mrope_section is not None, cfg.image_attention)
 
     def slot(self, modality: str) -> EncoderSlot | None:

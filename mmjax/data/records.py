@@ -114,7 +114,9 @@ class ArrayRecordSource:
     sample per record) and `<path>.index.json` (per record the decoded shapes, so planning
     reads no pixels). A file that cannot be opened is a UserError naming it (before any
     training); a record that cannot be read (Riegeli chunk checksum, I/O error) or decoded
-    is a DecodeError naming the file and record index, which the loader skips and counts."""
+    is a DecodeError naming the file and record index, which the loader skips, counts and
+    names in skipped.jsonl; its reason starts with its kind ("unreadable:" / "decode:"), so
+    the run's summary counts damaged records together, whatever their number."""
 
     def __init__(self, path: str):
         import grain
@@ -152,12 +154,12 @@ class ArrayRecordSource:
         try:
             raw = self.records[index]
         except Exception as e:  # noqa: BLE001 (Riegeli checksum RuntimeError, OSError...)
-            raise DecodeError(f"{self.path} record {index}: unreadable "
+            raise DecodeError(f"unreadable: {self.path} record {index} "
                               f"({one_line(e, 160)})") from None
         try:
             return decode_record(raw, self.patch_size, self.max_grid)
         except DecodeError as e:
-            raise DecodeError(f"{self.path} record {index}: {e}") from None
+            raise DecodeError(f"decode: {self.path} record {index}: {e}") from None
 
 
 def write_dataset(path: str, samples, patch_size: int, max_grid: int,

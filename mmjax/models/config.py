@@ -310,9 +310,12 @@ class MLLMConfig:
     # HF LLaVA semantics (hf/llava.py sets both): "causal" puts image tokens under the LLM's
     # causal mask like text; "bidirectional" (mmjax's default, Cornstarch §4.3.1) lets an
     # image's tokens see each other. `modality_markers`: wrap each modality block in its
-    # begin / end tokens (LLaVA has none).
+    # begin / end tokens (LLaVA has none). `image_markers`: the (begin, end) token ids of
+    # image blocks when the checkpoint has its own (Qwen2-VL's vision_start / vision_end, set
+    # by hf/qwen2_vl.py); None: the tokenizer's (or the reserved) markers.
     image_attention: Literal["bidirectional", "causal"] = "bidirectional"
     modality_markers: bool = True
+    image_markers: tuple[int, int] | None = None
 
     def encoder(self, name: str) -> EncoderSpec:
         for spec in self.encoders:
@@ -457,4 +460,6 @@ def config_from_dict(d: dict) -> MLLMConfig:
                                     e["frozen"], e["projector_frozen"]))
     gen = GeneratorConfig(**d["generator"]) if d.get("generator") else None
     rest = {k: v for k, v in d.items() if k not in ("llm", "encoders", "generator")}
+    if rest.get("image_markers") is not None:
+        rest["image_markers"] = tuple(rest["image_markers"])
     return MLLMConfig(llm=LLMConfig(**llm), encoders=tuple(encoders), generator=gen, **rest)

@@ -8,6 +8,12 @@ for the backward pass; the tiled ones keep only the output and one log-sum-exp p
 The planner charges 4 * pairs * head_dim FLOPs per head (Q K^T and P V) and these bytes, so
 a plan's memory and time follow the implementation it will run, not S^2.
 
+A sliding window (Mistral, Gemma 2/3's local layers: a query sees keys with
+idx_q - idx_k < window) shrinks both: the exact count is sum_i min(i + 1, window) pairs, and the
+tiled kernels skip tiles wholly outside the window (`chunked`'s branch and `pallas`'s block
+map both use each query's window floor; cuDNN's `local_window_size` does the same). The dense
+path still computes and keeps the whole [S, S] matrix.
+
 Block shapes mirror models/attention_chunked.py and models/attention_pallas.py (this module
 imports no JAX); a sequence shorter than a block shrinks the block as the kernels do.
 """
@@ -33,13 +39,49 @@ def causal_tiles(n: int, bq: int, bk: int) -> int:
     return sum(min(nk, (min((i + 1) * bq, n) - 1) // bk + 1) for i in range(-(-n // bq)))
 
 
+def window_tiles(n: int, bq: int, bk: int, window: int) -> int:
+    """Non-empty bq x bk tiles of a causal mask limited to a sliding window over n tokens:
+    a tile's differences idx_q - idx_k form one interval, non-empty iff it meets [0, window)."""
+    count = 0
+    for i in range(-(-n // bq)):
+        q_lo, q_hi = i * bq, min((i + 1) * bq, n) - 1
+        for j in range(-(-n // bk)):
+            k_lo, k_hi = j * bk, min((j + 1) * bk, n) - 1
+            count += q_hi - k_lo >= 0 and q_lo - k_hi <= window - 1
+    return count
+
+
+def exact_pairs(n: int, causal: bool, window: int | None = None) -> int:
+    """Allowed (query, key) pairs of one n-token sequence: n^2 bidirectional, n (n + 1) / 2
+    causal, sum_i min(i + 1, window) under a sliding window."""
+    if not causal:
+        return n * n
+    if window is None or window >= n:
+        return n * (n + 1) // 2
+    return window * (window + 1) // 2 + (n - window) * window
+
+
+def image_window_pairs(n: int, side: int) -> int:
+    """Pairs of Qwen2.5-VL's window attention over one image of n patches in windows of
+    side x side patches (edge windows smaller). The workload keeps patch counts, not grids:
+    the image is costed as a square of round(sqrt(n)) rows (an estimate; exact for square
+    grids), pairs = P(rows) * P(cols) with P(x) = (x // side) side^2 + (x % side)^2."""
+    if n <= 0:
+        return 0
+    rows = max(1, round(n ** 0.5))
+    cols = -(-n // rows)
+    p = lambda x: (x // side) * side * side + (x % side) ** 2
+    return min(n * n, p(rows) * p(cols))
+
+
 def full_tiles(n: int, bq: int, bk: int) -> int:
     """Tiles of a bidirectional n-token segment (all non-empty)."""
     return -(-n // bq) * -(-n // bk)
 
 
-def computed_pairs(n: int, impl: str, causal: bool) -> int:
-    """(query, key) pairs the implementation computes for one n-token sequence."""
+def computed_pairs(n: int, impl: str, causal: bool, window: int | None = None) -> int:
+    """(query, key) pairs the implementation computes for one n-token sequence; `window`:
+    the layer's sliding window (causal only; None: none)."""
     if impl not in IMPLS:
         raise ValueError(f"error: attention_impl={impl!r} is unknown (use one of {list(IMPLS)})")
     if n <= 0:
@@ -47,7 +89,12 @@ def computed_pairs(n: int, impl: str, causal: bool) -> int:
     if impl == "dense":
         return n * n
     bq, bk = _blocks(n, impl)
-    tiles = causal_tiles(n, bq, bk) if causal else full_tiles(n, bq, bk)
+    if not causal:
+        tiles = full_tiles(n, bq, bk)
+    elif window is not None and window < n:
+        tiles = window_tiles(n, bq, bk, window)
+    else:
+        tiles = causal_tiles(n, bq, bk)
     return tiles * bq * bk
 
 

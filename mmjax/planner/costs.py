@@ -7,6 +7,10 @@
   come from the tiles that implementation computes (planner/attention_cost.py): the dense
   path pays every pair and keeps [S, S] float32 buffers, the tiled ones pay non-empty tiles
   and keep one float per row; without one, the exact allowed pairs and no [S, S] buffer.
+  Sliding-window layers (`LLMConfig.is_sliding`: Mistral, Gemma 2/3's local layers) pay only
+  the pairs / tiles inside their window, so a local/global pattern gives per-layer costs;
+  Qwen2.5-VL's window blocks pay their windows' pairs (exact-pair costing only: mmjax keeps
+  patches in image order, so the tiled kernels' tiles over interleaved windows stay full).
 - Backward time follows Cornstarch's rule (Cornstarch §4.2): 0 x forward for a frozen module
   with nothing trainable before it, 1 x (input gradients only) for a frozen module with a
   trainable module before it, 2 x for a trainable module; activation recomputation adds one
@@ -37,7 +41,9 @@ import numpy as np
 from mmjax.models.config import (AudioConfig, GeneratorConfig, LLMConfig, MLLMConfig,
                                  ProjectorConfig, VisionConfig)
 from mmjax.planner import memory
-from mmjax.planner.attention_cost import computed_pairs, kept_bytes_per_head
+from mmjax.models.qwen2_vl_config import full_attention_layer, window_patches
+from mmjax.planner.attention_cost import (computed_pairs, exact_pairs, image_window_pairs,
+                                          kept_bytes_per_head)
 from mmjax.planner.hardware import Hardware
 from mmjax.planner.workload import Workload
 
@@ -183,32 +189,43 @@ class UnitWork:
     tp_divides: tuple[int, ...]  # sizes TP must divide
 
 
-def _attention_terms(sizes, impl: str, causal: bool, heads: int) -> tuple[float, float]:
+def _attention_terms(sizes, impl: str, causal: bool, heads: int,
+                     window: int | None = None) -> tuple[float, float]:
     """Mean over samples of (computed pairs, kept attention bytes of all heads); sizes: per
-    sample, the lengths of its attention segments."""
-    pairs = np.mean([sum(computed_pairs(n, impl, causal) for n in s) for s in sizes])
+    sample, the lengths of its attention segments; `window`: a causal sliding window."""
+    pairs = np.mean([sum(computed_pairs(n, impl, causal, window) for n in s) for s in sizes])
     kept = np.mean([sum(kept_bytes_per_head(n, impl) for n in s) for s in sizes]) * heads
     return float(pairs), float(kept)
 
 
-def _llm_work(model: MLLMConfig, wl: Workload, bwd: int, impl: str | None = None) -> list[Work]:
+def _llm_layer(model: MLLMConfig, wl: Workload, bwd: int, impl: str | None,
+               window: int | None) -> Work:
+    """One decoder layer; `window`: its sliding window (None: global causal attention)."""
     c = model.llm
-    d, hd, h, kv, f, v = (c.hidden_size, c.dim_per_head, c.num_heads, c.num_kv_heads,
-                          c.ffn_size, c.vocab_size)
+    d, hd, h, kv, f = c.hidden_size, c.dim_per_head, c.num_heads, c.num_kv_heads, c.ffn_size
     n1, n2 = wl.llm_moments()
     w = d * h * hd + 2 * d * kv * hd + h * hd * d + 3 * d * f
     attn = 2 * n2 * h * hd  # exact causal pairs: half of 4 n^2 h hd
+    if window is not None:  # exact pairs inside the window
+        attn = 4 * h * hd * float(np.mean([exact_pairs(n, True, window) for n in wl.llm_tokens]))
     kept = 0.0
     if impl is not None:
-        pairs, kept = _attention_terms([(n,) for n in wl.llm_tokens], impl, True, h)
+        pairs, kept = _attention_terms([(n,) for n in wl.llm_tokens], impl, True, h, window)
         attn = 4 * pairs * h * hd
-    layer = Work(flops=2 * n1 * w + attn, width=d,
-                 allreduce_bytes=2 * n1 * d * ACT_BYTES,
-                 act_bytes=ACT_BYTES * n1 * (10 * d + 3 * f) + kept, in_bytes=ACT_BYTES * n1 * d,
-                 bwd=bwd, attn_flops=attn, tokens=n1, kind="gated_causal")
+    return Work(flops=2 * n1 * w + attn, width=d, allreduce_bytes=2 * n1 * d * ACT_BYTES,
+                act_bytes=ACT_BYTES * n1 * (10 * d + 3 * f) + kept, in_bytes=ACT_BYTES * n1 * d,
+                bwd=bwd, attn_flops=attn, tokens=n1, kind="gated_causal")
+
+
+def _llm_work(model: MLLMConfig, wl: Workload, bwd: int, impl: str | None = None) -> list[Work]:
+    c = model.llm
+    n1, _ = wl.llm_moments()
+    d, v = c.hidden_size, c.vocab_size
+    local = _llm_layer(model, wl, bwd, impl, c.sliding_window) if c.sliding_window else None
+    glob = _llm_layer(model, wl, bwd, impl, None)
     head = Work(2 * n1 * d * v, d, 0.0, ACT_BYTES * n1 * v, 0.0, bwd, tokens=n1,
                 kind="gated_causal")
-    works = [layer] * c.num_layers
+    works = [local if c.is_sliding(i) else glob for i in range(c.num_layers)]
     works[-1] = _merge(works[-1], head)
     return works
 
@@ -224,16 +241,23 @@ def _encoder_work(model: MLLMConfig, wl: Workload, name: str, bwd: int,
         pairs, kept = _attention_terms(wl.encoder_tokens[name], impl, False, c.num_heads)
         attn = 4 * pairs * d
     mats = 3 if getattr(c, "gated_mlp", False) else 2  # Qwen2.5-VL's gate / up / down
-    layer = Work(2 * n1 * (4 * d * d + mats * d * f) + attn, d, 2 * n1 * d * ACT_BYTES,
-                 ACT_BYTES * n1 * (10 * d + 2 * f) + kept, ACT_BYTES * n1 * d, bwd, attn,
-                 tokens=n1)
+    make = lambda a: Work(2 * n1 * (4 * d * d + mats * d * f) + a, d, 2 * n1 * d * ACT_BYTES,
+                          ACT_BYTES * n1 * (10 * d + 2 * f) + kept, ACT_BYTES * n1 * d, bwd, a,
+                          tokens=n1)
+    layer = make(attn)
+    side = window_patches(c) if getattr(c, "kind", None) == "qwen2_vl" else 0
+    if side and impl is None:  # Qwen2.5-VL: window blocks pay their windows' exact pairs
+        win = make(4 * d * float(np.mean([sum(image_window_pairs(n, side) for n in s)
+                                          for s in wl.encoder_tokens[name]])))
+        works = [layer if full_attention_layer(c, i) else win for i in range(c.depth)]
+    else:  # the tiled kernels: windows interleave in patch order, their tiles stay full
+        works = [layer] * (c.depth if isinstance(c, VisionConfig) else c.num_layers)
     if isinstance(c, VisionConfig):
         front = Work(2 * n1 * c.patch_dim * d, d, 0.0, ACT_BYTES * n1 * c.patch_dim, 0.0, bwd,
                      tokens=n1)
     else:  # conv1 over 2n frames, conv2 (stride 2) over n outputs
         front = Work(2 * 2 * n1 * c.num_mel_bins * 3 * d + 2 * n1 * 3 * d * d, d, 0.0,
                      ACT_BYTES * 2 * n1 * (c.num_mel_bins + 2 * d), 0.0, bwd, tokens=n1)
-    works = [layer] * (c.depth if isinstance(c, VisionConfig) else c.num_layers)
     works[0] = _merge(front, works[0])
     return works
 

@@ -6,6 +6,8 @@ one string (several patterns separated by whitespace) or a list. Members sharing
 (`jpg` / `jpeg` / `png` / `webp`) and a `txt` caption or a `json` object with
 `conversations` (LLaVA turns) or `caption` / `text`. A caption becomes the conversation
 [human: <image>, gpt: caption]. Images are read by seeking to their member's offset.
+A skipped sample is named in skipped.jsonl by its shard and member (the image's, else the
+caption's): {"file": "<shard path>", "member": "a/k1.jpg"}.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from mmjax.data.index import cached_index, index_key
 from mmjax.data.sources.common import ChatRecordSource
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
+SCAN_VERSION = 2  # the shard scan's record layout (2: each record's `where`)
 
 
 def expand_braces(pattern: str) -> list[str]:
@@ -71,7 +74,9 @@ def scan_shard(path: str) -> list[dict]:
             ext = ext.lower()
             if ext in IMAGE_EXTS:
                 g["image"] = ["tar", path, m.offset_data, m.size]
+                g["member"] = m.name
             elif ext in ("txt", "json"):
+                g.setdefault("member", m.name)
                 raw = tar.extractfile(m).read().decode("utf-8", errors="replace")
                 try:
                     g["doc"] = json.loads(raw) if ext == "json" else raw.strip()
@@ -84,7 +89,8 @@ def scan_shard(path: str) -> list[dict]:
         if conv is not None and not images:  # text-only: drop the image placeholder
             conv = [t for t in conv if t.get("value") != "<image>"]
         records.append({"id": f"{os.path.basename(path)}/{key}", "images": images, "audio": [],
-                        "conversations": conv if conv is not None else []})
+                        "conversations": conv if conv is not None else [],
+                        "where": [path, "member", g.get("member", key)]})
     return records
 
 
@@ -97,7 +103,7 @@ class WebDatasetSource(ChatRecordSource):
                  index_workers: int = 8):
         paths = shard_paths(urls)
         stats = [(os.path.abspath(p), os.path.getsize(p), os.stat(p).st_mtime_ns) for p in paths]
-        key = index_key(stats)
+        key = index_key(stats, SCAN_VERSION)
         base = os.path.join(os.path.dirname(os.path.abspath(paths[0])),
                             f".{os.path.basename(paths[0])}.{key[:8]}")
         per_shard = cached_index(base + ".shards.json", key, paths, scan_shard, index_workers,

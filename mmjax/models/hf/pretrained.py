@@ -140,7 +140,13 @@ def pretrained_config(cfg: MLLMConfig, dirs: dict) -> MLLMConfig:
     encoders = tuple(dataclasses.replace(e, projector=qwen2_vl_config_from_hf(
         dirs[e.name]).encoder("vision").projector)
         if e.name in dirs and is_qwen2_vl_dir(dirs[e.name]) else e for e in encoders)
-    return cfg.replace(encoders=encoders)
+    cfg = cfg.replace(encoders=encoders)
+    if "llm" in dirs and is_qwen2_vl_dir(dirs["llm"]) and any(
+            dirs.get(e.name) == dirs["llm"] for e in cfg.encoders):
+        # a whole Qwen2-VL (pretrained.model): trained as transformers runs it
+        from mmjax.models.hf.qwen2_vl import hf_semantics
+        cfg = cfg.replace(**hf_semantics(dirs["llm"]))
+    return cfg
 
 
 def unit_config(cfg: MLLMConfig, unit: str):

@@ -149,7 +149,18 @@ def qwen2_vl_config_from_hf(config) -> MLLMConfig:
     m = vision.spatial_merge_size
     proj = ProjectorConfig(kind="patch_merger", num_layers=2, downsample=m * m)
     return MLLMConfig(name=kind, llm=llm, encoders=(EncoderSpec("vision", vision, proj),),
-                      placement="embed")
+                      placement="embed", **hf_semantics(c))
+
+
+def hf_semantics(config) -> dict:
+    """MLLMConfig fields that make training see what transformers' Qwen2-VL sees: image
+    tokens under the LLM's causal mask, each image wrapped in the checkpoint's own
+    vision_start / vision_end tokens (text to M-RoPE), not mmjax's markers."""
+    c = read_config(config)
+    return {"image_attention": "causal", "modality_markers": True,
+            "image_markers": (int(c.get("vision_start_token_id",
+                                        _TOKENS["vision_start_token_id"])),
+                              int(c.get("vision_end_token_id", _TOKENS["vision_end_token_id"])))}
 
 
 def _tower_entries(cfg: VisionConfig, p: str) -> list[Entry]:
@@ -267,6 +278,9 @@ def qwen2_vl_config_to_hf(cfg: MLLMConfig, config_format: str = "nested",
     out = copy.deepcopy(base) if base else dict(_TOKENS)
     out.update(architectures=[_CLASS[kind]], model_type=kind,
                tie_word_embeddings=cfg.llm.tie_embeddings)
+    if cfg.image_markers is not None:  # the ids training wrapped images in
+        out.update(vision_start_token_id=int(cfg.image_markers[0]),
+                   vision_end_token_id=int(cfg.image_markers[1]))
     vision = dict(out.get("vision_config") or {}, **_vision_fields(kind, cfg))
     if config_format == "flat":
         vision.setdefault("model_type", kind)
