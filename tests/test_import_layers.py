@@ -19,8 +19,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 LAYERS = ("host", "models", "parallel", "pipeline", "train", "launch")
 HOST_MODULES = ("mmjax.models.config", "mmjax.models.named", "mmjax.models.tiny",
                 "mmjax.models.qwen2_vl_config",
-                "mmjax.pipeline.stage_graph", "mmjax.pipeline.dependencies",
-                "mmjax.pipeline.schedule", "mmjax.pipeline.simulate",
+                "mmjax.schedule.stage_graph", "mmjax.schedule.dependencies",
+                "mmjax.schedule.schedule", "mmjax.schedule.simulate",
                 "mmjax.parallel.token_distribution")
 # The planner's profiler times real layers on devices (DistTrain §3's profiler): it sits
 # above the models it measures, outside the JAX-free host layer.
@@ -86,7 +86,7 @@ def test_the_check_sees_an_upward_import(tmp_path):
 
 @pytest.mark.parametrize("module,expected", [("mmjax.data.loader", "host"),
                                              ("mmjax.models.llm", "models"),
-                                             ("mmjax.pipeline.schedule", "host"),
+                                             ("mmjax.schedule.schedule", "host"),
                                              ("mmjax.train.trainer", "train")])
 def test_layer_assignment(module, expected):
     assert LAYERS[layer(module)] == expected

@@ -13,10 +13,10 @@ import sys
 
 PURE = (
     "mmjax.parallel.token_distribution",
-    "mmjax.pipeline.stage_graph",
-    "mmjax.pipeline.dependencies",
-    "mmjax.pipeline.schedule",
-    "mmjax.pipeline.simulate",
+    "mmjax.schedule.stage_graph",
+    "mmjax.schedule.dependencies",
+    "mmjax.schedule.schedule",
+    "mmjax.schedule.simulate",
     "mmjax.data.reorder",
     "mmjax.data.balance",
     "mmjax.data.routes",

@@ -107,7 +107,7 @@ def _check_stages(num_stages: int, num_chunks: int, num_microbatches: int) -> No
 
 def _stage_actions(p: int, l: int, v: int, s: int) -> list[tuple[str, int, int]]:
     """Ordered (kind, position, chunk) actions of stage ``s``: 1F1B, or Megatron's interleaved
-    1F1B (same tables as ``mmjax.pipeline.schedule``; not imported, to keep this module a leaf)."""
+    1F1B (same tables as ``mmjax.schedule.schedule``; not imported, to keep this module a leaf)."""
     if v == 1:
         w = min(p - s - 1, l)
         acts = [("F", k, 0) for k in range(w)]

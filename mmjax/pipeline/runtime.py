@@ -1,7 +1,7 @@
 """Host-driven MPMD pipeline runtime over the unit DAG (docs/design.md "Execute the schedule").
 
 Every stage of every unit lives on its own sub-mesh with its own jitted forward/backward
-(pipeline/stage.py). `PipelineRuntime.run` walks the schedule (pipeline/schedule.py) in a
+(pipeline/stage.py). `PipelineRuntime.run` walks the schedule (schedule/schedule.py) in a
 dependency-respecting global order, moving activations and gradients between stages through
 the broker; JAX's async dispatch lets stages on disjoint devices run concurrently, and the
 loop makes no host sync in single-process runs. Multi-process behaviour: docs/design.md
@@ -26,9 +26,9 @@ from mmjax.parallel.mesh import stage_meshes
 from mmjax.models.layers import cast_floats
 from mmjax.parallel.tensor import state_shardings
 from mmjax.data.feed import MicrobatchFeed
-from mmjax.pipeline.stage_graph import Backward, StageGraph, StageId
-from mmjax.pipeline.dependencies import dispatch_order
-from mmjax.pipeline.schedule import multimodal_one_f_one_b
+from mmjax.schedule.stage_graph import Backward, StageGraph, StageId
+from mmjax.schedule.dependencies import dispatch_order
+from mmjax.schedule.schedule import multimodal_one_f_one_b
 from mmjax.parallel.sharded_init import abstract_split, init_split
 from mmjax.pipeline.stage import dp_sharding, make_stage_fns, partial_shardings
 from mmjax.pipeline.stage_modules import stage_module

@@ -135,7 +135,7 @@ def remat_variant(cost: UnitCost, c: Choice, dp_llm: int, num_microbatches: int,
 
 def pipeline_in_flight(choices: dict[str, Choice], num_microbatches: int) -> dict:
     """Per unit, the microbatches (in stage units) its first stage holds under the runtime's
-    schedule (pipeline/schedule.py `multimodal_one_f_one_b`): a stage warms up with as many
+    schedule (schedule/schedule.py `multimodal_one_f_one_b`): a stage warms up with as many
     forwards as there are virtual stages from it to the end of its path, so an encoder also
     holds the LLM's and the generator's depth; `in_flight` counts the unit's own alone."""
     m, llm = num_microbatches, choices["llm"]

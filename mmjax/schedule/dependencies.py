@@ -10,7 +10,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, Mapping, Sequence
 
-from mmjax.pipeline.stage_graph import Action, Backward, StageGraph, stage_name
+from mmjax.schedule.stage_graph import Action, Backward, StageGraph, stage_name
 
 Key = tuple[Hashable, Action]  # (stage, action)
 

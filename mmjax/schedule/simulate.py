@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Hashable, Mapping
 
-from mmjax.pipeline.stage_graph import Action, StageGraph, StageId, stage_name
-from mmjax.pipeline.dependencies import check_actions, execute, topology
+from mmjax.schedule.stage_graph import Action, StageGraph, StageId, stage_name
+from mmjax.schedule.dependencies import check_actions, execute, topology
 
 Costs = Callable[[Hashable, Action], float] | Mapping[tuple[Hashable, str], float]
 
