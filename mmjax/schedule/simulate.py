@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Hashable, Mapping
 
-from mmjax.schedule.stage_graph import Action, StageGraph, StageId, stage_name
+from mmjax.schedule.stage_graph import Action, Backward, StageGraph, StageId, stage_name
 from mmjax.schedule.dependencies import check_actions, execute, topology
 
 Costs = Callable[[Hashable, Action], float] | Mapping[tuple[Hashable, str], float]
@@ -118,7 +118,8 @@ def frozen_aware_costs(graph: StageGraph, forward: Mapping[StageId, float],
     modules upstream (input grads only), 2x T_forward for a trainable stage (the paper's
     rule, also for a first trainable stage whose backward skips the input gradient). Keyed by
     the graph's (virtual) stages, which `simulate` looks up for interleaved units."""
-    factor = {"none": 0.0, "input_only": 1.0, "params": 2.0, "full": 2.0}
+    factor = {Backward.NONE: 0.0, Backward.INPUT_ONLY: 1.0, Backward.PARAMS: 2.0,
+              Backward.FULL: 2.0}
     out = {}
     for s in graph.stages:
         if s not in forward:
