@@ -24,6 +24,7 @@ from mmjax.planner.costs import layer_times, unit_work
 from mmjax.planner.hardware import H100, Hardware
 from mmjax.planner.plan import Plan
 from mmjax.planner.workload import workload_from_metas
+from mmjax.models.units import has_generator, is_generator, is_llm
 
 
 POLICIES = ("none", "disttrain", "orchmllm")
@@ -45,9 +46,9 @@ class MicrobatchPlan:
 
 def _unit_cost(unit: str, m: SampleMeta, model: MLLMConfig) -> float:
     """Per-sample size the within-microbatch split balances (tokens; generated images)."""
-    if unit == "llm":
+    if is_llm(unit):
         return float(m.llm_length)
-    if unit == "generator":
+    if is_generator(unit):
         return float(m.count("image_out"))
     return float(m.encoder_tokens(model.encoder(unit).modality))
 
@@ -135,7 +136,7 @@ def microbatch_costs(metas: list[SampleMeta], model: MLLMConfig, plan: Plan,
         return (max(f for f, _ in per_rank) / u.cp, max(b for _, b in per_rank) / u.cp)
 
     costs, llm = [], []
-    has_gen = "generator" in model.unit_names
+    has_gen = has_generator(model.unit_names)
     for r in ranks:
         enc = [unit_time(e.name, r) for e in model.encoders]
         gen = unit_time("generator", r) if has_gen else (0.0, 0.0)
@@ -179,11 +180,11 @@ def plan_global_batch(metas: list[SampleMeta], model: MLLMConfig, plan: Plan,
     for pos in mbs:
         ranks = {}
         for unit in model.unit_names:
-            if unit == "generator" and plan.unit(unit).dp == llm_dp:
+            if is_generator(unit) and plan.unit(unit).dp == llm_dp:
                 continue  # follows the LLM's split: hidden states stay on their rank
             ranks[unit] = _split(unit, pos, metas, model, plan.unit(unit).dp, policies[unit],
                                  algos[unit], node_wise)
-        if "generator" in model.unit_names and "generator" not in ranks:
+        if has_generator(model.unit_names) and not has_generator(ranks):
             ranks["generator"] = ranks["llm"]
         splits.append(ranks)
     if l > 1 and any(p == "disttrain" for p in policies.values()):

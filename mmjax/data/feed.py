@@ -21,6 +21,7 @@ from mmjax.data.batch_shapes import BatchShapes, batch_shapes
 from mmjax.data.assemble import Batch, assemble
 from mmjax.data.routes import Routes
 from mmjax.data.sample import Sample
+from mmjax.models.units import has_generator
 
 
 def _pow2(n: int) -> int:
@@ -167,7 +168,7 @@ def microbatch_feed(samples: list[Sample], layout: AssemblyLayout, dp: dict[str,
         row, doc = llm_b[j].doc_index[k]
         feed.sample_rows.append((j * rows + row, doc))
     feed.sample_gen = [[] for _ in range(n)]
-    if layout.gen is not None and "generator" in dp:
+    if layout.gen is not None and has_generator(dp):
         build.generator(feed, llm_b)
     if cp > 1:
         feed.llm = cp_layout(feed.llm, cp, cp_method, cp_block, ranks=dp["llm"])

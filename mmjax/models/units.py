@@ -42,6 +42,11 @@ def is_generator(name: str) -> bool:
     return role(name) is UnitRole.GENERATOR
 
 
+def has_llm(names: Iterable[str]) -> bool:
+    """Whether the units `names` (or a per-unit dict's keys) include the LLM."""
+    return any(is_llm(n) for n in names)
+
+
 def has_generator(names: Iterable[str]) -> bool:
     """Whether the units `names` (a config's, a plan's, or a per-unit dict) include one."""
     return any(is_generator(n) for n in names)

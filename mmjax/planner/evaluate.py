@@ -26,6 +26,7 @@ import numpy as np
 from mmjax.planner.costs import UnitCost
 from mmjax.planner.hardware import Hardware
 from mmjax.planner.memory import unit_stage_bytes
+from mmjax.models.units import has_generator, is_generator, is_llm
 
 
 @dataclass(frozen=True)
@@ -139,13 +140,13 @@ def pipeline_in_flight(choices: dict[str, Choice], num_microbatches: int) -> dic
     forwards as there are virtual stages from it to the end of its path, so an encoder also
     holds the LLM's and the generator's depth; `in_flight` counts the unit's own alone."""
     m, llm = num_microbatches, choices["llm"]
-    gen = choices["generator"].pp if "generator" in choices else 0
+    gen = choices["generator"].pp if has_generator(choices) else 0
     own = {name: in_flight(c, m) for name, c in choices.items()}
     out = {}
     for name, c in choices.items():
-        if name == "llm":
+        if is_llm(name):
             out[name] = min(m, own[name] + gen / llm.vpp)
-        elif name == "generator":
+        elif is_generator(name):
             out[name] = own[name]
         else:
             out[name] = min(m, c.pp + llm.pp * llm.vpp + gen)
