@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 PURE = (
-    "mmjax.parallel.token_distribution",
+    "mmjax.data.token_distribution",
     "mmjax.schedule.stage_graph",
     "mmjax.schedule.dependencies",
     "mmjax.schedule.schedule",
@@ -77,7 +77,7 @@ def test_planning_modules_import_no_jax():
 
 def test_probe_detects_a_jax_import():
     """The probe can fail: a module that does use JAX shows up."""
-    seen = _jax_modules_after_import(["mmjax.parallel.token_distribution",
+    seen = _jax_modules_after_import(["mmjax.data.token_distribution",
                                       "mmjax.parallel.context"])
-    assert seen["mmjax.parallel.token_distribution"] == []
+    assert seen["mmjax.data.token_distribution"] == []
     assert "jax" in seen["mmjax.parallel.context"]

@@ -21,6 +21,7 @@ from mmjax.data.batch_shapes import BatchShapes, batch_shapes
 from mmjax.data.assemble import Batch, assemble
 from mmjax.data.routes import Routes
 from mmjax.data.sample import Sample
+from mmjax.data.token_distribution import batch_layout
 from mmjax.models.units import has_generator
 
 
@@ -313,8 +314,6 @@ def cp_layout(llm: dict, cp: int, method: str, block: int, ranks: int = 1) -> di
     slots: doc 0, no target, no modality token), add `idx` (global token index, S for
     padding) and remap `gen_query` to the new flat positions. `ranks`: the LLM's dp ranks
     (rows and `gen_query` rank-major, each rank's positions relative to its own rows)."""
-    from mmjax.parallel.token_distribution import batch_layout
-
     gi = batch_layout(llm["bam"], llm["doc"], llm["sub"], cp, method, block)  # [B, N]
     b, s = llm["tokens"].shape
     rows = np.arange(b)[:, None]
