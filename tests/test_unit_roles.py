@@ -101,3 +101,22 @@ def test_dag_from_config():
     assert tiny().units.edges == (("vision", "llm"), ("llm", "generator"))
     assert tiny_valm().units == UnitDag.of(tiny_valm().unit_names)
     assert tiny_valm().units.edges == (("vision", "llm"), ("audio", "llm"))
+
+
+@pytest.mark.parametrize("m", [2, 8, 64])
+def test_pipeline_in_flight_reads_the_dag(m):
+    """The planner's in-flight count walks the UnitDag: an encoder holds its own stages and
+    every virtual stage after it, the LLM its own plus the generator's (per chunk), the
+    generator its own; the same numbers as the runtime schedule's warm-up depths."""
+    from mmjax.planner.evaluate import Choice, in_flight, pipeline_in_flight
+    for vpp in (1, 2):
+        ch = {"vision": Choice(1, 1, 2), "audio": Choice(1, 1, 1), "llm": Choice(1, 1, 4, vpp),
+              "generator": Choice(1, 1, 3)}
+        want = {"vision": min(m, 2 + 4 * vpp + 3), "audio": min(m, 1 + 4 * vpp + 3),
+                "llm": min(m, in_flight(ch["llm"], m) + 3 / vpp),
+                "generator": in_flight(ch["generator"], m)}
+        assert pipeline_in_flight(ch, m) == want
+        no_gen = {k: v for k, v in ch.items() if k != "generator"}
+        assert pipeline_in_flight(no_gen, m) == {
+            "vision": min(m, 2 + 4 * vpp), "audio": min(m, 1 + 4 * vpp),
+            "llm": in_flight(ch["llm"], m)}
