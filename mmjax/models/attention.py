@@ -111,8 +111,8 @@ def choose_implementation(implementation: str, sq: int, sk: int, dtype, mask_fam
 
     CPU: dense up to AUTO_DENSE_MAX_PAIRS pairs per row, chunked beyond (Pallas only runs in
     interpret mode there). GPU: cuDNN for bf16/fp16 plain causal or full masks, the Pallas
-    (Triton) kernel for other long sequences (on an H100 it ran 15x faster than chunked at
-    4096 tokens, README), dense for short ones. "cudnn" off GPU or on a bitfield mask is a
+    (Triton) kernel for other long sequences (faster than chunked there: README), dense for
+    short ones. "cudnn" off GPU or on a bitfield mask is a
     user error. cuDNN expresses a sliding window only as a static int on a causal mask and
     has no logit soft-capping: other options never pick it (`cudnn_options_error`).
     """

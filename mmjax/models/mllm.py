@@ -2,8 +2,9 @@
 
 The execution DAG is the config's `UnitDag` (models/units.py, read through `dag()`): every
 encoder branch (encoder + projector) is independent, all feed the LLM, the LLM feeds the
-generator (Cornstarch §3 modular MLLM; DistTrain's encoder -> backbone -> generator). Frozen flags live in the config, per module
-and per projector; `trainable_filter` selects what gets gradients and optimizer state.
+generator (Cornstarch §3 modular MLLM; DistTrain's encoder -> backbone -> generator).
+Frozen flags live in the config, per module and per projector; `trainable_filter` selects
+what gets gradients and optimizer state.
 
 The per-unit functions below (`encode`, `llm_embed`, `llm_meta`, `lm_outputs`,
 `generator_inputs`) are what both the single-device reference and the pipeline stages call,
