@@ -1,6 +1,6 @@
 """Unit roles are types: what a unit does is asked of `mmjax.models.units` (`role(name)`,
 `is_llm`, `UnitDag`), never decided by comparing its name. Read statically from every file
-of mmjax/ (an AST scan), so a new `unit == "llm"` anywhere fails here."""
+of mmjax/ and scripts/ (an AST scan), so a new `unit == "llm"` anywhere fails here."""
 import ast
 import pathlib
 
@@ -53,8 +53,8 @@ def role_comparisons(source: str) -> list[int]:
 
 
 def test_no_role_name_comparison_outside_the_role_module():
-    bad = [f"{path.relative_to(ROOT)}:{line}"
-           for path in sorted((ROOT / "mmjax").rglob("*.py")) if path != ROLE_MODULE
+    files = sorted((ROOT / "mmjax").rglob("*.py")) + sorted((ROOT / "scripts").rglob("*.py"))
+    bad = [f"{path.relative_to(ROOT)}:{line}" for path in files if path != ROLE_MODULE
            for line in role_comparisons(path.read_text())]
     assert bad == []
 
