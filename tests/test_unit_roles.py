@@ -7,7 +7,7 @@ import pathlib
 import pytest
 
 from mmjax.models.units import (GENERATOR_UNIT, LLM_UNIT, UnitDag, UnitRole, has_generator,
-                                param_root, role, topological_order)
+                                role, topological_order)
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 ROLE_MODULE = ROOT / "mmjax" / "models" / "units.py"
@@ -85,7 +85,6 @@ def test_roles_and_the_dag():
     assert dag.predecessors("llm") == ["audio", "vision"] and dag.successors("llm") == [
         "generator"]
     assert not has_generator(["vision", "llm"])
-    assert param_root("vision") == ("encoders", "vision") and param_root("llm") == ("llm",)
     assert topological_order(["b", "a"], [("a", "b")]) == ["a", "b"]
 
 

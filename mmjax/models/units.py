@@ -52,12 +52,6 @@ def has_generator(names: Iterable[str]) -> bool:
     return any(is_generator(n) for n in names)
 
 
-def param_root(name: str) -> tuple[str, ...]:
-    """Where the unit's parameters sit in `MultimodalModel`'s tree: ("llm",),
-    ("generator",) or ("encoders", name) (its projector is under ("projectors", name))."""
-    return ("encoders", name) if is_encoder(name) else (name,)
-
-
 def topological_order(names: Sequence[str], edges: Sequence[tuple[str, str]]) -> list[str]:
     """`names` in a topological order of `edges` (Kahn's algorithm; ties keep the given
     order). Raises ValueError on an edge naming an unknown unit or a cycle."""
