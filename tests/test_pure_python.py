@@ -12,6 +12,8 @@ import subprocess
 import sys
 
 PURE = (
+    "mmjax.models.units",
+    "mmjax.models.config",
     "mmjax.data.token_distribution",
     "mmjax.schedule.stage_graph",
     "mmjax.schedule.dependencies",
@@ -31,6 +33,8 @@ PURE = (
     "mmjax.data.tokenizer",
     "mmjax.data.chat",
     "mmjax.data.preprocess",
+    "mmjax.data.image_ops",
+    "mmjax.data.qwen2_vl_processor",
     "mmjax.data.index",
     "mmjax.data.stream",
     "mmjax.data.sources.llava",
