@@ -223,7 +223,9 @@ class StageGraph:
             chain = [StageId(u, i) for i in range(n)]
             stages += chain
             edges += list(zip(chain[:-1], chain[1:]))
-            if is_encoder(u):  # a branch's link right after its chain, the rest at the end
+            # a branch's link right after its chain, the LLM's at the end: the edge order
+            # (which breaks dispatch ties) the runtime has always seen
+            if is_encoder(u):
                 edges += [link(u, b) for b in dag.successors(u)]
         edges += [link(a, b) for a, b in dag.edges if not is_encoder(a)]
         has_backward = _backward_modes(stages, edges, per_stage)
