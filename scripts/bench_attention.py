@@ -33,7 +33,7 @@ from rich.console import Console
 from rich.table import Table
 
 from mmjax.models.attention import TokenMeta, bam_attention
-from mmjax.parallel import token_distribution as td
+from mmjax.data import token_distribution as td
 
 IMPLS = ("dense", "chunked", "pallas")
 GPU_IMPLS = IMPLS + ("cudnn",)  # cuDNN runs only the plain causal mask (one document per row)

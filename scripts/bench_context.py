@@ -27,7 +27,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from mmjax.parallel import token_distribution as td
+from mmjax.data import token_distribution as td
 
 ORDER = ("lpt", "random", "uniform", "zigzag", "lpt_capped")
 LABEL = {"lpt": "LPT", "random": "Random", "uniform": "Uniform", "zigzag": "Zigzag",

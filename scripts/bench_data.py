@@ -49,6 +49,7 @@ from mmjax.data import balance, reorder
 from mmjax.data.sample import TokenRules
 from mmjax.data.synthetic import SyntheticConfig, SyntheticDataset
 from mmjax.host_info import machine
+from mmjax.models.units import is_llm
 
 # Benchmark-sized shapes (the dataclass defaults are CPU-test sized): images ~24x24 patches
 # (up to 64x64), audio ~300 frames, LAION-like text ~30 tokens.
@@ -107,7 +108,7 @@ def part1_imbalance(args, console) -> list[dict]:
             n = d * args.samples_per_rank
             for phase in PHASES[kind]:
                 x = pool[phase][:n]
-                if phase != "llm":  # an encoder's dispatcher only sees samples with its modality
+                if not is_llm(phase):  # an encoder's dispatcher only sees samples with its modality
                     x = x[x > 0]
                 row = {"set": kind, "dp": d, "phase": phase}
                 for m in METHODS:

@@ -14,7 +14,7 @@ it measures for one global batch through `PipelineRuntime.run`:
              over --steps after --warmup; compile excluded);
   busy       per-stage busy time from the tracing mode (blocks after every action, so each
              action's time includes its broker input transfer);
-  simulated  `pipeline/simulate.py` on the runtime's own schedule with per-(stage, kind)
+  simulated  `schedule/simulate.py` on the runtime's own schedule with per-(stage, kind)
              costs = median traced action time over --trace_steps steps; its bubble fraction
              is the mean over stages of 1 - busy / iteration time.
   traffic    bytes one step moves between stages (the brokers' ledgers) and in the dp
@@ -41,7 +41,7 @@ whose actions are dispatched asynchronously and overlap. On a GPU host each stag
 own devices.
 
 The planner plan is asked for without interleaving (vpp) to keep this CPU benchmark small;
-interleaved plans run Megatron's per-mesh order (pipeline/schedule.py) and simulate alike.
+interleaved plans run Megatron's per-mesh order (schedule/schedule.py) and simulate alike.
 
   python scripts/bench_runtime.py [--steps 3] [--seq 256] [--samples 8] [--plans rigid,disagg]
 """
@@ -81,8 +81,8 @@ from mmjax.data.feed import microbatch_feed  # noqa: E402
 from mmjax.parallel.zero import Zero1Optimizer  # noqa: E402
 from mmjax.pipeline.runtime import PipelineRuntime  # noqa: E402
 from mmjax.pipeline.stage import rank_axes  # noqa: E402
-from mmjax.pipeline.stage_graph import StageId  # noqa: E402
-from mmjax.pipeline.simulate import simulate  # noqa: E402
+from mmjax.schedule.stage_graph import StageId  # noqa: E402
+from mmjax.schedule.simulate import simulate  # noqa: E402
 from mmjax.planner.plan import Plan  # noqa: E402
 
 PLANS = ("rigid", "disagg", "planner")

@@ -30,10 +30,11 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.colors import to_rgb  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
-from mmjax.pipeline.stage_graph import StageGraph  # noqa: E402
-from mmjax.pipeline.schedule import (gpipe, interleaved_one_f_one_b,  # noqa: E402
+from mmjax.models.units import UnitRole, role  # noqa: E402
+from mmjax.schedule.stage_graph import StageGraph  # noqa: E402
+from mmjax.schedule.schedule import (gpipe, interleaved_one_f_one_b,  # noqa: E402
                                      multimodal_one_f_one_b, one_f_one_b)
-from mmjax.pipeline.simulate import frozen_aware_costs, simulate  # noqa: E402
+from mmjax.schedule.simulate import frozen_aware_costs, simulate  # noqa: E402
 
 FIELDS = ("stage", "kind", "microbatch", "chunk", "start", "end")
 COLOURS = {"F": "#4C72B0", "B": "#DD8452"}
@@ -74,7 +75,7 @@ def stage_rows(trace: list[dict]) -> list[str]:
     def key(stage: str):
         unit, _, idx = stage.rpartition(":")
         unit = unit or stage
-        group = {"llm": 1, "generator": 2}.get(unit, 0)
+        group = list(UnitRole).index(role(unit))  # encoders, then the LLM, the generator
         return group, first[unit], int(idx) if idx.isdigit() else 0, stage
     return sorted({d["stage"] for d in trace}, key=key)
 

@@ -13,7 +13,7 @@ from mmjax.models.attention import (TokenMeta, bam_attention, choose_implementat
                                     segment_meta)
 from mmjax.models.attention_chunked import chunked_attention
 from mmjax.models.attention_pallas import pallas_attention, visited_tiles
-from mmjax.parallel import token_distribution as td
+from mmjax.data import token_distribution as td
 
 S, PAD, H, KV, D = 72, 6, 4, 2, 8  # 72 is not a multiple of the 16/32 blocks below
 

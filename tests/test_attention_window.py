@@ -17,7 +17,7 @@ from mmjax.models.attention import (AttnOptions, TokenMeta, bam_attention, causa
                                     choose_implementation)
 from mmjax.models.attention_chunked import chunked_attention
 from mmjax.models.attention_pallas import pallas_attention, visited_tiles
-from mmjax.parallel import token_distribution as td
+from mmjax.data import token_distribution as td
 
 S, PAD, H, KV, D = 72, 6, 4, 2, 8
 WINDOW, SOFTCAP, SCALE = 9, 1.5, 0.4

@@ -2,7 +2,7 @@
 scripts/bench_context.py (Cornstarch §6.5 Table 4 analogue) at tiny sizes, in-process.
 
 They check the JSON's keys and rows, that the decomposed variants agree with GSPMD, the plain
-CPU note, and that the balance rows re-derive from mmjax.parallel.token_distribution (no
+CPU note, and that the balance rows re-derive from mmjax.data.token_distribution (no
 wall-clock assertions)."""
 import importlib.util
 import json
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from mmjax.errors import UserError
-from mmjax.parallel import token_distribution as td
+from mmjax.data import token_distribution as td
 
 
 def _load(name):

@@ -14,7 +14,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from helpers import computations_with_dots, entry_lines, hlo_computations, is_dot_line
 from mmjax.models.attention import allowed_mask, dot_product_attention
 from mmjax.parallel import context as cp
-from mmjax.parallel import token_distribution as td
+from mmjax.data import token_distribution as td
 
 S, BLOCK, H, KV, D = 256, 16, 4, 2, 8
 MASKS = [td.example_mask(f, S, seed) for seed, f in enumerate(td.FAMILIES)]

@@ -9,7 +9,8 @@ import numpy as np
 from PIL import Image
 
 from mmjax.data.example_data import write_tokenizer
-from mmjax.data.preprocess import ImageProcessor, convert_to_rgb
+from mmjax.data.image_ops import convert_to_rgb
+from mmjax.data.preprocess import ImageProcessor
 from mmjax.data.tokenizer import Tokenizer
 
 REF = np.load(os.path.join(os.path.dirname(__file__), "data", "llava_reference.npz"))

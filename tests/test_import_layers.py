@@ -1,14 +1,8 @@
-"""Layers point one way: a module imports only from its own layer or the ones below.
+"""Layers point one way, and no module imports itself back.
 
-  host     (no JAX: configs, data, planner, schedules, CP token distribution)
-  models   (pure Flax NNX modules)
-  parallel (meshes, shardings, collectives)
-  pipeline (stages, runtime)
-  train    (steps, optimizer, checkpoints, trainer)
-  launch
-
-Read statically from every file's imports (function-level imports included), so a lazy
-import cannot hide an upward edge.
+A module's layer is that of its package (the first name under mmjax/): it may import only
+from its own layer or the ones below. Read statically from every file's imports, function
+-level ones included, so a lazy import can hide neither an upward edge nor a circle.
 """
 import ast
 import pathlib
@@ -16,25 +10,33 @@ import pathlib
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-LAYERS = ("host", "models", "parallel", "pipeline", "train", "launch")
-HOST_MODULES = ("mmjax.models.config", "mmjax.models.named", "mmjax.models.tiny",
-                "mmjax.models.qwen2_vl_config",
-                "mmjax.pipeline.stage_graph", "mmjax.pipeline.dependencies",
-                "mmjax.pipeline.schedule", "mmjax.pipeline.simulate",
-                "mmjax.parallel.token_distribution")
-# The planner's profiler times real layers on devices (DistTrain §3's profiler): it sits
-# above the models it measures, outside the JAX-free host layer.
-# The scripts' shared command-line handling sits on top, beside the launcher.
-OVERRIDES = {"mmjax.planner.profile": "pipeline", "mmjax.cli": "launch"}
+# Lowest first. The schedules sit below the planner and the data reorderer, which price and
+# fill them; the runtime (pipeline/) walks them. settings.py checks a run's settings for
+# the trainer; the command line and the launcher sit on top.
+LAYERS = (
+    ("errors", "host_info"),  # leaves: the user-error type, the machine's description
+    ("models",),              # pure Flax NNX modules, configs, unit roles
+    ("schedule",),            # pipeline schedules as data (no JAX)
+    ("planner",),             # cost model, orchestration, Plan
+    ("data",),                # samples, balancing, reordering, feeds
+    ("parallel",),            # meshes, shardings, collectives, broker
+    ("pipeline",),            # stages and the runtime
+    ("train", "settings"),    # steps, optimizer, checkpoints, the trainer
+    ("launch", "cli"),        # process start-up, the scripts' shared command line
+)
 
 
 def layer(module: str) -> int:
-    if module in OVERRIDES:
-        return LAYERS.index(OVERRIDES[module])
-    if module in HOST_MODULES or module.split(".")[1] in ("data", "planner"):
-        return 0
+    """The index in LAYERS of the group naming the module's first name under mmjax."""
     top = module.split(".")[1]
-    return LAYERS.index(top) if top in LAYERS else 0  # mmjax/__init__ etc.
+    for i, names in enumerate(LAYERS):
+        if top in names:
+            return i
+    raise KeyError(f"{module}: mmjax.{top} is in no layer; add it to LAYERS")
+
+
+def layer_name(module: str) -> str:
+    return "/".join(LAYERS[layer(module)])
 
 
 def module_name(path: pathlib.Path) -> str:
@@ -43,50 +45,102 @@ def module_name(path: pathlib.Path) -> str:
     return ".".join(parts)
 
 
-def mmjax_imports(path: pathlib.Path) -> set[str]:
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-        elif isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        else:
-            continue
-        for name in names:
-            # the longest prefix that is a module of the package
-            parts = name.split(".")
-            while parts and not (ROOT.joinpath(*parts).with_suffix(".py").exists()
-                                 or ROOT.joinpath(*parts, "__init__.py").exists()):
-                parts.pop()
-            if parts and parts[0] == "mmjax" and len(parts) > 1:
-                found.add(".".join(parts))
-    return found
+def _resolve(name: str) -> str | None:
+    """The longest prefix of a dotted name that is a module of the package."""
+    parts = name.split(".")
+    while parts and not (ROOT.joinpath(*parts).with_suffix(".py").exists()
+                         or ROOT.joinpath(*parts, "__init__.py").exists()):
+        parts.pop()
+    return ".".join(parts) if parts and parts[0] == "mmjax" and len(parts) > 1 else None
+
+
+def _names(node) -> list[str]:
+    if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+        return [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    return []
+
+
+def mmjax_imports(source: str) -> set[str]:
+    """The mmjax modules `source` imports, at module level or inside functions."""
+    return {m for node in ast.walk(ast.parse(source)) for name in _names(node)
+            if (m := _resolve(name))}
 
 
 FILES = sorted((ROOT / "mmjax").rglob("*.py"))
+MODULES = {module_name(p): p.read_text() for p in FILES}
 
 
 def violations(me: str, deps) -> list[str]:
-    return [f"{me} ({LAYERS[layer(me)]}) imports {dep} ({LAYERS[layer(dep)]})"
+    return [f"{me} ({layer_name(me)}) imports {dep} ({layer_name(dep)})"
             for dep in sorted(deps) if layer(dep) > layer(me)]
 
 
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Each import circle once (Tarjan's strongly connected components of size > 1, and
+    modules importing themselves)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1 or v in graph.get(v, ()):
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_every_module_has_a_layer():
+    assert {m: layer_name(m) for m in MODULES}  # raises KeyError naming the module
+
+
 def test_no_module_imports_a_higher_layer():
-    bad = [v for path in FILES for v in violations(module_name(path), mmjax_imports(path))]
+    bad = [v for me, src in MODULES.items() for v in violations(me, mmjax_imports(src))]
     assert bad == []
 
 
-def test_the_check_sees_an_upward_import(tmp_path):
+def test_no_import_circles():
+    graph = {me: mmjax_imports(src) - {me} for me, src in MODULES.items()}
+    assert cycles(graph) == []
+
+
+def test_the_check_sees_an_upward_import():
     """The check can fail: a models file that lazily imports the runtime is reported."""
-    probe = tmp_path / "llm.py"
-    probe.write_text("def f():\n    from mmjax.pipeline.runtime import PipelineRuntime\n")
-    assert violations("mmjax.models.llm", mmjax_imports(probe)) == [
+    src = "def f():\n    from mmjax.pipeline.runtime import PipelineRuntime\n"
+    assert violations("mmjax.models.llm", mmjax_imports(src)) == [
         "mmjax.models.llm (models) imports mmjax.pipeline.runtime (pipeline)"]
 
 
-@pytest.mark.parametrize("module,expected", [("mmjax.data.loader", "host"),
+def test_the_check_sees_a_circle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": {"e"}}
+    assert cycles(graph) == [["a", "b", "c"], ["e"]]
+
+
+@pytest.mark.parametrize("module,expected", [("mmjax.data.loader", "data"),
                                              ("mmjax.models.llm", "models"),
-                                             ("mmjax.pipeline.schedule", "host"),
-                                             ("mmjax.train.trainer", "train")])
+                                             ("mmjax.schedule.schedule", "schedule"),
+                                             ("mmjax.planner.plan", "planner"),
+                                             ("mmjax.errors", "errors/host_info"),
+                                             ("mmjax.cli", "launch/cli"),
+                                             ("mmjax.train.trainer", "train/settings")])
 def test_layer_assignment(module, expected):
-    assert LAYERS[layer(module)] == expected
+    assert layer_name(module) == expected

@@ -12,11 +12,13 @@ import subprocess
 import sys
 
 PURE = (
-    "mmjax.parallel.token_distribution",
-    "mmjax.pipeline.stage_graph",
-    "mmjax.pipeline.dependencies",
-    "mmjax.pipeline.schedule",
-    "mmjax.pipeline.simulate",
+    "mmjax.models.units",
+    "mmjax.models.config",
+    "mmjax.data.token_distribution",
+    "mmjax.schedule.stage_graph",
+    "mmjax.schedule.dependencies",
+    "mmjax.schedule.schedule",
+    "mmjax.schedule.simulate",
     "mmjax.data.reorder",
     "mmjax.data.balance",
     "mmjax.data.routes",
@@ -31,6 +33,8 @@ PURE = (
     "mmjax.data.tokenizer",
     "mmjax.data.chat",
     "mmjax.data.preprocess",
+    "mmjax.data.image_ops",
+    "mmjax.data.qwen2_vl_processor",
     "mmjax.data.index",
     "mmjax.data.stream",
     "mmjax.data.sources.llava",
@@ -77,7 +81,7 @@ def test_planning_modules_import_no_jax():
 
 def test_probe_detects_a_jax_import():
     """The probe can fail: a module that does use JAX shows up."""
-    seen = _jax_modules_after_import(["mmjax.parallel.token_distribution",
+    seen = _jax_modules_after_import(["mmjax.data.token_distribution",
                                       "mmjax.parallel.context"])
-    assert seen["mmjax.parallel.token_distribution"] == []
+    assert seen["mmjax.data.token_distribution"] == []
     assert "jax" in seen["mmjax.parallel.context"]

@@ -101,8 +101,8 @@ def test_lower_and_upper_bounds_hold_for_every_order():
 
 
 def test_agrees_with_general_simulator_on_1f1b_and_interleaved():
-    schedule = pytest.importorskip("mmjax.pipeline.schedule")
-    simulate = pytest.importorskip("mmjax.pipeline.simulate")
+    schedule = pytest.importorskip("mmjax.schedule.schedule")
+    simulate = pytest.importorskip("mmjax.schedule.simulate")
     rng = np.random.default_rng(2)
     for p, l, v in [(2, 5, 1), (4, 7, 1), (3, 3, 1), (2, 4, 2), (4, 8, 2), (3, 6, 3), (2, 2, 2)]:
         costs = rng.uniform(0.5, 5.0, (l, 2)).tolist()
@@ -119,8 +119,8 @@ def test_agrees_with_general_simulator_on_1f1b_and_interleaved():
 
 
 def test_stage_costs_agree_with_general_simulator():
-    schedule = pytest.importorskip("mmjax.pipeline.schedule")
-    simulate = pytest.importorskip("mmjax.pipeline.simulate")
+    schedule = pytest.importorskip("mmjax.schedule.schedule")
+    simulate = pytest.importorskip("mmjax.schedule.simulate")
     rng = np.random.default_rng(3)
     for p, l, v in [(4, 6, 1), (3, 6, 2)]:
         costs = rng.uniform(0.5, 5.0, l).tolist()

@@ -9,7 +9,7 @@ import pytest
 from mmjax.models.config import with_overrides
 from mmjax.models.tiny import tiny, tiny_valm
 from mmjax.pipeline.runtime import PipelineRuntime
-from mmjax.pipeline.stage_graph import Action, StageId
+from mmjax.schedule.stage_graph import Action, StageId
 from mmjax.planner.plan import Plan
 
 from test_schedule import megatron_1f1b_reference, megatron_interleaved_reference

@@ -9,7 +9,7 @@ import pytest
 
 from mmjax.data.feed import microbatch_feed
 from mmjax.pipeline.runtime import PipelineRuntime
-from mmjax.pipeline.stage_graph import StageId
+from mmjax.schedule.stage_graph import StageId
 from mmjax.pipeline.trace import trace_mode
 from mmjax.planner.plan import Plan
 from helpers import global_batch, make_cfg

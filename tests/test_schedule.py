@@ -2,10 +2,10 @@
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from mmjax.pipeline.stage_graph import Action, StageGraph, StageId
-from mmjax.pipeline.schedule import (gpipe, interleaved_one_f_one_b, multimodal_one_f_one_b,
+from mmjax.schedule.stage_graph import Action, StageGraph, StageId
+from mmjax.schedule.schedule import (gpipe, interleaved_one_f_one_b, multimodal_one_f_one_b,
                                      one_f_one_b)
-from mmjax.pipeline.dependencies import validate
+from mmjax.schedule.dependencies import validate
 
 
 def table(*rows: str) -> list[list[Action]]:
@@ -552,8 +552,8 @@ def test_multimodal_interleaved_always_valid(p):
 
 
 def test_dispatch_order():
-    from mmjax.pipeline.dependencies import dispatch_order
-    from mmjax.pipeline.simulate import simulate
+    from mmjax.schedule.dependencies import dispatch_order
+    from mmjax.schedule.simulate import simulate
     g = StageGraph.from_units({"vision": 1}, 2, 1, chunks={"llm": 2})
     sched = multimodal_one_f_one_b(g, 4)
     order = dispatch_order(sched, g)

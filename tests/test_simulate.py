@@ -1,10 +1,10 @@
 """Simulator: closed-form pipeline times, bubbles, in-flight counts, comm, frozen costs."""
 import pytest
 
-from mmjax.pipeline.stage_graph import Action, StageGraph, StageId
-from mmjax.pipeline.schedule import (gpipe, interleaved_one_f_one_b, multimodal_one_f_one_b,
+from mmjax.schedule.stage_graph import Action, StageGraph, StageId
+from mmjax.schedule.schedule import (gpipe, interleaved_one_f_one_b, multimodal_one_f_one_b,
                                      one_f_one_b)
-from mmjax.pipeline.simulate import frozen_aware_costs, simulate
+from mmjax.schedule.simulate import frozen_aware_costs, simulate
 
 F, B = 1.0, 2.0  # powers of two / small integers: every sum below is exact in floats
 

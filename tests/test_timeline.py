@@ -5,8 +5,8 @@ import os
 
 import pytest
 
-from mmjax.pipeline.schedule import one_f_one_b
-from mmjax.pipeline.simulate import simulate
+from mmjax.schedule.schedule import one_f_one_b
+from mmjax.schedule.simulate import simulate
 
 _PATH = os.path.join(os.path.dirname(__file__), os.pardir, "scripts", "timeline.py")
 _spec = importlib.util.spec_from_file_location("timeline_script", _PATH)

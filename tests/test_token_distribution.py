@@ -4,7 +4,7 @@ import itertools
 import numpy as np
 import pytest
 
-from mmjax.parallel import token_distribution as td
+from mmjax.data import token_distribution as td
 
 
 def _random_bitfield(seq_len, rng):

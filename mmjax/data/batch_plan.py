@@ -22,6 +22,7 @@ from mmjax.planner.costs import layer_times, unit_work
 from mmjax.planner.hardware import H100, Hardware
 from mmjax.planner.plan import Plan
 from mmjax.planner.workload import workload_from_metas
+from mmjax.models.units import GENERATOR_UNIT, LLM_UNIT, has_generator, is_generator
 
 
 POLICIES = ("none", "disttrain", "orchmllm")
@@ -65,9 +66,9 @@ def unit_costs(metas: list[SampleMeta], model: MLLMConfig) -> dict[str, np.ndarr
         images_out.append(out)
         for mod in mods:
             enc[mod].append(per_mod[mod])
-    cols = {"llm": np.array(llm, dtype=np.float64)}
-    if "generator" in model.unit_names:
-        cols["generator"] = np.array(images_out, dtype=np.float64)
+    cols = {LLM_UNIT: np.array(llm, dtype=np.float64)}
+    if has_generator(model.unit_names):
+        cols[GENERATOR_UNIT] = np.array(images_out, dtype=np.float64)
     for name, mod in enc_mod.items():
         cols[name] = np.array(enc[mod], dtype=np.float64)
     return cols
@@ -159,7 +160,7 @@ def microbatch_costs(metas: list[SampleMeta], model: MLLMConfig, plan: Plan,
         return (max(f for f, _ in per_rank) / u.cp, max(b for _, b in per_rank) / u.cp)
 
     costs, llm = [], []
-    has_gen = "generator" in model.unit_names
+    has_gen = has_generator(model.unit_names)
     for r in ranks:
         enc = [unit_time(e.name, r) for e in model.encoders]
         gen = unit_time("generator", r) if has_gen else (0.0, 0.0)
@@ -205,12 +206,12 @@ def plan_global_batch(metas: list[SampleMeta], model: MLLMConfig, plan: Plan,
         mb_costs = {u: c[i * size:(i + 1) * size] for u, c in costs.items()}
         units = {}
         for unit in model.unit_names:
-            if unit == "generator" and plan.unit(unit).dp == llm_dp:
+            if is_generator(unit) and plan.unit(unit).dp == llm_dp:
                 continue  # follows the LLM's split: hidden states stay on their rank
             units[unit] = split_unit(mb_costs[unit], plan.unit(unit).dp, policies[unit],
                                      algos[unit], node_wise)
-        if "generator" in model.unit_names and "generator" not in units:
-            units["generator"] = units["llm"]
+        if has_generator(model.unit_names) and not has_generator(units):
+            units[GENERATOR_UNIT] = units[LLM_UNIT]
         splits.append(units)
     if l > 1 and any(p == "disttrain" for p in policies.values()):
         gen = layout.gen.num_queries if layout.gen is not None else 64

@@ -23,6 +23,8 @@ from mmjax.data.assemble import Batch, assemble
 from mmjax.data.rank_split import RankSplit
 from mmjax.data.routes import Routes
 from mmjax.data.sample import Sample
+from mmjax.data.token_distribution import batch_layout
+from mmjax.models.units import has_generator
 
 
 def _pow2(n: int) -> int:
@@ -160,7 +162,7 @@ def microbatch_feed(samples: list[Sample], layout: AssemblyLayout, dp: dict[str,
         row, doc = llm_b[j].doc_index[k]
         feed.sample_rows.append((j * rows + row, doc))
     feed.sample_gen = [[] for _ in range(n)]
-    if layout.gen is not None and "generator" in dp:
+    if layout.gen is not None and has_generator(dp):
         build.generator(feed, llm_b)
     if cp > 1:
         feed.llm = cp_layout(feed.llm, cp, cp_method, cp_block, ranks=dp["llm"])
@@ -315,8 +317,6 @@ def cp_layout(llm: dict, cp: int, method: str, block: int, ranks: int = 1) -> di
     slots: doc 0, no target, no modality token), add `idx` (global token index, S for
     padding) and remap `gen_query` to the new flat positions. `ranks`: the LLM's dp ranks
     (rows and `gen_query` rank-major, each rank's positions relative to its own rows)."""
-    from mmjax.parallel.token_distribution import batch_layout
-
     gi = batch_layout(llm["bam"], llm["doc"], llm["sub"], cp, method, block)  # [B, N]
     b, s = llm["tokens"].shape
     rows = np.arange(b)[:, None]

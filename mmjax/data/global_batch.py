@@ -22,6 +22,9 @@ from mmjax.planner.plan import Plan
 from mmjax.data.batch_plan import (MicrobatchPlan, NodeWise, plan_global_batch,
                                    post_balance_policies)
 from mmjax.data.records import DecodeError, sample_name, sample_where, source_problem
+from mmjax.models.units import UnitRole, is_generator, is_llm, role
+
+_READS = {UnitRole.LLM: "text", UnitRole.GENERATOR: "image_out"}  # the modality each reads
 
 
 @dataclass
@@ -308,11 +311,11 @@ class GlobalBatchBuilder:
                 continue
             inputs = {}
             for unit, ranks in mp.ranks.items():
-                if unit == "generator":
+                if is_generator(unit):
                     continue
                 for r in self.owned[unit]:
                     samples = [get(p) for p in ranks[r]]
-                    if unit == "llm":
+                    if is_llm(unit):
                         b = assemble(samples, self.layout, mp.shapes["llm"], encoder_inputs=False)
                         if failed:
                             mask_out_failed(b, samples, failed)
@@ -337,7 +340,7 @@ class GlobalBatchBuilder:
         on failures before the step (train/host_failures.py) and mask them then."""
         if self.local is None:
             return get
-        reads = {u: {"llm": "text", "generator": "image_out"}.get(u) for u in self.owned}
+        reads = {u: _READS.get(role(u)) for u in self.owned}
         for slot in self.layout.encoders:
             reads[slot.name] = slot.modality
         need: dict[int, set] = {}

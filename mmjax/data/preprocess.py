@@ -27,10 +27,11 @@ import math
 import os
 
 import numpy as np
+
+from mmjax.data.image_ops import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, PilImageOps
+from mmjax.data.qwen2_vl_processor import Qwen2VLImageProcessor
 from mmjax.errors import UserError
 
-OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
-OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
 def _read_config(path: str) -> dict:
@@ -54,7 +55,6 @@ def processor_from_config(conf: dict):
                                           if k in conf})
     qwen = {"merge_size", "temporal_patch_size"} <= set(conf)
     if "Qwen2VL" in kind or "Qwen2_5_VL" in kind or qwen:
-        from mmjax.data.qwen2_vl_processor import Qwen2VLImageProcessor  # it builds on this module
         return Qwen2VLImageProcessor(**{k: conf[k] for k in Qwen2VLImageProcessor.KEYS
                                         if k in conf})
     if kind == "NativeResize":
@@ -75,45 +75,7 @@ def _size_dict(size) -> dict:
     return dict(size)
 
 
-def convert_to_rgb(image):
-    """HF's `convert_to_rgb`: an image with transparency (an alpha band, or a palette /
-    grey image with a transparency entry) is composited onto opaque white, then RGB; any
-    other mode is converted directly."""
-    from PIL import Image
-
-    if "A" in image.getbands() or image.info.get("transparency") is not None:
-        rgba = image.convert("RGBA")
-        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        return Image.alpha_composite(white, rgba).convert("RGB")
-    return image.convert("RGB")
-
-
-class _PilImageOps:
-    """Resize / rescale / normalise shared by the image processors (HF semantics)."""
-
-    def _prepare(self, image):
-        from PIL import Image
-
-        if not isinstance(image, Image.Image):
-            image = Image.fromarray(np.asarray(image))
-        if self.do_convert_rgb and image.mode != "RGB":
-            image = convert_to_rgb(image)
-        return image
-
-    def _finish(self, arr: np.ndarray) -> np.ndarray:
-        """uint8 [H, W, 3] -> float32 [3, H, W] (rescale in float32, then normalise)."""
-        x = arr
-        if self.do_rescale:
-            x = (x * self.rescale_factor).astype(np.float32)
-        if self.do_normalize:
-            x = x.astype(np.float32) if not np.issubdtype(x.dtype, np.floating) else x
-            mean = np.asarray(self.image_mean, dtype=x.dtype)
-            std = np.asarray(self.image_std, dtype=x.dtype)
-            x = (x - mean) / std
-        return np.ascontiguousarray(np.asarray(x, np.float32).transpose(2, 0, 1))
-
-
-class ImageProcessor(_PilImageOps):
+class ImageProcessor(PilImageOps):
     """CLIP / SigLIP image processor (see module docstring)."""
 
     KEYS = ("size", "crop_size", "do_resize", "do_center_crop", "resample", "do_rescale",
@@ -183,7 +145,7 @@ def center_crop(arr: np.ndarray, ch: int, cw: int) -> np.ndarray:
     return out[max(0, top):min(nh, top + ch), max(0, left):min(nw, left + cw)]
 
 
-class NativeResizeProcessor(_PilImageOps):
+class NativeResizeProcessor(PilImageOps):
     """Native-aspect resize for the packed (NaViT-style) ViT: each side to the nearest
     multiple of `patch_size`, between 1 and `max_grid` patches."""
 

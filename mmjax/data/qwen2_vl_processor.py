@@ -17,7 +17,7 @@ import math
 
 import numpy as np
 
-from mmjax.data.preprocess import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, _PilImageOps
+from mmjax.data.image_ops import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, PilImageOps
 
 
 def smart_resize(height: int, width: int, factor: int = 28, min_pixels: int = 56 * 56,
@@ -52,7 +52,7 @@ def patchify(image: np.ndarray, patch_size: int, merge_size: int,
     return x.reshape(gh * gw, c * temporal_patch_size * p * p), (1, gh, gw)
 
 
-class Qwen2VLImageProcessor(_PilImageOps):
+class Qwen2VLImageProcessor(PilImageOps):
     """HF Qwen2VLImageProcessor (module docstring)."""
 
     KEYS = ("size", "min_pixels", "max_pixels", "patch_size", "temporal_patch_size",

@@ -36,7 +36,7 @@ from typing import Sequence
 import numpy as np
 
 from mmjax.data.balance import greedy_partition
-from mmjax.pipeline.simulate import (PipelineModel, batch_iteration_time, check_stages,
+from mmjax.schedule.simulate import (PipelineModel, batch_iteration_time, check_stages,
                                      stage_affine)
 
 # Above this many candidate subsets SELECTCLOSEST for the first interval switches from exact

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from mmjax.models.attention import TokenMeta, cap_logits, meta_mask, window_floor
+from mmjax.models.attention_mask import TokenMeta, cap_logits, meta_mask, window_floor
 
 BLOCK_Q = 128
 BLOCK_K = 128

@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from mmjax.models.attention import TokenMeta
+from mmjax.models.attention_mask import TokenMeta
 
 
 def cudnn_attention(q, k, v, meta_q: TokenMeta, meta_k: TokenMeta, causal: bool = True,

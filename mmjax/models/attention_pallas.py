@@ -37,13 +37,13 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from mmjax.models.attention import (TokenMeta, allowed_mask, cap_logits, meta_mask,
-                                    window_floor)
+from mmjax.models.attention_mask import (TokenMeta, allowed_mask, cap_logits, meta_mask,
+                                         window_floor)
 from mmjax.models.attention_chunked import _pad_seq
 from mmjax.models.attention_pallas_bwd import pallas_backward
 
 BLOCK_Q = 128
-BLOCK_K = 32  # = parallel/token_distribution.py DEFAULT_KEY_BLOCK (Cornstarch: 128 x 32 tiles)
+BLOCK_K = 32  # = data/token_distribution.py DEFAULT_KEY_BLOCK (Cornstarch: 128 x 32 tiles)
 _F32 = jnp.float32
 _NEG = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite "-inf": no inf - inf inside the tile
 

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from mmjax.models.attention import TokenMeta, allowed_mask, cap_logits
+from mmjax.models.attention_mask import TokenMeta, allowed_mask, cap_logits
 
 _F32 = jnp.float32
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T

@@ -12,6 +12,7 @@ from typing import Literal
 
 from mmjax.errors import UserError
 from mmjax.models.qwen2_vl_config import check_mrope, check_qwen2_vl_vision
+from mmjax.models.units import UnitDag, UnitRole, role
 
 
 ROPE_SCALINGS = ("linear", "llama3", "yarn")
@@ -324,24 +325,30 @@ class MLLMConfig:
         raise KeyError(f"no encoder named {name!r}; have {[e.name for e in self.encoders]}")
 
     @property
+    def units(self) -> UnitDag:
+        """The unit execution DAG (models/units.py): encoders -> llm -> generator."""
+        return UnitDag.from_config(self)
+
+    @property
     def unit_names(self) -> tuple[str, ...]:
         """Units in execution-DAG order: encoders (independent), llm, generator."""
-        names = tuple(e.name for e in self.encoders) + ("llm",)
-        return names + (("generator",) if self.generator is not None else ())
+        return self.units.names
 
     def frozen(self, unit: str) -> bool:
-        if unit == "llm":
-            return self.llm_frozen
-        if unit == "generator":
-            return self.generator_frozen
+        match role(unit):
+            case UnitRole.LLM:
+                return self.llm_frozen
+            case UnitRole.GENERATOR:
+                return self.generator_frozen
         return self.encoder(unit).frozen
 
     def num_layers(self, unit: str) -> int:
-        if unit == "llm":
-            return self.llm.num_layers
-        if unit == "generator":
-            assert self.generator is not None
-            return self.generator.num_layers
+        match role(unit):
+            case UnitRole.LLM:
+                return self.llm.num_layers
+            case UnitRole.GENERATOR:
+                assert self.generator is not None
+                return self.generator.num_layers
         enc = self.encoder(unit).encoder
         return enc.depth if isinstance(enc, VisionConfig) else enc.num_layers
 
@@ -443,7 +450,8 @@ def config_to_dict(cfg: MLLMConfig) -> dict:
 
 
 def config_from_dict(d: dict) -> MLLMConfig:
-    llm = dict(d["llm"])
+    rest = dict(d)  # the fields left once the nested configs are popped
+    llm = dict(rest.pop("llm"))
     old = llm.pop("rope_llama3", None)  # workdirs written before rope_scaling
     if old is not None:
         llm["rope_scaling"] = ("llama3", *old)
@@ -451,15 +459,15 @@ def config_from_dict(d: dict) -> MLLMConfig:
         if llm.get(key) is not None:
             llm[key] = tuple(llm[key])
     encoders = []
-    for e in d["encoders"]:
+    for e in rest.pop("encoders"):
         enc = dict(e["encoder"])
         kind = VisionConfig if enc.pop("type") == "vision" else AudioConfig
         if "fullatt_block_indexes" in enc:
             enc["fullatt_block_indexes"] = tuple(enc["fullatt_block_indexes"])
         encoders.append(EncoderSpec(e["name"], kind(**enc), ProjectorConfig(**e["projector"]),
                                     e["frozen"], e["projector_frozen"]))
-    gen = GeneratorConfig(**d["generator"]) if d.get("generator") else None
-    rest = {k: v for k, v in d.items() if k not in ("llm", "encoders", "generator")}
+    gen = rest.pop("generator", None)
+    gen = GeneratorConfig(**gen) if gen else None
     if rest.get("image_markers") is not None:
         rest["image_markers"] = tuple(rest["image_markers"])
     return MLLMConfig(llm=LLMConfig(**llm), encoders=tuple(encoders), generator=gen, **rest)

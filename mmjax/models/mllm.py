@@ -1,9 +1,10 @@
 """`MultimodalModel`: named encoder branches -> LLM -> optional diffusion generator.
 
-The execution DAG is explicit (`dag()`): every encoder branch (encoder + projector) is
-independent, all feed the LLM, the LLM feeds the generator (Cornstarch §3 modular MLLM;
-DistTrain's encoder -> backbone -> generator). Frozen flags live in the config, per module
-and per projector; `trainable_filter` selects what gets gradients and optimizer state.
+The execution DAG is the config's `UnitDag` (models/units.py, read through `dag()`): every
+encoder branch (encoder + projector) is independent, all feed the LLM, the LLM feeds the
+generator (Cornstarch §3 modular MLLM; DistTrain's encoder -> backbone -> generator).
+Frozen flags live in the config, per module and per projector; `trainable_filter` selects
+what gets gradients and optimizer state.
 
 The per-unit functions below (`encode`, `llm_embed`, `llm_meta`, `lm_outputs`,
 `generator_inputs`) are what both the single-device reference and the pipeline stages call,
@@ -30,6 +31,7 @@ from mmjax.models.layers import cast_floats
 from mmjax.models.llm import LLM, lm_loss_sum, merge_modalities, meta_attend
 from mmjax.models.projector import make_projector
 from mmjax.models.qwen2_vl_vision import Qwen2VLVision
+from mmjax.models.units import GENERATOR_UNIT, LLM_UNIT, UnitRole, role, topological_order
 from mmjax.models.vision import VisionEncoder
 from mmjax.models.vit import StandardViT
 
@@ -152,37 +154,19 @@ class MultimodalModel(nnx.Module):
             e.name: make_projector(e.projector, e.encoder.hidden_size, d,
                                    unit_key(key, e.name + "/projector"))
             for e in cfg.encoders})
-        self.llm = LLM(cfg.llm, unit_key(key, "llm"))
-        self.generator = (DiffusionGenerator(cfg.generator, d, unit_key(key, "generator"))
+        self.llm = LLM(cfg.llm, unit_key(key, LLM_UNIT))
+        self.generator = (DiffusionGenerator(cfg.generator, d, unit_key(key, GENERATOR_UNIT))
                           if cfg.generator is not None else None)
 
     def dag(self) -> list[tuple[str, str]]:
-        """Execution-DAG edges (src, dst): every encoder branch -> llm -> generator."""
-        edges = [(e.name, "llm") for e in self.cfg.encoders]
-        return edges + ([("llm", "generator")] if self.generator is not None else [])
+        """Execution-DAG edges (src, dst) of the config's `UnitDag`: every encoder branch
+        -> llm -> generator."""
+        return list(self.cfg.units.edges)
 
     def execution_order(self) -> list[str]:
-        """The units in a topological order of `dag()` (Kahn's algorithm; ties keep the
-        config's order). Raises ValueError on an edge naming an unknown unit or a cycle."""
-        units = list(self.cfg.unit_names)
-        edges = self.dag()
-        for src, dst in edges:
-            if src not in units or dst not in units:
-                raise ValueError(f"dag() edge ({src!r}, {dst!r}) names a unit that is not "
-                                 f"in the model; units: {units}")
-        indeg = {u: sum(1 for _, d in edges if d == u) for u in units}
-        order, ready = [], [u for u in units if indeg[u] == 0]
-        while ready:
-            u = ready.pop(0)
-            order.append(u)
-            for src, dst in edges:
-                if src == u:
-                    indeg[dst] -= 1
-                    if indeg[dst] == 0:
-                        ready.append(dst)
-        if len(order) != len(units):
-            raise ValueError(f"dag() has a cycle through {[u for u in units if u not in order]}")
-        return order
+        """The units in a topological order of `dag()` (ties keep the config's order).
+        Raises ValueError on an edge naming an unknown unit or a cycle."""
+        return topological_order(self.cfg.unit_names, self.dag())
 
     def __call__(self, batch, dtype=jnp.float32, attention_impl="auto",
                  llm_mask_family: str = "bam"):
@@ -200,23 +184,24 @@ class MultimodalModel(nnx.Module):
         lm_sum, diff_sum = None, jnp.zeros((), jnp.float32)
         for unit in self.execution_order():
             preds = [src for src, dst in edges if dst == unit]
-            if unit == "llm":
+            kind = role(unit)
+            if kind is UnitRole.LLM:
                 missing = [e.name for e in cfg.encoders if e.name not in preds]
                 if missing:
                     raise ValueError(f"dag() has no edge from encoder(s) {missing} to 'llm', "
                                      f"but the batch places their tokens in the LLM sequence")
                 x = llm_embed(cfg, self.llm, batch, {p: out[p] for p in preds}, dtype)
-                attend = meta_attend(llm_meta(batch), unit_attention(attention_impl, "llm"),
+                attend = meta_attend(llm_meta(batch), unit_attention(attention_impl, unit),
                                      llm_mask_family)
                 h = self.llm.run_layers(x, batch["positions"], attend)
-                lm_sum, out["llm"] = lm_outputs(self.llm, h, batch, self.generator is not None)
-            elif unit == "generator":
-                if preds != ["llm"]:
+                lm_sum, out[unit] = lm_outputs(self.llm, h, batch, self.generator is not None)
+            elif kind is UnitRole.GENERATOR:
+                if [role(p) for p in preds] != [UnitRole.LLM]:
                     raise ValueError(f"generator must be conditioned on exactly the LLM; "
                                      f"dag() gives predecessors {preds}")
                 noisy, t = generator_inputs(cfg, batch, dtype)
-                eps = self.generator(noisy, t, out["llm"],
-                                     unit_attention(attention_impl, "generator"))
+                eps = self.generator(noisy, t, out[preds[0]],
+                                     unit_attention(attention_impl, unit))
                 diff_sum = diffusion_loss_sum(eps, batch["gen_noise"], batch["gen_valid"])
             else:
                 if preds:
@@ -240,9 +225,9 @@ def trainable_filter(cfg: MLLMConfig):
         if e.projector_frozen:
             frozen.append(nnx.All(nnx.PathContains("projectors"), nnx.PathContains(e.name)))
     if cfg.llm_frozen:
-        frozen.append(nnx.PathContains("llm"))
+        frozen.append(nnx.PathContains(LLM_UNIT))
     if cfg.generator_frozen:
-        frozen.append(nnx.PathContains("generator"))
+        frozen.append(nnx.PathContains(GENERATOR_UNIT))
     if not frozen:
         return nnx.Param
     return nnx.All(nnx.Param, nnx.Not(nnx.Any(*frozen)))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from mmjax.models.units import UnitRole, role
 from mmjax.parallel.zero import state_bytes_per_device
 from mmjax.planner.memory import encoder_acts, generator_acts, llm_acts, stage_memory
 
@@ -88,12 +89,13 @@ def predicted_stage(cfg, plan, ps, sid, flight: int, b: int = 4):
     dp, tp = up.dp, up.tp
     L = cfg.num_layers(sid.unit)
     first, last = start == 0, end == L
-    if sid.unit == "llm":
+    kind = role(sid.unit)
+    if kind is UnitRole.LLM:
         rows, seq = side["llm"]["tokens"].shape
         enc = sum(int(np.prod(x.shape[:-1])) for x in jax.tree.leaves(args[2])) / dp
         acts = llm_acts(cfg.llm, rows / dp * seq, rows / dp * seq * seq, tp, b, "dense",
                         end - start, first, last, enc)
-    elif sid.unit == "generator":
+    elif kind is UnitRole.GENERATOR:
         g = side["gen"]["gen_latents"].shape[0] / dp
         cond = args[2].shape[-2] if args[2] is not None else 0
         acts = generator_acts(cfg.generator, g, cond, tp, b, end - start, first, last,

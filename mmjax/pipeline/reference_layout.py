@@ -2,6 +2,7 @@
 renumbered globally), for parity checks, checkpoints and export."""
 from __future__ import annotations
 
+from mmjax.models.units import is_encoder
 from mmjax.planner.plan import Plan
 
 
@@ -26,7 +27,7 @@ def to_reference_layout(plan: Plan, trees: dict) -> dict:
     for sid, tree in trees.items():
         u = plan.unit(sid.unit)
         start, _ = u.stage_layers(sid.index % u.pp, sid.index // u.pp)
-        if sid.unit in ("llm", "generator"):
+        if not is_encoder(sid.unit):  # the stage's tree is the unit's own module
             part = {sid.unit: _offset_layers(tree, start)}
         else:
             part = {}

@@ -1,7 +1,7 @@
 """Host-driven MPMD pipeline runtime over the unit DAG (docs/design.md "Execute the schedule").
 
 Every stage of every unit lives on its own sub-mesh with its own jitted forward/backward
-(pipeline/stage.py). `PipelineRuntime.run` walks the schedule (pipeline/schedule.py) in a
+(pipeline/stage.py). `PipelineRuntime.run` walks the schedule (schedule/schedule.py) in a
 dependency-respecting global order, moving activations and gradients between stages through
 the broker; JAX's async dispatch lets stages on disjoint devices run concurrently, and the
 loop makes no host sync in single-process runs. Multi-process behaviour: docs/design.md
@@ -24,11 +24,12 @@ from mmjax.data.routes import Routes
 from mmjax.parallel.broker import Broker
 from mmjax.parallel.mesh import stage_meshes
 from mmjax.models.layers import cast_floats
+from mmjax.models.units import LLM_UNIT, is_encoder, is_generator, is_llm
 from mmjax.parallel.tensor import state_shardings
 from mmjax.data.feed import MicrobatchFeed
-from mmjax.pipeline.stage_graph import Backward, StageGraph, StageId
-from mmjax.pipeline.dependencies import dispatch_order
-from mmjax.pipeline.schedule import multimodal_one_f_one_b
+from mmjax.schedule.stage_graph import Backward, StageGraph, StageId
+from mmjax.schedule.dependencies import dispatch_order
+from mmjax.schedule.schedule import multimodal_one_f_one_b
 from mmjax.parallel.sharded_init import abstract_split, init_split
 from mmjax.pipeline.stage import dp_sharding, make_stage_fns, partial_shardings
 from mmjax.pipeline.stage_modules import stage_module
@@ -40,10 +41,8 @@ from mmjax.planner.plan import Plan
 
 
 def _stage_filter(cfg: MLLMConfig, unit: str):
-    if unit == "llm":
-        return nnx.Nothing if cfg.llm_frozen else nnx.Param
-    if unit == "generator":
-        return nnx.Nothing if cfg.generator_frozen else nnx.Param
+    if not is_encoder(unit):  # the LLM's or the generator's module alone
+        return nnx.Nothing if cfg.frozen(unit) else nnx.Param
     return trainable_filter(cfg)
 
 
@@ -138,11 +137,9 @@ class PipelineRuntime:
             per_stage_trainable[u.name] = tuple(flags)
         nv = {u.name: u.pp * u.num_chunks for u in plan.units}
         pp = {u.name: u.pp for u in plan.units}
-        enc = {n: k for n, k in pp.items() if n not in ("llm", "generator")}
         # stages of the graph are virtual, StageId(unit, chunk * pp + s): what run() walks
-        self.graph = StageGraph.from_units(enc, pp["llm"], pp.get("generator", 0),
-                                           per_stage_trainable,
-                                           {u.name: u.num_chunks for u in plan.units})
+        self.graph = StageGraph.from_dag(cfg.units, pp, per_stage_trainable,
+                                         {u.name: u.num_chunks for u in plan.units})
         self.num_virtual = nv
         if cfg.llm.tie_embeddings and nv["llm"] > 1 and not all(
                 holds_local_device(m) for m in (self.meshes["llm"][0], self.meshes["llm"][-1])):
@@ -156,7 +153,7 @@ class PipelineRuntime:
             mode = Backward(self.graph.has_backward[sid])
             up = plan.unit(sid.unit)
             gd, tr, fr = _stage_state(*built[sid], mesh)
-            if "model" in pretrained and sid.unit != "generator":
+            if "model" in pretrained and not is_generator(sid.unit):
                 tr, fr = _load_pretrained(cfg, up, sid, pretrained["model"], tr, fr, True)
             elif sid.unit in pretrained:
                 tr, fr = _load_pretrained(cfg, up, sid, pretrained[sid.unit], tr, fr)
@@ -217,7 +214,7 @@ class PipelineRuntime:
     def _routes(self, src: StageId, dst: StageId, feed: MicrobatchFeed) -> Routes:
         if src.unit == dst.unit:
             return Routes.identity(self.stages[src].dp)
-        if dst.unit == "llm":
+        if is_llm(dst.unit):
             return feed.enc_routes[src.unit]
         return feed.gen_routes
 
@@ -234,12 +231,12 @@ class PipelineRuntime:
 
     def _side(self, sid: StageId, feed: MicrobatchFeed, totals):
         u = sid.unit
-        if u == "llm":
+        if is_llm(u):
             side = {"llm": feed.llm, "num_tokens": np.float32(max(totals[0], 1))}
             if self.cfg.generator is not None:
                 side["gen_pack"] = feed.gen_pack
             return self._put(sid, side)
-        if u == "generator":
+        if is_generator(u):
             return self._put(sid, {"gen": feed.gen, "num_gen": np.float32(max(totals[1], 1))})
         return self._put(sid, {"inputs": feed.enc_inputs[u], "pack": feed.enc_pack[u]})
 
@@ -295,9 +292,9 @@ class PipelineRuntime:
         is the feeds' mean loss per trained token, as in `run`."""
         step = _Step(feeds, (sum(f.num_target_tokens for f in feeds),
                              sum(f.num_gen_elements for f in feeds)))
-        last_llm = StageId("llm", self.num_virtual["llm"] - 1)
+        last_llm = StageId(LLM_UNIT, self.num_virtual["llm"] - 1)
         for sid, act in self.order:
-            if act.kind != "F" or sid.unit == "generator":
+            if act.kind != "F" or is_generator(sid.unit):
                 continue
             mb, st = act.microbatch, self.stages[sid]
             side = self._side(sid, feeds[mb], step.totals)
@@ -325,10 +322,10 @@ class PipelineRuntime:
         if self.graph.runs_backward(sid):
             step.residuals[(sid, mb)] = res
         del x
-        if sid == StageId("llm", self.num_virtual["llm"] - 1):
+        if sid == StageId(LLM_UNIT, self.num_virtual["llm"] - 1):
             lm, y = (y if self.cfg.generator is not None else (y, None))
             step.result.lm_loss.append(lm)
-        elif sid.unit == "generator" and not self.graph.successors(sid):
+        elif is_generator(sid.unit) and not self.graph.successors(sid):
             step.result.diffusion_loss.append(y)
             y = None
         step.outputs[(sid, mb)] = y
@@ -366,7 +363,7 @@ class PipelineRuntime:
         n = self.num_virtual["llm"]
         if not self.cfg.llm.tie_embeddings or n == 1:
             return None
-        return StageId("llm", 0), StageId("llm", n - 1)
+        return StageId(LLM_UNIT, 0), StageId(LLM_UNIT, n - 1)
 
     def _sum_tied_embedding_grads(self, grads: dict) -> None:
         """Megatron's embedding group: a tied LLM over several stages keeps the embedding on
@@ -387,7 +384,7 @@ class PipelineRuntime:
         preds = self.graph.predecessors(sid)
         if not preds:
             return None
-        if sid.unit == "llm" and sid.index == 0:
+        if is_llm(sid.unit) and sid.index == 0:
             return {p.unit: self._move(p, sid, outputs[(p, mb)], feed) for p in preds}
         (p,) = preds
         return self._move(p, sid, outputs[(p, mb)], feed)
@@ -434,19 +431,19 @@ class PipelineRuntime:
         moved = []
         for s in succ:
             dx = cotangents[(s, mb)]
-            if s.unit == "llm" and s.index == 0 and sid.unit != "llm":
+            if is_llm(s.unit) and s.index == 0 and not is_llm(sid.unit):
                 dx = dx[sid.unit]
             moved.append(self._move(s, sid, dx, feed, inverse=True))
         one = self._one(sid)
-        if sid.unit == "llm" and not self.graph.successors(sid):
+        if is_llm(sid.unit) and not self.graph.successors(sid):
             return one
-        if sid.unit == "llm" and sid.index == self.num_virtual["llm"] - 1:
+        if is_llm(sid.unit) and sid.index == self.num_virtual["llm"] - 1:
             (dcond,) = moved if moved else (None,)
             if dcond is None:
                 raise RuntimeError("internal: the last LLM stage runs backward but the "
                                    "generator does not; the frozen rule makes this impossible")
             return (one, dcond)
-        if sid.unit == "generator" and not self.graph.successors(sid):
+        if is_generator(sid.unit) and not self.graph.successors(sid):
             return one
         (d,) = moved
         return d

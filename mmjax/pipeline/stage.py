@@ -22,6 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from mmjax.models.attention import choose_implementation
 from mmjax.models.config import MLLMConfig
 from mmjax.models.llm import attention_options
+from mmjax.models.units import UnitRole, role
 from mmjax.models.layers import cast_floats
 from mmjax.parallel.tensor import mesh_param_specs
 from mmjax.pipeline.residuals import (Residuals, ResidualLayout, input_signature,
@@ -29,6 +30,7 @@ from mmjax.pipeline.residuals import (Residuals, ResidualLayout, input_signature
 from mmjax.pipeline.stage_modules import (apply_encoder, apply_generator, apply_llm,
                                           apply_llm_cp_ranks)
 from mmjax.planner.plan import UnitPlan
+from mmjax.schedule.stage_graph import Backward
 
 
 def _split_ranks(tree, dp: int):
@@ -54,16 +56,18 @@ class StageFns:
     forward of that signature is traced; `layouts[key]` is read by the backward.
     `launches` counts program launches per kind ("F", "B": the dispatch log)."""
 
-    def __init__(self, run, mode: str, remat: str, dp: int = 1, mesh=None, cp: int = 1):
-        self.run, self.mode, self.remat, self.dp, self.mesh = run, mode, remat, dp, mesh
+    def __init__(self, run, mode: Backward | str, remat: str, dp: int = 1, mesh=None,
+                 cp: int = 1):
+        self.run, self.remat, self.dp, self.mesh = run, remat, dp, mesh
+        self.mode = mode = Backward(mode)  # a mode's string (e.g. "full") is accepted too
         self.cp, self.ranks = cp, dp * cp  # cp > 1: `run` takes params [cp, ...] (see _block)
         self.layouts: dict[int, ResidualLayout] = {}
         self._keys: dict = {}  # input signature -> key
         self.signatures: dict[str, object] = {}  # kind -> last abstract arguments (for HLO)
         self._forward = jax.jit(self._forward_impl, static_argnames=("key",))
-        self._backward = (None if mode == "none"
+        self._backward = (None if mode is Backward.NONE
                           else jax.jit(self._backward_impl, donate_argnums=(5,)))
-        self.backward = None if mode == "none" else self._run_backward
+        self.backward = None if mode is Backward.NONE else self._run_backward
         self.apply = jax.jit(self._apply_impl)  # forward only (evaluation): no residuals
 
     def _block(self, params):
@@ -113,9 +117,9 @@ class StageFns:
         ranks = 1 if self.dp > 1 else 0  # `_run_ranks` vmaps over the dp ranks
         remat = lambda f, p: remat_wrap(f, p, ranks)
         blocked = self._block(trainable)
-        if self.mode == "input_only":
+        if self.mode is Backward.INPUT_ONLY:
             y, vjp = jax.vjp(remat(lambda xx: run(blocked, frozen, xx, side), policy), x)
-        elif self.mode == "params":
+        elif self.mode is Backward.PARAMS:
             y, vjp = jax.vjp(remat(lambda t: run(t, frozen, x, side), policy), blocked)
         else:
             y, vjp = jax.vjp(remat(lambda t, xx: run(t, frozen, xx, side), policy),
@@ -125,7 +129,7 @@ class StageFns:
 
     def layout(self, trainable, frozen, x, side) -> int:
         """The key of this input signature's residual layout (computed on first sight)."""
-        if self.mode == "none":
+        if self.mode is Backward.NONE:
             return -1
         sig = input_signature((trainable, frozen, x, side))
         if sig not in self._keys:
@@ -154,7 +158,7 @@ class StageFns:
         return self._backward.lower(*self.signatures["B"])
 
     def _forward_impl(self, trainable, frozen, x, side, key):
-        if self.mode == "none":
+        if self.mode is Backward.NONE:
             return (self._run_ranks(self._block(trainable), frozen, x, side),
                     Residuals([], -1))
         lay = self.layouts[key]
@@ -179,41 +183,42 @@ class StageFns:
                   side_leaves[lay.side[i]] if i in lay.side else next(kept)
                   for i in range(lay.num_leaves)]
         cts = jax.tree_util.tree_unflatten(treedef, leaves)(dy)
-        if self.mode == "input_only":
+        if self.mode is Backward.INPUT_ONLY:
             return acc, cts[0]
         grads = jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, cts[0])
-        return grads, (cts[1] if self.mode == "full" else None)
+        return grads, (cts[1] if self.mode is Backward.FULL else None)
 
 
-def make_stage_fns(cfg: MLLMConfig, up: UnitPlan, graphdef, mode: str, dtype,
+def make_stage_fns(cfg: MLLMConfig, up: UnitPlan, graphdef, mode: Backward | str, dtype,
                    mesh=None, with_generator: bool | None = None,
                    llm_mask_family: str = "bam") -> StageFns:
     """The jitted functions of one stage of unit `up.name`, as its `UnitPlan` configures
     them (dp ranks, remat policy, overlapped TP, CP head groups, attention implementation).
     `with_generator`
     (default: the model has one) makes the last LLM stage also return the conditioning."""
-    unit, impl = up.name, up.attention_impl
+    unit, impl, kind = up.name, up.attention_impl, role(up.name)
     remat_wrap(lambda: None, up.remat)  # validate the policy name up front
-    family = {"llm": llm_mask_family, "generator": "full"}.get(unit, "bam")
+    family = {UnitRole.LLM: llm_mask_family, UnitRole.GENERATOR: "full"}.get(kind, "bam")
     choose_implementation(impl, 1, 1, dtype, family)  # validate the choice up front
-    if unit == "llm":  # and against the layers' options (windows, soft-caps)
+    if kind is UnitRole.LLM:  # and against the layers' options (windows, soft-caps)
         for options in attention_options(cfg.llm):
             choose_implementation(impl, 1, 1, dtype, family, options=options)
     if with_generator is None:
         with_generator = cfg.generator is not None
-    cp = mesh.shape["cp"] if unit == "llm" and mesh is not None and "cp" in mesh.axis_names else 1
+    cp = (mesh.shape["cp"] if kind is UnitRole.LLM and mesh is not None
+          and "cp" in mesh.axis_names else 1)
 
     def run(trainable, frozen, x, side, ranks):
         if cp > 1:  # trainable [cp, ...]: one slot per cp rank (StageFns._block)
             return apply_llm_cp_ranks(cfg, graphdef, trainable, frozen, x, side, dtype,
                                       with_generator, mesh, cp, up.cp_head_groups, impl)
         module = nnx.merge(graphdef, cast_floats(trainable, dtype), cast_floats(frozen, dtype))
-        if unit == "llm":  # the batch is one rank's (StageFns vmaps over dp): no 'dp' axis
+        if kind is UnitRole.LLM:  # the batch is one rank's (StageFns vmaps over dp): no 'dp' axis
             return apply_llm(cfg, module, x, side, dtype, with_generator, ranks, mesh,
                              up.overlap_tp, up.tp_chunks, up.tp_bidirectional,
                              up.cp_head_groups, impl, batch_axis=None,
                              mask_family=llm_mask_family)
-        if unit == "generator":
+        if kind is UnitRole.GENERATOR:
             return apply_generator(cfg, module, x, side, dtype, impl)
         return apply_encoder(cfg, unit, module, x, side, dtype, impl)
 

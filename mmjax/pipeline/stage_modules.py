@@ -16,6 +16,7 @@ from mmjax.models.llm import LLM, lm_loss_sum, meta_attend
 from mmjax.models.mllm import (encoder_embed, encoder_layers, generator_inputs, llm_embed,
                                llm_meta, make_encoder, project, unit_key)
 from mmjax.models.projector import make_projector
+from mmjax.models.units import UnitRole, role
 from mmjax.parallel.context import cp_attention_sharded
 from mmjax.parallel.tp_ops import sequence_sharded_llm_stage
 
@@ -33,11 +34,13 @@ class EncoderStage(nnx.Module):
 
 
 def build_stage_module(cfg: MLLMConfig, unit: str, root_key, start: int, end: int):
-    if unit == "llm":
-        return LLM(cfg.llm, unit_key(root_key, "llm"), start, end)
-    if unit == "generator":
-        return DiffusionGenerator(cfg.generator, cfg.llm.hidden_size,
-                                  unit_key(root_key, "generator"), start, end)
+    """The module of unit `unit`'s layers [start, end), keyed like the whole model's."""
+    match role(unit):
+        case UnitRole.LLM:
+            return LLM(cfg.llm, unit_key(root_key, unit), start, end)
+        case UnitRole.GENERATOR:
+            return DiffusionGenerator(cfg.generator, cfg.llm.hidden_size,
+                                      unit_key(root_key, unit), start, end)
     return EncoderStage(cfg, unit, root_key, start, end)
 
 

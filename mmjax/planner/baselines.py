@@ -16,6 +16,7 @@ from mmjax.planner.evaluate import Choice, choice_error
 from mmjax.planner.hardware import Hardware
 from mmjax.planner.orchestrate import divisors
 from mmjax.planner.plan import PlanError
+from mmjax.models.units import is_llm
 
 PAPER_PP = {"disttrain/mllm_9b": 1, "disttrain/mllm_15b": 2, "disttrain/mllm_72b": 10,
             "orchmllm/mllm_10b": 2, "orchmllm/mllm_18b": 4, "orchmllm/mllm_84b": 10}
@@ -32,8 +33,8 @@ def _largest_tp(cost: UnitCost, at_most: int) -> int:
 def megatron_choices(costs: tuple[UnitCost, ...], hw: Hardware, num_gpus: int,
                      global_batch: int, tp: int = 8, pp: int | None = None,
                      model_name: str = "") -> dict[str, Choice]:
-    llm = next(c for c in costs if c.name == "llm")
-    others = [c for c in costs if c.name != "llm"]
+    llm = next(c for c in costs if is_llm(c.name))
+    others = [c for c in costs if not is_llm(c.name)]
     tp_llm = _largest_tp(llm, tp)
     first = pp or PAPER_PP.get(model_name, 1)
     last_error = "no pipeline size tried"
@@ -78,14 +79,14 @@ def _fill(cost: UnitCost, tp: int, budget: int, dp_llm: int, m: int,
 def ratio_choices(costs: tuple[UnitCost, ...], hw: Hardware, num_gpus: int,
                   global_batch: int, tp: int = 8) -> dict[str, Choice]:
     total = sum(c.flops for c in costs)
-    llm = next(c for c in costs if c.name == "llm")
+    llm = next(c for c in costs if is_llm(c.name))
     tp_llm = _largest_tp(llm, tp)
     share = {c.name: c.flops / total for c in costs}
     best = None
     for dp in divisors(global_batch):
         m = global_batch // dp
         # the other units keep at least the fewest GPUs they fit in at this microbatching
-        least = [_fill(c, min(c.time_s), 0, dp, m, hw) for c in costs if c.name != "llm"]
+        least = [_fill(c, min(c.time_s), 0, dp, m, hw) for c in costs if not is_llm(c.name)]
         if any(ch is None for ch in least):
             continue
         reserve = sum(ch.gpus for ch in least)
@@ -101,7 +102,7 @@ def ratio_choices(costs: tuple[UnitCost, ...], hw: Hardware, num_gpus: int,
     choices = {"llm": best}
     m = global_batch // best.dp
     for c in costs:
-        if c.name == "llm":
+        if is_llm(c.name):
             continue
         budget = max(min(c.time_s), int(share[c.name] * num_gpus))
         ch = _fill(c, min(c.time_s), budget, best.dp, m, hw)

@@ -13,6 +13,7 @@ from mmjax.planner.orchestrate import GPU_TOLERANCE, orchestrate
 from mmjax.planner.partition import partition_unit
 from mmjax.planner.plan import Plan, PlanError, UnitPlan
 from mmjax.planner.workload import default_workload
+from mmjax.models.units import is_llm
 
 
 # DistTrain §8.3.1: four frozen settings; the projectors are always trained
@@ -40,7 +41,7 @@ def to_plan(model, costs: tuple[UnitCost, ...], choices: dict[str, Choice], glob
             layers = Plan.even_layers(cost.num_layers, stages)
         remat = remat_variant(cost, ch, choices["llm"].dp, global_batch // choices["llm"].dp,
                               hw.hbm_bytes).remat
-        g = cp if cost.name == "llm" else 1  # the LLM's cost is keyed by tp * cp (knobs.py)
+        g = cp if is_llm(cost.name) else 1  # the LLM's cost is keyed by tp * cp (knobs.py)
         units.append(UnitPlan(name=cost.name, dp=ch.dp, tp=ch.tp // g, pp=ch.pp, cp=g,
                               layers=layers, num_chunks=ch.vpp, frozen=model.frozen(cost.name),
                               remat=remat,
@@ -136,7 +137,7 @@ def _fastest_cp(model, wl, costs, cps, hw, num_gpus, global_batch, vpp, gpu_tole
     the first PlanError)."""
     best, error = None, None
     for cp in cps:
-        try_costs = tuple(cp_cost(model, wl, c, cp, hw) if c.name == "llm" else c
+        try_costs = tuple(cp_cost(model, wl, c, cp, hw) if is_llm(c.name) else c
                           for c in costs)
         try:
             res = orchestrate(try_costs, hw, num_gpus, global_batch, vpp, gpu_tolerance)
@@ -157,7 +158,7 @@ def _finish(model, wl, best, layer_costs, global_batch, hw, attention_impl) -> P
     llm = plan.unit("llm")
     if cp == 1 and llm.attention_impl != "pallas" and overlap_pays(model, wl, llm.tp, hw,
                                                                    attention_impl):
-        units = tuple(dataclasses.replace(u, overlap_tp=True) if u.name == "llm" else u
+        units = tuple(dataclasses.replace(u, overlap_tp=True) if is_llm(u.name) else u
                       for u in plan.units)
         plan = dataclasses.replace(plan, units=units).validate(model, plan.num_devices)
     return plan

@@ -46,6 +46,7 @@ from mmjax.planner.attention_cost import (computed_pairs, exact_pairs, image_win
                                           kept_bytes_per_head)
 from mmjax.planner.hardware import Hardware
 from mmjax.planner.workload import Workload
+from mmjax.models.units import is_generator, is_llm
 
 TP_SIZES = (1, 2, 4, 8)
 WEIGHT_BYTES = 2  # bf16 compute copy
@@ -317,13 +318,13 @@ def unit_work(model: MLLMConfig, wl: Workload, unit: str, attention_impl=None) -
     impl = impl_of(attention_impl, unit)
     bwd = module_backward_factors(model)
     params = module_params(model)
-    if unit == "llm":
+    if is_llm(unit):
         c = model.llm
         return UnitWork(unit, tuple(_llm_work(model, wl, bwd["llm"], impl)), (), params["llm"],
                         0 if model.llm_frozen else params["llm"],
                         ACT_BYTES * wl.llm_moments()[0] * c.hidden_size,
                         (c.num_heads, c.num_kv_heads, c.ffn_size))
-    if unit == "generator":
+    if is_generator(unit):
         g = model.generator
         if g is None:
             raise ValueError(f"model {model.name!r} has no generator unit")
@@ -417,10 +418,10 @@ def replicated_params(model: MLLMConfig, unit: str) -> int:
     `megatron_role`): all but the blocks' q/k/v/o/fc1/fc2 (and cross-attention) matrices
     with their column biases, the LLM's projections and its vocabulary matrices."""
     params = module_params(model)
-    if unit == "llm":
+    if is_llm(unit):
         c = model.llm
         return c.num_layers * 2 * c.hidden_size + c.hidden_size
-    if unit == "generator":
+    if is_generator(unit):
         g = model.generator
         d, f = g.hidden_size, g.ffn_size
         return params[unit] - g.num_layers * (8 * d * d + 6 * d + 2 * d * f + f)
@@ -436,10 +437,10 @@ def unit_acts(model: MLLMConfig, wl: Workload, unit: str, tp: int, impl: str | N
               b: int = ACT_BYTES) -> memory.Acts:
     """planner/memory.py's activation bytes of one average sample through the whole unit
     at `tp`; `impl` None (exact pairs, no [S, S] buffer) is costed as a tiled kernel."""
-    if unit == "llm":
+    if is_llm(unit):
         n1, n2 = wl.llm_moments()
         return memory.llm_acts(model.llm, n1, n2, tp, b, impl)
-    if unit == "generator":
+    if is_generator(unit):
         return memory.generator_acts(model.generator, wl.mean_generated(), wl.cond_tokens, tp,
                                      b, cond_dim=model.llm.hidden_size, impl=impl)
     spec = model.encoder(unit)
@@ -483,7 +484,7 @@ def unit_cost(model: MLLMConfig, wl: Workload, unit: str, hw: Hardware,
                     optimizer_bytes=memory.OPTIMIZER_BYTES * trainable,
                     activation_bytes=acts, boundary_bytes=uw.boundary_bytes,
                     grad_bytes=2.0 * uw.trainable_params, flops=flops,
-                    layer_pp_divides=(unit == "llm"), fwd_s=fwds, remat=remat,
+                    layer_pp_divides=is_llm(unit), fwd_s=fwds, remat=remat,
                     input_bytes=a1.input if (a1 and backward and remat != "none") else 0.0,
                     work_bytes=work, fixed_bytes=fixed,
                     step_weight_bytes=2 * b * trainable + memory.FROZEN_BYTES * frozen,

@@ -26,6 +26,7 @@ import numpy as np
 from mmjax.planner.costs import UnitCost
 from mmjax.planner.hardware import Hardware
 from mmjax.planner.memory import unit_stage_bytes
+from mmjax.models.units import UnitDag, is_encoder
 
 
 @dataclass(frozen=True)
@@ -135,20 +136,21 @@ def remat_variant(cost: UnitCost, c: Choice, dp_llm: int, num_microbatches: int,
 
 def pipeline_in_flight(choices: dict[str, Choice], num_microbatches: int) -> dict:
     """Per unit, the microbatches (in stage units) its first stage holds under the runtime's
-    schedule (pipeline/schedule.py `multimodal_one_f_one_b`): a stage warms up with as many
+    schedule (schedule/schedule.py `multimodal_one_f_one_b`): a stage warms up with as many
     forwards as there are virtual stages from it to the end of its path, so an encoder also
-    holds the LLM's and the generator's depth; `in_flight` counts the unit's own alone."""
-    m, llm = num_microbatches, choices["llm"]
-    gen = choices["generator"].pp if "generator" in choices else 0
-    own = {name: in_flight(c, m) for name, c in choices.items()}
+    holds the LLM's and the generator's depth; `in_flight` counts the unit's own alone.
+    The depth after each unit is read off the model's `UnitDag`."""
+    m, dag = num_microbatches, UnitDag.of(choices)
+    after: dict[str, int] = {}  # virtual stages downstream of each unit
+    for name in reversed(dag.names):
+        after[name] = max((choices[v].pp * choices[v].vpp + after[v]
+                           for v in dag.successors(name)), default=0)
     out = {}
     for name, c in choices.items():
-        if name == "llm":
-            out[name] = min(m, own[name] + gen / llm.vpp)
-        elif name == "generator":
-            out[name] = own[name]
+        if is_encoder(name):  # an encoder's own chunks are not interleaved in the count
+            out[name] = min(m, c.pp + after[name])
         else:
-            out[name] = min(m, c.pp + llm.pp * llm.vpp + gen)
+            out[name] = min(m, in_flight(c, m) + after[name] / c.vpp)
     return out
 
 

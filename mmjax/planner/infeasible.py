@@ -6,6 +6,7 @@ from mmjax.planner.candidates import divisors, valid_pps
 from mmjax.planner.costs import UnitCost
 from mmjax.planner.evaluate import Choice, evaluate, memory_bytes, stage_time
 from mmjax.planner.hardware import Hardware
+from mmjax.models.units import is_llm
 
 
 def _fewest_gpus_choice(cost: UnitCost, hw: Hardware, dp_llm: int, m: int, is_llm: bool):
@@ -35,7 +36,7 @@ def smallest_plan(costs, hw: Hardware, bs: int) -> tuple[int, dict[str, Choice]]
     best = None
     for dp_llm in divisors(bs):
         m = bs // dp_llm
-        chs = {c.name: _fewest_gpus_choice(c, hw, dp_llm, m, c.name == "llm") for c in costs}
+        chs = {c.name: _fewest_gpus_choice(c, hw, dp_llm, m, is_llm(c.name)) for c in costs}
         if any(ch is None for ch in chs.values()):
             continue
         g = sum(ch.gpus for ch in chs.values())
@@ -75,9 +76,9 @@ def infeasible_message(costs, hw: Hardware, n: int, bs: int) -> str:
                 f"{n} GPUs ({_describe(chs)})")
     msg = (f"too few GPUs: the smallest plan that fits in memory needs {g} GPUs "
            f"({_describe(chs)}); have {n}: add {g - n} GPU{'s' if g - n > 1 else ''}")
-    llm = next(c for c in costs if c.name == "llm")
+    llm = next(c for c in costs if is_llm(c.name))
     tp = max(llm.time_s)
-    others = sum(ch.gpus for k, ch in chs.items() if k != "llm")
+    others = sum(ch.gpus for k, ch in chs.items() if not is_llm(k))
     pps = [p for p in valid_pps(llm) if tp * p + others <= n]
     if pps:  # why fewer do not do: the LLM at the most stages the GPUs leave it
         mem = memory_bytes(llm, Choice(tp, 1, pps[-1]), 1, bs) / 1e9

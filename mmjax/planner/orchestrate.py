@@ -26,6 +26,7 @@ from mmjax.planner.infeasible import infeasible_message, smallest_plan
 from mmjax.planner.relax import solve_relaxed
 from mmjax.planner.relaxed_problem import RelaxedProblem
 from mmjax.planner.repair import OptionTable, combine
+from mmjax.models.units import has_llm
 
 
 # Relative slack on the predicted iteration time within which the plan using fewer GPUs
@@ -53,7 +54,7 @@ class Orchestrator:
     def __init__(self, costs: tuple[UnitCost, ...], hw: Hardware, vpp: bool = True,
                  relaxed_factory=None, method: str = "fast"):
         names = [c.name for c in costs]
-        if "llm" not in names:
+        if not has_llm(names):
             raise ValueError(f"orchestrate: no 'llm' unit among {names}")
         if method not in METHODS:
             raise ValueError(f"orchestrate: method={method!r}; choose one of {METHODS}")

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from mmjax.errors import UserError
 from mmjax.planner.placement import stage_devices
+from mmjax.models.units import is_generator, is_llm
 
 
 class PlanError(UserError):
@@ -108,7 +109,7 @@ class Plan:
         for name in model.unit_names:
             kw = {k: (v.get(name, _UNIT_DEFAULTS[k]) if isinstance(v, dict)
                       else v) for k, v in unit_kw.items()}
-            if name != "llm":
+            if not is_llm(name):
                 kw.pop("cp", None)
                 kw.pop("cp_head_groups", None)
             pp, chunks = kw.get("pp", 1), kw.get("num_chunks", 1)
@@ -124,7 +125,7 @@ class Plan:
         encoder and the generator one extra pipeline stage with the LLM's dp and tp."""
         units = []
         for name in model.unit_names:
-            upp = pp if name == "llm" else 1
+            upp = pp if is_llm(name) else 1
             units.append(UnitPlan(name=name, dp=dp, tp=tp, pp=upp,
                                   layers=cls.even_layers(model.num_layers(name), upp),
                                   frozen=model.frozen(name)))
@@ -165,14 +166,14 @@ class Plan:
             if mb % u.dp:
                 raise PlanError(f"{where}.dp={u.dp} does not divide the microbatch size {mb} "
                                 f"(global_batch/num_microbatches): choose dp dividing {mb}")
-            if u.overlap_tp and (u.name != "llm" or u.tp < 2 or u.cp > 1):
+            if u.overlap_tp and (not is_llm(u.name) or u.tp < 2 or u.cp > 1):
                 raise PlanError(f"{where}.overlap_tp=True needs the llm unit with tp >= 2 and "
                                 f"cp == 1 (got tp={u.tp}, cp={u.cp}): set overlap_tp=False")
             if u.overlap_tp and u.attention_impl == "pallas":
                 raise PlanError(f"{where}: overlap_tp=True runs attention inside a type-checked "
                                 f"shard_map the Pallas kernel cannot enter: set attention_impl "
                                 f"to 'chunked' or overlap_tp=False")
-            if u.cp > 1 and u.name != "llm":
+            if u.cp > 1 and not is_llm(u.name):
                 raise PlanError(f"{where}.cp={u.cp}: context parallelism is for the llm only")
             _validate_knobs(model, u, where)
             n_layers = model.num_layers(u.name)
@@ -292,7 +293,7 @@ def _validate_knobs(model, u: UnitPlan, where: str) -> None:
     if u.attention_impl not in ATTENTION_IMPLS:
         raise PlanError(f"{where}.attention_impl={u.attention_impl!r}: must be one of "
                         f"{list(ATTENTION_IMPLS)}")
-    if u.attention_impl == "cudnn" and u.name != "generator":
+    if u.attention_impl == "cudnn" and not is_generator(u.name):
         raise PlanError(f"{where}.attention_impl='cudnn': cuDNN runs only plain causal or full "
                         f"masks (the generator's), and {u.name!r} attends under segment or "
                         f"bitfield masks: use 'auto', 'chunked' or 'pallas'")
@@ -303,7 +304,7 @@ def _validate_knobs(model, u: UnitPlan, where: str) -> None:
     g = u.cp_head_groups
     if isinstance(g, bool) or not isinstance(g, int) or g < 1:
         raise PlanError(f"{where}.cp_head_groups={g!r} must be an int >= 1")
-    if g > 1 and u.name != "llm":
+    if g > 1 and not is_llm(u.name):
         raise PlanError(f"{where}.cp_head_groups={g}: CP head groups are for the llm only; "
                         f"set it to 1")
     if g > 1 and model.llm.num_kv_heads % (u.tp * g):
@@ -314,12 +315,12 @@ def _validate_knobs(model, u: UnitPlan, where: str) -> None:
 
 def _tp_divisible(model, unit: str):
     """(name, size) pairs that tensor parallelism must divide for this unit."""
-    if unit == "llm":
+    if is_llm(unit):
         c = model.llm
         # tensor.py also shards the embedding and lm_head over the vocabulary
         return [("llm.num_heads", c.num_heads), ("llm.num_kv_heads", c.num_kv_heads),
                 ("llm.ffn_size", c.ffn_size), ("llm.vocab_size", c.vocab_size)]
-    if unit == "generator":
+    if is_generator(unit):
         c = model.generator
         return [("generator.num_heads", c.num_heads), ("generator.ffn_size", c.ffn_size)]
     c = model.encoder(unit).encoder

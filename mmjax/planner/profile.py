@@ -32,6 +32,7 @@ from mmjax.planner.costs import (UnitCost, layer_times, module_backward_factors,
                                  unit_work, work_time)
 from mmjax.planner.hardware import Hardware
 from mmjax.planner.workload import Workload
+from mmjax.models.units import is_generator, is_llm
 
 
 @dataclass(frozen=True)
@@ -44,10 +45,10 @@ class LayerShape:
 
 
 def unit_shape(model: MLLMConfig, unit: str) -> LayerShape:
-    if unit == "llm":
+    if is_llm(unit):
         c = model.llm
         return LayerShape(c.hidden_size, c.ffn_size, c.num_heads, True, True)
-    if unit == "generator":
+    if is_generator(unit):
         g = model.generator
         return LayerShape(g.hidden_size, g.ffn_size, g.num_heads, False, False)
     c = model.encoder(unit).encoder
@@ -185,9 +186,9 @@ class ProfileTable:
 def sample_sizes(model: MLLMConfig, wl: Workload, unit: str, points: int = 4,
                  multiple: int = 8) -> list[int]:
     """Quantiles of the unit's per-sequence token counts, rounded up to `multiple`."""
-    if unit == "llm":
+    if is_llm(unit):
         seqs = list(wl.llm_tokens)
-    elif unit == "generator":
+    elif is_generator(unit):
         seqs = [model.generator.num_patches]
     else:
         seqs = [n for per in wl.encoder_tokens[unit] for n in per]
@@ -244,9 +245,9 @@ def _profiled(model: MLLMConfig, wl: Workload, hw: Hardware, table: ProfileTable
     curves = table.units.get(cost.name, {})
     if not curves:
         return cost
-    if cost.name == "llm":
+    if is_llm(cost.name):
         per_sample = [[n] for n in wl.llm_tokens]
-    elif cost.name == "generator":
+    elif is_generator(cost.name):
         per_sample = [[model.generator.num_patches] * k for k in wl.generated]
     else:
         per_sample = [list(x) for x in wl.encoder_tokens[cost.name]]

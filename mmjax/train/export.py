@@ -28,6 +28,7 @@ from mmjax.models import hf
 from mmjax.models.config import AudioConfig, MLLMConfig, config_from_dict
 from mmjax.models.hf.checkpoint import _flatten, _fmt
 from mmjax.models.mllm import MultimodalModel, trainable_filter
+from mmjax.models.units import is_llm
 from mmjax.models.hf.pretrained import load_pretrained_dirs
 from mmjax.parallel.sharded_init import abstract_split, init_split
 from mmjax.train.checkpoint import Checkpointer
@@ -126,7 +127,7 @@ def export_model(cfg: MLLMConfig, pure: dict, out, max_shard_bytes: int = MAX_SH
     written = {"llm": out / "llm"}
     hf.export_llm_safetensors(pure["llm"], cfg.llm, out / "llm", max_shard_bytes=max_shard_bytes,
                               source=sources.get("llm"))
-    extra = {k: v for k, v in pure.items() if k not in ("llm", "encoders")}
+    extra = {k: v for k, v in pure.items() if not is_llm(k) and k != "encoders"}
     for spec in cfg.encoders:
         enc, where = spec.encoder, out / spec.name
         tree = pure["encoders"][spec.name]

@@ -13,6 +13,8 @@ from __future__ import annotations
 import jax
 from jax.tree_util import DictKey, GetAttrKey, SequenceKey
 
+from mmjax.models.units import is_encoder
+
 
 def _keys(path) -> list:
     """A pytree path as plain keys, nnx's `.value` wrapper dropped."""
@@ -99,7 +101,7 @@ def stage_param_name(plan, sid, keys) -> str:
     u = plan.unit(sid.unit)
     start, _ = u.stage_layers(sid.index % u.pp, sid.index // u.pp)
     keys = list(keys)
-    if sid.unit in ("llm", "generator"):
+    if not is_encoder(sid.unit):
         keys = [sid.unit] + keys
         at = 1
     else:

@@ -46,6 +46,7 @@ from mmjax.train.single_program import SingleProgram
 from mmjax.settings import check_bound_settings, check_train_args
 from mmjax.train.validate import (check_data_path, check_pretrained_vocab, check_replan_settings,
                                   check_train_settings, parse_trace_steps)
+from mmjax.models.units import has_llm
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -248,7 +249,7 @@ def _model_and_tokenizer(model: MLLMConfig | None):
         cfg = prepare_pretrained(cfg, dirs)
     tok = tokenizer()
     if tok is not None:
-        cfg = fit_vocab(cfg, tok, pretrained="llm" in dirs or "model" in dirs)
+        cfg = fit_vocab(cfg, tok, pretrained=has_llm(dirs) or "model" in dirs)
     check_pretrained_vocab(cfg, dirs)
     return cfg, tok, dirs
 
@@ -280,7 +281,7 @@ def _prepared(the_plan: Plan, cfg: MLLMConfig, tok, dirs: dict, global_batch: in
                         f"train.global_batch={global_batch}: make them equal")
     if tok is not None:
         fitted = fit_vocab(cfg, tok, [u.tp for u in the_plan.units],
-                           pretrained="llm" in dirs or "model" in dirs)
+                           pretrained=has_llm(dirs) or "model" in dirs)
         if same_config and fitted != cfg:
             raise UserError(f"the plan's tp sizes need vocab_size {fitted.llm.vocab_size}, "
                             f"the run trains {cfg.llm.vocab_size}")

@@ -9,6 +9,7 @@ import gin
 
 from mmjax.errors import UserError
 from mmjax.planner.plan import REMAT_POLICIES
+from mmjax.models.units import has_llm
 
 _INT_KNOBS = ("dp", "tp", "pp", "cp", "num_chunks", "tp_chunks", "cp_head_groups")
 _BOOL_KNOBS = ("overlap_tp", "tp_bidirectional")
@@ -130,7 +131,7 @@ def parse_trace_steps(trace_steps: str | None, plan: str | None) -> tuple[int, i
 
 def check_pretrained_vocab(cfg, dirs: dict) -> None:
     """A pretrained LLM keeps its vocabulary: a tokenizer that needs another is an error."""
-    if "llm" in dirs or "model" in dirs:  # a whole LLaVA, or an LLM (Qwen2-VL's too)
+    if has_llm(dirs) or "model" in dirs:  # a whole LLaVA, or an LLM (Qwen2-VL's too)
         from mmjax.models.hf.pretrained import PretrainedError, pretrained_config
         which = {u: dirs[u] for u in ("model", "llm") if u in dirs}
         want = pretrained_config(cfg, which).llm.vocab_size

@@ -32,6 +32,7 @@ from mmjax.models.hf.checkpoint import (Checkpoint, Entry, LoadPlan, apply_to_mo
 from mmjax.models.hf.llm import LLM_TYPES, config_from_hf, config_to_hf, llm_entries
 from mmjax.models.hf.vision import (VISION_TYPES, vision_config_from_hf, vision_config_to_hf,
                                     vit_entries)
+from mmjax.models.units import is_llm
 
 _ACTS = {"gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
 # what transformers 5's save_pretrained writes
@@ -143,7 +144,7 @@ def llava_stage_plan(path, cfg: MLLMConfig, unit: str, start: int = 0,
     its last stage)."""
     plan = llava_load_plan(path, cfg)
     layout = _layout(plan.ckpt)
-    if unit == "llm":
+    if is_llm(unit):
         entries = _rename_llm(llm_entries(cfg.llm, start, end), layout)
     else:
         tower = cfg.encoder(unit).encoder

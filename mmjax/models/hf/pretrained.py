@@ -27,6 +27,7 @@ from mmjax.models.hf.qwen2_vl_pretrained import (is_qwen2_vl_dir, qwen2_vl_check
                                                  qwen2_vl_projector_plan, qwen2_vl_unit_plan)
 from mmjax.models.hf.vision import VISION_TYPES, vit_load_plan
 from mmjax.models.hf.whisper import whisper_load_plan
+from mmjax.models.units import has_llm, is_generator, is_llm
 
 
 class PretrainedError(ValueError):
@@ -129,10 +130,10 @@ def pretrained_config(cfg: MLLMConfig, dirs: dict) -> MLLMConfig:
                              f"{sorted(u for u in dirs if u != 'model')} unset")
         return _model_config(cfg, dirs["model"])
     for unit in dirs:
-        if unit not in cfg.unit_names or unit == "generator":
+        if unit not in cfg.unit_names or is_generator(unit):
             raise ValueError(f"pretrained.{unit}: no such unit; pretrained units are 'llm' and "
                              f"the encoders {[e.name for e in cfg.encoders]}")
-    if "llm" in dirs:
+    if has_llm(dirs):
         cfg = cfg.replace(llm=_unit_config(cfg.llm, dirs["llm"]))
     encoders = tuple(dataclasses.replace(e, encoder=_unit_config(e.encoder, dirs[e.name]))
                      if e.name in dirs else e for e in cfg.encoders)
@@ -150,7 +151,7 @@ def pretrained_config(cfg: MLLMConfig, dirs: dict) -> MLLMConfig:
 
 
 def unit_config(cfg: MLLMConfig, unit: str):
-    return cfg.llm if unit == "llm" else cfg.encoder(unit).encoder
+    return cfg.llm if is_llm(unit) else cfg.encoder(unit).encoder
 
 
 def check_pretrained(cfg: MLLMConfig, dirs: dict) -> None:
@@ -163,11 +164,11 @@ def check_pretrained(cfg: MLLMConfig, dirs: dict) -> None:
     for unit, path in dirs.items():
         plan = load_plan(path, unit_config(cfg, unit))
         plan.check()
-        if unit != "llm" and is_qwen2_vl_dir(path):
+        if not is_llm(unit) and is_qwen2_vl_dir(path):
             qwen2_vl_projector_plan(path).check()
-        elif unit == "llm" and is_qwen2_vl_dir(path):
+        elif is_llm(unit) and is_qwen2_vl_dir(path):
             qwen2_vl_check_tied(path, cfg.llm)
-        elif unit == "llm":
+        elif is_llm(unit):
             check_tied_head(plan.ckpt, cfg.llm)
 
 
@@ -193,7 +194,7 @@ def load_stage_state(state: nnx.State, plan: LoadPlan, root: tuple = ()) -> nnx.
 def projector_plan(path, cfg: MLLMConfig, unit: str) -> LoadPlan | None:
     """The pretrained projector of encoder `unit` (a whole Qwen2-VL checkpoint's merger MLP),
     or None: other checkpoints hold no projector (it keeps its init)."""
-    if unit != "llm" and is_qwen2_vl_dir(path):
+    if not is_llm(unit) and is_qwen2_vl_dir(path):
         return qwen2_vl_projector_plan(path)
     return None
 
@@ -204,7 +205,7 @@ def stage_load_plan(path, cfg: MLLMConfig, unit: str, start: int, end: int | Non
     hang from in the stage's state). `whole_model`: `path` is a LLaVA checkpoint of the
     whole model; an encoder's last stage then also reads the projector."""
     if not whole_model:
-        root = () if unit == "llm" else ("encoders", unit)
+        root = () if is_llm(unit) else ("encoders", unit)
         return load_plan(path, unit_config(cfg, unit), start, end), root
     from mmjax.models.hf.llava import llava_stage_plan
     return llava_stage_plan(path, cfg, unit, start, end), ()
@@ -216,7 +217,7 @@ def load_pretrained_dirs(model, dirs: dict):
         from mmjax.models.hf.llava import llava_load_plan
         apply_to_module(model, llava_load_plan(dirs["model"], model.cfg).read())
         return model
-    encoders = {k: v for k, v in dirs.items() if k != "llm"}
+    encoders = {k: v for k, v in dirs.items() if not is_llm(k)}
     return load_into_model(model, dirs.get("llm"), encoders)
 
 

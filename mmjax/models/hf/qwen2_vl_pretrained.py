@@ -12,6 +12,7 @@ from mmjax.models.hf.checkpoint import Checkpoint, Entry, LoadPlan, read_config
 from mmjax.models.hf.llm import check_tied_head, llm_entries
 from mmjax.models.hf.qwen2_vl import (_names_of, model_type_of, qwen2_vl_config_from_hf,
                                       qwen2_vl_entries)
+from mmjax.models.units import is_llm
 
 
 def is_qwen2_vl_dir(path) -> bool:
@@ -51,7 +52,7 @@ def qwen2_vl_unit_plan(path, unit_cfg, start: int = 0, end: int | None = None) -
                     else n for n in want}
         rel = [e for e in _relative(entries, ("llm",), start) if e.hf in want]
         prefix = "model." if names == "legacy" else "model.language_model."
-        known = {e.hf for e in entries if e.path[0] == "llm"} | {"lm_head.weight"}
+        known = {e.hf for e in entries if is_llm(e.path[0])} | {"lm_head.weight"}
         return LoadPlan(ckpt, rel, known, "Qwen2-VL LLM", prefix)
     end = unit_cfg.num_layers if end is None else end
     rel = [e for e in _relative(entries, ("encoders", "vision"), start)
@@ -59,7 +60,7 @@ def qwen2_vl_unit_plan(path, unit_cfg, start: int = 0, end: int | None = None) -
            or (e.path[0] == "patch_embed" and start == 0)
            or (e.path[0] == "final_ln" and end == unit_cfg.num_layers)]
     prefix = "visual." if names == "legacy" else "model.visual."
-    known = {e.hf for e in entries if e.path[0] != "llm"}
+    known = {e.hf for e in entries if not is_llm(e.path[0])}
     return LoadPlan(ckpt, rel, known, "Qwen2-VL tower", prefix)
 
 

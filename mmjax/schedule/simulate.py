@@ -19,9 +19,9 @@ from typing import Callable, Hashable, Mapping, Sequence
 
 import numpy as np
 
-from mmjax.pipeline.dependencies import Key, Topology, check_actions, execute, topology
-from mmjax.pipeline.schedule import interleaved_one_f_one_b, one_f_one_b
-from mmjax.pipeline.stage_graph import Action, StageGraph, StageId, stage_name
+from mmjax.schedule.dependencies import Key, Topology, check_actions, execute, topology
+from mmjax.schedule.schedule import interleaved_one_f_one_b, one_f_one_b
+from mmjax.schedule.stage_graph import Action, Backward, StageGraph, StageId, stage_name
 
 Costs = Callable[[Hashable, Action], float] | Mapping[tuple[Hashable, str], float]
 
@@ -184,7 +184,8 @@ def frozen_aware_costs(graph: StageGraph, forward: Mapping[StageId, float],
     modules upstream (input grads only), 2x T_forward for a trainable stage (the paper's
     rule, also for a first trainable stage whose backward skips the input gradient). Keyed by
     the graph's (virtual) stages, which `simulate` looks up for interleaved units."""
-    factor = {"none": 0.0, "input_only": 1.0, "params": 2.0, "full": 2.0}
+    factor = {Backward.NONE: 0.0, Backward.INPUT_ONLY: 1.0, Backward.PARAMS: 2.0,
+              Backward.FULL: 2.0}
     out = {}
     for s in graph.stages:
         if s not in forward:

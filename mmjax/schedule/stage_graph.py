@@ -1,9 +1,10 @@
 """The vocabulary of pipeline schedules (no JAX): an `Action` (forward or backward of one
 microbatch through one model chunk), a `StageId` (stage `index` of a unit), the `Backward`
-mode of a stage (Cornstarch §4.2, frozen-status aware), and the `StageGraph`: the unit DAG
-of encoder branches in parallel -> LLM stages -> generator (Cornstarch §4.1 modality
-parallelism, Fig. 6) with each stage's backward mode. Schedules over it: schedule.py;
-their dependencies, execution and checks: dependencies.py.
+mode of a stage (Cornstarch §4.2, frozen-status aware), and the `StageGraph`: the model's
+`UnitDag` (encoder branches in parallel -> LLM -> generator, Cornstarch §4.1 modality
+parallelism, Fig. 6) with each unit expanded into its chain of stages, and each stage's
+backward mode. Schedules over it: schedule.py; their dependencies and checks:
+dependencies.py.
 """
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import enum
 import re
 from dataclasses import dataclass, field
 from typing import Hashable, Mapping, Sequence
+
+from mmjax.models.units import GENERATOR_UNIT, LLM_UNIT, UnitDag, is_encoder
 
 KINDS = ("F", "B")
 
@@ -130,8 +133,11 @@ class StageGraph:
             if mode not in BACKWARD_MODES:
                 raise ValueError(f"StageGraph.has_backward[{s}]={mode!r}: use one of "
                                  f"{BACKWARD_MODES}")
+        # a mode given as its string is held as the enum, so readers compare members
+        object.__setattr__(self, "has_backward",
+                           {s: Backward(m) for s, m in self.has_backward.items()})
         for a, b in self.edges:
-            if self.has_backward[a] != "none" and self.has_backward[b] == "none":
+            if self.runs_backward(a) and not self.runs_backward(b):
                 raise ValueError(f"StageGraph.has_backward: {a} runs a backward but its "
                                  f"successor {b} runs none, so no gradient can reach {a}; "
                                  f"set {b} to 'input_only' or 'full'")
@@ -157,7 +163,7 @@ class StageGraph:
         return [b for a, b in self.edges if a == stage]
 
     def runs_backward(self, stage: StageId) -> bool:
-        return self.has_backward[stage] != "none"
+        return self.has_backward[stage] is not Backward.NONE
 
     # ---- virtual stages of interleaved units ----------------------------------------
     def num_chunks(self, unit: str) -> int:
@@ -196,70 +202,81 @@ class StageGraph:
 
     # ---- constructors ----------------------------------------------------------------
     @classmethod
-    def from_units(cls, encoders: Mapping[str, int], llm: int, generator: int = 0,
-                   trainable: Mapping[str, bool | Sequence[bool]] | None = None,
-                   chunks: Mapping[str, int] | None = None) -> "StageGraph":
-        """Encoder branches (name -> stages) each a chain feeding llm stage 0; llm chain;
-        the llm's last stage feeds the generator chain (if generator > 0).
+    def from_dag(cls, dag: UnitDag, pp: Mapping[str, int],
+                 trainable: Mapping[str, bool | Sequence[bool]] | None = None,
+                 chunks: Mapping[str, int] | None = None) -> "StageGraph":
+        """Each unit of `dag` a chain of `pp[unit]` physical stages; each unit edge
+        (a, b) an edge from a's last stage to b's first.
 
-        Counts are physical pipeline stages (pp). `chunks[unit] = v` (default 1) makes the
-        unit interleaved: its chain has pp * v virtual stages (Megatron-LM's model chunks).
-        `trainable[unit]` is a bool, or one bool per (virtual) stage of that unit (e.g. a
-        frozen encoder whose last stage holds a trainable projector: `(False, True)`). A
-        stage runs backward iff something at or upstream of it is trainable (Cornstarch
-        §4.2); "input_only" if it is itself frozen. Omitted `trainable`: all trainable.
+        `chunks[unit] = v` (default 1) makes the unit interleaved: its chain has pp * v
+        virtual stages (Megatron-LM's model chunks). `trainable[unit]` is a bool, or one
+        bool per (virtual) stage of that unit (e.g. a frozen encoder whose last stage holds
+        a trainable projector: `(False, True)`). A stage runs backward iff something at or
+        upstream of it is trainable (Cornstarch §4.2); "input_only" if it is itself frozen.
+        Omitted `trainable`: all trainable.
         """
-        units = _unit_stages(encoders, llm, generator, chunks)
+        units = _unit_stages(dag, pp, chunks)
         per_stage = _stage_flags(units, trainable, chunks or {})
         stages, edges = [], []
+        link = lambda a, b: (StageId(a, units[a] - 1), StageId(b, 0))  # noqa: E731
         for u, n in units.items():
             chain = [StageId(u, i) for i in range(n)]
             stages += chain
             edges += list(zip(chain[:-1], chain[1:]))
-            if u in encoders:
-                edges.append((chain[-1], StageId("llm", 0)))
-        if generator:
-            edges.append((StageId("llm", units["llm"] - 1), StageId("generator", 0)))
+            # a branch's link right after its chain, the LLM's at the end: the edge order
+            # (which breaks dispatch ties) the runtime has always seen
+            if is_encoder(u):
+                edges += [link(u, b) for b in dag.successors(u)]
+        edges += [link(a, b) for a, b in dag.edges if not is_encoder(a)]
         has_backward = _backward_modes(stages, edges, per_stage)
         return cls(tuple(stages), tuple(edges), has_backward,
                    {u: v for u, v in (chunks or {}).items() if v > 1})
 
     @classmethod
+    def from_units(cls, encoders: Mapping[str, int], llm: int, generator: int = 0,
+                   trainable: Mapping[str, bool | Sequence[bool]] | None = None,
+                   chunks: Mapping[str, int] | None = None) -> "StageGraph":
+        """`from_dag` with the stage counts given per role: encoder branches (name ->
+        stages), the llm's, the generator's (0: none)."""
+        for name in encoders:
+            if not is_encoder(name):
+                raise ValueError(f"encoders[{name!r}]: {name!r} is not an encoder name")
+        if not isinstance(llm, int) or llm < 1:
+            raise ValueError(f"llm={llm!r}: the llm needs at least 1 pipeline stage")
+        if not isinstance(generator, int) or generator < 0:
+            raise ValueError(f"generator={generator!r}: must be an int >= 0 (0 = none)")
+        pp = {**encoders, LLM_UNIT: llm, **({GENERATOR_UNIT: generator} if generator else {})}
+        dag = UnitDag.of(pp)
+        return cls.from_dag(dag, pp, trainable, chunks)
+
+    @classmethod
     def from_plan(cls, plan) -> "StageGraph":
-        """The unit DAG of a `mmjax.planner.plan.Plan`: every unit other than "llm" and
-        "generator" is an encoder branch; a unit is trainable iff not `frozen`; a unit
-        with num_chunks > 1 is interleaved (pp * num_chunks virtual stages)."""
-        names = plan.unit_names
-        if "llm" not in names:
-            raise ValueError(f"plan has no 'llm' unit (units: {list(names)})")
-        enc = {u.name: u.pp for u in plan.units if u.name not in ("llm", "generator")}
-        gen = plan.unit("generator").pp if "generator" in names else 0
-        return cls.from_units(enc, plan.unit("llm").pp, gen,
-                              {u.name: not u.frozen for u in plan.units},
-                              {u.name: u.num_chunks for u in plan.units})
+        """The `UnitDag` of a `mmjax.planner.plan.Plan`'s units: a unit is trainable iff
+        not `frozen`; a unit with num_chunks > 1 is interleaved (pp * num_chunks virtual
+        stages). Raises ValueError if the plan has no LLM."""
+        return cls.from_dag(UnitDag.of(plan.unit_names), {u.name: u.pp for u in plan.units},
+                            {u.name: not u.frozen for u in plan.units},
+                            {u.name: u.num_chunks for u in plan.units})
 
 
-def _unit_stages(encoders: Mapping[str, int], llm: int, generator: int,
+def _unit_stages(dag: UnitDag, pp: Mapping[str, int],
                  chunks: Mapping[str, int] | None) -> dict[str, int]:
-    """Unit -> number of virtual stages (pp * chunks), encoders first, after checking the
-    counts `StageGraph.from_units` takes."""
-    for name in ("llm", "generator"):
-        if name in encoders:
-            raise ValueError(f"encoders[{name!r}]: {name!r} is not an encoder name")
-    if not isinstance(llm, int) or llm < 1:
-        raise ValueError(f"llm={llm!r}: the llm needs at least 1 pipeline stage")
-    if not isinstance(generator, int) or generator < 0:
-        raise ValueError(f"generator={generator!r}: must be an int >= 0 (0 = none)")
-    for name, n in encoders.items():
+    """Unit -> number of virtual stages (pp * chunks), in the DAG's order, after checking
+    the counts `StageGraph.from_dag` takes."""
+    for name in dag.names:
+        n = pp.get(name)
         if not isinstance(n, int) or n < 1:
-            raise ValueError(f"encoders[{name!r}]={n!r}: an encoder needs >= 1 stage")
-    units = {**encoders, "llm": llm, **({"generator": generator} if generator else {})}
+            raise ValueError(f"pp[{name!r}]={n!r}: unit {name!r} needs at least 1 pipeline "
+                             "stage")
+    extra = sorted(set(pp) - set(dag.names))
+    if extra:
+        raise ValueError(f"pp has unknown units {extra}; units are {list(dag.names)}")
     for u, v in (chunks or {}).items():
-        if u not in units:
-            raise ValueError(f"chunks has unknown unit {u!r}; units are {list(units)}")
+        if u not in dag.names:
+            raise ValueError(f"chunks has unknown unit {u!r}; units are {list(dag.names)}")
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"chunks[{u!r}]={v!r}: must be an int >= 1")
-    return {u: n * (chunks or {}).get(u, 1) for u, n in units.items()}
+    return {u: pp[u] * (chunks or {}).get(u, 1) for u in dag.names}
 
 
 def _stage_flags(units: dict[str, int], trainable, chunks: Mapping[str, int]

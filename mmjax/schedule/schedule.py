@@ -20,8 +20,8 @@ in dispatch order, so a stage's row is exactly what its devices execute.
 """
 from __future__ import annotations
 
-from mmjax.pipeline.dependencies import run_schedule, topology
-from mmjax.pipeline.stage_graph import Action, StageGraph, StageId
+from mmjax.schedule.dependencies import run_schedule, topology
+from mmjax.schedule.stage_graph import Action, StageGraph, StageId
 
 
 def _check_sizes(num_stages: int, num_microbatches: int) -> None:

@@ -10,7 +10,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, Mapping, Sequence
 
-from mmjax.pipeline.stage_graph import Action, Backward, StageGraph, stage_name
+from mmjax.schedule.stage_graph import Action, Backward, StageGraph, stage_name
 
 Key = tuple[Hashable, Action]  # (stage, action)
 
@@ -23,7 +23,7 @@ class Topology:
 
     stages: tuple[Hashable, ...]
     chunks: Mapping[Hashable, int]
-    has_backward: Mapping[tuple[Hashable, int], str]
+    has_backward: Mapping[tuple[Hashable, int], Backward]
     preds: Mapping[tuple[Hashable, int], tuple[tuple[Hashable, int], ...]]
     succs: Mapping[tuple[Hashable, int], tuple[tuple[Hashable, int], ...]]
 
@@ -34,7 +34,7 @@ class Topology:
         return max(self.chunks.values(), default=1)
 
     def runs_backward(self, stage: Hashable, chunk: int = 0) -> bool:
-        return self.has_backward[(stage, chunk)] != "none"
+        return self.has_backward[(stage, chunk)] is not Backward.NONE
 
     def dependencies(self, stage: Hashable, action: Action) -> list[Key]:
         """The (stage, action) pairs that must end before `action` starts on `stage`."""
@@ -48,7 +48,7 @@ class Topology:
             else:
                 deps = [(stage, Action("F", mb, action.chunk))] + [
                     (s, Action("B", mb, c)) for s, c in self.succs[node]
-                    if self.has_backward[(s, c)] != "none"]
+                    if self.runs_backward(s, c)]
             self._deps[key] = deps
         return deps
 

@@ -1,0 +1,47 @@
+"""The image operations every image processor shares, as Hugging Face defines them (no
+JAX): RGB conversion, then rescale and normalise with the CLIP mean and std by default.
+preprocess.py and qwen2_vl_processor.py build their processors on `PilImageOps`."""
+from __future__ import annotations
+
+import numpy as np
+
+OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+def convert_to_rgb(image):
+    """HF's `convert_to_rgb`: an image with transparency (an alpha band, or a palette /
+    grey image with a transparency entry) is composited onto opaque white, then RGB; any
+    other mode is converted directly."""
+    from PIL import Image
+
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        rgba = image.convert("RGBA")
+        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, rgba).convert("RGB")
+    return image.convert("RGB")
+
+
+class PilImageOps:
+    """Resize / rescale / normalise shared by the image processors (HF semantics)."""
+
+    def _prepare(self, image):
+        from PIL import Image
+
+        if not isinstance(image, Image.Image):
+            image = Image.fromarray(np.asarray(image))
+        if self.do_convert_rgb and image.mode != "RGB":
+            image = convert_to_rgb(image)
+        return image
+
+    def _finish(self, arr: np.ndarray) -> np.ndarray:
+        """uint8 [H, W, 3] -> float32 [3, H, W] (rescale in float32, then normalise)."""
+        x = arr
+        if self.do_rescale:
+            x = (x * self.rescale_factor).astype(np.float32)
+        if self.do_normalize:
+            x = x.astype(np.float32) if not np.issubdtype(x.dtype, np.floating) else x
+            mean = np.asarray(self.image_mean, dtype=x.dtype)
+            std = np.asarray(self.image_std, dtype=x.dtype)
+            x = (x - mean) / std
+        return np.ascontiguousarray(np.asarray(x, np.float32).transpose(2, 0, 1))
