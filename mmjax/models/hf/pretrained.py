@@ -27,7 +27,7 @@ from mmjax.models.hf.qwen2_vl_pretrained import (is_qwen2_vl_dir, qwen2_vl_check
                                                  qwen2_vl_projector_plan, qwen2_vl_unit_plan)
 from mmjax.models.hf.vision import VISION_TYPES, vit_load_plan
 from mmjax.models.hf.whisper import whisper_load_plan
-from mmjax.models.units import has_llm, is_generator, is_llm
+from mmjax.models.units import LLM_UNIT, has_llm, is_generator, is_llm
 
 
 class PretrainedError(ValueError):
@@ -142,8 +142,8 @@ def pretrained_config(cfg: MLLMConfig, dirs: dict) -> MLLMConfig:
         dirs[e.name]).encoder("vision").projector)
         if e.name in dirs and is_qwen2_vl_dir(dirs[e.name]) else e for e in encoders)
     cfg = cfg.replace(encoders=encoders)
-    if "llm" in dirs and is_qwen2_vl_dir(dirs["llm"]) and any(
-            dirs.get(e.name) == dirs["llm"] for e in cfg.encoders):
+    if has_llm(dirs) and is_qwen2_vl_dir(dirs[LLM_UNIT]) and any(
+            dirs.get(e.name) == dirs[LLM_UNIT] for e in cfg.encoders):
         # a whole Qwen2-VL (pretrained.model): trained as transformers runs it
         from mmjax.models.hf.qwen2_vl import hf_semantics
         cfg = cfg.replace(**hf_semantics(dirs["llm"]))
