@@ -15,7 +15,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from mmjax.parallel.zero import Zero1Optimizer
-from mmjax.train.pipeline_step import _fold_loss
+from mmjax.train.global_norm import fold_loss as _fold_loss
 from mmjax.train.step import TrainState, make_train_step, split_model
 
 
