@@ -23,7 +23,7 @@ from mmjax.data.feed import microbatch_feed
 from mmjax.models.llm import LLM
 from mmjax.models.tiny import TINY_LLM
 from mmjax.parallel.tensor import shard_state
-from mmjax.parallel.zero import Zero1Optimizer
+from zero1_legacy import Zero1Reference
 from mmjax.planner.plan import Plan
 from mmjax.train.optimizer import OptimizerSettings, make_optimizer
 from mmjax.train.pipelined import PipelinedRunner
@@ -56,7 +56,7 @@ def test_sync_and_step_equal_the_replicated_update(shape, names, rank_axes):
     mesh = Mesh(np.array(jax.devices()[:int(np.prod(shape))]).reshape(shape), names)
     p = shard_state(params, mesh)
     tx = make_optimizer(1e-2, weight_decay=0.01, clip_norm=0)
-    opt = Zero1Optimizer(tx, mesh, p, clip_norm=1.0, rank_axes=rank_axes)
+    opt = Zero1Reference(tx, mesh, p, clip_norm=1.0, rank_axes=rank_axes)
     s = opt.init(p)
     dp = int(np.prod([mesh.shape[a] for a in rank_axes]))  # the partials' ranks
     parts = [_grads(params, 10 + r) for r in range(dp)]

@@ -135,11 +135,11 @@ class SingleProgram:
     def state(self, value: TrainState) -> None:
         self._state = value
 
-    def load(self, state: dict, data_state: dict, step: int) -> None:
+    def load(self, arrays: dict, data_state: dict, step: int) -> None:
         """A checkpoint of either path: a pipeline run's has no `batches` state; the single
         program then goes on from global batch `step` of its own stream."""
         frozen = jax.tree.leaves(self.abstract.frozen)
-        self.state = single_from_logical(self.state if frozen else self.abstract, state)
+        self.state = single_from_logical(self.state if frozen else self.abstract, arrays)
         self.data.restore(data_state.get("batches", {"next_batch": step, "shapes": None}))
 
     def restore_target(self) -> dict:
