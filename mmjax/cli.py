@@ -67,7 +67,7 @@ def add_debug_flag(parser) -> None:
 def register_configurables() -> None:
     """Import every module with gin configurables the scripts' gin files bind."""
     import mmjax.data.loader  # noqa: F401
-    import mmjax.train.pipeline_step  # noqa: F401
+    import mmjax.train.manual_plan  # noqa: F401
     import mmjax.train.trainer  # noqa: F401
 
 

@@ -145,9 +145,9 @@ def traffic(rt: PipelineRuntime, ledgers: list[dict], per_node: int) -> dict:
                    if node_of(index[u], per_node) == node_of(index[v], per_node) else "inter_node")
             out[f"broker_{cls}"] += nbytes
     for st in rt.stages.values():
-        if not (st.mode.param_grads and jax.tree.leaves(st.trainable)) or st.dp == 1:
+        if not (st.mode.param_grads and jax.tree.leaves(st.abstract)) or st.dp == 1:
             continue
-        params = sum(x.size for x in jax.tree.leaves(st.trainable))
+        params = sum(x.size for x in jax.tree.leaves(st.abstract))
         per_device = params / st.mesh.devices.size * st.dp  # one dp rank's TP shard
         nbytes = st.mesh.devices.size * (st.dp - 1) / st.dp * per_device * (
             4 + np.dtype(rt.dtype).itemsize)
@@ -213,14 +213,14 @@ def collectives_per_step(rt: PipelineRuntime) -> dict[str, dict[str, int]]:
         for kind in st.fns.signatures:
             for op, n in _ops(st.fns.lowered(kind)).items():
                 count[op] += n * m
-        if st.mode.param_grads and jax.tree.leaves(st.trainable):
-            opt = Zero1Optimizer(optax.adamw(1e-3), st.mesh, st.trainable, clip_norm=1.0,
+        if st.mode.param_grads and jax.tree.leaves(st.abstract):
+            opt = Zero1Optimizer(optax.adamw(1e-3), st.mesh, st.abstract, clip_norm=1.0,
                                  rank_axes=rank_axes(st.mesh))
             put = lambda t, sh, lead=(): jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(
                 lead + tuple(a.shape), a.dtype, sharding=s), t, sh)
-            state = put(jax.eval_shape(opt.tx.init, st.trainable), opt.state_shardings)
-            master = put(st.trainable, opt.master_shardings)
-            count += _ops(opt._sync.lower(put(st.trainable, opt.rank_partial_shardings,
+            state = put(jax.eval_shape(opt.tx.init, st.abstract), opt.state_shardings)
+            master = put(st.abstract, opt.master_shardings)
+            count += _ops(opt._sync.lower(put(st.abstract, opt.rank_partial_shardings,
                                               (st.fns.ranks,))))
             count += _ops(opt.lower_step(master, master, state))
         out[str(sid)] = dict(sorted(count.items()))
@@ -232,10 +232,10 @@ def stage_memory_rows(cfg, plan: Plan, feeds) -> dict:
     account of the compiled stage programs (pipeline/memory_account.py), after one whole
     training step (forward, backward, ZeRO-1 sync and update) of `feeds`."""
     from mmjax.pipeline.memory_account import compiled_stage, in_flight, predicted_stage
-    from mmjax.train.pipeline_step import PipelineStep
+    from mmjax.train.pipelined import PipelinedRunner
 
-    ps = PipelineStep(cfg, plan, 1e-3)
-    ps(feeds)
+    ps = PipelinedRunner(cfg, plan, 1e-3)
+    ps.train_on(feeds)
     flight = in_flight(ps.runtime.schedule)
     out = {}
     for sid in ps.runtime.stages:

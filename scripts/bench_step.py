@@ -115,15 +115,15 @@ def run(args) -> dict:
     for i in range(total):
         steps.append(prog.step())
         m = steps[-1]
-        print(f"step {i + 1}/{total}: {m['step_time_s'] * 1e3:.1f} ms, compile "
-              f"{m['compile_s']:.1f} s, loss {m['loss']:.4f}", flush=True)
+        print(f"step {i + 1}/{total}: {m.step_time_s * 1e3:.1f} ms, compile "
+              f"{m.compile_s:.1f} s, loss {m.loss:.4f}", flush=True)
     trace_file = None
     if args.trace:  # one more step under the profiler (not counted in the timings)
         trace_file = traced_step(prog, args.trace)
     timed = steps[args.warmup:]
-    step_s = statistics.median(m["step_time_s"] for m in timed)
-    wait_s = statistics.median(m["data_wait_s"] for m in timed)
-    tokens = statistics.mean(m["tokens"] for m in timed)
+    step_s = statistics.median(m.step_time_s for m in timed)
+    wait_s = statistics.median(m.data_wait_s for m in timed)
+    tokens = statistics.mean(m.tokens for m in timed)
 
     hw = device_hardware()
     wl = sample_workload(source, cfg, total * args.global_batch, name="bench batches")
@@ -145,8 +145,8 @@ def run(args) -> dict:
         "machine": machine(), "device": str(jax.devices()[0].device_kind),
         "backend": jax.default_backend(), "args": vars(args),
         "trainable_params": int(prog.num_trainable),
-        "compile_s": steps[0]["compile_s"], "step_time_s": step_s, "data_wait_s": wait_s,
-        "step_times_s": [m["step_time_s"] for m in timed],
+        "compile_s": steps[0].compile_s, "step_time_s": step_s, "data_wait_s": wait_s,
+        "step_times_s": [m.step_time_s for m in timed],
         "tokens_per_step": tokens, "tokens_per_s": tokens / step_s,
         "model_flops_per_step": flops, "xla_flops_per_step": float(xla.get("flops", 0.0)),
         "peak_flops": hw.peak_flops, "hardware_model": hw.name,
@@ -154,7 +154,7 @@ def run(args) -> dict:
         "predicted_step_s": sum(predicted.values()), "predicted_unit_s": predicted,
         "profile": args.profile or None, "profiled_step_s": sum(profiled.values()) or None,
         "profiled_unit_s": profiled,
-        "losses": [m["loss"] for m in steps], "trace": trace_file,
+        "losses": [m.loss for m in steps], "trace": trace_file,
     }
     return record
 

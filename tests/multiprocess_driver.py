@@ -22,7 +22,7 @@ from helpers import global_batch, make_cfg  # noqa: E402
 
 from mmjax.data.feed import microbatch_feed  # noqa: E402
 from mmjax.planner.plan import Plan  # noqa: E402
-from mmjax.train.pipeline_step import PipelineStep  # noqa: E402
+from mmjax.train.pipelined import PipelinedRunner  # noqa: E402
 
 # Indices into [process 0's 4 devices, process 1's 4 devices] for the plan's device list:
 # vision (1) | llm stage 0 (dp 2) | llm stage 1 (dp 2) | generator (1).
@@ -58,12 +58,14 @@ def run_steps(layout: str, steps: int, pretrained: dict | None = None) -> list[d
     cfg = pretrained_cfg(pretrained) if pretrained else make_cfg()
     plan = small_plan(cfg)
     lay, samples = global_batch(cfg, plan.global_batch)
-    step = PipelineStep(cfg, plan, optax.constant_schedule(1e-2),
+    step = PipelinedRunner(cfg, plan, optax.constant_schedule(1e-2),
                         devices=ordered_devices(layout), pretrained=pretrained)
     n, dp = plan.microbatch_size, {u.name: u.dp for u in plan.units}
     feeds = [microbatch_feed(samples[m * n:(m + 1) * n], lay, dp)
              for m in range(plan.num_microbatches)]
-    return [{k: v for k, v in step(feeds).items() if k != "trace"} for _ in range(steps)]
+    keys = ("loss", "lm_loss", "diffusion_loss", "grad_norm", "nonfinite", "spike")
+    return [{k: float(getattr(m, k)) for k in keys}
+            for m in (step.train_on(feeds) for _ in range(steps))]
 
 
 def main(argv=None) -> int:

@@ -13,10 +13,9 @@ from mmjax.models.mllm import MultimodalModel, trainable_filter
 from mmjax.planner.plan import Plan
 from mmjax.train.checkpoint import Checkpointer
 from mmjax.train.inputs import model_inputs
-from mmjax.train.logical_state import (pipeline_load_logical, pipeline_logical,
-                                       single_from_logical, single_logical)
+from mmjax.train.logical_state import single_from_logical, single_logical
 from mmjax.train.optimizer import OptimizerSettings, optimizer_from_settings
-from mmjax.train.pipeline_step import PipelineStep
+from mmjax.train.pipelined import PipelinedRunner
 from mmjax.train.step import TrainState, make_train_step, split_model
 
 SETTINGS = OptimizerSettings(weight_decay=0.1, clip_norm=0.5, eps=1e-3)  # as test_pipeline_train
@@ -45,29 +44,29 @@ def test_four_steps_on_plan_a_then_four_on_plan_b_or_one_program(tmp_path):
     plan_a = Plan.uniform(cfg, 4, 2, dp={"vision": 2}, pp={"llm": 2})
     plan_b = Plan.uniform(cfg, 4, 2, dp={"vision": 1, "llm": 2, "generator": 2},
                           tp={"llm": 2})
-    a = PipelineStep(cfg, plan_a, LR, settings=SETTINGS)
+    a = PipelinedRunner(cfg, plan_a, LR, settings=SETTINGS)
     ck = Checkpointer(str(tmp_path / "checkpoints"))
     straight = []
     for i in range(8):
-        straight.append(a(_feeds(plan_a, lay, batches[i % 2]))["loss"])
+        straight.append(a.train_on(_feeds(plan_a, lay, batches[i % 2])).loss)
         if i == 3:
-            ck.save(4, pipeline_logical(a), {"note": "plan A"})
+            ck.save(4, a.checkpoint()[0], {"note": "plan A"})
     ck.wait()
 
     # the same names and logical shapes under every plan and in the single program
-    b = PipelineStep(cfg, plan_b, LR, settings=SETTINGS)
+    b = PipelinedRunner(cfg, plan_b, LR, settings=SETTINGS)
     state, step_fn = _single(cfg)
     shapes = lambda named: {k: (tuple(v.shape), str(v.dtype)) for k, v in named.items()}
-    assert shapes(pipeline_logical(b)) == shapes(pipeline_logical(a))
-    assert shapes(single_logical(state)) == shapes(pipeline_logical(a))
+    assert shapes(b.checkpoint()[0]) == shapes(a.checkpoint()[0])
+    assert shapes(single_logical(state)) == shapes(a.checkpoint()[0])
     names = set(single_logical(state))
     assert "opt.count" in names and any(k.startswith("params.llm.layers.3.") for k in names)
     assert {"opt.mu." + k[len("params."):] for k in names if k.startswith("params.")} < names
 
-    step, restored, data = ck.restore_latest(pipeline_logical(b))
+    step, restored, data = ck.restore_latest(b.restore_target())
     assert step == 4 and data == {"note": "plan A"}
-    pipeline_load_logical(b, restored)
-    resumed = [b(_feeds(plan_b, lay, batches[i % 2]))["loss"] for i in range(4, 8)]
+    b.load(restored, data, step)
+    resumed = [b.train_on(_feeds(plan_b, lay, batches[i % 2])).loss for i in range(4, 8)]
     np.testing.assert_allclose(resumed, straight[4:], rtol=1e-5)
 
     _, restored, _ = Checkpointer(str(tmp_path / "checkpoints")).restore_latest(

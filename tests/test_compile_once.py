@@ -12,7 +12,7 @@ from jax._src import monitoring
 from helpers import make_cfg
 from mmjax.planner.plan import Plan
 from mmjax.train.data_config import data_layout
-from mmjax.train.pipelined import Pipelined
+from mmjax.train.pipelined import pipelined_runner
 
 
 @pytest.mark.slow
@@ -31,8 +31,8 @@ def test_ten_balanced_steps_compile_only_in_the_first():
         with gin.unlock_config():
             gin.bind_parameter("Loader.balance", "orchmllm")
             gin.bind_parameter("Loader.shape_scan_steps", 10)
-        run = Pipelined(cfg, data_layout(cfg), plan, optax.constant_schedule(1e-3),
-                        jnp.float32, 0)
+        run = pipelined_runner(cfg, data_layout(cfg), plan, optax.constant_schedule(1e-3),
+                               jnp.float32, 0)
         per_step = []
         for _ in range(10):
             before = sum(counts.values())

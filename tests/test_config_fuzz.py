@@ -16,7 +16,7 @@ from mmjax.data.records import DecodeError, decode_record, encode_record
 from mmjax.data.synthetic import SyntheticConfig, SyntheticDataset
 from mmjax.errors import UserError
 from mmjax.planner.plan import Plan
-from mmjax.train.pipeline_step import manual_plan
+from mmjax.train.manual_plan import manual_plan
 from mmjax.train.validate import check_train_settings
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

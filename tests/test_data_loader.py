@@ -84,7 +84,7 @@ def test_skipped_samples_counted_exactly():
                 good.append(i)
         assert gb.sample_ids == good and gb.skipped_samples == want
         total += want
-    assert ld.skipped_samples == total > 0
+    assert total > 0  # the run's total is the trainer's (train/loop.py)
 
 
 def test_a_short_window_draws_replacements_the_same_way_on_every_restart():
@@ -429,3 +429,15 @@ def test_prefetch_below_two_and_bad_sources_are_rejected(tmp_path):
     write_dataset(path, [source().dataset[i] for i in range(4)], patch_size=4, max_grid=8)
     with pytest.raises(ValueError, match="--patch_size=2"):
         Loader(path, CFG, plan(), LAYOUT)
+
+
+def test_a_loader_state_of_an_older_checkpoint_restores():
+    """Older checkpoints stored the loader's own skip total; it is ignored (the run's total
+    is the trainer's) and the stream resumes at the stored step."""
+    a = Loader(source(bad=0.3), CFG, plan(), LAYOUT, seed=1)
+    want = [digest(next(a)) for _ in range(3)]
+    a.close()
+    b = Loader(source(bad=0.3), CFG, plan(), LAYOUT, seed=1)
+    b.set_state({"step": 2, "skipped_samples": 5})
+    assert digest(next(b)) == want[2] and b.get_state() == {"step": 3}
+    b.close()

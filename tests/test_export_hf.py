@@ -14,7 +14,7 @@ from mmjax.models.mllm import MultimodalModel, trainable_filter
 from mmjax.models.tiny import tiny_valm
 from mmjax.planner.plan import Plan
 from mmjax.train.checkpoint import Checkpointer
-from mmjax.train.logical_state import pipeline_logical, single_logical
+from mmjax.train.logical_state import single_logical
 from mmjax.train.export import export_workdir, restore_params
 from mmjax.train.optimizer import learning_rate_schedule, optimizer_from_settings
 from mmjax.train.step import TrainState, split_model
@@ -72,17 +72,21 @@ def test_single_program_checkpoint_round_trip(tmp_path):
 @pytest.mark.slow
 def test_plan_checkpoint_round_trip(tmp_path):
     from mmjax.pipeline.reference_layout import to_reference_layout
-    from mmjax.train.pipeline_step import PipelineStep
+    from mmjax.train.pipelined import PipelinedRunner
     cfg = model_cfg()
     plan = Plan.uniform(cfg, 4, 2, pp={"llm": 2, "vision": 2}, tp={"llm": 2})
-    step_fn = PipelineStep(cfg, plan, learning_rate_schedule(1))
-    for k, st in enumerate(step_fn.runtime.stages.values()):
-        st.trainable = perturbed(st.trainable, k)
+    step_fn = PipelinedRunner(cfg, plan, learning_rate_schedule(1))
+    stages = dict(step_fn.state.stages)
+    for k, sid in enumerate(step_fn.runtime.stages):
+        if sid in stages:
+            stages[sid] = stages[sid]._replace(master=perturbed(stages[sid].master, k))
+    step_fn.state = step_fn.state._replace(stages=stages)
     ckpt = Checkpointer(str(tmp_path / "run" / "checkpoints"), async_save=False)
-    ckpt.save(2, pipeline_logical(step_fn), {})
+    ckpt.save(2, step_fn.checkpoint()[0], {})
     ckpt.close()
     write_run_info(str(tmp_path / "run"), cfg, plan, 0)
-    want = to_reference_layout(plan, {sid: pure(nnx.merge(st.graphdef, st.trainable, st.frozen))
+    trainable = {**step_fn.fixed, **{sid: st.master for sid, st in stages.items()}}
+    want = to_reference_layout(plan, {sid: pure(nnx.merge(st.graphdef, trainable[sid], st.frozen))
                                       for sid, st in step_fn.runtime.stages.items()})
     cfg2, got, step = restore_params(str(tmp_path / "run"))
     assert cfg2 == cfg and step == 2

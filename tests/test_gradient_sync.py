@@ -23,10 +23,10 @@ from mmjax.data.feed import microbatch_feed
 from mmjax.models.llm import LLM
 from mmjax.models.tiny import TINY_LLM
 from mmjax.parallel.tensor import shard_state
-from mmjax.parallel.zero import Zero1Optimizer
+from zero1_legacy import Zero1Reference
 from mmjax.planner.plan import Plan
 from mmjax.train.optimizer import OptimizerSettings, make_optimizer
-from mmjax.train.pipeline_step import PipelineStep
+from mmjax.train.pipelined import PipelinedRunner
 
 _COLLECTIVE = re.compile(r"\b(all-reduce|reduce-scatter|all-gather|all-to-all|"
                          r"collective-permute)(-start)?\(")
@@ -56,7 +56,7 @@ def test_sync_and_step_equal_the_replicated_update(shape, names, rank_axes):
     mesh = Mesh(np.array(jax.devices()[:int(np.prod(shape))]).reshape(shape), names)
     p = shard_state(params, mesh)
     tx = make_optimizer(1e-2, weight_decay=0.01, clip_norm=0)
-    opt = Zero1Optimizer(tx, mesh, p, clip_norm=1.0, rank_axes=rank_axes)
+    opt = Zero1Reference(tx, mesh, p, clip_norm=1.0, rank_axes=rank_axes)
     s = opt.init(p)
     dp = int(np.prod([mesh.shape[a] for a in rank_axes]))  # the partials' ranks
     parts = [_grads(params, 10 + r) for r in range(dp)]
@@ -93,12 +93,12 @@ def _step(m: int):
     cfg = make_cfg()
     lay, samples = global_batch(cfg, 8)
     plan = Plan.uniform(cfg, 8, m, dp={"vision": 2, "llm": 2, "generator": 2})
-    ps = PipelineStep(cfg, plan, 1e-2, settings=OptimizerSettings(clip_norm=1.0))
+    ps = PipelinedRunner(cfg, plan, 1e-2, settings=OptimizerSettings(clip_norm=1.0))
     n, dp = plan.microbatch_size, {u.name: u.dp for u in plan.units}
     feeds = [microbatch_feed(samples[k * n:(k + 1) * n], lay, dp) for k in range(m)]
     calls = {sid: st.backward_calls for sid, st in ps.runtime.stages.items()}
-    out = ps(feeds)
-    assert np.isfinite(out["loss"]) and out["nonfinite"] == 0.0
+    out = ps.train_on(feeds)
+    assert np.isfinite(out.loss) and out.nonfinite == 0.0
     return ps, calls
 
 
@@ -128,10 +128,10 @@ def test_one_reduce_scatter_and_one_all_gather_per_stage_per_step(steps):
         for sid, opt in ps.optimizers.items():  # ... and one sync + one update program
             partial = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct((2,) + a.shape,
                                                                       jnp.float32, sharding=sh),
-                                   ps.runtime.stages[sid].trainable, opt.rank_partial_shardings)
+                                   ps.state.stages[sid].master, opt.rank_partial_shardings)
             rs = _collectives(opt._sync.lower(partial).compile().as_text())
-            master = ps.runtime.stages[sid].trainable
-            up = _collectives(opt.lower_step(master, master, ps.opt_states[sid])
+            master = ps.state.stages[sid].master
+            up = _collectives(opt.lower_step(master, master, ps.state.stages[sid].opt)
                               .compile().as_text())
             assert rs["reduce-scatter"] == 1 and set(rs) <= {"reduce-scatter", "all-reduce"}
             assert up == Counter({"all-gather": 1}), up
@@ -145,10 +145,10 @@ def test_master_weights_and_moments_live_as_one_dp_shard(steps):
     (live arrays' addressable shards); the compute copy stays whole (replicated over dp)."""
     ps, _ = steps[2]
     for sid, opt in ps.optimizers.items():
-        st = ps.runtime.stages[sid]
-        full = sum(a.nbytes for a in jax.tree.leaves(st.trainable))
+        st = ps.state.stages[sid]
+        full = sum(a.nbytes for a in jax.tree.leaves(st.master))
         unsplit = sum(a.nbytes for a, spec in zip(
-            jax.tree.leaves(st.trainable),
+            jax.tree.leaves(st.master),
             jax.tree.leaves(opt.shard_specs, is_leaf=lambda x: isinstance(x, P)))
             if opt._split_dim(spec, a.ndim) is None)
 
@@ -160,8 +160,8 @@ def test_master_weights_and_moments_live_as_one_dp_shard(steps):
                         out[sh.device] += sh.data.nbytes
             return out
 
-        master = per_device(st.trainable)
-        moments = per_device(ps.opt_states[sid])
+        master = per_device(st.master)
+        moments = per_device(ps.state.stages[sid].opt)
         compute = per_device(st.compute)
         assert len(master) == 2 and len(compute) == 2
         for dev in master:
@@ -211,13 +211,13 @@ def _cp_step(m: int, layout: str):
     cfg = make_cfg()
     lay, samples = global_batch(cfg, 8, packing="pack")
     plan = _cp_plan(cfg, m, layout)
-    ps = PipelineStep(cfg, plan, 1e-2, settings=OptimizerSettings(clip_norm=1.0))
+    ps = PipelinedRunner(cfg, plan, 1e-2, settings=OptimizerSettings(clip_norm=1.0))
     n, dp = plan.microbatch_size, {u.name: u.dp for u in plan.units}
     feeds = [microbatch_feed(samples[k * n:(k + 1) * n], lay, dp, cp=2, cp_method="lpt",
                              cp_block=16) for k in range(m)]
     calls = {sid: st.backward_calls for sid, st in ps.runtime.stages.items()}
-    out = ps(feeds)
-    assert np.isfinite(out["loss"]) and out["nonfinite"] == 0.0
+    out = ps.train_on(feeds)
+    assert np.isfinite(out.loss) and out.nonfinite == 0.0
     return ps, calls, cfg
 
 
@@ -291,13 +291,14 @@ def test_cp_stage_reduces_its_gradients_once_per_step_over_dp_x_cp(layout):
             partial = jax.tree.map(
                 lambda a, sh: jax.ShapeDtypeStruct((st.fns.ranks,) + a.shape, jnp.float32,
                                                    sharding=sh),
-                st.trainable, opt.rank_partial_shardings)
+                ps.state.stages[sid].master, opt.rank_partial_shardings)
             sync_hlo = opt._sync.lower(partial).compile().as_text()
             rs = _collectives(sync_hlo)
             assert rs["reduce-scatter"] == 1 and set(rs) <= {"reduce-scatter", "all-reduce"}, rs
             groups = re.search(r"reduce-scatter\([^\n]*replica_groups=(\S+)", sync_hlo).group(1)
             assert _replica_group_size(groups) == up.dp * up.cp == st.fns.ranks, groups
-            upd = _collectives(opt.lower_step(st.trainable, st.trainable, ps.opt_states[sid])
+            state = ps.state.stages[sid]
+            upd = _collectives(opt.lower_step(state.master, state.master, state.opt)
                                .compile().as_text())
             assert upd == Counter({"all-gather": 1}), upd
             per_m[m][str(sid)] = (rs, upd)

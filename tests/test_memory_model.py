@@ -39,14 +39,14 @@ def _tiny_plan(cfg, kind: str, remat: str) -> Plan:
 
 def stage_errors(kind: str, remat: str) -> dict:
     """{stage: (predicted, compiled) peak bytes per device} of one tiny-config step."""
-    from mmjax.train.pipeline_step import PipelineStep
+    from mmjax.train.pipelined import PipelinedRunner
 
     cfg = make_cfg()
     plan = _tiny_plan(cfg, kind, remat)
     lay, samples = global_batch(cfg, 4)
-    ps = PipelineStep(cfg, plan, 1e-3)
+    ps = PipelinedRunner(cfg, plan, 1e-3)
     dp = {u.name: u.dp for u in plan.units}
-    ps([microbatch_feed(samples[m * 2:(m + 1) * 2], lay, dp) for m in range(2)])
+    ps.train_on([microbatch_feed(samples[m * 2:(m + 1) * 2], lay, dp) for m in range(2)])
     flight = in_flight(ps.runtime.schedule)
     out = {}
     for sid in ps.runtime.stages:

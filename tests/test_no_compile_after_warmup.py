@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import pytest
 
 from mmjax.train.compile_watch import COMPILE_EVENT, CompileWatch, watched_step
+from mmjax.train.runner import StepMetrics
 
 REPO = os.path.join(os.path.dirname(__file__), os.pardir)
 TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"
@@ -57,7 +58,7 @@ def test_the_example_needs_the_whole_runs_floor():
     need (step 18 recompiled); the floor of all 30 covers every batch."""
     from mmjax.data.loader import Loader
     from mmjax.train.data_config import data_layout, train_source
-    from mmjax.train.pipeline_step import manual_plan
+    from mmjax.train.manual_plan import manual_plan
     from mmjax.train.config import named_model_config
 
     _parse([])
@@ -87,15 +88,15 @@ class _Runner:
     def step(self, trace=False):
         self.n += 1
         jax.jit(lambda x: x * self.n)(jnp.ones(self.n + 100)).block_until_ready()
-        return {"compile_reason": "a new shape"}
+        return StepMetrics(0.0, 0.0, 0.0, 0.0, compile_reason="a new shape")
 
 
 def test_a_compile_after_warm_up_is_said_with_its_reason():
     said, runner = [], _Runner()
     first = watched_step(runner, 1, False, said.append, warm=False)
-    assert said == [] and "compile_s" not in first  # warm-up: the runner's own report
+    assert said == [] and first.compile_s == 0  # warm-up: the runner's own report
     m = watched_step(runner, 2, False, said.append, warm=True)
-    assert m["compile_s"] > 0 and len(said) == 1, said
+    assert m.compile_s > 0 and len(said) == 1, said
     assert said[0].startswith("step 2: compiled") and said[0].endswith("(a new shape)")
     with CompileWatch() as w:
         pass

@@ -14,8 +14,8 @@ import pytest
 from flax import nnx
 from jax.sharding import Mesh
 
-from mmjax.parallel.zero import Zero1Optimizer
-from mmjax.train.pipeline_step import _fold_loss
+from zero1_legacy import Zero1Reference
+from mmjax.train.global_norm import fold_loss as _fold_loss
 from mmjax.train.step import TrainState, make_train_step, split_model
 
 
@@ -70,7 +70,7 @@ def test_single_program_step_is_skipped_on_device_and_counted(sqrt_step, case):
 def test_zero1_update_skips_when_the_folded_norm_is_not_finite():
     mesh = Mesh(np.array(jax.devices()[:2]).reshape(2, 1), ("dp", "tp"))
     params = {"w": jnp.arange(8.0, dtype=jnp.float32).reshape(4, 2)}
-    opt = Zero1Optimizer(optax.adam(0.1), mesh, params, clip_norm=1.0)
+    opt = Zero1Reference(optax.adam(0.1), mesh, params, clip_norm=1.0)
     state = opt.init(params)
     grads = {"w": jnp.ones((4, 2), jnp.float32)}
     norm = jnp.sqrt(jnp.float32(8.0))

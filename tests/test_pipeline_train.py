@@ -18,7 +18,7 @@ from mmjax.pipeline.reference_layout import to_reference_layout
 from mmjax.planner.plan import Plan
 from mmjax.train.inputs import model_inputs
 from mmjax.train.optimizer import OptimizerSettings, optimizer_from_settings
-from mmjax.train.pipeline_step import PipelineStep
+from mmjax.train.pipelined import PipelinedRunner
 from mmjax.train.step import TrainState, make_train_step, split_model
 
 from helpers import global_batch, make_cfg
@@ -49,15 +49,15 @@ def test_two_pipelined_steps_equal_single_program_steps():
 
     plan = Plan.uniform(cfg, 4, 2, dp={"vision": 2, "llm": 1, "generator": 2}, tp={"llm": 2},
                         pp={"llm": 2})
-    ps = PipelineStep(cfg, plan, schedule, settings=SETTINGS)
+    ps = PipelinedRunner(cfg, plan, schedule, settings=SETTINGS)
     dp = {u.name: u.dp for u in plan.units}
     losses = []
     for b in batches:
         feeds = [microbatch_feed(b[m * 2:(m + 1) * 2], lay, dp) for m in range(2)]
-        losses.append(ps(feeds)["loss"])
+        losses.append(ps.train_on(feeds).loss)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
 
-    got = to_reference_layout(plan, {sid: nnx.to_pure_dict(ps.runtime.stages[sid].trainable)
+    got = to_reference_layout(plan, {sid: nnx.to_pure_dict(ps.state.stages[sid].master)
                                      for sid in ps.optimizers})
     ref = nnx.to_pure_dict(state.trainable)
     g, r = flat(got), flat(ref)
@@ -118,16 +118,16 @@ def test_pipeline_state_round_trip_is_exact(tmp_path):
     plan = Plan.uniform(cfg, 4, 2, dp={"vision": 2}, pp={"llm": 2})
     dp = {u.name: u.dp for u in plan.units}
     feeds = [microbatch_feed(samples[m * 2:(m + 1) * 2], lay, dp) for m in range(2)]
-    a = PipelineStep(cfg, plan, 1e-2)
-    a(feeds)
+    a = PipelinedRunner(cfg, plan, 1e-2)
+    a.train_on(feeds)
     ck = Checkpointer(str(tmp_path / "ck"))
-    ck.save(1, a.state(), {"note": "x"})
+    ck.save(1, a.checkpoint()[0], {"note": "x"})
     ck.wait()
-    b = PipelineStep(cfg, plan, 1e-2)
-    state, data = ck.restore(1, b.state())
-    b.load_state(state)
+    b = PipelinedRunner(cfg, plan, 1e-2)
+    state, data = ck.restore(1, b.restore_target())
+    b.load(state, data, 1)
     assert data == {"note": "x"}
-    for x, y in zip(jax.tree.leaves(a.state()), jax.tree.leaves(b.state())):
+    for x, y in zip(jax.tree.leaves(a.checkpoint()[0]), jax.tree.leaves(b.checkpoint()[0])):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-    assert a(feeds)["loss"] == b(feeds)["loss"]
+    assert a.train_on(feeds).loss == b.train_on(feeds).loss
     ck.close()

@@ -78,7 +78,7 @@ def test_cp_head_groups_only_for_llm():
 
 
 def test_manual_plan_passes_the_knobs():
-    from mmjax.train.pipeline_step import manual_plan
+    from mmjax.train.manual_plan import manual_plan
     cfg = make_cfg()
     plan = manual_plan(global_batch=4, model=cfg, remat={"llm": "none"}, tp_chunks={"llm": 1},
                        tp_bidirectional=False, cp_head_groups={"llm": 2}, cp={"llm": 2})

@@ -64,7 +64,7 @@ def test_misspelt_unit_names_are_refused():
     cfg = tiny()
     with pytest.raises(UserError, match=r"Loader.balance: unknown units \['visoin'\]"):
         unit_policies({"visoin": "orchmllm"}, cfg)
-    from mmjax.train.pipeline_step import manual_plan
+    from mmjax.train.manual_plan import manual_plan
     with pytest.raises(UserError, match=r"manual_plan.dp: unknown unit\(s\) \['visoin'\]"):
         manual_plan(global_batch=8, dp={"visoin": 2}, model=cfg)
 

@@ -23,9 +23,10 @@ from mmjax.models.tiny import TINY_GENERATOR, TINY_LLM, TINY_VISION, tiny, tiny_
 from mmjax.models.vision import VisionEncoder
 from mmjax.parallel.tensor import (activation_sharding, mesh_param_specs, param_specs,
                                    path_names, shard_state)
-from mmjax.parallel.zero import Zero1Optimizer, global_grad_norm, state_bytes_per_device
+from mmjax.parallel.zero import Zero1Optimizer, state_bytes_per_device
 from mmjax.pipeline.stage_modules import build_stage_module
-from mmjax.train.optimizer import learning_rate_schedule, make_optimizer, zero1_adamw
+from mmjax.train.optimizer import learning_rate_schedule, make_optimizer
+from zero1_legacy import global_grad_norm, zero1_adamw
 
 B = 4  # batch, divisible by every dp used here
 

@@ -144,7 +144,6 @@ class Loader:
             self.builder.floor = self.builder.scan_floor(min(shape_scan_steps, num_steps))
         # the trainer stops a run whose share of bad samples passes this (train/trainer.py)
         self.max_bad_fraction = max_bad_fraction
-        self.skipped_samples = 0
         self._it = None
         self.step = 0  # the grain pipeline starts at the first `next` (or `set_state`)
 
@@ -192,19 +191,17 @@ class Loader:
         if self._it is None:
             self._start(self.step)
         gb = next(self._it)
-        self.skipped_samples += gb.skipped_samples
         self.step = gb.step + 1
         return gb
 
     def get_state(self) -> dict:
-        """JSON-able state (stored with the checkpoint): next step and the skip counter;
-        with producers also their positions (the steps each has in flight; a resume
-        restarts them all from `step`, whatever their number)."""
-        state = {"step": self.step, "skipped_samples": self.skipped_samples}
+        """JSON-able state (stored with the checkpoint): the next step; with producers also
+        their positions (the steps each has in flight; a resume restarts them all from
+        `step`, whatever their number). The run's skip total is the trainer's."""
+        state = {"step": self.step}
         if hasattr(self._it, "positions"):
             state["producers"] = self._it.positions()
         return state
 
     def set_state(self, state: dict) -> None:
-        self._start(int(state["step"]))
-        self.skipped_samples = int(state["skipped_samples"])
+        self._start(int(state["step"]))  # an older state's "skipped_samples": the trainer's

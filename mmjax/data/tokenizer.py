@@ -21,7 +21,7 @@ import gin
 import numpy as np
 
 from mmjax.errors import UserError
-from mmjax.data.sample import FIRST_TEXT_ID, SpecialTokens
+from mmjax.data.sample import SpecialTokens
 
 MARKERS = {"image_start": "<|image_start|>", "image_end": "<|image_end|>",
            "audio_start": "<|audio_start|>", "audio_end": "<|audio_end|>",
@@ -147,33 +147,6 @@ class Tokenizer:
                 with open(file, "rb") as f:
                     h.update(f.read())
         return h.hexdigest()[:16]
-
-
-class ByteTokenizer:
-    """Byte-level fallback (id = FIRST_TEXT_ID + byte), for synthetic and byte-level
-    ArrayRecord data only: no chat template, reserved special ids."""
-
-    chat_template = None
-    bos_token = eos_token = pad_token = None
-    vocab_size = FIRST_TEXT_ID + 256
-
-    def special_tokens(self) -> SpecialTokens:
-        return SpecialTokens()
-
-    def encode(self, text: str) -> Encoding:
-        ids, offsets = [], []
-        for i, ch in enumerate(text):
-            for b in ch.encode():
-                ids.append(FIRST_TEXT_ID + b)
-                offsets.append((i, i + 1))
-        return Encoding(np.asarray(ids, np.int32), offsets)
-
-    def decode(self, ids, skip_special_tokens: bool = True) -> str:
-        raw = bytes(int(i) - FIRST_TEXT_ID for i in ids if FIRST_TEXT_ID <= int(i) < 272)
-        return raw.decode(errors="replace")
-
-    def fingerprint(self) -> str:
-        return "bytes"
 
 
 @gin.configurable

@@ -1,10 +1,10 @@
 """ZeRO-1 (P_os): optimizer state partitioned over the data-parallel axis of a stage's mesh.
 
 Params keep their Megatron TP sharding; every optimizer-state leaf adds 'dp' on its first
-free divisible dimension; the jitted update runs optax on the local shard and all-gathers the
-new params. `global_grad_norm` + `update(..., global_grad_norm=)` clip every stage by the
-factor one optimizer over all parameters would use. Details: docs/design.md "ZeRO-1 and
-global-norm clipping".
+free divisible dimension; per step one program reduce-scatters the gradients into those
+shards (`sync`) and one runs optax on them and all-gathers the new params (`step`), clipped
+by the norm over every stage's gradients, the factor one optimizer over all parameters
+would use. Details: docs/design.md "ZeRO-1 and global-norm clipping".
 """
 from __future__ import annotations
 
@@ -81,37 +81,15 @@ def keep_if_nonfinite(ok, new, old):
     return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
 
 
-@jax.jit
-def grad_sq_norm(grads):
-    """Sum of squares of every gradient leaf (one stage's contribution to the global norm)."""
-    return sum((jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads)),
-               jnp.zeros((), jnp.float32))
-
-
-def global_grad_norm(grads_per_stage, device=None):
-    """L2 norm over the gradients of ALL stages (each tree on its own mesh). The per-stage sums
-    of squares are computed on their meshes and only the scalars move to `device` (default:
-    this process's first device); no host sync. Stages in other processes: sum their
-    `grad_sq_norm`s across processes (e.g. jax.experimental.multihost_utils.process_allgather)
-    and pass sqrt of the total to `update` as a host float."""
-    device = jax.local_devices()[0] if device is None else device
-    total = jnp.zeros((), jnp.float32)
-    total = jax.device_put(total, device)
-    for grads in grads_per_stage:
-        if jax.tree.leaves(grads):
-            total = total + jax.device_put(grad_sq_norm(grads), device)
-    return jnp.sqrt(total)
-
-
 class Zero1Optimizer:
     """ZeRO-1 wrapper of an optax transform for one stage's parameters on its ('dp', 'tp') mesh.
 
     `params`: the stage's trainable parameters (arrays or ShapeDtypeStructs, nnx.State or dict),
     fp32; `param_specs`: their TP specs (default: parallel/tensor.py rules for `mesh`); `tx`:
-    the optimizer WITHOUT global-norm clipping; `clip_norm`: clip by the global norm (the
-    shared `global_grad_norm` when given to `update`, else this stage's own); `dp_axes`: the
-    mesh axes the state is split over (those of 'dp', 'cp' present). A stage with no
-    trainable parameters gets no state and `update` is the identity.
+    the optimizer WITHOUT global-norm clipping; `clip_norm`: clip by the global norm handed
+    to `step`; `dp_axes`: the mesh axes the state is split over (those of 'dp', 'cp'
+    present). A stage with no trainable parameters gets no state and `step` is the
+    identity.
 
     The pipeline's path (one gradient sync per step): `sync` reduce-scatters the step's
     per-rank partial gradients `[dp, ...]` (blocked over the mesh's 'dp' axis) straight into
@@ -151,27 +129,8 @@ class Zero1Optimizer:
         replicated = NamedSharding(mesh, P())
         self._init = jax.jit(tx.init, in_shardings=(self.param_shardings,),
                              out_shardings=self.state_shardings)
-        self._update = jax.jit(
-            self._update_shard,
-            in_shardings=(self.param_shardings, self.param_shardings, self.state_shardings,
-                          replicated),
-            out_shardings=(self.param_shardings, self.state_shardings),
-            donate_argnums=(0, 2) if donate else ())
         self._replicated = replicated
-        # dp-partial gradients: [dp, *shape], rank r's un-reduced sum on its dp slot.
-        self.partial_shardings = jax.tree.map(
-            lambda s, a: NamedSharding(mesh, P(dp_axis, *_padded(s, len(a.shape)))),
-            specs, abstract, is_leaf=_is_spec)
         self.grad_shard_shardings = _named(mesh, self.shard_specs)
-        self._reduce_scatter = jax.jit(
-            self._reduce_scatter_impl, in_shardings=(self.partial_shardings,),
-            out_shardings=(self.grad_shard_shardings, replicated))
-        self._update_from_shards = jax.jit(
-            self._update_shard,
-            in_shardings=(self.param_shardings, self.grad_shard_shardings,
-                          self.state_shardings, replicated),
-            out_shardings=(self.param_shardings, self.state_shardings),
-            donate_argnums=(0, 1, 2) if donate else ())
 
         # ---- the pipeline's path: flat sync and fused update + all-gather ----
         self.compute_dtype = compute_dtype
@@ -202,81 +161,6 @@ class Zero1Optimizer:
         if not self.has_state:
             return optax.EmptyState()
         return self._init(jax.tree.map(put_global, params, self.param_shardings))
-
-    def _update_shard(self, params, grads, opt_state, norm):
-        """A non-finite `norm` (the trainer folds a non-finite loss into it) leaves params
-        and state as they were: the step is skipped on device, with no host sync."""
-        to_shard = lambda t: jax.lax.with_sharding_constraint(t, _named(self.mesh,
-                                                                        self.shard_specs))
-        p, g = to_shard(params), to_shard(grads)
-        if self.clip_norm:
-            g = _clip(g, norm, self.clip_norm)
-        updates, new_state = self.tx.update(g, opt_state, p)
-        new_p = to_shard(optax.apply_updates(p, updates))
-        return keep_if_nonfinite(jnp.isfinite(norm), (new_p, new_state), (params, opt_state))
-
-    def update(self, params, grads, opt_state, global_grad_norm=None):
-        """-> (new params, new opt_state). `grads`: summed over microbatches and dp, replicated
-        over dp with the params' TP sharding. `global_grad_norm`: the norm over all stages'
-        grads (scalar, any device or host); None clips with this stage's own norm."""
-        if not self.has_state:
-            return params, opt_state
-        if global_grad_norm is None:
-            global_grad_norm = jnp.sqrt(grad_sq_norm(grads)) if self.clip_norm else 0.0
-        if self._replicated.is_fully_addressable:
-            norm = jax.device_put(jnp.asarray(global_grad_norm, jnp.float32), self._replicated)
-            # No-ops when the inputs already carry these shardings; otherwise an async reshard
-            # (e.g. grads whose sharding GSPMD chose differently), instead of jit's mismatch
-            # error.
-            params, grads = (jax.device_put(t, self.param_shardings) for t in (params, grads))
-            opt_state = jax.device_put(opt_state, self.state_shardings)
-        else:  # mesh spanning processes: inputs already global; norm is a host float
-            norm = put_global(np.asarray(global_grad_norm, np.float32), self._replicated)
-        return self._update(params, grads, opt_state, norm)
-
-    def _reduce_scatter_impl(self, partial):
-        def local(spec):
-            def one(block):  # [1, *tp-local shape], this dp rank's partial sum
-                block = block[0]
-                if self._dp_axis is None:
-                    return block
-                dims = [i for i, a in enumerate(_padded(spec, block.ndim))
-                        if a == self._dp_axis]
-                if not dims:  # no dimension to split: plain all-reduce, stays replicated
-                    return jax.lax.psum(block, self._dp_axis)
-                return jax.lax.psum_scatter(block, self._dp_axis, scatter_dimension=dims[0],
-                                            tiled=True)
-            return one
-
-        in_specs = jax.tree.map(lambda sh: sh.spec, self.partial_shardings)
-        flat_specs, tree = jax.tree.flatten(self.shard_specs, is_leaf=_is_spec)
-        mapped = jax.shard_map(
-            lambda *blocks: [local(s)(b) for s, b in zip(flat_specs, blocks)],
-            mesh=self.mesh, in_specs=tuple(jax.tree.leaves(in_specs, is_leaf=_is_spec)),
-            out_specs=flat_specs)
-        grads = jax.tree.unflatten(tree, mapped(*jax.tree.leaves(partial)))
-        return grads, grad_sq_norm(grads)
-
-    def reduce_scatter(self, partial_grads):
-        """dp-partial gradients -> (grad shards, their sum of squares). `partial_grads`: per
-        parameter [dp, *shape], slot r holding dp rank r's un-reduced sum (sharding
-        `partial_shardings`: P('dp', *tp spec)). XLA reduce-scatters them straight into the
-        ZeRO-1 shards (the distributed-training lecture notes ZeRO: P_os with reduce-scatter instead of all-reduce); the
-        sum of squares is this stage's term of `global_grad_norm`'s square."""
-        if not self.has_state:
-            return partial_grads, jnp.zeros((), jnp.float32)
-        return self._reduce_scatter(jax.device_put(partial_grads, self.partial_shardings))
-
-    def update_from_shards(self, params, grad_shards, opt_state, global_grad_norm):
-        """`update` for grads already in the ZeRO-1 shards (from `reduce_scatter`);
-        `global_grad_norm`: sqrt of the sum of every stage's `reduce_scatter` square."""
-        if not self.has_state:
-            return params, opt_state
-        norm = jax.device_put(jnp.asarray(global_grad_norm, jnp.float32), self._replicated)
-        params = jax.device_put(params, self.param_shardings)
-        grad_shards = jax.device_put(grad_shards, self.grad_shard_shardings)
-        opt_state = jax.device_put(opt_state, self.state_shardings)
-        return self._update_from_shards(params, grad_shards, opt_state, norm)
 
     # ---- one gradient sync per step --------------------------------------------------
     def _split_dim(self, spec, ndim: int):
@@ -415,12 +299,6 @@ class Zero1Optimizer:
     def lower_step(self, master, grad_shards, opt_state):
         return self._step.lower(master, grad_shards, opt_state,
                                 jax.ShapeDtypeStruct((), jnp.float32, sharding=self._replicated))
-
-    def lower_update(self, params, grads, opt_state):
-        """The lowered update (for HLO inspection: all-gather of params, sharded state)."""
-        return self._update.lower(params, grads, opt_state,
-                                  jax.ShapeDtypeStruct((), jnp.float32, sharding=self._replicated))
-
 
 def state_bytes_per_device(opt_state) -> int:
     """Largest optimizer-state footprint on any one device (bytes), from the leaves'

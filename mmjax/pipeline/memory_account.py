@@ -51,19 +51,20 @@ def in_flight(schedule) -> dict:
 
 
 def compiled_stage(ps, sid, flight: int) -> dict:
-    """XLA's account of stage `sid` of a `PipelineStep` that has run a step."""
-    st, opt = ps.runtime.stages[sid], ps.optimizers[sid]
+    """XLA's account of stage `sid` of a pipelined runner (train/pipelined.py) that has run a
+    step."""
+    st, opt, state = ps.runtime.stages[sid], ps.optimizers[sid], ps.state.stages[sid]
     fwd = st.fns.lowered("F").compile()
     bwd = st.fns.lowered("B").compile()
-    step = opt.lower_step(st.trainable, st.trainable, ps.opt_states[sid]).compile()
+    step = opt.lower_step(state.master, state.master, state.opt).compile()
     lowered = st.fns.lowered("F")
     out_avals = lowered.out_info[1].leaves
     res = _shard_bytes(out_avals, fwd.output_shardings[1].leaves)
-    master = _device_bytes(st.trainable)
-    adam = state_bytes_per_device(ps.opt_states[sid])
-    compute = _device_bytes(st.compute)
+    master = _device_bytes(state.master)
+    adam = state_bytes_per_device(state.opt)
+    compute = _device_bytes(state.compute)
     frozen = _device_bytes(st.frozen)
-    acc = 4 * compute // np.dtype(jax.tree.leaves(st.compute)[0].dtype).itemsize
+    acc = 4 * compute // np.dtype(jax.tree.leaves(state.compute)[0].dtype).itemsize
     others = (flight - 1) * res
     phases = {"F": master + adam + acc + others + _footprint(fwd),
               "B": master + adam + others + _footprint(bwd),
@@ -79,12 +80,12 @@ def _count(tree) -> int:
 def predicted_stage(cfg, plan, ps, sid, flight: int, b: int = 4):
     """The planner's `StageMemory` of stage `sid`: parameter counts of the stage, the
     tokens its microbatch carries per device (rows x row length, as the feed pads them)."""
-    st = ps.runtime.stages[sid]
+    st, compute = ps.runtime.stages[sid], ps.state.stages[sid].compute
     up = plan.unit(sid.unit)
     start, end = up.stage_layers(sid.index % up.pp, sid.index // up.pp)
     args, _ = st.fns.signatures["F"]
     side = args[3]
-    trainable = _device_bytes(st.compute) / np.dtype(jax.tree.leaves(st.compute)[0].dtype).itemsize
+    trainable = _device_bytes(compute) / np.dtype(jax.tree.leaves(compute)[0].dtype).itemsize
     frozen = _device_bytes(st.frozen) / 4 if jax.tree.leaves(st.frozen) else 0
     dp, tp = up.dp, up.tp
     L = cfg.num_layers(sid.unit)

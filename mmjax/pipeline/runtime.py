@@ -6,6 +6,12 @@ dependency-respecting global order, moving activations and gradients between sta
 the broker; JAX's async dispatch lets stages on disjoint devices run concurrently, and the
 loop makes no host sync in single-process runs. Multi-process behaviour: docs/design.md
 "The runtime in several processes".
+
+The runtime is built once from the plan and holds no training state: a step is a function
+of the frozen stage specs (`Stage`), the compute copy of every stage's parameters (handed
+in by the caller, train/pipelined.py) and the microbatch feeds, to the losses and each
+stage's partial gradients. It calls nothing above it: `start` hands each stage's gradients
+out as an iterator, as soon as the stage's last backward is dispatched.
 """
 from __future__ import annotations
 
@@ -66,18 +72,20 @@ def _stage_state(make_module, args, key, filters, mesh):
 
 @dataclass
 class Stage:
+    """One stage's fixed parts: its mesh, module structure, frozen parameters and programs.
+    `abstract`: the trainable parameters' shapes, dtypes and (placed) shardings; the values
+    live in the training state (train/state.py)."""
+
     id: StageId
     mesh: jax.sharding.Mesh
     dp: int
     graphdef: object
-    trainable: object
+    abstract: object
     frozen: object
     mode: Backward
     fns: object = None
-    backward_calls: int = 0
+    backward_calls: int = 0    # backward programs dispatched (a diagnostic count)
     local: bool = True  # the mesh holds a device of this process
-    compute: object = None     # the params forward/backward read (see `PipelineRuntime.params`)
-    compute_of: object = None  # the `trainable` that `compute` was gathered from
     gather: object = None      # jitted trainable -> compute (cast, all-gather over dp)
     zeros: object = None       # jitted () -> zero partial-gradient accumulators [dp, ...]
 
@@ -89,11 +97,20 @@ class _Step:
 
     feeds: list
     totals: tuple
+    params: dict
     sides: dict = field(default_factory=dict)
     outputs: dict = field(default_factory=dict)
     residuals: dict = field(default_factory=dict)
     cotangents: dict = field(default_factory=dict)
     result: StepResult = field(default_factory=StepResult)
+
+
+def _abstract(tree):
+    """Shapes, dtypes and shardings of `tree`'s arrays (what a stage keeps of its
+    parameters)."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                                       sharding=a.sharding),
+                        tree)
 
 
 def _load_pretrained(cfg: MLLMConfig, up, sid: StageId, path, tr, fr, whole: bool = False):
@@ -148,6 +165,7 @@ class PipelineRuntime:
                             "within one process (order the plan's devices so both stages sit "
                             "on one host, or use llm pp=1)")
         self.stages: dict[StageId, Stage] = {}
+        self._initial: dict | None = {}  # the seed's / pretrained parameters, until taken
         for sid in self.graph.stages:
             mesh = self.meshes[sid.unit][sid.index % plan.unit(sid.unit).pp]
             mode = Backward(self.graph.has_backward[sid])
@@ -157,11 +175,13 @@ class PipelineRuntime:
                 tr, fr = _load_pretrained(cfg, up, sid, pretrained["model"], tr, fr, True)
             elif sid.unit in pretrained:
                 tr, fr = _load_pretrained(cfg, up, sid, pretrained[sid.unit], tr, fr)
-            st = Stage(sid, mesh, up.dp, gd, tr, fr, mode, local=holds_local_device(mesh))
+            st = Stage(sid, mesh, up.dp, gd, _abstract(tr), fr, mode,
+                       local=holds_local_device(mesh))
             st.fns = make_stage_fns(cfg, up, gd, mode, compute_dtype, mesh,
                                     llm_mask_family=llm_mask_family)
             self._stage_programs(st)
             self.stages[sid] = st
+            self._initial[sid] = tr
         # one row per physical stage, i.e. per mesh (Megatron's interleaved order for units
         # with num_chunks > 1), merged into one dependency-respecting dispatch order; JAX
         # runs each mesh's work in dispatch order, so each mesh executes exactly its row.
@@ -169,7 +189,7 @@ class PipelineRuntime:
         self.schedule = multimodal_one_f_one_b(self.graph, plan.num_microbatches)
         self.order = [(self.graph.virtual(s, a.chunk), a)
                       for s, a in dispatch_order(self.schedule, self.graph)]
-        # index in `order` of each stage's last backward (where its gradient sync may start)
+        # index in `order` of each stage's last backward (its gradients are final there)
         self.last_backward = {sid: i for i, (sid, a) in enumerate(self.order) if a.kind == "B"}
         self.brokers: dict[tuple[StageId, StageId], Broker] = {}
         self.sync = sync_collectives()
@@ -179,30 +199,43 @@ class PipelineRuntime:
         """The stage's parameter programs: `gather` (fp32 params in any dp sharding -> the
         compute copy: compute dtype, replicated over dp, TP-sharded) and `zeros` (the step's
         float32 partial-gradient accumulators `[ranks, ...]`, ranks = dp or dp * cp)."""
-        compute_sh = state_shardings(st.trainable, st.mesh)
+        compute_sh = state_shardings(st.abstract, st.mesh)
         dtype = self.dtype
         st.gather = jax.jit(lambda t: cast_floats(t, dtype), out_shardings=compute_sh)
         if st.mode.param_grads:
             abstract_tr = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
-                                       st.trainable)
+                                       st.abstract)
             sh = partial_shardings(abstract_tr, st.mesh)
             st.zeros = jax.jit(lambda: jax.tree.map(
                 lambda a: jnp.zeros((st.fns.ranks,) + tuple(a.shape), jnp.float32),
                 abstract_tr),
                 out_shardings=sh)
 
+    def take_initial_params(self) -> dict:
+        """{StageId: fp32 trainable parameters} as the seed (or the pretrained checkpoint)
+        makes them, placed on each stage's mesh (abstract for a mesh in other processes);
+        handed over once, to the training state's owner, which keeps the only reference."""
+        if self._initial is None:
+            raise RuntimeError("internal: the runtime's initial parameters were taken already")
+        params, self._initial = self._initial, None
+        return params
+
+    def compute_params(self, trainable: dict) -> dict:
+        """{StageId: fp32 trainable} (any dp sharding) -> the compute copies the stages read
+        (compute dtype, replicated over dp, TP-sharded); remote stages stay abstract."""
+        return {sid: (self.settle(self.stages[sid].gather(tr)) if self.stages[sid].local
+                      else tr) for sid, tr in trainable.items()}
+
+    def _initial_compute(self) -> dict:
+        """The compute copy of the initial parameters (a run of the runtime on its own)."""
+        if self._initial is None:
+            raise ValueError("the runtime's initial parameters were handed to a training "
+                             "state: pass `params` (the state's compute copies)")
+        return self.compute_params(self._initial)
+
     def params(self, sid: StageId):
-        """The compute copy of stage `sid`'s trainable params, gathered from `trainable`
-        (fp32, the master) whenever `trainable` was replaced since (a checkpoint load); the
-        training step hands over the copy its update program all-gathers, so a step
-        normally gathers nothing here."""
-        st = self.stages[sid]
-        if not st.local:
-            return st.trainable
-        if st.compute_of is not st.trainable:
-            st.compute = self.settle(st.gather(st.trainable))
-            st.compute_of = st.trainable
-        return st.compute
+        """The compute copy of stage `sid`'s initial parameters."""
+        return self.compute_params({sid: self._initial[sid]})[sid]
 
     # ---- structure ------------------------------------------------------------------
     def broker(self, src: StageId, dst: StageId) -> Broker:
@@ -241,25 +274,38 @@ class PipelineRuntime:
         return self._put(sid, {"inputs": feed.enc_inputs[u], "pack": feed.enc_pack[u]})
 
     # ---- one step -------------------------------------------------------------------
-    def run(self, feeds: list[MicrobatchFeed], trace: bool | str = False,
-            on_grads=None) -> StepResult:
-        """Forward and backward of every microbatch. Returns device-side losses and the
-        step's gradients (`StepResult.grads`). `trace` (pipeline/trace.py): False; True or
-        "serial" (each action waited on: isolated costs, no overlap); "overlap" (waiter
-        threads stamp completions; dispatch stays free of host syncs). `on_grads(sid,
-        partials)`: called as soon as a stage's last backward is dispatched, with its
-        accumulated partial gradients (taken out of the result), so the stage's gradient
-        sync overlaps the backward work other stages still have; a tied embedding's two
-        stages are handed over after the loop, once their copies are summed."""
-        tracer = make_tracer(trace_mode(trace))
+    def run(self, feeds: list[MicrobatchFeed], params: dict | None = None,
+            trace: bool | str = False) -> StepResult:
+        """Forward and backward of every microbatch on `params` ({StageId: compute copy};
+        None: the initial parameters). Returns device-side losses and the step's gradients
+        (`StepResult.grads`). `trace` (pipeline/trace.py): False; True or "serial" (each
+        action waited on: isolated costs, no overlap); "overlap" (waiter threads stamp
+        completions; dispatch stays free of host syncs)."""
+        result, grads = self.start(feeds, params, trace)
+        result.partials = dict(grads)
+        return result
+
+    def start(self, feeds: list[MicrobatchFeed], params: dict | None = None,
+              trace: bool | str = False):
+        """`run` as (result, grads): `grads` iterates (StageId, partial gradients) for every
+        local stage with trainable parameters, each as soon as the stage's last backward is
+        dispatched, so the caller's gradient sync of one stage overlaps the backward work
+        the others still have (a tied embedding's two stages come last, once their copies
+        are summed). Walking `grads` dispatches the step; `result`'s losses (and trace) are
+        complete when it is exhausted."""
         if len(feeds) != self.plan.num_microbatches:
             raise ValueError(f"got {len(feeds)} microbatch feeds; the plan has "
                              f"{self.plan.num_microbatches}")
         step = _Step(feeds, (sum(f.num_target_tokens for f in feeds),
-                             sum(f.num_gen_elements for f in feeds)))
+                             sum(f.num_gen_elements for f in feeds)),
+                     self._initial_compute() if params is None else params)
+        return step.result, self._walk(step, make_tracer(trace_mode(trace)))
+
+    def _walk(self, step: "_Step", tracer):
         step.result.partials = {sid: self.settle(st.zeros())
                                 for sid, st in self.stages.items()
                                 if st.mode.param_grads and st.local}
+        feeds = step.feeds
         tied = self.tied_embedding_stages() or ()
         for i, (sid, act) in enumerate(self.order):
             mb = act.microbatch
@@ -274,24 +320,23 @@ class PipelineRuntime:
                 self._trace(tracer, sid, act, t0, step)
             if act.kind == "B" or not self.graph.runs_backward(sid):
                 step.sides.pop((sid, mb), None)
-            if (on_grads is not None and self.last_backward.get(sid) == i and sid not in tied
+            if (self.last_backward.get(sid) == i and sid not in tied
                     and sid in step.result.partials):
-                on_grads(sid, step.result.partials.pop(sid))
+                yield sid, step.result.partials.pop(sid)
         self._sum_tied_embedding_grads(step.result.partials)
-        if on_grads is not None:
-            for sid in list(step.result.partials):
-                on_grads(sid, step.result.partials.pop(sid))
+        for sid in list(step.result.partials):
+            yield sid, step.result.partials.pop(sid)
         if tracer:
             step.result.trace = tracer.finish()
-        return step.result
 
-    def evaluate(self, feeds: list[MicrobatchFeed]) -> StepResult:
+    def evaluate(self, feeds: list[MicrobatchFeed], params: dict | None = None) -> StepResult:
         """The LM loss terms of `feeds` by forward passes alone (validation): every LLM and
         encoder stage's `apply` in the schedule's forward order, nothing kept for a backward
         and no gradients; the generator (diffusion loss) is not run. `losses()["lm_loss"]`
-        is the feeds' mean loss per trained token, as in `run`."""
+        is the feeds' mean loss per trained token, as in `run`. `params`: as in `run`."""
         step = _Step(feeds, (sum(f.num_target_tokens for f in feeds),
-                             sum(f.num_gen_elements for f in feeds)))
+                             sum(f.num_gen_elements for f in feeds)),
+                     self._initial_compute() if params is None else params)
         last_llm = StageId(LLM_UNIT, self.num_virtual["llm"] - 1)
         for sid, act in self.order:
             if act.kind != "F" or is_generator(sid.unit):
@@ -300,9 +345,9 @@ class PipelineRuntime:
             side = self._side(sid, feeds[mb], step.totals)
             x = self._gather_input(sid, mb, step.outputs, feeds[mb])
             if st.local:
-                y = self.settle(st.fns.apply(self.params(sid), st.frozen, x, side))
+                y = self.settle(st.fns.apply(step.params[sid], st.frozen, x, side))
             else:
-                y = jax.eval_shape(st.fns.apply, st.trainable, st.frozen, x, side)
+                y = jax.eval_shape(st.fns.apply, st.abstract, st.frozen, x, side)
             if sid == last_llm:
                 step.result.lm_loss.append(y[0] if self.cfg.generator is not None else y)
             else:
@@ -315,9 +360,9 @@ class PipelineRuntime:
         st, side = self.stages[sid], step.sides[(sid, mb)]
         x = self._gather_input(sid, mb, step.outputs, step.feeds[mb])
         if st.local:  # keep the vjp residuals (pipeline/stage.py), not the input
-            y, res = self.settle(st.fns.forward(self.params(sid), st.frozen, x, side))
+            y, res = self.settle(st.fns.forward(step.params[sid], st.frozen, x, side))
         else:  # another process runs it; keep the shapes for the transfers and dx
-            y, _ = jax.eval_shape(st.fns.forward, st.trainable, st.frozen, x, side)
+            y, _ = jax.eval_shape(st.fns.forward, st.abstract, st.frozen, x, side)
             res = abstract(x)
         if self.graph.runs_backward(sid):
             step.residuals[(sid, mb)] = res
@@ -336,7 +381,7 @@ class PipelineRuntime:
         res = step.residuals.pop((sid, mb))
         grads = step.result.partials
         if st.local:
-            acc, dx = self.settle(st.fns.backward(self.params(sid), st.frozen, side, res, dy,
+            acc, dx = self.settle(st.fns.backward(step.params[sid], st.frozen, side, res, dy,
                                                   grads.get(sid, {})))
             if sid in grads:
                 grads[sid] = acc

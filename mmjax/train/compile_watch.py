@@ -32,19 +32,18 @@ class CompileWatch:
         jax.monitoring.unregister_event_duration_listener(self._listen)
 
 
-def watched_step(runner, n: int, trace: bool, say, warm: bool, limits=None) -> dict:
-    """`runner.step()`'s metrics, its compilations counted: once `warm` (a step of this
-    invocation has run), any compilation the runner did not announce itself is said on the
-    console with its seconds and reason, and kept out of the ETA (`compile_s`). `limits`:
-    the loss-spike guard's bounds for this step."""
+def watched_step(runner, n: int, trace: bool, say, warm: bool, limits=None):
+    """`runner.step()`'s StepMetrics (train/runner.py), its compilations counted: once
+    `warm` (a step of this invocation has run), any compilation the runner did not announce
+    itself is said on the console with its seconds and reason, and kept out of the ETA
+    (`compile_s`). `limits`: the loss-spike guard's bounds for this step."""
     with CompileWatch() as w:
         kw = {"trace": True} if trace else {}
         if limits is not None:  # the spike guard's bounds (train/spike_guard.py)
             kw["limits"] = limits
         m = runner.step(**kw)
-    why = m.pop("compile_reason", "")
-    if warm and w.count and not m.get("compile_s"):
-        m["compile_s"] = w.seconds
+    if warm and w.count and not m.compile_s:
+        m.compile_s = w.seconds
         say(f"step {n}: compiled {w.count} programs after warm-up in {w.seconds:.1f} s"
-            f" ({why or 'programs not compiled before'})")
+            f" ({m.compile_reason or 'programs not compiled before'})")
     return m

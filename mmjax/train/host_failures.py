@@ -21,7 +21,7 @@ def agree_on_failures(gb, allgather, gen_elements_per_image: int) -> int:
     """Merge every host's decode failures into `gb` (skip count, reasons, skip list; each
     feed's samples failed elsewhere masked, `num_target_tokens` recounted from metadata). `allgather(array) -> [processes, *array.shape]`, the same
     calls on every process (multihost_utils.process_allgather). -> the change in the skip
-    count (for the loader's running total)."""
+    count."""
     mine = json.dumps(sorted([p, n, r, list(w)] for p, (n, r, w) in gb.failed_at.items())
                       ).encode()
     sizes = np.asarray(allgather(np.array([len(mine)], np.int64))).reshape(-1)

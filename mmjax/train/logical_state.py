@@ -117,33 +117,37 @@ def _stage_names(plan, sid, params, opt_state):
     return pn, _opt_names(opt_state, name)
 
 
-def pipeline_logical(step_fn) -> dict:
-    """A PipelineStep's trainable parameters and ZeRO-1 state -> {name: array}. Scalars
-    shared by every stage (the optimizer counts) are taken from the first stage; every
-    stage holds the same value (all stages update, or skip, together)."""
-    plan = step_fn.runtime.plan
+def _stage_logical(plan, sid, params, opt_state, out: dict) -> None:
+    """Add one stage's parameters and optimizer state to `out` by name; scalars shared by
+    every stage (the optimizer counts) are taken from the first stage: every stage holds the
+    same value (all stages update, or skip, together)."""
+    pn, on = _stage_names(plan, sid, params, opt_state)
+    out.update(_named(params, pn))
+    for n, leaf in _named(opt_state, on).items():
+        out.setdefault(n, leaf)
+
+
+def pipeline_logical(plan, stages: dict) -> dict:
+    """{StageId: StageState} (train/state.py) -> {name: array}: the trained stages' master
+    parameters and ZeRO-1 optimizer state."""
     out = {}
-    for sid, opt_state in step_fn.opt_states.items():
-        params = step_fn.runtime.stages[sid].trainable
-        pn, on = _stage_names(plan, sid, params, opt_state)
-        out.update(_named(params, pn))
-        for n, leaf in _named(opt_state, on).items():
-            out.setdefault(n, leaf)
+    for sid, st in stages.items():
+        _stage_logical(plan, sid, st.master, st.opt, out)
     return out
 
 
-def pipeline_load_logical(step_fn, arrays: dict) -> None:
-    """Set a PipelineStep's parameters and optimizer state from {name: array} (arrays on
-    the shardings of `pipeline_logical(step_fn)`; shared scalars are copied onto each
-    stage's own devices)."""
-    plan = step_fn.runtime.plan
-    for sid, opt_state in step_fn.opt_states.items():
-        stage = step_fn.runtime.stages[sid]
-        pn, on = _stage_names(plan, sid, stage.trainable, opt_state)
-        stage.trainable = _rebuild(stage.trainable, pn, arrays)
+def pipeline_from_logical(plan, stages: dict, arrays: dict) -> dict:
+    """{name: array} (on the shardings of `pipeline_logical(plan, stages)`) -> {StageId:
+    (master, optimizer state)} shaped like `stages`; shared scalars are copied onto each
+    stage's own devices."""
+    out = {}
+    for sid, st in stages.items():
+        pn, on = _stage_names(plan, sid, st.master, st.opt)
         opt = [jax.device_put(arrays[n], x.sharding)
-               for n, x in zip(on, jax.tree.leaves(opt_state))]
-        step_fn.opt_states[sid] = jax.tree.unflatten(jax.tree.structure(opt_state), opt)
+               for n, x in zip(on, jax.tree.leaves(st.opt))]
+        out[sid] = (_rebuild(st.master, pn, arrays),
+                    jax.tree.unflatten(jax.tree.structure(st.opt), opt))
+    return out
 
 
 # ---- multi-process: the same names on every process ------------------------------------------
@@ -154,51 +158,47 @@ def _no_shards(shape, dtype, sharding):
     return jax.make_array_from_single_device_arrays(tuple(shape), sharding, [], dtype=dtype)
 
 
-def _remote_stage(step_fn, sid):
-    """A stage with no device in this process: its parameters and ZeRO-1 state as global
-    arrays without local shards, on the shardings the owning processes use."""
+def remote_stage(tx, stage):
+    """A stage (pipeline/runtime.py `Stage`) with no device in this process: its parameters
+    and ZeRO-1 state as global arrays without local shards, on the shardings the owning
+    processes use."""
     from mmjax.parallel.zero import Zero1Optimizer
 
-    st = step_fn.runtime.stages[sid]
-    opt = Zero1Optimizer(step_fn.tx, st.mesh, st.trainable)
+    opt = Zero1Optimizer(tx, stage.mesh, stage.abstract)
     if not opt.has_state:
         import optax
 
-        params = jax.tree.map(lambda a: _no_shards(a.shape, a.dtype, a.sharding), st.trainable)
+        params = jax.tree.map(lambda a: _no_shards(a.shape, a.dtype, a.sharding),
+                              stage.abstract)
         return params, optax.EmptyState()
     # the owners keep the fp32 master weights as ZeRO-1 shards: the same sharding here
-    params = jax.tree.map(lambda a, sh: _no_shards(a.shape, a.dtype, sh), st.trainable,
+    params = jax.tree.map(lambda a, sh: _no_shards(a.shape, a.dtype, sh), stage.abstract,
                           opt.master_shardings)
-    shapes = jax.eval_shape(step_fn.tx.init, jax.tree.map(
-        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), st.trainable))
+    shapes = jax.eval_shape(tx.init, jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), stage.abstract))
     return params, jax.tree.map(lambda a, sh: _no_shards(a.shape, a.dtype, sh), shapes,
                                 opt.state_shardings)
 
 
-def pipeline_global_logical(step_fn) -> dict:
-    """`pipeline_logical` with every trained stage of the plan, also those held by other
-    processes (arrays without local shards): the same names, shapes and shardings on every
-    process, as a multi-host orbax save and restore need. One process: `pipeline_logical`."""
+def pipeline_global_logical(plan, stages: dict, trained: list, remote) -> dict:
+    """`pipeline_logical` with every stage in `trained` (the plan's trained stages, in the
+    same order on every process), also those held by other processes (`remote(sid)` ->
+    (params, optimizer state) as arrays without local shards): the same names, shapes and
+    shardings on every process, as a multi-host orbax save and restore need."""
     if jax.process_count() == 1:
-        return pipeline_logical(step_fn)
-    plan = step_fn.runtime.plan
+        return pipeline_logical(plan, stages)
     out = {}
-    for sid in step_fn.trained:
-        if sid in step_fn.opt_states:
-            params, opt_state = step_fn.runtime.stages[sid].trainable, step_fn.opt_states[sid]
-        else:
-            params, opt_state = _remote_stage(step_fn, sid)
-        pn, on = _stage_names(plan, sid, params, opt_state)
-        out.update(_named(params, pn))
-        for n, leaf in _named(opt_state, on).items():
-            out.setdefault(n, leaf)
+    for sid in trained:
+        params, opt_state = ((stages[sid].master, stages[sid].opt) if sid in stages
+                             else remote(sid))
+        _stage_logical(plan, sid, params, opt_state, out)
     return out
 
 
 def restore_target(named: dict) -> dict:
     """What to restore a multi-process run's state into: scalars (the optimizer counts, one
     name for every stage) as host values, copied onto each local stage's devices by
-    `pipeline_load_logical`; every other array on its own sharding."""
+    `pipeline_from_logical`; every other array on its own sharding."""
     if jax.process_count() == 1:
         return named
     import numpy as np

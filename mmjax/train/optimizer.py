@@ -11,9 +11,6 @@ from dataclasses import dataclass
 
 import gin
 import optax
-from jax.sharding import Mesh
-
-from mmjax.parallel.zero import Zero1Optimizer
 
 
 @gin.configurable
@@ -50,12 +47,3 @@ def optimizer_from_settings(schedule, s: OptimizerSettings | None = None, clip: 
     s = s or OptimizerSettings()
     return make_optimizer(schedule, s.weight_decay, s.clip_norm if clip else 0, s.b1, s.b2, s.eps)
 
-
-def zero1_adamw(schedule, mesh: Mesh, params, param_specs=None, weight_decay: float = 0.01,
-                clip_norm: float = 1.0, b1: float = 0.9, b2: float = 0.95, eps: float = 1e-8,
-                donate: bool = False) -> Zero1Optimizer:
-    """The ZeRO-1 sharded twin of `make_optimizer`: its AdamW (no local
-    clipping) with clip-by-global-norm applied from the shared norm."""
-    tx = make_optimizer(schedule, weight_decay=weight_decay, clip_norm=0, b1=b1, b2=b2, eps=eps)
-    return Zero1Optimizer(tx, mesh, params, param_specs, clip_norm=clip_norm or None,
-                          donate=donate)

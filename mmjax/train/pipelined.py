@@ -1,5 +1,19 @@
-"""A Plan on the pipeline runtime as the trainer drives it: the grain loader's feeds in,
-one `PipelineStep` per global batch, validation by forward passes, traces for replanning."""
+"""A Plan's training steps on the pipeline runtime: the runner that owns the run's
+`TrainState` (train/state.py) and steps it.
+
+Per step: the loader's global batch -> `PipelineRuntime.start` (forward and backward of every
+microbatch on the state's compute copies; each stage's partial gradients handed out as soon
+as its last backward is dispatched) -> per trained stage ONE reduce-scatter into its ZeRO-1
+shards (`Zero1Optimizer.sync`, overlapping the backwards other stages still run) -> the
+global norm over all stages (train/global_norm.py) -> per stage ONE program with the AdamW
+update and the all-gather of the new compute copy (`Zero1Optimizer.step`) -> the new state.
+The update equals the single-program optimizer over the whole model. Details:
+docs/design.md "One step" and "One gradient sync per step".
+
+Multi-process: a process keeps state only for the stages with devices in it; the global
+norm is reduced across processes, and on CPU each stage update is waited on (gloo deadlock
+note in pipeline/runtime.py).
+"""
 from __future__ import annotations
 
 import json
@@ -7,109 +21,183 @@ import os
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from mmjax.data.feed import gen_elements_per_image
 from mmjax.data.sources import eval_batches
+from mmjax.models.config import MLLMConfig
+from mmjax.parallel.zero import Zero1Optimizer
+from mmjax.pipeline.runtime import PipelineRuntime
+from mmjax.pipeline.stage import rank_axes
 from mmjax.planner.plan import Plan
 from mmjax.train.data_config import train_source
+from mmjax.train.global_norm import fold_loss, multiprocess_norm, norm_from_squares
 from mmjax.train.host_failures import agree_on_failures
-from mmjax.train.logical_state import (pipeline_global_logical, pipeline_load_logical,
-                                       restore_target)
+from mmjax.train.logical_state import (pipeline_from_logical, pipeline_global_logical,
+                                       remote_stage, restore_target)
+from mmjax.train.optimizer import OptimizerSettings, optimizer_from_settings
+from mmjax.train.runner import StepMetrics
+from mmjax.train.state import StageState, TrainState
+
+_NO_LIMITS = (np.inf, np.inf)
 
 
-class Pipelined:
-    """A Plan on the pipeline runtime, fed by the grain loader (planning, balancing and
-    assembly off the training path, in its prefetch thread or worker processes)."""
+class PipelinedRunner:
+    """A Plan on the pipeline runtime, fed by `data` (a `Loader` with `feeds=True`; None:
+    feeds handed to `train_on`). `state` is the run's TrainState; the runtime is built once
+    from the plan and reads the compute copies it is handed."""
 
-    def __init__(self, cfg, layout, plan, schedule, dtype, seed, source=None, pretrained=None,
-                 steps: int | None = None, check_memory: bool = True):
-        """`steps`: the run's length: the loader pads every feed to the shapes of all its
-        global batches (up to `SHAPE_SCAN_MAX`, scanned from metadata at start-up), so no
-        stage program compiles after the first step. `check_memory`: refuse a plan whose
-        units the planner's memory model does not fit in a device, before anything is
-        built (train/memory_check.py)."""
-        from mmjax.data.loader import Loader
-        from mmjax.train.memory_check import check_plan
-        from mmjax.train.pipeline_step import PipelineStep
-
-        self.memory_line = check_plan(cfg, plan, source if source is not None
-                                      else train_source(cfg), jax.local_devices()[0],
-                                      check_memory)  # this process's (memory_stats)
-
-        self.step_fn = PipelineStep(cfg, plan, schedule, dtype, seed, pretrained=pretrained,
-                                    llm_mask_family=layout.llm_mask_family)
+    def __init__(self, cfg: MLLMConfig, plan: Plan, schedule, compute_dtype=jnp.float32,
+                 seed: int = 0, settings: OptimizerSettings | None = None, devices=None,
+                 pretrained: dict | None = None, llm_mask_family: str = "bam",
+                 data=None, layout=None, memory_line: str | None = None):
         self.cfg, self.plan, self.global_batch = cfg, plan, plan.global_batch
-        self.layout = layout
-        # gin: a real source (`llava_source.*`, `webdataset_source.*`), else
-        # `loader_source.path` or the synthetic set (`train_source`); `Loader.*` (balance,
-        # post_balance_policy, workers, ...).
-        # several processes: each host decodes only its own DP ranks' samples
-        self.local = (None if jax.process_count() == 1 else frozenset(
-            i for i, d in enumerate(jax.devices()) if d.process_index == jax.process_index()))
-        self.data = Loader(source if source is not None else train_source(cfg), cfg, plan,
-                           layout, feeds=True, local_devices=self.local,
-                           **({} if steps is None else {"num_steps": steps}))
-        self.seen_shapes = set()  # feed shapes run so far: a new one compiles
+        self.data, self.layout, self.memory_line = data, layout, memory_line
+        self.settings = settings or OptimizerSettings()
+        rt = self.runtime = PipelineRuntime(cfg, plan, devices, seed, compute_dtype,
+                                            pretrained, llm_mask_family)
+        self.tx = optimizer_from_settings(schedule, self.settings, clip=False)
+        self.trained = [sid for sid, st in rt.stages.items() if st.mode.param_grads]
+        pair = rt.tied_embedding_stages()
+        initial = rt.take_initial_params()
+        self.optimizers = {sid: Zero1Optimizer(
+            self.tx, rt.stages[sid].mesh, initial[sid],
+            clip_norm=self.settings.clip_norm or None, donate=True,
+            compute_dtype=compute_dtype,
+            # the single model has one embedding: the last stage's copy is counted once
+            norm_skip=("embed",) if pair is not None and sid == pair[1] else (),
+            rank_axes=rank_axes(rt.stages[sid].mesh))
+            for sid in self.trained if rt.stages[sid].local}
+        stages = {}
+        for sid, opt in self.optimizers.items():
+            opt_state = opt.init(initial[sid])
+            compute = rt.compute_params({sid: initial[sid]})[sid]  # from the placed params
+            # the master weights keep only their ZeRO-1 shard on each device
+            master = rt.settle(jax.jit(lambda t: t, out_shardings=opt.master_shardings)(
+                initial.pop(sid)))
+            stages[sid] = StageState(master, opt_state, compute)
+        # the stages without an optimizer here (untrained, or in another process): fixed
+        self.fixed = rt.compute_params(initial)
+        self.state = TrainState(stages, 0, {} if data is None else data.get_state())
         self.num_trainable = sum(x.size for x in jax.tree.leaves(
-            [st.trainable for st in self.step_fn.runtime.stages.values()]))
-        self.progress, self.steps_run, self.steps_traced = None, 0, 0  # Progress: trainer
+            [st.abstract for st in rt.stages.values()]))
+        self.max_bad_fraction = 1.0 if data is None else data.max_bad_fraction
+        # (StageId, program) per launch of a gradient-sync or update program, last step;
+        # `sync_after[sid]`: backward actions dispatched (all stages) before sid's sync
+        self.dispatch_log: list[tuple] = []
+        self.sync_after: dict = {}
+        self.seen_shapes = set()  # feed shapes run so far: a new one compiles
+        self.steps_run, self.steps_traced, self.progress = 0, 0, None
 
-    def data_state(self) -> dict:
-        return {"loader": self.data.get_state()}
+    def compute_params(self) -> dict:
+        """{StageId: compute copy} of every stage: what the runtime runs on."""
+        return {**self.fixed, **{sid: st.compute for sid, st in self.state.stages.items()}}
 
-    def load(self, state: dict, data_state: dict, step: int) -> None:
-        """A checkpoint of any plan (or of the single program: the loader then goes on from
-        global batch `step` of its stream)."""
-        pipeline_load_logical(self.step_fn, state)
-        self.data.set_state(data_state.get("loader", {
-            "step": step, "skipped_samples": data_state.get("skipped_samples", 0)}))
+    # ---- one step ---------------------------------------------------------------------
+    def train_on(self, feeds, trace: bool = False, limits=_NO_LIMITS) -> StepMetrics:
+        """One step over `feeds`; `limits` = (max loss, max gradient norm): a finite step
+        above either is not applied (the trainer's loss-spike guard)."""
+        rt = self.runtime
+        stages = rt.stages
+        self.dispatch_log, self.sync_after = [], {}
+        shards, squares = {}, {}
+        backwards0 = sum(st.backward_calls for st in stages.values())
+        res, grads = rt.start(feeds, self.compute_params(), trace)
+        for sid, partials in grads:  # one reduce-scatter per stage, right after its last B
+            if sid not in self.optimizers:  # an untrained or remote stage
+                continue
+            shards[sid], squares[sid] = rt.settle(self.optimizers[sid].sync(partials))
+            self.dispatch_log.append((sid, "reduce_scatter"))
+            self.sync_after[sid] = sum(st.backward_calls for st in stages.values()) - backwards0
+        max_loss, max_norm = (float(x) for x in limits)
+        if jax.process_count() == 1:
+            norm = norm_from_squares([squares[sid] for sid in self.optimizers])
+            guard = fold_loss(norm, res.lm_loss + res.diffusion_loss, max_loss, max_norm)
+        else:  # the norm and the losses are host values here already
+            norm = multiprocess_norm([squares.get(sid) for sid in self.trained])
+            losses = res.losses()
+            calm = losses["loss"] <= max_loss and norm <= max_norm
+            guard = norm if np.isfinite(losses["loss"]) and calm else float("nan")
+        # every stage's update is skipped on device when `guard` is not finite
+        new = {}
+        for sid, opt in self.optimizers.items():  # update + one all-gather per stage
+            st = self.state.stages[sid]
+            new[sid] = StageState(*rt.settle(opt.step(st.master, shards.pop(sid), st.opt,
+                                                       guard)))
+            self.dispatch_log.append((sid, "update_all_gather"))
+        self.state = self.state._replace(stages=new, step=self.state.step + 1)
+        # the step's one host sync, after everything is dispatched
+        out = res.losses() if jax.process_count() == 1 else losses
+        grad_norm = float(norm)
+        finite = bool(np.isfinite(out["loss"]) and np.isfinite(grad_norm))
+        return StepMetrics(out["loss"], out["lm_loss"], out["diffusion_loss"], grad_norm,
+                           nonfinite=not finite,
+                           spike=finite and not np.isfinite(float(guard)),
+                           trace=res.trace if trace else None)
 
-    def checkpoint_tree(self) -> dict:
-        """Plan-independent named arrays (train/logical_state.py), the same on every
-        process (stages held by other processes as arrays without local shards)."""
-        return pipeline_global_logical(self.step_fn)
-
-    def restore_target(self) -> dict:
-        return restore_target(self.checkpoint_tree())
-
-    def step(self, trace: bool = False, limits=(np.inf, np.inf)):
-        """One training step; `trace`: time every action alone (pipeline/trace.py "serial")
-        and return the records under "trace"."""
+    def step(self, trace: bool = False, limits=_NO_LIMITS) -> StepMetrics:
+        """The loader's next global batch, trained on; `trace`: time every action alone
+        (pipeline/trace.py "serial") and return the records in `trace`."""
         t_wait = time.perf_counter()
         gb = next(self.data)
-        if self.local is not None:  # the hosts' decode failures, agreed before the step
+        if jax.process_count() > 1:  # the hosts' decode failures, agreed before the step
             from jax.experimental import multihost_utils
 
-            self.data.skipped_samples += agree_on_failures(
-                gb, multihost_utils.process_allgather, gen_elements_per_image(self.layout))
+            agree_on_failures(gb, multihost_utils.process_allgather,
+                              gen_elements_per_image(self.layout))
         feeds = [mb.feed for mb in gb.microbatches]
         first = self.steps_run == 0
         if first and self.progress is not None:  # the stages compile inside the first step
             self.progress.compiling("the pipeline's stage programs (inside the first step)")
         t0 = time.perf_counter()
-        m = self.step_fn(feeds, trace=trace, limits=limits)
-        m["step_time_s"] = time.perf_counter() - t0
+        m = self.train_on(feeds, trace=trace, limits=limits)
+        self.state = self.state._replace(data=self.data.get_state())
+        m.step_time_s = time.perf_counter() - t0
         self.steps_run += 1
-        m["compile_s"] = m["step_time_s"] if first else 0.0
+        m.compile_s = m.step_time_s if first else 0.0
         if first and self.progress is not None:
-            self.progress.compiled("the first pipelined step", m["step_time_s"])
-        m["data_wait_s"] = t0 - t_wait
+            self.progress.compiled("the first pipelined step", m.step_time_s)
+        m.data_wait_s = t0 - t_wait
         new = {f.shapes for f in feeds} - self.seen_shapes
         if new and not first:
-            m["compile_reason"] = (f"{len(new)} new microbatch shapes outside the floor "
-                                   f"scanned at start-up (Loader.shape_scan_steps="
-                                   f"{self.data.shape_scan_steps})")
+            m.compile_reason = (f"{len(new)} new microbatch shapes outside the floor "
+                                f"scanned at start-up (Loader.shape_scan_steps="
+                                f"{self.data.shape_scan_steps})")
         elif trace and self.steps_traced == 0:
-            m["compile_reason"] = "the first traced step: each action runs alone"
+            m.compile_reason = "the first traced step: each action runs alone"
         self.seen_shapes |= {f.shapes for f in feeds}
         self.steps_traced += bool(trace)
-        m["tokens"] = int(sum(np.count_nonzero(f.llm["doc"]) for f in feeds))
-        m["tokens_trained"] = int(sum(f.num_target_tokens for f in feeds))
-        m["skipped"] = gb.skipped_samples
-        m["skipped_list"] = list(gb.skipped)
+        m.tokens = int(sum(np.count_nonzero(f.llm["doc"]) for f in feeds))
+        m.tokens_trained = int(sum(f.num_target_tokens for f in feeds))
+        m.skipped, m.skipped_list = gb.skipped_samples, list(gb.skipped)
         return m
 
+    # ---- checkpoints ------------------------------------------------------------------
+    def checkpoint(self) -> tuple[dict, dict]:
+        """(plan-independent named arrays (train/logical_state.py), the same names on every
+        process (stages of other processes as arrays without local shards); data state)."""
+        arrays = pipeline_global_logical(
+            self.plan, self.state.stages, self.trained,
+            lambda sid: remote_stage(self.tx, self.runtime.stages[sid]))
+        return arrays, {"loader": self.state.data}
+
+    def restore_target(self) -> dict:
+        return restore_target(self.checkpoint()[0])
+
+    def load(self, arrays: dict, data_state: dict, step: int) -> None:
+        """A checkpoint of any plan (or of the single program: the loader then goes on from
+        global batch `step` of its stream)."""
+        rt, stages = self.runtime, {}
+        for sid, (master, opt) in pipeline_from_logical(self.plan, self.state.stages,
+                                                        arrays).items():
+            stages[sid] = StageState(master, opt, rt.compute_params({sid: master})[sid])
+        data = data_state.get("loader", {"step": step})
+        if self.data is not None:
+            self.data.set_state(data)
+        self.state = TrainState(stages, step, data)
+
+    # ---- validation -------------------------------------------------------------------
     def evaluate(self, source, max_batches: int, layout) -> float:
         """Mean loss per trained token over the held-out set's first global batches, by
         forward passes alone on this plan (`PipelineRuntime.evaluate`); the same samples
@@ -123,7 +211,7 @@ class Pipelined:
         try:
             for _ in range(n):
                 feeds = [mb.feed for mb in next(data).microbatches]
-                lm = self.step_fn.runtime.evaluate(feeds).losses()["lm_loss"]
+                lm = self.runtime.evaluate(feeds, self.compute_params()).losses()["lm_loss"]
                 tokens = sum(f.num_target_tokens for f in feeds)
                 total += lm * tokens
                 count += tokens
@@ -132,7 +220,38 @@ class Pipelined:
         return total / max(count, 1)
 
     def close(self):
-        self.data.close()
+        if self.data is not None:
+            self.data.close()
+
+
+def pipelined_runner(cfg, layout, plan, schedule, dtype, seed, source=None, pretrained=None,
+                     steps: int | None = None, check_memory: bool = True) -> PipelinedRunner:
+    """The runner the trainer drives, fed by the grain loader (planning, balancing and
+    assembly off the training path, in its prefetch thread or worker processes). `steps`:
+    the run's length: the loader pads every feed to the shapes of all its global batches
+    (up to `SHAPE_SCAN_MAX`, scanned from metadata at start-up), so no stage program
+    compiles after the first step. `check_memory`: refuse a plan whose units the planner's
+    memory model does not fit in a device, before anything is built
+    (train/memory_check.py)."""
+    from mmjax.data.loader import Loader
+    from mmjax.train.memory_check import check_plan
+
+    source = source if source is not None else train_source(cfg)
+    memory_line = check_plan(cfg, plan, source, jax.local_devices()[0],
+                             check_memory)  # this process's (memory_stats)
+    # gin: `Loader.*` (balance, post_balance_policy, workers, ...); several processes:
+    # each host decodes only its own DP ranks' samples
+    local = (None if jax.process_count() == 1 else frozenset(
+        i for i, d in enumerate(jax.devices()) if d.process_index == jax.process_index()))
+    data = Loader(source, cfg, plan, layout, feeds=True, local_devices=local,
+                  **({} if steps is None else {"num_steps": steps}))
+    try:
+        return PipelinedRunner(cfg, plan, schedule, dtype, seed, pretrained=pretrained,
+                               llm_mask_family=layout.llm_mask_family, data=data,
+                               layout=layout, memory_line=memory_line)
+    except BaseException:
+        data.close()
+        raise
 
 
 def write_trace(workdir: str, step: int, cfg, plan: Plan, trace: list[dict]) -> str:

@@ -22,6 +22,7 @@ from mmjax.train.inputs import model_inputs
 from mmjax.train.logical_state import single_from_logical, single_logical
 from mmjax.train.memory_check import check_single_program
 from mmjax.train.optimizer import optimizer_from_settings
+from mmjax.train.runner import StepMetrics
 from mmjax.train.step import TrainState, make_loss_fn, make_train_step, split_model
 
 
@@ -94,6 +95,7 @@ class SingleProgram:
         # (and reported) when it happens, not hidden in a step's time
         self.compiled: dict = {}
         self.progress = None  # train/progress.py Progress, set by the trainer
+        self.max_bad_fraction = self.data.loader.max_bad_fraction
 
     @property
     def state(self) -> TrainState:
@@ -105,23 +107,20 @@ class SingleProgram:
     def state(self, value: TrainState) -> None:
         self._state = value
 
-    def data_state(self) -> dict:
-        return {"batches": self.data.state()}
-
-    def load(self, state: dict, data_state: dict, step: int) -> None:
+    def load(self, arrays: dict, data_state: dict, step: int) -> None:
         """A checkpoint of either path: a pipeline run's has no `batches` state; the single
         program then goes on from global batch `step` of its own stream."""
         frozen = jax.tree.leaves(self.abstract.frozen)
-        self.state = single_from_logical(self.state if frozen else self.abstract, state)
+        self.state = single_from_logical(self.state if frozen else self.abstract, arrays)
         self.data.restore(data_state.get("batches", {"next_batch": step, "shapes": None}))
 
     def restore_target(self) -> dict:
         """The checkpoint's names, shapes and shardings, without running the init."""
         return single_logical(self.abstract)
 
-    def checkpoint_tree(self) -> dict:
-        """Plan-independent named arrays (train/logical_state.py)."""
-        return single_logical(self.state)
+    def checkpoint(self) -> tuple[dict, dict]:
+        """(plan-independent named arrays (train/logical_state.py), the data position)."""
+        return single_logical(self.state), {"batches": self.data.state()}
 
     def _compile(self, inputs):
         """The step compiled for `inputs`' shapes, lowered from the abstract state (the
@@ -137,8 +136,9 @@ class SingleProgram:
             self._state = made.result()
         return compiled
 
-    def step(self, limits=(np.inf, np.inf)):
-        """One step; `limits` = (max loss, max gradient norm) of the loss-spike guard."""
+    def step(self, trace: bool = False, limits=(np.inf, np.inf)) -> StepMetrics:
+        """One step; `limits` = (max loss, max gradient norm) of the loss-spike guard.
+        `trace` records a plan's pipeline actions: one program has none (`trace` None)."""
         t_wait = time.perf_counter()
         batch, skipped = next(self.data), []
         if isinstance(batch, tuple):  # SourceBatches: (batch, skipped before assembly)
@@ -164,16 +164,15 @@ class SingleProgram:
         t0 = time.perf_counter()
         self.state, m = self.compiled[key](self.state, inputs,
                                            np.asarray(limits, np.float32))
-        m = {k: float(v) for k, v in jax.device_get(m).items()  # one sync, after dispatch
-             if k != "applied"}  # the same as `nonfinite`
-        m["step_time_s"] = time.perf_counter() - t0
-        m["compile_s"] = compile_s
-        m["data_wait_s"] = t0 - t_wait - compile_s  # the wait for data alone
-        m["tokens"] = int(np.count_nonzero(batch.doc))
-        m["tokens_trained"] = int(batch.num_target_tokens)
-        m["skipped"] = len(skipped)
-        m["skipped_list"] = skipped
-        return m
+        m = jax.device_get(m)  # one sync, after dispatch
+        return StepMetrics(
+            float(m["loss"]), float(m["lm_loss"]), float(m["diffusion_loss"]),
+            float(m["grad_norm"]), nonfinite=bool(m["nonfinite"]), spike=bool(m["spike"]),
+            step_time_s=time.perf_counter() - t0, compile_s=compile_s,
+            data_wait_s=t0 - t_wait - compile_s,  # the wait for data alone
+            tokens=int(np.count_nonzero(batch.doc)),
+            tokens_trained=int(batch.num_target_tokens), skipped=len(skipped),
+            skipped_list=skipped)
 
     def evaluate(self, source, max_batches: int, layout) -> float:
         """Mean loss per trained token over the held-out set's first global batches
@@ -200,5 +199,4 @@ class SingleProgram:
         return total / max(count, 1)
 
     def close(self):
-        if hasattr(self.data, "close"):
-            self.data.close()
+        self.data.close()

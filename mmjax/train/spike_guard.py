@@ -31,9 +31,9 @@ class SpikeGuard:
         """An applied step's values."""
         self.history.append((float(loss), float(grad_norm)))
 
-    def describe(self, m: dict) -> str:
+    def describe(self, loss: float, grad_norm: float) -> str:
         lim = self.limits()
-        return (f"loss {m['loss']:.4g} (limit {lim[0]:.4g}), grad_norm {m['grad_norm']:.4g} "
+        return (f"loss {loss:.4g} (limit {lim[0]:.4g}), grad_norm {grad_norm:.4g} "
                 f"(limit {lim[1]:.4g}) = {self.factor:g} x their running medians")
 
     def state(self) -> list:

@@ -1,15 +1,15 @@
-"""The training loop: data -> step -> metrics -> async checkpoints, resumable.
+"""`train`: the run's entry point (scripts/train.py): settings checked, the model, plan
+and runner built, then the steps (train/loop.py), resumable.
 
 Everything is gin-configurable (`train.*`, `named_model_config.*`, `OptimizerSettings.*`,
 `learning_rate_schedule.*`). Writes `workdir/metrics.jsonl` (one JSON object per step) and
 orbax checkpoints under `workdir/checkpoints`; on start it resumes from the newest one,
 including the data position, so an interrupted run continues bit-for-bit. The two ways to
-run a step: train/single_program.py (one program) and train/pipelined.py (a Plan).
+run a step (train/runner.py `Runner`): train/single_program.py (one program) and
+train/pipelined.py (a Plan); train/run_setup.py builds what comes before them.
 """
 from __future__ import annotations
 
-import dataclasses
-import json
 import os
 
 import gin
@@ -17,56 +17,27 @@ import jax
 import jax.numpy as jnp
 
 from mmjax.data.sources import eval_source
-from mmjax.data.tokenizer import tokenizer
 from mmjax.errors import UserError
 from mmjax.models.config import MLLMConfig
-from mmjax.models.hf.pretrained import expand_whole_model, prepare_pretrained
-from mmjax.planner.plan import Plan
-from mmjax.train.auto_plan import auto_plan, run_planning_inputs
-from mmjax.train.checkpoint import Checkpointer, NonFiniteState
-from mmjax.train.compile_watch import CompileWatch, watched_step
-from mmjax.train.config import named_model_config, pretrained
-from mmjax.train.data_config import fit_vocab, layout_and_source, train_source
+from mmjax.settings import check_bound_settings, check_train_args
+from mmjax.train.auto_plan import run_planning_inputs
+from mmjax.train.data_config import layout_and_source, train_source
+from mmjax.train.loop import TrainingStopped, TrainLoop, checkpoint_now  # noqa: F401 (public)
 from mmjax.train.optimizer import learning_rate_schedule
-from mmjax.train.pipelined import Pipelined, write_trace
-from mmjax.train.bad_data import too_much_bad_data
-from mmjax.train.preemption import Preempted, Preemption
-from mmjax.train.spike_guard import SpikeGuard
-from mmjax.train.plan_history import (forget_plans_after, plan_in_effect, plan_path,
-                                      plan_to_resume, write_plan)
+from mmjax.train.pipelined import pipelined_runner
+from mmjax.train.plan_history import plan_in_effect, plan_to_resume
 from mmjax.train.progress import Progress as StepProgress
 from mmjax.train.progress import console as progress_console
-from mmjax.train.replanning import (Replanner, decision_from_json, decision_json,
-                                    from_process_0, switch_line)
-from mmjax.train.loss_plot import plot_workdir
-from mmjax.train.run_files import (pretrained_sources, truncate_metrics,
-                                   use_compilation_cache, write_run_info)
-from mmjax.train.run_report import SkipReport, pretrained_lines
+from mmjax.train.replanning import Replanner
+from mmjax.train.run_files import pretrained_sources, use_compilation_cache, write_run_info
+from mmjax.train.run_report import pretrained_lines
+from mmjax.train.run_setup import dry_run_build, model_and_tokenizer, prepared_plan, run_plan
 from mmjax.train.single_program import SingleProgram
-from mmjax.settings import check_bound_settings, check_train_args
-from mmjax.train.validate import (check_data_path, check_pretrained_vocab, check_replan_settings,
-                                  check_train_settings, parse_trace_steps)
-from mmjax.models.units import has_llm
+from mmjax.train.spike_guard import SpikeGuard
+from mmjax.train.validate import (check_data_path, check_replan_settings, check_train_settings,
+                                  parse_trace_steps)
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-
-
-def checkpoint_now(due: bool, in_a_row: int, owed: bool) -> tuple[bool, bool]:
-    """(save this step, a checkpoint still owed): a step in a bad streak changed no
-    parameters and is not saved; a checkpoint that fell due inside the streak is written at
-    the first good step after it, so a recovered streak never costs a checkpoint."""
-    save = not in_a_row and (due or owed)
-    return save, (owed or due) and not save
-
-
-class TrainingStopped(RuntimeError):
-    """Training cannot usefully continue (one-line reason; checkpoints are intact)."""
-
-
-def _last_good(ckpt) -> str:
-    ckpt.wait()
-    step = ckpt.latest_step()
-    return f"step {step} in {ckpt.directory}" if step is not None else "none yet"
 
 
 @gin.configurable
@@ -138,7 +109,7 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
     trace_range = parse_trace_steps(trace_steps, plan)
     check_replan_settings(replan_every, replan_min_gain, plan, replanner)
     check_data_path()
-    cfg, tok, dirs = _model_and_tokenizer(model)
+    cfg, tok, dirs = model_and_tokenizer(model)
     check_bound_settings(cfg.unit_names, plan, eval_every, replan_every)  # per-unit keys
     schedule = learning_rate_schedule(steps)
     dtype = _DTYPES[compute_dtype]
@@ -151,7 +122,7 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
 
         choose_implementation(attention_impl, 1, 1, dtype)  # reject a bad name up front
     if dry_run:
-        _dry_run(cfg, tok, dirs, plan, global_batch, attention_impl, schedule)
+        dry_run_build(cfg, tok, dirs, plan, global_batch, attention_impl, schedule)
         return []
     use_compilation_cache(workdir, compilation_cache_dir)
     if plan is None:
@@ -162,10 +133,10 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
     else:
         start_plan, resumed_plan = plan, plan_to_resume(workdir, plan, progress_console())
         plan = resumed_plan[1] if resumed_plan else plan  # a re-planned run stays re-planned
-        the_plan, cfg = _the_plan(plan, cfg, tok, dirs, global_batch, attention_impl)
+        the_plan, cfg = run_plan(plan, cfg, tok, dirs, global_batch, attention_impl)
         layout, source = layout_and_source(cfg, tok)
-        runner = Pipelined(cfg, layout, the_plan, schedule, dtype, seed, source, dirs, steps,
-                           check_memory)
+        runner = pipelined_runner(cfg, layout, the_plan, schedule, dtype, seed, source, dirs,
+                                  steps, check_memory)
         if replan_every and replanner is None:
             hw, wl = run_planning_inputs(cfg, source if source is not None
                                          else train_source(cfg))
@@ -176,10 +147,10 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
         with open(os.path.join(workdir, "config.gin"), "w") as f:
             f.write(gin.config_str())
         write_run_info(workdir, cfg, the_plan, seed, dirs, sources)
-        for line in pretrained_lines(cfg, dirs) + [getattr(runner, "memory_line", None)]:
+        for line in pretrained_lines(cfg, dirs) + [runner.memory_line]:
             if line:  # pretrained: read into the runner's fresh parameters
                 progress_console().print(line, markup=False, highlight=False)
-    loop = _Loop(workdir, runner, schedule, keep_checkpoints, keep_every,
+    loop = TrainLoop(workdir, runner, schedule, keep_checkpoints, keep_every,
                  SpikeGuard(spike_factor, spike_window))
     if the_plan is not None and plan_in_effect(workdir, loop.start) != resumed_plan:
         # the newest checkpoint was unusable and an older one predates the plan chosen above
@@ -189,17 +160,17 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
             loop.console.print(f"checkpoint step {loop.start} ran {plan}: continuing on it"
                                if loop.start else f"no usable checkpoint: starting on {plan}",
                                markup=False)
-        the_plan = _the_plan(plan, cfg, tok, dirs, global_batch, attention_impl)[0]
-        loop.rebuild(loop.start, lambda: Pipelined(cfg, layout, the_plan, schedule, dtype,
-                                                   seed, source, dirs, steps,
-                                                   check_memory))
+        the_plan = run_plan(plan, cfg, tok, dirs, global_batch, attention_impl)[0]
+        loop.rebuild(loop.start, lambda: pipelined_runner(cfg, layout, the_plan, schedule,
+                                                          dtype, seed, source, dirs, steps,
+                                                          check_memory))
         if loop.lead:
             write_run_info(workdir, cfg, the_plan, seed, dirs, sources)
     if replan_every:
-        loop.replanning(replanner, replan_every, the_plan, lambda p: _prepared(
+        loop.replanning(replanner, replan_every, the_plan, lambda p: prepared_plan(
             p, cfg, tok, dirs, global_batch, attention_impl, same_config=True),
-            lambda p: Pipelined(cfg, layout, p, schedule, dtype, seed, source, dirs, steps,
-                                check_memory),
+            lambda p: pipelined_runner(cfg, layout, p, schedule, dtype, seed, source, dirs,
+                                       steps, check_memory),
             lambda p: write_run_info(workdir, cfg, p, seed, dirs, sources))
     try:
         where = "one program" if plan is None else f"plan {plan} on {jax.device_count()} devices"
@@ -217,321 +188,3 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
                         lambda: loop.runner.evaluate(*held_out, layout), cfg, the_plan)
     finally:
         loop.close()
-
-
-def _dry_run(cfg, tok, dirs, plan, global_batch, attention_impl, schedule) -> None:
-    """What a run builds before its first step, short of parameters and programs: the
-    plan, the optimizer, the data source and the first global batch (selected, decoded,
-    assembled), so a setting that would break them fails here."""
-    from mmjax.data.loader import Loader
-    from mmjax.train.optimizer import optimizer_from_settings
-
-    optimizer_from_settings(schedule)
-    float(schedule(0))
-    the_plan = (_the_plan(plan, cfg, tok, dirs, global_batch, attention_impl)[0]
-                if plan is not None else Plan.uniform(cfg, global_batch, 1))
-    layout, source = layout_and_source(cfg, tok)
-    loader = Loader(source if source is not None else train_source(cfg), cfg, the_plan,
-                    layout)
-    try:
-        loader.builder(0)
-    finally:
-        loader.close()
-
-
-def _model_and_tokenizer(model: MLLMConfig | None):
-    """(model config, tokenizer or None, pretrained dirs): the gin-named model, its sizes
-    from the pretrained checkpoints' config.json, its vocabulary covering the tokenizer."""
-    cfg = model or named_model_config()
-    # gin: pretrained.<unit> = "/hf/checkpoint/dir"; pretrained.model: a whole checkpoint
-    dirs = expand_whole_model(pretrained())
-    if dirs:  # configs from config.json; files, names and shapes checked before any work
-        cfg = prepare_pretrained(cfg, dirs)
-    tok = tokenizer()
-    if tok is not None:
-        cfg = fit_vocab(cfg, tok, pretrained=has_llm(dirs) or "model" in dirs)
-    check_pretrained_vocab(cfg, dirs)
-    return cfg, tok, dirs
-
-
-def _the_plan(plan: str, cfg: MLLMConfig, tok, dirs: dict, global_batch: int,
-              attention_impl: str | None) -> tuple[Plan, MLLMConfig]:
-    """The run's Plan ("manual": gin's `manual_plan`; "auto": planned for the devices present
-    and the run's source; else a Plan JSON), validated, and the config its tp sizes need."""
-    from mmjax.train.pipeline_step import manual_plan
-
-    if plan == "manual":
-        the_plan = manual_plan(global_batch=global_batch, model=cfg)
-    elif plan == "auto":  # planned for the source this run reads
-        real = layout_and_source(cfg, tok)[1]
-        the_plan = auto_plan(cfg, global_batch, real if real is not None else train_source(cfg))
-        progress_console().print("auto plan: " + "; ".join(
-            f"{u.name} dp={u.dp} tp={u.tp} pp={u.pp}" for u in the_plan.units))
-    else:
-        the_plan = Plan.load(plan)
-    return _prepared(the_plan, cfg, tok, dirs, global_batch, attention_impl)
-
-
-def _prepared(the_plan: Plan, cfg: MLLMConfig, tok, dirs: dict, global_batch: int,
-              attention_impl: str | None, same_config: bool = False):
-    """`the_plan` validated for the run, and the config its tp sizes need (`same_config`:
-    a plan to switch to must train the running config, e.g. the same padded vocabulary)."""
-    if the_plan.global_batch != global_batch:
-        raise UserError(f"plan global_batch={the_plan.global_batch} differs from "
-                        f"train.global_batch={global_batch}: make them equal")
-    if tok is not None:
-        fitted = fit_vocab(cfg, tok, [u.tp for u in the_plan.units],
-                           pretrained=has_llm(dirs) or "model" in dirs)
-        if same_config and fitted != cfg:
-            raise UserError(f"the plan's tp sizes need vocab_size {fitted.llm.vocab_size}, "
-                            f"the run trains {cfg.llm.vocab_size}")
-        cfg = fitted
-    if attention_impl is not None:
-        the_plan = dataclasses.replace(the_plan, units=tuple(
-            dataclasses.replace(u, attention_impl=attention_impl) for u in the_plan.units))
-    the_plan.validate(cfg, jax.device_count())
-    check_pretrained_vocab(cfg, dirs)
-    return the_plan, cfg
-
-
-class _Loop:
-    """One invocation's steps: resume from the newest good checkpoint, then per step the
-    metrics row, the skipped samples, the non-finite guard and the checkpoint. Multi-process
-    (mmjax.launch): every process runs it; process 0 writes the metrics; every process
-    writes the checkpoint shards it holds (orbax multi-host, one commit)."""
-
-    def __init__(self, workdir: str, runner, schedule, keep: int, keep_every: int | None,
-                 spikes: SpikeGuard | None = None):
-        self.workdir, self.runner, self.schedule = workdir, runner, schedule
-        self.spikes = spikes or SpikeGuard(0.0, 20)
-        self.owed = False  # a checkpoint fell due inside a bad streak
-        self.lead = jax.process_index() == 0
-        self.console = console = progress_console()
-        self.ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep, keep_every,
-                                 log=lambda m: console.print(m, markup=False) if self.lead
-                                 else None)
-        if jax.process_count() > 1 and self.lead:
-            console.print(f"{jax.process_count()} processes: metrics from process 0, "
-                          "checkpoints from all")
-        self.start, self.skipped, self.nonfinite, self.in_a_row = 0, 0, 0, 0
-        self.plotted = None  # the last step in loss.png
-        self.spike_steps = 0
-        self.replan_every, self.plan, self.plan_traces = 0, None, []
-        # from here a SIGTERM / SIGINT waits for a step boundary (restore and compile
-        # included: the run then stops before its first step, nothing lost)
-        self.preempt = Preemption(self.lead).__enter__()
-        try:
-            found = self.ckpt.restore_latest(
-                getattr(runner, "restore_target", runner.checkpoint_tree)())
-        except BaseException:
-            self.preempt.__exit__(None, None, None)
-            raise
-        if found is not None:
-            latest, state, data_state = found
-            runner.load(state, data_state, latest)
-            self.start, self.skipped = latest, int(data_state.get("skipped_samples", 0))
-            self.nonfinite = int(data_state.get("nonfinite_steps", 0))
-            self.spike_steps = int(data_state.get("spike_steps", 0))
-            self.spikes.restore(data_state.get("spike_history", []))
-            console.print(f"resumed from {workdir}/checkpoints step {latest}")
-        elif self.ckpt.set_aside and self.lead:
-            console.print(f"no usable checkpoint in {workdir}/checkpoints (set aside: steps "
-                          f"{self.ckpt.set_aside}): starting from step 0", markup=False)
-        self.metrics_path = os.path.join(workdir, "metrics.jsonl")
-        self.skipped_path = os.path.join(workdir, "skipped.jsonl")
-        if self.lead:
-            truncate_metrics(self.metrics_path, self.start)
-            truncate_metrics(self.skipped_path, self.start, one_per_step=False)
-            forget_plans_after(workdir, self.start)  # decisions the checkpoints lost
-
-    def replanning(self, replanner, every: int, plan, prepare, build, record_plan) -> None:
-        """Every `every` steps, `replanner` decides (on process 0, from the traces of the
-        plan in effect since it started); a new plan, `prepare`d for the run, is saved under
-        plans/ and the run continues from that step's checkpoint on `build(plan)`."""
-        self.replanner, self.replan_every, self.plan = replanner, every, plan
-        self.prepare, self.build, self.record_plan = prepare, build, record_plan
-
-    def run(self, end: int, report, checkpoint_every: int, max_bad_steps: int, traced,
-            evaluate_at, evaluate, cfg, plan) -> list[dict]:
-        records = []
-        self.plan = self.plan or plan
-        skips = SkipReport(report.say, self.skipped_path)
-        preempt = self.preempt
-        preempt.step = self.start
-        if self.start < end and preempt.requested():  # a signal during start-up
-            self.ckpt.wait()
-            raise Preempted(preempt.signame or "a peer's signal", self.start,
-                            self.ckpt.latest_step(), self.ckpt.directory)
-        with open(self.metrics_path if self.lead else os.devnull, "a") as mf, \
-                open(self.skipped_path if self.lead else os.devnull, "a") as sf:
-            for step in range(self.start, end):
-                n = step + 1
-                preempt.step = step
-                replan = self.replan_every and n % self.replan_every == 0
-                m = watched_step(self.runner, n, traced(n) or replan, report.say,
-                                 warm=step > self.start, limits=self.spikes.limits())
-                trace = m.pop("trace", None)
-                if traced(n) and self.lead:
-                    write_trace(self.workdir, n, cfg, self.plan, trace)
-                rec = self.record(n, m)
-                if evaluate_at(n):
-                    with CompileWatch() as w:
-                        rec["eval_loss"] = evaluate()
-                    report.say(f"step {n}: eval_loss {rec['eval_loss']:.4f}" + (
-                        f" (compiled the evaluation's {w.count} programs in {w.seconds:.1f} s)"
-                        if w.count else ""))
-                # no switch in a bad streak: it could not checkpoint
-                switch = self.replan(n, trace) if replan and not self.in_a_row else None
-                if switch is not None:
-                    rec["replanned"] = {"gain": switch[1], "plan": switch[2]}
-                records.append(rec)
-                mf.write(json.dumps(rec) + "\n")
-                mf.flush()
-                for name, reason, (file, kind, at) in m["skipped_list"]:
-                    sf.write(json.dumps({"step": n, "id": name, "file": file, kind: at,
-                                         "reason": reason}) + "\n")
-                sf.flush()
-                report.step(rec, m.get("compile_s", 0.0) > 0)
-                skips.step(n, m["skipped"], m["skipped_list"])
-                self.guard(n, rec, max_bad_steps)
-                self.bad_data_guard(n, sf)
-                # a step in a bad streak changed no parameters: no checkpoint until one is good
-                saved, self.owed = checkpoint_now(n % checkpoint_every == 0 or n == end
-                                                  or bool(switch), self.in_a_row, self.owed)
-                if saved:
-                    self.save(n)
-                    if self.lead:
-                        self.plot()
-                if switch is not None:
-                    self.switch(n, switch[0], switch[1], report, rebuild=n < end)
-                if n < end and preempt.requested():
-                    self.preempted(n, preempt.signame or "a peer's signal", saved)
-        if records:
-            report.say("trained " + report.summary(len(records)))
-            said = skips.summary(len(records) * report.global_batch)
-            if said:
-                report.say(said)
-            if self.lead and self.plotted != records[-1]["step"]:
-                self.plot()
-            if self.lead and self.plotted is not None:
-                report.say(f"loss curve: {os.path.join(self.workdir, 'loss.png')}")
-        return records
-
-    def plot(self) -> None:
-        """DIR/loss.png from metrics.jsonl (matplotlib; at each checkpoint and the end)."""
-        self.plotted = plot_workdir(self.workdir)
-
-    def preempted(self, n: int, signame: str, saved: bool) -> None:
-        """Stop after step `n` on a signal: its checkpoint written (unless a bad streak
-        holds it back: then the last good one stands) and committed, then `Preempted`."""
-        if not saved and not self.in_a_row:
-            self.save(n)
-        self.ckpt.wait()
-        resume = self.ckpt.latest_step()
-        raise Preempted(signame, n, resume, self.ckpt.directory)
-
-    def replan(self, n: int, trace) -> tuple | None:
-        """(new plan, predicted gain, its file under the workdir) when process 0's
-        replanner switches plans at step `n`, the same on every process; else None."""
-        text = None
-        if self.lead:
-            self.plan_traces += trace
-            try:
-                decision = self.replanner.decide(self.plan, self.plan_traces)
-                if decision is not None:
-                    decision = (self.prepare(decision[0])[0], decision[1])
-            except ValueError as e:  # UserError, PlanError: the run goes on, on its plan
-                self.console.print(f"step {n}: re-planning keeps the plan: {e}", markup=False)
-                decision = None
-            text = decision_json(decision)
-        decision = decision_from_json(from_process_0(text))
-        if decision is None:
-            return None
-        new, gain = decision
-        return new, gain, os.path.relpath(plan_path(self.workdir, n), self.workdir)
-
-    def switch(self, n: int, plan, gain: float, report, rebuild: bool) -> None:
-        """Continue from step `n`'s checkpoint (committed first, then plans/step_<n>.json
-        written) under `plan`; without `rebuild` (the invocation's last step) only the
-        record changes: a rerun resumes on `plan`."""
-        self.ckpt.wait()
-        if self.lead:
-            where = write_plan(self.workdir, n, plan)
-            self.record_plan(plan)
-            self.console.print(switch_line(n, self.plan, plan, gain, where), markup=False)
-        self.plan, self.plan_traces = plan, []
-        if rebuild:
-            self.rebuild(n, lambda: self.build(plan), report)
-
-    def rebuild(self, n: int, make_runner, report=None) -> None:
-        """Replace the runner by `make_runner()` (another plan), restored from step `n`'s
-        checkpoint (n = 0: a fresh start)."""
-        self.runner.close()
-        self.runner = None  # the old plan's arrays go before the new plan's are made
-        self.runner = make_runner()
-        self.runner.progress = report
-        if n:
-            state, data_state = self.ckpt.restore(n, self.runner.restore_target())
-            self.runner.load(state, data_state, n)
-
-    def record(self, n: int, m: dict) -> dict:
-        """The metrics row of step `n`: tokens seen (every non-pad LLM position) and tokens
-        trained (loss targets: masked prompt tokens count in neither the loss nor the
-        trained figure)."""
-        self.skipped += m["skipped"]
-        spike = bool(m.get("spike", 0.0))
-        bad = bool(m["nonfinite"]) or spike
-        self.nonfinite += bool(m["nonfinite"])
-        self.spike_steps += spike
-        self.in_a_row = (self.in_a_row + 1) if bad else 0
-        if spike and self.lead:
-            self.console.print(f"step {n}: {self.spikes.describe(m)}: not applied (loss-spike "
-                               f"guard, {self.in_a_row} in a row)", markup=False)
-        if not bad:
-            self.spikes.add(m["loss"], m["grad_norm"])
-        return {"step": n, "loss": m["loss"], "lm_loss": m["lm_loss"],
-                "diffusion_loss": m["diffusion_loss"], "grad_norm": m["grad_norm"],
-                "learning_rate": float(self.schedule(n - 1)),
-                "tokens_per_s": m["tokens"] / m["step_time_s"],
-                "trained_tokens_per_s": m["tokens_trained"] / m["step_time_s"],
-                "tokens_seen": m["tokens"], "tokens_trained": m["tokens_trained"],
-                "step_time_s": m["step_time_s"], "data_wait_s": m["data_wait_s"],
-                "skipped_samples": self.skipped, "nonfinite_steps": self.nonfinite,
-                "spike_steps": self.spike_steps}
-
-    def guard(self, n: int, rec: dict, max_bad_steps: int) -> None:
-        if self.in_a_row >= max_bad_steps:
-            raise TrainingStopped(
-                f"{self.in_a_row} steps in a row ({n + 1 - self.in_a_row}..{n}) had a "
-                f"non-finite or spiking loss or gradient norm (last: loss {rec['loss']}, grad_norm "
-                f"{rec['grad_norm']}); none was applied. Last good checkpoint: "
-                f"{_last_good(self.ckpt)} (lower the learning rate or check the data, then "
-                f"rerun to resume; train.max_bad_steps={max_bad_steps})")
-
-    def bad_data_guard(self, n: int, skip_log) -> None:
-        """Stop once the share of bad samples passes `Loader.max_bad_fraction`."""
-        data = self.runner.data
-        limit = getattr(getattr(data, "loader", data), "max_bad_fraction", 1.0)
-        skip_log.flush()
-        why = too_much_bad_data(n, self.runner.global_batch, self.skipped, limit,
-                                self.skipped_path)
-        if why:
-            raise TrainingStopped(f"{why}; last good checkpoint: {_last_good(self.ckpt)}")
-
-    def save(self, n: int) -> None:
-        try:
-            self.ckpt.save(n, self.runner.checkpoint_tree(),
-                           {**self.runner.data_state(), "skipped_samples": self.skipped,
-                            "nonfinite_steps": self.nonfinite,
-                            "spike_steps": self.spike_steps,
-                            "spike_history": self.spikes.state()})
-        except NonFiniteState as e:
-            raise TrainingStopped(f"step {n}: {e}; last good checkpoint: "
-                                  f"{_last_good(self.ckpt)} (lower the learning rate, "
-                                  f"then rerun to resume)") from None
-
-    def close(self) -> None:
-        self.preempt.__exit__(None, None, None)
-        self.ckpt.close()
-        if self.runner is not None and hasattr(self.runner, "close"):
-            self.runner.close()

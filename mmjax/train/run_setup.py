@@ -1,0 +1,94 @@
+"""What a run builds before its first step: the model config and tokenizer (with the
+pretrained checkpoints' sizes), the run's Plan, and `train.dry_run`'s check of all of it."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from mmjax.data.tokenizer import tokenizer
+from mmjax.errors import UserError
+from mmjax.models.config import MLLMConfig
+from mmjax.models.hf.pretrained import expand_whole_model, prepare_pretrained
+from mmjax.planner.plan import Plan
+from mmjax.train.auto_plan import auto_plan
+from mmjax.train.config import named_model_config, pretrained
+from mmjax.train.data_config import fit_vocab, layout_and_source, train_source
+from mmjax.train.progress import console as progress_console
+from mmjax.train.validate import check_pretrained_vocab
+from mmjax.models.units import has_llm
+
+
+def dry_run_build(cfg, tok, dirs, plan, global_batch, attention_impl, schedule) -> None:
+    """What a run builds before its first step, short of parameters and programs: the
+    plan, the optimizer, the data source and the first global batch (selected, decoded,
+    assembled), so a setting that would break them fails here."""
+    from mmjax.data.loader import Loader
+    from mmjax.train.optimizer import optimizer_from_settings
+
+    optimizer_from_settings(schedule)
+    float(schedule(0))
+    the_plan = (run_plan(plan, cfg, tok, dirs, global_batch, attention_impl)[0]
+                if plan is not None else Plan.uniform(cfg, global_batch, 1))
+    layout, source = layout_and_source(cfg, tok)
+    loader = Loader(source if source is not None else train_source(cfg), cfg, the_plan,
+                    layout)
+    try:
+        loader.builder(0)
+    finally:
+        loader.close()
+
+
+def model_and_tokenizer(model: MLLMConfig | None):
+    """(model config, tokenizer or None, pretrained dirs): the gin-named model, its sizes
+    from the pretrained checkpoints' config.json, its vocabulary covering the tokenizer."""
+    cfg = model or named_model_config()
+    # gin: pretrained.<unit> = "/hf/checkpoint/dir"; pretrained.model: a whole checkpoint
+    dirs = expand_whole_model(pretrained())
+    if dirs:  # configs from config.json; files, names and shapes checked before any work
+        cfg = prepare_pretrained(cfg, dirs)
+    tok = tokenizer()
+    if tok is not None:
+        cfg = fit_vocab(cfg, tok, pretrained=has_llm(dirs) or "model" in dirs)
+    check_pretrained_vocab(cfg, dirs)
+    return cfg, tok, dirs
+
+
+def run_plan(plan: str, cfg: MLLMConfig, tok, dirs: dict, global_batch: int,
+              attention_impl: str | None) -> tuple[Plan, MLLMConfig]:
+    """The run's Plan ("manual": gin's `manual_plan`; "auto": planned for the devices present
+    and the run's source; else a Plan JSON), validated, and the config its tp sizes need."""
+    from mmjax.train.manual_plan import manual_plan
+
+    if plan == "manual":
+        the_plan = manual_plan(global_batch=global_batch, model=cfg)
+    elif plan == "auto":  # planned for the source this run reads
+        real = layout_and_source(cfg, tok)[1]
+        the_plan = auto_plan(cfg, global_batch, real if real is not None else train_source(cfg))
+        progress_console().print("auto plan: " + "; ".join(
+            f"{u.name} dp={u.dp} tp={u.tp} pp={u.pp}" for u in the_plan.units))
+    else:
+        the_plan = Plan.load(plan)
+    return prepared_plan(the_plan, cfg, tok, dirs, global_batch, attention_impl)
+
+
+def prepared_plan(the_plan: Plan, cfg: MLLMConfig, tok, dirs: dict, global_batch: int,
+              attention_impl: str | None, same_config: bool = False):
+    """`the_plan` validated for the run, and the config its tp sizes need (`same_config`:
+    a plan to switch to must train the running config, e.g. the same padded vocabulary)."""
+    if the_plan.global_batch != global_batch:
+        raise UserError(f"plan global_batch={the_plan.global_batch} differs from "
+                        f"train.global_batch={global_batch}: make them equal")
+    if tok is not None:
+        fitted = fit_vocab(cfg, tok, [u.tp for u in the_plan.units],
+                           pretrained=has_llm(dirs) or "model" in dirs)
+        if same_config and fitted != cfg:
+            raise UserError(f"the plan's tp sizes need vocab_size {fitted.llm.vocab_size}, "
+                            f"the run trains {cfg.llm.vocab_size}")
+        cfg = fitted
+    if attention_impl is not None:
+        the_plan = dataclasses.replace(the_plan, units=tuple(
+            dataclasses.replace(u, attention_impl=attention_impl) for u in the_plan.units))
+    the_plan.validate(cfg, jax.device_count())
+    check_pretrained_vocab(cfg, dirs)
+    return the_plan, cfg

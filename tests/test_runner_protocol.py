@@ -1,0 +1,35 @@
+"""Both runners implement train/runner.py's `Runner` protocol with its signatures, and the
+pipeline runtime takes its parameters from the caller (no training state kept)."""
+import inspect
+
+from mmjax.pipeline.runtime import PipelineRuntime, Stage
+from mmjax.train.pipelined import PipelinedRunner
+from mmjax.train.runner import Runner, StepMetrics
+from mmjax.train.single_program import SingleProgram
+
+
+def _methods(cls) -> dict:
+    return {n: inspect.signature(v) for n, v in vars(cls).items()
+            if callable(v) and not n.startswith("_")}
+
+
+def test_both_runners_have_the_protocol_methods_and_parameters():
+    want = _methods(Runner)
+    assert set(want) == {"step", "evaluate", "checkpoint", "restore_target", "load", "close"}
+    for cls in (SingleProgram, PipelinedRunner):
+        for name, sig in want.items():
+            got = inspect.signature(getattr(cls, name))
+            assert list(got.parameters) == list(sig.parameters), (cls.__name__, name)
+
+
+def test_step_metrics_applied():
+    m = StepMetrics(1.0, 1.0, 0.0, 2.0)
+    assert m.applied and not StepMetrics(1.0, 1.0, 0.0, 2.0, spike=True).applied
+    assert not StepMetrics(float("nan"), 0.0, 0.0, 0.0, nonfinite=True).applied
+
+
+def test_runtime_stage_holds_no_parameter_values():
+    fields = set(Stage.__dataclass_fields__)
+    assert not fields & {"trainable", "compute", "compute_of"}
+    for name in ("run", "start", "evaluate"):
+        assert "params" in inspect.signature(getattr(PipelineRuntime, name)).parameters
