@@ -19,11 +19,15 @@ def fold_loss(norm, loss_terms, max_loss=np.inf, max_norm=np.inf):
     dev = list(norm.devices())[0]
     total = sum((jnp.sum(jax.device_put(t, dev)) for t in loss_terms),
                 jnp.zeros((), jnp.float32))
-    folded = norm + 0.0 * total
-    if np.isinf(max_loss) and np.isinf(max_norm):
-        return folded
-    calm = (total <= max_loss) & (norm <= max_norm)
-    return jnp.where(calm, folded, jnp.nan)
+    # one compiled program whatever the limits: the guard switching on after warm-up
+    # (infinite limits becoming finite) compiles nothing mid-run
+    return _guarded(norm, total, np.float32(max_loss), np.float32(max_norm))
+
+
+@jax.jit
+def _guarded(norm, total, max_loss, max_norm):
+    calm = (total <= max_loss) & (norm <= max_norm)  # False for NaN: NaN either way
+    return jnp.where(calm, norm + 0.0 * total, jnp.nan)
 
 
 def norm_from_squares(squares, device=None):

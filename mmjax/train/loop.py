@@ -21,6 +21,7 @@ from mmjax.train.preemption import Preempted, Preemption
 from mmjax.train.progress import console as progress_console
 from mmjax.train.replanning import decision_from_json, decision_json, from_process_0, switch_line
 from mmjax.train.run_files import truncate_metrics
+from mmjax.train.optimizer import learning_rate_table
 from mmjax.train.run_report import SkipReport
 from mmjax.train.runner import Runner, StepMetrics
 from mmjax.train.spike_guard import SpikeGuard
@@ -104,6 +105,9 @@ class TrainLoop:
             evaluate_at, evaluate, cfg, plan) -> list[dict]:
         records = []
         self.plan = self.plan or plan
+        # every step's learning rate, read on the host: evaluated once here, so the step
+        # loop runs no eager op that would trace or compile after warm-up
+        self.learning_rates = learning_rate_table(self.schedule, end)
         skips = SkipReport(report.say, self.skipped_path)
         preempt = self.preempt
         preempt.step = self.start
@@ -240,7 +244,7 @@ class TrainLoop:
             self.spikes.add(m.loss, m.grad_norm)
         return {"step": n, "loss": m.loss, "lm_loss": m.lm_loss,
                 "diffusion_loss": m.diffusion_loss, "grad_norm": m.grad_norm,
-                "learning_rate": float(self.schedule(n - 1)),
+                "learning_rate": float(self.learning_rates[n - 1]),
                 "tokens_per_s": m.tokens / m.step_time_s,
                 "trained_tokens_per_s": m.tokens_trained / m.step_time_s,
                 "tokens_seen": m.tokens, "tokens_trained": m.tokens_trained,

@@ -10,6 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import gin
+import jax
+import jax.numpy as jnp
+import numpy as np
 import optax
 
 
@@ -23,6 +26,11 @@ def learning_rate_schedule(total_steps: int, peak_lr: float = 1e-3, warmup_steps
         init_value=0.0 if warmup_steps else peak_lr, peak_value=peak_lr,
         warmup_steps=warmup_steps, decay_steps=max(total_steps, warmup_steps + 1),
         end_value=peak_lr * min_lr_ratio)
+
+
+def learning_rate_table(schedule, steps: int) -> np.ndarray:
+    """`schedule` at steps 0 .. steps-1 as one host array (one small program, run once)."""
+    return np.asarray(jax.jit(jax.vmap(schedule))(jnp.arange(max(steps, 1))), np.float64)
 
 
 @gin.configurable
