@@ -95,19 +95,26 @@ def tree_shardings(tree, mesh: Mesh, colo, what: str):
     return jax.tree_util.tree_map_with_path(one, tree)
 
 
-def gather_layer(mesh: Mesh):
-    """`scan.layer_weights`' function: one layer's state, whole again (but for the LLM's tp
-    dimension). Layer-relative paths name their unit by role: LLM projections are
-    wq/wo/w_up..., every other block weight belongs to a tp-1 unit."""
-    def spec(path, w):
+def gather_layer(mesh: Mesh, colo):
+    """`scan.layer_weights`' function: one layer's state whole again (but for the LLM's tp
+    dimension); the stacked layers' states kept as stored (sharded at ZeRO-3). Layer paths
+    are relative, so the unit is told by role: LLM projections are wq/wo/w_up...; every
+    other block belongs to an encoder or the generator (tp 1), whose stacked weights stay
+    sharded when any of them is at ZeRO-3."""
+    others = max([colo.stage(u) for u, _ in colo.stages if u != "llm"]
+                 + [colo.default_stage])
+
+    def spec(path, w, stacked):
         names = path_names(path)
         llm = bool(set(names) & (set(LLM_COLUMN_PARAMS) | set(LLM_ROW_PARAMS)))
         full = (("llm", "layers") if llm else ("encoders", "", "layers")) + names
-        return NamedSharding(mesh, leaf_spec(mesh, full, w.shape, sharded=False))
+        sharded = stacked and (colo.stage("llm") if llm else others) >= 3
+        inner = leaf_spec(mesh, full, w.shape[1:] if stacked else w.shape, sharded)
+        return NamedSharding(mesh, P(None, *inner) if stacked else inner)
 
-    def gather(state):
+    def gather(state, stacked=False):
         return jax.tree_util.tree_map_with_path(
-            lambda p, w: jax.lax.with_sharding_constraint(w, spec(p, w)), state)
+            lambda p, w: jax.lax.with_sharding_constraint(w, spec(p, w, stacked)), state)
     return gather
 
 

@@ -39,16 +39,29 @@ def state_shardings(abstract: TrainState, mesh, colo: Colocation) -> TrainState:
                       tree_shardings(abstract.opt_state, mesh, colo, "opt"))
 
 
-def colocated_loss_fn(graphdef, mesh, dtype=jnp.float32, attention_impl="auto",
+def colocated_loss_fn(graphdef, mesh, colo: Colocation, dtype=jnp.float32, attention_impl="auto",
                       llm_mask_family="bam", route=to_llm_layout):
     """(trainable, frozen, batch) -> (loss, aux) with each layer's weights gathered in the
     layer scan (a no-op for units whose parameters are whole)."""
     base = make_loss_fn(graphdef, dtype, attention_impl, llm_mask_family, route)
 
     def loss_fn(trainable, frozen, batch):
-        with layer_weights(gather_layer(mesh)):
+        with layer_weights(gather_layer(mesh, colo)):
             return base(trainable, frozen, batch)
     return loss_fn
+
+
+def colocated_step(graphdef, tx, mesh, colo: Colocation, abstract: TrainState,
+                   dtype=jnp.float32, attention_impl="auto", llm_mask_family="bam",
+                   route=to_llm_layout):
+    """The jitted (state, batch, limits) -> (state, metrics) step: gradients placed by the
+    ZeRO stage (whole: all-reduce; sharded: reduce-scatter), the state kept on its
+    co-located shardings (`abstract`'s), the old state donated."""
+    grads = tree_shardings(abstract.trainable, mesh, colo, "grads")
+    loss_fn = colocated_loss_fn(graphdef, mesh, colo, dtype, attention_impl, llm_mask_family, route)
+    place = lambda g: jax.lax.with_sharding_constraint(g, grads)
+    return jax.jit(train_step_fn(loss_fn, tx, place), donate_argnums=(0,),
+                   out_shardings=(state_shardings(abstract, mesh, colo), None))
 
 
 class Colocated(SingleProgram):
@@ -89,13 +102,8 @@ class Colocated(SingleProgram):
         self._fresh, self._state = fresh, None
         if pretrained:
             self._state = fresh()
-        loss_fn = colocated_loss_fn(self.graphdef, self.mesh, dtype, attention_impl,
-                                    layout.llm_mask_family)
-        self.grad_shardings = tree_shardings(self.abstract.trainable, self.mesh, colo, "grads")
-        place_grads = lambda g: jax.lax.with_sharding_constraint(g, self.grad_shardings)
-        self.step_fn = jax.jit(train_step_fn(loss_fn, tx, place_grads),
-                               out_shardings=(self.shardings, None), donate_argnums=(0,))
-        self.loss_fn = loss_fn
+        self.step_fn = colocated_step(self.graphdef, tx, self.mesh, colo, self.abstract,
+                                      dtype, attention_impl, layout.llm_mask_family)
 
     def place(self, state: TrainState) -> TrainState:
         """A TrainState (any placement) on the co-located shardings."""
