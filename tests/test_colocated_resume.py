@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import mmjax.data.loader  # noqa: F401  (registers Loader with gin)
+import mmjax.train.pipeline_step  # noqa: F401  (registers manual_plan with gin)
 from mmjax.models.config import with_overrides
 from mmjax.models.tiny import tiny
 from mmjax.train.trainer import train
