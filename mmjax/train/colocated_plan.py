@@ -8,7 +8,7 @@ setting and the fix, raised before any work.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from mmjax.errors import UserError
 

@@ -89,7 +89,7 @@ class SingleProgram:
         tx = optimizer_from_settings(schedule)
         key = jax.random.key(seed)
         graphdef, tr, fr = abstract_split(MultimodalModel, (cfg,), key, filters)
-        device = jax.devices()[0]
+        device = jax.local_devices()[0]  # the same in one process; addressable in any
         self.memory_line = None
         if self.data.floor is not None:
             count = lambda t: sum(x.size for x in jax.tree.leaves(t))
