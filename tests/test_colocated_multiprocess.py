@@ -22,8 +22,13 @@ ARGS = ['--gin_param=named_model_config.overrides={"llm.num_layers": 2}',
 def _run(workdir, processes, devices):
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = LAUNCH + [f"--num_processes={processes}", f"--devices_per_process={devices}",
-                    "--timeout=500", "--", *ARGS, f"--workdir={workdir}"]
+    if processes == 1:  # no distributed runtime: XLA's in-process collectives
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+        cmd = [sys.executable, os.path.join(ROOT, "scripts", "train.py"), *ARGS,
+               f"--workdir={workdir}"]
+    else:
+        cmd = LAUNCH + [f"--num_processes={processes}", f"--devices_per_process={devices}",
+                        "--timeout=500", "--", *ARGS, f"--workdir={workdir}"]
     p = subprocess.run(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE,
                        stderr=subprocess.STDOUT, text=True, timeout=560, check=False)
     assert p.returncode == 0, p.stdout[-6000:]
