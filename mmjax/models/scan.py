@@ -9,17 +9,43 @@ function, where XLA fuses it with the compute-dtype cast the weights go through 
 `remat` recomputes each layer in the backward (MaxText's `remat_policy` on the scanned
 layer): "full" keeps only the layer's input, "dots" also the outputs of matmuls without
 batch dimensions (the weight projections; the attention core is redone), "none" keeps all.
+
+`layer_weights(fn)`: while a step is traced inside it, each layer's weights pass through
+`fn(state, stacked=False)` inside the scan body (ZeRO-3: all-gathered just in time from
+their shards, parallel/fsdp.py) and are never saved for the backward, which gathers them
+again, so about one layer's full weights are live at a time; the stacked weights pass
+through `fn(stacked_state, stacked=True)` before the scan (kept sharded, so the gather is
+not hoisted out of the loop). The model code stays unaware of it.
 """
 from __future__ import annotations
+
+import contextlib
+import contextvars
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 REMATS = ("none", "dots", "full")
 _POLICY = {"full": jax.checkpoint_policies.nothing_saveable,
            "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+
+
+_LAYER_WEIGHTS = contextvars.ContextVar("mmjax_layer_weights", default=None)
+_GATHERED = "mmjax_layer_weights"
+
+
+@contextlib.contextmanager
+def layer_weights(fn):
+    """Trace-time scope: every `run_stack` layer's state goes through `fn` in the scan body
+    (None: unchanged), recomputed rather than saved for the backward."""
+    token = _LAYER_WEIGHTS.set(fn)
+    try:
+        yield
+    finally:
+        _LAYER_WEIGHTS.reset(token)
 
 
 def remat_policy(remat: str):
@@ -41,11 +67,17 @@ def run_stack(layers, x, call, scan: bool = True, per_layer=None, remat: str = "
     layer's state (the module is merged inside, so no module crosses the checkpoint)."""
     layers = list(layers)
     policy = remat_policy(remat)
+    gather = _LAYER_WEIGHTS.get()
+    if gather is not None and policy is None:  # keep the matmul outputs, never a weight
+        policy = _POLICY["dots"]  # (saving "anything" would keep w.T and reshaped weights)
     flags = None if per_layer is None else np.asarray(per_layer)
     if flags is not None and len(flags) != len(layers):
         raise ValueError(f"run_stack: {len(flags)} per-layer entries for {len(layers)} layers")
 
     def one(graphdef, state, h, flag):
+        if gather is not None:
+            state = jax.tree.map(lambda w: checkpoint_name(w, _GATHERED),
+                                 gather(state, stacked=False))
         layer = nnx.merge(graphdef, state)
         return call(layer, h) if flags is None else call(layer, h, flag)
 
@@ -56,6 +88,8 @@ def run_stack(layers, x, call, scan: bool = True, per_layer=None, remat: str = "
         return jax.checkpoint(lambda s, hh: one(graphdef, s, hh, flag),  # static: closed over
                               policy=policy)(state, h)
 
+    if gather is not None:  # a loop would let XLA schedule every layer's gather at once
+        scan = True
     if not scan or len(layers) < 2:
         return _loop(layers, x, call, flags, policy, step)
     splits = [nnx.split(layer) for layer in layers]
@@ -63,6 +97,8 @@ def run_stack(layers, x, call, scan: bool = True, per_layer=None, remat: str = "
     if any(g != graphdef for g, _ in splits[1:]):
         return _loop(layers, x, call, flags, policy, step)
     stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *(s for _, s in splits))
+    if gather is not None:
+        stacked = gather(stacked, stacked=True)
     # Equal entries stay static (the body specialises on them); only differing ones are traced.
     same = flags is None or bool((flags == flags[0]).all())
     xs = (stacked, None if same else jnp.asarray(flags))

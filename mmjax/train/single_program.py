@@ -11,7 +11,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import SingleDeviceSharding
 
-from mmjax.data.batch_shapes import grow_shapes
+from mmjax.data.batch_shapes import BatchShapes, grow_shapes
 from mmjax.data.loader import SHAPE_SCAN_MAX
 from mmjax.data.sources import eval_batches
 from mmjax.models.hf.pretrained import load_pretrained_dirs
@@ -26,6 +26,15 @@ from mmjax.train.runner import StepMetrics
 from mmjax.train.step import TrainState, make_loss_fn, make_train_step, split_model
 
 
+def round_counts(shapes: BatchShapes, multiple: int) -> BatchShapes:
+    """Rows, encoder buffer counts and generated images rounded up to `multiple` (padding),
+    so a data-parallel split over that many ranks is even."""
+    up = lambda n: -(-n // multiple) * multiple
+    return BatchShapes(up(shapes.rows), tuple((n, up(c), k) for n, c, k in shapes.encoders),
+                       up(shapes.gen) if shapes.gen else 0)
+
+
+
 _NO_LIMITS = np.full(2, np.inf, np.float32)  # the spike guard's limits, off
 
 
@@ -36,15 +45,15 @@ class SingleProgram:
 
     def __init__(self, cfg, layout, global_batch, schedule, dtype, seed, source=None,
                  attention_impl="auto", pretrained=None, steps: int | None = None,
-                 check_memory: bool = True):
+                 check_memory: bool = True, count_multiple: int = 1):
         """`steps`: the run's length; the batch shapes are scanned (from metadata) over up to
         `SHAPE_SCAN_MAX` of its global batches up front, so the step compiles once.
         `check_memory`: refuse (UserError) a step whose estimated peak memory at those
         shapes exceeds the device's, before anything is compiled (train/memory_check.py)."""
         from mmjax.train.single_data import LoaderBatches
 
-        def grow(shapes, metas):
-            return grow_shapes(shapes, metas, layout)
+        def grow(shapes, metas):  # count_multiple: the co-located runner's dp
+            return round_counts(grow_shapes(shapes, metas, layout), count_multiple)
         self.data = LoaderBatches(source if source is not None else train_source(cfg), cfg,
                                   layout, global_batch, grow,
                                   scan_steps=None if steps is None else min(steps,
@@ -54,7 +63,7 @@ class SingleProgram:
         tx = optimizer_from_settings(schedule)
         key = jax.random.key(seed)
         graphdef, tr, fr = abstract_split(MultimodalModel, (cfg,), key, filters)
-        device = jax.devices()[0]
+        device = jax.local_devices()[0]  # the same in one process; addressable in any
         self.memory_line = None
         if self.data.floor is not None:
             count = lambda t: sum(x.size for x in jax.tree.leaves(t))
@@ -136,6 +145,10 @@ class SingleProgram:
             self._state = made.result()
         return compiled
 
+    def inputs(self, batch):
+        """The step's inputs for a host batch (the co-located runner places them)."""
+        return model_inputs(batch)
+
     def step(self, trace: bool = False, limits=(np.inf, np.inf)) -> StepMetrics:
         """One step; `limits` = (max loss, max gradient norm) of the loss-spike guard.
         `trace` records a plan's pipeline actions: one program has none (`trace` None)."""
@@ -144,9 +157,10 @@ class SingleProgram:
         if isinstance(batch, tuple):  # SourceBatches: (batch, skipped before assembly)
             batch, skipped = batch
         skipped = skipped + [(str(i), r, ("", "record", int(i))) for i, r in batch.skipped]
-        inputs = model_inputs(batch)
+        inputs = self.inputs(batch)
         leaves, treedef = jax.tree.flatten(inputs)
-        key = (str(treedef), tuple((np.shape(x), str(np.asarray(x).dtype)) for x in leaves))
+        key = (str(treedef), tuple((np.shape(x), str(np.asarray(x).dtype) if np.isscalar(x)
+                                     else str(x.dtype)) for x in leaves))
         compile_s = 0.0
         if key not in self.compiled:
             sh = batch.shapes
@@ -192,7 +206,7 @@ class SingleProgram:
             for _ in range(eval_batches(source, max_batches, self.global_batch)):
                 batch, _ = next(data)
                 n = batch.num_target_tokens
-                total += float(self.eval_fn(self.state, model_inputs(batch))) * n
+                total += float(self.eval_fn(self.state, self.inputs(batch))) * n
                 count += n
         finally:
             data.close()

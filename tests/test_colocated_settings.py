@@ -1,0 +1,57 @@
+"""`manual_plan.layout` / `zero_stage` / `fsdp_group` / `tp` in the co-located layout: what
+each gives, and the one-line error (setting, why, fix) for what a layout cannot take,
+raised before any work (no JAX program runs here)."""
+import pytest
+
+from mmjax.errors import UserError
+from mmjax.models.tiny import tiny_valm
+from mmjax.train.colocated_plan import Colocation, check_colocated_run, check_layout
+from mmjax.train.manual_plan import manual_plan
+
+UNITS = ("vision", "audio", "llm")
+
+
+def test_colocated_settings_give_a_colocation():
+    colo = check_layout(UNITS, 8, "colocated", {"llm": 3, "vision": 2}, 4, tp={"llm": 2})
+    assert colo == Colocation(2, (("llm", 3), ("vision", 2)), 1, 4)
+    assert [colo.stage(u) for u in UNITS] == [2, 1, 3]
+    assert check_layout(UNITS, 8, "colocated", 3) == Colocation(1, (), 3, None)
+    assert check_layout(UNITS, 8) is None  # disaggregated: the pipeline runtime's Plan
+    assert isinstance(manual_plan(global_batch=8, model=tiny_valm(), layout="colocated",
+                                  zero_stage=2), Colocation)
+
+
+@pytest.mark.parametrize("kw,line", [
+    (dict(layout="colocated", zero_stage=4),
+     "manual_plan.zero_stage=4: no such ZeRO stage (use 1: optimizer state sharded, 2: also "
+     "the gradients, 3: also the parameters)"),
+    (dict(layout="colocated", zero_stage={"llm": 0}), "manual_plan.zero_stage['llm']=0: no such"),
+    (dict(layout="colocated", zero_stage={"vison": 2}), "unknown unit(s) ['vison']"),
+    (dict(layout="mixed"), "manual_plan.layout='mixed': no such layout (use \"disaggregated\""),
+    (dict(zero_stage=2), "manual_plan.zero_stage=2: the disaggregated layout runs ZeRO-1 "
+     "(set manual_plan.layout=\"colocated\" for ZeRO-2/3, or drop the setting)"),
+    (dict(fsdp_group=4), "manual_plan.fsdp_group=4: read only with the co-located layout"),
+    (dict(layout="colocated", pp={"llm": 2}), "manual_plan.pp={'llm': 2}: the co-located "
+     "layout runs every unit data-parallel over all 8 devices in one program, without "
+     "pipelining"),
+    (dict(layout="colocated", dp={"vision": 4}), "manual_plan.dp={'vision': 4}: the co-located"),
+    (dict(layout="colocated", tp={"llm": 3}), "manual_plan.tp['llm']=3: does not divide the 8 "
+     "devices (use a divisor of 8)"),
+    (dict(layout="colocated", tp={"vision": 2}), "manual_plan.tp['vision']=2: in the "
+     "co-located layout only the llm takes tp"),
+    (dict(layout="colocated", tp={"llm": 2}, fsdp_group=3), "manual_plan.fsdp_group=3: must "
+     "divide the 8 devices and be a multiple of the llm's tp 2"),
+    (dict(layout="colocated", tp={"llm": 4}, fsdp_group=2), "manual_plan.fsdp_group=2: must"),
+])
+def test_bad_layout_settings_are_one_line(kw, line):
+    with pytest.raises(UserError) as e:
+        check_layout(UNITS, 8, **kw)
+    msg = str(e.value)
+    assert line in msg and "\n" not in msg and "(" in msg and msg.endswith(")")
+
+
+def test_colocated_refuses_replanning_and_traces():
+    check_colocated_run(0, 0, None)
+    with pytest.raises(UserError, match=r"train.replan_every=5: the co-located layout is one "
+                       r"SPMD program"):
+        check_colocated_run(5, 0, None)
