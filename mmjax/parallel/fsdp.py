@@ -21,6 +21,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from mmjax.models.units import is_generator, is_llm
 from mmjax.parallel.tensor import megatron_role, path_names
 from mmjax.parallel.tp_ops import LLM_COLUMN_PARAMS, LLM_ROW_PARAMS
 
@@ -41,7 +42,7 @@ def unit_of(names: tuple[str, ...]) -> str | None:
     for i, n in enumerate(names):
         if n in ("encoders", "projectors"):
             return names[i + 1] if i + 1 < len(names) else None
-        if n in ("llm", "generator"):
+        if is_llm(n) or is_generator(n):
             return n
     return None
 
@@ -57,18 +58,18 @@ def _tp_dim(names, shape, tp: int) -> int | None:
 
 def batch_axes(mesh: Mesh, unit: str) -> tuple[str, ...]:
     """The mesh axes a unit's batch (and data parallelism) spans."""
-    return ("rep", "fsdp") if unit == "llm" and mesh.shape["tp"] > 1 else AXES
+    return ("rep", "fsdp") if is_llm(unit) and mesh.shape["tp"] > 1 else AXES
 
 
 def _group_axes(mesh: Mesh, unit: str) -> tuple[str, ...]:
-    return ("fsdp",) if unit == "llm" and mesh.shape["tp"] > 1 else ("fsdp", "tp")
+    return ("fsdp",) if is_llm(unit) and mesh.shape["tp"] > 1 else ("fsdp", "tp")
 
 
 def leaf_spec(mesh: Mesh, names, shape, sharded: bool) -> P:
     """`names`' spec: its tp dimension (LLM), and with `sharded` its FSDP dimension."""
     unit = unit_of(names) or ""
     spec = [None] * len(shape)
-    tdim = _tp_dim(names, shape, mesh.shape["tp"]) if unit == "llm" else None
+    tdim = _tp_dim(names, shape, mesh.shape["tp"]) if is_llm(unit) else None
     if tdim is not None:
         spec[tdim] = "tp"
     if sharded:
@@ -101,7 +102,7 @@ def gather_layer(mesh: Mesh, colo):
     are relative, so the unit is told by role: LLM projections are wq/wo/w_up...; every
     other block belongs to an encoder or the generator (tp 1), whose stacked weights stay
     sharded when any of them is at ZeRO-3."""
-    others = max([colo.stage(u) for u, _ in colo.stages if u != "llm"]
+    others = max([colo.stage(u) for u, _ in colo.stages if not is_llm(u)]
                  + [colo.default_stage])
 
     def spec(path, w, stacked):

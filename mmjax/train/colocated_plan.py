@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mmjax.errors import UserError
+from mmjax.models.units import is_llm
 
 LAYOUTS = ("disaggregated", "colocated")
 ZERO_STAGES = (1, 2, 3)
@@ -85,14 +86,14 @@ def check_layout(units, num_devices: int, layout="disaggregated", zero_stage=Non
                             f"are {list(units)})")
         if not _is_int(v) or v < 1:
             raise UserError(f"{where}={v!r}: must be an int >= 1")
-        if v > 1 and u != "llm":
+        if v > 1 and not is_llm(u):
             raise UserError(f"{where}={v!r}: in the co-located layout only the llm takes tp; "
                             f"the other units run data-parallel over every device (use "
                             f"manual_plan.tp = {{\"llm\": {v}}})")
         if num_devices % v:
             raise UserError(f"{where}={v!r}: does not divide the {num_devices} devices (use a "
                             f"divisor of {num_devices})")
-        llm_tp = v if u == "llm" else llm_tp
+        llm_tp = v if is_llm(u) else llm_tp
     if fsdp_group is not None and (not _is_int(fsdp_group) or fsdp_group < 1
                                    or num_devices % fsdp_group or fsdp_group % llm_tp):
         raise UserError(f"manual_plan.fsdp_group={fsdp_group!r}: must divide the "
