@@ -191,12 +191,14 @@ class MultimodalModel(nnx.Module):
         return order
 
     def __call__(self, batch, dtype=jnp.float32, attention_impl="auto",
-                 llm_mask_family: str = "bam"):
+                 llm_mask_family: str = "bam", route=None):
         """-> (loss, {"lm_loss", "diffusion_loss"}) on a batch with global normalisers.
 
         `attention_impl`: one `bam_attention` implementation for every unit, or a dict
         {unit: implementation} (the per-unit choice a Plan makes); `llm_mask_family`: the
-        LLM's mask family (`AssemblyLayout.llm_mask_family`).
+        LLM's mask family (`AssemblyLayout.llm_mask_family`); `route`: a function
+        {encoder: outputs} -> {encoder: outputs} between the encoders and the LLM (the
+        co-located runner's move from the encoder phase's layout to the LLM's; None: as is).
 
         Walks `dag()` in topological order: an encoder branch reads its batch inputs, the
         LLM merges the outputs of its encoder predecessors at their placeholder positions and
@@ -211,7 +213,8 @@ class MultimodalModel(nnx.Module):
                 if missing:
                     raise ValueError(f"dag() has no edge from encoder(s) {missing} to 'llm', "
                                      f"but the batch places their tokens in the LLM sequence")
-                x = llm_embed(cfg, self.llm, batch, {p: out[p] for p in preds}, dtype)
+                enc = {p: out[p] for p in preds}
+                x = llm_embed(cfg, self.llm, batch, enc if route is None else route(enc), dtype)
                 attend = meta_attend(llm_meta(batch), unit_attention(attention_impl, "llm"),
                                      llm_mask_family)
                 h = self.llm.run_layers(x, batch["positions"], attend)

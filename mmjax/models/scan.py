@@ -9,17 +9,41 @@ function, where XLA fuses it with the compute-dtype cast the weights go through 
 `remat` recomputes each layer in the backward (MaxText's `remat_policy` on the scanned
 layer): "full" keeps only the layer's input, "dots" also the outputs of matmuls without
 batch dimensions (the weight projections; the attention core is redone), "none" keeps all.
+
+`layer_weights(fn)`: while a step is traced inside it, each layer's weights pass through
+`fn(state) -> state` inside the scan body (ZeRO-3: all-gathered just in time from their
+shards, parallel/fsdp.py) and are never saved for the backward, which gathers them again,
+so about one layer's full weights are live at a time. The model code stays unaware of it.
 """
 from __future__ import annotations
+
+import contextlib
+import contextvars
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 REMATS = ("none", "dots", "full")
 _POLICY = {"full": jax.checkpoint_policies.nothing_saveable,
            "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+
+
+_LAYER_WEIGHTS = contextvars.ContextVar("mmjax_layer_weights", default=None)
+_GATHERED = "mmjax_layer_weights"
+
+
+@contextlib.contextmanager
+def layer_weights(fn):
+    """Trace-time scope: every `run_stack` layer's state goes through `fn` in the scan body
+    (None: unchanged), recomputed rather than saved for the backward."""
+    token = _LAYER_WEIGHTS.set(fn)
+    try:
+        yield
+    finally:
+        _LAYER_WEIGHTS.reset(token)
 
 
 def remat_policy(remat: str):
@@ -41,11 +65,17 @@ def run_stack(layers, x, call, scan: bool = True, per_layer=None, remat: str = "
     layer's state (the module is merged inside, so no module crosses the checkpoint)."""
     layers = list(layers)
     policy = remat_policy(remat)
+    gather = _LAYER_WEIGHTS.get()
+    if gather is not None and policy is None:  # keep activations, never gathered weights
+        policy = jax.checkpoint_policies.save_anything_except_these_names(_GATHERED)
     flags = None if per_layer is None else np.asarray(per_layer)
     if flags is not None and len(flags) != len(layers):
         raise ValueError(f"run_stack: {len(flags)} per-layer entries for {len(layers)} layers")
 
     def one(graphdef, state, h, flag):
+        if gather is not None:
+            state = jax.tree.map(lambda w: checkpoint_name(w, _GATHERED),
+                                 gather(state))
         layer = nnx.merge(graphdef, state)
         return call(layer, h) if flags is None else call(layer, h, flag)
 

@@ -39,6 +39,14 @@ def high_water(shapes: BatchShapes | None, need_fn) -> BatchShapes:
     return BatchShapes(max(shapes.rows, need.rows), encs, max(shapes.gen, need.gen))
 
 
+def round_counts(shapes: BatchShapes, multiple: int) -> BatchShapes:
+    """Rows, encoder buffer counts and generated images rounded up to `multiple` (padding),
+    so a data-parallel split over that many ranks is even."""
+    up = lambda n: -(-n // multiple) * multiple
+    return BatchShapes(up(shapes.rows), tuple((n, up(c), k) for n, c, k in shapes.encoders),
+                       up(shapes.gen) if shapes.gen else 0)
+
+
 def _layout_at_least(layout: AssemblyLayout, shapes: BatchShapes | None) -> AssemblyLayout:
     if shapes is None:
         return layout
@@ -62,16 +70,16 @@ class SingleProgram:
 
     def __init__(self, cfg, layout, global_batch, schedule, dtype, seed, source=None,
                  attention_impl="auto", pretrained=None, steps: int | None = None,
-                 check_memory: bool = True):
+                 check_memory: bool = True, count_multiple: int = 1):
         """`steps`: the run's length; the batch shapes are scanned (from metadata) over up to
         `SHAPE_SCAN_MAX` of its global batches up front, so the step compiles once.
         `check_memory`: refuse (UserError) a step whose estimated peak memory at those
         shapes exceeds the device's, before anything is compiled (train/memory_check.py)."""
         from mmjax.train.single_data import LoaderBatches
 
-        def grow(shapes, metas):
-            return high_water(shapes, lambda hw: batch_shapes(
-                [metas], _layout_at_least(layout, hw)))
+        def grow(shapes, metas):  # count_multiple: the co-located runner's dp
+            return round_counts(high_water(shapes, lambda hw: batch_shapes(
+                [metas], _layout_at_least(layout, hw))), count_multiple)
         self.data = LoaderBatches(source if source is not None else train_source(cfg), cfg,
                                   layout, global_batch, grow,
                                   scan_steps=None if steps is None else min(steps,
@@ -165,6 +173,10 @@ class SingleProgram:
             self._state = made.result()
         return compiled
 
+    def inputs(self, batch):
+        """The step's inputs for a host batch (the co-located runner places them)."""
+        return model_inputs(batch)
+
     def step(self, limits=(np.inf, np.inf)):
         """One step; `limits` = (max loss, max gradient norm) of the loss-spike guard."""
         t_wait = time.perf_counter()
@@ -172,9 +184,10 @@ class SingleProgram:
         if isinstance(batch, tuple):  # SourceBatches: (batch, skipped before assembly)
             batch, skipped = batch
         skipped = skipped + [(str(i), r, ("", "record", int(i))) for i, r in batch.skipped]
-        inputs = model_inputs(batch)
+        inputs = self.inputs(batch)
         leaves, treedef = jax.tree.flatten(inputs)
-        key = (str(treedef), tuple((np.shape(x), str(np.asarray(x).dtype)) for x in leaves))
+        key = (str(treedef), tuple((np.shape(x), str(np.asarray(x).dtype) if np.isscalar(x)
+                                     else str(x.dtype)) for x in leaves))
         compile_s = 0.0
         if key not in self.compiled:
             sh = batch.shapes
@@ -221,7 +234,7 @@ class SingleProgram:
             for _ in range(eval_batches(source, max_batches, self.global_batch)):
                 batch, _ = next(data)
                 n = batch.num_target_tokens
-                total += float(self.eval_fn(self.state, model_inputs(batch))) * n
+                total += float(self.eval_fn(self.state, self.inputs(batch))) * n
                 count += n
         finally:
             data.close()

@@ -30,13 +30,16 @@ def split_model(model, trainable_filter):
 
 
 def make_loss_fn(graphdef, compute_dtype=jnp.float32, attention_impl="auto",
-                 llm_mask_family: str = "bam"):
+                 llm_mask_family: str = "bam", route=None):
     """attention_impl: a `bam_attention` implementation, or a {unit: implementation} dict;
-    llm_mask_family: `AssemblyLayout.llm_mask_family` of the batches."""
+    llm_mask_family: `AssemblyLayout.llm_mask_family` of the batches; route: the model's
+    encoder-outputs -> LLM hook (`MultimodalModel.__call__`)."""
     def loss_fn(trainable, frozen, batch):
         model = nnx.merge(graphdef, cast_floats(trainable, compute_dtype),
                           cast_floats(frozen, compute_dtype))
-        return model(batch, compute_dtype, attention_impl, llm_mask_family)
+        if route is None:
+            return model(batch, compute_dtype, attention_impl, llm_mask_family)
+        return model(batch, compute_dtype, attention_impl, llm_mask_family, route)
     return loss_fn
 
 
@@ -54,11 +57,19 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, compute_dtype=jn
     gradient norm] (the trainer's loss-spike guard) a finite step above either is not
     applied either (`metrics["spike"]` 1); `metrics["applied"]` says whether it was;
     `state.step` counts applied steps."""
-    loss_fn = make_loss_fn(graphdef, compute_dtype, attention_impl, llm_mask_family)
+    return jax.jit(train_step_fn(make_loss_fn(graphdef, compute_dtype, attention_impl,
+                                              llm_mask_family), tx), donate_argnums=(0,))
 
+
+def train_step_fn(loss_fn, tx: optax.GradientTransformation, place_grads=None):
+    """The (state, batch, limits) -> (state, metrics) function `make_train_step` jits;
+    `place_grads`: applied to the gradients before the update (the co-located runner's
+    ZeRO-2/3 reduce-scatter as a sharding constraint)."""
     def train_step(state: TrainState, batch, limits=None):
         (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(
             state.trainable, state.frozen, batch)
+        if place_grads is not None:
+            grads = place_grads(grads)
         norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.trainable)
         trainable = optax.apply_updates(state.trainable, updates)
@@ -77,4 +88,4 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, compute_dtype=jn
         return TrainState(state.step + ok.astype(state.step.dtype), trainable, state.frozen,
                           opt_state), metrics
 
-    return jax.jit(train_step, donate_argnums=(0,))
+    return train_step

@@ -1,0 +1,109 @@
+"""The co-located runner (OrchMLLM's layout): every unit on one mesh of all devices, each
+data-parallel over it (the LLM at dp x tp with its own tp), with FSDP (ZeRO-1/2/3) per unit.
+
+The step is one jitted SPMD program over the mesh (GSPMD): the encoders' forward over all
+ranks, the encoder outputs moved to the LLM's layout (`route`, the per-phase balancing
+seam), the LLM's forward and backward, the generator, then the encoders' backward, in
+dataflow order. Frozen units have no gradients and no optimizer state (their parameters are
+the step's `frozen` input). The interface is `SingleProgram`'s: the same loader, global
+batches, plan-independent checkpoints (train/logical_state.py) and evaluation, so a run
+switches between this layout, its ZeRO stages and the other runners on resume.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mmjax.models.hf.pretrained import load_pretrained_dirs
+from mmjax.models.mllm import MultimodalModel, trainable_filter
+from mmjax.models.scan import layer_weights
+from mmjax.parallel.fsdp import (Colocation, colocated_mesh, gather_layer, place_batch,
+                                 tree_shardings)
+from mmjax.train.optimizer import optimizer_from_settings
+from mmjax.train.single_program import SingleProgram
+from mmjax.train.step import TrainState, make_loss_fn, split_model, train_step_fn
+
+
+def to_llm_layout(enc_outputs: dict) -> dict:
+    """The encoder outputs in the encoder phase's layout -> the LLM phase's layout. Without
+    per-phase balancing both phases split the global batch alike: the identity."""
+    return enc_outputs
+
+
+def state_shardings(abstract: TrainState, mesh, colo: Colocation) -> TrainState:
+    """Per-leaf NamedShardings of a TrainState under the co-located ZeRO stages."""
+    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return TrainState(rep, tree_shardings(abstract.trainable, mesh, colo, "params"),
+                      tree_shardings(abstract.frozen, mesh, colo, "params"),
+                      tree_shardings(abstract.opt_state, mesh, colo, "opt"))
+
+
+def colocated_loss_fn(graphdef, mesh, dtype=jnp.float32, attention_impl="auto",
+                      llm_mask_family="bam", route=to_llm_layout):
+    """(trainable, frozen, batch) -> (loss, aux) with each layer's weights gathered in the
+    layer scan (a no-op for units whose parameters are whole)."""
+    base = make_loss_fn(graphdef, dtype, attention_impl, llm_mask_family, route)
+
+    def loss_fn(trainable, frozen, batch):
+        with layer_weights(gather_layer(mesh)):
+            return base(trainable, frozen, batch)
+    return loss_fn
+
+
+class Colocated(SingleProgram):
+    """`SingleProgram`'s interface over a co-located mesh of every device."""
+
+    def __init__(self, cfg, layout, global_batch, schedule, dtype, seed, colo: Colocation,
+                 source=None, attention_impl="auto", pretrained=None, steps=None,
+                 devices=None):
+        devices = jax.devices() if devices is None else devices
+        self.mesh = colocated_mesh(devices, colo)
+        self.colo = colo
+        super().__init__(cfg, layout, global_batch, schedule, dtype, seed, source,
+                         attention_impl, None, steps, check_memory=False,
+                         count_multiple=len(devices))
+        self.memory_line = None
+        filters = (trainable_filter(cfg), ...)
+        tx = optimizer_from_settings(schedule)
+        self.shardings = state_shardings(self.abstract, self.mesh, colo)
+        self.abstract = jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+            self.abstract, self.shardings)
+        key = jax.random.key(seed)
+
+        def init():
+            _, tr, fr = nnx.split(MultimodalModel(cfg, key), *filters)
+            return TrainState(jnp.zeros((), jnp.int32), tr, fr, tx.init(tr))
+        init = jax.jit(init, out_shardings=self.shardings)
+
+        def fresh() -> TrainState:
+            state = init()
+            if pretrained:
+                mdl = nnx.merge(self.graphdef, jax.device_get(state.trainable),
+                                jax.device_get(state.frozen))
+                load_pretrained_dirs(mdl, pretrained)
+                _, tr, fr = split_model(mdl, filters[0])
+                state = self.place(TrainState(state.step, tr, fr, jax.jit(tx.init)(tr)))
+            return state
+        self._fresh, self._state = fresh, None
+        if pretrained:
+            self._state = fresh()
+        loss_fn = colocated_loss_fn(self.graphdef, self.mesh, dtype, attention_impl,
+                                    layout.llm_mask_family)
+        self.grad_shardings = tree_shardings(self.abstract.trainable, self.mesh, colo, "grads")
+        place_grads = lambda g: jax.lax.with_sharding_constraint(g, self.grad_shardings)
+        self.step_fn = jax.jit(train_step_fn(loss_fn, tx, place_grads),
+                               out_shardings=(self.shardings, None), donate_argnums=(0,))
+        self.loss_fn = loss_fn
+
+    def place(self, state: TrainState) -> TrainState:
+        """A TrainState (any placement) on the co-located shardings."""
+        return jax.jit(lambda s: s, out_shardings=self.shardings)(state)
+
+    def inputs(self, batch):
+        return place_batch(self.mesh, super().inputs(batch))
+
+    def load(self, state: dict, data_state: dict, step: int) -> None:
+        super().load(state, data_state, step)
+        self.state = self.place(self.state)
