@@ -178,6 +178,30 @@ def exchange_tree(tree, tables, mesh: Mesh, src_axes, dst_axes):
     return jax.tree.map(lambda x: exchange(x, tables, mesh, src_axes, dst_axes), tree)
 
 
+def route_tables(routes: dict, mesh: Mesh, src_axes, dst_axes,
+                 capacity: int | None = None) -> dict[str, tuple[jax.Array, ...]]:
+    """Per encoder, its exchange's `device_tables` (for the step's inputs, `ROUTE_KEY`)."""
+    return {e: device_tables(plan_exchange(r, mesh, src_axes, dst_axes, capacity), mesh)
+            for e, r in routes.items()}
+
+
+ROUTE_KEY = "route"  # the step inputs' entry holding route_tables
+
+
+def phase_route(mesh: Mesh, src_axes, dst_axes):
+    """The co-located runner's seam (`MultimodalModel.__call__`'s `route`): every encoder's
+    outputs, blocked over `src_axes` in its phase's layout, to the LLM's layout over
+    `dst_axes`, by the tables in `batch[ROUTE_KEY]` (one all-to-all each, inverse in the
+    backward). A batch without tables is already in one layout: returned as is."""
+    def route(enc_outputs: dict, batch) -> dict:
+        tables = batch.get(ROUTE_KEY) if hasattr(batch, "get") else None
+        if tables is None:
+            return enc_outputs
+        return {e: exchange(x, tables[e], mesh, src_axes, dst_axes)
+                for e, x in enc_outputs.items()}
+    return route
+
+
 @dataclass
 class TrafficLedger:
     """Bytes an exchange delivers, per link class: "local" (a device to itself, no link),
