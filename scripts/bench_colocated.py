@@ -182,9 +182,9 @@ def part3_step(args, console) -> list[dict]:
     import jax
     from mmjax.data.colocated_batch import phase_batch
     from mmjax.models.mllm import MultimodalModel, trainable_filter
-    from mmjax.parallel.fsdp import AXES, Colocation, batch_axes, colocated_mesh, place_batch
+    from mmjax.parallel.fsdp import AXES, batch_axes, colocated_mesh, place_batch
     from mmjax.parallel.rearrange import ROUTE_KEY, phase_route, route_tables
-    from mmjax.train.colocated import colocated_loss_fn
+    from mmjax.train.colocated import Colocation, colocated_loss_fn
     from mmjax.train.step import split_model
 
     cfg, lay, samples = _step_setup(args.step_samples, args.seed)

@@ -10,9 +10,9 @@ from flax import nnx
 from helpers import assert_same_grads, cached_reference, make_cfg
 from mmjax.data.colocated_batch import phase_batch
 from mmjax.models.mllm import MultimodalModel, trainable_filter
-from mmjax.parallel.fsdp import AXES, Colocation, batch_axes, colocated_mesh, place_batch
+from mmjax.parallel.fsdp import AXES, batch_axes, colocated_mesh, place_batch
 from mmjax.parallel.rearrange import ROUTE_KEY, phase_route, route_tables
-from mmjax.train.colocated import colocated_loss_fn
+from mmjax.train.colocated import Colocation, colocated_loss_fn
 from mmjax.train.step import split_model
 
 

@@ -152,6 +152,26 @@ def test_ledger_classes_exact(mesh8):
     assert led.wire == {"intra_node": 8 * 3 * 2 * 10, "inter_node": 8 * 4 * 2 * 10}
 
 
+def test_route_tables_count_forward_and_backward(mesh8):
+    """The runner's tables (route_tables) count both directions: the backward moves every
+    row back over the same link class."""
+    lengths, out_rows = _batch(3)
+    lay = plan_colocated_layout(lengths, out_rows, 8, "sum")
+    led = R.TrafficLedger(4)
+    tables = R.route_tables(lay.routes, mesh8, "dp", "dp", ledger=led,
+                            row_bytes={"vision": 8, "audio": 4})
+    assert set(tables) == {"vision", "audio"} and len(tables["vision"]) == 4
+    one = R.TrafficLedger(4)
+    for e, rb in (("vision", 8), ("audio", 4)):
+        one.add(R.plan_exchange(lay.routes[e], mesh8, "dp", "dp").forward, rb)
+    assert led.payload == {k: 2 * v for k, v in one.payload.items()}
+    rows = sum(len(r.pairs) * rb for r, rb in ((lay.routes["vision"], 8),
+                                               (lay.routes["audio"], 4)))
+    assert sum(one.payload.values()) == rows
+    with pytest.raises(ValueError, match="row_bytes"):
+        R.route_tables(lay.routes, mesh8, "dp", "dp", ledger=led)
+
+
 def test_bad_capacity_is_one_line(mesh8):
     lengths, out_rows = _batch(0)
     with pytest.raises(ValueError, match=r"capacity\['vision'\]=1 rows per rank"):

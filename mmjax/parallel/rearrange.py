@@ -179,10 +179,21 @@ def exchange_tree(tree, tables, mesh: Mesh, src_axes, dst_axes):
 
 
 def route_tables(routes: dict, mesh: Mesh, src_axes, dst_axes,
-                 capacity: int | None = None) -> dict[str, tuple[jax.Array, ...]]:
-    """Per encoder, its exchange's `device_tables` (for the step's inputs, `ROUTE_KEY`)."""
-    return {e: device_tables(plan_exchange(r, mesh, src_axes, dst_axes, capacity), mesh)
-            for e, r in routes.items()}
+                 capacity: int | None = None, ledger: "TrafficLedger | None" = None,
+                 row_bytes: dict | None = None) -> dict[str, tuple[jax.Array, ...]]:
+    """Per encoder, its exchange's `device_tables` (for the step's inputs, `ROUTE_KEY`).
+    With a `ledger`, each exchange's forward and backward deliveries are counted there at
+    `row_bytes[e]` bytes per row (the encoder output's width x dtype bytes)."""
+    out = {}
+    for e, r in routes.items():
+        plan = plan_exchange(r, mesh, src_axes, dst_axes, capacity)
+        if ledger is not None:
+            if row_bytes is None or e not in row_bytes:
+                raise ValueError(f"route_tables: a ledger needs row_bytes[{e!r}]")
+            ledger.add(plan.forward, row_bytes[e])
+            ledger.add(plan.backward, row_bytes[e])
+        out[e] = device_tables(plan, mesh)
+    return out
 
 
 ROUTE_KEY = "route"  # the step inputs' entry holding route_tables
