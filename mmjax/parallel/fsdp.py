@@ -17,8 +17,6 @@ dimension); a leaf with none stays whole.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -30,25 +28,9 @@ AXES = ("rep", "fsdp", "tp")
 UNIT_ROOTS = ("encoders", "projectors", "llm", "generator")
 
 
-@dataclass(frozen=True)
-class Colocation:
-    """The co-located layout's settings: the LLM's tp, each unit's ZeRO stage (units not
-    named: `default_stage`), the FSDP group size in devices (None: all devices)."""
-    tp: int = 1
-    stages: dict = field(default_factory=dict)
-    default_stage: int = 1
-    fsdp_group: int | None = None
-
-    def stage(self, unit: str) -> int:
-        return self.stages.get(unit, self.default_stage)
-
-    def __hash__(self):
-        return hash((self.tp, tuple(sorted(self.stages.items())), self.default_stage,
-                     self.fsdp_group))
-
-
-def colocated_mesh(devices, colo: Colocation) -> Mesh:
-    """(rep, fsdp, tp) over `devices` in their order (jax.devices(): by process, then id)."""
+def colocated_mesh(devices, colo) -> Mesh:
+    """(rep, fsdp, tp) over `devices` in their order (jax.devices(): by process, then id);
+    `colo`: a train/colocated_plan.py `Colocation` (tp, fsdp_group, per-unit stages)."""
     n = len(devices)
     group = colo.fsdp_group or n
     return Mesh(np.asarray(devices).reshape(n // group, group // colo.tp, colo.tp), AXES)
@@ -99,7 +81,7 @@ def leaf_spec(mesh: Mesh, names, shape, sharded: bool) -> P:
     return P(*spec)
 
 
-def tree_shardings(tree, mesh: Mesh, colo: Colocation, what: str):
+def tree_shardings(tree, mesh: Mesh, colo, what: str):
     """NamedShardings for a params / grads / optimizer-state tree: `what` is "params"
     (sharded at stage 3), "grads" (stage >= 2) or "opt" (every stage)."""
     least = {"params": 3, "grads": 2, "opt": 1}[what]

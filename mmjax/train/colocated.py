@@ -18,8 +18,8 @@ from flax import nnx
 from mmjax.models.hf.pretrained import load_pretrained_dirs
 from mmjax.models.mllm import MultimodalModel, trainable_filter
 from mmjax.models.scan import layer_weights
-from mmjax.parallel.fsdp import (Colocation, colocated_mesh, gather_layer, place_batch,
-                                 tree_shardings)
+from mmjax.parallel.fsdp import colocated_mesh, gather_layer, place_batch, tree_shardings
+from mmjax.train.colocated_plan import Colocation
 from mmjax.train.optimizer import optimizer_from_settings
 from mmjax.train.single_program import SingleProgram
 from mmjax.train.step import TrainState, make_loss_fn, split_model, train_step_fn

@@ -28,6 +28,7 @@ from mmjax.pipeline.runtime import PipelineRuntime
 from mmjax.pipeline.stage import rank_axes
 from mmjax.planner.plan import Plan
 from mmjax.train.optimizer import OptimizerSettings, optimizer_from_settings
+from mmjax.train.colocated_plan import Colocation, check_layout
 from mmjax.train.validate import check_manual_plan
 
 
@@ -35,14 +36,21 @@ from mmjax.train.validate import check_manual_plan
 def manual_plan(global_batch: int = 8, num_microbatches: int = 2, dp=None, tp=None, pp=None,
                 cp=None, num_chunks=None, overlap_tp=None, model: MLLMConfig | None = None,
                 remat=None, tp_chunks=None, tp_bidirectional=None, cp_head_groups=None,
-                attention_impl=None) -> Plan:
+                attention_impl=None, layout: str = "disaggregated", zero_stage=None,
+                fsdp_group=None) -> Plan | Colocation:
     """A Plan from per-unit dicts, e.g. `manual_plan.pp = {"llm": 2}` or
     `manual_plan.remat = "dots"` / `manual_plan.attention_impl = "chunked"` in gin (a plain
-    value applies to every unit)."""
+    value applies to every unit). `layout = "colocated"`: a `Colocation` instead (every unit
+    on all devices, `tp = {"llm": T}`, `zero_stage` 1-3 per unit, `fsdp_group` devices per
+    FSDP group; train/colocated_plan.py)."""
     knobs = dict(dp=dp, tp=tp, pp=pp, cp=cp, num_chunks=num_chunks, overlap_tp=overlap_tp,
                  remat=remat, tp_chunks=tp_chunks, tp_bidirectional=tp_bidirectional,
                  cp_head_groups=cp_head_groups, attention_impl=attention_impl)
     check_manual_plan(model.unit_names, global_batch, num_microbatches, **knobs)
+    colo = check_layout(model.unit_names, jax.device_count(), layout, zero_stage,
+                        fsdp_group, **knobs)
+    if colo is not None:
+        return colo
     kw = {k: v for k, v in knobs.items() if v is not None}
     return Plan.uniform(model, global_batch, num_microbatches, **kw)
 

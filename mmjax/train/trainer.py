@@ -43,6 +43,8 @@ from mmjax.train.run_files import (pretrained_sources, truncate_metrics,
                                    use_compilation_cache, write_run_info)
 from mmjax.train.run_report import SkipReport, pretrained_lines
 from mmjax.train.single_program import SingleProgram
+from mmjax.train.colocated import Colocated
+from mmjax.train.colocated_plan import Colocation, check_colocated_run
 from mmjax.settings import check_bound_settings, check_train_args
 from mmjax.train.validate import (check_data_path, check_pretrained_vocab, check_replan_settings,
                                   check_train_settings, parse_trace_steps)
@@ -141,6 +143,7 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
     check_bound_settings(cfg.unit_names, plan, eval_every, replan_every)  # per-unit keys
     schedule = learning_rate_schedule(steps)
     dtype = _DTYPES[compute_dtype]
+    colo = _colocation(plan, global_batch, cfg, replan_every, trace_every, trace_steps)
     held_out = eval_source(cfg, tok) if eval_every else None
     if eval_every and held_out is None:
         raise UserError("train.eval_every needs a held-out set: set eval_source.json_path "
@@ -150,14 +153,17 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
 
         choose_implementation(attention_impl, 1, 1, dtype)  # reject a bad name up front
     if dry_run:
-        _dry_run(cfg, tok, dirs, plan, global_batch, attention_impl, schedule)
+        _dry_run(cfg, tok, dirs, None if colo else plan, global_batch, attention_impl, schedule)
         return []
     use_compilation_cache(workdir, compilation_cache_dir)
-    if plan is None:
+    if plan is None or colo is not None:
         the_plan = None
         layout, source = layout_and_source(cfg, tok)
-        runner = SingleProgram(cfg, layout, global_batch, schedule, dtype, seed, source,
-                               attention_impl or "auto", dirs, steps, check_memory)
+        runner = (SingleProgram(cfg, layout, global_batch, schedule, dtype, seed, source,
+                                attention_impl or "auto", dirs, steps, check_memory)
+                  if colo is None else Colocated(cfg, layout, global_batch, schedule, dtype,
+                                                 seed, colo, source, attention_impl or "auto",
+                                                 dirs, steps))
     else:
         start_plan, resumed_plan = plan, plan_to_resume(workdir, plan, progress_console())
         plan = resumed_plan[1] if resumed_plan else plan  # a re-planned run stays re-planned
@@ -202,6 +208,7 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
             lambda p: write_run_info(workdir, cfg, p, seed, dirs, sources))
     try:
         where = "one program" if plan is None else f"plan {plan} on {jax.device_count()} devices"
+        where += "" if colo is None else f", co-located (llm tp {colo.tp})"
         loop.console.print(f"[bold]{cfg.name}[/]: {runner.num_trainable:,} trainable "
                            f"parameters, {steps} steps of {global_batch} samples, {where}")
         end = steps if stop_after is None else min(steps, loop.start + stop_after)
@@ -216,6 +223,17 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
                         lambda: loop.runner.evaluate(*held_out, layout), cfg, the_plan)
     finally:
         loop.close()
+
+
+def _colocation(plan, global_batch, cfg, replan_every, trace_every, trace_steps):
+    """The co-located layout's settings when `--plan=manual` asks for it, else None."""
+    from mmjax.train.pipeline_step import manual_plan
+
+    colo = manual_plan(global_batch=global_batch, model=cfg) if plan == "manual" else None
+    if not isinstance(colo, Colocation):
+        return None
+    check_colocated_run(replan_every, trace_every, trace_steps)
+    return colo
 
 
 def _dry_run(cfg, tok, dirs, plan, global_batch, attention_impl, schedule) -> None:

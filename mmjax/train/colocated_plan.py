@@ -1,0 +1,116 @@
+"""`manual_plan.layout` / `zero_stage` / `fsdp_group` checked into a `Colocation` (no JAX).
+
+"disaggregated" (default): every unit on its own sub-mesh (the pipeline runtime, ZeRO-1).
+"colocated": every unit on one mesh of all devices (train/colocated.py), data-parallel over
+it, the LLM optionally tensor-parallel, each unit at ZeRO stage 1, 2 or 3, FSDP groups of
+`fsdp_group` devices. A value a layout cannot take is one `UserError` line naming the
+setting and the fix, raised before any work.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mmjax.errors import UserError
+
+LAYOUTS = ("disaggregated", "colocated")
+ZERO_STAGES = (1, 2, 3)
+# manual_plan knobs of the pipeline runtime that the co-located layout does not read
+_PIPELINE_ONLY = ("dp", "pp", "cp", "num_chunks", "overlap_tp", "remat", "tp_chunks",
+                  "tp_bidirectional", "cp_head_groups", "attention_impl")
+
+
+@dataclass(frozen=True)
+class Colocation:
+    """The co-located layout: the LLM's tp, each unit's ZeRO stage (`stages`; units not
+    named: `default_stage`), the FSDP group size in devices (None: all devices)."""
+    tp: int = 1
+    stages: tuple = ()  # ((unit, stage), ...)
+    default_stage: int = 1
+    fsdp_group: int | None = None
+
+    def stage(self, unit: str) -> int:
+        return dict(self.stages).get(unit, self.default_stage)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _stages(units, zero_stage) -> tuple[int, dict]:
+    if zero_stage is None:
+        return 1, {}
+    per_unit = zero_stage if isinstance(zero_stage, dict) else {}
+    unknown = [u for u in per_unit if u not in units]
+    if unknown:
+        raise UserError(f"manual_plan.zero_stage={zero_stage!r}: unknown unit(s) {unknown} "
+                        f"(the model's units are {list(units)})")
+    for u, v in (per_unit.items() if per_unit else [("", zero_stage)]):
+        if not _is_int(v) or v not in ZERO_STAGES:
+            where = f"manual_plan.zero_stage[{u!r}]" if u else "manual_plan.zero_stage"
+            raise UserError(f"{where}={v!r}: no such ZeRO stage (use 1: optimizer state "
+                            f"sharded, 2: also the gradients, 3: also the parameters)")
+    return (1, dict(per_unit)) if per_unit else (zero_stage, {})
+
+
+def check_layout(units, num_devices: int, layout="disaggregated", zero_stage=None,
+                 fsdp_group=None, tp=None, **knobs) -> Colocation | None:
+    """The co-located layout's `Colocation`, or None for the disaggregated one (which takes
+    only ZeRO-1); `knobs`: the other manual_plan settings (bound ones are not None)."""
+    if layout not in LAYOUTS:
+        raise UserError(f"manual_plan.layout={layout!r}: no such layout (use "
+                        f"\"disaggregated\", the default, or \"colocated\")")
+    default, stages = _stages(units, zero_stage)
+    if layout == "disaggregated":
+        if max([default, *stages.values()]) > 1:
+            raise UserError(f"manual_plan.zero_stage={zero_stage!r}: the disaggregated layout "
+                            f"runs ZeRO-1 (set manual_plan.layout=\"colocated\" for ZeRO-2/3, "
+                            f"or drop the setting)")
+        if fsdp_group is not None:
+            raise UserError(f"manual_plan.fsdp_group={fsdp_group!r}: read only with the "
+                            f"co-located layout (set manual_plan.layout=\"colocated\", or "
+                            f"drop the setting)")
+        return None
+    for knob, value in knobs.items():
+        if knob in _PIPELINE_ONLY and value is not None and value != {} and not (
+                knob in ("pp", "cp", "num_chunks") and _all_one(value)):
+            raise UserError(f"manual_plan.{knob}={value!r}: the co-located layout runs every "
+                            f"unit data-parallel over all {num_devices} devices in one "
+                            f"program, without pipelining, cp or per-unit dp (drop "
+                            f"manual_plan.{knob}, or use manual_plan.layout=\"disaggregated\")")
+    llm_tp = 1
+    for u, v in (tp.items() if isinstance(tp, dict) else [("", tp)] if tp is not None else []):
+        where = f"manual_plan.tp[{u!r}]" if u else "manual_plan.tp"
+        if u and u not in units:
+            raise UserError(f"manual_plan.tp={tp!r}: unknown unit {u!r} (the model's units "
+                            f"are {list(units)})")
+        if not _is_int(v) or v < 1:
+            raise UserError(f"{where}={v!r}: must be an int >= 1")
+        if v > 1 and u != "llm":
+            raise UserError(f"{where}={v!r}: in the co-located layout only the llm takes tp; "
+                            f"the other units run data-parallel over every device (use "
+                            f"manual_plan.tp = {{\"llm\": {v}}})")
+        if num_devices % v:
+            raise UserError(f"{where}={v!r}: does not divide the {num_devices} devices (use a "
+                            f"divisor of {num_devices})")
+        llm_tp = v if u == "llm" else llm_tp
+    if fsdp_group is not None and (not _is_int(fsdp_group) or fsdp_group < 1
+                                   or num_devices % fsdp_group or fsdp_group % llm_tp):
+        raise UserError(f"manual_plan.fsdp_group={fsdp_group!r}: must divide the "
+                        f"{num_devices} devices and be a multiple of the llm's tp {llm_tp} "
+                        f"(e.g. {max(llm_tp, num_devices // 2)}, or drop it: one group of "
+                        f"all devices)")
+    return Colocation(llm_tp, tuple(sorted(stages.items())), default, fsdp_group)
+
+
+def _all_one(value) -> bool:
+    return all(v == 1 for v in (value.values() if isinstance(value, dict) else [value]))
+
+
+def check_colocated_run(replan_every: int, trace_every: int, trace_steps) -> None:
+    """The trainer settings a co-located run (one program, no plan) cannot honour."""
+    for name, value in (("replan_every", replan_every), ("trace_every", trace_every),
+                        ("trace_steps", trace_steps)):
+        if value:
+            raise UserError(f"train.{name}={value!r}: the co-located layout is one SPMD "
+                            f"program with no pipeline plan to re-plan or trace (drop it, "
+                            f"or use manual_plan.layout=\"disaggregated\")")
