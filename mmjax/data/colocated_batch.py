@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mmjax.data.assemble import assemble, item_rows, projected_size
-from mmjax.data.batch_shapes import batch_shapes
+from mmjax.data.batch_shapes import BatchShapes, batch_shapes
 from mmjax.data.colocated_layout import ColocatedLayout, plan_colocated_layout
 from mmjax.data.layout import AssemblyLayout, check_sample
 from mmjax.data.routes import Routes
@@ -37,6 +37,17 @@ class PhaseBatch:
     routes: dict[str, Routes]
     plan: ColocatedLayout
     rows_per_rank: dict[str, tuple[int, int]]  # E -> (encoder rank rows, LLM rank rows)
+    shapes: dict[str, BatchShapes]  # per phase, the per-rank shapes used (next floors)
+
+
+def at_least(need: BatchShapes, floor: BatchShapes | None) -> BatchShapes:
+    """`need` grown to `floor` field by field (the runner's high-water shapes: a larger
+    capacity packs into no more buffers, so the max of both fits)."""
+    if floor is None:
+        return need
+    encs = tuple((n, max(c0, c1), max(k0, k1))
+                 for (n, c0, k0), (_, c1, k1) in zip(need.encoders, floor.encoders))
+    return BatchShapes(max(need.rows, floor.rows), encs, max(need.gen, floor.gen))
 
 
 def _concat(blocks: list[np.ndarray]) -> np.ndarray:
@@ -45,10 +56,13 @@ def _concat(blocks: list[np.ndarray]) -> np.ndarray:
 
 def phase_batch(samples: list[Sample], layout: AssemblyLayout, encoder_ranks: int,
                 llm_ranks: int, policies, *, ranks_per_node: int = 0,
-                node_wise_method: str = "local") -> PhaseBatch:
+                node_wise_method: str = "local",
+                floors: dict[str, BatchShapes] | None = None) -> PhaseBatch:
     """Assemble `samples` (checked good) in per-phase layouts (module docstring).
     `policies`: "none" or a post-balancing policy, one for all phases or per phase name
-    (the encoder slot names and "llm")."""
+    (the encoder slot names and "llm"). `floors[phase]`: per-rank shapes to pad up to
+    (a previous `PhaseBatch.shapes`, so a run compiles once)."""
+    floors = floors or {}
     for s in samples:
         reason = check_sample(s, layout)
         if reason:
@@ -68,7 +82,9 @@ def phase_batch(samples: list[Sample], layout: AssemblyLayout, encoder_ranks: in
                                  ranks_per_node=ranks_per_node,
                                  node_wise_method=node_wise_method)
     llm_groups = [list(b) for b in plan.phases["llm"].batches]
-    llm_shapes = batch_shapes([[metas[i] for i in g] for g in llm_groups], layout)
+    llm_shapes = at_least(batch_shapes([[metas[i] for i in g] for g in llm_groups], layout),
+                          floors.get("llm"))
+    used = {"llm": llm_shapes}
     llm_parts = [assemble([samples[i] for i in g], layout, llm_shapes, encoder_inputs=False)
                  for g in llm_groups]
     inputs = {k: _concat([getattr(b, k) for b in llm_parts]) for k in LLM_FIELDS}
@@ -90,7 +106,9 @@ def phase_batch(samples: list[Sample], layout: AssemblyLayout, encoder_ranks: in
         inputs[f"gather_{e}"] = _concat([np.where(b.gather[e] >= 0, b.gather[e] + r * d_rows, -1)
                                          for r, b in enumerate(llm_parts)])
         enc_groups = [list(b) for b in plan.phases[e].batches]
-        enc_shapes = batch_shapes([[metas[i] for i in g] for g in enc_groups], layout)
+        enc_shapes = at_least(batch_shapes([[metas[i] for i in g] for g in enc_groups],
+                                           layout), floors.get(e))
+        used[e] = enc_shapes
         enc_parts = [assemble([samples[i] for i in g], layout, enc_shapes) for g in enc_groups]
         inputs["encoders"][e] = {k: _concat([b.encoders[e][k] for b in enc_parts])
                                  for k in enc_parts[0].encoders[e]}
@@ -114,4 +132,4 @@ def phase_batch(samples: list[Sample], layout: AssemblyLayout, encoder_ranks: in
         sizes[e] = (s_rows, d_rows)
     inputs["num_target_tokens"] = np.float32(sum(b.num_target_tokens for b in llm_parts))
     inputs["num_gen_elements"] = np.float32(n_gen)
-    return PhaseBatch(inputs, routes, plan, sizes)
+    return PhaseBatch(inputs, routes, plan, sizes, used)
