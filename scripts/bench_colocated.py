@@ -180,24 +180,20 @@ def part3_step(args, console) -> list[dict]:
     import time
 
     import jax
-    from mmjax.data.colocated_batch import phase_batch
     from mmjax.models.mllm import MultimodalModel, trainable_filter
-    from mmjax.parallel.fsdp import AXES, batch_axes, colocated_mesh, place_batch
-    from mmjax.parallel.rearrange import ROUTE_KEY, phase_route, route_tables
+    from mmjax.parallel.fsdp import colocated_mesh
+    from mmjax.parallel.phase_inputs import balanced_inputs, colocated_route
     from mmjax.train.colocated import Colocation, colocated_loss_fn
     from mmjax.train.step import split_model
 
     cfg, lay, samples = _step_setup(args.step_samples, args.seed)
     mesh = colocated_mesh(jax.devices()[:8], Colocation(tp=1))
-    enc_axes, llm_axes = AXES, batch_axes(mesh, "llm")
     gd, tr, fr = split_model(MultimodalModel(cfg, jax.random.key(0)), trainable_filter(cfg))
     fn = jax.jit(jax.value_and_grad(colocated_loss_fn(
-        gd, mesh, route=phase_route(mesh, enc_axes, llm_axes)), has_aux=True))
+        gd, mesh, route=colocated_route(mesh)), has_aux=True))
     rows, losses = [], {}
     for pol in LAYOUT_POLICIES:
-        pb = phase_batch(samples, lay, 8, 8, pol)
-        inputs = place_batch(mesh, pb.inputs)
-        inputs[ROUTE_KEY] = route_tables(pb.routes, mesh, enc_axes, llm_axes)
+        inputs, pb = balanced_inputs(samples, lay, mesh, pol)
         (loss, _), g = fn(tr, fr, inputs)
         jax.block_until_ready(g)
         times = []

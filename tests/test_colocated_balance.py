@@ -8,10 +8,10 @@ import pytest
 from flax import nnx
 
 from helpers import assert_same_grads, cached_reference, make_cfg
-from mmjax.data.colocated_batch import phase_batch
 from mmjax.models.mllm import MultimodalModel, trainable_filter
-from mmjax.parallel.fsdp import AXES, batch_axes, colocated_mesh, place_batch
-from mmjax.parallel.rearrange import ROUTE_KEY, phase_route, route_tables
+from mmjax.parallel.fsdp import colocated_mesh
+from mmjax.parallel.phase_inputs import balanced_inputs, colocated_route
+from mmjax.parallel.rearrange import TrafficLedger
 from mmjax.train.colocated import Colocation, colocated_loss_fn
 from mmjax.train.step import split_model
 
@@ -24,14 +24,12 @@ def setup():
     return cfg, lay, samples, loss, grads, gd, tr, fr
 
 
-def _run(setup, tp: int, policy: str, ranks_per_node: int = 0):
+def _run(setup, tp: int, policy: str, ranks_per_node: int = 0, ledger=None):
     cfg, lay, samples, _, _, gd, tr, fr = setup
     mesh = colocated_mesh(jax.devices(), Colocation(tp=tp))
-    enc_axes, llm_axes = AXES, batch_axes(mesh, "llm")
-    pb = phase_batch(samples, lay, 8, 8 // tp, policy, ranks_per_node=ranks_per_node)
-    inputs = place_batch(mesh, pb.inputs)
-    inputs[ROUTE_KEY] = route_tables(pb.routes, mesh, enc_axes, llm_axes)
-    loss_fn = colocated_loss_fn(gd, mesh, route=phase_route(mesh, enc_axes, llm_axes))
+    inputs, pb = balanced_inputs(samples, lay, mesh, policy, ranks_per_node=ranks_per_node,
+                                 ledger=ledger, row_bytes=4 * cfg.llm.hidden_size)
+    loss_fn = colocated_loss_fn(gd, mesh, route=colocated_route(mesh))
     (loss, _), g = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(tr, fr, inputs)
     return pb, float(loss), nnx.to_pure_dict(g)
 
@@ -49,8 +47,13 @@ def test_colocated_dp8_each_policy_matches_single_device(setup, policy):
 
 @pytest.mark.slow
 def test_colocated_llm_dp4_tp2_with_node_wise(setup):
-    """Encoders at dp 8, the LLM at dp 4 x tp 2 (every tp replica receives its rows)."""
-    pb, loss, grads = _run(setup, 2, "sum")
+    """Encoders at dp 8, the LLM at dp 4 x tp 2 (every tp replica receives its rows); the
+    node-wise setting is accepted (it applies only when encoder and LLM dp agree) and the
+    ledger counts the exchange's bytes."""
+    ledger = TrafficLedger(4)
+    pb, loss, grads = _run(setup, 2, "sum", ranks_per_node=4, ledger=ledger)
     _, _, _, ref_loss, ref_grads, *_ = setup
+    assert pb.plan.phases["llm"].num_ranks == 4
+    assert sum(ledger.payload.values()) > 0
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     assert_same_grads(grads, ref_grads)
