@@ -15,7 +15,9 @@ multiple of it above one node: the LLM's balanced mini-batches are permuted over
 largest per-rank inter-node volume of the encoder->LLM all-to-all (every encoder's output
 bytes together, from their real source ranks) is least. That is the traffic the runner sends.
 Deterministic (every host plans the same): "local" (greedy + pairwise swaps) by default; a
-MILP answer is taken only when proven optimal.
+MILP answer is taken only when proven optimal. Algorithm 3 places d new batches on d ranks
+that are also the sources, so it runs only when every encoder's dp equals the LLM's; with
+the LLM at a smaller dp (tensor-parallel) it is skipped and `node_wise["skipped"]` says so.
 """
 from __future__ import annotations
 
