@@ -47,13 +47,13 @@ def test_colocated_dp8_each_policy_matches_single_device(setup, policy):
 
 @pytest.mark.slow
 def test_colocated_llm_dp4_tp2_with_node_wise(setup):
-    """Encoders at dp 8, the LLM at dp 4 x tp 2 (every tp replica receives its rows); the
-    node-wise setting is accepted (it applies only when encoder and LLM dp agree) and the
-    ledger counts the exchange's bytes."""
+    """Encoders at dp 8, the LLM at dp 4 x tp 2 (every tp replica receives its rows), its
+    mini-batches placed node-wise (2 nodes x 4 devices); the ledger counts the exchange's
+    bytes."""
     ledger = TrafficLedger(4)
     pb, loss, grads = _run(setup, 2, "sum", ranks_per_node=4, ledger=ledger)
     _, _, _, ref_loss, ref_grads, *_ = setup
-    assert pb.plan.phases["llm"].num_ranks == 4
+    assert pb.plan.phases["llm"].num_ranks == 4 and "perm" in pb.plan.node_wise
     assert sum(ledger.payload.values()) > 0
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     assert_same_grads(grads, ref_grads)

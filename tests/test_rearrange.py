@@ -140,6 +140,31 @@ def test_node_wise_lowers_inter_node_bytes(mesh8):
     np.testing.assert_array_equal(out, nw.llm_rows["vision"].pack(feats["vision"]))
 
 
+def test_node_wise_with_a_tp_llm(mesh4x2):
+    """Encoders at dp 8, the LLM at dp 4 x tp 2 on 2 nodes x 4 devices: node-wise places the
+    LLM's batches (2 LLM ranks a node) and the inter-node bytes the exchange sends, both tp
+    replicas counted, do not grow, and drop for some batches."""
+    dps = {"vision": 8, "audio": 8, "llm": 4}
+    lowered = 0
+    for seed in range(4):
+        lengths, out_rows = _batch(20 + seed)
+        plain = plan_colocated_layout(lengths, out_rows, dps, "sum")
+        nw = plan_colocated_layout(lengths, out_rows, dps, "sum", ranks_per_node=4)
+        assert "skipped" not in nw.node_wise and len(nw.node_wise["perm"]) == 4
+        inter = []
+        for lay in (plain, nw):
+            led = R.TrafficLedger(4)
+            for e in ("vision", "audio"):
+                led.add(R.plan_exchange(lay.routes[e], mesh4x2, ("dp", "tp"), "dp").forward, 1)
+            inter.append(led.payload["inter_node"])
+        assert inter[1] <= inter[0]
+        lowered += inter[1] < inter[0]
+    assert lowered >= 1
+    odd = plan_colocated_layout(lengths, out_rows, {"vision": 8, "audio": 4, "llm": 4}, "sum",
+                                ranks_per_node=4)
+    assert "skipped" in odd.node_wise
+
+
 def test_ledger_classes_exact(mesh8):
     """One row from device 0 to each of devices 0, 1 and 5 (2 nodes of 4): local, intra,
     inter."""

@@ -15,9 +15,11 @@ multiple of it above one node: the LLM's balanced mini-batches are permuted over
 largest per-rank inter-node volume of the encoder->LLM all-to-all (every encoder's output
 bytes together, from their real source ranks) is least. That is the traffic the runner sends.
 Deterministic (every host plans the same): "local" (greedy + pairwise swaps) by default; a
-MILP answer is taken only when proven optimal. Algorithm 3 places d new batches on d ranks
-that are also the sources, so it runs only when every encoder's dp equals the LLM's; with
-the LLM at a smaller dp (tensor-parallel) it is skipped and `node_wise["skipped"]` says so.
+MILP answer is taken only when proven optimal. With the LLM at a smaller dp than the
+encoders (tensor-parallel: LLM rank j on the devices of encoder ranks j*k .. j*k+k-1, as
+the co-located mesh lays them out), each encoder output counts at the LLM rank whose devices
+hold it and a node holds ranks_per_node / k LLM ranks; a layout where that does not divide
+is skipped and `node_wise["skipped"]` says so.
 """
 from __future__ import annotations
 
@@ -170,12 +172,18 @@ def plan_colocated_layout(lengths: Mapping[str, Sequence[float]],
     info: dict = {}
     rpn = int(ranks_per_node)
     d = dps[llm]
-    if rpn and d > rpn and d % rpn == 0 and encoders:
-        if any(dps[e] != d for e in encoders):
-            info["skipped"] = "an encoder's dp differs from the LLM's"
-        else:
-            llm_batches = _node_wise(llm_batches, phase_layouts, rows, row_bytes, rpn,
-                                     node_wise_method, info)
+    if rpn and encoders:
+        d_enc = {dps[e] for e in encoders}
+        de = d_enc.pop() if len(d_enc) == 1 else None
+        # LLM rank j spans encoder ranks [j*de/d, (j+1)*de/d) (its tp replicas), so an LLM
+        # node holds rpn*d/de LLM ranks
+        llm_rpn = rpn * d // de if de and de % d == 0 and (rpn * d) % de == 0 else 0
+        if not llm_rpn:
+            info["skipped"] = ("the encoders' dp must be one multiple of the LLM's, and "
+                               "ranks_per_node a multiple of their ratio")
+        elif d > llm_rpn and d % llm_rpn == 0:
+            llm_batches = _node_wise(llm_batches, phase_layouts, rows, row_bytes, llm_rpn,
+                                     de // d, node_wise_method, info)
     lengths_llm = {s: int(x[llm][s]) for s in range(n)}
     phase_layouts[llm] = PhaseLayout(llm, tuple(map(tuple, llm_batches)), lengths_llm,
                                      _capacity(llm, max(max(
@@ -198,16 +206,18 @@ def plan_colocated_layout(lengths: Mapping[str, Sequence[float]],
     return ColocatedLayout(phase_layouts, routes, llm_rows, info)
 
 
-def _node_wise(llm_batches, enc_layouts, rows, row_bytes, rpn, method, info):
+def _node_wise(llm_batches, enc_layouts, rows, row_bytes, rpn, per_llm_rank, method, info):
     """Algorithm 3 on the encoder->LLM all-to-all: items are (encoder, sample) outputs at
-    their encoder rank, sized in bytes; new batches are the LLM's balanced mini-batches."""
+    their encoder rank (counted at the LLM rank whose devices hold it: encoder rank //
+    `per_llm_rank`), sized in bytes; new batches are the LLM's balanced mini-batches, `rpn`
+    LLM ranks a node."""
     src, size, item_of = [], [], {}
     for e, lay in enc_layouts.items():
         rb = 1 if row_bytes is None else int(row_bytes[e])
         for r, b in enumerate(lay.batches):
             for s in b:
                 item_of.setdefault(s, []).append(len(src))
-                src.append(r)
+                src.append(r // per_llm_rank)
                 size.append(float(rows[e][s] * rb))
     new = [[i for s in b for i in item_of.get(s, ())] for b in llm_batches]
     perm = node_wise_rearrange(src, new, size, rpn, method=method, require_optimal=True,
