@@ -9,8 +9,8 @@ import pytest
 
 from mmjax.models.named import named_config
 from mmjax.planner.build import model_costs, plan_model
-from mmjax.planner.colocated import (best_colocated, evaluate_colocated, gather_bytes,
-                                     state_bytes, unit_params)
+from mmjax.planner.colocated import (best_colocated, compute_copy_bytes, evaluate_colocated,
+                                     gather_bytes, state_bytes, unit_params)
 from mmjax.planner.cornstarch_colocated import cornstarch_colocated
 from mmjax.planner.evaluate import Choice, stage_time
 from mmjax.planner.hardware import A800, H100
@@ -25,15 +25,18 @@ def costs_10b():
 
 
 def test_zero_stages_shard_state(costs_10b):
-    """Stage 1 at dp 1 is the replicated figure (compute copy, fp32 accumulators, master and
-    AdamW, frozen); stage 3 at dp d is exactly 1/d of it plus two layers' gathered weights;
-    stage 2 sits between them."""
+    """Stage 1 at dp 1 is the replicated figure (float32 parameters and gradients, AdamW's
+    m and v, float32 frozen parameters: 16 P + 4 F); stage 3 at dp d is exactly 1/d of it
+    plus two layers' gathered weights; stage 2 sits between them. The compute-dtype copy
+    is extra at stages 1-2 only."""
     for c in costs_10b:
         t, f = unit_params(c)
-        b = c.dtype_bytes
+        assert t * 12 == pytest.approx(c.optimizer_bytes)
         rep = state_bytes(c, 1, 1, 1)
-        assert rep == pytest.approx(c.weight_bytes - b * t + c.optimizer_bytes, rel=1e-12)
-        two_layers = 2 * b * (t + f) / c.num_layers
+        assert rep == pytest.approx(16 * t + 4 * f, rel=1e-12)
+        assert compute_copy_bytes(c, 1, 1) == pytest.approx(c.dtype_bytes * (t + f))
+        assert compute_copy_bytes(c, 1, 3) == 0.0
+        two_layers = 2 * 4 * (t + f) / c.num_layers
         for d in (8, 64):
             z3 = state_bytes(c, 1, d, 3)
             assert z3 - two_layers == pytest.approx(rep / d, rel=1e-12)

@@ -8,17 +8,22 @@ samples is post-balanced per phase (OrchMLLM §5), so a rank holds B/dp_u sample
 1 for the loaded mini-batches); when they do not fit, the step runs k micro-steps of
 ceil(B / dp_u / k) samples (gradient accumulation).
 
-Per unit, ZeRO stage z (DeepSpeed's / FSDP's; per GPU, P trainable and F frozen parameters
-one tp rank holds, b the compute dtype's bytes):
-  z = 1: compute copy b P, fp32 accumulators 4 P, master + AdamW 12 P / dp; one gradient
-         reduce-scatter and one parameter all-gather per step, after the backward.
-  z = 2: the accumulators sharded too, 4 P / dp: every micro-step reduce-scatters its
-         gradients (overlapping the backward) -- with k = 1, the same one sync per step.
-  z = 3: everything sharded, (b + 16) P / dp and F / dp, plus two layers' gathered weights;
-         each micro-step all-gathers every layer's weights in the forward and again in the
-         backward (trainable units) and reduce-scatters its gradients, layer by layer,
-         overlapping the compute: a layer's gather hides behind the previous layer's
-         compute, so a unit's exposed time is max(0, traffic - compute) + one layer's.
+Per unit, ZeRO stage z, as the co-located runner holds its state (parallel/fsdp.py: float32
+parameters, which are the master copy, AdamW's m and v, float32 gradients; per GPU, P
+trainable and F frozen parameters one tp rank holds, b the compute dtype's bytes):
+  z = 1: parameters 4 P and gradients 4 P whole, m and v 8 P / dp; the gradients are
+         all-reduced once per step, after the backward (2 (dp-1)/dp x 4 P per GPU).
+  z = 2: the gradients sharded too, 4 P / dp (reduce-scattered; the updated parameters
+         all-gathered): the same traffic, one sync per step.
+  z = 3: everything sharded, 16 P / dp and 4 F / dp, plus two layers' gathered weights;
+         each micro-step all-gathers every layer's float32 weights in the forward and
+         again in the backward (when the layers run one) and reduce-scatters its float32
+         gradients, layer by layer, overlapping the compute: a layer's gather hides behind
+         the previous layer's compute, so a unit's exposed time is max(0, traffic -
+         compute) + one layer's.
+Stages 1-2 also hold the step's compute-dtype copy of the parameters (b P, none in
+float32). "Replicated" (`state_bytes` at z = 1, dp = 1) is 16 P + 4 F: stage 3 at dp d
+holds 1/d of it plus two layers.
 Collectives over all G GPUs run at `Hardware.group_bw(G)`. Activations: per micro-step, the
 encoders' residuals stay live through the LLM (their backward runs last), so the peak holds
 the encoders' and the LLM's (and generator's) residuals together, plus one backward's
@@ -34,7 +39,8 @@ from dataclasses import dataclass, field
 
 from mmjax.planner.costs import UnitCost
 from mmjax.planner.hardware import Hardware
-from mmjax.planner.memory import ACC_BYTES, ADAM_BYTES, FROZEN_BYTES, MASTER_BYTES, REMATS
+from mmjax.planner.memory import (ACC_BYTES, ADAM_BYTES, F32, FROZEN_BYTES, MASTER_BYTES,
+                                  REMATS)
 
 ZERO_STAGES = (1, 2, 3)
 
@@ -56,25 +62,51 @@ def state_bytes(cost: UnitCost, tp: int, dp: int, zero: int) -> float:
     if zero not in ZERO_STAGES:
         raise ValueError(f"zero_stage={zero!r}: use one of {ZERO_STAGES}")
     t, f = unit_params(cost)
-    s, b = _share(cost, tp), cost.dtype_bytes
-    opt = (MASTER_BYTES + ADAM_BYTES) * t * s / dp
+    s = _share(cost, tp)
+    params = (F32 * t + FROZEN_BYTES * f) * s
+    opt = ADAM_BYTES * t * s / dp
+    grads = F32 * t * s
     if zero == 1:
-        return (b + ACC_BYTES) * t * s + opt + FROZEN_BYTES * f * s
+        return params + grads + opt
     if zero == 2:
-        return b * t * s + ACC_BYTES * t * s / dp + opt + FROZEN_BYTES * f * s
-    layer = b * (t + f) * s / max(cost.num_layers, 1)
-    return (b + ACC_BYTES) * t * s / dp + opt + FROZEN_BYTES * f * s / dp + 2 * layer
+        return params + grads / dp + opt
+    layer = F32 * (t + f) * s / max(cost.num_layers, 1)
+    return (params + grads) / dp + opt + 2 * layer
+
+
+def compute_copy_bytes(cost: UnitCost, tp: int, zero: int) -> float:
+    """The step's compute-dtype copy of the parameters at stages 1-2 (none in float32; at
+    stage 3 the gathered layers are cast one at a time)."""
+    if zero == 3 or cost.dtype_bytes >= F32:
+        return 0.0
+    t, f = unit_params(cost)
+    return cost.dtype_bytes * (t + f) * _share(cost, tp)
+
+
+def layers_in_backward(cost: UnitCost, tp: int) -> bool:
+    """Whether the unit's layers run a backward (trainable, or frozen with something
+    trainable upstream: Cornstarch §4.2): its backward time is more than a tenth of its
+    forward. A frozen encoder whose projector alone trains does not."""
+    fwd = cost.fwd_s.get(tp, 0.0)
+    return fwd == 0.0 or cost.time_s[tp] - fwd > 0.1 * fwd
 
 
 def gather_bytes(cost: UnitCost, tp: int, dp: int) -> float:
-    """ZeRO-3 traffic per GPU of one micro-step: each layer's weights all-gathered in the
-    forward and, for a trainable unit, again in the backward, plus its gradients'
-    reduce-scatter ((dp-1)/dp of the full size each)."""
+    """ZeRO-3 traffic per GPU of one micro-step: each layer's float32 weights all-gathered
+    in the forward and, when the layers run a backward, again in it, plus the trainable
+    parameters' gradient reduce-scatter ((dp-1)/dp of the full size each)."""
     t, f = unit_params(cost)
-    s, b = _share(cost, tp), cost.dtype_bytes
+    s = _share(cost, tp)
     frac = (dp - 1) / dp
-    trainable = t > 0
-    return frac * s * b * ((t + f) * (1 + trainable) + t)
+    again = layers_in_backward(cost, tp)
+    return frac * s * F32 * ((t + f) * (1 + again) + t)
+
+
+def sync_bytes(cost: UnitCost, tp: int, dp: int) -> float:
+    """ZeRO-1/2 traffic per GPU per step: the float32 gradients' all-reduce (or reduce-
+    scatter then the parameters' all-gather), 2 (dp-1)/dp of them."""
+    t, _ = unit_params(cost)
+    return 2 * (dp - 1) / dp * F32 * t * _share(cost, tp)
 
 
 @dataclass(frozen=True)
@@ -156,11 +188,10 @@ def evaluate_colocated(costs: tuple[UnitCost, ...], num_gpus: int, global_batch:
             exposed[c.name] = micro_steps * (max(0.0, traffic - one)
                                              + traffic / max(v.num_layers, 1))
         elif dp > 1 and t_params > 0:
-            exposed[c.name] = (2 * (dp - 1) / dp * v.grad_bytes * _share(v, t)
-                               / hw.group_bw(g))
+            exposed[c.name] = sync_bytes(v, t, dp) / hw.group_bw(g)
         else:
             exposed[c.name] = 0.0
-        mem_state += state_bytes(v, t, dp, z)
+        mem_state += state_bytes(v, t, dp, z) + compute_copy_bytes(v, t, z)
         kept, rebuilt = _residuals(c, v, t, remat)
         acts += per_step * kept
         work = max(work, per_step * (rebuilt + v.fixed_bytes.get(t, 0.0)))
