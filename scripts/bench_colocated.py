@@ -16,8 +16,8 @@ Parts (``--parts``, default 1 2; 3 compiles the tiny model, minutes on CPU):
      per-rank inter-node volume (Eq. 5, the all-to-all's straggler, which Algorithm 3
      minimises), at ``--traffic_samples_per_rank`` samples per rank.
 
-  3. Step time of the co-located runner's loss and gradients (train/colocated.py
-     `colocated_loss_fn`, jitted over 8 CPU devices, dp 8) on one global batch of the tiny
+  3. Step time of the co-located loss and gradients (the model with the co-located
+     `route` seam, inputs placed on the co-located mesh, jitted over 8 CPU devices, dp 8) on one global batch of the tiny
      model with ``--step_samples`` variable-size synthetic samples (bench_data's image
      sizes), assembled in the loaded mini-batches ("none") and in each policy's balanced
      per-phase layouts (data/colocated_batch.py, the encoder->LLM all-to-all at the seam):
@@ -183,14 +183,14 @@ def part3_step(args, console) -> list[dict]:
     from mmjax.models.mllm import MultimodalModel, trainable_filter
     from mmjax.parallel.fsdp import colocated_mesh
     from mmjax.parallel.phase_inputs import balanced_inputs, colocated_route
-    from mmjax.train.colocated import Colocation, colocated_loss_fn
-    from mmjax.train.step import split_model
+    from mmjax.train.colocated import Colocation
+    from mmjax.train.step import make_loss_fn, split_model
 
     cfg, lay, samples = _step_setup(args.step_samples, args.seed)
     mesh = colocated_mesh(jax.devices()[:8], Colocation(tp=1))
     gd, tr, fr = split_model(MultimodalModel(cfg, jax.random.key(0)), trainable_filter(cfg))
-    fn = jax.jit(jax.value_and_grad(colocated_loss_fn(
-        gd, mesh, route=colocated_route(mesh)), has_aux=True))
+    fn = jax.jit(jax.value_and_grad(make_loss_fn(gd, route=colocated_route(mesh)),
+                                    has_aux=True))
     rows, losses = [], {}
     for pol in LAYOUT_POLICIES:
         inputs, pb = balanced_inputs(samples, lay, mesh, pol)

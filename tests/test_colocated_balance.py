@@ -1,7 +1,10 @@
-"""Per-phase post-balancing that moves real data in the co-located runner's step (OrchMLLM
-§5-6): the global batch assembled in each phase's balanced layout (data/colocated_batch.py),
-the encoder outputs moved to the LLM's layout by one all-to-all per encoder at the runner's
-seam (parallel/rearrange.py `phase_route`), give the single-device loss and gradients."""
+"""Per-phase post-balancing that moves real data in the co-located step (OrchMLLM §5-6): the
+global batch assembled in each phase's balanced layout (data/colocated_batch.py) and placed
+on the co-located mesh (parallel/fsdp.py), the encoder outputs moved to the LLM's layout by
+one all-to-all per encoder at the model's `route` seam (parallel/rearrange.py
+`phase_route`), give the single-device loss and gradients. The loss is `make_loss_fn` with
+the route, which the runner's `colocated_loss_fn` wraps with its ZeRO-3 layer gathers (a
+no-op for the whole parameters used here)."""
 import jax
 import numpy as np
 import pytest
@@ -12,8 +15,8 @@ from mmjax.models.mllm import MultimodalModel, trainable_filter
 from mmjax.parallel.fsdp import colocated_mesh
 from mmjax.parallel.phase_inputs import balanced_inputs, colocated_route
 from mmjax.parallel.rearrange import TrafficLedger
-from mmjax.train.colocated import Colocation, colocated_loss_fn
-from mmjax.train.step import split_model
+from mmjax.train.colocated import Colocation
+from mmjax.train.step import make_loss_fn, split_model
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +32,7 @@ def _run(setup, tp: int, policy: str, ranks_per_node: int = 0, ledger=None):
     mesh = colocated_mesh(jax.devices(), Colocation(tp=tp))
     inputs, pb = balanced_inputs(samples, lay, mesh, policy, ranks_per_node=ranks_per_node,
                                  ledger=ledger, row_bytes=4 * cfg.llm.hidden_size)
-    loss_fn = colocated_loss_fn(gd, mesh, route=colocated_route(mesh))
+    loss_fn = make_loss_fn(gd, route=colocated_route(mesh))
     (loss, _), g = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(tr, fr, inputs)
     return pb, float(loss), nnx.to_pure_dict(g)
 
