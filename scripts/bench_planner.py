@@ -13,7 +13,10 @@ included, with the default fast method (numpy bounds, closed-form relaxations); 
 Table 2 rows also of method="cvxpy" (the DPP formulation of record, what the planner ran
 before) and whether both return the same plan. The JSON names the machine. Speedup = baseline iteration time
 / planner iteration time; "used" is the planner's GPU count (the tie-break may leave some
-idle), "LLM share" the LLM's part of them.
+idle), "LLM share" the LLM's part of them. "vs cornstarch co-loc": Cornstarch's co-located
+baseline (encoders on the LLM's first pipeline stage's devices,
+planner/cornstarch_colocated.py) over the planner; "vs co-located": the co-located layout
+(every unit on every GPU with FSDP, planner/colocated.py) over the planner.
 
     python scripts/bench_planner.py [--repeats=5] [--only=table2|cornstarch|frozen|all]
         [--json=bench_results/planner.json] [--markdown=FILE]
@@ -38,6 +41,8 @@ from mmjax.planner.baselines import megatron_choices, ratio_choices  # noqa: E40
 from mmjax.planner.evaluate import evaluate  # noqa: E402
 from mmjax.planner.hardware import A800, H100  # noqa: E402
 from mmjax.planner.build import DISTTRAIN_FROZEN, model_costs  # noqa: E402
+from mmjax.planner.colocated import best_colocated  # noqa: E402
+from mmjax.planner.cornstarch_colocated import cornstarch_colocated  # noqa: E402
 from mmjax.planner.orchestrate import orchestrate  # noqa: E402
 from mmjax.planner.plan import PlanError  # noqa: E402
 from mmjax.host_info import machine  # noqa: E402
@@ -103,12 +108,24 @@ def bench_one(name, gpus, batch, paper_ms, setting, repeats, with_cvxpy=False):
                          "speedup": ev.iteration_time_s / plan_t}
         except PlanError as e:
             row[kind] = {"error": str(e)}
+    # co-located layouts: Cornstarch's baseline (encoders on the LLM's first pipeline
+    # stage's devices) and OrchMLLM's (every unit on every GPU, FSDP)
+    for kind, fn in (("cornstarch_colocated", lambda: cornstarch_colocated(costs, hw, gpus,
+                                                                           batch)),
+                     ("colocated", lambda: best_colocated(costs, gpus, batch, hw))):
+        try:
+            ev = fn()
+            row[kind] = {"iteration_time_s": ev.iteration_time_s, "gpus": ev.gpus,
+                         "speedup": ev.iteration_time_s / plan_t}
+        except ValueError as e:
+            row[kind] = {"error": str(e)}
     return row
 
 
 COLUMNS = ("model", "GPUs", "used", "batch", "hw", "solve ms", "cvxpy ms", "paper ms",
            "plan (dp,tp,pp)",
-           "LLM share", "iter s", "MFU", "vs megatron", "vs ratio")
+           "LLM share", "iter s", "MFU", "vs megatron", "vs ratio", "vs cornstarch co-loc",
+           "vs co-located")
 
 
 def cells(r) -> list[str]:
@@ -122,7 +139,7 @@ def cells(r) -> list[str]:
             f"{r['cvxpy_ms_median']:.0f}" + ("" if r["cvxpy_same_plan"] else " (other plan)"),
             str(r["paper_ms"] or "-"), plan,
             f"{r['llm_share']:.2f}", f"{r['iteration_time_s']:.2f}", f"{100 * r['mfu']:.1f}%",
-            sp("megatron"), sp("ratio")]
+            sp("megatron"), sp("ratio"), sp("cornstarch_colocated"), sp("colocated")]
 
 
 def markdown(rows, repeats: int) -> str:

@@ -3,6 +3,7 @@
     python scripts/plan.py --gin_file=configs/disttrain/mllm_72b.gin --gpus=1296 \
         --global_batch=1920 [--baseline=megatron|ratio] [--hardware=a800] [--json=FILE]
         [--gpu_tolerance=0.01] [--data=SPEC [--data_samples=512]]
+        [--layout=disaggregated|colocated|auto]
 
 Prints, per unit, GPUs, DP/TP/PP, stage time and memory per GPU, and the predicted
 iteration time and MFU of the planner's plan beside the Megatron and FLOPs-ratio baselines.
@@ -12,6 +13,9 @@ iteration time and MFU of the planner's plan beside the Megatron and FLOPs-ratio
 (mmjax/data/data_spec.py: `synthetic:laion`, `synthetic:mix@3`, `arrayrecord:/path` or the
 path of a scripts/make_dataset.py file) from which `--data_samples` samples' shapes (LLM
 tokens, image patches, audio frames) make the workload.
+`--layout`: "disaggregated" (default, the above), "colocated" (every unit on every GPU with
+FSDP, OrchMLLM §4-7: planner/colocated.py, beside Cornstarch's co-located baseline) or "auto"
+(both, side by side; picks the faster and says why: planner/layout_choice.py).
 An infeasible request ends with exit code 2 and a message saying what is short.
 """
 from __future__ import annotations
@@ -35,6 +39,7 @@ from mmjax.planner.orchestrate import GPU_TOLERANCE  # noqa: E402
 from mmjax.planner.build import plan_model  # noqa: E402
 from mmjax.planner.plan import PlanError  # noqa: E402
 from mmjax.planner.workload import default_workload  # noqa: E402
+from mmjax.planner.layout_choice import LAYOUTS, choose_layout  # noqa: E402
 
 FAMILY_HARDWARE = {"disttrain": "a800", "orchmllm": "h100", "cornstarch": "a800"}
 
@@ -125,6 +130,90 @@ def summary_table(plans: dict) -> Table:
     return t
 
 
+def colocated_table(ev, title: str) -> Table:
+    t = Table(title=f"{title}: {ev.iteration_time_s:.3f} s/iter, MFU {100 * ev.mfu:.1f}%, "
+                    f"{ev.gpus} GPUs, {ev.memory_gb:.1f} GB/GPU, remat {ev.remat}, "
+                    f"{ev.micro_steps} micro-step(s), all-to-all {ev.all_to_all_s:.4f} s")
+    for col in ("unit", "DP", "TP", "ZeRO", "compute (s)", "exposed comm (s)"):
+        t.add_column(col, justify="left" if col == "unit" else "right")
+    for u, comp in ev.compute_s.items():
+        t.add_row(u, str(ev.gpus // ev.tp[u]), str(ev.tp[u]), str(ev.zero[u]), f"{comp:.4f}",
+                  f"{ev.exposed_comm_s[u]:.4f}")
+    return t
+
+
+def colocated_main(args, console, model, hw, wl, costs) -> int:
+    """`--layout=colocated|auto`: the co-located layout's best choice, Cornstarch's
+    co-located baseline and (auto) the disaggregated planner's plan, side by side."""
+    from mmjax.planner.build import model_costs
+    from mmjax.planner.colocated import best_colocated
+    from mmjax.planner.cornstarch_colocated import cornstarch_colocated
+
+    unit_costs = costs or model_costs(model, hw, wl, args.recompute)[0]
+    console.print(f"[bold]{model.name}[/bold] on {args.gpus} x {hw.name}, "
+                  f"global batch {args.global_batch}, layout {args.layout}")
+    rows, errors, colo, dis = {}, {}, None, None
+    try:
+        colo = best_colocated(unit_costs, args.gpus, args.global_batch, hw)
+        console.print(colocated_table(colo, "co-located (OrchMLLM)"))
+        rows["colocated"] = (colo.iteration_time_s, colo.samples_per_s, colo.mfu)
+    except ValueError as e:
+        errors["colocated"] = str(e)
+    try:
+        cs = cornstarch_colocated(unit_costs, hw, args.gpus, args.global_batch)
+        rows["cornstarch-colocated"] = (cs.iteration_time_s, cs.samples_per_s, None)
+        console.print(f"Cornstarch co-located baseline (encoders on the LLM's first stage): "
+                      f"LLM tp {cs.llm.tp} pp {cs.llm.pp} dp {cs.llm.dp}, "
+                      f"{cs.iteration_time_s:.3f} s/iter, {cs.memory_gb:.1f} GB/GPU")
+    except ValueError as e:
+        errors["cornstarch-colocated"] = str(e)
+    if args.layout == "auto":
+        try:
+            dis = plan_model(model, hw, args.gpus, args.global_batch, workload=wl,
+                             recompute=args.recompute, vpp=not args.no_vpp, costs=costs,
+                             gpu_tolerance=args.gpu_tolerance,
+                             attention_impl=args.attention_impl)
+            console.print(unit_table(dis, "disaggregated (DistTrain)"))
+            p = dis.predicted
+            rows["disaggregated"] = (p["iteration_time_s"], p["samples_per_s"], p["mfu"])
+        except PlanError as e:
+            errors["disaggregated"] = str(e)
+    for name, err in errors.items():
+        console.print(f"[yellow]{name}: infeasible:[/yellow] {' '.join(err.split())}")
+    t = Table(title="side by side")
+    for col in ("layout", "iteration (s)", "samples/s", "MFU"):
+        t.add_column(col, justify="right")
+    for name, (it, sps, mfu) in rows.items():
+        t.add_row(name, f"{it:.3f}", f"{sps:.1f}", "-" if mfu is None else f"{100 * mfu:.1f}%")
+    console.print(t)
+    chosen = "colocated"
+    if args.layout == "auto":
+        try:
+            pick = choose_layout(colo, None if dis is None else
+                                 dis.predicted["iteration_time_s"],
+                                 0.0 if dis is None else dis.predicted.get("warmup_s", 0.0))
+        except ValueError as e:
+            print(f"error: infeasible: {e}", file=sys.stderr)
+            return 2
+        chosen = pick.layout
+        console.print(f"layout auto picks {pick.layout}: {pick.reason}")
+    elif colo is None:
+        print(f"error: infeasible (colocated): {' '.join(errors['colocated'].split())}",
+              file=sys.stderr)
+        return 2
+    if args.json:
+        out = {"model": model.name, "layout": chosen,
+               "colocated": None if colo is None else colo.to_json(),
+               "disaggregated": None if dis is None else dis.to_json(),
+               "side_by_side": {k: {"iteration_time_s": v[0], "samples_per_s": v[1]}
+                                for k, v in rows.items()}}
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+        console.print(f"wrote {args.json}")
+    return 0
+
+
 def main(argv=None) -> int:
     from mmjax.cli import add_debug_flag
 
@@ -161,6 +250,9 @@ def main(argv=None) -> int:
                                    "arrayrecord:/path, ...) instead of the paper's workload")
     ap.add_argument("--data_samples", type=int, default=512,
                     help="samples drawn from --data to build the workload")
+    ap.add_argument("--layout", default="disaggregated", choices=LAYOUTS,
+                    help="disaggregated (each unit on its own GPUs), colocated (every unit on "
+                         "every GPU, FSDP) or auto (both; picks the faster)")
     args = ap.parse_args(argv)
     console = Console(width=None if sys.stdout.isatty() else 132)
     if args.gpus < 1 or args.global_batch < 1:
@@ -186,6 +278,8 @@ def main(argv=None) -> int:
         hw = profiled_hardware(args, hw)
     elif args.profile or args.write_profile:
         costs = measured_costs(model, hw, args, wl)
+    if args.layout != "disaggregated":
+        return colocated_main(args, console, model, hw, wl, costs)
     try:
         plans["planner"] = plan_model(model, hw, args.gpus, args.global_batch, workload=wl,
                                       recompute=args.recompute, vpp=not args.no_vpp, costs=costs,

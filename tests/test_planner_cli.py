@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from mmjax.models.named import named_config
 from mmjax.planner.plan import Plan
 
@@ -89,6 +91,10 @@ def test_bench_planner_cornstarch_markdown(tmp_path):
         assert r["gpus_used"] <= 24 and 0 < r["llm_share"] < 1
         assert r["iteration_time_s"] <= r["optimal_time_s"] * (1 + GPU_TOLERANCE) * (1 + 1e-12)
     lines = md.read_text().splitlines()
-    assert len(lines) == 2 + len(rows) and all(line.count("|") == 15 for line in lines)
+    assert len(lines) == 2 + len(rows) and all(line.count("|") == 17 for line in lines)
+    for r in rows:  # both co-located layouts priced beside the baselines
+        for kind in ("cornstarch_colocated", "colocated"):
+            assert r[kind]["speedup"] == pytest.approx(r[kind]["iteration_time_s"]
+                                                       / r["iteration_time_s"])
     assert {s for _, _, _, _, s in bench_planner.FROZEN} == {"all frozen", "encoder only",
                                                              "llm only", "generator only"}

@@ -51,6 +51,11 @@ PURE = (
     "mmjax.data.data_spec",
     "mmjax.planner.measured",
     "mmjax.data.node_milp",
+    "mmjax.data.colocated_layout",
+    "mmjax.data.colocated_batch",
+    "mmjax.planner.colocated",
+    "mmjax.planner.cornstarch_colocated",
+    "mmjax.planner.layout_choice",
 )
 
 # Imports each module in order in a fresh interpreter and records, after each, whether any

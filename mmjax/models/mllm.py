@@ -175,7 +175,7 @@ class MultimodalModel(nnx.Module):
         `attention_impl`: one `bam_attention` implementation for every unit, or a dict
         {unit: implementation} (the per-unit choice a Plan makes); `llm_mask_family`: the
         LLM's mask family (`AssemblyLayout.llm_mask_family`); `route`: a function
-        {encoder: outputs} -> {encoder: outputs} between the encoders and the LLM (the
+        ({encoder: outputs}, batch) -> {encoder: outputs} between the encoders and the LLM (the
         co-located runner's move from the encoder phase's layout to the LLM's; None: as is).
 
         Walks `dag()` in topological order: an encoder branch reads its batch inputs, the
@@ -193,7 +193,8 @@ class MultimodalModel(nnx.Module):
                     raise ValueError(f"dag() has no edge from encoder(s) {missing} to 'llm', "
                                      f"but the batch places their tokens in the LLM sequence")
                 enc = {p: out[p] for p in preds}
-                x = llm_embed(cfg, self.llm, batch, enc if route is None else route(enc), dtype)
+                x = llm_embed(cfg, self.llm, batch, enc if route is None else route(enc, batch),
+                              dtype)
                 attend = meta_attend(llm_meta(batch), unit_attention(attention_impl, unit),
                                      llm_mask_family)
                 h = self.llm.run_layers(x, batch["positions"], attend)

@@ -25,9 +25,10 @@ from mmjax.train.single_program import SingleProgram
 from mmjax.train.step import TrainState, make_loss_fn, split_model, train_step_fn
 
 
-def to_llm_layout(enc_outputs: dict) -> dict:
+def to_llm_layout(enc_outputs: dict, batch=None) -> dict:
     """The encoder outputs in the encoder phase's layout -> the LLM phase's layout. Without
-    per-phase balancing both phases split the global batch alike: the identity."""
+    per-phase balancing both phases split the global batch alike: the identity. With it,
+    `parallel.rearrange.phase_route` (one all-to-all per encoder, tables in the batch)."""
     return enc_outputs
 
 

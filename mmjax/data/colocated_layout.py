@@ -1,0 +1,233 @@
+"""Per-phase layouts of one global batch in the co-located layout, and the row routes that take
+each encoder's outputs to the LLM's layout (OrchMLLM §5-6; host side, no JAX).
+
+Every phase (each encoder, the LLM) runs on the same d data-parallel ranks, but with its own
+layout: which samples each rank holds, chosen by the phase's post-balancing policy (Batch
+Post-Balancing, OrchMLLM §5.1: Algorithms 1, 2, 4, 5 in data/balance) or, with "none", the
+original mini-batches (sample k loaded by rank k * d // n). Encoder E's rank holds its
+samples' output rows back to back; an LLM rank holds the rows of E for its samples that have
+E's modality, in LLM order. `routes[E]` maps every LLM (rank, row) to the encoder (rank, row)
+that fills it: rearrangement composition (§6), one all-to-all per encoder
+(parallel/rearrange.py), never back through the original instances.
+
+Node-wise rearrangement (§5.2.2, Algorithm 3), with `ranks_per_node` set and the LLM's d a
+multiple of it above one node: the LLM's balanced mini-batches are permuted over ranks so the
+largest per-rank inter-node volume of the encoder->LLM all-to-all (every encoder's output
+bytes together, from their real source ranks) is least. That is the traffic the runner sends.
+Deterministic (every host plans the same): "local" (greedy + pairwise swaps) by default; a
+MILP answer is taken only when proven optimal. With the LLM at a smaller dp than the
+encoders (tensor-parallel: LLM rank j on the devices of encoder ranks j*k .. j*k+k-1, as
+the co-located mesh lays them out), each encoder output counts at the LLM rank whose devices
+hold it and a node holds ranks_per_node / k LLM ranks; a layout where that does not divide
+is skipped and `node_wise["skipped"]` says so.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from mmjax.data.balance import POLICIES as POST_BALANCE_POLICIES
+from mmjax.data.balance import batches_by_rank, node_wise_rearrange, post_balance
+from mmjax.data.routes import Routes
+
+LAYOUT_POLICIES = ("none",) + POST_BALANCE_POLICIES
+
+
+@dataclass(frozen=True)
+class PhaseLayout:
+    """One phase's samples per rank (global batch indices, in order) and each sample's rows
+    in that phase's buffers; `capacity` rows per rank (static: the compiled shape)."""
+
+    unit: str
+    batches: tuple[tuple[int, ...], ...]
+    rows: Mapping[int, int]
+    capacity: int
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self.batches)
+
+    def rank_rows(self) -> list[int]:
+        return [sum(self.rows[s] for s in b) for b in self.batches]
+
+    def offsets(self) -> dict[int, tuple[int, int]]:
+        """sample -> (rank, first row) in this layout."""
+        out = {}
+        for r, b in enumerate(self.batches):
+            o = 0
+            for s in b:
+                out[s] = (r, o)
+                o += self.rows[s]
+        return out
+
+    def pack(self, per_sample: Mapping[int, np.ndarray], dtype=None) -> np.ndarray:
+        """Host gather: `[ranks * capacity, ...]` with each rank's samples' rows back to back
+        (zeros after them), from `per_sample[s]` of shape `[rows[s], ...]`."""
+        some = next(iter(per_sample.values()))
+        out = np.zeros((self.num_ranks * self.capacity,) + some.shape[1:],
+                       dtype or some.dtype)
+        for s, (r, o) in self.offsets().items():
+            out[r * self.capacity + o:r * self.capacity + o + self.rows[s]] = per_sample[s]
+        return out
+
+
+@dataclass(frozen=True)
+class ColocatedLayout:
+    """Every phase's layout, per encoder the routes of its outputs into the LLM's layout and
+    that encoder's rows laid out as the LLM holds them, and what node-wise did."""
+
+    phases: dict[str, PhaseLayout]
+    routes: dict[str, Routes]
+    llm_rows: dict[str, PhaseLayout]
+    node_wise: dict = field(default_factory=dict)
+
+
+def original_batches(samples: Sequence[int], n: int, d: int) -> list[list[int]]:
+    """The loaded mini-batches: sample k of the global batch (n samples) is on rank k*d//n."""
+    out: list[list[int]] = [[] for _ in range(d)]
+    for s in samples:
+        out[min(s * d // n, d - 1)].append(s)
+    return out
+
+
+def _split(lengths: np.ndarray, members: list[int], n: int, d: int, policy: str):
+    if policy == "none":
+        return original_batches(members, n, d)
+    groups = post_balance(lengths[members], d, policy)
+    return [[members[i] for i in g] for g in groups]
+
+
+def _capacity(unit: str, need: int, given: Mapping[str, int] | None) -> int:
+    if given is None or unit not in given:
+        return max(need, 1)
+    cap = int(given[unit])
+    if cap < need:
+        raise ValueError(f"capacity[{unit!r}]={cap} rows per rank is below this batch's "
+                         f"{need} (raise it)")
+    return cap
+
+
+def _per_phase(value, phases, name: str) -> dict:
+    if isinstance(value, (str, int)):
+        return {p: value for p in phases}
+    missing = set(phases) - set(value)
+    if missing:
+        raise ValueError(f"{name}: no entry for phases {sorted(missing)}")
+    return dict(value)
+
+
+def plan_colocated_layout(lengths: Mapping[str, Sequence[float]],
+                          out_rows: Mapping[str, Sequence[int]],
+                          num_ranks: int | Mapping[str, int], policies: str | Mapping[str, str],
+                          *, llm: str = "llm", row_bytes: Mapping[str, int] | None = None,
+                          ranks_per_node: int = 0, node_wise_method: str = "local",
+                          capacity: Mapping[str, int] | None = None) -> ColocatedLayout:
+    """Plan one global batch's co-located layouts (module docstring).
+
+    `lengths[phase][s]`: sample s's cost for the phase (tokens; an encoder's 0 = the sample
+    lacks its modality); `lengths[llm]` covers every sample. `out_rows[E][s]`: rows encoder
+    E's output has for sample s (its projected tokens; 0 with no modality). `num_ranks`: d
+    per phase (or one d). `policies`: "none" or a post-balancing policy, per phase or one
+    for all. `row_bytes[E]`: bytes of one output row (hidden size x dtype), the node-wise
+    volumes' unit (default 1 each). `capacity[key]`: static rows per rank for a phase's
+    buffer (key E: the encoder's outputs; key f"{llm}/{E}": E's rows in the LLM's layout);
+    default: this batch's fullest rank.
+    """
+    if llm not in lengths:
+        raise ValueError(f"lengths: no entry for the LLM phase {llm!r}")
+    encoders = [p for p in lengths if p != llm]
+    for e in encoders:
+        if e not in out_rows:
+            raise ValueError(f"out_rows: no entry for encoder {e!r}")
+    phases = [*encoders, llm]
+    dps = _per_phase(num_ranks, phases, "num_ranks")
+    pols = _per_phase(policies, phases, "policies")
+    for p, pol in pols.items():
+        if pol not in LAYOUT_POLICIES:
+            raise ValueError(f"policies[{p!r}]={pol!r}: use one of {LAYOUT_POLICIES}")
+    n = len(lengths[llm])
+    x = {p: np.asarray(lengths[p], dtype=np.float64) for p in phases}
+    rows = {e: np.asarray(out_rows[e], dtype=np.int64) for e in encoders}
+    for p in phases:
+        if x[p].shape != (n,):
+            raise ValueError(f"lengths[{p!r}] has {x[p].size} entries; the batch has {n}")
+    for e in encoders:
+        if rows[e].shape != (n,):
+            raise ValueError(f"out_rows[{e!r}] has {rows[e].size} entries; the batch has {n}")
+        if np.any((rows[e] > 0) != (x[e] > 0)):
+            raise ValueError(f"out_rows[{e!r}] and lengths[{e!r}] disagree on which samples "
+                             f"have the modality")
+
+    phase_layouts: dict[str, PhaseLayout] = {}
+    for e in encoders:
+        members = np.flatnonzero(x[e] > 0).tolist()
+        batches = _split(x[e], members, n, dps[e], pols[e])
+        r = {s: int(rows[e][s]) for s in members}
+        need = max((sum(r[s] for s in b) for b in batches), default=0)
+        phase_layouts[e] = PhaseLayout(e, tuple(map(tuple, batches)), r,
+                                       _capacity(e, need, capacity))
+    llm_batches = _split(x[llm], list(range(n)), n, dps[llm], pols[llm])
+    info: dict = {}
+    rpn = int(ranks_per_node)
+    d = dps[llm]
+    if rpn and encoders:
+        d_enc = {dps[e] for e in encoders}
+        de = d_enc.pop() if len(d_enc) == 1 else None
+        # LLM rank j spans encoder ranks [j*de/d, (j+1)*de/d) (its tp replicas), so an LLM
+        # node holds rpn*d/de LLM ranks
+        llm_rpn = rpn * d // de if de and de % d == 0 and (rpn * d) % de == 0 else 0
+        if not llm_rpn:
+            info["skipped"] = ("the encoders' dp must be one multiple of the LLM's, and "
+                               "ranks_per_node a multiple of their ratio")
+        elif d > llm_rpn and d % llm_rpn == 0:
+            llm_batches = _node_wise(llm_batches, phase_layouts, rows, row_bytes, llm_rpn,
+                                     de // d, node_wise_method, info)
+    lengths_llm = {s: int(x[llm][s]) for s in range(n)}
+    phase_layouts[llm] = PhaseLayout(llm, tuple(map(tuple, llm_batches)), lengths_llm,
+                                     _capacity(llm, max(max(
+                                         (sum(lengths_llm[s] for s in b) for b in llm_batches),
+                                         default=0), 1), capacity))
+    routes, llm_rows = {}, {}
+    for e in encoders:
+        src = phase_layouts[e]
+        r = dict(src.rows)
+        dst_batches = tuple(tuple(s for s in b if s in r) for b in llm_batches)
+        need = max((sum(r[s] for s in b) for b in dst_batches), default=0)
+        dst = PhaseLayout(f"{llm}/{e}", dst_batches, r,
+                          _capacity(f"{llm}/{e}", need, capacity))
+        llm_rows[e] = dst
+        so, do = src.offsets(), dst.offsets()
+        pairs = [(so[s][0], so[s][1] + k, do[s][0], do[s][1] + k)
+                 for s in r for k in range(r[s])]
+        routes[e] = Routes.from_pairs(src.num_ranks, src.capacity, dst.num_ranks,
+                                      dst.capacity, pairs)
+    return ColocatedLayout(phase_layouts, routes, llm_rows, info)
+
+
+def _node_wise(llm_batches, enc_layouts, rows, row_bytes, rpn, per_llm_rank, method, info):
+    """Algorithm 3 on the encoder->LLM all-to-all: items are (encoder, sample) outputs at
+    their encoder rank (counted at the LLM rank whose devices hold it: encoder rank //
+    `per_llm_rank`), sized in bytes; new batches are the LLM's balanced mini-batches, `rpn`
+    LLM ranks a node."""
+    src, size, item_of = [], [], {}
+    for e, lay in enc_layouts.items():
+        rb = 1 if row_bytes is None else int(row_bytes[e])
+        for r, b in enumerate(lay.batches):
+            for s in b:
+                item_of.setdefault(s, []).append(len(src))
+                src.append(r // per_llm_rank)
+                size.append(float(rows[e][s] * rb))
+    new = [[i for s in b for i in item_of.get(s, ())] for b in llm_batches]
+    perm = node_wise_rearrange(src, new, size, rpn, method=method, require_optimal=True,
+                               info=info)
+    info["perm"] = perm
+    return batches_by_rank(llm_batches, perm)
+
+
+def phase_loads(layout: PhaseLayout, lengths: Sequence[float]) -> tuple[float, float]:
+    """(max, mean) over ranks of the phase's tokens per rank (`lengths` per sample)."""
+    x = np.asarray(lengths, dtype=np.float64)
+    loads = [float(x[list(b)].sum()) if b else 0.0 for b in layout.batches]
+    return max(loads), float(np.mean(loads))

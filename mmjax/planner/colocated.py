@@ -1,0 +1,255 @@
+"""Cost and memory model of the co-located layout (OrchMLLM §4-7), and its best plan (no JAX).
+
+Every unit runs on all G GPUs, data-parallel over them (the LLM at dp G/tp x tp, the other
+units at tp 1 or their smallest valid tp), phases in order: each encoder's forward, the LLM's
+forward and backward, the generator, then the encoders' backward. The global batch of B
+samples is post-balanced per phase (OrchMLLM §5), so a rank holds B/dp_u samples of unit u
+(times `imbalance`, max/mean tokens per rank: ~1.0 balanced, scripts/bench_colocated.py part
+1 for the loaded mini-batches); when they do not fit, the step runs k micro-steps of
+ceil(B / dp_u / k) samples (gradient accumulation).
+
+Per unit, ZeRO stage z, as the co-located runner holds its state (parallel/fsdp.py: float32
+parameters, which are the master copy, AdamW's m and v, float32 gradients; per GPU, P
+trainable and F frozen parameters one tp rank holds, b the compute dtype's bytes):
+  z = 1: parameters 4 P and gradients 4 P whole, m and v 8 P / dp; the gradients are
+         all-reduced once per step, after the backward (2 (dp-1)/dp x 4 P per GPU).
+  z = 2: the gradients sharded too, 4 P / dp (reduce-scattered; the updated parameters
+         all-gathered): the same traffic, one sync per step.
+  z = 3: everything sharded, 16 P / dp and 4 F / dp, plus two layers' gathered weights;
+         each micro-step all-gathers every layer's float32 weights in the forward and
+         again in the backward (when the layers run one) and reduce-scatters its float32
+         gradients, layer by layer, overlapping the compute: a layer's gather hides behind
+         the previous layer's compute, so a unit's exposed time is max(0, traffic -
+         compute) + one layer's.
+Stages 1-2 also hold the step's compute-dtype copy of the parameters (b P, none in
+float32). "Replicated" (`state_bytes` at z = 1, dp = 1) is 16 P + 4 F: stage 3 at dp d
+holds 1/d of it plus two layers.
+Collectives over all G GPUs run at `Hardware.group_bw(G)`. Activations: per micro-step, the
+encoders' residuals stay live through the LLM (their backward runs last), so the peak holds
+the encoders' and the LLM's (and generator's) residuals together, plus one backward's
+working set. The encoder->LLM all-to-all (one per encoder, rearrangement composition, §6)
+moves each encoder output row once forward and its cotangent once back; (G-1)/G of it
+leaves the rank, the part crossing nodes at the NIC.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+
+from mmjax.planner.costs import UnitCost
+from mmjax.planner.hardware import Hardware
+from mmjax.planner.memory import (ACC_BYTES, ADAM_BYTES, F32, FROZEN_BYTES, MASTER_BYTES,
+                                  REMATS)
+
+ZERO_STAGES = (1, 2, 3)
+
+
+def unit_params(cost: UnitCost) -> tuple[float, float]:
+    """(trainable, frozen) parameters of the whole unit, from its byte terms."""
+    trainable = cost.optimizer_bytes / (MASTER_BYTES + ADAM_BYTES)
+    frozen = (cost.weight_bytes - (2 * cost.dtype_bytes + ACC_BYTES) * trainable) / FROZEN_BYTES
+    return trainable, max(frozen, 0.0)
+
+
+def _share(cost: UnitCost, tp: int) -> float:
+    return (1 - cost.replicated) / tp + cost.replicated
+
+
+def state_bytes(cost: UnitCost, tp: int, dp: int, zero: int) -> float:
+    """Per-GPU bytes of a unit's parameters, gradients and optimizer state at ZeRO `zero`
+    (module docstring); at stage 3 with two layers' full weights gathered."""
+    if zero not in ZERO_STAGES:
+        raise ValueError(f"zero_stage={zero!r}: use one of {ZERO_STAGES}")
+    t, f = unit_params(cost)
+    s = _share(cost, tp)
+    params = (F32 * t + FROZEN_BYTES * f) * s
+    opt = ADAM_BYTES * t * s / dp
+    grads = F32 * t * s
+    if zero == 1:
+        return params + grads + opt
+    if zero == 2:
+        return params + grads / dp + opt
+    layer = F32 * (t + f) * s / max(cost.num_layers, 1)
+    return (params + grads) / dp + opt + 2 * layer
+
+
+def compute_copy_bytes(cost: UnitCost, tp: int, zero: int) -> float:
+    """The step's compute-dtype copy of the parameters at stages 1-2 (none in float32; at
+    stage 3 the gathered layers are cast one at a time)."""
+    if zero == 3 or cost.dtype_bytes >= F32:
+        return 0.0
+    t, f = unit_params(cost)
+    return cost.dtype_bytes * (t + f) * _share(cost, tp)
+
+
+def layers_in_backward(cost: UnitCost, tp: int) -> bool:
+    """Whether the unit's layers run a backward (trainable, or frozen with something
+    trainable upstream: Cornstarch §4.2): its backward time is more than a tenth of its
+    forward. A frozen encoder whose projector alone trains does not."""
+    fwd = cost.fwd_s.get(tp, 0.0)
+    return fwd == 0.0 or cost.time_s[tp] - fwd > 0.1 * fwd
+
+
+def gather_bytes(cost: UnitCost, tp: int, dp: int) -> float:
+    """ZeRO-3 traffic per GPU of one micro-step: each layer's float32 weights all-gathered
+    in the forward and, when the layers run a backward, again in it, plus the trainable
+    parameters' gradient reduce-scatter ((dp-1)/dp of the full size each)."""
+    t, f = unit_params(cost)
+    s = _share(cost, tp)
+    frac = (dp - 1) / dp
+    again = layers_in_backward(cost, tp)
+    return frac * s * F32 * ((t + f) * (1 + again) + t)
+
+
+def sync_bytes(cost: UnitCost, tp: int, dp: int) -> float:
+    """ZeRO-1/2 traffic per GPU per step: the float32 gradients' all-reduce (or reduce-
+    scatter then the parameters' all-gather), 2 (dp-1)/dp of them."""
+    t, _ = unit_params(cost)
+    return 2 * (dp - 1) / dp * F32 * t * _share(cost, tp)
+
+
+@dataclass(frozen=True)
+class ColocatedEvaluation:
+    """A priced co-located plan (seconds per iteration and its parts, GB per GPU)."""
+
+    iteration_time_s: float
+    gpus: int
+    tp: dict[str, int]
+    zero: dict[str, int]
+    remat: str
+    micro_steps: int
+    compute_s: dict[str, float]
+    exposed_comm_s: dict[str, float]  # per unit: ZeRO-3 gathers not hidden, step syncs
+    all_to_all_s: float
+    memory_gb: float
+    mfu: float
+    samples_per_s: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+def _residuals(c: UnitCost, v: UnitCost, tp: int, remat: str) -> tuple[float, float]:
+    """(kept per sample, one backward's rebuilt working set per sample). "none" / "dots":
+    the cost's own terms. "full" is per-layer checkpointing inside the layer scan (what a
+    ZeRO-3 unit's scan runs): every layer's input kept, one layer's residuals rebuilt at a
+    time. A layer's input is the LLM's / generator's boundary tensor (one hidden-state
+    stream); for an encoder it is estimated as 1/12 of a layer's residuals (a ViT layer keeps
+    11 hidden-size tensors and the FFN's; an over-estimate at FFN 4x)."""
+    if remat != "full" or not c.variants:
+        return v.activation_bytes.get(tp, 0.0) + v.input_bytes, v.work_bytes.get(tp, 0.0)
+    none = c.variants["none"].activation_bytes.get(tp, 0.0)
+    layers = max(v.num_layers, 1)
+    if none == 0.0:  # forward-only (frozen, nothing trainable upstream): nothing kept
+        return 0.0, 0.0
+    layer_in = v.boundary_bytes if c.name in ("llm", "generator") else none / layers / 12
+    return layers * layer_in, none / layers
+
+
+def _a2a_bw(hw: Hardware, g: int) -> float:
+    """Per-rank all-to-all bandwidth over g GPUs: the (g-1) peers, those on other nodes at
+    the NIC, the rest over NVLink (time per byte, inverted)."""
+    if g <= 1:
+        return math.inf
+    on = min(g, hw.gpus_per_node) - 1
+    off = g - 1 - on
+    per_byte = (on / hw.nvlink_bw + off / hw.nic_bw) / (g - 1)
+    return 1.0 / per_byte
+
+
+def evaluate_colocated(costs: tuple[UnitCost, ...], num_gpus: int, global_batch: int,
+                       hw: Hardware, tp: dict[str, int], zero: dict[str, int],
+                       remat: str = "none", micro_steps: int = 1,
+                       imbalance: float | dict[str, float] = 1.0) -> ColocatedEvaluation:
+    """Price one co-located choice (module docstring). Raises ValueError when a unit's tp
+    is not valid for it or does not divide the GPUs."""
+    g, notes = num_gpus, []
+    comp, exposed, mem_state, acts, work = {}, {}, 0.0, 0.0, 0.0
+    a2a = 0.0
+    flops = 0.0
+    for c in costs:
+        v = c.variants.get(remat, c) if c.variants else c
+        t = tp.get(c.name, 1)
+        if t not in v.time_s or g % t:
+            raise ValueError(f"unit {c.name!r}: tp={t} is not valid (valid: "
+                             f"{sorted(v.time_s)}, dividing {g} GPUs)")
+        dp = g // t
+        z = zero.get(c.name, 1)
+        imb = imbalance.get(c.name, 1.0) if isinstance(imbalance, dict) else imbalance
+        spr = global_batch / dp * imb
+        per_step = math.ceil(global_batch / dp / micro_steps)
+        comp[c.name] = spr * v.time_s[t]
+        t_params, _ = unit_params(v)
+        if z == 3 and dp > 1:
+            traffic = gather_bytes(v, t, dp) / hw.group_bw(g)
+            one = comp[c.name] / micro_steps
+            exposed[c.name] = micro_steps * (max(0.0, traffic - one)
+                                             + traffic / max(v.num_layers, 1))
+        elif dp > 1 and t_params > 0:
+            exposed[c.name] = sync_bytes(v, t, dp) / hw.group_bw(g)
+        else:
+            exposed[c.name] = 0.0
+        mem_state += state_bytes(v, t, dp, z) + compute_copy_bytes(v, t, z)
+        kept, rebuilt = _residuals(c, v, t, remat)
+        acts += per_step * kept
+        work = max(work, per_step * (rebuilt + v.fixed_bytes.get(t, 0.0)))
+        if c.name not in ("llm", "generator"):
+            a2a += 2 * spr * v.boundary_bytes * (g - 1) / g / _a2a_bw(hw, g)
+        flops += global_batch * v.flops
+    total = sum(comp.values()) + sum(exposed.values()) + a2a
+    mem = mem_state + acts + work
+    if mem > hw.hbm_bytes:
+        notes.append(f"needs {mem / 1e9:.1f} GB per GPU; have {hw.hbm_bytes / 1e9:.0f} GB")
+    return ColocatedEvaluation(total, g, dict(tp), dict(zero), remat, micro_steps, comp,
+                               exposed, a2a, mem / 1e9, flops / (total * g * hw.peak_flops),
+                               global_batch / total, notes)
+
+
+def best_colocated(costs: tuple[UnitCost, ...], num_gpus: int, global_batch: int,
+                   hw: Hardware, zero_stages=ZERO_STAGES,
+                   imbalance: float | dict[str, float] = 1.0) -> ColocatedEvaluation:
+    """The fastest co-located choice that fits in memory: the LLM's tp (other units at their
+    smallest valid tp), one ZeRO stage per unit, one remat policy, the fewest micro-steps
+    that fit. Ties go to the lower ZeRO stage. Raises ValueError naming what is short."""
+    names = [c.name for c in costs]
+    by = {c.name: c for c in costs}
+    llm_tps = sorted(t for t in by["llm"].time_s if num_gpus % t == 0)
+    if not llm_tps:
+        raise ValueError(f"co-located: no valid LLM tp divides {num_gpus} GPUs "
+                         f"(valid: {sorted(by['llm'].time_s)})")
+    best, smallest = None, None
+    for tl in llm_tps:
+        tp = {n: (tl if n == "llm" else min(t for t in by[n].time_s if num_gpus % t == 0))
+              for n in names}
+        max_k = max(1, math.ceil(global_batch / (num_gpus // tl)))
+        for zs in itertools.product(zero_stages, repeat=len(names)):
+            zero = dict(zip(names, zs))
+            for remat in REMATS:
+                for k in _micro_steps(max_k):
+                    ev = evaluate_colocated(costs, num_gpus, global_batch, hw, tp, zero,
+                                            remat, k, imbalance)
+                    if smallest is None or ev.memory_gb < smallest.memory_gb:
+                        smallest = ev
+                    if ev.notes:
+                        continue
+                    key = (ev.iteration_time_s, sum(zs))
+                    if best is None or key < (best.iteration_time_s, sum(best.zero.values())):
+                        best = ev
+                    break  # more micro-steps only add gathers
+    if best is None:
+        raise ValueError(f"co-located: nothing fits {num_gpus} GPUs; the leanest choice "
+                         f"(tp {smallest.tp['llm']}, ZeRO {smallest.zero}, remat "
+                         f"{smallest.remat}, {smallest.micro_steps} micro-steps) "
+                         f"{smallest.notes[0]}")
+    return best
+
+
+def _micro_steps(max_k: int) -> list[int]:
+    """1, 2, 4, ... up to max_k, and max_k itself (one sample per micro-step)."""
+    out, k = [], 1
+    while k < max_k:
+        out.append(k)
+        k *= 2
+    return out + [max_k]

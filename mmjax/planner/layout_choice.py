@@ -1,0 +1,51 @@
+"""Co-located or disaggregated: which layout a model should train in, and why (no JAX).
+
+`plan.py --layout=auto` prices both (the disaggregated planner's best plan, DistTrain §5;
+the co-located layout's best choice, planner/colocated.py, OrchMLLM §4-7) on the same unit
+costs and picks the one with the lower predicted iteration time. The reason names the terms
+that decide it: co-located runs every phase on every GPU one after another, paying its
+exposed collectives (ZeRO syncs and gathers, the encoder->LLM all-to-all); disaggregated
+runs units side by side on their own GPUs, paying pipeline warm-up and the slowest
+stage's share of the steady state.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+LAYOUTS = ("auto", "colocated", "disaggregated")
+
+
+@dataclass(frozen=True)
+class LayoutChoice:
+    layout: str  # "colocated" or "disaggregated"
+    colocated_s: float | None
+    disaggregated_s: float | None
+    reason: str
+
+
+def choose_layout(colocated, disaggregated_s: float | None,
+                  disaggregated_warmup_s: float = 0.0) -> LayoutChoice:
+    """`colocated`: a `ColocatedEvaluation` or None (does not fit); `disaggregated_s`: the
+    disaggregated plan's iteration time or None. Ties go to disaggregated (the default)."""
+    if colocated is None and disaggregated_s is None:
+        raise ValueError("neither layout fits: add GPUs or lower the batch")
+    if colocated is None:
+        return LayoutChoice("disaggregated", None, disaggregated_s,
+                            "the co-located layout does not fit in memory")
+    c = colocated.iteration_time_s
+    if disaggregated_s is None:
+        return LayoutChoice("colocated", c, None, "no disaggregated plan fits")
+    comp = sum(colocated.compute_s.values())
+    comm = sum(colocated.exposed_comm_s.values()) + colocated.all_to_all_s
+    if c < disaggregated_s:
+        why = (f"co-located {c:.3f} s < disaggregated {disaggregated_s:.3f} s per iteration: "
+               f"every GPU computes every phase ({comp:.3f} s) with {comm:.3f} s of exposed "
+               f"collectives, while the disaggregated plan pays "
+               f"{disaggregated_warmup_s:.3f} s of pipeline warm-up and its slowest stage")
+        return LayoutChoice("colocated", c, disaggregated_s, why)
+    unit, worst = max(colocated.exposed_comm_s.items(), key=lambda kv: kv[1])
+    why = (f"disaggregated {disaggregated_s:.3f} s <= co-located {c:.3f} s per iteration: "
+           f"co-located computes {comp:.3f} s and exposes {comm:.3f} s of collectives "
+           f"(largest: {unit!r} at ZeRO-{colocated.zero[unit]}, {worst:.3f} s), phases one "
+           f"after another, while disaggregated units overlap on their own GPUs")
+    return LayoutChoice("disaggregated", c, disaggregated_s, why)

@@ -1,0 +1,222 @@
+"""Co-located per-phase layouts (data/colocated_layout.py) and the one all-to-all per encoder
+that takes its outputs to the LLM's layout (parallel/rearrange.py): rows equal a host-side
+gather exactly, gradients equal the inverse permutation's, node-wise rearrangement lowers
+the inter-node bytes the all-to-all really sends (OrchMLLM §5-6)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from mmjax.data.balance import post_balance
+from mmjax.data.colocated_layout import original_batches, plan_colocated_layout
+from mmjax.parallel import rearrange as R
+
+N = 48  # samples in the global batch
+HIDDEN = 3
+
+
+def _batch(seed: int):
+    """Two encoders (image ~2/3 of samples, audio ~1/3), projected rows = tokens // 4."""
+    rng = np.random.default_rng(seed)
+    img = np.where(rng.random(N) < 0.66, rng.integers(4, 40, N) * 4, 0)
+    aud = np.where(rng.random(N) < 0.33, rng.integers(2, 30, N) * 4, 0)
+    text = rng.integers(8, 64, N)
+    lengths = {"vision": img, "audio": aud, "llm": text + img // 4 + aud // 4}
+    out_rows = {"vision": img // 4, "audio": aud // 4}
+    return lengths, out_rows
+
+
+def _features(out_rows, seed=1):
+    """Per encoder, per sample, its output rows (distinct values: a misplaced row shows)."""
+    rng = np.random.default_rng(seed)
+    return {e: {s: rng.normal(size=(int(r), HIDDEN)).astype(np.float32)
+                for s, r in enumerate(rows) if r}
+            for e, rows in out_rows.items()}
+
+
+@pytest.fixture(scope="module")
+def mesh8():
+    return jax.make_mesh((8,), ("dp",))
+
+
+@pytest.fixture(scope="module")
+def mesh4x2():
+    return jax.make_mesh((4, 2), ("dp", "tp"))
+
+
+def _move(layout, e, feats, mesh, src_axes, dst_axes):
+    """Run the exchange of encoder e; returns (out, grad of <w, out>, w, plan)."""
+    plan = R.plan_exchange(layout.routes[e], mesh, src_axes, dst_axes)
+    tables = R.device_tables(plan, mesh)
+    x = jax.device_put(layout.phases[e].pack(feats[e]), NamedSharding(mesh, P(src_axes)))
+    rng = np.random.default_rng(7)
+    w = rng.normal(size=(layout.routes[e].dst_ranks * layout.routes[e].dst_slots, HIDDEN)
+                   ).astype(np.float32)
+    fn = jax.jit(lambda x, t: R.exchange(x, t, mesh, src_axes, dst_axes))
+    out = fn(x, tables)
+    grad = jax.jit(jax.grad(lambda x, t: (fn(x, t) * w).sum()))(x, tables)
+    return np.asarray(out), np.asarray(grad), w, plan
+
+
+def test_layouts_follow_the_policies():
+    lengths, out_rows = _batch(0)
+    for pol in ("none", "sum", "padded", "sum_square", "conv"):
+        lay = plan_colocated_layout(lengths, out_rows, 8, pol)
+        for p, ph in lay.phases.items():
+            members = np.flatnonzero(np.asarray(lengths[p]) > 0).tolist()
+            got = sorted(s for b in ph.batches for s in b)
+            assert got == members, (pol, p)
+            if pol == "none":
+                assert [list(b) for b in ph.batches] == original_batches(members, N, 8)
+            else:
+                expect = post_balance(np.asarray(lengths[p])[members], 8, pol)
+                assert [list(b) for b in ph.batches] == [[members[i] for i in g]
+                                                         for g in expect]
+    # balancing lowers the fullest rank of every phase against the loaded mini-batches
+    none = plan_colocated_layout(lengths, out_rows, 8, "none")
+    bal = plan_colocated_layout(lengths, out_rows, 8, "sum")
+    for p in lengths:
+        assert max(bal.phases[p].rank_rows()) < max(none.phases[p].rank_rows()), p
+
+
+@pytest.mark.parametrize("policy", ["sum", "padded"])
+def test_exchange_equals_host_gather_and_inverse_gradient(mesh8, policy):
+    lengths, out_rows = _batch(1)
+    feats = _features(out_rows)
+    lay = plan_colocated_layout(lengths, out_rows, 8, {"vision": policy, "audio": "sum_square",
+                                                       "llm": "conv"})
+    for e in ("vision", "audio"):
+        out, grad, w, _ = _move(lay, e, feats, mesh8, "dp", "dp")
+        np.testing.assert_array_equal(out, lay.llm_rows[e].pack(feats[e]))
+        # the gradient is w's rows carried back by the inverse permutation, every sample's
+        # rows to its encoder rank and row
+        cap = lay.llm_rows[e].capacity
+        back = {s: w[r * cap + o:r * cap + o + n]
+                for s, (r, o) in lay.llm_rows[e].offsets().items()
+                for n in [lay.llm_rows[e].rows[s]]}
+        np.testing.assert_array_equal(grad, lay.phases[e].pack(back))
+
+
+def test_exchange_to_a_tp_replicated_llm(mesh4x2):
+    """Encoders at dp 8 over ('dp', 'tp'), the LLM at dp 4 x tp 2: every tp replica of an LLM
+    rank receives its rows; the gradient still comes back once per row."""
+    lengths, out_rows = _batch(2)
+    feats = _features(out_rows, 3)
+    lay = plan_colocated_layout(lengths, out_rows, {"vision": 8, "audio": 8, "llm": 4}, "sum")
+    out, grad, w, _ = _move(lay, "vision", feats, mesh4x2, ("dp", "tp"), "dp")
+    np.testing.assert_array_equal(out, lay.llm_rows["vision"].pack(feats["vision"]))
+    np.testing.assert_array_equal(grad, lay.routes["vision"].inverse().apply(w))
+
+
+def test_node_wise_lowers_inter_node_bytes(mesh8):
+    """2 nodes x 4 devices: the same balanced batches, the LLM's placed by Algorithm 3 or
+    left on their own index; the ledger counts the bytes the exchanges' tables send."""
+    row_bytes = {"vision": 64, "audio": 32}
+    lowered = 0
+    for seed in range(3):
+        lengths, out_rows = _batch(10 + seed)
+        kw = dict(row_bytes=row_bytes)
+        plain = plan_colocated_layout(lengths, out_rows, 8, "sum", **kw)
+        nw = plan_colocated_layout(lengths, out_rows, 8, "sum", ranks_per_node=4, **kw)
+        assert nw.node_wise["chosen"] in ("local", "greedy", "milp", "identity")
+        for p in lengths:  # same batches, permuted over ranks
+            assert sorted(nw.phases[p].batches) == sorted(plain.phases[p].batches)
+        ledgers = {}
+        for name, lay in (("plain", plain), ("node_wise", nw)):
+            led = ledgers[name] = R.TrafficLedger(4)
+            for e in ("vision", "audio"):
+                led.add(R.plan_exchange(lay.routes[e], mesh8, "dp", "dp").forward, row_bytes[e])
+        total = sum(ledgers["plain"].payload.values())
+        assert sum(ledgers["node_wise"].payload.values()) == total  # the same rows move
+        assert ledgers["node_wise"].payload["inter_node"] <= ledgers["plain"].payload["inter_node"]
+        lowered += ledgers["node_wise"].payload["inter_node"] < ledgers["plain"].payload[
+            "inter_node"]
+    assert lowered == 3
+    # and the node-wise layout's exchange still delivers exactly the host gather
+    feats = _features(out_rows, 5)
+    out, _, _, _ = _move(nw, "vision", feats, mesh8, "dp", "dp")
+    np.testing.assert_array_equal(out, nw.llm_rows["vision"].pack(feats["vision"]))
+
+
+def test_node_wise_with_a_tp_llm(mesh4x2):
+    """Encoders at dp 8, the LLM at dp 4 x tp 2 on 2 nodes x 4 devices: node-wise places the
+    LLM's batches (2 LLM ranks a node) and the inter-node bytes the exchange sends, both tp
+    replicas counted, do not grow, and drop for some batches."""
+    dps = {"vision": 8, "audio": 8, "llm": 4}
+    lowered = 0
+    for seed in range(4):
+        lengths, out_rows = _batch(20 + seed)
+        plain = plan_colocated_layout(lengths, out_rows, dps, "sum")
+        nw = plan_colocated_layout(lengths, out_rows, dps, "sum", ranks_per_node=4)
+        assert "skipped" not in nw.node_wise and len(nw.node_wise["perm"]) == 4
+        inter = []
+        for lay in (plain, nw):
+            led = R.TrafficLedger(4)
+            for e in ("vision", "audio"):
+                led.add(R.plan_exchange(lay.routes[e], mesh4x2, ("dp", "tp"), "dp").forward, 1)
+            inter.append(led.payload["inter_node"])
+        assert inter[1] <= inter[0]
+        lowered += inter[1] < inter[0]
+    assert lowered >= 1
+    odd = plan_colocated_layout(lengths, out_rows, {"vision": 8, "audio": 4, "llm": 4}, "sum",
+                                ranks_per_node=4)
+    assert "skipped" in odd.node_wise
+
+
+def test_ledger_classes_exact(mesh8):
+    """One row from device 0 to each of devices 0, 1 and 5 (2 nodes of 4): local, intra,
+    inter."""
+    from mmjax.data.routes import Routes
+    routes = Routes.from_pairs(8, 3, 8, 1, [(0, 0, 0, 0), (0, 1, 1, 0), (0, 2, 5, 0)])
+    plan = R.plan_exchange(routes, mesh8, "dp", "dp", capacity=2)
+    led = R.TrafficLedger(4)
+    led.add(plan.forward, 10)
+    assert led.payload == {"local": 10, "intra_node": 10, "inter_node": 10}
+    assert led.wire == {"intra_node": 8 * 3 * 2 * 10, "inter_node": 8 * 4 * 2 * 10}
+
+
+def test_route_tables_count_forward_and_backward(mesh8):
+    """The runner's tables (route_tables) count both directions: the backward moves every
+    row back over the same link class."""
+    lengths, out_rows = _batch(3)
+    lay = plan_colocated_layout(lengths, out_rows, 8, "sum")
+    led = R.TrafficLedger(4)
+    tables = R.route_tables(lay.routes, mesh8, "dp", "dp", ledger=led,
+                            row_bytes={"vision": 8, "audio": 4})
+    assert set(tables) == {"vision", "audio"} and len(tables["vision"]) == 4
+    one = R.TrafficLedger(4)
+    for e, rb in (("vision", 8), ("audio", 4)):
+        one.add(R.plan_exchange(lay.routes[e], mesh8, "dp", "dp").forward, rb)
+    assert led.payload == {k: 2 * v for k, v in one.payload.items()}
+    rows = sum(len(r.pairs) * rb for r, rb in ((lay.routes["vision"], 8),
+                                               (lay.routes["audio"], 4)))
+    assert sum(one.payload.values()) == rows
+    with pytest.raises(ValueError, match="row_bytes"):
+        R.route_tables(lay.routes, mesh8, "dp", "dp", ledger=led)
+
+
+def test_bad_capacity_is_one_line(mesh8):
+    lengths, out_rows = _batch(0)
+    with pytest.raises(ValueError, match=r"capacity\['vision'\]=1 rows per rank"):
+        plan_colocated_layout(lengths, out_rows, 8, "sum", capacity={"vision": 1})
+    lay = plan_colocated_layout(lengths, out_rows, 8, "none")
+    with pytest.raises(ValueError, match="capacity=1 rows per device pair"):
+        R.plan_exchange(lay.routes["vision"], mesh8, "dp", "dp", capacity=1)
+    with pytest.raises(ValueError, match="policies"):
+        plan_colocated_layout(lengths, out_rows, 8, "lpt")
+
+
+def test_exchange_of_ints_and_zero_rows(mesh8):
+    """Integer payloads move too (segment ids), and rows nobody fills are zeros."""
+    lengths, out_rows = _batch(4)
+    lay = plan_colocated_layout(lengths, out_rows, 8, "sum",
+                                capacity={"llm/vision": 200})
+    ids = {s: np.full((int(r), 1), s + 1, np.int32)
+           for s, r in enumerate(out_rows["vision"]) if r}
+    plan = R.plan_exchange(lay.routes["vision"], mesh8, "dp", "dp")
+    x = jax.device_put(lay.phases["vision"].pack(ids), NamedSharding(mesh8, P("dp")))
+    out = R.exchange(x, R.device_tables(plan, mesh8), mesh8, "dp", "dp")
+    assert out.dtype == jnp.int32 and out.shape == (8 * 200, 1)
+    np.testing.assert_array_equal(np.asarray(out), lay.llm_rows["vision"].pack(ids))
