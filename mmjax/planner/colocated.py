@@ -37,6 +37,7 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
+from mmjax.models.units import is_encoder, is_llm
 from mmjax.planner.costs import UnitCost
 from mmjax.planner.hardware import Hardware
 from mmjax.planner.memory import (ACC_BYTES, ADAM_BYTES, F32, FROZEN_BYTES, MASTER_BYTES,
@@ -144,7 +145,7 @@ def _residuals(c: UnitCost, v: UnitCost, tp: int, remat: str) -> tuple[float, fl
     layers = max(v.num_layers, 1)
     if none == 0.0:  # forward-only (frozen, nothing trainable upstream): nothing kept
         return 0.0, 0.0
-    layer_in = v.boundary_bytes if c.name in ("llm", "generator") else none / layers / 12
+    layer_in = v.boundary_bytes if not is_encoder(c.name) else none / layers / 12
     return layers * layer_in, none / layers
 
 
@@ -195,7 +196,7 @@ def evaluate_colocated(costs: tuple[UnitCost, ...], num_gpus: int, global_batch:
         kept, rebuilt = _residuals(c, v, t, remat)
         acts += per_step * kept
         work = max(work, per_step * (rebuilt + v.fixed_bytes.get(t, 0.0)))
-        if c.name not in ("llm", "generator"):
+        if is_encoder(c.name):
             a2a += 2 * spr * v.boundary_bytes * (g - 1) / g / _a2a_bw(hw, g)
         flops += global_batch * v.flops
     total = sum(comp.values()) + sum(exposed.values()) + a2a
@@ -221,7 +222,7 @@ def best_colocated(costs: tuple[UnitCost, ...], num_gpus: int, global_batch: int
                          f"(valid: {sorted(by['llm'].time_s)})")
     best, smallest = None, None
     for tl in llm_tps:
-        tp = {n: (tl if n == "llm" else min(t for t in by[n].time_s if num_gpus % t == 0))
+        tp = {n: (tl if is_llm(n) else min(t for t in by[n].time_s if num_gpus % t == 0))
               for n in names}
         max_k = max(1, math.ceil(global_batch / (num_gpus // tl)))
         for zs in itertools.product(zero_stages, repeat=len(names)):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mmjax.models.units import is_encoder, is_generator, is_llm
 from mmjax.planner.candidates import divisors
 from mmjax.planner.costs import UnitCost
 from mmjax.planner.evaluate import (Choice, memory_bytes, stage_time, sync_time,
@@ -44,9 +45,9 @@ def _tp_for(cost: UnitCost, tp: int) -> int | None:
 def cornstarch_colocated(costs: tuple[UnitCost, ...], hw: Hardware, num_gpus: int,
                          global_batch: int) -> CornstarchColocated:
     """The fastest baseline that fits (module docstring); ValueError when none does."""
-    llm = next(c for c in costs if c.name == "llm")
-    gen = [c for c in costs if c.name == "generator"]
-    encs = [c for c in costs if c.name not in ("llm", "generator")]
+    llm = next(c for c in costs if is_llm(c.name))
+    gen = [c for c in costs if is_generator(c.name)]
+    encs = [c for c in costs if is_encoder(c.name)]
     best, why = None, "no (tp, pp, dp) divides the GPUs and the batch"
     for tp in sorted(llm.time_s):
         for pp in divisors(llm.num_layers):
