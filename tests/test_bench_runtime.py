@@ -31,6 +31,7 @@ def result(tmp_path_factory):
         return json.load(fh)
 
 
+@pytest.mark.slow
 def test_rows_and_fields(result):
     rows = result["rows"]
     assert [r["plan"] for r in rows] == ["rigid", "disagg"]
@@ -55,6 +56,7 @@ def test_rows_and_fields(result):
         assert r["dispatch_us_per_action"] > 0 and r["measured_step_s"] > 0
 
 
+@pytest.mark.slow
 def test_traffic_by_link_class_and_no_compile_after_warmup(result):
     """Nodes of 4 devices: disagg's placement (TP groups first, none straddling a node)
     puts the LLM's two tp-2 stages on node 0 and vision and the generator on node 1, so the
@@ -75,6 +77,7 @@ def test_traffic_by_link_class_and_no_compile_after_warmup(result):
             assert abs(m["error"]) <= 0.15, (r["plan"], s, m)
 
 
+@pytest.mark.slow
 def test_traces_written_and_rendered(result):
     for r in result["rows"]:
         files = r["files"]

@@ -27,6 +27,7 @@ make_dataset = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(make_dataset)
 
 
+@pytest.mark.slow
 def test_pipelined_training_from_make_dataset_arrayrecord(tmp_path):
     data = str(tmp_path / "tiny.arrayrecord")
     make_dataset.main(["--model=tiny", "--kind=laion", "--num_samples=40", "--seed=1",

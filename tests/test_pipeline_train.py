@@ -108,6 +108,7 @@ def test_pipelined_cli_resumes_exactly(tmp_path):
     assert ra[1]["loss"] == rb[1]["loss"]  # the first step after resume: restored params
 
 
+@pytest.mark.slow
 def test_pipeline_state_round_trip_is_exact(tmp_path):
     """Checkpoint a pipelined run after one step, restore into a fresh runtime: every
     parameter and optimizer leaf is bit-identical and the next steps agree exactly."""

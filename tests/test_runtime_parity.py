@@ -55,6 +55,7 @@ def test_two_encoders_in_parallel_packed_rows(reference_cache):
     check(cfg, plan, kind="mix", packing="pack", cache=reference_cache)
 
 
+@pytest.mark.slow
 def test_llm_pp4(reference_cache):
     cfg = make_cfg()
     check(cfg, Plan.uniform(cfg, 4, 4, pp={"llm": 4}), n=4, cache=reference_cache)
@@ -129,7 +130,7 @@ def test_interleaved_steady_state_dispatch_makes_no_host_sync(monkeypatch, refer
     assert_same_grads(grads, ref_grads)
 
 
-@pytest.mark.parametrize("method", ["lpt", "zigzag"])
+@pytest.mark.parametrize("method", ["lpt", pytest.param("zigzag", marks=pytest.mark.slow)])
 def test_llm_context_parallel_cp2_packed(method, reference_cache):
     """Cornstarch CP inside the pipeline: LLM on ('dp','cp','tp') = (1, 2, 2) with
     multimodal packing; generator conditioning read back through the CP layout."""
@@ -138,6 +139,7 @@ def test_llm_context_parallel_cp2_packed(method, reference_cache):
     check(cfg, plan, n=4, packing="pack", cp_method=method, cache=reference_cache)
 
 
+@pytest.mark.slow
 def test_overlapped_tp_llm_stage(reference_cache):
     """StepCCL-style decomposed collective matmuls in the LLM stages (overlap_tp=True)."""
     cfg = make_cfg()

@@ -51,6 +51,7 @@ def _check_trace(plan, rt, trace):
             assert a["start"] <= a["end"] <= b["start"] <= b["end"], (stage, a, b)
 
 
+@pytest.mark.slow
 def test_trace_modes_record_every_action_and_change_nothing(setup, monkeypatch):
     plan, rt, feeds = setup
     base = rt.run(feeds)

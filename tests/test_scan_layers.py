@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+import pytest
 from helpers import assert_same_grads, global_batch, make_cfg, reference, run_plan
 
 from mmjax.models.mllm import MultimodalModel, trainable_filter
@@ -37,6 +38,7 @@ def test_scanned_units_match_the_unrolled_loop():
         assert_same_grads(grads_s, grads)
 
 
+@pytest.mark.slow
 def test_a_pipeline_plan_with_scanned_stages_matches_the_reference():
     plain = make_cfg(tiny)
     # LLM (split over two stages) and vision scanned; the generator's scan is covered

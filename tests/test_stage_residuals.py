@@ -201,6 +201,7 @@ def test_remat_policies_parity_frozen_pp2(remat, reference_cache):
     assert {str(s): st.fns.remat for s, st in rt.stages.items()}["llm:1"] == remat["llm"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunks,remat", [(1, "dots"), (3, "none")])
 def test_overlapped_tp_chunks_unidirectional(chunks, remat, reference_cache):
     """Overlapped TP with 1 and 3 pieces per ring step, one ring direction, under the
@@ -212,6 +213,7 @@ def test_overlapped_tp_chunks_unidirectional(chunks, remat, reference_cache):
     check_cached(reference_cache, cfg, plan, packing="pack")
 
 
+@pytest.mark.slow
 def test_cp_head_groups_2(reference_cache):
     """CP attention gathering K/V in 2 head groups (tiny llm: 2 kv heads, tp=1)."""
     cfg = make_cfg()
