@@ -80,16 +80,20 @@ OPTIONS = {"all": (WINDOW, SOFTCAP, SCALE), "window": (WINDOW, None, None),
            "softcap": (None, SOFTCAP, None)}
 
 
-@pytest.mark.parametrize("traced", [False, True])
-@pytest.mark.parametrize("impl", ["dense", "chunked", "pallas"])
-@pytest.mark.parametrize("opts", list(OPTIONS))
+# The traced window (a scan's per-layer one) runs by default with all options on; alone it
+# runs in the slow pass.
+CASES = [pytest.param(opts, impl, traced, id=f"{opts}-{impl}-{traced}",
+                      marks=[pytest.mark.slow] if traced and opts != "all" else [])
+         for opts in OPTIONS for impl in ("dense", "chunked", "pallas") for traced in (False, True)
+         if not (traced and OPTIONS[opts][0] is None)]
+
+
+@pytest.mark.parametrize("opts,impl,traced", CASES)
 def test_window_softcap_scale_equal_the_formula(case, impl, traced, opts):
     """Every CPU-runnable implementation (Pallas in interpret mode) against the float64
     formula, forward and all three gradients, for each option alone and together."""
     (q, k, v, ct, meta), want = case
     window, softcap, scale = OPTIONS[opts]
-    if window is None and traced:
-        pytest.skip("no window to trace")
     if opts != "all":
         want = reference(q, k, v, ct, meta, window, softcap, scale)
     m = TokenMeta(*(jnp.asarray(a) for a in meta))
