@@ -39,14 +39,20 @@ def _sample():
                       Segment("text", text(4)))), images
 
 
-def _training_logits(model, cfg, inputs, family):
-    """The LLM logits of the training forward (MultimodalModel.__call__'s own blocks)."""
-    enc = encode(cfg.encoder("vision"), model.encoders["vision"], model.projectors["vision"],
-                 inputs["encoders"]["vision"])
-    x = llm_embed(cfg, model.llm, inputs, {"vision": enc})
-    h = model.llm.run_layers(x, inputs["positions"], meta_attend(llm_meta(inputs), "dense",
-                                                                 family))
-    return np.asarray(model.llm.logits(model.llm.final_hidden(h)))
+def _training_logits_and_loss(model, cfg, inputs, family):
+    """The LLM logits of the training forward (MultimodalModel.__call__'s own blocks) and the
+    model's training loss, as one jitted program."""
+    def logits_and_loss(model, inputs):
+        enc = encode(cfg.encoder("vision"), model.encoders["vision"],
+                     model.projectors["vision"], inputs["encoders"]["vision"])
+        x = llm_embed(cfg, model.llm, inputs, {"vision": enc})
+        h = model.llm.run_layers(x, inputs["positions"], meta_attend(llm_meta(inputs), "dense",
+                                                                     family))
+        loss, _ = model(inputs, attention_impl="dense", llm_mask_family=family)
+        return model.llm.logits(model.llm.final_hidden(h)), loss
+
+    logits, loss = nnx.jit(logits_and_loss)(model, inputs)
+    return np.asarray(logits), float(loss)
 
 
 def _log_softmax(z):
@@ -62,8 +68,8 @@ def test_training_forward_is_transformers_forward(loaded, semantics):
     assert cfg.modality_markers
     if semantics == "mmjax":
         cfg = cfg.replace(image_attention="bidirectional", image_markers=None)
-        model = nnx.merge(nnx.graphdef(MultimodalModel(cfg, jax.random.key(0))),
-                          nnx.state(model))
+        model = nnx.merge(nnx.graphdef(nnx.eval_shape(lambda: MultimodalModel(
+            cfg, jax.random.key(0)))), nnx.state(model))
     sample, images = _sample()
     special = SpecialTokens(bos=1, eos=2, first_text=0, image_start=120, image_end=121)
     layout = data_layout(cfg, seq_len=64, vision_caps=(64,), special=special)
@@ -77,11 +83,14 @@ def test_training_forward_is_transformers_forward(loaded, semantics):
     ends = np.flatnonzero(np.diff(is_image.astype(int)) == -1) + 1
     assert len(starts) == len(ends) == 2 and is_image.sum() == 6 + 2
     pixels = np.concatenate([patchify(im.transpose(2, 0, 1), 14, 2, 2)[0] for im in images])
-    want = np.asarray(hf.hf_forward(hf_model, input_ids=tokens[None], pixel_values=pixels,
-                                    image_grid_thw=np.array([[1, 4, 6], [1, 2, 4]]))["logits"])[0]
-    got = _training_logits(model, cfg, inputs, layout.llm_mask_family)[0, :n]
+    grid = np.array([[1, 4, 6], [1, 2, 4]])
+    # token ids and the grid shape the program (positions, image slots): constants of it
+    want = np.asarray(nnx.jit(lambda m: hf.hf_forward(
+        m, input_ids=tokens[None], pixel_values=pixels, image_grid_thw=grid)["logits"])(
+            hf_model))[0]
+    got, loss = _training_logits_and_loss(model, cfg, inputs, layout.llm_mask_family)
+    got = got[0, :n]
     err = float(np.abs(got - want).max() / np.abs(want).max())
-    loss, _ = model(inputs, attention_impl="dense", llm_mask_family=layout.llm_mask_family)
     lp = _log_softmax(want)
     tgt, mask = batch.targets[0, :n], batch.loss_mask[0, :n] > 0
     ref_loss = -lp[np.flatnonzero(mask), tgt[mask]].mean()
