@@ -223,6 +223,8 @@ def test_checksum_from_owned_shards_equals_the_whole_arrays():
         (*leaf_checksum(scalar), False), (*leaf_checksum(np.arange(10, dtype=np.int32)), False)]
 
 
+@pytest.mark.slow  # a benchmark smoke (orbax save/restore of ~300 arrays); saving and
+# restoring themselves are covered by the default tests above
 def test_bench_checkpoint_reports_save_and_restore(tmp_path):
     import json
 
