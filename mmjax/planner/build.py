@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from mmjax.planner.costs import UnitCost, impl_of, layer_times, unit_costs, unit_work
+from mmjax.planner.costs import UnitCost, layer_times, unit_costs
+from mmjax.planner.unit_work import impl_of, unit_work
 from mmjax.planner.evaluate import (Choice, evaluate, in_flight, pipeline_in_flight,
                                     remat_variant)
 from mmjax.planner.hardware import Hardware

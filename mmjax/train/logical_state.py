@@ -163,7 +163,7 @@ def _no_shards(shape, dtype, sharding):
 
 
 def remote_stage(tx, stage):
-    """A stage (pipeline/runtime.py `Stage`) with no device in this process: its parameters
+    """A stage (pipeline/stage_setup.py `Stage`) with no device in this process: its parameters
     and ZeRO-1 state as global arrays without local shards, on the shardings the owning
     processes use."""
     from mmjax.parallel.zero import Zero1Optimizer
