@@ -146,6 +146,15 @@ class Loader:
         self._it = None
         self.step = 0  # the grain pipeline starts at the first `next` (or `set_state`)
 
+    def feed_floor(self):
+        """The shapes every feed is padded to: the union over global batches 0 ..
+        `shape_scan_steps` - 1 (from step 0, so a resumed run pads as the uninterrupted
+        one), scanned from metadata on first use; None with no scan."""
+        if self.builder.floor is None and self.shape_scan_steps:
+            self.builder.floor = self.builder.scan_floor(min(self.shape_scan_steps,
+                                                             self.num_steps))
+        return self.builder.floor
+
     def close(self) -> None:
         """Stop prefetch threads / worker processes of the current pipeline."""
         if self._it is not None:
@@ -168,9 +177,7 @@ class Loader:
         function of the step, so the step is the whole iterator state: exact, and portable
         across worker and producer counts (grain's own multiprocess state is not)."""
         self.close()
-        if self.builder.floor is None and self.shape_scan_steps:  # once, from step 0
-            self.builder.floor = self.builder.scan_floor(min(self.shape_scan_steps,
-                                                             self.num_steps))
+        self.feed_floor()
         self._it = self.stream(self.builder, step)
         self.step = step
 
