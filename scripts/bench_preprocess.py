@@ -9,7 +9,7 @@ with producers (DistTrain §4.2; mmjax.data.producer), for (images per sample, r
 Data: a LLaVA-format set of JPEG photos-like images (smooth gradients plus noise) at the given
 resolution, each sample naming k of them; the image processor resizes them to the packed
 ViT's 384 x 384 (patch 16, 24 x 24 grid). Both columns build the same global batches
-(planning, decoding, resizing, assembly of the pipeline feeds, `feeds=True`):
+(planning, decoding, resizing, assembly of the pipeline feeds):
 - "in process": the trainer builds each global batch itself (`GlobalBatchBuilder(step)`),
   the time it spends per iteration;
 - "producers": `Loader(producers=P)`, producers pinned to other cores than the trainer (the
@@ -90,7 +90,7 @@ def measure(k: int, res: int, a, root: str) -> dict:
     cpus = sorted(os.sched_getaffinity(0))
     os.sched_setaffinity(0, {cpus[0]})  # the trainer's core
     others = cpus[1:] or cpus
-    kw = dict(feeds=True, shuffle=False, reserve=0, shape_scan_steps=a.iters + 1)
+    kw = dict(shuffle=False, reserve=0, shape_scan_steps=a.iters + 1)
     ld = Loader(src, cfg, plan, layout, **kw)
     ld.builder(0)  # warm caches (file system, imports)
     t_in = []

@@ -11,7 +11,7 @@ from mmjax.data.balance import (POLICIES, Rearrangement, batch_cost, batches_by_
                                 compose_rearrangement, greedy_partition, inter_node_volumes,
                                 max_inter_node_volume, node_wise_rearrange, post_balance,
                                 rearrangement, volume_matrix)
-from mmjax.data.balance import _sum_square
+from mmjax.data.balance.sum_square import _sum_square
 from mmjax.data.balance.sum_square import _sum_square_flat
 from mmjax.data.balance.sum_square_int import sum_square_int
 

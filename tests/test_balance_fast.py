@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from mmjax.data import balance
+from mmjax.data.balance import node_wise
 
 
 def _greedy_nodes_reference(src, bat, w, d, c):
@@ -52,9 +53,9 @@ def test_node_wise_greedy_matches_the_reference_on_random_instances():
         x = (rng.integers(1, 50, n) if trial % 2 else rng.lognormal(3, 1, n)).astype(float)
         src = rng.integers(0, d, n) if trial % 3 else np.arange(n) // per
         batches = balance.post_balance(x, d, "sum")
-        s, bat, w, dd = balance._per_sample(src, batches, x, c)
+        s, bat, w, dd = node_wise._per_sample(src, batches, x, c)
         want = _greedy_nodes_reference(s, bat, w, dd, c)
-        got = balance._greedy_nodes(s, bat, w, dd, c)
+        got = node_wise._greedy_nodes(s, bat, w, dd, c)
         np.testing.assert_array_equal(got, want)
         perm = balance.node_wise_rearrange(src, batches, x, c, method="greedy")
         info = {}

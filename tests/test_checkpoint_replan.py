@@ -16,7 +16,8 @@ from mmjax.train.inputs import model_inputs
 from mmjax.train.logical_state import single_from_logical, single_logical
 from mmjax.train.optimizer import OptimizerSettings, optimizer_from_settings
 from mmjax.train.pipelined import PipelinedRunner
-from mmjax.train.step import TrainState, make_train_step, split_model
+from mmjax.train.state import whole_model_state
+from mmjax.train.step import make_train_step, split_model
 
 SETTINGS = OptimizerSettings(weight_decay=0.1, clip_norm=0.5, eps=1e-3)  # as test_pipeline_train
 LR = 1e-2
@@ -33,7 +34,8 @@ def _single(cfg):
     mdl = MultimodalModel(cfg, jax.random.key(0))
     gd, tr, fr = split_model(mdl, trainable_filter(cfg))
     tx = optimizer_from_settings(LR, SETTINGS)
-    return TrainState(jnp.zeros((), jnp.int32), tr, fr, tx.init(tr)), make_train_step(gd, tx)
+    return (whole_model_state(tr, tx.init(tr), jnp.zeros((), jnp.int32)), fr,
+            make_train_step(gd, tx))
 
 
 @pytest.mark.slow
@@ -55,7 +57,7 @@ def test_four_steps_on_plan_a_then_four_on_plan_b_or_one_program(tmp_path):
 
     # the same names and logical shapes under every plan and in the single program
     b = PipelinedRunner(cfg, plan_b, LR, settings=SETTINGS)
-    state, step_fn = _single(cfg)
+    state, frozen, step_fn = _single(cfg)
     shapes = lambda named: {k: (tuple(v.shape), str(v.dtype)) for k, v in named.items()}
     assert shapes(b.checkpoint()[0]) == shapes(a.checkpoint()[0])
     assert shapes(single_logical(state)) == shapes(a.checkpoint()[0])
@@ -75,7 +77,7 @@ def test_four_steps_on_plan_a_then_four_on_plan_b_or_one_program(tmp_path):
     assert int(state.step) == 4
     single = []
     for i in range(4, 8):
-        state, m = step_fn(state, model_inputs(assemble(batches[i % 2], lay)))
+        state, m = step_fn(state, frozen, model_inputs(assemble(batches[i % 2], lay)))
         single.append(float(m["loss"]))
     np.testing.assert_allclose(single, straight[4:], rtol=1e-5)
     ck.close()

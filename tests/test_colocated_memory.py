@@ -13,11 +13,12 @@ from helpers import global_batch, make_cfg
 from mmjax.data.assemble import assemble
 from mmjax.models.mllm import MultimodalModel, trainable_filter
 from mmjax.parallel.fsdp import colocated_mesh, place_batch, tree_shardings
-from mmjax.train.colocated import colocated_step, state_shardings
+from mmjax.train.colocated import colocated_step, frozen_shardings, state_shardings
 from mmjax.train.colocated_plan import Colocation
 from mmjax.train.inputs import model_inputs
 from mmjax.train.optimizer import OptimizerSettings, optimizer_from_settings
-from mmjax.train.step import TrainState, split_model
+from mmjax.train.state import whole_model_state
+from mmjax.train.step import split_model
 
 WIDE = {"llm.hidden_size": 512, "llm.ffn_size": 2048}  # weights dominate the activations
 
@@ -30,12 +31,13 @@ def measure(layers: int) -> dict:
     mdl = MultimodalModel(cfg, jax.random.key(0))
     gd, tr, fr = split_model(mdl, trainable_filter(cfg))
     tx = optimizer_from_settings(1e-3, OptimizerSettings())
-    state = TrainState(jnp.zeros((), jnp.int32), tr, fr, tx.init(tr))
+    state = whole_model_state(tr, tx.init(tr), jnp.zeros((), jnp.int32))
     abstract = jax.eval_shape(lambda: state)
     state = jax.device_put(state, state_shardings(abstract, mesh, colo))
+    frozen = jax.device_put(fr, frozen_shardings(fr, mesh, colo))
     step = colocated_step(gd, tx, mesh, colo, abstract)
     batch = place_batch(mesh, model_inputs(assemble(samples, lay)))
-    compiled = step.lower(state, batch, np.full(2, np.inf, np.float32)).compile()
+    compiled = step.lower(state, frozen, batch, np.full(2, np.inf, np.float32)).compile()
     dev = jax.devices()[0]
     on_dev = lambda arrays: sum(s.data.nbytes for x in arrays for s in x.addressable_shards
                                 if s.device == dev)
@@ -43,8 +45,8 @@ def measure(layers: int) -> dict:
     grad_dev = sum(np.prod(s.shard_shape(x.shape)) * x.dtype.itemsize
                    for s, x in zip(grads, jax.tree.leaves(tr)))
     params = sum(x.nbytes for x in jax.tree.leaves((tr, fr)))
-    return {"state_dev": on_dev(jax.tree.leaves(state)) + grad_dev,
-            "state_full": sum(x.nbytes for x in jax.tree.leaves(state)) +
+    return {"state_dev": on_dev(jax.tree.leaves((state, frozen))) + grad_dev,
+            "state_full": sum(x.nbytes for x in jax.tree.leaves((state, frozen))) +
             sum(x.nbytes for x in jax.tree.leaves(tr)),
             "temp": compiled.memory_analysis().temp_size_in_bytes,
             "layer": sum(x.nbytes for x in jax.tree.leaves(nnx.state(mdl.llm.layers[0]))),

@@ -60,7 +60,7 @@ def test_the_batch_is_mixed(setup):
 def test_llava_plans_on_the_runtime_match_the_reference(setup, balance):
     cfg, lay, src, plan, idx, samples, ref_loss, ref_grads = setup
     builder = GlobalBatchBuilder(src, cfg, plan, lay, unit_policies(balance, cfg), seed=1,
-                                 reserve=8, feeds=True, cp_block=16)
+                                 reserve=8, cp_block=16)
     gb = builder(STEP)
     assert gb.sample_ids == idx and gb.decode_failures == 0
     mps = [mb.plan for mb in gb.microbatches]

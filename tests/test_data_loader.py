@@ -40,20 +40,39 @@ def plan(gb=8, mbs=2, dp=DP):
     return Plan.uniform(CFG, gb, mbs, dp=dp)
 
 
+SCAN = 4  # `Loader.shape_scan_steps` here: the feeds' shape floor from a few batches
+
+
+def feed_arrays(feed) -> dict:
+    """Every array of a microbatch feed (data/feed.py) by a name, ranks stacked rank-major."""
+    out = {f"llm.{k}": v for k, v in feed.llm.items()}
+    out.update({f"gen.{k}": v for k, v in feed.gen.items()})
+    for e, arrays in feed.enc_inputs.items():
+        out.update({f"{e}.{k}": v for k, v in arrays.items()})
+        out[f"{e}.pack"] = feed.enc_pack[e]
+    if feed.gen_pack is not None:
+        out["gen_pack"] = feed.gen_pack
+    return out
+
+
+def rank_slice(x, dp: int, r: int):
+    """Rank r's block of a feed array stacked rank-major over `dp` ranks."""
+    return x.reshape(dp, -1, *x.shape[1:])[r]
+
+
 def digest(gb) -> str:
     h = hashlib.sha256(repr((gb.sample_ids, gb.skipped_samples)).encode())
     for mb in gb.microbatches:
-        h.update(repr((mb.plan.ranks, sorted(mb.plan.shapes.items()))).encode())
-        for key in sorted(mb.inputs):
-            x = mb.inputs[key]
-            arrays = x.arrays() if hasattr(x, "arrays") else x
-            for k in sorted(arrays):
-                h.update(k.encode() + np.ascontiguousarray(arrays[k]).tobytes())
+        h.update(repr((mb.plan.ranks, sorted(mb.plan.shapes.items()),
+                       mb.feed.shapes)).encode())
+        arrays = feed_arrays(mb.feed)
+        for k in sorted(arrays):
+            h.update(k.encode() + np.ascontiguousarray(arrays[k]).tobytes())
     return h.hexdigest()
 
 
 def test_resume_after_k_steps_is_exact():
-    kw = dict(balance="orchmllm", seed=3, reserve=8)
+    kw = dict(balance="orchmllm", seed=3, reserve=8, shape_scan_steps=SCAN)
     a = Loader(source(bad=0.2), CFG, plan(), LAYOUT, **kw)
     first = [digest(next(a)) for _ in range(3)]
     state = a.get_state()
@@ -72,7 +91,7 @@ def test_resume_after_k_steps_is_exact():
 
 def test_skipped_samples_counted_exactly():
     src = source(bad=0.3)
-    ld = Loader(src, CFG, plan(), LAYOUT, seed=1, reserve=8)
+    ld = Loader(src, CFG, plan(), LAYOUT, seed=1, reserve=8, shape_scan_steps=SCAN)
     builder = ld.builder
     total = 0
     for step in range(4):
@@ -118,20 +137,27 @@ def test_plans_are_partitions_and_hosts_agree(policy):
     p = plan(gb=12, mbs=2, dp={"vision": 2, "audio": 2, "llm": 2, "generator": 2})
     step = 7  # here the unreordered second microbatch has fewer image tokens
     one = GlobalBatchBuilder(source(), CFG, p, LAYOUT, pol, seed=5)(step)
-    hosts = [GlobalBatchBuilder(source(), CFG, p, LAYOUT, pol, seed=5, host_id=h, num_hosts=2)(step)
-             for h in range(2)]
+    builders = [GlobalBatchBuilder(source(), CFG, p, LAYOUT, pol, seed=5, host_id=h,
+                                   num_hosts=2) for h in range(2)]
+    hosts = [b(step) for b in builders]
+    for unit in CFG.unit_names:  # each host materialises its own share of every unit
+        r0, r1 = (set(b.owned[unit]) for b in builders)
+        assert not r0 & r1 and r0 | r1 == set(range(p.unit(unit).dp))
     for mb, m0, m1 in zip(one.microbatches, hosts[0].microbatches, hosts[1].microbatches):
-        for other in (m0, m1):  # same plan everywhere
+        for other in (m0, m1):  # same plan, feed shapes and routes everywhere
             assert other.plan.ranks == mb.plan.ranks and other.plan.positions == mb.plan.positions
-            assert other.plan.shapes == mb.plan.shapes
-        assert not set(m0.inputs) & set(m1.inputs)  # each host materialises its own share
-        assert set(m0.inputs) | set(m1.inputs) == set(mb.inputs)
-        for key in mb.inputs:
-            mine = (m0 if key in m0.inputs else m1).inputs[key]
-            ref = mb.inputs[key]
-            a = mine.arrays() if hasattr(mine, "arrays") else mine
-            b = ref.arrays() if hasattr(ref, "arrays") else ref
-            assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+            assert other.plan.shapes == mb.plan.shapes and other.feed.shapes == mb.feed.shapes
+        for b, m in zip(builders, (m0, m1)):  # a host's own ranks: as one host builds them
+            for e in ("vision", "audio"):
+                for r in b.owned[e]:
+                    for k, x in mb.feed.enc_inputs[e].items():
+                        np.testing.assert_array_equal(
+                            rank_slice(m.feed.enc_inputs[e][k], p.unit(e).dp, r),
+                            rank_slice(x, p.unit(e).dp, r))
+            for r in b.owned["llm"]:
+                for k, x in mb.feed.llm.items():
+                    np.testing.assert_array_equal(rank_slice(m.feed.llm[k], 2, r),
+                                                  rank_slice(x, 2, r))
         for unit, ranks in mb.plan.ranks.items():  # every sample exactly once per unit
             assert sorted(x for r in ranks for x in r) == sorted(mb.plan.positions)
     all_pos = sorted(x for mb in one.microbatches for x in mb.plan.positions)
@@ -227,8 +253,9 @@ def _stand_in(enc, name, r=2):
 
 @pytest.mark.parametrize("policy", ["orchmllm", "disttrain"])
 def test_routes_deliver_encoder_outputs_to_llm_gather(policy):
-    """Rearrangement composition: outputs computed on encoder ranks, moved by `routes`,
-    gathered by the LLM rank's gather_<e>, equal a local (co-located) assembly."""
+    """Rearrangement composition: outputs computed on encoder ranks (from the feed's
+    per-rank encoder inputs), moved by `routes`, gathered by the LLM rank's gather_<e>,
+    equal a local (co-located) assembly, which is the feed's LLM rank as built."""
     p = plan(gb=16, mbs=2, dp={"vision": 2, "audio": 4, "llm": 2, "generator": 2})
     src = source()
     gb = GlobalBatchBuilder(src, CFG, p, LAYOUT, {u: policy for u in CFG.unit_names}, seed=2)(1)
@@ -237,19 +264,25 @@ def test_routes_deliver_encoder_outputs_to_llm_gather(policy):
     for mb in gb.microbatches:
         assert mb.plan.ranks["vision"] != mb.plan.ranks["llm"] or policy == "disttrain"
         routes = token_routes(mb.plan, metas, LAYOUT)
+        assert mb.feed.shapes.unit("llm") == mb.plan.shapes["llm"]
         for e in ("vision", "audio"):
-            outs = [_stand_in(mb.inputs[(e, r)], e) for r in range(p.unit(e).dp)]
+            dpe = p.unit(e).dp
+            assert mb.feed.shapes.unit(e) == mb.plan.shapes[e]
+            outs = [_stand_in({k: rank_slice(x, dpe, r)
+                               for k, x in mb.feed.enc_inputs[e].items()}, e)
+                    for r in range(dpe)]
             route = routes[e]
             for d in range(2):
-                llm = mb.inputs[("llm", d)]
                 buf = np.zeros((route.shape[1], outs[0].shape[1]), np.float32)
                 ok = route[d, :, 0] >= 0
                 for j in np.flatnonzero(ok):
                     buf[j] = outs[route[d, j, 0]][route[d, j, 1]]
                 samples = [src.load(gb.sample_ids[q]) for q in mb.plan.ranks["llm"][d]]
                 local = assemble(samples, LAYOUT, mb.plan.shapes["llm"])
-                np.testing.assert_array_equal(local.gather[e], llm.gather[e])
-                g = llm.gather[e][llm.gather[e] >= 0]
+                for k in ("tokens", "targets", "loss_mask", "doc"):
+                    np.testing.assert_array_equal(getattr(local, k),
+                                                  rank_slice(mb.feed.llm[k], 2, d))
+                g = local.gather[e][local.gather[e] >= 0]
                 np.testing.assert_array_equal(buf[g], _stand_in(local.encoders[e], e)[g])
                 checked += g.size
     assert checked > 50
@@ -290,31 +323,32 @@ def test_arrayrecord_source_roundtrip_and_decode_failures(tmp_path):
     for a, b in zip(s.segments, ref.segments):
         tol = 1 / 255 if a.modality == "image" else 0
         np.testing.assert_allclose(a.data, b.data, atol=tol)
-    ld = Loader(rec, CFG, plan(gb=8, mbs=1), LAYOUT, shuffle=False, reserve=2)
+    ld = Loader(rec, CFG, plan(gb=8, mbs=1), LAYOUT, shuffle=False, reserve=2,
+                shape_scan_steps=SCAN)
     gb = next(ld)
     failed = corrupt & set(gb.sample_ids)
     assert gb.decode_failures == len(failed) > 0
     assert gb.skip_reasons["decode"] == len(failed) and gb.skipped_samples >= len(failed)
     mb = gb.microbatches[0]
-    for d in range(2):
-        batch = mb.inputs[("llm", d)]
-        for q, (row, doc) in zip(mb.plan.ranks["llm"][d], batch.doc_index):
-            in_doc = batch.doc[row] == doc
-            scored = batch.loss_mask[row, in_doc].sum()
-            assert (scored == 0) == (gb.sample_ids[q] in failed)
+    llm = mb.feed.llm
+    for q, (row, doc) in zip(mb.plan.positions, mb.feed.sample_rows):
+        in_doc = llm["doc"][row] == doc
+        scored = llm["loss_mask"][row, in_doc].sum()
+        assert (scored == 0) == (gb.sample_ids[q] in failed)
 
 
 @pytest.mark.slow
 def test_worker_processes_give_the_same_batches():
-    ref = Loader(source(bad=0.1), CFG, plan(), LAYOUT, balance="orchmllm", seed=4, reserve=6)
+    ref = Loader(source(bad=0.1), CFG, plan(), LAYOUT, balance="orchmllm", seed=4, reserve=6,
+                 shape_scan_steps=SCAN)
     want = [digest(next(ref)) for _ in range(3)]
     mp = Loader(source(bad=0.1), CFG, plan(), LAYOUT, balance="orchmllm", seed=4, reserve=6,
-                num_workers=2, prefetch=2)
+                num_workers=2, prefetch=2, shape_scan_steps=SCAN)
     got = [digest(next(mp)) for _ in range(2)]
     state = mp.get_state()
     assert got == want[:2]
     again = Loader(source(bad=0.1), CFG, plan(), LAYOUT, balance="orchmllm", seed=4, reserve=6,
-                   num_workers=1)
+                   num_workers=1, shape_scan_steps=SCAN)
     again.set_state(state)
     assert digest(next(again)) == want[2]
 
@@ -437,10 +471,10 @@ def test_prefetch_below_two_and_bad_sources_are_rejected(tmp_path):
 def test_a_loader_state_of_an_older_checkpoint_restores():
     """Older checkpoints stored the loader's own skip total; it is ignored (the run's total
     is the trainer's) and the stream resumes at the stored step."""
-    a = Loader(source(bad=0.3), CFG, plan(), LAYOUT, seed=1)
+    a = Loader(source(bad=0.3), CFG, plan(), LAYOUT, seed=1, shape_scan_steps=SCAN)
     want = [digest(next(a)) for _ in range(3)]
     a.close()
-    b = Loader(source(bad=0.3), CFG, plan(), LAYOUT, seed=1)
+    b = Loader(source(bad=0.3), CFG, plan(), LAYOUT, seed=1, shape_scan_steps=SCAN)
     b.set_state({"step": 2, "skipped_samples": 5})
     assert digest(next(b)) == want[2] and b.get_state() == {"step": 3}
     b.close()

@@ -42,7 +42,7 @@ def setup():
 def test_loader_plans_on_the_runtime_match_the_reference(setup, balance):
     cfg, lay, src, plan, idx, ref_loss, ref_grads = setup
     builder = GlobalBatchBuilder(src, cfg, plan, lay, unit_policies(balance, cfg), seed=1,
-                                 reserve=8, feeds=True, cp_block=16)
+                                 reserve=8, cp_block=16)
     gb = builder(STEP)
     assert gb.sample_ids == idx and gb.decode_failures == 0
     mps = [mb.plan for mb in gb.microbatches]
@@ -71,7 +71,7 @@ def test_feeds_padded_to_the_scanned_floor_keep_parity(setup):
     rows, buffers and part slots, all empty, and the same loss and gradients."""
     cfg, lay, src, plan, idx, ref_loss, ref_grads = setup
     builder = GlobalBatchBuilder(src, cfg, plan, lay, unit_policies("orchmllm", cfg), seed=1,
-                                 reserve=8, feeds=True, cp_block=16)
+                                 reserve=8, cp_block=16)
     own = [mb.feed.shapes for mb in builder(STEP).microbatches]
     builder.floor = builder.scan_floor(STEP + 4)
     feeds = [mb.feed for mb in builder(STEP).microbatches]

@@ -30,7 +30,8 @@ from mmjax.train.export import export_workdir, restore_model
 from mmjax.train.logical_state import single_logical
 from mmjax.train.optimizer import learning_rate_schedule, optimizer_from_settings
 from mmjax.train.run_files import write_run_info
-from mmjax.train.step import TrainState, split_model
+from mmjax.train.state import whole_model_state
+from mmjax.train.step import split_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -72,7 +73,7 @@ def fake_run(workdir, dirs, cfg):
     tr = jax.tree.map(lambda a: a + 0.5, tr)
     tx = optimizer_from_settings(learning_rate_schedule(1))
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), async_save=False)
-    ckpt.save(2, single_logical(TrainState(jnp.ones((), jnp.int32), tr, fr, tx.init(tr))), {})
+    ckpt.save(2, single_logical(whole_model_state(tr, tx.init(tr), jnp.ones((), jnp.int32))), {})
     ckpt.close()
     write_run_info(workdir, cfg, None, 0, dirs, pretrained_sources.record(dirs))
     return cfg, tr

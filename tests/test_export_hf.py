@@ -17,7 +17,8 @@ from mmjax.train.checkpoint import Checkpointer
 from mmjax.train.logical_state import single_logical
 from mmjax.train.export import export_workdir, restore_params
 from mmjax.train.optimizer import learning_rate_schedule, optimizer_from_settings
-from mmjax.train.step import TrainState, split_model
+from mmjax.train.state import whole_model_state
+from mmjax.train.step import split_model
 from mmjax.train.run_files import write_run_info
 
 SIGLIP = VisionConfig(hidden_size=32, num_layers=2, num_heads=2, ffn_size=64, patch_size=4,
@@ -58,7 +59,7 @@ def test_single_program_checkpoint_round_trip(tmp_path):
     tr = perturbed(tr, 1)
     tx = optimizer_from_settings(learning_rate_schedule(1))
     ckpt = Checkpointer(str(tmp_path / "run" / "checkpoints"), async_save=False)
-    ckpt.save(3, single_logical(TrainState(jnp.ones((), jnp.int32), tr, fr, tx.init(tr))), {})
+    ckpt.save(3, single_logical(whole_model_state(tr, tx.init(tr), jnp.ones((), jnp.int32))), {})
     ckpt.close()
     write_run_info(str(tmp_path / "run"), cfg, None, 0)
     written = export_workdir(str(tmp_path / "run"), tmp_path / "out", max_shard_bytes=20000)

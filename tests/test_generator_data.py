@@ -91,7 +91,7 @@ def test_generator_loss_single_program_equals_pipelined(data, placement):
     plan = Plan.uniform(cfg, 4, 2, dp={"vision": 1, "llm": 2, "generator": 2},
                         pp={"llm": 2})
     builder = GlobalBatchBuilder(src, cfg, plan, lay, unit_policies("none", cfg), seed=0,
-                                 reserve=2, feeds=True)
+                                 reserve=2)
     gb = builder(0)
     samples = [src.load(i) for i in gb.sample_ids]
     assert sum(seg.modality == "image_out" for x in samples for seg in x.segments) == 4

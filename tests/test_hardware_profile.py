@@ -11,7 +11,8 @@ import sys
 import numpy as np
 import pytest
 
-from mmjax.planner.costs import Work, work_time
+from mmjax.planner.costs import work_time
+from mmjax.planner.unit_work import Work
 from mmjax.planner.hardware import H100, hardware_of_device
 from mmjax.planner.hardware_profile import (HardwareProfile, is_hardware_profile, layer_dims,
                                             layer_flops)

@@ -54,7 +54,7 @@ PLANS = {"ranks split": {"vision": 2, "audio": 1, "llm": 2, "generator": 2},
 
 def unit_arrays(feed, unit):
     """The feed arrays a unit's stages take, each split over that unit's DP ranks along
-    its leading axis (pipeline/runtime.py `_side`)."""
+    its leading axis (pipeline/transfers.py `Transfers.side`)."""
     if unit == "llm":
         return {**{f"llm.{k}": v for k, v in feed.llm.items()}, "gen_pack": feed.gen_pack}
     if unit == "generator":
@@ -65,7 +65,7 @@ def unit_arrays(feed, unit):
 
 def build(p, bad, local):
     src = CountingSource(source(), bad)
-    gb = GlobalBatchBuilder(src, CFG, p, LAYOUT, POL, seed=5, feeds=True,
+    gb = GlobalBatchBuilder(src, CFG, p, LAYOUT, POL, seed=5,
                             local_devices=local)(STEP)
     return gb, src
 

@@ -57,7 +57,7 @@ def test_pipeline_llm_stages_declare_their_mask_family(family, message):
     sid, st = next(iter(rt.stages.items()))
     up = dataclasses.replace(rt.plan.unit("llm"), attention_impl="cudnn")  # Plans refuse it
     feed = microbatch_feed(_text_samples(4), lay, {"llm": 1})
-    side = rt._side(sid, feed, (feed.num_target_tokens, 0))
+    side = rt.transfers.side(sid, feed, (feed.num_target_tokens, 0))
     assert st.fns.apply(rt.params(sid), st.frozen, None, side).shape == (1,)  # auto: runs
     with pytest.raises(ValueError, match=message):
         make_stage_fns(cfg, up, st.graphdef, st.mode, jnp.float32, st.mesh,

@@ -24,7 +24,7 @@ from mmjax.models.named import named_config
 from mmjax.parallel.mesh import stage_mesh
 from mmjax.pipeline.memory_account import (abstract_peak, abstract_stage, compiled_stage,
                                            in_flight, predicted_abstract, predicted_stage)
-from mmjax.planner.costs import module_params, replicated_params
+from mmjax.planner.module_params import module_params, replicated_params
 from mmjax.planner.plan import Plan, UnitPlan
 
 TOLERANCE = 0.15

@@ -178,13 +178,15 @@ def test_bf16_train_step_runs_every_matmul_in_bf16(make, kind):
     """compute_dtype=bf16: encoders (patches / mels cast like pipeline/stage.py does),
     projectors, LLM, generator and all their backward matmuls take bf16 operands."""
     from mmjax.train.optimizer import learning_rate_schedule, make_optimizer
-    from mmjax.train.step import TrainState, make_train_step, split_model
+    from mmjax.train.state import whole_model_state
+    from mmjax.train.step import make_train_step, split_model
 
     cfg = make()
     graphdef, tr, fr = split_model(MultimodalModel(cfg, jax.random.key(0)), trainable_filter(cfg))
     tx = make_optimizer(learning_rate_schedule(10))
-    state = TrainState(jnp.zeros((), jnp.int32), tr, fr, tx.init(tr))
-    jaxpr = jax.make_jaxpr(make_train_step(graphdef, tx, jnp.bfloat16))(state, _batch(cfg, kind))
+    state = whole_model_state(tr, tx.init(tr), jnp.zeros((), jnp.int32))
+    jaxpr = jax.make_jaxpr(make_train_step(graphdef, tx, jnp.bfloat16))(state, fr,
+                                                                         _batch(cfg, kind))
     ops = _matmul_operand_dtypes(jaxpr.jaxpr, [])
     assert len(ops) > 100
     if kind == "mix":

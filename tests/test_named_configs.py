@@ -12,7 +12,7 @@ from flax import nnx
 from mmjax.models.config import VisionConfig
 from mmjax.models.named import (CORNSTARCH_AUDIO, CORNSTARCH_LLM, CORNSTARCH_VISION,
                                 LLAMA3_VOCAB, NAMED_CONFIGS, named_config)
-from mmjax.planner.costs import llm_params, module_params, num_params
+from mmjax.planner.module_params import llm_params, module_params, num_params
 
 B = 1e9
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")

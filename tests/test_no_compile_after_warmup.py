@@ -65,11 +65,11 @@ def test_the_example_needs_the_whole_runs_floor():
     try:
         cfg = named_model_config()
         plan = manual_plan(global_batch=8, model=cfg)
-        loader = Loader(train_source(cfg), cfg, plan, data_layout(cfg), feeds=True,
+        loader = Loader(train_source(cfg), cfg, plan, data_layout(cfg),
                         num_steps=30)
         assert loader.shape_scan_steps == 30  # default: the whole run
         b = loader.builder
-        whole = b.floor
+        whole = loader.feed_floor()
         first16 = b.scan_floor(16)
         b.floor = None
         later = [mb.feed.shapes for k in range(16, 30) for mb in b(k).microbatches]

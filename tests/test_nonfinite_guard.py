@@ -16,7 +16,8 @@ from jax.sharding import Mesh
 
 from zero1_legacy import Zero1Reference
 from mmjax.train.global_norm import fold_loss as _fold_loss
-from mmjax.train.step import TrainState, make_train_step, split_model
+from mmjax.train.state import WHOLE_MODEL, whole_model_state
+from mmjax.train.step import make_train_step, split_model
 
 
 class SqrtModel(nnx.Module):
@@ -40,10 +41,11 @@ def sqrt_step():
     steps = {}
     for lr in (0.1, 1e38):  # 1e38: finite loss and gradient, the update overflows
         tx = optax.sgd(lr)
-        steps[lr] = (make_train_step(graphdef, tx),
-                     lambda tx=tx: TrainState(jnp.zeros((), jnp.int32),  # copies: donated
-                                              jax.tree.map(jnp.copy, trainable), frozen,
-                                              tx.init(trainable)))
+        step = make_train_step(graphdef, tx)
+        steps[lr] = (lambda s, *a, step=step: step(s, frozen, *a),
+                     lambda tx=tx: whole_model_state(  # copies: donated
+                         jax.tree.map(jnp.copy, trainable), tx.init(trainable),
+                         jnp.zeros((), jnp.int32)))
     return steps
 
 
@@ -64,7 +66,8 @@ def test_single_program_step_is_skipped_on_device_and_counted(sqrt_step, case):
     if lr == 0.1:  # a good batch afterwards is applied as usual
         state, m = step(state, {"x": jnp.ones(4, jnp.float32)})
         assert float(m["nonfinite"]) == 0.0 and int(state.step) == 1
-        assert not np.array_equal(before[0], np.asarray(jax.tree.leaves(state.trainable)[0]))
+        assert not np.array_equal(before[0], np.asarray(jax.tree.leaves(
+            state.stages[WHOLE_MODEL].master)[0]))
 
 
 def test_zero1_update_skips_when_the_folded_norm_is_not_finite():
@@ -178,8 +181,9 @@ def test_the_guard_flag_is_computed_once_not_per_leaf(n):
     tiny model's step grew to 21 MB of HLO and 38 s of compile that way)."""
     graphdef, trainable, frozen = split_model(ManyLeaves(n), nnx.Param)
     tx = optax.adam(0.1)
-    state = TrainState(jnp.zeros((), jnp.int32), trainable, frozen, tx.init(trainable))
-    hlo = make_train_step(graphdef, tx).lower(state, {"x": jnp.ones(3)}).compile().as_text()
+    state = whole_model_state(trainable, tx.init(trainable), jnp.zeros((), jnp.int32))
+    hlo = make_train_step(graphdef, tx).lower(state, frozen,
+                                              {"x": jnp.ones(3)}).compile().as_text()
     ands = hlo.count(" and(")
     assert ands < 8 * n, (n, ands)
 

@@ -19,7 +19,8 @@ from mmjax.planner.plan import Plan
 from mmjax.train.inputs import model_inputs
 from mmjax.train.optimizer import OptimizerSettings, optimizer_from_settings
 from mmjax.train.pipelined import PipelinedRunner
-from mmjax.train.step import TrainState, make_train_step, split_model
+from mmjax.train.state import WHOLE_MODEL, whole_model_state
+from mmjax.train.step import make_train_step, split_model
 
 from helpers import global_batch, make_cfg
 
@@ -40,11 +41,11 @@ def test_two_pipelined_steps_equal_single_program_steps():
                       for p, v in jax.tree_util.tree_flatten_with_path(t)[0]}
     ref_frozen0 = flat(nnx.to_pure_dict(fr))  # the reference's initial frozen parameters
     tx = optimizer_from_settings(schedule, SETTINGS)
-    state = TrainState(jnp.zeros((), jnp.int32), tr, fr, tx.init(tr))
+    state = whole_model_state(tr, tx.init(tr), jnp.zeros((), jnp.int32))
     step = make_train_step(gd, tx)
     ref_losses = []
     for b in batches:
-        state, m = step(state, model_inputs(assemble(b, lay)))
+        state, m = step(state, fr, model_inputs(assemble(b, lay)))
         ref_losses.append(float(m["loss"]))
 
     plan = Plan.uniform(cfg, 4, 2, dp={"vision": 2, "llm": 1, "generator": 2}, tp={"llm": 2},
@@ -59,7 +60,7 @@ def test_two_pipelined_steps_equal_single_program_steps():
 
     got = to_reference_layout(plan, {sid: nnx.to_pure_dict(ps.state.stages[sid].master)
                                      for sid in ps.optimizers})
-    ref = nnx.to_pure_dict(state.trainable)
+    ref = nnx.to_pure_dict(state.stages[WHOLE_MODEL].master)
     g, r = flat(got), flat(ref)
     assert set(g) == set(r)
     assert not any("encoders" in k for k in g)  # frozen encoder: no optimizer, no update

@@ -14,8 +14,9 @@ from flax import nnx
 from mmjax.models.config import LLMConfig
 from mmjax.models.named import named_config
 from mmjax.models.tiny import tiny, tiny_valm
-from mmjax.planner.costs import (backward_factor, llm_params, module_backward_factors,
-                                 module_params, unit_cost, unit_work)
+from mmjax.planner.costs import unit_cost
+from mmjax.planner.module_params import llm_params, module_params
+from mmjax.planner.unit_work import backward_factor, module_backward_factors, unit_work
 from mmjax.planner.evaluate import Choice, memory_bytes
 from mmjax.planner.hardware import A800, H100, H200, hardware
 from mmjax.planner.workload import Workload, cornstarch_like, default_workload

@@ -46,8 +46,9 @@ def test_disttrain_frozen_encoders_give_the_llm_more(name, gpus, batch, strict):
         {u.name: u.num_devices for u in full.units},
         {u.name: u.num_devices for u in frozen.units})
     for p in (full, frozen):  # the tie-break stays within its tolerance of the least time
-        assert p.predicted["iteration_time_s"] <= (p.predicted["optimal_time_s"]
-                                                   * (1 + GPU_TOLERANCE) * (1 + 1e-12))
+        # (both in the search's objective, Eq. 1-2; `iteration_time_s` is the schedule's)
+        assert p.predicted["closed_form_s"] <= (p.predicted["optimal_time_s"]
+                                                * (1 + GPU_TOLERANCE) * (1 + 1e-12))
 
 
 @pytest.mark.parametrize("name", ["cornstarch/vlm_m", "cornstarch/vlm_l", "cornstarch/alm_m",

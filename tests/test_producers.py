@@ -11,9 +11,9 @@ import pytest
 
 from mmjax.data.loader import Loader
 from mmjax.errors import UserError
-from tests.test_data_loader import CFG, LAYOUT, digest, plan, source
+from tests.test_data_loader import CFG, LAYOUT, SCAN, digest, plan, source
 
-KW = dict(balance="orchmllm", seed=3, reserve=8)
+KW = dict(balance="orchmllm", seed=3, reserve=8, shape_scan_steps=SCAN)
 STEPS = 8
 
 

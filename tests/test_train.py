@@ -17,7 +17,8 @@ from mmjax.models.tiny import tiny, tiny_valm
 from mmjax.train.inputs import model_inputs
 from mmjax.train.optimizer import (OptimizerSettings, learning_rate_schedule, make_optimizer,
                                    optimizer_from_settings)
-from mmjax.train.step import TrainState, make_loss_fn, make_train_step, split_model
+from mmjax.train.state import WHOLE_MODEL, whole_model_state
+from mmjax.train.step import make_loss_fn, make_train_step, split_model
 
 SMALL = {"llm.num_layers": 2, "encoders.vision.encoder.num_layers": 1}
 
@@ -83,14 +84,14 @@ def _train(cfg, batches, steps, lr=3e-3, warmup=5):
     graphdef, tr, fr = split_model(mdl, trainable_filter(cfg))
     tx = optimizer_from_settings(learning_rate_schedule(steps, peak_lr=lr, warmup_steps=warmup),
                                  OptimizerSettings())
-    state = TrainState(jnp.zeros((), jnp.int32), tr, fr, tx.init(tr))
+    state = whole_model_state(tr, tx.init(tr), jnp.zeros((), jnp.int32))
     step = make_train_step(graphdef, tx)
     frozen0 = jax.tree.map(np.array, fr)
     losses = []
     for i in range(steps):
-        state, m = step(state, batches[i % len(batches)])
+        state, m = step(state, fr, batches[i % len(batches)])
         losses.append(float(m["loss"]))
-    return state, frozen0, losses
+    return state, fr, frozen0, losses
 
 
 def test_frozen_modules_bit_identical_and_without_optimizer_state():
@@ -98,17 +99,18 @@ def test_frozen_modules_bit_identical_and_without_optimizer_state():
                                        "llm_frozen": True, "encoders.audio.projector_frozen": True})
     samples = laion_samples(cfg, 6, kind="mix")
     inputs = model_inputs(assemble(samples, layout_for(cfg)))
-    state, frozen0, losses = _train(cfg, [inputs], 3)
-    for a, b in zip(jax.tree.leaves(frozen0), jax.tree.leaves(state.frozen)):
+    state, frozen, frozen0, losses = _train(cfg, [inputs], 3)
+    for a, b in zip(jax.tree.leaves(frozen0), jax.tree.leaves(frozen)):
         np.testing.assert_array_equal(a, np.asarray(b))
-    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(state.trainable)]
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(
+        state.stages[WHOLE_MODEL].master)]
     assert paths and all("llm" not in p for p in paths)
     assert not any("encoders" in p and "vision" in p for p in paths)
     assert any("projectors" in p and "vision" in p for p in paths)   # trainable projector
     assert any("encoders" in p and "audio" in p for p in paths)      # trainable audio encoder
     assert not any("projectors" in p and "audio" in p for p in paths)
-    n_opt = sum(x.size for x in jax.tree.leaves(state.opt_state))
-    n_tr = sum(x.size for x in jax.tree.leaves(state.trainable))
+    n_opt = sum(x.size for x in jax.tree.leaves(state.stages[WHOLE_MODEL].opt))
+    n_tr = sum(x.size for x in jax.tree.leaves(state.stages[WHOLE_MODEL].master))
     assert n_opt <= 2 * n_tr + 8  # Adam moments for trainable params only
     assert losses[-1] < losses[0]
 
@@ -117,7 +119,7 @@ def test_overfit_fixed_batch_loss_drops_90_percent():
     cfg = small_tiny()
     samples = laion_samples(cfg, 4)
     inputs = model_inputs(assemble(samples, layout_for(cfg)))
-    _, _, losses = _train(cfg, [inputs], 150, lr=1e-2)
+    _, _, _, losses = _train(cfg, [inputs], 150, lr=1e-2)
     assert losses[-1] < 0.1 * losses[0], (losses[0], losses[-1])
 
 

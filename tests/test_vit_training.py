@@ -9,7 +9,7 @@ from helpers import check, make_cfg
 from mmjax.data.layout import AssemblyLayout
 from mmjax.data.batch_shapes import pack_images
 from mmjax.models.config import VisionConfig
-from mmjax.planner.costs import num_params
+from mmjax.planner.module_params import num_params
 from mmjax.planner.plan import Plan
 
 CLIP_TINY = VisionConfig(hidden_size=32, num_layers=3, num_heads=2, ffn_size=64, patch_size=4,

@@ -18,7 +18,8 @@ from mmjax.data.reorder import inter_reorder
 from mmjax.data.sample import SampleMeta
 from mmjax.errors import UserError
 from mmjax.models.config import MLLMConfig
-from mmjax.planner.costs import layer_times, unit_work
+from mmjax.planner.costs import layer_times
+from mmjax.planner.unit_work import unit_work
 from mmjax.planner.hardware import H100, Hardware
 from mmjax.planner.plan import Plan
 from mmjax.planner.workload import workload_from_metas

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mmjax.data.layout import AssemblyLayout, check_sample, check_shapes
-from mmjax.data.assemble import Batch, assemble
+from mmjax.data.assemble import Batch
 from mmjax.data.feed import (MicrobatchFeed, gen_elements_per_image, mask_documents,
                              mask_samples, microbatch_feed)
 from mmjax.data.sample import FIRST_TEXT_ID, Sample, Segment
@@ -22,21 +22,19 @@ from mmjax.planner.plan import Plan
 from mmjax.data.batch_plan import (MicrobatchPlan, NodeWise, plan_global_batch,
                                    post_balance_policies)
 from mmjax.data.records import DecodeError, sample_name, sample_where, source_problem
-from mmjax.models.units import UnitRole, is_generator, is_llm, role
+from mmjax.models.units import UnitRole, role
 
 _READS = {UnitRole.LLM: "text", UnitRole.GENERATOR: "image_out"}  # the modality each reads
 
 
 @dataclass
 class Microbatch:
-    """`inputs[(unit, rank)]`: for an encoder unit, that encoder's input arrays
-    (`Batch.encoders[e]`); for "llm", the Batch (LLM side, gather_<e>, generator fields;
-    no encoder pixels). Only pairs this host owns are present. With `feeds=True` (the
-    pipeline runtime) `inputs` is empty and `feed` holds the microbatch's feed."""
+    """One microbatch: its plan (samples, rank splits, shapes) and its feed (data/feed.py:
+    every unit's and rank's inputs and the routes between units; with several hosts the
+    samples of other hosts' ranks are shape-only blanks)."""
 
     plan: MicrobatchPlan
-    inputs: dict[tuple[str, int], object]
-    feed: MicrobatchFeed | None = None
+    feed: MicrobatchFeed
 
 
 @dataclass
@@ -129,13 +127,11 @@ class GlobalBatchBuilder:
                  policies: dict[str, str], post_balance_policy="sum",
                  ranks_per_node: int = 0, seed: int = 0, reserve: int | None = None,
                  shuffle: bool = True, host_id: int = 0, num_hosts: int = 1,
-                 feeds: bool = False, cp_method: str = "lpt", cp_block: int = 128,
+                 cp_method: str = "lpt", cp_block: int = 128,
                  node_wise: NodeWise | None = None, hardware: Hardware = H100,
                  local_devices: frozenset[int] | None = None):
         self.source, self.model, self.plan, self.layout = source, model, plan, layout
-        # feeds=True: materialise each microbatch as a data/feed.py MicrobatchFeed (all
-        # units and ranks, part maps included) for the pipeline runtime, instead of Batches.
-        self.feeds, self.cp_method, self.cp_block = feeds, cp_method, cp_block
+        self.cp_method, self.cp_block = cp_method, cp_block
         self.policies = policies
         self.algo = post_balance_policies(post_balance_policy, model)
         self.node_wise = node_wise or NodeWise(ranks_per_node)
@@ -302,28 +298,11 @@ class GlobalBatchBuilder:
 
         mbs = []
         for mp in mb_plans:
-            if self.feeds:
-                feed = self._feed(mp, self._here(mp, get, specs, idx))
-                bad = [i for i, p in enumerate(mp.positions) if p in failed_at]
-                if bad:
-                    mask_samples(feed, bad, gen_elements_per_image(self.layout))
-                mbs.append(Microbatch(mp, {}, feed))
-                continue
-            inputs = {}
-            for unit, ranks in mp.ranks.items():
-                if is_generator(unit):
-                    continue
-                for r in self.owned[unit]:
-                    samples = [get(p) for p in ranks[r]]
-                    if is_llm(unit):
-                        b = assemble(samples, self.layout, mp.shapes["llm"], encoder_inputs=False)
-                        if failed:
-                            mask_out_failed(b, samples, failed)
-                        inputs[(unit, r)] = b
-                    else:
-                        b = assemble(samples, self.layout, mp.shapes[unit])
-                        inputs[(unit, r)] = b.encoders[unit]
-            mbs.append(Microbatch(mp, inputs))
+            feed = self._feed(mp, self._here(mp, get, specs, idx))
+            bad = [i for i, p in enumerate(mp.positions) if p in failed_at]
+            if bad:
+                mask_samples(feed, bad, gen_elements_per_image(self.layout))
+            mbs.append(Microbatch(mp, feed))
         n_gen = sum(m.count("image_out") for m in metas) * gen_elements_per_image(self.layout)
         if failed:
             reasons["decode"] = reasons.get("decode", 0) + len(failed)

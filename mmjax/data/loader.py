@@ -28,12 +28,12 @@ One global batch (step k):
     (data/feed.py) turns them into one part per (encoder rank, LLM rank) pair and rewrites
     the LLM's `gather_<e>` to index the parts it receives (`compose_rearrangement` in
     data/balance/ is the same map at sample level).
- 4. Materialise the (unit, rank) pairs this host owns: encoder ranks get their encoder
-    inputs (`Batch.encoders[e]`), LLM ranks get the LLM side + generator fields (no encoder
-    pixels). A sample that fails to decode here is replaced by a blank of the same shapes
-    with its loss masked out (shapes and routes stay valid), and counted as skipped.
-    With `feeds=True` (the pipeline runtime) every host builds the whole microbatch feed
-    (all units and ranks): the runtime forms its global inputs from full feeds.
+ 4. Materialise each microbatch as one feed (data/feed.py `MicrobatchFeed`: every unit's
+    and rank's inputs, stacked rank-major, and the parts between units). This host decodes
+    only the samples its own DP ranks read (others are shape-only blanks: every host builds
+    the same shapes and routes). A sample that fails to decode here is replaced by a blank
+    of the same shapes with its loss masked out (shapes and routes stay valid), and counted
+    as skipped.
 """
 from __future__ import annotations
 
@@ -71,8 +71,9 @@ class Loader:
     `post_balance_policy`: the OrchMLLM algorithm, one for all phases or a dict unit ->
     algorithm (`post_balance_policies`); `node_wise_*`: `NodeWise` (with `ranks_per_node`);
     `hardware`: the planner's hardware whose cost model times microbatches for Algorithm 3.
-    `shape_scan_steps` (feeds): every feed is padded to the union of the shapes of the first
-    that many global batches (planned from metadata at start-up), so the stage and broker
+    `shape_scan_steps`: every feed is padded to the union of the shapes of the first that
+    many global batches (planned from metadata when the stream first starts; the single
+    program, which draws whole global batches as samples, never scans), so the stage and broker
     programs compile once, not once per new combination of balanced shapes; None (default):
     every global batch of the run (`num_steps`), up to `SHAPE_SCAN_MAX`.
     `num_workers` > 0 runs planning, decoding and assembly in grain worker processes; each
@@ -93,7 +94,7 @@ class Loader:
                  balance="none", post_balance_policy="sum", ranks_per_node: int = 0,
                  seed: int = 0, reserve: int | None = None, shuffle: bool = True,
                  num_workers: int = 0, prefetch: int = 2, host_id: int = 0,
-                 num_hosts: int = 1, num_steps: int = 1 << 31, feeds: bool = False,
+                 num_hosts: int = 1, num_steps: int = 1 << 31,
                  cp_method: str = "lpt", cp_block: int = 128, node_wise_method: str = "auto",
                  node_wise_time_limit: float = 0.2, node_wise_max_milp_ranks: int = 32,
                  hardware: str = "h100", shape_scan_steps: int | None = None,
@@ -116,7 +117,7 @@ class Loader:
         self.builder = GlobalBatchBuilder(
             source, model, plan, layout, unit_policies(balance, model), post_balance_policy,
             seed=seed, reserve=reserve, shuffle=shuffle, host_id=host_id, num_hosts=num_hosts,
-            feeds=feeds, cp_method=cp_method, cp_block=cp_block, node_wise=node_wise,
+            cp_method=cp_method, cp_block=cp_block, node_wise=node_wise,
             hardware=hardware_by_name(hardware), local_devices=local_devices)
         if producers < 0 or producer_timeout <= 0:
             raise UserError(f"Loader.producers={producers} / producer_timeout="
@@ -140,12 +141,19 @@ class Loader:
         if shape_scan_steps < 0:
             raise UserError(f"Loader.shape_scan_steps={shape_scan_steps}: use >= 0 (0: every "
                             f"microbatch at its own shapes, a compile per new shape)")
-        if feeds and shape_scan_steps:
-            self.builder.floor = self.builder.scan_floor(min(shape_scan_steps, num_steps))
         # the trainer stops a run whose share of bad samples passes this (train/trainer.py)
         self.max_bad_fraction = max_bad_fraction
         self._it = None
         self.step = 0  # the grain pipeline starts at the first `next` (or `set_state`)
+
+    def feed_floor(self):
+        """The shapes every feed is padded to: the union over global batches 0 ..
+        `shape_scan_steps` - 1 (from step 0, so a resumed run pads as the uninterrupted
+        one), scanned from metadata on first use; None with no scan."""
+        if self.builder.floor is None and self.shape_scan_steps:
+            self.builder.floor = self.builder.scan_floor(min(self.shape_scan_steps,
+                                                             self.num_steps))
+        return self.builder.floor
 
     def close(self) -> None:
         """Stop prefetch threads / worker processes of the current pipeline."""
@@ -169,6 +177,7 @@ class Loader:
         function of the step, so the step is the whole iterator state: exact, and portable
         across worker and producer counts (grain's own multiprocess state is not)."""
         self.close()
+        self.feed_floor()
         self._it = self.stream(self.builder, step)
         self.step = step
 

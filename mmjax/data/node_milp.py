@@ -4,17 +4,11 @@ volume (Eq. 5) is least. `balance.node_wise_rearrange` calls it up to a rank cou
 from the greedy placement improved by pairwise swaps (`balance.node_swaps`), and keeps the best
 of it, those and the identity.
 
-Optimality (scripts/bench_balance.py part 2, 8 ranks per node, 60 LAION-like samples per rank,
-2-core machine under load): at 16 ranks HiGHS proves the optimum within 0.25 s; at 32 ranks
-within 2 s on some instances (gap 1.3-1.8% on others); at 64 ranks (512 binaries, dense
-64 x 64 volumes) it proves none within 2 s: the gap to its bound is 7-9% at 0.05 s, 4-6% at
-0.25 s, 1.7-2.6% at 2 s, and ~1.6-2% after 10 s. The LP relaxation is weak here (every source
-rank spreads its samples over nearly every new batch, so fractional placements split each
-volume evenly) and branching has to close it. Tried without effect: an integer objective
-column (the volumes are token counts), a better incumbent (the swap local search reaches
-within ~1-3% of the 2 s incumbent in ~10 ms, but the bound, not the incumbent, is what stays
-open). Small instances are proven optimal and checked against brute force
-(tests/test_node_wise_optimality.py)."""
+HiGHS proves small instances optimal (checked against brute force in
+tests/test_node_wise_optimality.py); from a few tens of ranks its LP relaxation is weak
+(every source rank spreads its samples over nearly every new batch, so fractional
+placements split each volume evenly) and a time-limited run keeps a gap to its bound
+(scripts/bench_balance.py part 2 measures it)."""
 from __future__ import annotations
 
 import numpy as np

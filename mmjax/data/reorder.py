@@ -7,8 +7,8 @@
   pipeline recurrence below; the VPP (interleaved 1F1B) variant is the last paragraph of §6.2;
   by default guarded to never lose to the ascending or the given order.
 * ``pipeline_time``: the iteration time of an order under the §6.2 recurrence, which is
-  pipeline/simulate.py's timing model (``PipelineModel``: 1F1B and interleaved 1F1B from
-  pipeline/schedule.py's tables), also what GETINTERVAL reads.
+  schedule/simulate.py's timing model (``PipelineModel``: 1F1B and interleaved 1F1B from
+  schedule/schedule.py's tables), also what GETINTERVAL reads.
 * ``exhaustive_best_order``: the optimum over all orders, for scoring on small ``l``.
 
 Cost model (what ``costs`` holds). §6.2 measures a microbatch by "the computation time of the

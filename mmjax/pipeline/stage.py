@@ -53,8 +53,7 @@ class StageFns:
     per-rank partial gradients `[ranks, ...]` on `partial_shardings(params, mesh)` (ranks =
     dp, or dp * cp when `cp` > 1: `run` then takes params `[cp, ...]` and vmaps over them).
     `layout(...)` computes the residual layout of an input signature, once, before the
-    forward of that signature is traced; `layouts[key]` is read by the backward.
-    `launches` counts program launches per kind ("F", "B": the dispatch log)."""
+    forward of that signature is traced; `layouts[key]` is read by the backward."""
 
     def __init__(self, run, mode: Backward | str, remat: str, dp: int = 1, mesh=None,
                  cp: int = 1):

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from mmjax.planner.costs import UnitCost, impl_of, layer_times, unit_costs, unit_work
+from mmjax.planner.costs import UnitCost, layer_times, unit_costs
+from mmjax.planner.unit_work import impl_of, unit_work
 from mmjax.planner.evaluate import (Choice, evaluate, in_flight, pipeline_in_flight,
                                     remat_variant)
 from mmjax.planner.hardware import Hardware
@@ -13,6 +14,7 @@ from mmjax.planner.orchestrate import GPU_TOLERANCE, orchestrate
 from mmjax.planner.partition import partition_unit
 from mmjax.planner.plan import Plan, PlanError, UnitPlan
 from mmjax.planner.workload import default_workload
+from mmjax.planner.schedule_time import schedule_time
 from mmjax.models.units import is_llm
 
 
@@ -30,7 +32,10 @@ def to_plan(model, costs: tuple[UnitCost, ...], choices: dict[str, Choice], glob
             solve_time_s: float = 0.0, optimal_time_s: float | None = None,
             attention_impl=None, cp: int = 1) -> Plan:
     """A validated `Plan` for integer `choices`, layers split frozen-aware (partition.py)
-    over pp x vpp virtual stages, with `predicted` filled from `evaluate`."""
+    over pp x vpp virtual stages, with `predicted` filled: `iteration_time_s` (and
+    `samples_per_s`, `mfu`) from the simulated 1F1B schedule (schedule_time.py);
+    `closed_form_s` and its terms `warmup_s`, `steady_s`, `sync_s` from `evaluate`
+    (DistTrain Eq. 1-2, what the search minimises)."""
     units = []
     for cost in costs:
         ch = choices[cost.name]
@@ -50,11 +55,13 @@ def to_plan(model, costs: tuple[UnitCost, ...], choices: dict[str, Choice], glob
     plan = Plan(tuple(units), global_batch, global_batch // dp_llm, kind=kind,
                 devices_per_node=hw.gpus_per_node)
     ev = evaluate(costs, choices, global_batch, hw)
+    t = schedule_time(costs, choices, global_batch, hw)
     plan.predicted.update({
-        "iteration_time_s": ev.iteration_time_s, "mfu": ev.mfu, "memory_gb": ev.memory_gb,
+        "iteration_time_s": t, "mfu": ev.mfu * ev.iteration_time_s / t,
+        "closed_form_s": ev.iteration_time_s, "memory_gb": ev.memory_gb,
         "stage_time_s": ev.stage_time_s, "warmup_s": ev.warmup_s, "steady_s": ev.steady_s,
         "sync_s": ev.sync_s, "gpus": ev.gpus,
-        "samples_per_s": global_batch / ev.iteration_time_s, "solve_time_s": solve_time_s,
+        "samples_per_s": global_batch / t, "solve_time_s": solve_time_s,
         "hardware": hw.name})
     if optimal_time_s is not None:  # least time before the fewest-GPUs tie-break
         plan.predicted["optimal_time_s"] = optimal_time_s
@@ -134,8 +141,9 @@ def _solve(model, wl, costs, layer_costs, hw, num_gpus, global_batch, vpp, gpu_t
 
 def _fastest_cp(model, wl, costs, cps, hw, num_gpus, global_batch, vpp, gpu_tolerance):
     """((cp, OrchestrationResult, costs) of the fastest LLM CP size in `cps`, or None;
-    the first PlanError)."""
-    best, error = None, None
+    the first PlanError). Each CP size's plan is scored by its schedule's time
+    (schedule_time.py), as it is reported."""
+    best, error, best_t = None, None, float("inf")
     for cp in cps:
         try_costs = tuple(cp_cost(model, wl, c, cp, hw) if is_llm(c.name) else c
                           for c in costs)
@@ -144,8 +152,9 @@ def _fastest_cp(model, wl, costs, cps, hw, num_gpus, global_batch, vpp, gpu_tole
         except PlanError as e:
             error = error or e
             continue
-        if best is None or res.iteration_time_s < best[1].iteration_time_s:
-            best = (cp, res, try_costs)
+        t = schedule_time(try_costs, res.choices, global_batch, hw)
+        if t < best_t:
+            best, best_t = (cp, res, try_costs), t
     return best, error
 
 

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from mmjax.planner.costs import ACT_BYTES, UnitCost, Work, unit_work
+from mmjax.planner.costs import UnitCost
+from mmjax.planner.unit_work import ACT_BYTES, Work, unit_work
 from mmjax.planner.hardware import Hardware
 
 CP_SIZES = (2, 4, 8)

@@ -133,13 +133,14 @@ def replan(model, plan: Plan, trace: list[dict], hw, num_gpus: int, workload=Non
     """Learn the measured profile from `trace` (a run of `plan`) and plan again on it
     (DistTrain §5 on measured instead of analytic unit costs)."""
     from mmjax.planner.build import model_costs, plan_model
-    from mmjax.planner.evaluate import Choice, evaluate
+    from mmjax.planner.evaluate import Choice
+    from mmjax.planner.schedule_time import schedule_time
 
     costs, layer_costs = model_costs(model, hw, workload)
     factors = unit_factors(plan, layer_costs, trace, prior_actions)
     m_costs, _ = measured_costs(costs, layer_costs, factors)
     current = {u.name: Choice(u.tp, u.dp, u.pp, u.num_chunks, u.remat) for u in plan.units}
-    now = evaluate(m_costs, current, plan.global_batch, hw).iteration_time_s
+    now = schedule_time(m_costs, current, plan.global_batch, hw)  # as `predicted` is
     new = plan_model(model, hw, num_gpus, plan.global_batch, workload=workload, costs=m_costs)
     # the same plan predicts the same time: no gain from re-planning into what runs
     after = now if not plan_changes(plan, new) else new.predicted["iteration_time_s"]

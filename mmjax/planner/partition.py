@@ -2,7 +2,7 @@
 parallelisation (Cornstarch §5.2, Algorithm 1). No JAX.
 
 A unit's layers carry (forward, backward) times; the backward already follows the frozen
-rule (0 / 1 / 2 x forward, `costs.backward_factor`). Pipeline stages are balanced on
+rule (0 / 1 / 2 x forward, `unit_work.backward_factor`). Pipeline stages are balanced on
 forward + backward, not on forward alone: a frozen encoder whose backward is skipped should
 take *more* layers per stage (Cornstarch Fig. 7c). `aware=False` reproduces the
 frozen-unaware baseline that assumes backward = 2 x forward everywhere.

@@ -28,8 +28,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mmjax.models.config import MLLMConfig
-from mmjax.planner.costs import (UnitCost, layer_times, module_backward_factors, unit_costs,
-                                 unit_work, work_time)
+from mmjax.planner.costs import UnitCost, layer_times, unit_costs, work_time
+from mmjax.planner.unit_work import module_backward_factors, unit_work
 from mmjax.planner.hardware import Hardware
 from mmjax.planner.workload import Workload
 from mmjax.models.units import is_generator, is_llm

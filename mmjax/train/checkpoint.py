@@ -1,29 +1,14 @@
 """Async orbax checkpoints that verify on restore: train state + data state + checksums.
 
-A checkpoint (directory `<dir>/<step>`, committed atomically by orbax) holds three items:
-`state` (named arrays, e.g. train/logical_state.py's plan-independent names, stored as
-"leaf_00000", ... in name order and read straight into the shardings of the new run's arrays
-of the same names), `data` (the data iterator's JSON state) and `integrity` (per array its
-name, shape, dtype and two checksums of its logical value, independent of sharding; and
-the SHA-256 of the data state). A
-pytree that is not a {name: array} dict is saved by its flattened leaves ("0", "1", ...).
-
-`restore_latest` walks the checkpoints newest first and takes the first one that restores
-and verifies. One that does not (an item missing, an array unreadable or truncated, a
-checksum mismatch, an empty directory named like a step) is reported in one line and moved
-to `<dir>.unusable/<step>` (kept for inspection, out of the way of the next save of that
-step). Directories whose name is not a step number are ignored.
-
-Multi-process runs: every process passes the same named arrays (stages it does not hold as
-arrays without local shards) and writes the replica-0 shards it holds; arrays held by some
-processes only are widened with zero replicas for the save (`_widened`: orbax wants a shard
-of every array on every process). Checksums and the non-finite check are summed over the
-processes' own shards (`global_checksums`), and every decision about a checkpoint is taken
-alike by all processes (docs/design.md, "Checkpoints").
-
-Retention (`_prune`, after each save commits): the newest `keep` checkpoints, every step
-that is a multiple of `keep_every` (permanent) and the checkpoint this run restored from
-(verified) are kept; older ones are deleted.
+A checkpoint (`<dir>/<step>`, committed atomically by orbax) holds `state` (named arrays,
+train/logical_state.py's plan-independent names, read straight into the shardings of the
+new run's arrays of the same names), `data` (the data iterator's JSON state) and
+`integrity` (per array its name, shape, dtype and two sharding-independent checksums; the
+SHA-256 of the data state). `restore_latest` takes the newest checkpoint that restores and
+verifies; one that does not is reported in one line and moved to `<dir>.unusable/<step>`.
+Retention (`_prune`): the newest `keep`, every multiple of `keep_every` and the one this
+run restored from. Multi-process saves and restores (stages held by some processes only,
+checksums summed over processes): docs/design.md "Checkpoints".
 """
 from __future__ import annotations
 

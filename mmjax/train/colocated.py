@@ -22,7 +22,8 @@ from mmjax.parallel.fsdp import colocated_mesh, gather_layer, place_batch, tree_
 from mmjax.train.colocated_plan import Colocation
 from mmjax.train.optimizer import optimizer_from_settings
 from mmjax.train.single_program import SingleProgram
-from mmjax.train.step import TrainState, make_loss_fn, split_model, train_step_fn
+from mmjax.train.state import WHOLE_MODEL, TrainState, whole_model_state
+from mmjax.train.step import make_loss_fn, split_model, train_step_fn
 
 
 def to_llm_layout(enc_outputs: dict, batch=None) -> dict:
@@ -33,11 +34,17 @@ def to_llm_layout(enc_outputs: dict, batch=None) -> dict:
 
 
 def state_shardings(abstract: TrainState, mesh, colo: Colocation) -> TrainState:
-    """Per-leaf NamedShardings of a TrainState under the co-located ZeRO stages."""
+    """Per-leaf NamedShardings of the single program's TrainState under the co-located
+    ZeRO stages."""
+    (stage,) = abstract.stages.values()
     rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    return TrainState(rep, tree_shardings(abstract.trainable, mesh, colo, "params"),
-                      tree_shardings(abstract.frozen, mesh, colo, "params"),
-                      tree_shardings(abstract.opt_state, mesh, colo, "opt"))
+    return whole_model_state(tree_shardings(stage.master, mesh, colo, "params"),
+                             tree_shardings(stage.opt, mesh, colo, "opt"), rep)
+
+
+def frozen_shardings(frozen, mesh, colo: Colocation):
+    """Per-leaf NamedShardings of the frozen parameters (placed as parameters are)."""
+    return tree_shardings(frozen, mesh, colo, "params")
 
 
 def colocated_loss_fn(graphdef, mesh, colo: Colocation, dtype=jnp.float32, attention_impl="auto",
@@ -55,10 +62,11 @@ def colocated_loss_fn(graphdef, mesh, colo: Colocation, dtype=jnp.float32, atten
 def colocated_step(graphdef, tx, mesh, colo: Colocation, abstract: TrainState,
                    dtype=jnp.float32, attention_impl="auto", llm_mask_family="bam",
                    route=to_llm_layout):
-    """The jitted (state, batch, limits) -> (state, metrics) step: gradients placed by the
-    ZeRO stage (whole: all-reduce; sharded: reduce-scatter), the state kept on its
+    """The jitted (state, frozen, batch, limits) -> (state, metrics) step: gradients placed
+    by the ZeRO stage (whole: all-reduce; sharded: reduce-scatter), the state kept on its
     co-located shardings (`abstract`'s), the old state donated."""
-    grads = tree_shardings(abstract.trainable, mesh, colo, "grads")
+    (stage,) = abstract.stages.values()
+    grads = tree_shardings(stage.master, mesh, colo, "grads")
     loss_fn = colocated_loss_fn(graphdef, mesh, colo, dtype, attention_impl, llm_mask_family, route)
     place = lambda g: jax.lax.with_sharding_constraint(g, grads)
     return jax.jit(train_step_fn(loss_fn, tx, place), donate_argnums=(0,),
@@ -81,34 +89,40 @@ class Colocated(SingleProgram):
         filters = (trainable_filter(cfg), ...)
         tx = optimizer_from_settings(schedule)
         self.shardings = state_shardings(self.abstract, self.mesh, colo)
-        self.abstract = jax.tree.map(
-            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-            self.abstract, self.shardings)
+        self.frozen_shardings = frozen_shardings(self.abstract_frozen, self.mesh, colo)
+        on = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+        self.abstract = jax.tree.map(on, self.abstract, self.shardings)
+        self.abstract_frozen = jax.tree.map(on, self.abstract_frozen, self.frozen_shardings)
         key = jax.random.key(seed)
 
         def init():
             _, tr, fr = nnx.split(MultimodalModel(cfg, key), *filters)
-            return TrainState(jnp.zeros((), jnp.int32), tr, fr, tx.init(tr))
-        init = jax.jit(init, out_shardings=self.shardings)
+            return whole_model_state(tr, tx.init(tr), jnp.zeros((), jnp.int32)), fr
+        init = jax.jit(init, out_shardings=(self.shardings, self.frozen_shardings))
 
-        def fresh() -> TrainState:
-            state = init()
+        def fresh() -> tuple[TrainState, object]:
+            state, frozen = init()
             if pretrained:
-                mdl = nnx.merge(self.graphdef, jax.device_get(state.trainable),
-                                jax.device_get(state.frozen))
+                mdl = nnx.merge(self.graphdef,
+                                jax.device_get(state.stages[WHOLE_MODEL].master),
+                                jax.device_get(frozen))
                 load_pretrained_dirs(mdl, pretrained)
                 _, tr, fr = split_model(mdl, filters[0])
-                state = self.place(TrainState(state.step, tr, fr, jax.jit(tx.init)(tr)))
-            return state
+                state = self.place(whole_model_state(tr, jax.jit(tx.init)(tr), state.step))
+                frozen = jax.jit(lambda f: f, out_shardings=self.frozen_shardings)(fr)
+            return state, frozen
         self._fresh, self._state = fresh, None
+        if self._frozen is not None:  # no frozen leaves: its (empty) structure, placed
+            self._frozen = self.abstract_frozen
         if pretrained:
-            self._state = fresh()
+            self._make()
         self.step_fn = colocated_step(self.graphdef, tx, self.mesh, colo, self.abstract,
                                       dtype, attention_impl, layout.llm_mask_family)
 
     def place(self, state: TrainState) -> TrainState:
-        """A TrainState (any placement) on the co-located shardings."""
-        return jax.jit(lambda s: s, out_shardings=self.shardings)(state)
+        """A TrainState (any placement) on the co-located shardings, its data kept."""
+        placed = jax.jit(lambda s: s, out_shardings=self.shardings)(state._replace(data={}))
+        return placed._replace(data=state.data)
 
     def inputs(self, batch):
         return place_batch(self.mesh, super().inputs(batch))

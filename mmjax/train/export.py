@@ -35,7 +35,8 @@ from mmjax.train.checkpoint import Checkpointer
 from mmjax.train.logical_state import single_from_logical, single_logical
 from mmjax.train.pretrained_sources import verify as verify_sources
 from mmjax.train.optimizer import learning_rate_schedule, optimizer_from_settings
-from mmjax.train.step import TrainState, split_model
+from mmjax.train.state import WHOLE_MODEL, whole_model_state
+from mmjax.train.step import split_model
 
 MAX_SHARD_BYTES = 5 * 10 ** 9  # HF's default shard size
 
@@ -93,10 +94,10 @@ def restore_model(workdir: str, step: int | None = None
         device = jax.devices()[0]
         on_device = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
                                                    sharding=SingleDeviceSharding(device))
-        like = jax.tree.map(on_device, TrainState(jax.ShapeDtypeStruct((), jnp.int32), tr, fr,
-                                                  jax.eval_shape(tx.init, tr)))
+        like = jax.tree.map(on_device, whole_model_state(
+            tr, jax.eval_shape(tx.init, tr), jax.ShapeDtypeStruct((), jnp.int32)))
         named, _ = ckpt.restore(step, single_logical(like))  # either path's checkpoints
-        trainable = single_from_logical(like, named).trainable
+        trainable = single_from_logical(like, named).stages[WHOLE_MODEL].master
     finally:
         ckpt.close()
     if jax.tree.leaves(fr):  # frozen parameters: the init, then the pretrained files

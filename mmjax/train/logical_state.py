@@ -14,6 +14,7 @@ import jax
 from jax.tree_util import DictKey, GetAttrKey, SequenceKey
 
 from mmjax.models.units import is_encoder
+from mmjax.train.state import WHOLE_MODEL, StageState
 
 
 def _keys(path) -> list:
@@ -67,29 +68,32 @@ def _rebuild(like, names, arrays: dict):
     return jax.tree.unflatten(jax.tree.structure(like), [arrays[n] for n in names])
 
 
-# ---- single program: TrainState(step, trainable, frozen, opt_state) -------------------------
+# ---- single program: TrainState({WHOLE_MODEL: StageState(trainable, opt)}, step) -----------
 
-def _single_names(state):
+def _single_names(stage):
     params = [_join(_keys(p)) for p, _ in jax.tree_util.tree_flatten_with_path(
-        state.trainable)[0]]
-    opt = _opt_names(state.opt_state, _join)
-    return ["params." + n for n in params], opt
+        stage.master)[0]]
+    return ["params." + n for n in params], _opt_names(stage.opt, _join)
 
 
 def single_logical(state) -> dict:
-    """TrainState -> {name: array} (trainable parameters, optimizer state)."""
-    params, opt = _single_names(state)
-    return {**_named(state.trainable, params), **_named(state.opt_state, opt)}
+    """The single program's TrainState -> {name: array} (trainable parameters, optimizer
+    state)."""
+    stage = state.stages[WHOLE_MODEL]
+    params, opt = _single_names(stage)
+    return {**_named(stage.master, params), **_named(stage.opt, opt)}
 
 
 def single_from_logical(like, arrays: dict):
     """{name: array} (as `single_logical(like)` names them) -> a TrainState like `like`;
     its step (applied steps) is the optimizer's count, which only applied steps advance."""
-    params, opt = _single_names(like)
+    stage = like.stages[WHOLE_MODEL]
+    params, opt = _single_names(stage)
     step = arrays.get("opt.count", like.step)  # a copy: the step donates both buffers
-    return like._replace(step=jax.numpy.array(step, like.step.dtype, copy=True),
-                         trainable=_rebuild(like.trainable, params, arrays),
-                         opt_state=_rebuild(like.opt_state, opt, arrays))
+    return like._replace(
+        step=jax.numpy.array(step, like.step.dtype, copy=True),
+        stages={WHOLE_MODEL: StageState(_rebuild(stage.master, params, arrays),
+                                        _rebuild(stage.opt, opt, arrays))})
 
 
 # ---- pipeline: per stage trainable + ZeRO-1 optimizer state ----------------------------------
@@ -159,7 +163,7 @@ def _no_shards(shape, dtype, sharding):
 
 
 def remote_stage(tx, stage):
-    """A stage (pipeline/runtime.py `Stage`) with no device in this process: its parameters
+    """A stage (pipeline/stage_setup.py `Stage`) with no device in this process: its parameters
     and ZeRO-1 state as global arrays without local shards, on the shardings the owning
     processes use."""
     from mmjax.parallel.zero import Zero1Optimizer

@@ -12,7 +12,7 @@ docs/design.md "One step" and "One gradient sync per step".
 
 Multi-process: a process keeps state only for the stages with devices in it; the global
 norm is reduced across processes, and on CPU each stage update is waited on (gloo deadlock
-note in pipeline/runtime.py).
+note in pipeline/multiprocess.py `sync_collectives`).
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ _NO_LIMITS = (np.inf, np.inf)
 
 
 class PipelinedRunner:
-    """A Plan on the pipeline runtime, fed by `data` (a `Loader` with `feeds=True`; None:
+    """A Plan on the pipeline runtime, fed by `data` (a `Loader`; None:
     feeds handed to `train_on`). `state` is the run's TrainState; the runtime is built once
     from the plan and reads the compute copies it is handed."""
 
@@ -205,7 +205,7 @@ class PipelinedRunner:
         from mmjax.data.loader import Loader
 
         n = eval_batches(source, max_batches, self.global_batch)
-        data = Loader(source, self.cfg, self.plan, layout, feeds=True, shuffle=False,
+        data = Loader(source, self.cfg, self.plan, layout, shuffle=False,
                       num_steps=n)
         total, count = 0.0, 0
         try:
@@ -243,7 +243,7 @@ def pipelined_runner(cfg, layout, plan, schedule, dtype, seed, source=None, pret
     # each host decodes only its own DP ranks' samples
     local = (None if jax.process_count() == 1 else frozenset(
         i for i, d in enumerate(jax.devices()) if d.process_index == jax.process_index()))
-    data = Loader(source, cfg, plan, layout, feeds=True, local_devices=local,
+    data = Loader(source, cfg, plan, layout, local_devices=local,
                   **({} if steps is None else {"num_steps": steps}))
     try:
         return PipelinedRunner(cfg, plan, schedule, dtype, seed, pretrained=pretrained,

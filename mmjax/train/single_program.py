@@ -23,7 +23,8 @@ from mmjax.train.logical_state import single_from_logical, single_logical
 from mmjax.train.memory_check import check_single_program
 from mmjax.train.optimizer import optimizer_from_settings
 from mmjax.train.runner import StepMetrics
-from mmjax.train.step import TrainState, make_loss_fn, make_train_step, split_model
+from mmjax.train.state import WHOLE_MODEL, TrainState, whole_model_state
+from mmjax.train.step import make_loss_fn, make_train_step, split_model
 
 
 def round_counts(shapes: BatchShapes, multiple: int) -> BatchShapes:
@@ -41,7 +42,9 @@ _NO_LIMITS = np.full(2, np.inf, np.float32)  # the spike guard's limits, off
 class SingleProgram:
     """Plain jit of the whole model on the default device (the parity reference). Reads
     the global batches every plan reads (train/single_data.py: the pipeline path's loader
-    over a real source, `loader_source.path` or the synthetic set), whole."""
+    over a real source, `loader_source.path` or the synthetic set), whole. `state` is the
+    run's TrainState (train/state.py: one stage, the whole model; `data` the batch
+    position); `frozen` the frozen parameters, the step's fixed input."""
 
     def __init__(self, cfg, layout, global_batch, schedule, dtype, seed, source=None,
                  attention_impl="auto", pretrained=None, steps: int | None = None,
@@ -74,7 +77,7 @@ class SingleProgram:
                                 f"(estimate) of {est['device'] / 1e9:.1f} GB on "
                                 f"{device.platform}:{device.id}")
 
-        def fresh() -> TrainState:
+        def fresh() -> tuple[TrainState, object]:
             # one jitted init program (parallel/sharded_init.py), not an eager op per
             # parameter: one compile, then a persistent-cache hit
             _, trainable, frozen = init_split(MultimodalModel, (cfg,), key, filters)
@@ -84,17 +87,19 @@ class SingleProgram:
                 _, trainable, frozen = split_model(mdl, filters[0])
             # committed to the device as a restored checkpoint's arrays are, so a fresh
             # run and its resume lower to the same program (one persistent-cache entry)
-            return jax.device_put(TrainState(jnp.zeros((), jnp.int32), trainable, frozen,
-                                             jax.jit(tx.init)(trainable)), device)
+            return jax.device_put((whole_model_state(trainable, jax.jit(tx.init)(trainable),
+                                                     jnp.zeros((), jnp.int32)), frozen), device)
         # made on first use: a resume restores into `abstract` and, with no frozen
         # parameters to take from the init, never runs it
         self._fresh, self._state = fresh, None
+        self._frozen = None if jax.tree.leaves(fr) else fr  # none: nothing to make
         on_device = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
                                                    sharding=SingleDeviceSharding(device))
-        self.abstract = jax.tree.map(on_device, TrainState(
-            jax.ShapeDtypeStruct((), jnp.int32), tr, fr, jax.eval_shape(tx.init, tr)))
+        self.abstract = jax.tree.map(on_device, whole_model_state(
+            tr, jax.eval_shape(tx.init, tr), jax.ShapeDtypeStruct((), jnp.int32)))
+        self.abstract_frozen = jax.tree.map(on_device, fr)
         if pretrained:
-            self._state = fresh()  # its errors before any work
+            self._make()  # its errors before any work
         self.step_fn = make_train_step(graphdef, tx, dtype, attention_impl,
                                        layout.llm_mask_family)
         self.graphdef, self.dtype, self.global_batch, self.eval_fn = graphdef, dtype, global_batch, None
@@ -106,22 +111,34 @@ class SingleProgram:
         self.progress = None  # train/progress.py Progress, set by the trainer
         self.max_bad_fraction = self.data.loader.max_bad_fraction
 
+    def _make(self) -> None:
+        """Run the init: the fresh state (unless one is set) and the frozen parameters."""
+        state, self._frozen = self._fresh()
+        if self._state is None:
+            self._state = state._replace(data=self.data.state())
+
     @property
     def state(self) -> TrainState:
         if self._state is None:
-            self._state = self._fresh()
+            self._make()
         return self._state
 
     @state.setter
     def state(self, value: TrainState) -> None:
         self._state = value
 
+    @property
+    def frozen(self):
+        """The frozen parameters (the step's fixed input), from the init."""
+        if self._frozen is None:
+            self._make()
+        return self._frozen
+
     def load(self, arrays: dict, data_state: dict, step: int) -> None:
         """A checkpoint of either path: a pipeline run's has no `batches` state; the single
         program then goes on from global batch `step` of its own stream."""
-        frozen = jax.tree.leaves(self.abstract.frozen)
-        self.state = single_from_logical(self.state if frozen else self.abstract, arrays)
         self.data.restore(data_state.get("batches", {"next_batch": step, "shapes": None}))
+        self.state = single_from_logical(self.abstract, arrays)._replace(data=self.data.state())
 
     def restore_target(self) -> dict:
         """The checkpoint's names, shapes and shardings, without running the init."""
@@ -129,20 +146,22 @@ class SingleProgram:
 
     def checkpoint(self) -> tuple[dict, dict]:
         """(plan-independent named arrays (train/logical_state.py), the data position)."""
-        return single_logical(self.state), {"batches": self.data.state()}
+        return single_logical(self.state), {"batches": self.state.data}
 
     def _compile(self, inputs):
         """The step compiled for `inputs`' shapes, lowered from the abstract state (the
         state's shapes and placement), so a fresh run's init (its own jitted program)
         compiles and runs in a thread meanwhile: XLA compiles without the GIL, and the two
         compilations take the longer one's time on two cores, not the sum."""
-        if self._state is not None:
-            return self.step_fn.lower(self._state, inputs, _NO_LIMITS).compile()
-        made = concurrent.futures.ThreadPoolExecutor(1, "mmjax-init").submit(self._fresh)
+        if self._state is not None and self._frozen is not None:
+            return self.step_fn.lower(self._state._replace(data={}), self._frozen, inputs,
+                                      _NO_LIMITS).compile()
+        made = concurrent.futures.ThreadPoolExecutor(1, "mmjax-init").submit(self._make)
         try:
-            compiled = self.step_fn.lower(self.abstract, inputs, _NO_LIMITS).compile()
+            compiled = self.step_fn.lower(self.abstract, self.abstract_frozen, inputs,
+                                          _NO_LIMITS).compile()
         finally:
-            self._state = made.result()
+            made.result()
         return compiled
 
     def inputs(self, batch):
@@ -176,8 +195,9 @@ class SingleProgram:
             if self.progress is not None:
                 self.progress.compiled(what, compile_s)
         t0 = time.perf_counter()
-        self.state, m = self.compiled[key](self.state, inputs,
-                                           np.asarray(limits, np.float32))
+        new, m = self.compiled[key](self.state._replace(data={}), self.frozen, inputs,
+                                    np.asarray(limits, np.float32))
+        self.state = new._replace(data=self.data.state())
         m = jax.device_get(m)  # one sync, after dispatch
         return StepMetrics(
             float(m["loss"]), float(m["lm_loss"]), float(m["diffusion_loss"]),
@@ -197,7 +217,8 @@ class SingleProgram:
         if self.eval_fn is None:
             loss_fn = make_loss_fn(self.graphdef, self.dtype, self.attention_impl,
                                    layout.llm_mask_family)
-            self.eval_fn = jax.jit(lambda s, b: loss_fn(s.trainable, s.frozen, b)[1]["lm_loss"])
+            self.eval_fn = jax.jit(lambda s, fr, b: loss_fn(s.stages[WHOLE_MODEL].master, fr,
+                                                            b)[1]["lm_loss"])
         data = LoaderBatches(source, self.cfg, layout, self.global_batch,
                              lambda _, metas: batch_shapes([metas], layout), shuffle=False,
                              scan_steps=0)  # each batch at its own shapes
@@ -206,7 +227,8 @@ class SingleProgram:
             for _ in range(eval_batches(source, max_batches, self.global_batch)):
                 batch, _ = next(data)
                 n = batch.num_target_tokens
-                total += float(self.eval_fn(self.state, self.inputs(batch))) * n
+                total += float(self.eval_fn(self.state._replace(data={}), self.frozen,
+                                            self.inputs(batch))) * n
                 count += n
         finally:
             data.close()

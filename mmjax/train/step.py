@@ -1,12 +1,11 @@
 """Single-program train step: loss, gradients of trainable parameters, optax update.
 
-Parameters are kept in float32 (master weights) and cast to `compute_dtype` inside the loss,
-so gradients flow back through the cast to the float32 copy. Frozen parameters are an
-explicit separate input: they get no gradient and no optimizer state.
+The state is train/state.py's `TrainState` with one stage (`WHOLE_MODEL`): the float32
+trainable parameters (master weights), cast to `compute_dtype` inside the loss so gradients
+flow back through the cast to the float32 copy, and their optimizer state. Frozen
+parameters are a separate fixed input: no gradient, no optimizer state, never donated.
 """
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -15,13 +14,7 @@ from flax import nnx
 
 from mmjax.models.layers import cast_floats
 from mmjax.parallel.zero import keep_if_nonfinite
-
-
-class TrainState(NamedTuple):
-    step: jax.Array
-    trainable: nnx.State
-    frozen: nnx.State
-    opt_state: optax.OptState
+from mmjax.train.state import WHOLE_MODEL, StageState, TrainState
 
 
 def split_model(model, trainable_filter):
@@ -51,7 +44,7 @@ def all_finite(tree) -> jax.Array:
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, compute_dtype=jnp.float32,
                     attention_impl="auto", llm_mask_family: str = "bam"):
-    """Jitted (state, batch) -> (state, metrics). A step whose loss, gradient norm or updated
+    """Jitted (state, frozen, batch[, limits]) -> (state, metrics), the state donated. A step whose loss, gradient norm or updated
     parameters are not finite is not applied (selected on device, no host sync);
     `metrics["nonfinite"]` is 1 for such a step, else 0; with `limits` = [max loss, max
     gradient norm] (the trainer's loss-spike guard) a finite step above either is not
@@ -62,30 +55,31 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, compute_dtype=jn
 
 
 def train_step_fn(loss_fn, tx: optax.GradientTransformation, place_grads=None):
-    """The (state, batch, limits) -> (state, metrics) function `make_train_step` jits;
+    """The (state, frozen, batch, limits) -> (state, metrics) function `make_train_step` jits;
     `place_grads`: applied to the gradients before the update (the co-located runner's
     ZeRO-2/3 reduce-scatter as a sharding constraint)."""
-    def train_step(state: TrainState, batch, limits=None):
-        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-            state.trainable, state.frozen, batch)
+    def train_step(state: TrainState, frozen, batch, limits=None):
+        old = state.stages[WHOLE_MODEL]
+        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(old.master, frozen,
+                                                                       batch)
         if place_grads is not None:
             grads = place_grads(grads)
         norm = optax.tree.norm(grads)
-        updates, opt_state = tx.update(grads, state.opt_state, state.trainable)
-        trainable = optax.apply_updates(state.trainable, updates)
+        updates, opt_state = tx.update(grads, old.opt, old.master)
+        trainable = optax.apply_updates(old.master, updates)
         finite = jnp.isfinite(loss) & jnp.isfinite(norm) & all_finite(trainable)
         # the loss-spike guard: `limits` = [max loss, max grad norm] (inf: off)
         calm = jnp.array(True) if limits is None else (loss <= limits[0]) & (norm <= limits[1])
         ok = finite & calm
         trainable, opt_state = keep_if_nonfinite(ok, (trainable, opt_state),
-                                                 (state.trainable, state.opt_state))
+                                                 (old.master, old.opt))
         # `applied` is returned as is: an output keeps `ok` one materialised value. Consumed
         # only by the selects, XLA:CPU fuses its and-chain over every leaf's flag into each
-        # leaf's select (quadratic HLO: 21 MB and 40 s of compile for the tiny model, not 15)
+        # leaf's select (HLO quadratic in the leaves; tests/test_nonfinite_guard.py)
         metrics = {"loss": loss, **aux, "grad_norm": norm,
                    "nonfinite": 1.0 - finite.astype(jnp.float32),
                    "spike": (finite & ~calm).astype(jnp.float32), "applied": ok}
-        return TrainState(state.step + ok.astype(state.step.dtype), trainable, state.frozen,
-                          opt_state), metrics
+        return TrainState({WHOLE_MODEL: StageState(trainable, opt_state)},
+                          state.step + ok.astype(state.step.dtype)), metrics
 
     return train_step

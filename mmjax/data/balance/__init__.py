@@ -30,12 +30,10 @@ from mmjax.data.balance.lpt import _as_lengths, _check_ranks, _greedy, _lists, g
 from mmjax.data.balance.node_wise import (batches_by_rank, inter_node_volumes,
                                           max_inter_node_volume, node_wise_rearrange,
                                           node_wise_rearrange_flat, volume_matrix)
-# private helpers tests reach through this module, as before the split
-from mmjax.data.balance.node_wise import _greedy_nodes, _per_sample  # noqa: F401
 from mmjax.data.balance.padded import _padded
 from mmjax.data.balance.rearrangement import (Rearrangement, compose_rearrangement,
                                               rearrangement)
-from mmjax.data.balance.sum_square import _sum_square, _sum_square_flat  # noqa: F401
+from mmjax.data.balance.sum_square import _sum_square_flat
 
 POLICIES = ("sum", "padded", "sum_square", "conv")
 

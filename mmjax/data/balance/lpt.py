@@ -122,8 +122,8 @@ def _small_ints(x: np.ndarray) -> bool:
 def _sorted_by(x: np.ndarray, descending: bool) -> tuple[np.ndarray, np.ndarray]:
     """(indices by length, decreasing or increasing, ties by increasing index; the lengths
     in that order). Token counts sort as unique integer keys (length << bits of n) | index,
-    uint32 where they fit: a plain sort, ~4x faster than a stable argsort, and the sorted
-    lengths come out of the keys without a gather."""
+    uint32 where they fit: a plain sort instead of a stable argsort, and the sorted lengths
+    come out of the keys without a gather."""
     n = x.size
     if not _small_ints(x):
         order = np.argsort(-x if descending else x, kind="stable")

@@ -148,8 +148,8 @@ def node_wise_rearrange(src_rank_of_sample: Sequence[int], new_batches: Sequence
     ``time_limit`` seconds, keeping the incumbent; warm-started from "local"), "greedy" (fast
     path: batches to nodes by descending volume already there, O(n + k log k), milliseconds
     at 2560 ranks), "local" (greedy, then best-improvement pairwise swaps of batches between
-    nodes, `node_swaps.swap_improve`: ~10 ms at 64 ranks and within ~1% of what the MILP
-    reaches in 10 s there; O(d^2 c) per round, so seconds from a few hundred ranks on),
+    nodes, `node_swaps.swap_improve`; O(d^2 c) per round, so for tens of ranks, not
+    hundreds),
     "auto" ("milp" up to ``max_milp_ranks`` ranks, "greedy" above: the MILP has d^2/c
     binaries and HiGHS does not prove optimality at 64 ranks within seconds, see
     `node_milp`). The best of the candidates computed and the identity is returned, so

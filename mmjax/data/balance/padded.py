@@ -77,6 +77,3 @@ def _padded(x: np.ndarray, d: int) -> tuple[np.ndarray, np.ndarray]:
     counts = np.zeros(d, dtype=np.int64)
     counts[:len(best)] = np.diff(best, prepend=0)
     return asc, counts
-
-
-# From this many ranks on "sum_square" runs in vectorised runs (`_sum_square_runs`); below,
