@@ -115,7 +115,7 @@ def mask_out_failed(batch: Batch, samples: list[Sample], failed: set[int]) -> No
                    None if batch.gen is None else batch.gen["gen_valid"], images)
     batch.num_target_tokens = int(batch.loss_mask.sum())
     if batch.gen is not None:
-        per = batch.gen["gen_latents"].shape[1] * batch.gen["gen_latents"].shape[2]
+        per = batch.gen["gen_noise"].shape[1] * batch.gen["gen_noise"].shape[2]
         batch.num_gen_elements = int(batch.gen["gen_valid"].sum()) * per
 
 

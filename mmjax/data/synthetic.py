@@ -69,6 +69,9 @@ class SyntheticConfig:
         if cfg.generator is not None:
             g = cfg.generator
             base["latent_shape"] = (g.latent_channels, g.latent_size, g.latent_size)
+            if cfg.vae is not None:  # the VAE is a unit: image_out segments hold pixels
+                side = g.latent_size * cfg.vae.downsample
+                base["latent_shape"] = (3, side, side)
             base["gen_fraction"] = 0.15
         base.update(kw)
         return cls(**base)

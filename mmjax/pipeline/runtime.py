@@ -30,7 +30,7 @@ from mmjax.data.routes import Routes
 from mmjax.parallel.broker import Broker
 from mmjax.parallel.mesh import stage_meshes
 from mmjax.models.layers import cast_floats
-from mmjax.models.units import LLM_UNIT, is_encoder, is_generator, is_llm
+from mmjax.models.units import LLM_UNIT, VAE_UNIT, is_encoder, is_generator, is_llm, is_vae
 from mmjax.parallel.tensor import state_shardings
 from mmjax.data.feed import MicrobatchFeed
 from mmjax.schedule.stage_graph import Backward, StageGraph, StageId
@@ -128,6 +128,19 @@ def _load_pretrained(cfg: MLLMConfig, up, sid: StageId, path, tr, fr, whole: boo
     return tr, fr
 
 
+def _load_vae(pretrained: dict, frozen, mesh):
+    """The VAE unit's frozen state read from `pretrained[VAE_UNIT]` (a diffusers
+    AutoencoderKL directory) and placed on its mesh; a runtime built without one (tests of
+    the arithmetic alone) keeps the seed's weights."""
+    path = pretrained.get(VAE_UNIT)
+    if path is None or not holds_local_device(mesh):
+        return frozen
+    from mmjax.models.hf.vae import load_vae_safetensors
+
+    module, _ = load_vae_safetensors(path)
+    return place_state(nnx.state(module), mesh)
+
+
 class PipelineRuntime:
     def __init__(self, cfg: MLLMConfig, plan: Plan, devices=None, seed: int = 0,
                  compute_dtype=jnp.float32, pretrained: dict | None = None,
@@ -171,7 +184,9 @@ class PipelineRuntime:
             mode = Backward(self.graph.has_backward[sid])
             up = plan.unit(sid.unit)
             gd, tr, fr = _stage_state(*built[sid], mesh)
-            if "model" in pretrained and not is_generator(sid.unit):
+            if is_vae(sid.unit):  # frozen, whole: the diffusers checkpoint onto its mesh
+                fr = _load_vae(pretrained, fr, mesh)
+            elif "model" in pretrained and not is_generator(sid.unit):
                 tr, fr = _load_pretrained(cfg, up, sid, pretrained["model"], tr, fr, True)
             elif sid.unit in pretrained:
                 tr, fr = _load_pretrained(cfg, up, sid, pretrained[sid.unit], tr, fr)
@@ -247,9 +262,14 @@ class PipelineRuntime:
     def _routes(self, src: StageId, dst: StageId, feed: MicrobatchFeed) -> Routes:
         if src.unit == dst.unit:
             return Routes.identity(self.stages[src].dp)
+        if is_vae(src.unit):  # the generator's rows in order: dp_vae blocks -> dp_gen blocks
+            return self._vae_routes(src, dst)
         if is_llm(dst.unit):
             return feed.enc_routes[src.unit]
         return feed.gen_routes
+
+    def _vae_routes(self, src: StageId, dst: StageId) -> Routes:
+        return Routes.order_preserving(self.stages[src].dp, self.stages[dst].dp)
 
     # ---- host inputs ----------------------------------------------------------------
     def _put(self, sid: StageId, tree):
@@ -269,8 +289,11 @@ class PipelineRuntime:
             if self.cfg.generator is not None:
                 side["gen_pack"] = feed.gen_pack
             return self._put(sid, side)
-        if is_generator(u):
-            return self._put(sid, {"gen": feed.gen, "num_gen": np.float32(max(totals[1], 1))})
+        if is_generator(u):  # the pixels go to the VAE unit only
+            gen = {k: v for k, v in feed.gen.items() if k != "gen_pixels"}
+            return self._put(sid, {"gen": gen, "num_gen": np.float32(max(totals[1], 1))})
+        if is_vae(u):
+            return self._put(sid, {"pixels": feed.gen["gen_pixels"]})
         return self._put(sid, {"inputs": feed.enc_inputs[u], "pack": feed.enc_pack[u]})
 
     # ---- one step -------------------------------------------------------------------
@@ -339,7 +362,7 @@ class PipelineRuntime:
                      self._initial_compute() if params is None else params)
         last_llm = StageId(LLM_UNIT, self.num_virtual["llm"] - 1)
         for sid, act in self.order:
-            if act.kind != "F" or is_generator(sid.unit):
+            if act.kind != "F" or is_generator(sid.unit) or is_vae(sid.unit):
                 continue
             mb, st = act.microbatch, self.stages[sid]
             side = self._side(sid, feeds[mb], step.totals)
@@ -429,7 +452,7 @@ class PipelineRuntime:
         preds = self.graph.predecessors(sid)
         if not preds:
             return None
-        if is_llm(sid.unit) and sid.index == 0:
+        if len(preds) > 1 or (is_llm(sid.unit) and sid.index == 0):
             return {p.unit: self._move(p, sid, outputs[(p, mb)], feed) for p in preds}
         (p,) = preds
         return self._move(p, sid, outputs[(p, mb)], feed)
@@ -448,6 +471,11 @@ class PipelineRuntime:
         routes = (self._routes(src, dst, feed) if not inverse
                   else self._routes(dst, src, feed).inverse())
         src_local, dst_local = self.stages[src].local, self.stages[dst].local
+        if is_vae(src.unit):  # rows [R, ...] as routes.src_ranks * src_slots parts in order
+            parts = routes.src_ranks * routes.src_slots
+            x = jax.tree.map(lambda a: _reshaped(a, (parts, -1), src_local), x)
+            moved = self._move_parts(src, dst, x, routes, src_local, dst_local)
+            return jax.tree.map(lambda a: _reshaped(a, (-1,), dst_local), moved)
         intra = src.unit == dst.unit
         if not (src_local or dst_local):
             if intra:
@@ -471,12 +499,24 @@ class PipelineRuntime:
                             jax.ShapeDtypeStruct((a.shape[0] * a.shape[1],) + tuple(a.shape[2:]),
                                                  a.dtype), moved)
 
+    def _move_parts(self, src, dst, x, routes, src_local, dst_local):
+        """`x` as parts [ranks * slots, ...] moved by `routes` (the broker's transfer), with
+        the placeholders of a process that lacks one side."""
+        if not (src_local or dst_local):
+            return jax.tree.map(lambda a: jax.ShapeDtypeStruct(
+                (routes.dst_ranks * routes.dst_slots,) + tuple(a.shape[1:]), a.dtype), x)
+        broker = self.broker(src, dst)
+        if not src_local:
+            x = placeholders(x, broker.src_sharding)
+        moved = broker.transfer_tree(x, routes, wait=self.sync)
+        return moved if dst_local else abstract(moved)
+
     def _gather_cotangent(self, sid, mb, cotangents, feed):
         succ = [s for s in self.graph.successors(sid) if self.graph.runs_backward(s)]
         moved = []
         for s in succ:
             dx = cotangents[(s, mb)]
-            if is_llm(s.unit) and s.index == 0 and not is_llm(sid.unit):
+            if isinstance(dx, dict):  # a stage with several inputs: the one from `sid`
                 dx = dx[sid.unit]
             moved.append(self._move(s, sid, dx, feed, inverse=True))
         one = self._one(sid)
@@ -499,3 +539,12 @@ class PipelineRuntime:
         return global_put(np.ones((st.dp,), np.float32), dp_sharding(st.mesh, 1))
 
 
+def _reshaped(a, lead: tuple, local: bool):
+    """`a` with its leading axis reshaped to `lead` (-1 for the rest of it), or its shape
+    alone for an array of another process."""
+    rows = a.shape[0] * (a.shape[1] if len(lead) == 1 else 1)
+    rest = a.shape[2:] if len(lead) == 1 else a.shape[1:]
+    shape = (rows,) if len(lead) == 1 else (lead[0], rows // lead[0])
+    if local:
+        return a.reshape(shape + tuple(rest))
+    return jax.ShapeDtypeStruct(shape + tuple(rest), a.dtype)
