@@ -46,7 +46,8 @@ from mmjax.planner.attention_cost import (computed_pairs, exact_pairs, image_win
                                           kept_bytes_per_head)
 from mmjax.planner.hardware import Hardware
 from mmjax.planner.workload import Workload
-from mmjax.models.units import is_generator, is_llm
+from mmjax.models.units import is_generator, is_llm, is_vae
+from mmjax.planner.vae_placement import vae_encoder_flops, vae_params
 
 TP_SIZES = (1, 2, 4, 8)
 WEIGHT_BYTES = 2  # bf16 compute copy
@@ -299,6 +300,36 @@ def _generator_work(model: MLLMConfig, wl: Workload, bwd: int) -> list[Work]:
     return works
 
 
+def _vae_side(model: MLLMConfig) -> int:
+    """The pixels the VAE unit reads per target image (square)."""
+    return model.generator.latent_size * model.vae.downsample
+
+
+def _vae_work(model: MLLMConfig, wl: Workload, unit: str) -> UnitWork:
+    """The frozen VAE unit: its encoder's FLOPs on the mean generated images of a sample,
+    forward only (no backward factor); it hands the generator fp32 latents."""
+    v, g = model.vae, model.generator
+    k, side = wl.mean_generated(), _vae_side(model)
+    flops = k * vae_encoder_flops(v.block_out_channels, v.layers_per_block, v.in_channels,
+                                  v.latent_channels, side, v.mid_block_add_attention)
+    latent = g.latent_channels * g.latent_size * g.latent_size
+    work = Work(flops, max(v.block_out_channels), 0.0, 0.0, 0.0, 0,
+                tokens=k * g.latent_size * g.latent_size)
+    params = vae_params(v.block_out_channels, v.layers_per_block, v.in_channels,
+                        v.latent_channels, v.out_channels, v.mid_block_add_attention,
+                        v.use_quant_conv, v.use_post_quant_conv)
+    return UnitWork(unit, (work,), (), params, 0, 4.0 * k * latent, ())
+
+
+def _vae_acts(model: MLLMConfig, wl: Workload) -> memory.Acts:
+    """Forward-only peak of the VAE unit for one sample: the widest conv's input and output
+    at full resolution (fp32), the pixels in and the latents out."""
+    v, k, side = model.vae, wl.mean_generated(), _vae_side(model)
+    peak = 4.0 * k * side * side * 2 * v.block_out_channels[0] * 2
+    latent = 4.0 * k * model.generator.latent_channels * model.generator.latent_size ** 2
+    return memory.Acts(0.0, 0.0, peak, latent, 4.0 * k * side * side * 3)
+
+
 def _merge(a: Work, b: Work) -> Work:
     return Work(a.flops + b.flops, max(a.width, b.width), a.allreduce_bytes + b.allreduce_bytes,
                 a.act_bytes + b.act_bytes, a.in_bytes + b.in_bytes, max(a.bwd, b.bwd),
@@ -316,6 +347,8 @@ def unit_work(model: MLLMConfig, wl: Workload, unit: str, attention_impl=None) -
     """Per-layer forward work of `unit` for one average sample of `wl`; attention_impl (one
     name or {unit: name}) costs attention by that implementation's tiles."""
     impl = impl_of(attention_impl, unit)
+    if is_vae(unit):
+        return _vae_work(model, wl, unit)
     bwd = module_backward_factors(model)
     params = module_params(model)
     if is_llm(unit):
@@ -418,6 +451,11 @@ def replicated_params(model: MLLMConfig, unit: str) -> int:
     `megatron_role`): all but the blocks' q/k/v/o/fc1/fc2 (and cross-attention) matrices
     with their column biases, the LLM's projections and its vocabulary matrices."""
     params = module_params(model)
+    if is_vae(unit):  # never split: tp = 1
+        v = model.vae
+        return vae_params(v.block_out_channels, v.layers_per_block, v.in_channels,
+                          v.latent_channels, v.out_channels, v.mid_block_add_attention,
+                          v.use_quant_conv, v.use_post_quant_conv)
     if is_llm(unit):
         c = model.llm
         return c.num_layers * 2 * c.hidden_size + c.hidden_size
@@ -437,6 +475,8 @@ def unit_acts(model: MLLMConfig, wl: Workload, unit: str, tp: int, impl: str | N
               b: int = ACT_BYTES) -> memory.Acts:
     """planner/memory.py's activation bytes of one average sample through the whole unit
     at `tp`; `impl` None (exact pairs, no [S, S] buffer) is costed as a tiled kernel."""
+    if is_vae(unit):
+        return _vae_acts(model, wl)
     if is_llm(unit):
         n1, n2 = wl.llm_moments()
         return memory.llm_acts(model.llm, n1, n2, tp, b, impl)
@@ -460,6 +500,8 @@ def unit_cost(model: MLLMConfig, wl: Workload, unit: str, hw: Hardware,
     impl = impl_of(attention_impl, unit)
     uw = unit_work(model, wl, unit, attention_impl)
     tps = [t for t in tp_sizes if t <= hw.gpus_per_node and all(s % t == 0 for s in uw.tp_divides)]
+    if is_vae(unit):  # runs whole on each device (planner/plan.py `_validate_vae`)
+        tps = [1]
     backward = any(w.bwd for w in uw.layers + uw.extra)
     times, fwds, acts, work, fixed = {}, {}, {}, {}, {}
     b = ACT_BYTES

@@ -75,3 +75,33 @@ def choose_vae_placement(images_per_step: int, flops_per_image: float, side: int
                         f"host {host * 1e3:.1f} ms/step ({cpu * 1e3:.1f} ms on {cpu_cores} "
                         f"core(s), {step_time_s * 1e3:.0f} ms hidden by the step) vs device "
                         f"{device * 1e3:.1f} ms/step on {hardware.name}")
+
+
+def vae_params(block_out_channels, layers_per_block: int, in_channels: int,
+               latent_channels: int, out_channels: int = 3, attention: bool = True,
+               quant_conv: bool = True, post_quant_conv: bool = True) -> int:
+    """Parameters of the whole diffusers AutoencoderKL (encoder and decoder; models/vae.py),
+    exactly: what the VAE unit holds on each of its devices."""
+    def conv(cin, cout, k):
+        return k * k * cin * cout + cout
+
+    def resnet(cin, cout):
+        return 2 * cin + conv(cin, cout, 3) + 2 * cout + conv(cout, cout, 3) + (
+            conv(cin, cout, 1) if cin != cout else 0)
+
+    def mid(c):
+        return 2 * resnet(c, c) + ((2 * c + 4 * (c * c + c)) if attention else 0)
+
+    ch, n = list(block_out_channels), len(block_out_channels)
+    enc = conv(in_channels, ch[0], 3) + mid(ch[-1]) + 2 * ch[-1] + conv(ch[-1], 2 * latent_channels, 3)
+    for i, c in enumerate(ch):
+        enc += sum(resnet(ch[max(i - 1, 0)] if j == 0 else c, c) for j in range(layers_per_block))
+        enc += conv(c, c, 3) if i < n - 1 else 0
+    rev = ch[::-1]
+    dec = conv(latent_channels, rev[0], 3) + mid(rev[0]) + 2 * rev[-1] + conv(rev[-1], out_channels, 3)
+    for i, c in enumerate(rev):
+        dec += sum(resnet(rev[max(i - 1, 0)] if j == 0 else c, c)
+                   for j in range(layers_per_block + 1))
+        dec += conv(c, c, 3) if i < n - 1 else 0
+    return (enc + dec + (conv(2 * latent_channels, 2 * latent_channels, 1) if quant_conv else 0)
+            + (conv(latent_channels, latent_channels, 1) if post_quant_conv else 0))
