@@ -236,7 +236,7 @@ class _FeedBuilder:
     def generator(self, feed: MicrobatchFeed, llm_b: list) -> None:
         """The generator's inputs, gathered per receiving rank in the order its parts
         arrive from the LLM ranks, and the LLM's `gen_query` positions."""
-        groups, layout = self.groups, self.layout
+        groups = self.groups
         gen_b = self.batches("generator", False)
         image_count = [m.count("image_out") for m in self.metas]
         first_image = {}

@@ -48,7 +48,8 @@ class SyntheticConfig:
     frames_median: float = 96.0
     frames_sigma: float = 0.6
     frames_range: tuple[int, int] = (8, 1000)
-    latent_shape: tuple[int, int, int] = (4, 8, 8)
+    latent_shape: tuple[int, int, int] = (4, 8, 8)  # image_out's shape: latents (or pixels
+    #                                                 [3, side, side] for a VAE unit)
     gen_queries: int = 16
     gen_fraction: float = 0.0  # share of generation tasks in the mix
     bad_fraction: float = 0.0  # share of deliberately bad samples
