@@ -268,3 +268,43 @@ def test_training_with_the_vae_unit_single_and_pipelined_then_export(tmp_path):
     a = load_file(info["vae"] + "/diffusion_pytorch_model.safetensors")
     b = load_file(str(out[VAE_UNIT] / "diffusion_pytorch_model.safetensors"))
     assert set(a) == set(b) and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_a_host_holding_only_the_vae_unit_decodes_the_target_pixels(tmp_path):
+    """Several hosts: each decodes what its ranks read. The VAE unit reads the generator's
+    rows, so a host whose only device is the VAE's builds their pixels exactly as one host
+    does (not the shape-only blanks of rows it does not hold)."""
+    from mmjax.data.batch_plan import unit_policies
+    from mmjax.data.example_data import write_generation_example, write_tokenizer
+    from mmjax.data.global_batch import GlobalBatchBuilder
+    from mmjax.data.sources import default_processors
+    from mmjax.data.sources.llava import LlavaSource
+    from mmjax.data.tokenizer import Tokenizer, padded_vocab
+    from mmjax.models.hf.vae import vae_config_from_hf
+    from mmjax.train.vae_latents import LatentEncoder
+
+    root = str(tmp_path)
+    info = write_generation_example(root, num_samples=12)
+    tok = Tokenizer(write_tokenizer(root + "/tok", ["Draw a red square. Here is a red dot."] * 8))
+    cfg = make_cfg(**BASE, **{"llm.vocab_size": padded_vocab(tok.vocab_size)})
+    cfg = cfg.replace(vae=vae_config_from_hf(info["vae"]))
+    lay = AssemblyLayout.from_config(cfg, 96, "pad", vision_caps=(64,), gen_num_queries=4,
+                                     special=tok.special_tokens())
+    g = cfg.generator
+    enc = LatentEncoder(info["vae"], (g.latent_channels, g.latent_size, g.latent_size), 4,
+                        "device")
+    img, aud = default_processors(cfg, None, None)
+    src = LlavaSource(info["json"], tok, img, aud, root + "/images", chat_template="llama3",
+                      index_workers=1, output_images=enc)
+    plan = Plan.uniform(cfg, 4, 2, dp={"vision": 1, "vae": 1, "llm": 2, "generator": 2})
+    (vae_device,), = plan.stage_devices()[VAE_UNIT]
+    build = lambda local: GlobalBatchBuilder(src, cfg, plan, lay, unit_policies("none", cfg),
+                                             seed=0, feeds=True, local_devices=local)(0)
+    full, here = build(None), build({vae_device})
+    images = 0
+    for mb, ref in zip(here.microbatches, full.microbatches):
+        px = ref.feed.gen["gen_pixels"]
+        images += int(ref.feed.gen["gen_valid"].sum())
+        assert np.abs(px).max() > 0.1
+        np.testing.assert_array_equal(mb.feed.gen["gen_pixels"], px)
+    assert images >= 2

@@ -22,7 +22,7 @@ from mmjax.planner.plan import Plan
 from mmjax.data.batch_plan import (MicrobatchPlan, NodeWise, plan_global_batch,
                                    post_balance_policies)
 from mmjax.data.records import DecodeError, sample_name, sample_where, source_problem
-from mmjax.models.units import UnitRole, is_generator, is_llm, role
+from mmjax.models.units import UnitRole, is_generator, is_llm, is_vae, role
 
 _READS = {UnitRole.LLM: "text", UnitRole.GENERATOR: "image_out"}  # the modality each reads
 
@@ -348,6 +348,11 @@ class GlobalBatchBuilder:
             for r in self.owned.get(u, ()):
                 for i in split.rank(r).tolist():
                     need.setdefault(mp.positions[i], set()).add(reads[u])
+        if any(self.owned[u] for u in self.owned if is_vae(u)):
+            # the VAE unit's ranks hold blocks of the generator's rows in order: a host
+            # with one of them decodes every target image of the microbatch
+            for i in range(len(mp.positions)):
+                need.setdefault(mp.positions[i], set()).add("image_out")
         return lambda p: (get(p, frozenset(need[p])) if p in need
                           else _blank(specs[p], idx[p]))
 
