@@ -1,7 +1,7 @@
 """The generator's data path: LLaVA records with an `output_image` become image_out segments
 holding the frozen VAE's latents (train/vae_latents.py), the DiT's loss on them is the same
-on the single device and on a pipelined plan (VAE placed on host or device), the planner's
-VAE placement, and the DDIM / DDPM samplers."""
+on the single device and on a pipelined plan (VAE on the host; the VAE as a unit on devices:
+tests/test_vae_unit.py), the planner's VAE placement, and the DDIM / DDPM samplers."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -77,7 +77,7 @@ def test_records_with_output_images_need_a_vae(data):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("placement", ["host", "device"])
+@pytest.mark.parametrize("placement", ["host"])  # "device" (the VAE unit): test_vae_unit.py
 def test_generator_loss_single_program_equals_pipelined(data, placement):
     from mmjax.data.batch_plan import unit_policies
     from mmjax.data.global_batch import GlobalBatchBuilder
