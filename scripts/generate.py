@@ -183,7 +183,7 @@ def draw(a, model, cfg, layout, tok, chat, image_proc, audio_proc, reply: str,
 
     g = layout.gen
     sample = prompt_sample(tok, chat, image_proc, audio_proc, a.prompt, a.image, a.audio,
-                           reply=reply, image_out=(g.latent_shape, g.num_queries))
+                           reply=reply, image_out=(g.data_shape, g.num_queries))
     try:
         vae, vae_cfg = load_vae_safetensors(vae_path)
     except (FileNotFoundError, ValueError) as e:

@@ -53,6 +53,23 @@ def load_model(gin_file: str, gin_params: list[str]):
     return named_model_config()
 
 
+def model_with_vae(model):
+    """`model` with its generator's VAE as a unit config when gin binds `vae.path` (the
+    planner then places it: planner/vae_placement.py), else None."""
+    from mmjax.train.vae_latents import vae as vae_settings
+
+    path = vae_settings()[0]
+    if not path or model.generator is None:
+        return None
+    from mmjax.models.hf.vae import vae_config_from_hf
+    from mmjax.errors import UserError
+
+    try:
+        return model.replace(vae=vae_config_from_hf(path))
+    except (FileNotFoundError, ValueError) as e:
+        raise UserError(f"vae.path={path!r}: {e}") from None
+
+
 def data_workload(model, spec: str, samples: int):
     """The workload of `samples` samples of the source `spec` (data/data_spec.py)."""
     from mmjax.data.data_spec import open_source, sample_workload
@@ -92,6 +109,12 @@ def profiled_hardware(args, hw):
                             call_tokens=args.profile_tokens)
 
 
+def _cell(table: dict, unit: str, fmt: str) -> str:
+    """A unit's predicted value, or "-" for one the planner's orchestration does not price
+    (the VAE unit, placed beside it: planner/vae_placement.py)."""
+    return fmt.format(table[unit]) if unit in table else "-"
+
+
 def unit_table(plan, title: str) -> Table:
     p = plan.predicted
     t = Table(title=f"{title}: {p['iteration_time_s']:.3f} s/iter, MFU {100 * p['mfu']:.1f}%, "
@@ -103,7 +126,7 @@ def unit_table(plan, title: str) -> Table:
         layers = ",".join(str(x) for x in u.layers)
         t.add_row(u.name, str(u.num_devices), str(u.dp), str(u.tp), str(u.pp), str(u.num_chunks),
                   layers if len(layers) < 40 else layers[:37] + "...",
-                  f"{p['stage_time_s'][u.name]:.4f}", f"{p['memory_gb'][u.name]:.1f}",
+                  _cell(p['stage_time_s'], u.name, "{:.4f}"), _cell(p['memory_gb'], u.name, "{:.1f}"),
                   "yes" if u.frozen else "")
     return t
 
@@ -250,6 +273,10 @@ def main(argv=None) -> int:
                                    "arrayrecord:/path, ...) instead of the paper's workload")
     ap.add_argument("--data_samples", type=int, default=512,
                     help="samples drawn from --data to build the workload")
+    ap.add_argument("--producer_cores", type=int, default=32,
+                    help="with vae.path: CPU cores of the producers that would encode the "
+                         "generator's targets if the VAE stays on hosts (the planner compares "
+                         "that with a VAE unit on GPUs)")
     ap.add_argument("--layout", default="disaggregated", choices=LAYOUTS,
                     help="disaggregated (each unit on its own GPUs), colocated (every unit on "
                          "every GPU, FSDP) or auto (both; picks the faster)")
@@ -280,11 +307,21 @@ def main(argv=None) -> int:
         costs = measured_costs(model, hw, args, wl)
     if args.layout != "disaggregated":
         return colocated_main(args, console, model, hw, wl, costs)
+    plan_fn = lambda m, gpus: plan_model(  # noqa: E731
+        m, hw, gpus, args.global_batch, workload=wl, recompute=args.recompute,
+        vpp=not args.no_vpp, costs=costs, gpu_tolerance=args.gpu_tolerance,
+        attention_impl=args.attention_impl)
+    vae_model = model_with_vae(model)
     try:
-        plans["planner"] = plan_model(model, hw, args.gpus, args.global_batch, workload=wl,
-                                      recompute=args.recompute, vpp=not args.no_vpp, costs=costs,
-                                      gpu_tolerance=args.gpu_tolerance,
-                                      attention_impl=args.attention_impl)
+        if vae_model is None:
+            plans["planner"] = plan_fn(model, args.gpus)
+        else:  # the VAE on producers' CPUs or as a frozen unit on GPUs, by cost
+            from mmjax.planner.vae_placement import plan_with_vae
+            from mmjax.train.vae_latents import vae as vae_settings
+            plans["planner"], decision = plan_with_vae(
+                plan_fn, vae_model, hw, args.gpus, args.global_batch * wl.mean_generated(),
+                args.producer_cores, vae_settings()[1])
+            console.print(f"VAE placement: {decision.placement}: {decision.reason}")
     except PlanError as e:
         errors["planner"] = str(e)
     for kind in ("megatron", "ratio"):

@@ -12,7 +12,7 @@ from mmjax.models.units import (GENERATOR_UNIT, LLM_UNIT, UnitDag, UnitRole, has
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 ROLE_MODULE = ROOT / "mmjax" / "models" / "units.py"
 NAMES = {r.value for r in UnitRole}                 # "encoder", "llm", "generator"
-CONSTANTS = {"LLM_UNIT", "GENERATOR_UNIT"}          # the fixed names, as units.py spells them
+CONSTANTS = {"LLM_UNIT", "GENERATOR_UNIT", "VAE_UNIT"}  # the fixed names, as units.py spells them
 COMPARE = (ast.Eq, ast.NotEq, ast.In, ast.NotIn, ast.Is, ast.IsNot)
 
 

@@ -151,9 +151,10 @@ def _generator_buffers(layout: AssemblyLayout, shapes: BatchShapes) -> dict | No
     if layout.gen is None:
         return None
     g, k = shapes.gen, layout.gen.num_queries
-    npch, pdim = layout.gen.num_patches, layout.gen.patch_dim
-    return {"gen_query": np.zeros((g, k), np.int32),
-            "gen_latents": np.zeros((g, npch, pdim), np.float32),
+    npch, pdim, side = layout.gen.num_patches, layout.gen.patch_dim, layout.gen.pixel_side
+    target = ({"gen_pixels": np.zeros((g, side, side, 3), np.float32)} if side else
+              {"gen_latents": np.zeros((g, npch, pdim), np.float32)})
+    return {"gen_query": np.zeros((g, k), np.int32), **target,
             "gen_noise": np.zeros((g, npch, pdim), np.float32),
             "gen_t": np.zeros((g,), np.int32), "gen_valid": np.zeros((g,), np.float32)}
 
@@ -227,8 +228,11 @@ class _Rows:
             gen, g = self.gen, lay.gen
             self.bam[row, span] = lay.text_bits
             gen["gen_query"][k] = row * s + np.arange(col, col + n)
-            lat = np.ascontiguousarray(seg.data.transpose(1, 2, 0), np.float32)
-            gen["gen_latents"][k] = patchify(lat, g.patch_size)
+            hwc = np.ascontiguousarray(seg.data.transpose(1, 2, 0), np.float32)
+            if g.pixel_side:  # the VAE unit encodes them in the step
+                gen["gen_pixels"][k] = hwc
+            else:
+                gen["gen_latents"][k] = patchify(hwc, g.patch_size)
             noise, t = gen_noise_and_t(sample.id, seg_index, (g.num_patches, g.patch_dim),
                                        g.num_train_timesteps)
             gen["gen_noise"][k], gen["gen_t"][k], gen["gen_valid"][k] = noise, t, 1.0

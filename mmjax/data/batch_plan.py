@@ -23,7 +23,7 @@ from mmjax.planner.unit_work import unit_work
 from mmjax.planner.hardware import H100, Hardware
 from mmjax.planner.plan import Plan
 from mmjax.planner.workload import workload_from_metas
-from mmjax.models.units import GENERATOR_UNIT, LLM_UNIT, has_generator, is_generator
+from mmjax.models.units import GENERATOR_UNIT, LLM_UNIT, has_generator, is_generator, is_vae
 
 
 POLICIES = ("none", "disttrain", "orchmllm")
@@ -207,6 +207,8 @@ def plan_global_batch(metas: list[SampleMeta], model: MLLMConfig, plan: Plan,
         mb_costs = {u: c[i * size:(i + 1) * size] for u, c in costs.items()}
         units = {}
         for unit in model.unit_names:
+            if is_vae(unit):  # reads the generator's rows in their order: no split of its own
+                continue
             if is_generator(unit) and plan.unit(unit).dp == llm_dp:
                 continue  # follows the LLM's split: hidden states stay on their rank
             units[unit] = split_unit(mb_costs[unit], plan.unit(unit).dp, policies[unit],

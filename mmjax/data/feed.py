@@ -236,7 +236,7 @@ class _FeedBuilder:
     def generator(self, feed: MicrobatchFeed, llm_b: list) -> None:
         """The generator's inputs, gathered per receiving rank in the order its parts
         arrive from the LLM ranks, and the LLM's `gen_query` positions."""
-        groups, layout = self.groups, self.layout
+        groups = self.groups
         gen_b = self.batches("generator", False)
         image_count = [m.count("image_out") for m in self.metas]
         first_image = {}
@@ -252,11 +252,10 @@ class _FeedBuilder:
         c = self.dp["generator"]
         routes, slots, cap, pack = self._route("generator", per_pair, self.dp["llm"], c)
         per_rank = routes.dst_slots * cap
-        npch, pdim = layout.gen.num_patches, layout.gen.patch_dim
-        gen = {"gen_latents": np.zeros((c * per_rank, npch, pdim), np.float32),
-               "gen_noise": np.zeros((c * per_rank, npch, pdim), np.float32),
-               "gen_t": np.zeros((c * per_rank,), np.int32),
-               "gen_valid": np.zeros((c * per_rank,), np.float32)}
+        # gen_latents, or gen_pixels when the VAE is a unit (GenSlot.pixel_side); gen_noise,
+        # gen_t, gen_valid: the shapes and dtypes of the assembled buffers
+        gen = {key: np.zeros((c * per_rank,) + a.shape[1:], a.dtype)
+               for key, a in gen_b[0].gen.items() if key != "gen_query"}
         gen_pos = {s: (i, k) for i, g in enumerate(groups["generator"]) for k, s in enumerate(g)}
         for (j, i) in per_pair:
             base = i * per_rank + slots["dst"][(j, i)] * cap

@@ -22,7 +22,7 @@ from mmjax.planner.plan import Plan
 from mmjax.data.batch_plan import (MicrobatchPlan, NodeWise, plan_global_batch,
                                    post_balance_policies)
 from mmjax.data.records import DecodeError, sample_name, sample_where, source_problem
-from mmjax.models.units import UnitRole, role
+from mmjax.models.units import UnitRole, is_vae, role
 
 _READS = {UnitRole.LLM: "text", UnitRole.GENERATOR: "image_out"}  # the modality each reads
 
@@ -113,7 +113,7 @@ def mask_out_failed(batch: Batch, samples: list[Sample], failed: set[int]) -> No
                    None if batch.gen is None else batch.gen["gen_valid"], images)
     batch.num_target_tokens = int(batch.loss_mask.sum())
     if batch.gen is not None:
-        per = batch.gen["gen_latents"].shape[1] * batch.gen["gen_latents"].shape[2]
+        per = batch.gen["gen_noise"].shape[1] * batch.gen["gen_noise"].shape[2]
         batch.num_gen_elements = int(batch.gen["gen_valid"].sum()) * per
 
 
@@ -327,6 +327,11 @@ class GlobalBatchBuilder:
             for r in self.owned.get(u, ()):
                 for i in split.rank(r).tolist():
                     need.setdefault(mp.positions[i], set()).add(reads[u])
+        if any(self.owned[u] for u in self.owned if is_vae(u)):
+            # the VAE unit's ranks hold blocks of the generator's rows in order: a host
+            # with one of them decodes every target image of the microbatch
+            for i in range(len(mp.positions)):
+                need.setdefault(mp.positions[i], set()).add("image_out")
         return lambda p: (get(p, frozenset(need[p])) if p in need
                           else _blank(specs[p], idx[p]))
 

@@ -50,6 +50,14 @@ class GenSlot:
     patch_size: int
     num_queries: int  # K query tokens per image_out
     num_train_timesteps: int
+    # > 0: the VAE is a unit of the model (device placement): image_out segments carry the
+    # target's pixels [3, side, side] in [-1, 1] and the batch `gen_pixels`, not latents
+    pixel_side: int = 0
+
+    @property
+    def data_shape(self) -> tuple[int, int, int]:
+        """What an image_out segment holds: latents (C, h, w), or pixels (3, side, side)."""
+        return (3, self.pixel_side, self.pixel_side) if self.pixel_side else self.latent_shape
 
     @property
     def num_patches(self) -> int:
@@ -120,7 +128,8 @@ class AssemblyLayout:
         if cfg.generator is not None:
             g = cfg.generator
             gen = GenSlot((g.latent_channels, g.latent_size, g.latent_size), g.patch_size,
-                          gen_num_queries, g.num_train_timesteps)
+                          gen_num_queries, g.num_train_timesteps,
+                          g.latent_size * cfg.vae.downsample if cfg.vae is not None else 0)
         special = special or SpecialTokens()
         if cfg.image_markers is not None:  # the checkpoint's own (Qwen2-VL's vision_start/end)
             special = dataclasses.replace(special, image_start=int(cfg.image_markers[0]),
@@ -164,8 +173,8 @@ def check_shapes(shapes, layout: AssemblyLayout) -> str | None:
         if mod == "image_out":
             if layout.gen is None:
                 return f"unsupported: {where} but the model has no generator"
-            if tuple(shape) != layout.gen.latent_shape:
-                return f"decode: {where} latent shape {shape} != {layout.gen.latent_shape}"
+            if tuple(shape) != layout.gen.data_shape:
+                return f"decode: {where} shape {shape} != {layout.gen.data_shape}"
             if k != layout.gen.num_queries:
                 return f"decode: {where} reads {k} query tokens, layout has {layout.gen.num_queries}"
             continue

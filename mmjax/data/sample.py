@@ -158,6 +158,7 @@ class TokenRules:
     audio_downsample: int = 1
     audio_queries: int = 0
     gen_patch_size: int = 2
+    gen_downsample: int = 1  # image_out holds pixels (the VAE is a unit): its downsample
     markers: bool = True  # modality blocks wrapped in begin / end tokens (LLaVA: none)
 
     @classmethod
@@ -174,6 +175,8 @@ class TokenRules:
                           audio_queries=spec.projector.num_queries if ca else 0)
         if cfg.generator is not None:
             kw["gen_patch_size"] = cfg.generator.patch_size
+            if cfg.vae is not None:
+                kw["gen_downsample"] = cfg.vae.downsample
         return cls(markers=cfg.modality_markers, **kw)
 
     def segment_meta(self, modality: str, shape: tuple[int, ...], num_queries: int = 0,
@@ -198,7 +201,7 @@ class TokenRules:
             llm = self.audio_queries or math.ceil(enc / self.audio_downsample)
             return SegmentMeta("audio", llm, enc, t)
         if modality == "image_out":
-            p = self.gen_patch_size
+            p = self.gen_patch_size * self.gen_downsample
             n = (shape[1] // p) * (shape[2] // p)
             return SegmentMeta("image_out", int(num_queries), n, n)
         raise ValueError(f"unknown modality {modality!r}; use one of {MODALITIES}")

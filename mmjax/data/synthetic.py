@@ -48,7 +48,8 @@ class SyntheticConfig:
     frames_median: float = 96.0
     frames_sigma: float = 0.6
     frames_range: tuple[int, int] = (8, 1000)
-    latent_shape: tuple[int, int, int] = (4, 8, 8)
+    latent_shape: tuple[int, int, int] = (4, 8, 8)  # image_out's shape: latents (or pixels
+    #                                                 [3, side, side] for a VAE unit)
     gen_queries: int = 16
     gen_fraction: float = 0.0  # share of generation tasks in the mix
     bad_fraction: float = 0.0  # share of deliberately bad samples
@@ -69,6 +70,9 @@ class SyntheticConfig:
         if cfg.generator is not None:
             g = cfg.generator
             base["latent_shape"] = (g.latent_channels, g.latent_size, g.latent_size)
+            if cfg.vae is not None:  # the VAE is a unit: image_out segments hold pixels
+                side = g.latent_size * cfg.vae.downsample
+                base["latent_shape"] = (3, side, side)
             base["gen_fraction"] = 0.15
         base.update(kw)
         return cls(**base)

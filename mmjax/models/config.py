@@ -294,6 +294,37 @@ class EncoderSpec:
 
 
 @dataclass(frozen=True)
+class VAEConfig:
+    """diffusers' AutoencoderKL config (config.json names). SD 2.1: the defaults. The
+    module is models/vae.py; here so that configs and the planner read it without JAX."""
+
+    in_channels: int = 3
+    out_channels: int = 3
+    block_out_channels: tuple[int, ...] = (128, 256, 512, 512)
+    layers_per_block: int = 2
+    latent_channels: int = 4
+    norm_num_groups: int = 32
+    scaling_factor: float = 0.18215
+    shift_factor: float = 0.0
+    sample_size: int = 768
+    mid_block_add_attention: bool = True
+    use_quant_conv: bool = True
+    use_post_quant_conv: bool = True
+    norm_eps: float = 1e-6
+
+    def __post_init__(self):
+        for c in self.block_out_channels:
+            if c % self.norm_num_groups:
+                raise ValueError(f"VAE block_out_channels {self.block_out_channels}: {c} is not "
+                                 f"divisible by norm_num_groups={self.norm_num_groups}")
+
+    @property
+    def downsample(self) -> int:
+        """Image side / latent side (8 for SD's four blocks)."""
+        return 2 ** (len(self.block_out_channels) - 1)
+
+
+@dataclass(frozen=True)
 class MLLMConfig:
     """A multimodal model: named encoder branches -> LLM -> optional generator.
 
@@ -307,6 +338,10 @@ class MLLMConfig:
     generator: GeneratorConfig | None = None
     llm_frozen: bool = False
     generator_frozen: bool = False
+    # the generator's frozen VAE as a unit of the model (its image encoder placed on
+    # devices: target pixels in the batch, latents computed in the step); None: the data
+    # path encodes the targets (host CPU or producers) and the batch carries latents
+    vae: VAEConfig | None = None
     placement: Literal["embed", "prepend"] = "embed"
     # HF LLaVA semantics (hf/llava.py sets both): "causal" puts image tokens under the LLM's
     # causal mask like text; "bidirectional" (mmjax's default, Cornstarch §4.3.1) lets an
@@ -340,6 +375,8 @@ class MLLMConfig:
                 return self.llm_frozen
             case UnitRole.GENERATOR:
                 return self.generator_frozen
+            case UnitRole.VAE:
+                return True
         return self.encoder(unit).frozen
 
     def num_layers(self, unit: str) -> int:
@@ -349,6 +386,8 @@ class MLLMConfig:
             case UnitRole.GENERATOR:
                 assert self.generator is not None
                 return self.generator.num_layers
+            case UnitRole.VAE:  # one indivisible stage (pp = 1)
+                return 1
         enc = self.encoder(unit).encoder
         return enc.depth if isinstance(enc, VisionConfig) else enc.num_layers
 
@@ -468,6 +507,9 @@ def config_from_dict(d: dict) -> MLLMConfig:
                                     e["frozen"], e["projector_frozen"]))
     gen = rest.pop("generator", None)
     gen = GeneratorConfig(**gen) if gen else None
+    vae = rest.pop("vae", None)
+    if vae:
+        rest["vae"] = VAEConfig(**{**vae, "block_out_channels": tuple(vae["block_out_channels"])})
     if rest.get("image_markers") is not None:
         rest["image_markers"] = tuple(rest["image_markers"])
     return MLLMConfig(llm=LLMConfig(**llm), encoders=tuple(encoders), generator=gen, **rest)

@@ -31,7 +31,9 @@ from mmjax.models.layers import cast_floats
 from mmjax.models.llm import LLM, lm_loss_sum, merge_modalities, meta_attend
 from mmjax.models.projector import make_projector
 from mmjax.models.qwen2_vl_vision import Qwen2VLVision
-from mmjax.models.units import GENERATOR_UNIT, LLM_UNIT, UnitRole, role, topological_order
+from mmjax.models.units import (GENERATOR_UNIT, LLM_UNIT, VAE_UNIT, UnitRole, role,
+                                topological_order)
+from mmjax.models.vae import AutoencoderKL, patchified_latents
 from mmjax.models.vision import VisionEncoder
 from mmjax.models.vit import StandardViT
 
@@ -132,8 +134,17 @@ def lm_outputs(llm: LLM, h, batch, with_generator: bool):
     return lm_sum, flat[batch["gen_query"]]
 
 
-def generator_inputs(cfg: MLLMConfig, batch, dtype=jnp.float32):
-    noisy = add_noise(cfg.generator, batch["gen_latents"], batch["gen_noise"], batch["gen_t"])
+def vae_outputs(cfg: MLLMConfig, vae: AutoencoderKL, batch):
+    """The VAE unit: the batch's target pixels `gen_pixels` -> patchified latents [G, P, pd]
+    (float32, whatever the compute dtype: the VAE is frozen and runs as diffusers does)."""
+    return patchified_latents(vae, batch["gen_pixels"], cfg.generator.patch_size)
+
+
+def generator_inputs(cfg: MLLMConfig, batch, dtype=jnp.float32, latents=None):
+    """(noisy latents in `dtype`, timesteps): `latents` the VAE unit's output, or None for
+    the batch's own `gen_latents` (encoded in the data path)."""
+    latents = batch["gen_latents"] if latents is None else latents
+    noisy = add_noise(cfg.generator, latents, batch["gen_noise"], batch["gen_t"])
     return noisy.astype(dtype), batch["gen_t"]
 
 
@@ -157,6 +168,9 @@ class MultimodalModel(nnx.Module):
         self.llm = LLM(cfg.llm, unit_key(key, LLM_UNIT))
         self.generator = (DiffusionGenerator(cfg.generator, d, unit_key(key, GENERATOR_UNIT))
                           if cfg.generator is not None else None)
+        # frozen: its weights come from the diffusers checkpoint (`vae.path`), never trained
+        self.vae = (AutoencoderKL(cfg.vae, unit_key(key, VAE_UNIT))
+                    if cfg.vae is not None else None)
 
     def dag(self) -> list[tuple[str, str]]:
         """Execution-DAG edges (src, dst) of the config's `UnitDag`: every encoder branch
@@ -181,7 +195,8 @@ class MultimodalModel(nnx.Module):
         Walks `dag()` in topological order: an encoder branch reads its batch inputs, the
         LLM merges the outputs of its encoder predecessors at their placeholder positions and
         returns the text-loss sum (and the generator's conditioning states), the generator
-        reads the LLM's states."""
+        reads the LLM's states (and the VAE unit's latents when the model has one, else the
+        batch's)."""
         cfg, edges, out = self.cfg, self.dag(), {}
         lm_sum, diff_sum = None, jnp.zeros((), jnp.float32)
         for unit in self.execution_order():
@@ -200,13 +215,18 @@ class MultimodalModel(nnx.Module):
                 h = self.llm.run_layers(x, batch["positions"], attend)
                 lm_sum, out[unit] = lm_outputs(self.llm, h, batch, self.generator is not None)
             elif kind is UnitRole.GENERATOR:
-                if [role(p) for p in preds] != [UnitRole.LLM]:
-                    raise ValueError(f"generator must be conditioned on exactly the LLM; "
-                                     f"dag() gives predecessors {preds}")
-                noisy, t = generator_inputs(cfg, batch, dtype)
-                eps = self.generator(noisy, t, out[preds[0]],
+                kinds = [role(p) for p in preds]
+                if kinds.count(UnitRole.LLM) != 1 or len(preds) != 1 + kinds.count(UnitRole.VAE):
+                    raise ValueError(f"generator must be conditioned on exactly the LLM (and "
+                                     f"read the VAE unit's latents); dag() gives predecessors "
+                                     f"{preds}")
+                latents = next((out[p] for p in preds if role(p) is UnitRole.VAE), None)
+                noisy, t = generator_inputs(cfg, batch, dtype, latents)
+                eps = self.generator(noisy, t, out[preds[kinds.index(UnitRole.LLM)]],
                                      unit_attention(attention_impl, unit))
                 diff_sum = diffusion_loss_sum(eps, batch["gen_noise"], batch["gen_valid"])
+            elif kind is UnitRole.VAE:
+                out[unit] = vae_outputs(cfg, self.vae, batch)
             else:
                 if preds:
                     raise ValueError(f"encoder {unit!r} takes only batch inputs; dag() gives "
@@ -232,6 +252,8 @@ def trainable_filter(cfg: MLLMConfig):
         frozen.append(nnx.PathContains(LLM_UNIT))
     if cfg.generator_frozen:
         frozen.append(nnx.PathContains(GENERATOR_UNIT))
+    if cfg.vae is not None:  # always frozen: no gradients, no optimizer state, not saved
+        frozen.append(nnx.PathContains(VAE_UNIT))
     if not frozen:
         return nnx.Param
     return nnx.All(nnx.Param, nnx.Not(nnx.Any(*frozen)))

@@ -16,43 +16,13 @@ float32 whatever the parameter dtype (GroupNorm statistics and softmax as diffus
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from mmjax.models.config import VAEConfig  # noqa: F401  (re-exported: its home is config.py)
 from mmjax.models.layers import Dense, ones, param, zeros
-
-
-@dataclass(frozen=True)
-class VAEConfig:
-    """diffusers' AutoencoderKL config (config.json names). SD 2.1: the defaults."""
-
-    in_channels: int = 3
-    out_channels: int = 3
-    block_out_channels: tuple[int, ...] = (128, 256, 512, 512)
-    layers_per_block: int = 2
-    latent_channels: int = 4
-    norm_num_groups: int = 32
-    scaling_factor: float = 0.18215
-    shift_factor: float = 0.0
-    sample_size: int = 768
-    mid_block_add_attention: bool = True
-    use_quant_conv: bool = True
-    use_post_quant_conv: bool = True
-    norm_eps: float = 1e-6
-
-    def __post_init__(self):
-        for c in self.block_out_channels:
-            if c % self.norm_num_groups:
-                raise ValueError(f"VAE block_out_channels {self.block_out_channels}: {c} is not "
-                                 f"divisible by norm_num_groups={self.norm_num_groups}")
-
-    @property
-    def downsample(self) -> int:
-        """Image side / latent side (8 for SD's four blocks)."""
-        return 2 ** (len(self.block_out_channels) - 1)
 
 
 class _Keys:
@@ -254,3 +224,14 @@ class AutoencoderKL(nnx.Module):
     def images(self, latents):
         """Inverse of `latents` through the decoder; images in [-1, 1] (not clipped)."""
         return self.decode(latents / self.cfg.scaling_factor + self.cfg.shift_factor)
+
+
+def patchified_latents(vae: AutoencoderKL, pixels, patch_size: int):
+    """Target pixels [G, H, W, 3] in [-1, 1] -> the generator's training latents, patchified
+    as data/assemble.py `patchify` does on the host ([G, (h/p)(w/p), p*p*C], float32): the
+    VAE unit's output when the planner places the VAE on devices."""
+    lat = vae.latents(pixels)
+    g, h, w, c = lat.shape
+    p = patch_size
+    x = lat.reshape(g, h // p, p, w // p, p, c).transpose(0, 1, 3, 2, 4, 5)
+    return x.reshape(g, (h // p) * (w // p), p * p * c)

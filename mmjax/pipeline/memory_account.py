@@ -14,7 +14,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from mmjax.models.units import UnitRole, role
+from mmjax.models.units import UnitRole, is_llm, role
 from mmjax.parallel.zero import state_bytes_per_device
 from mmjax.planner.memory import encoder_acts, generator_acts, llm_acts, stage_memory
 
@@ -97,8 +97,11 @@ def predicted_stage(cfg, plan, ps, sid, flight: int, b: int = 4):
         acts = llm_acts(cfg.llm, rows / dp * seq, rows / dp * seq * seq, tp, b, "dense",
                         end - start, first, last, enc)
     elif kind is UnitRole.GENERATOR:
-        g = side["gen"]["gen_latents"].shape[0] / dp
-        cond = args[2].shape[-2] if args[2] is not None else 0
+        g = side["gen"]["gen_noise"].shape[0] / dp
+        x = args[2]
+        if isinstance(x, dict):  # with the VAE unit: {llm: conditioning, vae: latents}
+            x = next(v for u, v in x.items() if is_llm(u))
+        cond = x.shape[-2] if x is not None else 0
         acts = generator_acts(cfg.generator, g, cond, tp, b, end - start, first, last,
                               cfg.llm.hidden_size, "dense")
     else:

@@ -24,13 +24,14 @@ from flax import nnx
 from mmjax.data.feed import MicrobatchFeed
 from mmjax.errors import UserError
 from mmjax.models.config import MLLMConfig
-from mmjax.models.units import LLM_UNIT, is_generator
+from mmjax.models.units import LLM_UNIT, is_generator, is_vae
 from mmjax.parallel.mesh import stage_meshes
 from mmjax.parallel.sharded_init import abstract_split
 from mmjax.pipeline.multiprocess import abstract, holds_local_device, sync_collectives
 from mmjax.pipeline.stage import make_stage_fns
 from mmjax.pipeline.stage_modules import stage_module
 from mmjax.pipeline.stage_setup import (Stage, abstract_params, load_pretrained_stage,
+                                       load_vae_stage,
                                         stage_filter, stage_programs, stage_state)
 from mmjax.pipeline.step_result import StepResult
 from mmjax.pipeline.trace import completion_marker, make_tracer, trace_mode
@@ -99,7 +100,9 @@ class PipelineRuntime:
             mode = Backward(self.graph.has_backward[sid])
             up = plan.unit(sid.unit)
             gd, tr, fr = stage_state(*built[sid], mesh)
-            if "model" in pretrained and not is_generator(sid.unit):
+            if is_vae(sid.unit):  # frozen, whole: the diffusers checkpoint onto its mesh
+                fr = load_vae_stage(pretrained, fr, mesh)
+            elif "model" in pretrained and not is_generator(sid.unit):
                 tr, fr = load_pretrained_stage(cfg, up, sid, pretrained["model"], tr, fr,
                                                True)
             elif sid.unit in pretrained:
@@ -222,7 +225,7 @@ class PipelineRuntime:
                      self._initial_compute() if params is None else params)
         last_llm = StageId(LLM_UNIT, self.num_virtual["llm"] - 1)
         for sid, act in self.order:
-            if act.kind != "F" or is_generator(sid.unit):
+            if act.kind != "F" or is_generator(sid.unit) or is_vae(sid.unit):
                 continue
             mb, st = act.microbatch, self.stages[sid]
             side = self.transfers.side(sid, feeds[mb], step.totals)

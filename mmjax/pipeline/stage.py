@@ -28,7 +28,7 @@ from mmjax.parallel.tensor import mesh_param_specs
 from mmjax.pipeline.residuals import (Residuals, ResidualLayout, input_signature,
                                       remat_wrap, residual_layout)
 from mmjax.pipeline.stage_modules import (apply_encoder, apply_generator, apply_llm,
-                                          apply_llm_cp_ranks)
+                                          apply_llm_cp_ranks, apply_vae)
 from mmjax.planner.plan import UnitPlan
 from mmjax.schedule.stage_graph import Backward
 
@@ -219,6 +219,8 @@ def make_stage_fns(cfg: MLLMConfig, up: UnitPlan, graphdef, mode: Backward | str
                              mask_family=llm_mask_family)
         if kind is UnitRole.GENERATOR:
             return apply_generator(cfg, module, x, side, dtype, impl)
+        if kind is UnitRole.VAE:
+            return apply_vae(cfg, module, side)
         return apply_encoder(cfg, unit, module, x, side, dtype, impl)
 
     return StageFns(run, mode, up.remat, up.dp if mesh is not None else 1, mesh, cp)

@@ -1,7 +1,7 @@
 """What each pipeline stage is and computes: the stage modules (a slice of one unit's
 layers, `stage_module`) and the per-unit stage functions the runtime differentiates
 (`apply_encoder`, `apply_llm`, `apply_llm_cp_ranks` for a context-parallel LLM stage,
-`apply_generator`), on one dp rank's rows (pipeline/stage.py vmaps them over the ranks)."""
+`apply_generator`, `apply_vae` for the generator's frozen VAE unit), on one dp rank's rows (pipeline/stage.py vmaps them over the ranks)."""
 from __future__ import annotations
 
 import jax
@@ -14,9 +14,10 @@ from mmjax.models.attention import NO_OPTIONS, TokenMeta
 from mmjax.models.layers import cast_floats
 from mmjax.models.llm import LLM, lm_loss_sum, meta_attend
 from mmjax.models.mllm import (encoder_embed, encoder_layers, generator_inputs, llm_embed,
-                               llm_meta, make_encoder, project, unit_key)
+                               llm_meta, make_encoder, project, unit_key, vae_outputs)
 from mmjax.models.projector import make_projector
-from mmjax.models.units import UnitRole, role
+from mmjax.models.units import UnitRole, is_llm, is_vae, role
+from mmjax.models.vae import AutoencoderKL
 from mmjax.parallel.context import cp_attention_sharded
 from mmjax.parallel.tp_ops import sequence_sharded_llm_stage
 
@@ -41,6 +42,8 @@ def build_stage_module(cfg: MLLMConfig, unit: str, root_key, start: int, end: in
         case UnitRole.GENERATOR:
             return DiffusionGenerator(cfg.generator, cfg.llm.hidden_size,
                                       unit_key(root_key, unit), start, end)
+        case UnitRole.VAE:  # one stage; its weights are read from `vae.path` after placement
+            return AutoencoderKL(cfg.vae, unit_key(root_key, unit))
     return EncoderStage(cfg, unit, root_key, start, end)
 
 
@@ -183,12 +186,24 @@ def apply_llm_cp_ranks(cfg: MLLMConfig, graphdef, trainable, frozen, x, side, dt
     return (lm, _condition(merge(out[1]), side, 1)) if with_generator else lm
 
 
+def apply_vae(cfg: MLLMConfig, module: AutoencoderKL, side):
+    """The frozen VAE unit (forward only): one rank's target pixels -> its patchified
+    latents [rows, P, pd], in the generator's row order."""
+    return vae_outputs(cfg, module, {"gen_pixels": side["pixels"]})
+
+
 def apply_generator(cfg: MLLMConfig, module: DiffusionGenerator, x, side, dtype,
                     attention_impl: str = "auto"):
+    """`x` on the first stage: the LLM's packed conditioning, or {unit: input} with the VAE
+    unit's latents beside it (no gradient flows to the frozen VAE)."""
     g = side["gen"]
     if module.is_first:
+        latents = None
+        if isinstance(x, dict):
+            latents = jax.lax.stop_gradient(next(v for u, v in x.items() if is_vae(u)))
+            x = next(v for u, v in x.items() if is_llm(u))
         cond = x.reshape((-1,) + x.shape[2:])                          # [ranks*slots*cap, K, d]
-        noisy, t = generator_inputs(cfg, g, dtype)
+        noisy, t = generator_inputs(cfg, g, dtype, latents)
         x = module.embed(noisy, t, cond)
     x = module.run_layers(jax.tree.map(lambda a: a.astype(dtype), x), attention_impl)
     if not module.is_last:

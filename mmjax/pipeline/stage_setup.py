@@ -15,7 +15,7 @@ from mmjax.models.config import MLLMConfig
 from mmjax.models.hf import pretrained as hf_pretrained
 from mmjax.models.layers import cast_floats
 from mmjax.models.mllm import trainable_filter
-from mmjax.models.units import is_encoder
+from mmjax.models.units import VAE_UNIT, is_encoder
 from mmjax.parallel.sharded_init import abstract_split, init_split
 from mmjax.parallel.tensor import state_shardings
 from mmjax.pipeline.multiprocess import holds_local_device, place_state
@@ -87,6 +87,19 @@ def load_pretrained_stage(cfg: MLLMConfig, up, sid: StageId, path, tr, fr, whole
         tr, fr = (hf_pretrained.load_stage_state(tr, proj, root),
                   hf_pretrained.load_stage_state(fr, proj, root))
     return tr, fr
+
+
+def load_vae_stage(pretrained: dict, frozen, mesh):
+    """The VAE unit's frozen state read from `pretrained[VAE_UNIT]` (a diffusers
+    AutoencoderKL directory) and placed on its mesh; a runtime built without one (tests of
+    the arithmetic alone) keeps the seed's weights."""
+    path = pretrained.get(VAE_UNIT)
+    if path is None or not holds_local_device(mesh):
+        return frozen
+    from mmjax.models.hf.vae import load_vae_safetensors
+
+    module, _ = load_vae_safetensors(path)
+    return place_state(nnx.state(module), mesh)
 
 
 def stage_programs(st: Stage, dtype) -> None:

@@ -14,7 +14,7 @@ import numpy as np
 
 from mmjax.data.feed import MicrobatchFeed
 from mmjax.data.routes import Routes
-from mmjax.models.units import is_generator, is_llm
+from mmjax.models.units import is_generator, is_llm, is_vae
 from mmjax.parallel.broker import Broker
 from mmjax.pipeline.multiprocess import abstract, global_put, placeholders
 from mmjax.pipeline.stage import dp_sharding
@@ -42,6 +42,8 @@ class Transfers:
     def routes(self, src: StageId, dst: StageId, feed: MicrobatchFeed) -> Routes:
         if src.unit == dst.unit:
             return Routes.identity(self.stages[src].dp)
+        if is_vae(src.unit):  # the generator's rows in order: dp_vae blocks -> dp_gen blocks
+            return Routes.order_preserving(self.stages[src].dp, self.stages[dst].dp)
         if is_llm(dst.unit):
             return feed.enc_routes[src.unit]
         return feed.gen_routes
@@ -68,8 +70,11 @@ class Transfers:
             if self.has_generator:
                 side["gen_pack"] = feed.gen_pack
             return self.put(sid, side)
-        if is_generator(u):
-            return self.put(sid, {"gen": feed.gen, "num_gen": np.float32(max(totals[1], 1))})
+        if is_generator(u):  # the pixels go to the VAE unit only
+            gen = {k: v for k, v in feed.gen.items() if k != "gen_pixels"}
+            return self.put(sid, {"gen": gen, "num_gen": np.float32(max(totals[1], 1))})
+        if is_vae(u):
+            return self.put(sid, {"pixels": feed.gen["gen_pixels"]})
         return self.put(sid, {"inputs": feed.enc_inputs[u], "pack": feed.enc_pack[u]})
 
     # ---- activations and cotangents -------------------------------------------------
@@ -79,7 +84,7 @@ class Transfers:
         preds = self.graph.predecessors(sid)
         if not preds:
             return None
-        if is_llm(sid.unit) and sid.index == 0:
+        if len(preds) > 1 or (is_llm(sid.unit) and sid.index == 0):
             return {p.unit: self.move(p, sid, outputs[(p, mb)], feed) for p in preds}
         (p,) = preds
         return self.move(p, sid, outputs[(p, mb)], feed)
@@ -92,7 +97,7 @@ class Transfers:
         moved = []
         for s in succ:
             dx = cotangents[(s, mb)]
-            if is_llm(s.unit) and s.index == 0 and not is_llm(sid.unit):
+            if isinstance(dx, dict):  # a stage with several inputs: the one from `sid`
                 dx = dx[sid.unit]
             moved.append(self.move(s, sid, dx, feed, inverse=True))
         one = self.one(sid)
@@ -118,6 +123,11 @@ class Transfers:
         routes = (self.routes(src, dst, feed) if not inverse
                   else self.routes(dst, src, feed).inverse())
         src_local, dst_local = self.stages[src].local, self.stages[dst].local
+        if is_vae(src.unit):  # rows [R, ...] as routes.src_ranks * src_slots parts in order
+            parts = routes.src_ranks * routes.src_slots
+            x = jax.tree.map(lambda a: _reshaped(a, (parts, -1), src_local), x)
+            moved = self._move_parts(src, dst, x, routes, src_local, dst_local)
+            return jax.tree.map(lambda a: _reshaped(a, (-1,), dst_local), moved)
         intra = src.unit == dst.unit
         if not (src_local or dst_local):
             if intra:
@@ -141,7 +151,30 @@ class Transfers:
                             jax.ShapeDtypeStruct((a.shape[0] * a.shape[1],) + tuple(a.shape[2:]),
                                                  a.dtype), moved)
 
+    def _move_parts(self, src, dst, x, routes, src_local, dst_local):
+        """`x` as parts [ranks * slots, ...] moved by `routes` (the broker's transfer), with
+        the placeholders of a process that lacks one side."""
+        if not (src_local or dst_local):
+            return jax.tree.map(lambda a: jax.ShapeDtypeStruct(
+                (routes.dst_ranks * routes.dst_slots,) + tuple(a.shape[1:]), a.dtype), x)
+        broker = self.broker(src, dst)
+        if not src_local:
+            x = placeholders(x, broker.src_sharding)
+        moved = broker.transfer_tree(x, routes, wait=self.sync)
+        return moved if dst_local else abstract(moved)
+
     def one(self, sid):
         """The loss cotangent 1.0 per dp rank, `[dp]` on the stage mesh's dp axis."""
         st = self.stages[sid]
         return global_put(np.ones((st.dp,), np.float32), dp_sharding(st.mesh, 1))
+
+
+def _reshaped(a, lead: tuple, local: bool):
+    """`a` with its leading axis reshaped to `lead` (-1 for the rest of it), or its shape
+    alone for an array of another process."""
+    rows = a.shape[0] * (a.shape[1] if len(lead) == 1 else 1)
+    rest = a.shape[2:] if len(lead) == 1 else a.shape[1:]
+    shape = (rows,) if len(lead) == 1 else (lead[0], rows // lead[0])
+    if local:
+        return a.reshape(shape + tuple(rest))
+    return jax.ShapeDtypeStruct(shape + tuple(rest), a.dtype)

@@ -38,11 +38,11 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from mmjax.models.config import MLLMConfig, VisionConfig
-from mmjax.models.units import is_generator, is_llm
+from mmjax.models.units import is_generator, is_llm, is_vae
 from mmjax.planner import memory
 from mmjax.planner.hardware import Hardware
 from mmjax.planner.module_params import replicated_params
-from mmjax.planner.unit_work import ACT_BYTES, UnitWork, Work, impl_of, unit_work
+from mmjax.planner.unit_work import ACT_BYTES, UnitWork, Work, impl_of, unit_work, vae_side
 from mmjax.planner.workload import Workload
 
 TP_SIZES = (1, 2, 4, 8)
@@ -120,10 +120,21 @@ class UnitCost:
     flight_scale: float = 1.0
 
 
+def _vae_acts(model: MLLMConfig, wl: Workload) -> memory.Acts:
+    """Forward-only peak of the VAE unit for one sample: the widest conv's input and output
+    at full resolution (fp32), the pixels in and the latents out."""
+    v, k, side = model.vae, wl.mean_generated(), vae_side(model)
+    peak = 4.0 * k * side * side * 2 * v.block_out_channels[0] * 2
+    latent = 4.0 * k * model.generator.latent_channels * model.generator.latent_size ** 2
+    return memory.Acts(0.0, 0.0, peak, latent, 4.0 * k * side * side * 3)
+
+
 def unit_acts(model: MLLMConfig, wl: Workload, unit: str, tp: int, impl: str | None,
               b: int = ACT_BYTES) -> memory.Acts:
     """planner/memory.py's activation bytes of one average sample through the whole unit
     at `tp`; `impl` None (exact pairs, no [S, S] buffer) is costed as a tiled kernel."""
+    if is_vae(unit):
+        return _vae_acts(model, wl)
     if is_llm(unit):
         n1, n2 = wl.llm_moments()
         return memory.llm_acts(model.llm, n1, n2, tp, b, impl)
@@ -147,6 +158,8 @@ def unit_cost(model: MLLMConfig, wl: Workload, unit: str, hw: Hardware,
     impl = impl_of(attention_impl, unit)
     uw = unit_work(model, wl, unit, attention_impl)
     tps = [t for t in tp_sizes if t <= hw.gpus_per_node and all(s % t == 0 for s in uw.tp_divides)]
+    if is_vae(unit):  # runs whole on each device (planner/plan.py `_validate_vae`)
+        tps = [1]
     backward = any(w.bwd for w in uw.layers + uw.extra)
     times, fwds, acts, work, fixed = {}, {}, {}, {}, {}
     b = ACT_BYTES

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from mmjax.models.config import (AudioConfig, GeneratorConfig, LLMConfig, MLLMConfig,
                                  ProjectorConfig, VisionConfig)
-from mmjax.models.units import is_generator, is_llm
+from mmjax.models.units import is_generator, is_llm, is_vae
+from mmjax.planner.vae_placement import vae_params
 
 
 def _encoder_layer_params(d: int, f: int) -> int:
@@ -99,6 +100,11 @@ def replicated_params(model: MLLMConfig, unit: str) -> int:
     `megatron_role`): all but the blocks' q/k/v/o/fc1/fc2 (and cross-attention) matrices
     with their column biases, the LLM's projections and its vocabulary matrices."""
     params = module_params(model)
+    if is_vae(unit):  # never split: tp = 1
+        v = model.vae
+        return vae_params(v.block_out_channels, v.layers_per_block, v.in_channels,
+                          v.latent_channels, v.out_channels, v.mid_block_add_attention,
+                          v.use_quant_conv, v.use_post_quant_conv)
     if is_llm(unit):
         c = model.llm
         return c.num_layers * 2 * c.hidden_size + c.hidden_size

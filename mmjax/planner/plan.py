@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from mmjax.errors import UserError
 from mmjax.planner.placement import stage_devices
-from mmjax.models.units import is_generator, is_llm
+from mmjax.models.units import GENERATOR_UNIT, is_generator, is_llm, is_vae
 
 
 class PlanError(UserError):
@@ -109,6 +109,9 @@ class Plan:
         for name in model.unit_names:
             kw = {k: (v.get(name, _UNIT_DEFAULTS[k]) if isinstance(v, dict)
                       else v) for k, v in unit_kw.items()}
+            if is_vae(name):  # one whole stage: plain (all-unit) tp / pp / chunks skip it
+                kw = {k: v for k, v in kw.items()
+                      if k not in ("tp", "pp", "num_chunks") or isinstance(unit_kw[k], dict)}
             if not is_llm(name):
                 kw.pop("cp", None)
                 kw.pop("cp_head_groups", None)
@@ -126,7 +129,7 @@ class Plan:
         units = []
         for name in model.unit_names:
             upp = pp if is_llm(name) else 1
-            units.append(UnitPlan(name=name, dp=dp, tp=tp, pp=upp,
+            units.append(UnitPlan(name=name, dp=dp, tp=1 if is_vae(name) else tp, pp=upp,
                                   layers=cls.even_layers(model.num_layers(name), upp),
                                   frozen=model.frozen(name)))
         return cls(tuple(units), global_batch, num_microbatches, kind="rigid")
@@ -175,6 +178,8 @@ class Plan:
                                 f"to 'chunked' or overlap_tp=False")
             if u.cp > 1 and not is_llm(u.name):
                 raise PlanError(f"{where}.cp={u.cp}: context parallelism is for the llm only")
+            if is_vae(u.name):
+                _validate_vae(self, u, where)
             _validate_knobs(model, u, where)
             n_layers = model.num_layers(u.name)
             nv = u.pp * u.num_chunks
@@ -313,6 +318,19 @@ def _validate_knobs(model, u: UnitPlan, where: str) -> None:
                         f"gathers its kv heads in cp_head_groups groups): lower it")
 
 
+def _validate_vae(plan: Plan, u: UnitPlan, where: str) -> None:
+    """The frozen VAE unit: one stage, no tensor parallelism, its dp dividing the
+    generator's (its latents reach the generator's ranks in row order, DistTrain §7's
+    order-preserving broker)."""
+    if u.tp != 1 or u.num_chunks != 1:
+        raise PlanError(f"{where}: the VAE unit runs whole on each of its devices: set tp=1 "
+                        f"and num_chunks=1 (got tp={u.tp}, num_chunks={u.num_chunks})")
+    gen = plan.unit(GENERATOR_UNIT).dp
+    if gen % u.dp:
+        raise PlanError(f"{where}.dp={u.dp} does not divide the generator's dp={gen}: "
+                        f"give the VAE unit a divisor of {gen} devices")
+
+
 def _tp_divisible(model, unit: str):
     """(name, size) pairs that tensor parallelism must divide for this unit."""
     if is_llm(unit):
@@ -323,5 +341,7 @@ def _tp_divisible(model, unit: str):
     if is_generator(unit):
         c = model.generator
         return [("generator.num_heads", c.num_heads), ("generator.ffn_size", c.ffn_size)]
+    if is_vae(unit):  # tp = 1 (`_validate_vae`)
+        return []
     c = model.encoder(unit).encoder
     return [(f"{unit}.num_heads", c.num_heads), (f"{unit}.ffn_size", c.ffn_size)]

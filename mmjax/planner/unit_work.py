@@ -13,10 +13,11 @@ import numpy as np
 
 from mmjax.models.config import MLLMConfig, VisionConfig
 from mmjax.models.qwen2_vl_config import full_attention_layer, window_patches
-from mmjax.models.units import is_generator, is_llm
+from mmjax.models.units import is_generator, is_llm, is_vae
 from mmjax.planner.attention_cost import (computed_pairs, exact_pairs, image_window_pairs,
                                           kept_bytes_per_head)
 from mmjax.planner.module_params import mlp_dims, module_params
+from mmjax.planner.vae_placement import vae_encoder_flops, vae_params
 from mmjax.planner.workload import Workload
 
 ACT_BYTES = 2  # bf16 activations
@@ -182,6 +183,27 @@ def _generator_work(model: MLLMConfig, wl: Workload, bwd: int) -> list[Work]:
     return works
 
 
+def vae_side(model: MLLMConfig) -> int:
+    """The pixels the VAE unit reads per target image (square)."""
+    return model.generator.latent_size * model.vae.downsample
+
+
+def _vae_work(model: MLLMConfig, wl: Workload, unit: str) -> UnitWork:
+    """The frozen VAE unit: its encoder's FLOPs on the mean generated images of a sample,
+    forward only (no backward factor); it hands the generator fp32 latents."""
+    v, g = model.vae, model.generator
+    k, side = wl.mean_generated(), vae_side(model)
+    flops = k * vae_encoder_flops(v.block_out_channels, v.layers_per_block, v.in_channels,
+                                  v.latent_channels, side, v.mid_block_add_attention)
+    latent = g.latent_channels * g.latent_size * g.latent_size
+    work = Work(flops, max(v.block_out_channels), 0.0, 0.0, 0.0, 0,
+                tokens=k * g.latent_size * g.latent_size)
+    params = vae_params(v.block_out_channels, v.layers_per_block, v.in_channels,
+                        v.latent_channels, v.out_channels, v.mid_block_add_attention,
+                        v.use_quant_conv, v.use_post_quant_conv)
+    return UnitWork(unit, (work,), (), params, 0, 4.0 * k * latent, ())
+
+
 def _merge(a: Work, b: Work) -> Work:
     return Work(a.flops + b.flops, max(a.width, b.width), a.allreduce_bytes + b.allreduce_bytes,
                 a.act_bytes + b.act_bytes, a.in_bytes + b.in_bytes, max(a.bwd, b.bwd),
@@ -199,6 +221,8 @@ def unit_work(model: MLLMConfig, wl: Workload, unit: str, attention_impl=None) -
     """Per-layer forward work of `unit` for one average sample of `wl`; attention_impl (one
     name or {unit: name}) costs attention by that implementation's tiles."""
     impl = impl_of(attention_impl, unit)
+    if is_vae(unit):
+        return _vae_work(model, wl, unit)
     bwd = module_backward_factors(model)
     params = module_params(model)
     if is_llm(unit):

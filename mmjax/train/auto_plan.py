@@ -46,7 +46,13 @@ def auto_plan(cfg, global_batch: int, source, num_devices: int | None = None,
     n = num_devices or jax.device_count()
     hw, wl = planning_inputs(cfg, source, hardware_name, data_samples)
     try:
-        plan = plan_model(cfg, hw, n, global_batch, workload=wl)
+        if cfg.vae is not None:  # the VAE unit (vae.placement chose devices): its GPUs
+            from mmjax.planner.vae_placement import plan_with_vae
+            plan, _ = plan_with_vae(
+                lambda m, g: plan_model(m, hw, g, global_batch, workload=wl), cfg, hw, n,
+                global_batch * wl.mean_generated(), 1, placement="device")
+        else:
+            plan = plan_model(cfg, hw, n, global_batch, workload=wl)
     except PlanError as e:
         raise PlanError(f"train.plan='auto' on {n} devices: {e}") from None
     return plan.validate(cfg, n)

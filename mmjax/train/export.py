@@ -28,7 +28,7 @@ from mmjax.models import hf
 from mmjax.models.config import AudioConfig, MLLMConfig, config_from_dict
 from mmjax.models.hf.checkpoint import _flatten, _fmt
 from mmjax.models.mllm import MultimodalModel, trainable_filter
-from mmjax.models.units import is_llm
+from mmjax.models.units import VAE_UNIT, is_llm, is_vae
 from mmjax.models.hf.pretrained import load_pretrained_dirs
 from mmjax.parallel.sharded_init import abstract_split, init_split
 from mmjax.train.checkpoint import Checkpointer
@@ -128,7 +128,12 @@ def export_model(cfg: MLLMConfig, pure: dict, out, max_shard_bytes: int = MAX_SH
     written = {"llm": out / "llm"}
     hf.export_llm_safetensors(pure["llm"], cfg.llm, out / "llm", max_shard_bytes=max_shard_bytes,
                               source=sources.get("llm"))
-    extra = {k: v for k, v in pure.items() if not is_llm(k) and k != "encoders"}
+    extra = {k: v for k, v in pure.items()
+             if not is_llm(k) and not is_vae(k) and k != "encoders"}
+    if cfg.vae is not None:  # the frozen VAE unit: back in diffusers' layout
+        from mmjax.models.hf.vae import export_vae_safetensors
+        export_vae_safetensors(pure[VAE_UNIT], cfg.vae, out / VAE_UNIT)
+        written[VAE_UNIT] = out / VAE_UNIT
     for spec in cfg.encoders:
         enc, where = spec.encoder, out / spec.name
         tree = pure["encoders"][spec.name]

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+from mmjax.models.units import is_vae
+
 
 class SkipReport:
     """Per reason (the part of a skip reason before ':', e.g. `too_long`) the skips of this
@@ -45,6 +47,9 @@ def pretrained_lines(cfg, dirs: dict) -> list[str]:
 
     out = []
     for unit, path in dirs.items():
+        if is_vae(unit):  # the generator's frozen VAE as a unit (vae.placement = device)
+            out.append(f"loaded the frozen VAE unit from {path} (runs on devices)")
+            continue
         if unit == "model":  # a whole LLaVA: tower, projector and LLM
             from mmjax.models.hf.llava import llava_load_plan
             n = len(llava_load_plan(path, cfg).entries)

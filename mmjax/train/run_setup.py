@@ -16,7 +16,8 @@ from mmjax.train.config import named_model_config, pretrained
 from mmjax.train.data_config import fit_vocab, layout_and_source, train_source
 from mmjax.train.progress import console as progress_console
 from mmjax.train.validate import check_pretrained_vocab
-from mmjax.models.units import has_llm
+from mmjax.models.units import VAE_UNIT, has_llm
+from mmjax.train.vae_latents import place_vae
 
 
 def dry_run_build(cfg, tok, dirs, plan, global_batch, attention_impl, schedule) -> None:
@@ -51,6 +52,12 @@ def model_and_tokenizer(model: MLLMConfig | None):
     if tok is not None:
         cfg = fit_vocab(cfg, tok, pretrained=has_llm(dirs) or "model" in dirs)
     check_pretrained_vocab(cfg, dirs)
+    cfg, vae_dir, decision = place_vae(cfg)
+    if decision is not None:  # "auto": the planner's choice and why
+        progress_console().print(f"vae placement: {'device (a frozen unit)' if vae_dir else 'host'}"
+                                 f" -- {decision.reason}", markup=False, highlight=False)
+    if vae_dir is not None:  # the VAE unit's weights, read like a pretrained unit's
+        dirs = {**dirs, VAE_UNIT: vae_dir}
     return cfg, tok, dirs
 
 

@@ -117,6 +117,10 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
     schedule = learning_rate_schedule(steps)
     dtype = _DTYPES[compute_dtype]
     colo = _colocation(plan, global_batch, cfg, replan_every, trace_every, trace_steps)
+    if cfg.vae is not None and (colo is not None or replan_every):
+        raise UserError(f"vae.placement chose the device (a frozen VAE unit), which "
+                        f"{'the co-located layout' if colo is not None else 'train.replan_every'}"
+                        f" does not place: set vae.placement='host' (the data path encodes)")
     held_out = eval_source(cfg, tok) if eval_every else None
     if eval_every and held_out is None:
         raise UserError("train.eval_every needs a held-out set: set eval_source.json_path "

@@ -1,5 +1,8 @@
-"""The generator's targets from images: a frozen VAE encodes each `output_image` to latents
-in the data path (the host's or a producer's CPU), so the DiT trains on real latents.
+"""The generator's targets from images: a frozen VAE encodes each `output_image` to latents,
+either in the data path (placement "host": the host's or a producer's CPU) or as a frozen
+unit of the model on its own devices (placement "device": the data path hands the pixels on
+and the `vae` unit, models/units.py, encodes them in the step), so the DiT trains on real
+latents.
 
 `vae.path` (gin) names a diffusers AutoencoderKL directory (config.json +
 diffusion_pytorch_model.safetensors, e.g. Stable Diffusion 2.1's `vae/`). Target images are
@@ -7,7 +10,8 @@ centre-cropped to a square and resized (bicubic) to `latent_size x vae downsampl
 scaled to [-1, 1], and encoded to the posterior mode times `scaling_factor`
 (`AutoencoderKL.latents`), as [C, h, w] float32 (the `image_out` segment's layout).
 `LatentEncoder` is what a data source calls; it pickles to its settings alone (grain
-workers and producer processes load the VAE themselves, on their CPU).
+workers and producer processes load the VAE themselves, on their CPU). With the VAE as a
+unit it returns the pixels [3, side, side] (`GenSlot.pixel_side`) and loads no VAE.
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import numpy as np
 
 from mmjax.errors import UserError
 from mmjax.models.config import MLLMConfig
+from mmjax.planner.vae_placement import VAEPlacement
 
 
 def square_pixels(image, side: int) -> np.ndarray:
@@ -32,7 +37,9 @@ def square_pixels(image, side: int) -> np.ndarray:
 
 class LatentEncoder:
     """PIL image -> latents float32 [C, h, w] through the VAE at `path` (on this process's
-    CPU). `latent_shape`, `num_queries`: what the `image_out` segment carries."""
+    CPU; placement "host"), or -> its pixels [3, side, side] for the VAE unit (placement
+    "device"). `latent_shape`, `num_queries`: the generator's; `data_shape`: what the
+    `image_out` segment carries."""
 
     def __init__(self, path: str, latent_shape: tuple[int, int, int], num_queries: int,
                  placement: str = "host"):
@@ -50,9 +57,14 @@ class LatentEncoder:
         if placement not in ("host", "device"):
             raise UserError(f"vae.placement={placement!r}: use 'auto', 'host' or 'device'")
         self.path, self.latent_shape, self.num_queries = path, tuple(latent_shape), num_queries
-        self.placement = placement  # host: this process's CPU; device: its first accelerator
+        self.placement = placement  # host: this process's CPU; device: the VAE unit's devices
         self.side = h * self.vae_cfg.downsample  # the pixels the VAE reads
+        self.decision = None  # the planner's VAEPlacement when placement was "auto"
         self._fn = None
+
+    @property
+    def data_shape(self) -> tuple[int, int, int]:
+        return (3, self.side, self.side) if self.placement == "device" else self.latent_shape
 
     def __getstate__(self):
         return {**self.__dict__, "_fn": None}
@@ -64,7 +76,7 @@ class LatentEncoder:
 
             from mmjax.models.hf.vae import load_vae_safetensors
 
-            dev = jax.devices("cpu")[0] if self.placement == "host" else jax.devices()[0]
+            dev = jax.devices("cpu")[0]
             with jax.default_device(dev):
                 vae, _ = load_vae_safetensors(self.path)
                 graphdef, state = nnx.split(vae)
@@ -77,6 +89,8 @@ class LatentEncoder:
         return square_pixels(image, self.side)
 
     def __call__(self, image) -> np.ndarray:
+        if self.placement == "device":  # the VAE unit encodes them on its devices
+            return np.ascontiguousarray(self.pixels(image).transpose(2, 0, 1))
         lat = np.asarray(self._encode_fn()(self.pixels(image)[None]))[0]
         return np.ascontiguousarray(lat.transpose(2, 0, 1), np.float32)
 
@@ -86,7 +100,8 @@ def vae(path: str | None = None, placement: str = "auto", hardware: str = "h100"
         step_time_s: float = 0.0):
     """`vae.path`: the frozen VAE of the generator's data path (None: no output images);
     `placement`: "host" (CPU of the process that decodes: the trainer's data thread or the
-    producers), "device" (the trainer's first accelerator), "auto" (the planner's cost
+    producers), "device" (a frozen `vae` unit of the model: its own sub-mesh in a plan,
+    part of the single program; the data path ships pixels), "auto" (the planner's cost
     comparison, planner/vae_placement.py, with the step time it may hide behind)."""
     return path, placement, hardware, step_time_s
 
@@ -100,17 +115,14 @@ def _gin(name: str, default):
 
 def resolve_placement(cfg, side: int, placement: str, hardware: str, step_time_s: float,
                       producers: int, images_per_step: int, backend: str):
-    """-> (placement, VAEPlacement or None): "auto" resolved by the planner's cost model;
-    "device" needs the VAE in the trainer's process (not in CPU producers)."""
+    """-> (placement, VAEPlacement or None): "auto" resolved by the planner's cost model
+    (host on a CPU backend: no accelerator to place the unit on)."""
     from mmjax.planner.hardware import hardware as hardware_by_name
     from mmjax.planner.vae_placement import (PLACEMENTS, choose_vae_placement,
                                              vae_encoder_flops)
 
     if placement not in PLACEMENTS:
         raise UserError(f"vae.placement={placement!r}: use one of {list(PLACEMENTS)}")
-    if placement == "device" and producers:
-        raise UserError("vae.placement='device' with Loader.producers: producers are CPU "
-                        "processes; use vae.placement='host' (or 'auto'), or no producers")
     if placement != "auto":
         return placement, None
     decision = choose_vae_placement(
@@ -119,25 +131,44 @@ def resolve_placement(cfg, side: int, placement: str, hardware: str, step_time_s
                                            cfg.mid_block_add_attention),
         side, hardware_by_name(hardware), max(producers, 1), step_time_s,
         channel_width=max(cfg.block_out_channels))
-    if producers or backend == "cpu":  # no accelerator to place it on from the data path
+    if backend == "cpu":  # no accelerator: the unit would compete with the CPU step
         return "host", decision
     return decision.placement, decision
 
 
-def output_image_encoder(cfg: MLLMConfig, num_queries: int) -> LatentEncoder | None:
-    """The configured `LatentEncoder` for `cfg`'s generator, or None without `vae.path`."""
-    path, placement, hw, step_time_s = vae()
-    if not path:
-        return None
+def _encoder(cfg: MLLMConfig, path: str, num_queries: int, placement: str) -> LatentEncoder:
     if cfg.generator is None:
         raise UserError("vae.path is set but the model has no generator: drop vae.path or "
                         "use a model with a generator (e.g. named_model_config.name='tiny')")
+    g = cfg.generator
+    return LatentEncoder(path, (g.latent_channels, g.latent_size, g.latent_size), num_queries,
+                         placement)
+
+
+def place_vae(cfg: MLLMConfig) -> tuple[MLLMConfig, str | None, VAEPlacement | None]:
+    """The run's VAE placement (gin `vae.*`), decided once before the plan is made:
+    -> (cfg, the VAE directory when it is a unit, the planner's decision for "auto").
+    "device" makes the VAE a frozen unit of the model (`cfg.vae`: the plan gives it its own
+    devices, the single program runs it inside its step); "host" leaves `cfg` as it is."""
     import jax
 
-    g = cfg.generator
-    enc = LatentEncoder(path, (g.latent_channels, g.latent_size, g.latent_size), num_queries)
+    path, placement, hw, step_time_s = vae()
+    if not path:
+        return cfg, None, None
+    enc = _encoder(cfg, path, 1, "host")
     producers = int(_gin("Loader.producers", 0)) + len(_gin("Loader.producer_addresses", ()))
-    enc.placement, enc.decision = resolve_placement(
+    where, decision = resolve_placement(
         enc.vae_cfg, enc.side, placement, hw, step_time_s, producers,
         int(_gin("train.global_batch", 8)), jax.default_backend())
-    return enc
+    if where == "host":
+        return cfg.replace(vae=None), None, decision
+    return cfg.replace(vae=enc.vae_cfg), path, decision
+
+
+def output_image_encoder(cfg: MLLMConfig, num_queries: int) -> LatentEncoder | None:
+    """The configured `LatentEncoder` for `cfg`'s generator, or None without `vae.path`:
+    pixels for the model's VAE unit when `cfg.vae` is set (`place_vae`), else latents."""
+    path = vae()[0]
+    if not path:
+        return None
+    return _encoder(cfg, path, num_queries, "device" if cfg.vae is not None else "host")

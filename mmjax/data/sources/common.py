@@ -128,7 +128,8 @@ class ChatRecordSource:
         self.entries = cached_index(index_path, key, records, self.builder, index_workers,
                                     label=f"indexing {len(records)} records")
         # `output_images`: image -> generator latents [C, h, w] (train/vae_latents.py's
-        # LatentEncoder: a frozen VAE on this process's CPU), with `latent_shape` and
+        # LatentEncoder: a frozen VAE on this process's CPU) or, for the model's VAE unit,
+        # pixels [3, side, side], with `data_shape` and
         # `num_queries`; needed when a record names an `output_image`
         self.output_images = output_images
         n_out = sum(1 for r in records if r.get("output_image") is not None)
@@ -161,7 +162,7 @@ class ChatRecordSource:
                 out.append(("image", (h, w, 3), 0))
             elif piece[0] == "image_out":
                 enc = self.output_images
-                out.append(("image_out", enc.latent_shape, enc.num_queries))
+                out.append(("image_out", enc.data_shape, enc.num_queries))
             else:
                 frames = self.audio_processor.num_frames(piece[1], "longest")
                 out.append(("audio", (frames, self.audio_processor.feature_size), 0))
@@ -218,7 +219,7 @@ class ChatRecordSource:
         if out is not None:
             enc = self.output_images
             if modalities is not None and "image_out" not in modalities:
-                data = np.zeros(enc.latent_shape, np.float32)
+                data = np.zeros(enc.data_shape, np.float32)
             else:
                 try:
                     with open_ref(out) as f, Image.open(f) as im:

@@ -27,7 +27,7 @@ from mmjax.models.hf.qwen2_vl_pretrained import (is_qwen2_vl_dir, qwen2_vl_check
                                                  qwen2_vl_projector_plan, qwen2_vl_unit_plan)
 from mmjax.models.hf.vision import VISION_TYPES, vit_load_plan
 from mmjax.models.hf.whisper import whisper_load_plan
-from mmjax.models.units import LLM_UNIT, has_llm, is_generator, is_llm
+from mmjax.models.units import LLM_UNIT, has_llm, is_encoder, is_generator, is_llm, is_vae
 
 
 class PretrainedError(ValueError):
@@ -212,13 +212,24 @@ def stage_load_plan(path, cfg: MLLMConfig, unit: str, start: int, end: int | Non
 
 
 def load_pretrained_dirs(model, dirs: dict):
-    """`load_into_model` for a run's {unit: dir} (or {"model": dir})."""
+    """`load_into_model` for a run's {unit: dir} (or {"model": dir}); the VAE unit's
+    diffusers directory (`vae_unit_dir`) into `model.vae`."""
+    vae_dir = vae_unit_dir(dirs)
+    if vae_dir is not None:
+        from mmjax.models.hf.vae import load_vae_safetensors
+        nnx.update(model.vae, nnx.state(load_vae_safetensors(vae_dir, model.cfg.vae)[0]))
     if "model" in dirs:
         from mmjax.models.hf.llava import llava_load_plan
         apply_to_module(model, llava_load_plan(dirs["model"], model.cfg).read())
         return model
-    encoders = {k: v for k, v in dirs.items() if not is_llm(k)}
+    encoders = {k: v for k, v in dirs.items() if is_encoder(k)}
     return load_into_model(model, dirs.get("llm"), encoders)
+
+
+def vae_unit_dir(dirs: dict) -> str | None:
+    """The diffusers AutoencoderKL directory of the model's VAE unit in a run's pretrained
+    {unit: dir} (set when the VAE is placed on devices), or None."""
+    return next((d for u, d in dirs.items() if is_vae(u)), None)
 
 
 def load_into_model(model, llm_path=None, encoder_paths: dict | None = None):
