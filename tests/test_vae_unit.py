@@ -299,7 +299,7 @@ def test_a_host_holding_only_the_vae_unit_decodes_the_target_pixels(tmp_path):
     plan = Plan.uniform(cfg, 4, 2, dp={"vision": 1, "vae": 1, "llm": 2, "generator": 2})
     (vae_device,), = plan.stage_devices()[VAE_UNIT]
     build = lambda local: GlobalBatchBuilder(src, cfg, plan, lay, unit_policies("none", cfg),
-                                             seed=0, feeds=True, local_devices=local)(0)
+                                             seed=0, local_devices=local)(0)
     full, here = build(None), build({vae_device})
     images = 0
     for mb, ref in zip(here.microbatches, full.microbatches):
