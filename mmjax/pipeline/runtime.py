@@ -32,6 +32,7 @@ from mmjax.parallel.mesh import stage_meshes
 from mmjax.models.layers import cast_floats
 from mmjax.models.units import LLM_UNIT, is_encoder, is_generator, is_llm
 from mmjax.parallel.tensor import state_shardings
+from mmjax.parallel.zero import zero_shardings
 from mmjax.data.feed import MicrobatchFeed
 from mmjax.schedule.stage_graph import Backward, StageGraph, StageId
 from mmjax.schedule.dependencies import dispatch_order
@@ -199,16 +200,21 @@ class PipelineRuntime:
         """The stage's parameter programs: `gather` (fp32 params in any dp sharding -> the
         compute copy: compute dtype, replicated over dp, TP-sharded) and `zeros` (the step's
         float32 partial-gradient accumulators `[ranks, ...]`, ranks = dp or dp * cp)."""
-        compute_sh = state_shardings(st.abstract, st.mesh)
+        zero = st.fns.zero_stage  # ZeRO-2/3: shard accumulators, ZeRO-3 also the weights
+        compute_sh = (zero_shardings(st.abstract, st.mesh) if zero == 3
+                      else state_shardings(st.abstract, st.mesh))
         dtype = self.dtype
         st.gather = jax.jit(lambda t: cast_floats(t, dtype), out_shardings=compute_sh)
+        if zero == 3 and st.local:
+            st.frozen = jax.device_put(st.frozen, zero_shardings(st.frozen, st.mesh))
         if st.mode.param_grads:
             abstract_tr = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
                                        st.abstract)
-            sh = partial_shardings(abstract_tr, st.mesh)
+            ranks = () if zero >= 2 else (st.fns.ranks,)
+            sh = (zero_shardings(abstract_tr, st.mesh) if zero >= 2
+                  else partial_shardings(abstract_tr, st.mesh))
             st.zeros = jax.jit(lambda: jax.tree.map(
-                lambda a: jnp.zeros((st.fns.ranks,) + tuple(a.shape), jnp.float32),
-                abstract_tr),
+                lambda a: jnp.zeros(ranks + tuple(a.shape), jnp.float32), abstract_tr),
                 out_shardings=sh)
 
     def take_initial_params(self) -> dict:
@@ -283,6 +289,8 @@ class PipelineRuntime:
         completions; dispatch stays free of host syncs)."""
         result, grads = self.start(feeds, params, trace)
         result.partials = dict(grads)
+        result.reduced = {sid for sid in result.partials  # ZeRO-2/3: summed shards already
+                          if self.stages[sid].fns.zero_stage >= 2}
         return result
 
     def start(self, feeds: list[MicrobatchFeed], params: dict | None = None,

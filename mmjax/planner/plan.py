@@ -43,6 +43,7 @@ class UnitPlan:
     tp_bidirectional: bool = True  # overlap_tp: both ring directions
     cp_head_groups: int = 1  # cp > 1: K/V all-gathered in this many head groups (Cornstarch §5.3)
     attention_impl: str = "auto"  # models/attention.py bam_attention: auto/dense/chunked/pallas/cudnn
+    zero_stage: int = 1  # ZeRO 1/2/3 over each stage's dp ranks (parallel/zero.py, pipeline/stage.py)
 
     @property
     def devices_per_stage(self) -> int:
@@ -175,6 +176,7 @@ class Plan:
                                 f"to 'chunked' or overlap_tp=False")
             if u.cp > 1 and not is_llm(u.name):
                 raise PlanError(f"{where}.cp={u.cp}: context parallelism is for the llm only")
+            _validate_zero(u, where)
             _validate_knobs(model, u, where)
             n_layers = model.num_layers(u.name)
             nv = u.pp * u.num_chunks
@@ -311,6 +313,23 @@ def _validate_knobs(model, u: UnitPlan, where: str) -> None:
         raise PlanError(f"{where}.cp_head_groups={g}: tp * cp_head_groups = {u.tp * g} must "
                         f"divide llm.num_kv_heads={model.llm.num_kv_heads} (each tp rank "
                         f"gathers its kv heads in cp_head_groups groups): lower it")
+
+
+ZERO_STAGES = (1, 2, 3)
+
+
+def _validate_zero(u: UnitPlan, where: str) -> None:
+    """ZeRO-3 runs each stage's layers on shared (dp-sharded) weights, gathered per layer
+    inside the scan; the CP and overlapped-TP paths keep per-rank weight copies."""
+    if isinstance(u.zero_stage, bool) or u.zero_stage not in ZERO_STAGES:
+        raise PlanError(f"{where}.zero_stage={u.zero_stage!r}: no such ZeRO stage (use 1: "
+                        f"optimizer state sharded, 2: also the gradients, 3: also the "
+                        f"parameters)")
+    if u.zero_stage == 3 and (u.cp > 1 or u.overlap_tp):
+        knob = "cp" if u.cp > 1 else "overlap_tp"
+        raise PlanError(f"{where}.zero_stage=3 with {knob}={getattr(u, knob)!r}: ZeRO-3 "
+                        f"gathers each layer's weights in the layer scan, which the "
+                        f"{knob} path does not run (use zero_stage 1 or 2, or drop {knob})")
 
 
 def _tp_divisible(model, unit: str):

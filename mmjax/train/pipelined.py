@@ -67,7 +67,8 @@ class PipelinedRunner:
             compute_dtype=compute_dtype,
             # the single model has one embedding: the last stage's copy is counted once
             norm_skip=("embed",) if pair is not None and sid == pair[1] else (),
-            rank_axes=rank_axes(rt.stages[sid].mesh))
+            rank_axes=rank_axes(rt.stages[sid].mesh),
+            zero_stage=rt.stages[sid].fns.zero_stage)  # 2/3: each backward reduce-scatters
             for sid in self.trained if rt.stages[sid].local}
         stages = {}
         for sid, opt in self.optimizers.items():
