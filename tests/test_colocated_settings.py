@@ -32,7 +32,8 @@ def test_colocated_settings_give_a_colocation():
     (dict(layout="mixed"), "manual_plan.layout='mixed': no such layout (use \"disaggregated\""),
     (dict(zero_stage=4), "manual_plan.zero_stage=4: no such ZeRO stage (use 1: optimizer "
      "state sharded, 2: also the gradients, 3: also the parameters)"),
-    (dict(fsdp_group=4), "manual_plan.fsdp_group=4: read only with the co-located layout"),
+    (dict(fsdp_group={"vison": 2}), "manual_plan.fsdp_group={'vison': 2}: unknown unit(s) "
+     "['vison']"),
     (dict(layout="colocated", pp={"llm": 2}), "manual_plan.pp={'llm': 2}: the co-located "
      "layout runs every unit data-parallel over all 8 devices in one program, without "
      "pipelining"),

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mmjax.parallel.mesh import put_global
@@ -87,10 +87,13 @@ def _scatter_blocks(mesh: Mesh, flat_specs, rank_axes, dp_axis):
     (Megatron's contiguous buffer), plus one flat all-reduce for leaves with no dimension
     the group divides. Shared by the per-step sync (ZeRO-1) and each backward (ZeRO-2)."""
     ranks = tuple(a for a in rank_axes if mesh.shape[a] > 1)
+    zero = (dp_axis,) if isinstance(dp_axis, str) else (dp_axis or ())
+    reps = tuple(a for a in ranks if a not in zero)  # hybrid sharding: the groups' axis
+    every = ranks[0] if len(ranks) == 1 else ranks
+    ranks = tuple(a for a in ranks if a in zero)
     dp_size = int(np.prod([mesh.shape[a] for a in ranks], dtype=np.int64))
     red = ranks[0] if len(ranks) == 1 else ranks  # the axes the one reduce-scatter covers
-    rest = [a for a in ((dp_axis,) if isinstance(dp_axis, str) else (dp_axis or ()))
-            if a not in ranks]
+    rest = [a for a in zero if a not in ranks]
     rest_size = int(np.prod([mesh.shape[a] for a in rest], dtype=np.int64))
 
     def split_dim(spec, ndim: int):
@@ -109,6 +112,8 @@ def _scatter_blocks(mesh: Mesh, flat_specs, rank_axes, dp_axis):
             buf = jnp.concatenate([m.reshape(dp_size, -1) for m in moved], axis=1)
             if dp_size > 1:
                 buf = jax.lax.psum_scatter(buf, red, scatter_dimension=0, tiled=True)
+            if reps:  # across the FSDP groups: the shards' all-reduce (OrchMLLM §7)
+                buf = jax.lax.psum(buf, reps[0] if len(reps) == 1 else reps)
             off = 0
             for k, m in zip(split, moved):
                 n = m.size // dp_size
@@ -119,8 +124,8 @@ def _scatter_blocks(mesh: Mesh, flat_specs, rank_axes, dp_axis):
                     size = piece.shape[0] // rest_size
                     piece = jax.lax.dynamic_slice_in_dim(piece, idx * size, size, 0)
                 out[k] = jnp.moveaxis(piece, 0, dims[k])
-        if whole and dp_size > 1:  # leaves too small to split: one flat all-reduce
-            buf = jax.lax.psum(jnp.concatenate([blocks[k].reshape(-1) for k in whole]), red)
+        if whole and every:  # leaves too small to split: one flat all-reduce
+            buf = jax.lax.psum(jnp.concatenate([blocks[k].reshape(-1) for k in whole]), every)
             off = 0
             for k in whole:
                 out[k] = buf[off:off + blocks[k].size].reshape(blocks[k].shape)
@@ -139,6 +144,22 @@ def reduce_scatter_partials(mesh: Mesh, shard_specs, partial_specs, rank_axes, d
                            in_specs=tuple(jax.tree.leaves(partial_specs, is_leaf=_is_spec)),
                            out_specs=list(flat_specs), check_vma=False)
     return lambda partials: jax.tree.unflatten(tree, mapped(*jax.tree.leaves(partials)))
+
+
+def zero_mesh(mesh: Mesh, group: int = 0) -> Mesh:
+    """The mesh a stage's ZeRO state lives on: `group` devices per FSDP group (0, or all of
+    them: the stage mesh itself). Hybrid sharding (OrchMLLM §7): the same devices with 'dp'
+    split into ('rep', 'dp'), 'dp' the group's consecutive dp ranks (contiguous devices),
+    'rep' the groups; ZeRO shards over 'dp' (and 'cp') and replicates over 'rep'."""
+    n = mesh.devices.size
+    if not group or group == n:
+        return mesh
+    per_rank = n // mesh.shape["dp"]  # cp x tp devices per dp rank
+    inner = group // per_rank
+    names = ("rep",) + tuple(mesh.axis_names)
+    return Mesh(mesh.devices.reshape((mesh.shape["dp"] // inner, inner)
+                                     + mesh.devices.shape[1:]), names,
+                axis_types=(AxisType.Auto,) * len(names))
 
 
 def zero_axes(mesh: Mesh, dp_axes=("dp", "cp")):

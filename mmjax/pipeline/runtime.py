@@ -200,18 +200,18 @@ class PipelineRuntime:
         """The stage's parameter programs: `gather` (fp32 params in any dp sharding -> the
         compute copy: compute dtype, replicated over dp, TP-sharded) and `zeros` (the step's
         float32 partial-gradient accumulators `[ranks, ...]`, ranks = dp or dp * cp)."""
-        zero = st.fns.zero_stage  # ZeRO-2/3: shard accumulators, ZeRO-3 also the weights
-        compute_sh = (zero_shardings(st.abstract, st.mesh) if zero == 3
+        zero, zmesh = st.fns.zero_stage, st.fns.zero_mesh  # ZeRO-2/3: shard accumulators,
+        compute_sh = (zero_shardings(st.abstract, zmesh) if zero == 3  # ZeRO-3 the weights
                       else state_shardings(st.abstract, st.mesh))
         dtype = self.dtype
         st.gather = jax.jit(lambda t: cast_floats(t, dtype), out_shardings=compute_sh)
         if zero == 3 and st.local:
-            st.frozen = jax.device_put(st.frozen, zero_shardings(st.frozen, st.mesh))
+            st.frozen = jax.device_put(st.frozen, zero_shardings(st.frozen, zmesh))
         if st.mode.param_grads:
             abstract_tr = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
                                        st.abstract)
             ranks = () if zero >= 2 else (st.fns.ranks,)
-            sh = (zero_shardings(abstract_tr, st.mesh) if zero >= 2
+            sh = (zero_shardings(abstract_tr, zmesh) if zero >= 2
                   else partial_shardings(abstract_tr, st.mesh))
             st.zeros = jax.jit(lambda: jax.tree.map(
                 lambda a: jnp.zeros(ranks + tuple(a.shape), jnp.float32), abstract_tr),

@@ -34,7 +34,7 @@ from mmjax.models.layers import cast_floats
 from mmjax.models.scan import layer_weights
 from mmjax.parallel.tensor import mesh_param_specs
 from mmjax.parallel.zero import (reduce_scatter_partials, zero3_layer_gather, zero_axes,
-                                 zero_shard_specs)
+                                 zero_mesh, zero_shard_specs)
 from mmjax.pipeline.residuals import (Residuals, ResidualLayout, input_signature,
                                       remat_wrap, residual_layout)
 from mmjax.pipeline.stage_modules import (apply_encoder, apply_generator, apply_llm,
@@ -67,9 +67,11 @@ class StageFns:
     `launches` counts program launches per kind ("F", "B": the dispatch log)."""
 
     def __init__(self, run, mode: Backward | str, remat: str, dp: int = 1, mesh=None,
-                 cp: int = 1, zero_stage: int = 1):
+                 cp: int = 1, zero_stage: int = 1, fsdp_group: int = 0):
         self.run, self.remat, self.dp, self.mesh = run, remat, dp, mesh
         self.zero_stage = zero_stage if mesh is not None else 1
+        # where the ZeRO state lives: the stage mesh, or its FSDP-group view (hybrid)
+        self.zero_mesh = None if mesh is None else zero_mesh(mesh, fsdp_group)
         self.shared = self.zero_stage == 3  # one dp-sharded copy of the weights, not per rank
         self.mode = mode = Backward(mode)  # a mode's string (e.g. "full") is accepted too
         self.cp, self.ranks = cp, dp * cp  # cp > 1: `run` takes params [cp, ...] (see _block)
@@ -212,14 +214,15 @@ class StageFns:
         ZeRO-2 per-rank partials `[ranks, ...]` reduce-scattered; ZeRO-3 gradients (summed by
         the layer scan's per-layer reduce-scatters) constrained to their shards."""
         abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), trainable)
-        specs = zero_shard_specs(abstract, self.mesh)
+        mesh = self.zero_mesh
+        specs = zero_shard_specs(abstract, mesh)
         if self.shared:
             return jax.tree.map(lambda x, s: jax.lax.with_sharding_constraint(
-                x.astype(jnp.float32), NamedSharding(self.mesh, s)), g, specs,
+                x.astype(jnp.float32), NamedSharding(mesh, s)), g, specs,
                 is_leaf=_is_leaf_or_spec)
-        partial = jax.tree.map(lambda sh: sh.spec, partial_shardings(abstract, self.mesh))
-        scatter = reduce_scatter_partials(self.mesh, specs, partial, rank_axes(self.mesh),
-                                          zero_axes(self.mesh)[1])
+        partial = jax.tree.map(lambda sh: sh.spec, partial_shardings(abstract, mesh))
+        scatter = reduce_scatter_partials(mesh, specs, partial, rank_axes(mesh),
+                                          zero_axes(mesh)[1])
         return scatter(jax.tree.map(lambda x: x.astype(jnp.float32), g))
 
 
@@ -242,8 +245,8 @@ def make_stage_fns(cfg: MLLMConfig, up: UnitPlan, graphdef, mode: Backward | str
     cp = (mesh.shape["cp"] if kind is UnitRole.LLM and mesh is not None
           and "cp" in mesh.axis_names else 1)
 
-    gather = (zero3_layer_gather(mesh) if up.zero_stage == 3 and mesh is not None
-              and up.dp > 1 else None)
+    gather = (zero3_layer_gather(zero_mesh(mesh, up.fsdp_group)) if up.zero_stage == 3
+              and mesh is not None and up.dp > 1 else None)
 
     def run(trainable, frozen, x, side, ranks):
         with layer_weights(gather):  # ZeRO-3: each layer gathered in the scan (else no-op)
@@ -264,7 +267,7 @@ def make_stage_fns(cfg: MLLMConfig, up: UnitPlan, graphdef, mode: Backward | str
         return apply_encoder(cfg, unit, module, x, side, dtype, impl)
 
     return StageFns(run, mode, up.remat, up.dp if mesh is not None else 1, mesh, cp,
-                    up.zero_stage)
+                    up.zero_stage, up.fsdp_group)
 
 
 def dp_sharding(mesh, ndim: int) -> NamedSharding:
@@ -286,9 +289,10 @@ def _abstract(tree):
 
 def rank_axes(mesh) -> tuple[str, ...]:
     """The mesh axes a stage's per-rank partial gradients are blocked over: ('dp', 'cp') on
-    a mesh with cp > 1 (an LLM stage: StageFns vmaps over both), else ('dp',)."""
+    a mesh with cp > 1 (an LLM stage: StageFns vmaps over both), else ('dp',); a ZeRO view
+    with FSDP groups (parallel/zero.py `zero_mesh`) has 'rep' in front."""
     cp = "cp" in mesh.axis_names and mesh.shape["cp"] > 1
-    return ("dp", "cp") if cp else ("dp",)
+    return ("rep",) * ("rep" in mesh.axis_names) + (("dp", "cp") if cp else ("dp",))
 
 
 def partial_shardings(params, mesh):

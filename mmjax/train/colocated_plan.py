@@ -63,11 +63,12 @@ def check_layout(units, num_devices: int, layout="disaggregated", zero_stage=Non
         raise UserError(f"manual_plan.layout={layout!r}: no such layout (use "
                         f"\"disaggregated\", the default, or \"colocated\")")
     default, stages = _stages(units, zero_stage)
-    if layout == "disaggregated":  # ZeRO 1-3 per unit: manual_plan's Plan carries them
-        if fsdp_group is not None:
-            raise UserError(f"manual_plan.fsdp_group={fsdp_group!r}: read only with the "
-                            f"co-located layout (set manual_plan.layout=\"colocated\", or "
-                            f"drop the setting)")
+    if layout == "disaggregated":  # ZeRO 1-3 and FSDP groups per unit: the Plan carries
+        unknown = [u for u in (fsdp_group if isinstance(fsdp_group, dict) else {})
+                   if u not in units]  # them (Plan.validate checks each stage's size)
+        if unknown:
+            raise UserError(f"manual_plan.fsdp_group={fsdp_group!r}: unknown unit(s) "
+                            f"{unknown} (the model's units are {list(units)})")
         return None
     for knob, value in knobs.items():
         if knob in _PIPELINE_ONLY and value is not None and value != {} and not (

@@ -32,4 +32,6 @@ def manual_plan(global_batch: int = 8, num_microbatches: int = 2, dp=None, tp=No
     kw = {k: v for k, v in knobs.items() if v is not None}
     if zero_stage is not None:  # ZeRO 1-3 per unit over each stage's dp ranks
         kw["zero_stage"] = zero_stage
+    if fsdp_group is not None:  # devices per FSDP group in each of the unit's stages
+        kw["fsdp_group"] = fsdp_group
     return Plan.uniform(model, global_batch, num_microbatches, **kw)
