@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import assert_same_grads, cached_reference, global_batch, make_cfg
+from helpers import assert_same_grads, cached_reference, check, global_batch, make_cfg
 from mmjax.data.assemble import assemble
 from mmjax.data.feed import microbatch_feed
 from mmjax.models.mllm import MultimodalModel, trainable_filter
@@ -87,6 +87,17 @@ def test_pipelined_zero_matches_single_device(name, stage, reference_cache):
         assert "all-gather(" in _while_bodies(fns.lowered("F").compile().as_text())
         params = rt.params(llm0)
         assert device_bytes(params, dev) <= sum(x.nbytes for x in jax.tree.leaves(params)) / 2 * 1.05
+
+
+@pytest.mark.slow
+def test_zero3_with_tensor_parallelism_matches_single_device(reference_cache):
+    """ZeRO-3 beside Megatron TP: the LLM at dp 2 x tp 2 (the vision encoder, trained, at
+    dp 2), each layer gathered over dp only (its tp dimension stays sharded)."""
+    cfg = make_cfg()
+    plan = Plan.uniform(cfg, 8, 2, dp={"vision": 2, "llm": 2}, tp={"llm": 2}, zero_stage=3)
+    rt = check(cfg, plan, cache=reference_cache)
+    assert "all-gather(" in _while_bodies(
+        rt.stages[StageId("llm", 0)].fns.lowered("F").compile().as_text())
 
 
 @pytest.mark.slow

@@ -32,7 +32,7 @@ from mmjax.parallel.mesh import stage_meshes
 from mmjax.models.layers import cast_floats
 from mmjax.models.units import LLM_UNIT, is_encoder, is_generator, is_llm
 from mmjax.parallel.tensor import state_shardings
-from mmjax.parallel.zero import zero_shardings
+from mmjax.parallel.zero_shards import zero_shardings
 from mmjax.data.feed import MicrobatchFeed
 from mmjax.schedule.stage_graph import Backward, StageGraph, StageId
 from mmjax.schedule.dependencies import dispatch_order

@@ -33,8 +33,8 @@ from mmjax.models.units import UnitRole, role
 from mmjax.models.layers import cast_floats
 from mmjax.models.scan import layer_weights
 from mmjax.parallel.tensor import mesh_param_specs
-from mmjax.parallel.zero import (reduce_scatter_partials, zero3_layer_gather, zero_axes,
-                                 zero_mesh, zero_shard_specs)
+from mmjax.parallel.zero_shards import (reduce_scatter_partials, zero3_layer_gather, zero_axes,
+                                        zero_mesh, zero_shard_specs)
 from mmjax.pipeline.residuals import (Residuals, ResidualLayout, input_signature,
                                       remat_wrap, residual_layout)
 from mmjax.pipeline.stage_modules import (apply_encoder, apply_generator, apply_llm,
