@@ -17,6 +17,8 @@ def test_colocated_settings_give_a_colocation():
     assert [colo.stage(u) for u in UNITS] == [2, 1, 3]
     assert check_layout(UNITS, 8, "colocated", 3) == Colocation(1, (), 3, None)
     assert check_layout(UNITS, 8) is None  # disaggregated: the pipeline runtime's Plan
+    plan = manual_plan(global_batch=8, model=tiny_valm(), zero_stage={"llm": 3, "vision": 2})
+    assert {u.name: u.zero_stage for u in plan.units} == {"vision": 2, "audio": 1, "llm": 3}
     assert isinstance(manual_plan(global_batch=8, model=tiny_valm(), layout="colocated",
                                   zero_stage=2), Colocation)
 
@@ -28,9 +30,10 @@ def test_colocated_settings_give_a_colocation():
     (dict(layout="colocated", zero_stage={"llm": 0}), "manual_plan.zero_stage['llm']=0: no such"),
     (dict(layout="colocated", zero_stage={"vison": 2}), "unknown unit(s) ['vison']"),
     (dict(layout="mixed"), "manual_plan.layout='mixed': no such layout (use \"disaggregated\""),
-    (dict(zero_stage=2), "manual_plan.zero_stage=2: the disaggregated layout runs ZeRO-1 "
-     "(set manual_plan.layout=\"colocated\" for ZeRO-2/3, or drop the setting)"),
-    (dict(fsdp_group=4), "manual_plan.fsdp_group=4: read only with the co-located layout"),
+    (dict(zero_stage=4), "manual_plan.zero_stage=4: no such ZeRO stage (use 1: optimizer "
+     "state sharded, 2: also the gradients, 3: also the parameters)"),
+    (dict(fsdp_group={"vison": 2}), "manual_plan.fsdp_group={'vison': 2}: unknown unit(s) "
+     "['vison']"),
     (dict(layout="colocated", pp={"llm": 2}), "manual_plan.pp={'llm': 2}: the co-located "
      "layout runs every unit data-parallel over all 8 devices in one program, without "
      "pipelining"),

@@ -96,6 +96,20 @@ def tree_shardings(tree, mesh: Mesh, colo, what: str):
     return jax.tree_util.tree_map_with_path(one, tree)
 
 
+def layer_gather(mesh: Mesh, spec_of):
+    """A `scan.layer_weights` function from `spec_of(names, shape, stacked) -> P`: a layer's
+    leaves (relative paths) constrained to their whole-layer spec, the stacked layers' to
+    their stored (ZeRO-3: sharded) spec with the layer dimension in front. Shared by the
+    co-located layout (`gather_layer`) and the pipeline's ZeRO-3 stages (pipeline/stage.py)."""
+    def gather(state, stacked=False):
+        def one(path, w):
+            spec = spec_of(path_names(path), w.shape[1:] if stacked else w.shape, stacked)
+            return jax.lax.with_sharding_constraint(
+                w, NamedSharding(mesh, P(None, *spec) if stacked else spec))
+        return jax.tree_util.tree_map_with_path(one, state)
+    return gather
+
+
 def gather_layer(mesh: Mesh, colo):
     """`scan.layer_weights`' function: one layer's state whole again (but for the LLM's tp
     dimension); the stacked layers' states kept as stored (sharded at ZeRO-3). Layer paths
@@ -105,18 +119,12 @@ def gather_layer(mesh: Mesh, colo):
     others = max([colo.stage(u) for u, _ in colo.stages if not is_llm(u)]
                  + [colo.default_stage])
 
-    def spec(path, w, stacked):
-        names = path_names(path)
+    def spec(names, shape, stacked):
         llm = bool(set(names) & (set(LLM_COLUMN_PARAMS) | set(LLM_ROW_PARAMS)))
         full = (("llm", "layers") if llm else ("encoders", "", "layers")) + names
         sharded = stacked and (colo.stage("llm") if llm else others) >= 3
-        inner = leaf_spec(mesh, full, w.shape[1:] if stacked else w.shape, sharded)
-        return NamedSharding(mesh, P(None, *inner) if stacked else inner)
-
-    def gather(state, stacked=False):
-        return jax.tree_util.tree_map_with_path(
-            lambda p, w: jax.lax.with_sharding_constraint(w, spec(p, w, stacked)), state)
-    return gather
+        return leaf_spec(mesh, full, shape, sharded)
+    return layer_gather(mesh, spec)
 
 
 def batch_sharding(mesh: Mesh, unit: str, shape) -> NamedSharding:

@@ -82,6 +82,11 @@ def _spec_for(role: str | None, ndim: int, axis: str) -> tuple[P, int | None]:
     raise ValueError(f"a {role}-parallel parameter must be 2-D (or a 1-D bias); got rank {ndim}")
 
 
+def tp_leaf_spec(names: tuple[str, ...], ndim: int, axis: str = "tp") -> P:
+    """The Megatron spec of one leaf by its path names (the rules above)."""
+    return _spec_for(megatron_role(names), ndim, axis)[0]
+
+
 def param_specs(state, tp: int | None = None, axis: str = "tp", shard_vocab: bool = True):
     """PartitionSpec pytree (same structure as `state`: an nnx.State or a plain dict of arrays
     or ShapeDtypeStructs) under the Megatron rules above. With `tp` given, every sharded

@@ -4,7 +4,9 @@ Params keep their Megatron TP sharding; every optimizer-state leaf adds 'dp' on 
 free divisible dimension; per step one program reduce-scatters the gradients into those
 shards (`sync`) and one runs optax on them and all-gathers the new params (`step`), clipped
 by the norm over every stage's gradients, the factor one optimizer over all parameters
-would use. Details: docs/design.md "ZeRO-1 and global-norm clipping".
+would use. Details: docs/design.md "ZeRO-1 and global-norm clipping". The same optimizer
+serves a stage at ZeRO-2/3 (`zero_stage`: the gradients arrive as shards; at 3 the compute
+copy stays sharded); where the shards live: parallel/zero_shards.py.
 """
 from __future__ import annotations
 
@@ -19,28 +21,8 @@ from jax.sharding import PartitionSpec as P
 
 from mmjax.parallel.mesh import put_global
 from mmjax.parallel.tensor import mesh_param_specs
-
-
-def _is_spec(x) -> bool:
-    return isinstance(x, P)
-
-
-def _padded(spec: P, ndim: int) -> tuple:
-    return tuple(spec) + (None,) * (ndim - len(spec))
-
-
-def add_dp(spec: P, shape: tuple[int, ...], dp: int, dp_axis="dp") -> P:
-    """`spec` plus `dp_axis` (a name, or a tuple of names of total size `dp`) on the first
-    dimension of `shape` that is unsharded and divisible by `dp`; unchanged when dp == 1 or no
-    dimension qualifies (the leaf stays replicated)."""
-    if dp <= 1:
-        return spec
-    entries = list(_padded(spec, len(shape)))
-    for i, size in enumerate(shape):
-        if entries[i] is None and size % dp == 0:
-            entries[i] = dp_axis
-            return P(*entries)
-    return spec
+from mmjax.parallel.zero_shards import (_is_spec, _named, _padded, _scatter_blocks, add_dp,  # noqa: F401
+                                        zero_axes, zero_shard_specs)
 
 
 def opt_state_specs(opt_state, params, param_specs, dp: int, dp_axis="dp"):
@@ -62,10 +44,6 @@ def opt_state_specs(opt_state, params, param_specs, dp: int, dp_axis="dp"):
         return add_dp(base, shape, dp, dp_axis)
 
     return jax.tree_util.tree_map_with_path(one, opt_state)
-
-
-def _named(mesh: Mesh, specs):
-    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=_is_spec)
 
 
 def _clip(grads, norm, max_norm: float):
@@ -100,17 +78,20 @@ class Zero1Optimizer:
     `rank_axes`: the mesh axes the partials' leading rank axis is blocked over: ('dp',), or
     ('dp', 'cp') for a CP stage whose cp ranks keep their own partials (then the one
     reduce-scatter covers dp x cp, Megatron-LM's gradient reduction over the dp x cp group).
+    `zero_stage` 2 or 3: the gradients arrive already reduce-scattered into the shards (each
+    backward's, pipeline/stage.py), so `sync` only computes the norm term; at 3 `step`
+    returns the compute copy sharded like the master (no all-gather: each layer is gathered
+    in the layer scan).
     """
 
     def __init__(self, tx: optax.GradientTransformation, mesh: Mesh, params,
                  param_specs=None, clip_norm: float | None = None,
                  dp_axes: tuple[str, ...] = ("dp", "cp"), donate: bool = False,
                  compute_dtype=jnp.float32, norm_skip: tuple[str, ...] = (),
-                 rank_axes: tuple[str, ...] = ("dp",)):
+                 rank_axes: tuple[str, ...] = ("dp",), zero_stage: int = 1):
         self.tx, self.mesh, self.clip_norm = tx, mesh, clip_norm
-        axes = tuple(a for a in dp_axes if a in mesh.axis_names and mesh.shape[a] > 1)
-        self.dp = int(np.prod([mesh.shape[a] for a in axes], dtype=np.int64))
-        dp_axis = axes[0] if len(axes) == 1 else (axes or None)
+        self.zero_stage = zero_stage
+        self.dp, dp_axis = zero_axes(mesh, dp_axes)
         self._dp_axis = dp_axis
         abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
         for path, leaf in jax.tree_util.tree_leaves_with_path(abstract):
@@ -121,8 +102,7 @@ class Zero1Optimizer:
         specs = mesh_param_specs(abstract, mesh) if param_specs is None else param_specs
         self.param_specs = specs
         self.param_shardings = _named(mesh, specs)
-        self.shard_specs = jax.tree.map(lambda s, a: add_dp(s, a.shape, self.dp, dp_axis),
-                                        specs, abstract, is_leaf=_is_spec)
+        self.shard_specs = zero_shard_specs(abstract, mesh, specs, dp_axes)
         state_shape = jax.eval_shape(tx.init, abstract)
         self.state_specs = opt_state_specs(state_shape, abstract, specs, self.dp, dp_axis)
         self.state_shardings = _named(mesh, self.state_specs)
@@ -146,14 +126,20 @@ class Zero1Optimizer:
         self._abstract = abstract
         every = tuple(mesh.axis_names)
         self.sq_sharding = NamedSharding(mesh, P(every))
-        self._sync = jax.jit(self._sync_impl, in_shardings=(self.rank_partial_shardings,),
-                             out_shardings=(self.grad_shard_shardings, self.sq_sharding))
+        if zero_stage >= 2:  # the accumulators are the shards: the norm term alone
+            self._sync = jax.jit(self._squares_impl, in_shardings=(self.grad_shard_shardings,),
+                                 out_shardings=(self.grad_shard_shardings, self.sq_sharding))
+        else:
+            self._sync = jax.jit(self._sync_impl, in_shardings=(self.rank_partial_shardings,),
+                                 out_shardings=(self.grad_shard_shardings, self.sq_sharding))
+        self.compute_shardings = (self.master_shardings if zero_stage == 3
+                                  else _named(mesh, specs))
         self._step = jax.jit(
             self._step_impl,
             in_shardings=(self.master_shardings, self.grad_shard_shardings,
                           self.state_shardings, replicated),
             out_shardings=(self.master_shardings, self.state_shardings,
-                           _named(mesh, specs)),
+                           self.compute_shardings),
             donate_argnums=(0, 2) if donate else ())  # grad shards: no output to alias
 
     def init(self, params):
@@ -183,55 +169,38 @@ class Zero1Optimizer:
         return first
 
     def _sync_impl(self, partials):
-        ranks = tuple(a for a in self._rank_axes if self.mesh.shape[a] > 1)
-        dp_size = int(np.prod([self.mesh.shape[a] for a in ranks], dtype=np.int64))
-        red = ranks[0] if len(ranks) == 1 else ranks  # the axes the one reduce-scatter covers
-        rest = [a for a in ((self._dp_axis,) if isinstance(self._dp_axis, str) else
-                            (self._dp_axis or ())) if a not in ranks]
-        rest_size = int(np.prod([self.mesh.shape[a] for a in rest], dtype=np.int64))
         flat_specs, tree = jax.tree.flatten(self.shard_specs, is_leaf=_is_spec)
         in_specs = tuple(sh.spec for sh in jax.tree.leaves(self.rank_partial_shardings))
         in_norm = self._in_norm
+        scatter = _scatter_blocks(self.mesh, flat_specs, self._rank_axes, self._dp_axis)
 
         def body(*blocks):
-            blocks = [b[0] for b in blocks]  # this rank's partial sums, tp-local shapes
-            dims = [self._split_dim(s, b.ndim) for s, b in zip(flat_specs, blocks)]
-            split = [k for k, d in enumerate(dims) if d is not None]
-            whole = [k for k, d in enumerate(dims) if d is None]
-            out = list(blocks)
-            if split:  # one flat reduce-scatter over the ranks (Megatron's contiguous buffer)
-                moved = [jnp.moveaxis(blocks[k], dims[k], 0) for k in split]
-                buf = jnp.concatenate([m.reshape(dp_size, -1) for m in moved], axis=1)
-                if dp_size > 1:
-                    buf = jax.lax.psum_scatter(buf, red, scatter_dimension=0, tiled=True)
-                off = 0
-                for k, m in zip(split, moved):
-                    n = m.size // dp_size
-                    piece = buf[0, off:off + n].reshape((m.shape[0] // dp_size,) + m.shape[1:])
-                    off += n
-                    if rest_size > 1:  # ZeRO over ('dp', 'cp'): this cp rank's slice
-                        idx = jax.lax.axis_index(rest[0] if len(rest) == 1 else tuple(rest))
-                        size = piece.shape[0] // rest_size
-                        piece = jax.lax.dynamic_slice_in_dim(piece, idx * size, size, 0)
-                    out[k] = jnp.moveaxis(piece, 0, dims[k])
-            if whole and dp_size > 1:  # leaves too small to split: one flat all-reduce
-                buf = jax.lax.psum(jnp.concatenate([blocks[k].reshape(-1) for k in whole]),
-                                   red)
-                off = 0
-                for k in whole:
-                    out[k] = buf[off:off + blocks[k].size].reshape(blocks[k].shape)
-                    off += blocks[k].size
-            sq = jnp.zeros((), jnp.float32)
-            for k, (g, s) in enumerate(zip(out, flat_specs)):
-                if in_norm[k]:
-                    sq = sq + self._owner(s, g.ndim) * jnp.sum(jnp.square(g))
-            return out, sq.reshape(1)
+            out = scatter([b[0] for b in blocks])  # this rank's partial sums, tp-local shapes
+            return out, self._square_sum(out, flat_specs, in_norm).reshape(1)
 
         every = tuple(self.mesh.axis_names)
         mapped = jax.shard_map(body, mesh=self.mesh, in_specs=in_specs,
                                out_specs=(list(flat_specs), P(every)), check_vma=False)
         shards, sq = mapped(*jax.tree.leaves(partials))
         return jax.tree.unflatten(tree, shards), sq
+
+    def _square_sum(self, shards, flat_specs, in_norm):
+        """This device's term of the squared norm (each element counted once over replicas)."""
+        sq = jnp.zeros((), jnp.float32)
+        for k, (g, s) in enumerate(zip(shards, flat_specs)):
+            if in_norm[k]:
+                sq = sq + self._owner(s, g.ndim) * jnp.sum(jnp.square(g))
+        return sq
+
+    def _squares_impl(self, shards):
+        """ZeRO-2/3: the gradients arrive as shards already (reduce-scattered in each
+        backward); only the norm term is left."""
+        flat_specs, _ = jax.tree.flatten(self.shard_specs, is_leaf=_is_spec)
+        every = tuple(self.mesh.axis_names)
+        mapped = jax.shard_map(
+            lambda *b: self._square_sum(b, flat_specs, self._in_norm).reshape(1),
+            mesh=self.mesh, in_specs=tuple(flat_specs), out_specs=P(every), check_vma=False)
+        return shards, mapped(*jax.tree.leaves(shards))
 
     def sync(self, partials):
         """Per-rank partial gradients `[ranks, ...]` (`rank_partial_shardings`: ranks = dp,
@@ -258,6 +227,9 @@ class Zero1Optimizer:
         flat_specs, tree = jax.tree.flatten(self.shard_specs, is_leaf=_is_spec)
         out_specs = list(jax.tree.leaves(self.param_specs, is_leaf=_is_spec))
         dtype, axes = self.compute_dtype, self._dp_axis
+        if self.zero_stage == 3:  # ZeRO-3: the compute copy stays sharded like the master
+            return jax.tree.map(lambda b: b.astype(dtype) if jnp.issubdtype(
+                b.dtype, jnp.floating) else b, master)
 
         def body(*blocks):
             blocks = [b.astype(dtype) if jnp.issubdtype(b.dtype, jnp.floating) else b

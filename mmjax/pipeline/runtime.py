@@ -169,6 +169,8 @@ class PipelineRuntime:
         completions; dispatch stays free of host syncs)."""
         result, grads = self.start(feeds, params, trace)
         result.partials = dict(grads)
+        result.reduced = {sid for sid in result.partials  # ZeRO-2/3: summed shards already
+                          if self.stages[sid].fns.zero_stage >= 2}
         return result
 
     def start(self, feeds: list[MicrobatchFeed], params: dict | None = None,

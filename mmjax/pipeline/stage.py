@@ -11,6 +11,13 @@ its cp ranks (`spmd_axis_name='cp'`, each on its L tokens of the CP layout): par
 `[dp * cp, ...]`, reduced over dp x cp once per step (Megatron-LM). Loss outputs are
 per-rank `[dp]` partial sums. Backward modes are frozen-aware (Cornstarch §4.2). The long
 story: docs/design.md "Stage residuals" and "One gradient sync per step".
+
+ZeRO-2 (`UnitPlan.zero_stage`): the accumulators are the ZeRO shards; each backward
+reduce-scatters its per-rank partials into them (parallel/zero.py), so no rank holds a full
+float32 gradient between microbatches. ZeRO-3: the stage's weights are stored dp-sharded and
+shared by the ranks (not per-rank copies); each layer is all-gathered inside the layer scan
+in the forward and again in the backward (models/scan.py `layer_weights`), and the
+gradients come out reduce-scattered per layer, summed over the ranks.
 """
 from __future__ import annotations
 
@@ -24,7 +31,10 @@ from mmjax.models.config import MLLMConfig
 from mmjax.models.llm import attention_options
 from mmjax.models.units import UnitRole, role
 from mmjax.models.layers import cast_floats
+from mmjax.models.scan import layer_weights
 from mmjax.parallel.tensor import mesh_param_specs
+from mmjax.parallel.zero_shards import (reduce_scatter_partials, zero3_layer_gather, zero_axes,
+                                        zero_mesh, zero_shard_specs)
 from mmjax.pipeline.residuals import (Residuals, ResidualLayout, input_signature,
                                       remat_wrap, residual_layout)
 from mmjax.pipeline.stage_modules import (apply_encoder, apply_generator, apply_llm,
@@ -56,8 +66,12 @@ class StageFns:
     forward of that signature is traced; `layouts[key]` is read by the backward."""
 
     def __init__(self, run, mode: Backward | str, remat: str, dp: int = 1, mesh=None,
-                 cp: int = 1):
+                 cp: int = 1, zero_stage: int = 1, fsdp_group: int = 0):
         self.run, self.remat, self.dp, self.mesh = run, remat, dp, mesh
+        self.zero_stage = zero_stage if mesh is not None else 1
+        # where the ZeRO state lives: the stage mesh, or its FSDP-group view (hybrid)
+        self.zero_mesh = None if mesh is None else zero_mesh(mesh, fsdp_group)
+        self.shared = self.zero_stage == 3  # one dp-sharded copy of the weights, not per rank
         self.mode = mode = Backward(mode)  # a mode's string (e.g. "full") is accepted too
         self.cp, self.ranks = cp, dp * cp  # cp > 1: `run` takes params [cp, ...] (see _block)
         self.layouts: dict[int, ResidualLayout] = {}
@@ -73,7 +87,10 @@ class StageFns:
         """Per-rank copies `[dp, ...]` of the dp-replicated params, slot r on dp rank r (a
         local broadcast: no communication). Differentiating with respect to them gives each
         rank's own partial gradient instead of GSPMD's all-reduced one. With cp > 1 the
-        copies are per (dp, cp) rank, `[dp * cp, ...]` on P(('dp', 'cp'), *TP spec)."""
+        copies are per (dp, cp) rank, `[dp * cp, ...]` on P(('dp', 'cp'), *TP spec). ZeRO-3:
+        the params themselves (their gradient comes out summed over the ranks)."""
+        if self.shared:
+            return params
         if self.cp > 1:
             specs = mesh_param_specs(params, self.mesh)
             return jax.tree.map(lambda a, s: jax.lax.with_sharding_constraint(
@@ -100,11 +117,12 @@ class StageFns:
                 NamedSharding(self.mesh, P("dp", "cp", *_padded_spec(s, a.ndim - 1)))),
                 blocked, specs)
         elif self.dp == 1:
-            y = self.run(jax.tree.map(lambda a: a[0], blocked), frozen, x, side, 1)
+            t = blocked if self.shared else jax.tree.map(lambda a: a[0], blocked)
+            y = self.run(t, frozen, x, side, 1)
             return jax.tree.map(lambda a: a[None] if a.ndim == 0 else a, y)
         dp = self.dp
         one = lambda t, xx, ss: self.run(t, frozen, xx, ss, 1)
-        y = jax.vmap(one, in_axes=(0, _rank_axes(x), _rank_axes(side)),
+        y = jax.vmap(one, in_axes=(None if self.shared else 0, _rank_axes(x), _rank_axes(side)),
                      spmd_axis_name="dp")(blocked, _split_ranks(x, dp), _split_ranks(side, dp))
         return jax.tree.map(lambda a: a if a.ndim == 1 else
                             a.reshape((a.shape[0] * a.shape[1],) + a.shape[2:]), y)
@@ -184,8 +202,27 @@ class StageFns:
         cts = jax.tree_util.tree_unflatten(treedef, leaves)(dy)
         if self.mode is Backward.INPUT_ONLY:
             return acc, cts[0]
-        grads = jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, cts[0])
+        g = cts[0]
+        if self.zero_stage >= 2:  # into the ZeRO shards: ZeRO-2 one flat reduce-scatter
+            g = self._to_shards(trainable, g)  # of the partials, ZeRO-3 the summed grads
+        grads = jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, g)
         return grads, (cts[1] if self.mode is Backward.FULL else None)
+
+    def _to_shards(self, trainable, g):
+        """This microbatch's parameter gradients on the ZeRO shard specs (`zero_shard_specs`):
+        ZeRO-2 per-rank partials `[ranks, ...]` reduce-scattered; ZeRO-3 gradients (summed by
+        the layer scan's per-layer reduce-scatters) constrained to their shards."""
+        abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), trainable)
+        mesh = self.zero_mesh
+        specs = zero_shard_specs(abstract, mesh)
+        if self.shared:
+            return jax.tree.map(lambda x, s: jax.lax.with_sharding_constraint(
+                x.astype(jnp.float32), NamedSharding(mesh, s)), g, specs,
+                is_leaf=_is_leaf_or_spec)
+        partial = jax.tree.map(lambda sh: sh.spec, partial_shardings(abstract, mesh))
+        scatter = reduce_scatter_partials(mesh, specs, partial, rank_axes(mesh),
+                                          zero_axes(mesh)[1])
+        return scatter(jax.tree.map(lambda x: x.astype(jnp.float32), g))
 
 
 def make_stage_fns(cfg: MLLMConfig, up: UnitPlan, graphdef, mode: Backward | str, dtype,
@@ -207,7 +244,14 @@ def make_stage_fns(cfg: MLLMConfig, up: UnitPlan, graphdef, mode: Backward | str
     cp = (mesh.shape["cp"] if kind is UnitRole.LLM and mesh is not None
           and "cp" in mesh.axis_names else 1)
 
+    gather = (zero3_layer_gather(zero_mesh(mesh, up.fsdp_group)) if up.zero_stage == 3
+              and mesh is not None and up.dp > 1 else None)
+
     def run(trainable, frozen, x, side, ranks):
+        with layer_weights(gather):  # ZeRO-3: each layer gathered in the scan (else no-op)
+            return run_unit(trainable, frozen, x, side, ranks)
+
+    def run_unit(trainable, frozen, x, side, ranks):
         if cp > 1:  # trainable [cp, ...]: one slot per cp rank (StageFns._block)
             return apply_llm_cp_ranks(cfg, graphdef, trainable, frozen, x, side, dtype,
                                       with_generator, mesh, cp, up.cp_head_groups, impl)
@@ -223,11 +267,16 @@ def make_stage_fns(cfg: MLLMConfig, up: UnitPlan, graphdef, mode: Backward | str
             return apply_vae(cfg, module, side)
         return apply_encoder(cfg, unit, module, x, side, dtype, impl)
 
-    return StageFns(run, mode, up.remat, up.dp if mesh is not None else 1, mesh, cp)
+    return StageFns(run, mode, up.remat, up.dp if mesh is not None else 1, mesh, cp,
+                    up.zero_stage, up.fsdp_group)
 
 
 def dp_sharding(mesh, ndim: int) -> NamedSharding:
     return NamedSharding(mesh, P("dp", *([None] * (ndim - 1))))
+
+
+def _is_leaf_or_spec(x) -> bool:
+    return isinstance(x, P)
 
 
 def _padded_spec(spec, ndim: int) -> tuple:
@@ -241,9 +290,10 @@ def _abstract(tree):
 
 def rank_axes(mesh) -> tuple[str, ...]:
     """The mesh axes a stage's per-rank partial gradients are blocked over: ('dp', 'cp') on
-    a mesh with cp > 1 (an LLM stage: StageFns vmaps over both), else ('dp',)."""
+    a mesh with cp > 1 (an LLM stage: StageFns vmaps over both), else ('dp',); a ZeRO view
+    with FSDP groups (parallel/zero.py `zero_mesh`) has 'rep' in front."""
     cp = "cp" in mesh.axis_names and mesh.shape["cp"] > 1
-    return ("dp", "cp") if cp else ("dp",)
+    return ("rep",) * ("rep" in mesh.axis_names) + (("dp", "cp") if cp else ("dp",))
 
 
 def partial_shardings(params, mesh):

@@ -18,6 +18,7 @@ from mmjax.models.mllm import trainable_filter
 from mmjax.models.units import VAE_UNIT, is_encoder
 from mmjax.parallel.sharded_init import abstract_split, init_split
 from mmjax.parallel.tensor import state_shardings
+from mmjax.parallel.zero_shards import zero_shardings
 from mmjax.pipeline.multiprocess import holds_local_device, place_state
 from mmjax.pipeline.stage import partial_shardings
 from mmjax.schedule.stage_graph import Backward, StageId
@@ -106,13 +107,18 @@ def stage_programs(st: Stage, dtype) -> None:
     """The stage's parameter programs: `gather` (fp32 params in any dp sharding -> the
     compute copy: compute dtype, replicated over dp, TP-sharded) and `zeros` (the step's
     float32 partial-gradient accumulators `[ranks, ...]`, ranks = dp or dp * cp)."""
-    compute_sh = state_shardings(st.abstract, st.mesh)
+    zero, zmesh = st.fns.zero_stage, st.fns.zero_mesh  # ZeRO-2/3: shard accumulators,
+    compute_sh = (zero_shardings(st.abstract, zmesh) if zero == 3  # ZeRO-3 the weights
+                  else state_shardings(st.abstract, st.mesh))
     st.gather = jax.jit(lambda t: cast_floats(t, dtype), out_shardings=compute_sh)
+    if zero == 3 and st.local:
+        st.frozen = jax.device_put(st.frozen, zero_shardings(st.frozen, zmesh))
     if st.mode.param_grads:
         abstract_tr = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
                                    st.abstract)
-        sh = partial_shardings(abstract_tr, st.mesh)
+        ranks = () if zero >= 2 else (st.fns.ranks,)
+        sh = (zero_shardings(abstract_tr, zmesh) if zero >= 2
+              else partial_shardings(abstract_tr, st.mesh))
         st.zeros = jax.jit(lambda: jax.tree.map(
-            lambda a: jnp.zeros((st.fns.ranks,) + tuple(a.shape), jnp.float32),
-            abstract_tr),
+            lambda a: jnp.zeros(ranks + tuple(a.shape), jnp.float32), abstract_tr),
             out_shardings=sh)

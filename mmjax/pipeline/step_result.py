@@ -25,12 +25,15 @@ class StepResult:
     diffusion_loss: list = field(default_factory=list)
     trace: list = field(default_factory=list)
     partials: dict = field(default_factory=dict)
+    reduced: set = field(default_factory=set)  # stages whose partials are ZeRO-2/3 shards
 
     @property
     def grads(self) -> dict:
         """`partials` summed over the (dp, cp) ranks (one all-reduce per stage, on request: the
-        training step reduce-scatters `partials` instead)."""
-        return {sid: _sum_ranks(p) for sid, p in self.partials.items()}
+        training step reduce-scatters `partials` instead); a ZeRO-2/3 stage's are summed
+        already (its accumulators are the reduce-scattered shards)."""
+        return {sid: p if sid in self.reduced else _sum_ranks(p)
+                for sid, p in self.partials.items()}
 
     def pure_grads(self) -> dict:
         """`grads` as pure dicts per stage (what `to_reference_layout` takes)."""

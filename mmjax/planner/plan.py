@@ -43,6 +43,8 @@ class UnitPlan:
     tp_bidirectional: bool = True  # overlap_tp: both ring directions
     cp_head_groups: int = 1  # cp > 1: K/V all-gathered in this many head groups (Cornstarch §5.3)
     attention_impl: str = "auto"  # models/attention.py bam_attention: auto/dense/chunked/pallas/cudnn
+    zero_stage: int = 1  # ZeRO 1/2/3 over each stage's dp ranks (parallel/zero.py, pipeline/stage.py)
+    fsdp_group: int = 0  # devices per ZeRO group in a stage (0: all), replicated across groups
 
     @property
     def devices_per_stage(self) -> int:
@@ -180,6 +182,7 @@ class Plan:
                 raise PlanError(f"{where}.cp={u.cp}: context parallelism is for the llm only")
             if is_vae(u.name):
                 _validate_vae(self, u, where)
+            _validate_zero(u, where)
             _validate_knobs(model, u, where)
             n_layers = model.num_layers(u.name)
             nv = u.pp * u.num_chunks
@@ -329,6 +332,30 @@ def _validate_vae(plan: Plan, u: UnitPlan, where: str) -> None:
     if gen % u.dp:
         raise PlanError(f"{where}.dp={u.dp} does not divide the generator's dp={gen}: "
                         f"give the VAE unit a divisor of {gen} devices")
+
+
+ZERO_STAGES = (1, 2, 3)
+
+
+def _validate_zero(u: UnitPlan, where: str) -> None:
+    """ZeRO-3 runs each stage's layers on shared (dp-sharded) weights, gathered per layer
+    inside the scan; the CP and overlapped-TP paths keep per-rank weight copies. An FSDP
+    group (OrchMLLM §7 hybrid sharding) is whole dp ranks of a stage."""
+    if isinstance(u.zero_stage, bool) or u.zero_stage not in ZERO_STAGES:
+        raise PlanError(f"{where}.zero_stage={u.zero_stage!r}: no such ZeRO stage (use 1: "
+                        f"optimizer state sharded, 2: also the gradients, 3: also the "
+                        f"parameters)")
+    g, size = u.fsdp_group, u.devices_per_stage
+    if isinstance(g, bool) or not isinstance(g, int) or g < 0 or (g and (
+            size % g or g % (u.tp * u.cp))):
+        raise PlanError(f"{where}.fsdp_group={g!r}: must divide the stage's {size} devices "
+                        f"(dp x cp x tp) and be a multiple of cp x tp = {u.tp * u.cp} (e.g. "
+                        f"{u.tp * u.cp}, or 0: one group of all of them)")
+    if u.zero_stage == 3 and (u.cp > 1 or u.overlap_tp):
+        knob = "cp" if u.cp > 1 else "overlap_tp"
+        raise PlanError(f"{where}.zero_stage=3 with {knob}={getattr(u, knob)!r}: ZeRO-3 "
+                        f"gathers each layer's weights in the layer scan, which the "
+                        f"{knob} path does not run (use zero_stage 1 or 2, or drop {knob})")
 
 
 def _tp_divisible(model, unit: str):

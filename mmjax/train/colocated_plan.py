@@ -1,6 +1,7 @@
 """`manual_plan.layout` / `zero_stage` / `fsdp_group` checked into a `Colocation` (no JAX).
 
-"disaggregated" (default): every unit on its own sub-mesh (the pipeline runtime, ZeRO-1).
+"disaggregated" (default): every unit on its own sub-mesh (the pipeline runtime, ZeRO 1-3
+per unit over each stage's dp ranks: `UnitPlan.zero_stage`).
 "colocated": every unit on one mesh of all devices (train/colocated.py), data-parallel over
 it, the LLM optionally tensor-parallel, each unit at ZeRO stage 1, 2 or 3, FSDP groups of
 `fsdp_group` devices. A value a layout cannot take is one `UserError` line naming the
@@ -55,21 +56,19 @@ def _stages(units, zero_stage) -> tuple[int, dict]:
 
 def check_layout(units, num_devices: int, layout="disaggregated", zero_stage=None,
                  fsdp_group=None, tp=None, **knobs) -> Colocation | None:
-    """The co-located layout's `Colocation`, or None for the disaggregated one (which takes
-    only ZeRO-1); `knobs`: the other manual_plan settings (bound ones are not None)."""
+    """The co-located layout's `Colocation`, or None for the disaggregated one (whose
+    `zero_stage` the Plan carries); `knobs`: the other manual_plan settings (bound ones are
+    not None)."""
     if layout not in LAYOUTS:
         raise UserError(f"manual_plan.layout={layout!r}: no such layout (use "
                         f"\"disaggregated\", the default, or \"colocated\")")
     default, stages = _stages(units, zero_stage)
-    if layout == "disaggregated":
-        if max([default, *stages.values()]) > 1:
-            raise UserError(f"manual_plan.zero_stage={zero_stage!r}: the disaggregated layout "
-                            f"runs ZeRO-1 (set manual_plan.layout=\"colocated\" for ZeRO-2/3, "
-                            f"or drop the setting)")
-        if fsdp_group is not None:
-            raise UserError(f"manual_plan.fsdp_group={fsdp_group!r}: read only with the "
-                            f"co-located layout (set manual_plan.layout=\"colocated\", or "
-                            f"drop the setting)")
+    if layout == "disaggregated":  # ZeRO 1-3 and FSDP groups per unit: the Plan carries
+        unknown = [u for u in (fsdp_group if isinstance(fsdp_group, dict) else {})
+                   if u not in units]  # them (Plan.validate checks each stage's size)
+        if unknown:
+            raise UserError(f"manual_plan.fsdp_group={fsdp_group!r}: unknown unit(s) "
+                            f"{unknown} (the model's units are {list(units)})")
         return None
     for knob, value in knobs.items():
         if knob in _PIPELINE_ONLY and value is not None and value != {} and not (

@@ -168,7 +168,7 @@ def remote_stage(tx, stage):
     processes use."""
     from mmjax.parallel.zero import Zero1Optimizer
 
-    opt = Zero1Optimizer(tx, stage.mesh, stage.abstract)
+    opt = Zero1Optimizer(tx, stage.fns.zero_mesh, stage.abstract)  # its FSDP groups
     if not opt.has_state:
         import optax
 

@@ -17,8 +17,8 @@ def manual_plan(global_batch: int = 8, num_microbatches: int = 2, dp=None, tp=No
                 attention_impl=None, layout: str = "disaggregated", zero_stage=None,
                 fsdp_group=None) -> Plan | Colocation:
     """A Plan from per-unit dicts, e.g. `manual_plan.pp = {"llm": 2}` or
-    `manual_plan.remat = "dots"` / `manual_plan.attention_impl = "chunked"` in gin (a plain
-    value applies to every unit). `layout = "colocated"`: a `Colocation` instead (every unit
+    `manual_plan.remat = "dots"` / `manual_plan.attention_impl = "chunked"` /
+    `manual_plan.zero_stage = 3` in gin (a plain value applies to every unit). `layout = "colocated"`: a `Colocation` instead (every unit
     on all devices, `tp = {"llm": T}`, `zero_stage` 1-3 per unit, `fsdp_group` devices per
     FSDP group; train/colocated_plan.py)."""
     knobs = dict(dp=dp, tp=tp, pp=pp, cp=cp, num_chunks=num_chunks, overlap_tp=overlap_tp,
@@ -30,4 +30,8 @@ def manual_plan(global_batch: int = 8, num_microbatches: int = 2, dp=None, tp=No
     if colo is not None:
         return colo
     kw = {k: v for k, v in knobs.items() if v is not None}
+    if zero_stage is not None:  # ZeRO 1-3 per unit over each stage's dp ranks
+        kw["zero_stage"] = zero_stage
+    if fsdp_group is not None:  # devices per FSDP group in each of the unit's stages
+        kw["fsdp_group"] = fsdp_group
     return Plan.uniform(model, global_batch, num_microbatches, **kw)

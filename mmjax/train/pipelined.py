@@ -61,13 +61,14 @@ class PipelinedRunner:
         self.trained = [sid for sid, st in rt.stages.items() if st.mode.param_grads]
         pair = rt.tied_embedding_stages()
         initial = rt.take_initial_params()
-        self.optimizers = {sid: Zero1Optimizer(
-            self.tx, rt.stages[sid].mesh, initial[sid],
+        self.optimizers = {sid: Zero1Optimizer(  # on the stage's ZeRO mesh (FSDP groups)
+            self.tx, rt.stages[sid].fns.zero_mesh, initial[sid],
             clip_norm=self.settings.clip_norm or None, donate=True,
             compute_dtype=compute_dtype,
             # the single model has one embedding: the last stage's copy is counted once
             norm_skip=("embed",) if pair is not None and sid == pair[1] else (),
-            rank_axes=rank_axes(rt.stages[sid].mesh))
+            rank_axes=rank_axes(rt.stages[sid].fns.zero_mesh),
+            zero_stage=rt.stages[sid].fns.zero_stage)  # 2/3: each backward reduce-scatters
             for sid in self.trained if rt.stages[sid].local}
         stages = {}
         for sid, opt in self.optimizers.items():
