@@ -26,13 +26,14 @@ from mmjax.pipeline.runtime import PipelineRuntime
 from mmjax.planner.plan import Plan, PlanError
 from mmjax.schedule.stage_graph import StageId
 from mmjax.train.checkpoint import Checkpointer
-from mmjax.train.colocated import colocated_step, state_shardings
+from mmjax.train.colocated import colocated_step, frozen_shardings, state_shardings
 from mmjax.train.colocated_plan import Colocation
 from mmjax.train.inputs import model_inputs
 from mmjax.train.logical_state import single_from_logical, single_logical
 from mmjax.train.optimizer import OptimizerSettings, optimizer_from_settings
 from mmjax.train.pipelined import PipelinedRunner
-from mmjax.train.step import TrainState, split_model
+from mmjax.train.state import whole_model_state
+from mmjax.train.step import split_model
 
 
 def frozen_encoders(base):
@@ -212,7 +213,7 @@ def test_resume_across_zero_stages_and_layouts(tmp_path):
     mdl = MultimodalModel(cfg, jax.random.key(0))
     gd, tr, fr = split_model(mdl, trainable_filter(cfg))
     tx = optimizer_from_settings(LR, SETTINGS)
-    state = TrainState(jnp.zeros((), jnp.int32), tr, fr, tx.init(tr))
+    state = whole_model_state(tr, tx.init(tr), jnp.zeros((), jnp.int32))
     _, restored, _ = Checkpointer(str(tmp_path / "checkpoints")).restore_latest(
         single_logical(state))
     state = single_from_logical(state, restored)
@@ -220,11 +221,12 @@ def test_resume_across_zero_stages_and_layouts(tmp_path):
     mesh = colocated_mesh(jax.devices(), colo)
     abstract = jax.eval_shape(lambda: state)
     state = jax.device_put(state, state_shardings(abstract, mesh, colo))
+    frozen = jax.device_put(fr, frozen_shardings(fr, mesh, colo))
     step_fn = colocated_step(gd, tx, mesh, colo, abstract)
     colocated = []
     for i in range(2, 4):
         batch = place_batch(mesh, model_inputs(assemble(batches[i % 2], lay)))
-        state, m = step_fn(state, batch, np.full(2, np.inf, np.float32))
+        state, m = step_fn(state, frozen, batch, np.full(2, np.inf, np.float32))
         colocated.append(float(m["loss"]))
     np.testing.assert_allclose(colocated, straight[2:], rtol=1e-5)
     ck.close()
