@@ -71,6 +71,16 @@ class ExchangePlan:
         return self.forward.capacity
 
 
+def busiest_pair(routes: Routes, mesh: Mesh, src_axes, dst_axes) -> int:
+    """Rows the busiest device pair sends in the exchange or its inverse: the least static
+    capacity `plan_exchange` takes for `routes` (host side; the runner's shape scan keeps
+    the maximum over a run's batches, so the tables' shapes never change)."""
+    src, dst = rank_devices(mesh, src_axes), rank_devices(mesh, dst_axes)
+    n = mesh.devices.size
+    return max(_busiest(deliveries(routes, src, dst), n),
+               _busiest(deliveries(routes.inverse(), dst, src), n))
+
+
 def plan_exchange(routes: Routes, mesh: Mesh, src_axes, dst_axes,
                   capacity: int | None = None) -> ExchangePlan:
     """Index tables moving `routes` from the `src_axes` layout to the `dst_axes` layout of

@@ -34,6 +34,7 @@ from mmjax.train.run_report import pretrained_lines
 from mmjax.train.run_setup import dry_run_build, model_and_tokenizer, prepared_plan, run_plan
 from mmjax.train.single_program import SingleProgram
 from mmjax.train.colocated import Colocated
+from mmjax.train.colocated_data import check_colocated_loader
 from mmjax.train.colocated_plan import Colocation, check_colocated_run
 from mmjax.train.manual_plan import manual_plan
 from mmjax.train.spike_guard import SpikeGuard
@@ -117,6 +118,10 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
     schedule = learning_rate_schedule(steps)
     dtype = _DTYPES[compute_dtype]
     colo = _colocation(plan, global_batch, cfg, replan_every, trace_every, trace_steps)
+    if colo is not None:  # the loader's balancing settings, as the co-located layout reads them
+        lay, src = layout_and_source(cfg, tok)
+        check_colocated_loader(cfg, lay, src if src is not None else train_source(cfg),
+                               global_batch, jax.device_count(), colo.tp)
     held_out = eval_source(cfg, tok) if eval_every else None
     if eval_every and held_out is None:
         raise UserError("train.eval_every needs a held-out set: set eval_source.json_path "
