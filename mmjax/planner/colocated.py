@@ -210,10 +210,13 @@ def evaluate_colocated(costs: tuple[UnitCost, ...], num_gpus: int, global_batch:
 
 def best_colocated(costs: tuple[UnitCost, ...], num_gpus: int, global_batch: int,
                    hw: Hardware, zero_stages=ZERO_STAGES,
-                   imbalance: float | dict[str, float] = 1.0) -> ColocatedEvaluation:
+                   imbalance: float | dict[str, float] = 1.0,
+                   max_micro_steps: int | None = None) -> ColocatedEvaluation:
     """The fastest co-located choice that fits in memory: the LLM's tp (other units at their
     smallest valid tp), one ZeRO stage per unit, one remat policy, the fewest micro-steps
-    that fit. Ties go to the lower ZeRO stage. Raises ValueError naming what is short."""
+    that fit (at most `max_micro_steps`: 1 for the co-located runner, which steps the
+    whole global batch at once). Ties go to the lower ZeRO stage. Raises ValueError naming
+    what is short."""
     names = [c.name for c in costs]
     by = {c.name: c for c in costs}
     llm_tps = sorted(t for t in by["llm"].time_s if num_gpus % t == 0)
@@ -228,7 +231,8 @@ def best_colocated(costs: tuple[UnitCost, ...], num_gpus: int, global_batch: int
         for zs in itertools.product(zero_stages, repeat=len(names)):
             zero = dict(zip(names, zs))
             for remat in REMATS:
-                for k in _micro_steps(max_k):
+                for k in [k for k in _micro_steps(max_k)
+                          if max_micro_steps is None or k <= max_micro_steps]:
                     ev = evaluate_colocated(costs, num_gpus, global_batch, hw, tp, zero,
                                             remat, k, imbalance)
                     if smallest is None or ev.memory_gb < smallest.memory_gb:
