@@ -76,10 +76,11 @@ def test_colocated_run_per_phase_policies_match_single(tmp_path, single, algos):
     assert late == [], late
 
 
-def _inter_node_bytes(cfg, rpn: int, row_bytes: int) -> list[int]:
-    """Per step, the encoder->LLM rows whose encoder rank and LLM rank sit on different
-    nodes (tp 1: rank r on device r), forward and backward, from the sample layouts the
-    loader plans (independent of the exchange's tables)."""
+def _inter_node_bytes(cfg, rpn: int, tp: int, row_bytes: int) -> list[int]:
+    """Per step, the bytes of encoder->LLM rows whose encoder rank (device r) and LLM rank
+    (devices j*tp .. j*tp+tp-1, one node) sit on different nodes, counted from the sample
+    layouts the loader plans (independent of the exchange's tables): forward, every tp
+    replica receives the row; backward, one replica returns its gradient."""
     from mmjax.data.colocated_batch import plan_phases
     from mmjax.data.loader import Loader
     from mmjax.planner.plan import Plan
@@ -90,12 +91,12 @@ def _inter_node_bytes(cfg, rpn: int, row_bytes: int) -> list[int]:
     try:
         lay, _ = layout_and_source(cfg, None)
         loader = Loader(train_source(cfg), cfg, Plan.uniform(cfg, 8, 1), lay)
-        st = phase_settings(loader, cfg, lay, 8, 1)
+        st = phase_settings(loader, cfg, lay, 8, tp)
         out = []
         for k in range(STEPS):
             gs = loader.builder.samples(k)
             metas = [lay.rules.meta(s) for s in gs.samples]
-            pp = plan_phases(metas, lay, 8, 8, st.policies, ranks_per_node=rpn,
+            pp = plan_phases(metas, lay, 8, 8 // tp, st.policies, ranks_per_node=rpn,
                              node_wise_method=st.node_wise_method,
                              node_wise_time_limit=st.node_wise_time_limit,
                              node_wise_max_milp_ranks=st.node_wise_max_milp_ranks)
@@ -105,8 +106,8 @@ def _inter_node_bytes(cfg, rpn: int, row_bytes: int) -> list[int]:
             for e, ph in pp.plan.phases.items():
                 if e != "llm":
                     rows += sum(ph.rows[s] for r, b in enumerate(ph.batches) for s in b
-                                if r // rpn != llm[s] // rpn)
-            out.append(2 * rows * row_bytes)
+                                if r // rpn != llm[s] * tp // rpn)
+            out.append((tp + 1) * rows * row_bytes)
         loader.close()
     finally:
         gin.clear_config()
@@ -115,14 +116,16 @@ def _inter_node_bytes(cfg, rpn: int, row_bytes: int) -> list[int]:
 
 @pytest.mark.slow
 def test_colocated_run_node_wise_ledger_counts_inter_node_bytes(tmp_path, single):
-    """Node-wise on 4 nodes of 2 devices: losses as the single program's, and each step's
-    `a2a_inter_node_bytes` (the traffic ledger) equal to the layouts' count."""
-    rpn = 2
-    records, late = _train(str(tmp_path / "run"), COLO + [f"Loader.ranks_per_node = {rpn}"])
+    """Node-wise on 4 nodes of 2 devices, the LLM at dp 4 x tp 2 (its two samples per rank
+    come from encoder ranks that need not share its node): losses as the single program's,
+    each step's `a2a_inter_node_bytes` (the traffic ledger) equal to the layouts' count."""
+    rpn, tp = 2, 2
+    records, late = _train(str(tmp_path / "run"), COLO + [
+        f"Loader.ranks_per_node = {rpn}", f'manual_plan.tp = {{"llm": {tp}}}'])
     np.testing.assert_allclose([r["loss"] for r in records], single, rtol=1e-5)
     assert late == [], late
     cfg = small_tiny()
-    want = _inter_node_bytes(cfg, rpn, cfg.llm.hidden_size * 4)
+    want = _inter_node_bytes(cfg, rpn, tp, cfg.llm.hidden_size * 4)
     got = [r["a2a_inter_node_bytes"] for r in records]
     assert got == want and sum(got) > 0, (got, want)
 
