@@ -68,7 +68,7 @@ def test_train_plan_auto_chooses_colocated(tmp_path, capsys):
     gin.clear_config()
     with gin.unlock_config():
         gin.parse_config(["Loader.reserve = 4", "data_layout.seq_len = 128",
-                          'auto_plan.layout = "auto"', "auto_plan.data_samples = 64"])
+                          'auto_plan.layout = "auto"'])
     try:
         records = train(str(tmp_path / "run"), model=small_tiny(), steps=2, global_batch=16,
                         progress=False, plan="auto", checkpoint_every=100)
