@@ -60,7 +60,7 @@ def test_auto_layout_default_and_forced(source):
 
 
 @pytest.mark.slow
-def test_train_plan_auto_chooses_colocated(tmp_path, capsys):
+def test_train_plan_auto_chooses_colocated(tmp_path, capfd):
     """train.py's --plan=auto: the co-located layout chosen, the line printed, the run
     trains on the co-located runner."""
     from mmjax.train.trainer import train
@@ -74,7 +74,7 @@ def test_train_plan_auto_chooses_colocated(tmp_path, capsys):
                         progress=False, plan="auto", checkpoint_every=100)
     finally:
         gin.clear_config()
-    out = " ".join(capsys.readouterr().out.split())
+    out = " ".join(capfd.readouterr().err.split())  # the console: stderr
     assert "auto layout: co-located (llm tp 1" in out, out
     assert "co-located (llm tp 1)" in out.split("auto layout:")[1]  # the run's own line
     assert len(TIMES.findall(out)) >= 2

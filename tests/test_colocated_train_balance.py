@@ -166,3 +166,37 @@ def test_settings_the_colocated_layout_cannot_honour(binding, words):
         _check([binding])
     msg = str(e.value)
     assert msg.startswith(words) and "\n" not in msg, msg
+
+
+def test_phase_batches_scan_covers_the_run_and_resumes_exactly():
+    """The start-up scan's per-phase floors and all-to-all capacity cover every batch of
+    the run (nothing grows, so nothing compiles after warm-up); `state` / `restore`
+    continue with the same batch, bit for bit (host side, nothing compiled)."""
+    from mmjax.parallel.fsdp import colocated_mesh
+    from mmjax.train.colocated_data import PhaseBatches
+    from mmjax.train.colocated_plan import Colocation
+    from mmjax.train.data_config import layout_and_source, train_source
+
+    cfg = small_tiny()
+    _parse(COLO + ["Loader.ranks_per_node = 4", 'Loader.node_wise_method = "local"',
+                   'Loader.post_balance_policy = {"vision": "conv", "llm": "sum_square"}'])
+    try:
+        lay, _ = layout_and_source(cfg, None)
+        mesh = colocated_mesh(jax.devices(), Colocation(tp=2))
+        data = PhaseBatches(train_source(cfg), cfg, lay, 8, mesh, scan_steps=3)
+        floor, cap = data.floor, data.floor_capacity
+        got = [next(data)[0] for _ in range(3)]
+        assert data.shapes == floor and data.capacity == cap
+        assert all(b.capacity == cap and b.phases.shapes == floor for b in got)
+        assert data.settings.policies == {"vision": "conv", "llm": "sum_square"}
+        state = data.state()
+        after = next(data)[0]
+        data.restore(state)
+        again = next(data)[0]
+        data.close()
+    finally:
+        gin.clear_config()
+    for k in ("tokens", "targets", "loss_mask", "gather_vision"):
+        np.testing.assert_array_equal(after.phases.inputs[k], again.phases.inputs[k])
+    assert after.phases.plan.phases["llm"].batches == again.phases.plan.phases["llm"].batches
+    assert len(after.phases.plan.phases["llm"].batches) == 4  # the LLM at dp 4 x tp 2
