@@ -130,10 +130,12 @@ def _tables(ds, n: int, capacity: int, dst_slots: int) -> ExchangeTables:
 
 
 def device_tables(plan: ExchangePlan, mesh: Mesh) -> tuple[jax.Array, ...]:
-    """(send, recv, send_back, recv_back): the plan's tables on `mesh`, one row per device."""
+    """(send, recv, send_back, recv_back): the plan's tables on `mesh`, one row per device
+    (each process places its own devices' rows: every process plans the same tables)."""
     sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))
-    return tuple(jax.device_put(t, sharding) for t in (plan.forward.send, plan.forward.recv,
-                                                       plan.backward.send, plan.backward.recv))
+    return tuple(jax.make_array_from_callback(t.shape, sharding, lambda idx, t=t: t[idx])
+                 for t in (plan.forward.send, plan.forward.recv, plan.backward.send,
+                           plan.backward.recv))
 
 
 def _body(x, send, recv, *, axes):
