@@ -25,6 +25,7 @@ from mmjax.parallel.rearrange import TrafficLedger
 from mmjax.train.colocated_data import BalancedBatch, PhaseBatches
 from mmjax.train.colocated_plan import Colocation
 from mmjax.train.data_config import train_source
+from mmjax.train.memory_check import check_colocated
 from mmjax.train.runner import StepMetrics
 from mmjax.train.optimizer import optimizer_from_settings
 from mmjax.train.single_program import SingleProgram
@@ -76,7 +77,7 @@ class Colocated(SingleProgram):
 
     def __init__(self, cfg, layout, global_batch, schedule, dtype, seed, colo: Colocation,
                  source=None, attention_impl="auto", pretrained=None, steps=None,
-                 devices=None):
+                 devices=None, check_memory: bool = True):
         devices = jax.devices() if devices is None else devices
         self.mesh = colocated_mesh(devices, colo)
         self.colo = colo
@@ -97,6 +98,15 @@ class Colocated(SingleProgram):
                          attention_impl, None, steps, check_memory=False,
                          count_multiple=len(devices), data=phases)
         self.memory_line = None
+        shapes = self.data.floor if phases is None else phases.global_floor()
+        if shapes is not None:  # the step's peak per device before anything compiles
+            exchange = 0.0 if phases is None else (  # send + receive, each encoder
+                2 * len(devices) * phases.floor_capacity * self.row_bytes
+                * len(cfg.encoders))
+            _, self.memory_line = check_colocated(
+                cfg, shapes, layout.seq_len, self.abstract.trainable, self.abstract.frozen,
+                colo, len(devices), dtype, attention_impl, global_batch,
+                jax.local_devices()[0], check_memory, exchange)
         filters = (trainable_filter(cfg), ...)
         tx = optimizer_from_settings(schedule)
         self.shardings = state_shardings(self.abstract, self.mesh, colo)

@@ -175,6 +175,18 @@ class PhaseBatches:
             floors, cap = pp.shapes, max(cap, self._busiest(pp.routes))
         return floors, cap
 
+    def global_floor(self) -> BatchShapes | None:
+        """The scanned per-rank floors as one step's global shapes (every rank's blocks
+        together: the LLM's rows and generated images over its ranks, each encoder's
+        buffers over every device)."""
+        if self.floor is None:
+            return None
+        llm = self.floor["llm"]
+        devices, ranks = self.ranks
+        encs = tuple((n, c * devices, k) for e, s in self.floor.items() if e != "llm"
+                     for n, c, k in s.encoders if n == e)
+        return BatchShapes(llm.rows * ranks, encs, llm.gen * ranks)
+
     def state(self) -> dict:
         return {"next_batch": self.next_batch, "capacity": self.capacity,
                 "phase_shapes": None if self.shapes is None else _shapes_json(self.shapes)}

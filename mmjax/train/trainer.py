@@ -144,7 +144,7 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
                                 attention_impl or "auto", dirs, steps, check_memory)
                   if colo is None else Colocated(cfg, layout, global_batch, schedule, dtype,
                                                  seed, colo, source, attention_impl or "auto",
-                                                 dirs, steps))
+                                                 dirs, steps, check_memory=check_memory))
     else:
         start_plan, resumed_plan = plan, plan_to_resume(workdir, plan, progress_console())
         plan = resumed_plan[1] if resumed_plan else plan  # a re-planned run stays re-planned
