@@ -12,6 +12,7 @@ from mmjax.data.assemble import assemble
 from mmjax.data.batch_shapes import batch_shapes
 from mmjax.models.mllm import MultimodalModel, trainable_filter
 from mmjax.parallel.fsdp import colocated_mesh, place_batch
+from mmjax.parallel.sharded_init import abstract_split
 from mmjax.planner.colocated_memory import colocated_memory
 from mmjax.train.colocated import colocated_step, state_shardings
 from mmjax.train.colocated_plan import Colocation
@@ -19,7 +20,7 @@ from mmjax.train.inputs import model_inputs
 from mmjax.train.memory_check import colocated_loads
 from mmjax.train.optimizer import OptimizerSettings, optimizer_from_settings
 from mmjax.train.single_program import round_counts
-from mmjax.train.step import TrainState, split_model
+from mmjax.train.step import TrainState
 
 
 @pytest.fixture(scope="module")
@@ -28,8 +29,8 @@ def setup():
     lay, samples = global_batch(cfg, 8)
     n = len(jax.devices())
     shapes = round_counts(batch_shapes([[lay.rules.meta(s) for s in samples]], lay), n)
-    mdl = MultimodalModel(cfg, jax.random.key(0))
-    gd, tr, fr = split_model(mdl, trainable_filter(cfg))
+    gd, tr, fr = abstract_split(MultimodalModel, (cfg,), jax.random.key(0),
+                                (trainable_filter(cfg), ...))  # shapes only: nothing runs
     return cfg, lay, shapes, model_inputs(assemble(samples, lay, shapes)), gd, tr, fr
 
 
@@ -61,3 +62,40 @@ def test_prediction_within_15_percent_of_compiled_peak(setup, zero):
     print(f"ZeRO-{zero}: predicted {model.peak / 1e6:.2f} MB, compiled {got / 1e6:.2f} MB "
           f"({model.peak / got:.2f})")
     assert abs(model.peak / got - 1) < 0.15, (model, got)
+
+
+def test_terms_by_stage_and_attention_implementation(setup):
+    """Host side: ZeRO-3 holds 1/d of the parameters and gradients, stage 2 the same peak
+    as stage 1 (gradients formed whole before the reduce-scatter); a tiled attention
+    implementation (GPU) builds no score buffers, so the working set shrinks (the "dots"
+    residuals keep no scores either way)."""
+    cfg, lay, shapes, inputs, gd, tr, fr = setup
+    est = {z: colocated_memory(colocated_loads(cfg, shapes, lay.seq_len, tr, fr,
+                                               Colocation(default_stage=z), 8, jnp.float32))
+           for z in (1, 2, 3)}
+    assert est[2].peak == est[1].peak
+    assert est[3].params == pytest.approx(est[1].params / 8)
+    assert est[3].gradients == pytest.approx(est[1].gradients / 8)
+    assert est[3].optimizer == est[1].optimizer and est[3].gathered > 0
+    chunked = colocated_memory(colocated_loads(cfg, shapes, lay.seq_len, tr, fr,
+                                               Colocation(), 8, jnp.float32, "chunked"))
+    assert chunked.work < est[1].work and chunked.residuals == est[1].residuals
+
+
+def test_a_step_that_cannot_fit_is_refused_with_the_estimate_and_the_fix(setup):
+    from mmjax.data.batch_shapes import BatchShapes
+    from mmjax.errors import UserError
+    from mmjax.train.memory_check import check_colocated
+
+    cfg, lay, shapes, inputs, gd, tr, fr = setup
+    huge = BatchShapes(8 * 4096, (("vision", 8 * 1024, 256),), 8)
+    colo = Colocation(default_stage=2)
+    with pytest.raises(UserError) as e:
+        check_colocated(cfg, huge, 8192, tr, fr, colo, 8, jnp.float32, "auto", 8 * 4096,
+                        jax.devices()[0])
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("the co-located step needs about ")
+    assert "manual_plan.zero_stage (now 2)" in msg and "train.check_memory=False" in msg
+    est, line = check_colocated(cfg, shapes, lay.seq_len, tr, fr, colo, 8, jnp.float32,
+                                "auto", 8, jax.devices()[0])
+    assert line.startswith("memory: the co-located step needs about ") and est.peak > 0

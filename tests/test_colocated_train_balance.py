@@ -188,6 +188,7 @@ def test_phase_batches_scan_covers_the_run_and_resumes_exactly():
         got = [next(data)[0] for _ in range(3)]
         assert data.shapes == floor and data.capacity == cap
         assert all(b.capacity == cap and b.phases.shapes == floor for b in got)
+        assert all(b.shapes == data.global_floor() for b in got)  # the memory check's
         assert data.settings.policies == {"vision": "conv", "llm": "sum_square"}
         state = data.state()
         after = next(data)[0]
