@@ -99,3 +99,28 @@ def test_a_step_that_cannot_fit_is_refused_with_the_estimate_and_the_fix(setup):
     est, line = check_colocated(cfg, shapes, lay.seq_len, tr, fr, colo, 8, jnp.float32,
                                 "auto", 8, jax.devices()[0])
     assert line.startswith("memory: the co-located step needs about ") and est.peak > 0
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_the_planner_prices_the_same_terms(setup, zero):
+    """planner/colocated.py `evaluate_colocated` (UnitCosts of a workload of the padded
+    shapes: 160-token rows, 256-patch images; the planner costs bfloat16 activations) gives
+    the memory the runner's check computes from the model's trees at those shapes in
+    bfloat16 with dense attention, up to the planner's coarser per-layer weights (a unit's
+    parameters / its layers)."""
+    from mmjax.planner.build import model_costs
+    from mmjax.planner.colocated import evaluate_colocated
+    from mmjax.planner.hardware import H100
+    from mmjax.planner.workload import Workload
+
+    cfg, lay, shapes, inputs, gd, tr, fr = setup
+    count, cap = shapes.encoder("vision")
+    wl = Workload("padded", (lay.seq_len,) * shapes.rows, {"vision": ((cap,),) * count},
+                  (1,) * shapes.gen)
+    costs, _ = model_costs(cfg, H100, wl, attention_impl="dense")
+    ev = evaluate_colocated(costs, 8, shapes.rows, H100, {}, {c.name: zero for c in costs},
+                            "dots", 1)
+    check = colocated_memory(colocated_loads(cfg, shapes, lay.seq_len, tr, fr,
+                                             Colocation(default_stage=zero), 8, jnp.bfloat16,
+                                             "dense"))
+    assert ev.memory_gb * 1e9 == pytest.approx(check.peak, rel=0.03)

@@ -8,6 +8,8 @@ loader scans):
 
 - `params`: float32 parameters and frozen weights, 4 (P + F), / dp at z = 3;
 - `optimizer`: AdamW's m and v, 8 P / dp (every stage);
+- `copy`: the step's compute-dtype copy of the parameters, b (P + F) at z = 1-2 below
+  float32 (none in float32; at z = 3 each gathered layer is cast on its own);
 - `gradients`: the float32 gradients the backward builds: whole (4 P) at z = 1-2 (XLA
   forms each one whole before the all-reduce / reduce-scatter), 4 P / dp at z = 3 (each
   layer's gradient reduce-scattered inside the layer scan);
@@ -55,6 +57,7 @@ class UnitLoad:
     samples: float
     acts: Acts
     input_bytes: float = 0.0  # the batch arrays of one sample
+    compute_bytes: int = F32  # the compute dtype's bytes
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,7 @@ class ColocatedMemory:
 
     params: float
     optimizer: float
+    copy: float  # the compute-dtype copy of the parameters (stages 1-2, below float32)
     gradients: float
     gathered: float
     residuals: float
@@ -77,17 +81,19 @@ class ColocatedMemory:
 
     @property
     def peak(self) -> float:
-        return (self.params + self.optimizer + self.inputs + self.gradients + self.gathered
+        return (self.params + self.optimizer + self.copy + self.inputs + self.gradients + self.gathered
                 + self.residuals + self.work + self.exchange)
 
 
 def colocated_memory(units: list[UnitLoad]) -> ColocatedMemory:
     """Sum the terms over `units` (module docstring)."""
-    params = opt = grads = gathered = kept = work = inputs = 0.0
+    params = opt = copy = grads = gathered = kept = work = inputs = 0.0
     for u in units:
         z3 = u.stage == 3 and u.dp > 1
         params += (F32 * u.trainable + FROZEN_BYTES * u.frozen) / (u.dp if z3 else 1)
         opt += ADAM_BYTES * u.trainable / u.dp
+        if u.compute_bytes < F32 and u.stage < 3:  # at 3 the gathered layer is cast alone
+            copy += u.compute_bytes * (u.trainable + u.frozen)
         grads += F32 * u.trainable / (u.dp if z3 else 1)
         a = u.acts
         inputs += u.samples * u.input_bytes
@@ -96,4 +102,4 @@ def colocated_memory(units: list[UnitLoad]) -> ColocatedMemory:
         w = u.samples * ((a.none - a.dots) / layers + SCORE_BUFFERS * a.scores)
         if w > work:  # the peak: this unit's backward, its own gathered layer live
             work, gathered = w, GATHERED_LAYERS * F32 * u.layer if z3 else 0.0
-    return ColocatedMemory(params, opt, grads, gathered, kept, work, inputs)
+    return ColocatedMemory(params, opt, copy, grads, gathered, kept, work, inputs)

@@ -198,7 +198,7 @@ def colocated_loads(cfg, shapes, seq_len: int, trainable, frozen, colo, devices:
         t, tl = tr.get(unit, (0.0, 0.0))
         f, fl = fr.get(unit, (0.0, 0.0))
         loads.append(UnitLoad(unit, t, f, (tl + fl) / max(layers, 1), layers,
-                              colo.stage(unit), devices // tp, samples, acts, inputs))
+                              colo.stage(unit), devices // tp, samples, acts, inputs, b))
 
     llm = memory.llm_acts(cfg.llm, seq_len, seq_len * seq_len, colo.tp, b,
                           _impl(attention_impl, seq_len, dtype))
