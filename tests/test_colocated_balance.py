@@ -12,10 +12,11 @@ from flax import nnx
 
 from helpers import assert_same_grads, cached_reference, make_cfg
 from mmjax.models.mllm import MultimodalModel, trainable_filter
-from mmjax.parallel.fsdp import colocated_mesh
+from mmjax.models.tiny import tiny_valm
+from mmjax.parallel.fsdp import colocated_mesh, tree_shardings
 from mmjax.parallel.phase_inputs import balanced_inputs, colocated_route
 from mmjax.parallel.rearrange import TrafficLedger
-from mmjax.train.colocated import Colocation
+from mmjax.train.colocated import Colocation, colocated_loss_fn
 from mmjax.train.step import make_loss_fn, split_model
 
 
@@ -60,3 +61,46 @@ def test_colocated_llm_dp4_tp2_with_node_wise(setup):
     assert sum(ledger.payload.values()) > 0
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     assert_same_grads(grads, ref_grads)
+
+
+@pytest.fixture(scope="module")
+def valm_frozen(reference_cache):
+    """tiny_valm with its encoders frozen, its 8-sample reference and split model."""
+    base = tiny_valm()
+    cfg = make_cfg(tiny_valm, **{f"encoders.{e.name}.frozen": True for e in base.encoders})
+    lay, samples, loss, grads = cached_reference(reference_cache, cfg, 8)
+    gd, tr, fr = split_model(MultimodalModel(cfg, jax.random.key(0)), trainable_filter(cfg))
+    return cfg, lay, samples, loss, grads, gd, tr, fr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp,policy,rpn", [(1, {"vision": "sum_square", "audio": "conv",
+                                                  "llm": "sum"}, 0),
+                                           (2, "padded", 4)])
+def test_zero3_with_per_phase_balancing_matches_single_device(valm_frozen, tp, policy, rpn):
+    """ZeRO-3 (parameters stored sharded, each layer gathered in the layer scan, gradients
+    reduce-scattered) with the balanced per-phase layouts and the all-to-all at the route
+    seam: the single-device loss and gradients, no gradient for the frozen encoders."""
+    cfg, lay, samples, ref_loss, ref_grads, gd, tr, fr = valm_frozen
+    colo = Colocation(tp=tp, default_stage=3)
+    mesh = colocated_mesh(jax.devices(), colo)
+    inputs, pb = balanced_inputs(samples, lay, mesh, policy, ranks_per_node=rpn)
+    loaded = [list(range(r * tp, r * tp + tp)) for r in range(8 // tp)]  # "none"'s
+    assert [list(b) for b in pb.plan.phases["llm"].batches] != loaded
+    tr = jax.device_put(tr, tree_shardings(tr, mesh, colo, "params"))
+    fr = jax.device_put(fr, tree_shardings(fr, mesh, colo, "params"))
+    grads = tree_shardings(tr, mesh, colo, "grads")
+    loss_fn = colocated_loss_fn(gd, mesh, colo, route=colocated_route(mesh))
+
+    def f(tr, fr, b):
+        (loss, _), g = jax.value_and_grad(loss_fn, has_aux=True)(tr, fr, b)
+        return loss, jax.lax.with_sharding_constraint(g, grads)
+    loss, g = jax.jit(f)(tr, fr, inputs)
+    np.testing.assert_allclose(float(loss), ref_loss, rtol=1e-5)
+    g = nnx.to_pure_dict(g)
+    assert "encoders" not in g
+    assert_same_grads(g, ref_grads)
+    dev = jax.devices()[0]  # stage 3: this device holds ~1/8 of the trainable parameters
+    held = sum(s.data.nbytes for x in jax.tree.leaves(tr) for s in x.addressable_shards
+               if s.device == dev)
+    assert held <= sum(x.nbytes for x in jax.tree.leaves(tr)) / 8 * 1.10 + 4096

@@ -28,7 +28,7 @@ def _instance(rng, d, per, skew):
 
 
 @pytest.mark.parametrize("include_recv", [True, False])
-def test_milp_proves_the_brute_force_optimum(include_recv):
+def test_milp_proves_the_brute_force_optimum(include_recv, capfd):
     rng = np.random.default_rng(21)
     for d, c in [(6, 2), (6, 3), (8, 4), (8, 2)]:
         for _ in range(3):
@@ -45,6 +45,7 @@ def test_milp_proves_the_brute_force_optimum(include_recv):
             assert info["milp_bound"] == pytest.approx(best, rel=1e-6)
             node_of = np.asarray(perm)[np.arange(d)] // c
             assert _objective(s, bat, w, dd, node_of, c, include_recv) == pytest.approx(best)
+    assert "HiGHS" not in capfd.readouterr().out  # the solver's banner is silenced
 
 
 def _key(s, bat, w, d, node_of, c, include_recv):

@@ -21,6 +21,7 @@ import numpy as np
 from mmjax.data.assemble import assemble, item_rows, projected_size
 from mmjax.data.batch_shapes import BatchShapes, batch_shapes
 from mmjax.data.colocated_layout import ColocatedLayout, plan_colocated_layout
+from mmjax.data.global_batch import mask_out_failed
 from mmjax.data.layout import AssemblyLayout, check_sample
 from mmjax.data.routes import Routes
 from mmjax.data.sample import Sample
@@ -54,21 +55,27 @@ def _concat(blocks: list[np.ndarray]) -> np.ndarray:
     return np.concatenate(blocks, axis=0)
 
 
-def phase_batch(samples: list[Sample], layout: AssemblyLayout, encoder_ranks: int,
-                llm_ranks: int, policies, *, ranks_per_node: int = 0,
-                node_wise_method: str = "local",
-                floors: dict[str, BatchShapes] | None = None) -> PhaseBatch:
-    """Assemble `samples` (checked good) in per-phase layouts (module docstring).
-    `policies`: "none" or a post-balancing policy, one for all phases or per phase name
-    (the encoder slot names and "llm"). `floors[phase]`: per-rank shapes to pad up to
-    (a previous `PhaseBatch.shapes`, so a run compiles once)."""
+@dataclass
+class PhasePlan:
+    """One global batch's per-phase layouts from metadata alone (what `phase_batch`
+    assembles): the sample layouts, each phase's rank groups and per-rank shapes, and the
+    encoder->LLM routes at those shapes. The runner's start-up shape scan folds these."""
+
+    plan: ColocatedLayout
+    llm_groups: list[list[int]]
+    enc_groups: dict[str, list[list[int]]]
+    shapes: dict[str, BatchShapes]  # per phase, per-rank shapes (floors applied)
+    routes: dict[str, Routes]
+    rows_per_rank: dict[str, tuple[int, int]]
+
+
+def plan_phases(metas, layout: AssemblyLayout, encoder_ranks: int, llm_ranks: int, policies,
+                *, ranks_per_node: int = 0, node_wise_method: str = "local",
+                node_wise_time_limit: float = 0.2, node_wise_max_milp_ranks: int = 32,
+                floors: dict[str, BatchShapes] | None = None) -> PhasePlan:
+    """The per-phase layouts, shapes and routes of samples with metadata `metas` (no
+    sample data: the loader's shape scan calls this on metadata from the index)."""
     floors = floors or {}
-    for s in samples:
-        reason = check_sample(s, layout)
-        if reason:
-            raise ValueError(f"phase_batch: sample {s.id} is bad ({reason}); drop bad samples "
-                             f"before planning the layouts")
-    metas = [layout.rules.meta(s) for s in samples]
     slots = list(layout.encoders)
     lengths = {"llm": [m.llm_length for m in metas]}
     out_rows = {}
@@ -80,41 +87,26 @@ def phase_batch(samples: list[Sample], layout: AssemblyLayout, encoder_ranks: in
     ranks["llm"] = llm_ranks
     plan = plan_colocated_layout(lengths, out_rows, ranks, policies,
                                  ranks_per_node=ranks_per_node,
-                                 node_wise_method=node_wise_method)
+                                 node_wise_method=node_wise_method,
+                                 node_wise_time_limit=node_wise_time_limit,
+                                 node_wise_max_milp_ranks=node_wise_max_milp_ranks)
     llm_groups = [list(b) for b in plan.phases["llm"].batches]
     llm_shapes = at_least(batch_shapes([[metas[i] for i in g] for g in llm_groups], layout),
                           floors.get("llm"))
     used = {"llm": llm_shapes}
-    llm_parts = [assemble([samples[i] for i in g], layout, llm_shapes, encoder_inputs=False)
-                 for g in llm_groups]
-    inputs = {k: _concat([getattr(b, k) for b in llm_parts]) for k in LLM_FIELDS}
-    inputs["bam"] = inputs["bam"].astype(np.int32)
-    rows, seq = llm_parts[0].tokens.shape
-    n_gen = sum(b.num_gen_elements for b in llm_parts)
-    if llm_parts[0].gen is not None:
-        for k in llm_parts[0].gen:
-            blocks = [b.gen[k] for b in llm_parts]
-            if k == "gen_query":  # flattened [rows * seq] hidden-state indices, per rank
-                blocks = [q + r * rows * seq for r, q in enumerate(blocks)]
-            inputs[k] = _concat(blocks)
-    inputs["encoders"] = {}
-    routes, sizes = {}, {}
     llm_rows = [item_rows([metas[i] for i in g], layout, llm_shapes) for g in llm_groups]
+    enc_groups, routes, sizes = {}, {}, {}
     for slot in slots:
         e = slot.name
         d_rows = projected_size(slot, llm_shapes)
-        inputs[f"gather_{e}"] = _concat([np.where(b.gather[e] >= 0, b.gather[e] + r * d_rows, -1)
-                                         for r, b in enumerate(llm_parts)])
-        enc_groups = [list(b) for b in plan.phases[e].batches]
-        enc_shapes = at_least(batch_shapes([[metas[i] for i in g] for g in enc_groups],
-                                           layout), floors.get(e))
+        groups = [list(b) for b in plan.phases[e].batches]
+        enc_groups[e] = groups
+        enc_shapes = at_least(batch_shapes([[metas[i] for i in g] for g in groups], layout),
+                              floors.get(e))
         used[e] = enc_shapes
-        enc_parts = [assemble([samples[i] for i in g], layout, enc_shapes) for g in enc_groups]
-        inputs["encoders"][e] = {k: _concat([b.encoders[e][k] for b in enc_parts])
-                                 for k in enc_parts[0].encoders[e]}
         s_rows = projected_size(slot, enc_shapes)
         where: dict[int, tuple[int, list]] = {}  # sample -> (encoder rank, rows per item)
-        for r, g in enumerate(enc_groups):
+        for r, g in enumerate(groups):
             it = iter(item_rows([metas[i] for i in g], layout, enc_shapes)[e])
             for i in g:
                 where[i] = (r, [next(it) for _ in range(metas[i].count(slot.modality))])
@@ -130,6 +122,57 @@ def phase_batch(samples: list[Sample], layout: AssemblyLayout, encoder_ranks: in
                     pairs.extend((er, int(x), r, int(y)) for x, y in zip(a, b))
         routes[e] = Routes.from_pairs(encoder_ranks, s_rows, llm_ranks, d_rows, pairs)
         sizes[e] = (s_rows, d_rows)
+    return PhasePlan(plan, llm_groups, enc_groups, used, routes, sizes)
+
+
+def phase_batch(samples: list[Sample], layout: AssemblyLayout, encoder_ranks: int,
+                llm_ranks: int, policies, *, ranks_per_node: int = 0,
+                node_wise_method: str = "local", node_wise_time_limit: float = 0.2,
+                node_wise_max_milp_ranks: int = 32,
+                floors: dict[str, BatchShapes] | None = None,
+                failed: frozenset | set = frozenset()) -> PhaseBatch:
+    """Assemble `samples` (checked good) in per-phase layouts (module docstring).
+    `policies`: "none" or a post-balancing policy, one for all phases or per phase name
+    (the encoder slot names and "llm"). `floors[phase]`: per-rank shapes to pad up to
+    (a previous `PhaseBatch.shapes`, so a run compiles once). `failed`: ids of samples
+    that failed to decode (blanks of their shapes): their loss is masked out."""
+    for s in samples:
+        reason = check_sample(s, layout)
+        if reason:
+            raise ValueError(f"phase_batch: sample {s.id} is bad ({reason}); drop bad samples "
+                             f"before planning the layouts")
+    metas = [layout.rules.meta(s) for s in samples]
+    pp = plan_phases(metas, layout, encoder_ranks, llm_ranks, policies,
+                     ranks_per_node=ranks_per_node, node_wise_method=node_wise_method,
+                     node_wise_time_limit=node_wise_time_limit,
+                     node_wise_max_milp_ranks=node_wise_max_milp_ranks, floors=floors)
+    llm_shapes = pp.shapes["llm"]
+    llm_parts = []
+    for g in pp.llm_groups:
+        part = assemble([samples[i] for i in g], layout, llm_shapes, encoder_inputs=False)
+        if failed:
+            mask_out_failed(part, [samples[i] for i in g], failed)
+        llm_parts.append(part)
+    inputs = {k: _concat([getattr(b, k) for b in llm_parts]) for k in LLM_FIELDS}
+    inputs["bam"] = inputs["bam"].astype(np.int32)
+    rows, seq = llm_parts[0].tokens.shape
+    n_gen = sum(b.num_gen_elements for b in llm_parts)
+    if llm_parts[0].gen is not None:
+        for k in llm_parts[0].gen:
+            blocks = [b.gen[k] for b in llm_parts]
+            if k == "gen_query":  # flattened [rows * seq] hidden-state indices, per rank
+                blocks = [q + r * rows * seq for r, q in enumerate(blocks)]
+            inputs[k] = _concat(blocks)
+    inputs["encoders"] = {}
+    for slot in layout.encoders:
+        e = slot.name
+        d_rows = pp.rows_per_rank[e][1]
+        inputs[f"gather_{e}"] = _concat([np.where(b.gather[e] >= 0, b.gather[e] + r * d_rows, -1)
+                                         for r, b in enumerate(llm_parts)])
+        enc_parts = [assemble([samples[i] for i in g], layout, pp.shapes[e])
+                     for g in pp.enc_groups[e]]
+        inputs["encoders"][e] = {k: _concat([b.encoders[e][k] for b in enc_parts])
+                                 for k in enc_parts[0].encoders[e]}
     inputs["num_target_tokens"] = np.float32(sum(b.num_target_tokens for b in llm_parts))
     inputs["num_gen_elements"] = np.float32(n_gen)
-    return PhaseBatch(inputs, routes, plan, sizes, used)
+    return PhaseBatch(inputs, pp.routes, pp.plan, pp.rows_per_rank, pp.shapes)

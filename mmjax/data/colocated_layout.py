@@ -123,6 +123,7 @@ def plan_colocated_layout(lengths: Mapping[str, Sequence[float]],
                           num_ranks: int | Mapping[str, int], policies: str | Mapping[str, str],
                           *, llm: str = "llm", row_bytes: Mapping[str, int] | None = None,
                           ranks_per_node: int = 0, node_wise_method: str = "local",
+                          node_wise_time_limit: float = 0.2, node_wise_max_milp_ranks: int = 32,
                           capacity: Mapping[str, int] | None = None) -> ColocatedLayout:
     """Plan one global batch's co-located layouts (module docstring).
 
@@ -183,7 +184,8 @@ def plan_colocated_layout(lengths: Mapping[str, Sequence[float]],
                                "ranks_per_node a multiple of their ratio")
         elif d > llm_rpn and d % llm_rpn == 0:
             llm_batches = _node_wise(llm_batches, phase_layouts, rows, row_bytes, llm_rpn,
-                                     de // d, node_wise_method, info)
+                                     de // d, node_wise_method, info, node_wise_time_limit,
+                                     node_wise_max_milp_ranks)
     lengths_llm = {s: int(x[llm][s]) for s in range(n)}
     phase_layouts[llm] = PhaseLayout(llm, tuple(map(tuple, llm_batches)), lengths_llm,
                                      _capacity(llm, max(max(
@@ -206,7 +208,8 @@ def plan_colocated_layout(lengths: Mapping[str, Sequence[float]],
     return ColocatedLayout(phase_layouts, routes, llm_rows, info)
 
 
-def _node_wise(llm_batches, enc_layouts, rows, row_bytes, rpn, per_llm_rank, method, info):
+def _node_wise(llm_batches, enc_layouts, rows, row_bytes, rpn, per_llm_rank, method, info,
+               time_limit: float = 0.2, max_milp_ranks: int = 32):
     """Algorithm 3 on the encoder->LLM all-to-all: items are (encoder, sample) outputs at
     their encoder rank (counted at the LLM rank whose devices hold it: encoder rank //
     `per_llm_rank`), sized in bytes; new batches are the LLM's balanced mini-batches, `rpn`
@@ -221,6 +224,7 @@ def _node_wise(llm_batches, enc_layouts, rows, row_bytes, rpn, per_llm_rank, met
                 size.append(float(rows[e][s] * rb))
     new = [[i for s in b for i in item_of.get(s, ())] for b in llm_batches]
     perm = node_wise_rearrange(src, new, size, rpn, method=method, require_optimal=True,
+                               time_limit=time_limit, max_milp_ranks=max_milp_ranks,
                                info=info)
     info["perm"] = perm
     return batches_by_rank(llm_batches, perm)

@@ -112,6 +112,8 @@ class Loader:
                             f"{source.patch_size} but the model's is {rules.patch_size}; "
                             f"rewrite it with scripts/make_dataset.py --patch_size="
                             f"{rules.patch_size}")
+        # as given (a dict names units): the co-located layout checks what it can honour
+        self.balance, self.post_balance_policy = balance, post_balance_policy
         node_wise = NodeWise(ranks_per_node, node_wise_method, node_wise_time_limit,
                              node_wise_max_milp_ranks)
         self.builder = GlobalBatchBuilder(

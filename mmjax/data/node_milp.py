@@ -11,7 +11,26 @@ placements split each volume evenly) and a time-limited run keeps a gap to its b
 (scripts/bench_balance.py part 2 measures it)."""
 from __future__ import annotations
 
+import os
+import sys
+from contextlib import contextmanager
+
 import numpy as np
+
+
+@contextmanager
+def _quiet_stdout():
+    """Process stdout (file descriptor 1) to /dev/null for the block: HiGHS' C++ constructor
+    prints its version banner there before any option (`output_flag`) can be set."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+            yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def _milp_model(v: np.ndarray, c: int, include_recv: bool):
@@ -75,7 +94,8 @@ def milp_nodes(v: np.ndarray, c: int, include_recv: bool, time_limit: float,
 
     d = v.shape[0]
     nn = d // c
-    h = highspy.Highs()
+    with _quiet_stdout():
+        h = highspy.Highs()
     h.setOptionValue("output_flag", False)
     h.setOptionValue("time_limit", float(time_limit))
     if h.passModel(_milp_model(v, c, include_recv)) != highspy.HighsStatus.kOk:

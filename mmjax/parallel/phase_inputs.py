@@ -23,6 +23,28 @@ def colocated_route(mesh: Mesh):
     return phase_route(mesh, *phase_axes(mesh))
 
 
+def llm_ranks(mesh: Mesh) -> int:
+    """The LLM's dp on the co-located mesh (devices / tp)."""
+    enc_axes, llm_axes = phase_axes(mesh)
+    n = mesh.devices.size
+    return n // mesh.shape["tp"] if llm_axes != enc_axes else n
+
+
+def place_phase_batch(pb: PhaseBatch, mesh: Mesh, capacity: int | None = None,
+                      ledger: TrafficLedger | None = None,
+                      row_bytes: int | None = None) -> dict:
+    """A `PhaseBatch` as the co-located step's inputs: its leaves placed on the mesh, the
+    encoders' all-to-all tables under `ROUTE_KEY` (see `balanced_inputs`)."""
+    enc_axes, llm_axes = phase_axes(mesh)
+    if ledger is not None and row_bytes is None:
+        raise ValueError("balanced_inputs: a ledger needs row_bytes (hidden size x dtype bytes)")
+    inputs = place_batch(mesh, pb.inputs)
+    inputs[ROUTE_KEY] = route_tables(pb.routes, mesh, enc_axes, llm_axes, capacity, ledger,
+                                     None if ledger is None else
+                                     {e: int(row_bytes) for e in pb.routes})
+    return inputs
+
+
 def balanced_inputs(samples, layout, mesh: Mesh, policies, *, ranks_per_node: int = 0,
                     floors=None, capacity: int | None = None,
                     ledger: TrafficLedger | None = None,
@@ -32,15 +54,6 @@ def balanced_inputs(samples, layout, mesh: Mesh, policies, *, ranks_per_node: in
     all-to-alls' static rows per device pair (None: the busiest pair's, to a power of two);
     `ledger`: counts each exchange's bytes per link class, `row_bytes` per row (the LLM's
     hidden size x the compute dtype's bytes)."""
-    enc_axes, llm_axes = phase_axes(mesh)
-    n = mesh.devices.size
-    llm_ranks = n // mesh.shape["tp"] if llm_axes != enc_axes else n
-    pb = phase_batch(samples, layout, n, llm_ranks, policies, ranks_per_node=ranks_per_node,
-                     floors=floors)
-    inputs = place_batch(mesh, pb.inputs)
-    if ledger is not None and row_bytes is None:
-        raise ValueError("balanced_inputs: a ledger needs row_bytes (hidden size x dtype bytes)")
-    inputs[ROUTE_KEY] = route_tables(pb.routes, mesh, enc_axes, llm_axes, capacity, ledger,
-                                     None if ledger is None else
-                                     {e: int(row_bytes) for e in pb.routes})
-    return inputs, pb
+    pb = phase_batch(samples, layout, mesh.devices.size, llm_ranks(mesh), policies,
+                     ranks_per_node=ranks_per_node, floors=floors)
+    return place_phase_batch(pb, mesh, capacity, ledger, row_bytes), pb

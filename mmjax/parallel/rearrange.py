@@ -71,6 +71,16 @@ class ExchangePlan:
         return self.forward.capacity
 
 
+def busiest_pair(routes: Routes, mesh: Mesh, src_axes, dst_axes) -> int:
+    """Rows the busiest device pair sends in the exchange or its inverse: the least static
+    capacity `plan_exchange` takes for `routes` (host side; the runner's shape scan keeps
+    the maximum over a run's batches, so the tables' shapes never change)."""
+    src, dst = rank_devices(mesh, src_axes), rank_devices(mesh, dst_axes)
+    n = mesh.devices.size
+    return max(_busiest(deliveries(routes, src, dst), n),
+               _busiest(deliveries(routes.inverse(), dst, src), n))
+
+
 def plan_exchange(routes: Routes, mesh: Mesh, src_axes, dst_axes,
                   capacity: int | None = None) -> ExchangePlan:
     """Index tables moving `routes` from the `src_axes` layout to the `dst_axes` layout of
@@ -120,10 +130,12 @@ def _tables(ds, n: int, capacity: int, dst_slots: int) -> ExchangeTables:
 
 
 def device_tables(plan: ExchangePlan, mesh: Mesh) -> tuple[jax.Array, ...]:
-    """(send, recv, send_back, recv_back): the plan's tables on `mesh`, one row per device."""
+    """(send, recv, send_back, recv_back): the plan's tables on `mesh`, one row per device
+    (each process places its own devices' rows: every process plans the same tables)."""
     sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))
-    return tuple(jax.device_put(t, sharding) for t in (plan.forward.send, plan.forward.recv,
-                                                       plan.backward.send, plan.backward.recv))
+    return tuple(jax.make_array_from_callback(t.shape, sharding, lambda idx, t=t: t[idx])
+                 for t in (plan.forward.send, plan.forward.recv, plan.backward.send,
+                           plan.backward.recv))
 
 
 def _body(x, send, recv, *, axes):

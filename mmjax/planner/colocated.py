@@ -40,8 +40,9 @@ from dataclasses import dataclass, field
 from mmjax.models.units import is_encoder, is_llm
 from mmjax.planner.costs import UnitCost
 from mmjax.planner.hardware import Hardware
+from mmjax.planner.colocated_memory import UnitLoad, colocated_memory
 from mmjax.planner.memory import (ACC_BYTES, ADAM_BYTES, F32, FROZEN_BYTES, MASTER_BYTES,
-                                  REMATS)
+                                  REMATS, SCORE_BUFFERS, Acts)
 
 ZERO_STAGES = (1, 2, 3)
 
@@ -149,6 +150,24 @@ def _residuals(c: UnitCost, v: UnitCost, tp: int, remat: str) -> tuple[float, fl
     return layers * layer_in, none / layers
 
 
+def unit_load(c: UnitCost, tp: int, dp: int, zero: int, samples: float) -> UnitLoad:
+    """planner/colocated_memory.py's terms of one unit from its cost's remat variants, as
+    the co-located runner runs it: every layer under the scan's "dots" checkpoint
+    (models/scan.py: the gather context sets it), so it keeps the "dots" residuals and
+    rebuilds one layer's "none" residuals at a time; the score buffers are what the "none"
+    variant's fixed bytes hold beyond the "dots" one's (SCORE_BUFFERS of them)."""
+    none = c.variants.get("none", c) if c.variants else c
+    dots = c.variants.get("dots", c) if c.variants else c
+    acts = Acts(none=none.activation_bytes.get(tp, 0.0), dots=dots.activation_bytes.get(tp, 0.0),
+                scores=max(none.fixed_bytes.get(tp, 0.0) - dots.fixed_bytes.get(tp, 0.0), 0.0)
+                / SCORE_BUFFERS, boundary=c.boundary_bytes, input=dots.input_bytes)
+    t, f = unit_params(c)
+    s = _share(c, tp)
+    layers = max(c.num_layers, 1)
+    return UnitLoad(c.name, t * s, f * s, (t + f) * s / layers, layers, zero, dp, samples,
+                    acts, compute_bytes=c.dtype_bytes)
+
+
 def _a2a_bw(hw: Hardware, g: int) -> float:
     """Per-rank all-to-all bandwidth over g GPUs: the (g-1) peers, those on other nodes at
     the NIC, the rest over NVLink (time per byte, inverted)."""
@@ -170,6 +189,7 @@ def evaluate_colocated(costs: tuple[UnitCost, ...], num_gpus: int, global_batch:
     comp, exposed, mem_state, acts, work = {}, {}, 0.0, 0.0, 0.0
     a2a = 0.0
     flops = 0.0
+    loads = []
     for c in costs:
         v = c.variants.get(remat, c) if c.variants else c
         t = tp.get(c.name, 1)
@@ -193,6 +213,7 @@ def evaluate_colocated(costs: tuple[UnitCost, ...], num_gpus: int, global_batch:
         else:
             exposed[c.name] = 0.0
         mem_state += state_bytes(v, t, dp, z) + compute_copy_bytes(v, t, z)
+        loads.append(unit_load(c, t, dp, z, per_step))
         kept, rebuilt = _residuals(c, v, t, remat)
         acts += per_step * kept
         work = max(work, per_step * (rebuilt + v.fixed_bytes.get(t, 0.0)))
@@ -200,7 +221,10 @@ def evaluate_colocated(costs: tuple[UnitCost, ...], num_gpus: int, global_batch:
             a2a += 2 * spr * v.boundary_bytes * (g - 1) / g / _a2a_bw(hw, g)
         flops += global_batch * v.flops
     total = sum(comp.values()) + sum(exposed.values()) + a2a
-    mem = mem_state + acts + work
+    # "none" / "dots": the runner's per-layer "dots" checkpoint (colocated_memory's terms,
+    # checked against the compiled step); "full": every layer's input kept, one rebuilt
+    mem = (colocated_memory(loads).peak if remat != "full"
+           else mem_state + acts + work)
     if mem > hw.hbm_bytes:
         notes.append(f"needs {mem / 1e9:.1f} GB per GPU; have {hw.hbm_bytes / 1e9:.0f} GB")
     return ColocatedEvaluation(total, g, dict(tp), dict(zero), remat, micro_steps, comp,
@@ -210,10 +234,13 @@ def evaluate_colocated(costs: tuple[UnitCost, ...], num_gpus: int, global_batch:
 
 def best_colocated(costs: tuple[UnitCost, ...], num_gpus: int, global_batch: int,
                    hw: Hardware, zero_stages=ZERO_STAGES,
-                   imbalance: float | dict[str, float] = 1.0) -> ColocatedEvaluation:
+                   imbalance: float | dict[str, float] = 1.0,
+                   max_micro_steps: int | None = None) -> ColocatedEvaluation:
     """The fastest co-located choice that fits in memory: the LLM's tp (other units at their
     smallest valid tp), one ZeRO stage per unit, one remat policy, the fewest micro-steps
-    that fit. Ties go to the lower ZeRO stage. Raises ValueError naming what is short."""
+    that fit (at most `max_micro_steps`: 1 for the co-located runner, which steps the
+    whole global batch at once). Ties go to the lower ZeRO stage. Raises ValueError naming
+    what is short."""
     names = [c.name for c in costs]
     by = {c.name: c for c in costs}
     llm_tps = sorted(t for t in by["llm"].time_s if num_gpus % t == 0)
@@ -228,7 +255,8 @@ def best_colocated(costs: tuple[UnitCost, ...], num_gpus: int, global_batch: int
         for zs in itertools.product(zero_stages, repeat=len(names)):
             zero = dict(zip(names, zs))
             for remat in REMATS:
-                for k in _micro_steps(max_k):
+                for k in [k for k in _micro_steps(max_k)
+                          if max_micro_steps is None or k <= max_micro_steps]:
                     ev = evaluate_colocated(costs, num_gpus, global_batch, hw, tp, zero,
                                             remat, k, imbalance)
                     if smallest is None or ev.memory_gb < smallest.memory_gb:

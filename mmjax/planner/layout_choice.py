@@ -15,6 +15,12 @@ from dataclasses import dataclass
 LAYOUTS = ("auto", "colocated", "disaggregated")
 
 
+def seconds(x: float) -> str:
+    """A predicted time for the reason line: seconds to the millisecond, milliseconds below
+    10 ms (a tiny model's step)."""
+    return f"{x:.3f} s" if x >= 0.01 else f"{x * 1e3:.4f} ms"
+
+
 @dataclass(frozen=True)
 class LayoutChoice:
     layout: str  # "colocated" or "disaggregated"
@@ -38,14 +44,14 @@ def choose_layout(colocated, disaggregated_s: float | None,
     comp = sum(colocated.compute_s.values())
     comm = sum(colocated.exposed_comm_s.values()) + colocated.all_to_all_s
     if c < disaggregated_s:
-        why = (f"co-located {c:.3f} s < disaggregated {disaggregated_s:.3f} s per iteration: "
-               f"every GPU computes every phase ({comp:.3f} s) with {comm:.3f} s of exposed "
+        why = (f"co-located {seconds(c)} < disaggregated {seconds(disaggregated_s)} per iteration: "
+               f"every GPU computes every phase ({seconds(comp)}) with {seconds(comm)} of exposed "
                f"collectives, while the disaggregated plan pays "
-               f"{disaggregated_warmup_s:.3f} s of pipeline warm-up and its slowest stage")
+               f"{seconds(disaggregated_warmup_s)} of pipeline warm-up and its slowest stage")
         return LayoutChoice("colocated", c, disaggregated_s, why)
     unit, worst = max(colocated.exposed_comm_s.items(), key=lambda kv: kv[1])
-    why = (f"disaggregated {disaggregated_s:.3f} s <= co-located {c:.3f} s per iteration: "
-           f"co-located computes {comp:.3f} s and exposes {comm:.3f} s of collectives "
-           f"(largest: {unit!r} at ZeRO-{colocated.zero[unit]}, {worst:.3f} s), phases one "
+    why = (f"disaggregated {seconds(disaggregated_s)} <= co-located {seconds(c)} per iteration: "
+           f"co-located computes {seconds(comp)} and exposes {seconds(comm)} of collectives "
+           f"(largest: {unit!r} at ZeRO-{colocated.zero[unit]}, {seconds(worst)}), phases one "
            f"after another, while disaggregated units overlap on their own GPUs")
     return LayoutChoice("disaggregated", c, disaggregated_s, why)

@@ -37,12 +37,16 @@ def run_planning_inputs(cfg, source):
     return planning_inputs(cfg, source, get("hardware_name", None), get("data_samples", 256))
 
 
+AUTO_LAYOUTS = ("disaggregated", "colocated", "auto")
+
+
 @gin.configurable
 def auto_plan(cfg, global_batch: int, source, num_devices: int | None = None,
-              hardware_name: str | None = None, data_samples: int = 256) -> Plan:
+              hardware_name: str | None = None, data_samples: int = 256,
+              layout: str = "disaggregated") -> Plan:
     """A validated plan for `cfg` on the devices present, planned for `data_samples`
     samples of `source` (gin: `auto_plan.hardware_name = "h100"` to override the device
-    kind's spec)."""
+    kind's spec). `layout` is read by `auto_layout` (the trainer's `--plan=auto`)."""
     n = num_devices or jax.device_count()
     hw, wl = planning_inputs(cfg, source, hardware_name, data_samples)
     try:
@@ -56,3 +60,59 @@ def auto_plan(cfg, global_batch: int, source, num_devices: int | None = None,
     except PlanError as e:
         raise PlanError(f"train.plan='auto' on {n} devices: {e}") from None
     return plan.validate(cfg, n)
+
+
+def auto_layout(cfg, global_batch: int, source, layout: str | None = None,
+                num_devices: int | None = None):
+    """`--plan=auto` with `auto_plan.layout` (or `layout`): "disaggregated" (default) ->
+    (the disaggregated Plan, None); "colocated" / "auto" -> (a Plan or a `Colocation`, one
+    line saying which layout and why). "auto" prices the co-located layout's best choice
+    (planner/colocated.py, OrchMLLM §4-7, one step of the whole global batch as the
+    co-located runner runs it) beside the disaggregated planner's plan (DistTrain §5) on
+    the same workload and takes the faster (planner/layout_choice.py)."""
+    from mmjax.errors import UserError
+    from mmjax.planner.build import model_costs
+    from mmjax.planner.colocated import best_colocated
+    from mmjax.planner.layout_choice import choose_layout
+    from mmjax.train.colocated_plan import check_layout
+
+    get = lambda p, default: (gin.query_parameter(f"auto_plan.{p}")
+                              if gin_bound(f"auto_plan.{p}") else default)
+    layout = layout or get("layout", "disaggregated")
+    if layout not in AUTO_LAYOUTS:
+        raise UserError(f"auto_plan.layout={layout!r}: use one of {AUTO_LAYOUTS}")
+    if layout == "disaggregated":
+        return auto_plan(cfg, global_batch, source, num_devices), None
+    n = num_devices or get("num_devices", None) or jax.device_count()
+    hw, wl = planning_inputs(cfg, source, get("hardware_name", None),
+                             get("data_samples", 256))
+    try:
+        colo = best_colocated(model_costs(cfg, hw, wl)[0], n, global_batch, hw,
+                              max_micro_steps=1)
+    except ValueError as e:
+        if layout == "colocated":
+            raise PlanError(f"train.plan='auto' with auto_plan.layout='colocated' on {n} "
+                            f"devices: {e}") from None
+        colo, colo_error = None, str(e)
+    plan, dis_s, warm = None, None, 0.0
+    if layout == "auto":
+        try:
+            plan = plan_model(cfg, hw, n, global_batch, workload=wl).validate(cfg, n)
+            dis_s, warm = plan.predicted["iteration_time_s"], plan.predicted.get("warmup_s", 0.0)
+        except PlanError:
+            plan = None
+    if layout == "colocated":
+        why = f"auto_plan.layout='colocated', predicted {colo.iteration_time_s:.3f} s per iteration"
+    else:
+        try:
+            pick = choose_layout(colo, dis_s, warm)
+        except ValueError:
+            raise PlanError(f"train.plan='auto' on {n} devices: neither layout fits "
+                            f"(co-located: {colo_error}; no disaggregated plan)") from None
+        if pick.layout == "disaggregated":
+            return plan, f"auto layout: disaggregated ({pick.reason})"
+        why = pick.reason
+    chosen = check_layout(cfg.unit_names, n, "colocated", dict(colo.zero), None,
+                          {"llm": colo.tp.get("llm", 1)})
+    return chosen, (f"auto layout: co-located (llm tp {chosen.tp}, ZeRO "
+                    f"{dict(colo.zero)}) ({why})")

@@ -18,8 +18,15 @@ from flax import nnx
 from mmjax.models.hf.pretrained import load_pretrained_dirs
 from mmjax.models.mllm import MultimodalModel, trainable_filter
 from mmjax.models.scan import layer_weights
+from mmjax.data.loader import SHAPE_SCAN_MAX
 from mmjax.parallel.fsdp import colocated_mesh, gather_layer, place_batch, tree_shardings
+from mmjax.parallel.phase_inputs import colocated_route, place_phase_batch
+from mmjax.parallel.rearrange import TrafficLedger
+from mmjax.train.colocated_data import BalancedBatch, PhaseBatches
 from mmjax.train.colocated_plan import Colocation
+from mmjax.train.data_config import train_source
+from mmjax.train.memory_check import check_colocated
+from mmjax.train.runner import StepMetrics
 from mmjax.train.optimizer import optimizer_from_settings
 from mmjax.train.single_program import SingleProgram
 from mmjax.train.state import WHOLE_MODEL, TrainState, whole_model_state
@@ -78,14 +85,36 @@ class Colocated(SingleProgram):
 
     def __init__(self, cfg, layout, global_batch, schedule, dtype, seed, colo: Colocation,
                  source=None, attention_impl="auto", pretrained=None, steps=None,
-                 devices=None):
+                 devices=None, check_memory: bool = True):
         devices = jax.devices() if devices is None else devices
         self.mesh = colocated_mesh(devices, colo)
         self.colo = colo
+        # the loader's balancing settings (train/colocated_data.py): per-phase layouts and
+        # the encoder->LLM all-to-all when any phase is balanced or node-wise is on
+        phases = PhaseBatches(source if source is not None else train_source(cfg), cfg,
+                              layout, global_batch, self.mesh, scan_steps=None
+                              if steps is None else min(steps, SHAPE_SCAN_MAX))
+        if not phases.settings.balanced:
+            phases.close()
+            phases = None
+        self.phases = phases
+        rpn = phases.settings.ranks_per_node if phases else 0
+        # bytes the all-to-alls deliver per link class (nodes of `Loader.ranks_per_node`)
+        self.ledger = TrafficLedger(rpn) if rpn else None
+        self.row_bytes = cfg.llm.hidden_size * jnp.dtype(dtype).itemsize
         super().__init__(cfg, layout, global_batch, schedule, dtype, seed, source,
                          attention_impl, None, steps, check_memory=False,
-                         count_multiple=len(devices))
+                         count_multiple=len(devices), data=phases)
         self.memory_line = None
+        shapes = self.data.floor if phases is None else phases.global_floor()
+        if shapes is not None:  # the step's peak per device before anything compiles
+            exchange = 0.0 if phases is None else (  # send + receive, each encoder
+                2 * len(devices) * phases.floor_capacity * self.row_bytes
+                * len(cfg.encoders))
+            _, self.memory_line = check_colocated(
+                cfg, shapes, layout.seq_len, self.abstract.trainable, self.abstract.frozen,
+                colo, len(devices), dtype, attention_impl, global_batch,
+                jax.local_devices()[0], check_memory, exchange)
         filters = (trainable_filter(cfg), ...)
         tx = optimizer_from_settings(schedule)
         self.shardings = state_shardings(self.abstract, self.mesh, colo)
@@ -117,7 +146,8 @@ class Colocated(SingleProgram):
         if pretrained:
             self._make()
         self.step_fn = colocated_step(self.graphdef, tx, self.mesh, colo, self.abstract,
-                                      dtype, attention_impl, layout.llm_mask_family)
+                                      dtype, attention_impl, layout.llm_mask_family,
+                                      colocated_route(self.mesh) if phases else to_llm_layout)
 
     def place(self, state: TrainState) -> TrainState:
         """A TrainState (any placement) on the co-located shardings, its data kept."""
@@ -125,7 +155,19 @@ class Colocated(SingleProgram):
         return placed._replace(data=state.data)
 
     def inputs(self, batch):
+        if isinstance(batch, BalancedBatch):  # per-phase layouts + the all-to-all tables
+            return place_phase_batch(batch.phases, self.mesh, batch.capacity, self.ledger,
+                                     self.row_bytes)
         return place_batch(self.mesh, super().inputs(batch))
+
+    def step(self, trace: bool = False, limits=(float("inf"), float("inf"))) -> StepMetrics:
+        """`SingleProgram.step`; with node-wise on, the step's encoder->LLM bytes per link
+        class (forward and backward exchanges, `TrafficLedger.payload`) in its metrics."""
+        before = dict(self.ledger.payload) if self.ledger else None
+        m = super().step(trace, limits)
+        if self.ledger:
+            m.extra = {f"a2a_{k}_bytes": v - before[k] for k, v in self.ledger.payload.items()}
+        return m
 
     def load(self, state: dict, data_state: dict, step: int) -> None:
         super().load(state, data_state, step)

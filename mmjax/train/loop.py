@@ -250,7 +250,7 @@ class TrainLoop:
                 "tokens_seen": m.tokens, "tokens_trained": m.tokens_trained,
                 "step_time_s": m.step_time_s, "data_wait_s": m.data_wait_s,
                 "skipped_samples": self.skipped, "nonfinite_steps": self.nonfinite,
-                "spike_steps": self.spike_steps}
+                "spike_steps": self.spike_steps, **m.extra}
 
     def guard(self, n: int, rec: dict, max_bad_steps: int) -> None:
         if self.in_a_row >= max_bad_steps:

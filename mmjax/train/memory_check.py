@@ -154,3 +154,102 @@ def check_plan(cfg, plan, source, device, refuse: bool = True,
             f"--plan=auto plans to fit; train.check_memory=False runs anyway)")
     return ("memory per device (estimate): " + ", ".join(
         f"{u} {b / GB:.2f} GB" for u, b in need.items()) + f" of {have / GB:.1f} GB")
+
+
+def _unit_params(tree, colo) -> dict:
+    """{unit: (parameters, parameters under its layers)} of a parameter tree (one tp rank's
+    share for the LLM's tp-split leaves)."""
+    import jax
+
+    from mmjax.parallel.fsdp import unit_of
+    from mmjax.parallel.tensor import path_names
+
+    out = {}
+
+    def add(path, leaf):
+        names = path_names(path)
+        unit = unit_of(names)
+        if unit is None:
+            return
+        n = float(leaf.size)
+        if unit == "llm" and colo.tp > 1 and len(leaf.shape) >= 2:
+            n /= colo.tp  # the projections' tp dimension (biases and norms: an upper bound)
+        p, lay = out.get(unit, (0.0, 0.0))
+        out[unit] = (p + n, lay + (n if "layers" in names else 0.0))
+    jax.tree_util.tree_map_with_path(add, tree)
+    return out
+
+
+def colocated_loads(cfg, shapes, seq_len: int, trainable, frozen, colo, devices: int, dtype,
+                    attention_impl: str = "auto") -> list:
+    """planner/colocated_memory.py's `UnitLoad`s of the co-located step at batch `shapes`
+    (the runner's padded global shapes: counts multiples of `devices`): per unit its
+    parameters from the `trainable` / `frozen` trees, its ZeRO stage and dp from `colo`,
+    samples per device and their activations under the attention implementation that runs."""
+    import numpy as np
+
+    from mmjax.planner.colocated_memory import UnitLoad
+
+    b = np.dtype(dtype).itemsize
+    tr, fr = _unit_params(trainable, colo), _unit_params(frozen, colo)
+    loads = []
+
+    def load(unit, layers, samples, acts, inputs, tp=1):
+        t, tl = tr.get(unit, (0.0, 0.0))
+        f, fl = fr.get(unit, (0.0, 0.0))
+        loads.append(UnitLoad(unit, t, f, (tl + fl) / max(layers, 1), layers,
+                              colo.stage(unit), devices // tp, samples, acts, inputs, b))
+
+    llm = memory.llm_acts(cfg.llm, seq_len, seq_len * seq_len, colo.tp, b,
+                          _impl(attention_impl, seq_len, dtype))
+    # per token: tokens, targets, positions, sub, doc, bam, loss mask, one gather per encoder
+    row = seq_len * 4 * (7 + len(shapes.encoders))
+    load("llm", cfg.llm.num_layers, shapes.rows / (devices // colo.tp), llm, row, colo.tp)
+    for name, count, cap in shapes.encoders:
+        spec = cfg.encoder(name)
+        c, p = spec.encoder, spec.projector
+        in_dim = c.patch_dim if spec.modality == "image" else 2 * c.num_mel_bins
+        out = cap / p.downsample if p.kind == "mlp" else p.num_queries
+        e = memory.encoder_acts(c, cap, cap * cap, 1, b, _impl(attention_impl, cap, dtype),
+                                in_dim, out, cfg.llm.hidden_size)
+        # per patch / frame: its values, two positions and a segment id
+        load(name, getattr(c, "depth", None) or c.num_layers, count / devices, e,
+             cap * (in_dim * 4 + 12))
+    if cfg.generator is not None and shapes.gen:
+        g = memory.generator_acts(cfg.generator, 1, Workload.cond_tokens, 1, b,
+                                  cond_dim=cfg.llm.hidden_size,
+                                  impl=_impl(attention_impl, cfg.generator.num_patches, dtype))
+        gc = cfg.generator  # latents and noise, query ids, timestep, valid flag
+        latent = gc.latent_channels * gc.latent_size ** 2
+        load("generator", gc.num_layers, shapes.gen / devices, g,
+             4 * (2 * latent + Workload.cond_tokens + 2))
+    return loads
+
+
+def check_colocated(cfg, shapes, seq_len: int, trainable, frozen, colo, devices: int, dtype,
+                    attention_impl: str, global_batch: int, device, refuse: bool = True,
+                    exchange: float = 0.0) -> tuple:
+    """The co-located step's peak bytes per device (planner/colocated_memory.py over
+    `colocated_loads`; `exchange`: the encoder->LLM all-to-alls' buffers) against `device`'s
+    memory -> (ColocatedMemory, one console line); with `refuse`, a UserError naming the
+    estimate and the fix when it exceeds the device's memory."""
+    import dataclasses
+
+    from mmjax.planner.colocated_memory import colocated_memory
+
+    est = colocated_memory(colocated_loads(cfg, shapes, seq_len, trainable, frozen, colo,
+                                           devices, dtype, attention_impl))
+    est = dataclasses.replace(est, exchange=exchange)
+    have, what = device_memory(device)
+    if refuse and est.peak > have:
+        raise UserError(
+            f"the co-located step needs about {est.peak / GB:.2f} GB per device "
+            f"({est.state / GB:.2f} GB parameters and optimizer state, "
+            f"{(est.residuals + est.work) / GB:.2f} GB activations of {shapes.rows} rows x "
+            f"{seq_len} tokens over {devices} devices) but {device.platform}:{device.id} has "
+            f"{have / GB:.1f} GB of {what} (raise manual_plan.zero_stage (now "
+            f"{colo.default_stage}), lower train.global_batch (now {global_batch}) or "
+            f"data_layout.seq_len, or train over more devices; train.check_memory=False runs "
+            f"anyway)")
+    return est, (f"memory: the co-located step needs about {est.peak / 1e9:.3f} GB per device "
+                 f"(estimate) of {have / 1e9:.1f} GB on {device.platform}:{device.id}")

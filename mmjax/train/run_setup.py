@@ -62,16 +62,18 @@ def model_and_tokenizer(model: MLLMConfig | None):
 
 
 def run_plan(plan: str, cfg: MLLMConfig, tok, dirs: dict, global_batch: int,
-              attention_impl: str | None) -> tuple[Plan, MLLMConfig]:
+             attention_impl: str | None, chosen: Plan | None = None) -> tuple[Plan, MLLMConfig]:
     """The run's Plan ("manual": gin's `manual_plan`; "auto": planned for the devices present
-    and the run's source; else a Plan JSON), validated, and the config its tp sizes need."""
+    and the run's source, or `chosen` when `auto_plan.layout` already planned it; else a
+    Plan JSON), validated, and the config its tp sizes need."""
     from mmjax.train.manual_plan import manual_plan
 
     if plan == "manual":
         the_plan = manual_plan(global_batch=global_batch, model=cfg)
     elif plan == "auto":  # planned for the source this run reads
         real = layout_and_source(cfg, tok)[1]
-        the_plan = auto_plan(cfg, global_batch, real if real is not None else train_source(cfg))
+        the_plan = chosen or auto_plan(cfg, global_batch,
+                                       real if real is not None else train_source(cfg))
         progress_console().print("auto plan: " + "; ".join(
             f"{u.name} dp={u.dp} tp={u.tp} pp={u.pp}" for u in the_plan.units))
     else:

@@ -21,7 +21,8 @@ class StepMetrics:
     batch skipped, `skipped_list` their (name, reason, (file, kind, place)); the run's total
     is the training loop's. `compile_s`: compile time inside the step (0: none);
     `compile_reason`: why a program compiled, when the runner knows; `trace`: the traced
-    step's action records (pipeline/trace.py), else None."""
+    step's action records (pipeline/trace.py), else None. `extra`: more numbers for the
+    step's metrics row (the co-located runner's all-to-all bytes per link class)."""
 
     loss: float
     lm_loss: float
@@ -38,6 +39,7 @@ class StepMetrics:
     skipped_list: list = field(default_factory=list)
     compile_reason: str = ""
     trace: list | None = None
+    extra: dict = field(default_factory=dict)  # runner-specific numbers for the metrics row
 
     @property
     def applied(self) -> bool:

@@ -48,19 +48,20 @@ class SingleProgram:
 
     def __init__(self, cfg, layout, global_batch, schedule, dtype, seed, source=None,
                  attention_impl="auto", pretrained=None, steps: int | None = None,
-                 check_memory: bool = True, count_multiple: int = 1):
+                 check_memory: bool = True, count_multiple: int = 1, data=None):
         """`steps`: the run's length; the batch shapes are scanned (from metadata) over up to
         `SHAPE_SCAN_MAX` of its global batches up front, so the step compiles once.
         `check_memory`: refuse (UserError) a step whose estimated peak memory at those
-        shapes exceeds the device's, before anything is compiled (train/memory_check.py)."""
+        shapes exceeds the device's, before anything is compiled (train/memory_check.py).
+        `data`: another iterator of the run's global batches (the co-located runner's
+        per-phase batches, train/colocated_data.py); no memory estimate then."""
         from mmjax.train.single_data import LoaderBatches
 
         def grow(shapes, metas):  # count_multiple: the co-located runner's dp
             return round_counts(grow_shapes(shapes, metas, layout), count_multiple)
-        self.data = LoaderBatches(source if source is not None else train_source(cfg), cfg,
-                                  layout, global_batch, grow,
-                                  scan_steps=None if steps is None else min(steps,
-                                                                            SHAPE_SCAN_MAX))
+        self.data = data if data is not None else LoaderBatches(
+            source if source is not None else train_source(cfg), cfg, layout, global_batch,
+            grow, scan_steps=None if steps is None else min(steps, SHAPE_SCAN_MAX))
         self.cfg = cfg
         filters = (trainable_filter(cfg), ...)
         tx = optimizer_from_settings(schedule)
@@ -68,7 +69,7 @@ class SingleProgram:
         graphdef, tr, fr = abstract_split(MultimodalModel, (cfg,), key, filters)
         device = jax.local_devices()[0]  # the same in one process; addressable in any
         self.memory_line = None
-        if self.data.floor is not None:
+        if data is None and self.data.floor is not None:
             count = lambda t: sum(x.size for x in jax.tree.leaves(t))
             est = check_single_program(cfg, self.data.floor, layout.seq_len, count(tr),
                                        count(fr), dtype, attention_impl, global_batch, device,

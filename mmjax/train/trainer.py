@@ -20,7 +20,7 @@ from mmjax.data.sources import eval_source
 from mmjax.errors import UserError
 from mmjax.models.config import MLLMConfig
 from mmjax.settings import check_bound_settings, check_train_args
-from mmjax.train.auto_plan import run_planning_inputs
+from mmjax.train.auto_plan import auto_layout, run_planning_inputs
 from mmjax.train.data_config import layout_and_source, train_source
 from mmjax.train.loop import TrainingStopped, TrainLoop, checkpoint_now  # noqa: F401 (public)
 from mmjax.train.optimizer import learning_rate_schedule
@@ -34,9 +34,11 @@ from mmjax.train.run_report import pretrained_lines
 from mmjax.train.run_setup import dry_run_build, model_and_tokenizer, prepared_plan, run_plan
 from mmjax.train.single_program import SingleProgram
 from mmjax.train.colocated import Colocated
+from mmjax.train.colocated_data import check_colocated_loader
 from mmjax.train.colocated_plan import Colocation, check_colocated_run
 from mmjax.train.manual_plan import manual_plan
 from mmjax.train.spike_guard import SpikeGuard
+from mmjax.train.validate import gin_bound
 from mmjax.train.validate import (check_data_path, check_replan_settings, check_train_settings,
                                   parse_trace_steps)
 
@@ -116,11 +118,16 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
     check_bound_settings(cfg.unit_names, plan, eval_every, replan_every)  # per-unit keys
     schedule = learning_rate_schedule(steps)
     dtype = _DTYPES[compute_dtype]
-    colo = _colocation(plan, global_batch, cfg, replan_every, trace_every, trace_steps)
+    colo, chosen = _colocation(plan, global_batch, cfg, tok, replan_every, trace_every,
+                               trace_steps)
     if cfg.vae is not None and (colo is not None or replan_every):
         raise UserError(f"vae.placement chose the device (a frozen VAE unit), which "
                         f"{'the co-located layout' if colo is not None else 'train.replan_every'}"
                         f" does not place: set vae.placement='host' (the data path encodes)")
+    if colo is not None:  # the loader's balancing settings, as the co-located layout reads them
+        lay, src = layout_and_source(cfg, tok)
+        check_colocated_loader(cfg, lay, src if src is not None else train_source(cfg),
+                               global_batch, jax.device_count(), colo.tp)
     held_out = eval_source(cfg, tok) if eval_every else None
     if eval_every and held_out is None:
         raise UserError("train.eval_every needs a held-out set: set eval_source.json_path "
@@ -141,11 +148,12 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
                                 attention_impl or "auto", dirs, steps, check_memory)
                   if colo is None else Colocated(cfg, layout, global_batch, schedule, dtype,
                                                  seed, colo, source, attention_impl or "auto",
-                                                 dirs, steps))
+                                                 dirs, steps, check_memory=check_memory))
     else:
         start_plan, resumed_plan = plan, plan_to_resume(workdir, plan, progress_console())
         plan = resumed_plan[1] if resumed_plan else plan  # a re-planned run stays re-planned
-        the_plan, cfg = run_plan(plan, cfg, tok, dirs, global_batch, attention_impl)
+        the_plan, cfg = run_plan(plan, cfg, tok, dirs, global_batch, attention_impl,
+                                 chosen if plan == "auto" else None)
         layout, source = layout_and_source(cfg, tok)
         runner = pipelined_runner(cfg, layout, the_plan, schedule, dtype, seed, source, dirs,
                                   steps, check_memory)
@@ -203,10 +211,25 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
         loop.close()
 
 
-def _colocation(plan, global_batch, cfg, replan_every, trace_every, trace_steps):
-    """The co-located layout's settings when `--plan=manual` asks for it, else None."""
-    colo = manual_plan(global_batch=global_batch, model=cfg) if plan == "manual" else None
+def _colocation(plan, global_batch, cfg, tok, replan_every, trace_every, trace_steps):
+    """(the co-located layout's settings when `--plan=manual` asks for it or `--plan=auto`
+    with `auto_plan.layout` "colocated" / "auto" chooses it, else None; the Plan that
+    `auto_plan.layout` "auto" chose, else None). The choice and why are one console line."""
+    chosen = None
+    if plan == "manual":
+        colo = manual_plan(global_batch=global_batch, model=cfg)
+    elif plan == "auto" and gin_bound("auto_plan.layout") and \
+            gin.query_parameter("auto_plan.layout") != "disaggregated":
+        src = layout_and_source(cfg, tok)[1]
+        colo, line = auto_layout(cfg, global_batch, src if src is not None
+                                 else train_source(cfg))
+        if jax.process_index() == 0:
+            progress_console().print(line, markup=False, highlight=False)
+        if not isinstance(colo, Colocation):
+            colo, chosen = None, colo
+    else:
+        colo = None
     if not isinstance(colo, Colocation):
-        return None
+        return None, chosen
     check_colocated_run(replan_every, trace_every, trace_steps)
-    return colo
+    return colo, None

@@ -1,0 +1,219 @@
+"""The co-located runner's global batches with per-phase balancing (OrchMLLM §4-6).
+
+The trainer's loader settings reach the co-located layout here: `Loader.balance` and
+`Loader.post_balance_policy` give each phase's policy ("orchmllm" with the unit's
+algorithm: OrchMLLM Algorithms 1, 2, 4, 5; "none": the loaded mini-batches), and
+`Loader.ranks_per_node` (with `node_wise_method` / `_time_limit` / `_max_milp_ranks`) turns
+on the node-wise rearrangement of the LLM's mini-batches (§5.2.2, Algorithm 3). Each global
+batch holds exactly the samples every plan trains at that step (`GlobalBatchBuilder.samples`)
+and is assembled in its per-phase layouts (data/colocated_batch.py); the runner places it
+and the encoder->LLM all-to-all tables (parallel/phase_inputs.py).
+
+The per-rank shapes of every phase and the all-to-all's static capacity (rows per device
+pair) are scanned from metadata over the run's first global batches up front and only
+grow, so the step compiles once. A setting the co-located layout cannot honour is one
+`UserError` line before any work.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from mmjax.data.batch_shapes import BatchShapes
+from mmjax.data.colocated_batch import PhaseBatch, phase_batch, plan_phases
+from mmjax.data.loader import Loader
+from mmjax.errors import UserError
+from mmjax.models.units import LLM_UNIT, is_generator
+from mmjax.parallel.phase_inputs import llm_ranks, phase_axes
+from mmjax.parallel.rearrange import busiest_pair
+from mmjax.planner.plan import Plan
+
+
+@dataclass(frozen=True)
+class PhaseSettings:
+    """Per phase (encoder slot names, "llm") its policy ("none" or an OrchMLLM algorithm),
+    and the node-wise rearrangement's settings (ranks_per_node 0: off)."""
+
+    policies: dict
+    ranks_per_node: int = 0
+    node_wise_method: str = "local"
+    node_wise_time_limit: float = 0.2
+    node_wise_max_milp_ranks: int = 32
+
+    @property
+    def balanced(self) -> bool:
+        return self.ranks_per_node > 0 or any(p != "none" for p in self.policies.values())
+
+
+def phase_settings(loader: Loader, cfg, layout, num_devices: int, tp: int) -> PhaseSettings:
+    """The loader's balancing settings as the co-located layout's per-phase policies
+    (module docstring); one line naming the setting for any it cannot honour."""
+    b = loader.builder
+    pol, algo = b.policies, b.algo
+    for u, p in pol.items():
+        if p == "disttrain":
+            raise UserError(f"Loader.balance[{u!r}]='disttrain': the co-located layout trains "
+                            f"the global batch as one program, with no microbatches for "
+                            f"DistTrain's reordering (use 'orchmllm' with "
+                            f"Loader.post_balance_policy, or 'none')")
+    gens = [u for u in cfg.unit_names if is_generator(u)]
+    for g in gens:  # it reads the LLM's hidden states where the LLM's layout put them
+        for name, raw, got in (("balance", loader.balance, pol),
+                               ("post_balance_policy", loader.post_balance_policy, algo)):
+            if isinstance(raw, Mapping) and g in raw and raw[g] != got[LLM_UNIT]:
+                raise UserError(f"Loader.{name}[{g!r}]={raw[g]!r}: in the co-located layout "
+                                f"the generator runs in the llm's layout ({got[LLM_UNIT]!r}); "
+                                f"drop the {g!r} entry")
+    policies = {"llm": "none" if pol[LLM_UNIT] == "none" else algo[LLM_UNIT]}
+    for slot in layout.encoders:
+        policies[slot.name] = "none" if pol[slot.name] == "none" else algo[slot.name]
+    nw = b.node_wise
+    rpn = nw.ranks_per_node
+    if rpn and (rpn < 0 or num_devices % rpn or rpn % tp):
+        raise UserError(f"Loader.ranks_per_node={rpn}: the co-located layout's {num_devices} "
+                        f"devices must be whole nodes of it, each holding whole llm ranks of "
+                        f"tp {tp} (use a divisor of {num_devices} that {tp} divides, or 0)")
+    return PhaseSettings(policies, rpn, nw.method, nw.time_limit, nw.max_milp_ranks)
+
+
+def check_colocated_loader(cfg, layout, source, global_batch: int, num_devices: int,
+                           tp: int) -> PhaseSettings:
+    """`phase_settings` of the gin-bound `Loader` for a co-located run, checked before any
+    work (the trainer and `--check` call this before building anything)."""
+    loader = Loader(source, cfg, Plan.uniform(cfg, global_batch, 1), layout)
+    try:
+        return phase_settings(loader, cfg, layout, num_devices, tp)
+    finally:
+        loader.close()
+
+
+@dataclass
+class BalancedBatch:
+    """One global batch in its per-phase layouts, what the trainer's step reads of a
+    `Batch` (tokens, doc, counts, shapes for its compile line), and the all-to-all's
+    static capacity."""
+
+    phases: PhaseBatch
+    capacity: int
+    skipped: tuple = ()
+
+    @property
+    def tokens(self) -> np.ndarray:
+        return self.phases.inputs["tokens"]
+
+    @property
+    def doc(self) -> np.ndarray:
+        return self.phases.inputs["doc"]
+
+    @property
+    def num_target_tokens(self) -> int:
+        return int(self.phases.inputs["num_target_tokens"])
+
+    @property
+    def shapes(self) -> BatchShapes:
+        """The whole step's shapes (every rank's blocks together)."""
+        sh, n_llm = self.phases.shapes, len(self.phases.plan.phases["llm"].batches)
+        encs = []
+        for e, s in sh.items():
+            if e != "llm":
+                ranks = len(self.phases.plan.phases[e].batches)
+                encs += [(n, c * ranks, k) for n, c, k in s.encoders if n == e]
+        return BatchShapes(sh["llm"].rows * n_llm, tuple(encs), sh["llm"].gen * n_llm)
+
+
+def _shapes_json(shapes: dict) -> dict:
+    return {p: {"rows": s.rows, "gen": s.gen, "encoders": [list(e) for e in s.encoders]}
+            for p, s in shapes.items()}
+
+
+def _shapes_from_json(data: dict) -> dict:
+    return {p: BatchShapes(int(s["rows"]), tuple((str(n), int(c), int(k))
+                                                 for n, c, k in s["encoders"]), int(s["gen"]))
+            for p, s in data.items()}
+
+
+class PhaseBatches:
+    """Iterator of (BalancedBatch, skipped [(name, reason, where)]) for the co-located
+    runner on `mesh`; `state` / `restore` resume exactly (next batch, floors, capacity)."""
+
+    def __init__(self, source, cfg, layout, global_batch: int, mesh, prefetch: int = 2,
+                 scan_steps: int | None = None):
+        self.loader = Loader(source, cfg, Plan.uniform(cfg, global_batch, 1), layout)
+        self.builder, self.layout, self.mesh, self.prefetch = (
+            self.loader.builder, layout, mesh, prefetch)
+        self.ranks = (mesh.devices.size, llm_ranks(mesh))
+        self.settings = phase_settings(self.loader, cfg, layout, mesh.devices.size,
+                                       mesh.shape["tp"])
+        self.max_bad_fraction = self.loader.max_bad_fraction
+        self.next_batch = 0
+        scan = self.loader.shape_scan_steps if scan_steps is None else scan_steps
+        # unbalanced (every phase "none", no node-wise): the caller reads plain batches
+        self.floor, self.floor_capacity = (self._scan(min(scan, self.loader.num_steps))
+                                           if self.settings.balanced else (None, 1))
+        self.shapes, self.capacity = self.floor, self.floor_capacity
+        self._it = None
+
+    def _kw(self) -> dict:
+        s = self.settings
+        return dict(ranks_per_node=s.ranks_per_node, node_wise_method=s.node_wise_method,
+                    node_wise_time_limit=s.node_wise_time_limit,
+                    node_wise_max_milp_ranks=s.node_wise_max_milp_ranks)
+
+    def _busiest(self, routes) -> int:
+        axes = phase_axes(self.mesh)
+        return max([busiest_pair(r, self.mesh, *axes) for r in routes.values()], default=1)
+
+    def _scan(self, steps: int):
+        """Per-phase shapes and the busiest device pair over global batches 0 .. steps-1,
+        planned from their metadata (`GlobalBatchBuilder.scan`)."""
+        floors, cap = None, 1
+        for _, _, metas in self.builder.scan(steps):
+            pp = plan_phases(metas, self.layout, *self.ranks, self.settings.policies,
+                             floors=floors, **self._kw())
+            floors, cap = pp.shapes, max(cap, self._busiest(pp.routes))
+        return floors, cap
+
+    def global_floor(self) -> BatchShapes | None:
+        """The scanned per-rank floors as one step's global shapes (every rank's blocks
+        together: the LLM's rows and generated images over its ranks, each encoder's
+        buffers over every device)."""
+        if self.floor is None:
+            return None
+        llm = self.floor["llm"]
+        devices, ranks = self.ranks
+        encs = tuple((n, c * devices, k) for e, s in self.floor.items() if e != "llm"
+                     for n, c, k in s.encoders if n == e)
+        return BatchShapes(llm.rows * ranks, encs, llm.gen * ranks)
+
+    def state(self) -> dict:
+        return {"next_batch": self.next_batch, "capacity": self.capacity,
+                "phase_shapes": None if self.shapes is None else _shapes_json(self.shapes)}
+
+    def restore(self, state: dict) -> None:
+        """A co-located balanced run's state, or another runner's (`shapes`: not per phase;
+        the floors scanned here)."""
+        self.close()
+        self.next_batch = int(state["next_batch"])
+        ps = state.get("phase_shapes")
+        self.shapes = self.floor if ps is None else _shapes_from_json(ps)
+        self.capacity = int(state.get("capacity") or self.floor_capacity)
+
+    def __next__(self):
+        if self._it is None:
+            self._it = self.loader.stream(self.builder.samples, self.next_batch)
+        gs = next(self._it)
+        pb = phase_batch(gs.samples, self.layout, *self.ranks, self.settings.policies,
+                         floors=self.shapes, failed=gs.failed, **self._kw())
+        self.shapes = pb.shapes
+        self.capacity = max(self.capacity, self._busiest(pb.routes))
+        self.next_batch = gs.step + 1
+        return BalancedBatch(pb, self.capacity), list(gs.skipped)
+
+    def close(self) -> None:
+        if self._it is not None:
+            if hasattr(self._it, "close"):
+                self._it.close()
+            self._it = None
+        self.loader.close()
