@@ -39,14 +39,21 @@ def _sample():
                       Segment("text", text(4)))), images
 
 
-def _training_logits(model, cfg, inputs, family):
+@nnx.jit(static_argnums=2)
+def _training_logits(model, inputs, family):
     """The LLM logits of the training forward (MultimodalModel.__call__'s own blocks)."""
+    cfg = model.cfg
     enc = encode(cfg.encoder("vision"), model.encoders["vision"], model.projectors["vision"],
                  inputs["encoders"]["vision"])
     x = llm_embed(cfg, model.llm, inputs, {"vision": enc})
     h = model.llm.run_layers(x, inputs["positions"], meta_attend(llm_meta(inputs), "dense",
                                                                  family))
-    return np.asarray(model.llm.logits(model.llm.final_hidden(h)))
+    return model.llm.logits(model.llm.final_hidden(h))
+
+
+@nnx.jit(static_argnums=2)
+def _dense_loss(model, inputs, family):
+    return model(inputs, attention_impl="dense", llm_mask_family=family)
 
 
 def _log_softmax(z):
@@ -62,8 +69,8 @@ def test_training_forward_is_transformers_forward(loaded, semantics):
     assert cfg.modality_markers
     if semantics == "mmjax":
         cfg = cfg.replace(image_attention="bidirectional", image_markers=None)
-        model = nnx.merge(nnx.graphdef(MultimodalModel(cfg, jax.random.key(0))),
-                          nnx.state(model))
+        shaped = nnx.eval_shape(lambda: MultimodalModel(cfg, jax.random.key(0)))
+        model = nnx.merge(nnx.graphdef(shaped), nnx.state(model))
     sample, images = _sample()
     special = SpecialTokens(bos=1, eos=2, first_text=0, image_start=120, image_end=121)
     layout = data_layout(cfg, seq_len=64, vision_caps=(64,), special=special)
@@ -79,9 +86,9 @@ def test_training_forward_is_transformers_forward(loaded, semantics):
     pixels = np.concatenate([patchify(im.transpose(2, 0, 1), 14, 2, 2)[0] for im in images])
     want = np.asarray(hf.hf_forward(hf_model, input_ids=tokens[None], pixel_values=pixels,
                                     image_grid_thw=np.array([[1, 4, 6], [1, 2, 4]]))["logits"])[0]
-    got = _training_logits(model, cfg, inputs, layout.llm_mask_family)[0, :n]
+    got = np.asarray(_training_logits(model, inputs, layout.llm_mask_family))[0, :n]
     err = float(np.abs(got - want).max() / np.abs(want).max())
-    loss, _ = model(inputs, attention_impl="dense", llm_mask_family=layout.llm_mask_family)
+    loss, _ = _dense_loss(model, inputs, layout.llm_mask_family)
     lp = _log_softmax(want)
     tgt, mask = batch.targets[0, :n], batch.loss_mask[0, :n] > 0
     ref_loss = -lp[np.flatnonzero(mask), tgt[mask]].mean()
