@@ -4,8 +4,16 @@
 - JAX's persistent compilation cache, with every program cached. Programs with the same HLO
   are then compiled once per machine, not once per test: the reference model shared by the
   parity tests, stage programs shared by plans, and everything the CLI subprocesses compile.
-  `MMJAX_TEST_CACHE` moves it (default `~/.cache/mmjax/jax-tests`, at most 4 GiB); set it
-  to an empty directory to time a cold run;
+  `MMJAX_TEST_CACHE` moves it (default `~/.cache/mmjax/jax-tests`); set it to an empty
+  directory to time a cold run. It is kept under 4 GiB here, oldest entries first, once per
+  session: JAX's own size limit (`JAX_COMPILATION_CACHE_MAX_SIZE`) lists and stats the whole
+  directory under a lock on every write, quadratic in the entries (0.7 ms CPU per write
+  at 6,800 entries, seconds of wall time on a loaded machine), both workers waiting on it.
+  Without it, a worker that reads an entry another process is still writing gets a
+  decompression error, which JAX reports as a warning and recompiles;
+- XLA:CPU compiles with LLVM at -O0 and without its expensive passes: test programs are
+  tiny and run a few times, so compile time is most of their cost (a tiny MLLM's
+  gradient: 14.8 -> 8.0 s CPU);
 - two pytest-xdist workers (pyproject's addopts): the suite is mostly single-threaded XLA
   compilation and Python tracing, so two processes use both cores.
 """
@@ -16,15 +24,42 @@ import pytest
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
-    os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
+    _flags += " --xla_force_host_platform_device_count=8"
+if os.environ["JAX_PLATFORMS"] == "cpu" and "xla_backend_optimization_level" not in _flags:
+    _flags += " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+os.environ["XLA_FLAGS"] = _flags.strip()
 _cache = os.environ.get("MMJAX_TEST_CACHE",
                         os.path.join(os.path.expanduser("~"), ".cache", "mmjax", "jax-tests"))
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _cache)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
-# A size limit turns on the cache's file lock, so concurrent pytest workers and the CLI
-# subprocesses never read an entry another process is still writing.
-os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))
+CACHE_LIMIT = 4 << 30
+
+
+def _prune_cache(path: str, limit: int) -> None:
+    """Delete the least recently written entries until the cache holds <= `limit` bytes."""
+    if not os.path.isdir(path):
+        return
+    entries = []
+    for e in os.scandir(path):
+        try:
+            st = e.stat()
+        except FileNotFoundError:
+            continue
+        entries.append((st.st_mtime, st.st_size, e.path))
+    total = sum(size for _, size, _ in entries)
+    for _, size, name in sorted(entries):
+        if total <= limit:
+            break
+        try:
+            os.remove(name)
+        except FileNotFoundError:
+            pass
+        total -= size
+
+
+if not os.environ.get("PYTEST_XDIST_WORKER"):  # once, in the controlling process
+    _prune_cache(os.environ["JAX_COMPILATION_CACHE_DIR"], CACHE_LIMIT)
 
 
 @pytest.fixture

@@ -13,6 +13,7 @@ from safetensors import safe_open
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "fixtures"))
 import llava_tiny  # noqa: E402
+from jitted import call  # noqa: E402
 from mmjax.models import hf  # noqa: E402
 from mmjax.models.mllm import MultimodalModel  # noqa: E402
 
@@ -123,8 +124,8 @@ def test_training_path_has_llava_semantics(loaded, semantics):
     _, model, cfg = loaded["tf4"]
     if semantics == "mmjax":
         cfg = cfg.replace(image_attention="bidirectional", modality_markers=True)
-        model = nnx.merge(nnx.graphdef(MultimodalModel(cfg, jax.random.key(0))),
-                          nnx.state(model))
+        shaped = nnx.eval_shape(lambda: MultimodalModel(cfg, jax.random.key(0)))
+        model = nnx.merge(nnx.graphdef(shaped), nnx.state(model))
     ids, pixels = REF["input_ids"][0], REF["pixel_values"][0]
     special = SpecialTokens(bos=int(ids[0]), eos=int(ids[-1]), first_text=0,
                             image_start=120, image_end=121)
@@ -133,7 +134,7 @@ def test_training_path_has_llava_semantics(loaded, semantics):
                         Segment("text", ids[19:23].astype(np.int32))))
     layout = data_layout(cfg, seq_len=32, vision_caps=(16,), special=special)
     batch = model_inputs(assemble([sample], layout))
-    loss, _ = model(batch)
+    loss, _ = call(model, batch)
     logits = REF["logits"][0].astype(np.float64)
     logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
         - logits.max(-1, keepdims=True)

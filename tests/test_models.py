@@ -1,8 +1,13 @@
-"""Model semantics: masks, causality, packing isolation, stage slicing, DAG, bf16 compute."""
+"""Model semantics: masks, causality, packing isolation, stage slicing, DAG, bf16 compute.
+
+Models run as jitted programs (tests/jitted.py); one tiny LLM serves the module."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
+
+from jitted import call
 
 from mmjax.models.attention import allowed_mask, dot_product_attention
 from mmjax.models.audio import AudioEncoder
@@ -61,19 +66,22 @@ def _causal(tokens):
     return idx, allowed_mask(ones, ones, idx, idx, ones, ones, 0 * ones, 0 * ones)
 
 
-def test_llm_causal_future_tokens_do_not_change_logits():
-    llm = LLM(TINY_LLM, jax.random.key(0))
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(TINY_LLM, jax.random.key(0))
+
+
+def test_llm_causal_future_tokens_do_not_change_logits(llm):
     tok = jax.random.randint(jax.random.key(1), (2, 12), 16, 512)
     pos, allowed = _causal(tok)
-    base = llm(tok, pos, allowed)
+    base = call(llm, tok, pos, allowed)
     tok2 = tok.at[:, 7:].set(99)
-    changed = llm(tok2, pos, allowed)
+    changed = call(llm, tok2, pos, allowed)
     np.testing.assert_allclose(base[:, :7], changed[:, :7], atol=1e-5)
     assert not np.allclose(base[:, 7:], changed[:, 7:], atol=1e-3)
 
 
-def test_packed_documents_are_independent():
-    llm = LLM(TINY_LLM, jax.random.key(0))
+def test_packed_documents_are_independent(llm):
     a = jax.random.randint(jax.random.key(1), (1, 5), 16, 512)
     b = jax.random.randint(jax.random.key(2), (1, 7), 16, 512)
     packed = jnp.concatenate([a, b], axis=1)
@@ -82,11 +90,11 @@ def test_packed_documents_are_independent():
     pos = jnp.array([list(range(5)) + list(range(7))])
     ones = jnp.ones_like(doc)
     allowed = allowed_mask(ones, ones, idx, idx, doc, doc, 0 * doc, 0 * doc)
-    out = llm(packed, pos, allowed)
+    out = call(llm, packed, pos, allowed)
     pa, ma = _causal(a)
     pb, mb = _causal(b)
-    np.testing.assert_allclose(out[:, :5], llm(a, pa, ma), atol=1e-5)
-    np.testing.assert_allclose(out[:, 5:], llm(b, pb, mb), atol=1e-5)
+    np.testing.assert_allclose(out[:, :5], call(llm, a, pa, ma), atol=1e-5)
+    np.testing.assert_allclose(out[:, 5:], call(llm, b, pb, mb), atol=1e-5)
 
 
 def test_vit_segment_isolation():
@@ -96,32 +104,37 @@ def test_vit_segment_isolation():
     seg = jnp.array([[1, 1, 1, 1, 2, 2, 2, 2, 2, 0]])
     pos = jnp.stack([jnp.array([[0, 0, 1, 1, 0, 0, 0, 1, 1, 0]]),
                      jnp.array([[0, 1, 0, 1, 0, 1, 2, 0, 1, 0]])], -1)
-    out = vit(patches, seg, pos)
+    out = call(vit, patches, seg, pos)
     other = patches.at[:, 4:].set(jax.random.normal(jax.random.key(3), (1, 6, pd)))
-    out2 = vit(other, seg, pos)
+    out2 = call(vit, other, seg, pos)
     np.testing.assert_allclose(out[:, :4], out2[:, :4], atol=1e-6)
     assert not np.allclose(out[:, 4:9], out2[:, 4:9], atol=1e-3)
-    alone = vit(patches[:, :4], seg[:, :4], pos[:, :4])
+    alone = call(vit, patches[:, :4], seg[:, :4], pos[:, :4])
     np.testing.assert_allclose(out[:, :4], alone, atol=1e-5)
 
 
 def test_audio_output_independent_of_bucket_capacity():
     enc = AudioEncoder(TINY_AUDIO, jax.random.key(0))
     mels = jax.random.normal(jax.random.key(1), (1, 10, TINY_AUDIO.num_mel_bins))
-    small = enc(mels, jnp.array([10]))  # capacity == length
-    big = enc(jnp.pad(mels, ((0, 0), (0, 6), (0, 0)), constant_values=5.0), jnp.array([10]))
+    small = call(enc, mels, jnp.array([10]))  # capacity == length
+    big = call(enc, jnp.pad(mels, ((0, 0), (0, 6), (0, 0)), constant_values=5.0), jnp.array([10]))
     assert small.shape[1] == 5 and big.shape[1] == 8
     np.testing.assert_allclose(small, big[:, :5], atol=1e-5)
 
 
-def test_stage_slices_equal_whole_model():
-    whole = LLM(TINY_LLM, jax.random.key(0))
-    s0, s1 = LLM(TINY_LLM, jax.random.key(0), 0, 1), LLM(TINY_LLM, jax.random.key(0), 1, 4)
-    tok = jax.random.randint(jax.random.key(1), (2, 8), 16, 512)
-    pos, allowed = _causal(tok)
+@nnx.jit
+def _two_stages(s0, s1, tok, pos, allowed):
     attend = mask_attend(allowed)
     h = s1.run_layers(s0.run_layers(s0.embed_tokens(tok), pos, attend), pos, attend)
-    np.testing.assert_allclose(s1.logits(s1.final_hidden(h)), whole(tok, pos, allowed), atol=1e-5)
+    return s1.logits(s1.final_hidden(h))
+
+
+def test_stage_slices_equal_whole_model(llm):
+    s0, s1 = LLM(TINY_LLM, jax.random.key(0), 0, 1), LLM(TINY_LLM, jax.random.key(0), 1, 4)
+    tok = jax.random.randint(jax.random.key(1), (2, 12), 16, 512)
+    pos, allowed = _causal(tok)
+    np.testing.assert_allclose(_two_stages(s0, s1, tok, pos, allowed),
+                               call(llm, tok, pos, allowed), atol=1e-5)
     g0 = DiffusionGenerator(TINY_GENERATOR, 64, jax.random.key(0), 0, 1)
     gw = DiffusionGenerator(TINY_GENERATOR, 64, jax.random.key(0))
     np.testing.assert_array_equal(g0.layers[0].q.kernel[...], gw.layers[0].q.kernel[...])
@@ -129,16 +142,16 @@ def test_stage_slices_equal_whole_model():
 
 def test_projectors_shapes_and_item_isolation():
     mlp = MLPProjector(ProjectorConfig(downsample=2), 32, 64, jax.random.key(0))
-    assert mlp(jnp.ones((3, 8, 32))).shape == (3, 4, 64)
+    assert call(mlp, jnp.ones((3, 8, 32))).shape == (3, 4, 64)
     with pytest.raises(ValueError, match="downsample"):
-        mlp(jnp.ones((1, 7, 32)))
+        call(mlp, jnp.ones((1, 7, 32)))
     xa = CrossAttentionProjector(ProjectorConfig(kind="cross_attention", num_queries=3,
                                                  num_heads=2, max_items=2), 32, 64, jax.random.key(0))
     x = jax.random.normal(jax.random.key(1), (1, 6, 32))
     seg = jnp.array([[1, 1, 1, 2, 2, 0]])
-    y = xa(x, seg)
+    y = call(xa, x, seg)
     assert y.shape == (1, 6, 64)
-    y2 = xa(x.at[:, 3:].set(0.0), seg)
+    y2 = call(xa, x.at[:, 3:].set(0.0), seg)
     np.testing.assert_allclose(y[:, :3], y2[:, :3], atol=1e-6)
     assert not np.allclose(y[:, 3:], y2[:, 3:], atol=1e-4)
 
@@ -176,15 +189,18 @@ def _matmul_operand_dtypes(jaxpr, out):
                          ids=["tiny", "tiny_valm"])
 def test_bf16_train_step_runs_every_matmul_in_bf16(make, kind):
     """compute_dtype=bf16: encoders (patches / mels cast like pipeline/stage.py does),
-    projectors, LLM, generator and all their backward matmuls take bf16 operands."""
+    projectors, LLM, generator and all their backward matmuls take bf16 operands. Traced only,
+    so the model and optimizer state are shapes (`eval_shape`)."""
     from mmjax.train.optimizer import learning_rate_schedule, make_optimizer
     from mmjax.train.state import whole_model_state
     from mmjax.train.step import make_train_step, split_model
 
     cfg = make()
-    graphdef, tr, fr = split_model(MultimodalModel(cfg, jax.random.key(0)), trainable_filter(cfg))
+    model = nnx.eval_shape(lambda: MultimodalModel(cfg, jax.random.key(0)))
+    graphdef, tr, fr = split_model(model, trainable_filter(cfg))
     tx = make_optimizer(learning_rate_schedule(10))
-    state = whole_model_state(tr, tx.init(tr), jnp.zeros((), jnp.int32))
+    state = whole_model_state(tr, jax.eval_shape(tx.init, tr),
+                              jax.ShapeDtypeStruct((), jnp.int32))
     jaxpr = jax.make_jaxpr(make_train_step(graphdef, tx, jnp.bfloat16))(state, fr,
                                                                          _batch(cfg, kind))
     ops = _matmul_operand_dtypes(jaxpr.jaxpr, [])
@@ -218,11 +234,16 @@ def test_bf16_loss_and_grads_close_to_float32():
     assert float(jnp.linalg.norm(g16 - g32) / jnp.linalg.norm(g32)) < 0.05
 
 
+def _abstract(make, cfg):
+    """`make(cfg, key)` with shapes for parameters: for what reads only the structure."""
+    return nnx.eval_shape(lambda: make(cfg, jax.random.key(0)))
+
+
 def test_dag_edges_and_execution_order():
-    m = MultimodalModel(tiny(), jax.random.key(0))
+    m = _abstract(MultimodalModel, tiny())
     assert m.dag() == [("vision", "llm"), ("llm", "generator")]
     assert m.execution_order() == ["vision", "llm", "generator"]
-    v = MultimodalModel(tiny_valm(), jax.random.key(0))
+    v = _abstract(MultimodalModel, tiny_valm())
     assert v.dag() == [("vision", "llm"), ("audio", "llm")]
     assert v.execution_order() == ["vision", "audio", "llm"]
     order = v.execution_order()
@@ -243,9 +264,10 @@ def test_call_walks_the_dag():
     cfg = tiny_valm()
     batch = _batch(cfg, "mix")
     # the call reads the DAG: a missing encoder -> llm edge is an error naming the encoder
+    # (raised while tracing, so shapes suffice)
     with pytest.raises(ValueError, match=r"no edge from encoder\(s\) \['audio'\]"):
-        _EdgeDropped(cfg, jax.random.key(0))(batch)
+        nnx.eval_shape(lambda m: m(batch), _abstract(_EdgeDropped, cfg))
     with pytest.raises(ValueError, match="cycle"):
-        _Cyclic(cfg, jax.random.key(0))(batch)
-    loss, aux = MultimodalModel(cfg, jax.random.key(0))(batch)
+        nnx.eval_shape(lambda m: m(batch), _abstract(_Cyclic, cfg))
+    loss, aux = call(MultimodalModel(cfg, jax.random.key(0)), batch)
     assert np.isfinite(float(loss)) and float(aux["lm_loss"]) > 0
