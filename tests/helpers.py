@@ -2,6 +2,7 @@
 comparison and HLO parsing. Imported by the test modules (tests/ is on sys.path)."""
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import re
@@ -16,7 +17,7 @@ from mmjax.data.synthetic import SyntheticConfig, SyntheticDataset
 from mmjax.models.config import with_overrides
 from mmjax.models.mllm import MultimodalModel, trainable_filter
 from mmjax.models.tiny import tiny
-from mmjax.data.feed import microbatch_feed
+from mmjax.data.feed import FeedShapes, microbatch_feed
 from mmjax.pipeline.reference_layout import to_reference_layout
 from mmjax.pipeline.runtime import PipelineRuntime
 from mmjax.train.inputs import model_inputs
@@ -48,6 +49,15 @@ def reference(cfg, lay, samples):
     return float(loss), nnx.to_pure_dict(g)
 
 
+def reference_loss(cfg, lay, samples) -> float:
+    """The single-device model's loss on the whole global batch, forward only (a test of
+    forward passes needs no gradient program)."""
+    mdl = MultimodalModel(cfg, jax.random.key(0))
+    gd, tr, fr = split_model(mdl, trainable_filter(cfg))
+    loss, _ = jax.jit(make_loss_fn(gd))(tr, fr, model_inputs(assemble(samples, lay)))
+    return float(loss)
+
+
 def cached_reference(cache: dict | None, cfg, n, kind="laion", packing="pad"):
     """(lay, samples, loss, grads) for `global_batch(cfg, n, kind, packing)`; with a
     `cache` (the session fixture `reference_cache`) each reference is computed once."""
@@ -61,15 +71,29 @@ def cached_reference(cache: dict | None, cfg, n, kind="laion", packing="pad"):
     return (lay, samples) + cache[key]
 
 
-def run_plan(cfg, plan, lay, samples, assignments=None, cp_method="lpt"):
-    rt = PipelineRuntime(cfg, plan)
+def plan_feeds(plan, lay, samples, assignments=None, cp_method="lpt", **kw):
+    """The plan's microbatch feeds of `samples` (one global batch, or several back to
+    back: the feeds of every step in order), all padded to one shape floor (the union of
+    their own shapes, as the loader's shape scan pads them), so every stage compiles its
+    forward and backward once, not once per microbatch shape. `kw`: more
+    `microbatch_feed` arguments."""
     n = plan.microbatch_size
     dp = {u.name: u.dp for u in plan.units}
-    feeds = [microbatch_feed(samples[m * n:(m + 1) * n], lay, dp,
-                             (assignments or {}).get(m), cp=plan.unit("llm").cp,
-                             cp_method=cp_method, cp_block=16)
-             for m in range(plan.num_microbatches)]
-    res = rt.run(feeds)
+    kw = {"cp": plan.unit("llm").cp, "cp_method": cp_method, "cp_block": 16, **kw}
+    make = lambda m, floor=None: microbatch_feed(samples[m * n:(m + 1) * n], lay, dp,
+                                                 (assignments or {}).get(m), floor=floor,
+                                                 **kw)
+    count = len(samples) // n
+    assert count * n == len(samples) and count % plan.num_microbatches == 0
+    floor = functools.reduce(FeedShapes.union, [make(m).shapes for m in range(count)])
+    feeds = [make(m, floor) for m in range(count)]
+    assert all(f.shapes == floor for f in feeds)
+    return feeds
+
+
+def run_plan(cfg, plan, lay, samples, assignments=None, cp_method="lpt"):
+    rt = PipelineRuntime(cfg, plan)
+    res = rt.run(plan_feeds(plan, lay, samples, assignments, cp_method))
     grads = to_reference_layout(plan, res.pure_grads())
     return rt, res.losses()["loss"], grads
 

@@ -12,6 +12,7 @@ import pytest
 from flax import nnx
 
 from mmjax.data.assemble import assemble
+from mmjax.data.batch_shapes import batch_shapes
 from mmjax.models.mllm import MultimodalModel, trainable_filter
 from mmjax.data.feed import microbatch_feed
 from mmjax.pipeline.reference_layout import to_reference_layout
@@ -22,7 +23,7 @@ from mmjax.train.pipelined import PipelinedRunner
 from mmjax.train.state import WHOLE_MODEL, whole_model_state
 from mmjax.train.step import make_train_step, split_model
 
-from helpers import global_batch, make_cfg
+from helpers import global_batch, make_cfg, plan_feeds
 
 # eps large enough that gradients which are zero in exact arithmetic (attention key biases:
 # float noise ~1e-10) give no Adam update; clip_norm small so clipping is active.
@@ -44,18 +45,17 @@ def test_two_pipelined_steps_equal_single_program_steps():
     state = whole_model_state(tr, tx.init(tr), jnp.zeros((), jnp.int32))
     step = make_train_step(gd, tx)
     ref_losses = []
+    # both batches at one static shape: the single program compiles once
+    shapes = batch_shapes([[lay.rules.meta(s) for s in b] for b in batches], lay)
     for b in batches:
-        state, m = step(state, fr, model_inputs(assemble(b, lay)))
+        state, m = step(state, fr, model_inputs(assemble(b, lay, shapes)))
         ref_losses.append(float(m["loss"]))
 
     plan = Plan.uniform(cfg, 4, 2, dp={"vision": 2, "llm": 1, "generator": 2}, tp={"llm": 2},
                         pp={"llm": 2})
     ps = PipelinedRunner(cfg, plan, schedule, settings=SETTINGS)
-    dp = {u.name: u.dp for u in plan.units}
-    losses = []
-    for b in batches:
-        feeds = [microbatch_feed(b[m * 2:(m + 1) * 2], lay, dp) for m in range(2)]
-        losses.append(ps.train_on(feeds).loss)
+    feeds = plan_feeds(plan, lay, samples)  # both steps' feeds, one shape floor
+    losses = [ps.train_on(feeds[:2]).loss, ps.train_on(feeds[2:]).loss]
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
 
     got = to_reference_layout(plan, {sid: nnx.to_pure_dict(ps.state.stages[sid].master)
