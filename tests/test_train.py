@@ -38,44 +38,38 @@ def layout_for(cfg, packing="pad"):
                                       audio_frame_caps=(128, 256, 512))
 
 
-@pytest.fixture(scope="module")
-def loss_and_grads():
-    """batch inputs -> (loss, aux, grads) of one `small_tiny()` model, through one jitted
-    gradient function the tests share (a program per batch shape)."""
-    cfg = small_tiny()
-    graphdef, tr, fr = split_model(MultimodalModel(cfg, jax.random.key(0)), trainable_filter(cfg))
+def loss_and_grads(cfg, batch_inputs):
+    mdl = MultimodalModel(cfg, jax.random.key(0))
+    graphdef, tr, fr = split_model(mdl, trainable_filter(cfg))
     fn = jax.jit(jax.value_and_grad(make_loss_fn(graphdef), has_aux=True))
-
-    def run(batch_inputs):
-        (loss, aux), g = fn(tr, fr, batch_inputs)
-        return float(loss), aux, g
-    return run
+    (loss, aux), g = fn(tr, fr, batch_inputs)
+    return float(loss), aux, g
 
 
 @pytest.mark.parametrize("packing", ["pad", "pack"])
-def test_loss_and_grads_invariant_to_sample_permutation(loss_and_grads, packing):
+def test_loss_and_grads_invariant_to_sample_permutation(packing):
     cfg = small_tiny()
     samples = laion_samples(cfg, 6)
     assert any(s.segments[-1].modality == "image_out" for s in samples)
     lay = layout_for(cfg, packing)
-    l0, aux0, g0 = loss_and_grads(model_inputs(assemble(samples, lay)))
+    l0, aux0, g0 = loss_and_grads(cfg, model_inputs(assemble(samples, lay)))
     perm = [4, 2, 5, 0, 3, 1]
-    l1, aux1, g1 = loss_and_grads(model_inputs(assemble([samples[i] for i in perm], lay)))
+    l1, aux1, g1 = loss_and_grads(cfg, model_inputs(assemble([samples[i] for i in perm], lay)))
     assert float(aux0["diffusion_loss"]) > 0 and float(aux0["lm_loss"]) > 0
     np.testing.assert_allclose(l0, l1, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
-def test_split_batch_with_global_normalisers_sums_to_whole(loss_and_grads):
+def test_split_batch_with_global_normalisers_sums_to_whole():
     """Two halves, each normalised by the global counts, add up to the whole batch."""
     cfg = small_tiny()
     samples = laion_samples(cfg, 6)
     lay = layout_for(cfg)
     whole = assemble(samples, lay)
-    l, _, g = loss_and_grads(model_inputs(whole))
+    l, _, g = loss_and_grads(cfg, model_inputs(whole))
     parts = [assemble(samples[:3], lay), assemble(samples[3:], lay)]
-    outs = [loss_and_grads(model_inputs(p, whole.num_target_tokens, whole.num_gen_elements))
+    outs = [loss_and_grads(cfg, model_inputs(p, whole.num_target_tokens, whole.num_gen_elements))
             for p in parts]
     np.testing.assert_allclose(l, outs[0][0] + outs[1][0], rtol=1e-5)
     summed = jax.tree.map(lambda a, b: a + b, outs[0][2], outs[1][2])
