@@ -124,3 +124,24 @@ def test_the_planner_prices_the_same_terms(setup, zero):
                                              Colocation(default_stage=zero), 8, jnp.bfloat16,
                                              "dense"))
     assert ev.memory_gb * 1e9 == pytest.approx(check.peak, rel=0.03)
+
+
+def test_the_runner_prints_the_estimate_before_compiling():
+    """The co-located runner checks its step against the device's memory at the shapes its
+    loader scanned (nothing compiled yet) and prints the estimate."""
+    from mmjax.models.config import with_overrides
+    from mmjax.models.tiny import tiny
+    from mmjax.train.colocated import Colocated
+    from mmjax.train.data_config import layout_and_source
+    from mmjax.train.memory_check import check_colocated
+
+    cfg = with_overrides(tiny(), {"llm.num_layers": 2, "encoders.vision.encoder.num_layers": 1,
+                                  "generator.num_layers": 1})
+    lay, src = layout_and_source(cfg, None)
+    colo = Colocation(default_stage=3)
+    runner = Colocated(cfg, lay, 8, 1e-3, jnp.float32, 0, colo, src, steps=2)
+    est, line = check_colocated(cfg, runner.data.floor, lay.seq_len, runner.abstract.trainable,
+                                runner.abstract.frozen, colo, 8, jnp.float32, "auto", 8,
+                                jax.local_devices()[0], shared_by=8)
+    assert runner.memory_line == line and line.endswith("on cpu:0")
+    assert f"{est.peak / 1e9:.3f} GB per device" in line
