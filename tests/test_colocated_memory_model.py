@@ -150,14 +150,14 @@ def test_the_runner_prints_the_estimate_before_compiling():
 @pytest.mark.slow
 def test_prediction_with_per_phase_balancing(setup):
     """"sum"-balanced phases (OrchMLLM Algorithm 1) at the per-rank shapes they pad to, the
-    encoder outputs moved by the all-to-all (64 rows per device pair): within 15% too."""
+    encoder outputs moved by the all-to-all (128 rows per device pair): within 15% too."""
     from mmjax.data.batch_shapes import BatchShapes
     from mmjax.parallel.phase_inputs import balanced_inputs, colocated_route
     from mmjax.train.memory_check import check_colocated
 
     cfg, lay, shapes, inputs, gd, tr, fr = setup
     _, samples = global_batch(cfg, 8)
-    colo, cap, row = Colocation(), 64, 4 * cfg.llm.hidden_size
+    colo, cap, row = Colocation(), 128, 4 * cfg.llm.hidden_size
     mesh = colocated_mesh(jax.devices(), colo)
     batch, pb = balanced_inputs(samples, lay, mesh, "sum", capacity=cap, row_bytes=row)
     llm = pb.shapes["llm"]  # per rank; every rank pads to it
