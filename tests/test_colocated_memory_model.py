@@ -124,3 +124,56 @@ def test_the_planner_prices_the_same_terms(setup, zero):
                                              Colocation(default_stage=zero), 8, jnp.bfloat16,
                                              "dense"))
     assert ev.memory_gb * 1e9 == pytest.approx(check.peak, rel=0.03)
+
+
+def test_the_runner_prints_the_estimate_before_compiling():
+    """The co-located runner checks its step against the device's memory at the shapes its
+    loader scanned (nothing compiled yet) and prints the estimate."""
+    from mmjax.models.config import with_overrides
+    from mmjax.models.tiny import tiny
+    from mmjax.train.colocated import Colocated
+    from mmjax.train.data_config import layout_and_source
+    from mmjax.train.memory_check import check_colocated
+
+    cfg = with_overrides(tiny(), {"llm.num_layers": 2, "encoders.vision.encoder.num_layers": 1,
+                                  "generator.num_layers": 1})
+    lay, src = layout_and_source(cfg, None)
+    colo = Colocation(default_stage=3)
+    runner = Colocated(cfg, lay, 8, 1e-3, jnp.float32, 0, colo, src, steps=2)
+    est, line = check_colocated(cfg, runner.data.floor, lay.seq_len, runner.abstract.trainable,
+                                runner.abstract.frozen, colo, 8, jnp.float32, "auto", 8,
+                                jax.local_devices()[0], shared_by=8)
+    assert runner.memory_line == line and line.endswith("on cpu:0")
+    assert f"{est.peak / 1e9:.3f} GB per device" in line
+
+
+@pytest.mark.slow
+def test_prediction_with_per_phase_balancing(setup):
+    """"sum"-balanced phases (OrchMLLM Algorithm 1) at the per-rank shapes they pad to, the
+    encoder outputs moved by the all-to-all (128 rows per device pair): within 15% too."""
+    from mmjax.data.batch_shapes import BatchShapes
+    from mmjax.parallel.phase_inputs import balanced_inputs, colocated_route
+    from mmjax.train.memory_check import check_colocated
+
+    cfg, lay, shapes, inputs, gd, tr, fr = setup
+    _, samples = global_batch(cfg, 8)
+    colo, cap, row = Colocation(), 128, 4 * cfg.llm.hidden_size
+    mesh = colocated_mesh(jax.devices(), colo)
+    batch, pb = balanced_inputs(samples, lay, mesh, "sum", capacity=cap, row_bytes=row)
+    llm = pb.shapes["llm"]  # per rank; every rank pads to it
+    step_shapes = BatchShapes(llm.rows * 8, tuple(
+        (n, c * 8, k) for e, s in pb.shapes.items() if e != "llm"
+        for n, c, k in s.encoders if n == e), llm.gen * 8)
+    est, _ = check_colocated(cfg, step_shapes, lay.seq_len, tr, fr, colo, 8, jnp.float32,
+                             "auto", 8, jax.devices()[0], exchange=2 * 8 * cap * row)
+    tx = optimizer_from_settings(1e-3, OptimizerSettings())
+    abstract = jax.eval_shape(lambda: TrainState(jnp.zeros((), jnp.int32), tr, fr, tx.init(tr)))
+    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                         abstract, state_shardings(abstract, mesh, colo))
+    step = colocated_step(gd, tx, mesh, colo, abstract, route=colocated_route(mesh))
+    m = step.lower(state, batch, np.full(2, np.inf, np.float32)).compile().memory_analysis()
+    got = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+           + m.temp_size_in_bytes)
+    print(f"balanced: predicted {est.peak / 1e6:.2f} MB, compiled {got / 1e6:.2f} MB "
+          f"({est.peak / got:.2f})")
+    assert abs(est.peak / got - 1) < 0.15, (est, got)

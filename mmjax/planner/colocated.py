@@ -24,6 +24,9 @@ trainable and F frozen parameters one tp rank holds, b the compute dtype's bytes
 Stages 1-2 also hold the step's compute-dtype copy of the parameters (b P, none in
 float32). "Replicated" (`state_bytes` at z = 1, dp = 1) is 16 P + 4 F: stage 3 at dp d
 holds 1/d of it plus two layers.
+Memory at remat "none" / "dots" (what the runner runs: every layer under the scan's "dots"
+checkpoint) is planner/colocated_memory.py's peak, checked against the compiled step
+(`unit_load`); the terms below price "full".
 Collectives over all G GPUs run at `Hardware.group_bw(G)`. Activations: per micro-step, the
 encoders' residuals stay live through the LLM (their backward runs last), so the peak holds
 the encoders' and the LLM's (and generator's) residuals together, plus one backward's

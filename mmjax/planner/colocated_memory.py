@@ -23,9 +23,10 @@ loader scans):
   frames, latents), `UnitLoad.input_bytes` per sample;
 - `work`: the largest backward working set: one layer's residuals rebuilt
   ((none - dots) / layers per sample, planner/memory.py's per-module counts, which hold
-  the dense attention path's float32 scores and masks and a tiled path's row statistics
-  only: `Acts` at the implementation that runs), plus SCORE_BUFFERS score buffers of one
-  layer while its attention's backward runs;
+  the dense attention path's float32 logits, probabilities and masks and a tiled path's
+  row statistics only: `Acts` at the implementation that runs), plus the cotangent of the
+  probabilities (one score buffer; none on a tiled path) while its attention's backward
+  runs;
 - `exchange` (per-phase balancing): each encoder's all-to-all send and receive buffers,
   2 x devices x capacity rows (train/memory_check.py `check_colocated`).
 
@@ -36,7 +37,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mmjax.planner.memory import ADAM_BYTES, F32, FROZEN_BYTES, SCORE_BUFFERS, Acts
+from mmjax.planner.memory import ADAM_BYTES, F32, FROZEN_BYTES, Acts
 
 GATHERED_LAYERS = 3  # forward gather, backward gather, the layer's whole gradient
 
@@ -99,7 +100,7 @@ def colocated_memory(units: list[UnitLoad]) -> ColocatedMemory:
         inputs += u.samples * u.input_bytes
         kept += u.samples * (a.dots + a.input + a.boundary)
         layers = max(u.layers, 1)
-        w = u.samples * ((a.none - a.dots) / layers + SCORE_BUFFERS * a.scores)
+        w = u.samples * ((a.none - a.dots) / layers + a.scores)
         if w > work:  # the peak: this unit's backward, its own gathered layer live
             work, gathered = w, GATHERED_LAYERS * F32 * u.layer if z3 else 0.0
     return ColocatedMemory(params, opt, copy, grads, gathered, kept, work, inputs)

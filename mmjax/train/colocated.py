@@ -114,7 +114,7 @@ class Colocated(SingleProgram):
             _, self.memory_line = check_colocated(
                 cfg, shapes, layout.seq_len, self.abstract.trainable, self.abstract.frozen,
                 colo, len(devices), dtype, attention_impl, global_batch,
-                jax.local_devices()[0], check_memory, exchange)
+                jax.local_devices()[0], check_memory, exchange, len(jax.local_devices()))
         filters = (trainable_filter(cfg), ...)
         tx = optimizer_from_settings(schedule)
         self.shardings = state_shardings(self.abstract, self.mesh, colo)

@@ -228,11 +228,12 @@ def colocated_loads(cfg, shapes, seq_len: int, trainable, frozen, colo, devices:
 
 def check_colocated(cfg, shapes, seq_len: int, trainable, frozen, colo, devices: int, dtype,
                     attention_impl: str, global_batch: int, device, refuse: bool = True,
-                    exchange: float = 0.0) -> tuple:
+                    exchange: float = 0.0, shared_by: int = 1) -> tuple:
     """The co-located step's peak bytes per device (planner/colocated_memory.py over
     `colocated_loads`; `exchange`: the encoder->LLM all-to-alls' buffers) against `device`'s
-    memory -> (ColocatedMemory, one console line); with `refuse`, a UserError naming the
-    estimate and the fix when it exceeds the device's memory."""
+    memory (a CPU device's: the host's over the `shared_by` devices on it) -> (ColocatedMemory,
+    one console line); with `refuse`, a UserError naming the estimate and the fix when it
+    exceeds the device's memory."""
     import dataclasses
 
     from mmjax.planner.colocated_memory import colocated_memory
@@ -240,7 +241,7 @@ def check_colocated(cfg, shapes, seq_len: int, trainable, frozen, colo, devices:
     est = colocated_memory(colocated_loads(cfg, shapes, seq_len, trainable, frozen, colo,
                                            devices, dtype, attention_impl))
     est = dataclasses.replace(est, exchange=exchange)
-    have, what = device_memory(device)
+    have, what = device_memory(device, shared_by)
     if refuse and est.peak > have:
         raise UserError(
             f"the co-located step needs about {est.peak / GB:.2f} GB per device "
