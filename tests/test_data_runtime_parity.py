@@ -38,13 +38,29 @@ def setup():
     return cfg, lay, src, plan, idx, ref_loss, ref_grads
 
 
-@pytest.mark.parametrize("balance", ["orchmllm", "disttrain"])
-def test_loader_plans_on_the_runtime_match_the_reference(setup, balance):
-    cfg, lay, src, plan, idx, ref_loss, ref_grads = setup
-    builder = GlobalBatchBuilder(src, cfg, plan, lay, unit_policies(balance, cfg), seed=1,
+@pytest.fixture(scope="module")
+def builders(setup):
+    """Each policy's feed builder, padding to one shape floor (the union of both policies'
+    scanned floors, as the loader pads a run's feeds): the stage programs compile once."""
+    cfg, lay, src, plan = setup[:4]
+    out = {b: GlobalBatchBuilder(src, cfg, plan, lay, unit_policies(b, cfg), seed=1,
                                  reserve=8, cp_block=16)
+           for b in ("orchmllm", "disttrain")}
+    floor = None
+    for b in out.values():
+        floor = b.scan_floor(STEP + 1).union(floor)
+    for b in out.values():
+        b.floor = floor
+    return out
+
+
+@pytest.mark.parametrize("balance", ["orchmllm", "disttrain"])
+def test_loader_plans_on_the_runtime_match_the_reference(setup, builders, balance):
+    cfg, lay, src, plan, idx, ref_loss, ref_grads = setup
+    builder = builders[balance]
     gb = builder(STEP)
     assert gb.sample_ids == idx and gb.decode_failures == 0
+    assert all(mb.feed.shapes == builder.floor for mb in gb.microbatches)
     mps = [mb.plan for mb in gb.microbatches]
     size = plan.microbatch_size
     # the balancers really moved samples: per-phase splits differ from contiguous ones,

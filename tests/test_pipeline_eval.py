@@ -7,7 +7,7 @@ import gin
 import numpy as np
 import pytest
 
-from helpers import cached_reference, make_cfg
+from helpers import global_batch, make_cfg, reference_loss
 from mmjax.data.example_data import write_llava_example
 from mmjax.data.feed import microbatch_feed
 from mmjax.pipeline.runtime import PipelineRuntime
@@ -17,9 +17,10 @@ from mmjax.train.trainer import train
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_forward_only_evaluation_equals_the_reference_lm_loss(reference_cache):
+def test_forward_only_evaluation_equals_the_reference_lm_loss():
     cfg = make_cfg(generator=None)  # no generator: the reference loss is the LM loss
-    lay, samples, ref_loss, _ = cached_reference(reference_cache, cfg, 8)
+    lay, samples = global_batch(cfg, 8)
+    ref_loss = reference_loss(cfg, lay, samples)
     plan = Plan.uniform(cfg, 8, 2, dp={"vision": 2}, tp={"llm": 2}, pp={"llm": 2})
     rt = PipelineRuntime(cfg, plan)
     n = plan.microbatch_size

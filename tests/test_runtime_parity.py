@@ -43,7 +43,8 @@ def test_node_aware_placement(reference_cache):
     check(cfg, plan, cache=reference_cache)
 
 
-def test_dp_sizes_differ_between_units_4_2_1(reference_cache):
+@pytest.mark.slow  # dp changing encoder -> LLM: the encoder_dp2 case; LLM -> generator:
+def test_dp_sizes_differ_between_units_4_2_1(reference_cache):  # test_data_runtime_parity
     cfg = make_cfg()
     plan = Plan.uniform(cfg, 8, 2, dp={"vision": 4, "llm": 2, "generator": 1})
     check(cfg, plan, cache=reference_cache)
