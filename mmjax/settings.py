@@ -118,7 +118,7 @@ SETTINGS: dict[str, dict[str, Setting]] = {
     "Loader": {
         "source": _PROGRAM, "model": _PROGRAM, "plan": _PROGRAM, "layout": _PROGRAM,
         "host_id": _PROGRAM, "num_hosts": _PROGRAM, "num_steps": _PROGRAM,
-        "feeds": _PROGRAM, "local_devices": _PROGRAM,
+        "local_devices": _PROGRAM,
         "balance": Setting("choice", "none", choices=_BALANCE, per_unit=True, needs="plan"),
         "post_balance_policy": Setting("choice", "sum", choices=_POST_BALANCE, per_unit=True,
                                        needs="plan"),

@@ -2,8 +2,10 @@
 beside the disaggregated planner's plan on the run's own workload and takes the faster
 (planner/layout_choice.py), saying which and why (both predicted iteration times) in one
 line; `"colocated"` takes the co-located layout; the default keeps the disaggregated
-planner. The tiny config on 8 devices (H100 model): disaggregated at 8 samples, co-located
-at 16 (more samples per GPU, the pipeline's warm-up and slowest stage cost more)."""
+planner. OrchMLLM's MLLM-10B on 64 devices at 256 samples (H100 model): disaggregated (the
+co-located layout exposes the encoders' and the LLM's gradient collectives); the tiny config
+on 8 devices at 16 samples: co-located (the pipeline's warm-up and slowest stage cost more
+than every GPU computing every phase)."""
 import re
 
 import gin
@@ -34,11 +36,14 @@ def source():
 def test_auto_layout_picks_each_layout_and_says_why(source):
     from mmjax.train.auto_plan import auto_layout
 
-    cfg = small_tiny()
-    dis, line8 = auto_layout(cfg, 8, source, layout="auto", num_devices=8)
-    colo, line16 = auto_layout(cfg, 16, source, layout="auto", num_devices=8)
+    from mmjax.models.named import named_config
+    from mmjax.train.data_config import train_source
+
+    big = named_config("orchmllm/mllm_10b")
+    dis, line_big = auto_layout(big, 256, train_source(big), layout="auto", num_devices=64)
+    colo, line16 = auto_layout(small_tiny(), 16, source, layout="auto", num_devices=8)
     assert isinstance(dis, Plan) and isinstance(colo, Colocation)
-    for line, first in ((line8, "disaggregated"), (line16, "co-located")):
+    for line, first in ((line_big, "disaggregated"), (line16, "co-located")):
         assert "\n" not in line and line.startswith(f"auto layout: {first}")
         times = dict(TIMES.findall(line))  # both layouts' predicted iteration times
         assert set(times) == {"co-located", "disaggregated"}, line

@@ -386,6 +386,7 @@ def test_zero1_update_reshards_grads_with_other_shardings():
     want, _ = opt.update(p, shard_state(g, mesh), s)
     got, _ = opt.update(p, g, s)  # single-device grads
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        # (the local norm is reduced in another order on one device: not bit-equal)
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-7, rtol=0)
+        # (the local norm is reduced in another order on one device: not bit-equal, at
+        # most one float32 rounding apart, whatever the magnitude)
+        np.testing.assert_array_max_ulp(np.asarray(a), np.asarray(b), maxulp=1)
         assert a.sharding == b.sharding

@@ -25,7 +25,7 @@ from mmjax.data.batch_shapes import BatchShapes
 from mmjax.data.colocated_batch import PhaseBatch, phase_batch, plan_phases
 from mmjax.data.loader import Loader
 from mmjax.errors import UserError
-from mmjax.models.units import LLM_UNIT, is_generator
+from mmjax.models.units import LLM_UNIT, is_generator, is_llm
 from mmjax.parallel.phase_inputs import llm_ranks, phase_axes
 from mmjax.parallel.rearrange import busiest_pair
 from mmjax.planner.plan import Plan
@@ -117,7 +117,7 @@ class BalancedBatch:
         sh, n_llm = self.phases.shapes, len(self.phases.plan.phases["llm"].batches)
         encs = []
         for e, s in sh.items():
-            if e != "llm":
+            if not is_llm(e):
                 ranks = len(self.phases.plan.phases[e].batches)
                 encs += [(n, c * ranks, k) for n, c, k in s.encoders if n == e]
         return BatchShapes(sh["llm"].rows * n_llm, tuple(encs), sh["llm"].gen * n_llm)
@@ -183,7 +183,7 @@ class PhaseBatches:
             return None
         llm = self.floor["llm"]
         devices, ranks = self.ranks
-        encs = tuple((n, c * devices, k) for e, s in self.floor.items() if e != "llm"
+        encs = tuple((n, c * devices, k) for e, s in self.floor.items() if not is_llm(e)
                      for n, c, k in s.encoders if n == e)
         return BatchShapes(llm.rows * ranks, encs, llm.gen * ranks)
 

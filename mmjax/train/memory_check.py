@@ -11,6 +11,7 @@ import os
 import re
 
 from mmjax.errors import UserError
+from mmjax.models.units import is_llm
 from mmjax.planner import memory
 from mmjax.planner.workload import Workload
 
@@ -172,7 +173,7 @@ def _unit_params(tree, colo) -> dict:
         if unit is None:
             return
         n = float(leaf.size)
-        if unit == "llm" and colo.tp > 1 and len(leaf.shape) >= 2:
+        if is_llm(unit) and colo.tp > 1 and len(leaf.shape) >= 2:
             n /= colo.tp  # the projections' tp dimension (biases and norms: an upper bound)
         p, lay = out.get(unit, (0.0, 0.0))
         out[unit] = (p + n, lay + (n if "layers" in names else 0.0))
