@@ -37,6 +37,16 @@ def _impl(attention_impl: str, length: int, dtype) -> str | None:
         else None
 
 
+def _encoder_acts(cfg, name: str, cap: int, b: int, attention_impl, dtype) -> memory.Acts:
+    """One buffer of `cap` patches / frames through encoder `name` and its projector."""
+    spec = cfg.encoder(name)
+    c, p = spec.encoder, spec.projector
+    in_dim = c.patch_dim if spec.modality == "image" else 2 * c.num_mel_bins
+    out = cap / p.downsample if p.kind == "mlp" else p.num_queries
+    return memory.encoder_acts(c, cap, cap * cap, 1, b, _impl(attention_impl, cap, dtype),
+                               in_dim, out, cfg.llm.hidden_size)
+
+
 def single_program_bytes(cfg, shapes, seq_len: int, trainable: int, frozen: int, dtype,
                          attention_impl: str = "auto") -> dict:
     """Peak bytes of the whole model's training step on one device, at batch `shapes`
@@ -57,12 +67,7 @@ def single_program_bytes(cfg, shapes, seq_len: int, trainable: int, frozen: int,
     acts += rows * (llm.none + llm.boundary)
     work.append(rows * memory.SCORE_BUFFERS * llm.scores)
     for name, count, cap in shapes.encoders:
-        spec = cfg.encoder(name)
-        c, p = spec.encoder, spec.projector
-        in_dim = c.patch_dim if spec.modality == "image" else 2 * c.num_mel_bins
-        out = cap / p.downsample if p.kind == "mlp" else p.num_queries
-        e = memory.encoder_acts(c, cap, cap * cap, 1, b, _impl(attention_impl, cap, dtype),
-                                in_dim, out, cfg.llm.hidden_size)
+        e = _encoder_acts(cfg, name, cap, b, attention_impl, dtype)
         acts += count * (e.none + e.boundary)
         work.append(count * memory.SCORE_BUFFERS * e.scores)
     if cfg.generator is not None and shapes.gen:
@@ -208,11 +213,9 @@ def colocated_loads(cfg, shapes, seq_len: int, trainable, frozen, colo, devices:
     load("llm", cfg.llm.num_layers, shapes.rows / (devices // colo.tp), llm, row, colo.tp)
     for name, count, cap in shapes.encoders:
         spec = cfg.encoder(name)
-        c, p = spec.encoder, spec.projector
+        c = spec.encoder
         in_dim = c.patch_dim if spec.modality == "image" else 2 * c.num_mel_bins
-        out = cap / p.downsample if p.kind == "mlp" else p.num_queries
-        e = memory.encoder_acts(c, cap, cap * cap, 1, b, _impl(attention_impl, cap, dtype),
-                                in_dim, out, cfg.llm.hidden_size)
+        e = _encoder_acts(cfg, name, cap, b, attention_impl, dtype)
         # per patch / frame: its values, two positions and a segment id
         load(name, getattr(c, "depth", None) or c.num_layers, count / devices, e,
              cap * (in_dim * 4 + 12))
