@@ -14,13 +14,13 @@ from mmjax.models.mllm import MultimodalModel, trainable_filter
 from mmjax.parallel.fsdp import colocated_mesh, place_batch
 from mmjax.parallel.sharded_init import abstract_split
 from mmjax.planner.colocated_memory import colocated_memory
-from mmjax.train.colocated import colocated_step, state_shardings
+from mmjax.train.colocated import colocated_step, frozen_shardings, state_shardings
 from mmjax.train.colocated_plan import Colocation
 from mmjax.train.inputs import model_inputs
 from mmjax.train.memory_check import colocated_loads
 from mmjax.train.optimizer import OptimizerSettings, optimizer_from_settings
 from mmjax.train.single_program import round_counts
-from mmjax.train.step import TrainState
+from mmjax.train.state import WHOLE_MODEL, whole_model_state
 
 
 @pytest.fixture(scope="module")
@@ -38,12 +38,14 @@ def compiled_peak(setup, colo) -> int:
     cfg, lay, shapes, inputs, gd, tr, fr = setup
     mesh = colocated_mesh(jax.devices(), colo)
     tx = optimizer_from_settings(1e-3, OptimizerSettings())
-    abstract = jax.eval_shape(lambda: TrainState(jnp.zeros((), jnp.int32), tr, fr, tx.init(tr)))
+    abstract = jax.eval_shape(lambda: whole_model_state(tr, tx.init(tr),
+                                                        jnp.zeros((), jnp.int32)))
     sh = state_shardings(abstract, mesh, colo)
-    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                         abstract, sh)
+    on = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+    state = jax.tree.map(on, abstract, sh)
+    frozen = jax.tree.map(on, fr, frozen_shardings(fr, mesh, colo))
     step = colocated_step(gd, tx, mesh, colo, abstract)
-    m = step.lower(state, place_batch(mesh, inputs),
+    m = step.lower(state, frozen, place_batch(mesh, inputs),
                    np.full(2, np.inf, np.float32)).compile().memory_analysis()
     return (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
             + m.temp_size_in_bytes)
@@ -140,8 +142,9 @@ def test_the_runner_prints_the_estimate_before_compiling():
     lay, src = layout_and_source(cfg, None)
     colo = Colocation(default_stage=3)
     runner = Colocated(cfg, lay, 8, 1e-3, jnp.float32, 0, colo, src, steps=2)
-    est, line = check_colocated(cfg, runner.data.floor, lay.seq_len, runner.abstract.trainable,
-                                runner.abstract.frozen, colo, 8, jnp.float32, "auto", 8,
+    est, line = check_colocated(cfg, runner.data.floor, lay.seq_len,
+                                runner.abstract.stages[WHOLE_MODEL].master,
+                                runner.abstract_frozen, colo, 8, jnp.float32, "auto", 8,
                                 jax.local_devices()[0], shared_by=8)
     assert runner.memory_line == line and line.endswith("on cpu:0")
     assert f"{est.peak / 1e9:.3f} GB per device" in line
@@ -167,11 +170,14 @@ def test_prediction_with_per_phase_balancing(setup):
     est, _ = check_colocated(cfg, step_shapes, lay.seq_len, tr, fr, colo, 8, jnp.float32,
                              "auto", 8, jax.devices()[0], exchange=2 * 8 * cap * row)
     tx = optimizer_from_settings(1e-3, OptimizerSettings())
-    abstract = jax.eval_shape(lambda: TrainState(jnp.zeros((), jnp.int32), tr, fr, tx.init(tr)))
-    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                         abstract, state_shardings(abstract, mesh, colo))
+    abstract = jax.eval_shape(lambda: whole_model_state(tr, tx.init(tr),
+                                                        jnp.zeros((), jnp.int32)))
+    on = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+    state = jax.tree.map(on, abstract, state_shardings(abstract, mesh, colo))
+    frozen = jax.tree.map(on, fr, frozen_shardings(fr, mesh, colo))
     step = colocated_step(gd, tx, mesh, colo, abstract, route=colocated_route(mesh))
-    m = step.lower(state, batch, np.full(2, np.inf, np.float32)).compile().memory_analysis()
+    m = step.lower(state, frozen, batch,
+                   np.full(2, np.inf, np.float32)).compile().memory_analysis()
     got = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
            + m.temp_size_in_bytes)
     print(f"balanced: predicted {est.peak / 1e6:.2f} MB, compiled {got / 1e6:.2f} MB "

@@ -112,7 +112,8 @@ class Colocated(SingleProgram):
                 2 * len(devices) * phases.floor_capacity * self.row_bytes
                 * len(cfg.encoders))
             _, self.memory_line = check_colocated(
-                cfg, shapes, layout.seq_len, self.abstract.trainable, self.abstract.frozen,
+                cfg, shapes, layout.seq_len, self.abstract.stages[WHOLE_MODEL].master,
+                self.abstract_frozen,
                 colo, len(devices), dtype, attention_impl, global_batch,
                 jax.local_devices()[0], check_memory, exchange, len(jax.local_devices()))
         filters = (trainable_filter(cfg), ...)
