@@ -117,8 +117,8 @@ def main(argv=None) -> int:
             print(f"preempted: {e}", file=sys.stderr)
         return EXIT_PREEMPTED
     if args.check:
-        print(f"check: the settings, the plan and the first global batch are good; "
-              f"nothing written")
+        print("check: the settings, the plan and the first global batch are good; "
+              "nothing written")
         return 0
     if args.trace_steps:
         render_traces(workdir, args.trace_steps)
