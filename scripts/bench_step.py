@@ -97,6 +97,8 @@ def run(args) -> dict:
     overrides = dict(PRESETS[args.preset])
     if args.remat != "none":  # per-layer recomputation in every unit (models/scan.py)
         overrides.update({f"{u}.remat": args.remat for u in PRESETS_UNITS[args.preset]})
+    if args.loss_chunk:  # the fused chunked head + cross-entropy (models/chunked_loss.py)
+        overrides["llm.loss_chunk"] = args.loss_chunk
     for item in args.override:
         key, _, value = item.partition("=")
         try:
@@ -148,6 +150,9 @@ def run(args) -> dict:
         "compile_s": steps[0].compile_s, "step_time_s": step_s, "data_wait_s": wait_s,
         "step_times_s": [m.step_time_s for m in timed],
         "tokens_per_step": tokens, "tokens_per_s": tokens / step_s,
+        # LLM token slots of the step's static shape (rows x seq_len): real tokens / slots is
+        # the packing's fill, the share of the step's LLM work that is not padding
+        "llm_slots_per_step": prog.data.shapes.rows * args.seq_len,
         "model_flops_per_step": flops, "xla_flops_per_step": float(xla.get("flops", 0.0)),
         "peak_flops": hw.peak_flops, "hardware_model": hw.name,
         "mfu": flops / step_s / hw.peak_flops,
@@ -185,6 +190,8 @@ def show(console, r) -> None:
             ("step time (median)", f"{r['step_time_s'] * 1e3:.1f} ms"),
             ("data wait (median)", f"{r['data_wait_s'] * 1e3:.1f} ms"),
             ("LLM tokens / s", f"{r['tokens_per_s']:,.0f}"),
+            ("LLM slot fill (tokens / rows x seq)",
+             f"{r['tokens_per_step'] / r['llm_slots_per_step']:.2f}"),
             ("model GFLOP / step (planner)", f"{r['model_flops_per_step'] / 1e9:,.1f}"),
             ("XLA GFLOP / step (lower bound)", f"{r['xla_flops_per_step'] / 1e9:,.1f}"),
             (f"MFU (of {r['peak_flops'] / 1e12:.0f} TFLOP/s)", f"{100 * r['mfu']:.2f}%"),
@@ -214,6 +221,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--remat", default="none", choices=("none", "dots", "full"),
                     help="per-layer recomputation in every unit (models/scan.py)")
+    ap.add_argument("--loss_chunk", type=int, default=0, metavar="TOKENS",
+                    help="fuse the LM head and cross-entropy over chunks of this many tokens "
+                         "(0: plain float32 logits)")
     ap.add_argument("--profile", default="", metavar="FILE",
                     help="a measured hardware profile (scripts/profile_hardware.py): also "
                          "print the step it predicts")

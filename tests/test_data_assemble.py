@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from mmjax.data.layout import AssemblyLayout, check_sample
+from mmjax.data.layout import AssemblyLayout, check_sample, shape_bucket
 from mmjax.data.batch_shapes import BatchShapes, batch_shapes
 from mmjax.data.assemble import assemble, patchify
 from mmjax.data.sample import Sample, Segment, TokenRules
@@ -213,9 +213,9 @@ def test_buckets_and_common_shapes():
     both = batch_shapes([g1, g2], lay)
     for name, count, cap in both.encoders:
         assert cap in (lay.vision_caps if name == "vision" else lay.audio_frame_caps)
-        assert count & (count - 1) == 0  # power of two
+        assert count == shape_bucket(count)  # a bucket: 1, 2, 4, 5, 6, 7, 8, 10, ...
         assert count >= max(s1.encoder(name)[0], s2.encoder(name)[0])
-    assert both.rows == max(s1.rows, s2.rows) and both.rows & (both.rows - 1) == 0
+    assert both.rows == max(s1.rows, s2.rows) and both.rows == shape_bucket(both.rows)
     samples = [ds[m.id] for m in g1]
     b = assemble(samples, lay, shapes=both)  # forced common shapes
     assert b.tokens.shape == (both.rows, 160)
@@ -265,3 +265,14 @@ def test_meta_from_shapes_matches_rules():
     assert [(s.modality, s.num_llm_tokens, s.num_encoder_tokens) for s in m.segments] == [
         ("text", 2, 0), ("image", 2, 6), ("text", 1, 0), ("audio", 2, 3), ("image_out", 2, 4)]
     assert m.llm_length == 2 + 2 + 2 + 2 + 1 + 2 + 2 + 2 + 2
+
+
+def test_shape_bucket_bounds_padding_and_shapes():
+    """Buckets: 1, 2, 4, then m * 2^k (m in 4..7): under 25% padding, four shapes an octave."""
+    got = [shape_bucket(n) for n in range(1, 33)]
+    assert got[:12] == [1, 2, 4, 4, 5, 6, 7, 8, 10, 10, 12, 12]
+    assert got[16:21] == [20, 20, 20, 20, 24]
+    for n in range(5, 5000):
+        b = shape_bucket(n)
+        assert n <= b < n * 1.25 and shape_bucket(b) == b
+    assert len({shape_bucket(n) for n in range(65, 129)}) == 4

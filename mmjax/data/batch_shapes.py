@@ -1,7 +1,7 @@
 """Static batch shapes from sample metadata only (no JAX): LLM rows (one per sample, or
 first-fit packing), encoder buffers (images first-fit-decreasing into buffers of a bucket
-capacity, audio clips one per row), generated-image slots; counts rounded up to powers of
-two so jit sees few shapes (DistTrain §2.3, OrchMLLM §2.2).
+capacity, audio clips one per row), generated-image slots; counts rounded up to
+`shape_bucket`s (at most four per octave) so jit sees few shapes (DistTrain §2.3, OrchMLLM §2.2).
 """
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from mmjax.data.layout import AssemblyLayout, EncoderSlot, next_pow2
+from mmjax.data.layout import AssemblyLayout, EncoderSlot, shape_bucket
 from mmjax.data.sample import SampleMeta
 
 
@@ -116,7 +116,7 @@ def batch_shapes(groups: list[list[SampleMeta]], layout: AssemblyLayout) -> Batc
         lens = [m.llm_length for m in metas]
         rows = max(rows, (max(pack_rows(lens, layout.seq_len, layout.packing)) + 1) if lens else 1)
     if layout.packing == "pack":
-        rows = next_pow2(rows)
+        rows = shape_bucket(rows)
     encs = []
     for slot in layout.encoders:
         if slot.modality == "image":
@@ -124,12 +124,12 @@ def batch_shapes(groups: list[list[SampleMeta]], layout: AssemblyLayout) -> Batc
             cap = _bucket(max([max(r) for r in runs if r] or [0]), layout.vision_caps)
             mi = slot.items_per_buffer
             nb = max([max(b for b, _, _ in pack_images(r, cap, mi)) + 1 for r in runs if r] or [1])
-            encs.append((slot.name, next_pow2(nb), cap))
+            encs.append((slot.name, shape_bucket(nb), cap))
         else:
             frames = [audio_frames(m) for m in groups]
             cap = _bucket(max([max(f) for f in frames if f] or [0]), layout.audio_frame_caps)
-            encs.append((slot.name, next_pow2(max([len(f) for f in frames] + [1])), cap))
+            encs.append((slot.name, shape_bucket(max([len(f) for f in frames] + [1])), cap))
     gen = 0
     if layout.gen is not None:
-        gen = next_pow2(max([sum(m.count("image_out") for m in metas) for metas in groups] + [1]))
+        gen = shape_bucket(max([sum(m.count("image_out") for m in metas) for metas in groups] + [1]))
     return BatchShapes(rows, tuple(encs), gen)

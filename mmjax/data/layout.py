@@ -72,6 +72,17 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(n, 1))))
 
 
+def shape_bucket(n: int) -> int:
+    """Static batch dimension for `n` rows / buffers: 1, 2, 4, then the smallest m * 2^k >= n
+    with m in 4..7 (5, 6, 7, 8, 10, 12, 14, 16, 20, ...). At most 4 shapes per octave (few
+    compiles, as shapes only grow) and under 25% padding, where a power of two wastes up to
+    half the step (9 packed rows padded to 16)."""
+    if n <= 4:
+        return next_pow2(n)
+    step = 1 << (n.bit_length() - 3)
+    return -(-n // step) * step
+
+
 @dataclass(frozen=True)
 class AssemblyLayout:
     seq_len: int

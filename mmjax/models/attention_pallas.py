@@ -40,7 +40,7 @@ from jax.experimental import pallas as pl
 from mmjax.models.attention_mask import (TokenMeta, allowed_mask, cap_logits, meta_mask,
                                          window_floor)
 from mmjax.models.attention_chunked import _pad_seq
-from mmjax.models.attention_pallas_bwd import pallas_backward
+from mmjax.models.attention_pallas_bwd import pallas_backward, triton_params
 
 BLOCK_Q = 128
 BLOCK_K = 32  # = data/token_distribution.py DEFAULT_KEY_BLOCK (Cornstarch: 128 x 32 tiles)
@@ -117,7 +117,8 @@ def _kernel(list_ref, q_ref, k_ref, v_ref, qb_ref, qd_ref, qs_ref, qi_ref, qf_re
 
 
 def _pallas_forward(q, k, v, mq: TokenMeta, mk: TokenMeta, fq, lists, bq: int, bk: int,
-                    scale: float, debug: bool, softcap: float | None = None):
+                    scale: float, debug: bool, softcap: float | None = None,
+                    warps: tuple[int | None, int | None] = (None, None)):
     """Block-aligned inputs (`fq` [B, Sq]: the queries' window floor) and the query blocks'
     key-block lists -> (out [B,Sq,H,D], lse [B,H,Sq] f32[, visits [B,H,Sq]])."""
     b, sq, h, d = q.shape
@@ -141,7 +142,7 @@ def _pallas_forward(q, k, v, mq: TokenMeta, mk: TokenMeta, fq, lists, bq: int, b
         in_specs=[pl.BlockSpec((None, None, width), lambda i, r, j: (r, i, 0)),
                   q_spec, k_spec, k_spec, *([mq_spec] * 5), *([mk_spec] * 4)],
         out_specs=out_specs, out_shape=out_shape, interpret=interpret,
-        name="bam_flash_forward",
+        name="bam_flash_forward", **triton_params(warps),
     )(lists, q, k, v, *mq, fq, *mk)
 
 
@@ -166,12 +167,15 @@ def _pad_inputs(q, k, v, meta_q, meta_k, block_q, block_k, window=None):
 
 def pallas_attention(q, k, v, meta_q: TokenMeta, meta_k: TokenMeta, *,
                      block_q: int = BLOCK_Q, block_k: int = BLOCK_K, window=None,
-                     softcap: float | None = None, scale: float | None = None):
+                     softcap: float | None = None, scale: float | None = None,
+                     warps: tuple[int | None, int | None] = (None, None)):
     """`bam_attention` semantics with the block-sparse Pallas kernel; `window` / `softcap` /
-    `scale`: `attention.AttnOptions`."""
+    `scale`: `attention.AttnOptions`; `block_q` / `block_k` the tile, `warps` Triton's
+    (num_warps, num_stages) for every kernel (None: Triton's default; the GPU tuning knobs
+    `scripts/bench_pallas_tiles.py` sweeps)."""
     args, bq, bk = _pad_inputs(q, k, v, meta_q, meta_k, block_q, block_k, window)
     scale = float(q.shape[-1]) ** -0.5 if scale is None else float(scale)
-    out = _sparse_attention(*args, bq, bk, scale, softcap)
+    out = _sparse_attention(*args, bq, bk, scale, softcap, tuple(warps))
     return out[:, :q.shape[1], :, :q.shape[-1]]
 
 
@@ -184,23 +188,24 @@ def visited_tiles(q, k, v, meta_q: TokenMeta, meta_k: TokenMeta, *,
     return visits[:, :, ::bq]
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
-def _sparse_attention(q, k, v, mq, mk, fq, bq, bk, scale, softcap):
+@partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
+def _sparse_attention(q, k, v, mq, mk, fq, bq, bk, scale, softcap, warps):
     lists = block_lists(tile_map(mq, mk, bq, bk, fq))
-    return _pallas_forward(q, k, v, mq, mk, fq, lists, bq, bk, scale, False, softcap)[0]
+    return _pallas_forward(q, k, v, mq, mk, fq, lists, bq, bk, scale, False, softcap, warps)[0]
 
 
-def _sparse_fwd(q, k, v, mq, mk, fq, bq, bk, scale, softcap):
+def _sparse_fwd(q, k, v, mq, mk, fq, bq, bk, scale, softcap, warps):
     tiles = tile_map(mq, mk, bq, bk, fq)
     q_lists, k_lists = block_lists(tiles), block_lists(tiles.transpose(0, 2, 1))
-    out, lse = _pallas_forward(q, k, v, mq, mk, fq, q_lists, bq, bk, scale, False, softcap)
+    out, lse = _pallas_forward(q, k, v, mq, mk, fq, q_lists, bq, bk, scale, False, softcap,
+                               warps)
     return out, (q, k, v, mq, mk, fq, out, lse, q_lists, k_lists)
 
 
-def _sparse_bwd(bq, bk, scale, softcap, res, dout):
+def _sparse_bwd(bq, bk, scale, softcap, warps, res, dout):
     q, k, v, mq, mk, fq, out, lse, q_lists, k_lists = res
     dq, dk, dv = pallas_backward(q, k, v, mq, mk, fq, out, lse, dout, q_lists, k_lists, bq,
-                                 bk, scale, softcap)
+                                 bk, scale, softcap, warps)
     return dq, dk, dv, None, None, None
 
 

@@ -88,9 +88,20 @@ def _dq_kernel(list_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref,
     dq_ref[...] = dq.astype(dq_ref.dtype)
 
 
+def triton_params(warps: tuple[int | None, int | None]) -> dict:
+    """`pallas_call` keyword for Triton's (num_warps, num_stages); none in interpret mode or
+    when both are None (Triton's defaults)."""
+    if jax.default_backend() != "gpu" or warps == (None, None):
+        return {}
+    from jax.experimental.pallas import triton as pl_triton
+
+    return {"compiler_params": pl_triton.CompilerParams(num_warps=warps[0], num_stages=warps[1])}
+
+
 def pallas_backward(q, k, v, mq: TokenMeta, mk: TokenMeta, fq, out, lse, dout,
                     q_lists, k_lists, bq: int, bk: int, scale: float,
-                    softcap: float | None = None):
+                    softcap: float | None = None,
+                    warps: tuple[int | None, int | None] = (None, None)):
     """(dq, dk, dv) of block-aligned inputs. `lse` f32 [B, H, Sq] from the forward kernel;
     `q_lists` [B, nq, W]: per query block its non-empty key blocks (the forward's list);
     `k_lists` [B, nk, W']: per key block its non-empty query blocks; `scale` the logits'
@@ -116,7 +127,7 @@ def pallas_backward(q, k, v, mq: TokenMeta, mk: TokenMeta, fq, out, lse, dout,
                   kblk, kblk, qall, qall, rows, rows, *([mq_all] * 5), *([mk_blk] * 4)],
         out_specs=[per_head, per_head],
         out_shape=[jax.ShapeDtypeStruct((b, sk, h, d), _F32)] * 2,
-        interpret=interpret, name="bam_flash_backward_dkv",
+        interpret=interpret, name="bam_flash_backward_dkv", **triton_params(warps),
     )(k_lists, k, v, q, dout, lse, delta, *mq, fq, *mk)
     fold = lambda x: x.reshape(b, sk, kv, g, d).sum(3)  # GQA: sum the group's query heads
 
@@ -132,6 +143,6 @@ def pallas_backward(q, k, v, mq: TokenMeta, mk: TokenMeta, fq, out, lse, dout,
         in_specs=[pl.BlockSpec((None, None, wq), lambda i, r, j: (r, i, 0)),
                   qblk, qblk, row_blk, row_blk, kall, kall, *([mq_blk] * 5), *([mk_all] * 4)],
         out_specs=qblk, out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        interpret=interpret, name="bam_flash_backward_dq",
+        interpret=interpret, name="bam_flash_backward_dq", **triton_params(warps),
     )(q_lists, q, dout, lse, delta, k, v, *mq, fq, *mk)
     return dq, fold(dk_h).astype(k.dtype), fold(dv_h).astype(v.dtype)

@@ -55,6 +55,9 @@ class LLMConfig:
     # per-layer recomputation inside the stack (models/scan.py): "none", "dots" (keep the
     # weight matmuls' outputs) or "full" (keep each layer's input only)
     remat: str = "none"
+    # > 0: the LM head and cross-entropy run fused over chunks of this many tokens
+    # (models/chunked_loss.py), never holding [tokens, vocab] float32 logits; 0: plain
+    loss_chunk: int = 0
     qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm over each head's q and k before RoPE
     gemma_norms: bool = False
     sandwich_norms: bool = False
@@ -78,6 +81,9 @@ class LLMConfig:
                                               or self.rope_scaling[0] not in ROPE_SCALINGS):
             raise UserError(f"LLMConfig.rope_scaling={self.rope_scaling!r}: use None or a tuple "
                             f"starting with one of {ROPE_SCALINGS}")
+        if self.loss_chunk < 0:
+            raise UserError(f"LLMConfig.loss_chunk={self.loss_chunk}: use 0 (plain head and "
+                            f"loss) or a positive number of tokens per chunk")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise UserError(f"LLMConfig.sliding_window={self.sliding_window}: use None or >= 1")
         if self.sliding_layers is not None and len(self.sliding_layers) != self.num_layers:

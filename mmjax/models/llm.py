@@ -23,6 +23,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from mmjax.models.chunked_loss import chunked_lm_loss_sum
 from mmjax.models.attention import (AttnOptions, TokenMeta, bam_attention, cap_logits,
                                     dot_product_attention, f32_einsum)
 from mmjax.models.config import LLMConfig
@@ -186,6 +187,16 @@ class LLM(nnx.Module):
         w = self.embed[...].T if self.lm_head is None else self.lm_head[...]
         return cap_logits(f32_einsum("...d,dv->...v", h, w.astype(h.dtype)),
                           self.cfg.final_softcap)
+
+    def loss_sum(self, h, targets, loss_mask):
+        """Summed next-token cross-entropy of the final-normed `h` over scored positions:
+        `cfg.loss_chunk` > 0 fuses the head and the loss over chunks of that many tokens
+        (`models/chunked_loss.py`: no [tokens, vocab] float32 logits in memory)."""
+        if not self.cfg.loss_chunk:
+            return lm_loss_sum(self.logits(h), targets, loss_mask)
+        w = self.embed[...].T if self.lm_head is None else self.lm_head[...]
+        return chunked_lm_loss_sum(h, w, targets, loss_mask, self.cfg.final_softcap,
+                                   self.cfg.loss_chunk)
 
     def __call__(self, tokens, positions, allowed, ops=PLAIN, attention_impl: str = "auto"):
         """Whole-model convenience: tokens -> logits; `allowed` is a dense [B, S, S] mask or

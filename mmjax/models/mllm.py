@@ -28,7 +28,7 @@ from mmjax.models.audio import AudioEncoder
 from mmjax.models.config import AudioConfig, EncoderSpec, MLLMConfig, VisionConfig
 from mmjax.models.generator import DiffusionGenerator, add_noise, diffusion_loss_sum
 from mmjax.models.layers import cast_floats
-from mmjax.models.llm import LLM, lm_loss_sum, merge_modalities, meta_attend
+from mmjax.models.llm import LLM, merge_modalities, meta_attend
 from mmjax.models.projector import make_projector
 from mmjax.models.qwen2_vl_vision import Qwen2VLVision
 from mmjax.models.units import (GENERATOR_UNIT, LLM_UNIT, VAE_UNIT, UnitRole, role,
@@ -127,7 +127,7 @@ def llm_allowed(batch):
 def lm_outputs(llm: LLM, h, batch, with_generator: bool):
     """Last LLM stage: (sum of text CE, final hidden states at generator query positions)."""
     hf = llm.final_hidden(h)
-    lm_sum = lm_loss_sum(llm.logits(hf), batch["targets"], batch["loss_mask"])
+    lm_sum = llm.loss_sum(hf, batch["targets"], batch["loss_mask"])
     if not with_generator:
         return lm_sum, None
     flat = hf.reshape(-1, hf.shape[-1])

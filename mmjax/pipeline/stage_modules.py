@@ -12,7 +12,7 @@ from mmjax.models.config import MLLMConfig
 from mmjax.models.generator import DiffusionGenerator, diffusion_loss_sum
 from mmjax.models.attention import NO_OPTIONS, TokenMeta
 from mmjax.models.layers import cast_floats
-from mmjax.models.llm import LLM, lm_loss_sum, meta_attend
+from mmjax.models.llm import LLM, meta_attend
 from mmjax.models.mllm import (encoder_embed, encoder_layers, generator_inputs, llm_embed,
                                llm_meta, make_encoder, project, unit_key, vae_outputs)
 from mmjax.models.projector import make_projector
@@ -117,7 +117,7 @@ def apply_llm(cfg: MLLMConfig, module: LLM, x, side, dtype, with_generator: bool
     if not module.is_last:
         return x
     hf = module.final_hidden(x)
-    lm = lm_loss_sum(module.logits(hf), batch["targets"], batch["loss_mask"]) / side["num_tokens"]
+    lm = module.loss_sum(hf, batch["targets"], batch["loss_mask"]) / side["num_tokens"]
     if not with_generator:
         return lm
     return lm, _condition(hf, side, ranks)
@@ -176,7 +176,7 @@ def apply_llm_cp_ranks(cfg: MLLMConfig, graphdef, trainable, frozen, x, side, dt
         if not module.is_last:
             return h
         hf = module.final_hidden(h)
-        return lm_loss_sum(module.logits(hf), b["targets"], b["loss_mask"]), hf
+        return module.loss_sum(hf, b["targets"], b["loss_mask"]), hf
 
     out = jax.vmap(one, in_axes=(0, 0 if per_token_x else None, 0), spmd_axis_name="cp")(
         trainable, split(x) if per_token_x else x, jax.tree.map(split, tokens))

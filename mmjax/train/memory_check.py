@@ -7,6 +7,7 @@ RESOURCE_EXHAUSTED. An estimate, not XLA's own account: XLA fuses and reuses buf
 the real peak is usually lower (the check refuses only above the device's memory)."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 
@@ -47,13 +48,23 @@ def _encoder_acts(cfg, name: str, cap: int, b: int, attention_impl, dtype) -> me
                                in_dim, out, cfg.llm.hidden_size)
 
 
+def _kept(acts: memory.Acts, remat: str, layers: int, width_bytes: float) -> float:
+    """Residuals a unit keeps under its per-layer remat (models/scan.py): every one ("none"),
+    or each layer's input (`width_bytes`) plus the matmul outputs ("dots") and one layer
+    recomputed at a time in the backward."""
+    if remat == "none":
+        return acts.none
+    return acts.kept(remat) + layers * width_bytes + acts.none / max(layers, 1)
+
+
 def single_program_bytes(cfg, shapes, seq_len: int, trainable: int, frozen: int, dtype,
                          attention_impl: str = "auto") -> dict:
     """Peak bytes of the whole model's training step on one device, at batch `shapes`
     (BatchShapes: LLM rows of `seq_len` tokens, per encoder (count, capacity) buffers,
-    generated images) -> {"peak", "state", "activations", "work", "step"}. No remat (the
-    single program keeps every residual), float32 master weights, AdamW moments and
-    gradients, the compute copy in `dtype`."""
+    generated images) -> {"peak", "state", "activations", "work", "step"}. Each unit's
+    per-layer remat (`remat` in its config), float32 master weights, AdamW moments and
+    gradients, the compute copy in `dtype`; `llm.loss_chunk` keeps one chunk's float32
+    logits instead of all of them."""
     import numpy as np
 
     b = np.dtype(dtype).itemsize
@@ -62,19 +73,30 @@ def single_program_bytes(cfg, shapes, seq_len: int, trainable: int, frozen: int,
         + memory.FROZEN_BYTES * frozen
     acts, work = 0.0, [0.0]
     rows = shapes.rows
-    llm = memory.llm_acts(cfg.llm, seq_len, seq_len * seq_len, 1, b,
+    c = cfg.llm
+    llm = memory.llm_acts(c, seq_len, seq_len * seq_len, 1, b,
                           _impl(attention_impl, seq_len, dtype))
-    acts += rows * (llm.none + llm.boundary)
+    if c.loss_chunk:  # the fused head: no [tokens, vocab] float32 logits kept
+        logits = memory.F32 * seq_len * c.vocab_size
+        llm = dataclasses.replace(llm, none=llm.none - logits, dots=llm.dots - logits)
+        work.append(3 * memory.F32 * min(c.loss_chunk, rows * seq_len) * c.vocab_size)
+    acts += rows * (_kept(llm, c.remat, c.num_layers, b * seq_len * c.hidden_size)
+                    + llm.boundary)
     work.append(rows * memory.SCORE_BUFFERS * llm.scores)
     for name, count, cap in shapes.encoders:
         e = _encoder_acts(cfg, name, cap, b, attention_impl, dtype)
-        acts += count * (e.none + e.boundary)
+        ec = cfg.encoder(name).encoder
+        layers = getattr(ec, "depth", None) or ec.num_layers
+        acts += count * (_kept(e, getattr(ec, "remat", "none"), layers,
+                               b * cap * ec.hidden_size) + e.boundary)
         work.append(count * memory.SCORE_BUFFERS * e.scores)
     if cfg.generator is not None and shapes.gen:
-        g = memory.generator_acts(cfg.generator, shapes.gen, Workload.cond_tokens, 1, b,
+        gc = cfg.generator
+        g = memory.generator_acts(gc, shapes.gen, Workload.cond_tokens, 1, b,
                                   cond_dim=cfg.llm.hidden_size,
-                                  impl=_impl(attention_impl, cfg.generator.num_patches, dtype))
-        acts += g.none + g.boundary
+                                  impl=_impl(attention_impl, gc.num_patches, dtype))
+        acts += _kept(g, gc.remat, gc.num_layers,
+                      b * shapes.gen * gc.num_patches * gc.hidden_size) + g.boundary
         work.append(memory.SCORE_BUFFERS * g.scores)
     run = state + acts + max(work) + b * trainable  # + the parameter cotangents
     step = (memory.OPTIMIZER_BYTES + memory.STEP_BYTES + copy) * trainable \
