@@ -48,9 +48,10 @@ def parse_config(text: str) -> tuple[int, int, int | None, int | None]:
 
 
 def causal_meta(n: int) -> TokenMeta:
+    """One causal text document: bam bit 0 (text), doc 1, sub 1, idx 0..n-1."""
     idx = jnp.arange(n, dtype=jnp.int32)[None]
     one = jnp.ones((1, n), jnp.int32)
-    return TokenMeta(jnp.zeros((1, n), jnp.int32), one, one, idx)
+    return TokenMeta(one, one, one, idx)
 
 
 def fwd_bwd(attend):
@@ -137,7 +138,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 32768])
     ap.add_argument("--configs", nargs="+",
-                    default=["128x32", "128x64", "128x128", "64x64", "128x64:8:2"])
+                    default=["128x32", "64x64", "64x32", "128x64", "64x64:4:3", "64x64:8:2"])
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--kv_heads", type=int, default=8)
     ap.add_argument("--dim", type=int, default=128)

@@ -44,6 +44,15 @@ from mmjax.models.attention_pallas_bwd import pallas_backward, triton_params
 
 BLOCK_Q = 128
 BLOCK_K = 32  # = data/token_distribution.py DEFAULT_KEY_BLOCK (Cornstarch: 128 x 32 tiles)
+# the tile compiled for a GPU (scripts/bench_pallas_tiles.py's sweep on an H100: 64 x 64 is
+# the fastest tile Triton compiles there; 128 x 128 runs out of shared memory)
+GPU_BLOCKS = (64, 64)
+
+
+def default_blocks() -> tuple[int, int]:
+    """(block_q, block_k) when the caller names none: the GPU's tuned tile, else Cornstarch's
+    128 x 32 (the tile the CP work model counts; interpret mode on CPU)."""
+    return GPU_BLOCKS if jax.default_backend() == "gpu" else (BLOCK_Q, BLOCK_K)
 _F32 = jnp.float32
 _NEG = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite "-inf": no inf - inf inside the tile
 
@@ -54,8 +63,10 @@ def _pow2_block(seq_len: int, block: int) -> tuple[int, int]:
     return b, -(-seq_len // b)
 
 
-def tile_map(meta_q: TokenMeta, meta_k: TokenMeta, bq: int, bk: int, floor_q=None):
-    """bool [B, nq, nk]: does tile (query block, key block) hold an allowed pair?
+def tile_classes(meta_q: TokenMeta, meta_k: TokenMeta, bq: int, bk: int, floor_q=None):
+    """(any, full) bool [B, nq, nk]: does tile (query block, key block) hold an allowed pair,
+    and are all its pairs allowed (the kernels then skip the mask: on a causal mask every
+    tile below the diagonal)?
 
     One query block at a time (`lax.map`), so memory is O(bq * Sk), never [Sq, Sk]. Inputs are
     block-aligned (padded) metadata; `floor_q` [B, Sq]: the queries' `window_floor`."""
@@ -65,23 +76,34 @@ def tile_map(meta_q: TokenMeta, meta_k: TokenMeta, bq: int, bk: int, floor_q=Non
 
     def one(xs):
         mqi, fqi = xs
-        m = meta_mask(TokenMeta(*mqi), meta_k, fqi)  # [B, bq, Sk]
-        return m.reshape(b, bq, nk, bk).any(axis=(1, 3))
+        m = meta_mask(TokenMeta(*mqi), meta_k, fqi).reshape(b, bq, nk, bk)  # [B, bq, Sk]
+        return m.any(axis=(1, 3)), m.all(axis=(1, 3))
 
     split = lambda a: a.reshape(b, nq, bq).transpose(1, 0, 2)
     blocks = TokenMeta(*(split(a) for a in meta_q))
-    return lax.map(one, (blocks, split(floor_q))).transpose(1, 0, 2)
+    anyt, full = lax.map(one, (blocks, split(floor_q)))
+    return anyt.transpose(1, 0, 2), full.transpose(1, 0, 2)
 
 
-def block_lists(tiles):
-    """[B, nq, nk] bool -> int32 [B, nq, W]: entry 0 the count of non-empty key blocks, then
-    their indices in increasing order (W a power of two > nk; the tail is unused)."""
+def tile_map(meta_q: TokenMeta, meta_k: TokenMeta, bq: int, bk: int, floor_q=None):
+    """bool [B, nq, nk]: does tile (query block, key block) hold an allowed pair?"""
+    return tile_classes(meta_q, meta_k, bq, bk, floor_q)[0]
+
+
+def block_lists(tiles, full=None):
+    """[B, nq, nk] bool (`full`: the tiles whose pairs are all allowed) -> int32 [B, nq, W]:
+    entry 0 the count of non-empty key blocks, entry 1 how many of them need the mask, then
+    their indices, masked ones first, each group in increasing order (W a power of two
+    >= nk + 2; the tail is unused)."""
     nk = tiles.shape[-1]
-    width = pl.next_power_of_2(nk + 1)
-    order = jnp.argsort(~tiles, axis=-1, stable=True).astype(jnp.int32)
+    width = pl.next_power_of_2(nk + 2)
+    full = jnp.zeros_like(tiles) if full is None else full & tiles
+    rank = jnp.where(tiles, jnp.where(full, 1, 0), 2)  # masked, then full, then empty
+    order = jnp.argsort(rank, axis=-1, stable=True).astype(jnp.int32)
     count = tiles.sum(-1, dtype=jnp.int32)[..., None]
-    pad = jnp.zeros(tiles.shape[:-1] + (width - nk - 1,), jnp.int32)
-    return jnp.concatenate([count, order, pad], axis=-1)
+    masked = (tiles & ~full).sum(-1, dtype=jnp.int32)[..., None]
+    pad = jnp.zeros(tiles.shape[:-1] + (width - nk - 2,), jnp.int32)
+    return jnp.concatenate([count, masked, order, pad], axis=-1)
 
 
 def _kernel(list_ref, q_ref, k_ref, v_ref, qb_ref, qd_ref, qs_ref, qi_ref, qf_ref,
@@ -91,23 +113,29 @@ def _kernel(list_ref, q_ref, k_ref, v_ref, qb_ref, qd_ref, qs_ref, qi_ref, qf_re
     q_meta = (qb_ref[...], qd_ref[...], qs_ref[...], qi_ref[...], qf_ref[...])
     count = list_ref[0]
 
-    def body(t, carry):
+    def tile(t, carry, masked: bool):
         o, m, l = carry
-        sl = pl.ds(list_ref[t + 1] * bk, bk)
+        sl = pl.ds(list_ref[t + 2] * bk, bk)
         k, v = k_ref[sl, :], v_ref[sl, :]
-        mask = allowed_mask(q_meta[0], kb_ref[sl], q_meta[3], ki_ref[sl],
-                            q_meta[1], kd_ref[sl], q_meta[2], ks_ref[sl], q_meta[4])
-        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=_F32)
-        s = jnp.where(mask, cap_logits(s * scale, softcap), _NEG)
+        s = cap_logits(lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                                       preferred_element_type=_F32) * scale, softcap)
+        if masked:
+            mask = allowed_mask(q_meta[0], kb_ref[sl], q_meta[3], ki_ref[sl],
+                                q_meta[1], kd_ref[sl], q_meta[2], ks_ref[sl], q_meta[4])
+            s = jnp.where(mask, s, _NEG)
         m_new = jnp.maximum(m, s.max(axis=-1))
-        p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
+        p = jnp.exp(s - m_new[:, None])
+        if masked:
+            p = jnp.where(mask, p, 0.0)
         alpha = jnp.exp(m - m_new)
         pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
                              preferred_element_type=_F32)
         return alpha[:, None] * o + pv, m_new, alpha * l + p.sum(axis=-1)
 
     init = (jnp.zeros(q.shape, _F32), jnp.full((bq,), _NEG, _F32), jnp.zeros((bq,), _F32))
-    o, m, l = lax.fori_loop(0, count, body, init)
+    # tiles that need the mask (the diagonal, document edges), then the all-allowed ones
+    carry = lax.fori_loop(0, list_ref[1], partial(tile, masked=True), init)
+    o, m, l = lax.fori_loop(list_ref[1], count, partial(tile, masked=False), carry)
     seen = l > 0
     safe_l = jnp.where(seen, l, 1.0)
     o_ref[...] = jnp.where(seen[:, None], o / safe_l[:, None], 0.0).astype(o_ref.dtype)
@@ -166,13 +194,15 @@ def _pad_inputs(q, k, v, meta_q, meta_k, block_q, block_k, window=None):
 
 
 def pallas_attention(q, k, v, meta_q: TokenMeta, meta_k: TokenMeta, *,
-                     block_q: int = BLOCK_Q, block_k: int = BLOCK_K, window=None,
+                     block_q: int | None = None, block_k: int | None = None, window=None,
                      softcap: float | None = None, scale: float | None = None,
                      warps: tuple[int | None, int | None] = (None, None)):
     """`bam_attention` semantics with the block-sparse Pallas kernel; `window` / `softcap` /
     `scale`: `attention.AttnOptions`; `block_q` / `block_k` the tile, `warps` Triton's
     (num_warps, num_stages) for every kernel (None: Triton's default; the GPU tuning knobs
-    `scripts/bench_pallas_tiles.py` sweeps)."""
+    `scripts/bench_pallas_tiles.py` sweeps; None: `default_blocks()`)."""
+    dq, dk = default_blocks()
+    block_q, block_k = block_q or dq, block_k or dk
     args, bq, bk = _pad_inputs(q, k, v, meta_q, meta_k, block_q, block_k, window)
     scale = float(q.shape[-1]) ** -0.5 if scale is None else float(scale)
     out = _sparse_attention(*args, bq, bk, scale, softcap, tuple(warps))
@@ -190,13 +220,14 @@ def visited_tiles(q, k, v, meta_q: TokenMeta, meta_k: TokenMeta, *,
 
 @partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
 def _sparse_attention(q, k, v, mq, mk, fq, bq, bk, scale, softcap, warps):
-    lists = block_lists(tile_map(mq, mk, bq, bk, fq))
+    lists = block_lists(*tile_classes(mq, mk, bq, bk, fq))
     return _pallas_forward(q, k, v, mq, mk, fq, lists, bq, bk, scale, False, softcap, warps)[0]
 
 
 def _sparse_fwd(q, k, v, mq, mk, fq, bq, bk, scale, softcap, warps):
-    tiles = tile_map(mq, mk, bq, bk, fq)
-    q_lists, k_lists = block_lists(tiles), block_lists(tiles.transpose(0, 2, 1))
+    tiles, full = tile_classes(mq, mk, bq, bk, fq)
+    q_lists = block_lists(tiles, full)
+    k_lists = block_lists(tiles.transpose(0, 2, 1), full.transpose(0, 2, 1))
     out, lse = _pallas_forward(q, k, v, mq, mk, fq, q_lists, bq, bk, scale, False, softcap,
                                warps)
     return out, (q, k, v, mq, mk, fq, out, lse, q_lists, k_lists)

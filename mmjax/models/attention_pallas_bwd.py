@@ -35,11 +35,13 @@ _TN = (((0,), (0,)), ((), ()))  # a.T @ b
 
 
 def _probs(q, k, lse, mask, scale, softcap):
-    """Softmax probabilities of one tile, recomputed from the log-sum-exp (0 where masked),
-    and the factor dS picks up from soft-capping (1 without it)."""
+    """Softmax probabilities of one tile, recomputed from the log-sum-exp (0 where masked;
+    `mask` None on an all-allowed tile), and the factor dS picks up from soft-capping (1
+    without it)."""
     s = cap_logits(lax.dot_general(q, k, _NT, preferred_element_type=_F32) * scale, softcap)
     dcap = 1.0 if softcap is None else 1.0 - jnp.square(s / softcap)
-    return jnp.where(mask, jnp.exp(s - lse[:, None]), 0.0), dcap
+    p = jnp.exp(s - lse[:, None])
+    return (p if mask is None else jnp.where(mask, p, 0.0)), dcap
 
 
 def _dkv_kernel(list_ref, k_ref, v_ref, q_ref, do_ref, lse_ref, delta_ref,
@@ -48,12 +50,13 @@ def _dkv_kernel(list_ref, k_ref, v_ref, q_ref, do_ref, lse_ref, delta_ref,
     k, v = k_ref[...], v_ref[...]
     k_meta = (kb_ref[...], kd_ref[...], ks_ref[...], ki_ref[...])
 
-    def body(t, carry):
+    def body(t, carry, masked: bool):
         dk, dv = carry
-        sl = pl.ds(list_ref[t + 1] * bq, bq)
+        sl = pl.ds(list_ref[t + 2] * bq, bq)
         q, do = q_ref[sl, :], do_ref[sl, :]
-        mask = allowed_mask(qb_ref[sl], k_meta[0], qi_ref[sl], k_meta[3],
-                            qd_ref[sl], k_meta[1], qs_ref[sl], k_meta[2], qf_ref[sl])
+        mask = None if not masked else allowed_mask(
+            qb_ref[sl], k_meta[0], qi_ref[sl], k_meta[3],
+            qd_ref[sl], k_meta[1], qs_ref[sl], k_meta[2], qf_ref[sl])
         p, dcap = _probs(q, k, lse_ref[sl], mask, scale, softcap)       # [bq, bk]
         dv = dv + lax.dot_general(p.astype(do.dtype), do, _TN, preferred_element_type=_F32)
         dp = lax.dot_general(do, v, _NT, preferred_element_type=_F32)    # [bq, bk]
@@ -62,7 +65,8 @@ def _dkv_kernel(list_ref, k_ref, v_ref, q_ref, do_ref, lse_ref, delta_ref,
         return dk, dv
 
     zeros = jnp.zeros(k.shape, _F32)
-    dk, dv = lax.fori_loop(0, list_ref[0], body, (zeros, zeros))
+    carry = lax.fori_loop(0, list_ref[1], partial(body, masked=True), (zeros, zeros))
+    dk, dv = lax.fori_loop(list_ref[1], list_ref[0], partial(body, masked=False), carry)
     dk_ref[...] = dk
     dv_ref[...] = dv
 
@@ -74,17 +78,19 @@ def _dq_kernel(list_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref,
     lse, delta = lse_ref[...], delta_ref[...]
     q_meta = (qb_ref[...], qd_ref[...], qs_ref[...], qi_ref[...], qf_ref[...])
 
-    def body(t, dq):
-        sl = pl.ds(list_ref[t + 1] * bk, bk)
+    def body(t, dq, masked: bool):
+        sl = pl.ds(list_ref[t + 2] * bk, bk)
         k, v = k_ref[sl, :], v_ref[sl, :]
-        mask = allowed_mask(q_meta[0], kb_ref[sl], q_meta[3], ki_ref[sl],
-                            q_meta[1], kd_ref[sl], q_meta[2], ks_ref[sl], q_meta[4])
+        mask = None if not masked else allowed_mask(
+            q_meta[0], kb_ref[sl], q_meta[3], ki_ref[sl],
+            q_meta[1], kd_ref[sl], q_meta[2], ks_ref[sl], q_meta[4])
         p, dcap = _probs(q, k, lse, mask, scale, softcap)
         dp = lax.dot_general(do, v, _NT, preferred_element_type=_F32)
         ds = p * (dp - delta[:, None]) * scale * dcap
         return dq + lax.dot_general(ds.astype(k.dtype), k, _NN, preferred_element_type=_F32)
 
-    dq = lax.fori_loop(0, list_ref[0], body, jnp.zeros(q.shape, _F32))
+    dq = lax.fori_loop(0, list_ref[1], partial(body, masked=True), jnp.zeros(q.shape, _F32))
+    dq = lax.fori_loop(list_ref[1], list_ref[0], partial(body, masked=False), dq)
     dq_ref[...] = dq.astype(dq_ref.dtype)
 
 

@@ -1,0 +1,34 @@
+"""The Pallas kernels' block lists (models/attention_pallas.py): per query block the count of
+non-empty key tiles, how many need the mask, then masked tiles first and all-allowed tiles
+after. On a causal row only the diagonal tile is masked; two packed documents add their
+boundary tiles; padding is never all-allowed."""
+import jax.numpy as jnp
+import numpy as np
+
+from mmjax.models.attention_mask import TokenMeta
+from mmjax.models.attention_pallas import block_lists, tile_classes
+
+
+def _meta(docs):
+    doc = jnp.asarray([docs], jnp.int32)
+    idx = jnp.arange(doc.shape[1], dtype=jnp.int32)[None]
+    return TokenMeta((doc > 0).astype(jnp.int32), doc, (doc > 0).astype(jnp.int32), idx)  # text
+
+
+def test_causal_lists_mask_only_the_diagonal():
+    meta = _meta([1] * 256)
+    lists = np.asarray(block_lists(*tile_classes(meta, meta, 64, 64)))[0]
+    for i in range(4):
+        assert lists[i, 0] == i + 1 and lists[i, 1] == 1
+        assert lists[i, 2] == i and sorted(lists[i, 3:3 + i]) == list(range(i))
+
+
+def test_packed_documents_and_padding_are_masked():
+    meta = _meta([1] * 64 + [2] * 160 + [0] * 32)  # two documents, padding in tile 3
+    anyt, full = (np.asarray(x)[0] for x in tile_classes(meta, meta, 64, 64))
+    want_any = np.array([[1, 0, 0, 0], [0, 1, 0, 0], [0, 1, 1, 0], [0, 1, 1, 1]], bool)
+    np.testing.assert_array_equal(anyt, want_any)
+    np.testing.assert_array_equal(full, np.array([[0, 0, 0, 0], [0, 0, 0, 0], [0, 1, 0, 0],
+                                                  [0, 0, 0, 0]], bool))
+    lists = np.asarray(block_lists(jnp.asarray(anyt)[None], jnp.asarray(full)[None]))[0]
+    assert list(lists[2, :4]) == [2, 1, 2, 1]  # masked diagonal first, then the full tile
