@@ -32,3 +32,36 @@ def test_packed_documents_and_padding_are_masked():
                                                   [0, 0, 0, 0]], bool))
     lists = np.asarray(block_lists(jnp.asarray(anyt)[None], jnp.asarray(full)[None]))[0]
     assert list(lists[2, :4]) == [2, 1, 2, 1]  # masked diagonal first, then the full tile
+
+
+def test_layer_stack_shares_one_tile_list_and_matches_dense():
+    """An LLM layer stack over two packed documents: the Pallas hook (block lists built once by
+    `meta_attend`, the same arrays for every layer) gives the dense path's loss and grads."""
+    import jax
+    from flax import nnx
+
+    from mmjax.models.attention import shared_tiles
+    from mmjax.models.llm import LLM, meta_attend
+    from mmjax.models.tiny import TINY_LLM
+
+    meta = _meta([1] * 40 + [2] * 20 + [0] * 4)
+    assert shared_tiles(meta, "dense") is None
+    tiles = shared_tiles(meta, "pallas")
+    assert tiles.q_lists.shape[:2] == (1, 1)  # 64 tokens: one 128-query block on CPU
+    np.testing.assert_array_equal(tiles.q_lists, block_lists(*tile_classes(meta, meta, 64, 32)))
+    model = LLM(TINY_LLM, jax.random.key(0), 0, 2)
+    graph, params = nnx.split(model)
+    tokens = jnp.arange(64, dtype=jnp.int32)[None] % 97
+    positions = meta.idx
+
+    def loss(p, impl):
+        mod = nnx.merge(graph, p)
+        h = mod.run_layers(mod.embed_tokens(tokens), positions, meta_attend(meta, impl))
+        return jnp.sum(jnp.where(meta.doc[..., None] > 0, h, 0.0) ** 2)
+
+    ld, gd = jax.jit(jax.value_and_grad(loss), static_argnums=1)(params, "dense")
+    lp, gp = jax.jit(jax.value_and_grad(loss), static_argnums=1)(params, "pallas")
+    np.testing.assert_allclose(lp, ld, rtol=1e-5)
+    # as test_attention's parity: atol relative to the largest gradient of each leaf
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(
+        a, b, rtol=1e-4, atol=1e-4 * float(np.abs(b).max())), gp, gd)

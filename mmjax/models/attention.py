@@ -183,16 +183,32 @@ def _check_inputs(q, k, v, meta_q: TokenMeta, meta_k: TokenMeta) -> None:
                                  f"{tuple(x.shape[:2])}")
 
 
+def shared_tiles(meta: TokenMeta, implementation: str = "auto", mask_family: str = "bam"):
+    """The Pallas kernel's block lists for self-attention over `meta`, built once and shared
+    by every layer of a stack (each layer would rebuild the same lists: a sequential map over
+    query blocks per layer), when `implementation` runs the Pallas kernel at this length in
+    any dtype; None otherwise. Layers with a sliding window build their own."""
+    s = meta.doc.shape[-1]
+    picks = {choose_implementation(implementation, s, s, dt, mask_family)
+             for dt in (jnp.float32, jnp.bfloat16)}
+    if picks != {"pallas"}:
+        return None
+    from mmjax.models.attention_pallas import tile_lists
+
+    return tile_lists(TokenMeta(*(jnp.asarray(a, jnp.int32) for a in meta)))
+
+
 def bam_attention(q, k, v, meta_q: TokenMeta, meta_k: TokenMeta | None = None, *,
                   implementation: str = "auto", mask_family: str = "bam",
-                  options: AttnOptions = NO_OPTIONS):
+                  options: AttnOptions = NO_OPTIONS, tiles=None):
     """Attention under the bitfield mask given by token metadata (Cornstarch §4.3.1).
 
     q: [B, Sq, H, D]; k, v: [B, Sk, KV, D] (H a multiple of KV: grouped-query heads);
     meta_q / meta_k: TokenMeta of int32 [B, Sq] / [B, Sk] (meta_k defaults to meta_q).
     Softmax in float32; a query with no allowed key outputs zeros (and gets zero gradients).
-    `options`: sliding window, logit soft-capping and scale (`AttnOptions`). Every
-    implementation computes the same function (see the module docstring).
+    `options`: sliding window, logit soft-capping and scale (`AttnOptions`); `tiles`: the
+    Pallas kernel's block lists of this metadata (`shared_tiles`, built once for all layers).
+    Every implementation computes the same function (see the module docstring).
     """
     meta_k = meta_q if meta_k is None else meta_k
     meta_q = TokenMeta(*(jnp.asarray(a, jnp.int32) for a in meta_q))
@@ -211,7 +227,7 @@ def bam_attention(q, k, v, meta_q: TokenMeta, meta_k: TokenMeta | None = None, *
     if impl == "pallas":
         from mmjax.models.attention_pallas import pallas_attention
         return pallas_attention(q, k, v, meta_q, meta_k, window=window, softcap=softcap,
-                                scale=scale)
+                                scale=scale, tiles=tiles)
     from mmjax.models.attention_cudnn import cudnn_attention
     return cudnn_attention(q, k, v, meta_q, meta_k, causal=mask_family == "causal",
                            window=window, scale=scale)

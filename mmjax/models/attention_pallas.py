@@ -31,6 +31,7 @@ differentiated through the tanh in the backward kernels).
 from __future__ import annotations
 
 from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -179,33 +180,62 @@ def _pad_head(x, width: int):
     return x if d == width else jnp.pad(x, ((0, 0),) * (x.ndim - 1) + ((0, width - d),))
 
 
-def _pad_inputs(q, k, v, meta_q, meta_k, block_q, block_k, window=None):
-    """Block-aligned lengths and a power-of-two head dim (Triton's tile sizes); the window
-    as the queries' floor (padding gets floor 0: it attends nothing anyway)."""
-    bq, nq = _pow2_block(q.shape[1], block_q)
-    bk, nk = _pow2_block(k.shape[1], block_k)
-    width = pl.next_power_of_2(q.shape[-1])
-    qp = _pad_head(_pad_seq(q, nq * bq), width)
-    kp, vp = (_pad_head(_pad_seq(x, nk * bk), width) for x in (k, v))
+def _pad_meta(meta_q, meta_k, block_q, block_k, window=None):
+    """Block-aligned metadata (tile sizes powers of two: Triton's rule) and the window as the
+    queries' floor (padding gets floor 0: it attends nothing anyway) -> (mq, mk, fq, bq, bk)."""
+    bq, nq = _pow2_block(meta_q.doc.shape[1], block_q)
+    bk, nk = _pow2_block(meta_k.doc.shape[1], block_k)
     mq = TokenMeta(*(_pad_seq(a, nq * bq) for a in meta_q))
     mk = TokenMeta(*(_pad_seq(a, nk * bk) for a in meta_k))
     fq = _pad_seq(window_floor(TokenMeta(*meta_q), window), nq * bq)
+    return mq, mk, fq, bq, bk
+
+
+def _pad_inputs(q, k, v, meta_q, meta_k, block_q, block_k, window=None):
+    """`_pad_meta` and q, k, v padded to its lengths and a power-of-two head dim."""
+    mq, mk, fq, bq, bk = _pad_meta(meta_q, meta_k, block_q, block_k, window)
+    width = pl.next_power_of_2(q.shape[-1])
+    qp = _pad_head(_pad_seq(q, mq.doc.shape[1]), width)
+    kp, vp = (_pad_head(_pad_seq(x, mk.doc.shape[1]), width) for x in (k, v))
     return (qp, kp, vp, mq, mk, fq), bq, bk
+
+
+class TileLists(NamedTuple):
+    """The kernels' block lists for one (meta_q, meta_k) without a window, built once per step
+    and shared by every layer (`tile_lists`): q_lists for the forward and dq, k_lists for dk /
+    dv. Layers otherwise rebuild the same lists from the same metadata."""
+    q_lists: jax.Array
+    k_lists: jax.Array
+
+
+def tile_lists(meta_q: TokenMeta, meta_k: TokenMeta | None = None, *,
+               block_q: int | None = None, block_k: int | None = None) -> TileLists:
+    meta_k = meta_q if meta_k is None else meta_k
+    dq, dk = default_blocks()
+    mq, mk, fq, bq, bk = _pad_meta(meta_q, meta_k, block_q or dq, block_k or dk)
+    tiles, full = tile_classes(mq, mk, bq, bk, fq)
+    return TileLists(block_lists(tiles, full),
+                     block_lists(tiles.transpose(0, 2, 1), full.transpose(0, 2, 1)))
 
 
 def pallas_attention(q, k, v, meta_q: TokenMeta, meta_k: TokenMeta, *,
                      block_q: int | None = None, block_k: int | None = None, window=None,
                      softcap: float | None = None, scale: float | None = None,
-                     warps: tuple[int | None, int | None] = (None, None)):
+                     warps: tuple[int | None, int | None] = (None, None),
+                     tiles: TileLists | None = None):
     """`bam_attention` semantics with the block-sparse Pallas kernel; `window` / `softcap` /
     `scale`: `attention.AttnOptions`; `block_q` / `block_k` the tile, `warps` Triton's
     (num_warps, num_stages) for every kernel (None: Triton's default; the GPU tuning knobs
-    `scripts/bench_pallas_tiles.py` sweeps; None: `default_blocks()`)."""
+    `scripts/bench_pallas_tiles.py` sweeps; None: `default_blocks()`); `tiles`: this
+    metadata's `tile_lists` at the same blocks, built once for all layers (used only
+    without a window, which moves the lists per layer)."""
     dq, dk = default_blocks()
     block_q, block_k = block_q or dq, block_k or dk
     args, bq, bk = _pad_inputs(q, k, v, meta_q, meta_k, block_q, block_k, window)
     scale = float(q.shape[-1]) ** -0.5 if scale is None else float(scale)
-    out = _sparse_attention(*args, bq, bk, scale, softcap, tuple(warps))
+    if tiles is None or window is not None:
+        tiles = TileLists(*_lists(args[3], args[4], bq, bk, args[5]))
+    out = _sparse_attention(*args, *tiles, bq, bk, scale, softcap, tuple(warps))
     return out[:, :q.shape[1], :, :q.shape[-1]]
 
 
@@ -218,16 +248,18 @@ def visited_tiles(q, k, v, meta_q: TokenMeta, meta_k: TokenMeta, *,
     return visits[:, :, ::bq]
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
-def _sparse_attention(q, k, v, mq, mk, fq, bq, bk, scale, softcap, warps):
-    lists = block_lists(*tile_classes(mq, mk, bq, bk, fq))
-    return _pallas_forward(q, k, v, mq, mk, fq, lists, bq, bk, scale, False, softcap, warps)[0]
-
-
-def _sparse_fwd(q, k, v, mq, mk, fq, bq, bk, scale, softcap, warps):
+def _lists(mq, mk, bq, bk, fq):
     tiles, full = tile_classes(mq, mk, bq, bk, fq)
-    q_lists = block_lists(tiles, full)
-    k_lists = block_lists(tiles.transpose(0, 2, 1), full.transpose(0, 2, 1))
+    return block_lists(tiles, full), block_lists(tiles.transpose(0, 2, 1), full.transpose(0, 2, 1))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11, 12))
+def _sparse_attention(q, k, v, mq, mk, fq, q_lists, k_lists, bq, bk, scale, softcap, warps):
+    return _pallas_forward(q, k, v, mq, mk, fq, q_lists, bq, bk, scale, False, softcap,
+                           warps)[0]
+
+
+def _sparse_fwd(q, k, v, mq, mk, fq, q_lists, k_lists, bq, bk, scale, softcap, warps):
     out, lse = _pallas_forward(q, k, v, mq, mk, fq, q_lists, bq, bk, scale, False, softcap,
                                warps)
     return out, (q, k, v, mq, mk, fq, out, lse, q_lists, k_lists)
@@ -237,7 +269,7 @@ def _sparse_bwd(bq, bk, scale, softcap, warps, res, dout):
     q, k, v, mq, mk, fq, out, lse, q_lists, k_lists = res
     dq, dk, dv = pallas_backward(q, k, v, mq, mk, fq, out, lse, dout, q_lists, k_lists, bq,
                                  bk, scale, softcap, warps)
-    return dq, dk, dv, None, None, None
+    return dq, dk, dv, None, None, None, None, None
 
 
 _sparse_attention.defvjp(_sparse_fwd, _sparse_bwd)

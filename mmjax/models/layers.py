@@ -216,13 +216,14 @@ class EncoderBlock(nnx.Module):
         self.ln2 = LayerNorm(dim, eps)
         self.fc1, self.fc2 = Dense(ks[4], dim, ffn), Dense(ks[5], ffn, dim)
 
-    def __call__(self, x, meta, attention_impl: str = "auto"):
-        """x [B, S, d]; meta: the tokens' TokenMeta (`segment_meta` for packed items)."""
+    def __call__(self, x, meta, attention_impl: str = "auto", tiles=None):
+        """x [B, S, d]; meta: the tokens' TokenMeta (`segment_meta` for packed items); `tiles`:
+        its `attention.shared_tiles`, built once for the stack."""
         b, s, d = x.shape
         h = self.ln1(x)
         split = lambda t: t.reshape(b, s, self.num_heads, d // self.num_heads)
         att = bam_attention(split(self.q(h)), split(self.k(h)), split(self.v(h)), meta,
-                            implementation=attention_impl)
+                            implementation=attention_impl, tiles=tiles)
         x = x + self.o(att.reshape(b, s, d))
         return x + self.fc2(ACTIVATIONS[self.act](self.fc1(self.ln2(x))))
 

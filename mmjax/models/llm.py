@@ -25,6 +25,7 @@ from flax import nnx
 
 from mmjax.models.chunked_loss import chunked_lm_loss_sum
 from mmjax.models.attention import (AttnOptions, TokenMeta, bam_attention, cap_logits,
+                                    shared_tiles,
                                     dot_product_attention, f32_einsum)
 from mmjax.models.config import LLMConfig
 from mmjax.models.layers import (ACTIVATIONS, PLAIN, RMSNorm, apply_rope, param,
@@ -138,10 +139,12 @@ def meta_attend(meta: TokenMeta, attention_impl: str = "auto", mask_family: str 
     """The default attention hook: `bam_attention` from the tokens' metadata, so no
     implementation but "dense" ever builds the [B, S, S] mask. `mask_family="causal"`
     promises one causal document per row, real tokens first (text-only batches, one sample
-    per row: `AssemblyLayout.llm_mask_family`), which lets "auto" pick cuDNN on a GPU."""
+    per row: `AssemblyLayout.llm_mask_family`), which lets "auto" pick cuDNN on a GPU. The
+    Pallas kernel's block lists are built here once for every layer (`shared_tiles`)."""
+    tiles = shared_tiles(meta, attention_impl, mask_family)
     return lambda q, k, v, options=AttnOptions(): bam_attention(
         q, k, v, meta, implementation=attention_impl, mask_family=mask_family,
-        options=options)
+        options=options, tiles=tiles)
 
 
 class LLM(nnx.Module):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-from mmjax.models.attention import segment_meta
+from mmjax.models.attention import segment_meta, shared_tiles
 from mmjax.models.config import VisionConfig
 from mmjax.models.layers import Dense, EncoderBlock, LayerNorm, param
 from mmjax.models.scan import run_stack
@@ -43,7 +43,8 @@ class VisionEncoder(nnx.Module):
 
     def run_layers(self, x, patch_seg, attention_impl: str = "auto"):
         meta = segment_meta(patch_seg)
-        return run_stack(self.layers, x, lambda layer, h: layer(h, meta, attention_impl),
+        tiles = shared_tiles(meta, attention_impl)  # Pallas block lists, once for all layers
+        return run_stack(self.layers, x, lambda layer, h: layer(h, meta, attention_impl, tiles),
                          self.cfg.scan_layers, remat=self.cfg.remat)
 
     def finish(self, x):
