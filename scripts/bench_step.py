@@ -7,8 +7,8 @@ model, runs `--warmup` untimed steps (compile) and `--steps` timed ones, and rep
 
 * step time (median), data wait, tokens/s;
 * model FLOPs per step from the planner's cost model (`planner/costs.py` `unit_costs` on
-  the workload of the batches' own samples: forward + required backward, real tokens
-  only) and MFU = those FLOPs / step time / the device's dense bf16 peak;
+  the workload of the samples the timed run's global batches hold, after the loader's
+  skips: forward + required backward, real tokens only) and MFU = those FLOPs / step time / the device's dense bf16 peak;
 * XLA's own FLOP count of the compiled step (`cost_analysis`; custom calls such as cuDNN
   attention and Triton kernels count 0 there, so it is a lower bound);
 * the planner's predicted step time for the same samples, and measured / predicted per
@@ -39,10 +39,10 @@ from rich.console import Console
 from rich.table import Table
 
 from mmjax.cli import write_json
-from mmjax.data.data_spec import sample_workload
 from mmjax.host_info import machine
 from mmjax.planner.costs import unit_costs
 from mmjax.planner.hardware_profile import HardwareProfile
+from mmjax.planner.workload import workload_from_metas
 from mmjax.train.auto_plan import device_hardware
 from mmjax.train.config import named_model_config
 from mmjax.data.records import SyntheticSource
@@ -93,7 +93,8 @@ PRESET_DATA = {
 }
 
 
-def run(args) -> dict:
+def model_config(args):
+    """The preset with --remat, --loss_chunk and --override applied."""
     overrides = dict(PRESETS[args.preset])
     if args.remat != "none":  # per-layer recomputation in every unit (models/scan.py)
         overrides.update({f"{u}.remat": args.remat for u in PRESETS_UNITS[args.preset]})
@@ -105,7 +106,11 @@ def run(args) -> dict:
             overrides[key] = json.loads(value)
         except json.JSONDecodeError:  # a bare string: kind=vit
             overrides[key] = value
-    cfg = named_model_config("tiny", overrides)
+    return named_model_config("tiny", overrides)
+
+
+def run(args) -> dict:
+    cfg = model_config(args)
     dtype = jnp.dtype(args.dtype)
     layout = data_layout(cfg, seq_len=args.seq_len, packing=args.packing)
     source = SyntheticSource(synthetic_dataset(cfg, **PRESET_DATA[args.preset]))
@@ -127,19 +132,6 @@ def run(args) -> dict:
     wait_s = statistics.median(m.data_wait_s for m in timed)
     tokens = statistics.mean(m.tokens for m in timed)
 
-    hw = device_hardware()
-    wl = sample_workload(source, cfg, total * args.global_batch, name="bench batches")
-    impl = None if args.attention == "auto" else args.attention  # None: exact pairs
-    recompute = args.remat  # per-layer remat costs what the stage-level policy does
-    costs = unit_costs(cfg, wl, hw, recompute=recompute, attention_impl=impl)
-    flops = args.global_batch * sum(c.flops for c in costs)
-    predicted = {c.name: args.global_batch * c.time_s[1] for c in costs}
-    profiled = {}
-    if args.profile:  # the same costs priced by the measured device profile
-        table = HardwareProfile.load(args.profile, hw.peak_flops)
-        phw = hw.with_profile(table, call_tokens=tokens)
-        profiled = {c.name: args.global_batch * c.time_s[1]
-                    for c in unit_costs(cfg, wl, phw, recompute=recompute, attention_impl=impl)}
     compiled = next(iter(prog.compiled.values()))
     xla = compiled.cost_analysis()
     xla = xla[0] if isinstance(xla, (list, tuple)) else xla
@@ -153,15 +145,64 @@ def run(args) -> dict:
         # LLM token slots of the step's static shape (rows x seq_len): real tokens / slots is
         # the packing's fill, the share of the step's LLM work that is not padding
         "llm_slots_per_step": prog.data.shapes.rows * args.seq_len,
-        "model_flops_per_step": flops, "xla_flops_per_step": float(xla.get("flops", 0.0)),
-        "peak_flops": hw.peak_flops, "hardware_model": hw.name,
-        "mfu": flops / step_s / hw.peak_flops,
-        "predicted_step_s": sum(predicted.values()), "predicted_unit_s": predicted,
-        "profile": args.profile or None, "profiled_step_s": sum(profiled.values()) or None,
-        "profiled_unit_s": profiled,
+        "xla_flops_per_step": float(xla.get("flops", 0.0)),
         "losses": [m.loss for m in steps], "trace": trace_file,
     }
+    record.update(cost_fields(args, cfg, trained_workload(prog.data.builder, cfg, total),
+                              tokens, step_s))
     return record
+
+
+def cost_fields(args, cfg, wl, tokens: float, step_s: float) -> dict:
+    """Model FLOPs per step, MFU and the planner's predicted step (assumed efficiency curve,
+    and the measured profile with --profile) for the trained samples `wl`."""
+    hw = device_hardware()
+    impl = None if args.attention == "auto" else args.attention  # None: exact pairs
+    recompute = args.remat  # per-layer remat costs what the stage-level policy does
+    costs = unit_costs(cfg, wl, hw, recompute=recompute, attention_impl=impl)
+    flops = args.global_batch * sum(c.flops for c in costs)
+    predicted = {c.name: args.global_batch * c.time_s[1] for c in costs}
+    profiled = {}
+    if args.profile:  # the same costs priced by the measured device profile
+        table = HardwareProfile.load(args.profile, hw.peak_flops)
+        phw = hw.with_profile(table, call_tokens=tokens)
+        profiled = {c.name: args.global_batch * c.time_s[1]
+                    for c in unit_costs(cfg, wl, phw, recompute=recompute, attention_impl=impl)}
+    return {"model_flops_per_step": flops, "peak_flops": hw.peak_flops,
+            "hardware_model": hw.name, "mfu": flops / step_s / hw.peak_flops,
+            "predicted_step_s": sum(predicted.values()), "predicted_unit_s": predicted,
+            "profile": args.profile or None,
+            "profiled_step_s": sum(profiled.values()) or None, "profiled_unit_s": profiled}
+
+
+def recount(path: str) -> dict:
+    """A recorded run's FLOPs, MFU and predictions recomputed here from its arguments and the
+    same global batches (the loader's selection, no model built, no device needed): for a
+    GPU record after a change to the cost model."""
+    from mmjax.data.batch_shapes import grow_shapes
+    from mmjax.train.single_data import LoaderBatches
+
+    with open(path) as f:
+        record = json.load(f)
+    args = argparse.Namespace(**{"loss_chunk": 0, **record["args"]})
+    cfg = model_config(args)
+    layout = data_layout(cfg, seq_len=args.seq_len, packing=args.packing)
+    source = SyntheticSource(synthetic_dataset(cfg, **PRESET_DATA[args.preset]))
+    total = args.warmup + args.steps
+    data = LoaderBatches(source, cfg, layout, args.global_batch,
+                         lambda s, m: grow_shapes(s, m, layout), scan_steps=1)
+    record.update(cost_fields(args, cfg, trained_workload(data.builder, cfg, total),
+                              record["tokens_per_step"], record["step_time_s"]))
+    record["recounted"] = True
+    return record
+
+
+def trained_workload(builder, cfg, steps: int):
+    """The workload of the samples the `steps` global batches trained (the loader's own
+    selection, after skipping samples longer than the layout's seq_len), so model FLOPs and
+    predictions count exactly the tokens the step computed on."""
+    metas = [m for _, _, ms in builder.scan(steps) for m in ms]
+    return workload_from_metas("bench batches", metas, cfg)
 
 
 def traced_step(prog, trace_dir: str) -> str | None:
@@ -230,8 +271,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--trace", default="", metavar="DIR",
                     help="after the timed steps, profile one more step into DIR (Perfetto)")
     ap.add_argument("--json", default=os.path.join("bench_results", "bench_step.json"))
+    ap.add_argument("--recount", default="", metavar="JSON",
+                    help="recompute a recorded run's FLOPs, MFU and predictions here (no "
+                         "device) and write them to --json")
     args = ap.parse_args(argv)
-    record = run(args)
+    record = recount(args.recount) if args.recount else run(args)
     show(Console(width=120), record)
     write_json(args.json, record)
     return record
