@@ -7,9 +7,11 @@ import os
 
 import pytest
 
-from mmjax.data.data_spec import sample_workload
+from mmjax.data.batch_shapes import grow_shapes
 from mmjax.planner.costs import unit_costs
 from mmjax.planner.hardware import H100
+from mmjax.planner.workload import workload_from_metas
+from mmjax.train.single_data import LoaderBatches
 
 _PATH = os.path.join(os.path.dirname(__file__), os.pardir, "scripts", "bench_step.py")
 _spec = importlib.util.spec_from_file_location("bench_step_script", _PATH)
@@ -35,16 +37,31 @@ def test_formulas(record):
     assert r["mfu"] == pytest.approx(r["model_flops_per_step"] / r["step_time_s"]
                                      / r["peak_flops"])
     assert r["tokens_per_s"] == pytest.approx(r["tokens_per_step"] / r["step_time_s"])
-    # the planner's model FLOPs and time for the samples the bench drew, recomputed here
+    # the planner's model FLOPs and time for the samples the run's 3 global batches held
+    # (the loader's selection), recomputed here
     cfg = bench.named_model_config("tiny", {"llm.num_layers": 1})
     source = bench.SyntheticSource(bench.synthetic_dataset(cfg))
-    wl = sample_workload(source, cfg, 3 * 8, name="bench batches")
+    layout = bench.data_layout(cfg, seq_len=256, packing="pack")
+    data = LoaderBatches(source, cfg, layout, 8, lambda s, m: grow_shapes(s, m, layout))
+    metas = [m for _, _, ms in data.builder.scan(3) for m in ms]
+    assert len(metas) == 3 * 8
+    wl = workload_from_metas("bench batches", metas, cfg)
     costs = unit_costs(cfg, wl, H100, recompute=False)
     assert r["model_flops_per_step"] == pytest.approx(8 * sum(c.flops for c in costs))
     assert r["predicted_step_s"] == pytest.approx(8 * sum(c.time_s[1] for c in costs))
     assert set(r["predicted_unit_s"]) == {"vision", "llm", "generator"}
     # XLA's count of the compiled step covers at least the forward's share of the model's
     assert r["xla_flops_per_step"] > r["model_flops_per_step"] / 3
+
+
+def test_recount_reproduces_the_record(record, tmp_path):
+    """--recount rebuilds the same batches from the record's arguments alone (no model)."""
+    path = tmp_path / "rec.json"
+    path.write_text(json.dumps(record))
+    again = bench.recount(str(path))
+    for key in ("model_flops_per_step", "mfu", "predicted_step_s"):
+        assert again[key] == pytest.approx(record[key], rel=1e-12)
+    assert again["recounted"] is True
 
 
 def test_bad_override_is_a_user_error():
