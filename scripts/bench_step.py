@@ -232,7 +232,8 @@ def show(console, r) -> None:
             ("data wait (median)", f"{r['data_wait_s'] * 1e3:.1f} ms"),
             ("LLM tokens / s", f"{r['tokens_per_s']:,.0f}"),
             ("LLM slot fill (tokens / rows x seq)",
-             f"{r['tokens_per_step'] / r['llm_slots_per_step']:.2f}"),
+             f"{r['tokens_per_step'] / r['llm_slots_per_step']:.2f}"
+             if r.get("llm_slots_per_step") else "-"),
             ("model GFLOP / step (planner)", f"{r['model_flops_per_step'] / 1e9:,.1f}"),
             ("XLA GFLOP / step (lower bound)", f"{r['xla_flops_per_step'] / 1e9:,.1f}"),
             (f"MFU (of {r['peak_flops'] / 1e12:.0f} TFLOP/s)", f"{100 * r['mfu']:.2f}%"),
