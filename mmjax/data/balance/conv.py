@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import numpy as np
+from numba import njit
 
+from mmjax.data.balance import lpt_int
 from mmjax.data.balance.lpt import _lpt_assign, _place, _sorted_by
 
 
@@ -14,8 +16,12 @@ def _conv(x: np.ndarray, d: int) -> tuple[np.ndarray, np.ndarray]:
     little padding). Phase 2: the remaining lengths go greedily to the batch of least sum.
     Deviation: the paper tests ``(count + 1) * s.length``; the padded size of a descending
     batch is set by its first (longest) element, which is what we use. Returns
-    (samples batch after batch, count per batch).
+    (samples batch after batch, count per batch). Token counts run compiled
+    (`_conv_whole`), other lengths on numpy.
     """
+    out = _conv_whole(x, d)
+    if out is not None:
+        return out
     desc, xs = _sorted_by(x, True)
     lpt_loads = np.zeros(d)
     _lpt_assign(x, lpt_loads, desc, xs=xs)
@@ -39,3 +45,43 @@ def _conv(x: np.ndarray, d: int) -> tuple[np.ndarray, np.ndarray]:
     counts[:len(ends)] = sizes
     bins[i:], slots[i:] = _lpt_assign(x, loads, desc[i:], counts, xs[i:])
     return _place(bins, slots, desc, counts)
+
+
+@njit(cache=True)
+def _pack(xs, bound, loads, counts, bins, slots):
+    """Phase 1 on descending whole lengths ``xs``: consecutive batches of padded size
+    count * first length <= ``bound``, at most ``loads.size``; fills ``loads`` (zeros),
+    ``counts`` (zeros), ``bins`` and ``slots`` of the packed items. -> how many it packed."""
+    n, d = xs.size, loads.size
+    i, k = 0, 0
+    while i < n and k < d:
+        xi = xs[i]
+        j = i + int(bound // xi) if xi > 0 else n  # zero lengths: all the rest
+        j = n if j > n else (i + 1 if j <= i else j)
+        for t in range(i, j):
+            bins[t] = k
+            slots[t] = t - i
+            loads[k] += np.int64(xs[t])
+        counts[k] = j - i
+        i = j
+        k += 1
+    return i
+
+
+def _conv_whole(x: np.ndarray, d: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """Algorithm 5 on token counts: both greedy passes on `lpt_int.lpt_buckets`, the
+    packing compiled; the batches of the numpy path. None where `lpt_int.fits` does not
+    hold (phase 2 starts from loads up to Algorithm 1's objective <= total / d + longest)."""
+    top, total = lpt_int.whole_stats(x)
+    n = x.size
+    if not lpt_int.fits(top, total, n, d, spread=total / d + top):
+        return None
+    desc, xs = lpt_int.counting_order(x, int(top), True)
+    bins, slots = np.empty(n, np.int64), np.empty(n, np.int64)
+    loads, counts = np.zeros(d, np.int64), np.zeros(d, np.int64)
+    lpt_int.lpt_buckets(xs, loads, counts, bins, slots)  # Algorithm 1: the bound
+    bound = float(loads.max())
+    loads[:], counts[:] = 0, 0
+    i = _pack(xs, bound, loads, counts, bins, slots)
+    lpt_int.lpt_buckets(xs[i:], loads, counts, bins[i:], slots[i:])
+    return lpt_int.place(bins, slots, desc, counts), counts
