@@ -48,23 +48,29 @@ def _conv(x: np.ndarray, d: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 @njit(cache=True)
-def _pack(xs, bound, loads, counts, bins, slots):
-    """Phase 1 on descending whole lengths ``xs``: consecutive batches of padded size
-    count * first length <= ``bound``, at most ``loads.size``; fills ``loads`` (zeros),
-    ``counts`` (zeros), ``bins`` and ``slots`` of the packed items. -> how many it packed."""
-    n, d = xs.size, loads.size
-    i, k = 0, 0
-    while i < n and k < d:
-        xi = xs[i]
+def _pack(many, bound, loads, counts, picks, k):
+    """Phase 1 on the whole lengths counted by ``many``, longest first: consecutive batches
+    of padded size count * first length <= ``bound``, at most ``loads.size``; fills
+    ``loads``, ``counts`` (zeros) and the picks of the packed items, and takes them out of
+    ``many``. -> how many it packed."""
+    d, n = loads.size, many.sum()
+    v = many.size - 1
+    i, b = 0, 0
+    while i < n and b < d:
+        while many[v] == 0:
+            v -= 1
+        xi = float(v)
         j = i + int(bound // xi) if xi > 0 else n  # zero lengths: all the rest
         j = n if j > n else (i + 1 if j <= i else j)
-        for t in range(i, j):
-            bins[t] = k
-            slots[t] = t - i
-            loads[k] += np.int64(xs[t])
-        counts[k] = j - i
+        for slot in range(j - i):
+            while many[v] == 0:
+                v -= 1
+            many[v] -= 1
+            loads[b] += v
+            picks[i + slot] = (slot << k) | b
+        counts[b] = j - i
         i = j
-        k += 1
+        b += 1
     return i
 
 
@@ -72,16 +78,18 @@ def _conv_whole(x: np.ndarray, d: int) -> tuple[np.ndarray, np.ndarray] | None:
     """Algorithm 5 on token counts: both greedy passes on `lpt_int.lpt_buckets`, the
     packing compiled; the batches of the numpy path. None where `lpt_int.fits` does not
     hold (phase 2 starts from loads up to Algorithm 1's objective <= total / d + longest)."""
-    top, total = lpt_int.whole_stats(x)
+    top, total, _ = lpt_int.whole_stats(x)
     n = x.size
     if not lpt_int.fits(top, total, n, d, spread=total / d + top):
         return None
-    desc, xs = lpt_int.counting_order(x, int(top), True)
-    bins, slots = np.empty(n, np.int64), np.empty(n, np.int64)
+    many = lpt_int.value_counts(x, int(top))
+    k, dtype = lpt_int.pick_bits(n, d)
+    picks = np.empty(n, dtype)
     loads, counts = np.zeros(d, np.int64), np.zeros(d, np.int64)
-    lpt_int.lpt_buckets(xs, loads, counts, bins, slots)  # Algorithm 1: the bound
+    lpt_int.lpt_buckets(many, loads, counts, picks, k, 0)  # Algorithm 1: the bound
     bound = float(loads.max())
     loads[:], counts[:] = 0, 0
-    i = _pack(xs, bound, loads, counts, bins, slots)
-    lpt_int.lpt_buckets(xs[i:], loads, counts, bins[i:], slots[i:])
-    return lpt_int.place(bins, slots, desc, counts), counts
+    rest = many.copy()
+    i = _pack(rest, bound, loads, counts, picks, k)
+    lpt_int.lpt_buckets(rest, loads, counts, picks, k, i)
+    return lpt_int.group(x, many, picks, k, counts), counts

@@ -121,7 +121,7 @@ def _sorted_by(x: np.ndarray, descending: bool) -> tuple[np.ndarray, np.ndarray]
     """(indices by length, decreasing or increasing, ties by increasing index; the lengths
     in that order). Token counts take a compiled counting sort (`lpt_int.counting_order`),
     other lengths a stable argsort."""
-    top, total = lpt_int.whole_stats(x)
+    top = lpt_int.whole_stats(x)[0]
     if lpt_int.sortable(top, x.size):
         return lpt_int.counting_order(x, int(top), descending)
     order = np.argsort(-x if descending else x, kind="stable")

@@ -1,36 +1,90 @@
 """OrchMLLM Algorithm 1 (LPT) on whole lengths (token counts), compiled (numba, no JAX): the
-same batches as the vectorised `lpt._lpt_assign`, in time linear in the samples.
+same batches as the vectorised `lpt._lpt_assign`, in time linear in the samples; and the
+shared pieces of the whole-length kernels (Algorithms 1, 4 and 5).
 
-* the order: a counting sort (samples per length; longest or shortest first, ties by index);
+* the order: lengths counted per value (`value_counts`), placed longest first, ties by
+  index; no sorted order is stored;
 * the lightest bin: a bucket queue over whole loads. The least load never falls, and a bin
   receiving length v > 0 moves from the least load L to L + v, so every load lies in
   [L, L + span) with span = max(spread of the initial loads, longest length) + 1: one list
   of bins per load value, cyclic. The walk to the next non-empty load costs the final least
-  load over the whole run; a load's bins are served by index (sorted when the walk reaches
+  load over the whole run; a load's bins are served by index (ordered when the walk reaches
   them: no bin joins the load being served, and a zero length stays where it lands);
-* the batches: each pick records its place in its batch, so grouping is one scatter.
+* the batches: each pick records its place in its batch, so grouping is a counting sort
+  and one scatter (`group`).
 
-Used where the lengths are whole and the loads, the span and the walk stay small (`fits`);
-other inputs take the numpy path (`lpt._lpt_assign`).
+Few large arrays (the picks, 32-bit where they fit, and the output): fresh pages cost more
+than the greedy here. Used where the lengths are whole and the loads, the span and the walk
+stay small (`fits`); other inputs take the numpy path (`lpt._lpt_assign`).
 """
 from __future__ import annotations
 
 import numpy as np
 from numba import njit
 
-_MAX_SPAN = 1 << 22  # longest per-load arrays (16 MiB); wider spans take the numpy path
+_MAX_SPAN = 1 << 22  # longest per-value arrays (16 MiB); wider spans take the numpy path
 
 
 @njit(cache=True)
 def whole_stats(x):
-    """(max, sum) of ``x``; max -1 if some length is not whole."""
-    top, total = 0.0, 0.0
+    """(max, sum, sum of squares) of ``x``; max -1 if some length is not whole."""
+    top, total, total2 = 0.0, 0.0, 0.0
     for v in x:
         if v != np.floor(v):
-            return -1.0, 0.0
+            return -1.0, 0.0, 0.0
         top = max(top, v)
         total += v
-    return top, total
+        total2 += v * v
+    return top, total, total2
+
+
+@njit(cache=True)
+def value_counts(x, top):
+    """How many of the whole lengths ``x`` equal each of 0 .. ``top``."""
+    many = np.zeros(top + 1, np.int64)
+    for v in x:
+        many[np.int64(v)] += 1
+    return many
+
+
+@njit(cache=True)
+def _group(x, many, picks, k, counts, flat, order):
+    cursor = np.empty(many.size, np.int64)  # where each length's items start, longest first
+    pos = 0
+    for v in range(many.size - 1, -1, -1):
+        cursor[v] = pos
+        pos += many[v]
+    for i in range(x.size):  # the sorted order, by a counting sort
+        v = np.int64(x[i])
+        order[cursor[v]] = i
+        cursor[v] += 1
+    start = np.empty(counts.size, np.int64)
+    pos = 0
+    for b in range(counts.size):
+        start[b] = pos
+        pos += counts[b]
+    mask = (1 << k) - 1
+    for t in range(x.size):
+        p = np.int64(picks[t])
+        flat[start[p & mask] + (p >> k)] = order[t]
+
+
+def group(x: np.ndarray, many: np.ndarray, picks: np.ndarray, k: int,
+          counts: np.ndarray) -> np.ndarray:
+    """The items batch after batch, in pick order. ``picks``: per item in decreasing order
+    of length (ties by index; ``many``: items per length), (place in its batch << k) |
+    batch; ``counts``: per batch. Two passes that only scatter (the sorted order, then each
+    item to its place): a pass that gathered each item's pick waited on memory."""
+    flat = np.empty(x.size, np.int64)
+    _group(x, many, picks, k, counts, flat, np.empty(x.size, np.int32 if x.size < 2 ** 31
+                                                      else np.int64))
+    return flat
+
+
+def pick_bits(n: int, d: int) -> tuple[int, type]:
+    """(k, dtype) of the picks (place << k) | batch of ``n`` items over ``d`` batches."""
+    k = max(1, (d - 1).bit_length())
+    return k, np.int32 if n << k < 2 ** 31 else np.int64
 
 
 def sortable(top: float, n: int) -> bool:
@@ -114,15 +168,16 @@ def _by_index(cur, ncur, bits, debruijn):
 
 
 @njit(cache=True)
-def lpt_buckets(xs, loads, counts, bins, slots):
-    """The LPT greedy: each whole length of ``xs`` in turn to the bin of least (load,
-    index); ``loads`` (int64) and ``counts`` per bin are updated in place; ``bins`` and
-    ``slots`` get each item's bin and place in it (counting from the bin's count)."""
-    d, n = loads.size, xs.size
-    if n == 0:
-        return
+def lpt_buckets(many, loads, counts, picks, k, t):
+    """The LPT greedy: the whole lengths counted by ``many`` (``many[v]`` of length v),
+    longest first, each to the bin of least (load, index); ``loads`` (int64) and ``counts``
+    per bin are updated in place; ``picks[t], picks[t + 1], ...`` get each item's (place
+    in its bin << k) | bin."""
+    d = loads.size
+    top = many.size - 1
+    while top > 0 and many[top] == 0:
+        top -= 1
     lo, hi = loads.min(), loads.max()
-    top = np.int64(xs.max())
     span = max(hi - lo, top) + 1
     w = 1
     while w < span:
@@ -138,59 +193,41 @@ def lpt_buckets(xs, loads, counts, bins, slots):
     bits = np.zeros((d + 31) // 32, np.int64)
     debruijn = np.array(_DEBRUIJN, np.int64)
     pos, ncur, level = 0, 0, lo - 1
-    for t in range(n):
-        if pos == ncur:  # walk to the next load that has bins
-            level += 1
-            while head[level & mask] < 0:
+    for v in range(top, -1, -1):
+        for _ in range(many[v]):
+            if pos == ncur:  # walk to the next load that has bins
                 level += 1
-            c = head[level & mask]
-            head[level & mask] = -1
-            ncur, pos = 0, 0
-            while c >= 0:
-                cur[ncur] = c
-                ncur += 1
-                c = nxt[c]
-            _by_index(cur, ncur, bits, debruijn)
-        b = cur[pos]
-        bins[t] = b
-        slots[t] = counts[b]
-        counts[b] += 1
-        v = np.int64(xs[t])
-        if v > 0:  # it leaves the least load; a zero length keeps it the least bin
-            pos += 1
-            s = level + v
-            loads[b] = s
-            nxt[b] = head[s & mask]
-            head[s & mask] = b
-
-
-@njit(cache=True)
-def _place(bins, slots, items, counts, start, flat):
-    pos = 0
-    for b in range(counts.size):
-        start[b] = pos
-        pos += counts[b]
-    for t in range(items.size):
-        flat[start[bins[t]] + slots[t]] = items[t]
-
-
-def place(bins: np.ndarray, slots: np.ndarray, items: np.ndarray,
-          counts: np.ndarray) -> np.ndarray:
-    """Items batch after batch, each at its slot: `lpt._place` compiled."""
-    flat = np.empty(items.size, np.int64)
-    _place(bins, slots, items, counts, np.empty(counts.size, np.int64), flat)
-    return flat
+                while head[level & mask] < 0:
+                    level += 1
+                c = head[level & mask]
+                head[level & mask] = -1
+                ncur, pos = 0, 0
+                while c >= 0:
+                    cur[ncur] = c
+                    ncur += 1
+                    c = nxt[c]
+                _by_index(cur, ncur, bits, debruijn)
+            b = cur[pos]
+            picks[t] = (counts[b] << k) | b
+            counts[b] += 1
+            t += 1
+            if v > 0:  # it leaves the least load; a zero length keeps it the least bin
+                pos += 1
+                s = level + v
+                loads[b] = s
+                nxt[b] = head[s & mask]
+                head[s & mask] = b
 
 
 def lpt_whole(x: np.ndarray, d: int) -> tuple[np.ndarray, np.ndarray] | None:
     """Algorithm 1 on lengths ``x``: (items batch after batch, count per batch), as
     `lpt._greedy` gives them; None where this path does not apply (`fits`)."""
-    top, total = whole_stats(x)
-    if not fits(top, total, x.size, d):
-        return None
-    order, xs = counting_order(x, int(top), True)
+    top, total, _ = whole_stats(x)
     n = x.size
-    counts = np.zeros(d, np.int64)
-    bins, slots = np.empty(n, np.int64), np.empty(n, np.int64)
-    lpt_buckets(xs, np.zeros(d, np.int64), counts, bins, slots)
-    return place(bins, slots, order, counts), counts
+    if not fits(top, total, n, d):
+        return None
+    many = value_counts(x, int(top))
+    k, dtype = pick_bits(n, d)
+    picks, counts = np.empty(n, dtype), np.zeros(d, np.int64)
+    lpt_buckets(many, np.zeros(d, np.int64), counts, picks, k, 0)
+    return group(x, many, picks, k, counts), counts

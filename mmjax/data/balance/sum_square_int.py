@@ -2,8 +2,8 @@
 the float kernel (`kernels.sum_square_heap`), with integer sums making each per-sample
 step O(1) or small (numba, no JAX).
 
-* the order: lengths counted per value (a counting sort), placed longest first, ties by
-  index;
+* the order, the picks and the grouping: `lpt_int` (lengths counted per value, placed
+  longest first, ties by index; each pick records its place in its batch);
 * the least sum: a count of bins per sum value; it only rises, so it walks up the counts;
 * bins outside the window: a list per sum value; when the bound rises, the lists it passes
   enter the window whole (no bin is checked twice);
@@ -11,7 +11,6 @@ step O(1) or small (numba, no JAX).
   compare orders by (square-sum, index); +inf for a bin outside the window): the root is
   the receiver, and its update is one leaf-to-root path whose loads do not wait on each
   other (a heap's sift-down picks each level's child from the last);
-* the batches: each pick records its place in its batch, so grouping is one scatter.
 
 Every sum lies in [least, least + tolerance + longest): the per-sum arrays are cyclic, a
 power of two above that span long. Exact while sums and square-sums are exact in float64;
@@ -25,59 +24,15 @@ import math
 import numpy as np
 from numba import njit
 
+from mmjax.data.balance.lpt_int import group, pick_bits, value_counts, whole_stats
+
 _MAX_SPAN = 1 << 22  # longest per-sum arrays (16 MiB each); wider spans take the float kernel
-
-
-@njit(cache=True)
-def _whole_stats(x):
-    """(max, sum, sum of squares) of ``x``; max -1 if some length is not whole."""
-    top, total, total2 = 0.0, 0.0, 0.0
-    for v in x:
-        if v != np.floor(v):
-            return -1.0, 0.0, 0.0
-        top = max(top, v)
-        total += v
-        total2 += v * v
-    return top, total, total2
-
-
-@njit(cache=True)
-def _value_counts(x, top):
-    """How many of the whole lengths ``x`` equal each of 0 .. ``top``."""
-    many = np.zeros(top + 1, np.int64)
-    for v in x:
-        many[np.int64(v)] += 1
-    return many
-
-
-@njit(cache=True)
-def _group(x, many, picks, k, counts, flat):
-    """Fill ``flat`` with the items batch after batch, in pick order. ``picks``: per item in
-    decreasing order (ties by index), (place in its batch << k) | batch; ``counts``: per
-    batch. The items of one length were picked in index order, so a walk over ``x`` meets
-    each item's pick at its length's cursor: no sorted order is stored."""
-    start = np.empty(counts.size, np.int64)
-    pos = 0
-    for b in range(counts.size):
-        start[b] = pos
-        pos += counts[b]
-    cursor = np.empty(many.size, np.int64)
-    pos = 0
-    for v in range(many.size - 1, -1, -1):
-        cursor[v] = pos
-        pos += many[v]
-    mask = (1 << k) - 1
-    for i in range(x.size):
-        v = np.int64(x[i])
-        p = np.int64(picks[cursor[v]])
-        cursor[v] += 1
-        flat[start[p & mask] + (p >> k)] = i
 
 
 @njit(cache=True)
 def _assign(many, tolerance, w, k, picks, counts):
     """Algorithm 4 on whole lengths in decreasing order (``many`` of each, from
-    `_value_counts`): fill ``picks`` with each one's (place in its batch << k) | batch
+    `lpt_int.value_counts`): fill ``picks`` with each one's (place in its batch << k) | batch
     (2^k >= d batches) and ``counts`` (zeros) with the count per batch; ``w``: the length
     of the cyclic per-sum arrays."""
     d = counts.size
@@ -156,8 +111,9 @@ def sum_square_int(x: np.ndarray, d: int,
     `lpt._group` gives them; None where this path does not apply: lengths not whole, sums
     or keys past exact float64 / int64, a tolerance below 2^-8 (least + tolerance must
     exceed least in float64) or a span past `_MAX_SPAN`."""
-    top, total, total2 = _whole_stats(x)
-    n, k = x.size, max(1, (d - 1).bit_length())
+    top, total, total2 = whole_stats(x)
+    n = x.size
+    k, dtype = pick_bits(n, d)
     if (top < 0 or n >= 2 ** 31 or total >= 2.0 ** 40 or tolerance < 2.0 ** -8
             or total2 >= min(2.0 ** 52, 2.0 ** (61 - k))):
         return None
@@ -165,11 +121,7 @@ def sum_square_int(x: np.ndarray, d: int,
     span = math.ceil(tolerance) + int(top) + 2
     if span > _MAX_SPAN:
         return None
-    # numpy allocates the large arrays (it reuses freed pages, numba's page-fault), 32-bit
-    # where they fit
-    picks = np.empty(n, np.int32 if n << k < 2 ** 31 else np.int64)
-    flat, counts = np.empty(n, np.int64), np.zeros(d, np.int64)
-    many = _value_counts(x, int(top))
+    picks, counts = np.empty(n, dtype), np.zeros(d, np.int64)
+    many = value_counts(x, int(top))
     _assign(many, tolerance, 1 << (span - 1).bit_length(), k, picks, counts)
-    _group(x, many, picks, k, counts, flat)
-    return flat, counts
+    return group(x, many, picks, k, counts), counts
