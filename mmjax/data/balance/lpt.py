@@ -117,11 +117,12 @@ def _lpt_keys(xs: np.ndarray, loads: np.ndarray,
     return bins, slots
 
 
-def _sorted_by(x: np.ndarray, descending: bool) -> tuple[np.ndarray, np.ndarray]:
+def _sorted_by(x: np.ndarray, descending: bool,
+               top: float | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(indices by length, decreasing or increasing, ties by increasing index; the lengths
     in that order). Token counts take a compiled counting sort (`lpt_int.counting_order`),
-    other lengths a stable argsort."""
-    top = lpt_int.whole_stats(x)[0]
+    other lengths a stable argsort. ``top``: `lpt_int.whole_stats`' max, if known."""
+    top = lpt_int.whole_stats(x)[0] if top is None else top
     if lpt_int.sortable(top, x.size):
         return lpt_int.counting_order(x, int(top), descending)
     order = np.argsort(-x if descending else x, kind="stable")
