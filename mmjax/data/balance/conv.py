@@ -4,7 +4,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from mmjax.data.balance import lpt_int
+from mmjax.data.balance.lpt_int import (fits, group, lpt_buckets, pick_bits, value_counts,
+                                        whole_stats)
 from mmjax.data.balance.lpt import _lpt_assign, _place, _sorted_by
 
 
@@ -78,18 +79,18 @@ def _conv_whole(x: np.ndarray, d: int) -> tuple[np.ndarray, np.ndarray] | None:
     """Algorithm 5 on token counts: both greedy passes on `lpt_int.lpt_buckets`, the
     packing compiled; the batches of the numpy path. None where `lpt_int.fits` does not
     hold (phase 2 starts from loads up to Algorithm 1's objective <= total / d + longest)."""
-    top, total, _ = lpt_int.whole_stats(x)
+    top, total, _ = whole_stats(x)
     n = x.size
-    if not lpt_int.fits(top, total, n, d, spread=total / d + top):
+    if not fits(top, total, n, d, spread=total / d + top):
         return None
-    many = lpt_int.value_counts(x, int(top))
-    k, dtype = lpt_int.pick_bits(n, d)
+    many = value_counts(x, int(top))
+    k, dtype = pick_bits(n, d)
     picks = np.empty(n, dtype)
     loads, counts = np.zeros(d, np.int64), np.zeros(d, np.int64)
-    lpt_int.lpt_buckets(many, loads, counts, picks, k, 0)  # Algorithm 1: the bound
+    lpt_buckets(many, loads, counts, picks, k, 0)  # Algorithm 1: the bound
     bound = float(loads.max())
     loads[:], counts[:] = 0, 0
     rest = many.copy()
     i = _pack(rest, bound, loads, counts, picks, k)
-    lpt_int.lpt_buckets(rest, loads, counts, picks, k, i)
-    return lpt_int.group(x, many, picks, k, counts), counts
+    lpt_buckets(rest, loads, counts, picks, k, i)
+    return group(x, many, picks, k, counts), counts

@@ -7,7 +7,7 @@ from typing import Sequence
 
 import numpy as np
 
-from mmjax.data.balance import lpt_int
+from mmjax.data.balance.lpt_int import counting_order, lpt_whole, sortable, whole_stats
 
 
 def _as_lengths(lengths: Sequence[float], name: str) -> np.ndarray:
@@ -122,9 +122,9 @@ def _sorted_by(x: np.ndarray, descending: bool,
     """(indices by length, decreasing or increasing, ties by increasing index; the lengths
     in that order). Token counts take a compiled counting sort (`lpt_int.counting_order`),
     other lengths a stable argsort. ``top``: `lpt_int.whole_stats`' max, if known."""
-    top = lpt_int.whole_stats(x)[0] if top is None else top
-    if lpt_int.sortable(top, x.size):
-        return lpt_int.counting_order(x, int(top), descending)
+    top = whole_stats(x)[0] if top is None else top
+    if sortable(top, x.size):
+        return counting_order(x, int(top), descending)
     order = np.argsort(-x if descending else x, kind="stable")
     return order, x[order]
 
@@ -166,7 +166,7 @@ def _flat(batches: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
 def _greedy(x: np.ndarray, d: int) -> tuple[np.ndarray, np.ndarray]:
     """Algorithm 1 on checked lengths, grouped (`_group`): compiled on token counts
     (`lpt_int.lpt_whole`), else vectorised rounds (`_lpt_assign`)."""
-    out = lpt_int.lpt_whole(x, d)
+    out = lpt_whole(x, d)
     if out is not None:
         return out
     items, xs = _sorted_by(x, True)
