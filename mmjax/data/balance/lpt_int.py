@@ -3,7 +3,7 @@ same batches as the vectorised `lpt._lpt_assign`, in time linear in the samples;
 shared pieces of the whole-length kernels (Algorithms 1, 4 and 5).
 
 * the order: lengths counted per value (`value_counts`), placed longest first, ties by
-  index; no sorted order is stored;
+  index (the kernels walk the counts; no sorted copy of the lengths);
 * the lightest bin: a bucket queue over whole loads. The least load never falls, and a bin
   receiving length v > 0 moves from the least load L to L + v, so every load lies in
   [L, L + span) with span = max(spread of the initial loads, longest length) + 1: one list
@@ -13,9 +13,9 @@ shared pieces of the whole-length kernels (Algorithms 1, 4 and 5).
 * the batches: each pick records its place in its batch, so grouping is a counting sort
   and one scatter (`group`).
 
-Few large arrays (the picks, 32-bit where they fit, and the output): fresh pages cost more
-than the greedy here. Used where the lengths are whole and the loads, the span and the walk
-stay small (`fits`); other inputs take the numpy path (`lpt._lpt_assign`).
+Used where the lengths are whole and the loads, the span and the walk stay small (`fits`);
+other inputs take the numpy path (`lpt._lpt_assign`). `sum_square_int` (Algorithm 4) and
+`conv._conv_whole` (Algorithm 5) share the counts, the picks and `group`.
 """
 from __future__ import annotations
 
@@ -126,8 +126,7 @@ def _counting_order(x, start, descending, order, xs):
 
 def counting_order(x: np.ndarray, top: int, descending: bool) -> tuple[np.ndarray, np.ndarray]:
     """(sample indices by length, decreasing or increasing, ties by increasing index; the
-    lengths in that order) for whole lengths ``x`` <= ``top``. numpy allocates the arrays
-    (it reuses freed pages, numba's page-fault)."""
+    lengths in that order) for whole lengths ``x`` <= ``top``."""
     order, xs = np.empty(x.size, np.int64), np.empty(x.size, np.float64)
     _counting_order(x, np.zeros(top + 1, np.int64), descending, order, xs)
     return order, xs
