@@ -29,6 +29,7 @@ from mmjax.models.units import LLM_UNIT, is_generator, is_llm
 from mmjax.parallel.phase_inputs import llm_ranks, phase_axes
 from mmjax.parallel.rearrange import busiest_pair
 from mmjax.planner.plan import Plan
+from mmjax.train.loader_stream import LoaderStream
 
 
 @dataclass(frozen=True)
@@ -134,7 +135,7 @@ def _shapes_from_json(data: dict) -> dict:
             for p, s in data.items()}
 
 
-class PhaseBatches:
+class PhaseBatches(LoaderStream):
     """Iterator of (BalancedBatch, skipped [(name, reason, where)]) for the co-located
     runner on `mesh`; `state` / `restore` resume exactly (next batch, floors, capacity)."""
 
@@ -210,10 +211,3 @@ class PhaseBatches:
         self.capacity = max(self.capacity, self._busiest(pb.routes))
         self.next_batch = gs.step + 1
         return BalancedBatch(pb, self.capacity), list(gs.skipped)
-
-    def close(self) -> None:
-        if self._it is not None:
-            if hasattr(self._it, "close"):
-                self._it.close()
-            self._it = None
-        self.loader.close()

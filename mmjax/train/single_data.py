@@ -17,9 +17,10 @@ from mmjax.data.assemble import assemble
 from mmjax.data.loader import Loader
 from mmjax.data.global_batch import mask_out_failed
 from mmjax.planner.plan import Plan
+from mmjax.train.loader_stream import LoaderStream
 
 
-class LoaderBatches:
+class LoaderBatches(LoaderStream):
     """Iterator of (Batch, skipped [(name, reason, where)]); `state` / `restore` resume
     exactly."""
 
@@ -83,10 +84,3 @@ class LoaderBatches:
             mask_out_failed(batch, gs.samples, gs.failed)
         self.next_batch = gs.step + 1
         return batch, list(gs.skipped)
-
-    def close(self) -> None:
-        if self._it is not None:
-            if hasattr(self._it, "close"):
-                self._it.close()
-            self._it = None
-        self.loader.close()

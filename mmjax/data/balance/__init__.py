@@ -11,11 +11,12 @@
   (rank, slot); per encoder the single map Pi_M o Pi_E^-1 from the encoder's balanced batches
   to the LLM rank that consumes its output (§6, "Rearrangement composition").
 
-Files: lpt.py (Algorithm 1 and the shared pieces), padded.py, sum_square.py, conv.py,
+Files: lpt.py (Algorithm 1 and the shared pieces; lpt_int.py compiled on token counts),
+padded.py, sum_square.py (+ sum_square_int.py), conv.py,
 node_wise.py (+ node_swaps.py, and data/node_milp.py for the MILP), rearrangement.py; every
 public name imports from here. ``post_balance_flat`` is ``post_balance`` as arrays.
 
-Pure host code (numpy, highspy); no JAX. Every host runs it on the all-gathered lengths and gets
+Pure host code (numpy, numba, highspy); no JAX. Every host runs it on the all-gathered lengths and gets
 the same answer (§5.2.1), so all algorithms are deterministic: ties go to the lower index.
 """
 from __future__ import annotations

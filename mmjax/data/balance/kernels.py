@@ -5,9 +5,10 @@ Each kernel computes exactly what the Python implementation it replaced did (tes
 them with the literal algorithms and the frozen previous implementation on random inputs,
 ties included): `sum_square_heap` is the heap loop of OrchMLLM Algorithm 4 for any
 lengths (whole lengths take `sum_square_int`, the same batches on integer structures),
-`least_batches` is Algorithm 2's GETLEASTBATCHES. (Algorithm 1's LPT stays in numpy,
-`lpt._lpt_assign`: its vectorised rounds beat a compiled heap.) numba compiles them on first use and caches the machine code next to this file
-(`cache=True`), so a process pays the compile once per machine.
+`least_batches` is Algorithm 2's GETLEASTBATCHES. (Algorithm 1's LPT on token counts is
+`lpt_int`'s bucket queue; on other lengths numpy's vectorised rounds, `lpt._lpt_assign`,
+which beat a compiled heap.) numba compiles them on first use and caches the machine code
+next to this file (`cache=True`), so a process pays the compile once per machine.
 """
 from __future__ import annotations
 

@@ -7,6 +7,8 @@ from typing import Sequence
 
 import numpy as np
 
+from mmjax.data.balance.lpt_int import counting_order, lpt_whole, sortable, whole_stats
+
 
 def _as_lengths(lengths: Sequence[float], name: str) -> np.ndarray:
     x = np.asarray(lengths, dtype=np.float64)
@@ -115,27 +117,16 @@ def _lpt_keys(xs: np.ndarray, loads: np.ndarray,
     return bins, slots
 
 
-def _small_ints(x: np.ndarray) -> bool:
-    return bool(x.size) and x.max() < 65536 and bool(np.all(x == np.floor(x)))
-
-
-def _sorted_by(x: np.ndarray, descending: bool) -> tuple[np.ndarray, np.ndarray]:
+def _sorted_by(x: np.ndarray, descending: bool,
+               top: float | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(indices by length, decreasing or increasing, ties by increasing index; the lengths
-    in that order). Token counts sort as unique integer keys (length << bits of n) | index,
-    uint32 where they fit: a plain sort instead of a stable argsort, and the sorted lengths
-    come out of the keys without a gather."""
-    n = x.size
-    if not _small_ints(x):
-        order = np.argsort(-x if descending else x, kind="stable")
-        return order, x[order]
-    xi = x.astype(np.int64)
-    top = int(xi.max())
-    v = top - xi if descending else xi
-    ib = max(1, (n - 1).bit_length())
-    dt = np.uint32 if max(1, int(v.max()).bit_length()) + ib <= 32 else np.uint64
-    keys = np.sort((v.astype(dt) << dt(ib)) | np.arange(n, dtype=dt))
-    vals = (keys >> dt(ib)).astype(np.float64)
-    return (keys & dt((1 << ib) - 1)).astype(np.int64), (top - vals if descending else vals)
+    in that order). Token counts take a compiled counting sort (`lpt_int.counting_order`),
+    other lengths a stable argsort. ``top``: `lpt_int.whole_stats`' max, if known."""
+    top = whole_stats(x)[0] if top is None else top
+    if sortable(top, x.size):
+        return counting_order(x, int(top), descending)
+    order = np.argsort(-x if descending else x, kind="stable")
+    return order, x[order]
 
 
 def _descending(x: np.ndarray) -> np.ndarray:
@@ -173,7 +164,11 @@ def _flat(batches: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _greedy(x: np.ndarray, d: int) -> tuple[np.ndarray, np.ndarray]:
-    """Algorithm 1 on checked lengths, grouped (`_group`)."""
+    """Algorithm 1 on checked lengths, grouped (`_group`): compiled on token counts
+    (`lpt_int.lpt_whole`), else vectorised rounds (`_lpt_assign`)."""
+    out = lpt_whole(x, d)
+    if out is not None:
+        return out
     items, xs = _sorted_by(x, True)
     counts = np.zeros(d, dtype=np.int64)
     bins, slots = _lpt_assign(x, np.zeros(d), items, counts, xs)

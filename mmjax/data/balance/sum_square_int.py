@@ -2,14 +2,15 @@
 the float kernel (`kernels.sum_square_heap`), with integer sums making each per-sample
 step O(1) or small (numba, no JAX).
 
-* the order: lengths counted per value (a counting sort), placed longest first, ties by
-  index;
+* the order, the picks and the grouping: `lpt_int` (lengths counted per value, placed
+  longest first, ties by index; each pick records its place in its batch);
 * the least sum: a count of bins per sum value; it only rises, so it walks up the counts;
 * bins outside the window: a list per sum value; when the bound rises, the lists it passes
   enter the window whole (no bin is checked twice);
-* the window: a 4-ary min-heap of int64 keys (square-sum << k) | bin: one compare orders
-  by (square-sum, index);
-* the batches: each pick records its place in its batch, so grouping is one scatter.
+* the window: a min-tree over the bins (leaves: int64 keys (square-sum << k) | bin, one
+  compare orders by (square-sum, index); +inf for a bin outside the window): the root is
+  the receiver, and its update is one leaf-to-root path whose loads do not wait on each
+  other (a heap's sift-down picks each level's child from the last);
 
 Every sum lies in [least, least + tolerance + longest): the per-sum arrays are cyclic, a
 power of two above that span long. Exact while sums and square-sums are exact in float64;
@@ -23,113 +24,41 @@ import math
 import numpy as np
 from numba import njit
 
+from mmjax.data.balance.lpt_int import group, pick_bits, value_counts, whole_stats
+
 _MAX_SPAN = 1 << 22  # longest per-sum arrays (16 MiB each); wider spans take the float kernel
-
-
-@njit(cache=True)
-def _whole_stats(x):
-    """(max, sum, sum of squares) of ``x``; max -1 if some length is not whole."""
-    top, total, total2 = 0.0, 0.0, 0.0
-    for v in x:
-        if v != np.floor(v):
-            return -1.0, 0.0, 0.0
-        top = max(top, v)
-        total += v
-        total2 += v * v
-    return top, total, total2
-
-
-@njit(cache=True)
-def _value_counts(x, top):
-    """How many of the whole lengths ``x`` equal each of 0 .. ``top``."""
-    many = np.zeros(top + 1, np.int64)
-    for v in x:
-        many[np.int64(v)] += 1
-    return many
-
-
-@njit(cache=True)
-def _group(x, many, picks, k, counts, flat):
-    """Fill ``flat`` with the items batch after batch, in pick order. ``picks``: per item in
-    decreasing order (ties by index), (place in its batch << k) | batch; ``counts``: per
-    batch. The items of one length were picked in index order, so a walk over ``x`` meets
-    each item's pick at its length's cursor: no sorted order is stored."""
-    start = np.empty(counts.size, np.int64)
-    pos = 0
-    for b in range(counts.size):
-        start[b] = pos
-        pos += counts[b]
-    cursor = np.empty(many.size, np.int64)
-    pos = 0
-    for v in range(many.size - 1, -1, -1):
-        cursor[v] = pos
-        pos += many[v]
-    mask = (1 << k) - 1
-    for i in range(x.size):
-        v = np.int64(x[i])
-        p = np.int64(picks[cursor[v]])
-        cursor[v] += 1
-        flat[start[p & mask] + (p >> k)] = i
-
-
-@njit(cache=True, inline="always")
-def _rise(h, i, v):
-    """Put key v in the hole at `i` of the 4-ary min-heap h, moving it up."""
-    while i > 0:
-        p = (i - 1) >> 2
-        if h[p] < v:
-            break
-        h[i] = h[p]
-        i = p
-    h[i] = v
-
-
-@njit(cache=True, inline="always")
-def _replace_top(h, n, v):
-    """Remove the root of the 4-ary min-heap h[:n] and insert key v: the hole goes down to
-    a leaf along the least children, then v rises from there (usually not at all). Each
-    level selects the least child's key and place together (no reload, no branch)."""
-    i = 0
-    while True:
-        c = 4 * i + 1
-        if c + 3 < n:
-            x0, x1, x2, x3 = h[c], h[c + 1], h[c + 2], h[c + 3]
-            a, xa = (c + 1, x1) if x1 < x0 else (c, x0)
-            e, xe = (c + 3, x3) if x3 < x2 else (c + 2, x2)
-            c, least = (e, xe) if xe < xa else (a, xa)
-        elif c < n:
-            for j in range(c + 1, n):
-                c = j if h[j] < h[c] else c
-            least = h[c]
-        else:
-            break
-        h[i] = least
-        i = c
-    _rise(h, i, v)
 
 
 @njit(cache=True)
 def _assign(many, tolerance, w, k, picks, counts):
     """Algorithm 4 on whole lengths in decreasing order (``many`` of each, from
-    `_value_counts`): fill ``picks`` with each one's (place in its batch << k) | batch
+    `lpt_int.value_counts`): fill ``picks`` with each one's (place in its batch << k) | batch
     (2^k >= d batches) and ``counts`` (zeros) with the count per batch; ``w``: the length
     of the cyclic per-sum arrays."""
     d = counts.size
     bmask, wmask = (1 << k) - 1, w - 1
+    size = 1
+    while size < d:
+        size *= 2
+    inf = np.int64(0x7FFFFFFFFFFFFFFF)
+    tree = np.full(2 * size, inf, np.int64)  # the window: leaf size + b, node = min of two
+    for b in range(d):
+        tree[size + b] = b  # square-sum 0
+    for i in range(size - 1, 0, -1):
+        tree[i] = min(tree[2 * i], tree[2 * i + 1])
     sums = np.zeros(d, np.int64)
     keys = np.arange(d, dtype=np.int64)  # a waiting bin's key
     count = np.zeros(w, np.int32)  # bins per sum value (cyclic)
     count[0] = d
     head = np.full(w, -1, np.int32)  # per sum value, its first waiting bin (-1: none)
     nxt = np.empty(d, np.int32)  # the next waiting bin of the same sum
-    h, nq = np.arange(d, dtype=np.int64), d  # the window: all bins, square-sum 0
     least, waiting = 0, 0
     bound = np.int64(np.ceil(least + tolerance))  # a whole sum is in the window iff < bound
     t = 0
     for v in range(many.size - 1, -1, -1):
         square = (v * v) << k
         for _ in range(many[v]):
-            key = h[0]
+            key = tree[1]
             b = key & bmask
             picks[t] = (counts[b] << k) | b
             counts[b] += 1
@@ -146,23 +75,31 @@ def _assign(many, tolerance, w, k, picks, counts):
                     least += 1
                 new_bound = np.int64(np.ceil(least + tolerance))
             key += square
-            if s < new_bound:  # still in the window, with its new square-sum
-                _replace_top(h, nq, key)
-            else:
-                nq -= 1
-                if nq > 0:
-                    _replace_top(h, nq, h[nq])
+            leaf = key  # still in the window, with its new square-sum
+            if s >= new_bound:  # it waits at its sum
+                leaf = inf
                 keys[b] = key
                 nxt[b] = head[s & wmask]
                 head[s & wmask] = b
                 waiting += 1
+            i = size + b
+            tree[i] = leaf
+            while i > 1:
+                leaf = min(leaf, tree[i ^ 1])
+                i >>= 1
+                tree[i] = leaf
             if new_bound > bound:  # the waiting bins it passes enter the window
                 for u in range(bound, new_bound if waiting > 0 else bound):
                     c = head[u & wmask]
                     head[u & wmask] = -1
                     while c >= 0:
-                        _rise(h, nq, keys[c])
-                        nq += 1
+                        key = keys[c]
+                        i = size + c
+                        tree[i] = key
+                        i >>= 1
+                        while i >= 1 and tree[i] > key:
+                            tree[i] = key
+                            i >>= 1
                         waiting -= 1
                         c = nxt[c]
                 bound = new_bound
@@ -174,8 +111,9 @@ def sum_square_int(x: np.ndarray, d: int,
     `lpt._group` gives them; None where this path does not apply: lengths not whole, sums
     or keys past exact float64 / int64, a tolerance below 2^-8 (least + tolerance must
     exceed least in float64) or a span past `_MAX_SPAN`."""
-    top, total, total2 = _whole_stats(x)
-    n, k = x.size, max(1, (d - 1).bit_length())
+    top, total, total2 = whole_stats(x)
+    n = x.size
+    k, dtype = pick_bits(n, d)
     if (top < 0 or n >= 2 ** 31 or total >= 2.0 ** 40 or tolerance < 2.0 ** -8
             or total2 >= min(2.0 ** 52, 2.0 ** (61 - k))):
         return None
@@ -183,11 +121,7 @@ def sum_square_int(x: np.ndarray, d: int,
     span = math.ceil(tolerance) + int(top) + 2
     if span > _MAX_SPAN:
         return None
-    # numpy allocates the large arrays (it reuses freed pages, numba's page-fault), 32-bit
-    # where they fit
-    picks = np.empty(n, np.int32 if n << k < 2 ** 31 else np.int64)
-    flat, counts = np.empty(n, np.int64), np.zeros(d, np.int64)
-    many = _value_counts(x, int(top))
+    picks, counts = np.empty(n, dtype), np.zeros(d, np.int64)
+    many = value_counts(x, int(top))
     _assign(many, tolerance, 1 << (span - 1).bit_length(), k, picks, counts)
-    _group(x, many, picks, k, counts, flat)
-    return flat, counts
+    return group(x, many, picks, k, counts), counts
