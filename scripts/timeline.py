@@ -4,7 +4,7 @@ A trace is a JSON list of {stage, kind, microbatch, chunk, start, end} (stage li
 "llm:0", times in seconds): what the runtime's tracing mode and `SimResult.trace()` emit.
 The chart has one row per stage, F and B in different colours (darker for later model
 chunks) and the microbatch id in each box, like the pipeline figures of the papers
-(Cornstarch Fig. 6-7, the distributed-training lecture notes 1F1B).
+(Cornstarch Fig. 6-7; Megatron-LM's 1F1B, Narayanan et al., 2021, §2.2).
 
     python scripts/timeline.py run/trace.json                 # -> run/trace.perfetto.json, .png
     python scripts/timeline.py --simulate --schedule=1f1b --stages=4 --microbatches=8

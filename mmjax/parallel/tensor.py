@@ -1,6 +1,6 @@
 """Megatron tensor-parallel sharding rules for every mmjax module, by parameter path.
 
-The distributed-training lecture notes ("Tensor parallelism": column-/row-parallel matmuls): a column-parallel
+Megatron-LM (Shoeybi et al., 2019, §3: column-/row-parallel matmuls): a column-parallel
 weight W = [c_1 .. c_M] splits its output features over the 'tp' axis, so each device computes
 its slice of the activations with no communication; the following row-parallel weight splits
 its input features the same way, and one all-reduce sums the partial outputs. Consecutive

@@ -32,8 +32,8 @@ def _check_sizes(num_stages: int, num_microbatches: int) -> None:
 
 
 def _warmup_steady_cooldown(num_warmup: int, num_microbatches: int) -> list[Action]:
-    """1F1B on one stage (the distributed-training lecture notes, Megatron-LM): `num_warmup` forwards, then alternate
-    one forward and one backward, then drain the remaining backwards."""
+    """1F1B on one stage (Megatron-LM, Narayanan et al., 2021, §2.2): `num_warmup` forwards,
+    then alternate one forward and one backward, then drain the remaining backwards."""
     w = min(num_warmup, num_microbatches)
     order = [Action("F", i) for i in range(w)]
     for i in range(num_microbatches - w):
@@ -51,7 +51,7 @@ def gpipe(num_stages: int, num_microbatches: int) -> list[list[Action]]:
 
 
 def one_f_one_b(num_stages: int, num_microbatches: int) -> list[list[Action]]:
-    """Megatron-LM's non-interleaved 1F1B (the distributed-training lecture notes): stage s warms up with
+    """Megatron-LM's non-interleaved 1F1B (Narayanan et al., 2021, §2.2): stage s warms up with
     min(num_stages - s - 1, num_microbatches) forwards, so it holds at most
     num_stages - s microbatches in flight."""
     _check_sizes(num_stages, num_microbatches)
