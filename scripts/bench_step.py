@@ -42,6 +42,7 @@ from mmjax.cli import write_json
 from mmjax.host_info import machine
 from mmjax.planner.costs import unit_costs
 from mmjax.planner.hardware_profile import HardwareProfile
+from mmjax.planner.step_model import PALLAS_VS_CUDNN, single_step_time
 from mmjax.planner.workload import workload_from_metas
 from mmjax.train.auto_plan import device_hardware
 from mmjax.train.config import named_model_config
@@ -148,31 +149,73 @@ def run(args) -> dict:
         "xla_flops_per_step": float(xla.get("flops", 0.0)),
         "losses": [m.loss for m in steps], "trace": trace_file,
     }
-    record.update(cost_fields(args, cfg, trained_workload(prog.data.builder, cfg, total),
-                              tokens, step_s))
+    record.update(cost_fields(args, cfg, layout, prog.data, total, tokens, step_s,
+                              int(prog.num_trainable)))
     return record
 
 
-def cost_fields(args, cfg, wl, tokens: float, step_s: float) -> dict:
-    """Model FLOPs per step, MFU and the planner's predicted step (assumed efficiency curve,
-    and the measured profile with --profile) for the trained samples `wl`."""
+def cost_fields(args, cfg, layout, data, steps: int, tokens: float, step_s: float,
+                trainable: int) -> dict:
+    """Model FLOPs per step and MFU for the samples the `steps` global batches trained, the
+    planner's predicted step (assumed efficiency curve; the measured profile with
+    --profile), and the single-device step model (`planner/step_model.py`) on the step's
+    own shapes (`data.shapes`)."""
+    wl = trained_workload(data.builder, cfg, steps)
     hw = device_hardware()
     impl = None if args.attention == "auto" else args.attention  # None: exact pairs
     recompute = args.remat  # per-layer remat costs what the stage-level policy does
     costs = unit_costs(cfg, wl, hw, recompute=recompute, attention_impl=impl)
     flops = args.global_batch * sum(c.flops for c in costs)
     predicted = {c.name: args.global_batch * c.time_s[1] for c in costs}
-    profiled = {}
+    profiled, phw = {}, hw
     if args.profile:  # the same costs priced by the measured device profile
         table = HardwareProfile.load(args.profile, hw.peak_flops)
         phw = hw.with_profile(table, call_tokens=tokens)
         profiled = {c.name: args.global_batch * c.time_s[1]
                     for c in unit_costs(cfg, wl, phw, recompute=recompute, attention_impl=impl)}
+    step = single_step_time(cfg, wl, phw, args.global_batch, unit_remats(cfg),
+                            slot_fills(cfg, layout, data.shapes, wl, args.global_batch),
+                            trainable, data.shapes.rows * args.seq_len,
+                            pallas_units(cfg, layout, args.attention, phw))
     return {"model_flops_per_step": flops, "peak_flops": hw.peak_flops,
             "hardware_model": hw.name, "mfu": flops / step_s / hw.peak_flops,
             "predicted_step_s": sum(predicted.values()), "predicted_unit_s": predicted,
             "profile": args.profile or None,
-            "profiled_step_s": sum(profiled.values()) or None, "profiled_unit_s": profiled}
+            "profiled_step_s": sum(profiled.values()) or None, "profiled_unit_s": profiled,
+            "step_model_s": step.total_s, "step_model_unit_s": step.units_s,
+            "step_model_optimizer_s": step.optimizer_s, "step_model_head_s": step.head_s}
+
+
+def unit_remats(cfg) -> dict:
+    """Each unit's per-layer remat policy, as its config sets it."""
+    out = {"llm": cfg.llm.remat}
+    out.update({e.name: e.encoder.remat for e in cfg.encoders})
+    if cfg.generator is not None:
+        out["generator"] = cfg.generator.remat
+    return out
+
+
+def slot_fills(cfg, layout, shapes, wl, samples: int) -> dict:
+    """Per unit: slots of the step's static shapes / the real tokens they hold."""
+    llm = samples * sum(wl.llm_tokens) / len(wl.llm_tokens)
+    fills = {"llm": shapes.rows * layout.seq_len / llm}
+    for name, count, cap in shapes.encoders:
+        real = samples * sum(sum(x) for x in wl.encoder_tokens[name]) / len(wl.llm_tokens)
+        fills[name] = count * cap / real if real else 1.0
+    return fills
+
+
+def pallas_units(cfg, layout, attention: str, hw) -> dict:
+    """{unit: Pallas / cuDNN time} for the units whose attention runs the Pallas kernel on a
+    GPU while the measured profile timed cuDNN: the LLM on packed (bitfield) rows and the
+    encoders' packed buffers; none without a profile."""
+    profile = getattr(hw, "profile", None)
+    if profile is None or profile.attention != "cudnn" or attention not in ("auto", "pallas"):
+        return {}
+    out = {e.name: PALLAS_VS_CUDNN for e in cfg.encoders}
+    if layout.llm_mask_family == "bam" or attention == "pallas":
+        out["llm"] = PALLAS_VS_CUDNN
+    return out
 
 
 def recount(path: str) -> dict:
@@ -190,9 +233,10 @@ def recount(path: str) -> dict:
     source = SyntheticSource(synthetic_dataset(cfg, **PRESET_DATA[args.preset]))
     total = args.warmup + args.steps
     data = LoaderBatches(source, cfg, layout, args.global_batch,
-                         lambda s, m: grow_shapes(s, m, layout), scan_steps=1)
-    record.update(cost_fields(args, cfg, trained_workload(data.builder, cfg, total),
-                              record["tokens_per_step"], record["step_time_s"]))
+                         lambda s, m: grow_shapes(s, m, layout), scan_steps=total)
+    data.shapes = data.floor if data.floor is not None else data.shapes
+    record.update(cost_fields(args, cfg, layout, data, total, record["tokens_per_step"],
+                              record["step_time_s"], record["trainable_params"]))
     record["recounted"] = True
     return record
 
@@ -239,6 +283,10 @@ def show(console, r) -> None:
             (f"MFU (of {r['peak_flops'] / 1e12:.0f} TFLOP/s)", f"{100 * r['mfu']:.2f}%"),
             ("predicted step (planner)", f"{r['predicted_step_s'] * 1e3:.1f} ms"),
             ("measured / predicted", f"{r['step_time_s'] / r['predicted_step_s']:.2f}")]
+    if r.get("step_model_s"):
+        rows += [("step model (padding, kernels, optimizer, loss head)",
+                  f"{r['step_model_s'] * 1e3:.1f} ms"),
+                 ("measured / step model", f"{r['step_time_s'] / r['step_model_s']:.2f}")]
     if r.get("profiled_step_s"):
         rows += [("predicted step (measured profile)", f"{r['profiled_step_s'] * 1e3:.1f} ms"),
                  ("measured / predicted (profile)",

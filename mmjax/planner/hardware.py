@@ -19,6 +19,8 @@ class Hardware:
     nic_bw: float  # inter-node, per GPU, one direction
     gpus_per_node: int = 8
     max_efficiency: float = 0.75  # best achieved fraction of peak for wide matmuls
+    # achieved HBM bandwidth (bytes read + written per second) of memory-bound kernels
+    hbm_bw: float = 2.0e12
     half_width: float = 384.0  # per-GPU hidden width at which efficiency is half of the best
     # a measured HardwareProfile (planner/hardware_profile.py) replacing the assumed curve,
     # read at max(the piece's tokens per sample, call_tokens): the tokens one layer call
@@ -49,10 +51,11 @@ class Hardware:
 GB = 1e9
 A800 = Hardware("A800", peak_flops=312e12, hbm_bytes=80 * GB, nvlink_bw=150e9,
                 nic_bw=4 * 200e9 / 8 / 8)
+# H100 / H200 HBM: a device-to-device copy measured 3.0 / 4.3 TB/s (read + written)
 H100 = Hardware("H100", peak_flops=989e12, hbm_bytes=80 * GB, nvlink_bw=450e9,
-                nic_bw=8 * 400e9 / 8 / 8)
+                nic_bw=8 * 400e9 / 8 / 8, hbm_bw=3.0e12)
 H200 = Hardware("H200", peak_flops=989e12, hbm_bytes=141 * GB, nvlink_bw=450e9,
-                nic_bw=8 * 400e9 / 8 / 8)
+                nic_bw=8 * 400e9 / 8 / 8, hbm_bw=4.3e12)
 HARDWARE = {"a800": A800, "h100": H100, "h200": H200}
 
 

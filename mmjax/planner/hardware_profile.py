@@ -64,6 +64,11 @@ class HardwareProfile:
     efficiency_grid: dict  # kind -> [len(widths)][len(tokens)] achieved fraction of peak
     source: dict  # the measured JSON, kept for reports
 
+    @property
+    def attention(self) -> str:
+        """The attention implementation the profiled layers ran ("cudnn" on a GPU)."""
+        return str(self.source.get("attention", "?"))
+
     @classmethod
     def from_json(cls, d: dict, peak_flops: float) -> "HardwareProfile":
         pts = d.get("points")
