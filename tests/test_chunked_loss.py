@@ -117,3 +117,17 @@ def test_llm_with_loss_chunk_equals_plain():
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-7), g1, g0)
     with pytest.raises(UserError, match="loss_chunk"):
         dataclasses.replace(cfg, loss_chunk=-1)
+
+
+def test_memory_model_keeps_no_logits_with_loss_chunk():
+    """planner/memory.py: the last LLM stage keeps n x vocab float32 logits, unless fused."""
+    import dataclasses
+
+    from mmjax.planner import memory
+
+    c = LLMConfig(vocab_size=1000, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                  ffn_size=64)
+    plain = memory.llm_acts(c, 100, 100 * 100, 1, 2, "pallas")
+    fused = memory.llm_acts(dataclasses.replace(c, loss_chunk=64), 100, 100 * 100, 1, 2, "pallas")
+    assert plain.none - fused.none == pytest.approx(100 * 1000 * memory.F32)
+    assert plain.dots - fused.dots == pytest.approx(100 * 1000 * memory.F32)

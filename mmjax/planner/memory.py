@@ -102,10 +102,13 @@ def llm_acts(c, tokens: float, pairs: float, tp: int, b: int, impl: str | None,
     kept, scores = attention_bytes(n, pairs, h / tp, impl)
     layer = (n * (b * (6 * d + 2 * hd) + F32 * 4)
              + b * n * (2 * h * hd + 2 * kv * hd + 6 * f) / tp + kept)
-    head = n * (b * 3 * d + F32 * (2 + v) + 9) if last else 0.0
+    # the fp32 logits, unless `loss_chunk` fuses the head with the loss (one chunk's logits
+    # at a time: transient work, models/chunked_loss.py)
+    logits = 0.0 if c.loss_chunk else F32 * v
+    head = n * (b * 3 * d + F32 * 2 + logits + 9) if last else 0.0
     layer_dots = b * n * (2 * d + (h * hd + 2 * kv * hd + 2 * f) / tp)
     return Acts(none=L * layer + first * n * (d + 8) + head,
-                dots=L * layer_dots + (F32 * n * v if last else -b * n * d), scores=scores,
+                dots=L * layer_dots + (n * logits if last else -b * n * d), scores=scores,
                 boundary=b * n * d,
                 input=b * d * (n if not first else n if enc_tokens is None else enc_tokens),
                 mask=L * _mask(pairs, h / tp, impl))

@@ -7,7 +7,6 @@ RESOURCE_EXHAUSTED. An estimate, not XLA's own account: XLA fuses and reuses buf
 the real peak is usually lower (the check refuses only above the device's memory)."""
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
 
@@ -76,9 +75,7 @@ def single_program_bytes(cfg, shapes, seq_len: int, trainable: int, frozen: int,
     c = cfg.llm
     llm = memory.llm_acts(c, seq_len, seq_len * seq_len, 1, b,
                           _impl(attention_impl, seq_len, dtype))
-    if c.loss_chunk:  # the fused head: no [tokens, vocab] float32 logits kept
-        logits = memory.F32 * seq_len * c.vocab_size
-        llm = dataclasses.replace(llm, none=llm.none - logits, dots=llm.dots - logits)
+    if c.loss_chunk:  # the fused head (llm_acts keeps no logits): one chunk's in flight
         work.append(3 * memory.F32 * min(c.loss_chunk, rows * seq_len) * c.vocab_size)
     acts += rows * (_kept(llm, c.remat, c.num_layers, b * seq_len * c.hidden_size)
                     + llm.boundary)
