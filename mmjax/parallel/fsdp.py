@@ -32,7 +32,6 @@ from mmjax.models.units import is_generator, is_llm
 from mmjax.parallel.tensor import megatron_role, path_names
 from mmjax.parallel.tp_ops import LLM_COLUMN_PARAMS, LLM_ROW_PARAMS
 
-AXES = ("rep", "fsdp", "tp")  # the mesh of at most one tp size (more: "tp2", ... before "tp")
 UNIT_ROOTS = ("encoders", "projectors", "llm", "generator")
 
 
