@@ -256,11 +256,30 @@ def best_colocated(costs: tuple[UnitCost, ...], num_gpus: int, global_batch: int
         raise ValueError(f"co-located: no valid LLM tp divides {num_gpus} GPUs "
                          f"(valid: {sorted(by['llm'].time_s)})")
     best, smallest = None, None
+    # a bound from below per tp choice and remat: compute and the all-to-all (free of
+    # ZeRO stage and micro-steps) plus each unit's least exposed communication over the
+    # stages at one micro-step (more only repeat the gathers); visit the cheapest first and
+    # skip what cannot beat the incumbent
+    bounds = []
     for tp in tp_choices(costs, num_gpus):
+        by_remat = {}
+        for r in REMATS:
+            evs = [evaluate_colocated(costs, num_gpus, global_batch, hw, tp,
+                                      dict.fromkeys(names, z), r, 1, imbalance)
+                   for z in sorted({min(zero_stages), max(zero_stages)})]
+            by_remat[r] = (sum(evs[0].compute_s.values()) + evs[0].all_to_all_s
+                           + sum(min(e.exposed_comm_s[n] for e in evs) for n in names))
+        bounds.append((min(by_remat.values()), tp, by_remat))
+    bounds.sort(key=lambda b: (b[0], sum(b[1].values())))
+    for bound, tp, by_remat in bounds:
+        if best is not None and bound > best.iteration_time_s:
+            break
         max_k = max(1, math.ceil(global_batch / (num_gpus // tp["llm"])))
         for zs in itertools.product(zero_stages, repeat=len(names)):
             zero = dict(zip(names, zs))
             for remat in REMATS:
+                if best is not None and by_remat[remat] > best.iteration_time_s:
+                    continue
                 for k in [k for k in _micro_steps(max_k)
                           if max_micro_steps is None or k <= max_micro_steps]:
                     ev = evaluate_colocated(costs, num_gpus, global_batch, hw, tp, zero,
