@@ -94,6 +94,25 @@ def test_encoder_tp_is_priced(costs_10b):
     assert best.iteration_time_s < llm_only.iteration_time_s
 
 
+def test_pruned_search_is_exhaustive(costs_10b):
+    """The bound-pruned search returns the fastest fitting choice of the whole space (every
+    nested tp, ZeRO stage and remat, one micro-step)."""
+    import itertools
+
+    from mmjax.planner.memory import REMATS
+
+    names = [c.name for c in costs_10b]
+    best = best_colocated(costs_10b, 64, 256, H100, max_micro_steps=1)
+    times = []
+    for tp in tp_choices(costs_10b, 64):
+        for zs in itertools.product((1, 2, 3), repeat=len(names)):
+            for r in REMATS:
+                ev = evaluate_colocated(costs_10b, 64, 256, H100, tp, dict(zip(names, zs)), r)
+                if not ev.notes:
+                    times.append(ev.iteration_time_s)
+    assert best.iteration_time_s == min(times)
+
+
 def test_cornstarch_baseline_puts_encoders_on_the_first_stage(costs_10b):
     cs = cornstarch_colocated(costs_10b, H100, 64, 256)
     ch = cs.llm
