@@ -38,7 +38,7 @@ def colocated_grads(cfg, colo, batch):
     def f(tr, fr, b):
         (loss, _), g = jax.value_and_grad(loss_fn, has_aux=True)(tr, fr, b)
         return loss, jax.lax.with_sharding_constraint(g, grads)
-    loss, g = jax.jit(f)(tr, fr, place_batch(mesh, batch))
+    loss, g = jax.jit(f)(tr, fr, place_batch(mesh, batch, colo))
     return float(loss), g
 
 

@@ -1,6 +1,7 @@
 """Plan-independent checkpoints across layouts: a run checkpointed co-located at ZeRO-1 (dp
-8) resumes co-located at ZeRO-3 with the LLM at dp 4 x tp 2, and one checkpointed there
-resumes as the single program, each with the uninterrupted run's losses (1e-5)."""
+8) resumes co-located at ZeRO-3 with the LLM and the vision encoder at dp 4 x tp 2, and one
+checkpointed there resumes as the single program, each with the uninterrupted run's losses
+(1e-5)."""
 import gin
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ from mmjax.train.trainer import train
 
 ZERO1 = ['manual_plan.layout = "colocated"', "manual_plan.zero_stage = 1"]
 ZERO3_TP2 = ['manual_plan.layout = "colocated"', "manual_plan.zero_stage = 3",
-             'manual_plan.tp = {"llm": 2}']
+             'manual_plan.tp = {"llm": 2, "vision": 2}']
 
 
 def small_tiny():

@@ -11,6 +11,20 @@ from mmjax.train.manual_plan import manual_plan
 UNITS = ("vision", "audio", "llm")
 
 
+def test_encoder_tp_in_a_colocation():
+    """Encoders take their own tp; the sizes must nest (each divides the next)."""
+    colo = check_layout(UNITS, 8, "colocated", tp={"vision": 2, "llm": 4}, model=tiny_valm())
+    assert colo == Colocation(4, (), 1, None, (("vision", 2),))
+    assert [colo.tp_of(u) for u in UNITS] == [2, 1, 4] and colo.tp_sizes == (2, 4)
+    assert colo.max_tp == 4
+    with pytest.raises(UserError) as e:
+        check_layout(UNITS, 12, "colocated", tp={"vision": 4, "llm": 6})
+    msg = str(e.value)
+    assert msg.startswith("manual_plan.tp={'vision': 4, 'llm': 6}: tp 4 does not divide tp 6 "
+                          "(the co-located mesh nests each unit's tp group") and "\n" not in msg
+    assert msg.endswith("e.g. 4 and 4 for 6)"), msg
+
+
 def test_colocated_settings_give_a_colocation():
     colo = check_layout(UNITS, 8, "colocated", {"llm": 3, "vision": 2}, 4, tp={"llm": 2})
     assert colo == Colocation(2, (("llm", 3), ("vision", 2)), 1, 4)
@@ -40,10 +54,21 @@ def test_colocated_settings_give_a_colocation():
     (dict(layout="colocated", dp={"vision": 4}), "manual_plan.dp={'vision': 4}: the co-located"),
     (dict(layout="colocated", tp={"llm": 3}), "manual_plan.tp['llm']=3: does not divide the 8 "
      "devices (use a divisor of 8)"),
-    (dict(layout="colocated", tp={"vision": 2}), "manual_plan.tp['vision']=2: in the "
-     "co-located layout only the llm takes tp"),
+    (dict(layout="colocated", tp=2), "manual_plan.tp=2: in the co-located layout only the "
+     "llm and the encoders take tp, per unit"),
+    (dict(layout="colocated", tp={"vision": 3}), "manual_plan.tp['vision']=3: does not divide "
+     "the 8 devices (use a divisor of 8)"),
+    (dict(layout="colocated", tp={"vision": 4}, model=tiny_valm()), "manual_plan.tp['vision']=4:"
+     " does not divide vision.num_heads=2 (use a tp dividing 2)"),
+    (dict(layout="colocated", tp={"vision": 2, "llm": 3}), "manual_plan.tp['llm']=3: does not "
+     "divide the 8 devices"),
+    (dict(layout="colocated", tp={"vision": 2, "audio": 3, "llm": 1}),
+     "manual_plan.tp['audio']=3: does not divide the 8 devices"),
     (dict(layout="colocated", tp={"llm": 2}, fsdp_group=3), "manual_plan.fsdp_group=3: must "
-     "divide the 8 devices and be a multiple of the llm's tp 2"),
+     "divide the 8 devices and be a multiple of the largest tp 2"),
+    (dict(layout="colocated", tp={"llm": 2, "vision": 4}, fsdp_group=2),
+     "manual_plan.fsdp_group=2: must divide the 8 devices and be a multiple of the largest "
+     "tp 4"),
     (dict(layout="colocated", tp={"llm": 4}, fsdp_group=2), "manual_plan.fsdp_group=2: must"),
 ])
 def test_bad_layout_settings_are_one_line(kw, line):

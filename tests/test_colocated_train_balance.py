@@ -76,6 +76,18 @@ def test_colocated_run_per_phase_policies_match_single(tmp_path, single, algos):
     assert late == [], late
 
 
+@pytest.mark.slow
+def test_colocated_run_with_encoder_tp_matches_single(tmp_path, single):
+    """The runner with the vision encoder at tp 2 inside the LLM's tp 4, ZeRO-3, each
+    phase post-balanced by its own policy: the single program's losses, nothing compiled
+    after the first step."""
+    records, late = _train(str(tmp_path / "run"), COLO + [
+        'manual_plan.tp = {"vision": 2, "llm": 4}', "manual_plan.zero_stage = 3",
+        "Loader.post_balance_policy = {'vision': 'conv', 'llm': 'sum'}"])
+    np.testing.assert_allclose([r["loss"] for r in records], single, rtol=1e-5)
+    assert late == [], late
+
+
 def _inter_node_bytes(cfg, rpn: int, tp: int, row_bytes: int) -> list[int]:
     """Per step, the bytes of encoder->LLM rows whose encoder rank (device r) and LLM rank
     (devices j*tp .. j*tp+tp-1, one node) sit on different nodes, counted from the sample

@@ -9,8 +9,9 @@ import pytest
 
 from mmjax.models.named import named_config
 from mmjax.planner.build import model_costs, plan_model
-from mmjax.planner.colocated import (best_colocated, compute_copy_bytes, evaluate_colocated,
-                                     gather_bytes, state_bytes, unit_params)
+from mmjax.planner.colocated import (_a2a_bw, best_colocated, compute_copy_bytes,
+                                     evaluate_colocated, gather_bytes, state_bytes,
+                                     tp_choices, unit_params)
 from mmjax.planner.cornstarch_colocated import cornstarch_colocated
 from mmjax.planner.evaluate import Choice, stage_time
 from mmjax.planner.hardware import A800, H100
@@ -60,6 +61,56 @@ def test_zero3_gathers_hide_behind_compute(costs_10b):
     assert two.memory_gb < one.memory_gb
     with pytest.raises(ValueError, match="tp=3 is not valid"):
         evaluate_colocated(costs_10b, 64, 256, H100, {"llm": 3}, zero)
+
+
+def test_encoder_tp_is_priced(costs_10b):
+    """An encoder's tp: its state is one tp rank's share at dp G/tp, its compute the cost's
+    time at that tp over G/tp ranks, its all-to-all the rows every LLM tp replica receives
+    forward and every own tp replica receives back; the search nests the sizes and takes
+    encoder tp where it pays (OrchMLLM's 10B on 64 H100s: it hides the encoders' syncs)."""
+    zero = {"vision": 3, "audio": 1, "llm": 3}
+    base = {"vision": 1, "audio": 1, "llm": 4}
+    one = evaluate_colocated(costs_10b, 64, 256, H100, base, zero, "none", 1)
+    two = evaluate_colocated(costs_10b, 64, 256, H100, {**base, "vision": 2}, zero, "none", 1)
+    vis = next(c for c in costs_10b if c.name == "vision")
+    assert two.compute_s["vision"] == pytest.approx(256 / 32 * vis.time_s[2], rel=1e-12)
+    assert state_bytes(vis, 2, 32, 3) < state_bytes(vis, 1, 64, 3) * 1.01
+    a2a = lambda tp: sum((tp["llm"] + tp[c.name]) * 256 / 64 * c.boundary_bytes * 63 / 64
+                         / _a2a_bw(H100, 64) for c in costs_10b if c.name != "llm")
+    assert one.all_to_all_s == pytest.approx(a2a(base), rel=1e-12)
+    assert two.all_to_all_s == pytest.approx(a2a({**base, "vision": 2}), rel=1e-12)
+    assert two.memory_gb != one.memory_gb
+    choices = tp_choices(costs_10b, 64)
+    assert {"vision": 8, "audio": 2, "llm": 4} in choices and len(choices) == len(
+        {tuple(sorted(c.items())) for c in choices})
+    for c in choices:
+        sizes = sorted(set(c.values()))
+        assert all(b % a == 0 for a, b in zip(sizes, sizes[1:]))
+    best = best_colocated(costs_10b, 64, 256, H100)
+    assert best.tp["vision"] > 1
+    llm_only = evaluate_colocated(costs_10b, 64, 256, H100,
+                                  {**best.tp, "vision": 1, "audio": 1}, best.zero, best.remat,
+                                  best.micro_steps)
+    assert best.iteration_time_s < llm_only.iteration_time_s
+
+
+def test_pruned_search_is_exhaustive(costs_10b):
+    """The bound-pruned search returns the fastest fitting choice of the whole space (every
+    nested tp, ZeRO stage and remat, one micro-step)."""
+    import itertools
+
+    from mmjax.planner.memory import REMATS
+
+    names = [c.name for c in costs_10b]
+    best = best_colocated(costs_10b, 64, 256, H100, max_micro_steps=1)
+    times = []
+    for tp in tp_choices(costs_10b, 64):
+        for zs in itertools.product((1, 2, 3), repeat=len(names)):
+            for r in REMATS:
+                ev = evaluate_colocated(costs_10b, 64, 256, H100, tp, dict(zip(names, zs)), r)
+                if not ev.notes:
+                    times.append(ev.iteration_time_s)
+    assert best.iteration_time_s == min(times)
 
 
 def test_cornstarch_baseline_puts_encoders_on_the_first_stage(costs_10b):

@@ -69,27 +69,33 @@ class PhasePlan:
     rows_per_rank: dict[str, tuple[int, int]]
 
 
-def plan_phases(metas, layout: AssemblyLayout, encoder_ranks: int, llm_ranks: int, policies,
-                *, ranks_per_node: int = 0, node_wise_method: str = "local",
+def plan_phases(metas, layout: AssemblyLayout, encoder_ranks: int | dict, llm_ranks: int,
+                policies, *, ranks_per_node: int = 0, node_wise_method: str = "local",
                 node_wise_time_limit: float = 0.2, node_wise_max_milp_ranks: int = 32,
-                floors: dict[str, BatchShapes] | None = None) -> PhasePlan:
+                floors: dict[str, BatchShapes] | None = None,
+                devices: int | None = None) -> PhasePlan:
     """The per-phase layouts, shapes and routes of samples with metadata `metas` (no
-    sample data: the loader's shape scan calls this on metadata from the index)."""
+    sample data: the loader's shape scan calls this on metadata from the index).
+    `encoder_ranks`: every encoder's dp, or per encoder slot (an encoder at tp t has
+    devices / t ranks); `devices`: the mesh's (default: the largest dp)."""
     floors = floors or {}
     slots = list(layout.encoders)
+    if not isinstance(encoder_ranks, dict):
+        encoder_ranks = {slot.name: encoder_ranks for slot in slots}
     lengths = {"llm": [m.llm_length for m in metas]}
     out_rows = {}
     for slot in slots:
         lengths[slot.name] = [m.encoder_tokens(slot.modality) for m in metas]
         out_rows[slot.name] = [sum(s.num_llm_tokens for s in m.segments
                                    if s.modality == slot.modality) for m in metas]
-    ranks = {slot.name: encoder_ranks for slot in slots}
+    ranks = {slot.name: encoder_ranks[slot.name] for slot in slots}
     ranks["llm"] = llm_ranks
     plan = plan_colocated_layout(lengths, out_rows, ranks, policies,
                                  ranks_per_node=ranks_per_node,
                                  node_wise_method=node_wise_method,
                                  node_wise_time_limit=node_wise_time_limit,
-                                 node_wise_max_milp_ranks=node_wise_max_milp_ranks)
+                                 node_wise_max_milp_ranks=node_wise_max_milp_ranks,
+                                 devices=devices)
     llm_groups = [list(b) for b in plan.phases["llm"].batches]
     llm_shapes = at_least(batch_shapes([[metas[i] for i in g] for g in llm_groups], layout),
                           floors.get("llm"))
@@ -120,22 +126,23 @@ def plan_phases(metas, layout: AssemblyLayout, encoder_ranks: int, llm_ranks: in
                 er, src = where[i]
                 for a, b in zip(src, dst):
                     pairs.extend((er, int(x), r, int(y)) for x, y in zip(a, b))
-        routes[e] = Routes.from_pairs(encoder_ranks, s_rows, llm_ranks, d_rows, pairs)
+        routes[e] = Routes.from_pairs(ranks[e], s_rows, llm_ranks, d_rows, pairs)
         sizes[e] = (s_rows, d_rows)
     return PhasePlan(plan, llm_groups, enc_groups, used, routes, sizes)
 
 
-def phase_batch(samples: list[Sample], layout: AssemblyLayout, encoder_ranks: int,
+def phase_batch(samples: list[Sample], layout: AssemblyLayout, encoder_ranks: int | dict,
                 llm_ranks: int, policies, *, ranks_per_node: int = 0,
                 node_wise_method: str = "local", node_wise_time_limit: float = 0.2,
                 node_wise_max_milp_ranks: int = 32,
                 floors: dict[str, BatchShapes] | None = None,
-                failed: frozenset | set = frozenset()) -> PhaseBatch:
+                failed: frozenset | set = frozenset(), devices: int | None = None) -> PhaseBatch:
     """Assemble `samples` (checked good) in per-phase layouts (module docstring).
     `policies`: "none" or a post-balancing policy, one for all phases or per phase name
     (the encoder slot names and "llm"). `floors[phase]`: per-rank shapes to pad up to
     (a previous `PhaseBatch.shapes`, so a run compiles once). `failed`: ids of samples
-    that failed to decode (blanks of their shapes): their loss is masked out."""
+    that failed to decode (blanks of their shapes): their loss is masked out.
+    `encoder_ranks` / `devices`: as `plan_phases`."""
     for s in samples:
         reason = check_sample(s, layout)
         if reason:
@@ -145,7 +152,8 @@ def phase_batch(samples: list[Sample], layout: AssemblyLayout, encoder_ranks: in
     pp = plan_phases(metas, layout, encoder_ranks, llm_ranks, policies,
                      ranks_per_node=ranks_per_node, node_wise_method=node_wise_method,
                      node_wise_time_limit=node_wise_time_limit,
-                     node_wise_max_milp_ranks=node_wise_max_milp_ranks, floors=floors)
+                     node_wise_max_milp_ranks=node_wise_max_milp_ranks, floors=floors,
+                     devices=devices)
     llm_shapes = pp.shapes["llm"]
     llm_parts = []
     for g in pp.llm_groups:

@@ -15,11 +15,12 @@ multiple of it above one node: the LLM's balanced mini-batches are permuted over
 largest per-rank inter-node volume of the encoder->LLM all-to-all (every encoder's output
 bytes together, from their real source ranks) is least. That is the traffic the runner sends.
 Deterministic (every host plans the same): "local" (greedy + pairwise swaps) by default; a
-MILP answer is taken only when proven optimal. With the LLM at a smaller dp than the
-encoders (tensor-parallel: LLM rank j on the devices of encoder ranks j*k .. j*k+k-1, as
-the co-located mesh lays them out), each encoder output counts at the LLM rank whose devices
-hold it and a node holds ranks_per_node / k LLM ranks; a layout where that does not divide
-is skipped and `node_wise["skipped"]` says so.
+MILP answer is taken only when proven optimal. Units may be tensor-parallel (on n devices,
+a phase at dp d has tp n / d; rank r on devices r*n/d .. (r+1)*n/d - 1, as the co-located
+mesh lays them out): each encoder output counts at the LLM rank holding its encoder rank's
+first device (encoder rank r at dp d_e: LLM rank r * d // d_e) and a node holds
+ranks_per_node * d / n LLM ranks; a layout whose tp groups do not fit whole in nodes is
+skipped and `node_wise["skipped"]` says so.
 """
 from __future__ import annotations
 
@@ -124,7 +125,8 @@ def plan_colocated_layout(lengths: Mapping[str, Sequence[float]],
                           *, llm: str = "llm", row_bytes: Mapping[str, int] | None = None,
                           ranks_per_node: int = 0, node_wise_method: str = "local",
                           node_wise_time_limit: float = 0.2, node_wise_max_milp_ranks: int = 32,
-                          capacity: Mapping[str, int] | None = None) -> ColocatedLayout:
+                          capacity: Mapping[str, int] | None = None,
+                          devices: int | None = None) -> ColocatedLayout:
     """Plan one global batch's co-located layouts (module docstring).
 
     `lengths[phase][s]`: sample s's cost for the phase (tokens; an encoder's 0 = the sample
@@ -134,7 +136,8 @@ def plan_colocated_layout(lengths: Mapping[str, Sequence[float]],
     for all. `row_bytes[E]`: bytes of one output row (hidden size x dtype), the node-wise
     volumes' unit (default 1 each). `capacity[key]`: static rows per rank for a phase's
     buffer (key E: the encoder's outputs; key f"{llm}/{E}": E's rows in the LLM's layout);
-    default: this batch's fullest rank.
+    default: this batch's fullest rank. `devices`: the mesh's device count, which every
+    phase's dp divides (its tp = devices / dp; default: the largest dp).
     """
     if llm not in lengths:
         raise ValueError(f"lengths: no entry for the LLM phase {llm!r}")
@@ -174,17 +177,17 @@ def plan_colocated_layout(lengths: Mapping[str, Sequence[float]],
     rpn = int(ranks_per_node)
     d = dps[llm]
     if rpn and encoders:
-        d_enc = {dps[e] for e in encoders}
-        de = d_enc.pop() if len(d_enc) == 1 else None
-        # LLM rank j spans encoder ranks [j*de/d, (j+1)*de/d) (its tp replicas), so an LLM
-        # node holds rpn*d/de LLM ranks
-        llm_rpn = rpn * d // de if de and de % d == 0 and (rpn * d) % de == 0 else 0
+        devs = int(devices) if devices else max(dps.values())
+        # tp groups (devs / dp devices each) must lie whole in nodes of rpn devices
+        tps = [devs // dps[p] for p in phases if devs % dps[p] == 0]
+        llm_rpn = rpn * d // devs if len(tps) == len(phases) and (rpn * d) % devs == 0 \
+            and all(rpn % t == 0 for t in tps) else 0
         if not llm_rpn:
-            info["skipped"] = ("the encoders' dp must be one multiple of the LLM's, and "
-                               "ranks_per_node a multiple of their ratio")
+            info["skipped"] = (f"every phase's dp must divide the {devs} devices and "
+                               f"ranks_per_node={rpn} hold whole tp groups of every phase")
         elif d > llm_rpn and d % llm_rpn == 0:
             llm_batches = _node_wise(llm_batches, phase_layouts, rows, row_bytes, llm_rpn,
-                                     de // d, node_wise_method, info, node_wise_time_limit,
+                                     d, node_wise_method, info, node_wise_time_limit,
                                      node_wise_max_milp_ranks)
     lengths_llm = {s: int(x[llm][s]) for s in range(n)}
     phase_layouts[llm] = PhaseLayout(llm, tuple(map(tuple, llm_batches)), lengths_llm,
@@ -208,19 +211,19 @@ def plan_colocated_layout(lengths: Mapping[str, Sequence[float]],
     return ColocatedLayout(phase_layouts, routes, llm_rows, info)
 
 
-def _node_wise(llm_batches, enc_layouts, rows, row_bytes, rpn, per_llm_rank, method, info,
+def _node_wise(llm_batches, enc_layouts, rows, row_bytes, rpn, llm_dp, method, info,
                time_limit: float = 0.2, max_milp_ranks: int = 32):
     """Algorithm 3 on the encoder->LLM all-to-all: items are (encoder, sample) outputs at
-    their encoder rank (counted at the LLM rank whose devices hold it: encoder rank //
-    `per_llm_rank`), sized in bytes; new batches are the LLM's balanced mini-batches, `rpn`
-    LLM ranks a node."""
+    their encoder rank (counted at the LLM rank holding its first device: encoder rank r
+    of dp d_e at r * `llm_dp` // d_e), sized in bytes; new batches are the LLM's balanced
+    mini-batches, `rpn` LLM ranks a node."""
     src, size, item_of = [], [], {}
     for e, lay in enc_layouts.items():
         rb = 1 if row_bytes is None else int(row_bytes[e])
         for r, b in enumerate(lay.batches):
             for s in b:
                 item_of.setdefault(s, []).append(len(src))
-                src.append(r // per_llm_rank)
+                src.append(r * llm_dp // lay.num_ranks)
                 size.append(float(rows[e][s] * rb))
     new = [[i for s in b for i in item_of.get(s, ())] for b in llm_batches]
     perm = node_wise_rearrange(src, new, size, rpn, method=method, require_optimal=True,

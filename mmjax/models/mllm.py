@@ -34,6 +34,7 @@ from mmjax.models.qwen2_vl_vision import Qwen2VLVision
 from mmjax.models.units import (GENERATOR_UNIT, LLM_UNIT, VAE_UNIT, UnitRole, role,
                                 topological_order)
 from mmjax.models.vae import AutoencoderKL, patchified_latents
+from mmjax.models.scan import unit_scope
 from mmjax.models.vision import VisionEncoder
 from mmjax.models.vit import StandardViT
 
@@ -200,40 +201,42 @@ class MultimodalModel(nnx.Module):
         cfg, edges, out = self.cfg, self.dag(), {}
         lm_sum, diff_sum = None, jnp.zeros((), jnp.float32)
         for unit in self.execution_order():
-            preds = [src for src, dst in edges if dst == unit]
-            kind = role(unit)
-            if kind is UnitRole.LLM:
-                missing = [e.name for e in cfg.encoders if e.name not in preds]
-                if missing:
-                    raise ValueError(f"dag() has no edge from encoder(s) {missing} to 'llm', "
-                                     f"but the batch places their tokens in the LLM sequence")
-                enc = {p: out[p] for p in preds}
-                x = llm_embed(cfg, self.llm, batch, enc if route is None else route(enc, batch),
-                              dtype)
-                attend = meta_attend(llm_meta(batch), unit_attention(attention_impl, unit),
-                                     llm_mask_family)
-                h = self.llm.run_layers(x, batch["positions"], attend)
-                lm_sum, out[unit] = lm_outputs(self.llm, h, batch, self.generator is not None)
-            elif kind is UnitRole.GENERATOR:
-                kinds = [role(p) for p in preds]
-                if kinds.count(UnitRole.LLM) != 1 or len(preds) != 1 + kinds.count(UnitRole.VAE):
-                    raise ValueError(f"generator must be conditioned on exactly the LLM (and "
-                                     f"read the VAE unit's latents); dag() gives predecessors "
-                                     f"{preds}")
-                latents = next((out[p] for p in preds if role(p) is UnitRole.VAE), None)
-                noisy, t = generator_inputs(cfg, batch, dtype, latents)
-                eps = self.generator(noisy, t, out[preds[kinds.index(UnitRole.LLM)]],
-                                     unit_attention(attention_impl, unit))
-                diff_sum = diffusion_loss_sum(eps, batch["gen_noise"], batch["gen_valid"])
-            elif kind is UnitRole.VAE:
-                out[unit] = vae_outputs(cfg, self.vae, batch)
-            else:
-                if preds:
-                    raise ValueError(f"encoder {unit!r} takes only batch inputs; dag() gives "
-                                     f"it predecessors {preds}")
-                out[unit] = encode(cfg.encoder(unit), self.encoders[unit], self.projectors[unit],
-                                   batch["encoders"][unit], dtype,
-                                   unit_attention(attention_impl, unit))
+            with unit_scope(unit):  # a trace-time tag only (models/scan.py)
+                preds = [src for src, dst in edges if dst == unit]
+                kind = role(unit)
+                if kind is UnitRole.LLM:
+                    missing = [e.name for e in cfg.encoders if e.name not in preds]
+                    if missing:
+                        raise ValueError(f"dag() has no edge from encoder(s) {missing} to 'llm', "
+                                         f"but the batch places their tokens in the LLM sequence")
+                    enc = {p: out[p] for p in preds}
+                    x = llm_embed(cfg, self.llm, batch, enc if route is None else route(enc, batch),
+                                  dtype)
+                    attend = meta_attend(llm_meta(batch), unit_attention(attention_impl, unit),
+                                         llm_mask_family)
+                    h = self.llm.run_layers(x, batch["positions"], attend)
+                    lm_sum, out[unit] = lm_outputs(self.llm, h, batch, self.generator is not None)
+                elif kind is UnitRole.GENERATOR:
+                    kinds = [role(p) for p in preds]
+                    n_vae = kinds.count(UnitRole.VAE)
+                    if kinds.count(UnitRole.LLM) != 1 or len(preds) != 1 + n_vae:
+                        raise ValueError(f"generator must be conditioned on exactly the LLM (and "
+                                         f"read the VAE unit's latents); dag() gives predecessors "
+                                         f"{preds}")
+                    latents = next((out[p] for p in preds if role(p) is UnitRole.VAE), None)
+                    noisy, t = generator_inputs(cfg, batch, dtype, latents)
+                    eps = self.generator(noisy, t, out[preds[kinds.index(UnitRole.LLM)]],
+                                         unit_attention(attention_impl, unit))
+                    diff_sum = diffusion_loss_sum(eps, batch["gen_noise"], batch["gen_valid"])
+                elif kind is UnitRole.VAE:
+                    out[unit] = vae_outputs(cfg, self.vae, batch)
+                else:
+                    if preds:
+                        raise ValueError(f"encoder {unit!r} takes only batch inputs; dag() gives "
+                                         f"it predecessors {preds}")
+                    out[unit] = encode(cfg.encoder(unit), self.encoders[unit],
+                                       self.projectors[unit], batch["encoders"][unit], dtype,
+                                       unit_attention(attention_impl, unit))
         lm, diff = normalise(lm_sum, diff_sum, batch)
         return lm + diff, {"lm_loss": lm, "diffusion_loss": diff}
 

@@ -15,7 +15,9 @@ batch dimensions (the weight projections; the attention core is redone), "none" 
 their shards, parallel/fsdp.py) and are never saved for the backward, which gathers them
 again, so about one layer's full weights are live at a time; the stacked weights pass
 through `fn(stacked_state, stacked=True)` before the scan (kept sharded, so the gather is
-not hoisted out of the loop). The model code stays unaware of it.
+not hoisted out of the loop). The model code stays unaware of it. `unit_scope(name)`
+tags the unit whose layers run inside it (`MultimodalModel.__call__` sets it per unit), so
+such a function can place each unit's layers by that unit's rules (`current_unit()`).
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ _POLICY = {"full": jax.checkpoint_policies.nothing_saveable,
 
 _LAYER_WEIGHTS = contextvars.ContextVar("mmjax_layer_weights", default=None)
 _GATHERED = "mmjax_layer_weights"
+_UNIT = contextvars.ContextVar("mmjax_layer_unit", default=None)
 
 
 @contextlib.contextmanager
@@ -46,6 +49,22 @@ def layer_weights(fn):
         yield
     finally:
         _LAYER_WEIGHTS.reset(token)
+
+
+@contextlib.contextmanager
+def unit_scope(name: str):
+    """Trace-time tag: the layers run inside belong to unit `name` (read by a
+    `layer_weights` function through `current_unit`; nothing else changes)."""
+    token = _UNIT.set(name)
+    try:
+        yield
+    finally:
+        _UNIT.reset(token)
+
+
+def current_unit() -> str | None:
+    """The unit `unit_scope` tagged, or None outside one."""
+    return _UNIT.get()
 
 
 def remat_policy(remat: str):

@@ -1,7 +1,8 @@
 """Cost and memory model of the co-located layout (OrchMLLM §4-7), and its best plan (no JAX).
 
-Every unit runs on all G GPUs, data-parallel over them (the LLM at dp G/tp x tp, the other
-units at tp 1 or their smallest valid tp), phases in order: each encoder's forward, the LLM's
+Every unit runs on all G GPUs, data-parallel over them (the LLM and each encoder at dp G/tp x
+its own tp, the sizes nested: each divides the next; the generator at its smallest valid
+tp), phases in order: each encoder's forward, the LLM's
 forward and backward, the generator, then the encoders' backward. The global batch of B
 samples is post-balanced per phase (OrchMLLM §5), so a rank holds B/dp_u samples of unit u
 (times `imbalance`, max/mean tokens per rank: ~1.0 balanced, scripts/bench_colocated.py part
@@ -31,8 +32,10 @@ Collectives over all G GPUs run at `Hardware.group_bw(G)`. Activations: per micr
 encoders' residuals stay live through the LLM (their backward runs last), so the peak holds
 the encoders' and the LLM's (and generator's) residuals together, plus one backward's
 working set. The encoder->LLM all-to-all (one per encoder, rearrangement composition, §6)
-moves each encoder output row once forward and its cotangent once back; (G-1)/G of it
-leaves the rank, the part crossing nodes at the NIC.
+moves each encoder output row once forward and its cotangent once back; every tp replica
+of the receiving rank gets it (one replica of the sender sends it), so per GPU the forward
+moves the rows of B tp_llm / G samples and the backward those of B tp_enc / G; (G-1)/G of
+it leaves the GPU, the part crossing nodes at the NIC.
 """
 from __future__ import annotations
 
@@ -220,8 +223,9 @@ def evaluate_colocated(costs: tuple[UnitCost, ...], num_gpus: int, global_batch:
         kept, rebuilt = _residuals(c, v, t, remat)
         acts += per_step * kept
         work = max(work, per_step * (rebuilt + v.fixed_bytes.get(t, 0.0)))
-        if is_encoder(c.name):
-            a2a += 2 * spr * v.boundary_bytes * (g - 1) / g / _a2a_bw(hw, g)
+        if is_encoder(c.name):  # forward to every LLM tp replica, backward to every own
+            rows = (tp.get("llm", 1) + t) * global_batch / g * imb
+            a2a += rows * v.boundary_bytes * (g - 1) / g / _a2a_bw(hw, g)
         flops += global_batch * v.flops
     total = sum(comp.values()) + sum(exposed.values()) + a2a
     # "none" / "dots": the runner's per-layer "dots" checkpoint (colocated_memory's terms,
@@ -239,10 +243,11 @@ def best_colocated(costs: tuple[UnitCost, ...], num_gpus: int, global_batch: int
                    hw: Hardware, zero_stages=ZERO_STAGES,
                    imbalance: float | dict[str, float] = 1.0,
                    max_micro_steps: int | None = None) -> ColocatedEvaluation:
-    """The fastest co-located choice that fits in memory: the LLM's tp (other units at their
-    smallest valid tp), one ZeRO stage per unit, one remat policy, the fewest micro-steps
-    that fit (at most `max_micro_steps`: 1 for the co-located runner, which steps the
-    whole global batch at once). Ties go to the lower ZeRO stage. Raises ValueError naming
+    """The fastest co-located choice that fits in memory: the LLM's and each encoder's tp
+    (nested: each divides the next; other units at their smallest valid tp), one ZeRO stage
+    per unit, one remat policy, the fewest micro-steps that fit (at most
+    `max_micro_steps`: 1 for the co-located runner, which steps the whole global batch at
+    once). Ties go to the lower ZeRO stage, then the smaller tp. Raises ValueError naming
     what is short."""
     names = [c.name for c in costs]
     by = {c.name: c for c in costs}
@@ -251,13 +256,30 @@ def best_colocated(costs: tuple[UnitCost, ...], num_gpus: int, global_batch: int
         raise ValueError(f"co-located: no valid LLM tp divides {num_gpus} GPUs "
                          f"(valid: {sorted(by['llm'].time_s)})")
     best, smallest = None, None
-    for tl in llm_tps:
-        tp = {n: (tl if is_llm(n) else min(t for t in by[n].time_s if num_gpus % t == 0))
-              for n in names}
-        max_k = max(1, math.ceil(global_batch / (num_gpus // tl)))
+    # a bound from below per tp choice and remat: compute and the all-to-all (free of
+    # ZeRO stage and micro-steps) plus each unit's least exposed communication over the
+    # stages at one micro-step (more only repeat the gathers); visit the cheapest first and
+    # skip what cannot beat the incumbent
+    bounds = []
+    for tp in tp_choices(costs, num_gpus):
+        by_remat = {}
+        for r in REMATS:
+            evs = [evaluate_colocated(costs, num_gpus, global_batch, hw, tp,
+                                      dict.fromkeys(names, z), r, 1, imbalance)
+                   for z in sorted({min(zero_stages), max(zero_stages)})]
+            by_remat[r] = (sum(evs[0].compute_s.values()) + evs[0].all_to_all_s
+                           + sum(min(e.exposed_comm_s[n] for e in evs) for n in names))
+        bounds.append((min(by_remat.values()), tp, by_remat))
+    bounds.sort(key=lambda b: (b[0], sum(b[1].values())))
+    for bound, tp, by_remat in bounds:
+        if best is not None and bound > best.iteration_time_s:
+            break
+        max_k = max(1, math.ceil(global_batch / (num_gpus // tp["llm"])))
         for zs in itertools.product(zero_stages, repeat=len(names)):
             zero = dict(zip(names, zs))
             for remat in REMATS:
+                if best is not None and by_remat[remat] > best.iteration_time_s:
+                    continue
                 for k in [k for k in _micro_steps(max_k)
                           if max_micro_steps is None or k <= max_micro_steps]:
                     ev = evaluate_colocated(costs, num_gpus, global_batch, hw, tp, zero,
@@ -266,16 +288,36 @@ def best_colocated(costs: tuple[UnitCost, ...], num_gpus: int, global_batch: int
                         smallest = ev
                     if ev.notes:
                         continue
-                    key = (ev.iteration_time_s, sum(zs))
-                    if best is None or key < (best.iteration_time_s, sum(best.zero.values())):
+                    key = (ev.iteration_time_s, sum(zs), sum(tp.values()))
+                    if best is None or key < (best.iteration_time_s, sum(best.zero.values()),
+                                              sum(best.tp.values())):
                         best = ev
                     break  # more micro-steps only add gathers
     if best is None:
         raise ValueError(f"co-located: nothing fits {num_gpus} GPUs; the leanest choice "
-                         f"(tp {smallest.tp['llm']}, ZeRO {smallest.zero}, remat "
+                         f"(tp {smallest.tp}, ZeRO {smallest.zero}, remat "
                          f"{smallest.remat}, {smallest.micro_steps} micro-steps) "
                          f"{smallest.notes[0]}")
     return best
+
+
+def tp_choices(costs: tuple[UnitCost, ...], num_gpus: int) -> list[dict[str, int]]:
+    """Every per-unit tp the co-located runner can run: the LLM and each encoder at a valid
+    tp dividing the GPUs, the sizes above 1 nested (each divides the next:
+    train/colocated_plan.py), other units at their smallest valid tp."""
+    options = []
+    for c in costs:
+        valid = sorted(t for t in c.time_s if num_gpus % t == 0)
+        if not valid:
+            raise ValueError(f"co-located: no valid tp of unit {c.name!r} divides {num_gpus} "
+                             f"GPUs (valid: {sorted(c.time_s)})")
+        options.append(valid if is_llm(c.name) or is_encoder(c.name) else valid[:1])
+    out = []
+    for combo in itertools.product(*options):
+        sizes = sorted(set(combo))
+        if all(b % a == 0 for a, b in zip(sizes, sizes[1:])):
+            out.append(dict(zip((c.name for c in costs), combo)))
+    return out
 
 
 def _micro_steps(max_k: int) -> list[int]:

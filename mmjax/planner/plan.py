@@ -195,7 +195,7 @@ class Plan:
             if u.num_chunks > 1 and self.num_microbatches % u.pp:
                 raise PlanError(f"{where}: interleaved 1F1B needs num_microbatches "
                                 f"({self.num_microbatches}) to be a multiple of pp={u.pp}")
-            for what, size in _tp_divisible(model, u.name):
+            for what, size in tp_divisible(model, u.name):
                 if size % u.tp:
                     raise PlanError(f"{where}.tp={u.tp} does not divide {what}={size}: "
                                     f"choose tp dividing {size}"
@@ -358,7 +358,7 @@ def _validate_zero(u: UnitPlan, where: str) -> None:
                         f"{knob} path does not run (use zero_stage 1 or 2, or drop {knob})")
 
 
-def _tp_divisible(model, unit: str):
+def tp_divisible(model, unit: str):
     """(name, size) pairs that tensor parallelism must divide for this unit."""
     if is_llm(unit):
         c = model.llm

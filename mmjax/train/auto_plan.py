@@ -13,6 +13,7 @@ from mmjax.data.data_spec import sample_workload
 from mmjax.planner.build import plan_model
 from mmjax.planner.hardware import H100, hardware, hardware_of_device
 from mmjax.planner.plan import Plan, PlanError
+from mmjax.models.units import is_encoder, is_llm
 from mmjax.train.validate import gin_bound
 
 
@@ -112,7 +113,9 @@ def auto_layout(cfg, global_batch: int, source, layout: str | None = None,
         if pick.layout == "disaggregated":
             return plan, f"auto layout: disaggregated ({pick.reason})"
         why = pick.reason
-    chosen = check_layout(cfg.unit_names, n, "colocated", dict(colo.zero), None,
-                          {"llm": colo.tp.get("llm", 1)})
-    return chosen, (f"auto layout: co-located (llm tp {chosen.tp}, ZeRO "
+    tps = {u: t for u, t in colo.tp.items() if is_llm(u) or is_encoder(u)}
+    chosen = check_layout(cfg.unit_names, n, "colocated", dict(colo.zero), None, tps,
+                          model=cfg)
+    encs = "".join(f", {u} tp {t}" for u, t in chosen.unit_tp)
+    return chosen, (f"auto layout: co-located (llm tp {chosen.tp}{encs}, ZeRO "
                     f"{dict(colo.zero)}) ({why})")

@@ -1,5 +1,6 @@
 """The co-located runner (OrchMLLM's layout): every unit on one mesh of all devices, each
-data-parallel over it (the LLM at dp x tp with its own tp), with FSDP (ZeRO-1/2/3) per unit.
+data-parallel over it (the LLM and each encoder at dp x tp with its own tp), with FSDP
+(ZeRO-1/2/3) per unit.
 
 The step is one jitted SPMD program over the mesh (GSPMD): the encoders' forward over all
 ranks, the encoder outputs moved to the LLM's layout (`route`, the per-phase balancing
@@ -93,7 +94,7 @@ class Colocated(SingleProgram):
         # the encoder->LLM all-to-all when any phase is balanced or node-wise is on
         phases = PhaseBatches(source if source is not None else train_source(cfg), cfg,
                               layout, global_batch, self.mesh, scan_steps=None
-                              if steps is None else min(steps, SHAPE_SCAN_MAX))
+                              if steps is None else min(steps, SHAPE_SCAN_MAX), colo=colo)
         if not phases.settings.balanced:
             phases.close()
             phases = None
@@ -148,7 +149,8 @@ class Colocated(SingleProgram):
             self._make()
         self.step_fn = colocated_step(self.graphdef, tx, self.mesh, colo, self.abstract,
                                       dtype, attention_impl, layout.llm_mask_family,
-                                      colocated_route(self.mesh) if phases else to_llm_layout)
+                                      colocated_route(self.mesh, colo) if phases
+                                      else to_llm_layout)
 
     def place(self, state: TrainState) -> TrainState:
         """A TrainState (any placement) on the co-located shardings, its data kept."""
@@ -158,8 +160,8 @@ class Colocated(SingleProgram):
     def inputs(self, batch):
         if isinstance(batch, BalancedBatch):  # per-phase layouts + the all-to-all tables
             return place_phase_batch(batch.phases, self.mesh, batch.capacity, self.ledger,
-                                     self.row_bytes)
-        return place_batch(self.mesh, super().inputs(batch))
+                                     self.row_bytes, self.colo)
+        return place_batch(self.mesh, super().inputs(batch), self.colo)
 
     def step(self, trace: bool = False, limits=(float("inf"), float("inf"))) -> StepMetrics:
         """`SingleProgram.step`; with node-wise on, the step's encoder->LLM bytes per link

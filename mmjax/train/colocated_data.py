@@ -26,7 +26,7 @@ from mmjax.data.colocated_batch import PhaseBatch, phase_batch, plan_phases
 from mmjax.data.loader import Loader
 from mmjax.errors import UserError
 from mmjax.models.units import LLM_UNIT, is_generator, is_llm
-from mmjax.parallel.phase_inputs import llm_ranks, phase_axes
+from mmjax.parallel.phase_inputs import encoder_axes, encoder_ranks, llm_axes, llm_ranks
 from mmjax.parallel.rearrange import busiest_pair
 from mmjax.planner.plan import Plan
 from mmjax.train.loader_stream import LoaderStream
@@ -50,7 +50,8 @@ class PhaseSettings:
 
 def phase_settings(loader: Loader, cfg, layout, num_devices: int, tp: int) -> PhaseSettings:
     """The loader's balancing settings as the co-located layout's per-phase policies
-    (module docstring); one line naming the setting for any it cannot honour."""
+    (module docstring); one line naming the setting for any it cannot honour. `tp`: the
+    largest tp of any unit (`Colocation.max_tp`: nodes hold whole tp groups)."""
     b = loader.builder
     pol, algo = b.policies, b.algo
     for u, p in pol.items():
@@ -74,7 +75,7 @@ def phase_settings(loader: Loader, cfg, layout, num_devices: int, tp: int) -> Ph
     rpn = nw.ranks_per_node
     if rpn and (rpn < 0 or num_devices % rpn or rpn % tp):
         raise UserError(f"Loader.ranks_per_node={rpn}: the co-located layout's {num_devices} "
-                        f"devices must be whole nodes of it, each holding whole llm ranks of "
+                        f"devices must be whole nodes of it, each holding whole tp groups of "
                         f"tp {tp} (use a divisor of {num_devices} that {tp} divides, or 0)")
     return PhaseSettings(policies, rpn, nw.method, nw.time_limit, nw.max_milp_ranks)
 
@@ -140,13 +141,16 @@ class PhaseBatches(LoaderStream):
     runner on `mesh`; `state` / `restore` resume exactly (next batch, floors, capacity)."""
 
     def __init__(self, source, cfg, layout, global_batch: int, mesh, prefetch: int = 2,
-                 scan_steps: int | None = None):
+                 scan_steps: int | None = None, colo=None):
         self.loader = Loader(source, cfg, Plan.uniform(cfg, global_batch, 1), layout)
         self.builder, self.layout, self.mesh, self.prefetch = (
             self.loader.builder, layout, mesh, prefetch)
-        self.ranks = (mesh.devices.size, llm_ranks(mesh))
-        self.settings = phase_settings(self.loader, cfg, layout, mesh.devices.size,
-                                       mesh.shape["tp"])
+        self.colo = colo
+        encs = [slot.name for slot in layout.encoders]
+        self.ranks = (encoder_ranks(mesh, encs, colo), llm_ranks(mesh, colo))
+        self.axes = (encoder_axes(mesh, encs, colo), llm_axes(mesh, colo))
+        tp = mesh.devices.size // min([*self.ranks[0].values(), self.ranks[1]])
+        self.settings = phase_settings(self.loader, cfg, layout, mesh.devices.size, tp)
         self.max_bad_fraction = self.loader.max_bad_fraction
         self.next_batch = 0
         scan = self.loader.shape_scan_steps if scan_steps is None else scan_steps
@@ -160,11 +164,13 @@ class PhaseBatches(LoaderStream):
         s = self.settings
         return dict(ranks_per_node=s.ranks_per_node, node_wise_method=s.node_wise_method,
                     node_wise_time_limit=s.node_wise_time_limit,
-                    node_wise_max_milp_ranks=s.node_wise_max_milp_ranks)
+                    node_wise_max_milp_ranks=s.node_wise_max_milp_ranks,
+                    devices=self.mesh.devices.size)
 
     def _busiest(self, routes) -> int:
-        axes = phase_axes(self.mesh)
-        return max([busiest_pair(r, self.mesh, *axes) for r in routes.values()], default=1)
+        src, dst = self.axes
+        return max([busiest_pair(r, self.mesh, src[e], dst) for e, r in routes.items()],
+                   default=1)
 
     def _scan(self, steps: int):
         """Per-phase shapes and the busiest device pair over global batches 0 .. steps-1,
@@ -179,12 +185,12 @@ class PhaseBatches(LoaderStream):
     def global_floor(self) -> BatchShapes | None:
         """The scanned per-rank floors as one step's global shapes (every rank's blocks
         together: the LLM's rows and generated images over its ranks, each encoder's
-        buffers over every device)."""
+        buffers over its ranks)."""
         if self.floor is None:
             return None
         llm = self.floor["llm"]
-        devices, ranks = self.ranks
-        encs = tuple((n, c * devices, k) for e, s in self.floor.items() if not is_llm(e)
+        enc_ranks, ranks = self.ranks
+        encs = tuple((n, c * enc_ranks[e], k) for e, s in self.floor.items() if not is_llm(e)
                      for n, c, k in s.encoders if n == e)
         return BatchShapes(llm.rows * ranks, encs, llm.gen * ranks)
 

@@ -3,7 +3,9 @@
 "disaggregated" (default): every unit on its own sub-mesh (the pipeline runtime, ZeRO 1-3
 per unit over each stage's dp ranks: `UnitPlan.zero_stage`).
 "colocated": every unit on one mesh of all devices (train/colocated.py), data-parallel over
-it, the LLM optionally tensor-parallel, each unit at ZeRO stage 1, 2 or 3, FSDP groups of
+it, the LLM and each encoder optionally tensor-parallel (`tp = {"vision": 2, "llm": 4}`: the
+tp sizes must form a chain, each dividing the next, so each unit's tp group is the innermost
+devices of the next larger one), each unit at ZeRO stage 1, 2 or 3, FSDP groups of
 `fsdp_group` devices. A value a layout cannot take is one `UserError` line naming the
 setting and the fix, raised before any work.
 """
@@ -12,7 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mmjax.errors import UserError
-from mmjax.models.units import is_llm
+from mmjax.models.units import is_encoder, is_llm
+from mmjax.planner.plan import tp_divisible
 
 LAYOUTS = ("disaggregated", "colocated")
 ZERO_STAGES = (1, 2, 3)
@@ -24,14 +27,30 @@ _PIPELINE_ONLY = ("dp", "pp", "cp", "num_chunks", "overlap_tp", "remat", "tp_chu
 @dataclass(frozen=True)
 class Colocation:
     """The co-located layout: the LLM's tp, each unit's ZeRO stage (`stages`; units not
-    named: `default_stage`), the FSDP group size in devices (None: all devices)."""
+    named: `default_stage`), the FSDP group size in devices (None: all devices), the
+    encoders' tp (`unit_tp`; units not named: 1)."""
     tp: int = 1
     stages: tuple = ()  # ((unit, stage), ...)
     default_stage: int = 1
     fsdp_group: int | None = None
+    unit_tp: tuple = ()  # ((encoder, tp), ...)
 
     def stage(self, unit: str) -> int:
         return dict(self.stages).get(unit, self.default_stage)
+
+    def tp_of(self, unit: str) -> int:
+        """A unit's tensor-parallel size (the LLM's `tp`, an encoder's `unit_tp`)."""
+        return self.tp if is_llm(unit) else dict(self.unit_tp).get(unit, 1)
+
+    @property
+    def tp_sizes(self) -> tuple[int, ...]:
+        """The distinct tp sizes above 1, ascending (a chain: each divides the next)."""
+        return tuple(sorted({self.tp, *(t for _, t in self.unit_tp)} - {1}))
+
+    @property
+    def max_tp(self) -> int:
+        """The largest tp group: FSDP groups and nodes hold whole ones."""
+        return max(self.tp_sizes, default=1)
 
 
 def _is_int(v) -> bool:
@@ -55,10 +74,10 @@ def _stages(units, zero_stage) -> tuple[int, dict]:
 
 
 def check_layout(units, num_devices: int, layout="disaggregated", zero_stage=None,
-                 fsdp_group=None, tp=None, **knobs) -> Colocation | None:
+                 fsdp_group=None, tp=None, model=None, **knobs) -> Colocation | None:
     """The co-located layout's `Colocation`, or None for the disaggregated one (whose
     `zero_stage` the Plan carries); `knobs`: the other manual_plan settings (bound ones are
-    not None)."""
+    not None); `model` (an MLLMConfig): an encoder's tp must divide its heads and FFN."""
     if layout not in LAYOUTS:
         raise UserError(f"manual_plan.layout={layout!r}: no such layout (use "
                         f"\"disaggregated\", the default, or \"colocated\")")
@@ -77,7 +96,7 @@ def check_layout(units, num_devices: int, layout="disaggregated", zero_stage=Non
                             f"unit data-parallel over all {num_devices} devices in one "
                             f"program, without pipelining, cp or per-unit dp (drop "
                             f"manual_plan.{knob}, or use manual_plan.layout=\"disaggregated\")")
-    llm_tp = 1
+    llm_tp, enc_tp = 1, {}
     for u, v in (tp.items() if isinstance(tp, dict) else [("", tp)] if tp is not None else []):
         where = f"manual_plan.tp[{u!r}]" if u else "manual_plan.tp"
         if u and u not in units:
@@ -85,21 +104,41 @@ def check_layout(units, num_devices: int, layout="disaggregated", zero_stage=Non
                             f"are {list(units)})")
         if not _is_int(v) or v < 1:
             raise UserError(f"{where}={v!r}: must be an int >= 1")
-        if v > 1 and not is_llm(u):
-            raise UserError(f"{where}={v!r}: in the co-located layout only the llm takes tp; "
-                            f"the other units run data-parallel over every device (use "
-                            f"manual_plan.tp = {{\"llm\": {v}}})")
+        if v > 1 and not (u and (is_llm(u) or is_encoder(u))):
+            raise UserError(f"{where}={v!r}: in the co-located layout only the llm and the "
+                            f"encoders take tp, per unit; {u or 'the other units'} run "
+                            f"data-parallel over every device (use manual_plan.tp = "
+                            f"{{\"llm\": {v}}} or {{\"<encoder>\": {v}}})")
         if num_devices % v:
             raise UserError(f"{where}={v!r}: does not divide the {num_devices} devices (use a "
                             f"divisor of {num_devices})")
-        llm_tp = v if is_llm(u) else llm_tp
+        # an encoder's heads and FFN (the LLM's tp splits what it divides, as before)
+        for what, size in (tp_divisible(model, u) if model is not None and v > 1
+                           and is_encoder(u) else []):
+            if size % v:
+                raise UserError(f"{where}={v!r}: does not divide {what}={size} (use a tp "
+                                f"dividing {size})")
+        if is_llm(u):
+            llm_tp = v
+        elif v > 1:
+            enc_tp[u] = v
+    sizes = sorted({llm_tp, *enc_tp.values()})
+    for a, b in zip(sizes, sizes[1:]):
+        if b % a:
+            alt = next(m for m in range(b - b % a, a - 1, -a) if num_devices % m == 0)
+            raise UserError(f"manual_plan.tp={tp!r}: tp {a} does not divide tp {b} (the "
+                            f"co-located mesh nests each unit's tp group inside the next "
+                            f"larger one: use sizes that divide each other, e.g. {a} and "
+                            f"{alt} for {b})")
+    top = sizes[-1]
     if fsdp_group is not None and (not _is_int(fsdp_group) or fsdp_group < 1
-                                   or num_devices % fsdp_group or fsdp_group % llm_tp):
+                                   or num_devices % fsdp_group or fsdp_group % top):
         raise UserError(f"manual_plan.fsdp_group={fsdp_group!r}: must divide the "
-                        f"{num_devices} devices and be a multiple of the llm's tp {llm_tp} "
-                        f"(e.g. {max(llm_tp, num_devices // 2)}, or drop it: one group of "
+                        f"{num_devices} devices and be a multiple of the largest tp {top} "
+                        f"(e.g. {max(top, num_devices // 2)}, or drop it: one group of "
                         f"all devices)")
-    return Colocation(llm_tp, tuple(sorted(stages.items())), default, fsdp_group)
+    return Colocation(llm_tp, tuple(sorted(stages.items())), default, fsdp_group,
+                      tuple(sorted(enc_tp.items())))
 
 
 def _all_one(value) -> bool:

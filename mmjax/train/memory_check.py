@@ -37,13 +37,15 @@ def _impl(attention_impl: str, length: int, dtype) -> str | None:
         else None
 
 
-def _encoder_acts(cfg, name: str, cap: int, b: int, attention_impl, dtype) -> memory.Acts:
-    """One buffer of `cap` patches / frames through encoder `name` and its projector."""
+def _encoder_acts(cfg, name: str, cap: int, b: int, attention_impl, dtype,
+                  tp: int = 1) -> memory.Acts:
+    """One buffer of `cap` patches / frames through encoder `name` and its projector (one
+    tp rank's share at tp `tp`)."""
     spec = cfg.encoder(name)
     c, p = spec.encoder, spec.projector
     in_dim = c.patch_dim if spec.modality == "image" else 2 * c.num_mel_bins
     out = cap / p.downsample if p.kind == "mlp" else p.num_queries
-    return memory.encoder_acts(c, cap, cap * cap, 1, b, _impl(attention_impl, cap, dtype),
+    return memory.encoder_acts(c, cap, cap * cap, tp, b, _impl(attention_impl, cap, dtype),
                                in_dim, out, cfg.llm.hidden_size)
 
 
@@ -183,7 +185,7 @@ def check_plan(cfg, plan, source, device, refuse: bool = True,
 
 def _unit_params(tree, colo) -> dict:
     """{unit: (parameters, parameters under its layers)} of a parameter tree (one tp rank's
-    share for the LLM's tp-split leaves)."""
+    share for the tp-split leaves of a unit with tp)."""
     import jax
 
     from mmjax.parallel.fsdp import unit_of
@@ -197,8 +199,9 @@ def _unit_params(tree, colo) -> dict:
         if unit is None:
             return
         n = float(leaf.size)
-        if is_llm(unit) and colo.tp > 1 and len(leaf.shape) >= 2:
-            n /= colo.tp  # the projections' tp dimension (biases and norms: an upper bound)
+        tp = colo.tp_of(unit)
+        if tp > 1 and len(leaf.shape) >= 2 and ("layers" in names or is_llm(unit)):
+            n /= tp  # the projections' tp dimension (biases and norms: an upper bound)
         p, lay = out.get(unit, (0.0, 0.0))
         out[unit] = (p + n, lay + (n if "layers" in names else 0.0))
     jax.tree_util.tree_map_with_path(add, tree)
@@ -234,10 +237,11 @@ def colocated_loads(cfg, shapes, seq_len: int, trainable, frozen, colo, devices:
         spec = cfg.encoder(name)
         c = spec.encoder
         in_dim = c.patch_dim if spec.modality == "image" else 2 * c.num_mel_bins
-        e = _encoder_acts(cfg, name, cap, b, attention_impl, dtype)
+        tp = colo.tp_of(name)
+        e = _encoder_acts(cfg, name, cap, b, attention_impl, dtype, tp)
         # per patch / frame: its values, two positions and a segment id
-        load(name, getattr(c, "depth", None) or c.num_layers, count / devices, e,
-             cap * (in_dim * 4 + 12))
+        load(name, getattr(c, "depth", None) or c.num_layers, count / (devices // tp), e,
+             cap * (in_dim * 4 + 12), tp)
     if cfg.generator is not None and shapes.gen:
         g = memory.generator_acts(cfg.generator, 1, Workload.cond_tokens, 1, b,
                                   cond_dim=cfg.llm.hidden_size,

@@ -127,7 +127,7 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
     if colo is not None:  # the loader's balancing settings, as the co-located layout reads them
         lay, src = layout_and_source(cfg, tok)
         check_colocated_loader(cfg, lay, src if src is not None else train_source(cfg),
-                               global_batch, jax.device_count(), colo.tp)
+                               global_batch, jax.device_count(), colo.max_tp)
     held_out = eval_source(cfg, tok) if eval_every else None
     if eval_every and held_out is None:
         raise UserError("train.eval_every needs a held-out set: set eval_source.json_path "
@@ -194,7 +194,8 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
             lambda p: write_run_info(workdir, cfg, p, seed, dirs, sources))
     try:
         where = "one program" if plan is None else f"plan {plan} on {jax.device_count()} devices"
-        where += "" if colo is None else f", co-located (llm tp {colo.tp})"
+        where += "" if colo is None else f", co-located (llm tp {colo.tp}" + "".join(
+            f", {u} tp {t}" for u, t in colo.unit_tp) + ")"
         loop.console.print(f"[bold]{cfg.name}[/]: {runner.num_trainable:,} trainable "
                            f"parameters, {steps} steps of {global_batch} samples, {where}")
         end = steps if stop_after is None else min(steps, loop.start + stop_after)
