@@ -4,6 +4,7 @@ after. On a causal row only the diagonal tile is masked; two packed documents ad
 boundary tiles; padding is never all-allowed."""
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from mmjax.models.attention_mask import TokenMeta
 from mmjax.models.attention_pallas import block_lists, tile_classes
@@ -34,21 +35,32 @@ def test_packed_documents_and_padding_are_masked():
     assert list(lists[2, :4]) == [2, 1, 2, 1]  # masked diagonal first, then the full tile
 
 
+def test_shared_tiles_are_the_kernels_lists():
+    """`shared_tiles` builds the lists a Pallas layer would (CPU: 128 x 32 tiles), and none
+    for an implementation that is not Pallas."""
+    from mmjax.models.attention import shared_tiles
+
+    meta = _meta([1] * 40 + [2] * 20 + [0] * 4)
+    assert shared_tiles(meta, "dense") is None and shared_tiles(meta, "auto") is None
+    tiles = shared_tiles(meta, "pallas")
+    assert tiles.q_lists.shape[:2] == (1, 1)  # 64 tokens: one query block
+    np.testing.assert_array_equal(tiles.q_lists, block_lists(*tile_classes(meta, meta, 64, 32)))
+    anyt, full = tile_classes(meta, meta, 64, 32)
+    np.testing.assert_array_equal(tiles.k_lists, block_lists(anyt.transpose(0, 2, 1),
+                                                             full.transpose(0, 2, 1)))
+
+
+@pytest.mark.slow
 def test_layer_stack_shares_one_tile_list_and_matches_dense():
     """An LLM layer stack over two packed documents: the Pallas hook (block lists built once by
     `meta_attend`, the same arrays for every layer) gives the dense path's loss and grads."""
     import jax
     from flax import nnx
 
-    from mmjax.models.attention import shared_tiles
     from mmjax.models.llm import LLM, meta_attend
     from mmjax.models.tiny import TINY_LLM
 
     meta = _meta([1] * 40 + [2] * 20 + [0] * 4)
-    assert shared_tiles(meta, "dense") is None
-    tiles = shared_tiles(meta, "pallas")
-    assert tiles.q_lists.shape[:2] == (1, 1)  # 64 tokens: one 128-query block on CPU
-    np.testing.assert_array_equal(tiles.q_lists, block_lists(*tile_classes(meta, meta, 64, 32)))
     model = LLM(TINY_LLM, jax.random.key(0), 0, 2)
     graph, params = nnx.split(model)
     tokens = jnp.arange(64, dtype=jnp.int32)[None] % 97
