@@ -11,15 +11,31 @@
   at 6,800 entries, seconds of wall time on a loaded machine), both workers waiting on it.
   Without it, a worker that reads an entry another process is still writing gets a
   decompression error, which JAX reports as a warning and recompiles;
-- XLA:CPU compiles with LLVM at -O0 and without its expensive passes: test programs are
-  tiny and run a few times, so compile time is most of their cost (a tiny MLLM's
-  gradient: 14.8 -> 8.0 s CPU);
+- XLA:CPU compiles with LLVM at -O0, without its expensive passes and with its legacy
+  elemental emitters instead of the MLIR fusion emitters (where this XLA has the flag):
+  test programs are tiny and run a few times, so compile time is most of their cost (a
+  tiny MLLM's gradient: 14.8 -> 8.0 s CPU at -O0, -> 3 s without the fusion emitters;
+  the same loss to the bit);
 - two pytest-xdist workers (pyproject's addopts): the suite is mostly single-threaded XLA
   compilation and Python tracing, so two processes use both cores.
 """
 import os
+import subprocess
+import sys
 
 import pytest
+
+NO_FUSION_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
+
+
+def _xla_accepts(flag: str) -> bool:
+    """Whether this jaxlib's XLA knows `flag` (XLA aborts the process on an unknown flag, so
+    a child process asks; about 1 s CPU, once per session)."""
+    env = {**os.environ, "XLA_FLAGS": flag, "JAX_PLATFORMS": "cpu"}
+    probe = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return probe.returncode == 0
+
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flags = os.environ.get("XLA_FLAGS", "")
@@ -27,6 +43,8 @@ if "xla_force_host_platform_device_count" not in _flags:
     _flags += " --xla_force_host_platform_device_count=8"
 if os.environ["JAX_PLATFORMS"] == "cpu" and "xla_backend_optimization_level" not in _flags:
     _flags += " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+    if _xla_accepts(NO_FUSION_EMITTERS):  # decided once: the workers inherit XLA_FLAGS
+        _flags += " " + NO_FUSION_EMITTERS
 os.environ["XLA_FLAGS"] = _flags.strip()
 _cache = os.environ.get("MMJAX_TEST_CACHE",
                         os.path.join(os.path.expanduser("~"), ".cache", "mmjax", "jax-tests"))

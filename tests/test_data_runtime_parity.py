@@ -54,8 +54,16 @@ def builders(setup):
     return out
 
 
+@pytest.fixture(scope="module")
+def runtime(setup):
+    """One runtime for both policies (it holds no training state; both policies' feeds
+    have one shape floor): its stage programs are traced and compiled once."""
+    cfg, plan = setup[0], setup[3]
+    return PipelineRuntime(cfg, plan)
+
+
 @pytest.mark.parametrize("balance", ["orchmllm", "disttrain"])
-def test_loader_plans_on_the_runtime_match_the_reference(setup, builders, balance):
+def test_loader_plans_on_the_runtime_match_the_reference(setup, builders, runtime, balance):
     cfg, lay, src, plan, idx, ref_loss, ref_grads = setup
     builder = builders[balance]
     gb = builder(STEP)
@@ -74,8 +82,7 @@ def test_loader_plans_on_the_runtime_match_the_reference(setup, builders, balanc
         assert any(mp.ranks["vision"] != mp.ranks["llm"] for mp in mps)
     assert all(len(mp.ranks["generator"]) == 1 for mp in mps)
 
-    rt = PipelineRuntime(cfg, plan)
-    res = rt.run([mb.feed for mb in gb.microbatches])
+    res = runtime.run([mb.feed for mb in gb.microbatches])
     grads = to_reference_layout(plan, res.pure_grads())
     np.testing.assert_allclose(res.losses()["loss"], ref_loss, rtol=1e-5)
     assert_same_grads(grads, ref_grads)

@@ -10,9 +10,8 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import assert_same_grads, cached_reference, check, make_cfg
+from helpers import assert_same_grads, cached_reference, check, make_cfg, plan_feeds
 from mmjax.models.tiny import tiny_valm
-from mmjax.data.feed import microbatch_feed
 from mmjax.pipeline.reference_layout import to_reference_layout
 from mmjax.pipeline.runtime import PipelineRuntime
 from mmjax.planner.plan import Plan
@@ -113,8 +112,7 @@ def test_interleaved_steady_state_dispatch_makes_no_host_sync(monkeypatch, refer
     lay, samples, ref_loss, ref_grads = cached_reference(reference_cache, cfg, 8)
     rt = PipelineRuntime(cfg, plan)
     assert jax.process_count() == 1 and not rt.sync
-    dp = {u.name: u.dp for u in plan.units}
-    feeds = [microbatch_feed(samples[m * 2:(m + 1) * 2], lay, dp) for m in range(4)]
+    feeds = plan_feeds(plan, lay, samples)  # one shape floor: each stage compiles once
 
     def host_sync(*args, **kwargs):
         raise AssertionError("host sync inside the dispatch loop")

@@ -6,7 +6,8 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from helpers import assert_same_grads, global_batch, make_cfg, reference, run_plan
+from helpers import (assert_same_grads, cached_reference, global_batch, make_cfg, reference,
+                     run_plan)
 
 from mmjax.models.mllm import MultimodalModel, trainable_filter
 from mmjax.models.tiny import tiny, tiny_valm
@@ -24,15 +25,14 @@ def _while_loops(cfg, lay, samples) -> int:
     return hlo.count("stablehlo.while")
 
 
-def test_scanned_units_match_the_unrolled_loop():
+def test_scanned_units_match_the_unrolled_loop(reference_cache):
     for base, extra in ((tiny, {"generator.scan_layers": True}),
                         (tiny_valm, {"encoders.audio.encoder.scan_layers": True})):
         plain = make_cfg(base)
         scanned = make_cfg(base, **SCAN, **extra)
-        lay, samples = global_batch(plain, 4)
+        lay, samples, loss, grads = cached_reference(reference_cache, plain, 4)
         assert _while_loops(plain, lay, samples) == 0
         assert _while_loops(scanned, lay, samples) == 3  # one loop per scanned unit
-        loss, grads = reference(plain, lay, samples)
         loss_s, grads_s = reference(scanned, lay, samples)
         np.testing.assert_allclose(loss_s, loss, rtol=1e-5)
         assert_same_grads(grads_s, grads)
@@ -85,13 +85,12 @@ def _remat_cfg(remat: str, scan: bool):
     return make_cfg(tiny, **over)
 
 
-def test_per_layer_remat_keeps_loss_and_gradients_and_saves_less():
+def test_per_layer_remat_keeps_loss_and_gradients_and_saves_less(reference_cache):
     """`remat` on every unit (models/scan.py): "full" (scanned) and "dots" (looped) give
     the unrolled reference's loss and gradients, and keep fewer residual bytes than
     "none" ("full" the fewest)."""
     plain = make_cfg(tiny)
-    lay, samples = global_batch(plain, 4)
-    loss, grads = reference(plain, lay, samples)
+    lay, samples, loss, grads = cached_reference(reference_cache, plain, 4)
     for remat, scan in (("full", True), ("dots", False)):
         got_loss, got_grads = reference(_remat_cfg(remat, scan), lay, samples)
         np.testing.assert_allclose(got_loss, loss, rtol=1e-5)
