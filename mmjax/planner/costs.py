@@ -118,6 +118,18 @@ class UnitCost:
     # the orchestrator's in-flight count x this = the runtime's (build.py: an encoder's
     # first stage also holds the LLM's pipeline depth)
     flight_scale: float = 1.0
+    # the unit's ZeRO stage (planner/memory.py `zero_terms`; knobs.py `zero_cost` adds its
+    # traffic to the times) and its ZeRO group in dp ranks (0: all of a stage's dp ranks)
+    zero_stage: int = 1
+    zero_group: int = 0
+
+
+def unit_params(cost: UnitCost) -> tuple[float, float]:
+    """(trainable, frozen) parameters of the whole unit, from its byte terms."""
+    trainable = cost.optimizer_bytes / memory.OPTIMIZER_BYTES
+    frozen = ((cost.weight_bytes - (2 * cost.dtype_bytes + memory.ACC_BYTES) * trainable)
+              / memory.FROZEN_BYTES)
+    return trainable, max(frozen, 0.0)
 
 
 def _vae_acts(model: MLLMConfig, wl: Workload) -> memory.Acts:
