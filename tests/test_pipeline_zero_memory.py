@@ -85,3 +85,93 @@ def test_prediction_within_15_percent_of_the_compiled_stage(measured, zero, rema
           f"{got / 1e6:.0f} MB ({p.peak / got:.3f})")
     assert abs(p.peak / got - 1) <= TOLERANCE
     assert r["acc"] == pytest.approx(4 * r["trainable"] / (group or DP), rel=0.01)
+
+
+# ---- host side: the planner and the plan check price the same terms (no JAX) ----------
+def _shallow_72b():
+    """MLLM-72B's widths at two LLM layers, on nodes of two GPUs (tp <= 2): the LLM's
+    model parallelism stops at tp 2 x pp 2, so only sharding over dp shrinks its state."""
+    import dataclasses
+
+    from mmjax.planner.hardware import A800
+    from mmjax.planner.workload import Workload
+
+    m = with_overrides(named_config("disttrain/mllm_72b"), {"llm.num_layers": 2})
+    wl = Workload("short", (256,) * 64, {"vision": ((64,),) * 64}, (1,) * 64)
+    return m, wl, lambda gib: dataclasses.replace(A800, hbm_bytes=gib * 2 ** 30,
+                                                  gpus_per_node=2)
+
+
+def test_the_planner_prices_each_zero_stage():
+    """At ZeRO-3 over dp 8 the LLM's parameter-sized state is about 1/8 of ZeRO-1's plus
+    two gathered layers; ZeRO-2 shards the accumulators alone; groups of 4 ranks shard 4
+    ways; the step's sync is half at ZeRO-2 and gone at ZeRO-3, the gathers' exposed time
+    is in the stage time instead."""
+    from mmjax.planner.build import model_costs
+    from mmjax.planner.costs import unit_params
+    from mmjax.planner.evaluate import Choice, stage_bytes, sync_time
+    from mmjax.planner.knobs import with_zero, zero_cost
+
+    m, wl, hw_of = _shallow_72b()
+    hw = hw_of(80)
+    costs, _ = model_costs(m, hw, wl, recompute="full")
+    llm = next(c for c in costs if c.name == "llm")
+    no_acts = lambda c: stage_bytes(c, 1, 8, 1, 0.0, 0.0)  # state alone (no samples)
+    z1, z2, z3 = (no_acts(with_zero(llm, z)) for z in (1, 2, 3))
+    t, f = unit_params(llm)
+    b = llm.dtype_bytes
+    # ZeRO-1: compute copy, cotangents, accumulators whole; master + AdamW / 8
+    assert z1 == pytest.approx((2 * b + 4) * t + 4 * f + 12 * t / 8, rel=1e-9)
+    assert z2 == pytest.approx(z1 - 4 * t + 4 * t / 8 + 4 * t, rel=1e-9)  # + the flat buffer
+    gathered = 2 * b * llm.layer_params
+    assert z3 == pytest.approx((3 * b + 8 + 12) * t / 8 + 2 * 4 * f / 8 + gathered, rel=1e-9)
+    assert z3 < z1 / 2
+    grouped = no_acts(with_zero(llm, 3, group=4))
+    assert grouped == pytest.approx((3 * b + 8 + 12) * t / 4 + 2 * 4 * f / 4 + gathered, rel=1e-9)
+    ch = Choice(1, 8, 1)
+    s1, s2, s3 = (sync_time(zero_cost(llm, z, hw), ch, hw) for z in (1, 2, 3))
+    assert s1 > 0 and s2 == pytest.approx(s1 / 2) and s3 == 0.0
+    assert zero_cost(llm, 3, hw).time_s[1] > llm.time_s[1]  # the exposed gathers
+
+
+def test_the_planner_moves_to_zero3_when_nothing_fits_at_zero1():
+    """9 GiB per GPU: no ZeRO-1 (nor ZeRO-2) plan fits on 32 GPUs, so every unit runs at
+    ZeRO-3 (each stage within the memory); with 10 GiB ZeRO-1 fits and is kept."""
+    from mmjax.planner.build import _fit, model_costs, plan_model
+    from mmjax.planner.knobs import zero_cost
+    from mmjax.planner.orchestrate import GPU_TOLERANCE
+    from mmjax.planner.plan import PlanError
+
+    m, wl, hw_of = _shallow_72b()
+    roomy = plan_model(m, hw_of(10), 32, 32, workload=wl)
+    assert {u.zero_stage for u in roomy.units} == {1}
+    hw = hw_of(9)
+    costs, layer_costs = model_costs(m, hw, wl)
+    for zero in (1, 2):
+        with pytest.raises(PlanError):
+            _fit(m, wl, tuple(zero_cost(c, zero, hw) for c in costs), layer_costs, hw, 32,
+                 32, True, GPU_TOLERANCE, None)
+    plan = plan_model(m, hw, 32, 32, workload=wl)
+    assert {u.zero_stage for u in plan.units} == {3}
+    assert all(gb * 1e9 <= hw.hbm_bytes for gb in plan.predicted["memory_gb"].values())
+    assert plan.num_devices <= 32 and not any(u.overlap_tp or u.cp > 1 for u in plan.units)
+
+
+def test_the_plan_check_reads_each_units_zero_stage():
+    """train/memory_check.py `check_plan`: the same plan of the mid-size model (LLM dp 4)
+    needs less per device at ZeRO-3 than at ZeRO-1 or 2; ZeRO-2 trades the whole float32
+    accumulators for the backward's flat float32 buffer (3/4 of them saved, one added)."""
+    import re
+
+    from mmjax.planner.plan import Plan
+    from mmjax.train.data_config import train_source
+    from mmjax.train.memory_check import check_plan
+
+    cfg = named_config("disttrain/mllm_9b_mid")
+    need = {}
+    for z in (1, 2, 3):
+        plan = Plan.uniform(cfg, 8, 2, dp={"llm": 4}, zero_stage={"llm": z})
+        line = check_plan(cfg, plan, train_source(cfg), jax.devices()[0], refuse=False)
+        need[z] = float(re.search(r"llm ([\d.]+) GB", line).group(1))
+    assert need[3] < min(need[1], need[2]), need
+    assert need[2] != need[1]

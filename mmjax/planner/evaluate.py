@@ -25,7 +25,8 @@ import numpy as np
 
 from mmjax.planner.costs import UnitCost, unit_params
 from mmjax.planner.hardware import Hardware
-from mmjax.planner.memory import FROZEN_BYTES, unit_stage_bytes, zero_divisors, zero_terms
+from mmjax.planner.memory import (ACC_BYTES, FROZEN_BYTES, unit_stage_bytes, zero_divisors,
+                                  zero_terms)
 from mmjax.models.units import UnitDag, is_encoder
 
 
@@ -61,6 +62,26 @@ def p2p_time(cost: UnitCost, c: Choice, dp_llm: int, hw: Hardware) -> float:
 def warmup_time(cost: UnitCost, c: Choice, dp_llm: int, hw: Hardware) -> float:
     return (samples_per_rank(c, dp_llm) * cost.time_s[c.tp] / c.vpp
             + c.pp * p2p_time(cost, c, dp_llm, hw))
+
+
+def sync_share(cost: UnitCost) -> float:
+    """The share of ZeRO-1's per-step sync the unit's ZeRO stage keeps (`sync_time`)."""
+    return {1: 1.0, 2: 0.5, 3: 0.0}[cost.zero_stage]
+
+
+def state_need(cost: UnitCost, dp):
+    """Bytes x GPUs the unit's parameter-sized state needs at `dp` ranks (the candidate
+    bounds' numerator: / its GPUs <= HBM - activations): ZeRO-1 shards the weights over
+    tp x pp only (x dp copies), ZeRO-2 the accumulators over dp too, ZeRO-3 everything (a
+    lower bound: its gathered layers are left out)."""
+    if cost.zero_stage == 1 or cost.step_weight_bytes is None:
+        return cost.weight_bytes * dp + cost.optimizer_bytes
+    t, f = unit_params(cost)
+    z = zero_terms(t, f, cost.dtype_bytes, cost.zero_stage, 1)
+    sharded = z.accumulators + (z.params + z.frozen + z.backward
+                                if cost.zero_stage == 3 else 0.0)
+    return (cost.weight_bytes - ACC_BYTES * t) * dp + sharded + cost.optimizer_bytes \
+        if cost.zero_stage == 2 else sharded + cost.optimizer_bytes
 
 
 def sync_time(cost: UnitCost, c: Choice, hw: Hardware) -> float:
@@ -120,7 +141,8 @@ def _zero_weights(cost: UnitCost, dp):
         return cost.weight_bytes, cost.step_weight_bytes, 0.0, zdp
     t, f = unit_params(cost)
     b = cost.dtype_bytes
-    layer = (b * t + FROZEN_BYTES * f) / max(cost.num_layers, 1)
+    per_param = (b * t + FROZEN_BYTES * f) / max(t + f, 1.0)  # gathered bytes per parameter
+    layer = per_param * (cost.layer_params or (t + f) / max(cost.num_layers, 1))
     z = zero_terms(t, f, b, cost.zero_stage, zdp, layer)
     weight = z.params + z.frozen + z.accumulators + np.maximum(z.forward, z.backward)
     return (weight, z.params + z.frozen + b * t / zero_divisors(cost.zero_stage, zdp)[1],

@@ -22,7 +22,9 @@ Per unit ZeRO stage z over the stage's ZeRO group of d dp ranks (`fsdp_group`, o
 its dp ranks; `zero_terms`, the one formula of both layouts' sharded state):
 - z = 2: the accumulators are the ZeRO shards, 4 / d bytes; each backward casts its
   per-rank partials into one flat float32 buffer for the reduce-scatter (4 bytes per
-  parameter beside the cotangents);
+  parameter beside the cotangents; compiled at float32 the backward's temporaries hold two
+  parameter-sized copies, as counted, where ZeRO-1's hold 1.8 and its term counts one:
+  a weight-dominated ZeRO-1 stage at dp 8 is underestimated by ~19%);
 - z = 3: also the compute copy and the frozen weights stored sharded (/ d) and shared by
   the ranks. Each layer is gathered whole inside the layer scan: the forward holds
   `GATHERED_FORWARD` layer's full weights, the backward `GATHERED_BACKWARD` (the layer
