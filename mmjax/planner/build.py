@@ -16,7 +16,7 @@ from mmjax.planner.partition import partition_unit
 from mmjax.planner.plan import Plan, PlanError, UnitPlan
 from mmjax.planner.workload import default_workload
 from mmjax.planner.schedule_time import schedule_time
-from mmjax.models.units import is_llm
+from mmjax.models.units import is_llm, is_vae
 
 
 # DistTrain §8.3.1: four frozen settings; the projectors are always trained
@@ -91,16 +91,18 @@ def plan_model(model, hw: Hardware, num_gpus: int, global_batch: int, workload=N
     unit the plan's `remat` is the least recompute that fits; the LLM gets context
     parallelism when sequences are long or nothing fits without it and it is faster
     (planner/knobs.py), and overlapped TP where the cost model says it hides the TP
-    collectives. When no plan fits at ZeRO-1, every unit at ZeRO-2, then at ZeRO-3
-    (`knobs.zero_cost`: its sharded state, gathered layers and traffic)."""
+    collectives. When no plan fits at ZeRO-1, every unit (but the forward-only VAE, whole on
+    each device) at ZeRO-2, then at ZeRO-3 (`knobs.zero_cost`: its sharded state, gathered
+    layers and traffic)."""
     wl = workload or default_workload(model)
     analytic, layer_costs = model_costs(model, hw, wl, recompute, attention_impl)
     costs = costs or analytic
     first = None
     for zero in ZERO_STAGES:  # ZeRO-2, then 3, only when nothing fits at the stage before
         try:
-            return _fit(model, wl, tuple(zero_cost(c, zero, hw) for c in costs), layer_costs,
-                        hw, num_gpus, global_batch, vpp, gpu_tolerance, attention_impl)
+            zeroed = tuple(c if is_vae(c.name) else zero_cost(c, zero, hw) for c in costs)
+            return _fit(model, wl, zeroed, layer_costs, hw, num_gpus, global_batch, vpp,
+                        gpu_tolerance, attention_impl)
         except PlanError as e:
             first = first or e
     raise first
