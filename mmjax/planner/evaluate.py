@@ -77,11 +77,10 @@ def state_need(cost: UnitCost, dp):
     if cost.zero_stage == 1 or cost.step_weight_bytes is None:
         return cost.weight_bytes * dp + cost.optimizer_bytes
     t, f = unit_params(cost)
-    z = zero_terms(t, f, cost.dtype_bytes, cost.zero_stage, 1)
-    sharded = z.accumulators + (z.params + z.frozen + z.backward
-                                if cost.zero_stage == 3 else 0.0)
-    return (cost.weight_bytes - ACC_BYTES * t) * dp + sharded + cost.optimizer_bytes \
-        if cost.zero_stage == 2 else sharded + cost.optimizer_bytes
+    z = zero_terms(t, f, cost.dtype_bytes, cost.zero_stage, 1)  # / dp at dp = 1: whole
+    if cost.zero_stage == 2:  # the accumulators sharded, the rest copied per dp rank
+        return (cost.weight_bytes - ACC_BYTES * t) * dp + z.accumulators + cost.optimizer_bytes
+    return z.params + z.frozen + z.accumulators + z.backward + cost.optimizer_bytes
 
 
 def sync_time(cost: UnitCost, c: Choice, hw: Hardware) -> float:

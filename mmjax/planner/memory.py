@@ -106,17 +106,22 @@ def zero_terms(trainable: float, frozen: float, b: int, zero: int, dp, layer: fl
     layer's full weights as the scan gathers them (compute dtype, frozen in float32)."""
     g, w = zero_divisors(zero, dp)
     s = trainable / dp
-    z3 = zero == 3
-    stacked = (b * trainable + FROZEN_BYTES * frozen) / dp if z3 else 0.0
-    backward = ((STACK_COPIES - 1) * b * trainable / dp + ACC_BYTES * trainable / dp
-                + FROZEN_BYTES * frozen / dp) if z3 else (
-        b * trainable + (ACC_BYTES * trainable if zero == 2 else 0.0))
+    backward = b * trainable + (ACC_BYTES * trainable if zero == 2 else 0.0)
+    stacked = gathered = 0.0
+    if zero == 3:  # with dp > 1: the runtime gathers in the scan only then
+        many = dp > 1
+        stacked = many * (b * trainable + FROZEN_BYTES * frozen) / dp
+        gathered = many * layer
+        z3 = (STACK_COPIES - 1) * b * trainable / dp + (ACC_BYTES * trainable
+                                                        + FROZEN_BYTES * frozen) / dp
+        backward = (np.where(many, z3, backward) if isinstance(many, np.ndarray)
+                    else z3 if many else backward)
     return ZeroTerms(master=MASTER_BYTES * s, optimizer=ADAM_BYTES * s,
                      params=b * trainable / w, frozen=FROZEN_BYTES * frozen / w,
                      accumulators=ACC_BYTES * trainable / g, forward=stacked,
                      backward=backward, step=step_bytes(b, dp, zero) * s + b * trainable / w,
-                     gathered_forward=GATHERED_FORWARD * layer if z3 else 0.0,
-                     gathered_backward=GATHERED_BACKWARD * layer if z3 else 0.0)
+                     gathered_forward=GATHERED_FORWARD * gathered,
+                     gathered_backward=GATHERED_BACKWARD * gathered)
 
 
 @dataclass(frozen=True)
