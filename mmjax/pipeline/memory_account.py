@@ -126,7 +126,8 @@ def predicted_stage(cfg, plan, ps, sid, flight: int, b: int = 4):
                             side["inputs"][key].shape[-1], out_tokens, cfg.llm.hidden_size,
                             end - start, first, last)
     return stage_memory(trainable, frozen, acts, up.remat, dp, 1.0, flight, b,
-                        *_zero_args(up, st.fns.zero_mesh, trainable, frozen, end - start, b))
+                        *_zero_args(up, st.fns.zero_mesh, trainable, frozen, end - start, b),
+                        layers=end - start)
 
 
 def _zero_args(up, zmesh, trainable: float, frozen: float, layers: int, b: int) -> tuple:
@@ -226,4 +227,4 @@ def predicted_abstract(cfg, up, r: dict, flight: int, b: int = 4, layers: int = 
     zdp = up.dp if not up.fsdp_group else up.fsdp_group // (up.tp * up.cp)
     layer = b * r["trainable"] / layers if up.zero_stage == 3 else 0.0
     return stage_memory(r["trainable"], 0, acts, up.remat, up.dp, 1.0, flight, b,
-                        up.zero_stage, zdp, layer)
+                        up.zero_stage, zdp, layer, layers)

@@ -99,21 +99,23 @@ class ZeroTerms:
     gathered_backward: float  # ... and in a backward
 
 
-def zero_terms(trainable: float, frozen: float, b: int, zero: int, dp, layer: float = 0.0
-               ) -> ZeroTerms:
+def zero_terms(trainable: float, frozen: float, b: int, zero: int, dp, layer: float = 0.0,
+               scanned: bool = True) -> ZeroTerms:
     """`trainable` / `frozen` parameters of a stage on one TP rank, compute dtype `b`
     bytes, ZeRO stage `zero` over `dp` ranks (the ZeRO group), `layer` the bytes of one
-    layer's full weights as the scan gathers them (compute dtype, frozen in float32)."""
+    layer's full weights as the scan gathers them (compute dtype, frozen in float32);
+    `scanned` False: a stage of one layer, which runs without the scan's stacked copies
+    (its cotangent shards and their float32 cast alone)."""
     g, w = zero_divisors(zero, dp)
     s = trainable / dp
     backward = b * trainable + (ACC_BYTES * trainable if zero == 2 else 0.0)
     stacked = gathered = 0.0
     if zero == 3:  # with dp > 1: the runtime gathers in the scan only then
         many = dp > 1
-        stacked = many * (b * trainable + FROZEN_BYTES * frozen) / dp
+        stacked = many * scanned * (b * trainable + FROZEN_BYTES * frozen) / dp
         gathered = many * layer
-        z3 = (STACK_COPIES - 1) * b * trainable / dp + (ACC_BYTES * trainable
-                                                        + FROZEN_BYTES * frozen) / dp
+        z3 = ((STACK_COPIES - 1) * b * trainable + ACC_BYTES * trainable
+              + FROZEN_BYTES * frozen) / dp if scanned else (b + ACC_BYTES) * trainable / dp
         backward = (np.where(many, z3, backward) if isinstance(many, np.ndarray)
                     else z3 if many else backward)
     return ZeroTerms(master=MASTER_BYTES * s, optimizer=ADAM_BYTES * s,
@@ -251,17 +253,35 @@ class StageMemory:
         return max(run + self.forward_work, run + self.backward_work, step)
 
 
+def scan_checkpoint_acts(acts: Acts, remat: str, layers: int) -> tuple[float, float]:
+    """(kept per in-flight microbatch, one backward's rebuilt bytes) of one sample when the
+    layer scan checkpoints each layer under "dots" (models/scan.py: a ZeRO-3 stage's gather
+    sets it, so no gathered weight is saved): the stage keeps the "dots" residuals (plus
+    its input) under "none" and "dots" and its input alone under "full", whose backward
+    first re-runs the forward (keeping the "dots" residuals again); a backward rebuilds
+    one layer's other residuals at a time, plus one score buffer."""
+    one = (acts.none - acts.dots) / max(layers, 1) + acts.scores
+    if remat == "full":
+        return acts.input, acts.dots + one
+    return acts.dots + acts.input, one
+
+
 def stage_memory(trainable: float, frozen: float, acts: Acts, remat: str, dp: int,
                  samples: float, in_flight: float, b: int, zero: int = 1,
-                 zero_dp: int | None = None, layer: float = 0.0) -> StageMemory:
+                 zero_dp: int | None = None, layer: float = 0.0,
+                 layers: int = 1) -> StageMemory:
     """One stage on one device: `trainable` / `frozen` the parameters one TP rank holds
-    (`tp_rank_params`), `acts` its layers' (one sample), `samples` per dp rank per
+    (`tp_rank_params`), `acts` its `layers` layers' (one sample), `samples` per dp rank per
     microbatch, `b` the compute dtype's bytes; ZeRO stage `zero` over `zero_dp` ranks (its
     FSDP group; default all `dp`), `layer` one layer's gathered bytes (`zero_terms`)."""
-    z = zero_terms(trainable, frozen, b, zero, zero_dp or dp, layer)
-    keep = samples * (acts.kept(remat) + (acts.input if remat != "none" else 0))
-    bwd = z.backward + z.gathered_backward + samples * (
-        SCORE_BUFFERS * acts.scores if remat == "none" else acts.recomputed(remat))
+    z = zero_terms(trainable, frozen, b, zero, zero_dp or dp, layer, layers > 1)
+    if zero == 3 and (zero_dp or dp) > 1:  # each layer checkpointed in the gathering scan
+        keep, rebuilt = scan_checkpoint_acts(acts, remat, layers)
+        keep, bwd = samples * keep, z.backward + z.gathered_backward + samples * rebuilt
+    else:
+        keep = samples * (acts.kept(remat) + (acts.input if remat != "none" else 0))
+        bwd = z.backward + z.gathered_backward + samples * (
+            SCORE_BUFFERS * acts.scores if remat == "none" else acts.recomputed(remat))
     fwd = z.forward + z.gathered_forward + samples * acts.scores * (1 if remat == "none" else 2)
     return StageMemory(master=z.master, optimizer=z.optimizer, params=z.params,
                        frozen=z.frozen, accumulators=z.accumulators, residuals=keep,
