@@ -107,6 +107,8 @@ def test_the_planner_prices_each_zero_stage():
     two gathered layers; ZeRO-2 shards the accumulators alone; groups of 4 ranks shard 4
     ways; the step's sync is half at ZeRO-2 and gone at ZeRO-3, the gathers' exposed time
     is in the stage time instead."""
+    import dataclasses
+
     from mmjax.planner.build import model_costs
     from mmjax.planner.costs import unit_params
     from mmjax.planner.evaluate import Choice, stage_bytes, sync_time
@@ -128,6 +130,13 @@ def test_the_planner_prices_each_zero_stage():
     assert z3 < z1 / 2
     grouped = no_acts(with_zero(llm, 3, group=4))
     assert grouped == pytest.approx((3 * b + 8 + 12) * t / 4 + 2 * 4 * f / 4 + gathered, rel=1e-9)
+    # activations at ZeRO-3, dp > 1: every layer checkpointed in the gathering scan keeps
+    # the "dots" residuals and rebuilds one layer at a time (at dp 1 nothing is gathered)
+    auto, _ = model_costs(m, hw, wl)
+    none3 = with_zero(next(c for c in auto if c.name == "llm"), 3).variants["none"]
+    acts = lambda c, dp: stage_bytes(c, 1, dp, 1, 1.0, 1.0) - stage_bytes(c, 1, dp, 1, 0.0, 0.0)
+    plain = dataclasses.replace(none3, scan=None)  # every residual kept, the whole stage
+    assert 0 < acts(none3, 8) < acts(plain, 8)  # rebuilt at once
     ch = Choice(1, 8, 1)
     s1, s2, s3 = (sync_time(zero_cost(llm, z, hw), ch, hw) for z in (1, 2, 3))
     assert s1 > 0 and s2 == pytest.approx(s1 / 2) and s3 == 0.0

@@ -124,6 +124,9 @@ class UnitCost:
     zero_group: int = 0
     layer_params: float = 0.0  # one layer's parameters (module_params.layer_params); 0: /
     #                            num_layers of the unit's
+    # ZeRO-3 with dp > 1: this cost's activation terms with every layer checkpointed in the
+    # gathering scan (knobs.with_zero; memory.scan_checkpoint_acts)
+    scan: UnitCost | None = field(default=None, compare=False, repr=False)
 
 
 def unit_params(cost: UnitCost) -> tuple[float, float]:

@@ -119,12 +119,19 @@ def stage_bytes(cost: UnitCost, tp, dp, pp, spr, flight, exact: bool = False):
     `flight_scale`; `exact`: `flight` is the runtime's count already."""
     k = 1.0 if exact else cost.flight_scale
     weight, step_weight, gathered, zdp = _zero_weights(cost, dp)
-    run = unit_stage_bytes(weight, cost.optimizer_bytes,
-                           k * _per_tp(cost.activation_bytes, tp), k * cost.input_bytes,
-                           _per_tp(cost.work_bytes, tp), _per_tp(cost.fixed_bytes, tp),
-                           step_weight, cost.replicated, tp, zdp, pp, spr, flight,
-                           cost.dtype_bytes, cost.zero_stage, gathered)
-    return run
+
+    def on(c: UnitCost):
+        return unit_stage_bytes(weight, c.optimizer_bytes,
+                                k * _per_tp(c.activation_bytes, tp), k * c.input_bytes,
+                                _per_tp(c.work_bytes, tp), _per_tp(c.fixed_bytes, tp),
+                                step_weight, c.replicated, tp, zdp, pp, spr, flight,
+                                c.dtype_bytes, c.zero_stage, gathered)
+    if cost.scan is None:
+        return on(cost)
+    many = zdp > 1  # ZeRO-3 gathers in the scan, each layer checkpointed, only with dp > 1
+    if isinstance(many, np.ndarray):
+        return np.where(many, on(cost.scan), on(cost))
+    return on(cost.scan) if many else on(cost)
 
 
 def zero_dp(cost: UnitCost, dp):

@@ -94,13 +94,37 @@ def overlap_pays(model, wl, tp: int, hw: Hardware, attention_impl=None) -> bool:
 def with_zero(cost: UnitCost, zero: int, group: int = 0) -> UnitCost:
     """`cost` (and its remat variants) at ZeRO stage `zero` over groups of `group` dp ranks
     (0: all): its memory terms only (evaluate.py `stage_bytes`); `zero_cost` adds the
-    traffic to the times."""
-    out = dataclasses.replace(cost, zero_stage=zero, zero_group=group)
+    traffic to the times. At ZeRO-3 each variant carries its `scan` view (`_scan_view`)."""
+    def one(v: UnitCost) -> UnitCost:
+        z = dataclasses.replace(v, zero_stage=zero, zero_group=group)
+        return dataclasses.replace(z, scan=_scan_view(z, cost)) if zero == 3 else z
+
+    out = one(cost)
     if cost.variants:
-        out = dataclasses.replace(out, variants={
-            p: dataclasses.replace(v, zero_stage=zero, zero_group=group)
-            for p, v in cost.variants.items()})
+        out = dataclasses.replace(out, variants={p: one(v) for p, v in cost.variants.items()})
     return out
+
+
+def _scan_view(v: UnitCost, cost: UnitCost) -> UnitCost | None:
+    """Variant `v` of `cost` with its activation terms as a ZeRO-3 stage runs them (dp > 1:
+    every layer checkpointed under "dots" in the gathering scan,
+    memory.py `scan_checkpoint_acts`), from `cost`'s "none" and "dots" variants (None
+    without them: the plain terms stand)."""
+    if not cost.variants:
+        return None
+    none, dots = cost.variants["none"], cost.variants["dots"]
+    layers = max(cost.num_layers, 1)
+    act, work, fixed = {}, {}, {}
+    for t in v.time_s:
+        n, d = none.activation_bytes.get(t, 0.0), dots.activation_bytes.get(t, 0.0)
+        scores = max(none.fixed_bytes.get(t, 0.0) - dots.fixed_bytes.get(t, 0.0), 0.0) / 3
+        one = (n - d) / layers + scores
+        act[t] = 0.0 if v.remat == "full" else d
+        work[t] = d + one if v.remat == "full" else one
+        fixed[t] = dots.fixed_bytes.get(t, 0.0)  # the stage input and output: as "dots"
+    return dataclasses.replace(v, activation_bytes=act, work_bytes=work, fixed_bytes=fixed,
+                               input_bytes=v.input_bytes if v.remat == "full"
+                               else dots.input_bytes, scan=None)
 
 
 def zero_exposed_s(cost: UnitCost, tp: int, zero: int, hw: Hardware) -> tuple[float, float]:
@@ -132,10 +156,11 @@ def zero_cost(cost: UnitCost, zero: int, hw: Hardware) -> UnitCost:
     def one(c: UnitCost) -> UnitCost:
         ex = {t: zero_exposed_s(c, t, zero, hw) for t in c.time_s}
         return dataclasses.replace(
-            c, zero_stage=zero, time_s={t: c.time_s[t] + sum(ex[t]) for t in c.time_s},
+            c, time_s={t: c.time_s[t] + sum(ex[t]) for t in c.time_s},
             fwd_s={t: c.fwd_s[t] + ex[t][0] for t in c.fwd_s})
 
-    out = one(cost)
+    timed = one(cost)
     if cost.variants:
-        out = dataclasses.replace(out, variants={p: one(v) for p, v in cost.variants.items()})
-    return out
+        timed = dataclasses.replace(timed, variants={p: one(v)
+                                                     for p, v in cost.variants.items()})
+    return with_zero(timed, zero)
