@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 
 from mmjax.planner.costs import UnitCost, unit_params
-from mmjax.planner.memory import ACC_BYTES, FROZEN_BYTES
+from mmjax.planner.memory import ACC_BYTES, FROZEN_BYTES, SCORE_BUFFERS
 from mmjax.planner.unit_work import ACT_BYTES, Work, unit_work
 from mmjax.planner.hardware import Hardware
 
@@ -117,7 +117,8 @@ def _scan_view(v: UnitCost, cost: UnitCost) -> UnitCost | None:
     act, work, fixed = {}, {}, {}
     for t in v.time_s:
         n, d = none.activation_bytes.get(t, 0.0), dots.activation_bytes.get(t, 0.0)
-        scores = max(none.fixed_bytes.get(t, 0.0) - dots.fixed_bytes.get(t, 0.0), 0.0) / 3
+        scores = max(none.fixed_bytes.get(t, 0.0) - dots.fixed_bytes.get(t, 0.0),
+                     0.0) / SCORE_BUFFERS
         one = (n - d) / layers + scores
         act[t] = 0.0 if v.remat == "full" else d
         work[t] = d + one if v.remat == "full" else one
