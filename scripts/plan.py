@@ -119,12 +119,14 @@ def unit_table(plan, title: str) -> Table:
     p = plan.predicted
     t = Table(title=f"{title}: {p['iteration_time_s']:.3f} s/iter, MFU {100 * p['mfu']:.1f}%, "
                     f"{p['gpus']} GPUs")
-    for col in ("unit", "GPUs", "DP", "TP", "PP", "VPP", "layers/stage", "stage time (s)",
-                "memory (GB/GPU)", "frozen"):
+    zero = any(u.zero_stage > 1 for u in plan.units)  # the planner's ZeRO-2/3 when needed
+    for col in ("unit", "GPUs", "DP", "TP", "PP", "VPP") + ("ZeRO",) * zero + (
+            "layers/stage", "stage time (s)", "memory (GB/GPU)", "frozen"):
         t.add_column(col, justify="left" if col in ("unit", "layers/stage") else "right")
     for u in plan.units:
         layers = ",".join(str(x) for x in u.layers)
         t.add_row(u.name, str(u.num_devices), str(u.dp), str(u.tp), str(u.pp), str(u.num_chunks),
+                  *((str(u.zero_stage),) * zero),
                   layers if len(layers) < 40 else layers[:37] + "...",
                   _cell(p['stage_time_s'], u.name, "{:.4f}"), _cell(p['memory_gb'], u.name, "{:.1f}"),
                   "yes" if u.frozen else "")

@@ -9,13 +9,14 @@ from mmjax.planner.unit_work import impl_of, unit_work
 from mmjax.planner.evaluate import (Choice, evaluate, in_flight, pipeline_in_flight,
                                     remat_variant)
 from mmjax.planner.hardware import Hardware
-from mmjax.planner.knobs import CP_SIZES, LONG_SEQUENCE, cp_cost, overlap_pays
+from mmjax.planner.knobs import CP_SIZES, LONG_SEQUENCE, cp_cost, overlap_pays, zero_cost
+from mmjax.planner.memory import ZERO_STAGES
 from mmjax.planner.orchestrate import GPU_TOLERANCE, orchestrate
 from mmjax.planner.partition import partition_unit
 from mmjax.planner.plan import Plan, PlanError, UnitPlan
 from mmjax.planner.workload import default_workload
 from mmjax.planner.schedule_time import schedule_time
-from mmjax.models.units import is_llm
+from mmjax.models.units import is_llm, is_vae
 
 
 # DistTrain §8.3.1: four frozen settings; the projectors are always trained
@@ -49,7 +50,7 @@ def to_plan(model, costs: tuple[UnitCost, ...], choices: dict[str, Choice], glob
         g = cp if is_llm(cost.name) else 1  # the LLM's cost is keyed by tp * cp (knobs.py)
         units.append(UnitPlan(name=cost.name, dp=ch.dp, tp=ch.tp // g, pp=ch.pp, cp=g,
                               layers=layers, num_chunks=ch.vpp, frozen=model.frozen(cost.name),
-                              remat=remat,
+                              remat=remat, zero_stage=cost.zero_stage,
                               attention_impl=impl_of(attention_impl, cost.name) or "auto"))
     dp_llm = choices["llm"].dp
     plan = Plan(tuple(units), global_batch, global_batch // dp_llm, kind=kind,
@@ -90,10 +91,26 @@ def plan_model(model, hw: Hardware, num_gpus: int, global_batch: int, workload=N
     unit the plan's `remat` is the least recompute that fits; the LLM gets context
     parallelism when sequences are long or nothing fits without it and it is faster
     (planner/knobs.py), and overlapped TP where the cost model says it hides the TP
-    collectives."""
+    collectives. When no plan fits at ZeRO-1, every unit (but the forward-only VAE, whole on
+    each device) at ZeRO-2, then at ZeRO-3 (`knobs.zero_cost`: its sharded state, gathered
+    layers and traffic)."""
     wl = workload or default_workload(model)
     analytic, layer_costs = model_costs(model, hw, wl, recompute, attention_impl)
     costs = costs or analytic
+    first = None
+    for zero in ZERO_STAGES:  # ZeRO-2, then 3, only when nothing fits at the stage before
+        try:
+            zeroed = tuple(c if is_vae(c.name) else zero_cost(c, zero, hw) for c in costs)
+            return _fit(model, wl, zeroed, layer_costs, hw, num_gpus, global_batch, vpp,
+                        gpu_tolerance, attention_impl)
+        except PlanError as e:
+            first = first or e
+    raise first
+
+
+def _fit(model, wl, costs, layer_costs, hw, num_gpus, global_batch, vpp, gpu_tolerance,
+         attention_impl) -> Plan:
+    """`_solve` until every stage fits with the runtime's in-flight microbatches."""
     for _ in range(FIT_ROUNDS):
         plan = _solve(model, wl, costs, layer_costs, hw, num_gpus, global_batch, vpp,
                       gpu_tolerance, attention_impl)
@@ -128,6 +145,12 @@ def _deeper(cost: UnitCost, plan: Plan, global_batch: int) -> UnitCost:
 
 def _solve(model, wl, costs, layer_costs, hw, num_gpus, global_batch, vpp, gpu_tolerance,
            attention_impl) -> Plan:
+    if any(c.zero_stage > 1 for c in costs):  # the planner's ZeRO-2/3 runs without CP
+        best, error = _fastest_cp(model, wl, costs, (1,), hw, num_gpus, global_batch, vpp,
+                                  gpu_tolerance)
+        if best is None:
+            raise error
+        return _finish(model, wl, best, layer_costs, global_batch, hw, attention_impl)
     long = wl.llm_moments()[0] >= LONG_SEQUENCE
     best, error = _fastest_cp(model, wl, costs, (1,) + (CP_SIZES if long else ()), hw,
                               num_gpus, global_batch, vpp, gpu_tolerance)
@@ -147,6 +170,8 @@ def _fastest_cp(model, wl, costs, cps, hw, num_gpus, global_batch, vpp, gpu_tole
     for cp in cps:
         try_costs = tuple(cp_cost(model, wl, c, cp, hw) if is_llm(c.name) else c
                           for c in costs)
+        if any(not c.time_s for c in try_costs):  # no tp x cp group fits in a node
+            continue
         try:
             res = orchestrate(try_costs, hw, num_gpus, global_batch, vpp, gpu_tolerance)
         except PlanError as e:
@@ -165,8 +190,8 @@ def _finish(model, wl, best, layer_costs, global_batch, hw, attention_impl) -> P
     plan = to_plan(model, costs, res.choices, global_batch, hw, "disaggregated", layer_costs,
                    res.solve_time_s, res.optimal_time_s, attention_impl, cp=cp)
     llm = plan.unit("llm")
-    if cp == 1 and llm.attention_impl != "pallas" and overlap_pays(model, wl, llm.tp, hw,
-                                                                   attention_impl):
+    if cp == 1 and llm.attention_impl != "pallas" and llm.zero_stage < 3 and overlap_pays(
+            model, wl, llm.tp, hw, attention_impl):
         units = tuple(dataclasses.replace(u, overlap_tp=True) if is_llm(u.name) else u
                       for u in plan.units)
         plan = dataclasses.replace(plan, units=units).validate(model, plan.num_devices)

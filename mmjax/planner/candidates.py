@@ -13,7 +13,7 @@ import itertools
 import numpy as np
 
 from mmjax.planner.costs import UnitCost
-from mmjax.planner.evaluate import leanest, stage_bytes, variants
+from mmjax.planner.evaluate import leanest, stage_bytes, state_need, sync_share, variants
 from mmjax.planner.hardware import Hardware
 
 
@@ -59,11 +59,11 @@ def _unit_inputs(cost: UnitCost, hw: Hardware, dps, is_llm: bool, bs: int):
     e = np.zeros_like(c)
     if is_llm and cost.grad_bytes:
         bw = np.where(d * tps <= hw.gpus_per_node, hw.nvlink_bw, hw.nic_bw)
-        e = np.where(d > 1, 2 * (d - 1) * cost.grad_bytes / bw, 0.0)
+        e = np.where(d > 1, 2 * (d - 1) * cost.grad_bytes / bw, 0.0) * sync_share(cost)
     act = act1 * np.minimum(1.0, m[:, None] / cost.num_layers)
     room = hw.hbm_bytes - act
     with np.errstate(divide="ignore"):
-        need = (cost.weight_bytes * dp_lo + cost.optimizer_bytes) / room
+        need = state_need(cost, dp_lo) / room
     lo = np.maximum(tps * dp_lo, need)
     hi = tps * d * cost.num_layers
     return tps, c, e, slope, lo, hi, room > 0
@@ -93,7 +93,8 @@ def _llm_terms(cost: UnitCost, hw: Hardware, vpp: bool, dp, tp, mm, lo_rest_sum,
     p2p = 1.0 * cost.boundary_bytes / hw.nic_bw
     if cost.grad_bytes:
         bw = np.where(d * t <= hw.gpus_per_node, hw.nvlink_bw, hw.nic_bw)
-        sync = np.where(d > 1, 2 * (d - 1) / d * cost.grad_bytes / (t * pps) / bw, 0.0)
+        sync = np.where(d > 1, 2 * (d - 1) / d * cost.grad_bytes / (t * pps) / bw,
+                        0.0) * sync_share(cost)
     else:
         sync = np.zeros_like(gpus)
     out = []

@@ -44,21 +44,11 @@ import math
 from dataclasses import dataclass, field
 
 from mmjax.models.units import is_encoder, is_llm
-from mmjax.planner.costs import UnitCost
+from mmjax.planner.costs import UnitCost, unit_params
 from mmjax.planner.hardware import Hardware
 from mmjax.planner.colocated_memory import UnitLoad, colocated_memory
-from mmjax.planner.memory import (ACC_BYTES, ADAM_BYTES, F32, FROZEN_BYTES, MASTER_BYTES,
-                                  REMATS, SCORE_BUFFERS, Acts)
-
-ZERO_STAGES = (1, 2, 3)
-
-
-def unit_params(cost: UnitCost) -> tuple[float, float]:
-    """(trainable, frozen) parameters of the whole unit, from its byte terms."""
-    trainable = cost.optimizer_bytes / (MASTER_BYTES + ADAM_BYTES)
-    frozen = (cost.weight_bytes - (2 * cost.dtype_bytes + ACC_BYTES) * trainable) / FROZEN_BYTES
-    return trainable, max(frozen, 0.0)
-
+from mmjax.planner.memory import (ADAM_BYTES, F32, FROZEN_BYTES, REMATS, SCORE_BUFFERS,
+                                  ZERO_STAGES, Acts)
 
 def _share(cost: UnitCost, tp: int) -> float:
     return (1 - cost.replicated) / tp + cost.replicated

@@ -37,9 +37,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mmjax.planner.memory import ADAM_BYTES, F32, FROZEN_BYTES, Acts
+from mmjax.planner.memory import (ADAM_BYTES, F32, FROZEN_BYTES, GATHERED_BACKWARD,
+                                  GATHERED_FORWARD, Acts, zero_divisors)
 
-GATHERED_LAYERS = 3  # forward gather, backward gather, the layer's whole gradient
+# one program: the forward's gathered layer stays live through the backward's gather and
+# the layer's whole gradient (a pipeline stage's separate programs hold one or the other)
+GATHERED_LAYERS = GATHERED_FORWARD + GATHERED_BACKWARD
 
 
 @dataclass(frozen=True)
@@ -91,11 +94,12 @@ def colocated_memory(units: list[UnitLoad]) -> ColocatedMemory:
     params = opt = copy = grads = gathered = kept = work = inputs = 0.0
     for u in units:
         z3 = u.stage == 3 and u.dp > 1
-        params += (F32 * u.trainable + FROZEN_BYTES * u.frozen) / (u.dp if z3 else 1)
+        _, w = zero_divisors(u.stage, u.dp)  # the weights' divisor: dp at stage 3
+        params += (F32 * u.trainable + FROZEN_BYTES * u.frozen) / w
         opt += ADAM_BYTES * u.trainable / u.dp
         if u.compute_bytes < F32 and u.stage < 3:  # at 3 the gathered layer is cast alone
             copy += u.compute_bytes * (u.trainable + u.frozen)
-        grads += F32 * u.trainable / (u.dp if z3 else 1)
+        grads += F32 * u.trainable / w  # stage 2 forms them whole before reduce-scattering
         a = u.acts
         inputs += u.samples * u.input_bytes
         kept += u.samples * (a.dots + a.input + a.boundary)

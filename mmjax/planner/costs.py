@@ -41,7 +41,7 @@ from mmjax.models.config import MLLMConfig, VisionConfig
 from mmjax.models.units import is_generator, is_llm, is_vae
 from mmjax.planner import memory
 from mmjax.planner.hardware import Hardware
-from mmjax.planner.module_params import replicated_params
+from mmjax.planner.module_params import layer_params, replicated_params
 from mmjax.planner.unit_work import ACT_BYTES, UnitWork, Work, impl_of, unit_work, vae_side
 from mmjax.planner.workload import Workload
 
@@ -118,6 +118,23 @@ class UnitCost:
     # the orchestrator's in-flight count x this = the runtime's (build.py: an encoder's
     # first stage also holds the LLM's pipeline depth)
     flight_scale: float = 1.0
+    # the unit's ZeRO stage (planner/memory.py `zero_terms`; knobs.py `zero_cost` adds its
+    # traffic to the times) and its ZeRO group in dp ranks (0: all of a stage's dp ranks)
+    zero_stage: int = 1
+    zero_group: int = 0
+    layer_params: float = 0.0  # one layer's parameters (module_params.layer_params); 0: /
+    #                            num_layers of the unit's
+    # ZeRO-3 with dp > 1: this cost's activation terms with every layer checkpointed in the
+    # gathering scan (knobs.with_zero; memory.scan_checkpoint_acts)
+    scan: UnitCost | None = field(default=None, compare=False, repr=False)
+
+
+def unit_params(cost: UnitCost) -> tuple[float, float]:
+    """(trainable, frozen) parameters of the whole unit, from its byte terms."""
+    trainable = cost.optimizer_bytes / memory.OPTIMIZER_BYTES
+    frozen = ((cost.weight_bytes - (2 * cost.dtype_bytes + memory.ACC_BYTES) * trainable)
+              / memory.FROZEN_BYTES)
+    return trainable, max(frozen, 0.0)
 
 
 def _vae_acts(model: MLLMConfig, wl: Workload) -> memory.Acts:
@@ -189,7 +206,9 @@ def unit_cost(model: MLLMConfig, wl: Workload, unit: str, hw: Hardware,
                     work_bytes=work, fixed_bytes=fixed,
                     step_weight_bytes=2 * b * trainable + memory.FROZEN_BYTES * frozen,
                     replicated=replicated_params(model, unit) / max(uw.params, 1),
-                    dtype_bytes=b)
+                    dtype_bytes=b,
+                    layer_params=0.0 if is_vae(unit) else layer_params(
+                        model, unit, uw.params, len(uw.layers)))
 
 
 def with_remat_variants(model: MLLMConfig, wl: Workload, unit: str, hw: Hardware,

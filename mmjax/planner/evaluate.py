@@ -23,9 +23,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mmjax.planner.costs import UnitCost
+from mmjax.planner.costs import UnitCost, unit_params
 from mmjax.planner.hardware import Hardware
-from mmjax.planner.memory import unit_stage_bytes
+from mmjax.planner.memory import (ACC_BYTES, FROZEN_BYTES, unit_stage_bytes, zero_divisors,
+                                  zero_terms)
 from mmjax.models.units import UnitDag, is_encoder
 
 
@@ -63,11 +64,34 @@ def warmup_time(cost: UnitCost, c: Choice, dp_llm: int, hw: Hardware) -> float:
             + c.pp * p2p_time(cost, c, dp_llm, hw))
 
 
+def sync_share(cost: UnitCost) -> float:
+    """The share of ZeRO-1's per-step sync the unit's ZeRO stage keeps (`sync_time`)."""
+    return {1: 1.0, 2: 0.5, 3: 0.0}[cost.zero_stage]
+
+
+def state_need(cost: UnitCost, dp):
+    """Bytes x GPUs the unit's parameter-sized state needs at `dp` ranks (the candidate
+    bounds' numerator: / its GPUs <= HBM - activations): ZeRO-1 shards the weights over
+    tp x pp only (x dp copies), ZeRO-2 the accumulators over dp too, ZeRO-3 everything (a
+    lower bound: its gathered layers are left out)."""
+    if cost.zero_stage == 1 or cost.step_weight_bytes is None:
+        return cost.weight_bytes * dp + cost.optimizer_bytes
+    t, f = unit_params(cost)
+    z = zero_terms(t, f, cost.dtype_bytes, cost.zero_stage, 1)  # / dp at dp = 1: whole
+    if cost.zero_stage == 2:  # the accumulators sharded, the rest copied per dp rank
+        return (cost.weight_bytes - ACC_BYTES * t) * dp + z.accumulators + cost.optimizer_bytes
+    return z.params + z.frozen + z.accumulators + z.backward + cost.optimizer_bytes
+
+
 def sync_time(cost: UnitCost, c: Choice, hw: Hardware) -> float:
-    """ZeRO-1 gradient reduce-scatter + parameter all-gather over the unit's DP group."""
-    if c.dp == 1 or cost.grad_bytes == 0:
+    """ZeRO-1 gradient reduce-scatter + parameter all-gather over the unit's DP group, once
+    per step; at ZeRO-2 the all-gather alone (each backward reduce-scatters: knobs.py
+    `zero_cost` prices it in the stage time), at ZeRO-3 nothing (no all-gather: the layers
+    are gathered in the scan)."""
+    if c.dp == 1 or cost.grad_bytes == 0 or cost.zero_stage == 3:
         return 0.0
-    return 2 * (c.dp - 1) / c.dp * cost.grad_bytes / (c.tp * c.pp) / hw.group_bw(c.dp * c.tp)
+    full = 2 * (c.dp - 1) / c.dp * cost.grad_bytes / (c.tp * c.pp) / hw.group_bw(c.dp * c.tp)
+    return full / 2 if cost.zero_stage == 2 else full
 
 
 def in_flight(c: Choice, num_microbatches: int) -> float:
@@ -94,12 +118,41 @@ def stage_bytes(cost: UnitCost, tp, dp, pp, spr, flight, exact: bool = False):
     The orchestrator's `flight` (the unit's own 1F1B count) is scaled by the cost's
     `flight_scale`; `exact`: `flight` is the runtime's count already."""
     k = 1.0 if exact else cost.flight_scale
-    run = unit_stage_bytes(cost.weight_bytes, cost.optimizer_bytes,
-                           k * _per_tp(cost.activation_bytes, tp), k * cost.input_bytes,
-                           _per_tp(cost.work_bytes, tp), _per_tp(cost.fixed_bytes, tp),
-                           cost.step_weight_bytes, cost.replicated, tp, dp, pp, spr, flight,
-                           cost.dtype_bytes)
-    return run
+    weight, step_weight, gathered, zdp = _zero_weights(cost, dp)
+
+    def on(c: UnitCost):
+        return unit_stage_bytes(weight, c.optimizer_bytes,
+                                k * _per_tp(c.activation_bytes, tp), k * c.input_bytes,
+                                _per_tp(c.work_bytes, tp), _per_tp(c.fixed_bytes, tp),
+                                step_weight, c.replicated, tp, zdp, pp, spr, flight,
+                                c.dtype_bytes, c.zero_stage, gathered)
+    if cost.scan is None:
+        return on(cost)
+    many = zdp > 1  # ZeRO-3 gathers in the scan, each layer checkpointed, only with dp > 1
+    if isinstance(many, np.ndarray):
+        return np.where(many, on(cost.scan), on(cost))
+    return on(cost.scan) if many else on(cost)
+
+
+def zero_dp(cost: UnitCost, dp):
+    """The ranks a unit's ZeRO state is sharded over: its ZeRO group, or all `dp`."""
+    return np.minimum(dp, cost.zero_group) if cost.zero_group else dp
+
+
+def _zero_weights(cost: UnitCost, dp):
+    """(weight, step_weight, gathered, ZeRO ranks) of `unit_stage_bytes` at the cost's ZeRO
+    stage (planner/memory.py `zero_terms`); the cost's own terms at ZeRO-1."""
+    zdp = zero_dp(cost, dp)
+    if cost.zero_stage == 1 or cost.step_weight_bytes is None:
+        return cost.weight_bytes, cost.step_weight_bytes, 0.0, zdp
+    t, f = unit_params(cost)
+    b = cost.dtype_bytes
+    per_param = (b * t + FROZEN_BYTES * f) / max(t + f, 1.0)  # gathered bytes per parameter
+    layer = per_param * (cost.layer_params or (t + f) / max(cost.num_layers, 1))
+    z = zero_terms(t, f, b, cost.zero_stage, zdp, layer)
+    weight = z.params + z.frozen + z.accumulators + np.maximum(z.forward, z.backward)
+    return (weight, z.params + z.frozen + b * t / zero_divisors(cost.zero_stage, zdp)[1],
+            np.maximum(z.gathered_forward, z.gathered_backward), zdp)
 
 
 def variants(cost: UnitCost) -> list[UnitCost]:

@@ -12,12 +12,24 @@ fits without it, and keeps it only where it is faster.
 Overlapped TP (DistTrain §7, StepCCL; parallel/collective_matmul.py): the decomposed
 matmuls hide the TP collectives behind compute at the cost of smaller matmul pieces;
 `overlap_pays` compares the two per layer with the cost model.
+
+ZeRO-2/3 of a pipelined unit (`zero_cost`; memory: planner/memory.py `zero_terms`): ZeRO-2
+reduce-scatters each microbatch's float32 partial gradients at the end of its backward
+(exposed: nothing of that program is left to hide it); ZeRO-3 all-gathers every layer's
+compute-dtype weights in the forward and again in the backward (when the layers run one)
+and reduce-scatters their gradients, layer by layer inside the scan, a layer's gather
+hidden behind the previous layer's compute: exposed max(0, traffic - compute) + one
+layer's. Traffic per microbatch of one sample (the LLM's; an upper bound for a unit whose
+rank takes several samples per microbatch, whose compute grows but not its gathers) at
+NVLink bandwidth, (d-1)/d taken as 1: a ZeRO group inside a node. The step's sync shrinks
+accordingly (evaluate.py `sync_time`).
 """
 from __future__ import annotations
 
 import dataclasses
 
-from mmjax.planner.costs import UnitCost
+from mmjax.planner.costs import UnitCost, unit_params
+from mmjax.planner.memory import ACC_BYTES, FROZEN_BYTES, SCORE_BUFFERS
 from mmjax.planner.unit_work import ACT_BYTES, Work, unit_work
 from mmjax.planner.hardware import Hardware
 
@@ -77,3 +89,79 @@ def overlap_pays(model, wl, tp: int, hw: Hardware, attention_impl=None) -> bool:
     layers = unit_work(model, wl, "llm", attention_impl).layers
     plain = sum(overlap_time(w, tp, hw)[0] for w in layers)
     return sum(overlap_time(w, tp, hw)[1] for w in layers) < plain
+
+
+def with_zero(cost: UnitCost, zero: int, group: int = 0) -> UnitCost:
+    """`cost` (and its remat variants) at ZeRO stage `zero` over groups of `group` dp ranks
+    (0: all): its memory terms only (evaluate.py `stage_bytes`); `zero_cost` adds the
+    traffic to the times. At ZeRO-3 each variant carries its `scan` view (`_scan_view`)."""
+    def one(v: UnitCost) -> UnitCost:
+        z = dataclasses.replace(v, zero_stage=zero, zero_group=group)
+        return dataclasses.replace(z, scan=_scan_view(z, cost)) if zero == 3 else z
+
+    out = one(cost)
+    if cost.variants:
+        out = dataclasses.replace(out, variants={p: one(v) for p, v in cost.variants.items()})
+    return out
+
+
+def _scan_view(v: UnitCost, cost: UnitCost) -> UnitCost | None:
+    """Variant `v` of `cost` with its activation terms as a ZeRO-3 stage runs them (dp > 1:
+    every layer checkpointed under "dots" in the gathering scan,
+    memory.py `scan_checkpoint_acts`), from `cost`'s "none" and "dots" variants (None
+    without them: the plain terms stand)."""
+    if not cost.variants:
+        return None
+    none, dots = cost.variants["none"], cost.variants["dots"]
+    layers = max(cost.num_layers, 1)
+    act, work, fixed = {}, {}, {}
+    for t in v.time_s:
+        n, d = none.activation_bytes.get(t, 0.0), dots.activation_bytes.get(t, 0.0)
+        scores = max(none.fixed_bytes.get(t, 0.0) - dots.fixed_bytes.get(t, 0.0),
+                     0.0) / SCORE_BUFFERS
+        one = (n - d) / layers + scores
+        act[t] = 0.0 if v.remat == "full" else d
+        work[t] = d + one if v.remat == "full" else one
+        fixed[t] = dots.fixed_bytes.get(t, 0.0)  # the stage input and output: as "dots"
+    return dataclasses.replace(v, activation_bytes=act, work_bytes=work, fixed_bytes=fixed,
+                               input_bytes=v.input_bytes if v.remat == "full"
+                               else dots.input_bytes, scan=None)
+
+
+def zero_exposed_s(cost: UnitCost, tp: int, zero: int, hw: Hardware) -> tuple[float, float]:
+    """(forward, backward) seconds of ZeRO traffic one sample's microbatch leaves exposed
+    on the whole unit at `tp` (module docstring)."""
+    if zero == 1:
+        return 0.0, 0.0
+    t, f = unit_params(cost)
+    share = (1 - cost.replicated) / tp + cost.replicated
+    fwd = cost.fwd_s.get(tp, cost.time_s[tp] / 3)
+    bwd = cost.time_s[tp] - fwd
+    if zero == 2:
+        return 0.0, ACC_BYTES * t * share / hw.nvlink_bw if t else 0.0
+    layers = max(cost.num_layers, 1)
+    weights = (cost.dtype_bytes * t + FROZEN_BYTES * f) * share / hw.nvlink_bw
+    backward = bwd > 0.1 * fwd  # the layers run a backward (planner/colocated.py's test)
+    g_b = (weights + cost.dtype_bytes * t * share / hw.nvlink_bw) if backward else 0.0
+    exposed = lambda traffic, compute: max(0.0, traffic - compute) + traffic / layers
+    return exposed(weights, fwd), (exposed(g_b, bwd) if backward else 0.0)
+
+
+def zero_cost(cost: UnitCost, zero: int, hw: Hardware) -> UnitCost:
+    """`cost` at ZeRO stage `zero`: `with_zero`'s memory terms and its exposed traffic
+    (`zero_exposed_s`) added to the forward and backward times, per TP size and remat
+    variant."""
+    if zero == 1:
+        return cost
+
+    def one(c: UnitCost) -> UnitCost:
+        ex = {t: zero_exposed_s(c, t, zero, hw) for t in c.time_s}
+        return dataclasses.replace(
+            c, time_s={t: c.time_s[t] + sum(ex[t]) for t in c.time_s},
+            fwd_s={t: c.fwd_s[t] + ex[t][0] for t in c.fwd_s})
+
+    timed = one(cost)
+    if cost.variants:
+        timed = dataclasses.replace(timed, variants={p: one(v)
+                                                     for p, v in cost.variants.items()})
+    return with_zero(timed, zero)

@@ -18,6 +18,21 @@ plan the planner accepts is a plan that fits:
 - the optimizer step: master, gradient shards, m, v, their new values and the gathered
   compute copy (the accumulators are gone by then).
 
+Per unit ZeRO stage z over the stage's ZeRO group of d dp ranks (`fsdp_group`, or all of
+its dp ranks; `zero_terms`, the one formula of both layouts' sharded state):
+- z = 2: the accumulators are the ZeRO shards, 4 / d bytes; each backward casts its
+  per-rank partials into one flat float32 buffer for the reduce-scatter (4 bytes per
+  parameter beside the cotangents; compiled at float32 the backward's temporaries hold two
+  parameter-sized copies, as counted, where ZeRO-1's hold 1.8 and its term counts one:
+  a weight-dominated ZeRO-1 stage at dp 8 is underestimated by ~19%);
+- z = 3: also the compute copy and the frozen weights stored sharded (/ d) and shared by
+  the ranks. Each layer is gathered whole inside the layer scan: the forward holds
+  `GATHERED_FORWARD` layer's full weights, the backward `GATHERED_BACKWARD` (the layer
+  gathered again and its whole gradient before the reduce-scatter); besides, the scan
+  stacks the shards (a copy of the compute shards in the forward; in the backward also
+  the stacked cotangents and their float32 cast: `STACK_COPIES`), and the step writes
+  the new compute shards in place of the all-gather.
+
 Residual counts per token follow the vjp of each module (models/llm.py, vision.py,
 generator.py) as XLA keeps them, tensor by tensor: on the plain TP path hidden-size tensors
 are replicated over TP ranks (no sequence parallelism) while heads, FFN and attention
@@ -51,6 +66,64 @@ DENSE_PAIR_BYTES = 10  # fp32 logits + probabilities, two boolean masks, per pai
 DENSE_ROW_BYTES = 8  # fp32 row max and row sum
 SCORE_BUFFERS = 3  # fp32 score buffers a layer's backward holds at once (dense path)
 STEP_BYTES = 12  # optimizer step beyond the state: fp32 gradient shard, 8 bytes of updates
+ZERO_STAGES = (1, 2, 3)
+GATHERED_FORWARD = 1  # ZeRO-3: layers' full weights a forward holds (the one gathered)
+GATHERED_BACKWARD = 2  # ZeRO-3 backward: the layer gathered again and its whole gradient
+STACK_COPIES = 3  # ZeRO-3 backward per shard: stacked weights, stacked cotangents, their f32
+
+
+def zero_divisors(zero: int, dp) -> tuple:
+    """(gradient, weight) divisors of ZeRO stage `zero` over `dp` ranks: stage 2 shards the
+    float32 gradients, stage 3 also the stored parameters (compute copy, frozen weights);
+    the optimizer state is / dp at every stage."""
+    if zero not in ZERO_STAGES:
+        raise ValueError(f"zero_stage={zero!r}: use one of {ZERO_STAGES}")
+    return (dp if zero >= 2 else 1), (dp if zero == 3 else 1)
+
+
+@dataclass(frozen=True)
+class ZeroTerms:
+    """Parameter-sized bytes of one pipeline stage on one device at a ZeRO stage (module
+    docstring), shared by `stage_memory` (runtime shapes) and `unit_stage_bytes` (the
+    planner's whole-unit terms)."""
+
+    master: float
+    optimizer: float
+    params: float  # compute copy
+    frozen: float
+    accumulators: float
+    forward: float  # a forward's parameter-sized temporaries (ZeRO-3's stacked shards)
+    backward: float  # a backward's: the cotangents, ZeRO-2's flat buffer, ZeRO-3's stacks
+    step: float  # the optimizer step beyond master, m, v, frozen and the compute copy
+    gathered_forward: float  # ZeRO-3: full layers' weights live in a forward
+    gathered_backward: float  # ... and in a backward
+
+
+def zero_terms(trainable: float, frozen: float, b: int, zero: int, dp, layer: float = 0.0,
+               scanned: bool = True) -> ZeroTerms:
+    """`trainable` / `frozen` parameters of a stage on one TP rank, compute dtype `b`
+    bytes, ZeRO stage `zero` over `dp` ranks (the ZeRO group), `layer` the bytes of one
+    layer's full weights as the scan gathers them (compute dtype, frozen in float32);
+    `scanned` False: a stage of one layer, which runs without the scan's stacked copies
+    (its cotangent shards and their float32 cast alone)."""
+    g, w = zero_divisors(zero, dp)
+    s = trainable / dp
+    backward = b * trainable + (ACC_BYTES * trainable if zero == 2 else 0.0)
+    stacked = gathered = 0.0
+    if zero == 3:  # with dp > 1: the runtime gathers in the scan only then
+        many = dp > 1
+        stacked = many * scanned * (b * trainable + FROZEN_BYTES * frozen) / dp
+        gathered = many * layer
+        z3 = ((STACK_COPIES - 1) * b * trainable + ACC_BYTES * trainable
+              + FROZEN_BYTES * frozen) / dp if scanned else (b + ACC_BYTES) * trainable / dp
+        backward = (np.where(many, z3, backward) if isinstance(many, np.ndarray)
+                    else z3 if many else backward)
+    return ZeroTerms(master=MASTER_BYTES * s, optimizer=ADAM_BYTES * s,
+                     params=b * trainable / w, frozen=FROZEN_BYTES * frozen / w,
+                     accumulators=ACC_BYTES * trainable / g, forward=stacked,
+                     backward=backward, step=step_bytes(b, dp, zero) * s + b * trainable / w,
+                     gathered_forward=GATHERED_FORWARD * gathered,
+                     gathered_backward=GATHERED_BACKWARD * gathered)
 
 
 @dataclass(frozen=True)
@@ -183,22 +256,40 @@ class StageMemory:
         return max(run + self.forward_work, run + self.backward_work, step)
 
 
+def scan_checkpoint_acts(acts: Acts, remat: str, layers: int) -> tuple[float, float]:
+    """(kept per in-flight microbatch, one backward's rebuilt bytes) of one sample when the
+    layer scan checkpoints each layer under "dots" (models/scan.py: a ZeRO-3 stage's gather
+    sets it, so no gathered weight is saved): the stage keeps the "dots" residuals (plus
+    its input) under "none" and "dots" and its input alone under "full", whose backward
+    first re-runs the forward (keeping the "dots" residuals again); a backward rebuilds
+    one layer's other residuals at a time, plus one score buffer."""
+    one = (acts.none - acts.dots) / max(layers, 1) + acts.scores
+    if remat == "full":
+        return acts.input, acts.dots + one
+    return acts.dots + acts.input, one
+
+
 def stage_memory(trainable: float, frozen: float, acts: Acts, remat: str, dp: int,
-                 samples: float, in_flight: float, b: int) -> StageMemory:
+                 samples: float, in_flight: float, b: int, zero: int = 1,
+                 zero_dp: int | None = None, layer: float = 0.0,
+                 layers: int = 1) -> StageMemory:
     """One stage on one device: `trainable` / `frozen` the parameters one TP rank holds
-    (`tp_rank_params`), `acts` its layers' (one sample), `samples` per dp rank per
-    microbatch, `b` the compute dtype's bytes."""
-    s = trainable / dp
-    keep = samples * (acts.kept(remat) + (acts.input if remat != "none" else 0))
-    bwd = b * trainable + samples * (SCORE_BUFFERS * acts.scores if remat == "none"
-                                     else acts.recomputed(remat))
-    fwd = samples * acts.scores * (1 if remat == "none" else 2)
-    return StageMemory(master=MASTER_BYTES * s, optimizer=ADAM_BYTES * s, params=b * trainable,
-                       frozen=FROZEN_BYTES * frozen,
-                       accumulators=ACC_BYTES * trainable, residuals=keep,
+    (`tp_rank_params`), `acts` its `layers` layers' (one sample), `samples` per dp rank per
+    microbatch, `b` the compute dtype's bytes; ZeRO stage `zero` over `zero_dp` ranks (its
+    FSDP group; default all `dp`), `layer` one layer's gathered bytes (`zero_terms`)."""
+    z = zero_terms(trainable, frozen, b, zero, zero_dp or dp, layer, layers > 1)
+    if zero == 3 and (zero_dp or dp) > 1:  # each layer checkpointed in the gathering scan
+        keep, rebuilt = scan_checkpoint_acts(acts, remat, layers)
+        keep, bwd = samples * keep, z.backward + z.gathered_backward + samples * rebuilt
+    else:
+        keep = samples * (acts.kept(remat) + (acts.input if remat != "none" else 0))
+        bwd = z.backward + z.gathered_backward + samples * (
+            SCORE_BUFFERS * acts.scores if remat == "none" else acts.recomputed(remat))
+    fwd = z.forward + z.gathered_forward + samples * acts.scores * (1 if remat == "none" else 2)
+    return StageMemory(master=z.master, optimizer=z.optimizer, params=z.params,
+                       frozen=z.frozen, accumulators=z.accumulators, residuals=keep,
                        in_flight=in_flight, forward_work=fwd, backward_work=bwd,
-                       step_work=step_bytes(b, dp) * s + b * trainable,
-                       io=samples * (acts.input + 2 * acts.boundary))
+                       step_work=z.step, io=samples * (acts.input + 2 * acts.boundary))
 
 
 def tp_rank_params(params: float, replicated: float, tp: int) -> float:
@@ -208,15 +299,16 @@ def tp_rank_params(params: float, replicated: float, tp: int) -> float:
     return (params - replicated) / tp + replicated
 
 
-def step_bytes(b: int, dp):
+def step_bytes(b: int, dp, zero: int = 1):
     """Optimizer-step bytes per parameter of the ZeRO-1 shard beyond master, m and v: the
     fp32 gradient shard, the new master, m and v (8, reused by donation but for 8 bytes),
-    and with dp > 1 the compute-dtype shard the all-gather sends."""
-    return STEP_BYTES + b * (dp > 1)
+    and with dp > 1 the compute-dtype shard the all-gather sends (none at ZeRO-3: the new
+    compute shards are the step's output)."""
+    return STEP_BYTES + b * ((dp > 1) & (zero < 3))
 
 
 def unit_stage_bytes(weight, optimizer, act, boundary, work, fixed, step_weight, rep, tp, dp,
-                     pp, spr, flight, b):
+                     pp, spr, flight, b, zero: int = 1, gathered=0.0):
     """The planner's per-GPU bytes of one stage of a unit (numpy-broadcastable), the larger
     of the pipeline's run and the optimizer step. Whole-unit terms, on one TP rank as
     `tp_rank_params` counts them (`rep`: the fraction of parameters TP replicates), then
@@ -225,13 +317,20 @@ def unit_stage_bytes(weight, optimizer, act, boundary, work, fixed, step_weight,
     new compute copies, frozen); per sample: `act` (residuals kept per in-flight
     microbatch, / pp), `work` (what one microbatch's backward rebuilds, / pp), `boundary`
     (the stage input, kept per in-flight microbatch by "dots" / "full", plus one
-    microbatch's input, output and cotangents) and `fixed` (attention score buffers)."""
-    share = ((1 - rep) / tp + rep) / pp
+    microbatch's input, output and cotangents) and `fixed` (attention score buffers).
+    ZeRO stage `zero` > 1: `weight` and `step_weight` are `zero_terms`' (sharded over `dp`,
+    the ZeRO group) and `gathered` the whole layers a ZeRO-3 backward holds (one TP rank's
+    share, not / pp: one layer at a time whatever the stage's depth)."""
+    tp_share = (1 - rep) / tp + rep
+    share = tp_share / pp
     run = (weight + optimizer / dp) * share + spr * (flight * (act / pp + boundary)
                                                      + work / pp + fixed)
+    if zero == 3:
+        run = run + gathered * tp_share
     if step_weight is None:  # a cost without the step's terms (hand-made tests)
         return run
-    step = (step_weight + optimizer * (1 + step_bytes(b, dp) / OPTIMIZER_BYTES) / dp) * share
+    step = (step_weight + optimizer * (1 + step_bytes(b, dp, zero) / OPTIMIZER_BYTES) / dp
+            ) * share
     if isinstance(run, float) and isinstance(step, float):  # the scalar path: no numpy
         return max(run, step)
     return np.maximum(run, step)

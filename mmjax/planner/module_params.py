@@ -57,11 +57,30 @@ def projector_params(p: ProjectorConfig, enc_dim: int, llm_dim: int) -> int:
     return p.num_queries * e + 4 * e + 4 * (e * e + e) + e * h + h + h * llm_dim + llm_dim
 
 
+def _dit_block_params(g: GeneratorConfig) -> int:
+    d, f = g.hidden_size, g.ffn_size
+    return (d * 6 * d + 6 * d) + 4 * (d * d + d) + 2 * d + 4 * (d * d + d) + d * f + f + f * d + d
+
+
 def generator_params(g: GeneratorConfig, cond_dim: int) -> int:
-    d, f, pd = g.hidden_size, g.ffn_size, g.patch_dim
-    block = (d * 6 * d + 6 * d) + 4 * (d * d + d) + 2 * d + 4 * (d * d + d) + d * f + f + f * d + d
+    d, pd = g.hidden_size, g.patch_dim
+    block = _dit_block_params(g)
     return (pd * d + d + 256 * d + d + d * d + d + cond_dim * d + d + g.num_layers * block
             + d * 2 * d + 2 * d + d * pd + pd)
+
+
+def layer_params(model: MLLMConfig, unit: str, unit_params: float, layers: int) -> float:
+    """Parameters of one layer of `unit` (of `unit_params` in `layers` layers): the weights
+    a ZeRO-3 layer scan gathers at once. The LLM's and the DiT's blocks exactly (the LLM
+    without its embeddings, head and final norm); an encoder's as its parameters / layers
+    (patch embedding, positions and projector spread over them: an upper bound)."""
+    if is_llm(unit):
+        c = model.llm
+        outside = c.vocab_size * c.hidden_size * (1 if c.tie_embeddings else 2) + c.hidden_size
+        return (llm_params(c) - outside) / max(c.num_layers, 1)
+    if is_generator(unit):
+        return float(_dit_block_params(model.generator))
+    return unit_params / max(layers, 1)
 
 
 def module_params(model: MLLMConfig) -> dict[str, int]:

@@ -19,7 +19,8 @@ import numpy as np
 from mmjax.planner.candidates import candidate_table, divisors, share_bound
 from mmjax.planner.costs import UnitCost
 from mmjax.planner.evaluate import (Choice, choice_error, evaluate, leanest, p2p_time,
-                                    remat_variant, sync_time, warmup_time)
+                                    remat_variant, state_need, sync_share, sync_time,
+                                    warmup_time)
 from mmjax.planner.hardware import Hardware
 from mmjax.planner.plan import PlanError
 from mmjax.planner.infeasible import infeasible_message, smallest_plan
@@ -125,14 +126,15 @@ class Orchestrator:
             dp_lo = dp_llm if i == self.llm else 1
             slope[i] = p2p_time(cost, Choice(t, dp_llm, 1), dp_llm, hw) / (t * dp_llm)
             if i == self.llm and dp_llm > 1 and cost.grad_bytes:
-                e[i] = 2 * (dp_llm - 1) * cost.grad_bytes / hw.group_bw(dp_llm * t)
+                e[i] = (2 * (dp_llm - 1) * cost.grad_bytes / hw.group_bw(dp_llm * t)
+                        * sync_share(cost))
             # memory: (weights * dp + optimizer) / x + activations <= HBM (activations at
             # their smallest: one sample per rank, in-flight/pp >= min(1, m / layers))
             act = leanest(cost).activation_bytes[t] * min(1.0, m / cost.num_layers)
             room = hw.hbm_bytes - act
             if room <= 0:
                 return None
-            need = (cost.weight_bytes * dp_lo + cost.optimizer_bytes) / room
+            need = state_need(cost, dp_lo) / room
             lo[i] = max(float(t * dp_lo), need)
             hi[i] = float(t * dp_llm * cost.num_layers)
         return c, e, slope, lo, hi, m - 1

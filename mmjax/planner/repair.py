@@ -15,7 +15,7 @@ import numpy as np
 
 from mmjax.planner.candidates import divisors, valid_pps
 from mmjax.planner.costs import UnitCost
-from mmjax.planner.evaluate import Choice, stage_bytes, sync_time, variants
+from mmjax.planner.evaluate import Choice, stage_bytes, sync_share, sync_time, variants
 from mmjax.planner.hardware import Hardware
 
 
@@ -52,7 +52,8 @@ class OptionTable:
             self.sync = np.zeros_like(self.gpus)
         else:
             self.sync = np.where(dp == 1, 0.0,
-                                 2 * (dp - 1) / dp * cost.grad_bytes / (t * pp) / bw) + 0 * v
+                                 2 * (dp - 1) / dp * cost.grad_bytes / (t * pp) / bw
+                                 * sync_share(cost)) + 0 * v
         vpp_ok = (v == 1) | ((pp > 1) & (cost.num_layers % (pp * v) == 0) & (m % pp == 0))
         self.ok = fits & vpp_ok & (self.gpus <= n)
         # the fewest stages that fit in memory at VPP 1, per DP (len(valid): none fits)

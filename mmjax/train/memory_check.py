@@ -143,16 +143,18 @@ def out_of_memory_line(err: BaseException) -> str | None:
 def check_plan(cfg, plan, source, device, refuse: bool = True,
                data_samples: int = 256) -> str:
     """The planner's bytes per device of each unit's first stage under `plan`
-    (planner/evaluate.py `stage_bytes`: its samples per rank per microbatch, its remat and
-    the runtime's in-flight microbatches; sample shapes from `data_samples` samples of the
-    run's `source`) against `device`'s memory -> one console line; with `refuse`, a
-    UserError naming the units that cannot fit and the settings to change."""
+    (planner/evaluate.py `stage_bytes`: its samples per rank per microbatch, its remat, its
+    ZeRO stage and FSDP group, and the runtime's in-flight microbatches; sample shapes from
+    `data_samples` samples of the run's `source`) against `device`'s memory -> one console
+    line; with `refuse`, a UserError naming the units that cannot fit and the settings to
+    change."""
     import dataclasses
 
     from mmjax.data.data_spec import sample_workload
     from mmjax.planner.build import model_costs
     from mmjax.planner.evaluate import (Choice, pipeline_in_flight, remat_variant,
                                         stage_bytes)
+    from mmjax.planner.knobs import with_zero
     from mmjax.train.auto_plan import device_hardware
 
     import jax
@@ -165,7 +167,9 @@ def check_plan(cfg, plan, source, device, refuse: bool = True,
     flight = pipeline_in_flight(choices, m)
     need = {}
     for cost in costs:
-        c = choices[cost.name]
+        c, u = choices[cost.name], plan.unit(cost.name)
+        cost = with_zero(cost, u.zero_stage, u.fsdp_group // (u.tp * u.cp) if u.fsdp_group
+                         else 0)
         cost = remat_variant(cost, c, choices["llm"].dp, m, have)
         need[cost.name] = float(stage_bytes(cost, c.tp, c.dp, c.pp,
                                             plan.microbatch_size / c.dp, flight[cost.name],
@@ -176,7 +180,8 @@ def check_plan(cfg, plan, source, device, refuse: bool = True,
         raise UserError(
             f"the plan needs more memory per device than {device.platform}:{device.id}'s "
             f"{have / GB:.1f} GB of {what}: {names} (the planner's estimate for the run's "
-            f"data; give those units more pp or tp, manual_plan.remat = \"full\", more "
+            f"data; give those units more pp or tp, manual_plan.remat = \"full\", a higher "
+            f"manual_plan.zero_stage, more "
             f"microbatches or a lower train.global_batch (now {plan.global_batch}); "
             f"--plan=auto plans to fit; train.check_memory=False runs anyway)")
     return ("memory per device (estimate): " + ", ".join(
