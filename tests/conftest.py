@@ -26,10 +26,6 @@ import sys
 import pytest
 
 NO_FUSION_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
-# XLA:CPU's concurrency-optimised scheduler can order one program's collectives differently
-# on different device threads of a process (an all-gather on one, an all-to-all on another):
-# both wait at their rendezvous until XLA aborts. The plain scheduler keeps program order.
-PLAIN_SCHEDULER = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
 
 
 def _xla_accepts(flag: str) -> bool:
@@ -47,9 +43,8 @@ if "xla_force_host_platform_device_count" not in _flags:
     _flags += " --xla_force_host_platform_device_count=8"
 if os.environ["JAX_PLATFORMS"] == "cpu" and "xla_backend_optimization_level" not in _flags:
     _flags += " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-    for _flag in (NO_FUSION_EMITTERS, PLAIN_SCHEDULER):  # decided once: workers inherit
-        if _xla_accepts(_flag):
-            _flags += " " + _flag
+    if _xla_accepts(NO_FUSION_EMITTERS):  # decided once: the workers inherit XLA_FLAGS
+        _flags += " " + NO_FUSION_EMITTERS
 os.environ["XLA_FLAGS"] = _flags.strip()
 _cache = os.environ.get("MMJAX_TEST_CACHE",
                         os.path.join(os.path.expanduser("~"), ".cache", "mmjax", "jax-tests"))
