@@ -62,6 +62,9 @@ def initialize(coordinator_address: str | None, num_processes: int | None,
     if None not in (num_processes, process_id) and not 0 <= process_id < num_processes:
         raise ValueError(f"initialize: process_id={process_id} must be in "
                          f"[0, num_processes={num_processes})")
+    from mmjax.cpu_threads import reserve_cpu_threads
+
+    reserve_cpu_threads(local_device_count or 1)  # before the CPU client starts
     import jax
 
     if local_device_count is not None:

@@ -17,11 +17,10 @@ import os
 import sys
 import time
 
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               " --xla_force_host_platform_device_count=8").strip()
-
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from mmjax.cpu_threads import force_cpu_devices  # noqa: E402
+
+force_cpu_devices(8)
 
 import jax
 import numpy as np

@@ -29,13 +29,10 @@ import sys
 import tempfile
 import time
 
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    # Only affects the CPU platform: lets the CPU run show tp up to 8.
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    ).strip()
-
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from mmjax.cpu_threads import force_cpu_devices  # noqa: E402
+
+force_cpu_devices(8)  # only affects the CPU platform: lets the CPU run show tp up to 8
 from mmjax.errors import UserError  # noqa: E402
 
 import jax  # noqa: E402

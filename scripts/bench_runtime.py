@@ -52,9 +52,10 @@ import sys
 
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + " --xla_force_host_platform_device_count=8").strip()
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from mmjax.cpu_threads import force_cpu_devices  # noqa: E402
+
+force_cpu_devices(8)
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402

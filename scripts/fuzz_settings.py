@@ -30,9 +30,9 @@ import traceback
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               " --xla_force_host_platform_device_count=8").strip()
+from mmjax.cpu_threads import force_cpu_devices  # noqa: E402
+
+force_cpu_devices(8)
 
 HUGE = [10 ** 12, 1e30]
 NEG = [-1, -0.5, -3]

@@ -13,6 +13,7 @@ sys.path.insert(0, REPO)
 
 from mmjax.cli import (ArgumentParser, add_debug_flag, parse_gin,  # noqa: E402
                        refuse_unused_bindings, run_main)
+from mmjax.cpu_threads import reserve_cpu_threads  # noqa: E402
 
 
 def render_traces(workdir: str, trace_steps: str) -> list[str]:
@@ -93,6 +94,7 @@ def main(argv=None) -> int:
                         "nothing")
     add_debug_flag(p)
     args = p.parse_args(argv)
+    reserve_cpu_threads()  # before any backend starts: XLA:CPU's pool fits forced devices
     check_flags(args)
     files = args.gin_file or [os.path.join(REPO, "configs", "tiny.gin")]
     refuse_unused_bindings(args.gin_param, args.plan)

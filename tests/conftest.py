@@ -25,6 +25,8 @@ import sys
 
 import pytest
 
+from mmjax.cpu_threads import reserve_cpu_threads  # imports no JAX
+
 NO_FUSION_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
 
 
@@ -46,6 +48,7 @@ if os.environ["JAX_PLATFORMS"] == "cpu" and "xla_backend_optimization_level" not
     if _xla_accepts(NO_FUSION_EMITTERS):  # decided once: the workers inherit XLA_FLAGS
         _flags += " " + NO_FUSION_EMITTERS
 os.environ["XLA_FLAGS"] = _flags.strip()
+reserve_cpu_threads(env=os.environ)  # XLA:CPU's pool fits the 8 devices (mmjax/cpu_threads.py)
 _cache = os.environ.get("MMJAX_TEST_CACHE",
                         os.path.join(os.path.expanduser("~"), ".cache", "mmjax", "jax-tests"))
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _cache)

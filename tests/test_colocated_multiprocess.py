@@ -22,14 +22,8 @@ ARGS = ['--gin_param=named_model_config.overrides={"llm.num_layers": 2}',
 def _run(workdir, processes, devices):
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    if processes == 1:  # no distributed runtime: XLA's in-process collectives. With the
-        # concurrency-optimized scheduler the two devices' threads could reach two
-        # collectives of one program in different orders (an all-gather on one, an
-        # all-to-all on the other: a deadlock the 40 s rendezvous timeout ends); the plain
-        # scheduler keeps one order. (Not for the gloo processes: each compiles its own
-        # program, and there the flag gives mismatched collectives.)
-        env["XLA_FLAGS"] = (f"--xla_force_host_platform_device_count={devices} "
-                            f"--xla_cpu_enable_concurrency_optimized_scheduler=false")
+    if processes == 1:  # no distributed runtime: XLA's in-process collectives
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
         cmd = [sys.executable, os.path.join(ROOT, "scripts", "train.py"), *ARGS,
                f"--workdir={workdir}"]
     else:
@@ -43,9 +37,6 @@ def _run(workdir, processes, devices):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason="the 2-process gloo run can hang on a loaded 2-core "
-                   "machine (1 of 3 runs; the 1-process reference's rendezvous deadlock is "
-                   "fixed by the plain scheduler)")
 def test_two_process_colocated_run_equals_one_process(tmp_path, gloo_jobs):
     one = _run(str(tmp_path / "one"), 1, 2)
     two = _run(str(tmp_path / "two"), 2, 1)
