@@ -14,7 +14,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 # fill them; the runtime (pipeline/) walks them. settings.py checks a run's settings for
 # the trainer; the command line and the launcher sit on top.
 LAYERS = (
-    ("errors", "host_info"),  # leaves: the user-error type, the machine's description
+    ("errors", "host_info", "cpu_threads"),  # leaves: the user-error type, the machine's
+    #                                        description, XLA:CPU's pool size
     ("models",),              # pure Flax NNX modules, configs, unit roles
     ("schedule",),            # pipeline schedules as data (no JAX)
     ("planner",),             # cost model, orchestration, Plan
@@ -139,7 +140,7 @@ def test_the_check_sees_a_circle():
                                              ("mmjax.models.llm", "models"),
                                              ("mmjax.schedule.schedule", "schedule"),
                                              ("mmjax.planner.plan", "planner"),
-                                             ("mmjax.errors", "errors/host_info"),
+                                             ("mmjax.errors", "errors/host_info/cpu_threads"),
                                              ("mmjax.cli", "launch/cli"),
                                              ("mmjax.train.trainer", "train/settings")])
 def test_layer_assignment(module, expected):
