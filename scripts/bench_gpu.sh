@@ -3,7 +3,9 @@
 #   1. llava_1b bf16 training step at sequence 4096 and 2048 (16 samples): LLM and generator
 #      remat "dots", the vision tower "full", the fused chunked LM loss (2048 tokens)
 #   2. a Llama-3-8B-wide LLM alone (6 layers, 12 samples) at 4096 and 2048, the same settings
-#   3. with TRACE=1: a Perfetto trace of one llava_1b step at 4096 and its attention /
+#   3. with COLO=1 first: llava_1b at 4096 through the co-located runner, every unit at
+#      ZeRO-3 (the layer gathers and reduce-scatters on), its step time and memory
+#   4. with TRACE=1: a Perfetto trace of one llava_1b step at 4096 and its attention /
 #      matmuls / norms / other / idle breakdown; with TILES=1 the Pallas tile sweep
 #      (scripts/bench_pallas_tiles.py)
 # Results go to $OUT (default bench_results/gpu); each part writes its JSON when it ends, so
@@ -22,6 +24,7 @@ step() {  # name, then bench_step arguments
 }
 llava="--preset llava_1b --global_batch 16 --override encoders.vision.encoder.remat=full"
 llama="--preset llama3_8b_cut --override llm.num_layers=6 --global_batch 12"
+[ -n "${COLO:-}" ] && step llava_4096_colocated_zero3 $llava --seq_len 4096 --colocated_zero 3
 if [ -n "${TRACE:-}" ]; then
   step llava_4096 $llava --seq_len 4096 --trace /tmp/trace_4096
   f=$(python3 -c "import json;print(json.load(open('$OUT/llava_4096.json'))['trace'] or '')")

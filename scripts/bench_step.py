@@ -12,7 +12,12 @@ model, runs `--warmup` untimed steps (compile) and `--steps` timed ones, and rep
 * XLA's own FLOP count of the compiled step (`cost_analysis`; custom calls such as cuDNN
   attention and Triton kernels count 0 there, so it is a lower bound);
 * the planner's predicted step time for the same samples, and measured / predicted per
-  unit is what `planner/profile.py` would learn (the calibration factor).
+  unit is what `planner/profile.py` would learn (the calibration factor);
+* the compiled step's memory per device (`memory_analysis()`) and, on GPU, the allocator's
+  peak.
+
+`--colocated_zero N` runs the co-located runner (train/colocated.py, every unit at ZeRO-N
+over all devices; on one GPU the ZeRO-3 layer gathers run over one rank) instead.
 
   python scripts/bench_step.py [--preset llava_1b] [--global_batch 8] [--seq_len 2048]
       [--dtype bfloat16] [--attention auto] [--override llm.num_layers=4 ...]
@@ -49,6 +54,8 @@ from mmjax.train.config import named_model_config
 from mmjax.data.records import SyntheticSource
 from mmjax.train.data_config import data_layout, synthetic_dataset
 from mmjax.train.optimizer import learning_rate_schedule
+from mmjax.train.colocated import Colocated
+from mmjax.train.colocated_plan import Colocation
 from mmjax.train.single_program import SingleProgram
 
 PRESETS = {
@@ -116,9 +123,15 @@ def run(args) -> dict:
     layout = data_layout(cfg, seq_len=args.seq_len, packing=args.packing)
     source = SyntheticSource(synthetic_dataset(cfg, **PRESET_DATA[args.preset]))
     total = args.warmup + args.steps
-    prog = SingleProgram(cfg, layout, args.global_batch, learning_rate_schedule(total),
-                         dtype.type, seed=0, source=source, attention_impl=args.attention,
-                         steps=total)
+    if args.colocated_zero:  # the co-located runner over every device, each unit's ZeRO
+        # stage `--colocated_zero` (at one device the layer gathers run, over one rank)
+        prog = Colocated(cfg, layout, args.global_batch, learning_rate_schedule(total),
+                         dtype.type, seed=0, colo=Colocation(default_stage=args.colocated_zero),
+                         source=source, attention_impl=args.attention, steps=total)
+    else:
+        prog = SingleProgram(cfg, layout, args.global_batch, learning_rate_schedule(total),
+                             dtype.type, seed=0, source=source, attention_impl=args.attention,
+                             steps=total)
     steps = []
     for i in range(total):
         steps.append(prog.step())
@@ -148,10 +161,25 @@ def run(args) -> dict:
         "llm_slots_per_step": prog.data.shapes.rows * args.seq_len,
         "xla_flops_per_step": float(xla.get("flops", 0.0)),
         "losses": [m.loss for m in steps], "trace": trace_file,
+        "memory": step_memory(compiled),
     }
     record.update(cost_fields(args, cfg, layout, prog.data, total, tokens, step_s,
                               int(prog.num_trainable)))
     return record
+
+
+def step_memory(compiled) -> dict:
+    """Bytes per device of the compiled step (`memory_analysis()`: arguments + outputs -
+    donated aliases + temporaries = its peak) and the allocator's peak where the device
+    reports one (GPU `memory_stats()`; None on CPU)."""
+    ma = compiled.memory_analysis()
+    parts = {"arguments": ma.argument_size_in_bytes, "outputs": ma.output_size_in_bytes,
+             "aliased": ma.alias_size_in_bytes, "temporaries": ma.temp_size_in_bytes}
+    parts["compiled_peak"] = (parts["arguments"] + parts["outputs"] - parts["aliased"]
+                              + parts["temporaries"])
+    stats = jax.devices()[0].memory_stats() or {}
+    parts["device_peak"] = stats.get("peak_bytes_in_use")
+    return parts
 
 
 def cost_fields(args, cfg, layout, data, steps: int, tokens: float, step_s: float,
@@ -227,7 +255,7 @@ def recount(path: str) -> dict:
 
     with open(path) as f:
         record = json.load(f)
-    args = argparse.Namespace(**{"loss_chunk": 0, **record["args"]})
+    args = argparse.Namespace(**{"loss_chunk": 0, "colocated_zero": 0, **record["args"]})
     cfg = model_config(args)
     layout = data_layout(cfg, seq_len=args.seq_len, packing=args.packing)
     source = SyntheticSource(synthetic_dataset(cfg, **PRESET_DATA[args.preset]))
@@ -264,7 +292,9 @@ def traced_step(prog, trace_dir: str) -> str | None:
 
 
 def show(console, r) -> None:
-    t = Table(title=f"{r['args']['preset']} training step on {r['device']} "
+    runner = (f", co-located ZeRO-{r['args']['colocated_zero']}"
+              if r['args'].get("colocated_zero") else "")
+    t = Table(title=f"{r['args']['preset']} training step{runner} on {r['device']} "
                     f"({r['backend']}, {r['args']['dtype']}, attention {r['args']['attention']})")
     for col in ("quantity", "value"):
         t.add_column(col)
@@ -291,6 +321,14 @@ def show(console, r) -> None:
         rows += [("predicted step (measured profile)", f"{r['profiled_step_s'] * 1e3:.1f} ms"),
                  ("measured / predicted (profile)",
                   f"{r['step_time_s'] / r['profiled_step_s']:.2f}")]
+    mem = r.get("memory")
+    if mem:
+        rows.append(("step memory, compiled peak per device",
+                     f"{mem['compiled_peak'] / 2 ** 30:.2f} GiB (temporaries "
+                     f"{mem['temporaries'] / 2 ** 30:.2f})"))
+        if mem.get("device_peak"):
+            rows.append(("device memory peak (allocator)",
+                         f"{mem['device_peak'] / 2 ** 30:.2f} GiB"))
     rows.append(("loss first -> last", f"{r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}"))
     for row in rows:
         t.add_row(*row)
@@ -319,6 +357,9 @@ def main(argv=None) -> dict:
                          "print the step it predicts")
     ap.add_argument("--trace", default="", metavar="DIR",
                     help="after the timed steps, profile one more step into DIR (Perfetto)")
+    ap.add_argument("--colocated_zero", type=int, default=0, choices=(0, 1, 2, 3),
+                    help="run the co-located runner (train/colocated.py) with every unit at "
+                         "this ZeRO stage instead of the single program (0)")
     ap.add_argument("--json", default=os.path.join("bench_results", "bench_step.json"))
     ap.add_argument("--recount", default="", metavar="JSON",
                     help="recompute a recorded run's FLOPs, MFU and predictions here (no "

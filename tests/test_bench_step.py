@@ -67,3 +67,29 @@ def test_recount_reproduces_the_record(record, tmp_path):
 def test_bad_override_is_a_user_error():
     with pytest.raises(Exception, match="llm.no_such_field"):
         bench.main(["--override", "llm.no_such_field=1", "--json", os.devnull])
+
+
+def test_memory_fields_are_the_compiled_account(record):
+    m = record["memory"]
+    assert m["compiled_peak"] == (m["arguments"] + m["outputs"] - m["aliased"]
+                                  + m["temporaries"])
+    assert m["aliased"] > 0  # the old state is donated
+    assert m["device_peak"] is None  # CPU reports no allocator statistics
+
+
+@pytest.mark.slow
+def test_colocated_zero3_step_trains_the_same_losses_in_an_eighth_of_the_state(record,
+                                                                              tmp_path):
+    """`--colocated_zero 3`: the co-located runner over the 8 test devices, every unit at
+    ZeRO-3, trains the single program's losses on the same batches, and its compiled step
+    holds less per device (the state sharded 8 ways)."""
+    rec = bench.main(["--steps", "2", "--warmup", "1", "--override", "llm.num_layers=1",
+                      "--colocated_zero", "3", "--json", str(tmp_path / "colo.json")])
+    assert rec["args"]["colocated_zero"] == 3
+    assert rec["losses"] == pytest.approx(record["losses"], rel=1e-5)
+    assert rec["trainable_params"] == record["trainable_params"]
+    # the donated state (master, m, v: 12 bytes per parameter) is sharded 8 ways
+    assert record["memory"]["aliased"] >= 12 * record["trainable_params"]
+    assert rec["memory"]["aliased"] == pytest.approx(record["memory"]["aliased"] / 8,
+                                                     rel=0.01)
+    assert rec["memory"]["compiled_peak"] < record["memory"]["compiled_peak"]
