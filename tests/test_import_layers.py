@@ -14,6 +14,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 # fill them; the runtime (pipeline/) walks them. settings.py checks a run's settings for
 # the trainer; the command line and the launcher sit on top.
 LAYERS = (
+    ("",),                    # mmjax/__init__.py: the version, no imports
     ("errors", "host_info", "cpu_threads"),  # leaves: the user-error type, the machine's
     #                                        description, XLA:CPU's pool size
     ("models",),              # pure Flax NNX modules, configs, unit roles
@@ -29,7 +30,7 @@ LAYERS = (
 
 def layer(module: str) -> int:
     """The index in LAYERS of the group naming the module's first name under mmjax."""
-    top = module.split(".")[1]
+    top = module.split(".")[1] if "." in module else ""
     for i, names in enumerate(LAYERS):
         if top in names:
             return i
@@ -145,3 +146,12 @@ def test_the_check_sees_a_circle():
                                              ("mmjax.train.trainer", "train/settings")])
 def test_layer_assignment(module, expected):
     assert layer_name(module) == expected
+
+
+def test_mmjax_is_a_regular_package_with_a_version():
+    """A namespace package would let an editable install load modules from another checkout."""
+    import importlib.metadata
+    import mmjax
+    assert mmjax.__file__ == str(ROOT / "mmjax" / "__init__.py")
+    assert mmjax.__version__ == importlib.metadata.version("mmjax")
+    assert mmjax_imports((ROOT / "mmjax" / "__init__.py").read_text()) == set()
