@@ -2,10 +2,13 @@
 comparison and HLO parsing. Imported by the test modules (tests/ is on sys.path)."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
+import json
 import os
 import re
+from typing import Any
 
 import jax
 import numpy as np
@@ -22,6 +25,7 @@ from mmjax.pipeline.reference_layout import to_reference_layout
 from mmjax.pipeline.runtime import PipelineRuntime
 from mmjax.train.inputs import model_inputs
 from mmjax.train.step import make_loss_fn, split_model
+from float64_reference import in_float64
 
 TINY = {"llm.num_layers": 4, "encoders.vision.encoder.num_layers": 2}
 
@@ -40,22 +44,61 @@ def global_batch(cfg, n, kind="laion", packing="pad"):
     return lay, samples
 
 
-def reference(cfg, lay, samples):
-    """Loss and gradients of the single-device model on the whole global batch."""
+@dataclasses.dataclass(frozen=True)
+class Exact:
+    """A quantity of the single-device program, as the tests judge every plan's result: its
+    float32 value, the same program's value in float64 (tests/float64_reference.py), and the
+    length of the longest float32 sum behind it (rows x positions of the global batch: a
+    weight's gradient sums over every position)."""
+    f32: Any
+    f64: Any
+    length: int
+
+    def __float__(self):
+        return float(self.f32)
+
+
+def sum_length(inputs) -> int:
+    """Rows x positions of the LLM's token grid: the longest sum in a weight gradient."""
+    return int(np.prod(np.shape(inputs["tokens"])))
+
+
+def exact_reference(loss_fn, trainable, frozen, inputs) -> tuple[Exact, Exact]:
+    """(loss, grads) of `loss_fn` (`make_loss_fn(...)`: loss and aux) in float32 and in float64."""
+    fn = jax.value_and_grad(loss_fn, has_aux=True)
+    (loss, _), g = jax.jit(fn)(trainable, frozen, inputs)
+    (loss64, _), g64 = in_float64(fn)(trainable, frozen, inputs)
+    n = sum_length(inputs)
+    return (Exact(float(loss), float(loss64), n),
+            Exact(nnx.to_pure_dict(g), nnx.to_pure_dict(g64), n))
+
+
+def single_program(cfg, lay, samples) -> tuple[float, dict]:
+    """The single-device model's float32 loss and gradients (a variant judged against a
+    reference: scanned layers, remat policies)."""
     mdl = MultimodalModel(cfg, jax.random.key(0))
     gd, tr, fr = split_model(mdl, trainable_filter(cfg))
-    (loss, aux), g = jax.jit(jax.value_and_grad(make_loss_fn(gd), has_aux=True))(
+    (loss, _), g = jax.jit(jax.value_and_grad(make_loss_fn(gd), has_aux=True))(
         tr, fr, model_inputs(assemble(samples, lay)))
     return float(loss), nnx.to_pure_dict(g)
 
 
-def reference_loss(cfg, lay, samples) -> float:
+def reference(cfg, lay, samples) -> tuple[Exact, Exact]:
+    """Loss and gradients of the single-device model on the whole global batch."""
+    mdl = MultimodalModel(cfg, jax.random.key(0))
+    gd, tr, fr = split_model(mdl, trainable_filter(cfg))
+    return exact_reference(make_loss_fn(gd), tr, fr, model_inputs(assemble(samples, lay)))
+
+
+def reference_loss(cfg, lay, samples) -> Exact:
     """The single-device model's loss on the whole global batch, forward only (a test of
     forward passes needs no gradient program)."""
     mdl = MultimodalModel(cfg, jax.random.key(0))
     gd, tr, fr = split_model(mdl, trainable_filter(cfg))
-    loss, _ = jax.jit(make_loss_fn(gd))(tr, fr, model_inputs(assemble(samples, lay)))
-    return float(loss)
+    inputs = model_inputs(assemble(samples, lay))
+    fn = lambda *a: make_loss_fn(gd)(*a)[0]
+    return Exact(float(jax.jit(fn)(tr, fr, inputs)), float(in_float64(fn)(tr, fr, inputs)),
+                 sum_length(inputs))
 
 
 def cached_reference(cache: dict | None, cfg, n, kind="laion", packing="pad"):
@@ -98,22 +141,69 @@ def run_plan(cfg, plan, lay, samples, assignments=None, cp_method="lpt"):
     return rt, res.losses()["loss"], grads
 
 
-def assert_same_grads(got, ref):
-    """Per tensor ||g - g_ref|| <= 1e-5 ||g_ref||; tensors whose true gradient is zero (e.g.
-    attention key biases, softmax-invariant) must be zero to 1e-6 of the global norm."""
-    flat_ref = dict((jax.tree_util.keystr(p), np.asarray(v))
-                    for p, v in jax.tree_util.tree_flatten_with_path(ref)[0])
-    flat_got = dict((jax.tree_util.keystr(p), np.asarray(v))
-                    for p, v in jax.tree_util.tree_flatten_with_path(got)[0])
-    assert set(flat_got) == set(flat_ref), (set(flat_ref) ^ set(flat_got))
-    gnorm = np.sqrt(sum(float(np.sum(v.astype(np.float64) ** 2)) for v in flat_ref.values()))
-    for k, r in flat_ref.items():
-        diff = np.linalg.norm((flat_got[k] - r).astype(np.float64))
-        rn = np.linalg.norm(r.astype(np.float64))
-        if rn < 1e-6 * gnorm:
-            assert diff <= 1e-6 * gnorm, (k, diff, gnorm)
-        else:
-            assert diff <= 1e-5 * rn, (k, diff / rn)
+# The tolerance rule (docs/testing.md). A plan computes the single program's mathematics with
+# its float32 sums split and ordered differently (per device, per microbatch, per stage, per
+# TP shard), so its rounding error is of the same kind and size as the single float32
+# program's own. Judged against the float64 truth (tests/float64_reference.py), each tensor
+# may be FACTOR times as far from it as the single float32 program is, plus a floor for a
+# reference that happens to round luckily: one float32 rounding per term of the longest sum,
+# eps32 * sqrt(L) * |truth| (random-walk growth). A tensor whose true value is zero
+# (attention key biases: softmax-invariant) holds only rounding noise in both programs, so
+# FACTOR alone judges it. FACTOR: over the parity tests (641 tensors) the largest
+# plan-to-reference error ratio was 3.1 (a vision key bias, pure noise; p99 1.6) at XLA:CPU
+# -O0 and <O2 FIGURE> at -O2 with AVX2 (scripts/tolerance_report.py); 8 leaves room for other
+# code generators, and a real error (a dropped sample, a wrong scale) is 1e2-1e4 times larger.
+EPS32 = float(np.finfo(np.float32).eps)
+FACTOR = 8.0
+
+
+def _flat(tree) -> dict:
+    return {jax.tree_util.keystr(p): np.asarray(v, np.float64)
+            for p, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _log_margin(what: str, rows: list) -> None:
+    """With MMJAX_PARITY_LOG=<file>, append each comparison's errors (to measure the rule
+    across XLA settings and machines: scripts/tolerance_report.py reads it)."""
+    path = os.environ.get("MMJAX_PARITY_LOG")
+    if path:
+        with open(path, "a") as f:
+            for row in rows:
+                f.write(json.dumps({"what": what, **row}) + "\n")
+
+
+def _judge(got: dict, ref: Exact, what: str) -> None:
+    f32, f64 = _flat(ref.f32), _flat(ref.f64)
+    assert set(got) == set(f64), set(got) ^ set(f64)
+    gnorm = float(np.sqrt(sum(np.sum(v * v) for v in f64.values())))
+    floor = EPS32 * np.sqrt(ref.length)
+    rows, bad = [], []
+    for k, truth in f64.items():
+        scale = float(np.linalg.norm(truth))
+        err = float(np.linalg.norm(got[k] - truth))
+        err_ref = float(np.linalg.norm(f32[k] - truth))
+        allowed = FACTOR * err_ref + floor * max(scale, EPS32 * gnorm)
+        rows.append({"key": k, "err": err, "err_ref": err_ref, "scale": scale,
+                     "gnorm": gnorm, "length": ref.length, "allowed": allowed})
+        if not err <= allowed:
+            bad.append((k, f"error {err:.3g} > allowed {allowed:.3g} (float32 reference's "
+                           f"error {err_ref:.3g}, |truth| {scale:.3g})"))
+    _log_margin(what, rows)
+    assert not bad, bad
+
+
+def assert_same_grads(got, ref: Exact):
+    """Every gradient tensor of `got` is as close to the float64 truth as the single float32
+    program's (the rule above)."""
+    assert isinstance(ref, Exact), "compare against helpers.reference / exact_reference"
+    _judge(_flat(got), ref, "grads")
+
+
+def assert_same_loss(got, ref: Exact):
+    """A plan's loss against the single program's, by the same rule."""
+    assert isinstance(ref, Exact), "compare against helpers.reference / exact_reference"
+    _judge(_flat({"loss": np.float64(got)}), Exact({"loss": ref.f32}, {"loss": ref.f64}, ref.length),
+           "loss")
 
 
 def check(cfg, plan, n=8, kind="laion", packing="pad", assignments=None, cp_method="lpt",
@@ -121,7 +211,7 @@ def check(cfg, plan, n=8, kind="laion", packing="pad", assignments=None, cp_meth
     """Run `plan` on the runtime and compare loss and every gradient with the reference."""
     lay, samples, ref_loss, ref_grads = cached_reference(cache, cfg, n, kind, packing)
     rt, loss, grads = run_plan(cfg, plan, lay, samples, assignments, cp_method)
-    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    assert_same_loss(loss, ref_loss)
     assert_same_grads(grads, ref_grads)
     return rt
 

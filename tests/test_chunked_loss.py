@@ -1,7 +1,8 @@
 """The fused chunked LM head + cross-entropy (models/chunked_loss.py) against the plain path.
 
 Value and gradients (hidden states and head weight) equal `lm_loss_sum(logits)` in float32
-(rtol 1e-5) with and without Gemma's soft-cap, with a chunk that does not divide the token
+(tests/helpers.py's rule: as close to the float64 plain path as float32's plain path is)
+with and without Gemma's soft-cap, with a chunk that does not divide the token
 count and a partial loss mask; in bfloat16 they stay within bf16 rounding of float32; the
 head sharded over the vocabulary (TP's rule) gives the same numbers; the compiled gradient
 holds no [tokens, vocab] float32 logits (temporary memory well under the plain path's); an
@@ -21,6 +22,10 @@ from mmjax.models.config import LLMConfig
 from mmjax.models.llm import LLM, lm_loss_sum
 from mmjax.models.attention import f32_einsum
 from mmjax.models.attention_mask import cap_logits
+from float64_reference import in_float64
+from helpers import Exact, assert_same_grads
+
+pytestmark = pytest.mark.parity  # judged by the float64 rule; CI reruns it under a second XLA config
 
 
 def _data(n=2, s=37, d=32, v=300, seed=0):
@@ -36,6 +41,11 @@ def _plain(h, w, t, m, cap):
     return lm_loss_sum(cap_logits(f32_einsum("...d,dv->...v", h, w.astype(h.dtype)), cap), t, m)
 
 
+def _exact(fn, *args, length: int) -> Exact:
+    """`fn(*args)` in float32 and in float64; `length`: its longest sum."""
+    return Exact(jax.jit(fn)(*args), in_float64(fn)(*args), length)
+
+
 @pytest.mark.parametrize("cap", [None, 5.0])
 def test_value_and_grads_equal_plain_f32(cap):
     h, w, t, m = _data()
@@ -44,14 +54,14 @@ def test_value_and_grads_equal_plain_f32(cap):
                     static_argnums=(4, 5))
     (lp, (ghp, gwp)) = plain(h, w, t, m, cap)
     (lf, (ghf, gwf)) = fused(h, w, t, m, cap, 16)  # 74 tokens: 5 chunks, the last padded
-    np.testing.assert_allclose(lf, lp, rtol=1e-5)
-    np.testing.assert_allclose(ghf, ghp, rtol=1e-5, atol=1e-7)
-    np.testing.assert_allclose(gwf, gwp, rtol=1e-5, atol=1e-7)
+    ref = _exact(lambda h, w: jax.value_and_grad(_plain, argnums=(0, 1))(h, w, t, m, cap),
+                 h, w, length=max(t.size, w.shape[1]))  # over tokens (dW), vocabulary (dh)
+    assert_same_grads((lf, (ghf, gwf)), ref)
     assert float(jnp.abs(ghp[~m]).max()) == 0.0  # unscored positions get no gradient
     assert float(jnp.abs(ghf[~m]).max()) == 0.0
     # the primal alone (evaluation) is the same sum
-    np.testing.assert_allclose(jax.jit(chunked_lm_loss_sum, static_argnums=(4, 5))(
-        h, w, t, m, cap, 16), lp, rtol=1e-5)
+    assert_same_grads(jax.jit(chunked_lm_loss_sum, static_argnums=(4, 5))(h, w, t, m, cap, 16),
+                      Exact(ref.f32[0], ref.f64[0], ref.length))
 
 
 def test_bf16_within_rounding_of_f32():
@@ -109,13 +119,12 @@ def test_llm_with_loss_chunk_equals_plain():
             mod = nnx.merge(graph, p)
             h = mod.final_hidden(mod.embed_tokens(tokens))
             return mod.loss_sum(h, jnp.roll(tokens, -1, axis=1), mask)
-        return jax.jit(jax.value_and_grad(loss))(params)
+        return jax.value_and_grad(loss), params
 
-    l0, g0 = loss_and_grads(cfg)
-    l1, g1 = loss_and_grads(dataclasses.replace(cfg, loss_chunk=20))
-    np.testing.assert_allclose(l1, l0, rtol=1e-5)
-    # atol: one float32 ulp at 1 (the tied embedding sums two paths in another order)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-7), g1, g0)
+    fn, params = loss_and_grads(cfg)
+    ref = _exact(fn, params, length=cfg.vocab_size)  # the longest sum: the vocabulary's
+    fn1, params1 = loss_and_grads(dataclasses.replace(cfg, loss_chunk=20))
+    assert_same_grads(jax.jit(fn1)(params1), ref)
     with pytest.raises(UserError, match="loss_chunk"):
         dataclasses.replace(cfg, loss_chunk=-1)
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from helpers import assert_same_grads, cached_reference, make_cfg
+from helpers import assert_same_grads, assert_same_loss, cached_reference, make_cfg
 from mmjax.models.mllm import MultimodalModel, trainable_filter
 from mmjax.models.tiny import tiny_valm
 from mmjax.parallel.fsdp import colocated_mesh, tree_shardings
@@ -18,6 +18,8 @@ from mmjax.parallel.phase_inputs import balanced_inputs, colocated_route
 from mmjax.parallel.rearrange import TrafficLedger
 from mmjax.train.colocated import Colocation, colocated_loss_fn
 from mmjax.train.step import make_loss_fn, split_model
+
+pytestmark = pytest.mark.parity  # judged by the float64 rule; CI reruns it under a second XLA config
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +47,7 @@ def test_colocated_dp8_each_policy_matches_single_device(setup, policy):
     _, _, samples, ref_loss, ref_grads, *_ = setup
     if policy != "none":  # the balanced layouts really move samples between ranks
         assert [list(b) for b in pb.plan.phases["llm"].batches] != [[i] for i in range(8)]
-    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    assert_same_loss(loss, ref_loss)
     assert_same_grads(grads, ref_grads)
 
 
@@ -59,7 +61,7 @@ def test_colocated_llm_dp4_tp2_with_node_wise(setup):
     _, _, _, ref_loss, ref_grads, *_ = setup
     assert pb.plan.phases["llm"].num_ranks == 4 and "perm" in pb.plan.node_wise
     assert sum(ledger.payload.values()) > 0
-    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    assert_same_loss(loss, ref_loss)
     assert_same_grads(grads, ref_grads)
 
 
@@ -96,7 +98,7 @@ def test_zero3_with_per_phase_balancing_matches_single_device(valm_frozen, tp, p
         (loss, _), g = jax.value_and_grad(loss_fn, has_aux=True)(tr, fr, b)
         return loss, jax.lax.with_sharding_constraint(g, grads)
     loss, g = jax.jit(f)(tr, fr, inputs)
-    np.testing.assert_allclose(float(loss), ref_loss, rtol=1e-5)
+    assert_same_loss(float(loss), ref_loss)
     g = nnx.to_pure_dict(g)
     assert "encoders" not in g
     assert_same_grads(g, ref_grads)

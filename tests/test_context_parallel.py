@@ -16,6 +16,8 @@ from mmjax.models.attention import allowed_mask, dot_product_attention
 from mmjax.parallel import context as cp
 from mmjax.data import token_distribution as td
 
+pytestmark = pytest.mark.parity  # judged by the float64 rule; CI reruns it under a second XLA config
+
 S, BLOCK, H, KV, D = 256, 16, 4, 2, 8
 MASKS = [td.example_mask(f, S, seed) for seed, f in enumerate(td.FAMILIES)]
 BAM, DOC, SUB = (np.stack([getattr(m, f) for m in MASKS]) for f in ("bam", "doc", "sub"))

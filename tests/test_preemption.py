@@ -106,7 +106,7 @@ def test_signal_checkpoints_the_step_reached_and_the_rerun_is_bit_identical(tmp_
     p = subprocess.run(_train(straight), cwd=REPO, env=_env(), capture_output=True,
                        text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
-    after = random.Random().randint(1, STEPS - 8)
+    after = random.Random(109).randint(1, STEPS - 8)  # seeded: a failure reruns the same step
     proc = subprocess.Popen(_train(work), cwd=REPO, env=_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     _wait_rows(os.path.join(work, "metrics.jsonl"), after, proc)

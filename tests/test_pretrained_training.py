@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import assert_same_grads, global_batch
+from helpers import assert_same_grads, assert_same_loss, exact_reference, global_batch
 from test_vit_training import CLIP_TINY
 
 import hf_reference as ref
@@ -25,6 +25,8 @@ from mmjax.planner.plan import Plan
 from mmjax.train.inputs import model_inputs
 from mmjax.train.step import make_loss_fn, split_model
 from mmjax.train.trainer import train
+
+pytestmark = pytest.mark.parity  # judged by the float64 rule; CI reruns it under a second XLA config
 
 QWEN = {"model_type": "qwen2", "vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 96,
@@ -64,8 +66,8 @@ def test_pp2_tp2_llm_and_dp2_clip_tower_match_single_device(dirs, monkeypatch):
     mdl = MultimodalModel(cfg, jax.random.key(0))
     hf.load_into_model(mdl, dirs["llm"], {"vision": dirs["vision"]})
     gd, tr, fr = split_model(mdl, trainable_filter(cfg))
-    (ref_loss, _), ref_grads = jax.jit(jax.value_and_grad(make_loss_fn(gd), has_aux=True))(
-        tr, fr, model_inputs(assemble(samples, lay)))
+    ref_loss, ref_grads = exact_reference(make_loss_fn(gd), tr, fr,
+        model_inputs(assemble(samples, lay)))
 
     reads = []
     real = Checkpoint.read_slice
@@ -85,8 +87,8 @@ def test_pp2_tp2_llm_and_dp2_clip_tower_match_single_device(dirs, monkeypatch):
              for m in range(2)]
     res = rt.run(feeds)
     grads = to_reference_layout(plan, res.pure_grads())
-    np.testing.assert_allclose(res.losses()["loss"], float(ref_loss), rtol=1e-5)
-    assert_same_grads(grads, nnx.to_pure_dict(ref_grads))
+    assert_same_loss(res.losses()["loss"], ref_loss)
+    assert_same_grads(grads, ref_grads)
 
 
 @pytest.fixture

@@ -3,12 +3,14 @@ each hold the embedding; the runtime sums their gradients, which then equal the 
 model's embedding gradient."""
 import numpy as np
 import pytest
-from helpers import assert_same_grads, cached_reference, make_cfg
+from helpers import assert_same_grads, assert_same_loss, cached_reference, make_cfg
 
 from mmjax.data.feed import microbatch_feed
 from mmjax.pipeline.reference_layout import to_reference_layout
 from mmjax.pipeline.runtime import PipelineRuntime
 from mmjax.planner.plan import Plan
+
+pytestmark = pytest.mark.parity  # judged by the float64 rule; CI reruns it under a second XLA config
 
 
 @pytest.mark.slow
@@ -24,5 +26,5 @@ def test_tied_llm_pp2_matches_single_device():
     # both copies get the sum, so they step alike
     np.testing.assert_array_equal(np.asarray(grads[first]["embed"]),
                                   np.asarray(grads[last]["embed"]))
-    np.testing.assert_allclose(res.losses()["loss"], ref_loss, rtol=1e-5)
+    assert_same_loss(res.losses()["loss"], ref_loss)
     assert_same_grads(to_reference_layout(plan, grads), ref_grads)  # embedding's included
