@@ -212,11 +212,22 @@ def test_ledger_classes_exact(mesh8):
     inter."""
     from mmjax.data.routes import Routes
     routes = Routes.from_pairs(8, 3, 8, 1, [(0, 0, 0, 0), (0, 1, 1, 0), (0, 2, 5, 0)])
-    plan = R.plan_exchange(routes, mesh8, "dp", "dp", capacity=2)
+    plan = R.plan_exchange(routes, mesh8, "dp", "dp")
     led = R.TrafficLedger(4)
     led.add(plan.forward, 10)
     assert led.payload == {"local": 10, "intra_node": 10, "inter_node": 10}
-    assert led.wire == {"intra_node": 8 * 3 * 2 * 10, "inter_node": 8 * 4 * 2 * 10}
+    # staged over one node of 8 (plan_exchange's default): intra shifts 1 and 5, one row
+    # each; every device sends its shift's capacity, the ledger's nodes classify the pairs
+    assert plan.forward.caps == (1, 0, 0, 0, 1, 0, 0) + (0,) * 7
+    assert led.sent == {"intra_node": 8 * 10, "inter_node": 8 * 10}
+    # over 2 nodes of 4: 0 -> 1 by intra shift 1; 0 -> 5 by relay 0 across (inter shift 1,
+    # to device 4), then intra shift 1 on node 1
+    plan = R.plan_exchange(routes, mesh8, "dp", "dp", ranks_per_node=4)
+    assert plan.forward.caps == (1, 0, 0) + (1,) + (1, 0, 0)
+    led = R.TrafficLedger(4)
+    led.add(plan.forward, 10)
+    assert led.payload == {"local": 10, "intra_node": 10, "inter_node": 10}
+    assert led.sent == {"intra_node": 2 * 8 * 10, "inter_node": 8 * 10}
 
 
 def test_route_tables_count_forward_and_backward(mesh8):
@@ -227,7 +238,7 @@ def test_route_tables_count_forward_and_backward(mesh8):
     led = R.TrafficLedger(4)
     tables = R.route_tables(lay.routes, mesh8, "dp", "dp", ledger=led,
                             row_bytes={"vision": 8, "audio": 4})
-    assert set(tables) == {"vision", "audio"} and len(tables["vision"]) == 4
+    assert set(tables) == {"vision", "audio"} and set(tables["vision"]) == {"fwd", "bwd"}
     one = R.TrafficLedger(4)
     for e, rb in (("vision", 8), ("audio", 4)):
         one.add(R.plan_exchange(lay.routes[e], mesh8, "dp", "dp").forward, rb)
@@ -244,8 +255,11 @@ def test_bad_capacity_is_one_line(mesh8):
     with pytest.raises(ValueError, match=r"capacity\['vision'\]=1 rows per rank"):
         plan_colocated_layout(lengths, out_rows, 8, "sum", capacity={"vision": 1})
     lay = plan_colocated_layout(lengths, out_rows, 8, "none")
-    with pytest.raises(ValueError, match="capacity=1 rows per device pair"):
-        R.plan_exchange(lay.routes["vision"], mesh8, "dp", "dp", capacity=1)
+    lay = plan_colocated_layout(lengths, out_rows, 8, "sum")
+    with pytest.raises(ValueError, match=r"capacities \(1, 1, 1, 1, 1, 1, 1\) \(rows per shift\) "
+                                         r"are below"):
+        R.plan_exchange(lay.routes["vision"], mesh8, "dp", "dp", capacity=((1,) * 7,) * 2,
+                        ranks_per_node=4)
     with pytest.raises(ValueError, match="policies"):
         plan_colocated_layout(lengths, out_rows, 8, "lpt")
 
