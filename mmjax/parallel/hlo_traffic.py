@@ -16,8 +16,8 @@ import re
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
                 "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
                 "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1}
-_OP = re.compile(r"=\s*(?P<shape>\(?[a-z0-9]+\[[0-9,]*\][^ ]*)\s+"
-                 r"(?P<op>collective-permute|all-to-all)(?:-start)?\(")
+_OP = re.compile(r"=\s*(?P<shape>.*?)\s(?P<op>collective-permute|all-to-all)"
+                 r"(?P<start>-start)?\(")
 _ARRAY = re.compile(r"([a-z0-9]+)\[([0-9,]*)\]")
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
 _GROUPS = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
@@ -25,13 +25,20 @@ _IOTA_GROUPS = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[(\d+)\]")
 _NAME = re.compile(r'op_name="([^"]*)"')
 
 
-def _bytes(shape: str) -> int:
-    """Bytes of an HLO result shape (a tuple's first array: the -start ops' operand)."""
-    m = _ARRAY.search(shape)
+def _array_bytes(dtype: str, dims: str) -> int:
     n = 1
-    for d in filter(None, m.group(2).split(",")):
+    for d in filter(None, dims.split(",")):
         n *= int(d)
-    return n * _DTYPE_BYTES[m.group(1)]
+    return n * _DTYPE_BYTES[dtype]
+
+
+def _bytes(shape: str, whole_tuple: bool) -> int:
+    """Bytes of an HLO result shape: every array of it (an all-to-all's tuple form, one
+    array per peer), or its first (a -start op's (operand, result, ...) tuple)."""
+    arrays = _ARRAY.findall(shape)
+    if whole_tuple:
+        return sum(_array_bytes(t, d) for t, d in arrays)
+    return _array_bytes(*arrays[0])
 
 
 def _groups(line: str, num_devices: int) -> list[list[int]]:
@@ -61,7 +68,7 @@ def collective_bytes(hlo: str, ranks_per_node: int, scope: str = "",
         if scope and (name is None or scope not in name.group(1)):
             continue
         out["ops"] += 1
-        size = _bytes(m.group("shape"))
+        size = _bytes(m.group("shape"), m.group("op") == "all-to-all" and not m.group("start"))
         if m.group("op") == "collective-permute":
             pairs = _PAIRS.search(line)
             for p, q in re.findall(r"\{(\d+),(\d+)\}", pairs.group(1)):
