@@ -27,7 +27,7 @@ from mmjax.models.units import GENERATOR_UNIT, LLM_UNIT, has_generator, is_gener
 
 
 POLICIES = ("none", "disttrain", "orchmllm")
-NODE_WISE_METHODS = ("auto", "milp", "local", "greedy")
+NODE_WISE_METHODS = ("auto", "milp", "local", "greedy", "identity")
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """The co-located step's inputs for one global batch with per-phase balancing (OrchMLLM §5-6):
 the batch assembled in each phase's balanced layout (data/colocated_batch.py), placed on the
 co-located mesh (each unit's leaves over its dp axes, parallel/fsdp.py), plus per encoder
-the all-to-all's index tables under `rearrange.ROUTE_KEY`, which the runner's seam
+the staged exchange's index tables under `rearrange.ROUTE_KEY`, which the runner's seam
 (`rearrange.phase_route`) reads. Each unit is data-parallel over the mesh's axes but its
 own tp axes (dp = devices / tp): an encoder at tp 1 over every device, one at tp t over
 devices / t ranks of t devices (every tp replica of a rank holds its block, one replica
@@ -47,7 +47,7 @@ def llm_ranks(mesh: Mesh, colo=None) -> int:
 def colocated_route(mesh: Mesh, colo=None):
     """The `route` to hand `train.colocated.colocated_loss_fn` for balanced inputs: every
     encoder's outputs, blocked over its own dp axes, to the LLM's layout by the tables in
-    `batch[ROUTE_KEY]` (one all-to-all each, the inverse in the backward; `rearrange`). A
+    `batch[ROUTE_KEY]` (one staged exchange each, the inverse in the backward; `rearrange`). A
     batch without tables is already in one layout: returned as is."""
     dst = llm_axes(mesh, colo)
 
@@ -60,11 +60,12 @@ def colocated_route(mesh: Mesh, colo=None):
     return route
 
 
-def place_phase_batch(pb: PhaseBatch, mesh: Mesh, capacity: int | None = None,
+def place_phase_batch(pb: PhaseBatch, mesh: Mesh, capacity: tuple | None = None,
                       ledger: TrafficLedger | None = None,
-                      row_bytes: int | None = None, colo=None) -> dict:
+                      row_bytes: int | None = None, colo=None,
+                      ranks_per_node: int | None = None) -> dict:
     """A `PhaseBatch` as the co-located step's inputs: its leaves placed on the mesh, the
-    encoders' all-to-all tables under `ROUTE_KEY` (see `balanced_inputs`)."""
+    encoders' exchange tables under `ROUTE_KEY` (see `balanced_inputs`)."""
     if ledger is not None and row_bytes is None:
         raise ValueError("balanced_inputs: a ledger needs row_bytes (hidden size x dtype bytes)")
     inputs = place_batch(mesh, pb.inputs, colo)
@@ -72,22 +73,25 @@ def place_phase_batch(pb: PhaseBatch, mesh: Mesh, capacity: int | None = None,
     tables = {}
     for e, axes in encoder_axes(mesh, pb.routes, colo).items():
         tables.update(route_tables({e: pb.routes[e]}, mesh, axes, dst, capacity, ledger,
-                                   None if ledger is None else {e: int(row_bytes)}))
+                                   None if ledger is None else {e: int(row_bytes)},
+                                   ranks_per_node))
     inputs[ROUTE_KEY] = tables
     return inputs
 
 
 def balanced_inputs(samples, layout, mesh: Mesh, policies, *, ranks_per_node: int = 0,
-                    floors=None, capacity: int | None = None,
+                    floors=None, capacity: tuple | None = None,
                     ledger: TrafficLedger | None = None,
                     row_bytes: int | None = None, colo=None) -> tuple[dict, PhaseBatch]:
     """(placed step inputs, the PhaseBatch) for `samples` (module docstring). `floors`: a
     previous PhaseBatch's `shapes` (pad up to them: one compile per run); `capacity`: the
-    all-to-alls' static rows per device pair (None: the busiest pair's, to a power of two);
-    `ledger`: counts each exchange's bytes per link class, `row_bytes` per row (the LLM's
-    hidden size x the compute dtype's bytes)."""
+    exchanges' static (forward, backward) rows per shift (None: this batch's own,
+    bucketed), staged over nodes of `ranks_per_node`; `ledger`: counts each exchange's
+    bytes per link class, `row_bytes` per row (the LLM's hidden size x the compute dtype's
+    bytes)."""
     encs = [slot.name for slot in layout.encoders]
     pb = phase_batch(samples, layout, encoder_ranks(mesh, encs, colo), llm_ranks(mesh, colo),
                      policies, ranks_per_node=ranks_per_node, floors=floors,
                      devices=mesh.devices.size)
-    return place_phase_batch(pb, mesh, capacity, ledger, row_bytes, colo), pb
+    return place_phase_batch(pb, mesh, capacity, ledger, row_bytes, colo,
+                             ranks_per_node or None), pb

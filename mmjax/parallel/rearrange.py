@@ -33,7 +33,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mmjax.data.routes import Routes
-from mmjax.parallel.broker import ExchangeTables, deliveries
+from mmjax.parallel.broker import deliveries
+from mmjax.parallel.exchange_stages import (Caps, StagedTables, Topology, caps_bytes,
+                                            needed_caps, staged_tables)
 
 
 def _axes(axes) -> tuple[str, ...]:
@@ -58,117 +60,134 @@ def rank_devices(mesh: Mesh, dp_axes) -> list[list[int]]:
 
 @dataclass(frozen=True)
 class ExchangePlan:
-    """Host-side plan of one rearrangement and its inverse on `num_devices` devices (the
-    forward's and backward's index tables share the static capacity C)."""
+    """Host-side plan of one rearrangement and its inverse on `num_devices` devices, as
+    staged exchanges (parallel/exchange_stages.py) over nodes of `ranks_per_node`."""
 
     routes: Routes
-    forward: ExchangeTables
-    backward: ExchangeTables
+    forward: StagedTables
+    backward: StagedTables
     num_devices: int
 
     @property
-    def capacity(self) -> int:
-        return self.forward.capacity
+    def capacity(self) -> tuple[Caps, Caps]:
+        """(forward, backward) rows per shift: the compiled shapes."""
+        return self.forward.caps, self.backward.caps
 
 
-def busiest_pair(routes: Routes, mesh: Mesh, src_axes, dst_axes) -> int:
-    """Rows the busiest device pair sends in the exchange or its inverse: the least static
-    capacity `plan_exchange` takes for `routes` (host side; the runner's shape scan keeps
-    the maximum over a run's batches, so the tables' shapes never change)."""
-    src, dst = rank_devices(mesh, src_axes), rank_devices(mesh, dst_axes)
+def _topology(mesh: Mesh, ranks_per_node: int | None) -> Topology:
     n = mesh.devices.size
-    return max(_busiest(deliveries(routes, src, dst), n),
-               _busiest(deliveries(routes.inverse(), dst, src), n))
+    return Topology(n, ranks_per_node or n)
 
 
-def plan_exchange(routes: Routes, mesh: Mesh, src_axes, dst_axes,
-                  capacity: int | None = None) -> ExchangePlan:
-    """Index tables moving `routes` from the `src_axes` layout to the `dst_axes` layout of
-    `mesh`, and back. `capacity`: the static rows per device pair (the compiled program
-    depends on it; keep it fixed across steps, e.g. the step's global row floor); None: the
-    busiest pair's count, rounded up to a power of two."""
+def _deliveries(routes: Routes, mesh: Mesh, src_axes, dst_axes):
     src = rank_devices(mesh, src_axes)
     dst = rank_devices(mesh, dst_axes)
     if routes.src_ranks != len(src) or routes.dst_ranks != len(dst):
         raise ValueError(f"rearrange: routes map dp {routes.src_ranks} -> {routes.dst_ranks} "
                          f"but the mesh's axes {_axes(src_axes)} -> {_axes(dst_axes)} give dp "
                          f"{len(src)} -> {len(dst)}")
-    n = mesh.devices.size
-    inverse = routes.inverse()
-    fwd = deliveries(routes, src, dst)
-    bwd = deliveries(inverse, dst, src)
-    busiest = max(_busiest(fwd, n), _busiest(bwd, n))
-    if capacity is None:
-        capacity = 1 << max(busiest - 1, 0).bit_length()
-    elif busiest > capacity:
-        raise ValueError(f"rearrange: capacity={capacity} rows per device pair is below the "
-                         f"busiest pair's {busiest} (raise the capacity)")
-    fwd = _tables(fwd, n, capacity, routes.dst_slots)
-    bwd = _tables(bwd, n, capacity, routes.src_slots)
-    return ExchangePlan(routes, fwd, bwd, n)
+    return deliveries(routes, src, dst), deliveries(routes.inverse(), dst, src)
 
 
-def _busiest(ds, n: int) -> int:
-    count = np.zeros((n, n), np.int64)
+def _pairs(ds) -> dict[tuple[int, int], int]:
+    out: dict[tuple[int, int], int] = {}
     for u, v, _, _ in ds:
-        count[u, v] += 1
-    return int(count.max(initial=0))
+        out[(u, v)] = out.get((u, v), 0) + 1
+    return out
 
 
-def _tables(ds, n: int, capacity: int, dst_slots: int) -> ExchangeTables:
-    """`broker.exchange_tables` at exactly `capacity` slots per pair (no power-of-two
-    rounding: the caller fixes it so the program stays the same across steps)."""
-    send = np.full((n, n * capacity), -1, np.int32)
-    recv = np.full((n, dst_slots), -1, np.int32)
-    count = np.zeros((n, n), np.int64)
-    for u, v, s, q in ds:
-        c = count[u, v]
-        count[u, v] += 1
-        send[u, v * capacity + c] = s
-        recv[v, q] = u * capacity + c
-    return ExchangeTables(capacity, send, recv, count)
+def exchange_caps(routes: Routes, mesh: Mesh, src_axes, dst_axes,
+                  ranks_per_node: int | None = None) -> tuple[Caps, Caps]:
+    """(forward, backward) least bucketed rows per shift that carry `routes` and its inverse
+    (host side; the runner's shape scan joins them over a run's batches, `join_caps`, so
+    the compiled shapes never change after warm-up)."""
+    topo = _topology(mesh, ranks_per_node)
+    fwd, bwd = _deliveries(routes, mesh, src_axes, dst_axes)
+    return needed_caps(_pairs(fwd), topo), needed_caps(_pairs(bwd), topo)
 
 
-def device_tables(plan: ExchangePlan, mesh: Mesh) -> tuple[jax.Array, ...]:
-    """(send, recv, send_back, recv_back): the plan's tables on `mesh`, one row per device
-    (each process places its own devices' rows: every process plans the same tables)."""
+def plan_exchange(routes: Routes, mesh: Mesh, src_axes, dst_axes,
+                  capacity: tuple[Caps, Caps] | None = None,
+                  ranks_per_node: int | None = None) -> ExchangePlan:
+    """Index tables moving `routes` from the `src_axes` layout to the `dst_axes` layout of
+    `mesh`, and back, by staged exchanges over nodes of `ranks_per_node` devices (None: one
+    node). `capacity`: (forward, backward) static rows per shift (the compiled program
+    depends on them; keep them fixed across steps, e.g. the run's scanned `exchange_caps`
+    joined); None: this map's own, bucketed."""
+    topo = _topology(mesh, ranks_per_node)
+    fwd, bwd = _deliveries(routes, mesh, src_axes, dst_axes)
+    fc, bc = (None, None) if capacity is None else capacity
+    return ExchangePlan(routes,
+                        staged_tables(fwd, topo, routes.src_slots, routes.dst_slots, fc),
+                        staged_tables(bwd, topo, routes.dst_slots, routes.src_slots, bc),
+                        topo.n)
+
+
+def _host_tables(t: StagedTables) -> dict:
+    stages = {"A": [], "B": [], "C": []}
+    for (stage, _), send in zip(t.topo.shifts(), t.send):
+        stages[stage].append(send)
+    return {**{k: tuple(v) for k, v in stages.items()}, "recv": t.recv}
+
+
+def device_tables(plan: ExchangePlan, mesh: Mesh) -> dict:
+    """{"fwd", "bwd"}: each direction's tables on `mesh`, one row per device ({"A", "B",
+    "C"}: per stage, per shift, the [n, capacity] send tables; "recv"), so the compiled
+    shapes carry the capacities. Each process places its own devices' rows: every process
+    plans the same tables."""
     sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))
-    return tuple(jax.make_array_from_callback(t.shape, sharding, lambda idx, t=t: t[idx])
-                 for t in (plan.forward.send, plan.forward.recv, plan.backward.send,
-                           plan.backward.recv))
+    put = lambda t: jax.make_array_from_callback(t.shape, sharding, lambda idx: t[idx])
+    return {"fwd": jax.tree.map(put, _host_tables(plan.forward)),
+            "bwd": jax.tree.map(put, _host_tables(plan.backward))}
 
 
-def _body(x, send, recv, *, axes):
-    """Per device: x [src rows, ...] -> [dst rows, ...] by one all-to-all (C from send)."""
-    take, put = send[0], recv[0]
-    buf = jnp.take(x, jnp.maximum(take, 0), axis=0)            # [n * C, ...]
-    got = lax.all_to_all(buf, axes, 0, 0, tiled=True)          # got[u * C + c] from u
-    out = jnp.take(got, jnp.maximum(put, 0), axis=0)           # [dst rows, ...]
+def _body(x, tables, *, axes):
+    """Per device: x [src rows, ...] -> [dst rows, ...] by the staged exchange's collective
+    permutes (exchange_stages.py): each stage gathers its shifts' buffers from the pool,
+    permutes them and appends what arrives; the output is gathered from the final pool."""
+    rpn, nodes = len(tables["A"]) + 1, len(tables["B"]) + 1
+    topo = Topology(rpn * nodes, rpn)
+    pool = x
+    for stage in ("A", "B", "C"):
+        got = []
+        for shift, send in enumerate(tables[stage], start=1):
+            take = send[0]
+            if take.shape[0] == 0:
+                continue
+            buf = jnp.take(pool, jnp.maximum(take, 0), axis=0)
+            got.append(lax.ppermute(buf, axes, topo.perm(stage, shift)))
+        if got:
+            pool = jnp.concatenate([pool] + got, axis=0)
+    put = tables["recv"][0]
+    out = jnp.take(pool, jnp.maximum(put, 0), axis=0)            # [dst rows, ...]
     keep = (put >= 0).reshape((-1,) + (1,) * (x.ndim - 1))
     return jnp.where(keep, out, jnp.zeros((), x.dtype))
 
 
-def _move(x, send, recv, mesh, src_axes, dst_axes):
+FORWARD_SCOPE, BACKWARD_SCOPE = "rearrange_fwd", "rearrange_bwd"  # the HLO ops' op_name
+
+
+def _move(x, tables, mesh, src_axes, dst_axes, scope):
     every = tuple(mesh.axis_names)
+    spec = jax.tree.map(lambda _: P(every), tables)
     fn = jax.shard_map(partial(_body, axes=every), mesh=mesh,
-                       in_specs=(P(src_axes), P(every), P(every)), out_specs=P(dst_axes),
-                       check_vma=False)
-    return fn(x, send, recv)
+                       in_specs=(P(src_axes), spec), out_specs=P(dst_axes), check_vma=False)
+    with jax.named_scope(scope):
+        return fn(x, tables)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _exchange(x, send, recv, send_back, recv_back, mesh, src_axes, dst_axes):
-    return _move(x, send, recv, mesh, src_axes, dst_axes)
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _exchange(x, tables, mesh, src_axes, dst_axes):
+    return _move(x, tables["fwd"], mesh, src_axes, dst_axes, FORWARD_SCOPE)
 
 
-def _exchange_fwd(x, send, recv, send_back, recv_back, mesh, src_axes, dst_axes):
-    return _move(x, send, recv, mesh, src_axes, dst_axes), (send, recv, send_back, recv_back)
+def _exchange_fwd(x, tables, mesh, src_axes, dst_axes):
+    return _move(x, tables["fwd"], mesh, src_axes, dst_axes, FORWARD_SCOPE), tables
 
 
-def _exchange_bwd(mesh, src_axes, dst_axes, res, g):
-    send, recv, send_back, recv_back = res
-    dx = _move(g, send_back, recv_back, mesh, dst_axes, src_axes)
-    return dx, None, None, None, None
+def _exchange_bwd(mesh, src_axes, dst_axes, tables, g):
+    dx = _move(g, tables["bwd"], mesh, dst_axes, src_axes, BACKWARD_SCOPE)
+    return dx, jax.tree.map(lambda t: np.zeros(t.shape, jax.dtypes.float0), tables)
 
 
 _exchange.defvjp(_exchange_fwd, _exchange_bwd)
@@ -181,8 +200,7 @@ def exchange(x: jax.Array, tables, mesh: Mesh, src_axes, dst_axes) -> jax.Array:
     traced arguments) and on any dtype."""
     if x.ndim < 1:
         raise ValueError(f"rearrange.exchange: x needs a leading row axis, got shape {x.shape}")
-    send, recv, send_back, recv_back = tables
-    return _exchange(x, send, recv, send_back, recv_back, mesh, _axes(src_axes), _axes(dst_axes))
+    return _exchange(x, tables, mesh, _axes(src_axes), _axes(dst_axes))
 
 
 def exchange_tree(tree, tables, mesh: Mesh, src_axes, dst_axes):
@@ -191,14 +209,18 @@ def exchange_tree(tree, tables, mesh: Mesh, src_axes, dst_axes):
 
 
 def route_tables(routes: dict, mesh: Mesh, src_axes, dst_axes,
-                 capacity: int | None = None, ledger: "TrafficLedger | None" = None,
-                 row_bytes: dict | None = None) -> dict[str, tuple[jax.Array, ...]]:
-    """Per encoder, its exchange's `device_tables` (for the step's inputs, `ROUTE_KEY`).
-    With a `ledger`, each exchange's forward and backward deliveries are counted there at
-    `row_bytes[e]` bytes per row (the encoder output's width x dtype bytes)."""
+                 capacity: tuple[Caps, Caps] | None = None,
+                 ledger: "TrafficLedger | None" = None, row_bytes: dict | None = None,
+                 ranks_per_node: int | None = None) -> dict[str, dict]:
+    """Per encoder, its exchange's `device_tables` (for the step's inputs, `ROUTE_KEY`),
+    staged over nodes of `ranks_per_node` (None: the ledger's, else one node). With a
+    `ledger`, each exchange's forward and backward are counted there at `row_bytes[e]`
+    bytes per row (the encoder output's width x dtype bytes)."""
+    if ranks_per_node is None and ledger is not None:
+        ranks_per_node = ledger.ranks_per_node
     out = {}
     for e, r in routes.items():
-        plan = plan_exchange(r, mesh, src_axes, dst_axes, capacity)
+        plan = plan_exchange(r, mesh, src_axes, dst_axes, capacity, ranks_per_node)
         if ledger is not None:
             if row_bytes is None or e not in row_bytes:
                 raise ValueError(f"route_tables: a ledger needs row_bytes[{e!r}]")
@@ -227,22 +249,23 @@ def phase_route(mesh: Mesh, src_axes, dst_axes):
 
 @dataclass
 class TrafficLedger:
-    """Bytes an exchange delivers, per link class: "local" (a device to itself, no link),
-    "intra_node", "inter_node"; device position p (row-major over the mesh) is on node
-    p // ranks_per_node. `payload` counts the rows really sent (the tables' send counts);
-    `wire` what the static-capacity all-to-all moves between distinct devices (C rows per
-    pair, padding included)."""
+    """Bytes of the encoder->LLM exchanges per link class; device position p (row-major over
+    the mesh) is on node p // ranks_per_node. `payload`: the rows the tables deliver
+    ("local": a device to itself, no link; "intra_node"; "inter_node"); `sent`: what the
+    staged exchange's collective permutes move at their static capacities, padding
+    included (`exchange_stages.caps_bytes`: equal to the compiled program's collective
+    operands, `hlo_traffic`)."""
 
     ranks_per_node: int
     payload: dict[str, int] = field(default_factory=lambda: {
         "local": 0, "intra_node": 0, "inter_node": 0})
-    wire: dict[str, int] = field(default_factory=lambda: {"intra_node": 0, "inter_node": 0})
+    sent: dict[str, int] = field(default_factory=lambda: {"intra_node": 0, "inter_node": 0})
 
     def __post_init__(self):
         if self.ranks_per_node < 1:
             raise ValueError(f"TrafficLedger.ranks_per_node={self.ranks_per_node}: use >= 1")
 
-    def add(self, tables: ExchangeTables, row_bytes: int) -> None:
+    def add(self, tables: StagedTables, row_bytes: int) -> None:
         """Count one exchange by `tables` of rows of `row_bytes` bytes each."""
         count = tables.count
         n = count.shape[0]
@@ -255,6 +278,6 @@ class TrafficLedger:
         self.payload["local"] += int(count[eye].sum()) * row_bytes
         self.payload["intra_node"] += int(count[same & ~eye].sum()) * row_bytes
         self.payload["inter_node"] += int(count[~same].sum()) * row_bytes
-        cap = tables.capacity * row_bytes
-        self.wire["intra_node"] += int((same & ~eye).sum()) * cap
-        self.wire["inter_node"] += int((~same).sum()) * cap
+        for k, v in caps_bytes(tables.caps, tables.topo, row_bytes,
+                               self.ranks_per_node).items():
+            self.sent[k] += v

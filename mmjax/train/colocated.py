@@ -22,7 +22,8 @@ from mmjax.models.scan import layer_weights
 from mmjax.data.loader import SHAPE_SCAN_MAX
 from mmjax.parallel.fsdp import colocated_mesh, gather_layer, place_batch, tree_shardings
 from mmjax.parallel.phase_inputs import colocated_route, place_phase_batch
-from mmjax.parallel.rearrange import TrafficLedger
+from mmjax.parallel.hlo_traffic import collective_bytes
+from mmjax.parallel.rearrange import BACKWARD_SCOPE, FORWARD_SCOPE, TrafficLedger
 from mmjax.train.colocated_data import BalancedBatch, PhaseBatches
 from mmjax.train.colocated_plan import Colocation
 from mmjax.train.data_config import train_source
@@ -102,6 +103,7 @@ class Colocated(SingleProgram):
         rpn = phases.settings.ranks_per_node if phases else 0
         # bytes the all-to-alls deliver per link class (nodes of `Loader.ranks_per_node`)
         self.ledger = TrafficLedger(rpn) if rpn else None
+        self._sent: dict = {}  # compiled program key -> its exchanges' bytes (sent_bytes)
         self.row_bytes = cfg.llm.hidden_size * jnp.dtype(dtype).itemsize
         super().__init__(cfg, layout, global_batch, schedule, dtype, seed, source,
                          attention_impl, None, steps, check_memory=False,
@@ -109,9 +111,9 @@ class Colocated(SingleProgram):
         self.memory_line = None
         shapes = self.data.floor if phases is None else phases.global_floor()
         if shapes is not None:  # the step's peak per device before anything compiles
-            exchange = 0.0 if phases is None else (  # send + receive, each encoder
-                2 * len(devices) * phases.floor_capacity * self.row_bytes
-                * len(cfg.encoders))
+            caps = phases.floor_capacity if phases is not None else None
+            exchange = 0.0 if caps is None else (  # send + receive, each encoder
+                2 * max(sum(c) for c in caps) * self.row_bytes * len(cfg.encoders))
             _, self.memory_line = check_colocated(
                 cfg, shapes, layout.seq_len, self.abstract.stages[WHOLE_MODEL].master,
                 self.abstract_frozen,
@@ -160,17 +162,35 @@ class Colocated(SingleProgram):
     def inputs(self, batch):
         if isinstance(batch, BalancedBatch):  # per-phase layouts + the all-to-all tables
             return place_phase_batch(batch.phases, self.mesh, batch.capacity, self.ledger,
-                                     self.row_bytes, self.colo)
+                                     self.row_bytes, self.colo, self.phases.ranks_per_node)
         return place_batch(self.mesh, super().inputs(batch), self.colo)
 
     def step(self, trace: bool = False, limits=(float("inf"), float("inf"))) -> StepMetrics:
-        """`SingleProgram.step`; with node-wise on, the step's encoder->LLM bytes per link
-        class (forward and backward exchanges, `TrafficLedger.payload`) in its metrics."""
+        """`SingleProgram.step`; with `ranks_per_node` set, the step's encoder->LLM bytes per
+        link class in its metrics: `a2a_{intra,inter}_node_bytes` what the compiled step's
+        exchanges send (forward and backward, read from its HLO: `sent_bytes`),
+        `a2a_*_payload_bytes` the rows the tables deliver (`TrafficLedger.payload`)."""
         before = dict(self.ledger.payload) if self.ledger else None
         m = super().step(trace, limits)
         if self.ledger:
-            m.extra = {f"a2a_{k}_bytes": v - before[k] for k, v in self.ledger.payload.items()}
+            m.extra = {f"a2a_{k}_payload_bytes": v - before[k]
+                       for k, v in self.ledger.payload.items()}
+            m.extra.update({f"a2a_{k}_bytes": v for k, v in self.sent_bytes().items()})
         return m
+
+    def sent_bytes(self) -> dict[str, int]:
+        """Per link class (nodes of `Loader.ranks_per_node`), the bytes the last step's
+        compiled program sends in its encoder->LLM exchanges, forward and backward: its
+        collective operands read from XLA's optimized HLO (`parallel.hlo_traffic`), once
+        per compiled program."""
+        key = self.last_key
+        if key not in self._sent:
+            hlo = self.compiled[key].as_text()
+            rpn = self.ledger.ranks_per_node
+            n = self.mesh.devices.size
+            got = [collective_bytes(hlo, rpn, s, n) for s in (FORWARD_SCOPE, BACKWARD_SCOPE)]
+            self._sent[key] = {k: got[0][k] + got[1][k] for k in ("intra_node", "inter_node")}
+        return self._sent[key]
 
     def load(self, state: dict, data_state: dict, step: int) -> None:
         super().load(state, data_state, step)

@@ -9,8 +9,8 @@ batch holds exactly the samples every plan trains at that step (`GlobalBatchBuil
 and is assembled in its per-phase layouts (data/colocated_batch.py); the runner places it
 and the encoder->LLM all-to-all tables (parallel/phase_inputs.py).
 
-The per-rank shapes of every phase and the all-to-all's static capacity (rows per device
-pair) are scanned from metadata over the run's first global batches up front and only
+The per-rank shapes of every phase and the exchanges' static capacities (rows per shift of
+the staged exchange, parallel/exchange_stages.py, forward and backward) are scanned from metadata over the run's first global batches up front and only
 grow, so the step compiles once. A setting the co-located layout cannot honour is one
 `UserError` line before any work.
 """
@@ -27,7 +27,8 @@ from mmjax.data.loader import Loader
 from mmjax.errors import UserError
 from mmjax.models.units import LLM_UNIT, is_generator, is_llm
 from mmjax.parallel.phase_inputs import encoder_axes, encoder_ranks, llm_axes, llm_ranks
-from mmjax.parallel.rearrange import busiest_pair
+from mmjax.parallel.exchange_stages import join_caps
+from mmjax.parallel.rearrange import exchange_caps
 from mmjax.planner.plan import Plan
 from mmjax.train.loader_stream import LoaderStream
 
@@ -94,11 +95,11 @@ def check_colocated_loader(cfg, layout, source, global_batch: int, num_devices: 
 @dataclass
 class BalancedBatch:
     """One global batch in its per-phase layouts, what the trainer's step reads of a
-    `Batch` (tokens, doc, counts, shapes for its compile line), and the all-to-all's
-    static capacity."""
+    `Batch` (tokens, doc, counts, shapes for its compile line), and the exchanges' static
+    capacities ((forward, backward) rows per shift)."""
 
     phases: PhaseBatch
-    capacity: int
+    capacity: tuple
     skipped: tuple = ()
 
     @property
@@ -156,7 +157,7 @@ class PhaseBatches(LoaderStream):
         scan = self.loader.shape_scan_steps if scan_steps is None else scan_steps
         # unbalanced (every phase "none", no node-wise): the caller reads plain batches
         self.floor, self.floor_capacity = (self._scan(min(scan, self.loader.num_steps))
-                                           if self.settings.balanced else (None, 1))
+                                           if self.settings.balanced else (None, None))
         self.shapes, self.capacity = self.floor, self.floor_capacity
         self._it = None
 
@@ -167,20 +168,28 @@ class PhaseBatches(LoaderStream):
                     node_wise_max_milp_ranks=s.node_wise_max_milp_ranks,
                     devices=self.mesh.devices.size)
 
-    def _busiest(self, routes) -> int:
+    @property
+    def ranks_per_node(self) -> int | None:
+        """The staged exchange's node size (None: one node of every device)."""
+        return self.settings.ranks_per_node or None
+
+    def _caps(self, routes, caps=None) -> tuple:
+        """`caps` joined with every encoder's (forward, backward) exchange capacities."""
         src, dst = self.axes
-        return max([busiest_pair(r, self.mesh, src[e], dst) for e, r in routes.items()],
-                   default=1)
+        for e, r in routes.items():
+            got = exchange_caps(r, self.mesh, src[e], dst, self.ranks_per_node)
+            caps = got if caps is None else tuple(join_caps(a, b) for a, b in zip(caps, got))
+        return caps
 
     def _scan(self, steps: int):
-        """Per-phase shapes and the busiest device pair over global batches 0 .. steps-1,
+        """Per-phase shapes and the exchanges' capacities over global batches 0 .. steps-1,
         planned from their metadata (`GlobalBatchBuilder.scan`)."""
-        floors, cap = None, 1
+        floors, caps = None, None
         for _, _, metas in self.builder.scan(steps):
             pp = plan_phases(metas, self.layout, *self.ranks, self.settings.policies,
                              floors=floors, **self._kw())
-            floors, cap = pp.shapes, max(cap, self._busiest(pp.routes))
-        return floors, cap
+            floors, caps = pp.shapes, self._caps(pp.routes, caps)
+        return floors, caps
 
     def global_floor(self) -> BatchShapes | None:
         """The scanned per-rank floors as one step's global shapes (every rank's blocks
@@ -195,7 +204,8 @@ class PhaseBatches(LoaderStream):
         return BatchShapes(llm.rows * ranks, encs, llm.gen * ranks)
 
     def state(self) -> dict:
-        return {"next_batch": self.next_batch, "capacity": self.capacity,
+        return {"next_batch": self.next_batch,
+                "capacity": None if self.capacity is None else [list(c) for c in self.capacity],
                 "phase_shapes": None if self.shapes is None else _shapes_json(self.shapes)}
 
     def restore(self, state: dict) -> None:
@@ -205,7 +215,9 @@ class PhaseBatches(LoaderStream):
         self.next_batch = int(state["next_batch"])
         ps = state.get("phase_shapes")
         self.shapes = self.floor if ps is None else _shapes_from_json(ps)
-        self.capacity = int(state.get("capacity") or self.floor_capacity)
+        cap = state.get("capacity")  # an older run's all-to-all capacity (an int): rescan
+        self.capacity = (tuple(tuple(int(x) for x in c) for c in cap)
+                         if isinstance(cap, list) else self.floor_capacity)
 
     def __next__(self):
         if self._it is None:
@@ -214,6 +226,6 @@ class PhaseBatches(LoaderStream):
         pb = phase_batch(gs.samples, self.layout, *self.ranks, self.settings.policies,
                          floors=self.shapes, failed=gs.failed, **self._kw())
         self.shapes = pb.shapes
-        self.capacity = max(self.capacity, self._busiest(pb.routes))
+        self.capacity = self._caps(pb.routes, self.capacity)
         self.next_batch = gs.step + 1
         return BalancedBatch(pb, self.capacity), list(gs.skipped)

@@ -182,6 +182,7 @@ class SingleProgram:
         key = (str(treedef), tuple((np.shape(x), str(np.asarray(x).dtype) if np.isscalar(x)
                                      else str(x.dtype)) for x in leaves))
         compile_s = 0.0
+        self.last_key = key  # the compiled program this step runs (self.compiled[key])
         if key not in self.compiled:
             sh = batch.shapes
             what = (f"the training step for {sh.rows} rows x {batch.tokens.shape[1]} tokens"

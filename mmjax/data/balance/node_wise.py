@@ -152,7 +152,8 @@ def node_wise_rearrange(src_rank_of_sample: Sequence[int], new_batches: Sequence
     hundreds),
     "auto" ("milp" up to ``max_milp_ranks`` ranks, "greedy" above: the MILP has d^2/c
     binaries and HiGHS does not prove optimality at 64 ranks within seconds, see
-    `node_milp`). The best of the candidates computed and the identity is returned, so
+    `node_milp`), "identity" (leave batch i on rank i: the plain placement over known
+    nodes, a baseline). The best of the candidates computed and the identity is returned, so
     the result never has more inter-node volume than leaving batch i on rank i.
     ``require_optimal`` drops a MILP answer not proven optimal within the time limit (a
     time-limited incumbent depends on machine speed, so hosts that must agree on the plan
@@ -182,8 +183,9 @@ def node_wise_rearrange_flat(src_rank_of_sample, items: np.ndarray, counts: np.n
 
 
 def _check_method(method: str) -> None:
-    if method not in ("auto", "milp", "greedy", "local"):
-        raise ValueError(f"method must be 'auto', 'milp', 'greedy' or 'local', got {method!r}")
+    if method not in ("auto", "milp", "greedy", "local", "identity"):
+        raise ValueError(f"method must be 'auto', 'milp', 'greedy', 'local' or 'identity', "
+                         f"got {method!r}")
 
 
 def _rearrange(src, bat, w, d, c, include_recv, method, time_limit, max_milp_ranks,
@@ -191,6 +193,10 @@ def _rearrange(src, bat, w, d, c, include_recv, method, time_limit, max_milp_ran
     """Algorithm 3 on validated per-sample arrays (`node_wise_rearrange`)."""
     identity = np.arange(d) // c
     info = {} if info is None else info
+    if method == "identity":  # nodes known, batches left on their own rank (a baseline)
+        info["chosen"] = "identity"
+        info["objective"] = {"identity": _objective(src, bat, w, d, identity, c, include_recv)}
+        return np.arange(d)
     greedy = _greedy_nodes(src, bat, w, d, c)
     names, candidates = ["identity", "greedy"], [identity, greedy]
     milp = method == "milp" or (method == "auto" and d <= max_milp_ranks)
