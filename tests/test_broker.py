@@ -12,7 +12,11 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mmjax.parallel.broker import Broker, Routes, deliveries, exchange_tables
+from mmjax.parallel.broker import Broker, Routes
+from mmjax.parallel.broker_rounds import (device_rounds, needed_caps, ordered_round_count,
+                                          permutes, rank_rounds, round_tables, sent_rows)
+from mmjax.parallel.exchange_stages import bucket
+from mmjax.parallel.hlo_traffic import collective_bytes
 from mmjax.parallel.mesh import stage_mesh
 
 
@@ -187,8 +191,9 @@ def test_same_mesh_identity_returns_input():
 
 # ---- one compiled program per shape ------------------------------------------------------------
 def test_new_route_map_reuses_the_compiled_program():
-    """Two different route maps of the same shapes (and capacity bucket) run one compiled
-    program, whose single collective is one all-to-all whatever the route."""
+    """Two different route maps of the same shapes and round sizes run one compiled program,
+    whose collectives are one collective permute per round that carries rows (no
+    all-to-all), sending exactly the rows the rounds hold."""
     sm, dm = meshes((3, 1), (2, 2))
     b = Broker(sm, dm)
     g = data(6, (5,), seed=7)
@@ -198,35 +203,54 @@ def test_new_route_map_reuses_the_compiled_program():
         check_out(b.transfer(put(g, sm), r), dm, reference(r, g))
     assert len(b.tables) == 2
     assert len(b.programs) == 1
+    caps = b.caps[(2, 4)]
     hlo = next(iter(b.programs.values())).as_text()
-    assert hlo.count("all-to-all(") == 1
-    for op in ("collective-permute(", "all-reduce(", "all-gather("):
-        assert op not in hlo
-    # A map whose busiest pair needs capacity 2 compiles once more; the capacity then stays,
-    # so returning to a capacity-1 map rebuilds its tables and reuses the capacity-2 program.
+    assert "all-to-all" not in hlo and "all-reduce(" not in hlo and "all-gather(" not in hlo
+    assert hlo.count("collective-permute(") + hlo.count("collective-permute-start(") == sum(
+        1 for c in caps if c)
+    row = 5 * 4
+    sent = collective_bytes(hlo, ranks_per_node=len(b.union_devices))
+    assert sent["intra_node"] == row * sum(sent_rows(b.rounds, caps).values())
+    # A map whose busiest pair needs more rows compiles once more; the sizes then stay, so
+    # returning to the first map rebuilds its tables and reuses the larger program.
     busy = Routes.from_pairs(3, 2, 2, 4, [(0, 0, 1, 0), (0, 1, 1, 1), (2, 1, 0, 3)])
     for r in (busy, permutation_routes()):
         check_out(b.transfer(put(g, sm), r), dm, reference(r, g))
+    assert b.tables[permutation_routes()].host.caps == b.caps[(2, 4)] != caps
     assert b.tables[permutation_routes()].host.capacity == 2
     assert len(b.programs) == 2
 
 
-# ---- exchange tables (host only) --------------------------------------------------------------
-def simulate_tables(routes, src_reps, dst_reps, n, min_capacity=1):
-    """Run the exchange tables on numpy 'devices': gather, all-to-all, gather."""
-    t = exchange_tables(routes, src_reps, dst_reps, n, min_capacity)
-    cap = t.capacity
-    assert cap & (cap - 1) == 0 and t.send.shape == (n, n * cap)
+# ---- rounds and tables (host only) ------------------------------------------------------------
+@pytest.mark.parametrize("a,b", [(1, 1), (4, 2), (2, 4), (3, 2), (2, 3), (4, 6), (6, 4),
+                                 (5, 3), (1, 4), (4, 1)])
+def test_rank_rounds_are_matchings_covering_every_pair_once(a, b):
+    rounds = rank_rounds(a, b)
+    assert sorted(p for r in rounds for p in r) == sorted(itertools.product(range(a), range(b)))
+    for r in rounds:
+        assert len({i for i, _ in r}) == len(r) == len({j for _, j in r})
+
+
+def simulate_tables(routes, src_reps, dst_reps, n):
+    """Run the rounds on numpy 'devices': gather, one permute per round, gather. Returns the
+    rounds, their sizes and the tables."""
+    rounds = device_rounds(src_reps, dst_reps)
+    for rnd in rounds:  # each round a valid permutation
+        assert len({u for *_, u, _ in rnd}) == len(rnd) == len({v for *_, v in rnd})
+    caps = needed_caps(routes, rounds)
+    t = round_tables(routes, rounds, n, caps)
     rank_of = {d: i for i, reps in enumerate(src_reps) for d in reps}
     bufs = {d: np.arange(routes.src_slots) + 100 * rank_of[d] if d in rank_of
             else np.full(routes.src_slots, -7) for d in range(n)}
     sent = {u: np.where(t.send[u] >= 0, bufs[u][np.maximum(t.send[u], 0)], -9)
             for u in range(n)}
-    for u in range(n):  # only source devices send
-        assert u in rank_of or (t.send[u] < 0).all()
-    got = {v: np.concatenate([sent[u][v * cap:(v + 1) * cap] for u in range(n)])
-           for v in range(n)}
-    outs = {v: np.where(t.recv[v] >= 0, got[v][np.maximum(t.recv[v], 0)], -1) for v in range(n)}
+    got = {v: np.zeros(sum(caps), int) - 5 for v in range(n)}
+    for perm, o, c in permutes(rounds, caps):
+        for u, v in perm:
+            assert u in rank_of  # only source devices send
+            got[v][o:o + c] = sent[u][o:o + c]
+    outs = {v: np.where(t.recv[v] >= 0, got[v][np.maximum(t.recv[v], 0)], -1) if sum(caps)
+            else np.full(routes.dst_slots, -1) for v in range(n)}
     for j, reps in enumerate(dst_reps):
         want = np.full(routes.dst_slots, -1)
         for i, s, jj, q in routes.pairs:
@@ -234,7 +258,7 @@ def simulate_tables(routes, src_reps, dst_reps, n, min_capacity=1):
                 want[q] = 100 * i + s
         for v in reps:
             np.testing.assert_array_equal(outs[v], want)
-    return t
+    return rounds, caps, t
 
 
 def layout(a, ra, b, rb, overlap=0):
@@ -247,21 +271,30 @@ def layout(a, ra, b, rb, overlap=0):
 
 
 @pytest.mark.parametrize("a,ra,b,rb", [(4, 1, 1, 1), (1, 1, 4, 1), (2, 2, 1, 2), (1, 2, 2, 1),
-                                       (2, 1, 3, 2), (3, 2, 2, 1), (1, 4, 4, 1), (4, 1, 1, 4)])
-def test_exchange_tables_complete_with_minimal_capacity(a, ra, b, rb):
-    r = Routes.order_preserving(a, b)
-    src, dst, n = layout(a, ra, b, rb)
-    t = simulate_tables(r, src, dst, n)
-    # Lower bound on the busiest sender -> receiver pair: a receiver gets the parts of source
-    # rank k from at most ra replicas, so some pair carries ceil(parts(k -> j) / ra).
-    need = max(-(-sum(1 for i, _, j, _ in r.pairs if (i, j) == (k, jj)) // ra)
-               for k in range(a) for jj in range(b))
-    busiest = np.bincount([u * n + v for u, v, _, _ in deliveries(r, src, dst)]).max()
-    assert busiest == need
-    assert t.capacity == 1 << (need - 1).bit_length()
+                                       (2, 1, 3, 2), (3, 2, 2, 1), (1, 4, 4, 1), (4, 1, 1, 4),
+                                       (4, 1, 6, 1), (6, 2, 4, 1), (8, 1, 2, 2)])
+def test_order_preserving_sends_only_the_rows_each_pair_moves(a, ra, b, rb):
+    """DistTrain's gcd groups: an ordered transfer uses only the rounds of the ordered pairs
+    (within the groups), each round's pairs carry the same rows, so each device sends
+    exactly its pairs' rows (bucketed: <= 25% over), never the n * C of an all-to-all."""
+    for parts in (a * b // np.gcd(a, b), 4 * a * b):
+        r = Routes.order_preserving(a, b, parts)
+        src, dst, n = layout(a, ra, b, rb)
+        rounds, caps, t = simulate_tables(r, src, dst, n)
+        groups = {(i, j) for i, _, j, _ in r.pairs}
+        g = np.gcd(a, b)
+        assert all((i * g) // a == (j * g) // b for i, j in groups)  # within a gcd group
+        for rnd, cap in zip(rounds, caps):
+            if cap:
+                assert {(i, j) for i, j, _, _ in rnd} <= groups
+        sent = sent_rows(rounds, caps)
+        for u in range(n):
+            want = sum(bucket(int(c)) for v, c in enumerate(t.count[u]) if v != u and c)
+            assert sent.get(u, 0) == want, (u, sent, t.count[u])
+        assert sum(sent.values()) <= 1.25 * t.count.sum()
 
 
-def test_exchange_tables_random_routes_and_overlapping_meshes():
+def test_random_routes_and_overlapping_meshes():
     rng = random.Random(0)
     for trial in range(60):
         a, b = rng.randint(1, 4), rng.randint(1, 4)
@@ -271,20 +304,25 @@ def test_exchange_tables_random_routes_and_overlapping_meshes():
         r = Routes.from_pairs(a, ps, b, pr, [s + d for s, d in zip(srcs, dsts)])
         ra, rb = rng.randint(1, 2), rng.randint(1, 2)
         src, dst, n = layout(a, ra, b, rb, overlap=rng.randint(0, min(a * ra, b * rb)))
-        floor = rng.choice([1, 2, 4])
-        t = simulate_tables(r, src, dst, n, min_capacity=floor)
-        busiest = max(np.bincount([u * n + v for u, v, *_ in deliveries(r, src, dst)],
-                                  minlength=1).max(), 1)
-        assert t.capacity == max(floor, 1 << (int(busiest) - 1).bit_length())
+        rounds, caps, t = simulate_tables(r, src, dst, n)
+        assert t.count.sum() == len(r.pairs) * rb
+        # a rearranged map's rounds share one size (a stream of maps grows it a few times)
+        cut = ordered_round_count(a, b) * rb
+        shared = needed_caps(r, rounds, cut)
+        assert shared[:cut] == caps[:cut] and len(set(shared[cut:])) <= 1
+        assert all(x >= y for x, y in zip(shared, caps))
+        # larger sizes (a later map's) hold the same map
+        round_tables(r, rounds, n, tuple(c + rng.randint(0, 2) for c in caps))
 
 
-def test_exchange_tables_prefer_local_copies():
+def test_local_copies_send_nothing():
     """A destination device that already holds the source rank copies locally (same devices,
-    a reorder within each rank): every delivery is to itself."""
+    a reorder within each rank): every delivery is to itself, nothing crosses a link."""
     reps = [[0, 1], [2, 3]]
     r = Routes.from_pairs(2, 2, 2, 2, [(0, 1, 0, 0), (0, 0, 0, 1), (1, 1, 1, 0)])
-    simulate_tables(r, reps, [[1, 0], [3, 2]], 4)
-    assert all(u == v for u, v, _, _ in deliveries(r, reps, [[1, 0], [3, 2]]))
+    rounds, caps, t = simulate_tables(r, reps, [[1, 0], [3, 2]], 4)
+    assert all(u == v for u, v in zip(*np.nonzero(t.count)))
+    assert sent_rows(rounds, caps) == {}
 
 
 # ---- two processes ------------------------------------------------------------------------
@@ -362,8 +400,9 @@ def test_ledger_counts_the_parts_each_device_delivers():
     part = 4 * 3 * 4 + 5 * 4  # bytes of one slot of every leaf
     u = [d.id for d in b.union_devices]
     want = {}
-    for a, v, _, _ in deliveries(r, b.src_replicas, b.dst_replicas):
-        want[(u[a], u[v])] = want.get((u[a], u[v]), 0) + 2 * part
+    count = b.tables[r].host.count
+    for a, v in zip(*np.nonzero(count)):
+        want[(u[a], u[v])] = want.get((u[a], u[v]), 0) + 2 * part * int(count[a, v])
     assert b.ledger == want
     assert sum(want.values()) == 2 * part * 2 * 2  # 2 parts to each of 2 replicas, twice
     assert {d.id for d in dm.devices.flat} == {v for _, v in want}

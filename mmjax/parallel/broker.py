@@ -1,15 +1,19 @@
 """Communication broker: move dp-blocked tensors between disjoint sub-meshes (DistTrain §7).
 
 A stage with DP size a sends to one with DP size b keeping sample order (or any part map:
-OrchMLLM §6 rearrangement composition), by one `lax.all_to_all` inside `shard_map` over the
-union of the two meshes' devices, so the same code works across processes. The route map is
-a pair of device-input index tables, so the compiled program depends on shapes only and a
-new assignment every step costs no compile. Every process holding devices of either mesh
-calls `transfer` with the same arguments in the same order. Layout, tables and the XLA:CPU
-caveat: docs/design.md "The broker".
+OrchMLLM §6 rearrangement composition) by rounds of collective permutes over DistTrain's
+gcd(a, b) groups (`broker_rounds.py`), inside `shard_map` over the union of the two meshes'
+devices, so the same code works across processes. Each device sends the rows its pairs
+really exchange (each round sized to its busiest pair, bucketed), not `n * C` rows of a
+union-wide all-to-all. The route map is a pair of device-input index tables, and the rounds
+depend on the meshes only, so the compiled program depends on shapes and round sizes alone
+and a new assignment every step costs no compile. Every process holding devices of either
+mesh calls `transfer` with the same arguments in the same order. Layout, tables and the
+XLA:CPU caveat: docs/design.md "The broker".
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import jax
@@ -20,31 +24,14 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mmjax.data.routes import Routes
+from mmjax.parallel.broker_rounds import (RoundTables, device_rounds, needed_caps,
+                                          ordered_round_count, permutes, round_tables)
 
 AXIS = "broker"  # the 1-D union mesh's axis
 TABLES_KEPT = 64  # route maps whose device index tables a Broker keeps (oldest dropped first)
 
 
-# ---- exchange tables (host, once per Routes) ------------------------------------------------
-@dataclass(frozen=True)
-class ExchangeTables:
-    """Index tables of one all-to-all exchange over the union mesh (n devices, capacity C
-    slots per sender -> receiver pair). `send[u, v * C + c]` is the source slot device u puts
-    in its c-th place for device v (-1: nothing); `recv[v, q]` is where device v reads its
-    destination slot q in the received `[n * C]` buffer, `u * C + c` (-1: zeros)."""
-
-    capacity: int
-    send: np.ndarray  # [n, n * capacity] int32
-    recv: np.ndarray  # [n, dst_slots] int32
-    count: np.ndarray | None = None  # [n, n] parts device u delivers to device v
-
-
-def _bucket(k: int) -> int:
-    """Capacity bucket: the next power of two >= max(k, 1), so route maps whose busiest pair
-    differs a little share one compiled program."""
-    return 1 << max(k - 1, 0).bit_length()
-
-
+# ---- which replica sends (host) ------------------------------------------------------------
 def deliveries(routes: Routes, src_replicas: list[list[int]],
                dst_replicas: list[list[int]]) -> list[tuple[int, int, int, int]]:
     """(sender u, receiver v, src slot s, dst slot q) union-index deliveries. Every part goes
@@ -65,37 +52,17 @@ def deliveries(routes: Routes, src_replicas: list[list[int]],
     return out
 
 
-def exchange_tables(routes: Routes, src_replicas: list[list[int]],
-                    dst_replicas: list[list[int]], n: int,
-                    min_capacity: int = 1) -> ExchangeTables:
-    """Plan one all-to-all: `src_replicas[i]` / `dst_replicas[j]` are the union indices of
-    the devices holding dp rank i / j (their tp/cp replicas); `n` the union size. The
-    capacity is the busiest pair's count rounded up to a power of two, at least
-    `min_capacity` (a power of two)."""
-    ds = deliveries(routes, src_replicas, dst_replicas)
-    count = np.zeros((n, n), np.int64)
-    for u, v, _, _ in ds:
-        count[u, v] += 1
-    cap = max(_bucket(int(count.max(initial=0))), min_capacity)
-    send = np.full((n, n * cap), -1, np.int32)
-    recv = np.full((n, routes.dst_slots), -1, np.int32)
-    used = np.zeros((n, n), np.int64)
-    for u, v, s, q in ds:
-        c = used[u, v]
-        used[u, v] += 1
-        send[u, v * cap + c] = s
-        recv[v, q] = u * cap + c
-    return ExchangeTables(cap, send, recv, count)
-
-
-def _exchange(x_tree, send, recv):
-    """Per-device body inside shard_map: x leaves [src_slots, ...] -> [dst_slots, ...].
-    Shapes alone fix the program: C and dst_slots come from the tables' shapes."""
+def _exchange(x_tree, send, recv, permutes):
+    """Per-device body inside shard_map: x leaves [src_slots, ...] -> [dst_slots, ...], one
+    collective permute per round that carries rows (`broker_rounds.permutes`)."""
     take, put_at = send[0], recv[0]
 
     def one(x):
-        buf = jnp.take(x, jnp.maximum(take, 0), axis=0)             # [n * C, ...]
-        got = lax.all_to_all(buf, AXIS, 0, 0, tiled=True)           # got[u*C+c] from u
+        if not permutes:
+            return jnp.zeros((put_at.shape[0],) + x.shape[1:], x.dtype)
+        buf = jnp.take(x, jnp.maximum(take, 0), axis=0)             # [sum of caps, ...]
+        got = jnp.concatenate([lax.ppermute(buf[o:o + c], AXIS, list(perm))
+                               for perm, o, c in permutes], axis=0)
         out = jnp.take(got, jnp.maximum(put_at, 0), axis=0)         # [dst_slots, ...]
         keep = (put_at >= 0).reshape((-1,) + (1,) * (x.ndim - 1))
         return jnp.where(keep, out, jnp.zeros((), x.dtype))
@@ -105,7 +72,7 @@ def _exchange(x_tree, send, recv):
 # ---- the broker -----------------------------------------------------------------------------
 @dataclass
 class _Tables:
-    host: ExchangeTables
+    host: RoundTables
     send: jax.Array
     recv: jax.Array
 
@@ -119,9 +86,10 @@ def _device_array(devices) -> np.ndarray:
 class Broker:
     """Moves dp-blocked pytrees from `src_mesh` to `dst_mesh` (module docstring).
 
-    Holds, per `Routes`, the exchange index tables on device (the last `TABLES_KEPT`); per
-    slot counts, the largest capacity used so far; per shape key (leaf shapes/dtypes, union
-    size, capacity bucket, slot counts), the compiled exchange, which no route map changes;
+    Holds the rounds of this mesh pair (`broker_rounds.device_rounds`); per `Routes`, the
+    exchange index tables on device (the last `TABLES_KEPT`); per slot counts, the largest
+    round sizes used so far; per shape key (leaf shapes/dtypes, round sizes, slot counts),
+    the compiled exchange, which no route map changes;
     and zero buffers for destination-only devices keyed by shape and dtype (buffers are
     immutable, so reusing them is safe)."""
 
@@ -150,12 +118,12 @@ class Broker:
         self.same_mesh = (src_mesh.devices.shape == dst_mesh.devices.shape and
                           all(s.id == d.id for s, d in
                               zip(src_mesh.devices.flat, dst_mesh.devices.flat)))
+        self.rounds = device_rounds(self.src_replicas, self.dst_replicas)
+        self.shared_from = ordered_round_count(self.a, self.b) * max(
+            len(r) for r in self.dst_replicas)  # device_rounds: one per replica index
         self.tables: dict[Routes, _Tables] = {}
         self.programs: dict[tuple, object] = {}
-        self.capacity: dict[tuple[int, int], int] = {}  # (src_slots, dst_slots) -> C so far
-        self._fn = jax.jit(jax.shard_map(_exchange, mesh=self.union_mesh,
-                                         in_specs=(P(AXIS),) * 3, out_specs=P(AXIS),
-                                         check_vma=False))
+        self.caps: dict[tuple[int, int], tuple[int, ...]] = {}  # slots -> round sizes so far
         self.zeros: dict[tuple, jax.Array] = {}
         # set by the owner to count traffic (scripts/bench_runtime.py): (sender device id,
         # receiver device id) -> bytes of the parts delivered (a device's parts to itself
@@ -170,21 +138,21 @@ class Broker:
 
     # ---- host-side preparation ---------------------------------------------------------------
     def _tables(self, routes: Routes) -> _Tables:
+        slots = (routes.src_slots, routes.dst_slots)
         t = self.tables.get(routes)
-        if t is not None and t.host.capacity >= self.capacity[(routes.src_slots,
-                                                              routes.dst_slots)]:
+        if t is not None and t.host.caps == self.caps[slots]:
             return t
         if routes.src_ranks != self.a or routes.dst_ranks != self.b:
             raise ValueError(f"Broker: routes map dp {routes.src_ranks} -> {routes.dst_ranks} "
                              f"but the meshes have dp {self.a} -> {self.b}; build the Routes "
                              f"for these meshes")
-        # The capacity never shrinks for given slot counts, so a run compiles at most one
-        # program per capacity doubling instead of flipping between buckets; all processes
-        # make the same calls in the same order, so they agree on it.
-        slots = (routes.src_slots, routes.dst_slots)
-        host = exchange_tables(routes, self.src_replicas, self.dst_replicas,
-                               len(self.union_devices), self.capacity.get(slots, 1))
-        self.capacity[slots] = host.capacity
+        # Round sizes never shrink for given slot counts, so a run compiles at most one
+        # program per growth of a round instead of flipping between sizes; all processes
+        # make the same calls in the same order, so they agree on them.
+        need = needed_caps(routes, self.rounds, self.shared_from)
+        caps = tuple(max(x, y) for x, y in zip(need, self.caps.get(slots, need)))
+        self.caps[slots] = caps
+        host = round_tables(routes, self.rounds, len(self.union_devices), caps)
         send, recv = (jax.make_array_from_callback(a.shape, self.union_sharding,
                                                    lambda idx, a=a: a[idx], dtype=a.dtype)
                       for a in (host.send, host.recv))
@@ -194,12 +162,15 @@ class Broker:
         return t
 
     def _program(self, ins: list[jax.Array], t: _Tables):
-        """The compiled exchange for these leaf shapes and table shapes (union size, capacity
-        bucket, dst_slots): compiled once, whatever the route map."""
-        key = (tuple((x.shape, x.dtype.str) for x in ins), t.send.shape, t.recv.shape)
+        """The compiled exchange for these leaf shapes and round sizes: compiled once,
+        whatever the route map."""
+        key = (tuple((x.shape, x.dtype.str) for x in ins), t.host.caps, t.recv.shape)
         prog = self.programs.get(key)
         if prog is None:
-            prog = self.programs[key] = self._fn.lower(ins, t.send, t.recv).compile()
+            body = functools.partial(_exchange, permutes=permutes(self.rounds, t.host.caps))
+            fn = jax.jit(jax.shard_map(body, mesh=self.union_mesh, in_specs=(P(AXIS),) * 3,
+                                       out_specs=P(AXIS), check_vma=False))
+            prog = self.programs[key] = fn.lower(ins, t.send, t.recv).compile()
         return prog
 
     def _zeros(self, shape, dtype, device) -> jax.Array:
