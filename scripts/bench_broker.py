@@ -4,8 +4,8 @@ For each (src mesh, dst mesh) case, `Broker.transfer` runs on K different random
 of the same shapes (random permutations of the parts, as a balanced data assignment gives
 every step), each twice: the first call of a map pays any compile, the second is the warm
 step. Prints per map the first / warm wall time and the broker's compiled-program count;
-`--json` writes them. The broker compiles per shape and capacity bucket, so after the first
-map a new map should cost about a warm step (see docs/design.md "The broker").
+`--json` writes them. The broker compiles per shape and round sizes (which only grow), so
+after the first maps a new map should cost about a warm step (docs/design.md "The broker").
 
     python scripts/bench_broker.py [--maps 4] [--part 16,256] [--json bench_results/broker.json]
 """
