@@ -35,7 +35,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     table = {}
     for path in args.logs:
-        rows = [json.loads(line) for line in open(path)]
+        rows = [r for r in map(json.loads, open(path))  # the rule's own test fails on purpose
+                if "test_tolerance_rule" not in r.get("test", "")]
         for what in sorted({r["what"] for r in rows}):
             table[f"{path}:{what}"] = summarise([r for r in rows if r["what"] == what])
     cols = ["comparisons", "err/err_ref p99", "err/err_ref max", "err/allowed max",
