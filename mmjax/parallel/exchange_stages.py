@@ -6,8 +6,11 @@ the `TrafficLedger` convention). A row from device u = (a, i) to device v = (b, 
 
 - a == b: stage A, the intra-node shift (j - i) % rpn, straight to v (nothing if u == v);
 - a != b: to a relay r on node a (stage A, shift (r - i) % rpn, skipped when r == i), across
-  to (b, r) (stage B, the inter-node shift (b - a) % N: one device to the same local index on
-  the other node), then to v (stage C, shift (j - r) % rpn, skipped when r == j).
+  to (b, r) (stage B), then to v (stage C, shift (j - r) % rpn, skipped when r == j). Stage B
+  routes on the node ring by the binary digits of (b - a) % N: hop d moves a row 2^d nodes
+  on (always to the same local index r) when digit d is set, so there are ceil(log2 N) hops,
+  not N - 1 shifts, and a device's inter-node rows cost O(log N) permutes of about the rows
+  it really carries, not one permute per node shift sized by the busiest pair at that shift.
 
 Each shift is one collective permute of every device to its shift target with a static
 capacity (rows): the stage's busiest device for that shift, rounded up by `bucket` (at most
@@ -18,7 +21,7 @@ rows between the busiest node pair, not the busiest device pair. The compiled pr
 sends n * capacity rows per shift, which is what `caps_bytes` counts per link class.
 
 `Caps` is the static part (the compiled shapes): per shift, its capacity, stages A, B, C
-flattened: rpn - 1, N - 1, rpn - 1 entries (shift 1 first; 0: no collective).
+flattened: rpn - 1, ceil(log2 N), rpn - 1 entries (shift 1 first; 0: no collective).
 """
 from __future__ import annotations
 
@@ -54,10 +57,26 @@ class Topology:
     def nodes(self) -> int:
         return self.n // self.rpn
 
+    @property
+    def hops(self) -> int:
+        """Stage B's hops: binary digits of the largest node distance, ceil(log2 N)."""
+        return (self.nodes - 1).bit_length()
+
     def shifts(self) -> list[tuple[str, int]]:
         """(stage, shift) of every entry of a `Caps`, in order."""
-        return ([("A", s) for s in range(1, self.rpn)] + [("B", k) for k in range(1, self.nodes)]
+        return ([("A", s) for s in range(1, self.rpn)]
+                + [("B", 1 << d) for d in range(self.hops)]
                 + [("C", s) for s in range(1, self.rpn)])
+
+    def node_hops(self, a: int, b: int) -> list[tuple[int, int]]:
+        """Stage B's (shift, node the row leaves from) hops from node a to node b."""
+        out, c, delta = [], a, (b - a) % self.nodes
+        for d in range(self.hops):
+            if delta >> d & 1:
+                out.append((1 << d, c))
+                c = (c + (1 << d)) % self.nodes
+        assert c == b
+        return out
 
     def target(self, stage: str, shift: int, p: int) -> int:
         """Where device p sends in this stage's shift."""
@@ -105,9 +124,10 @@ def _relays(moves: list[tuple[int, int, int]], rpn: int) -> list[tuple[int, int,
 def routing(count: dict[tuple[int, int], int], topo: Topology
             ) -> dict[tuple[int, int], list[tuple[int, int]]]:
     """Per inter-node device pair (u, v) with rows, [(relay local index, rows)]; intra-node
-    pairs go direct (absent here)."""
+    pairs go direct (absent here). The same for any order of `count`'s entries, so
+    capacities planned from one count carry the tables built from another."""
     by_nodes: dict[tuple[int, int], list] = {}
-    for (u, v), m in count.items():
+    for (u, v), m in sorted(count.items()):  # the relays do not depend on the dict's order
         a, i = divmod(u, topo.rpn)
         b, j = divmod(v, topo.rpn)
         if a != b and m:
@@ -120,24 +140,31 @@ def routing(count: dict[tuple[int, int], int], topo: Topology
 
 
 def stage_loads(count: dict[tuple[int, int], int], topo: Topology) -> np.ndarray:
-    """[len(shifts), n]: rows each device sends in each shift of the staged exchange."""
-    index = {sh: k for k, sh in enumerate(topo.shifts())}
-    load = np.zeros((len(index), topo.n), np.int64)
-    rpn = topo.rpn
-    for (u, v), m in count.items():
-        a, i = divmod(u, rpn)
-        b, j = divmod(v, rpn)
-        if a == b and i != j:
-            load[index[("A", (j - i) % rpn)], u] += m
-    for (u, v), hops in routing(count, topo).items():
-        a, i = divmod(u, rpn)
-        b, j = divmod(v, rpn)
-        for r, m in hops:
-            if r != i:
-                load[index[("A", (r - i) % rpn)], u] += m
-            load[index[("B", (b - a) % topo.nodes)], a * rpn + r] += m
-            if r != j:
-                load[index[("C", (j - r) % rpn)], b * rpn + r] += m
+    """[len(shifts), n]: rows each device sends in each shift of the staged exchange
+    (vectorised over the hops: NumPy scatter-adds, one per stage and hop)."""
+    rpn, nodes, n = topo.rpn, topo.nodes, topo.n
+    a_rows, b_rows = rpn - 1, topo.hops  # Caps layout: A shifts, B hops, C shifts
+    load = np.zeros((2 * a_rows + b_rows, n), np.int64)
+    direct = [(u, v, m) for (u, v), m in count.items()
+              if u // rpn == v // rpn and u != v and m]
+    if direct:
+        u, v, m = map(np.asarray, zip(*direct))
+        np.add.at(load, ((v - u) % rpn - 1, u), m)
+    hops = [(u, v, r, m) for (u, v), rs in routing(count, topo).items() for r, m in rs]
+    if hops:
+        u, v, r, m = map(np.asarray, zip(*hops))
+        a, i = np.divmod(u, rpn)
+        b, j = np.divmod(v, rpn)
+        moved = r != i
+        np.add.at(load, ((r - i)[moved] % rpn - 1, u[moved]), m[moved])
+        delta = (b - a) % nodes
+        for d in range(b_rows):
+            on = (delta >> d & 1).astype(bool)
+            node = (a + (delta & ((1 << d) - 1))) % nodes  # where the row is before hop d
+            np.add.at(load, (np.full(on.sum(), a_rows + d), (node * rpn + r)[on]), m[on])
+        last = r != j
+        np.add.at(load, (a_rows + b_rows + (j - r)[last] % rpn - 1, (b * rpn + r)[last]),
+                  m[last])
     return load
 
 
@@ -224,7 +251,8 @@ def staged_tables(ds, topo: Topology, src_slots: int, dst_slots: int,
             r = plan[(u, v)][t]
             if r != i:
                 p, row = hop("A", (r - i) % rpn, p, row)
-            p, row = hop("B", (b - a) % topo.nodes, p, row)
+            for shift, _ in topo.node_hops(a, b):
+                p, row = hop("B", shift, p, row)
             if r != j:
                 p, row = hop("C", (j - r) % rpn, p, row)
         assert p == v

@@ -141,21 +141,25 @@ def device_tables(plan: ExchangePlan, mesh: Mesh) -> dict:
             "bwd": jax.tree.map(put, _host_tables(plan.backward))}
 
 
-def _body(x, tables, *, axes):
+def _body(x, tables, *, axes, n):
     """Per device: x [src rows, ...] -> [dst rows, ...] by the staged exchange's collective
-    permutes (exchange_stages.py): each stage gathers its shifts' buffers from the pool,
-    permutes them and appends what arrives; the output is gathered from the final pool."""
-    rpn, nodes = len(tables["A"]) + 1, len(tables["B"]) + 1
-    topo = Topology(rpn * nodes, rpn)
+    permutes (exchange_stages.py): stages A and C gather their shifts' buffers from the pool,
+    permute them and append what arrives; stage B's hops run one after another, each
+    appending before the next (a row may take several hops); the output is gathered from the
+    final pool."""
+    topo = Topology(n, len(tables["A"]) + 1)
+    shifts = {st: [k for s, k in topo.shifts() if s == st] for st in ("A", "B", "C")}
     pool = x
     for stage in ("A", "B", "C"):
         got = []
-        for shift, send in enumerate(tables[stage], start=1):
+        for shift, send in zip(shifts[stage], tables[stage]):
             take = send[0]
             if take.shape[0] == 0:
                 continue
             buf = jnp.take(pool, jnp.maximum(take, 0), axis=0)
             got.append(lax.ppermute(buf, axes, topo.perm(stage, shift)))
+            if stage == "B":
+                pool, got = jnp.concatenate([pool] + got, axis=0), []
         if got:
             pool = jnp.concatenate([pool] + got, axis=0)
     put = tables["recv"][0]
@@ -170,7 +174,7 @@ FORWARD_SCOPE, BACKWARD_SCOPE = "rearrange_fwd", "rearrange_bwd"  # the HLO ops'
 def _move(x, tables, mesh, src_axes, dst_axes, scope):
     every = tuple(mesh.axis_names)
     spec = jax.tree.map(lambda _: P(every), tables)
-    fn = jax.shard_map(partial(_body, axes=every), mesh=mesh,
+    fn = jax.shard_map(partial(_body, axes=every, n=mesh.size), mesh=mesh,
                        in_specs=(P(src_axes), spec), out_specs=P(dst_axes), check_vma=False)
     with jax.named_scope(scope):
         return fn(x, tables)
