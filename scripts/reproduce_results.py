@@ -69,11 +69,12 @@ def measured_text(r: dict) -> str:
                      for lab, v in zip(r["labels"], r["measured"]))
 
 
-def print_table(results: list[dict]) -> None:
+def print_table(results: list[dict], quick: bool) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title="README results table, rerun", show_lines=True)
+    t = Table(title="README results table, rerun" + (
+        " (--quick: fewer repeats than the commands shown)" if quick else ""), show_lines=True)
     for c in ("row", "README", "measured now", "command"):
         t.add_column(c, overflow="fold")
     for r in results:
@@ -87,7 +88,7 @@ def print_table(results: list[dict]) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cpu", action="store_true", required=True,
+    ap.add_argument("--cpu", action="store_true",
                     help="rerun the CPU rows (GPU rows are listed, not rerun)")
     ap.add_argument("--quick", action="store_true",
                     help="fewer repeats and samples, same settings (for tests)")
@@ -97,6 +98,10 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=os.path.join(REPO, "bench_results",
                                                    "reproduce_results.json"))
     a = ap.parse_args(argv)
+    if not a.cpu:
+        print("error: nothing to rerun (pass --cpu: it reruns the CPU rows and lists the GPU "
+              "rows)", file=sys.stderr)
+        return 2
     keys = [k for k in a.rows.split(",") if k]
     unknown = sorted(set(keys) - {r.key for r in ROWS})
     if unknown:
@@ -109,7 +114,7 @@ def main(argv=None) -> int:
     readme = results_table()
     results = [run_row(r, readme, a.quick, a.verbose) for r in ROWS
                if not keys or r.key in keys]
-    print_table(results)
+    print_table(results, a.quick)
     write_json(a.json, {"machine": machine(), "quick": a.quick, "rows": results})
     return 1 if any(r["status"] == "failed" for r in results) else 0
 

@@ -84,7 +84,9 @@ def test_quick_run_reruns_cpu_rows_and_lists_gpu_rows(tmp_path, capsys):
     assert "inter_reorder / optimum" in printed
 
 
-def test_unknown_rows_is_a_user_error(capsys):
-    assert REPRO.main(["--cpu", "--rows=reorder,nope"]) == 2
+@pytest.mark.parametrize("argv,says", [(["--cpu", "--rows=reorder,nope"], "unknown --rows nope"),
+                                        (["--rows=reorder"], "nothing to rerun (pass --cpu")])
+def test_user_errors_are_one_line(argv, says, capsys):
+    assert REPRO.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: unknown --rows nope")
+    assert len(err) == 1 and err[0].startswith(f"error: {says}")
