@@ -196,7 +196,7 @@ ROWS = (
         ("solve ms", "× Megatron", "× FLOPs-ratio"),
         "python scripts/plan.py --gin_file=configs/disttrain/mllm_72b.gin --gpus=1296 "
         "--global_batch=1920", planner_72b,
-        "the planner's row: issue 40 (plan.py's printed speedups use its own iteration times)"),
+        "the planner's row belongs to issue 40: plan.py's headline, printed as it comes"),
     Row("memory", "planner memory vs compiled stage programs (tiny, every remat; ZeRO-2/3 "
                   "stages of MLLM-9B widths)", r"within (\d+)%", ("worst stage |error| %",),
         "python -m pytest tests/test_memory_model.py tests/test_pipeline_zero_memory.py -m ''",
