@@ -7,7 +7,7 @@ import dataclasses
 from mmjax.planner.costs import UnitCost, layer_times, unit_costs
 from mmjax.planner.unit_work import impl_of, unit_work
 from mmjax.planner.evaluate import (Choice, evaluate, in_flight, pipeline_in_flight,
-                                    remat_variant)
+                                    runtime_memory)
 from mmjax.planner.hardware import Hardware
 from mmjax.planner.knobs import CP_SIZES, LONG_SEQUENCE, cp_cost, overlap_pays, zero_cost
 from mmjax.planner.memory import ZERO_STAGES
@@ -38,6 +38,7 @@ def to_plan(model, costs: tuple[UnitCost, ...], choices: dict[str, Choice], glob
     `closed_form_s` and its terms `warmup_s`, `steady_s`, `sync_s` from `evaluate`
     (DistTrain Eq. 1-2, what the search minimises)."""
     units = []
+    ran = {c.name: c for c in runtime_memory(costs, choices, global_batch, hw)[0]}
     for cost in costs:
         ch = choices[cost.name]
         stages = ch.pp * ch.vpp
@@ -45,8 +46,7 @@ def to_plan(model, costs: tuple[UnitCost, ...], choices: dict[str, Choice], glob
             layers = partition_unit(cost.name, layer_costs[cost.name][ch.tp], stages).split
         else:
             layers = Plan.even_layers(cost.num_layers, stages)
-        remat = remat_variant(cost, ch, choices["llm"].dp, global_batch // choices["llm"].dp,
-                              hw.hbm_bytes).remat
+        remat = ran[cost.name].remat
         g = cp if is_llm(cost.name) else 1  # the LLM's cost is keyed by tp * cp (knobs.py)
         units.append(UnitPlan(name=cost.name, dp=ch.dp, tp=ch.tp // g, pp=ch.pp, cp=g,
                               layers=layers, num_chunks=ch.vpp, frozen=model.frozen(cost.name),
