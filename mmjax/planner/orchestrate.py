@@ -47,6 +47,36 @@ class OrchestrationResult:
     relaxations: int  # convex problems solved
     repairs: int  # candidates whose integer neighbourhood was searched
     optimal_time_s: float = math.nan  # T*: least predicted time (before the GPU tie-break)
+    frontier: "Frontier | None" = None  # every repaired plan on a (GPUs, time) Pareto front
+
+
+class Frontier:
+    """The plans the search proposes: every point of every repaired neighbourhood's
+    (GPUs, closed-form time) Pareto front, least closed-form time first. `choices(k)`
+    builds the k-th plan (lazily: a 72B search proposes thousands)."""
+
+    def __init__(self, orchestrator: "Orchestrator", fronts: list):
+        times, gpus, where = [], [], []
+        for f, (gs, ts, flats, _shape, _picked) in enumerate(fronts):
+            times.append(ts)
+            gpus.append(gs)
+            where += [(f, int(x)) for x in flats]
+        self.times = np.concatenate(times) if times else np.zeros(0)
+        self.gpus = np.concatenate(gpus) if gpus else np.zeros(0)
+        self.order = np.argsort(self.times, kind="stable")
+        self._where, self._fronts, self._orch = where, fronts, orchestrator
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def choices(self, k: int) -> dict[str, Choice]:
+        """The plan of rank k (0: least closed-form time)."""
+        f, flat = self._where[int(self.order[k])]
+        _, _, _, shape, picked = self._fronts[f]
+        return self._orch._choices(picked, np.unravel_index(flat, shape))
+
+    def time(self, k: int) -> float:
+        return float(self.times[self.order[k]])
 
 
 class Orchestrator:
@@ -299,9 +329,8 @@ class Orchestrator:
         optimal_t = best_t
         if gpu_tolerance > 0:
             best_t, best = self._fewest_gpus(fronts, optimal_t * (1 + gpu_tolerance))
-        self._priced = {}
         return OrchestrationResult(best, best_t, time.perf_counter() - start, len(cands),
-                                   relaxations, repairs, optimal_t)
+                                   relaxations, repairs, optimal_t, Frontier(self, fronts))
 
 
 def orchestrate(costs: tuple[UnitCost, ...], hw: Hardware, num_gpus: int, global_batch: int,

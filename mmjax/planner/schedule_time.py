@@ -54,14 +54,16 @@ class ScheduleTimer:
         return self._shapes[key]
 
     def __call__(self, costs: tuple[UnitCost, ...], choices: dict[str, Choice],
-                 global_batch: int) -> float:
+                 global_batch: int, ran: bool = False) -> float:
         """Seconds per iteration of `choices` (each unit at the remat policy
         `runtime_memory` picks, as `evaluate`): the simulated 1F1B makespan with one
         stage-to-stage transfer (the largest unit's boundary tensor) between dependent
-        actions on different stages, plus the slowest DP sync."""
+        actions on different stages, plus the slowest DP sync. `ran`: `costs` are the
+        variants `runtime_memory` picked already."""
         hw, dp_llm = self.hw, choices["llm"].dp
         m = global_batch // dp_llm
-        costs, _ = runtime_memory(costs, choices, global_batch, hw)
+        if not ran:
+            costs, _ = runtime_memory(costs, choices, global_batch, hw)
         lay, rows, unit_of = self.rows(choices, m)
         by_name = {c.name: action_times(c, choices[c.name], dp_llm) for c in costs}
         times = np.array([by_name[u] for u in lay.units])[unit_of]
