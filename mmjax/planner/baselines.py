@@ -96,11 +96,14 @@ def _fill(cost: UnitCost, tp: int, budget: int, dp_llm: int, m: int, hw: Hardwar
     if not fits.any():
         return None
     di, pi = np.nonzero(fits)
-    opts = [Choice(tp, int(dps[i]), int(pps[j])) for i, j in zip(di, pi)]
-    within = [c for c in opts if c.gpus <= budget]
-    if within:
-        return max(within, key=lambda c: (c.gpus, c.dp))
-    return min(opts, key=lambda c: (c.gpus, -c.dp))
+    gpus, dp = tp * dps[di] * pps[pi], dps[di]
+    within = gpus <= budget
+    if within.any():  # the most GPUs, then the largest dp
+        k = np.lexsort((dp[within], gpus[within]))[-1]
+        k = np.flatnonzero(within)[k]
+    else:  # the fewest GPUs, then the largest dp
+        k = np.lexsort((-dp, gpus))[0]
+    return Choice(tp, int(dps[di[k]]), int(pps[pi[k]]))
 
 
 def ratio_choices(costs: tuple[UnitCost, ...], hw: Hardware, num_gpus: int,
