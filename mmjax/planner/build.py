@@ -124,33 +124,40 @@ def plan_model(model, hw: Hardware, num_gpus: int, global_batch: int, workload=N
 
 def _fit(model, wl, costs, layer_costs, hw, num_gpus, global_batch, vpp, gpu_tolerance,
          attention_impl, baselines, timer) -> Plan:
-    """Search and pick by the schedule until some proposal fits with the runtime's
-    in-flight microbatches; when none does, re-solve with the units that overflowed in the
-    closed form's best plan deepened (`_deeper`)."""
+    """Search; when the closed form's best plan does not fit with the runtime's in-flight
+    microbatches, search again with the units that overflowed deepened (`_deeper`). Pick
+    by the schedule among every round's proposals and the baselines' plans once the
+    closed form's best fits or a deepened round is in, deepening further while none
+    fits."""
     names = {c.name for c in costs}
     fixed = [Proposal(evaluate(costs, ch, global_batch, hw).iteration_time_s, costs, ch, kind)
              for kind, ch in (baselines or {}).items()
              if set(ch) == names and sum(c.gpus for c in ch.values()) <= num_gpus]
-    for _ in range(FIT_ROUNDS):
-        pools, error = _search_cps(model, wl, costs, hw, num_gpus, global_batch, vpp,
-                                   gpu_tolerance)
-        if not pools and not fixed:
-            raise error or PlanError(f"planner: no LLM tp x cp group fits in a node of "
-                                     f"{hw.gpus_per_node} GPUs")
-        pick = pick_by_schedule(heapq.merge(*(_proposals(*p) for p in pools),
-                                            key=lambda x: x.closed_form_s),
-                                fixed, global_batch, hw, gpu_tolerance, timer)
-        if pick is not None:
-            return _finish(model, wl, pick, layer_costs, global_batch, hw, attention_impl,
-                           timer)
-        if not pools:
-            raise error or PlanError("planner: no baseline plan fits in memory and the "
-                                     "search found none: add GPUs or memory")
-        cp, res, cp_costs = pools[0]
+    pools, error, over = [], None, {}
+    for rounds in range(FIT_ROUNDS):
+        found, err = _search_cps(model, wl, costs, hw, num_gpus, global_batch, vpp,
+                                 gpu_tolerance)
+        error = error or err
+        if not found:
+            break
+        pools += found
+        _, res, cp_costs = found[0]
         over = over_memory(cp_costs, res.choices, global_batch, hw)
-        plan_choices = res.choices
-        costs = tuple(_deeper(c, plan_choices, global_batch) if c.name in over else c
+        if not over or rounds:  # the closed form's best fits, or a deepened round is in
+            pick = pick_by_schedule(heapq.merge(*(_proposals(*p) for p in pools),
+                                                key=lambda x: x.closed_form_s),
+                                    fixed, global_batch, hw, gpu_tolerance, timer)
+            if pick is not None:
+                return _finish(model, wl, pick, layer_costs, global_batch, hw,
+                               attention_impl, timer)
+        costs = tuple(_deeper(c, res.choices, global_batch) if c.name in over else c
                       for c in costs)
+    pick = pick_by_schedule(iter(()), fixed, global_batch, hw, gpu_tolerance, timer)
+    if pick is not None:
+        return _finish(model, wl, pick, layer_costs, global_batch, hw, attention_impl, timer)
+    if not pools:
+        raise error or PlanError(f"planner: no LLM tp x cp group fits in a node of "
+                                 f"{hw.gpus_per_node} GPUs")
     raise PlanError(f"planner: no plan found whose stages fit {hw.hbm_bytes / 1e9:.0f} GB per "
                     f"GPU with the runtime's in-flight microbatches (over: "
                     f"{sorted(over)}): add GPUs or memory")

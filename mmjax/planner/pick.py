@@ -25,7 +25,7 @@ from mmjax.planner.schedule_time import ScheduleTimer
 # The closed form exceeds the schedule's time by at most ~1.3% on the DistTrain and
 # OrchMLLM models (parallel branches' warm-ups summed); proposals whose closed form is
 # this far above the best simulated time are not timed.
-LOWER_BOUND_SLACK = 0.05
+LOWER_BOUND_SLACK = 0.02
 MAX_TIMED = 400  # proposals timed at most, baselines aside
 
 
@@ -57,21 +57,21 @@ def pick_by_schedule(searched, baselines: list[Proposal], global_batch: int, hw:
     when none fits."""
     timer = timer or ScheduleTimer(hw)
     timed: list[tuple[float, Proposal]] = []
-    over = 0
+    over, best = 0, float("inf")
 
     def time_one(p: Proposal) -> None:
-        nonlocal over
+        nonlocal over, best
         ran, need = runtime_memory(p.costs, p.choices, global_batch, hw)
         if any(b > hw.hbm_bytes for b in need.values()):
             over += 1
             return
         timed.append((timer(ran, p.choices, global_batch, ran=True), p))
+        best = min(best, timed[-1][0])
 
     for p in baselines:
         time_one(p)
     count = 0
     for p in searched:
-        best = min((t for t, _ in timed), default=float("inf"))
         if p.closed_form_s > best * (1 + LOWER_BOUND_SLACK) or count >= MAX_TIMED:
             break
         time_one(p)

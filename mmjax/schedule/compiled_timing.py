@@ -328,10 +328,27 @@ def schedule_rows(lay: ChainLayout, m: int) -> Rows:
     return Rows(ptr, kind, mb, chunk, warm, m)
 
 
+@njit(cache=True)
+def _span(ptr, kind, mb, chunk, stage_node, node_stage, pred_ptr, pred_idx, succ_ptr,
+          succ_idx, runs_backward, dur_f, dur_b, comm, m):
+    """(latest end, whether every row ran to its end) of `_run`."""
+    _, end, pos, _, _ = _run(ptr, kind, mb, chunk, stage_node, node_stage, pred_ptr,
+                             pred_idx, succ_ptr, succ_idx, runs_backward, dur_f, dur_b,
+                             comm, m)
+    done = True
+    for st in range(len(pos)):
+        if pos[st] < ptr[st + 1]:
+            done = False
+    return (end.max() if len(end) else 0.0), done
+
+
 def makespan(lay: ChainLayout, rows: Rows, dur_f, dur_b, comm: float = 0.0) -> float:
     """The latest end of any action: `simulate(...).iteration_time` of the rows with
     per-node forward / backward seconds `dur_f`, `dur_b` and transfer time `comm`."""
-    _, end, pos, _, _ = run(lay, rows, dur_f, dur_b, comm)
-    if np.any(pos < rows.ptr[1:]):
+    span, done = _span(rows.ptr, rows.kind, rows.microbatch, rows.chunk, lay.stage_node,
+                       lay.node_stage, lay.pred_ptr, lay.pred_idx, lay.succ_ptr,
+                       lay.succ_idx, lay.runs_backward, np.asarray(dur_f, np.float64),
+                       np.asarray(dur_b, np.float64), float(comm), rows.num_microbatches)
+    if not done:
         raise ValueError("schedule deadlocks")
-    return float(end.max()) if len(end) else 0.0
+    return float(span)
