@@ -6,7 +6,8 @@ FLOPs-ratio plan (baselines.py, each repaired the way its method would, or marke
 fitting), hands their choices to the planner's candidate set (build.py `plan_model`: the
 fastest by the simulated schedule wins, so the planner is never slower than a baseline
 that fits), and prices all of them with the same simulated schedule and the same memory
-count. `planning_time_s` is the whole call.
+count. `planning_time_s` is the whole call but for the compiled kernels' load (once per
+process, `kernel_load_s`).
 """
 from __future__ import annotations
 
@@ -16,9 +17,11 @@ from dataclasses import dataclass
 from mmjax.planner.baselines import megatron_choices, ratio_choices
 from mmjax.planner.build import model_costs, plan_model, to_plan
 from mmjax.planner.orchestrate import GPU_TOLERANCE
+from mmjax.planner.partition import balanced_split
 from mmjax.planner.plan import Plan, PlanError
 from mmjax.planner.schedule_time import ScheduleTimer
 from mmjax.planner.workload import default_workload
+from mmjax.schedule.compiled_timing import load_kernels
 
 BASELINES = ("megatron", "ratio")
 PLAN_KINDS = {"megatron": "rigid", "ratio": "ratio"}
@@ -29,6 +32,7 @@ class Comparison:
     plans: dict[str, Plan]  # "planner" and the baselines that fit
     errors: dict[str, str]  # why a plan is missing: the baseline does not fit, or no plan
     planning_time_s: float  # costs, baselines, search and every simulated schedule
+    kernel_load_s: float = 0.0  # once per process, before the timing: numba's start-up
 
     def speedup(self, kind: str) -> float | None:
         """The baseline's time over the planner's (None: one of them is missing)."""
@@ -46,6 +50,9 @@ def plan_and_baselines(model, hw, num_gpus: int, global_batch: int, workload=Non
     replaces the plain call `plan_fn(model, num_gpus)` (e.g. the VAE placement, which
     plans the trained units on fewer GPUs); `plan_fn` includes the baselines' plans in
     the candidates wherever their units and GPUs match."""
+    loading = time.perf_counter()
+    load_kernels()
+    balanced_split([1.0, 1.0], 2)
     start = time.perf_counter()
     wl = workload or default_workload(model)
     analytic, layer_costs = model_costs(model, hw, wl, recompute, attention_impl)
@@ -77,4 +84,4 @@ def plan_and_baselines(model, hw, num_gpus: int, global_batch: int, workload=Non
     took = time.perf_counter() - start
     if "planner" in plans:
         plans["planner"].predicted["solve_time_s"] = took
-    return Comparison(plans, errors, took)
+    return Comparison(plans, errors, took, start - loading)

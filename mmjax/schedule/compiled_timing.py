@@ -180,7 +180,8 @@ def _run(ptr, kind, mb, chunk, stage_node, node_stage, pred_ptr, pred_idx, succ_
          succ_idx, runs_backward, dur_f, dur_b, comm, m):
     """The rows run to completion or deadlock: (start, end per action, position reached
     per stage, F done, B done [node, microbatch]). Stages are swept until none moves; an
-    action's times depend on its dependencies alone, so the sweep order changes nothing."""
+    action's times depend on its dependencies alone, so the sweep order changes nothing;
+    sweeps alternate direction (forwards flow up the stages, backwards down)."""
     ns = len(ptr) - 1
     n = len(node_stage)
     start = np.zeros(ptr[ns])
@@ -191,10 +192,11 @@ def _run(ptr, kind, mb, chunk, stage_node, node_stage, pred_ptr, pred_idx, succ_
     done_b = np.zeros((n, m), np.bool_)
     pos = ptr[:-1].copy()
     free = np.zeros(ns)
-    moved = True
+    moved, sweep = True, 0
     while moved:
         moved = False
-        for st in range(ns):
+        for k in range(ns):
+            st = k if sweep % 2 == 0 else ns - 1 - k
             while pos[st] < ptr[st + 1]:
                 i = pos[st]
                 node = stage_node[st, chunk[i]]
@@ -240,6 +242,7 @@ def _run(ptr, kind, mb, chunk, stage_node, node_stage, pred_ptr, pred_idx, succ_
                 free[st] = end[i]
                 pos[st] += 1
                 moved = True
+        sweep += 1
     return start, end, pos, done_f, done_b
 
 
@@ -259,8 +262,53 @@ def run(lay: ChainLayout, rows: Rows, dur_f, dur_b, comm: float = 0.0):
     """(start, end per action, position reached per stage, F done, B done)."""
     return _run(rows.ptr, rows.kind, rows.microbatch, rows.chunk, lay.stage_node,
                 lay.node_stage, lay.pred_ptr, lay.pred_idx, lay.succ_ptr, lay.succ_idx,
-                lay.runs_backward, np.asarray(dur_f, np.float64),
-                np.asarray(dur_b, np.float64), float(comm), rows.num_microbatches)
+                lay.runs_backward, np.ascontiguousarray(dur_f, np.float64),
+                np.ascontiguousarray(dur_b, np.float64), float(comm), rows.num_microbatches)
+
+
+@njit(cache=True)
+def _reach(ptr, kind, mb, chunk, stage_node, pred_ptr, pred_idx, succ_ptr, succ_idx,
+           runs_backward, pos, done_f, done_b):
+    """`_run` without times: how far every row gets (into `pos`, `done_f`, `done_b`,
+    overwritten). Sweeps alternate direction (forwards flow up the stages, backwards
+    down); the fixpoint does not depend on the order."""
+    ns = len(ptr) - 1
+    done_f[:] = False
+    done_b[:] = False
+    for st in range(ns):
+        pos[st] = ptr[st]
+    moved, sweep = True, 0
+    while moved:
+        moved = False
+        for k in range(ns):
+            st = k if sweep % 2 == 0 else ns - 1 - k
+            while pos[st] < ptr[st + 1]:
+                i = pos[st]
+                node = stage_node[st, chunk[i]]
+                b = mb[i]
+                ok = True
+                if kind[i] == 0:
+                    for q in range(pred_ptr[node], pred_ptr[node + 1]):
+                        if not done_f[pred_idx[q], b]:
+                            ok = False
+                            break
+                else:
+                    ok = done_f[node, b]
+                    if ok:
+                        for q in range(succ_ptr[node], succ_ptr[node + 1]):
+                            d = succ_idx[q]
+                            if runs_backward[d] and not done_b[d, b]:
+                                ok = False
+                                break
+                if not ok:
+                    break
+                if kind[i] == 0:
+                    done_f[node, b] = True
+                else:
+                    done_b[node, b] = True
+                pos[st] += 1
+                moved = True
+        sweep += 1
 
 
 @njit(cache=True)
@@ -278,11 +326,13 @@ def _deadlock_free(stage_pp, stage_v, stage_node, node_stage, pred_ptr, pred_idx
     for st in range(ns):
         _fill_row(st, stage_pp, stage_v, stage_node, runs_backward, warm, m, ptr, kind, mb,
                   chunk)
-    ones = np.ones(len(node_stage))
+    n = len(node_stage)
+    pos = np.zeros(ns, np.int64)
+    done_f = np.zeros((n, m), np.bool_)
+    done_b = np.zeros((n, m), np.bool_)
     while True:
-        _, _, pos, done_f, _ = _run(ptr, kind, mb, chunk, stage_node, node_stage, pred_ptr,
-                                    pred_idx, succ_ptr, succ_idx, runs_backward, ones, ones,
-                                    0.0, m)
+        _reach(ptr, kind, mb, chunk, stage_node, pred_ptr, pred_idx, succ_ptr, succ_idx,
+               runs_backward, pos, done_f, done_b)
         holding = np.zeros(ns, np.bool_)
         at_b = np.zeros(ns, np.bool_)
         stuck = False
@@ -347,8 +397,18 @@ def makespan(lay: ChainLayout, rows: Rows, dur_f, dur_b, comm: float = 0.0) -> f
     per-node forward / backward seconds `dur_f`, `dur_b` and transfer time `comm`."""
     span, done = _span(rows.ptr, rows.kind, rows.microbatch, rows.chunk, lay.stage_node,
                        lay.node_stage, lay.pred_ptr, lay.pred_idx, lay.succ_ptr,
-                       lay.succ_idx, lay.runs_backward, np.asarray(dur_f, np.float64),
-                       np.asarray(dur_b, np.float64), float(comm), rows.num_microbatches)
+                       lay.succ_idx, lay.runs_backward,
+                       np.ascontiguousarray(dur_f, np.float64),
+                       np.ascontiguousarray(dur_b, np.float64), float(comm),
+                       rows.num_microbatches)
     if not done:
         raise ValueError("schedule deadlocks")
     return float(span)
+
+
+def load_kernels() -> None:
+    """Run every compiled function once on a two-stage schedule: a process pays numba's
+    start-up and the load of the cached machine code here (~0.5 s), not inside the first
+    plan it times."""
+    lay = ChainLayout.of(UnitDag.of(["llm"]), {"llm": 2}, {"llm": 2})
+    makespan(lay, schedule_rows(lay, 2), np.ones(4), np.ones(4), 0.0)
