@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-import heapq
+import functools
 import time
 
 from mmjax.planner.costs import UnitCost, layer_times, unit_costs
@@ -18,6 +18,7 @@ from mmjax.planner.partition import partition_unit
 from mmjax.planner.plan import Plan, PlanError, UnitPlan
 from mmjax.planner.workload import default_workload
 from mmjax.planner.pick import Proposal, pick_by_schedule
+from mmjax.planner.schedule_bound import schedule_lower_bound
 from mmjax.planner.schedule_time import ScheduleTimer
 from mmjax.models.units import is_llm, is_vae
 
@@ -130,7 +131,7 @@ def _fit(model, wl, costs, layer_costs, hw, num_gpus, global_batch, vpp, gpu_tol
     closed form's best fits or a deepened round is in, deepening further while none
     fits."""
     names = {c.name for c in costs}
-    fixed = [Proposal(evaluate(costs, ch, global_batch, hw).iteration_time_s, costs, ch, kind)
+    fixed = [Proposal(schedule_lower_bound(costs, ch, global_batch, hw), costs, ch, kind)
              for kind, ch in (baselines or {}).items()
              if set(ch) == names and sum(c.gpus for c in ch.values()) <= num_gpus]
     pools, error, over = [], None, {}
@@ -144,15 +145,15 @@ def _fit(model, wl, costs, layer_costs, hw, num_gpus, global_batch, vpp, gpu_tol
         _, res, cp_costs = found[0]
         over = over_memory(cp_costs, res.choices, global_batch, hw)
         if not over or rounds:  # the closed form's best fits, or a deepened round is in
-            pick = pick_by_schedule(heapq.merge(*(_proposals(*p) for p in pools),
-                                                key=lambda x: x.closed_form_s),
-                                    fixed, global_batch, hw, gpu_tolerance, timer)
+            proposals = fixed + [x for pool in pools
+                                 for x in _proposals(*pool, global_batch, hw)]
+            pick = pick_by_schedule(proposals, global_batch, hw, gpu_tolerance, timer)
             if pick is not None:
                 return _finish(model, wl, pick, layer_costs, global_batch, hw,
                                attention_impl, timer)
         costs = tuple(_deeper(c, res.choices, global_batch) if c.name in over else c
                       for c in costs)
-    pick = pick_by_schedule(iter(()), fixed, global_batch, hw, gpu_tolerance, timer)
+    pick = pick_by_schedule(fixed, global_batch, hw, gpu_tolerance, timer)
     if pick is not None:
         return _finish(model, wl, pick, layer_costs, global_batch, hw, attention_impl, timer)
     if not pools:
@@ -211,14 +212,16 @@ def _search(model, wl, costs, cps, hw, num_gpus, global_batch, vpp, gpu_toleranc
     return pools, error
 
 
-def _proposals(cp, res, costs):
-    """The search's frontier at one CP size as Proposals, least closed form first."""
+def _proposals(cp, res, costs, global_batch, hw) -> list[Proposal]:
+    """The search's frontier at one CP size as Proposals, each with its schedule's lower
+    bound (built lazily: only the plans timed are)."""
     front = res.frontier
     if front is None or not len(front):
-        yield Proposal(res.iteration_time_s, costs, res.choices, "search", cp)
-        return
-    for k in range(len(front)):
-        yield Proposal(front.time(k), costs, front.choices(k), "search", cp)
+        return [Proposal(schedule_lower_bound(costs, res.choices, global_batch, hw), costs,
+                         res.choices, "search", cp)]
+    bounds = front.lower_bounds()
+    return [Proposal(float(b), costs, functools.partial(front.choices, k), "search", cp)
+            for k, b in enumerate(bounds)]
 
 
 def _finish(model, wl, pick, layer_costs, global_batch, hw, attention_impl, timer) -> Plan:
@@ -226,7 +229,7 @@ def _finish(model, wl, pick, layer_costs, global_batch, hw, attention_impl, time
     cp = p.cp
     if cp > 1:
         layer_costs = {**layer_costs, "llm": {t * cp: v for t, v in layer_costs["llm"].items()}}
-    plan = to_plan(model, p.costs, p.choices, global_batch, hw, "disaggregated", layer_costs,
+    plan = to_plan(model, p.costs, pick.choices, global_batch, hw, "disaggregated", layer_costs,
                    0.0, pick.least_time_s, attention_impl, cp=cp, timer=timer)
     plan.predicted.update({"timed_plans": pick.timed, "over_memory_plans": pick.over_memory,
                            "picked_from": p.source})

@@ -160,6 +160,23 @@ def variants(cost: UnitCost) -> list[UnitCost]:
     return list(cost.variants.values()) if cost.variants else [cost]
 
 
+FORWARD_SHARE = 1 / 3  # forward : backward = 1 : 2 where a cost gives no forward time
+
+
+def forward_backward(cost: UnitCost, tp: int) -> tuple[float, float]:
+    """(forward, backward) seconds of one sample through the whole unit at `tp`."""
+    whole = cost.time_s[tp]
+    fwd = cost.fwd_s.get(tp, FORWARD_SHARE * whole)
+    return fwd, whole - fwd
+
+
+def fastest_forward_backward(cost: UnitCost, tp: int) -> tuple[float, float]:
+    """The least forward and the least backward over the unit's remat policies: what a
+    lower bound of the schedule may assume whichever policy the plan runs."""
+    pairs = [forward_backward(v, tp) for v in variants(cost)]
+    return min(f for f, _ in pairs), min(b for _, b in pairs)
+
+
 def leanest(cost: UnitCost) -> UnitCost:
     """The variant keeping the fewest activations ("full" when variants exist): what the
     candidate bounds assume, so they stay lower bounds."""

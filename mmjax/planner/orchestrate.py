@@ -25,9 +25,10 @@ from mmjax.planner.hardware import Hardware
 from mmjax.planner.plan import PlanError
 from mmjax.planner.infeasible import infeasible_message, smallest_plan
 from mmjax.planner.relax import solve_relaxed
+from mmjax.planner.schedule_bound import chain_bound
 from mmjax.planner.relaxed_problem import RelaxedProblem
 from mmjax.planner.repair import OptionTable, combine
-from mmjax.models.units import has_llm
+from mmjax.models.units import UnitDag, has_llm
 
 
 # Relative slack on the predicted iteration time within which the plan using fewer GPUs
@@ -77,6 +78,24 @@ class Frontier:
 
     def time(self, k: int) -> float:
         return float(self.times[self.order[k]])
+
+    def lower_bounds(self) -> np.ndarray:
+        """Per plan (in rank order), a lower bound of its simulated schedule's time
+        (pick.py `schedule_lower_bound`, vectorised over each neighbourhood's front)."""
+        names = [c.name for c in self._orch.costs]
+        dag = UnitDag.of(names)
+        out = []
+        for gs, _ts, flats, shape, picked in self._fronts:
+            idx = np.unravel_index(flats, shape)
+            rows = {}
+            for name, (tb, flat), ix in zip(names, picked, idx):
+                opt = flat[ix]
+                rows[name] = (tb.m * tb.busy_lb.ravel()[opt], tb.fwd_lb.ravel()[opt],
+                              tb.bwd_lb.ravel()[opt], tb.sync.ravel()[opt])
+            out.append(chain_bound(dag, rows))
+        if not out:
+            return np.zeros(0)
+        return np.concatenate(out)[self.order]
 
 
 class Orchestrator:

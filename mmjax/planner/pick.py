@@ -3,86 +3,84 @@
 
 The search (orchestrate.py) minimises DistTrain's closed form (Eq. 1-2), which a convex
 relaxation can bound; what runs, and what the planner reports, is the 1F1B schedule
-(schedule_time.py). `pick_by_schedule` times the search's frontier (every repaired plan
-on a (GPUs, closed-form time) Pareto front) and the baselines' plans with the schedule,
-least closed-form time first, and keeps the fastest that fits in memory by the one
-memory count (evaluate.runtime_memory). The closed form is nearly a lower bound of the
-schedule's time (it leaves out the per-hop transfers and interleaving bubbles the
-schedule pays; it sums parallel encoder branches' warm-ups, so it may exceed the schedule
-by a little): proposals stop once their closed form exceeds the best simulated time by
-`LOWER_BOUND_SLACK`, or after `MAX_TIMED` of them. Tie-break: among plans within
-`gpu_tolerance` of the least simulated time, and no slower than any baseline, the one
-using the fewest GPUs, then the fastest.
+(schedule_time.py). The closed form is neither the schedule's time nor a bound of it (it
+sums parallel branches' and pipelined units' warm-ups the schedule overlaps, and leaves
+out the per-hop transfers and interleaving bubbles the schedule pays), so
+`pick_by_schedule` ranks the candidates -- the search's frontier (every repaired plan on a
+(GPUs, closed-form time) Pareto front) and the baselines' plans -- by a lower bound of the
+schedule's time (schedule_bound.py) and times them in that order until the bound exceeds
+the best time found: the pick is the fastest plan among all the candidates by the
+schedule, within memory by the one memory count (evaluate.runtime_memory). Tie-break:
+among plans within `gpu_tolerance` of the least time, and no slower than any baseline,
+the one using the fewest GPUs, then the fastest.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 from mmjax.planner.evaluate import Choice, runtime_memory
 from mmjax.planner.hardware import Hardware
 from mmjax.planner.schedule_time import ScheduleTimer
 
-# The closed form exceeds the schedule's time by at most ~1.3% on the DistTrain and
-# OrchMLLM models (parallel branches' warm-ups summed); proposals whose closed form is
-# this far above the best simulated time are not timed.
-LOWER_BOUND_SLACK = 0.02
-MAX_TIMED = 400  # proposals timed at most, baselines aside
+MAX_TIMED = 2000  # a guard: plans timed at most (the bound stops far earlier in practice)
 
 
 @dataclass(frozen=True)
 class Proposal:
-    """One plan to time: its closed-form time, the costs it is priced with (the LLM's
-    depend on its CP size), its choices and where it came from ("search" or a baseline)."""
+    """One candidate plan: a lower bound of its schedule's time, the costs it is priced
+    with (the LLM's depend on its CP size), its choices (or a function building them:
+    a large frontier builds only the plans it times) and where it came from ("search" or
+    a baseline's name)."""
 
-    closed_form_s: float
+    lower_bound_s: float
     costs: tuple
-    choices: dict[str, Choice] = field(hash=False)
+    plan: dict[str, Choice] | Callable[[], dict[str, Choice]] = field(hash=False)
     source: str = "search"
     cp: int = 1
+
+    @property
+    def choices(self) -> dict[str, Choice]:
+        return self.plan() if callable(self.plan) else self.plan
 
 
 @dataclass(frozen=True)
 class Pick:
     proposal: Proposal
+    choices: dict[str, Choice]
     time_s: float  # the pick's simulated time
-    least_time_s: float  # the least simulated time of any plan that fits
-    timed: int  # plans timed
-    over_memory: int  # proposals left out: over memory by the runtime's count
+    least_time_s: float  # the least simulated time of any candidate that fits
+    timed: int  # candidates timed
+    over_memory: int  # candidates left out: over memory by the runtime's count
+    candidates: int
 
 
-def pick_by_schedule(searched, baselines: list[Proposal], global_batch: int, hw: Hardware,
+def pick_by_schedule(proposals: list[Proposal], global_batch: int, hw: Hardware,
                      gpu_tolerance: float, timer: ScheduleTimer | None = None) -> Pick | None:
-    """The fastest plan by the simulated schedule among `baselines` and the proposals of
-    `searched` (an iterable of Proposals, least closed form first), within memory; None
-    when none fits."""
+    """The fastest plan by the simulated schedule among `proposals` that fits in memory
+    (with the tie-break above); None when none fits."""
     timer = timer or ScheduleTimer(hw)
-    timed: list[tuple[float, Proposal]] = []
-    over, best = 0, float("inf")
-
-    def time_one(p: Proposal) -> None:
-        nonlocal over, best
-        ran, need = runtime_memory(p.costs, p.choices, global_batch, hw)
+    order = sorted(range(len(proposals)), key=lambda i: proposals[i].lower_bound_s)
+    timed: list[tuple[float, Proposal, dict]] = []
+    over, best, fastest_baseline = 0, float("inf"), float("inf")
+    for i in order:
+        p = proposals[i]
+        cap = min(best * (1 + gpu_tolerance), fastest_baseline)
+        if p.lower_bound_s > cap * (1 + 1e-9) or len(timed) >= MAX_TIMED:
+            break
+        choices = p.choices
+        ran, need = runtime_memory(p.costs, choices, global_batch, hw)
         if any(b > hw.hbm_bytes for b in need.values()):
             over += 1
-            return
-        timed.append((timer(ran, p.choices, global_batch, ran=True), p))
-        best = min(best, timed[-1][0])
-
-    for p in baselines:
-        time_one(p)
-    count = 0
-    for p in searched:
-        if p.closed_form_s > best * (1 + LOWER_BOUND_SLACK) or count >= MAX_TIMED:
-            break
-        time_one(p)
-        count += 1
+            continue
+        t = timer(ran, choices, global_batch, ran=True)
+        timed.append((t, p, choices))
+        best = min(best, t)
+        if p.source != "search":
+            fastest_baseline = min(fastest_baseline, t)
     if not timed:
         return None
-    least = min(t for t, _ in timed)
-    cap = least * (1 + gpu_tolerance)
-    base = [t for t, p in timed if p.source != "search"]
-    if base:
-        cap = min(cap, min(base))
-    gpus = lambda p: sum(c.gpus for c in p.choices.values())  # noqa: E731
-    t, pick = min(((t, p) for t, p in timed if t <= cap), key=lambda tp: (gpus(tp[1]), tp[0]))
-    return Pick(pick, t, least, len(timed), over)
+    cap = min(best * (1 + gpu_tolerance), fastest_baseline)
+    gpus = lambda ch: sum(c.gpus for c in ch.values())  # noqa: E731
+    t, p, ch = min((x for x in timed if x[0] <= cap), key=lambda x: (gpus(x[2]), x[0]))
+    return Pick(p, ch, t, best, len(timed), over, len(proposals))

@@ -17,21 +17,17 @@ import numpy as np
 
 from mmjax.models.units import UnitDag
 from mmjax.planner.costs import UnitCost
-from mmjax.planner.evaluate import (Choice, p2p_time, runtime_memory, samples_per_rank,
-                                    sync_time)
+from mmjax.planner.evaluate import (Choice, forward_backward, p2p_time, runtime_memory,
+                                    samples_per_rank, sync_time)
 from mmjax.planner.hardware import Hardware
 from mmjax.schedule.compiled_timing import ChainLayout, makespan, schedule_rows
-
-FORWARD_SHARE = 1 / 3  # forward : backward = 1 : 2 where a cost gives no forward time
-
 
 def action_times(cost: UnitCost, c: Choice, dp_llm: int) -> tuple[float, float]:
     """(forward, backward) seconds of one microbatch on one (virtual) stage of the unit:
     its DP rank's samples, the unit's time split over pp x vpp stages."""
-    whole = cost.time_s[c.tp]
-    fwd = cost.fwd_s.get(c.tp, FORWARD_SHARE * whole)
+    fwd, bwd = forward_backward(cost, c.tp)
     per = samples_per_rank(c, dp_llm) / (c.pp * c.vpp)
-    return per * fwd, per * (whole - fwd)
+    return per * fwd, per * bwd
 
 
 class ScheduleTimer:
