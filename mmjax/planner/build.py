@@ -134,10 +134,10 @@ def _fit(model, wl, costs, layer_costs, hw, num_gpus, global_batch, vpp, gpu_tol
     fixed = [Proposal(schedule_lower_bound(costs, ch, global_batch, hw), costs, ch, kind)
              for kind, ch in (baselines or {}).items()
              if set(ch) == names and sum(c.gpus for c in ch.values()) <= num_gpus]
-    pools, error, over = [], None, {}
+    pools, error, over, reuse = [], None, {}, {}
     for rounds in range(FIT_ROUNDS):
         found, err = _search_cps(model, wl, costs, hw, num_gpus, global_batch, vpp,
-                                 gpu_tolerance)
+                                 gpu_tolerance, reuse)
         error = error or err
         if not found:
             break
@@ -153,6 +153,9 @@ def _fit(model, wl, costs, layer_costs, hw, num_gpus, global_batch, vpp, gpu_tol
                                attention_impl, timer)
         costs = tuple(_deeper(c, res.choices, global_batch) if c.name in over else c
                       for c in costs)
+        changed = {i for i, c in enumerate(costs) if c.name in over}
+        llm = next(i for i, c in enumerate(costs) if is_llm(c.name))
+        reuse = {cp: r.state.keep(changed, llm) for cp, r, _ in found if r.state is not None}
     pick = pick_by_schedule(fixed, global_batch, hw, gpu_tolerance, timer)
     if pick is not None:
         return _finish(model, wl, pick, layer_costs, global_batch, hw, attention_impl, timer)
@@ -182,22 +185,24 @@ def _deeper(cost: UnitCost, choices: dict[str, Choice], global_batch: int) -> Un
     return out
 
 
-def _search_cps(model, wl, costs, hw, num_gpus, global_batch, vpp, gpu_tolerance):
+def _search_cps(model, wl, costs, hw, num_gpus, global_batch, vpp, gpu_tolerance, reuse):
     """([(cp, OrchestrationResult, costs)] of the LLM CP sizes searched, the first
     PlanError): CP 1 (and CP_SIZES for long sequences); CP_SIZES when nothing fits
-    without it. The planner's ZeRO-2/3 runs without CP."""
+    without it. The planner's ZeRO-2/3 runs without CP. `reuse`: per CP size, what an
+    earlier round's search may hand this one (orchestrate.SearchState)."""
     if any(c.zero_stage > 1 for c in costs):
-        return _search(model, wl, costs, (1,), hw, num_gpus, global_batch, vpp, gpu_tolerance)
+        return _search(model, wl, costs, (1,), hw, num_gpus, global_batch, vpp, gpu_tolerance,
+                       reuse)
     long = wl.llm_moments()[0] >= LONG_SEQUENCE
     pools, error = _search(model, wl, costs, (1,) + (CP_SIZES if long else ()), hw,
-                           num_gpus, global_batch, vpp, gpu_tolerance)
+                           num_gpus, global_batch, vpp, gpu_tolerance, reuse)
     if not pools and not long:  # nothing fits without context parallelism
         pools, _ = _search(model, wl, costs, CP_SIZES, hw, num_gpus, global_batch, vpp,
-                           gpu_tolerance)
+                           gpu_tolerance, reuse)
     return pools, error
 
 
-def _search(model, wl, costs, cps, hw, num_gpus, global_batch, vpp, gpu_tolerance):
+def _search(model, wl, costs, cps, hw, num_gpus, global_batch, vpp, gpu_tolerance, reuse):
     pools, error = [], None
     for cp in cps:
         try_costs = tuple(cp_cost(model, wl, c, cp, hw) if is_llm(c.name) else c
@@ -206,7 +211,7 @@ def _search(model, wl, costs, cps, hw, num_gpus, global_batch, vpp, gpu_toleranc
             continue
         try:
             pools.append((cp, orchestrate(try_costs, hw, num_gpus, global_batch, vpp,
-                                          gpu_tolerance), try_costs))
+                                          gpu_tolerance, reuse=reuse.get(cp)), try_costs))
         except PlanError as e:
             error = error or e
     return pools, error

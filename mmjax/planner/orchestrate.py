@@ -12,7 +12,7 @@ import itertools
 import math
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -49,6 +49,25 @@ class OrchestrationResult:
     repairs: int  # candidates whose integer neighbourhood was searched
     optimal_time_s: float = math.nan  # T*: least predicted time (before the GPU tie-break)
     frontier: "Frontier | None" = None  # every repaired plan on a (GPUs, time) Pareto front
+    # (candidates, priced option tables) of this solve, for a re-solve that changes only
+    # some units' in-flight scale (build.py `_fit`): `SearchState`
+    state: "SearchState | None" = field(default=None, compare=False, repr=False)
+
+
+@dataclass(frozen=True)
+class SearchState:
+    """What a solve computed that a re-solve may keep: the (TP, DP) candidates with their
+    bounds (they depend on the LLM's memory alone: the other units enter them through
+    their least activations, not their in-flight scale) and the option tables per
+    (unit index, TP, LLM DP) (each depends on its own unit's cost alone)."""
+
+    candidates: list
+    tables: dict
+
+    def keep(self, changed: set[int], llm: int) -> "SearchState":
+        """The parts still valid when the units at indices `changed` change."""
+        return SearchState(None if llm in changed else self.candidates,
+                           {k: v for k, v in self.tables.items() if k[0] not in changed})
 
 
 class Frontier:
@@ -315,7 +334,8 @@ class Orchestrator:
         return best_t, best
 
     def solve(self, num_gpus: int, global_batch: int,
-              gpu_tolerance: float = 0.0) -> OrchestrationResult:
+              gpu_tolerance: float = 0.0, reuse: "SearchState | None" = None
+              ) -> OrchestrationResult:
         """Algorithm 1: the plan of least predicted iteration time T* (DistTrain §5.1).
 
         Tie-break (`gpu_tolerance` = eps > 0): among plans within T* (1 + eps), the one
@@ -331,8 +351,9 @@ class Orchestrator:
                              f"(a relative slack on the iteration time, e.g. 0.01)")
         start = time.perf_counter()
         n, bs = num_gpus, global_batch
-        self._priced = {}
-        cands = self.candidates(n, bs)
+        self._priced = dict(reuse.tables) if reuse is not None else {}
+        cands = (reuse.candidates if reuse is not None and reuse.candidates is not None
+                 else self.candidates(n, bs))
         best_t, best, relaxations, repairs, fronts = self._search(cands, n, bs, gpu_tolerance)
         if best is None:
             sp = smallest_plan(self.costs, self.hw, bs)
@@ -349,14 +370,16 @@ class Orchestrator:
         if gpu_tolerance > 0:
             best_t, best = self._fewest_gpus(fronts, optimal_t * (1 + gpu_tolerance))
         return OrchestrationResult(best, best_t, time.perf_counter() - start, len(cands),
-                                   relaxations, repairs, optimal_t, Frontier(self, fronts))
+                                   relaxations, repairs, optimal_t, Frontier(self, fronts),
+                                   SearchState(cands, self._priced))
 
 
 def orchestrate(costs: tuple[UnitCost, ...], hw: Hardware, num_gpus: int, global_batch: int,
                 vpp: bool = True, gpu_tolerance: float = GPU_TOLERANCE,
-                relaxed_factory=None, method: str = "fast") -> OrchestrationResult:
+                relaxed_factory=None, method: str = "fast",
+                reuse: SearchState | None = None) -> OrchestrationResult:
     """Algorithm 1 with the fewest-GPUs tie-break (`Orchestrator.solve`); gpu_tolerance=0
     returns the least-time plan alone. `method`: "fast" (vectorised bounds, closed-form
     relaxations) or "cvxpy" (the DPP problem of record); both return the same plan."""
     return Orchestrator(costs, hw, vpp, relaxed_factory, method).solve(num_gpus, global_batch,
-                                                                       gpu_tolerance)
+                                                                       gpu_tolerance, reuse)
