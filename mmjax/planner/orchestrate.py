@@ -110,7 +110,9 @@ class Frontier:
             for name, (tb, flat), ix in zip(names, picked, idx):
                 opt = flat[ix]
                 rows[name] = (tb.m * tb.busy_lb.ravel()[opt], tb.fwd_lb.ravel()[opt],
-                              tb.bwd_lb.ravel()[opt], tb.sync.ravel()[opt])
+                              tb.bwd_lb.ravel()[opt], tb.sync.ravel()[opt],
+                              tb.virtual.ravel()[opt], tb.pp_lb.ravel()[opt],
+                              tb.fb_lb.ravel()[opt], tb.p2p.ravel()[opt])
             out.append(chain_bound(dag, rows))
         if not out:
             return np.zeros(0)

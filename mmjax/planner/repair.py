@@ -54,6 +54,10 @@ class OptionTable:
         self.busy_lb = spr * (fwd0 + bwd0) / pp + 0 * v
         self.fwd_lb = spr * fwd0 + 0 * pp + 0 * v
         self.bwd_lb = spr * bwd0 + 0 * pp + 0 * v
+        self.virtual = pp * v + 0 * dp
+        self.pp_lb = pp + 0 * dp + 0 * v
+        self.fb_lb = spr * (fwd0 + bwd0) / (pp * v)
+        self.p2p = spr * cost.boundary_bytes / hw.nic_bw + 0 * pp + 0 * v
         self.warm = spr * times / v + pp * (spr * cost.boundary_bytes / hw.nic_bw)
         bw = np.where(dp * t <= hw.gpus_per_node, hw.nvlink_bw, hw.nic_bw)
         if cost.grad_bytes == 0:
