@@ -237,6 +237,7 @@ def _finish(model, wl, pick, layer_costs, global_batch, hw, attention_impl, time
     plan = to_plan(model, p.costs, pick.choices, global_batch, hw, "disaggregated", layer_costs,
                    0.0, pick.least_time_s, attention_impl, cp=cp, timer=timer)
     plan.predicted.update({"timed_plans": pick.timed, "over_memory_plans": pick.over_memory,
+                           "candidates": pick.candidates,
                            "picked_from": p.source})
     llm = plan.unit("llm")
     if cp == 1 and llm.attention_impl != "pallas" and llm.zero_stage < 3 and overlap_pays(
