@@ -360,7 +360,8 @@ def main(argv=None) -> int:
         picked = (f"least time {least:.3f} s" if p["iteration_time_s"] <= least * (1 + 1e-12)
                   else f"least time {least:.3f} s; picked the fewest GPUs within "
                        f"{100 * args.gpu_tolerance:g}% of it")
-        console.print(f"planning time: {comparison.planning_time_s * 1e3:.0f} ms (unit costs, "
+        console.print(f"planning time: {comparison.planning_time_s * 1e3:.0f} ms, CPU "
+                      f"{comparison.planning_cpu_s * 1e3:.0f} ms (unit costs, "
                       f"baselines, search and {p['timed_plans']} plans timed by the "
                       f"simulated 1F1B schedule; compiled kernels loaded before it in "
                       f"{comparison.kernel_load_s * 1e3:.0f} ms, once per process); {picked}: "

@@ -33,6 +33,7 @@ class Comparison:
     errors: dict[str, str]  # why a plan is missing: the baseline does not fit, or no plan
     planning_time_s: float  # costs, baselines, search and every simulated schedule
     kernel_load_s: float = 0.0  # once per process, before the timing: numba's start-up
+    planning_cpu_s: float = 0.0  # this process's CPU time over the same span
 
     def speedup(self, kind: str) -> float | None:
         """The baseline's time over the planner's (None: one of them is missing)."""
@@ -53,7 +54,7 @@ def plan_and_baselines(model, hw, num_gpus: int, global_batch: int, workload=Non
     loading = time.perf_counter()
     load_kernels()
     balanced_split([1.0, 1.0], 2)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     wl = workload or default_workload(model)
     analytic, layer_costs = model_costs(model, hw, wl, recompute, attention_impl)
     priced = costs or analytic
@@ -84,4 +85,4 @@ def plan_and_baselines(model, hw, num_gpus: int, global_batch: int, workload=Non
     took = time.perf_counter() - start
     if "planner" in plans:
         plans["planner"].predicted["solve_time_s"] = took
-    return Comparison(plans, errors, took, start - loading)
+    return Comparison(plans, errors, took, start - loading, time.process_time() - cpu)
