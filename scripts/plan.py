@@ -323,17 +323,17 @@ def main(argv=None) -> int:
     if args.layout != "disaggregated":
         return colocated_main(args, console, model, hw, wl, costs)
     vae_model = model_with_vae(model)
-    planner = None
-    if vae_model is not None:  # the VAE on producers' CPUs or as a frozen unit on GPUs
+
+    def vae_planner(plan_fn):  # the VAE on producers' CPUs or as a frozen unit on GPUs
         from mmjax.planner.vae_placement import plan_with_vae
         from mmjax.train.vae_latents import vae as vae_settings
 
-        def planner(plan_fn):
-            plan, decision = plan_with_vae(
-                plan_fn, vae_model, hw, args.gpus, args.global_batch * wl.mean_generated(),
-                args.producer_cores, vae_settings()[1])
-            console.print(f"VAE placement: {decision.placement}: {decision.reason}")
-            return plan
+        plan, decision = plan_with_vae(
+            plan_fn, vae_model, hw, args.gpus, args.global_batch * wl.mean_generated(),
+            args.producer_cores, vae_settings()[1])
+        console.print(f"VAE placement: {decision.placement}: {decision.reason}")
+        return plan
+    planner = None if vae_model is None else vae_planner
     comparison = plan_and_baselines(
         model, hw, args.gpus, args.global_batch, workload=wl, recompute=args.recompute,
         vpp=not args.no_vpp, costs=costs, gpu_tolerance=args.gpu_tolerance,
