@@ -1,4 +1,7 @@
-"""Planner benchmark: solve time and predicted speedup over the baselines.
+"""Planner benchmark: planning time and predicted speedup over the baselines, from the function
+scripts/plan.py calls (planner/compare.py `plan_and_baselines`: the paper workload, every
+unit at the least recomputation that fits, the baselines priced and memory-checked the
+same way and among the planner's candidates).
 
 Settings: DistTrain Table 2 (MLLM-72B on 1296/648/324/112 A800s, global batch
 1920/960/480/240; DistTrain's solve times 922/641/441/133 ms), the §8.2 microbenchmarks
@@ -6,17 +9,17 @@ Settings: DistTrain Table 2 (MLLM-72B on 1296/648/324/112 A800s, global batch
 every Cornstarch VLM/ALM/VALM config (Cornstarch §6.1; encoders and LLM frozen) on 24 GPUs
 with 24 single-sample microbatches, and the four frozen settings of DistTrain §8.3.1 on
 MLLM-9B and MLLM-72B (98 GPUs).
-Solve time is the median CPU time (process_time: the development machine is shared, its
-wall time includes waiting for a core; wall medians are in the JSON) of `--repeats` runs
-of Algorithm 1 (costs prepared once, as a training manager would), fewest-GPUs tie-break
-included, with the default fast method (numpy bounds, closed-form relaxations); for the
-Table 2 rows also of method="cvxpy" (the DPP formulation of record, what the planner ran
-before) and whether both return the same plan. The JSON names the machine. Speedup = baseline iteration time
-/ planner iteration time; "used" is the planner's GPU count (the tie-break may leave some
-idle), "LLM share" the LLM's part of them. "vs cornstarch co-loc": Cornstarch's co-located
-baseline (encoders on the LLM's first pipeline stage's devices,
-planner/cornstarch_colocated.py) over the planner; "vs co-located": the co-located layout
-(every unit on every GPU with FSDP, planner/colocated.py) over the planner.
+Planning time is the median CPU time (process_time: the development machine is shared, its
+wall time includes waiting for a core; wall medians are in the JSON) of `--repeats` calls,
+the whole call: unit costs, baselines, the closed-form search, and every plan it proposes
+timed by the simulated 1F1B schedule (the compiled kernels loaded once before). Times are
+the simulated schedule's; speedup = baseline time / planner time, "does not fit" for a
+baseline that cannot be repaired within the GPUs and their memory; "used" is the planner's
+GPU count (the tie-break may leave some idle), "LLM share" the LLM's part of them.
+"vs cornstarch co-loc": Cornstarch's co-located baseline (encoders on the LLM's first
+pipeline stage's devices, planner/cornstarch_colocated.py) over the planner; "vs
+co-located": the co-located layout (every unit on every GPU with FSDP, planner/colocated.py)
+over the planner.
 
     python scripts/bench_planner.py [--repeats=5] [--only=table2|cornstarch|frozen|all]
         [--json=bench_results/planner.json] [--markdown=FILE]
@@ -32,19 +35,16 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import cvxpy  # noqa: E402,F401  (imported up front so method="cvxpy" does not time its import)
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from mmjax.models.named import NAMED_CONFIGS, named_config  # noqa: E402
-from mmjax.planner.baselines import megatron_choices, ratio_choices  # noqa: E402
-from mmjax.planner.evaluate import evaluate  # noqa: E402
+from mmjax.planner.compare import BASELINES, plan_and_baselines  # noqa: E402
 from mmjax.planner.hardware import A800, H100  # noqa: E402
 from mmjax.planner.build import DISTTRAIN_FROZEN, model_costs  # noqa: E402
 from mmjax.planner.colocated import best_colocated  # noqa: E402
 from mmjax.planner.cornstarch_colocated import cornstarch_colocated  # noqa: E402
-from mmjax.planner.orchestrate import orchestrate  # noqa: E402
-from mmjax.planner.plan import PlanError  # noqa: E402
+from mmjax.schedule.compiled_timing import load_kernels  # noqa: E402
 from mmjax.host_info import machine  # noqa: E402
 
 # (model, GPUs, global batch, DistTrain's solve ms, frozen setting of §8.3.1 or None)
@@ -65,51 +65,51 @@ GROUPS = {"table2": TABLE2, "cornstarch": CORNSTARCH, "frozen": FROZEN,
           "all": TABLE2 + OTHERS + CORNSTARCH + FROZEN}
 
 
-def _solve_times(costs, hw, gpus, batch, repeats, method):
-    """(result, CPU seconds per run, wall seconds per run)."""
+def _planning(model, hw, gpus, batch, repeats):
+    """(Comparison, CPU seconds per call, wall seconds per call)."""
     cpu, wall, res = [], [], None
     for _ in range(repeats):
         t0, c0 = time.perf_counter(), time.process_time()
-        res = orchestrate(costs, hw, gpus, batch, method=method)
+        res = plan_and_baselines(model, hw, gpus, batch)
         cpu.append(time.process_time() - c0)
         wall.append(time.perf_counter() - t0)
     return res, cpu, wall
 
 
-def bench_one(name, gpus, batch, paper_ms, setting, repeats, with_cvxpy=False):
+def bench_one(name, gpus, batch, paper_ms, setting, repeats):
     model = named_config(name, DISTTRAIN_FROZEN[setting] if setting else None)
     hw = H100 if name.startswith("orchmllm") else A800
-    costs, _ = model_costs(model, hw)
-    res, times, wall = _solve_times(costs, hw, gpus, batch, repeats, "fast")
-    plan_t = res.iteration_time_s
-    used = {k: v.gpus for k, v in res.choices.items()}
+    res, times, wall = _planning(model, hw, gpus, batch, repeats)
+    if "planner" not in res.plans:
+        return {"model": name, "frozen_setting": setting, "gpus": gpus, "global_batch": batch,
+                "hardware": hw.name, "error": res.errors["planner"]}
+    plan = res.plans["planner"]
+    p = plan.predicted
+    plan_t = p["iteration_time_s"]
+    used = {u.name: u.num_devices for u in plan.units}
     row = {"model": name, "frozen_setting": setting, "gpus": gpus, "global_batch": batch,
            "hardware": hw.name, "gpus_used": sum(used.values()),
            "llm_share": used["llm"] / sum(used.values()),
-           "optimal_time_s": res.optimal_time_s,
+           "optimal_time_s": p["optimal_time_s"], "closed_form_s": p["closed_form_s"],
            "solve_ms_median": 1e3 * statistics.median(times),
            "solve_ms_all": [1e3 * t for t in times],
            "solve_wall_ms_median": 1e3 * statistics.median(wall),
-           "cvxpy_ms_median": None, "cvxpy_same_plan": None,
-           "paper_ms": paper_ms, "iteration_time_s": plan_t,
-           "mfu": evaluate(costs, res.choices, batch, hw).mfu,
-           "plan": {k: vars(v) for k, v in res.choices.items()},
-           "candidates": res.candidates, "relaxations": res.relaxations, "repairs": res.repairs}
-    if with_cvxpy:
-        ref, cvx, _ = _solve_times(costs, hw, gpus, batch, max(1, repeats // 2), "cvxpy")
-        row["cvxpy_ms_median"] = 1e3 * statistics.median(cvx)
-        row["cvxpy_same_plan"] = ref.choices == res.choices
-    for kind, fn in (("megatron", lambda: megatron_choices(costs, hw, gpus, batch,
-                                                           model_name=name)),
-                     ("ratio", lambda: ratio_choices(costs, hw, gpus, batch))):
-        try:
-            ev = evaluate(costs, fn(), batch, hw)
-            row[kind] = {"iteration_time_s": ev.iteration_time_s, "mfu": ev.mfu, "gpus": ev.gpus,
-                         "speedup": ev.iteration_time_s / plan_t}
-        except PlanError as e:
-            row[kind] = {"error": str(e)}
+           "paper_ms": paper_ms, "iteration_time_s": plan_t, "mfu": p["mfu"],
+           "timed_plans": p["timed_plans"], "picked_from": p["picked_from"],
+           "memory_gb": p["memory_gb"],
+           "plan": {u.name: {"dp": u.dp, "tp": u.tp * u.cp, "pp": u.pp, "vpp": u.num_chunks}
+                    for u in plan.units}}
+    for kind in BASELINES:
+        if kind in res.plans:
+            b = res.plans[kind].predicted
+            row[kind] = {"iteration_time_s": b["iteration_time_s"], "mfu": b["mfu"],
+                         "gpus": b["gpus"], "memory_gb": b["memory_gb"],
+                         "speedup": b["iteration_time_s"] / plan_t}
+        else:
+            row[kind] = {"does_not_fit": res.errors[kind]}
     # co-located layouts: Cornstarch's baseline (encoders on the LLM's first pipeline
     # stage's devices) and OrchMLLM's (every unit on every GPU, FSDP)
+    costs, _ = model_costs(model, hw)
     for kind, fn in (("cornstarch_colocated", lambda: cornstarch_colocated(costs, hw, gpus,
                                                                            batch)),
                      ("colocated", lambda: best_colocated(costs, gpus, batch, hw))):
@@ -122,7 +122,7 @@ def bench_one(name, gpus, batch, paper_ms, setting, repeats, with_cvxpy=False):
     return row
 
 
-COLUMNS = ("model", "GPUs", "used", "batch", "hw", "solve ms", "cvxpy ms", "paper ms",
+COLUMNS = ("model", "GPUs", "used", "batch", "hw", "planning ms", "paper ms",
            "plan (dp,tp,pp)",
            "LLM share", "iter s", "MFU", "vs megatron", "vs ratio", "vs cornstarch co-loc",
            "vs co-located")
@@ -131,12 +131,11 @@ COLUMNS = ("model", "GPUs", "used", "batch", "hw", "solve ms", "cvxpy ms", "pape
 def cells(r) -> list[str]:
     plan = " ".join(f"{k[:3]}:{v['dp']},{v['tp']},{v['pp']}"
                     + (f"x{v['vpp']}" if v["vpp"] > 1 else "") for k, v in r["plan"].items())
-    sp = lambda k: (f"{r[k]['speedup']:.2f}x" if "speedup" in r[k] else "infeasible")
+    sp = lambda k: (f"{r[k]['speedup']:.2f}x" if "speedup" in r[k] else
+                    "does not fit" if "does_not_fit" in r[k] else "infeasible")
     model = r["model"] + (f" ({r['frozen_setting']})" if r["frozen_setting"] else "")
     return [model, str(r["gpus"]), str(r["gpus_used"]), str(r["global_batch"]), r["hardware"],
             f"{r['solve_ms_median']:.0f}",
-            "-" if r["cvxpy_ms_median"] is None else
-            f"{r['cvxpy_ms_median']:.0f}" + ("" if r["cvxpy_same_plan"] else " (other plan)"),
             str(r["paper_ms"] or "-"), plan,
             f"{r['llm_share']:.2f}", f"{r['iteration_time_s']:.2f}", f"{100 * r['mfu']:.1f}%",
             sp("megatron"), sp("ratio"), sp("cornstarch_colocated"), sp("colocated")]
@@ -156,14 +155,20 @@ def main(argv=None) -> int:
     ap.add_argument("--markdown", help="also write the table as markdown here")
     args = ap.parse_args(argv)
     info = machine()
-    rows = [bench_one(*s, args.repeats, with_cvxpy=s in TABLE2) for s in GROUPS[args.only]]
-    t = Table(title=f"planner: solve CPU ms (median of {args.repeats}) and predicted speedup; "
+    load_kernels()
+    rows = [bench_one(*s, args.repeats) for s in GROUPS[args.only]]
+    failed = [r for r in rows if "error" in r]
+    rows = [r for r in rows if "error" not in r]
+    t = Table(title=f"planner: planning CPU ms (median of {args.repeats}) and predicted "
+                    f"speedup (simulated 1F1B schedule); "
                     f"{info['cpu']}, {info['cores']} cores, load {info['load_avg_1m']}")
     for col in COLUMNS:
         t.add_column(col, justify="left" if col in ("model", "plan (dp,tp,pp)") else "right")
     for r in rows:
         t.add_row(*cells(r))
     Console(width=None if sys.stdout.isatty() else 200).print(t)
+    for r in failed:
+        print(f"{r['model']} on {r['gpus']} GPUs: no plan: {r['error']}")
     if args.markdown:
         os.makedirs(os.path.dirname(os.path.abspath(args.markdown)), exist_ok=True)
         with open(args.markdown, "w") as f:
@@ -171,7 +176,8 @@ def main(argv=None) -> int:
         print(f"wrote {args.markdown}")
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
-        json.dump({"repeats": args.repeats, "machine": info, "rows": rows}, f, indent=2)
+        json.dump({"repeats": args.repeats, "machine": info, "rows": rows,
+                   "failed": failed}, f, indent=2)
     print(f"wrote {args.json}")
     return 0
 

@@ -4,7 +4,7 @@
         [--prior_actions=4] [--json=new_plan.json]
 
 Reads `<workdir>/traces/step_*.json` (written by `train.trace_every`: the run's model
-name, Plan and serial trace), learns the measured profile (planner/measured.py: per unit,
+name, Plan and serial trace; steps in which programs compiled are left out), learns the measured profile (planner/measured.py: per unit,
 measured / analytic time with the analytic model as prior), prints per virtual stage the
 measured and predicted forward + backward time of one microbatch, the learned factors,
 and the planner's plan on the measured costs (DistTrain §5) with its predicted gain over
@@ -40,8 +40,10 @@ def load_model(name: str):
 
 
 def load_traces(workdir: str):
-    """(model name, Plan, concatenated trace) of the traced steps in the workdir that ran
-    the newest traced step's plan (a run re-planned by train.replan_every traced several)."""
+    """(model name, Plan, concatenated trace, steps left out) of the traced steps in the
+    workdir that ran the newest traced step's plan (a run re-planned by
+    train.replan_every traced several), leaving out steps in which programs compiled
+    (their action times include compilation)."""
     # only step_<n>.json: the trainer writes step_<n>.perfetto.json and .png beside them
     tdir = os.path.join(workdir, "traces")
     steps = sorted(int(m.group(1)) for m in map(re.compile(r"step_(\d+)\.json").fullmatch,
@@ -51,12 +53,18 @@ def load_traces(workdir: str):
     if not paths:
         raise ValueError(f"no traces in {workdir}/traces: train with train.trace_every=N")
     runs = []
-    for p in paths:
+    for n, p in zip(steps, paths):
         with open(p) as f:
-            runs.append(json.load(f))
-    name, plan = runs[-1]["model"], runs[-1]["plan"]
-    trace = [a for d in runs if d["plan"] == plan for a in d["trace"]]
-    return name, Plan.from_json(plan), trace
+            runs.append((n, json.load(f)))
+    compiled = [n for n, d in runs if d.get("compiled", 0)]
+    clean = [(n, d) for n, d in runs if not d.get("compiled", 0)]
+    if not clean:
+        raise ValueError(f"every traced step in {workdir}/traces compiled programs (steps "
+                         f"{compiled}): their times include compilation; trace steps after "
+                         f"warm-up (e.g. --trace_steps=3:4)")
+    name, plan = clean[-1][1]["model"], clean[-1][1]["plan"]
+    trace = [a for _, d in clean if d["plan"] == plan for a in d["trace"]]
+    return name, Plan.from_json(plan), trace, compiled
 
 
 def main(argv=None) -> int:
@@ -70,7 +78,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     console = Console(width=None if sys.stdout.isatty() else 132)
     try:
-        name, plan, trace = load_traces(args.workdir)
+        name, plan, trace, compiled = load_traces(args.workdir)
         model = load_model(name)
         hw = hardware(args.hardware)
         res = replan(model, plan, trace, hw, args.gpus or plan.num_devices,
@@ -78,6 +86,8 @@ def main(argv=None) -> int:
     except (ValueError, PlanError) as e:
         console.print(f"error: {e}")
         return 2
+    if compiled:
+        console.print(f"left out traced steps {compiled}: programs compiled in them")
     t = Table(title=f"{name}: {len(trace)} traced actions; one microbatch, forward + backward")
     for col in ("stage", "actions", "measured s", "predicted s", "measured / predicted"):
         t.add_column(col, justify="right")

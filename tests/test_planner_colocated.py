@@ -15,7 +15,7 @@ from mmjax.planner.colocated import (_a2a_bw, best_colocated, compute_copy_bytes
 from mmjax.planner.cornstarch_colocated import cornstarch_colocated
 from mmjax.planner.evaluate import Choice, stage_time
 from mmjax.planner.hardware import A800, H100
-from mmjax.planner.layout_choice import choose_layout
+from mmjax.planner.layout_choice import choose_layout, slowest_stage_busy_s
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
@@ -135,11 +135,13 @@ def test_auto_picks_each_layout_for_a_named_config():
         model = named_config(name)
         costs = model_costs(model, hw)[0]
         colo = best_colocated(costs, gpus, batch, hw)
-        dis = plan_model(model, hw, gpus, batch).predicted
-        pick = choose_layout(colo, dis["iteration_time_s"], dis["warmup_s"])
+        plan = plan_model(model, hw, gpus, batch)
+        dis = plan.predicted
+        pick = choose_layout(colo, dis["iteration_time_s"], slowest_stage_busy_s(plan))
         assert pick.colocated_s == colo.iteration_time_s
         assert f"{colo.iteration_time_s:.3f}" in pick.reason
         assert f"{dis['iteration_time_s']:.3f}" in pick.reason
+        assert pick.reason.rstrip()[-1] in "0123456789s)"  # a whole sentence, ending in a time
         picks[name] = pick.layout
     assert picks == {"cornstarch/vlm_s": "colocated", "orchmllm/mllm_10b": "disaggregated"}
 

@@ -115,3 +115,26 @@ def test_plan_changes_names_every_changed_setting(setting):
     assert plan_changes(plan, other) == [
         f"microbatches {plan.num_microbatches} -> {plan.num_microbatches * 2}",
         f"llm remat {llm.remat} -> {other.unit('llm').remat}"]
+
+
+def test_replan_leaves_out_traced_steps_that_compiled(setting, tmp_path, capsys):
+    """A traced step in which programs compiled (the first, on any machine) times
+    compilation, not the plan: replan.py leaves it out and says so; with only such steps
+    it refuses, naming them."""
+    model, plan, layer_costs = setting
+    (tmp_path / "traces").mkdir()
+    for n, slow, compiled in ((1, {"vision": 50.0}, 53), (2, {}, 0)):
+        with open(tmp_path / "traces" / f"step_{n}.json", "w") as f:
+            json.dump({"model": model.name, "plan": plan.to_json(), "compiled": compiled,
+                       "trace": synthetic_trace(plan, layer_costs, slow)}, f)
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import replan as replan_cli
+
+    assert replan_cli.main([f"--workdir={tmp_path}", "--hardware=a800", "--gpus=98"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "left out traced steps [1]: programs compiled in them" in out
+    assert "no change, gain 1.000x" in out  # the compiled step's slow vision is not learned
+    (tmp_path / "traces" / "step_2.json").unlink()
+    assert replan_cli.main([f"--workdir={tmp_path}", "--hardware=a800", "--gpus=98"]) == 2
+    out = " ".join(capsys.readouterr().out.split())
+    assert "every traced step" in out and "compiled programs (steps [1])" in out

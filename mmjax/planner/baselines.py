@@ -3,20 +3,33 @@
 - Megatron-LM's rigid plan (DistTrain §2.1, Fig. 2): the LLM on TP x PP x DP; every encoder
   and the generator is one extra pipeline stage with the LLM's TP and DP. TP = 8 and the
   LLM's PP as in the papers' runs (DistTrain §8.1: 1/2/10 for MLLM-9B/15B/72B; OrchMLLM §8.1:
-  2/4/10), raised to the next divisor of the layers when it does not fit in memory.
+  2/4/10), raised to the next divisor of the layers when it does not fit in memory (its
+  own repair: more pipeline stages).
 - The FLOPs-ratio plan (DistTrain §8.2.1): GPUs shared in proportion to each module's FLOPs;
   the LLM at TP 8, the other units at the smallest valid TP, replicated by DP (then PP) to
-  fill their share.
+  fill their share; a unit that does not fit in its share gets the fewest more GPUs it
+  fits in (its own repair), and the plan does not fit when they are not there.
+
+Memory is checked with the count every plan is reported with (evaluate.runtime_memory: the
+runtime's in-flight microbatches, so an encoder also holds the LLM's depth); a baseline
+that cannot be repaired raises `BaselineDoesNotFit` saying why.
 """
 from __future__ import annotations
 
+import numpy as np
+
 from mmjax.planner.build import model_costs, to_plan
+from mmjax.planner.candidates import valid_pps
 from mmjax.planner.costs import UnitCost
-from mmjax.planner.evaluate import Choice, choice_error
+from mmjax.planner.evaluate import Choice, over_memory, stage_bytes, variants
 from mmjax.planner.hardware import Hardware
 from mmjax.planner.orchestrate import divisors
 from mmjax.planner.plan import PlanError
-from mmjax.models.units import is_llm
+from mmjax.models.units import UnitDag, is_encoder, is_llm
+
+
+class BaselineDoesNotFit(PlanError):
+    """A baseline whose method finds no plan that fits the GPUs and their memory."""
 
 PAPER_PP = {"disttrain/mllm_9b": 1, "disttrain/mllm_15b": 2, "disttrain/mllm_72b": 10,
             "orchmllm/mllm_10b": 2, "orchmllm/mllm_18b": 4, "orchmllm/mllm_84b": 10}
@@ -50,30 +63,47 @@ def megatron_choices(costs: tuple[UnitCost, ...], hw: Hardware, num_gpus: int,
         choices = {"llm": Choice(tp_llm, dp, p)}
         for c in others:
             choices[c.name] = Choice(_largest_tp(c, tp_llm), dp, 1)
-        errors = [f"{c.name}: {choice_error(c, choices[c.name], dp, m, hw)}" for c in costs
-                  if choice_error(c, choices[c.name], dp, m, hw)]
-        if not errors:
+        over = over_memory(costs, choices, global_batch, hw)
+        if not over:
             return choices
-        last_error = f"pp={p}, dp={dp}: " + "; ".join(errors)
-    raise PlanError(f"Megatron baseline does not fit {num_gpus} GPUs: {last_error}")
+        last_error = f"pp={p}, dp={dp}: " + ", ".join(
+            f"{u} needs {b / 1e9:.1f} GB per GPU" for u, b in over.items())
+        del m
+    raise BaselineDoesNotFit(f"Megatron baseline does not fit {num_gpus} GPUs of "
+                             f"{hw.hbm_bytes / 1e9:.0f} GB: {last_error}")
 
 
-def _fill(cost: UnitCost, tp: int, budget: int, dp_llm: int, m: int,
-          hw: Hardware) -> Choice | None:
-    """Most GPUs within `budget` (DP first, then PP) that fit in memory; else the fewest."""
-    opts = []
-    for dp in divisors(dp_llm):
-        for p in (divisors(cost.num_layers) if cost.layer_pp_divides
-                  else range(1, cost.num_layers + 1)):
-            ch = Choice(tp, dp, p)
-            if choice_error(cost, ch, dp_llm, m, hw) is None:
-                opts.append(ch)
-    if not opts:
+def _fits(cost: UnitCost, tp: int, dp_llm: int, m: int, hw: Hardware, after: int):
+    """(dps, pps, fits [dp, pp]): the unit's choices at `tp` (dp | dp_llm, any valid pp)
+    that fit with the runtime's in-flight count, `after` virtual stages downstream (an
+    encoder holds min(m, pp + after) microbatches; the LLM and generator, vpp 1, their own
+    1F1B count plus `after`), at any remat policy."""
+    dps = np.array(divisors(dp_llm), dtype=np.float64)[:, None]
+    pps = np.array(valid_pps(cost), dtype=np.float64)[None, :]
+    flight = np.minimum(m, pps + after) if is_encoder(cost.name) else np.minimum(
+        m, np.minimum(m, pps) + after)
+    fits = np.zeros(np.broadcast_shapes(dps.shape, pps.shape), dtype=bool)
+    for v in variants(cost):
+        fits |= stage_bytes(v, tp, dps, pps, dp_llm / dps, flight, exact=True) <= hw.hbm_bytes
+    return dps[:, 0].astype(int), pps[0].astype(int), fits
+
+
+def _fill(cost: UnitCost, tp: int, budget: int, dp_llm: int, m: int, hw: Hardware,
+          after: int) -> Choice | None:
+    """Most GPUs within `budget` (DP first, then PP) that fit in memory; else the fewest
+    that fit (the unit's repair: more GPUs); None when none fits."""
+    dps, pps, fits = _fits(cost, tp, dp_llm, m, hw, after)
+    if not fits.any():
         return None
-    within = [c for c in opts if c.gpus <= budget]
-    if within:
-        return max(within, key=lambda c: (c.gpus, c.dp))
-    return min(opts, key=lambda c: (c.gpus, -c.dp))
+    di, pi = np.nonzero(fits)
+    gpus, dp = tp * dps[di] * pps[pi], dps[di]
+    within = gpus <= budget
+    if within.any():  # the most GPUs, then the largest dp
+        k = np.lexsort((dp[within], gpus[within]))[-1]
+        k = np.flatnonzero(within)[k]
+    else:  # the fewest GPUs, then the largest dp
+        k = np.lexsort((-dp, gpus))[0]
+    return Choice(tp, int(dps[di[k]]), int(pps[pi[k]]))
 
 
 def ratio_choices(costs: tuple[UnitCost, ...], hw: Hardware, num_gpus: int,
@@ -82,38 +112,58 @@ def ratio_choices(costs: tuple[UnitCost, ...], hw: Hardware, num_gpus: int,
     llm = next(c for c in costs if is_llm(c.name))
     tp_llm = _largest_tp(llm, tp)
     share = {c.name: c.flops / total for c in costs}
+    dag = UnitDag.of([c.name for c in costs])
+    by_name = {c.name: c for c in costs}
+    gens = [by_name[u] for u in dag.successors("llm")]  # downstream of the LLM
+    encs = [c for c in costs if not is_llm(c.name) and c not in gens]
     best = None
     for dp in divisors(global_batch):
         m = global_batch // dp
         # the other units keep at least the fewest GPUs they fit in at this microbatching
-        least = [_fill(c, min(c.time_s), 0, dp, m, hw) for c in costs if not is_llm(c.name)]
-        if any(ch is None for ch in least):
+        least_gen = [_fill(c, min(c.time_s), 0, dp, m, hw, 0) for c in gens]
+        if any(ch is None for ch in least_gen):
             continue
-        reserve = sum(ch.gpus for ch in least)
+        after_llm = max((ch.pp for ch in least_gen), default=0)
+        dps, pps, fits = _fits(llm, tp_llm, dp, m, hw, after_llm)
+        least_enc = [_fill(c, min(c.time_s), 0, dp, m, hw, after_llm + int(pps[-1]))
+                     for c in encs]
+        if any(ch is None for ch in least_enc):
+            continue
+        reserve = sum(ch.gpus for ch in least_gen + least_enc)
         budget_llm = max(tp_llm, min(int(share["llm"] * num_gpus), num_gpus - reserve))
-        for p in divisors(llm.num_layers):
-            ch = Choice(tp_llm, dp, p)
-            if ch.gpus <= budget_llm and choice_error(llm, ch, dp, m, hw) is None:
+        row = list(dps).index(dp)
+        for j, p in enumerate(pps):
+            ch = Choice(tp_llm, dp, int(p))
+            if ch.gpus <= budget_llm and fits[row, j]:
                 if best is None or (ch.gpus, -p) > (best.gpus, -best.pp):
                     best = ch
     if best is None:
-        raise PlanError(f"ratio baseline: the LLM does not fit its FLOPs share of "
-                        f"{int(share['llm'] * num_gpus)} GPUs at tp={tp_llm}: add GPUs")
-    choices = {"llm": best}
+        raise BaselineDoesNotFit(f"ratio baseline: the LLM does not fit its FLOPs share of "
+                                 f"{int(share['llm'] * num_gpus)} GPUs at tp={tp_llm}: add "
+                                 f"GPUs")
+    choices, after = {"llm": best}, {}
     m = global_batch // best.dp
-    for c in costs:
-        if is_llm(c.name):
+    for name in reversed(dag.names):  # downstream first: an encoder holds the LLM's depth
+        after[name] = max((choices[v].pp * choices[v].vpp + after[v]
+                           for v in dag.successors(name)), default=0)
+        if is_llm(name):
             continue
+        c = by_name[name]
         budget = max(min(c.time_s), int(share[c.name] * num_gpus))
-        ch = _fill(c, min(c.time_s), budget, best.dp, m, hw)
+        ch = _fill(c, min(c.time_s), budget, best.dp, m, hw, after[name])
         if ch is None:
-            raise PlanError(f"ratio baseline: unit {c.name!r} fits in memory with no "
-                            f"dp dividing {best.dp}: add GPUs")
+            raise BaselineDoesNotFit(f"ratio baseline: unit {c.name!r} fits in memory with "
+                                     f"no dp dividing {best.dp}: add GPUs")
         choices[c.name] = ch
+    choices = {c.name: choices[c.name] for c in costs}
     used = sum(ch.gpus for ch in choices.values())
     if used > num_gpus:
-        raise PlanError(f"ratio baseline needs {used} GPUs; have {num_gpus}: add "
-                        f"{used - num_gpus} GPUs")
+        raise BaselineDoesNotFit(f"ratio baseline needs {used} GPUs to fit in memory; have "
+                                 f"{num_gpus}: add {used - num_gpus} GPUs")
+    over = over_memory(costs, choices, global_batch, hw)
+    if over:
+        raise BaselineDoesNotFit("ratio baseline does not fit: " + ", ".join(
+            f"{u} needs {b / 1e9:.1f} GB per GPU" for u, b in over.items()))
     return choices
 
 

@@ -160,6 +160,23 @@ def variants(cost: UnitCost) -> list[UnitCost]:
     return list(cost.variants.values()) if cost.variants else [cost]
 
 
+FORWARD_SHARE = 1 / 3  # forward : backward = 1 : 2 where a cost gives no forward time
+
+
+def forward_backward(cost: UnitCost, tp: int) -> tuple[float, float]:
+    """(forward, backward) seconds of one sample through the whole unit at `tp`."""
+    whole = cost.time_s[tp]
+    fwd = cost.fwd_s.get(tp, FORWARD_SHARE * whole)
+    return fwd, whole - fwd
+
+
+def fastest_forward_backward(cost: UnitCost, tp: int) -> tuple[float, float]:
+    """The least forward and the least backward over the unit's remat policies: what a
+    lower bound of the schedule may assume whichever policy the plan runs."""
+    pairs = [forward_backward(v, tp) for v in variants(cost)]
+    return min(f for f, _ in pairs), min(b for _, b in pairs)
+
+
 def leanest(cost: UnitCost) -> UnitCost:
     """The variant keeping the fewest activations ("full" when variants exist): what the
     candidate bounds assume, so they stay lower bounds."""
@@ -232,6 +249,43 @@ def choice_error(cost: UnitCost, c: Choice, dp_llm: int, num_microbatches: int,
     return None
 
 
+def runtime_memory(costs: tuple[UnitCost, ...], choices: dict[str, Choice],
+                   global_batch: int, hw: Hardware) -> tuple[tuple[UnitCost, ...], dict]:
+    """(each unit's cost at the remat policy it runs, its first stage's bytes per GPU): the
+    one memory count of every plan the planner prices, picks or reports (its own and the
+    baselines'). The in-flight microbatches are the runtime schedule's
+    (`pipeline_in_flight`: an encoder also holds the LLM's and the generator's depth); the
+    policy is the choice's `remat`, else the least recompute that fits by this count, else
+    the leanest."""
+    m = global_batch // choices["llm"].dp
+    dp_llm = choices["llm"].dp
+    flights = pipeline_in_flight(choices, m)
+    out, need = [], {}
+    for cost in costs:
+        c = choices[cost.name]
+
+        def nbytes(v: UnitCost) -> float:
+            return float(stage_bytes(v, c.tp, c.dp, c.pp, samples_per_rank(c, dp_llm),
+                                     flights[cost.name], exact=True))
+        if c.remat is not None and cost.variants:
+            pick = cost.variants[c.remat]
+        else:
+            options = variants(cost)
+            pick = next((v for v in options if nbytes(v) <= hw.hbm_bytes), None)
+            if pick is None:
+                pick = min(options, key=nbytes)
+        out.append(pick)
+        need[cost.name] = nbytes(pick)
+    return tuple(out), need
+
+
+def over_memory(costs: tuple[UnitCost, ...], choices: dict[str, Choice], global_batch: int,
+                hw: Hardware) -> dict[str, float]:
+    """The units whose first stage does not fit (`runtime_memory`), with their bytes."""
+    _, need = runtime_memory(costs, choices, global_batch, hw)
+    return {u: b for u, b in need.items() if b > hw.hbm_bytes}
+
+
 @dataclass(frozen=True)
 class Evaluation:
     iteration_time_s: float
@@ -246,10 +300,11 @@ class Evaluation:
 
 def evaluate(costs: tuple[UnitCost, ...], choices: dict[str, Choice], global_batch: int,
              hw: Hardware) -> Evaluation:
-    """Price an integer plan; `choices["llm"].dp` sets the microbatching."""
+    """Price an integer plan by the closed form; `choices["llm"].dp` sets the
+    microbatching; each unit at the remat policy `runtime_memory` picks."""
     dp_llm = choices["llm"].dp
     m = global_batch // dp_llm
-    costs = tuple(remat_variant(c, choices[c.name], dp_llm, m, hw.hbm_bytes) for c in costs)
+    costs, need = runtime_memory(costs, choices, global_batch, hw)
     warm = sum(warmup_time(c, choices[c.name], dp_llm, hw) for c in costs)
     stages = {c.name: stage_time(c, choices[c.name], dp_llm) for c in costs}
     steady = max(stages.values()) * (m - 1)
@@ -257,10 +312,6 @@ def evaluate(costs: tuple[UnitCost, ...], choices: dict[str, Choice], global_bat
     total = warm + steady + sync
     gpus = sum(choices[c.name].gpus for c in costs)
     flops = global_batch * sum(c.flops for c in costs)
-    flights = pipeline_in_flight(choices, m)
-    memory = {c.name: float(stage_bytes(c, choices[c.name].tp, choices[c.name].dp,
-                                        choices[c.name].pp,
-                                        samples_per_rank(choices[c.name], dp_llm),
-                                        flights[c.name], exact=True)) / 1e9 for c in costs}
+    memory = {u: b / 1e9 for u, b in need.items()}
     return Evaluation(total, warm, steady, sync, stages, memory, gpus,
                       flops / (total * gpus * hw.peak_flops))

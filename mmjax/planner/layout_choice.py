@@ -5,8 +5,8 @@ the co-located layout's best choice, planner/colocated.py, OrchMLLM §4-7) on th
 costs and picks the one with the lower predicted iteration time. The reason names the terms
 that decide it: co-located runs every phase on every GPU one after another, paying its
 exposed collectives (ZeRO syncs and gathers, the encoder->LLM all-to-all); disaggregated
-runs units side by side on their own GPUs, paying pipeline warm-up and the slowest
-stage's share of the steady state.
+runs units side by side on their own GPUs: its slowest stage is busy for every microbatch,
+and the simulated 1F1B schedule adds pipeline fill, drain and the gradient sync.
 """
 from __future__ import annotations
 
@@ -29,10 +29,17 @@ class LayoutChoice:
     reason: str
 
 
+def slowest_stage_busy_s(plan) -> float:
+    """Seconds the disaggregated plan's slowest stage computes per iteration: its time per
+    microbatch (`predicted["stage_time_s"]`) times the microbatches."""
+    return max(plan.predicted["stage_time_s"].values()) * plan.num_microbatches
+
+
 def choose_layout(colocated, disaggregated_s: float | None,
-                  disaggregated_warmup_s: float = 0.0) -> LayoutChoice:
+                  disaggregated_busy_s: float = 0.0) -> LayoutChoice:
     """`colocated`: a `ColocatedEvaluation` or None (does not fit); `disaggregated_s`: the
-    disaggregated plan's iteration time or None. Ties go to disaggregated (the default)."""
+    disaggregated plan's iteration time or None; `disaggregated_busy_s`: its slowest
+    stage's busy time (`slowest_stage_busy_s`). Ties go to disaggregated (the default)."""
     if colocated is None and disaggregated_s is None:
         raise ValueError("neither layout fits: add GPUs or lower the batch")
     if colocated is None:
@@ -46,8 +53,9 @@ def choose_layout(colocated, disaggregated_s: float | None,
     if c < disaggregated_s:
         why = (f"co-located {seconds(c)} < disaggregated {seconds(disaggregated_s)} per iteration: "
                f"every GPU computes every phase ({seconds(comp)}) with {seconds(comm)} of exposed "
-               f"collectives, while the disaggregated plan pays "
-               f"{seconds(disaggregated_warmup_s)} of pipeline warm-up and its slowest stage")
+               f"collectives, while the disaggregated plan's slowest stage alone computes "
+               f"{seconds(disaggregated_busy_s)} and pipeline fill, drain and gradient sync add "
+               f"{seconds(max(disaggregated_s - disaggregated_busy_s, 0.0))}")
         return LayoutChoice("colocated", c, disaggregated_s, why)
     unit, worst = max(colocated.exposed_comm_s.items(), key=lambda kv: kv[1])
     why = (f"disaggregated {seconds(disaggregated_s)} <= co-located {seconds(c)} per iteration: "

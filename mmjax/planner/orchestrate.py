@@ -12,7 +12,7 @@ import itertools
 import math
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -25,9 +25,10 @@ from mmjax.planner.hardware import Hardware
 from mmjax.planner.plan import PlanError
 from mmjax.planner.infeasible import infeasible_message, smallest_plan
 from mmjax.planner.relax import solve_relaxed
+from mmjax.planner.schedule_bound import chain_bound
 from mmjax.planner.relaxed_problem import RelaxedProblem
 from mmjax.planner.repair import OptionTable, combine
-from mmjax.models.units import has_llm
+from mmjax.models.units import UnitDag, has_llm
 
 
 # Relative slack on the predicted iteration time within which the plan using fewer GPUs
@@ -47,6 +48,75 @@ class OrchestrationResult:
     relaxations: int  # convex problems solved
     repairs: int  # candidates whose integer neighbourhood was searched
     optimal_time_s: float = math.nan  # T*: least predicted time (before the GPU tie-break)
+    frontier: "Frontier | None" = None  # every repaired plan on a (GPUs, time) Pareto front
+    # (candidates, priced option tables) of this solve, for a re-solve that changes only
+    # some units' in-flight scale (build.py `_fit`): `SearchState`
+    state: "SearchState | None" = field(default=None, compare=False, repr=False)
+
+
+@dataclass(frozen=True)
+class SearchState:
+    """What a solve computed that a re-solve may keep: the (TP, DP) candidates with their
+    bounds (they depend on the LLM's memory alone: the other units enter them through
+    their least activations, not their in-flight scale) and the option tables per
+    (unit index, TP, LLM DP) (each depends on its own unit's cost alone)."""
+
+    candidates: list
+    tables: dict
+
+    def keep(self, changed: set[int], llm: int) -> "SearchState":
+        """The parts still valid when the units at indices `changed` change."""
+        return SearchState(None if llm in changed else self.candidates,
+                           {k: v for k, v in self.tables.items() if k[0] not in changed})
+
+
+class Frontier:
+    """The plans the search proposes: every point of every repaired neighbourhood's
+    (GPUs, closed-form time) Pareto front, least closed-form time first. `choices(k)`
+    builds the k-th plan (lazily: a 72B search proposes thousands)."""
+
+    def __init__(self, orchestrator: "Orchestrator", fronts: list):
+        times, gpus, where = [], [], []
+        for f, (gs, ts, flats, _shape, _picked) in enumerate(fronts):
+            times.append(ts)
+            gpus.append(gs)
+            where += [(f, int(x)) for x in flats]
+        self.times = np.concatenate(times) if times else np.zeros(0)
+        self.gpus = np.concatenate(gpus) if gpus else np.zeros(0)
+        self.order = np.argsort(self.times, kind="stable")
+        self._where, self._fronts, self._orch = where, fronts, orchestrator
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def choices(self, k: int) -> dict[str, Choice]:
+        """The plan of rank k (0: least closed-form time)."""
+        f, flat = self._where[int(self.order[k])]
+        _, _, _, shape, picked = self._fronts[f]
+        return self._orch._choices(picked, np.unravel_index(flat, shape))
+
+    def time(self, k: int) -> float:
+        return float(self.times[self.order[k]])
+
+    def lower_bounds(self) -> np.ndarray:
+        """Per plan (in rank order), a lower bound of its simulated schedule's time
+        (pick.py `schedule_lower_bound`, vectorised over each neighbourhood's front)."""
+        names = [c.name for c in self._orch.costs]
+        dag = UnitDag.of(names)
+        out = []
+        for gs, _ts, flats, shape, picked in self._fronts:
+            idx = np.unravel_index(flats, shape)
+            rows = {}
+            for name, (tb, flat), ix in zip(names, picked, idx):
+                opt = flat[ix]
+                rows[name] = (tb.m * tb.busy_lb.ravel()[opt], tb.fwd_lb.ravel()[opt],
+                              tb.bwd_lb.ravel()[opt], tb.sync.ravel()[opt],
+                              tb.virtual.ravel()[opt], tb.pp_lb.ravel()[opt],
+                              tb.fb_lb.ravel()[opt], tb.p2p.ravel()[opt])
+            out.append(chain_bound(dag, rows))
+        if not out:
+            return np.zeros(0)
+        return np.concatenate(out)[self.order]
 
 
 class Orchestrator:
@@ -266,7 +336,8 @@ class Orchestrator:
         return best_t, best
 
     def solve(self, num_gpus: int, global_batch: int,
-              gpu_tolerance: float = 0.0) -> OrchestrationResult:
+              gpu_tolerance: float = 0.0, reuse: "SearchState | None" = None
+              ) -> OrchestrationResult:
         """Algorithm 1: the plan of least predicted iteration time T* (DistTrain §5.1).
 
         Tie-break (`gpu_tolerance` = eps > 0): among plans within T* (1 + eps), the one
@@ -282,8 +353,9 @@ class Orchestrator:
                              f"(a relative slack on the iteration time, e.g. 0.01)")
         start = time.perf_counter()
         n, bs = num_gpus, global_batch
-        self._priced = {}
-        cands = self.candidates(n, bs)
+        self._priced = dict(reuse.tables) if reuse is not None else {}
+        cands = (reuse.candidates if reuse is not None and reuse.candidates is not None
+                 else self.candidates(n, bs))
         best_t, best, relaxations, repairs, fronts = self._search(cands, n, bs, gpu_tolerance)
         if best is None:
             sp = smallest_plan(self.costs, self.hw, bs)
@@ -299,16 +371,17 @@ class Orchestrator:
         optimal_t = best_t
         if gpu_tolerance > 0:
             best_t, best = self._fewest_gpus(fronts, optimal_t * (1 + gpu_tolerance))
-        self._priced = {}
         return OrchestrationResult(best, best_t, time.perf_counter() - start, len(cands),
-                                   relaxations, repairs, optimal_t)
+                                   relaxations, repairs, optimal_t, Frontier(self, fronts),
+                                   SearchState(cands, self._priced))
 
 
 def orchestrate(costs: tuple[UnitCost, ...], hw: Hardware, num_gpus: int, global_batch: int,
                 vpp: bool = True, gpu_tolerance: float = GPU_TOLERANCE,
-                relaxed_factory=None, method: str = "fast") -> OrchestrationResult:
+                relaxed_factory=None, method: str = "fast",
+                reuse: SearchState | None = None) -> OrchestrationResult:
     """Algorithm 1 with the fewest-GPUs tie-break (`Orchestrator.solve`); gpu_tolerance=0
     returns the least-time plan alone. `method`: "fast" (vectorised bounds, closed-form
     relaxations) or "cvxpy" (the DPP problem of record); both return the same plan."""
     return Orchestrator(costs, hw, vpp, relaxed_factory, method).solve(num_gpus, global_batch,
-                                                                       gpu_tolerance)
+                                                                       gpu_tolerance, reuse)

@@ -12,6 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
+import numpy as np
+from numba import njit
+
 LayerCosts = Sequence[tuple[float, float]]  # (forward, backward) seconds per layer
 
 
@@ -22,8 +25,8 @@ def planning_weights(layers: LayerCosts, aware: bool = True) -> list[float]:
 
 def balanced_split(weights: Sequence[float], num_stages: int) -> tuple[int, ...]:
     """Contiguous split of layers into `num_stages` non-empty stages minimising the largest
-    stage sum (exact linear-partition dynamic programme, O(L^2 S)); ties prefer earlier
-    stages taking fewer layers."""
+    stage sum (exact linear-partition dynamic programme, O(L^2 S), compiled); ties prefer
+    earlier stages taking fewer layers."""
     n = len(weights)
     if not 1 <= num_stages <= n:
         raise ValueError(f"cannot split {n} layers over num_stages={num_stages}: "
@@ -31,23 +34,29 @@ def balanced_split(weights: Sequence[float], num_stages: int) -> tuple[int, ...]
     prefix = [0.0]
     for w in weights:
         prefix.append(prefix[-1] + w)
-    inf = float("inf")
-    # best[s][i]: min over splits of the first i layers into s stages of the max stage sum
-    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
-    best[0][0] = 0.0
+    return tuple(int(k) for k in _linear_partition(np.array(prefix), num_stages))
+
+
+@njit(cache=True)
+def _linear_partition(prefix, num_stages):
+    n = len(prefix) - 1
+    # best[s, i]: min over splits of the first i layers into s stages of the max stage sum
+    best = np.full((num_stages + 1, n + 1), np.inf)
+    cut = np.zeros((num_stages + 1, n + 1), np.int64)
+    best[0, 0] = 0.0
     for s in range(1, num_stages + 1):
         for i in range(s, n - (num_stages - s) + 1):
             for j in range(s - 1, i):
-                v = max(best[s - 1][j], prefix[i] - prefix[j])
-                if v < best[s][i] - 1e-15:
-                    best[s][i], cut[s][i] = v, j
-    sizes, i = [], n
+                v = max(best[s - 1, j], prefix[i] - prefix[j])
+                if v < best[s, i] - 1e-15:
+                    best[s, i], cut[s, i] = v, j
+    sizes = np.zeros(num_stages, np.int64)
+    i = n
     for s in range(num_stages, 0, -1):
-        j = cut[s][i]
-        sizes.append(i - j)
+        j = cut[s, i]
+        sizes[s - 1] = i - j
         i = j
-    return tuple(reversed(sizes))
+    return sizes
 
 
 def stage_times(layers: LayerCosts, split: Sequence[int]) -> list[tuple[float, float]]:

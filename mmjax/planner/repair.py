@@ -15,7 +15,8 @@ import numpy as np
 
 from mmjax.planner.candidates import divisors, valid_pps
 from mmjax.planner.costs import UnitCost
-from mmjax.planner.evaluate import Choice, stage_bytes, sync_share, sync_time, variants
+from mmjax.planner.evaluate import (Choice, fastest_forward_backward, stage_bytes, sync_share,
+                                    sync_time, variants)
 from mmjax.planner.hardware import Hardware
 
 
@@ -46,6 +47,17 @@ class OptionTable:
         time = cost.time_s[t]
         self.gpus = t * dp * pp + 0 * v
         self.stage = spr * times / pp + 0 * v
+        # the schedule's lower-bound terms (pick.py): per microbatch, one physical stage's
+        # busy time and the whole unit's forward and backward, at the fastest policy
+        fwd0, bwd0 = fastest_forward_backward(cost, t)
+        self.m = m
+        self.busy_lb = spr * (fwd0 + bwd0) / pp + 0 * v
+        self.fwd_lb = spr * fwd0 + 0 * pp + 0 * v
+        self.bwd_lb = spr * bwd0 + 0 * pp + 0 * v
+        self.virtual = pp * v + 0 * dp
+        self.pp_lb = pp + 0 * dp + 0 * v
+        self.fb_lb = spr * (fwd0 + bwd0) / (pp * v)
+        self.p2p = spr * cost.boundary_bytes / hw.nic_bw + 0 * pp + 0 * v
         self.warm = spr * times / v + pp * (spr * cost.boundary_bytes / hw.nic_bw)
         bw = np.where(dp * t <= hw.gpus_per_node, hw.nvlink_bw, hw.nic_bw)
         if cost.grad_bytes == 0:

@@ -1,7 +1,9 @@
 """The predicted iteration time of an integer plan on the schedule the runtime runs (no JAX):
 1F1B over the plan's unit DAG (schedule/schedule.py `multimodal_one_f_one_b`: encoder
 branches in parallel, then the LLM, then the generator; interleaved where vpp > 1), timed
-by the one 1F1B timing model (schedule/simulate.py), plus the DP gradient sync.
+by the one 1F1B timing model (schedule/simulate.py's recurrence, run compiled by
+schedule/compiled_timing.py: the same rows and times, ~1 ms for a 72B plan), plus the DP
+gradient sync.
 
 The search (orchestrate.py) minimises DistTrain's closed form (Eq. 1-2, evaluate.py), which
 a convex solver can take and a recurrence cannot; the plan it picks is reported with this
@@ -11,40 +13,62 @@ equal stages both are (m + p - 1) stage times.
 """
 from __future__ import annotations
 
+import numpy as np
+
 from mmjax.models.units import UnitDag
 from mmjax.planner.costs import UnitCost
-from mmjax.planner.evaluate import (Choice, p2p_time, remat_variant, samples_per_rank,
-                                    sync_time)
+from mmjax.planner.evaluate import (Choice, forward_backward, p2p_time, runtime_memory,
+                                    samples_per_rank, sync_time)
 from mmjax.planner.hardware import Hardware
-from mmjax.schedule.schedule import multimodal_one_f_one_b
-from mmjax.schedule.simulate import simulate
-from mmjax.schedule.stage_graph import StageGraph
-
-FORWARD_SHARE = 1 / 3  # forward : backward = 1 : 2 where a cost gives no forward time
-
+from mmjax.schedule.compiled_timing import ChainLayout, makespan, schedule_rows
 
 def action_times(cost: UnitCost, c: Choice, dp_llm: int) -> tuple[float, float]:
     """(forward, backward) seconds of one microbatch on one (virtual) stage of the unit:
     its DP rank's samples, the unit's time split over pp x vpp stages."""
-    whole = cost.time_s[c.tp]
-    fwd = cost.fwd_s.get(c.tp, FORWARD_SHARE * whole)
+    fwd, bwd = forward_backward(cost, c.tp)
     per = samples_per_rank(c, dp_llm) / (c.pp * c.vpp)
-    return per * fwd, per * (whole - fwd)
+    return per * fwd, per * bwd
+
+
+class ScheduleTimer:
+    """`schedule_time` for many plans: the rows of each pipeline shape (pp and vpp per unit,
+    microbatches) are built once per timer (one planning call), since the many candidates
+    of a search share few shapes and the rows alone take the deadlock-free warm-up loop."""
+
+    def __init__(self, hw: Hardware):
+        self.hw = hw
+        self._shapes: dict = {}
+
+    def rows(self, choices: dict[str, Choice], m: int):
+        key = (tuple((u, c.pp, c.vpp) for u, c in choices.items()), m)
+        if key not in self._shapes:
+            lay = ChainLayout.of(UnitDag.of(choices), {u: c.pp for u, c in choices.items()},
+                                 {u: c.vpp for u, c in choices.items()})
+            unit_of = np.repeat(np.arange(len(lay.units)),
+                                [b - a for a, b in lay.unit_nodes])
+            self._shapes[key] = (lay, schedule_rows(lay, m), unit_of)
+        return self._shapes[key]
+
+    def __call__(self, costs: tuple[UnitCost, ...], choices: dict[str, Choice],
+                 global_batch: int, ran: bool = False) -> float:
+        """Seconds per iteration of `choices` (each unit at the remat policy
+        `runtime_memory` picks, as `evaluate`): the simulated 1F1B makespan with one
+        stage-to-stage transfer (the largest unit's boundary tensor) between dependent
+        actions on different stages, plus the slowest DP sync. `ran`: `costs` are the
+        variants `runtime_memory` picked already."""
+        hw, dp_llm = self.hw, choices["llm"].dp
+        m = global_batch // dp_llm
+        if not ran:
+            costs, _ = runtime_memory(costs, choices, global_batch, hw)
+        lay, rows, unit_of = self.rows(choices, m)
+        by_name = {c.name: action_times(c, choices[c.name], dp_llm) for c in costs}
+        times = np.array([by_name[u] for u in lay.units])[unit_of]
+        comm = max(p2p_time(c, choices[c.name], dp_llm, hw) for c in costs)
+        sync = max(sync_time(c, choices[c.name], hw) for c in costs)
+        return makespan(lay, rows, times[:, 0], times[:, 1], comm) + sync
 
 
 def schedule_time(costs: tuple[UnitCost, ...], choices: dict[str, Choice], global_batch: int,
                   hw: Hardware) -> float:
-    """Seconds per iteration of `choices` (with `evaluate`'s remat choice per unit): the
-    simulated 1F1B makespan with one stage-to-stage transfer (the largest unit's boundary
-    tensor) between dependent actions on different stages, plus the slowest DP sync."""
-    dp_llm = choices["llm"].dp
-    m = global_batch // dp_llm
-    costs = tuple(remat_variant(c, choices[c.name], dp_llm, m, hw.hbm_bytes) for c in costs)
-    times = {c.name: action_times(c, choices[c.name], dp_llm) for c in costs}
-    graph = StageGraph.from_dag(UnitDag.of(choices), {u: c.pp for u, c in choices.items()},
-                                chunks={u: c.vpp for u, c in choices.items()})
-    table = multimodal_one_f_one_b(graph, m)
-    fb = lambda stage, action: times[stage.unit][action.kind == "B"]  # noqa: E731
-    comm = max(p2p_time(c, choices[c.name], dp_llm, hw) for c in costs)
-    sync = max(sync_time(c, choices[c.name], hw) for c in costs)
-    return simulate(table, fb, graph, comm).iteration_time + sync
+    """`ScheduleTimer.__call__` of one plan."""
+    return ScheduleTimer(hw)(costs, choices, global_batch)

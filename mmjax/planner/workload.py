@@ -9,6 +9,7 @@ size distribution enters the cost (DistTrain §2.3).
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -38,9 +39,8 @@ class Workload:
         if not per:
             raise ValueError(f"workload {self.name!r} has no sizes for encoder {unit!r}; "
                              f"it has {sorted(self.encoder_tokens)}: build it for this model")
-        s1 = np.mean([sum(x) for x in per])
-        s2 = np.mean([sum(v * v for v in x) for x in per])
-        return float(s1), float(s2)
+        sizes = np.fromiter(itertools.chain.from_iterable(per), dtype=np.float64)
+        return float(sizes.sum() / len(per)), float((sizes * sizes).sum() / len(per))
 
     def mean_segments(self, unit: str) -> float:
         """Mean number of subsequences (images, clips) of `unit` per sample."""

@@ -74,7 +74,7 @@ def auto_layout(cfg, global_batch: int, source, layout: str | None = None,
     from mmjax.errors import UserError
     from mmjax.planner.build import model_costs
     from mmjax.planner.colocated import best_colocated
-    from mmjax.planner.layout_choice import choose_layout
+    from mmjax.planner.layout_choice import choose_layout, slowest_stage_busy_s
     from mmjax.train.colocated_plan import check_layout
 
     get = lambda p, default: (gin.query_parameter(f"auto_plan.{p}")
@@ -99,7 +99,7 @@ def auto_layout(cfg, global_batch: int, source, layout: str | None = None,
     if layout == "auto":
         try:
             plan = plan_model(cfg, hw, n, global_batch, workload=wl).validate(cfg, n)
-            dis_s, warm = plan.predicted["iteration_time_s"], plan.predicted.get("warmup_s", 0.0)
+            dis_s, warm = plan.predicted["iteration_time_s"], slowest_stage_busy_s(plan)
         except PlanError:
             plan = None
     if layout == "colocated":

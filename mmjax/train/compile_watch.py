@@ -42,6 +42,7 @@ def watched_step(runner, n: int, trace: bool, say, warm: bool, limits=None):
         if limits is not None:  # the spike guard's bounds (train/spike_guard.py)
             kw["limits"] = limits
         m = runner.step(**kw)
+    m.compiled_programs = w.count
     if warm and w.count and not m.compile_s:
         m.compile_s = w.seconds
         say(f"step {n}: compiled {w.count} programs after warm-up in {w.seconds:.1f} s"

@@ -125,7 +125,8 @@ class TrainLoop:
                                  warm=step > self.start, limits=self.spikes.limits())
                 trace = m.trace
                 if traced(n) and self.lead:
-                    write_trace(self.workdir, n, cfg, self.plan, trace)
+                    write_trace(self.workdir, n, cfg, self.plan, trace,
+                                max(m.compiled_programs, int(m.compile_s > 0)))
                 rec = self.record(n, m)
                 if evaluate_at(n):
                     with CompileWatch() as w:

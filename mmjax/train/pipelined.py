@@ -255,10 +255,14 @@ def pipelined_runner(cfg, layout, plan, schedule, dtype, seed, source=None, pret
         raise
 
 
-def write_trace(workdir: str, step: int, cfg, plan: Plan, trace: list[dict]) -> str:
-    """`<workdir>/traces/step_<step>.json`: what scripts/replan.py reads."""
+def write_trace(workdir: str, step: int, cfg, plan: Plan, trace: list[dict],
+                compiled: int = 0) -> str:
+    """`<workdir>/traces/step_<step>.json`: what scripts/replan.py reads; `compiled`: the
+    programs that compiled inside the step (replan.py leaves such steps out: their action
+    times include compilation)."""
     path = os.path.join(workdir, "traces", f"step_{step}.json")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
-        json.dump({"model": cfg.name, "plan": plan.to_json(), "trace": trace}, f)
+        json.dump({"model": cfg.name, "plan": plan.to_json(), "trace": trace,
+                   "compiled": compiled}, f)
     return path

@@ -20,6 +20,7 @@ class StepMetrics:
     finite / passed the loss-spike guard's limits). `skipped`: samples this step's global
     batch skipped, `skipped_list` their (name, reason, (file, kind, place)); the run's total
     is the training loop's. `compile_s`: compile time inside the step (0: none);
+    `compiled_programs`: how many programs compiled inside it (the loop's count);
     `compile_reason`: why a program compiled, when the runner knows; `trace`: the traced
     step's action records (pipeline/trace.py), else None. `extra`: more numbers for the
     step's metrics row (the co-located runner's all-to-all bytes per link class)."""
@@ -38,6 +39,7 @@ class StepMetrics:
     skipped: int = 0
     skipped_list: list = field(default_factory=list)
     compile_reason: str = ""
+    compiled_programs: int = 0  # XLA compilations inside the step (train/compile_watch.py)
     trace: list | None = None
     extra: dict = field(default_factory=dict)  # runner-specific numbers for the metrics row
 

@@ -1,0 +1,86 @@
+"""The planner's pick: the closed-form search proposes, the simulated schedule decides
+(no JAX).
+
+The search (orchestrate.py) minimises DistTrain's closed form (Eq. 1-2), which a convex
+relaxation can bound; what runs, and what the planner reports, is the 1F1B schedule
+(schedule_time.py). The closed form is neither the schedule's time nor a bound of it (it
+sums parallel branches' and pipelined units' warm-ups the schedule overlaps, and leaves
+out the per-hop transfers and interleaving bubbles the schedule pays), so
+`pick_by_schedule` ranks the candidates -- the search's frontier (every repaired plan on a
+(GPUs, closed-form time) Pareto front) and the baselines' plans -- by a lower bound of the
+schedule's time (schedule_bound.py) and times them in that order until the bound exceeds
+the best time found: the pick is the fastest plan among all the candidates by the
+schedule, within memory by the one memory count (evaluate.runtime_memory). Tie-break:
+among plans within `gpu_tolerance` of the least time, and no slower than any baseline,
+the one using the fewest GPUs, then the fastest.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from mmjax.planner.evaluate import Choice, runtime_memory
+from mmjax.planner.hardware import Hardware
+from mmjax.planner.schedule_time import ScheduleTimer
+
+MAX_TIMED = 2000  # a guard: plans timed at most (the bound stops far earlier in practice)
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """One candidate plan: a lower bound of its schedule's time, the costs it is priced
+    with (the LLM's depend on its CP size), its choices (or a function building them:
+    a large frontier builds only the plans it times) and where it came from ("search" or
+    a baseline's name)."""
+
+    lower_bound_s: float
+    costs: tuple
+    plan: dict[str, Choice] | Callable[[], dict[str, Choice]] = field(hash=False)
+    source: str = "search"
+    cp: int = 1
+
+    @property
+    def choices(self) -> dict[str, Choice]:
+        return self.plan() if callable(self.plan) else self.plan
+
+
+@dataclass(frozen=True)
+class Pick:
+    proposal: Proposal
+    choices: dict[str, Choice]
+    time_s: float  # the pick's simulated time
+    least_time_s: float  # the least simulated time of any candidate that fits
+    timed: int  # candidates timed
+    over_memory: int  # candidates left out: over memory by the runtime's count
+    candidates: int
+
+
+def pick_by_schedule(proposals: list[Proposal], global_batch: int, hw: Hardware,
+                     gpu_tolerance: float, timer: ScheduleTimer | None = None) -> Pick | None:
+    """The fastest plan by the simulated schedule among `proposals` that fits in memory
+    (with the tie-break above); None when none fits."""
+    timer = timer or ScheduleTimer(hw)
+    order = sorted(range(len(proposals)), key=lambda i: proposals[i].lower_bound_s)
+    timed: list[tuple[float, Proposal, dict]] = []
+    over, best, fastest_baseline = 0, float("inf"), float("inf")
+    for i in order:
+        p = proposals[i]
+        cap = min(best * (1 + gpu_tolerance), fastest_baseline)
+        if p.lower_bound_s > cap * (1 + 1e-9) or len(timed) >= MAX_TIMED:
+            break
+        choices = p.choices
+        ran, need = runtime_memory(p.costs, choices, global_batch, hw)
+        if any(b > hw.hbm_bytes for b in need.values()):
+            over += 1
+            continue
+        t = timer(ran, choices, global_batch, ran=True)
+        timed.append((t, p, choices))
+        best = min(best, t)
+        if p.source != "search":
+            fastest_baseline = min(fastest_baseline, t)
+    if not timed:
+        return None
+    cap = min(best * (1 + gpu_tolerance), fastest_baseline)
+    gpus = lambda ch: sum(c.gpus for c in ch.values())  # noqa: E731
+    t, p, ch = min((x for x in timed if x[0] <= cap), key=lambda x: (gpus(x[2]), x[0]))
+    return Pick(p, ch, t, best, len(timed), over, len(proposals))
