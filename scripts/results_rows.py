@@ -45,18 +45,25 @@ def _json_tmp(fn, *args):
             return json.load(f)
 
 
-def planner_72b(quick: bool) -> Measured:
-    """README task 4's command, as a user runs it; the planner's headline it prints."""
-    cmd = [sys.executable, os.path.join(SCRIPTS, "plan.py"),
-           "--gin_file=configs/disttrain/mllm_72b.gin", "--gpus=1296", "--global_batch=1920"]
-    env = {**os.environ, "PYTHONPATH": REPO, "COLUMNS": "200"}
-    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, check=True,
-                         timeout=600).stdout
-    solve = re.search(r"planner solve time: (\d+) ms", out)
-    speedup = {m.group(1): float(m.group(2))
-               for m in re.finditer(r"(megatron|ratio)\s*│.*│\s*([\d.]+)x\s*│", out)}
-    return ([float(solve.group(1)), speedup.get("megatron"), speedup.get("ratio")],
-            {"headline": out.strip().splitlines()[-1]})
+PLANS = (("72b", "--gin_file=configs/disttrain/mllm_72b.gin", "--gpus=1296", "--global_batch=1920"),
+         ("9b", "--gin_file=configs/disttrain/mllm_9b.gin", "--gpus=98", "--global_batch=128"))
+
+
+def planner(quick: bool) -> Measured:
+    """`plan.py` for MLLM-72B and MLLM-9B, as a user runs it: the planning CPU time and the
+    speedups over Megatron and the FLOPs-ratio plan it prints."""
+    ms, speed, lines = [], {}, {}
+    for name, *flags in PLANS:
+        cmd = [sys.executable, os.path.join(SCRIPTS, "plan.py"), *flags]
+        env = {**os.environ, "PYTHONPATH": REPO, "COLUMNS": "200"}
+        out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
+                             check=True, timeout=600).stdout
+        ms.append(float(re.search(r"planning time: \d+ ms, CPU (\d+) ms", out).group(1)))
+        for m in re.finditer(r"(megatron|ratio)\s*│.*│\s*([\d.]+)x\s*│", out):
+            speed[(name, m.group(1))] = float(m.group(2))
+        lines[name] = [x for x in out.splitlines() if x.startswith("planning time")]
+    return (ms + [speed.get((n, "megatron")) for n, *_ in PLANS]
+            + [speed.get((n, "ratio")) for n, *_ in PLANS], {"planning": lines})
 
 
 MEMORY_CASES = [(kind, remat) for kind in ("dp2pp2", "tp2") for remat in ("full", "dots", "none")]
@@ -191,12 +198,15 @@ def settings_fuzz(quick: bool) -> Measured:
 
 
 ROWS = (
-    Row("planner", "planner, MLLM-72B on 1296 GPUs, batch 1920",
-        r"([\d.]+) ms solve; ([\d.]+)× Megatron, ([\d.]+)× FLOPs-ratio",
-        ("solve ms", "× Megatron", "× FLOPs-ratio"),
+    Row("planner", "`plan.py`: MLLM-72B, 1296 GPUs, batch 1920 / MLLM-9B, 98 GPUs, batch 128 "
+        "(DistTrain Table 2: 922 ms; §8.2: 1.4–2.7×)",
+        r"([\d.]+) / ([\d.]+) ms planning; ([\d.]+)× / ([\d.]+)× Megatron, ([\d.]+)× / "
+        r"([\d.]+)× FLOPs-ratio",
+        ("72B CPU ms", "9B CPU ms", "72B × Megatron", "9B × Megatron", "72B × FLOPs-ratio",
+         "9B × FLOPs-ratio"),
         "python scripts/plan.py --gin_file=configs/disttrain/mllm_72b.gin --gpus=1296 "
-        "--global_batch=1920", planner_72b,
-        "the planner's row belongs to issue 40: plan.py's headline, printed as it comes"),
+        "--global_batch=1920 (and mllm_9b.gin --gpus=98 --global_batch=128)", planner,
+        "the CPU planning time plan.py prints (the README: median of bench_planner.py)"),
     Row("memory", "planner memory vs compiled stage programs (tiny, every remat; ZeRO-2/3 "
                   "stages of MLLM-9B widths)", r"within (\d+)%", ("worst stage |error| %",),
         "python -m pytest tests/test_memory_model.py tests/test_pipeline_zero_memory.py -m ''",
