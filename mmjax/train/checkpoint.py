@@ -31,7 +31,10 @@ from mmjax.train.checkpoint_space import (SaveFailed, free_bytes, needed_bytes,
                                           save_failed_line, state_bytes, write_failure_reason)
 
 _M32 = (1 << 32) - 1
-FORMAT = 1
+# 2: every checkpoint carries the loader state's SHA-256 and every array's checksum, and
+# one that lacks either is unusable; format 1 (before) may lack the loader's: restored, and
+# named once as unverified
+FORMAT = 2
 
 
 class CheckpointUnusable(Exception):
@@ -280,6 +283,7 @@ class Checkpointer:
         self.log = log or (lambda msg: print(msg, file=sys.stderr))
         self.verified_step: int | None = None  # restored from this run: never deleted
         self.set_aside: list[int] = []  # steps found unusable by `restore_latest`
+        self.unverified_data: int | None = None  # restored a format-1 step without one
         self.free_space = free_space
         self.pending: tuple | None = None  # (step, bytes needed) of the save in flight
         self.failed = False  # a save failed: nothing more is written or pruned
@@ -422,16 +426,25 @@ class Checkpointer:
             data = dict(out["data"])
         except Exception as e:  # noqa: BLE001 (tensorstore/orbax raise many types)
             error = f"cannot read arrays ({one_line(e, 160)})"
-        if error is None and integrity.get("data_sha256") not in (None, data_digest(data)):
+        digest = integrity.get("data_sha256")
+        if error is None and digest is None and integrity.get("format", 1) >= 2:
+            error = "the integrity record has no loader state checksum (edited or damaged)"
+        elif error is None and digest not in (None, data_digest(data)):
             error = "loader state checksum mismatch (the data item was edited or damaged)"
         # each process reads its own shards: all of them agree before going on
         if not all_processes(error is None):
             raise CheckpointUnusable(error or "cannot read arrays (in another process)")
         names = sorted(restored)
+        lacking = [n for n in names if not isinstance(stored[n][1].get("checksum"), list)]
+        if lacking:
+            raise CheckpointUnusable(f"the integrity record has no checksum for {lacking[0]}"
+                                     f" (edited or damaged)")
         for n, (s, ws, _) in zip(names, global_checksums([restored[n] for n in names])):
             if [s, ws] != list(stored[n][1]["checksum"]):
                 raise CheckpointUnusable(f"checksum mismatch in {n} "
                                          f"(shape {tuple(stored[n][1]['shape'])})")
+        if digest is None:
+            self.unverified_data = step
         if _is_named(like):
             return restored, data
         return jax.tree.unflatten(jax.tree.structure(like),
@@ -467,6 +480,10 @@ class Checkpointer:
                          f"moved to {where}, trying the next older one")
                 continue
             self.verified_step = step
+            if self.unverified_data == step:
+                self.log(f"checkpoint step {step} in {self.directory} was written before "
+                         f"loader states were checksummed: its arrays are verified, its "
+                         f"loader state is not")
             return step, state, data
         return None
 
