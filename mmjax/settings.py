@@ -16,7 +16,7 @@ import math
 import os
 from dataclasses import dataclass
 
-from mmjax.errors import UserError
+from mmjax.errors import UserError, shown
 
 INT_MAX = (1 << 31) - 1
 
@@ -148,7 +148,7 @@ SETTINGS: dict[str, dict[str, Setting]] = {
             "hardware": Setting("choice", "h100", choices=_HARDWARE),
             "step_time_s": _float(0.0, 0, 1e6)},
     "llava_source": {
-        "model": _PROGRAM, "tokenizer": _PROGRAM,
+        "model": _PROGRAM, "tokenizer": _PROGRAM, "max_tokens": _PROGRAM,
         "json_path": Setting("file", None, none=True, fix="a LLaVA .json or .jsonl file"),
         "image_root": Setting("str", "", needs="llava"),
         "audio_root": Setting("str", None, none=True, needs="llava"),
@@ -158,7 +158,7 @@ SETTINGS: dict[str, dict[str, Setting]] = {
         "audio_processor": Setting("str", None, none=True, needs="llava"),
         "index_workers": _int(8, 1, 256, needs="llava"), "output_images": _PROGRAM},
     "webdataset_source": {
-        "model": _PROGRAM, "tokenizer": _PROGRAM, "urls": Setting("strs", None, none=True),
+        "model": _PROGRAM, "tokenizer": _PROGRAM, "max_tokens": _PROGRAM, "urls": Setting("strs", None, none=True),
         "chat_template": Setting("str", "plain", needs="webdataset"),
         "loss_on": Setting("choice", "assistant", choices=_LOSS_ON, needs="webdataset"),
         "image_processor": Setting("str", None, none=True, needs="webdataset"),
@@ -209,9 +209,11 @@ def _num(x) -> str:
     return f"{x:,}" if _is_int(x) and x >= 10_000 else f"{x:g}"
 
 
-def _range_text(s: Setting) -> str:
+def _range_text(s: Setting, value=None) -> str:
+    """The accepted range; the implicit upper bound (INT_MAX) only for a value above it."""
     lo = "" if s.lo is None else f"{'>' if s.open_lo else '>='} {_num(s.lo)}"
-    hi = "" if s.hi is None or s.hi == INT_MAX else \
+    above = _is_num(value) and value > s.hi if s.hi is not None else False
+    hi = "" if s.hi is None or (s.hi == INT_MAX and not above) else \
         f"{'<' if s.open_hi else '<='} {_num(s.hi)}"
     return " and ".join(x for x in (lo, hi) if x)
 
@@ -235,7 +237,7 @@ def problem(value, s: Setting) -> str | None:
         ok = _is_int(value) if k == "int" else (_is_num(value) and math.isfinite(value))
         if not ok or not _in_range(value, s):
             extra = ", or None" if s.none else ""
-            return f"must be {_WHAT[k]} {_range_text(s)}{extra}".rstrip()
+            return f"must be {_WHAT[k]} {_range_text(s, value)}{extra}".rstrip()
         return None
     if k == "bool":
         return None if isinstance(value, bool) else "must be True or False"
@@ -273,23 +275,23 @@ def check(name: str, value, s: Setting, units=None) -> None:
     """Raise `UserError("name=value: why (fix)")` when `value` is not valid for `s`."""
     if s.kind == "program":
         why = s.fix or "a binding has no effect"
-        raise UserError(f"{name}={value!r}: set by the program itself ({why}; drop the "
+        raise UserError(f"{name}={shown(value)}: set by the program itself ({why}; drop the "
                         f"binding)")
     if s.per_unit and isinstance(value, dict):
         unknown = [u for u in value if units is not None and u not in units]
         if unknown:
-            raise UserError(f"{name}={value!r}: unknown unit(s) {unknown} (the model's units "
+            raise UserError(f"{name}={shown(value)}: unknown unit(s) {unknown} (the model's units "
                             f"are {list(units)})")
         for u, v in value.items():
             why = problem(v, s)
             if why:
-                raise UserError(f"{name}[{u!r}]={v!r}: {why} ({s.fix or 'see its docstring'})")
+                raise UserError(f"{name}[{u!r}]={shown(v)}: {why} ({s.fix or 'see its docstring'})")
         return
     why = problem(value, s)
     if why:
         fix = s.fix or (f"the default is {s.default!r}" if s.default is not None else
                         "see the docstring of " + name.split(".")[0])
-        raise UserError(f"{name}={value!r}: {why} ({fix})")
+        raise UserError(f"{name}={shown(value)}: {why} ({fix})")
 
 
 _NEEDS = {"plan": _PLAN, "auto": "add --plan=auto, or drop the setting",
@@ -347,29 +349,29 @@ def check_bound_settings(units, plan=None, eval_every=0, replan_every=0) -> None
             if conf == "synthetic_dataset" and key not in table:
                 s = SYNTHETIC_OVERRIDES.get(key)
                 if s is None:
-                    raise UserError(f"{name}={value!r}: synthetic_dataset has no setting "
+                    raise UserError(f"{name}={shown(value)}: synthetic_dataset has no setting "
                                     f"{key!r} (its settings: kind, seed, bad_fraction and the "
                                     f"SyntheticConfig fields {sorted(SYNTHETIC_OVERRIDES)})")
                 check(name, value, s)
                 continue
             s = table.get(key)
             if s is None:  # gin refuses unknown parameters of fixed signatures at parse
-                raise UserError(f"{name}={value!r}: {conf} has no setting {key!r}")
+                raise UserError(f"{name}={shown(value)}: {conf} has no setting {key!r}")
             check(name, value, s, units)
             if s.needs is not None and s.needs not in modes and value != s.default:
-                raise UserError(f"{name}={value!r}: {_READ[s.needs]}, so it would have no "
+                raise UserError(f"{name}={shown(value)}: {_READ[s.needs]}, so it would have no "
                                 f"effect in this run ({_NEEDS[s.needs]})")
 
 
 def _check_pretrained(name: str, unit: str, value, units) -> None:
     if units is not None and unit not in units and unit != "model":  # model: a whole one
-        raise UserError(f"{name}={value!r}: the model has no unit {unit!r} (its units are "
+        raise UserError(f"{name}={shown(value)}: the model has no unit {unit!r} (its units are "
                         f"{list(units)}, or `model` for a whole LLaVA / Qwen2-VL checkpoint)")
     if value is not None and not isinstance(value, str):
-        raise UserError(f"{name}={value!r}: must be the path of a Hugging Face checkpoint "
+        raise UserError(f"{name}={shown(value)}: must be the path of a Hugging Face checkpoint "
                         f"directory")
     if value and not os.path.isdir(value):
-        raise UserError(f"{name}={value!r}: no such directory (a Hugging Face checkpoint "
+        raise UserError(f"{name}={shown(value)}: no such directory (a Hugging Face checkpoint "
                         f"directory with config.json and *.safetensors)")
 
 

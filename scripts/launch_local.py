@@ -19,6 +19,11 @@ Supervision: with `--max_restarts=R` a failed attempt restarts all N processes (
 coordinator), up to R times; the script resumes from its last checkpoint (scripts/train.py
 does). When restarts run out the launcher exits with the culprit's status, naming it and
 printing its last output lines.
+
+Exit 75 from any process is a preemption, not a failure: a SIGTERM to one process stops
+every process after the same step with a checkpoint (mmjax/train/preemption.py), so the
+others are waited for, never killed. The launcher then exits 75, or with
+`--restart_on_preemption` starts all N again at once without counting a restart.
 """
 from __future__ import annotations
 
@@ -93,18 +98,31 @@ def describe(rc: int) -> str:
 def launch(num_processes: int, script_args: list[str], devices_per_process: int = 4,
            script: str | None = None, timeout: float | None = None,
            max_restarts: int = 0, tail_lines: int = 20,
-           heartbeat_timeout: float = 60.0) -> int:
+           heartbeat_timeout: float = 60.0, restart_on_preemption: bool = False) -> int:
     """Run the processes, restarting all of them after a failure up to `max_restarts`
     times; -> exit status (see module docstring). SIGTERM / SIGINT are forwarded to every
-    process (each finishes its step, checkpoints and exits 75) and end the run, no restart."""
+    process (each finishes its step, checkpoints and exits 75) and end the run, no restart.
+    A process's own exit 75 (a signal sent to it, not to the launcher) ends the run with
+    75, or restarts it uncounted with `restart_on_preemption`."""
     if max_restarts < 0:
         raise ValueError("launch: --max_restarts must be >= 0")
     stop = _Stop()
+    attempt = 0
     with stop:
-        for attempt in range(max_restarts + 1):
+        while True:
             status, culprit, tail, why = _attempt(num_processes, script_args,
                                                   devices_per_process, script, timeout,
                                                   tail_lines, stop, heartbeat_timeout)
+            if status == EXIT_PREEMPTED and not stop.signame:
+                if restart_on_preemption:
+                    print(f"launch_local: process p{culprit} was preempted (exit 75, all "
+                          f"stopped with a checkpoint); restarting all {num_processes} "
+                          f"processes (not counted as a failure)", file=sys.stderr, flush=True)
+                    continue
+                print(f"launch_local: process p{culprit} was preempted; all {num_processes} "
+                      f"stopped with a checkpoint (exit 75): rerun to resume",
+                      file=sys.stderr, flush=True)
+                return status
             if status == 0 or stop.signame:
                 if stop.signame:
                     how = ("all stopped with a checkpoint" if status == EXIT_PREEMPTED
@@ -114,8 +132,9 @@ def launch(num_processes: int, script_args: list[str], devices_per_process: int 
                 return status
             who = f"process p{culprit} ({why})"
             if attempt < max_restarts:
+                attempt += 1
                 print(f"launch_local: {who} failed; restarting all {num_processes} processes "
-                      f"(restart {attempt + 1} of {max_restarts})", file=sys.stderr,
+                      f"(restart {attempt} of {max_restarts})", file=sys.stderr,
                       flush=True)
                 continue
             after = f" after {max_restarts} restart(s)" if max_restarts else ""
@@ -130,7 +149,6 @@ def launch(num_processes: int, script_args: list[str], devices_per_process: int 
                     for line in lines:
                         print(f"  [p{i}] {line}", file=sys.stderr)
             return status
-    return status  # unreachable: the loop returns
 
 
 class _Stop:
@@ -218,13 +236,21 @@ def _attempt(num_processes, script_args, devices_per_process, script, timeout, t
     for t in pumps:
         t.start()
     status, culprit, why, hung = 0, 0, "", set()
+    preempted = []  # the processes seen exiting 75, in that order
     deadline = None if timeout is None else time.monotonic() + timeout
     try:
-        while any(p.poll() is None for p in procs):
+        # every process polled each round (a list, not any()'s short circuit): a process
+        # that ends while an earlier one runs is seen at once, so the first to fail is
+        # the one blamed
+        while any([p.poll() is None for p in procs]):
             if stop.signame:  # every process finishes its step and checkpoints: wait
                 time.sleep(0.1)
                 continue
-            failed = [i for i, p in enumerate(procs) if p.returncode not in (None, 0)]
+            # exit 75: preempted; the others stop after the same step (never killed)
+            preempted += [i for i, p in enumerate(procs)
+                          if p.returncode == EXIT_PREEMPTED and i not in preempted]
+            failed = [i for i, p in enumerate(procs)
+                      if p.returncode not in (None, 0, EXIT_PREEMPTED)]
             hung = {i for i, p in enumerate(procs) if p.returncode is None and (
                 not _alive(os.path.join(beats, f"p{i}"), t_start, heartbeat_timeout)
                 or (failed and _stopped(p.pid)))}
@@ -251,6 +277,10 @@ def _attempt(num_processes, script_args, devices_per_process, script, timeout, t
     if stop.signame:
         codes = {p.returncode for p in procs}
         return (EXIT_PREEMPTED if codes == {EXIT_PREEMPTED} else max(codes, key=abs)), 0, {}, ""
+    preempted += [i for i, p in enumerate(procs)
+                  if p.returncode == EXIT_PREEMPTED and i not in preempted]
+    if status == 0 and preempted and all(p.returncode in (0, EXIT_PREEMPTED) for p in procs):
+        return EXIT_PREEMPTED, preempted[0], {}, "preempted"
     if status == 0:
         codes = [i for i, p in enumerate(procs) if p.returncode != 0]
         if codes:
@@ -303,11 +333,16 @@ def main(argv=None) -> int:
     p.add_argument("--heartbeat_timeout", type=float, default=60.0,
                    help="a process with no heartbeat for S seconds (stopped, frozen) counts "
                         "as failed: all are stopped (and restarted with --max_restarts)")
+    p.add_argument("--restart_on_preemption", action="store_true",
+                   help="a process that exits 75 (preempted: every process stopped with a "
+                        "checkpoint) restarts all at once, not counted in --max_restarts; "
+                        "without it the launcher exits 75")
     args = p.parse_args(argv)
     if args.max_restarts < 0:
         p.error("--max_restarts must be >= 0")
     return launch(args.num_processes, rest, args.devices_per_process, args.script, args.timeout,
-                  args.max_restarts, heartbeat_timeout=args.heartbeat_timeout)
+                  args.max_restarts, heartbeat_timeout=args.heartbeat_timeout,
+                  restart_on_preemption=args.restart_on_preemption)
 
 
 if __name__ == "__main__":

@@ -102,6 +102,7 @@ def main(argv=None) -> int:
     if args.trace_steps is not None:
         params.append(f"train.trace_steps = {args.trace_steps!r}")
     parse_gin(files, params)
+    from mmjax.errors import first_line
     from mmjax.train.preemption import EXIT_PREEMPTED, Preempted
     from mmjax.train.trainer import TrainingStopped, train
 
@@ -110,14 +111,19 @@ def main(argv=None) -> int:
         with removed_if_refused(workdir):
             records = train(workdir=workdir, dry_run=args.check)
     except TrainingStopped as e:  # not bad input: the run itself went wrong (exit 1)
-        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
+        print(f"error: {first_line(e)}", file=sys.stderr)
         return 1
     except Preempted as e:  # SIGTERM / SIGINT: checkpoint written, rerun to resume
         import jax
 
-        if jax.process_index() == 0:
-            print(f"preempted: {e}", file=sys.stderr)
+        if jax.process_index() == 0:  # its first line: gin appends "In call to ..."
+            print(f"preempted: {first_line(e)}", file=sys.stderr)
         return EXIT_PREEMPTED
+    except KeyboardInterrupt:  # a second Ctrl-C: stopped at once, no traceback
+        print("interrupted: stopped at once (a second Ctrl-C), without a checkpoint of this "
+              "step; rerun the same command to resume from the last checkpoint",
+              file=sys.stderr)
+        return 130
     if args.check:
         print("check: the settings, the plan and the first global batch are good; "
               "nothing written")

@@ -236,3 +236,54 @@ def test_bench_checkpoint_reports_save_and_restore(tmp_path):
     r = json.loads(out.read_text())["models"]["tiny"]
     assert r["arrays"] > 300 and 0.003 < r["gb"] < 0.01  # params + two AdamW moments
     assert 0 < r["save_call_s"] <= r["commit_s"] and r["restore_s"] > 0
+
+
+def _edit_integrity(step_dir, edit):
+    path = os.path.join(step_dir, "integrity", "metadata")
+    import json
+
+    with open(path) as f:
+        record = json.load(f)
+    edit(record)
+    with open(path, "w") as f:
+        json.dump(record, f)
+
+
+def _edit_data(step_dir):
+    import json
+
+    path = os.path.join(step_dir, "data", "metadata")
+    with open(path) as f:
+        data = json.load(f)
+    data["next"] = 99
+    with open(path, "w") as f:
+        json.dump(data, f)
+
+
+def test_a_checkpoint_of_this_version_without_its_loader_checksum_is_unusable(tmp_path):
+    """Issue 43: a format-2 integrity record that lacks `data_sha256` (or an array's
+    checksum) is refused, so an edited loader state cannot resume silently; step 1 is
+    restored instead."""
+    write(tmp_path)
+    _edit_integrity(tmp_path / "2", lambda r: r.pop("data_sha256"))
+    _edit_data(tmp_path / "2")
+    logged = []
+    step, _, data = Checkpointer(str(tmp_path), log=logged.append).restore_latest(LIKE)
+    assert (step, data) == (1, {"next": 1})
+    assert logged[0].startswith(f"checkpoint step 2 in {tmp_path} is unusable: the integrity "
+                                f"record has no loader state checksum (edited or damaged); ")
+    _edit_integrity(tmp_path / "1", lambda r: r["leaves"]["leaf_00000"].pop("checksum"))
+    logged = []
+    assert Checkpointer(str(tmp_path), log=logged.append).restore_latest(LIKE) is None
+    assert logged[0].startswith(f"checkpoint step 1 in {tmp_path} is unusable: the integrity "
+                                f"record has no checksum for 0 (edited or damaged); ")
+
+
+def test_an_older_checkpoint_without_a_loader_checksum_is_named_once_as_unverified(tmp_path):
+    write(tmp_path)
+    _edit_integrity(tmp_path / "2", lambda r: (r.pop("data_sha256"), r.update(format=1)))
+    logged = []
+    step, _, data = Checkpointer(str(tmp_path), log=logged.append).restore_latest(LIKE)
+    assert (step, data) == (2, {"next": 2})
+    assert logged == [f"checkpoint step 2 in {tmp_path} was written before loader states "
+                      f"were checksummed: its arrays are verified, its loader state is not"]

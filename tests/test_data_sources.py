@@ -286,3 +286,43 @@ def test_undecodable_audio_is_skipped_counted_and_named(example, tmp_path):
     assert rows["cut"][0].startswith("decode")
     assert rows["missing"][0].startswith("missing: audio")
     assert {src.name(i) for i in trained} >= {"good0", "good1", "good2"}
+
+
+class _CountingTokenizer(Tokenizer):
+    """The example tokenizer, recording the longest text it was asked to encode."""
+
+    longest = 0
+
+    def encode(self, text):
+        self.longest = max(self.longest, len(text))
+        return super().encode(text)
+
+
+def test_a_huge_text_is_too_long_before_it_is_tokenized(example, tmp_path):
+    """Issue 43: a record's text is judged against seq_len on its characters first (at
+    most `max_token_chars` per token), so a 4 MB string is skipped as too_long without
+    being tokenized; one under that bound but over seq_len in tokens is too_long on its
+    tokens."""
+    tok = _CountingTokenizer(example["tokenizer"])
+    per_token = tok.max_token_chars()
+    words = " ".join(["hello world"] * 40)  # about 80 tokens, far fewer characters/token
+    records = [{"id": "huge", "conversations": [{"from": "human", "value": "x" * 4_000_000},
+                                                {"from": "gpt", "value": "ok"}]},
+               {"id": "wordy", "conversations": [{"from": "human", "value": words},
+                                                 {"from": "gpt", "value": "ok"}]},
+               {"id": "short", "conversations": [{"from": "human", "value": "hi"},
+                                                 {"from": "gpt", "value": "ok"}]}]
+    path = str(tmp_path / "long.json")
+    with open(path, "w") as f:
+        json.dump(records, f)
+    img, aud = default_processors(MODEL, None, None)
+    src = LlavaSource(path, tok, img, aud, index_workers=1, max_tokens=32)
+    limit = 32 * max(per_token, 7)
+    assert src.problem(0) == (f"too_long: 4000002 characters of text > {limit}, the most "
+                              f"seq_len 32 tokens can hold")
+    assert len(words) + 2 <= limit and tok.longest < limit  # the huge text never encoded
+    assert src.problem(1).startswith("too_long: ") and src.problem(1).endswith(
+        " text tokens > seq_len 32")
+    assert int(src.problem(1).split()[1]) > 32
+    assert src.problem(2) is None
+    assert LlavaSource(path, tok, img, aud, index_workers=1).problem(0) is None  # no limit

@@ -102,3 +102,21 @@ def test_a_plan_is_checked_per_unit_with_the_planners_memory_model():
     assert "\n" not in msg and "more pp or tp" in msg
     assert re.search(r"devices: (\w+ [\d.]+ GB, )*llm [\d.]+ GB", msg), msg
     assert "(now 65536)" in msg
+
+
+def test_only_the_device_allocators_message_is_out_of_memory():
+    """Issue 43: tensorstore's RESOURCE_EXHAUSTED for a full disk ("Failed to write 698306
+    bytes ... No space left on device") is not the device's memory (it read as "0.0 GB
+    requested" before); the allocators' messages are, with the size they name."""
+    disk = ValueError(
+        'RESOURCE_EXHAUSTED: Error writing "leaf_00321/0.0" in OCDBT database at local file '
+        '"/w/checkpoints/4.orbax-checkpoint-tmp/state": Failed writing: "/w/d/fa": Failed to '
+        "write 698306 bytes to file 18: No space left on device [os_error_code='28']")
+    assert out_of_memory_line(disk) is None
+    assert out_of_memory_line(RuntimeError("RESOURCE_EXHAUSTED: quota 117572 bytes")) is None
+    tpu = RuntimeError("RESOURCE_EXHAUSTED: Error allocating device buffer: Attempting to "
+                       "allocate 2.00G. That was not possible. There are 1.50G free.")
+    assert "(2.1 GB requested)" in out_of_memory_line(tpu)
+    gpu = RuntimeError("RESOURCE_EXHAUSTED: Failed to allocate request for 1.00GiB "
+                       "(1073741824B) on device ordinal 0")
+    assert "(1.1 GB requested)" in out_of_memory_line(gpu)

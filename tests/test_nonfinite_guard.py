@@ -213,9 +213,11 @@ def test_spike_guard_limits_are_factor_times_running_medians_and_survive_a_resum
     from mmjax.train.spike_guard import SpikeGuard
 
     g = SpikeGuard(10.0, 6)
-    for loss, norm in [(4.0, 1.0), (3.0, 2.0)]:
-        g.add(loss, norm)
-        assert g.limits() == (np.inf, np.inf)  # judged once half the window is filled
+    assert g.limits() == (1e6, 1e8)  # before any applied step: the absolute limits
+    g.add(4.0, 1.0)
+    assert g.limits() == (40.0, 10.0)  # until half the window is filled: 10 x the largest
+    g.add(3.0, 2.0)
+    assert g.limits() == (40.0, 20.0)
     g.add(2.0, 4.0)
     assert g.limits() == (30.0, 20.0)
     for k in range(10):
@@ -225,6 +227,25 @@ def test_spike_guard_limits_are_factor_times_running_medians_and_survive_a_resum
     again.restore(json.loads(json.dumps(g.state())))  # through the checkpoint's JSON
     assert again.limits() == g.limits()
     assert SpikeGuard(0.0, 6).limits() == (np.inf, np.inf)
+    big = SpikeGuard(100.0, 20)
+    big.add(5e4, 1e7)
+    assert big.limits() == (1e6, 1e8)  # never above the absolute limits
+
+
+def test_a_huge_finite_loss_in_the_first_steps_is_held_back_by_default():
+    """Issue 43: with the defaults (factor 100, window 20) a finite 1e22 loss at step 1 or
+    at step 5 is above the limit the step is given (it was inf for 10 steps)."""
+    import inspect
+
+    from mmjax.train.spike_guard import SpikeGuard
+    from mmjax.train.trainer import train
+
+    defaults = inspect.signature(train).parameters
+    g = SpikeGuard(defaults["spike_factor"].default, defaults["spike_window"].default)
+    assert 1e22 > g.limits()[0]
+    for loss in (10.4, 9.8, 9.1, 8.7):
+        g.add(loss, 3.0)
+    assert g.limits() == (1040.0, 300.0) and 1e22 > g.limits()[0]
 
 
 def test_a_checkpoint_due_in_a_bad_streak_is_written_at_the_first_good_step():

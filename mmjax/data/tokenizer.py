@@ -134,6 +134,12 @@ class Tokenizer:
         out = self.tok.encode_batch(texts, add_special_tokens=False)
         return [Encoding(np.asarray(e.ids, np.int32), list(e.offsets)) for e in out]
 
+    def max_token_chars(self) -> int:
+        """The most characters one token stands for (the longest vocabulary entry, in its
+        stored form: a byte-level entry's characters are its bytes, never fewer than the
+        text's characters), so `len(text) / max_token_chars()` tokens at least."""
+        return max(len(t) for t in self.tok.get_vocab(with_added_tokens=True))
+
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import os
 import shutil
 import sys
@@ -26,9 +27,14 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from mmjax.errors import one_line
+from mmjax.train.checkpoint_space import (SaveFailed, free_bytes, needed_bytes,
+                                          save_failed_line, state_bytes, write_failure_reason)
 
 _M32 = (1 << 32) - 1
-FORMAT = 1
+# 2: every checkpoint carries the loader state's SHA-256 and every array's checksum, and
+# one that lacks either is unusable; format 1 (before) may lack the loader's: restored, and
+# named once as unverified
+FORMAT = 2
 
 
 class CheckpointUnusable(Exception):
@@ -226,6 +232,19 @@ def _handlers() -> dict:
             "data": ocp.JsonCheckpointHandler(), "integrity": ocp.JsonCheckpointHandler()}
 
 
+class _QuietOrbaxErrors(logging.Filter):
+    """Drops orbax's own error logs (a page of traceback each, several per failed save):
+    every orbax failure reaches the Checkpointer as an exception and is reported from there
+    in one line (SaveFailed, CheckpointUnusable)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR:
+            return True
+        if "/orbax/" in record.pathname.replace(os.sep, "/"):
+            return False
+        return not (record.name == "asyncio" and "orbax" in record.getMessage())
+
+
 @contextlib.contextmanager
 def _quiet_abandoned_reads():
     """A failed restore leaves orbax's other array-read coroutines failing too; Python
@@ -252,7 +271,9 @@ def checkpoint_steps(directory: str) -> list[int]:
 
 class Checkpointer:
     def __init__(self, directory: str, keep: int = 3, keep_every: int | None = None,
-                 async_save: bool = True, log=None):
+                 async_save: bool = True, log=None, free_space=free_bytes):
+        """`free_space(directory)`: the bytes a save may use there (checked before each
+        save; a filesystem's free space by default)."""
         if keep < 1:
             raise ValueError(f"train.keep_checkpoints={keep}: use >= 1")
         if keep_every is not None and keep_every < 1:
@@ -262,6 +283,13 @@ class Checkpointer:
         self.log = log or (lambda msg: print(msg, file=sys.stderr))
         self.verified_step: int | None = None  # restored from this run: never deleted
         self.set_aside: list[int] = []  # steps found unusable by `restore_latest`
+        self.unverified_data: int | None = None  # restored a format-1 step without one
+        self.free_space = free_space
+        self.pending: tuple | None = None  # (step, bytes needed) of the save in flight
+        self.failed = False  # a save failed: nothing more is written or pruned
+        self._quiet = _QuietOrbaxErrors()
+        for name in ("absl", "asyncio"):
+            logging.getLogger(name).addFilter(self._quiet)
         self._remove_stray_temporaries()
         options = ocp.CheckpointManagerOptions(max_to_keep=None,
                                                enable_async_checkpointing=async_save,
@@ -269,17 +297,19 @@ class Checkpointer:
         self.manager = ocp.CheckpointManager(self.directory, options=options,
                                              item_handlers=_handlers())
 
-    def _remove_stray_temporaries(self) -> None:
-        """A save killed mid-write leaves orbax's temporary directory (`<step>.orbax-
-        checkpoint-tmp-<time>`): never a checkpoint, removed (by process 0) before anything
-        else here."""
+    def _remove_stray_temporaries(self, quiet: bool = False, sync: bool = True) -> None:
+        """A save killed mid-write (or failed) leaves orbax's temporary directory (`<step>.
+        orbax-checkpoint-tmp-<time>`): never a checkpoint, removed (by process 0) before
+        anything else here, and when a save fails."""
         if jax.process_index() == 0 and os.path.isdir(self.directory):
             for name in os.listdir(self.directory):
                 if ".orbax-checkpoint-tmp" in name:
                     shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
-                    self.log(f"removed {name}, the temporary directory of an unfinished "
-                             f"save, from {self.directory}")
-        barrier("stray_temporaries")
+                    if not quiet:
+                        self.log(f"removed {name}, the temporary directory of an "
+                                 f"unfinished save, from {self.directory}")
+        if sync:
+            barrier("stray_temporaries")
 
     # ---- discovery -----------------------------------------------------------------------
     def steps(self) -> list[int]:
@@ -292,19 +322,52 @@ class Checkpointer:
     # ---- save ----------------------------------------------------------------------------
     def save(self, step: int, state, data_state: dict) -> None:
         """Start an async save of `state` (its leaves) and `data_state` at `step`; the
-        previous save is finished (and old checkpoints pruned) first."""
-        self.manager.wait_until_finished()
+        previous save is finished (and old checkpoints pruned) first. Raises SaveFailed
+        when this save or the previous one cannot be written (checkpoint_space.py)."""
+        self.wait()
         self._prune()
         named = named_arrays(state)
         record = {**integrity_record(named), "data_sha256": data_digest(data_state)}
+        need = needed_bytes(state_bytes(named.values()))
+        free = self.free_space(self.directory)
+        if not all_processes(free >= need):
+            self._fail(step, "not enough free space" if free < need else
+                       "not enough free space for another process's part", need, free)
         tree = {}
         for i, n in enumerate(sorted(named)):
             x = named[n]
             wide = _widened(x.sharding) if isinstance(x, jax.Array) else None
             tree[f"leaf_{i:05d}"] = x if wide is None else _widen(x, wide)
-        self.manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.PyTreeSave(tree), data=ocp.args.JsonSave(data_state),
-            integrity=ocp.args.JsonSave(record)), force=True)
+        self.pending = (step, need)
+        try:
+            self.manager.save(step, args=ocp.args.Composite(
+                state=ocp.args.PyTreeSave(tree), data=ocp.args.JsonSave(data_state),
+                integrity=ocp.args.JsonSave(record)), force=True)
+        except Exception as e:  # noqa: BLE001 (the synchronous part of the write failed)
+            self._fail(step, write_failure_reason(e), need, self.free_space(self.directory))
+
+    def check(self) -> None:
+        """Raise SaveFailed when the save in flight has failed (every process alike); call
+        it between steps, so a failed write stops the run at once, not at the next save."""
+        error = None
+        try:
+            self.manager.check_for_errors()
+        except Exception as e:  # noqa: BLE001 (orbax re-raises the writer's error)
+            error = e
+        if not all_processes(error is None):
+            self._failed_in_flight(error)
+
+    def _failed_in_flight(self, error) -> None:
+        step, need = self.pending or (None, 0)
+        reason = (write_failure_reason(error) if error is not None
+                  else "the write failed in another process")
+        self._fail(step, reason, need, self.free_space(self.directory))
+
+    def _fail(self, step, reason: str, need: int, free: int) -> None:
+        """The save of `step` is abandoned: its temporary directory removed, then SaveFailed."""
+        self.failed, self.pending = True, None
+        self._remove_stray_temporaries(quiet=True, sync=False)
+        raise SaveFailed(save_failed_line(step, self.directory, reason, need, free))
 
     def _prune(self) -> None:
         barrier("prune")  # every process lists the same directories
@@ -363,16 +426,25 @@ class Checkpointer:
             data = dict(out["data"])
         except Exception as e:  # noqa: BLE001 (tensorstore/orbax raise many types)
             error = f"cannot read arrays ({one_line(e, 160)})"
-        if error is None and integrity.get("data_sha256") not in (None, data_digest(data)):
+        digest = integrity.get("data_sha256")
+        if error is None and digest is None and integrity.get("format", 1) >= 2:
+            error = "the integrity record has no loader state checksum (edited or damaged)"
+        elif error is None and digest not in (None, data_digest(data)):
             error = "loader state checksum mismatch (the data item was edited or damaged)"
         # each process reads its own shards: all of them agree before going on
         if not all_processes(error is None):
             raise CheckpointUnusable(error or "cannot read arrays (in another process)")
         names = sorted(restored)
+        lacking = [n for n in names if not isinstance(stored[n][1].get("checksum"), list)]
+        if lacking:
+            raise CheckpointUnusable(f"the integrity record has no checksum for {lacking[0]}"
+                                     f" (edited or damaged)")
         for n, (s, ws, _) in zip(names, global_checksums([restored[n] for n in names])):
             if [s, ws] != list(stored[n][1]["checksum"]):
                 raise CheckpointUnusable(f"checksum mismatch in {n} "
                                          f"(shape {tuple(stored[n][1]['shape'])})")
+        if digest is None:
+            self.unverified_data = step
         if _is_named(like):
             return restored, data
         return jax.tree.unflatten(jax.tree.structure(like),
@@ -408,6 +480,10 @@ class Checkpointer:
                          f"moved to {where}, trying the next older one")
                 continue
             self.verified_step = step
+            if self.unverified_data == step:
+                self.log(f"checkpoint step {step} in {self.directory} was written before "
+                         f"loader states were checksummed: its arrays are verified, its "
+                         f"loader state is not")
             return step, state, data
         return None
 
@@ -424,9 +500,28 @@ class Checkpointer:
         return dest
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        """Wait for the save in flight; SaveFailed when it could not be written."""
+        if self.failed:
+            return
+        error = None
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:  # noqa: BLE001 (orbax re-raises the writer's error)
+            error = e
+        if not all_processes(error is None):
+            self._failed_in_flight(error)
+        self.pending = None
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self._prune()
-        self.manager.close()
+        try:
+            self.wait()
+            if not self.failed:
+                self._prune()
+        finally:
+            try:
+                self.manager.close()
+            except Exception:  # noqa: BLE001 (a failed save: already reported)
+                if not self.failed:
+                    raise
+            for name in ("absl", "asyncio"):
+                logging.getLogger(name).removeFilter(self._quiet)

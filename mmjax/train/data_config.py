@@ -56,4 +56,4 @@ def layout_and_source(cfg: MLLMConfig, tok):
     """The layout (with the tokenizer's special ids) and the configured real source."""
     layout = data_layout(cfg, special=tok.special_tokens() if tok is not None else None)
     out = output_image_encoder(cfg, layout.gen.num_queries) if layout.gen is not None else None
-    return layout, configured_source(cfg, tok, out)
+    return layout, configured_source(cfg, tok, out, max_tokens=layout.seq_len)

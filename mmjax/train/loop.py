@@ -13,6 +13,7 @@ import jax
 
 from mmjax.train.bad_data import too_much_bad_data
 from mmjax.train.checkpoint import Checkpointer, NonFiniteState
+from mmjax.train.checkpoint_space import SaveFailed
 from mmjax.train.compile_watch import CompileWatch, watched_step
 from mmjax.train.loss_plot import plot_workdir
 from mmjax.train.pipelined import write_trace
@@ -103,6 +104,17 @@ class TrainLoop:
 
     def run(self, end: int, report, checkpoint_every: int, max_bad_steps: int, traced,
             evaluate_at, evaluate, cfg, plan) -> list[dict]:
+        """The steps up to `end`; a checkpoint that cannot be written stops the run at once
+        (TrainingStopped naming the directory, the space needed and the last good one)."""
+        try:
+            return self._run(end, report, checkpoint_every, max_bad_steps, traced,
+                             evaluate_at, evaluate, cfg, plan)
+        except SaveFailed as e:
+            raise TrainingStopped(f"{e}; last good checkpoint: {_last_good(self.ckpt)}") \
+                from None
+
+    def _run(self, end: int, report, checkpoint_every: int, max_bad_steps: int, traced,
+             evaluate_at, evaluate, cfg, plan) -> list[dict]:
         records = []
         self.plan = self.plan or plan
         # every step's learning rate, read on the host: evaluated once here, so the step
@@ -156,10 +168,12 @@ class TrainLoop:
                     self.save(n)
                     if self.lead:
                         self.plot()
+                self.ckpt.check()  # a save that failed in the background stops the run now
                 if switch is not None:
                     self.switch(n, switch[0], switch[1], report, rebuild=n < end)
                 if n < end and preempt.requested():
                     self.preempted(n, preempt.signame or "a peer's signal", saved)
+        self.ckpt.wait()  # the last save committed (or its failure reported) before "trained"
         if records:
             report.say("trained " + report.summary(len(records)))
             said = skips.summary(len(records) * report.global_batch)

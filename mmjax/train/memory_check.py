@@ -124,16 +124,36 @@ def check_single_program(cfg, shapes, seq_len, trainable, frozen, dtype, attenti
     return est
 
 
-_BYTES = re.compile(r"(\d{6,}) bytes")
+# the device allocators' messages (XLA's BFC / TPU / GPU allocators) and the size they name;
+# a RESOURCE_EXHAUSTED from anything else (tensorstore's "No space left on device" while
+# writing a checkpoint, a gRPC quota) is not the device's memory
+_ALLOCATOR = re.compile(r"Out of memory|out of memory|[Ff]ailed to allocate|"
+                        r"[Ee]rror allocating device buffer|Attempting to allocate|"
+                        r"Allocator \(\S+\) ran out of memory")
+_SIZES = (re.compile(r"(?:allocate|allocating) (\d+) bytes"),
+          re.compile(r"\((\d+)B\)"),
+          re.compile(r"(?:allocate|allocating) (\d+(?:\.\d+)?)([KMGT])i?B?\b"))
+_UNIT = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def allocator_request(text: str) -> int | None:
+    """The bytes the allocator was asked for, as its message says (None when it does not)."""
+    for pattern in _SIZES:
+        m = pattern.search(text)
+        if m:
+            return int(float(m.group(1)) * (_UNIT[m.group(2)] if m.lastindex == 2 else 1))
+    return None
 
 
 def out_of_memory_line(err: BaseException) -> str | None:
-    """One line for XLA's RESOURCE_EXHAUSTED (None for any other error)."""
+    """One line for a device allocator's RESOURCE_EXHAUSTED (None for any other error)."""
     text = str(err)
-    if "RESOURCE_EXHAUSTED" not in text and "Out of memory" not in text:
+    if "RESOURCE_EXHAUSTED" not in text and "Resource exhausted" not in text:
         return None
-    m = _BYTES.search(text)
-    size = f" ({int(m.group(1)) / GB:.1f} GB requested)" if m else ""
+    if "os_error_code" in text or not _ALLOCATOR.search(text):
+        return None
+    size = allocator_request(text)
+    size = f" ({size / GB:.1f} GB requested)" if size else ""
     return (f"error: the device ran out of memory{size}: lower train.global_batch or "
             f"data_layout.seq_len, recompute activations (manual_plan.remat = \"full\" with a "
             f"plan) or spread the model over more devices (--plan=auto); --debug shows the "

@@ -8,7 +8,7 @@ import os
 
 import jax
 
-from mmjax.errors import UserError
+from mmjax.errors import UserError, shown
 from mmjax.models.config import MLLMConfig, config_to_dict
 from mmjax.planner.plan import Plan
 
@@ -97,5 +97,11 @@ def use_compilation_cache(workdir: str, setting: str) -> str | None:
         return None
     path = setting or os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(
         workdir, "compilation_cache")
+    longest = max((len(part.encode()) for part in path.split(os.sep)), default=0)
+    if longest > 255 or len(os.path.abspath(path).encode()) > 4095:
+        raise UserError(f"train.compilation_cache_dir={shown(path)}: a path of "
+                        f"{len(path):,} characters, a name of {longest} bytes: the filesystem"
+                        f" takes names of at most 255 bytes and paths of 4095 (use a shorter "
+                        f"directory)")
     jax.config.update("jax_compilation_cache_dir", path)
     return path

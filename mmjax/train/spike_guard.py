@@ -1,5 +1,10 @@
 """The loss-spike guard: a step whose loss or gradient norm exceeds `factor` times its
-running median (over the last `window` applied steps) is not applied.
+running median (over the last `window` applied steps) is not applied. It holds from the
+first step: before any step is applied the limits are absolute (`ABSOLUTE_LIMITS`: no
+cross-entropy or diffusion loss of a working model comes near them), and until half the
+window is filled they are `factor` times the largest value applied so far (a median of one
+or two early, fast-falling values would be too tight). A finite 1e22 loss at step 1 or 5
+is held back like one at step 500.
 
 Non-finite values are caught by the step itself; a finite spike (a loss of 1e22 after a
 bad batch, an exploding gradient) would still move the parameters far. The limits go into
@@ -14,6 +19,9 @@ from collections import deque
 from statistics import median
 
 
+ABSOLUTE_LIMITS = (1e6, 1e8)  # (loss, gradient norm): above either, never applied
+
+
 class SpikeGuard:
     def __init__(self, factor: float, window: int):
         self.factor, self.window = float(factor), int(window)
@@ -21,11 +29,22 @@ class SpikeGuard:
 
     def limits(self) -> tuple[float, float]:
         """(max loss, max gradient norm) for the next step; (inf, inf) while the guard is
-        off or fewer than half the window's steps were applied."""
-        if not self.factor or len(self.history) < max(2, self.window // 2):
+        off (factor 0)."""
+        if not self.factor:
             return (math.inf, math.inf)
-        return (self.factor * median(h[0] for h in self.history),
-                self.factor * median(h[1] for h in self.history))
+        if not self.history:
+            return ABSOLUTE_LIMITS
+        basis = median if len(self.history) >= max(2, self.window // 2) else max
+        return tuple(min(bound, self.factor * basis(h[i] for h in self.history))
+                     for i, bound in enumerate(ABSOLUTE_LIMITS))
+
+    def basis(self) -> str:
+        """What the limits are now, in words."""
+        if not self.history:
+            return "the absolute limits"
+        if len(self.history) >= max(2, self.window // 2):
+            return f"{self.factor:g} x their running medians"
+        return f"{self.factor:g} x their largest values so far"
 
     def add(self, loss: float, grad_norm: float) -> None:
         """An applied step's values."""
@@ -34,7 +53,7 @@ class SpikeGuard:
     def describe(self, loss: float, grad_norm: float) -> str:
         lim = self.limits()
         return (f"loss {loss:.4g} (limit {lim[0]:.4g}), grad_norm {grad_norm:.4g} "
-                f"(limit {lim[1]:.4g}) = {self.factor:g} x their running medians")
+                f"(limit {lim[1]:.4g}): {self.basis()}")
 
     def state(self) -> list:
         return [list(h) for h in self.history]

@@ -86,9 +86,10 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
 
     A step whose loss or gradient norm is not finite is not applied (counted in
     `nonfinite_steps`), nor one whose loss or gradient norm exceeds `spike_factor` times
-    its median over the last `spike_window` applied steps (the loss-spike guard, judged
-    once half the window is filled; counted in `spike_steps`, each one logged; 0 turns it
-    off); `max_bad_steps` of either in a row stop the run (TrainingStopped) naming the last
+    its median over the last `spike_window` applied steps (the loss-spike guard, from the
+    first step: absolute limits before any step is applied, `spike_factor` x the largest
+    value until half the window is filled; counted in `spike_steps`, each one logged; 0
+    turns it off); `max_bad_steps` of either in a row stop the run (TrainingStopped) naming the last
     good checkpoint. A checkpoint due inside a bad streak is written at the first good step
     after it. On resume metrics.jsonl keeps only the rows up to
     the restored step, so every step appears once.

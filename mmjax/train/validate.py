@@ -7,8 +7,9 @@ import os
 
 import gin
 
-from mmjax.errors import UserError
+from mmjax.errors import UserError, shown
 from mmjax.planner.plan import REMAT_POLICIES
+from mmjax.settings import INT_MAX
 from mmjax.models.units import has_llm
 
 _INT_KNOBS = ("dp", "tp", "pp", "cp", "num_chunks", "tp_chunks", "cp_head_groups")
@@ -22,9 +23,10 @@ def _is_int(v) -> bool:
 def positive_int(name: str, value, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
-    if not _is_int(value) or value < 1:
+    if not _is_int(value) or not 1 <= value <= INT_MAX:
         extra = ", or None" if allow_none else ""
-        raise UserError(f"{name}={value!r}: must be an int >= 1{extra}")
+        raise UserError(f"{name}={shown(value)}: must be an int >= 1 and <= "
+                        f"{INT_MAX:,}{extra}")
 
 
 def check_train_settings(steps, global_batch, compute_dtype, dtypes, seed, checkpoint_every,

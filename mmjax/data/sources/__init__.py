@@ -43,36 +43,42 @@ def llava_source(model: MLLMConfig, tokenizer, json_path: str | None = None,
                  image_root: str = "", audio_root: str | None = None,
                  chat_template: str | None = None, loss_on: str = "assistant",
                  image_processor: str | None = None, audio_processor: str | None = None,
-                 index_workers: int = 8, output_images=None):
+                 index_workers: int = 8, output_images=None, max_tokens: int | None = None):
     """A `LlavaSource` when `llava_source.json_path` is set, else None. `chat_template`:
     None uses the tokenizer's, or "llama3" / "qwen2" / "plain" / a Jinja string;
-    `output_images`: the VAE latent encoder for records with an `output_image`."""
+    `output_images`: the VAE latent encoder for records with an `output_image`;
+    `max_tokens` (the run's seq_len, passed by the trainer): longer texts are `too_long`,
+    judged before tokenizing (data/sources/common.py `EntryBuilder`)."""
     if not json_path:
         return None
     from mmjax.data.sources.llava import LlavaSource
 
     img, aud = default_processors(model, image_processor, audio_processor)
     return LlavaSource(json_path, tokenizer, img, aud, image_root, audio_root, chat_template,
-                       loss_on, index_workers, output_images)
+                       loss_on, index_workers, output_images, max_tokens)
 
 
 @gin.configurable
 def webdataset_source(model: MLLMConfig, tokenizer, urls=None, chat_template: str = "plain",
                       loss_on: str = "assistant", image_processor: str | None = None,
-                      index_workers: int = 8):
-    """A `WebDatasetSource` when `webdataset_source.urls` is set, else None."""
+                      index_workers: int = 8, max_tokens: int | None = None):
+    """A `WebDatasetSource` when `webdataset_source.urls` is set, else None (`max_tokens`:
+    as `llava_source`'s)."""
     if not urls:
         return None
     from mmjax.data.sources.webdataset import WebDatasetSource
 
     img, aud = default_processors(model, image_processor, None)
-    return WebDatasetSource(urls, tokenizer, img, aud, chat_template, loss_on, index_workers)
+    return WebDatasetSource(urls, tokenizer, img, aud, chat_template, loss_on, index_workers,
+                            max_tokens)
 
 
-def configured_source(model: MLLMConfig, tokenizer, output_images=None):
-    """The gin-configured real-data source (LLaVA or WebDataset), or None."""
-    llava = llava_source(model, tokenizer, output_images=output_images)
-    wds = webdataset_source(model, tokenizer)
+def configured_source(model: MLLMConfig, tokenizer, output_images=None,
+                      max_tokens: int | None = None):
+    """The gin-configured real-data source (LLaVA or WebDataset), or None; `max_tokens`:
+    the run's seq_len (a longer text is skipped as too_long before it is tokenized)."""
+    llava = llava_source(model, tokenizer, output_images=output_images, max_tokens=max_tokens)
+    wds = webdataset_source(model, tokenizer, max_tokens=max_tokens)
     if llava is not None and wds is not None:
         raise UserError("both llava_source.json_path and webdataset_source.urls are set: "
                          "keep one")

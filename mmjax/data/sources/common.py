@@ -41,12 +41,33 @@ def ref_name(ref) -> str:
     return ref if isinstance(ref, str) else f"{ref[1]}@{ref[2]}"
 
 
+def text_chars(conversation) -> int:
+    """The characters of a conversation's turn texts (0 for a malformed one: the chat
+    format reports it)."""
+    if not isinstance(conversation, list):
+        return 0
+    return sum(len(t.get("value", t.get("content"))) for t in conversation
+               if isinstance(t, dict) and isinstance(t.get("value", t.get("content")), str))
+
+
 class EntryBuilder:
     """record -> index entry (picklable: index workers rebuild the chat format)."""
 
-    def __init__(self, tokenizer, chat_template, loss_on: str, audio_rate: int):
+    def __init__(self, tokenizer, chat_template, loss_on: str, audio_rate: int,
+                 max_tokens: int | None = None):
+        """`max_tokens` (the run's seq_len): a record whose text cannot fit is a `too_long`
+        problem, judged on its characters before it is tokenized (at most
+        `max_token_chars` characters per token), then on its tokens, so a 100 MB string
+        costs no more than a string at the limit."""
         self.tokenizer, self.chat_template, self.loss_on = tokenizer, chat_template, loss_on
-        self.audio_rate = audio_rate
+        self.audio_rate, self.max_tokens = audio_rate, max_tokens
+        self.max_chars = None
+        if max_tokens is not None:
+            from mmjax.data.tokenizer import PLACEHOLDERS
+
+            per_token = max([tokenizer.max_token_chars()] + [len(p) for p in
+                                                            PLACEHOLDERS.values()])
+            self.max_chars = max_tokens * per_token
         self._chat = None
 
     def __getstate__(self):
@@ -63,11 +84,18 @@ class EntryBuilder:
 
         if rec.get("problem"):  # a malformed line or record (read_llava)
             return {"problem": rec["problem"]}
+        chars = text_chars(rec["conversations"])
+        if self.max_chars is not None and chars > self.max_chars:
+            return {"problem": f"too_long: {chars} characters of text > {self.max_chars}, "
+                               f"the most seq_len {self.max_tokens} tokens can hold"}
         try:
             chat = self.chat(rec["conversations"])
         except Exception as e:  # noqa: BLE001 (a template can fail in many ways)
             return {"problem": f"chat: the template cannot render the conversation "
                                f"({type(e).__name__}: {e})"}
+        tokens = sum(len(ids) if kind == "text" else 1 for kind, ids, _ in chat.pieces)
+        if self.max_tokens is not None and tokens > self.max_tokens:
+            return {"problem": f"too_long: {tokens} text tokens > seq_len {self.max_tokens}"}
         n_img, n_aud = chat.count("image"), chat.count("audio")
         if n_img != len(rec["images"]) or n_aud != len(rec["audio"]):
             return {"problem": f"placeholders: the conversation has {n_img} <image> and "
@@ -114,17 +142,18 @@ class ChatRecordSource:
 
     def __init__(self, records: list[dict], tokenizer, chat_template, loss_on: str,
                  image_processor, audio_processor, index_path: str, data_key,
-                 index_workers: int = 8, output_images=None):
+                 index_workers: int = 8, output_images=None, max_tokens: int | None = None):
         if tokenizer is None:
             raise UserError("a LLaVA / WebDataset source needs a tokenizer: set tokenizer.path "
                              "to a directory with tokenizer.json and tokenizer_config.json")
         self.records = records
         self.image_processor, self.audio_processor = image_processor, audio_processor
         self.builder = EntryBuilder(tokenizer, chat_template, loss_on,
-                                    audio_processor.sampling_rate)
+                                    audio_processor.sampling_rate, max_tokens)
         self.builder.chat  # fail fast on a bad template / loss_on, before indexing
         key = index_key(data_key, tokenizer.fingerprint(), chat_template, loss_on,
-                        audio_processor.sampling_rate, 1)
+                        audio_processor.sampling_rate, 1,
+                        *(() if max_tokens is None else (max_tokens,)))
         self.entries = cached_index(index_path, key, records, self.builder, index_workers,
                                     label=f"indexing {len(records)} records")
         # `output_images`: image -> generator latents [C, h, w] (train/vae_latents.py's

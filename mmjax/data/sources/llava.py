@@ -93,11 +93,11 @@ class LlavaSource(ChatRecordSource):
     def __init__(self, json_path: str, tokenizer, image_processor, audio_processor,
                  image_root: str = "", audio_root: str | None = None,
                  chat_template: str | None = None, loss_on: str = "assistant",
-                 index_workers: int = 8, output_images=None):
+                 index_workers: int = 8, output_images=None, max_tokens: int | None = None):
         records = read_llava(json_path, image_root, audio_root)
         data_key = (file_digest(json_path), os.path.abspath(image_root or "."),
                     os.path.abspath(audio_root or image_root or "."),
                     type(image_processor).__name__)
         super().__init__(records, tokenizer, chat_template, loss_on, image_processor,
                          audio_processor, json_path + ".mmjax_index.json", data_key,
-                         index_workers, output_images)
+                         index_workers, output_images, max_tokens)

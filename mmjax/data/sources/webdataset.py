@@ -100,7 +100,7 @@ class WebDatasetSource(ChatRecordSource):
 
     def __init__(self, urls, tokenizer, image_processor, audio_processor,
                  chat_template: str | None = "plain", loss_on: str = "assistant",
-                 index_workers: int = 8):
+                 index_workers: int = 8, max_tokens: int | None = None):
         paths = shard_paths(urls)
         stats = [(os.path.abspath(p), os.path.getsize(p), os.stat(p).st_mtime_ns) for p in paths]
         key = index_key(stats, SCAN_VERSION)
@@ -111,4 +111,5 @@ class WebDatasetSource(ChatRecordSource):
         records = [r for shard in per_shard for r in shard]
         super().__init__(records, tokenizer, chat_template, loss_on, image_processor,
                          audio_processor, base + ".mmjax_index.json",
-                         (key, type(image_processor).__name__), index_workers)
+                         (key, type(image_processor).__name__), index_workers,
+                         max_tokens=max_tokens)
