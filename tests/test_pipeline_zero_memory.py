@@ -150,6 +150,7 @@ def test_the_planner_moves_to_zero3_when_nothing_fits_at_zero1():
     from mmjax.planner.knobs import zero_cost
     from mmjax.planner.orchestrate import GPU_TOLERANCE
     from mmjax.planner.plan import PlanError
+    from mmjax.planner.schedule_time import ScheduleTimer
 
     m, wl, hw_of = _shallow_72b()
     roomy = plan_model(m, hw_of(10), 32, 32, workload=wl)
@@ -159,7 +160,7 @@ def test_the_planner_moves_to_zero3_when_nothing_fits_at_zero1():
     for zero in (1, 2):
         with pytest.raises(PlanError):
             _fit(m, wl, tuple(zero_cost(c, zero, hw) for c in costs), layer_costs, hw, 32,
-                 32, True, GPU_TOLERANCE, None)
+                 32, True, GPU_TOLERANCE, None, None, ScheduleTimer(hw))
     plan = plan_model(m, hw, 32, 32, workload=wl)
     assert {u.zero_stage for u in plan.units} == {3}
     assert all(gb * 1e9 <= hw.hbm_bytes for gb in plan.predicted["memory_gb"].values())
