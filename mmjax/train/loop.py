@@ -79,12 +79,14 @@ class TrainLoop:
             raise
         if found is not None:
             latest, state, data_state = found
-            runner.load(state, data_state, latest)
+            notice = runner.load(state, data_state, latest)
             self.start, self.skipped = latest, int(data_state.get("skipped_samples", 0))
             self.nonfinite = int(data_state.get("nonfinite_steps", 0))
             self.spike_steps = int(data_state.get("spike_steps", 0))
             self.spikes.restore(data_state.get("spike_history", []))
             console.print(f"resumed from {workdir}/checkpoints step {latest}")
+            if notice and self.lead:
+                console.print(notice, markup=False)
         elif self.ckpt.set_aside and self.lead:
             console.print(f"no usable checkpoint in {workdir}/checkpoints (set aside: steps "
                           f"{self.ckpt.set_aside}): starting from step 0", markup=False)
