@@ -20,9 +20,10 @@ EXACT = ("loss", "lm_loss", "grad_norm", "learning_rate", "tokens_seen", "tokens
          "skipped_samples")
 
 
-def _train(workdir, steps, batch=4):
+def _train(workdir, batch=4, stop_after=None):
+    stop = [] if stop_after is None else [f"--gin_param=train.stop_after={stop_after}"]
     p = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "train.py"), *SMALL,
-                        f"--gin_param=train.steps={steps}",
+                        "--gin_param=train.steps=4", *stop,
                         f"--gin_param=train.global_batch={batch}", f"--workdir={workdir}"],
                        cwd=REPO, env={**os.environ, "JAX_PLATFORMS": "cpu"},
                        capture_output=True, text=True, timeout=900)
@@ -61,22 +62,22 @@ def _to_older_format(step_dir):
 @pytest.mark.slow
 def test_a_changed_global_batch_is_named_and_an_older_state_resumes_bit_for_bit(tmp_path):
     straight, old, changed = (str(tmp_path / n) for n in ("straight", "old", "changed"))
-    _train(straight, 4)
-    _train(old, 2)
+    _train(straight)
+    _train(old, stop_after=2)
     # window 4 + Loader.reserve 8 (configs/tiny.gin) = 12: two steps end at sample 24
     assert {k: _data(old, 2)["batches"][k] for k in ("next_batch", "sample", "global_batch",
                                                      "seq_len")} == \
         {"next_batch": 2, "sample": 24, "global_batch": 4, "seq_len": 128}
     shutil.copytree(old, changed)
     _to_older_format(os.path.join(old, "checkpoints", "2"))
-    out = _train(old, 4)
+    out = _train(old)
     assert f"resumed from {old}/checkpoints step 2" in out and "resumed with" not in out
     assert "unusable" not in out
     want, got = _metrics(straight), _metrics(old)
     assert [r["step"] for r in got] == [1, 2, 3, 4]
     for g, w in zip(got, want):
         assert {k: g[k] for k in EXACT} == {k: w[k] for k in EXACT}
-    out = _train(changed, 4, batch=8)
+    out = _train(changed, batch=8)
     lines = [x for x in out.splitlines() if x.startswith("resumed with")]
     assert lines == ["resumed with train.global_batch 4 -> 8: the data stream goes on from "
                      "sample 24 (global batch 2 on), no sample read twice or skipped"], out[-3000:]

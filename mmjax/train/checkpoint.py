@@ -294,10 +294,11 @@ class Checkpointer:
         self._quiet = _QuietOrbaxErrors()
         for name in ("absl", "asyncio"):
             logging.getLogger(name).addFilter(self._quiet)
-        self._remove_stray_temporaries()
-        # orbax's first barrier is a collective (gloo's 30 s rendezvous on CPU): arrive
-        # together, through the coordination service's barrier and our timeout
+        # the first barrier below is a collective (`sync_global_devices`, an all-gather:
+        # gloo's 30 s rendezvous on CPU): the processes arrive together, through the
+        # coordination service's barrier and our timeout
         meet_peers(f"checkpointer:{self.directory}", startup_timeout)
+        self._remove_stray_temporaries()
         options = ocp.CheckpointManagerOptions(max_to_keep=None,
                                                enable_async_checkpointing=async_save,
                                                create=True)

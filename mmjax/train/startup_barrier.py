@@ -4,7 +4,8 @@ The first cross-process collective on CPU creates gloo's context (every process'
 `connectFullMesh` through the coordination service's key-value store), and gloo gives that
 rendezvous a fixed 30 s deadline (its context default; XLA exposes no setting for it). On a
 loaded machine one process may still be estimating memory or compiling 30 s after another
-reached orbax's start-up barrier (a collective, `sync_global_devices`): it then died with
+reached the checkpointer's first barrier (orbax's `sync_global_processes`, a collective:
+jax's `sync_global_devices`, an all-gather): it then died with
 `Gloo context initialization failed: DEADLINE_EXCEEDED: GetKeyValue() timed out`. So the
 processes first meet at a barrier of the coordination service itself (jax.distributed's
 client, through orbax's public `multihost.get_barrier_sync_fn`), whose timeout is ours
