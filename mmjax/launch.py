@@ -50,13 +50,16 @@ def cluster_settings(coordinator, num_processes, process_id, env=None) -> dict:
 def initialize(coordinator_address: str | None, num_processes: int | None,
                process_id: int | None,
                local_device_count: int | None = None, heartbeat_timeout_seconds: int = 10,
-               initialization_timeout: int = 120) -> None:
+               initialization_timeout: int = 300) -> None:
     """`jax.distributed.initialize` for process `process_id` of `num_processes`.
 
     `local_device_count`: CPU devices this process exposes (`jax_num_cpu_devices`; ignored
     on GPU, where each process sees its local accelerators). Call before any JAX
     computation; the CPU platform then uses gloo for cross-process collectives. A None
-    setting is left to jax.distributed's auto-detection (SLURM)."""
+    setting is left to jax.distributed's auto-detection (SLURM). `initialization_timeout`:
+    seconds every process has to connect to the coordinator (a loaded machine starts
+    processes minutes apart; the training script's own start-up barrier is
+    `train.startup_timeout`, train/startup_barrier.py)."""
     if num_processes is not None and num_processes < 1:
         raise ValueError(f"initialize: num_processes={num_processes} must be >= 1")
     if None not in (num_processes, process_id) and not 0 <= process_id < num_processes:
@@ -109,6 +112,8 @@ def main(argv=None) -> int:
     p.add_argument("--local_device_count", type=int, default=None,
                    help="CPU devices per process (jax_num_cpu_devices)")
     p.add_argument("--heartbeat_timeout_seconds", type=int, default=10)
+    p.add_argument("--initialization_timeout", type=int, default=300,
+                   help="seconds every process has to connect to the coordinator")
     p.add_argument("--script", default=os.path.join(REPO, "scripts", "train.py"),
                    help="Python script run in-process after initialisation (its __main__)")
     args = p.parse_args(argv)
@@ -120,7 +125,8 @@ def main(argv=None) -> int:
         sys.exit(f"error: {e}")
     beat_to(os.environ.get("MMJAX_HEARTBEAT_FILE"))
     initialize(c["coordinator"], c["num_processes"], c["process_id"],
-               args.local_device_count, args.heartbeat_timeout_seconds)
+               args.local_device_count, args.heartbeat_timeout_seconds,
+               args.initialization_timeout)
     import jax
 
     sys.argv = [args.script] + rest

@@ -83,6 +83,7 @@ SETTINGS: dict[str, dict[str, Setting]] = {
         "replan_every": _int(0, needs="plan",
                              fix="0 turns it off, N >= 1 re-plans every N steps"),
         "replan_min_gain": _float(1.10, 1, 100, open_lo=True, needs="replan"),
+        "startup_timeout": _float(600.0, 1, 86400),
     },
     "named_model_config": {"name": Setting("str", "tiny"), "overrides": Setting("dict", None,
                                                                                  none=True)},

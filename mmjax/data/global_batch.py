@@ -22,6 +22,7 @@ from mmjax.planner.plan import Plan
 from mmjax.data.batch_plan import (MicrobatchPlan, NodeWise, plan_global_batch,
                                    post_balance_policies)
 from mmjax.data.records import DecodeError, sample_name, sample_where, source_problem
+from mmjax.data.stream_position import StreamOrigin, resumed_origin
 from mmjax.models.units import UnitRole, is_vae, role
 
 _READS = {UnitRole.LLM: "text", UnitRole.GENERATOR: "image_out"}  # the modality each reads
@@ -145,16 +146,36 @@ class GlobalBatchBuilder:
                       else host_devices(plan, host_id, num_hosts))
         self.owned = {u: owned_ranks(plan, u, self.local) for u in model.unit_names}
         self.floor = None  # FeedShapes every feed is padded to (`scan_floor`)
+        # global batch k draws `window` stream positions from `origin.start(k, window)`
+        # (data/stream_position.py): (0, 0) for a fresh run, the stored sample on resume
+        self.window = plan.global_batch + self.reserve
+        self.origin = StreamOrigin()
+
+    def resume(self, state: dict, step: int) -> None:
+        """Go on at global batch `step` from a loader `state`'s stored sample (a state
+        without one: the windows of a fresh run, step * window)."""
+        self.origin = resumed_origin(state, step)
+
+    def position(self, step: int) -> dict:
+        """The loader state's position of global batch `step` (next to be drawn): its
+        first stream sample and the settings that drew the windows."""
+        return {"sample": self.start(step), "global_batch": self.plan.global_batch,
+                "seq_len": self.layout.seq_len}
+
+    def start(self, step: int) -> int:
+        """Stream position of global batch `step`'s first candidate."""
+        return self.origin.start(step, self.window)
 
     def scan(self, steps: int):
         """(indices, specs, metas) of each global batch 0 .. steps-1 from the samples'
         shapes alone (nothing decoded), skipping a step with too few usable samples (it
         raises if it is reached). Always from step 0, so a resumed run pads exactly as the
-        uninterrupted one did. The one shape scan: `scan_floor` and the single-program
-        trainer's start-up shapes (train/single_data.py) fold over it."""
+        uninterrupted one did (the windows of a fresh run, whatever the origin). The one
+        shape scan: `scan_floor` and the single-program trainer's start-up shapes
+        (train/single_data.py) fold over it."""
         for step in range(steps):
             try:
-                idx, specs, _ = self.select(step)
+                idx, specs, _ = self.select(step, start=step * self.window)
             except UserError:
                 continue
             yield idx, specs, [self.layout.rules.meta_from_shapes(i, s)
@@ -184,32 +205,33 @@ class GlobalBatchBuilder:
         return int(i)
 
     def candidates(self, step: int) -> list[int]:
-        """Dataset indices at positions [step*W, (step+1)*W) of the stream, W = global
-        batch + reserve."""
-        w = self.plan.global_batch + self.reserve
-        return [self._index(p) for p in range(step * w, (step + 1) * w)]
+        """Dataset indices at positions [start, start + W) of the stream, W = global
+        batch + reserve, start = `self.start(step)` (k * W in a fresh run)."""
+        p0 = self.start(step)
+        return [self._index(p) for p in range(p0, p0 + self.window)]
 
-    def _draws(self, step: int):
+    def _draws(self, step: int, p0: int):
         """The step's candidates, lazily: its window, then replacements (when more than
         `reserve` of the window are unusable) from a second seeded stream at the step's own
         positions, at most `REPLACEMENTS` windows' worth (or the data set): a pure function
-        of (seed, step), so a restart draws the same ones. A batch that still runs short is
-        a data set that is mostly bad: an error, not an endless search."""
-        w = self.plan.global_batch + self.reserve
-        for p in range(step * w, (step + 1) * w):
+        of (seed, window start `p0`), so a restart draws the same ones. A batch that still
+        runs short is a data set that is mostly bad: an error, not an endless search."""
+        w = self.window
+        for p in range(p0, p0 + w):
             yield self._index(p)
         for j in range(min(len(self.source), REPLACEMENTS * w)):
-            yield self._index(step * w + j, salt=1)
+            yield self._index(p0 + j, salt=1)
 
-    def select(self, step: int, skipped: list | None = None):
+    def select(self, step: int, skipped: list | None = None, start: int | None = None):
         """(indices, specs, skip reasons) of the first `global_batch` usable candidates;
         (sample name, reason, where) of each skipped one is appended to `skipped`. A source
         may name a sample's problem up front (`problem(i)`: a missing image, say). Short of
         usable samples in the window, replacements are drawn (`_draws`); a sample is used
-        at most once per batch."""
+        at most once per batch. `start`: the window's first stream position (default
+        `self.start(step)`)."""
         gb = self.plan.global_batch
         idx, specs, reasons, seen = [], [], {}, set()
-        for i in self._draws(step):
+        for i in self._draws(step, self.start(step) if start is None else start):
             if len(idx) == gb:
                 break
             if i in seen:

@@ -7,11 +7,14 @@ consumer: decoding and reordering run in worker processes while the GPUs train) 
 the mini-batches have been sampled", and composes rearrangements). Built on grain:
 `MapDataset.range(steps).map(GlobalBatchBuilder)` -> `to_iter_dataset` -> `mp_prefetch`
 (worker processes) or thread prefetch. A global batch is a pure function of (seed, step),
-so the iterator state is the next step: resume is exact.
+so the iterator state is the next step and its stream position: resume is exact, and a
+run resumed with another global batch goes on from the same sample
+(data/stream_position.py).
 
 One global batch (step k):
  1. Candidates: positions [k*W, (k+1)*W) of the seeded per-epoch shuffle, W = global_batch
-    + reserve. Each candidate's *shapes* (`source.spec`) are checked (`check_shapes`); bad
+    + reserve (after a resume with another W: from the stored sample on). Each
+    candidate's *shapes* (`source.spec`) are checked (`check_shapes`); bad
     ones (empty, undecodable shape, too long) are skipped and counted; the first
     `global_batch` good ones form the batch (an error names `reserve` if too few are good).
  2. Plan (metadata only, identical on every host; `plan_global_batch`): microbatch m = a
@@ -206,13 +209,19 @@ class Loader:
         return gb
 
     def get_state(self) -> dict:
-        """JSON-able state (stored with the checkpoint): the next step; with producers also
-        their positions (the steps each has in flight; a resume restarts them all from
-        `step`, whatever their number). The run's skip total is the trainer's."""
-        state = {"step": self.step}
+        """JSON-able state (stored with the checkpoint): the next step and its position in
+        the sample stream (`GlobalBatchBuilder.position`: the sample, global batch and
+        sequence length; data/stream_position.py); with producers also their positions
+        (the steps each has in flight; a resume restarts them all from `step`, whatever
+        their number). The run's skip total is the trainer's."""
+        state = {"step": self.step, **self.builder.position(self.step)}
         if hasattr(self._it, "positions"):
             state["producers"] = self._it.positions()
         return state
 
     def set_state(self, state: dict) -> None:
-        self._start(int(state["step"]))  # an older state's "skipped_samples": the trainer's
+        """Go on from `state`: at its stored sample (with this loader's global batch), or,
+        for a state that predates samples, at its step's window of a fresh run."""
+        step = int(state["step"])  # an older state's "skipped_samples": the trainer's
+        self.builder.resume(state, step)
+        self._start(step)

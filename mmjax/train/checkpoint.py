@@ -29,6 +29,7 @@ import orbax.checkpoint as ocp
 from mmjax.errors import one_line
 from mmjax.train.checkpoint_space import (SaveFailed, free_bytes, needed_bytes,
                                           save_failed_line, state_bytes, write_failure_reason)
+from mmjax.train.startup_barrier import DEFAULT_TIMEOUT_S, meet_peers
 
 _M32 = (1 << 32) - 1
 # 2: every checkpoint carries the loader state's SHA-256 and every array's checksum, and
@@ -271,9 +272,12 @@ def checkpoint_steps(directory: str) -> list[int]:
 
 class Checkpointer:
     def __init__(self, directory: str, keep: int = 3, keep_every: int | None = None,
-                 async_save: bool = True, log=None, free_space=free_bytes):
+                 async_save: bool = True, log=None, free_space=free_bytes,
+                 startup_timeout: float = DEFAULT_TIMEOUT_S):
         """`free_space(directory)`: the bytes a save may use there (checked before each
-        save; a filesystem's free space by default)."""
+        save; a filesystem's free space by default). `startup_timeout`: seconds the
+        processes of a multi-process run wait for each other before orbax's first barrier
+        (train/startup_barrier.py; StartupTimeout past it)."""
         if keep < 1:
             raise ValueError(f"train.keep_checkpoints={keep}: use >= 1")
         if keep_every is not None and keep_every < 1:
@@ -290,6 +294,10 @@ class Checkpointer:
         self._quiet = _QuietOrbaxErrors()
         for name in ("absl", "asyncio"):
             logging.getLogger(name).addFilter(self._quiet)
+        # the first barrier below is a collective (`sync_global_devices`, an all-gather:
+        # gloo's 30 s rendezvous on CPU): the processes arrive together, through the
+        # coordination service's barrier and our timeout
+        meet_peers(f"checkpointer:{self.directory}", startup_timeout)
         self._remove_stray_temporaries()
         options = ocp.CheckpointManagerOptions(max_to_keep=None,
                                                enable_async_checkpointing=async_save,

@@ -192,6 +192,7 @@ class Colocated(SingleProgram):
             self._sent[key] = {k: got[0][k] + got[1][k] for k in ("intra_node", "inter_node")}
         return self._sent[key]
 
-    def load(self, state: dict, data_state: dict, step: int) -> None:
-        super().load(state, data_state, step)
+    def load(self, state: dict, data_state: dict, step: int) -> str | None:
+        notice = super().load(state, data_state, step)
         self.state = self.place(self.state)
+        return notice

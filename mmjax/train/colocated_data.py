@@ -30,6 +30,7 @@ from mmjax.parallel.phase_inputs import encoder_axes, encoder_ranks, llm_axes, l
 from mmjax.parallel.exchange_stages import join_caps
 from mmjax.parallel.rearrange import exchange_caps
 from mmjax.planner.plan import Plan
+from mmjax.data.stream_position import settings_changed
 from mmjax.train.loader_stream import LoaderStream
 
 
@@ -206,13 +207,18 @@ class PhaseBatches(LoaderStream):
     def state(self) -> dict:
         return {"next_batch": self.next_batch,
                 "capacity": None if self.capacity is None else [list(c) for c in self.capacity],
-                "phase_shapes": None if self.shapes is None else _shapes_json(self.shapes)}
+                "phase_shapes": None if self.shapes is None else _shapes_json(self.shapes),
+                **self.builder.position(self.next_batch)}
 
     def restore(self, state: dict) -> None:
         """A co-located balanced run's state, or another runner's (`shapes`: not per phase;
-        the floors scanned here)."""
+        the floors scanned here); at its stored sample (data/stream_position.py), its
+        shapes and capacities only when reached with this global batch and sequence length."""
         self.close()
         self.next_batch = int(state["next_batch"])
+        self.builder.resume(state, self.next_batch)
+        if settings_changed(state, self.builder.plan.global_batch, self.layout.seq_len):
+            state = {k: v for k, v in state.items() if k not in ("phase_shapes", "capacity")}
         ps = state.get("phase_shapes")
         self.shapes = self.floor if ps is None else _shapes_from_json(ps)
         cap = state.get("capacity")  # an older run's all-to-all capacity (an int): rescan

@@ -26,6 +26,7 @@ from mmjax.train.optimizer import learning_rate_table
 from mmjax.train.run_report import SkipReport
 from mmjax.train.runner import Runner, StepMetrics
 from mmjax.train.spike_guard import SpikeGuard
+from mmjax.train.startup_barrier import DEFAULT_TIMEOUT_S, StartupTimeout
 
 
 def checkpoint_now(due: bool, in_a_row: int, owed: bool) -> tuple[bool, bool]:
@@ -53,15 +54,19 @@ class TrainLoop:
     writes the checkpoint shards it holds (orbax multi-host, one commit)."""
 
     def __init__(self, workdir: str, runner: Runner, schedule, keep: int,
-                 keep_every: int | None, spikes: SpikeGuard | None = None):
+                 keep_every: int | None, spikes: SpikeGuard | None = None,
+                 startup_timeout: float = DEFAULT_TIMEOUT_S):
         self.workdir, self.runner, self.schedule = workdir, runner, schedule
         self.spikes = spikes or SpikeGuard(0.0, 20)
         self.owed = False  # a checkpoint fell due inside a bad streak
         self.lead = jax.process_index() == 0
         self.console = console = progress_console()
-        self.ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep, keep_every,
-                                 log=lambda m: console.print(m, markup=False) if self.lead
-                                 else None)
+        try:
+            self.ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep, keep_every,
+                                     log=lambda m: console.print(m, markup=False) if self.lead
+                                     else None, startup_timeout=startup_timeout)
+        except StartupTimeout as e:
+            raise TrainingStopped(str(e)) from None
         if jax.process_count() > 1 and self.lead:
             console.print(f"{jax.process_count()} processes: metrics from process 0, "
                           "checkpoints from all")
@@ -79,12 +84,14 @@ class TrainLoop:
             raise
         if found is not None:
             latest, state, data_state = found
-            runner.load(state, data_state, latest)
+            notice = runner.load(state, data_state, latest)
             self.start, self.skipped = latest, int(data_state.get("skipped_samples", 0))
             self.nonfinite = int(data_state.get("nonfinite_steps", 0))
             self.spike_steps = int(data_state.get("spike_steps", 0))
             self.spikes.restore(data_state.get("spike_history", []))
             console.print(f"resumed from {workdir}/checkpoints step {latest}")
+            if notice and self.lead:
+                console.print(notice, markup=False)
         elif self.ckpt.set_aside and self.lead:
             console.print(f"no usable checkpoint in {workdir}/checkpoints (set aside: steps "
                           f"{self.ckpt.set_aside}): starting from step 0", markup=False)

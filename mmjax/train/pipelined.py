@@ -26,6 +26,7 @@ import numpy as np
 
 from mmjax.data.feed import gen_elements_per_image
 from mmjax.data.sources import eval_batches
+from mmjax.data.stream_position import resume_notice, stored_position
 from mmjax.models.config import MLLMConfig
 from mmjax.parallel.zero import Zero1Optimizer
 from mmjax.pipeline.runtime import PipelineRuntime
@@ -186,17 +187,20 @@ class PipelinedRunner:
     def restore_target(self) -> dict:
         return restore_target(self.checkpoint()[0])
 
-    def load(self, arrays: dict, data_state: dict, step: int) -> None:
+    def load(self, arrays: dict, data_state: dict, step: int) -> str | None:
         """A checkpoint of any plan (or of the single program: the loader then goes on from
-        global batch `step` of its stream)."""
+        global batch `step` at that program's stream position). -> one line naming the
+        data settings that changed since the position was stored (`resume_notice`)."""
         rt, stages = self.runtime, {}
         for sid, (master, opt) in pipeline_from_logical(self.plan, self.state.stages,
                                                         arrays).items():
             stages[sid] = StageState(master, opt, rt.compute_params({sid: master})[sid])
-        data = data_state.get("loader", {"step": step})
+        position = stored_position(data_state)
+        data = data_state.get("loader", {"step": step, **position})
         if self.data is not None:
             self.data.set_state(data)
         self.state = TrainState(stages, step, data)
+        return resume_notice(position, step, self.global_batch, self.layout.seq_len)
 
     # ---- validation -------------------------------------------------------------------
     def evaluate(self, source, max_batches: int, layout) -> float:

@@ -54,7 +54,9 @@ class Runner(Protocol):
     `checkpoint()` -> (named arrays, JSON-able data state): the plan-independent names of
     train/logical_state.py, so a checkpoint of one runner or plan restores into any other;
     `restore_target()`: the arrays' names, shapes and shardings to restore into (no init
-    run); `load(arrays, data_state, step)`: continue from a checkpoint of step `step`."""
+    run); `load(arrays, data_state, step)`: continue from a checkpoint of step `step`, at
+    the sample its loader stopped at (data/stream_position.py), returning one line that
+    names the data settings changed since (global batch, sequence length) or None."""
 
     global_batch: int
     num_trainable: int
@@ -70,6 +72,6 @@ class Runner(Protocol):
 
     def restore_target(self) -> dict: ...
 
-    def load(self, arrays: dict, data_state: dict, step: int) -> None: ...
+    def load(self, arrays: dict, data_state: dict, step: int) -> str | None: ...
 
     def close(self) -> None: ...

@@ -16,6 +16,7 @@ from mmjax.data.batch_shapes import BatchShapes
 from mmjax.data.assemble import assemble
 from mmjax.data.loader import Loader
 from mmjax.data.global_batch import mask_out_failed
+from mmjax.data.stream_position import settings_changed
 from mmjax.planner.plan import Plan
 from mmjax.train.loader_stream import LoaderStream
 
@@ -56,12 +57,18 @@ class LoaderBatches(LoaderStream):
         hw = None if self.shapes is None else {
             "rows": self.shapes.rows, "gen": self.shapes.gen,
             "encoders": [list(e) for e in self.shapes.encoders]}
-        return {"next_batch": self.next_batch, "shapes": hw}
+        return {"next_batch": self.next_batch, "shapes": hw,
+                **self.builder.position(self.next_batch)}
 
     def restore(self, state: dict) -> None:
+        """Go on from `state` at its stored sample (data/stream_position.py); its
+        high-water shapes only when they were reached with this global batch and sequence
+        length (else this run's scanned floor)."""
         self.close()
         self.next_batch = int(state["next_batch"])
-        hw = state.get("shapes")
+        self.builder.resume(state, self.next_batch)
+        hw = None if settings_changed(state, self.builder.plan.global_batch,
+                                      self.layout.seq_len) else state.get("shapes")
         self.shapes = self.floor if hw is None else BatchShapes(
             int(hw["rows"]), tuple((str(n), int(c), int(k)) for n, c, k in hw["encoders"]),
             int(hw["gen"]))

@@ -14,6 +14,7 @@ from jax.sharding import SingleDeviceSharding
 from mmjax.data.batch_shapes import BatchShapes, grow_shapes
 from mmjax.data.loader import SHAPE_SCAN_MAX
 from mmjax.data.sources import eval_batches
+from mmjax.data.stream_position import resume_notice, stored_position
 from mmjax.models.hf.pretrained import load_pretrained_dirs
 from mmjax.models.mllm import MultimodalModel, trainable_filter
 from mmjax.parallel.sharded_init import abstract_split, init_split
@@ -135,11 +136,16 @@ class SingleProgram:
             self._make()
         return self._frozen
 
-    def load(self, arrays: dict, data_state: dict, step: int) -> None:
+    def load(self, arrays: dict, data_state: dict, step: int) -> str | None:
         """A checkpoint of either path: a pipeline run's has no `batches` state; the single
-        program then goes on from global batch `step` of its own stream."""
-        self.data.restore(data_state.get("batches", {"next_batch": step, "shapes": None}))
+        program then goes on from global batch `step` at that run's stream position.
+        -> one line naming the data settings that changed since the position was stored
+        (`resume_notice`)."""
+        position = stored_position(data_state)
+        self.data.restore(data_state.get("batches", {"next_batch": step, "shapes": None,
+                                                     **position}))
         self.state = single_from_logical(self.abstract, arrays)._replace(data=self.data.state())
+        return resume_notice(position, step, self.global_batch, self.data.layout.seq_len)
 
     def restore_target(self) -> dict:
         """The checkpoint's names, shapes and shardings, without running the init."""

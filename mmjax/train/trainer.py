@@ -22,6 +22,7 @@ from mmjax.models.config import MLLMConfig
 from mmjax.settings import check_bound_settings, check_train_args
 from mmjax.train.auto_plan import auto_layout, run_planning_inputs
 from mmjax.train.data_config import layout_and_source, train_source
+from mmjax.train.startup_barrier import DEFAULT_TIMEOUT_S
 from mmjax.train.loop import TrainingStopped, TrainLoop, checkpoint_now  # noqa: F401 (public)
 from mmjax.train.optimizer import learning_rate_schedule
 from mmjax.train.pipelined import pipelined_runner
@@ -56,7 +57,7 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
           compilation_cache_dir: str = "", replan_every: int = 0,
           replan_min_gain: float = 1.10, replanner: Replanner | None = None,
           check_memory: bool = True, spike_factor: float = 100.0, spike_window: int = 20,
-          dry_run: bool = False) -> list[dict]:
+          dry_run: bool = False, startup_timeout: float = DEFAULT_TIMEOUT_S) -> list[dict]:
     """Train `model` for `steps` steps (this invocation stops early after `stop_after`
     steps, as a preemption would; a rerun resumes); returns this run's metric records.
 
@@ -100,6 +101,11 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
     directory. `check_memory` (one program): stop before compiling when the step's estimated
     memory exceeds the device's (train/memory_check.py); False tries anyway.
 
+    `startup_timeout` (seconds, multi-process): how long the processes wait for each other
+    at start-up before their first collective (train/startup_barrier.py; a loaded machine
+    may need minutes); past it the run stops with one line (exit 1; the launcher's
+    `--max_restarts` restarts it).
+
     `dry_run` (scripts/train.py --check): every check above, the plan, the optimizer and
     the first global batch built, then return [] having written nothing."""
     check_train_settings(steps, global_batch, compute_dtype, _DTYPES, seed, checkpoint_every,
@@ -108,6 +114,10 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
                      trace_every=trace_every, compilation_cache_dir=compilation_cache_dir,
                      replan_every=replan_every, spike_factor=spike_factor,
                      spike_window=spike_window)
+    if isinstance(startup_timeout, bool) or not isinstance(startup_timeout, (int, float)) \
+            or not 1 <= startup_timeout <= 86400:
+        raise UserError(f"train.startup_timeout={startup_timeout!r}: must be seconds in "
+                        f"[1, 86400] (how long processes wait for each other at start-up)")
     if 0 < spike_factor <= 1:
         raise UserError(f"train.spike_factor={spike_factor!r}: must be 0 (off) or > 1 (a "
                         f"step above that many times the median is held back; e.g. 100)")
@@ -172,7 +182,7 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
             if line:  # pretrained: read into the runner's fresh parameters
                 progress_console().print(line, markup=False, highlight=False)
     loop = TrainLoop(workdir, runner, schedule, keep_checkpoints, keep_every,
-                 SpikeGuard(spike_factor, spike_window))
+                     SpikeGuard(spike_factor, spike_window), startup_timeout)
     if the_plan is not None and plan_in_effect(workdir, loop.start) != resumed_plan:
         # the newest checkpoint was unusable and an older one predates the plan chosen above
         in_effect = plan_in_effect(workdir, loop.start)
