@@ -60,41 +60,87 @@ def _bucket(need: int, caps: tuple[int, ...]) -> int:
     raise ValueError(f"need capacity {need} > largest bucket {caps[-1]}")
 
 
+_FULL = float("-inf")  # the key of a buffer that takes no more images (its max_items)
+
+
+class LeftmostFit:
+    """The leftmost bin whose key (free capacity) is at least a need, in O(log n): a max
+    segment tree over `n` bins' keys, every bin starting at `init` (unopened bins hold a
+    fresh bin's capacity, so the leftmost unopened one is where first fit opens a new bin).
+    Makes first-fit packing O(n log n) instead of O(n x bins)."""
+
+    def __init__(self, n: int, init):
+        size = 1
+        while size < n:
+            size *= 2
+        self.size = size
+        # leaves: n bins at `init`, the padding to a power of two never fits (-inf)
+        tree = [_FULL] * size + [init] * n + [_FULL] * (size - n)
+        for i in range(size - 1, 0, -1):
+            left, right = tree[2 * i], tree[2 * i + 1]
+            tree[i] = left if left >= right else right
+        self.tree = tree
+
+    def find(self, need) -> int:
+        """Index of the leftmost bin with key >= `need`, or -1 if none."""
+        tree = self.tree
+        if tree[1] < need:
+            return -1
+        i, size = 1, self.size
+        while i < size:
+            i *= 2
+            if tree[i] < need:
+                i += 1
+        return i - size
+
+    def set(self, bin_index: int, key) -> None:
+        tree = self.tree
+        i = bin_index + self.size
+        tree[i] = key
+        i //= 2
+        while i:
+            left, right = tree[2 * i], tree[2 * i + 1]
+            tree[i] = left if left >= right else right
+            i //= 2
+
+
 def pack_rows(lengths: list[int], seq_len: int, packing: str) -> list[int]:
-    """Row of each document: one per row ("pad"), or first fit in order ("pack")."""
+    """Row of each document: one per row ("pad"), or first fit in order ("pack"; a
+    document longer than a row gets a row of its own), O(n log n) (`LeftmostFit`)."""
     if packing == "pad":
         return list(range(len(lengths)))
+    fit = LeftmostFit(len(lengths), seq_len)
     free: list[int] = []
     rows = []
     for n in lengths:
-        for r, f in enumerate(free):
-            if f >= n:
-                free[r] -= n
-                rows.append(r)
-                break
-        else:
-            free.append(seq_len - n)
-            rows.append(len(free) - 1)
+        r = fit.find(n)
+        if r < 0 or r == len(free):  # no open row fits: open the next one
+            r = len(free)
+            free.append(seq_len)
+        free[r] -= n
+        fit.set(r, free[r])
+        rows.append(r)
     return rows
 
 
 def pack_images(runs: list[int], cap: int, max_items: int | None) -> list[tuple[int, int, int]]:
     """(buffer, patch offset, 1-based seg id) per image: first fit decreasing by run length
-    (ties by order), at most `max_items` images per buffer when given."""
+    (ties by order), at most `max_items` images per buffer when given; O(n log n)
+    (`LeftmostFit`; a buffer holding `max_items` images takes the key -inf)."""
     order = sorted(range(len(runs)), key=lambda i: (-runs[i], i))
+    fit = LeftmostFit(len(runs), cap)
     free, items = [], []
     out: list[tuple[int, int, int]] = [(0, 0, 0)] * len(runs)
     for i in order:
-        for b in range(len(free)):
-            if free[b] >= runs[i] and (max_items is None or items[b] < max_items):
-                break
-        else:
+        b = fit.find(runs[i])
+        if b < 0 or b == len(free):  # no open buffer fits: open the next one
+            b = len(free)
             free.append(cap)
             items.append(0)
-            b = len(free) - 1
         out[i] = (b, cap - free[b], items[b] + 1)
         free[b] -= runs[i]
         items[b] += 1
+        fit.set(b, free[b] if max_items is None or items[b] < max_items else _FULL)
     return out
 
 
