@@ -56,3 +56,78 @@ def test_pack_images_many_ties_and_the_item_cap():
         assert got == reference.pack_images(runs, 64, max_items)
     # the 64s fill three buffers; the empty runs (placed last) join those, up to 3 items each
     assert max(b for b, _, _ in pack_images(runs, 64, 3)) + 1 == 3 + -(-37 // 3)
+
+
+def _reference_batch_shapes(groups, layout):
+    """batch_shapes as it was before issue 41: per group, per sample, the Python packers."""
+    from mmjax.data.batch_shapes import (BatchShapes, _bucket, audio_frames, image_runs,
+                                         shape_bucket)
+    rows = 1
+    for metas in groups:
+        lens = [m.llm_length for m in metas]
+        rows = max(rows, (max(reference.pack_rows(lens, layout.seq_len, layout.packing)) + 1)
+                   if lens else 1)
+    if layout.packing == "pack":
+        rows = shape_bucket(rows)
+    encs = []
+    for slot in layout.encoders:
+        if slot.modality == "image":
+            runs = [image_runs(m, slot) for m in groups]
+            cap = _bucket(max([max(r) for r in runs if r] or [0]), layout.vision_caps)
+            mi = slot.items_per_buffer
+            nb = max([max(b for b, _, _ in reference.pack_images(r, cap, mi)) + 1
+                      for r in runs if r] or [1])
+            encs.append((slot.name, shape_bucket(nb), cap))
+        else:
+            frames = [audio_frames(m) for m in groups]
+            cap = _bucket(max([max(f) for f in frames if f] or [0]), layout.audio_frame_caps)
+            encs.append((slot.name, shape_bucket(max([len(f) for f in frames] + [1])), cap))
+    gen = 0
+    if layout.gen is not None:
+        gen = shape_bucket(max([sum(m.count("image_out") for m in metas) for metas in groups]
+                               + [1]))
+    return BatchShapes(rows, tuple(encs), gen)
+
+
+@pytest.mark.parametrize("kind", ["laion", "mix"])
+@pytest.mark.parametrize("packing", ["pack", "pad"])
+def test_batch_shapes_identical_to_per_sample_reference(kind, packing):
+    """Random groups (some empty, some large) of synthetic metadata, with and without a
+    generator and an items-per-buffer cap: the columnar, compiled `batch_shapes` equals
+    the per-sample Python one."""
+    import dataclasses
+
+    from mmjax.data.batch_shapes import batch_shapes
+    from mmjax.data.layout import AssemblyLayout, GenSlot
+    from mmjax.data.synthetic import SyntheticConfig, SyntheticDataset
+    from mmjax.models.config import (AudioConfig, EncoderSpec, LLMConfig, MLLMConfig,
+                                     ProjectorConfig, VisionConfig)
+    cfg = SyntheticConfig(image_side_median=24.0, image_side_range=(4, 64),
+                          text_len_median=30.0, text_len_range=(1, 1024),
+                          frames_median=300.0, frames_range=(20, 3000))
+    model = MLLMConfig("t", LLMConfig(256, 32, 1, 2, 1, 64), encoders=(
+        EncoderSpec("vision", VisionConfig(16, 1, 2, 32, patch_size=cfg.patch_size),
+                    ProjectorConfig(downsample=2)),
+        EncoderSpec("audio", AudioConfig(16, 1, 2, 32), ProjectorConfig())))
+    base = AssemblyLayout.from_config(model, 2048, packing, vision_caps=(256, 1024, 4096))
+    ds = SyntheticDataset(kind, cfg, seed=3)
+    pool = [ds.meta(i, base.rules) for i in range(600)]
+    rng = np.random.default_rng(7)
+    compared = 0
+    for trial in range(8):
+        layout = base
+        if trial % 2:
+            vision = dataclasses.replace(base.encoders[0], class_slots=int(rng.integers(1, 6)))
+            layout = dataclasses.replace(base, encoders=(vision,) + base.encoders[1:],
+                                         gen=GenSlot((4, 8, 8), 2, 16, 1000))
+        sizes = rng.choice([0, 1, 3, 60, 400], int(rng.integers(1, 9)))
+        groups = [[pool[i] for i in rng.integers(0, len(pool), k)] for k in sizes]
+        try:
+            want = _reference_batch_shapes(groups, layout)
+        except ValueError:  # an image larger than the largest cap: both refuse
+            with pytest.raises(ValueError):
+                batch_shapes(groups, layout)
+            continue
+        assert batch_shapes(groups, layout) == want
+        compared += 1
+    assert compared >= 6

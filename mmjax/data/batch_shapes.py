@@ -9,8 +9,12 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 from mmjax.data.layout import AssemblyLayout, EncoderSlot, shape_bucket
+from mmjax.data.packing_kernels import first_fit_decreasing_buffers, first_fit_rows
 from mmjax.data.sample import SampleMeta
+from mmjax.data.shape_columns import ShapeColumns, shape_columns
 
 
 @dataclass(frozen=True)
@@ -157,25 +161,51 @@ def audio_frames(metas: list[SampleMeta]) -> list[int]:
 def batch_shapes(groups: list[list[SampleMeta]], layout: AssemblyLayout) -> BatchShapes:
     """Common static shapes for several batches (e.g. all DP ranks of one microbatch, which
     must share shapes inside one SPMD program): per field the max over `groups`."""
+    cols = shape_columns([m for metas in groups for m in metas], layout)
+    counts = np.array([len(metas) for metas in groups], np.int64)
+    return rank_shapes(cols, np.arange(int(counts.sum()), dtype=np.int64), counts, layout)
+
+
+def _group_sums(x: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """Sum of `x` over each group (`x[ends[g - 1]:ends[g]]`); 0 for an empty group."""
+    csum = np.concatenate([[0], np.cumsum(x)])
+    return csum[ends] - csum[np.concatenate([[0], ends[:-1]])]
+
+
+def rank_shapes(cols: ShapeColumns, items: np.ndarray, counts: np.ndarray,
+                layout: AssemblyLayout) -> BatchShapes:
+    """`batch_shapes` of the groups `items[ends[g - 1]:ends[g]]` (indices into `cols`, a
+    `RankSplit`'s items and counts), from the columns: the packers' row / buffer counts
+    come from the compiled kernels (data/packing_kernels.py), every group in one call."""
+    ends = np.cumsum(counts)
+    nonempty = counts > 0
     rows = 1
-    for metas in groups:
-        lens = [m.llm_length for m in metas]
-        rows = max(rows, (max(pack_rows(lens, layout.seq_len, layout.packing)) + 1) if lens else 1)
-    if layout.packing == "pack":
+    if layout.packing == "pad":
+        rows = max(rows, int(counts.max(initial=0)))
+    elif nonempty.any():
+        per = first_fit_rows(cols.llm[items], ends, layout.seq_len)
+        rows = shape_bucket(max(rows, int(per[nonempty].max())))
+    else:
         rows = shape_bucket(rows)
     encs = []
     for slot in layout.encoders:
+        values, per_sample = cols.items[slot.name].take(items)
+        per_group = _group_sums(per_sample, ends)
+        caps = layout.vision_caps if slot.modality == "image" else layout.audio_frame_caps
+        cap = _bucket(int(values.max(initial=0)), caps)
         if slot.modality == "image":
-            runs = [image_runs(m, slot) for m in groups]
-            cap = _bucket(max([max(r) for r in runs if r] or [0]), layout.vision_caps)
             mi = slot.items_per_buffer
-            nb = max([max(b for b, _, _ in pack_images(r, cap, mi)) + 1 for r in runs if r] or [1])
+            nb = 1
+            if values.size:
+                flat_ends = np.cumsum(per_group)
+                per = first_fit_decreasing_buffers(values, flat_ends, cap,
+                                                   -1 if mi is None else mi)
+                nb = max(nb, int(per[per_group > 0].max()))
             encs.append((slot.name, shape_bucket(nb), cap))
         else:
-            frames = [audio_frames(m) for m in groups]
-            cap = _bucket(max([max(f) for f in frames if f] or [0]), layout.audio_frame_caps)
-            encs.append((slot.name, shape_bucket(max([len(f) for f in frames] + [1])), cap))
+            encs.append((slot.name, shape_bucket(max(int(per_group.max(initial=0)), 1)), cap))
     gen = 0
     if layout.gen is not None:
-        gen = shape_bucket(max([sum(m.count("image_out") for m in metas) for metas in groups] + [1]))
+        per = _group_sums(cols.image_out[items], ends)
+        gen = shape_bucket(max(int(per.max(initial=0)), 1))
     return BatchShapes(rows, tuple(encs), gen)
