@@ -131,3 +131,34 @@ def test_batch_shapes_identical_to_per_sample_reference(kind, packing):
         assert batch_shapes(groups, layout) == want
         compared += 1
     assert compared >= 6
+
+
+def test_unit_costs_from_columns_match_the_metadata():
+    """`batch_plan.unit_costs` (from `shape_columns`) gives per sample exactly the LLM
+    length, each encoder's input tokens and the generated images of its SampleMeta."""
+    from mmjax.data.batch_plan import unit_costs
+    from mmjax.data.sample import SampleMeta, SegmentMeta
+    from mmjax.models.config import (AudioConfig, EncoderSpec, LLMConfig, MLLMConfig,
+                                     ProjectorConfig, VisionConfig)
+    model = MLLMConfig("t", LLMConfig(256, 32, 1, 2, 1, 64), encoders=(
+        EncoderSpec("vision", VisionConfig(16, 1, 2, 32, patch_size=4), ProjectorConfig()),
+        EncoderSpec("audio", AudioConfig(16, 1, 2, 32), ProjectorConfig())))
+    rng = np.random.default_rng(5)
+    mods = ["text", "image", "audio", "image_out"]
+    metas = []
+    for i in range(300):
+        segs = tuple(SegmentMeta(mods[int(rng.integers(4))], int(rng.integers(0, 50)),
+                                 int(rng.integers(0, 900)), int(rng.integers(0, 900)), 0,
+                                 int(rng.choice([0, 2])))
+                     for _ in range(int(rng.integers(0, 6))))
+        metas.append(SampleMeta(i, segs))
+    costs = unit_costs(metas, model)
+    assert costs["llm"].tolist() == [m.llm_length for m in metas]
+    assert costs["vision"].tolist() == [m.encoder_tokens("image") for m in metas]
+    assert costs["audio"].tolist() == [m.encoder_tokens("audio") for m in metas]
+    assert all(c.dtype == np.float64 for c in costs.values())
+    from mmjax.data.batch_plan import _NO_SLOTS
+    from mmjax.data.shape_columns import shape_columns
+    cols = shape_columns(metas, _NO_SLOTS)
+    assert cols.image_out.tolist() == [m.count("image_out") for m in metas]
+    assert unit_costs([], model)["llm"].size == 0

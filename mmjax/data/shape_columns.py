@@ -5,7 +5,6 @@ are array work over index splits, not per-sample Python once per unit (issue 41:
 planning linear in the batch)."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,37 +48,33 @@ class ShapeColumns:
 
 def shape_columns(metas: list[SampleMeta], layout: AssemblyLayout,
                   modalities: tuple[str, ...] = ()) -> ShapeColumns:
-    """One pass over `metas`; `encoder_tokens` for `modalities` (and the layout's)."""
+    """The columns of `metas`; `encoder_tokens` for `modalities` (and the layout's). One
+    attribute read per segment field (list comprehensions), the rest numpy."""
+    n = len(metas)
+    segs = [s for m in metas for s in m.segments]
+    ends = np.cumsum(np.fromiter((len(m.segments) for m in metas), np.int64, n))
+    sample = np.repeat(np.arange(n, dtype=np.int64), np.diff(ends, prepend=0))
+    mod = np.array([s.modality for s in segs] or [""])[:len(segs)]
+    llm = 2 + _sum_by(ends, np.fromiter((s.num_llm_tokens + s.delimiters for s in segs),
+                                          np.int64, len(segs)), n)
+    enc = np.fromiter((s.num_encoder_tokens for s in segs), np.int64, len(segs))
+    size = np.fromiter((s.input_size for s in segs), np.int64, len(segs))
     slots = {s.modality: s for s in layout.encoders}
-    mods = tuple(sorted(set(modalities) | set(slots)))
-    llm, out = [], []
-    tokens = {m: [] for m in mods}
-    sizes = {m: [] for m in slots}
-    counts = {m: [] for m in slots}
-    down = {m: s.downsample if s.modality == "image" else 0 for m, s in slots.items()}
-    for meta in metas:
-        n_llm, n_out = 2, 0
-        per_tok = dict.fromkeys(mods, 0)
-        per_count = dict.fromkeys(slots, 0)
-        for seg in meta.segments:
-            mod = seg.modality
-            n_llm += seg.num_llm_tokens + seg.delimiters
-            if mod in per_tok:
-                per_tok[mod] += seg.num_encoder_tokens
-                if mod in per_count:
-                    r = down[mod]
-                    sizes[mod].append(math.ceil(seg.input_size / r) * r if r else seg.input_size)
-                    per_count[mod] += 1
-            elif mod == "image_out":
-                n_out += 1
-        llm.append(n_llm)
-        out.append(n_out)
-        for m in mods:
-            tokens[m].append(per_tok[m])
-        for m in slots:
-            counts[m].append(per_count[m])
-    return ShapeColumns(
-        np.array(llm, np.int64), np.array(out, np.int64),
-        {m: np.array(v, np.int64) for m, v in tokens.items()},
-        {slots[m].name: Ragged(np.array(sizes[m], np.int64), np.array(counts[m], np.int64))
-         for m in slots})
+    tokens = {m: _sum_by(ends, np.where(mod == m, enc, 0), n)
+              for m in sorted(set(modalities) | set(slots))}
+    items = {}
+    for m, slot in slots.items():
+        at = mod == m
+        v = size[at]
+        if m == "image":  # patches rounded up to the downsample (`batch_shapes.image_runs`)
+            r = slot.downsample
+            v = -(-v // r) * r
+        items[slot.name] = Ragged(v, np.bincount(sample[at], minlength=n).astype(np.int64))
+    return ShapeColumns(llm, _sum_by(ends, (mod == "image_out").astype(np.int64), n),
+                        tokens, items)
+
+
+def _sum_by(ends: np.ndarray, x: np.ndarray, n: int) -> np.ndarray:
+    """Per sample the sum of `x` over its segments (sample i's: `x[ends[i - 1]:ends[i]]`)."""
+    c = np.concatenate([[0], np.cumsum(x, dtype=np.int64)])
+    return c[ends] - c[np.concatenate([[0], ends[:-1]])] if n else np.zeros(0, np.int64)
