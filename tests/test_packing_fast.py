@@ -58,37 +58,6 @@ def test_pack_images_many_ties_and_the_item_cap():
     assert max(b for b, _, _ in pack_images(runs, 64, 3)) + 1 == 3 + -(-37 // 3)
 
 
-def _reference_batch_shapes(groups, layout):
-    """batch_shapes as it was before issue 41: per group, per sample, the Python packers."""
-    from mmjax.data.batch_shapes import (BatchShapes, _bucket, audio_frames, image_runs,
-                                         shape_bucket)
-    rows = 1
-    for metas in groups:
-        lens = [m.llm_length for m in metas]
-        rows = max(rows, (max(reference.pack_rows(lens, layout.seq_len, layout.packing)) + 1)
-                   if lens else 1)
-    if layout.packing == "pack":
-        rows = shape_bucket(rows)
-    encs = []
-    for slot in layout.encoders:
-        if slot.modality == "image":
-            runs = [image_runs(m, slot) for m in groups]
-            cap = _bucket(max([max(r) for r in runs if r] or [0]), layout.vision_caps)
-            mi = slot.items_per_buffer
-            nb = max([max(b for b, _, _ in reference.pack_images(r, cap, mi)) + 1
-                      for r in runs if r] or [1])
-            encs.append((slot.name, shape_bucket(nb), cap))
-        else:
-            frames = [audio_frames(m) for m in groups]
-            cap = _bucket(max([max(f) for f in frames if f] or [0]), layout.audio_frame_caps)
-            encs.append((slot.name, shape_bucket(max([len(f) for f in frames] + [1])), cap))
-    gen = 0
-    if layout.gen is not None:
-        gen = shape_bucket(max([sum(m.count("image_out") for m in metas) for metas in groups]
-                               + [1]))
-    return BatchShapes(rows, tuple(encs), gen)
-
-
 @pytest.mark.parametrize("kind", ["laion", "mix"])
 @pytest.mark.parametrize("packing", ["pack", "pad"])
 def test_batch_shapes_identical_to_per_sample_reference(kind, packing):
@@ -123,7 +92,7 @@ def test_batch_shapes_identical_to_per_sample_reference(kind, packing):
         sizes = rng.choice([0, 1, 3, 60, 400], int(rng.integers(1, 9)))
         groups = [[pool[i] for i in rng.integers(0, len(pool), k)] for k in sizes]
         try:
-            want = _reference_batch_shapes(groups, layout)
+            want = reference.batch_shapes(groups, layout)
         except ValueError:  # an image larger than the largest cap: both refuse
             with pytest.raises(ValueError):
                 batch_shapes(groups, layout)
@@ -153,6 +122,8 @@ def test_unit_costs_from_columns_match_the_metadata():
                      for _ in range(int(rng.integers(0, 6))))
         metas.append(SampleMeta(i, segs))
     costs = unit_costs(metas, model)
+    want = reference.unit_costs(metas, model)
+    assert {u: c.tolist() for u, c in costs.items()} == {u: c.tolist() for u, c in want.items()}
     assert costs["llm"].tolist() == [m.llm_length for m in metas]
     assert costs["vision"].tolist() == [m.encoder_tokens("image") for m in metas]
     assert costs["audio"].tolist() == [m.encoder_tokens("audio") for m in metas]
