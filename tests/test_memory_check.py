@@ -69,6 +69,25 @@ def test_the_cli_stops_before_compiling(tmp_path):
     assert not cache.exists() or not any(cache.iterdir())
 
 
+@pytest.mark.slow
+def test_check_runs_the_memory_check(tmp_path):
+    """`--check` refuses what the run would refuse (issue 41 item 6): seq_len 1,000,000
+    gives the run's own memory error, exit 2, not "good"; the check writes nothing."""
+    work = tmp_path / "run"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    p = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "train.py"),
+                        f"--workdir={work}", "--gin_param=data_layout.seq_len=1000000",
+                        "--check"],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2, p.stderr[-2000:]
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: the training step needs about "), p.stderr[-2000:]
+    assert "x 1000000 tokens" in last and "train.check_memory=False" in last
+    assert "good" not in p.stdout
+    assert not work.exists()
+
+
 def test_resource_exhausted_is_one_line_with_a_hint(capsys):
     def oom(argv):
         raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate "

@@ -10,12 +10,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from mmjax.data.layout import AssemblyLayout
-from mmjax.data.batch_shapes import BatchShapes, batch_shapes
+from mmjax.data.batch_shapes import BatchShapes, rank_shapes
 from mmjax.data.balance import POLICIES as POST_BALANCE_POLICIES
 from mmjax.data.balance import node_wise_rearrange_flat, post_balance_flat
 from mmjax.data.rank_split import RankSplit
 from mmjax.data.reorder import inter_reorder
-from mmjax.data.sample import SampleMeta
+from mmjax.data.sample import SampleMeta, TokenRules
+from mmjax.data.shape_columns import ShapeColumns, shape_columns
 from mmjax.errors import UserError
 from mmjax.models.config import MLLMConfig
 from mmjax.planner.costs import layer_times
@@ -27,6 +28,7 @@ from mmjax.models.units import GENERATOR_UNIT, LLM_UNIT, has_generator, is_gener
 
 
 POLICIES = ("none", "disttrain", "orchmllm")
+_NO_SLOTS = AssemblyLayout(0, 0, TokenRules())  # costs alone: no encoder slot's item sizes
 NODE_WISE_METHODS = ("auto", "milp", "local", "greedy", "identity")
 
 
@@ -48,31 +50,20 @@ class MicrobatchPlan:
         return {u: RankSplit(pos[s.items], s.counts).lists() for u, s in self.splits.items()}
 
 
-def unit_costs(metas: list[SampleMeta], model: MLLMConfig) -> dict[str, np.ndarray]:
+def unit_costs(metas: list[SampleMeta], model: MLLMConfig,
+               cols: ShapeColumns | None = None) -> dict[str, np.ndarray]:
     """Per unit, the size its DP split balances, one float64 per sample: the LLM's sequence
-    tokens, an encoder's input tokens, the generator's generated images. One pass over the
-    metadata per global batch; every microbatch and policy then slices these arrays."""
-    enc_mod = {e.name: e.modality for e in model.encoders}
-    mods = tuple(sorted(set(enc_mod.values())))
-    llm, images_out, enc = [], [], {mod: [] for mod in mods}
-    for m in metas:
-        tokens, out, per_mod = 2, 0, dict.fromkeys(mods, 0)
-        for seg in m.segments:
-            tokens += seg.num_llm_tokens + seg.delimiters
-            if seg.modality in per_mod:
-                per_mod[seg.modality] += seg.num_encoder_tokens
-            elif seg.modality == "image_out":
-                out += 1
-        llm.append(tokens)
-        images_out.append(out)
-        for mod in mods:
-            enc[mod].append(per_mod[mod])
-    cols = {LLM_UNIT: np.array(llm, dtype=np.float64)}
+    tokens, an encoder's input tokens, the generator's generated images. From the global
+    batch's metadata columns (`shape_columns`, one pass; given as `cols` when the caller
+    has them); every microbatch and policy then slices these arrays."""
+    if cols is None:
+        cols = shape_columns(metas, _NO_SLOTS, tuple(e.modality for e in model.encoders))
+    out = {LLM_UNIT: cols.llm.astype(np.float64)}
     if has_generator(model.unit_names):
-        cols[GENERATOR_UNIT] = np.array(images_out, dtype=np.float64)
-    for name, mod in enc_mod.items():
-        cols[name] = np.array(enc[mod], dtype=np.float64)
-    return cols
+        out[GENERATOR_UNIT] = cols.image_out.astype(np.float64)
+    for e in model.encoders:
+        out[e.name] = cols.encoder_tokens[e.modality].astype(np.float64)
+    return out
 
 
 @dataclass(frozen=True)
@@ -200,7 +191,8 @@ def plan_global_batch(metas: list[SampleMeta], model: MLLMConfig, plan: Plan,
         node_wise = NodeWise(ranks_per_node)
     size = n // l
     mbs = [list(range(i * size, (i + 1) * size)) for i in range(l)]
-    costs = unit_costs(metas, model)
+    cols = shape_columns(metas, layout, tuple(e.modality for e in model.encoders))
+    costs = unit_costs(metas, model, cols)
     llm_dp = plan.unit("llm").dp
     splits = []
     for i in range(l):
@@ -225,10 +217,9 @@ def plan_global_batch(metas: list[SampleMeta], model: MLLMConfig, plan: Plan,
         mbs, splits = [mbs[j] for j in order], [splits[j] for j in order]
     out = []
     for pos, units in zip(mbs, splits):
-        mp = MicrobatchPlan(pos, units, {})
-        mp.shapes.update({u: batch_shapes([[metas[p] for p in r] for r in rs], layout)
-                          for u, rs in mp.ranks.items()})
-        out.append(mp)
+        at = np.asarray(pos, dtype=np.int64)
+        out.append(MicrobatchPlan(pos, units, {
+            u: rank_shapes(cols, at[sp.items], sp.counts, layout) for u, sp in units.items()}))
     return out
 
 

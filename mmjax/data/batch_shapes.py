@@ -9,8 +9,12 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 from mmjax.data.layout import AssemblyLayout, EncoderSlot, shape_bucket
+from mmjax.data.packing_kernels import first_fit_decreasing_buffers, first_fit_rows
 from mmjax.data.sample import SampleMeta
+from mmjax.data.shape_columns import ShapeColumns, shape_columns
 
 
 @dataclass(frozen=True)
@@ -60,41 +64,87 @@ def _bucket(need: int, caps: tuple[int, ...]) -> int:
     raise ValueError(f"need capacity {need} > largest bucket {caps[-1]}")
 
 
+_FULL = float("-inf")  # the key of a buffer that takes no more images (its max_items)
+
+
+class LeftmostFit:
+    """The leftmost bin whose key (free capacity) is at least a need, in O(log n): a max
+    segment tree over `n` bins' keys, every bin starting at `init` (unopened bins hold a
+    fresh bin's capacity, so the leftmost unopened one is where first fit opens a new bin).
+    Makes first-fit packing O(n log n) instead of O(n x bins)."""
+
+    def __init__(self, n: int, init):
+        size = 1
+        while size < n:
+            size *= 2
+        self.size = size
+        # leaves: n bins at `init`, the padding to a power of two never fits (-inf)
+        tree = [_FULL] * size + [init] * n + [_FULL] * (size - n)
+        for i in range(size - 1, 0, -1):
+            left, right = tree[2 * i], tree[2 * i + 1]
+            tree[i] = left if left >= right else right
+        self.tree = tree
+
+    def find(self, need) -> int:
+        """Index of the leftmost bin with key >= `need`, or -1 if none."""
+        tree = self.tree
+        if tree[1] < need:
+            return -1
+        i, size = 1, self.size
+        while i < size:
+            i *= 2
+            if tree[i] < need:
+                i += 1
+        return i - size
+
+    def set(self, bin_index: int, key) -> None:
+        tree = self.tree
+        i = bin_index + self.size
+        tree[i] = key
+        i //= 2
+        while i:
+            left, right = tree[2 * i], tree[2 * i + 1]
+            tree[i] = left if left >= right else right
+            i //= 2
+
+
 def pack_rows(lengths: list[int], seq_len: int, packing: str) -> list[int]:
-    """Row of each document: one per row ("pad"), or first fit in order ("pack")."""
+    """Row of each document: one per row ("pad"), or first fit in order ("pack"; a
+    document longer than a row gets a row of its own), O(n log n) (`LeftmostFit`)."""
     if packing == "pad":
         return list(range(len(lengths)))
+    fit = LeftmostFit(len(lengths), seq_len)
     free: list[int] = []
     rows = []
     for n in lengths:
-        for r, f in enumerate(free):
-            if f >= n:
-                free[r] -= n
-                rows.append(r)
-                break
-        else:
-            free.append(seq_len - n)
-            rows.append(len(free) - 1)
+        r = fit.find(n)
+        if r < 0 or r == len(free):  # no open row fits: open the next one
+            r = len(free)
+            free.append(seq_len)
+        free[r] -= n
+        fit.set(r, free[r])
+        rows.append(r)
     return rows
 
 
 def pack_images(runs: list[int], cap: int, max_items: int | None) -> list[tuple[int, int, int]]:
     """(buffer, patch offset, 1-based seg id) per image: first fit decreasing by run length
-    (ties by order), at most `max_items` images per buffer when given."""
+    (ties by order), at most `max_items` images per buffer when given; O(n log n)
+    (`LeftmostFit`; a buffer holding `max_items` images takes the key -inf)."""
     order = sorted(range(len(runs)), key=lambda i: (-runs[i], i))
+    fit = LeftmostFit(len(runs), cap)
     free, items = [], []
     out: list[tuple[int, int, int]] = [(0, 0, 0)] * len(runs)
     for i in order:
-        for b in range(len(free)):
-            if free[b] >= runs[i] and (max_items is None or items[b] < max_items):
-                break
-        else:
+        b = fit.find(runs[i])
+        if b < 0 or b == len(free):  # no open buffer fits: open the next one
+            b = len(free)
             free.append(cap)
             items.append(0)
-            b = len(free) - 1
         out[i] = (b, cap - free[b], items[b] + 1)
         free[b] -= runs[i]
         items[b] += 1
+        fit.set(b, free[b] if max_items is None or items[b] < max_items else _FULL)
     return out
 
 
@@ -111,25 +161,51 @@ def audio_frames(metas: list[SampleMeta]) -> list[int]:
 def batch_shapes(groups: list[list[SampleMeta]], layout: AssemblyLayout) -> BatchShapes:
     """Common static shapes for several batches (e.g. all DP ranks of one microbatch, which
     must share shapes inside one SPMD program): per field the max over `groups`."""
+    cols = shape_columns([m for metas in groups for m in metas], layout)
+    counts = np.array([len(metas) for metas in groups], np.int64)
+    return rank_shapes(cols, np.arange(int(counts.sum()), dtype=np.int64), counts, layout)
+
+
+def _group_sums(x: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """Sum of `x` over each group (`x[ends[g - 1]:ends[g]]`); 0 for an empty group."""
+    csum = np.concatenate([[0], np.cumsum(x)])
+    return csum[ends] - csum[np.concatenate([[0], ends[:-1]])]
+
+
+def rank_shapes(cols: ShapeColumns, items: np.ndarray, counts: np.ndarray,
+                layout: AssemblyLayout) -> BatchShapes:
+    """`batch_shapes` of the groups `items[ends[g - 1]:ends[g]]` (indices into `cols`, a
+    `RankSplit`'s items and counts), from the columns: the packers' row / buffer counts
+    come from the compiled kernels (data/packing_kernels.py), every group in one call."""
+    ends = np.cumsum(counts)
+    nonempty = counts > 0
     rows = 1
-    for metas in groups:
-        lens = [m.llm_length for m in metas]
-        rows = max(rows, (max(pack_rows(lens, layout.seq_len, layout.packing)) + 1) if lens else 1)
-    if layout.packing == "pack":
+    if layout.packing == "pad":
+        rows = max(rows, int(counts.max(initial=0)))
+    elif nonempty.any():
+        per = first_fit_rows(cols.llm[items], ends, layout.seq_len)
+        rows = shape_bucket(max(rows, int(per[nonempty].max())))
+    else:
         rows = shape_bucket(rows)
     encs = []
     for slot in layout.encoders:
+        values, per_sample = cols.items[slot.name].take(items)
+        per_group = _group_sums(per_sample, ends)
+        caps = layout.vision_caps if slot.modality == "image" else layout.audio_frame_caps
+        cap = _bucket(int(values.max(initial=0)), caps)
         if slot.modality == "image":
-            runs = [image_runs(m, slot) for m in groups]
-            cap = _bucket(max([max(r) for r in runs if r] or [0]), layout.vision_caps)
             mi = slot.items_per_buffer
-            nb = max([max(b for b, _, _ in pack_images(r, cap, mi)) + 1 for r in runs if r] or [1])
+            nb = 1
+            if values.size:
+                flat_ends = np.cumsum(per_group)
+                per = first_fit_decreasing_buffers(values, flat_ends, cap,
+                                                   -1 if mi is None else mi)
+                nb = max(nb, int(per[per_group > 0].max()))
             encs.append((slot.name, shape_bucket(nb), cap))
         else:
-            frames = [audio_frames(m) for m in groups]
-            cap = _bucket(max([max(f) for f in frames if f] or [0]), layout.audio_frame_caps)
-            encs.append((slot.name, shape_bucket(max([len(f) for f in frames] + [1])), cap))
+            encs.append((slot.name, shape_bucket(max(int(per_group.max(initial=0)), 1)), cap))
     gen = 0
     if layout.gen is not None:
-        gen = shape_bucket(max([sum(m.count("image_out") for m in metas) for metas in groups] + [1]))
+        per = _group_sums(cols.image_out[items], ends)
+        gen = shape_bucket(max(int(per.max(initial=0)), 1))
     return BatchShapes(rows, tuple(encs), gen)

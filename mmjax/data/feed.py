@@ -54,10 +54,15 @@ def _parts(src_groups, dst_groups, items_of):
 
 def _part_map(per_pair, a, b, min_slots: tuple[int, int] = (1, 1)) -> tuple[Routes, dict]:
     src_slot, dst_slot, pairs = {}, {}, []
-    keys = sorted(per_pair)
-    for i, j in keys:
-        src_slot[(i, j)] = sum(1 for (i2, j2) in keys if i2 == i and j2 < j)
-        dst_slot[(i, j)] = sum(1 for (i2, j2) in keys if j2 == j and i2 < i)
+    # in (i, j) order a pair's src slot is the count of earlier pairs from i (smaller j),
+    # its dst slot the count of earlier pairs into j (smaller i): one pass, not pairs^2
+    from_src: dict[int, int] = {}
+    into_dst: dict[int, int] = {}
+    for i, j in sorted(per_pair):
+        src_slot[(i, j)] = from_src.get(i, 0)
+        dst_slot[(i, j)] = into_dst.get(j, 0)
+        from_src[i] = src_slot[(i, j)] + 1
+        into_dst[j] = dst_slot[(i, j)] + 1
         pairs.append((i, src_slot[(i, j)], j, dst_slot[(i, j)]))
     ps = max([v + 1 for v in src_slot.values()] + [min_slots[0]])
     pr = max([v + 1 for v in dst_slot.values()] + [min_slots[1]])
@@ -209,12 +214,14 @@ class _FeedBuilder:
         groups = self.groups
         enc_b = self.batches(e, True)
         enc_pos = {s: (i, k) for i, g in enumerate(groups[e]) for k, s in enumerate(g)}
+        enc_mask = [bt.gather[e] >= 0 for bt in enc_b]  # once per batch, not per sample
+        llm_mask = [bt.gather[e] >= 0 for bt in llm_b]
 
         def tokens_of(s):
             i, k = enc_pos[s]
             bt = enc_b[i]
-            row, cols = _doc_positions(bt, k, bt.gather[e] >= 0)
-            return [int(v) for v in bt.gather[e][row, cols]]
+            row, cols = _doc_positions(bt, k, enc_mask[i])
+            return bt.gather[e][row, cols].tolist()
 
         per_pair = _parts(groups[e], groups["llm"], tokens_of)
         routes, slots, cap, pack = self._route(e, per_pair, self.dp[e], self.dp["llm"])
@@ -224,8 +231,7 @@ class _FeedBuilder:
             for s in groups["llm"][j]:
                 if enc_pos[s][0] != i:
                     continue
-                row, cols = _doc_positions(llm_b[j], self.llm_pos[s][1],
-                                           llm_b[j].gather[e] >= 0)
+                row, cols = _doc_positions(llm_b[j], self.llm_pos[s][1], llm_mask[j])
                 gathers[j][row, cols] = off + np.arange(len(cols))
                 off += len(cols)
         feed.enc_inputs[e] = _stack([bt.encoders[e] for bt in enc_b])
@@ -257,14 +263,20 @@ class _FeedBuilder:
         gen = {key: np.zeros((c * per_rank,) + a.shape[1:], a.dtype)
                for key, a in gen_b[0].gen.items() if key != "gen_query"}
         gen_pos = {s: (i, k) for i, g in enumerate(groups["generator"]) for k, s in enumerate(g)}
+        gen_first = {}  # a sample's first image among its generator rank's images
+        for g in groups["generator"]:
+            k = 0
+            for s in g:
+                gen_first[s] = k
+                k += image_count[s]
         for (j, i) in per_pair:
             base = i * per_rank + slots["dst"][(j, i)] * cap
             t = 0
             for s in groups["llm"][j]:
                 if gen_pos[s][0] != i:
                     continue
-                gi, gk = gen_pos[s]
-                g_first = sum(image_count[x] for x in groups["generator"][gi][:gk])
+                gi = gen_pos[s][0]
+                g_first = gen_first[s]
                 for m in range(image_count[s]):
                     for key in gen:
                         gen[key][base + t] = gen_b[gi].gen[key][g_first + m]

@@ -182,28 +182,22 @@ class TokenRules:
     def segment_meta(self, modality: str, shape: tuple[int, ...], num_queries: int = 0,
                      num_masked: int = 0) -> SegmentMeta:
         """Metadata of a segment from its array shape alone (text: and its masked count)."""
-        meta = self._segment_meta(modality, shape, num_queries, num_masked)
-        if modality == "text" or not self.markers:
-            return meta
-        return dataclasses.replace(meta, delimiters=2)
-
-    def _segment_meta(self, modality: str, shape: tuple[int, ...], num_queries: int = 0,
-                      num_masked: int = 0) -> SegmentMeta:
+        delimiters = 0 if modality == "text" or not self.markers else 2
         if modality == "text":
             return SegmentMeta("text", int(shape[0]), 0, int(shape[0]), int(num_masked))
         if modality == "image":
             n = (shape[0] // self.patch_size) * (shape[1] // self.patch_size)
             llm = self.image_queries or math.ceil(n / self.image_downsample)
-            return SegmentMeta("image", llm, n, n)
+            return SegmentMeta("image", llm, n, n, 0, delimiters)
         if modality == "audio":
             t = int(shape[0])
             enc = math.ceil(t / AUDIO_STRIDE)
             llm = self.audio_queries or math.ceil(enc / self.audio_downsample)
-            return SegmentMeta("audio", llm, enc, t)
+            return SegmentMeta("audio", llm, enc, t, 0, delimiters)
         if modality == "image_out":
             p = self.gen_patch_size * self.gen_downsample
             n = (shape[1] // p) * (shape[2] // p)
-            return SegmentMeta("image_out", int(num_queries), n, n)
+            return SegmentMeta("image_out", int(num_queries), n, n, 0, delimiters)
         raise ValueError(f"unknown modality {modality!r}; use one of {MODALITIES}")
 
     def meta(self, sample: Sample) -> SampleMeta:

@@ -20,10 +20,13 @@ from mmjax.models.units import VAE_UNIT, has_llm
 from mmjax.train.vae_latents import place_vae
 
 
-def dry_run_build(cfg, tok, dirs, plan, global_batch, attention_impl, schedule) -> None:
+def dry_run_build(cfg, tok, dirs, plan, global_batch, attention_impl, schedule,
+                  dtype=None, check_memory: bool = False) -> None:
     """What a run builds before its first step, short of parameters and programs: the
     plan, the optimizer, the data source and the first global batch (selected, decoded,
-    assembled), so a setting that would break them fails here."""
+    assembled), so a setting that would break them fails here; with `check_memory` and
+    one program (`plan` None), the run's memory check at the first global batch's shapes
+    (train/memory_check.py `check_single_program`: the run refuses the same way)."""
     from mmjax.data.loader import Loader
     from mmjax.train.optimizer import optimizer_from_settings
 
@@ -36,8 +39,30 @@ def dry_run_build(cfg, tok, dirs, plan, global_batch, attention_impl, schedule) 
                     layout)
     try:
         loader.builder(0)
+        if plan is None and check_memory:
+            _check_single_program_memory(cfg, layout, loader, global_batch, dtype,
+                                         attention_impl)
     finally:
         loader.close()
+
+
+def _check_single_program_memory(cfg, layout, loader, global_batch, dtype,
+                                 attention_impl) -> None:
+    """`check_single_program` (refusing) at the shapes of global batch 0 (a run pads to
+    at least these) with the model's abstract parameter counts: nothing allocated."""
+    from mmjax.data.batch_shapes import grow_shapes
+    from mmjax.models.mllm import MultimodalModel, trainable_filter
+    from mmjax.parallel.sharded_init import abstract_split
+    from mmjax.train.memory_check import check_single_program
+
+    idx, specs, _ = loader.builder.select(0)
+    metas = [layout.rules.meta_from_shapes(i, s) for i, s in zip(idx, specs)]
+    _, tr, fr = abstract_split(MultimodalModel, (cfg,), jax.random.key(0),
+                               (trainable_filter(cfg), ...))
+    count = lambda t: sum(x.size for x in jax.tree.leaves(t))  # noqa: E731
+    check_single_program(cfg, grow_shapes(None, metas, layout), layout.seq_len, count(tr),
+                         count(fr), dtype, attention_impl or "auto", global_batch,
+                         jax.local_devices()[0], refuse=True)
 
 
 def model_and_tokenizer(model: MLLMConfig | None):

@@ -149,7 +149,7 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
         choose_implementation(attention_impl, 1, 1, dtype)  # reject a bad name up front
     if dry_run:
         dry_run_build(cfg, tok, dirs, None if colo else plan, global_batch, attention_impl,
-                      schedule)
+                      schedule, dtype, check_memory)
         return []
     use_compilation_cache(workdir, compilation_cache_dir)
     if plan is None or colo is not None:

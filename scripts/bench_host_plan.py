@@ -1,0 +1,164 @@
+"""Host planning time of one global batch (issue 41: linear in the batch), the loader's own
+call path (`batch_plan.plan_global_batch`: metadata -> costs -> balancing -> packing ->
+each unit's feed shapes), at OrchMLLM Table 2 scales (DP ranks x 60 LAION-like samples,
+every unit LLM / vision / audio on its own DP ranks, "orchmllm" post-balancing "sum",
+packed 4096-token rows). Wall time (perf_counter), median and min of interleaved repeats.
+
+Columns: "metas from specs", building the `SampleMeta`s from the source's shapes
+(`TokenRules.meta_from_shapes`, what `GlobalBatchBuilder` does before planning); "after",
+`plan_global_batch`; "before", the same plan with the pre-issue-41 per-sample costs and
+quadratic first-fit packers (tests/packing_reference.py: `unit_costs`, `batch_shapes`)
+on the same splits, only up to --before_max_dp (it grows as n x bins); the outputs are
+checked identical. Also the after path's stages: the metadata columns (`shape_columns`),
+balancing (`split_unit` per unit), shapes (`rank_shapes` per unit).
+
+  python scripts/bench_host_plan.py [--dp 64 256 2560] [--json bench_results/bench_host_plan.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(_HERE, "..", "tests"))
+sys.path.insert(0, _HERE)
+import packing_reference as before  # noqa: E402  (the frozen pre-issue-41 path)
+
+from bench_balance import MODEL  # noqa: E402
+from bench_data import BENCH_CFG  # noqa: E402
+from mmjax.data.batch_plan import (NodeWise, plan_global_batch,  # noqa: E402
+                                   post_balance_policies, split_unit, unit_policies)
+from mmjax.data.batch_shapes import rank_shapes  # noqa: E402
+from mmjax.data.layout import AssemblyLayout  # noqa: E402
+from mmjax.data.shape_columns import shape_columns  # noqa: E402
+from mmjax.data.synthetic import SyntheticDataset  # noqa: E402
+from mmjax.host_info import machine  # noqa: E402
+from mmjax.planner.plan import Plan  # noqa: E402
+
+
+def _ms(fn):
+    t = time.perf_counter()
+    out = fn()
+    return (time.perf_counter() - t) * 1e3, out
+
+
+def _before(metas, plan, layout, policies, algos, node_wise):
+    """The pre-issue-41 plan (one microbatch): per-sample costs, the same splits, then the
+    per-sample quadratic shapes of every unit's rank groups."""
+    costs = before.unit_costs(metas, MODEL)
+    splits = {u: split_unit(costs[u], plan.unit(u).dp, policies[u], algos[u], node_wise)
+              for u in MODEL.unit_names}
+    return splits, {u: before.batch_shapes([[metas[p] for p in g] for g in s.lists()], layout)
+                    for u, s in splits.items()}
+
+
+def _stages(metas, plan, layout, policies, algos, node_wise):
+    t0 = time.perf_counter()
+    cols = shape_columns(metas, layout, tuple(e.modality for e in MODEL.encoders))
+    t1 = time.perf_counter()
+    splits = {u: split_unit(cols_cost, plan.unit(u).dp, policies[u], algos[u], node_wise)
+              for u, cols_cost in _costs(cols).items()}
+    t2 = time.perf_counter()
+    for s in splits.values():
+        rank_shapes(cols, s.items, s.counts, layout)
+    t3 = time.perf_counter()
+    return {"columns": (t1 - t0) * 1e3, "balancing": (t2 - t1) * 1e3, "shapes": (t3 - t2) * 1e3}
+
+
+def _costs(cols):
+    from mmjax.data.batch_plan import unit_costs
+    return unit_costs([], MODEL, cols)
+
+
+def run(args, console) -> list[dict]:
+    layout = AssemblyLayout.from_config(MODEL, args.seq_len, "pack")
+    rules = layout.rules
+    ds = SyntheticDataset("laion", BENCH_CFG, seed=args.seed)
+    pool = [ds.spec(i) for i in range(args.pool)]
+    pool_metas = [ds.meta(i, rules) for i in range(args.pool)]
+    rng = np.random.default_rng(args.seed)
+    policies, algos = unit_policies("orchmllm", MODEL), post_balance_policies("sum", MODEL)
+    node_wise = NodeWise(0)
+    rows = []
+    for d in args.dp:
+        pick = rng.choice(args.pool, d * args.samples_per_rank)
+        metas = [pool_metas[i] for i in pick]
+        plan = Plan.uniform(MODEL, len(metas), 1, dp=d)
+        call = lambda: plan_global_batch(metas, MODEL, plan, layout, policies, algos,  # noqa
+                                         node_wise=node_wise)
+        call()  # warm: numba's cached machine code loaded once per process
+        do_before = d <= args.before_max_dp
+        row = {"dp": d, "samples": len(metas)}
+        if do_before:
+            (mp,) = call()
+            splits, shapes = _before(metas, plan, layout, policies, algos, node_wise)
+            row["identical"] = bool(shapes == mp.shapes and all(
+                np.array_equal(splits[u].items, mp.splits[u].items) and
+                np.array_equal(splits[u].counts, mp.splits[u].counts) for u in splits))
+        times = {k: [] for k in ("specs", "after", "before", "columns", "balancing", "shapes")}
+        for _ in range(args.repeats):  # interleaved: every column sees the same load
+            times["specs"].append(_ms(lambda: [rules.meta_from_shapes(int(i), pool[i])
+                                               for i in pick])[0])
+            times["after"].append(_ms(call)[0])
+            for k, v in _stages(metas, plan, layout, policies, algos, node_wise).items():
+                times[k].append(v)
+            if do_before:
+                times["before"].append(_ms(lambda: _before(metas, plan, layout, policies,
+                                                           algos, node_wise))[0])
+        for k, ts in times.items():
+            row[k] = {"median": statistics.median(ts), "min": min(ts)} if ts else None
+        rows.append(row)
+        console.print(row)
+    table = Table(title=f"host plan of one global batch, ms (wall), median (min) of "
+                        f"{args.repeats} interleaved repeats, {args.samples_per_rank} "
+                        f"LAION-like samples per rank, LLM / vision / audio each on DP ranks")
+    cols = ("DP", "samples", "metas from specs", "before", "after (plan_global_batch)",
+            "before / after", "columns", "balancing", "shapes", "same output")
+    for c in cols:
+        table.add_column(c, justify="right")
+
+    def cell(v):
+        return "-" if v is None else f"{v['median']:.1f} ({v['min']:.1f})"
+    for r in rows:
+        ratio = (f"{r['before']['median'] / r['after']['median']:.1f}x"
+                 if r["before"] else "-")
+        table.add_row(str(r["dp"]), str(r["samples"]), cell(r["specs"]), cell(r["before"]),
+                      cell(r["after"]), ratio, cell(r["columns"]), cell(r["balancing"]),
+                      cell(r["shapes"]),
+                      "-" if "identical" not in r else ("yes" if r["identical"] else "NO"))
+    console.print(table)
+    return rows
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dp", type=int, nargs="+", default=[64, 256, 2560])
+    ap.add_argument("--samples_per_rank", type=int, default=60)
+    ap.add_argument("--before_max_dp", type=int, default=256)
+    ap.add_argument("--seq_len", type=int, default=4096)
+    ap.add_argument("--pool", type=int, default=4096)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default="bench_results/bench_host_plan.json")
+    args = ap.parse_args(argv)
+    console = Console(width=max(Console().width, 160))
+    results = {"config": vars(args), "machine": machine()}
+    console.print(f"machine: {results['machine']}")
+    results["rows"] = run(args, console)
+    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump(results, f, indent=2, default=float)
+    console.print(f"wrote {args.json}")
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""The first-fit packers as they were before issue 41 (O(n x bins)), frozen: the reference
+that `mmjax.data.batch_shapes.pack_rows` / `pack_images` (O(n log n)) must reproduce
+exactly; and the per-sample `unit_costs` / `batch_shapes` they were called from. The
+"before" column of scripts/bench_host_plan.py."""
+from __future__ import annotations
+
+import numpy as np
+
+
+def pack_rows(lengths: list[int], seq_len: int, packing: str) -> list[int]:
+    """Row of each document: one per row ("pad"), or first fit in order ("pack")."""
+    if packing == "pad":
+        return list(range(len(lengths)))
+    free: list[int] = []
+    rows = []
+    for n in lengths:
+        for r, f in enumerate(free):
+            if f >= n:
+                free[r] -= n
+                rows.append(r)
+                break
+        else:
+            free.append(seq_len - n)
+            rows.append(len(free) - 1)
+    return rows
+
+
+def pack_images(runs: list[int], cap: int, max_items: int | None) -> list[tuple[int, int, int]]:
+    """(buffer, patch offset, 1-based seg id) per image: first fit decreasing by run length
+    (ties by order), at most `max_items` images per buffer when given."""
+    order = sorted(range(len(runs)), key=lambda i: (-runs[i], i))
+    free, items = [], []
+    out: list[tuple[int, int, int]] = [(0, 0, 0)] * len(runs)
+    for i in order:
+        for b in range(len(free)):
+            if free[b] >= runs[i] and (max_items is None or items[b] < max_items):
+                break
+        else:
+            free.append(cap)
+            items.append(0)
+            b = len(free) - 1
+        out[i] = (b, cap - free[b], items[b] + 1)
+        free[b] -= runs[i]
+        items[b] += 1
+    return out
+
+
+def unit_costs(metas, model) -> dict[str, np.ndarray]:
+    """batch_plan.unit_costs before issue 41: a Python pass over the segments."""
+    from mmjax.models.units import GENERATOR_UNIT, LLM_UNIT, has_generator
+    enc_mod = {e.name: e.modality for e in model.encoders}
+    mods = tuple(sorted(set(enc_mod.values())))
+    llm, images_out, enc = [], [], {mod: [] for mod in mods}
+    for m in metas:
+        tokens, out, per_mod = 2, 0, dict.fromkeys(mods, 0)
+        for seg in m.segments:
+            tokens += seg.num_llm_tokens + seg.delimiters
+            if seg.modality in per_mod:
+                per_mod[seg.modality] += seg.num_encoder_tokens
+            elif seg.modality == "image_out":
+                out += 1
+        llm.append(tokens)
+        images_out.append(out)
+        for mod in mods:
+            enc[mod].append(per_mod[mod])
+    cols = {LLM_UNIT: np.array(llm, dtype=np.float64)}
+    if has_generator(model.unit_names):
+        cols[GENERATOR_UNIT] = np.array(images_out, dtype=np.float64)
+    for name, mod in enc_mod.items():
+        cols[name] = np.array(enc[mod], dtype=np.float64)
+    return cols
+
+
+def batch_shapes(groups, layout):
+    """batch_shapes before issue 41: per group, per sample, the Python packers above."""
+    from mmjax.data.batch_shapes import (BatchShapes, _bucket, audio_frames, image_runs,
+                                         shape_bucket)
+    rows = 1
+    for metas in groups:
+        lens = [m.llm_length for m in metas]
+        rows = max(rows, (max(pack_rows(lens, layout.seq_len, layout.packing)) + 1)
+                   if lens else 1)
+    if layout.packing == "pack":
+        rows = shape_bucket(rows)
+    encs = []
+    for slot in layout.encoders:
+        if slot.modality == "image":
+            runs = [image_runs(m, slot) for m in groups]
+            cap = _bucket(max([max(r) for r in runs if r] or [0]), layout.vision_caps)
+            mi = slot.items_per_buffer
+            nb = max([max(b for b, _, _ in pack_images(r, cap, mi)) + 1
+                      for r in runs if r] or [1])
+            encs.append((slot.name, shape_bucket(nb), cap))
+        else:
+            frames = [audio_frames(m) for m in groups]
+            cap = _bucket(max([max(f) for f in frames if f] or [0]), layout.audio_frame_caps)
+            encs.append((slot.name, shape_bucket(max([len(f) for f in frames] + [1])), cap))
+    gen = 0
+    if layout.gen is not None:
+        gen = shape_bucket(max([sum(m.count("image_out") for m in metas) for metas in groups]
+                               + [1]))
+    return BatchShapes(rows, tuple(encs), gen)
