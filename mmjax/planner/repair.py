@@ -127,11 +127,28 @@ def combine(arrays, m: int, n: int):
     flat = int(np.argmin(total))
     if not np.isfinite(total.flat[flat]):
         return None
-    ok = np.isfinite(total)
-    gs, ts = g[ok], total[ok]
-    order = np.lexsort((ts, gs))
-    gs, ts = gs[order], ts[order]
-    keep = ts < np.minimum.accumulate(np.concatenate(([np.inf], ts[:-1])))
-    flats = np.flatnonzero(ok)[order][keep]
+    where = np.flatnonzero(np.isfinite(total))
+    gs, ts, keep = pareto_front(g.ravel()[where], total.ravel()[where])
     return (float(total.flat[flat]), np.unravel_index(flat, shape),
-            (gs[keep], ts[keep], flats, shape))
+            (gs, ts, where[keep], shape))
+
+
+def pareto_front(gpus: np.ndarray, times: np.ndarray):
+    """The (GPUs, time) Pareto front of plans with integral GPU counts: (gpus, times,
+    indices) of the plans no plan with as few GPUs beats, by GPUs ascending -- the least
+    time per GPU count (the first such plan on a tie) where it is below every smaller
+    count's. What sorting by (GPUs, time) and keeping each new least time gives, without
+    the sort: a plan not the least of its count is never kept."""
+    if not len(gpus):
+        return gpus, times, np.zeros(0, dtype=np.int64)
+    gi = gpus.astype(np.int64)
+    least = np.full(int(gi.max()) + 1, np.inf)
+    np.minimum.at(least, gi, times)
+    counts = np.flatnonzero(np.isfinite(least))
+    lt = least[counts]
+    on_front = np.zeros(len(least), dtype=bool)
+    on_front[counts[lt < np.minimum.accumulate(np.concatenate(([np.inf], lt[:-1])))]] = True
+    idx = np.flatnonzero(on_front[gi] & (times == least[gi]))
+    _, first = np.unique(gi[idx], return_index=True)  # by GPUs; the first of a tie
+    keep = idx[first]
+    return gpus[keep], times[keep], keep
