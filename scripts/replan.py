@@ -125,7 +125,7 @@ def main(argv=None) -> int:
         res = replan(model, plan, trace, hw, args.gpus or plan.num_devices,
                      prior_actions=args.prior_actions)
     except (ValueError, PlanError) as e:
-        console.print(f"error: {e}")
+        console.print(f"error: {e}", soft_wrap=True, markup=False)
         return 2
     console.print(f"priced on {hw.name}" + (f" (the trace ran on {device})" if device else ""))
     if compiled:
