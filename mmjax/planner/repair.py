@@ -111,19 +111,20 @@ def combine(arrays, m: int, n: int):
     best (time, index tuple) and the (gpus, time) Pareto front (gpus, times, flat indices,
     shape), or None when no combination fits in n GPUs."""
     shape = [len(a) for a in arrays]
-    g = np.zeros(shape)
-    stage = np.zeros(shape)
-    warm = np.zeros(shape)
-    sync = np.zeros(shape)
+    g = stage = warm = sync = 0.0  # broadcast up one unit's axis at a time
     for ax, a in enumerate(arrays):
         view = [1] * len(shape)
         view[ax] = len(a)
-        g = g + a[:, 0].reshape(view)
-        stage = np.maximum(stage, a[:, 1].reshape(view))
-        warm = warm + a[:, 2].reshape(view)
-        sync = np.maximum(sync, a[:, 3].reshape(view))
+        cols = a.T.reshape([4] + view)
+        if ax == 0:
+            g, stage, warm, sync = cols
+            continue
+        g = g + cols[0]
+        stage = np.maximum(stage, cols[1])
+        warm = warm + cols[2]
+        sync = np.maximum(sync, cols[3])
     total = warm + (m - 1) * stage + sync
-    total = np.where(g <= n, total, np.inf)
+    total[g > n] = np.inf
     flat = int(np.argmin(total))
     if not np.isfinite(total.flat[flat]):
         return None
