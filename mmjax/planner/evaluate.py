@@ -108,8 +108,11 @@ def _per_tp(table: dict, tp):
     arr = np.asarray(tp)
     if arr.ndim == 0:
         return table.get(int(arr), 0.0)
-    sizes, inverse = np.unique(arr, return_inverse=True)
-    return np.array([table.get(int(x), 0.0) for x in sizes])[inverse].reshape(arr.shape)
+    idx = arr.astype(np.int64)  # TP sizes: small integers; a lookup row indexed by them
+    lut = np.zeros(max(int(idx.max(initial=0)), max(table, default=0)) + 1)
+    for k, v in table.items():
+        lut[k] = v
+    return lut[idx]
 
 
 def stage_bytes(cost: UnitCost, tp, dp, pp, spr, flight, exact: bool = False):
