@@ -71,6 +71,12 @@ class OptionTable:
         # the fewest stages that fit in memory at VPP 1, per DP (len(valid): none fits)
         fit1 = fits[:, :, 0]
         self._fewest = np.where(fit1.any(axis=1), np.argmax(fit1, axis=1), len(self.valid))
+        fewest = self._fewest[:, None]
+        idx = np.arange(len(self.valid))[None, :]
+        # what `neighbourhood` always picks: the fewest stages that fit and the next; and
+        # only options of a DP at which some PP fits
+        self._near_fewest = (idx >= fewest) & (idx < fewest + 2)
+        self._ok_fitting = self.ok & (fewest < len(self.valid))[:, :, None]
         self._sync1 = np.array([sync_time(cost, Choice(t, d, 1), hw) for d in self.dps])
         self._base = np.array([dp_llm / d * time for d in self.dps])  # stage time x tau
         self._dp_arr, self._pp_arr = np.asarray(self.dps), np.asarray(self.valid)
@@ -84,8 +90,7 @@ class OptionTable:
         cost, idx = self.cost, self._idx
         cut = np.searchsorted(self._pp_arr, x_star / (self.t * self._dp_arr), side="right")
         cut = cut[:, None]
-        fewest = self._fewest[:, None]
-        pick = (((idx >= cut - 2) & (idx < cut + 2)) | ((idx >= fewest) & (idx < fewest + 2)))
+        pick = ((idx >= cut - 2) & (idx < cut + 2)) | self._near_fewest
         if not cost.layer_pp_divides:  # valid = 1..layers: PP p sits at index p - 1
             if tau_star > 0:
                 pick |= idx == np.minimum(cost.num_layers,
@@ -95,8 +100,7 @@ class OptionTable:
             else:
                 p = np.full(len(self._sync1), cost.num_layers)
             pick |= (idx == p[:, None] - 1) & (self._sync1 > 0)[:, None]
-        pick &= (fewest < len(self.valid))
-        sel = (self.ok & pick[:, :, None]).ravel()
+        sel = (self._ok_fitting & pick[:, :, None]).ravel()
         return self._prices[sel], np.flatnonzero(sel)
 
     def choice(self, flat: int) -> Choice:
@@ -147,9 +151,11 @@ def pareto_front(gpus: np.ndarray, times: np.ndarray):
     np.minimum.at(least, gi, times)
     counts = np.flatnonzero(np.isfinite(least))
     lt = least[counts]
+    front = counts[lt < np.minimum.accumulate(np.concatenate(([np.inf], lt[:-1])))]
     on_front = np.zeros(len(least), dtype=bool)
-    on_front[counts[lt < np.minimum.accumulate(np.concatenate(([np.inf], lt[:-1])))]] = True
+    on_front[front] = True
     idx = np.flatnonzero(on_front[gi] & (times == least[gi]))
-    _, first = np.unique(gi[idx], return_index=True)  # by GPUs; the first of a tie
-    keep = idx[first]
+    first = np.full(len(least), len(idx))  # per GPU count, its first plan of least time
+    np.minimum.at(first, gi[idx], np.arange(len(idx)))
+    keep = idx[first[front]]
     return gpus[keep], times[keep], keep
