@@ -105,7 +105,9 @@ class OptionTable:
 
     def choice(self, flat: int) -> Choice:
         """The Choice of an option by its flat (DP, PP, VPP) index (from `neighbourhood`)."""
-        j, p, w = np.unravel_index(int(flat), self.ok.shape)
+        _, npp, nv = self.ok.shape  # the flat index's (DP, PP, VPP), C order
+        flat = int(flat)
+        j, p, w = flat // (npp * nv), flat // nv % npp, flat % nv
         remat = self._variants[self._pick[j, p, w]].remat if self.cost.variants else None
         return Choice(self.t, self.dps[j], self.valid[p], self.vs[w], remat)
 
