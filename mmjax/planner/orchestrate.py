@@ -93,7 +93,11 @@ class Frontier:
         i = int(self.order[k])
         f, flat = int(self._front[i]), int(self._flat[i])
         _, _, _, shape, picked = self._fronts[f]
-        return self._orch._choices(picked, np.unravel_index(flat, shape))
+        idx = []  # np.unravel_index(flat, shape), in integers
+        for size in reversed(shape):
+            flat, r = divmod(flat, size)
+            idx.append(r)
+        return self._orch._choices(picked, idx[::-1])
 
     def time(self, k: int) -> float:
         return float(self.times[self.order[k]])
