@@ -36,7 +36,7 @@ from rich.table import Table  # noqa: E402
 
 from mmjax.planner.placement import node_map  # noqa: E402
 from mmjax.planner.hardware import hardware  # noqa: E402
-from mmjax.planner.hardware_profile import (DEFAULT_CALL_TOKENS, HardwareProfile,  # noqa: E402
+from mmjax.planner.hardware_profile import (DEFAULT_CALL_TOKENS,  # noqa: E402
                                             is_hardware_profile)
 from mmjax.planner.orchestrate import GPU_TOLERANCE  # noqa: E402
 from mmjax.planner.build import plan_model  # noqa: E402
