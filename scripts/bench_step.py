@@ -8,10 +8,15 @@ model, runs `--warmup` untimed steps (compile) and `--steps` timed ones, and rep
 * step time (median), data wait, tokens/s;
 * model FLOPs per step from the planner's cost model (`planner/costs.py` `unit_costs` on
   the workload of the samples the timed run's global batches hold, after the loader's
-  skips: forward + required backward, real tokens only) and MFU = those FLOPs / step time / the device's dense bf16 peak;
+  skips: forward + required backward, real tokens only) and MFU = those FLOPs / step time /
+  the device's measured matmul peak in the run's dtype (`--profile FILE` of this device, from
+  scripts/profile_hardware.py, or measured at start-up: train/device_measure.py; a CPU run
+  is priced by the CPU, never by a GPU's spec);
 * XLA's own FLOP count of the compiled step (`cost_analysis`; custom calls such as cuDNN
   attention and Triton kernels count 0 there, so it is a lower bound);
-* the planner's predicted step time for the same samples, and measured / predicted per
+* the planner's predicted step time for the same samples on that measured device (its
+  layers at the profile's measured efficiencies when the profile has them), and measured /
+  predicted per
   unit is what `planner/profile.py` would learn (the calibration factor);
 * the compiled step's memory per device (`memory_analysis()`) and, on GPU, the allocator's
   peak.
@@ -46,10 +51,10 @@ from rich.table import Table
 from mmjax.cli import write_json
 from mmjax.host_info import machine
 from mmjax.planner.costs import unit_costs
-from mmjax.planner.hardware_profile import HardwareProfile
+from mmjax.planner.hardware import hardware_of_device
+from mmjax.planner.measured_hardware import check_device, hardware_from_profile, has_measurement
 from mmjax.planner.step_model import PALLAS_VS_CUDNN, single_step_time
 from mmjax.planner.workload import workload_from_metas
-from mmjax.train.auto_plan import device_hardware
 from mmjax.train.config import named_model_config
 from mmjax.data.records import SyntheticSource
 from mmjax.train.data_config import data_layout, synthetic_dataset
@@ -163,9 +168,26 @@ def run(args) -> dict:
         "losses": [m.loss for m in steps], "trace": trace_file,
         "memory": step_memory(compiled),
     }
+    record["hardware_profile"] = device_profile(args.profile)
     record.update(cost_fields(args, cfg, layout, prog.data, total, tokens, step_s,
-                              int(prog.num_trainable)))
+                              int(prog.num_trainable), record["hardware_profile"]))
     return record
+
+
+def device_profile(path: str) -> dict:
+    """The hardware profile of the device this run is on: `path`'s (it must be of this
+    device), with the peak and bandwidths measured now when it has none (or no path)."""
+    kind = str(jax.devices()[0].device_kind)
+    profile = {}
+    if path:
+        with open(path) as f:
+            profile = json.load(f)
+        check_device(profile, kind, f"--profile={path}")
+    if not has_measurement(profile):
+        from mmjax.train.device_measure import measure_device
+
+        profile.update(measure_device(dtypes=("float32", "bfloat16")))
+    return profile
 
 
 def step_memory(compiled) -> dict:
@@ -183,33 +205,27 @@ def step_memory(compiled) -> dict:
 
 
 def cost_fields(args, cfg, layout, data, steps: int, tokens: float, step_s: float,
-                trainable: int) -> dict:
-    """Model FLOPs per step and MFU for the samples the `steps` global batches trained, the
-    planner's predicted step (assumed efficiency curve; the measured profile with
-    --profile), and the single-device step model (`planner/step_model.py`) on the step's
-    own shapes (`data.shapes`)."""
+                trainable: int, profile: dict) -> dict:
+    """Model FLOPs per step and MFU (of the measured peak of `profile`: this device's) for
+    the samples the `steps` global batches trained, the planner's predicted step on that
+    measured device, and the single-device step model (`planner/step_model.py`) on the
+    step's own shapes (`data.shapes`)."""
     wl = trained_workload(data.builder, cfg, steps)
-    hw = device_hardware()
+    hw = hardware_from_profile(profile, args.dtype, call_tokens=tokens)
     impl = None if args.attention == "auto" else args.attention  # None: exact pairs
     recompute = args.remat  # per-layer remat costs what the stage-level policy does
     costs = unit_costs(cfg, wl, hw, recompute=recompute, attention_impl=impl)
     flops = args.global_batch * sum(c.flops for c in costs)
     predicted = {c.name: args.global_batch * c.time_s[1] for c in costs}
-    profiled, phw = {}, hw
-    if args.profile:  # the same costs priced by the measured device profile
-        table = HardwareProfile.load(args.profile, hw.peak_flops)
-        phw = hw.with_profile(table, call_tokens=tokens)
-        profiled = {c.name: args.global_batch * c.time_s[1]
-                    for c in unit_costs(cfg, wl, phw, recompute=recompute, attention_impl=impl)}
-    step = single_step_time(cfg, wl, phw, args.global_batch, unit_remats(cfg),
+    step = single_step_time(cfg, wl, hw, args.global_batch, unit_remats(cfg),
                             slot_fills(cfg, layout, data.shapes, wl, args.global_batch),
                             trainable, data.shapes.rows * args.seq_len,
-                            pallas_units(cfg, layout, args.attention, phw))
+                            pallas_units(cfg, layout, args.attention, hw))
     return {"model_flops_per_step": flops, "peak_flops": hw.peak_flops,
+            "peak_measured": has_measurement(profile),
             "hardware_model": hw.name, "mfu": flops / step_s / hw.peak_flops,
             "predicted_step_s": sum(predicted.values()), "predicted_unit_s": predicted,
             "profile": args.profile or None,
-            "profiled_step_s": sum(profiled.values()) or None, "profiled_unit_s": profiled,
             "step_model_s": step.total_s, "step_model_unit_s": step.units_s,
             "step_model_optimizer_s": step.optimizer_s, "step_model_head_s": step.head_s}
 
@@ -264,9 +280,25 @@ def recount(path: str) -> dict:
                          lambda s, m: grow_shapes(s, m, layout), scan_steps=total)
     data.shapes = data.floor if data.floor is not None else data.shapes
     record.update(cost_fields(args, cfg, layout, data, total, record["tokens_per_step"],
-                              record["step_time_s"], record["trainable_params"]))
+                              record["step_time_s"], record["trainable_params"],
+                              recorded_profile(record)))
     record["recounted"] = True
     return record
+
+
+def recorded_profile(record: dict) -> dict:
+    """The hardware profile a recorded run was priced with: the one it recorded, else (runs
+    before measured peaks) its `--profile` file or its GPU's spec (an empty profile)."""
+    if record.get("hardware_profile"):
+        return record["hardware_profile"]
+    path = record["args"].get("profile")
+    if path:
+        with open(path) as f:
+            return json.load(f)
+    if hardware_of_device(record["device"]) is None:
+        raise ValueError(f"the record of a run on {record['device']!r} has no measured "
+                         f"profile to price it with (re-run bench_step.py)")
+    return {"device": record["device"]}
 
 
 def trained_workload(builder, cfg, steps: int):
@@ -291,6 +323,13 @@ def traced_step(prog, trace_dir: str) -> str | None:
     return found[-1] if found else None
 
 
+def peak_text(r) -> str:
+    """The peak MFU is of: "97.0 GFLOP/s measured" on a CPU, TFLOP/s on a GPU."""
+    p = r["peak_flops"]
+    amount = f"{p / 1e12:.0f} TFLOP/s" if p >= 1e13 else f"{p / 1e9:,.1f} GFLOP/s"
+    return amount + (" measured" if r.get("peak_measured") else f" {r['hardware_model']} spec")
+
+
 def show(console, r) -> None:
     runner = (f", co-located ZeRO-{r['args']['colocated_zero']}"
               if r['args'].get("colocated_zero") else "")
@@ -310,17 +349,13 @@ def show(console, r) -> None:
              if r.get("llm_slots_per_step") else "-"),
             ("model GFLOP / step (planner)", f"{r['model_flops_per_step'] / 1e9:,.1f}"),
             ("XLA GFLOP / step (lower bound)", f"{r['xla_flops_per_step'] / 1e9:,.1f}"),
-            (f"MFU (of {r['peak_flops'] / 1e12:.0f} TFLOP/s)", f"{100 * r['mfu']:.2f}%"),
+            (f"MFU (of {peak_text(r)})", f"{100 * r['mfu']:.2f}%"),
             ("predicted step (planner)", f"{r['predicted_step_s'] * 1e3:.1f} ms"),
             ("measured / predicted", f"{r['step_time_s'] / r['predicted_step_s']:.2f}")]
     if r.get("step_model_s"):
         rows += [("step model (padding, kernels, optimizer, loss head)",
                   f"{r['step_model_s'] * 1e3:.1f} ms"),
                  ("measured / step model", f"{r['step_time_s'] / r['step_model_s']:.2f}")]
-    if r.get("profiled_step_s"):
-        rows += [("predicted step (measured profile)", f"{r['profiled_step_s'] * 1e3:.1f} ms"),
-                 ("measured / predicted (profile)",
-                  f"{r['step_time_s'] / r['profiled_step_s']:.2f}")]
     mem = r.get("memory")
     if mem:
         rows.append(("step memory, compiled peak per device",
@@ -353,8 +388,9 @@ def main(argv=None) -> dict:
                     help="fuse the LM head and cross-entropy over chunks of this many tokens "
                          "(0: plain float32 logits)")
     ap.add_argument("--profile", default="", metavar="FILE",
-                    help="a measured hardware profile (scripts/profile_hardware.py): also "
-                         "print the step it predicts")
+                    help="this device's measured hardware profile (scripts/"
+                         "profile_hardware.py); without one, its peak and bandwidths are "
+                         "measured at start-up")
     ap.add_argument("--trace", default="", metavar="DIR",
                     help="after the timed steps, profile one more step into DIR (Perfetto)")
     ap.add_argument("--colocated_zero", type=int, default=0, choices=(0, 1, 2, 3),

@@ -36,7 +36,7 @@ from rich.table import Table  # noqa: E402
 
 from mmjax.planner.placement import node_map  # noqa: E402
 from mmjax.planner.hardware import hardware  # noqa: E402
-from mmjax.planner.hardware_profile import (DEFAULT_CALL_TOKENS, HardwareProfile,  # noqa: E402
+from mmjax.planner.hardware_profile import (DEFAULT_CALL_TOKENS,  # noqa: E402
                                             is_hardware_profile)
 from mmjax.planner.orchestrate import GPU_TOLERANCE  # noqa: E402
 from mmjax.planner.build import plan_model  # noqa: E402
@@ -95,23 +95,29 @@ def measured_costs(model, hw, args, wl):
 
 
 def profiled_hardware(args, hw):
-    """The hardware a measured device profile describes: its own device's spec (a profile's
-    efficiencies are fractions of that device's peak), priced by the profile. A `--hardware`
-    naming another device is an error, not a silent mix."""
+    """The hardware a measured device profile describes (planner/measured_hardware.py): its
+    measured peak and bandwidths, or, for a profile of layer points only, its own device's
+    spec (the efficiencies are fractions of that device's peak), priced by the profile. A
+    `--hardware` naming another device is an error, not a silent mix."""
     from mmjax.errors import UserError
     from mmjax.planner.hardware import hardware_of_device
+    from mmjax.planner.measured_hardware import hardware_from_profile, has_measurement
 
     with open(args.profile) as f:
-        device = json.load(f).get("device", "")
+        profile = json.load(f)
+    device = profile.get("device", "")
     own = hardware_of_device(device)
-    if own is None:
-        raise UserError(f"--profile={args.profile}: device {device!r} has no spec here "
-                        f"(profile one of: a800, h100, h200)")
-    if args.hardware and hardware(args.hardware).name != own.name:
+    if own is None and not has_measurement(profile):
+        raise UserError(f"--profile={args.profile}: device {device!r} has no spec here and "
+                        f"the profile no measured peak (re-run scripts/profile_hardware.py)")
+    if args.hardware and (own is None or hardware(args.hardware).name != own.name):
         raise UserError(f"--hardware={args.hardware} but --profile={args.profile} was measured "
                         f"on {device!r} (drop --hardware or profile that device)")
-    return own.with_profile(HardwareProfile.load(args.profile, own.peak_flops),
-                            call_tokens=args.profile_tokens)
+    try:
+        return hardware_from_profile(profile, profile.get("dtype", "bfloat16"),
+                                     call_tokens=args.profile_tokens)
+    except ValueError as e:
+        raise UserError(f"--profile={args.profile}: {e}") from None
 
 
 def _cell(table: dict, unit: str, fmt: str) -> str:

@@ -9,7 +9,7 @@ import pytest
 
 from mmjax.data.batch_shapes import grow_shapes
 from mmjax.planner.costs import unit_costs
-from mmjax.planner.hardware import H100
+from mmjax.planner.measured_hardware import hardware_from_profile
 from mmjax.planner.workload import workload_from_metas
 from mmjax.train.single_data import LoaderBatches
 
@@ -46,12 +46,44 @@ def test_formulas(record):
     metas = [m for _, _, ms in data.builder.scan(3) for m in ms]
     assert len(metas) == 3 * 8
     wl = workload_from_metas("bench batches", metas, cfg)
-    costs = unit_costs(cfg, wl, H100, recompute=False)
+    # priced by the CPU's measured profile (recorded), never by a GPU's spec
+    hw = hardware_from_profile(r["hardware_profile"], "float32", r["tokens_per_step"])
+    costs = unit_costs(cfg, wl, hw, recompute=False)
     assert r["model_flops_per_step"] == pytest.approx(8 * sum(c.flops for c in costs))
     assert r["predicted_step_s"] == pytest.approx(8 * sum(c.time_s[1] for c in costs))
     assert set(r["predicted_unit_s"]) == {"vision", "llm", "generator"}
     # XLA's count of the compiled step covers at least the forward's share of the model's
     assert r["xla_flops_per_step"] > r["model_flops_per_step"] / 3
+
+
+def test_a_cpu_run_is_priced_by_the_cpu_it_measured(record, capsys):
+    """MFU is of the CPU's measured float32 matmul peak, the prediction on the measured CPU,
+    and the table says so (not "MFU (of 989 TFLOP/s)")."""
+    prof = record["hardware_profile"]
+    assert prof["device"] == record["device"] == "cpu" and prof["platform"] == "cpu"
+    assert record["peak_flops"] == prof["matmul_peak_flops"]["float32"]
+    assert record["peak_measured"] is True
+    assert record["hardware_model"] == "measured cpu"
+    assert prof["memory_bw"] > 0 and prof["device_count"] == len(bench.jax.devices())
+    bench.show(bench.Console(width=120), record)
+    out = capsys.readouterr().out
+    assert f"MFU (of {record['peak_flops'] / 1e9:,.1f} GFLOP/s measured)" in out
+    assert "989" not in out
+
+
+def test_a_given_profile_is_used_and_must_be_this_device(tmp_path):
+    mine = {"device": "cpu", "matmul_peak_flops": {"float32": 5e10}, "memory_bw": 1e10,
+            "collective_bw": 2e9, "device_count": 8, "memory_bytes": 1e10, "points": []}
+    path = tmp_path / "cpu.json"
+    path.write_text(json.dumps(mine))
+    assert bench.device_profile(str(path)) == mine  # measured already: nothing re-measured
+    hw = hardware_from_profile(mine, "float32")
+    assert (hw.peak_flops, hw.hbm_bw, hw.nvlink_bw, hw.nic_bw, hw.gpus_per_node) == \
+        (5e10, 1e10, 2e9, 2e9, 8)
+    other = dict(mine, device="NVIDIA H100 80GB HBM3")
+    path.write_text(json.dumps(other))
+    with pytest.raises(ValueError, match="measured on 'NVIDIA H100 80GB HBM3'.*on 'cpu'"):
+        bench.device_profile(str(path))
 
 
 def test_recount_reproduces_the_record(record, tmp_path):

@@ -1,6 +1,7 @@
 """One data path for both modes: the single-program trainer (`train.py`) reads the global
 batches every plan reads (the pipeline path's loader), so `train.py` and
 `train.py --plan=...` give the same loss curve up to float reassociation."""
+import json
 import os
 
 import gin
@@ -45,4 +46,6 @@ def test_single_program_and_a_plan_give_the_same_loss_curve(tmp_path):
     assert written == [str(tmp_path / "plan" / "traces" / "step_3.png")]
     assert os.path.getsize(written[0]) > 1000
     assert not (tmp_path / "plan" / "traces" / "step_2.json").exists()
+    with open(tmp_path / "plan" / "traces" / "step_3.json") as f:  # replan.py prices a
+        assert json.load(f)["device"] == "cpu"  # trace on the device it names
 

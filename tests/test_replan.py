@@ -138,3 +138,44 @@ def test_replan_leaves_out_traced_steps_that_compiled(setting, tmp_path, capsys)
     assert replan_cli.main([f"--workdir={tmp_path}", "--hardware=a800", "--gpus=98"]) == 2
     out = " ".join(capsys.readouterr().out.split())
     assert "every traced step" in out and "compiled programs (steps [1])" in out
+
+
+def _cpu_traces(setting, tmp_path):
+    model, plan, layer_costs = setting
+    (tmp_path / "traces").mkdir()
+    with open(tmp_path / "traces" / "step_2.json", "w") as f:
+        json.dump({"model": model.name, "plan": plan.to_json(), "compiled": 0,
+                   "device": "cpu", "trace": synthetic_trace(plan, layer_costs, {})}, f)
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import replan as replan_cli
+    return replan_cli
+
+
+def test_a_cpu_trace_is_priced_by_the_cpu_profile_never_a_gpu_spec(setting, tmp_path, capsys):
+    """The trace names its device; a CPU trace is priced by the CPU's measured profile, and
+    `--hardware=h100` for it (or a profile of another device) is refused."""
+    replan_cli = _cpu_traces(setting, tmp_path)
+    cpu = {"device": "cpu", "matmul_peak_flops": {"float32": 5e10, "bfloat16": 2e10},
+           "memory_bw": 1e10, "collective_bw": 2e9, "device_count": 8, "memory_bytes": 1e10,
+           "dtype": "float32", "points": []}
+    prof = tmp_path / "cpu.json"
+    prof.write_text(json.dumps(cpu))
+    hw = replan_cli.traced_hardware("cpu", str(prof), None)
+    assert (hw.name, hw.peak_flops, hw.nvlink_bw) == ("measured cpu", 5e10, 2e9)
+    assert replan_cli.main([f"--workdir={tmp_path}", f"--profile={prof}", "--gpus=98"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "priced on measured cpu (the trace ran on cpu)" in out
+    assert replan_cli.main([f"--workdir={tmp_path}", "--hardware=h100", "--gpus=98"]) == 2
+    assert "--hardware=h100 but the trace ran on 'cpu'" in capsys.readouterr().out
+    prof.write_text(json.dumps(dict(cpu, device="NVIDIA H100 80GB HBM3")))
+    assert replan_cli.main([f"--workdir={tmp_path}", f"--profile={prof}", "--gpus=98"]) == 2
+    assert "was measured on 'NVIDIA H100 80GB HBM3'" in capsys.readouterr().out
+    # a GPU trace: its spec; a trace naming no device: --hardware as before
+    assert replan_cli.traced_hardware("NVIDIA H100 80GB HBM3", None, None).name == "H100"
+    assert replan_cli.traced_hardware(None, None, "a800").name == "A800"
+
+
+def test_a_cpu_trace_read_on_this_cpu_measures_it(setting, tmp_path):
+    replan_cli = _cpu_traces(setting, tmp_path)
+    hw = replan_cli.traced_hardware("cpu", None, None)  # the test machine's devices are CPUs
+    assert hw.name == "measured cpu" and hw.max_efficiency == 1.0 and hw.peak_flops > 0

@@ -239,7 +239,8 @@ def test_replan_script_reads_the_traces_of_the_newest_plan(tmp_path, setting):
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "scripts"))
     import replan as replan_cli
 
-    name, plan, trace, compiled = replan_cli.load_traces(str(tmp_path))
+    name, plan, trace, compiled, device = replan_cli.load_traces(str(tmp_path))
     assert plan.to_json() == b.to_json()
     per_step = len(synthetic_trace(b, layer_costs, {}))
     assert len(trace) == 3 * per_step and compiled == []
+    assert device is None  # these traces do not name their device (as before issue 40)

@@ -118,6 +118,8 @@ def ratio_choices(costs: tuple[UnitCost, ...], hw: Hardware, num_gpus: int,
     encs = [c for c in costs if not is_llm(c.name) and c not in gens]
     best = None
     for dp in divisors(global_batch):
+        if tp_llm * dp > max(tp_llm, num_gpus):  # no LLM choice within its budget
+            continue
         m = global_batch // dp
         # the other units keep at least the fewest GPUs they fit in at this microbatching
         least_gen = [_fill(c, min(c.time_s), 0, dp, m, hw, 0) for c in gens]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 
 from mmjax.planner.costs import UnitCost, layer_times, unit_costs
@@ -17,7 +16,7 @@ from mmjax.planner.orchestrate import GPU_TOLERANCE, orchestrate
 from mmjax.planner.partition import partition_unit
 from mmjax.planner.plan import Plan, PlanError, UnitPlan
 from mmjax.planner.workload import default_workload
-from mmjax.planner.pick import Proposal, pick_by_schedule
+from mmjax.planner.pick import FrontierProposals, Proposal, Proposals, pick_by_schedule
 from mmjax.planner.schedule_bound import schedule_lower_bound
 from mmjax.planner.schedule_time import ScheduleTimer
 from mmjax.models.units import is_llm, is_vae
@@ -145,8 +144,8 @@ def _fit(model, wl, costs, layer_costs, hw, num_gpus, global_batch, vpp, gpu_tol
         _, res, cp_costs = found[0]
         over = over_memory(cp_costs, res.choices, global_batch, hw)
         if not over or rounds:  # the closed form's best fits, or a deepened round is in
-            proposals = fixed + [x for pool in pools
-                                 for x in _proposals(*pool, global_batch, hw)]
+            proposals = Proposals([fixed] + [_proposals(*pool, global_batch, hw)
+                                             for pool in pools])
             pick = pick_by_schedule(proposals, global_batch, hw, gpu_tolerance, timer)
             if pick is not None:
                 return _finish(model, wl, pick, layer_costs, global_batch, hw,
@@ -217,16 +216,14 @@ def _search(model, wl, costs, cps, hw, num_gpus, global_batch, vpp, gpu_toleranc
     return pools, error
 
 
-def _proposals(cp, res, costs, global_batch, hw) -> list[Proposal]:
+def _proposals(cp, res, costs, global_batch, hw) -> "list[Proposal] | FrontierProposals":
     """The search's frontier at one CP size as Proposals, each with its schedule's lower
     bound (built lazily: only the plans timed are)."""
     front = res.frontier
     if front is None or not len(front):
         return [Proposal(schedule_lower_bound(costs, res.choices, global_batch, hw), costs,
                          res.choices, "search", cp)]
-    bounds = front.lower_bounds()
-    return [Proposal(float(b), costs, functools.partial(front.choices, k), "search", cp)
-            for k, b in enumerate(bounds)]
+    return FrontierProposals(front.lower_bounds(), costs, front, cp)
 
 
 def _finish(model, wl, pick, layer_costs, global_batch, hw, attention_impl, timer) -> Plan:

@@ -108,8 +108,11 @@ def _per_tp(table: dict, tp):
     arr = np.asarray(tp)
     if arr.ndim == 0:
         return table.get(int(arr), 0.0)
-    sizes, inverse = np.unique(arr, return_inverse=True)
-    return np.array([table.get(int(x), 0.0) for x in sizes])[inverse].reshape(arr.shape)
+    idx = arr.astype(np.int64)  # TP sizes: small integers; a lookup row indexed by them
+    lut = np.zeros(max(int(idx.max(initial=0)), max(table, default=0)) + 1)
+    for k, v in table.items():
+        lut[k] = v
+    return lut[idx]
 
 
 def stage_bytes(cost: UnitCost, tp, dp, pp, spr, flight, exact: bool = False):
@@ -204,13 +207,15 @@ def remat_variant(cost: UnitCost, c: Choice, dp_llm: int, num_microbatches: int,
     return min(options, key=lambda v: _bytes(v, c, dp_llm, num_microbatches))
 
 
-def pipeline_in_flight(choices: dict[str, Choice], num_microbatches: int) -> dict:
+def pipeline_in_flight(choices: dict[str, Choice], num_microbatches: int,
+                       dag: UnitDag | None = None) -> dict:
     """Per unit, the microbatches (in stage units) its first stage holds under the runtime's
     schedule (schedule/schedule.py `multimodal_one_f_one_b`): a stage warms up with as many
     forwards as there are virtual stages from it to the end of its path, so an encoder also
     holds the LLM's and the generator's depth; `in_flight` counts the unit's own alone.
-    The depth after each unit is read off the model's `UnitDag`."""
-    m, dag = num_microbatches, UnitDag.of(choices)
+    The depth after each unit is read off the model's `UnitDag` (`dag`: the caller's,
+    when it prices many plans of one model)."""
+    m, dag = num_microbatches, dag or UnitDag.of(choices)
     after: dict[str, int] = {}  # virtual stages downstream of each unit
     for name in reversed(dag.names):
         after[name] = max((choices[v].pp * choices[v].vpp + after[v]
@@ -250,7 +255,8 @@ def choice_error(cost: UnitCost, c: Choice, dp_llm: int, num_microbatches: int,
 
 
 def runtime_memory(costs: tuple[UnitCost, ...], choices: dict[str, Choice],
-                   global_batch: int, hw: Hardware) -> tuple[tuple[UnitCost, ...], dict]:
+                   global_batch: int, hw: Hardware, dag: UnitDag | None = None
+                   ) -> tuple[tuple[UnitCost, ...], dict]:
     """(each unit's cost at the remat policy it runs, its first stage's bytes per GPU): the
     one memory count of every plan the planner prices, picks or reports (its own and the
     baselines'). The in-flight microbatches are the runtime schedule's
@@ -259,7 +265,7 @@ def runtime_memory(costs: tuple[UnitCost, ...], choices: dict[str, Choice],
     the leanest."""
     m = global_batch // choices["llm"].dp
     dp_llm = choices["llm"].dp
-    flights = pipeline_in_flight(choices, m)
+    flights = pipeline_in_flight(choices, m, dag)
     out, need = [], {}
     for cost in costs:
         c = choices[cost.name]

@@ -76,24 +76,28 @@ class Frontier:
     builds the k-th plan (lazily: a 72B search proposes thousands)."""
 
     def __init__(self, orchestrator: "Orchestrator", fronts: list):
-        times, gpus, where = [], [], []
-        for f, (gs, ts, flats, _shape, _picked) in enumerate(fronts):
-            times.append(ts)
-            gpus.append(gs)
-            where += [(f, int(x)) for x in flats]
-        self.times = np.concatenate(times) if times else np.zeros(0)
-        self.gpus = np.concatenate(gpus) if gpus else np.zeros(0)
+        self.times = np.concatenate([f[1] for f in fronts]) if fronts else np.zeros(0)
+        self.gpus = np.concatenate([f[0] for f in fronts]) if fronts else np.zeros(0)
         self.order = np.argsort(self.times, kind="stable")
-        self._where, self._fronts, self._orch = where, fronts, orchestrator
+        # per plan, its front and its flat index in that front's neighbourhood
+        self._front = (np.repeat(np.arange(len(fronts)), [len(f[2]) for f in fronts])
+                       if fronts else np.zeros(0, dtype=int))
+        self._flat = np.concatenate([f[2] for f in fronts]) if fronts else np.zeros(0, int)
+        self._fronts, self._orch = fronts, orchestrator
 
     def __len__(self) -> int:
         return len(self.order)
 
     def choices(self, k: int) -> dict[str, Choice]:
         """The plan of rank k (0: least closed-form time)."""
-        f, flat = self._where[int(self.order[k])]
+        i = int(self.order[k])
+        f, flat = int(self._front[i]), int(self._flat[i])
         _, _, _, shape, picked = self._fronts[f]
-        return self._orch._choices(picked, np.unravel_index(flat, shape))
+        idx = []  # np.unravel_index(flat, shape), in integers
+        for size in reversed(shape):
+            flat, r = divmod(flat, size)
+            idx.append(r)
+        return self._orch._choices(picked, idx[::-1])
 
     def time(self, k: int) -> float:
         return float(self.times[self.order[k]])

@@ -16,9 +16,13 @@ the one using the fewest GPUs, then the fastest.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
+
+from mmjax.models.units import UnitDag
 from mmjax.planner.evaluate import Choice, runtime_memory
 from mmjax.planner.hardware import Hardware
 from mmjax.planner.schedule_time import ScheduleTimer
@@ -44,6 +48,51 @@ class Proposal:
         return self.plan() if callable(self.plan) else self.plan
 
 
+class Proposals:
+    """Candidates for `pick_by_schedule` in parts: lists of `Proposal`s and search
+    frontiers, each frontier plan a `Proposal` only when read (a 72B search proposes
+    thousands; the pick reads the tens it times). `bounds`: every candidate's lower bound,
+    in order."""
+
+    def __init__(self, parts):
+        self._parts, self._starts, bounds, start = [], [], [], 0
+        for part in parts:
+            if isinstance(part, FrontierProposals):
+                bounds.append(part.bounds)
+            else:
+                part = list(part)
+                bounds.append(np.array([p.lower_bound_s for p in part], dtype=np.float64))
+            self._parts.append(part)
+            self._starts.append(start)
+            start += len(part)
+        self.bounds = np.concatenate(bounds) if bounds else np.zeros(0)
+
+    def __len__(self) -> int:
+        return len(self.bounds)
+
+    def __getitem__(self, i: int) -> Proposal:
+        j = int(np.searchsorted(self._starts, i, side="right")) - 1
+        return self._parts[j][i - self._starts[j]]
+
+
+@dataclass(frozen=True)
+class FrontierProposals:
+    """The search's frontier at one CP size (orchestrate.Frontier, rank order) with each
+    plan's schedule lower bound: plan k as a `Proposal` on reading."""
+
+    bounds: np.ndarray
+    costs: tuple
+    frontier: object
+    cp: int = 1
+
+    def __len__(self) -> int:
+        return len(self.bounds)
+
+    def __getitem__(self, k: int) -> Proposal:
+        return Proposal(float(self.bounds[k]), self.costs,
+                        functools.partial(self.frontier.choices, k), "search", self.cp)
+
+
 @dataclass(frozen=True)
 class Pick:
     proposal: Proposal
@@ -55,21 +104,26 @@ class Pick:
     candidates: int
 
 
-def pick_by_schedule(proposals: list[Proposal], global_batch: int, hw: Hardware,
+def pick_by_schedule(proposals: "list[Proposal] | Proposals", global_batch: int, hw: Hardware,
                      gpu_tolerance: float, timer: ScheduleTimer | None = None) -> Pick | None:
     """The fastest plan by the simulated schedule among `proposals` that fits in memory
     (with the tie-break above); None when none fits."""
     timer = timer or ScheduleTimer(hw)
-    order = sorted(range(len(proposals)), key=lambda i: proposals[i].lower_bound_s)
+    bounds = getattr(proposals, "bounds", None)
+    if bounds is None:
+        bounds = np.array([p.lower_bound_s for p in proposals], dtype=np.float64)
+    order = np.argsort(bounds, kind="stable")  # by bound; a tie keeps the given order
+    dag = None  # the units' DAG, the same for every proposal (one model)
     timed: list[tuple[float, Proposal, dict]] = []
     over, best, fastest_baseline = 0, float("inf"), float("inf")
     for i in order:
-        p = proposals[i]
+        p = proposals[int(i)]
         cap = min(best * (1 + gpu_tolerance), fastest_baseline)
         if p.lower_bound_s > cap * (1 + 1e-9) or len(timed) >= MAX_TIMED:
             break
         choices = p.choices
-        ran, need = runtime_memory(p.costs, choices, global_batch, hw)
+        dag = dag or UnitDag.of(choices)
+        ran, need = runtime_memory(p.costs, choices, global_batch, hw, dag)
         if any(b > hw.hbm_bytes for b in need.values()):
             over += 1
             continue

@@ -47,9 +47,10 @@ def stage_devices(units, devices_per_node: int) -> dict[str, list[list[int]]]:
     free = [list(range(k * n, min((k + 1) * n, total))) for k in range(num_nodes)]
     where: dict[tuple[str, int, int], list[int]] = {}
     order = sorted(range(len(groups)), key=lambda i: -groups[i][3])  # stable: unit order kept
+    first: dict[int, int] = {}  # per group size, the first node that may have room for it
     for i in order:
         name, s, d, g = groups[i]
-        where[(name, s, d)] = _take(free, g, n, name)
+        where[(name, s, d)] = _take(free, g, n, name, first)
     out = {}
     for u in units:
         out[u.name] = [[x for d in range(u.dp) for x in where[(u.name, s, d)]]
@@ -57,13 +58,20 @@ def stage_devices(units, devices_per_node: int) -> dict[str, list[list[int]]]:
     return out
 
 
-def _take(free: list[list[int]], g: int, n: int, name: str) -> list[int]:
-    """Take `g` devices in one node (first node with room), or g/n whole free nodes."""
+def _take(free: list[list[int]], g: int, n: int, name: str,
+          first: dict[int, int] | None = None) -> list[int]:
+    """Take `g` devices in one node (first node with room), or g/n whole free nodes.
+    `first[g]`: where the search for room for `g` may start (the nodes before it had less
+    than `g` free when passed over, and free slots only shrink); updated here."""
     if g <= n:
-        for slots in free:
+        first = {} if first is None else first
+        for k in range(first.get(g, 0), len(free)):
+            slots = free[k]
             if len(slots) >= g:
+                first[g] = k
                 got, slots[:] = slots[:g], slots[g:]
                 return got
+        first[g] = len(free)
     else:
         k = g // n
         for start in range(len(free) - k + 1):

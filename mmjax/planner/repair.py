@@ -71,6 +71,12 @@ class OptionTable:
         # the fewest stages that fit in memory at VPP 1, per DP (len(valid): none fits)
         fit1 = fits[:, :, 0]
         self._fewest = np.where(fit1.any(axis=1), np.argmax(fit1, axis=1), len(self.valid))
+        fewest = self._fewest[:, None]
+        idx = np.arange(len(self.valid))[None, :]
+        # what `neighbourhood` always picks: the fewest stages that fit and the next; and
+        # only options of a DP at which some PP fits
+        self._near_fewest = (idx >= fewest) & (idx < fewest + 2)
+        self._ok_fitting = self.ok & (fewest < len(self.valid))[:, :, None]
         self._sync1 = np.array([sync_time(cost, Choice(t, d, 1), hw) for d in self.dps])
         self._base = np.array([dp_llm / d * time for d in self.dps])  # stage time x tau
         self._dp_arr, self._pp_arr = np.asarray(self.dps), np.asarray(self.valid)
@@ -84,8 +90,7 @@ class OptionTable:
         cost, idx = self.cost, self._idx
         cut = np.searchsorted(self._pp_arr, x_star / (self.t * self._dp_arr), side="right")
         cut = cut[:, None]
-        fewest = self._fewest[:, None]
-        pick = (((idx >= cut - 2) & (idx < cut + 2)) | ((idx >= fewest) & (idx < fewest + 2)))
+        pick = ((idx >= cut - 2) & (idx < cut + 2)) | self._near_fewest
         if not cost.layer_pp_divides:  # valid = 1..layers: PP p sits at index p - 1
             if tau_star > 0:
                 pick |= idx == np.minimum(cost.num_layers,
@@ -95,13 +100,14 @@ class OptionTable:
             else:
                 p = np.full(len(self._sync1), cost.num_layers)
             pick |= (idx == p[:, None] - 1) & (self._sync1 > 0)[:, None]
-        pick &= (fewest < len(self.valid))
-        sel = (self.ok & pick[:, :, None]).ravel()
+        sel = (self._ok_fitting & pick[:, :, None]).ravel()
         return self._prices[sel], np.flatnonzero(sel)
 
     def choice(self, flat: int) -> Choice:
         """The Choice of an option by its flat (DP, PP, VPP) index (from `neighbourhood`)."""
-        j, p, w = np.unravel_index(int(flat), self.ok.shape)
+        _, npp, nv = self.ok.shape  # the flat index's (DP, PP, VPP), C order
+        flat = int(flat)
+        j, p, w = flat // (npp * nv), flat // nv % npp, flat % nv
         remat = self._variants[self._pick[j, p, w]].remat if self.cost.variants else None
         return Choice(self.t, self.dps[j], self.valid[p], self.vs[w], remat)
 
@@ -111,27 +117,47 @@ def combine(arrays, m: int, n: int):
     best (time, index tuple) and the (gpus, time) Pareto front (gpus, times, flat indices,
     shape), or None when no combination fits in n GPUs."""
     shape = [len(a) for a in arrays]
-    g = np.zeros(shape)
-    stage = np.zeros(shape)
-    warm = np.zeros(shape)
-    sync = np.zeros(shape)
+    g = stage = warm = sync = 0.0  # broadcast up one unit's axis at a time
     for ax, a in enumerate(arrays):
         view = [1] * len(shape)
         view[ax] = len(a)
-        g = g + a[:, 0].reshape(view)
-        stage = np.maximum(stage, a[:, 1].reshape(view))
-        warm = warm + a[:, 2].reshape(view)
-        sync = np.maximum(sync, a[:, 3].reshape(view))
+        cols = a.T.reshape([4] + view)
+        if ax == 0:
+            g, stage, warm, sync = cols
+            continue
+        g = g + cols[0]
+        stage = np.maximum(stage, cols[1])
+        warm = warm + cols[2]
+        sync = np.maximum(sync, cols[3])
     total = warm + (m - 1) * stage + sync
-    total = np.where(g <= n, total, np.inf)
+    total[g > n] = np.inf
     flat = int(np.argmin(total))
     if not np.isfinite(total.flat[flat]):
         return None
-    ok = np.isfinite(total)
-    gs, ts = g[ok], total[ok]
-    order = np.lexsort((ts, gs))
-    gs, ts = gs[order], ts[order]
-    keep = ts < np.minimum.accumulate(np.concatenate(([np.inf], ts[:-1])))
-    flats = np.flatnonzero(ok)[order][keep]
+    where = np.flatnonzero(np.isfinite(total))
+    gs, ts, keep = pareto_front(g.ravel()[where], total.ravel()[where])
     return (float(total.flat[flat]), np.unravel_index(flat, shape),
-            (gs[keep], ts[keep], flats, shape))
+            (gs, ts, where[keep], shape))
+
+
+def pareto_front(gpus: np.ndarray, times: np.ndarray):
+    """The (GPUs, time) Pareto front of plans with integral GPU counts: (gpus, times,
+    indices) of the plans no plan with as few GPUs beats, by GPUs ascending -- the least
+    time per GPU count (the first such plan on a tie) where it is below every smaller
+    count's. What sorting by (GPUs, time) and keeping each new least time gives, without
+    the sort: a plan not the least of its count is never kept."""
+    if not len(gpus):
+        return gpus, times, np.zeros(0, dtype=np.int64)
+    gi = gpus.astype(np.int64)
+    least = np.full(int(gi.max()) + 1, np.inf)
+    np.minimum.at(least, gi, times)
+    counts = np.flatnonzero(np.isfinite(least))
+    lt = least[counts]
+    front = counts[lt < np.minimum.accumulate(np.concatenate(([np.inf], lt[:-1])))]
+    on_front = np.zeros(len(least), dtype=bool)
+    on_front[front] = True
+    idx = np.flatnonzero(on_front[gi] & (times == least[gi]))
+    first = np.full(len(least), len(idx))  # per GPU count, its first plan of least time
+    np.minimum.at(first, gi[idx], np.arange(len(idx)))
+    keep = idx[first[front]]
+    return gpus[keep], times[keep], keep

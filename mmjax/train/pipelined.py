@@ -263,10 +263,11 @@ def write_trace(workdir: str, step: int, cfg, plan: Plan, trace: list[dict],
                 compiled: int = 0) -> str:
     """`<workdir>/traces/step_<step>.json`: what scripts/replan.py reads; `compiled`: the
     programs that compiled inside the step (replan.py leaves such steps out: their action
-    times include compilation)."""
+    times include compilation); `device`: the kind of device it ran on (replan.py prices
+    the trace by that device's measured profile)."""
     path = os.path.join(workdir, "traces", f"step_{step}.json")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         json.dump({"model": cfg.name, "plan": plan.to_json(), "trace": trace,
-                   "compiled": compiled}, f)
+                   "compiled": compiled, "device": str(jax.devices()[0].device_kind)}, f)
     return path
