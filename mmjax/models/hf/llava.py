@@ -28,7 +28,7 @@ from flax import nnx
 
 from mmjax.models.config import EncoderSpec, MLLMConfig, ProjectorConfig
 from mmjax.models.hf.checkpoint import (Checkpoint, Entry, LoadPlan, apply_to_module, dense,
-                                        read_config, write_safetensors)
+                                        hf_tensors, read_config, write_safetensors)
 from mmjax.models.hf.llm import LLM_TYPES, config_from_hf, config_to_hf, llm_entries
 from mmjax.models.hf.vision import (VISION_TYPES, vision_config_from_hf, vision_config_to_hf,
                                     vit_entries)
@@ -266,8 +266,7 @@ def save_llava(model, cfg: MLLMConfig, out, source=None, image_token_index: int 
         from mmjax.models.hf.write_back import write_over_source
         plan = llava_load_plan(source, cfg)
         plan.check()
-        ours = {e.hf: np.ascontiguousarray(e.to_hf(np.asarray(jax.device_get(pure[e.path]))))
-                for e in plan.entries}
+        ours = hf_tensors(pure, plan.entries, "llava")
         return write_over_source(ours, source, out, "llava", max_shard_bytes)
     if image_token_index is None:
         raise ValueError("llava: save without a source needs image_token_index (the "
@@ -277,8 +276,7 @@ def save_llava(model, cfg: MLLMConfig, out, source=None, image_token_index: int 
         raise ValueError(f"llava: encoders.vision.encoder.feature_layer={tower.feature_layer} "
                          f"holds {tower.depth} of {tower.num_layers} layers and no source "
                          f"checkpoint to copy the rest from: pass source=")
-    tensors = {e.hf: np.ascontiguousarray(e.to_hf(np.asarray(jax.device_get(pure[e.path]))))
-               for e in llava_entries(cfg, TF5_LAYOUT)}
+    tensors = hf_tensors(pure, llava_entries(cfg, TF5_LAYOUT), "llava")
     if not tower.final_norm:  # CLIP's post_layernorm feeds only the pooler: HF's init
         d = tower.hidden_size
         tensors["vision_tower.post_layernorm.weight"] = np.ones(d, np.float32)
