@@ -122,8 +122,13 @@ def export_model(cfg: MLLMConfig, pure: dict, out, max_shard_bytes: int = MAX_SH
     copied untouched: models/hf/write_back.py)."""
     out, sources = Path(out), sources or {}
     if any(getattr(e.encoder, "kind", None) == "qwen2_vl" for e in cfg.encoders):
-        # Qwen2-VL / Qwen2.5-VL: one whole Qwen2(_5)VLForConditionalGeneration checkpoint
-        hf.save_qwen2_vl(pure, cfg, out / "model", max_shard_bytes=max_shard_bytes)
+        # Qwen2-VL / Qwen2.5-VL: one whole Qwen2(_5)VLForConditionalGeneration checkpoint,
+        # over the one the run started from (pretrained.model, or .llm / .vision naming it)
+        from mmjax.models.hf.qwen2_vl_pretrained import is_qwen2_vl_dir
+        source = next((sources[u] for u in ("model", "llm", "vision")
+                       if u in sources and is_qwen2_vl_dir(sources[u])), None)
+        hf.save_qwen2_vl(pure, cfg, out / "model", max_shard_bytes=max_shard_bytes,
+                         source=source)
         return {"model": out / "model"}
     written = {"llm": out / "llm"}
     hf.export_llm_safetensors(pure["llm"], cfg.llm, out / "llm", max_shard_bytes=max_shard_bytes,

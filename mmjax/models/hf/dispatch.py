@@ -205,11 +205,13 @@ def save(module, config, out_dir, source=None, max_shard_bytes: int | None = 5 *
     from mmjax.models.hf.whisper import export_whisper_encoder_safetensors
     from mmjax.models.hf.llm import export_llm_safetensors
 
-    if _is_qwen2_vl(module):  # its own layouts (hf_source: the config and tensor names)
-        if source is not None or options:
-            raise ValueError("save: a Qwen2-VL model is written in the layout it was loaded "
-                             "from; `source` and options do not apply")
-        return save_qwen2_vl(module, config, out_dir, max_shard_bytes=max_shard_bytes)
+    if _is_qwen2_vl(module):  # over its source, in its layouts (hf_source)
+        extra = sorted(set(options) - {"names", "config_format", "dtype"})
+        if extra:
+            raise ValueError(f"save: options {extra} do not apply to a Qwen2-VL model (it "
+                             f"takes names, config_format, dtype)")
+        return save_qwen2_vl(module, config, out_dir, max_shard_bytes=max_shard_bytes,
+                             source=source, **options)
     source = source if source is not None else getattr(module, "hf_source", None)
     if isinstance(module, MultimodalModel):
         token = options.pop("image_token_index", getattr(module, "hf_image_token", None))
