@@ -10,8 +10,10 @@ transformers 5's `save_pretrained` writes):
   transformers 5:      vision_tower.* (no vision_model.), multi_modal_projector.*,
                        language_model.model.*, language_model.lm_head.weight on disk
                        (model.vision_tower.* ... in memory)
-The model is built with HF's semantics: the tower read at `vision_feature_layer` with the
-class token dropped ("default" strategy), the projector's activation as
+The model is built with HF's semantics: the tower read at `vision_feature_layer`, its patch
+tokens projected (a CLIP tower under the "default" select strategy, class token dropped; a
+SigLIP tower under "full"; the other pairings, which drop a patch or keep the class token,
+are refused), the projector's activation as
 `projector_hidden_act` names it, image tokens under the LLM's causal mask and no modality
 markers (`MLLMConfig.image_attention="causal"`, `modality_markers=False`).
 """
@@ -35,6 +37,13 @@ from mmjax.models.hf.vision import (VISION_TYPES, vision_config_from_hf, vision_
 from mmjax.models.units import is_llm
 
 _ACTS = {"gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
+# The select strategy under which transformers' LLaVA projects exactly the patch tokens:
+# "default" drops the first token (CLIP's class token; a SigLIP tower's first patch), "full"
+# keeps every token (CLIP's class token too).
+_STRATEGY = {"clip": "default", "clip_vision_model": "default", "siglip": "full",
+             "siglip_vision_model": "full"}
+_STRATEGY_WHY = {"default": "the class token dropped, every patch kept",
+                 "full": "every patch kept; 'default' would drop the first patch"}
 # what transformers 5's save_pretrained writes
 TF5_LAYOUT = {"tower": "vision_tower.", "projector": "multi_modal_projector.",
               "llm": "language_model.model.", "head": "language_model.lm_head.weight"}
@@ -57,8 +66,10 @@ def llava_config_from_hf(config) -> tuple[MLLMConfig, dict]:
     if not isinstance(layer, int):
         _refuse("vision_feature_layer", layer, "one layer (an int)")
     strategy = c.get("vision_feature_select_strategy", "default")
-    if strategy != "default":
-        _refuse("vision_feature_select_strategy", strategy, "'default' (class token dropped)")
+    want = _STRATEGY[vision.get("model_type")]
+    if strategy != want:  # mmjax projects exactly the patch tokens
+        _refuse("vision_feature_select_strategy", strategy,
+                f"{want!r} with a {vision.get('model_type')} tower ({_STRATEGY_WHY[want]})")
     act = c.get("projector_hidden_act", "gelu")
     if act not in _ACTS:
         _refuse("projector_hidden_act", act, f"{sorted(_ACTS)}")
@@ -231,7 +242,7 @@ def llava_config_to_hf(cfg: MLLMConfig, image_token_index: int) -> dict:
             "image_token_index": image_token_index,
             "projector_hidden_act": acts[spec.projector.act],
             "multimodal_projector_bias": True, "vision_feature_layer": layer,
-            "vision_feature_select_strategy": "default",
+            "vision_feature_select_strategy": "default" if tower.class_token else "full",
             "tie_word_embeddings": cfg.llm.tie_embeddings,
             "text_config": text, "vision_config": vision_config_to_hf(whole)}
 
