@@ -77,7 +77,8 @@ def llava_config_from_hf(config) -> tuple[MLLMConfig, dict]:
         _refuse("multimodal_projector_bias", False, "a projector with biases (True)")
     if "tie_word_embeddings" in c:
         text.setdefault("tie_word_embeddings", c["tie_word_embeddings"])
-    llm = config_from_hf(text)
+    # LLaVA's own lm_head has no final soft-cap (a Gemma 2 text model's is not applied)
+    llm = dataclasses.replace(config_from_hf(text), final_softcap=None)
     n = vision.get("num_hidden_layers", 12)
     # hidden_states[k], k in 0..n (0: the embeddings) -> mmjax's negative feature_layer
     # (-1: the last layer's output, before SigLIP's post_layernorm, as HF reads it)

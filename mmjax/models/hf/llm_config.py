@@ -185,7 +185,8 @@ def config_from_hf(config) -> LLMConfig:
         qk_norm=kind in ("qwen3", "gemma3_text"), gemma_norms=gemma, sandwich_norms=gemma,
         embed_scale=gemma, mlp_act=act,
         attn_scale=None if qpas is None else float(qpas) ** -0.5,
-        attn_softcap=get("attn_logit_softcapping", 50.0 if kind == "gemma2" else None),
+        # Gemma 3's attention has no soft-cap in transformers, whatever its config says
+        attn_softcap=get("attn_logit_softcapping", 50.0) if kind == "gemma2" else None,
         final_softcap=get("final_logit_softcapping", 30.0 if kind == "gemma2" else None),
         sliding_window=window, sliding_layers=flags,
         rope_local_theta=local_theta if window is not None else None)
