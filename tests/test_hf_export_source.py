@@ -177,3 +177,24 @@ def test_bf16_llava_trained_tensors_stay_bf16(tmp_path):
     again, _ = hf.load(tmp_path / "back")
     np.testing.assert_array_equal(np.asarray(again.llm.embed[...]),
                                   np.asarray(model.llm.embed[...]))  # x2 is exact in bf16
+
+
+def test_export_dtype_and_layout_when_asked(tmp_path):
+    """export_hf.py --dtype / --layout: a float32 transformers-5 run written in bfloat16 and
+    in transformers 4's layout (the tf4 fixture's config, all but the dtype and version)."""
+    src = source(tmp_path, "qwen2_vl", "tf5names")
+    fake_run(str(tmp_path / "run"), src)
+    out = export_workdir(str(tmp_path / "run"), tmp_path / "out", dtype="bfloat16",
+                         layout="tf4")["model"]
+    got = tensors(out)
+    assert sorted(got) == sorted(tensors(os.path.join(DATA, "qwen2_vl_tf4")))  # legacy names
+    assert all(a.dtype == ml_dtypes.bfloat16 for a in got.values())
+    conf = json.loads((out / "config.json").read_text())
+    want = json.load(open(os.path.join(DATA, "qwen2_vl_tf4", "config.json")))
+    assert conf.pop("torch_dtype") == "bfloat16" and want.pop("torch_dtype") == "float32"
+    conf.pop("transformers_version"), want.pop("transformers_version")
+    assert conf == want
+    for bad, match in (({"dtype": "int8"}, r"^--dtype='int8': use one of"),
+                       ({"layout": "tf6"}, r"^--layout='tf6': use one of")):
+        with pytest.raises(ValueError, match=match):
+            export_workdir(str(tmp_path / "run"), tmp_path / "bad", **bad)

@@ -30,7 +30,8 @@ from mmjax.models.config import (EncoderSpec, MLLMConfig, ProjectorConfig,
 from mmjax.models.hf.checkpoint import (Checkpoint, Entry, LoadPlan, apply_to_module, dense,
                                         hf_tensors, module_pure, read_config, save_entries)
 from mmjax.models.hf.llm import check_tied_head, config_from_hf, llm_entries
-from mmjax.models.hf.qwen2_vl_layouts import convert_config, renamer, set_config_dtype
+from mmjax.models.hf.cast import set_config_dtype
+from mmjax.models.hf.qwen2_vl_layouts import convert_config, renamer
 from mmjax.models.llm import mask_attend, merge_modalities
 from mmjax.models.mllm import MultimodalModel, encode
 from mmjax.models.qwen2_vl_config import mrope_positions, patch_positions
@@ -340,7 +341,7 @@ def save_qwen2_vl(model, cfg: MLLMConfig, out_dir, names: str | None = None,
                              max_shard_bytes, dtype)
     conf = qwen2_vl_config_to_hf(cfg, fmt, base)
     if dtype is not None:
-        set_config_dtype(conf, dtype)
+        set_config_dtype(conf, np.dtype(dtype).name)
     (Path(out_dir) / "config.json").write_text(json.dumps(conf, indent=2))
     return files
 

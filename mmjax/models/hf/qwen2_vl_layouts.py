@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import copy
 
-import numpy as np
-
 # config.json fields of the whole model, not of its text model, in either layout
 TOP_FIELDS = ("architectures", "model_type", "image_token_id", "video_token_id",
               "vision_start_token_id", "vision_end_token_id", "vision_token_id",
@@ -70,16 +68,6 @@ def convert_config(c: dict, fmt: str) -> dict:
     if vision:
         out["vision_config"] = dict(sorted(vision.items()))
     return out
-
-
-def set_config_dtype(c: dict, dtype) -> dict:
-    """Name `dtype` in `c` where its layout does (`torch_dtype` flat, `dtype` nested)."""
-    name = np.dtype(dtype).name
-    c["dtype" if "text_config" in c else "torch_dtype"] = name
-    c.pop("torch_dtype" if "text_config" in c else "dtype", None)
-    if "dtype" in (c.get("text_config") or {}):
-        c["text_config"]["dtype"] = name
-    return c
 
 
 def renamer(src: str, dst: str):
