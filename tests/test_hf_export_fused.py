@@ -20,6 +20,7 @@ PHI3 = {"model_type": "phi3", "architectures": ["Phi3ForCausalLM"], "vocab_size"
         "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "intermediate_size": 40, "rms_norm_eps": 1e-5,
         "hidden_act": "silu", "tie_word_embeddings": False, "max_position_embeddings": 64,
+        "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
 
 

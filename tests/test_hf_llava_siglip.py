@@ -20,7 +20,7 @@ from mmjax.models.mllm import MultimodalModel  # noqa: E402
 SIGLIP = {"model_type": "siglip_vision_model", "hidden_size": 32, "intermediate_size": 48,
           "num_hidden_layers": 3, "num_attention_heads": 2, "num_channels": 3,
           "image_size": 16, "patch_size": 4, "hidden_act": "gelu_pytorch_tanh",
-          "layer_norm_eps": 1e-6}
+          "layer_norm_eps": 1e-6, "vision_use_head": False}  # LLaVA reads no pooling head
 CONFIG = dict(llava_tiny.CONFIG, vision_config=SIGLIP, vision_feature_select_strategy="full")
 
 
