@@ -14,13 +14,10 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "fixtures"))
 import hf_reference as ref  # noqa: E402
 import llava_tiny  # noqa: E402
+from llava_families import SIGLIP  # noqa: E402
 from mmjax.models import hf  # noqa: E402
 from mmjax.models.mllm import MultimodalModel  # noqa: E402
 
-SIGLIP = {"model_type": "siglip_vision_model", "hidden_size": 32, "intermediate_size": 48,
-          "num_hidden_layers": 3, "num_attention_heads": 2, "num_channels": 3,
-          "image_size": 16, "patch_size": 4, "hidden_act": "gelu_pytorch_tanh",
-          "layer_norm_eps": 1e-6, "vision_use_head": False}  # LLaVA reads no pooling head
 CONFIG = dict(llava_tiny.CONFIG, vision_config=SIGLIP, vision_feature_select_strategy="full")
 
 

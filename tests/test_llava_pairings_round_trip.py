@@ -14,34 +14,9 @@ from flax import nnx
 from safetensors.numpy import load_file
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "fixtures"))
-import hf_reference as ref  # noqa: E402
-import llava_tiny  # noqa: E402
-from test_decoder_families import CASES, DATA, family_weights  # noqa: E402
-from test_hf_llava_siglip import SIGLIP  # noqa: E402
+from llava_families import llava_source  # noqa: E402
+from test_decoder_families import CASES  # noqa: E402
 from mmjax.models import hf  # noqa: E402
-
-
-def llava_source(d, case, tower):
-    z = np.load(DATA / f"{case}.npz")
-    names, shapes = [str(n) for n in z["names"]], json.loads(str(z["shapes"]))
-    text = json.loads(str(z["config_v5"]))
-    t = family_weights(names, shapes, int(z["seed"]))
-    vision = llava_tiny.VISION if tower == "clip" else SIGLIP
-    conf = dict(llava_tiny.CONFIG, text_config=text, vision_config=vision,
-                image_token_index=27, tie_word_embeddings=text.get("tie_word_embeddings", False),
-                vision_feature_select_strategy="default" if tower == "clip" else "full")
-    tensors = {"language_model.model." + k[len("model."):]: v for k, v in t.items()
-               if k.startswith("model.")}
-    if "lm_head.weight" in t:
-        tensors["language_model.lm_head.weight"] = t["lm_head.weight"]
-    tensors.update(ref.tower_tensors(tower, vision, seed=8, prefix="vision_tower.", std=0.1))
-    rng = np.random.default_rng(9)
-    d_v, dim = vision["hidden_size"], text["hidden_size"]
-    tensors.update({"multi_modal_projector.linear_1.weight": ref.rand(rng, dim, d_v),
-                    "multi_modal_projector.linear_1.bias": ref.rand(rng, dim),
-                    "multi_modal_projector.linear_2.weight": ref.rand(rng, dim, dim),
-                    "multi_modal_projector.linear_2.bias": ref.rand(rng, dim)})
-    return ref.write_checkpoint(d, conf, tensors), tensors, conf, z["tokens"]
 
 
 @pytest.mark.parametrize("tower", ["clip", "siglip"])
