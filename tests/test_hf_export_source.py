@@ -198,3 +198,27 @@ def test_export_dtype_and_layout_when_asked(tmp_path):
                        ({"layout": "tf6"}, r"^--layout='tf6': use one of")):
         with pytest.raises(ValueError, match=match):
             export_workdir(str(tmp_path / "run"), tmp_path / "bad", **bad)
+
+
+def test_bf16_tower_trained_over_its_source_stays_bf16(tmp_path):
+    """A bfloat16 CLIP tower (any unit written over its source): trained tensors in
+    bfloat16, untouched ones (post_layernorm, which the tower does not hold) byte for byte."""
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "fixtures"))
+    import hf_reference as ref
+    from test_pretrained_training import CLIP
+
+    t = {k: v.astype(ml_dtypes.bfloat16)
+         for k, v in ref.tower_tensors("clip", CLIP, seed=3, std=0.1).items()}
+    src = ref.write_checkpoint(tmp_path / "clip", CLIP, t)
+    tower, cfg = hf.load(src)
+    state = nnx.state(tower, nnx.Param)
+    nnx.update(tower, jax.tree.map(lambda a: a * 2, state))
+    hf.save(tower, cfg, tmp_path / "back")
+    got = tensors(tmp_path / "back")
+    assert sorted(got) == sorted(t) and all(a.dtype == ml_dtypes.bfloat16 for a in got.values())
+    for k in t:
+        if "post_layernorm" in k:
+            assert got[k].tobytes() == t[k].tobytes()
+        else:
+            np.testing.assert_array_equal(got[k].astype(np.float32), 2 * t[k].astype(np.float32))
