@@ -4,7 +4,6 @@ and 5 config layouts) as the LLM with a frozen CLIP tower, its LLM trained (move
 source), exported; the export holds the source's tensor names, shapes, dtypes and config.json,
 the frozen tower byte for byte, and reloads to the trained LLM's logits exactly."""
 import json
-import os
 
 import jax.numpy as jnp
 import numpy as np

@@ -316,7 +316,7 @@ def save_qwen2_vl(model, cfg: MLLMConfig, out_dir, names: str | None = None,
     tensor names and config.json layout (transformers 4 flat, 5 nested), else transformers
     5's save_pretrained layout (legacy names, nested config). `dtype`: every tensor in it.
     Returns the files written."""
-    from mmjax.models.hf.write_back import copy_side_files, write_over_source
+    from mmjax.models.hf.write_back import write_over_source
 
     remembered = json.loads(getattr(model, "hf_source", "null") or "null")
     if source is None and remembered and remembered.get("dir"):

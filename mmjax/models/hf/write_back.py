@@ -27,11 +27,11 @@ SIDE_FILES = ("config.json", "generation_config.json", "preprocessor_config.json
               "tokenizer.model")
 
 
-def copy_side_files(source, out, skip: tuple = ()) -> list[str]:
-    """Copy `source`'s SIDE_FILES (those it has, but `skip`) into `out`; -> their names."""
+def copy_side_files(source, out) -> list[str]:
+    """Copy `source`'s SIDE_FILES (those it has) into `out`; -> their names."""
     done = []
     for side in SIDE_FILES:
-        if side not in skip and (Path(source) / side).is_file():
+        if (Path(source) / side).is_file():
             Path(out).mkdir(parents=True, exist_ok=True)
             shutil.copyfile(Path(source) / side, Path(out) / side)
             done.append(side)
