@@ -8,7 +8,9 @@ encoders (written back over the checkpoint each was imported from: untouched ten
 copied), OUT/model for a run started from a whole LLaVA (`pretrained.model`), and
 OUT/mmjax_extra.safetensors for projectors / generator. Frozen pretrained units are re-read
 from the files the run recorded (refused in one line if gone or changed). Single-program and
-plan checkpoints alike, on any host: no plan device count is needed."""
+plan checkpoints alike, on any host: no plan device count is needed. Each checkpoint keeps its
+source's config.json, processor / tokenizer files, dtype and layout; --dtype casts every
+checkpoint, --layout=tf4|tf5 writes a Qwen2-VL run in transformers 4's or 5's layout."""
 from __future__ import annotations
 
 import argparse
@@ -25,13 +27,19 @@ def main(argv=None) -> int:
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--max_shard_gb", type=float, default=5.0, help="shard size (GB)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="cast every checkpoint to this dtype (default: each source's own; "
+                        "a unit with no source as trained)")
+    p.add_argument("--layout", default=None, choices=["tf4", "tf5"],
+                   help="a Qwen2-VL run's config / tensor-name layout: transformers 4 or 5 "
+                        "(default: its source's)")
     args = p.parse_args(argv)
     from mmjax.train.checkpoint import CheckpointUnusable
     from mmjax.train.export import export_workdir
 
     try:
         written = export_workdir(args.workdir, args.out, args.step,
-                                 int(args.max_shard_gb * 10 ** 9))
+                                 int(args.max_shard_gb * 10 ** 9), args.dtype, args.layout)
     except (ValueError, FileNotFoundError, CheckpointUnusable) as e:
         raise UserError(f"{e}")
     for unit, path in written.items():

@@ -92,7 +92,7 @@ def test_save_without_source_writes_transformers5_names(loaded, tmp_path):
 
 
 @pytest.mark.parametrize("field,value,match", [
-    ("vision_feature_select_strategy", "full", "'default'"),
+    ("vision_feature_select_strategy", "full", "'default' with a clip_vision_model tower"),
     ("vision_feature_layer", [-2, -1], "one layer"),
     ("vision_feature_layer", 0, "a layer's output"),
     ("projector_hidden_act", "relu", "gelu"),

@@ -7,6 +7,7 @@ image mask with its own markers stays available and differs."""
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -119,3 +120,39 @@ def test_pretrained_model_qwen2_vl_run_uses_hf_semantics():
     assert (layout.special.image_start, layout.special.image_end) == (VSTART, VEND)
     only_tower = pretrained_config(base, {"vision": d})
     assert only_tower.image_attention == "bidirectional" and only_tower.image_markers is None
+
+
+def test_cached_greedy_decoding_is_transformers_forward(loaded):
+    """scripts/generate.py's decoding (prefill + KV-cache steps) of a prompt with two images:
+    each step's logits are transformers' forward over the prompt and the tokens so far (M-RoPE
+    positions of `get_rope_index` over the whole sequence: generated tokens run ahead of
+    their cache slots by the images' rope delta), so 16 greedy tokens are transformers'."""
+    from mmjax.models.decode import decode_step, generate, next_rope_position, prefill
+
+    model, cfg = loaded
+    sample, images = _sample()
+    special = SpecialTokens(bos=1, eos=2, first_text=0, image_start=120, image_end=121)
+    layout = data_layout(cfg, seq_len=64, vision_caps=(64,), special=special)
+    batch = assemble([sample], layout)
+    inputs = model_inputs(batch)
+    p = int((batch.doc[0] != 0).sum()) - 1  # the prompt, without the document's eos
+    tokens = batch.tokens[0, :p].copy()
+    tokens[batch.gather["vision"][0, :p] >= 0] = IMAGE
+    pixels = np.concatenate([patchify(im.transpose(2, 0, 1), 14, 2, 2)[0] for im in images])
+    grid = np.array([[1, 4, 6], [1, 2, 4]])
+    out = generate(model, inputs, p, 16, vocab=IMAGE)  # image / video ids never generated
+    seq = np.concatenate([tokens, np.asarray(out, tokens.dtype)])[None]
+    want = np.asarray(hf.hf_forward(model, input_ids=seq, pixel_values=pixels,
+                                    image_grid_thw=grid)["logits"])[0, p - 1:]
+    assert [int(t) for t in want[:16].argmax(-1)] == out
+    graphdef, state = nnx.split(model)
+    logits, cache = prefill(graphdef, state, inputs, p, p + 16)
+    rope = next_rope_position(jnp.asarray(inputs["positions"]), p)
+    assert int(rope[0]) < p  # two images: fewer positions than tokens
+    got = [np.asarray(logits[0])]
+    for t in range(15):
+        logits, cache = decode_step(graphdef, state, jnp.asarray([out[t]], jnp.int32),
+                                    jnp.int32(p + t), cache, rope + t)
+        got.append(np.asarray(logits[0]))
+    got = np.stack(got)
+    assert np.abs(got - want[:16]).max() / np.abs(want[:16]).max() < 1e-5

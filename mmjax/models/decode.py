@@ -65,14 +65,29 @@ def prefill(graphdef, state, batch, prompt_len: int, max_len: int):
     return _run_cached(model.llm, x, batch["positions"][:, :prompt_len], allowed, cache, 0)
 
 
+def next_rope_position(positions, prompt_len: int):
+    """[B] RoPE position of the first token after the prompt: one past the largest position
+    the prompt used. Plain RoPE: prompt_len (positions 0..prompt_len-1). M-RoPE (positions
+    [B, S, 3]): an image's tokens span fewer positions than tokens, so generated tokens
+    run ahead of their cache slots by that "rope delta", as transformers' Qwen2-VL
+    (`cache_position + rope_deltas`, all three sections equal)."""
+    p = positions[:, :prompt_len]
+    return (p.max(axis=tuple(range(1, p.ndim))) + 1).astype(jnp.int32)
+
+
 @partial(jax.jit, static_argnums=(0,))
-def decode_step(graphdef, state, token, position, cache: KVCache):
-    """One token [B] at `position` (its cache slot) -> (next-token logits [B, V], cache)."""
+def decode_step(graphdef, state, token, position, cache: KVCache, rope_position=None):
+    """One token [B] at cache slot `position` and RoPE position `rope_position` [B]
+    (default: the slot; `next_rope_position` + steps taken after an M-RoPE prompt)
+    -> (next-token logits [B, V], cache)."""
     model = nnx.merge(graphdef, state)
     x = model.llm.embed_tokens(token[:, None])
-    max_len = cache.k.shape[2]
-    allowed = jnp.broadcast_to(jnp.arange(max_len) <= position, (token.shape[0], 1, max_len))
-    pos = jnp.full((token.shape[0], 1), position, jnp.int32)
+    b, max_len = token.shape[0], cache.k.shape[2]
+    allowed = jnp.broadcast_to(jnp.arange(max_len) <= position, (b, 1, max_len))
+    rope = jnp.broadcast_to(position if rope_position is None else rope_position, (b,))
+    pos = rope.astype(jnp.int32)[:, None]
+    if model.llm.cfg.mrope_section:  # M-RoPE: the same position in every section
+        pos = jnp.repeat(pos[..., None], 3, axis=-1)
     return _run_cached(model.llm, x, pos, allowed, cache, position)
 
 
@@ -99,6 +114,7 @@ def generate(model, batch, prompt_len: int, max_new_tokens: int, stop_ids=(),
     graphdef, state = nnx.split(model)
     max_len = prompt_len + max_new_tokens
     logits, cache = prefill(graphdef, state, batch, prompt_len, max_len)
+    rope = next_rope_position(jnp.asarray(batch["positions"]), prompt_len)
     key = jax.random.key(seed)
     out = []
     for t in range(max_new_tokens):
@@ -110,5 +126,5 @@ def generate(model, batch, prompt_len: int, max_new_tokens: int, stop_ids=(),
         out.append(tok)
         if t + 1 < max_new_tokens:
             logits, cache = decode_step(graphdef, state, token.astype(jnp.int32),
-                                        jnp.int32(prompt_len + t), cache)
+                                        jnp.int32(prompt_len + t), cache, rope + t)
     return out

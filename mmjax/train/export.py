@@ -113,8 +113,11 @@ def restore_params(workdir: str, step: int | None = None) -> tuple[MLLMConfig, d
     return cfg, _pure(model), step
 
 
+LAYOUTS = {"tf4": ("legacy", "flat"), "tf5": ("legacy", "nested")}  # Qwen2-VL: names, config
+
+
 def export_model(cfg: MLLMConfig, pure: dict, out, max_shard_bytes: int = MAX_SHARD_BYTES,
-                 sources: dict | None = None) -> dict[str, Path]:
+                 sources: dict | None = None, layout: str | None = None) -> dict[str, Path]:
     """Write each unit of a `MultimodalModel`-layout pure dict: out/llm, out/<encoder> as HF
     checkpoints, the rest into out/mmjax_extra.safetensors. -> {unit: directory}.
     `sources` {unit: pretrained dir}: a unit imported from a checkpoint is written back over
@@ -122,9 +125,17 @@ def export_model(cfg: MLLMConfig, pure: dict, out, max_shard_bytes: int = MAX_SH
     copied untouched: models/hf/write_back.py)."""
     out, sources = Path(out), sources or {}
     if any(getattr(e.encoder, "kind", None) == "qwen2_vl" for e in cfg.encoders):
-        # Qwen2-VL / Qwen2.5-VL: one whole Qwen2(_5)VLForConditionalGeneration checkpoint
-        hf.save_qwen2_vl(pure, cfg, out / "model", max_shard_bytes=max_shard_bytes)
+        # Qwen2-VL / Qwen2.5-VL: one whole Qwen2(_5)VLForConditionalGeneration checkpoint,
+        # over the one the run started from (pretrained.model, or .llm / .vision naming it)
+        from mmjax.models.hf.qwen2_vl_pretrained import is_qwen2_vl_dir
+        source = next((sources[u] for u in ("model", "llm", "vision")
+                       if u in sources and is_qwen2_vl_dir(sources[u])), None)
+        names, fmt = LAYOUTS[layout] if layout else (None, None)
+        hf.save_qwen2_vl(pure, cfg, out / "model", names, fmt, max_shard_bytes, source=source)
         return {"model": out / "model"}
+    if layout:
+        raise ValueError(f"--layout={layout}: only a Qwen2-VL run is written in a chosen "
+                         f"layout; the other units keep their source's (drop --layout)")
     written = {"llm": out / "llm"}
     hf.export_llm_safetensors(pure["llm"], cfg.llm, out / "llm", max_shard_bytes=max_shard_bytes,
                               source=sources.get("llm"))
@@ -156,12 +167,31 @@ def export_model(cfg: MLLMConfig, pure: dict, out, max_shard_bytes: int = MAX_SH
 
 
 def export_workdir(workdir: str, out, step: int | None = None,
-                   max_shard_bytes: int = MAX_SHARD_BYTES) -> dict[str, Path]:
+                   max_shard_bytes: int = MAX_SHARD_BYTES, dtype: str | None = None,
+                   layout: str | None = None) -> dict[str, Path]:
     """-> {unit: where it went}. A run started from a whole LLaVA checkpoint
-    (`pretrained.model`) is written whole, over that checkpoint: OUT/model."""
+    (`pretrained.model`) is written whole, over that checkpoint: OUT/model. Every checkpoint
+    keeps its source's dtype and layout unless `dtype` ("float32", "bfloat16", "float16")
+    or `layout` ("tf4", "tf5": a Qwen2-VL run's) asks otherwise."""
+    from mmjax.models.hf.cast import _np_dtype, cast_checkpoint
+
+    if dtype is not None:
+        _np_dtype(dtype)  # refused before anything is restored or written
+    if layout is not None and layout not in LAYOUTS:
+        raise ValueError(f"--layout={layout!r}: use one of {', '.join(LAYOUTS)} (or leave it "
+                         f"unset to keep the source's)")
     cfg, model, _, dirs = restore_model(workdir, step)
     if "model" in dirs:
+        if layout:
+            raise ValueError(f"--layout={layout}: a LLaVA run is written in its source's "
+                             f"layout (drop --layout)")
         hf.save_llava(model, cfg, Path(out) / "model", source=dirs["model"],
                       max_shard_bytes=max_shard_bytes)
-        return {"model": Path(out) / "model"}
-    return export_model(cfg, _pure(model), out, max_shard_bytes, dirs)
+        written = {"model": Path(out) / "model"}
+    else:
+        written = export_model(cfg, _pure(model), out, max_shard_bytes, dirs, layout)
+    if dtype is not None:
+        for unit, where in written.items():
+            if Path(where).is_dir():  # mmjax_extra.safetensors stays as trained
+                cast_checkpoint(where, dtype)
+    return written

@@ -231,19 +231,37 @@ def save_entries(pure: dict, entries: list[Entry], path, what: str,
         bad = sorted(map(_fmt, have ^ want))
         raise ValueError(f"{what}: parameters do not match the config: {bad[:5]} "
                          f"(missing or extra); pass the config the module was built with")
+    return write_safetensors(hf_tensors(pure, entries, what, dtype), path, max_shard_bytes)
+
+
+def hf_tensors(pure: dict, entries: list[Entry], what: str, dtype=None) -> dict:
+    """{HF name: array in HF layout} of `pure` (nested or `_flatten`ed by path) under
+    `entries`. A fused HF tensor (Phi-3's qkv_proj / gate_up_proj: several `rows` entries)
+    is assembled from its blocks; each block must be written, so a fused tensor with a
+    block missing is an error, not zeros. `dtype`: cast to it (default: the arrays' own)."""
+    flat = pure if pure and isinstance(next(iter(pure)), tuple) else _flatten(pure)
     tensors: dict[str, np.ndarray] = {}
+    filled: dict[str, int] = {}
     for e in entries:
-        arr = np.asarray(jax.device_get(_get(pure, e.path)))
+        if e.hf is None:
+            continue
+        arr = np.asarray(jax.device_get(flat[e.path]))
         if arr.shape != e.shape:
             raise ValueError(f"{what}: {_fmt(e.path)} has shape {arr.shape}, expected {e.shape}")
-        if e.hf is not None and e.rows:  # one block of a fused tensor
-            arr = arr.T if dtype is None else arr.T.astype(dtype)
+        if dtype is not None:
+            arr = arr.astype(dtype)
+        if e.rows:  # one block of a fused tensor
             fused = tensors.setdefault(e.hf, np.zeros(e.hf_shape, arr.dtype))
-            fused[e.rows[0]:e.rows[1]] = arr
-        elif e.hf is not None:
-            arr = e.to_hf(arr)
-            tensors[e.hf] = np.ascontiguousarray(arr if dtype is None else arr.astype(dtype))
-    return write_safetensors(tensors, path, max_shard_bytes)
+            fused[e.rows[0]:e.rows[1]] = arr.T
+            filled[e.hf] = filled.get(e.hf, 0) + e.rows[1] - e.rows[0]
+        else:
+            tensors[e.hf] = np.ascontiguousarray(e.to_hf(arr))
+    for name, n in filled.items():
+        if n != tensors[name].shape[0]:
+            raise ValueError(f"{what}: fused tensor {name!r} has {n} of "
+                             f"{tensors[name].shape[0]} rows from the model; the entries do "
+                             f"not cover it")
+    return tensors
 
 
 def write_safetensors(tensors: dict, path, max_shard_bytes: int | None = None) -> list[Path]:

@@ -15,8 +15,8 @@ from mmjax.models.config import AudioConfig, VisionConfig
 from mmjax.models.hf.checkpoint import apply_to_module, read_config
 from mmjax.models.hf.llm import LLM_TYPES, config_from_hf, load_llm_safetensors
 from mmjax.models.hf.vision import VISION_TYPES, load_vit_safetensors, vision_config_from_hf
-from mmjax.models.hf.qwen2_vl import (load_qwen2_vl, model_type_of, qwen2_vl_forward,
-                                      save_qwen2_vl)
+from mmjax.models.hf.qwen2_vl import (QWEN_VL_TYPES, load_qwen2_vl, model_type_of,
+                                      qwen2_vl_forward, save_qwen2_vl)
 from mmjax.models.hf.whisper import audio_config_from_hf, load_whisper_encoder_safetensors
 from mmjax.models.hf.llava import llava_forward, load_llava, save_llava
 from mmjax.models.llm import LLM
@@ -31,7 +31,11 @@ _ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
                   "CLIPVisionModel": "clip_vision_model", "SiglipModel": "siglip",
                   "SiglipVisionModel": "siglip_vision_model", "WhisperModel": "whisper",
                   "WhisperForConditionalGeneration": "whisper",
-                  "LlavaForConditionalGeneration": "llava"}
+                  "LlavaForConditionalGeneration": "llava",
+                  "Qwen2VLForConditionalGeneration": "qwen2_vl",
+                  "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl"}
+# every model_type `load` reads
+SUPPORTED = LLM_TYPES + VISION_TYPES + ("whisper", "llava") + QWEN_VL_TYPES
 
 
 def model_type(config) -> str:
@@ -40,25 +44,36 @@ def model_type(config) -> str:
     c = read_config(config)
     kind = c.get("model_type") or next(
         (_ARCHITECTURES[a] for a in c.get("architectures", []) if a in _ARCHITECTURES), None)
-    if kind == "mixtral" or c.get("num_local_experts"):
-        raise ValueError(f"config.json num_local_experts={c.get('num_local_experts')!r} "
-                         f"(model_type={kind!r}): mixture-of-experts layers (Mixtral) are not in "
-                         f"mmjax; supported dense LLMs: {', '.join(LLM_TYPES)}")
-    if kind not in LLM_TYPES + VISION_TYPES + ("whisper", "llava"):
+    experts = next((k for k in ("num_local_experts", "num_experts") if c.get(k)), None)
+    if kind == "mixtral" or experts:
+        key = experts or "num_local_experts"
+        raise ValueError(f"config.json {key}={c.get(key)!r} (model_type={kind!r}): "
+                         f"mixture-of-experts layers are not in mmjax; supported dense LLMs: "
+                         f"{', '.join(LLM_TYPES)}")
+    if kind not in SUPPORTED:
         raise ValueError(f"config.json model_type={kind!r} (architectures="
-                         f"{c.get('architectures')}): supported: "
-                         f"{', '.join(LLM_TYPES + VISION_TYPES + ('whisper', 'llava'))}")
+                         f"{c.get('architectures')}): supported: {', '.join(SUPPORTED)}")
     return kind
 
 
 def config_for(path, **vision_options):
-    """The mmjax config (LLMConfig, VisionConfig or AudioConfig) of an HF directory."""
+    """The mmjax config (LLMConfig, VisionConfig, AudioConfig, or the MLLMConfig of a whole
+    LLaVA / Qwen2-VL) of an HF directory."""
     c = dict(read_config(path))
     c["model_type"] = model_type(c)
     if c["model_type"] in LLM_TYPES:
         return config_from_hf(c)
     if c["model_type"] in VISION_TYPES:
         return vision_config_from_hf(c, **vision_options)
+    if c["model_type"] in QWEN_VL_TYPES + ("llava",) and vision_options:
+        raise ValueError(f"config_for: {sorted(vision_options)} do not apply to a whole "
+                         f"{c['model_type']} checkpoint (its config.json describes the tower)")
+    if c["model_type"] in QWEN_VL_TYPES:
+        from mmjax.models.hf.qwen2_vl import qwen2_vl_config_from_hf
+        return qwen2_vl_config_from_hf(c)
+    if c["model_type"] == "llava":
+        from mmjax.models.hf.llava import llava_config_from_hf
+        return llava_config_from_hf(c)[0]
     return audio_config_from_hf(c)
 
 
@@ -205,11 +220,13 @@ def save(module, config, out_dir, source=None, max_shard_bytes: int | None = 5 *
     from mmjax.models.hf.whisper import export_whisper_encoder_safetensors
     from mmjax.models.hf.llm import export_llm_safetensors
 
-    if _is_qwen2_vl(module):  # its own layouts (hf_source: the config and tensor names)
-        if source is not None or options:
-            raise ValueError("save: a Qwen2-VL model is written in the layout it was loaded "
-                             "from; `source` and options do not apply")
-        return save_qwen2_vl(module, config, out_dir, max_shard_bytes=max_shard_bytes)
+    if _is_qwen2_vl(module):  # over its source, in its layouts (hf_source)
+        extra = sorted(set(options) - {"names", "config_format", "dtype"})
+        if extra:
+            raise ValueError(f"save: options {extra} do not apply to a Qwen2-VL model (it "
+                             f"takes names, config_format, dtype)")
+        return save_qwen2_vl(module, config, out_dir, max_shard_bytes=max_shard_bytes,
+                             source=source, **options)
     source = source if source is not None else getattr(module, "hf_source", None)
     if isinstance(module, MultimodalModel):
         token = options.pop("image_token_index", getattr(module, "hf_image_token", None))

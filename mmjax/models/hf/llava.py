@@ -10,8 +10,10 @@ transformers 5's `save_pretrained` writes):
   transformers 5:      vision_tower.* (no vision_model.), multi_modal_projector.*,
                        language_model.model.*, language_model.lm_head.weight on disk
                        (model.vision_tower.* ... in memory)
-The model is built with HF's semantics: the tower read at `vision_feature_layer` with the
-class token dropped ("default" strategy), the projector's activation as
+The model is built with HF's semantics: the tower read at `vision_feature_layer`, its patch
+tokens projected (a CLIP tower under the "default" select strategy, class token dropped; a
+SigLIP tower under "full"; the other pairings, which drop a patch or keep the class token,
+are refused), the projector's activation as
 `projector_hidden_act` names it, image tokens under the LLM's causal mask and no modality
 markers (`MLLMConfig.image_attention="causal"`, `modality_markers=False`).
 """
@@ -28,13 +30,20 @@ from flax import nnx
 
 from mmjax.models.config import EncoderSpec, MLLMConfig, ProjectorConfig
 from mmjax.models.hf.checkpoint import (Checkpoint, Entry, LoadPlan, apply_to_module, dense,
-                                        read_config, write_safetensors)
+                                        hf_tensors, read_config, write_safetensors)
 from mmjax.models.hf.llm import LLM_TYPES, config_from_hf, config_to_hf, llm_entries
 from mmjax.models.hf.vision import (VISION_TYPES, vision_config_from_hf, vision_config_to_hf,
                                     vit_entries)
 from mmjax.models.units import is_llm
 
 _ACTS = {"gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
+# The select strategy under which transformers' LLaVA projects exactly the patch tokens:
+# "default" drops the first token (CLIP's class token; a SigLIP tower's first patch), "full"
+# keeps every token (CLIP's class token too).
+_STRATEGY = {"clip": "default", "clip_vision_model": "default", "siglip": "full",
+             "siglip_vision_model": "full"}
+_STRATEGY_WHY = {"default": "the class token dropped, every patch kept",
+                 "full": "every patch kept; 'default' would drop the first patch"}
 # what transformers 5's save_pretrained writes
 TF5_LAYOUT = {"tower": "vision_tower.", "projector": "multi_modal_projector.",
               "llm": "language_model.model.", "head": "language_model.lm_head.weight"}
@@ -57,8 +66,10 @@ def llava_config_from_hf(config) -> tuple[MLLMConfig, dict]:
     if not isinstance(layer, int):
         _refuse("vision_feature_layer", layer, "one layer (an int)")
     strategy = c.get("vision_feature_select_strategy", "default")
-    if strategy != "default":
-        _refuse("vision_feature_select_strategy", strategy, "'default' (class token dropped)")
+    want = _STRATEGY[vision.get("model_type")]
+    if strategy != want:  # mmjax projects exactly the patch tokens
+        _refuse("vision_feature_select_strategy", strategy,
+                f"{want!r} with a {vision.get('model_type')} tower ({_STRATEGY_WHY[want]})")
     act = c.get("projector_hidden_act", "gelu")
     if act not in _ACTS:
         _refuse("projector_hidden_act", act, f"{sorted(_ACTS)}")
@@ -66,7 +77,8 @@ def llava_config_from_hf(config) -> tuple[MLLMConfig, dict]:
         _refuse("multimodal_projector_bias", False, "a projector with biases (True)")
     if "tie_word_embeddings" in c:
         text.setdefault("tie_word_embeddings", c["tie_word_embeddings"])
-    llm = config_from_hf(text)
+    # LLaVA's own lm_head has no final soft-cap (a Gemma 2 text model's is not applied)
+    llm = dataclasses.replace(config_from_hf(text), final_softcap=None)
     n = vision.get("num_hidden_layers", 12)
     # hidden_states[k], k in 0..n (0: the embeddings) -> mmjax's negative feature_layer
     # (-1: the last layer's output, before SigLIP's post_layernorm, as HF reads it)
@@ -231,7 +243,7 @@ def llava_config_to_hf(cfg: MLLMConfig, image_token_index: int) -> dict:
             "image_token_index": image_token_index,
             "projector_hidden_act": acts[spec.projector.act],
             "multimodal_projector_bias": True, "vision_feature_layer": layer,
-            "vision_feature_select_strategy": "default",
+            "vision_feature_select_strategy": "default" if tower.class_token else "full",
             "tie_word_embeddings": cfg.llm.tie_embeddings,
             "text_config": text, "vision_config": vision_config_to_hf(whole)}
 
@@ -266,8 +278,7 @@ def save_llava(model, cfg: MLLMConfig, out, source=None, image_token_index: int 
         from mmjax.models.hf.write_back import write_over_source
         plan = llava_load_plan(source, cfg)
         plan.check()
-        ours = {e.hf: np.ascontiguousarray(e.to_hf(np.asarray(jax.device_get(pure[e.path]))))
-                for e in plan.entries}
+        ours = hf_tensors(pure, plan.entries, "llava")
         return write_over_source(ours, source, out, "llava", max_shard_bytes)
     if image_token_index is None:
         raise ValueError("llava: save without a source needs image_token_index (the "
@@ -277,8 +288,7 @@ def save_llava(model, cfg: MLLMConfig, out, source=None, image_token_index: int 
         raise ValueError(f"llava: encoders.vision.encoder.feature_layer={tower.feature_layer} "
                          f"holds {tower.depth} of {tower.num_layers} layers and no source "
                          f"checkpoint to copy the rest from: pass source=")
-    tensors = {e.hf: np.ascontiguousarray(e.to_hf(np.asarray(jax.device_get(pure[e.path]))))
-               for e in llava_entries(cfg, TF5_LAYOUT)}
+    tensors = hf_tensors(pure, llava_entries(cfg, TF5_LAYOUT), "llava")
     if not tower.final_norm:  # CLIP's post_layernorm feeds only the pooler: HF's init
         d = tower.hidden_size
         tensors["vision_tower.post_layernorm.weight"] = np.ones(d, np.float32)

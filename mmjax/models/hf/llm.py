@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from mmjax.models.config import LLMConfig
-from mmjax.models.hf.checkpoint import (Checkpoint, Entry, LoadPlan, layer_range,
+from mmjax.models.hf.checkpoint import (Checkpoint, Entry, LoadPlan, hf_tensors, layer_range,
                                         module_pure, save_entries)
 from mmjax.models.hf.llm_config import (LLM_TYPES, _infer_type, config_from_hf, config_to_hf,
                                         rope_from_hf)
@@ -137,15 +137,9 @@ def export_llm_safetensors(module_or_pure_dict, cfg: LLMConfig, path, start: int
     if source is not None:
         from mmjax.models.hf.write_back import write_over_source
 
-        entries = llm_entries(cfg, start, start + n)
         plan = llm_load_plan(source, cfg)
         plan.check()
-        ours = {}
-        for e in entries:
-            node = pure
-            for k in e.path:
-                node = node[k]
-            ours[e.hf] = np.ascontiguousarray(e.to_hf(np.asarray(node)))
+        ours = hf_tensors(pure, llm_entries(cfg, start, start + n), "LLM")
         return write_over_source(ours, source, path, "LLM", max_shard_bytes)
     files = save_entries(pure, llm_entries(cfg, start, start + n), path, "LLM",
                          max_shard_bytes, dtype)

@@ -143,9 +143,11 @@ def _window(c: dict, kind: str) -> tuple[int | None, tuple[bool, ...] | None]:
 
 
 def _check(c: dict, kind) -> str:
-    if c.get("num_local_experts") or kind == "mixtral":
-        _refuse("num_local_experts", c.get("num_local_experts"), "mixture-of-experts layers "
-                f"(Mixtral) are not in mmjax; supported dense LLMs: {_SUPPORTED}")
+    experts = next((k for k in ("num_local_experts", "num_experts") if c.get(k)), None)
+    if experts or kind == "mixtral":
+        key = experts or "num_local_experts"
+        _refuse(key, c.get(key), f"mixture-of-experts layers (model_type {kind!r}) are not "
+                f"in mmjax; supported dense LLMs: {_SUPPORTED}")
     if kind not in LLM_TYPES:
         _refuse("model_type", kind, f"supported LLMs: {_SUPPORTED}")
     field = "hidden_activation" if kind in GEMMA else "hidden_act"
@@ -185,7 +187,8 @@ def config_from_hf(config) -> LLMConfig:
         qk_norm=kind in ("qwen3", "gemma3_text"), gemma_norms=gemma, sandwich_norms=gemma,
         embed_scale=gemma, mlp_act=act,
         attn_scale=None if qpas is None else float(qpas) ** -0.5,
-        attn_softcap=get("attn_logit_softcapping", 50.0 if kind == "gemma2" else None),
+        # Gemma 3's attention has no soft-cap in transformers, whatever its config says
+        attn_softcap=get("attn_logit_softcapping", 50.0) if kind == "gemma2" else None,
         final_softcap=get("final_logit_softcapping", 30.0 if kind == "gemma2" else None),
         sliding_window=window, sliding_layers=flags,
         rope_local_theta=local_theta if window is not None else None)

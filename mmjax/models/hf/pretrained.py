@@ -104,7 +104,7 @@ def _model_config(cfg: MLLMConfig, path) -> MLLMConfig:
     if not is_llava(path):
         raise ValueError(f"pretrained.model: {path} is not a LlavaForConditionalGeneration "
                          f"checkpoint (config.json model_type={read_config(path).get('model_type')!r}); "
-                         f"whole-model checkpoints supported: llava")
+                         f"whole-model checkpoints supported: llava, qwen2_vl, qwen2_5_vl")
     new, _ = llava_config_from_hf(path)
     old = {e.name: e for e in cfg.encoders}
     if "vision" not in old or cfg.generator is not None or len(old) != 1:

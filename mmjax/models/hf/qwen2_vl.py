@@ -28,8 +28,10 @@ from flax import nnx
 from mmjax.models.config import (EncoderSpec, MLLMConfig, ProjectorConfig,
                                  VisionConfig)
 from mmjax.models.hf.checkpoint import (Checkpoint, Entry, LoadPlan, apply_to_module, dense,
-                                        module_pure, read_config, save_entries)
+                                        hf_tensors, module_pure, read_config, save_entries)
 from mmjax.models.hf.llm import check_tied_head, config_from_hf, llm_entries
+from mmjax.models.hf.cast import set_config_dtype
+from mmjax.models.hf.qwen2_vl_layouts import convert_config, renamer
 from mmjax.models.llm import mask_attend, merge_modalities
 from mmjax.models.mllm import MultimodalModel, encode
 from mmjax.models.qwen2_vl_config import mrope_positions, patch_positions
@@ -236,7 +238,8 @@ def load_qwen2_vl(path, dtype="float32"):
     if jnp.dtype(dtype) != jnp.float32:
         state = nnx.state(model, nnx.Param)
         nnx.update(model, jax.tree.map(lambda a: a.astype(dtype), state))
-    model.hf_source = json.dumps({"config": c, "names": names})
+    model.hf_source = json.dumps({"config": c, "names": names,
+                                  "dir": str(Path(path).resolve())})
     return model, cfg
 
 
@@ -303,20 +306,42 @@ def qwen2_vl_config_to_hf(cfg: MLLMConfig, config_format: str = "nested",
 
 
 def save_qwen2_vl(model, cfg: MLLMConfig, out_dir, names: str | None = None,
-                  config_format: str | None = None, max_shard_bytes: int | None = None):
-    """Write `model` as a Qwen2-VL / Qwen2.5-VL checkpoint directory. Defaults: the layout
-    it was loaded from (`hf_source`), else transformers 5's save_pretrained layout (legacy
-    names, nested config). Returns the files written."""
-    source = json.loads(getattr(model, "hf_source", "null") or "null")
-    base = source["config"] if source else None
-    names = names or (source["names"] if source else "legacy")
+                  config_format: str | None = None, max_shard_bytes: int | None = None,
+                  source=None, dtype=None):
+    """Write `model` (a module or its pure dict) as a Qwen2-VL / Qwen2.5-VL checkpoint
+    directory. `source`: the checkpoint directory it came from (default: the one `load` read,
+    `hf_source`); it is written again with the model's tensors in place (write_back.py):
+    every tensor in the source's dtype, unchanged ones byte for byte, the source's
+    config.json fields, processor and tokenizer files kept. Layout defaults: the source's
+    tensor names and config.json layout (transformers 4 flat, 5 nested), else transformers
+    5's save_pretrained layout (legacy names, nested config). `dtype`: every tensor in it.
+    Returns the files written."""
+    from mmjax.models.hf.write_back import write_over_source
+
+    remembered = json.loads(getattr(model, "hf_source", "null") or "null")
+    if source is None and remembered and remembered.get("dir"):
+        source = remembered["dir"] if Path(remembered["dir"]).is_dir() else None
+    base = read_config(source) if source is not None else (
+        remembered["config"] if remembered else None)
+    src_names = _names_of(Checkpoint(source)) if source is not None else (
+        remembered["names"] if remembered else None)
+    names = names or src_names or "legacy"
+    if names not in NAMES:
+        raise ValueError(f"names={names!r}: use one of {NAMES}")
     fmt = config_format or ("nested" if base is None or "text_config" in base else "flat")
     if base is not None and ("text_config" in base) != (fmt == "nested"):
-        base = None  # another config layout than the source's: write the modelled fields
+        base = convert_config(base, fmt)
     pure = module_pure(model)
-    files = save_entries(pure, qwen2_vl_entries(cfg, names), out_dir, "Qwen2-VL",
-                         max_shard_bytes)
+    if source is not None:
+        ours = hf_tensors(pure, qwen2_vl_entries(cfg, src_names), "Qwen2-VL")
+        files = write_over_source(ours, source, out_dir, "Qwen2-VL", max_shard_bytes, dtype,
+                                  renamer(src_names, names))
+    else:
+        files = save_entries(pure, qwen2_vl_entries(cfg, names), out_dir, "Qwen2-VL",
+                             max_shard_bytes, dtype)
     conf = qwen2_vl_config_to_hf(cfg, fmt, base)
+    if dtype is not None:
+        set_config_dtype(conf, np.dtype(dtype).name)
     (Path(out_dir) / "config.json").write_text(json.dumps(conf, indent=2))
     return files
 
