@@ -99,7 +99,8 @@ def layer_specs(shape: LayerShape) -> dict:
     return specs
 
 
-def _time(fn, *args, repeats: int) -> float:
+def best_time(fn, *args, repeats: int) -> float:
+    """The fastest of `repeats` timed calls of `fn(*args)`, after one to compile and warm up."""
     jax.block_until_ready(fn(*args))  # compile + warm up
     best = math.inf
     for _ in range(repeats):
@@ -128,8 +129,8 @@ def time_layer(shape: LayerShape, tokens: int, tp: int, devices=None, repeats: i
     fwd = jax.jit(lambda p, x: layer_forward(shape, p, x, attention))
     grad = jax.jit(jax.grad(lambda p, x: jnp.sum(layer_forward(shape, p, x, attention)),
                             argnums=(0, 1)))
-    tf = _time(fwd, params, x, repeats=repeats)
-    tfb = _time(grad, params, x, repeats=repeats)
+    tf = best_time(fwd, params, x, repeats=repeats)
+    tfb = best_time(grad, params, x, repeats=repeats)
     return tf, max(tfb - tf, 0.0)
 
 

@@ -7,13 +7,13 @@ so MFU and predicted step times are against what the device measured, not a GPU'
 """
 from __future__ import annotations
 
-import math
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from mmjax.planner.profile import best_time
 
 # square matmul sides and streamed bytes: the GPU's are large enough to reach its peak,
 # the CPU's finish in about a second on two cores
@@ -22,23 +22,13 @@ STREAM_BYTES = {"gpu": 1 << 30, "cpu": 1 << 26}
 COLLECTIVE_BYTES = {"gpu": 1 << 28, "cpu": 1 << 24}
 
 
-def _best_time(fn, *args, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))  # compile + warm up
-    best = math.inf
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def matmul_peak(device, dtype, sides=(512, 1024), repeats: int = 5) -> float:
     """Best FLOP/s of an n x n x n matmul (2 n^3 FLOPs) over `sides`, on `device`."""
     mm = jax.jit(lambda a, b: a @ b)
     best = 0.0
     for n in sides:
         a = jax.device_put(jnp.ones((n, n), dtype), device)
-        best = max(best, 2.0 * n ** 3 / _best_time(mm, a, a, repeats=repeats))
+        best = max(best, 2.0 * n ** 3 / best_time(mm, a, a, repeats=repeats))
     return best
 
 
@@ -46,7 +36,7 @@ def memory_bandwidth(device, nbytes: int = 1 << 26, repeats: int = 5) -> float:
     """Bytes read + written per second by an elementwise pass over `nbytes` of float32
     (the quantity `Hardware.hbm_bw` is)."""
     x = jax.device_put(jnp.ones((nbytes // 4,), jnp.float32), device)
-    t = _best_time(jax.jit(lambda v: v * 1.5 + 1.0), x, repeats=repeats)
+    t = best_time(jax.jit(lambda v: v * 1.5 + 1.0), x, repeats=repeats)
     return 2.0 * x.size * 4 / t
 
 
@@ -62,7 +52,7 @@ def collective_bandwidth(devices, nbytes: int = 1 << 24, repeats: int = 5) -> fl
     x = jax.device_put(jnp.ones((n, per), jnp.float32), NamedSharding(mesh, P("d")))
     allreduce = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, "d"), mesh=mesh,
                                       in_specs=P("d"), out_specs=P("d")))
-    t = _best_time(allreduce, x, repeats=repeats)
+    t = best_time(allreduce, x, repeats=repeats)
     return 2.0 * (n - 1) / n * per * 4 / t
 
 
