@@ -27,5 +27,5 @@ def test_rows_time_the_loader_call_with_identical_output(tmp_path):
     assert [(r["dp"], r["samples"]) for r in rows] == [(4, 120), (16, 480)]
     assert rows[0]["identical"] is True and rows[0]["before"]["median"] > 0
     assert "identical" not in rows[1] and rows[1]["before"] is None
-    assert all(r["after"]["median"] > 0 and r["columns"]["min"] >= 0 for r in rows)
+    assert all(r["after"]["median"] > 0 and r["columns"]["min"] > 0 for r in rows)  # each stage timed
     assert json.load(open(tmp_path / "b.json"))["rows"][0]["dp"] == 4
