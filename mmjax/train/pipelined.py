@@ -200,6 +200,8 @@ class PipelinedRunner:
         if self.data is not None:
             self.data.set_state(data)
         self.state = TrainState(stages, step, data)
+        if self.layout is None:  # feeds handed to `train_on`: no data stream to go on with
+            return None
         return resume_notice(position, step, self.global_batch, self.layout.seq_len)
 
     # ---- validation -------------------------------------------------------------------
