@@ -376,12 +376,24 @@ def main(argv=None) -> int:
         out = plans[primary].to_json()
         out["solve_time_s"] = plans[primary].predicted.get("solve_time_s", 0.0)
         out["model"] = model.name
-        out["baselines"] = {k: v.predicted for k, v in plans.items() if k != primary}
+        out["baselines"] = baselines_json(plans, errors, primary)
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)
         console.print(f"wrote {args.json}")
     return 0
+
+
+def baselines_json(plans: dict, errors: dict, primary: str) -> dict:
+    """`baselines.<name>` of the plan JSON: each plan that was not printed first, with its
+    prediction and `"fits": true`; a baseline that cannot fit the GPUs carries
+    `"fits": false`, no time or memory, and the reason."""
+    out = {k: {**v.predicted, "fits": True} for k, v in plans.items() if k != primary}
+    for name, err in errors.items():
+        if name != primary:
+            out[name] = {"fits": False, "iteration_time_s": None, "memory_gb": None,
+                         "reason": err}
+    return out
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ def test_plan_json_and_table(tmp_path):
         assert word in r.stdout
     d = json.loads(out.read_text())
     assert d["solve_time_s"] > 0 and set(d["baselines"]) == {"megatron", "ratio"}
+    assert all(b["fits"] is True for b in d["baselines"].values())
     plan = Plan.load(str(out))
     plan.validate(named_config("cornstarch/valm_ss"), 24)
     assert plan.kind == "disaggregated" and plan.predicted["iteration_time_s"] > 0
@@ -39,6 +40,22 @@ def test_baseline_flag(tmp_path):
     assert r.returncode == 0, r.stderr
     plan = Plan.load(str(out))
     assert plan.kind == "rigid" and all(u.tp == 8 for u in plan.units)
+
+
+def test_a_baseline_that_cannot_fit_says_so_in_the_json(tmp_path):
+    """On 16 GPUs Megatron's rigid plan (tp 8 x 3 stages) cannot fit the 9B model; the
+    FLOPs-ratio plan can: `baselines.megatron` carries `"fits": false` and why, and
+    `baselines.ratio` its prediction with `"fits": true`."""
+    out = tmp_path / "plan.json"
+    r = run("--gin_file=configs/disttrain/mllm_9b.gin", "--gpus=16", "--global_batch=32",
+            f"--json={out}")
+    assert r.returncode == 0, r.stderr
+    base = json.loads(out.read_text())["baselines"]
+    assert base["megatron"]["fits"] is False and base["megatron"]["iteration_time_s"] is None
+    assert "needs at least 24 GPUs" in base["megatron"]["reason"]
+    ratio = base["ratio"]
+    assert ratio["fits"] is True and ratio["iteration_time_s"] > 0
+    assert set(ratio["memory_gb"]) >= {"llm"} and all(v > 0 for v in ratio["memory_gb"].values())
 
 
 def test_infeasible_says_what_is_short():
