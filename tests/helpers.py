@@ -21,7 +21,7 @@ from mmjax.models.config import with_overrides
 from mmjax.models.mllm import MultimodalModel, trainable_filter
 from mmjax.models.tiny import tiny
 from mmjax.data.feed import FeedShapes, microbatch_feed
-from mmjax.pipeline.reference_layout import to_reference_layout
+from reference_layout import pure_grads, to_reference_layout
 from mmjax.pipeline.runtime import PipelineRuntime
 from mmjax.train.inputs import model_inputs
 from mmjax.train.step import make_loss_fn, split_model
@@ -137,7 +137,7 @@ def plan_feeds(plan, lay, samples, assignments=None, cp_method="lpt", **kw):
 def run_plan(cfg, plan, lay, samples, assignments=None, cp_method="lpt"):
     rt = PipelineRuntime(cfg, plan)
     res = rt.run(plan_feeds(plan, lay, samples, assignments, cp_method))
-    grads = to_reference_layout(plan, res.pure_grads())
+    grads = to_reference_layout(plan, pure_grads(res))
     return rt, res.losses()["loss"], grads
 
 

@@ -17,7 +17,7 @@ from mmjax.data.batch_plan import unit_policies
 from mmjax.data.sources import default_processors
 from mmjax.data.sources.llava import LlavaSource
 from mmjax.data.tokenizer import Tokenizer, padded_vocab
-from mmjax.pipeline.reference_layout import to_reference_layout
+from reference_layout import pure_grads, to_reference_layout
 from mmjax.pipeline.runtime import PipelineRuntime
 from mmjax.planner.plan import Plan
 
@@ -70,6 +70,6 @@ def test_llava_plans_on_the_runtime_match_the_reference(setup, balance):
     assert any(mp.ranks["vision"] != c or mp.ranks["llm"] != c for mp, c in zip(mps, contiguous))
     rt = PipelineRuntime(cfg, plan)
     res = rt.run([mb.feed for mb in gb.microbatches])
-    grads = to_reference_layout(plan, res.pure_grads())
+    grads = to_reference_layout(plan, pure_grads(res))
     assert_same_loss(res.losses()["loss"], ref_loss)
     assert_same_grads(grads, ref_grads)

@@ -19,7 +19,7 @@ from mmjax.models.config import with_overrides
 from mmjax.models.hf.llm import llm_entries
 from mmjax.models.mllm import MultimodalModel, trainable_filter
 from mmjax.models.tiny import tiny
-from mmjax.pipeline.reference_layout import to_reference_layout
+from reference_layout import pure_grads, to_reference_layout
 from mmjax.pipeline.runtime import PipelineRuntime
 from mmjax.planner.plan import Plan
 from mmjax.train.inputs import model_inputs
@@ -74,4 +74,4 @@ def test_pipelined_family_matches_single_device(tmp_path, family):
              for m in range(2)]
     res = rt.run(feeds)
     assert_same_loss(res.losses()["loss"], ref_loss)
-    assert_same_grads(to_reference_layout(plan, res.pure_grads()), ref_grads)
+    assert_same_grads(to_reference_layout(plan, pure_grads(res)), ref_grads)

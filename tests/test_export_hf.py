@@ -72,7 +72,7 @@ def test_single_program_checkpoint_round_trip(tmp_path):
 
 @pytest.mark.slow
 def test_plan_checkpoint_round_trip(tmp_path):
-    from mmjax.pipeline.reference_layout import to_reference_layout
+    from reference_layout import to_reference_layout
     from mmjax.train.pipelined import PipelinedRunner
     cfg = model_cfg()
     plan = Plan.uniform(cfg, 4, 2, pp={"llm": 2, "vision": 2}, tp={"llm": 2})

@@ -15,7 +15,7 @@ from mmjax.data.assemble import assemble
 from mmjax.data.batch_shapes import batch_shapes
 from mmjax.models.mllm import MultimodalModel, trainable_filter
 from mmjax.data.feed import microbatch_feed
-from mmjax.pipeline.reference_layout import to_reference_layout
+from reference_layout import to_reference_layout
 from mmjax.planner.plan import Plan
 from mmjax.train.inputs import model_inputs
 from mmjax.train.optimizer import OptimizerSettings, optimizer_from_settings

@@ -13,7 +13,7 @@ from helpers import (assert_same_grads, assert_same_loss, check, exact_reference
 from mmjax.data.feed import microbatch_feed
 from mmjax.models import hf
 from mmjax.models.mllm import MultimodalModel, trainable_filter
-from mmjax.pipeline.reference_layout import to_reference_layout
+from reference_layout import pure_grads, to_reference_layout
 from mmjax.pipeline.runtime import PipelineRuntime
 from mmjax.train.inputs import model_inputs
 from mmjax.train.step import make_loss_fn, split_model
@@ -140,4 +140,4 @@ def test_pretrained_pipeline_stages_match_single_device():
              for m in range(2)]
     res = rt.run(feeds)
     assert_same_loss(res.losses()["loss"], ref_loss)
-    assert_same_grads(to_reference_layout(plan, res.pure_grads()), ref_grads)
+    assert_same_grads(to_reference_layout(plan, pure_grads(res)), ref_grads)

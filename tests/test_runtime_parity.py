@@ -13,7 +13,7 @@ import pytest
 from helpers import (assert_same_grads, assert_same_loss, cached_reference, check, make_cfg,
                      plan_feeds)
 from mmjax.models.tiny import tiny_valm
-from mmjax.pipeline.reference_layout import to_reference_layout
+from reference_layout import pure_grads, to_reference_layout
 from mmjax.pipeline.runtime import PipelineRuntime
 from mmjax.planner.plan import Plan
 
@@ -128,7 +128,7 @@ def test_interleaved_steady_state_dispatch_makes_no_host_sync(monkeypatch, refer
         res = rt.run(feeds)
         with pytest.raises(AssertionError, match="host sync"):  # the traps are armed
             float(res.lm_loss[0][0])  # the loss terms are per-rank vectors [dp]
-    grads = to_reference_layout(plan, res.pure_grads())
+    grads = to_reference_layout(plan, pure_grads(res))
     assert_same_loss(res.losses()["loss"], ref_loss)
     assert_same_grads(grads, ref_grads)
 

@@ -6,7 +6,7 @@ import pytest
 from helpers import assert_same_grads, assert_same_loss, cached_reference, make_cfg
 
 from mmjax.data.feed import microbatch_feed
-from mmjax.pipeline.reference_layout import to_reference_layout
+from reference_layout import pure_grads, to_reference_layout
 from mmjax.pipeline.runtime import PipelineRuntime
 from mmjax.planner.plan import Plan
 
@@ -21,7 +21,7 @@ def test_tied_llm_pp2_matches_single_device():
     rt = PipelineRuntime(cfg, plan)
     res = rt.run([microbatch_feed(samples[m * 2:(m + 1) * 2], lay, {"vision": 1, "llm": 1})
                   for m in range(2)])
-    grads = res.pure_grads()
+    grads = pure_grads(res)
     first, last = rt.tied_embedding_stages()
     # both copies get the sum, so they step alike
     np.testing.assert_array_equal(np.asarray(grads[first]["embed"]),

@@ -207,11 +207,6 @@ def exchange(x: jax.Array, tables, mesh: Mesh, src_axes, dst_axes) -> jax.Array:
     return _exchange(x, tables, mesh, _axes(src_axes), _axes(dst_axes))
 
 
-def exchange_tree(tree, tables, mesh: Mesh, src_axes, dst_axes):
-    """`exchange` on every leaf of a pytree (same route map, per-leaf row shapes)."""
-    return jax.tree.map(lambda x: exchange(x, tables, mesh, src_axes, dst_axes), tree)
-
-
 def route_tables(routes: dict, mesh: Mesh, src_axes, dst_axes,
                  capacity: tuple[Caps, Caps] | None = None,
                  ledger: "TrafficLedger | None" = None, row_bytes: dict | None = None,

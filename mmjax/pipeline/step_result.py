@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from mmjax.pipeline.multiprocess import gather_scalars
 
@@ -34,10 +33,6 @@ class StepResult:
         already (its accumulators are the reduce-scattered shards)."""
         return {sid: p if sid in self.reduced else _sum_ranks(p)
                 for sid, p in self.partials.items()}
-
-    def pure_grads(self) -> dict:
-        """`grads` as pure dicts per stage (what `to_reference_layout` takes)."""
-        return {sid: nnx.to_pure_dict(g) for sid, g in self.grads.items()}
 
     def losses(self) -> dict[str, float]:
         if jax.process_count() == 1:

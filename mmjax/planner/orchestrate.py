@@ -147,12 +147,6 @@ class Orchestrator:
         self._priced = {}  # (unit, TP, LLM DP) -> OptionTable, within one solve
 
     # ---- candidate bounds --------------------------------------------------------------
-    def _warm_const(self, tps) -> float:
-        """The warm-up every plan of the candidate pays at least (LLM with VPP 2 at best)."""
-        vmax = 2 if self.vpp else 1
-        return sum(c.time_s[t] / (vmax if i == self.llm else 1)
-                   for i, (c, t) in enumerate(zip(self.costs, tps)))
-
     def _warm_terms(self, tps, c):
         w = np.array([0.0 if i == self.llm else cost.time_s[t]
                       for i, (cost, t) in enumerate(zip(self.costs, tps))])

@@ -107,10 +107,6 @@ def vae_params(block_out_channels, layers_per_block: int, in_channels: int,
             + (conv(latent_channels, latent_channels, 1) if post_quant_conv else 0))
 
 
-def _divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
-
-
 def plan_with_vae(plan_fn, model, hardware: Hardware, num_gpus: int, images_per_step: float,
                   cpu_cores: int, placement: str = "auto", max_vae_gpus: int = 8,
                   cpu_flops_per_core: float = CPU_FLOPS_PER_CORE, pcie_bw: float = PCIE_BW):

@@ -100,7 +100,7 @@ def single_from_logical(like, arrays: dict):
 
 def stage_param_name(plan, sid, keys) -> str:
     """A stage's parameter path -> its name in the whole model (what
-    pipeline.reference_layout.to_reference_layout does to trees): the unit prefix for the LLM and the
+    the parity tests' to_reference_layout does to trees): the unit prefix for the LLM and the
     generator, and layer numbers offset by the stage's first layer."""
     u = plan.unit(sid.unit)
     start, _ = u.stage_layers(sid.index % u.pp, sid.index // u.pp)

@@ -48,9 +48,6 @@ class Rearrangement:
         return Rearrangement(self.samples, self.src, tuple(dst), self.num_src_ranks,
                              other.num_dst_ranks)
 
-    def send_ranks(self) -> tuple[list[int], list[int]]:
-        """(source rank, destination rank) per moved sample, for ``inter_node_volumes``."""
-        return [r for r, _ in self.src], [r for r, _ in self.dst]
 
 
 def rearrangement(src_batches: Sequence[Sequence[int]],

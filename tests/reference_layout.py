@@ -1,6 +1,9 @@
 """Per-stage parameter trees -> one tree laid out like the single-device model (layers
-renumbered globally), for parity checks, checkpoints and export."""
+renumbered globally), for the parity tests (the package's own logical layout is
+train/logical_state.py)."""
 from __future__ import annotations
+
+from flax import nnx
 
 from mmjax.models.units import is_encoder
 from mmjax.planner.plan import Plan
@@ -37,3 +40,9 @@ def to_reference_layout(plan: Plan, trees: dict) -> dict:
                 part["projectors"] = tree["projectors"]
         out = _deep_merge(out, part)
     return out
+
+
+def pure_grads(res) -> dict:
+    """A pipeline step's summed `grads` as pure dicts per stage (what
+    `to_reference_layout` takes)."""
+    return {sid: nnx.to_pure_dict(g) for sid, g in res.grads.items()}
