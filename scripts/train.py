@@ -3,7 +3,6 @@
 [--workdir=DIR] [--plan=...]`. Writes DIR/metrics.jsonl and checkpoints; resumes from DIR's newest."""
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import sys

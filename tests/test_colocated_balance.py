@@ -6,7 +6,6 @@ one all-to-all per encoder at the model's `route` seam (parallel/rearrange.py
 the route, which the runner's `colocated_loss_fn` wraps with its ZeRO-3 layer gathers (a
 no-op for the whole parameters used here)."""
 import jax
-import numpy as np
 import pytest
 from flax import nnx
 

@@ -33,7 +33,7 @@ def _check(lay, samples, pb, d):
         shapes = pb.shapes[e]
         for r, g in enumerate(pb.plan.phases[e].batches):
             k = {}
-            for i, rr in zip([i for i in g for _ in range(metas[i].count(slot.modality))],
+            for i, rr in zip([j for j in g for _ in range(metas[j].count(slot.modality))],
                              item_rows([metas[i] for i in g], lay, shapes)[e]):
                 for x in rr:
                     enc[r * s_rows + x] = i * 100000 + k.setdefault(i, 0)

@@ -6,7 +6,6 @@ parity tests' per-tensor rule, tests/helpers.py) on `tiny` and `tiny_valm`, trai
 frozen encoders, ZeRO 1-3, every post-balancing policy. The placement checks compile
 nothing (default suite); the parity checks are slow."""
 import jax
-import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P

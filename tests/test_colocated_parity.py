@@ -2,7 +2,6 @@
 tests' per-tensor rule, tests/helpers.py) at dp 8 and dp 4 x tp 2, ZeRO stages 1-3 and a
 hybrid FSDP group, on `tiny` and `tiny_valm` with frozen encoders (no gradient for them)."""
 import jax
-import numpy as np
 import pytest
 from flax import nnx
 

@@ -7,7 +7,6 @@ Mixed set: images of very different sizes (3x3 to 8x8 patches, one sample with t
 and text-only samples; a missing and a corrupt image are skipped by the planner. Plan on 6
 CPU devices: vision dp2, LLM dp2 x pp2; 8 samples in 2 microbatches.
 """
-import numpy as np
 import pytest
 
 from mmjax.data.layout import AssemblyLayout

@@ -7,7 +7,6 @@ Plan on 8 CPU devices with a different dp per unit: vision dp2, LLM dp2 x pp2, g
 dp1 (7 devices); 12 samples in 3 microbatches. The reference is computed once (the global batch's samples do not depend
 on the balancing policy); tolerances and the gradient check are test_runtime_parity's.
 """
-import numpy as np
 import pytest
 
 from mmjax.data.layout import AssemblyLayout

@@ -51,7 +51,8 @@ def test_bitfield_mask_matches_dense_reference():
 
 
 def test_attention_fully_masked_rows_are_zero_and_gqa_shapes():
-    q = jnp.ones((1, 3, 4, 8)); k = v = jnp.ones((1, 3, 2, 8))
+    q = jnp.ones((1, 3, 4, 8))
+    k = v = jnp.ones((1, 3, 2, 8))
     allowed = jnp.array([[[1, 0, 0], [1, 1, 0], [0, 0, 0]]], bool)
     out = dot_product_attention(q, k, v, allowed)
     assert out.shape == (1, 3, 4, 8)

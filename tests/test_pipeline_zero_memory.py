@@ -56,7 +56,7 @@ def measured():
 
 @pytest.mark.slow
 def test_zero3_stage_state_is_one_dth_and_temporaries_hold_two_layers(measured):
-    (a, up, cfg), (b, _, _) = measured(3, 2), measured(3, 4)
+    (a, _, cfg), (b, _, _) = measured(3, 2), measured(3, 4)
     for r in (a, b):  # master, AdamW, compute copy, accumulators: 1/8 of replicated
         per = r["master"] + r["adam"] + r["compute"] + r["acc"]
         replicated = r["trainable"] * (4 + 8 + 4 + 4)

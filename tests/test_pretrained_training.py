@@ -7,7 +7,6 @@ import gin
 import jax
 import numpy as np
 import pytest
-from flax import nnx
 from helpers import assert_same_grads, assert_same_loss, exact_reference, global_batch
 from test_vit_training import CLIP_TINY
 

@@ -7,7 +7,6 @@ error ||g - g_ref|| / ||g_ref|| <= 1e-5, except tensors whose true gradient is z
 attention key biases, softmax-invariant), which must be zero to 1e-6 of the global norm.
 """
 import jax
-import numpy as np
 import pytest
 
 from helpers import (assert_same_grads, assert_same_loss, cached_reference, check, make_cfg,

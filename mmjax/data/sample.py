@@ -24,7 +24,6 @@ its start/end special tokens (see `assemble.py`), so `SampleMeta.llm_length` cou
 """
 from __future__ import annotations
 
-import dataclasses
 
 import math
 from dataclasses import dataclass, field

@@ -150,7 +150,7 @@ class ChatRecordSource:
         self.image_processor, self.audio_processor = image_processor, audio_processor
         self.builder = EntryBuilder(tokenizer, chat_template, loss_on,
                                     audio_processor.sampling_rate, max_tokens)
-        self.builder.chat  # fail fast on a bad template / loss_on, before indexing
+        _ = self.builder.chat  # fail fast on a bad template / loss_on, before indexing
         key = index_key(data_key, tokenizer.fingerprint(), chat_template, loss_on,
                         audio_processor.sampling_rate, 1,
                         *(() if max_tokens is None else (max_tokens,)))

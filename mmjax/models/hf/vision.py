@@ -25,7 +25,7 @@ import numpy as np
 
 from mmjax.models.config import VisionConfig
 from mmjax.models.hf.checkpoint import (Checkpoint, Entry, LoadPlan, dense, layer_norm,
-                                        layer_range, module_pure, read_config, save_entries)
+                                        layer_range, module_pure, read_config)
 
 VISION_TYPES = ("clip", "clip_vision_model", "siglip", "siglip_vision_model")
 _ACTS = {"quick_gelu": "quick_gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
