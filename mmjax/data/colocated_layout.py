@@ -139,6 +139,42 @@ def plan_colocated_layout(lengths: Mapping[str, Sequence[float]],
     default: this batch's fullest rank. `devices`: the mesh's device count, which every
     phase's dp divides (its tp = devices / dp; default: the largest dp).
     """
+    encoders, phases, x, rows = _checked_columns(lengths, out_rows, llm)
+    dps = _per_phase(num_ranks, phases, "num_ranks")
+    pols = _per_phase(policies, phases, "policies")
+    for p, pol in pols.items():
+        if pol not in LAYOUT_POLICIES:
+            raise ValueError(f"policies[{p!r}]={pol!r}: use one of {LAYOUT_POLICIES}")
+    n = len(x[llm])
+    phase_layouts: dict[str, PhaseLayout] = {}
+    for e in encoders:
+        members = np.flatnonzero(x[e] > 0).tolist()
+        batches = _split(x[e], members, n, dps[e], pols[e])
+        r = {s: int(rows[e][s]) for s in members}
+        need = max((sum(r[s] for s in b) for b in batches), default=0)
+        phase_layouts[e] = PhaseLayout(e, tuple(map(tuple, batches)), r,
+                                       _capacity(e, need, capacity))
+    llm_batches = _split(x[llm], list(range(n)), n, dps[llm], pols[llm])
+    info: dict = {}
+    llm_rpn = _llm_ranks_per_node(int(ranks_per_node), phases if encoders else [], dps, llm,
+                                  devices, info)
+    d = dps[llm]
+    if llm_rpn and d > llm_rpn and d % llm_rpn == 0:
+        llm_batches = _node_wise(llm_batches, phase_layouts, rows, row_bytes, llm_rpn,
+                                 d, node_wise_method, info, node_wise_time_limit,
+                                 node_wise_max_milp_ranks)
+    lengths_llm = {s: int(x[llm][s]) for s in range(n)}
+    phase_layouts[llm] = PhaseLayout(llm, tuple(map(tuple, llm_batches)), lengths_llm,
+                                     _capacity(llm, max(max(
+                                         (sum(lengths_llm[s] for s in b) for b in llm_batches),
+                                         default=0), 1), capacity))
+    routes, llm_rows = _routes(phase_layouts, encoders, llm_batches, llm, capacity)
+    return ColocatedLayout(phase_layouts, routes, llm_rows, info)
+
+
+def _checked_columns(lengths, out_rows, llm: str):
+    """(encoders, phases, float64 lengths per phase, int64 output rows per encoder), every
+    column of the batch's length, an encoder's rows > 0 exactly where its length is."""
     if llm not in lengths:
         raise ValueError(f"lengths: no entry for the LLM phase {llm!r}")
     encoders = [p for p in lengths if p != llm]
@@ -146,11 +182,6 @@ def plan_colocated_layout(lengths: Mapping[str, Sequence[float]],
         if e not in out_rows:
             raise ValueError(f"out_rows: no entry for encoder {e!r}")
     phases = [*encoders, llm]
-    dps = _per_phase(num_ranks, phases, "num_ranks")
-    pols = _per_phase(policies, phases, "policies")
-    for p, pol in pols.items():
-        if pol not in LAYOUT_POLICIES:
-            raise ValueError(f"policies[{p!r}]={pol!r}: use one of {LAYOUT_POLICIES}")
     n = len(lengths[llm])
     x = {p: np.asarray(lengths[p], dtype=np.float64) for p in phases}
     rows = {e: np.asarray(out_rows[e], dtype=np.int64) for e in encoders}
@@ -163,37 +194,28 @@ def plan_colocated_layout(lengths: Mapping[str, Sequence[float]],
         if np.any((rows[e] > 0) != (x[e] > 0)):
             raise ValueError(f"out_rows[{e!r}] and lengths[{e!r}] disagree on which samples "
                              f"have the modality")
+    return encoders, phases, x, rows
 
-    phase_layouts: dict[str, PhaseLayout] = {}
-    for e in encoders:
-        members = np.flatnonzero(x[e] > 0).tolist()
-        batches = _split(x[e], members, n, dps[e], pols[e])
-        r = {s: int(rows[e][s]) for s in members}
-        need = max((sum(r[s] for s in b) for b in batches), default=0)
-        phase_layouts[e] = PhaseLayout(e, tuple(map(tuple, batches)), r,
-                                       _capacity(e, need, capacity))
-    llm_batches = _split(x[llm], list(range(n)), n, dps[llm], pols[llm])
-    info: dict = {}
-    rpn = int(ranks_per_node)
+
+def _llm_ranks_per_node(rpn: int, phases, dps, llm: str, devices, info: dict) -> int:
+    """LLM ranks per node for the node-wise step (0: none), when every phase's tp group
+    (devices / dp) lies whole in nodes of `rpn` devices; else 0 and `info["skipped"]`
+    says why. `phases` empty: no encoder, nothing to place."""
+    if not rpn or not phases:
+        return 0
     d = dps[llm]
-    if rpn and encoders:
-        devs = int(devices) if devices else max(dps.values())
-        # tp groups (devs / dp devices each) must lie whole in nodes of rpn devices
-        tps = [devs // dps[p] for p in phases if devs % dps[p] == 0]
-        llm_rpn = rpn * d // devs if len(tps) == len(phases) and (rpn * d) % devs == 0 \
-            and all(rpn % t == 0 for t in tps) else 0
-        if not llm_rpn:
-            info["skipped"] = (f"every phase's dp must divide the {devs} devices and "
-                               f"ranks_per_node={rpn} hold whole tp groups of every phase")
-        elif d > llm_rpn and d % llm_rpn == 0:
-            llm_batches = _node_wise(llm_batches, phase_layouts, rows, row_bytes, llm_rpn,
-                                     d, node_wise_method, info, node_wise_time_limit,
-                                     node_wise_max_milp_ranks)
-    lengths_llm = {s: int(x[llm][s]) for s in range(n)}
-    phase_layouts[llm] = PhaseLayout(llm, tuple(map(tuple, llm_batches)), lengths_llm,
-                                     _capacity(llm, max(max(
-                                         (sum(lengths_llm[s] for s in b) for b in llm_batches),
-                                         default=0), 1), capacity))
+    devs = int(devices) if devices else max(dps.values())
+    tps = [devs // dps[p] for p in phases if devs % dps[p] == 0]
+    if len(tps) == len(phases) and (rpn * d) % devs == 0 and all(rpn % t == 0 for t in tps):
+        return rpn * d // devs
+    info["skipped"] = (f"every phase's dp must divide the {devs} devices and "
+                       f"ranks_per_node={rpn} hold whole tp groups of every phase")
+    return 0
+
+
+def _routes(phase_layouts, encoders, llm_batches, llm: str, capacity):
+    """Per encoder, its output rows' route from the encoder's layout to the LLM's
+    (`Routes`) and the rows' layout on the LLM ranks (`PhaseLayout` f"{llm}/{E}")."""
     routes, llm_rows = {}, {}
     for e in encoders:
         src = phase_layouts[e]
@@ -208,7 +230,7 @@ def plan_colocated_layout(lengths: Mapping[str, Sequence[float]],
                  for s in r for k in range(r[s])]
         routes[e] = Routes.from_pairs(src.num_ranks, src.capacity, dst.num_ranks,
                                       dst.capacity, pairs)
-    return ColocatedLayout(phase_layouts, routes, llm_rows, info)
+    return routes, llm_rows
 
 
 def _node_wise(llm_batches, enc_layouts, rows, row_bytes, rpn, llm_dp, method, info,
