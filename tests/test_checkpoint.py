@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from mmjax.train.checkpoint import (CheckpointMismatch, Checkpointer, NonFiniteState,
-                                     global_checksums, leaf_checksum, partial_checksum)
+from mmjax.train.checkpoint import CheckpointMismatch, Checkpointer
+from mmjax.train.checkpoint_integrity import (NonFiniteState, global_checksums, leaf_checksum,
+                                              partial_checksum)
 
 LIKE = {"w": jnp.arange(4096, dtype=jnp.float32) / 7, "b": {"c": jnp.ones((3, 5), jnp.bfloat16)},
         "step": jnp.zeros((), jnp.int32)}

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from mmjax.train.checkpoint import data_digest
+from mmjax.train.checkpoint_integrity import data_digest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ['--gin_param=named_model_config.overrides={"llm.num_layers": 1}',

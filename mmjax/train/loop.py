@@ -12,7 +12,8 @@ import os
 import jax
 
 from mmjax.train.bad_data import too_much_bad_data
-from mmjax.train.checkpoint import Checkpointer, NonFiniteState
+from mmjax.train.checkpoint import Checkpointer
+from mmjax.train.checkpoint_integrity import NonFiniteState
 from mmjax.train.checkpoint_space import SaveFailed
 from mmjax.train.compile_watch import CompileWatch, watched_step
 from mmjax.train.loss_plot import plot_workdir

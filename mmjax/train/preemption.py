@@ -69,6 +69,6 @@ class Preemption:
 
         if jax.process_count() == 1:
             return self.signame is not None
-        from mmjax.train.checkpoint import all_processes
+        from mmjax.train.checkpoint_integrity import all_processes
 
         return not all_processes(self.signame is None)
