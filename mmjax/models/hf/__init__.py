@@ -22,6 +22,7 @@ from mmjax.models.hf.checkpoint import (INDEX_NAME, Checkpoint, Entry, apply_to_
                                         load_entries, read_config, save_entries)
 from mmjax.models.hf.dispatch import (build_module, config_for, hf_forward, load, load_pure,
                                       model_type, save)
+from mmjax.models.hf.generation import generate
 from mmjax.models.hf.llava import (is_llava, llava_config_from_hf, llava_config_to_hf,
                                    llava_load_plan, load_llava, save_llava)
 from mmjax.models.hf.llm import (config_from_hf, config_to_hf, export_llm_safetensors,

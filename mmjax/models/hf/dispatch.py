@@ -15,8 +15,8 @@ from mmjax.models.config import AudioConfig, VisionConfig
 from mmjax.models.hf.checkpoint import apply_to_module, read_config
 from mmjax.models.hf.llm import LLM_TYPES, config_from_hf, load_llm_safetensors
 from mmjax.models.hf.vision import VISION_TYPES, load_vit_safetensors, vision_config_from_hf
-from mmjax.models.hf.qwen2_vl import (QWEN_VL_TYPES, load_qwen2_vl, model_type_of,
-                                      qwen2_vl_forward, save_qwen2_vl)
+from mmjax.models.hf.qwen2_vl import QWEN_VL_TYPES, load_qwen2_vl, model_type_of, save_qwen2_vl
+from mmjax.models.hf.qwen2_vl_forward import qwen2_vl_forward
 from mmjax.models.hf.whisper import audio_config_from_hf, load_whisper_encoder_safetensors
 from mmjax.models.hf.llava import llava_forward, load_llava, save_llava
 from mmjax.models.llm import LLM

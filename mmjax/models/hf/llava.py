@@ -187,8 +187,9 @@ def load_llava(path, dtype=np.float32):
 # ---------------------------------------------------------------------------- forward
 
 
-@nnx.jit(static_argnames=("image_token",))
-def _llava_logits(model, input_ids, pixel_values, allowed, image_token: int):
+def llava_embed(model, input_ids, pixel_values, image_token: int):
+    """The LLM's input embeddings [B, S, d]: the tower's patch states at the feature layer,
+    projected, scattered in order over the image tokens."""
     tower, proj, llm = model.encoders["vision"], model.projectors["vision"], model.llm
     b, c, h, w = pixel_values.shape
     p = tower.cfg.patch_size
@@ -202,25 +203,37 @@ def _llava_logits(model, input_ids, pixel_values, allowed, image_token: int):
     emb = llm.embed_tokens(input_ids)
     is_image = input_ids == image_token
     order = jnp.clip(jnp.cumsum(is_image.reshape(-1)) - 1, 0, image.shape[0] - 1)
-    emb = jnp.where(is_image[..., None], image[order].reshape(emb.shape), emb)
-    positions = jnp.broadcast_to(jnp.arange(input_ids.shape[1]), input_ids.shape)
+    return jnp.where(is_image[..., None], image[order].reshape(emb.shape), emb)
+
+
+@nnx.jit(static_argnames=("image_token",))
+def _llava_logits(model, input_ids, pixel_values, allowed, image_token: int):
     from mmjax.models.llm import mask_attend
+    llm = model.llm
+    emb = llava_embed(model, input_ids, pixel_values, image_token)
+    positions = jnp.broadcast_to(jnp.arange(input_ids.shape[1]), input_ids.shape)
     hidden = llm.final_hidden(llm.run_layers(emb, positions, mask_attend(allowed)))
     return llm.logits(hidden)
+
+
+def check_image_tokens(model, image_token: int, input_ids, pixel_values) -> None:
+    """input_ids hold one image token per projected patch of pixel_values (ValueError)."""
+    n_img = int((np.asarray(input_ids) == image_token).sum())
+    shape = np.shape(pixel_values)
+    p = model.cfg.encoder("vision").encoder.patch_size
+    per = (shape[2] // p) * (shape[3] // p)
+    if n_img != shape[0] * per:
+        raise ValueError(f"input_ids hold {n_img} image tokens (id {image_token}); "
+                         f"pixel_values give {shape[0]} x {per} features: put {per} "
+                         f"image tokens per image, as LlavaProcessor does")
 
 
 def llava_forward(model, image_token: int, input_ids, pixel_values, attention_mask=None):
     """HF LlavaForConditionalGeneration.forward(...).logits: the tower's patch states at the
     feature layer, projected, scattered in order over the image tokens; causal LLM."""
+    check_image_tokens(model, image_token, input_ids, pixel_values)
     ids = jnp.asarray(input_ids)
     pixels = jnp.asarray(pixel_values, jnp.float32)
-    n_img = int((np.asarray(input_ids) == image_token).sum())
-    p = model.cfg.encoder("vision").encoder.patch_size
-    per = (pixels.shape[2] // p) * (pixels.shape[3] // p)
-    if n_img != pixels.shape[0] * per:
-        raise ValueError(f"input_ids hold {n_img} image tokens (id {image_token}); "
-                         f"pixel_values give {pixels.shape[0]} x {per} features: put {per} "
-                         f"image tokens per image, as LlavaProcessor does")
     s = ids.shape[1]
     allowed = jnp.tril(jnp.ones((s, s), bool))[None]
     if attention_mask is not None:
