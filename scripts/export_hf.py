@@ -10,7 +10,7 @@ OUT/mmjax_extra.safetensors for projectors / generator. Frozen pretrained units 
 from the files the run recorded (refused in one line if gone or changed). Single-program and
 plan checkpoints alike, on any host: no plan device count is needed. Each checkpoint keeps its
 source's config.json, processor / tokenizer files, dtype and layout; --dtype casts every
-checkpoint, --layout=tf4|tf5 writes a Qwen2-VL run in transformers 4's or 5's layout."""
+checkpoint (mmjax_extra.safetensors too), --layout=tf4|tf5 writes a Qwen2-VL run in transformers 4's or 5's layout."""
 from __future__ import annotations
 
 import argparse

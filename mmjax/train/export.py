@@ -173,7 +173,7 @@ def export_workdir(workdir: str, out, step: int | None = None,
     (`pretrained.model`) is written whole, over that checkpoint: OUT/model. Every checkpoint
     keeps its source's dtype and layout unless `dtype` ("float32", "bfloat16", "float16")
     or `layout` ("tf4", "tf5": a Qwen2-VL run's) asks otherwise."""
-    from mmjax.models.hf.cast import _np_dtype, cast_checkpoint
+    from mmjax.models.hf.cast import _np_dtype, cast_checkpoint, cast_file
 
     if dtype is not None:
         _np_dtype(dtype)  # refused before anything is restored or written
@@ -191,7 +191,6 @@ def export_workdir(workdir: str, out, step: int | None = None,
     else:
         written = export_model(cfg, _pure(model), out, max_shard_bytes, dirs, layout)
     if dtype is not None:
-        for unit, where in written.items():
-            if Path(where).is_dir():  # mmjax_extra.safetensors stays as trained
-                cast_checkpoint(where, dtype)
+        for unit, where in written.items():  # mmjax_extra.safetensors too: one dtype
+            cast_checkpoint(where, dtype) if Path(where).is_dir() else cast_file(where, dtype)
     return written
