@@ -44,9 +44,6 @@ _STRATEGY = {"clip": "default", "clip_vision_model": "default", "siglip": "full"
              "siglip_vision_model": "full"}
 _STRATEGY_WHY = {"default": "the class token dropped, every patch kept",
                  "full": "every patch kept; 'default' would drop the first patch"}
-# what transformers 5's save_pretrained writes
-TF5_LAYOUT = {"tower": "vision_tower.", "projector": "multi_modal_projector.",
-              "llm": "language_model.model.", "head": "language_model.lm_head.weight"}
 
 
 def _refuse(field: str, value, supported: str):
@@ -279,20 +276,30 @@ def check_llava_model(cfg: MLLMConfig) -> None:
 
 
 def save_llava(model, cfg: MLLMConfig, out, source=None, image_token_index: int | None = None,
-               max_shard_bytes: int | None = None) -> list[Path]:
+               max_shard_bytes: int | None = None, layout: str | None = None) -> list[Path]:
     """A LLaVA `MultimodalModel` -> a LlavaForConditionalGeneration directory. `source`: the
     checkpoint it was loaded from (its names, its layers above the feature layer and its
     config.json kept; write_back.py); else transformers 5's names and a config.json built
-    from `cfg` (`image_token_index` required)."""
+    from `cfg` (`image_token_index` required). `layout` ("tf4", "tf5"): tensor names and
+    config.json as that transformers writes them instead (llava_layouts.py)."""
     from mmjax.models.hf.checkpoint import _flatten, module_pure
+    from mmjax.models.hf.llava_layouts import (LAYOUTS, _PREFIX, convert_llava_config,
+                                               names_layout, renamer)
     check_llava_model(cfg)
+    if layout is not None and layout not in LAYOUTS:
+        raise ValueError(f"llava: layout={layout!r}: use one of {', '.join(LAYOUTS)}")
     pure = _flatten(module_pure(model))
     if source is not None:
         from mmjax.models.hf.write_back import write_over_source
         plan = llava_load_plan(source, cfg)
         plan.check()
         ours = hf_tensors(pure, plan.entries, "llava")
-        return write_over_source(ours, source, out, "llava", max_shard_bytes)
+        rename = layout and renamer(names_layout(Checkpoint(source).names), layout)
+        files = write_over_source(ours, source, out, "llava", max_shard_bytes, rename=rename)
+        if layout is not None:
+            conf = convert_llava_config(read_config(source), layout)
+            (Path(out) / "config.json").write_text(json.dumps(conf, indent=2))
+        return files
     if image_token_index is None:
         raise ValueError("llava: save without a source needs image_token_index (the "
                          "tokenizer's <image> id)")
@@ -301,12 +308,14 @@ def save_llava(model, cfg: MLLMConfig, out, source=None, image_token_index: int 
         raise ValueError(f"llava: encoders.vision.encoder.feature_layer={tower.feature_layer} "
                          f"holds {tower.depth} of {tower.num_layers} layers and no source "
                          f"checkpoint to copy the rest from: pass source=")
-    tensors = hf_tensors(pure, llava_entries(cfg, TF5_LAYOUT), "llava")
+    names = _PREFIX[layout or "tf5"]
+    tensors = hf_tensors(pure, llava_entries(cfg, names), "llava")
     if not tower.final_norm:  # CLIP's post_layernorm feeds only the pooler: HF's init
         d = tower.hidden_size
-        tensors["vision_tower.post_layernorm.weight"] = np.ones(d, np.float32)
-        tensors["vision_tower.post_layernorm.bias"] = np.zeros(d, np.float32)
+        tensors[names["tower"] + "post_layernorm.weight"] = np.ones(d, np.float32)
+        tensors[names["tower"] + "post_layernorm.bias"] = np.zeros(d, np.float32)
     files = write_safetensors(tensors, out, max_shard_bytes)
+    conf = llava_config_to_hf(cfg, image_token_index)
     (Path(out) / "config.json").write_text(json.dumps(
-        llava_config_to_hf(cfg, image_token_index), indent=2))
+        convert_llava_config(conf, layout) if layout else conf, indent=2))
     return files
