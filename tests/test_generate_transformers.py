@@ -2,7 +2,8 @@
 token) and `hf.generate` against transformers' greedy `generate` on the whole-model fixtures
 (LLaVA, Qwen2-VL, Qwen2.5-VL, each decoder family under LLaVA): the same 16 tokens and every
 step's logits to float32 rounding; `hf.generate` also on left-padded batches of two (the
-whole models and each family as a text-only LLM) with the checkpoints' own eos / pad ids.
+whole models and each family as a text-only LLM) with the checkpoints' own eos / pad ids, and
+with a generation_config.json's repetition penalty.
 Reference: tests/data/generate/reference.npz and hf_generate.npz from
 tests/fixtures/make_generate_reference.py (transformers 5.24, run once; no torch here),
 prompts from tests/generate_prompts.py."""
@@ -23,7 +24,8 @@ PROMPTS = np.load(os.path.join(gp.DATA, "generate", "prompts.npz"))
 HF = np.load(os.path.join(gp.DATA, "generate", "hf_generate.npz"))
 # left-padded batches of two (about a second each)
 BATCHES = ("llava_batch", "qwen2_vl_batch", "qwen2_5_vl_batch") + tuple(
-    f"text_{f}" for f in gp.FAMILIES)
+    f"text_{f}" for f in gp.FAMILIES) + (  # generation_config.json: a repetition penalty
+    "qwen2_vl_batch_penalty", "text_llama_linear_penalty")
 
 
 @pytest.mark.parametrize("case", gp.CASES)
@@ -52,6 +54,10 @@ def test_greedy_generation_is_transformers(tmp_path, case):
 
 
 def batch_checkpoint(case: str, root):
+    if case.endswith("_penalty"):
+        from llava_families import with_penalty
+        base = batch_checkpoint(case[: -len("_penalty")], root)
+        return with_penalty(base, root / case)
     if case == "llava_batch":
         import llava_tiny
         return llava_tiny.write(root / case, "tf5")
@@ -96,8 +102,8 @@ def test_hf_generate_refuses_what_it_would_get_wrong(tmp_path):
     with pytest.raises(ValueError, match=r"inputs \['pixel_values'\] do not apply"):
         hf.generate(model, max_new_tokens=2, input_ids=ids, pixel_values=np.zeros(3))
     (d / "generation_config.json").write_text(json.dumps({"eos_token_id": 2,
-                                                          "repetition_penalty": 1.1}))
-    with pytest.raises(ValueError, match="repetition_penalty"):
+                                                          "no_repeat_ngram_size": 2}))
+    with pytest.raises(ValueError, match="no_repeat_ngram_size"):
         hf.generate(model, max_new_tokens=2, input_ids=ids)
     (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 9],
                                                           "pad_token_id": 3}))

@@ -10,7 +10,11 @@ max_new_tokens=N)` returns after the prompt (transformers 5.24's rules, docs/gui
   columns hold `pad_token_id`; decoding ends once every row is finished, so the result has
   N columns, or fewer when all rows stopped early;
 - eos / pad ids from generation_config.json, else config.json (top level, then
-  text_config), as `GenerationConfig.from_model_config`; pad defaults to the first eos.
+  text_config), as `GenerationConfig.from_model_config`; pad defaults to the first eos;
+- `repetition_penalty` (generation_config.json or the argument) as transformers'
+  `RepetitionPenaltyLogitsProcessor`: the logit of every token already in the sequence
+  (prompt, padding included, and generated) divided by it (multiplied when negative);
+  other logits processors that change greedy tokens are refused in one line.
 
 The decoding itself is `models/decode.py` (prefill, then KV-cached `decode_step`s).
 """
@@ -20,6 +24,7 @@ import json
 from functools import partial
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -30,7 +35,7 @@ from mmjax.models.mllm import MultimodalModel
 
 # generation_config fields whose non-default value changes greedy tokens (logits processors,
 # beam search) and that mmjax does not apply: refused rather than silently ignored
-_UNSUPPORTED = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "bad_words_ids": None,
+_UNSUPPORTED = {"no_repeat_ngram_size": 0, "bad_words_ids": None,
                 "min_length": 0, "min_new_tokens": None, "forced_bos_token_id": None,
                 "forced_eos_token_id": None, "suppress_tokens": None,
                 "begin_suppress_tokens": None, "sequence_bias": None, "num_beams": 1,
@@ -89,8 +94,10 @@ def generation_config(module) -> dict:
     return out
 
 
-def special_ids(module, eos_token_id=None, pad_token_id=None) -> tuple[tuple, int | None]:
-    """(eos ids, pad id) as transformers' generate settles them; arguments override."""
+def special_ids(module, eos_token_id=None, pad_token_id=None,
+                repetition_penalty=None) -> tuple[tuple, int | None, float]:
+    """(eos ids, pad id, repetition penalty) as transformers' generate settles them;
+    arguments override the checkpoint's."""
     g = generation_config(module)
     bad = {k: g[k] for k, default in _UNSUPPORTED.items()
            if k in g and g[k] is not None and g[k] != default}
@@ -101,7 +108,19 @@ def special_ids(module, eos_token_id=None, pad_token_id=None) -> tuple[tuple, in
     eos = g.get("eos_token_id") if eos_token_id is None else eos_token_id
     eos = () if eos is None else tuple(np.atleast_1d(eos).astype(int).tolist())
     pad = g.get("pad_token_id") if pad_token_id is None else pad_token_id
-    return eos, (eos[0] if pad is None and eos else pad)
+    penalty = g.get("repetition_penalty") if repetition_penalty is None else repetition_penalty
+    penalty = 1.0 if penalty is None else float(penalty)
+    if penalty <= 0:
+        raise ValueError(f"generate: repetition_penalty={penalty} (give a positive number; "
+                         f"1.0: none)")
+    return eos, (eos[0] if pad is None and eos else pad), penalty
+
+
+@jax.jit
+def _penalized(logits, seen, penalty):
+    """transformers' RepetitionPenaltyLogitsProcessor over the tokens `seen` [B, V]."""
+    hit = jnp.where(logits < 0, logits * penalty, logits / penalty)
+    return jnp.where(seen, hit, logits)
 
 
 def _attention_mask(ids, mask, eos, pad):
@@ -179,7 +198,8 @@ def _check_inputs(module, inputs: dict) -> None:
 
 
 def generate(module, max_new_tokens: int, input_ids=None, attention_mask=None,
-             eos_token_id=None, pad_token_id=None, **inputs) -> np.ndarray:
+             eos_token_id=None, pad_token_id=None, repetition_penalty=None,
+             **inputs) -> np.ndarray:
     """Greedy new tokens [B, <= max_new_tokens] (int64) after `input_ids`, as transformers'
     `generate(do_sample=False)` returns them (module docstring: padding, eos, pad)."""
     if input_ids is None:
@@ -190,7 +210,7 @@ def generate(module, max_new_tokens: int, input_ids=None, attention_mask=None,
     ids = np.asarray(input_ids).astype(np.int64)
     if ids.ndim != 2:
         raise ValueError(f"generate: input_ids has shape {ids.shape}; give [batch, length]")
-    eos, pad = special_ids(module, eos_token_id, pad_token_id)
+    eos, pad, penalty = special_ids(module, eos_token_id, pad_token_id, repetition_penalty)
     valid = _attention_mask(ids, attention_mask, eos, pad)
     b, s = ids.shape
     n = int(max_new_tokens)
@@ -199,9 +219,14 @@ def generate(module, max_new_tokens: int, input_ids=None, attention_mask=None,
     rope = next_rope_position(positions, s)
     key_valid = jnp.asarray(np.concatenate([valid, np.ones((b, n), bool)], axis=1))
     vocab = int(logits.shape[-1])
+    seen = np.zeros((b, vocab), bool)  # tokens in the sequence so far (repetition penalty)
+    rows, cols = np.nonzero(ids < vocab)
+    seen[rows, ids[rows, cols]] = True
     unfinished = np.ones(b, bool)
     out = []
     for t in range(n):
+        if penalty != 1.0:
+            logits = _penalized(logits, jnp.asarray(seen), jnp.float32(penalty))
         token = np.asarray(jnp.argmax(logits, axis=-1)).astype(np.int64)
         if eos:
             token = np.where(unfinished, token, pad)
@@ -209,6 +234,8 @@ def generate(module, max_new_tokens: int, input_ids=None, attention_mask=None,
         out.append(token)
         if t + 1 == n or not unfinished.any():
             break
+        inside = token < vocab
+        seen[np.arange(b)[inside], token[inside]] = True
         # a finished row's input is its pad id (clipped into the vocabulary); its outputs
         # are replaced by pad, so what it attends to does not matter
         fed = jnp.asarray(np.clip(token, 0, vocab - 1), jnp.int32)
