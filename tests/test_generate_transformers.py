@@ -22,10 +22,12 @@ from mmjax.models.decode import decode_step, generate, next_rope_position, prefi
 REF = np.load(os.path.join(gp.DATA, "generate", "reference.npz"))
 PROMPTS = np.load(os.path.join(gp.DATA, "generate", "prompts.npz"))
 HF = np.load(os.path.join(gp.DATA, "generate", "hf_generate.npz"))
-# left-padded batches of two (about a second each)
-BATCHES = ("llava_batch", "qwen2_vl_batch", "qwen2_5_vl_batch") + tuple(
-    f"text_{f}" for f in gp.FAMILIES) + (  # generation_config.json: a repetition penalty
-    "qwen2_vl_batch_penalty", "text_llama_linear_penalty")
+# left-padded batches of two (about a second each); the "_penalty" ones with a
+# generation_config.json's repetition penalty; the rest of the families under -m slow
+BATCHES = ("llava_batch", "qwen2_vl_batch", "text_gemma3", "text_phi3",
+           "qwen2_vl_batch_penalty", "text_llama_linear_penalty")
+SLOW_BATCHES = ("qwen2_5_vl_batch",) + tuple(
+    f"text_{f}" for f in gp.FAMILIES if f"text_{f}" not in BATCHES)
 
 
 @pytest.mark.parametrize("case", gp.CASES)
@@ -86,9 +88,15 @@ def test_hf_generate_left_padded_batches_are_transformers(tmp_path, case):
     check_batch(case, tmp_path)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("case", SLOW_BATCHES)
+def test_hf_generate_more_batches_are_transformers(tmp_path, case):
+    check_batch(case, tmp_path)
+
+
 def test_hf_generate_covers_every_reference():
     cases = {k.split("/")[0] for k in HF.files if "/" in k}
-    assert cases == set(gp.CASES) | set(BATCHES)
+    assert cases == set(gp.CASES) | set(BATCHES) | set(SLOW_BATCHES)
     # the references exercise stopping: a row finished early, padded with the pad id (0)
     assert HF["llava_phi3/default"].tolist()[-1] == 2 and len(HF["llava_phi3/default"]) < gp.NEW
     assert (HF["text_phi3/tokens"][1] == [2] + [0] * (gp.NEW - 1)).all()
