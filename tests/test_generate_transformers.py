@@ -117,3 +117,16 @@ def test_hf_generate_refuses_what_it_would_get_wrong(tmp_path):
                                                           "pad_token_id": 3}))
     got = hf.generate(model, max_new_tokens=4, input_ids=ids, eos_token_id=[])
     assert got.shape == (1, 4)
+
+
+def test_hf_generate_llava_text_only_prompt_is_its_text_model(tmp_path):
+    """A LLaVA prompt without an image runs its text model alone, as transformers' LLaVA:
+    the llama_linear LLaVA gives the tokens transformers gave the same text checkpoint."""
+    from llava_families import llava_source
+    model, _ = hf.load(llava_source(tmp_path / "llava", "llama_linear", "clip")[0])
+    x = {k.split("/", 1)[1]: HF[k] for k in HF.files
+         if k.startswith("text_llama_linear/") and not k.endswith("/tokens")}
+    np.testing.assert_array_equal(hf.generate(model, max_new_tokens=gp.NEW, **x),
+                                  HF["text_llama_linear/tokens"])
+    with pytest.raises(ValueError, match="image tokens .* but no pixel_values"):
+        hf.generate(model, max_new_tokens=2, input_ids=np.array([[1, 27, 5]]))

@@ -170,6 +170,12 @@ def _prefill(module, inputs: dict, ids, valid, max_len: int):
         if token is None:
             raise ValueError("generate: this MultimodalModel was not loaded from a LLaVA or "
                              "Qwen2-VL checkpoint (hf.load): its image token id is unknown")
+        if "pixel_values" not in inputs:  # a text-only prompt: the text model alone
+            if (ids == token).any():
+                raise ValueError(f"generate: input_ids hold image tokens (id {token}) but no "
+                                 f"pixel_values were given")
+            return (*_prefill_text(module.llm, jnp.asarray(ids, jnp.int32), positions,
+                                   allowed, max_len=max_len), positions)
         pixels = inputs.pop("pixel_values")
         check_image_tokens(module, token, ids, pixels)
         out = _prefill_llava(module, jnp.asarray(ids, jnp.int32),
@@ -192,9 +198,6 @@ def _check_inputs(module, inputs: dict) -> None:
         raise ValueError(f"generate: inputs {extra} do not apply to this "
                          f"{type(module).__name__} (it takes input_ids, attention_mask"
                          f"{''.join(', ' + k for k in sorted(takes))})")
-    if isinstance(module, MultimodalModel) and not _is_qwen2_vl(module) and \
-            "pixel_values" not in inputs:
-        raise ValueError("generate: a LLaVA model needs pixel_values with its image tokens")
 
 
 def generate(module, max_new_tokens: int, input_ids=None, attention_mask=None,
