@@ -13,7 +13,8 @@ checkpoints into mmjax's NNX modules and writes trained ones back.
 - `qwen2_vl`: whole Qwen2-VL / Qwen2.5-VL checkpoints <-> `MultimodalModel` (both layouts;
   `qwen2_vl_forward`: transformers' forward on it);
   `qwen2_vl_pretrained`: such a checkpoint as the pretrained LLM / tower of a training run.
-- `llava`: whole LlavaForConditionalGeneration checkpoints <-> `MultimodalModel`.
+- `llava`: whole LlavaForConditionalGeneration checkpoints <-> `MultimodalModel`
+  (`llava_layouts`: transformers 4 / 5 layouts; `llava_forward`: transformers' forward).
 - `write_back`: a unit written back over the checkpoint it came from.
 - `dispatch`: `load(path) -> (module, config)`, `hf_forward(module, **hf_inputs)`,
   `save(module, config, out_dir)` (every kind `load` accepts).

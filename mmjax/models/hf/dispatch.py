@@ -18,7 +18,8 @@ from mmjax.models.hf.vision import VISION_TYPES, load_vit_safetensors, vision_co
 from mmjax.models.hf.qwen2_vl import QWEN_VL_TYPES, load_qwen2_vl, model_type_of, save_qwen2_vl
 from mmjax.models.hf.qwen2_vl_forward import qwen2_vl_forward
 from mmjax.models.hf.whisper import audio_config_from_hf, load_whisper_encoder_safetensors
-from mmjax.models.hf.llava import llava_forward, load_llava, save_llava
+from mmjax.models.hf.llava import load_llava, save_llava
+from mmjax.models.hf.llava_forward import llava_forward
 from mmjax.models.llm import LLM
 from mmjax.models.mllm import MultimodalModel
 from mmjax.models.vit import StandardViT

@@ -135,7 +135,7 @@ def _attention_mask(ids, mask, eos, pad):
 
 @partial(nnx.jit, static_argnames=("max_len", "image_token"))
 def _prefill_llava(model, ids, pixels, positions, allowed, max_len, image_token):
-    from mmjax.models.hf.llava import llava_embed
+    from mmjax.models.hf.llava_forward import llava_embed
     x = llava_embed(model, ids, pixels, image_token)
     return prefill_embedded(model.llm, x, positions, allowed, max_len)
 
@@ -165,7 +165,7 @@ def _prefill(module, inputs: dict, ids, valid, max_len: int):
         a = qwen2_vl_prompt(module, ids, attention_mask=valid.astype(np.int64), **inputs)
         return (*_prefill_qwen2_vl(module, a, allowed, max_len=max_len), a["positions"])
     if isinstance(module, MultimodalModel):
-        from mmjax.models.hf.llava import check_image_tokens
+        from mmjax.models.hf.llava_forward import check_image_tokens
         token = getattr(module, "hf_image_token", None)
         if token is None:
             raise ValueError("generate: this MultimodalModel was not loaded from a LLaVA or "
