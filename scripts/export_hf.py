@@ -10,7 +10,8 @@ OUT/mmjax_extra.safetensors for projectors / generator. Frozen pretrained units 
 from the files the run recorded (refused in one line if gone or changed). Single-program and
 plan checkpoints alike, on any host: no plan device count is needed. Each checkpoint keeps its
 source's config.json, processor / tokenizer files, dtype and layout; --dtype casts every
-checkpoint, --layout=tf4|tf5 writes a Qwen2-VL run in transformers 4's or 5's layout."""
+checkpoint (mmjax_extra.safetensors too), --layout=tf4|tf5 writes a
+Qwen2-VL or whole-LLaVA run in transformers 4's or 5's layout."""
 from __future__ import annotations
 
 import argparse
@@ -31,7 +32,8 @@ def main(argv=None) -> int:
                    help="cast every checkpoint to this dtype (default: each source's own; "
                         "a unit with no source as trained)")
     p.add_argument("--layout", default=None, choices=["tf4", "tf5"],
-                   help="a Qwen2-VL run's config / tensor-name layout: transformers 4 or 5 "
+                   help="a Qwen2-VL or whole-LLaVA run's config / tensor-name layout: "
+                        "transformers 4 or 5 "
                         "(default: its source's)")
     args = p.parse_args(argv)
     from mmjax.train.checkpoint import CheckpointUnusable

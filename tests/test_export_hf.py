@@ -4,9 +4,11 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
+from safetensors.numpy import load_file
 
 from mmjax.models import hf
 from mmjax.models.config import EncoderSpec, VisionConfig, with_overrides
@@ -66,6 +68,12 @@ def test_single_program_checkpoint_round_trip(tmp_path):
     assert set(written) == {"llm", "vision", "audio", "extra"}
     assert (tmp_path / "out" / "llm" / hf.INDEX_NAME).exists()  # sharded above the limit
     check_exported(tmp_path / "out", cfg, pure(nnx.merge(graphdef, tr, fr)))
+    # --dtype casts every file, mmjax_extra.safetensors (the projectors) included
+    cast = export_workdir(str(tmp_path / "run"), tmp_path / "bf16", dtype="bfloat16")
+    extra, want = load_file(str(cast["extra"])), load_file(str(written["extra"]))
+    assert sorted(extra) == sorted(want) and all(a.dtype == ml_dtypes.bfloat16
+                                                 for a in extra.values())
+    assert all(np.array_equal(extra[k], want[k].astype(ml_dtypes.bfloat16)) for k in want)
     with pytest.raises(ValueError, match=r"--step=7: .* holds steps \[3\]"):
         export_workdir(str(tmp_path / "run"), tmp_path / "out2", step=7)
 

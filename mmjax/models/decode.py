@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mmjax.models.attention import NO_OPTIONS, dot_product_attention
-from mmjax.models.llm import window_mask
+from mmjax.models.llm import LLM, window_mask
 from mmjax.models.mllm import encode, llm_allowed, llm_embed
 
 
@@ -50,6 +50,12 @@ def _run_cached(llm, x, positions, allowed, cache: KVCache, start):
     return logits, KVCache(jnp.stack(ks), jnp.stack(vs))
 
 
+def _prefill_llm(llm, x, positions, allowed, max_len: int):
+    p = x.shape[1]
+    allowed = jnp.pad(allowed, ((0, 0), (0, 0), (0, max_len - p)))
+    return _run_cached(llm, x, positions, allowed, empty_cache(llm.cfg, x.shape[0], max_len), 0)
+
+
 @partial(jax.jit, static_argnums=(0, 3, 4))
 def prefill(graphdef, state, batch, prompt_len: int, max_len: int):
     """Run the first `prompt_len` positions of row 0..B of `batch` (model inputs of an
@@ -60,9 +66,14 @@ def prefill(graphdef, state, batch, prompt_len: int, max_len: int):
                           batch["encoders"][e.name]) for e in cfg.encoders}
     x = llm_embed(cfg, model.llm, batch, enc)[:, :prompt_len]
     allowed = llm_allowed(batch)[:, :prompt_len, :prompt_len]
-    allowed = jnp.pad(allowed, ((0, 0), (0, 0), (0, max_len - prompt_len)))
-    cache = empty_cache(cfg.llm, x.shape[0], max_len)
-    return _run_cached(model.llm, x, batch["positions"][:, :prompt_len], allowed, cache, 0)
+    return _prefill_llm(model.llm, x, batch["positions"][:, :prompt_len], allowed, max_len)
+
+
+def prefill_embedded(llm, x, positions, allowed, max_len: int):
+    """Prefill from input embeddings already made (x [B, P, d], RoPE positions, allowed
+    [B, P, P]) through `llm` (an `LLM`); -> (last position's logits [B, V], cache). Traced
+    inside the caller's jit (`hf/generate.py`)."""
+    return _prefill_llm(llm, x, positions, allowed, max_len)
 
 
 def next_rope_position(positions, prompt_len: int):
@@ -76,19 +87,25 @@ def next_rope_position(positions, prompt_len: int):
 
 
 @partial(jax.jit, static_argnums=(0,))
-def decode_step(graphdef, state, token, position, cache: KVCache, rope_position=None):
+def decode_step(graphdef, state, token, position, cache: KVCache, rope_position=None,
+                key_valid=None):
     """One token [B] at cache slot `position` and RoPE position `rope_position` [B]
     (default: the slot; `next_rope_position` + steps taken after an M-RoPE prompt)
-    -> (next-token logits [B, V], cache)."""
+    -> (next-token logits [B, V], cache). `key_valid` [B, max_len] (default: every slot):
+    False at the cache slots of padding, which no token attends to. The model is a
+    `MultimodalModel` or a bare `LLM`."""
     model = nnx.merge(graphdef, state)
-    x = model.llm.embed_tokens(token[:, None])
+    llm = model if isinstance(model, LLM) else model.llm
+    x = llm.embed_tokens(token[:, None])
     b, max_len = token.shape[0], cache.k.shape[2]
     allowed = jnp.broadcast_to(jnp.arange(max_len) <= position, (b, 1, max_len))
+    if key_valid is not None:
+        allowed = allowed & key_valid[:, None, :]
     rope = jnp.broadcast_to(position if rope_position is None else rope_position, (b,))
     pos = rope.astype(jnp.int32)[:, None]
-    if model.llm.cfg.mrope_section:  # M-RoPE: the same position in every section
+    if llm.cfg.mrope_section:  # M-RoPE: the same position in every section
         pos = jnp.repeat(pos[..., None], 3, axis=-1)
-    return _run_cached(model.llm, x, pos, allowed, cache, position)
+    return _run_cached(llm, x, pos, allowed, cache, position)
 
 
 def sample_token(logits, key, temperature: float = 0.0, top_p: float = 1.0, vocab: int | None = None):

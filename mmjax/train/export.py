@@ -134,8 +134,9 @@ def export_model(cfg: MLLMConfig, pure: dict, out, max_shard_bytes: int = MAX_SH
         hf.save_qwen2_vl(pure, cfg, out / "model", names, fmt, max_shard_bytes, source=source)
         return {"model": out / "model"}
     if layout:
-        raise ValueError(f"--layout={layout}: only a Qwen2-VL run is written in a chosen "
-                         f"layout; the other units keep their source's (drop --layout)")
+        raise ValueError(f"--layout={layout}: only a Qwen2-VL or whole-LLaVA run is written "
+                         f"in a chosen layout; the other units keep their source's (drop "
+                         f"--layout)")
     written = {"llm": out / "llm"}
     hf.export_llm_safetensors(pure["llm"], cfg.llm, out / "llm", max_shard_bytes=max_shard_bytes,
                               source=sources.get("llm"))
@@ -172,8 +173,8 @@ def export_workdir(workdir: str, out, step: int | None = None,
     """-> {unit: where it went}. A run started from a whole LLaVA checkpoint
     (`pretrained.model`) is written whole, over that checkpoint: OUT/model. Every checkpoint
     keeps its source's dtype and layout unless `dtype` ("float32", "bfloat16", "float16")
-    or `layout` ("tf4", "tf5": a Qwen2-VL run's) asks otherwise."""
-    from mmjax.models.hf.cast import _np_dtype, cast_checkpoint
+    or `layout` ("tf4", "tf5": a Qwen2-VL or whole-LLaVA run's) asks otherwise."""
+    from mmjax.models.hf.cast import _np_dtype, cast_checkpoint, cast_file
 
     if dtype is not None:
         _np_dtype(dtype)  # refused before anything is restored or written
@@ -181,17 +182,13 @@ def export_workdir(workdir: str, out, step: int | None = None,
         raise ValueError(f"--layout={layout!r}: use one of {', '.join(LAYOUTS)} (or leave it "
                          f"unset to keep the source's)")
     cfg, model, _, dirs = restore_model(workdir, step)
-    if "model" in dirs:
-        if layout:
-            raise ValueError(f"--layout={layout}: a LLaVA run is written in its source's "
-                             f"layout (drop --layout)")
+    if "model" in dirs:  # a whole LLaVA: its source's layout, or transformers `layout`'s
         hf.save_llava(model, cfg, Path(out) / "model", source=dirs["model"],
-                      max_shard_bytes=max_shard_bytes)
+                      max_shard_bytes=max_shard_bytes, layout=layout)
         written = {"model": Path(out) / "model"}
     else:
         written = export_model(cfg, _pure(model), out, max_shard_bytes, dirs, layout)
     if dtype is not None:
-        for unit, where in written.items():
-            if Path(where).is_dir():  # mmjax_extra.safetensors stays as trained
-                cast_checkpoint(where, dtype)
+        for unit, where in written.items():  # mmjax_extra.safetensors too: one dtype
+            cast_checkpoint(where, dtype) if Path(where).is_dir() else cast_file(where, dtype)
     return written

@@ -10,18 +10,25 @@ checkpoints into mmjax's NNX modules and writes trained ones back.
 - `vision`: CLIP / SigLIP vision towers (`models.vit.StandardViT`).
 - `whisper`: the Whisper encoder (`models.audio.AudioEncoder`).
 - `vae`: diffusers' AutoencoderKL (`models.vae.AutoencoderKL`, the generator's frozen VAE).
-- `qwen2_vl`: whole Qwen2-VL / Qwen2.5-VL checkpoints <-> `MultimodalModel` (both layouts);
+- `qwen2_vl`: whole Qwen2-VL / Qwen2.5-VL checkpoints <-> `MultimodalModel` (both layouts;
+  `qwen2_vl_forward`: transformers' forward on it);
   `qwen2_vl_pretrained`: such a checkpoint as the pretrained LLM / tower of a training run.
-- `llava`: whole LlavaForConditionalGeneration checkpoints <-> `MultimodalModel`.
+- `llava`: whole LlavaForConditionalGeneration checkpoints <-> `MultimodalModel`
+  (`llava_layouts`: transformers 4 / 5 layouts; `llava_forward`: transformers' forward).
 - `write_back`: a unit written back over the checkpoint it came from.
 - `dispatch`: `load(path) -> (module, config)`, `hf_forward(module, **hf_inputs)`,
   `save(module, config, out_dir)` (every kind `load` accepts).
+- `generation`: `generate(module, max_new_tokens=N, **hf_inputs) -> [batch, <= N]` new token
+  ids, greedy, as transformers' `generate(do_sample=False)` (left padding via
+  attention_mask; rows padded with pad_token_id after their eos, stopping once all rows
+  have; docs/guide.md).
 - `pretrained`: loading checkpoints into a `MultimodalModel` or pipeline stages.
 """
 from mmjax.models.hf.checkpoint import (INDEX_NAME, Checkpoint, Entry, apply_to_module,
                                         load_entries, read_config, save_entries)
 from mmjax.models.hf.dispatch import (build_module, config_for, hf_forward, load, load_pure,
                                       model_type, save)
+from mmjax.models.hf.generation import generate
 from mmjax.models.hf.llava import (is_llava, llava_config_from_hf, llava_config_to_hf,
                                    llava_load_plan, load_llava, save_llava)
 from mmjax.models.hf.llm import (config_from_hf, config_to_hf, export_llm_safetensors,

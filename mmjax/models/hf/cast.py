@@ -2,7 +2,9 @@
 --dtype): every floating tensor of every shard rounded to `dtype` (round to nearest even, as
 torch's `.to`), integer tensors left alone, and config.json's dtype field (`torch_dtype` in
 transformers 4's layout, `dtype` in 5's, also inside `text_config` / `vision_config` where the
-source names one there) set to it. Without --dtype an export keeps its source's dtype."""
+source names one there) set to it; mmjax_extra.safetensors (projectors, generator) cast the
+same way, so a --dtype export is in one dtype throughout. Without --dtype an export keeps its
+source's dtype."""
 from __future__ import annotations
 
 import json
@@ -37,19 +39,24 @@ def set_config_dtype(c: dict, name: str) -> dict:
     return c
 
 
+def cast_file(path, name: str) -> int:
+    """Cast every floating tensor of one safetensors file to dtype `name` (metadata kept);
+    -> the file's tensor bytes."""
+    dtype = _np_dtype(name)
+    with safe_open(str(path), framework="numpy") as st:
+        meta = st.metadata() or {"format": "pt"}
+        tensors = {k: st.get_tensor(k) for k in st.keys()}
+    for k, a in tensors.items():
+        if np.issubdtype(a.dtype, np.floating) or a.dtype.name == "bfloat16":
+            tensors[k] = np.ascontiguousarray(a.astype(dtype))
+    save_file(tensors, str(path), metadata=meta)
+    return sum(a.nbytes for a in tensors.values())
+
+
 def cast_checkpoint(directory, name: str) -> None:
     """Cast the checkpoint in `directory` (model.safetensors or shards) to dtype `name`."""
-    dtype, d = _np_dtype(name), Path(directory)
-    total = 0
-    for f in sorted(d.glob("*.safetensors")):
-        with safe_open(str(f), framework="numpy") as st:
-            meta = st.metadata() or {"format": "pt"}
-            tensors = {k: st.get_tensor(k) for k in st.keys()}
-        for k, a in tensors.items():
-            if np.issubdtype(a.dtype, np.floating) or a.dtype.name == "bfloat16":
-                tensors[k] = np.ascontiguousarray(a.astype(dtype))
-        total += sum(a.nbytes for a in tensors.values())
-        save_file(tensors, str(f), metadata=meta)
+    d = Path(directory)
+    total = sum(cast_file(f, name) for f in sorted(d.glob("*.safetensors")))
     if (d / INDEX_NAME).exists():
         index = json.loads((d / INDEX_NAME).read_text())
         index.setdefault("metadata", {})["total_size"] = total

@@ -15,10 +15,11 @@ from mmjax.models.config import AudioConfig, VisionConfig
 from mmjax.models.hf.checkpoint import apply_to_module, read_config
 from mmjax.models.hf.llm import LLM_TYPES, config_from_hf, load_llm_safetensors
 from mmjax.models.hf.vision import VISION_TYPES, load_vit_safetensors, vision_config_from_hf
-from mmjax.models.hf.qwen2_vl import (QWEN_VL_TYPES, load_qwen2_vl, model_type_of,
-                                      qwen2_vl_forward, save_qwen2_vl)
+from mmjax.models.hf.qwen2_vl import QWEN_VL_TYPES, load_qwen2_vl, model_type_of, save_qwen2_vl
+from mmjax.models.hf.qwen2_vl_forward import qwen2_vl_forward
 from mmjax.models.hf.whisper import audio_config_from_hf, load_whisper_encoder_safetensors
-from mmjax.models.hf.llava import llava_forward, load_llava, save_llava
+from mmjax.models.hf.llava import load_llava, save_llava
+from mmjax.models.hf.llava_forward import llava_forward
 from mmjax.models.llm import LLM
 from mmjax.models.mllm import MultimodalModel
 from mmjax.models.vit import StandardViT
@@ -215,7 +216,7 @@ def save(module, config, out_dir, source=None, max_shard_bytes: int | None = 5 *
     part of a larger checkpoint (a tower of a CLIPModel, a Whisper encoder) goes back into
     the original class. Shards above `max_shard_bytes` (5 GB, as save_pretrained) with
     model.safetensors.index.json. `options`: image_token_index (a LLaVA model without a
-    source)."""
+    source), layout ("tf4" / "tf5": a LLaVA written as that transformers writes it)."""
     from mmjax.models.hf.vision import export_vit_safetensors
     from mmjax.models.hf.whisper import export_whisper_encoder_safetensors
     from mmjax.models.hf.llm import export_llm_safetensors
@@ -230,7 +231,8 @@ def save(module, config, out_dir, source=None, max_shard_bytes: int | None = 5 *
     source = source if source is not None else getattr(module, "hf_source", None)
     if isinstance(module, MultimodalModel):
         token = options.pop("image_token_index", getattr(module, "hf_image_token", None))
-        files = save_llava(module, config, out_dir, source, token, max_shard_bytes)
+        files = save_llava(module, config, out_dir, source, token, max_shard_bytes,
+                           layout=options.pop("layout", None))
     elif isinstance(module, StandardViT):
         files = export_vit_safetensors(module, config, out_dir, max_shard_bytes, source=source)
     elif isinstance(module, AudioEncoder):

@@ -24,7 +24,6 @@ import json
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -44,9 +43,6 @@ _STRATEGY = {"clip": "default", "clip_vision_model": "default", "siglip": "full"
              "siglip_vision_model": "full"}
 _STRATEGY_WHY = {"default": "the class token dropped, every patch kept",
                  "full": "every patch kept; 'default' would drop the first patch"}
-# what transformers 5's save_pretrained writes
-TF5_LAYOUT = {"tower": "vision_tower.", "projector": "multi_modal_projector.",
-              "llm": "language_model.model.", "head": "language_model.lm_head.weight"}
 
 
 def _refuse(field: str, value, supported: str):
@@ -184,50 +180,6 @@ def load_llava(path, dtype=np.float32):
     return model, cfg, facts
 
 
-# ---------------------------------------------------------------------------- forward
-
-
-@nnx.jit(static_argnames=("image_token",))
-def _llava_logits(model, input_ids, pixel_values, allowed, image_token: int):
-    tower, proj, llm = model.encoders["vision"], model.projectors["vision"], model.llm
-    b, c, h, w = pixel_values.shape
-    p = tower.cfg.patch_size
-    gh, gw = h // p, w // p
-    x = pixel_values.transpose(0, 2, 3, 1)[:, : gh * p, : gw * p]
-    patches = x.reshape(b, gh, p, gw, p, c).transpose(0, 1, 3, 2, 4, 5).reshape(b, gh * gw, -1)
-    seg = jnp.ones((b, gh * gw), jnp.int32)
-    pos = jnp.broadcast_to(jnp.stack(jnp.divmod(jnp.arange(gh * gw), gw), -1), (b, gh * gw, 2))
-    feats = tower.finish(tower.run_layers(tower.embed(patches, seg, pos), seg))  # no class token
-    image = proj(feats).reshape(-1, llm.cfg.hidden_size)
-    emb = llm.embed_tokens(input_ids)
-    is_image = input_ids == image_token
-    order = jnp.clip(jnp.cumsum(is_image.reshape(-1)) - 1, 0, image.shape[0] - 1)
-    emb = jnp.where(is_image[..., None], image[order].reshape(emb.shape), emb)
-    positions = jnp.broadcast_to(jnp.arange(input_ids.shape[1]), input_ids.shape)
-    from mmjax.models.llm import mask_attend
-    hidden = llm.final_hidden(llm.run_layers(emb, positions, mask_attend(allowed)))
-    return llm.logits(hidden)
-
-
-def llava_forward(model, image_token: int, input_ids, pixel_values, attention_mask=None):
-    """HF LlavaForConditionalGeneration.forward(...).logits: the tower's patch states at the
-    feature layer, projected, scattered in order over the image tokens; causal LLM."""
-    ids = jnp.asarray(input_ids)
-    pixels = jnp.asarray(pixel_values, jnp.float32)
-    n_img = int((np.asarray(input_ids) == image_token).sum())
-    p = model.cfg.encoder("vision").encoder.patch_size
-    per = (pixels.shape[2] // p) * (pixels.shape[3] // p)
-    if n_img != pixels.shape[0] * per:
-        raise ValueError(f"input_ids hold {n_img} image tokens (id {image_token}); "
-                         f"pixel_values give {pixels.shape[0]} x {per} features: put {per} "
-                         f"image tokens per image, as LlavaProcessor does")
-    s = ids.shape[1]
-    allowed = jnp.tril(jnp.ones((s, s), bool))[None]
-    if attention_mask is not None:
-        allowed = allowed & (jnp.asarray(attention_mask) != 0)[:, None, :]
-    return _llava_logits(model, ids, pixels, allowed, image_token=image_token)
-
-
 # ---------------------------------------------------------------------------- save
 
 
@@ -266,20 +218,30 @@ def check_llava_model(cfg: MLLMConfig) -> None:
 
 
 def save_llava(model, cfg: MLLMConfig, out, source=None, image_token_index: int | None = None,
-               max_shard_bytes: int | None = None) -> list[Path]:
+               max_shard_bytes: int | None = None, layout: str | None = None) -> list[Path]:
     """A LLaVA `MultimodalModel` -> a LlavaForConditionalGeneration directory. `source`: the
     checkpoint it was loaded from (its names, its layers above the feature layer and its
     config.json kept; write_back.py); else transformers 5's names and a config.json built
-    from `cfg` (`image_token_index` required)."""
+    from `cfg` (`image_token_index` required). `layout` ("tf4", "tf5"): tensor names and
+    config.json as that transformers writes them instead (llava_layouts.py)."""
     from mmjax.models.hf.checkpoint import _flatten, module_pure
+    from mmjax.models.hf.llava_layouts import (LAYOUTS, _PREFIX, convert_llava_config,
+                                               names_layout, renamer)
     check_llava_model(cfg)
+    if layout is not None and layout not in LAYOUTS:
+        raise ValueError(f"llava: layout={layout!r}: use one of {', '.join(LAYOUTS)}")
     pure = _flatten(module_pure(model))
     if source is not None:
         from mmjax.models.hf.write_back import write_over_source
         plan = llava_load_plan(source, cfg)
         plan.check()
         ours = hf_tensors(pure, plan.entries, "llava")
-        return write_over_source(ours, source, out, "llava", max_shard_bytes)
+        rename = layout and renamer(names_layout(Checkpoint(source).names), layout)
+        files = write_over_source(ours, source, out, "llava", max_shard_bytes, rename=rename)
+        if layout is not None:
+            conf = convert_llava_config(read_config(source), layout)
+            (Path(out) / "config.json").write_text(json.dumps(conf, indent=2))
+        return files
     if image_token_index is None:
         raise ValueError("llava: save without a source needs image_token_index (the "
                          "tokenizer's <image> id)")
@@ -288,12 +250,14 @@ def save_llava(model, cfg: MLLMConfig, out, source=None, image_token_index: int 
         raise ValueError(f"llava: encoders.vision.encoder.feature_layer={tower.feature_layer} "
                          f"holds {tower.depth} of {tower.num_layers} layers and no source "
                          f"checkpoint to copy the rest from: pass source=")
-    tensors = hf_tensors(pure, llava_entries(cfg, TF5_LAYOUT), "llava")
+    names = _PREFIX[layout or "tf5"]
+    tensors = hf_tensors(pure, llava_entries(cfg, names), "llava")
     if not tower.final_norm:  # CLIP's post_layernorm feeds only the pooler: HF's init
         d = tower.hidden_size
-        tensors["vision_tower.post_layernorm.weight"] = np.ones(d, np.float32)
-        tensors["vision_tower.post_layernorm.bias"] = np.zeros(d, np.float32)
+        tensors[names["tower"] + "post_layernorm.weight"] = np.ones(d, np.float32)
+        tensors[names["tower"] + "post_layernorm.bias"] = np.zeros(d, np.float32)
     files = write_safetensors(tensors, out, max_shard_bytes)
+    conf = llava_config_to_hf(cfg, image_token_index)
     (Path(out) / "config.json").write_text(json.dumps(
-        llava_config_to_hf(cfg, image_token_index), indent=2))
+        convert_llava_config(conf, layout) if layout else conf, indent=2))
     return files

@@ -32,9 +32,7 @@ from mmjax.models.hf.checkpoint import (Checkpoint, Entry, LoadPlan, apply_to_mo
 from mmjax.models.hf.llm import check_tied_head, config_from_hf, llm_entries
 from mmjax.models.hf.cast import set_config_dtype
 from mmjax.models.hf.qwen2_vl_layouts import convert_config, renamer
-from mmjax.models.llm import mask_attend, merge_modalities
-from mmjax.models.mllm import MultimodalModel, encode
-from mmjax.models.qwen2_vl_config import mrope_positions, patch_positions
+from mmjax.models.mllm import MultimodalModel
 
 QWEN_VL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 ARCHITECTURES = {"Qwen2VLForConditionalGeneration": "qwen2_vl",
@@ -344,72 +342,3 @@ def save_qwen2_vl(model, cfg: MLLMConfig, out_dir, names: str | None = None,
         set_config_dtype(conf, np.dtype(dtype).name)
     (Path(out_dir) / "config.json").write_text(json.dumps(conf, indent=2))
     return files
-
-
-# ----------------------------------------------------------------------------- forward
-
-
-@nnx.jit
-def _logits(model, tokens, positions, allowed, patches, patch_seg, patch_pos, gather):
-    spec = model.cfg.encoder("vision")
-    feats = encode(spec, model.encoders["vision"], model.projectors["vision"],
-                   {"patches": patches, "patch_seg": patch_seg, "patch_pos": patch_pos})
-    x = merge_modalities(model.llm.embed_tokens(tokens), {"vision": feats},
-                         {"vision": gather})
-    h = model.llm.run_layers(x, positions, mask_attend(allowed))
-    return model.llm.logits(model.llm.final_hidden(h))
-
-
-def image_token_id(model) -> int:
-    source = json.loads(getattr(model, "hf_source", "null") or "null")
-    return int((source["config"] if source else _TOKENS).get("image_token_id",
-                                                             _TOKENS["image_token_id"]))
-
-
-def qwen2_vl_forward(model, input_ids, pixel_values=None, image_grid_thw=None,
-                     attention_mask=None, mm_token_type_ids=None) -> dict:
-    """transformers' Qwen2-VL forward (images and text): M-RoPE positions from
-    `get_rope_index`, images packed into one buffer (attention per image / window), merged
-    features scattered at the image tokens, causal attention (+ attention_mask)."""
-    ids = np.asarray(input_ids)
-    b, s = ids.shape
-    vis = model.cfg.encoder("vision").encoder
-    m = vis.spatial_merge_size
-    image_id = image_token_id(model)
-    mm = (ids == image_id).astype(np.int32) if mm_token_type_ids is None else \
-        np.asarray(mm_token_type_ids)
-    grids = np.zeros((0, 3), np.int64) if image_grid_thw is None else \
-        np.asarray(image_grid_thw).reshape(-1, 3)
-    positions = mrope_positions(ids, mm, grids, m, attention_mask)
-    seg, pos = [np.zeros(0, np.int32)], [np.zeros((0, 2), np.int32)]
-    for i, (t, h, w) in enumerate(grids.tolist()):
-        if t != 1:
-            raise ValueError(f"image_grid_thw[{i}] has t={t}: mmjax's Qwen2-VL takes images "
-                             f"(t=1), not videos")
-        seg.append(np.full(h * w, i + 1, np.int32))
-        pos.append(patch_positions(h, w, m))
-    seg, pos = np.concatenate(seg), np.concatenate(pos)
-    n = len(seg)
-    pixels = np.zeros((max(n, 4), vis.patch_dim), np.float32)
-    if n:
-        pv = np.asarray(pixel_values, np.float32)
-        if pv.shape != (n, vis.patch_dim):
-            raise ValueError(f"pixel_values has shape {pv.shape}; image_grid_thw gives "
-                             f"({n}, {vis.patch_dim})")
-        pixels[:n] = pv
-    pad = max(n, 4) - n
-    seg, pos = np.pad(seg, (0, pad)), np.pad(pos, ((0, pad), (0, 0)))
-    is_image = ids == image_id
-    if is_image.sum() != n // (m * m):
-        raise ValueError(f"{is_image.sum()} image tokens in input_ids but image_grid_thw "
-                         f"gives {n // (m * m)}")
-    gather = np.full(ids.shape, -1, np.int32)
-    gather[is_image] = np.arange(is_image.sum())
-    allowed = np.tril(np.ones((s, s), bool))[None].repeat(b, 0)
-    if attention_mask is not None:
-        allowed &= (np.asarray(attention_mask) != 0)[:, None, :]
-    logits = _logits(model, jnp.asarray(ids, jnp.int32), jnp.asarray(positions),
-                     jnp.asarray(allowed), jnp.asarray(pixels)[None], jnp.asarray(seg)[None],
-                     jnp.asarray(pos)[None], jnp.asarray(gather))
-    return {"logits": logits}
-
