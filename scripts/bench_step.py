@@ -53,7 +53,7 @@ from mmjax.host_info import machine
 from mmjax.planner.costs import unit_costs
 from mmjax.planner.hardware import hardware_of_device
 from mmjax.planner.measured_hardware import check_device, hardware_from_profile, has_measurement
-from mmjax.planner.step_model import PALLAS_VS_CUDNN, single_step_time
+from mmjax.planner.step_model import PALLAS_VS_CUDNN, SlotShapes, single_step_time
 from mmjax.planner.workload import workload_from_metas
 from mmjax.train.config import named_model_config
 from mmjax.data.records import SyntheticSource
@@ -220,7 +220,8 @@ def cost_fields(args, cfg, layout, data, steps: int, tokens: float, step_s: floa
     step = single_step_time(cfg, wl, hw, args.global_batch, unit_remats(cfg),
                             slot_fills(cfg, layout, data.shapes, wl, args.global_batch),
                             trainable, data.shapes.rows * args.seq_len,
-                            pallas_units(cfg, layout, args.attention, hw))
+                            pallas_units(cfg, layout, args.attention, hw),
+                            dense_slots(args, data.shapes, profile))
     return {"model_flops_per_step": flops, "peak_flops": hw.peak_flops,
             "peak_measured": has_measurement(profile),
             "hardware_model": hw.name, "mfu": flops / step_s / hw.peak_flops,
@@ -228,6 +229,20 @@ def cost_fields(args, cfg, layout, data, steps: int, tokens: float, step_s: floa
             "profile": args.profile or None,
             "step_model_s": step.total_s, "step_model_unit_s": step.units_s,
             "step_model_optimizer_s": step.optimizer_s, "step_model_head_s": step.head_s}
+
+
+def dense_slots(args, shapes, profile: dict) -> SlotShapes | None:
+    """The step's static shapes when its attention is XLA's dense one (`--attention dense`,
+    or "auto" on a CPU at this length: models/attention.py `choose_implementation`), which
+    computes every pair of each row and buffer; None otherwise (tiled kernels)."""
+    from mmjax.models.attention import AUTO_DENSE_MAX_PAIRS
+
+    cpu_auto = (args.attention == "auto" and profile.get("platform") == "cpu"
+                and args.seq_len ** 2 <= AUTO_DENSE_MAX_PAIRS)
+    if args.attention != "dense" and not cpu_auto:
+        return None
+    return SlotShapes(shapes.rows, args.seq_len,
+                      {name: (count, cap) for name, count, cap in shapes.encoders})
 
 
 def unit_remats(cfg) -> dict:
