@@ -71,7 +71,31 @@ def dense_attention_pair_s(device, seq: int = 256, heads: int = 4,
     allowed = jax.device_put(jnp.tril(jnp.ones((seq, seq), bool))[None], device)
     grad = jax.jit(jax.grad(lambda q, k, v: dot_product_attention(q, k, v, allowed).sum(),
                             argnums=(0, 1, 2)))
-    return best_time(grad, x, x, x, repeats=repeats) / (rows * heads * seq * seq)
+    # milliseconds a call: many repeats, so a loaded machine's stalls do not set it
+    return best_time(grad, x, x, x, repeats=4 * repeats) / (rows * heads * seq * seq)
+
+
+def busy_cores(device, calls: int = 20) -> float:
+    """Cores one device keeps busy while it computes alone: process CPU seconds per call of
+    a dense attention step (the tiny models' layers' size) over its fastest wall time (CPU
+    seconds do not grow when other processes take the cores; wall time does) - how much of
+    the host one forced CPU device takes (planner/shared_host.py)."""
+    import time
+
+    from mmjax.models.attention import dot_product_attention
+
+    x = jax.device_put(jnp.ones((4, 256, 4, DENSE_HEAD_DIM), jnp.float32), device)
+    allowed = jax.device_put(jnp.tril(jnp.ones((256, 256), bool))[None], device)
+    grad = jax.jit(jax.grad(lambda q, k, v: dot_product_attention(q, k, v, allowed).sum(),
+                            argnums=(0, 1, 2)))
+    jax.block_until_ready(grad(x, x, x))
+    best, cpu = float("inf"), 0.0
+    for _ in range(calls):
+        wall0, cpu0 = time.perf_counter(), time.process_time()
+        jax.block_until_ready(grad(x, x, x))
+        best = min(best, time.perf_counter() - wall0)
+        cpu += time.process_time() - cpu0
+    return cpu / calls / best
 
 
 def measure_device(devices=None, dtypes=("float32", "bfloat16"), repeats: int = 5,
@@ -80,7 +104,7 @@ def measure_device(devices=None, dtypes=("float32", "bfloat16"), repeats: int = 
     """The measured section of a hardware profile for `devices` (default: all present):
     {"device", "platform", "device_count", "matmul_peak_flops": {dtype: FLOP/s},
     "memory_bw", "collective_bw", "memory_bytes", "dense_attention_pair_s",
-    "dense_attention_head_dim", "cpu_cores"}."""
+    "dense_attention_head_dim", "cpu_cores", "device_busy_cores"}."""
     devices = list(devices or jax.devices())
     dev = devices[0]
     kind = "gpu" if dev.platform == "gpu" else "cpu"
@@ -101,4 +125,5 @@ def measure_device(devices=None, dtypes=("float32", "bfloat16"), repeats: int = 
         "dense_attention_pair_s": dense_attention_pair_s(dev, repeats=repeats),
         "dense_attention_head_dim": DENSE_HEAD_DIM,
         "cpu_cores": len(os.sched_getaffinity(0)),
+        "device_busy_cores": busy_cores(dev),
     }
