@@ -10,7 +10,7 @@ from mmjax.planner.evaluate import Choice
 from mmjax.planner.hardware import H100
 from mmjax.planner.schedule_time import schedule_time
 from mmjax.planner.shared_host import (dense_costs, padded_workload, shared_host_time)
-from mmjax.planner.step_model import _unit_seconds, dense_attention_s
+from mmjax.planner.step_model import dense_attention_s, unit_seconds
 from mmjax.planner.workload import Workload
 
 HW = replace(H100, dense_pair_s=2e-9, dense_pair_head_dim=16)
@@ -30,11 +30,11 @@ def test_dense_costs_reprice_attention_per_pair_split_over_tp():
     costs = unit_costs(model, wl, HW)
     dense = {c.name: c for c in dense_costs(model, wl, HW, costs)}
     before = {c.name: c for c in costs}
-    llm = dense_attention_s(model, "llm", 256, HW) - _unit_seconds(model, wl, HW, "llm",
+    llm = dense_attention_s(model, "llm", 256, HW) - unit_seconds(model, wl, HW, "llm",
                                                                    "none")[1]
     vision = ((2 * dense_attention_s(model, "vision", 64, HW)
                + dense_attention_s(model, "vision", 256, HW)) / 2
-              - _unit_seconds(model, wl, HW, "vision", "none")[1])
+              - unit_seconds(model, wl, HW, "vision", "none")[1])
     for name, delta in (("llm", llm), ("vision", vision)):
         for tp, t in before[name].time_s.items():
             assert dense[name].time_s[tp] == pytest.approx(t + delta / tp)

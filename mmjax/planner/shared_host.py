@@ -18,7 +18,7 @@ import dataclasses
 from mmjax.planner.costs import UnitCost
 from mmjax.planner.evaluate import Choice
 from mmjax.planner.schedule_time import schedule_time
-from mmjax.planner.step_model import _unit_seconds, dense_attention_s
+from mmjax.planner.step_model import dense_attention_s, unit_seconds
 from mmjax.planner.workload import Workload
 
 
@@ -48,7 +48,7 @@ def dense_costs(model, wl: Workload, hw, costs: tuple[UnitCost, ...]) -> tuple[U
             out.append(c)
             continue
         dense = sum(dense_attention_s(model, c.name, n, hw) for s in sizes for n in s)
-        delta = dense / len(sizes) - _unit_seconds(model, wl, hw, c.name, "none")[1]
+        delta = dense / len(sizes) - unit_seconds(model, wl, hw, c.name, "none")[1]
         out.append(dataclasses.replace(
             c, time_s={tp: t + delta / tp for tp, t in c.time_s.items()},
             fwd_s={tp: t + delta / tp / 3 for tp, t in c.fwd_s.items()}))

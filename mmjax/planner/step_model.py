@@ -89,7 +89,7 @@ def dense_attention_s(model, unit: str, tokens: int, hw, bwd: int = 2,
     return layers * c.num_heads * tokens * tokens * pair * passes / 3.0
 
 
-def _unit_seconds(model, wl, hw, u, remat: str) -> tuple[float, float]:
+def unit_seconds(model, wl, hw, u, remat: str) -> tuple[float, float]:
     """(linear, attention) forward + backward seconds of unit `u` for one sample of `wl`."""
     lin = att = 0.0
     uw = unit_work(model, wl, u)
@@ -116,7 +116,7 @@ def single_step_time(model, wl, hw, samples: int, remat: dict, fills: dict,
     for u in model.unit_names:
         if u in dense:
             slot_wl, count = dense[u]
-            lin, att = _unit_seconds(model, slot_wl, replace(hw, call_tokens=0.0), u,
+            lin, att = unit_seconds(model, slot_wl, replace(hw, call_tokens=0.0), u,
                                      remat.get(u, "none"))
             if hw.dense_pair_s > 0:  # measured: pairs x heads, not FLOPs
                 tokens = slots.seq_len if u == "llm" else slots.encoders[u][1]
@@ -125,7 +125,7 @@ def single_step_time(model, wl, hw, samples: int, remat: dict, fills: dict,
                                         remat.get(u, "none"))
             units[u] = count * (lin + att)
             continue
-        lin, att = _unit_seconds(model, wl, hw, u, remat.get(u, "none"))
+        lin, att = unit_seconds(model, wl, hw, u, remat.get(u, "none"))
         units[u] = samples * (lin * fills.get(u, 1.0) + att * slow.get(u, 1.0))
     return StepPrediction(
         units_s=units, optimizer_s=ADAM_BYTES_PER_PARAM * trainable_params / hw.hbm_bw,
