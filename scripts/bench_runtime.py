@@ -165,8 +165,11 @@ def node_map(plan: Plan) -> str:
                      for u, stages in plan.stage_devices().items())
 
 
+VISION_CAPS = (64, 256)
+
+
 def batch(cfg, seq: int, n: int):
-    lay = AssemblyLayout.from_config(cfg, seq, "pad", vision_caps=(64, 256))
+    lay = AssemblyLayout.from_config(cfg, seq, "pad", vision_caps=VISION_CAPS)
     ds = SyntheticDataset("laion", SyntheticConfig.for_model(cfg, gen_fraction=0.5), seed=3)
     samples = [s for s in (ds[i] for i in range(20 * n)) if check_sample(s, lay) is None][:n]
     if len(samples) < n:
@@ -245,6 +248,44 @@ def stage_memory_rows(cfg, plan: Plan, feeds) -> dict:
         out[str(sid)] = {"predicted_bytes": float(p), "compiled_bytes": float(c),
                          "error": float(p / c - 1)}
     return out
+
+
+def host_profile(path: str) -> dict:
+    """This host's measured profile: `path`'s (scripts/profile_hardware.py --devices 8 on
+    this machine), else the peak, bandwidths and dense-attention pair time measured now."""
+    from mmjax.planner.measured_hardware import check_device, has_measurement
+    from mmjax.train.device_measure import measure_device
+
+    profile = {}
+    if path:
+        with open(path) as fh:
+            profile = json.load(fh)
+        check_device(profile, str(jax.devices()[0].device_kind), f"--profile={path}")
+    if not has_measurement(profile) or "device_busy_cores" not in profile:
+        profile.update(measure_device(dtypes=("float32",)))
+    return profile
+
+
+def predicted_step(cfg, plan: Plan, lay, samples, profile: dict) -> dict:
+    """The planner's step for `plan` on this host (planner/shared_host.py): its cost model
+    on the padded shapes the runtime computes, with the measured profile's layers and dense
+    attention, as the 1F1B schedule and as the host's cores shared by its devices."""
+    from mmjax.planner.costs import unit_costs
+    from mmjax.planner.evaluate import Choice
+    from mmjax.planner.measured_hardware import hardware_from_profile
+    from mmjax.planner.shared_host import dense_costs, padded_workload, shared_host_time
+    from mmjax.planner.workload import workload_from_metas
+
+    hw = hardware_from_profile(profile, "float32", call_tokens=0.0)
+    wl = padded_workload(workload_from_metas("bench", [lay.rules.meta(s) for s in samples],
+                                             cfg), lay.seq_len, VISION_CAPS)
+    costs = dense_costs(cfg, wl, hw, unit_costs(cfg, wl, hw))
+    choices = {u.name: Choice(u.tp, u.dp, u.pp) for u in plan.units}
+    t = shared_host_time(costs, choices, plan.global_batch, hw,
+                         int(profile.get("cpu_cores") or os.cpu_count()),
+                         float(profile.get("device_busy_cores") or 1.0))
+    return {"predicted_step_s": t.step_s, "predicted_schedule_s": t.schedule_s,
+            "predicted_cores_bound_s": t.cores_bound_s, "predicted_compute_s": t.compute_s}
 
 
 def bench_plan(name, cfg, lay, samples, args, out_dir, timeline, compiles) -> dict:
@@ -327,6 +368,7 @@ def bench_plan(name, cfg, lay, samples, args, out_dir, timeline, compiles) -> di
         "bytes_per_step": moved, "devices_per_node": args.devices_per_node,
         "node_map": node_map(plan), "compiles_after_warmup": compiled_after_warmup,
         "stage_memory": stage_memory_rows(cfg, plan, feeds),
+        **predicted_step(cfg, plan, lay, samples, args.host_profile),
     }
 
 
@@ -344,6 +386,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--trace_steps", type=int, default=2, help="traced steps for the costs")
     ap.add_argument("--devices_per_node", type=int, default=4,
                     help="devices per (virtual) node: placement and link classes")
+    ap.add_argument("--profile", default="", metavar="FILE",
+                    help="this host's measured profile (scripts/profile_hardware.py "
+                         "--devices 8); without one, the peak and bandwidths are measured")
     ap.add_argument("--out", default=os.path.join("bench_results", "bench_runtime.json"))
     args = ap.parse_args(argv)
     for k in ("samples", "microbatches", "seq", "steps", "trace_steps"):
@@ -360,6 +405,7 @@ def main(argv=None) -> dict:
     os.makedirs(out_dir, exist_ok=True)
     cfg = model_config(args)
     lay, samples = batch(cfg, args.seq, args.samples)
+    args.host_profile = host_profile(args.profile)
     timeline = _timeline()
     compiles = {"n": 0}  # programs traced or compiled (jax.monitoring), to count after warm-up
 
@@ -380,7 +426,7 @@ def main(argv=None) -> dict:
                         f" seq {args.seq}, {args.samples} samples, {jax.devices()[0].platform}")
     for col in ("plan", "units dp/tp/pp", "#mb", "#actions", "dispatch us/action",
                 "measured step s", "serial sum s", "simulated step s", "ratio meas/sim",
-                "bubble frac"):
+                "bubble frac", "predicted step s", "ratio meas/pred"):
         table.add_column(col, justify="left" if col.startswith(("plan", "units")) else "right",
                          no_wrap=col.startswith("units"))
     for r in rows:
@@ -388,7 +434,9 @@ def main(argv=None) -> dict:
         table.add_row(r["plan"], units, str(r["num_microbatches"]), str(r["num_actions"]),
                       f"{r['dispatch_us_per_action']:.0f}", f"{r['measured_step_s']:.3f}",
                       f"{r['serial_sum_s']:.3f}", f"{r['simulated_step_s']:.3f}",
-                      f"{r['measured_over_simulated']:.2f}", f"{r['bubble_fraction']:.2f}")
+                      f"{r['measured_over_simulated']:.2f}", f"{r['bubble_fraction']:.2f}",
+                      f"{r['predicted_step_s']:.3f}",
+                      f"{r['measured_step_s'] / r['predicted_step_s']:.2f}")
     console.print(table)
     for r in rows:
         console.print(f"{r['plan']}: collectives per stage per step "
@@ -412,7 +460,9 @@ def main(argv=None) -> dict:
     note = CPU_NOTE.format(cores=os.cpu_count())
     if jax.devices()[0].platform == "cpu":
         console.print(f"[bold]Note:[/bold] {note}")
-    result = {"settings": vars(args), "platform": jax.devices()[0].platform,
+    profile = args.host_profile
+    del args.host_profile
+    result = {"settings": vars(args), "hardware_profile": profile, "platform": jax.devices()[0].platform,
               "num_devices": len(jax.devices()), "host_cores": os.cpu_count(),
               "note": note if jax.devices()[0].platform == "cpu" else "", "rows": rows}
     with open(args.out, "w") as fh:

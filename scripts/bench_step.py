@@ -40,6 +40,7 @@ import json
 import os
 import statistics
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -53,7 +54,7 @@ from mmjax.host_info import machine
 from mmjax.planner.costs import unit_costs
 from mmjax.planner.hardware import hardware_of_device
 from mmjax.planner.measured_hardware import check_device, hardware_from_profile, has_measurement
-from mmjax.planner.step_model import PALLAS_VS_CUDNN, single_step_time
+from mmjax.planner.step_model import PALLAS_VS_CUDNN, SlotShapes, single_step_time
 from mmjax.planner.workload import workload_from_metas
 from mmjax.train.config import named_model_config
 from mmjax.data.records import SyntheticSource
@@ -137,9 +138,11 @@ def run(args) -> dict:
         prog = SingleProgram(cfg, layout, args.global_batch, learning_rate_schedule(total),
                              dtype.type, seed=0, source=source, attention_impl=args.attention,
                              steps=total)
-    steps = []
+    steps, cpu_s = [], []
     for i in range(total):
+        cpu0 = time.process_time()
         steps.append(prog.step())
+        cpu_s.append(time.process_time() - cpu0)
         m = steps[-1]
         print(f"step {i + 1}/{total}: {m.step_time_s * 1e3:.1f} ms, compile "
               f"{m.compile_s:.1f} s, loss {m.loss:.4f}", flush=True)
@@ -160,6 +163,9 @@ def run(args) -> dict:
         "trainable_params": int(prog.num_trainable),
         "compile_s": steps[0].compile_s, "step_time_s": step_s, "data_wait_s": wait_s,
         "step_times_s": [m.step_time_s for m in timed],
+        # this process's CPU seconds per timed step and the host's 1-minute load average at
+        # the end: on a shared host the wall time is the CPU work over the cores it got
+        "step_cpu_s": cpu_s[args.warmup:], "load_average": os.getloadavg()[0],
         "tokens_per_step": tokens, "tokens_per_s": tokens / step_s,
         # LLM token slots of the step's static shape (rows x seq_len): real tokens / slots is
         # the packing's fill, the share of the step's LLM work that is not padding
@@ -220,7 +226,8 @@ def cost_fields(args, cfg, layout, data, steps: int, tokens: float, step_s: floa
     step = single_step_time(cfg, wl, hw, args.global_batch, unit_remats(cfg),
                             slot_fills(cfg, layout, data.shapes, wl, args.global_batch),
                             trainable, data.shapes.rows * args.seq_len,
-                            pallas_units(cfg, layout, args.attention, hw))
+                            pallas_units(cfg, layout, args.attention, hw),
+                            dense_slots(args, data.shapes, profile))
     return {"model_flops_per_step": flops, "peak_flops": hw.peak_flops,
             "peak_measured": has_measurement(profile),
             "hardware_model": hw.name, "mfu": flops / step_s / hw.peak_flops,
@@ -228,6 +235,20 @@ def cost_fields(args, cfg, layout, data, steps: int, tokens: float, step_s: floa
             "profile": args.profile or None,
             "step_model_s": step.total_s, "step_model_unit_s": step.units_s,
             "step_model_optimizer_s": step.optimizer_s, "step_model_head_s": step.head_s}
+
+
+def dense_slots(args, shapes, profile: dict) -> SlotShapes | None:
+    """The step's static shapes when its attention is XLA's dense one (`--attention dense`,
+    or "auto" on a CPU at this length: models/attention.py `choose_implementation`), which
+    computes every pair of each row and buffer; None otherwise (tiled kernels)."""
+    from mmjax.models.attention import AUTO_DENSE_MAX_PAIRS
+
+    cpu_auto = (args.attention == "auto" and profile.get("platform") == "cpu"
+                and args.seq_len ** 2 <= AUTO_DENSE_MAX_PAIRS)
+    if args.attention != "dense" and not cpu_auto:
+        return None
+    return SlotShapes(shapes.rows, args.seq_len,
+                      {name: (count, cap) for name, count, cap in shapes.encoders})
 
 
 def unit_remats(cfg) -> dict:
@@ -352,6 +373,10 @@ def show(console, r) -> None:
             (f"MFU (of {peak_text(r)})", f"{100 * r['mfu']:.2f}%"),
             ("predicted step (planner)", f"{r['predicted_step_s'] * 1e3:.1f} ms"),
             ("measured / predicted", f"{r['step_time_s'] / r['predicted_step_s']:.2f}")]
+    if r.get("step_cpu_s"):
+        rows.append(("step CPU time (median; host load)",
+                     f"{statistics.median(r['step_cpu_s']) * 1e3:.1f} ms "
+                     f"(load {r['load_average']:.1f})"))
     if r.get("step_model_s"):
         rows += [("step model (padding, kernels, optimizer, loss head)",
                   f"{r['step_model_s'] * 1e3:.1f} ms"),

@@ -1,6 +1,8 @@
 """Measure this machine's hardware profile, CPU included: the dense matmul peak (float32
 and bfloat16), the memory bandwidth of a streaming kernel, the all-reduce bandwidth over
-every device (on a CPU, `--devices N` forces N host devices; train/device_measure.py), and
+every device (on a CPU, `--devices N` forces N host devices; train/device_measure.py), XLA's
+dense attention per (query, key, head) pair, the host's cores and how many one device keeps
+busy, and
 one generic transformer layer (SwiGLU + causal attention, and GELU MLP + full attention)
 timed forward and backward at a grid of widths and sequence lengths, in bf16
 (planner/profile.py `profile_hardware`). The JSON it writes is what `plan.py --profile=FILE`,
@@ -67,7 +69,10 @@ def main(argv=None) -> dict:
         f"{d} {v / 1e9:,.1f} GFLOP/s" for d, v in measured["matmul_peak_flops"].items())
         + f"; memory {measured['memory_bw'] / 1e9:,.2f} GB/s; all-reduce "
         + (f"{measured['collective_bw'] / 1e9:,.2f} GB/s" if measured["collective_bw"]
-           else "- (one device)"), flush=True)
+           else "- (one device)")
+        + f"; dense attention {measured['dense_attention_pair_s'] * 1e9:.1f} ns a pair, one "
+          f"device keeps {measured['device_busy_cores']:.2f} of {measured['cpu_cores']} "
+          f"cores busy", flush=True)
 
     def show(p):
         print(f"{p['kind']:>12} width {p['width']:>5} tokens {p['tokens']:>6}: "

@@ -18,7 +18,9 @@ STAGES = ("vision:0", "llm:0", "llm:1", "generator:0")  # both plans: llm pp2, 1
 FIELDS = {"plan", "units", "num_microbatches", "num_actions", "dispatch_us_per_action",
           "measured_step_s", "simulated_step_s", "measured_over_simulated", "bubble_fraction",
           "stage_busy_s", "stage_costs_s", "serial_sum_s", "files", "collectives_per_step",
-          "bytes_per_step", "node_map", "compiles_after_warmup", "stage_memory"}
+          "bytes_per_step", "node_map", "compiles_after_warmup", "stage_memory",
+          "predicted_step_s", "predicted_schedule_s", "predicted_cores_bound_s",
+          "predicted_compute_s"}
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +56,10 @@ def test_rows_and_fields(result):
         assert set(r["stage_busy_s"]) == set(STAGES)
         assert set(r["stage_costs_s"]) == {f"{s}/{k}" for s in STAGES for k in "FB"}
         assert r["dispatch_us_per_action"] > 0 and r["measured_step_s"] > 0
+        # the planner's prediction on this host: the schedule or the shared cores
+        assert r["predicted_step_s"] == max(r["predicted_schedule_s"],
+                                            r["predicted_cores_bound_s"]) > 0
+    assert result["hardware_profile"]["dense_attention_pair_s"] > 0
 
 
 @pytest.mark.slow

@@ -65,6 +65,10 @@ def test_a_cpu_run_is_priced_by_the_cpu_it_measured(record, capsys):
     assert record["peak_measured"] is True
     assert record["hardware_model"] == "measured cpu"
     assert prof["memory_bw"] > 0 and prof["device_count"] == len(bench.jax.devices())
+    # XLA's dense attention per (query, key, head) pair, the host's cores and one device's
+    assert prof["dense_attention_pair_s"] > 0 and prof["cpu_cores"] >= 1
+    assert prof["device_busy_cores"] > 0
+    assert len(record["step_cpu_s"]) == len(record["step_times_s"])
     bench.show(bench.Console(width=120), record)
     out = capsys.readouterr().out
     assert f"MFU (of {record['peak_flops'] / 1e9:,.1f} GFLOP/s measured)" in out
@@ -91,7 +95,7 @@ def test_recount_reproduces_the_record(record, tmp_path):
     path = tmp_path / "rec.json"
     path.write_text(json.dumps(record))
     again = bench.recount(str(path))
-    for key in ("model_flops_per_step", "mfu", "predicted_step_s"):
+    for key in ("model_flops_per_step", "mfu", "predicted_step_s", "step_model_s"):
         assert again[key] == pytest.approx(record[key], rel=1e-12)
     assert again["recounted"] is True
 
@@ -125,3 +129,17 @@ def test_colocated_zero3_step_trains_the_same_losses_in_an_eighth_of_the_state(r
     assert rec["memory"]["aliased"] == pytest.approx(record["memory"]["aliased"] / 8,
                                                      rel=0.01)
     assert rec["memory"]["compiled_peak"] < record["memory"]["compiled_peak"]
+
+
+def test_dense_slots_where_xla_dense_attention_runs():
+    """The step model prices static shapes where attention is XLA's dense path: "auto" on a
+    CPU up to models/attention.py's pair limit, or "dense" anywhere; tiled kernels not."""
+    from types import SimpleNamespace as NS
+
+    shapes = NS(rows=5, encoders=(("vision", 2, 256),))
+    cpu, gpu = {"platform": "cpu"}, {"platform": "gpu"}
+    assert bench.dense_slots(NS(attention="auto", seq_len=256), shapes, cpu) == \
+        bench.SlotShapes(5, 256, {"vision": (2, 256)})
+    assert bench.dense_slots(NS(attention="auto", seq_len=256), shapes, gpu) is None
+    assert bench.dense_slots(NS(attention="dense", seq_len=256), shapes, gpu) is not None
+    assert bench.dense_slots(NS(attention="auto", seq_len=1024), shapes, cpu) is None

@@ -27,6 +27,10 @@ class Hardware:
     # runs together (a microbatch's packed rows), which set the matmuls' M dimension
     profile: object = field(default=None, compare=False, repr=False)
     call_tokens: float = 0.0
+    # XLA's dense attention, forward + backward, seconds per (query, key, head) pair at head
+    # dim `dense_pair_head_dim` (measured: train/device_measure.py; 0: not measured)
+    dense_pair_s: float = 0.0
+    dense_pair_head_dim: int = 16
 
     def efficiency(self, local_width: float, tokens: float = 0.0,
                    kind: str = "gelu_full") -> float:

@@ -53,7 +53,9 @@ def hardware_from_profile(profile: dict, dtype: str = "bfloat16",
                      hbm_bytes=float(profile.get("memory_bytes") or base.hbm_bytes),
                      nvlink_bw=float(coll), nic_bw=float(base.nic_bw if spec else coll),
                      gpus_per_node=base.gpus_per_node if spec else
-                     int(profile.get("device_count", 1)))
+                     int(profile.get("device_count", 1)),
+                     dense_pair_s=float(profile.get("dense_attention_pair_s") or 0.0),
+                     dense_pair_head_dim=int(profile.get("dense_attention_head_dim") or 16))
     elif spec is not None:  # layer points only, on a known GPU: its spec's peak
         hw = spec
     else:

@@ -7,6 +7,7 @@ so MFU and predicted step times are against what the device measured, not a GPU'
 """
 from __future__ import annotations
 
+import os
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +21,7 @@ from mmjax.planner.profile import best_time
 MATMUL_SIDES = {"gpu": (4096, 8192), "cpu": (512, 1024)}
 STREAM_BYTES = {"gpu": 1 << 30, "cpu": 1 << 26}
 COLLECTIVE_BYTES = {"gpu": 1 << 28, "cpu": 1 << 24}
+DENSE_HEAD_DIM = 16  # the head dim dense attention's per-pair time is measured at
 
 
 def matmul_peak(device, dtype, sides=(512, 1024), repeats: int = 5) -> float:
@@ -56,19 +58,59 @@ def collective_bandwidth(devices, nbytes: int = 1 << 24, repeats: int = 5) -> fl
     return 2.0 * (n - 1) / n * per * 4 / t
 
 
+def dense_attention_pair_s(device, seq: int = 256, heads: int = 4,
+                           head_dim: int = DENSE_HEAD_DIM,
+                           rows: int = 4, repeats: int = 5) -> float:
+    """Seconds per (query, key, head) pair of XLA's dense attention forward + backward
+    (models/attention.py `dot_product_attention`, causal mask, float32 logits): it computes
+    and keeps every pair of the [S, S] matrix per head, so its time goes with heads x S^2,
+    not with FLOPs (planner/step_model.py prices dense units with it)."""
+    from mmjax.models.attention import dot_product_attention
+
+    x = jax.device_put(jnp.ones((rows, seq, heads, head_dim), jnp.float32), device)
+    allowed = jax.device_put(jnp.tril(jnp.ones((seq, seq), bool))[None], device)
+    grad = jax.jit(jax.grad(lambda q, k, v: dot_product_attention(q, k, v, allowed).sum(),
+                            argnums=(0, 1, 2)))
+    # milliseconds a call: many repeats, so a loaded machine's stalls do not set it
+    return best_time(grad, x, x, x, repeats=4 * repeats) / (rows * heads * seq * seq)
+
+
+def busy_cores(device, calls: int = 20) -> float:
+    """Cores one device keeps busy while it computes alone: process CPU seconds per call of
+    a dense attention step (the tiny models' layers' size) over its fastest wall time (CPU
+    seconds do not grow when other processes take the cores; wall time does) - how much of
+    the host one forced CPU device takes (planner/shared_host.py)."""
+    import time
+
+    from mmjax.models.attention import dot_product_attention
+
+    x = jax.device_put(jnp.ones((4, 256, 4, DENSE_HEAD_DIM), jnp.float32), device)
+    allowed = jax.device_put(jnp.tril(jnp.ones((256, 256), bool))[None], device)
+    grad = jax.jit(jax.grad(lambda q, k, v: dot_product_attention(q, k, v, allowed).sum(),
+                            argnums=(0, 1, 2)))
+    jax.block_until_ready(grad(x, x, x))
+    best, cpu = float("inf"), 0.0
+    for _ in range(calls):
+        wall0, cpu0 = time.perf_counter(), time.process_time()
+        jax.block_until_ready(grad(x, x, x))
+        best = min(best, time.perf_counter() - wall0)
+        cpu += time.process_time() - cpu0
+    return cpu / calls / best
+
+
 def measure_device(devices=None, dtypes=("float32", "bfloat16"), repeats: int = 5,
                    sides=None, stream_bytes: int | None = None,
                    collective_bytes: int | None = None) -> dict:
     """The measured section of a hardware profile for `devices` (default: all present):
     {"device", "platform", "device_count", "matmul_peak_flops": {dtype: FLOP/s},
-    "memory_bw", "collective_bw", "memory_bytes"}."""
+    "memory_bw", "collective_bw", "memory_bytes", "dense_attention_pair_s",
+    "dense_attention_head_dim", "cpu_cores", "device_busy_cores"}."""
     devices = list(devices or jax.devices())
     dev = devices[0]
     kind = "gpu" if dev.platform == "gpu" else "cpu"
     stats = dev.memory_stats() or {}
     memory = stats.get("bytes_limit")
     if memory is None and dev.platform == "cpu":
-        import os
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return {
         "device": str(dev.device_kind), "platform": dev.platform,
@@ -80,4 +122,8 @@ def measure_device(devices=None, dtypes=("float32", "bfloat16"), repeats: int = 
                                               collective_bytes or COLLECTIVE_BYTES[kind],
                                               repeats),
         "memory_bytes": memory,
+        "dense_attention_pair_s": dense_attention_pair_s(dev, repeats=repeats),
+        "dense_attention_head_dim": DENSE_HEAD_DIM,
+        "cpu_cores": len(os.sched_getaffinity(0)),
+        "device_busy_cores": busy_cores(dev),
     }

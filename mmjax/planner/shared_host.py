@@ -1,0 +1,76 @@
+"""A pipelined plan's predicted step on one host's forced devices (no JAX): the CPU check of
+the planner's time model (`scripts/bench_runtime.py`).
+
+Two things differ from a GPU cluster, and both are priced from measurements:
+- XLA's dense attention on the runtime's static shapes: every LLM row is `seq_len` tokens
+  and every image its buffer's capacity (the "pad" layout), and each layer computes
+  heads x S^2 pairs at the device's measured time per pair (`step_model.dense_attention_s`)
+  instead of the real tokens' attention FLOPs;
+- the devices are threads sharing the host's cores: the step takes at least the device-
+  seconds of compute of all devices together, times the cores one device keeps busy
+  (measured), over the host's cores - the 1F1B schedule's makespan assumes every device
+  has its own processor.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from mmjax.planner.costs import UnitCost
+from mmjax.planner.evaluate import Choice
+from mmjax.planner.schedule_time import schedule_time
+from mmjax.planner.step_model import dense_attention_s, unit_seconds
+from mmjax.planner.workload import Workload
+
+
+def padded_workload(wl: Workload, seq_len: int, caps: tuple[int, ...]) -> Workload:
+    """`wl` as the pad layout's static shapes hold it: each sample one row of `seq_len`
+    tokens, each image in the smallest buffer capacity of `caps` that holds it."""
+    fit = lambda n: min((c for c in caps if c >= n), default=n)
+    return dataclasses.replace(
+        wl, llm_tokens=(seq_len,) * wl.num_samples,
+        encoder_tokens={name: tuple(tuple(fit(n) for n in s) for s in per)
+                        for name, per in wl.encoder_tokens.items()})
+
+
+def dense_costs(model, wl: Workload, hw, costs: tuple[UnitCost, ...]) -> tuple[UnitCost, ...]:
+    """`costs` (the planner's, on the padded workload `wl`) with each LLM and encoder unit's
+    attention repriced as XLA's dense attention at the measured time per pair (split over
+    tp like the rest of the layer); unchanged without a measured pair time."""
+    if hw.dense_pair_s <= 0:
+        return costs
+    out = []
+    for c in costs:
+        if c.name == "llm":
+            sizes = [(n,) for n in wl.llm_tokens]
+        elif c.name in wl.encoder_tokens:
+            sizes = wl.encoder_tokens[c.name]
+        else:
+            out.append(c)
+            continue
+        dense = sum(dense_attention_s(model, c.name, n, hw) for s in sizes for n in s)
+        delta = dense / len(sizes) - unit_seconds(model, wl, hw, c.name, "none")[1]
+        out.append(dataclasses.replace(
+            c, time_s={tp: t + delta / tp for tp, t in c.time_s.items()},
+            fwd_s={tp: t + delta / tp / 3 for tp, t in c.fwd_s.items()}))
+    return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedHostTime:
+    schedule_s: float  # the 1F1B makespan, each device on its own processor
+    compute_s: float  # device-seconds of compute of all devices in one step
+    cores_bound_s: float  # compute_s x cores one device keeps busy / the host's cores
+
+    @property
+    def step_s(self) -> float:
+        return max(self.schedule_s, self.cores_bound_s)
+
+
+def shared_host_time(costs: tuple[UnitCost, ...], choices: dict[str, Choice],
+                     global_batch: int, hw, cores: int, busy_cores: float) -> SharedHostTime:
+    """The step of `choices` on one host whose devices share `cores` cores, each device
+    keeping `busy_cores` of them busy while it computes alone."""
+    sched = schedule_time(costs, choices, global_batch, hw)
+    work = sum(global_batch * c.time_s[choices[c.name].tp] * choices[c.name].tp
+               for c in costs)
+    return SharedHostTime(sched, work, work * min(busy_cores, cores) / cores)

@@ -1,0 +1,56 @@
+"""planner/shared_host.py: a pipelined plan on one host's forced devices - the padded
+shapes, dense attention at the measured time per pair, and the host's cores shared."""
+from dataclasses import replace
+
+import pytest
+
+from mmjax.models.tiny import tiny
+from mmjax.planner.costs import unit_costs
+from mmjax.planner.evaluate import Choice
+from mmjax.planner.hardware import H100
+from mmjax.planner.schedule_time import schedule_time
+from mmjax.planner.shared_host import (dense_costs, padded_workload, shared_host_time)
+from mmjax.planner.step_model import dense_attention_s, unit_seconds
+from mmjax.planner.workload import Workload
+
+HW = replace(H100, dense_pair_s=2e-9, dense_pair_head_dim=16)
+WL = Workload("w", (100, 180), {"vision": ((30, 64), (200,))}, (1, 0))
+
+
+def test_padded_workload_is_the_pad_layouts_shapes():
+    p = padded_workload(WL, 256, (64, 256))
+    assert p.llm_tokens == (256, 256)
+    assert p.encoder_tokens == {"vision": ((64, 64), (256,))}
+    assert p.generated == WL.generated
+
+
+def test_dense_costs_reprice_attention_per_pair_split_over_tp():
+    model = tiny()
+    wl = padded_workload(WL, 256, (64, 256))
+    costs = unit_costs(model, wl, HW)
+    dense = {c.name: c for c in dense_costs(model, wl, HW, costs)}
+    before = {c.name: c for c in costs}
+    llm = dense_attention_s(model, "llm", 256, HW) - unit_seconds(model, wl, HW, "llm",
+                                                                   "none")[1]
+    vision = ((2 * dense_attention_s(model, "vision", 64, HW)
+               + dense_attention_s(model, "vision", 256, HW)) / 2
+              - unit_seconds(model, wl, HW, "vision", "none")[1])
+    for name, delta in (("llm", llm), ("vision", vision)):
+        for tp, t in before[name].time_s.items():
+            assert dense[name].time_s[tp] == pytest.approx(t + delta / tp)
+    assert dense["generator"] == before["generator"]
+    assert dense_costs(model, wl, replace(HW, dense_pair_s=0.0), costs) == costs
+
+
+def test_shared_host_time_is_the_schedule_or_the_cores_whichever_is_longer():
+    model = tiny()
+    costs = unit_costs(model, WL, HW)
+    choices = {"vision": Choice(1, 2, 1), "llm": Choice(2, 1, 2), "generator": Choice(1, 2, 1)}
+    t = shared_host_time(costs, choices, 8, HW, cores=2, busy_cores=1.5)
+    work = sum(8 * c.time_s[choices[c.name].tp] * choices[c.name].tp for c in costs)
+    assert t.schedule_s == pytest.approx(schedule_time(costs, choices, 8, HW))
+    assert t.compute_s == pytest.approx(work)
+    assert t.cores_bound_s == pytest.approx(work * 1.5 / 2)
+    assert t.step_s == max(t.schedule_s, t.cores_bound_s)
+    # a device cannot keep more cores busy than the host has
+    assert shared_host_time(costs, choices, 8, HW, 2, 4.0).cores_bound_s == pytest.approx(work)
