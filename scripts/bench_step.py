@@ -164,6 +164,8 @@ def run(args) -> dict:
         # LLM token slots of the step's static shape (rows x seq_len): real tokens / slots is
         # the packing's fill, the share of the step's LLM work that is not padding
         "llm_slots_per_step": prog.data.shapes.rows * args.seq_len,
+        # per timed step real tokens / its slots (metrics.jsonl's llm_fill), their mean
+        "llm_fill": statistics.mean(m.tokens / m.llm_slots for m in timed),
         "xla_flops_per_step": float(xla.get("flops", 0.0)),
         "losses": [m.loss for m in steps], "trace": trace_file,
         "memory": step_memory(compiled),
@@ -345,8 +347,7 @@ def show(console, r) -> None:
             ("data wait (median)", f"{r['data_wait_s'] * 1e3:.1f} ms"),
             ("LLM tokens / s", f"{r['tokens_per_s']:,.0f}"),
             ("LLM slot fill (tokens / rows x seq)",
-             f"{r['tokens_per_step'] / r['llm_slots_per_step']:.2f}"
-             if r.get("llm_slots_per_step") else "-"),
+             f"{r['llm_fill']:.3f}" if r.get("llm_fill") else "-"),
             ("model GFLOP / step (planner)", f"{r['model_flops_per_step'] / 1e9:,.1f}"),
             ("XLA GFLOP / step (lower bound)", f"{r['xla_flops_per_step'] / 1e9:,.1f}"),
             (f"MFU (of {peak_text(r)})", f"{100 * r['mfu']:.2f}%"),
