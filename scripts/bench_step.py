@@ -57,6 +57,7 @@ from mmjax.planner.step_model import PALLAS_VS_CUDNN, single_step_time
 from mmjax.planner.workload import workload_from_metas
 from mmjax.train.config import named_model_config
 from mmjax.data.records import SyntheticSource
+from mmjax.data.synthetic import LLAVA_LIKE
 from mmjax.train.data_config import data_layout, synthetic_dataset
 from mmjax.train.optimizer import learning_rate_schedule
 from mmjax.train.colocated import Colocated
@@ -98,9 +99,7 @@ PRESETS_UNITS = {"tiny": ("llm", "encoders.vision.encoder", "generator"),
 # for llava_1b (one or two images of ~24 x 24 patches, a few hundred text tokens)
 PRESET_DATA = {
     "tiny": {},
-    "llava_1b": {"image_side_median": 24.0, "image_side_sigma": 0.2,
-                 "image_side_range": (8, 32), "max_images": 2, "image_count_p": 0.8,
-                 "text_len_median": 200.0, "text_len_range": (16, 1024)},
+    "llava_1b": LLAVA_LIKE,
     "llama3_8b_cut": {"max_images": 0, "text_len_median": 1024.0,
                       "text_len_range": (64, 3000)},
 }

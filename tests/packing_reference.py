@@ -7,6 +7,9 @@ column of scripts/bench_host_plan.py and scripts/bench_packing.py."""
 from __future__ import annotations
 
 import numpy as np
+from numba import njit
+
+from mmjax.data.packing_kernels import _find, _set, _tree
 
 
 def pack_rows(lengths: list[int], seq_len: int, packing: str) -> list[int]:
@@ -111,3 +114,26 @@ def batch_shapes(groups, layout, row_packer=pack_rows):
         gen = shape_bucket(max([sum(m.count("image_out") for m in metas) for metas in groups]
                                + [1]))
     return BatchShapes(rows, tuple(encs), gen)
+
+
+@njit(cache=False)
+def first_fit_rows(lengths, ends, cap):
+    """Rows first fit in order opened per group, compiled, as `batch_shapes.rank_shapes`
+    counted them before issue 41's item 2 (data/packing_kernels.py's leftmost-fit tree,
+    rows in batch order): the "before" host time of scripts/bench_packing.py."""
+    out = np.zeros(ends.size, np.int64)
+    start = 0
+    for g in range(ends.size):
+        end = ends[g]
+        tree, size = _tree(end - start, float(cap))
+        bins = 0
+        for j in range(start, end):
+            need = float(lengths[j])
+            b = _find(tree, size, need)
+            if b < 0 or b == bins:
+                b = bins
+                bins += 1
+            _set(tree, size, b, tree[size + b] - need)
+        out[g] = bins
+        start = end
+    return out
