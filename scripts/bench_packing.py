@@ -16,11 +16,10 @@ Parts (``--parts``, default 1 2 3 4):
      fullest rank's rows.
   3. Host time: the assembly packers (Python, per global batch) and the plan's compiled row
      counts over 2,560 ranks x 60 samples (bench_host_plan.py's scale).
-  4. A projection, not what the loader does: a fixed row budget per step (the rows of
-     `--global_batch` average samples) filled by first fit decreasing with a variable
-     number of samples: in stream order until one does not fit (the next step starts
-     there), or from the step's own window of 1.25 x the batch (what fits; the rest
-     dropped): the fill a variable number of samples per step would reach.
+  4. `Loader.row_budget` (data/row_budget.py): the loader's own selection of each step's
+     samples from its window (global_batch + reserve candidates) into a fixed number of
+     rows, the largest `shape_bucket` value under the rows `--global_batch` average samples
+     need; fill at the run's one static shape, samples per step.
 
   python scripts/bench_packing.py [--parts 1 2 3] [--json bench_results/bench_packing.json]
 """
@@ -193,53 +192,43 @@ def part4_budget(args, console) -> list[dict]:
     for mix in MIXES:
         for seq in SEQ_LENS:
             for gb in args.global_batch:
-                _, (metas,) = batches(mix, seq, 2 * gb * (args.steps + 1), 1, args.seed)
-                lens = [m.llm_length for m in metas]
-                budget = max(1, round(gb * float(np.mean(lens)) / seq))
-                row = {"mix": mix, "seq_len": seq, "global_batch": gb, "rows": budget}
-                for how in ("defer", "window"):
-                    fills, counts = budget_steps(lens, seq, budget, args.steps, gb, how)
-                    row[how] = {"fill": float(np.mean(fills)), "min_fill": float(min(fills)),
-                                "samples": [min(counts), max(counts)]}
-                out.append(row)
-    t = Table(title=f"(4) projection: a fixed row budget per step, {args.steps} steps: samples "
-                    f"in stream order until one does not fit (defer) / every sample of the "
-                    f"step's window of 1.25 x that fits (window)")
-    for c in ("mix", "seq", "budget of", "rows", "defer: fill (min)", "samples",
-              "window: fill (min)", "samples"):
+                layout, (metas,) = batches(mix, seq, 4 * gb, 1, args.seed)
+                need = gb * float(np.mean([m.llm_length for m in metas])) / seq
+                budget = max(b for b in map(shape_bucket, range(1, int(need) + 2)) if b <= need
+                             or b == 1)
+                fills, counts, rows = budget_run(mix, layout, gb, budget, args)
+                out.append({"mix": mix, "seq_len": seq, "global_batch": gb, "row_budget": budget,
+                            "rows": rows, "fill": float(np.mean(fills)),
+                            "min_fill": float(min(fills)), "samples": [min(counts), max(counts)]})
+    t = Table(title=f"(4) Loader.row_budget: the loader's selection (data/row_budget.py) over "
+                    f"{args.steps} steps, fill at the run's one static shape")
+    for c in ("mix", "seq", "global_batch", "row_budget", "static rows", "fill (lowest step)",
+              "samples per step"):
         t.add_column(c, justify="right")
     for r in out:
-        t.add_row(r["mix"], str(r["seq_len"]), f"~{r['global_batch']} samples", str(r["rows"]),
-                  *(x for h in ("defer", "window") for x in (
-                      f"{r[h]['fill']:.3f} ({r[h]['min_fill']:.3f})",
-                      f"{r[h]['samples'][0]}-{r[h]['samples'][1]}")))
+        t.add_row(r["mix"], str(r["seq_len"]), str(r["global_batch"]), str(r["row_budget"]),
+                  str(r["rows"]), f"{r['fill']:.3f} ({r['min_fill']:.3f})",
+                  f"{r['samples'][0]}-{r['samples'][1]}")
     console.print(t)
     return out
 
 
-def budget_steps(lens, seq_len: int, budget: int, steps: int, gb: int, how: str):
-    """Per step (fill of `budget` rows, samples taken). "defer": in stream order until one
-    does not fit, the next step starts there; "window": step k reads its own window of
-    1.25 x `gb` candidates and keeps each that still fits (the misfits are dropped)."""
-    fills, counts, at = [], [], 0
-    for k in range(steps):
-        taken: list[int] = []
-        if how == "defer":
-            while at < len(lens) and rows_of_lens(taken + [lens[at]], seq_len) <= budget:
-                taken.append(lens[at])
-                at += 1
-        else:
-            w = gb + gb // 4
-            for n in lens[k * w:(k + 1) * w]:
-                if rows_of_lens(taken + [n], seq_len) <= budget:
-                    taken.append(n)
-        fills.append(sum(taken) / (budget * seq_len))
-        counts.append(len(taken))
-    return fills, counts
+def budget_run(mix: str, layout, gb: int, budget: int, args):
+    """(per step fill at the run's static rows, samples per step, static rows) of the
+    loader's global batches 0 .. steps-1 under `Loader.row_budget=budget`."""
+    from mmjax.data.batch_shapes import grow_shapes
+    from mmjax.data.loader import Loader
+    from mmjax.data.records import SyntheticSource
 
-
-def rows_of_lens(lens, seq_len: int) -> int:
-    return max(pack_rows(lens, seq_len, "pack")) + 1
+    source = SyntheticSource(synthetic_dataset(MODEL, seed=args.seed, **MIXES[mix]))
+    loader = Loader(source, MODEL, Plan.uniform(MODEL, gb, 1), layout, seed=args.seed,
+                    row_budget=budget)
+    shapes, tokens, counts = None, [], []
+    for _, _, metas in loader.builder.scan(args.steps):
+        shapes = grow_shapes(shapes, metas, layout)
+        tokens.append(sum(m.llm_length for m in metas))
+        counts.append(len(metas))
+    return [t / (shapes.rows * layout.seq_len) for t in tokens], counts, shapes.rows
 
 
 PARTS = {1: part1_fill, 2: part2_plan, 3: part3_time, 4: part4_budget}
