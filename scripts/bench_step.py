@@ -121,7 +121,22 @@ def model_config(args):
     return named_model_config("tiny", overrides)
 
 
+def loader_scope(args):
+    """A gin scope in which the bench's `Loader` takes `--row_budget` (data/row_budget.py;
+    0: `global_batch` samples a step); the binding stays out of every other scope."""
+    import gin
+
+    with gin.unlock_config():
+        gin.bind_parameter("bench_step/Loader.row_budget", args.row_budget or None)
+    return gin.config_scope("bench_step")
+
+
 def run(args) -> dict:
+    with loader_scope(args):
+        return _run(args)
+
+
+def _run(args) -> dict:
     cfg = model_config(args)
     dtype = jnp.dtype(args.dtype)
     layout = data_layout(cfg, seq_len=args.seq_len, packing=args.packing)
@@ -175,6 +190,13 @@ def run(args) -> dict:
     return record
 
 
+def samples_text(r: dict) -> str:
+    """The global batch, or under a row budget the mean samples a step took."""
+    if not r["args"].get("row_budget"):
+        return str(r["args"]["global_batch"])
+    return f"{r['samples_per_step']:.1f} (row budget {r['args']['row_budget']})"
+
+
 def device_profile(path: str) -> dict:
     """The hardware profile of the device this run is on: `path`'s (it must be of this
     device), with the peak and bandwidths measured now when it has none (or no path)."""
@@ -216,13 +238,15 @@ def cost_fields(args, cfg, layout, data, steps: int, tokens: float, step_s: floa
     impl = None if args.attention == "auto" else args.attention  # None: exact pairs
     recompute = args.remat  # per-layer remat costs what the stage-level policy does
     costs = unit_costs(cfg, wl, hw, recompute=recompute, attention_impl=impl)
-    flops = args.global_batch * sum(c.flops for c in costs)
-    predicted = {c.name: args.global_batch * c.time_s[1] for c in costs}
-    step = single_step_time(cfg, wl, hw, args.global_batch, unit_remats(cfg),
-                            slot_fills(cfg, layout, data.shapes, wl, args.global_batch),
+    samples = len(wl.llm_tokens) / steps  # per step (varies under a --row_budget)
+    flops = samples * sum(c.flops for c in costs)
+    predicted = {c.name: samples * c.time_s[1] for c in costs}
+    step = single_step_time(cfg, wl, hw, samples, unit_remats(cfg),
+                            slot_fills(cfg, layout, data.shapes, wl, samples),
                             trainable, data.shapes.rows * args.seq_len,
                             pallas_units(cfg, layout, args.attention, hw))
-    return {"model_flops_per_step": flops, "peak_flops": hw.peak_flops,
+    return {"samples_per_step": samples, "model_flops_per_step": flops,
+            "peak_flops": hw.peak_flops,
             "peak_measured": has_measurement(profile),
             "hardware_model": hw.name, "mfu": flops / step_s / hw.peak_flops,
             "predicted_step_s": sum(predicted.values()), "predicted_unit_s": predicted,
@@ -272,13 +296,15 @@ def recount(path: str) -> dict:
 
     with open(path) as f:
         record = json.load(f)
-    args = argparse.Namespace(**{"loss_chunk": 0, "colocated_zero": 0, **record["args"]})
+    args = argparse.Namespace(**{"loss_chunk": 0, "colocated_zero": 0, "row_budget": 0,
+                                 **record["args"]})
     cfg = model_config(args)
     layout = data_layout(cfg, seq_len=args.seq_len, packing=args.packing)
     source = SyntheticSource(synthetic_dataset(cfg, **PRESET_DATA[args.preset]))
     total = args.warmup + args.steps
-    data = LoaderBatches(source, cfg, layout, args.global_batch,
-                         lambda s, m: grow_shapes(s, m, layout), scan_steps=total)
+    with loader_scope(args):
+        data = LoaderBatches(source, cfg, layout, args.global_batch,
+                             lambda s, m: grow_shapes(s, m, layout), scan_steps=total)
     data.shapes = data.floor if data.floor is not None else data.shapes
     record.update(cost_fields(args, cfg, layout, data, total, record["tokens_per_step"],
                               record["step_time_s"], record["trainable_params"],
@@ -339,7 +365,7 @@ def show(console, r) -> None:
     for col in ("quantity", "value"):
         t.add_column(col)
     rows = [("trainable parameters", f"{r['trainable_params'] / 1e6:,.1f} M"),
-            ("samples x seq (packing)", f"{r['args']['global_batch']} x {r['args']['seq_len']} "
+            ("samples x seq (packing)", f"{samples_text(r)} x {r['args']['seq_len']} "
                                         f"({r['args']['packing']})"),
             ("compile (first step)", f"{r['compile_s']:.1f} s"),
             ("step time (median)", f"{r['step_time_s'] * 1e3:.1f} ms"),
@@ -378,6 +404,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--override", action="append", default=[], metavar="PATH=JSON",
                     help='a model config override on top of the preset, e.g. llm.num_layers=4')
     ap.add_argument("--packing", default="pack", choices=("pad", "pack"))
+    ap.add_argument("--row_budget", type=int, default=0, metavar="ROWS",
+                    help="LLM rows a step fills (Loader.row_budget: a variable number of "
+                         "the window's samples, data/row_budget.py); 0: --global_batch "
+                         "samples a step")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--attention", default="auto")
     ap.add_argument("--warmup", type=int, default=2)
