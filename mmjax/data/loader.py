@@ -16,7 +16,8 @@ One global batch (step k):
     + reserve (after a resume with another W: from the stored sample on). Each
     candidate's *shapes* (`source.spec`) are checked (`check_shapes`); bad
     ones (empty, undecodable shape, too long) are skipped and counted; the first
-    `global_batch` good ones form the batch (an error names `reserve` if too few are good).
+    `global_batch` good ones form the batch (an error names `reserve` if too few are good),
+    or with `row_budget` the good ones of the window that pack into that many LLM rows.
  2. Plan (metadata only, identical on every host; `plan_global_batch`): microbatch m = a
     contiguous slice; per unit ("phase") a policy splits each microbatch over the unit's DP
     ranks: "none" (contiguous), "disttrain" (Algorithm 2 intra-microbatch reorder per
