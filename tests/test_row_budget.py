@@ -95,3 +95,13 @@ def test_a_budget_too_small_for_the_microbatches_is_refused():
     with pytest.raises(UserError, match=r"Loader.row_budget=1: .* fewer than the 4 "
                                         r"microbatches \(raise it"):
         loader.builder.select(0)
+
+
+def test_the_setting_is_validated_with_its_fix():
+    from mmjax.settings import SETTINGS, check
+
+    with pytest.raises(UserError) as e:
+        check("Loader.row_budget", 0, SETTINGS["Loader"]["row_budget"])
+    assert str(e.value).startswith("Loader.row_budget=0: must be")
+    assert "LLM rows a global batch fills" in str(e.value)
+    check("Loader.row_budget", None, SETTINGS["Loader"]["row_budget"])  # off: no error
