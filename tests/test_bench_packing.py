@@ -45,5 +45,7 @@ def test_fill_columns_are_their_formulas(bench, tmp_path):
     for r in out["part2"]:
         assert all(0 < r[p] <= 1 for p in ("none", "disttrain", "orchmllm"))
     assert all(v > 0 for t in out["part3"].values() for v in t.values())
-    for r in out["part4"]:  # a row budget: every step within it
-        assert all(0 < r[h]["min_fill"] <= r[h]["fill"] <= 1 for h in ("defer", "window"))
+    for r in out["part4"]:  # the loader's row budget: the run's shape within it
+        assert 1 <= r["rows"] <= r["row_budget"]
+        assert 0 < r["min_fill"] <= r["fill"] <= 1
+        assert 1 <= r["samples"][0] <= r["samples"][1] <= 16 + 16 // 4  # the window
