@@ -108,7 +108,8 @@ def part1_fill(args, console) -> list[dict]:
     for r in out:
         t.add_row(r["mix"], str(r["seq_len"]), str(r["global_batch"]),
                   f"{r['tokens_per_sample']:.0f}", f"{r['over_half_row']:.2f}",
-                  *(f"{r[k]['step']:.3f} / {r[k]['run']:.3f}" for k in ("before", "after", "bound")),
+                  *(f"{r[k]['step']:.3f} / {r[k]['run']:.3f}"
+                    for k in ("before", "after", "bound")),
                   f"{r['vision']:.3f}")
     console.print(t)
     return out
@@ -122,7 +123,8 @@ def vision_fill(layout, steps) -> float:
     for metas in steps:
         runs = image_runs(metas, slot)
         cap = next(c for c in layout.vision_caps if c >= max(runs))
-        count = shape_bucket(max(b for b, _, _ in pack_images(runs, cap, slot.items_per_buffer)) + 1)
+        placed = pack_images(runs, cap, slot.items_per_buffer)
+        count = shape_bucket(max(b for b, _, _ in placed) + 1)
         fills.append(sum(runs) / (count * cap))
     return float(np.mean(fills))
 

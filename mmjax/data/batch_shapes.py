@@ -1,6 +1,6 @@
 """Static batch shapes from sample metadata only (no JAX): LLM rows (one per sample, or
-first-fit-decreasing packing), encoder buffers (images first-fit-decreasing into buffers of a bucket
-capacity, audio clips one per row), generated-image slots; counts rounded up to
+first-fit-decreasing packing), encoder buffers (images first-fit-decreasing into buffers
+of a bucket capacity, audio clips one per row), generated-image slots; counts rounded up to
 `shape_bucket`s (at most four per octave) so jit sees few shapes (DistTrain §2.3, OrchMLLM §2.2).
 """
 from __future__ import annotations
