@@ -142,7 +142,10 @@ SETTINGS: dict[str, dict[str, Setting]] = {
         "producer_cpus": Setting("ints", None, 0, 1 << 16, none=True),
         "producer_timeout": _float(300.0, 0, 86400, open_lo=True),
         "max_bad_fraction": _float(0.5, 0, 1, open_lo=True,
-                                   fix="a share in (0, 1], e.g. 0.2; 1 never stops")},
+                                   fix="a share in (0, 1], e.g. 0.2; 1 never stops"),
+        "row_budget": _int(None, 1, 1 << 20, none=True,
+                           fix="LLM rows a global batch fills; None takes global_batch "
+                               "samples a step")},
     "vae": {"path": Setting("dir", None, none=True,
                             fix="a diffusers AutoencoderKL directory (config.json + safetensors)"),
             "placement": Setting("choice", "auto", choices=("auto", "host", "device")),

@@ -7,7 +7,8 @@ packed 4096-token rows). Wall time (perf_counter), median and min of interleaved
 Columns: "metas from specs", building the `SampleMeta`s from the source's shapes
 (`TokenRules.meta_from_shapes`, what `GlobalBatchBuilder` does before planning); "after",
 `plan_global_batch`; "before", the same plan with the pre-issue-41 per-sample costs and
-quadratic first-fit packers (tests/packing_reference.py: `unit_costs`, `batch_shapes`)
+quadratic packers (tests/packing_reference.py: `unit_costs`, `batch_shapes` with rows
+first fit decreasing by the quadratic scan, as the plan packs them since issue 41's item 2)
 on the same splits, only up to --before_max_dp (it grows as n x bins); the outputs are
 checked identical. Also the after path's stages: the metadata columns (`shape_columns`),
 balancing (`split_unit` per unit), shapes (`rank_shapes` per unit).
@@ -56,7 +57,8 @@ def _before(metas, plan, layout, policies, algos, node_wise):
     costs = before.unit_costs(metas, MODEL)
     splits = {u: split_unit(costs[u], plan.unit(u).dp, policies[u], algos[u], node_wise)
               for u in MODEL.unit_names}
-    return splits, {u: before.batch_shapes([[metas[p] for p in g] for g in s.lists()], layout)
+    return splits, {u: before.batch_shapes([[metas[p] for p in g] for g in s.lists()], layout,
+                                           before.pack_rows_decreasing)
                     for u, s in splits.items()}
 
 

@@ -58,6 +58,7 @@ from mmjax.planner.step_model import PALLAS_VS_CUDNN, SlotShapes, single_step_ti
 from mmjax.planner.workload import workload_from_metas
 from mmjax.train.config import named_model_config
 from mmjax.data.records import SyntheticSource
+from mmjax.data.synthetic import LLAVA_LIKE
 from mmjax.train.data_config import data_layout, synthetic_dataset
 from mmjax.train.optimizer import learning_rate_schedule
 from mmjax.train.colocated import Colocated
@@ -99,9 +100,7 @@ PRESETS_UNITS = {"tiny": ("llm", "encoders.vision.encoder", "generator"),
 # for llava_1b (one or two images of ~24 x 24 patches, a few hundred text tokens)
 PRESET_DATA = {
     "tiny": {},
-    "llava_1b": {"image_side_median": 24.0, "image_side_sigma": 0.2,
-                 "image_side_range": (8, 32), "max_images": 2, "image_count_p": 0.8,
-                 "text_len_median": 200.0, "text_len_range": (16, 1024)},
+    "llava_1b": LLAVA_LIKE,
     "llama3_8b_cut": {"max_images": 0, "text_len_median": 1024.0,
                       "text_len_range": (64, 3000)},
 }
@@ -123,7 +122,22 @@ def model_config(args):
     return named_model_config("tiny", overrides)
 
 
+def loader_scope(args):
+    """A gin scope in which the bench's `Loader` takes `--row_budget` (data/row_budget.py;
+    0: `global_batch` samples a step); the binding stays out of every other scope."""
+    import gin
+
+    with gin.unlock_config():
+        gin.bind_parameter("bench_step/Loader.row_budget", args.row_budget or None)
+    return gin.config_scope("bench_step")
+
+
 def run(args) -> dict:
+    with loader_scope(args):
+        return _run(args)
+
+
+def _run(args) -> dict:
     cfg = model_config(args)
     dtype = jnp.dtype(args.dtype)
     layout = data_layout(cfg, seq_len=args.seq_len, packing=args.packing)
@@ -170,6 +184,8 @@ def run(args) -> dict:
         # LLM token slots of the step's static shape (rows x seq_len): real tokens / slots is
         # the packing's fill, the share of the step's LLM work that is not padding
         "llm_slots_per_step": prog.data.shapes.rows * args.seq_len,
+        # per timed step real tokens / its slots (metrics.jsonl's llm_fill), their mean
+        "llm_fill": statistics.mean(m.tokens / m.llm_slots for m in timed),
         "xla_flops_per_step": float(xla.get("flops", 0.0)),
         "losses": [m.loss for m in steps], "trace": trace_file,
         "memory": step_memory(compiled),
@@ -178,6 +194,13 @@ def run(args) -> dict:
     record.update(cost_fields(args, cfg, layout, prog.data, total, tokens, step_s,
                               int(prog.num_trainable), record["hardware_profile"]))
     return record
+
+
+def samples_text(r: dict) -> str:
+    """The global batch, or under a row budget the mean samples a step took."""
+    if not r["args"].get("row_budget"):
+        return str(r["args"]["global_batch"])
+    return f"{r['samples_per_step']:.1f} (row budget {r['args']['row_budget']})"
 
 
 def device_profile(path: str) -> dict:
@@ -221,14 +244,16 @@ def cost_fields(args, cfg, layout, data, steps: int, tokens: float, step_s: floa
     impl = None if args.attention == "auto" else args.attention  # None: exact pairs
     recompute = args.remat  # per-layer remat costs what the stage-level policy does
     costs = unit_costs(cfg, wl, hw, recompute=recompute, attention_impl=impl)
-    flops = args.global_batch * sum(c.flops for c in costs)
-    predicted = {c.name: args.global_batch * c.time_s[1] for c in costs}
-    step = single_step_time(cfg, wl, hw, args.global_batch, unit_remats(cfg),
-                            slot_fills(cfg, layout, data.shapes, wl, args.global_batch),
+    samples = len(wl.llm_tokens) / steps  # per step (varies under a --row_budget)
+    flops = samples * sum(c.flops for c in costs)
+    predicted = {c.name: samples * c.time_s[1] for c in costs}
+    step = single_step_time(cfg, wl, hw, samples, unit_remats(cfg),
+                            slot_fills(cfg, layout, data.shapes, wl, samples),
                             trainable, data.shapes.rows * args.seq_len,
                             pallas_units(cfg, layout, args.attention, hw),
                             dense_slots(args, data.shapes, profile))
-    return {"model_flops_per_step": flops, "peak_flops": hw.peak_flops,
+    return {"samples_per_step": samples, "model_flops_per_step": flops,
+            "peak_flops": hw.peak_flops,
             "peak_measured": has_measurement(profile),
             "hardware_model": hw.name, "mfu": flops / step_s / hw.peak_flops,
             "predicted_step_s": sum(predicted.values()), "predicted_unit_s": predicted,
@@ -292,13 +317,15 @@ def recount(path: str) -> dict:
 
     with open(path) as f:
         record = json.load(f)
-    args = argparse.Namespace(**{"loss_chunk": 0, "colocated_zero": 0, **record["args"]})
+    args = argparse.Namespace(**{"loss_chunk": 0, "colocated_zero": 0, "row_budget": 0,
+                                 **record["args"]})
     cfg = model_config(args)
     layout = data_layout(cfg, seq_len=args.seq_len, packing=args.packing)
     source = SyntheticSource(synthetic_dataset(cfg, **PRESET_DATA[args.preset]))
     total = args.warmup + args.steps
-    data = LoaderBatches(source, cfg, layout, args.global_batch,
-                         lambda s, m: grow_shapes(s, m, layout), scan_steps=total)
+    with loader_scope(args):
+        data = LoaderBatches(source, cfg, layout, args.global_batch,
+                             lambda s, m: grow_shapes(s, m, layout), scan_steps=total)
     data.shapes = data.floor if data.floor is not None else data.shapes
     record.update(cost_fields(args, cfg, layout, data, total, record["tokens_per_step"],
                               record["step_time_s"], record["trainable_params"],
@@ -359,15 +386,14 @@ def show(console, r) -> None:
     for col in ("quantity", "value"):
         t.add_column(col)
     rows = [("trainable parameters", f"{r['trainable_params'] / 1e6:,.1f} M"),
-            ("samples x seq (packing)", f"{r['args']['global_batch']} x {r['args']['seq_len']} "
+            ("samples x seq (packing)", f"{samples_text(r)} x {r['args']['seq_len']} "
                                         f"({r['args']['packing']})"),
             ("compile (first step)", f"{r['compile_s']:.1f} s"),
             ("step time (median)", f"{r['step_time_s'] * 1e3:.1f} ms"),
             ("data wait (median)", f"{r['data_wait_s'] * 1e3:.1f} ms"),
             ("LLM tokens / s", f"{r['tokens_per_s']:,.0f}"),
             ("LLM slot fill (tokens / rows x seq)",
-             f"{r['tokens_per_step'] / r['llm_slots_per_step']:.2f}"
-             if r.get("llm_slots_per_step") else "-"),
+             f"{r['llm_fill']:.3f}" if r.get("llm_fill") else "-"),
             ("model GFLOP / step (planner)", f"{r['model_flops_per_step'] / 1e9:,.1f}"),
             ("XLA GFLOP / step (lower bound)", f"{r['xla_flops_per_step'] / 1e9:,.1f}"),
             (f"MFU (of {peak_text(r)})", f"{100 * r['mfu']:.2f}%"),
@@ -403,6 +429,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--override", action="append", default=[], metavar="PATH=JSON",
                     help='a model config override on top of the preset, e.g. llm.num_layers=4')
     ap.add_argument("--packing", default="pack", choices=("pad", "pack"))
+    ap.add_argument("--row_budget", type=int, default=0, metavar="ROWS",
+                    help="LLM rows a step fills (Loader.row_budget: a variable number of "
+                         "the window's samples, data/row_budget.py); 0: --global_batch "
+                         "samples a step")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--attention", default="auto")
     ap.add_argument("--warmup", type=int, default=2)

@@ -1,10 +1,15 @@
-"""The first-fit packers as they were before issue 41 (O(n x bins)), frozen: the reference
-that `mmjax.data.batch_shapes.pack_rows` / `pack_images` (O(n log n)) must reproduce
-exactly; and the per-sample `unit_costs` / `batch_shapes` they were called from. The
-"before" column of scripts/bench_host_plan.py."""
+"""The packers as they were before issue 41 (O(n x bins)), frozen: LLM rows first fit in
+order (`pack_rows`), images first fit decreasing (`pack_images`); `pack_rows_decreasing`
+(rows first fit decreasing by the same quadratic scan) is what
+`mmjax.data.batch_shapes.pack_rows` (O(n log n)) must reproduce exactly since issue 41;
+and the per-sample `unit_costs` / `batch_shapes` they were called from. The "before"
+column of scripts/bench_host_plan.py and scripts/bench_packing.py."""
 from __future__ import annotations
 
 import numpy as np
+from numba import njit
+
+from mmjax.data.packing_kernels import _find, _set, _tree
 
 
 def pack_rows(lengths: list[int], seq_len: int, packing: str) -> list[int]:
@@ -23,6 +28,14 @@ def pack_rows(lengths: list[int], seq_len: int, packing: str) -> list[int]:
             free.append(seq_len - n)
             rows.append(len(free) - 1)
     return rows
+
+
+def pack_rows_decreasing(lengths: list[int], seq_len: int, packing: str) -> list[int]:
+    """Row of each document: one per row ("pad"), or first fit decreasing by length, ties
+    by order ("pack"), by the quadratic scan of `pack_images`."""
+    if packing == "pad":
+        return list(range(len(lengths)))
+    return [b for b, _, _ in pack_images(lengths, seq_len, None)]
 
 
 def pack_images(runs: list[int], cap: int, max_items: int | None) -> list[tuple[int, int, int]]:
@@ -71,14 +84,15 @@ def unit_costs(metas, model) -> dict[str, np.ndarray]:
     return cols
 
 
-def batch_shapes(groups, layout):
-    """batch_shapes before issue 41: per group, per sample, the Python packers above."""
+def batch_shapes(groups, layout, row_packer=pack_rows):
+    """batch_shapes before issue 41: per group, per sample, the Python packers above
+    (`row_packer`: `pack_rows` as then, or `pack_rows_decreasing` as now)."""
     from mmjax.data.batch_shapes import (BatchShapes, _bucket, audio_frames, image_runs,
                                          shape_bucket)
     rows = 1
     for metas in groups:
         lens = [m.llm_length for m in metas]
-        rows = max(rows, (max(pack_rows(lens, layout.seq_len, layout.packing)) + 1)
+        rows = max(rows, (max(row_packer(lens, layout.seq_len, layout.packing)) + 1)
                    if lens else 1)
     if layout.packing == "pack":
         rows = shape_bucket(rows)
@@ -100,3 +114,26 @@ def batch_shapes(groups, layout):
         gen = shape_bucket(max([sum(m.count("image_out") for m in metas) for metas in groups]
                                + [1]))
     return BatchShapes(rows, tuple(encs), gen)
+
+
+@njit(cache=False)
+def first_fit_rows(lengths, ends, cap):
+    """Rows first fit in order opened per group, compiled, as `batch_shapes.rank_shapes`
+    counted them before issue 41's item 2 (data/packing_kernels.py's leftmost-fit tree,
+    rows in batch order): the "before" host time of scripts/bench_packing.py."""
+    out = np.zeros(ends.size, np.int64)
+    start = 0
+    for g in range(ends.size):
+        end = ends[g]
+        tree, size = _tree(end - start, float(cap))
+        bins = 0
+        for j in range(start, end):
+            need = float(lengths[j])
+            b = _find(tree, size, need)
+            if b < 0 or b == bins:
+                b = bins
+                bins += 1
+            _set(tree, size, b, tree[size + b] - need)
+        out[g] = bins
+        start = end
+    return out

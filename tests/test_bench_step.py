@@ -37,6 +37,9 @@ def test_formulas(record):
     assert r["mfu"] == pytest.approx(r["model_flops_per_step"] / r["step_time_s"]
                                      / r["peak_flops"])
     assert r["tokens_per_s"] == pytest.approx(r["tokens_per_step"] / r["step_time_s"])
+    # one static shape over the timed steps: the mean fill is mean tokens / the slots
+    assert 0 < r["llm_fill"] <= 1
+    assert r["llm_fill"] == pytest.approx(r["tokens_per_step"] / r["llm_slots_per_step"])
     # the planner's model FLOPs and time for the samples the run's 3 global batches held
     # (the loader's selection), recomputed here
     cfg = bench.named_model_config("tiny", {"llm.num_layers": 1})

@@ -86,6 +86,8 @@ def test_default_command_trains_tiny_gin_with_loss_clearly_decreasing(tmp_path):
         assert all(k in r for k in fields), sorted(r)
         assert all(np.isfinite(r[k]) for k in fields)
         assert r["loss"] == pytest.approx(r["lm_loss"] + r["diffusion_loss"], rel=1e-5)
+        assert 0 < r["llm_fill"] <= 1
+        assert r["llm_fill"] == pytest.approx(r["tokens_seen"] / r["llm_slots"])
     losses = [r["loss"] for r in recs]
     assert np.mean(losses[-5:]) < 0.75 * np.mean(losses[:5]), losses
     # what the run says: its skips (count and share), the loss curve it drew

@@ -1,5 +1,5 @@
-"""The O(n log n) first-fit packers (`batch_shapes.pack_rows`, `pack_images`, issue 41)
-give exactly the rows / buffers / offsets / seg ids of the frozen quadratic ones
+"""The O(n log n) first-fit-decreasing packers (`batch_shapes.pack_rows`, `pack_images`,
+issue 41) give exactly the rows / buffers / offsets / seg ids of the frozen quadratic ones
 (tests/packing_reference.py) on random inputs: lengths up to and beyond a row, caps,
 `max_items` of 0, 1, a few and None."""
 import numpy as np
@@ -24,7 +24,7 @@ def test_leftmost_fit_matches_a_linear_scan():
 
 
 @pytest.mark.parametrize("seed", range(30))
-def test_pack_rows_identical_to_first_fit_reference(seed):
+def test_pack_rows_identical_to_first_fit_decreasing_reference(seed):
     rng = np.random.default_rng(seed)
     seq_len = int(rng.choice([1, 7, 64, 2048]))
     for n in (0, 1, 5, 60, 700):
@@ -33,7 +33,7 @@ def test_pack_rows_identical_to_first_fit_reference(seed):
         lengths = rng.integers(1, hi + 1, n).tolist()
         for packing in ("pack", "pad"):
             assert pack_rows(lengths, seq_len, packing) == \
-                reference.pack_rows(lengths, seq_len, packing)
+                reference.pack_rows_decreasing(lengths, seq_len, packing)
 
 
 @pytest.mark.parametrize("seed", range(30))
@@ -92,7 +92,7 @@ def test_batch_shapes_identical_to_per_sample_reference(kind, packing):
         sizes = rng.choice([0, 1, 3, 60, 400], int(rng.integers(1, 9)))
         groups = [[pool[i] for i in rng.integers(0, len(pool), k)] for k in sizes]
         try:
-            want = reference.batch_shapes(groups, layout)
+            want = reference.batch_shapes(groups, layout, reference.pack_rows_decreasing)
         except ValueError:  # an image larger than the largest cap: both refuse
             with pytest.raises(ValueError):
                 batch_shapes(groups, layout)

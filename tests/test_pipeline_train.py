@@ -101,6 +101,9 @@ def test_pipelined_cli_resumes_exactly(tmp_path):
     recs = lambda d: [json.loads(x) for x in open(os.path.join(d, "metrics.jsonl"))]
     ra, rb = recs(a), recs(b)
     assert [r["step"] for r in rb] == [1, 2, 3]
+    for r in ra:  # the packing's fill: real tokens / the LLM slots of every microbatch's feed
+        assert 0 < r["llm_fill"] <= 1
+        assert r["llm_fill"] == pytest.approx(r["tokens_seen"] / r["llm_slots"])
     # bit-exact, as the README promises: every metric but the host's clock readings
     clock = lambda k: "time" in k or k.endswith("_s") or "per_s" in k
     for x, y in zip(ra, rb):

@@ -22,6 +22,7 @@ from mmjax.planner.plan import Plan
 from mmjax.data.batch_plan import (MicrobatchPlan, NodeWise, plan_global_batch,
                                    post_balance_policies)
 from mmjax.data.records import DecodeError, sample_name, sample_where, source_problem
+from mmjax.data.row_budget import fill_rows
 from mmjax.data.stream_position import StreamOrigin, resumed_origin
 from mmjax.models.units import UnitRole, is_vae, role
 
@@ -130,7 +131,7 @@ class GlobalBatchBuilder:
                  shuffle: bool = True, host_id: int = 0, num_hosts: int = 1,
                  cp_method: str = "lpt", cp_block: int = 128,
                  node_wise: NodeWise | None = None, hardware: Hardware = H100,
-                 local_devices: frozenset[int] | None = None):
+                 local_devices: frozenset[int] | None = None, row_budget: int | None = None):
         self.source, self.model, self.plan, self.layout = source, model, plan, layout
         self.cp_method, self.cp_block = cp_method, cp_block
         self.policies = policies
@@ -138,6 +139,7 @@ class GlobalBatchBuilder:
         self.node_wise = node_wise or NodeWise(ranks_per_node)
         self.hardware = hardware
         self.seed, self.shuffle = seed, shuffle
+        self.row_budget = row_budget  # None: `global_batch` samples a step (`select`)
         self.reserve = max(2, plan.global_batch // 4) if reserve is None else reserve
         # this host's devices (global indices): it materialises only the samples its DP
         # ranks hold; `local_devices` (the runtime's own device map) wins over the
@@ -228,11 +230,16 @@ class GlobalBatchBuilder:
         may name a sample's problem up front (`problem(i)`: a missing image, say). Short of
         usable samples in the window, replacements are drawn (`_draws`); a sample is used
         at most once per batch. `start`: the window's first stream position (default
-        `self.start(step)`)."""
-        gb = self.plan.global_batch
+        `self.start(step)`). With a `row_budget`: the window's usable candidates that pack
+        into it (data/row_budget.py), a multiple of num_microbatches of them."""
+        gb, mbs = self.plan.global_batch, self.plan.num_microbatches
+        budget = self.row_budget
+        need = gb if budget is None else mbs
         idx, specs, reasons, seen = [], [], {}, set()
-        for i in self._draws(step, self.start(step) if start is None else start):
-            if len(idx) == gb:
+        for drawn, i in enumerate(self._draws(step, self.start(step) if start is None
+                                              else start)):
+            if (len(idx) == gb if budget is None
+                    else drawn >= self.window and len(idx) >= need):
                 break
             if i in seen:
                 continue
@@ -248,7 +255,18 @@ class GlobalBatchBuilder:
             else:
                 idx.append(i)
                 specs.append(spec)
-        if len(idx) < gb:
+        if budget is not None:  # the usable candidates that fill the rows; equal microbatches
+            lens = [self.layout.rules.meta_from_shapes(i, s).llm_length
+                    for i, s in zip(idx, specs)]
+            keep = fill_rows(lens, budget, self.layout.seq_len)
+            keep = keep[:len(keep) - len(keep) % mbs]
+            if len(keep) < need <= len(idx):
+                raise UserError(f"Loader.row_budget={budget}: global batch {step} packs only "
+                                f"{len(keep)} samples into {budget} rows of "
+                                f"{self.layout.seq_len} tokens, fewer than the {mbs} "
+                                f"microbatches (raise it, e.g. to {4 * budget})")
+            idx, specs = [idx[k] for k in keep], [specs[k] for k in keep]
+        if len(idx) < need:
             raise UserError(f"global batch {step}: only {len(idx)} of {len(seen)} samples "
                             f"drawn are usable ({reasons}; data set of "
                             f"{len(self.source)}); see skipped.jsonl and fix the data (or "

@@ -1,8 +1,8 @@
 """The assembly layout (no JAX): LLM row length, packing ("pad": one sample per row,
-DistTrain §2.3; "pack": first fit, OrchMLLM §2.2), placement of encoder tokens ("embed" in
-place or "prepend", Cornstarch Fig. 11), encoder slots with their bucket capacities and
-bitfield bits (Cornstarch §4.3.1), the generator slot; and the rejection of samples that
-cannot be assembled (from shapes alone, so planning can skip them before decoding).
+DistTrain §2.3; "pack": first fit decreasing, OrchMLLM §2.2), placement of encoder tokens
+("embed" in place or "prepend", Cornstarch Fig. 11), encoder slots with their bucket
+capacities and bitfield bits (Cornstarch §4.3.1), the generator slot; and the rejection of
+samples that cannot be assembled (from shapes alone, so planning can skip them before decoding).
 """
 from __future__ import annotations
 

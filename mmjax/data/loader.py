@@ -16,7 +16,8 @@ One global batch (step k):
     + reserve (after a resume with another W: from the stored sample on). Each
     candidate's *shapes* (`source.spec`) are checked (`check_shapes`); bad
     ones (empty, undecodable shape, too long) are skipped and counted; the first
-    `global_batch` good ones form the batch (an error names `reserve` if too few are good).
+    `global_batch` good ones form the batch (an error names `reserve` if too few are good),
+    or with `row_budget` the good ones of the window that pack into that many LLM rows.
  2. Plan (metadata only, identical on every host; `plan_global_batch`): microbatch m = a
     contiguous slice; per unit ("phase") a policy splits each microbatch over the unit's DP
     ranks: "none" (contiguous), "disttrain" (Algorithm 2 intra-microbatch reorder per
@@ -87,6 +88,9 @@ class Loader:
     `python -m mmjax.data.producer --listen=HOST:PORT`) attaches to producers elsewhere
     (DistTrain §4.2, data/producer_pool.py): they build whole global batches, `prefetch`
     each ahead of the trainer; the batches are the same as without them.
+    `row_budget`: LLM rows a global batch fills (data/row_budget.py): a step takes the
+    usable samples of its window that pack into that many rows, a variable number (None:
+    `global_batch` samples a step).
     `max_bad_fraction`: a run stops (one line naming the worst files) once more than this
     share of the samples it drew were bad (skipped; at least 4 global batches drawn).
     Gin, e.g.:
@@ -103,7 +107,7 @@ class Loader:
                  hardware: str = "h100", shape_scan_steps: int | None = None,
                  local_devices: frozenset[int] | None = None, max_bad_fraction: float = 0.5,
                  producers: int = 0, producer_addresses=None, producer_cpus=None,
-                 producer_timeout: float = 300.0):
+                 producer_timeout: float = 300.0, row_budget: int | None = None):
         if prefetch < 2:
             raise UserError(f"Loader.prefetch={prefetch}: use >= 2 (global batches prepared "
                             f"ahead, so planning and preprocessing stay off the training "
@@ -123,7 +127,8 @@ class Loader:
             source, model, plan, layout, unit_policies(balance, model), post_balance_policy,
             seed=seed, reserve=reserve, shuffle=shuffle, host_id=host_id, num_hosts=num_hosts,
             cp_method=cp_method, cp_block=cp_block, node_wise=node_wise,
-            hardware=hardware_by_name(hardware), local_devices=local_devices)
+            hardware=hardware_by_name(hardware), local_devices=local_devices,
+            row_budget=row_budget)
         if producers < 0 or producer_timeout <= 0:
             raise UserError(f"Loader.producers={producers} / producer_timeout="
                             f"{producer_timeout}: use producers >= 0 and a timeout > 0 s")

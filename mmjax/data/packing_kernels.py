@@ -1,6 +1,6 @@
-"""Compiled first-fit packing counts over many groups at once (numba, no JAX): how many rows
-/ buffers `batch_shapes.pack_rows` ("pack") and `pack_images` open for each group, for every
-DP rank of a unit in one call. The same leftmost-fit max segment tree as
+"""Compiled first-fit-decreasing packing counts over many groups at once (numba, no JAX):
+how many rows / buffers `batch_shapes.pack_rows` ("pack") and `pack_images` open for each
+group, for every DP rank of a unit in one call. The same leftmost-fit max segment tree as
 `batch_shapes.LeftmostFit` (O(n log n) per group), so the counts are exactly those of the
 Python packers (tests/test_packing_fast.py). Groups are consecutive slices of one flat
 array: group g is `x[ends[g - 1]:ends[g]]`.
@@ -46,30 +46,10 @@ def _set(tree, size, b, key):
 
 
 @njit(cache=True)
-def first_fit_rows(lengths, ends, cap):
-    """Rows first fit in order opens per group (`pack_rows(..., "pack")`): int64 [groups]."""
-    out = np.zeros(ends.size, np.int64)
-    start = 0
-    for g in range(ends.size):
-        end = ends[g]
-        tree, size = _tree(end - start, float(cap))
-        bins = 0
-        for j in range(start, end):
-            need = float(lengths[j])
-            b = _find(tree, size, need)
-            if b < 0 or b == bins:
-                b = bins
-                bins += 1
-            _set(tree, size, b, tree[size + b] - need)
-        out[g] = bins
-        start = end
-    return out
-
-
-@njit(cache=True)
 def first_fit_decreasing_buffers(runs, ends, cap, max_items):
     """Buffers first fit decreasing (ties by order) opens per group, at most `max_items`
-    images per buffer (< 0: no cap) (`pack_images`): int64 [groups]."""
+    images per buffer (< 0: no cap) (`pack_images`; LLM rows `pack_rows` "pack"): int64
+    [groups]."""
     out = np.zeros(ends.size, np.int64)
     start = 0
     for g in range(ends.size):

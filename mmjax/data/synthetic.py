@@ -28,6 +28,12 @@ from mmjax.models.config import MLLMConfig, VisionConfig
 
 Spec = list[tuple[str, tuple[int, ...], int]]  # (modality, shape, num_queries) per segment
 KINDS = ("laion", "mix")
+# LLaVA-like shapes (`SyntheticConfig` overrides of kind "laion"): one or two images of ~24 x
+# 24 patches, a few hundred text tokens (~1.1k LLM tokens a sample with patch-14 tokens);
+# scripts/bench_step.py's llava_1b data, scripts/bench_packing.py's "llava" mix
+LLAVA_LIKE = {"image_side_median": 24.0, "image_side_sigma": 0.2, "image_side_range": (8, 32),
+              "max_images": 2, "image_count_p": 0.8, "text_len_median": 200.0,
+              "text_len_range": (16, 1024)}
 
 
 @dataclass(frozen=True)

@@ -271,6 +271,9 @@ class TrainLoop:
                 "tokens_per_s": m.tokens / m.step_time_s,
                 "trained_tokens_per_s": m.tokens_trained / m.step_time_s,
                 "tokens_seen": m.tokens, "tokens_trained": m.tokens_trained,
+                # the packing's fill: real tokens / the LLM slots the step computed on
+                "llm_slots": m.llm_slots,
+                "llm_fill": m.tokens / m.llm_slots if m.llm_slots else 0.0,
                 "step_time_s": m.step_time_s, "data_wait_s": m.data_wait_s,
                 "skipped_samples": self.skipped, "nonfinite_steps": self.nonfinite,
                 "spike_steps": self.spike_steps, **m.extra}

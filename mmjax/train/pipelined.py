@@ -171,6 +171,7 @@ class PipelinedRunner:
         self.seen_shapes |= {f.shapes for f in feeds}
         self.steps_traced += bool(trace)
         m.tokens = int(sum(np.count_nonzero(f.llm["doc"]) for f in feeds))
+        m.llm_slots = int(sum(f.llm["doc"].size for f in feeds))
         m.tokens_trained = int(sum(f.num_target_tokens for f in feeds))
         m.skipped, m.skipped_list = gb.skipped_samples, list(gb.skipped)
         return m

@@ -36,6 +36,7 @@ class StepMetrics:
     data_wait_s: float = 0.0
     tokens: int = 0
     tokens_trained: int = 0
+    llm_slots: int = 0  # LLM token slots of the step's static shapes (rows x seq_len)
     skipped: int = 0
     skipped_list: list = field(default_factory=list)
     compile_reason: str = ""

@@ -3,8 +3,8 @@
 Global batch k holds exactly the samples every plan trains at step k (`Loader`'s seeded
 selection, skips and decode blanks: `GlobalBatchBuilder.samples`), assembled as one batch,
 so `train.py` and `train.py --plan=...` give the same loss curve up to float reassociation.
-All `Loader.*` gin settings that choose samples (seed, shuffle, reserve) apply to both
-paths; those that place them (balance, workers, node-wise) only change where a plan
+All `Loader.*` gin settings that choose samples (seed, shuffle, reserve, row_budget) apply
+to both paths; those that place them (balance, workers, node-wise) only change where a plan
 computes them. Shapes start at the high-water shapes of the first `Loader.shape_scan_steps`
 global batches (planned from metadata at start-up) and only grow (`grow`: the trainer's
 high-water rule), so jit compiles once in a usual run; a grain thread decodes the next

@@ -213,7 +213,8 @@ class SingleProgram:
             step_time_s=time.perf_counter() - t0, compile_s=compile_s,
             data_wait_s=t0 - t_wait - compile_s,  # the wait for data alone
             tokens=int(np.count_nonzero(batch.doc)),
-            tokens_trained=int(batch.num_target_tokens), skipped=len(skipped),
+            tokens_trained=int(batch.num_target_tokens), llm_slots=int(batch.doc.size),
+            skipped=len(skipped),
             skipped_list=skipped)
 
     def evaluate(self, source, max_batches: int, layout) -> float:
