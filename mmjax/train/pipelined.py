@@ -235,9 +235,10 @@ def pipelined_runner(cfg, layout, plan, schedule, dtype, seed, source=None, pret
                      steps: int | None = None, check_memory: bool = True) -> PipelinedRunner:
     """The runner the trainer drives, fed by the grain loader (planning, balancing and
     assembly off the training path, in its prefetch thread or worker processes). `steps`:
-    the run's length: the loader pads every feed to the shapes of all its global batches
-    (up to `SHAPE_SCAN_MAX`, scanned from metadata at start-up), so no stage program
-    compiles after the first step. `check_memory`: refuse a plan whose units the planner's
+    the run's length (the loader's `num_steps`); every feed is padded to the shapes of the
+    first `Loader.shape_scan_steps` global batches (scanned from metadata at start-up,
+    whatever the run's length), so no stage program compiles after the first step in a
+    usual run and runs of any length share the cached programs. `check_memory`: refuse a plan whose units the planner's
     memory model does not fit in a device, before anything is built
     (train/memory_check.py)."""
     from mmjax.data.loader import Loader
