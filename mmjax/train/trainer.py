@@ -217,6 +217,7 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
         report = StepProgress(loop.console, steps, loop.start, global_batch,
                               enabled=progress and loop.lead)
         loop.runner.progress = report
+        report.preemption = loop.preempt  # a Ctrl-C during a compilation says so
         return loop.run(end, report, checkpoint_every, max_bad_steps,
                         lambda n: the_plan is not None and (
                             (trace_every > 0 and n % trace_every == 0)
