@@ -119,8 +119,12 @@ def main(argv=None) -> int:
                        (a.image, "--image"), (a.audio, "--audio")):
         if path is not None and not os.path.isfile(path):
             raise UserError(f"{what}: {path} not found")
-    if not 0.0 < a.top_p <= 1.0 or a.temperature < 0 or a.max_new_tokens < 1:
-        raise UserError("need 0 < --top_p <= 1, --temperature >= 0, --max_new_tokens >= 1")
+    for bad, what in ((not 0.0 < a.top_p <= 1.0, f"--top_p={a.top_p}: use 0 < top_p <= 1"),
+                      (not a.temperature >= 0, f"--temperature={a.temperature}: use >= 0 "
+                                               f"(0: greedy)"),
+                      (a.max_new_tokens < 1, f"--max_new_tokens={a.max_new_tokens}: use >= 1")):
+        if bad:
+            raise UserError(what)
     if a.output_image is not None and not 1 <= a.diffusion_steps <= 1000:
         raise UserError(f"--diffusion_steps={a.diffusion_steps}: use 1 .. 1000")
     if a.output_image is not None and not os.path.isdir(os.path.dirname(
