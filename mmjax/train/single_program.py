@@ -21,7 +21,7 @@ from mmjax.train.data_config import train_source
 from mmjax.train.inputs import model_inputs
 from mmjax.train.logical_state import single_from_logical, single_logical
 from mmjax.train.memory_check import check_single_program
-from mmjax.train.optimizer import optimizer_from_settings, rate_as_input
+from mmjax.train.optimizer import applied_updates, optimizer_from_settings, rate_as_input
 from mmjax.train.runner import StepMetrics
 from mmjax.train.state import WHOLE_MODEL, TrainState, whole_model_state
 from mmjax.train.step import make_loss_fn, make_train_step, split_model
@@ -206,7 +206,8 @@ class SingleProgram:
             if self.progress is not None:
                 self.progress.compiled(what, compile_s)
         # the schedule's rate after the updates applied so far (optax's count)
-        rate = None if self.rate_at is None else self.rate_at(int(self.state.step))
+        rate = None if self.rate_at is None else self.rate_at(
+            applied_updates(self.state.stages[WHOLE_MODEL].opt))
         t0 = time.perf_counter()
         new, m = self.compiled[key](self.state._replace(data={}), self.frozen, inputs,
                                     np.asarray(limits, np.float32), rate)
