@@ -96,3 +96,31 @@ def test_a_plans_feed_floor_does_not_depend_on_the_runs_length():
     finally:
         gin.clear_config()
     assert floors[0] == floors[1] is not None
+
+
+@pytest.mark.slow
+def test_a_second_run_of_another_length_loads_the_step_from_the_machines_cache(tmp_path):
+    """Two default runs in fresh workdirs, train.steps 2 then 3, with no cache setting
+    (the machine's, here under a fresh XDG_CACHE_HOME): the second writes no training step
+    program of its own (it loaded the first's) and says so from its first line."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    env["XDG_CACHE_HOME"] = str(tmp_path / "xdg")
+    env["PYTHONPATH"] = os.path.abspath(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    cache = tmp_path / "xdg" / "mmjax" / "jax-compilation"
+    steps_cached, first_lines = [], []
+    for steps in (2, 3):
+        p = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "train.py"),
+                            f"--workdir={tmp_path / f'run{steps}'}",
+                            f"--gin_param=train.steps={steps}"], env=env, cwd=tmp_path,
+                           capture_output=True, text=True, timeout=900)
+        assert p.returncode == 0, p.stderr[-3000:]
+        first_lines.append(p.stderr.splitlines()[0])
+        steps_cached.append(sorted(n for n in os.listdir(cache)
+                                   if n.startswith("jit_train_step")))
+    assert len(steps_cached[0]) == 1 and steps_cached[1] == steps_cached[0]
+    assert first_lines[0].startswith("compiling this run's programs (the parameters' init")
+    assert first_lines[1].startswith("compiling this run's programs, or loading them from "
+                                     "the compilation cache")
