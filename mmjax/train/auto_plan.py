@@ -43,7 +43,6 @@ def run_planning_inputs(cfg, source):
 AUTO_LAYOUTS = ("disaggregated", "colocated", "auto")
 
 
-@gin.configurable
 def cpu_devices_hint(message: str) -> str:
     """On CPU, how to get the devices a plan needs: XLA_FLAGS's forced host devices."""
     if jax.devices()[0].platform != "cpu":
@@ -54,6 +53,7 @@ def cpu_devices_hint(message: str) -> str:
             f"{count} before the command)")
 
 
+@gin.configurable
 def auto_plan(cfg, global_batch: int, source, num_devices: int | None = None,
               hardware_name: str | None = None, data_samples: int = 256,
               layout: str = "disaggregated") -> Plan:
