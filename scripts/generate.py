@@ -69,10 +69,12 @@ def prompt_sample(tok, chat, image_proc, audio_proc, prompt: str, image: str | N
 
 def check_inputs(cfg, a) -> None:
     """A model with an image or audio encoder gets that input (a prompt without it is a
-    question about nothing: the model answers with noise), unless --text_only says so."""
+    question about nothing: the model answers with noise), unless --text_only says so or
+    --output_image asks for a picture (the image-output records are text prompts)."""
     given = {"image": a.image, "audio": a.audio}
+    text_ok = a.text_only or a.output_image is not None
     for e in cfg.encoders:
-        if e.modality in given and given[e.modality] is None and not a.text_only:
+        if e.modality in given and given[e.modality] is None and not text_ok:
             raise UserError(f"--{e.modality}: model {cfg.name} reads {e.modality}s; pass "
                             f"--{e.modality}=FILE (or --text_only for a prompt without one)")
     for mod, path in given.items():

@@ -156,3 +156,19 @@ def test_generate_says_which_constraint_failed(tmp_path, cli):
 def test_make_example_data_into_an_unwritable_place_is_one_line(cli):
     line = cli("make_example_data", ["--out=/proc/x"])
     assert line.startswith("error: --out=/proc/x: cannot write there (")
+
+
+def test_an_image_request_needs_no_input_image():
+    """generate.py --output_image (configs/examples/llava_gen_tiny.gin's header) asks for a
+    picture with a text prompt, as the image-output records do: no --image needed; a
+    question to the same model without an image still needs one (or --text_only)."""
+    from types import SimpleNamespace
+
+    from helpers import load_script
+
+    check = load_script("generate").check_inputs
+    cfg = SimpleNamespace(name="llava_gen_tiny", encoders=[SimpleNamespace(modality="image")])
+    ask = dict(image=None, audio=None, text_only=False)
+    check(cfg, SimpleNamespace(**ask, output_image="red_square.png"))
+    with pytest.raises(UserError, match=r"^--image: model llava_gen_tiny reads images"):
+        check(cfg, SimpleNamespace(**ask, output_image=None))
