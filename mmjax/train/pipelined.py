@@ -241,7 +241,8 @@ class PipelinedRunner:
 
 
 def pipelined_runner(cfg, layout, plan, schedule, dtype, seed, source=None, pretrained=None,
-                     steps: int | None = None, check_memory: bool = True) -> PipelinedRunner:
+                     steps: int | None = None, check_memory: bool = True,
+                     announce=None) -> PipelinedRunner:
     """The runner the trainer drives, fed by the grain loader (planning, balancing and
     assembly off the training path, in its prefetch thread or worker processes). `steps`:
     the run's length (the loader's `num_steps`); every feed is padded to the shapes of the
@@ -249,13 +250,16 @@ def pipelined_runner(cfg, layout, plan, schedule, dtype, seed, source=None, pret
     whatever the run's length), so no stage program compiles after the first step in a
     usual run and runs of any length share the cached programs. `check_memory`: refuse a plan whose units the planner's
     memory model does not fit in a device, before anything is built
-    (train/memory_check.py)."""
+    (train/memory_check.py); `announce`: called once that check passed (the trainer's
+    line saying what compiles)."""
     from mmjax.data.loader import Loader
     from mmjax.train.memory_check import check_plan
 
     source = source if source is not None else train_source(cfg)
     memory_line = check_plan(cfg, plan, source, jax.local_devices()[0],
                              check_memory)  # this process's (memory_stats)
+    if announce is not None:  # the parameters' init compiles next
+        announce()
     # gin: `Loader.*` (balance, post_balance_policy, workers, ...); several processes:
     # each host decodes only its own DP ranks' samples
     local = (None if jax.process_count() == 1 else frozenset(

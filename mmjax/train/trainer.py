@@ -154,8 +154,11 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
                       schedule, dtype, check_memory)
         return []
     cache = use_compilation_cache(compilation_cache_dir)
-    if progress and jax.process_index() == 0:  # from the first second: what the wait is
-        progress_console().print(compiling_line(cache), markup=False, highlight=False)
+
+    def announce() -> None:  # once the memory check passed: what the wait is, at once
+        if progress and jax.process_index() == 0:
+            progress_console().print(compiling_line(cache), markup=False, highlight=False)
+
     if plan is None or colo is not None:
         the_plan = None
         layout, source = layout_and_source(cfg, tok)
@@ -164,6 +167,7 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
                   if colo is None else Colocated(cfg, layout, global_batch, schedule, dtype,
                                                  seed, colo, source, attention_impl or "auto",
                                                  dirs, check_memory=check_memory))
+        announce()
     else:
         start_plan, resumed_plan = plan, plan_to_resume(workdir, plan, progress_console())
         plan = resumed_plan[1] if resumed_plan else plan  # a re-planned run stays re-planned
@@ -171,7 +175,7 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
                                  chosen if plan == "auto" else None)
         layout, source = layout_and_source(cfg, tok)
         runner = pipelined_runner(cfg, layout, the_plan, schedule, dtype, seed, source, dirs,
-                                  steps, check_memory)
+                                  steps, check_memory, announce)
         if replan_every and replanner is None:
             hw, wl = run_planning_inputs(cfg, source if source is not None
                                          else train_source(cfg))
