@@ -153,11 +153,12 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
         dry_run_build(cfg, tok, dirs, None if colo else plan, global_batch, attention_impl,
                       schedule, dtype, check_memory)
         return []
-    cache = use_compilation_cache(compilation_cache_dir)
+    # the cache as this run found it (the runner's small eager programs land in it next)
+    waiting = compiling_line(use_compilation_cache(compilation_cache_dir))
 
     def announce() -> None:  # once the memory check passed: what the wait is, at once
         if progress and jax.process_index() == 0:
-            progress_console().print(compiling_line(cache), markup=False, highlight=False)
+            progress_console().print(waiting, markup=False, highlight=False)
 
     if plan is None or colo is not None:
         the_plan = None
