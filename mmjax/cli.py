@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 
 from mmjax.errors import UserError
@@ -88,10 +89,17 @@ def parse_gin(files: list[str], params: list[str], finalize: bool = True) -> Non
         except Exception as e:
             raise UserError(f"bad gin file {f}: {type(e).__name__}: {_flat(e)} (fix the "
                             f"file)") from e
+    refuse_duplicate_bindings(params)
     for b in params:
         try:
             gin.parse_config(b)
         except Exception as e:
+            bare = unquoted_string(b)
+            if bare is not None:
+                key, value = bare
+                raise UserError(f"--gin_param={b!r}: {value} is not a gin value: if a "
+                                f"string is meant, quote it (--gin_param=\"{key}="
+                                f"'{value}'\")") from e
             raise UserError(f"bad gin binding --gin_param={b!r}: {type(e).__name__}: "
                             f"{_flat(e)} (check the name's spelling: configurable.parameter "
                             f"= value)") from e
@@ -102,6 +110,34 @@ def parse_gin(files: list[str], params: list[str], finalize: bool = True) -> Non
     except Exception as e:
         raise UserError(f"bad gin config ({', '.join(files)} + --gin_param bindings) at "
                         f"finalize: {type(e).__name__}: {_flat(e)}") from e
+
+
+_BARE = re.compile(r"[A-Za-z_./~-][\w./~:+-]*")
+_GIN_WORDS = ("True", "False", "None")
+
+
+def unquoted_string(binding: str) -> tuple[str, str] | None:
+    """(key, value) when `binding`'s value is a bare word or path gin cannot read (a string
+    without its quotes, e.g. `loader_source.path=data/x.arrayrecord`), else None."""
+    if "=" not in binding:
+        return None
+    key, value = (part.strip() for part in binding.split("=", 1))
+    if value in _GIN_WORDS or not _BARE.fullmatch(value):
+        return None
+    return key, value
+
+
+def refuse_duplicate_bindings(params: list[str]) -> None:
+    """The same key bound twice on the command line is an error, not a silent last-wins."""
+    seen: dict[str, str] = {}
+    for b in params:
+        if "=" not in b:
+            continue
+        key = "".join(b.split("=", 1)[0].split())
+        if key in seen:
+            raise UserError(f"--gin_param: {key} is bound twice ({seen[key]!r} and {b!r}): "
+                            f"keep one")
+        seen[key] = b
 
 
 def _flat(e: BaseException) -> str:

@@ -147,11 +147,10 @@ def _run(args) -> dict:
         # stage `--colocated_zero` (at one device the layer gathers run, over one rank)
         prog = Colocated(cfg, layout, args.global_batch, learning_rate_schedule(total),
                          dtype.type, seed=0, colo=Colocation(default_stage=args.colocated_zero),
-                         source=source, attention_impl=args.attention, steps=total)
+                         source=source, attention_impl=args.attention)
     else:
         prog = SingleProgram(cfg, layout, args.global_batch, learning_rate_schedule(total),
-                             dtype.type, seed=0, source=source, attention_impl=args.attention,
-                             steps=total)
+                             dtype.type, seed=0, source=source, attention_impl=args.attention)
     steps, cpu_s = [], []
     for i in range(total):
         cpu0 = time.process_time()

@@ -69,10 +69,12 @@ def prompt_sample(tok, chat, image_proc, audio_proc, prompt: str, image: str | N
 
 def check_inputs(cfg, a) -> None:
     """A model with an image or audio encoder gets that input (a prompt without it is a
-    question about nothing: the model answers with noise), unless --text_only says so."""
+    question about nothing: the model answers with noise), unless --text_only says so or
+    --output_image asks for a picture (the image-output records are text prompts)."""
     given = {"image": a.image, "audio": a.audio}
+    text_ok = a.text_only or a.output_image is not None
     for e in cfg.encoders:
-        if e.modality in given and given[e.modality] is None and not a.text_only:
+        if e.modality in given and given[e.modality] is None and not text_ok:
             raise UserError(f"--{e.modality}: model {cfg.name} reads {e.modality}s; pass "
                             f"--{e.modality}=FILE (or --text_only for a prompt without one)")
     for mod, path in given.items():
@@ -119,8 +121,12 @@ def main(argv=None) -> int:
                        (a.image, "--image"), (a.audio, "--audio")):
         if path is not None and not os.path.isfile(path):
             raise UserError(f"{what}: {path} not found")
-    if not 0.0 < a.top_p <= 1.0 or a.temperature < 0 or a.max_new_tokens < 1:
-        raise UserError("need 0 < --top_p <= 1, --temperature >= 0, --max_new_tokens >= 1")
+    for bad, what in ((not 0.0 < a.top_p <= 1.0, f"--top_p={a.top_p}: use 0 < top_p <= 1"),
+                      (not a.temperature >= 0, f"--temperature={a.temperature}: use >= 0 "
+                                               f"(0: greedy)"),
+                      (a.max_new_tokens < 1, f"--max_new_tokens={a.max_new_tokens}: use >= 1")):
+        if bad:
+            raise UserError(what)
     if a.output_image is not None and not 1 <= a.diffusion_steps <= 1000:
         raise UserError(f"--diffusion_steps={a.diffusion_steps}: use 1 .. 1000")
     if a.output_image is not None and not os.path.isdir(os.path.dirname(

@@ -34,6 +34,17 @@ def main(argv=None) -> int:
         ap.error("--num_val must be >= 1")
     if a.num_samples < 8:
         ap.error("--num_samples must be >= 8")
+    try:
+        os.makedirs(a.out, exist_ok=True)
+        probe = os.path.join(a.out, ".mmjax_write_probe")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as e:
+        from mmjax.errors import UserError
+
+        raise UserError(f"--out={a.out}: cannot write there ({e.strerror}): give a "
+                        f"directory you can write, e.g. /tmp/llava_example") from None
     info = write_llava_example(a.out, a.num_samples, a.seed, a.num_val)
     print(f"wrote {a.num_samples + 3} records to {info['json']} and {a.num_val} to "
           f"{info['val_json']} (images in "

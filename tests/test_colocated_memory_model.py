@@ -144,7 +144,7 @@ def test_the_runner_prints_the_estimate_before_compiling():
                                   "generator.num_layers": 1})
     lay, src = layout_and_source(cfg, None)
     colo = Colocation(default_stage=3)
-    runner = Colocated(cfg, lay, 8, 1e-3, jnp.float32, 0, colo, src, steps=2)
+    runner = Colocated(cfg, lay, 8, 1e-3, jnp.float32, 0, colo, src)
     est, line = check_colocated(cfg, runner.data.floor, lay.seq_len,
                                 runner.abstract.stages[WHOLE_MODEL].master,
                                 runner.abstract_frozen, colo, 8, jnp.float32, "auto", 8,

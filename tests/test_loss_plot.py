@@ -57,3 +57,30 @@ def test_no_generator_no_diffusion_curve_and_several_runs_side_by_side(tmp_path,
     from mmjax.errors import UserError
     with pytest.raises(UserError, match="no metrics.jsonl"):
         mod.main([str(tmp_path / "none")])
+
+
+def test_steps_without_a_generated_image_are_no_diffusion_points(tmp_path):
+    """diffusion_loss is 0.0 on a step with no generated image: not plotted (no saw-tooth
+    down to 0), the steps with one are."""
+    rows = _rows()
+    for r in rows[1::3]:
+        r["diffusion_loss"] = 0.0
+    fig = figure({"run": rows})
+    (line,) = [ln for ln in fig.axes[0].lines if ln.get_label() == "diffusion_loss"]
+    kept = [r["step"] for r in rows if r["diffusion_loss"] != 0.0]
+    assert list(line.get_xdata()) == kept and len(kept) == 7
+    assert all(y == 1.0 for y in line.get_ydata())
+
+
+def test_plot_metrics_never_writes_over_the_runs_own_loss_png(tmp_path, capsys):
+    from helpers import load_script
+    from mmjax.errors import UserError
+
+    _write(tmp_path, _rows())
+    (tmp_path / "loss.png").write_bytes(b"the run's own")
+    mod = load_script("plot_metrics")
+    assert mod.main([str(tmp_path)]) == 0
+    assert (tmp_path / "loss.png").read_bytes() == b"the run's own"
+    assert os.path.getsize(tmp_path / "loss_curves.png") > 5000
+    with pytest.raises(UserError, match="the run's own loss.png"):
+        mod.main([str(tmp_path), f"--out={tmp_path / 'loss.png'}"])

@@ -1,6 +1,6 @@
 """No stall after warm-up on the documented paths: the README's 8-device example (encoder
 dp 2, LLM pp 2, 30 steps) traces and compiles nothing after its first step, because the
-loader pads every feed to the shapes of all the run's global batches, scanned from their
+loader pads every feed to the shapes of its first 64 global batches, scanned from their
 metadata at start-up (counted with jax.monitoring, independently of the trainer). Any
 compilation after warm-up is said on the console (train/compile_watch.py)."""
 import os
@@ -55,8 +55,9 @@ def test_the_readme_8_device_example_compiles_nothing_after_its_first_step(tmp_p
 
 def test_the_example_needs_the_whole_runs_floor():
     """The same run's first 16 global batches (the old scan) miss shapes that later ones
-    need (step 18 recompiled); the floor of all 30 covers every batch."""
-    from mmjax.data.loader import Loader
+    need (step 18 recompiled); the default floor (`SHAPE_SCAN_STEPS` batches, whatever the
+    run's length) covers every batch of the 30."""
+    from mmjax.data.loader import SHAPE_SCAN_STEPS, Loader
     from mmjax.train.data_config import data_layout, train_source
     from mmjax.train.manual_plan import manual_plan
     from mmjax.train.config import named_model_config
@@ -67,7 +68,7 @@ def test_the_example_needs_the_whole_runs_floor():
         plan = manual_plan(global_batch=8, model=cfg)
         loader = Loader(train_source(cfg), cfg, plan, data_layout(cfg),
                         num_steps=30)
-        assert loader.shape_scan_steps == 30  # default: the whole run
+        assert loader.shape_scan_steps == SHAPE_SCAN_STEPS >= 30  # not the run's length
         b = loader.builder
         whole = loader.feed_floor()
         first16 = b.scan_floor(16)

@@ -267,6 +267,10 @@ class GlobalBatchBuilder:
                                 f"microbatches (raise it, e.g. to {4 * budget})")
             idx, specs = [idx[k] for k in keep], [specs[k] for k in keep]
         if len(idx) < need:
+            hint = getattr(self.source, "missing_hint", None)
+            if hint and reasons.get("missing", 0) * 2 >= sum(reasons.values()):
+                raise UserError(f"global batch {step}: only {len(idx)} of {len(seen)} "
+                                f"samples drawn are usable ({reasons}): {hint}")
             raise UserError(f"global batch {step}: only {len(idx)} of {len(seen)} samples "
                             f"drawn are usable ({reasons}; data set of "
                             f"{len(self.source)}); see skipped.jsonl and fix the data (or "

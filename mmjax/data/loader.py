@@ -54,9 +54,18 @@ from mmjax.data.records import as_source
 
 
 # global batches whose shapes a run scans at start-up by default (metadata only: about a
-# millisecond each unbalanced, more with balancing); a longer run pads to these and
-# compiles, with a console line, if a later batch needs more
-SHAPE_SCAN_MAX = 1024
+# millisecond each unbalanced, ~7 ms balanced at the tiny config), however long the run:
+# the programs' shapes do not depend on train.steps, so runs of any length share the
+# compilation cache; a run that meets a larger batch later grows its shapes and compiles,
+# with a console line. At most SHAPE_SCAN_SAMPLES samples (fewer batches for a large
+# global batch), so the scan takes about a second whatever the batch.
+SHAPE_SCAN_STEPS = 64
+SHAPE_SCAN_SAMPLES = 4096
+
+
+def default_scan_steps(global_batch: int) -> int:
+    """Global batches scanned for the shape floor by default (not the run's length)."""
+    return max(1, min(SHAPE_SCAN_STEPS, SHAPE_SCAN_SAMPLES // max(global_batch, 1)))
 
 
 def _init_worker(worker_index: int, worker_count: int) -> None:
@@ -79,7 +88,8 @@ class Loader:
     many global batches (planned from metadata when the stream first starts; the single
     program, which draws whole global batches as samples, never scans), so the stage and broker
     programs compile once, not once per new combination of balanced shapes; None (default):
-    every global batch of the run (`num_steps`), up to `SHAPE_SCAN_MAX`.
+    `default_scan_steps` (64 global batches, at most 4,096 samples), whatever the run's
+    length (`num_steps`), so runs of other lengths compile the same programs.
     `num_workers` > 0 runs planning, decoding and assembly in grain worker processes; each
     holds `prefetch` (>= 2) global batches, and with 0 workers a thread prefetches
     `prefetch` global batches, so the trainer finds the next one ready.
@@ -146,7 +156,8 @@ class Loader:
         self.producer_cpus, self.producer_timeout = tuple(producer_cpus), producer_timeout
         self.num_workers, self.prefetch, self.num_steps = num_workers, prefetch, num_steps
         if shape_scan_steps is None:
-            shape_scan_steps = min(num_steps, SHAPE_SCAN_MAX)
+            # not the run's length: shapes stay put
+            shape_scan_steps = default_scan_steps(plan.global_batch)
         self.shape_scan_steps = shape_scan_steps
         if shape_scan_steps < 0:
             raise UserError(f"Loader.shape_scan_steps={shape_scan_steps}: use >= 0 (0: every "
@@ -161,8 +172,7 @@ class Loader:
         `shape_scan_steps` - 1 (from step 0, so a resumed run pads as the uninterrupted
         one), scanned from metadata on first use; None with no scan."""
         if self.builder.floor is None and self.shape_scan_steps:
-            self.builder.floor = self.builder.scan_floor(min(self.shape_scan_steps,
-                                                             self.num_steps))
+            self.builder.floor = self.builder.scan_floor(self.shape_scan_steps)
         return self.builder.floor
 
     def close(self) -> None:

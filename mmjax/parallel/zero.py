@@ -88,7 +88,7 @@ class Zero1Optimizer:
                  param_specs=None, clip_norm: float | None = None,
                  dp_axes: tuple[str, ...] = ("dp", "cp"), donate: bool = False,
                  compute_dtype=jnp.float32, norm_skip: tuple[str, ...] = (),
-                 rank_axes: tuple[str, ...] = ("dp",), zero_stage: int = 1):
+                 rank_axes: tuple[str, ...] = ("dp",), zero_stage: int = 1, tx_at=None):
         self.tx, self.mesh, self.clip_norm = tx, mesh, clip_norm
         self.zero_stage = zero_stage
         self.dp, dp_axis = zero_axes(mesh, dp_axes)
@@ -134,10 +134,12 @@ class Zero1Optimizer:
                                  out_shardings=(self.grad_shard_shardings, self.sq_sharding))
         self.compute_shardings = (self.master_shardings if zero_stage == 3
                                   else _named(mesh, specs))
+        self.tx_at = tx_at  # the learning rate an input (train/optimizer.py rate_as_input)
         self._step = jax.jit(
             self._step_impl,
             in_shardings=(self.master_shardings, self.grad_shard_shardings,
-                          self.state_shardings, replicated),
+                          self.state_shardings, replicated)
+            + ((replicated,) if tx_at is not None else ()),
             out_shardings=(self.master_shardings, self.state_shardings,
                            self.compute_shardings),
             donate_argnums=(0, 2) if donate else ())  # grad shards: no output to alias
@@ -213,9 +215,10 @@ class Zero1Optimizer:
             return partials, None
         return self._sync(partials)
 
-    def _step_impl(self, master, grad_shards, opt_state, norm):
+    def _step_impl(self, master, grad_shards, opt_state, norm, learning_rate=None):
         g = _clip(grad_shards, norm, self.clip_norm) if self.clip_norm else grad_shards
-        updates, new_state = self.tx.update(g, opt_state, master)
+        tx = self.tx if learning_rate is None else self.tx_at(learning_rate)
+        updates, new_state = tx.update(g, opt_state, master)
         new_master = optax.apply_updates(master, updates)
         new_master, new_state = keep_if_nonfinite(jnp.isfinite(norm), (new_master, new_state),
                                                   (master, opt_state))
@@ -254,23 +257,28 @@ class Zero1Optimizer:
                                out_specs=out_specs, check_vma=False)
         return jax.tree.unflatten(tree, mapped(*jax.tree.leaves(master)))
 
-    def step(self, master, grad_shards, opt_state, global_grad_norm):
+    def step(self, master, grad_shards, opt_state, global_grad_norm, learning_rate=None):
         """-> (new master shards, new opt_state, compute params): AdamW (clipped by
         `global_grad_norm`, skipped when it is not finite) on the float32 master shards and
-        one all-gather of the result in the compute dtype, in one program."""
+        one all-gather of the result in the compute dtype, in one program. `learning_rate`:
+        the step's rate, with `tx_at` (required then)."""
         if not self.has_state:
             return master, opt_state, master
+        scalars = [global_grad_norm] + ([] if self.tx_at is None else [learning_rate])
         if self._replicated.is_fully_addressable:
-            norm = jax.device_put(jnp.asarray(global_grad_norm, jnp.float32), self._replicated)
+            scalars = [jax.device_put(jnp.asarray(x, jnp.float32), self._replicated)
+                       for x in scalars]
             master = jax.device_put(master, self.master_shardings)
             opt_state = jax.device_put(opt_state, self.state_shardings)
         else:
-            norm = put_global(np.asarray(global_grad_norm, np.float32), self._replicated)
-        return self._step(master, grad_shards, opt_state, norm)
+            scalars = [put_global(np.asarray(x, np.float32), self._replicated)
+                       for x in scalars]
+        return self._step(master, grad_shards, opt_state, *scalars)
 
     def lower_step(self, master, grad_shards, opt_state):
+        scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=self._replicated)
         return self._step.lower(master, grad_shards, opt_state,
-                                jax.ShapeDtypeStruct((), jnp.float32, sharding=self._replicated))
+                                *[scalar] * (1 if self.tx_at is None else 2))
 
 def state_bytes_per_device(opt_state) -> int:
     """Largest optimizer-state footprint on any one device (bytes), from the leaves'

@@ -6,6 +6,8 @@ of the hardware the devices are (by device kind; the analytic H100 model for oth
 CPU devices in tests)."""
 from __future__ import annotations
 
+import re
+
 import gin
 import jax
 
@@ -41,6 +43,16 @@ def run_planning_inputs(cfg, source):
 AUTO_LAYOUTS = ("disaggregated", "colocated", "auto")
 
 
+def cpu_devices_hint(message: str) -> str:
+    """On CPU, how to get the devices a plan needs: XLA_FLAGS's forced host devices."""
+    if jax.devices()[0].platform != "cpu":
+        return ""
+    need = re.search(r"needs (\d+) GPUs", message)
+    count = max(int(need.group(1)) if need else 8, 2)
+    return (f" (on CPU, force host devices: XLA_FLAGS=--xla_force_host_platform_device_count="
+            f"{count} before the command)")
+
+
 @gin.configurable
 def auto_plan(cfg, global_batch: int, source, num_devices: int | None = None,
               hardware_name: str | None = None, data_samples: int = 256,
@@ -59,7 +71,8 @@ def auto_plan(cfg, global_batch: int, source, num_devices: int | None = None,
         else:
             plan = plan_model(cfg, hw, n, global_batch, workload=wl)
     except PlanError as e:
-        raise PlanError(f"train.plan='auto' on {n} devices: {e}") from None
+        raise PlanError(f"train.plan='auto' on {n} device{'s' if n > 1 else ''}: {e}"
+                        f"{cpu_devices_hint(str(e))}") from None
     return plan.validate(cfg, n)
 
 

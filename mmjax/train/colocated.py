@@ -19,7 +19,6 @@ from flax import nnx
 from mmjax.models.hf.pretrained import load_pretrained_dirs
 from mmjax.models.mllm import MultimodalModel, trainable_filter
 from mmjax.models.scan import layer_weights
-from mmjax.data.loader import SHAPE_SCAN_MAX
 from mmjax.parallel.fsdp import colocated_mesh, gather_layer, place_batch, tree_shardings
 from mmjax.parallel.phase_inputs import colocated_route, place_phase_batch
 from mmjax.parallel.hlo_traffic import collective_bytes
@@ -29,7 +28,7 @@ from mmjax.train.colocated_plan import Colocation
 from mmjax.train.data_config import train_source
 from mmjax.train.memory_check import check_colocated
 from mmjax.train.runner import StepMetrics
-from mmjax.train.optimizer import optimizer_from_settings
+from mmjax.train.optimizer import optimizer_from_settings, rate_as_input
 from mmjax.train.single_program import SingleProgram
 from mmjax.train.state import WHOLE_MODEL, TrainState, whole_model_state
 from mmjax.train.step import make_loss_fn, split_model, train_step_fn
@@ -70,15 +69,16 @@ def colocated_loss_fn(graphdef, mesh, colo: Colocation, dtype=jnp.float32, atten
 
 def colocated_step(graphdef, tx, mesh, colo: Colocation, abstract: TrainState,
                    dtype=jnp.float32, attention_impl="auto", llm_mask_family="bam",
-                   route=to_llm_layout):
-    """The jitted (state, frozen, batch, limits) -> (state, metrics) step: gradients placed
+                   route=to_llm_layout, tx_at=None):
+    """The jitted (state, frozen, batch, limits[, learning_rate]) -> (state, metrics) step
+    (`tx_at`: `train_step_fn`'s, the rate an input): gradients placed
     by the ZeRO stage (whole: all-reduce; sharded: reduce-scatter), the state kept on its
     co-located shardings (`abstract`'s), the old state donated."""
     (stage,) = abstract.stages.values()
     grads = tree_shardings(stage.master, mesh, colo, "grads")
     loss_fn = colocated_loss_fn(graphdef, mesh, colo, dtype, attention_impl, llm_mask_family, route)
     place = lambda g: jax.lax.with_sharding_constraint(g, grads)
-    return jax.jit(train_step_fn(loss_fn, tx, place), donate_argnums=(0,),
+    return jax.jit(train_step_fn(loss_fn, tx, place, tx_at), donate_argnums=(0,),
                    out_shardings=(state_shardings(abstract, mesh, colo), None))
 
 
@@ -86,7 +86,7 @@ class Colocated(SingleProgram):
     """`SingleProgram`'s interface over a co-located mesh of every device."""
 
     def __init__(self, cfg, layout, global_batch, schedule, dtype, seed, colo: Colocation,
-                 source=None, attention_impl="auto", pretrained=None, steps=None,
+                 source=None, attention_impl="auto", pretrained=None,
                  devices=None, check_memory: bool = True):
         devices = jax.devices() if devices is None else devices
         self.mesh = colocated_mesh(devices, colo)
@@ -94,8 +94,7 @@ class Colocated(SingleProgram):
         # the loader's balancing settings (train/colocated_data.py): per-phase layouts and
         # the encoder->LLM all-to-all when any phase is balanced or node-wise is on
         phases = PhaseBatches(source if source is not None else train_source(cfg), cfg,
-                              layout, global_batch, self.mesh, scan_steps=None
-                              if steps is None else min(steps, SHAPE_SCAN_MAX), colo=colo)
+                              layout, global_batch, self.mesh, colo=colo)
         if not phases.settings.balanced:
             phases.close()
             phases = None
@@ -106,7 +105,7 @@ class Colocated(SingleProgram):
         self._sent: dict = {}  # compiled program key -> its exchanges' bytes (sent_bytes)
         self.row_bytes = cfg.llm.hidden_size * jnp.dtype(dtype).itemsize
         super().__init__(cfg, layout, global_batch, schedule, dtype, seed, source,
-                         attention_impl, None, steps, check_memory=False,
+                         attention_impl, None, check_memory=False,
                          count_multiple=len(devices), data=phases)
         self.memory_line = None
         shapes = self.data.floor if phases is None else phases.global_floor()
@@ -149,10 +148,11 @@ class Colocated(SingleProgram):
             self._frozen = self.abstract_frozen
         if pretrained:
             self._make()
+        tx_at, self.rate_at = rate_as_input(schedule)
         self.step_fn = colocated_step(self.graphdef, tx, self.mesh, colo, self.abstract,
                                       dtype, attention_impl, layout.llm_mask_family,
                                       colocated_route(self.mesh, colo) if phases
-                                      else to_llm_layout)
+                                      else to_llm_layout, tx_at)
 
     def place(self, state: TrainState) -> TrainState:
         """A TrainState (any placement) on the co-located shardings, its data kept."""

@@ -157,7 +157,7 @@ class PhaseBatches(LoaderStream):
         self.next_batch = 0
         scan = self.loader.shape_scan_steps if scan_steps is None else scan_steps
         # unbalanced (every phase "none", no node-wise): the caller reads plain batches
-        self.floor, self.floor_capacity = (self._scan(min(scan, self.loader.num_steps))
+        self.floor, self.floor_capacity = (self._scan(scan)
                                            if self.settings.balanced else (None, None))
         self.shapes, self.capacity = self.floor, self.floor_capacity
         self._it = None

@@ -135,6 +135,7 @@ class TrainLoop:
             self.ckpt.wait()
             raise Preempted(preempt.signame or "a peer's signal", self.start,
                             self.ckpt.latest_step(), self.ckpt.directory)
+        preempt.starting = False  # from here a signal stops after the step in flight
         with open(self.metrics_path if self.lead else os.devnull, "a") as mf, \
                 open(self.skipped_path if self.lead else os.devnull, "a") as sf:
             for step in range(self.start, end):

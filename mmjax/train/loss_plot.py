@@ -19,12 +19,14 @@ def read_metrics(path: str) -> list[dict]:
 
 
 def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
-    """(steps, values) of `key` over the rows holding a finite value of it (a run without
-    a generator has diffusion_loss 0 throughout: no curve)."""
+    """(steps, values) of `key` over the rows holding a finite value of it. diffusion_loss
+    is exactly 0 on a step whose global batch generated no image (no term, not a perfect
+    one): those steps are left out, so a run without a generator has no curve and one that
+    generates now and then no saw-tooth down to 0."""
     pts = [(r["step"], float(r[key])) for r in rows
            if key in r and r[key] is not None and math.isfinite(float(r[key]))]
-    if key == "diffusion_loss" and all(v == 0.0 for _, v in pts):
-        return [], []
+    if key == "diffusion_loss":
+        pts = [(s, v) for s, v in pts if v != 0.0]
     return [s for s, _ in pts], [v for _, v in pts]
 
 

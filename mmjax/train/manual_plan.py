@@ -7,7 +7,7 @@ import jax
 from mmjax.models.config import MLLMConfig
 from mmjax.planner.plan import Plan
 from mmjax.train.colocated_plan import Colocation, check_layout
-from mmjax.train.validate import check_manual_plan
+from mmjax.train.validate import check_manual_batches, check_manual_plan
 
 
 @gin.configurable
@@ -29,6 +29,7 @@ def manual_plan(global_batch: int = 8, num_microbatches: int = 2, dp=None, tp=No
                         fsdp_group, model=model, **knobs)
     if colo is not None:
         return colo
+    check_manual_batches(global_batch, num_microbatches, dp)
     kw = {k: v for k, v in knobs.items() if v is not None}
     if zero_stage is not None:  # ZeRO 1-3 per unit over each stage's dp ranks
         kw["zero_stage"] = zero_stage

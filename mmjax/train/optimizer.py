@@ -55,3 +55,32 @@ def optimizer_from_settings(schedule, s: OptimizerSettings | None = None, clip: 
     s = s or OptimizerSettings()
     return make_optimizer(schedule, s.weight_decay, s.clip_norm if clip else 0, s.b1, s.b2, s.eps)
 
+
+def rate_as_input(schedule, settings: OptimizerSettings | None = None, clip: bool = True):
+    """For a step program that does not depend on the run's length: (`tx_at`, `rate_at`),
+    `tx_at(lr)` the settings' optimizer at learning rate `lr` (a traced scalar, the step's
+    input), its state the same as `optimizer_from_settings(schedule)`'s, and `rate_at(count)`
+    the schedule's rate after `count` applied updates (np.float32, one small jitted program):
+    what `schedule(count)` gives inside the step. The schedule's horizon (train.steps) is
+    then no constant of the step, so runs of other lengths share its compiled program.
+    A constant `schedule` (a float): (None, None), the rate stays in the program.
+    `settings` / `clip`: as `optimizer_from_settings`'s."""
+    if not callable(schedule):
+        return None, None
+    s = settings or OptimizerSettings()
+    at = jax.jit(schedule)
+    return (lambda lr: optimizer_from_settings(lambda _count: lr, s, clip),
+            lambda count: np.float32(at(np.int32(count))))
+
+
+def applied_updates(opt_state) -> int:
+    """The updates an optimizer state has applied: its schedule's count (0 without one)."""
+    for leaf in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(
+            x, optax.ScaleByScheduleState)):
+        if isinstance(leaf, optax.ScaleByScheduleState):
+            count = leaf.count
+            if isinstance(count, jax.Array):
+                count = count.addressable_data(0)
+            return int(np.asarray(count))
+    return 0
+

@@ -37,7 +37,8 @@ from mmjax.train.global_norm import fold_loss, multiprocess_norm, norm_from_squa
 from mmjax.train.host_failures import agree_on_failures
 from mmjax.train.logical_state import (pipeline_from_logical, pipeline_global_logical,
                                        remote_stage, restore_target)
-from mmjax.train.optimizer import OptimizerSettings, optimizer_from_settings
+from mmjax.train.optimizer import (OptimizerSettings, applied_updates, optimizer_from_settings,
+                                   rate_as_input)
 from mmjax.train.runner import StepMetrics
 from mmjax.train.state import StageState, TrainState
 
@@ -59,6 +60,10 @@ class PipelinedRunner:
         rt = self.runtime = PipelineRuntime(cfg, plan, devices, seed, compute_dtype,
                                             pretrained, llm_mask_family)
         self.tx = optimizer_from_settings(schedule, self.settings, clip=False)
+        # the learning rate a stage update's input: its program does not depend on
+        # train.steps; `updates`: the updates applied so far (optax's count)
+        tx_at, self.rate_at = rate_as_input(schedule, self.settings, clip=False)
+        self.updates = 0
         self.trained = [sid for sid, st in rt.stages.items() if st.mode.param_grads]
         pair = rt.tied_embedding_stages()
         initial = rt.take_initial_params()
@@ -69,7 +74,8 @@ class PipelinedRunner:
             # the single model has one embedding: the last stage's copy is counted once
             norm_skip=("embed",) if pair is not None and sid == pair[1] else (),
             rank_axes=rank_axes(rt.stages[sid].fns.zero_mesh),
-            zero_stage=rt.stages[sid].fns.zero_stage)  # 2/3: each backward reduce-scatters
+            zero_stage=rt.stages[sid].fns.zero_stage,  # 2/3: each backward reduce-scatters
+            tx_at=tx_at)
             for sid in self.trained if rt.stages[sid].local}
         stages = {}
         for sid, opt in self.optimizers.items():
@@ -123,16 +129,18 @@ class PipelinedRunner:
             guard = norm if np.isfinite(losses["loss"]) and calm else float("nan")
         # every stage's update is skipped on device when `guard` is not finite
         new = {}
+        rate = None if self.rate_at is None else self.rate_at(self.updates)
         for sid, opt in self.optimizers.items():  # update + one all-gather per stage
             st = self.state.stages[sid]
             new[sid] = StageState(*rt.settle(opt.step(st.master, shards.pop(sid), st.opt,
-                                                       guard)))
+                                                       guard, rate)))
             self.dispatch_log.append((sid, "update_all_gather"))
         self.state = self.state._replace(stages=new, step=self.state.step + 1)
         # the step's one host sync, after everything is dispatched
         out = res.losses() if jax.process_count() == 1 else losses
         grad_norm = float(norm)
         finite = bool(np.isfinite(out["loss"]) and np.isfinite(grad_norm))
+        self.updates += finite and np.isfinite(float(guard))  # applied: the guard let it
         return StepMetrics(out["loss"], out["lm_loss"], out["diffusion_loss"], grad_norm,
                            nonfinite=not finite,
                            spike=finite and not np.isfinite(float(guard)),
@@ -201,6 +209,7 @@ class PipelinedRunner:
         if self.data is not None:
             self.data.set_state(data)
         self.state = TrainState(stages, step, data)
+        self.updates = max((applied_updates(st.opt) for st in stages.values()), default=0)
         if self.layout is None:  # feeds handed to `train_on`: no data stream to go on with
             return None
         return resume_notice(position, step, self.global_batch, self.layout.seq_len)
@@ -233,20 +242,25 @@ class PipelinedRunner:
 
 
 def pipelined_runner(cfg, layout, plan, schedule, dtype, seed, source=None, pretrained=None,
-                     steps: int | None = None, check_memory: bool = True) -> PipelinedRunner:
+                     steps: int | None = None, check_memory: bool = True,
+                     announce=None) -> PipelinedRunner:
     """The runner the trainer drives, fed by the grain loader (planning, balancing and
     assembly off the training path, in its prefetch thread or worker processes). `steps`:
-    the run's length: the loader pads every feed to the shapes of all its global batches
-    (up to `SHAPE_SCAN_MAX`, scanned from metadata at start-up), so no stage program
-    compiles after the first step. `check_memory`: refuse a plan whose units the planner's
+    the run's length (the loader's `num_steps`); every feed is padded to the shapes of the
+    first `Loader.shape_scan_steps` global batches (scanned from metadata at start-up,
+    whatever the run's length), so no stage program compiles after the first step in a
+    usual run and runs of any length share the cached programs. `check_memory`: refuse a plan whose units the planner's
     memory model does not fit in a device, before anything is built
-    (train/memory_check.py)."""
+    (train/memory_check.py); `announce`: called once that check passed (the trainer's
+    line saying what compiles)."""
     from mmjax.data.loader import Loader
     from mmjax.train.memory_check import check_plan
 
     source = source if source is not None else train_source(cfg)
     memory_line = check_plan(cfg, plan, source, jax.local_devices()[0],
                              check_memory)  # this process's (memory_stats)
+    if announce is not None:  # the parameters' init compiles next
+        announce()
     # gin: `Loader.*` (balance, post_balance_policy, workers, ...); several processes:
     # each host decodes only its own DP ranks' samples
     local = (None if jax.process_count() == 1 else frozenset(

@@ -30,15 +30,22 @@ class Progress:
         self.compile_s = 0.0
         self.step_times: list[float] = []  # steps that compiled nothing
         self.first_loss = self.last_loss = None
+        # train/preemption.py's `Preemption`: told what compiles, so a Ctrl-C meanwhile
+        # says the run stops once the compilation finishes
+        self.preemption = None
 
     def say(self, text: str) -> None:
         if self.enabled:
             self.out.print(text, markup=False, highlight=False)
 
     def compiling(self, what: str) -> None:
+        if self.preemption is not None:
+            self.preemption.compiling = what
         self.say(f"compiling {what} ...")
 
     def compiled(self, what: str, seconds: float) -> None:
+        if self.preemption is not None:
+            self.preemption.compiling = None
         self.compile_s += seconds
         self.say(f"compiled {what} in {seconds:.1f} s")
 

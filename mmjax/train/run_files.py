@@ -1,6 +1,6 @@
 """What a run keeps in its workdir besides checkpoints: metrics rows cut back to the restored
-step, run.json (what export and generation rebuild the model from), and the persistent
-compilation cache."""
+step, run.json (what export and generation rebuild the model from); and where the
+persistent compilation cache lives (by default one per machine, shared by every run)."""
 from __future__ import annotations
 
 import json
@@ -88,15 +88,28 @@ def write_run_info(workdir: str, cfg: MLLMConfig, plan: Plan | None, seed: int,
         json.dump(info, f, indent=1)
 
 
-def use_compilation_cache(workdir: str, setting: str) -> str | None:
-    """Point JAX's persistent compilation cache at `setting` (see `train`); -> the path."""
+MACHINE_CACHE = os.path.join("mmjax", "jax-compilation")  # under the user's cache directory
+
+
+def machine_cache_dir() -> str:
+    """The compilation cache every run on this machine shares by default:
+    `$XDG_CACHE_HOME/mmjax/jax-compilation`, else `~/.cache/mmjax/jax-compilation`."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(root, MACHINE_CACHE)
+
+
+def use_compilation_cache(setting: str) -> str | None:
+    """Point JAX's persistent compilation cache at `setting` (see `train`): "" ->
+    $JAX_COMPILATION_CACHE_DIR if set, else the machine's (`machine_cache_dir`), so a run
+    loads what any earlier run on this machine compiled; "off" -> none; else that
+    directory. -> the path."""
     if not isinstance(setting, str):
         raise UserError(f"train.compilation_cache_dir={setting!r}: use a directory, \"\" "
-                        f"(default: <workdir>/compilation_cache) or \"off\"")
+                        f"(default: {machine_cache_dir()}, shared by every run on this "
+                        f"machine) or \"off\"")
     if setting == "off":
         return None
-    path = setting or os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(
-        workdir, "compilation_cache")
+    path = setting or os.environ.get("JAX_COMPILATION_CACHE_DIR") or machine_cache_dir()
     longest = max((len(part.encode()) for part in path.split(os.sep)), default=0)
     if longest > 255 or len(os.path.abspath(path).encode()) > 4095:
         raise UserError(f"train.compilation_cache_dir={shown(path)}: a path of "
@@ -105,3 +118,22 @@ def use_compilation_cache(workdir: str, setting: str) -> str | None:
                         f"directory)")
     jax.config.update("jax_compilation_cache_dir", path)
     return path
+
+
+def compiling_line(path: str | None) -> str:
+    """What the run is about to do before its first step, said at once (a first run on a
+    machine compiles silently for a minute or more otherwise): compile, or load from the
+    cache at `path` (None: off) what an earlier run compiled."""
+    if path is None:
+        return ("compiling this run's programs (the parameters' init and the training step; "
+                "compilation cache off: every run compiles them again)")
+    try:
+        entries = sum(1 for e in os.scandir(path) if e.is_file())
+    except OSError:  # not made yet: nothing cached
+        entries = 0
+    if not entries:
+        return (f"compiling this run's programs (the parameters' init and the training step;"
+                f" a first run on this machine: often 1-4 min on a small CPU; cached in "
+                f"{path} afterwards, so a later run with the same model and batch loads them)")
+    return (f"compiling this run's programs, or loading them from the compilation cache "
+            f"({entries:,} programs in {path}: seconds when an earlier run compiled them)")

@@ -39,7 +39,7 @@ class LoaderBatches(LoaderStream):
         # global batches, from their metadata: one compile up front instead of one per new
         # shape met later
         scan = self.loader.shape_scan_steps if scan_steps is None else scan_steps
-        self.floor = self._scan(min(scan, self.loader.num_steps))
+        self.floor = self._scan(scan)  # not the run's length: shapes independent of it
         self.shapes: BatchShapes | None = self.floor
         self._it = None
 

@@ -12,7 +12,6 @@ from flax import nnx
 from jax.sharding import SingleDeviceSharding
 
 from mmjax.data.batch_shapes import BatchShapes, grow_shapes
-from mmjax.data.loader import SHAPE_SCAN_MAX
 from mmjax.data.sources import eval_batches
 from mmjax.data.stream_position import resume_notice, stored_position
 from mmjax.models.hf.pretrained import load_pretrained_dirs
@@ -22,7 +21,7 @@ from mmjax.train.data_config import train_source
 from mmjax.train.inputs import model_inputs
 from mmjax.train.logical_state import single_from_logical, single_logical
 from mmjax.train.memory_check import check_single_program
-from mmjax.train.optimizer import optimizer_from_settings
+from mmjax.train.optimizer import applied_updates, optimizer_from_settings, rate_as_input
 from mmjax.train.runner import StepMetrics
 from mmjax.train.state import WHOLE_MODEL, TrainState, whole_model_state
 from mmjax.train.step import make_loss_fn, make_train_step, split_model
@@ -48,10 +47,11 @@ class SingleProgram:
     position); `frozen` the frozen parameters, the step's fixed input."""
 
     def __init__(self, cfg, layout, global_batch, schedule, dtype, seed, source=None,
-                 attention_impl="auto", pretrained=None, steps: int | None = None,
+                 attention_impl="auto", pretrained=None,
                  check_memory: bool = True, count_multiple: int = 1, data=None):
-        """`steps`: the run's length; the batch shapes are scanned (from metadata) over up to
-        `SHAPE_SCAN_MAX` of its global batches up front, so the step compiles once.
+        """The batch shapes are scanned from metadata over the first
+        `Loader.shape_scan_steps` global batches, whatever the run's length, so the step
+        compiles once and runs of any length share one cached program.
         `check_memory`: refuse (UserError) a step whose estimated peak memory at those
         shapes exceeds the device's, before anything is compiled (train/memory_check.py).
         `data`: another iterator of the run's global batches (the co-located runner's
@@ -62,7 +62,7 @@ class SingleProgram:
             return round_counts(grow_shapes(shapes, metas, layout), count_multiple)
         self.data = data if data is not None else LoaderBatches(
             source if source is not None else train_source(cfg), cfg, layout, global_batch,
-            grow, scan_steps=None if steps is None else min(steps, SHAPE_SCAN_MAX))
+            grow)
         self.cfg = cfg
         filters = (trainable_filter(cfg), ...)
         tx = optimizer_from_settings(schedule)
@@ -102,8 +102,10 @@ class SingleProgram:
         self.abstract_frozen = jax.tree.map(on_device, fr)
         if pretrained:
             self._make()  # its errors before any work
+        # the learning rate an input: the program does not depend on train.steps
+        tx_at, self.rate_at = rate_as_input(schedule)
         self.step_fn = make_train_step(graphdef, tx, dtype, attention_impl,
-                                       layout.llm_mask_family)
+                                       layout.llm_mask_family, tx_at=tx_at)
         self.graphdef, self.dtype, self.global_batch, self.eval_fn = graphdef, dtype, global_batch, None
         self.attention_impl = attention_impl
         self.num_trainable = sum(x.size for x in jax.tree.leaves(tr))
@@ -160,13 +162,14 @@ class SingleProgram:
         state's shapes and placement), so a fresh run's init (its own jitted program)
         compiles and runs in a thread meanwhile: XLA compiles without the GIL, and the two
         compilations take the longer one's time on two cores, not the sum."""
+        rate = None if self.rate_at is None else np.float32(0)
         if self._state is not None and self._frozen is not None:
             return self.step_fn.lower(self._state._replace(data={}), self._frozen, inputs,
-                                      _NO_LIMITS).compile()
+                                      _NO_LIMITS, rate).compile()
         made = concurrent.futures.ThreadPoolExecutor(1, "mmjax-init").submit(self._make)
         try:
             compiled = self.step_fn.lower(self.abstract, self.abstract_frozen, inputs,
-                                          _NO_LIMITS).compile()
+                                          _NO_LIMITS, rate).compile()
         finally:
             made.result()
         return compiled
@@ -202,9 +205,12 @@ class SingleProgram:
             compile_s = time.perf_counter() - t
             if self.progress is not None:
                 self.progress.compiled(what, compile_s)
+        # the schedule's rate after the updates applied so far (optax's count)
+        rate = None if self.rate_at is None else self.rate_at(
+            applied_updates(self.state.stages[WHOLE_MODEL].opt))
         t0 = time.perf_counter()
         new, m = self.compiled[key](self.state._replace(data={}), self.frozen, inputs,
-                                    np.asarray(limits, np.float32))
+                                    np.asarray(limits, np.float32), rate)
         self.state = new._replace(data=self.data.state())
         m = jax.device_get(m)  # one sync, after dispatch
         return StepMetrics(

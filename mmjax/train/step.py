@@ -43,29 +43,34 @@ def all_finite(tree) -> jax.Array:
 
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, compute_dtype=jnp.float32,
-                    attention_impl="auto", llm_mask_family: str = "bam"):
+                    attention_impl="auto", llm_mask_family: str = "bam", tx_at=None):
     """Jitted (state, frozen, batch[, limits]) -> (state, metrics), the state donated. A step whose loss, gradient norm or updated
     parameters are not finite is not applied (selected on device, no host sync);
     `metrics["nonfinite"]` is 1 for such a step, else 0; with `limits` = [max loss, max
     gradient norm] (the trainer's loss-spike guard) a finite step above either is not
     applied either (`metrics["spike"]` 1); `metrics["applied"]` says whether it was;
-    `state.step` counts applied steps."""
+    `state.step` counts applied steps. `tx_at` (optimizer.py `rate_as_input`): the step
+    takes the learning rate as a fifth input (`tx_at(lr)` updates), so its program does not
+    depend on the schedule's horizon."""
     return jax.jit(train_step_fn(make_loss_fn(graphdef, compute_dtype, attention_impl,
-                                              llm_mask_family), tx), donate_argnums=(0,))
+                                              llm_mask_family), tx, tx_at=tx_at),
+                   donate_argnums=(0,))
 
 
-def train_step_fn(loss_fn, tx: optax.GradientTransformation, place_grads=None):
-    """The (state, frozen, batch, limits) -> (state, metrics) function `make_train_step` jits;
-    `place_grads`: applied to the gradients before the update (the co-located runner's
-    ZeRO-2/3 reduce-scatter as a sharding constraint)."""
-    def train_step(state: TrainState, frozen, batch, limits=None):
+def train_step_fn(loss_fn, tx: optax.GradientTransformation, place_grads=None, tx_at=None):
+    """The (state, frozen, batch, limits[, learning_rate]) -> (state, metrics) function
+    `make_train_step` jits; `place_grads`: applied to the gradients before the update (the
+    co-located runner's ZeRO-2/3 reduce-scatter as a sharding constraint); `tx_at`: with a
+    `learning_rate` input, the update is `tx_at(learning_rate)`'s instead of `tx`'s."""
+    def train_step(state: TrainState, frozen, batch, limits=None, learning_rate=None):
         old = state.stages[WHOLE_MODEL]
         (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(old.master, frozen,
                                                                        batch)
         if place_grads is not None:
             grads = place_grads(grads)
         norm = optax.tree.norm(grads)
-        updates, opt_state = tx.update(grads, old.opt, old.master)
+        step_tx = tx if learning_rate is None or tx_at is None else tx_at(learning_rate)
+        updates, opt_state = step_tx.update(grads, old.opt, old.master)
         trainable = optax.apply_updates(old.master, updates)
         finite = jnp.isfinite(loss) & jnp.isfinite(norm) & all_finite(trainable)
         # the loss-spike guard: `limits` = [max loss, max grad norm] (inf: off)

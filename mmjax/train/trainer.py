@@ -30,7 +30,8 @@ from mmjax.train.plan_history import plan_in_effect, plan_to_resume
 from mmjax.train.progress import Progress as StepProgress
 from mmjax.train.progress import console as progress_console
 from mmjax.train.replanning import Replanner
-from mmjax.train.run_files import pretrained_sources, use_compilation_cache, write_run_info
+from mmjax.train.run_files import (compiling_line, pretrained_sources, use_compilation_cache,
+                                   write_run_info)
 from mmjax.train.run_report import pretrained_lines
 from mmjax.train.run_setup import dry_run_build, model_and_tokenizer, prepared_plan, run_plan
 from mmjax.train.single_program import SingleProgram
@@ -95,10 +96,11 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
     after it. On resume metrics.jsonl keeps only the rows up to
     the restored step, so every step appears once.
 
-    `compilation_cache_dir`: JAX's persistent compilation cache, so a resume or rerun loads
-    its programs instead of compiling them: "" (default) uses $JAX_COMPILATION_CACHE_DIR if
-    set, else `<workdir>/compilation_cache`; "off" disables it; any other value is the
-    directory. `check_memory` (one program): stop before compiling when the step's estimated
+    `compilation_cache_dir`: JAX's persistent compilation cache, so a resume or any later
+    run with the same programs loads them instead of compiling: "" (default) uses
+    $JAX_COMPILATION_CACHE_DIR if set, else the machine's, shared by every run
+    (`$XDG_CACHE_HOME/mmjax/jax-compilation`, else `~/.cache/...`); "off" disables it; any
+    other value is the directory. `check_memory` (one program): stop before compiling when the step's estimated
     memory exceeds the device's (train/memory_check.py); False tries anyway.
 
     `startup_timeout` (seconds, multi-process): how long the processes wait for each other
@@ -151,15 +153,22 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
         dry_run_build(cfg, tok, dirs, None if colo else plan, global_batch, attention_impl,
                       schedule, dtype, check_memory)
         return []
-    use_compilation_cache(workdir, compilation_cache_dir)
+    # the cache as this run found it (the runner's small eager programs land in it next)
+    waiting = compiling_line(use_compilation_cache(compilation_cache_dir))
+
+    def announce() -> None:  # once the memory check passed: what the wait is, at once
+        if progress and jax.process_index() == 0:
+            progress_console().print(waiting, markup=False, highlight=False)
+
     if plan is None or colo is not None:
         the_plan = None
         layout, source = layout_and_source(cfg, tok)
         runner = (SingleProgram(cfg, layout, global_batch, schedule, dtype, seed, source,
-                                attention_impl or "auto", dirs, steps, check_memory)
+                                attention_impl or "auto", dirs, check_memory)
                   if colo is None else Colocated(cfg, layout, global_batch, schedule, dtype,
                                                  seed, colo, source, attention_impl or "auto",
-                                                 dirs, steps, check_memory=check_memory))
+                                                 dirs, check_memory=check_memory))
+        announce()
     else:
         start_plan, resumed_plan = plan, plan_to_resume(workdir, plan, progress_console())
         plan = resumed_plan[1] if resumed_plan else plan  # a re-planned run stays re-planned
@@ -167,7 +176,7 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
                                  chosen if plan == "auto" else None)
         layout, source = layout_and_source(cfg, tok)
         runner = pipelined_runner(cfg, layout, the_plan, schedule, dtype, seed, source, dirs,
-                                  steps, check_memory)
+                                  steps, check_memory, announce)
         if replan_every and replanner is None:
             hw, wl = run_planning_inputs(cfg, source if source is not None
                                          else train_source(cfg))
@@ -213,6 +222,7 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
         report = StepProgress(loop.console, steps, loop.start, global_batch,
                               enabled=progress and loop.lead)
         loop.runner.progress = report
+        report.preemption = loop.preempt  # a Ctrl-C during a compilation says so
         return loop.run(end, report, checkpoint_every, max_bad_steps,
                         lambda n: the_plan is not None and (
                             (trace_every > 0 and n % trace_every == 0)

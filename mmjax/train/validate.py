@@ -78,6 +78,26 @@ def check_manual_plan(units, global_batch, num_microbatches, **knobs) -> None:
                 raise UserError(f"{where}={v!r}: must be one of {list(REMAT_POLICIES)}")
 
 
+def check_manual_batches(global_batch: int, num_microbatches: int, dp) -> None:
+    """A manual (disaggregated) plan's batch split, in the user's settings: the global batch
+    into `num_microbatches`, each microbatch over every unit's `dp` ranks."""
+    if global_batch % num_microbatches:
+        raise UserError(f"train.global_batch={global_batch} is not divisible by "
+                        f"manual_plan.num_microbatches={num_microbatches}: use a global batch "
+                        f"that is a multiple of {num_microbatches}, or a num_microbatches "
+                        f"dividing {global_batch}")
+    mb = global_batch // num_microbatches
+    per_unit = dp if isinstance(dp, dict) else {} if dp is None else {None: dp}
+    for unit, v in per_unit.items():
+        if mb % v:
+            where = "manual_plan.dp" + ("" if unit is None else f"[{unit!r}]")
+            raise UserError(f"{where}={v} does not divide the microbatch size {mb} "
+                            f"(train.global_batch={global_batch} / manual_plan."
+                            f"num_microbatches={num_microbatches}): use a global batch "
+                            f"that is a multiple of {num_microbatches * v}, or a dp "
+                            f"dividing {mb}")
+
+
 def gin_bound(name: str) -> bool:
     """Whether gin binds `name` ("configurable.param") to something other than None."""
     try:

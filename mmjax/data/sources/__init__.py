@@ -2,6 +2,8 @@
 `webdataset_source.*`; the ArrayRecord source is `loader_source.path`)."""
 from __future__ import annotations
 
+import os
+
 import gin
 
 from mmjax.errors import UserError
@@ -53,9 +55,27 @@ def llava_source(model: MLLMConfig, tokenizer, json_path: str | None = None,
         return None
     from mmjax.data.sources.llava import LlavaSource
 
+    check_image_root("llava_source.image_root", image_root)
     img, aud = default_processors(model, image_processor, audio_processor)
-    return LlavaSource(json_path, tokenizer, img, aud, image_root, audio_root, chat_template,
-                       loss_on, index_workers, output_images, max_tokens)
+    src = LlavaSource(json_path, tokenizer, img, aud, image_root, audio_root, chat_template,
+                      loss_on, index_workers, output_images, max_tokens)
+    src.missing_hint = image_root_hint("llava_source.image_root", image_root)
+    return src
+
+
+def check_image_root(setting: str, image_root: str) -> None:
+    """A set image root that is no directory: one line naming the setting."""
+    if image_root and not os.path.isdir(image_root):
+        raise UserError(f"{setting}={image_root!r}: no such directory (from "
+                        f"{os.getcwd()}): give the folder the JSON's image paths are "
+                        f"relative to, best as an absolute path")
+
+
+def image_root_hint(setting: str, image_root: str) -> str:
+    """What a global batch short of usable samples says when images are missing."""
+    where = os.path.abspath(image_root or ".")
+    return (f"images not found under {setting}={image_root!r} ({where}): set it to the "
+            f"folder the JSON's image paths are relative to, best as an absolute path")
 
 
 @gin.configurable
@@ -102,8 +122,10 @@ def eval_source(model: MLLMConfig, tokenizer, json_path: str | None = None,
     if json_path:
         from mmjax.data.sources.llava import LlavaSource
 
+        check_image_root("eval_source.image_root", image_root)
         src = LlavaSource(json_path, tokenizer, img, aud, image_root, None, chat_template,
                           loss_on)
+        src.missing_hint = image_root_hint("eval_source.image_root", image_root)
     else:
         from mmjax.data.sources.webdataset import WebDatasetSource
 
