@@ -323,8 +323,8 @@ def recount(path: str) -> dict:
     source = SyntheticSource(synthetic_dataset(cfg, **PRESET_DATA[args.preset]))
     total = args.warmup + args.steps
     with loader_scope(args):
-        data = LoaderBatches(source, cfg, layout, args.global_batch,
-                             lambda s, m: grow_shapes(s, m, layout), scan_steps=total)
+        data = LoaderBatches(source, cfg, layout, args.global_batch,  # the run's own scan
+                             lambda s, m: grow_shapes(s, m, layout))
     data.shapes = data.floor if data.floor is not None else data.shapes
     record.update(cost_fields(args, cfg, layout, data, total, record["tokens_per_step"],
                               record["step_time_s"], record["trainable_params"],
