@@ -13,7 +13,7 @@ from typing import Literal
 from mmjax.errors import UserError
 from mmjax.models.lora_config import LoRAConfig, lora_from_dict
 from mmjax.models.qwen2_vl_config import check_mrope, check_qwen2_vl_vision
-from mmjax.models.units import UnitDag, UnitRole, role
+from mmjax.models.units import LLM_UNIT, UnitDag, UnitRole, role
 
 
 ROPE_SCALINGS = ("linear", "llama3", "yarn")
@@ -386,7 +386,7 @@ class MLLMConfig:
     def lora_units(self) -> tuple[str, ...]:
         """The parts with LoRA adapters: "llm", an encoder's tower ("vision") or its
         projector ("vision.projector")."""
-        out = ["llm"] if self.llm.lora is not None else []
+        out = [LLM_UNIT] if self.llm.lora is not None else []
         for e in self.encoders:
             if getattr(e.encoder, "lora", None) is not None:
                 out.append(e.name)

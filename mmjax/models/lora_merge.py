@@ -18,7 +18,7 @@ DECODER_WEIGHTS = {"q": "wq", "k": "wk", "v": "wv", "o": "wo", "gate": "w_gate",
 
 def flat_params(module) -> dict:
     """{path tuple: array} of every nnx.Param (adapters included) of `module`."""
-    return {tuple(p): v for p, v in nnx.to_flat_state(nnx.state(module, nnx.Param))}
+    return {tuple(p): v[...] for p, v in nnx.to_flat_state(nnx.state(module, nnx.Param))}
 
 
 def adapter_sites(module) -> dict:

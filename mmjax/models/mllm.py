@@ -32,7 +32,7 @@ from mmjax.models.llm import LLM, merge_modalities, meta_attend
 from mmjax.models.lora import LoRAParam
 from mmjax.models.projector import make_projector
 from mmjax.models.qwen2_vl_vision import Qwen2VLVision
-from mmjax.models.units import (GENERATOR_UNIT, LLM_UNIT, VAE_UNIT, UnitRole, role,
+from mmjax.models.units import (GENERATOR_UNIT, LLM_UNIT, VAE_UNIT, UnitRole, is_llm, role,
                                 topological_order)
 from mmjax.models.vae import AutoencoderKL, patchified_latents
 from mmjax.models.scan import unit_scope
@@ -271,7 +271,7 @@ def lora_bases(cfg: MLLMConfig) -> list:
     (models/lora.py)."""
     out = []
     for unit in cfg.lora_units():
-        if unit == LLM_UNIT:
+        if is_llm(unit):
             out.append(nnx.PathContains(LLM_UNIT))
         elif unit.endswith(".projector"):
             out.append(nnx.All(nnx.PathContains("projectors"),
