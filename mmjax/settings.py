@@ -87,6 +87,12 @@ SETTINGS: dict[str, dict[str, Setting]] = {
     },
     "named_model_config": {"name": Setting("str", "tiny"), "overrides": Setting("dict", None,
                                                                                  none=True)},
+    "lora": {"units": Setting("strs", (), fix="parts of the model, e.g. ['llm']"),
+             "rank": _int(8, 1, 1 << 16), "alpha": _float(16.0, 0, 1e6, open_lo=True),
+             "targets": Setting("strs", ("q", "k", "v", "o"),
+                                fix="projection names, e.g. ['q', 'v'] or ['attention', 'mlp']"),
+             "dropout": _float(0.0, 0, 0, fix="adapters train without dropout"),
+             "rslora": _BOOL[False]},
     "pretrained": {},  # **units: unit name -> HF checkpoint directory (`_check_pretrained`)
     "data_layout": {
         "cfg": _PROGRAM, "special": _PROGRAM, "seq_len": _int(256, 8, 1 << 22),

@@ -14,6 +14,7 @@ from mmjax.planner.plan import Plan
 from mmjax.train.auto_plan import auto_plan
 from mmjax.train.config import named_model_config, pretrained
 from mmjax.train.data_config import fit_vocab, layout_and_source, train_source
+from mmjax.train.lora_setup import with_lora
 from mmjax.train.progress import console as progress_console
 from mmjax.train.validate import check_pretrained_vocab
 from mmjax.models.units import VAE_UNIT, has_llm
@@ -77,6 +78,7 @@ def model_and_tokenizer(model: MLLMConfig | None):
     if tok is not None:
         cfg = fit_vocab(cfg, tok, pretrained=has_llm(dirs) or "model" in dirs)
     check_pretrained_vocab(cfg, dirs)
+    cfg = with_lora(cfg)  # gin's lora.*: adapters on the parts it names
     cfg, vae_dir, decision = place_vae(cfg)
     if decision is not None:  # "auto": the planner's choice and why
         progress_console().print(f"vae placement: {'device (a frozen unit)' if vae_dir else 'host'}"

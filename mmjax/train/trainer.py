@@ -127,6 +127,10 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
     check_data_path()
     cfg, tok, dirs = model_and_tokenizer(model)
     check_bound_settings(cfg.unit_names, plan, eval_every, replan_every)  # per-unit keys
+    if cfg.lora_units() and plan is not None:
+        raise UserError(f"lora.units={list(cfg.lora_units())}: LoRA trains in the single "
+                        f"program only so far (no train.plan / --plan); drop the plan or "
+                        f"lora.units")
     schedule = learning_rate_schedule(steps)
     dtype = _DTYPES[compute_dtype]
     colo, chosen = _colocation(plan, global_batch, cfg, tok, replan_every, trace_every,

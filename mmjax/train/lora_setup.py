@@ -1,0 +1,63 @@
+"""The `lora.*` gin settings: which parts of the model train as LoRA adapters (models/lora.py)
+and with what rank, alpha, targets and scaling; `with_lora` puts them into the model config
+(after the pretrained checkpoints' config.json set its sizes). docs/lora.md."""
+from __future__ import annotations
+
+import gin
+
+from mmjax.errors import UserError
+from mmjax.models.config import MLLMConfig, VisionConfig, with_overrides
+from mmjax.models.lora_config import PROJECTIONS, LoRAConfig
+from mmjax.models.units import is_llm
+
+
+@gin.configurable
+def lora(units=(), rank: int = 8, alpha: float = 16.0, targets=("q", "k", "v", "o"),
+         dropout: float = 0.0, rslora: bool = False) -> tuple[tuple[str, ...], LoRAConfig]:
+    """`lora.units`: the parts trained as adapters: "llm", an encoder's tower ("vision") or
+    its projector ("vision.projector"); empty: no LoRA. The rest: `LoRAConfig`'s fields."""
+    units = (units,) if isinstance(units, str) else tuple(units)
+    targets = (targets,) if isinstance(targets, str) else tuple(targets)
+    return units, LoRAConfig(rank, alpha, targets, dropout, rslora)
+
+
+def lora_parts(cfg: MLLMConfig) -> list[str]:
+    """The names `lora.units` accepts for `cfg`."""
+    out = ["llm"]
+    for e in cfg.encoders:
+        if isinstance(e.encoder, VisionConfig) and e.encoder.kind != "qwen2_vl":
+            out.append(e.name)
+        if e.projector.kind == "mlp":
+            out.append(e.name + ".projector")
+    return out
+
+
+def with_lora(cfg: MLLMConfig, units=None, settings: LoRAConfig | None = None) -> MLLMConfig:
+    """`cfg` with `settings` (default: gin's `lora.*`) on each of `units`."""
+    if units is None:
+        units, settings = lora()
+    if not units:
+        return cfg
+    parts = lora_parts(cfg)
+    bad = [u for u in units if u not in parts]
+    if bad:
+        raise UserError(f"lora.units={list(units)!r}: {bad[0]!r} is not a part LoRA adapts in "
+                        f"this model (use some of {parts})")
+    if settings.dropout:
+        raise UserError(f"lora.dropout={settings.dropout}: mmjax trains adapters without "
+                        f"dropout (set lora.dropout=0; a loaded adapter keeps its own in "
+                        f"its config)")
+    over = {}
+    for u in units:
+        if is_llm(u):
+            key, kind = "llm.lora", "llm"
+        elif u.endswith(".projector"):
+            key, kind = f"encoders.{u.removesuffix('.projector')}.projector.lora", "projector"
+        else:
+            key, kind = f"encoders.{u}.encoder.lora", "tower"
+        if not settings.targets_in(kind):
+            raise UserError(f"lora.targets={list(settings.targets)!r} names no projection of "
+                            f"{u!r} (a {kind}'s are {list(PROJECTIONS[kind])})")
+        over[key] = settings
+    return with_overrides(cfg, over)
+
