@@ -371,9 +371,10 @@ def check_bound_settings(units, plan=None, eval_every=0, replan_every=0) -> None
 
 
 def _check_pretrained(name: str, unit: str, value, units) -> None:
-    if units is not None and unit not in units and unit != "model":  # model: a whole one
+    if units is not None and unit not in units and unit not in ("model", "adapter"):
         raise UserError(f"{name}={shown(value)}: the model has no unit {unit!r} (its units are "
-                        f"{list(units)}, or `model` for a whole LLaVA / Qwen2-VL checkpoint)")
+                        f"{list(units)}, `model` for a whole LLaVA / Qwen2-VL checkpoint, or "
+                        f"`adapter` for a peft LoRA adapter)")
     if value is not None and not isinstance(value, str):
         raise UserError(f"{name}={shown(value)}: must be the path of a Hugging Face checkpoint "
                         f"directory")

@@ -69,3 +69,28 @@ def merged_flat(module) -> dict:
         w = np.asarray(jax.device_get(flat[base]))
         flat[base] = (w.astype(np.float32) + (a @ b) * np.float32(scale)).astype(w.dtype)
     return flat
+
+
+def merged_module(module, cfg):
+    """-> (a module of `without_lora(cfg)` holding `merged_flat(module)`, that config):
+    the adapters folded into their base weights, an `LLM` or a `MultimodalModel` alike."""
+    from mmjax.models.hf.checkpoint import apply_to_module
+    from mmjax.models.llm import LLM
+    from mmjax.models.mllm import MultimodalModel
+
+    base = without_lora(cfg)
+    if isinstance(module, LLM):
+        new = nnx.eval_shape(lambda: LLM(base, jax.random.key(0), module.start, module.end))
+    else:
+        new = nnx.eval_shape(lambda: MultimodalModel(base, jax.random.key(0)))
+    tree: dict = {}
+    for path, v in merged_flat(module).items():
+        node = tree
+        for p in path[:-1]:
+            node = node.setdefault(p, {})
+        node[path[-1]] = v
+    apply_to_module(new, tree)
+    for attr in ("hf_source", "hf_image_token"):
+        if hasattr(module, attr):
+            setattr(new, attr, getattr(module, attr))
+    return new, base

@@ -10,6 +10,8 @@ from mmjax.models.config import MLLMConfig, VisionConfig, with_overrides
 from mmjax.models.lora_config import PROJECTIONS, LoRAConfig
 from mmjax.models.units import is_llm
 
+ADAPTER = "adapter"  # pretrained.adapter: a peft LoRA adapter to continue training
+
 
 @gin.configurable
 def lora(units=(), rank: int = 8, alpha: float = 16.0, targets=("q", "k", "v", "o"),
@@ -61,3 +63,24 @@ def with_lora(cfg: MLLMConfig, units=None, settings: LoRAConfig | None = None) -
         over[key] = settings
     return with_overrides(cfg, over)
 
+
+
+def with_adapter(cfg: MLLMConfig, adapter_dir: str, whole: bool) -> MLLMConfig:
+    """`cfg` with the LoRA settings of the peft adapter `pretrained.adapter` names (a whole
+    LLaVA's when the run starts from `pretrained.model`, else its LLM's); its values are
+    read into the adapters after the base (hf/pretrained.py `load_pretrained_dirs`)."""
+    from mmjax.models.hf.peft import model_adapter
+
+    if cfg.lora_units():
+        raise UserError(f"pretrained.adapter={adapter_dir!r} and lora.units={list(cfg.lora_units())}:"
+                        f" the adapter sets the LoRA parts and settings; drop lora.*")
+    try:
+        over, _ = model_adapter(cfg, adapter_dir, whole)
+    except UserError as e:
+        raise UserError(f"pretrained.adapter: {e}") from None
+    dropout = {k: v.dropout for k, v in over.items() if v.dropout}
+    if dropout:
+        raise UserError(f"pretrained.adapter={adapter_dir!r}: its lora_dropout="
+                        f"{next(iter(dropout.values()))}; mmjax trains adapters without dropout "
+                        f"(set lora_dropout to 0 in its adapter_config.json to continue without)")
+    return with_overrides(cfg, over)

@@ -71,12 +71,13 @@ def _match(cfg, tensors: dict) -> tuple[dict, bool]:
                     f"e.g. {unknown[:3]} (an adapter of another base model?)")
 
 
-def apply_adapter(module, cfg, adapter_dir):
-    """-> (module with the adapter applied, unmerged, config with its LoRAConfigs)."""
+def adapter_arrays(cfg, adapter_dir) -> tuple[dict, dict]:
+    """(config overrides {dotted path: LoRAConfig}, {our parameter path: array}) of a peft
+    adapter for a model of `cfg`: the adapters (a = lora_A.T, b = lora_B.T) and any part
+    saved whole (modules_to_save)."""
     c, tensors = read_adapter(adapter_dir)
     table, old = _match(cfg, tensors)
-    pure = _flatten(nnx.to_pure_dict(nnx.state(module, nnx.Param)))
-    targets: dict = {}
+    arrays, targets = {}, {}
     for name, (path, _) in table.items():
         key = PREFIX + name + ".lora_A.weight"
         if key not in tensors:
@@ -84,11 +85,10 @@ def apply_adapter(module, cfg, adapter_dir):
         part, proj = part_and_projection(path)
         targets.setdefault(part, {}).setdefault(proj, []).append(name)
         site = _site(path)
-        pure[site + ("a",)] = np.ascontiguousarray(tensors.pop(key).T)
-        pure[site + ("b",)] = np.ascontiguousarray(tensors.pop(
+        arrays[site + ("a",)] = np.ascontiguousarray(tensors.pop(key).T)
+        arrays[site + ("b",)] = np.ascontiguousarray(tensors.pop(
             PREFIX + name + ".lora_B.weight").T)
-    saved = _modules_to_save(cfg, c, tensors, old)
-    pure.update(saved)
+    arrays.update(_modules_to_save(cfg, c, tensors, old))
     if tensors:
         raise UserError(f"adapter {str(adapter_dir)!r}: unexpected tensors {sorted(tensors)[:3]}")
     for part, projs in targets.items():
@@ -99,14 +99,23 @@ def apply_adapter(module, cfg, adapter_dir):
     lora_cfg = lambda projs: LoRAConfig(int(c["r"]), float(c["lora_alpha"]), tuple(projs),
                                         float(c.get("lora_dropout") or 0.0),
                                         bool(c.get("use_rslora")))
-    over = {_override(cfg, part): lora_cfg(sorted(projs)) for part, projs in targets.items()}
+    return {_override(cfg, part): lora_cfg(sorted(projs))
+            for part, projs in targets.items()}, arrays
+
+
+def apply_adapter(module, cfg, adapter_dir):
+    """-> (module with the adapter applied, unmerged, config with its LoRAConfigs)."""
+    over, arrays = adapter_arrays(cfg, adapter_dir)
+    pure = _flatten(nnx.to_pure_dict(nnx.state(module, nnx.Param)))
+    pure.update(arrays)
     new_cfg = with_overrides(cfg, over)
     new = _abstract(module, new_cfg)
     apply_to_module(new, _unflatten(pure))
     for attr in ("hf_source", "hf_image_token"):
         if hasattr(module, attr):
             setattr(new, attr, getattr(module, attr))
-    new.peft_trained = ("vision.projector",) if saved else ()
+    new.peft_trained = (("vision.projector",) if any(p[0] == "projectors" for p in arrays)
+                        else ())
     return new, new_cfg
 
 
@@ -238,3 +247,29 @@ def _host(x) -> np.ndarray:
 
 def _number(x: float):
     return int(x) if float(x).is_integer() else x
+
+
+def model_adapter(cfg, adapter_dir, whole: bool) -> tuple[dict, dict]:
+    """`adapter_arrays` for a `MultimodalModel` of `cfg`: a whole LLaVA's adapter (`whole`:
+    the run started from `pretrained.model`) or its LLM's (a decoder's adapter)."""
+    if whole:
+        return adapter_arrays(cfg, adapter_dir)
+    over, arrays = adapter_arrays(cfg.llm, adapter_dir)
+    return ({"llm." + k: v for k, v in over.items()},
+            {(LLM_UNIT,) + p: a for p, a in arrays.items()})
+
+
+def put_arrays(module, arrays: dict) -> None:
+    """Set the parameters at `arrays`' paths (shapes checked; dtype and placement kept)."""
+    state = nnx.state(module, nnx.Param)
+    flat = dict(nnx.to_flat_state(state))
+    for path, arr in arrays.items():
+        var = flat.get(path)
+        if var is None or tuple(var.shape) != arr.shape:
+            raise UserError(f"adapter tensor for {_fmt(path)}: the model has "
+                            f"{None if var is None else tuple(var.shape)}, the adapter "
+                            f"{arr.shape} (an adapter of another base?)")
+        old = var[...]
+        var.set_value(jax.device_put(np.asarray(arr, old.dtype), old.sharding)
+                      if hasattr(old, "sharding") else np.asarray(arr, old.dtype))
+    nnx.update(module, nnx.from_flat_state(flat))
