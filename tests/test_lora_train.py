@@ -92,3 +92,28 @@ def test_bad_lora_runs_fail_in_one_line(tmp_path, extra, words):
     with pytest.raises(UserError, match=words) as e:
         run(tmp_path / "bad", 1, extra=extra)
     assert "\n" not in str(e.value).split("  In call to")[0].strip()
+
+
+@pytest.mark.slow  # two models' prefill + decode compiles
+def test_generate_unmerged_and_merged_give_the_same_tokens():
+    from mmjax.data.layout import AssemblyLayout
+    from mmjax.data.sample import Sample, Segment
+    from mmjax.models.decode import generate
+    from mmjax.models.lora_merge import merged_module
+    from test_lora import perturbed
+
+    cfg = with_lora(CFG, ("llm", "vision"), LoRAConfig(rank=4, targets=("all",)))
+    model = perturbed(MultimodalModel(cfg, jax.random.key(1)))
+    lay = AssemblyLayout.from_config(cfg, 64, vision_caps=(64,))
+    rng = np.random.default_rng(0)
+    s = Sample(0, (Segment("text", rng.integers(16, 500, 5).astype(np.int32)),
+                   Segment("image", rng.random((8, 12, 3), dtype=np.float32)),
+                   Segment("text", rng.integers(16, 500, 4).astype(np.int32))))
+    batch = model_inputs(assemble([s], lay))
+    p = int((batch["doc"][0] == 1).sum()) - 1
+    merged, _ = merged_module(model, cfg)
+    unmerged_ids = generate(model, batch, p, 8)
+    assert len(unmerged_ids) == 8
+    assert generate(merged, batch, p, 8) == unmerged_ids
+    plain = generate(MultimodalModel(CFG, jax.random.key(1)), batch, p, 8)
+    assert plain != unmerged_ids  # the adapters change what is generated
