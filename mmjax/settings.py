@@ -24,7 +24,8 @@ INT_MAX = (1 << 31) - 1
 @dataclass(frozen=True)
 class Setting:
     """kind: "int" | "float" | "bool" | "str" | "choice" | "file" | "dir" | "ints" (a
-    non-empty list of ints) | "strs" (a string or a list of them) | "program" (set by the
+    non-empty list of ints) | "strs" (a string or a list of them) | "names" (a name or a
+    list of them, empty allowed) | "program" (set by the
     program: a binding has no effect). `lo` / `hi` bound numbers (`open_lo` / `open_hi`
     exclusive); `per_unit`: a dict unit -> value is accepted too; `needs`: "plan", "auto"
     or "eval", the mode without which a value other than `default` has no effect."""
@@ -87,12 +88,13 @@ SETTINGS: dict[str, dict[str, Setting]] = {
     },
     "named_model_config": {"name": Setting("str", "tiny"), "overrides": Setting("dict", None,
                                                                                  none=True)},
-    "lora": {"units": Setting("strs", (), fix="parts of the model, e.g. ['llm']"),
-             "rank": _int(8, 1, 1 << 16), "alpha": _float(16.0, 0, 1e6, open_lo=True),
-             "targets": Setting("strs", ("q", "k", "v", "o"),
+    "lora": {"units": Setting("names", (), fix="parts of the model, e.g. ['llm']"),
+             "rank": _int(8, 1, 1 << 16, needs="lora"),
+             "alpha": _float(16.0, 0, 1e6, open_lo=True, needs="lora"),
+             "targets": Setting("names", ("q", "k", "v", "o"), needs="lora",
                                 fix="projection names, e.g. ['q', 'v'] or ['attention', 'mlp']"),
-             "dropout": _float(0.0, 0, 0, fix="adapters train without dropout"),
-             "rslora": _BOOL[False]},
+             "dropout": _float(0.0, 0, 1, open_hi=True, needs="lora"),
+             "rslora": Setting("bool", False, needs="lora")},
     "pretrained": {},  # **units: unit name -> HF checkpoint directory (`_check_pretrained`)
     "data_layout": {
         "cfg": _PROGRAM, "special": _PROGRAM, "seq_len": _int(256, 8, 1 << 22),
@@ -201,6 +203,7 @@ SYNTHETIC_OVERRIDES: dict[str, Setting] = {
 _WHAT = {"int": "an int", "float": "a number", "bool": "True or False", "str": "a string",
          "file": "a file path", "dir": "a directory path", "dict": "a dict",
          "ints": "a non-empty list of ints", "strs": "a string or a list of strings",
+         "names": "a name or a list of names",
          "range": "a pair (lo, hi) of ints with lo <= hi", "ints3": "three ints"}
 
 
@@ -268,6 +271,10 @@ def problem(value, s: Setting) -> str | None:
                 or (k == "range" and items[0] > items[1])):
             return f"must be {_WHAT[k]}, each {_range_text(s)}"
         return None
+    if k == "names":  # an empty list: none
+        ok = isinstance(value, str) and value or isinstance(value, (list, tuple)) and all(
+            isinstance(x, str) and x for x in value)
+        return None if ok else f"must be {_WHAT[k]}"
     if k == "strs":
         if isinstance(value, str) and value:
             return None
@@ -305,12 +312,14 @@ _NEEDS = {"plan": _PLAN, "auto": "add --plan=auto, or drop the setting",
           "eval": "set train.eval_every=N, or drop the setting",
           "replan": "set train.replan_every=N with a plan, or drop the setting",
           "llava": "set llava_source.json_path, or drop the setting",
-          "webdataset": "set webdataset_source.urls, or drop the setting"}
+          "webdataset": "set webdataset_source.urls, or drop the setting",
+          "lora": "set lora.units, or drop the setting"}
 _READ = {"plan": "read only with a plan", "auto": "read only with --plan=auto",
          "eval": "read only when train.eval_every > 0",
          "replan": "read only when train.replan_every > 0",
          "llava": "read only with llava_source.json_path",
-         "webdataset": "read only with webdataset_source.urls"}
+         "webdataset": "read only with webdataset_source.urls",
+         "lora": "read only with lora.units"}
 
 
 def _modes(plan, eval_every, replan_every) -> set[str]:
@@ -333,6 +342,8 @@ def _modes(plan, eval_every, replan_every) -> set[str]:
         modes.add("llava")
     if bound("webdataset_source", "urls"):
         modes.add("webdataset")
+    if bound("lora", "units"):
+        modes.add("lora")
     return modes
 
 

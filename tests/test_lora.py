@@ -133,3 +133,26 @@ def test_bad_lora_settings_are_one_line_errors(bad, words):
 def test_lora_on_a_frozen_part_is_refused():
     with pytest.raises(UserError, match="lora.units"):
         make_cfg(**{"llm.lora": LLM_LORA, "llm_frozen": True})
+
+
+def test_dropout_only_inside_a_training_scope():
+    """peft's lora_dropout: the adapter's input, training only; p = 0 or outside the scope
+    the adapter is exact; inside, each call draws its own mask from the scope's key."""
+    from mmjax.models.lora import LoRA, dropout_key
+
+    cfg = LoRAConfig(rank=4, alpha=4.0, dropout=0.25)
+    ad = LoRA(jax.random.key(0), 64, 8, cfg)
+    ad.b[...] = jax.random.normal(jax.random.key(1), (4, 8))
+    x = jax.random.normal(jax.random.key(2), (32, 64))
+    a, b = np.asarray(ad.a[...], np.float64), np.asarray(ad.b[...], np.float64)
+    exact = np.asarray(x, np.float64) @ a @ b
+    np.testing.assert_allclose(ad(x), exact, rtol=1e-5, atol=1e-5)
+    key = jax.random.key(7)
+    with dropout_key(key):
+        first, second = ad(x), ad(x)
+    keep = np.asarray(jax.random.bernoulli(jax.random.fold_in(key, 1), 0.75, x.shape))
+    want = (np.asarray(x, np.float64) * keep / 0.75) @ a @ b
+    np.testing.assert_allclose(first, want, rtol=1e-5, atol=1e-5)
+    assert 0.65 < keep.mean() < 0.85 and not np.allclose(first, second)
+    with dropout_key(key):  # the same key: the same masks (a resumed step)
+        np.testing.assert_array_equal(ad(x), first)

@@ -23,7 +23,7 @@ from mmjax.models.lora_config import LoRAConfig
 from mmjax.train.logical_state import single_logical
 from mmjax.train.optimizer import learning_rate_schedule, make_optimizer
 from mmjax.train.state import WHOLE_MODEL, whole_model_state
-from mmjax.train.step import make_train_step, split_model
+from mmjax.train.step import make_loss_fn, make_train_step, split_model
 from helpers import global_batch
 
 CFG = MLLMConfig("tiny_lora", dataclasses.replace(TINY_LLM, num_layers=2, hidden_size=32,
@@ -33,11 +33,12 @@ CFG = MLLMConfig("tiny_lora", dataclasses.replace(TINY_LLM, num_layers=2, hidden
                      ProjectorConfig(downsample=1)),))
 SETTINGS = ["data_layout.seq_len = 64", "data_layout.vision_caps = (64,)", "Loader.reserve = 16",
             "Loader.max_bad_fraction = 0.9", "lora.units = ['llm']", "lora.rank = 4",
-            "lora.targets = ['q', 'v', 'mlp']"]
+            "lora.targets = ['q', 'v', 'mlp']", "lora.dropout = 0.1"]
 
 
 def test_steps_move_adapters_only():
-    cfg = with_lora(CFG, ("llm", "vision"), LoRAConfig(rank=4, targets=("attention", "mlp")))
+    cfg = with_lora(CFG, ("llm", "vision"), LoRAConfig(rank=4, targets=("attention", "mlp"),
+                                                      dropout=0.2))
     model = MultimodalModel(cfg, jax.random.key(0))
     gd, tr, fr = split_model(model, trainable_filter(cfg))
     names = single_logical(whole_model_state(tr, make_optimizer(
@@ -48,14 +49,18 @@ def test_steps_move_adapters_only():
     opt = [n for n in names if n.startswith("opt.") and (".llm." in n or ".encoders." in n)]
     assert opt and all(".lora." in n for n in opt)  # optimizer state: adapters only
     lay, samples = global_batch(cfg, 2)
-    step = make_train_step(gd, make_optimizer(learning_rate_schedule(3, peak_lr=1e-2)))
-    state = whole_model_state(tr, make_optimizer(learning_rate_schedule(3, peak_lr=1e-2)).init(tr))
+    step = make_train_step(gd, make_optimizer(learning_rate_schedule(4, peak_lr=1e-2)))
+    state = whole_model_state(tr, make_optimizer(learning_rate_schedule(4, peak_lr=1e-2)).init(tr))
     base = {p: np.asarray(v[...]) for p, v in nnx.to_flat_state(fr)}
     assert not np.any(np.asarray(model.llm.layers[0].lora["q"].b[...]))
     inputs = model_inputs(assemble(samples, lay))
-    for _ in range(2):
+    for i in range(3):  # lr 0 at step 0 (warmup): B moves from step 2 on
+        if i == 2:  # the step's loss has dropout on the adapters' input; evaluation none
+            plain = float(jax.jit(make_loss_fn(gd))(state.stages[WHOLE_MODEL].master, fr,
+                                                    inputs)[0])
         state, m = step(state, fr, inputs)
         assert bool(m["applied"])
+    assert abs(float(m["loss"]) - plain) > 1e-6 * abs(plain)
     after = nnx.merge(gd, state.stages[WHOLE_MODEL].master, fr)
     flat = {p: np.asarray(v[...]) for p, v in nnx.to_flat_state(nnx.state(after, nnx.Param))}
     assert all(np.array_equal(flat[p], v) for p, v in base.items())  # frozen bases
@@ -86,7 +91,7 @@ def test_lora_run_resumes_to_the_same_losses(tmp_path):
 
 @pytest.mark.parametrize("extra, words", [
     (["lora.units = ['audio']"], "lora.units"), (["lora.targets = ['fc1']"], "lora.targets"),
-    (["lora.dropout = 0.1"], "lora.dropout"), (["lora.rank = 0"], "lora.rank"),
+    (["lora.dropout = 1.0"], "lora.dropout"), (["lora.rank = 0"], "lora.rank"),
     (["train.plan = 'manual'"], "lora.units")])
 def test_bad_lora_runs_fail_in_one_line(tmp_path, extra, words):
     with pytest.raises(UserError, match=words) as e:

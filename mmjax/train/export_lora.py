@@ -53,7 +53,8 @@ def export_adapter(cfg, model, out, dirs: dict) -> dict[str, Path]:
         whole = () if spec.projector_frozen or spec.projector.lora else ("vision.projector",)
         hf.save_adapter(model, cfg, out / "adapter", trained=whole, base_model=dirs["model"])
         return {"adapter": out / "adapter"}
-    if cfg.lora_units() != (LLM_UNIT,):
+    units = cfg.lora_units()
+    if len(units) != 1 or not is_llm(units[0]):
         raise ValueError(f"--adapter: adapters on {list(cfg.lora_units())}; without a whole "
                          f"LLaVA base (pretrained.model) a peft adapter holds the LLM's only: "
                          f"export with --merge")

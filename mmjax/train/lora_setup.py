@@ -45,10 +45,6 @@ def with_lora(cfg: MLLMConfig, units=None, settings: LoRAConfig | None = None) -
     if bad:
         raise UserError(f"lora.units={list(units)!r}: {bad[0]!r} is not a part LoRA adapts in "
                         f"this model (use some of {parts})")
-    if settings.dropout:
-        raise UserError(f"lora.dropout={settings.dropout}: mmjax trains adapters without "
-                        f"dropout (set lora.dropout=0; a loaded adapter keeps its own in "
-                        f"its config)")
     over = {}
     for u in units:
         if is_llm(u):
@@ -64,7 +60,6 @@ def with_lora(cfg: MLLMConfig, units=None, settings: LoRAConfig | None = None) -
     return with_overrides(cfg, over)
 
 
-
 def with_adapter(cfg: MLLMConfig, adapter_dir: str, whole: bool) -> MLLMConfig:
     """`cfg` with the LoRA settings of the peft adapter `pretrained.adapter` names (a whole
     LLaVA's when the run starts from `pretrained.model`, else its LLM's); its values are
@@ -78,9 +73,4 @@ def with_adapter(cfg: MLLMConfig, adapter_dir: str, whole: bool) -> MLLMConfig:
         over, _ = model_adapter(cfg, adapter_dir, whole)
     except UserError as e:
         raise UserError(f"pretrained.adapter: {e}") from None
-    dropout = {k: v.dropout for k, v in over.items() if v.dropout}
-    if dropout:
-        raise UserError(f"pretrained.adapter={adapter_dir!r}: its lora_dropout="
-                        f"{next(iter(dropout.values()))}; mmjax trains adapters without dropout "
-                        f"(set lora_dropout to 0 in its adapter_config.json to continue without)")
     return with_overrides(cfg, over)

@@ -153,12 +153,11 @@ def _modules_to_save(cfg, c: dict, tensors: dict, old: bool) -> dict:
 
 
 def _abstract(module, cfg):
-    from mmjax.models.hf.dispatch import build_module
+    from mmjax.models.llm import LLM
     from mmjax.models.mllm import MultimodalModel
 
-    if isinstance(cfg, LLMConfig):
-        return build_module(cfg)
-    return nnx.eval_shape(lambda: MultimodalModel(cfg, jax.random.key(0)))
+    kind = LLM if isinstance(cfg, LLMConfig) else MultimodalModel
+    return nnx.eval_shape(lambda: kind(cfg, jax.random.key(0)))
 
 
 def _unflatten(flat: dict) -> dict:
