@@ -100,8 +100,10 @@ def test_save_adapter_writes_what_peft_writes(loaded, bases, case, tmp_path):
         np.asarray(hf.hf_forward(again, **inputs(case))["logits"]), logits)
 
 
-def test_merged_weights_give_the_adapters_logits(loaded):
+def test_merged_weights_give_the_adapters_logits(loaded, tmp_path):
     module, cfg, logits = loaded["llama"]
+    with pytest.raises(ValueError, match="save_adapter"):  # a base alone drops adapters
+        hf.save(module, cfg, tmp_path / "base")
     merged = apply_to_module(build_module(without_lora(cfg)), _unflatten(merged_flat(module)))
     got = np.asarray(hf.hf_forward(merged, **inputs("llama"))["logits"])
     assert rel_err(got, REF["llama/logits"]) < 1e-4

@@ -227,6 +227,12 @@ def save(module, config, out_dir, source=None, max_shard_bytes: int | None = 5 *
     from mmjax.models.hf.vision import export_vit_safetensors
     from mmjax.models.hf.whisper import export_whisper_encoder_safetensors
     from mmjax.models.hf.llm import export_llm_safetensors
+    from mmjax.models.lora import LoRAParam
+
+    if isinstance(module, nnx.Module) and jax.tree.leaves(nnx.state(module, LoRAParam)):
+        raise ValueError("save: the module carries LoRA adapters, which a base checkpoint "
+                         "would drop: write them with hf.save_adapter, or merge them first "
+                         "(mmjax.models.lora_merge.merged_module)")
 
     if _is_qwen2_vl(module):  # over its source, in its layouts (hf_source)
         extra = sorted(set(options) - {"names", "config_format", "dtype"})
