@@ -92,7 +92,9 @@ def test_lora_run_resumes_to_the_same_losses(tmp_path):
 @pytest.mark.parametrize("extra, words", [
     (["lora.units = ['audio']"], "lora.units"), (["lora.targets = ['fc1']"], "lora.targets"),
     (["lora.dropout = 1.0"], "lora.dropout"), (["lora.rank = 0"], "lora.rank"),
-    (["train.plan = 'manual'"], "lora.units")])
+    (["train.plan = 'manual'", "manual_plan.layout = 'colocated'", "lora.dropout = 0.0"],
+     "co-located"),
+    (["train.plan = 'manual'"], "lora.dropout")])
 def test_bad_lora_runs_fail_in_one_line(tmp_path, extra, words):
     with pytest.raises(UserError, match=words) as e:
         run(tmp_path / "bad", 1, extra=extra)

@@ -74,3 +74,12 @@ def with_adapter(cfg: MLLMConfig, adapter_dir: str, whole: bool) -> MLLMConfig:
     except UserError as e:
         raise UserError(f"pretrained.adapter: {e}") from None
     return with_overrides(cfg, over)
+
+
+def lora_of(cfg: MLLMConfig, part: str) -> LoRAConfig:
+    """The LoRAConfig of a LoRA'd part ("llm", a tower, "<enc>.projector")."""
+    if is_llm(part):
+        return cfg.llm.lora
+    if part.endswith(".projector"):
+        return cfg.encoder(part.removesuffix(".projector")).projector.lora
+    return cfg.encoder(part).encoder.lora

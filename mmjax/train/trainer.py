@@ -37,6 +37,7 @@ from mmjax.train.single_program import SingleProgram
 from mmjax.train.colocated import Colocated
 from mmjax.train.colocated_data import check_colocated_loader
 from mmjax.train.colocated_plan import Colocation, check_colocated_run
+from mmjax.train.lora_setup import lora_of
 from mmjax.train.manual_plan import manual_plan
 from mmjax.train.spike_guard import SpikeGuard
 from mmjax.train.validate import gin_bound
@@ -127,14 +128,21 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
     check_data_path()
     cfg, tok, dirs = model_and_tokenizer(model)
     check_bound_settings(cfg.unit_names, plan, eval_every, replan_every)  # per-unit keys
-    if cfg.lora_units() and plan is not None:
-        raise UserError(f"lora.units={list(cfg.lora_units())}: LoRA trains in the single "
-                        f"program only so far (no train.plan / --plan); drop the plan or "
-                        f"lora.units")
     schedule = learning_rate_schedule(steps)
     dtype = _DTYPES[compute_dtype]
     colo, chosen = _colocation(plan, global_batch, cfg, tok, replan_every, trace_every,
                                trace_steps)
+    dropout = [u for u in cfg.lora_units() if lora_of(cfg, u).dropout]
+    if dropout and plan is not None:
+        raise UserError(f"lora.dropout={lora_of(cfg, dropout[0]).dropout}: dropout on the "
+                        f"adapters is applied by the single program only so far; set "
+                        f"lora.dropout=0 or drop the plan")
+    if cfg.lora_units() and (colo is not None or (plan is not None and "adapter" in dirs)):
+        raise UserError(f"lora.units={list(cfg.lora_units())}: "
+                        + ("the co-located layout does not train LoRA yet; use the single "
+                           "program or a disaggregated plan" if colo is not None else
+                           "pretrained.adapter is read by the single program only so far; "
+                           "drop the plan or the adapter"))
     if cfg.vae is not None and (colo is not None or replan_every):
         raise UserError(f"vae.placement chose the device (a frozen VAE unit), which "
                         f"{'the co-located layout' if colo is not None else 'train.replan_every'}"
