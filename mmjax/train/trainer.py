@@ -37,7 +37,7 @@ from mmjax.train.single_program import SingleProgram
 from mmjax.train.colocated import Colocated
 from mmjax.train.colocated_data import check_colocated_loader
 from mmjax.train.colocated_plan import Colocation, check_colocated_run
-from mmjax.train.lora_setup import lora_of
+from mmjax.train.lora_setup import check_lora_layout
 from mmjax.train.manual_plan import manual_plan
 from mmjax.train.spike_guard import SpikeGuard
 from mmjax.train.validate import gin_bound
@@ -132,17 +132,7 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
     dtype = _DTYPES[compute_dtype]
     colo, chosen = _colocation(plan, global_batch, cfg, tok, replan_every, trace_every,
                                trace_steps)
-    dropout = [u for u in cfg.lora_units() if lora_of(cfg, u).dropout]
-    if dropout and plan is not None:
-        raise UserError(f"lora.dropout={lora_of(cfg, dropout[0]).dropout}: dropout on the "
-                        f"adapters is applied by the single program only so far; set "
-                        f"lora.dropout=0 or drop the plan")
-    if cfg.lora_units() and (colo is not None or (plan is not None and "adapter" in dirs)):
-        raise UserError(f"lora.units={list(cfg.lora_units())}: "
-                        + ("the co-located layout does not train LoRA yet; use the single "
-                           "program or a disaggregated plan" if colo is not None else
-                           "pretrained.adapter is read by the single program only so far; "
-                           "drop the plan or the adapter"))
+    check_lora_layout(cfg, plan, colo is not None, "adapter" in dirs)
     if cfg.vae is not None and (colo is not None or replan_every):
         raise UserError(f"vae.placement chose the device (a frozen VAE unit), which "
                         f"{'the co-located layout' if colo is not None else 'train.replan_every'}"
