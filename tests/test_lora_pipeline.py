@@ -1,7 +1,8 @@
 """LoRA in a disaggregated plan (the pipeline runtime, Cornstarch §4.2's frozen-aware
 backward: a LoRA'd LLM stage takes activation and adapter gradients, no base-weight ones):
-the loss and every trained gradient (LLM adapters over pp = 2, a LoRA'd projector, the
-tower and DiT trained whole) equal the single program's by the suite's tolerance rule."""
+the loss and every trained gradient (LLM adapters over pp = 2 with a LoRA'd projector, or
+at tp = 2 with a LoRA'd tower; the rest trained whole) equal the single program's by the
+suite's tolerance rule."""
 import pytest
 
 from helpers import check, make_cfg
@@ -10,12 +11,15 @@ from mmjax.models.lora_config import LoRAConfig
 from mmjax.planner.plan import Plan
 
 
-@pytest.mark.slow  # a pipeline plan's stages compile: ~80 s on 2 busy cores
-def test_pipelined_lora_equals_single_program(reference_cache):
+@pytest.mark.slow  # a pipeline plan's stages compile: ~50-80 s on 2 busy cores
+@pytest.mark.parametrize("other, plan", [
+    ("encoders.vision.projector.lora", {"pp": {"llm": 2}}),  # LLM over pp = 2
+    ("encoders.vision.encoder.lora", {"tp": {"llm": 2, "vision": 2}})])  # Megatron TP
+def test_pipelined_lora_equals_single_program(reference_cache, other, plan):
     cfg = make_cfg(**{"llm.lora": LoRAConfig(rank=4, targets=("all",)),
-                      "encoders.vision.projector.lora": LoRAConfig(rank=2,
-                                                                   targets=("fc1", "fc2"))})
-    rt = check(cfg, Plan.uniform(cfg, 4, 2, pp={"llm": 2}), n=4, cache=reference_cache)
+                      other: LoRAConfig(rank=2, targets=("fc1", "fc2") if "projector" in other
+                                        else ("attention",))})
+    rt = check(cfg, Plan.uniform(cfg, 4, 2, **plan), n=4, cache=reference_cache)
     assert rt is not None
 
 
