@@ -24,7 +24,8 @@ INT_MAX = (1 << 31) - 1
 @dataclass(frozen=True)
 class Setting:
     """kind: "int" | "float" | "bool" | "str" | "choice" | "file" | "dir" | "ints" (a
-    non-empty list of ints) | "strs" (a string or a list of them) | "program" (set by the
+    non-empty list of ints) | "strs" (a string or a list of them) | "names" (a name or a
+    list of them, empty allowed) | "program" (set by the
     program: a binding has no effect). `lo` / `hi` bound numbers (`open_lo` / `open_hi`
     exclusive); `per_unit`: a dict unit -> value is accepted too; `needs`: "plan", "auto"
     or "eval", the mode without which a value other than `default` has no effect."""
@@ -87,6 +88,13 @@ SETTINGS: dict[str, dict[str, Setting]] = {
     },
     "named_model_config": {"name": Setting("str", "tiny"), "overrides": Setting("dict", None,
                                                                                  none=True)},
+    "lora": {"units": Setting("names", (), fix="parts of the model, e.g. ['llm']"),
+             "rank": _int(8, 1, 1 << 16, needs="lora"),
+             "alpha": _float(16.0, 0, 1e6, open_lo=True, needs="lora"),
+             "targets": Setting("names", ("q", "k", "v", "o"), needs="lora",
+                                fix="projection names, e.g. ['q', 'v'] or ['attention', 'mlp']"),
+             "dropout": _float(0.0, 0, 1, open_hi=True, needs="lora"),
+             "rslora": Setting("bool", False, needs="lora")},
     "pretrained": {},  # **units: unit name -> HF checkpoint directory (`_check_pretrained`)
     "data_layout": {
         "cfg": _PROGRAM, "special": _PROGRAM, "seq_len": _int(256, 8, 1 << 22),
@@ -198,6 +206,7 @@ SYNTHETIC_OVERRIDES: dict[str, Setting] = {
 _WHAT = {"int": "an int", "float": "a number", "bool": "True or False", "str": "a string",
          "file": "a file path", "dir": "a directory path", "dict": "a dict",
          "ints": "a non-empty list of ints", "strs": "a string or a list of strings",
+         "names": "a name or a list of names",
          "range": "a pair (lo, hi) of ints with lo <= hi", "ints3": "three ints"}
 
 
@@ -265,6 +274,10 @@ def problem(value, s: Setting) -> str | None:
                 or (k == "range" and items[0] > items[1])):
             return f"must be {_WHAT[k]}, each {_range_text(s)}"
         return None
+    if k == "names":  # an empty list: none
+        ok = isinstance(value, str) and value or isinstance(value, (list, tuple)) and all(
+            isinstance(x, str) and x for x in value)
+        return None if ok else f"must be {_WHAT[k]}"
     if k == "strs":
         if isinstance(value, str) and value:
             return None
@@ -302,12 +315,14 @@ _NEEDS = {"plan": _PLAN, "auto": "add --plan=auto, or drop the setting",
           "eval": "set train.eval_every=N, or drop the setting",
           "replan": "set train.replan_every=N with a plan, or drop the setting",
           "llava": "set llava_source.json_path, or drop the setting",
-          "webdataset": "set webdataset_source.urls, or drop the setting"}
+          "webdataset": "set webdataset_source.urls, or drop the setting",
+          "lora": "set lora.units, or drop the setting"}
 _READ = {"plan": "read only with a plan", "auto": "read only with --plan=auto",
          "eval": "read only when train.eval_every > 0",
          "replan": "read only when train.replan_every > 0",
          "llava": "read only with llava_source.json_path",
-         "webdataset": "read only with webdataset_source.urls"}
+         "webdataset": "read only with webdataset_source.urls",
+         "lora": "read only with lora.units"}
 
 
 def _modes(plan, eval_every, replan_every) -> set[str]:
@@ -330,6 +345,8 @@ def _modes(plan, eval_every, replan_every) -> set[str]:
         modes.add("llava")
     if bound("webdataset_source", "urls"):
         modes.add("webdataset")
+    if bound("lora", "units"):
+        modes.add("lora")
     return modes
 
 
@@ -368,9 +385,10 @@ def check_bound_settings(units, plan=None, eval_every=0, replan_every=0) -> None
 
 
 def _check_pretrained(name: str, unit: str, value, units) -> None:
-    if units is not None and unit not in units and unit != "model":  # model: a whole one
+    if units is not None and unit not in units and unit not in ("model", "adapter"):
         raise UserError(f"{name}={shown(value)}: the model has no unit {unit!r} (its units are "
-                        f"{list(units)}, or `model` for a whole LLaVA / Qwen2-VL checkpoint)")
+                        f"{list(units)}, `model` for a whole LLaVA / Qwen2-VL checkpoint, or "
+                        f"`adapter` for a peft LoRA adapter)")
     if value is not None and not isinstance(value, str):
         raise UserError(f"{name}={shown(value)}: must be the path of a Hugging Face checkpoint "
                         f"directory")

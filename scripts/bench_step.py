@@ -25,7 +25,7 @@ model, runs `--warmup` untimed steps (compile) and `--steps` timed ones, and rep
 over all devices; on one GPU the ZeRO-3 layer gathers run over one rank) instead.
 
   python scripts/bench_step.py [--preset llava_1b] [--global_batch 8] [--seq_len 2048]
-      [--dtype bfloat16] [--attention auto] [--override llm.num_layers=4 ...]
+      [--dtype bfloat16] [--attention auto] [--override llm.num_layers=4 ...] [--lora 8]
       [--json bench_results/bench_step.json]
 
 Presets: `tiny` (CPU, seconds); `llava_1b`: a Llama-3.2-1B-wide LLM (2048 hidden,
@@ -119,7 +119,13 @@ def model_config(args):
             overrides[key] = json.loads(value)
         except json.JSONDecodeError:  # a bare string: kind=vit
             overrides[key] = value
-    return named_model_config("tiny", overrides)
+    cfg = named_model_config("tiny", overrides)
+    if args.lora:  # LoRA rank --lora on the LLM's projections (models/lora.py), base frozen
+        from mmjax.models.lora_config import LoRAConfig
+        from mmjax.train.lora_setup import with_lora
+        cfg = with_lora(cfg, ("llm",), LoRAConfig(args.lora, 2.0 * args.lora,
+                                                  ("attention", "mlp")))
+    return cfg
 
 
 def loader_scope(args):
@@ -174,6 +180,10 @@ def _run(args) -> dict:
         "machine": machine(), "device": str(jax.devices()[0].device_kind),
         "backend": jax.default_backend(), "args": vars(args),
         "trainable_params": int(prog.num_trainable),
+        # float32 master + AdamW moments, and float32 gradients, of what trains (LoRA:
+        # the adapters and the parts not LoRA'd)
+        "optimizer_bytes": 12 * int(prog.num_trainable),
+        "gradient_bytes": 4 * int(prog.num_trainable),
         "compile_s": steps[0].compile_s, "step_time_s": step_s, "data_wait_s": wait_s,
         "step_times_s": [m.step_time_s for m in timed],
         # this process's CPU seconds per timed step and the host's 1-minute load average at
@@ -317,6 +327,7 @@ def recount(path: str) -> dict:
     with open(path) as f:
         record = json.load(f)
     args = argparse.Namespace(**{"loss_chunk": 0, "colocated_zero": 0, "row_budget": 0,
+                                 "lora": 0,
                                  **record["args"]})
     cfg = model_config(args)
     layout = data_layout(cfg, seq_len=args.seq_len, packing=args.packing)
@@ -385,6 +396,8 @@ def show(console, r) -> None:
     for col in ("quantity", "value"):
         t.add_column(col)
     rows = [("trainable parameters", f"{r['trainable_params'] / 1e6:,.1f} M"),
+            ("master + AdamW, gradients", f"{r['optimizer_bytes'] / 1e9:,.3f} GB, "
+                                          f"{r['gradient_bytes'] / 1e9:,.3f} GB"),
             ("samples x seq (packing)", f"{samples_text(r)} x {r['args']['seq_len']} "
                                         f"({r['args']['packing']})"),
             ("compile (first step)", f"{r['compile_s']:.1f} s"),
@@ -450,6 +463,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--colocated_zero", type=int, default=0, choices=(0, 1, 2, 3),
                     help="run the co-located runner (train/colocated.py) with every unit at "
                          "this ZeRO stage instead of the single program (0)")
+    ap.add_argument("--lora", type=int, default=0, metavar="RANK",
+                    help="LoRA adapters of this rank on the LLM's projections (its base "
+                         "frozen; docs/lora.md); 0: train it whole")
     ap.add_argument("--json", default=os.path.join("bench_results", "bench_step.json"))
     ap.add_argument("--recount", default="", metavar="JSON",
                     help="recompute a recorded run's FLOPs, MFU and predictions here (no "

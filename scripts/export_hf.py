@@ -10,8 +10,10 @@ OUT/mmjax_extra.safetensors for projectors / generator. Frozen pretrained units 
 from the files the run recorded (refused in one line if gone or changed). Single-program and
 plan checkpoints alike, on any host: no plan device count is needed. Each checkpoint keeps its
 source's config.json, processor / tokenizer files, dtype and layout; --dtype casts every
-checkpoint (mmjax_extra.safetensors too), --layout=tf4|tf5 writes a
-Qwen2-VL or whole-LLaVA run in transformers 4's or 5's layout."""
+checkpoint (mmjax_extra.safetensors too), --layout=tf4|tf5 writes a Qwen2-VL or whole-LLaVA
+run in transformers 4's or 5's layout. A LoRA run (lora.units) takes --adapter (a peft adapter
+of its base: OUT/adapter for a LLaVA run, OUT/llm_adapter otherwise) or --merge (the base with
+the adapters merged, written as above)."""
 from __future__ import annotations
 
 import argparse
@@ -35,13 +37,19 @@ def main(argv=None) -> int:
                    help="a Qwen2-VL or whole-LLaVA run's config / tensor-name layout: "
                         "transformers 4 or 5 "
                         "(default: its source's)")
+    p.add_argument("--adapter", action="store_true",
+                   help="a LoRA run: write its peft adapter (adapter_config.json + "
+                        "adapter_model.safetensors)")
+    p.add_argument("--merge", action="store_true",
+                   help="a LoRA run: write the base checkpoint with the adapters merged")
     args = p.parse_args(argv)
     from mmjax.train.checkpoint import CheckpointUnusable
     from mmjax.train.export import export_workdir
 
     try:
         written = export_workdir(args.workdir, args.out, args.step,
-                                 int(args.max_shard_gb * 10 ** 9), args.dtype, args.layout)
+                                 int(args.max_shard_gb * 10 ** 9), args.dtype, args.layout,
+                                 args.adapter, args.merge)
     except (ValueError, FileNotFoundError, CheckpointUnusable) as e:
         raise UserError(f"{e}")
     for unit, path in written.items():

@@ -45,8 +45,8 @@ def _configurables() -> dict:
     from mmjax.cli import register_configurables
     from mmjax.data import sources
     from mmjax.data import loader, records, tokenizer
-    from mmjax.train import (auto_plan, config, data_config, optimizer, manual_plan, trainer,
-                             vae_latents)
+    from mmjax.train import (auto_plan, config, data_config, lora_setup, optimizer,
+                             manual_plan, trainer, vae_latents)
 
     register_configurables()
     return {"train": trainer.train, "named_model_config": config.named_model_config,
@@ -58,7 +58,8 @@ def _configurables() -> dict:
             "loader_source": records.loader_source, "tokenizer": tokenizer.tokenizer,
             "Loader": loader.Loader, "llava_source": sources.llava_source,
             "webdataset_source": sources.webdataset_source, "eval_source": sources.eval_source,
-            "manual_plan": manual_plan.manual_plan, "vae": vae_latents.vae}
+            "manual_plan": manual_plan.manual_plan, "vae": vae_latents.vae,
+            "lora": lora_setup.lora}
 
 
 def _cases(value, default, kind, program: bool, needs: str | None):

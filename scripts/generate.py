@@ -113,6 +113,9 @@ def main(argv=None) -> int:
                          "vae.path): PNG written here")
     ap.add_argument("--sampler", default="ddim", choices=["ddim", "ddpm"])
     ap.add_argument("--diffusion_steps", type=int, default=50)
+    ap.add_argument("--merge", action="store_true",
+                    help="a LoRA run: merge the adapters into the base weights first (the same "
+                         "tokens as unmerged, up to float rounding)")
     ap.add_argument("--text_only", action="store_true",
                     help="a prompt without the model's image / audio input, on purpose")
     a = ap.parse_args(argv)
@@ -149,6 +152,11 @@ def main(argv=None) -> int:
     if tok is None:
         raise UserError("the run has no tokenizer.path (synthetic data): nothing to decode to text")
     cfg, model, _ = restore_model(a.workdir, a.step)  # run.json's config, as trained
+    if a.merge:
+        if not cfg.lora_units():
+            raise UserError("--merge: the run trained no LoRA adapters (drop --merge)")
+        from mmjax.models.lora_merge import merged_module
+        model, cfg = merged_module(model, cfg)
     check_inputs(cfg, a)
     layout = data_layout(cfg, special=tok.special_tokens())
     image_proc, audio_proc = default_processors(cfg, _bound("llava_source.image_processor"),

@@ -54,8 +54,10 @@ def load_model(gin_file: str, gin_params: list[str]):
     from mmjax.cli import parse_gin
     from mmjax.train.config import named_model_config
 
+    from mmjax.train.lora_setup import with_lora
+
     parse_gin([gin_file], gin_params, finalize=False)
-    return named_model_config()
+    return with_lora(named_model_config())  # lora.*: adapters priced (planner/lora_params.py)
 
 
 def model_with_vae(model):

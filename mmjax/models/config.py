@@ -11,8 +11,9 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from mmjax.errors import UserError
+from mmjax.models.lora_config import LoRAConfig, lora_from_dict
 from mmjax.models.qwen2_vl_config import check_mrope, check_qwen2_vl_vision
-from mmjax.models.units import UnitDag, UnitRole, role
+from mmjax.models.units import LLM_UNIT, UnitDag, UnitRole, role
 
 
 ROPE_SCALINGS = ("linear", "llama3", "yarn")
@@ -72,6 +73,8 @@ class LLMConfig:
     # the Hugging Face model_type to export as, where the options do not imply it (Phi-3's
     # fused tensors; a Mistral without a window); None: inferred (hf/llm_config.py)
     hf_type: str | None = None
+    # low-rank adapters on the decoder's projections (models/lora.py); None: none
+    lora: LoRAConfig | None = None
 
     def __post_init__(self):
         check_mrope(self.mrope_section, self.dim_per_head)
@@ -158,6 +161,8 @@ class VisionConfig:
     window_size: int = 0
     fullatt_block_indexes: tuple[int, ...] = ()
     rope_theta: float = 10000.0
+    # low-rank adapters on the tower's blocks (kind "packed" / "vit"; models/lora.py)
+    lora: LoRAConfig | None = None
 
     def __post_init__(self):
         if self.kind not in ("packed", "vit", "qwen2_vl"):
@@ -173,6 +178,9 @@ class VisionConfig:
                              "kind='qwen2_vl'; set kind='qwen2_vl'")
         if self.kind == "qwen2_vl":
             check_qwen2_vl_vision(self)
+            if self.lora is not None:
+                raise UserError("lora on a qwen2_vl tower: LoRA adapts 'packed' / 'vit' towers "
+                                "only; leave the tower out of lora.units")
         if self.feature_layer is not None and not -self.num_layers <= self.feature_layer < 0:
             raise UserError(f"VisionConfig.feature_layer={self.feature_layer}: use None or "
                              f"-{self.num_layers}..-1 (HF hidden_states index; LLaVA: -2)")
@@ -248,6 +256,13 @@ class ProjectorConfig:
     # the MLP's activation: "gelu_tanh" (mmjax's default) or "gelu" (exact, as HF LLaVA's
     # projector_hidden_act="gelu" names it)
     act: Literal["gelu_tanh", "gelu"] = "gelu_tanh"
+    # low-rank adapters on the MLP's layers (kind "mlp"; models/lora.py); None: none
+    lora: LoRAConfig | None = None
+
+    def __post_init__(self):
+        if self.lora is not None and self.kind != "mlp":
+            raise UserError(f"lora on a {self.kind!r} projector: LoRA adapts kind='mlp' "
+                            f"projectors only; leave the projector out of lora.units")
 
 
 @dataclass(frozen=True)
@@ -358,6 +373,26 @@ class MLLMConfig:
     image_attention: Literal["bidirectional", "causal"] = "bidirectional"
     modality_markers: bool = True
     image_markers: tuple[int, int] | None = None
+
+    def __post_init__(self):
+        for unit in self.lora_units():
+            base = unit.removesuffix(".projector")
+            frozen = (self.encoder(base).projector_frozen if unit.endswith(".projector")
+                      else self.frozen(unit))
+            if frozen:
+                raise UserError(f"lora.units has {unit!r}, which is also set frozen: a LoRA'd "
+                                f"part's base is frozen and its adapters train; unset one of the two")
+
+    def lora_units(self) -> tuple[str, ...]:
+        """The parts with LoRA adapters: "llm", an encoder's tower ("vision") or its
+        projector ("vision.projector")."""
+        out = [LLM_UNIT] if self.llm.lora is not None else []
+        for e in self.encoders:
+            if getattr(e.encoder, "lora", None) is not None:
+                out.append(e.name)
+            if e.projector.lora is not None:
+                out.append(e.name + ".projector")
+        return tuple(out)
 
     def encoder(self, name: str) -> EncoderSpec:
         for spec in self.encoders:
@@ -503,13 +538,17 @@ def config_from_dict(d: dict) -> MLLMConfig:
     for key in ("rope_scaling", "sliding_layers", "mrope_section"):
         if llm.get(key) is not None:
             llm[key] = tuple(llm[key])
+    llm["lora"] = lora_from_dict(llm.get("lora"))
     encoders = []
     for e in rest.pop("encoders"):
         enc = dict(e["encoder"])
         kind = VisionConfig if enc.pop("type") == "vision" else AudioConfig
         if "fullatt_block_indexes" in enc:
             enc["fullatt_block_indexes"] = tuple(enc["fullatt_block_indexes"])
-        encoders.append(EncoderSpec(e["name"], kind(**enc), ProjectorConfig(**e["projector"]),
+        if kind is VisionConfig:
+            enc["lora"] = lora_from_dict(enc.get("lora"))
+        proj = {**e["projector"], "lora": lora_from_dict(e["projector"].get("lora"))}
+        encoders.append(EncoderSpec(e["name"], kind(**enc), ProjectorConfig(**proj),
                                     e["frozen"], e["projector_frozen"]))
     gen = rest.pop("generator", None)
     gen = GeneratorConfig(**gen) if gen else None

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mmjax.models.attention import bam_attention
+from mmjax.models.lora import adapt, adapters
 
 
 
@@ -87,14 +88,18 @@ class LayerNorm(nnx.Module):
 
 
 class Dense(nnx.Module):
-    """x @ kernel + bias, kernel [in, out]."""
+    """x @ kernel + bias, kernel [in, out]; `lora` (a LoRAConfig) puts an adapter beside the
+    kernel (models/lora.py; `kind` "tower" / "projector" names the projection `name`)."""
 
-    def __init__(self, key, din: int, dout: int, bias: bool = True, std: float | None = None):
+    def __init__(self, key, din: int, dout: int, bias: bool = True, std: float | None = None,
+                 lora=None, kind: str = "projector", name: str = "fc1"):
         self.kernel = param(key, (din, dout), std if std is not None else 1.0 / math.sqrt(din))
         self.bias = zeros((dout,)) if bias else None
+        self.lora = adapters(key, {name: (din, dout)}, lora, kind)
+        self.proj_name = name
 
     def __call__(self, x):
-        y = x @ self.kernel[...].astype(x.dtype)
+        y = adapt(self.lora, self.proj_name, x, x @ self.kernel[...].astype(x.dtype))
         return y if self.bias is None else y + self.bias[...].astype(x.dtype)
 
 
@@ -203,18 +208,21 @@ ACTIVATIONS = {
 class EncoderBlock(nnx.Module):
     """Pre-LN transformer block with biases and an MLP (ViT, CLIP, SigLIP, Whisper encoder);
     `act` names an entry of ACTIVATIONS (exact GELU, tanh GELU, CLIP's quick_gelu);
-    `k_bias=False`: no key bias (Whisper's k_proj has none)."""
+    `k_bias=False`: no key bias (Whisper's k_proj has none); `lora`: a LoRAConfig (adapters
+    on its "tower" projections, models/lora.py)."""
 
     def __init__(self, key, dim: int, ffn: int, num_heads: int, eps: float,
-                 act: str = "gelu_tanh", k_bias: bool = True):
+                 act: str = "gelu_tanh", k_bias: bool = True, lora=None):
         ks = jax.random.split(key, 6)
         self.num_heads = num_heads
         self.act = act
         self.ln1 = LayerNorm(dim, eps)
-        self.q, self.k = Dense(ks[0], dim, dim), Dense(ks[1], dim, dim, bias=k_bias)
-        self.v, self.o = Dense(ks[2], dim, dim), Dense(ks[3], dim, dim)
+        dense = lambda i, n, din, dout, bias=True: Dense(ks[i], din, dout, bias, lora=lora,
+                                                         kind="tower", name=n)
+        self.q, self.k = dense(0, "q", dim, dim), dense(1, "k", dim, dim, k_bias)
+        self.v, self.o = dense(2, "v", dim, dim), dense(3, "o", dim, dim)
         self.ln2 = LayerNorm(dim, eps)
-        self.fc1, self.fc2 = Dense(ks[4], dim, ffn), Dense(ks[5], ffn, dim)
+        self.fc1, self.fc2 = dense(4, "fc1", dim, ffn), dense(5, "fc2", ffn, dim)
 
     def __call__(self, x, meta, attention_impl: str = "auto", tiles=None):
         """x [B, S, d]; meta: the tokens' TokenMeta (`segment_meta` for packed items); `tiles`:

@@ -30,6 +30,7 @@ from mmjax.models.attention import (AttnOptions, TokenMeta, bam_attention, cap_l
 from mmjax.models.config import LLMConfig
 from mmjax.models.layers import (ACTIVATIONS, PLAIN, RMSNorm, apply_rope, param,
                                  rope_attention_factor, rope_inv_freq, zeros)
+from mmjax.models.lora import adapt, adapters
 from mmjax.models.scan import run_stack
 
 # A traced window this wide is no window (a global layer inside a layer scan).
@@ -62,6 +63,9 @@ class DecoderLayer(nnx.Module):
         self.w_up = param(ks[5], (d, f), d ** -0.5)
         self.w_down = param(ks[6], (f, d), f ** -0.5)
         self.mlp_post_norm = RMSNorm(d, eps, g) if cfg.sandwich_norms else None
+        self.lora = adapters(key, {"q": (d, hq), "k": (d, hkv), "v": (d, hkv), "o": (hq, d),
+                                   "gate": (d, f), "up": (d, f), "down": (f, d)},
+                             cfg.lora, "llm")
 
     def _rope_and_window(self, local):
         """(inverse frequencies, cos/sin factor, window) of a local or global layer; `local`
@@ -84,6 +88,7 @@ class DecoderLayer(nnx.Module):
         w = lambda p: p[...].astype(dt)
         h = self.attn_norm(x)
         q, k, v = ops.column(h, w(self.wq), w(self.wk), w(self.wv))
+        q, k, v = (adapt(self.lora, n, h, t) for n, t in zip("qkv", (q, k, v)))
         if self.bq is not None:
             q, k, v = q + w(self.bq), k + w(self.bk), v + w(self.bv)
         heads = lambda t: t.reshape(*t.shape[:2], -1, self.head_dim)
@@ -94,10 +99,14 @@ class DecoderLayer(nnx.Module):
         q = apply_rope(q, positions, inv, factor, self.mrope)
         k = apply_rope(k, positions, inv, factor, self.mrope)
         o = attend(q, k, heads(v), AttnOptions(window, self.softcap, self.scale))
-        o = ops.row(o.reshape(*o.shape[:2], -1), w(self.wo))
+        o = o.reshape(*o.shape[:2], -1)
+        o = adapt(self.lora, "o", o, ops.row(o, w(self.wo)))
         x = x + (o if self.attn_post_norm is None else self.attn_post_norm(o))
-        g, u = ops.column(self.mlp_norm(x), w(self.w_gate), w(self.w_up))
-        y = ops.row(ACTIVATIONS[self.act](g) * u, w(self.w_down))
+        hm = self.mlp_norm(x)
+        g, u = ops.column(hm, w(self.w_gate), w(self.w_up))
+        g, u = adapt(self.lora, "gate", hm, g), adapt(self.lora, "up", hm, u)
+        a = ACTIVATIONS[self.act](g) * u
+        y = adapt(self.lora, "down", a, ops.row(a, w(self.w_down)))
         return x + (y if self.mlp_post_norm is None else self.mlp_post_norm(y))
 
 

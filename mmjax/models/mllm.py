@@ -29,9 +29,10 @@ from mmjax.models.config import AudioConfig, EncoderSpec, MLLMConfig, VisionConf
 from mmjax.models.generator import DiffusionGenerator, add_noise, diffusion_loss_sum
 from mmjax.models.layers import cast_floats
 from mmjax.models.llm import LLM, merge_modalities, meta_attend
+from mmjax.models.lora import LoRAParam
 from mmjax.models.projector import make_projector
 from mmjax.models.qwen2_vl_vision import Qwen2VLVision
-from mmjax.models.units import (GENERATOR_UNIT, LLM_UNIT, VAE_UNIT, UnitRole, role,
+from mmjax.models.units import (GENERATOR_UNIT, LLM_UNIT, VAE_UNIT, UnitRole, is_llm, role,
                                 topological_order)
 from mmjax.models.vae import AutoencoderKL, patchified_latents
 from mmjax.models.scan import unit_scope
@@ -242,7 +243,8 @@ class MultimodalModel(nnx.Module):
 
 
 def trainable_filter(cfg: MLLMConfig):
-    """nnx filter for parameters that train (frozen modules get no grads, no opt state).
+    """nnx filter for parameters that train (frozen modules get no grads, no opt state; a
+    LoRA'd part trains its adapters only).
     Whisper's position table (`embed_positions`) is fixed, as in Whisper, so never trains."""
     frozen = [nnx.PathContains("embed_positions")] if any(
         isinstance(e.encoder, AudioConfig) for e in cfg.encoders) else []
@@ -257,6 +259,23 @@ def trainable_filter(cfg: MLLMConfig):
         frozen.append(nnx.PathContains(GENERATOR_UNIT))
     if cfg.vae is not None:  # always frozen: no gradients, no optimizer state, not saved
         frozen.append(nnx.PathContains(VAE_UNIT))
+    frozen += lora_bases(cfg)
     if not frozen:
         return nnx.Param
-    return nnx.All(nnx.Param, nnx.Not(nnx.Any(*frozen)))
+    base = nnx.All(nnx.Param, nnx.Not(nnx.Any(*frozen)))
+    return nnx.Any(LoRAParam, base) if cfg.lora_units() else base
+
+
+def lora_bases(cfg: MLLMConfig) -> list:
+    """Filters of the LoRA'd parts' base weights: frozen, only their adapters train
+    (models/lora.py)."""
+    out = []
+    for unit in cfg.lora_units():
+        if is_llm(unit):
+            out.append(nnx.PathContains(LLM_UNIT))
+        elif unit.endswith(".projector"):
+            out.append(nnx.All(nnx.PathContains("projectors"),
+                               nnx.PathContains(unit.removesuffix(".projector"))))
+        else:
+            out.append(nnx.All(nnx.PathContains("encoders"), nnx.PathContains(unit)))
+    return out

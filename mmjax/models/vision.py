@@ -32,7 +32,7 @@ class VisionEncoder(nnx.Module):
             self.pos_col = param(ke[2], (cfg.max_grid, d))
         self.layers = nnx.List([
             EncoderBlock(jax.random.fold_in(k_layers, i), d, cfg.ffn_size, cfg.num_heads,
-                         cfg.norm_eps) for i in range(start, end)])
+                         cfg.norm_eps, lora=cfg.lora) for i in range(start, end)])
         self.final_ln = LayerNorm(d, cfg.norm_eps) if self.is_last else None
 
     def embed(self, patches, patch_pos):

@@ -77,7 +77,7 @@ class StandardViT(nnx.Module):
             self.pre_ln = LayerNorm(d, cfg.norm_eps) if cfg.pre_norm else None
         self.layers = nnx.List([
             EncoderBlock(jax.random.fold_in(k_layers, i), d, cfg.ffn_size, cfg.num_heads,
-                         cfg.norm_eps, cfg.act) for i in range(start, end)])
+                         cfg.norm_eps, cfg.act, lora=cfg.lora) for i in range(start, end)])
         self.final_ln = (LayerNorm(d, cfg.norm_eps)
                          if self.is_last and cfg.final_norm else None)
 

@@ -14,6 +14,7 @@ from flax import nnx
 from mmjax.models.config import MLLMConfig
 from mmjax.models.hf import pretrained as hf_pretrained
 from mmjax.models.layers import cast_floats
+from mmjax.models.lora import LoRAParam
 from mmjax.models.mllm import trainable_filter
 from mmjax.models.units import VAE_UNIT, is_encoder
 from mmjax.parallel.sharded_init import abstract_split, init_split
@@ -26,6 +27,8 @@ from mmjax.schedule.stage_graph import Backward, StageId
 
 def stage_filter(cfg: MLLMConfig, unit: str):
     if not is_encoder(unit):  # the LLM's or the generator's module alone
+        if unit in cfg.lora_units():  # LoRA: its adapters train, its base is frozen
+            return LoRAParam
         return nnx.Nothing if cfg.frozen(unit) else nnx.Param
     return trainable_filter(cfg)
 

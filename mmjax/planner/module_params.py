@@ -7,6 +7,7 @@ from __future__ import annotations
 from mmjax.models.config import (AudioConfig, GeneratorConfig, LLMConfig, MLLMConfig,
                                  ProjectorConfig, VisionConfig)
 from mmjax.models.units import is_generator, is_llm, is_vae
+from mmjax.planner.lora_params import lora_params
 from mmjax.planner.vae_placement import vae_params
 
 
@@ -84,14 +85,17 @@ def layer_params(model: MLLMConfig, unit: str, unit_params: float, layers: int) 
 
 
 def module_params(model: MLLMConfig) -> dict[str, int]:
-    """Parameters per module: '<enc>', '<enc>.projector', 'llm', 'generator'."""
+    """Parameters per module: '<enc>', '<enc>.projector', 'llm', 'generator' (LoRA
+    adapters included: planner/lora_params.py)."""
     out = {}
     for e in model.encoders:
         enc = e.encoder
         out[e.name] = vision_params(enc) if isinstance(enc, VisionConfig) else audio_params(enc)
         out[f"{e.name}.projector"] = projector_params(e.projector, enc.hidden_size,
                                                       model.llm.hidden_size)
-    out["llm"] = llm_params(model.llm)
+        out[e.name] += lora_params(model, e.name) if isinstance(enc, VisionConfig) else 0
+        out[f"{e.name}.projector"] += lora_params(model, f"{e.name}.projector")
+    out["llm"] = llm_params(model.llm) + lora_params(model, "llm")
     if model.generator is not None:
         out["generator"] = generator_params(model.generator, model.llm.hidden_size)
     return out

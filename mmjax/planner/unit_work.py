@@ -18,6 +18,7 @@ from mmjax.planner.attention_cost import (computed_pairs, exact_pairs, image_win
                                           kept_bytes_per_head)
 from mmjax.planner.module_params import mlp_dims, module_params
 from mmjax.planner.vae_placement import vae_encoder_flops, vae_params
+from mmjax.planner.lora_params import lora_flops, lora_params
 from mmjax.planner.workload import Workload
 
 ACT_BYTES = 2  # bf16 activations
@@ -40,6 +41,8 @@ def module_backward_factors(model: MLLMConfig) -> dict[str, int]:
         out[f"{e.name}.projector"] = backward_factor(e.projector_frozen, not e.frozen)
         any_branch |= not (e.frozen and e.projector_frozen)
     out["llm"] = backward_factor(model.llm_frozen, any_branch)
+    for part in model.lora_units():  # base frozen, adapters trained: activation gradients
+        out[part] = 1
     if model.generator is not None:
         out["generator"] = backward_factor(model.generator_frozen,
                                            any_branch or not model.llm_frozen)
@@ -97,7 +100,7 @@ def _llm_layer(model: MLLMConfig, wl: Workload, bwd: int, impl: str | None,
     if impl is not None:
         pairs, kept = _attention_terms([(n,) for n in wl.llm_tokens], impl, True, h, window)
         attn = 4 * pairs * h * hd
-    return Work(flops=2 * n1 * w + attn, width=d, allreduce_bytes=2 * n1 * d * ACT_BYTES,
+    return Work(flops=2 * n1 * w + attn + lora_flops(model, "llm", n1), width=d, allreduce_bytes=2 * n1 * d * ACT_BYTES,
                 act_bytes=ACT_BYTES * n1 * (10 * d + 3 * f) + kept, in_bytes=ACT_BYTES * n1 * d,
                 bwd=bwd, attn_flops=attn, tokens=n1, kind="gated_causal")
 
@@ -217,6 +220,13 @@ def impl_of(attention_impl, unit: str) -> str | None:
     return attention_impl
 
 
+def _trained(model: MLLMConfig, part: str, params: dict, frozen: bool) -> int:
+    """The parameters of `part` that train: its adapters when LoRA'd, else all or none."""
+    if part in model.lora_units():
+        return lora_params(model, part)
+    return 0 if frozen else params[part]
+
+
 def unit_work(model: MLLMConfig, wl: Workload, unit: str, attention_impl=None) -> UnitWork:
     """Per-layer forward work of `unit` for one average sample of `wl`; attention_impl (one
     name or {unit: name}) costs attention by that implementation's tiles."""
@@ -228,7 +238,7 @@ def unit_work(model: MLLMConfig, wl: Workload, unit: str, attention_impl=None) -
     if is_llm(unit):
         c = model.llm
         return UnitWork(unit, tuple(_llm_work(model, wl, bwd["llm"], impl)), (), params["llm"],
-                        0 if model.llm_frozen else params["llm"],
+                        _trained(model, "llm", params, model.llm_frozen),
                         ACT_BYTES * wl.llm_moments()[0] * c.hidden_size,
                         (c.num_heads, c.num_kv_heads, c.ffn_size))
     if is_generator(unit):
@@ -241,8 +251,8 @@ def unit_work(model: MLLMConfig, wl: Workload, unit: str, attention_impl=None) -
                         (g.num_heads, g.ffn_size))
     spec = model.encoder(unit)
     proj = _projector_work(model, wl, unit, bwd[f"{unit}.projector"])
-    trainable = ((0 if spec.frozen else params[unit])
-                 + (0 if spec.projector_frozen else params[f"{unit}.projector"]))
+    trainable = (_trained(model, unit, params, spec.frozen)
+                 + _trained(model, f"{unit}.projector", params, spec.projector_frozen))
     return UnitWork(unit, tuple(_encoder_work(model, wl, unit, bwd[unit], impl)), (proj,),
                     params[unit] + params[f"{unit}.projector"], trainable,
                     ACT_BYTES * wl.encoder_moments(unit)[0] * spec.encoder.hidden_size,

@@ -169,11 +169,15 @@ def export_model(cfg: MLLMConfig, pure: dict, out, max_shard_bytes: int = MAX_SH
 
 def export_workdir(workdir: str, out, step: int | None = None,
                    max_shard_bytes: int = MAX_SHARD_BYTES, dtype: str | None = None,
-                   layout: str | None = None) -> dict[str, Path]:
+                   layout: str | None = None, adapter: bool = False,
+                   merge: bool = False) -> dict[str, Path]:
     """-> {unit: where it went}. A run started from a whole LLaVA checkpoint
     (`pretrained.model`) is written whole, over that checkpoint: OUT/model. Every checkpoint
     keeps its source's dtype and layout unless `dtype` ("float32", "bfloat16", "float16")
-    or `layout` ("tf4", "tf5": a Qwen2-VL or whole-LLaVA run's) asks otherwise."""
+    or `layout` ("tf4", "tf5": a Qwen2-VL or whole-LLaVA run's) asks otherwise. A LoRA run
+    takes `adapter` (its peft adapter, train/export_lora.py) or `merge` (the base, adapters
+    merged)."""
+    from mmjax.train.export_lora import export_adapter, lora_mode, merged
     from mmjax.models.hf.cast import _np_dtype, cast_checkpoint, cast_file
 
     if dtype is not None:
@@ -182,6 +186,14 @@ def export_workdir(workdir: str, out, step: int | None = None,
         raise ValueError(f"--layout={layout!r}: use one of {', '.join(LAYOUTS)} (or leave it "
                          f"unset to keep the source's)")
     cfg, model, _, dirs = restore_model(workdir, step)
+    mode = lora_mode(cfg, adapter, merge)
+    if mode == "adapter":
+        if dtype is not None or layout is not None:
+            raise ValueError("--adapter writes the adapter as trained (float32, peft's names): "
+                             "drop --dtype / --layout")
+        return export_adapter(cfg, model, out, dirs)
+    if mode == "merge":
+        cfg, model = merged(cfg, model)
     if "model" in dirs:  # a whole LLaVA: its source's layout, or transformers `layout`'s
         hf.save_llava(model, cfg, Path(out) / "model", source=dirs["model"],
                       max_shard_bytes=max_shard_bytes, layout=layout)

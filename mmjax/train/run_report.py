@@ -50,6 +50,9 @@ def pretrained_lines(cfg, dirs: dict) -> list[str]:
         if is_vae(unit):  # the generator's frozen VAE as a unit (vae.placement = device)
             out.append(f"loaded the frozen VAE unit from {path} (runs on devices)")
             continue
+        if unit == "adapter":  # pretrained.adapter: a peft adapter on the base
+            out.append(f"loaded the LoRA adapter from {path} on {list(cfg.lora_units())}")
+            continue
         if unit == "model":  # a whole LLaVA: tower, projector and LLM
             from mmjax.models.hf.llava import llava_load_plan
             n = len(llava_load_plan(path, cfg).entries)

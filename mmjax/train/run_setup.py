@@ -14,6 +14,7 @@ from mmjax.planner.plan import Plan
 from mmjax.train.auto_plan import auto_plan
 from mmjax.train.config import named_model_config, pretrained
 from mmjax.train.data_config import fit_vocab, layout_and_source, train_source
+from mmjax.train.lora_setup import ADAPTER, with_adapter, with_lora
 from mmjax.train.progress import console as progress_console
 from mmjax.train.validate import check_pretrained_vocab
 from mmjax.models.units import VAE_UNIT, has_llm
@@ -70,19 +71,26 @@ def model_and_tokenizer(model: MLLMConfig | None):
     from the pretrained checkpoints' config.json, its vocabulary covering the tokenizer."""
     cfg = model or named_model_config()
     # gin: pretrained.<unit> = "/hf/checkpoint/dir"; pretrained.model: a whole checkpoint
-    dirs = expand_whole_model(pretrained())
+    dirs = pretrained()
+    adapter = dirs.pop(ADAPTER, None)  # a peft adapter to continue training (lora_setup.py)
+    dirs = expand_whole_model(dirs)
     if dirs:  # configs from config.json; files, names and shapes checked before any work
         cfg = prepare_pretrained(cfg, dirs)
     tok = tokenizer()
     if tok is not None:
         cfg = fit_vocab(cfg, tok, pretrained=has_llm(dirs) or "model" in dirs)
     check_pretrained_vocab(cfg, dirs)
+    cfg = with_lora(cfg)  # gin's lora.*: adapters on the parts it names
+    if adapter is not None:
+        cfg = with_adapter(cfg, adapter, "model" in dirs)
     cfg, vae_dir, decision = place_vae(cfg)
     if decision is not None:  # "auto": the planner's choice and why
         progress_console().print(f"vae placement: {'device (a frozen unit)' if vae_dir else 'host'}"
                                  f" -- {decision.reason}", markup=False, highlight=False)
     if vae_dir is not None:  # the VAE unit's weights, read like a pretrained unit's
         dirs = {**dirs, VAE_UNIT: vae_dir}
+    if adapter is not None:  # read after the base, into the adapters (hf/pretrained.py)
+        dirs = {**dirs, ADAPTER: adapter}
     return cfg, tok, dirs
 
 

@@ -13,8 +13,12 @@ import optax
 from flax import nnx
 
 from mmjax.models.layers import cast_floats
+from mmjax.models.lora import dropout_key
 from mmjax.parallel.zero import keep_if_nonfinite
 from mmjax.train.state import WHOLE_MODEL, StageState, TrainState
+
+
+DROPOUT_SEED = 0x10A  # LoRA dropout masks: this key folded with the applied-step count
 
 
 def split_model(model, trainable_filter):
@@ -64,8 +68,9 @@ def train_step_fn(loss_fn, tx: optax.GradientTransformation, place_grads=None, t
     `learning_rate` input, the update is `tx_at(learning_rate)`'s instead of `tx`'s."""
     def train_step(state: TrainState, frozen, batch, limits=None, learning_rate=None):
         old = state.stages[WHOLE_MODEL]
-        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(old.master, frozen,
-                                                                       batch)
+        with dropout_key(jax.random.fold_in(jax.random.key(DROPOUT_SEED), state.step)):
+            (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(old.master, frozen,
+                                                                           batch)
         if place_grads is not None:
             grads = place_grads(grads)
         norm = optax.tree.norm(grads)

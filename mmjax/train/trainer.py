@@ -38,6 +38,7 @@ from mmjax.train.single_program import SingleProgram
 from mmjax.train.colocated import Colocated
 from mmjax.train.colocated_data import check_colocated_loader
 from mmjax.train.colocated_plan import Colocation, check_colocated_run
+from mmjax.train.lora_setup import check_lora_layout
 from mmjax.train.manual_plan import manual_plan
 from mmjax.train.spike_guard import SpikeGuard
 from mmjax.train.validate import gin_bound
@@ -133,6 +134,7 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
     dtype = _DTYPES[compute_dtype]
     colo, chosen = _colocation(plan, global_batch, cfg, tok, replan_every, trace_every,
                                trace_steps)
+    check_lora_layout(cfg, plan, colo is not None, "adapter" in dirs)
     if cfg.vae is not None and (colo is not None or replan_every):
         raise UserError(f"vae.placement chose the device (a frozen VAE unit), which "
                         f"{'the co-located layout' if colo is not None else 'train.replan_every'}"

@@ -22,6 +22,8 @@ checkpoints into mmjax's NNX modules and writes trained ones back.
   ids, greedy, as transformers' `generate(do_sample=False)` (left padding via
   attention_mask; rows padded with pad_token_id after their eos, stopping once all rows
   have; docs/guide.md).
+- `peft`, `peft_names`: peft LoRA adapters in (`load(path, adapter=DIR)`) and out
+  (`save_adapter(module, config, out_dir)`).
 - `pretrained`: loading checkpoints into a `MultimodalModel` or pipeline stages.
 """
 from mmjax.models.hf.checkpoint import (INDEX_NAME, Checkpoint, Entry, apply_to_module,
@@ -33,6 +35,7 @@ from mmjax.models.hf.llava import (is_llava, llava_config_from_hf, llava_config_
                                    llava_load_plan, load_llava, save_llava)
 from mmjax.models.hf.llm import (config_from_hf, config_to_hf, export_llm_safetensors,
                                  llm_entries, load_llm_safetensors, rope_from_hf)
+from mmjax.models.hf.peft import apply_adapter, save_adapter
 from mmjax.models.hf.pretrained import (PretrainedError, check_pretrained, expand_whole_model,
                                         load_into_model,
                                         load_plan, load_stage_state, prepare_pretrained,

@@ -337,10 +337,16 @@ def apply_to_module(module: nnx.Module, pure_dict: dict) -> nnx.Module:
     """Put a pure dict of arrays into `module`'s parameters (`nnx.replace_by_pure_dict` on
     its state, then `nnx.update`), keeping each parameter's dtype and sharding. `module`
     may be abstract (`nnx.eval_shape`), which skips random init before loading. Keys and
-    shapes must match exactly (ValueError naming the parameter)."""
-    state = nnx.state(module, nnx.Param)
-    current = _flatten(nnx.to_pure_dict(state))
+    shapes must match exactly (ValueError naming the parameter). A pure dict without LoRA
+    adapters (a base checkpoint) fills a LoRA'd module's base weights and leaves its
+    adapters as they are (models/lora.py)."""
+    from mmjax.models.lora import LoRAParam
+
     new = _flatten(pure_dict)
+    adapters = set(_flatten(nnx.to_pure_dict(nnx.state(module, LoRAParam))))
+    state = nnx.state(module, nnx.Param if adapters & set(new) else
+                      nnx.All(nnx.Param, nnx.Not(LoRAParam)))
+    current = _flatten(nnx.to_pure_dict(state))
     if set(current) != set(new):
         missing = sorted(map(_fmt, set(current) - set(new)))
         extra = sorted(map(_fmt, set(new) - set(current)))

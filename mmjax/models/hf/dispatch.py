@@ -95,7 +95,7 @@ def build_module(cfg, key=None, start: int = 0, end: int | None = None):
     return nnx.eval_shape(lambda: kind(cfg, key, start, end))
 
 
-def load(path, dtype="float32", **vision_options):
+def load(path, dtype="float32", adapter=None, **vision_options):
     """Local HF directory (config.json + model.safetensors, or shards with
     model.safetensors.index.json) -> (module, config). Dispatches on model_type /
     architectures: llama, mistral, qwen2, qwen3, gemma2, gemma3_text, phi3 -> `LLM`; clip(_vision_model), siglip(_vision_model)
@@ -104,11 +104,16 @@ def load(path, dtype="float32", **vision_options):
     semantics (hf/llava.py); qwen2_vl / qwen2_5_vl (whole Qwen2VL /
     Qwen2_5_VLForConditionalGeneration checkpoints) -> `MultimodalModel` (`hf/qwen2_vl.py`).
     Parameters are cast to `dtype`. `vision_options`: feature_layer, max_images (vision
-    only). The module remembers its source (`hf_source`), which `save` writes over."""
+    only). The module remembers its source (`hf_source`), which `save` writes over.
+    `adapter`: a peft LoRA adapter directory applied unmerged (hf/peft.py): the module gets
+    adapters beside the projections it targets and the config their `LoRAConfig`s."""
     if model_type_of(read_config(path)) is not None:
         if vision_options:
             raise ValueError(f"load: {sorted(vision_options)} do not apply to a Qwen2-VL "
                              f"checkpoint (its config.json describes the tower)")
+        if adapter is not None:
+            raise ValueError("load: peft adapters on Qwen2-VL checkpoints are not in mmjax yet "
+                             "(a decoder LLM or a LLaVA takes adapter=)")
         return load_qwen2_vl(path, dtype)
     if model_type(path) == "llava":
         if vision_options:
@@ -120,6 +125,9 @@ def load(path, dtype="float32", **vision_options):
         cfg = config_for(path, **vision_options)
         module = apply_to_module(build_module(cfg), load_pure(path, cfg))
     module.hf_source = str(Path(path).resolve())
+    if adapter is not None:
+        from mmjax.models.hf.peft import apply_adapter
+        module, cfg = apply_adapter(module, cfg, adapter)
     if jnp.dtype(dtype) != jnp.float32:
         state = nnx.state(module, nnx.Param)
         nnx.update(module, jax.tree.map(lambda a: a.astype(dtype), state))
@@ -220,6 +228,12 @@ def save(module, config, out_dir, source=None, max_shard_bytes: int | None = 5 *
     from mmjax.models.hf.vision import export_vit_safetensors
     from mmjax.models.hf.whisper import export_whisper_encoder_safetensors
     from mmjax.models.hf.llm import export_llm_safetensors
+    from mmjax.models.lora import LoRAParam
+
+    if isinstance(module, nnx.Module) and jax.tree.leaves(nnx.state(module, LoRAParam)):
+        raise ValueError("save: the module carries LoRA adapters, which a base checkpoint "
+                         "would drop: write them with hf.save_adapter, or merge them first "
+                         "(mmjax.models.lora_merge.merged_module)")
 
     if _is_qwen2_vl(module):  # over its source, in its layouts (hf_source)
         extra = sorted(set(options) - {"names", "config_format", "dtype"})

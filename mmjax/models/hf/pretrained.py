@@ -213,7 +213,15 @@ def stage_load_plan(path, cfg: MLLMConfig, unit: str, start: int, end: int | Non
 
 def load_pretrained_dirs(model, dirs: dict):
     """`load_into_model` for a run's {unit: dir} (or {"model": dir}); the VAE unit's
-    diffusers directory (`vae_unit_dir`) into `model.vae`."""
+    diffusers directory (`vae_unit_dir`) into `model.vae`; a peft adapter ("adapter",
+    `pretrained.adapter`) into the LoRA adapters, after the base."""
+    if "adapter" in dirs:  # a peft adapter: the base first, then its tensors (hf/peft.py)
+        from mmjax.models.hf.peft import model_adapter, put_arrays
+        dirs = dict(dirs)
+        adapter = dirs.pop("adapter")
+        load_pretrained_dirs(model, dirs)
+        put_arrays(model, model_adapter(model.cfg, adapter, "model" in dirs)[1])
+        return model
     vae_dir = vae_unit_dir(dirs)
     if vae_dir is not None:
         from mmjax.models.hf.vae import load_vae_safetensors

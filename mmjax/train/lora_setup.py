@@ -1,0 +1,102 @@
+"""The `lora.*` gin settings: which parts of the model train as LoRA adapters (models/lora.py)
+and with what rank, alpha, targets and scaling; `with_lora` puts them into the model config
+(after the pretrained checkpoints' config.json set its sizes). docs/lora.md."""
+from __future__ import annotations
+
+import gin
+
+from mmjax.errors import UserError
+from mmjax.models.config import MLLMConfig, VisionConfig, with_overrides
+from mmjax.models.lora_config import PROJECTIONS, LoRAConfig
+from mmjax.models.units import is_llm
+
+ADAPTER = "adapter"  # pretrained.adapter: a peft LoRA adapter to continue training
+
+
+@gin.configurable
+def lora(units=(), rank: int = 8, alpha: float = 16.0, targets=("q", "k", "v", "o"),
+         dropout: float = 0.0, rslora: bool = False) -> tuple[tuple[str, ...], LoRAConfig]:
+    """`lora.units`: the parts trained as adapters: "llm", an encoder's tower ("vision") or
+    its projector ("vision.projector"); empty: no LoRA. The rest: `LoRAConfig`'s fields."""
+    units = (units,) if isinstance(units, str) else tuple(units)
+    targets = (targets,) if isinstance(targets, str) else tuple(targets)
+    return units, LoRAConfig(rank, alpha, targets, dropout, rslora)
+
+
+def lora_parts(cfg: MLLMConfig) -> list[str]:
+    """The names `lora.units` accepts for `cfg`."""
+    out = ["llm"]
+    for e in cfg.encoders:
+        if isinstance(e.encoder, VisionConfig) and e.encoder.kind != "qwen2_vl":
+            out.append(e.name)
+        if e.projector.kind == "mlp":
+            out.append(e.name + ".projector")
+    return out
+
+
+def with_lora(cfg: MLLMConfig, units=None, settings: LoRAConfig | None = None) -> MLLMConfig:
+    """`cfg` with `settings` (default: gin's `lora.*`) on each of `units`."""
+    if units is None:
+        units, settings = lora()
+    if not units:
+        return cfg
+    parts = lora_parts(cfg)
+    bad = [u for u in units if u not in parts]
+    if bad:
+        raise UserError(f"lora.units={list(units)!r}: {bad[0]!r} is not a part LoRA adapts in "
+                        f"this model (use some of {parts})")
+    over = {}
+    for u in units:
+        if is_llm(u):
+            key, kind = "llm.lora", "llm"
+        elif u.endswith(".projector"):
+            key, kind = f"encoders.{u.removesuffix('.projector')}.projector.lora", "projector"
+        else:
+            key, kind = f"encoders.{u}.encoder.lora", "tower"
+        if not settings.targets_in(kind):
+            raise UserError(f"lora.targets={list(settings.targets)!r} names no projection of "
+                            f"{u!r} (a {kind}'s are {list(PROJECTIONS[kind])})")
+        over[key] = settings
+    return with_overrides(cfg, over)
+
+
+def with_adapter(cfg: MLLMConfig, adapter_dir: str, whole: bool) -> MLLMConfig:
+    """`cfg` with the LoRA settings of the peft adapter `pretrained.adapter` names (a whole
+    LLaVA's when the run starts from `pretrained.model`, else its LLM's); its values are
+    read into the adapters after the base (hf/pretrained.py `load_pretrained_dirs`)."""
+    from mmjax.models.hf.peft import model_adapter
+
+    if cfg.lora_units():
+        raise UserError(f"pretrained.adapter={adapter_dir!r} and lora.units={list(cfg.lora_units())}:"
+                        f" the adapter sets the LoRA parts and settings; drop lora.*")
+    try:
+        over, _ = model_adapter(cfg, adapter_dir, whole)
+    except UserError as e:
+        raise UserError(f"pretrained.adapter: {e}") from None
+    return with_overrides(cfg, over)
+
+
+def lora_of(cfg: MLLMConfig, part: str) -> LoRAConfig:
+    """The LoRAConfig of a LoRA'd part ("llm", a tower, "<enc>.projector")."""
+    if is_llm(part):
+        return cfg.llm.lora
+    if part.endswith(".projector"):
+        return cfg.encoder(part.removesuffix(".projector")).projector.lora
+    return cfg.encoder(part).encoder.lora
+
+
+def check_lora_layout(cfg: MLLMConfig, plan, colocated: bool, adapter: bool) -> None:
+    """What the layouts do not do with LoRA yet, refused in one line: the co-located
+    layout; on a plan, dropout (the stages apply none) and `pretrained.adapter`."""
+    units = cfg.lora_units()
+    dropout = [u for u in units if lora_of(cfg, u).dropout]
+    if dropout and plan is not None:
+        raise UserError(f"lora.dropout={lora_of(cfg, dropout[0]).dropout}: dropout on the "
+                        f"adapters is applied by the single program only so far; set "
+                        f"lora.dropout=0 or drop the plan")
+    if units and colocated:
+        raise UserError(f"lora.units={list(units)}: the co-located layout does not train "
+                        f"LoRA yet; use the single program or a disaggregated plan")
+    if units and plan is not None and adapter:
+        raise UserError(f"pretrained.adapter: read by the single program only so far "
+                        f"(lora.units={list(units)}); drop the plan or the adapter")
