@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from mmjax.models.units import is_llm
 from mmjax.planner.costs import UnitCost
 from mmjax.planner.evaluate import Choice
 from mmjax.planner.schedule_time import schedule_time
@@ -40,7 +41,7 @@ def dense_costs(model, wl: Workload, hw, costs: tuple[UnitCost, ...]) -> tuple[U
         return costs
     out = []
     for c in costs:
-        if c.name == "llm":
+        if is_llm(c.name):
             sizes = [(n,) for n in wl.llm_tokens]
         elif c.name in wl.encoder_tokens:
             sizes = wl.encoder_tokens[c.name]

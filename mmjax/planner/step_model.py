@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from mmjax.models.units import LLM_UNIT, is_llm
 from mmjax.planner.costs import work_time
 from mmjax.planner.unit_work import unit_work
 from mmjax.planner.workload import Workload
@@ -61,7 +62,7 @@ def slot_workloads(model, wl, slots: SlotShapes) -> dict:
     """{unit: (workload of one static row / buffer, how many of them)} for the LLM and the
     encoders: every slot a "sample" of one full sequence (causal pairs counted as the
     profile's layers count them), the generator's conditioning as `wl`'s."""
-    out = {"llm": (Workload("slots", (slots.seq_len,), cond_tokens=wl.cond_tokens),
+    out = {LLM_UNIT: (Workload("slots", (slots.seq_len,), cond_tokens=wl.cond_tokens),
                    slots.rows)}
     for name, (count, cap) in slots.encoders.items():
         out[name] = (Workload("slots", (slots.seq_len,), {name: ((cap,),)},
@@ -77,7 +78,7 @@ def dense_attention_s(model, unit: str, tokens: int, hw, bwd: int = 2,
     `hw.dense_pair_head_dim`), plus or minus the Q K^T and P V FLOPs (12 per pair and head
     dim, forward + backward) of the unit's own head dim at the device's peak. `bwd`: the
     unit's backward factor (0 frozen, 2 trained); "dots" / "full" remat re-run the forward."""
-    if unit == "llm":
+    if is_llm(unit):
         c = model.llm
         layers, hd = c.num_layers, c.dim_per_head
     else:
@@ -119,7 +120,7 @@ def single_step_time(model, wl, hw, samples: int, remat: dict, fills: dict,
             lin, att = unit_seconds(model, slot_wl, replace(hw, call_tokens=0.0), u,
                                      remat.get(u, "none"))
             if hw.dense_pair_s > 0:  # measured: pairs x heads, not FLOPs
-                tokens = slots.seq_len if u == "llm" else slots.encoders[u][1]
+                tokens = slots.seq_len if is_llm(u) else slots.encoders[u][1]
                 att = dense_attention_s(model, u, tokens, hw,
                                         unit_work(model, slot_wl, u).layers[0].bwd,
                                         remat.get(u, "none"))
