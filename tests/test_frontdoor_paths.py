@@ -57,10 +57,12 @@ def test_generate_refuses_a_prompt_without_the_models_input():
     gen = _script("generate")
     cfg = TINY_CONFIGS["tiny"]()  # a vision encoder
     args = lambda **kw: types.SimpleNamespace(**{"image": None, "audio": None,
-                                                  "text_only": False, **kw})
+                                                  "text_only": False, "output_image": None,
+                                                  **kw})
     with pytest.raises(UserError, match=r"^--image: model tiny reads images; pass --image=FILE"):
         gen.check_inputs(cfg, args())
     with pytest.raises(UserError, match="no audio encoder"):
         gen.check_inputs(cfg, args(image="x.png", audio="a.wav"))
     gen.check_inputs(cfg, args(image="x.png"))
     gen.check_inputs(cfg, args(text_only=True))
+    gen.check_inputs(cfg, args(output_image="out.png"))  # drawing from text: no --image
