@@ -1,5 +1,5 @@
 """A global batch's sample metadata as flat numpy columns (no JAX): what planning reads per
-sample, extracted in one pass over the `SampleMeta`s, so the balancing costs
+sample, read from the per-segment `MetaColumns` (data/meta_columns.py), so the balancing costs
 (`batch_plan.unit_costs`) and every unit's per-rank shapes (`batch_shapes.rank_shapes`)
 are array work over index splits, not per-sample Python once per unit (issue 41: host
 planning linear in the batch)."""
@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mmjax.data.layout import AssemblyLayout
+from mmjax.data.meta_columns import CODE, MetaColumns
 from mmjax.data.sample import SampleMeta
 
 
@@ -46,35 +47,24 @@ class ShapeColumns:
     items: dict[str, Ragged]  # encoder slot name -> its items' sizes
 
 
-def shape_columns(metas: list[SampleMeta], layout: AssemblyLayout,
+def shape_columns(metas: "list[SampleMeta] | MetaColumns", layout: AssemblyLayout,
                   modalities: tuple[str, ...] = ()) -> ShapeColumns:
-    """The columns of `metas`; `encoder_tokens` for `modalities` (and the layout's). One
-    attribute read per segment field (list comprehensions), the rest numpy."""
-    n = len(metas)
-    segs = [s for m in metas for s in m.segments]
-    ends = np.cumsum(np.fromiter((len(m.segments) for m in metas), np.int64, n))
-    sample = np.repeat(np.arange(n, dtype=np.int64), np.diff(ends, prepend=0))
-    mod = np.array([s.modality for s in segs] or [""])[:len(segs)]
-    llm = 2 + _sum_by(ends, np.fromiter((s.num_llm_tokens + s.delimiters for s in segs),
-                                          np.int64, len(segs)), n)
-    enc = np.fromiter((s.num_encoder_tokens for s in segs), np.int64, len(segs))
-    size = np.fromiter((s.input_size for s in segs), np.int64, len(segs))
+    """The columns of `metas` (`SampleMeta`s or already `MetaColumns`); `encoder_tokens`
+    for `modalities` (and the layout's). Array work over the per-segment columns."""
+    mc = metas if isinstance(metas, MetaColumns) else MetaColumns.from_metas(metas)
+    n = len(mc)
+    sample = np.repeat(np.arange(n, dtype=np.int64), mc.counts)
     slots = {s.modality: s for s in layout.encoders}
-    tokens = {m: _sum_by(ends, np.where(mod == m, enc, 0), n)
-              for m in sorted(set(modalities) | set(slots))}
+    tokens = {}
+    for m in sorted(set(modalities) | set(slots)):
+        at = mc.modality == CODE[m]
+        tokens[m] = np.bincount(sample[at], mc.encoder_tokens[at], n).astype(np.int64)
     items = {}
     for m, slot in slots.items():
-        at = mod == m
-        v = size[at]
+        at = mc.modality == CODE[m]
+        v = mc.input_size[at]
         if m == "image":  # patches rounded up to the downsample (`batch_shapes.image_runs`)
             r = slot.downsample
             v = -(-v // r) * r
         items[slot.name] = Ragged(v, np.bincount(sample[at], minlength=n).astype(np.int64))
-    return ShapeColumns(llm, _sum_by(ends, (mod == "image_out").astype(np.int64), n),
-                        tokens, items)
-
-
-def _sum_by(ends: np.ndarray, x: np.ndarray, n: int) -> np.ndarray:
-    """Per sample the sum of `x` over its segments (sample i's: `x[ends[i - 1]:ends[i]]`)."""
-    c = np.concatenate([[0], np.cumsum(x, dtype=np.int64)])
-    return c[ends] - c[np.concatenate([[0], ends[:-1]])] if n else np.zeros(0, np.int64)
+    return ShapeColumns(mc.llm_length, mc.count("image_out"), tokens, items)
