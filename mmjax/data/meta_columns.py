@@ -80,6 +80,9 @@ class MetaColumns:
                    np.fromiter(map(len, specs), np.int64, n), code,
                    *segment_fields(rules, code, d0, d1, d2, queries, masked))
 
+    def __getitem__(self, p: int) -> SampleMeta:
+        return self.meta(p)
+
     def meta(self, p: int) -> SampleMeta:
         """Sample `p`'s `SampleMeta` (equal to `TokenRules.meta_from_shapes`'s)."""
         e = int(self.ends[p])
