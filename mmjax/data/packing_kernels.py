@@ -12,15 +12,35 @@ from numba import njit
 
 
 @njit(cache=True)
-def _tree(n, cap):
+def _reset(tree, n, cap):
+    """Make `tree` (reused across groups) a max tree over `n` bins at `cap`: the smallest
+    power of two >= n leaves (the rest -inf); returns that leaf count."""
     size = 1
     while size < n:
         size *= 2
-    tree = np.full(2 * size, -np.inf)
     tree[size:size + n] = cap
+    tree[size + n:2 * size] = -np.inf
     for i in range(size - 1, 0, -1):
         tree[i] = max(tree[2 * i], tree[2 * i + 1])
-    return tree, size
+    return size
+
+
+@njit(cache=True)
+def _bins_bound(runs, start, end, cap, max_items):
+    """At most this many bins open for `runs[start:end]`: every bin but one is more than
+    half full or holds `max_items` items (a second bin at most half full and below its
+    item cap would have taken the first item of the later one), so bins <= 2 sum / cap + 1
+    + n / max_items; never more than n."""
+    n = end - start
+    if cap <= 0 or max_items == 0:
+        return max(n, 1)
+    total = 0
+    for i in range(start, end):
+        total += runs[i]
+    bound = 2 * total // cap + 2
+    if max_items > 0:
+        bound += n // max_items
+    return max(min(bound, n), 1)
 
 
 @njit(cache=True)
@@ -49,15 +69,29 @@ def _set(tree, size, b, key):
 def first_fit_decreasing_buffers(runs, ends, cap, max_items):
     """Buffers first fit decreasing (ties by order) opens per group, at most `max_items`
     images per buffer (< 0: no cap) (`pack_images`; LLM rows `pack_rows` "pack"): int64
-    [groups]."""
+    [groups]. One tree and one item-count buffer serve every group, each sized to the
+    group's bound on bins (`_bins_bound`), not its item count."""
     out = np.zeros(ends.size, np.int64)
+    width = 1
+    start = 0
+    for g in range(ends.size):
+        width = max(width, _bins_bound(runs, start, ends[g], cap, max_items))
+        start = ends[g]
+    size = 1
+    while size < width:
+        size *= 2
+    tree = np.empty(2 * size)
+    items = np.zeros(width, np.int64)
     start = 0
     for g in range(ends.size):
         end = ends[g]
         n = end - start
+        if n == 0:
+            continue
+        m = _bins_bound(runs, start, end, cap, max_items)
         order = np.argsort(-runs[start:end], kind="mergesort")  # stable: ties by order
-        tree, size = _tree(n, float(cap))
-        items = np.zeros(max(n, 1), np.int64)
+        size = _reset(tree, m, float(cap))
+        items[:m] = 0
         bins = 0
         for k in range(n):
             need = float(runs[start + order[k]])
@@ -65,6 +99,8 @@ def first_fit_decreasing_buffers(runs, ends, cap, max_items):
             if b < 0 or b == bins:
                 b = bins
                 bins += 1
+                if bins > m:
+                    raise ValueError("first fit opened more bins than its bound")
             items[b] += 1
             key = tree[size + b] - need
             if max_items >= 0 and items[b] >= max_items:
