@@ -126,17 +126,22 @@ def segment_fields(rules: TokenRules, code, d0, d1, d2, queries, masked):
     """`TokenRules.segment_meta` over arrays: (llm tokens, encoder tokens, input size,
     masked, delimiters) per segment from its modality code and shape dims (d0, d1, d2:
     the shape's first three entries, 0 where it has fewer) and num_queries / num_masked."""
-    text, image, audio, out = (code == c for c in (TEXT, IMAGE, AUDIO, IMAGE_OUT))
+    llm, size = d0.astype(np.int64), d0.astype(np.int64)  # text: L; audio's size: T
+    enc = np.zeros(code.size, np.int64)
+    at = np.flatnonzero(code == IMAGE)
     p = rules.patch_size
-    patches = (d0 // p) * (d1 // p)
-    frames_enc = -(-d0 // AUDIO_STRIDE)
+    n = (d0[at] // p) * (d1[at] // p)
+    llm[at] = rules.image_queries or -(-n // rules.image_downsample)
+    enc[at], size[at] = n, n
+    at = np.flatnonzero(code == AUDIO)
+    n = -(-d0[at] // AUDIO_STRIDE)
+    llm[at] = rules.audio_queries or -(-n // rules.audio_downsample)
+    enc[at] = n
+    at = np.flatnonzero(code == IMAGE_OUT)
     g = rules.gen_patch_size * rules.gen_downsample
-    latent = (d1 // g) * (d2 // g)
-    img_llm = rules.image_queries or -(-patches // rules.image_downsample)
-    aud_llm = rules.audio_queries or -(-frames_enc // rules.audio_downsample)
-    llm = np.select([text, image, audio, out], [d0, img_llm, aud_llm, queries], 0)
-    enc = np.select([image, audio, out], [patches, frames_enc, latent], 0)
-    size = np.select([text, image, audio, out], [d0, patches, d0, latent], 0)
+    n = (d1[at] // g) * (d2[at] // g)
+    llm[at] = queries[at]
+    enc[at], size[at] = n, n
+    text = code == TEXT
     delim = np.where(text, 0, 2 if rules.markers else 0).astype(np.int64)
-    return (llm.astype(np.int64), enc.astype(np.int64), size.astype(np.int64),
-            np.where(text, masked, 0).astype(np.int64), delim)
+    return llm, enc, size, np.where(text, masked, 0).astype(np.int64), delim
