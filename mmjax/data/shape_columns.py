@@ -8,10 +8,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from numba import njit
 
 from mmjax.data.layout import AssemblyLayout
 from mmjax.data.meta_columns import CODE, MetaColumns
-from mmjax.data.sample import SampleMeta
+from mmjax.data.sample import MODALITIES, SampleMeta
 
 
 @dataclass(frozen=True)
@@ -50,21 +51,38 @@ class ShapeColumns:
 def shape_columns(metas: "list[SampleMeta] | MetaColumns", layout: AssemblyLayout,
                   modalities: tuple[str, ...] = ()) -> ShapeColumns:
     """The columns of `metas` (`SampleMeta`s or already `MetaColumns`); `encoder_tokens`
-    for `modalities` (and the layout's). Array work over the per-segment columns."""
+    for `modalities` (and the layout's). One compiled pass over the segments."""
     mc = metas if isinstance(metas, MetaColumns) else MetaColumns.from_metas(metas)
-    n = len(mc)
-    sample = np.repeat(np.arange(n, dtype=np.int64), mc.counts)
+    llm, enc, count = _per_sample(mc.counts, mc.modality, mc.llm_tokens, mc.delimiters,
+                                  mc.encoder_tokens, len(MODALITIES))
     slots = {s.modality: s for s in layout.encoders}
-    tokens = {}
-    for m in sorted(set(modalities) | set(slots)):
-        at = mc.modality == CODE[m]
-        tokens[m] = np.bincount(sample[at], mc.encoder_tokens[at], n).astype(np.int64)
+    tokens = {m: enc[CODE[m]] for m in sorted(set(modalities) | set(slots))}
     items = {}
     for m, slot in slots.items():
-        at = mc.modality == CODE[m]
-        v = mc.input_size[at]
+        v = mc.input_size[mc.modality == CODE[m]]
         if m == "image":  # patches rounded up to the downsample (`batch_shapes.image_runs`)
             r = slot.downsample
             v = -(-v // r) * r
-        items[slot.name] = Ragged(v, np.bincount(sample[at], minlength=n).astype(np.int64))
-    return ShapeColumns(mc.llm_length, mc.count("image_out"), tokens, items)
+        items[slot.name] = Ragged(v, count[CODE[m]])
+    return ShapeColumns(llm, count[CODE["image_out"]], tokens, items)
+
+
+@njit(cache=True)
+def _per_sample(counts, modality, llm_tokens, delimiters, encoder_tokens, kinds):
+    """Per sample: LLM length (2 + its segments' tokens and delimiters); per modality code
+    its encoder tokens and its segment count ([kinds, samples] each)."""
+    n = counts.size
+    llm = np.empty(n, np.int64)
+    enc = np.zeros((kinds, n), np.int64)
+    count = np.zeros((kinds, n), np.int64)
+    j = 0
+    for i in range(n):
+        t = 2
+        for _ in range(counts[i]):
+            c = modality[j]
+            t += llm_tokens[j] + delimiters[j]
+            enc[c, i] += encoder_tokens[j]
+            count[c, i] += 1
+            j += 1
+        llm[i] = t
+    return llm, enc, count
