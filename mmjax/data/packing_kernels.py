@@ -66,11 +66,52 @@ def _set(tree, size, b, key):
 
 
 @njit(cache=True)
+def _decreasing_order(runs, ends):
+    """Item indices group after group, each group's by run decreasing, ties by index: two
+    stable counting sorts (by run decreasing, then by group), O(items + largest run);
+    per-group stable argsorts when the runs are large next to the item count."""
+    n = runs.size
+    order = np.empty(n, np.int64)
+    top = 0
+    for i in range(n):
+        top = max(top, runs[i])
+    if top > 8 * n + 4096:
+        start = 0
+        for g in range(ends.size):
+            order[start:ends[g]] = start + np.argsort(-runs[start:ends[g]], kind="mergesort")
+            start = ends[g]
+        return order
+    at = np.zeros(top + 2, np.int64)  # by run decreasing: key top - run
+    for i in range(n):
+        at[top - runs[i] + 1] += 1
+    for v in range(1, top + 2):
+        at[v] += at[v - 1]
+    by_run = np.empty(n, np.int64)
+    for i in range(n):
+        k = top - runs[i]
+        by_run[at[k]] = i
+        at[k] += 1
+    group = np.empty(n, np.int64)
+    nxt = np.empty(ends.size, np.int64)  # next free slot of each group in `order`
+    start = 0
+    for g in range(ends.size):
+        group[start:ends[g]] = g
+        nxt[g] = start
+        start = ends[g]
+    for i in by_run:
+        g = group[i]
+        order[nxt[g]] = i
+        nxt[g] += 1
+    return order
+
+
+@njit(cache=True)
 def first_fit_decreasing_buffers(runs, ends, cap, max_items):
     """Buffers first fit decreasing (ties by order) opens per group, at most `max_items`
     images per buffer (< 0: no cap) (`pack_images`; LLM rows `pack_rows` "pack"): int64
-    [groups]. One tree and one item-count buffer serve every group, each sized to the
-    group's bound on bins (`_bins_bound`), not its item count."""
+    [groups]. One sort for every group (`_decreasing_order`), one tree and item-count
+    buffer reused by every group, each sized to the group's bound on bins (`_bins_bound`),
+    not its item count."""
     out = np.zeros(ends.size, np.int64)
     width = 1
     start = 0
@@ -82,19 +123,18 @@ def first_fit_decreasing_buffers(runs, ends, cap, max_items):
         size *= 2
     tree = np.empty(2 * size)
     items = np.zeros(width, np.int64)
+    order = _decreasing_order(runs, ends)
     start = 0
     for g in range(ends.size):
         end = ends[g]
-        n = end - start
-        if n == 0:
+        if end == start:
             continue
         m = _bins_bound(runs, start, end, cap, max_items)
-        order = np.argsort(-runs[start:end], kind="mergesort")  # stable: ties by order
         size = _reset(tree, m, float(cap))
         items[:m] = 0
         bins = 0
-        for k in range(n):
-            need = float(runs[start + order[k]])
+        for k in range(start, end):
+            need = float(runs[order[k]])
             b = _find(tree, size, need)
             if b < 0 or b == bins:
                 b = bins
