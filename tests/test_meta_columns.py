@@ -62,6 +62,7 @@ def test_columns_from_specs_equal_the_objects(rules):
               "masked", "delimiters"):
         assert np.array_equal(getattr(back, f), getattr(mc, f)), f
     assert mc.llm_length.tolist() == [m.llm_length for m in want]
+    assert [rules.llm_length(s) for s in specs] == [m.llm_length for m in want]
     assert mc.num_targets.tolist() == [m.num_targets for m in want]
     for mod in ("text", "image", "audio", "image_out"):
         assert mc.count(mod).tolist() == [m.count(mod) for m in want]
