@@ -111,7 +111,9 @@ def first_fit_decreasing_buffers(runs, ends, cap, max_items):
     images per buffer (< 0: no cap) (`pack_images`; LLM rows `pack_rows` "pack"): int64
     [groups]. One sort for every group (`_decreasing_order`), one tree and item-count
     buffer reused by every group, each sized to the group's bound on bins (`_bins_bound`),
-    not its item count."""
+    not its item count. Equal items come in runs: first fit puts the next one in the bin
+    that took the last while it fits (the bins left of it had less room), so each bin
+    found takes as many of the run as fit, one tree update for them all."""
     out = np.zeros(ends.size, np.int64)
     width = 1
     start = 0
@@ -133,19 +135,36 @@ def first_fit_decreasing_buffers(runs, ends, cap, max_items):
         size = _reset(tree, m, float(cap))
         items[:m] = 0
         bins = 0
-        for k in range(start, end):
-            need = float(runs[order[k]])
-            b = _find(tree, size, need)
-            if b < 0 or b == bins:
-                b = bins
-                bins += 1
-                if bins > m:
-                    raise ValueError("first fit opened more bins than its bound")
-            items[b] += 1
-            key = tree[size + b] - need
-            if max_items >= 0 and items[b] >= max_items:
-                key = -np.inf
-            _set(tree, size, b, key)
+        k = start
+        while k < end:  # a run of equal items: each bin found takes as many as fit
+            need = runs[order[k]]
+            e = k + 1
+            while e < end and runs[order[e]] == need:
+                e += 1
+            left = e - k
+            while left:
+                b = _find(tree, size, float(need))
+                if b < 0 or b == bins:
+                    b = bins
+                    bins += 1
+                    if bins > m:
+                        raise ValueError("first fit opened more bins than its bound")
+                free = int(tree[size + b])
+                if need == 0:
+                    take = left
+                elif free < need:  # longer than a fresh bin: one alone, over its cap
+                    take = 1
+                else:
+                    take = min(left, free // need)
+                if max_items >= 0:  # a fresh bin takes one even at an item cap of 0
+                    take = max(min(take, max_items - items[b]), 1)
+                items[b] += take
+                left -= take
+                key = float(free - take * need)
+                if max_items >= 0 and items[b] >= max_items:
+                    key = -np.inf
+                _set(tree, size, b, key)
+            k = e
         out[g] = bins
         start = end
     return out
