@@ -105,6 +105,30 @@ def _decreasing_order(runs, ends):
     return order
 
 
+SCAN_BINS = 48  # up to this many bins a linear scan beats the tree
+
+
+@njit(cache=True)
+def _first_fit_scan(runs, order, start, end, cap, max_items, free, items):
+    """Bins first fit opens for `runs[order[start:end]]` by scanning the open bins left to
+    right (few bins: faster than the tree); `free`, `items`: scratch buffers."""
+    bins = 0
+    for k in range(start, end):
+        need = runs[order[k]]
+        b = 0
+        while b < bins and free[b] < need:
+            b += 1
+        if b == bins:
+            free[b] = cap
+            items[b] = 0
+            bins += 1
+        free[b] -= need
+        items[b] += 1
+        if max_items >= 0 and items[b] >= max_items:
+            free[b] = -np.inf
+    return bins
+
+
 @njit(cache=True)
 def first_fit_decreasing_buffers(runs, ends, cap, max_items):
     """Buffers first fit decreasing (ties by order) opens per group, at most `max_items`
@@ -123,8 +147,8 @@ def first_fit_decreasing_buffers(runs, ends, cap, max_items):
     size = 1
     while size < width:
         size *= 2
-    tree = np.empty(2 * size)
-    items = np.zeros(width, np.int64)
+    tree = np.empty(max(2 * size, SCAN_BINS))
+    items = np.zeros(max(width, SCAN_BINS), np.int64)
     order = _decreasing_order(runs, ends)
     start = 0
     for g in range(ends.size):
@@ -132,6 +156,10 @@ def first_fit_decreasing_buffers(runs, ends, cap, max_items):
         if end == start:
             continue
         m = _bins_bound(runs, start, end, cap, max_items)
+        if m <= SCAN_BINS:
+            out[g] = _first_fit_scan(runs, order, start, end, cap, max_items, tree, items)
+            start = end
+            continue
         size = _reset(tree, m, float(cap))
         items[:m] = 0
         bins = 0
