@@ -222,7 +222,7 @@ def plan_global_batch(metas: "list[SampleMeta] | MetaColumns", model: MLLMConfig
         mbs, splits = [mbs[j] for j in order], [splits[j] for j in order]
     out = []
     for pos, units in zip(mbs, splits):
-        at = np.asarray(pos, dtype=np.int64)
+        at = np.arange(size, dtype=np.int64) + (pos[0] if pos else 0)  # a contiguous slice
         out.append(MicrobatchPlan(pos, units, {
             u: rank_shapes(cols, at[sp.items], sp.counts, layout) for u, sp in units.items()}))
     return out
