@@ -6,6 +6,7 @@ planning linear in the batch)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 from numba import njit
@@ -22,18 +23,28 @@ class Ragged:
     values: np.ndarray  # int64, sample after sample
     counts: np.ndarray  # int64 [samples]
 
-    @property
+    @cached_property
     def starts(self) -> np.ndarray:
         return np.cumsum(self.counts) - self.counts
 
     def take(self, items: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(values of samples `items`, in that order, flat; their counts)."""
         counts = self.counts[items]
-        total = int(counts.sum())
-        if total == 0:
-            return np.zeros(0, np.int64), counts
-        shift = np.repeat(self.starts[items] - (np.cumsum(counts) - counts), counts)
-        return self.values[shift + np.arange(total)], counts
+        return _gather(self.values, self.starts, counts, items), counts
+
+
+@njit(cache=True)
+def _gather(values, starts, counts, items):
+    """The runs `values[starts[i]:starts[i] + counts[k]]` of `i = items[k]`, one after
+    another (`counts`: the items' own counts)."""
+    out = np.empty(counts.sum(), np.int64)
+    j = 0
+    for k in range(items.size):
+        s = starts[items[k]]
+        for t in range(counts[k]):
+            out[j] = values[s + t]
+            j += 1
+    return out
 
 
 @dataclass(frozen=True)
