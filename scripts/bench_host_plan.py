@@ -1,17 +1,20 @@
 """Host planning time of one global batch (issue 41: linear in the batch), the loader's own
-call path (`batch_plan.plan_global_batch`: metadata -> costs -> balancing -> packing ->
-each unit's feed shapes), at OrchMLLM Table 2 scales (DP ranks x 60 LAION-like samples,
-every unit LLM / vision / audio on its own DP ranks, "orchmllm" post-balancing "sum",
-packed 4096-token rows). Wall time (perf_counter), median and min of interleaved repeats.
+call path (`GlobalBatchBuilder.__call__`: the source's shapes -> `MetaColumns.from_specs`
+-> `batch_plan.plan_global_batch`: costs -> balancing -> packing -> each unit's feed
+shapes), at OrchMLLM Table 2 scales (DP ranks x 60 LAION-like samples, every unit LLM /
+vision / audio on its own DP ranks, "orchmllm" post-balancing "sum", packed 4096-token
+rows). Wall time (perf_counter), median and min of interleaved repeats.
 
-Columns: "metas from specs", building the `SampleMeta`s from the source's shapes
-(`TokenRules.meta_from_shapes`, what `GlobalBatchBuilder` does before planning); "after",
-`plan_global_batch`; "before", the same plan with the pre-issue-41 per-sample costs and
-quadratic packers (tests/packing_reference.py: `unit_costs`, `batch_shapes` with rows
-first fit decreasing by the quadratic scan, as the plan packs them since issue 41's item 2)
-on the same splits, only up to --before_max_dp (it grows as n x bins); the outputs are
-checked identical. Also the after path's stages: the metadata columns (`shape_columns`),
-balancing (`split_unit` per unit), shapes (`rank_shapes` per unit).
+Columns: "after", the whole call from the specs (`from_specs` + `plan_global_batch` on the
+columns), and its parts "columns from specs" and "plan"; "objects", the loader's path
+before the columnar metadata (a `SampleMeta` per sample, `TokenRules.meta_from_shapes`,
+then `plan_global_batch` on the list); "pre-issue-41", that object path with the per-sample
+costs and quadratic packers (tests/packing_reference.py: `unit_costs`, `batch_shapes` with
+rows first fit decreasing by the quadratic scan) on the same splits, only up to
+--before_max_dp (it grows as n x bins); the outputs are checked identical (columns vs
+objects always, vs pre-issue-41 where it ran). Also the plan's stages: the metadata
+columns (`shape_columns`), balancing (`split_unit` per unit), shapes (`rank_shapes` per
+unit).
 
   python scripts/bench_host_plan.py [--dp 64 256 2560] [--json bench_results/bench_host_plan.json]
 """
@@ -39,6 +42,7 @@ from mmjax.data.batch_plan import (NodeWise, plan_global_batch,  # noqa: E402
                                    post_balance_policies, split_unit, unit_policies)
 from mmjax.data.batch_shapes import rank_shapes  # noqa: E402
 from mmjax.data.layout import AssemblyLayout  # noqa: E402
+from mmjax.data.meta_columns import MetaColumns  # noqa: E402
 from mmjax.data.shape_columns import shape_columns  # noqa: E402
 from mmjax.data.synthetic import SyntheticDataset  # noqa: E402
 from mmjax.host_info import machine  # noqa: E402
@@ -62,7 +66,7 @@ def _before(metas, plan, layout, policies, algos, node_wise):
                     for u, s in splits.items()}
 
 
-def _stages(metas, plan, layout, policies, algos, node_wise):
+def _stages(metas: MetaColumns, plan, layout, policies, algos, node_wise):
     t0 = time.perf_counter()
     cols = shape_columns(metas, layout, tuple(e.modality for e in MODEL.encoders))
     t1 = time.perf_counter()
@@ -80,62 +84,88 @@ def _costs(cols):
     return unit_costs([], MODEL, cols)
 
 
+def _same(a, b) -> bool:
+    return all(x.positions == y.positions and x.shapes == y.shapes and all(
+        np.array_equal(x.splits[u].items, y.splits[u].items)
+        and np.array_equal(x.splits[u].counts, y.splits[u].counts) for u in x.splits)
+        for x, y in zip(a, b)) and len(a) == len(b)
+
+
+def _row(d, args, pool, rng, layout, policies, algos, node_wise) -> dict:
+    rules = layout.rules
+    pick = rng.choice(args.pool, d * args.samples_per_rank)
+    ids, specs = pick.tolist(), [pool[i] for i in pick]
+    plan = Plan.uniform(MODEL, len(ids), 1, dp=d)
+
+    def planned(metas):
+        return plan_global_batch(metas, MODEL, plan, layout, policies, algos,
+                                 node_wise=node_wise)
+
+    def after():  # the loader's call: columns from the specs, the plan from the columns
+        return planned(MetaColumns.from_specs(ids, specs, rules))
+
+    def objects():
+        return planned([rules.meta_from_shapes(i, s) for i, s in zip(ids, specs)])
+
+    got = after()  # warm: numba's cached machine code loaded once per process
+    row = {"dp": d, "samples": len(ids), "identical": _same(got, objects())}
+    do_before = d <= args.before_max_dp
+    if do_before:
+        metas = [rules.meta_from_shapes(i, s) for i, s in zip(ids, specs)]
+        splits, shapes = _before(metas, plan, layout, policies, algos, node_wise)
+        row["identical"] = row["identical"] and bool(shapes == got[0].shapes and all(
+            np.array_equal(splits[u].items, got[0].splits[u].items) and
+            np.array_equal(splits[u].counts, got[0].splits[u].counts) for u in splits))
+    keys = ("after", "from_specs", "plan", "objects", "before", "columns", "balancing",
+            "shapes")
+    times = {k: [] for k in keys}
+    for _ in range(args.repeats):  # interleaved: every column sees the same load
+        times["after"].append(_ms(after)[0])
+        t, mc = _ms(lambda: MetaColumns.from_specs(ids, specs, rules))
+        times["from_specs"].append(t)
+        times["plan"].append(_ms(lambda: planned(mc))[0])
+        for k, v in _stages(mc, plan, layout, policies, algos, node_wise).items():
+            times[k].append(v)
+        if not args.skip_objects:
+            times["objects"].append(_ms(objects)[0])
+        if do_before:
+            times["before"].append(_ms(lambda: _before(
+                [rules.meta_from_shapes(i, s) for i, s in zip(ids, specs)], plan, layout,
+                policies, algos, node_wise))[0])
+    for k, ts in times.items():
+        row[k] = {"median": statistics.median(ts), "min": min(ts)} if ts else None
+    return row
+
+
 def run(args, console) -> list[dict]:
     layout = AssemblyLayout.from_config(MODEL, args.seq_len, "pack")
-    rules = layout.rules
     ds = SyntheticDataset("laion", BENCH_CFG, seed=args.seed)
     pool = [ds.spec(i) for i in range(args.pool)]
-    pool_metas = [ds.meta(i, rules) for i in range(args.pool)]
     rng = np.random.default_rng(args.seed)
     policies, algos = unit_policies("orchmllm", MODEL), post_balance_policies("sum", MODEL)
-    node_wise = NodeWise(0)
     rows = []
     for d in args.dp:
-        pick = rng.choice(args.pool, d * args.samples_per_rank)
-        metas = [pool_metas[i] for i in pick]
-        plan = Plan.uniform(MODEL, len(metas), 1, dp=d)
-        call = lambda: plan_global_batch(metas, MODEL, plan, layout, policies, algos,  # noqa
-                                         node_wise=node_wise)
-        call()  # warm: numba's cached machine code loaded once per process
-        do_before = d <= args.before_max_dp
-        row = {"dp": d, "samples": len(metas)}
-        if do_before:
-            (mp,) = call()
-            splits, shapes = _before(metas, plan, layout, policies, algos, node_wise)
-            row["identical"] = bool(shapes == mp.shapes and all(
-                np.array_equal(splits[u].items, mp.splits[u].items) and
-                np.array_equal(splits[u].counts, mp.splits[u].counts) for u in splits))
-        times = {k: [] for k in ("specs", "after", "before", "columns", "balancing", "shapes")}
-        for _ in range(args.repeats):  # interleaved: every column sees the same load
-            times["specs"].append(_ms(lambda: [rules.meta_from_shapes(int(i), pool[i])
-                                               for i in pick])[0])
-            times["after"].append(_ms(call)[0])
-            for k, v in _stages(metas, plan, layout, policies, algos, node_wise).items():
-                times[k].append(v)
-            if do_before:
-                times["before"].append(_ms(lambda: _before(metas, plan, layout, policies,
-                                                           algos, node_wise))[0])
-        for k, ts in times.items():
-            row[k] = {"median": statistics.median(ts), "min": min(ts)} if ts else None
-        rows.append(row)
-        console.print(row)
-    table = Table(title=f"host plan of one global batch, ms (wall), median (min) of "
-                        f"{args.repeats} interleaved repeats, {args.samples_per_rank} "
-                        f"LAION-like samples per rank, LLM / vision / audio each on DP ranks")
-    cols = ("DP", "samples", "metas from specs", "before", "after (plan_global_batch)",
-            "before / after", "columns", "balancing", "shapes", "same output")
+        rows.append(_row(d, args, pool, rng, layout, policies, algos, NodeWise(0)))
+        console.print(rows[-1])
+    table = Table(title=f"host plan of one global batch from the source's specs, ms (wall), "
+                        f"median (min) of {args.repeats} interleaved repeats, "
+                        f"{args.samples_per_rank} LAION-like samples per rank, LLM / vision "
+                        f"/ audio each on DP ranks")
+    cols = ("DP", "samples", "pre-issue-41", "objects", "after (specs -> plan)",
+            "objects / after", "columns from specs", "plan", "metadata columns",
+            "balancing", "shapes", "same output")
     for c in cols:
         table.add_column(c, justify="right")
 
     def cell(v):
         return "-" if v is None else f"{v['median']:.1f} ({v['min']:.1f})"
     for r in rows:
-        ratio = (f"{r['before']['median'] / r['after']['median']:.1f}x"
-                 if r["before"] else "-")
-        table.add_row(str(r["dp"]), str(r["samples"]), cell(r["specs"]), cell(r["before"]),
-                      cell(r["after"]), ratio, cell(r["columns"]), cell(r["balancing"]),
-                      cell(r["shapes"]),
-                      "-" if "identical" not in r else ("yes" if r["identical"] else "NO"))
+        ratio = (f"{r['objects']['median'] / r['after']['median']:.1f}x"
+                 if r["objects"] else "-")
+        table.add_row(str(r["dp"]), str(r["samples"]), cell(r["before"]), cell(r["objects"]),
+                      cell(r["after"]), ratio, cell(r["from_specs"]), cell(r["plan"]),
+                      cell(r["columns"]), cell(r["balancing"]), cell(r["shapes"]),
+                      "yes" if r["identical"] else "NO")
     console.print(table)
     return rows
 
@@ -149,6 +179,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--pool", type=int, default=4096)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--skip_objects", action="store_true",
+                    help="leave out the object path's timing (seconds a repeat at 2560)")
     ap.add_argument("--json", default="bench_results/bench_host_plan.json")
     args = ap.parse_args(argv)
     console = Console(width=max(Console().width, 160))

@@ -9,7 +9,21 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from mmjax.data.packing_kernels import _find, _set, _tree
+from mmjax.data.packing_kernels import _find, _set
+
+
+@njit(cache=True)
+def _tree(n, cap):
+    """A fresh leftmost-fit max tree over `n` bins at `cap` (the kernels' before they
+    reused one tree across groups)."""
+    size = 1
+    while size < n:
+        size *= 2
+    tree = np.full(2 * size, -np.inf)
+    tree[size:size + n] = cap
+    for i in range(size - 1, 0, -1):
+        tree[i] = max(tree[2 * i], tree[2 * i + 1])
+    return tree, size
 
 
 def pack_rows(lengths: list[int], seq_len: int, packing: str) -> list[int]:

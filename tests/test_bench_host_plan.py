@@ -1,5 +1,6 @@
-"""scripts/bench_host_plan.py times the loader's own call (`plan_global_batch`) beside the
-pre-issue-41 path on the same splits, and checks the shapes and splits identical."""
+"""scripts/bench_host_plan.py times the loader's own call (specs -> `MetaColumns` ->
+`plan_global_batch`) beside the object path and the pre-issue-41 path on the same splits,
+and checks the plans identical."""
 import importlib.util
 import json
 import os
@@ -26,6 +27,7 @@ def test_rows_time_the_loader_call_with_identical_output(tmp_path):
     rows = out["rows"]
     assert [(r["dp"], r["samples"]) for r in rows] == [(4, 120), (16, 480)]
     assert rows[0]["identical"] is True and rows[0]["before"]["median"] > 0
-    assert "identical" not in rows[1] and rows[1]["before"] is None
-    assert all(r["after"]["median"] > 0 and r["columns"]["min"] > 0 for r in rows)  # each stage timed
+    assert rows[1]["identical"] is True and rows[1]["before"] is None  # columns == objects
+    assert all(r[k]["median"] > 0 for r in rows  # each stage timed
+               for k in ("after", "from_specs", "plan", "objects", "columns", "shapes"))
     assert json.load(open(tmp_path / "b.json"))["rows"][0]["dp"] == 4

@@ -133,3 +133,24 @@ def test_unit_costs_from_columns_match_the_metadata():
     cols = shape_columns(metas, _NO_SLOTS)
     assert cols.image_out.tolist() == [m.count("image_out") for m in metas]
     assert unit_costs([], model)["llm"].size == 0
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_kernel_counts_equal_the_packer_per_group(seed):
+    """`first_fit_decreasing_buffers` over many groups at once (one reused tree, sized by
+    the bound on bins) opens per group exactly as many buffers as `pack_images`: empty
+    groups, zero runs, runs over the cap, item caps 0 / 1 / a few / none."""
+    from mmjax.data.packing_kernels import first_fit_decreasing_buffers
+    rng = np.random.default_rng(300 + seed)
+    cap = int(rng.choice([16, 256, 4096]))
+    sizes = rng.choice([0, 1, 2, 9, 60, 700], int(rng.integers(1, 12)))
+    groups = [rng.integers(0, int(rng.choice([cap // 8 + 1, cap, 2 * cap])) + 1, k)
+              for k in sizes]
+    runs = np.concatenate(groups + [np.zeros(0, np.int64)]).astype(np.int64)
+    ends = np.cumsum(sizes).astype(np.int64)
+    for max_items in (None, 0, 1, 3, 64):
+        got = first_fit_decreasing_buffers(runs, ends, cap, -1 if max_items is None
+                                           else max_items)
+        want = [1 + max([b for b, _, _ in pack_images(g.tolist(), cap, max_items)],
+                        default=-1) for g in groups]
+        assert got.tolist() == want, (cap, max_items)

@@ -13,6 +13,7 @@ from mmjax.data.layout import AssemblyLayout
 from mmjax.data.batch_shapes import BatchShapes, rank_shapes
 from mmjax.data.balance import POLICIES as POST_BALANCE_POLICIES
 from mmjax.data.balance import node_wise_rearrange_flat, post_balance_flat
+from mmjax.data.meta_columns import MetaColumns
 from mmjax.data.rank_split import RankSplit
 from mmjax.data.reorder import inter_reorder
 from mmjax.data.sample import SampleMeta, TokenRules
@@ -172,12 +173,14 @@ def microbatch_costs(metas: list[SampleMeta], model: MLLMConfig, plan: Plan,
     return costs, llm_stages + ([(1.0 / pg, 0.0, 0.0)] * pg if has_gen else [])
 
 
-def plan_global_batch(metas: list[SampleMeta], model: MLLMConfig, plan: Plan,
+def plan_global_batch(metas: "list[SampleMeta] | MetaColumns", model: MLLMConfig, plan: Plan,
                       layout: AssemblyLayout, policies: dict[str, str],
                       post_balance_policy="sum", ranks_per_node: int = 0, *,
                       node_wise: NodeWise | None = None, hardware: Hardware = H100
                       ) -> list[MicrobatchPlan]:
-    """Deterministic plan of one global batch from metadata (every host gets the same).
+    """Deterministic plan of one global batch from metadata (every host gets the same):
+    `metas` as `MetaColumns` (what the loader builds from its source's shapes) or a list of
+    `SampleMeta`s.
 
     `post_balance_policy`: one OrchMLLM algorithm for every phase or a dict unit -> one of
     ("sum", "padded", "sum_square", "conv"). Under "disttrain" (any unit) the microbatches
@@ -191,8 +194,10 @@ def plan_global_batch(metas: list[SampleMeta], model: MLLMConfig, plan: Plan,
         node_wise = NodeWise(ranks_per_node)
     size = n // l
     mbs = [list(range(i * size, (i + 1) * size)) for i in range(l)]
+    if not isinstance(metas, MetaColumns):
+        metas = MetaColumns.from_metas(metas)
     cols = shape_columns(metas, layout, tuple(e.modality for e in model.encoders))
-    costs = unit_costs(metas, model, cols)
+    costs = unit_costs([], model, cols)
     llm_dp = plan.unit("llm").dp
     splits = []
     for i in range(l):
@@ -212,12 +217,12 @@ def plan_global_batch(metas: list[SampleMeta], model: MLLMConfig, plan: Plan,
         gen = layout.gen.num_queries if layout.gen is not None else 64
         ranks = [{u: [[pos[k] for k in g] for g in s.lists()] for u, s in units.items()}
                  for pos, units in zip(mbs, splits)]
-        mb_costs, stages = microbatch_costs(metas, model, plan, ranks, hardware, gen)
+        mb_costs, stages = microbatch_costs(metas.metas(), model, plan, ranks, hardware, gen)
         order = inter_reorder(mb_costs, len(stages), stage_costs=stages)
         mbs, splits = [mbs[j] for j in order], [splits[j] for j in order]
     out = []
     for pos, units in zip(mbs, splits):
-        at = np.asarray(pos, dtype=np.int64)
+        at = np.arange(size, dtype=np.int64) + (pos[0] if pos else 0)  # a contiguous slice
         out.append(MicrobatchPlan(pos, units, {
             u: rank_shapes(cols, at[sp.items], sp.counts, layout) for u, sp in units.items()}))
     return out

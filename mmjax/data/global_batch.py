@@ -21,6 +21,7 @@ from mmjax.planner.hardware import H100, Hardware
 from mmjax.planner.plan import Plan
 from mmjax.data.batch_plan import (MicrobatchPlan, NodeWise, plan_global_batch,
                                    post_balance_policies)
+from mmjax.data.meta_columns import MetaColumns
 from mmjax.data.records import DecodeError, sample_name, sample_where, source_problem
 from mmjax.data.row_budget import fill_rows
 from mmjax.data.stream_position import StreamOrigin, resumed_origin
@@ -180,8 +181,7 @@ class GlobalBatchBuilder:
                 idx, specs, _ = self.select(step, start=step * self.window)
             except UserError:
                 continue
-            yield idx, specs, [self.layout.rules.meta_from_shapes(i, s)
-                               for i, s in zip(idx, specs)]
+            yield idx, specs, MetaColumns.from_specs(idx, specs, self.layout.rules).metas()
 
     def scan_floor(self, steps: int):
         """The union of the feed shapes of global batches 0 .. steps-1 (`scan`), built on
@@ -256,8 +256,7 @@ class GlobalBatchBuilder:
                 idx.append(i)
                 specs.append(spec)
         if budget is not None:  # the usable candidates that fill the rows; equal microbatches
-            lens = [self.layout.rules.meta_from_shapes(i, s).llm_length
-                    for i, s in zip(idx, specs)]
+            lens = MetaColumns.from_specs(idx, specs, self.layout.rules).llm_length.tolist()
             keep = fill_rows(lens, budget, self.layout.seq_len)
             keep = keep[:len(keep) - len(keep) % mbs]
             if len(keep) < need <= len(idx):
@@ -319,7 +318,7 @@ class GlobalBatchBuilder:
         skips and blanks as every plan's)."""
         skipped: list[tuple] = []
         idx, specs, reasons = self.select(int(step), skipped)
-        metas = [self.layout.rules.meta_from_shapes(i, s) for i, s in zip(idx, specs)]
+        metas = MetaColumns.from_specs(idx, specs, self.layout.rules)
         failed: set[int] = set()
         get = self._getter(idx, specs, metas, skipped, failed)
         samples = [get(p) for p in range(len(idx))]
@@ -331,7 +330,7 @@ class GlobalBatchBuilder:
         t0 = time.perf_counter()
         skipped: list[tuple] = []
         idx, specs, reasons = self.select(int(step), skipped)
-        metas = [self.layout.rules.meta_from_shapes(i, s) for i, s in zip(idx, specs)]
+        metas = MetaColumns.from_specs(idx, specs, self.layout.rules)
         mb_plans = plan_global_batch(metas, self.model, self.plan, self.layout, self.policies,
                                      self.algo, node_wise=self.node_wise,
                                      hardware=self.hardware)
@@ -347,12 +346,13 @@ class GlobalBatchBuilder:
             if bad:
                 mask_samples(feed, bad, gen_elements_per_image(self.layout))
             mbs.append(Microbatch(mp, feed))
-        n_gen = sum(m.count("image_out") for m in metas) * gen_elements_per_image(self.layout)
+        n_gen = int(metas.count("image_out").sum()) * gen_elements_per_image(self.layout)
         if failed:
             reasons["decode"] = reasons.get("decode", 0) + len(failed)
+        targets = metas.num_targets
         return GlobalBatch(int(step), idx, mbs, sum(reasons.values()), reasons,
-                           sum(m.num_targets for m in metas), n_gen, len(failed), t_plan,
-                           skipped, failed_at, [m.num_targets for m in metas])
+                           int(targets.sum()), n_gen, len(failed), t_plan,
+                           skipped, failed_at, targets.tolist())
 
     def _here(self, mp: MicrobatchPlan, get, specs, idx):
         """`get` for the samples on this host's DP ranks, each decoded only in the

@@ -216,9 +216,9 @@ def check_shapes(shapes, layout: AssemblyLayout) -> str | None:
                 return f"empty: {where} has no frames"
             if shape[0] > layout.audio_frame_caps[-1]:
                 return f"too_long: {where} has {shape[0]} frames > largest cap {layout.audio_frame_caps[-1]}"
-    meta = layout.rules.meta_from_shapes(-1, shapes)
-    if meta.llm_length > layout.seq_len:
-        return f"too_long: {meta.llm_length} LLM tokens > seq_len {layout.seq_len}"
+    length = layout.rules.llm_length(shapes)
+    if length > layout.seq_len:
+        return f"too_long: {length} LLM tokens > seq_len {layout.seq_len}"
     return None
 
 

@@ -199,6 +199,29 @@ class TokenRules:
             return SegmentMeta("image_out", int(num_queries), n, n, 0, delimiters)
         raise ValueError(f"unknown modality {modality!r}; use one of {MODALITIES}")
 
+    def llm_length(self, shapes) -> int:
+        """`meta_from_shapes(i, shapes).llm_length` without building the metadata (a
+        per-candidate check: `layout.check_shapes`)."""
+        n = 2
+        for e in shapes:
+            mod, shape = e[0], e[1]
+            if mod == "text":
+                n += int(shape[0])
+                continue
+            n += 2 if self.markers else 0
+            if mod == "image":
+                p = self.patch_size
+                n += self.image_queries or -(-(shape[0] // p) * (shape[1] // p)
+                                             // self.image_downsample)
+            elif mod == "audio":
+                n += self.audio_queries or -(-(-(-shape[0] // AUDIO_STRIDE))
+                                             // self.audio_downsample)
+            elif mod == "image_out":
+                n += int(e[2])
+            else:
+                raise ValueError(f"unknown modality {mod!r}; use one of {MODALITIES}")
+        return int(n)
+
     def meta(self, sample: Sample) -> SampleMeta:
         return SampleMeta(sample.id, tuple(
             self.segment_meta(s.modality, s.data.shape, s.num_queries, s.num_masked)

@@ -1,16 +1,19 @@
 """A global batch's sample metadata as flat numpy columns (no JAX): what planning reads per
-sample, extracted in one pass over the `SampleMeta`s, so the balancing costs
+sample, read from the per-segment `MetaColumns` (data/meta_columns.py), so the balancing costs
 (`batch_plan.unit_costs`) and every unit's per-rank shapes (`batch_shapes.rank_shapes`)
 are array work over index splits, not per-sample Python once per unit (issue 41: host
 planning linear in the batch)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
+from numba import njit
 
 from mmjax.data.layout import AssemblyLayout
-from mmjax.data.sample import SampleMeta
+from mmjax.data.meta_columns import CODE, MetaColumns
+from mmjax.data.sample import MODALITIES, SampleMeta
 
 
 @dataclass(frozen=True)
@@ -20,18 +23,28 @@ class Ragged:
     values: np.ndarray  # int64, sample after sample
     counts: np.ndarray  # int64 [samples]
 
-    @property
+    @cached_property
     def starts(self) -> np.ndarray:
         return np.cumsum(self.counts) - self.counts
 
     def take(self, items: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(values of samples `items`, in that order, flat; their counts)."""
         counts = self.counts[items]
-        total = int(counts.sum())
-        if total == 0:
-            return np.zeros(0, np.int64), counts
-        shift = np.repeat(self.starts[items] - (np.cumsum(counts) - counts), counts)
-        return self.values[shift + np.arange(total)], counts
+        return _gather(self.values, self.starts, counts, items), counts
+
+
+@njit(cache=True)
+def _gather(values, starts, counts, items):
+    """The runs `values[starts[i]:starts[i] + counts[k]]` of `i = items[k]`, one after
+    another (`counts`: the items' own counts)."""
+    out = np.empty(counts.sum(), np.int64)
+    j = 0
+    for k in range(items.size):
+        s = starts[items[k]]
+        for t in range(counts[k]):
+            out[j] = values[s + t]
+            j += 1
+    return out
 
 
 @dataclass(frozen=True)
@@ -46,35 +59,41 @@ class ShapeColumns:
     items: dict[str, Ragged]  # encoder slot name -> its items' sizes
 
 
-def shape_columns(metas: list[SampleMeta], layout: AssemblyLayout,
+def shape_columns(metas: "list[SampleMeta] | MetaColumns", layout: AssemblyLayout,
                   modalities: tuple[str, ...] = ()) -> ShapeColumns:
-    """The columns of `metas`; `encoder_tokens` for `modalities` (and the layout's). One
-    attribute read per segment field (list comprehensions), the rest numpy."""
-    n = len(metas)
-    segs = [s for m in metas for s in m.segments]
-    ends = np.cumsum(np.fromiter((len(m.segments) for m in metas), np.int64, n))
-    sample = np.repeat(np.arange(n, dtype=np.int64), np.diff(ends, prepend=0))
-    mod = np.array([s.modality for s in segs] or [""])[:len(segs)]
-    llm = 2 + _sum_by(ends, np.fromiter((s.num_llm_tokens + s.delimiters for s in segs),
-                                          np.int64, len(segs)), n)
-    enc = np.fromiter((s.num_encoder_tokens for s in segs), np.int64, len(segs))
-    size = np.fromiter((s.input_size for s in segs), np.int64, len(segs))
+    """The columns of `metas` (`SampleMeta`s or already `MetaColumns`); `encoder_tokens`
+    for `modalities` (and the layout's). One compiled pass over the segments."""
+    mc = metas if isinstance(metas, MetaColumns) else MetaColumns.from_metas(metas)
+    llm, enc, count = _per_sample(mc.counts, mc.modality, mc.llm_tokens, mc.delimiters,
+                                  mc.encoder_tokens, len(MODALITIES))
     slots = {s.modality: s for s in layout.encoders}
-    tokens = {m: _sum_by(ends, np.where(mod == m, enc, 0), n)
-              for m in sorted(set(modalities) | set(slots))}
+    tokens = {m: enc[CODE[m]] for m in sorted(set(modalities) | set(slots))}
     items = {}
     for m, slot in slots.items():
-        at = mod == m
-        v = size[at]
+        v = mc.input_size[mc.modality == CODE[m]]
         if m == "image":  # patches rounded up to the downsample (`batch_shapes.image_runs`)
             r = slot.downsample
             v = -(-v // r) * r
-        items[slot.name] = Ragged(v, np.bincount(sample[at], minlength=n).astype(np.int64))
-    return ShapeColumns(llm, _sum_by(ends, (mod == "image_out").astype(np.int64), n),
-                        tokens, items)
+        items[slot.name] = Ragged(v, count[CODE[m]])
+    return ShapeColumns(llm, count[CODE["image_out"]], tokens, items)
 
 
-def _sum_by(ends: np.ndarray, x: np.ndarray, n: int) -> np.ndarray:
-    """Per sample the sum of `x` over its segments (sample i's: `x[ends[i - 1]:ends[i]]`)."""
-    c = np.concatenate([[0], np.cumsum(x, dtype=np.int64)])
-    return c[ends] - c[np.concatenate([[0], ends[:-1]])] if n else np.zeros(0, np.int64)
+@njit(cache=True)
+def _per_sample(counts, modality, llm_tokens, delimiters, encoder_tokens, kinds):
+    """Per sample: LLM length (2 + its segments' tokens and delimiters); per modality code
+    its encoder tokens and its segment count ([kinds, samples] each)."""
+    n = counts.size
+    llm = np.empty(n, np.int64)
+    enc = np.zeros((kinds, n), np.int64)
+    count = np.zeros((kinds, n), np.int64)
+    j = 0
+    for i in range(n):
+        t = 2
+        for _ in range(counts[i]):
+            c = modality[j]
+            t += llm_tokens[j] + delimiters[j]
+            enc[c, i] += encoder_tokens[j]
+            count[c, i] += 1
+            j += 1
+        llm[i] = t
+    return llm, enc, count
