@@ -1,7 +1,7 @@
 """What every script under scripts/ shares: strict gin parsing and one-line user errors.
 
-A user error (bad setting, plan, data, checkpoint, device count: `UserError` and the
-library's other input errors) prints `error: <what> (<how to fix>)` on one line and exits 2;
+A user error (bad setting, plan, data, checkpoint, device count: every input error is a
+`UserError`) prints `error: <what> (<how to fix>)` on one line and exits 2;
 XLA's RESOURCE_EXHAUSTED prints one line with the settings to change (exit 1); anything else
 is a bug and keeps its traceback. `--debug` shows the traceback of a user
 error too.
@@ -20,11 +20,9 @@ EXIT_OUT_OF_MEMORY = 1  # not bad input: the run itself did not fit
 
 
 def user_error_types() -> tuple[type, ...]:
-    """The exception types that mean bad input (imported lazily: some pull in JAX)."""
-    from mmjax.models.hf.pretrained import PretrainedError
-    from mmjax.train.checkpoint import CheckpointMismatch
-
-    return UserError, PretrainedError, CheckpointMismatch
+    """The exception types that mean bad input: `UserError`, which every such type
+    (PlanError, PretrainedError, CheckpointMismatch, ...) subclasses."""
+    return (UserError,)
 
 
 def run_main(main, argv=None) -> int:

@@ -25,7 +25,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from mmjax.errors import one_line
+from mmjax.errors import UserError, one_line
 from mmjax.train.checkpoint_integrity import (all_processes, barrier,
                                               data_digest, global_checksums,
                                               integrity_record, is_named, named_arrays)
@@ -37,8 +37,9 @@ class CheckpointUnusable(Exception):
     """This checkpoint cannot be restored faithfully (reason in the message)."""
 
 
-class CheckpointMismatch(ValueError):
-    """The checkpoint is intact but was written for a different model or plan."""
+class CheckpointMismatch(UserError):
+    """The checkpoint is intact but was written for a different model or plan (bad input:
+    the workdir belongs to another run)."""
 
 
 def _widened(sharding):

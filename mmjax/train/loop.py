@@ -150,11 +150,7 @@ class TrainLoop:
                                 max(m.compiled_programs, int(m.compile_s > 0)))
                 rec = self.record(n, m)
                 if evaluate_at(n):
-                    with CompileWatch() as w:
-                        rec["eval_loss"] = evaluate()
-                    report.say(f"step {n}: eval_loss {rec['eval_loss']:.4f}" + (
-                        f" (compiled the evaluation's {w.count} programs in {w.seconds:.1f} s)"
-                        if w.count else ""))
+                    self.record_eval(n, rec, evaluate, report)
                 # no switch in a bad streak: it could not checkpoint
                 switch = self.replan(n, trace) if replan and not self.in_a_row else None
                 if switch is not None:
@@ -184,15 +180,28 @@ class TrainLoop:
                     self.preempted(n, preempt.signame or "a peer's signal", saved)
         self.ckpt.wait()  # the last save committed (or its failure reported) before "trained"
         if records:
-            report.say("trained " + report.summary(len(records)))
-            said = skips.summary(len(records) * report.global_batch)
-            if said:
-                report.say(said)
-            if self.lead and self.plotted != records[-1]["step"]:
-                self.plot()
-            if self.lead and self.plotted is not None:
-                report.say(f"loss curve: {os.path.join(self.workdir, 'loss.png')}")
+            self.closing_lines(records, report, skips)
         return records
+
+    @staticmethod
+    def record_eval(n: int, rec: dict, evaluate, report) -> None:
+        """Step `n`'s validation loss into its metrics row `rec`, said on the console."""
+        with CompileWatch() as w:
+            rec["eval_loss"] = evaluate()
+        report.say(f"step {n}: eval_loss {rec['eval_loss']:.4f}" + (
+            f" (compiled the evaluation's {w.count} programs in {w.seconds:.1f} s)"
+            if w.count else ""))
+
+    def closing_lines(self, records: list[dict], report, skips: SkipReport) -> None:
+        """The invocation's closing lines (steps trained, samples skipped, the loss curve)."""
+        report.say("trained " + report.summary(len(records)))
+        said = skips.summary(len(records) * report.global_batch)
+        if said:
+            report.say(said)
+        if self.lead and self.plotted != records[-1]["step"]:
+            self.plot()
+        if self.lead and self.plotted is not None:
+            report.say(f"loss curve: {os.path.join(self.workdir, 'loss.png')}")
 
     def plot(self) -> None:
         """DIR/loss.png from metrics.jsonl (matplotlib; at each checkpoint and the end)."""

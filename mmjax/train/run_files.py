@@ -6,11 +6,14 @@ from __future__ import annotations
 import json
 import os
 
+import gin
 import jax
 
 from mmjax.errors import UserError, shown
 from mmjax.models.config import MLLMConfig, config_to_dict
 from mmjax.planner.plan import Plan
+from mmjax.train.progress import console as progress_console
+from mmjax.train.run_report import pretrained_lines
 
 
 def truncate_metrics(path: str, upto: int, one_per_step: bool = True) -> None:
@@ -89,6 +92,23 @@ def write_run_info(workdir: str, cfg: MLLMConfig, plan: Plan | None, seed: int,
 
 
 MACHINE_CACHE = os.path.join("mmjax", "jax-compilation")  # under the user's cache directory
+
+
+def start_run_files(workdir: str, cfg: MLLMConfig, plan: Plan | None, seed: int, dirs: dict,
+                    memory_line: str | None):
+    """DIR/config.gin and DIR/run.json (what scripts/generate.py rebuilds the model and data
+    from; process 0), the pretrained weights read and the runner's memory line said; ->
+    `write_info(plan)`, which rewrites run.json for another plan."""
+    os.makedirs(workdir, exist_ok=True)
+    sources = pretrained_sources(workdir, dirs)  # a resume reads what the run trained with
+    if jax.process_index() == 0:
+        with open(os.path.join(workdir, "config.gin"), "w") as f:
+            f.write(gin.config_str())
+        write_run_info(workdir, cfg, plan, seed, dirs, sources)
+        for line in pretrained_lines(cfg, dirs) + [memory_line]:
+            if line:  # pretrained: read into the runner's fresh parameters
+                progress_console().print(line, markup=False, highlight=False)
+    return lambda p: write_run_info(workdir, cfg, p, seed, dirs, sources)
 
 
 def machine_cache_dir() -> str:

@@ -22,18 +22,19 @@ from mmjax.train.vae_latents import place_vae
 
 
 def dry_run_build(cfg, tok, dirs, plan, global_batch, attention_impl, schedule,
-                  dtype=None, check_memory: bool = False) -> None:
+                  dtype=None, check_memory: bool = False, chosen: Plan | None = None) -> None:
     """What a run builds before its first step, short of parameters and programs: the
     plan, the optimizer, the data source and the first global batch (selected, decoded,
     assembled), so a setting that would break them fails here; with `check_memory` and
     one program (`plan` None), the run's memory check at the first global batch's shapes
-    (train/memory_check.py `check_single_program`: the run refuses the same way)."""
+    (train/memory_check.py `check_single_program`: the run refuses the same way).
+    `chosen`: the Plan `plan` names, already built (`run_plan`'s `chosen`)."""
     from mmjax.data.loader import Loader
     from mmjax.train.optimizer import optimizer_from_settings
 
     optimizer_from_settings(schedule)
     float(schedule(0))
-    the_plan = (run_plan(plan, cfg, tok, dirs, global_batch, attention_impl)[0]
+    the_plan = (run_plan(plan, cfg, tok, dirs, global_batch, attention_impl, chosen)[0]
                 if plan is not None else Plan.uniform(cfg, global_batch, 1))
     layout, source = layout_and_source(cfg, tok)
     loader = Loader(source if source is not None else train_source(cfg), cfg, the_plan,
@@ -97,12 +98,12 @@ def model_and_tokenizer(model: MLLMConfig | None):
 def run_plan(plan: str, cfg: MLLMConfig, tok, dirs: dict, global_batch: int,
              attention_impl: str | None, chosen: Plan | None = None) -> tuple[Plan, MLLMConfig]:
     """The run's Plan ("manual": gin's `manual_plan`; "auto": planned for the devices present
-    and the run's source, or `chosen` when `auto_plan.layout` already planned it; else a
-    Plan JSON), validated, and the config its tp sizes need."""
+    and the run's source; either is `chosen` when the layout choice already built it; else
+    a Plan JSON), validated, and the config its tp sizes need."""
     from mmjax.train.manual_plan import manual_plan
 
     if plan == "manual":
-        the_plan = manual_plan(global_batch=global_batch, model=cfg)
+        the_plan = chosen or manual_plan(global_batch=global_batch, model=cfg)
     elif plan == "auto":  # planned for the source this run reads
         real = layout_and_source(cfg, tok)[1]
         the_plan = chosen or auto_plan(cfg, global_batch,

@@ -18,6 +18,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from mmjax.errors import UserError
 from mmjax.models.config import AudioConfig, MLLMConfig, VisionConfig
 from mmjax.models.hf.checkpoint import LoadPlan, _flatten, _set, apply_to_module, read_config
 from mmjax.models.hf.dispatch import config_for, load_pure, model_type
@@ -30,7 +31,7 @@ from mmjax.models.hf.whisper import whisper_load_plan
 from mmjax.models.units import LLM_UNIT, has_llm, is_encoder, is_generator, is_llm, is_vae
 
 
-class PretrainedError(ValueError):
+class PretrainedError(UserError):
     """A pretrained checkpoint that cannot start training (raised before any work)."""
 
 

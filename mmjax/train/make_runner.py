@@ -1,0 +1,52 @@
+"""`RunnerMaker`: the one place a run builds its runner (train/runner.py `Runner`), at
+start-up, after a resume onto an older plan and at each re-planning switch: the pipelined
+runner for a Plan, else the whole model as one program (on one device, or co-located)."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+from mmjax.models.config import MLLMConfig
+from mmjax.planner.plan import Plan
+from mmjax.train.colocated import Colocated
+from mmjax.train.colocated_plan import Colocation
+from mmjax.train.pipelined import pipelined_runner
+from mmjax.train.single_program import SingleProgram
+
+
+@dataclasses.dataclass(frozen=True)
+class RunnerMaker:
+    """What every runner of a run shares: the model config, the data layout and source,
+    the learning-rate schedule, dtype, seed, pretrained dirs and the run's settings."""
+    cfg: MLLMConfig
+    layout: Any
+    source: Any
+    global_batch: int
+    schedule: Callable
+    dtype: Any
+    seed: int
+    dirs: dict
+    steps: int
+    check_memory: bool
+    attention_impl: str | None
+    colocation: Colocation | None
+
+    def __call__(self, plan: Plan | None = None, announce=None):
+        """The runner for `plan` (None: one program); `announce()` once the memory check
+        passed (the trainer's line saying what compiles)."""
+        if plan is not None:
+            return pipelined_runner(self.cfg, self.layout, plan, self.schedule, self.dtype,
+                                    self.seed, self.source, self.dirs, self.steps,
+                                    self.check_memory, announce)
+        impl = self.attention_impl or "auto"
+        if self.colocation is None:
+            runner = SingleProgram(self.cfg, self.layout, self.global_batch, self.schedule,
+                                   self.dtype, self.seed, self.source, impl, self.dirs,
+                                   self.check_memory)
+        else:
+            runner = Colocated(self.cfg, self.layout, self.global_batch, self.schedule,
+                               self.dtype, self.seed, self.colocation, self.source, impl,
+                               self.dirs, check_memory=self.check_memory)
+        if announce is not None:
+            announce()
+        return runner
