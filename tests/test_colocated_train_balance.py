@@ -149,7 +149,7 @@ def test_colocated_run_node_wise_ledger_counts_inter_node_bytes(tmp_path, single
 
 def _sent_from_caps(cfg, rpn: int, tp: int, global_batch: int = 8) -> int:
     """Inter-node bytes the staged exchanges send per step at the capacities the runner's
-    start-up scan fixes (`exchange_stages.caps_bytes`, forward and backward, every
+    start-up scan (`Loader.shape_scan_steps` global batches, whatever the run's length) fixes (`exchange_stages.caps_bytes`, forward and backward, every
     encoder)."""
     from mmjax.parallel.exchange_stages import Topology, caps_bytes
     from mmjax.parallel.fsdp import colocated_mesh
@@ -161,7 +161,7 @@ def _sent_from_caps(cfg, rpn: int, tp: int, global_batch: int = 8) -> int:
     try:
         lay, _ = layout_and_source(cfg, None)
         mesh = colocated_mesh(jax.devices(), Colocation(tp=tp))
-        data = PhaseBatches(train_source(cfg), cfg, lay, global_batch, mesh, scan_steps=STEPS)
+        data = PhaseBatches(train_source(cfg), cfg, lay, global_batch, mesh)  # the run's scan
         caps = data.floor_capacity
         data.close()
     finally:
