@@ -19,7 +19,7 @@ from mmjax.models.hf.qwen2_vl import QWEN_VL_TYPES, load_qwen2_vl, model_type_of
 from mmjax.models.hf.qwen2_vl_forward import qwen2_vl_forward
 from mmjax.models.hf.whisper import audio_config_from_hf, load_whisper_encoder_safetensors
 from mmjax.models.hf.llava import load_llava, save_llava
-from mmjax.models.hf.llava_forward import llava_forward
+from mmjax.models.hf.llava_forward import hf_patches, llava_forward
 from mmjax.models.llm import LLM
 from mmjax.models.mllm import MultimodalModel
 from mmjax.models.vit import StandardViT
@@ -142,16 +142,10 @@ def _llm_logits(module, tokens, allowed):
 
 @nnx.jit
 def _vit_states(module, pixel_values):
-    b, c, h, w = pixel_values.shape
-    p = module.cfg.patch_size
-    gh, gw = h // p, w // p
-    x = pixel_values.transpose(0, 2, 3, 1)[:, : gh * p, : gw * p]
-    patches = x.reshape(b, gh, p, gw, p, c).transpose(0, 1, 3, 2, 4, 5).reshape(b, gh * gw, -1)
-    seg = jnp.ones((b, gh * gw), jnp.int32)
-    pos = jnp.broadcast_to(jnp.stack(jnp.divmod(jnp.arange(gh * gw), gw), -1), (b, gh * gw, 2))
+    patches, seg, pos = hf_patches(pixel_values, module.cfg.patch_size)
     x = module.run_layers(module.embed(patches, seg, pos), seg)
     if module.cfg.class_token:  # HF order: class token first
-        x = jnp.concatenate([module.class_tokens(x), x[:, : gh * gw]], axis=1)
+        x = jnp.concatenate([module.class_tokens(x), x[:, : patches.shape[1]]], axis=1)
     return x if module.final_ln is None else module.final_ln(x)
 
 

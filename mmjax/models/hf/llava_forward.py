@@ -8,17 +8,23 @@ import numpy as np
 from flax import nnx
 
 
-def llava_embed(model, input_ids, pixel_values, image_token: int):
-    """The LLM's input embeddings [B, S, d]: the tower's patch states at the feature layer,
-    projected, scattered in order over the image tokens."""
-    tower, proj, llm = model.encoders["vision"], model.projectors["vision"], model.llm
+def hf_patches(pixel_values, p: int):
+    """HF pixel values [B, C, H, W] -> the tower's inputs: flattened p x p patches in
+    row-major order [B, N, p*p*C], one segment per image, (row, column) positions."""
     b, c, h, w = pixel_values.shape
-    p = tower.cfg.patch_size
     gh, gw = h // p, w // p
     x = pixel_values.transpose(0, 2, 3, 1)[:, : gh * p, : gw * p]
     patches = x.reshape(b, gh, p, gw, p, c).transpose(0, 1, 3, 2, 4, 5).reshape(b, gh * gw, -1)
     seg = jnp.ones((b, gh * gw), jnp.int32)
     pos = jnp.broadcast_to(jnp.stack(jnp.divmod(jnp.arange(gh * gw), gw), -1), (b, gh * gw, 2))
+    return patches, seg, pos
+
+
+def llava_embed(model, input_ids, pixel_values, image_token: int):
+    """The LLM's input embeddings [B, S, d]: the tower's patch states at the feature layer,
+    projected, scattered in order over the image tokens."""
+    tower, proj, llm = model.encoders["vision"], model.projectors["vision"], model.llm
+    patches, seg, pos = hf_patches(pixel_values, tower.cfg.patch_size)
     feats = tower.finish(tower.run_layers(tower.embed(patches, seg, pos), seg))  # no class token
     image = proj(feats).reshape(-1, llm.cfg.hidden_size)
     emb = llm.embed_tokens(input_ids)
