@@ -374,3 +374,74 @@ def test_stage_loads_match_the_tables_and_hops_are_logarithmic():
         for k, send in enumerate(t.send):
             np.testing.assert_array_equal((send >= 0).sum(axis=1), load[k])
         assert all(c >= m for c, m in zip(t.caps, load.max(axis=1, initial=0)))
+
+
+def _relay_reference(count, rpn):
+    """The relay rule of exchange_stages.relay_rows walked move by move in Python."""
+    by: dict = {}
+    for (u, v), m in sorted(count.items()):
+        (a, i), (b, j) = divmod(u, rpn), divmod(v, rpn)
+        if a != b and m:
+            by.setdefault((a, b), []).append((i, j, m))
+    out: dict = {}
+    for (a, b), moves in by.items():
+        quota = -(-sum(m for *_, m in moves) // rpn)
+        load = [0] * rpn
+        taken, left = [], list(sorted(moves, key=lambda t: t[0] != t[1]))
+        for own in (0, 1):  # pass one: the source's index; pass two: the destination's
+            rest = []
+            for i, j, m in left:
+                r = (i, j)[own]
+                t = min(m, quota - load[r])
+                load[r] += t
+                taken.append((i, j, r, t))
+                rest.append((i, j, m - t))
+            left = rest
+        relays = sorted(range(rpn), key=lambda r: (load[r], r))
+        rest_rows = sum(m for *_, m in left)
+        level = min(load)
+        while sum(max(level + 1 - x, 0) for x in load) <= rest_rows:
+            level += 1  # water filling: the highest level the rows fill
+        room = [max(level - load[r], 0) for r in relays]
+        for q in range(rest_rows - sum(room)):  # the rest, one each, to the lowest relays
+            room[q] += 1
+        k = 0
+        for i, j, m in left:  # pass three: the rooms cut in relay order
+            while m:
+                t = min(m, room[k])
+                taken.append((i, j, relays[k], t))
+                room[k] -= t
+                m -= t
+                k += room[k] == 0
+        for i, j, r, m in taken:
+            if m:
+                out.setdefault((a * rpn + i, b * rpn + j), []).append((r, m))
+    return out
+
+
+def test_relays_follow_the_rule_and_the_quota():
+    """The vectorised relays equal the documented rule walked in Python (own index, then the
+    destination's, then the least loaded relays' room), every row of a node pair is carried,
+    and no relay carries more than ceil(T / rpn) of a node pair's T rows."""
+    import random
+
+    from mmjax.parallel.exchange_stages import Topology, routing
+
+    rng = random.Random(11)
+    for _ in range(600):
+        rpn, nodes = rng.choice([1, 2, 3, 4, 8]), rng.randint(1, 9)
+        n = rpn * nodes
+        count: dict = {}
+        for _ in range(rng.randint(0, 3 * n)):
+            k = (rng.randrange(n), rng.randrange(n))
+            count[k] = count.get(k, 0) + rng.randint(0, 9)
+        got = routing(count, Topology(n, rpn))
+        assert got == _relay_reference(count, rpn)
+        per_pair: dict = {}
+        for (u, v), rs in got.items():
+            assert sum(m for _, m in rs) == count[(u, v)]
+            for r, m in rs:
+                key = (u // rpn, v // rpn)
+                per_pair.setdefault(key, [0] * rpn)[r] += m
+        for (a, b), load in per_pair.items():
+            assert max(load) <= -(-sum(load) // rpn)

@@ -89,53 +89,121 @@ class Topology:
         return [(p, self.target(stage, shift, p)) for p in range(self.n)]
 
 
-def _relays(moves: list[tuple[int, int, int]], rpn: int) -> list[tuple[int, int, int, int]]:
-    """One node pair's rows `moves` [(i, j, rows)] -> [(i, j, relay r, rows)] with at most
-    ceil(total / rpn) rows on any relay (module docstring)."""
-    total = sum(m for _, _, m in moves)
-    quota = -(-total // rpn)
-    load = [0] * rpn
-    out, rest = [], []
-    for i, j, m in sorted(moves, key=lambda t: t[0] != t[1]):  # i == j: no hop at all
-        take = min(m, quota - load[i])
-        if take:
-            out.append((i, j, i, take))
-            load[i] += take
-        if m - take:
-            rest.append((i, j, m - take))
-    left = []
-    for i, j, m in rest:
-        take = min(m, quota - load[j])
-        if take:
-            out.append((i, j, j, take))
-            load[j] += take
-        if m - take:
-            left.append((i, j, m - take))
-    for i, j, m in left:
-        while m:
-            r = min(range(rpn), key=lambda x: (load[x], x))
-            take = min(m, quota - load[r])
-            out.append((i, j, r, take))
-            load[r] += take
-            m -= take
+def _count_arrays(count: dict[tuple[int, int], int]) -> tuple[np.ndarray, ...]:
+    """`count` {(u, v): rows} as arrays u, v, rows sorted by (u, v), rows > 0 only."""
+    if not count:
+        return (np.zeros(0, np.int64),) * 3
+    uv = np.array(list(count), np.int64).reshape(-1, 2)
+    m = np.fromiter(count.values(), np.int64, len(count))
+    order = np.lexsort((uv[:, 1], uv[:, 0]))
+    uv, m = uv[order], m[order]
+    keep = m > 0
+    return uv[keep, 0], uv[keep, 1], m[keep]
+
+
+def _fill(key: np.ndarray, amount: np.ndarray, cap: np.ndarray) -> np.ndarray:
+    """Per element, in order, the part of `amount` that fits under its group's `cap` after
+    the earlier elements of the same group (`key`: any group ids; a stable pass over each
+    group in element order, vectorised as clipped in-group prefix sums)."""
+    out = np.zeros_like(amount)
+    if not len(key):
+        return out
+    s = np.argsort(key, kind="stable")
+    k, x = key[s], amount[s]
+    total = np.cumsum(x)
+    start = np.r_[0, np.flatnonzero(k[1:] != k[:-1]) + 1]
+    base = np.repeat(np.r_[0, total[start[1:] - 1]], np.diff(np.r_[start, len(k)]))
+    incl = total - base
+    out[s] = np.minimum(incl, cap[s]) - np.minimum(incl - x, cap[s])
     return out
+
+
+def relay_rows(count: dict[tuple[int, int], int], topo: Topology
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The inter-node rows of `count` with their relays, as arrays (u, v, relay local index,
+    rows). Per node pair a -> b with T rows, no relay carries more than ceil(T / rpn): each
+    move takes its own index first (diagonal moves i == j first), then the destination's,
+    then the least loaded relays' room (module docstring). Every pass is vectorised over
+    all node pairs (clipped prefix sums, interval cuts). Depends only on `count`'s
+    contents, not its order, so capacities planned from one count carry the tables built
+    from another."""
+    return _relay_arrays(*_count_arrays(count), topo)
+
+
+def _relay_arrays(u, v, m, topo: Topology):
+    """`relay_rows` on the sorted count arrays."""
+    rpn = topo.rpn
+    a, i = np.divmod(u, rpn)
+    b, j = np.divmod(v, rpn)
+    inter = a != b
+    u, v, m, a, i, b, j = (x[inter] for x in (u, v, m, a, i, b, j))
+    pair = a * topo.nodes + b
+    order = np.lexsort((j, i, i != j, pair))  # per pair: diagonal moves first, then by (i, j)
+    u, v, m, i, j, pair = (x[order] for x in (u, v, m, i, j, pair))
+    pairs, first, inverse = np.unique(pair, return_index=True, return_inverse=True)
+    quota = -(-np.add.reduceat(m, first) // rpn) if len(m) else np.zeros(0, np.int64)
+    load = np.zeros((len(pairs), rpn), np.int64)
+    take1 = _fill(inverse * rpn + i, m, quota[inverse])
+    np.add.at(load, (inverse, i), take1)
+    rest = m - take1
+    take2 = _fill(inverse * rpn + j, rest, quota[inverse] - load[inverse, j])
+    np.add.at(load, (inverse, j), take2)
+    left = rest - take2
+    rows = [(u, v, i, take1), (u, v, j, take2), _spread(u, v, left, inverse, quota, load)]
+    out = tuple(np.concatenate(x) for x in zip(*rows))
+    keep = out[3] > 0
+    return out[0][keep], out[1][keep], out[2][keep], out[3][keep]
+
+
+def _spread(u, v, left, inverse, quota, load):
+    """Pass three of `relay_rows`: each node pair's remaining rows go to its relays by water
+    filling (the least loaded raised to one level, as even as whole rows allow; the extra
+    rows of an uneven level to the least loaded, lowest index first), as one stream in move
+    order cut over those rooms in that relay order. The level stays <= quota (rpn * quota
+    >= T). Vectorised: [pairs, rpn] arrays, and one interval cut over a global line where
+    pair p's relays and moves sit at offset base[p]."""
+    pairs, rpn = load.shape
+    want = np.bincount(inverse, weights=left, minlength=pairs).astype(np.int64)
+    relay_order = np.lexsort((np.tile(np.arange(rpn), pairs), load.ravel(),
+                              np.repeat(np.arange(pairs), rpn))).reshape(pairs, rpn)
+    low = np.take_along_axis(load, relay_order % rpn, axis=1)  # loads, ascending
+    total = want[:, None] + np.cumsum(low, axis=1)  # rows to share among the k lowest
+    k = np.arange(1, rpn + 1)
+    fits = np.ones((pairs, rpn), bool)  # the k lowest reach a level at most the next load
+    fits[:, :-1] = total[:, :-1] <= low[:, 1:] * k[:-1]
+    kk = np.argmax(fits, axis=1) + 1
+    tot = total[np.arange(pairs), kk - 1]
+    level, extra = tot // kk, tot % kk
+    rank = np.arange(rpn)[None, :]
+    room = np.where(rank < kk[:, None], level[:, None] - low + (rank < extra[:, None]), 0)
+    room = room.ravel()
+    r_end = np.cumsum(room)
+    r_start = r_end - room
+    base = np.r_[0, r_end[rpn - 1::rpn]][:-1] if pairs else np.zeros(0, np.int64)
+    mv = np.flatnonzero(left)
+    m = left[mv]
+    p = inverse[mv]
+    pair_total = np.cumsum(m)
+    first = np.r_[True, p[1:] != p[:-1]] if len(p) else np.zeros(0, bool)
+    before = np.maximum.accumulate(np.where(first, pair_total - m, 0)) if len(p) else m
+    s = base[p] + pair_total - m - before
+    e = s + m
+    k0 = np.searchsorted(r_end, s, side="right")
+    k1 = np.searchsorted(r_end, e, side="left")
+    pieces = k1 - k0 + 1
+    move = np.repeat(np.arange(len(mv)), pieces)
+    at = np.repeat(k0 - np.r_[0, np.cumsum(pieces)[:-1]], pieces) + np.arange(pieces.sum())
+    got = np.minimum(e[move], r_end[at]) - np.maximum(s[move], r_start[at])
+    return u[mv][move], v[mv][move], relay_order.ravel()[at] % rpn, got
 
 
 def routing(count: dict[tuple[int, int], int], topo: Topology
             ) -> dict[tuple[int, int], list[tuple[int, int]]]:
-    """Per inter-node device pair (u, v) with rows, [(relay local index, rows)]; intra-node
-    pairs go direct (absent here). The same for any order of `count`'s entries, so
-    capacities planned from one count carry the tables built from another."""
-    by_nodes: dict[tuple[int, int], list] = {}
-    for (u, v), m in sorted(count.items()):  # the relays do not depend on the dict's order
-        a, i = divmod(u, topo.rpn)
-        b, j = divmod(v, topo.rpn)
-        if a != b and m:
-            by_nodes.setdefault((a, b), []).append((i, j, m))
+    """Per inter-node device pair (u, v) with rows, [(relay local index, rows)] in the order
+    a row takes them (`relay_rows`); intra-node pairs go direct (absent here)."""
     out: dict[tuple[int, int], list[tuple[int, int]]] = {}
-    for (a, b), moves in by_nodes.items():
-        for i, j, r, m in _relays(moves, topo.rpn):
-            out.setdefault((a * topo.rpn + i, b * topo.rpn + j), []).append((r, m))
+    for u, v, r, m in zip(*(x.tolist() for x in relay_rows(count, topo))):
+        out.setdefault((u, v), []).append((r, m))
     return out
 
 
@@ -144,28 +212,27 @@ def stage_loads(count: dict[tuple[int, int], int], topo: Topology) -> np.ndarray
     (vectorised over the hops: NumPy scatter-adds, one per stage and hop)."""
     rpn, nodes, n = topo.rpn, topo.nodes, topo.n
     a_rows, b_rows = rpn - 1, topo.hops  # Caps layout: A shifts, B hops, C shifts
-    load = np.zeros((2 * a_rows + b_rows, n), np.int64)
-    direct = [(u, v, m) for (u, v), m in count.items()
-              if u // rpn == v // rpn and u != v and m]
-    if direct:
-        u, v, m = map(np.asarray, zip(*direct))
-        np.add.at(load, ((v - u) % rpn - 1, u), m)
-    hops = [(u, v, r, m) for (u, v), rs in routing(count, topo).items() for r, m in rs]
-    if hops:
-        u, v, r, m = map(np.asarray, zip(*hops))
-        a, i = np.divmod(u, rpn)
-        b, j = np.divmod(v, rpn)
-        moved = r != i
-        np.add.at(load, ((r - i)[moved] % rpn - 1, u[moved]), m[moved])
-        delta = (b - a) % nodes
-        for d in range(b_rows):
-            on = (delta >> d & 1).astype(bool)
-            node = (a + (delta & ((1 << d) - 1))) % nodes  # where the row is before hop d
-            np.add.at(load, (np.full(on.sum(), a_rows + d), (node * rpn + r)[on]), m[on])
-        last = r != j
-        np.add.at(load, (a_rows + b_rows + (j - r)[last] % rpn - 1, (b * rpn + r)[last]),
-                  m[last])
-    return load
+    rows = np.zeros((2 * a_rows + b_rows) * n, np.int64)  # flat [shift, device]
+
+    def add(shift, device, m):
+        np.add.at(rows, shift * n + device, m)
+
+    u, v, m = _count_arrays(count)
+    direct = (u // rpn == v // rpn) & (u != v)
+    add((v - u)[direct] % rpn - 1, u[direct], m[direct])
+    u, v, r, m = _relay_arrays(u, v, m, topo)
+    a, i = np.divmod(u, rpn)
+    b, j = np.divmod(v, rpn)
+    moved = r != i
+    add((r - i)[moved] % rpn - 1, u[moved], m[moved])
+    delta = (b - a) % nodes
+    for d in range(b_rows):
+        on = (delta >> d & 1).astype(bool)
+        node = (a + (delta & ((1 << d) - 1))) % nodes  # where the row is before hop d
+        add(a_rows + d, (node * rpn + r)[on], m[on])
+    last = r != j
+    add(a_rows + b_rows + (j - r)[last] % rpn - 1, (b * rpn + r)[last], m[last])
+    return rows.reshape(-1, n)
 
 
 def needed_caps(count: dict[tuple[int, int], int], topo: Topology) -> Caps:
