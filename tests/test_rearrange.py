@@ -353,7 +353,8 @@ def test_stage_loads_match_the_tables_and_hops_are_logarithmic():
     ceil(log2 nodes) hops and every row reaches its device (the tables are exact)."""
     import random
 
-    from mmjax.parallel.exchange_stages import Topology, stage_loads, staged_tables
+    from mmjax.parallel.exchange_stages import Topology, stage_loads
+    from mmjax.parallel.exchange_tables import staged_tables
 
     rng = random.Random(5)
     for _ in range(150):
@@ -374,6 +375,19 @@ def test_stage_loads_match_the_tables_and_hops_are_logarithmic():
         for k, send in enumerate(t.send):
             np.testing.assert_array_equal((send >= 0).sum(axis=1), load[k])
         assert all(c >= m for c, m in zip(t.caps, load.max(axis=1, initial=0)))
+        # run the tables: pools start with (device, slot) labels, every shift appends what
+        # its source sent; each delivered slot must hold its row's label
+        pool = [[(p, r) for r in range(src_slots)] for p in range(topo.n)]
+        for (stage, shift), send in zip(topo.shifts(), t.send):
+            got = {topo.target(stage, shift, p): [pool[p][x] if x >= 0 else None
+                                                  for x in send[p]] for p in range(topo.n)}
+            for p in range(topo.n):
+                pool[p].extend(got.get(p, [None] * send.shape[1]))
+        want = {(v, q): (u, s) for u, v, s, q in ds}
+        for v in range(topo.n):
+            for q in range(dst_slots):
+                x = t.recv[v, q]
+                assert (pool[v][x] if x >= 0 else None) == want.get((v, q)), (v, q)
 
 
 def _relay_reference(count, rpn):

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 Caps = tuple[int, ...]
+Counts = "dict[tuple[int, int], int] | np.ndarray"  # {(u, v): rows} or an [n, n] matrix
 
 
 def bucket(k: int) -> int:
@@ -89,8 +90,12 @@ class Topology:
         return [(p, self.target(stage, shift, p)) for p in range(self.n)]
 
 
-def _count_arrays(count: dict[tuple[int, int], int]) -> tuple[np.ndarray, ...]:
-    """`count` {(u, v): rows} as arrays u, v, rows sorted by (u, v), rows > 0 only."""
+def _count_arrays(count) -> tuple[np.ndarray, ...]:
+    """`count` {(u, v): rows}, or a [n, n] matrix of rows, as arrays u, v, rows sorted by
+    (u, v), rows > 0 only."""
+    if isinstance(count, np.ndarray):
+        u, v = np.nonzero(count)
+        return u.astype(np.int64), v.astype(np.int64), count[u, v].astype(np.int64)
     if not count:
         return (np.zeros(0, np.int64),) * 3
     uv = np.array(list(count), np.int64).reshape(-1, 2)
@@ -118,7 +123,7 @@ def _fill(key: np.ndarray, amount: np.ndarray, cap: np.ndarray) -> np.ndarray:
     return out
 
 
-def relay_rows(count: dict[tuple[int, int], int], topo: Topology
+def relay_rows(count: Counts, topo: Topology
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The inter-node rows of `count` with their relays, as arrays (u, v, relay local index,
     rows). Per node pair a -> b with T rows, no relay carries more than ceil(T / rpn): each
@@ -197,7 +202,7 @@ def _spread(u, v, left, inverse, quota, load):
     return u[mv][move], v[mv][move], relay_order.ravel()[at] % rpn, got
 
 
-def routing(count: dict[tuple[int, int], int], topo: Topology
+def routing(count: Counts, topo: Topology
             ) -> dict[tuple[int, int], list[tuple[int, int]]]:
     """Per inter-node device pair (u, v) with rows, [(relay local index, rows)] in the order
     a row takes them (`relay_rows`); intra-node pairs go direct (absent here)."""
@@ -207,7 +212,7 @@ def routing(count: dict[tuple[int, int], int], topo: Topology
     return out
 
 
-def stage_loads(count: dict[tuple[int, int], int], topo: Topology) -> np.ndarray:
+def stage_loads(count: Counts, topo: Topology) -> np.ndarray:
     """[len(shifts), n]: rows each device sends in each shift of the staged exchange
     (vectorised over the hops: NumPy scatter-adds, one per stage and hop)."""
     rpn, nodes, n = topo.rpn, topo.nodes, topo.n
@@ -235,7 +240,7 @@ def stage_loads(count: dict[tuple[int, int], int], topo: Topology) -> np.ndarray
     return rows.reshape(-1, n)
 
 
-def needed_caps(count: dict[tuple[int, int], int], topo: Topology) -> Caps:
+def needed_caps(count: Counts, topo: Topology) -> Caps:
     """The least bucketed capacities that carry `count` ({(u, v): rows})."""
     load = stage_loads(count, topo)
     return tuple(bucket(int(x)) for x in load.max(axis=1, initial=0))
@@ -257,71 +262,3 @@ def caps_bytes(caps: Caps, topo: Topology, row_bytes: int,
         for p, t in topo.perm(stage, shift):
             out["inter_node" if p // rpn != t // rpn else "intra_node"] += cap * row_bytes
     return out
-
-
-@dataclass(frozen=True)
-class StagedTables:
-    """Index tables of one staged exchange. `send[k]` [n, caps[k]]: the pool rows device p
-    puts in shift k's buffer (-1: padding); `recv` [n, dst_slots]: the final pool row of
-    each destination slot (-1: zeros). A device's pool is its input rows, then each shift's
-    received buffer in `topo.shifts()` order, appended stage by stage."""
-
-    topo: Topology
-    caps: Caps
-    send: tuple[np.ndarray, ...]
-    recv: np.ndarray
-    count: np.ndarray  # [n, n] rows device u delivers to device v (u == v included)
-
-
-def staged_tables(ds, topo: Topology, src_slots: int, dst_slots: int,
-                  caps: Caps | None = None) -> StagedTables:
-    """Tables moving deliveries `ds` [(u, v, src slot, dst slot)] (broker.deliveries) by the
-    staged exchange; `caps`: the static capacities (None: `needed_caps`, bucketed)."""
-    n, rpn = topo.n, topo.rpn
-    count = np.zeros((n, n), np.int64)
-    for u, v, _, _ in ds:
-        count[u, v] += 1
-    pairs = {(int(u), int(v)): int(count[u, v]) for u, v in zip(*np.nonzero(count))}
-    need = needed_caps(pairs, topo)
-    if caps is None:
-        caps = need
-    elif len(caps) != len(need) or any(c < k for c, k in zip(caps, need)):
-        raise ValueError(f"exchange: capacities {tuple(caps)} (rows per shift) are below the "
-                         f"rows this map sends, {need} (raise them: join_caps)")
-    shifts = topo.shifts()
-    index = {sh: k for k, sh in enumerate(shifts)}
-    offset = np.cumsum([src_slots] + list(caps))[:-1]  # pool row of shift k's block
-    send = [np.full((n, c), -1, np.int32) for c in caps]
-    used = np.zeros((len(shifts), n), np.int64)
-    recv = np.full((n, dst_slots), -1, np.int32)
-
-    def hop(stage, shift, p, row):
-        k = index[(stage, shift)]
-        c = used[k, p]
-        used[k, p] += 1
-        send[k][p, c] = row
-        return topo.target(stage, shift, p), int(offset[k] + c)
-
-    plan = {key: [r for r, m in hops for _ in range(m)]
-            for key, hops in routing(pairs, topo).items()}
-    taken: dict[tuple[int, int], int] = {}
-    for u, v, s, q in ds:
-        a, i = divmod(u, rpn)
-        b, j = divmod(v, rpn)
-        p, row = u, s
-        if a == b:
-            if i != j:
-                p, row = hop("A", (j - i) % rpn, p, row)
-        else:
-            t = taken.get((u, v), 0)
-            taken[(u, v)] = t + 1
-            r = plan[(u, v)][t]
-            if r != i:
-                p, row = hop("A", (r - i) % rpn, p, row)
-            for shift, _ in topo.node_hops(a, b):
-                p, row = hop("B", shift, p, row)
-            if r != j:
-                p, row = hop("C", (j - r) % rpn, p, row)
-        assert p == v
-        recv[v, q] = row
-    return StagedTables(topo, tuple(caps), tuple(send), recv, count)

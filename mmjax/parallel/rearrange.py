@@ -34,8 +34,8 @@ from jax.sharding import PartitionSpec as P
 
 from mmjax.data.routes import Routes
 from mmjax.parallel.broker import deliveries
-from mmjax.parallel.exchange_stages import (Caps, StagedTables, Topology, caps_bytes,
-                                            needed_caps, staged_tables)
+from mmjax.parallel.exchange_stages import Caps, Topology, caps_bytes, needed_caps
+from mmjax.parallel.exchange_tables import StagedTables, staged_tables
 
 
 def _axes(axes) -> tuple[str, ...]:
