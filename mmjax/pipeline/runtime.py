@@ -16,8 +16,6 @@ taken, the backward dispatch counts, and the brokers' ledgers (`transfers`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -28,31 +26,17 @@ from mmjax.models.config import MLLMConfig
 from mmjax.models.units import LLM_UNIT, is_generator, is_vae
 from mmjax.parallel.mesh import stage_meshes
 from mmjax.parallel.sharded_init import abstract_split
-from mmjax.pipeline.multiprocess import abstract, holds_local_device, sync_collectives
+from mmjax.pipeline.multiprocess import holds_local_device, sync_collectives
 from mmjax.pipeline.stage_modules import stage_module
 from mmjax.pipeline.stage_setup import Stage, build_stage, stage_filter
+from mmjax.pipeline.stage_actions import StageActions, StepState
 from mmjax.pipeline.step_result import StepResult
-from mmjax.pipeline.trace import completion_marker, make_tracer, trace_mode
+from mmjax.pipeline.trace import make_tracer, trace_mode
 from mmjax.pipeline.transfers import Transfers
 from mmjax.planner.plan import Plan
 from mmjax.schedule.dependencies import dispatch_order
 from mmjax.schedule.named import named_schedule
 from mmjax.schedule.stage_graph import Backward, StageGraph, StageId
-
-
-@dataclass
-class _Step:
-    """The in-flight state of one `run`: per (stage, microbatch) host inputs, forward
-    outputs, residuals and cotangents; the result being filled."""
-
-    feeds: list
-    totals: tuple
-    params: dict
-    sides: dict = field(default_factory=dict)
-    outputs: dict = field(default_factory=dict)
-    residuals: dict = field(default_factory=dict)
-    cotangents: dict = field(default_factory=dict)
-    result: StepResult = field(default_factory=StepResult)
 
 
 class PipelineRuntime:
@@ -93,6 +77,9 @@ class PipelineRuntime:
         self.sync = sync_collectives()
         self.transfers = Transfers(self.stages, self.graph, self.num_virtual["llm"],
                                    cfg.generator is not None, self.sync)
+        self.actions = StageActions(self.stages, self.graph, self.transfers, self.settle,
+                                    StageId(LLM_UNIT, self.num_virtual["llm"] - 1),
+                                    cfg.generator is not None)
 
     def _stage_makers(self, cfg: MLLMConfig, plan: Plan, root) -> dict:
         """{virtual StageId: (module maker, args, key, filters)}; sets `self.graph`, whose
@@ -189,31 +176,28 @@ class PipelineRuntime:
         if len(feeds) != self.plan.num_microbatches:
             raise ValueError(f"got {len(feeds)} microbatch feeds; the plan has "
                              f"{self.plan.num_microbatches}")
-        step = _Step(feeds, (sum(f.num_target_tokens for f in feeds),
-                             sum(f.num_gen_elements for f in feeds)),
-                     self._initial_compute() if params is None else params)
+        step = StepState.of(feeds, self._initial_compute() if params is None else params)
         tracer = make_tracer(trace_mode(trace))
         result = step.result
         result.reduced = {sid for sid, st in self.stages.items() if st.zero_stage >= 2}
         result.partials = {sid: self.settle(st.zeros()) for sid, st in self.stages.items()
                            if st.mode.param_grads and st.local}
-        hand = on_grads or (lambda sid, partials: None)
         tied = self.tied_embedding_stages() or ()
         for i, (sid, act) in enumerate(self.order):
             self._dispatch(sid, act, step, tracer)
             if (on_grads is not None and self.last_backward.get(sid) == i
                     and sid not in tied and sid in result.partials):
-                hand(sid, result.partials.pop(sid))
+                on_grads(sid, result.partials.pop(sid))
         self._sum_tied_embedding_grads(result.partials)
         if on_grads is not None:
             for sid in list(result.partials):
-                hand(sid, result.partials.pop(sid))
+                on_grads(sid, result.partials.pop(sid))
         result.reduced &= set(result.partials)
         if tracer:
             result.trace = tracer.finish()
         return result
 
-    def _dispatch(self, sid: StageId, act, step: "_Step", tracer) -> None:
+    def _dispatch(self, sid: StageId, act, step: StepState, tracer) -> None:
         """One action of the schedule: its stage's host inputs placed (once per
         microbatch), its forward or backward dispatched, traced if asked."""
         mb = act.microbatch
@@ -221,11 +205,12 @@ class PipelineRuntime:
         if (sid, mb) not in step.sides:
             step.sides[(sid, mb)] = self.transfers.side(sid, step.feeds[mb], step.totals)
         if act.kind == "F":
-            self._forward(sid, mb, step)
+            self.actions.forward(sid, mb, step)
         else:
-            self._backward(sid, mb, step)
+            self.actions.backward(sid, mb, step)
+            self.backward_calls[sid] += 1
         if tracer:
-            self._trace(tracer, sid, act, t0, step)
+            self.actions.trace(tracer, sid, act, t0, step)
         if act.kind == "B" or not self.graph.runs_backward(sid):
             step.sides.pop((sid, mb), None)
 
@@ -234,74 +219,11 @@ class PipelineRuntime:
         encoder stage's `apply` in the schedule's forward order, nothing kept for a backward
         and no gradients; the generator (diffusion loss) is not run. `losses()["lm_loss"]`
         is the feeds' mean loss per trained token, as in `run`. `params`: as in `run`."""
-        step = _Step(feeds, (sum(f.num_target_tokens for f in feeds),
-                             sum(f.num_gen_elements for f in feeds)),
-                     self._initial_compute() if params is None else params)
-        last_llm = StageId(LLM_UNIT, self.num_virtual["llm"] - 1)
+        step = StepState.of(feeds, self._initial_compute() if params is None else params)
         for sid, act in self.order:
-            if act.kind != "F" or is_generator(sid.unit) or is_vae(sid.unit):
-                continue
-            mb, st = act.microbatch, self.stages[sid]
-            side = self.transfers.side(sid, feeds[mb], step.totals)
-            x = self.transfers.gather_input(sid, mb, step.outputs, feeds[mb])
-            if st.local:
-                y = self.settle(st.fns.apply(step.params[sid], st.frozen, x, side))
-            else:
-                y = jax.eval_shape(st.fns.apply, st.abstract, st.frozen, x, side)
-            if sid == last_llm:
-                step.result.lm_loss.append(y[0] if self.cfg.generator is not None else y)
-            else:
-                step.outputs[(sid, mb)] = y
-            for p in self.graph.predecessors(sid):  # inputs are read once: free them
-                step.outputs.pop((p, mb), None)
+            if act.kind == "F" and not (is_generator(sid.unit) or is_vae(sid.unit)):
+                self.actions.apply(sid, act.microbatch, step)
         return step.result
-
-    def _forward(self, sid: StageId, mb: int, step: "_Step"):
-        st, side = self.stages[sid], step.sides[(sid, mb)]
-        x = self.transfers.gather_input(sid, mb, step.outputs, step.feeds[mb])
-        if st.local:  # keep the vjp residuals (pipeline/stage.py), not the input
-            y, res = self.settle(st.fns.forward(step.params[sid], st.frozen, x, side))
-        else:  # another process runs it; keep the shapes for the transfers and dx
-            y, _ = jax.eval_shape(st.fns.forward, st.abstract, st.frozen, x, side)
-            res = abstract(x)
-        if self.graph.runs_backward(sid):
-            step.residuals[(sid, mb)] = res
-        del x
-        if sid == StageId(LLM_UNIT, self.num_virtual["llm"] - 1):
-            lm, y = (y if self.cfg.generator is not None else (y, None))
-            step.result.lm_loss.append(lm)
-        elif is_generator(sid.unit) and not self.graph.successors(sid):
-            step.result.diffusion_loss.append(y)
-            y = None
-        step.outputs[(sid, mb)] = y
-
-    def _backward(self, sid: StageId, mb: int, step: "_Step"):
-        st, side = self.stages[sid], step.sides[(sid, mb)]
-        dy = self.transfers.gather_cotangent(sid, mb, step.cotangents, step.feeds[mb])
-        res = step.residuals.pop((sid, mb))
-        grads = step.result.partials
-        if st.local:
-            acc, dx = self.settle(st.fns.backward(step.params[sid], st.frozen, side, res, dy,
-                                                  grads.get(sid, {})))
-            if sid in grads:
-                grads[sid] = acc
-        else:  # a cotangent has its primal's shape and dtype (res = abstract(x))
-            dx = res if st.mode.input_grads else None
-        self.backward_calls[sid] += 1
-        if dx is not None:
-            step.cotangents[(sid, mb)] = dx
-
-    def _trace(self, tracer, sid: StageId, act, t0: float, step: "_Step"):
-        st, mb = self.stages[sid], act.microbatch
-        done = None
-        if st.local:
-            done = ((step.outputs.get((sid, mb)), step.residuals.get((sid, mb)))
-                    if act.kind == "F" else
-                    (step.cotangents.get((sid, mb)), step.result.partials.get(sid)))
-            done = completion_marker(done)
-        phys = StageId(sid.unit, sid.index % self.plan.unit(sid.unit).pp)
-        tracer.done(str(phys), {"stage": str(phys), "kind": act.kind, "microbatch": mb,
-                                "chunk": act.chunk, "virtual_stage": str(sid)}, t0, done)
 
     def tied_embedding_stages(self) -> tuple[StageId, StageId] | None:
         """(first, last) LLM stage when both hold a copy of a tied embedding, else None."""

@@ -1,9 +1,9 @@
 """A Plan's training steps on the pipeline runtime: the runner that owns the run's
 `TrainState` (train/state.py) and steps it.
 
-Per step: the loader's global batch -> `PipelineRuntime.start` (forward and backward of every
-microbatch on the state's compute copies; each stage's partial gradients handed out as soon
-as its last backward is dispatched) -> per trained stage ONE reduce-scatter into its ZeRO-1
+Per step: the loader's global batch -> `PipelineRuntime.run` (forward and backward of every
+microbatch on the state's compute copies, the whole schedule in one call; each stage's
+partial gradients handed to `on_grads` as soon as its last backward is dispatched) -> per trained stage ONE reduce-scatter into its ZeRO-1
 shards (`Zero1Optimizer.sync`, overlapping the backwards other stages still run) -> the
 global norm over all stages (train/global_norm.py) -> per stage ONE program with the AdamW
 update and the all-gather of the new compute copy (`Zero1Optimizer.step`) -> the new state.
@@ -263,8 +263,8 @@ def pipelined_runner(cfg, layout, plan, schedule, dtype, seed, source=None, pret
     from mmjax.train.memory_check import check_plan
 
     source = source if source is not None else train_source(cfg)
-    memory_line = check_plan(cfg, plan, source, jax.local_devices()[0],
-                             check_memory)  # this process's (memory_stats)
+    memory_line = check_plan(cfg, plan, source, jax.local_devices()[0],  # this process's
+                             check_memory, schedule=pipeline_schedule)  # (memory_stats)
     if announce is not None:  # the parameters' init compiles next
         announce()
     # gin: `Loader.*` (balance, post_balance_policy, workers, ...); several processes:
