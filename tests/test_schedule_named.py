@@ -106,3 +106,46 @@ def test_every_name_is_listed_and_runs():
         sched = named_schedule(name, g, 4)
         validate(sched, g)
         assert all(isinstance(a, Action) for row in sched.values() for a in row)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_the_planners_gpipe_rows_and_times_are_the_event_walks(seed):
+    """schedule/compiled_named.py `gpipe_rows` (what the planner's timer runs for
+    train.schedule="gpipe") against `multimodal_gpipe` and `simulate`, on random unit
+    graphs: the same rows, and the same makespan exactly."""
+    import random
+
+    import numpy as np
+
+    from mmjax.schedule.compiled_named import gpipe_rows
+    from mmjax.schedule.compiled_timing import ChainLayout, makespan
+    from test_compiled_timing import random_case
+
+    rng = random.Random(seed)
+    for _ in range(30):
+        dag, pp, chunks, trainable, m = random_case(rng)
+        graph = StageGraph.from_dag(dag, pp, trainable, chunks)
+        want = multimodal_gpipe(graph, m)
+        lay = ChainLayout.of(dag, pp, chunks, trainable)
+        rows = gpipe_rows(lay, m)
+        for st, s in enumerate(graph.physical_stages):
+            sl = slice(rows.ptr[st], rows.ptr[st + 1])
+            assert [Action("FB"[k], int(b), int(c)) for k, b, c in
+                    zip(rows.kind[sl], rows.microbatch[sl], rows.chunk[sl])] == want[s]
+        node = {graph.physical(v): k for k, v in enumerate(graph.stages)}
+        dur_f, dur_b = np.array([rng.random() for _ in node]), np.array([rng.random() for _ in node])
+        sim = simulate(want, lambda s, a: (dur_f if a.kind == "F" else dur_b)[
+            node[(s, a.chunk)]], graph, 0.1)
+        assert makespan(lay, rows, dur_f, dur_b, 0.1) == sim.iteration_time
+
+
+def test_the_planners_timer_prices_gpipe_like_1f1b_on_a_chain():
+    """One chain of equal stages: GPipe's iteration is 1F1B's, (m + p - 1) stage times."""
+    from mmjax.planner.evaluate import Choice
+    from mmjax.planner.schedule_time import schedule_time
+    from test_planner_schedule_time import HW, unit
+
+    llm, ch = unit("llm", 3.0), {"llm": Choice(1, 1, 4)}
+    gp, ofob = (schedule_time((llm,), ch, 8, HW, name) for name in ("gpipe", "1f1b"))
+    assert gp == pytest.approx(ofob, rel=1e-12)
+    assert gp == pytest.approx((8 + 4 - 1) * 3.0 / 4, rel=1e-12)
