@@ -28,8 +28,8 @@ from mmjax.parallel.mesh import stage_meshes
 from mmjax.parallel.sharded_init import abstract_split
 from mmjax.pipeline.multiprocess import holds_local_device, sync_collectives
 from mmjax.pipeline.stage_modules import stage_module
-from mmjax.pipeline.stage_setup import Stage, build_stage, stage_filter
 from mmjax.pipeline.stage_actions import StageActions, StepState
+from mmjax.pipeline.stage_setup import Stage, build_stage, stage_filter
 from mmjax.pipeline.step_result import StepResult
 from mmjax.pipeline.trace import make_tracer, trace_mode
 from mmjax.pipeline.transfers import Transfers
@@ -52,18 +52,9 @@ class PipelineRuntime:
         pretrained = pretrained or {}
         self.cfg, self.plan, self.dtype = cfg, plan, compute_dtype
         self.meshes = stage_meshes(plan, devices)
-        made = self._stage_makers(cfg, plan, jax.random.key(seed))
+        self.graph, made = _stage_graph(cfg, plan, jax.random.key(seed))
         self.num_virtual = {u.name: u.pp * u.num_chunks for u in plan.units}
         self._check_tied_placement()
-        self.stages: dict[StageId, Stage] = {}
-        self._initial: dict | None = {}  # the seed's / pretrained parameters, until taken
-        for sid in self.graph.stages:
-            mesh = self.meshes[sid.unit][sid.index % plan.unit(sid.unit).pp]
-            self.stages[sid], self._initial[sid] = build_stage(
-                cfg, plan.unit(sid.unit), sid, made[sid], mesh,
-                Backward(self.graph.has_backward[sid]), pretrained, compute_dtype,
-                llm_mask_family)
-        self.backward_calls = {sid: 0 for sid in self.stages}  # dispatched (a diagnostic)
         # one row per physical stage, i.e. per mesh, merged into one dependency-respecting
         # dispatch order; JAX runs each mesh's work in dispatch order, so each mesh
         # executes exactly its row. Entries are (virtual StageId, Action), Action.chunk
@@ -74,31 +65,21 @@ class PipelineRuntime:
                       for s, a in dispatch_order(self.schedule, self.graph)]
         # index in `order` of each stage's last backward (its gradients are final there)
         self.last_backward = {sid: i for i, (sid, a) in enumerate(self.order) if a.kind == "B"}
+        self.stages: dict[StageId, Stage] = {}
+        self._initial: dict | None = {}  # the seed's / pretrained parameters, until taken
+        for sid in self.graph.stages:
+            mesh = self.meshes[sid.unit][sid.index % plan.unit(sid.unit).pp]
+            self.stages[sid], self._initial[sid] = build_stage(
+                cfg, plan.unit(sid.unit), sid, made[sid], mesh,
+                Backward(self.graph.has_backward[sid]), pretrained, compute_dtype,
+                llm_mask_family)
+        self.backward_calls = {sid: 0 for sid in self.stages}  # dispatched (a diagnostic)
         self.sync = sync_collectives()
         self.transfers = Transfers(self.stages, self.graph, self.num_virtual["llm"],
                                    cfg.generator is not None, self.sync)
         self.actions = StageActions(self.stages, self.graph, self.transfers, self.settle,
                                     StageId(LLM_UNIT, self.num_virtual["llm"] - 1),
                                     cfg.generator is not None)
-
-    def _stage_makers(self, cfg: MLLMConfig, plan: Plan, root) -> dict:
-        """{virtual StageId: (module maker, args, key, filters)}; sets `self.graph`, whose
-        stages (virtual: StageId(unit, chunk * pp + s)) are what a step walks."""
-        per_stage_trainable, made = {}, {}
-        for u in plan.units:
-            flags = []
-            for v in range(u.pp * u.num_chunks):  # virtual stage v = chunk * pp + stage
-                start, end = u.stage_layers(v % u.pp, v // u.pp)
-                m = (stage_module, (cfg, u.name, start, end), root,
-                     (stage_filter(cfg, u.name), ...))
-                _, tr, _ = abstract_split(*m, None)
-                flags.append(bool(jax.tree.leaves(tr)))
-                made[StageId(u.name, v)] = m
-            per_stage_trainable[u.name] = tuple(flags)
-        self.graph = StageGraph.from_dag(cfg.units, {u.name: u.pp for u in plan.units},
-                                         per_stage_trainable,
-                                         {u.name: u.num_chunks for u in plan.units})
-        return made
 
     def _check_tied_placement(self) -> None:
         nv = self.num_virtual["llm"]
@@ -252,3 +233,23 @@ class PipelineRuntime:
         (pipeline/multiprocess.py `sync_collectives`); otherwise a no-op, keeping the loop
         free of host syncs."""
         return jax.block_until_ready(out) if self.sync else out
+
+
+def _stage_graph(cfg: MLLMConfig, plan: Plan, root) -> tuple[StageGraph, dict]:
+    """(the StageGraph a step walks: virtual stages StageId(unit, chunk * pp + s), their
+    backward modes from which stages hold trainable parameters; {virtual StageId: (module
+    maker, args, key, filters)})."""
+    per_stage_trainable, made = {}, {}
+    for u in plan.units:
+        flags = []
+        for v in range(u.pp * u.num_chunks):  # virtual stage v = chunk * pp + stage
+            start, end = u.stage_layers(v % u.pp, v // u.pp)
+            m = (stage_module, (cfg, u.name, start, end), root,
+                 (stage_filter(cfg, u.name), ...))
+            _, tr, _ = abstract_split(*m, None)
+            flags.append(bool(jax.tree.leaves(tr)))
+            made[StageId(u.name, v)] = m
+        per_stage_trainable[u.name] = tuple(flags)
+    graph = StageGraph.from_dag(cfg.units, {u.name: u.pp for u in plan.units},
+                                per_stage_trainable, {u.name: u.num_chunks for u in plan.units})
+    return graph, made

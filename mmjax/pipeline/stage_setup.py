@@ -55,8 +55,10 @@ def stage_state(make_module, args, key, filters, mesh):
 class Stage:
     """One stage's fixed parts, built in one go (`build_stage`): its mesh, module structure,
     frozen parameters and programs. `abstract`: the trainable parameters' shapes, dtypes and
-    (placed) shardings; the values live in the training state (train/state.py). `local`:
-    the mesh holds a device of this process. `gather`: jitted fp32 trainable -> compute
+    (placed) shardings; the values live in the training state (train/state.py). `fns`: its
+    jitted programs (pipeline/stage.py `StageFns`; like `jax.jit`'s own cache, they memoise
+    the residual layout of each input signature they trace). `local`: the mesh holds a
+    device of this process. `gather`: jitted fp32 trainable -> compute
     copy (cast, all-gathered over dp); `zeros`: jitted () -> the step's zero partial-gradient
     accumulators (None for a stage without parameter gradients)."""
 
