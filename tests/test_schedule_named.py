@@ -133,7 +133,8 @@ def test_the_planners_gpipe_rows_and_times_are_the_event_walks(seed):
             assert [Action("FB"[k], int(b), int(c)) for k, b, c in
                     zip(rows.kind[sl], rows.microbatch[sl], rows.chunk[sl])] == want[s]
         node = {graph.physical(v): k for k, v in enumerate(graph.stages)}
-        dur_f, dur_b = np.array([rng.random() for _ in node]), np.array([rng.random() for _ in node])
+        dur_f = np.array([rng.random() for _ in node])
+        dur_b = np.array([rng.random() for _ in node])
         sim = simulate(want, lambda s, a: (dur_f if a.kind == "F" else dur_b)[
             node[(s, a.chunk)]], graph, 0.1)
         assert makespan(lay, rows, dur_f, dur_b, 0.1) == sim.iteration_time

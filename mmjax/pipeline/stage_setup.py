@@ -51,7 +51,7 @@ def stage_state(make_module, args, key, filters, mesh):
     return (graphdef, *(place_state(st, mesh) for st in states))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # compared by identity: it holds arrays and programs
 class Stage:
     """One stage's fixed parts, built in one go (`build_stage`): its mesh, module structure,
     frozen parameters and programs. `abstract`: the trainable parameters' shapes, dtypes and

@@ -3,9 +3,9 @@
 
 Per step: the loader's global batch -> `PipelineRuntime.run` (forward and backward of every
 microbatch on the state's compute copies, the whole schedule in one call; each stage's
-partial gradients handed to `on_grads` as soon as its last backward is dispatched) -> per trained stage ONE reduce-scatter into its ZeRO-1
-shards (`Zero1Optimizer.sync`, overlapping the backwards other stages still run) -> the
-global norm over all stages (train/global_norm.py) -> per stage ONE program with the AdamW
+partial gradients handed to `on_grads` as soon as its last backward is dispatched) -> per
+trained stage ONE reduce-scatter into its ZeRO-1 shards (`Zero1Optimizer.sync`,
+overlapping the backwards other stages still run) -> the global norm over all stages (train/global_norm.py) -> per stage ONE program with the AdamW
 update and the all-gather of the new compute copy (`Zero1Optimizer.step`) -> the new state.
 The update equals the single-program optimizer over the whole model. Details:
 docs/design.md "One step" and "One gradient sync per step".
@@ -258,7 +258,7 @@ def pipelined_runner(cfg, layout, plan, schedule, dtype, seed, source=None, pret
     usual run and runs of any length share the cached programs. `check_memory`: refuse a plan whose units the planner's
     memory model does not fit in a device, before anything is built
     (train/memory_check.py); `announce`: called once that check passed (the trainer's
-    line saying what compiles)."""
+    line saying what compiles); `pipeline_schedule`: `train.schedule` (schedule/named.py)."""
     from mmjax.data.loader import Loader
     from mmjax.train.memory_check import check_plan
 
