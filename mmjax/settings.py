@@ -17,6 +17,7 @@ import os
 from dataclasses import dataclass
 
 from mmjax.errors import UserError, shown
+from mmjax.schedule.named import SCHEDULES
 
 INT_MAX = (1 << 31) - 1
 
@@ -85,6 +86,7 @@ SETTINGS: dict[str, dict[str, Setting]] = {
                              fix="0 turns it off, N >= 1 re-plans every N steps"),
         "replan_min_gain": _float(1.10, 1, 100, open_lo=True, needs="replan"),
         "startup_timeout": _float(600.0, 1, 86400),
+        "schedule": Setting("choice", "1f1b", choices=SCHEDULES, needs="plan"),
     },
     "named_model_config": {"name": Setting("str", "tiny"), "overrides": Setting("dict", None,
                                                                                  none=True)},

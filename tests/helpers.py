@@ -134,8 +134,8 @@ def plan_feeds(plan, lay, samples, assignments=None, cp_method="lpt", **kw):
     return feeds
 
 
-def run_plan(cfg, plan, lay, samples, assignments=None, cp_method="lpt"):
-    rt = PipelineRuntime(cfg, plan)
+def run_plan(cfg, plan, lay, samples, assignments=None, cp_method="lpt", schedule="1f1b"):
+    rt = PipelineRuntime(cfg, plan, schedule=schedule)
     res = rt.run(plan_feeds(plan, lay, samples, assignments, cp_method))
     grads = to_reference_layout(plan, pure_grads(res))
     return rt, res.losses()["loss"], grads
@@ -209,10 +209,11 @@ def assert_same_loss(got, ref: Exact):
 
 
 def check(cfg, plan, n=8, kind="laion", packing="pad", assignments=None, cp_method="lpt",
-          cache=None):
-    """Run `plan` on the runtime and compare loss and every gradient with the reference."""
+          cache=None, schedule="1f1b"):
+    """Run `plan` on the runtime (pipeline schedule `schedule`) and compare loss and every
+    gradient with the reference."""
     lay, samples, ref_loss, ref_grads = cached_reference(cache, cfg, n, kind, packing)
-    rt, loss, grads = run_plan(cfg, plan, lay, samples, assignments, cp_method)
+    rt, loss, grads = run_plan(cfg, plan, lay, samples, assignments, cp_method, schedule)
     assert_same_loss(loss, ref_loss)
     assert_same_grads(grads, ref_grads)
     return rt

@@ -98,7 +98,7 @@ def _step(m: int):
     ps = PipelinedRunner(cfg, plan, 1e-2, settings=OptimizerSettings(clip_norm=1.0))
     n, dp = plan.microbatch_size, {u.name: u.dp for u in plan.units}
     feeds = [microbatch_feed(samples[k * n:(k + 1) * n], lay, dp) for k in range(m)]
-    calls = {sid: st.backward_calls for sid, st in ps.runtime.stages.items()}
+    calls = dict(ps.runtime.backward_calls)
     out = ps.train_on(feeds)
     assert np.isfinite(out.loss) and out.nonfinite == 0.0
     return ps, calls
@@ -121,7 +121,7 @@ def test_one_reduce_scatter_and_one_all_gather_per_stage_per_step(steps):
         for sid, st in ps.runtime.stages.items():
             if sid in ps.optimizers:
                 assert log[(sid, "reduce_scatter")] == 1 and log[(sid, "update_all_gather")] == 1
-                assert st.backward_calls - calls0[sid] == m  # m microbatch backwards ...
+                assert ps.runtime.backward_calls[sid] - calls0[sid] == m  # m microbatch backwards ...
             for kind in ("F", "B") if st.mode.param_grads or st.mode.input_grads else ("F",):
                 hlo = st.fns.lowered(kind).compile().as_text()
                 assert _collectives(hlo) == Counter(), (sid, kind, _collectives(hlo))
@@ -178,13 +178,13 @@ def test_each_stage_syncs_right_after_its_last_backward(steps):
     """The reduce-scatter of a stage is dispatched as soon as its own backwards are, while
     upstream stages still have backwards to run (DAG order: generator, LLM, vision)."""
     for m, (ps, calls0) in steps.items():
-        total = sum(st.backward_calls - calls0[sid] for sid, st in ps.runtime.stages.items())
+        total = sum(n - calls0[sid] for sid, n in ps.runtime.backward_calls.items())
         after = {sid.unit: n for sid, n in ps.sync_after.items()}
         assert set(after) == {"vision", "llm", "generator"}
         assert after["generator"] < after["llm"] < total, (m, after, total)
         assert after["vision"] == total  # the last unit to finish its backwards
         gen = next(s for s in ps.runtime.stages if s.unit == "generator")
-        assert after["generator"] >= ps.runtime.stages[gen].backward_calls - calls0[gen] == m
+        assert after["generator"] >= ps.runtime.backward_calls[gen] - calls0[gen] == m
 
 
 # ---- context parallelism: the gradients reduce over dp x cp once per step -------------------
@@ -217,7 +217,7 @@ def _cp_step(m: int, layout: str):
     n, dp = plan.microbatch_size, {u.name: u.dp for u in plan.units}
     feeds = [microbatch_feed(samples[k * n:(k + 1) * n], lay, dp, cp=2, cp_method="lpt",
                              cp_block=16) for k in range(m)]
-    calls = {sid: st.backward_calls for sid, st in ps.runtime.stages.items()}
+    calls = dict(ps.runtime.backward_calls)
     out = ps.train_on(feeds)
     assert np.isfinite(out.loss) and out.nonfinite == 0.0
     return ps, calls, cfg
@@ -260,7 +260,7 @@ def test_cp_stage_reduces_its_gradients_once_per_step_over_dp_x_cp(layout):
         assert len(llm) == up.pp and all(sid in ps.optimizers for sid in llm)
         for sid, st in llm.items():
             assert log[(sid, "reduce_scatter")] == 1 and log[(sid, "update_all_gather")] == 1
-            assert st.backward_calls - calls0[sid] == m
+            assert ps.runtime.backward_calls[sid] - calls0[sid] == m
             layers = len(range(*up.stage_layers(sid.index % up.pp, sid.index // up.pp)))
             kv_gathers = layers * up.cp_head_groups
             fwd = _typed(st.fns.lowered("F").compile().as_text())

@@ -2,7 +2,8 @@
 pipeline runtime takes its parameters from the caller (no training state kept)."""
 import inspect
 
-from mmjax.pipeline.runtime import PipelineRuntime, Stage
+from mmjax.pipeline.runtime import PipelineRuntime
+from mmjax.pipeline.stage_setup import Stage
 from mmjax.train.pipelined import PipelinedRunner
 from mmjax.train.runner import Runner, StepMetrics
 from mmjax.train.single_program import SingleProgram
@@ -31,5 +32,8 @@ def test_step_metrics_applied():
 def test_runtime_stage_holds_no_parameter_values():
     fields = set(Stage.__dataclass_fields__)
     assert not fields & {"trainable", "compute", "compute_of"}
-    for name in ("run", "start", "evaluate"):
+    assert Stage.__dataclass_params__.frozen  # built in one go, never filled in later
+    for name in ("run", "evaluate"):
         assert "params" in inspect.signature(getattr(PipelineRuntime, name)).parameters
+        # one call dispatches the whole step: nothing a caller could stop half-way
+        assert not inspect.isgeneratorfunction(getattr(PipelineRuntime, name))

@@ -226,7 +226,7 @@ def test_pipelined_vae_unit_on_its_own_sub_mesh_equals_single_program(unit_setup
     got = res.losses()
     np.testing.assert_allclose(got["diffusion_loss"], diff, rtol=1e-5)
     assert_same_loss(got["loss"], loss)
-    assert rt.stages[StageId(VAE_UNIT, 0)].backward_calls == 0
+    assert rt.backward_calls[StageId(VAE_UNIT, 0)] == 0
     assert StageId(VAE_UNIT, 0) not in res.partials  # frozen: no gradient, no state
     pipe = to_reference_layout(plan, pure_grads(res))
     assert_same_grads(pipe[GENERATOR_UNIT], generator_part(grads))

@@ -6,6 +6,7 @@ values then live in the training state (train/state.py), never here.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -16,12 +17,12 @@ from mmjax.models.hf import pretrained as hf_pretrained
 from mmjax.models.layers import cast_floats
 from mmjax.models.lora import LoRAParam
 from mmjax.models.mllm import trainable_filter
-from mmjax.models.units import VAE_UNIT, is_encoder
+from mmjax.models.units import VAE_UNIT, is_encoder, is_generator, is_vae
 from mmjax.parallel.sharded_init import abstract_split, init_split
 from mmjax.parallel.tensor import state_shardings
 from mmjax.parallel.zero_shards import zero_shardings
 from mmjax.pipeline.multiprocess import holds_local_device, place_state
-from mmjax.pipeline.stage import partial_shardings
+from mmjax.pipeline.stage import StageFns, make_stage_fns, partial_shardings
 from mmjax.schedule.stage_graph import Backward, StageId
 
 
@@ -50,11 +51,16 @@ def stage_state(make_module, args, key, filters, mesh):
     return (graphdef, *(place_state(st, mesh) for st in states))
 
 
-@dataclass
+@dataclass(frozen=True, eq=False)  # compared by identity: it holds arrays and programs
 class Stage:
-    """One stage's fixed parts: its mesh, module structure, frozen parameters and programs.
-    `abstract`: the trainable parameters' shapes, dtypes and (placed) shardings; the values
-    live in the training state (train/state.py)."""
+    """One stage's fixed parts, built in one go (`build_stage`): its mesh, module structure,
+    frozen parameters and programs. `abstract`: the trainable parameters' shapes, dtypes and
+    (placed) shardings; the values live in the training state (train/state.py). `fns`: its
+    jitted programs (pipeline/stage.py `StageFns`; like `jax.jit`'s own cache, they memoise
+    the residual layout of each input signature they trace). `local`: the mesh holds a
+    device of this process. `gather`: jitted fp32 trainable -> compute
+    copy (cast, all-gathered over dp); `zeros`: jitted () -> the step's zero partial-gradient
+    accumulators (None for a stage without parameter gradients)."""
 
     id: StageId
     mesh: jax.sharding.Mesh
@@ -63,11 +69,38 @@ class Stage:
     abstract: object
     frozen: object
     mode: Backward
-    fns: object = None
-    backward_calls: int = 0    # backward programs dispatched (a diagnostic count)
-    local: bool = True  # the mesh holds a device of this process
-    gather: object = None      # jitted trainable -> compute (cast, all-gather over dp)
-    zeros: object = None       # jitted () -> zero partial-gradient accumulators [dp, ...]
+    fns: StageFns
+    local: bool
+    gather: Callable
+    zeros: Callable | None
+
+    @property
+    def zero_mesh(self):
+        """Where the stage's ZeRO state lives: its mesh, or its FSDP-group view."""
+        return self.fns.zero_mesh
+
+    @property
+    def zero_stage(self) -> int:
+        return self.fns.zero_stage
+
+
+def build_stage(cfg: MLLMConfig, up, sid: StageId, made: tuple, mesh, mode: Backward,
+                pretrained: dict, dtype, llm_mask_family: str) -> tuple[Stage, object]:
+    """(the `Stage`, its initial trainable parameters) of virtual stage `sid` of unit plan
+    `up` on `mesh`: `made` = (module maker, its args, key, filters); the parameters from the
+    seed, or its own layers of the `pretrained` checkpoints ({unit or "model": directory})."""
+    gd, tr, fr = stage_state(*made, mesh)
+    if is_vae(sid.unit):  # frozen, whole: the diffusers checkpoint onto its mesh
+        fr = load_vae_stage(pretrained, fr, mesh)
+    elif "model" in pretrained and not is_generator(sid.unit):
+        tr, fr = load_pretrained_stage(cfg, up, sid, pretrained["model"], tr, fr, True)
+    elif sid.unit in pretrained:
+        tr, fr = load_pretrained_stage(cfg, up, sid, pretrained[sid.unit], tr, fr)
+    local = holds_local_device(mesh)
+    fns = make_stage_fns(cfg, up, gd, mode, dtype, mesh, llm_mask_family=llm_mask_family)
+    abstract = abstract_params(tr)
+    gather, zeros, fr = _programs(fns, abstract, fr, mesh, mode, local, dtype)
+    return Stage(sid, mesh, up.dp, gd, abstract, fr, mode, fns, local, gather, zeros), tr
 
 
 def abstract_params(tree):
@@ -106,22 +139,25 @@ def load_vae_stage(pretrained: dict, frozen, mesh):
     return place_state(nnx.state(module), mesh)
 
 
-def stage_programs(st: Stage, dtype) -> None:
-    """The stage's parameter programs: `gather` (fp32 params in any dp sharding -> the
-    compute copy: compute dtype, replicated over dp, TP-sharded) and `zeros` (the step's
-    float32 partial-gradient accumulators `[ranks, ...]`, ranks = dp or dp * cp)."""
-    zero, zmesh = st.fns.zero_stage, st.fns.zero_mesh  # ZeRO-2/3: shard accumulators,
-    compute_sh = (zero_shardings(st.abstract, zmesh) if zero == 3  # ZeRO-3 the weights
-                  else state_shardings(st.abstract, st.mesh))
-    st.gather = jax.jit(lambda t: cast_floats(t, dtype), out_shardings=compute_sh)
-    if zero == 3 and st.local:
-        st.frozen = jax.device_put(st.frozen, zero_shardings(st.frozen, zmesh))
-    if st.mode.param_grads:
-        abstract_tr = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
-                                   st.abstract)
-        ranks = () if zero >= 2 else (st.fns.ranks,)
-        sh = (zero_shardings(abstract_tr, zmesh) if zero >= 2
-              else partial_shardings(abstract_tr, st.mesh))
-        st.zeros = jax.jit(lambda: jax.tree.map(
-            lambda a: jnp.zeros(ranks + tuple(a.shape), jnp.float32), abstract_tr),
-            out_shardings=sh)
+def _programs(fns: StageFns, abstract, frozen, mesh, mode: Backward, local: bool, dtype):
+    """-> (gather, zeros, frozen): `gather` (fp32 params in any dp sharding -> the compute
+    copy: compute dtype, replicated over dp, TP-sharded; ZeRO-3: dp-sharded), `zeros` (the
+    step's float32 partial-gradient accumulators `[ranks, ...]`, ranks = dp or dp * cp;
+    ZeRO-2/3: the shards; None without parameter gradients) and the frozen state (ZeRO-3:
+    sharded like the weights)."""
+    zero, zmesh = fns.zero_stage, fns.zero_mesh
+    compute_sh = (zero_shardings(abstract, zmesh) if zero == 3
+                  else state_shardings(abstract, mesh))
+    gather = jax.jit(lambda t: cast_floats(t, dtype), out_shardings=compute_sh)
+    if zero == 3 and local:
+        frozen = jax.device_put(frozen, zero_shardings(frozen, zmesh))
+    if not mode.param_grads:
+        return gather, None, frozen
+    abstract_tr = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), abstract)
+    ranks = () if zero >= 2 else (fns.ranks,)
+    sh = (zero_shardings(abstract_tr, zmesh) if zero >= 2
+          else partial_shardings(abstract_tr, mesh))
+    zeros = jax.jit(lambda: jax.tree.map(
+        lambda a: jnp.zeros(ranks + tuple(a.shape), jnp.float32), abstract_tr),
+        out_shardings=sh)
+    return gather, zeros, frozen

@@ -3,7 +3,8 @@
 branches in parallel, then the LLM, then the generator; interleaved where vpp > 1), timed
 by the one 1F1B timing model (schedule/simulate.py's recurrence, run compiled by
 schedule/compiled_timing.py: the same rows and times, ~1 ms for a 72B plan), plus the DP
-gradient sync.
+gradient sync. `ScheduleTimer(hw, "gpipe")` times GPipe's rows instead (the runtime's
+`train.schedule`, schedule/compiled_named.py); the search itself prices 1F1B.
 
 The search (orchestrate.py) minimises DistTrain's closed form (Eq. 1-2, evaluate.py), which
 a convex solver can take and a recurrence cannot; the plan it picks is reported with this
@@ -20,7 +21,8 @@ from mmjax.planner.costs import UnitCost
 from mmjax.planner.evaluate import (Choice, forward_backward, p2p_time, runtime_memory,
                                     samples_per_rank, sync_time)
 from mmjax.planner.hardware import Hardware
-from mmjax.schedule.compiled_timing import ChainLayout, makespan, schedule_rows
+from mmjax.schedule.compiled_named import named_rows
+from mmjax.schedule.compiled_timing import ChainLayout, makespan
 
 def action_times(cost: UnitCost, c: Choice, dp_llm: int) -> tuple[float, float]:
     """(forward, backward) seconds of one microbatch on one (virtual) stage of the unit:
@@ -33,10 +35,11 @@ def action_times(cost: UnitCost, c: Choice, dp_llm: int) -> tuple[float, float]:
 class ScheduleTimer:
     """`schedule_time` for many plans: the rows of each pipeline shape (pp and vpp per unit,
     microbatches) are built once per timer (one planning call), since the many candidates
-    of a search share few shapes and the rows alone take the deadlock-free warm-up loop."""
+    of a search share few shapes and the rows alone take the deadlock-free warm-up loop.
+    `schedule`: the pipeline schedule timed, by name (schedule/named.py; default 1F1B)."""
 
-    def __init__(self, hw: Hardware):
-        self.hw = hw
+    def __init__(self, hw: Hardware, schedule: str = "1f1b"):
+        self.hw, self.schedule = hw, schedule
         self._shapes: dict = {}
 
     def rows(self, choices: dict[str, Choice], m: int):
@@ -46,15 +49,15 @@ class ScheduleTimer:
                                  {u: c.vpp for u, c in choices.items()})
             unit_of = np.repeat(np.arange(len(lay.units)),
                                 [b - a for a, b in lay.unit_nodes])
-            self._shapes[key] = (lay, schedule_rows(lay, m), unit_of)
+            self._shapes[key] = (lay, named_rows(self.schedule, lay, m), unit_of)
         return self._shapes[key]
 
     def __call__(self, costs: tuple[UnitCost, ...], choices: dict[str, Choice],
                  global_batch: int, ran: bool = False) -> float:
         """Seconds per iteration of `choices` (each unit at the remat policy
-        `runtime_memory` picks, as `evaluate`): the simulated 1F1B makespan with one
-        stage-to-stage transfer (the largest unit's boundary tensor) between dependent
-        actions on different stages, plus the slowest DP sync. `ran`: `costs` are the
+        `runtime_memory` picks, as `evaluate`): the simulated makespan of the timer's
+        schedule with one stage-to-stage transfer (the largest unit's boundary tensor)
+        between dependent actions on different stages, plus the slowest DP sync. `ran`: `costs` are the
         variants `runtime_memory` picked already."""
         hw, dp_llm = self.hw, choices["llm"].dp
         m = global_batch // dp_llm
@@ -69,6 +72,6 @@ class ScheduleTimer:
 
 
 def schedule_time(costs: tuple[UnitCost, ...], choices: dict[str, Choice], global_batch: int,
-                  hw: Hardware) -> float:
-    """`ScheduleTimer.__call__` of one plan."""
-    return ScheduleTimer(hw)(costs, choices, global_batch)
+                  hw: Hardware, schedule: str = "1f1b") -> float:
+    """`ScheduleTimer.__call__` of one plan under pipeline schedule `schedule`."""
+    return ScheduleTimer(hw, schedule)(costs, choices, global_batch)

@@ -162,24 +162,24 @@ def _no_shards(shape, dtype, sharding):
     return jax.make_array_from_single_device_arrays(tuple(shape), sharding, [], dtype=dtype)
 
 
-def remote_stage(tx, stage):
-    """A stage (pipeline/stage_setup.py `Stage`) with no device in this process: its parameters
-    and ZeRO-1 state as global arrays without local shards, on the shardings the owning
-    processes use."""
+def remote_stage(tx, zero_mesh, abstract):
+    """A stage with no device in this process (its ZeRO mesh, its parameters' `abstract`
+    shapes and shardings): its parameters and ZeRO-1 state as global arrays without local
+    shards, on the shardings the owning processes use."""
     from mmjax.parallel.zero import Zero1Optimizer
 
-    opt = Zero1Optimizer(tx, stage.fns.zero_mesh, stage.abstract)  # its FSDP groups
+    opt = Zero1Optimizer(tx, zero_mesh, abstract)  # its FSDP groups
     if not opt.has_state:
         import optax
 
         params = jax.tree.map(lambda a: _no_shards(a.shape, a.dtype, a.sharding),
-                              stage.abstract)
+                              abstract)
         return params, optax.EmptyState()
     # the owners keep the fp32 master weights as ZeRO-1 shards: the same sharding here
-    params = jax.tree.map(lambda a, sh: _no_shards(a.shape, a.dtype, sh), stage.abstract,
+    params = jax.tree.map(lambda a, sh: _no_shards(a.shape, a.dtype, sh), abstract,
                           opt.master_shardings)
     shapes = jax.eval_shape(tx.init, jax.tree.map(
-        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), stage.abstract))
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), abstract))
     return params, jax.tree.map(lambda a, sh: _no_shards(a.shape, a.dtype, sh), shapes,
                                 opt.state_shardings)
 

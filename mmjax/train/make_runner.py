@@ -30,6 +30,7 @@ class RunnerMaker:
     check_memory: bool
     attention_impl: str | None
     colocation: Colocation | None
+    pipeline_schedule: str = "1f1b"  # `train.schedule` (schedule/named.py)
 
     def __call__(self, plan: Plan | None = None, announce=None):
         """The runner for `plan` (None: one program); `announce()` once the memory check
@@ -37,7 +38,7 @@ class RunnerMaker:
         if plan is not None:
             return pipelined_runner(self.cfg, self.layout, plan, self.schedule, self.dtype,
                                     self.seed, self.source, self.dirs, self.steps,
-                                    self.check_memory, announce)
+                                    self.check_memory, announce, self.pipeline_schedule)
         impl = self.attention_impl or "auto"
         if self.colocation is None:
             runner = SingleProgram(self.cfg, self.layout, self.global_batch, self.schedule,

@@ -161,13 +161,14 @@ def out_of_memory_line(err: BaseException) -> str | None:
 
 
 def check_plan(cfg, plan, source, device, refuse: bool = True,
-               data_samples: int = 256) -> str:
+               data_samples: int = 256, schedule: str = "1f1b") -> str:
     """The planner's bytes per device of each unit's first stage under `plan`
     (planner/evaluate.py `stage_bytes`: its samples per rank per microbatch, its remat, its
     ZeRO stage and FSDP group, and the runtime's in-flight microbatches; sample shapes from
     `data_samples` samples of the run's `source`) against `device`'s memory -> one console
     line; with `refuse`, a UserError naming the units that cannot fit and the settings to
-    change."""
+    change. `schedule` (`train.schedule`): under "gpipe" every stage holds every
+    microbatch's activations before its first backward."""
     import dataclasses
 
     from mmjax.data.data_spec import sample_workload
@@ -184,7 +185,8 @@ def check_plan(cfg, plan, source, device, refuse: bool = True,
     costs, _ = model_costs(cfg, hw, sample_workload(source, cfg, data_samples, name="run data"))
     choices = {u.name: Choice(u.tp, u.dp, u.pp, u.num_chunks, u.remat) for u in plan.units}
     m = plan.num_microbatches
-    flight = pipeline_in_flight(choices, m)
+    flight = (dict.fromkeys(choices, m) if schedule == "gpipe"
+              else pipeline_in_flight(choices, m))
     need = {}
     for cost in costs:
         c, u = choices[cost.name], plan.unit(cost.name)

@@ -1,11 +1,11 @@
 """A Plan's training steps on the pipeline runtime: the runner that owns the run's
 `TrainState` (train/state.py) and steps it.
 
-Per step: the loader's global batch -> `PipelineRuntime.start` (forward and backward of every
-microbatch on the state's compute copies; each stage's partial gradients handed out as soon
-as its last backward is dispatched) -> per trained stage ONE reduce-scatter into its ZeRO-1
-shards (`Zero1Optimizer.sync`, overlapping the backwards other stages still run) -> the
-global norm over all stages (train/global_norm.py) -> per stage ONE program with the AdamW
+Per step: the loader's global batch -> `PipelineRuntime.run` (forward and backward of every
+microbatch on the state's compute copies, the whole schedule in one call; each stage's
+partial gradients handed to `on_grads` as soon as its last backward is dispatched) -> per
+trained stage ONE reduce-scatter into its ZeRO-1 shards (`Zero1Optimizer.sync`,
+overlapping the backwards other stages still run) -> the global norm over all stages (train/global_norm.py) -> per stage ONE program with the AdamW
 update and the all-gather of the new compute copy (`Zero1Optimizer.step`) -> the new state.
 The update equals the single-program optimizer over the whole model. Details:
 docs/design.md "One step" and "One gradient sync per step".
@@ -53,30 +53,34 @@ class PipelinedRunner:
     def __init__(self, cfg: MLLMConfig, plan: Plan, schedule, compute_dtype=jnp.float32,
                  seed: int = 0, settings: OptimizerSettings | None = None, devices=None,
                  pretrained: dict | None = None, llm_mask_family: str = "bam",
-                 data=None, layout=None, memory_line: str | None = None):
+                 data=None, layout=None, memory_line: str | None = None,
+                 pipeline_schedule: str = "1f1b"):
         self.cfg, self.plan, self.global_batch = cfg, plan, plan.global_batch
         self.data, self.layout, self.memory_line = data, layout, memory_line
         self.settings = settings or OptimizerSettings()
         rt = self.runtime = PipelineRuntime(cfg, plan, devices, seed, compute_dtype,
-                                            pretrained, llm_mask_family)
+                                            pretrained, llm_mask_family, pipeline_schedule)
         self.tx = optimizer_from_settings(schedule, self.settings, clip=False)
         # the learning rate a stage update's input: its program does not depend on
         # train.steps; `updates`: the updates applied so far (optax's count)
         tx_at, self.rate_at = rate_as_input(schedule, self.settings, clip=False)
         self.updates = 0
-        self.trained = [sid for sid, st in rt.stages.items() if st.mode.param_grads]
+        self.trained = rt.trained_stages()
         pair = rt.tied_embedding_stages()
         initial = rt.take_initial_params()
-        self.optimizers = {sid: Zero1Optimizer(  # on the stage's ZeRO mesh (FSDP groups)
-            self.tx, rt.stages[sid].fns.zero_mesh, initial[sid],
-            clip_norm=self.settings.clip_norm or None, donate=True,
-            compute_dtype=compute_dtype,
-            # the single model has one embedding: the last stage's copy is counted once
-            norm_skip=("embed",) if pair is not None and sid == pair[1] else (),
-            rank_axes=rank_axes(rt.stages[sid].fns.zero_mesh),
-            zero_stage=rt.stages[sid].fns.zero_stage,  # 2/3: each backward reduce-scatters
-            tx_at=tx_at)
-            for sid in self.trained if rt.stages[sid].local}
+        self.optimizers = {}
+        for sid in self.trained:
+            if not rt.is_local(sid):
+                continue
+            zero_mesh, zero_stage = rt.zero_placement(sid)  # the stage's ZeRO (FSDP groups)
+            self.optimizers[sid] = Zero1Optimizer(
+                self.tx, zero_mesh, initial[sid], clip_norm=self.settings.clip_norm or None,
+                donate=True, compute_dtype=compute_dtype,
+                # the single model has one embedding: the last stage's copy is counted once
+                norm_skip=("embed",) if pair is not None and sid == pair[1] else (),
+                rank_axes=rank_axes(zero_mesh),
+                zero_stage=zero_stage,  # 2/3: each backward reduce-scatters
+                tx_at=tx_at)
         stages = {}
         for sid, opt in self.optimizers.items():
             opt_state = opt.init(initial[sid])
@@ -89,7 +93,7 @@ class PipelinedRunner:
         self.fixed = rt.compute_params(initial)
         self.state = TrainState(stages, 0, {} if data is None else data.get_state())
         self.num_trainable = sum(x.size for x in jax.tree.leaves(
-            [st.abstract for st in rt.stages.values()]))
+            [rt.abstract_params(sid) for sid in rt.stages]))
         self.max_bad_fraction = 1.0 if data is None else data.max_bad_fraction
         # (StageId, program) per launch of a gradient-sync or update program, last step;
         # `sync_after[sid]`: backward actions dispatched (all stages) before sid's sync
@@ -107,17 +111,18 @@ class PipelinedRunner:
         """One step over `feeds`; `limits` = (max loss, max gradient norm): a finite step
         above either is not applied (the trainer's loss-spike guard)."""
         rt = self.runtime
-        stages = rt.stages
         self.dispatch_log, self.sync_after = [], {}
         shards, squares = {}, {}
-        backwards0 = sum(st.backward_calls for st in stages.values())
-        res, grads = rt.start(feeds, self.compute_params(), trace)
-        for sid, partials in grads:  # one reduce-scatter per stage, right after its last B
+        backwards0 = sum(rt.backward_calls.values())
+
+        def sync(sid, partials):  # one reduce-scatter per stage, right after its last B
             if sid not in self.optimizers:  # an untrained or remote stage
-                continue
+                return
             shards[sid], squares[sid] = rt.settle(self.optimizers[sid].sync(partials))
             self.dispatch_log.append((sid, "reduce_scatter"))
-            self.sync_after[sid] = sum(st.backward_calls for st in stages.values()) - backwards0
+            self.sync_after[sid] = sum(rt.backward_calls.values()) - backwards0
+
+        res = rt.run(feeds, self.compute_params(), trace, on_grads=sync)
         max_loss, max_norm = (float(x) for x in limits)
         if jax.process_count() == 1:
             norm = norm_from_squares([squares[sid] for sid in self.optimizers])
@@ -190,7 +195,8 @@ class PipelinedRunner:
         process (stages of other processes as arrays without local shards); data state)."""
         arrays = pipeline_global_logical(
             self.plan, self.state.stages, self.trained,
-            lambda sid: remote_stage(self.tx, self.runtime.stages[sid]))
+            lambda sid: remote_stage(self.tx, self.runtime.zero_placement(sid)[0],
+                                     self.runtime.abstract_params(sid)))
         return arrays, {"loader": self.state.data}
 
     def restore_target(self) -> dict:
@@ -243,7 +249,7 @@ class PipelinedRunner:
 
 def pipelined_runner(cfg, layout, plan, schedule, dtype, seed, source=None, pretrained=None,
                      steps: int | None = None, check_memory: bool = True,
-                     announce=None) -> PipelinedRunner:
+                     announce=None, pipeline_schedule: str = "1f1b") -> PipelinedRunner:
     """The runner the trainer drives, fed by the grain loader (planning, balancing and
     assembly off the training path, in its prefetch thread or worker processes). `steps`:
     the run's length (the loader's `num_steps`); every feed is padded to the shapes of the
@@ -252,13 +258,13 @@ def pipelined_runner(cfg, layout, plan, schedule, dtype, seed, source=None, pret
     usual run and runs of any length share the cached programs. `check_memory`: refuse a plan whose units the planner's
     memory model does not fit in a device, before anything is built
     (train/memory_check.py); `announce`: called once that check passed (the trainer's
-    line saying what compiles)."""
+    line saying what compiles); `pipeline_schedule`: `train.schedule` (schedule/named.py)."""
     from mmjax.data.loader import Loader
     from mmjax.train.memory_check import check_plan
 
     source = source if source is not None else train_source(cfg)
-    memory_line = check_plan(cfg, plan, source, jax.local_devices()[0],
-                             check_memory)  # this process's (memory_stats)
+    memory_line = check_plan(cfg, plan, source, jax.local_devices()[0],  # this process's
+                             check_memory, schedule=pipeline_schedule)  # (memory_stats)
     if announce is not None:  # the parameters' init compiles next
         announce()
     # gin: `Loader.*` (balance, post_balance_policy, workers, ...); several processes:
@@ -270,7 +276,8 @@ def pipelined_runner(cfg, layout, plan, schedule, dtype, seed, source=None, pret
     try:
         return PipelinedRunner(cfg, plan, schedule, dtype, seed, pretrained=pretrained,
                                llm_mask_family=layout.llm_mask_family, data=data,
-                               layout=layout, memory_line=memory_line)
+                               layout=layout, memory_line=memory_line,
+                               pipeline_schedule=pipeline_schedule)
     except BaseException:
         data.close()
         raise

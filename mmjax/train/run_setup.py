@@ -18,17 +18,21 @@ from mmjax.train.lora_setup import ADAPTER, with_adapter, with_lora
 from mmjax.train.progress import console as progress_console
 from mmjax.train.validate import check_pretrained_vocab
 from mmjax.models.units import VAE_UNIT, has_llm
+from mmjax.schedule.named import named_schedule
+from mmjax.schedule.stage_graph import StageGraph
 from mmjax.train.vae_latents import place_vae
 
 
 def dry_run_build(cfg, tok, dirs, plan, global_batch, attention_impl, schedule,
-                  dtype=None, check_memory: bool = False, chosen: Plan | None = None) -> None:
+                  dtype=None, check_memory: bool = False, chosen: Plan | None = None,
+                  pipeline_schedule: str = "1f1b") -> None:
     """What a run builds before its first step, short of parameters and programs: the
     plan, the optimizer, the data source and the first global batch (selected, decoded,
     assembled), so a setting that would break them fails here; with `check_memory` and
     one program (`plan` None), the run's memory check at the first global batch's shapes
     (train/memory_check.py `check_single_program`: the run refuses the same way).
-    `chosen`: the Plan `plan` names, already built (`run_plan`'s `chosen`)."""
+    `chosen`: the Plan `plan` names, already built (`run_plan`'s `chosen`); with a plan,
+    `pipeline_schedule` is built over it (a schedule the plan cannot run fails here)."""
     from mmjax.data.loader import Loader
     from mmjax.train.optimizer import optimizer_from_settings
 
@@ -36,6 +40,9 @@ def dry_run_build(cfg, tok, dirs, plan, global_batch, attention_impl, schedule,
     float(schedule(0))
     the_plan = (run_plan(plan, cfg, tok, dirs, global_batch, attention_impl, chosen)[0]
                 if plan is not None else Plan.uniform(cfg, global_batch, 1))
+    if plan is not None:
+        named_schedule(pipeline_schedule, StageGraph.from_plan(the_plan),
+                       the_plan.num_microbatches)
     layout, source = layout_and_source(cfg, tok)
     loader = Loader(source if source is not None else train_source(cfg), cfg, the_plan,
                     layout)

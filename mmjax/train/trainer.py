@@ -47,11 +47,13 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
           compilation_cache_dir: str = "", replan_every: int = 0,
           replan_min_gain: float = 1.10, replanner: Replanner | None = None,
           check_memory: bool = True, spike_factor: float = 100.0, spike_window: int = 20,
-          dry_run: bool = False, startup_timeout: float = DEFAULT_TIMEOUT_S) -> list[dict]:
+          dry_run: bool = False, startup_timeout: float = DEFAULT_TIMEOUT_S,
+          schedule: str = "1f1b") -> list[dict]:
     """Train `model` for `steps` steps (this invocation stops early after `stop_after`
     steps, as a preemption would; a rerun resumes from the newest checkpoint that
     verifies); returns this run's metric records. `plan`: None (one program), "manual",
-    "auto" or a Plan JSON. Every setting is described in docs/design.md ("The trainer")."""
+    "auto" or a Plan JSON; `schedule`: the pipeline schedule a plan runs (schedule/named.py).
+    Every setting is described in docs/design.md ("The trainer")."""
     trace_range = check_run_settings(
         steps, global_batch, compute_dtype, _DTYPES, seed, checkpoint_every, progress,
         stop_after, plan, keep_checkpoints, keep_every, max_bad_steps, eval_every,
@@ -59,27 +61,27 @@ def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
         replanner, spike_factor, spike_window, startup_timeout, trace_steps)
     cfg, tok, dirs = model_and_tokenizer(model)
     check_bound_settings(cfg.unit_names, plan, eval_every, replan_every)  # per-unit keys
-    schedule, dtype = learning_rate_schedule(steps), _DTYPES[compute_dtype]
+    lr, dtype = learning_rate_schedule(steps), _DTYPES[compute_dtype]
     choice = choose_layout(plan, global_batch, cfg, tok, replan_every, trace_every,
                            trace_steps)
     held_out = check_run_model(cfg, tok, dirs, plan, choice.colocation, global_batch,
                                eval_every, replan_every, attention_impl, dtype)
     if dry_run:
         dry_run_build(cfg, tok, dirs, choice.plan_to_run(), global_batch, attention_impl,
-                      schedule, dtype, check_memory, choice.chosen)
+                      lr, dtype, check_memory, choice.chosen, schedule)
         return []
     # the cache as this run found it (the runner's small eager programs land in it next)
     waiting = compiling_line(use_compilation_cache(compilation_cache_dir))
     start = plan_at_start(workdir, choice,
                           PlanMaker(cfg, tok, dirs, global_batch, attention_impl))
     cfg, (layout, source) = start.maker.cfg, layout_and_source(start.maker.cfg, tok)
-    make_runner = RunnerMaker(cfg, layout, source, global_batch, schedule, dtype, seed, dirs,
-                              steps, check_memory, attention_impl, choice.colocation)
+    make_runner = RunnerMaker(cfg, layout, source, global_batch, lr, dtype, seed, dirs,
+                              steps, check_memory, attention_impl, choice.colocation, schedule)
     runner = make_runner(start.plan, lambda: _announce(waiting, progress))
     if start.plan is not None and replan_every and replanner is None:
         replanner = run_replanner(cfg, source, replan_min_gain)
     write_info = start_run_files(workdir, cfg, start.plan, seed, dirs, runner.memory_line)
-    loop = TrainLoop(workdir, runner, schedule, keep_checkpoints, keep_every,
+    loop = TrainLoop(workdir, runner, lr, keep_checkpoints, keep_every,
                      SpikeGuard(spike_factor, spike_window), startup_timeout)
     plan, the_plan = plan_after_resume(loop, workdir, choice, start, make_runner, write_info)
     if replan_every:
