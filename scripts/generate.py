@@ -91,7 +91,7 @@ def restore_model(workdir: str, step: int | None):
 
     try:
         cfg, model, step, _ = restore(workdir, step)
-    except (ValueError, FileNotFoundError, CheckpointUnusable) as e:
+    except (UserError, ValueError, FileNotFoundError, CheckpointUnusable) as e:
         why = str(e) if not isinstance(e, CheckpointMismatch) else f"{type(e).__name__}: {e}"
         raise UserError(f"{workdir}: {why}") from None
     return cfg, model, step
@@ -200,7 +200,7 @@ def draw(a, model, cfg, layout, tok, chat, image_proc, audio_proc, reply: str,
                            reply=reply, image_out=(g.data_shape, g.num_queries))
     try:
         vae, vae_cfg = load_vae_safetensors(vae_path)
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, UserError, ValueError) as e:
         raise UserError(f"vae.path={vae_path!r}: {e}") from None
     batch = model_inputs(assemble([sample], layout))
     pixels = generate_images(model, vae, batch, a.seed, a.diffusion_steps, a.sampler,

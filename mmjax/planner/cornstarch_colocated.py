@@ -20,6 +20,7 @@ from mmjax.planner.costs import UnitCost
 from mmjax.planner.evaluate import (Choice, memory_bytes, stage_time, sync_time,
                                     warmup_time)
 from mmjax.planner.hardware import Hardware
+from mmjax.planner.plan import PlanError
 
 
 @dataclass(frozen=True)
@@ -87,5 +88,5 @@ def cornstarch_colocated(costs: tuple[UnitCost, ...], hw: Hardware, num_gpus: in
                     best = CornstarchColocated(total, num_gpus, ch, stages, mem / 1e9,
                                                global_batch / total)
     if best is None:
-        raise ValueError(f"Cornstarch co-located baseline: nothing fits {num_gpus} GPUs: {why}")
+        raise PlanError(f"Cornstarch co-located baseline: nothing fits {num_gpus} GPUs: {why}")
     return best

@@ -103,7 +103,7 @@ def auto_layout(cfg, global_batch: int, source, layout: str | None = None,
     try:
         colo = best_colocated(model_costs(cfg, hw, wl)[0], n, global_batch, hw,
                               max_micro_steps=1)
-    except ValueError as e:
+    except PlanError as e:
         if layout == "colocated":
             raise PlanError(f"train.plan='auto' with auto_plan.layout='colocated' on {n} "
                             f"devices: {e}") from None
@@ -120,7 +120,7 @@ def auto_layout(cfg, global_batch: int, source, layout: str | None = None,
     else:
         try:
             pick = choose_layout(colo, dis_s, warm)
-        except ValueError:
+        except PlanError:
             raise PlanError(f"train.plan='auto' on {n} devices: neither layout fits "
                             f"(co-located: {colo_error}; no disaggregated plan)") from None
         if pick.layout == "disaggregated":

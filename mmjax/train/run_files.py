@@ -66,7 +66,7 @@ def pretrained_sources(workdir: str, dirs: dict) -> dict:
     before = info.get("pretrained_sources") or {}
     try:
         now = ps.record(dirs, before)
-    except (ValueError, FileNotFoundError) as e:
+    except (UserError, ValueError, FileNotFoundError) as e:
         raise UserError(f"pretrained: {e}") from None
     if before and checkpoint_steps(os.path.join(workdir, "checkpoints")) \
             and not ps.same_sources(before, now):

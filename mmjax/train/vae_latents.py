@@ -47,7 +47,7 @@ class LatentEncoder:
 
         try:
             self.vae_cfg = vae_config_from_hf(path)
-        except (FileNotFoundError, ValueError) as e:
+        except (FileNotFoundError, UserError, ValueError) as e:
             raise UserError(f"vae.path={path!r}: {e}") from None
         c, h, w = latent_shape
         if self.vae_cfg.latent_channels != c:
