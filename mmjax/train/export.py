@@ -25,7 +25,8 @@ from jax.sharding import SingleDeviceSharding
 from safetensors.numpy import save_file
 
 from mmjax.models import hf
-from mmjax.models.config import AudioConfig, MLLMConfig, config_from_dict
+from mmjax.models.config import AudioConfig, MLLMConfig
+from mmjax.models.config_json import config_from_dict
 from mmjax.models.hf.checkpoint import _flatten, _fmt
 from mmjax.models.mllm import MultimodalModel, trainable_filter
 from mmjax.models.units import VAE_UNIT, is_llm, is_vae

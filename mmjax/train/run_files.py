@@ -10,7 +10,8 @@ import gin
 import jax
 
 from mmjax.errors import UserError, shown
-from mmjax.models.config import MLLMConfig, config_to_dict
+from mmjax.models.config import MLLMConfig
+from mmjax.models.config_json import config_to_dict
 from mmjax.planner.plan import Plan
 from mmjax.train.progress import console as progress_console
 from mmjax.train.run_report import pretrained_lines
