@@ -21,15 +21,9 @@ import gin
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from mmjax.errors import UserError  # noqa: E402
+from mmjax.settings import bound  # noqa: E402
 
 STOP_TOKENS = ("<|eot_id|>", "<|im_end|>", "<|end_of_text|>", "<|endoftext|>")
-
-
-def _bound(name: str, default=None):
-    try:
-        return gin.query_parameter(name)
-    except ValueError:
-        return default
 
 
 def prompt_sample(tok, chat, image_proc, audio_proc, prompt: str, image: str | None,
@@ -159,11 +153,11 @@ def main(argv=None) -> int:
         model, cfg = merged_module(model, cfg)
     check_inputs(cfg, a)
     layout = data_layout(cfg, special=tok.special_tokens())
-    image_proc, audio_proc = default_processors(cfg, _bound("llava_source.image_processor"),
-                                                _bound("llava_source.audio_processor"))
-    chat = ChatFormat(tok, _bound("llava_source.chat_template"),
-                      _bound("llava_source.loss_on", "assistant"))
-    vae_path = _bound("vae.path")
+    image_proc, audio_proc = default_processors(cfg, bound("llava_source.image_processor"),
+                                                bound("llava_source.audio_processor"))
+    chat = ChatFormat(tok, bound("llava_source.chat_template"),
+                      bound("llava_source.loss_on", "assistant"))
+    vae_path = bound("vae.path")
     if a.output_image is not None and (cfg.generator is None or not vae_path):
         raise UserError("--output_image: the run has no image output (its model has no "
                         "generator or its config.gin no vae.path)")

@@ -24,7 +24,8 @@ def manual_plan(global_batch: int = 8, num_microbatches: int = 2, dp=None, tp=No
     knobs = dict(dp=dp, tp=tp, pp=pp, cp=cp, num_chunks=num_chunks, overlap_tp=overlap_tp,
                  remat=remat, tp_chunks=tp_chunks, tp_bidirectional=tp_bidirectional,
                  cp_head_groups=cp_head_groups, attention_impl=attention_impl)
-    check_manual_plan(model.unit_names, global_batch, num_microbatches, **knobs)
+    check_manual_plan(model.unit_names, global_batch, num_microbatches, layout=layout,
+                      zero_stage=zero_stage, fsdp_group=fsdp_group, **knobs)
     colo = check_layout(model.unit_names, jax.device_count(), layout, zero_stage,
                         fsdp_group, model=model, **knobs)
     if colo is not None:
