@@ -289,8 +289,8 @@ def problem(value, s: Setting) -> str | None:
         return None if value in ("manual", "auto") or os.path.isfile(value) else "no such file"
     if k == "span":
         a, sep, b = value.partition(":") if isinstance(value, str) else ("", "", "")
-        ok = sep and a.isdigit() and b.isdigit() and 1 <= int(a) <= int(b)
-        return None if ok else "use 'A:B' with 1 <= A <= B"
+        span = bool(sep) and a.isdigit() and b.isdigit() and 1 <= int(a) <= int(b)
+        return None if span else "use 'A:B' with 1 <= A <= B"
     if k == "bool":
         return None if isinstance(value, bool) else "must be True or False"
     if k in ("str", "file", "dir"):
@@ -314,9 +314,9 @@ def problem(value, s: Setting) -> str | None:
             return f"must be {_WHAT[k]}, each {_range_text(s)}"
         return None
     if k == "names":  # an empty list: none
-        ok = isinstance(value, str) and value or isinstance(value, (list, tuple)) and all(
-            isinstance(x, str) and x for x in value)
-        return None if ok else f"must be {_WHAT[k]}"
+        names = bool(isinstance(value, str) and value or isinstance(value, (list, tuple)) and all(
+            isinstance(x, str) and x for x in value))
+        return None if names else f"must be {_WHAT[k]}"
     if k == "strs":
         if isinstance(value, str) and value:
             return None
@@ -330,8 +330,8 @@ def problem(value, s: Setting) -> str | None:
 def check(name: str, value, s: Setting, units=None) -> None:
     """Raise `UserError("name=value: why (fix)")` when `value` is not valid for `s`."""
     if s.kind == "program":
-        why = s.fix or "a binding has no effect"
-        raise UserError(f"{name}={shown(value)}: set by the program itself ({why}; drop the "
+        effect = s.fix or "a binding has no effect"
+        raise UserError(f"{name}={shown(value)}: set by the program itself ({effect}; drop the "
                         f"binding)")
     if s.per_unit and isinstance(value, dict):
         unknown = [u for u in value if units is not None and u not in units]
@@ -339,9 +339,10 @@ def check(name: str, value, s: Setting, units=None) -> None:
             raise UserError(f"{name}={shown(value)}: unknown unit(s) {unknown} (the model's units "
                             f"are {list(units)})")
         for u, v in value.items():
-            why = problem(v, s)
-            if why:
-                raise UserError(f"{name}[{u!r}]={shown(v)}: {why} ({s.fix or 'see its docstring'})")
+            unit_why = problem(v, s)
+            if unit_why:
+                raise UserError(f"{name}[{u!r}]={shown(v)}: {unit_why} "
+                                f"({s.fix or 'see its docstring'})")
         return
     why = problem(value, s)
     if why:

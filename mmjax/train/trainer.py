@@ -82,7 +82,8 @@ def train(workdir: str, model: MLLMConfig | None = None, spec: RunSpec | None = 
         return loop.run(end, report, s.checkpoint_every, s.max_bad_steps,
                         traced_steps(the_plan, s.trace_every, s.trace_range),
                         lambda n: s.eval_every and (n % s.eval_every == 0 or n == end),
-                        lambda: loop.runner.evaluate(*held_out, layout), cfg, the_plan)
+                        lambda: loop.runner.evaluate(held_out[0], held_out[1], layout), cfg,
+                        the_plan)
     finally:
         loop.close()
 
