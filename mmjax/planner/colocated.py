@@ -180,7 +180,7 @@ def evaluate_colocated(costs: tuple[UnitCost, ...], num_gpus: int, global_batch:
                        hw: Hardware, tp: dict[str, int], zero: dict[str, int],
                        remat: str = "none", micro_steps: int = 1,
                        imbalance: float | dict[str, float] = 1.0) -> ColocatedEvaluation:
-    """Price one co-located choice (module docstring). Raises ValueError when a unit's tp
+    """Price one co-located choice (module docstring). Raises PlanError when a unit's tp
     is not valid for it or does not divide the GPUs."""
     g, notes = num_gpus, []
     comp, exposed, mem_state, acts, work = {}, {}, 0.0, 0.0, 0.0
@@ -238,7 +238,7 @@ def best_colocated(costs: tuple[UnitCost, ...], num_gpus: int, global_batch: int
     (nested: each divides the next; other units at their smallest valid tp), one ZeRO stage
     per unit, one remat policy, the fewest micro-steps that fit (at most
     `max_micro_steps`: 1 for the co-located runner, which steps the whole global batch at
-    once). Ties go to the lower ZeRO stage, then the smaller tp. Raises ValueError naming
+    once). Ties go to the lower ZeRO stage, then the smaller tp. Raises PlanError naming
     what is short."""
     names = [c.name for c in costs]
     by = {c.name: c for c in costs}

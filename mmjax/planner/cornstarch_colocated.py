@@ -45,7 +45,7 @@ def _tp_for(cost: UnitCost, tp: int) -> int | None:
 
 def cornstarch_colocated(costs: tuple[UnitCost, ...], hw: Hardware, num_gpus: int,
                          global_batch: int) -> CornstarchColocated:
-    """The fastest baseline that fits (module docstring); ValueError when none does."""
+    """The fastest baseline that fits (module docstring); PlanError when none does."""
     llm = next(c for c in costs if is_llm(c.name))
     gen = [c for c in costs if is_generator(c.name)]
     encs = [c for c in costs if is_encoder(c.name)]
