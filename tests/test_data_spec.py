@@ -6,6 +6,7 @@ import sys
 import numpy as np
 import pytest
 
+from mmjax.errors import UserError
 from mmjax.planner.plan import PlanError
 from mmjax.data.data_spec import open_source, sample_workload
 from mmjax.data.sample import TokenRules
@@ -42,7 +43,7 @@ def test_specs_open_their_sources(model):
     for bad, msg in [("foo:bar", "use one of"), ("synthetic:cats", "unknown set"),
                      ("synthetic:laion@x", "must be an integer"), ("synthetic:", "nothing after"),
                      ("/no/such/file", "make_dataset.py")]:
-        with pytest.raises(ValueError, match=msg):
+        with pytest.raises(UserError, match=msg):
             open_source(bad, model)
 
 
