@@ -105,5 +105,5 @@ def test_plan_checkpoint_round_trip(tmp_path):
 
 
 def test_missing_run_info(tmp_path):
-    with pytest.raises(ValueError, match="run.json does not exist"):
+    with pytest.raises(UserError, match="run.json does not exist"):
         export_workdir(str(tmp_path), tmp_path / "out")
