@@ -109,7 +109,9 @@ class Qwen2VLImageProcessor(PilImageOps):
                 raise ValueError(f"image {height}x{width} with do_resize false: sides must be "
                                  f"multiples of patch_size * merge_size = {self.factor}")
             return height, width
-        return smart_resize(height, width, self.factor, self.min_pixels, self.max_pixels)
+        lo, hi = self.min_pixels, self.max_pixels
+        assert lo is not None and hi is not None  # set by __post_init__
+        return smart_resize(height, width, self.factor, lo, hi)
 
     def __call__(self, image) -> np.ndarray:
         """PIL image / uint8 array -> float32 [3, H, W], resized and normalised."""
