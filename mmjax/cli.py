@@ -67,7 +67,7 @@ def register_configurables() -> None:
     """Import every module with gin configurables the scripts' gin files bind."""
     import mmjax.data.loader  # noqa: F401
     import mmjax.train.manual_plan  # noqa: F401
-    import mmjax.train.trainer  # noqa: F401
+    import mmjax.train.trainer  # noqa: F401 (and train.run_spec: `train.*`)
 
 
 def parse_gin(files: list[str], params: list[str], finalize: bool = True) -> None:

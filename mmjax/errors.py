@@ -1,10 +1,11 @@
 """The error type for bad user input (settings, files, plans): its message is one line
 saying what is wrong and how to fix it; the CLIs print it as `error: <message>` and exit 2.
-A subclass of ValueError, so callers that catch ValueError keep working."""
+Every user-facing error type subclasses it (PlanError, PretrainedError, CheckpointMismatch);
+it is not a ValueError, so `except UserError` catches bad input and never hides a bug."""
 from __future__ import annotations
 
 
-class UserError(ValueError):
+class UserError(Exception):
     """Bad input, reported in one line (what, and how to fix it); no traceback."""
 
 

@@ -22,13 +22,15 @@ import runpy
 import sys
 import traceback
 
+from mmjax.errors import UserError
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def cluster_settings(coordinator, num_processes, process_id, env=None) -> dict:
     """The jax.distributed arguments: explicit flags first, then MMJAX_* variables, then a
     Kubernetes indexed Job's JOB_COMPLETION_INDEX for the process id. Under SLURM, what is
-    still unset is left to jax.distributed's SLURM auto-detection (None). Raises ValueError
+    still unset is left to jax.distributed's SLURM auto-detection (None). Raises UserError
     naming what is missing elsewhere."""
     env = os.environ if env is None else env
     coordinator = coordinator or env.get("MMJAX_COORDINATOR")
@@ -41,9 +43,9 @@ def cluster_settings(coordinator, num_processes, process_id, env=None) -> dict:
                 "process_id": process_id}
     missing = [k for k, v in settings.items() if v is None]
     if missing and "SLURM_JOB_ID" not in env:
-        raise ValueError(f"launch: {', '.join('--' + k for k in missing)} not given and not "
-                         f"in the environment (MMJAX_COORDINATOR, MMJAX_NUM_PROCESSES, "
-                         f"MMJAX_PROCESS_ID or JOB_COMPLETION_INDEX; or run under srun)")
+        raise UserError(f"launch: {', '.join('--' + k for k in missing)} not given and not "
+                        f"in the environment (MMJAX_COORDINATOR, MMJAX_NUM_PROCESSES, "
+                        f"MMJAX_PROCESS_ID or JOB_COMPLETION_INDEX; or run under srun)")
     return settings
 
 
@@ -121,7 +123,7 @@ def main(argv=None) -> int:
         sys.exit(f"error: --script={args.script!r} not found")
     try:
         c = cluster_settings(args.coordinator, args.num_processes, args.process_id)
-    except ValueError as e:
+    except (UserError, ValueError) as e:  # ValueError: a flag or variable that is no int
         sys.exit(f"error: {e}")
     beat_to(os.environ.get("MMJAX_HEARTBEAT_FILE"))
     initialize(c["coordinator"], c["num_processes"], c["process_id"],

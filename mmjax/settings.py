@@ -3,6 +3,8 @@
 `SETTINGS[configurable][parameter]` is a `Setting`: its kind (int, float, bool, str, a
 choice, a path, a per-unit dict), its bounds, whether None is allowed, its default, and the
 mode it needs (a plan, `--plan=auto`, an evaluation set) when it has no effect otherwise.
+Choice lists come from the modules that act on them. `bound` is the one place gin's bindings
+are read back (outside gin's own calls).
 `check_bound_settings` walks gin's bindings of every configurable (`gin.get_bindings`) and
 raises `UserError("<setting>=<value>: <why> (<fix>)")` for the first bad one: wrong type,
 out of range, an unknown key inside a dict or `**overrides`, a parameter the program sets
@@ -16,8 +18,22 @@ import math
 import os
 from dataclasses import dataclass
 
+from mmjax.data.balance import POLICIES as _POST_BALANCE
+from mmjax.data.batch_plan import NODE_WISE_METHODS as _NODE_WISE
+from mmjax.data.batch_plan import POLICIES as _BALANCE
+from mmjax.data.chat import LOSS_ON as _LOSS_ON
+from mmjax.data.layout import PACKINGS as _PACKING
+from mmjax.data.synthetic import KINDS as _KINDS
+from mmjax.data.token_distribution import METHODS as _CP_METHODS
 from mmjax.errors import UserError, shown
+from mmjax.models.attention_names import IMPLEMENTATIONS as _ATTENTION
+from mmjax.planner.hardware import HARDWARE
+from mmjax.planner.layout_choice import LAYOUTS as _AUTO_LAYOUTS
+from mmjax.planner.plan import REMAT_POLICIES
+from mmjax.planner.vae_placement import PLACEMENTS as _VAE_PLACEMENTS
+from mmjax.train.colocated_plan import LAYOUTS as _MANUAL_LAYOUTS
 from mmjax.schedule.named import SCHEDULES
+from mmjax.train.colocated_plan import ZERO_STAGES
 
 INT_MAX = (1 << 31) - 1
 
@@ -27,9 +43,11 @@ class Setting:
     """kind: "int" | "float" | "bool" | "str" | "choice" | "file" | "dir" | "ints" (a
     non-empty list of ints) | "strs" (a string or a list of them) | "names" (a name or a
     list of them, empty allowed) | "program" (set by the
-    program: a binding has no effect). `lo` / `hi` bound numbers (`open_lo` / `open_hi`
+    program: a binding has no effect) | "plan" (None, "manual", "auto" or a Plan JSON file)
+    | "span" ("A:B", 1 <= A <= B). `lo` / `hi` bound numbers (`open_lo` / `open_hi`
     exclusive); `per_unit`: a dict unit -> value is accepted too; `needs`: "plan", "auto"
-    or "eval", the mode without which a value other than `default` has no effect."""
+    or "eval", the mode without which a value other than `default` has no effect;
+    `off_or_above_one`: a number that is 0 (off) or > 1."""
     kind: str
     default: object = None
     lo: float | None = None
@@ -41,6 +59,7 @@ class Setting:
     per_unit: bool = False
     needs: str | None = None
     fix: str = ""
+    off_or_above_one: bool = False
 
 
 def _int(default, lo=0, hi=INT_MAX, **kw):
@@ -54,38 +73,37 @@ def _float(default, lo=None, hi=None, **kw):
 _PROGRAM = Setting("program")
 _BOOL = {True: Setting("bool", True), False: Setting("bool", False)}
 
-_ATTENTION = ("auto", "dense", "chunked", "pallas", "cudnn")  # models/attention.py IMPLEMENTATIONS
-_BALANCE = ("none", "disttrain", "orchmllm")  # data/batch_plan.py POLICIES
-_POST_BALANCE = ("sum", "padded", "sum_square", "conv")  # data/balance POLICIES
-_NODE_WISE = ("auto", "milp", "local", "greedy", "identity")  # data/batch_plan.py NODE_WISE_METHODS
-_CP_METHODS = ("uniform", "zigzag", "lpt", "random")  # data/token_distribution.py METHODS
-_HARDWARE = ("a800", "h100", "h200")  # planner/hardware.py HARDWARE
-_LOSS_ON = ("assistant", "all")  # data/chat.py LOSS_ON
-_KINDS = ("laion", "mix")  # data/synthetic.py KINDS
-_PACKING = ("pad", "pack")
+_HARDWARE = tuple(HARDWARE)
+COMPUTE_DTYPES = ("float32", "bfloat16")  # train/trainer.py maps them to JAX dtypes
 
 _PLAN = "add --plan=auto, --plan=manual or --plan=PLAN.json, or drop the setting"
 SETTINGS: dict[str, dict[str, Setting]] = {
     "train": {
-        "workdir": _PROGRAM, "model": _PROGRAM, "replanner": _PROGRAM, "dry_run": _PROGRAM,
+        "dry_run": _PROGRAM,
         "steps": _int(30, 1), "global_batch": _int(8, 1, 1 << 20),
-        "compute_dtype": Setting("choice", "float32", choices=("float32", "bfloat16")),
+        "compute_dtype": Setting("choice", "float32", choices=COMPUTE_DTYPES),
         "seed": _int(0), "checkpoint_every": _int(10, 1), "progress": _BOOL[True],
-        "stop_after": _int(None, 1, none=True), "plan": Setting("str", None, none=True),
+        "stop_after": _int(None, 1, none=True),
+        "plan": Setting("plan", None, none=True,
+                        fix="a Plan JSON from scripts/plan.py --json, 'auto', or 'manual' with "
+                            "manual_plan.* bindings"),
         "eval_every": _int(0), "attention_impl": Setting("choice", None, choices=_ATTENTION,
                                                          none=True),
         "trace_every": _int(0, needs="plan"), "keep_checkpoints": _int(3, 1),
         "keep_every": _int(None, 1, none=True), "max_bad_steps": _int(5, 1),
-        "trace_steps": Setting("str", None, none=True, needs="plan"),
-        "spike_factor": _float(100.0, 0, 1e6, fix="0 turns the guard off, else > 1, "
-                               "e.g. 100"),
+        "trace_steps": Setting("span", None, none=True, needs="plan", fix="e.g. '3:4'"),
+        "spike_factor": _float(100.0, 0, 1e6, off_or_above_one=True,
+                               fix="0 turns the guard off; else a step above that many times "
+                                   "the median is held back, e.g. 100"),
         "spike_window": _int(20, 2, 100_000),
         "check_memory": _BOOL[True],
         "compilation_cache_dir": Setting("str", ""),
         "replan_every": _int(0, needs="plan",
                              fix="0 turns it off, N >= 1 re-plans every N steps"),
-        "replan_min_gain": _float(1.10, 1, 100, open_lo=True, needs="replan"),
-        "startup_timeout": _float(600.0, 1, 86400),
+        "replan_min_gain": _float(1.10, 1, 100, open_lo=True, needs="replan",
+                                  fix="e.g. 1.10 for a 10% predicted speed-up"),
+        "startup_timeout": _float(600.0, 1, 86400,
+                                  fix="seconds processes wait for each other at start-up"),
         "schedule": Setting("choice", "1f1b", choices=SCHEDULES, needs="plan"),
     },
     "named_model_config": {"name": Setting("str", "tiny"), "overrides": Setting("dict", None,
@@ -120,8 +138,19 @@ SETTINGS: dict[str, dict[str, Setting]] = {
         "num_devices": _int(None, 1, 1 << 20, none=True, needs="auto"),
         "hardware_name": Setting("choice", None, choices=_HARDWARE, none=True, needs="auto"),
         "data_samples": _int(256, 1, 1 << 20, needs="auto"),
-        "layout": Setting("choice", "disaggregated",
-                          choices=("disaggregated", "colocated", "auto"), needs="auto")},
+        "layout": Setting("choice", "disaggregated", choices=_AUTO_LAYOUTS, needs="auto")},
+    "manual_plan": {  # read only with --plan=manual (scripts/train.py refuses a --gin_param)
+        "model": _PROGRAM, "global_batch": _PROGRAM, "num_microbatches": _int(2, 1),
+        **{k: _int(None, 1, none=True, per_unit=True) for k in (
+            "dp", "tp", "pp", "cp", "num_chunks", "tp_chunks", "cp_head_groups", "fsdp_group")},
+        "overlap_tp": Setting("bool", None, none=True, per_unit=True),
+        "tp_bidirectional": Setting("bool", None, none=True, per_unit=True),
+        "remat": Setting("choice", None, choices=REMAT_POLICIES, none=True, per_unit=True),
+        "attention_impl": Setting("choice", None, choices=_ATTENTION, none=True, per_unit=True),
+        "layout": Setting("choice", "disaggregated", choices=_MANUAL_LAYOUTS),
+        "zero_stage": Setting("choice", None, choices=ZERO_STAGES, none=True, per_unit=True,
+                              fix="1: optimizer state sharded, 2: also the gradients, 3: "
+                                  "also the parameters")},
     "loader_source": {"default": _PROGRAM, "path": Setting("file", None, none=True,
                       fix="write the dataset with scripts/make_dataset.py --out=PATH")},
     "tokenizer": {"path": Setting("dir", None, none=True,
@@ -158,7 +187,7 @@ SETTINGS: dict[str, dict[str, Setting]] = {
                                "samples a step")},
     "vae": {"path": Setting("dir", None, none=True,
                             fix="a diffusers AutoencoderKL directory (config.json + safetensors)"),
-            "placement": Setting("choice", "auto", choices=("auto", "host", "device")),
+            "placement": Setting("choice", "auto", choices=_VAE_PLACEMENTS),
             "hardware": Setting("choice", "h100", choices=_HARDWARE),
             "step_time_s": _float(0.0, 0, 1e6)},
     "llava_source": {
@@ -245,7 +274,7 @@ def problem(value, s: Setting) -> str | None:
         return None
     k = s.kind
     if k == "choice":
-        if not isinstance(value, str) or value not in s.choices:
+        if not any(type(value) is type(c) and value == c for c in s.choices):
             return f"must be one of {list(s.choices)}" + (" or None" if s.none else "")
         return None
     if k in ("int", "float"):
@@ -253,7 +282,17 @@ def problem(value, s: Setting) -> str | None:
         if not ok or not _in_range(value, s):
             extra = ", or None" if s.none else ""
             return f"must be {_WHAT[k]} {_range_text(s, value)}{extra}".rstrip()
+        if s.off_or_above_one and 0 < value <= 1:
+            return "must be 0 (off) or > 1"
         return None
+    if k == "plan":
+        if not isinstance(value, str):
+            return "must be a Plan JSON path, 'manual', 'auto' or None"
+        return None if value in ("manual", "auto") or os.path.isfile(value) else "no such file"
+    if k == "span":
+        a, sep, b = value.partition(":") if isinstance(value, str) else ("", "", "")
+        span = bool(sep) and a.isdigit() and b.isdigit() and 1 <= int(a) <= int(b)
+        return None if span else "use 'A:B' with 1 <= A <= B"
     if k == "bool":
         return None if isinstance(value, bool) else "must be True or False"
     if k in ("str", "file", "dir"):
@@ -277,9 +316,9 @@ def problem(value, s: Setting) -> str | None:
             return f"must be {_WHAT[k]}, each {_range_text(s)}"
         return None
     if k == "names":  # an empty list: none
-        ok = isinstance(value, str) and value or isinstance(value, (list, tuple)) and all(
-            isinstance(x, str) and x for x in value)
-        return None if ok else f"must be {_WHAT[k]}"
+        names = bool(isinstance(value, str) and value or isinstance(value, (list, tuple)) and all(
+            isinstance(x, str) and x for x in value))
+        return None if names else f"must be {_WHAT[k]}"
     if k == "strs":
         if isinstance(value, str) and value:
             return None
@@ -293,8 +332,8 @@ def problem(value, s: Setting) -> str | None:
 def check(name: str, value, s: Setting, units=None) -> None:
     """Raise `UserError("name=value: why (fix)")` when `value` is not valid for `s`."""
     if s.kind == "program":
-        why = s.fix or "a binding has no effect"
-        raise UserError(f"{name}={shown(value)}: set by the program itself ({why}; drop the "
+        effect = s.fix or "a binding has no effect"
+        raise UserError(f"{name}={shown(value)}: set by the program itself ({effect}; drop the "
                         f"binding)")
     if s.per_unit and isinstance(value, dict):
         unknown = [u for u in value if units is not None and u not in units]
@@ -302,9 +341,10 @@ def check(name: str, value, s: Setting, units=None) -> None:
             raise UserError(f"{name}={shown(value)}: unknown unit(s) {unknown} (the model's units "
                             f"are {list(units)})")
         for u, v in value.items():
-            why = problem(v, s)
-            if why:
-                raise UserError(f"{name}[{u!r}]={shown(v)}: {why} ({s.fix or 'see its docstring'})")
+            unit_why = problem(v, s)
+            if unit_why:
+                raise UserError(f"{name}[{u!r}]={shown(v)}: {unit_why} "
+                                f"({s.fix or 'see its docstring'})")
         return
     why = problem(value, s)
     if why:
@@ -329,13 +369,6 @@ _READ = {"plan": "read only with a plan", "auto": "read only with --plan=auto",
 
 def _modes(plan, eval_every, replan_every) -> set[str]:
     """The modes this run is in (what `Setting.needs` names)."""
-    import gin
-
-    def bound(conf, key):
-        try:
-            return bool(gin.get_bindings(conf).get(key))
-        except ValueError:
-            return False
     modes = {"plan"} if plan is not None else set()
     if plan == "auto" or (plan is not None and replan_every):
         modes.add("auto")  # re-planning plans with auto_plan's settings too
@@ -343,11 +376,11 @@ def _modes(plan, eval_every, replan_every) -> set[str]:
         modes.add("eval")
     if replan_every:
         modes.add("replan")
-    if bound("llava_source", "json_path"):
+    if bound("llava_source.json_path"):
         modes.add("llava")
-    if bound("webdataset_source", "urls"):
+    if bound("webdataset_source.urls"):
         modes.add("webdataset")
-    if bound("lora", "units"):
+    if bound("lora.units"):
         modes.add("lora")
     return modes
 
@@ -361,10 +394,10 @@ def check_bound_settings(units, plan=None, eval_every=0, replan_every=0) -> None
     modes = _modes(plan, eval_every, replan_every)
     for conf, table in SETTINGS.items():
         try:
-            bound = gin.get_bindings(conf)
+            bindings = gin.get_bindings(conf)
         except ValueError:  # the configurable is not registered in this program
             continue
-        for key, value in bound.items():
+        for key, value in bindings.items():
             name = f"{conf}.{key}"
             if conf == "pretrained":
                 _check_pretrained(name, key, value, units)
@@ -399,11 +432,24 @@ def _check_pretrained(name: str, unit: str, value, units) -> None:
                         f"directory with config.json and *.safetensors)")
 
 
-def check_train_args(**values) -> None:
-    """The `train(...)` arguments as called (gin-bound or defaults), by the same table."""
-    table = SETTINGS["train"]
+def check_args(conf: str, units=None, **values) -> None:
+    """A configurable's arguments as called (gin-bound, passed or defaults), by the same
+    table (`units`: the model's unit names, for per-unit dicts)."""
+    table = SETTINGS[conf]
     for key, value in values.items():
-        check(f"train.{key}", value, table[key])
+        check(f"{conf}.{key}", value, table[key], units)
+
+
+def bound(name: str, default=None):
+    """gin's binding of `name` ("configurable.parameter"), or `default` when it is not
+    bound: the one place a module reads a binding back instead of receiving it."""
+    import gin
+
+    conf, _, key = name.rpartition(".")
+    try:
+        return gin.get_bindings(conf).get(key, default)
+    except ValueError:  # the configurable is not registered in this program
+        return default
 
 
 def synthetic_fields() -> list[str]:

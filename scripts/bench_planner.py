@@ -44,6 +44,7 @@ from mmjax.planner.hardware import A800, H100  # noqa: E402
 from mmjax.planner.build import DISTTRAIN_FROZEN, model_costs  # noqa: E402
 from mmjax.planner.colocated import best_colocated  # noqa: E402
 from mmjax.planner.cornstarch_colocated import cornstarch_colocated  # noqa: E402
+from mmjax.planner.plan import PlanError  # noqa: E402
 from mmjax.schedule.compiled_timing import load_kernels  # noqa: E402
 from mmjax.host_info import machine  # noqa: E402
 
@@ -117,7 +118,7 @@ def bench_one(name, gpus, batch, paper_ms, setting, repeats):
             ev = fn()
             row[kind] = {"iteration_time_s": ev.iteration_time_s, "gpus": ev.gpus,
                          "speedup": ev.iteration_time_s / plan_t}
-        except ValueError as e:
+        except PlanError as e:  # the layout does not fit these GPUs
             row[kind] = {"error": str(e)}
     return row
 

@@ -50,7 +50,7 @@ def main(argv=None) -> int:
         written = export_workdir(args.workdir, args.out, args.step,
                                  int(args.max_shard_gb * 10 ** 9), args.dtype, args.layout,
                                  args.adapter, args.merge)
-    except (ValueError, FileNotFoundError, CheckpointUnusable) as e:
+    except (UserError, ValueError, FileNotFoundError, CheckpointUnusable) as e:
         raise UserError(f"{e}")
     for unit, path in written.items():
         print(f"{unit}: {path}")

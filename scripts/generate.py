@@ -21,15 +21,9 @@ import gin
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from mmjax.errors import UserError  # noqa: E402
+from mmjax.settings import bound  # noqa: E402
 
 STOP_TOKENS = ("<|eot_id|>", "<|im_end|>", "<|end_of_text|>", "<|endoftext|>")
-
-
-def _bound(name: str, default=None):
-    try:
-        return gin.query_parameter(name)
-    except ValueError:
-        return default
 
 
 def prompt_sample(tok, chat, image_proc, audio_proc, prompt: str, image: str | None,
@@ -91,7 +85,7 @@ def restore_model(workdir: str, step: int | None):
 
     try:
         cfg, model, step, _ = restore(workdir, step)
-    except (ValueError, FileNotFoundError, CheckpointUnusable) as e:
+    except (UserError, ValueError, FileNotFoundError, CheckpointUnusable) as e:
         why = str(e) if not isinstance(e, CheckpointMismatch) else f"{type(e).__name__}: {e}"
         raise UserError(f"{workdir}: {why}") from None
     return cfg, model, step
@@ -159,11 +153,11 @@ def main(argv=None) -> int:
         model, cfg = merged_module(model, cfg)
     check_inputs(cfg, a)
     layout = data_layout(cfg, special=tok.special_tokens())
-    image_proc, audio_proc = default_processors(cfg, _bound("llava_source.image_processor"),
-                                                _bound("llava_source.audio_processor"))
-    chat = ChatFormat(tok, _bound("llava_source.chat_template"),
-                      _bound("llava_source.loss_on", "assistant"))
-    vae_path = _bound("vae.path")
+    image_proc, audio_proc = default_processors(cfg, bound("llava_source.image_processor"),
+                                                bound("llava_source.audio_processor"))
+    chat = ChatFormat(tok, bound("llava_source.chat_template"),
+                      bound("llava_source.loss_on", "assistant"))
+    vae_path = bound("vae.path")
     if a.output_image is not None and (cfg.generator is None or not vae_path):
         raise UserError("--output_image: the run has no image output (its model has no "
                         "generator or its config.gin no vae.path)")
@@ -200,7 +194,7 @@ def draw(a, model, cfg, layout, tok, chat, image_proc, audio_proc, reply: str,
                            reply=reply, image_out=(g.data_shape, g.num_queries))
     try:
         vae, vae_cfg = load_vae_safetensors(vae_path)
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, UserError, ValueError) as e:
         raise UserError(f"vae.path={vae_path!r}: {e}") from None
     batch = model_inputs(assemble([sample], layout))
     pixels = generate_images(model, vae, batch, a.seed, a.diffusion_steps, a.sampler,

@@ -40,6 +40,7 @@ from mmjax.planner.hardware_profile import (DEFAULT_CALL_TOKENS,  # noqa: E402
                                             is_hardware_profile)
 from mmjax.planner.orchestrate import GPU_TOLERANCE  # noqa: E402
 from mmjax.planner.build import plan_model  # noqa: E402
+from mmjax.errors import UserError  # noqa: E402
 from mmjax.planner.plan import PlanError  # noqa: E402
 from mmjax.planner.workload import default_workload  # noqa: E402
 from mmjax.planner.layout_choice import (LAYOUTS, choose_layout,  # noqa: E402
@@ -69,11 +70,10 @@ def model_with_vae(model):
     if not path or model.generator is None:
         return None
     from mmjax.models.hf.vae import vae_config_from_hf
-    from mmjax.errors import UserError
 
     try:
         return model.replace(vae=vae_config_from_hf(path))
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, UserError, ValueError) as e:
         raise UserError(f"vae.path={path!r}: {e}") from None
 
 
@@ -101,7 +101,6 @@ def profiled_hardware(args, hw):
     measured peak and bandwidths, or, for a profile of layer points only, its own device's
     spec (the efficiencies are fractions of that device's peak), priced by the profile. A
     `--hardware` naming another device is an error, not a silent mix."""
-    from mmjax.errors import UserError
     from mmjax.planner.hardware import hardware_of_device
     from mmjax.planner.measured_hardware import hardware_from_profile, has_measurement
 
@@ -118,7 +117,7 @@ def profiled_hardware(args, hw):
     try:
         return hardware_from_profile(profile, profile.get("dtype", "bfloat16"),
                                      call_tokens=args.profile_tokens)
-    except ValueError as e:
+    except (UserError, ValueError) as e:
         raise UserError(f"--profile={args.profile}: {e}") from None
 
 
@@ -201,7 +200,7 @@ def colocated_main(args, console, model, hw, wl, costs) -> int:
         colo = best_colocated(unit_costs, args.gpus, args.global_batch, hw)
         console.print(colocated_table(colo, "co-located (OrchMLLM)"))
         rows["colocated"] = (colo.iteration_time_s, colo.samples_per_s, colo.mfu)
-    except ValueError as e:
+    except PlanError as e:
         errors["colocated"] = str(e)
     try:
         cs = cornstarch_colocated(unit_costs, hw, args.gpus, args.global_batch)
@@ -209,7 +208,7 @@ def colocated_main(args, console, model, hw, wl, costs) -> int:
         console.print(f"Cornstarch co-located baseline (encoders on the LLM's first stage): "
                       f"LLM tp {cs.llm.tp} pp {cs.llm.pp} dp {cs.llm.dp}, "
                       f"{cs.iteration_time_s:.3f} s/iter, {cs.memory_gb:.1f} GB/GPU")
-    except ValueError as e:
+    except PlanError as e:
         errors["cornstarch-colocated"] = str(e)
     if args.layout == "auto":
         try:
@@ -236,7 +235,7 @@ def colocated_main(args, console, model, hw, wl, costs) -> int:
             pick = choose_layout(colo, None if dis is None else
                                  dis.predicted["iteration_time_s"],
                                  0.0 if dis is None else slowest_stage_busy_s(dis))
-        except ValueError as e:
+        except PlanError as e:
             print(f"error: infeasible: {e}", file=sys.stderr)
             return 2
         chosen = pick.layout
@@ -306,7 +305,6 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     console = Console(width=None if sys.stdout.isatty() else 132)
     if args.gpus < 1 or args.global_batch < 1:
-        from mmjax.errors import UserError
         raise UserError(f"--gpus={args.gpus} --global_batch={args.global_batch}: both must "
                         f"be >= 1")
     model = load_model(args.gin_file, args.gin_param)
@@ -316,7 +314,7 @@ def main(argv=None) -> int:
     try:
         wl = (data_workload(model, args.data, args.data_samples) if args.data
               else default_workload(model))
-    except ValueError as e:
+    except (UserError, ValueError) as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     if args.data:

@@ -124,7 +124,7 @@ def main(argv=None) -> int:
         hw = traced_hardware(device, args.profile, args.hardware)
         res = replan(model, plan, trace, hw, args.gpus or plan.num_devices,
                      prior_actions=args.prior_actions)
-    except (ValueError, PlanError) as e:
+    except (ValueError, PlanError) as e:  # PlanError: a UserError
         console.print(f"error: {e}", soft_wrap=True, markup=False)
         return 2
     console.print(f"priced on {hw.name}" + (f" (the trace ran on {device})" if device else ""))

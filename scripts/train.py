@@ -103,12 +103,13 @@ def main(argv=None) -> int:
     parse_gin(files, params)
     from mmjax.errors import first_line
     from mmjax.train.preemption import EXIT_PREEMPTED, Preempted
+    from mmjax.train.run_spec import RunSpec
     from mmjax.train.trainer import TrainingStopped, train
 
     workdir = args.workdir or os.path.join("runs", os.path.splitext(os.path.basename(files[0]))[0])
     try:
         with removed_if_refused(workdir):
-            records = train(workdir=workdir, dry_run=args.check)
+            records = train(workdir, spec=RunSpec.from_gin(dry_run=args.check))
     except TrainingStopped as e:  # not bad input: the run itself went wrong (exit 1)
         print(f"error: {first_line(e)}", file=sys.stderr)
         return 1

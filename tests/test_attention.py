@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from mmjax.errors import UserError
 from mmjax.models.attention import (TokenMeta, bam_attention, choose_implementation,
                                     segment_meta)
 from mmjax.models.attention_chunked import chunked_attention
@@ -142,15 +143,15 @@ def test_auto_choice_and_clear_errors():
     assert choose_implementation("auto", 256, 256, jnp.bfloat16, "bam", "gpu") == "dense"
     assert choose_implementation("auto", 1024, 77, jnp.bfloat16, "full", "gpu") == "cudnn"
     assert choose_implementation("auto", 1024, 77, jnp.float32, "full", "gpu") == "dense"
-    with pytest.raises(ValueError, match="attention implementation 'cudnn' needs a GPU"):
+    with pytest.raises(UserError, match="attention implementation 'cudnn' needs a GPU"):
         choose_implementation("cudnn", 64, 64, jnp.bfloat16, "causal", platform="cpu")
-    with pytest.raises(ValueError, match="only plain causal"):
+    with pytest.raises(UserError, match="only plain causal"):
         choose_implementation("cudnn", 64, 64, jnp.bfloat16, "bam", platform="gpu")
-    with pytest.raises(ValueError, match="'flash' is unknown"):
+    with pytest.raises(UserError, match="'flash' is unknown"):
         choose_implementation("flash", 64, 64, jnp.float32)
     meta = segment_meta(jnp.ones((1, 8), jnp.int32))
     x = jnp.zeros((1, 8, 2, 4))
-    with pytest.raises(ValueError, match="needs a GPU"):
+    with pytest.raises(UserError, match="needs a GPU"):
         bam_attention(x, x, x, meta, implementation="cudnn", mask_family="causal")
 
 
@@ -168,7 +169,7 @@ def test_the_generator_attends_as_the_full_mask_family():
             jnp.zeros((1, 3, model.llm.hidden_size)))
     run = nnx.jit(lambda g, *a, impl: g(*a, attention_impl=impl), static_argnames="impl")
     assert np.isfinite(np.asarray(run(gen, *args, impl="dense"))).all()
-    with pytest.raises(ValueError, match="needs a GPU"):
+    with pytest.raises(UserError, match="needs a GPU"):
         run(gen, *args, impl="cudnn")
 
 

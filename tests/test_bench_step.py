@@ -7,6 +7,7 @@ import os
 
 import pytest
 
+from mmjax.errors import UserError
 from mmjax.data.batch_shapes import grow_shapes
 from mmjax.planner.costs import unit_costs
 from mmjax.planner.measured_hardware import hardware_from_profile
@@ -89,7 +90,7 @@ def test_a_given_profile_is_used_and_must_be_this_device(tmp_path):
         (5e10, 1e10, 2e9, 2e9, 8)
     other = dict(mine, device="NVIDIA H100 80GB HBM3")
     path.write_text(json.dumps(other))
-    with pytest.raises(ValueError, match="measured on 'NVIDIA H100 80GB HBM3'.*on 'cpu'"):
+    with pytest.raises(UserError, match="measured on 'NVIDIA H100 80GB HBM3'.*on 'cpu'"):
         bench.device_profile(str(path))
 
 

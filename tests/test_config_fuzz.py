@@ -17,13 +17,12 @@ from mmjax.data.synthetic import SyntheticConfig, SyntheticDataset
 from mmjax.errors import UserError
 from mmjax.planner.plan import Plan
 from mmjax.train.manual_plan import manual_plan
-from mmjax.train.validate import check_train_settings
+from mmjax.train.run_spec import RunSpec
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CFG = make_cfg()
 VALUES = [None, "x", "full", "dots", -1, 0, 1, 2, 3, 4, 8, 1.5, True, False, [], {}, [1, 2],
           [2, 2], {"llm": 2}, {"visoin": 2}, "1"]
-DTYPES = {"float32": None, "bfloat16": None}
 
 
 def _one_line_user_error(fn):
@@ -100,10 +99,7 @@ def test_fuzzed_train_settings_work_or_give_one_line_errors(tmp_path):
         for k in rng.sample(names, rng.randint(0, 2)):
             kw[k] = rng.choice(pool)
         s = {k: kw[k] for k in names}
-        outcomes.append(_one_line_user_error(lambda: check_train_settings(
-            s["steps"], s["global_batch"], s["compute_dtype"], DTYPES, s["seed"],
-            s["checkpoint_every"], s["progress"], s["stop_after"], s["plan"],
-            s["keep_checkpoints"], s["keep_every"], s["max_bad_steps"])))
+        outcomes.append(_one_line_user_error(lambda: RunSpec(**s)))
     assert 50 < sum(outcomes) < 1150
 
 

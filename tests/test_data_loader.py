@@ -126,7 +126,7 @@ def test_a_short_window_draws_replacements_the_same_way_on_every_restart():
 def test_a_data_set_without_enough_usable_samples_is_one_line():
     builder = GlobalBatchBuilder(source(bad=0.999), CFG, plan(), LAYOUT,
                                  {u: "none" for u in CFG.unit_names}, reserve=0)
-    with pytest.raises(ValueError, match=r"global batch 0: only \d of \d+ samples drawn are "
+    with pytest.raises(UserError, match=r"global batch 0: only \d of \d+ samples drawn are "
                                          r"usable .*data set of 500\); see skipped.jsonl"):
         builder(0)
 
@@ -410,7 +410,7 @@ def test_post_balance_policy_per_phase():
     ld = Loader(source(), CFG, p, LAYOUT, balance="orchmllm", post_balance_policy={"llm": "padded"})
     assert ld.builder.algo == {"vision": "sum", "audio": "sum", "llm": "padded", "generator": "sum"}
     ld.close()
-    with pytest.raises(ValueError, match=r"Loader.post_balance_policy\['llm'\]='pad'.*sum_square"):
+    with pytest.raises(UserError, match=r"Loader.post_balance_policy\['llm'\]='pad'.*sum_square"):
         Loader(source(), CFG, p, LAYOUT, post_balance_policy={"llm": "pad"})
     with pytest.raises(UserError, match=r"Loader.post_balance_policy: unknown units \['text'\]"):
         Loader(source(), CFG, p, LAYOUT, post_balance_policy={"text": "sum"})
@@ -460,11 +460,11 @@ def test_node_wise_method_auto_uses_the_milp():
 def test_prefetch_below_two_and_bad_sources_are_rejected(tmp_path):
     with pytest.raises(UserError, match=r"Loader.prefetch=1: use >= 2"):
         Loader(source(), CFG, plan(), LAYOUT, prefetch=1)
-    with pytest.raises(ValueError, match="make_dataset.py --out="):
+    with pytest.raises(UserError, match="make_dataset.py --out="):
         Loader(str(tmp_path / "missing.arrayrecord"), CFG, plan(), LAYOUT)
     path = str(tmp_path / "p4.arrayrecord")
     write_dataset(path, [source().dataset[i] for i in range(4)], patch_size=4, max_grid=8)
-    with pytest.raises(ValueError, match="--patch_size=2"):
+    with pytest.raises(UserError, match="--patch_size=2"):
         Loader(path, CFG, plan(), LAYOUT)
 
 

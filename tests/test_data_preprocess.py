@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from mmjax.errors import UserError
 from mmjax.data.preprocess import (ImageProcessor, NativeResizeProcessor, WhisperFeatureExtractor,
                                    audio_num_samples, center_crop, load_audio, load_processor)
 
@@ -149,8 +150,8 @@ def test_load_audio_resamples(tmp_path):
 
 
 def test_bad_processor_configs(tmp_path):
-    with pytest.raises(ValueError, match="no preprocessor_config.json"):
+    with pytest.raises(UserError, match="no preprocessor_config.json"):
         load_processor(str(tmp_path))
     (tmp_path / "preprocessor_config.json").write_text(json.dumps({"do_resize": True}))
-    with pytest.raises(ValueError, match="neither an image"):
+    with pytest.raises(UserError, match="neither an image"):
         load_processor(str(tmp_path))

@@ -6,6 +6,8 @@ import sys
 import numpy as np
 import pytest
 
+from mmjax.errors import UserError
+from mmjax.planner.plan import PlanError
 from mmjax.data.data_spec import open_source, sample_workload
 from mmjax.data.sample import TokenRules
 from mmjax.data.synthetic import SyntheticDataset
@@ -41,7 +43,7 @@ def test_specs_open_their_sources(model):
     for bad, msg in [("foo:bar", "use one of"), ("synthetic:cats", "unknown set"),
                      ("synthetic:laion@x", "must be an integer"), ("synthetic:", "nothing after"),
                      ("/no/such/file", "make_dataset.py")]:
-        with pytest.raises(ValueError, match=msg):
+        with pytest.raises(UserError, match=msg):
             open_source(bad, model)
 
 
@@ -104,5 +106,5 @@ def test_auto_plan_for_the_devices_present():
     plan = auto_plan(cfg, 8, open_source("synthetic:laion", cfg), num_devices=8)
     assert plan.num_devices <= 8 and plan.global_batch == 8
     assert device_hardware() is H100  # CPU devices: the analytic H100 model
-    with pytest.raises(ValueError, match="train.plan='auto' on 1 device:"):
+    with pytest.raises(PlanError, match="train.plan='auto' on 1 device:"):
         auto_plan(cfg, 8, open_source("synthetic:laion", cfg), num_devices=1)

@@ -2,6 +2,7 @@
 import numpy as np
 import pytest
 
+from mmjax.errors import UserError
 from mmjax.data.layout import AssemblyLayout
 from mmjax.data.assemble import assemble
 from mmjax.data.chat import ChatError, ChatFormat
@@ -47,7 +48,7 @@ def test_padded_vocab():
     assert padded_vocab(129, (3,)) == 384  # lcm(128, 3)
     assert padded_vocab(1000, (1, 2, 6)) == 1152  # lcm(128, 6) = 384
     assert tokenizer(None) is None
-    with pytest.raises(ValueError, match="tokenizer.path"):
+    with pytest.raises(UserError, match="tokenizer.path"):
         tokenizer("/nonexistent/tok")
 
 
@@ -118,7 +119,7 @@ def test_hf_jinja_semantics(tok):
         fmt([{"from": "system", "value": "x"}])
     with pytest.raises(ChatError, match="turn 0"):
         fmt([{"from": "robot", "value": "x"}])
-    with pytest.raises(ValueError, match="loss_on"):
+    with pytest.raises(UserError, match="loss_on"):
         ChatFormat(tok, "plain", loss_on="prompt")
 
 

@@ -11,7 +11,7 @@ from mmjax.errors import UserError, first_line, shown
 from mmjax.settings import _int, check
 from mmjax.train.preemption import Preempted
 from mmjax.train.run_files import use_compilation_cache
-from mmjax.train.validate import positive_int
+from mmjax.train.run_spec import RunSpec
 
 
 def test_a_value_above_the_int_range_names_the_upper_bound():
@@ -23,8 +23,9 @@ def test_a_value_above_the_int_range_names_the_upper_bound():
         check("train.steps", 0, _int(30, 1))
     assert str(e.value) == "train.steps=0: must be an int >= 1 (the default is 30)"
     with pytest.raises(UserError) as e:
-        positive_int("train.steps", 10 ** 12)
-    assert str(e.value) == "train.steps=1000000000000: must be an int >= 1 and <= 2,147,483,647"
+        RunSpec(steps=10 ** 12)
+    assert str(e.value) == ("train.steps=1000000000000: must be an int >= 1 and <= "
+                            "2,147,483,647 (the default is 30)")
 
 
 def test_a_huge_value_is_named_by_its_start_and_length():

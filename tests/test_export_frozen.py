@@ -113,12 +113,12 @@ def test_changed_or_missing_pretrained_files_refused(dirs, tmp_path):
     t[name] = t[name] + 1  # same size, other weights
     from safetensors.numpy import save_file
     save_file(t, shard)
-    with pytest.raises(ValueError, match=r"^pretrained\.llm: .*model-00002-of-00002\."
+    with pytest.raises(UserError, match=r"^pretrained\.llm: .*model-00002-of-00002\."
                                          r"safetensors changed since the run trained with it "
                                          r"\(sha256 differs\): restore the files"):
         export_workdir(run, tmp_path / "out")
     shutil.rmtree(moved["vision"])
-    with pytest.raises(ValueError, match=r"^pretrained\.llm: |^pretrained\.vision: .* is gone"):
+    with pytest.raises(UserError, match=r"^pretrained\.llm: |^pretrained\.vision: .* is gone"):
         export_workdir(run, tmp_path / "out")
 
 

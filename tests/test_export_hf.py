@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file
 
+from mmjax.errors import UserError
 from mmjax.models import hf
 from mmjax.models.config import EncoderSpec, VisionConfig, with_overrides
 from mmjax.models.mllm import MultimodalModel, trainable_filter
@@ -74,7 +75,7 @@ def test_single_program_checkpoint_round_trip(tmp_path):
     assert sorted(extra) == sorted(want) and all(a.dtype == ml_dtypes.bfloat16
                                                  for a in extra.values())
     assert all(np.array_equal(extra[k], want[k].astype(ml_dtypes.bfloat16)) for k in want)
-    with pytest.raises(ValueError, match=r"--step=7: .* holds steps \[3\]"):
+    with pytest.raises(UserError, match=r"--step=7: .* holds steps \[3\]"):
         export_workdir(str(tmp_path / "run"), tmp_path / "out2", step=7)
 
 
@@ -104,5 +105,5 @@ def test_plan_checkpoint_round_trip(tmp_path):
 
 
 def test_missing_run_info(tmp_path):
-    with pytest.raises(ValueError, match="run.json does not exist"):
+    with pytest.raises(UserError, match="run.json does not exist"):
         export_workdir(str(tmp_path), tmp_path / "out")

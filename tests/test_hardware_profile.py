@@ -11,6 +11,7 @@ import sys
 import numpy as np
 import pytest
 
+from mmjax.errors import UserError
 from mmjax.planner.costs import work_time
 from mmjax.planner.unit_work import Work
 from mmjax.planner.hardware import H100, hardware_of_device
@@ -62,9 +63,9 @@ def test_efficiency_at_points_interpolated_and_clamped():
 def test_an_incomplete_grid_is_refused():
     times = {("gelu_full", 1024, 512): 1.0, ("gelu_full", 1024, 4096): 1.0,
              ("gelu_full", 4096, 512): 1.0}
-    with pytest.raises(ValueError, match="full width x tokens grid"):
+    with pytest.raises(UserError, match="full width x tokens grid"):
         HardwareProfile.from_json(_profile(times), PEAK)
-    with pytest.raises(ValueError, match="no 'points'"):
+    with pytest.raises(UserError, match="no 'points'"):
         HardwareProfile.from_json({"device": "x"}, PEAK)
 
 

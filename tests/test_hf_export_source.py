@@ -16,6 +16,7 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
+from mmjax.errors import UserError
 from mmjax.models import hf
 from mmjax.models.config import with_overrides
 from mmjax.models.hf.qwen2_vl_layouts import convert_config
@@ -196,7 +197,7 @@ def test_export_dtype_and_layout_when_asked(tmp_path):
     assert conf == want
     for bad, match in (({"dtype": "int8"}, r"^--dtype='int8': use one of"),
                        ({"layout": "tf6"}, r"^--layout='tf6': use one of")):
-        with pytest.raises(ValueError, match=match):
+        with pytest.raises(UserError, match=match):
             export_workdir(str(tmp_path / "run"), tmp_path / "bad", **bad)
 
 

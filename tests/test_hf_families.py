@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 import hf_reference as ref
+from mmjax.errors import UserError
 from mmjax.models import hf
 
 RTOL = 1e-4
@@ -191,7 +192,7 @@ def test_vision_refusals():
         hf.vision_config_from_hf(dict(CLIP_V, model_type="clip_vision_model", hidden_act="relu"))
     with pytest.raises(ValueError, match="image_size=13"):
         hf.vision_config_from_hf(dict(CLIP_V, model_type="clip_vision_model", image_size=13))
-    with pytest.raises(ValueError, match="feature_layer=-3"):
+    with pytest.raises(UserError, match="feature_layer=-3"):
         hf.vision_config_from_hf(dict(CLIP_V, model_type="clip_vision_model"), feature_layer=-3)
 
 

@@ -63,6 +63,6 @@ def test_startup_timeout_is_checked():
     from mmjax.train.trainer import train
 
     for bad in (0, -5, True, "60", 10 ** 6):
-        with pytest.raises(UserError, match=r"train.startup_timeout=.*: must be seconds in "
-                                            r"\[1, 86400\]"):
+        with pytest.raises(UserError, match=r"train.startup_timeout=.*: must be a number >= 1 "
+                                            r"and <= 86,400 \(seconds"):
             train("/nonexistent-workdir", startup_timeout=bad)

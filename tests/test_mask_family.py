@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from helpers import make_cfg
+from mmjax.errors import UserError
 from mmjax.data.layout import AssemblyLayout
 from mmjax.data.assemble import assemble
 from mmjax.data.feed import microbatch_feed
@@ -44,7 +45,7 @@ def test_the_single_program_llm_declares_its_mask_family(family, message):
     loss = make_loss_fn(gd, jnp.float32, "cudnn", family)
     batch = assemble(_text_samples(4), lay)
     assert not batch.skipped and batch.num_target_tokens > 0
-    with pytest.raises(ValueError, match=message):  # raised while tracing: nothing compiles
+    with pytest.raises(UserError, match=message):  # raised while tracing: nothing compiles
         jax.jit(loss)(tr, fr, model_inputs(batch))
 
 
@@ -59,6 +60,6 @@ def test_pipeline_llm_stages_declare_their_mask_family(family, message):
     feed = microbatch_feed(_text_samples(4), lay, {"llm": 1})
     side = rt.transfers.side(sid, feed, (feed.num_target_tokens, 0))
     assert st.fns.apply(rt.params(sid), st.frozen, None, side).shape == (1,)  # auto: runs
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(UserError, match=message):
         make_stage_fns(cfg, up, st.graphdef, st.mode, jnp.float32, st.mesh,
                        llm_mask_family=family)

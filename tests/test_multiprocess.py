@@ -186,7 +186,8 @@ def test_cluster_settings_from_flags_environment_kubernetes_and_slurm(flags, env
 
 
 def test_cluster_settings_missing_outside_slurm_names_what_is_missing():
+    from mmjax.errors import UserError
     from mmjax.launch import cluster_settings
 
-    with pytest.raises(ValueError, match=r"--coordinator, --process_id not given"):
+    with pytest.raises(UserError, match=r"--coordinator, --process_id not given"):
         cluster_settings(None, 2, None, env={})

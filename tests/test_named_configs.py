@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from mmjax.errors import UserError
 from mmjax.models.config import VisionConfig
 from mmjax.models.named import (CORNSTARCH_AUDIO, CORNSTARCH_LLM, CORNSTARCH_VISION,
                                 LLAMA3_VOCAB, NAMED_CONFIGS, named_config)
@@ -139,9 +140,9 @@ def test_registry_and_overrides():
     assert "tiny" not in NAMED_CONFIGS
     cfg = named_config("cornstarch/vlm_m", {"llm.num_layers": 2, "encoders.vision.frozen": False})
     assert cfg.llm.num_layers == 2 and not cfg.encoder("vision").frozen
-    with pytest.raises(ValueError, match="disttrain/mllm_9b"):
+    with pytest.raises(UserError, match="disttrain/mllm_9b"):
         named_config("disttrain/mllm_7b")
-    with pytest.raises(ValueError, match="no field"):
+    with pytest.raises(UserError, match="no field"):
         named_config("disttrain/mllm_9b", {"llm.depth": 2})
 
 

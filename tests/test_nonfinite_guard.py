@@ -235,13 +235,11 @@ def test_spike_guard_limits_are_factor_times_running_medians_and_survive_a_resum
 def test_a_huge_finite_loss_in_the_first_steps_is_held_back_by_default():
     """Issue 43: with the defaults (factor 100, window 20) a finite 1e22 loss at step 1 or
     at step 5 is above the limit the step is given (it was inf for 10 steps)."""
-    import inspect
-
+    from mmjax.train.run_spec import RunSpec
     from mmjax.train.spike_guard import SpikeGuard
-    from mmjax.train.trainer import train
 
-    defaults = inspect.signature(train).parameters
-    g = SpikeGuard(defaults["spike_factor"].default, defaults["spike_window"].default)
+    defaults = RunSpec()  # the run's defaults: train.spike_factor / train.spike_window
+    g = SpikeGuard(defaults.spike_factor, defaults.spike_window)
     assert 1e22 > g.limits()[0]
     for loss in (10.4, 9.8, 9.1, 8.7):
         g.add(loss, 3.0)

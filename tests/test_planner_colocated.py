@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from mmjax.planner.plan import PlanError
 from mmjax.models.named import named_config
 from mmjax.planner.build import model_costs, plan_model
 from mmjax.planner.colocated import (_a2a_bw, best_colocated, compute_copy_bytes,
@@ -42,7 +43,7 @@ def test_zero_stages_shard_state(costs_10b):
             z3 = state_bytes(c, 1, d, 3)
             assert z3 - two_layers == pytest.approx(rep / d, rel=1e-12)
             assert z3 < state_bytes(c, 1, d, 2) < state_bytes(c, 1, d, 1)
-    with pytest.raises(ValueError, match="zero_stage=4"):
+    with pytest.raises(PlanError, match="zero_stage=4"):
         state_bytes(costs_10b[0], 1, 8, 4)
 
 
@@ -59,7 +60,7 @@ def test_zero3_gathers_hide_behind_compute(costs_10b):
     assert one.exposed_comm_s["llm"] == pytest.approx(expect, rel=1e-12)
     assert two.exposed_comm_s["llm"] > one.exposed_comm_s["llm"]
     assert two.memory_gb < one.memory_gb
-    with pytest.raises(ValueError, match="tp=3 is not valid"):
+    with pytest.raises(PlanError, match="tp=3 is not valid"):
         evaluate_colocated(costs_10b, 64, 256, H100, {"llm": 3}, zero)
 
 

@@ -65,7 +65,8 @@ def test_misspelt_unit_names_are_refused():
     with pytest.raises(UserError, match=r"Loader.balance: unknown units \['visoin'\]"):
         unit_policies({"visoin": "orchmllm"}, cfg)
     from mmjax.train.manual_plan import manual_plan
-    with pytest.raises(UserError, match=r"manual_plan.dp: unknown unit\(s\) \['visoin'\]"):
+    with pytest.raises(UserError, match=r"^manual_plan.dp=\{'visoin': 2\}: unknown unit\(s\) "
+                                         r"\['visoin'\]"):
         manual_plan(global_batch=8, dp={"visoin": 2}, model=cfg)
 
 

@@ -20,6 +20,7 @@ import os
 
 import numpy as np
 
+from mmjax.errors import UserError
 from mmjax.data.sample import TokenRules
 from mmjax.data.synthetic import KINDS, SyntheticConfig, SyntheticDataset
 from mmjax.planner.workload import Workload, workload_from_metas
@@ -28,10 +29,10 @@ from mmjax.planner.workload import Workload, workload_from_metas
 def _synthetic(arg: str, model):
     kind, _, seed = arg.partition("@")
     if kind not in KINDS:
-        raise ValueError(f"data spec synthetic:{arg}: unknown set {kind!r}; use one of "
-                         f"{list(KINDS)} (e.g. synthetic:laion@0)")
+        raise UserError(f"data spec synthetic:{arg}: unknown set {kind!r}; use one of "
+                        f"{list(KINDS)} (e.g. synthetic:laion@0)")
     if seed and not seed.isdigit():
-        raise ValueError(f"data spec synthetic:{arg}: seed {seed!r} must be an integer")
+        raise UserError(f"data spec synthetic:{arg}: seed {seed!r} must be an integer")
     return SyntheticDataset(kind, SyntheticConfig.for_model(model), seed=int(seed or 0))
 
 
@@ -49,13 +50,13 @@ def open_source(spec: str, model):
     scheme, sep, arg = spec.partition(":")
     if sep and scheme in SCHEMES:
         if not arg:
-            raise ValueError(f"data spec {spec!r}: nothing after '{scheme}:'")
+            raise UserError(f"data spec {spec!r}: nothing after '{scheme}:'")
         return SCHEMES[scheme](arg, model)
     if os.path.exists(spec + ".index.json"):
         return _arrayrecord(spec, model)
-    raise ValueError(f"data spec {spec!r}: use one of {sorted(SCHEMES)} as '<scheme>:<arg>' "
-                     f"(synthetic:laion, arrayrecord:/path) or the path of a file written by "
-                     f"scripts/make_dataset.py")
+    raise UserError(f"data spec {spec!r}: use one of {sorted(SCHEMES)} as '<scheme>:<arg>' "
+                    f"(synthetic:laion, arrayrecord:/path) or the path of a file written by "
+                    f"scripts/make_dataset.py")
 
 
 def sample_workload(source, model, num_samples: int = 512, seed: int = 0,
@@ -63,10 +64,10 @@ def sample_workload(source, model, num_samples: int = 512, seed: int = 0,
     """The planner's workload of `num_samples` samples drawn without replacement from
     `source` (all of them when it holds fewer), from their shapes alone."""
     if num_samples < 1:
-        raise ValueError(f"num_samples={num_samples} must be >= 1")
+        raise UserError(f"num_samples={num_samples} must be >= 1")
     n = len(source)
     if n == 0:
-        raise ValueError(f"data source {name!r} is empty")
+        raise UserError(f"data source {name!r} is empty")
     rng = np.random.default_rng(seed)
     idx = (np.arange(n) if n <= num_samples
            else np.sort(rng.choice(n, num_samples, replace=False)))

@@ -17,6 +17,8 @@ from mmjax.errors import UserError
 from mmjax.data.sample import AUDIO_STRIDE, Sample, SpecialTokens, TokenRules
 from mmjax.models.config import MLLMConfig, VisionConfig
 
+PACKINGS = ("pad", "pack")  # DistTrain's padded rows, OrchMLLM's packed rows
+
 
 @dataclass(frozen=True)
 class EncoderSlot:
@@ -106,7 +108,7 @@ class AssemblyLayout:
                     audio_frame_caps: tuple[int, ...] = (256, 1024, 3072),
                     gen_num_queries: int = 16,
                     special: SpecialTokens | None = None) -> "AssemblyLayout":
-        if packing not in ("pad", "pack"):
+        if packing not in PACKINGS:
             raise UserError(f"packing={packing!r}: use 'pad' (DistTrain) or 'pack' (OrchMLLM)")
         slots, seen = [], set()
         for i, spec in enumerate(cfg.encoders):

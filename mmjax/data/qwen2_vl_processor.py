@@ -14,10 +14,13 @@ that the data path stores and `data/assemble.py` patchifies the same way.
 from __future__ import annotations
 
 import math
+from dataclasses import InitVar, dataclass, field
+from typing import ClassVar
 
 import numpy as np
 
 from mmjax.data.image_ops import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, PilImageOps
+from mmjax.errors import UserError
 
 
 def smart_resize(height: int, width: int, factor: int = 28, min_pixels: int = 56 * 56,
@@ -52,32 +55,48 @@ def patchify(image: np.ndarray, patch_size: int, merge_size: int,
     return x.reshape(gh * gw, c * temporal_patch_size * p * p), (1, gh, gw)
 
 
+@dataclass(eq=False)  # compared by identity, as a processor object
 class Qwen2VLImageProcessor(PilImageOps):
-    """HF Qwen2VLImageProcessor (module docstring)."""
+    """HF Qwen2VLImageProcessor (module docstring): the fields of its
+    preprocessor_config.json; `size` ({"shortest_edge", "longest_edge"}) sets the pixel
+    bounds that `min_pixels` / `max_pixels` leave unset."""
 
-    KEYS = ("size", "min_pixels", "max_pixels", "patch_size", "temporal_patch_size",
-            "merge_size", "resample", "do_resize", "do_rescale", "rescale_factor",
-            "do_normalize", "image_mean", "image_std", "do_convert_rgb")
+    KEYS: ClassVar[tuple[str, ...]] = (
+        "size", "min_pixels", "max_pixels", "patch_size", "temporal_patch_size", "merge_size",
+        "resample", "do_resize", "do_rescale", "rescale_factor", "do_normalize", "image_mean",
+        "image_std", "do_convert_rgb")
 
-    def __init__(self, size=None, min_pixels=None, max_pixels=None, patch_size=14,
-                 temporal_patch_size=2, merge_size=2, resample=3, do_resize=True,
-                 do_rescale=True, rescale_factor=1 / 255, do_normalize=True,
-                 image_mean=OPENAI_CLIP_MEAN, image_std=OPENAI_CLIP_STD, do_convert_rgb=True):
+    size: InitVar[dict | None] = None
+    min_pixels: int | None = None
+    max_pixels: int | None = None
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    merge_size: int = 2
+    resample: int = 3
+    do_resize: bool = True
+    do_rescale: bool = True
+    rescale_factor: float = 1 / 255
+    do_normalize: bool = True
+    image_mean: list = field(default_factory=lambda: list(OPENAI_CLIP_MEAN))
+    image_std: list = field(default_factory=lambda: list(OPENAI_CLIP_STD))
+    do_convert_rgb: bool = True
+
+    def __post_init__(self, size):
         size = dict(size or {})
-        self.min_pixels = int(min_pixels if min_pixels is not None else
+        self.min_pixels = int(self.min_pixels if self.min_pixels is not None else
                               size.get("shortest_edge", size.get("min_pixels", 56 * 56)))
-        self.max_pixels = int(max_pixels if max_pixels is not None else
+        self.max_pixels = int(self.max_pixels if self.max_pixels is not None else
                               size.get("longest_edge", size.get("max_pixels", 28 * 28 * 1280)))
         if not 0 < self.min_pixels <= self.max_pixels:
-            raise ValueError(f"preprocessor_config.json: min_pixels={self.min_pixels} / "
-                             f"max_pixels={self.max_pixels}: use 0 < min_pixels <= max_pixels")
-        self.patch_size, self.merge_size = int(patch_size), int(merge_size)
-        self.temporal_patch_size = int(temporal_patch_size)
-        self.do_resize, self.resample = bool(do_resize), int(resample)
-        self.do_rescale, self.rescale_factor = bool(do_rescale), float(rescale_factor)
-        self.do_normalize = bool(do_normalize)
-        self.image_mean, self.image_std = list(image_mean), list(image_std)
-        self.do_convert_rgb = bool(do_convert_rgb)
+            raise UserError(f"preprocessor_config.json: min_pixels={self.min_pixels} / "
+                            f"max_pixels={self.max_pixels}: use 0 < min_pixels <= max_pixels")
+        self.patch_size, self.merge_size = int(self.patch_size), int(self.merge_size)
+        self.temporal_patch_size = int(self.temporal_patch_size)
+        self.do_resize, self.resample = bool(self.do_resize), int(self.resample)
+        self.do_rescale, self.rescale_factor = bool(self.do_rescale), float(self.rescale_factor)
+        self.do_normalize = bool(self.do_normalize)
+        self.image_mean, self.image_std = list(self.image_mean), list(self.image_std)
+        self.do_convert_rgb = bool(self.do_convert_rgb)
 
     @property
     def factor(self) -> int:
@@ -90,7 +109,9 @@ class Qwen2VLImageProcessor(PilImageOps):
                 raise ValueError(f"image {height}x{width} with do_resize false: sides must be "
                                  f"multiples of patch_size * merge_size = {self.factor}")
             return height, width
-        return smart_resize(height, width, self.factor, self.min_pixels, self.max_pixels)
+        lo, hi = self.min_pixels, self.max_pixels
+        assert lo is not None and hi is not None  # set by __post_init__
+        return smart_resize(height, width, self.factor, lo, hi)
 
     def __call__(self, image) -> np.ndarray:
         """PIL image / uint8 array -> float32 [3, H, W], resized and normalised."""

@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from mmjax.errors import UserError
+from mmjax.models.attention_names import IMPLEMENTATIONS
 # the mask vocabulary, imported by callers of bam_attention from here too
 from mmjax.models.attention_mask import (MASK_FAMILIES, NO_FLOOR, NO_OPTIONS,  # noqa: F401
                                          AttnOptions, TokenMeta, allowed_mask, cap_logits,
@@ -44,7 +45,6 @@ from mmjax.models.attention_mask import (MASK_FAMILIES, NO_FLOOR, NO_OPTIONS,  #
                                          meta_mask, segment_mask, segment_meta,
                                          window_floor)
 
-IMPLEMENTATIONS = ("auto", "dense", "chunked", "pallas", "cudnn")
 CUDNN_FAMILIES = ("causal", "full")
 # auto on CPU: the dense path up to this many (query, key) pairs per row (512 x 512), chunked
 # beyond (the crossover scripts/bench_attention.py measures).

@@ -2,7 +2,8 @@
 
 The planner (`mmjax/planner/`) reads these to count FLOPs and bytes, the Flax modules in
 `mmjax/models/` read them to build parameters, and gin binds them. Keeping them JAX-free
-lets the planner run in milliseconds.
+lets the planner run in milliseconds. Overrides by dotted path: models/overrides.py; to and
+from JSON: models/config_json.py.
 """
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from mmjax.errors import UserError
-from mmjax.models.lora_config import LoRAConfig, lora_from_dict
+from mmjax.models.lora_config import LoRAConfig
+from mmjax.models.overrides import with_overrides  # noqa: F401 (its 30-odd importers)
 from mmjax.models.qwen2_vl_config import check_mrope, check_qwen2_vl_vision
 from mmjax.models.units import LLM_UNIT, UnitDag, UnitRole, role
 
@@ -434,127 +436,3 @@ class MLLMConfig:
 
     def replace(self, **kw) -> "MLLMConfig":
         return dataclasses.replace(self, **kw)
-
-
-def with_overrides(cfg, overrides: dict | None):
-    """Apply dotted-path overrides, e.g. {"llm.num_layers": 2, "encoders.vision.frozen": True}.
-
-    All overrides of one dataclass are applied in one `replace`, so options that are only
-    valid together (a ViT's `kind="vit"` with its `class_token`) work in any key order.
-    Raises UserError naming the bad path, so a typo in a gin binding fails before any work.
-    """
-    if overrides is not None and not isinstance(overrides, dict):
-        raise UserError(f"named_model_config.overrides={overrides!r}: must be a dict of "
-                        f"dotted paths to values, e.g. {{'llm.num_layers': 2}}")
-    tree: dict = {}
-    for path, value in (overrides or {}).items():
-        if not isinstance(path, str) or not path:
-            raise UserError(f"override {path!r}: keys are dotted paths such as "
-                            f"'llm.num_layers'")
-        node = tree
-        for part in path.split("."):
-            node = node.setdefault(part, {})
-        node.clear()  # a whole value replaces what earlier overrides set below it
-        node[_VALUE] = (value, path)
-    return _apply(cfg, tree, "")
-
-
-_VALUE = object()  # key of a path's own value in the override tree
-
-
-def _apply(obj, tree: dict, prefix: str):
-    """`obj` with the override subtree applied (a node's own value first, then its children)."""
-    if _VALUE in tree:
-        obj = _typed(obj, *tree[_VALUE])
-    children = {k: v for k, v in tree.items() if k is not _VALUE}
-    if not children:
-        return obj
-    if isinstance(obj, tuple):  # encoders: select by name
-        out = list(obj)
-        for head, sub in children.items():
-            idx = [i for i, item in enumerate(out) if getattr(item, "name", None) == head]
-            if not idx:
-                raise UserError(f"override {_first_path(sub)!r}: no element named {head!r}")
-            out[idx[0]] = _apply(out[idx[0]], sub, prefix + head + ".")
-        return tuple(out)
-    names = [f.name for f in dataclasses.fields(obj)] if dataclasses.is_dataclass(obj) else []
-    for head, sub in children.items():
-        if head not in names:
-            raise UserError(f"override {_first_path(sub)!r}: {type(obj).__name__} has no field "
-                            f"{head!r}; fields: {names}")
-    return dataclasses.replace(obj, **{head: _apply(getattr(obj, head), sub, prefix + head + ".")
-                                       for head, sub in children.items()})
-
-
-def _typed(old, new, path: str):
-    """`new` if it can replace the config value `old`: the same type (an int for a float),
-    and a size that is positive (non-negative) stays so; else a UserError naming the path."""
-    def bad(why):
-        return UserError(f"override {path!r}={new!r}: {why} (the current value is {old!r})")
-    if dataclasses.is_dataclass(old) and new is not None and not isinstance(new, type(old)):
-        raise UserError(f"override {path!r}={new!r}: must be a {type(old).__name__} "
-                        f"(override its fields one by one, e.g. {path}.<field>)")
-    if isinstance(old, bool) or old is None or dataclasses.is_dataclass(old):
-        if isinstance(old, bool) and not isinstance(new, bool):
-            raise bad("must be True or False")
-        return new
-    if isinstance(old, (int, float)):
-        num = isinstance(new, (int, float)) and not isinstance(new, bool)
-        if not num or (isinstance(old, int) and not isinstance(new, int)):
-            raise bad(f"must be {'an int' if isinstance(old, int) else 'a number'}")
-        if new != new or new in (float("inf"), float("-inf")):
-            raise bad("must be finite")
-        if (old > 0 and new <= 0) or (old >= 0 and new < 0):
-            raise bad("must be " + ("> 0" if old > 0 else ">= 0"))
-    elif isinstance(old, str) and not isinstance(new, str):
-        raise bad("must be a string")
-    elif isinstance(old, tuple) and not isinstance(new, (tuple, list)):
-        raise bad("must be a list")
-    return tuple(new) if isinstance(old, tuple) else new
-
-
-def _first_path(tree: dict) -> str:
-    """The full dotted path of the first override under `tree` (for error messages)."""
-    while _VALUE not in tree:
-        tree = next(iter(tree.values()))
-    return tree[_VALUE][1]
-
-
-def config_to_dict(cfg: MLLMConfig) -> dict:
-    """MLLMConfig -> JSON-able dict (encoders tagged "vision" / "audio"); `config_from_dict`
-    inverts it. A workdir keeps it so tools (scripts/export_hf.py) rebuild the model."""
-    d = dataclasses.asdict(cfg)
-    for spec, e in zip(cfg.encoders, d["encoders"]):
-        e["encoder"]["type"] = "vision" if isinstance(spec.encoder, VisionConfig) else "audio"
-    return d
-
-
-def config_from_dict(d: dict) -> MLLMConfig:
-    rest = dict(d)  # the fields left once the nested configs are popped
-    llm = dict(rest.pop("llm"))
-    old = llm.pop("rope_llama3", None)  # workdirs written before rope_scaling
-    if old is not None:
-        llm["rope_scaling"] = ("llama3", *old)
-    for key in ("rope_scaling", "sliding_layers", "mrope_section"):
-        if llm.get(key) is not None:
-            llm[key] = tuple(llm[key])
-    llm["lora"] = lora_from_dict(llm.get("lora"))
-    encoders = []
-    for e in rest.pop("encoders"):
-        enc = dict(e["encoder"])
-        kind = VisionConfig if enc.pop("type") == "vision" else AudioConfig
-        if "fullatt_block_indexes" in enc:
-            enc["fullatt_block_indexes"] = tuple(enc["fullatt_block_indexes"])
-        if kind is VisionConfig:
-            enc["lora"] = lora_from_dict(enc.get("lora"))
-        proj = {**e["projector"], "lora": lora_from_dict(e["projector"].get("lora"))}
-        encoders.append(EncoderSpec(e["name"], kind(**enc), ProjectorConfig(**proj),
-                                    e["frozen"], e["projector_frozen"]))
-    gen = rest.pop("generator", None)
-    gen = GeneratorConfig(**gen) if gen else None
-    vae = rest.pop("vae", None)
-    if vae:
-        rest["vae"] = VAEConfig(**{**vae, "block_out_channels": tuple(vae["block_out_channels"])})
-    if rest.get("image_markers") is not None:
-        rest["image_markers"] = tuple(rest["image_markers"])
-    return MLLMConfig(llm=LLMConfig(**llm), encoders=tuple(encoders), generator=gen, **rest)

@@ -26,6 +26,7 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import Callable
 
+from mmjax.errors import UserError
 from mmjax.models.config import (AudioConfig, EncoderSpec, GeneratorConfig, LLMConfig,
                                  MLLMConfig, ProjectorConfig, VisionConfig, with_overrides)
 
@@ -172,6 +173,6 @@ NAMED_CONFIGS = MappingProxyType(_REGISTRY)
 def named_config(name: str, overrides: dict | None = None) -> MLLMConfig:
     """The named config with dotted-path `overrides` applied (config.with_overrides)."""
     if name not in NAMED_CONFIGS:
-        raise ValueError(f"unknown model config name {name!r}; known names: "
-                         f"{sorted(NAMED_CONFIGS)}")
+        raise UserError(f"model config {name!r} is unknown (choose one of "
+                        f"{sorted(NAMED_CONFIGS)})")
     return with_overrides(NAMED_CONFIGS[name](), overrides)

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from mmjax.models.units import is_encoder, is_llm
 from mmjax.planner.costs import UnitCost, unit_params
 from mmjax.planner.hardware import Hardware
+from mmjax.planner.plan import PlanError
 from mmjax.planner.colocated_memory import UnitLoad, colocated_memory
 from mmjax.planner.memory import (ADAM_BYTES, F32, FROZEN_BYTES, REMATS, SCORE_BUFFERS,
                                   ZERO_STAGES, Acts)
@@ -58,7 +59,7 @@ def state_bytes(cost: UnitCost, tp: int, dp: int, zero: int) -> float:
     """Per-GPU bytes of a unit's parameters, gradients and optimizer state at ZeRO `zero`
     (module docstring); at stage 3 with two layers' full weights gathered."""
     if zero not in ZERO_STAGES:
-        raise ValueError(f"zero_stage={zero!r}: use one of {ZERO_STAGES}")
+        raise PlanError(f"zero_stage={zero!r}: use one of {ZERO_STAGES}")
     t, f = unit_params(cost)
     s = _share(cost, tp)
     params = (F32 * t + FROZEN_BYTES * f) * s
@@ -179,7 +180,7 @@ def evaluate_colocated(costs: tuple[UnitCost, ...], num_gpus: int, global_batch:
                        hw: Hardware, tp: dict[str, int], zero: dict[str, int],
                        remat: str = "none", micro_steps: int = 1,
                        imbalance: float | dict[str, float] = 1.0) -> ColocatedEvaluation:
-    """Price one co-located choice (module docstring). Raises ValueError when a unit's tp
+    """Price one co-located choice (module docstring). Raises PlanError when a unit's tp
     is not valid for it or does not divide the GPUs."""
     g, notes = num_gpus, []
     comp, exposed, mem_state, acts, work = {}, {}, 0.0, 0.0, 0.0
@@ -190,7 +191,7 @@ def evaluate_colocated(costs: tuple[UnitCost, ...], num_gpus: int, global_batch:
         v = c.variants.get(remat, c) if c.variants else c
         t = tp.get(c.name, 1)
         if t not in v.time_s or g % t:
-            raise ValueError(f"unit {c.name!r}: tp={t} is not valid (valid: "
+            raise PlanError(f"unit {c.name!r}: tp={t} is not valid (valid: "
                              f"{sorted(v.time_s)}, dividing {g} GPUs)")
         dp = g // t
         z = zero.get(c.name, 1)
@@ -237,13 +238,13 @@ def best_colocated(costs: tuple[UnitCost, ...], num_gpus: int, global_batch: int
     (nested: each divides the next; other units at their smallest valid tp), one ZeRO stage
     per unit, one remat policy, the fewest micro-steps that fit (at most
     `max_micro_steps`: 1 for the co-located runner, which steps the whole global batch at
-    once). Ties go to the lower ZeRO stage, then the smaller tp. Raises ValueError naming
+    once). Ties go to the lower ZeRO stage, then the smaller tp. Raises PlanError naming
     what is short."""
     names = [c.name for c in costs]
     by = {c.name: c for c in costs}
     llm_tps = sorted(t for t in by["llm"].time_s if num_gpus % t == 0)
     if not llm_tps:
-        raise ValueError(f"co-located: no valid LLM tp divides {num_gpus} GPUs "
+        raise PlanError(f"co-located: no valid LLM tp divides {num_gpus} GPUs "
                          f"(valid: {sorted(by['llm'].time_s)})")
     best, smallest = None, None
     # a bound from below per tp choice and remat: compute and the all-to-all (free of
@@ -284,7 +285,7 @@ def best_colocated(costs: tuple[UnitCost, ...], num_gpus: int, global_batch: int
                         best = ev
                     break  # more micro-steps only add gathers
     if best is None:
-        raise ValueError(f"co-located: nothing fits {num_gpus} GPUs; the leanest choice "
+        raise PlanError(f"co-located: nothing fits {num_gpus} GPUs; the leanest choice "
                          f"(tp {smallest.tp}, ZeRO {smallest.zero}, remat "
                          f"{smallest.remat}, {smallest.micro_steps} micro-steps) "
                          f"{smallest.notes[0]}")
@@ -299,7 +300,7 @@ def tp_choices(costs: tuple[UnitCost, ...], num_gpus: int) -> list[dict[str, int
     for c in costs:
         valid = sorted(t for t in c.time_s if num_gpus % t == 0)
         if not valid:
-            raise ValueError(f"co-located: no valid tp of unit {c.name!r} divides {num_gpus} "
+            raise PlanError(f"co-located: no valid tp of unit {c.name!r} divides {num_gpus} "
                              f"GPUs (valid: {sorted(c.time_s)})")
         options.append(valid if is_llm(c.name) or is_encoder(c.name) else valid[:1])
     out = []

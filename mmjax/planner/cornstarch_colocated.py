@@ -20,6 +20,7 @@ from mmjax.planner.costs import UnitCost
 from mmjax.planner.evaluate import (Choice, memory_bytes, stage_time, sync_time,
                                     warmup_time)
 from mmjax.planner.hardware import Hardware
+from mmjax.planner.plan import PlanError
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,7 @@ def _tp_for(cost: UnitCost, tp: int) -> int | None:
 
 def cornstarch_colocated(costs: tuple[UnitCost, ...], hw: Hardware, num_gpus: int,
                          global_batch: int) -> CornstarchColocated:
-    """The fastest baseline that fits (module docstring); ValueError when none does."""
+    """The fastest baseline that fits (module docstring); PlanError when none does."""
     llm = next(c for c in costs if is_llm(c.name))
     gen = [c for c in costs if is_generator(c.name)]
     encs = [c for c in costs if is_encoder(c.name)]
@@ -87,5 +88,5 @@ def cornstarch_colocated(costs: tuple[UnitCost, ...], hw: Hardware, num_gpus: in
                     best = CornstarchColocated(total, num_gpus, ch, stages, mem / 1e9,
                                                global_batch / total)
     if best is None:
-        raise ValueError(f"Cornstarch co-located baseline: nothing fits {num_gpus} GPUs: {why}")
+        raise PlanError(f"Cornstarch co-located baseline: nothing fits {num_gpus} GPUs: {why}")
     return best

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from mmjax.errors import UserError
+
 
 @dataclass(frozen=True)
 class Hardware:
@@ -66,7 +68,7 @@ HARDWARE = {"a800": A800, "h100": H100, "h200": H200}
 def hardware(name: str) -> Hardware:
     key = name.lower()
     if key not in HARDWARE:
-        raise ValueError(f"unknown hardware {name!r}; choose one of {sorted(HARDWARE)}")
+        raise UserError(f"unknown hardware {name!r}; choose one of {sorted(HARDWARE)}")
     return HARDWARE[key]
 
 

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mmjax.errors import UserError
+
 KINDS = ("gated_causal", "gelu_full")
 # tokens one layer call runs together when planning with a profile (a microbatch of packed
 # rows): a layer's matmuls are M x width x width, and M, not one sample, sets their speed
@@ -30,9 +32,9 @@ def is_hardware_profile(path: str) -> bool:
         with open(path) as f:
             data = json.load(f)
     except (OSError, ValueError) as e:
-        raise ValueError(f"--profile={path}: cannot read it as JSON ({e}); give a file "
-                         f"written by scripts/profile_hardware.py or plan.py "
-                         f"--write_profile") from None
+        raise UserError(f"--profile={path}: cannot read it as JSON ({e}); give a file "
+                        f"written by scripts/profile_hardware.py or plan.py "
+                        f"--write_profile") from None
     return isinstance(data, dict) and "points" in data
 
 
@@ -73,8 +75,8 @@ class HardwareProfile:
     def from_json(cls, d: dict, peak_flops: float) -> "HardwareProfile":
         pts = d.get("points")
         if not pts:
-            raise ValueError("hardware profile: no 'points' (write one with "
-                             "scripts/profile_hardware.py on the device)")
+            raise UserError("hardware profile: no 'points' (write one with "
+                            "scripts/profile_hardware.py on the device)")
         widths = tuple(sorted({p["width"] for p in pts}))
         tokens = tuple(sorted({p["tokens"] for p in pts}))
         grid = {}
@@ -86,8 +88,8 @@ class HardwareProfile:
                     g[widths.index(p["width"]), tokens.index(p["tokens"])] = (
                         3 * layer_flops(kind, p["width"], p["tokens"]) / t / peak_flops)
             if np.isnan(g).any():
-                raise ValueError(f"hardware profile: kind {kind!r} does not cover the full "
-                                 f"width x tokens grid (re-run scripts/profile_hardware.py)")
+                raise UserError(f"hardware profile: kind {kind!r} does not cover the full "
+                                f"width x tokens grid (re-run scripts/profile_hardware.py)")
             grid[kind] = g.tolist()
         return cls(d.get("device", "?"), peak_flops, widths, tokens, grid, d)
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mmjax.planner.plan import PlanError
+
 LAYOUTS = ("auto", "colocated", "disaggregated")
 
 
@@ -41,7 +43,7 @@ def choose_layout(colocated, disaggregated_s: float | None,
     disaggregated plan's iteration time or None; `disaggregated_busy_s`: its slowest
     stage's busy time (`slowest_stage_busy_s`). Ties go to disaggregated (the default)."""
     if colocated is None and disaggregated_s is None:
-        raise ValueError("neither layout fits: add GPUs or lower the batch")
+        raise PlanError("neither layout fits: add GPUs or lower the batch")
     if colocated is None:
         return LayoutChoice("disaggregated", None, disaggregated_s,
                             "the co-located layout does not fit in memory")

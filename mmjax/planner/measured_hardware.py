@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from mmjax.errors import UserError
 from mmjax.planner.hardware import Hardware, hardware_of_device
 from mmjax.planner.hardware_profile import DEFAULT_CALL_TOKENS, HardwareProfile
 
@@ -26,18 +27,18 @@ def has_measurement(profile: dict) -> bool:
 def measured_peak(profile: dict, dtype: str) -> float:
     peaks = profile["matmul_peak_flops"]
     if dtype not in peaks:
-        raise ValueError(f"the hardware profile of {profile.get('device')!r} measured the "
-                         f"matmul peak in {sorted(peaks)}, not {dtype} (re-run "
-                         f"scripts/profile_hardware.py)")
+        raise UserError(f"the hardware profile of {profile.get('device')!r} measured the "
+                        f"matmul peak in {sorted(peaks)}, not {dtype} (re-run "
+                        f"scripts/profile_hardware.py)")
     return float(peaks[dtype])
 
 
 def check_device(profile: dict, device_kind: str, path: str = "the profile") -> None:
     """A profile prices only the device it was measured on."""
     if str(profile.get("device")) != device_kind:
-        raise ValueError(f"{path} was measured on {profile.get('device')!r}, this run is on "
-                         f"{device_kind!r} (measure this device: python "
-                         f"scripts/profile_hardware.py --out FILE)")
+        raise UserError(f"{path} was measured on {profile.get('device')!r}, this run is on "
+                        f"{device_kind!r} (measure this device: python "
+                        f"scripts/profile_hardware.py --out FILE)")
 
 
 def hardware_from_profile(profile: dict, dtype: str = "bfloat16",
@@ -59,8 +60,8 @@ def hardware_from_profile(profile: dict, dtype: str = "bfloat16",
     elif spec is not None:  # layer points only, on a known GPU: its spec's peak
         hw = spec
     else:
-        raise ValueError(f"the hardware profile of {profile.get('device')!r} has no measured "
-                         f"peak (re-run scripts/profile_hardware.py on that device)")
+        raise UserError(f"the hardware profile of {profile.get('device')!r} has no measured "
+                        f"peak (re-run scripts/profile_hardware.py on that device)")
     if profile.get("points"):
         hw = hw.with_profile(HardwareProfile.from_json(profile, hw.peak_flops), call_tokens)
     return hw

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from mmjax.errors import UserError
 from mmjax.planner.placement import stage_devices
+from mmjax.models.attention_names import IMPLEMENTATIONS
 from mmjax.models.units import GENERATOR_UNIT, is_generator, is_llm, is_vae
 
 
@@ -290,8 +291,7 @@ def _unit_from_json(u) -> UnitPlan:
         raise PlanError(f"Plan JSON unit {name!r} layers={layers!r}: must be a list of ints")
     return UnitPlan(**{**u, "layers": tuple(layers)})
 REMAT_POLICIES = ("full", "dots", "none")  # pipeline/stage.py `remat_wrap` implements them
-# models/attention.py IMPLEMENTATIONS implements them (no JAX here)
-ATTENTION_IMPLS = ("auto", "dense", "chunked", "pallas", "cudnn")
+ATTENTION_IMPLS = IMPLEMENTATIONS  # models/attention.py implements them
 
 
 def _validate_knobs(model, u: UnitPlan, where: str) -> None:

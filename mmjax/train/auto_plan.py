@@ -14,9 +14,10 @@ import jax
 from mmjax.data.data_spec import sample_workload
 from mmjax.planner.build import plan_model
 from mmjax.planner.hardware import H100, hardware, hardware_of_device
+from mmjax.planner.layout_choice import LAYOUTS
 from mmjax.planner.plan import Plan, PlanError
 from mmjax.models.units import is_encoder, is_llm
-from mmjax.train.validate import gin_bound
+from mmjax.settings import bound
 
 
 
@@ -35,12 +36,11 @@ def planning_inputs(cfg, source, hardware_name: str | None = None, data_samples:
 def run_planning_inputs(cfg, source):
     """`planning_inputs` under the run's gin `auto_plan.*` settings, so re-planning plans
     for the hardware and data that start-up planning does."""
-    get = lambda p, default: (gin.query_parameter(f"auto_plan.{p}")
-                              if gin_bound(f"auto_plan.{p}") else default)
+    get = lambda p, default: bound(f"auto_plan.{p}", default)
     return planning_inputs(cfg, source, get("hardware_name", None), get("data_samples", 256))
 
 
-AUTO_LAYOUTS = ("disaggregated", "colocated", "auto")
+AUTO_LAYOUTS = LAYOUTS
 
 
 def cpu_devices_hint(message: str) -> str:
@@ -90,8 +90,7 @@ def auto_layout(cfg, global_batch: int, source, layout: str | None = None,
     from mmjax.planner.layout_choice import choose_layout, slowest_stage_busy_s
     from mmjax.train.colocated_plan import check_layout
 
-    get = lambda p, default: (gin.query_parameter(f"auto_plan.{p}")
-                              if gin_bound(f"auto_plan.{p}") else default)
+    get = lambda p, default: bound(f"auto_plan.{p}", default)
     layout = layout or get("layout", "disaggregated")
     if layout not in AUTO_LAYOUTS:
         raise UserError(f"auto_plan.layout={layout!r}: use one of {AUTO_LAYOUTS}")
@@ -103,7 +102,7 @@ def auto_layout(cfg, global_batch: int, source, layout: str | None = None,
     try:
         colo = best_colocated(model_costs(cfg, hw, wl)[0], n, global_batch, hw,
                               max_micro_steps=1)
-    except ValueError as e:
+    except PlanError as e:
         if layout == "colocated":
             raise PlanError(f"train.plan='auto' with auto_plan.layout='colocated' on {n} "
                             f"devices: {e}") from None
@@ -120,7 +119,7 @@ def auto_layout(cfg, global_batch: int, source, layout: str | None = None,
     else:
         try:
             pick = choose_layout(colo, dis_s, warm)
-        except ValueError:
+        except PlanError:
             raise PlanError(f"train.plan='auto' on {n} devices: neither layout fits "
                             f"(co-located: {colo_error}; no disaggregated plan)") from None
         if pick.layout == "disaggregated":

@@ -24,8 +24,10 @@ from flax import nnx
 from jax.sharding import SingleDeviceSharding
 from safetensors.numpy import save_file
 
+from mmjax.errors import UserError
 from mmjax.models import hf
-from mmjax.models.config import AudioConfig, MLLMConfig, config_from_dict
+from mmjax.models.config import AudioConfig, MLLMConfig
+from mmjax.models.config_json import config_from_dict
 from mmjax.models.hf.checkpoint import _flatten, _fmt
 from mmjax.models.mllm import MultimodalModel, trainable_filter
 from mmjax.models.units import VAE_UNIT, is_llm, is_vae
@@ -44,8 +46,8 @@ MAX_SHARD_BYTES = 5 * 10 ** 9  # HF's default shard size
 def read_run_info(workdir: str) -> dict:
     path = os.path.join(workdir, "run.json")
     if not os.path.exists(path):
-        raise ValueError(f"{path} does not exist: not a workdir of scripts/train.py (or one "
-                         f"from before run.json was written); retrain or pass the right --workdir")
+        raise UserError(f"{path} does not exist: not a workdir of scripts/train.py (or one "
+                        f"from before run.json was written); retrain or pass the right --workdir")
     with open(path) as f:
         return json.load(f)
 
@@ -56,15 +58,15 @@ def _pure(module) -> dict:
 
 def _pretrained_dirs(info: dict) -> dict:
     """{unit: dir} the run loaded pretrained weights from, checked against the sizes and
-    hashes run.json recorded (ValueError in one line when gone or changed)."""
+    hashes run.json recorded (UserError in one line when gone or changed)."""
     sources = info.get("pretrained_sources")
     if sources:
         return verify_sources(sources)
     dirs = info.get("pretrained") or {}  # a run.json from before the record: existence only
     for unit, d in dirs.items():
         if not os.path.isdir(d):
-            raise ValueError(f"pretrained.{unit}: {d} is gone: restore the files the run "
-                             f"trained with (frozen units are rebuilt from them)")
+            raise UserError(f"pretrained.{unit}: {d} is gone: restore the files the run "
+                            f"trained with (frozen units are rebuilt from them)")
     return dirs
 
 
@@ -82,11 +84,11 @@ def restore_model(workdir: str, step: int | None = None
     try:
         steps = ckpt.manager.all_steps()
         if not steps:
-            raise ValueError(f"no checkpoint in {workdir}/checkpoints: train first (or pass "
-                             f"--workdir of a run that wrote one)")
+            raise UserError(f"no checkpoint in {workdir}/checkpoints: train first (or pass "
+                            f"--workdir of a run that wrote one)")
         step = ckpt.latest_step() if step is None else step
         if step not in steps:
-            raise ValueError(f"--step={step}: {workdir}/checkpoints holds steps {sorted(steps)}")
+            raise UserError(f"--step={step}: {workdir}/checkpoints holds steps {sorted(steps)}")
         filters = (trainable_filter(cfg), ...)
         key = jax.random.key(seed)
         tx = optimizer_from_settings(learning_rate_schedule(1))
@@ -134,9 +136,9 @@ def export_model(cfg: MLLMConfig, pure: dict, out, max_shard_bytes: int = MAX_SH
         hf.save_qwen2_vl(pure, cfg, out / "model", names, fmt, max_shard_bytes, source=source)
         return {"model": out / "model"}
     if layout:
-        raise ValueError(f"--layout={layout}: only a Qwen2-VL or whole-LLaVA run is written "
-                         f"in a chosen layout; the other units keep their source's (drop "
-                         f"--layout)")
+        raise UserError(f"--layout={layout}: only a Qwen2-VL or whole-LLaVA run is written "
+                        f"in a chosen layout; the other units keep their source's (drop "
+                        f"--layout)")
     written = {"llm": out / "llm"}
     hf.export_llm_safetensors(pure["llm"], cfg.llm, out / "llm", max_shard_bytes=max_shard_bytes,
                               source=sources.get("llm"))
@@ -183,14 +185,14 @@ def export_workdir(workdir: str, out, step: int | None = None,
     if dtype is not None:
         _np_dtype(dtype)  # refused before anything is restored or written
     if layout is not None and layout not in LAYOUTS:
-        raise ValueError(f"--layout={layout!r}: use one of {', '.join(LAYOUTS)} (or leave it "
-                         f"unset to keep the source's)")
+        raise UserError(f"--layout={layout!r}: use one of {', '.join(LAYOUTS)} (or leave it "
+                        f"unset to keep the source's)")
     cfg, model, _, dirs = restore_model(workdir, step)
     mode = lora_mode(cfg, adapter, merge)
     if mode == "adapter":
         if dtype is not None or layout is not None:
-            raise ValueError("--adapter writes the adapter as trained (float32, peft's names): "
-                             "drop --dtype / --layout")
+            raise UserError("--adapter writes the adapter as trained (float32, peft's names): "
+                            "drop --dtype / --layout")
         return export_adapter(cfg, model, out, dirs)
     if mode == "merge":
         cfg, model = merged(cfg, model)

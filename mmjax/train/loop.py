@@ -11,6 +11,7 @@ import os
 
 import jax
 
+from mmjax.errors import UserError
 from mmjax.train.bad_data import too_much_bad_data
 from mmjax.train.checkpoint import Checkpointer
 from mmjax.train.checkpoint_integrity import NonFiniteState
@@ -226,7 +227,7 @@ class TrainLoop:
                 decision = self.replanner.decide(self.plan, self.plan_traces)
                 if decision is not None:
                     decision = (self.prepare(decision[0])[0], decision[1])
-            except ValueError as e:  # UserError, PlanError: the run goes on, on its plan
+            except UserError as e:  # PlanError too: the run goes on, on its plan
                 self.console.print(f"step {n}: re-planning keeps the plan: {e}", markup=False)
                 decision = None
             text = decision_json(decision)

@@ -21,10 +21,13 @@ def manual_plan(global_batch: int = 8, num_microbatches: int = 2, dp=None, tp=No
     `manual_plan.zero_stage = 3` in gin (a plain value applies to every unit). `layout = "colocated"`: a `Colocation` instead (every unit
     on all devices, `tp = {"llm": T, "vision": V}`, `zero_stage` 1-3 per unit,
     `fsdp_group` devices per FSDP group; train/colocated_plan.py)."""
+    if model is None:
+        raise TypeError("manual_plan(model=...): the program passes the model")
     knobs = dict(dp=dp, tp=tp, pp=pp, cp=cp, num_chunks=num_chunks, overlap_tp=overlap_tp,
                  remat=remat, tp_chunks=tp_chunks, tp_bidirectional=tp_bidirectional,
                  cp_head_groups=cp_head_groups, attention_impl=attention_impl)
-    check_manual_plan(model.unit_names, global_batch, num_microbatches, **knobs)
+    check_manual_plan(model.unit_names, global_batch, num_microbatches, layout=layout,
+                      zero_stage=zero_stage, fsdp_group=fsdp_group, **knobs)
     colo = check_layout(model.unit_names, jax.device_count(), layout, zero_stage,
                         fsdp_group, model=model, **knobs)
     if colo is not None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 
+from mmjax.errors import UserError
 from mmjax.models.hf.checkpoint import Checkpoint
 
 _CHUNK = 1 << 24
@@ -54,30 +55,30 @@ def record(dirs: dict, previous: dict | None = None) -> dict:
 
 def verify(recorded: dict) -> dict:
     """Check every unit's files against `recorded` (a `record`); -> {unit: dir}. Raises
-    ValueError (one line) when a directory or file is gone, or a file's size or SHA-256
+    UserError (one line) when a directory or file is gone, or a file's size or SHA-256
     differs from what the run was trained with."""
     fix = ("restore the files the run trained with (frozen units are rebuilt from them, "
            "they are not in the checkpoints)")
     for unit, rec in sorted(recorded.items()):
         d = rec["dir"]
         if not os.path.isdir(d):
-            raise ValueError(f"pretrained.{unit}: {d} is gone: {fix}")
+            raise UserError(f"pretrained.{unit}: {d} is gone: {fix}")
         try:
             now = {os.path.relpath(f, d) for f in _files(d)}
         except (ValueError, FileNotFoundError) as e:
-            raise ValueError(f"pretrained.{unit}: {d} is no longer readable ({e}): {fix}") \
+            raise UserError(f"pretrained.{unit}: {d} is no longer readable ({e}): {fix}") \
                 from None
         if now != set(rec["files"]):
-            raise ValueError(f"pretrained.{unit}: {d} now holds {sorted(now)}, the run trained "
-                             f"with {sorted(rec['files'])}: {fix}")
+            raise UserError(f"pretrained.{unit}: {d} now holds {sorted(now)}, the run trained "
+                            f"with {sorted(rec['files'])}: {fix}")
         for name, want in sorted(rec["files"].items()):
             path = os.path.join(d, name)
             got = _entry(path, want)
             what = ("size" if got["size"] != want["size"] else
                     "sha256" if got["sha256"] != want["sha256"] else None)
             if what:
-                raise ValueError(f"pretrained.{unit}: {path} changed since the run trained "
-                                 f"with it ({what} differs): {fix}")
+                raise UserError(f"pretrained.{unit}: {path} changed since the run trained "
+                                f"with it ({what} differs): {fix}")
     return {unit: rec["dir"] for unit, rec in recorded.items()}
 
 

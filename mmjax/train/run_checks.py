@@ -7,39 +7,21 @@ import jax
 
 from mmjax.data.sources import eval_source
 from mmjax.errors import UserError
-from mmjax.settings import check_bound_settings, check_train_args
+from mmjax.settings import check_bound_settings
 from mmjax.train.colocated_data import check_colocated_loader
 from mmjax.train.data_config import layout_and_source, train_source
 from mmjax.train.lora_setup import check_lora_layout
-from mmjax.train.validate import (check_data_path, check_replan_settings, check_train_settings,
-                                  parse_trace_steps)
+from mmjax.train.validate import check_data_path
 
 
-def check_run_settings(steps, global_batch, compute_dtype, dtypes, seed, checkpoint_every,
-                       progress, stop_after, plan, keep_checkpoints, keep_every,
-                       max_bad_steps, eval_every, attention_impl, trace_every,
-                       compilation_cache_dir, replan_every, replan_min_gain, replanner,
-                       spike_factor, spike_window, startup_timeout,
-                       trace_steps) -> tuple[int, int]:
-    """`train`'s settings that need no model, checked; -> `train.trace_steps` as (A, B)."""
-    check_train_settings(steps, global_batch, compute_dtype, dtypes, seed, checkpoint_every,
-                         progress, stop_after, plan, keep_checkpoints, keep_every, max_bad_steps)
-    check_train_args(eval_every=eval_every, attention_impl=attention_impl,
-                     trace_every=trace_every, compilation_cache_dir=compilation_cache_dir,
-                     replan_every=replan_every, spike_factor=spike_factor,
-                     spike_window=spike_window)
-    if isinstance(startup_timeout, bool) or not isinstance(startup_timeout, (int, float)) \
-            or not 1 <= startup_timeout <= 86400:
-        raise UserError(f"train.startup_timeout={startup_timeout!r}: must be seconds in "
-                        f"[1, 86400] (how long processes wait for each other at start-up)")
-    if 0 < spike_factor <= 1:
-        raise UserError(f"train.spike_factor={spike_factor!r}: must be 0 (off) or > 1 (a "
-                        f"step above that many times the median is held back; e.g. 100)")
-    check_bound_settings(None, plan, eval_every, replan_every)  # types and ranges
-    trace_range = parse_trace_steps(trace_steps, plan)
-    check_replan_settings(replan_every, replan_min_gain, plan, replanner)
+def check_run_settings(spec, replanner=None) -> None:
+    """`train`'s settings that need no model, beyond each field's own check (`RunSpec`):
+    the gin bindings' types, ranges and modes, and the data file."""
+    check_bound_settings(None, spec.plan, spec.eval_every, spec.replan_every)
+    if replanner is not None and not spec.replan_every:
+        raise UserError("train(replanner=...) is used every train.replan_every steps: set "
+                        "train.replan_every=N")
     check_data_path()
-    return trace_range
 
 
 def check_run_model(cfg, tok, dirs, plan, colo, global_batch, eval_every, replan_every,

@@ -10,7 +10,8 @@ import gin
 import jax
 
 from mmjax.errors import UserError, shown
-from mmjax.models.config import MLLMConfig, config_to_dict
+from mmjax.models.config import MLLMConfig
+from mmjax.models.config_json import config_to_dict
 from mmjax.planner.plan import Plan
 from mmjax.train.progress import console as progress_console
 from mmjax.train.run_report import pretrained_lines
@@ -66,7 +67,7 @@ def pretrained_sources(workdir: str, dirs: dict) -> dict:
     before = info.get("pretrained_sources") or {}
     try:
         now = ps.record(dirs, before)
-    except (ValueError, FileNotFoundError) as e:
+    except (UserError, ValueError, FileNotFoundError) as e:
         raise UserError(f"pretrained: {e}") from None
     if before and checkpoint_steps(os.path.join(workdir, "checkpoints")) \
             and not ps.same_sources(before, now):

@@ -5,16 +5,15 @@ from __future__ import annotations
 
 import dataclasses
 
-import gin
 import jax
 
 from mmjax.planner.plan import Plan
+from mmjax.settings import bound
 from mmjax.train.auto_plan import auto_layout
 from mmjax.train.colocated_plan import Colocation, check_colocated_run
 from mmjax.train.data_config import layout_and_source, train_source
 from mmjax.train.manual_plan import manual_plan
 from mmjax.train.progress import console as progress_console
-from mmjax.train.validate import gin_bound
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,8 +49,7 @@ def choose_layout(plan, global_batch, cfg, tok, replan_every, trace_every,
     and why are one console line); else a Plan (`plan` set) or one program."""
     if plan == "manual":
         built = manual_plan(global_batch=global_batch, model=cfg)
-    elif plan == "auto" and gin_bound("auto_plan.layout") and \
-            gin.query_parameter("auto_plan.layout") != "disaggregated":
+    elif plan == "auto" and bound("auto_plan.layout", "disaggregated") != "disaggregated":
         src = layout_and_source(cfg, tok)[1]
         built, line = auto_layout(cfg, global_batch, src if src is not None
                                   else train_source(cfg))

@@ -1,8 +1,8 @@
 """`train`: the run's entry point (scripts/train.py): settings checked, the model, plan
 and runner built, then the steps (train/loop.py), resumable.
 
-Everything is gin-configurable (`train.*`, `named_model_config.*`, `OptimizerSettings.*`,
-`learning_rate_schedule.*`). Writes `workdir/metrics.jsonl` (one JSON object per step) and
+Everything is gin-configurable (`train.*`: the run spec, train/run_spec.py;
+`named_model_config.*`, `OptimizerSettings.*`, `learning_rate_schedule.*`). Writes `workdir/metrics.jsonl` (one JSON object per step) and
 orbax checkpoints under `workdir/checkpoints`; on start it resumes from the newest one,
 including the data position, so an interrupted run continues bit-for-bit. The sequence:
 settings checked (train/run_checks.py), the model built (train/run_setup.py), the layout
@@ -12,7 +12,6 @@ then the loop.
 """
 from __future__ import annotations
 
-import gin
 import jax
 import jax.numpy as jnp
 
@@ -30,73 +29,62 @@ from mmjax.train.run_files import compiling_line, start_run_files, use_compilati
 from mmjax.train.run_layout import choose_layout
 from mmjax.train.run_plans import PlanMaker, plan_after_resume, plan_at_start, run_replanner
 from mmjax.train.run_setup import dry_run_build, model_and_tokenizer
+from mmjax.train.run_spec import RunSpec
 from mmjax.train.spike_guard import SpikeGuard
-from mmjax.train.startup_barrier import DEFAULT_TIMEOUT_S
 
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}  # settings.COMPUTE_DTYPES
 
 
-@gin.configurable
-def train(workdir: str, model: MLLMConfig | None = None, steps: int = 30,
-          global_batch: int = 8, compute_dtype: str = "float32", seed: int = 0,
-          checkpoint_every: int = 10, progress: bool = True,
-          stop_after: int | None = None, plan: str | None = None,
-          eval_every: int = 0, attention_impl: str | None = None,
-          trace_every: int = 0, keep_checkpoints: int = 3, keep_every: int | None = None,
-          max_bad_steps: int = 5, trace_steps: str | None = None,
-          compilation_cache_dir: str = "", replan_every: int = 0,
-          replan_min_gain: float = 1.10, replanner: Replanner | None = None,
-          check_memory: bool = True, spike_factor: float = 100.0, spike_window: int = 20,
-          dry_run: bool = False, startup_timeout: float = DEFAULT_TIMEOUT_S,
-          schedule: str = "1f1b") -> list[dict]:
-    """Train `model` for `steps` steps (this invocation stops early after `stop_after`
-    steps, as a preemption would; a rerun resumes from the newest checkpoint that
-    verifies); returns this run's metric records. `plan`: None (one program), "manual",
-    "auto" or a Plan JSON; `schedule`: the pipeline schedule a plan runs (schedule/named.py).
-    Every setting is described in docs/design.md ("The trainer")."""
-    trace_range = check_run_settings(
-        steps, global_batch, compute_dtype, _DTYPES, seed, checkpoint_every, progress,
-        stop_after, plan, keep_checkpoints, keep_every, max_bad_steps, eval_every,
-        attention_impl, trace_every, compilation_cache_dir, replan_every, replan_min_gain,
-        replanner, spike_factor, spike_window, startup_timeout, trace_steps)
+def train(workdir: str, model: MLLMConfig | None = None, spec: RunSpec | None = None,
+          replanner: Replanner | None = None, **settings) -> list[dict]:
+    """Train `model` for `spec.steps` steps (this invocation stops early after
+    `spec.stop_after` steps, as a preemption would; a rerun resumes from the newest
+    checkpoint that verifies); returns this run's metric records. `spec`: the run's
+    settings (default: `RunSpec.from_gin()`); `settings`: fields over it. `spec.plan`: None
+    (one program), "manual", "auto" or a Plan JSON; `spec.schedule`: the pipeline schedule a
+    plan runs (schedule/named.py). docs/design.md ("The trainer")."""
+    s = spec.replace(**settings) if spec is not None else RunSpec.from_gin(**settings)
+    check_run_settings(s, replanner)
     cfg, tok, dirs = model_and_tokenizer(model)
-    check_bound_settings(cfg.unit_names, plan, eval_every, replan_every)  # per-unit keys
-    lr, dtype = learning_rate_schedule(steps), _DTYPES[compute_dtype]
-    choice = choose_layout(plan, global_batch, cfg, tok, replan_every, trace_every,
-                           trace_steps)
-    held_out = check_run_model(cfg, tok, dirs, plan, choice.colocation, global_batch,
-                               eval_every, replan_every, attention_impl, dtype)
-    if dry_run:
-        dry_run_build(cfg, tok, dirs, choice.plan_to_run(), global_batch, attention_impl,
-                      lr, dtype, check_memory, choice.chosen, schedule)
+    check_bound_settings(cfg.unit_names, s.plan, s.eval_every, s.replan_every)  # per unit
+    lr, dtype = learning_rate_schedule(s.steps), _DTYPES[s.compute_dtype]
+    choice = choose_layout(s.plan, s.global_batch, cfg, tok, s.replan_every, s.trace_every,
+                           s.trace_steps)
+    held_out = check_run_model(cfg, tok, dirs, s.plan, choice.colocation, s.global_batch,
+                               s.eval_every, s.replan_every, s.attention_impl, dtype)
+    if s.dry_run:
+        dry_run_build(cfg, tok, dirs, choice.plan_to_run(), s.global_batch, s.attention_impl,
+                      lr, dtype, s.check_memory, choice.chosen, s.schedule)
         return []
     # the cache as this run found it (the runner's small eager programs land in it next)
-    waiting = compiling_line(use_compilation_cache(compilation_cache_dir))
+    waiting = compiling_line(use_compilation_cache(s.compilation_cache_dir))
     start = plan_at_start(workdir, choice,
-                          PlanMaker(cfg, tok, dirs, global_batch, attention_impl))
+                          PlanMaker(cfg, tok, dirs, s.global_batch, s.attention_impl))
     cfg, (layout, source) = start.maker.cfg, layout_and_source(start.maker.cfg, tok)
-    make_runner = RunnerMaker(cfg, layout, source, global_batch, lr, dtype, seed, dirs,
-                              steps, check_memory, attention_impl, choice.colocation, schedule)
-    runner = make_runner(start.plan, lambda: _announce(waiting, progress))
-    if start.plan is not None and replan_every and replanner is None:
-        replanner = run_replanner(cfg, source, replan_min_gain)
-    write_info = start_run_files(workdir, cfg, start.plan, seed, dirs, runner.memory_line)
-    loop = TrainLoop(workdir, runner, lr, keep_checkpoints, keep_every,
-                     SpikeGuard(spike_factor, spike_window), startup_timeout)
+    make_runner = RunnerMaker(cfg, layout, source, s.global_batch, lr, dtype, s.seed,
+                              dirs, s.steps, s.check_memory, s.attention_impl,
+                              choice.colocation, s.schedule)
+    runner = make_runner(start.plan, lambda: _announce(waiting, s.progress))
+    if start.plan is not None and s.replan_every and replanner is None:
+        replanner = run_replanner(cfg, source, s.replan_min_gain)
+    write_info = start_run_files(workdir, cfg, start.plan, s.seed, dirs, runner.memory_line)
+    loop = TrainLoop(workdir, runner, lr, s.keep_checkpoints, s.keep_every,
+                     SpikeGuard(s.spike_factor, s.spike_window), s.startup_timeout)
     plan, the_plan = plan_after_resume(loop, workdir, choice, start, make_runner, write_info)
-    if replan_every:
-        loop.replanning(replanner, replan_every, the_plan, start.maker.prepare, make_runner,
+    if s.replan_every:
+        loop.replanning(replanner, s.replan_every, the_plan, start.maker.prepare, make_runner,
                         write_info)
     try:
         loop.console.print(f"[bold]{cfg.name}[/]: {runner.num_trainable:,} trainable "
-                           f"parameters, {steps} steps of {global_batch} samples, "
+                           f"parameters, {s.steps} steps of {s.global_batch} samples, "
                            f"{choice.where(plan)}")
-        end = steps if stop_after is None else min(steps, loop.start + stop_after)
-        report = _progress(loop, steps, global_batch, progress)
-        return loop.run(end, report, checkpoint_every, max_bad_steps,
-                        traced_steps(the_plan, trace_every, trace_range),
-                        lambda n: eval_every and (n % eval_every == 0 or n == end),
-                        lambda: loop.runner.evaluate(*held_out, layout), cfg, the_plan)
+        end = s.steps if s.stop_after is None else min(s.steps, loop.start + s.stop_after)
+        report = _progress(loop, s.steps, s.global_batch, s.progress)
+        return loop.run(end, report, s.checkpoint_every, s.max_bad_steps,
+                        traced_steps(the_plan, s.trace_every, s.trace_range),
+                        lambda n: s.eval_every and (n % s.eval_every == 0 or n == end),
+                        lambda: loop.runner.evaluate(held_out[0], held_out[1], layout), cfg,
+                        the_plan)
     finally:
         loop.close()
 

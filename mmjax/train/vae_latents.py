@@ -21,6 +21,7 @@ import numpy as np
 from mmjax.errors import UserError
 from mmjax.models.config import MLLMConfig
 from mmjax.planner.vae_placement import VAEPlacement
+from mmjax.settings import bound
 
 
 def square_pixels(image, side: int) -> np.ndarray:
@@ -47,7 +48,7 @@ class LatentEncoder:
 
         try:
             self.vae_cfg = vae_config_from_hf(path)
-        except (FileNotFoundError, ValueError) as e:
+        except (FileNotFoundError, UserError, ValueError) as e:
             raise UserError(f"vae.path={path!r}: {e}") from None
         c, h, w = latent_shape
         if self.vae_cfg.latent_channels != c:
@@ -106,13 +107,6 @@ def vae(path: str | None = None, placement: str = "auto", hardware: str = "h100"
     return path, placement, hardware, step_time_s
 
 
-def _gin(name: str, default):
-    try:
-        return gin.query_parameter(name)
-    except ValueError:
-        return default
-
-
 def resolve_placement(cfg, side: int, placement: str, hardware: str, step_time_s: float,
                       producers: int, images_per_step: int, backend: str):
     """-> (placement, VAEPlacement or None): "auto" resolved by the planner's cost model
@@ -156,10 +150,10 @@ def place_vae(cfg: MLLMConfig) -> tuple[MLLMConfig, str | None, VAEPlacement | N
     if not path:
         return cfg, None, None
     enc = _encoder(cfg, path, 1, "host")
-    producers = int(_gin("Loader.producers", 0)) + len(_gin("Loader.producer_addresses", ()))
+    producers = int(bound("Loader.producers", 0)) + len(bound("Loader.producer_addresses", ()))
     where, decision = resolve_placement(
         enc.vae_cfg, enc.side, placement, hw, step_time_s, producers,
-        int(_gin("train.global_batch", 8)), jax.default_backend())
+        int(bound("train.global_batch", 8)), jax.default_backend())
     if where == "host":
         return cfg.replace(vae=None), None, decision
     return cfg.replace(vae=enc.vae_cfg), path, decision

@@ -14,6 +14,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from mmjax.errors import UserError
 from mmjax.models.hf.checkpoint import INDEX_NAME
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -21,8 +22,8 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 def _np_dtype(name: str):
     if name not in DTYPES:
-        raise ValueError(f"--dtype={name!r}: use one of {', '.join(DTYPES)} (or leave it unset "
-                         f"to keep the source's)")
+        raise UserError(f"--dtype={name!r}: use one of {', '.join(DTYPES)} (or leave it unset "
+                        f"to keep the source's)")
     import ml_dtypes
     return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
 

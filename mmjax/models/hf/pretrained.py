@@ -51,7 +51,7 @@ def prepare_pretrained(cfg: MLLMConfig, dirs: dict) -> MLLMConfig:
     try:
         cfg = pretrained_config(cfg, dirs)
         check_pretrained(cfg, dirs)
-    except (ValueError, FileNotFoundError) as e:
+    except (UserError, ValueError, FileNotFoundError) as e:
         raise PretrainedError(f"pretrained: {e}") from e
     return cfg
 
