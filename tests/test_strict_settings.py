@@ -12,6 +12,7 @@ from mmjax.cli import run_main
 from mmjax.data.records import ArrayRecordSource
 from mmjax.data.global_batch import GlobalBatchBuilder
 from mmjax.data.batch_plan import unit_policies
+from mmjax.data.loader import Loader  # noqa: F401  (registers `Loader` with gin)
 from mmjax.errors import UserError
 from mmjax.models.tiny import tiny
 from mmjax.planner.plan import Plan
