@@ -4,7 +4,7 @@ reordering, OrchMLLM §5.1 post-balancing and §5.2.2 node-wise rearrangement), 
 unit's common shapes. Step 2 of data/loader.py's docstring."""
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,16 +33,41 @@ _NO_SLOTS = AssemblyLayout(0, 0, TokenRules())  # costs alone: no encoder slot's
 NODE_WISE_METHODS = ("auto", "milp", "local", "greedy", "identity")
 
 
+class UnitShapes(Mapping):
+    """Unit -> its common `BatchShapes` over its DP ranks, each computed when first read
+    (`rank_shapes`): the loader's feeds compute their own shapes, so a plan computes only
+    the ones something reads (the fill metrics, tests), not every unit's on every step."""
+
+    def __init__(self, cols: ShapeColumns, at: np.ndarray, splits: dict[str, RankSplit],
+                 layout: AssemblyLayout):
+        self._cols, self._at, self._splits, self._layout = cols, at, splits, layout
+        self._done: dict[str, BatchShapes] = {}
+
+    def __getitem__(self, unit: str) -> BatchShapes:
+        if unit not in self._done:
+            sp = self._splits[unit]
+            self._done[unit] = rank_shapes(self._cols, self._at[sp.items], sp.counts,
+                                           self._layout)
+        return self._done[unit]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._splits)
+
+    def __len__(self) -> int:
+        return len(self._splits)
+
+
 @dataclass
 class MicrobatchPlan:
     """One microbatch: per unit how its samples split over the unit's DP ranks (`splits`,
     indices into `positions`, the global batch positions of the microbatch) and the unit's
-    common shapes. The moves between units follow from the splits (data/feed.py builds
-    them; `balance.compose_rearrangement` is the sample-level map, OrchMLLM §6)."""
+    common shapes (`UnitShapes`: computed on first read). The moves between units follow
+    from the splits (data/feed.py builds them; `balance.compose_rearrangement` is the
+    sample-level map, OrchMLLM §6)."""
 
     positions: list[int]
     splits: dict[str, RankSplit]
-    shapes: dict[str, BatchShapes]
+    shapes: Mapping[str, BatchShapes]
 
     @property
     def ranks(self) -> dict[str, list[list[int]]]:
@@ -223,8 +248,7 @@ def plan_global_batch(metas: "list[SampleMeta] | MetaColumns", model: MLLMConfig
     out = []
     for pos, units in zip(mbs, splits):
         at = np.arange(size, dtype=np.int64) + (pos[0] if pos else 0)  # a contiguous slice
-        out.append(MicrobatchPlan(pos, units, {
-            u: rank_shapes(cols, at[sp.items], sp.counts, layout) for u, sp in units.items()}))
+        out.append(MicrobatchPlan(pos, units, UnitShapes(cols, at, units, layout)))
     return out
 
 
