@@ -54,7 +54,7 @@ _PROGRAM = Setting("program")
 _BOOL = {True: Setting("bool", True), False: Setting("bool", False)}
 
 _ATTENTION = ("auto", "dense", "chunked", "pallas", "cudnn")  # models/attention.py IMPLEMENTATIONS
-_BALANCE = ("none", "disttrain", "orchmllm")  # data/batch_plan.py POLICIES
+_BALANCE = ("none", "disttrain", "orchmllm", "rows")  # data/batch_plan.py POLICIES
 _POST_BALANCE = ("sum", "padded", "sum_square", "conv")  # data/balance POLICIES
 _NODE_WISE = ("auto", "milp", "local", "greedy", "identity")  # data/batch_plan.py NODE_WISE_METHODS
 _CP_METHODS = ("uniform", "zigzag", "lpt", "random")  # data/token_distribution.py METHODS

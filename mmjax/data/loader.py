@@ -134,7 +134,8 @@ class Loader:
         node_wise = NodeWise(ranks_per_node, node_wise_method, node_wise_time_limit,
                              node_wise_max_milp_ranks)
         self.builder = GlobalBatchBuilder(
-            source, model, plan, layout, unit_policies(balance, model), post_balance_policy,
+            source, model, plan, layout, unit_policies(balance, model, layout.packing),
+            post_balance_policy,
             seed=seed, reserve=reserve, shuffle=shuffle, host_id=host_id, num_hosts=num_hosts,
             cp_method=cp_method, cp_block=cp_block, node_wise=node_wise,
             hardware=hardware_by_name(hardware), local_devices=local_devices,
