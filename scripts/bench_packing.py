@@ -228,7 +228,7 @@ def budget_run(mix: str, layout, gb: int, budget: int, args):
     shapes, tokens, counts = None, [], []
     for _, _, metas in loader.builder.scan(args.steps):
         shapes = grow_shapes(shapes, metas, layout)
-        tokens.append(sum(m.llm_length for m in metas))
+        tokens.append(int(metas.llm_length.sum()))
         counts.append(len(metas))
     return [t / (shapes.rows * layout.seq_len) for t in tokens], counts, shapes.rows
 

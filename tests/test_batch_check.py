@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mmjax.data.batch_check import check_global_batch, whole_batch_shapes
-from mmjax.data.batch_shapes import batch_shapes
+from mmjax.data.batch_check import check_global_batch
+from mmjax.data.batch_shapes import batch_shapes, grow_shapes
 from mmjax.data.global_batch import GlobalBatchBuilder
 from mmjax.data.meta_columns import MetaColumns
 from test_data_loader import CFG, LAYOUT, plan, source
@@ -48,9 +48,13 @@ def test_check_decodes_at_most_its_bound(gb, decode, decoded):
     assert src.loads == decoded
 
 
-def test_whole_batch_shapes_equal_the_object_path():
+def test_shapes_from_columns_equal_the_object_path():
+    """`grow_shapes` of the columns (the shape scan's and the memory check's) equals it of
+    the `SampleMeta` objects."""
     _, builder = _builder(32)
     idx, specs, _ = builder.select(0)
     metas = MetaColumns.from_specs(idx, specs, LAYOUT.rules)
-    assert whole_batch_shapes(metas, LAYOUT) == batch_shapes([metas.metas()], LAYOUT)
+    assert grow_shapes(None, metas, LAYOUT) == batch_shapes([metas.metas()], LAYOUT)
+    floor = grow_shapes(None, metas.metas()[:5], LAYOUT)
+    assert grow_shapes(floor, metas, LAYOUT) == grow_shapes(floor, metas.metas(), LAYOUT)
     assert np.array_equal(metas.ids, idx)

@@ -7,23 +7,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import numpy as np
-
 from mmjax.data.assemble import assemble
 from mmjax.data.batch_plan import plan_global_batch
-from mmjax.data.batch_shapes import BatchShapes, rank_shapes
 from mmjax.data.meta_columns import MetaColumns
-from mmjax.data.shape_columns import shape_columns
 
 CHECK_DECODE = 512  # samples of a larger global batch that `--check` decodes and assembles
-
-
-def whole_batch_shapes(metas: MetaColumns, layout) -> BatchShapes:
-    """The shapes of all of `metas` as one batch (`batch_shapes.grow_shapes(None, ...)`),
-    from the columns."""
-    cols = shape_columns(metas, layout)
-    n = len(metas)
-    return rank_shapes(cols, np.arange(n, dtype=np.int64), np.array([n], np.int64), layout)
 
 
 def check_global_batch(builder, step: int = 0, decode: int = CHECK_DECODE,

@@ -170,8 +170,8 @@ class GlobalBatchBuilder:
         return self.origin.start(step, self.window)
 
     def scan(self, steps: int):
-        """(indices, specs, metas) of each global batch 0 .. steps-1 from the samples'
-        shapes alone (nothing decoded), skipping a step with too few usable samples (it
+        """(indices, specs, metadata columns) of each global batch 0 .. steps-1 from the
+        samples' shapes alone (nothing decoded), skipping a step with too few usable samples (it
         raises if it is reached). Always from step 0, so a resumed run pads exactly as the
         uninterrupted one did (the windows of a fresh run, whatever the origin). The one
         shape scan: `scan_floor` and the single-program trainer's start-up shapes
@@ -181,7 +181,7 @@ class GlobalBatchBuilder:
                 idx, specs, _ = self.select(step, start=step * self.window)
             except UserError:
                 continue
-            yield idx, specs, MetaColumns.from_specs(idx, specs, self.layout.rules).metas()
+            yield idx, specs, MetaColumns.from_specs(idx, specs, self.layout.rules)
 
     def scan_floor(self, steps: int):
         """The union of the feed shapes of global batches 0 .. steps-1 (`scan`), built on

@@ -186,8 +186,8 @@ class PhaseBatches(LoaderStream):
         """Per-phase shapes and the exchanges' capacities over global batches 0 .. steps-1,
         planned from their metadata (`GlobalBatchBuilder.scan`)."""
         floors, caps = None, None
-        for _, _, metas in self.builder.scan(steps):
-            pp = plan_phases(metas, self.layout, *self.ranks, self.settings.policies,
+        for _, _, columns in self.builder.scan(steps):
+            pp = plan_phases(columns.metas(), self.layout, *self.ranks, self.settings.policies,
                              floors=floors, **self._kw())
             floors, caps = pp.shapes, self._caps(pp.routes, caps)
         return floors, caps

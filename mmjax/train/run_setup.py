@@ -58,7 +58,7 @@ def _check_single_program_memory(cfg, layout, metas, global_batch, dtype,
     """`check_single_program` (refusing) at the shapes of global batch 0's metadata
     `metas` (a run pads to at least these) with the model's abstract parameter counts:
     nothing allocated, nothing decoded."""
-    from mmjax.data.batch_check import whole_batch_shapes
+    from mmjax.data.batch_shapes import grow_shapes
     from mmjax.models.mllm import MultimodalModel, trainable_filter
     from mmjax.parallel.sharded_init import abstract_split
     from mmjax.train.memory_check import check_single_program
@@ -66,7 +66,7 @@ def _check_single_program_memory(cfg, layout, metas, global_batch, dtype,
     _, tr, fr = abstract_split(MultimodalModel, (cfg,), jax.random.key(0),
                                (trainable_filter(cfg), ...))
     count = lambda t: sum(x.size for x in jax.tree.leaves(t))  # noqa: E731
-    check_single_program(cfg, whole_batch_shapes(metas, layout), layout.seq_len, count(tr),
+    check_single_program(cfg, grow_shapes(None, metas, layout), layout.seq_len, count(tr),
                          count(fr), dtype, attention_impl or "auto", global_batch,
                          jax.local_devices()[0], refuse=True)
 
