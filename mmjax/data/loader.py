@@ -80,7 +80,8 @@ class Loader:
 
     `source`: a source object (`SyntheticSource`, `ArrayRecordSource`) or the path of an
     ArrayRecord file written by scripts/make_dataset.py. `balance`: one policy for every
-    phase or a dict unit -> policy ("none", "disttrain", "orchmllm");
+    phase or a dict unit -> policy ("none", "disttrain", "orchmllm"; the LLM also "rows":
+    whole packed rows per rank, data/row_deal.py);
     `post_balance_policy`: the OrchMLLM algorithm, one for all phases or a dict unit ->
     algorithm (`post_balance_policies`); `node_wise_*`: `NodeWise` (with `ranks_per_node`);
     `hardware`: the planner's hardware whose cost model times microbatches for Algorithm 3.
