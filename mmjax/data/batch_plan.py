@@ -4,13 +4,13 @@ reordering, OrchMLLM §5.1 post-balancing and §5.2.2 node-wise rearrangement), 
 unit's common shapes. Step 2 of data/loader.py's docstring."""
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
 from mmjax.data.layout import AssemblyLayout
-from mmjax.data.batch_shapes import BatchShapes, rank_shapes
+from mmjax.data.batch_shapes import BatchShapes
 from mmjax.data.balance import POLICIES as POST_BALANCE_POLICIES
 from mmjax.data.balance import node_wise_rearrange_flat, post_balance_flat
 from mmjax.data.meta_columns import MetaColumns
@@ -19,6 +19,7 @@ from mmjax.data.reorder import inter_reorder
 from mmjax.data.row_deal import deal_rows
 from mmjax.data.sample import SampleMeta, TokenRules
 from mmjax.data.shape_columns import ShapeColumns, shape_columns
+from mmjax.data.unit_shapes import UnitShapes
 from mmjax.errors import UserError
 from mmjax.models.config import MLLMConfig
 from mmjax.planner.costs import layer_times
@@ -32,30 +33,6 @@ from mmjax.models.units import GENERATOR_UNIT, LLM_UNIT, has_generator, is_gener
 POLICIES = ("none", "disttrain", "orchmllm", "rows")  # "rows": the LLM only (row_deal.py)
 _NO_SLOTS = AssemblyLayout(0, 0, TokenRules())  # costs alone: no encoder slot's item sizes
 NODE_WISE_METHODS = ("auto", "milp", "local", "greedy", "identity")
-
-
-class UnitShapes(Mapping):
-    """Unit -> its common `BatchShapes` over its DP ranks, each computed when first read
-    (`rank_shapes`): the loader's feeds compute their own shapes, so a plan computes only
-    the ones something reads (the fill metrics, tests), not every unit's on every step."""
-
-    def __init__(self, cols: ShapeColumns, at: np.ndarray, splits: dict[str, RankSplit],
-                 layout: AssemblyLayout):
-        self._cols, self._at, self._splits, self._layout = cols, at, splits, layout
-        self._done: dict[str, BatchShapes] = {}
-
-    def __getitem__(self, unit: str) -> BatchShapes:
-        if unit not in self._done:
-            sp = self._splits[unit]
-            self._done[unit] = rank_shapes(self._cols, self._at[sp.items], sp.counts,
-                                           self._layout)
-        return self._done[unit]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._splits)
-
-    def __len__(self) -> int:
-        return len(self._splits)
 
 
 @dataclass
