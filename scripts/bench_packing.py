@@ -138,18 +138,18 @@ def part2_plan(args, console) -> list[dict]:
             layout, (metas,) = batches(mix, seq, gb, 1, args.seed)
             plan = Plan.uniform(MODEL, gb, mbs, dp=dp)
             row = {"mix": mix, "seq_len": seq, "dp": dp, "microbatches": mbs, "samples": gb}
-            for policy in ("none", "disttrain", "orchmllm"):
+            for policy in ("none", "disttrain", "orchmllm", "rows"):
                 pols = unit_policies({"llm": policy}, MODEL)
                 plans = plan_global_batch(metas, MODEL, plan, layout, pols)
                 row[policy] = llm_fill(plans, metas, layout, dp)
             out.append(row)
     t = Table(title=f"(2) LLM fill of the loader's plan: DP {dp} x {mbs} microbatches x "
                     f"{args.samples_per_rank} samples, rows first fit decreasing, LLM split by")
-    for c in ("mix", "seq", "none", "disttrain (§6)", "orchmllm (§5.1)"):
+    for c in ("mix", "seq", "none", "disttrain (§6)", "orchmllm (§5.1)", "rows (dealt)"):
         t.add_column(c, justify="right")
     for r in out:
         t.add_row(r["mix"], str(r["seq_len"]),
-                  *(f"{r[k]:.3f}" for k in ("none", "disttrain", "orchmllm")))
+                  *(f"{r[k]:.3f}" for k in ("none", "disttrain", "orchmllm", "rows")))
     console.print(t)
     return out
 
@@ -228,7 +228,7 @@ def budget_run(mix: str, layout, gb: int, budget: int, args):
     shapes, tokens, counts = None, [], []
     for _, _, metas in loader.builder.scan(args.steps):
         shapes = grow_shapes(shapes, metas, layout)
-        tokens.append(sum(m.llm_length for m in metas))
+        tokens.append(int(metas.llm_length.sum()))
         counts.append(len(metas))
     return [t / (shapes.rows * layout.seq_len) for t in tokens], counts, shapes.rows
 

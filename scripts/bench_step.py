@@ -363,7 +363,7 @@ def trained_workload(builder, cfg, steps: int):
     """The workload of the samples the `steps` global batches trained (the loader's own
     selection, after skipping samples longer than the layout's seq_len), so model FLOPs and
     predictions count exactly the tokens the step computed on."""
-    metas = [m for _, _, ms in builder.scan(steps) for m in ms]
+    metas = [m for _, _, ms in builder.scan(steps) for m in ms.metas()]
     return workload_from_metas("bench batches", metas, cfg)
 
 

@@ -217,6 +217,8 @@ def test_loader_settings_become_per_phase_policies():
 
 @pytest.mark.parametrize("binding,words", [
     ('Loader.balance = "disttrain"', "Loader.balance['vision']='disttrain'"),
+    ('data_layout.packing = "pack"\nLoader.balance = {"llm": "rows"}',
+     "Loader.balance['llm']='rows'"),
     ("Loader.ranks_per_node = 3", "Loader.ranks_per_node=3"),
     ("Loader.ranks_per_node = 1", "Loader.ranks_per_node=1"),  # not a multiple of tp 2
     ('Loader.balance = {"llm": "orchmllm", "generator": "none"}',

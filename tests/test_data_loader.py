@@ -251,18 +251,21 @@ def _stand_in(enc, name, r=2):
     return enc["mels"][:, ::2 * r].reshape(-1, enc["mels"].shape[-1])
 
 
-@pytest.mark.parametrize("policy", ["orchmllm", "disttrain"])
+@pytest.mark.parametrize("policy", ["orchmllm", "disttrain", "rows"])
 def test_routes_deliver_encoder_outputs_to_llm_gather(policy):
     """Rearrangement composition: outputs computed on encoder ranks (from the feed's
     per-rank encoder inputs), moved by `routes`, gathered by the LLM rank's gather_<e>,
     equal a local (co-located) assembly, which is the feed's LLM rank as built."""
     p = plan(gb=16, mbs=2, dp={"vision": 2, "audio": 4, "llm": 2, "generator": 2})
     src = source()
-    gb = GlobalBatchBuilder(src, CFG, p, LAYOUT, {u: policy for u in CFG.unit_names}, seed=2)(1)
+    # "rows": the LLM's whole packed rows dealt to its ranks (row_deal.py), the rest orchmllm
+    pols = {u: policy if policy != "rows" or u == "llm" else "orchmllm"
+            for u in CFG.unit_names}
+    gb = GlobalBatchBuilder(src, CFG, p, LAYOUT, pols, seed=2)(1)
     metas = [LAYOUT.rules.meta(src.load(i)) for i in gb.sample_ids]
     checked = 0
     for mb in gb.microbatches:
-        assert mb.plan.ranks["vision"] != mb.plan.ranks["llm"] or policy == "disttrain"
+        assert mb.plan.ranks["vision"] != mb.plan.ranks["llm"] or policy != "orchmllm"
         routes = token_routes(mb.plan, metas, LAYOUT)
         assert mb.feed.shapes.unit("llm") == mb.plan.shapes["llm"]
         for e in ("vision", "audio"):

@@ -66,7 +66,8 @@ def test_llava_rows_at_least_95_percent_full(seq_len, gb, budget):
     part 4: more than half the samples are longer than half a row)."""
     layout, loader = _loader(seq_len, gb, budget)
     shapes, tokens, counts = None, [], []
-    for idx, _, metas in loader.builder.scan(6):
+    for idx, _, columns in loader.builder.scan(6):
+        metas = columns.metas()
         assert _rows([m.llm_length for m in metas], seq_len) <= budget
         shapes = grow_shapes(shapes, metas, layout)
         tokens.append(sum(m.llm_length for m in metas))

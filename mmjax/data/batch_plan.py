@@ -10,14 +10,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from mmjax.data.layout import AssemblyLayout
-from mmjax.data.batch_shapes import BatchShapes, rank_shapes
+from mmjax.data.batch_shapes import BatchShapes
 from mmjax.data.balance import POLICIES as POST_BALANCE_POLICIES
 from mmjax.data.balance import node_wise_rearrange_flat, post_balance_flat
 from mmjax.data.meta_columns import MetaColumns
 from mmjax.data.rank_split import RankSplit
 from mmjax.data.reorder import inter_reorder
+from mmjax.data.row_deal import deal_rows
 from mmjax.data.sample import SampleMeta, TokenRules
 from mmjax.data.shape_columns import ShapeColumns, shape_columns
+from mmjax.data.unit_shapes import UnitShapes
 from mmjax.errors import UserError
 from mmjax.models.config import MLLMConfig
 from mmjax.planner.costs import layer_times
@@ -28,7 +30,7 @@ from mmjax.planner.workload import workload_from_metas
 from mmjax.models.units import GENERATOR_UNIT, LLM_UNIT, has_generator, is_generator, is_vae
 
 
-POLICIES = ("none", "disttrain", "orchmllm")
+POLICIES = ("none", "disttrain", "orchmllm", "rows")  # "rows": the LLM only (row_deal.py)
 _NO_SLOTS = AssemblyLayout(0, 0, TokenRules())  # costs alone: no encoder slot's item sizes
 NODE_WISE_METHODS = ("auto", "milp", "local", "greedy", "identity")
 
@@ -37,12 +39,13 @@ NODE_WISE_METHODS = ("auto", "milp", "local", "greedy", "identity")
 class MicrobatchPlan:
     """One microbatch: per unit how its samples split over the unit's DP ranks (`splits`,
     indices into `positions`, the global batch positions of the microbatch) and the unit's
-    common shapes. The moves between units follow from the splits (data/feed.py builds
-    them; `balance.compose_rearrangement` is the sample-level map, OrchMLLM §6)."""
+    common shapes (`UnitShapes`: computed on first read). The moves between units follow
+    from the splits (data/feed.py builds them; `balance.compose_rearrangement` is the
+    sample-level map, OrchMLLM §6)."""
 
     positions: list[int]
     splits: dict[str, RankSplit]
-    shapes: dict[str, BatchShapes]
+    shapes: Mapping[str, BatchShapes]
 
     @property
     def ranks(self) -> dict[str, list[list[int]]]:
@@ -93,12 +96,16 @@ class NodeWise:
 
 
 def split_unit(costs: np.ndarray, dp: int, policy: str, algo: str,
-               node_wise: NodeWise) -> RankSplit:
+               node_wise: NodeWise, seq_len: int = 0) -> RankSplit:
     """One unit's split of a microbatch over its `dp` ranks, as the loader computes it:
     `costs` (the microbatch's slice of `unit_costs`) -> indices into the microbatch per
     rank. "none": contiguous; "disttrain": DistTrain Algorithm 2 (§6.1, the same LPT as
     OrchMLLM Algorithm 1, see `reorder.intra_reorder`); "orchmllm": the post-balancing
-    policy `algo` (OrchMLLM §5.1), then node-wise rearrangement (§5.2.2) when configured."""
+    policy `algo` (OrchMLLM §5.1), then node-wise rearrangement (§5.2.2) when configured;
+    "rows" (the LLM, `costs` its lengths): whole packed rows of `seq_len` dealt to ranks
+    (row_deal.py)."""
+    if policy == "rows":
+        return deal_rows(costs.astype(np.int64), dp, seq_len)
     if policy == "none":
         return RankSplit.contiguous(costs.size, dp)
     if policy == "disttrain":
@@ -209,7 +216,7 @@ def plan_global_batch(metas: "list[SampleMeta] | MetaColumns", model: MLLMConfig
             if is_generator(unit) and plan.unit(unit).dp == llm_dp:
                 continue  # follows the LLM's split: hidden states stay on their rank
             units[unit] = split_unit(mb_costs[unit], plan.unit(unit).dp, policies[unit],
-                                     algos[unit], node_wise)
+                                     algos[unit], node_wise, layout.seq_len)
         if has_generator(model.unit_names) and not has_generator(units):
             units[GENERATOR_UNIT] = units[LLM_UNIT]
         splits.append(units)
@@ -223,8 +230,7 @@ def plan_global_batch(metas: "list[SampleMeta] | MetaColumns", model: MLLMConfig
     out = []
     for pos, units in zip(mbs, splits):
         at = np.arange(size, dtype=np.int64) + (pos[0] if pos else 0)  # a contiguous slice
-        out.append(MicrobatchPlan(pos, units, {
-            u: rank_shapes(cols, at[sp.items], sp.counts, layout) for u, sp in units.items()}))
+        out.append(MicrobatchPlan(pos, units, UnitShapes(cols, at, units, layout)))
     return out
 
 
@@ -252,8 +258,18 @@ def _per_unit(value, model: MLLMConfig, setting: str, allowed, default: str) -> 
     return pol
 
 
-def unit_policies(balance, model: MLLMConfig) -> dict[str, str]:
-    return _per_unit(balance, model, "Loader.balance", POLICIES, "none")
+def unit_policies(balance, model: MLLMConfig, packing: str = "pack") -> dict[str, str]:
+    """`Loader.balance` per unit; "rows" (whole packed rows per rank, row_deal.py) is the
+    LLM's alone and needs packed rows (`packing`)."""
+    pol = _per_unit(balance, model, "Loader.balance", POLICIES, "none")
+    for u, p in pol.items():
+        if p == "rows" and (u != LLM_UNIT or packing != "pack"):
+            raise UserError(f"Loader.balance[{u!r}]='rows': whole packed rows are the LLM's "
+                            f"split under packed rows (data_layout.packing='pack'); use "
+                            f"'orchmllm' for {u!r}" if u != LLM_UNIT else
+                            f"Loader.balance['llm']='rows' needs data_layout.packing='pack' "
+                            f"(now {packing!r}); use 'orchmllm'")
+    return pol
 
 
 def post_balance_policies(value, model: MLLMConfig) -> dict[str, str]:

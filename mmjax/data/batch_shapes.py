@@ -13,6 +13,7 @@ import numpy as np
 
 from mmjax.data.layout import AssemblyLayout, EncoderSlot, shape_bucket
 from mmjax.data.packing_kernels import first_fit_decreasing_buffers
+from mmjax.data.meta_columns import MetaColumns
 from mmjax.data.sample import SampleMeta
 from mmjax.data.shape_columns import ShapeColumns, shape_columns
 
@@ -41,7 +42,7 @@ class BatchShapes:
         return BatchShapes(max(self.rows, other.rows), encs, max(self.gen, other.gen))
 
 
-def grow_shapes(shapes: BatchShapes | None, metas: list[SampleMeta],
+def grow_shapes(shapes: BatchShapes | None, metas: "list[SampleMeta] | MetaColumns",
                 layout: AssemblyLayout) -> BatchShapes:
     """Shapes that fit `metas` and only grow from `shapes` (a run's high-water mark): the
     need is computed at encoder capacities of at least the current ones (buffer counts
@@ -54,7 +55,13 @@ def grow_shapes(shapes: BatchShapes | None, metas: list[SampleMeta],
             key = "vision_caps" if slot.modality == "image" else "audio_frame_caps"
             kw[key] = tuple(c for c in getattr(layout, key) if c >= cap)
         layout = dataclasses.replace(layout, **kw)
-    return batch_shapes([metas], layout).union(shapes)
+    if isinstance(metas, MetaColumns):  # the shape scan's columns: no objects built
+        n = len(metas)
+        need = rank_shapes(shape_columns(metas, layout), np.arange(n, dtype=np.int64),
+                           np.array([n], np.int64), layout)
+    else:
+        need = batch_shapes([metas], layout)
+    return need.union(shapes)
 
 
 def _bucket(need: int, caps: tuple[int, ...]) -> int:

@@ -170,8 +170,8 @@ class GlobalBatchBuilder:
         return self.origin.start(step, self.window)
 
     def scan(self, steps: int):
-        """(indices, specs, metas) of each global batch 0 .. steps-1 from the samples'
-        shapes alone (nothing decoded), skipping a step with too few usable samples (it
+        """(indices, specs, metadata columns) of each global batch 0 .. steps-1 from the
+        samples' shapes alone (nothing decoded), skipping a step with too few usable samples (it
         raises if it is reached). Always from step 0, so a resumed run pads exactly as the
         uninterrupted one did (the windows of a fresh run, whatever the origin). The one
         shape scan: `scan_floor` and the single-program trainer's start-up shapes
@@ -181,7 +181,7 @@ class GlobalBatchBuilder:
                 idx, specs, _ = self.select(step, start=step * self.window)
             except UserError:
                 continue
-            yield idx, specs, MetaColumns.from_specs(idx, specs, self.layout.rules).metas()
+            yield idx, specs, MetaColumns.from_specs(idx, specs, self.layout.rules)
 
     def scan_floor(self, steps: int):
         """The union of the feed shapes of global batches 0 .. steps-1 (`scan`), built on
@@ -284,7 +284,7 @@ class GlobalBatchBuilder:
                                cp=self.plan.unit("llm").cp, cp_method=self.cp_method,
                                cp_block=self.cp_block, floor=self.floor)
 
-    def _getter(self, idx, specs, metas, skipped: list, failed: set,
+    def sample_getter(self, idx, specs, metas, skipped: list, failed: set,
                 failed_at: dict | None = None):
         """position -> its sample, loaded once; a sample that fails to decode (or decodes to
         other shapes than its index says) is named in `skipped`, added to `failed` (and
@@ -320,7 +320,7 @@ class GlobalBatchBuilder:
         idx, specs, reasons = self.select(int(step), skipped)
         metas = MetaColumns.from_specs(idx, specs, self.layout.rules)
         failed: set[int] = set()
-        get = self._getter(idx, specs, metas, skipped, failed)
+        get = self.sample_getter(idx, specs, metas, skipped, failed)
         samples = [get(p) for p in range(len(idx))]
         if failed:
             reasons["decode"] = reasons.get("decode", 0) + len(failed)
@@ -337,7 +337,7 @@ class GlobalBatchBuilder:
         t_plan = time.perf_counter() - t0
         failed: set[int] = set()
         failed_at: dict[int, tuple] = {}
-        get = self._getter(idx, specs, metas, skipped, failed, failed_at)
+        get = self.sample_getter(idx, specs, metas, skipped, failed, failed_at)
 
         mbs = []
         for mp in mb_plans:

@@ -80,7 +80,8 @@ class Loader:
 
     `source`: a source object (`SyntheticSource`, `ArrayRecordSource`) or the path of an
     ArrayRecord file written by scripts/make_dataset.py. `balance`: one policy for every
-    phase or a dict unit -> policy ("none", "disttrain", "orchmllm");
+    phase or a dict unit -> policy ("none", "disttrain", "orchmllm"; the LLM also "rows":
+    whole packed rows per rank, data/row_deal.py);
     `post_balance_policy`: the OrchMLLM algorithm, one for all phases or a dict unit ->
     algorithm (`post_balance_policies`); `node_wise_*`: `NodeWise` (with `ranks_per_node`);
     `hardware`: the planner's hardware whose cost model times microbatches for Algorithm 3.
@@ -134,7 +135,8 @@ class Loader:
         node_wise = NodeWise(ranks_per_node, node_wise_method, node_wise_time_limit,
                              node_wise_max_milp_ranks)
         self.builder = GlobalBatchBuilder(
-            source, model, plan, layout, unit_policies(balance, model), post_balance_policy,
+            source, model, plan, layout, unit_policies(balance, model, layout.packing),
+            post_balance_policy,
             seed=seed, reserve=reserve, shuffle=shuffle, host_id=host_id, num_hosts=num_hosts,
             cp_method=cp_method, cp_block=cp_block, node_wise=node_wise,
             hardware=hardware_by_name(hardware), local_devices=local_devices,

@@ -85,6 +85,8 @@ def colocated_step(graphdef, tx, mesh, colo: Colocation, abstract: TrainState,
 class Colocated(SingleProgram):
     """`SingleProgram`'s interface over a co-located mesh of every device."""
 
+    program_cache = False  # a mesh-sharded step: JAX's compilation cache only
+
     def __init__(self, cfg, layout, global_batch, schedule, dtype, seed, colo: Colocation,
                  source=None, attention_impl="auto", pretrained=None,
                  devices=None, check_memory: bool = True):

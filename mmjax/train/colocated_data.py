@@ -62,6 +62,11 @@ def phase_settings(loader: Loader, cfg, layout, num_devices: int, tp: int) -> Ph
                             f"the global batch as one program, with no microbatches for "
                             f"DistTrain's reordering (use 'orchmllm' with "
                             f"Loader.post_balance_policy, or 'none')")
+        if p == "rows":
+            raise UserError(f"Loader.balance[{u!r}]='rows': the co-located layout balances "
+                            f"each phase by OrchMLLM's post-balancing, not by the plan's LLM "
+                            f"rows (use 'orchmllm' with Loader.post_balance_policy, or "
+                            f"'none')")
     gens = [u for u in cfg.unit_names if is_generator(u)]
     for g in gens:  # it reads the LLM's hidden states where the LLM's layout put them
         for name, raw, got in (("balance", loader.balance, pol),
@@ -186,8 +191,8 @@ class PhaseBatches(LoaderStream):
         """Per-phase shapes and the exchanges' capacities over global batches 0 .. steps-1,
         planned from their metadata (`GlobalBatchBuilder.scan`)."""
         floors, caps = None, None
-        for _, _, metas in self.builder.scan(steps):
-            pp = plan_phases(metas, self.layout, *self.ranks, self.settings.policies,
+        for _, _, columns in self.builder.scan(steps):
+            pp = plan_phases(columns.metas(), self.layout, *self.ranks, self.settings.policies,
                              floors=floors, **self._kw())
             floors, caps = pp.shapes, self._caps(pp.routes, caps)
         return floors, caps

@@ -138,6 +138,9 @@ def use_compilation_cache(setting: str) -> str | None:
                         f" takes names of at most 255 bytes and paths of 4095 (use a shorter "
                         f"directory)")
     jax.config.update("jax_compilation_cache_dir", path)
+    # every program cached, however fast it compiled (JAX's default skips those under 1 s:
+    # a warm run compiled the init's and the optimizer's small programs again)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     return path
 
 

@@ -27,12 +27,15 @@ def dry_run_build(cfg, tok, dirs, plan, global_batch, attention_impl, schedule,
                   dtype=None, check_memory: bool = False, chosen: Plan | None = None,
                   pipeline_schedule: str = "1f1b") -> None:
     """What a run builds before its first step, short of parameters and programs: the
-    plan, the optimizer, the data source and the first global batch (selected, decoded,
-    assembled), so a setting that would break them fails here; with `check_memory` and
-    one program (`plan` None), the run's memory check at the first global batch's shapes
-    (train/memory_check.py `check_single_program`: the run refuses the same way).
+    plan, the optimizer, the data source and the first global batch (selected and planned
+    from metadata, decoded and assembled: `batch_check.check_global_batch`, at most its
+    first 512 samples), so a setting that would break them fails here; with
+    `check_memory` and one program (`plan` None), the run's memory check at the first
+    global batch's shapes, before anything is decoded (train/memory_check.py
+    `check_single_program`: the run refuses the same way).
     `chosen`: the Plan `plan` names, already built (`run_plan`'s `chosen`); with a plan,
     `pipeline_schedule` is built over it (a schedule the plan cannot run fails here)."""
+    from mmjax.data.batch_check import check_global_batch
     from mmjax.data.loader import Loader
     from mmjax.train.optimizer import optimizer_from_settings
 
@@ -46,26 +49,27 @@ def dry_run_build(cfg, tok, dirs, plan, global_batch, attention_impl, schedule,
     layout, source = layout_and_source(cfg, tok)
     loader = Loader(source if source is not None else train_source(cfg), cfg, the_plan,
                     layout)
-    try:
-        loader.builder(0)
-        if plan is None and check_memory:
-            _check_single_program_memory(cfg, layout, loader, global_batch, dtype,
+    memory = None
+    if plan is None and check_memory:
+        def memory(metas):
+            _check_single_program_memory(cfg, layout, metas, global_batch, dtype,
                                          attention_impl)
+    try:
+        check_global_batch(loader.builder, 0, on_metadata=memory)
     finally:
         loader.close()
 
 
-def _check_single_program_memory(cfg, layout, loader, global_batch, dtype,
+def _check_single_program_memory(cfg, layout, metas, global_batch, dtype,
                                  attention_impl) -> None:
-    """`check_single_program` (refusing) at the shapes of global batch 0 (a run pads to
-    at least these) with the model's abstract parameter counts: nothing allocated."""
+    """`check_single_program` (refusing) at the shapes of global batch 0's metadata
+    `metas` (a run pads to at least these) with the model's abstract parameter counts:
+    nothing allocated, nothing decoded."""
     from mmjax.data.batch_shapes import grow_shapes
     from mmjax.models.mllm import MultimodalModel, trainable_filter
     from mmjax.parallel.sharded_init import abstract_split
     from mmjax.train.memory_check import check_single_program
 
-    idx, specs, _ = loader.builder.select(0)
-    metas = [layout.rules.meta_from_shapes(i, s) for i, s in zip(idx, specs)]
     _, tr, fr = abstract_split(MultimodalModel, (cfg,), jax.random.key(0),
                                (trainable_filter(cfg), ...))
     count = lambda t: sum(x.size for x in jax.tree.leaves(t))  # noqa: E731

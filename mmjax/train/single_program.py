@@ -21,6 +21,7 @@ from mmjax.train.data_config import train_source
 from mmjax.train.inputs import model_inputs
 from mmjax.train.logical_state import single_from_logical, single_logical
 from mmjax.train.memory_check import check_single_program
+from mmjax.train import program_cache
 from mmjax.train.optimizer import applied_updates, optimizer_from_settings, rate_as_input
 from mmjax.train.runner import StepMetrics
 from mmjax.train.state import WHOLE_MODEL, TrainState, whole_model_state
@@ -46,6 +47,10 @@ class SingleProgram:
     run's TrainState (train/state.py: one stage, the whole model; `data` the batch
     position); `frozen` the frozen parameters, the step's fixed input."""
 
+    # compiled steps stored and loaded untraced (train/program_cache.py); a subclass whose
+    # step differs in ways the key does not name turns it off
+    program_cache = True
+
     def __init__(self, cfg, layout, global_batch, schedule, dtype, seed, source=None,
                  attention_impl="auto", pretrained=None,
                  check_memory: bool = True, count_multiple: int = 1, data=None):
@@ -69,6 +74,7 @@ class SingleProgram:
         key = jax.random.key(seed)
         graphdef, tr, fr = abstract_split(MultimodalModel, (cfg,), key, filters)
         device = jax.local_devices()[0]  # the same in one process; addressable in any
+        self.device = device
         self.memory_line = None
         if data is None and self.data.floor is not None:
             count = lambda t: sum(x.size for x in jax.tree.leaves(t))
@@ -106,6 +112,7 @@ class SingleProgram:
         tx_at, self.rate_at = rate_as_input(schedule)
         self.step_fn = make_train_step(graphdef, tx, dtype, attention_impl,
                                        layout.llm_mask_family, tx_at=tx_at)
+        self.mask_family = layout.llm_mask_family
         self.graphdef, self.dtype, self.global_batch, self.eval_fn = graphdef, dtype, global_batch, None
         self.attention_impl = attention_impl
         self.num_trainable = sum(x.size for x in jax.tree.leaves(tr))
@@ -161,18 +168,42 @@ class SingleProgram:
         """The step compiled for `inputs`' shapes, lowered from the abstract state (the
         state's shapes and placement), so a fresh run's init (its own jitted program)
         compiles and runs in a thread meanwhile: XLA compiles without the GIL, and the two
-        compilations take the longer one's time on two cores, not the sum."""
+        compilations take the longer one's time on two cores, not the sum. A program an
+        earlier run stored (train/program_cache.py) is loaded instead, untraced."""
         rate = None if self.rate_at is None else np.float32(0)
-        if self._state is not None and self._frozen is not None:
-            return self.step_fn.lower(self._state._replace(data={}), self._frozen, inputs,
-                                      _NO_LIMITS, rate).compile()
-        made = concurrent.futures.ThreadPoolExecutor(1, "mmjax-init").submit(self._make)
+        made = None
+        if self._state is None or self._frozen is None:
+            made = concurrent.futures.ThreadPoolExecutor(1, "mmjax-init").submit(self._make)
         try:
-            compiled = self.step_fn.lower(self.abstract, self.abstract_frozen, inputs,
-                                          _NO_LIMITS, rate).compile()
+            args = (self.abstract, self.abstract_frozen, inputs, _NO_LIMITS, rate)
+            cache = self.program_cache and (jax.config.jax_compilation_cache_dir or None)
+            key = self._program_key(args) if cache else ""
+            tree = jax.tree.structure((args, {}))
+            compiled = (program_cache.load(cache, key, tree, [self.device]) if cache
+                        else None)
+            if compiled is None:
+                if made is None:
+                    args = (self._state._replace(data={}), self._frozen, *args[2:])
+                with program_cache.compiling() as from_jax_cache:
+                    compiled = self.step_fn.lower(*args).compile()
+                if not from_jax_cache:
+                    program_cache.store(cache, key, compiled)
         finally:
-            made.result()
+            if made is not None:
+                made.result()
         return compiled
+
+    def _program_key(self, args) -> str:
+        """`program_cache.program_key` of the step at `args` (abstract state, frozen,
+        inputs, limits, rate): the model, the step's settings, every leaf's shape, dtype
+        and placement."""
+        def leaf(x):
+            return (np.shape(x), str(getattr(x, "dtype", type(x).__name__)),
+                    str(getattr(x, "sharding", "")))
+        return program_cache.program_key(
+            "single_program.train_step", str(self.device), repr(self.cfg), str(self.dtype),
+            str(self.attention_impl), str(self.mask_family), str(self.rate_at is None),
+            str(jax.tree.structure((args, {}))), repr(jax.tree.map(leaf, args)))
 
     def inputs(self, batch):
         """The step's inputs for a host batch (the co-located runner places them)."""

@@ -1,0 +1,139 @@
+"""Compiled training steps stored on disk by what they are made from, so a warm run skips
+tracing and lowering, not only XLA (issue 41: a second run's start within 10% of the
+first's compile).
+
+JAX's persistent compilation cache is keyed by the lowered program, so every run still
+traces and lowers the step (12-18 s of the tiny model's warm start on 2 cores) before the
+cache can answer. Here the key is everything the program is a function of, known before
+tracing: the versions of jax / jaxlib / flax / optax, the backend and its devices, the
+JAX_* / XLA_* environment, a digest of mmjax's own source files, the gin bindings (less
+`train.steps`: the learning rate is a step input, so the step does not depend on it), and
+the caller's description of the model, settings and the abstract inputs (shapes, dtypes,
+placement). A change in any of them is another key: a miss, never a wrong program. The
+entry is JAX's serialized executable (`jax.experimental.serialize_executable`) and its
+argument trees, a file `mmjax-program-<key>.pkl` beside JAX's own entries (off with the
+cache); an entry whose argument tree differs is not used. Only a program XLA compiled in
+this process is stored: one JAX's cache answered does not serialize whole on XLA:CPU (its
+kernels are missing when run), so `compiling` tells the two apart."""
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+import re
+import threading
+from contextlib import contextmanager
+from importlib.metadata import PackageNotFoundError, version
+
+import jax
+
+_STEPS = re.compile(r"^train\.steps\s*=.*$", re.MULTILINE)
+
+
+def _versions() -> list[str]:
+    out = []
+    for pkg in ("jax", "jaxlib", "flax", "optax"):
+        try:
+            out.append(f"{pkg}={version(pkg)}")
+        except PackageNotFoundError:
+            out.append(f"{pkg}=?")
+    return out
+
+
+def source_digest() -> str:
+    """sha256 of mmjax's .py files (relative paths and bytes, in sorted order)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    h = hashlib.sha256()
+    files = []
+    for d, _, names in os.walk(root):
+        files += [os.path.join(d, n) for n in names if n.endswith(".py")]
+    for path in sorted(files):
+        h.update(os.path.relpath(path, root).encode() + b"\0")
+        with open(path, "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()
+
+
+def gin_bindings() -> str:
+    """The run's gin bindings without `train.steps` (programs do not depend on it)."""
+    import gin
+
+    text = _STEPS.sub("", gin.config_str())
+    return "\n".join(line for line in text.splitlines()
+                     if line.strip() and not line.lstrip().startswith("#"))
+
+
+def program_key(*parts: str) -> str:
+    """The key of a program made from `parts` (the caller's description) in this process:
+    versions, backend, environment, mmjax's source and the gin bindings added."""
+    dev = jax.local_devices()[0]
+    env = sorted(f"{k}={v}" for k, v in os.environ.items()
+                 if k.startswith(("JAX_", "XLA_")) and k != "JAX_COMPILATION_CACHE_DIR")
+    fixed = [*_versions(), dev.platform, dev.device_kind, str(jax.local_device_count()),
+             getattr(dev.client, "platform_version", ""), *env, source_digest(), gin_bindings()]
+    h = hashlib.sha256()
+    for p in (*fixed, *parts):
+        h.update(str(p).encode() + b"\0")
+    return h.hexdigest()[:40]
+
+
+_HIT = "/jax/compilation_cache/cache_hits"
+
+
+@contextmanager
+def compiling():
+    """A list that holds an entry once a compilation on this thread inside the block was
+    answered by JAX's persistent cache (JAX's monitoring event; other threads' ignored)."""
+    me, hits = threading.get_ident(), []
+
+    def on_event(event: str, **_):
+        if event == _HIT and threading.get_ident() == me:
+            hits.append(event)
+    jax.monitoring.register_event_listener(on_event)
+    try:
+        yield hits
+    finally:
+        jax.monitoring.unregister_event_listener(on_event)
+
+
+def _path(cache_dir: str, key: str) -> str:
+    return os.path.join(cache_dir, f"mmjax-program-{key}.pkl")
+
+
+def load(cache_dir: str | None, key: str, in_tree, devices):
+    """The stored program of `key` whose argument tree is `in_tree`, loaded on `devices`
+    (the ones it was compiled for, in order), or None."""
+    if not cache_dir:
+        return None
+    from jax.experimental.serialize_executable import deserialize_and_load
+
+    try:
+        with open(_path(cache_dir, key), "rb") as f:
+            payload, stored_in, stored_out = pickle.load(f)
+    except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ImportError):
+        return None
+    if stored_in != in_tree:
+        return None
+    return deserialize_and_load(payload, stored_in, stored_out,
+                                execution_devices=list(devices))
+
+
+def store(cache_dir: str | None, key: str, compiled) -> None:
+    """Write `compiled` under `key` (atomically); a full or read-only disk only loses the
+    entry (the next run traces and lowers again)."""
+    if not cache_dir:
+        return
+    from jax.experimental.serialize_executable import serialize
+
+    path = _path(cache_dir, key)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(tmp, "wb") as f:
+            pickle.dump(serialize(compiled), f, protocol=pickle.HIGHEST_PROTOCOL)
+        os.replace(tmp, path)
+    except (OSError, TypeError, ValueError, NotImplementedError, pickle.PicklingError):
+        # NotImplementedError / ValueError: JAX cannot serialize this executable (closed-over
+        # constants as arguments, say): it stays in JAX's cache only
+        if os.path.exists(tmp):
+            os.remove(tmp)

@@ -1,0 +1,88 @@
+"""train/program_cache.py: a compiled step stored by what it is made from and loaded
+untraced; another argument tree, another description or other gin bindings miss; the
+bindings leave out `train.steps` (the step does not depend on it)."""
+import gin
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mmjax.train import program_cache
+
+DEV = jax.devices()[:1]  # where jit puts the toy program
+
+
+def _f(state, x, rate):
+    return {"w": state["w"] * rate + x.sum()}, (x * state["w"]).sum()
+
+
+def _compiled(n=3):
+    """A fresh XLA compile (JAX's persistent cache off): what `store` is given."""
+    args = ({"w": jnp.ones(n)}, jnp.arange(n, dtype=jnp.float32), np.float32(2))
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        with program_cache.compiling() as hits:
+            compiled = jax.jit(_f, donate_argnums=(0,)).lower(*args).compile()
+    finally:
+        jax.config.update("jax_enable_compilation_cache", True)
+    assert not hits
+    return args, compiled
+
+
+def test_compiling_sees_a_hit_of_jaxs_cache(tmp_path):
+    """The program JAX's cache answers is told apart (it is not stored)."""
+    old = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path / "jax"))
+    try:
+        g = lambda x: x * 5 - 1  # noqa: E731
+        seen = []
+        for _ in range(2):
+            jax.clear_caches()
+            with program_cache.compiling() as hits:
+                jax.jit(g).lower(jnp.ones(4)).compile()
+            seen.append(bool(hits))
+    finally:
+        jax.config.update("jax_compilation_cache_dir", old)
+    assert seen == [False, True]
+
+
+def test_stored_program_loads_untraced_and_runs_the_same(tmp_path):
+    args, compiled = _compiled()
+    key = program_cache.program_key("toy", "n=3")
+    tree = jax.tree.structure((args, {}))
+    assert program_cache.load(str(tmp_path), key, tree, DEV) is None  # nothing stored yet
+    program_cache.store(str(tmp_path), key, compiled)
+    loaded = program_cache.load(str(tmp_path), key, tree, DEV)
+    want = compiled({"w": jnp.ones(3)}, *args[1:])
+    got = loaded({"w": jnp.ones(3)}, *args[1:])
+    assert float(got[1]) == float(want[1])
+    np.testing.assert_array_equal(got[0]["w"], want[0]["w"])
+    # another argument tree under the same key is not used
+    other = jax.tree.structure((({"v": 1.0}, 1.0, 1.0), {}))
+    assert program_cache.load(str(tmp_path), key, other, DEV) is None
+    assert program_cache.load(None, key, tree, DEV) is None  # cache off
+
+
+def test_key_names_the_description_and_the_bindings_but_not_train_steps():
+    from mmjax.cli import register_configurables
+
+    register_configurables()
+    base = program_cache.program_key("toy", "n=3")
+    assert program_cache.program_key("toy", "n=3") == base
+    assert program_cache.program_key("toy", "n=4") != base
+    with gin.unlock_config():
+        gin.parse_config(["train.steps = 7"])
+        try:
+            assert program_cache.program_key("toy", "n=3") == base
+            gin.parse_config(["train.global_batch = 3"])
+            assert program_cache.program_key("toy", "n=3") != base
+        finally:
+            gin.clear_config()
+
+
+@pytest.mark.parametrize("blob", [b"", b"not a pickle"])
+def test_a_broken_entry_is_a_miss(tmp_path, blob):
+    key = program_cache.program_key("toy", "broken")
+    (tmp_path / f"mmjax-program-{key}.pkl").write_bytes(blob)
+    args, _ = _compiled()
+    assert program_cache.load(str(tmp_path), key, jax.tree.structure((args, {})), DEV) is None
