@@ -1,6 +1,9 @@
 """train/program_cache.py: a compiled step stored by what it is made from and loaded
 untraced; another argument tree, another description or other gin bindings miss; the
 bindings leave out `train.steps` (the step does not depend on it)."""
+import os
+import time
+
 import gin
 import jax
 import jax.numpy as jnp
@@ -17,12 +20,18 @@ def _f(state, x, rate):
 
 
 def _compiled(n=3):
-    """A fresh XLA compile (JAX's persistent cache off): what `store` is given."""
+    """A fresh XLA compile (JAX's persistent cache off, and a program no cache can hold:
+    a constant unique to this call, which adds an exact 0): what `store` is given."""
     args = ({"w": jnp.ones(n)}, jnp.arange(n, dtype=jnp.float32), np.float32(2))
+    salt = float(time.time_ns() % 1_000_003 + os.getpid() % 1_000_000)  # < 2^24: exact
+
+    def toy(state, x, rate):
+        new, out = _f(state, x, rate)
+        return new, out + ((x[0] * 0 + salt) - salt)
     jax.config.update("jax_enable_compilation_cache", False)
     try:
         with program_cache.compiling() as hits:
-            compiled = jax.jit(_f, donate_argnums=(0,)).lower(*args).compile()
+            compiled = jax.jit(toy, donate_argnums=(0,)).lower(*args).compile()
     finally:
         jax.config.update("jax_enable_compilation_cache", True)
     assert not hits

@@ -114,8 +114,11 @@ def load(cache_dir: str | None, key: str, in_tree, devices):
         return None
     if stored_in != in_tree:
         return None
-    return deserialize_and_load(payload, stored_in, stored_out,
-                                execution_devices=list(devices))
+    try:
+        return deserialize_and_load(payload, stored_in, stored_out,
+                                    execution_devices=list(devices))
+    except Exception:  # noqa: BLE001  a damaged or foreign entry is a miss: trace again
+        return None
 
 
 def store(cache_dir: str | None, key: str, compiled) -> None:
