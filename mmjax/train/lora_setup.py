@@ -94,9 +94,6 @@ def check_lora_layout(cfg: MLLMConfig, plan, colocated: bool, adapter: bool) -> 
         raise UserError(f"lora.dropout={lora_of(cfg, dropout[0]).dropout}: dropout on the "
                         f"adapters is applied by the single program only so far; set "
                         f"lora.dropout=0 or drop the plan")
-    if units and colocated:
-        raise UserError(f"lora.units={list(units)}: the co-located layout does not train "
-                        f"LoRA yet; use the single program or a disaggregated plan")
     if units and plan is not None and adapter:
         raise UserError(f"pretrained.adapter: read by the single program only so far "
                         f"(lora.units={list(units)}); drop the plan or the adapter")
