@@ -20,6 +20,7 @@ from mmjax.models.lora_config import LoRAConfig
 
 
 _DROPOUT = contextvars.ContextVar("mmjax_lora_dropout", default=None)
+DROPOUT_SEED = 0x10A  # a training step's masks: this key folded with the applied-step count
 
 
 @contextlib.contextmanager

@@ -27,6 +27,7 @@ from mmjax.models.config import MLLMConfig
 from mmjax.models.units import LLM_UNIT, is_generator, is_vae
 from mmjax.parallel.mesh import stage_meshes
 from mmjax.parallel.sharded_init import abstract_split
+from mmjax.pipeline.lora_dropout import dropout_units
 from mmjax.pipeline.multiprocess import abstract, holds_local_device, sync_collectives
 from mmjax.pipeline.stage import make_stage_fns
 from mmjax.pipeline.stage_modules import stage_module
@@ -50,6 +51,7 @@ class _Step:
     feeds: list
     totals: tuple
     params: dict
+    count: int | None = None  # the applied-step count (LoRA dropout's masks); None: eval
     sides: dict = field(default_factory=dict)
     outputs: dict = field(default_factory=dict)
     residuals: dict = field(default_factory=dict)
@@ -125,7 +127,7 @@ class PipelineRuntime:
         self.last_backward = {sid: i for i, (sid, a) in enumerate(self.order) if a.kind == "B"}
         self.sync = sync_collectives()
         self.transfers = Transfers(self.stages, self.graph, nv["llm"],
-                                   cfg.generator is not None, self.sync)
+                                   cfg.generator is not None, self.sync, dropout_units(cfg))
 
     @property
     def brokers(self) -> dict:
@@ -174,19 +176,20 @@ class PipelineRuntime:
         return result
 
     def start(self, feeds: list[MicrobatchFeed], params: dict | None = None,
-              trace: bool | str = False):
+              trace: bool | str = False, count: int | None = None):
         """`run` as (result, grads): `grads` iterates (StageId, partial gradients) for every
         local stage with trainable parameters, each as soon as the stage's last backward is
         dispatched, so the caller's gradient sync of one stage overlaps the backward work
         the others still have (a tied embedding's two stages come last, once their copies
         are summed). Walking `grads` dispatches the step; `result`'s losses (and trace) are
-        complete when it is exhausted."""
+        complete when it is exhausted. `count`: the applied-step count of a training step
+        (LoRA dropout's masks, pipeline/lora_dropout.py); None: no dropout."""
         if len(feeds) != self.plan.num_microbatches:
             raise ValueError(f"got {len(feeds)} microbatch feeds; the plan has "
                              f"{self.plan.num_microbatches}")
         step = _Step(feeds, (sum(f.num_target_tokens for f in feeds),
                              sum(f.num_gen_elements for f in feeds)),
-                     self._initial_compute() if params is None else params)
+                     self._initial_compute() if params is None else params, count)
         return step.result, self._walk(step, make_tracer(trace_mode(trace)))
 
     def _walk(self, step: "_Step", tracer):
@@ -199,7 +202,8 @@ class PipelineRuntime:
             mb = act.microbatch
             t0 = tracer.start() if tracer else 0.0
             if (sid, mb) not in step.sides:
-                step.sides[(sid, mb)] = self.transfers.side(sid, feeds[mb], step.totals)
+                step.sides[(sid, mb)] = self.transfers.side(
+                    sid, feeds[mb], step.totals, None if step.count is None else (step.count, mb))
             if act.kind == "F":
                 self._forward(sid, mb, step)
             else:

@@ -83,17 +83,3 @@ def lora_of(cfg: MLLMConfig, part: str) -> LoRAConfig:
     if part.endswith(".projector"):
         return cfg.encoder(part.removesuffix(".projector")).projector.lora
     return cfg.encoder(part).encoder.lora
-
-
-def check_lora_layout(cfg: MLLMConfig, plan, colocated: bool, adapter: bool) -> None:
-    """What the layouts do not do with LoRA yet, refused in one line: the co-located
-    layout; on a plan, dropout (the stages apply none) and `pretrained.adapter`."""
-    units = cfg.lora_units()
-    dropout = [u for u in units if lora_of(cfg, u).dropout]
-    if dropout and plan is not None:
-        raise UserError(f"lora.dropout={lora_of(cfg, dropout[0]).dropout}: dropout on the "
-                        f"adapters is applied by the single program only so far; set "
-                        f"lora.dropout=0 or drop the plan")
-    if units and plan is not None and adapter:
-        raise UserError(f"pretrained.adapter: read by the single program only so far "
-                        f"(lora.units={list(units)}); drop the plan or the adapter")

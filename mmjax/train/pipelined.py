@@ -37,6 +37,7 @@ from mmjax.train.global_norm import fold_loss, multiprocess_norm, norm_from_squa
 from mmjax.train.host_failures import agree_on_failures
 from mmjax.train.logical_state import (pipeline_from_logical, pipeline_global_logical,
                                        remote_stage, restore_target)
+from mmjax.train.lora_stages import adapter_into_stages
 from mmjax.train.optimizer import (OptimizerSettings, applied_updates, optimizer_from_settings,
                                    rate_as_input)
 from mmjax.train.runner import StepMetrics
@@ -67,6 +68,12 @@ class PipelinedRunner:
         self.trained = [sid for sid, st in rt.stages.items() if st.mode.param_grads]
         pair = rt.tied_embedding_stages()
         initial = rt.take_initial_params()
+        if pretrained and "adapter" in pretrained:  # a peft adapter, after the base
+            initial, frozen = adapter_into_stages(
+                cfg, plan, initial, {sid: st.frozen for sid, st in rt.stages.items()},
+                pretrained["adapter"], "model" in pretrained)
+            for sid, fr in frozen.items():
+                rt.stages[sid].frozen = fr
         self.optimizers = {sid: Zero1Optimizer(  # on the stage's ZeRO mesh (FSDP groups)
             self.tx, rt.stages[sid].fns.zero_mesh, initial[sid],
             clip_norm=self.settings.clip_norm or None, donate=True,
@@ -111,7 +118,7 @@ class PipelinedRunner:
         self.dispatch_log, self.sync_after = [], {}
         shards, squares = {}, {}
         backwards0 = sum(st.backward_calls for st in stages.values())
-        res, grads = rt.start(feeds, self.compute_params(), trace)
+        res, grads = rt.start(feeds, self.compute_params(), trace, count=self.updates)
         for sid, partials in grads:  # one reduce-scatter per stage, right after its last B
             if sid not in self.optimizers:  # an untrained or remote stage
                 continue
