@@ -140,6 +140,19 @@ def test_lora_on_a_frozen_part_is_refused():
         make_cfg(**{"llm.lora": LLM_LORA, "llm_frozen": True})
 
 
+@pytest.mark.parametrize("unit, words", [
+    ("vision", "'qwen2_vl' vision tower: LoRA adapts 'packed' / 'vit'"),
+    ("vision.projector", "'patch_merger' projector: LoRA adapts kind='mlp'")])
+def test_lora_on_qwen2_vl_parts_is_refused_in_one_line(unit, words):
+    """Qwen2-VL's tower (fused qkv) and patch-merger projector take no adapters yet."""
+    from mmjax.models.tiny import tiny_qwen2_vl
+    from mmjax.train.lora_setup import with_lora
+
+    with pytest.raises(UserError, match=words) as e:
+        with_lora(tiny_qwen2_vl(), (unit,), LoRAConfig())
+    assert "\n" not in str(e.value) and "use some of ['llm']" in str(e.value)
+
+
 def test_dropout_only_inside_a_training_scope():
     """peft's lora_dropout: the adapter's input, training only; p = 0 or outside the scope
     the adapter is exact; inside, each call draws its own mask from the scope's key."""

@@ -34,6 +34,22 @@ def lora_parts(cfg: MLLMConfig) -> list[str]:
     return out
 
 
+def _not_adapted(cfg: MLLMConfig, unit: str) -> str:
+    """Why `unit` is not in `lora_parts(cfg)`, for the error line."""
+    names = [e.name for e in cfg.encoders]
+    enc = unit.removesuffix(".projector")
+    if enc not in names:
+        return "not a part of this model"
+    spec = cfg.encoder(enc)
+    if unit.endswith(".projector"):
+        return (f"a {spec.projector.kind!r} projector: LoRA adapts kind='mlp' projectors "
+                f"only (train it whole or freeze it)")
+    what = (f"a {spec.encoder.kind!r} vision tower" if isinstance(spec.encoder, VisionConfig)
+            else "an audio tower")
+    return (f"{what}: LoRA adapts 'packed' / 'vit' vision towers only (train it whole or "
+            f"freeze it)")
+
+
 def with_lora(cfg: MLLMConfig, units=None, settings: LoRAConfig | None = None) -> MLLMConfig:
     """`cfg` with `settings` (default: gin's `lora.*`) on each of `units`."""
     if units is None:
@@ -43,8 +59,8 @@ def with_lora(cfg: MLLMConfig, units=None, settings: LoRAConfig | None = None) -
     parts = lora_parts(cfg)
     bad = [u for u in units if u not in parts]
     if bad:
-        raise UserError(f"lora.units={list(units)!r}: {bad[0]!r} is not a part LoRA adapts in "
-                        f"this model (use some of {parts})")
+        raise UserError(f"lora.units={list(units)!r}: {bad[0]!r} is {_not_adapted(cfg, bad[0])}"
+                        f" (use some of {parts})")
     over = {}
     for u in units:
         if is_llm(u):
