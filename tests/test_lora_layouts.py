@@ -51,7 +51,7 @@ def run(work, data, extra, capfd):
         losses = [r["loss"] for r in train(str(work)) if "loss" in r]
     finally:
         gin.clear_config()
-    return losses, capfd.readouterr().out
+    return losses, capfd.readouterr().err  # the console: stderr
 
 
 @pytest.mark.slow  # three runs' compiles (a pipelined plan's stages, 8-device SPMD): minutes
