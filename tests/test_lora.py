@@ -179,3 +179,31 @@ def test_dropout_only_inside_a_training_scope():
     assert 0.65 < keep.mean() < 0.85 and not np.allclose(first, second)
     with dropout_key(key):  # the same key: the same masks (a resumed step)
         np.testing.assert_array_equal(ad(x), first)
+
+
+def test_dropout_masks_are_per_layer_and_the_same_looped_or_scanned():
+    """A layer's adapters draw masks keyed by its index (models/lora.py `layer_dropout`):
+    the LLM's stack gives the same dropped output as a Python loop and as one `lax.scan`,
+    and each layer draws its own masks (layers with equal weights differ under dropout)."""
+    from mmjax.models.lora import dropout_key, layer_dropout
+
+    cfg = LLMConfig(vocab_size=64, hidden_size=16, num_layers=3, num_heads=2, num_kv_heads=2,
+                    ffn_size=32, lora=LoRAConfig(rank=4, targets=("all",), dropout=0.5))
+    tokens = jnp.arange(12, dtype=jnp.int32).reshape(2, 6) % 64
+    pos = jnp.broadcast_to(jnp.arange(6), (2, 6))
+    allowed = jnp.tril(jnp.ones((6, 6), bool))[None]
+    key = jax.random.key(7)
+
+    def dropped(scan):
+        model = perturbed(LLM(with_overrides(cfg, {"scan_layers": scan}), jax.random.key(1)))
+        with dropout_key(key):
+            return np.asarray(model(tokens, pos, allowed))
+    looped, scanned = dropped(False), dropped(True)
+    np.testing.assert_array_equal(looped, scanned)
+    adapter = perturbed(LLM(cfg, jax.random.key(1))).layers[0].lora["q"]
+    per_layer = []
+    with dropout_key(key):
+        for i in (0, 1):  # one adapter called as layer 0 and as layer 1: other masks
+            with layer_dropout(i):
+                per_layer.append(np.asarray(adapter(jnp.ones((4, 16)))))
+    assert not np.array_equal(per_layer[0], per_layer[1])

@@ -14,7 +14,7 @@ from flax import nnx
 
 from helpers import assert_same_grads, assert_same_loss, exact_reference, global_batch
 from mmjax.data.assemble import assemble
-from mmjax.models.lora import LoRAParam
+from mmjax.models.lora import DROPOUT_SEED, LoRAParam, dropout_key
 from mmjax.models.mllm import MultimodalModel, trainable_filter
 from mmjax.parallel.fsdp import colocated_mesh, place_batch, tree_shardings
 from mmjax.train.colocated import colocated_loss_fn
@@ -105,3 +105,37 @@ def test_colocated_lora_equals_single_program(setup, stage):
     frozen = sum(x.nbytes for x in jax.tree.leaves(placed_frozen))
     if stage == 3:  # the frozen bases (LLM and tower) stored sharded for memory
         assert per_device_bytes(placed_frozen) <= frozen / 8 * 1.10 + 4096
+
+
+def with_dropout(loss_fn, key):
+    """`loss_fn` traced inside a training step's dropout scope (models/lora.py)."""
+    def fn(tr, fr, b):
+        with dropout_key(key):
+            return loss_fn(tr, fr, b)
+    return fn
+
+
+@pytest.mark.slow  # one more 8-device compile, and the float64 reference with dropout
+def test_colocated_lora_dropout_draws_the_single_program_s_masks(setup):
+    """lora.dropout = 0.1 at ZeRO-3: the co-located step's masks are the single program's
+    (the same key, the same global shapes), so loss and gradients still agree by the rule,
+    and differ from the undropped ones."""
+    import dataclasses
+
+    cfg, gd, tr, fr, inputs, (plain_loss, _) = setup
+    drop = dataclasses.replace(cfg.llm.lora, dropout=0.1)
+    cfg = cfg.replace(llm=dataclasses.replace(cfg.llm, lora=drop))
+    gd, tr, fr = split_model(with_live_adapters(MultimodalModel(cfg, jax.random.key(0))),
+                             trainable_filter(cfg))
+    key = jax.random.fold_in(jax.random.key(DROPOUT_SEED), 3)
+    ref_loss, ref_grads = exact_reference(with_dropout(make_loss_fn(gd), key), tr, fr, inputs)
+    colo = Colocation(default_stage=3)
+    mesh = colocated_mesh(jax.devices(), colo)
+    loss_fn = with_dropout(colocated_loss_fn(gd, mesh, colo), key)
+    trs = jax.device_put(tr, tree_shardings(tr, mesh, colo, "params"))
+    frs = jax.device_put(fr, tree_shardings(fr, mesh, colo, "params"))
+    (loss, _), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(
+        trs, frs, place_batch(mesh, inputs, colo))
+    assert_same_loss(float(loss), ref_loss)
+    assert_same_grads(nnx.to_pure_dict(grads), ref_grads)
+    assert abs(float(loss) - float(plain_loss)) > 1e-4 * abs(float(plain_loss))
