@@ -199,10 +199,35 @@ def _run(args) -> dict:
         "losses": [m.loss for m in steps], "trace": trace_file,
         "memory": step_memory(compiled),
     }
+    if args.lora:  # the same model trained whole, beside it (counts and memory model)
+        record["trained_whole"] = lora_against_whole(args, cfg, prog)
     record["hardware_profile"] = device_profile(args.profile)
     record.update(cost_fields(args, cfg, layout, prog.data, total, tokens, step_s,
                               int(prog.num_trainable), record["hardware_profile"]))
     return record
+
+
+def lora_against_whole(args, cfg, prog) -> dict:
+    """With --lora: the trained parameters' float32 master + AdamW and gradient bytes of
+    the LoRA run and of the model trained whole (counted from abstract shapes, nothing
+    allocated), and the memory model's state and peak bytes per device for both
+    (train/memory_check.py `single_program_bytes`, at the run's batch shapes)."""
+    from mmjax.models.mllm import MultimodalModel, trainable_filter
+    from mmjax.parallel.sharded_init import abstract_split
+    from mmjax.train.memory_check import single_program_bytes
+
+    whole = model_config(argparse.Namespace(**{**vars(args), "lora": 0}))
+    out = {}
+    for name, c in (("lora", cfg), ("whole", whole)):
+        _, tr, fr = abstract_split(MultimodalModel, (c,), jax.random.key(0),
+                                   (trainable_filter(c), ...))
+        n, m = (sum(x.size for x in jax.tree.leaves(t)) for t in (tr, fr))
+        est = single_program_bytes(c, prog.data.floor, args.seq_len, n, m,
+                                   jnp.dtype(args.dtype), args.attention)
+        out[name] = {"trainable_params": int(n), "optimizer_bytes": 12 * int(n),
+                     "gradient_bytes": 4 * int(n), "model_state_bytes": float(est["state"]),
+                     "model_peak_bytes": float(est["peak"])}
+    return out
 
 
 def samples_text(r: dict) -> str:
@@ -419,6 +444,13 @@ def show(console, r) -> None:
         rows += [("step model (padding, kernels, optimizer, loss head)",
                   f"{r['step_model_s'] * 1e3:.1f} ms"),
                  ("measured / step model", f"{r['step_time_s'] / r['step_model_s']:.2f}")]
+    for name, w in (r.get("trained_whole") or {}).items():  # --lora: LoRA and whole
+        rows.append((f"{'LoRA' if name == 'lora' else 'trained whole'}: params, master + "
+                     f"AdamW, gradients; model state / peak",
+                     f"{w['trainable_params'] / 1e6:,.1f} M, {w['optimizer_bytes'] / 1e9:,.2f}"
+                     f" GB, {w['gradient_bytes'] / 1e9:,.2f} GB; "
+                     f"{w['model_state_bytes'] / 1e9:,.2f} / {w['model_peak_bytes'] / 1e9:,.2f}"
+                     f" GB"))
     mem = r.get("memory")
     if mem:
         rows.append(("step memory, compiled peak per device",

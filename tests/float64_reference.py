@@ -2,8 +2,9 @@
 
 `in_float64(fn)(*args)` traces `fn` once (with the arguments' own float32 types), then
 evaluates its jaxpr with every float32 value, constant and dtype parameter (a cast's target,
-a dot's accumulation type, an iota's type) promoted to float64, under `jax.enable_x64`. The model
-code is untouched: its explicit `astype(jnp.float32)` become float64 casts, so the result is
+a dot's accumulation type, an iota's type) promoted to float64, under `jax.enable_x64`
+(random bits bitcast to float32 as in the program, then widened exactly: dropout masks are
+the program's own). The model code is untouched: its explicit `astype(jnp.float32)` become float64 casts, so the result is
 the float32 program's mathematics rounded at float64 (~1e-16), not a second implementation.
 
 Calls (`jit`, remat, custom derivatives, already resolved by tracing `value_and_grad`) are
@@ -30,13 +31,14 @@ def _promote_dtype(v):
 
 
 def _promote_value(x):
-    if hasattr(x, "dtype") and np.dtype(x.dtype) == F32:
+    if isinstance(getattr(x, "dtype", None), np.dtype) and x.dtype == F32:  # not PRNG keys
         return jnp.asarray(x, F64)
     return x
 
 
 def _promote_aval(aval):
-    if isinstance(aval, jax.core.ShapedArray) and np.dtype(aval.dtype) == F32:
+    if isinstance(aval, jax.core.ShapedArray) and isinstance(aval.dtype, np.dtype) \
+            and aval.dtype == F32:
         return jax.ShapeDtypeStruct(aval.shape, F64)
     return jax.ShapeDtypeStruct(aval.shape, aval.dtype)
 
@@ -84,8 +86,11 @@ def _eval(jaxpr: jc.Jaxpr, consts, args):
             params = {k: _promote_open(p) if isinstance(p, jc.Jaxpr) else
                       _promote_closed(p) if isinstance(p, jc.ClosedJaxpr) else p
                       for k, p in params.items()}
-            params = {k: _promote_dtype(p) for k, p in params.items()}
-            outs = eqn.primitive.bind(*ins, **params)
+            if name == "bitcast_convert_type":  # random bits -> float32, then exactly f64
+                outs = _promote_value(eqn.primitive.bind(*ins, **params))
+            else:
+                params = {k: _promote_dtype(p) for k, p in params.items()}
+                outs = eqn.primitive.bind(*ins, **params)
         write(eqn.outvars, outs if eqn.primitive.multiple_results else [outs])
     return [read(v) for v in jaxpr.outvars]
 

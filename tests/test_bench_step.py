@@ -147,3 +147,23 @@ def test_dense_slots_where_xla_dense_attention_runs():
     assert bench.dense_slots(NS(attention="auto", seq_len=256), shapes, gpu) is None
     assert bench.dense_slots(NS(attention="dense", seq_len=256), shapes, gpu) is not None
     assert bench.dense_slots(NS(attention="auto", seq_len=1024), shapes, cpu) is None
+
+
+@pytest.mark.slow
+def test_lora_run_reports_its_optimizer_memory_against_training_whole(record, tmp_path, capsys):
+    """`--lora 4`: the LLM's base frozen; the record and the table give the LoRA run's and
+    the whole model's trained parameters, master + AdamW and gradient bytes, and the memory
+    model's state for both; the whole model's count is the plain run's."""
+    rec = bench.main(["--steps", "2", "--warmup", "1", "--override", "llm.num_layers=1",
+                      "--lora", "4", "--json", str(tmp_path / "lora.json")])
+    lora, whole = rec["trained_whole"]["lora"], rec["trained_whole"]["whole"]
+    assert whole["trainable_params"] == record["trainable_params"]
+    assert lora["trainable_params"] == rec["trainable_params"] < whole["trainable_params"]
+    for w in (lora, whole):
+        assert (w["optimizer_bytes"], w["gradient_bytes"]) == (12 * w["trainable_params"],
+                                                               4 * w["trainable_params"])
+    assert lora["model_state_bytes"] < whole["model_state_bytes"]
+    # the compiled step's donated state (master + AdamW) shrinks with what trains
+    assert rec["memory"]["aliased"] < record["memory"]["aliased"]
+    out = capsys.readouterr().out
+    assert "LoRA: params" in out and "trained whole: params" in out

@@ -140,6 +140,19 @@ def test_lora_on_a_frozen_part_is_refused():
         make_cfg(**{"llm.lora": LLM_LORA, "llm_frozen": True})
 
 
+@pytest.mark.parametrize("unit, words", [
+    ("vision", "'qwen2_vl' vision tower: LoRA adapts 'packed' / 'vit'"),
+    ("vision.projector", "'patch_merger' projector: LoRA adapts kind='mlp'")])
+def test_lora_on_qwen2_vl_parts_is_refused_in_one_line(unit, words):
+    """Qwen2-VL's tower (fused qkv) and patch-merger projector take no adapters yet."""
+    from mmjax.models.tiny import tiny_qwen2_vl
+    from mmjax.train.lora_setup import with_lora
+
+    with pytest.raises(UserError, match=words) as e:
+        with_lora(tiny_qwen2_vl(), (unit,), LoRAConfig())
+    assert "\n" not in str(e.value) and "use some of ['llm']" in str(e.value)
+
+
 def test_dropout_only_inside_a_training_scope():
     """peft's lora_dropout: the adapter's input, training only; p = 0 or outside the scope
     the adapter is exact; inside, each call draws its own mask from the scope's key."""
@@ -166,3 +179,31 @@ def test_dropout_only_inside_a_training_scope():
     assert 0.65 < keep.mean() < 0.85 and not np.allclose(first, second)
     with dropout_key(key):  # the same key: the same masks (a resumed step)
         np.testing.assert_array_equal(ad(x), first)
+
+
+def test_dropout_masks_are_per_layer_and_the_same_looped_or_scanned():
+    """A layer's adapters draw masks keyed by its index (models/lora.py `layer_dropout`):
+    the LLM's stack gives the same dropped output as a Python loop and as one `lax.scan`,
+    and each layer draws its own masks (layers with equal weights differ under dropout)."""
+    from mmjax.models.lora import dropout_key, layer_dropout
+
+    cfg = LLMConfig(vocab_size=64, hidden_size=16, num_layers=3, num_heads=2, num_kv_heads=2,
+                    ffn_size=32, lora=LoRAConfig(rank=4, targets=("all",), dropout=0.5))
+    tokens = jnp.arange(12, dtype=jnp.int32).reshape(2, 6) % 64
+    pos = jnp.broadcast_to(jnp.arange(6), (2, 6))
+    allowed = jnp.tril(jnp.ones((6, 6), bool))[None]
+    key = jax.random.key(7)
+
+    def dropped(scan):
+        model = perturbed(LLM(with_overrides(cfg, {"scan_layers": scan}), jax.random.key(1)))
+        with dropout_key(key):
+            return np.asarray(model(tokens, pos, allowed))
+    looped, scanned = dropped(False), dropped(True)
+    np.testing.assert_array_equal(looped, scanned)
+    adapter = perturbed(LLM(cfg, jax.random.key(1))).layers[0].lora["q"]
+    per_layer = []
+    with dropout_key(key):
+        for i in (0, 1):  # one adapter called as layer 0 and as layer 1: other masks
+            with layer_dropout(i):
+                per_layer.append(np.asarray(adapter(jnp.ones((4, 16)))))
+    assert not np.array_equal(per_layer[0], per_layer[1])

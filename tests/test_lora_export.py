@@ -102,3 +102,24 @@ def test_pretrained_adapter_continues_training(lora_run):
     start = load_file(str(adapter / "adapter_model.safetensors"))
     b0 = start["base_model.model.model.language_model.layers.0.self_attn.q_proj.lora_B.weight"].T
     assert np.any(b0) and np.max(np.abs(b - b0)) < 0.1 * np.max(np.abs(b0)) + 1e-2
+
+
+@pytest.mark.slow  # a pipelined plan's stages compile, and two single-program runs
+def test_pretrained_adapter_on_a_plan_starts_where_the_single_program_does(lora_run):
+    """peft's own adapter (tests/data/peft/llava_adapter: LLM adapters + the projector saved
+    whole) read into a plan's stages (the LLM over pp = 2): its losses are the single
+    program's from the same adapter, and differ from the base's (B = 0) first loss."""
+    from mmjax.planner.plan import Plan
+
+    tmp, src = lora_run
+    adapter = [f"pretrained.adapter = '{PEFT}'"]
+    single = [r["loss"] for r in run_train(tmp / "ad_single", src, adapter)]
+    cfg = hf.prepare_pretrained(lora_cfg(), {"model": str(src)})
+    plan = str(tmp / "ad_plan.json")
+    Plan.uniform(cfg, 4, 2, pp={"llm": 2}).save(plan)
+    piped = [r["loss"] for r in run_train(tmp / "ad_plan", src, adapter
+                                          + [f"train.plan = '{plan}'"])]
+    base = [r["loss"] for r in run_train(tmp / "ad_base", src, LORA, steps=1)]
+    assert len(single) == 2 and all(np.isfinite(single))
+    np.testing.assert_allclose(piped, single, rtol=1e-5)
+    assert abs(single[0] - base[0]) > 1e-3 * abs(base[0])  # the adapter is in effect

@@ -5,12 +5,14 @@ the only parameters of a LoRA'd unit that train (`mllm.trainable_filter`); the b
 stay frozen in their stored dtype. models/lora_merge.py folds them in (W + A B s).
 Dropout on the adapter's input (peft's `lora_dropout`) applies only inside `dropout_key(key)`
 (the training step's scope): each adapter call traced there draws its mask from `key` folded
-with its own call number. Settings: models/lora_config.py; the story: docs/lora.md."""
+with its own call number; a layer's calls (`layer_dropout`) from `key` folded with the
+layer's unit and index, numbered within the layer. Settings: models/lora_config.py; the story: docs/lora.md."""
 from __future__ import annotations
 
 import contextlib
 import contextvars
 import math
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +22,7 @@ from mmjax.models.lora_config import LoRAConfig
 
 
 _DROPOUT = contextvars.ContextVar("mmjax_lora_dropout", default=None)
+DROPOUT_SEED = 0x10A  # a training step's masks: this key folded with the applied-step count
 
 
 @contextlib.contextmanager
@@ -28,6 +31,29 @@ def dropout_key(key):
     (a training step's) folded with each call's number in the trace; outside one (evaluation,
     generation, export) no dropout applies, as in peft's eval mode."""
     token = _DROPOUT.set([key, 0])
+    try:
+        yield
+    finally:
+        _DROPOUT.reset(token)
+
+
+def dropout_active() -> bool:
+    """Whether a training step's dropout scope is open (`dropout_key`)."""
+    return _DROPOUT.get() is not None
+
+
+@contextlib.contextmanager
+def layer_dropout(index, unit: str | None = None):
+    """Within `dropout_key`: the adapters of layer `index` (a Python int in a loop, traced in
+    a scan) of `unit` draw masks from the step's key folded with (unit, index), numbered
+    from 0 within the layer, so a layer stack draws the same masks looped or scanned
+    (models/scan.py; the co-located step scans what the single program may loop)."""
+    scope = _DROPOUT.get()
+    if scope is None:
+        yield
+        return
+    key = jax.random.fold_in(scope[0], zlib.crc32((unit or "").encode()) & 0x7FFFFFFF)
+    token = _DROPOUT.set([jax.random.fold_in(key, index), 0])
     try:
         yield
     finally:

@@ -30,6 +30,8 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from mmjax.models.lora import dropout_active, layer_dropout
+
 REMATS = ("none", "dots", "full")
 _POLICY = {"full": jax.checkpoint_policies.nothing_saveable,
            "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
@@ -93,19 +95,21 @@ def run_stack(layers, x, call, scan: bool = True, per_layer=None, remat: str = "
     if flags is not None and len(flags) != len(layers):
         raise ValueError(f"run_stack: {len(flags)} per-layer entries for {len(layers)} layers")
 
-    def one(graphdef, state, h, flag):
+    def one(graphdef, state, h, flag, index):
         if gather is not None:
             state = jax.tree.map(lambda w: checkpoint_name(w, _GATHERED),
                                  gather(state, stacked=False))
         layer = nnx.merge(graphdef, state)
-        return call(layer, h) if flags is None else call(layer, h, flag)
+        with layer_dropout(index, _UNIT.get()):  # LoRA dropout's masks: per layer
+            return call(layer, h) if flags is None else call(layer, h, flag)
 
-    def step(graphdef, state, h, flag):
-        if isinstance(flag, jax.Array):  # traced through the scan: an argument
-            return jax.checkpoint(lambda s, hh, f: one(graphdef, s, hh, f),
-                                  policy=policy)(state, h, flag)
-        return jax.checkpoint(lambda s, hh: one(graphdef, s, hh, flag),  # static: closed over
-                              policy=policy)(state, h)
+    def step(graphdef, state, h, flag, index):
+        # traced through the scan: arguments; static: closed over
+        traced = {k: v for k, v in (("flag", flag), ("index", index))
+                  if isinstance(v, jax.Array)}
+        return jax.checkpoint(lambda s, hh, t: one(graphdef, s, hh, t.get("flag", flag),
+                                                   t.get("index", index)),
+                              policy=policy)(state, h, traced)
 
     if gather is not None:  # a loop would let XLA schedule every layer's gather at once
         scan = True
@@ -120,14 +124,15 @@ def run_stack(layers, x, call, scan: bool = True, per_layer=None, remat: str = "
         stacked = gather(stacked, stacked=True)
     # Equal entries stay static (the body specialises on them); only differing ones are traced.
     same = flags is None or bool((flags == flags[0]).all())
-    xs = (stacked, None if same else jnp.asarray(flags))
+    index = jnp.arange(len(layers)) if dropout_active() else None  # a LoRA dropout step
+    xs = (stacked, None if same else jnp.asarray(flags), index)
 
     def body(carry, xs):
-        state, flag = xs
+        state, flag, i = xs
         flag = None if flags is None else flags[0] if same else flag
         if policy is None:
-            return one(graphdef, state, carry, flag), None
-        return step(graphdef, state, carry, flag), None
+            return one(graphdef, state, carry, flag, i), None
+        return step(graphdef, state, carry, flag, i), None
 
     x, _ = jax.lax.scan(body, x, xs)
     return x
@@ -137,8 +142,9 @@ def _loop(layers, x, call, flags, policy, step):
     for i, layer in enumerate(layers):
         flag = None if flags is None else flags[i]
         if policy is None:  # the modules themselves: no split / merge round trip
-            x = call(layer, x) if flags is None else call(layer, x, flag)
+            with layer_dropout(i, _UNIT.get()):
+                x = call(layer, x) if flags is None else call(layer, x, flag)
         else:
             graphdef, state = nnx.split(layer)
-            x = step(graphdef, state, x, flag)
+            x = step(graphdef, state, x, flag, i)
     return x

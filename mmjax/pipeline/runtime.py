@@ -16,6 +16,8 @@ taken, the backward dispatch counts, and the brokers' ledgers (`transfers`).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -26,6 +28,7 @@ from mmjax.models.config import MLLMConfig
 from mmjax.models.units import LLM_UNIT, is_generator, is_vae
 from mmjax.parallel.mesh import stage_meshes
 from mmjax.parallel.sharded_init import abstract_split
+from mmjax.pipeline.lora_dropout import dropout_units
 from mmjax.pipeline.multiprocess import holds_local_device, sync_collectives
 from mmjax.pipeline.stage_modules import stage_module
 from mmjax.pipeline.stage_actions import StageActions, StepState
@@ -76,7 +79,7 @@ class PipelineRuntime:
         self.backward_calls = {sid: 0 for sid in self.stages}  # dispatched (a diagnostic)
         self.sync = sync_collectives()
         self.transfers = Transfers(self.stages, self.graph, self.num_virtual["llm"],
-                                   cfg.generator is not None, self.sync)
+                                   cfg.generator is not None, self.sync, dropout_units(cfg))
         self.actions = StageActions(self.stages, self.graph, self.transfers, self.settle,
                                     StageId(LLM_UNIT, self.num_virtual["llm"] - 1),
                                     cfg.generator is not None)
@@ -136,13 +139,19 @@ class PipelineRuntime:
         st = self.stages[sid]
         return st.zero_mesh, st.zero_stage
 
+    def set_frozen(self, sid: StageId, frozen) -> None:
+        """Stage `sid` with other frozen weights (a peft adapter's base, read after the
+        stages were built: train/lora_stages.py); the Stage itself stays immutable."""
+        self.stages[sid] = dataclasses.replace(self.stages[sid], frozen=frozen)
+
     def abstract_params(self, sid: StageId):
         """Stage `sid`'s trainable parameters' shapes, dtypes and shardings."""
         return self.stages[sid].abstract
 
     # ---- one step -------------------------------------------------------------------
     def run(self, feeds: list[MicrobatchFeed], params: dict | None = None,
-            trace: bool | str = False, on_grads=None) -> StepResult:
+            trace: bool | str = False, on_grads=None, count: int | None = None
+            ) -> StepResult:
         """Dispatch one whole step: forward and backward of every microbatch on `params`
         ({StageId: compute copy}; None: the initial parameters), every action of the
         schedule before it returns. Returns device-side losses and the step's gradients
@@ -153,11 +162,13 @@ class PipelineRuntime:
         gradient sync of one stage then overlaps the backward work the others still have.
         `trace` (pipeline/trace.py): False; True or "serial" (each action waited on:
         isolated costs, no overlap); "overlap" (waiter threads stamp completions;
-        dispatch stays free of host syncs)."""
+        dispatch stays free of host syncs). `count`: the applied-step count of a training
+        step (LoRA dropout's masks, pipeline/lora_dropout.py); None: no dropout."""
         if len(feeds) != self.plan.num_microbatches:
             raise ValueError(f"got {len(feeds)} microbatch feeds; the plan has "
                              f"{self.plan.num_microbatches}")
-        step = StepState.of(feeds, self._initial_compute() if params is None else params)
+        step = StepState.of(feeds, self._initial_compute() if params is None else params,
+                            count)
         tracer = make_tracer(trace_mode(trace))
         result = step.result
         result.reduced = {sid for sid, st in self.stages.items() if st.zero_stage >= 2}
@@ -184,7 +195,9 @@ class PipelineRuntime:
         mb = act.microbatch
         t0 = tracer.start() if tracer else 0.0
         if (sid, mb) not in step.sides:
-            step.sides[(sid, mb)] = self.transfers.side(sid, step.feeds[mb], step.totals)
+            step.sides[(sid, mb)] = self.transfers.side(
+                sid, step.feeds[mb], step.totals,
+                None if step.count is None else (step.count, mb))
         if act.kind == "F":
             self.actions.forward(sid, mb, step)
         else:

@@ -35,6 +35,7 @@ from mmjax.models.scan import layer_weights
 from mmjax.parallel.tensor import mesh_param_specs
 from mmjax.parallel.zero_shards import (reduce_scatter_partials, zero3_layer_gather, zero_axes,
                                         zero_mesh, zero_shard_specs)
+from mmjax.pipeline.lora_dropout import stage_dropout
 from mmjax.pipeline.residuals import (Residuals, ResidualLayout, input_signature,
                                       remat_wrap, residual_layout)
 from mmjax.pipeline.stage_modules import (apply_encoder, apply_generator, apply_llm,
@@ -248,7 +249,9 @@ def make_stage_fns(cfg: MLLMConfig, up: UnitPlan, graphdef, mode: Backward | str
               and mesh is not None and up.dp > 1 else None)
 
     def run(trainable, frozen, x, side, ranks):
-        with layer_weights(gather):  # ZeRO-3: each layer gathered in the scan (else no-op)
+        # ZeRO-3: each layer gathered in the scan (else no-op); LoRA dropout in a training
+        # step (the ids in `side`: pipeline/lora_dropout.py)
+        with layer_weights(gather), stage_dropout(side):
             return run_unit(trainable, frozen, x, side, ranks)
 
     def run_unit(trainable, frozen, x, side, ranks):

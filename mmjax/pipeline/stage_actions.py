@@ -30,6 +30,7 @@ class StepState:
     feeds: list
     totals: tuple  # (the step's trained tokens, generated elements): the loss normalisers
     params: dict
+    count: int | None = None  # the applied-step count (LoRA dropout's masks); None: eval
     sides: dict = field(default_factory=dict)
     outputs: dict = field(default_factory=dict)
     residuals: dict = field(default_factory=dict)
@@ -37,9 +38,10 @@ class StepState:
     result: StepResult = field(default_factory=StepResult)
 
     @classmethod
-    def of(cls, feeds: list[MicrobatchFeed], params: dict) -> "StepState":
+    def of(cls, feeds: list[MicrobatchFeed], params: dict,
+           count: int | None = None) -> "StepState":
         return cls(feeds, (sum(f.num_target_tokens for f in feeds),
-                           sum(f.num_gen_elements for f in feeds)), params)
+                           sum(f.num_gen_elements for f in feeds)), params, count)
 
 
 class StageActions:

@@ -16,6 +16,7 @@ from mmjax.data.feed import MicrobatchFeed
 from mmjax.data.routes import Routes
 from mmjax.models.units import is_generator, is_llm, is_vae
 from mmjax.parallel.broker import Broker
+from mmjax.pipeline.lora_dropout import SIDE_KEY, dropout_ids
 from mmjax.pipeline.multiprocess import abstract, global_put, placeholders
 from mmjax.pipeline.stage import dp_sharding
 from mmjax.schedule.stage_graph import StageGraph, StageId
@@ -28,9 +29,10 @@ class Transfers:
     and kept (`brokers`, their ledgers count the traffic)."""
 
     def __init__(self, stages: dict, graph: StageGraph, num_llm: int, has_generator: bool,
-                 sync: bool):
+                 sync: bool, dropout_units: frozenset = frozenset()):
         self.stages, self.graph, self.num_llm = stages, graph, num_llm
         self.has_generator, self.sync = has_generator, sync
+        self.dropout_units = dropout_units  # units whose stages apply LoRA dropout
         self.brokers: dict[tuple[StageId, StageId], Broker] = {}
 
     def broker(self, src: StageId, dst: StageId) -> Broker:
@@ -61,9 +63,18 @@ class Transfers:
             lambda a: dp_sharding(mesh, np.ndim(a)) if np.ndim(a) else
             jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()), tree))
 
-    def side(self, sid: StageId, feed: MicrobatchFeed, totals):
+    def side(self, sid: StageId, feed: MicrobatchFeed, totals, dropout=None):
         """The part of `feed` stage `sid` reads, placed; `totals` = (the step's trained
-        tokens, generated elements): the loss normalisers."""
+        tokens, generated elements): the loss normalisers; `dropout` = (applied-step count,
+        microbatch) in a training step: a LoRA-dropout unit's stage also gets its mask ids
+        (pipeline/lora_dropout.py)."""
+        side = self._side(sid, feed, totals)
+        if dropout is not None and sid.unit in self.dropout_units:
+            ids = dropout_ids(sid.unit, sid.index, *dropout, self.stages[sid].dp)
+            side = {**side, SIDE_KEY: self.put(sid, ids)}
+        return side
+
+    def _side(self, sid: StageId, feed: MicrobatchFeed, totals):
         u = sid.unit
         if is_llm(u):
             side = {"llm": feed.llm, "num_tokens": np.float32(max(totals[0], 1))}

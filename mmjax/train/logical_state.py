@@ -17,7 +17,7 @@ from mmjax.models.units import is_encoder
 from mmjax.train.state import WHOLE_MODEL, StageState
 
 
-def _keys(path) -> list:
+def path_keys(path) -> list:
     """A pytree path as plain keys, nnx's `.value` wrapper dropped."""
     out = []
     for k in path:
@@ -44,7 +44,7 @@ def _opt_names(opt_state, param_name) -> list[str]:
     scalar names get "#k" in order."""
     names, seen = [], {}
     for path, _ in jax.tree_util.tree_flatten_with_path(opt_state)[0]:
-        keys = _keys(path)
+        keys = path_keys(path)
         first = next((i for i, k in enumerate(keys) if isinstance(k, str)), len(keys))
         field, rest = keys[first:first + 1], keys[first + 1:]
         name = "opt." + _join(field) + ("." + param_name(rest) if rest else "")
@@ -71,7 +71,7 @@ def _rebuild(like, names, arrays: dict):
 # ---- single program: TrainState({WHOLE_MODEL: StageState(trainable, opt)}, step) -----------
 
 def _single_names(stage):
-    params = [_join(_keys(p)) for p, _ in jax.tree_util.tree_flatten_with_path(
+    params = [_join(path_keys(p)) for p, _ in jax.tree_util.tree_flatten_with_path(
         stage.master)[0]]
     return ["params." + n for n in params], _opt_names(stage.opt, _join)
 
@@ -117,7 +117,8 @@ def stage_param_name(plan, sid, keys) -> str:
 
 def _stage_names(plan, sid, params, opt_state):
     name = lambda keys: stage_param_name(plan, sid, keys)
-    pn = ["params." + name(_keys(p)) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    pn = ["params." + name(path_keys(p))
+          for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
     return pn, _opt_names(opt_state, name)
 
 

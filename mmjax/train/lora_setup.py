@@ -34,6 +34,22 @@ def lora_parts(cfg: MLLMConfig) -> list[str]:
     return out
 
 
+def _not_adapted(cfg: MLLMConfig, unit: str) -> str:
+    """Why `unit` is not in `lora_parts(cfg)`, for the error line."""
+    names = [e.name for e in cfg.encoders]
+    enc = unit.removesuffix(".projector")
+    if enc not in names:
+        return "not a part of this model"
+    spec = cfg.encoder(enc)
+    if unit.endswith(".projector"):
+        return (f"a {spec.projector.kind!r} projector: LoRA adapts kind='mlp' projectors "
+                f"only (train it whole or freeze it)")
+    what = (f"a {spec.encoder.kind!r} vision tower" if isinstance(spec.encoder, VisionConfig)
+            else "an audio tower")
+    return (f"{what}: LoRA adapts 'packed' / 'vit' vision towers only (train it whole or "
+            f"freeze it)")
+
+
 def with_lora(cfg: MLLMConfig, units=None, settings: LoRAConfig | None = None) -> MLLMConfig:
     """`cfg` with `settings` (default: gin's `lora.*`) on each of `units`."""
     if units is None:
@@ -43,8 +59,8 @@ def with_lora(cfg: MLLMConfig, units=None, settings: LoRAConfig | None = None) -
     parts = lora_parts(cfg)
     bad = [u for u in units if u not in parts]
     if bad:
-        raise UserError(f"lora.units={list(units)!r}: {bad[0]!r} is not a part LoRA adapts in "
-                        f"this model (use some of {parts})")
+        raise UserError(f"lora.units={list(units)!r}: {bad[0]!r} is {_not_adapted(cfg, bad[0])}"
+                        f" (use some of {parts})")
     over = {}
     for u in units:
         if is_llm(u):
@@ -83,20 +99,3 @@ def lora_of(cfg: MLLMConfig, part: str) -> LoRAConfig:
     if part.endswith(".projector"):
         return cfg.encoder(part.removesuffix(".projector")).projector.lora
     return cfg.encoder(part).encoder.lora
-
-
-def check_lora_layout(cfg: MLLMConfig, plan, colocated: bool, adapter: bool) -> None:
-    """What the layouts do not do with LoRA yet, refused in one line: the co-located
-    layout; on a plan, dropout (the stages apply none) and `pretrained.adapter`."""
-    units = cfg.lora_units()
-    dropout = [u for u in units if lora_of(cfg, u).dropout]
-    if dropout and plan is not None:
-        raise UserError(f"lora.dropout={lora_of(cfg, dropout[0]).dropout}: dropout on the "
-                        f"adapters is applied by the single program only so far; set "
-                        f"lora.dropout=0 or drop the plan")
-    if units and colocated:
-        raise UserError(f"lora.units={list(units)}: the co-located layout does not train "
-                        f"LoRA yet; use the single program or a disaggregated plan")
-    if units and plan is not None and adapter:
-        raise UserError(f"pretrained.adapter: read by the single program only so far "
-                        f"(lora.units={list(units)}); drop the plan or the adapter")

@@ -37,6 +37,7 @@ from mmjax.train.global_norm import fold_loss, multiprocess_norm, norm_from_squa
 from mmjax.train.host_failures import agree_on_failures
 from mmjax.train.logical_state import (pipeline_from_logical, pipeline_global_logical,
                                        remote_stage, restore_target)
+from mmjax.train.lora_stages import adapter_into_stages
 from mmjax.train.optimizer import (OptimizerSettings, applied_updates, optimizer_from_settings,
                                    rate_as_input)
 from mmjax.train.runner import StepMetrics
@@ -68,6 +69,12 @@ class PipelinedRunner:
         self.trained = rt.trained_stages()
         pair = rt.tied_embedding_stages()
         initial = rt.take_initial_params()
+        if pretrained and "adapter" in pretrained:  # a peft adapter, after the base
+            initial, frozen = adapter_into_stages(
+                cfg, plan, initial, {sid: st.frozen for sid, st in rt.stages.items()},
+                pretrained["adapter"], "model" in pretrained)
+            for sid, fr in frozen.items():
+                rt.set_frozen(sid, fr)
         self.optimizers = {}
         for sid in self.trained:
             if not rt.is_local(sid):
@@ -122,7 +129,7 @@ class PipelinedRunner:
             self.dispatch_log.append((sid, "reduce_scatter"))
             self.sync_after[sid] = sum(rt.backward_calls.values()) - backwards0
 
-        res = rt.run(feeds, self.compute_params(), trace, on_grads=sync)
+        res = rt.run(feeds, self.compute_params(), trace, on_grads=sync, count=self.updates)
         max_loss, max_norm = (float(x) for x in limits)
         if jax.process_count() == 1:
             norm = norm_from_squares([squares[sid] for sid in self.optimizers])

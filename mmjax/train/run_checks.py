@@ -10,7 +10,6 @@ from mmjax.errors import UserError
 from mmjax.settings import check_bound_settings
 from mmjax.train.colocated_data import check_colocated_loader
 from mmjax.train.data_config import layout_and_source, train_source
-from mmjax.train.lora_setup import check_lora_layout
 from mmjax.train.validate import check_data_path
 
 
@@ -28,7 +27,6 @@ def check_run_model(cfg, tok, dirs, plan, colo, global_batch, eval_every, replan
                     attention_impl, dtype):
     """The settings that need the model and the layout (`colo`: the co-located layout's
     settings or None), checked; -> the held-out set (`train.eval_every`) or None."""
-    check_lora_layout(cfg, plan, colo is not None, "adapter" in dirs)
     if cfg.vae is not None and (colo is not None or replan_every):
         raise UserError(f"vae.placement chose the device (a frozen VAE unit), which "
                         f"{'the co-located layout' if colo is not None else 'train.replan_every'}"

@@ -13,12 +13,11 @@ import optax
 from flax import nnx
 
 from mmjax.models.layers import cast_floats
-from mmjax.models.lora import dropout_key
+from mmjax.models.lora import DROPOUT_SEED, dropout_key
 from mmjax.parallel.zero import keep_if_nonfinite
 from mmjax.train.state import WHOLE_MODEL, StageState, TrainState
 
 
-DROPOUT_SEED = 0x10A  # LoRA dropout masks: this key folded with the applied-step count
 
 
 def split_model(model, trainable_filter):
