@@ -64,6 +64,7 @@ from mmjax.train.optimizer import learning_rate_schedule
 from mmjax.train.colocated import Colocated
 from mmjax.train.colocated_plan import Colocation
 from mmjax.train.single_program import SingleProgram
+from mmjax.train.beside_profile import ProbeSet
 
 PRESETS = {
     "tiny": {},
@@ -157,11 +158,15 @@ def _run(args) -> dict:
     else:
         prog = SingleProgram(cfg, layout, args.global_batch, learning_rate_schedule(total),
                              dtype.type, seed=0, source=source, attention_impl=args.attention)
-    steps, cpu_s = [], []
+    steps, cpu_s, probes = [], [], None
     for i in range(total):
+        if i == args.warmup and not args.profile:  # the profile beside the timed steps
+            probes = ProbeSet(dtype=args.dtype)
         cpu0 = time.process_time()
         steps.append(prog.step())
         cpu_s.append(time.process_time() - cpu0)
+        if probes is not None:
+            probes.sample()
         m = steps[-1]
         print(f"step {i + 1}/{total}: {m.step_time_s * 1e3:.1f} ms, compile "
               f"{m.compile_s:.1f} s, loss {m.loss:.4f}", flush=True)
@@ -199,10 +204,25 @@ def _run(args) -> dict:
         "losses": [m.loss for m in steps], "trace": trace_file,
         "memory": step_memory(compiled),
     }
-    record["hardware_profile"] = device_profile(args.profile)
+    record["hardware_profile"] = (probes.profile() if probes is not None
+                                  else device_profile(args.profile))
     record.update(cost_fields(args, cfg, layout, prog.data, total, tokens, step_s,
                               int(prog.num_trainable), record["hardware_profile"]))
+    if probes is not None:  # the step's CPU time priced per CPU second of the same probes
+        record["cpu_profile"] = probes.profile("cpu")
+        cpu = cost_fields(args, cfg, layout, prog.data, total, tokens, step_s,
+                          int(prog.num_trainable), record["cpu_profile"])
+        record["step_model_cpu_s"] = cpu["step_model_s"]
+        record["step_model_cpu_parts_s"] = step_parts(cpu)
     return record
+
+
+def step_parts(fields: dict) -> dict:
+    """The step model's pieces: per unit compute and elementwise passes, AdamW, loss head."""
+    out = {f"{u} compute": t for u, t in fields["step_model_unit_s"].items()}
+    out.update({f"{u} elementwise": t for u, t in fields["step_model_elementwise_s"].items()})
+    out.update({"AdamW": fields["step_model_optimizer_s"], "loss head": fields["step_model_head_s"]})
+    return out
 
 
 def samples_text(r: dict) -> str:
@@ -260,7 +280,8 @@ def cost_fields(args, cfg, layout, data, steps: int, tokens: float, step_s: floa
                             slot_fills(cfg, layout, data.shapes, wl, samples),
                             trainable, data.shapes.rows * args.seq_len,
                             pallas_units(cfg, layout, args.attention, hw),
-                            dense_slots(args, data.shapes, profile))
+                            dense_slots(args, data.shapes, profile),
+                            jnp.dtype(args.dtype).itemsize)
     return {"samples_per_step": samples, "model_flops_per_step": flops,
             "peak_flops": hw.peak_flops,
             "peak_measured": has_measurement(profile),
@@ -268,7 +289,8 @@ def cost_fields(args, cfg, layout, data, steps: int, tokens: float, step_s: floa
             "predicted_step_s": sum(predicted.values()), "predicted_unit_s": predicted,
             "profile": args.profile or None,
             "step_model_s": step.total_s, "step_model_unit_s": step.units_s,
-            "step_model_optimizer_s": step.optimizer_s, "step_model_head_s": step.head_s}
+            "step_model_optimizer_s": step.optimizer_s, "step_model_head_s": step.head_s,
+            "step_model_elementwise_s": step.elementwise_s}
 
 
 def dense_slots(args, shapes, profile: dict) -> SlotShapes | None:
@@ -419,6 +441,11 @@ def show(console, r) -> None:
         rows += [("step model (padding, kernels, optimizer, loss head)",
                   f"{r['step_model_s'] * 1e3:.1f} ms"),
                  ("measured / step model", f"{r['step_time_s'] / r['step_model_s']:.2f}")]
+    if r.get("step_model_cpu_s"):
+        cpu = statistics.median(r["step_cpu_s"])
+        rows += [("step model, CPU time (probes per CPU second)",
+                  f"{r['step_model_cpu_s'] * 1e3:.1f} ms"),
+                 ("measured CPU time / step model", f"{cpu / r['step_model_cpu_s']:.2f}")]
     mem = r.get("memory")
     if mem:
         rows.append(("step memory, compiled peak per device",
