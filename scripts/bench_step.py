@@ -28,7 +28,7 @@ over all devices; on one GPU the ZeRO-3 layer gathers run over one rank) instead
       [--dtype bfloat16] [--attention auto] [--override llm.num_layers=4 ...] [--lora 8]
       [--json bench_results/bench_step.json]
 
-Presets: `tiny` (CPU, seconds); `llava_1b`: a Llama-3.2-1B-wide LLM (2048 hidden,
+Presets: `tiny` (CPU, seconds); `small` (tiny at 4x the widths: CPU, about a second a step); `llava_1b`: a Llama-3.2-1B-wide LLM (2048 hidden,
 16 layers, GQA 32/8, 128k vocabulary) behind a SigLIP-so400m-wide NaViT encoder (1152 hidden,
 27 layers, patch 14) with a 1024-wide, 12-layer DiT generator: one GPU's worth, every
 unit's layers in one `lax.scan` (compile time flat in depth).
@@ -80,6 +80,15 @@ PRESETS = {
         "generator.hidden_size": 1024, "generator.num_layers": 12,
         "generator.num_heads": 16, "generator.ffn_size": 4096, "generator.latent_size": 32,
     },
+    # four times tiny's widths (head dim 32): a CPU step of about a second, the second size
+    # the CPU check of the step model runs at (docs/results.md)
+    "small": {
+        "llm.vocab_size": 4096, "llm.hidden_size": 256, "llm.num_heads": 8,
+        "llm.num_kv_heads": 4, "llm.ffn_size": 768,
+        "encoders.vision.encoder.hidden_size": 128, "encoders.vision.encoder.num_heads": 4,
+        "encoders.vision.encoder.ffn_size": 512,
+        "generator.hidden_size": 128, "generator.num_heads": 4, "generator.ffn_size": 512,
+    },
     # a Llama-3-8B-wide LLM alone (text only), layers cut to fit one 80 GB GPU with AdamW
     "llama3_8b_cut": {
         "encoders": (), "generator": None,
@@ -93,6 +102,7 @@ PRESETS = {
 
 # the units of each preset (what --remat applies to)
 PRESETS_UNITS = {"tiny": ("llm", "encoders.vision.encoder", "generator"),
+                 "small": ("llm", "encoders.vision.encoder", "generator"),
                  "llava_1b": ("llm", "encoders.vision.encoder", "generator"),
                  "llama3_8b_cut": ("llm",)}
 
@@ -100,7 +110,7 @@ PRESETS_UNITS = {"tiny": ("llm", "encoders.vision.encoder", "generator"),
 # the synthetic stream's shapes per preset (data/synthetic.py SyntheticConfig): LLaVA-like
 # for llava_1b (one or two images of ~24 x 24 patches, a few hundred text tokens)
 PRESET_DATA = {
-    "tiny": {},
+    "tiny": {}, "small": {},
     "llava_1b": LLAVA_LIKE,
     "llama3_8b_cut": {"max_images": 0, "text_len_median": 1024.0,
                       "text_len_range": (64, 3000)},
