@@ -372,6 +372,8 @@ def recount(path: str) -> dict:
     record.update(cost_fields(args, cfg, layout, data, total, record["tokens_per_step"],
                               record["step_time_s"], record["trainable_params"],
                               recorded_profile(record)))
+    record.setdefault("optimizer_bytes", 12 * record["trainable_params"])  # older records
+    record.setdefault("gradient_bytes", 4 * record["trainable_params"])
     record["recounted"] = True
     return record
 
@@ -441,8 +443,8 @@ def show(console, r) -> None:
             ("model GFLOP / step (planner)", f"{r['model_flops_per_step'] / 1e9:,.1f}"),
             ("XLA GFLOP / step (lower bound)", f"{r['xla_flops_per_step'] / 1e9:,.1f}"),
             (f"MFU (of {peak_text(r)})", f"{100 * r['mfu']:.2f}%"),
-            ("predicted step (planner)", f"{r['predicted_step_s'] * 1e3:.1f} ms"),
-            ("measured / predicted", f"{r['step_time_s'] / r['predicted_step_s']:.2f}")]
+            ("planner's unit costs (real tokens only)", f"{r['predicted_step_s'] * 1e3:.1f} ms"),
+            ("measured / unit costs", f"{r['step_time_s'] / r['predicted_step_s']:.2f}")]
     if r.get("step_cpu_s"):
         rows.append(("step CPU time (median; host load)",
                      f"{statistics.median(r['step_cpu_s']) * 1e3:.1f} ms "
