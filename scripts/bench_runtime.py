@@ -269,7 +269,8 @@ def host_profile(path: str) -> dict:
 
 def predicted_step(cfg, plan: Plan, lay, samples, profile: dict) -> dict:
     """The planner's step for `plan` on this host (planner/shared_host.py): its cost model
-    on the padded shapes the runtime computes, with the measured profile's layers and dense
+    on the padded shapes the runtime computes, under each unit's remat policy (the backward
+    re-runs the forward under "full"), with the measured profile's layers and dense
     attention, as the 1F1B schedule and as the host's cores shared by its devices."""
     from mmjax.planner.costs import unit_costs
     from mmjax.planner.evaluate import Choice
@@ -280,7 +281,9 @@ def predicted_step(cfg, plan: Plan, lay, samples, profile: dict) -> dict:
     hw = hardware_from_profile(profile, "float32", call_tokens=0.0)
     wl = padded_workload(workload_from_metas("bench", [lay.rules.meta(s) for s in samples],
                                              cfg), lay.seq_len, VISION_CAPS)
-    costs = dense_costs(cfg, wl, hw, unit_costs(cfg, wl, hw), act_bytes=4)  # float32
+    remat = {u.name: u.remat for u in plan.units}  # the stages' policies (Plan: "full")
+    costs = dense_costs(cfg, wl, hw, unit_costs(cfg, wl, hw, recompute=remat),
+                        act_bytes=4, remat=remat)  # float32 activations
     choices = {u.name: Choice(u.tp, u.dp, u.pp) for u in plan.units}
     t = shared_host_time(costs, choices, plan.global_batch, hw,
                          int(profile.get("cpu_cores") or os.cpu_count()),

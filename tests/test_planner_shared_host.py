@@ -56,3 +56,24 @@ def test_shared_host_time_is_the_schedule_or_the_cores_whichever_is_longer():
     assert t.step_s == max(t.schedule_s, t.cores_bound_s)
     # a device cannot keep more cores busy than the host has
     assert shared_host_time(costs, choices, 8, HW, 2, 4.0).cores_bound_s == pytest.approx(work)
+
+
+def test_dense_costs_under_full_remat_rerun_the_forward():
+    """The runtime's stages default to "full" remat (Plan): the backward re-runs the
+    forward, so the dense attention takes 4 passes of 3 and the elementwise passes 7
+    accesses of 5, on top of `unit_costs` priced with the same policies."""
+    model = tiny()
+    wl = padded_workload(WL, 256, (64, 256))
+    remat = {u: "full" for u in model.unit_names}
+    costs = unit_costs(model, wl, HW, recompute=remat)
+    dense = {c.name: c for c in dense_costs(model, wl, HW, costs, act_bytes=4, remat=remat)}
+    before = {c.name: c for c in costs}
+    llm = (dense_attention_s(model, "llm", 256, HW, remat="full")
+           - unit_seconds(model, wl, HW, "llm", "full")[1]
+           + elementwise_s(model, wl, "llm", HW, "full", act_bytes=4))
+    assert dense_attention_s(model, "llm", 256, HW, remat="full") == pytest.approx(
+        dense_attention_s(model, "llm", 256, HW) * 4 / 3)
+    assert elementwise_s(model, wl, "llm", HW, "full", 4) == pytest.approx(
+        elementwise_s(model, wl, "llm", HW, "none", 4) * 7 / 5)
+    for tp, t in before["llm"].time_s.items():
+        assert dense["llm"].time_s[tp] == pytest.approx(t + llm / tp)

@@ -18,7 +18,7 @@ import dataclasses
 
 from mmjax.models.units import is_llm
 from mmjax.planner.costs import UnitCost
-from mmjax.planner.elementwise import BACKWARD_ACCESSES, FORWARD_ACCESSES, elementwise_s
+from mmjax.planner.elementwise import FORWARD_ACCESSES, accesses, elementwise_s
 from mmjax.planner.evaluate import Choice
 from mmjax.planner.schedule_time import schedule_time
 from mmjax.planner.step_model import dense_attention_s, unit_seconds
@@ -37,23 +37,27 @@ def padded_workload(wl: Workload, seq_len: int, caps: tuple[int, ...]) -> Worklo
 
 
 def dense_costs(model, wl: Workload, hw, costs: tuple[UnitCost, ...],
-                act_bytes: int = ACT_BYTES) -> tuple[UnitCost, ...]:
-    """`costs` (the planner's, on the padded workload `wl`) with each LLM and encoder unit's
-    attention repriced as XLA's dense attention at the measured time per pair, and every
-    unit's elementwise passes (`elementwise.py`, activations of `act_bytes` bytes) added,
-    both split over tp like the rest of the layer; unchanged without a measured pair time."""
+                act_bytes: int = ACT_BYTES, remat: dict | None = None) -> tuple[UnitCost, ...]:
+    """`costs` (the planner's, on the padded workload `wl`, priced under the units' `remat`
+    policies {unit: policy}) with each LLM and encoder unit's attention repriced as XLA's
+    dense attention at the measured time per pair, and every unit's elementwise passes
+    (`elementwise.py`, activations of `act_bytes` bytes) added, both split over tp like the
+    rest of the layer; unchanged without a measured pair time."""
     if hw.dense_pair_s <= 0:
         return costs
     out = []
     for c in costs:
-        delta = elementwise_s(model, wl, c.name, hw, act_bytes=act_bytes)
-        fwd = delta * FORWARD_ACCESSES / (FORWARD_ACCESSES + BACKWARD_ACCESSES)
+        r = (remat or {}).get(c.name, "none")
+        delta = elementwise_s(model, wl, c.name, hw, r, act_bytes)
+        fwd = delta * FORWARD_ACCESSES / accesses(2, r)
         sizes = ([(n,) for n in wl.llm_tokens] if is_llm(c.name)
                  else wl.encoder_tokens.get(c.name))
         if sizes:
-            dense = sum(dense_attention_s(model, c.name, n, hw) for s in sizes for n in s)
-            att = dense / len(sizes) - unit_seconds(model, wl, hw, c.name, "none")[1]
-            delta, fwd = delta + att, fwd + att / 3
+            dense = sum(dense_attention_s(model, c.name, n, hw, remat=r) for s in sizes
+                        for n in s)
+            att = dense / len(sizes) - unit_seconds(model, wl, hw, c.name, r)[1]
+            passes = 4 if r in ("dots", "full") else 3  # forward, backward, re-run forward
+            delta, fwd = delta + att, fwd + att / passes
         out.append(dataclasses.replace(
             c, time_s={tp: t + delta / tp for tp, t in c.time_s.items()},
             fwd_s={tp: t + fwd / tp for tp, t in c.fwd_s.items()}))
