@@ -292,6 +292,24 @@ def predicted_step(cfg, plan: Plan, lay, samples, profile: dict) -> dict:
             "predicted_cores_bound_s": t.cores_bound_s, "predicted_compute_s": t.compute_s}
 
 
+def timed_steps(rt: PipelineRuntime, feeds, steps: int, probes):
+    """(dispatch s, step s, process CPU s per step, the last losses) of `steps` steps, the
+    probes (if any) timed once after each."""
+    dispatch, step, cpu = [], [], []
+    for _ in range(steps):
+        c0, t0 = time.process_time(), time.perf_counter()
+        res = rt.run(feeds)
+        t1 = time.perf_counter()
+        losses = _wait(rt, res)
+        t2 = time.perf_counter()
+        cpu.append(time.process_time() - c0)
+        dispatch.append(t1 - t0)
+        step.append(t2 - t0)
+        if probes is not None:
+            probes.sample()
+    return dispatch, step, cpu, losses
+
+
 def bench_plan(name, cfg, lay, samples, args, out_dir, timeline, compiles) -> dict:
     plan = make_plan(name, cfg, len(samples), args.microbatches, args.devices_per_node)
     rt = PipelineRuntime(cfg, plan)
@@ -309,18 +327,7 @@ def bench_plan(name, cfg, lay, samples, args, out_dir, timeline, compiles) -> di
     # the first device after each step: the steps' own load, train/beside_profile.py)
     probes = ProbeSet(dtype="float32") if args.host_profile is None else None
     compiled_before = compiles["n"]
-    dispatch, step, cpu = [], [], []
-    for _ in range(args.steps):
-        c0, t0 = time.process_time(), time.perf_counter()
-        res = rt.run(feeds)
-        t1 = time.perf_counter()
-        losses = _wait(rt, res)
-        t2 = time.perf_counter()
-        cpu.append(time.process_time() - c0)
-        dispatch.append(t1 - t0)
-        step.append(t2 - t0)
-        if probes is not None:
-            probes.sample()
+    dispatch, step, cpu, losses = timed_steps(rt, feeds, args.steps, probes)
     # the timed steps trace and compile nothing (tests/test_compile_once.py: nor do new
     # balanced global batches, padded to one shape floor);
     # the traced modes below compile their completion markers once (pipeline/trace.py)
