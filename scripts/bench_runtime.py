@@ -85,6 +85,7 @@ from mmjax.pipeline.stage import rank_axes  # noqa: E402
 from mmjax.schedule.stage_graph import StageId  # noqa: E402
 from mmjax.schedule.simulate import simulate  # noqa: E402
 from mmjax.planner.plan import Plan  # noqa: E402
+from mmjax.train.beside_profile import ProbeSet  # noqa: E402
 
 PLANS = ("rigid", "disagg", "planner")
 CPU_NOTE = ("On CPU the 8 'devices' share {cores} host core(s): stages do not truly run "
@@ -268,7 +269,8 @@ def host_profile(path: str) -> dict:
 
 def predicted_step(cfg, plan: Plan, lay, samples, profile: dict) -> dict:
     """The planner's step for `plan` on this host (planner/shared_host.py): its cost model
-    on the padded shapes the runtime computes, with the measured profile's layers and dense
+    on the padded shapes the runtime computes, under each unit's remat policy (the backward
+    re-runs the forward under "full"), with the measured profile's layers and dense
     attention, as the 1F1B schedule and as the host's cores shared by its devices."""
     from mmjax.planner.costs import unit_costs
     from mmjax.planner.evaluate import Choice
@@ -279,13 +281,33 @@ def predicted_step(cfg, plan: Plan, lay, samples, profile: dict) -> dict:
     hw = hardware_from_profile(profile, "float32", call_tokens=0.0)
     wl = padded_workload(workload_from_metas("bench", [lay.rules.meta(s) for s in samples],
                                              cfg), lay.seq_len, VISION_CAPS)
-    costs = dense_costs(cfg, wl, hw, unit_costs(cfg, wl, hw))
+    remat = {u.name: u.remat for u in plan.units}  # the stages' policies (Plan: "full")
+    costs = dense_costs(cfg, wl, hw, unit_costs(cfg, wl, hw, recompute=remat),
+                        act_bytes=4, remat=remat)  # float32 activations
     choices = {u.name: Choice(u.tp, u.dp, u.pp) for u in plan.units}
     t = shared_host_time(costs, choices, plan.global_batch, hw,
                          int(profile.get("cpu_cores") or os.cpu_count()),
                          float(profile.get("device_busy_cores") or 1.0))
     return {"predicted_step_s": t.step_s, "predicted_schedule_s": t.schedule_s,
             "predicted_cores_bound_s": t.cores_bound_s, "predicted_compute_s": t.compute_s}
+
+
+def timed_steps(rt: PipelineRuntime, feeds, steps: int, probes):
+    """(dispatch s, step s, process CPU s per step, the last losses) of `steps` steps, the
+    probes (if any) timed once after each."""
+    dispatch, step, cpu = [], [], []
+    for _ in range(steps):
+        c0, t0 = time.process_time(), time.perf_counter()
+        res = rt.run(feeds)
+        t1 = time.perf_counter()
+        losses = _wait(rt, res)
+        t2 = time.perf_counter()
+        cpu.append(time.process_time() - c0)
+        dispatch.append(t1 - t0)
+        step.append(t2 - t0)
+        if probes is not None:
+            probes.sample()
+    return dispatch, step, cpu, losses
 
 
 def bench_plan(name, cfg, lay, samples, args, out_dir, timeline, compiles) -> dict:
@@ -301,16 +323,11 @@ def bench_plan(name, cfg, lay, samples, args, out_dir, timeline, compiles) -> di
     moved = traffic(rt, [b.ledger for b in rt.brokers.values()], args.devices_per_node)
     for b in rt.brokers.values():
         b.ledger = None
+    # without --profile, the host's profile is measured beside the timed steps (probes on
+    # the first device after each step: the steps' own load, train/beside_profile.py)
+    probes = ProbeSet(dtype="float32") if args.host_profile is None else None
     compiled_before = compiles["n"]
-    dispatch, step = [], []
-    for _ in range(args.steps):
-        t0 = time.perf_counter()
-        res = rt.run(feeds)
-        t1 = time.perf_counter()
-        losses = _wait(rt, res)
-        t2 = time.perf_counter()
-        dispatch.append(t1 - t0)
-        step.append(t2 - t0)
+    dispatch, step, cpu, losses = timed_steps(rt, feeds, args.steps, probes)
     # the timed steps trace and compile nothing (tests/test_compile_once.py: nor do new
     # balanced global batches, padded to one shape floor);
     # the traced modes below compile their completion markers once (pipeline/trace.py)
@@ -368,8 +385,23 @@ def bench_plan(name, cfg, lay, samples, args, out_dir, timeline, compiles) -> di
         "bytes_per_step": moved, "devices_per_node": args.devices_per_node,
         "node_map": node_map(plan), "compiles_after_warmup": compiled_after_warmup,
         "stage_memory": stage_memory_rows(cfg, plan, feeds),
-        **predicted_step(cfg, plan, lay, samples, args.host_profile),
+        "measured_cpu_s": statistics.median(cpu), "measured_steps_cpu_s": cpu,
+        **predictions(cfg, plan, lay, samples, args.host_profile, probes),
     }
+
+
+def predictions(cfg, plan: Plan, lay, samples, profile: dict | None, probes) -> dict:
+    """The planner's step for `plan` priced with `profile` (--profile's), or with the
+    probes' wall-second profile and, for the step's process CPU time, their CPU-second one
+    (its devices' compute: `predicted_cpu_s`)."""
+    if probes is None:
+        return {"hardware_profile": profile, **predicted_step(cfg, plan, lay, samples, profile)}
+    wall, per_cpu = probes.profile(), probes.profile("cpu")
+    out = {"hardware_profile": wall, "cpu_profile": per_cpu,
+           **predicted_step(cfg, plan, lay, samples, wall)}
+    out["predicted_cpu_s"] = predicted_step(cfg, plan, lay, samples,
+                                            per_cpu)["predicted_compute_s"]
+    return out
 
 
 def main(argv=None) -> dict:
@@ -405,7 +437,7 @@ def main(argv=None) -> dict:
     os.makedirs(out_dir, exist_ok=True)
     cfg = model_config(args)
     lay, samples = batch(cfg, args.seq, args.samples)
-    args.host_profile = host_profile(args.profile)
+    args.host_profile = host_profile(args.profile) if args.profile else None
     timeline = _timeline()
     compiles = {"n": 0}  # programs traced or compiled (jax.monitoring), to count after warm-up
 
@@ -426,7 +458,8 @@ def main(argv=None) -> dict:
                         f" seq {args.seq}, {args.samples} samples, {jax.devices()[0].platform}")
     for col in ("plan", "units dp/tp/pp", "#mb", "#actions", "dispatch us/action",
                 "measured step s", "serial sum s", "simulated step s", "ratio meas/sim",
-                "bubble frac", "predicted step s", "ratio meas/pred"):
+                "bubble frac", "predicted step s", "ratio meas/pred",
+                "CPU s meas/pred"):
         table.add_column(col, justify="left" if col.startswith(("plan", "units")) else "right",
                          no_wrap=col.startswith("units"))
     for r in rows:
@@ -436,7 +469,9 @@ def main(argv=None) -> dict:
                       f"{r['serial_sum_s']:.3f}", f"{r['simulated_step_s']:.3f}",
                       f"{r['measured_over_simulated']:.2f}", f"{r['bubble_fraction']:.2f}",
                       f"{r['predicted_step_s']:.3f}",
-                      f"{r['measured_step_s'] / r['predicted_step_s']:.2f}")
+                      f"{r['measured_step_s'] / r['predicted_step_s']:.2f}",
+                      f"{r['measured_cpu_s']:.3f}/{r['predicted_cpu_s']:.3f}"
+                      if r.get("predicted_cpu_s") else "-")
     console.print(table)
     for r in rows:
         console.print(f"{r['plan']}: collectives per stage per step "
@@ -460,7 +495,7 @@ def main(argv=None) -> dict:
     note = CPU_NOTE.format(cores=os.cpu_count())
     if jax.devices()[0].platform == "cpu":
         console.print(f"[bold]Note:[/bold] {note}")
-    profile = args.host_profile
+    profile = rows[-1]["hardware_profile"]
     del args.host_profile
     result = {"settings": vars(args), "hardware_profile": profile, "platform": jax.devices()[0].platform,
               "num_devices": len(jax.devices()), "host_cores": os.cpu_count(),

@@ -28,7 +28,7 @@ over all devices; on one GPU the ZeRO-3 layer gathers run over one rank) instead
       [--dtype bfloat16] [--attention auto] [--override llm.num_layers=4 ...] [--lora 8]
       [--json bench_results/bench_step.json]
 
-Presets: `tiny` (CPU, seconds); `llava_1b`: a Llama-3.2-1B-wide LLM (2048 hidden,
+Presets: `tiny` (CPU, seconds); `small` (tiny at 4x the widths: CPU, about a second a step); `llava_1b`: a Llama-3.2-1B-wide LLM (2048 hidden,
 16 layers, GQA 32/8, 128k vocabulary) behind a SigLIP-so400m-wide NaViT encoder (1152 hidden,
 27 layers, patch 14) with a 1024-wide, 12-layer DiT generator: one GPU's worth, every
 unit's layers in one `lax.scan` (compile time flat in depth).
@@ -64,6 +64,7 @@ from mmjax.train.optimizer import learning_rate_schedule
 from mmjax.train.colocated import Colocated
 from mmjax.train.colocated_plan import Colocation
 from mmjax.train.single_program import SingleProgram
+from mmjax.train.beside_profile import ProbeSet
 
 PRESETS = {
     "tiny": {},
@@ -79,6 +80,15 @@ PRESETS = {
         "generator.hidden_size": 1024, "generator.num_layers": 12,
         "generator.num_heads": 16, "generator.ffn_size": 4096, "generator.latent_size": 32,
     },
+    # four times tiny's widths (head dim 32): a CPU step of about a second, the second size
+    # the CPU check of the step model runs at (docs/results.md)
+    "small": {
+        "llm.vocab_size": 4096, "llm.hidden_size": 256, "llm.num_heads": 8,
+        "llm.num_kv_heads": 4, "llm.ffn_size": 768,
+        "encoders.vision.encoder.hidden_size": 128, "encoders.vision.encoder.num_heads": 4,
+        "encoders.vision.encoder.ffn_size": 512,
+        "generator.hidden_size": 128, "generator.num_heads": 4, "generator.ffn_size": 512,
+    },
     # a Llama-3-8B-wide LLM alone (text only), layers cut to fit one 80 GB GPU with AdamW
     "llama3_8b_cut": {
         "encoders": (), "generator": None,
@@ -92,6 +102,7 @@ PRESETS = {
 
 # the units of each preset (what --remat applies to)
 PRESETS_UNITS = {"tiny": ("llm", "encoders.vision.encoder", "generator"),
+                 "small": ("llm", "encoders.vision.encoder", "generator"),
                  "llava_1b": ("llm", "encoders.vision.encoder", "generator"),
                  "llama3_8b_cut": ("llm",)}
 
@@ -99,7 +110,7 @@ PRESETS_UNITS = {"tiny": ("llm", "encoders.vision.encoder", "generator"),
 # the synthetic stream's shapes per preset (data/synthetic.py SyntheticConfig): LLaVA-like
 # for llava_1b (one or two images of ~24 x 24 patches, a few hundred text tokens)
 PRESET_DATA = {
-    "tiny": {},
+    "tiny": {}, "small": {},
     "llava_1b": LLAVA_LIKE,
     "llama3_8b_cut": {"max_images": 0, "text_len_median": 1024.0,
                       "text_len_range": (64, 3000)},
@@ -157,11 +168,15 @@ def _run(args) -> dict:
     else:
         prog = SingleProgram(cfg, layout, args.global_batch, learning_rate_schedule(total),
                              dtype.type, seed=0, source=source, attention_impl=args.attention)
-    steps, cpu_s = [], []
+    steps, cpu_s, probes = [], [], None
     for i in range(total):
+        if i == args.warmup and not args.profile:  # the profile beside the timed steps
+            probes = ProbeSet(dtype=args.dtype)
         cpu0 = time.process_time()
         steps.append(prog.step())
         cpu_s.append(time.process_time() - cpu0)
+        if probes is not None:
+            probes.sample()
         m = steps[-1]
         print(f"step {i + 1}/{total}: {m.step_time_s * 1e3:.1f} ms, compile "
               f"{m.compile_s:.1f} s, loss {m.loss:.4f}", flush=True)
@@ -201,9 +216,16 @@ def _run(args) -> dict:
     }
     if args.lora:  # the same model trained whole, beside it (counts and memory model)
         record["trained_whole"] = lora_against_whole(args, cfg, prog)
-    record["hardware_profile"] = device_profile(args.profile)
+    record["hardware_profile"] = (probes.profile() if probes is not None
+                                  else device_profile(args.profile))
     record.update(cost_fields(args, cfg, layout, prog.data, total, tokens, step_s,
                               int(prog.num_trainable), record["hardware_profile"]))
+    if probes is not None:  # the step's CPU time priced per CPU second of the same probes
+        record["cpu_profile"] = probes.profile("cpu")
+        cpu = cost_fields(args, cfg, layout, prog.data, total, tokens, step_s,
+                          int(prog.num_trainable), record["cpu_profile"])
+        record["step_model_cpu_s"] = cpu["step_model_s"]
+        record["step_model_cpu_parts_s"] = step_parts(cpu)
     return record
 
 
@@ -227,6 +249,14 @@ def lora_against_whole(args, cfg, prog) -> dict:
         out[name] = {"trainable_params": int(n), "optimizer_bytes": 12 * int(n),
                      "gradient_bytes": 4 * int(n), "model_state_bytes": float(est["state"]),
                      "model_peak_bytes": float(est["peak"])}
+    return out
+
+
+def step_parts(fields: dict) -> dict:
+    """The step model's pieces: per unit compute and elementwise passes, AdamW, loss head."""
+    out = {f"{u} compute": t for u, t in fields["step_model_unit_s"].items()}
+    out.update({f"{u} elementwise": t for u, t in fields["step_model_elementwise_s"].items()})
+    out.update({"AdamW": fields["step_model_optimizer_s"], "loss head": fields["step_model_head_s"]})
     return out
 
 
@@ -285,7 +315,8 @@ def cost_fields(args, cfg, layout, data, steps: int, tokens: float, step_s: floa
                             slot_fills(cfg, layout, data.shapes, wl, samples),
                             trainable, data.shapes.rows * args.seq_len,
                             pallas_units(cfg, layout, args.attention, hw),
-                            dense_slots(args, data.shapes, profile))
+                            dense_slots(args, data.shapes, profile),
+                            jnp.dtype(args.dtype).itemsize)
     return {"samples_per_step": samples, "model_flops_per_step": flops,
             "peak_flops": hw.peak_flops,
             "peak_measured": has_measurement(profile),
@@ -293,7 +324,8 @@ def cost_fields(args, cfg, layout, data, steps: int, tokens: float, step_s: floa
             "predicted_step_s": sum(predicted.values()), "predicted_unit_s": predicted,
             "profile": args.profile or None,
             "step_model_s": step.total_s, "step_model_unit_s": step.units_s,
-            "step_model_optimizer_s": step.optimizer_s, "step_model_head_s": step.head_s}
+            "step_model_optimizer_s": step.optimizer_s, "step_model_head_s": step.head_s,
+            "step_model_elementwise_s": step.elementwise_s}
 
 
 def dense_slots(args, shapes, profile: dict) -> SlotShapes | None:
@@ -365,6 +397,8 @@ def recount(path: str) -> dict:
     record.update(cost_fields(args, cfg, layout, data, total, record["tokens_per_step"],
                               record["step_time_s"], record["trainable_params"],
                               recorded_profile(record)))
+    record.setdefault("optimizer_bytes", 12 * record["trainable_params"])  # older records
+    record.setdefault("gradient_bytes", 4 * record["trainable_params"])
     record["recounted"] = True
     return record
 
@@ -434,8 +468,8 @@ def show(console, r) -> None:
             ("model GFLOP / step (planner)", f"{r['model_flops_per_step'] / 1e9:,.1f}"),
             ("XLA GFLOP / step (lower bound)", f"{r['xla_flops_per_step'] / 1e9:,.1f}"),
             (f"MFU (of {peak_text(r)})", f"{100 * r['mfu']:.2f}%"),
-            ("predicted step (planner)", f"{r['predicted_step_s'] * 1e3:.1f} ms"),
-            ("measured / predicted", f"{r['step_time_s'] / r['predicted_step_s']:.2f}")]
+            ("planner's unit costs (real tokens only)", f"{r['predicted_step_s'] * 1e3:.1f} ms"),
+            ("measured / unit costs", f"{r['step_time_s'] / r['predicted_step_s']:.2f}")]
     if r.get("step_cpu_s"):
         rows.append(("step CPU time (median; host load)",
                      f"{statistics.median(r['step_cpu_s']) * 1e3:.1f} ms "
@@ -451,6 +485,11 @@ def show(console, r) -> None:
                      f" GB, {w['gradient_bytes'] / 1e9:,.2f} GB; "
                      f"{w['model_state_bytes'] / 1e9:,.2f} / {w['model_peak_bytes'] / 1e9:,.2f}"
                      f" GB"))
+    if r.get("step_model_cpu_s"):
+        cpu = statistics.median(r["step_cpu_s"])
+        rows += [("step model, CPU time (probes per CPU second)",
+                  f"{r['step_model_cpu_s'] * 1e3:.1f} ms"),
+                 ("measured CPU time / step model", f"{cpu / r['step_model_cpu_s']:.2f}")]
     mem = r.get("memory")
     if mem:
         rows.append(("step memory, compiled peak per device",

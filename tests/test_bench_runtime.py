@@ -20,7 +20,7 @@ FIELDS = {"plan", "units", "num_microbatches", "num_actions", "dispatch_us_per_a
           "stage_busy_s", "stage_costs_s", "serial_sum_s", "files", "collectives_per_step",
           "bytes_per_step", "node_map", "compiles_after_warmup", "stage_memory",
           "predicted_step_s", "predicted_schedule_s", "predicted_cores_bound_s",
-          "predicted_compute_s"}
+          "predicted_compute_s", "measured_cpu_s", "predicted_cpu_s", "cpu_profile"}
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +59,10 @@ def test_rows_and_fields(result):
         # the planner's prediction on this host: the schedule or the shared cores
         assert r["predicted_step_s"] == max(r["predicted_schedule_s"],
                                             r["predicted_cores_bound_s"]) > 0
+        # the profile measured beside the timed steps: wall seconds for the step, CPU
+        # seconds for its devices' compute against the step's process CPU time
+        assert r["hardware_profile"]["basis"] == "wall" and r["cpu_profile"]["basis"] == "cpu"
+        assert r["measured_cpu_s"] > 0 and r["predicted_cpu_s"] > 0
     assert result["hardware_profile"]["dense_attention_pair_s"] > 0
 
 

@@ -104,6 +104,23 @@ def test_recount_reproduces_the_record(record, tmp_path):
     assert again["recounted"] is True
 
 
+def test_the_profile_is_measured_beside_the_timed_steps(record, tmp_path):
+    """Without --profile the probes run after every timed step (the steps' own load): the
+    record's profile is their wall-second medians, and the step's CPU time is priced by the
+    same probes per CPU second - the step model on that profile, recomputed here."""
+    prof, cpu = record["hardware_profile"], record["cpu_profile"]
+    assert prof["basis"] == "wall" and cpu["basis"] == "cpu"
+    assert prof["measured_beside_steps"] == cpu["measured_beside_steps"] == 2
+    assert prof["matmul_half_width"] >= 0 and cpu["memory_bw"] > 0
+    path = tmp_path / "rec.json"
+    path.write_text(json.dumps(dict(record, hardware_profile=cpu)))
+    assert bench.recount(str(path))["step_model_s"] == pytest.approx(
+        record["step_model_cpu_s"], rel=1e-12)
+    parts = record["step_model_cpu_parts_s"]
+    assert {"llm compute", "llm elementwise", "AdamW", "loss head"} <= set(parts)
+    assert sum(parts.values()) == pytest.approx(record["step_model_cpu_s"])
+
+
 def test_bad_override_is_a_user_error():
     with pytest.raises(Exception, match="llm.no_such_field"):
         bench.main(["--override", "llm.no_such_field=1", "--json", os.devnull])

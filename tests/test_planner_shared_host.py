@@ -9,6 +9,7 @@ from mmjax.planner.costs import unit_costs
 from mmjax.planner.evaluate import Choice
 from mmjax.planner.hardware import H100
 from mmjax.planner.schedule_time import schedule_time
+from mmjax.planner.elementwise import elementwise_s
 from mmjax.planner.shared_host import (dense_costs, padded_workload, shared_host_time)
 from mmjax.planner.step_model import dense_attention_s, unit_seconds
 from mmjax.planner.workload import Workload
@@ -28,17 +29,18 @@ def test_dense_costs_reprice_attention_per_pair_split_over_tp():
     model = tiny()
     wl = padded_workload(WL, 256, (64, 256))
     costs = unit_costs(model, wl, HW)
-    dense = {c.name: c for c in dense_costs(model, wl, HW, costs)}
+    dense = {c.name: c for c in dense_costs(model, wl, HW, costs, act_bytes=4)}
     before = {c.name: c for c in costs}
     llm = dense_attention_s(model, "llm", 256, HW) - unit_seconds(model, wl, HW, "llm",
                                                                    "none")[1]
     vision = ((2 * dense_attention_s(model, "vision", 64, HW)
                + dense_attention_s(model, "vision", 256, HW)) / 2
               - unit_seconds(model, wl, HW, "vision", "none")[1])
-    for name, delta in (("llm", llm), ("vision", vision)):
+    # every unit also pays its elementwise passes (float32 activations here), split over tp
+    for name, delta in (("llm", llm), ("vision", vision), ("generator", 0.0)):
+        delta += elementwise_s(model, wl, name, HW, act_bytes=4)
         for tp, t in before[name].time_s.items():
             assert dense[name].time_s[tp] == pytest.approx(t + delta / tp)
-    assert dense["generator"] == before["generator"]
     assert dense_costs(model, wl, replace(HW, dense_pair_s=0.0), costs) == costs
 
 
@@ -54,3 +56,24 @@ def test_shared_host_time_is_the_schedule_or_the_cores_whichever_is_longer():
     assert t.step_s == max(t.schedule_s, t.cores_bound_s)
     # a device cannot keep more cores busy than the host has
     assert shared_host_time(costs, choices, 8, HW, 2, 4.0).cores_bound_s == pytest.approx(work)
+
+
+def test_dense_costs_under_full_remat_rerun_the_forward():
+    """The runtime's stages default to "full" remat (Plan): the backward re-runs the
+    forward, so the dense attention takes 4 passes of 3 and the elementwise passes 7
+    accesses of 5, on top of `unit_costs` priced with the same policies."""
+    model = tiny()
+    wl = padded_workload(WL, 256, (64, 256))
+    remat = {u: "full" for u in model.unit_names}
+    costs = unit_costs(model, wl, HW, recompute=remat)
+    dense = {c.name: c for c in dense_costs(model, wl, HW, costs, act_bytes=4, remat=remat)}
+    before = {c.name: c for c in costs}
+    llm = (dense_attention_s(model, "llm", 256, HW, remat="full")
+           - unit_seconds(model, wl, HW, "llm", "full")[1]
+           + elementwise_s(model, wl, "llm", HW, "full", act_bytes=4))
+    assert dense_attention_s(model, "llm", 256, HW, remat="full") == pytest.approx(
+        dense_attention_s(model, "llm", 256, HW) * 4 / 3)
+    assert elementwise_s(model, wl, "llm", HW, "full", 4) == pytest.approx(
+        elementwise_s(model, wl, "llm", HW, "none", 4) * 7 / 5)
+    for tp, t in before["llm"].time_s.items():
+        assert dense["llm"].time_s[tp] == pytest.approx(t + llm / tp)

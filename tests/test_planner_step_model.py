@@ -7,6 +7,7 @@ import pytest
 
 from mmjax.models.tiny import tiny
 from mmjax.planner.costs import work_time
+from mmjax.planner.elementwise import elementwise_s
 from mmjax.planner.hardware import H100
 from mmjax.planner.step_model import (ADAM_BYTES_PER_PARAM, HEAD_BYTES_PER_LOGIT,
                                       SlotShapes, dense_attention_s, single_step_time,
@@ -37,7 +38,11 @@ def test_terms_by_hand():
     assert p.optimizer_s == pytest.approx(ADAM_BYTES_PER_PARAM * 1e6 / H100.hbm_bw)
     assert p.head_s == pytest.approx(HEAD_BYTES_PER_LOGIT * 4096 * model.llm.vocab_size
                                      / H100.hbm_bw)
-    assert p.total_s == pytest.approx(sum(p.units_s.values()) + p.optimizer_s + p.head_s)
+    for u in model.unit_names:  # the elementwise passes on the slots, as the linear work
+        assert p.elementwise_s[u] == pytest.approx(
+            8 * fills.get(u, 1) * elementwise_s(model, wl, u, H100, remat[u], 2))
+    assert p.total_s == pytest.approx(sum(p.units_s.values()) + sum(p.elementwise_s.values())
+                                      + p.optimizer_s + p.head_s)
     # padding and recomputation only add time: full fills, no slowdown, no remat is less
     base = single_step_time(model, wl, H100, 8, {}, {}, 1_000_000, 4096)
     assert all(base.units_s[u] < p.units_s[u] for u in ("llm", "vision"))
@@ -68,6 +73,8 @@ def test_dense_slots_by_hand():
                                                   + 4 * 4 * 256 ** 2 * 1e-9))
     assert p.units_s["vision"] == pytest.approx(2 * (_linear(model, vision[0], "vision")
                                                      + 2 * 2 * 128 ** 2 * 1e-9))
+    assert p.elementwise_s["llm"] == pytest.approx(
+        5 * elementwise_s(model, llm[0], "llm", DENSE_HW, "none", 2))
     # the generator is not in the slots: priced on its real samples as before
     base = single_step_time(model, wl, DENSE_HW, 8, {}, {}, 1000, 4096)
     assert p.units_s["generator"] == base.units_s["generator"]

@@ -57,6 +57,8 @@ def hardware_from_profile(profile: dict, dtype: str = "bfloat16",
                      int(profile.get("device_count", 1)),
                      dense_pair_s=float(profile.get("dense_attention_pair_s") or 0.0),
                      dense_pair_head_dim=int(profile.get("dense_attention_head_dim") or 16))
+        if profile.get("matmul_half_width") is not None:  # measured: narrow matmuls' rates
+            hw = replace(hw, half_width=float(profile["matmul_half_width"]))
     elif spec is not None:  # layer points only, on a known GPU: its spec's peak
         hw = spec
     else:

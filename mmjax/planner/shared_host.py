@@ -5,7 +5,8 @@ Two things differ from a GPU cluster, and both are priced from measurements:
 - XLA's dense attention on the runtime's static shapes: every LLM row is `seq_len` tokens
   and every image its buffer's capacity (the "pad" layout), and each layer computes
   heads x S^2 pairs at the device's measured time per pair (`step_model.dense_attention_s`)
-  instead of the real tokens' attention FLOPs;
+  instead of the real tokens' attention FLOPs, and the layers' elementwise passes at the
+  measured streaming bandwidth (`elementwise.py`);
 - the devices are threads sharing the host's cores: the step takes at least the device-
   seconds of compute of all devices together, times the cores one device keeps busy
   (measured), over the host's cores - the 1F1B schedule's makespan assumes every device
@@ -17,9 +18,11 @@ import dataclasses
 
 from mmjax.models.units import is_llm
 from mmjax.planner.costs import UnitCost
+from mmjax.planner.elementwise import FORWARD_ACCESSES, accesses, elementwise_s
 from mmjax.planner.evaluate import Choice
 from mmjax.planner.schedule_time import schedule_time
 from mmjax.planner.step_model import dense_attention_s, unit_seconds
+from mmjax.planner.unit_work import ACT_BYTES
 from mmjax.planner.workload import Workload
 
 
@@ -33,26 +36,31 @@ def padded_workload(wl: Workload, seq_len: int, caps: tuple[int, ...]) -> Worklo
                         for name, per in wl.encoder_tokens.items()})
 
 
-def dense_costs(model, wl: Workload, hw, costs: tuple[UnitCost, ...]) -> tuple[UnitCost, ...]:
-    """`costs` (the planner's, on the padded workload `wl`) with each LLM and encoder unit's
-    attention repriced as XLA's dense attention at the measured time per pair (split over
-    tp like the rest of the layer); unchanged without a measured pair time."""
+def dense_costs(model, wl: Workload, hw, costs: tuple[UnitCost, ...],
+                act_bytes: int = ACT_BYTES, remat: dict | None = None) -> tuple[UnitCost, ...]:
+    """`costs` (the planner's, on the padded workload `wl`, priced under the units' `remat`
+    policies {unit: policy}) with each LLM and encoder unit's attention repriced as XLA's
+    dense attention at the measured time per pair, and every unit's elementwise passes
+    (`elementwise.py`, activations of `act_bytes` bytes) added, both split over tp like the
+    rest of the layer; unchanged without a measured pair time."""
     if hw.dense_pair_s <= 0:
         return costs
     out = []
     for c in costs:
-        if is_llm(c.name):
-            sizes = [(n,) for n in wl.llm_tokens]
-        elif c.name in wl.encoder_tokens:
-            sizes = wl.encoder_tokens[c.name]
-        else:
-            out.append(c)
-            continue
-        dense = sum(dense_attention_s(model, c.name, n, hw) for s in sizes for n in s)
-        delta = dense / len(sizes) - unit_seconds(model, wl, hw, c.name, "none")[1]
+        r = (remat or {}).get(c.name, "none")
+        delta = elementwise_s(model, wl, c.name, hw, r, act_bytes)
+        fwd = delta * FORWARD_ACCESSES / accesses(2, r)
+        sizes = ([(n,) for n in wl.llm_tokens] if is_llm(c.name)
+                 else wl.encoder_tokens.get(c.name))
+        if sizes:
+            dense = sum(dense_attention_s(model, c.name, n, hw, remat=r) for s in sizes
+                        for n in s)
+            att = dense / len(sizes) - unit_seconds(model, wl, hw, c.name, r)[1]
+            passes = 4 if r in ("dots", "full") else 3  # forward, backward, re-run forward
+            delta, fwd = delta + att, fwd + att / passes
         out.append(dataclasses.replace(
             c, time_s={tp: t + delta / tp for tp, t in c.time_s.items()},
-            fwd_s={tp: t + delta / tp / 3 for tp, t in c.fwd_s.items()}))
+            fwd_s={tp: t + fwd / tp for tp, t in c.fwd_s.items()}))
     return tuple(out)
 
 

@@ -17,15 +17,17 @@ step computes more than that and does more than compute:
   tokens), each layer at the profile's efficiency for one sequence of that length (what the
   profile's layer points time: one sequence, XLA's attention) - not on the real tokens at
   the step's total token count.
-What it leaves out: the elementwise forward that "dots" recomputes, XLA's copies and
-gathers, host time. No JAX here.
+- the layers' memory-bound elementwise passes (norms, residuals, RoPE, activations) at the
+  measured streaming bandwidth (`elementwise.py`).
+What it leaves out: XLA's copies and gathers outside the layers, host time. No JAX here.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from mmjax.models.units import LLM_UNIT, is_llm
 from mmjax.planner.costs import work_time
+from mmjax.planner.elementwise import elementwise_s
 from mmjax.planner.unit_work import unit_work
 from mmjax.planner.workload import Workload
 
@@ -43,10 +45,12 @@ class StepPrediction:
     units_s: dict  # per unit: compute (linear on slots, attention on real pairs), fwd + bwd
     optimizer_s: float
     head_s: float
+    elementwise_s: dict = field(default_factory=dict)  # per unit: memory-bound passes
 
     @property
     def total_s(self) -> float:
-        return sum(self.units_s.values()) + self.optimizer_s + self.head_s
+        return (sum(self.units_s.values()) + sum(self.elementwise_s.values())
+                + self.optimizer_s + self.head_s)
 
 
 @dataclass(frozen=True)
@@ -105,15 +109,16 @@ def unit_seconds(model, wl, hw, u, remat: str) -> tuple[float, float]:
 def single_step_time(model, wl, hw, samples: int, remat: dict, fills: dict,
                      trainable_params: int, logit_slots: float,
                      attention_slowdown: dict | None = None,
-                     slots: SlotShapes | None = None) -> StepPrediction:
+                     slots: SlotShapes | None = None, act_bytes: int = 2) -> StepPrediction:
     """One step over `samples` samples of workload `wl` on one device of `hw` (with its
     profile when given); `remat` {unit: policy}; `fills` {unit: slots / real tokens};
     `logit_slots` the LM head's rows x seq_len; `attention_slowdown` {unit: factor};
     `slots`: the static shapes, when attention is XLA's dense one (units it names are
-    priced on them, layers at the efficiency of one row: `call_tokens` 0)."""
+    priced on them, layers at the efficiency of one row: `call_tokens` 0); `act_bytes`: the
+    activations' dtype size (the elementwise passes, planner/elementwise.py)."""
     slow = attention_slowdown or {}
     dense = slot_workloads(model, wl, slots) if slots is not None else {}
-    units = {}
+    units, passes = {}, {}
     for u in model.unit_names:
         if u in dense:
             slot_wl, count = dense[u]
@@ -125,9 +130,14 @@ def single_step_time(model, wl, hw, samples: int, remat: dict, fills: dict,
                                         unit_work(model, slot_wl, u).layers[0].bwd,
                                         remat.get(u, "none"))
             units[u] = count * (lin + att)
+            passes[u] = count * elementwise_s(model, slot_wl, u, hw, remat.get(u, "none"),
+                                              act_bytes)
             continue
         lin, att = unit_seconds(model, wl, hw, u, remat.get(u, "none"))
         units[u] = samples * (lin * fills.get(u, 1.0) + att * slow.get(u, 1.0))
+        passes[u] = samples * fills.get(u, 1.0) * elementwise_s(
+            model, wl, u, hw, remat.get(u, "none"), act_bytes)
     return StepPrediction(
         units_s=units, optimizer_s=ADAM_BYTES_PER_PARAM * trainable_params / hw.hbm_bw,
-        head_s=HEAD_BYTES_PER_LOGIT * logit_slots * model.llm.vocab_size / hw.hbm_bw)
+        head_s=HEAD_BYTES_PER_LOGIT * logit_slots * model.llm.vocab_size / hw.hbm_bw,
+        elementwise_s=passes)

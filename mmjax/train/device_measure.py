@@ -58,21 +58,32 @@ def collective_bandwidth(devices, nbytes: int = 1 << 24, repeats: int = 5) -> fl
     return 2.0 * (n - 1) / n * per * 4 / t
 
 
-def dense_attention_pair_s(device, seq: int = 256, heads: int = 4,
-                           head_dim: int = DENSE_HEAD_DIM,
-                           rows: int = 4, repeats: int = 5) -> float:
-    """Seconds per (query, key, head) pair of XLA's dense attention forward + backward
-    (models/attention.py `dot_product_attention`, causal mask, float32 logits): it computes
-    and keeps every pair of the [S, S] matrix per head, so its time goes with heads x S^2,
-    not with FLOPs (planner/step_model.py prices dense units with it)."""
-    from mmjax.models.attention import dot_product_attention
+def dense_attention_grad(device, seq: int = 256, heads: int = 4,
+                         head_dim: int = DENSE_HEAD_DIM, rows: int = 4):
+    """(jitted forward + backward of XLA's dense attention, its arguments, the (query, key,
+    head) pairs one call computes): models/attention.py `bam_attention` as the models call
+    it (the bitfield mask built per pair from each row's token metadata, float32 logits;
+    one causal text document per row), at the tiny models' layers' size."""
+    from mmjax.models.attention import bam_attention
+    from mmjax.models.attention_mask import TokenMeta
 
     x = jax.device_put(jnp.ones((rows, seq, heads, head_dim), jnp.float32), device)
-    allowed = jax.device_put(jnp.tril(jnp.ones((seq, seq), bool))[None], device)
-    grad = jax.jit(jax.grad(lambda q, k, v: dot_product_attention(q, k, v, allowed).sum(),
-                            argnums=(0, 1, 2)))
+    ones = jnp.ones((rows, seq), jnp.int32)
+    meta = jax.device_put(TokenMeta(ones, ones, 0 * ones,
+                                    jnp.broadcast_to(jnp.arange(seq), (rows, seq))), device)
+    grad = jax.jit(jax.grad(
+        lambda q, k, v, m: bam_attention(q, k, v, m, implementation="dense").sum(),
+        argnums=(0, 1, 2)))
+    return grad, (x, x, x, meta), rows * heads * seq * seq
+
+
+def dense_attention_pair_s(device, repeats: int = 5) -> float:
+    """Seconds per (query, key, head) pair of XLA's dense attention forward + backward: it
+    computes and keeps every pair of the [S, S] matrix per head, so its time goes with
+    heads x S^2, not with FLOPs (planner/step_model.py prices dense units with it)."""
+    grad, args, pairs = dense_attention_grad(device)
     # milliseconds a call: many repeats, so a loaded machine's stalls do not set it
-    return best_time(grad, x, x, x, repeats=4 * repeats) / (rows * heads * seq * seq)
+    return best_time(grad, *args, repeats=4 * repeats) / pairs
 
 
 def busy_cores(device, calls: int = 20) -> float:
@@ -82,17 +93,12 @@ def busy_cores(device, calls: int = 20) -> float:
     the host one forced CPU device takes (planner/shared_host.py)."""
     import time
 
-    from mmjax.models.attention import dot_product_attention
-
-    x = jax.device_put(jnp.ones((4, 256, 4, DENSE_HEAD_DIM), jnp.float32), device)
-    allowed = jax.device_put(jnp.tril(jnp.ones((256, 256), bool))[None], device)
-    grad = jax.jit(jax.grad(lambda q, k, v: dot_product_attention(q, k, v, allowed).sum(),
-                            argnums=(0, 1, 2)))
-    jax.block_until_ready(grad(x, x, x))
+    grad, args, _ = dense_attention_grad(device)
+    jax.block_until_ready(grad(*args))
     best, cpu = float("inf"), 0.0
     for _ in range(calls):
         wall0, cpu0 = time.perf_counter(), time.process_time()
-        jax.block_until_ready(grad(x, x, x))
+        jax.block_until_ready(grad(*args))
         best = min(best, time.perf_counter() - wall0)
         cpu += time.process_time() - cpu0
     return cpu / calls / best
