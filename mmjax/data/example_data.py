@@ -20,7 +20,7 @@ COLOURS = {"red": (220, 40, 30), "green": (40, 180, 60), "blue": (30, 60, 210),
            "yellow": (230, 210, 40), "purple": (140, 50, 170), "white": (245, 245, 245)}
 SHAPES = ("square", "stripe", "dot")
 # the generation example's VAE, trained on these pictures (scripts/make_example_vae.py)
-TRAINED_VAE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "example_vae_weights")
+TRAINED_VAE = os.path.join(os.path.dirname(os.path.realpath(__file__)), "example_vae_weights")
 
 
 def write_tokenizer(out_dir: str, texts: list[str], vocab_size: int = 384,
