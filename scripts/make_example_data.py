@@ -8,7 +8,8 @@ text-only samples, and on purpose a corrupt and a missing image), OUT/val.json (
 split for `train.eval_every`), OUT/images/*.jpg|png (varied sizes) and OUT/tokenizer/
 (tokenizer.json + tokenizer_config.json with the Llama-3 chat template). Train on it with
 configs/examples/llava_tiny.gin. Also OUT/train_gen.json (records whose `output_image` the
-generator learns to draw) and OUT/vae/ (a tiny random diffusers AutoencoderKL):
+generator learns to draw) and OUT/vae/ (a tiny diffusers AutoencoderKL trained on those
+pictures by scripts/make_example_vae.py):
 configs/examples/llava_gen_tiny.gin.
 """
 from __future__ import annotations
@@ -51,7 +52,7 @@ def main(argv=None) -> int:
           f"{info['image_root']}, tokenizer in {info['tokenizer']}); "
           f"deliberately bad: {', '.join(info['bad'])}")
     gen = write_generation_example(a.out, seed=a.seed + 1)
-    print(f"wrote image-generation records (output_image) to {gen['json']} and a tiny VAE "
+    print(f"wrote image-generation records (output_image) to {gen['json']} and the example VAE "
           f"to {gen['vae']} (configs/examples/llava_gen_tiny.gin)")
     return 0
 

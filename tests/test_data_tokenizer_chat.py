@@ -155,3 +155,34 @@ def test_model_vocabulary_covers_the_tokenizer(tok):
     assert fit_vocab(small, tok, (5,)).llm.vocab_size == 640  # lcm(128, 5)
     assert fit_vocab(tiny(), tok).llm.vocab_size == 512  # larger and aligned: kept
     assert fit_vocab(tiny(), tok, (3,)).llm.vocab_size == 384  # 512 is not a multiple of 3
+
+
+@pytest.mark.parametrize("template", ["llama3", "qwen2", "plain"])
+def test_named_templates_in_one_pass_equal_jinja_and_the_prefix_rule(tok, template):
+    """The Python form of a named template (`COMPILED`: one pass per sample) gives the
+    Jinja template's text and the prefix rule's assistant spans, on random conversations
+    (system or not, repeated roles, empty and whitespace-padded turns, placeholders), and
+    the formats' token masks agree with a format over an unnamed copy of the template."""
+    from mmjax.data.chat import TEMPLATES, normalize_messages
+
+    fmt = ChatFormat(tok, template)
+    jinja_only = ChatFormat(tok, TEMPLATES[template] + "{# not a named template #}")
+    assert fmt.compiled is not None and jinja_only.compiled is None
+    rng = np.random.default_rng(0)
+    words = ["hi", " padded \n", "<image>\nwhat?", "", "  ", "A red\nsquare.", "x<audio>y"]
+    for _ in range(150):
+        roles = ["system"] * int(rng.random() < 0.3) + [
+            ("user", "assistant")[j % 2] if rng.random() < 0.8 else
+            str(rng.choice(["user", "assistant"])) for j in range(int(rng.integers(1, 6)))]
+        if roles[0] == "assistant":
+            continue
+        conv = [{"role": r, "content": str(rng.choice(words))} for r in roles]
+        msgs = normalize_messages(conv)
+        for gen in (False, True):
+            full = fmt.render(msgs, gen)
+            assert fmt.render_compiled(msgs, gen) == (full, fmt.assistant_spans(msgs, full))
+        a, b = fmt(conv), jinja_only(conv)
+        assert [(k, None if i is None else list(i), None if m is None else list(m))
+                for k, i, m in a.pieces] == [
+            (k, None if i is None else list(i), None if m is None else list(m))
+            for k, i, m in b.pieces]

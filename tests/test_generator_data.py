@@ -2,6 +2,8 @@
 holding the frozen VAE's latents (train/vae_latents.py), the DiT's loss on them is the same
 on the single device and on a pipelined plan (VAE on the host; the VAE as a unit on devices:
 tests/test_vae_unit.py), the planner's VAE placement, and the DDIM / DDPM samplers."""
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -67,7 +69,9 @@ def test_output_image_is_the_vae_encoding(data):
         px = square_pixels(im, 16)
     ref = Ref(load_file(info["vae"] + "/diffusion_pytorch_model.safetensors"), TINY_CONFIG)
     mean, _ = ref.encode(px.astype(np.float64).transpose(2, 0, 1)[None])
-    np.testing.assert_allclose(out.data, mean[0] * 0.18215, atol=1e-5, rtol=0)
+    with open(info["vae"] + "/config.json") as f:  # the example VAE's fitted scaling
+        scale = json.load(f)["scaling_factor"]
+    np.testing.assert_allclose(out.data, mean[0] * scale, atol=1e-5, rtol=0)
 
 
 def test_records_with_output_images_need_a_vae(data):

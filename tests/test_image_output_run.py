@@ -23,14 +23,16 @@ def test_image_output_run_learns_and_generate_writes_a_png(tmp_path):
         [f"tokenizer.path = '{data}/tokenizer'",
          f"llava_source.json_path = '{data}/train_gen.json'",
          f"llava_source.image_root = '{data}/images'", f"vae.path = '{data}/vae'",
-         "train.steps = 16", "train.checkpoint_every = 16", "train.progress = False"],
+         "train.steps = 32", "train.checkpoint_every = 32", "train.progress = False"],
         finalize_config=False)
     try:
         recs = train(run)
     finally:
         gin.clear_config()
+    # 32 steps: the example's 256 records each bring their own (noise, t), so the loss falls
+    # by learning, not by meeting the same few pairs again (docs/guide.md, "Image output")
     diff = [r["diffusion_loss"] for r in recs]
-    assert len(diff) == 16 and all(np.isfinite(diff)) and min(diff) > 0
+    assert len(diff) == 32 and all(np.isfinite(diff)) and min(diff) > 0
     assert np.mean(diff[-4:]) < 0.8 * np.mean(diff[:4])  # learns the real latents
     png = str(tmp_path / "out.png")
     try:

@@ -51,6 +51,36 @@ TEMPLATES = {
 }
 
 
+def _llama3(messages, add_generation_prompt, v):
+    for i, m in enumerate(messages):
+        yield ((v["bos_token"] if i == 0 else "") + "<|start_header_id|>" + m["role"]
+               + "<|end_header_id|>\n\n"), m["content"].strip() + "<|eot_id|>"
+    if add_generation_prompt:
+        yield "<|start_header_id|>assistant<|end_header_id|>\n\n", ""
+
+
+def _qwen2(messages, add_generation_prompt, v):
+    for i, m in enumerate(messages):
+        system = (i == 0 and messages[0]["role"] != "system")
+        yield ((system * "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n")
+               + "<|im_start|>" + m["role"] + "\n"), m["content"] + "<|im_end|>\n"
+    if add_generation_prompt:
+        yield "<|im_start|>assistant\n", ""
+
+
+def _plain(messages, add_generation_prompt, v):
+    for m in messages:
+        yield "", m["content"] + ("\n" if m["role"] == "assistant" else "")
+
+
+# The named templates written as Python: per message (its header, its body), the body of an
+# assistant turn being its trained span by the module docstring's prefix rule (content and
+# end-of-turn marker). The same text as the Jinja template and the same spans as the prefix
+# renders, from one pass (tests/test_data_tokenizer_chat.py checks both); used when a
+# format's template is a named one, as the example tokenizer's is.
+COMPILED = {"llama3": _llama3, "qwen2": _qwen2, "plain": _plain}
+
+
 class ChatError(ValueError):
     """A conversation that cannot be rendered (bad roles, a template's raise_exception)."""
 
@@ -122,6 +152,8 @@ class ChatFormat:
                              f"{sorted(TEMPLATES)} (e.g. llava_source.chat_template = \"plain\")")
         self.tokenizer, self.loss_on = tokenizer, loss_on
         self.template = _environment().from_string(source)
+        named = next((k for k, v in TEMPLATES.items() if v == source), None)
+        self.compiled = COMPILED.get(named)
         self.special = tokenizer.special_tokens()
         self.variables = {k: getattr(tokenizer, k) or "" for k in
                           ("bos_token", "eos_token", "pad_token")}
@@ -153,13 +185,31 @@ class ChatFormat:
     def __call__(self, conversation: list[dict], add_generation_prompt: bool = False
                  ) -> RenderedChat:
         messages = normalize_messages(conversation)
-        full = self.render(messages, add_generation_prompt)
-        trained = np.ones(len(full) + 1, bool)
-        if self.loss_on == "assistant":
-            trained[:] = False
-            for a, b in self.assistant_spans(messages, full):
-                trained[a:b] = True
-        return self.split(full, None if self.loss_on == "all" else trained)
+        if self.compiled is not None and messages and messages[0]["role"] != "assistant":
+            full, spans = self.render_compiled(messages, add_generation_prompt)
+        else:  # any other template (or a conversation the prefix rule refuses)
+            full = self.render(messages, add_generation_prompt)
+            spans = None if self.loss_on == "all" else self.assistant_spans(messages, full)
+        if self.loss_on == "all":
+            return self.split(full, None)
+        trained = np.zeros(len(full) + 1, bool)
+        for a, b in spans:
+            trained[a:b] = True
+        return self.split(full, trained)
+
+    def render_compiled(self, messages: list[dict], add_generation_prompt: bool = False
+                        ) -> tuple[str, list[tuple[int, int]]]:
+        """A named template's text and assistant spans in one pass (`COMPILED`)."""
+        parts, spans, n = [], [], 0
+        for m, (head, body) in zip(messages + [{"role": ""}],
+                                   self.compiled(messages, add_generation_prompt,
+                                                 self.variables)):
+            n += len(head)
+            if m["role"] == "assistant":
+                spans.append((n, n + len(body)))
+            n += len(body)
+            parts += (head, body)
+        return "".join(parts), spans
 
     def split(self, text: str, trained_chars: np.ndarray | None) -> RenderedChat:
         """Tokenise `text` piecewise around placeholders, with per-token masks."""
@@ -172,9 +222,9 @@ class ChatFormat:
             elif part:
                 enc = self.tokenizer.encode(part)
                 mask = None
-                if trained_chars is not None:
-                    mask = np.array([e > s and trained_chars[base + s]
-                                     for s, e in enc.offsets], bool)
+                if trained_chars is not None:  # a token is trained iff its first character is
+                    offs = np.asarray(enc.offsets, np.int64).reshape(-1, 2)
+                    mask = (offs[:, 1] > offs[:, 0]) & trained_chars[base + offs[:, 0]]
                 if len(enc.ids):
                     pieces.append(("text", enc.ids, mask))
             base += len(part)

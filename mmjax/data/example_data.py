@@ -19,6 +19,8 @@ LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>"
 COLOURS = {"red": (220, 40, 30), "green": (40, 180, 60), "blue": (30, 60, 210),
            "yellow": (230, 210, 40), "purple": (140, 50, 170), "white": (245, 245, 245)}
 SHAPES = ("square", "stripe", "dot")
+# the generation example's VAE, trained on these pictures (scripts/make_example_vae.py)
+TRAINED_VAE = os.path.join(os.path.dirname(os.path.realpath(__file__)), "example_vae_weights")
 
 
 def write_tokenizer(out_dir: str, texts: list[str], vocab_size: int = 384,
@@ -143,30 +145,30 @@ def _held_out(img_dir: str, n: int, seed: int) -> list[dict]:
     return records
 
 
-def write_generation_example(out: str, num_samples: int = 16, seed: int = 1) -> dict:
+def write_generation_example(out: str, num_samples: int = 256, seed: int = 1) -> dict:
     """Image-generation records next to the LLaVA example: `out`/train_gen.json, where each
-    record asks for a picture and names it as its `output_image` (the generator's target),
-    and `out`/vae/ (a tiny random diffusers AutoencoderKL, 16 x 16 pixels -> 8 x 8 x 4
-    latents; `vae.path`). Train with configs/examples/llava_gen_tiny.gin."""
-    from PIL import Image
+    record asks for a red square (32 x 32, on its own noisy grey ground) and names it as its
+    `output_image` (the generator's target),
+    and `out`/vae/ (a tiny diffusers AutoencoderKL, 16 x 16 pixels -> 8 x 8 x 4 latents,
+    trained on these pictures by scripts/make_example_vae.py; `vae.path`). Train with
+    configs/examples/llava_gen_tiny.gin."""
+    import shutil
 
-    from mmjax.data.example_vae import write_tiny_vae
+    from PIL import Image
 
     rng = np.random.default_rng(seed)
     img_dir = os.path.join(out, "images")
     os.makedirs(img_dir, exist_ok=True)
     records = []
-    for i in range(num_samples):
-        colour = list(COLOURS)[i % len(COLOURS)]
-        shape = SHAPES[(i // len(COLOURS)) % len(SHAPES)]
-        name = f"gen_{i:04d}.png"
-        Image.fromarray(_picture(rng, 32, 32, colour, shape)).save(os.path.join(img_dir, name))
+    for i in range(num_samples):  # one subject (each its own noisy ground): a minute of
+        name = f"gen_{i:04d}.png"  # CPU training learns it, and the header's prompt draws it
+        Image.fromarray(_picture(rng, 32, 32, "red", "square")).save(os.path.join(img_dir, name))
         records.append({"id": f"gen-{i:04d}", "output_image": name, "conversations": [
-            {"from": "human", "value": f"Draw a {colour} {shape}."},
-            {"from": "gpt", "value": f"Here is a {colour} {shape}."}]})
+            {"from": "human", "value": "Draw a red square."},
+            {"from": "gpt", "value": "Here is a red square."}]})
     json_path = os.path.join(out, "train_gen.json")
     with open(json_path, "w") as f:
         json.dump(records, f, indent=1)
     vae_dir = os.path.join(out, "vae")
-    write_tiny_vae(vae_dir)
+    shutil.copytree(TRAINED_VAE, vae_dir, dirs_exist_ok=True)
     return {"json": json_path, "vae": vae_dir}

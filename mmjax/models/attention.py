@@ -92,16 +92,23 @@ def dot_product_attention(q, k, v, allowed, softcap: float | None = None,
     """
     b, sq, h, d = q.shape
     kv = k.shape[2]
-    qg = q.reshape(b, sq, kv, h // kv, d)
-    logits = f32_einsum("bqkgd,bskd->bkgqs", qg, k)
+    # One head per kv head: the 4-D form ([B, H, Sq, Sk] logits). XLA:CPU runs the grouped
+    # 5-D contraction 1.7x slower (fwd + bwd, 2 x 512 tokens, 8 heads of 64; docs/results.md,
+    # "Overhead against a plain program"), so only grouped-query heads take it.
+    grouped = kv != h
+    if grouped:
+        q = q.reshape(b, sq, kv, h // kv, d)
+    logits = f32_einsum("bqkgd,bskd->bkgqs" if grouped else "bqhd,bshd->bhqs", q, k)
     logits = (logits / jnp.sqrt(d).astype(jnp.float32) if scale is None
               else logits * jnp.float32(scale))
     logits = cap_logits(logits, softcap)
-    mask = allowed[:, None, None, :, :]
+    mask = allowed[:, None, None] if grouped else allowed[:, None]
     logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(logits, axis=-1)
-    probs = jnp.where(mask, probs, 0.0).astype(v.dtype)
-    out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v)
+    # a row with no allowed key softmaxes to uniform: zero it (masked keys of other rows
+    # are exactly 0 already), by a per-row factor that fuses into the softmax
+    probs = (probs * jnp.any(mask, axis=-1, keepdims=True)).astype(v.dtype)
+    out = jnp.einsum("bkgqs,bskd->bqkgd" if grouped else "bhqs,bshd->bqhd", probs, v)
     return out.reshape(b, sq, h, d)
 
 
