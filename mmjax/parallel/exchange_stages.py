@@ -26,11 +26,12 @@ flattened: rpn - 1, ceil(log2 N), rpn - 1 entries (shift 1 first; 0: no collecti
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Union
 
 import numpy as np
 
 Caps = tuple[int, ...]
-Counts = "dict[tuple[int, int], int] | np.ndarray"  # {(u, v): rows} or an [n, n] matrix
+Counts = Union[dict[tuple[int, int], int], np.ndarray]  # {(u, v): rows}, or [n, n]
 
 
 def bucket(k: int) -> int:
@@ -90,7 +91,7 @@ class Topology:
         return [(p, self.target(stage, shift, p)) for p in range(self.n)]
 
 
-def _count_arrays(count) -> tuple[np.ndarray, ...]:
+def _count_arrays(count) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """`count` {(u, v): rows}, or a [n, n] matrix of rows, as arrays u, v, rows sorted by
     (u, v), rows > 0 only."""
     if isinstance(count, np.ndarray):
@@ -132,7 +133,8 @@ def relay_rows(count: Counts, topo: Topology
     all node pairs (clipped prefix sums, interval cuts). Depends only on `count`'s
     contents, not its order, so capacities planned from one count carry the tables built
     from another."""
-    return _relay_arrays(*_count_arrays(count), topo)
+    u, v, m = _count_arrays(count)
+    return _relay_arrays(u, v, m, topo)
 
 
 def _relay_arrays(u, v, m, topo: Topology):

@@ -14,7 +14,10 @@ def gpipe_rows(lay: ChainLayout, m: int) -> Rows:
     order, chunk 0 first, then the backwards of the chunks that run one, the last first."""
     if m < 1:
         raise ValueError(f"num_microbatches={m!r}: must be an int >= 1")
-    kind, mb, chunk, ptr = [], [], [], [0]
+    kind: list[int] = []
+    mb: list[int] = []
+    chunk: list[int] = []
+    ptr = [0]
     for st in range(lay.num_stages):
         v = int(lay.stage_v[st])
         back = [c for c in reversed(range(v)) if lay.runs_backward[lay.stage_node[st, c]]]
