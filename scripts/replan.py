@@ -32,7 +32,8 @@ from rich.table import Table  # noqa: E402
 from mmjax.planner.hardware import hardware, hardware_of_device  # noqa: E402
 from mmjax.planner.measured_hardware import check_device, hardware_from_profile  # noqa: E402
 from mmjax.planner.measured import plan_changes, replan  # noqa: E402
-from mmjax.planner.plan import Plan, PlanError  # noqa: E402
+from mmjax.errors import UserError  # noqa: E402
+from mmjax.planner.plan import Plan  # noqa: E402
 
 
 def load_model(name: str):
@@ -124,7 +125,7 @@ def main(argv=None) -> int:
         hw = traced_hardware(device, args.profile, args.hardware)
         res = replan(model, plan, trace, hw, args.gpus or plan.num_devices,
                      prior_actions=args.prior_actions)
-    except (ValueError, PlanError) as e:  # PlanError: a UserError
+    except (ValueError, UserError) as e:  # a bad trace directory, profile or plan
         console.print(f"error: {e}", soft_wrap=True, markup=False)
         return 2
     console.print(f"priced on {hw.name}" + (f" (the trace ran on {device})" if device else ""))

@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from mmjax.errors import UserError
+
 from mmjax.models.config import LLMConfig
 from mmjax.models.named import named_config
 from mmjax.models.tiny import tiny, tiny_valm
@@ -133,7 +135,7 @@ def test_tp_sizes_respect_heads():
 def test_hardware():
     assert hardware("H100") is H100 and H200.hbm_bytes > H100.hbm_bytes
     assert A800.efficiency(1024) > A800.efficiency(128)
-    with pytest.raises(ValueError, match="a800"):
+    with pytest.raises(UserError, match="a800"):
         hardware("tpu")
 
 

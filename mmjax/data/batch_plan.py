@@ -27,7 +27,8 @@ from mmjax.planner.unit_work import unit_work
 from mmjax.planner.hardware import H100, Hardware
 from mmjax.planner.plan import Plan
 from mmjax.planner.workload import workload_from_metas
-from mmjax.models.units import GENERATOR_UNIT, LLM_UNIT, has_generator, is_generator, is_vae
+from mmjax.models.units import (GENERATOR_UNIT, LLM_UNIT, has_generator, is_generator, is_llm,
+                                is_vae)
 
 
 POLICIES = ("none", "disttrain", "orchmllm", "rows")  # "rows": the LLM only (row_deal.py)
@@ -263,10 +264,10 @@ def unit_policies(balance, model: MLLMConfig, packing: str = "pack") -> dict[str
     LLM's alone and needs packed rows (`packing`)."""
     pol = _per_unit(balance, model, "Loader.balance", POLICIES, "none")
     for u, p in pol.items():
-        if p == "rows" and (u != LLM_UNIT or packing != "pack"):
+        if p == "rows" and (not is_llm(u) or packing != "pack"):
             raise UserError(f"Loader.balance[{u!r}]='rows': whole packed rows are the LLM's "
                             f"split under packed rows (data_layout.packing='pack'); use "
-                            f"'orchmllm' for {u!r}" if u != LLM_UNIT else
+                            f"'orchmllm' for {u!r}" if not is_llm(u) else
                             f"Loader.balance['llm']='rows' needs data_layout.packing='pack' "
                             f"(now {packing!r}); use 'orchmllm'")
     return pol
