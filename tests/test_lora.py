@@ -152,11 +152,11 @@ def test_lora_on_a_patch_merger_projector_is_refused_in_one_line():
 
 
 def test_lora_on_an_audio_tower_is_refused_in_one_line():
-    from mmjax.models.tiny import tiny
+    from mmjax.models.tiny import tiny_valm
     from mmjax.train.lora_setup import with_lora
 
     with pytest.raises(UserError, match="'audio' is an audio tower: LoRA adapts vision") as e:
-        with_lora(tiny(), ("audio",), LoRAConfig())
+        with_lora(tiny_valm(), ("audio",), LoRAConfig())
     assert "\n" not in str(e.value)
 
 
