@@ -153,3 +153,60 @@ def test_tower_merge_folds_the_fused_qkv(tower_setup):
     model_count = sum(x.size for x in jax.tree.leaves(nnx.state(model, LoRAParam)))
     assert lora_params(cfg, "vision") == model_count
     assert num_params(cfg) == sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+LORA_RUN = ["lora.units = ['llm', 'vision']", "lora.rank = 4", "lora.alpha = 8.0",
+            "lora.targets = ['attention', 'mlp']"]
+
+
+def _train(run, extra, steps=2):
+    import gin
+
+    from mmjax.train.trainer import train
+    cfg = make_cfg(tiny_qwen2_vl, **{"encoders.vision.projector_frozen": True})
+    gin.clear_config()
+    gin.parse_config(extra)
+    try:
+        return train(str(run), model=cfg, steps=steps, global_batch=4, progress=False,
+                     checkpoint_every=steps)
+    finally:
+        gin.clear_config()
+
+
+@pytest.mark.slow  # two short runs (compile + 2 steps, then 1)
+def test_run_exports_peft_adapter_and_merge_and_resumes_from_peft(tmp_path):
+    """A Qwen2-VL run from `pretrained.model` with LoRA on the LLM and the tower: `--adapter`
+    writes peft's keys (those of peft's own adapter with the same targets) and loads back
+    to the run's logits; `--merge` gives them too, every untargeted tensor byte-identical;
+    `pretrained.adapter` (peft's file) starts a run with its parts and settings."""
+    import shutil
+
+    from mmjax.train.export import export_workdir, restore_model
+
+    src = tmp_path / "src"
+    shutil.copytree(os.path.join(QWEN, "qwen2_vl_tf5"), src)
+    _train(tmp_path / "run", [f"pretrained.model = '{src}'"] + LORA_RUN)
+    _, model, _, _ = restore_model(str(tmp_path / "run"))
+    assert export_workdir(str(tmp_path / "run"), tmp_path / "a", adapter=True) == {
+        "adapter": tmp_path / "a" / "adapter"}
+    ours = load_file(str(tmp_path / "a" / "adapter" / "adapter_model.safetensors"))
+    theirs = load_file(os.path.join(PEFT, "qwen2_vl_adapter", "adapter_model.safetensors"))
+    assert sorted(ours) == sorted(theirs)
+    assert all(ours[k].shape == theirs[k].shape for k in ours)
+    again, _ = hf.load(src, adapter=tmp_path / "a" / "adapter")
+    model.hf_source = again.hf_source  # its image token id
+    want = _forward(model, "qwen2_vl")[0]
+    np.testing.assert_array_equal(_forward(again, "qwen2_vl")[0], want)
+    export_workdir(str(tmp_path / "run"), tmp_path / "m", merge=True)
+    base = load_file(str(src / "model.safetensors"))
+    got = load_file(str(tmp_path / "m" / "model" / "model.safetensors"))
+    changed = {k for k in base if got[k].tobytes() != base[k].tobytes()}
+    assert changed == {k for k in base if k.endswith("_proj.weight") and ".layers." in k or
+                       re.search(r"blocks\.\d+\.(attn\.qkv|attn\.proj|mlp\.fc\d)\.weight", k)}
+    merged, _ = hf.load(tmp_path / "m" / "model")
+    assert rel_err(_forward(merged, "qwen2_vl")[0], want) < 1e-4
+    recs = _train(tmp_path / "run2", [f"pretrained.model = '{src}'", "pretrained.adapter = "
+                                      f"'{os.path.join(PEFT, 'qwen2_vl_adapter')}'"], steps=1)
+    assert len(recs) == 1 and np.isfinite(recs[0]["loss"])
+    cfg2, _, _, _ = restore_model(str(tmp_path / "run2"))
+    assert cfg2.lora_units() == ("llm", "vision") and cfg2.llm.lora.rank == 4

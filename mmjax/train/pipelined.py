@@ -37,6 +37,7 @@ from mmjax.train.global_norm import fold_loss, multiprocess_norm, norm_from_squa
 from mmjax.train.host_failures import agree_on_failures
 from mmjax.train.logical_state import (pipeline_from_logical, pipeline_global_logical,
                                        remote_stage, restore_target)
+from mmjax.models.hf.pretrained import whole_base
 from mmjax.train.lora_stages import adapter_into_stages
 from mmjax.train.optimizer import (OptimizerSettings, applied_updates, optimizer_from_settings,
                                    rate_as_input)
@@ -72,7 +73,7 @@ class PipelinedRunner:
         if pretrained and "adapter" in pretrained:  # a peft adapter, after the base
             initial, frozen = adapter_into_stages(
                 cfg, plan, initial, {sid: st.frozen for sid, st in rt.stages.items()},
-                pretrained["adapter"], "model" in pretrained)
+                pretrained["adapter"], whole_base(pretrained) is not None)
             for sid, fr in frozen.items():
                 rt.set_frozen(sid, fr)
         self.optimizers = {}
