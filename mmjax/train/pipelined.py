@@ -28,6 +28,7 @@ from mmjax.data.feed import gen_elements_per_image
 from mmjax.data.sources import eval_batches
 from mmjax.data.stream_position import resume_notice, stored_position
 from mmjax.models.config import MLLMConfig
+from mmjax.models.hf.pretrained import whole_base
 from mmjax.parallel.zero import Zero1Optimizer
 from mmjax.pipeline.runtime import PipelineRuntime
 from mmjax.pipeline.stage import rank_axes
@@ -37,7 +38,6 @@ from mmjax.train.global_norm import fold_loss, multiprocess_norm, norm_from_squa
 from mmjax.train.host_failures import agree_on_failures
 from mmjax.train.logical_state import (pipeline_from_logical, pipeline_global_logical,
                                        remote_stage, restore_target)
-from mmjax.models.hf.pretrained import whole_base
 from mmjax.train.lora_stages import adapter_into_stages
 from mmjax.train.optimizer import (OptimizerSettings, applied_updates, optimizer_from_settings,
                                    rate_as_input)
