@@ -210,3 +210,17 @@ def test_run_exports_peft_adapter_and_merge_and_resumes_from_peft(tmp_path):
     assert len(recs) == 1 and np.isfinite(recs[0]["loss"])
     cfg2, _, _, _ = restore_model(str(tmp_path / "run2"))
     assert cfg2.lora_units() == ("llm", "vision") and cfg2.llm.lora.rank == 4
+
+
+@pytest.mark.slow  # a pipeline plan's stages compile
+def test_pipelined_tower_lora_equals_single_program(reference_cache):
+    """Qwen2.5-VL with adapters on the LLM and on the tower (fused qkv, proj, gated MLP),
+    the tower and the LLM over pp = 2: the loss and every adapter's (and the trained
+    merger's) gradient equal the single program's by the suite's tolerance rule."""
+    from helpers import check
+    from mmjax.planner.plan import Plan
+
+    cfg = with_lora(make_cfg(tiny_qwen2_5_vl), ("llm", "vision"),
+                    LoRAConfig(rank=2, targets=("attention", "mlp")))
+    assert check(cfg, Plan.uniform(cfg, 8, 2, pp={"vision": 2, "llm": 2}), packing="pack",
+                 cache=reference_cache) is not None
