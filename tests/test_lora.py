@@ -140,17 +140,24 @@ def test_lora_on_a_frozen_part_is_refused():
         make_cfg(**{"llm.lora": LLM_LORA, "llm_frozen": True})
 
 
-@pytest.mark.parametrize("unit, words", [
-    ("vision", "'qwen2_vl' vision tower: LoRA adapts 'packed' / 'vit'"),
-    ("vision.projector", "'patch_merger' projector: LoRA adapts kind='mlp'")])
-def test_lora_on_qwen2_vl_parts_is_refused_in_one_line(unit, words):
-    """Qwen2-VL's tower (fused qkv) and patch-merger projector take no adapters yet."""
+def test_lora_on_a_patch_merger_projector_is_refused_in_one_line():
+    """Qwen2-VL's patch-merger projector takes no adapters (its tower does:
+    tests/test_lora_qwen2_vl.py)."""
     from mmjax.models.tiny import tiny_qwen2_vl
     from mmjax.train.lora_setup import with_lora
 
-    with pytest.raises(UserError, match=words) as e:
-        with_lora(tiny_qwen2_vl(), (unit,), LoRAConfig())
-    assert "\n" not in str(e.value) and "use some of ['llm']" in str(e.value)
+    with pytest.raises(UserError, match="'patch_merger' projector: LoRA adapts kind='mlp'") as e:
+        with_lora(tiny_qwen2_vl(), ("vision.projector",), LoRAConfig())
+    assert "\n" not in str(e.value) and "use some of ['llm', 'vision']" in str(e.value)
+
+
+def test_lora_on_an_audio_tower_is_refused_in_one_line():
+    from mmjax.models.tiny import tiny_valm
+    from mmjax.train.lora_setup import with_lora
+
+    with pytest.raises(UserError, match="'audio' is an audio tower: LoRA adapts vision") as e:
+        with_lora(tiny_valm(), ("audio",), LoRAConfig())
+    assert "\n" not in str(e.value)
 
 
 def test_dropout_only_inside_a_training_scope():

@@ -163,7 +163,7 @@ class VisionConfig:
     window_size: int = 0
     fullatt_block_indexes: tuple[int, ...] = ()
     rope_theta: float = 10000.0
-    # low-rank adapters on the tower's blocks (kind "packed" / "vit"; models/lora.py)
+    # low-rank adapters on the tower's blocks (models/lora.py)
     lora: LoRAConfig | None = None
 
     def __post_init__(self):
@@ -180,9 +180,6 @@ class VisionConfig:
                              "kind='qwen2_vl'; set kind='qwen2_vl'")
         if self.kind == "qwen2_vl":
             check_qwen2_vl_vision(self)
-            if self.lora is not None:
-                raise UserError("lora on a qwen2_vl tower: LoRA adapts 'packed' / 'vit' towers "
-                                "only; leave the tower out of lora.units")
         if self.feature_layer is not None and not -self.num_layers <= self.feature_layer < 0:
             raise UserError(f"VisionConfig.feature_layer={self.feature_layer}: use None or "
                              f"-{self.num_layers}..-1 (HF hidden_states index; LLaVA: -2)")

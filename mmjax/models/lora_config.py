@@ -13,9 +13,17 @@ from mmjax.errors import UserError
 PROJECTIONS = {
     "llm": ("q", "k", "v", "o", "gate", "up", "down"),
     "tower": ("q", "k", "v", "o", "fc1", "fc2"),
+    # a Qwen2-VL tower: fused qkv, proj; fc1 / fc2 (Qwen2-VL) or gate / up / down (2.5-VL)
+    "qwen2_vl": ("qkv", "proj", "fc1", "fc2", "gate", "up", "down"),
     "projector": ("fc1", "fc2"),
 }
-GROUPS = {"attention": ("q", "k", "v", "o"), "mlp": ("gate", "up", "down", "fc1", "fc2")}
+GROUPS = {"attention": ("q", "k", "v", "o", "qkv", "proj"),
+          "mlp": ("gate", "up", "down", "fc1", "fc2")}
+
+
+def tower_kind(encoder) -> str:
+    """The `PROJECTIONS` kind of an encoder's tower: "qwen2_vl" or "tower"."""
+    return "qwen2_vl" if getattr(encoder, "kind", None) == "qwen2_vl" else "tower"
 
 
 @dataclass(frozen=True)
@@ -49,7 +57,7 @@ class LoRAConfig:
         return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
 
     def targets_in(self, kind: str) -> tuple[str, ...]:
-        """The projections of a unit of `kind` ("llm", "tower", "projector") it adapts, in
+        """The projections of a unit of `kind` (a `PROJECTIONS` key) it adapts, in
         `PROJECTIONS` order."""
         wanted = set()
         for t in self.targets:

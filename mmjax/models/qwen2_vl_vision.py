@@ -15,6 +15,8 @@ each image's patches in HF's order: 2x2 merge blocks consecutive (`data/qwen2_vl
   contiguous (`get_window_index`) and undoes it after the merger; attention itself does not
   depend on token order and every position is explicit, so a window segment id per patch
   gives the same result with no reordering.
+- LoRA (`VisionConfig.lora`): adapters beside qkv (one for the fused Linear, as peft's:
+  A [d, r], B [r, 3d]), proj and the MLP's projections (models/lora.py).
 - `finish`: the merger's ln_q (LayerNorm / RMSNorm); the projector (`PatchMergerMLP`)
   concatenates each 2x2 block's 4 consecutive tokens -> Linear -> exact GELU -> Linear.
 """
@@ -28,6 +30,7 @@ from flax import nnx
 from mmjax.models.attention import bam_attention, segment_meta
 from mmjax.models.config import ProjectorConfig, VisionConfig
 from mmjax.models.layers import ACTIVATIONS, Dense, LayerNorm, RMSNorm
+from mmjax.models.lora import layer_dropout
 from mmjax.models.qwen2_vl_config import full_attention_layer, window_patches
 from mmjax.models.scan import run_stack
 
@@ -71,12 +74,14 @@ class QwenVisionBlock(nnx.Module):
         ks = jax.random.split(key, 5)
         self.num_heads, self.act, self.gated = cfg.num_heads, cfg.act, cfg.gated_mlp
         self.norm1, self.norm2 = _norm(cfg, d), _norm(cfg, d)
-        self.qkv, self.proj = Dense(ks[0], d, 3 * d), Dense(ks[1], d, d)
+        dense = lambda i, n, din, dout: Dense(ks[i], din, dout, lora=cfg.lora, kind="qwen2_vl",
+                                              name=n)
+        self.qkv, self.proj = dense(0, "qkv", d, 3 * d), dense(1, "proj", d, d)
         if cfg.gated_mlp:
-            self.gate, self.up = Dense(ks[2], d, f), Dense(ks[3], d, f)
-            self.down = Dense(ks[4], f, d)
+            self.gate, self.up = dense(2, "gate", d, f), dense(3, "up", d, f)
+            self.down = dense(4, "down", f, d)
         else:
-            self.fc1, self.fc2 = Dense(ks[2], d, f), Dense(ks[3], f, d)
+            self.fc1, self.fc2 = dense(2, "fc1", d, f), dense(3, "fc2", f, d)
 
     def __call__(self, x, ang, meta, attention_impl: str = "auto"):
         b, s, d = x.shape
@@ -122,10 +127,11 @@ class Qwen2VLVision(nnx.Module):
             return run_stack(self.layers, x, lambda layer, h: layer(h, ang, full, attention_impl),
                              cfg.scan_layers, remat=cfg.remat)
         window = segment_meta(window_segments(patch_seg, patch_pos, window_patches(cfg)))
-        for layer, is_full in zip(self.layers, kinds):  # windowed and full blocks alternate
-            meta = full if is_full else window
-            x = run_stack([layer], x, lambda lyr, h, m=meta: lyr(h, ang, m, attention_impl),
-                          False, remat=cfg.remat)
+        for i, (layer, is_full) in enumerate(zip(self.layers, kinds)):  # windowed and full
+            meta = full if is_full else window  # blocks alternate: one stack per layer, its
+            with layer_dropout(i):  # LoRA dropout masks keyed by the layer's index too
+                x = run_stack([layer], x, lambda lyr, h, m=meta: lyr(h, ang, m, attention_impl),
+                              False, remat=cfg.remat)
         return x
 
     def finish(self, x):

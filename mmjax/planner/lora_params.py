@@ -6,6 +6,7 @@ and the adapters' own, and only the adapters carry gradients and optimizer state
 from __future__ import annotations
 
 from mmjax.models.config import LLMConfig, MLLMConfig, VisionConfig
+from mmjax.models.lora_config import tower_kind
 from mmjax.models.units import is_llm
 
 
@@ -14,6 +15,17 @@ def _llm_shapes(c: LLMConfig) -> dict:
     hq, hkv = c.num_heads * hd, c.num_kv_heads * hd
     return {"q": (d, hq), "k": (d, hkv), "v": (d, hkv), "o": (hq, d), "gate": (d, f),
             "up": (d, f), "down": (f, d)}
+
+
+def _tower_shapes(enc) -> dict:
+    """A tower's projections {name: (in, out)}: a Qwen2-VL tower's fused qkv and proj, its
+    fc1 / fc2 or (Qwen2.5-VL) gate / up / down; else q, k, v, o, fc1, fc2."""
+    d, f = enc.hidden_size, enc.ffn_size
+    if tower_kind(enc) == "qwen2_vl":
+        mlp = ({"gate": (d, f), "up": (d, f), "down": (f, d)} if enc.gated_mlp
+               else {"fc1": (d, f), "fc2": (f, d)})
+        return {"qkv": (d, 3 * d), "proj": (d, d), **mlp}
+    return {"q": (d, d), "k": (d, d), "v": (d, d), "o": (d, d), "fc1": (d, f), "fc2": (f, d)}
 
 
 def lora_layer_sizes(model: MLLMConfig, part: str) -> tuple[int, int]:
@@ -31,15 +43,13 @@ def lora_layer_sizes(model: MLLMConfig, part: str) -> tuple[int, int]:
         layers = 1
     else:
         enc = model.encoder(part).encoder
-        lora = getattr(enc, "lora", None)
-        d, f = enc.hidden_size, enc.ffn_size
-        shapes = {"q": (d, d), "k": (d, d), "v": (d, d), "o": (d, d), "fc1": (d, f),
-                  "fc2": (f, d)}
+        lora, shapes = getattr(enc, "lora", None), _tower_shapes(enc)
         layers = enc.depth if isinstance(enc, VisionConfig) else enc.num_layers
     if lora is None:
         return 0, 0
-    kind = "llm" if is_llm(part) else "projector" if part.endswith(".projector") else "tower"
-    width = sum(shapes[n][0] + shapes[n][1] for n in lora.targets_in(kind))
+    kind = ("llm" if is_llm(part) else "projector" if part.endswith(".projector")
+            else tower_kind(model.encoder(part).encoder))
+    width = sum(shapes[n][0] + shapes[n][1] for n in lora.targets_in(kind) if n in shapes)
     return lora.rank * width, layers
 
 

@@ -40,18 +40,24 @@ def merged(cfg, model):
 
 
 def export_adapter(cfg, model, out, dirs: dict) -> dict[str, Path]:
-    """A LLaVA run (`pretrained.model`): OUT/adapter over the whole model, its projector
-    saved whole (peft's modules_to_save) when it trained whole. Otherwise the LLM's
+    """A LLaVA or Qwen2-VL run (`pretrained.model`): OUT/adapter over the whole model, a
+    LLaVA projector saved whole (peft's modules_to_save) when it trained whole (a Qwen2-VL
+    merger trained whole is refused: export with --merge). Otherwise the LLM's
     adapter in OUT/llm_adapter (LoRA on the LLM only), and every other trained parameter
     in OUT/mmjax_extra.safetensors, as a plain export writes them."""
-    out = Path(out)
-    if "model" in dirs:
+    from mmjax.models.hf.pretrained import whole_base
+
+    out, base = Path(out), whole_base(dirs)
+    if base is not None:
         spec = cfg.encoder("vision")
         if not spec.frozen and getattr(spec.encoder, "lora", None) is None:
             raise ValueError("--adapter: the run trained the vision tower whole, which a peft "
                              "adapter does not hold; export with --merge")
         whole = () if spec.projector_frozen or spec.projector.lora else ("vision.projector",)
-        hf.save_adapter(model, cfg, out / "adapter", trained=whole, base_model=dirs["model"])
+        if whole and spec.projector.kind == "patch_merger":
+            raise ValueError("--adapter: the run trained the Qwen2-VL merger whole, which "
+                             "mmjax's peft adapters do not hold; export with --merge")
+        hf.save_adapter(model, cfg, out / "adapter", trained=whole, base_model=base)
         return {"adapter": out / "adapter"}
     units = cfg.lora_units()
     if len(units) != 1 or not is_llm(units[0]):

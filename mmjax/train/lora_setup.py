@@ -7,7 +7,7 @@ import gin
 
 from mmjax.errors import UserError
 from mmjax.models.config import MLLMConfig, VisionConfig, with_overrides
-from mmjax.models.lora_config import PROJECTIONS, LoRAConfig
+from mmjax.models.lora_config import PROJECTIONS, LoRAConfig, tower_kind
 from mmjax.models.units import is_llm
 
 ADAPTER = "adapter"  # pretrained.adapter: a peft LoRA adapter to continue training
@@ -27,7 +27,7 @@ def lora_parts(cfg: MLLMConfig) -> list[str]:
     """The names `lora.units` accepts for `cfg`."""
     out = ["llm"]
     for e in cfg.encoders:
-        if isinstance(e.encoder, VisionConfig) and e.encoder.kind != "qwen2_vl":
+        if isinstance(e.encoder, VisionConfig):
             out.append(e.name)
         if e.projector.kind == "mlp":
             out.append(e.name + ".projector")
@@ -44,10 +44,7 @@ def _not_adapted(cfg: MLLMConfig, unit: str) -> str:
     if unit.endswith(".projector"):
         return (f"a {spec.projector.kind!r} projector: LoRA adapts kind='mlp' projectors "
                 f"only (train it whole or freeze it)")
-    what = (f"a {spec.encoder.kind!r} vision tower" if isinstance(spec.encoder, VisionConfig)
-            else "an audio tower")
-    return (f"{what}: LoRA adapts 'packed' / 'vit' vision towers only (train it whole or "
-            f"freeze it)")
+    return "an audio tower: LoRA adapts vision towers only (train it whole or freeze it)"
 
 
 def with_lora(cfg: MLLMConfig, units=None, settings: LoRAConfig | None = None) -> MLLMConfig:
@@ -68,7 +65,7 @@ def with_lora(cfg: MLLMConfig, units=None, settings: LoRAConfig | None = None) -
         elif u.endswith(".projector"):
             key, kind = f"encoders.{u.removesuffix('.projector')}.projector.lora", "projector"
         else:
-            key, kind = f"encoders.{u}.encoder.lora", "tower"
+            key, kind = f"encoders.{u}.encoder.lora", tower_kind(cfg.encoder(u).encoder)
         if not settings.targets_in(kind):
             raise UserError(f"lora.targets={list(settings.targets)!r} names no projection of "
                             f"{u!r} (a {kind}'s are {list(PROJECTIONS[kind])})")

@@ -33,7 +33,7 @@ def _put(plan, sid, tree, named: dict, used: set):
 def adapter_into_stages(cfg, plan, trainable: dict, frozen: dict, adapter_dir: str,
                         whole: bool) -> tuple[dict, dict]:
     """({StageId: trainable}, {StageId: frozen}) with the peft adapter at `adapter_dir`
-    applied (`whole`: the run started from a whole LLaVA, `pretrained.model`)."""
+    applied (`whole`: the run started from a whole LLaVA or Qwen2-VL, `pretrained.model`)."""
     from mmjax.models.hf.peft import model_adapter
 
     _, arrays = model_adapter(cfg, adapter_dir, whole)

@@ -28,6 +28,7 @@ from mmjax.data.feed import gen_elements_per_image
 from mmjax.data.sources import eval_batches
 from mmjax.data.stream_position import resume_notice, stored_position
 from mmjax.models.config import MLLMConfig
+from mmjax.models.hf.pretrained import whole_base
 from mmjax.parallel.zero import Zero1Optimizer
 from mmjax.pipeline.runtime import PipelineRuntime
 from mmjax.pipeline.stage import rank_axes
@@ -72,7 +73,7 @@ class PipelinedRunner:
         if pretrained and "adapter" in pretrained:  # a peft adapter, after the base
             initial, frozen = adapter_into_stages(
                 cfg, plan, initial, {sid: st.frozen for sid, st in rt.stages.items()},
-                pretrained["adapter"], "model" in pretrained)
+                pretrained["adapter"], whole_base(pretrained) is not None)
             for sid, fr in frozen.items():
                 rt.set_frozen(sid, fr)
         self.optimizers = {}

@@ -9,7 +9,7 @@ import jax
 from mmjax.data.tokenizer import tokenizer
 from mmjax.errors import UserError
 from mmjax.models.config import MLLMConfig
-from mmjax.models.hf.pretrained import expand_whole_model, prepare_pretrained
+from mmjax.models.hf.pretrained import expand_whole_model, prepare_pretrained, whole_base
 from mmjax.planner.plan import Plan
 from mmjax.train.auto_plan import auto_plan
 from mmjax.train.config import named_model_config, pretrained
@@ -94,7 +94,7 @@ def model_and_tokenizer(model: MLLMConfig | None):
     check_pretrained_vocab(cfg, dirs)
     cfg = with_lora(cfg)  # gin's lora.*: adapters on the parts it names
     if adapter is not None:
-        cfg = with_adapter(cfg, adapter, "model" in dirs)
+        cfg = with_adapter(cfg, adapter, whole_base(dirs) is not None)
     cfg, vae_dir, decision = place_vae(cfg)
     if decision is not None:  # "auto": the planner's choice and why
         progress_console().print(f"vae placement: {'device (a frozen unit)' if vae_dir else 'host'}"

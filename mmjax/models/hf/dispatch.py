@@ -111,10 +111,12 @@ def load(path, dtype="float32", adapter=None, **vision_options):
         if vision_options:
             raise ValueError(f"load: {sorted(vision_options)} do not apply to a Qwen2-VL "
                              f"checkpoint (its config.json describes the tower)")
-        if adapter is not None:
-            raise ValueError("load: peft adapters on Qwen2-VL checkpoints are not in mmjax yet "
-                             "(a decoder LLM or a LLaVA takes adapter=)")
-        return load_qwen2_vl(path, dtype)
+        module, cfg = load_qwen2_vl(path, "float32" if adapter is not None else dtype)
+        if adapter is None:
+            return module, cfg
+        from mmjax.models.hf.peft import apply_adapter
+        module, cfg = apply_adapter(module, cfg, adapter)
+        return _cast(module, dtype), cfg
     if model_type(path) == "llava":
         if vision_options:
             raise ValueError(f"load: {sorted(vision_options)} do not apply to a LLaVA "
@@ -128,10 +130,14 @@ def load(path, dtype="float32", adapter=None, **vision_options):
     if adapter is not None:
         from mmjax.models.hf.peft import apply_adapter
         module, cfg = apply_adapter(module, cfg, adapter)
+    return _cast(module, dtype), cfg
+
+
+def _cast(module, dtype):
     if jnp.dtype(dtype) != jnp.float32:
         state = nnx.state(module, nnx.Param)
         nnx.update(module, jax.tree.map(lambda a: a.astype(dtype), state))
-    return module, cfg
+    return module
 
 
 @nnx.jit

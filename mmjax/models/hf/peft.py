@@ -17,8 +17,8 @@ from safetensors.numpy import load_file
 from mmjax.errors import UserError
 from mmjax.models.config import LLMConfig, with_overrides
 from mmjax.models.hf.checkpoint import _flatten, _fmt, apply_to_module, write_safetensors
-from mmjax.models.hf.peft_names import (LLAVA_MODULES, PREFIX, adapter_table,
-                                        part_and_projection, runtime_entries)
+from mmjax.models.hf.peft_names import (PREFIX, adapter_table, auto_mapping, is_qwen2_vl,
+                                        model_modules, part_and_projection, runtime_entries)
 from mmjax.models.lora_config import LoRAConfig
 from mmjax.models.lora_merge import adapter_sites, flat_params
 from mmjax.models.units import LLM_UNIT, is_llm
@@ -40,8 +40,6 @@ _DEFAULTS = {"alora_invocation_tokens": None, "alpha_pattern": {}, "arrow_config
 _MUST = {"peft_type": "LORA", "bias": "none", "fan_in_fan_out": False, "use_dora": False,
          "lora_bias": False, "rank_pattern": {}, "alpha_pattern": {}, "layers_to_transform": None,
          "layer_replication": None, "trainable_token_indices": None, "target_parameters": None}
-_LLAVA_MAPPING = {"base_model_class": "LlavaForConditionalGeneration",
-                  "parent_library": "transformers.models.llava.modeling_llava"}
 
 
 def read_adapter(adapter_dir) -> tuple[dict, dict]:
@@ -142,7 +140,8 @@ def _modules_to_save(cfg, c: dict, tensors: dict, old: bool) -> dict:
     wanted = c.get("modules_to_save") or []
     if not wanted:
         return {}
-    if isinstance(cfg, LLMConfig) or list(wanted) != ["multi_modal_projector"]:
+    if (isinstance(cfg, LLMConfig) or is_qwen2_vl(cfg)
+            or list(wanted) != ["multi_modal_projector"]):
         raise UserError(f"adapter modules_to_save={wanted!r}: mmjax reads a LLaVA projector "
                         f"saved whole (['multi_modal_projector']) only")
     out = {}
@@ -202,11 +201,18 @@ def save_adapter(module, config, out_dir, trained=None, base_model: str | None =
          "use_rslora": rslora,
          "target_modules": _targets(config, modules),
          "modules_to_save": ["multi_modal_projector"] if saved else None,
-         "base_model_name_or_path": base_model or getattr(module, "hf_source", None),
+         "base_model_name_or_path": base_model or _source_dir(module),
          "task_type": "CAUSAL_LM" if isinstance(config, LLMConfig) else None,
-         "auto_mapping": None if isinstance(config, LLMConfig) else _LLAVA_MAPPING}
+         "auto_mapping": None if isinstance(config, LLMConfig) else auto_mapping(config)}
     (out / CONFIG_NAME).write_text(json.dumps(dict(sorted(c.items())), indent=2))
     return files + [out / CONFIG_NAME]
+
+
+def _source_dir(module) -> str | None:
+    """The checkpoint directory `hf.load` read `module` from (a Qwen2-VL module's
+    `hf_source` is JSON with its "dir")."""
+    src = getattr(module, "hf_source", None)
+    return json.loads(src).get("dir") if src and src.startswith("{") else src
 
 
 def _lora_configs(cfg) -> dict:
@@ -224,7 +230,7 @@ def _targets(cfg, modules: set):
         return sorted({m.rsplit(".", 1)[1] for m in modules})
     parts: dict = {}
     for m in modules:
-        prefix = next(p for p in LLAVA_MODULES.values() if m.startswith(p))
+        prefix = next(p for p in model_modules(cfg).values() if m.startswith(p))
         parts.setdefault(prefix, set()).add(m[len(prefix):].rsplit(".", 1)[-1])
     return "|".join(f"{re.escape(p)}(?:.*\\.)?({'|'.join(sorted(s))})"
                     for p, s in sorted(parts.items()))
@@ -233,9 +239,10 @@ def _targets(cfg, modules: set):
 def _whole_parts(cfg, flat: dict, trained: tuple) -> dict:
     if not trained:
         return {}
-    if isinstance(cfg, LLMConfig) or tuple(trained) != ("vision.projector",):
+    if isinstance(cfg, LLMConfig) or is_qwen2_vl(cfg) or tuple(trained) != ("vision.projector",):
         raise UserError(f"save_adapter: trained={trained!r}: peft's modules_to_save holds a "
-                        f"LLaVA projector ('vision.projector') only")
+                        f"LLaVA projector ('vision.projector') only (export a Qwen2-VL run "
+                        f"that trained its merger whole with --merge)")
     return {PREFIX + e.hf: e.to_hf(_host(flat[e.path]))
             for e in runtime_entries(cfg) if e.path[0] == "projectors"}
 

@@ -46,6 +46,17 @@ def expand_whole_model(dirs: dict) -> dict:
     return {"llm": path, "vision": path}
 
 
+def whole_base(dirs: dict) -> str | None:
+    """The whole-model checkpoint a run's (expanded) dirs start from: a LLaVA's
+    `pretrained.model`, or the Qwen2-VL directory that is both its LLM and its tower; None
+    for per-unit checkpoints (a peft adapter of such a base names the whole model)."""
+    if "model" in dirs:
+        return dirs["model"]
+    path = dirs.get("llm")
+    return path if path is not None and dirs.get("vision") == path and is_qwen2_vl_dir(
+        path) else None
+
+
 def prepare_pretrained(cfg: MLLMConfig, dirs: dict) -> MLLMConfig:
     """`pretrained_config` + `check_pretrained`, errors as one `PretrainedError`."""
     try:
@@ -221,7 +232,7 @@ def load_pretrained_dirs(model, dirs: dict):
         dirs = dict(dirs)
         adapter = dirs.pop("adapter")
         load_pretrained_dirs(model, dirs)
-        put_arrays(model, model_adapter(model.cfg, adapter, "model" in dirs)[1])
+        put_arrays(model, model_adapter(model.cfg, adapter, whole_base(dirs) is not None)[1])
         return model
     vae_dir = vae_unit_dir(dirs)
     if vae_dir is not None:
