@@ -133,7 +133,7 @@ def test_cli_bad_settings_exit_2_with_one_line_and_no_workdir(tmp_path):
     cases = [("train.checkpoint_every=0", "train.checkpoint_every=0: must be an int >= 1"),
              ("loader_source.path='/no/such.arrayrecord'",
               "loader_source.path='/no/such.arrayrecord': no such file"),
-             ('manual_plan.dp={"visoin": 2}', "manual_plan.dp: unknown unit(s) ['visoin']")]
+             ('manual_plan.dp={"visoin": 2}', "manual_plan.dp={'visoin': 2}: unknown unit(s) ['visoin']")]
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     for i, (binding, needle) in enumerate(cases):
         work = tmp_path / f"run{i}"

@@ -20,10 +20,10 @@ EXAMPLE = os.path.join(REPO, "configs", "examples", "llava_lora.gin")
 STEPS = 3
 LAYOUTS = {
     "single": [],
-    "pipelined": ["train.plan = 'manual'", "manual_plan.pp = {'llm': 2}",
-                  "manual_plan.global_batch = 8"],
+    # the plans' global batch is the example's train.global_batch (8), set by the program
+    "pipelined": ["train.plan = 'manual'", "manual_plan.pp = {'llm': 2}"],
     "colocated": ["train.plan = 'manual'", "manual_plan.layout = 'colocated'",
-                  "manual_plan.zero_stage = 3", "manual_plan.global_batch = 8"],
+                  "manual_plan.zero_stage = 3"],
 }
 
 

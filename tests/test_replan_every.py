@@ -141,8 +141,8 @@ def test_a_run_switches_to_the_plan_that_feeds_a_slow_unit_and_resumes_on_it(
         plans_after_8 = sorted(os.listdir(work / "plans"))
         capsys.readouterr()
         # the rerun: more steps, the replanner train builds (real CPU timings) that only
-        # a 1e9x predicted gain would move
-        resumed = run("switched", steps=12, replan_every=4, replan_min_gain=1e9)
+        # a 100x predicted gain (the setting's largest) would move
+        resumed = run("switched", steps=12, replan_every=4, replan_min_gain=100.0)
         said = capsys.readouterr().err
         plans_after_12 = sorted(os.listdir(work / "plans"))
         with open(work / "run.json") as f:
