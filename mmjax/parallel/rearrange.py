@@ -36,6 +36,8 @@ from mmjax.data.routes import Routes
 from mmjax.parallel.broker import deliveries
 from mmjax.parallel.exchange_stages import Caps, Topology, caps_bytes, needed_caps
 from mmjax.parallel.exchange_tables import StagedTables, staged_tables
+from mmjax.parallel.ragged_exchange import ragged_body
+from mmjax.parallel.ragged_tables import RaggedTables, ragged_caps, ragged_tables
 
 
 def _axes(axes) -> tuple[str, ...]:
@@ -61,15 +63,16 @@ def rank_devices(mesh: Mesh, dp_axes) -> list[list[int]]:
 @dataclass(frozen=True)
 class ExchangePlan:
     """Host-side plan of one rearrangement and its inverse on `num_devices` devices, as
-    staged exchanges (parallel/exchange_stages.py) over nodes of `ranks_per_node`."""
+    staged exchanges (parallel/exchange_stages.py) over nodes of `ranks_per_node`, or
+    ragged ones (parallel/ragged_tables.py, GPU)."""
 
     routes: Routes
-    forward: StagedTables
-    backward: StagedTables
+    forward: StagedTables | RaggedTables
+    backward: StagedTables | RaggedTables
     num_devices: int
 
     @property
-    def capacity(self) -> tuple[Caps, Caps]:
+    def capacity(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(forward, backward) rows per shift: the compiled shapes."""
         return self.forward.caps, self.backward.caps
 
@@ -96,34 +99,52 @@ def _pairs(ds) -> dict[tuple[int, int], int]:
     return out
 
 
+def _count(ds, n: int) -> np.ndarray:
+    d = np.asarray(ds, np.int64).reshape(-1, 4)
+    out = np.zeros((n, n), np.int64)
+    np.add.at(out, (d[:, 0], d[:, 1]), 1)
+    return out
+
+
 def exchange_caps(routes: Routes, mesh: Mesh, src_axes, dst_axes,
-                  ranks_per_node: int | None = None) -> tuple[Caps, Caps]:
-    """(forward, backward) least bucketed rows per shift that carry `routes` and its inverse
-    (host side; the runner's shape scan joins them over a run's batches, `join_caps`, so
-    the compiled shapes never change after warm-up)."""
+                  ranks_per_node: int | None = None, kind: str = "staged"
+                  ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(forward, backward) least bucketed rows per shift (`kind` "staged"), or (send,
+    receive) buffer rows ("ragged"), that carry `routes` and its inverse (host side; the
+    runner's shape scan joins them over a run's batches, `join_caps`, so the compiled
+    shapes never change after warm-up)."""
     topo = _topology(mesh, ranks_per_node)
     fwd, bwd = _deliveries(routes, mesh, src_axes, dst_axes)
+    if kind == "ragged":
+        return ragged_caps(_count(fwd, topo.n)), ragged_caps(_count(bwd, topo.n))
     return needed_caps(_pairs(fwd), topo), needed_caps(_pairs(bwd), topo)
 
 
 def plan_exchange(routes: Routes, mesh: Mesh, src_axes, dst_axes,
                   capacity: tuple[Caps, Caps] | None = None,
-                  ranks_per_node: int | None = None) -> ExchangePlan:
+                  ranks_per_node: int | None = None, kind: str = "staged") -> ExchangePlan:
     """Index tables moving `routes` from the `src_axes` layout to the `dst_axes` layout of
     `mesh`, and back, by staged exchanges over nodes of `ranks_per_node` devices (None: one
     node). `capacity`: (forward, backward) static rows per shift (the compiled program
     depends on them; keep them fixed across steps, e.g. the run's scanned `exchange_caps`
-    joined); None: this map's own, bucketed."""
+    joined); None: this map's own, bucketed. `kind` "ragged": one ragged all-to-all each
+    way instead (GPU; `capacity` its (send, receive) buffer rows)."""
     topo = _topology(mesh, ranks_per_node)
     fwd, bwd = _deliveries(routes, mesh, src_axes, dst_axes)
     fc, bc = (None, None) if capacity is None else capacity
+    if kind == "ragged":
+        s, d = routes.src_slots, routes.dst_slots
+        return ExchangePlan(routes, ragged_tables(fwd, topo.n, s, d, fc),
+                            ragged_tables(bwd, topo.n, d, s, bc), topo.n)
     return ExchangePlan(routes,
                         staged_tables(fwd, topo, routes.src_slots, routes.dst_slots, fc),
                         staged_tables(bwd, topo, routes.dst_slots, routes.src_slots, bc),
                         topo.n)
 
 
-def _host_tables(t: StagedTables) -> dict:
+def _host_tables(t: StagedTables | RaggedTables) -> dict:
+    if isinstance(t, RaggedTables):
+        return t.device_arrays()
     stages = {"A": [], "B": [], "C": []}
     for (stage, _), send in zip(t.topo.shifts(), t.send):
         stages[stage].append(send)
@@ -174,7 +195,9 @@ FORWARD_SCOPE, BACKWARD_SCOPE = "rearrange_fwd", "rearrange_bwd"  # the HLO ops'
 def _move(x, tables, mesh, src_axes, dst_axes, scope):
     every = tuple(mesh.axis_names)
     spec = jax.tree.map(lambda _: P(every), tables)
-    fn = jax.shard_map(partial(_body, axes=every, n=mesh.size), mesh=mesh,
+    body = (partial(ragged_body, axes=every, scope=scope) if "take" in tables
+            else partial(_body, axes=every, n=mesh.size))
+    fn = jax.shard_map(body, mesh=mesh,
                        in_specs=(P(src_axes), spec), out_specs=P(dst_axes), check_vma=False)
     with jax.named_scope(scope):
         return fn(x, tables)
@@ -210,7 +233,8 @@ def exchange(x: jax.Array, tables, mesh: Mesh, src_axes, dst_axes) -> jax.Array:
 def route_tables(routes: dict, mesh: Mesh, src_axes, dst_axes,
                  capacity: tuple[Caps, Caps] | None = None,
                  ledger: "TrafficLedger | None" = None, row_bytes: dict | None = None,
-                 ranks_per_node: int | None = None) -> dict[str, dict]:
+                 ranks_per_node: int | None = None, kind: str = "staged"
+                 ) -> dict[str, dict]:
     """Per encoder, its exchange's `device_tables` (for the step's inputs, `ROUTE_KEY`),
     staged over nodes of `ranks_per_node` (None: the ledger's, else one node). With a
     `ledger`, each exchange's forward and backward are counted there at `row_bytes[e]`
@@ -219,7 +243,7 @@ def route_tables(routes: dict, mesh: Mesh, src_axes, dst_axes,
         ranks_per_node = ledger.ranks_per_node
     out = {}
     for e, r in routes.items():
-        plan = plan_exchange(r, mesh, src_axes, dst_axes, capacity, ranks_per_node)
+        plan = plan_exchange(r, mesh, src_axes, dst_axes, capacity, ranks_per_node, kind)
         if ledger is not None:
             if row_bytes is None or e not in row_bytes:
                 raise ValueError(f"route_tables: a ledger needs row_bytes[{e!r}]")
@@ -253,7 +277,8 @@ class TrafficLedger:
     ("local": a device to itself, no link; "intra_node"; "inter_node"); `sent`: what the
     staged exchange's collective permutes move at their static capacities, padding
     included (`exchange_stages.caps_bytes`: equal to the compiled program's collective
-    operands, `hlo_traffic`)."""
+    operands, `hlo_traffic`); a ragged exchange sends its real rows (its send sizes, within
+    the compiled buffers, `ragged_exchange.ragged_operands`)."""
 
     ranks_per_node: int
     payload: dict[str, int] = field(default_factory=lambda: {
@@ -264,7 +289,7 @@ class TrafficLedger:
         if self.ranks_per_node < 1:
             raise ValueError(f"TrafficLedger.ranks_per_node={self.ranks_per_node}: use >= 1")
 
-    def add(self, tables: StagedTables, row_bytes: int) -> None:
+    def add(self, tables: StagedTables | RaggedTables, row_bytes: int) -> None:
         """Count one exchange by `tables` of rows of `row_bytes` bytes each."""
         count = tables.count
         n = count.shape[0]
@@ -277,6 +302,10 @@ class TrafficLedger:
         self.payload["local"] += int(count[eye].sum()) * row_bytes
         self.payload["intra_node"] += int(count[same & ~eye].sum()) * row_bytes
         self.payload["inter_node"] += int(count[~same].sum()) * row_bytes
+        if isinstance(tables, RaggedTables):  # a link carries its real rows, no padding
+            self.sent["intra_node"] += int(count[same & ~eye].sum()) * row_bytes
+            self.sent["inter_node"] += int(count[~same].sum()) * row_bytes
+            return
         for k, v in caps_bytes(tables.caps, tables.topo, row_bytes,
                                self.ranks_per_node).items():
             self.sent[k] += v
