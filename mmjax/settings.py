@@ -25,6 +25,7 @@ from mmjax.data.chat import LOSS_ON as _LOSS_ON
 from mmjax.data.layout import PACKINGS as _PACKING
 from mmjax.data.synthetic import KINDS as _KINDS
 from mmjax.data.token_distribution import METHODS as _CP_METHODS
+from mmjax.parallel.ragged_tables import EXCHANGES as _EXCHANGES
 from mmjax.errors import UserError, shown
 from mmjax.models.attention_names import IMPLEMENTATIONS as _ATTENTION
 from mmjax.planner.hardware import HARDWARE
@@ -170,6 +171,8 @@ SETTINGS: dict[str, dict[str, Setting]] = {
         "cp_method": Setting("choice", "lpt", choices=_CP_METHODS, needs="plan"),
         "cp_block": _int(128, 1, 1 << 20, needs="plan"),
         "node_wise_method": Setting("choice", "auto", choices=_NODE_WISE, needs="plan"),
+        "exchange": Setting("choice", "auto", choices=_EXCHANGES, needs="plan",
+                            fix="auto: ragged all-to-all on GPU, staged permutes elsewhere"),
         "node_wise_time_limit": _float(0.2, 0, 3600, open_lo=True, needs="plan"),
         "node_wise_max_milp_ranks": _int(32, 1, 1 << 16, needs="plan"),
         "hardware": Setting("choice", "h100", choices=_HARDWARE, needs="plan"),

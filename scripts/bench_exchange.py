@@ -13,6 +13,10 @@ size), this prints per device, forward, every encoder's exchange together:
   each shift's bucketed capacity; `caps_bytes`), all links and inter-node only, plain and
   node-wise;
 - payload: the rows really crossing nodes (a ragged exchange's bytes), plain and node-wise;
+- ragged: the ragged exchange (parallel/ragged_tables.py, GPU `ragged_all_to_all`): its
+  compiled send buffer (the busiest device's rows to other devices, bucketed: what a device
+  may send at most) and the rows a device really sends, mean over devices (its links carry
+  the send sizes, no padding); both follow the rows moved, not n;
 - plan ms: host time to plan the staged exchange's capacities (relays, loads, buckets) from
   the per-device-pair row counts.
 
@@ -38,6 +42,7 @@ from rich.table import Table  # noqa: E402
 from bench_data import phase_lengths  # noqa: E402
 from mmjax.data.balance import batches_by_rank, node_wise_rearrange, post_balance  # noqa: E402
 from mmjax.parallel.exchange_stages import Topology, caps_bytes, needed_caps  # noqa: E402
+from mmjax.parallel.ragged_tables import ragged_caps  # noqa: E402
 
 ENCODERS = {"image": "vision", "audio": "audio"}
 
@@ -85,6 +90,7 @@ def measure(c: dict, d: int, rpn: int, row_bytes: int) -> dict:
     topo = Topology(d, rpn)
     node = lambda p: p // rpn
     dense = dense_inter = staged = staged_inter = payload_inter = 0
+    ragged_buffer = ragged_sent = 0.0
     t0 = time.perf_counter()
     caps = {e: needed_caps(pairs, topo) for e, pairs in c.items()}
     plan_ms = (time.perf_counter() - t0) * 1e3
@@ -98,8 +104,20 @@ def measure(c: dict, d: int, rpn: int, row_bytes: int) -> dict:
         staged_inter += sent["inter_node"] / d
         payload_inter += sum(m for (u, v), m in pairs.items() if node(u) != node(v)) \
             * row_bytes / d
+        ragged_buffer += ragged_caps(_matrix(pairs, d))[0] * row_bytes
+        ragged_sent += sum(m for (u, v), m in pairs.items() if u != v) * row_bytes / d
     return dict(dense=dense, dense_inter=dense_inter, staged=staged, staged_inter=staged_inter,
-                payload_inter=payload_inter, plan_ms=plan_ms)
+                payload_inter=payload_inter, plan_ms=plan_ms, ragged_buffer=ragged_buffer,
+                ragged_sent=ragged_sent)
+
+
+def _matrix(pairs: dict, d: int) -> np.ndarray:
+    """{(u, v): rows} as a [d, d] matrix."""
+    out = np.zeros((d, d), np.int64)
+    if pairs:
+        uv = np.array(list(pairs), np.int64)
+        out[uv[:, 0], uv[:, 1]] = np.fromiter(pairs.values(), np.int64, len(pairs))
+    return out
 
 
 def run(args, console) -> list[dict]:
@@ -131,13 +149,14 @@ def run(args, console) -> list[dict]:
                     f"of {args.seeds} batches)")
     for c in ("ranks", "dense (old)", "staged", "staged inter plain", "staged inter node-wise",
               "ratio", "payload inter plain", "payload inter node-wise", "ratio ",
-              "plan ms"):
+              "ragged buffer", "ragged sent", "plan ms"):
         t.add_column(c, justify="right")
     for r in out:
         t.add_row(str(r["ranks"]), mb(r["plain_dense"]), mb(r["plain_staged"]),
                   mb(r["plain_staged_inter"]), mb(r["node_wise_staged_inter"]),
                   f"{r['staged_inter_ratio']:.2f}", mb(r["plain_payload_inter"]),
                   mb(r["node_wise_payload_inter"]), f"{r['payload_inter_ratio']:.2f}",
+                  mb(r["node_wise_ragged_buffer"]), mb(r["node_wise_ragged_sent"]),
                   f"{r['node_wise_plan_ms']:.1f}")
     console.print(t)
     console.print("OrchMLLM §8: node-wise leaves 0.436-0.722 of plain post-balancing's "

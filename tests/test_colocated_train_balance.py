@@ -213,6 +213,8 @@ def test_loader_settings_become_per_phase_policies():
     assert st.policies == {"vision": "conv", "llm": "padded"}
     assert (st.ranks_per_node, st.node_wise_method) == (4, "local") and st.balanced
     assert not _check([]).balanced  # every phase "none": the plain batches
+    assert _check([]).exchange == "staged"  # "auto" off GPU
+    assert _check(['Loader.exchange = "staged"']).exchange == "staged"
 
 
 @pytest.mark.parametrize("binding,words", [
@@ -225,6 +227,8 @@ def test_loader_settings_become_per_phase_policies():
      "Loader.balance['generator']='none'"),
     ('Loader.post_balance_policy = {"llm": "sum", "generator": "conv"}',
      "Loader.post_balance_policy['generator']='conv'"),
+    pytest.param('Loader.exchange = "ragged"', "Loader.exchange='ragged' needs a GPU",
+                 marks=pytest.mark.skipif(jax.default_backend() == "gpu", reason="GPU")),
 ])
 def test_settings_the_colocated_layout_cannot_honour(binding, words):
     with pytest.raises(UserError) as e:

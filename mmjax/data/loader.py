@@ -118,7 +118,8 @@ class Loader:
                  hardware: str = "h100", shape_scan_steps: int | None = None,
                  local_devices: frozenset[int] | None = None, max_bad_fraction: float = 0.5,
                  producers: int = 0, producer_addresses=None, producer_cpus=None,
-                 producer_timeout: float = 300.0, row_budget: int | None = None):
+                 producer_timeout: float = 300.0, row_budget: int | None = None,
+                 exchange: str = "auto"):
         if prefetch < 2:
             raise UserError(f"Loader.prefetch={prefetch}: use >= 2 (global batches prepared "
                             f"ahead, so planning and preprocessing stay off the training "
@@ -132,6 +133,7 @@ class Loader:
                             f"{rules.patch_size}")
         # as given (a dict names units): the co-located layout checks what it can honour
         self.balance, self.post_balance_policy = balance, post_balance_policy
+        self.exchange = exchange  # the co-located exchange's form (train/colocated_data.py)
         node_wise = NodeWise(ranks_per_node, node_wise_method, node_wise_time_limit,
                              node_wise_max_milp_ranks)
         self.builder = GlobalBatchBuilder(

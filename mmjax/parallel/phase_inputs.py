@@ -63,9 +63,10 @@ def colocated_route(mesh: Mesh, colo=None):
 def place_phase_batch(pb: PhaseBatch, mesh: Mesh, capacity: tuple | None = None,
                       ledger: TrafficLedger | None = None,
                       row_bytes: int | None = None, colo=None,
-                      ranks_per_node: int | None = None) -> dict:
+                      ranks_per_node: int | None = None, kind: str = "staged") -> dict:
     """A `PhaseBatch` as the co-located step's inputs: its leaves placed on the mesh, the
-    encoders' exchange tables under `ROUTE_KEY` (see `balanced_inputs`)."""
+    encoders' exchange tables under `ROUTE_KEY` (see `balanced_inputs`; `kind`: "staged"
+    or "ragged", `rearrange.plan_exchange`)."""
     if ledger is not None and row_bytes is None:
         raise ValueError("balanced_inputs: a ledger needs row_bytes (hidden size x dtype bytes)")
     inputs = place_batch(mesh, pb.inputs, colo)
@@ -74,7 +75,7 @@ def place_phase_batch(pb: PhaseBatch, mesh: Mesh, capacity: tuple | None = None,
     for e, axes in encoder_axes(mesh, pb.routes, colo).items():
         tables.update(route_tables({e: pb.routes[e]}, mesh, axes, dst, capacity, ledger,
                                    None if ledger is None else {e: int(row_bytes)},
-                                   ranks_per_node))
+                                   ranks_per_node, kind))
     inputs[ROUTE_KEY] = tables
     return inputs
 

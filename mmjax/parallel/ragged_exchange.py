@@ -22,8 +22,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from mmjax.errors import UserError
-
-EXCHANGES = ("auto", "staged", "ragged")  # Loader.exchange's choices
+from mmjax.parallel.ragged_tables import EXCHANGES
 
 
 def exchange_kind(setting: str, backend: str | None = None) -> str:

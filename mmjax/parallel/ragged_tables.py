@@ -27,6 +27,7 @@ import numpy as np
 from mmjax.parallel.exchange_stages import bucket
 
 RaggedCaps = tuple[int, int]  # (send buffer rows, receive buffer rows)
+EXCHANGES = ("auto", "staged", "ragged")  # Loader.exchange: "auto" is ragged on GPU only
 
 
 @dataclass(frozen=True)

@@ -164,20 +164,27 @@ class Colocated(SingleProgram):
     def inputs(self, batch):
         if isinstance(batch, BalancedBatch):  # per-phase layouts + the all-to-all tables
             return place_phase_batch(batch.phases, self.mesh, batch.capacity, self.ledger,
-                                     self.row_bytes, self.colo, self.phases.ranks_per_node)
+                                     self.row_bytes, self.colo, self.phases.ranks_per_node,
+                                     self.phases.settings.exchange)
         return place_batch(self.mesh, super().inputs(batch), self.colo)
 
     def step(self, trace: bool = False, limits=(float("inf"), float("inf"))) -> StepMetrics:
         """`SingleProgram.step`; with `ranks_per_node` set, the step's encoder->LLM bytes per
         link class in its metrics: `a2a_{intra,inter}_node_bytes` what the compiled step's
-        exchanges send (forward and backward, read from its HLO: `sent_bytes`),
+        exchanges send (forward and backward, read from its HLO: `sent_bytes`; a ragged
+        exchange's: the rows its tables send, `TrafficLedger.sent`),
         `a2a_*_payload_bytes` the rows the tables deliver (`TrafficLedger.payload`)."""
         before = dict(self.ledger.payload) if self.ledger else None
+        sent = dict(self.ledger.sent) if self.ledger else None
         m = super().step(trace, limits)
         if self.ledger:
             m.extra = {f"a2a_{k}_payload_bytes": v - before[k]
                        for k, v in self.ledger.payload.items()}
-            m.extra.update({f"a2a_{k}_bytes": v for k, v in self.sent_bytes().items()})
+            if self.phases.settings.exchange == "ragged":  # its links carry the send sizes
+                m.extra.update({f"a2a_{k}_bytes": v - sent[k]
+                                for k, v in self.ledger.sent.items()})
+            else:
+                m.extra.update({f"a2a_{k}_bytes": v for k, v in self.sent_bytes().items()})
         return m
 
     def sent_bytes(self) -> dict[str, int]:

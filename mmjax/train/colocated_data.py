@@ -28,6 +28,7 @@ from mmjax.errors import UserError
 from mmjax.models.units import LLM_UNIT, is_generator, is_llm
 from mmjax.parallel.phase_inputs import encoder_axes, encoder_ranks, llm_axes, llm_ranks
 from mmjax.parallel.exchange_stages import join_caps
+from mmjax.parallel.ragged_exchange import exchange_kind
 from mmjax.parallel.rearrange import exchange_caps
 from mmjax.planner.plan import Plan
 from mmjax.data.stream_position import settings_changed
@@ -44,6 +45,7 @@ class PhaseSettings:
     node_wise_method: str = "local"
     node_wise_time_limit: float = 0.2
     node_wise_max_milp_ranks: int = 32
+    exchange: str = "staged"  # "staged" or "ragged" (`ragged_exchange.exchange_kind`)
 
     @property
     def balanced(self) -> bool:
@@ -84,7 +86,8 @@ def phase_settings(loader: Loader, cfg, layout, num_devices: int, tp: int) -> Ph
         raise UserError(f"Loader.ranks_per_node={rpn}: the co-located layout's {num_devices} "
                         f"devices must be whole nodes of it, each holding whole tp groups of "
                         f"tp {tp} (use a divisor of {num_devices} that {tp} divides, or 0)")
-    return PhaseSettings(policies, rpn, nw.method, nw.time_limit, nw.max_milp_ranks)
+    return PhaseSettings(policies, rpn, nw.method, nw.time_limit, nw.max_milp_ranks,
+                         exchange_kind(getattr(loader, "exchange", "auto")))
 
 
 def check_colocated_loader(cfg, layout, source, global_batch: int, num_devices: int,
@@ -183,7 +186,8 @@ class PhaseBatches(LoaderStream):
         """`caps` joined with every encoder's (forward, backward) exchange capacities."""
         src, dst = self.axes
         for e, r in routes.items():
-            got = exchange_caps(r, self.mesh, src[e], dst, self.ranks_per_node)
+            got = exchange_caps(r, self.mesh, src[e], dst, self.ranks_per_node,
+                                self.settings.exchange)
             caps = got if caps is None else tuple(join_caps(a, b) for a, b in zip(caps, got))
         return caps
 
@@ -229,6 +233,9 @@ class PhaseBatches(LoaderStream):
         cap = state.get("capacity")  # an older run's all-to-all capacity (an int): rescan
         self.capacity = (tuple(tuple(int(x) for x in c) for c in cap)
                          if isinstance(cap, list) else self.floor_capacity)
+        if self.capacity is not None and self.floor_capacity is not None and [
+                len(c) for c in self.capacity] != [len(c) for c in self.floor_capacity]:
+            self.capacity = self.floor_capacity  # stored by the other exchange form
 
     def __next__(self):
         if self._it is None:
