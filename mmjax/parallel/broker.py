@@ -9,7 +9,9 @@ union-wide all-to-all. The route map is a pair of device-input index tables, and
 depend on the meshes only, so the compiled program depends on shapes and round sizes alone
 and a new assignment every step costs no compile. Every process holding devices of either
 mesh calls `transfer` with the same arguments in the same order. Layout, tables and the
-XLA:CPU caveat: docs/design.md "The broker".
+XLA:CPU caveat: docs/design.md "The broker". `exchange="ragged"` (GPU): one
+`lax.ragged_all_to_all` over the union instead of the rounds, each link carrying its real
+rows (parallel/ragged_tables.py).
 """
 from __future__ import annotations
 
@@ -26,6 +28,8 @@ from jax.sharding import PartitionSpec as P
 from mmjax.data.routes import Routes
 from mmjax.parallel.broker_rounds import (RoundTables, device_rounds, needed_caps,
                                           ordered_round_count, permutes, round_tables)
+from mmjax.parallel.ragged_exchange import ragged_body
+from mmjax.parallel.ragged_tables import RaggedTables, ragged_caps, ragged_tables
 
 AXIS = "broker"  # the 1-D union mesh's axis
 TABLES_KEPT = 64  # route maps whose device index tables a Broker keeps (oldest dropped first)
@@ -52,10 +56,10 @@ def deliveries(routes: Routes, src_replicas: list[list[int]],
     return out
 
 
-def _exchange(x_tree, send, recv, permutes):
+def _exchange(x_tree, tables, permutes):
     """Per-device body inside shard_map: x leaves [src_slots, ...] -> [dst_slots, ...], one
     collective permute per round that carries rows (`broker_rounds.permutes`)."""
-    take, put_at = send[0], recv[0]
+    take, put_at = tables["send"][0], tables["recv"][0]
 
     def one(x):
         if not permutes:
@@ -69,12 +73,16 @@ def _exchange(x_tree, send, recv, permutes):
     return jax.tree.map(one, x_tree)
 
 
+def _ragged(x_tree, tables):
+    """Per-device body of the ragged form: one ragged all-to-all per leaf."""
+    return jax.tree.map(lambda x: ragged_body(x, tables, axes=AXIS, scope="broker"), x_tree)
+
+
 # ---- the broker -----------------------------------------------------------------------------
 @dataclass
 class _Tables:
-    host: RoundTables
-    send: jax.Array
-    recv: jax.Array
+    host: RoundTables | RaggedTables
+    device: dict[str, jax.Array]
 
 
 def _device_array(devices) -> np.ndarray:
@@ -93,7 +101,10 @@ class Broker:
     and zero buffers for destination-only devices keyed by shape and dtype (buffers are
     immutable, so reusing them is safe)."""
 
-    def __init__(self, src_mesh: Mesh, dst_mesh: Mesh):
+    def __init__(self, src_mesh: Mesh, dst_mesh: Mesh, exchange: str = "staged"):
+        if exchange not in ("staged", "ragged"):
+            raise ValueError(f"Broker.exchange={exchange!r}: use 'staged' or 'ragged'")
+        self.exchange = exchange
         for name, m in (("src_mesh", src_mesh), ("dst_mesh", dst_mesh)):
             if "dp" not in m.axis_names:
                 raise ValueError(f"Broker.{name} has axes {m.axis_names}; it needs a 'dp' axis")
@@ -149,29 +160,52 @@ class Broker:
         # Round sizes never shrink for given slot counts, so a run compiles at most one
         # program per growth of a round instead of flipping between sizes; all processes
         # make the same calls in the same order, so they agree on them.
-        need = needed_caps(routes, self.rounds, self.shared_from)
+        n = len(self.union_devices)
+        host: RoundTables | RaggedTables
+        if self.exchange == "ragged":
+            ds = deliveries(routes, self.src_replicas, self.dst_replicas)
+            count = np.zeros((n, n), np.int64)
+            np.add.at(count, tuple(np.asarray(ds, np.int64).reshape(-1, 4)[:, :2].T), 1)
+            need: tuple[int, ...] = ragged_caps(count)
+        else:
+            need = needed_caps(routes, self.rounds, self.shared_from)
         caps = tuple(max(x, y) for x, y in zip(need, self.caps.get(slots, need)))
         self.caps[slots] = caps
-        host = round_tables(routes, self.rounds, len(self.union_devices), caps)
-        send, recv = (jax.make_array_from_callback(a.shape, self.union_sharding,
-                                                   lambda idx, a=a: a[idx], dtype=a.dtype)
-                      for a in (host.send, host.recv))
+        if self.exchange == "ragged":
+            host = ragged_tables(ds, n, routes.src_slots, routes.dst_slots, (caps[0], caps[1]))
+            arrays = host.device_arrays()
+        else:
+            host = round_tables(routes, self.rounds, n, caps)
+            arrays = {"send": host.send, "recv": host.recv}
+        device = {k: jax.make_array_from_callback(a.shape, self.union_sharding,
+                                                  lambda idx, a=a: a[idx], dtype=a.dtype)
+                  for k, a in arrays.items()}
         if len(self.tables) >= TABLES_KEPT:
             del self.tables[next(iter(self.tables))]
-        t = self.tables[routes] = _Tables(host, send, recv)
+        t = self.tables[routes] = _Tables(host, device)
         return t
 
     def _program(self, ins: list[jax.Array], t: _Tables):
         """The compiled exchange for these leaf shapes and round sizes: compiled once,
         whatever the route map."""
-        key = (tuple((x.shape, x.dtype.str) for x in ins), t.host.caps, t.recv.shape)
+        key = (tuple((x.shape, x.dtype.str) for x in ins), self.exchange, t.host.caps,
+               t.device["recv"].shape)
         prog = self.programs.get(key)
         if prog is None:
-            body = functools.partial(_exchange, permutes=permutes(self.rounds, t.host.caps))
-            fn = jax.jit(jax.shard_map(body, mesh=self.union_mesh, in_specs=(P(AXIS),) * 3,
-                                       out_specs=P(AXIS), check_vma=False))
-            prog = self.programs[key] = fn.lower(ins, t.send, t.recv).compile()
+            prog = self.programs[key] = self.lowered(ins, t).compile()
         return prog
+
+    def lowered(self, ins: list, t: _Tables, platforms: tuple[str, ...] | None = None):
+        """The exchange program of `t` for leaves `ins`, lowered (for `platforms`, default
+        this backend: the ragged form lowers for "cuda" from any host)."""
+        if isinstance(t.host, RaggedTables):
+            body = _ragged
+        else:
+            body = functools.partial(_exchange, permutes=permutes(self.rounds, t.host.caps))
+        spec = {k: P(AXIS) for k in t.device}
+        fn = jax.jit(jax.shard_map(body, mesh=self.union_mesh, in_specs=(P(AXIS), spec),
+                                   out_specs=P(AXIS), check_vma=False))
+        return fn.trace(ins, t.device).lower(lowering_platforms=platforms)
 
     def _zeros(self, shape, dtype, device) -> jax.Array:
         key = (tuple(shape), np.dtype(dtype).str, device.id)
@@ -223,7 +257,7 @@ class Broker:
         if self.ledger is not None:
             self._count(t.host.count, leaves, routes.src_slots)
         ins = [self._to_union(x, routes.src_slots) for x in leaves]
-        outs = self._program(ins, t)(ins, t.send, t.recv)
+        outs = self._program(ins, t)(ins, t.device)
         if wait:
             jax.block_until_ready(outs)
         return jax.tree.unflatten(treedef, [self._from_union(y, routes.dst_slots) for y in outs])

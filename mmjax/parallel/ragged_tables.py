@@ -99,6 +99,6 @@ def ragged_tables(ds, n: int, src_slots: int, dst_slots: int,
     recv = np.full((n, dst_slots), -1, np.int32)
     recv[v, q] = np.where(remote, src_slots + output_offsets[u, v] + rank, s)
     i32 = lambda a: a.astype(np.int32)
-    return RaggedTables(tuple(caps), take, i32(input_offsets), i32(far), i32(output_offsets),
-                        i32(far.T), recv, count)
+    return RaggedTables((int(caps[0]), int(caps[1])), take, i32(input_offsets), i32(far),
+                        i32(output_offsets), i32(far.T), recv, count)
 

@@ -45,12 +45,14 @@ from mmjax.schedule.stage_graph import Backward, StageGraph, StageId
 class PipelineRuntime:
     def __init__(self, cfg: MLLMConfig, plan: Plan, devices=None, seed: int = 0,
                  compute_dtype=jnp.float32, pretrained: dict | None = None,
-                 llm_mask_family: str = "bam", schedule: str = "1f1b"):
+                 llm_mask_family: str = "bam", schedule: str = "1f1b",
+                 exchange: str = "staged"):
         """`pretrained` {unit: HF checkpoint directory}: each stage of those units reads
         its own layers (its devices' blocks) straight onto its sub-mesh after placement;
         `cfg` must already describe them (`hf.pretrained_config`). `llm_mask_family`: the
         feeds' `AssemblyLayout.llm_mask_family`. `schedule`: a name of schedule/named.py
-        `SCHEDULES` (`train.schedule`)."""
+        `SCHEDULES` (`train.schedule`). `exchange`: the brokers' form, "staged" or "ragged"
+        (GPU; `ragged_exchange.exchange_kind`)."""
         plan.validate(cfg, len(devices if devices is not None else jax.devices()))
         pretrained = pretrained or {}
         self.cfg, self.plan, self.dtype = cfg, plan, compute_dtype
@@ -79,7 +81,8 @@ class PipelineRuntime:
         self.backward_calls = {sid: 0 for sid in self.stages}  # dispatched (a diagnostic)
         self.sync = sync_collectives()
         self.transfers = Transfers(self.stages, self.graph, self.num_virtual["llm"],
-                                   cfg.generator is not None, self.sync, dropout_units(cfg))
+                                   cfg.generator is not None, self.sync, dropout_units(cfg),
+                                   exchange)
         self.actions = StageActions(self.stages, self.graph, self.transfers, self.settle,
                                     StageId(LLM_UNIT, self.num_virtual["llm"] - 1),
                                     cfg.generator is not None)

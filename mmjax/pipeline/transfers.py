@@ -29,16 +29,18 @@ class Transfers:
     and kept (`brokers`, their ledgers count the traffic)."""
 
     def __init__(self, stages: dict, graph: StageGraph, num_llm: int, has_generator: bool,
-                 sync: bool, dropout_units: frozenset = frozenset()):
+                 sync: bool, dropout_units: frozenset = frozenset(), exchange: str = "staged"):
         self.stages, self.graph, self.num_llm = stages, graph, num_llm
         self.has_generator, self.sync = has_generator, sync
         self.dropout_units = dropout_units  # units whose stages apply LoRA dropout
         self.brokers: dict[tuple[StageId, StageId], Broker] = {}
+        self.exchange = exchange  # the brokers' form: "staged" or "ragged" (GPU)
 
     def broker(self, src: StageId, dst: StageId) -> Broker:
         key = (src, dst)
         if key not in self.brokers:
-            self.brokers[key] = Broker(self.stages[src].mesh, self.stages[dst].mesh)
+            self.brokers[key] = Broker(self.stages[src].mesh, self.stages[dst].mesh,
+                                       self.exchange)
         return self.brokers[key]
 
     def routes(self, src: StageId, dst: StageId, feed: MicrobatchFeed) -> Routes:

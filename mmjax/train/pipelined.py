@@ -29,6 +29,7 @@ from mmjax.data.sources import eval_batches
 from mmjax.data.stream_position import resume_notice, stored_position
 from mmjax.models.config import MLLMConfig
 from mmjax.models.hf.pretrained import whole_base
+from mmjax.parallel.ragged_exchange import exchange_kind
 from mmjax.parallel.zero import Zero1Optimizer
 from mmjax.pipeline.runtime import PipelineRuntime
 from mmjax.pipeline.stage import rank_axes
@@ -60,8 +61,9 @@ class PipelinedRunner:
         self.cfg, self.plan, self.global_batch = cfg, plan, plan.global_batch
         self.data, self.layout, self.memory_line = data, layout, memory_line
         self.settings = settings or OptimizerSettings()
-        rt = self.runtime = PipelineRuntime(cfg, plan, devices, seed, compute_dtype,
-                                            pretrained, llm_mask_family, pipeline_schedule)
+        rt = self.runtime = PipelineRuntime(
+            cfg, plan, devices, seed, compute_dtype, pretrained, llm_mask_family,
+            pipeline_schedule, exchange_kind(getattr(data, "exchange", "auto")))
         self.tx = optimizer_from_settings(schedule, self.settings, clip=False)
         # the learning rate a stage update's input: its program does not depend on
         # train.steps; `updates`: the updates applied so far (optax's count)
