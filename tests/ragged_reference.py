@@ -68,3 +68,22 @@ def emulate(xs: np.ndarray, t: RaggedTables) -> np.ndarray:
     got = ragged_all_to_all(buf, out, t.input_offsets, t.send_sizes, t.output_offsets,
                             t.recv_sizes)
     return _gather(np.concatenate([xs, got], axis=1), t.recv)
+
+
+def walk_deliveries(routes, src_replicas, dst_replicas) -> list[tuple[int, int, int, int]]:
+    """The per-row walk `deliveries.deliveries_array` replaced (broker.py before it): every
+    part to every replica of its destination rank; the receiver itself when it holds the
+    source rank, else the source replica with the fewest deliveries to that receiver, then
+    fewest in all, then the first."""
+    load = {d: 0 for reps in src_replicas for d in reps}
+    pair: dict[tuple[int, int], int] = {}
+    out = []
+    for i, s, j, q in routes.pairs:
+        reps = src_replicas[i]
+        for v in dst_replicas[j]:
+            u = v if v in reps else min(
+                reps, key=lambda d: (pair.get((d, v), 0), load[d], reps.index(d)))
+            load[u] += 1
+            pair[(u, v)] = pair.get((u, v), 0) + 1
+            out.append((u, v, s, q))
+    return out

@@ -28,32 +28,12 @@ from jax.sharding import PartitionSpec as P
 from mmjax.data.routes import Routes
 from mmjax.parallel.broker_rounds import (RoundTables, device_rounds, needed_caps,
                                           ordered_round_count, permutes, round_tables)
+from mmjax.parallel.deliveries import deliveries_array
 from mmjax.parallel.ragged_exchange import ragged_body
 from mmjax.parallel.ragged_tables import RaggedTables, ragged_caps, ragged_tables
 
 AXIS = "broker"  # the 1-D union mesh's axis
 TABLES_KEPT = 64  # route maps whose device index tables a Broker keeps (oldest dropped first)
-
-
-# ---- which replica sends (host) ------------------------------------------------------------
-def deliveries(routes: Routes, src_replicas: list[list[int]],
-               dst_replicas: list[list[int]]) -> list[tuple[int, int, int, int]]:
-    """(sender u, receiver v, src slot s, dst slot q) union-index deliveries. Every part goes
-    to every replica of its destination rank; a receiver that is itself a replica of the
-    source rank sends to itself, otherwise the source replica with the fewest deliveries to
-    that receiver (then fewest in all) sends, which keeps the per-pair capacity low."""
-    load = {d: 0 for reps in src_replicas for d in reps}
-    pair: dict[tuple[int, int], int] = {}
-    out = []
-    for i, s, j, q in routes.pairs:
-        reps = src_replicas[i]
-        for v in dst_replicas[j]:
-            u = v if v in reps else min(
-                reps, key=lambda d: (pair.get((d, v), 0), load[d], reps.index(d)))
-            load[u] += 1
-            pair[(u, v)] = pair.get((u, v), 0) + 1
-            out.append((u, v, s, q))
-    return out
 
 
 def _exchange(x_tree, tables, permutes):
@@ -163,9 +143,9 @@ class Broker:
         n = len(self.union_devices)
         host: RoundTables | RaggedTables
         if self.exchange == "ragged":
-            ds = deliveries(routes, self.src_replicas, self.dst_replicas)
+            ds = deliveries_array(routes, self.src_replicas, self.dst_replicas)
             count = np.zeros((n, n), np.int64)
-            np.add.at(count, tuple(np.asarray(ds, np.int64).reshape(-1, 4)[:, :2].T), 1)
+            np.add.at(count, (ds[:, 0], ds[:, 1]), 1)
             need: tuple[int, ...] = ragged_caps(count)
         else:
             need = needed_caps(routes, self.rounds, self.shared_from)

@@ -68,7 +68,7 @@ def _hops(u, v, relay, topo: Topology, index: dict):
 
 def staged_tables(ds, topo: Topology, src_slots: int, dst_slots: int,
                   caps: Caps | None = None) -> StagedTables:
-    """Tables moving deliveries `ds` [(u, v, src slot, dst slot)] (broker.deliveries) by the
+    """Tables moving deliveries `ds` [(u, v, src slot, dst slot)] (`deliveries.deliveries_array`) by the
     staged exchange; `caps`: the static capacities (None: `needed_caps`, bucketed)."""
     n = topo.n
     d = np.asarray(ds, np.int64).reshape(-1, 4)

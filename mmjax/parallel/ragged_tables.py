@@ -72,7 +72,7 @@ def ragged_caps(count: np.ndarray) -> RaggedCaps:
 
 def ragged_tables(ds, n: int, src_slots: int, dst_slots: int,
                   caps: RaggedCaps | None = None) -> RaggedTables:
-    """Tables moving deliveries `ds` [(u, v, src slot, dst slot)] (`broker.deliveries`) by
+    """Tables moving deliveries `ds` [(u, v, src slot, dst slot)] (`deliveries.deliveries_array`) by
     one ragged all-to-all over `n` devices; `caps`: the static buffer rows (None: this
     map's own, `ragged_caps`)."""
     d = np.asarray(ds, np.int64).reshape(-1, 4)

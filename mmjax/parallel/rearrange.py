@@ -15,7 +15,7 @@ tables: gradients go back to the encoder ranks by one all-to-all, no scatter-add
 
 Replicas: a rank spread over several devices (the LLM at dp 4 x tp 2 on 8 devices) receives
 its rows on every replica; one replica of a source rank sends each row (the one with the
-fewest deliveries to that receiver, as `broker.deliveries` picks).
+fewest deliveries to that receiver, as `deliveries.deliveries_array` picks).
 
 `TrafficLedger` counts the bytes an exchange really delivers per link class ("local": a
 device to itself, "intra_node", "inter_node"), from the send counts of its tables.
@@ -33,7 +33,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mmjax.data.routes import Routes
-from mmjax.parallel.broker import deliveries
+from mmjax.parallel.deliveries import deliveries_array
 from mmjax.parallel.exchange_stages import Caps, Topology, caps_bytes, needed_caps
 from mmjax.parallel.exchange_tables import StagedTables, staged_tables
 from mmjax.parallel.ragged_exchange import ragged_body
@@ -89,14 +89,7 @@ def _deliveries(routes: Routes, mesh: Mesh, src_axes, dst_axes):
         raise ValueError(f"rearrange: routes map dp {routes.src_ranks} -> {routes.dst_ranks} "
                          f"but the mesh's axes {_axes(src_axes)} -> {_axes(dst_axes)} give dp "
                          f"{len(src)} -> {len(dst)}")
-    return deliveries(routes, src, dst), deliveries(routes.inverse(), dst, src)
-
-
-def _pairs(ds) -> dict[tuple[int, int], int]:
-    out: dict[tuple[int, int], int] = {}
-    for u, v, _, _ in ds:
-        out[(u, v)] = out.get((u, v), 0) + 1
-    return out
+    return deliveries_array(routes, src, dst), deliveries_array(routes.inverse(), dst, src)
 
 
 def _count(ds, n: int) -> np.ndarray:
@@ -117,7 +110,7 @@ def exchange_caps(routes: Routes, mesh: Mesh, src_axes, dst_axes,
     fwd, bwd = _deliveries(routes, mesh, src_axes, dst_axes)
     if kind == "ragged":
         return ragged_caps(_count(fwd, topo.n)), ragged_caps(_count(bwd, topo.n))
-    return needed_caps(_pairs(fwd), topo), needed_caps(_pairs(bwd), topo)
+    return needed_caps(_count(fwd, topo.n), topo), needed_caps(_count(bwd, topo.n), topo)
 
 
 def plan_exchange(routes: Routes, mesh: Mesh, src_axes, dst_axes,
