@@ -83,16 +83,17 @@ def place_phase_batch(pb: PhaseBatch, mesh: Mesh, capacity: tuple | None = None,
 def balanced_inputs(samples, layout, mesh: Mesh, policies, *, ranks_per_node: int = 0,
                     floors=None, capacity: tuple | None = None,
                     ledger: TrafficLedger | None = None,
-                    row_bytes: int | None = None, colo=None) -> tuple[dict, PhaseBatch]:
+                    row_bytes: int | None = None, colo=None,
+                    kind: str = "staged") -> tuple[dict, PhaseBatch]:
     """(placed step inputs, the PhaseBatch) for `samples` (module docstring). `floors`: a
     previous PhaseBatch's `shapes` (pad up to them: one compile per run); `capacity`: the
     exchanges' static (forward, backward) rows per shift (None: this batch's own,
     bucketed), staged over nodes of `ranks_per_node`; `ledger`: counts each exchange's
     bytes per link class, `row_bytes` per row (the LLM's hidden size x the compute dtype's
-    bytes)."""
+    bytes); `kind`: the exchange's form, "staged" or "ragged" (GPU)."""
     encs = [slot.name for slot in layout.encoders]
     pb = phase_batch(samples, layout, encoder_ranks(mesh, encs, colo), llm_ranks(mesh, colo),
                      policies, ranks_per_node=ranks_per_node, floors=floors,
                      devices=mesh.devices.size)
     return place_phase_batch(pb, mesh, capacity, ledger, row_bytes, colo,
-                             ranks_per_node or None), pb
+                             ranks_per_node or None, kind), pb
