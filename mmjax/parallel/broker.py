@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 from mmjax.data.routes import Routes
 from mmjax.parallel.broker_rounds import (RoundTables, device_rounds, needed_caps,
                                           ordered_round_count, permutes, round_tables)
-from mmjax.parallel.deliveries import deliveries_array
+from mmjax.parallel.deliveries import deliveries_array, pair_counts
 from mmjax.parallel.ragged_exchange import ragged_body
 from mmjax.parallel.ragged_tables import RaggedTables, ragged_caps, ragged_tables
 
@@ -144,9 +144,7 @@ class Broker:
         host: RoundTables | RaggedTables
         if self.exchange == "ragged":
             ds = deliveries_array(routes, self.src_replicas, self.dst_replicas)
-            count = np.zeros((n, n), np.int64)
-            np.add.at(count, (ds[:, 0], ds[:, 1]), 1)
-            need: tuple[int, ...] = ragged_caps(count)
+            need: tuple[int, ...] = ragged_caps(pair_counts(ds, n))
         else:
             need = needed_caps(routes, self.rounds, self.shared_from)
         caps = tuple(max(x, y) for x, y in zip(need, self.caps.get(slots, need)))

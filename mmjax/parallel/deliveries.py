@@ -93,3 +93,11 @@ def _greedy(i, v, own, src_reps, src_n, devices: int) -> np.ndarray:
         load[pick] += 1
     return u
 
+
+
+def pair_counts(ds, n: int) -> np.ndarray:
+    """[n, n] deliveries per (sender, receiver) of `ds` [(u, v, s, q)]."""
+    d = np.asarray(ds, np.int64).reshape(-1, 4)
+    out = np.zeros((n, n), np.int64)
+    np.add.at(out, (d[:, 0], d[:, 1]), 1)
+    return out

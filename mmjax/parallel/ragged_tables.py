@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mmjax.parallel.deliveries import pair_counts
 from mmjax.parallel.exchange_stages import bucket
 
 RaggedCaps = tuple[int, int]  # (send buffer rows, receive buffer rows)
@@ -75,10 +76,8 @@ def ragged_tables(ds, n: int, src_slots: int, dst_slots: int,
     """Tables moving deliveries `ds` [(u, v, src slot, dst slot)] (`deliveries.deliveries_array`) by
     one ragged all-to-all over `n` devices; `caps`: the static buffer rows (None: this
     map's own, `ragged_caps`)."""
-    d = np.asarray(ds, np.int64).reshape(-1, 4)
-    u, v, s, q = d.T
-    count = np.zeros((n, n), np.int64)
-    np.add.at(count, (u, v), 1)
+    u, v, s, q = np.asarray(ds, np.int64).reshape(-1, 4).T
+    count = pair_counts(ds, n)
     need = ragged_caps(count)
     if caps is None:
         caps = need

@@ -33,7 +33,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mmjax.data.routes import Routes
-from mmjax.parallel.deliveries import deliveries_array
+from mmjax.parallel.deliveries import deliveries_array, pair_counts
 from mmjax.parallel.exchange_stages import Caps, Topology, caps_bytes, needed_caps
 from mmjax.parallel.exchange_tables import StagedTables, staged_tables
 from mmjax.parallel.ragged_exchange import ragged_body
@@ -92,13 +92,6 @@ def _deliveries(routes: Routes, mesh: Mesh, src_axes, dst_axes):
     return deliveries_array(routes, src, dst), deliveries_array(routes.inverse(), dst, src)
 
 
-def _count(ds, n: int) -> np.ndarray:
-    d = np.asarray(ds, np.int64).reshape(-1, 4)
-    out = np.zeros((n, n), np.int64)
-    np.add.at(out, (d[:, 0], d[:, 1]), 1)
-    return out
-
-
 def exchange_caps(routes: Routes, mesh: Mesh, src_axes, dst_axes,
                   ranks_per_node: int | None = None, kind: str = "staged"
                   ) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -109,8 +102,9 @@ def exchange_caps(routes: Routes, mesh: Mesh, src_axes, dst_axes,
     topo = _topology(mesh, ranks_per_node)
     fwd, bwd = _deliveries(routes, mesh, src_axes, dst_axes)
     if kind == "ragged":
-        return ragged_caps(_count(fwd, topo.n)), ragged_caps(_count(bwd, topo.n))
-    return needed_caps(_count(fwd, topo.n), topo), needed_caps(_count(bwd, topo.n), topo)
+        return ragged_caps(pair_counts(fwd, topo.n)), ragged_caps(pair_counts(bwd, topo.n))
+    return (needed_caps(pair_counts(fwd, topo.n), topo),
+            needed_caps(pair_counts(bwd, topo.n), topo))
 
 
 def plan_exchange(routes: Routes, mesh: Mesh, src_axes, dst_axes,
