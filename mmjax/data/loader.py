@@ -102,6 +102,9 @@ class Loader:
     `row_budget`: LLM rows a global batch fills (data/row_budget.py): a step takes the
     usable samples of its window that pack into that many rows, a variable number (None:
     `global_batch` samples a step).
+    `exchange`: the form of the data exchanges between layouts (the co-located encoder->LLM
+    rearrangement, the pipeline's brokers): "staged" collective permutes, "ragged" one
+    `lax.ragged_all_to_all` (GPU only), "auto" ragged on GPU (parallel/ragged_exchange.py).
     `max_bad_fraction`: a run stops (one line naming the worst files) once more than this
     share of the samples it drew were bad (skipped; at least 4 global batches drawn).
     Gin, e.g.:
