@@ -10,7 +10,7 @@ from test_broker import data, meshes, put, reference
 
 from mmjax.parallel.broker import Broker, Routes
 from mmjax.parallel.exchange_stages import bucket
-from mmjax.parallel.ragged_exchange import ragged_operands
+from mmjax.parallel.hlo_traffic import ragged_operands
 
 
 def _random_routes(rng, a, src_slots, b, dst_slots):

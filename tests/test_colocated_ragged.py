@@ -9,7 +9,7 @@ from helpers import global_batch, make_cfg
 from mmjax.models.mllm import MultimodalModel, trainable_filter
 from mmjax.parallel.fsdp import colocated_mesh
 from mmjax.parallel.phase_inputs import balanced_inputs, colocated_route
-from mmjax.parallel.ragged_exchange import ragged_operands
+from mmjax.parallel.hlo_traffic import ragged_operands
 from mmjax.parallel.rearrange import BACKWARD_SCOPE, FORWARD_SCOPE, ROUTE_KEY
 from mmjax.train.colocated import Colocation
 from mmjax.train.step import make_loss_fn, split_model

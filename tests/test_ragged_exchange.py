@@ -15,7 +15,8 @@ from mmjax.data.colocated_layout import plan_colocated_layout
 from mmjax.errors import UserError
 from mmjax.parallel import rearrange as R
 from mmjax.parallel.exchange_stages import bucket
-from mmjax.parallel.ragged_exchange import exchange_kind, ragged_operands
+from mmjax.parallel.hlo_traffic import ragged_bytes, ragged_operands
+from mmjax.parallel.ragged_exchange import exchange_kind
 from mmjax.parallel.ragged_tables import ragged_caps, ragged_tables
 
 N, HIDDEN = 48, 3
@@ -139,10 +140,13 @@ def test_ragged_program_lowers_for_cuda(cuda_hlo):
                     "recv": (plan.forward.caps[1], HIDDEN)}]
     assert bwd == [{"dtype": "f32", "send": (plan.backward.caps[0], HIDDEN),
                     "recv": (plan.backward.caps[1], HIDDEN)}]
+    got = ragged_bytes(fwd[0], plan.forward.send_sizes, 4)  # the program's rows, the tables' sizes
     led = R.TrafficLedger(4)
     led.add(plan.forward, 4 * HIDDEN)
+    assert {k: got[k] for k in led.sent} == led.sent
     assert led.sent["inter_node"] == led.payload["inter_node"] > 0
     assert led.sent["intra_node"] == led.payload["intra_node"]
+    assert got["intra_node"] + got["inter_node"] <= got["bound"]
     sent_rows = plan.forward.send_sizes.sum(axis=1)
     assert sent_rows.max() <= fwd[0]["send"][0] <= 1.25 * max(sent_rows.max(), 4)
 

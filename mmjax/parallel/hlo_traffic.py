@@ -7,11 +7,15 @@ each device sends to another device, split by link class: device positions (part
 the mesh's row-major order) p and q are on the same node when p // ranks_per_node ==
 q // ranks_per_node. A collective-permute sends its operand once per source-target pair;
 an all-to-all (split over its replica group of g devices, or all `num_devices`) sends
-g - 1 of its g chunks from every device of the group.
+g - 1 of its g chunks from every device of the group. A `ragged-all-to-all` sends the
+send sizes the step passes, within its send buffer: `ragged_operands` reads its buffers,
+`ragged_bytes` counts its bytes from the step's tables.
 """
 from __future__ import annotations
 
 import re
+
+import numpy as np
 
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
                 "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
@@ -88,3 +92,49 @@ def collective_bytes(hlo: str, ranks_per_node: int, scope: str = "",
                             out["inter_node" if p // ranks_per_node != q // ranks_per_node
                                 else "intra_node"] += chunk
     return out
+
+
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?(?P<name>[\w.\-]+)\s*=\s*(?P<shape>[a-z0-9]+\[[0-9,]*\])")
+_RAGGED = re.compile(r"ragged-all-to-all\((?P<args>[^)]*)\)")
+
+
+def _dims(shape: str) -> tuple[str, tuple[int, ...]]:
+    m = _ARRAY.match(shape)
+    assert m is not None
+    return m.group(1), tuple(int(d) for d in m.group(2).split(",") if d)
+
+
+def ragged_operands(hlo: str, scope: str = "") -> list[dict]:
+    """Per `ragged-all-to-all` instruction of an HLO module's text whose op_name holds
+    `scope`: its per-device send buffer and receive buffer shapes and dtype
+    ({"dtype", "send", "recv"}). A link carries the send sizes the step passes, at most the
+    send buffer's rows (`ragged_bytes`)."""
+    shapes: dict[str, str] = {}
+    out = []
+    for line in hlo.splitlines():
+        m = _INSTR.match(line)
+        if m:
+            shapes[m.group("name")] = m.group("shape")
+        r = _RAGGED.search(line)
+        if not (m and r):
+            continue
+        name = _NAME.search(line)
+        if scope and (name is None or scope not in name.group(1)):
+            continue
+        operand = r.group("args").split(",")[0].strip()
+        dtype, send = _dims(shapes[operand])
+        out.append({"dtype": dtype, "send": send, "recv": _dims(m.group("shape"))[1]})
+    return out
+
+
+def ragged_bytes(op: dict, send_sizes, ranks_per_node: int) -> dict[str, int]:
+    """Bytes one ragged all-to-all (`ragged_operands` entry `op`) sends with the step's
+    `send_sizes` [n, n] (rows device u sends v): {"intra_node", "inter_node"} by link
+    class, and "bound", what its n send buffers could hold."""
+    row = _DTYPE_BYTES[op["dtype"]] * int(np.prod(op["send"][1:], dtype=np.int64))
+    sizes = np.asarray(send_sizes, np.int64)
+    n = sizes.shape[0]
+    node = np.arange(n) // ranks_per_node
+    same = node[:, None] == node[None, :]
+    return {"intra_node": int(sizes[same & ~np.eye(n, dtype=bool)].sum()) * row,
+            "inter_node": int(sizes[~same].sum()) * row, "bound": n * op["send"][0] * row}

@@ -11,11 +11,9 @@ XLA:CPU has no ragged all-to-all ("UNIMPLEMENTED: HLO opcode `ragged-all-to-all`
 supported by XLA:CPU ThunkEmitter"): `exchange_kind` picks the staged exchange there, and
 refuses "ragged" in one line. The program still lowers for CUDA from a CPU host
 (`jit(...).trace(...).lower(lowering_platforms=("cuda",))`), which is how the tests read
-its buffers (`ragged_operands`).
+its buffers (`hlo_traffic.ragged_operands`).
 """
 from __future__ import annotations
-
-import re
 
 import jax
 import jax.numpy as jnp
@@ -57,38 +55,3 @@ def ragged_body(x, tables, *, axes, scope: str = ""):
     out = jnp.take(pool, jnp.maximum(put, 0), axis=0)
     keep = (put >= 0).reshape((-1,) + (1,) * (x.ndim - 1))
     return jnp.where(keep, out, jnp.zeros((), x.dtype))
-
-
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?(?P<name>[\w.\-]+)\s*=\s*(?P<shape>[a-z0-9]+\[[0-9,]*\])")
-_RAGGED = re.compile(r"ragged-all-to-all\((?P<args>[^)]*)\)")
-_ARRAY = re.compile(r"([a-z0-9]+)\[([0-9,]*)\]")
-_NAME = re.compile(r'op_name="([^"]*)"')
-
-
-def _dims(shape: str) -> tuple[str, tuple[int, ...]]:
-    m = _ARRAY.match(shape)
-    assert m is not None
-    return m.group(1), tuple(int(d) for d in m.group(2).split(",") if d)
-
-
-def ragged_operands(hlo: str, scope: str = "") -> list[dict]:
-    """Per `ragged-all-to-all` instruction of an HLO module's text whose op_name holds
-    `scope`: its per-device send buffer and receive buffer shapes and dtype
-    ({"dtype", "send", "recv"}). A link carries the send sizes the step passes, at most the
-    send buffer's rows (`rearrange.TrafficLedger` counts those with the tables)."""
-    shapes: dict[str, str] = {}
-    out = []
-    for line in hlo.splitlines():
-        m = _INSTR.match(line)
-        if m:
-            shapes[m.group("name")] = m.group("shape")
-        r = _RAGGED.search(line)
-        if not (m and r):
-            continue
-        name = _NAME.search(line)
-        if scope and (name is None or scope not in name.group(1)):
-            continue
-        operand = r.group("args").split(",")[0].strip()
-        dtype, send = _dims(shapes[operand])
-        out.append({"dtype": dtype, "send": send, "recv": _dims(m.group("shape"))[1]})
-    return out

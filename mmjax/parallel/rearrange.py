@@ -265,7 +265,7 @@ class TrafficLedger:
     staged exchange's collective permutes move at their static capacities, padding
     included (`exchange_stages.caps_bytes`: equal to the compiled program's collective
     operands, `hlo_traffic`); a ragged exchange sends its real rows (its send sizes, within
-    the compiled buffers, `ragged_exchange.ragged_operands`)."""
+    the compiled buffers, `hlo_traffic.ragged_operands`)."""
 
     ranks_per_node: int
     payload: dict[str, int] = field(default_factory=lambda: {
