@@ -159,3 +159,14 @@ def test_exchange_kind():
     with pytest.raises(UserError, match=r"Loader.exchange='ragged' needs a GPU .*'staged'"):
         exchange_kind("ragged", "cpu")
     assert exchange_kind("auto") == ("ragged" if jax.default_backend() == "gpu" else "staged")
+
+
+def test_the_setting_is_validated_with_its_fix():
+    from mmjax.settings import SETTINGS, check
+
+    with pytest.raises(UserError) as e:
+        check("Loader.exchange", "dense", SETTINGS["Loader"]["exchange"])
+    assert str(e.value).startswith("Loader.exchange='dense'") and "\n" not in str(e.value)
+    assert "ragged all-to-all on GPU" in str(e.value)
+    for ok in ("auto", "staged", "ragged"):  # "ragged" off GPU: refused where it acts
+        check("Loader.exchange", ok, SETTINGS["Loader"]["exchange"])
