@@ -172,7 +172,7 @@ SETTINGS: dict[str, dict[str, Setting]] = {
         "cp_block": _int(128, 1, 1 << 20, needs="plan"),
         "node_wise_method": Setting("choice", "auto", choices=_NODE_WISE, needs="plan"),
         "exchange": Setting("choice", "auto", choices=_EXCHANGES, needs="plan",
-                            fix="auto: ragged all-to-all on GPU, staged permutes elsewhere"),
+                            fix="auto: staged permutes; ragged: GPU ragged all-to-all (opt-in)"),
         "node_wise_time_limit": _float(0.2, 0, 3600, open_lo=True, needs="plan"),
         "node_wise_max_milp_ranks": _int(32, 1, 1 << 16, needs="plan"),
         "hardware": Setting("choice", "h100", choices=_HARDWARE, needs="plan"),

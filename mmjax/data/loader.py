@@ -104,7 +104,7 @@ class Loader:
     `global_batch` samples a step).
     `exchange`: the form of the data exchanges between layouts (the co-located encoder->LLM
     rearrangement, the pipeline's brokers): "staged" collective permutes, "ragged" one
-    `lax.ragged_all_to_all` (GPU only), "auto" ragged on GPU (parallel/ragged_exchange.py).
+    `lax.ragged_all_to_all` (GPU only), "auto" staged until a GPU run checks the ragged form (parallel/ragged_exchange.py).
     `max_bad_fraction`: a run stops (one line naming the worst files) once more than this
     share of the samples it drew were bad (skipped; at least 4 global batches drawn).
     Gin, e.g.:

@@ -25,12 +25,13 @@ from mmjax.parallel.ragged_tables import EXCHANGES
 
 def exchange_kind(setting: str, backend: str | None = None) -> str:
     """The exchange `Loader.exchange` = `setting` runs on `backend` (default: JAX's):
-    "auto" is "ragged" on GPU, "staged" elsewhere; "ragged" off GPU is a UserError."""
+    "auto" is "staged" everywhere until a GPU run has checked the ragged form against it
+    (it is modelled and lowered for CUDA, never executed); "ragged" off GPU is a UserError."""
     backend = backend or jax.default_backend()
     if setting not in EXCHANGES:
         raise UserError(f"Loader.exchange={setting!r}: unknown (use one of {EXCHANGES})")
     if setting == "auto":
-        return "ragged" if backend == "gpu" else "staged"
+        return "staged"
     if setting == "ragged" and backend != "gpu":
         raise UserError(f"Loader.exchange='ragged' needs a GPU (XLA:{backend.upper()} has no "
                         f"ragged all-to-all; use Loader.exchange='staged' or 'auto')")

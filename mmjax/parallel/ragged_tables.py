@@ -28,7 +28,7 @@ from mmjax.parallel.deliveries import pair_counts
 from mmjax.parallel.exchange_stages import bucket
 
 RaggedCaps = tuple[int, int]  # (send buffer rows, receive buffer rows)
-EXCHANGES = ("auto", "staged", "ragged")  # Loader.exchange: "auto" is ragged on GPU only
+EXCHANGES = ("auto", "staged", "ragged")  # Loader.exchange: "auto" is staged (ragged is opt-in, GPU only)
 
 
 @dataclass(frozen=True)
