@@ -148,7 +148,7 @@ def vae_outputs(cfg: MLLMConfig, vae: AutoencoderKL, batch):
 def generator_inputs(cfg: MLLMConfig, batch, dtype=jnp.float32, latents=None):
     """(noisy latents in `dtype`, timesteps): `latents` the VAE unit's output, or None for
     the batch's own `gen_latents` (encoded in the data path)."""
-    assert cfg.generator is not None  # the generator unit's inputs
+    assert cfg.generator is not None  # called for the generator unit only
     latents = batch["gen_latents"] if latents is None else latents
     noisy = add_noise(cfg.generator, latents, batch["gen_noise"], batch["gen_t"])
     return noisy.astype(dtype), batch["gen_t"]
@@ -223,7 +223,7 @@ class MultimodalModel(nnx.Module):
                     h = self.llm.run_layers(x, batch["positions"], attend)
                     lm_sum, out[unit] = lm_outputs(self.llm, h, batch, self.generator is not None)
                 elif kind is UnitRole.GENERATOR:
-                    assert self.generator is not None  # built for cfg.generator, the unit's
+                    assert self.generator is not None  # the unit exists iff cfg.generator does
                     kinds = [role(p) for p in preds]
                     n_vae = kinds.count(UnitRole.VAE)
                     if kinds.count(UnitRole.LLM) != 1 or len(preds) != 1 + n_vae:
@@ -236,7 +236,7 @@ class MultimodalModel(nnx.Module):
                                          unit_attention(attention_impl, unit))
                     diff_sum = diffusion_loss_sum(eps, batch["gen_noise"], batch["gen_valid"])
                 elif kind is UnitRole.VAE:
-                    assert self.vae is not None  # built for cfg.vae, the unit's config
+                    assert self.vae is not None  # the unit exists iff cfg.vae does
                     out[unit] = vae_outputs(cfg, self.vae, batch)
                 else:
                     if preds:

@@ -108,13 +108,13 @@ class Recurrence(Generic[S]):
     def batch_end(self, duration: Callable[[int], np.ndarray], sets: int) -> np.ndarray:
         """The latest end for many duration sets at once: `duration(i)` gives key i's
         durations [sets] (no comm); the same recurrence, one numpy step per key."""
-        end: list[np.ndarray] = []  # end[i] of key i, appended in key order
+        end: list[np.ndarray] = []  # key i's end, appended in key order
         zero = np.zeros(sets)
-        for p, deps in zip(self.prev, self.deps):  # p and deps index earlier keys
-            t = end[p] if p >= 0 else zero
+        for i, p, deps in zip(range(len(self.keys)), self.prev, self.deps):
+            t = end[p] if p >= 0 else zero  # p and deps index earlier keys
             for j in deps:
                 t = np.maximum(t, end[j])
-            end.append(t + duration(len(end)))
+            end.append(t + duration(i))
         return np.max(end, axis=0) if end else zero
 
 

@@ -173,8 +173,9 @@ def _tower_entries(cfg: VisionConfig, p: str) -> list[Entry]:
         return out + ([Entry(hf + ".bias", enc + path + ("bias",), (d,))]
                       if cfg.norm == "layer" else [])
 
-    out: list[Entry] = [Conv3dEntry(p + "patch_embed.proj.weight", enc + ("patch_embed", "kernel"),
-                       (cfg.patch_dim, d), patch=cfg.patch_size)]
+    out: list[Entry] = [Conv3dEntry(p + "patch_embed.proj.weight",
+                                    enc + ("patch_embed", "kernel"), (cfg.patch_dim, d),
+                                    patch=cfg.patch_size)]
     for i in range(cfg.num_layers):
         b, j = f"{p}blocks.{i}.", ("layers", i)
         out += norm(b + "norm1", j + ("norm1",)) + norm(b + "norm2", j + ("norm2",))
