@@ -64,7 +64,8 @@ def initialize(coordinator_address: str | None, num_processes: int | None,
     `train.startup_timeout`, train/startup_barrier.py)."""
     if num_processes is not None and num_processes < 1:
         raise ValueError(f"initialize: num_processes={num_processes} must be >= 1")
-    if None not in (num_processes, process_id) and not 0 <= process_id < num_processes:
+    if (num_processes is not None and process_id is not None
+            and not 0 <= process_id < num_processes):
         raise ValueError(f"initialize: process_id={process_id} must be in "
                          f"[0, num_processes={num_processes})")
     from mmjax.cpu_threads import reserve_cpu_threads

@@ -236,5 +236,6 @@ def bam_attention(q, k, v, meta_q: TokenMeta, meta_k: TokenMeta | None = None, *
         return pallas_attention(q, k, v, meta_q, meta_k, window=window, softcap=softcap,
                                 scale=scale, tiles=tiles)
     from mmjax.models.attention_cudnn import cudnn_attention
+    assert window is None or isinstance(window, int)  # cudnn_options_error: a static window
     return cudnn_attention(q, k, v, meta_q, meta_k, causal=mask_family == "causal",
                            window=window, scale=scale)

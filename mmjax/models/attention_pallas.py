@@ -191,7 +191,9 @@ def _pad_meta(meta_q, meta_k, block_q, block_k, window=None):
     return mq, mk, fq, bq, bk
 
 
-def _pad_inputs(q, k, v, meta_q, meta_k, block_q, block_k, window=None):
+def _pad_inputs(q, k, v, meta_q, meta_k, block_q, block_k, window=None
+                ) -> tuple[tuple[jax.Array, jax.Array, jax.Array, TokenMeta, TokenMeta, jax.Array],
+                           int, int]:
     """`_pad_meta` and q, k, v padded to its lengths and a power-of-two head dim."""
     mq, mk, fq, bq, bk = _pad_meta(meta_q, meta_k, block_q, block_k, window)
     width = pl.next_power_of_2(q.shape[-1])

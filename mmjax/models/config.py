@@ -20,6 +20,8 @@ from mmjax.models.units import LLM_UNIT, UnitDag, UnitRole, role
 
 ROPE_SCALINGS = ("linear", "llama3", "yarn")
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")
+VisionAct = Literal["gelu_tanh", "quick_gelu", "gelu", "silu"]  # VisionConfig.act
+ProjectorAct = Literal["gelu_tanh", "gelu"]  # ProjectorConfig.act
 
 
 @dataclass(frozen=True)
@@ -141,13 +143,13 @@ class VisionConfig:
     num_channels: int = 3
     max_grid: int = 64  # max patches per side (packed: factorised learned 2-D positions)
     norm_eps: float = 1e-6
-    kind: Literal["packed", "vit"] = "packed"
+    kind: Literal["packed", "vit", "qwen2_vl"] = "packed"
     image_size: int = 224
     class_token: bool = False
     pre_norm: bool = False
     post_norm: bool = True
     patch_bias: bool = True
-    act: Literal["gelu_tanh", "quick_gelu", "gelu"] = "gelu_tanh"
+    act: VisionAct = "gelu_tanh"
     feature_layer: int | None = None
     max_images: int = 1
     # one lax.scan over the stacked layers (compile time flat in depth; models/scan.py)
@@ -254,7 +256,7 @@ class ProjectorConfig:
     max_items: int = 1  # cross_attention: item slots per encoder buffer row (nq tokens each)
     # the MLP's activation: "gelu_tanh" (mmjax's default) or "gelu" (exact, as HF LLaVA's
     # projector_hidden_act="gelu" names it)
-    act: Literal["gelu_tanh", "gelu"] = "gelu_tanh"
+    act: ProjectorAct = "gelu_tanh"
     # low-rank adapters on the MLP's layers (kind "mlp"; models/lora.py); None: none
     lora: LoRAConfig | None = None
 
@@ -398,6 +400,14 @@ class MLLMConfig:
             if spec.name == name:
                 return spec
         raise KeyError(f"no encoder named {name!r}; have {[e.name for e in self.encoders]}")
+
+    def vision_tower(self, name: str = "vision") -> VisionConfig:
+        """The tower of encoder `name`, which must be a vision tower."""
+        tower = self.encoder(name).encoder
+        if not isinstance(tower, VisionConfig):
+            raise ValueError(f"encoder {name!r} is a {type(tower).__name__}, not a vision "
+                             f"tower (VisionConfig)")
+        return tower
 
     @property
     def units(self) -> UnitDag:

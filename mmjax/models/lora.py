@@ -96,7 +96,7 @@ class LoRA(nnx.Module):
         return (a @ b) * jnp.float32(self.scale)
 
 
-def adapters(key, shapes: dict, cfg: LoRAConfig | None, kind: str):
+def adapters(key, shapes: dict[str, tuple[int, int]], cfg: LoRAConfig | None, kind: str):
     """{projection: LoRA} for the projections of `shapes` ({name: (din, dout)}) that `cfg`
     targets in a unit of `kind`, as an nnx.Dict; None without LoRA. Adapter j's key is
     fold_in(key, 1 << 20 | j): no collision with the base weights' splits of `key`."""

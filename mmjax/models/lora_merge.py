@@ -32,7 +32,7 @@ def adapter_sites(module) -> dict:
         site, parent = tuple(path[:-1]), tuple(path[:-3])
         owner = _get(module, parent)
         base = parent + (("kernel",) if hasattr(owner, "kernel")
-                         else (DECODER_WEIGHTS[site[-1]],))
+                         else (DECODER_WEIGHTS[str(site[-1])],))  # an adapter's name
         out[site] = (base, _get(module, site).scale)
     return out
 

@@ -18,10 +18,12 @@ follow `mmjax/data/assemble.py`.
 from __future__ import annotations
 
 import zlib
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from flax.nnx import filterlib
 
 from mmjax.models.attention import IMPLEMENTATIONS, TokenMeta, allowed_mask
 from mmjax.models.audio import AudioEncoder
@@ -139,12 +141,14 @@ def lm_outputs(llm: LLM, h, batch, with_generator: bool):
 def vae_outputs(cfg: MLLMConfig, vae: AutoencoderKL, batch):
     """The VAE unit: the batch's target pixels `gen_pixels` -> patchified latents [G, P, pd]
     (float32, whatever the compute dtype: the VAE is frozen and runs as diffusers does)."""
+    assert cfg.generator is not None  # a VAE unit comes with a generator (UnitDag.of)
     return patchified_latents(vae, batch["gen_pixels"], cfg.generator.patch_size)
 
 
 def generator_inputs(cfg: MLLMConfig, batch, dtype=jnp.float32, latents=None):
     """(noisy latents in `dtype`, timesteps): `latents` the VAE unit's output, or None for
     the batch's own `gen_latents` (encoded in the data path)."""
+    assert cfg.generator is not None  # called for the generator unit only
     latents = batch["gen_latents"] if latents is None else latents
     noisy = add_noise(cfg.generator, latents, batch["gen_noise"], batch["gen_t"])
     return noisy.astype(dtype), batch["gen_t"]
@@ -199,7 +203,8 @@ class MultimodalModel(nnx.Module):
         returns the text-loss sum (and the generator's conditioning states), the generator
         reads the LLM's states (and the VAE unit's latents when the model has one, else the
         batch's)."""
-        cfg, edges, out = self.cfg, self.dag(), {}
+        cfg, edges = self.cfg, self.dag()
+        out: dict[str, Any] = {}  # each unit's outputs
         lm_sum, diff_sum = None, jnp.zeros((), jnp.float32)
         for unit in self.execution_order():
             with unit_scope(unit):  # a trace-time tag only (models/scan.py)
@@ -218,6 +223,7 @@ class MultimodalModel(nnx.Module):
                     h = self.llm.run_layers(x, batch["positions"], attend)
                     lm_sum, out[unit] = lm_outputs(self.llm, h, batch, self.generator is not None)
                 elif kind is UnitRole.GENERATOR:
+                    assert self.generator is not None  # the unit exists iff cfg.generator does
                     kinds = [role(p) for p in preds]
                     n_vae = kinds.count(UnitRole.VAE)
                     if kinds.count(UnitRole.LLM) != 1 or len(preds) != 1 + n_vae:
@@ -230,6 +236,7 @@ class MultimodalModel(nnx.Module):
                                          unit_attention(attention_impl, unit))
                     diff_sum = diffusion_loss_sum(eps, batch["gen_noise"], batch["gen_valid"])
                 elif kind is UnitRole.VAE:
+                    assert self.vae is not None  # the unit exists iff cfg.vae does
                     out[unit] = vae_outputs(cfg, self.vae, batch)
                 else:
                     if preds:
@@ -246,7 +253,7 @@ def trainable_filter(cfg: MLLMConfig):
     """nnx filter for parameters that train (frozen modules get no grads, no opt state; a
     LoRA'd part trains its adapters only).
     Whisper's position table (`embed_positions`) is fixed, as in Whisper, so never trains."""
-    frozen = [nnx.PathContains("embed_positions")] if any(
+    frozen: list[filterlib.Filter] = [nnx.PathContains("embed_positions")] if any(
         isinstance(e.encoder, AudioConfig) for e in cfg.encoders) else []
     for e in cfg.encoders:
         if e.frozen:
@@ -266,10 +273,10 @@ def trainable_filter(cfg: MLLMConfig):
     return nnx.Any(LoRAParam, base) if cfg.lora_units() else base
 
 
-def lora_bases(cfg: MLLMConfig) -> list:
+def lora_bases(cfg: MLLMConfig) -> list[filterlib.Filter]:
     """Filters of the LoRA'd parts' base weights: frozen, only their adapters train
     (models/lora.py)."""
-    out = []
+    out: list[filterlib.Filter] = []
     for unit in cfg.lora_units():
         if is_llm(unit):
             out.append(nnx.PathContains(LLM_UNIT))

@@ -28,12 +28,11 @@ class MLPProjector(nnx.Module):
         self.r, self.exact = cfg.downsample, cfg.act == "gelu"
         din, h = enc_dim * cfg.downsample, cfg.hidden_size or llm_dim
         k1, k2 = jax.random.split(key)
-        lora = dict(lora=cfg.lora, kind="projector")
         if cfg.num_layers == 1:
-            self.fc1, self.fc2 = Dense(k1, din, llm_dim, **lora), None
+            self.fc1, self.fc2 = Dense(k1, din, llm_dim, lora=cfg.lora, kind="projector"), None
         else:
-            self.fc1 = Dense(k1, din, h, **lora, name="fc1")
-            self.fc2 = Dense(k2, h, llm_dim, **lora, name="fc2")
+            self.fc1 = Dense(k1, din, h, lora=cfg.lora, kind="projector", name="fc1")
+            self.fc2 = Dense(k2, h, llm_dim, lora=cfg.lora, kind="projector", name="fc2")
 
     def __call__(self, x, segment_ids=None, attention_impl: str = "auto"):
         n, t, e = x.shape

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -37,9 +38,11 @@ _POLICY = {"full": jax.checkpoint_policies.nothing_saveable,
            "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
 
-_LAYER_WEIGHTS = contextvars.ContextVar("mmjax_layer_weights", default=None)
+_LAYER_WEIGHTS: contextvars.ContextVar[Callable[..., Any] | None] = contextvars.ContextVar(
+    "mmjax_layer_weights", default=None)
 _GATHERED = "mmjax_layer_weights"
-_UNIT = contextvars.ContextVar("mmjax_layer_unit", default=None)
+_UNIT: contextvars.ContextVar[str | None] = contextvars.ContextVar("mmjax_layer_unit",
+                                                                  default=None)
 
 
 @contextlib.contextmanager

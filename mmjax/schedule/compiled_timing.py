@@ -56,8 +56,8 @@ class ChainLayout:
         node_stage = np.zeros(n, np.int64)
         node_chunk = np.zeros(n, np.int64)
         train = np.ones(n, bool)
-        preds = [[] for _ in range(n)]
-        succs = [[] for _ in range(n)]
+        preds: list[list[int]] = [[] for _ in range(n)]
+        succs: list[list[int]] = [[] for _ in range(n)]
         for u in dag.names:
             a, b = spans[u]
             p = pp[u]
@@ -103,7 +103,7 @@ def _unit_edges(dag: UnitDag) -> list[tuple[str, str]]:
     return out + [(a, b) for a, b in dag.edges if not is_encoder(a)]
 
 
-def _csr(lists):
+def _csr(lists: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
     ptr = np.zeros(len(lists) + 1, np.int64)
     ptr[1:] = np.cumsum([len(x) for x in lists])
     idx = np.array([j for x in lists for j in x], np.int64)

@@ -8,35 +8,37 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Hashable, Mapping, Sequence
+from typing import Any, Callable, Generic, Hashable, Mapping, Sequence, TypeVar, overload
 
-from mmjax.schedule.stage_graph import Action, Backward, StageGraph, stage_name
+from mmjax.schedule.stage_graph import Action, Backward, StageGraph, StageId, stage_name
 
 Key = tuple[Hashable, Action]  # (stage, action)
+S = TypeVar("S", bound=Hashable)  # a stage: int in a chain, StageId over a StageGraph
 
 
 @dataclass(frozen=True)
-class Topology:
+class Topology(Generic[S]):
     """A schedule's stages, chunks per stage, and its nodes (stage, chunk): their backward
     modes and the nodes that feed each other. Built by `topology`; shared by `validate`,
     `dispatch_order` and `simulate`."""
 
-    stages: tuple[Hashable, ...]
-    chunks: Mapping[Hashable, int]
-    has_backward: Mapping[tuple[Hashable, int], Backward]
-    preds: Mapping[tuple[Hashable, int], tuple[tuple[Hashable, int], ...]]
-    succs: Mapping[tuple[Hashable, int], tuple[tuple[Hashable, int], ...]]
+    stages: tuple[S, ...]
+    chunks: Mapping[S, int]
+    has_backward: Mapping[tuple[S, int], Backward]
+    preds: Mapping[tuple[S, int], tuple[tuple[S, int], ...]]
+    succs: Mapping[tuple[S, int], tuple[tuple[S, int], ...]]
 
-    _deps: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _deps: dict[tuple[S, Action], list[tuple[S, Action]]] = field(
+        default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def num_chunks(self) -> int:
         return max(self.chunks.values(), default=1)
 
-    def runs_backward(self, stage: Hashable, chunk: int = 0) -> bool:
+    def runs_backward(self, stage: S, chunk: int = 0) -> bool:
         return self.has_backward[(stage, chunk)] is not Backward.NONE
 
-    def dependencies(self, stage: Hashable, action: Action) -> list[Key]:
+    def dependencies(self, stage: S, action: Action) -> list[tuple[S, Action]]:
         """The (stage, action) pairs that must end before `action` starts on `stage`."""
         key = (stage, action)
         deps = self._deps.get(key)
@@ -53,7 +55,13 @@ class Topology:
         return deps
 
 
-def topology(schedule, graph: StageGraph | None = None) -> Topology:
+@overload
+def topology(schedule: Mapping[StageId, Sequence[Action]],
+             graph: StageGraph | None = None) -> Topology[StageId]: ...
+@overload
+def topology(schedule: Sequence[Sequence[Action]],
+             graph: StageGraph | None = None) -> Topology[int]: ...
+def topology(schedule: Any, graph: StageGraph | None = None) -> Topology[Any]:
     """List schedule: a chain of len(schedule) stages, chunks inferred from the actions
     (virtual stage c * p + s), every stage runs a full backward. Dict schedule: keyed by
     the physical stages of `graph` (required); node (stage s, chunk c) is the unit's
@@ -62,33 +70,42 @@ def topology(schedule, graph: StageGraph | None = None) -> Topology:
         if graph is None:
             raise ValueError("a schedule keyed by StageId needs graph=StageGraph(...) "
                              "to know its edges and backward modes")
-        phys = graph.physical_stages
-        known = set(phys)
-        missing = [str(s) for s in phys if s not in schedule]
-        extra = [stage_name(s) for s in schedule if s not in known]
-        if missing or extra:
-            raise ValueError(f"schedule stages do not match the graph: missing {missing}, "
-                             f"unknown {extra}")
-        node = {v: graph.physical(v) for v in graph.stages}
-        preds = {node[v]: tuple(node[a] for a in graph.predecessors(v)) for v in graph.stages}
-        succs = {node[v]: tuple(node[b] for b in graph.successors(v)) for v in graph.stages}
-        modes = {node[v]: graph.has_backward[v] for v in graph.stages}
-        chunks = {s: graph.num_chunks(s.unit) for s in phys}
-        return Topology(phys, chunks, modes, preds, succs)
+        return _graph_topology(schedule, graph)
     if not isinstance(schedule, Sequence) or isinstance(schedule, str):
         raise ValueError(f"schedule must be a list of per-stage action lists or a dict "
                          f"keyed by StageId, got {type(schedule).__name__}")
     if graph is not None:
         raise ValueError("graph= is only for dict schedules keyed by StageId; a list "
                          "schedule is a plain chain of stages")
+    return _chain_topology(schedule)
+
+
+def _graph_topology(schedule: Mapping[StageId, Sequence[Action]],
+                    graph: StageGraph) -> Topology[StageId]:
+    phys = graph.physical_stages
+    known = set(phys)
+    missing = [str(s) for s in phys if s not in schedule]
+    extra = [stage_name(s) for s in schedule if s not in known]
+    if missing or extra:
+        raise ValueError(f"schedule stages do not match the graph: missing {missing}, "
+                         f"unknown {extra}")
+    node = {v: graph.physical(v) for v in graph.stages}
+    preds = {node[v]: tuple(node[a] for a in graph.predecessors(v)) for v in graph.stages}
+    succs = {node[v]: tuple(node[b] for b in graph.successors(v)) for v in graph.stages}
+    modes = {node[v]: graph.has_backward[v] for v in graph.stages}
+    chunks = {s: graph.num_chunks(s.unit) for s in phys}
+    return Topology(phys, chunks, modes, preds, succs)
+
+
+def _chain_topology(schedule: Sequence[Sequence[Action]]) -> Topology[int]:
     p = len(schedule)
     if p == 0:
         raise ValueError("schedule has no stages")
     v = 1 + max((a.chunk for row in schedule for a in row if isinstance(a, Action)),
                 default=0)
     virtual = [(s, c) for c in range(v) for s in range(p)]  # virtual stage c * p + s
-    preds = {n: () for n in virtual}
-    succs = {n: () for n in virtual}
+    preds: dict[tuple[int, int], tuple[tuple[int, int], ...]] = {n: () for n in virtual}
+    succs: dict[tuple[int, int], tuple[tuple[int, int], ...]] = {n: () for n in virtual}
     for a, b in zip(virtual[:-1], virtual[1:]):
         preds[b] = (a,)
         succs[a] = (b,)
@@ -96,14 +113,16 @@ def topology(schedule, graph: StageGraph | None = None) -> Topology:
                     {n: Backward.FULL for n in virtual}, preds, succs)
 
 
-def run_schedule(schedule, topo: Topology, duration: Callable[[Hashable, Action], float],
-                 comm: float = 0.0) -> tuple[dict[Key, float], dict[Key, float], dict]:
+def run_schedule(schedule, topo: Topology[S], duration: Callable[[S, Action], float],
+                 comm: float = 0.0
+                 ) -> tuple[dict[tuple[S, Action], float], dict[tuple[S, Action], float],
+                            dict[S, int]]:
     """Event loop of `execute`; returns (start, end, position reached in each row)."""
-    start: dict[Key, float] = {}
-    end: dict[Key, float] = {}
+    start: dict[tuple[S, Action], float] = {}
+    end: dict[tuple[S, Action], float] = {}
     pos = {s: 0 for s in topo.stages}
     free = {s: 0.0 for s in topo.stages}
-    waiting: dict[Key, list] = {}
+    waiting: dict[tuple[S, Action], list[S]] = {}
     queue = deque(topo.stages)
     while queue:
         s = queue.popleft()
@@ -128,8 +147,9 @@ def run_schedule(schedule, topo: Topology, duration: Callable[[Hashable, Action]
     return start, end, pos
 
 
-def execute(schedule, topo: Topology, duration: Callable[[Hashable, Action], float],
-            comm: float = 0.0) -> tuple[dict[Key, float], dict[Key, float], list[str]]:
+def execute(schedule, topo: Topology[S], duration: Callable[[S, Action], float],
+            comm: float = 0.0
+            ) -> tuple[dict[tuple[S, Action], float], dict[tuple[S, Action], float], list[str]]:
     """Run every stage's actions in order: an action starts when its stage is free and
     its dependencies have ended (+ `comm` when the dependency is on another stage).
     Returns (start, end, stuck); `stuck` describes each stage that could not finish

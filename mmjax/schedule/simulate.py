@@ -15,11 +15,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 import math
-from typing import Callable, Hashable, Mapping, Sequence
+from typing import Callable, Generic, Hashable, Mapping, Sequence
 
 import numpy as np
 
-from mmjax.schedule.dependencies import Key, Topology, check_actions, execute, topology
+from mmjax.schedule.dependencies import S, Topology, check_actions, execute, topology
 from mmjax.schedule.schedule import interleaved_one_f_one_b, one_f_one_b
 from mmjax.schedule.stage_graph import Action, Backward, StageGraph, StageId, stage_name
 
@@ -61,26 +61,27 @@ class SimResult:
 
 
 @dataclass(frozen=True)
-class Recurrence:
+class Recurrence(Generic[S]):
     """A schedule compiled for timing: its (stage, action) keys in an order where every
     dependency comes first, each one's previous action on its stage, and its dependencies
     on other stages (a dependency on its own stage ran before its previous action there).
     `times` evaluates it for any durations."""
 
-    keys: tuple[Key, ...]
+    keys: tuple[tuple[S, Action], ...]
     prev: tuple[int, ...]  # -1: first on its stage
     deps: tuple[tuple[int, ...], ...]  # on other stages (they pay comm)
 
     @classmethod
-    def compile(cls, schedule, topo: Topology) -> "Recurrence":
+    def compile(cls, schedule, topo: Topology[S]) -> "Recurrence[S]":
         """Raises ValueError naming the stuck stages when the schedule deadlocks."""
         start, _, stuck = execute(schedule, topo, lambda s, a: 1.0)
         if stuck:
             raise ValueError("schedule deadlocks: " + "; ".join(stuck))
         keys = tuple(start)  # the order the event loop ran them: dependencies first
         index = {k: i for i, k in enumerate(keys)}
-        last: dict[Hashable, int] = {}
-        prev, deps = [], []
+        last: dict[S, int] = {}
+        prev: list[int] = []
+        deps: list[tuple[int, ...]] = []
         for i, (s, a) in enumerate(keys):
             prev.append(last.get(s, -1))
             last[s] = i
@@ -107,13 +108,13 @@ class Recurrence:
     def batch_end(self, duration: Callable[[int], np.ndarray], sets: int) -> np.ndarray:
         """The latest end for many duration sets at once: `duration(i)` gives key i's
         durations [sets] (no comm); the same recurrence, one numpy step per key."""
-        end = [None] * len(self.keys)
+        end: list[np.ndarray] = []  # key i's end, appended in key order
         zero = np.zeros(sets)
         for i, p, deps in zip(range(len(self.keys)), self.prev, self.deps):
-            t = end[p] if p >= 0 else zero
+            t = end[p] if p >= 0 else zero  # p and deps index earlier keys
             for j in deps:
                 t = np.maximum(t, end[j])
-            end[i] = t + duration(i)
+            end.append(t + duration(i))
         return np.max(end, axis=0) if end else zero
 
 
@@ -238,7 +239,7 @@ class PipelineModel:
     num_microbatches: int
     num_chunks: int
     actions: tuple[tuple[str, int, int, int], ...]
-    recurrence: Recurrence
+    recurrence: Recurrence[int]
     scale: tuple[float, ...]  # per action
     offset: tuple[float, ...]
 

@@ -108,7 +108,7 @@ class StageGraph:
 
     stages: tuple[StageId, ...]
     edges: tuple[tuple[StageId, StageId], ...]
-    has_backward: Mapping[StageId, str] = field(hash=False)
+    has_backward: Mapping[StageId, Backward] = field(hash=False)
     chunks: Mapping[str, int] = field(default_factory=dict, hash=False)
 
     def __post_init__(self):

@@ -15,6 +15,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -145,7 +146,7 @@ def _get(tree: dict, path: tuple):
     return tree
 
 
-def _flatten(tree, prefix=()) -> dict[tuple, object]:
+def _flatten(tree, prefix=()) -> dict[tuple, Any]:  # leaves: arrays (or any pytree leaf)
     if not isinstance(tree, dict):
         return {prefix: tree}
     out = {}
@@ -358,9 +359,9 @@ def apply_to_module(module: nnx.Module, pure_dict: dict) -> nnx.Module:
         if arr.shape != tuple(old.shape):
             raise ValueError(f"parameter {_fmt(path)}: got shape {arr.shape}, the module has "
                              f"{tuple(old.shape)}")
-        arr = jnp.asarray(arr, dtype=old.dtype)
+        value = jnp.asarray(arr, dtype=old.dtype)
         sharding = getattr(old, "sharding", None)
-        _set(values, path, jax.device_put(arr, sharding) if sharding is not None else arr)
+        _set(values, path, jax.device_put(value, sharding) if sharding is not None else value)
     nnx.replace_by_pure_dict(state, values)
     nnx.update(module, state)
     return module

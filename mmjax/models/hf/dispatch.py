@@ -178,11 +178,12 @@ def hf_forward(module, **inputs) -> dict:
     if _is_qwen2_vl(module):
         return qwen2_vl_forward(module, **inputs)
     if isinstance(module, MultimodalModel):
-        if getattr(module, "hf_image_token", None) is None:
+        image_token = getattr(module, "hf_image_token", None)  # set by hf.load
+        if image_token is None:
             raise ValueError("hf_forward: this MultimodalModel was not loaded from a LLaVA "
                              "checkpoint (hf.load): its image token id is unknown")
         ids, pixels = inputs.pop("input_ids"), inputs.pop("pixel_values")
-        out = {"logits": llava_forward(module, module.hf_image_token, ids, pixels,
+        out = {"logits": llava_forward(module, image_token, ids, pixels,
                                        inputs.pop("attention_mask", None))}
     elif isinstance(module, LLM):
         tokens = jnp.asarray(inputs.pop("input_ids"))

@@ -21,7 +21,6 @@ The decoding itself is `models/decode.py` (prefill, then KV-cached `decode_step`
 from __future__ import annotations
 
 import json
-from functools import partial
 from pathlib import Path
 
 import jax
@@ -72,11 +71,12 @@ def _config_ids(config: dict) -> dict:
     inner = text if text is not None else config
     kind = inner.get("model_type") or ("llama" if config.get("model_type") == "llava"
                                        else config.get("model_type"))
+    defaults = _CLASS_IDS.get(kind, (None, None)) if isinstance(kind, str) else (None, None)
     out = {}
     for i, k in enumerate(("eos_token_id", "pad_token_id")):
         top = config.get(k)
         out[k] = top if top is not None or text is None and k in config else (
-            inner[k] if k in inner else _CLASS_IDS.get(kind, (None, None))[i])
+            inner[k] if k in inner else defaults[i])
     return out
 
 
@@ -133,14 +133,14 @@ def _attention_mask(ids, mask, eos, pad):
     return np.ones(ids.shape, bool)
 
 
-@partial(nnx.jit, static_argnames=("max_len", "image_token"))
+@nnx.jit(static_argnames=("max_len", "image_token"))
 def _prefill_llava(model, ids, pixels, positions, allowed, max_len, image_token):
     from mmjax.models.hf.llava_forward import llava_embed
     x = llava_embed(model, ids, pixels, image_token)
     return prefill_embedded(model.llm, x, positions, allowed, max_len)
 
 
-@partial(nnx.jit, static_argnames=("max_len",))
+@nnx.jit(static_argnames=("max_len",))
 def _prefill_qwen2_vl(model, a, allowed, max_len):
     from mmjax.models.hf.qwen2_vl_forward import qwen2_vl_embed
     x = qwen2_vl_embed(model, a["tokens"], a["patches"], a["patch_seg"], a["patch_pos"],
@@ -148,7 +148,7 @@ def _prefill_qwen2_vl(model, a, allowed, max_len):
     return prefill_embedded(model.llm, x, a["positions"], allowed, max_len)
 
 
-@partial(nnx.jit, static_argnames=("max_len",))
+@nnx.jit(static_argnames=("max_len",))
 def _prefill_text(model, ids, positions, allowed, max_len):
     return prefill_embedded(model, model.embed_tokens(ids), positions, allowed, max_len)
 
@@ -232,6 +232,7 @@ def generate(module, max_new_tokens: int, input_ids=None, attention_mask=None,
             logits = _penalized(logits, jnp.asarray(seen), jnp.float32(penalty))
         token = np.asarray(jnp.argmax(logits, axis=-1)).astype(np.int64)
         if eos:
+            assert pad is not None  # special_ids: with eos ids, pad defaults to the first
             token = np.where(unfinished, token, pad)
             unfinished &= ~np.isin(token, eos)
         out.append(token)

@@ -22,12 +22,13 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import NoReturn
 
 import jax
 import numpy as np
 from flax import nnx
 
-from mmjax.models.config import EncoderSpec, MLLMConfig, ProjectorConfig
+from mmjax.models.config import EncoderSpec, MLLMConfig, ProjectorAct, ProjectorConfig
 from mmjax.models.hf.checkpoint import (Checkpoint, Entry, LoadPlan, apply_to_module, dense,
                                         hf_tensors, read_config, write_safetensors)
 from mmjax.models.hf.llm import LLM_TYPES, config_from_hf, config_to_hf, llm_entries
@@ -35,7 +36,8 @@ from mmjax.models.hf.vision import (VISION_TYPES, vision_config_from_hf, vision_
                                     vit_entries)
 from mmjax.models.units import is_llm
 
-_ACTS = {"gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
+_ACTS: dict[str, ProjectorAct] = {"gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
+                                  "gelu_new": "gelu_tanh"}
 # The select strategy under which transformers' LLaVA projects exactly the patch tokens:
 # "default" drops the first token (CLIP's class token; a SigLIP tower's first patch), "full"
 # keeps every token (CLIP's class token too).
@@ -45,7 +47,7 @@ _STRATEGY_WHY = {"default": "the class token dropped, every patch kept",
                  "full": "every patch kept; 'default' would drop the first patch"}
 
 
-def _refuse(field: str, value, supported: str):
+def _refuse(field: str, value, supported: str) -> NoReturn:
     raise ValueError(f"config.json {field}={value!r}: mmjax supports {supported}")
 
 
@@ -62,7 +64,7 @@ def llava_config_from_hf(config) -> tuple[MLLMConfig, dict]:
     if not isinstance(layer, int):
         _refuse("vision_feature_layer", layer, "one layer (an int)")
     strategy = c.get("vision_feature_select_strategy", "default")
-    want = _STRATEGY[vision.get("model_type")]
+    want = _STRATEGY[vision["model_type"]]  # one of VISION_TYPES (checked above)
     if strategy != want:  # mmjax projects exactly the patch tokens
         _refuse("vision_feature_select_strategy", strategy,
                 f"{want!r} with a {vision.get('model_type')} tower ({_STRATEGY_WHY[want]})")
@@ -119,11 +121,11 @@ def _rename_llm(entries, layout: dict) -> list[Entry]:
 
 def llava_entries(cfg: MLLMConfig, layout: dict) -> list[Entry]:
     """HF names of every parameter of a LLaVA `MultimodalModel` under `layout`."""
-    spec = cfg.encoder("vision")
-    d_v, d = spec.encoder.hidden_size, cfg.llm.hidden_size
+    vision = cfg.vision_tower()
+    d_v, d = vision.hidden_size, cfg.llm.hidden_size
     p = layout["projector"]
     tower = [dataclasses.replace(e, path=("encoders", "vision") + e.path)
-             for e in vit_entries(spec.encoder, prefix=layout["tower"])]
+             for e in vit_entries(vision, prefix=layout["tower"])]
     proj = [dataclasses.replace(e, path=("projectors", "vision") + e.path)
             for e in dense(p + "linear_1", ("fc1",), d_v, d) + dense(p + "linear_2", ("fc2",), d, d)]
     llm = [dataclasses.replace(e, path=("llm",) + e.path)
@@ -134,7 +136,7 @@ def llava_entries(cfg: MLLMConfig, layout: dict) -> list[Entry]:
 def llava_load_plan(path, cfg: MLLMConfig) -> LoadPlan:
     ckpt = Checkpoint(path)
     layout = _layout(ckpt)
-    whole = dataclasses.replace(cfg.encoder("vision").encoder, feature_layer=None)
+    whole = dataclasses.replace(cfg.vision_tower(), feature_layer=None)
     full = llava_entries(cfg.replace(encoders=(dataclasses.replace(
         cfg.encoder("vision"), encoder=whole),)), layout)
     known = {e.hf for e in full} | {layout["tower"] + "post_layernorm." + w
@@ -155,7 +157,7 @@ def llava_stage_plan(path, cfg: MLLMConfig, unit: str, start: int = 0,
     if is_llm(unit):
         entries = _rename_llm(llm_entries(cfg.llm, start, end), layout)
     else:
-        tower = cfg.encoder(unit).encoder
+        tower = cfg.vision_tower(unit)
         entries = [dataclasses.replace(e, path=("encoders", unit) + e.path)
                    for e in vit_entries(tower, start, end, layout["tower"])]
         if end is None or end == tower.depth:
@@ -185,7 +187,7 @@ def load_llava(path, dtype=np.float32):
 
 def llava_config_to_hf(cfg: MLLMConfig, image_token_index: int) -> dict:
     spec = cfg.encoder("vision")
-    tower = spec.encoder
+    tower = cfg.vision_tower()
     layer = tower.feature_layer if tower.feature_layer is not None else -1
     whole = dataclasses.replace(tower, feature_layer=None)
     acts = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh"}
@@ -245,7 +247,7 @@ def save_llava(model, cfg: MLLMConfig, out, source=None, image_token_index: int 
     if image_token_index is None:
         raise ValueError("llava: save without a source needs image_token_index (the "
                          "tokenizer's <image> id)")
-    tower = cfg.encoder("vision").encoder
+    tower = cfg.vision_tower()
     if tower.depth < tower.num_layers:
         raise ValueError(f"llava: encoders.vision.encoder.feature_layer={tower.feature_layer} "
                          f"holds {tower.depth} of {tower.num_layers} layers and no source "

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NoReturn
 
 from mmjax.models.config import LLMConfig
 from mmjax.models.hf.checkpoint import read_config
@@ -30,7 +31,7 @@ _LAYER_TYPES = ("sliding_attention", "full_attention")
 _SUPPORTED = ", ".join(LLM_TYPES)
 
 
-def _refuse(field: str, value, why: str):
+def _refuse(field: str, value, why: str) -> NoReturn:
     raise ValueError(f"config.json {field}={value!r}: {why}")
 
 
@@ -55,6 +56,9 @@ def _scaling(p: dict, c: dict, where: str) -> tuple | None:
             _refuse(f"{where}.rope_type", kind, f"llama3 scaling needs {missing or _LLAMA3_KEYS[3:]}")
         return ("llama3", float(p["factor"]), float(p["low_freq_factor"]),
                 float(p["high_freq_factor"]), int(original))
+    if original is None:
+        _refuse(f"{where}.rope_type", kind, "yarn scaling needs original_max_position_embeddings "
+                "or max_position_embeddings")
     factor = p.get("factor")
     factor = c["max_position_embeddings"] / original if factor is None else float(factor)
     attn = p.get("attention_factor")
@@ -105,7 +109,7 @@ def _rope(c: dict, kind) -> tuple[float, tuple | None, float | None]:
     return float(theta), _scaling(flat, c, where), local
 
 
-def _window(c: dict, kind: str) -> tuple[int | None, tuple[bool, ...] | None]:
+def _window(c: dict, kind: str | None) -> tuple[int | None, tuple[bool, ...] | None]:
     """(sliding_window or None, per-layer flags or None for every layer)."""
     n = c["num_hidden_layers"]
     types = c.get("layer_types")
@@ -126,6 +130,7 @@ def _window(c: dict, kind: str) -> tuple[int | None, tuple[bool, ...] | None]:
                      for i in range(n)]
     else:
         return None, None
+    flags: tuple[bool, ...] | None
     if types is not None:
         if len(types) != n or set(types) - set(_LAYER_TYPES):
             _refuse("layer_types", types, f"give {n} entries, each one of {list(_LAYER_TYPES)}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
@@ -25,17 +26,18 @@ from mmjax.models.units import LLM_UNIT, is_llm
 
 CONFIG_NAME, WEIGHTS_NAME = "adapter_config.json", "adapter_model.safetensors"
 # peft's LoraConfig fields a plain LoRA adapter leaves at their defaults (peft 0.21)
-_DEFAULTS = {"alora_invocation_tokens": None, "alpha_pattern": {}, "arrow_config": None,
-             "corda_config": None, "ensure_weight_tying": False, "eva_config": None,
-             "exclude_modules": None, "inference_mode": True, "init_lora_weights": True,
-             "kasa_config": None, "layer_replication": None, "layers_pattern": None,
-             "layers_to_transform": None, "loftq_config": {}, "lora_bias": False,
-             "lora_ga_config": None, "megatron_config": None, "megatron_core": "megatron.core",
-             "monteclora_config": None, "qalora_group_size": 16, "rank_pattern": {},
-             "revision": None, "target_parameters": None, "trainable_token_indices": None,
-             "use_bdlora": None, "use_dora": False, "use_qalora": False, "velora_config": None,
-             "bias": "none", "fan_in_fan_out": False, "peft_type": "LORA",
-             "peft_version": "0.21.2"}
+_DEFAULTS: dict[str, Any] = {
+    "alora_invocation_tokens": None, "alpha_pattern": {}, "arrow_config": None,
+    "corda_config": None, "ensure_weight_tying": False, "eva_config": None,
+    "exclude_modules": None, "inference_mode": True, "init_lora_weights": True,
+    "kasa_config": None, "layer_replication": None, "layers_pattern": None,
+    "layers_to_transform": None, "loftq_config": {}, "lora_bias": False,
+    "lora_ga_config": None, "megatron_config": None, "megatron_core": "megatron.core",
+    "monteclora_config": None, "qalora_group_size": 16, "rank_pattern": {},
+    "revision": None, "target_parameters": None, "trainable_token_indices": None,
+    "use_bdlora": None, "use_dora": False, "use_qalora": False, "velora_config": None,
+    "bias": "none", "fan_in_fan_out": False, "peft_type": "LORA",
+    "peft_version": "0.21.2"}
 # settings of an adapter mmjax cannot apply as written, and the value it can
 _MUST = {"peft_type": "LORA", "bias": "none", "fan_in_fan_out": False, "use_dora": False,
          "lora_bias": False, "rank_pattern": {}, "alpha_pattern": {}, "layers_to_transform": None,
@@ -75,7 +77,8 @@ def adapter_arrays(cfg, adapter_dir) -> tuple[dict, dict]:
     saved whole (modules_to_save)."""
     c, tensors = read_adapter(adapter_dir)
     table, old = _match(cfg, tensors)
-    arrays, targets = {}, {}
+    arrays: dict[tuple, np.ndarray] = {}
+    targets: dict[str, dict[str, list[str]]] = {}  # {part: {projection: module names}}
     for name, (path, _) in table.items():
         key = PREFIX + name + ".lora_A.weight"
         if key not in tensors:

@@ -124,8 +124,8 @@ def _model_config(cfg: MLLMConfig, path) -> MLLMConfig:
                          f"projector and an LLM; the gin model has encoders {sorted(old)} and "
                          f"generator={cfg.generator is not None} (use e.g. --model=llava_tiny)")
     spec, was = new.encoder("vision"), old["vision"]
-    tower = spec.encoder
-    if getattr(was.encoder, "kind", None) == "vit":
+    tower = new.vision_tower()
+    if isinstance(was.encoder, VisionConfig) and was.encoder.kind == "vit":
         tower = dataclasses.replace(tower, max_images=was.encoder.max_images,
                                     max_grid=max(tower.max_grid, was.encoder.max_grid))
     spec = dataclasses.replace(spec, encoder=tower, frozen=was.frozen,
@@ -194,10 +194,9 @@ def load_stage_state(state: nnx.State, plan: LoadPlan, root: tuple = ()) -> nnx.
         leaf = flat.get(root + e.path)
         if not isinstance(leaf, jax.Array):
             continue
-        dtype = leaf.dtype
-        new = jax.make_array_from_callback(
-            leaf.shape, leaf.sharding,
-            lambda idx, e=e, dtype=dtype: np.asarray(plan.read_part(e, idx), dtype))
+        def read(idx, e=e, dtype=leaf.dtype):
+            return np.asarray(plan.read_part(e, idx), dtype)
+        new = jax.make_array_from_callback(leaf.shape, leaf.sharding, read)
         _set(pure, root + e.path, new)
     nnx.replace_by_pure_dict(state, pure)
     return state

@@ -19,6 +19,7 @@ import copy
 import dataclasses
 import json
 from pathlib import Path
+from typing import Any, NoReturn
 
 import jax
 import jax.numpy as jnp
@@ -71,7 +72,7 @@ class Conv3dEntry(Entry):
         return arr.T.reshape(self.hf_shape)
 
 
-def _refuse(field: str, value, why: str):
+def _refuse(field: str, value, why: str) -> NoReturn:
     raise ValueError(f"config.json {field}={value!r}: {why}")
 
 
@@ -172,8 +173,9 @@ def _tower_entries(cfg: VisionConfig, p: str) -> list[Entry]:
         return out + ([Entry(hf + ".bias", enc + path + ("bias",), (d,))]
                       if cfg.norm == "layer" else [])
 
-    out = [Conv3dEntry(p + "patch_embed.proj.weight", enc + ("patch_embed", "kernel"),
-                       (cfg.patch_dim, d), patch=cfg.patch_size)]
+    out: list[Entry] = [Conv3dEntry(p + "patch_embed.proj.weight",
+                                    enc + ("patch_embed", "kernel"), (cfg.patch_dim, d),
+                                    patch=cfg.patch_size)]
     for i in range(cfg.num_layers):
         b, j = f"{p}blocks.{i}.", ("layers", i)
         out += norm(b + "norm1", j + ("norm1",)) + norm(b + "norm2", j + ("norm2",))
@@ -195,7 +197,7 @@ def qwen2_vl_entries(cfg: MLLMConfig, names: str = "legacy") -> list[Entry]:
     if names not in NAMES:
         raise ValueError(f"names={names!r}: use one of {NAMES}")
     spec = cfg.encoder("vision")
-    vis, d = spec.encoder, cfg.llm.hidden_size
+    vis, d = cfg.vision_tower(), cfg.llm.hidden_size
     p = "visual." if names == "legacy" else "model.visual."
     hidden = spec.projector.hidden_size or vis.hidden_size * spec.projector.downsample
     proj = ("projectors", "vision")
@@ -253,7 +255,7 @@ def _text_fields(cfg: MLLMConfig) -> dict:
 
 
 def _vision_fields(kind: str, cfg: MLLMConfig) -> dict:
-    v = cfg.encoder("vision").encoder
+    v = cfg.vision_tower()
     inv = {b: a for a, b in _ACTS.items()}
     out = {"depth": v.num_layers, "num_heads": v.num_heads, "in_channels": 3,
            "patch_size": v.patch_size, "spatial_merge_size": v.spatial_merge_size,
@@ -271,22 +273,26 @@ def qwen2_vl_config_to_hf(cfg: MLLMConfig, config_format: str = "nested",
     """MLLMConfig -> config.json in `config_format`; the modelled fields are written over
     `base` (the source config.json, so unmodelled fields such as token ids survive)."""
     kind = cfg.name if cfg.name in QWEN_VL_TYPES else (
-        "qwen2_5_vl" if cfg.encoder("vision").encoder.window_size else "qwen2_vl")
-    v = cfg.encoder("vision").encoder
+        "qwen2_5_vl" if cfg.vision_tower().window_size else "qwen2_vl")
+    v = cfg.vision_tower()
     if kind == "qwen2_vl" and v.ffn_size % v.hidden_size:
         raise ValueError(f"Qwen2-VL export: ffn_size={v.ffn_size} is not mlp_ratio * "
                          f"hidden_size={v.hidden_size} (Qwen2-VL's config has an int mlp_ratio)")
-    out = copy.deepcopy(base) if base else dict(_TOKENS)
+    out: dict[str, Any] = copy.deepcopy(base) if base else dict(_TOKENS)
     out.update(architectures=[_CLASS[kind]], model_type=kind,
                tie_word_embeddings=cfg.llm.tie_embeddings)
     if cfg.image_markers is not None:  # the ids training wrapped images in
         out.update(vision_start_token_id=int(cfg.image_markers[0]),
                    vision_end_token_id=int(cfg.image_markers[1]))
     vision = dict(out.get("vision_config") or {}, **_vision_fields(kind, cfg))
+    section = cfg.llm.mrope_section
+    if section is None:
+        raise ValueError("Qwen2-VL export: llm.mrope_section is None; Qwen2-VL's LLM uses "
+                         "M-RoPE (set mrope_section)")
     if config_format == "flat":
         vision.setdefault("model_type", kind)
         scaling = dict(out.get("rope_scaling") or {"type": "mrope"})
-        scaling["mrope_section"] = list(cfg.llm.mrope_section)
+        scaling["mrope_section"] = list(section)
         out.update(_text_fields(cfg), rope_theta=cfg.llm.rope_theta, rope_scaling=scaling,
                    vision_config=vision)
         return out
@@ -297,7 +303,7 @@ def qwen2_vl_config_to_hf(cfg: MLLMConfig, config_format: str = "nested",
     if cfg.llm.tie_embeddings or "tie_word_embeddings" in text:  # where transformers puts it
         text["tie_word_embeddings"] = cfg.llm.tie_embeddings
     rope = dict(text.get("rope_parameters") or {"rope_type": "default"})
-    rope.update(rope_theta=cfg.llm.rope_theta, mrope_section=list(cfg.llm.mrope_section))
+    rope.update(rope_theta=cfg.llm.rope_theta, mrope_section=list(section))
     text["rope_parameters"] = rope
     out.update(text_config=text, vision_config=vision)
     return out
@@ -331,6 +337,7 @@ def save_qwen2_vl(model, cfg: MLLMConfig, out_dir, names: str | None = None,
         base = convert_config(base, fmt)
     pure = module_pure(model)
     if source is not None:
+        assert src_names is not None  # read from the source checkpoint above
         ours = hf_tensors(pure, qwen2_vl_entries(cfg, src_names), "Qwen2-VL")
         files = write_over_source(ours, source, out_dir, "Qwen2-VL", max_shard_bytes, dtype,
                                   renamer(src_names, names))

@@ -50,14 +50,14 @@ def qwen2_vl_prompt(model, input_ids, pixel_values=None, image_grid_thw=None,
     grids = np.zeros((0, 3), np.int64) if image_grid_thw is None else \
         np.asarray(image_grid_thw).reshape(-1, 3)
     positions = mrope_positions(ids, mm, grids, m, attention_mask)
-    seg, pos = [np.zeros(0, np.int32)], [np.zeros((0, 2), np.int32)]
+    seg_parts, pos_parts = [np.zeros(0, np.int32)], [np.zeros((0, 2), np.int32)]
     for i, (t, h, w) in enumerate(grids.tolist()):
         if t != 1:
             raise ValueError(f"image_grid_thw[{i}] has t={t}: mmjax's Qwen2-VL takes images "
                              f"(t=1), not videos")
-        seg.append(np.full(h * w, i + 1, np.int32))
-        pos.append(patch_positions(h, w, m))
-    seg, pos = np.concatenate(seg), np.concatenate(pos)
+        seg_parts.append(np.full(h * w, i + 1, np.int32))
+        pos_parts.append(patch_positions(h, w, m))
+    seg, pos = np.concatenate(seg_parts), np.concatenate(pos_parts)
     n = len(seg)
     pixels = np.zeros((max(n, 4), vis.patch_dim), np.float32)
     if n:

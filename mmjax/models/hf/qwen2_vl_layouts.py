@@ -74,7 +74,8 @@ def renamer(src: str, dst: str):
     """Tensor name in layout `src` -> in layout `dst` (None when they are the same)."""
     if src == dst:
         return None
-    moves = (("visual.", "model.visual."), ("model.", "model.language_model."))
+    moves: tuple[tuple[str, str], ...] = (("visual.", "model.visual."),
+                                          ("model.", "model.language_model."))
     if src == "modules":
         moves = tuple((b, a) for a, b in moves)
 

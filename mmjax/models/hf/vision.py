@@ -23,13 +23,13 @@ from pathlib import Path
 
 import numpy as np
 
-from mmjax.models.config import VisionConfig
+from mmjax.models.config import VisionAct, VisionConfig
 from mmjax.models.hf.checkpoint import (Checkpoint, Entry, LoadPlan, dense, layer_norm,
                                         layer_range, module_pure, read_config)
 
 VISION_TYPES = ("clip", "clip_vision_model", "siglip", "siglip_vision_model")
-_ACTS = {"quick_gelu": "quick_gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
-         "gelu": "gelu"}
+_ACTS: dict[str, VisionAct] = {"quick_gelu": "quick_gelu", "gelu_pytorch_tanh": "gelu_tanh",
+                               "gelu_new": "gelu_tanh", "gelu": "gelu"}
 _DEFAULTS = {  # HF CLIPVisionConfig / SiglipVisionConfig defaults for fields a file may omit
     "clip": dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
                  num_attention_heads=12, num_channels=3, image_size=224, patch_size=32,
