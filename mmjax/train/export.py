@@ -150,10 +150,16 @@ def export_model(cfg: MLLMConfig, pure: dict, out, max_shard_bytes: int = MAX_SH
             extra.setdefault("encoders", {})[spec.name] = tree
             continue
         written[spec.name] = where
-    flat = {_fmt(k): np.ascontiguousarray(np.asarray(jax.device_get(v)))
-            for k, v in _flatten(extra).items()}
-    if flat:
-        save_file(flat, str(out / "mmjax_extra.safetensors"))
+    return save_extra(out, _flatten(extra), written)
+
+
+def save_extra(out: Path, flat: dict, written: dict) -> dict:
+    """`flat` ({name tuple: array}: what no HF format holds) into
+    out/mmjax_extra.safetensors (dotted names) when not empty, added to `written`."""
+    arrays = {_fmt(k): np.ascontiguousarray(np.asarray(jax.device_get(v)))
+              for k, v in flat.items()}
+    if arrays:
+        save_file(arrays, str(out / "mmjax_extra.safetensors"))
         written["extra"] = out / "mmjax_extra.safetensors"
     return written
 
