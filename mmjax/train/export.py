@@ -18,16 +18,14 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.sharding import SingleDeviceSharding
-from safetensors.numpy import save_file
 
 from mmjax.errors import UserError
 from mmjax.models import hf
 from mmjax.models.config import AudioConfig, MLLMConfig
 from mmjax.models.config_json import config_from_dict
-from mmjax.models.hf.checkpoint import _flatten, _fmt
+from mmjax.models.hf.checkpoint import _flatten, save_extra
 from mmjax.models.mllm import MultimodalModel, trainable_filter
 from mmjax.models.units import VAE_UNIT, is_llm, is_vae
 from mmjax.models.hf.pretrained import load_pretrained_dirs
@@ -151,17 +149,6 @@ def export_model(cfg: MLLMConfig, pure: dict, out, max_shard_bytes: int = MAX_SH
             continue
         written[spec.name] = where
     return save_extra(out, _flatten(extra), written)
-
-
-def save_extra(out: Path, flat: dict, written: dict) -> dict:
-    """`flat` ({name tuple: array}: what no HF format holds) into
-    out/mmjax_extra.safetensors (dotted names) when not empty, added to `written`."""
-    arrays = {_fmt(k): np.ascontiguousarray(np.asarray(jax.device_get(v)))
-              for k, v in flat.items()}
-    if arrays:
-        save_file(arrays, str(out / "mmjax_extra.safetensors"))
-        written["extra"] = out / "mmjax_extra.safetensors"
-    return written
 
 
 def export_workdir(workdir: str, out, step: int | None = None,

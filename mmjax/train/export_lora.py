@@ -8,12 +8,11 @@ from pathlib import Path
 from flax import nnx
 
 from mmjax.models import hf
-from mmjax.models.hf.checkpoint import _flatten
+from mmjax.models.hf.checkpoint import _flatten, save_extra
 from mmjax.models.lora import LoRAParam
 from mmjax.models.lora_merge import merged_module
 from mmjax.models.mllm import trainable_filter
 from mmjax.models.units import LLM_UNIT, is_llm
-from mmjax.train.export import save_extra
 
 
 def lora_mode(cfg, adapter: bool, merge: bool) -> str | None:
