@@ -298,7 +298,7 @@ def timed_steps(rt: PipelineRuntime, feeds, steps: int, probes):
     dispatch, step, cpu = [], [], []
     for _ in range(steps):
         c0, t0 = time.process_time(), time.perf_counter()
-        res = rt.run(feeds)
+        res = rt.run(feeds, rt.initial_compute_params())  # copies made each step
         t1 = time.perf_counter()
         losses = _wait(rt, res)
         t2 = time.perf_counter()
@@ -316,10 +316,10 @@ def bench_plan(name, cfg, lay, samples, args, out_dir, timeline, compiles) -> di
     feeds = feeds_for(plan, lay, samples)
     num_actions = len(rt.order)
     for _ in range(args.warmup):  # compile every stage function and broker route
-        _wait(rt, rt.run(feeds))
+        _wait(rt, rt.run(feeds, rt.initial_compute_params()))
     for b in rt.brokers.values():  # one untimed step with the traffic counted
         b.ledger = {}
-    _wait(rt, rt.run(feeds))
+    _wait(rt, rt.run(feeds, rt.initial_compute_params()))
     moved = traffic(rt, [b.ledger for b in rt.brokers.values()], args.devices_per_node)
     for b in rt.brokers.values():
         b.ledger = None
@@ -334,7 +334,7 @@ def bench_plan(name, cfg, lay, samples, args, out_dir, timeline, compiles) -> di
     compiled_after_warmup = compiles["n"] - compiled_before
     traces = []
     for _ in range(args.trace_steps):
-        res = rt.run(feeds, trace=True)
+        res = rt.run(feeds, rt.initial_compute_params(), trace=True)
         _wait(rt, res)
         traces.append(res.trace)
     costs = stage_costs(traces)
@@ -345,7 +345,8 @@ def bench_plan(name, cfg, lay, samples, args, out_dir, timeline, compiles) -> di
     traced_span = max(d["end"] for d in trace) - t0
     busy = {s: sum(d["end"] - d["start"] for d in trace if d["stage"] == s)
             for s in sorted({d["stage"] for d in trace})}
-    res = rt.run(feeds, trace="overlap")  # asynchronous dispatch, completions stamped
+    # asynchronous dispatch, completions stamped
+    res = rt.run(feeds, rt.initial_compute_params(), trace="overlap")
     _wait(rt, res)
     overlap = res.trace
     o0 = min(d["start"] for d in overlap)

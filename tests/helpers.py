@@ -136,7 +136,8 @@ def plan_feeds(plan, lay, samples, assignments=None, cp_method="lpt", **kw):
 
 def run_plan(cfg, plan, lay, samples, assignments=None, cp_method="lpt", schedule="1f1b"):
     rt = PipelineRuntime(cfg, plan, schedule=schedule)
-    res = rt.run(plan_feeds(plan, lay, samples, assignments, cp_method))
+    res = rt.run(plan_feeds(plan, lay, samples, assignments, cp_method),
+                 rt.initial_compute_params())
     grads = to_reference_layout(plan, pure_grads(res))
     return rt, res.losses()["loss"], grads
 

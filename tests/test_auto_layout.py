@@ -34,15 +34,17 @@ def source():
 
 
 def test_auto_layout_picks_each_layout_and_says_why(source):
-    from mmjax.train.auto_plan import auto_layout
+    from mmjax.train.auto_plan import auto_plan
 
     from mmjax.models.named import named_config
     from mmjax.train.data_config import train_source
 
     big = named_config("orchmllm/mllm_10b")
-    dis, line_big = auto_layout(big, 256, train_source(big), layout="auto", num_devices=64)
-    colo, line16 = auto_layout(small_tiny(), 16, source, layout="auto", num_devices=8)
-    assert isinstance(dis, Plan) and isinstance(colo, Colocation)
+    dis, line_big = auto_plan(big, 256, train_source(big), layout="auto", num_devices=64)
+    chosen, line16 = auto_plan(small_tiny(), 16, source, layout="auto", num_devices=8)
+    assert isinstance(dis.chosen, Plan) and dis.colocation is None
+    colo = chosen.colocation
+    assert isinstance(colo, Colocation) and chosen.chosen is None
     for line, first in ((line_big, "disaggregated"), (line16, "co-located")):
         assert "\n" not in line and line.startswith(f"auto layout: {first}")
         times = dict(TIMES.findall(line))  # both layouts' predicted iteration times
@@ -53,15 +55,18 @@ def test_auto_layout_picks_each_layout_and_says_why(source):
 
 
 def test_auto_layout_default_and_forced(source):
-    from mmjax.train.auto_plan import auto_layout
+    from mmjax.train.auto_plan import auto_plan
 
     cfg = small_tiny()
-    plan, line = auto_layout(cfg, 16, source, num_devices=8)  # gin default: disaggregated
-    assert isinstance(plan, Plan) and line is None
-    colo, line = auto_layout(cfg, 8, source, layout="colocated", num_devices=8)
-    assert isinstance(colo, Colocation) and "auto_plan.layout='colocated'" in line
-    with pytest.raises(UserError, match=r"^auto_plan.layout='both': use one of"):
-        auto_layout(cfg, 8, source, layout="both", num_devices=8)
+    dis, line = auto_plan(cfg, 16, source, num_devices=8)  # the default: disaggregated
+    assert isinstance(dis.chosen, Plan) and dis.colocation is None
+    assert line == "auto plan: " + "; ".join(f"{u.name} dp={u.dp} tp={u.tp} pp={u.pp}"
+                                             for u in dis.chosen.units)
+    colo, line = auto_plan(cfg, 8, source, layout="colocated", num_devices=8)
+    assert isinstance(colo.colocation, Colocation) and "auto_plan.layout='colocated'" in line
+    with pytest.raises(UserError, match=r"^auto_plan.layout='both': must be one of "
+                                        r"\['auto', 'colocated', 'disaggregated'\]"):
+        auto_plan(cfg, 8, source, layout="both", num_devices=8)
 
 
 @pytest.mark.slow

@@ -31,10 +31,11 @@ def test_colocated_settings_give_a_colocation():
     assert [colo.stage(u) for u in UNITS] == [2, 1, 3]
     assert check_layout(UNITS, 8, "colocated", 3) == Colocation(1, (), 3, None)
     assert check_layout(UNITS, 8) is None  # disaggregated: the pipeline runtime's Plan
-    plan = manual_plan(global_batch=8, model=tiny_valm(), zero_stage={"llm": 3, "vision": 2})
-    assert {u.name: u.zero_stage for u in plan.units} == {"vision": 2, "audio": 1, "llm": 3}
-    assert isinstance(manual_plan(global_batch=8, model=tiny_valm(), layout="colocated",
-                                  zero_stage=2), Colocation)
+    dis = manual_plan(global_batch=8, model=tiny_valm(), zero_stage={"llm": 3, "vision": 2})
+    assert dis.colocation is None and dis.pipelined
+    assert {u.name: u.zero_stage for u in dis.chosen.units} == {"vision": 2, "audio": 1, "llm": 3}
+    colo = manual_plan(global_batch=8, model=tiny_valm(), layout="colocated", zero_stage=2)
+    assert colo.colocation == Colocation(1, (), 2, None) and colo.chosen is None
 
 
 @pytest.mark.parametrize("kw,line", [

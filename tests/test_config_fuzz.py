@@ -79,7 +79,7 @@ def test_fuzzed_manual_plan_bindings_work_or_give_one_line_errors():
         kw = {k: rng.choice(VALUES) for k in rng.sample(knobs, rng.randint(0, 4))}
         gb, nmb = rng.choice([8, 8, 8, 0, 3, "8"]), rng.choice([2, 2, 4, 0, 3, None])
         return lambda: manual_plan(global_batch=gb, num_microbatches=nmb, model=CFG,
-                                   **kw).validate(CFG, 8)
+                                   **kw).chosen.validate(CFG, 8)
 
     outcomes = [_one_line_user_error(one()) for _ in range(1200)]
     assert 20 < sum(outcomes) < 1150

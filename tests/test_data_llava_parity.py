@@ -68,7 +68,7 @@ def test_llava_plans_on_the_runtime_match_the_reference(setup, balance):
                   for mp in mps]
     assert any(mp.ranks["vision"] != c or mp.ranks["llm"] != c for mp, c in zip(mps, contiguous))
     rt = PipelineRuntime(cfg, plan)
-    res = rt.run([mb.feed for mb in gb.microbatches])
+    res = rt.run([mb.feed for mb in gb.microbatches], rt.initial_compute_params())
     grads = to_reference_layout(plan, pure_grads(res))
     assert_same_loss(res.losses()["loss"], ref_loss)
     assert_same_grads(grads, ref_grads)

@@ -83,7 +83,7 @@ def test_loader_plans_on_the_runtime_match_the_reference(setup, builders, runtim
         assert any(mp.ranks["vision"] != mp.ranks["llm"] for mp in mps)
     assert all(len(mp.ranks["generator"]) == 1 for mp in mps)
 
-    res = runtime.run([mb.feed for mb in gb.microbatches])
+    res = runtime.run([mb.feed for mb in gb.microbatches], runtime.initial_compute_params())
     grads = to_reference_layout(plan, pure_grads(res))
     assert_same_loss(res.losses()["loss"], ref_loss)
     assert_same_grads(grads, ref_grads)
@@ -101,7 +101,8 @@ def test_feeds_padded_to_the_scanned_floor_keep_parity(setup):
     feeds = [mb.feed for mb in builder(STEP).microbatches]
     assert all(f.shapes == builder.floor for f in feeds)  # every microbatch one shape
     assert any(f.shapes != o for f, o in zip(feeds, own))  # and padding happened
-    res = PipelineRuntime(cfg, plan).run(feeds)
+    rt = PipelineRuntime(cfg, plan)
+    res = rt.run(feeds, rt.initial_compute_params())
     assert_same_loss(res.losses()["loss"], ref_loss)
     assert_same_grads(to_reference_layout(plan, pure_grads(res)), ref_grads)
 

@@ -103,7 +103,7 @@ def test_auto_plan_for_the_devices_present():
     from mmjax.train.auto_plan import auto_plan, device_hardware
 
     cfg = tiny()
-    plan = auto_plan(cfg, 8, open_source("synthetic:laion", cfg), num_devices=8)
+    plan = auto_plan(cfg, 8, open_source("synthetic:laion", cfg), num_devices=8)[0].chosen
     assert plan.num_devices <= 8 and plan.global_batch == 8
     assert device_hardware() is H100  # CPU devices: the analytic H100 model
     with pytest.raises(PlanError, match="train.plan='auto' on 1 device:"):

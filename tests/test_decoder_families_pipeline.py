@@ -71,6 +71,6 @@ def test_pipelined_family_matches_single_device(tmp_path, family):
     rt = PipelineRuntime(cfg, plan, pretrained=dirs)
     feeds = [microbatch_feed(samples[m * 2:(m + 1) * 2], lay, {"vision": 2, "llm": 1})
              for m in range(2)]
-    res = rt.run(feeds)
+    res = rt.run(feeds, rt.initial_compute_params())
     assert_same_loss(res.losses()["loss"], ref_loss)
     assert_same_grads(to_reference_layout(plan, pure_grads(res)), ref_grads)

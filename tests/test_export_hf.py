@@ -18,7 +18,7 @@ from mmjax.models.tiny import tiny_valm
 from mmjax.planner.plan import Plan
 from mmjax.train.checkpoint import Checkpointer
 from mmjax.train.logical_state import single_logical
-from mmjax.train.export import export_workdir, restore_params
+from mmjax.train.export import export_workdir, restore_model
 from mmjax.train.optimizer import learning_rate_schedule, optimizer_from_settings
 from mmjax.train.state import whole_model_state
 from mmjax.train.step import split_model
@@ -98,8 +98,9 @@ def test_plan_checkpoint_round_trip(tmp_path):
     trainable = {**step_fn.fixed, **{sid: st.master for sid, st in stages.items()}}
     want = to_reference_layout(plan, {sid: pure(nnx.merge(st.graphdef, trainable[sid], st.frozen))
                                       for sid, st in step_fn.runtime.stages.items()})
-    cfg2, got, step = restore_params(str(tmp_path / "run"))
+    cfg2, model, step, _ = restore_model(str(tmp_path / "run"))
     assert cfg2 == cfg and step == 2
+    assert jax.tree.all(jax.tree.map(np.array_equal, pure(model), want))  # restored as trained
     export_workdir(str(tmp_path / "run"), tmp_path / "out")
     check_exported(tmp_path / "out", cfg, want)
 

@@ -102,7 +102,8 @@ def test_generator_loss_single_program_equals_pipelined(data, placement):
     samples = [src.load(i) for i in gb.sample_ids]
     assert sum(seg.modality == "image_out" for x in samples for seg in x.segments) == 4
     ref_loss, _ = reference(cfg, lay, samples)
-    res = PipelineRuntime(cfg, plan).run([mb.feed for mb in gb.microbatches])
+    rt = PipelineRuntime(cfg, plan)
+    res = rt.run([mb.feed for mb in gb.microbatches], rt.initial_compute_params())
     losses = res.losses()
     assert losses["diffusion_loss"] > 0.1
     assert_same_loss(losses["loss"], ref_loss)

@@ -11,7 +11,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # Lowest first. The schedules sit below the planner and the data reorderer, which price and
-# fill them; the runtime (pipeline/) walks them. settings.py checks a run's settings for
+# fill them; the runtime (pipeline/) walks them. settings/ checks a run's settings for
 # the trainer; the command line and the launcher sit on top.
 LAYERS = (
     ("",),                    # mmjax/__init__.py: the version, no imports

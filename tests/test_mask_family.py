@@ -59,7 +59,7 @@ def test_pipeline_llm_stages_declare_their_mask_family(family, message):
     up = dataclasses.replace(rt.plan.unit("llm"), attention_impl="cudnn")  # Plans refuse it
     feed = microbatch_feed(_text_samples(4), lay, {"llm": 1})
     side = rt.transfers.side(sid, feed, (feed.num_target_tokens, 0))
-    assert st.fns.apply(rt.params(sid), st.frozen, None, side).shape == (1,)  # auto: runs
+    assert st.fns.apply(rt.initial_compute_params()[sid], st.frozen, None, side).shape == (1,)  # auto: runs
     with pytest.raises(UserError, match=message):
         make_stage_fns(cfg, up, st.graphdef, st.mode, jnp.float32, st.mesh,
                        llm_mask_family=family)

@@ -65,7 +65,7 @@ def test_the_example_needs_the_whole_runs_floor():
     _parse([])
     try:
         cfg = named_model_config()
-        plan = manual_plan(global_batch=8, model=cfg)
+        plan = manual_plan(global_batch=8, model=cfg).chosen
         loader = Loader(train_source(cfg), cfg, plan, data_layout(cfg),
                         num_steps=30)
         assert loader.shape_scan_steps == SHAPE_SCAN_STEPS >= 30  # not the run's length

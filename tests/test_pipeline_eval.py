@@ -28,7 +28,7 @@ def test_forward_only_evaluation_equals_the_reference_lm_loss():
     n = plan.microbatch_size
     feeds = [microbatch_feed(samples[m * n:(m + 1) * n], lay, {"vision": 2, "llm": 1})
              for m in range(2)]
-    res = rt.evaluate(feeds)
+    res = rt.evaluate(feeds, rt.initial_compute_params())
     assert_same_loss(res.losses()["lm_loss"], ref_loss)
     assert res.partials == {} and not res.diffusion_loss  # nothing for a backward
     assert not any(rt.backward_calls.values())

@@ -84,7 +84,7 @@ def test_pp2_tp2_llm_and_dp2_clip_tower_match_single_device(dirs, monkeypatch):
 
     feeds = [microbatch_feed(samples[m * 2:(m + 1) * 2], lay, {"vision": 2, "llm": 1})
              for m in range(2)]
-    res = rt.run(feeds)
+    res = rt.run(feeds, rt.initial_compute_params())
     grads = to_reference_layout(plan, pure_grads(res))
     assert_same_loss(res.losses()["loss"], ref_loss)
     assert_same_grads(grads, ref_grads)

@@ -82,6 +82,7 @@ def test_one_and_four_steps_lower_the_same_step_program(single_programs):
 
 def test_a_plans_feed_floor_does_not_depend_on_the_runs_length():
     from mmjax.data.loader import Loader
+    from mmjax.train.manual_plan import manual_plan
     from mmjax.train.run_setup import run_plan
 
     floors = []
@@ -89,7 +90,8 @@ def test_a_plans_feed_floor_does_not_depend_on_the_runs_length():
         for steps in (1, 4):
             cfg, layout, source = _setup(steps, ['manual_plan.dp = {"vision": 2}',
                                                  'manual_plan.pp = {"llm": 2}'])
-            plan, cfg = run_plan("manual", cfg, None, {}, 8, None)
+            plan, cfg = run_plan("manual", cfg, None, {}, 8, None,
+                                 manual_plan(global_batch=8, model=cfg).chosen)
             loader = Loader(source, cfg, plan, layout, num_steps=steps)
             floors.append(loader.feed_floor())
             loader.close()

@@ -138,6 +138,6 @@ def test_pretrained_pipeline_stages_match_single_device():
     rt = PipelineRuntime(cfg, plan, pretrained=dirs)
     feeds = [microbatch_feed(samples[m * 2:(m + 1) * 2], lay, {u.name: u.dp for u in plan.units})
              for m in range(2)]
-    res = rt.run(feeds)
+    res = rt.run(feeds, rt.initial_compute_params())
     assert_same_loss(res.losses()["loss"], ref_loss)
     assert_same_grads(to_reference_layout(plan, pure_grads(res)), ref_grads)

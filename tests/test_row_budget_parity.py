@@ -35,6 +35,7 @@ def test_row_budget_batches_keep_parity():
     assert len(gb.sample_ids) % 3 == 0 and len(gb.sample_ids) != 12
     assert max(pack_rows([m.llm_length for m in metas], 160, "pack")) + 1 <= 6
     ref_loss, ref_grads = reference(cfg, lay, [src.load(i) for i in gb.sample_ids])
-    res = PipelineRuntime(cfg, plan).run([mb.feed for mb in gb.microbatches])
+    rt = PipelineRuntime(cfg, plan)
+    res = rt.run([mb.feed for mb in gb.microbatches], rt.initial_compute_params())
     assert_same_loss(res.losses()["loss"], ref_loss)
     assert_same_grads(to_reference_layout(plan, pure_grads(res)), ref_grads)

@@ -119,12 +119,13 @@ def test_interleaved_steady_state_dispatch_makes_no_host_sync(monkeypatch, refer
     def host_sync(*args, **kwargs):
         raise AssertionError("host sync inside the dispatch loop")
 
+    params = rt.initial_compute_params()
     array_type = type(jax.numpy.zeros(()))
     with monkeypatch.context() as mp, jax.transfer_guard_device_to_host("disallow"):
         mp.setattr(array_type, "_value", property(host_sync))
         mp.setattr(array_type, "block_until_ready", host_sync)
         mp.setattr(jax, "block_until_ready", host_sync)
-        res = rt.run(feeds)
+        res = rt.run(feeds, params)
         with pytest.raises(AssertionError, match="host sync"):  # the traps are armed
             float(res.lm_loss[0][0])  # the loss terms are per-rank vectors [dp]
     grads = to_reference_layout(plan, pure_grads(res))

@@ -54,11 +54,12 @@ def _check_trace(plan, rt, trace):
 @pytest.mark.slow
 def test_trace_modes_record_every_action_and_change_nothing(setup, monkeypatch):
     plan, rt, feeds = setup
-    base = rt.run(feeds)
+    params = rt.initial_compute_params()
+    base = rt.run(feeds, params)
     base_loss, base_grads = base.losses(), _grads(base)
     assert base.trace == []
 
-    serial = rt.run(feeds, trace=True)
+    serial = rt.run(feeds, params, trace=True)
     _check_trace(plan, rt, serial.trace)
     assert serial.losses() == base_loss
     for a, b in zip(_grads(serial), base_grads, strict=True):
@@ -74,7 +75,7 @@ def test_trace_modes_record_every_action_and_change_nothing(setup, monkeypatch):
 
     with monkeypatch.context() as mp:  # overlap: only the waiter threads block
         mp.setattr(jax, "block_until_ready", wait_off_main_thread)
-        overlap = rt.run(feeds, trace="overlap")
+        overlap = rt.run(feeds, params, trace="overlap")
         with pytest.raises(AssertionError, match="dispatch thread"):  # the trap is armed
             jax.block_until_ready(overlap.lm_loss)
     _check_trace(plan, rt, overlap.trace)

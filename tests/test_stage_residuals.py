@@ -84,7 +84,7 @@ def test_manual_plan_passes_the_knobs():
     from mmjax.train.manual_plan import manual_plan
     cfg = make_cfg()
     plan = manual_plan(global_batch=4, model=cfg, remat={"llm": "none"}, tp_chunks={"llm": 1},
-                       tp_bidirectional=False, cp_head_groups={"llm": 2}, cp={"llm": 2})
+                       tp_bidirectional=False, cp_head_groups={"llm": 2}, cp={"llm": 2}).chosen
     llm = plan.unit("llm")
     assert (llm.remat, llm.tp_chunks, llm.tp_bidirectional, llm.cp_head_groups) == (
         "none", 1, False, 2)

@@ -222,7 +222,7 @@ def test_pipelined_vae_unit_on_its_own_sub_mesh_equals_single_program(unit_setup
     rt = PipelineRuntime(dev, plan, pretrained={VAE_UNIT: vdir})
     feeds = [microbatch_feed(samples[m * 2:(m + 1) * 2], lay_d,
                              {u.name: u.dp for u in plan.units}) for m in range(2)]
-    res = rt.run(feeds)
+    res = rt.run(feeds, rt.initial_compute_params())
     got = res.losses()
     np.testing.assert_allclose(got["diffusion_loss"], diff, rtol=1e-5)
     assert_same_loss(got["loss"], loss)

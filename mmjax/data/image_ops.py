@@ -34,6 +34,15 @@ class PilImageOps:
             image = convert_to_rgb(image)
         return image
 
+    def _at_output_size(self, image) -> np.ndarray:
+        """PIL image / uint8 array -> float32 [3, H, W] at `output_size` (resized when it
+        differs), rescaled and normalised."""
+        image = self._prepare(image)
+        h, w = self.output_size(image.height, image.width)
+        if (h, w) != (image.height, image.width):
+            image = image.resize((w, h), resample=self.resample, reducing_gap=None)
+        return self._finish(np.asarray(image))
+
     def _finish(self, arr: np.ndarray) -> np.ndarray:
         """uint8 [H, W, 3] -> float32 [3, H, W] (rescale in float32, then normalise)."""
         x = arr

@@ -167,11 +167,7 @@ class NativeResizeProcessor(PilImageOps):
         return fit(height), fit(width)
 
     def __call__(self, image) -> np.ndarray:
-        image = self._prepare(image)
-        h, w = self.output_size(image.height, image.width)
-        if (h, w) != (image.height, image.width):
-            image = image.resize((w, h), resample=self.resample, reducing_gap=None)
-        return self._finish(np.asarray(image))
+        return self._at_output_size(image)
 
 
 # ---------------------------------------------------------------------------------------

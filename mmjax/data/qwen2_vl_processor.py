@@ -115,11 +115,7 @@ class Qwen2VLImageProcessor(PilImageOps):
 
     def __call__(self, image) -> np.ndarray:
         """PIL image / uint8 array -> float32 [3, H, W], resized and normalised."""
-        image = self._prepare(image)
-        h, w = self.output_size(image.height, image.width)
-        if (h, w) != (image.height, image.width):
-            image = image.resize((w, h), resample=self.resample, reducing_gap=None)
-        return self._finish(np.asarray(image))
+        return self._at_output_size(image)
 
     def patchify(self, image: np.ndarray):
         return patchify(image, self.patch_size, self.merge_size, self.temporal_patch_size)

@@ -18,6 +18,7 @@ from mmjax.models.attention import segment_meta
 from mmjax.models.config import AudioConfig
 from mmjax.models.layers import EncoderBlock, LayerNorm, param, whisper_sinusoids, zeros
 from mmjax.models.scan import run_stack
+from mmjax.models.layer_range import layer_range
 
 
 def _conv1d(x, kernel, bias, stride):
@@ -35,11 +36,8 @@ def audio_token_mask(frame_len, num_tokens):
 
 class AudioEncoder(nnx.Module):
     def __init__(self, cfg: AudioConfig, key, start: int = 0, end: int | None = None):
-        end = cfg.num_layers if end is None else end
-        if not 0 <= start < end <= cfg.num_layers:
-            raise ValueError(f"audio layer range [{start}, {end}) outside 0..{cfg.num_layers}")
+        end, self.is_first, self.is_last = layer_range("audio layer", cfg.num_layers, start, end)
         self.cfg, self.start, self.end = cfg, start, end
-        self.is_first, self.is_last = start == 0, end == cfg.num_layers
         k_embed, k_layers = jax.random.fold_in(key, 0), jax.random.fold_in(key, 1)
         d, m = cfg.hidden_size, cfg.num_mel_bins
         if self.is_first:

@@ -19,6 +19,7 @@ from mmjax.models.attention import bam_attention, full_meta
 from mmjax.models.config import GeneratorConfig
 from mmjax.models.layers import Dense, LayerNorm, sinusoidal
 from mmjax.models.scan import run_stack
+from mmjax.models.layer_range import layer_range
 
 
 def ddpm_alphas_cumprod(cfg: GeneratorConfig) -> np.ndarray:
@@ -78,11 +79,8 @@ class DiTBlock(nnx.Module):
 class DiffusionGenerator(nnx.Module):
     def __init__(self, cfg: GeneratorConfig, cond_dim: int, key, start: int = 0,
                  end: int | None = None):
-        end = cfg.num_layers if end is None else end
-        if not 0 <= start < end <= cfg.num_layers:
-            raise ValueError(f"generator block range [{start}, {end}) outside 0..{cfg.num_layers}")
+        end, self.is_first, self.is_last = layer_range("generator block", cfg.num_layers, start, end)
         self.cfg, self.start, self.end = cfg, start, end
-        self.is_first, self.is_last = start == 0, end == cfg.num_layers
         k_in, k_blocks, k_out = (jax.random.fold_in(key, i) for i in range(3))
         d = cfg.hidden_size
         if self.is_first:

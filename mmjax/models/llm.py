@@ -32,6 +32,7 @@ from mmjax.models.layers import (ACTIVATIONS, PLAIN, RMSNorm, apply_rope, param,
                                  rope_attention_factor, rope_inv_freq, zeros)
 from mmjax.models.lora import adapt, adapters
 from mmjax.models.scan import run_stack
+from mmjax.models.layer_range import layer_range
 
 # A traced window this wide is no window (a global layer inside a layer scan).
 NO_WINDOW = 1 << 30
@@ -158,11 +159,8 @@ def meta_attend(meta: TokenMeta, attention_impl: str = "auto", mask_family: str 
 
 class LLM(nnx.Module):
     def __init__(self, cfg: LLMConfig, key, start: int = 0, end: int | None = None):
-        end = cfg.num_layers if end is None else end
-        if not 0 <= start < end <= cfg.num_layers:
-            raise ValueError(f"LLM layer range [{start}, {end}) outside 0..{cfg.num_layers}")
+        end, self.is_first, self.is_last = layer_range("LLM layer", cfg.num_layers, start, end)
         self.cfg, self.start, self.end = cfg, start, end
-        self.is_first, self.is_last = start == 0, end == cfg.num_layers
         k_embed, k_layers, k_head = (jax.random.fold_in(key, i) for i in range(3))
         d, v = cfg.hidden_size, cfg.vocab_size
         # A tied last stage keeps its own copy of the embedding (Megatron's embedding group);

@@ -33,6 +33,7 @@ from mmjax.models.layers import ACTIVATIONS, Dense, LayerNorm, RMSNorm
 from mmjax.models.lora import layer_dropout
 from mmjax.models.qwen2_vl_config import full_attention_layer, window_patches
 from mmjax.models.scan import run_stack
+from mmjax.models.layer_range import layer_range
 
 _WINDOW_BASE = 1 << 10  # window rows / cols per image side at most in a window segment id
 
@@ -102,11 +103,8 @@ class Qwen2VLVision(nnx.Module):
     the merger's ln_q (`final_ln`) on the last."""
 
     def __init__(self, cfg: VisionConfig, key, start: int = 0, end: int | None = None):
-        end = cfg.num_layers if end is None else end
-        if not 0 <= start < end <= cfg.num_layers:
-            raise ValueError(f"vision layer range [{start}, {end}) outside 0..{cfg.num_layers}")
+        end, self.is_first, self.is_last = layer_range("vision layer", cfg.num_layers, start, end)
         self.cfg, self.start, self.end = cfg, start, end
-        self.is_first, self.is_last = start == 0, end == cfg.num_layers
         k_embed, k_layers = jax.random.fold_in(key, 0), jax.random.fold_in(key, 1)
         d = cfg.hidden_size
         self.patch_embed = (Dense(jax.random.fold_in(k_embed, 0), cfg.patch_dim, d, bias=False)

@@ -14,15 +14,13 @@ from mmjax.models.attention import segment_meta, shared_tiles
 from mmjax.models.config import VisionConfig
 from mmjax.models.layers import Dense, EncoderBlock, LayerNorm, param
 from mmjax.models.scan import run_stack
+from mmjax.models.layer_range import layer_range
 
 
 class VisionEncoder(nnx.Module):
     def __init__(self, cfg: VisionConfig, key, start: int = 0, end: int | None = None):
-        end = cfg.num_layers if end is None else end
-        if not 0 <= start < end <= cfg.num_layers:
-            raise ValueError(f"vision layer range [{start}, {end}) outside 0..{cfg.num_layers}")
+        end, self.is_first, self.is_last = layer_range("vision layer", cfg.num_layers, start, end)
         self.cfg, self.start, self.end = cfg, start, end
-        self.is_first, self.is_last = start == 0, end == cfg.num_layers
         k_embed, k_layers = jax.random.fold_in(key, 0), jax.random.fold_in(key, 1)
         d = cfg.hidden_size
         if self.is_first:

@@ -26,6 +26,7 @@ from mmjax.models.attention import segment_mask, segment_meta
 from mmjax.models.config import VisionConfig
 from mmjax.models.layers import Dense, EncoderBlock, LayerNorm, param
 from mmjax.models.scan import run_stack
+from mmjax.models.layer_range import layer_range
 
 _A = -0.75  # PyTorch's bicubic coefficient
 
@@ -62,11 +63,8 @@ def class_slot_segments(patch_seg, max_images: int):
 
 class StandardViT(nnx.Module):
     def __init__(self, cfg: VisionConfig, key, start: int = 0, end: int | None = None):
-        end = cfg.depth if end is None else end
-        if not 0 <= start < end <= cfg.depth:
-            raise ValueError(f"vision layer range [{start}, {end}) outside 0..{cfg.depth}")
+        end, self.is_first, self.is_last = layer_range("vision layer", cfg.depth, start, end)
         self.cfg, self.start, self.end = cfg, start, end
-        self.is_first, self.is_last = start == 0, end == cfg.depth
         k_embed, k_layers = jax.random.fold_in(key, 0), jax.random.fold_in(key, 1)
         d = cfg.hidden_size
         if self.is_first:

@@ -117,16 +117,13 @@ class PipelineRuntime:
         return {sid: (self.settle(self.stages[sid].gather(tr)) if self.stages[sid].local
                       else tr) for sid, tr in trainable.items()}
 
-    def _initial_compute(self) -> dict:
-        """The compute copy of the initial parameters (a run of the runtime on its own)."""
+    def initial_compute_params(self) -> dict:
+        """The compute copy of the initial parameters, which stay the runtime's: `run` on
+        its own, with no training state (scripts/bench_runtime.py, the parity tests)."""
         if self._initial is None:
-            raise ValueError("the runtime's initial parameters were handed to a training "
-                             "state: pass `params` (the state's compute copies)")
+            raise RuntimeError("internal: the runtime's initial parameters were handed to a "
+                               "training state: pass its compute copies")
         return self.compute_params(self._initial)
-
-    def params(self, sid: StageId):
-        """The compute copy of stage `sid`'s initial parameters."""
-        return self.compute_params({sid: self._initial[sid]})[sid]
 
     # ---- what a training state's owner asks of the stages -------------------------------
     def trained_stages(self) -> list[StageId]:
@@ -152,11 +149,11 @@ class PipelineRuntime:
         return self.stages[sid].abstract
 
     # ---- one step -------------------------------------------------------------------
-    def run(self, feeds: list[MicrobatchFeed], params: dict | None = None,
+    def run(self, feeds: list[MicrobatchFeed], params: dict,
             trace: bool | str = False, on_grads=None, count: int | None = None
             ) -> StepResult:
         """Dispatch one whole step: forward and backward of every microbatch on `params`
-        ({StageId: compute copy}; None: the initial parameters), every action of the
+        ({StageId: compute copy}), every action of the
         schedule before it returns. Returns device-side losses and the step's gradients
         (`StepResult.partials`, `grads`). `on_grads(sid, partials)`, if given, is called
         for every local stage with trainable parameters as soon as the stage's last
@@ -170,8 +167,7 @@ class PipelineRuntime:
         if len(feeds) != self.plan.num_microbatches:
             raise ValueError(f"got {len(feeds)} microbatch feeds; the plan has "
                              f"{self.plan.num_microbatches}")
-        step = StepState.of(feeds, self._initial_compute() if params is None else params,
-                            count)
+        step = StepState.of(feeds, params, count)
         tracer = make_tracer(trace_mode(trace))
         result = step.result
         result.reduced = {sid for sid, st in self.stages.items() if st.zero_stage >= 2}
@@ -211,12 +207,12 @@ class PipelineRuntime:
         if act.kind == "B" or not self.graph.runs_backward(sid):
             step.sides.pop((sid, mb), None)
 
-    def evaluate(self, feeds: list[MicrobatchFeed], params: dict | None = None) -> StepResult:
+    def evaluate(self, feeds: list[MicrobatchFeed], params: dict) -> StepResult:
         """The LM loss terms of `feeds` by forward passes alone (validation): every LLM and
         encoder stage's `apply` in the schedule's forward order, nothing kept for a backward
         and no gradients; the generator (diffusion loss) is not run. `losses()["lm_loss"]`
         is the feeds' mean loss per trained token, as in `run`. `params`: as in `run`."""
-        step = StepState.of(feeds, self._initial_compute() if params is None else params)
+        step = StepState.of(feeds, params)
         for sid, act in self.order:
             if act.kind == "F" and not (is_generator(sid.unit) or is_vae(sid.unit)):
                 self.actions.apply(sid, act.microbatch, step)

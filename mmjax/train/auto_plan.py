@@ -1,6 +1,6 @@
-"""`train.plan = "auto"`: plan at start-up for the devices present and the run's data
-(DistTrain §3: the manager samples the training data, profiles, and orchestrates before
-training). The planner (planner/build.py, DistTrain §5) runs on the workload of samples
+"""`train.plan = "auto"`: the run's layout planned at start-up for the devices present and
+the run's data (DistTrain §3: the manager samples the training data, profiles, and
+orchestrates before training); `auto_plan.layout` acts here. The planner (planner/build.py, DistTrain §5) runs on the workload of samples
 drawn from the trainer's own source (data/data_spec.py), for `jax.device_count()` devices
 of the hardware the devices are (by device kind; the analytic H100 model for others, e.g.
 CPU devices in tests)."""
@@ -14,11 +14,10 @@ import jax
 from mmjax.data.data_spec import sample_workload
 from mmjax.planner.build import plan_model
 from mmjax.planner.hardware import H100, hardware, hardware_of_device
-from mmjax.planner.layout_choice import LAYOUTS
-from mmjax.planner.plan import Plan, PlanError
+from mmjax.planner.plan import PlanError
 from mmjax.models.units import is_encoder, is_llm
-from mmjax.settings import bound
-
+from mmjax.settings import bound, check_args
+from mmjax.train.run_layout import RunLayout
 
 
 def device_hardware(devices=None):
@@ -40,9 +39,6 @@ def run_planning_inputs(cfg, source):
     return planning_inputs(cfg, source, get("hardware_name", None), get("data_samples", 256))
 
 
-AUTO_LAYOUTS = LAYOUTS
-
-
 def cpu_devices_hint(message: str) -> str:
     """On CPU, how to get the devices a plan needs: XLA_FLAGS's forced host devices."""
     if jax.devices()[0].platform != "cpu":
@@ -56,12 +52,19 @@ def cpu_devices_hint(message: str) -> str:
 @gin.configurable
 def auto_plan(cfg, global_batch: int, source, num_devices: int | None = None,
               hardware_name: str | None = None, data_samples: int = 256,
-              layout: str = "disaggregated") -> Plan:
-    """A validated plan for `cfg` on the devices present, planned for `data_samples`
-    samples of `source` (gin: `auto_plan.hardware_name = "h100"` to override the device
-    kind's spec). `layout` is read by `auto_layout` (the trainer's `--plan=auto`)."""
+              layout: str = "disaggregated") -> tuple[RunLayout, str]:
+    """-> (the run's layout, one line saying what was planned and why), planned for
+    `num_devices` (default: the devices present) of `hardware_name` (default: the devices'
+    kind) on `data_samples` samples of `source`. `layout`: "disaggregated" (default): the
+    planner's validated Plan (DistTrain §5); "colocated": the co-located layout's best
+    choice (planner/colocated.py, OrchMLLM §4-7, one step of the whole global batch as the
+    co-located runner runs it); "auto": both priced on the same workload, the faster taken
+    (planner/layout_choice.py)."""
+    check_args("auto_plan", layout=layout)
     n = num_devices or jax.device_count()
     hw, wl = planning_inputs(cfg, source, hardware_name, data_samples)
+    if layout != "disaggregated":
+        return _priced_layout(cfg, global_batch, hw, wl, n, layout)
     try:
         if cfg.vae is not None:  # the VAE unit (vae.placement chose devices): its GPUs
             from mmjax.planner.vae_placement import plan_with_vae
@@ -73,32 +76,20 @@ def auto_plan(cfg, global_batch: int, source, num_devices: int | None = None,
     except PlanError as e:
         raise PlanError(f"train.plan='auto' on {n} device{'s' if n > 1 else ''}: {e}"
                         f"{cpu_devices_hint(str(e))}") from None
-    return plan.validate(cfg, n)
+    plan = plan.validate(cfg, n)
+    return RunLayout("auto", chosen=plan), "auto plan: " + "; ".join(
+        f"{u.name} dp={u.dp} tp={u.tp} pp={u.pp}" for u in plan.units)
 
 
-def auto_layout(cfg, global_batch: int, source, layout: str | None = None,
-                num_devices: int | None = None):
-    """`--plan=auto` with `auto_plan.layout` (or `layout`): "disaggregated" (default) ->
-    (the disaggregated Plan, None); "colocated" / "auto" -> (a Plan or a `Colocation`, one
-    line saying which layout and why). "auto" prices the co-located layout's best choice
-    (planner/colocated.py, OrchMLLM §4-7, one step of the whole global batch as the
-    co-located runner runs it) beside the disaggregated planner's plan (DistTrain §5) on
-    the same workload and takes the faster (planner/layout_choice.py)."""
-    from mmjax.errors import UserError
+def _priced_layout(cfg, global_batch: int, hw, wl, n: int, layout: str
+                   ) -> tuple[RunLayout, str]:
+    """`auto_plan.layout` "colocated" or "auto": the co-located layout's best choice,
+    beside the disaggregated planner's plan when "auto" (the faster taken)."""
     from mmjax.planner.build import model_costs
     from mmjax.planner.colocated import best_colocated
     from mmjax.planner.layout_choice import choose_layout, slowest_stage_busy_s
     from mmjax.train.colocated_plan import check_layout
 
-    get = lambda p, default: bound(f"auto_plan.{p}", default)
-    layout = layout or get("layout", "disaggregated")
-    if layout not in AUTO_LAYOUTS:
-        raise UserError(f"auto_plan.layout={layout!r}: use one of {AUTO_LAYOUTS}")
-    if layout == "disaggregated":
-        return auto_plan(cfg, global_batch, source, num_devices), None
-    n = num_devices or get("num_devices", None) or jax.device_count()
-    hw, wl = planning_inputs(cfg, source, get("hardware_name", None),
-                             get("data_samples", 256))
     try:
         colo = best_colocated(model_costs(cfg, hw, wl)[0], n, global_batch, hw,
                               max_micro_steps=1)
@@ -123,11 +114,12 @@ def auto_layout(cfg, global_batch: int, source, layout: str | None = None,
             raise PlanError(f"train.plan='auto' on {n} devices: neither layout fits "
                             f"(co-located: {colo_error}; no disaggregated plan)") from None
         if pick.layout == "disaggregated":
-            return plan, f"auto layout: disaggregated ({pick.reason})"
+            return (RunLayout("auto", chosen=plan),
+                    f"auto layout: disaggregated ({pick.reason})")
         why = pick.reason
     tps = {u: t for u, t in colo.tp.items() if is_llm(u) or is_encoder(u)}
     chosen = check_layout(cfg.unit_names, n, "colocated", dict(colo.zero), None, tps,
                           model=cfg)
     encs = "".join(f", {u} tp {t}" for u, t in chosen.unit_tp)
-    return chosen, (f"auto layout: co-located (llm tp {chosen.tp}{encs}, ZeRO "
-                    f"{dict(colo.zero)}) ({why})")
+    return RunLayout("auto", colocation=chosen), (
+        f"auto layout: co-located (llm tp {chosen.tp}{encs}, ZeRO {dict(colo.zero)}) ({why})")

@@ -225,9 +225,14 @@ class Checkpointer:
     def check(self) -> None:
         """Raise SaveFailed when the save in flight has failed (every process alike); call
         it between steps, so a failed write stops the run at once, not at the next save."""
+        self._settle(self.manager.check_for_errors)
+
+    def _settle(self, call) -> None:
+        """Run orbax's `call`, which re-raises the writer's error: SaveFailed in every
+        process when it failed in any."""
         error = None
         try:
-            self.manager.check_for_errors()
+            call()
         except Exception as e:  # noqa: BLE001 (orbax re-raises the writer's error)
             error = e
         if not all_processes(error is None):
@@ -379,13 +384,7 @@ class Checkpointer:
         """Wait for the save in flight; SaveFailed when it could not be written."""
         if self.failed:
             return
-        error = None
-        try:
-            self.manager.wait_until_finished()
-        except Exception as e:  # noqa: BLE001 (orbax re-raises the writer's error)
-            error = e
-        if not all_processes(error is None):
-            self._failed_in_flight(error)
+        self._settle(self.manager.wait_until_finished)
         self.pending = None
 
     def close(self) -> None:

@@ -13,22 +13,19 @@ whole, as one Qwen2VL / Qwen2_5_VLForConditionalGeneration checkpoint in out/mod
 """
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.sharding import SingleDeviceSharding
-from safetensors.numpy import save_file
 
 from mmjax.errors import UserError
 from mmjax.models import hf
 from mmjax.models.config import AudioConfig, MLLMConfig
 from mmjax.models.config_json import config_from_dict
-from mmjax.models.hf.checkpoint import _flatten, _fmt
+from mmjax.models.hf.checkpoint import _flatten, save_extra
 from mmjax.models.mllm import MultimodalModel, trainable_filter
 from mmjax.models.units import VAE_UNIT, is_llm, is_vae
 from mmjax.models.hf.pretrained import load_pretrained_dirs
@@ -36,20 +33,12 @@ from mmjax.parallel.sharded_init import abstract_split, init_split
 from mmjax.train.checkpoint import Checkpointer
 from mmjax.train.logical_state import single_from_logical, single_logical
 from mmjax.train.pretrained_sources import verify as verify_sources
+from mmjax.train.run_files import read_run_info
 from mmjax.train.optimizer import learning_rate_schedule, optimizer_from_settings
 from mmjax.train.state import WHOLE_MODEL, whole_model_state
 from mmjax.train.step import split_model
 
 MAX_SHARD_BYTES = 5 * 10 ** 9  # HF's default shard size
-
-
-def read_run_info(workdir: str) -> dict:
-    path = os.path.join(workdir, "run.json")
-    if not os.path.exists(path):
-        raise UserError(f"{path} does not exist: not a workdir of scripts/train.py (or one "
-                        f"from before run.json was written); retrain or pass the right --workdir")
-    with open(path) as f:
-        return json.load(f)
 
 
 def _pure(module) -> dict:
@@ -78,6 +67,10 @@ def restore_model(workdir: str, step: int | None = None
     the seed's init. Checkpoints are plan-independent (train/logical_state.py), so a plan
     run restores here on any host, with no device count of the plan's."""
     info = read_run_info(workdir)
+    if info is None:
+        raise UserError(f"{workdir}/run.json does not exist: not a workdir of scripts/train.py "
+                        f"(or one from before run.json was written); retrain or pass the "
+                        f"right --workdir")
     cfg, seed = config_from_dict(info["model"]), int(info["seed"])
     dirs = _pretrained_dirs(info)
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), async_save=False)
@@ -107,12 +100,6 @@ def restore_model(workdir: str, step: int | None = None
         load_pretrained_dirs(whole, dirs)
         fr = split_model(whole, filters[0])[2]
     return cfg, nnx.merge(graphdef, trainable, fr), step, dirs
-
-
-def restore_params(workdir: str, step: int | None = None) -> tuple[MLLMConfig, dict, int]:
-    """-> (model config, `MultimodalModel`-layout pure dict of all parameters, step)."""
-    cfg, model, step, _ = restore_model(workdir, step)
-    return cfg, _pure(model), step
 
 
 LAYOUTS = {"tf4": ("legacy", "flat"), "tf5": ("legacy", "nested")}  # Qwen2-VL: names, config
@@ -161,12 +148,7 @@ def export_model(cfg: MLLMConfig, pure: dict, out, max_shard_bytes: int = MAX_SH
             extra.setdefault("encoders", {})[spec.name] = tree
             continue
         written[spec.name] = where
-    flat = {_fmt(k): np.ascontiguousarray(np.asarray(jax.device_get(v)))
-            for k, v in _flatten(extra).items()}
-    if flat:
-        save_file(flat, str(out / "mmjax_extra.safetensors"))
-        written["extra"] = out / "mmjax_extra.safetensors"
-    return written
+    return save_extra(out, _flatten(extra), written)
 
 
 def export_workdir(workdir: str, out, step: int | None = None,

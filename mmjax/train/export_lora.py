@@ -5,13 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import jax
-import numpy as np
 from flax import nnx
-from safetensors.numpy import save_file
 
 from mmjax.models import hf
-from mmjax.models.hf.checkpoint import _flatten, _fmt
+from mmjax.models.hf.checkpoint import _flatten, save_extra
 from mmjax.models.lora import LoRAParam
 from mmjax.models.lora_merge import merged_module
 from mmjax.models.mllm import trainable_filter
@@ -68,9 +65,5 @@ def export_adapter(cfg, model, out, dirs: dict) -> dict[str, Path]:
                     base_model=dirs.get(LLM_UNIT))
     written = {"llm_adapter": out / "llm_adapter"}
     trained = nnx.state(model, nnx.All(trainable_filter(cfg), nnx.Not(LoRAParam)))
-    flat = {_fmt(k): np.ascontiguousarray(np.asarray(jax.device_get(v)))
-            for k, v in _flatten(nnx.to_pure_dict(trained)).items() if not is_llm(k[0])}
-    if flat:
-        save_file(flat, str(out / "mmjax_extra.safetensors"))
-        written["extra"] = out / "mmjax_extra.safetensors"
-    return written
+    return save_extra(out, {k: v for k, v in _flatten(nnx.to_pure_dict(trained)).items()
+                            if not is_llm(k[0])}, written)

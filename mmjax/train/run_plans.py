@@ -1,5 +1,6 @@
-"""The Plan a disaggregated run trains on: at start-up the one in effect at the newest
-checkpoint (a re-planned run stays re-planned, train/plan_history.py), and after the
+"""The run's layout, chosen once (`choose_layout`: `manual_plan` or `auto_plan` builds it,
+a Plan JSON or no plan is named as set), and the Plan a disaggregated run trains on: at
+start-up the one in effect at the newest checkpoint (a re-planned run stays re-planned, train/plan_history.py), and after the
 resume, when that checkpoint proved unusable, the one in effect at the checkpoint the run
 actually restored."""
 from __future__ import annotations
@@ -10,13 +11,36 @@ import jax
 
 from mmjax.models.config import MLLMConfig
 from mmjax.planner.plan import Plan
-from mmjax.train.auto_plan import run_planning_inputs
-from mmjax.train.data_config import train_source
+from mmjax.train.auto_plan import auto_plan, run_planning_inputs
+from mmjax.train.colocated_plan import check_colocated_run
+from mmjax.train.data_config import layout_and_source, train_source
+from mmjax.train.manual_plan import manual_plan
 from mmjax.train.plan_history import plan_in_effect, plan_to_resume
 from mmjax.train.progress import console as progress_console
 from mmjax.train.replanning import Replanner
 from mmjax.train.run_layout import RunLayout
 from mmjax.train.run_setup import prepared_plan, run_plan
+
+
+def choose_layout(plan: str | None, global_batch: int, cfg: MLLMConfig, tok, replan_every: int,
+                  trace_every: int, trace_steps) -> RunLayout:
+    """The run's layout: `--plan=manual` and `--plan=auto` build theirs (a Plan or the
+    co-located layout: `manual_plan.layout` acts in train/manual_plan.py, `auto_plan.layout`
+    in train/auto_plan.py, whose line saying what it chose is printed); a Plan JSON or
+    no plan (one program) as named."""
+    if plan == "manual":
+        chosen = manual_plan(global_batch=global_batch, model=cfg)
+    elif plan == "auto":  # planned for the source this run reads
+        source = layout_and_source(cfg, tok)[1]
+        chosen, line = auto_plan(cfg, global_batch,
+                                 source if source is not None else train_source(cfg))
+        if jax.process_index() == 0:
+            progress_console().print(line, markup=False, highlight=False)
+    else:
+        return RunLayout(plan)
+    if chosen.colocation is not None:
+        check_colocated_run(replan_every, trace_every, trace_steps)
+    return chosen
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,7 +53,8 @@ class PlanMaker:
     attention_impl: str | None
 
     def build(self, plan: str, chosen: Plan | None = None) -> tuple[Plan, MLLMConfig]:
-        """`run_setup.run_plan` for this run: (the Plan named `plan`, its config)."""
+        """`run_setup.run_plan` for this run: (`chosen`, else the Plan JSON `plan`, its
+        config)."""
         return run_plan(plan, self.cfg, self.tok, self.dirs, self.global_batch,
                         self.attention_impl, chosen)
 
@@ -73,7 +98,7 @@ def plan_after_resume(loop, workdir: str, choice: RunLayout, start: StartPlan, m
         loop.console.print(f"checkpoint step {loop.start} ran {name}: continuing on it"
                            if loop.start else f"no usable checkpoint: starting on {name}",
                            markup=False)
-    the_plan = start.maker.build(name)[0]
+    the_plan = start.maker.build(name, choice.chosen if name == choice.plan else None)[0]
     loop.rebuild(loop.start, lambda: make_runner(the_plan))
     if loop.lead:
         write_info(the_plan)

@@ -11,7 +11,6 @@ from mmjax.errors import UserError
 from mmjax.models.config import MLLMConfig
 from mmjax.models.hf.pretrained import expand_whole_model, prepare_pretrained, whole_base
 from mmjax.planner.plan import Plan
-from mmjax.train.auto_plan import auto_plan
 from mmjax.train.config import named_model_config, pretrained
 from mmjax.train.data_config import fit_vocab, layout_and_source, train_source
 from mmjax.train.lora_setup import ADAPTER, with_adapter, with_lora
@@ -108,21 +107,9 @@ def model_and_tokenizer(model: MLLMConfig | None):
 
 def run_plan(plan: str, cfg: MLLMConfig, tok, dirs: dict, global_batch: int,
              attention_impl: str | None, chosen: Plan | None = None) -> tuple[Plan, MLLMConfig]:
-    """The run's Plan ("manual": gin's `manual_plan`; "auto": planned for the devices present
-    and the run's source; either is `chosen` when the layout choice already built it; else
-    a Plan JSON), validated, and the config its tp sizes need."""
-    from mmjax.train.manual_plan import manual_plan
-
-    if plan == "manual":
-        the_plan = chosen or manual_plan(global_batch=global_batch, model=cfg)
-    elif plan == "auto":  # planned for the source this run reads
-        real = layout_and_source(cfg, tok)[1]
-        the_plan = chosen or auto_plan(cfg, global_batch,
-                                       real if real is not None else train_source(cfg))
-        progress_console().print("auto plan: " + "; ".join(
-            f"{u.name} dp={u.dp} tp={u.tp} pp={u.pp}" for u in the_plan.units))
-    else:
-        the_plan = Plan.load(plan)
+    """The run's Plan (`chosen`: the one `manual_plan` or `auto_plan` built for the layout;
+    else the Plan JSON `plan`), validated, and the config its tp sizes need."""
+    the_plan = chosen if chosen is not None else Plan.load(plan)
     return prepared_plan(the_plan, cfg, tok, dirs, global_batch, attention_impl)
 
 

@@ -3,7 +3,7 @@
 gin stays the user's syntax: `train.steps = 30` binds the field `steps` of the configurable
 `train`, which is this dataclass. `RunSpec.from_gin(**given)` (the command-line edge,
 scripts/train.py, and `trainer.train`) builds it once from the bindings, with `given`
-arguments over them; its fields' defaults are the settings table's (mmjax/settings.py) and
+arguments over them; its fields' defaults are the settings table's (mmjax/settings/) and
 the table is its only validator. Past this point the run reads the spec, never gin.
 """
 from __future__ import annotations

@@ -6,7 +6,7 @@ Everything is gin-configurable (`train.*`: the run spec, train/run_spec.py;
 orbax checkpoints under `workdir/checkpoints`; on start it resumes from the newest one,
 including the data position, so an interrupted run continues bit-for-bit. The sequence:
 settings checked (train/run_checks.py), the model built (train/run_setup.py), the layout
-chosen once (train/run_layout.py: one program, a Plan, or co-located), the Plan the run
+chosen once (train/run_plans.py: one program, a Plan, or co-located), the Plan the run
 starts on (train/run_plans.py), the runner built (train/make_runner.py: the one place),
 then the loop.
 """
@@ -26,8 +26,8 @@ from mmjax.train.progress import console as progress_console
 from mmjax.train.replanning import Replanner
 from mmjax.train.run_checks import check_run_model, check_run_settings
 from mmjax.train.run_files import compiling_line, start_run_files, use_compilation_cache
-from mmjax.train.run_layout import choose_layout
-from mmjax.train.run_plans import PlanMaker, plan_after_resume, plan_at_start, run_replanner
+from mmjax.train.run_plans import (PlanMaker, choose_layout, plan_after_resume, plan_at_start,
+                                   run_replanner)
 from mmjax.train.run_setup import dry_run_build, model_and_tokenizer
 from mmjax.train.run_spec import RunSpec
 from mmjax.train.spike_guard import SpikeGuard

@@ -1,5 +1,5 @@
 """Settings checked before any work, beyond each one's own check in the settings table
-(mmjax/settings.py): each bad value is a one-line UserError naming the setting and what it
+(mmjax/settings/): each bad value is a one-line UserError naming the setting and what it
 accepts (scripts/train.py prints it as `error: ...` and exits 2, with no workdir written)."""
 from __future__ import annotations
 

@@ -265,6 +265,17 @@ def hf_tensors(pure: dict, entries: list[Entry], what: str, dtype=None) -> dict:
     return tensors
 
 
+def save_extra(out: Path, flat: dict, written: dict) -> dict:
+    """`flat` ({name tuple: array}: what no HF format holds) into
+    out/mmjax_extra.safetensors (dotted names) when not empty, added to `written`."""
+    arrays = {_fmt(k): np.ascontiguousarray(np.asarray(jax.device_get(v)))
+              for k, v in flat.items()}
+    if arrays:
+        save_file(arrays, str(out / "mmjax_extra.safetensors"))
+        written["extra"] = out / "mmjax_extra.safetensors"
+    return written
+
+
 def write_safetensors(tensors: dict, path, max_shard_bytes: int | None = None) -> list[Path]:
     """{HF name: array} -> one file (`path` ends in .safetensors), or a directory holding
     model.safetensors, or shards + model.safetensors.index.json above `max_shard_bytes`."""
@@ -308,13 +319,6 @@ def read_config(config) -> dict:
         raise FileNotFoundError(f"{f} does not exist: a Hugging Face checkpoint directory holds "
                                 f"config.json next to its *.safetensors")
     return json.loads(f.read_text())
-
-
-def layer_range(num_layers: int, start: int, end: int | None, what: str) -> tuple[int, int]:
-    end = num_layers if end is None else end
-    if not 0 <= start < end <= num_layers:
-        raise ValueError(f"{what} layer range [{start}, {end}) outside 0..{num_layers}")
-    return start, end
 
 
 def dense(hf: str, path: tuple, din: int, dout: int, bias: bool = True) -> list[Entry]:

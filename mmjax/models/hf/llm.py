@@ -18,8 +18,9 @@ from pathlib import Path
 import numpy as np
 
 from mmjax.models.config import LLMConfig
-from mmjax.models.hf.checkpoint import (Checkpoint, Entry, LoadPlan, hf_tensors, layer_range,
-                                        module_pure, save_entries)
+from mmjax.models.hf.checkpoint import (Checkpoint, Entry, LoadPlan, hf_tensors, module_pure,
+                                        save_entries)
+from mmjax.models.layer_range import layer_range
 from mmjax.models.hf.llm_config import (LLM_TYPES, _infer_type, config_from_hf, config_to_hf,
                                         rope_from_hf)
 
@@ -70,7 +71,7 @@ def _layer_entries(cfg: LLMConfig, i: int, j: int, kind: str) -> list[Entry]:
 def llm_entries(cfg: LLMConfig, start: int = 0, end: int | None = None) -> list[Entry]:
     """HF names (of the family `cfg` came from) for the parameters of `LLM(cfg, key, start,
     end)`."""
-    start, end = layer_range(cfg.num_layers, start, end, "LLM")
+    end = layer_range("LLM layer", cfg.num_layers, start, end)[0]
     d, v = cfg.hidden_size, cfg.vocab_size
     kind = _infer_type(cfg)
     is_first, is_last = start == 0, end == cfg.num_layers

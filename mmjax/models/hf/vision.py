@@ -25,7 +25,8 @@ import numpy as np
 
 from mmjax.models.config import VisionAct, VisionConfig
 from mmjax.models.hf.checkpoint import (Checkpoint, Entry, LoadPlan, dense, layer_norm,
-                                        layer_range, module_pure, read_config)
+                                        module_pure, read_config)
+from mmjax.models.layer_range import layer_range
 
 VISION_TYPES = ("clip", "clip_vision_model", "siglip", "siglip_vision_model")
 _ACTS: dict[str, VisionAct] = {"quick_gelu": "quick_gelu", "gelu_pytorch_tanh": "gelu_tanh",
@@ -94,7 +95,7 @@ def _check_exportable(cfg: VisionConfig) -> None:
 def vit_entries(cfg: VisionConfig, start: int = 0, end: int | None = None,
                 prefix: str = "vision_model.") -> list[Entry]:
     """HF CLIP / SigLIP names for `StandardViT(cfg, key, start, end)`."""
-    start, end = layer_range(cfg.depth, start, end, "vision")
+    end = layer_range("vision layer", cfg.depth, start, end)[0]
     d, f, e = cfg.hidden_size, cfg.ffn_size, prefix + "embeddings."
     out = []
     if start == 0:

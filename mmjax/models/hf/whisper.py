@@ -13,14 +13,15 @@ import numpy as np
 
 from mmjax.models.config import AudioConfig
 from mmjax.models.hf.checkpoint import (Checkpoint, Entry, LoadPlan, dense, layer_norm,
-                                        layer_range, module_pure, read_config, save_entries)
+                                        module_pure, read_config, save_entries)
+from mmjax.models.layer_range import layer_range
 from mmjax.models.layers import whisper_sinusoids
 
 
 def whisper_entries(cfg: AudioConfig, start: int = 0, end: int | None = None,
                     prefix: str = "") -> list[Entry]:
     """HF WhisperEncoder names for `AudioEncoder(cfg, key, start, end)`."""
-    start, end = layer_range(cfg.num_layers, start, end, "audio")
+    end = layer_range("audio layer", cfg.num_layers, start, end)[0]
     d, m, f = cfg.hidden_size, cfg.num_mel_bins, cfg.ffn_size
     out = []
     if start == 0:
