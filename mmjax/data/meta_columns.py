@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+
 import numpy as np
 
 from mmjax.data.sample import AUDIO_STRIDE, MODALITIES, SampleMeta, SegmentMeta, TokenRules

@@ -6,11 +6,13 @@ from __future__ import annotations
 import json
 import os
 import struct
+from functools import cached_property
 
 import gin
 import numpy as np
 
 from mmjax.data.sample import FIRST_TEXT_ID, Sample, Segment
+from mmjax.data.spec_columns import SpecColumns
 from mmjax.data.synthetic import Spec, SyntheticDataset
 from mmjax.errors import UserError, one_line
 
@@ -145,6 +147,15 @@ class ArrayRecordSource:
 
     def spec(self, index: int) -> Spec:
         return self.specs[index]
+
+    def spec_columns(self, indices: np.ndarray) -> SpecColumns:
+        """The specs of `indices` as columns (data/spec_columns.py), gathered from the
+        whole index's columns (built on first use)."""
+        return self._columns.take(indices)
+
+    @cached_property
+    def _columns(self) -> SpecColumns:
+        return SpecColumns.from_specs(self.specs)
 
     def name(self, index: int) -> str:
         """The record's name in skip reports: file and record index."""
