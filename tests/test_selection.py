@@ -3,13 +3,14 @@ the frozen one-candidate-at-a-time rule did (tests/selection_reference.py): the 
 indices, specs, skip reasons (and their order) and skipped rows, on random steps of
 synthetic sources with bad samples, small data sets whose windows wrap epochs, windows
 that run short into replacements, unshuffled streams, row budgets, and an ArrayRecord
-source (its index as columns, `spec_columns`); and the error for a data set without
+source (its index as columns, `spec_table`); and the error for a data set without
 enough usable samples."""
 import numpy as np
 import pytest
 
 import selection_reference as before
 from mmjax.data.global_batch import GlobalBatchBuilder
+from mmjax.data.layout import check_shapes
 from mmjax.data.records import ArrayRecordSource, SyntheticSource, write_dataset
 from mmjax.data.spec_columns import SpecList
 from mmjax.data.synthetic import SyntheticConfig, SyntheticDataset
@@ -65,7 +66,9 @@ def test_array_record_source_reads_its_index_as_columns(tmp_path):
                   CFG.encoders[0].encoder.max_grid)
     src = ArrayRecordSource(path)
     idx = np.array([5, 0, 59, 5])
-    assert list(SpecList(src.spec_columns(idx))) == [src.spec(i) for i in idx.tolist()]
+    assert list(SpecList(src.spec_table().take(idx))) == [src.spec(i) for i in idx.tolist()]
+    assert src.spec_table().usable(LAYOUT)[idx].tolist() == [
+        check_shapes(src.spec(i), LAYOUT) is None for i in idx.tolist()]
     b = GlobalBatchBuilder(src, CFG, plan(gb=8), LAYOUT, {u: "none" for u in CFG.unit_names},
                            seed=2)
     for step in range(4):

@@ -12,7 +12,7 @@ import gin
 import numpy as np
 
 from mmjax.data.sample import FIRST_TEXT_ID, Sample, Segment
-from mmjax.data.spec_columns import SpecColumns
+from mmjax.data.spec_columns import SpecTable
 from mmjax.data.synthetic import Spec, SyntheticDataset
 from mmjax.errors import UserError, one_line
 
@@ -148,14 +148,13 @@ class ArrayRecordSource:
     def spec(self, index: int) -> Spec:
         return self.specs[index]
 
-    def spec_columns(self, indices: np.ndarray) -> SpecColumns:
-        """The specs of `indices` as columns (data/spec_columns.py), gathered from the
-        whole index's columns (built on first use)."""
-        return self._columns.take(indices)
+    def spec_table(self) -> SpecTable:
+        """The index as columns (data/spec_columns.py), built on first use."""
+        return self._table
 
     @cached_property
-    def _columns(self) -> SpecColumns:
-        return SpecColumns.from_specs(self.specs)
+    def _table(self) -> SpecTable:
+        return SpecTable.from_specs(self.specs)
 
     def name(self, index: int) -> str:
         """The record's name in skip reports: file and record index."""

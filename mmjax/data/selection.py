@@ -3,7 +3,7 @@ choice as one candidate at a time (`GlobalBatchBuilder.select`'s rule: the first
 `global_batch` usable candidates of the window, then of the replacement stream; each
 dataset index at most once; with a row budget the whole window and then replacements
 until enough), taken in chunks: a chunk's stream positions shuffled at once
-(data/shuffle.py), its shapes read at once (a source's `spec_columns(indices)`, else its
+(data/shuffle.py), its shapes read at once (a source's `spec_table()`, else its
 `spec` per index), checked at once (`SpecColumns.usable`); only the unusable ones go
 through the per-sample check for their reason (issue 41: host planning linear in the
 batch)."""
@@ -34,13 +34,16 @@ def stream_indices(positions: np.ndarray, n: int, seed: int, shuffle: bool,
     return out
 
 
-def source_columns(source, indices: np.ndarray) -> SpecColumns:
-    """The specs of `indices` as columns: the source's own (`spec_columns`) or its
-    `spec` per index."""
-    bulk = getattr(source, "spec_columns", None)
-    if bulk is not None:
-        return bulk(indices)
-    return SpecColumns.from_specs([source.spec(i) for i in indices.tolist()])
+def candidate_shapes(source, layout: AssemblyLayout, indices: np.ndarray):
+    """(per index whether its shapes are usable, positions -> their `SpecColumns`): from
+    the source's `spec_table()` where it has one (gathering only what is taken), else
+    from its `spec` per index."""
+    table = getattr(source, "spec_table", None)
+    if table is not None:
+        t = table()
+        return t.usable(layout)[indices], lambda at: t.take(indices[at])
+    c = SpecColumns.from_specs([source.spec(i) for i in indices.tolist()])
+    return c.usable(layout), c.take
 
 
 def problem_free(source, indices: np.ndarray) -> np.ndarray:
@@ -108,19 +111,20 @@ def pick(source, layout: AssemblyLayout, draws: Draws, count: int, budget: bool,
     have = drawn = a = 0
     while a < draws.total and not (have >= count if not budget else
                                    a >= draws.window and have >= count):
-        size = draws.window if budget and a < draws.window else max(
-            64, (count - have) + (count - have) * (drawn - have) // max(drawn, 1) * 5 // 4)
+        # the draws expected to give what is missing (at the usable share so far), + 25%
+        size = draws.window if budget and a < draws.window else (
+            count - have if not a else max(64, (count - have) * a // max(have, 1) * 5 // 4))
         b = min(draws.total, a + size)
         ind = draws.indices(a, b)
         at = np.flatnonzero(first_seen(ind, seen, draws.distinct(a, b)))
         cand = ind[at]
-        c = source_columns(source, cand)
-        ok = c.usable(layout) & problem_free(source, cand)
+        ok, take = candidate_shapes(source, layout, cand)
+        ok &= problem_free(source, cand)
         why = _reasons(source, layout, cand, ok)
         used, stop = _consumed(at, ok, a, b, draws.window, count - have, budget)
         keep = np.flatnonzero(ok[:used])
         got.append(cand[keep])
-        cols.append(c.take(keep))
+        cols.append(take(keep))
         for j in sorted(k for k in why if k < used):
             kind = why[j].split(":")[0]
             reasons[kind] = reasons.get(kind, 0) + 1

@@ -1,9 +1,9 @@
 """Sources' specs as flat columns (no JAX): `SpecColumns` holds (modality, shape,
 num_queries[, num_masked]) entries of many samples as arrays, so the loader checks which
-candidates are usable (`usable`, `layout.check_shapes` over arrays), gathers a batch's
-rows from a data set's whole index (`take`: a source's `spec_columns(indices)`) and turns
-them into metadata (`meta_columns`) without one Python object per sample (issue 41: host
-planning linear in the batch). `SpecList` is the list of specs such columns stand for:
+candidates are usable (`usable`, `layout.check_shapes` over arrays) and turns them into
+metadata (`meta_columns`) without one Python object per sample; `SpecTable` is a data
+set's whole index so (a source's `spec_table()`), from which a batch's rows are gathered
+(issue 41: host planning linear in the batch). `SpecList` is the list of specs such columns stand for:
 what `GlobalBatchBuilder.select` returns, each spec built only when read."""
 from __future__ import annotations
 
@@ -78,6 +78,8 @@ class SpecColumns:
 
     @staticmethod
     def concat(parts: "list[SpecColumns]") -> "SpecColumns":
+        if len(parts) == 1:
+            return parts[0]
         return SpecColumns(*(np.concatenate([getattr(p, f) for p in parts]) for f in
                              ("counts", "code", "ndim", "dims", "queries", "masked",
                               "fourth")))
@@ -149,6 +151,64 @@ def _segments(starts, counts, items):
         s = starts[items[k]]
         for t in range(counts[k]):
             out[j] = s + t
+            j += 1
+    return out
+
+
+class SpecTable:
+    """A data set's whole index as columns, one row of `FIELDS` per segment (a gather
+    reads one cache line per segment), built once per source: `take` gathers a batch's
+    samples, `usable` is `SpecColumns.usable` of every record, computed once per layout
+    (issue 41: a global batch's selection reads its candidates' rows, nothing per
+    sample)."""
+
+    def __init__(self, cols: SpecColumns):
+        self.columns, self.counts, self.starts = cols, cols.counts, cols.starts
+        # int32 rows (24 bytes a segment): code + 1 + 8 * ndim (at most 7) + 64 * fourth,
+        # d0, d1, d2, queries, masked (int64 when a value does not fit int32)
+        packed = [cols.code.astype(np.int64) + 1 + 8 * np.minimum(cols.ndim, 7)
+                  + 64 * cols.fourth,
+                  *cols.dims.T, cols.queries, cols.masked]
+        self.rows = np.ascontiguousarray(np.stack(packed, 1).astype(np.int32))
+        if not all(np.array_equal(self.rows[:, i], v) for i, v in enumerate(packed)):
+            self.rows = np.ascontiguousarray(np.stack(packed, 1))
+        self._usable: dict[AssemblyLayout, np.ndarray] = {}
+
+    @classmethod
+    def from_specs(cls, specs) -> "SpecTable":
+        return cls(SpecColumns.from_specs(specs))
+
+    def __len__(self) -> int:
+        return int(self.counts.size)
+
+    def take(self, items) -> SpecColumns:
+        """`SpecColumns` of records `items` (an index array), in that order (exact for
+        records of known modalities and shapes of at most `DIMS` entries: the usable)."""
+        items = np.asarray(items, np.int64)
+        counts = self.counts[items]
+        f = _gather_rows(self.rows, self.starts, counts, items)
+        head = f[0].astype(np.int64)
+        return SpecColumns(counts, ((head & 7) - 1).astype(np.int8),
+                           (head >> 3) & 7, f[1:4].T.astype(np.int64),
+                           f[4].astype(np.int64), f[5].astype(np.int64), head >= 64)
+
+    def usable(self, layout: AssemblyLayout) -> np.ndarray:
+        """Per record `SpecColumns.usable` under `layout` (computed on first use)."""
+        if layout not in self._usable:
+            self._usable[layout] = self.columns.usable(layout)
+        return self._usable[layout]
+
+
+@njit(cache=True)
+def _gather_rows(rows, starts, counts, items):
+    """[fields, segments] of the segment rows of records `items`, one after another."""
+    out = np.empty((rows.shape[1], counts.sum()), rows.dtype)
+    j = 0
+    for k in range(items.size):
+        s = starts[items[k]]
+        for t in range(counts[k]):
+            for f in range(rows.shape[1]):
+                out[f, j] = rows[s + t, f]
             j += 1
     return out
 

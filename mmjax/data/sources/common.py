@@ -23,7 +23,7 @@ from mmjax.data.index import cached_index, index_key
 from mmjax.data.records import DecodeError
 from mmjax.data.preprocess import audio_num_samples, load_audio
 from mmjax.data.sample import Sample, Segment
-from mmjax.data.spec_columns import SpecColumns
+from mmjax.data.spec_columns import SpecTable
 
 
 def open_ref(ref):
@@ -187,10 +187,9 @@ class ChatRecordSource:
         """Per index whether `problem` is None (data/selection.py)."""
         return self._problem_free[indices]
 
-    def spec_columns(self, indices: np.ndarray) -> SpecColumns:
-        """The specs of `indices` as columns (data/spec_columns.py), gathered from every
-        record's (built on first use)."""
-        return self._columns.take(indices)
+    def spec_table(self) -> SpecTable:
+        """Every record's spec as columns (data/spec_columns.py), built on first use."""
+        return self._table
 
     @cached_property
     def _problem_free(self) -> np.ndarray:
@@ -198,8 +197,8 @@ class ChatRecordSource:
                            len(self.entries))
 
     @cached_property
-    def _columns(self) -> SpecColumns:
-        return SpecColumns.from_specs([self.spec(i) for i in range(len(self))])
+    def _table(self) -> SpecTable:
+        return SpecTable.from_specs([self.spec(i) for i in range(len(self))])
 
     def spec(self, index: int):
         out = []
