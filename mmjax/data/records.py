@@ -37,6 +37,9 @@ class SyntheticSource:
     def spec(self, index: int) -> Spec:
         return self.dataset.spec(index)
 
+    def specs(self, indices: np.ndarray) -> list[Spec]:
+        return self.dataset.specs(indices)
+
     def load(self, index: int) -> Sample:
         return self.dataset[index]
 

@@ -4,7 +4,7 @@ choice as one candidate at a time (`GlobalBatchBuilder.select`'s rule: the first
 dataset index at most once; with a row budget the whole window and then replacements
 until enough), taken in chunks: a chunk's stream positions shuffled at once
 (data/shuffle.py), its shapes read at once (a source's `spec_table()`, else its
-`spec` per index), checked at once (`SpecColumns.usable`); only the unusable ones go
+`specs` or `spec` per index), checked at once (`SpecColumns.usable`); only the unusable ones go
 through the per-sample check for their reason (issue 41: host planning linear in the
 batch)."""
 from __future__ import annotations
@@ -37,12 +37,14 @@ def stream_indices(positions: np.ndarray, n: int, seed: int, shuffle: bool,
 def candidate_shapes(source, layout: AssemblyLayout, indices: np.ndarray):
     """(per index whether its shapes are usable, positions -> their `SpecColumns`): from
     the source's `spec_table()` where it has one (gathering only what is taken), else
-    from its `spec` per index."""
+    from its `specs(indices)` or its `spec` per index."""
     table = getattr(source, "spec_table", None)
     if table is not None:
         t = table()
         return t.usable(layout)[indices], lambda at: t.take(indices[at])
-    c = SpecColumns.from_specs([source.spec(i) for i in indices.tolist()])
+    bulk = getattr(source, "specs", None)
+    c = SpecColumns.from_specs(bulk(indices) if bulk is not None
+                               else [source.spec(i) for i in indices.tolist()])
     return c.usable(layout), c.take
 
 
