@@ -35,17 +35,19 @@ def stream_indices(positions: np.ndarray, n: int, seed: int, shuffle: bool,
 
 
 def candidate_shapes(source, layout: AssemblyLayout, indices: np.ndarray):
-    """(per index whether its shapes are usable, positions -> their `SpecColumns`): from
+    """(per index whether its shapes are usable, positions -> their `SpecColumns`,
+    position -> its spec): from
     the source's `spec_table()` where it has one (gathering only what is taken), else
     from its `specs(indices)` or its `spec` per index."""
     table = getattr(source, "spec_table", None)
     if table is not None:
         t = table()
-        return t.usable(layout)[indices], lambda at: t.take(indices[at])
+        return (t.usable(layout)[indices], lambda at: t.take(indices[at]),
+                lambda j: source.spec(int(indices[j])))
     bulk = getattr(source, "specs", None)
-    c = SpecColumns.from_specs(bulk(indices) if bulk is not None
-                               else [source.spec(i) for i in indices.tolist()])
-    return c.usable(layout), c.take
+    specs = bulk(indices) if bulk is not None else [source.spec(i) for i in indices.tolist()]
+    c = SpecColumns.from_specs(specs)
+    return c.usable(layout), c.take, specs.__getitem__
 
 
 def problem_free(source, indices: np.ndarray) -> np.ndarray:
@@ -120,9 +122,9 @@ def pick(source, layout: AssemblyLayout, draws: Draws, count: int, budget: bool,
         ind = draws.indices(a, b)
         at = np.flatnonzero(first_seen(ind, seen, draws.distinct(a, b)))
         cand = ind[at]
-        ok, take = candidate_shapes(source, layout, cand)
+        ok, take, spec = candidate_shapes(source, layout, cand)
         ok &= problem_free(source, cand)
-        why = _reasons(source, layout, cand, ok)
+        why = _reasons(source, layout, cand, spec, ok)
         used, stop = _consumed(at, ok, a, b, draws.window, count - have, budget)
         keep = np.flatnonzero(ok[:used])
         got.append(cand[keep])
@@ -143,13 +145,13 @@ def pick(source, layout: AssemblyLayout, draws: Draws, count: int, budget: bool,
             reasons, drawn)
 
 
-def _reasons(source, layout: AssemblyLayout, cand: np.ndarray, ok: np.ndarray) -> dict:
+def _reasons(source, layout: AssemblyLayout, cand: np.ndarray, spec, ok: np.ndarray) -> dict:
     """Candidate position -> why it is unusable, for each not `ok` (the per-sample
     check: where it finds nothing, the candidate is usable after all and `ok` is set)."""
     out = {}
     for j in np.flatnonzero(~ok).tolist():
         i = int(cand[j])
-        why = source_problem(source, i) or check_shapes(source.spec(i), layout)
+        why = source_problem(source, i) or check_shapes(spec(j), layout)
         if why:
             out[j] = why
         else:
