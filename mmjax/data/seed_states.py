@@ -38,7 +38,7 @@ class _Hash:
 
 
 def _mix(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    r = np.uint32(MIX_MULT_L) * x - np.uint32(MIX_MULT_R) * y
+    r: np.ndarray = np.uint32(MIX_MULT_L) * x - np.uint32(MIX_MULT_R) * y
     return r ^ (r >> np.uint32(XSHIFT))
 
 

@@ -111,7 +111,10 @@ def pick(source, layout: AssemblyLayout, draws: Draws, count: int, budget: bool,
     `budget` the first `count` usable candidates; with it every usable candidate of the
     window, then of the replacements until there are `count`. Each unusable candidate's
     (name, reason, where) is appended to `skipped`, in draw order."""
-    got, cols, reasons, seen = [], [], {}, []
+    got: list[np.ndarray] = []
+    cols: list[SpecColumns] = []
+    reasons: dict[str, int] = {}
+    seen: list[np.ndarray] = []
     have = drawn = a = 0
     while a < draws.total and not (have >= count if not budget else
                                    a >= draws.window and have >= count):
