@@ -24,7 +24,7 @@ from mmjax.data.batch_plan import (MicrobatchPlan, NodeWise, plan_global_batch,
 from mmjax.data.meta_columns import MetaColumns
 from mmjax.data.records import DecodeError, sample_name, sample_where
 from mmjax.data.row_budget import fill_rows
-from mmjax.data.selection import Draws, pick
+from mmjax.data.selection import Draws, pick, stream_indices
 from mmjax.data.spec_columns import SpecList
 from mmjax.data.stream_position import StreamOrigin, resumed_origin
 from mmjax.models.units import UnitRole, is_vae, role
@@ -196,6 +196,13 @@ class GlobalBatchBuilder:
                 feed = self._feed(mp, lambda p: _blank(specs[p], idx[p]))
                 floor = feed.shapes.union(floor)
         return floor
+
+    def _index(self, pos: int, salt: int = 0) -> int:
+        """Dataset index at stream position `pos`: epoch e is a seeded permutation (grain's
+        Feistel `index_shuffle`, O(1) per index, no table); `salt` picks another stream
+        (data/selection.py `stream_indices`, which `select` runs on whole windows)."""
+        return int(stream_indices(np.array([pos]), len(self.source), self.seed,
+                                  self.shuffle, salt)[0])
 
     def candidates(self, step: int) -> list[int]:
         """Dataset indices at positions [start, start + W) of the stream, W = global
