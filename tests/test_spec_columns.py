@@ -76,7 +76,8 @@ def test_usable_on_synthetic_sources_with_bad_samples():
                                        (1 << 20) - 1, 1 << 20, 10 ** 9, (1 << 40) + 3])
 def test_index_shuffle_equals_grains(max_index):
     rng = np.random.default_rng(max_index % 97)
-    idx = rng.integers(0, max_index + 1, 64)
+    # a tiny range walks the 16-bit cipher ~2**16 / max_index times an index: few of them
+    idx = rng.integers(0, max_index + 1, 64 if max_index > 1000 else 4)
     for seed in (0, 1, 4_000_037, (1 << 32) - 1):
         want = [grain_shuffle(index=int(i), max_index=max_index, seed=seed, rounds=4)
                 for i in idx]
