@@ -1,9 +1,20 @@
-"""Host planning time of one global batch (issue 41: linear in the batch), the loader's own
-call path (`GlobalBatchBuilder.__call__`: the source's shapes -> `MetaColumns.from_specs`
--> `batch_plan.plan_global_batch`: costs -> balancing -> packing -> each unit's feed
-shapes), at OrchMLLM Table 2 scales (DP ranks x 60 LAION-like samples, every unit LLM /
-vision / audio on its own DP ranks, "orchmllm" post-balancing "sum", packed 4096-token
-rows). Wall time (perf_counter), median and min of interleaved repeats.
+"""Host planning time of one global batch (issue 41: linear in the batch) at OrchMLLM Table 2
+scales (DP ranks x 60 LAION-like samples, every unit LLM / vision / audio on its own DP
+ranks, "orchmllm" post-balancing "sum", packed 4096-token rows).
+
+First table, the loader's own call path (`GlobalBatchBuilder.__call__` up to its feeds):
+`select` (the step's window of the seeded stream: indices, shapes, usable checks) ->
+`MetaColumns.from_specs` -> `plan_global_batch` (costs -> balancing -> packing), then
+every unit's shapes (what `--check` and the feeds compute), on a source whose index is
+columns (`spec_table()`, as `ArrayRecordSource` and the LLaVA / WebDataset sources: a
+data set of 2**18 records drawn from a pool of LAION-like specs; `--raw_pool` keeps the
+pool's unusable specs, ~7% too long, whose reasons are per-sample work); "before" is the
+same path with the frozen one-candidate-at-a-time `select` (tests/selection_reference.py)
+and specs as lists. CPU time (process_time, the machine is shared; the load average is
+printed), median (min) of repeats, each repeat a new step; the outputs are checked
+identical (indices, plans, every unit's shapes).
+
+Second table, the plan from a list of specs alone:
 
 Columns: "after", the whole call from the specs (`from_specs` + `plan_global_batch` on the
 columns), and its parts "columns from specs" and "plan" (each unit's shapes computed when
@@ -19,6 +30,7 @@ columns (`shape_columns`), balancing (`split_unit` per unit), shapes (`rank_shap
 unit).
 
   python scripts/bench_host_plan.py [--dp 64 256 2560] [--json bench_results/bench_host_plan.json]
+      [--loader_only] [--raw_pool] [--before_loader_max_dp 2560]
 """
 from __future__ import annotations
 
@@ -37,6 +49,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(_HERE, "..", "tests"))
 sys.path.insert(0, _HERE)
 import packing_reference as before  # noqa: E402  (the frozen pre-issue-41 path)
+from bench_loader_path import run_loader  # noqa: E402
 
 from bench_balance import MODEL  # noqa: E402
 from bench_data import BENCH_CFG  # noqa: E402
@@ -153,6 +166,9 @@ def run(args, console) -> list[dict]:
     pool = [ds.spec(i) for i in range(args.pool)]
     rng = np.random.default_rng(args.seed)
     policies, algos = unit_policies("orchmllm", MODEL), post_balance_policies("sum", MODEL)
+    loader_rows = run_loader(args, console, layout, pool, policies)
+    if args.loader_only:
+        return loader_rows, []
     rows = []
     for d in args.dp:
         rows.append(_row(d, args, pool, rng, layout, policies, algos, NodeWise(0)))
@@ -179,7 +195,7 @@ def run(args, console) -> list[dict]:
                       cell(r["shapes"]),
                       "yes" if r["identical"] else "NO")
     console.print(table)
-    return rows
+    return loader_rows, rows
 
 
 def main(argv=None) -> dict:
@@ -193,12 +209,18 @@ def main(argv=None) -> dict:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip_objects", action="store_true",
                     help="leave out the object path's timing (seconds a repeat at 2560)")
+    ap.add_argument("--loader_only", action="store_true",
+                    help="only the first table (the loader's call path)")
+    ap.add_argument("--raw_pool", action="store_true",
+                    help="keep the pool's unusable specs (their reasons are per sample)")
+    ap.add_argument("--before_loader_max_dp", type=int, default=2560)
+    ap.add_argument("--before_loader_repeats", type=int, default=2)
     ap.add_argument("--json", default="bench_results/bench_host_plan.json")
     args = ap.parse_args(argv)
     console = Console(width=max(Console().width, 160))
     results = {"config": vars(args), "machine": machine()}
     console.print(f"machine: {results['machine']}")
-    results["rows"] = run(args, console)
+    results["loader_rows"], results["rows"] = run(args, console)
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(results, f, indent=2, default=float)

@@ -1,6 +1,7 @@
-"""scripts/bench_host_plan.py times the loader's own call (specs -> `MetaColumns` ->
-`plan_global_batch`) beside the object path and the pre-issue-41 path on the same splits,
-and checks the plans identical."""
+"""scripts/bench_host_plan.py times the loader's own call path (`select` -> `MetaColumns`
+-> `plan_global_batch` -> every unit's shapes) beside the one-at-a-time `select`, and the
+plan from specs beside the object path and the pre-issue-41 path on the same splits, and
+checks the outputs identical."""
 import importlib.util
 import json
 import os
@@ -31,3 +32,7 @@ def test_rows_time_the_loader_call_with_identical_output(tmp_path):
     assert all(r[k]["median"] > 0 for r in rows  # each stage timed
                for k in ("after", "from_specs", "plan", "objects", "columns", "shapes"))
     assert json.load(open(tmp_path / "b.json"))["rows"][0]["dp"] == 4
+    loader = out["loader_rows"]
+    assert [(r["dp"], r["identical"]) for r in loader] == [(4, True), (16, True)]
+    assert all(r[f"{side}_{k}"]["median"] >= 0 for r in loader for side in ("after", "before")
+               for k in ("select", "columns", "plan", "shapes", "loader"))

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from mmjax.data.layout import AssemblyLayout, check_sample, check_shapes
+from mmjax.data.layout import AssemblyLayout, check_sample
 from mmjax.data.assemble import Batch
 from mmjax.data.feed import (MicrobatchFeed, gen_elements_per_image, mask_documents,
                              mask_samples, microbatch_feed)
@@ -22,8 +22,10 @@ from mmjax.planner.plan import Plan
 from mmjax.data.batch_plan import (MicrobatchPlan, NodeWise, plan_global_batch,
                                    post_balance_policies)
 from mmjax.data.meta_columns import MetaColumns
-from mmjax.data.records import DecodeError, sample_name, sample_where, source_problem
+from mmjax.data.records import DecodeError, sample_name, sample_where
 from mmjax.data.row_budget import fill_rows
+from mmjax.data.selection import Draws, pick, stream_indices
+from mmjax.data.spec_columns import SpecList
 from mmjax.data.stream_position import StreamOrigin, resumed_origin
 from mmjax.models.units import UnitRole, is_vae, role
 
@@ -197,66 +199,42 @@ class GlobalBatchBuilder:
 
     def _index(self, pos: int, salt: int = 0) -> int:
         """Dataset index at stream position `pos`: epoch e is a seeded permutation (grain's
-        Feistel `index_shuffle`, O(1) per index, no table); `salt` picks another stream."""
-        from grain.experimental import index_shuffle
-        n = len(self.source)
-        epoch, i = divmod(pos, n)
-        if self.shuffle or salt:
-            seed = (self.seed * 1_000_003 + epoch + salt * 7_919) % (1 << 32)
-            i = index_shuffle(index=i, max_index=n - 1, seed=seed, rounds=4)
-        return int(i)
+        Feistel `index_shuffle`, O(1) per index, no table); `salt` picks another stream
+        (data/selection.py `stream_indices`, which `select` runs on whole windows)."""
+        return int(stream_indices(np.array([pos]), len(self.source), self.seed,
+                                  self.shuffle, salt)[0])
 
     def candidates(self, step: int) -> list[int]:
         """Dataset indices at positions [start, start + W) of the stream, W = global
         batch + reserve, start = `self.start(step)` (k * W in a fresh run)."""
-        p0 = self.start(step)
-        return [self._index(p) for p in range(p0, p0 + self.window)]
+        return self.draws(step).indices(0, self.window).tolist()
 
-    def _draws(self, step: int, p0: int):
-        """The step's candidates, lazily: its window, then replacements (when more than
-        `reserve` of the window are unusable) from a second seeded stream at the step's own
-        positions, at most `REPLACEMENTS` windows' worth (or the data set): a pure function
-        of (seed, window start `p0`), so a restart draws the same ones. A batch that still
-        runs short is a data set that is mostly bad: an error, not an endless search."""
-        w = self.window
-        for p in range(p0, p0 + w):
-            yield self._index(p)
-        for j in range(min(len(self.source), REPLACEMENTS * w)):
-            yield self._index(p0 + j, salt=1)
+    def draws(self, step: int, start: int | None = None) -> Draws:
+        """The step's candidates (data/selection.py): its window, then replacements (when
+        more than `reserve` of the window are unusable) from a second seeded stream at
+        the step's own positions, at most `REPLACEMENTS` windows' worth (or the data
+        set): a pure function of (seed, window start), so a restart draws the same ones.
+        A batch that still runs short is a data set that is mostly bad: an error, not an
+        endless search."""
+        return Draws(len(self.source), self.seed, self.shuffle,
+                     self.start(step) if start is None else start, self.window,
+                     REPLACEMENTS)
 
     def select(self, step: int, skipped: list | None = None, start: int | None = None):
         """(indices, specs, skip reasons) of the first `global_batch` usable candidates;
         (sample name, reason, where) of each skipped one is appended to `skipped`. A source
         may name a sample's problem up front (`problem(i)`: a missing image, say). Short of
-        usable samples in the window, replacements are drawn (`_draws`); a sample is used
+        usable samples in the window, replacements are drawn (`draws`); a sample is used
         at most once per batch. `start`: the window's first stream position (default
         `self.start(step)`). With a `row_budget`: the window's usable candidates that pack
         into it (data/row_budget.py), a multiple of num_microbatches of them."""
         gb, mbs = self.plan.global_batch, self.plan.num_microbatches
         budget = self.row_budget
         need = gb if budget is None else mbs
-        idx, specs, reasons, seen = [], [], {}, set()
-        for drawn, i in enumerate(self._draws(step, self.start(step) if start is None
-                                              else start)):
-            if (len(idx) == gb if budget is None
-                    else drawn >= self.window and len(idx) >= need):
-                break
-            if i in seen:
-                continue
-            seen.add(i)
-            spec = self.source.spec(i)
-            why = source_problem(self.source, i) or check_shapes(spec, self.layout)
-            if why:
-                kind = why.split(":")[0]
-                reasons[kind] = reasons.get(kind, 0) + 1
-                if skipped is not None:
-                    skipped.append((sample_name(self.source, i), why,
-                                    sample_where(self.source, i)))
-            else:
-                idx.append(i)
-                specs.append(spec)
+        idx, cols, reasons, drawn = pick(self.source, self.layout, self.draws(step, start), need,
+                                         budget is not None, skipped)
         if budget is not None:  # the usable candidates that fill the rows; equal microbatches
-            lens = MetaColumns.from_specs(idx, specs, self.layout.rules).llm_length.tolist()
+            lens = cols.meta_columns(idx, self.layout.rules).llm_length.tolist()
             keep = fill_rows(lens, budget, self.layout.seq_len)
             keep = keep[:len(keep) - len(keep) % mbs]
             if len(keep) < need <= len(idx):
@@ -264,17 +242,17 @@ class GlobalBatchBuilder:
                                 f"{len(keep)} samples into {budget} rows of "
                                 f"{self.layout.seq_len} tokens, fewer than the {mbs} "
                                 f"microbatches (raise it, e.g. to {4 * budget})")
-            idx, specs = [idx[k] for k in keep], [specs[k] for k in keep]
+            idx, cols = [idx[k] for k in keep], cols.take(np.asarray(keep, np.int64))
         if len(idx) < need:
             hint = getattr(self.source, "missing_hint", None)
             if hint and reasons.get("missing", 0) * 2 >= sum(reasons.values()):
-                raise UserError(f"global batch {step}: only {len(idx)} of {len(seen)} "
+                raise UserError(f"global batch {step}: only {len(idx)} of {drawn} "
                                 f"samples drawn are usable ({reasons}): {hint}")
-            raise UserError(f"global batch {step}: only {len(idx)} of {len(seen)} samples "
+            raise UserError(f"global batch {step}: only {len(idx)} of {drawn} samples "
                             f"drawn are usable ({reasons}; data set of "
                             f"{len(self.source)}); see skipped.jsonl and fix the data (or "
                             f"the settings that reject them, e.g. data_layout.seq_len)")
-        return idx, specs, reasons
+        return idx, SpecList(cols), reasons
 
     def _feed(self, mp: MicrobatchPlan, get):
         """The microbatch as the pipeline runtime's feed, with this plan's rank assignments."""

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from operator import itemgetter
 
 import numpy as np
 
@@ -56,29 +55,15 @@ class MetaColumns:
     @classmethod
     def from_specs(cls, ids, specs, rules: TokenRules) -> "MetaColumns":
         """`rules.meta_from_shapes(ids[i], specs[i])` for every i, as columns. Entries are
-        (modality, shape, num_queries[, num_masked]), as a source's `spec` gives them."""
-        flat = [e for s in specs for e in s]
-        k = len(flat)
-        try:
-            code = np.fromiter(map(CODE.__getitem__, map(itemgetter(0), flat)), np.int8, k)
-        except KeyError as e:
-            raise ValueError(f"unknown modality {e.args[0]!r}; use one of {MODALITIES}") from None
-        shapes = list(map(itemgetter(1), flat))
-        d0 = np.fromiter(map(itemgetter(0), shapes), np.int64, k)
-        d1, d2 = np.zeros(k, np.int64), np.zeros(k, np.int64)
-        wide = np.flatnonzero((code == IMAGE) | (code == IMAGE_OUT))  # the others: dim 0
-        d1[wide] = [shapes[i][1] for i in wide.tolist()]
-        out = np.flatnonzero(code == IMAGE_OUT)
-        d2[out] = [shapes[i][2] for i in out.tolist()]
-        queries = np.zeros(k, np.int64)
-        queries[out] = [flat[i][2] for i in out.tolist()]
-        masked = np.zeros(k, np.int64)
-        long = np.flatnonzero(np.fromiter(map(len, flat), np.int64, k) > 3)
-        masked[long] = [flat[i][3] for i in long.tolist()]
-        n = len(specs)
-        return cls(np.asarray(ids, np.int64).reshape(n),
-                   np.fromiter(map(len, specs), np.int64, n), code,
-                   *segment_fields(rules, code, d0, d1, d2, queries, masked))
+        (modality, shape, num_queries[, num_masked]), as a source's `spec` gives them;
+        `specs` may be a `SpecList` (data/spec_columns.py: its columns are read as they
+        are, no spec built)."""
+        from mmjax.data.spec_columns import spec_columns  # it imports this module
+        cols = spec_columns(specs)
+        if (cols.code < 0).any():
+            m = next(e[0] for s in specs for e in s if e[0] not in CODE)
+            raise ValueError(f"unknown modality {m!r}; use one of {MODALITIES}")
+        return cols.meta_columns(ids, rules)
 
     def __getitem__(self, p: int) -> SampleMeta:
         return self.meta(p)

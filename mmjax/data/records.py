@@ -6,11 +6,13 @@ from __future__ import annotations
 import json
 import os
 import struct
+from functools import cached_property
 
 import gin
 import numpy as np
 
 from mmjax.data.sample import FIRST_TEXT_ID, Sample, Segment
+from mmjax.data.spec_columns import SpecTable
 from mmjax.data.synthetic import Spec, SyntheticDataset
 from mmjax.errors import UserError, one_line
 
@@ -34,6 +36,9 @@ class SyntheticSource:
 
     def spec(self, index: int) -> Spec:
         return self.dataset.spec(index)
+
+    def specs(self, indices: np.ndarray) -> list[Spec]:
+        return self.dataset.specs(indices)
 
     def load(self, index: int) -> Sample:
         return self.dataset[index]
@@ -145,6 +150,14 @@ class ArrayRecordSource:
 
     def spec(self, index: int) -> Spec:
         return self.specs[index]
+
+    def spec_table(self) -> SpecTable:
+        """The index as columns (data/spec_columns.py), built on first use."""
+        return self._table
+
+    @cached_property
+    def _table(self) -> SpecTable:
+        return SpecTable.from_specs(self.specs)
 
     def name(self, index: int) -> str:
         """The record's name in skip reports: file and record index."""

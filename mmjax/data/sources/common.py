@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import io
 import os
+from functools import cached_property
 
 import numpy as np
 
@@ -22,6 +23,7 @@ from mmjax.data.index import cached_index, index_key
 from mmjax.data.records import DecodeError
 from mmjax.data.preprocess import audio_num_samples, load_audio
 from mmjax.data.sample import Sample, Segment
+from mmjax.data.spec_columns import SpecTable
 
 
 def open_ref(ref):
@@ -180,6 +182,23 @@ class ChatRecordSource:
 
     def problem(self, index: int) -> str | None:
         return self.entries[index].get("problem")
+
+    def problem_free(self, indices: np.ndarray) -> np.ndarray:
+        """Per index whether `problem` is None (data/selection.py)."""
+        return self._problem_free[indices]
+
+    def spec_table(self) -> SpecTable:
+        """Every record's spec as columns (data/spec_columns.py), built on first use."""
+        return self._table
+
+    @cached_property
+    def _problem_free(self) -> np.ndarray:
+        return np.fromiter((e.get("problem") is None for e in self.entries), bool,
+                           len(self.entries))
+
+    @cached_property
+    def _table(self) -> SpecTable:
+        return SpecTable.from_specs([self.spec(i) for i in range(len(self))])
 
     def spec(self, index: int):
         out = []

@@ -1,0 +1,237 @@
+"""Sources' specs as flat columns (no JAX): `SpecColumns` holds (modality, shape,
+num_queries[, num_masked]) entries of many samples as arrays, so the loader checks which
+candidates are usable (`usable`, `layout.check_shapes` over arrays) and turns them into
+metadata (`meta_columns`) without one Python object per sample; `SpecTable` is a data
+set's whole index so (a source's `spec_table()`), from which a batch's rows are gathered
+(issue 41: host planning linear in the batch). `SpecList` is the list of specs such columns stand for:
+what `GlobalBatchBuilder.select` returns, each spec built only when read."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from operator import itemgetter
+
+import numpy as np
+from numba import njit
+
+from mmjax.data.layout import AssemblyLayout
+from mmjax.data.meta_columns import AUDIO, CODE, IMAGE, IMAGE_OUT, TEXT, MetaColumns
+from mmjax.data.meta_columns import segment_fields
+from mmjax.data.sample import MODALITIES, TokenRules
+
+DIMS = 3  # shape entries kept; a longer shape fits no modality (`usable` is False)
+
+
+@dataclass(frozen=True, eq=False)
+class SpecColumns:
+    """Per sample its segment count; per segment (sample after sample) its modality code
+    (`CODE`, -1 for an unknown modality), its shape's length and first `DIMS` entries (0
+    past its length), num_queries, num_masked (0 when absent) and whether the entry has
+    a num_masked field at all."""
+
+    counts: np.ndarray  # int64 [samples]
+    code: np.ndarray  # int8 [segments]
+    ndim: np.ndarray  # int64 [segments]
+    dims: np.ndarray  # int64 [segments, DIMS]
+    queries: np.ndarray  # int64 [segments]
+    masked: np.ndarray  # int64 [segments]
+    fourth: np.ndarray  # bool [segments]
+
+    def __len__(self) -> int:
+        return int(self.counts.size)
+
+    @cached_property
+    def starts(self) -> np.ndarray:
+        return np.cumsum(self.counts) - self.counts
+
+    @classmethod
+    def from_specs(cls, specs) -> "SpecColumns":
+        """The columns of a list of specs (one list pass per field)."""
+        flat = [e for s in specs for e in s]
+        k = len(flat)
+        code = np.fromiter((CODE.get(m, -1) for m in map(itemgetter(0), flat)), np.int8, k)
+        shapes = list(map(itemgetter(1), flat))
+        ndim = np.fromiter(map(len, shapes), np.int64, k)
+        dims = np.zeros((k, DIMS), np.int64)
+        for d in range(DIMS):
+            at = np.flatnonzero(ndim > d)
+            if at.size == k:
+                dims[:, d] = np.fromiter(map(itemgetter(d), shapes), np.int64, k)
+            elif at.size:
+                dims[at, d] = [shapes[i][d] for i in at.tolist()]
+        queries = np.fromiter(map(itemgetter(2), flat), np.int64, k)
+        fourth = np.fromiter(map(len, flat), np.int64, k) > 3
+        masked = np.zeros(k, np.int64)
+        long = np.flatnonzero(fourth)
+        masked[long] = [flat[i][3] for i in long.tolist()]
+        return cls(np.fromiter(map(len, specs), np.int64, len(specs)), code, ndim, dims,
+                   queries, masked, fourth)
+
+    def take(self, items) -> "SpecColumns":
+        """The columns of samples `items` (an index array), in that order."""
+        items = np.asarray(items, np.int64)
+        counts = self.counts[items]
+        seg = _segments(self.starts, counts, items)
+        return SpecColumns(counts, self.code[seg], self.ndim[seg], self.dims[seg],
+                           self.queries[seg], self.masked[seg], self.fourth[seg])
+
+    @staticmethod
+    def concat(parts: "list[SpecColumns]") -> "SpecColumns":
+        if len(parts) == 1:
+            return parts[0]
+        return SpecColumns(*(np.concatenate([getattr(p, f) for p in parts]) for f in
+                             ("counts", "code", "ndim", "dims", "queries", "masked",
+                              "fourth")))
+
+    def spec(self, p: int) -> list:
+        """Sample `p`'s spec, as its source gave it (modalities known, shapes <= DIMS)."""
+        s = int(self.starts[p])
+        out = []
+        for j in range(s, s + int(self.counts[p])):
+            shape = tuple(self.dims[j, :int(self.ndim[j])].tolist())
+            e = (MODALITIES[int(self.code[j])], shape, int(self.queries[j]))
+            out.append(e + (int(self.masked[j]),) if self.fourth[j] else e)
+        return out
+
+    def meta_columns(self, ids, rules: TokenRules) -> MetaColumns:
+        """`MetaColumns.from_specs(ids, these specs, rules)`."""
+        if (self.code < 0).any():
+            raise ValueError(f"unknown modality; use one of {MODALITIES}")
+        d = self.dims
+        return MetaColumns(np.asarray(ids, np.int64).reshape(len(self)), self.counts,
+                           self.code, *segment_fields(rules, self.code, d[:, 0], d[:, 1],
+                                                      d[:, 2], self.queries, self.masked))
+
+    def usable(self, layout: AssemblyLayout) -> np.ndarray:
+        """Per sample whether `layout.check_shapes` finds nothing wrong with it (never
+        True where it would: the loader asks it for the reason of every False)."""
+        ok = _segments_ok(self, layout)
+        # lengths as text where a segment is already wrong (its sample is not fine anyway)
+        code = np.where(ok, self.code, TEXT).astype(np.int8)
+        d = self.dims
+        llm, _, _, _, delim = segment_fields(layout.rules, code, d[:, 0], d[:, 1], d[:, 2],
+                                             self.queries, self.masked)
+        ends = np.cumsum(self.counts)
+        bad = np.concatenate([[0], np.cumsum(~ok, dtype=np.int64)])
+        tokens = np.concatenate([[0], np.cumsum(llm + delim, dtype=np.int64)])
+        fine = (bad[ends] == bad[ends - self.counts]) & (self.counts > 0)
+        return fine & (2 + tokens[ends] - tokens[ends - self.counts] <= layout.seq_len)
+
+
+def _segments_ok(c: SpecColumns, layout: AssemblyLayout) -> np.ndarray:
+    """Per segment whether `check_shapes`'s per-segment rules pass."""
+    d0, d1, d2 = c.dims[:, 0], c.dims[:, 1], c.dims[:, 2]
+    ok = (c.code == TEXT) & (c.ndim == 1) & (d0 != 0)
+    g = layout.gen
+    if g is not None and len(g.data_shape) == DIMS:
+        same = (c.ndim == DIMS) & (c.dims == np.asarray(g.data_shape, np.int64)).all(1)
+        ok |= (c.code == IMAGE_OUT) & same & (c.queries == g.num_queries)
+    vis = layout.slot("image")
+    if vis is not None:
+        p, unit, r = vis.patch_size, vis.patch_size * max(vis.merge, 1), vis.downsample
+        n = (d0 // p) * (d1 // p)
+        ok |= ((c.code == IMAGE) & (c.ndim == 3) & (d2 == 3) & (d0 > 0) & (d1 > 0)
+               & (d0 % unit == 0) & (d1 % unit == 0) & (d0 % p == 0) & (d1 % p == 0)
+               & (np.maximum(d0, d1) // p <= vis.max_grid)
+               & (-(-n // r) * r <= layout.vision_caps[-1]))
+    aud = layout.slot("audio")
+    if aud is not None:
+        ok |= ((c.code == AUDIO) & (c.ndim == 2) & (d1 == aud.feature_dim) & (d0 > 0)
+               & (d0 <= layout.audio_frame_caps[-1]))
+    return ok
+
+
+@njit(cache=True)
+def _segments(starts, counts, items):
+    """The segment indices of samples `items` (their counts `counts`), one after another."""
+    out = np.empty(counts.sum(), np.int64)
+    j = 0
+    for k in range(items.size):
+        s = starts[items[k]]
+        for t in range(counts[k]):
+            out[j] = s + t
+            j += 1
+    return out
+
+
+class SpecTable:
+    """A data set's whole index as columns, one row of `FIELDS` per segment (a gather
+    reads one cache line per segment), built once per source: `take` gathers a batch's
+    samples, `usable` is `SpecColumns.usable` of every record, computed once per layout
+    (issue 41: a global batch's selection reads its candidates' rows, nothing per
+    sample)."""
+
+    def __init__(self, cols: SpecColumns):
+        self.columns, self.counts, self.starts = cols, cols.counts, cols.starts
+        # int32 rows (24 bytes a segment): code + 1 + 8 * ndim (at most 7) + 64 * fourth,
+        # d0, d1, d2, queries, masked (int64 when a value does not fit int32)
+        packed = [cols.code.astype(np.int64) + 1 + 8 * np.minimum(cols.ndim, 7)
+                  + 64 * cols.fourth,
+                  *cols.dims.T, cols.queries, cols.masked]
+        self.rows = np.ascontiguousarray(np.stack(packed, 1).astype(np.int32))
+        if not all(np.array_equal(self.rows[:, i], v) for i, v in enumerate(packed)):
+            self.rows = np.ascontiguousarray(np.stack(packed, 1))
+        self._usable: dict[AssemblyLayout, np.ndarray] = {}
+
+    @classmethod
+    def from_specs(cls, specs) -> "SpecTable":
+        return cls(SpecColumns.from_specs(specs))
+
+    def __len__(self) -> int:
+        return int(self.counts.size)
+
+    def take(self, items) -> SpecColumns:
+        """`SpecColumns` of records `items` (an index array), in that order (exact for
+        records of known modalities and shapes of at most `DIMS` entries: the usable)."""
+        items = np.asarray(items, np.int64)
+        counts = self.counts[items]
+        f = _gather_rows(self.rows, self.starts, counts, items)
+        head = f[0].astype(np.int64)
+        return SpecColumns(counts, ((head & 7) - 1).astype(np.int8),
+                           (head >> 3) & 7, f[1:4].T.astype(np.int64),
+                           f[4].astype(np.int64), f[5].astype(np.int64), head >= 64)
+
+    def usable(self, layout: AssemblyLayout) -> np.ndarray:
+        """Per record `SpecColumns.usable` under `layout` (computed on first use)."""
+        if layout not in self._usable:
+            self._usable[layout] = self.columns.usable(layout)
+        return self._usable[layout]
+
+
+@njit(cache=True)
+def _gather_rows(rows, starts, counts, items):
+    """[fields, segments] of the segment rows of records `items`, one after another."""
+    out = np.empty((rows.shape[1], counts.sum()), rows.dtype)
+    j = 0
+    for k in range(items.size):
+        s = starts[items[k]]
+        for t in range(counts[k]):
+            for f in range(rows.shape[1]):
+                out[f, j] = rows[s + t, f]
+            j += 1
+    return out
+
+
+class SpecList(Sequence):
+    """The specs that `columns` stand for, each built when read (`SpecColumns.spec`)."""
+
+    def __init__(self, columns: SpecColumns):
+        self.columns = columns
+
+    def __len__(self) -> int:
+        return len(self.columns)
+
+    def __getitem__(self, p):  # type: ignore[override]
+        if isinstance(p, slice):
+            return [self.columns.spec(i) for i in range(len(self))[p]]
+        if p < 0:
+            p += len(self)
+        if not 0 <= p < len(self):
+            raise IndexError(p)
+        return self.columns.spec(p)
+
+
+def spec_columns(specs) -> SpecColumns:
+    """The columns of `specs` (a `SpecList`'s own, or built from a list)."""
+    return specs.columns if isinstance(specs, SpecList) else SpecColumns.from_specs(specs)
