@@ -11,6 +11,7 @@ from mmjax.data.chat import LOSS_ON as _LOSS_ON
 from mmjax.data.layout import PACKINGS as _PACKING
 from mmjax.data.synthetic import KINDS as _KINDS
 from mmjax.data.token_distribution import METHODS as _CP_METHODS
+from mmjax.parallel.ragged_tables import EXCHANGES as _EXCHANGES
 from mmjax.planner.vae_placement import PLACEMENTS as _VAE_PLACEMENTS
 from mmjax.settings.run_table import HARDWARE_NAMES
 from mmjax.settings.setting import _BOOL, _PROGRAM, Setting, _float, _int
@@ -44,6 +45,8 @@ DATA_SETTINGS: dict[str, dict[str, Setting]] = {
         "cp_method": Setting("choice", "lpt", choices=_CP_METHODS, needs="plan"),
         "cp_block": _int(128, 1, 1 << 20, needs="plan"),
         "node_wise_method": Setting("choice", "auto", choices=_NODE_WISE, needs="plan"),
+        "exchange": Setting("choice", "auto", choices=_EXCHANGES, needs="plan",
+                            fix="auto: staged permutes; ragged: GPU ragged all-to-all (opt-in)"),
         "node_wise_time_limit": _float(0.2, 0, 3600, open_lo=True, needs="plan"),
         "node_wise_max_milp_ranks": _int(32, 1, 1 << 16, needs="plan"),
         "hardware": Setting("choice", "h100", choices=HARDWARE_NAMES, needs="plan"),
