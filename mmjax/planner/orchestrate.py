@@ -91,6 +91,7 @@ class Frontier:
                        if fronts else np.zeros(0, dtype=int))
         self._flat = np.concatenate([f[2] for f in fronts]) if fronts else np.zeros(0, int)
         self._fronts, self._orch = fronts, orchestrator
+        self._cols: dict | None = None  # `_columns`, built on first use
 
     def __len__(self) -> int:
         return len(self.order)
@@ -109,35 +110,44 @@ class Frontier:
     def time(self, k: int) -> float:
         return float(self.times[self.order[k]])
 
-    def fits(self, global_batch: int, hw: Hardware) -> np.ndarray:
-        """Per plan (in rank order), whether it fits by the runtime's memory count
-        (frontier_memory.py: `evaluate.runtime_memory` over each neighbourhood's front)."""
-        costs = self._orch.costs
-        if not self._fronts:
-            return np.zeros(0, dtype=bool)
-        parts: dict = {c.name: [] for c in costs}  # per unit, per front: option arrays
+    def _columns(self) -> dict:
+        """Per unit, `OptionTable.per_option`'s 13 arrays at every plan of the frontier (in
+        front order): each table's arrays built once and indexed at once."""
+        if self._cols is not None:
+            return self._cols
+        names = [c.name for c in self._orch.costs]
+        tables: list[dict] = [{} for _ in names]  # per unit: id(table) -> (table, base)
+        sizes = [0] * len(names)
+        where: list[list] = [[] for _ in names]  # per unit, per front: indices into all
         for _gs, _ts, flats, shape, picked in self._fronts:
             idx = np.unravel_index(flats, shape)
-            for c, (tb, flat), ix in zip(costs, picked, idx):
-                parts[c.name].append(tb.options(flat[ix]))
-        opts = {u: tuple(np.concatenate(col) for col in zip(*rows))
-                for u, rows in parts.items()}
-        return fits_by_runtime(costs, opts, global_batch, hw)[self.order]
+            for u, ((tb, flat), ix) in enumerate(zip(picked, idx)):
+                if id(tb) not in tables[u]:
+                    tables[u][id(tb)] = (tb, sizes[u])
+                    sizes[u] += tb.ok.size
+                where[u].append(flat[ix] + tables[u][id(tb)][1])
+        self._cols = {}
+        for u, name in enumerate(names):
+            every = [tb.per_option() for tb, _ in tables[u].values()]
+            at = np.concatenate(where[u])
+            self._cols[name] = tuple(np.concatenate(col)[at] for col in zip(*every))
+        return self._cols
+
+    def fits(self, global_batch: int, hw: Hardware) -> np.ndarray:
+        """Per plan (in rank order), whether it fits by the runtime's memory count
+        (frontier_memory.py: `evaluate.runtime_memory` over the whole frontier)."""
+        if not self._fronts:
+            return np.zeros(0, dtype=bool)
+        opts = {u: cols[:5] for u, cols in self._columns().items()}
+        return fits_by_runtime(self._orch.costs, opts, global_batch, hw)[self.order]
 
     def lower_bounds(self) -> np.ndarray:
         """Per plan (in rank order), a lower bound of its simulated schedule's time
-        (pick.py `schedule_lower_bound`, vectorised over each neighbourhood's front)."""
-        names = [c.name for c in self._orch.costs]
+        (pick.py `schedule_lower_bound`, vectorised over the whole frontier)."""
         if not self._fronts:
             return np.zeros(0)
-        parts: dict = {name: [] for name in names}  # per unit, per front: its terms
-        for _gs, _ts, flats, shape, picked in self._fronts:
-            idx = np.unravel_index(flats, shape)
-            for name, (tb, flat), ix in zip(names, picked, idx):
-                parts[name].append(tb.bound_terms(flat[ix]))
-        rows = {u: tuple(np.concatenate(col) for col in zip(*terms))
-                for u, terms in parts.items()}
-        return chain_bound(UnitDag.of(names), rows)[self.order]
+        rows = {u: cols[5:] for u, cols in self._columns().items()}
+        return chain_bound(UnitDag.of(list(rows)), rows)[self.order]
 
 
 class Orchestrator:

@@ -140,7 +140,9 @@ def pick_by_schedule(proposals: "list[Proposal] | Proposals", global_batch: int,
         if any(b > hw.hbm_bytes for b in need.values()):
             over += 1
             continue
-        t = timer(ran, choices, global_batch, ran=True)
+        # a plan slower than the cap is never picked (the cap only falls): its timing
+        # stops once it is past the cap (a margin above it for the sync's rounding)
+        t = timer(ran, choices, global_batch, ran=True, limit=cap * (1 + 1e-6))
         timed.append((t, p, choices))
         best = min(best, t)
         if p.source != "search":

@@ -48,6 +48,7 @@ class OptionTable:
         self.gpus = t * dp * pp + 0 * v
         self.stage = spr * times / pp + 0 * v
         self.m = m
+        self._per_option: tuple | None = None
         self._fwd_bwd0 = fastest_forward_backward(cost, t)  # `bound_terms`' (pick.py)
         self.warm = spr * times / v + pp * (spr * cost.boundary_bytes / hw.nic_bw)
         bw = np.where(dp * t <= hw.gpus_per_node, hw.nvlink_bw, hw.nic_bw)
@@ -93,6 +94,14 @@ class OptionTable:
             pick |= (idx == p[:, None] - 1) & (self._sync1 > 0)[:, None]
         sel = (self._ok_fitting & pick[:, :, None]).ravel()
         return self._prices[sel], np.flatnonzero(sel)
+
+    def per_option(self) -> tuple:
+        """`options` and `bound_terms` of every flat option, 13 arrays (built on first use:
+        a frontier reads a table's options in many of its fronts)."""
+        if self._per_option is None:
+            every = np.arange(self.ok.size)
+            self._per_option = self.options(every) + self.bound_terms(every)
+        return self._per_option
 
     def options(self, opt: np.ndarray) -> tuple:
         """(tp, dp, pp, vpp, remat variant index) arrays of the flat option indices `opt`:
