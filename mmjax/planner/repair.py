@@ -49,6 +49,7 @@ class OptionTable:
         self.stage = spr * times / pp + 0 * v
         self.m = m
         self._per_option: tuple | None = None
+        self._near: dict = {}  # `neighbourhood` per relaxed optimum
         self._fwd_bwd0 = fastest_forward_backward(cost, t)  # `bound_terms`' (pick.py)
         self.warm = spr * times / v + pp * (spr * cost.boundary_bytes / hw.nic_bw)
         bw = np.where(dp * t <= hw.gpus_per_node, hw.nvlink_bw, hw.nic_bw)
@@ -78,7 +79,14 @@ class OptionTable:
 
     def neighbourhood(self, x_star: float, tau_star: float, s_star: float):
         """(rows [options, 4] of gpus, stage, warm-up, sync; their flat (DP, PP, VPP)
-        indices, for `choice`) of the PPs around the relaxed optimum, in that order."""
+        indices, for `choice`) of the PPs around the relaxed optimum, in that order; kept
+        per relaxed optimum (a re-solve that keeps this table repairs the same ones)."""
+        key = (x_star, tau_star, s_star)
+        if key not in self._near:
+            self._near[key] = self._neighbourhood(x_star, tau_star, s_star)
+        return self._near[key]
+
+    def _neighbourhood(self, x_star: float, tau_star: float, s_star: float):
         cost, idx = self.cost, self._idx
         cut = np.searchsorted(self._pp_arr, x_star / (self.t * self._dp_arr), side="right")
         cut = cut[:, None]
