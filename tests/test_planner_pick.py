@@ -199,7 +199,7 @@ def test_the_ratio_baseline_is_repaired_to_fit():
 
 def test_the_frontier_columns_equal_each_plan_priced_alone():
     """The frontier's memory verdicts and schedule bounds, computed over every plan at once
-    (orchestrate.Frontier, frontier_memory.py), equal `runtime_memory` and
+    (frontier.py `Frontier`, frontier_memory.py), equal `runtime_memory` and
     `schedule_lower_bound` of each plan built alone (MLLM-9B, 98 GPUs: some plans do not
     fit with the runtime's in-flight microbatches)."""
     from mmjax.planner.orchestrate import orchestrate

@@ -80,7 +80,7 @@ class Proposals:
 
 @dataclass(frozen=True)
 class FrontierProposals:
-    """The search's frontier at one CP size (orchestrate.Frontier, rank order) with each
+    """The search's frontier at one CP size (frontier.py `Frontier`, rank order) with each
     plan's schedule lower bound and whether it fits by the runtime's memory count
     (`Frontier.fits`): plan k as a `Proposal` on reading."""
 
