@@ -293,13 +293,15 @@ def predicted_step(cfg, plan: Plan, lay, samples, profile: dict) -> dict:
 
 
 def timed_steps(rt: PipelineRuntime, feeds, steps: int, probes):
-    """(dispatch s, step s, process CPU s per step, the last losses) of `steps` steps, the
-    probes (if any) timed once after each."""
-    dispatch, step, cpu = [], [], []
+    """(dispatch s, step s, process CPU s per step, the dispatching thread's CPU s in
+    `run` per step, the last losses) of `steps` steps, the probes (if any) timed once
+    after each."""
+    dispatch, step, cpu, host = [], [], [], []
     for _ in range(steps):
-        c0, t0 = time.process_time(), time.perf_counter()
+        c0, t0, h0 = time.process_time(), time.perf_counter(), time.thread_time()
         res = rt.run(feeds, rt.initial_compute_params())  # copies made each step
         t1 = time.perf_counter()
+        host.append(time.thread_time() - h0)
         losses = _wait(rt, res)
         t2 = time.perf_counter()
         cpu.append(time.process_time() - c0)
@@ -307,7 +309,7 @@ def timed_steps(rt: PipelineRuntime, feeds, steps: int, probes):
         step.append(t2 - t0)
         if probes is not None:
             probes.sample()
-    return dispatch, step, cpu, losses
+    return dispatch, step, cpu, host, losses
 
 
 def bench_plan(name, cfg, lay, samples, args, out_dir, timeline, compiles) -> dict:
@@ -327,7 +329,7 @@ def bench_plan(name, cfg, lay, samples, args, out_dir, timeline, compiles) -> di
     # the first device after each step: the steps' own load, train/beside_profile.py)
     probes = ProbeSet(dtype="float32") if args.host_profile is None else None
     compiled_before = compiles["n"]
-    dispatch, step, cpu, losses = timed_steps(rt, feeds, args.steps, probes)
+    dispatch, step, cpu, host, losses = timed_steps(rt, feeds, args.steps, probes)
     # the timed steps trace and compile nothing (tests/test_compile_once.py: nor do new
     # balanced global batches, padded to one shape floor);
     # the traced modes below compile their completion markers once (pipeline/trace.py)
@@ -387,6 +389,7 @@ def bench_plan(name, cfg, lay, samples, args, out_dir, timeline, compiles) -> di
         "node_map": node_map(plan), "compiles_after_warmup": compiled_after_warmup,
         "stage_memory": stage_memory_rows(cfg, plan, feeds),
         "measured_cpu_s": statistics.median(cpu), "measured_steps_cpu_s": cpu,
+        "dispatch_cpu_s": statistics.median(host),
         **predictions(cfg, plan, lay, samples, args.host_profile, probes),
     }
 

@@ -60,6 +60,11 @@ def test_rows_and_times_equal_the_event_walk(seed):
             for i, a in zip(range(rows.ptr[st], rows.ptr[st + 1]), got[s]):
                 assert (start[i], end[i]) == (sim.start[(s, a)], sim.end[(s, a)])
         assert makespan(lay, rows, dur_f, dur_b, comm) == sim.iteration_time
+        # with a limit: exact at or above the makespan, above the limit below it
+        t = sim.iteration_time
+        assert makespan(lay, rows, dur_f, dur_b, comm, limit=t) == t
+        if t > 0:
+            assert makespan(lay, rows, dur_f, dur_b, comm, limit=0.5 * t) > 0.5 * t
 
 
 def test_an_interleaved_llm_before_a_generator_raises_warmups_like_the_python():

@@ -195,3 +195,22 @@ def test_the_ratio_baseline_is_repaired_to_fit():
     assert max(need.values()) <= A800.hbm_bytes
     assert sum(c.gpus for c in ch.values()) <= 98
     assert math.isfinite(schedule_time(costs, ch, 128, A800))
+
+
+def test_the_frontier_columns_equal_each_plan_priced_alone():
+    """The frontier's memory verdicts and schedule bounds, computed over every plan at once
+    (frontier.py `Frontier`, frontier_memory.py), equal `runtime_memory` and
+    `schedule_lower_bound` of each plan built alone (MLLM-9B, 98 GPUs: some plans do not
+    fit with the runtime's in-flight microbatches)."""
+    from mmjax.planner.orchestrate import orchestrate
+    costs, _ = model_costs(named_config("disttrain/mllm_9b"), A800)
+    front = orchestrate(costs, A800, 98, 128).frontier
+    fits, bounds = front.fits(128, A800), front.lower_bounds()
+    alone = []
+    for k in range(len(front)):
+        ch = front.choices(k)
+        _, need = runtime_memory(costs, ch, 128, A800)
+        alone.append(all(b <= A800.hbm_bytes for b in need.values()))
+        assert bounds[k] == schedule_lower_bound(costs, ch, 128, A800), k
+    assert fits.tolist() == alone
+    assert 0 < sum(alone) < len(alone)

@@ -223,7 +223,8 @@ def _proposals(cp, res, costs, global_batch, hw) -> "list[Proposal] | FrontierPr
     if front is None or not len(front):
         return [Proposal(schedule_lower_bound(costs, res.choices, global_batch, hw), costs,
                          res.choices, "search", cp)]
-    return FrontierProposals(front.lower_bounds(), costs, front, cp)
+    return FrontierProposals(front.lower_bounds(), costs, front, cp,
+                             front.fits(global_batch, hw))
 
 
 def _finish(model, wl, pick, layer_costs, global_batch, hw, attention_impl, timer) -> Plan:

@@ -13,7 +13,8 @@ import itertools
 import numpy as np
 
 from mmjax.planner.costs import UnitCost
-from mmjax.planner.evaluate import leanest, stage_bytes, state_need, sync_share, variants
+from mmjax.planner.evaluate import (per_tp, leanest, stage_bytes, state_need, sync_share,
+                                    variants)
 from mmjax.planner.hardware import Hardware
 
 
@@ -77,7 +78,7 @@ def _llm_terms(cost: UnitCost, hw: Hardware, vpp: bool, dp, tp, mm, lo_rest_sum,
     pps = np.array(valid_pps(cost), dtype=np.float64)[None, :]
     d, t, m = dp[:, None], tp[:, None], (mm + 1)[:, None]
     options = variants(cost)
-    times = np.array([[vc.time_s[int(x)] for x in tp] for vc in options])  # [K, rows]
+    times = np.stack([per_tp(vc.time_s, tp) for vc in options])  # [K, rows]
     rows = np.arange(len(tp))[:, None]
     gpus = t * d * pps
     room = gpus + lo_rest_sum[:, None] <= n
@@ -146,7 +147,7 @@ def candidate_table(costs: tuple[UnitCost, ...], hw: Hardware, llm: int, vpp: bo
                     lo[keep][:, rest], hi[keep][:, rest])
     others = np.zeros(len(keep))
     for u in np.flatnonzero(rest):
-        others = others + np.array([costs[u].time_s[int(t)] for t in tps[keep, u]])
+        others = others + per_tp(costs[u].time_s, tps[keep, u])
     lb = others + lb
     fin = np.flatnonzero(np.isfinite(lb))
     order = fin[np.argsort(lb[fin], kind="stable")]

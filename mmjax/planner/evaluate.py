@@ -101,7 +101,7 @@ def in_flight(c: Choice, num_microbatches: int) -> float:
     return min(num_microbatches, ((c.vpp + 1) * c.pp - 1) / c.vpp)
 
 
-def _per_tp(table: dict, tp):
+def per_tp(table: dict, tp):
     """`table[tp]` for an int or an array of TP sizes (0 where absent)."""
     if isinstance(tp, int):
         return table.get(tp, 0.0)
@@ -125,8 +125,8 @@ def stage_bytes(cost: UnitCost, tp, dp, pp, spr, flight, exact: bool = False):
 
     def on(c: UnitCost):
         return unit_stage_bytes(weight, c.optimizer_bytes,
-                                k * _per_tp(c.activation_bytes, tp), k * c.input_bytes,
-                                _per_tp(c.work_bytes, tp), _per_tp(c.fixed_bytes, tp),
+                                k * per_tp(c.activation_bytes, tp), k * c.input_bytes,
+                                per_tp(c.work_bytes, tp), per_tp(c.fixed_bytes, tp),
                                 step_weight, c.replicated, tp, zdp, pp, spr, flight,
                                 c.dtype_bytes, c.zero_stage, gathered)
     if cost.scan is None:

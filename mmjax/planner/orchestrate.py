@@ -25,10 +25,10 @@ from mmjax.planner.hardware import Hardware
 from mmjax.planner.plan import PlanError
 from mmjax.planner.infeasible import infeasible_message, smallest_plan
 from mmjax.planner.relax import solve_relaxed
-from mmjax.planner.schedule_bound import chain_bound
 from mmjax.planner.relaxed_problem import RelaxedProblem
+from mmjax.planner.frontier import Frontier
 from mmjax.planner.repair import OptionTable, combine
-from mmjax.models.units import UnitDag, has_llm
+from mmjax.models.units import has_llm
 
 
 # Relative slack on the predicted iteration time within which the plan using fewer GPUs
@@ -59,68 +59,21 @@ class SearchState:
     """What a solve computed that a re-solve may keep: the (TP, DP) candidates with their
     bounds (they depend on the LLM's memory alone: the other units enter them through
     their least activations, not their in-flight scale) and the option tables per
-    (unit index, TP, LLM DP) (each depends on its own unit's cost alone)."""
+    (unit index, TP, LLM DP) (each depends on its own unit's cost alone); with the
+    candidates, the relaxations solved so far in their order (functions of the candidates'
+    inputs and the units' times, which an in-flight scale leaves alone)."""
 
     candidates: list
     tables: dict
+    relaxed: list = field(default_factory=list)
 
     def keep(self, changed: set[int], llm: int) -> "SearchState":
-        """The parts still valid when the units at indices `changed` change."""
-        return SearchState(None if llm in changed else self.candidates,
-                           {k: v for k, v in self.tables.items() if k[0] not in changed})
-
-
-class Frontier:
-    """The plans the search proposes: every point of every repaired neighbourhood's
-    (GPUs, closed-form time) Pareto front, least closed-form time first. `choices(k)`
-    builds the k-th plan (lazily: a 72B search proposes thousands)."""
-
-    def __init__(self, orchestrator: "Orchestrator", fronts: list):
-        self.times = np.concatenate([f[1] for f in fronts]) if fronts else np.zeros(0)
-        self.gpus = np.concatenate([f[0] for f in fronts]) if fronts else np.zeros(0)
-        self.order = np.argsort(self.times, kind="stable")
-        # per plan, its front and its flat index in that front's neighbourhood
-        self._front = (np.repeat(np.arange(len(fronts)), [len(f[2]) for f in fronts])
-                       if fronts else np.zeros(0, dtype=int))
-        self._flat = np.concatenate([f[2] for f in fronts]) if fronts else np.zeros(0, int)
-        self._fronts, self._orch = fronts, orchestrator
-
-    def __len__(self) -> int:
-        return len(self.order)
-
-    def choices(self, k: int) -> dict[str, Choice]:
-        """The plan of rank k (0: least closed-form time)."""
-        i = int(self.order[k])
-        f, flat = int(self._front[i]), int(self._flat[i])
-        _, _, _, shape, picked = self._fronts[f]
-        idx = []  # np.unravel_index(flat, shape), in integers
-        for size in reversed(shape):
-            flat, r = divmod(flat, size)
-            idx.append(r)
-        return self._orch._choices(picked, idx[::-1])
-
-    def time(self, k: int) -> float:
-        return float(self.times[self.order[k]])
-
-    def lower_bounds(self) -> np.ndarray:
-        """Per plan (in rank order), a lower bound of its simulated schedule's time
-        (pick.py `schedule_lower_bound`, vectorised over each neighbourhood's front)."""
-        names = [c.name for c in self._orch.costs]
-        dag = UnitDag.of(names)
-        out = []
-        for gs, _ts, flats, shape, picked in self._fronts:
-            idx = np.unravel_index(flats, shape)
-            rows = {}
-            for name, (tb, flat), ix in zip(names, picked, idx):
-                opt = flat[ix]
-                rows[name] = (tb.m * tb.busy_lb.ravel()[opt], tb.fwd_lb.ravel()[opt],
-                              tb.bwd_lb.ravel()[opt], tb.sync.ravel()[opt],
-                              tb.virtual.ravel()[opt], tb.pp_lb.ravel()[opt],
-                              tb.fb_lb.ravel()[opt], tb.p2p.ravel()[opt])
-            out.append(chain_bound(dag, rows))
-        if not out:
-            return np.zeros(0)
-        return np.concatenate(out)[self.order]
+        """The parts still valid when the units at indices `changed` change their in-flight
+        scale (build.py `_deeper`)."""
+        same = llm not in changed
+        return SearchState(self.candidates if same else None,
+                           {k: v for k, v in self.tables.items() if k[0] not in changed},
+                           self.relaxed if same else [])
 
 
 class Orchestrator:
@@ -145,6 +98,7 @@ class Orchestrator:
         self.relaxed = ((relaxed_factory or RelaxedProblem)(len(costs))
                         if self.method == "cvxpy" else None)
         self._priced = {}  # (unit, TP, LLM DP) -> OptionTable, within one solve
+        self._solved: list = []  # fast method: (value, x) per candidate, in order
 
     # ---- candidate bounds --------------------------------------------------------------
     def _warm_terms(self, tps, c):
@@ -227,8 +181,9 @@ class Orchestrator:
             return None
         best_t, idx, front = out
         picked = [(tb, flat) for tb, (_, flat) in zip(tables, opts)]
-        # the neighbourhood's (gpus, time) Pareto front: where the GPU tie-break starts
-        return best_t, self._choices(picked, idx), front + (picked,)
+        # the neighbourhood's (gpus, time) Pareto front: where the GPU tie-break starts;
+        # the best plan's choices built by the caller when it is the best so far
+        return best_t, idx, front + (picked,)
 
     def _choices(self, picked, idx) -> dict[str, Choice]:
         return {self.costs[i].name: tb.choice(flat[j])
@@ -286,7 +241,7 @@ class Orchestrator:
         GPUs, and every candidate that may hold a plan within T* (1 + tolerance) repaired,
         its (gpus, time) Pareto front kept. Returns (T*, plan, relaxations, repairs, fronts)."""
         best_t, best, relaxations, repairs, fronts = math.inf, None, 0, 0, []
-        solved = []  # fast method: relaxations solved ahead in growing batches
+        solved = self._solved  # fast method: relaxations solved ahead in growing batches
         for j, (lb0, dp_llm, tps, inputs) in enumerate(cands):
             limit = best_t * (1 + tolerance)
             if lb0 >= limit * (1 - 1e-9):
@@ -315,7 +270,7 @@ class Orchestrator:
                 continue
             fronts.append(rep[2])
             if rep[0] < best_t:
-                best_t, best = rep[0], rep[1]
+                best_t, best = rep[0], self._choices(rep[2][4], rep[1])
         return best_t, best, relaxations, repairs, fronts
 
     def _fewest_gpus(self, fronts: list, cap: float):
@@ -352,8 +307,9 @@ class Orchestrator:
         start = time.perf_counter()
         n, bs = num_gpus, global_batch
         self._priced = dict(reuse.tables) if reuse is not None else {}
-        cands = (reuse.candidates if reuse is not None and reuse.candidates is not None
-                 else self.candidates(n, bs))
+        kept = reuse is not None and reuse.candidates is not None
+        cands = reuse.candidates if kept else self.candidates(n, bs)
+        self._solved = list(reuse.relaxed) if kept else []
         best_t, best, relaxations, repairs, fronts = self._search(cands, n, bs, gpu_tolerance)
         if best is None:
             sp = smallest_plan(self.costs, self.hw, bs)
@@ -371,7 +327,7 @@ class Orchestrator:
             best_t, best = self._fewest_gpus(fronts, optimal_t * (1 + gpu_tolerance))
         return OrchestrationResult(best, best_t, time.perf_counter() - start, len(cands),
                                    relaxations, repairs, optimal_t, Frontier(self, fronts),
-                                   SearchState(cands, self._priced))
+                                   SearchState(cands, self._priced, self._solved))
 
 
 def orchestrate(costs: tuple[UnitCost, ...], hw: Hardware, num_gpus: int, global_batch: int,

@@ -52,20 +52,23 @@ class Proposals:
     """Candidates for `pick_by_schedule` in parts: lists of `Proposal`s and search
     frontiers, each frontier plan a `Proposal` only when read (a 72B search proposes
     thousands; the pick reads the tens it times). `bounds`: every candidate's lower bound,
-    in order."""
+    in order; `fits`: False where a frontier plan is known not to fit in memory."""
 
     def __init__(self, parts):
-        self._parts, self._starts, bounds, start = [], [], [], 0
+        self._parts, self._starts, bounds, fits, start = [], [], [], [], 0
         for part in parts:
             if isinstance(part, FrontierProposals):
                 bounds.append(part.bounds)
+                fits.append(part.fits)
             else:
                 part = list(part)
                 bounds.append(np.array([p.lower_bound_s for p in part], dtype=np.float64))
+                fits.append(np.ones(len(part), dtype=bool))
             self._parts.append(part)
             self._starts.append(start)
             start += len(part)
         self.bounds = np.concatenate(bounds) if bounds else np.zeros(0)
+        self.fits = np.concatenate(fits) if fits else np.zeros(0, dtype=bool)
 
     def __len__(self) -> int:
         return len(self.bounds)
@@ -77,13 +80,19 @@ class Proposals:
 
 @dataclass(frozen=True)
 class FrontierProposals:
-    """The search's frontier at one CP size (orchestrate.Frontier, rank order) with each
-    plan's schedule lower bound: plan k as a `Proposal` on reading."""
+    """The search's frontier at one CP size (frontier.py `Frontier`, rank order) with each
+    plan's schedule lower bound and whether it fits by the runtime's memory count
+    (`Frontier.fits`): plan k as a `Proposal` on reading."""
 
     bounds: np.ndarray
     costs: tuple
     frontier: object
     cp: int = 1
+    fits: np.ndarray | None = None
+
+    def __post_init__(self):
+        if self.fits is None:
+            object.__setattr__(self, "fits", np.ones(len(self.bounds), dtype=bool))
 
     def __len__(self) -> int:
         return len(self.bounds)
@@ -112,6 +121,7 @@ def pick_by_schedule(proposals: "list[Proposal] | Proposals", global_batch: int,
     bounds = getattr(proposals, "bounds", None)
     if bounds is None:
         bounds = np.array([p.lower_bound_s for p in proposals], dtype=np.float64)
+    known = getattr(proposals, "fits", None)  # False: over memory, known without building
     order = np.argsort(bounds, kind="stable")  # by bound; a tie keeps the given order
     dag = None  # the units' DAG, the same for every proposal (one model)
     timed: list[tuple[float, Proposal, dict]] = []
@@ -121,13 +131,18 @@ def pick_by_schedule(proposals: "list[Proposal] | Proposals", global_batch: int,
         cap = min(best * (1 + gpu_tolerance), fastest_baseline)
         if p.lower_bound_s > cap * (1 + 1e-9) or len(timed) >= MAX_TIMED:
             break
+        if known is not None and not known[int(i)]:
+            over += 1
+            continue
         choices = p.choices
         dag = dag or UnitDag.of(choices)
         ran, need = runtime_memory(p.costs, choices, global_batch, hw, dag)
         if any(b > hw.hbm_bytes for b in need.values()):
             over += 1
             continue
-        t = timer(ran, choices, global_batch, ran=True)
+        # a plan slower than the cap is never picked (the cap only falls): its timing
+        # stops once it is past the cap (a margin above it for the sync's rounding)
+        t = timer(ran, choices, global_batch, ran=True, limit=cap * (1 + 1e-6))
         timed.append((t, p, choices))
         best = min(best, t)
         if p.source != "search":

@@ -47,17 +47,10 @@ class OptionTable:
         time = cost.time_s[t]
         self.gpus = t * dp * pp + 0 * v
         self.stage = spr * times / pp + 0 * v
-        # the schedule's lower-bound terms (pick.py): per microbatch, one physical stage's
-        # busy time and the whole unit's forward and backward, at the fastest policy
-        fwd0, bwd0 = fastest_forward_backward(cost, t)
         self.m = m
-        self.busy_lb = spr * (fwd0 + bwd0) / pp + 0 * v
-        self.fwd_lb = spr * fwd0 + 0 * pp + 0 * v
-        self.bwd_lb = spr * bwd0 + 0 * pp + 0 * v
-        self.virtual = pp * v + 0 * dp
-        self.pp_lb = pp + 0 * dp + 0 * v
-        self.fb_lb = spr * (fwd0 + bwd0) / (pp * v)
-        self.p2p = spr * cost.boundary_bytes / hw.nic_bw + 0 * pp + 0 * v
+        self._per_option: tuple | None = None
+        self._near: dict = {}  # `neighbourhood` per relaxed optimum
+        self._fwd_bwd0 = fastest_forward_backward(cost, t)  # `bound_terms`' (pick.py)
         self.warm = spr * times / v + pp * (spr * cost.boundary_bytes / hw.nic_bw)
         bw = np.where(dp * t <= hw.gpus_per_node, hw.nvlink_bw, hw.nic_bw)
         if cost.grad_bytes == 0:
@@ -86,7 +79,14 @@ class OptionTable:
 
     def neighbourhood(self, x_star: float, tau_star: float, s_star: float):
         """(rows [options, 4] of gpus, stage, warm-up, sync; their flat (DP, PP, VPP)
-        indices, for `choice`) of the PPs around the relaxed optimum, in that order."""
+        indices, for `choice`) of the PPs around the relaxed optimum, in that order; kept
+        per relaxed optimum (a re-solve that keeps this table repairs the same ones)."""
+        key = (x_star, tau_star, s_star)
+        if key not in self._near:
+            self._near[key] = self._neighbourhood(x_star, tau_star, s_star)
+        return self._near[key]
+
+    def _neighbourhood(self, x_star: float, tau_star: float, s_star: float):
         cost, idx = self.cost, self._idx
         cut = np.searchsorted(self._pp_arr, x_star / (self.t * self._dp_arr), side="right")
         cut = cut[:, None]
@@ -102,6 +102,37 @@ class OptionTable:
             pick |= (idx == p[:, None] - 1) & (self._sync1 > 0)[:, None]
         sel = (self._ok_fitting & pick[:, :, None]).ravel()
         return self._prices[sel], np.flatnonzero(sel)
+
+    def per_option(self) -> tuple:
+        """`options` and `bound_terms` of every flat option, 13 arrays (built on first use:
+        a frontier reads a table's options in many of its fronts)."""
+        if self._per_option is None:
+            every = np.arange(self.ok.size)
+            self._per_option = self.options(every) + self.bound_terms(every)
+        return self._per_option
+
+    def options(self, opt: np.ndarray) -> tuple:
+        """(tp, dp, pp, vpp, remat variant index) arrays of the flat option indices `opt`:
+        what `choice` builds, for frontier_memory.py."""
+        _, npp, nv = self.ok.shape
+        j, p, w = opt // (npp * nv), opt // nv % npp, opt % nv
+        return (np.full(len(opt), self.t), self._dp_arr[j], self._pp_arr[p], np.asarray(self.vs)[w],
+                self._pick[j, p, w])
+
+    def bound_terms(self, opt: np.ndarray) -> tuple:
+        """The schedule's lower-bound terms (pick.py `schedule_lower_bound`) at the flat
+        option indices `opt`, per microbatch at the fastest policy: all microbatches' busy
+        time of one physical stage, the whole unit's forward and backward, its sync,
+        virtual stages, stages, one virtual stage's forward + backward and one transfer."""
+        _, npp, nv = self.ok.shape
+        dp = self._dp_arr.astype(np.float64)[opt // (npp * nv)]
+        pp = self._pp_arr.astype(np.float64)[opt // nv % npp]
+        v = np.asarray(self.vs, dtype=np.float64)[opt % nv]
+        spr = self.dp_llm / dp
+        fwd0, bwd0 = self._fwd_bwd0
+        return (self.m * (spr * (fwd0 + bwd0) / pp), spr * fwd0, spr * bwd0,
+                self.sync.ravel()[opt], pp * v, pp, spr * (fwd0 + bwd0) / (pp * v),
+                spr * self.cost.boundary_bytes / self.hw.nic_bw)
 
     def choice(self, flat: int) -> Choice:
         """The Choice of an option by its flat (DP, PP, VPP) index (from `neighbourhood`)."""

@@ -53,12 +53,13 @@ class ScheduleTimer:
         return self._shapes[key]
 
     def __call__(self, costs: tuple[UnitCost, ...], choices: dict[str, Choice],
-                 global_batch: int, ran: bool = False) -> float:
+                 global_batch: int, ran: bool = False, limit: float = np.inf) -> float:
         """Seconds per iteration of `choices` (each unit at the remat policy
         `runtime_memory` picks, as `evaluate`): the simulated makespan of the timer's
         schedule with one stage-to-stage transfer (the largest unit's boundary tensor)
         between dependent actions on different stages, plus the slowest DP sync. `ran`: `costs` are the
-        variants `runtime_memory` picked already."""
+        variants `runtime_memory` picked already. `limit`: a time above it, not the exact
+        one, for a plan slower than `limit` (compiled_timing.makespan)."""
         hw, dp_llm = self.hw, choices["llm"].dp
         m = global_batch // dp_llm
         if not ran:
@@ -68,7 +69,7 @@ class ScheduleTimer:
         times = np.array([by_name[u] for u in lay.units])[unit_of]
         comm = max(p2p_time(c, choices[c.name], dp_llm, hw) for c in costs)
         sync = max(sync_time(c, choices[c.name], hw) for c in costs)
-        return makespan(lay, rows, times[:, 0], times[:, 1], comm) + sync
+        return makespan(lay, rows, times[:, 0], times[:, 1], comm, limit - sync) + sync
 
 
 def schedule_time(costs: tuple[UnitCost, ...], choices: dict[str, Choice], global_batch: int,

@@ -9,6 +9,7 @@ size distribution enters the cost (DistTrain §2.3).
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -28,10 +29,18 @@ class Workload:
     def num_samples(self) -> int:
         return len(self.llm_tokens)
 
+    @functools.cached_property
+    def _moments(self) -> dict:
+        """The moments read so far, by unit (the workload is immutable; a planning call
+        reads each many times)."""
+        return {}
+
     def llm_moments(self) -> tuple[float, float]:
         """Mean over samples of (tokens, tokens^2)."""
-        t = np.asarray(self.llm_tokens, dtype=np.float64)
-        return float(t.mean()), float((t * t).mean())
+        if "llm" not in self._moments:
+            t = np.asarray(self.llm_tokens, dtype=np.float64)
+            self._moments["llm"] = float(t.mean()), float((t * t).mean())
+        return self._moments["llm"]
 
     def encoder_moments(self, unit: str) -> tuple[float, float]:
         """Mean over samples of (sum_i n_i, sum_i n_i^2) over the sample's subsequences."""
@@ -39,8 +48,12 @@ class Workload:
         if not per:
             raise ValueError(f"workload {self.name!r} has no sizes for encoder {unit!r}; "
                              f"it has {sorted(self.encoder_tokens)}: build it for this model")
-        sizes = np.fromiter(itertools.chain.from_iterable(per), dtype=np.float64)
-        return float(sizes.sum() / len(per)), float((sizes * sizes).sum() / len(per))
+        key = ("encoder", unit)
+        if key not in self._moments:
+            sizes = np.fromiter(itertools.chain.from_iterable(per), dtype=np.float64)
+            self._moments[key] = (float(sizes.sum() / len(per)),
+                                  float((sizes * sizes).sum() / len(per)))
+        return self._moments[key]
 
     def mean_segments(self, unit: str) -> float:
         """Mean number of subsequences (images, clips) of `unit` per sample."""

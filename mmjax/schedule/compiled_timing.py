@@ -177,11 +177,12 @@ def _fill_row(st, stage_pp, stage_v, stage_node, runs_backward, warm, m, ptr, ki
 
 @njit(cache=True)
 def _run(ptr, kind, mb, chunk, stage_node, node_stage, pred_ptr, pred_idx, succ_ptr,
-         succ_idx, runs_backward, dur_f, dur_b, comm, m):
+         succ_idx, runs_backward, dur_f, dur_b, comm, m, limit=np.inf):
     """The rows run to completion or deadlock: (start, end per action, position reached
     per stage, F done, B done [node, microbatch]). Stages are swept until none moves; an
     action's times depend on its dependencies alone, so the sweep order changes nothing;
-    sweeps alternate direction (forwards flow up the stages, backwards down)."""
+    sweeps alternate direction (forwards flow up the stages, backwards down). Stops at
+    the first action ending after `limit` (the makespan exceeds it)."""
     ns = len(ptr) - 1
     n = len(node_stage)
     start = np.zeros(ptr[ns])
@@ -242,6 +243,8 @@ def _run(ptr, kind, mb, chunk, stage_node, node_stage, pred_ptr, pred_idx, succ_
                 free[st] = end[i]
                 pos[st] += 1
                 moved = True
+                if end[i] > limit:
+                    return start, end, pos, done_f, done_b
         sweep += 1
     return start, end, pos, done_f, done_b
 
@@ -380,27 +383,33 @@ def schedule_rows(lay: ChainLayout, m: int) -> Rows:
 
 @njit(cache=True)
 def _span(ptr, kind, mb, chunk, stage_node, node_stage, pred_ptr, pred_idx, succ_ptr,
-          succ_idx, runs_backward, dur_f, dur_b, comm, m):
-    """(latest end, whether every row ran to its end) of `_run`."""
+          succ_idx, runs_backward, dur_f, dur_b, comm, m, limit):
+    """(latest end, whether every row ran to its end or past `limit`) of `_run`."""
     _, end, pos, _, _ = _run(ptr, kind, mb, chunk, stage_node, node_stage, pred_ptr,
                              pred_idx, succ_ptr, succ_idx, runs_backward, dur_f, dur_b,
-                             comm, m)
+                             comm, m, limit)
+    latest = end.max() if len(end) else 0.0
+    if latest > limit:
+        return latest, True
     done = True
     for st in range(len(pos)):
         if pos[st] < ptr[st + 1]:
             done = False
-    return (end.max() if len(end) else 0.0), done
+    return latest, done
 
 
-def makespan(lay: ChainLayout, rows: Rows, dur_f, dur_b, comm: float = 0.0) -> float:
+def makespan(lay: ChainLayout, rows: Rows, dur_f, dur_b, comm: float = 0.0,
+             limit: float = np.inf) -> float:
     """The latest end of any action: `simulate(...).iteration_time` of the rows with
-    per-node forward / backward seconds `dur_f`, `dur_b` and transfer time `comm`."""
+    per-node forward / backward seconds `dur_f`, `dur_b` and transfer time `comm`; a
+    time above `limit` once an action ends after it (not the makespan then: a caller
+    that only needs plans within `limit` stops timing the others early)."""
     span, done = _span(rows.ptr, rows.kind, rows.microbatch, rows.chunk, lay.stage_node,
                        lay.node_stage, lay.pred_ptr, lay.pred_idx, lay.succ_ptr,
                        lay.succ_idx, lay.runs_backward,
                        np.ascontiguousarray(dur_f, np.float64),
                        np.ascontiguousarray(dur_b, np.float64), float(comm),
-                       rows.num_microbatches)
+                       rows.num_microbatches, float(limit))
     if not done:
         raise ValueError("schedule deadlocks")
     return float(span)
