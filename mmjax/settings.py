@@ -26,6 +26,7 @@ from mmjax.data.layout import PACKINGS as _PACKING
 from mmjax.data.synthetic import KINDS as _KINDS
 from mmjax.data.token_distribution import METHODS as _CP_METHODS
 from mmjax.errors import UserError, shown
+from mmjax.values import is_int
 from mmjax.models.attention_names import IMPLEMENTATIONS as _ATTENTION
 from mmjax.planner.hardware import HARDWARE
 from mmjax.planner.layout_choice import LAYOUTS as _AUTO_LAYOUTS
@@ -241,16 +242,12 @@ _WHAT = {"int": "an int", "float": "a number", "bool": "True or False", "str": "
          "range": "a pair (lo, hi) of ints with lo <= hi", "ints3": "three ints"}
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _is_num(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def _num(x) -> str:
-    return f"{x:,}" if _is_int(x) and x >= 10_000 else f"{x:g}"
+    return f"{x:,}" if is_int(x) and x >= 10_000 else f"{x:g}"
 
 
 def _range_text(s: Setting, value=None) -> str:
@@ -278,7 +275,7 @@ def problem(value, s: Setting) -> str | None:
             return f"must be one of {list(s.choices)}" + (" or None" if s.none else "")
         return None
     if k in ("int", "float"):
-        ok = _is_int(value) if k == "int" else (_is_num(value) and math.isfinite(value))
+        ok = is_int(value) if k == "int" else (_is_num(value) and math.isfinite(value))
         if not ok or not _in_range(value, s):
             extra = ", or None" if s.none else ""
             return f"must be {_WHAT[k]} {_range_text(s, value)}{extra}".rstrip()
@@ -311,7 +308,7 @@ def problem(value, s: Setting) -> str | None:
         items = list(value) if isinstance(value, (list, tuple)) else None
         want = {"range": 2, "ints3": 3}.get(k)
         if (not items or (want and len(items) != want)
-                or not all(_is_int(x) and _in_range(x, s) for x in items)
+                or not all(is_int(x) and _in_range(x, s) for x in items)
                 or (k == "range" and items[0] > items[1])):
             return f"must be {_WHAT[k]}, each {_range_text(s)}"
         return None

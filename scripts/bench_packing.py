@@ -223,7 +223,7 @@ def budget_run(mix: str, layout, gb: int, budget: int, args):
     from mmjax.data.records import SyntheticSource
 
     source = SyntheticSource(synthetic_dataset(MODEL, seed=args.seed, **MIXES[mix]))
-    loader = Loader(source, MODEL, Plan.uniform(MODEL, gb, 1), layout, seed=args.seed,
+    loader = Loader.build(source, MODEL, Plan.uniform(MODEL, gb, 1), layout, seed=args.seed,
                     row_budget=budget)
     shapes, tokens, counts = None, [], []
     for _, _, metas in loader.builder.scan(args.steps):

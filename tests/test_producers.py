@@ -18,7 +18,7 @@ STEPS = 8
 
 
 def loader(**kw):
-    return Loader(source(bad=0.2), CFG, plan(), LAYOUT, **KW, **kw)
+    return Loader.build(source(bad=0.2), CFG, plan(), LAYOUT, **KW, **kw)
 
 
 @pytest.fixture(scope="module")

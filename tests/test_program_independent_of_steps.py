@@ -90,7 +90,7 @@ def test_a_plans_feed_floor_does_not_depend_on_the_runs_length():
             cfg, layout, source = _setup(steps, ['manual_plan.dp = {"vision": 2}',
                                                  'manual_plan.pp = {"llm": 2}'])
             plan, cfg = run_plan("manual", cfg, None, {}, 8, None)
-            loader = Loader(source, cfg, plan, layout, num_steps=steps)
+            loader = Loader.build(source, cfg, plan, layout, num_steps=steps)
             floors.append(loader.feed_floor())
             loader.close()
     finally:
