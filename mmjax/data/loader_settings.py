@@ -2,8 +2,9 @@
 step draws and how they are delivered: the sample stream's, data/sample_stream.py) and
 `BalanceSettings` (how a plan spreads them over ranks: the batch planners'). gin stays the
 user's syntax (`Loader.seed = 3`); `loader_settings(**given)` reads the bindings once,
-`given` over them, and splits them. Defaults are the settings table's (mmjax/settings.py),
-which validates gin's bindings; the checks below cover values passed in code.
+`given` over them, and splits them. The settings table (mmjax/settings.py, a layer above)
+validates gin's bindings and states the same defaults (tests/test_resume_schema.py holds
+them equal); the checks below cover values passed in code.
 """
 from __future__ import annotations
 
@@ -15,32 +16,24 @@ import gin
 
 from mmjax.data.batch_plan import NodeWise, post_balance_policies, unit_policies
 from mmjax.errors import UserError
-from mmjax.settings import SETTINGS
-
-_TABLE = SETTINGS["Loader"]
-
-
-def _default(name: str):
-    return _TABLE[name].default
-
 
 @dataclass(frozen=True)
 class StreamSettings:
     """Sample choice (seed, shuffle, reserve, row_budget), its delivery (workers, prefetch,
     producers), the shape scan's length and the bad-data limit (data/loader.py's docstring
     describes each). `num_steps`: the stream's end, set by the program."""
-    seed: int = _default("seed")
-    shuffle: bool = _default("shuffle")
-    reserve: int | None = _default("reserve")
-    row_budget: int | None = _default("row_budget")
-    max_bad_fraction: float = _default("max_bad_fraction")
-    num_workers: int = _default("num_workers")
-    prefetch: int = _default("prefetch")
-    producers: int = _default("producers")
+    seed: int = 0
+    shuffle: bool = True
+    reserve: int | None = None
+    row_budget: int | None = None
+    max_bad_fraction: float = 0.5
+    num_workers: int = 0
+    prefetch: int = 2
+    producers: int = 0
     producer_addresses: tuple = ()
     producer_cpus: tuple = ()
-    producer_timeout: float = _default("producer_timeout")
-    shape_scan_steps: int | None = _default("shape_scan_steps")
+    producer_timeout: float = 300.0
+    shape_scan_steps: int | None = None
     num_steps: int = 1 << 31
 
     def __post_init__(self):
@@ -76,15 +69,15 @@ class BalanceSettings:
     -> policy), `post_balance_policy` (OrchMLLM's algorithm, one or per unit), the node-wise
     rearrangement (`node_wise`), context-parallel sharding (`cp_method`, `cp_block`) and the
     hardware whose cost model times microbatches (DistTrain Algorithm 3)."""
-    balance: str | Mapping = _default("balance")
-    post_balance_policy: str | Mapping = _default("post_balance_policy")
-    ranks_per_node: int = _default("ranks_per_node")
-    node_wise_method: str = _default("node_wise_method")
-    node_wise_time_limit: float = _default("node_wise_time_limit")
-    node_wise_max_milp_ranks: int = _default("node_wise_max_milp_ranks")
-    cp_method: str = _default("cp_method")
-    cp_block: int = _default("cp_block")
-    hardware: str = _default("hardware")
+    balance: str | Mapping = "none"
+    post_balance_policy: str | Mapping = "sum"
+    ranks_per_node: int = 0
+    node_wise_method: str = "auto"
+    node_wise_time_limit: float = 0.2
+    node_wise_max_milp_ranks: int = 32
+    cp_method: str = "lpt"
+    cp_block: int = 128
+    hardware: str = "h100"
 
     def __post_init__(self):
         _ = self.node_wise  # a bad method or time limit fails here
