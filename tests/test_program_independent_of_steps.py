@@ -65,8 +65,8 @@ def test_one_and_four_steps_pad_to_the_same_shapes(single_programs):
     try:
         from mmjax.train.single_data import LoaderBatches
 
-        one = LoaderBatches(source, cfg, layout, 8,
-                            lambda s, m: grow_shapes(s, m, layout), scan_steps=1)
+        one = LoaderBatches.from_gin(source, layout, 8, lambda s, m: grow_shapes(s, m, layout),
+                                     scan_steps=1)
         one.close()
     finally:
         gin.clear_config()

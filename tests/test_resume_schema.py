@@ -121,4 +121,4 @@ def test_the_loader_settings_defaults_are_the_settings_tables():
         for f in dataclasses.fields(cls):
             if f.name in table and table[f.name].kind != "program":
                 want = table[f.name].default
-                assert f.default == (() if want is None and f.default == () else want), f.name
+                assert f.default == want, f.name

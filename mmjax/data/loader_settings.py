@@ -30,8 +30,8 @@ class StreamSettings:
     num_workers: int = 0
     prefetch: int = 2
     producers: int = 0
-    producer_addresses: tuple = ()
-    producer_cpus: tuple = ()
+    producer_addresses: tuple | None = None
+    producer_cpus: tuple | None = None
     producer_timeout: float = 300.0
     shape_scan_steps: int | None = None
     num_steps: int = 1 << 31
@@ -49,7 +49,7 @@ class StreamSettings:
         if self.delivered_by_producers and self.num_workers:
             raise UserError("Loader.num_workers and Loader.producers / producer_addresses are "
                             "both set: producers replace grain workers; keep one")
-        for a in self.producer_addresses:
+        for a in self.producer_addresses or ():
             try:
                 endpoint(a)
             except ValueError as e:
@@ -96,25 +96,29 @@ class BalanceSettings:
         return post_balance_policies(self.post_balance_policy, model)
 
 
-@gin.configurable("Loader")
-def _bound(**given) -> dict:
-    """gin's `Loader.*` bindings (the configurable users write)."""
-    return given
+@dataclass(frozen=True)
+class LoaderSettings(StreamSettings, BalanceSettings):
+    """Both groups' fields as one gin configurable, `Loader` (the name users write)."""
+
+    def __post_init__(self):
+        pass  # each group checks its own fields when `loader_settings` splits them
 
 
+_configured = gin.external_configurable(LoaderSettings, "Loader")
 _STREAM = {f.name for f in dataclasses.fields(StreamSettings)}
 _BALANCE = {f.name for f in dataclasses.fields(BalanceSettings)}
 
 
 def loader_settings(**given) -> tuple[StreamSettings, BalanceSettings]:
     """(stream, balance) settings from gin's `Loader.*` bindings, `given` over them."""
-    kw = {**_bound(), **given}
-    unknown = sorted(set(kw) - _STREAM - _BALANCE)
+    unknown = sorted(set(given) - _STREAM - _BALANCE)
     if unknown:
         raise UserError(f"Loader: no setting {unknown[0]!r} (its settings: "
                         f"{sorted(_STREAM | _BALANCE)})")
+    both = _configured(**given)
+    kw = {f: getattr(both, f) for f in _STREAM | _BALANCE}
     for k in ("producer_addresses", "producer_cpus"):
-        if k in kw:
-            kw[k] = tuple(kw[k] or ())
+        if kw[k] is not None:
+            kw[k] = tuple(kw[k])
     return (StreamSettings(**{k: v for k, v in kw.items() if k in _STREAM}),
             BalanceSettings(**{k: v for k, v in kw.items() if k in _BALANCE}))

@@ -157,7 +157,10 @@ class SampleStream:
         a multiple of `microbatches` of them."""
         gb, mbs, budget = self.global_batch, self.microbatches, self.settings.row_budget
         need = gb if budget is None else mbs
-        idx, specs, reasons, seen = [], [], {}, set()
+        idx: list[int] = []
+        specs: list[Spec] = []
+        reasons: dict[str, int] = {}
+        seen: set[int] = set()
         p0 = self.start(step) if start is None else start
         for drawn, i in enumerate(self._draws(p0)):
             if (len(idx) == gb if budget is None
@@ -267,8 +270,9 @@ class SampleStream:
         st = self.settings
         if st.delivered_by_producers:
             from mmjax.data.producer_pool import ProducerPool
-            return ProducerPool(fn, step, st.num_steps, st.producers, st.producer_addresses,
-                                st.prefetch, st.producer_timeout, st.producer_cpus)
+            return ProducerPool(fn, step, st.num_steps, st.producers,
+                                st.producer_addresses or (), st.prefetch, st.producer_timeout,
+                                st.producer_cpus or ())
         import grain
         ds = grain.MapDataset.range(step, st.num_steps).map(fn)
         it_ds = ds.to_iter_dataset(grain.ReadOptions(

@@ -36,6 +36,7 @@ def dry_run_build(cfg, tok, dirs, plan, global_batch, attention_impl, schedule,
     `chosen`: the Plan `plan` names, already built (`run_plan`'s `chosen`); with a plan,
     `pipeline_schedule` is built over it (a schedule the plan cannot run fails here)."""
     from mmjax.data.batch_check import check_global_batch
+    from mmjax.data.global_batch import GlobalBatchBuilder
     from mmjax.data.loader import Loader
     from mmjax.data.sample_stream import SampleStream
     from mmjax.train.optimizer import optimizer_from_settings
@@ -45,6 +46,7 @@ def dry_run_build(cfg, tok, dirs, plan, global_batch, attention_impl, schedule,
     layout, source = layout_and_source(cfg, tok)
     source = source if source is not None else train_source(cfg)
     memory = None
+    data: GlobalBatchBuilder | SampleStream
     if plan is not None:  # the plan's batch planner over the stream
         the_plan = run_plan(plan, cfg, tok, dirs, global_batch, attention_impl, chosen)[0]
         named_schedule(pipeline_schedule, StageGraph.from_plan(the_plan),
