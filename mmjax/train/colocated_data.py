@@ -5,13 +5,16 @@ The trainer's loader settings reach the co-located layout here: `Loader.balance`
 algorithm: OrchMLLM Algorithms 1, 2, 4, 5; "none": the loaded mini-batches), and
 `Loader.ranks_per_node` (with `node_wise_method` / `_time_limit` / `_max_milp_ranks`) turns
 on the node-wise rearrangement of the LLM's mini-batches (§5.2.2, Algorithm 3). Each global
-batch holds exactly the samples every plan trains at that step (`GlobalBatchBuilder.samples`)
-and is assembled in its per-phase layouts (data/colocated_batch.py); the runner places it
-and the encoder->LLM all-to-all tables (parallel/phase_inputs.py).
+batch holds exactly the samples every plan trains at that step (the run's one
+`SampleStream`, data/sample_stream.py) and is assembled in its per-phase layouts
+(data/colocated_batch.py); the runner places it and the encoder->LLM all-to-all tables
+(parallel/phase_inputs.py). No Loader and no plan: the settings are read once from gin
+(`loader_settings`) and the stream built only when a phase is balanced.
 
 The per-rank shapes of every phase and the exchanges' static capacities (rows per shift of
-the staged exchange, parallel/exchange_stages.py, forward and backward) are scanned from metadata over the run's first global batches up front and only
-grow, so the step compiles once. A setting the co-located layout cannot honour is one
+the staged exchange, parallel/exchange_stages.py, forward and backward) are scanned from
+metadata over the run's first global batches up front and only grow, so the step compiles
+once. A setting the co-located layout cannot honour is one
 `UserError` line before any work.
 """
 from __future__ import annotations

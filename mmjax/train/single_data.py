@@ -1,7 +1,8 @@
-"""The single-program trainer's global batches, drawn by the pipeline path's loader.
+"""The single-program trainer's global batches, drawn from the run's sample stream.
 
-Global batch k holds exactly the samples every plan trains at step k (`Loader`'s seeded
-selection, skips and decode blanks: `GlobalBatchBuilder.samples`), assembled as one batch,
+Global batch k holds exactly the samples every plan trains at step k (the seeded selection,
+skips and decode blanks of `SampleStream.samples`, data/sample_stream.py; no plan),
+assembled as one batch,
 so `train.py` and `train.py --plan=...` give the same loss curve up to float reassociation.
 All `Loader.*` gin settings that choose samples (seed, shuffle, reserve, row_budget) apply
 to both paths; those that place them (balance, workers, node-wise) only change where a plan
