@@ -36,6 +36,7 @@ import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from mmjax.data.batch_plan import NodeWise
 from mmjax.cpu_threads import force_cpu_devices  # noqa: E402
 
 force_cpu_devices(8)
@@ -127,7 +128,7 @@ def part2_traffic(args, console) -> list[dict]:
             lengths, out_rows = _batch(n, args.seed + seed)
             kw = dict(row_bytes={"vision": row_bytes, "audio": row_bytes})
             plain = plan_colocated_layout(lengths, out_rows, d, args.policy, **kw)
-            nw = plan_colocated_layout(lengths, out_rows, d, args.policy, ranks_per_node=rpn,
+            nw = plan_colocated_layout(lengths, out_rows, d, args.policy, node_wise=NodeWise(rpn, "local"),
                                        **kw)
             a, am = _ledger(plain, mesh, nodes, rpn, row_bytes)
             b, bm = _ledger(nw, mesh, nodes, rpn, row_bytes)

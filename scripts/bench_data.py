@@ -304,7 +304,7 @@ def part4_loader(args, console) -> list[dict]:
     rows = []
     for nw in args.loader_workers:
         t = time.perf_counter()
-        ld = Loader(source, cfg, plan, layout, balance="orchmllm", num_workers=nw, prefetch=2,
+        ld = Loader.build(source, cfg, plan, layout, balance="orchmllm", num_workers=nw, prefetch=2,
                     num_steps=2 * args.loader_steps + 1)  # the feeds' shape floor over those
         first = next(ld)
         startup = time.perf_counter() - t

@@ -219,14 +219,13 @@ def budget_run(mix: str, layout, gb: int, budget: int, args):
     """(per step fill at the run's static rows, samples per step, static rows) of the
     loader's global batches 0 .. steps-1 under `Loader.row_budget=budget`."""
     from mmjax.data.batch_shapes import grow_shapes
-    from mmjax.data.loader import Loader
     from mmjax.data.records import SyntheticSource
+    from mmjax.data.sample_stream import SampleStream
 
     source = SyntheticSource(synthetic_dataset(MODEL, seed=args.seed, **MIXES[mix]))
-    loader = Loader(source, MODEL, Plan.uniform(MODEL, gb, 1), layout, seed=args.seed,
-                    row_budget=budget)
+    stream = SampleStream.from_gin(source, layout, gb, seed=args.seed, row_budget=budget)
     shapes, tokens, counts = None, [], []
-    for _, _, metas in loader.builder.scan(args.steps):
+    for _, _, metas in stream.scan(args.steps):
         shapes = grow_shapes(shapes, metas, layout)
         tokens.append(int(metas.llm_length.sum()))
         counts.append(len(metas))

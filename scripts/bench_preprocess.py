@@ -12,7 +12,7 @@ ViT's 384 x 384 (patch 16, 24 x 24 grid). Both columns build the same global bat
 (planning, decoding, resizing, assembly of the pipeline feeds):
 - "in process": the trainer builds each global batch itself (`GlobalBatchBuilder(step)`),
   the time it spends per iteration;
-- "producers": `Loader(producers=P)`, producers pinned to other cores than the trainer (the
+- "producers": `Loader.build(..., producers=P)`, producers pinned to other cores than the trainer (the
   trainer on CPU 0, producers on the rest), trainer's wait in `next(loader)` per iteration
   while it runs a simulated training step (`--step_s`, a sleep: the accelerator's work,
   which holds no CPU). Default step: 1.25 x the in-process time / P, so P producers can keep
@@ -91,7 +91,7 @@ def measure(k: int, res: int, a, root: str) -> dict:
     os.sched_setaffinity(0, {cpus[0]})  # the trainer's core
     others = cpus[1:] or cpus
     kw = dict(shuffle=False, reserve=0, shape_scan_steps=a.iters + 1)
-    ld = Loader(src, cfg, plan, layout, **kw)
+    ld = Loader.build(src, cfg, plan, layout, **kw)
     ld.builder(0)  # warm caches (file system, imports)
     t_in = []
     for step in range(1, a.iters + 1):
@@ -100,7 +100,7 @@ def measure(k: int, res: int, a, root: str) -> dict:
         t_in.append(time.perf_counter() - t)
     in_s = statistics.mean(t_in)
     step_s = a.step_s if a.step_s > 0 else 1.25 * in_s / a.producers
-    pl = Loader(src, cfg, plan, layout, producers=a.producers, producer_cpus=others,
+    pl = Loader.build(src, cfg, plan, layout, producers=a.producers, producer_cpus=others,
                 prefetch=2, **kw)
     t0 = time.perf_counter()
     next(pl)  # start-up: producers start and build their first batches

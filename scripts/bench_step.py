@@ -303,7 +303,7 @@ def cost_fields(args, cfg, layout, data, steps: int, tokens: float, step_s: floa
     the samples the `steps` global batches trained, the planner's predicted step on that
     measured device, and the single-device step model (`planner/step_model.py`) on the
     step's own shapes (`data.shapes`)."""
-    wl = trained_workload(data.builder, cfg, steps)
+    wl = trained_workload(data.stream, cfg, steps)
     hw = hardware_from_profile(profile, args.dtype, call_tokens=tokens)
     impl = None if args.attention == "auto" else args.attention  # None: exact pairs
     recompute = args.remat  # per-layer remat costs what the stage-level policy does
@@ -391,8 +391,8 @@ def recount(path: str) -> dict:
     source = SyntheticSource(synthetic_dataset(cfg, **PRESET_DATA[args.preset]))
     total = args.warmup + args.steps
     with loader_scope(args):
-        data = LoaderBatches(source, cfg, layout, args.global_batch,  # the run's own scan
-                             lambda s, m: grow_shapes(s, m, layout))
+        data = LoaderBatches.from_gin(source, layout, args.global_batch,  # the run's scan
+                                      lambda s, m: grow_shapes(s, m, layout))
     data.shapes = data.floor if data.floor is not None else data.shapes
     record.update(cost_fields(args, cfg, layout, data, total, record["tokens_per_step"],
                               record["step_time_s"], record["trainable_params"],
@@ -418,11 +418,11 @@ def recorded_profile(record: dict) -> dict:
     return {"device": record["device"]}
 
 
-def trained_workload(builder, cfg, steps: int):
+def trained_workload(stream, cfg, steps: int):
     """The workload of the samples the `steps` global batches trained (the loader's own
     selection, after skipping samples longer than the layout's seq_len), so model FLOPs and
     predictions count exactly the tokens the step computed on."""
-    metas = [m for _, _, ms in builder.scan(steps) for m in ms.metas()]
+    metas = [m for _, _, ms in stream.scan(steps) for m in ms.metas()]
     return workload_from_metas("bench batches", metas, cfg)
 
 

@@ -44,7 +44,7 @@ def _configurables() -> dict:
     source of valid values, independent of the settings table)."""
     from mmjax.cli import register_configurables
     from mmjax.data import sources
-    from mmjax.data import loader, records, tokenizer
+    from mmjax.data import loader_settings, records, tokenizer
     from mmjax.train import (auto_plan, config, data_config, lora_setup, optimizer,
                              manual_plan, run_spec, vae_latents)
 
@@ -56,7 +56,7 @@ def _configurables() -> dict:
             "learning_rate_schedule": optimizer.learning_rate_schedule,
             "OptimizerSettings": optimizer.OptimizerSettings, "auto_plan": auto_plan.auto_plan,
             "loader_source": records.loader_source, "tokenizer": tokenizer.tokenizer,
-            "Loader": loader.Loader, "llava_source": sources.llava_source,
+            "Loader": loader_settings.LoaderSettings, "llava_source": sources.llava_source,
             "webdataset_source": sources.webdataset_source, "eval_source": sources.eval_source,
             "manual_plan": manual_plan.manual_plan, "vae": vae_latents.vae,
             "lora": lora_setup.lora}

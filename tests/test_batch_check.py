@@ -7,7 +7,7 @@ import pytest
 
 from mmjax.data.batch_check import check_global_batch
 from mmjax.data.batch_shapes import batch_shapes, grow_shapes
-from mmjax.data.global_batch import GlobalBatchBuilder
+from mmjax.data.loader import Loader
 from mmjax.data.meta_columns import MetaColumns
 from test_data_loader import CFG, LAYOUT, plan, source
 
@@ -31,8 +31,8 @@ class Counting:
 
 def _builder(gb):
     src = Counting(source())
-    return src, GlobalBatchBuilder(src, CFG, plan(gb=gb, mbs=2), LAYOUT,
-                                   {u: "orchmllm" for u in CFG.unit_names}, seed=1)
+    return src, Loader.build(src, CFG, plan(gb=gb, mbs=2), LAYOUT,
+                                   {u: "orchmllm" for u in CFG.unit_names}, seed=1).builder
 
 
 @pytest.mark.parametrize("gb,decode,decoded", [(8, 16, 8), (32, 6, 6)])
@@ -52,7 +52,7 @@ def test_shapes_from_columns_equal_the_object_path():
     """`grow_shapes` of the columns (the shape scan's and the memory check's) equals it of
     the `SampleMeta` objects."""
     _, builder = _builder(32)
-    idx, specs, _ = builder.select(0)
+    idx, specs, _ = builder.stream.select(0)
     metas = MetaColumns.from_specs(idx, specs, LAYOUT.rules)
     assert grow_shapes(None, metas, LAYOUT) == batch_shapes([metas.metas()], LAYOUT)
     floor = grow_shapes(None, metas.metas()[:5], LAYOUT)

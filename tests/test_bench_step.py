@@ -46,8 +46,8 @@ def test_formulas(record):
     cfg = bench.named_model_config("tiny", {"llm.num_layers": 1})
     source = bench.SyntheticSource(bench.synthetic_dataset(cfg))
     layout = bench.data_layout(cfg, seq_len=256, packing="pack")
-    data = LoaderBatches(source, cfg, layout, 8, lambda s, m: grow_shapes(s, m, layout))
-    metas = [m for _, _, ms in data.builder.scan(3) for m in ms.metas()]
+    data = LoaderBatches.from_gin(source, layout, 8, lambda s, m: grow_shapes(s, m, layout))
+    metas = [m for _, _, ms in data.stream.scan(3) for m in ms.metas()]
     assert len(metas) == 3 * 8
     wl = workload_from_metas("bench batches", metas, cfg)
     # priced by the CPU's measured profile (recorded), never by a GPU's spec

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from helpers import global_batch, make_cfg
+from mmjax.data.batch_plan import NodeWise
 from mmjax.data.assemble import assemble, item_rows
 from mmjax.data.batch_shapes import BatchShapes
 from mmjax.data.colocated_batch import phase_batch
@@ -65,10 +66,10 @@ def test_llm_dp4_floors_and_node_wise(data):
     assert pb2.shapes == big
     assert pb2.inputs["tokens"].shape[0] == 4 * big["llm"].rows
     _check(lay, samples, pb2, 4)
-    nw4 = phase_batch(samples, lay, 8, 4, "sum", ranks_per_node=4)
+    nw4 = phase_batch(samples, lay, 8, 4, "sum", node_wise=NodeWise(4))
     assert "skipped" not in nw4.plan.node_wise and "perm" in nw4.plan.node_wise
     _check(lay, samples, nw4, 4)
-    nw = phase_batch(samples, lay, 8, 8, "sum", ranks_per_node=4)
+    nw = phase_batch(samples, lay, 8, 8, "sum", node_wise=NodeWise(4))
     _check(lay, samples, nw, 8)
     assert sorted(nw.plan.phases["llm"].batches) == sorted(
         phase_batch(samples, lay, 8, 8, "sum").plan.phases["llm"].batches)

@@ -94,24 +94,22 @@ def _inter_node_bytes(cfg, rpn: int, tp: int, row_bytes: int) -> list[int]:
     layouts the loader plans (independent of the exchange's tables): forward, every tp
     replica receives the row; backward, one replica returns its gradient."""
     from mmjax.data.colocated_batch import plan_phases
-    from mmjax.data.loader import Loader
-    from mmjax.planner.plan import Plan
+    from mmjax.data.loader_settings import loader_settings
+    from mmjax.data.sample_stream import SampleStream
     from mmjax.train.colocated_data import phase_settings
     from mmjax.train.data_config import layout_and_source, train_source
 
     _parse(COLO + [f"Loader.ranks_per_node = {rpn}"])
     try:
         lay, _ = layout_and_source(cfg, None)
-        loader = Loader(train_source(cfg), cfg, Plan.uniform(cfg, 8, 1), lay)
-        st = phase_settings(loader, cfg, lay, 8, tp)
+        stream_settings, balance = loader_settings()
+        stream = SampleStream(train_source(cfg), lay, 8, stream_settings)
+        st = phase_settings(balance, cfg, lay, 8, tp)
         out = []
         for k in range(STEPS):
-            gs = loader.builder.samples(k)
+            gs = stream.samples(k)
             metas = [lay.rules.meta(s) for s in gs.samples]
-            pp = plan_phases(metas, lay, 8, 8 // tp, st.policies, ranks_per_node=rpn,
-                             node_wise_method=st.node_wise_method,
-                             node_wise_time_limit=st.node_wise_time_limit,
-                             node_wise_max_milp_ranks=st.node_wise_max_milp_ranks)
+            pp = plan_phases(metas, lay, 8, 8 // tp, st.policies, node_wise=st.node_wise)
             assert "perm" in pp.plan.node_wise  # node-wise ran
             llm = {s: r for r, b in enumerate(pp.plan.phases["llm"].batches) for s in b}
             rows = 0
@@ -120,7 +118,6 @@ def _inter_node_bytes(cfg, rpn: int, tp: int, row_bytes: int) -> list[int]:
                     rows += sum(ph.rows[s] for r, b in enumerate(ph.batches) for s in b
                                 if r // rpn != llm[s] * tp // rpn)
             out.append((tp + 1) * rows * row_bytes)
-        loader.close()
     finally:
         gin.clear_config()
     return out
@@ -153,7 +150,7 @@ def _sent_from_caps(cfg, rpn: int, tp: int, global_batch: int = 8) -> int:
     encoder)."""
     from mmjax.parallel.exchange_stages import Topology, caps_bytes
     from mmjax.parallel.fsdp import colocated_mesh
-    from mmjax.train.colocated_data import PhaseBatches
+    from mmjax.train.colocated_data import phase_batches
     from mmjax.train.colocated_plan import Colocation
     from mmjax.train.data_config import layout_and_source, train_source
 
@@ -161,7 +158,7 @@ def _sent_from_caps(cfg, rpn: int, tp: int, global_batch: int = 8) -> int:
     try:
         lay, _ = layout_and_source(cfg, None)
         mesh = colocated_mesh(jax.devices(), Colocation(tp=tp))
-        data = PhaseBatches(train_source(cfg), cfg, lay, global_batch, mesh)  # the run's scan
+        data = phase_batches(train_source(cfg), cfg, lay, global_batch, mesh)  # the run's scan
         caps = data.floor_capacity
         data.close()
     finally:
@@ -195,13 +192,13 @@ def test_node_wise_placement_lowers_the_compiled_inter_node_bytes(tmp_path):
 
 def _check(bindings, units=None):
     from mmjax.train.colocated_data import check_colocated_loader
-    from mmjax.train.data_config import layout_and_source, train_source
+    from mmjax.train.data_config import layout_and_source
 
     cfg = small_tiny()
     _parse(bindings)
     try:
         lay, _ = layout_and_source(cfg, None)
-        return check_colocated_loader(cfg, lay, train_source(cfg), 8, 8, 2)
+        return check_colocated_loader(cfg, lay, 8, 2)
     finally:
         gin.clear_config()
 
@@ -211,7 +208,7 @@ def test_loader_settings_become_per_phase_policies():
                  'Loader.post_balance_policy = {"vision": "conv", "llm": "padded"}',
                  "Loader.ranks_per_node = 4", 'Loader.node_wise_method = "local"'])
     assert st.policies == {"vision": "conv", "llm": "padded"}
-    assert (st.ranks_per_node, st.node_wise_method) == (4, "local") and st.balanced
+    assert (st.ranks_per_node, st.node_wise.method) == (4, "local") and st.balanced
     assert not _check([]).balanced  # every phase "none": the plain batches
     assert _check([]).exchange == "staged"  # "auto" off GPU
     assert _check(['Loader.exchange = "staged"']).exchange == "staged"
@@ -242,7 +239,7 @@ def test_phase_batches_scan_covers_the_run_and_resumes_exactly():
     the run (nothing grows, so nothing compiles after warm-up); `state` / `restore`
     continue with the same batch, bit for bit (host side, nothing compiled)."""
     from mmjax.parallel.fsdp import colocated_mesh
-    from mmjax.train.colocated_data import PhaseBatches
+    from mmjax.train.colocated_data import phase_batches
     from mmjax.train.colocated_plan import Colocation
     from mmjax.train.data_config import layout_and_source, train_source
 
@@ -252,7 +249,7 @@ def test_phase_batches_scan_covers_the_run_and_resumes_exactly():
     try:
         lay, _ = layout_and_source(cfg, None)
         mesh = colocated_mesh(jax.devices(), Colocation(tp=2))
-        data = PhaseBatches(train_source(cfg), cfg, lay, 8, mesh, scan_steps=3)
+        data = phase_batches(train_source(cfg), cfg, lay, 8, mesh, scan_steps=3)
         floor, cap = data.floor, data.floor_capacity
         got = [next(data)[0] for _ in range(3)]
         assert data.shapes == floor and data.capacity == cap

@@ -11,7 +11,7 @@ import pytest
 
 from mmjax.data.layout import AssemblyLayout
 from mmjax.data.example_data import write_llava_example
-from mmjax.data.global_batch import GlobalBatchBuilder
+from mmjax.data.loader import Loader
 from mmjax.data.batch_plan import unit_policies
 from mmjax.data.sources import default_processors
 from mmjax.data.sources.llava import LlavaSource
@@ -38,8 +38,8 @@ def setup(tmp_path_factory):
     img, aud = default_processors(cfg, None, None)
     src = LlavaSource(info["json"], tok, img, aud, info["image_root"], index_workers=2)
     plan = Plan.uniform(cfg, 8, 2, dp={"vision": 2, "llm": 2}, pp={"llm": 2})
-    idx = GlobalBatchBuilder(src, cfg, plan, lay, unit_policies("none", cfg), seed=1,
-                             reserve=8).select(STEP)[0]
+    idx = Loader.build(src, cfg, plan, lay, unit_policies("none", cfg), seed=1,
+                             reserve=8).stream.select(STEP)[0]
     samples = [src.load(i) for i in idx]
     ref_loss, ref_grads = reference(cfg, lay, samples)
     return cfg, lay, src, plan, idx, samples, ref_loss, ref_grads
@@ -58,8 +58,8 @@ def test_the_batch_is_mixed(setup):
 @pytest.mark.parametrize("balance", ["orchmllm", "disttrain"])
 def test_llava_plans_on_the_runtime_match_the_reference(setup, balance):
     cfg, lay, src, plan, idx, samples, ref_loss, ref_grads = setup
-    builder = GlobalBatchBuilder(src, cfg, plan, lay, unit_policies(balance, cfg), seed=1,
-                                 reserve=8, cp_block=16)
+    builder = Loader.build(src, cfg, plan, lay, unit_policies(balance, cfg), seed=1,
+                                 reserve=8, cp_block=16).builder
     gb = builder(STEP)
     assert gb.sample_ids == idx and gb.decode_failures == 0
     mps = [mb.plan for mb in gb.microbatches]

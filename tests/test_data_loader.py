@@ -8,7 +8,6 @@ from mmjax.data.layout import AssemblyLayout, check_shapes
 from mmjax.data.assemble import assemble, item_rows, projected_size
 from mmjax.data.balance import compose_rearrangement
 from mmjax.data.records import ArrayRecordSource, SyntheticSource, write_dataset
-from mmjax.data.global_batch import GlobalBatchBuilder
 from mmjax.data.loader import Loader
 from mmjax.data.batch_plan import microbatch_costs, rank_times
 from mmjax.data.reorder import inter_reorder
@@ -73,31 +72,31 @@ def digest(gb) -> str:
 
 def test_resume_after_k_steps_is_exact():
     kw = dict(balance="orchmllm", seed=3, reserve=8, shape_scan_steps=SCAN)
-    a = Loader(source(bad=0.2), CFG, plan(), LAYOUT, **kw)
+    a = Loader.build(source(bad=0.2), CFG, plan(), LAYOUT, **kw)
     first = [digest(next(a)) for _ in range(3)]
     state = a.get_state()
     after_a = [next(a) for _ in range(3)]
     rest = [digest(x) for x in after_a]
-    b = Loader(source(bad=0.2), CFG, plan(), LAYOUT, **kw)
+    b = Loader.build(source(bad=0.2), CFG, plan(), LAYOUT, **kw)
     b.set_state(state)
     after_b = [next(b) for _ in range(3)]
     assert [digest(x) for x in after_b] == rest
     # the run's running skip total is the loop's (train/loop.py): the batches' own counts
     assert [x.skipped_samples for x in after_b] == [x.skipped_samples for x in after_a]
-    fresh = Loader(source(bad=0.2), CFG, plan(), LAYOUT, **kw)
+    fresh = Loader.build(source(bad=0.2), CFG, plan(), LAYOUT, **kw)
     assert [digest(next(fresh)) for _ in range(3)] == first
     assert len(set(first + rest)) == 6
 
 
 def test_skipped_samples_counted_exactly():
     src = source(bad=0.3)
-    ld = Loader(src, CFG, plan(), LAYOUT, seed=1, reserve=8, shape_scan_steps=SCAN)
+    ld = Loader.build(src, CFG, plan(), LAYOUT, seed=1, reserve=8, shape_scan_steps=SCAN)
     builder = ld.builder
     total = 0
     for step in range(4):
         gb = next(ld)
         want, good = 0, []
-        for i in builder.candidates(step):
+        for i in builder.stream.candidates(step):
             if len(good) == 8:
                 break
             if check_shapes(src.spec(i), LAYOUT):
@@ -113,8 +112,8 @@ def test_a_short_window_draws_replacements_the_same_way_on_every_restart():
     """90% bad samples and no reserve: the window runs short, replacements come from the
     second seeded stream (was: "raise reserve", again on every restart); a fresh builder
     (a restart) draws the very same; a batch never holds a sample twice."""
-    make = lambda: GlobalBatchBuilder(source(bad=0.9), CFG, plan(), LAYOUT,
-                                      {u: "none" for u in CFG.unit_names}, reserve=0)
+    make = lambda: Loader.build(source(bad=0.9), CFG, plan(), LAYOUT,
+                                      {u: "none" for u in CFG.unit_names}, reserve=0).builder
     a, b = make(), make()
     for step in range(3):
         ga, gb = a(step), b(step)
@@ -124,8 +123,8 @@ def test_a_short_window_draws_replacements_the_same_way_on_every_restart():
 
 
 def test_a_data_set_without_enough_usable_samples_is_one_line():
-    builder = GlobalBatchBuilder(source(bad=0.999), CFG, plan(), LAYOUT,
-                                 {u: "none" for u in CFG.unit_names}, reserve=0)
+    builder = Loader.build(source(bad=0.999), CFG, plan(), LAYOUT,
+                                 {u: "none" for u in CFG.unit_names}, reserve=0).builder
     with pytest.raises(UserError, match=r"global batch 0: only \d of \d+ samples drawn are "
                                          r"usable .*data set of 500\); see skipped.jsonl"):
         builder(0)
@@ -136,9 +135,9 @@ def test_plans_are_partitions_and_hosts_agree(policy):
     pol = {u: policy for u in CFG.unit_names}
     p = plan(gb=12, mbs=2, dp={"vision": 2, "audio": 2, "llm": 2, "generator": 2})
     step = 7  # here the unreordered second microbatch has fewer image tokens
-    one = GlobalBatchBuilder(source(), CFG, p, LAYOUT, pol, seed=5)(step)
-    builders = [GlobalBatchBuilder(source(), CFG, p, LAYOUT, pol, seed=5, host_id=h,
-                                   num_hosts=2) for h in range(2)]
+    one = Loader.build(source(), CFG, p, LAYOUT, pol, seed=5).builder(step)
+    builders = [Loader.build(source(), CFG, p, LAYOUT, pol, seed=5, host_id=h,
+                                   num_hosts=2).builder for h in range(2)]
     hosts = [b(step) for b in builders]
     for unit in CFG.unit_names:  # each host materialises its own share of every unit
         r0, r1 = (set(b.owned[unit]) for b in builders)
@@ -177,12 +176,12 @@ def test_disttrain_microbatch_order_is_algorithm_3_on_the_cost_model():
     cfg = with_overrides(CFG, {"llm.num_layers": 2, "encoders.audio.encoder.num_layers": 2})
     p = Plan.uniform(cfg, 16, 4, dp={"vision": 2, "audio": 1, "llm": 2, "generator": 2},
                      pp={"llm": 2, "audio": 2})
-    builder = GlobalBatchBuilder(source(), cfg, p, LAYOUT, {u: "disttrain" for u in cfg.unit_names},
-                                 seed=5)
+    builder = Loader.build(source(), cfg, p, LAYOUT, {u: "disttrain" for u in cfg.unit_names},
+                                 seed=5).builder
     reordered = 0
     for step in range(6):
         gb = builder(step)
-        metas = [LAYOUT.rules.meta_from_shapes(i, builder.source.spec(i)) for i in gb.sample_ids]
+        metas = [LAYOUT.rules.meta_from_shapes(i, builder.stream.source.spec(i)) for i in gb.sample_ids]
         run = [mb.plan.positions[0] // 4 for mb in gb.microbatches]  # original index, as run
         ranks = [gb.microbatches[run.index(j)].plan.ranks for j in range(4)]
         costs, stages = microbatch_costs(metas, cfg, p, ranks, cond_tokens=2)
@@ -261,7 +260,7 @@ def test_routes_deliver_encoder_outputs_to_llm_gather(policy):
     # "rows": the LLM's whole packed rows dealt to its ranks (row_deal.py), the rest orchmllm
     pols = {u: policy if policy != "rows" or u == "llm" else "orchmllm"
             for u in CFG.unit_names}
-    gb = GlobalBatchBuilder(src, CFG, p, LAYOUT, pols, seed=2)(1)
+    gb = Loader.build(src, CFG, p, LAYOUT, pols, seed=2).builder(1)
     metas = [LAYOUT.rules.meta(src.load(i)) for i in gb.sample_ids]
     checked = 0
     for mb in gb.microbatches:
@@ -296,8 +295,8 @@ def test_orchmllm_balances_each_phase():
     src = source()
 
     def imbalance(policy):
-        b = GlobalBatchBuilder(src, CFG, p, LAYOUT, {u: policy for u in CFG.unit_names}, seed=9)
-        idx, specs, _ = b.select(0)
+        b = Loader.build(src, CFG, p, LAYOUT, {u: policy for u in CFG.unit_names}, seed=9).builder
+        idx, specs, _ = b.stream.select(0)
         metas = [LAYOUT.rules.meta_from_shapes(i, s) for i, s in zip(idx, specs)]
         from mmjax.data.batch_plan import plan_global_batch
         mp = plan_global_batch(metas, CFG, p, LAYOUT, b.policies)[0]
@@ -326,7 +325,7 @@ def test_arrayrecord_source_roundtrip_and_decode_failures(tmp_path):
     for a, b in zip(s.segments, ref.segments):
         tol = 1 / 255 if a.modality == "image" else 0
         np.testing.assert_allclose(a.data, b.data, atol=tol)
-    ld = Loader(rec, CFG, plan(gb=8, mbs=1), LAYOUT, shuffle=False, reserve=2,
+    ld = Loader.build(rec, CFG, plan(gb=8, mbs=1), LAYOUT, shuffle=False, reserve=2,
                 shape_scan_steps=SCAN)
     gb = next(ld)
     failed = corrupt & set(gb.sample_ids)
@@ -342,15 +341,15 @@ def test_arrayrecord_source_roundtrip_and_decode_failures(tmp_path):
 
 @pytest.mark.slow
 def test_worker_processes_give_the_same_batches():
-    ref = Loader(source(bad=0.1), CFG, plan(), LAYOUT, balance="orchmllm", seed=4, reserve=6,
+    ref = Loader.build(source(bad=0.1), CFG, plan(), LAYOUT, balance="orchmllm", seed=4, reserve=6,
                  shape_scan_steps=SCAN)
     want = [digest(next(ref)) for _ in range(3)]
-    mp = Loader(source(bad=0.1), CFG, plan(), LAYOUT, balance="orchmllm", seed=4, reserve=6,
+    mp = Loader.build(source(bad=0.1), CFG, plan(), LAYOUT, balance="orchmllm", seed=4, reserve=6,
                 num_workers=2, prefetch=2, shape_scan_steps=SCAN)
     got = [digest(next(mp)) for _ in range(2)]
     state = mp.get_state()
     assert got == want[:2]
-    again = Loader(source(bad=0.1), CFG, plan(), LAYOUT, balance="orchmllm", seed=4, reserve=6,
+    again = Loader.build(source(bad=0.1), CFG, plan(), LAYOUT, balance="orchmllm", seed=4, reserve=6,
                    num_workers=1, shape_scan_steps=SCAN)
     again.set_state(state)
     assert digest(next(again)) == want[2]
@@ -397,8 +396,8 @@ def test_post_balance_policy_per_phase():
 
     p = plan(gb=24, mbs=1, dp={"vision": 4, "audio": 2, "llm": 4, "generator": 4})
     pol = {u: "orchmllm" for u in CFG.unit_names}
-    b = GlobalBatchBuilder(source(), CFG, p, LAYOUT, pol, seed=3)
-    idx, specs, _ = b.select(0)
+    b = Loader.build(source(), CFG, p, LAYOUT, pol, seed=3).builder
+    idx, specs, _ = b.stream.select(0)
     metas = [LAYOUT.rules.meta_from_shapes(i, s) for i, s in zip(idx, specs)]
     algos = {"vision": "padded", "llm": "sum_square", "audio": "conv"}
     ranks = plan_global_batch(metas, CFG, p, LAYOUT, pol, algos)[0].ranks
@@ -410,13 +409,13 @@ def test_post_balance_policy_per_phase():
         changed += want != post_balance(costs, p.unit(unit).dp, "sum")
     assert changed >= 2  # the per-phase choice matters on this batch
     assert ranks["generator"] == ranks["llm"]  # same dp: follows the LLM
-    ld = Loader(source(), CFG, p, LAYOUT, balance="orchmllm", post_balance_policy={"llm": "padded"})
+    ld = Loader.build(source(), CFG, p, LAYOUT, balance="orchmllm", post_balance_policy={"llm": "padded"})
     assert ld.builder.algo == {"vision": "sum", "audio": "sum", "llm": "padded", "generator": "sum"}
     ld.close()
     with pytest.raises(UserError, match=r"Loader.post_balance_policy\['llm'\]='pad'.*sum_square"):
-        Loader(source(), CFG, p, LAYOUT, post_balance_policy={"llm": "pad"})
+        Loader.build(source(), CFG, p, LAYOUT, post_balance_policy={"llm": "pad"})
     with pytest.raises(UserError, match=r"Loader.post_balance_policy: unknown units \['text'\]"):
-        Loader(source(), CFG, p, LAYOUT, post_balance_policy={"text": "sum"})
+        Loader.build(source(), CFG, p, LAYOUT, post_balance_policy={"text": "sum"})
 
 
 def test_node_wise_method_auto_uses_the_milp():
@@ -435,9 +434,9 @@ def test_node_wise_method_auto_uses_the_milp():
         for step in (0, 3):
             vols = {}
             for method in ("auto", "greedy"):
-                b = GlobalBatchBuilder(source(), CFG, p, LAYOUT, pol, seed=seed,
-                                       node_wise=NodeWise(2, method, time_limit=5.0))
-                idx, specs, _ = b.select(step)
+                b = Loader.build(source(), CFG, p, LAYOUT, pol, seed=seed, ranks_per_node=2,
+                                 node_wise_method=method, node_wise_time_limit=5.0).builder
+                idx, specs, _ = b.stream.select(step)
                 metas = [LAYOUT.rules.meta_from_shapes(i, s) for i, s in zip(idx, specs)]
                 ranks = b(step).microbatches[0].plan.ranks["llm"]
                 dst = np.empty(24, np.int64)
@@ -449,11 +448,11 @@ def test_node_wise_method_auto_uses_the_milp():
             better += vols["auto"] < vols["greedy"]
     assert better >= 1
     with pytest.raises(UserError, match="Loader.node_wise_method='ilp'"):
-        Loader(source(), CFG, p, LAYOUT, ranks_per_node=2, node_wise_method="ilp")
+        Loader.build(source(), CFG, p, LAYOUT, ranks_per_node=2, node_wise_method="ilp")
     with gin.unlock_config():
         gin.parse_config("Loader.node_wise_method = 'greedy'\nLoader.node_wise_time_limit = 0.05")
     try:
-        ld = Loader(source(), CFG, p, LAYOUT, ranks_per_node=2)
+        ld = Loader.build(source(), CFG, p, LAYOUT, ranks_per_node=2)
         assert ld.builder.node_wise == NodeWise(2, "greedy", 0.05, 32)
         ld.close()
     finally:
@@ -462,22 +461,22 @@ def test_node_wise_method_auto_uses_the_milp():
 
 def test_prefetch_below_two_and_bad_sources_are_rejected(tmp_path):
     with pytest.raises(UserError, match=r"Loader.prefetch=1: use >= 2"):
-        Loader(source(), CFG, plan(), LAYOUT, prefetch=1)
+        Loader.build(source(), CFG, plan(), LAYOUT, prefetch=1)
     with pytest.raises(UserError, match="make_dataset.py --out="):
-        Loader(str(tmp_path / "missing.arrayrecord"), CFG, plan(), LAYOUT)
+        Loader.build(str(tmp_path / "missing.arrayrecord"), CFG, plan(), LAYOUT)
     path = str(tmp_path / "p4.arrayrecord")
     write_dataset(path, [source().dataset[i] for i in range(4)], patch_size=4, max_grid=8)
     with pytest.raises(UserError, match="--patch_size=2"):
-        Loader(path, CFG, plan(), LAYOUT)
+        Loader.build(path, CFG, plan(), LAYOUT)
 
 
 def test_a_loader_state_of_an_older_checkpoint_restores():
     """Older checkpoints stored the loader's own skip total; it is ignored (the run's total
     is the trainer's) and the stream resumes at the stored step."""
-    a = Loader(source(bad=0.3), CFG, plan(), LAYOUT, seed=1, shape_scan_steps=SCAN)
+    a = Loader.build(source(bad=0.3), CFG, plan(), LAYOUT, seed=1, shape_scan_steps=SCAN)
     want = [digest(next(a)) for _ in range(3)]
     a.close()
-    b = Loader(source(bad=0.3), CFG, plan(), LAYOUT, seed=1, shape_scan_steps=SCAN)
+    b = Loader.build(source(bad=0.3), CFG, plan(), LAYOUT, seed=1, shape_scan_steps=SCAN)
     b.set_state({"step": 2, "skipped_samples": 5})
     # a state without a sample (positions stored in batches): step 2's window of a fresh
     # run, W = 8 + reserve max(2, 8 // 4) = 10; the state it writes counts in samples

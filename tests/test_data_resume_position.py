@@ -14,7 +14,7 @@ OLD, NEW = dict(gb=4, reserve=2), dict(gb=8, reserve=1)
 
 
 def _loader(gb, reserve, bad=0.2, layout=LAYOUT):
-    return Loader(source(bad=bad), CFG, plan(gb=gb), layout, seed=4, reserve=reserve,
+    return Loader.build(source(bad=bad), CFG, plan(gb=gb), layout, seed=4, reserve=reserve,
                   shape_scan_steps=SCAN, balance="orchmllm")
 
 
@@ -32,9 +32,9 @@ def test_a_larger_global_batch_resumes_at_the_stored_sample():
                                "seq_len": 192}
     # the candidates of all six batches are the stream's first 18 + 27 positions, in order,
     # each once: nothing read twice, nothing skipped
-    windows = [old.builder.candidates(s) for s in range(3)] + \
-              [new.builder.candidates(s) for s in range(3, 6)]
-    stream = [new.builder._index(p) for p in range(18 + 27)]
+    windows = [old.stream.candidates(s) for s in range(3)] + \
+              [new.stream.candidates(s) for s in range(3, 6)]
+    stream = [new.stream._index(p) for p in range(18 + 27)]
     assert [i for w in windows for i in w] == stream
     # bit for bit the batches an uninterrupted run at batch 8 draws from sample 18 on
     straight = _loader(**NEW)
@@ -59,11 +59,11 @@ def test_a_smaller_global_batch_resumes_mid_window():
     small = _loader(**OLD, bad=0.0)
     small.set_state(state)
     got = [next(small) for _ in range(2)]
-    assert [small.builder.start(s) for s in (2, 3)] == [18, 24]
+    assert [small.stream.start(s) for s in (2, 3)] == [18, 24]
     for g in got:
-        assert small.builder.candidates(g.step) == [
-            small.builder._index(p) for p in range(small.builder.start(g.step),
-                                                   small.builder.start(g.step) + 6)]
+        assert small.stream.candidates(g.step) == [
+            small.stream._index(p) for p in range(small.stream.start(g.step),
+                                                   small.stream.start(g.step) + 6)]
     assert small.get_state()["sample"] == 30
     small.close()
 
@@ -99,7 +99,7 @@ def test_a_changed_sequence_length_keeps_the_position_and_is_named():
     b = _loader(**OLD, layout=short)
     b.set_state(state)
     g = next(b)
-    assert b.builder.start(g.step) == 12
+    assert b.stream.start(g.step) == 12
     assert b.get_state() == {"step": 3, "sample": 18, "global_batch": 4, "seq_len": 160}
     b.close()
     assert resume_notice(state, 2, 4, 160) == (

@@ -10,7 +10,7 @@ on the balancing policy); tolerances and the gradient check are test_runtime_par
 import pytest
 
 from mmjax.data.layout import AssemblyLayout
-from mmjax.data.global_batch import GlobalBatchBuilder
+from mmjax.data.loader import Loader
 from mmjax.data.records import SyntheticSource
 from mmjax.data.batch_plan import unit_policies
 from mmjax.data.synthetic import SyntheticConfig, SyntheticDataset
@@ -33,8 +33,8 @@ def setup():
     src = SyntheticSource(SyntheticDataset("laion", SyntheticConfig.for_model(
         cfg, gen_fraction=0.5, frames_median=60.0), seed=3, size=200))
     plan = Plan.uniform(cfg, 12, 3, dp={"vision": 2, "llm": 2, "generator": 1}, pp={"llm": 2})
-    idx = GlobalBatchBuilder(src, cfg, plan, lay, unit_policies("none", cfg), seed=1,
-                             reserve=8).select(STEP)[0]
+    idx = Loader.build(src, cfg, plan, lay, unit_policies("none", cfg), seed=1,
+                             reserve=8).stream.select(STEP)[0]
     ref_loss, ref_grads = reference(cfg, lay, [src.load(i) for i in idx])
     return cfg, lay, src, plan, idx, ref_loss, ref_grads
 
@@ -44,8 +44,8 @@ def builders(setup):
     """Each policy's feed builder, padding to one shape floor (the union of both policies'
     scanned floors, as the loader pads a run's feeds): the stage programs compile once."""
     cfg, lay, src, plan = setup[:4]
-    out = {b: GlobalBatchBuilder(src, cfg, plan, lay, unit_policies(b, cfg), seed=1,
-                                 reserve=8, cp_block=16)
+    out = {b: Loader.build(src, cfg, plan, lay, unit_policies(b, cfg), seed=1,
+                                 reserve=8, cp_block=16).builder
            for b in ("orchmllm", "disttrain")}
     floor = None
     for b in out.values():
@@ -94,8 +94,8 @@ def test_feeds_padded_to_the_scanned_floor_keep_parity(setup):
     """Feeds padded to the shape floor of the first steps (Loader.shape_scan_steps): more
     rows, buffers and part slots, all empty, and the same loss and gradients."""
     cfg, lay, src, plan, idx, ref_loss, ref_grads = setup
-    builder = GlobalBatchBuilder(src, cfg, plan, lay, unit_policies("orchmllm", cfg), seed=1,
-                                 reserve=8, cp_block=16)
+    builder = Loader.build(src, cfg, plan, lay, unit_policies("orchmllm", cfg), seed=1,
+                                 reserve=8, cp_block=16).builder
     own = [mb.feed.shapes for mb in builder(STEP).microbatches]
     builder.floor = builder.scan_floor(STEP + 4)
     feeds = [mb.feed for mb in builder(STEP).microbatches]

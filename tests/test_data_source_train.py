@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 from mmjax.data.records import ArrayRecordSource, DecodeError
-from mmjax.data.global_batch import GlobalBatchBuilder
 from mmjax.data.loader import Loader  # noqa: F401 (gin: the `Loader.*` bindings below)
 from mmjax.data.batch_plan import unit_policies
 from mmjax.errors import UserError
@@ -38,11 +37,11 @@ def test_pipelined_training_from_make_dataset_arrayrecord(tmp_path):
                                   "generator.num_layers": 1})
     plan_path = str(tmp_path / "plan.json")
     Plan.uniform(cfg, 4, 2, dp={"vision": 2}, pp={"llm": 2}).save(plan_path)
-    builder = GlobalBatchBuilder(src, cfg, Plan.load(plan_path), data_layout(cfg),
-                                 unit_policies("orchmllm", cfg), reserve=8)
+    builder = Loader.build(src, cfg, Plan.load(plan_path), data_layout(cfg),
+                                 unit_policies("orchmllm", cfg), reserve=8).builder
     # flip 16 bytes inside the chunks of two intact records the run will read: their
     # Riegeli chunk checksums fail (a RuntimeError from the reader)
-    intact = [i for step in range(2) for i in builder.select(step)[0] if _decodes(src, i)]
+    intact = [i for step in range(2) for i in builder.stream.select(step)[0] if _decodes(src, i)]
     flipped = intact[:1] + intact[-1:]
     raw = bytearray(open(data, "rb").read())
     for i in flipped:
@@ -66,8 +65,8 @@ def test_pipelined_training_from_make_dataset_arrayrecord(tmp_path):
     assert all(np.isfinite(r["loss"]) and r["loss"] > 0 for r in recs)
     # exactly the file's skips: bad shapes, and truncated records (blanked, counted) that
     # the synthetic fallback does not have
-    builder = GlobalBatchBuilder(src, cfg, Plan.load(plan_path), data_layout(cfg),
-                                 unit_policies("orchmllm", cfg), reserve=8)
+    builder = Loader.build(src, cfg, Plan.load(plan_path), data_layout(cfg),
+                                 unit_policies("orchmllm", cfg), reserve=8).builder
     gbs = [builder(step) for step in range(2)]
     undecodable = [i for g in gbs for i in g.sample_ids if not _decodes(src, i)]
     assert set(flipped) < set(undecodable)

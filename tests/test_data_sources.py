@@ -272,10 +272,10 @@ def test_undecodable_audio_is_skipped_counted_and_named(example, tmp_path):
     cfg = MODEL.replace(llm=MODEL.llm.__class__(**{**MODEL.llm.__dict__, "vocab_size": vocab}))
     layout = AssemblyLayout.from_config(cfg, 256, vision_caps=(64, 128, 256),
                                         special=example["tok"].special_tokens())
-    loader = Loader(src, cfg, Plan.uniform(cfg, 3, 1), layout, shuffle=False, reserve=0)
+    loader = Loader.build(src, cfg, Plan.uniform(cfg, 3, 1), layout, shuffle=False, reserve=0)
     rows, trained = {}, []
     for step in range(2):  # 6 draws: every line, the bad ones replaced from the 2nd stream
-        gs = loader.builder.samples(step)
+        gs = loader.stream.samples(step)
         rows.update({n: (why, where) for n, why, where in gs.skipped})
         trained += [i for i in gs.sample_ids if i not in gs.failed]
         assert gs.skipped_samples == len(gs.skipped)

@@ -86,7 +86,7 @@ def test_records_with_output_images_need_a_vae(data):
 @pytest.mark.parametrize("placement", ["host"])  # "device" (the VAE unit): test_vae_unit.py
 def test_generator_loss_single_program_equals_pipelined(data, placement):
     from mmjax.data.batch_plan import unit_policies
-    from mmjax.data.global_batch import GlobalBatchBuilder
+    from mmjax.data.loader import Loader
     from mmjax.pipeline.runtime import PipelineRuntime
     from mmjax.planner.plan import Plan
 
@@ -96,8 +96,8 @@ def test_generator_loss_single_program_equals_pipelined(data, placement):
     src = source(data, placement)
     plan = Plan.uniform(cfg, 4, 2, dp={"vision": 1, "llm": 2, "generator": 2},
                         pp={"llm": 2})
-    builder = GlobalBatchBuilder(src, cfg, plan, lay, unit_policies("none", cfg), seed=0,
-                                 reserve=2)
+    builder = Loader.build(src, cfg, plan, lay, unit_policies("none", cfg), seed=0,
+                                 reserve=2).builder
     gb = builder(0)
     samples = [src.load(i) for i in gb.sample_ids]
     assert sum(seg.modality == "image_out" for x in samples for seg in x.segments) == 4

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from mmjax.data.feed import gen_elements_per_image
-from mmjax.data.global_batch import GlobalBatchBuilder, host_devices, owned_ranks
+from mmjax.data.global_batch import host_devices, owned_ranks
+from mmjax.data.loader import Loader
 from mmjax.data.records import DecodeError
 from mmjax.data.sample import Sample
 from mmjax.train.host_failures import agree_on_failures
@@ -65,8 +66,8 @@ def unit_arrays(feed, unit):
 
 def build(p, bad, local):
     src = CountingSource(source(), bad)
-    gb = GlobalBatchBuilder(src, CFG, p, LAYOUT, POL, seed=5,
-                            local_devices=local)(STEP)
+    gb = Loader.build(src, CFG, p, LAYOUT, POL, seed=5,
+                            local_devices=local).builder(STEP)
     return gb, src
 
 

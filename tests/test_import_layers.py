@@ -15,8 +15,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 # the trainer; the command line and the launcher sit on top.
 LAYERS = (
     ("",),                    # mmjax/__init__.py: the version, no imports
-    ("errors", "host_info", "cpu_threads"),  # leaves: the user-error type, the machine's
-    #                                        description, XLA:CPU's pool size
+    ("errors", "host_info", "cpu_threads", "values"),  # leaves: the user-error type, the
+    #                   machine's description, XLA:CPU's pool size, plain-value predicates
     ("models",),              # pure Flax NNX modules, configs, unit roles
     ("schedule",),            # pipeline schedules as data (no JAX)
     ("planner",),             # cost model, orchestration, Plan
@@ -141,7 +141,7 @@ def test_the_check_sees_a_circle():
                                              ("mmjax.models.llm", "models"),
                                              ("mmjax.schedule.schedule", "schedule"),
                                              ("mmjax.planner.plan", "planner"),
-                                             ("mmjax.errors", "errors/host_info/cpu_threads"),
+                                             ("mmjax.errors", "errors/host_info/cpu_threads/values"),
                                              ("mmjax.cli", "launch/cli"),
                                              ("mmjax.train.trainer", "train/settings")])
 def test_layer_assignment(module, expected):

@@ -57,7 +57,8 @@ def test_the_example_needs_the_whole_runs_floor():
     """The same run's first 16 global batches (the old scan) miss shapes that later ones
     need (step 18 recompiled); the default floor (`SHAPE_SCAN_STEPS` batches, whatever the
     run's length) covers every batch of the 30."""
-    from mmjax.data.loader import SHAPE_SCAN_STEPS, Loader
+    from mmjax.data.loader import Loader
+    from mmjax.data.sample_stream import SHAPE_SCAN_STEPS
     from mmjax.train.data_config import data_layout, train_source
     from mmjax.train.manual_plan import manual_plan
     from mmjax.train.config import named_model_config
@@ -66,9 +67,9 @@ def test_the_example_needs_the_whole_runs_floor():
     try:
         cfg = named_model_config()
         plan = manual_plan(global_batch=8, model=cfg).chosen
-        loader = Loader(train_source(cfg), cfg, plan, data_layout(cfg),
+        loader = Loader.build(train_source(cfg), cfg, plan, data_layout(cfg),
                         num_steps=30)
-        assert loader.shape_scan_steps == SHAPE_SCAN_STEPS >= 30  # not the run's length
+        assert loader.stream.scan_steps == SHAPE_SCAN_STEPS >= 30  # not the run's length
         b = loader.builder
         whole = loader.feed_floor()
         first16 = b.scan_floor(16)

@@ -18,7 +18,7 @@ STEPS = 8
 
 
 def loader(**kw):
-    return Loader(source(bad=0.2), CFG, plan(), LAYOUT, **KW, **kw)
+    return Loader.build(source(bad=0.2), CFG, plan(), LAYOUT, **KW, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +120,7 @@ def test_single_program_batches_with_a_producer():
             for k, v in {"reserve": 8, "seed": 3, **kw}.items():
                 gin.bind_parameter(f"Loader.{k}", v)
         try:
-            lb = LoaderBatches(source(bad=0.2), CFG, LAYOUT, 8, grow)
+            lb = LoaderBatches.from_gin(source(bad=0.2), LAYOUT, 8, grow)
             out = [next(lb)[0] for _ in range(3)]
             lb.close()
             return out

@@ -65,8 +65,8 @@ def test_one_and_four_steps_pad_to_the_same_shapes(single_programs):
     try:
         from mmjax.train.single_data import LoaderBatches
 
-        one = LoaderBatches(source, cfg, layout, 8,
-                            lambda s, m: grow_shapes(s, m, layout), scan_steps=1)
+        one = LoaderBatches.from_gin(source, layout, 8, lambda s, m: grow_shapes(s, m, layout),
+                                     scan_steps=1)
         one.close()
     finally:
         gin.clear_config()
@@ -92,7 +92,7 @@ def test_a_plans_feed_floor_does_not_depend_on_the_runs_length():
                                                  'manual_plan.pp = {"llm": 2}'])
             plan, cfg = run_plan("manual", cfg, None, {}, 8, None,
                                  manual_plan(global_batch=8, model=cfg).chosen)
-            loader = Loader(source, cfg, plan, layout, num_steps=steps)
+            loader = Loader.build(source, cfg, plan, layout, num_steps=steps)
             floors.append(loader.feed_floor())
             loader.close()
     finally:

@@ -9,6 +9,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from mmjax.data.batch_plan import NodeWise
 from mmjax.data.balance import post_balance
 from mmjax.data.colocated_layout import original_batches, plan_colocated_layout
 from mmjax.parallel import rearrange as R
@@ -142,7 +143,7 @@ def test_node_wise_with_a_tp_encoder(mesh4x2):
     for k, seed in enumerate(range(30, 38)):
         lengths, out_rows = _batch(seed)
         plain = plan_colocated_layout(lengths, out_rows, dps, "sum")
-        nw = plan_colocated_layout(lengths, out_rows, dps, "sum", ranks_per_node=4, devices=8)
+        nw = plan_colocated_layout(lengths, out_rows, dps, "sum", node_wise=NodeWise(4), devices=8)
         assert "skipped" not in nw.node_wise and len(nw.node_wise["perm"]) == 8
         obj = nw.node_wise["objective"]
         assert obj[nw.node_wise["chosen"]] <= obj["identity"]
@@ -154,7 +155,7 @@ def test_node_wise_with_a_tp_encoder(mesh4x2):
             inter[i, k] = led.payload["inter_node"]
     assert inter[1].sum() < 0.95 * inter[0].sum(), inter  # 0.90 measured
     assert (inter[1] < inter[0]).sum() >= 6, inter
-    odd = plan_colocated_layout(lengths, out_rows, dps, "sum", ranks_per_node=1, devices=8)
+    odd = plan_colocated_layout(lengths, out_rows, dps, "sum", node_wise=NodeWise(1), devices=8)
     assert "skipped" in odd.node_wise  # vision's tp groups of 2 do not fit nodes of 1
 
 
@@ -167,7 +168,7 @@ def test_node_wise_lowers_inter_node_bytes(mesh8):
         lengths, out_rows = _batch(10 + seed)
         kw = dict(row_bytes=row_bytes)
         plain = plan_colocated_layout(lengths, out_rows, 8, "sum", **kw)
-        nw = plan_colocated_layout(lengths, out_rows, 8, "sum", ranks_per_node=4, **kw)
+        nw = plan_colocated_layout(lengths, out_rows, 8, "sum", node_wise=NodeWise(4), **kw)
         assert nw.node_wise["chosen"] in ("local", "greedy", "milp", "identity")
         for p in lengths:  # same batches, permuted over ranks
             assert sorted(nw.phases[p].batches) == sorted(plain.phases[p].batches)
@@ -197,7 +198,7 @@ def test_node_wise_with_a_tp_llm(mesh4x2):
     for seed in range(4):
         lengths, out_rows = _batch(20 + seed)
         plain = plan_colocated_layout(lengths, out_rows, dps, "sum")
-        nw = plan_colocated_layout(lengths, out_rows, dps, "sum", ranks_per_node=4)
+        nw = plan_colocated_layout(lengths, out_rows, dps, "sum", node_wise=NodeWise(4))
         assert "skipped" not in nw.node_wise and len(nw.node_wise["perm"]) == 4
         inter = []
         for lay in (plain, nw):
@@ -209,7 +210,7 @@ def test_node_wise_with_a_tp_llm(mesh4x2):
         lowered += inter[1] < inter[0]
     assert lowered >= 1
     odd = plan_colocated_layout(lengths, out_rows, {"vision": 8, "audio": 4, "llm": 4}, "sum",
-                                ranks_per_node=1)  # a node of 1 device, tp groups of 2
+                                node_wise=NodeWise(1))  # a node of 1 device, tp groups of 2
     assert "skipped" in odd.node_wise and "perm" not in odd.node_wise
 
 
@@ -318,8 +319,7 @@ def test_compiled_inter_node_bytes_follow_node_wise_placement(mesh8):
         tot = {"intra_node": 0, "inter_node": 0}
         for seed in (10, 11, 12):
             lengths, out_rows = _batch(seed)
-            lay = plan_colocated_layout(lengths, out_rows, 8, "sum", ranks_per_node=4,
-                                        node_wise_method=method)
+            lay = plan_colocated_layout(lengths, out_rows, 8, "sum", node_wise=NodeWise(4, method))
             assert lay.node_wise["chosen"] in ((method,) if method == "identity" else
                                                ("local", "greedy", "identity"))
             hlo, led = _compiled_bytes(lay, mesh8, 4)

@@ -42,11 +42,14 @@ def _data(workdir, step):
 
 
 def _to_older_format(step_dir):
-    """The loader state as a checkpoint before this change wrote it (the step alone), its
-    integrity record's loader checksum rewritten to match."""
+    """The loader state as a checkpoint before positions were counted in samples wrote it
+    (the single program's "batches" schema, the step alone), its integrity record's loader
+    checksum rewritten to match."""
     path = os.path.join(step_dir, "data", "metadata")
     with open(path) as f:
         data = json.load(f)
+    data["batches"] = data.pop("stream")
+    data["batches"]["next_batch"] = data["batches"].pop("step")
     for key in ("sample", "global_batch", "seq_len"):
         data["batches"].pop(key)
     with open(path, "w") as f:
@@ -65,9 +68,9 @@ def test_a_changed_global_batch_is_named_and_an_older_state_resumes_bit_for_bit(
     _train(straight)
     _train(old, stop_after=2)
     # window 4 + Loader.reserve 8 (configs/tiny.gin) = 12: two steps end at sample 24
-    assert {k: _data(old, 2)["batches"][k] for k in ("next_batch", "sample", "global_batch",
-                                                     "seq_len")} == \
-        {"next_batch": 2, "sample": 24, "global_batch": 4, "seq_len": 128}
+    assert {k: _data(old, 2)["stream"][k] for k in ("step", "sample", "global_batch",
+                                                    "seq_len")} == \
+        {"step": 2, "sample": 24, "global_batch": 4, "seq_len": 128}
     shutil.copytree(old, changed)
     _to_older_format(os.path.join(old, "checkpoints", "2"))
     out = _train(old)
@@ -82,5 +85,5 @@ def test_a_changed_global_batch_is_named_and_an_older_state_resumes_bit_for_bit(
     assert lines == ["resumed with train.global_batch 4 -> 8: the data stream goes on from "
                      "sample 24 (global batch 2 on), no sample read twice or skipped"], out[-3000:]
     # window 8 + 8 = 16: two more steps end at sample 24 + 32
-    assert {k: _data(changed, 4)["batches"][k] for k in ("sample", "global_batch")} == \
+    assert {k: _data(changed, 4)["stream"][k] for k in ("sample", "global_batch")} == \
         {"sample": 56, "global_batch": 8}

@@ -54,7 +54,7 @@ MODEL = named_model_config("tiny", {"encoders.vision.encoder.patch_size": 14,
 def _loader(seq_len, gb, budget, mbs=1, dp=1, **kw):
     layout = data_layout(MODEL, seq_len=seq_len, packing="pack", vision_caps=(256, 1024, 4096))
     source = SyntheticSource(synthetic_dataset(MODEL, **LLAVA_LIKE))
-    return layout, Loader(source, MODEL, Plan.uniform(MODEL, gb, mbs, dp=dp), layout,
+    return layout, Loader.build(source, MODEL, Plan.uniform(MODEL, gb, mbs, dp=dp), layout,
                           row_budget=budget, **kw)
 
 
@@ -66,7 +66,7 @@ def test_llava_rows_at_least_95_percent_full(seq_len, gb, budget):
     part 4: more than half the samples are longer than half a row)."""
     layout, loader = _loader(seq_len, gb, budget)
     shapes, tokens, counts = None, [], []
-    for idx, _, columns in loader.builder.scan(6):
+    for idx, _, columns in loader.stream.scan(6):
         metas = columns.metas()
         assert _rows([m.llm_length for m in metas], seq_len) <= budget
         shapes = grow_shapes(shapes, metas, layout)
@@ -83,9 +83,9 @@ def test_both_paths_take_the_same_samples_in_whole_microbatches():
     layout, loader = _loader(2048, 16, 8, mbs=2, dp=2)
     b = loader.builder
     for step in range(3):
-        window = b.candidates(step)
-        gs, gbatch = b.samples(step), b(step)
-        assert gs.sample_ids == gbatch.sample_ids == b.select(step)[0]
+        window = b.stream.candidates(step)
+        gs, gbatch = b.stream.samples(step), b(step)
+        assert gs.sample_ids == gbatch.sample_ids == b.stream.select(step)[0]
         assert [window.index(i) for i in gs.sample_ids] == sorted(
             window.index(i) for i in gs.sample_ids)
         assert len(gs.sample_ids) % 2 == 0
@@ -96,7 +96,7 @@ def test_a_budget_too_small_for_the_microbatches_is_refused():
     _, loader = _loader(2048, 16, 1, mbs=4)
     with pytest.raises(UserError, match=r"Loader.row_budget=1: .* fewer than the 4 "
                                         r"microbatches \(raise it"):
-        loader.builder.select(0)
+        loader.stream.select(0)
 
 
 def test_the_setting_is_validated_with_its_fix():

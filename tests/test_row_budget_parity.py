@@ -7,7 +7,7 @@ import pytest
 
 from mmjax.data.batch_plan import unit_policies
 from mmjax.data.batch_shapes import pack_rows
-from mmjax.data.global_batch import GlobalBatchBuilder
+from mmjax.data.loader import Loader
 from mmjax.data.layout import AssemblyLayout
 from mmjax.data.records import SyntheticSource
 from mmjax.data.synthetic import SyntheticConfig, SyntheticDataset
@@ -28,8 +28,8 @@ def test_row_budget_batches_keep_parity():
     src = SyntheticSource(SyntheticDataset("laion", SyntheticConfig.for_model(
         cfg, gen_fraction=0.5, frames_median=60.0), seed=3, size=200))
     plan = Plan.uniform(cfg, 12, 3, dp={"vision": 2, "llm": 2, "generator": 1}, pp={"llm": 2})
-    builder = GlobalBatchBuilder(src, cfg, plan, lay, unit_policies("orchmllm", cfg), seed=1,
-                                 reserve=8, cp_block=16, row_budget=6)
+    builder = Loader.build(src, cfg, plan, lay, unit_policies("orchmllm", cfg), seed=1,
+                                 reserve=8, cp_block=16, row_budget=6).builder
     gb = builder(2)
     metas = [lay.rules.meta(src.load(i)) for i in gb.sample_ids]
     assert len(gb.sample_ids) % 3 == 0 and len(gb.sample_ids) != 12

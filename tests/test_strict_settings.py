@@ -10,7 +10,6 @@ from helpers import load_script
 
 from mmjax.cli import run_main
 from mmjax.data.records import ArrayRecordSource
-from mmjax.data.global_batch import GlobalBatchBuilder
 from mmjax.data.batch_plan import unit_policies
 from mmjax.data.loader import Loader  # noqa: F401  (registers `Loader` with gin)
 from mmjax.errors import UserError
@@ -47,9 +46,9 @@ def test_loader_source_path_is_read_by_the_single_program(tmp_path):
             runner.close()
     finally:
         gin.clear_config()
-    want = GlobalBatchBuilder(ArrayRecordSource(data), cfg, Plan.uniform(cfg, 4, 1), lay,
-                              unit_policies("none", cfg), reserve=4)
-    assert [b.sample_ids for b in batches] == [want.select(k)[0] for k in range(2)]
+    want = Loader.build(ArrayRecordSource(data), cfg, Plan.uniform(cfg, 4, 1), lay,
+                              unit_policies("none", cfg), reserve=4).builder
+    assert [b.sample_ids for b in batches] == [want.stream.select(k)[0] for k in range(2)]
 
 
 def test_manual_plan_binding_without_plan_manual_is_refused(capsys):

@@ -287,7 +287,7 @@ def test_a_host_holding_only_the_vae_unit_decodes_the_target_pixels(tmp_path):
     does (not the shape-only blanks of rows it does not hold)."""
     from mmjax.data.batch_plan import unit_policies
     from mmjax.data.example_data import write_generation_example, write_tokenizer
-    from mmjax.data.global_batch import GlobalBatchBuilder
+    from mmjax.data.loader import Loader
     from mmjax.data.sources import default_processors
     from mmjax.data.sources.llava import LlavaSource
     from mmjax.data.tokenizer import Tokenizer, padded_vocab
@@ -309,8 +309,8 @@ def test_a_host_holding_only_the_vae_unit_decodes_the_target_pixels(tmp_path):
                       index_workers=1, output_images=enc)
     plan = Plan.uniform(cfg, 4, 2, dp={"vision": 1, "vae": 1, "llm": 2, "generator": 2})
     (vae_device,), = plan.stage_devices()[VAE_UNIT]
-    build = lambda local: GlobalBatchBuilder(src, cfg, plan, lay, unit_policies("none", cfg),
-                                             seed=0, local_devices=local)(0)
+    build = lambda local: Loader.build(src, cfg, plan, lay, unit_policies("none", cfg),
+                                             seed=0, local_devices=local).builder(0)
     full, here = build(None), build({vae_device})
     images = 0
     for mb, ref in zip(here.microbatches, full.microbatches):

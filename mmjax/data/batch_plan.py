@@ -88,12 +88,40 @@ class NodeWise:
     time_limit: float = 0.2
     max_milp_ranks: int = 32
 
+    def spans(self, dp: int) -> bool:
+        """Whether a unit of `dp` ranks spans several whole nodes (the step runs)."""
+        rpn = self.ranks_per_node
+        return bool(rpn) and dp > rpn and dp % rpn == 0
+
     def __post_init__(self):
         if self.method not in NODE_WISE_METHODS:
             raise UserError(f"Loader.node_wise_method={self.method!r}: use one of "
                             f"{NODE_WISE_METHODS}")
         if not self.time_limit > 0:
             raise UserError(f"Loader.node_wise_time_limit={self.time_limit!r}: use > 0 seconds")
+
+
+def balanced_split(costs: np.ndarray, dp: int, algo: str) -> RankSplit:
+    """OrchMLLM's post-balancing (§5.1, Appendix A) of the samples' `costs` over `dp` ranks
+    by `algo`; the one split every layout's "orchmllm" phase takes."""
+    return RankSplit(*post_balance_flat(costs, dp, algo))
+
+
+def node_wise_split(split: RankSplit, items: RankSplit, src: np.ndarray, sizes,
+                    node_wise: NodeWise, info: dict | None = None) -> RankSplit:
+    """OrchMLLM §5.2.2 (Algorithm 3): `split`'s batches moved to other ranks so the largest
+    per-rank inter-node volume is least. `items` (the same ranks): what batch i receives
+    (indices into `src` / `sizes`: each item's source rank, in the new ranks' numbering, and
+    its size). Only an answer every host computes alike is kept (a MILP proven optimal).
+    `info` receives the solver's record and "perm"."""
+    perm = node_wise_rearrange_flat(src, items.items, items.counts, sizes,
+                                    node_wise.ranks_per_node, method=node_wise.method,
+                                    time_limit=node_wise.time_limit,
+                                    max_milp_ranks=node_wise.max_milp_ranks,
+                                    require_optimal=True, info=info)
+    if info is not None:
+        info["perm"] = perm.tolist()
+    return split.permute_ranks(perm)
 
 
 def split_unit(costs: np.ndarray, dp: int, policy: str, algo: str,
@@ -110,18 +138,12 @@ def split_unit(costs: np.ndarray, dp: int, policy: str, algo: str,
     if policy == "none":
         return RankSplit.contiguous(costs.size, dp)
     if policy == "disttrain":
-        return RankSplit(*post_balance_flat(costs, dp, "sum"))
-    split = RankSplit(*post_balance_flat(costs, dp, algo))
-    rpn = node_wise.ranks_per_node
-    if rpn and dp > rpn and dp % rpn == 0:
+        return balanced_split(costs, dp, "sum")
+    split = balanced_split(costs, dp, algo)
+    if node_wise.spans(dp):
         n = costs.size
         src = np.minimum(np.arange(n) * dp // n, dp - 1)  # where the "none" split had them
-        perm = node_wise_rearrange_flat(src, split.items, split.counts, costs, rpn,
-                                        method=node_wise.method,
-                                        time_limit=node_wise.time_limit,
-                                        max_milp_ranks=node_wise.max_milp_ranks,
-                                        require_optimal=True)
-        split = split.permute_ranks(perm)
+        split = node_wise_split(split, split, src, costs, node_wise)
     return split
 
 

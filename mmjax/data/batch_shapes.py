@@ -41,6 +41,15 @@ class BatchShapes:
                      for n, c, cap in self.encoders)
         return BatchShapes(max(self.rows, other.rows), encs, max(self.gen, other.gen))
 
+    def to_json(self) -> dict:
+        """As a resume state stores it: {"rows", "gen", "encoders": [[name, count, cap]]}."""
+        return {"rows": self.rows, "gen": self.gen, "encoders": [list(e) for e in self.encoders]}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "BatchShapes":
+        return cls(int(data["rows"]), tuple((str(n), int(c), int(k))
+                                            for n, c, k in data["encoders"]), int(data["gen"]))
+
 
 def grow_shapes(shapes: BatchShapes | None, metas: "list[SampleMeta] | MetaColumns",
                 layout: AssemblyLayout) -> BatchShapes:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mmjax.data.assemble import assemble, item_rows, projected_size
+from mmjax.data.batch_plan import NodeWise
 from mmjax.data.batch_shapes import BatchShapes, batch_shapes
 from mmjax.data.colocated_layout import ColocatedLayout, plan_colocated_layout
 from mmjax.data.global_batch import mask_out_failed
@@ -70,14 +71,14 @@ class PhasePlan:
 
 
 def plan_phases(metas, layout: AssemblyLayout, encoder_ranks: int | dict, llm_ranks: int,
-                policies, *, ranks_per_node: int = 0, node_wise_method: str = "local",
-                node_wise_time_limit: float = 0.2, node_wise_max_milp_ranks: int = 32,
+                policies, *, node_wise: NodeWise | None = None,
                 floors: dict[str, BatchShapes] | None = None,
                 devices: int | None = None) -> PhasePlan:
     """The per-phase layouts, shapes and routes of samples with metadata `metas` (no
     sample data: the loader's shape scan calls this on metadata from the index).
     `encoder_ranks`: every encoder's dp, or per encoder slot (an encoder at tp t has
-    devices / t ranks); `devices`: the mesh's (default: the largest dp)."""
+    devices / t ranks); `devices`: the mesh's (default: the largest dp); `node_wise`: the
+    node-wise step (`plan_colocated_layout`)."""
     floors = floors or {}
     slots = list(layout.encoders)
     if not isinstance(encoder_ranks, dict):
@@ -90,11 +91,7 @@ def plan_phases(metas, layout: AssemblyLayout, encoder_ranks: int | dict, llm_ra
                                    if s.modality == slot.modality) for m in metas]
     ranks = {slot.name: encoder_ranks[slot.name] for slot in slots}
     ranks["llm"] = llm_ranks
-    plan = plan_colocated_layout(lengths, out_rows, ranks, policies,
-                                 ranks_per_node=ranks_per_node,
-                                 node_wise_method=node_wise_method,
-                                 node_wise_time_limit=node_wise_time_limit,
-                                 node_wise_max_milp_ranks=node_wise_max_milp_ranks,
+    plan = plan_colocated_layout(lengths, out_rows, ranks, policies, node_wise=node_wise,
                                  devices=devices)
     llm_groups = [list(b) for b in plan.phases["llm"].batches]
     llm_shapes = at_least(batch_shapes([[metas[i] for i in g] for g in llm_groups], layout),
@@ -132,9 +129,7 @@ def plan_phases(metas, layout: AssemblyLayout, encoder_ranks: int | dict, llm_ra
 
 
 def phase_batch(samples: list[Sample], layout: AssemblyLayout, encoder_ranks: int | dict,
-                llm_ranks: int, policies, *, ranks_per_node: int = 0,
-                node_wise_method: str = "local", node_wise_time_limit: float = 0.2,
-                node_wise_max_milp_ranks: int = 32,
+                llm_ranks: int, policies, *, node_wise: NodeWise | None = None,
                 floors: dict[str, BatchShapes] | None = None,
                 failed: frozenset | set = frozenset(), devices: int | None = None) -> PhaseBatch:
     """Assemble `samples` (checked good) in per-phase layouts (module docstring).
@@ -149,11 +144,8 @@ def phase_batch(samples: list[Sample], layout: AssemblyLayout, encoder_ranks: in
             raise ValueError(f"phase_batch: sample {s.id} is bad ({reason}); drop bad samples "
                              f"before planning the layouts")
     metas = [layout.rules.meta(s) for s in samples]
-    pp = plan_phases(metas, layout, encoder_ranks, llm_ranks, policies,
-                     ranks_per_node=ranks_per_node, node_wise_method=node_wise_method,
-                     node_wise_time_limit=node_wise_time_limit,
-                     node_wise_max_milp_ranks=node_wise_max_milp_ranks, floors=floors,
-                     devices=devices)
+    pp = plan_phases(metas, layout, encoder_ranks, llm_ranks, policies, node_wise=node_wise,
+                     floors=floors, devices=devices)
     llm_shapes = pp.shapes["llm"]
     llm_parts = []
     for g in pp.llm_groups:

@@ -10,12 +10,12 @@ E's modality, in LLM order. `routes[E]` maps every LLM (rank, row) to the encode
 that fills it: rearrangement composition (§6), one all-to-all per encoder
 (parallel/rearrange.py), never back through the original instances.
 
-Node-wise rearrangement (§5.2.2, Algorithm 3), with `ranks_per_node` set and the LLM's d a
+Node-wise rearrangement (§5.2.2, Algorithm 3), with `node_wise.ranks_per_node` set and the LLM's d a
 multiple of it above one node: the LLM's balanced mini-batches are permuted over ranks so the
 largest per-rank inter-node volume of the encoder->LLM all-to-all (every encoder's output
 bytes together, from their real source ranks) is least. That is the traffic the runner sends.
-Deterministic (every host plans the same): "local" (greedy + pairwise swaps) by default; a
-MILP answer is taken only when proven optimal. Units may be tensor-parallel (on n devices,
+Deterministic (every host plans the same): `NodeWise` (data/batch_plan.py), the plan's own
+settings and step (`node_wise_split`); a MILP answer is taken only when proven optimal. Units may be tensor-parallel (on n devices,
 a phase at dp d has tp n / d; rank r on devices r*n/d .. (r+1)*n/d - 1, as the co-located
 mesh lays them out): each encoder output counts at the LLM rank holding its encoder rank's
 first device (encoder rank r at dp d_e: LLM rank r * d // d_e) and a node holds
@@ -24,13 +24,15 @@ skipped and `node_wise["skipped"]` says so.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from mmjax.data.balance import POLICIES as POST_BALANCE_POLICIES
-from mmjax.data.balance import batches_by_rank, node_wise_rearrange, post_balance
+from mmjax.data.batch_plan import NodeWise, balanced_split, node_wise_split
+from mmjax.data.rank_split import RankSplit
 from mmjax.data.routes import Routes
 
 LAYOUT_POLICIES = ("none",) + POST_BALANCE_POLICIES
@@ -93,11 +95,12 @@ def original_batches(samples: Sequence[int], n: int, d: int) -> list[list[int]]:
     return out
 
 
-def _split(lengths: np.ndarray, members: list[int], n: int, d: int, policy: str):
+def _split(lengths: np.ndarray, members: list[int], n: int, d: int, policy: str) -> RankSplit:
+    """The phase's `members` over its `d` ranks: as loaded ("none"), else post-balanced."""
     if policy == "none":
-        return original_batches(members, n, d)
-    groups = post_balance(lengths[members], d, policy)
-    return [[members[i] for i in g] for g in groups]
+        return RankSplit.from_lists(original_batches(members, n, d))
+    split = balanced_split(lengths[members], d, policy)
+    return RankSplit(np.asarray(members, dtype=np.int64)[split.items], split.counts)
 
 
 def _capacity(unit: str, need: int, given: Mapping[str, int] | None) -> int:
@@ -123,8 +126,7 @@ def plan_colocated_layout(lengths: Mapping[str, Sequence[float]],
                           out_rows: Mapping[str, Sequence[int]],
                           num_ranks: int | Mapping[str, int], policies: str | Mapping[str, str],
                           *, llm: str = "llm", row_bytes: Mapping[str, int] | None = None,
-                          ranks_per_node: int = 0, node_wise_method: str = "local",
-                          node_wise_time_limit: float = 0.2, node_wise_max_milp_ranks: int = 32,
+                          node_wise: NodeWise | None = None,
                           capacity: Mapping[str, int] | None = None,
                           devices: int | None = None) -> ColocatedLayout:
     """Plan one global batch's co-located layouts (module docstring).
@@ -137,9 +139,11 @@ def plan_colocated_layout(lengths: Mapping[str, Sequence[float]],
     volumes' unit (default 1 each). `capacity[key]`: static rows per rank for a phase's
     buffer (key E: the encoder's outputs; key f"{llm}/{E}": E's rows in the LLM's layout);
     default: this batch's fullest rank. `devices`: the mesh's device count, which every
-    phase's dp divides (its tp = devices / dp; default: the largest dp).
+    phase's dp divides (its tp = devices / dp; default: the largest dp). `node_wise`: the
+    node-wise step's settings (default `NodeWise()`: off).
     """
     encoders, phases, x, rows = _checked_columns(lengths, out_rows, llm)
+    node_wise = node_wise or NodeWise()
     dps = _per_phase(num_ranks, phases, "num_ranks")
     pols = _per_phase(policies, phases, "policies")
     for p, pol in pols.items():
@@ -149,20 +153,19 @@ def plan_colocated_layout(lengths: Mapping[str, Sequence[float]],
     phase_layouts: dict[str, PhaseLayout] = {}
     for e in encoders:
         members = np.flatnonzero(x[e] > 0).tolist()
-        batches = _split(x[e], members, n, dps[e], pols[e])
+        batches = _split(x[e], members, n, dps[e], pols[e]).lists()
         r = {s: int(rows[e][s]) for s in members}
         need = max((sum(r[s] for s in b) for b in batches), default=0)
         phase_layouts[e] = PhaseLayout(e, tuple(map(tuple, batches)), r,
                                        _capacity(e, need, capacity))
-    llm_batches = _split(x[llm], list(range(n)), n, dps[llm], pols[llm])
+    llm_split = _split(x[llm], list(range(n)), n, dps[llm], pols[llm])
     info: dict = {}
-    llm_rpn = _llm_ranks_per_node(int(ranks_per_node), phases if encoders else [], dps, llm,
-                                  devices, info)
-    d = dps[llm]
-    if llm_rpn and d > llm_rpn and d % llm_rpn == 0:
-        llm_batches = _node_wise(llm_batches, phase_layouts, rows, row_bytes, llm_rpn,
-                                 d, node_wise_method, info, node_wise_time_limit,
-                                 node_wise_max_milp_ranks)
+    llm_nw = dataclasses.replace(node_wise, ranks_per_node=_llm_ranks_per_node(
+        node_wise.ranks_per_node, phases if encoders else [], dps, llm, devices, info))
+    if llm_nw.spans(dps[llm]):
+        llm_split = _node_wise(llm_split, phase_layouts, rows, row_bytes, dps[llm], llm_nw,
+                               info)
+    llm_batches = llm_split.lists()
     lengths_llm = {s: int(x[llm][s]) for s in range(n)}
     phase_layouts[llm] = PhaseLayout(llm, tuple(map(tuple, llm_batches)), lengths_llm,
                                      _capacity(llm, max(max(
@@ -233,12 +236,12 @@ def _routes(phase_layouts, encoders, llm_batches, llm: str, capacity):
     return routes, llm_rows
 
 
-def _node_wise(llm_batches, enc_layouts, rows, row_bytes, rpn, llm_dp, method, info,
-               time_limit: float = 0.2, max_milp_ranks: int = 32):
-    """Algorithm 3 on the encoder->LLM all-to-all: items are (encoder, sample) outputs at
-    their encoder rank (counted at the LLM rank holding its first device: encoder rank r
-    of dp d_e at r * `llm_dp` // d_e), sized in bytes; new batches are the LLM's balanced
-    mini-batches, `rpn` LLM ranks a node."""
+def _node_wise(llm_split: RankSplit, enc_layouts, rows, row_bytes, llm_dp: int,
+               node_wise: NodeWise, info: dict) -> RankSplit:
+    """Algorithm 3 on the encoder->LLM all-to-all (`node_wise_split`): items are (encoder,
+    sample) outputs at their encoder rank (counted at the LLM rank holding its first
+    device: encoder rank r of dp d_e at r * `llm_dp` // d_e), sized in bytes; the new
+    batches are the LLM's balanced mini-batches."""
     src, size, item_of = [], [], {}
     for e, lay in enc_layouts.items():
         rb = 1 if row_bytes is None else int(row_bytes[e])
@@ -247,12 +250,10 @@ def _node_wise(llm_batches, enc_layouts, rows, row_bytes, rpn, llm_dp, method, i
                 item_of.setdefault(s, []).append(len(src))
                 src.append(r * llm_dp // lay.num_ranks)
                 size.append(float(rows[e][s] * rb))
-    new = [[i for s in b for i in item_of.get(s, ())] for b in llm_batches]
-    perm = node_wise_rearrange(src, new, size, rpn, method=method, require_optimal=True,
-                               time_limit=time_limit, max_milp_ranks=max_milp_ranks,
-                               info=info)
-    info["perm"] = perm
-    return batches_by_rank(llm_batches, perm)
+    items = RankSplit.from_lists([[i for s in b for i in item_of.get(s, ())]
+                                  for b in llm_split.lists()])
+    return node_wise_split(llm_split, items, np.asarray(src, dtype=np.int64), size,
+                           node_wise, info)
 
 
 def phase_loads(layout: PhaseLayout, lengths: Sequence[float]) -> tuple[float, float]:

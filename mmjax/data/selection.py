@@ -12,7 +12,8 @@ from __future__ import annotations
 import numpy as np
 
 from mmjax.data.layout import AssemblyLayout, check_shapes
-from mmjax.data.records import sample_name, sample_where, source_problem
+from mmjax.data.records import source_problem
+from mmjax.data.skipped import Skipped
 from mmjax.data.shuffle import index_shuffle
 from mmjax.data.spec_columns import SpecColumns
 
@@ -110,7 +111,7 @@ def pick(source, layout: AssemblyLayout, draws: Draws, count: int, budget: bool,
     """(indices, their `SpecColumns`, skip reasons, distinct candidates drawn): without
     `budget` the first `count` usable candidates; with it every usable candidate of the
     window, then of the replacements until there are `count`. Each unusable candidate's
-    (name, reason, where) is appended to `skipped`, in draw order."""
+    a `Skipped` record is appended to `skipped`, in draw order."""
     got: list[np.ndarray] = []
     cols: list[SpecColumns] = []
     reasons: dict[str, int] = {}
@@ -137,7 +138,7 @@ def pick(source, layout: AssemblyLayout, draws: Draws, count: int, budget: bool,
             reasons[kind] = reasons.get(kind, 0) + 1
             if skipped is not None:
                 i = int(cand[j])
-                skipped.append((sample_name(source, i), why[j], sample_where(source, i)))
+                skipped.append(Skipped.of(source, i, why[j]))
         have, drawn = have + keep.size, drawn + used
         seen.append(cand[:used])
         if stop:

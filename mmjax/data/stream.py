@@ -33,18 +33,14 @@ class SourceBatches:
         self._thread = None
 
     def state(self) -> dict:
-        hw = None if self.shapes is None else {
-            "rows": self.shapes.rows, "gen": self.shapes.gen,
-            "encoders": [list(e) for e in self.shapes.encoders]}
+        hw = None if self.shapes is None else self.shapes.to_json()
         return {"position": self.position, "shapes": hw}
 
     def restore(self, state: dict) -> None:
         self.close()
         self.position = int(state["position"])
         hw = state.get("shapes")
-        self.shapes = None if hw is None else BatchShapes(
-            int(hw["rows"]), tuple((str(n), int(c), int(k)) for n, c, k in hw["encoders"]),
-            int(hw["gen"]))
+        self.shapes = None if hw is None else BatchShapes.from_json(hw)
 
     def index_at(self, position: int) -> int:
         from grain.experimental import index_shuffle

@@ -66,10 +66,30 @@ def settings_changed(state: dict, global_batch: int, seq_len: int) -> bool:
     return resume_notice(state, 0, global_batch, seq_len) is not None
 
 
-def stored_position(data_state: dict) -> dict:
-    """The position keys of a checkpoint's data state, whichever runner wrote it
-    (`loader`: a pipelined plan's; `batches`: the single program's or the co-located one's)."""
-    for key in ("loader", "batches"):
+# the checkpoint's data-state key of the one resume schema: {"step": next global batch,
+# "sample", "global_batch", "seq_len" (the position; absent in states older than it), then
+# what a layout keeps of its own: "shapes" (the single program's high-water batch shapes),
+# "phase_shapes" and "capacity" (the co-located layout's), "producers" (informational)}
+STATE_KEY = "stream"
+_OLD_KEYS = ("loader", "batches")  # a plan's loader state; the single / co-located one's
+
+
+def stream_state(data_state: dict, step: int) -> dict:
+    """A checkpoint's data state in the one resume schema, whichever runner and version
+    wrote it: `STATE_KEY`; an older plan's "loader" ({"step", ...}); an older single or
+    co-located program's "batches" ({"next_batch", ...}); none (a checkpoint without a
+    stream): global batch `step` of a fresh run's windows."""
+    for key in (STATE_KEY, *_OLD_KEYS):
         if key in data_state:
-            return position_fields(data_state[key])
-    return {}
+            state = dict(data_state[key])
+            if "next_batch" in state:
+                state["step"] = state.pop("next_batch")
+            state.pop("skipped_samples", None)  # an older loader's: the trainer's total
+            state.setdefault("step", step)
+            return state
+    return {"step": step}
+
+
+def stored_position(data_state: dict) -> dict:
+    """The position keys of a checkpoint's data state, whichever runner wrote it."""
+    return position_fields(stream_state(data_state, 0))

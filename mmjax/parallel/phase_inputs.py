@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from jax.sharding import Mesh
 
+from mmjax.data.batch_plan import NodeWise
 from mmjax.data.colocated_batch import PhaseBatch, phase_batch
 from mmjax.parallel.fsdp import batch_axes, place_batch
 from mmjax.parallel.rearrange import ROUTE_KEY, TrafficLedger, exchange, route_tables
@@ -93,7 +94,7 @@ def balanced_inputs(samples, layout, mesh: Mesh, policies, *, ranks_per_node: in
     bytes); `kind`: the exchange's form, "staged" or "ragged" (GPU)."""
     encs = [slot.name for slot in layout.encoders]
     pb = phase_batch(samples, layout, encoder_ranks(mesh, encs, colo), llm_ranks(mesh, colo),
-                     policies, ranks_per_node=ranks_per_node, floors=floors,
+                     policies, node_wise=NodeWise(ranks_per_node), floors=floors,
                      devices=mesh.devices.size)
     return place_phase_batch(pb, mesh, capacity, ledger, row_bytes, colo,
                              ranks_per_node or None, kind), pb

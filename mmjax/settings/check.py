@@ -6,6 +6,7 @@ import os
 
 from mmjax.errors import UserError, shown
 from mmjax.settings.setting import INT_MAX, Setting
+from mmjax.values import is_int
 
 _WHAT = {"int": "an int", "float": "a number", "bool": "True or False", "str": "a string",
          "file": "a file path", "dir": "a directory path", "dict": "a dict",
@@ -14,16 +15,12 @@ _WHAT = {"int": "an int", "float": "a number", "bool": "True or False", "str": "
          "range": "a pair (lo, hi) of ints with lo <= hi", "ints3": "three ints"}
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _is_num(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def _num(x) -> str:
-    return f"{x:,}" if _is_int(x) and x >= 10_000 else f"{x:g}"
+    return f"{x:,}" if is_int(x) and x >= 10_000 else f"{x:g}"
 
 
 def _range_text(s: Setting, value=None) -> str:
@@ -51,7 +48,7 @@ def problem(value, s: Setting) -> str | None:
             return f"must be one of {list(s.choices)}" + (" or None" if s.none else "")
         return None
     if k in ("int", "float"):
-        ok = _is_int(value) if k == "int" else (_is_num(value) and math.isfinite(value))
+        ok = is_int(value) if k == "int" else (_is_num(value) and math.isfinite(value))
         if not ok or not _in_range(value, s):
             extra = ", or None" if s.none else ""
             return f"must be {_WHAT[k]} {_range_text(s, value)}{extra}".rstrip()
@@ -84,7 +81,7 @@ def problem(value, s: Setting) -> str | None:
         items = list(value) if isinstance(value, (list, tuple)) else None
         want = {"range": 2, "ints3": 3}.get(k)
         if (not items or (want and len(items) != want)
-                or not all(_is_int(x) and _in_range(x, s) for x in items)
+                or not all(is_int(x) and _in_range(x, s) for x in items)
                 or (k == "range" and items[0] > items[1])):
             return f"must be {_WHAT[k]}, each {_range_text(s)}"
         return None

@@ -30,10 +30,8 @@ DATA_SETTINGS: dict[str, dict[str, Setting]] = {
                       fix="write the dataset with scripts/make_dataset.py --out=PATH")},
     "tokenizer": {"path": Setting("dir", None, none=True,
                                   fix="a directory holding tokenizer.json")},
-    "Loader": {
-        "source": _PROGRAM, "model": _PROGRAM, "plan": _PROGRAM, "layout": _PROGRAM,
-        "host_id": _PROGRAM, "num_hosts": _PROGRAM, "num_steps": _PROGRAM,
-        "local_devices": _PROGRAM,
+    "Loader": {  # data/loader_settings.py: StreamSettings + BalanceSettings
+        "num_steps": _PROGRAM,
         "balance": Setting("choice", "none", choices=_BALANCE, per_unit=True, needs="plan"),
         "post_balance_policy": Setting("choice", "sum", choices=_POST_BALANCE, per_unit=True,
                                        needs="plan"),

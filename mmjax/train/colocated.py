@@ -23,7 +23,7 @@ from mmjax.parallel.fsdp import colocated_mesh, gather_layer, place_batch, tree_
 from mmjax.parallel.phase_inputs import colocated_route, place_phase_batch
 from mmjax.parallel.hlo_traffic import collective_bytes
 from mmjax.parallel.rearrange import BACKWARD_SCOPE, FORWARD_SCOPE, TrafficLedger
-from mmjax.train.colocated_data import BalancedBatch, PhaseBatches
+from mmjax.train.colocated_data import BalancedBatch, phase_batches
 from mmjax.train.colocated_plan import Colocation
 from mmjax.train.data_config import train_source
 from mmjax.train.memory_check import check_colocated
@@ -95,11 +95,8 @@ class Colocated(SingleProgram):
         self.colo = colo
         # the loader's balancing settings (train/colocated_data.py): per-phase layouts and
         # the encoder->LLM all-to-all when any phase is balanced or node-wise is on
-        phases = PhaseBatches(source if source is not None else train_source(cfg), cfg,
-                              layout, global_batch, self.mesh, colo=colo)
-        if not phases.settings.balanced:
-            phases.close()
-            phases = None
+        phases = phase_batches(source if source is not None else train_source(cfg), cfg,
+                               layout, global_batch, self.mesh, colo=colo)
         self.phases = phases
         rpn = phases.settings.ranks_per_node if phases else 0
         # bytes the all-to-alls deliver per link class (nodes of `Loader.ranks_per_node`)

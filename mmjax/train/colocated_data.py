@@ -5,13 +5,16 @@ The trainer's loader settings reach the co-located layout here: `Loader.balance`
 algorithm: OrchMLLM Algorithms 1, 2, 4, 5; "none": the loaded mini-batches), and
 `Loader.ranks_per_node` (with `node_wise_method` / `_time_limit` / `_max_milp_ranks`) turns
 on the node-wise rearrangement of the LLM's mini-batches (§5.2.2, Algorithm 3). Each global
-batch holds exactly the samples every plan trains at that step (`GlobalBatchBuilder.samples`)
-and is assembled in its per-phase layouts (data/colocated_batch.py); the runner places it
-and the encoder->LLM all-to-all tables (parallel/phase_inputs.py).
+batch holds exactly the samples every plan trains at that step (the run's one
+`SampleStream`, data/sample_stream.py) and is assembled in its per-phase layouts
+(data/colocated_batch.py); the runner places it and the encoder->LLM all-to-all tables
+(parallel/phase_inputs.py). No Loader and no plan: the settings are read once from gin
+(`loader_settings`) and the stream built only when a phase is balanced.
 
 The per-rank shapes of every phase and the exchanges' static capacities (rows per shift of
-the staged exchange, parallel/exchange_stages.py, forward and backward) are scanned from metadata over the run's first global batches up front and only
-grow, so the step compiles once. A setting the co-located layout cannot honour is one
+the staged exchange, parallel/exchange_stages.py, forward and backward) are scanned from
+metadata over the run's first global batches up front and only grow, so the step compiles
+once. A setting the co-located layout cannot honour is one
 `UserError` line before any work.
 """
 from __future__ import annotations
@@ -22,15 +25,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from mmjax.data.batch_shapes import BatchShapes
+from mmjax.data.batch_plan import NodeWise
 from mmjax.data.colocated_batch import PhaseBatch, phase_batch, plan_phases
-from mmjax.data.loader import Loader
+from mmjax.data.loader_settings import BalanceSettings, loader_settings
+from mmjax.data.sample_stream import SampleStream
 from mmjax.errors import UserError
 from mmjax.models.units import LLM_UNIT, is_generator, is_llm
 from mmjax.parallel.phase_inputs import encoder_axes, encoder_ranks, llm_axes, llm_ranks
 from mmjax.parallel.exchange_stages import join_caps
 from mmjax.parallel.ragged_exchange import exchange_kind
 from mmjax.parallel.rearrange import exchange_caps
-from mmjax.planner.plan import Plan
 from mmjax.data.stream_position import settings_changed
 from mmjax.train.loader_stream import LoaderStream
 
@@ -38,26 +42,27 @@ from mmjax.train.loader_stream import LoaderStream
 @dataclass(frozen=True)
 class PhaseSettings:
     """Per phase (encoder slot names, "llm") its policy ("none" or an OrchMLLM algorithm),
-    and the node-wise rearrangement's settings (ranks_per_node 0: off)."""
+    and the node-wise rearrangement (`NodeWise`; ranks_per_node 0: off)."""
 
     policies: dict
-    ranks_per_node: int = 0
-    node_wise_method: str = "local"
-    node_wise_time_limit: float = 0.2
-    node_wise_max_milp_ranks: int = 32
+    node_wise: NodeWise = NodeWise()
     exchange: str = "staged"  # "staged" or "ragged" (`ragged_exchange.exchange_kind`)
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.node_wise.ranks_per_node
 
     @property
     def balanced(self) -> bool:
         return self.ranks_per_node > 0 or any(p != "none" for p in self.policies.values())
 
 
-def phase_settings(loader: Loader, cfg, layout, num_devices: int, tp: int) -> PhaseSettings:
+def phase_settings(balance: BalanceSettings, cfg, layout, num_devices: int,
+                   tp: int) -> PhaseSettings:
     """The loader's balancing settings as the co-located layout's per-phase policies
     (module docstring); one line naming the setting for any it cannot honour. `tp`: the
     largest tp of any unit (`Colocation.max_tp`: nodes hold whole tp groups)."""
-    b = loader.builder
-    pol, algo = b.policies, b.algo
+    pol, algo = balance.policies(cfg, layout.packing), balance.algos(cfg)
     for u, p in pol.items():
         if p == "disttrain":
             raise UserError(f"Loader.balance[{u!r}]='disttrain': the co-located layout trains "
@@ -71,8 +76,8 @@ def phase_settings(loader: Loader, cfg, layout, num_devices: int, tp: int) -> Ph
                             f"'none')")
     gens = [u for u in cfg.unit_names if is_generator(u)]
     for g in gens:  # it reads the LLM's hidden states where the LLM's layout put them
-        for name, raw, got in (("balance", loader.balance, pol),
-                               ("post_balance_policy", loader.post_balance_policy, algo)):
+        for name, raw, got in (("balance", balance.balance, pol),
+                               ("post_balance_policy", balance.post_balance_policy, algo)):
             if isinstance(raw, Mapping) and g in raw and raw[g] != got[LLM_UNIT]:
                 raise UserError(f"Loader.{name}[{g!r}]={raw[g]!r}: in the co-located layout "
                                 f"the generator runs in the llm's layout ({got[LLM_UNIT]!r}); "
@@ -80,25 +85,18 @@ def phase_settings(loader: Loader, cfg, layout, num_devices: int, tp: int) -> Ph
     policies = {"llm": "none" if pol[LLM_UNIT] == "none" else algo[LLM_UNIT]}
     for slot in layout.encoders:
         policies[slot.name] = "none" if pol[slot.name] == "none" else algo[slot.name]
-    nw = b.node_wise
-    rpn = nw.ranks_per_node
+    rpn = balance.ranks_per_node
     if rpn and (rpn < 0 or num_devices % rpn or rpn % tp):
         raise UserError(f"Loader.ranks_per_node={rpn}: the co-located layout's {num_devices} "
                         f"devices must be whole nodes of it, each holding whole tp groups of "
                         f"tp {tp} (use a divisor of {num_devices} that {tp} divides, or 0)")
-    return PhaseSettings(policies, rpn, nw.method, nw.time_limit, nw.max_milp_ranks,
-                         exchange_kind(getattr(loader, "exchange", "auto")))
+    return PhaseSettings(policies, balance.node_wise, exchange_kind(balance.exchange))
 
 
-def check_colocated_loader(cfg, layout, source, global_batch: int, num_devices: int,
-                           tp: int) -> PhaseSettings:
-    """`phase_settings` of the gin-bound `Loader` for a co-located run, checked before any
-    work (the trainer and `--check` call this before building anything)."""
-    loader = Loader(source, cfg, Plan.uniform(cfg, global_batch, 1), layout)
-    try:
-        return phase_settings(loader, cfg, layout, num_devices, tp)
-    finally:
-        loader.close()
+def check_colocated_loader(cfg, layout, num_devices: int, tp: int) -> PhaseSettings:
+    """`phase_settings` of gin's `Loader.*` for a co-located run, checked before any work
+    (the trainer and `--check` call this before building anything)."""
+    return phase_settings(loader_settings()[1], cfg, layout, num_devices, tp)
 
 
 @dataclass
@@ -135,47 +133,48 @@ class BalancedBatch:
         return BatchShapes(sh["llm"].rows * n_llm, tuple(encs), sh["llm"].gen * n_llm)
 
 
-def _shapes_json(shapes: dict) -> dict:
-    return {p: {"rows": s.rows, "gen": s.gen, "encoders": [list(e) for e in s.encoders]}
-            for p, s in shapes.items()}
+def phase_batches(source, cfg, layout, global_batch: int, mesh, colo=None,
+                  scan_steps: int | None = None) -> "PhaseBatches | None":
+    """The co-located run's balanced global batches on `mesh`, its settings gin's
+    `Loader.*`; None when no phase is balanced and node-wise is off (the runner then reads
+    plain batches, train/single_data.py). `scan_steps`: as `PhaseBatches`."""
+    stream_settings, balance = loader_settings()
+    ranks = phase_ranks(layout, mesh, colo)
+    tp = mesh.devices.size // min([*ranks[0].values(), ranks[1]])
+    settings = phase_settings(balance, cfg, layout, mesh.devices.size, tp)
+    if not settings.balanced:
+        return None
+    stream = SampleStream(source, layout, global_batch, stream_settings)
+    return PhaseBatches(stream, mesh, settings, colo, scan_steps)
 
 
-def _shapes_from_json(data: dict) -> dict:
-    return {p: BatchShapes(int(s["rows"]), tuple((str(n), int(c), int(k))
-                                                 for n, c, k in s["encoders"]), int(s["gen"]))
-            for p, s in data.items()}
+def phase_ranks(layout, mesh, colo=None) -> tuple[dict, int]:
+    """(encoder slot -> its dp, the LLM's dp) on the co-located `mesh`."""
+    encs = [slot.name for slot in layout.encoders]
+    return encoder_ranks(mesh, encs, colo), llm_ranks(mesh, colo)
 
 
 class PhaseBatches(LoaderStream):
-    """Iterator of (BalancedBatch, skipped [(name, reason, where)]) for the co-located
-    runner on `mesh`; `state` / `restore` resume exactly (next batch, floors, capacity)."""
+    """Iterator of (BalancedBatch, skipped [`Skipped`]) for the co-located runner on
+    `mesh`, over the run's sample stream; `state` / `restore` resume exactly (the one
+    resume schema: next batch, floors, capacity)."""
 
-    def __init__(self, source, cfg, layout, global_batch: int, mesh, prefetch: int = 2,
-                 scan_steps: int | None = None, colo=None):
-        self.loader = Loader(source, cfg, Plan.uniform(cfg, global_batch, 1), layout)
-        self.builder, self.layout, self.mesh, self.prefetch = (
-            self.loader.builder, layout, mesh, prefetch)
+    def __init__(self, stream: SampleStream, mesh, settings: PhaseSettings, colo=None,
+                 scan_steps: int | None = None):
+        self.stream, self.layout, self.mesh, self.settings = stream, stream.layout, mesh, settings
         self.colo = colo
-        encs = [slot.name for slot in layout.encoders]
-        self.ranks = (encoder_ranks(mesh, encs, colo), llm_ranks(mesh, colo))
+        encs = [slot.name for slot in self.layout.encoders]
+        self.ranks = phase_ranks(self.layout, mesh, colo)
         self.axes = (encoder_axes(mesh, encs, colo), llm_axes(mesh, colo))
-        tp = mesh.devices.size // min([*self.ranks[0].values(), self.ranks[1]])
-        self.settings = phase_settings(self.loader, cfg, layout, mesh.devices.size, tp)
-        self.max_bad_fraction = self.loader.max_bad_fraction
+        self.max_bad_fraction = stream.settings.max_bad_fraction
         self.next_batch = 0
-        scan = self.loader.shape_scan_steps if scan_steps is None else scan_steps
-        # unbalanced (every phase "none", no node-wise): the caller reads plain batches
-        self.floor, self.floor_capacity = (self._scan(scan)
-                                           if self.settings.balanced else (None, None))
+        scan = stream.scan_steps if scan_steps is None else scan_steps
+        self.floor, self.floor_capacity = self._scan(scan)
         self.shapes, self.capacity = self.floor, self.floor_capacity
         self._it = None
 
     def _kw(self) -> dict:
-        s = self.settings
-        return dict(ranks_per_node=s.ranks_per_node, node_wise_method=s.node_wise_method,
-                    node_wise_time_limit=s.node_wise_time_limit,
-                    node_wise_max_milp_ranks=s.node_wise_max_milp_ranks,
-                    devices=self.mesh.devices.size)
+        return dict(node_wise=self.settings.node_wise, devices=self.mesh.devices.size)
 
     @property
     def ranks_per_node(self) -> int | None:
@@ -195,7 +194,7 @@ class PhaseBatches(LoaderStream):
         """Per-phase shapes and the exchanges' capacities over global batches 0 .. steps-1,
         planned from their metadata (`GlobalBatchBuilder.scan`)."""
         floors, caps = None, None
-        for _, _, columns in self.builder.scan(steps):
+        for _, _, columns in self.stream.scan(steps):
             pp = plan_phases(columns.metas(), self.layout, *self.ranks, self.settings.policies,
                              floors=floors, **self._kw())
             floors, caps = pp.shapes, self._caps(pp.routes, caps)
@@ -214,22 +213,23 @@ class PhaseBatches(LoaderStream):
         return BatchShapes(llm.rows * ranks, encs, llm.gen * ranks)
 
     def state(self) -> dict:
-        return {"next_batch": self.next_batch,
+        """The resume schema (data/stream_position.py) with the floors and capacities."""
+        return {**self.stream.state(self.next_batch),
                 "capacity": None if self.capacity is None else [list(c) for c in self.capacity],
-                "phase_shapes": None if self.shapes is None else _shapes_json(self.shapes),
-                **self.builder.position(self.next_batch)}
+                "phase_shapes": None if self.shapes is None else {
+                    p: s.to_json() for p, s in self.shapes.items()}}
 
     def restore(self, state: dict) -> None:
-        """A co-located balanced run's state, or another runner's (`shapes`: not per phase;
-        the floors scanned here); at its stored sample (data/stream_position.py), its
-        shapes and capacities only when reached with this global batch and sequence length."""
+        """A state in the resume schema, of this layout or another (`shapes`: not per
+        phase; the floors scanned here); at its stored sample, its shapes and capacities
+        only when reached with this global batch and sequence length."""
         self.close()
-        self.next_batch = int(state["next_batch"])
-        self.builder.resume(state, self.next_batch)
-        if settings_changed(state, self.builder.plan.global_batch, self.layout.seq_len):
+        self.next_batch = self.stream.resume(state)
+        if settings_changed(state, self.stream.global_batch, self.layout.seq_len):
             state = {k: v for k, v in state.items() if k not in ("phase_shapes", "capacity")}
         ps = state.get("phase_shapes")
-        self.shapes = self.floor if ps is None else _shapes_from_json(ps)
+        self.shapes = self.floor if ps is None else {
+            p: BatchShapes.from_json(s) for p, s in ps.items()}
         cap = state.get("capacity")  # an older run's all-to-all capacity (an int): rescan
         self.capacity = (tuple(tuple(int(x) for x in c) for c in cap)
                          if isinstance(cap, list) else self.floor_capacity)
@@ -239,7 +239,7 @@ class PhaseBatches(LoaderStream):
 
     def __next__(self):
         if self._it is None:
-            self._it = self.loader.stream(self.builder.samples, self.next_batch)
+            self._it = self.stream.deliver(self.stream.samples, self.next_batch)
         gs = next(self._it)
         pb = phase_batch(gs.samples, self.layout, *self.ranks, self.settings.policies,
                          floors=self.shapes, failed=gs.failed, **self._kw())

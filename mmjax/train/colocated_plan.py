@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from mmjax.errors import UserError
 from mmjax.models.units import is_encoder, is_llm
 from mmjax.planner.plan import tp_divisible
+from mmjax.values import is_int
 
 LAYOUTS = ("disaggregated", "colocated")
 ZERO_STAGES = (1, 2, 3)
@@ -53,10 +54,6 @@ class Colocation:
         return max(self.tp_sizes, default=1)
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _stages(units, zero_stage) -> tuple[int, dict]:
     if zero_stage is None:
         return 1, {}
@@ -66,7 +63,7 @@ def _stages(units, zero_stage) -> tuple[int, dict]:
         raise UserError(f"manual_plan.zero_stage={zero_stage!r}: unknown unit(s) {unknown} "
                         f"(the model's units are {list(units)})")
     for u, v in (per_unit.items() if per_unit else [("", zero_stage)]):
-        if not _is_int(v) or v not in ZERO_STAGES:
+        if not is_int(v) or v not in ZERO_STAGES:
             where = f"manual_plan.zero_stage[{u!r}]" if u else "manual_plan.zero_stage"
             raise UserError(f"{where}={v!r}: no such ZeRO stage (use 1: optimizer state "
                             f"sharded, 2: also the gradients, 3: also the parameters)")
@@ -102,7 +99,7 @@ def check_layout(units, num_devices: int, layout="disaggregated", zero_stage=Non
         if u and u not in units:
             raise UserError(f"manual_plan.tp={tp!r}: unknown unit {u!r} (the model's units "
                             f"are {list(units)})")
-        if not _is_int(v) or v < 1:
+        if not is_int(v) or v < 1:
             raise UserError(f"{where}={v!r}: must be an int >= 1")
         if v > 1 and not (u and (is_llm(u) or is_encoder(u))):
             raise UserError(f"{where}={v!r}: in the co-located layout only the llm and the "
@@ -131,7 +128,7 @@ def check_layout(units, num_devices: int, layout="disaggregated", zero_stage=Non
                             f"larger one: use sizes that divide each other, e.g. {a} and "
                             f"{alt} for {b})")
     top = sizes[-1]
-    if fsdp_group is not None and (not _is_int(fsdp_group) or fsdp_group < 1
+    if fsdp_group is not None and (not is_int(fsdp_group) or fsdp_group < 1
                                    or num_devices % fsdp_group or fsdp_group % top):
         raise UserError(f"manual_plan.fsdp_group={fsdp_group!r}: must divide the "
                         f"{num_devices} devices and be a multiple of the largest tp {top} "

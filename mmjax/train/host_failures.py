@@ -15,6 +15,7 @@ import json
 import numpy as np
 
 from mmjax.data.feed import mask_samples
+from mmjax.data.skipped import Skipped
 
 
 def agree_on_failures(gb, allgather, gen_elements_per_image: int) -> int:
@@ -25,14 +26,14 @@ def agree_on_failures(gb, allgather, gen_elements_per_image: int) -> int:
     mine = json.dumps(sorted([p, n, r, list(w)] for p, (n, r, w) in gb.failed_at.items())
                       ).encode()
     sizes = np.asarray(allgather(np.array([len(mine)], np.int64))).reshape(-1)
-    union: dict[int, tuple[str, str]] = {}
+    union: dict[int, Skipped] = {}
     if any(int(n) > 2 for n in sizes):  # "[]" is two bytes
         buf = np.zeros(int(sizes.max()), np.uint8)
         buf[:len(mine)] = np.frombuffer(mine, np.uint8)
         rows = np.asarray(allgather(buf)).reshape(len(sizes), -1)
         for k, n in enumerate(sizes):
             for p, name, reason, where in json.loads(rows[k, :int(n)].tobytes()):
-                union.setdefault(int(p), (name, reason, tuple(where)))
+                union.setdefault(int(p), Skipped.from_json((name, reason, where)))
     local = len(gb.failed_at)
     before = gb.skipped_samples
     gb.skipped = gb.skipped[:len(gb.skipped) - local] + [union[p] for p in sorted(union)]

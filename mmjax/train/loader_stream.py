@@ -1,18 +1,17 @@
-"""The base of the trainers' global-batch iterators over a `Loader` (`single_data.LoaderBatches`,
-`colocated_data.PhaseBatches`): one way to stop them."""
+"""The base of the trainers' global-batch iterators over the run's sample stream
+(`single_data.LoaderBatches`, `colocated_data.PhaseBatches`): one way to stop them."""
 from __future__ import annotations
 
 
 class LoaderStream:
-    """Holds `loader` and `_it`, the running sample stream (None before the first batch,
-    after `restore` and after `close`)."""
+    """Holds `stream` (a `SampleStream`) and `_it`, what it delivers (None before the first
+    batch, after `restore` and after `close`)."""
 
     _it = None
 
     def close(self) -> None:
-        """Stop the running stream (producer processes, grain threads), then the loader."""
+        """Stop the running delivery (producer processes, grain threads)."""
         if self._it is not None:
             if hasattr(self._it, "close"):
                 self._it.close()
             self._it = None
-        self.loader.close()

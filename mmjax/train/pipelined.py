@@ -26,7 +26,8 @@ import numpy as np
 
 from mmjax.data.feed import gen_elements_per_image
 from mmjax.data.sources import eval_batches
-from mmjax.data.stream_position import resume_notice, stored_position
+from mmjax.data.stream_position import (STATE_KEY, resume_notice, stored_position,
+                                        stream_state)
 from mmjax.models.config import MLLMConfig
 from mmjax.models.hf.pretrained import whole_base
 from mmjax.parallel.ragged_exchange import exchange_kind
@@ -63,7 +64,7 @@ class PipelinedRunner:
         self.settings = settings or OptimizerSettings()
         rt = self.runtime = PipelineRuntime(
             cfg, plan, devices, seed, compute_dtype, pretrained, llm_mask_family,
-            pipeline_schedule, exchange_kind(getattr(data, "exchange", "auto")))
+            pipeline_schedule, exchange_kind(data.exchange if data is not None else "auto"))
         self.tx = optimizer_from_settings(schedule, self.settings, clip=False)
         # the learning rate a stage update's input: its program does not depend on
         # train.steps; `updates`: the updates applied so far (optax's count)
@@ -207,7 +208,7 @@ class PipelinedRunner:
             self.plan, self.state.stages, self.trained,
             lambda sid: remote_stage(self.tx, self.runtime.zero_placement(sid)[0],
                                      self.runtime.abstract_params(sid)))
-        return arrays, {"loader": self.state.data}
+        return arrays, {STATE_KEY: self.state.data}
 
     def restore_target(self) -> dict:
         return restore_target(self.checkpoint()[0])
@@ -221,7 +222,7 @@ class PipelinedRunner:
                                                         arrays).items():
             stages[sid] = StageState(master, opt, rt.compute_params({sid: master})[sid])
         position = stored_position(data_state)
-        data = data_state.get("loader", {"step": step, **position})
+        data = stream_state(data_state, step)
         if self.data is not None:
             self.data.set_state(data)
         self.state = TrainState(stages, step, data)
@@ -238,8 +239,7 @@ class PipelinedRunner:
         from mmjax.data.loader import Loader
 
         n = eval_batches(source, max_batches, self.global_batch)
-        data = Loader(source, self.cfg, self.plan, layout, shuffle=False,
-                      num_steps=n)
+        data = Loader.build(source, self.cfg, self.plan, layout, shuffle=False, num_steps=n)
         total, count = 0.0, 0
         try:
             for _ in range(n):
@@ -281,8 +281,8 @@ def pipelined_runner(cfg, layout, plan, schedule, dtype, seed, source=None, pret
     # each host decodes only its own DP ranks' samples
     local = (None if jax.process_count() == 1 else frozenset(
         i for i, d in enumerate(jax.devices()) if d.process_index == jax.process_index()))
-    data = Loader(source, cfg, plan, layout, local_devices=local,
-                  **({} if steps is None else {"num_steps": steps}))
+    data = Loader.build(source, cfg, plan, layout, local_devices=local,
+                        **({} if steps is None else {"num_steps": steps}))
     try:
         return PipelinedRunner(cfg, plan, schedule, dtype, seed, pretrained=pretrained,
                                llm_mask_family=layout.llm_mask_family, data=data,

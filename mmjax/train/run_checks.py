@@ -9,7 +9,7 @@ from mmjax.data.sources import eval_source
 from mmjax.errors import UserError
 from mmjax.settings import check_bound_settings
 from mmjax.train.colocated_data import check_colocated_loader
-from mmjax.train.data_config import layout_and_source, train_source
+from mmjax.train.data_config import layout_and_source
 from mmjax.train.validate import check_data_path
 
 
@@ -32,9 +32,8 @@ def check_run_model(cfg, tok, dirs, plan, colo, global_batch, eval_every, replan
                         f"{'the co-located layout' if colo is not None else 'train.replan_every'}"
                         f" does not place: set vae.placement='host' (the data path encodes)")
     if colo is not None:  # the loader's balancing settings, as the co-located layout reads them
-        lay, src = layout_and_source(cfg, tok)
-        check_colocated_loader(cfg, lay, src if src is not None else train_source(cfg),
-                               global_batch, jax.device_count(), colo.max_tp)
+        check_colocated_loader(cfg, layout_and_source(cfg, tok)[0], jax.device_count(),
+                               colo.max_tp)
     held_out = eval_source(cfg, tok) if eval_every else None
     if eval_every and held_out is None:
         raise UserError("train.eval_every needs a held-out set: set eval_source.json_path "

@@ -35,28 +35,29 @@ def dry_run_build(cfg, tok, dirs, plan, global_batch, attention_impl, schedule,
     `chosen`: the Plan `plan` names, already built (`run_plan`'s `chosen`); with a plan,
     `pipeline_schedule` is built over it (a schedule the plan cannot run fails here)."""
     from mmjax.data.batch_check import check_global_batch
+    from mmjax.data.global_batch import GlobalBatchBuilder
     from mmjax.data.loader import Loader
+    from mmjax.data.sample_stream import SampleStream
     from mmjax.train.optimizer import optimizer_from_settings
 
     optimizer_from_settings(schedule)
     float(schedule(0))
-    the_plan = (run_plan(plan, cfg, tok, dirs, global_batch, attention_impl, chosen)[0]
-                if plan is not None else Plan.uniform(cfg, global_batch, 1))
-    if plan is not None:
+    layout, source = layout_and_source(cfg, tok)
+    source = source if source is not None else train_source(cfg)
+    memory = None
+    data: GlobalBatchBuilder | SampleStream
+    if plan is not None:  # the plan's batch planner over the stream
+        the_plan = run_plan(plan, cfg, tok, dirs, global_batch, attention_impl, chosen)[0]
         named_schedule(pipeline_schedule, StageGraph.from_plan(the_plan),
                        the_plan.num_microbatches)
-    layout, source = layout_and_source(cfg, tok)
-    loader = Loader(source if source is not None else train_source(cfg), cfg, the_plan,
-                    layout)
-    memory = None
-    if plan is None and check_memory:
-        def memory(metas):
-            _check_single_program_memory(cfg, layout, metas, global_batch, dtype,
-                                         attention_impl)
-    try:
-        check_global_batch(loader.builder, 0, on_metadata=memory)
-    finally:
-        loader.close()
+        data = Loader.build(source, cfg, the_plan, layout).builder
+    else:  # one program: the stream's samples, assembled
+        data = SampleStream.from_gin(source, layout, global_batch)
+        if check_memory:
+            def memory(metas):
+                _check_single_program_memory(cfg, layout, metas, global_batch, dtype,
+                                             attention_impl)
+    check_global_batch(data, 0, on_metadata=memory)
 
 
 def _check_single_program_memory(cfg, layout, metas, global_batch, dtype,

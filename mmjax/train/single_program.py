@@ -13,7 +13,9 @@ from jax.sharding import SingleDeviceSharding
 
 from mmjax.data.batch_shapes import BatchShapes, grow_shapes
 from mmjax.data.sources import eval_batches
-from mmjax.data.stream_position import resume_notice, stored_position
+from mmjax.data.skipped import Skipped
+from mmjax.data.stream_position import (STATE_KEY, resume_notice, stored_position,
+                                        stream_state)
 from mmjax.models.hf.pretrained import load_pretrained_dirs
 from mmjax.models.mllm import MultimodalModel, trainable_filter
 from mmjax.parallel.sharded_init import abstract_split, init_split
@@ -65,9 +67,8 @@ class SingleProgram:
 
         def grow(shapes, metas):  # count_multiple: the co-located runner's dp
             return round_counts(grow_shapes(shapes, metas, layout), count_multiple)
-        self.data = data if data is not None else LoaderBatches(
-            source if source is not None else train_source(cfg), cfg, layout, global_batch,
-            grow)
+        self.data = data if data is not None else LoaderBatches.from_gin(
+            source if source is not None else train_source(cfg), layout, global_batch, grow)
         self.cfg = cfg
         filters = (trainable_filter(cfg), ...)
         tx = optimizer_from_settings(schedule)
@@ -120,7 +121,7 @@ class SingleProgram:
         # (and reported) when it happens, not hidden in a step's time
         self.compiled: dict = {}
         self.progress = None  # train/progress.py Progress, set by the trainer
-        self.max_bad_fraction = self.data.loader.max_bad_fraction
+        self.max_bad_fraction = self.data.max_bad_fraction
 
     def _make(self) -> None:
         """Run the init: the fresh state (unless one is set) and the frozen parameters."""
@@ -146,13 +147,12 @@ class SingleProgram:
         return self._frozen
 
     def load(self, arrays: dict, data_state: dict, step: int) -> str | None:
-        """A checkpoint of either path: a pipeline run's has no `batches` state; the single
-        program then goes on from global batch `step` at that run's stream position.
+        """A checkpoint of any layout, its data state in the resume schema or an older one
+        (`stream_state`): the stream goes on at its stored position.
         -> one line naming the data settings that changed since the position was stored
         (`resume_notice`)."""
         position = stored_position(data_state)
-        self.data.restore(data_state.get("batches", {"next_batch": step, "shapes": None,
-                                                     **position}))
+        self.data.restore(stream_state(data_state, step))
         self.state = single_from_logical(self.abstract, arrays)._replace(data=self.data.state())
         return resume_notice(position, step, self.global_batch, self.data.layout.seq_len)
 
@@ -162,7 +162,7 @@ class SingleProgram:
 
     def checkpoint(self) -> tuple[dict, dict]:
         """(plan-independent named arrays (train/logical_state.py), the data position)."""
-        return single_logical(self.state), {"batches": self.state.data}
+        return single_logical(self.state), {STATE_KEY: self.state.data}
 
     def _compile(self, inputs):
         """The step compiled for `inputs`' shapes, lowered from the abstract state (the
@@ -216,7 +216,7 @@ class SingleProgram:
         batch, skipped = next(self.data), []
         if isinstance(batch, tuple):  # SourceBatches: (batch, skipped before assembly)
             batch, skipped = batch
-        skipped = skipped + [(str(i), r, ("", "record", int(i))) for i, r in batch.skipped]
+        skipped = skipped + [Skipped.at_assembly(i, r) for i, r in batch.skipped]
         inputs = self.inputs(batch)
         leaves, treedef = jax.tree.flatten(inputs)
         key = (str(treedef), tuple((np.shape(x), str(np.asarray(x).dtype) if np.isscalar(x)
@@ -265,9 +265,9 @@ class SingleProgram:
                                    layout.llm_mask_family)
             self.eval_fn = jax.jit(lambda s, fr, b: loss_fn(s.stages[WHOLE_MODEL].master, fr,
                                                             b)[1]["lm_loss"])
-        data = LoaderBatches(source, self.cfg, layout, self.global_batch,
-                             lambda _, metas: batch_shapes([metas], layout), shuffle=False,
-                             scan_steps=0)  # each batch at its own shapes
+        data = LoaderBatches.from_gin(source, layout, self.global_batch,
+                                      lambda _, metas: batch_shapes([metas], layout),
+                                      scan_steps=0, shuffle=False)  # each at its own shapes
         total, count = 0.0, 0
         try:
             for _ in range(eval_batches(source, max_batches, self.global_batch)):
