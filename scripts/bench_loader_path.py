@@ -16,8 +16,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import selection_reference  # noqa: E402  (the frozen one-at-a-time select)
 
 from bench_balance import MODEL  # noqa: E402
-from mmjax.data.batch_plan import NodeWise, plan_global_batch  # noqa: E402
+from mmjax.data.batch_plan import plan_global_batch  # noqa: E402
 from mmjax.data.global_batch import GlobalBatchBuilder  # noqa: E402
+from mmjax.data.loader import Loader  # noqa: E402
 from mmjax.data.layout import check_shapes  # noqa: E402
 from mmjax.data.meta_columns import MetaColumns  # noqa: E402
 from mmjax.data.spec_columns import SpecColumns, SpecTable  # noqa: E402
@@ -63,13 +64,14 @@ LOADER_KEYS = ("select", "columns", "plan", "shapes", "wall")
 
 def _loader_row(d, args, src, layout, policies) -> dict:
     plan = Plan.uniform(MODEL, d * args.samples_per_rank, 1, dp=d)
-    b = GlobalBatchBuilder(src, MODEL, plan, layout, policies, "sum", node_wise=NodeWise(0))
-    _loader_path(b, b.select, 0)  # warm: the index's usable mask, numba's machine code
-    old = lambda step: selection_reference.select(b, step)  # noqa: E731
+    b = Loader.build(src, MODEL, plan, layout, policies, post_balance_policy="sum",
+                     ranks_per_node=0).builder
+    _loader_path(b, b.stream.select, 0)  # warm: the index's usable mask, numba's machine code
+    old = lambda step: selection_reference.select(b.stream, step)  # noqa: E731
     times = {k: {"after": [], "before": []} for k in LOADER_KEYS}
     same = True
     for r in range(args.repeats):
-        ms, got = _loader_path(b, b.select, r + 1)
+        ms, got = _loader_path(b, b.stream.select, r + 1)
         for k, v in zip(LOADER_KEYS, ms):
             times[k]["after"].append(v)
         if d <= args.before_loader_max_dp and r < args.before_loader_repeats:

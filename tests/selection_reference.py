@@ -1,22 +1,23 @@
-"""Frozen: `GlobalBatchBuilder.select` as it was before issue 41's array selection (one
+"""Frozen: `SampleStream.select` as it was before issue 41's array selection (one
 candidate at a time: grain's `index_shuffle` per stream position, the source's `spec`,
 `problem` and `layout.check_shapes` per candidate). tests/test_selection.py checks the
 array selection (data/selection.py) against it."""
 from grain.experimental import index_shuffle
 
-from mmjax.data.global_batch import REPLACEMENTS
+from mmjax.data.sample_stream import REPLACEMENTS
 from mmjax.data.layout import check_shapes
 from mmjax.data.meta_columns import MetaColumns
-from mmjax.data.records import sample_name, sample_where, source_problem
+from mmjax.data.records import source_problem
 from mmjax.data.row_budget import fill_rows
+from mmjax.data.skipped import Skipped
 from mmjax.errors import UserError
 
 
 def _index(b, pos: int, salt: int = 0) -> int:
     n = len(b.source)
     epoch, i = divmod(pos, n)
-    if b.shuffle or salt:
-        seed = (b.seed * 1_000_003 + epoch + salt * 7_919) % (1 << 32)
+    if b.settings.shuffle or salt:
+        seed = (b.settings.seed * 1_000_003 + epoch + salt * 7_919) % (1 << 32)
         i = index_shuffle(index=i, max_index=n - 1, seed=seed, rounds=4)
     return int(i)
 
@@ -30,9 +31,9 @@ def _draws(b, p0: int):
 
 
 def select(b, step: int, skipped: list | None = None, start: int | None = None):
-    """(indices, specs, skip reasons) of builder `b`'s global batch `step`, the old way."""
-    gb, mbs = b.plan.global_batch, b.plan.num_microbatches
-    budget = b.row_budget
+    """(indices, specs, skip reasons) of stream `b`'s global batch `step`, the old way."""
+    gb, mbs = b.global_batch, b.microbatches
+    budget = b.settings.row_budget
     need = gb if budget is None else mbs
     idx, specs, reasons, seen = [], [], {}, set()
     for drawn, i in enumerate(_draws(b, b.start(step) if start is None else start)):
@@ -48,7 +49,7 @@ def select(b, step: int, skipped: list | None = None, start: int | None = None):
             kind = why.split(":")[0]
             reasons[kind] = reasons.get(kind, 0) + 1
             if skipped is not None:
-                skipped.append((sample_name(b.source, i), why, sample_where(b.source, i)))
+                skipped.append(Skipped.of(b.source, i, why))
         else:
             idx.append(i)
             specs.append(spec)

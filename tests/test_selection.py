@@ -1,4 +1,4 @@
-"""`GlobalBatchBuilder.select` over arrays (data/selection.py, issue 41) picks exactly what
+"""`SampleStream.select` over arrays (data/selection.py, issue 41) picks exactly what
 the frozen one-candidate-at-a-time rule did (tests/selection_reference.py): the same
 indices, specs, skip reasons (and their order) and skipped rows, on random steps of
 synthetic sources with bad samples, small data sets whose windows wrap epochs, windows
@@ -9,13 +9,19 @@ import numpy as np
 import pytest
 
 import selection_reference as before
-from mmjax.data.global_batch import GlobalBatchBuilder
+from mmjax.data.loader_settings import StreamSettings
 from mmjax.data.layout import check_shapes
 from mmjax.data.records import ArrayRecordSource, SyntheticSource, write_dataset
+from mmjax.data.sample_stream import SampleStream
 from mmjax.data.spec_columns import SpecList
 from mmjax.data.synthetic import SyntheticConfig, SyntheticDataset
 from mmjax.errors import UserError
 from test_data_loader import CFG, LAYOUT, plan, source
+
+
+def _stream(src, gb=4, **settings) -> SampleStream:
+    return SampleStream(src, LAYOUT, gb, StreamSettings(**settings),
+                        plan(gb=gb).num_microbatches)
 
 
 def _same(b, step, start=None):
@@ -42,9 +48,7 @@ def test_select_equals_one_at_a_time(bad, size, reserve, shuffle):
     src = SyntheticSource(SyntheticDataset("mix", sc, seed=3, size=size))
     rng = np.random.default_rng(int(bad * 10) + size)
     for gb in (8, 20):
-        b = GlobalBatchBuilder(src, CFG, plan(gb=gb), LAYOUT,
-                               {u: "none" for u in CFG.unit_names}, seed=int(rng.integers(9)),
-                               reserve=reserve, shuffle=shuffle)
+        b = _stream(src, gb, seed=int(rng.integers(9)), reserve=reserve, shuffle=shuffle)
         for step in rng.integers(0, 50, 4).tolist():
             _same(b, step)
         _same(b, 1, start=int(rng.integers(0, 10 * size)))
@@ -52,8 +56,7 @@ def test_select_equals_one_at_a_time(bad, size, reserve, shuffle):
 
 @pytest.mark.parametrize("budget", [3, 6])
 def test_select_with_a_row_budget_equals_one_at_a_time(budget):
-    b = GlobalBatchBuilder(source(bad=0.3), CFG, plan(gb=16), LAYOUT,
-                           {u: "none" for u in CFG.unit_names}, seed=1, row_budget=budget)
+    b = _stream(source(bad=0.3), 16, seed=1, row_budget=budget)
     assert sum(_same(b, step) is not None for step in range(6)) >= 3
 
 
@@ -69,15 +72,13 @@ def test_array_record_source_reads_its_index_as_columns(tmp_path):
     assert list(SpecList(src.spec_table().take(idx))) == [src.spec(i) for i in idx.tolist()]
     assert src.spec_table().usable(LAYOUT)[idx].tolist() == [
         check_shapes(src.spec(i), LAYOUT) is None for i in idx.tolist()]
-    b = GlobalBatchBuilder(src, CFG, plan(gb=8), LAYOUT, {u: "none" for u in CFG.unit_names},
-                           seed=2)
+    b = _stream(src, 8, seed=2)
     for step in range(4):
         _same(b, step)
 
 
 def test_too_few_usable_samples_is_the_same_error():
-    b = GlobalBatchBuilder(source(bad=0.999), CFG, plan(), LAYOUT,
-                           {u: "none" for u in CFG.unit_names}, reserve=0)
+    b = _stream(source(bad=0.999), plan().global_batch, reserve=0)
     with pytest.raises(UserError, match=r"global batch 0: only \d of \d+ samples drawn are "
                                          r"usable .*data set of 500\); see skipped.jsonl"):
         b.select(0)
