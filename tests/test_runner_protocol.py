@@ -6,7 +6,7 @@ from mmjax.pipeline.runtime import PipelineRuntime
 from mmjax.pipeline.stage_setup import Stage
 from mmjax.train.pipelined import PipelinedRunner
 from mmjax.train.runner import Runner, StepMetrics
-from mmjax.train.single_program import SingleProgram
+from mmjax.train.whole_model import WholeModelRunner
 
 
 def _methods(cls) -> dict:
@@ -17,7 +17,7 @@ def _methods(cls) -> dict:
 def test_both_runners_have_the_protocol_methods_and_parameters():
     want = _methods(Runner)
     assert set(want) == {"step", "evaluate", "checkpoint", "restore_target", "load", "close"}
-    for cls in (SingleProgram, PipelinedRunner):
+    for cls in (WholeModelRunner, PipelinedRunner):
         for name, sig in want.items():
             got = inspect.signature(getattr(cls, name))
             assert list(got.parameters) == list(sig.parameters), (cls.__name__, name)
