@@ -152,7 +152,8 @@ class WholeModelRunner:
             made = concurrent.futures.ThreadPoolExecutor(1, "mmjax-init").submit(self._make)
         try:
             args: tuple = (self.abstract, self.abstract_frozen, inputs, NO_LIMITS, rate)
-            cache = (jax.config.read("jax_compilation_cache_dir") or None
+            # (a flag jax.config types only as a dynamic attribute)
+            cache = (getattr(jax.config, "jax_compilation_cache_dir") or None
                      if self.placement.program_cache else None)
             key = self._program_key(args) if cache else ""
             tree = jax.tree.structure((args, {}))
