@@ -49,6 +49,18 @@ class WholeModelRunner:
         self.mask_family = layout.llm_mask_family
         self.data = placement.batches(source if source is not None else train_source(cfg),
                                       cfg, layout, global_batch)
+        try:
+            self._build(cfg, layout, schedule, seed, pretrained, check_memory)
+        except BaseException:
+            self.data.close()
+            raise
+
+    def _build(self, cfg, layout, schedule, seed: int, pretrained: dict | None,
+               check_memory: bool) -> None:
+        """Everything but the data stream: the abstract state on the placement, the memory
+        check, the step; the init itself only with pretrained files (else on first use)."""
+        global_batch, dtype, attention_impl = self.global_batch, self.dtype, self.attention_impl
+        placement = self.placement
         self.filters = (trainable_filter(cfg), ...)
         self.tx, self.key = optimizer_from_settings(schedule), jax.random.key(seed)
         self.pretrained = pretrained
