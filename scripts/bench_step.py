@@ -1,7 +1,7 @@
 """Single-device training step: time, throughput and MFU, measured against the planner's
 analytic prediction (DistTrain §5.1's per-unit cost C(tp) at tp = 1).
 
-Builds the single-program trainer (train/single_program.py: the whole model as one jitted
+Builds the whole-model runner (train/whole_model.py: the whole model as one jitted
 step, real optimizer, the synthetic LAION-like stream through the real loader) for a preset
 model, runs `--warmup` untimed steps (compile) and `--steps` timed ones, and reports:
 
@@ -61,9 +61,10 @@ from mmjax.data.records import SyntheticSource
 from mmjax.data.synthetic import LLAVA_LIKE
 from mmjax.train.data_config import data_layout, synthetic_dataset
 from mmjax.train.optimizer import learning_rate_schedule
-from mmjax.train.colocated import Colocated
+from mmjax.train.colocated import ColocatedMesh
 from mmjax.train.colocated_plan import Colocation
-from mmjax.train.single_program import SingleProgram
+from mmjax.train.single_program import OneDevice
+from mmjax.train.whole_model import WholeModelRunner
 from mmjax.train.beside_profile import ProbeSet
 
 PRESETS = {
@@ -160,14 +161,12 @@ def _run(args) -> dict:
     layout = data_layout(cfg, seq_len=args.seq_len, packing=args.packing)
     source = SyntheticSource(synthetic_dataset(cfg, **PRESET_DATA[args.preset]))
     total = args.warmup + args.steps
-    if args.colocated_zero:  # the co-located runner over every device, each unit's ZeRO
-        # stage `--colocated_zero` (at one device the layer gathers run, over one rank)
-        prog = Colocated(cfg, layout, args.global_batch, learning_rate_schedule(total),
-                         dtype.type, seed=0, colo=Colocation(default_stage=args.colocated_zero),
-                         source=source, attention_impl=args.attention)
-    else:
-        prog = SingleProgram(cfg, layout, args.global_batch, learning_rate_schedule(total),
-                             dtype.type, seed=0, source=source, attention_impl=args.attention)
+    # the co-located mesh over every device, each unit's ZeRO stage `--colocated_zero` (at
+    # one device the layer gathers run, over one rank); else one device
+    place = (ColocatedMesh(Colocation(default_stage=args.colocated_zero), cfg, dtype.type)
+             if args.colocated_zero else OneDevice())
+    prog = WholeModelRunner(cfg, layout, args.global_batch, learning_rate_schedule(total),
+                            dtype.type, 0, place, source=source, attention_impl=args.attention)
     steps, cpu_s, probes = [], [], None
     for i in range(total):
         if i == args.warmup and not args.profile:  # the profile beside the timed steps

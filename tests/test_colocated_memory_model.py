@@ -136,15 +136,17 @@ def test_the_runner_prints_the_estimate_before_compiling():
     loader scanned (nothing compiled yet) and prints the estimate."""
     from mmjax.models.config import with_overrides
     from mmjax.models.tiny import tiny
-    from mmjax.train.colocated import Colocated
+    from mmjax.train.colocated import ColocatedMesh
     from mmjax.train.data_config import layout_and_source
     from mmjax.train.memory_check import check_colocated
+    from mmjax.train.whole_model import WholeModelRunner
 
     cfg = with_overrides(tiny(), {"llm.num_layers": 2, "encoders.vision.encoder.num_layers": 1,
                                   "generator.num_layers": 1})
     lay, src = layout_and_source(cfg, None)
     colo = Colocation(default_stage=3)
-    runner = Colocated(cfg, lay, 8, 1e-3, jnp.float32, 0, colo, src)
+    runner = WholeModelRunner(cfg, lay, 8, 1e-3, jnp.float32, 0,
+                              ColocatedMesh(colo, cfg, jnp.float32), src)
     est, line = check_colocated(cfg, runner.data.floor, lay.seq_len,
                                 runner.abstract.stages[WHOLE_MODEL].master,
                                 runner.abstract_frozen, colo, 8, jnp.float32, "auto", 8,

@@ -32,18 +32,19 @@ def _setup(steps: int, extra=()):
 def single_programs():
     """(floor, lowered step text, the rate fed at update 0 and 2) for train.steps 1 and 4."""
     from mmjax.train.optimizer import learning_rate_schedule
-    from mmjax.train.single_program import _NO_LIMITS, SingleProgram
+    from mmjax.train.single_program import OneDevice
+    from mmjax.train.whole_model import NO_LIMITS, WholeModelRunner
 
     out = {}
     try:
         for steps in (1, 4):
             cfg, layout, source = _setup(steps)
-            run = SingleProgram(cfg, layout, 8, learning_rate_schedule(steps), jnp.float32,
-                                0, source)
+            run = WholeModelRunner(cfg, layout, 8, learning_rate_schedule(steps),
+                                   jnp.float32, 0, OneDevice(), source)
             try:
                 batch, _ = next(run.data)
                 text = run.step_fn.lower(run.abstract, run.abstract_frozen,
-                                         run.inputs(batch), _NO_LIMITS,
+                                         run.placement.inputs(batch), NO_LIMITS,
                                          np.float32(0)).as_text()
                 rates = (run.rate_at(0), run.rate_at(2))
                 out[steps] = (run.data.floor, batch.shapes, text, rates)

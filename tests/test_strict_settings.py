@@ -16,7 +16,8 @@ from mmjax.errors import UserError
 from mmjax.models.tiny import tiny
 from mmjax.planner.plan import Plan
 from mmjax.train.data_config import data_layout
-from mmjax.train.single_program import SingleProgram
+from mmjax.train.single_program import OneDevice
+from mmjax.train.whole_model import WholeModelRunner
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -39,7 +40,7 @@ def test_loader_source_path_is_read_by_the_single_program(tmp_path):
         gin.parse_config([f"loader_source.path = '{data}'", "Loader.reserve = 4"])
     try:
         lay = data_layout(cfg)
-        runner = SingleProgram(cfg, lay, 4, 1e-3, jnp.float32, 0)
+        runner = WholeModelRunner(cfg, lay, 4, 1e-3, jnp.float32, 0, OneDevice())
         try:
             batches = [next(runner.data)[0] for _ in range(2)]
         finally:

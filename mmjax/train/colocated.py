@@ -1,37 +1,36 @@
-"""The co-located runner (OrchMLLM's layout): every unit on one mesh of all devices, each
-data-parallel over it (the LLM and each encoder at dp x tp with its own tp), with FSDP
-(ZeRO-1/2/3) per unit.
+"""The co-located placement (OrchMLLM's layout) of the whole-model runner
+(train/whole_model.py): every unit on one mesh of all devices, each data-parallel over it
+(the LLM and each encoder at dp x tp with its own tp), with FSDP (ZeRO-1/2/3) per unit.
 
 The step is one jitted SPMD program over the mesh (GSPMD): the encoders' forward over all
 ranks, the encoder outputs moved to the LLM's layout (`route`, the per-phase balancing
 seam), the LLM's forward and backward, the generator, then the encoders' backward, in
 dataflow order. Frozen units have no gradients and no optimizer state (their parameters are
-the step's `frozen` input). The interface is `SingleProgram`'s: the same loader, global
+the step's `frozen` input). The runner is the single program's: the same loader, global
 batches, plan-independent checkpoints (train/logical_state.py) and evaluation, so a run
 switches between this layout, its ZeRO stages and the other runners on resume.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mmjax.models.hf.pretrained import load_pretrained_dirs
-from mmjax.models.mllm import MultimodalModel, trainable_filter
+from mmjax.models.mllm import MultimodalModel
 from mmjax.models.scan import layer_weights
 from mmjax.parallel.fsdp import colocated_mesh, gather_layer, place_batch, tree_shardings
 from mmjax.parallel.phase_inputs import colocated_route, place_phase_batch
 from mmjax.parallel.hlo_traffic import collective_bytes
 from mmjax.parallel.rearrange import BACKWARD_SCOPE, FORWARD_SCOPE, TrafficLedger
-from mmjax.train.colocated_data import BalancedBatch, phase_batches
+from mmjax.train.colocated_data import BalancedBatch, PhaseBatches, phase_batches
 from mmjax.train.colocated_plan import Colocation
-from mmjax.train.data_config import train_source
+from mmjax.train.inputs import model_inputs
 from mmjax.train.memory_check import check_colocated
-from mmjax.train.runner import StepMetrics
-from mmjax.train.optimizer import optimizer_from_settings, rate_as_input
-from mmjax.train.single_program import SingleProgram
+from mmjax.train.single_program import whole_batches
 from mmjax.train.state import WHOLE_MODEL, TrainState, whole_model_state
-from mmjax.train.step import make_loss_fn, split_model, train_step_fn
+from mmjax.train.step import make_loss_fn, train_step_fn
 
 
 def to_llm_layout(enc_outputs: dict, batch=None) -> dict:
@@ -82,123 +81,116 @@ def colocated_step(graphdef, tx, mesh, colo: Colocation, abstract: TrainState,
                    out_shardings=(state_shardings(abstract, mesh, colo), None))
 
 
-class Colocated(SingleProgram):
-    """`SingleProgram`'s interface over a co-located mesh of every device."""
+class ColocatedMesh:
+    """The step over a co-located mesh of `devices` (default: every device) under `colo`'s
+    tp and ZeRO stages, with the per-phase balancing exchange when the loader's settings
+    balance a phase or turn node-wise on (train/colocated_data.py). `cfg` and `dtype` size
+    the exchange's rows. A mesh-sharded step: JAX's compilation cache only."""
 
-    program_cache = False  # a mesh-sharded step: JAX's compilation cache only
+    program_cache = False
 
-    def __init__(self, cfg, layout, global_batch, schedule, dtype, seed, colo: Colocation,
-                 source=None, attention_impl="auto", pretrained=None,
-                 devices=None, check_memory: bool = True):
-        devices = jax.devices() if devices is None else devices
-        self.mesh = colocated_mesh(devices, colo)
+    def __init__(self, colo: Colocation, cfg, dtype, devices=None):
+        self.devices = list(jax.devices() if devices is None else devices)
+        self.mesh = colocated_mesh(self.devices, colo)
         self.colo = colo
-        # the loader's balancing settings (train/colocated_data.py): per-phase layouts and
-        # the encoder->LLM all-to-all when any phase is balanced or node-wise is on
-        phases = phase_batches(source if source is not None else train_source(cfg), cfg,
-                               layout, global_batch, self.mesh, colo=colo)
-        self.phases = phases
-        rpn = phases.settings.ranks_per_node if phases else 0
-        # bytes the all-to-alls deliver per link class (nodes of `Loader.ranks_per_node`)
-        self.ledger = TrafficLedger(rpn) if rpn else None
-        self._sent: dict = {}  # compiled program key -> its exchanges' bytes (sent_bytes)
         self.row_bytes = cfg.llm.hidden_size * jnp.dtype(dtype).itemsize
-        super().__init__(cfg, layout, global_batch, schedule, dtype, seed, source,
-                         attention_impl, None, check_memory=False,
-                         count_multiple=len(devices), data=phases)
-        self.memory_line = None
-        shapes = self.data.floor if phases is None else phases.global_floor()
-        if shapes is not None:  # the step's peak per device before anything compiles
-            caps = phases.floor_capacity if phases is not None else None
-            exchange = 0.0 if caps is None else (  # send + receive, each encoder
-                2 * max(sum(c) for c in caps) * self.row_bytes * len(cfg.encoders))
-            _, self.memory_line = check_colocated(
-                cfg, shapes, layout.seq_len, self.abstract.stages[WHOLE_MODEL].master,
-                self.abstract_frozen,
-                colo, len(devices), dtype, attention_impl, global_batch,
-                jax.local_devices()[0], check_memory, exchange, len(jax.local_devices()))
-        filters = (trainable_filter(cfg), ...)
-        tx = optimizer_from_settings(schedule)
-        self.shardings = state_shardings(self.abstract, self.mesh, colo)
-        self.frozen_shardings = frozen_shardings(self.abstract_frozen, self.mesh, colo)
-        on = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
-        self.abstract = jax.tree.map(on, self.abstract, self.shardings)
-        self.abstract_frozen = jax.tree.map(on, self.abstract_frozen, self.frozen_shardings)
-        key = jax.random.key(seed)
+        self.phases: PhaseBatches | None = None  # set by `batches` when balanced
+        # bytes the all-to-alls deliver per link class (nodes of `Loader.ranks_per_node`)
+        self.ledger: TrafficLedger | None = None
+        self._payload: dict[str, int] = {}  # the ledger's payload after the last step
+        self._ragged_sent: dict[str, int] = {}  # and its sent bytes (a ragged exchange)
+        self._sent: dict = {}  # compiled program key -> its exchanges' bytes (sent_bytes)
 
+    def batches(self, source, cfg, layout, global_batch: int):
+        """Per-phase layouts and the encoder->LLM all-to-all when any phase is balanced or
+        node-wise is on; else the global batches whole, counts rounded to the mesh's size."""
+        phases = phase_batches(source, cfg, layout, global_batch, self.mesh, colo=self.colo)
+        if phases is None:
+            return whole_batches(source, cfg, layout, global_batch, len(self.devices))
+        self.phases = phases
+        rpn = phases.settings.ranks_per_node
+        self.ledger = TrafficLedger(rpn) if rpn else None
+        self._payload = dict(self.ledger.payload) if self.ledger else {}
+        self._ragged_sent = dict(self.ledger.sent) if self.ledger else {}
+        return phases
+
+    def memory_line(self, cfg, data, layout, abstract: TrainState, abstract_frozen, dtype,
+                    attention_impl: str, global_batch: int, check_memory: bool) -> str | None:
+        """The step's peak per device before anything compiles (the exchange's send and
+        receive buffers of every encoder included)."""
+        phases = self.phases
+        shapes = data.floor if phases is None else phases.global_floor()
+        if shapes is None:
+            return None
+        caps = phases.floor_capacity if phases is not None else None
+        exchange = 0.0 if caps is None else (
+            2 * max(sum(c) for c in caps) * self.row_bytes * len(cfg.encoders))
+        _, line = check_colocated(
+            cfg, shapes, layout.seq_len, abstract.stages[WHOLE_MODEL].master, abstract_frozen,
+            self.colo, len(self.devices), dtype, attention_impl, global_batch,
+            jax.local_devices()[0], check_memory, exchange, len(jax.local_devices()))
+        return line
+
+    def shardings(self, abstract: TrainState, abstract_frozen) -> tuple[Any, Any]:
+        return (state_shardings(abstract, self.mesh, self.colo),
+                frozen_shardings(abstract_frozen, self.mesh, self.colo))
+
+    def init(self, cfg, key, filters: tuple, tx, shardings: tuple) -> tuple[TrainState, Any]:
+        """One jitted program that makes every array as its shards."""
         def init():
             _, tr, fr = nnx.split(MultimodalModel(cfg, key), *filters)
             return whole_model_state(tr, tx.init(tr), jnp.zeros((), jnp.int32)), fr
-        init = jax.jit(init, out_shardings=(self.shardings, self.frozen_shardings))
+        return jax.jit(init, out_shardings=shardings)()
 
-        def fresh() -> tuple[TrainState, object]:
-            state, frozen = init()
-            if pretrained:
-                mdl = nnx.merge(self.graphdef,
-                                jax.device_get(state.stages[WHOLE_MODEL].master),
-                                jax.device_get(frozen))
-                load_pretrained_dirs(mdl, pretrained)
-                _, tr, fr = split_model(mdl, filters[0])
-                state = self.place(whole_model_state(tr, jax.jit(tx.init)(tr), state.step))
-                frozen = jax.jit(lambda f: f, out_shardings=self.frozen_shardings)(fr)
-            return state, frozen
-        self._fresh, self._state = fresh, None
-        if self._frozen is not None:  # no frozen leaves: its (empty) structure, placed
-            self._frozen = self.abstract_frozen
-        if pretrained:
-            self._make()
-        tx_at, self.rate_at = rate_as_input(schedule)
-        self.step_fn = colocated_step(self.graphdef, tx, self.mesh, colo, self.abstract,
-                                      dtype, attention_impl, layout.llm_mask_family,
-                                      colocated_route(self.mesh, colo) if phases
-                                      else to_llm_layout, tx_at)
+    def fetch(self, tree) -> Any:
+        return jax.device_get(tree)
 
-    def place(self, state: TrainState) -> TrainState:
-        """A TrainState (any placement) on the co-located shardings, its data kept."""
-        placed = jax.jit(lambda s: s, out_shardings=self.shardings)(state._replace(data={}))
-        return placed._replace(data=state.data)
+    def put(self, tree, shardings) -> Any:
+        return jax.jit(lambda t: t, out_shardings=shardings)(tree)
 
-    def inputs(self, batch):
+    def step_fn(self, graphdef, tx, dtype, attention_impl: str, mask_family: str, tx_at,
+                abstract: TrainState) -> Any:
+        route = (colocated_route(self.mesh, self.colo) if self.phases is not None
+                 else to_llm_layout)
+        return colocated_step(graphdef, tx, self.mesh, self.colo, abstract, dtype,
+                              attention_impl, mask_family, route, tx_at)
+
+    def inputs(self, batch) -> dict:
         if isinstance(batch, BalancedBatch):  # per-phase layouts + the all-to-all tables
+            assert self.phases is not None
             return place_phase_batch(batch.phases, self.mesh, batch.capacity, self.ledger,
                                      self.row_bytes, self.colo, self.phases.ranks_per_node,
                                      self.phases.settings.exchange)
-        return place_batch(self.mesh, super().inputs(batch), self.colo)
+        return place_batch(self.mesh, model_inputs(batch), self.colo)
 
-    def step(self, trace: bool = False, limits=(float("inf"), float("inf"))) -> StepMetrics:
-        """`SingleProgram.step`; with `ranks_per_node` set, the step's encoder->LLM bytes per
-        link class in its metrics: `a2a_{intra,inter}_node_bytes` what the compiled step's
-        exchanges send (forward and backward, read from its HLO: `sent_bytes`; a ragged
-        exchange's: the rows its tables send, `TrafficLedger.sent`),
-        `a2a_*_payload_bytes` the rows the tables deliver (`TrafficLedger.payload`)."""
-        before = dict(self.ledger.payload) if self.ledger else None
-        sent = dict(self.ledger.sent) if self.ledger else None
-        m = super().step(trace, limits)
-        if self.ledger:
-            m.extra = {f"a2a_{k}_payload_bytes": v - before[k]
-                       for k, v in self.ledger.payload.items()}
-            if self.phases.settings.exchange == "ragged":  # its links carry the send sizes
-                m.extra.update({f"a2a_{k}_bytes": v - sent[k]
-                                for k, v in self.ledger.sent.items()})
-            else:
-                m.extra.update({f"a2a_{k}_bytes": v for k, v in self.sent_bytes().items()})
-        return m
+    def step_extra(self, key, compiled) -> dict:
+        """With `ranks_per_node` set, the step's encoder->LLM bytes per link class:
+        `a2a_{intra,inter}_node_bytes` what the compiled step's exchanges send (forward and
+        backward, read from its HLO: `sent_bytes`; a ragged exchange's: the rows its tables
+        send, `TrafficLedger.sent`), `a2a_*_payload_bytes` the rows the tables delivered
+        this step (`TrafficLedger.payload`)."""
+        if self.ledger is None:
+            return {}
+        now, sent = dict(self.ledger.payload), dict(self.ledger.sent)
+        extra = {f"a2a_{k}_payload_bytes": v - self._payload[k] for k, v in now.items()}
+        assert self.phases is not None
+        if self.phases.settings.exchange == "ragged":  # its links carry the send sizes
+            extra.update({f"a2a_{k}_bytes": v - self._ragged_sent.get(k, 0)
+                          for k, v in sent.items()})
+        else:
+            extra.update({f"a2a_{k}_bytes": v
+                          for k, v in self.sent_bytes(key, compiled).items()})
+        self._payload, self._ragged_sent = now, sent
+        return extra
 
-    def sent_bytes(self) -> dict[str, int]:
-        """Per link class (nodes of `Loader.ranks_per_node`), the bytes the last step's
-        compiled program sends in its encoder->LLM exchanges, forward and backward: its
-        collective operands read from XLA's optimized HLO (`parallel.hlo_traffic`), once
-        per compiled program."""
-        key = self.last_key
+    def sent_bytes(self, key, compiled) -> dict[str, int]:
+        """Per link class (nodes of `Loader.ranks_per_node`), the bytes `compiled` sends in
+        its encoder->LLM exchanges, forward and backward: its collective operands read from
+        XLA's optimized HLO (`parallel.hlo_traffic`), once per compiled program."""
         if key not in self._sent:
-            hlo = self.compiled[key].as_text()
-            rpn = self.ledger.ranks_per_node
+            assert self.ledger is not None
+            hlo, rpn = compiled.as_text(), self.ledger.ranks_per_node
             n = self.mesh.devices.size
             got = [collective_bytes(hlo, rpn, s, n) for s in (FORWARD_SCOPE, BACKWARD_SCOPE)]
             self._sent[key] = {k: got[0][k] + got[1][k] for k in ("intra_node", "inter_node")}
         return self._sent[key]
-
-    def load(self, state: dict, data_state: dict, step: int) -> str | None:
-        notice = super().load(state, data_state, step)
-        self.state = self.place(self.state)
-        return notice

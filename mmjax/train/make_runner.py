@@ -1,6 +1,7 @@
 """`RunnerMaker`: the one place a run builds its runner (train/runner.py `Runner`), at
 start-up, after a resume onto an older plan and at each re-planning switch: the pipelined
-runner for a Plan, else the whole model as one program (on one device, or co-located)."""
+runner for a Plan, else the whole-model runner on its placement (one device, or the
+co-located mesh)."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,10 +9,13 @@ from typing import Any, Callable
 
 from mmjax.models.config import MLLMConfig
 from mmjax.planner.plan import Plan
-from mmjax.train.colocated import Colocated
+from mmjax.train.colocated import ColocatedMesh
 from mmjax.train.colocated_plan import Colocation
 from mmjax.train.pipelined import pipelined_runner
-from mmjax.train.single_program import SingleProgram
+from mmjax.train.placement import Placement
+from mmjax.train.runner import Runner
+from mmjax.train.single_program import OneDevice
+from mmjax.train.whole_model import WholeModelRunner
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,22 +36,22 @@ class RunnerMaker:
     colocation: Colocation | None
     pipeline_schedule: str = "1f1b"  # `train.schedule` (schedule/named.py)
 
-    def __call__(self, plan: Plan | None = None, announce=None):
-        """The runner for `plan` (None: one program); `announce()` once the memory check
-        passed (the trainer's line saying what compiles)."""
+    def __call__(self, plan: Plan | None = None, announce=None) -> Runner:
+        """The runner for `plan` (None: the whole model on `placement()`); `announce()` once
+        the memory check passed (the trainer's line saying what compiles)."""
         if plan is not None:
             return pipelined_runner(self.cfg, self.layout, plan, self.schedule, self.dtype,
                                     self.seed, self.source, self.dirs, self.steps,
                                     self.check_memory, announce, self.pipeline_schedule)
-        impl = self.attention_impl or "auto"
-        if self.colocation is None:
-            runner = SingleProgram(self.cfg, self.layout, self.global_batch, self.schedule,
-                                   self.dtype, self.seed, self.source, impl, self.dirs,
-                                   self.check_memory)
-        else:
-            runner = Colocated(self.cfg, self.layout, self.global_batch, self.schedule,
-                               self.dtype, self.seed, self.colocation, self.source, impl,
-                               self.dirs, check_memory=self.check_memory)
+        runner = WholeModelRunner(self.cfg, self.layout, self.global_batch, self.schedule,
+                                  self.dtype, self.seed, self.placement(), self.source,
+                                  self.attention_impl or "auto", self.dirs, self.check_memory)
         if announce is not None:
             announce()
         return runner
+
+    def placement(self) -> Placement:
+        """Where the whole model runs: one device, or the co-located mesh of every device."""
+        if self.colocation is None:
+            return OneDevice()
+        return ColocatedMesh(self.colocation, self.cfg, self.dtype)

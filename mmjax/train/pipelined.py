@@ -19,13 +19,13 @@ from __future__ import annotations
 import json
 import os
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from mmjax.data.feed import gen_elements_per_image
-from mmjax.data.sources import eval_batches
 from mmjax.data.stream_position import (STATE_KEY, resume_notice, stored_position,
                                         stream_state)
 from mmjax.models.config import MLLMConfig
@@ -37,6 +37,7 @@ from mmjax.pipeline.stage import rank_axes
 from mmjax.planner.plan import Plan
 from mmjax.train.data_config import train_source
 from mmjax.train.global_norm import fold_loss, multiprocess_norm, norm_from_squares
+from mmjax.train.held_out import held_out_loss
 from mmjax.train.host_failures import agree_on_failures
 from mmjax.train.logical_state import (pipeline_from_logical, pipeline_global_logical,
                                        remote_stage, restore_target)
@@ -110,8 +111,9 @@ class PipelinedRunner:
         # `sync_after[sid]`: backward actions dispatched (all stages) before sid's sync
         self.dispatch_log: list[tuple] = []
         self.sync_after: dict = {}
-        self.seen_shapes = set()  # feed shapes run so far: a new one compiles
-        self.steps_run, self.steps_traced, self.progress = 0, 0, None
+        self.seen_shapes: set = set()  # feed shapes run so far: a new one compiles
+        self.steps_run, self.steps_traced = 0, 0
+        self.progress: Any = None  # train/progress.py Progress, set by the trainer
 
     def compute_params(self) -> dict:
         """{StageId: compute copy} of every stage: what the runtime runs on."""
@@ -233,24 +235,20 @@ class PipelinedRunner:
 
     # ---- validation -------------------------------------------------------------------
     def evaluate(self, source, max_batches: int, layout) -> float:
-        """Mean loss per trained token over the held-out set's first global batches, by
-        forward passes alone on this plan (`PipelineRuntime.evaluate`); the same samples
-        as the single program's `evaluate`, so both report the same `eval_loss`."""
+        """`held_out_loss` by forward passes alone on this plan (`PipelineRuntime.evaluate`):
+        the same samples as the whole-model runner's, so both report the same `eval_loss`."""
         from mmjax.data.loader import Loader
 
-        n = eval_batches(source, max_batches, self.global_batch)
-        data = Loader.build(source, self.cfg, self.plan, layout, shuffle=False, num_steps=n)
-        total, count = 0.0, 0
-        try:
-            for _ in range(n):
-                feeds = [mb.feed for mb in next(data).microbatches]
-                lm = self.runtime.evaluate(feeds, self.compute_params()).losses()["lm_loss"]
-                tokens = sum(f.num_target_tokens for f in feeds)
-                total += lm * tokens
-                count += tokens
-        finally:
-            data.close()
-        return total / max(count, 1)
+        def loss_and_tokens(gb) -> tuple[float, int]:
+            feeds = [mb.feed for mb in gb.microbatches]
+            lm = self.runtime.evaluate(feeds, self.compute_params()).losses()["lm_loss"]
+            return lm, sum(f.num_target_tokens for f in feeds)
+
+        return held_out_loss(
+            source, max_batches, self.global_batch,
+            lambda n: Loader.build(source, self.cfg, self.plan, layout, shuffle=False,
+                                   num_steps=n),
+            loss_and_tokens)
 
     def close(self):
         if self.data is not None:

@@ -1,6 +1,7 @@
 """What the training loop asks of a way to run a step: the typed `Runner` protocol that the
-single-program runner (train/single_program.py) and the pipelined runner
-(train/pipelined.py) implement, and the `StepMetrics` each step returns.
+whole-model runner (train/whole_model.py, on one device or a co-located mesh) and the
+pipelined runner (train/pipelined.py) implement (mypy checks both where
+train/make_runner.py returns them), and the `StepMetrics` each step returns.
 
 A runner owns its run's training state (parameters, optimizer state, the data position):
 the loop steps it, saves what `checkpoint()` hands out and gives back what it restored to

@@ -1,12 +1,12 @@
 """The training state of a run: one pytree value, owned by the runner that steps it
-(train/single_program.py, train/pipelined.py). Saving, restoring, re-planning and export
+(train/whole_model.py, train/pipelined.py). Saving, restoring, re-planning and export
 read and write this value only; the pipeline runtime reads the compute copies it is
 handed and keeps none. Frozen parameters are not training state: they are the runners'
 fixed inputs (rebuilt from the seed or the pretrained files, never checkpointed).
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 WHOLE_MODEL = "model"  # the single program's one stage: the whole model's trainable part
 
@@ -31,7 +31,7 @@ class TrainState(NamedTuple):
     for a runner fed by hand and inside a jitted step (host JSON, not arrays)."""
 
     stages: dict
-    step: object = 0
+    step: Any = 0  # an int (pipelined), a device scalar (the whole-model step's)
     data: dict = {}
 
 
