@@ -15,6 +15,7 @@ from mmjax.data.layout import AssemblyLayout, check_shapes
 from mmjax.data.records import sample_name, sample_where, source_problem
 from mmjax.data.shuffle import index_shuffle
 from mmjax.data.spec_columns import SpecColumns
+from mmjax.data.table_records import TableRecords, concat_records
 
 SEED_MUL, SALT_MUL = 1_000_003, 7_919  # the stream's per-epoch seed (`_index`'s)
 
@@ -35,14 +36,15 @@ def stream_indices(positions: np.ndarray, n: int, seed: int, shuffle: bool,
 
 
 def candidate_shapes(source, layout: AssemblyLayout, indices: np.ndarray):
-    """(per index whether its shapes are usable, positions -> their `SpecColumns`,
+    """(per index whether its shapes are usable, positions -> their `SpecColumns` (or
+    `TableRecords`, read lazily),
     position -> its spec): from
     the source's `spec_table()` where it has one (gathering only what is taken), else
     from its `specs(indices)` or its `spec` per index."""
     table = getattr(source, "spec_table", None)
     if table is not None:
         t = table()
-        return (t.usable(layout)[indices], lambda at: t.take(indices[at]),
+        return (t.usable(layout)[indices], lambda at: TableRecords(t, indices[at]),
                 lambda j: source.spec(int(indices[j])))
     bulk = getattr(source, "specs", None)
     specs = bulk(indices) if bulk is not None else [source.spec(i) for i in indices.tolist()]
@@ -112,7 +114,7 @@ def pick(source, layout: AssemblyLayout, draws: Draws, count: int, budget: bool,
     window, then of the replacements until there are `count`. Each unusable candidate's
     (name, reason, where) is appended to `skipped`, in draw order."""
     got: list[np.ndarray] = []
-    cols: list[SpecColumns] = []
+    cols: list[SpecColumns | TableRecords] = []
     reasons: dict[str, int] = {}
     seen: list[np.ndarray] = []
     have = drawn = a = 0
@@ -144,7 +146,7 @@ def pick(source, layout: AssemblyLayout, draws: Draws, count: int, budget: bool,
             break
         a = b
     idx = np.concatenate(got) if got else np.zeros(0, np.int64)
-    return (idx.tolist(), SpecColumns.concat(cols) if cols else SpecColumns.from_specs([]),
+    return (idx.tolist(), concat_records(cols) if cols else SpecColumns.from_specs([]),
             reasons, drawn)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TYPE_CHECKING
 from operator import itemgetter
 
 import numpy as np
@@ -19,6 +20,9 @@ from mmjax.data.layout import AssemblyLayout
 from mmjax.data.meta_columns import AUDIO, CODE, IMAGE, IMAGE_OUT, TEXT, MetaColumns
 from mmjax.data.meta_columns import segment_fields
 from mmjax.data.sample import MODALITIES, TokenRules
+
+if TYPE_CHECKING:
+    from mmjax.data.table_records import TableRecords
 
 DIMS = 3  # shape entries kept; a longer shape fits no modality (`usable` is False)
 
@@ -169,10 +173,9 @@ class SpecTable:
         packed = [cols.code.astype(np.int64) + 1 + 8 * np.minimum(cols.ndim, 7)
                   + 64 * cols.fourth,
                   *cols.dims.T, cols.queries, cols.masked]
-        self.rows = np.ascontiguousarray(np.stack(packed, 1).astype(np.int32))
-        if not all(np.array_equal(self.rows[:, i], v) for i, v in enumerate(packed)):
-            self.rows = np.ascontiguousarray(np.stack(packed, 1))
+        self.rows = _int32_rows(packed)
         self._usable: dict[AssemblyLayout, np.ndarray] = {}
+        self._meta: dict[TokenRules, tuple[np.ndarray, int]] = {}
 
     @classmethod
     def from_specs(cls, specs) -> "SpecTable":
@@ -199,6 +202,28 @@ class SpecTable:
         return self._usable[layout]
 
 
+    def meta_rows(self, rules: TokenRules) -> tuple[np.ndarray, int]:
+        """(per segment `meta_columns`'s modality code, LLM tokens, encoder tokens, input
+        size, masked as rows, int32 where all fit; the delimiter tokens of a non-text
+        segment) of every record under `rules` (computed on first use), so a batch's
+        metadata is one gather (data/table_records.py)."""
+        if rules not in self._meta:
+            c, d = self.columns, self.columns.dims
+            llm, enc, size, masked, _ = segment_fields(rules, c.code, d[:, 0], d[:, 1],
+                                                       d[:, 2], c.queries, c.masked)
+            self._meta[rules] = (_int32_rows([c.code.astype(np.int64), llm, enc, size,
+                                              masked]), 2 if rules.markers else 0)
+        return self._meta[rules]
+
+
+def _int32_rows(packed: list[np.ndarray]) -> np.ndarray:
+    """The columns `packed` as contiguous rows, int32 unless a value does not fit."""
+    rows = np.ascontiguousarray(np.stack(packed, 1).astype(np.int32))
+    if not all(np.array_equal(rows[:, i], v) for i, v in enumerate(packed)):
+        rows = np.ascontiguousarray(np.stack(packed, 1))
+    return rows
+
+
 @njit(cache=True)
 def _gather_rows(rows, starts, counts, items):
     """[fields, segments] of the segment rows of records `items`, one after another."""
@@ -214,9 +239,10 @@ def _gather_rows(rows, starts, counts, items):
 
 
 class SpecList(Sequence):
-    """The specs that `columns` stand for, each built when read (`SpecColumns.spec`)."""
+    """The specs that `columns` stand for (`SpecColumns`, or records of a table read
+    lazily: data/table_records.py), each built when read (`spec`)."""
 
-    def __init__(self, columns: SpecColumns):
+    def __init__(self, columns: "SpecColumns | TableRecords"):
         self.columns = columns
 
     def __len__(self) -> int:
@@ -232,6 +258,6 @@ class SpecList(Sequence):
         return self.columns.spec(p)
 
 
-def spec_columns(specs) -> SpecColumns:
+def spec_columns(specs) -> "SpecColumns | TableRecords":
     """The columns of `specs` (a `SpecList`'s own, or built from a list)."""
     return specs.columns if isinstance(specs, SpecList) else SpecColumns.from_specs(specs)
