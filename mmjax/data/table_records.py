@@ -6,10 +6,11 @@ arithmetic (issue 41: host planning linear in the batch)."""
 from __future__ import annotations
 
 import numpy as np
+from numba import njit
 
 from mmjax.data.meta_columns import MODALITIES, TEXT, MetaColumns
 from mmjax.data.sample import TokenRules
-from mmjax.data.spec_columns import SpecColumns, SpecTable, _gather_rows
+from mmjax.data.spec_columns import SpecColumns, SpecTable
 
 
 class TableRecords:
@@ -39,14 +40,14 @@ class TableRecords:
     def meta_columns(self, ids, rules: TokenRules) -> MetaColumns:
         """`SpecColumns.meta_columns` of these records: one gather, no arithmetic."""
         rows, delimiter = self.table.meta_rows(rules)
-        f = _gather_rows(rows, self.table.starts, self.counts, self.items)
-        code = f[0].astype(np.int8)
+        code = np.empty(int(self.counts.sum()), np.int8)
+        f = np.empty((5, code.size), np.int64)
+        _gather_meta(rows, self.table.starts, self.counts, self.items, TEXT, delimiter,
+                     code, f)
         if (code < 0).any():  # as `SpecColumns.meta_columns` (columns keep no name)
             raise ValueError(f"unknown modality; use one of {MODALITIES}")
-        delim = np.where(code == TEXT, 0, delimiter).astype(np.int64)
-        llm, enc, size, masked = (f[i].astype(np.int64) for i in range(1, 5))
         return MetaColumns(np.asarray(ids, np.int64).reshape(len(self)), self.counts, code,
-                           llm, enc, size, masked, delim)
+                           f[0], f[1], f[2], f[3], f[4])
 
 
 def concat_records(parts: "list[SpecColumns | TableRecords]") -> "SpecColumns | TableRecords":
@@ -61,3 +62,19 @@ def concat_records(parts: "list[SpecColumns | TableRecords]") -> "SpecColumns | 
                                                          if isinstance(p, TableRecords)]))
     return SpecColumns.concat([p.columns if isinstance(p, TableRecords) else p
                                for p in parts])
+
+
+@njit(cache=True)
+def _gather_meta(rows, starts, counts, items, text, delimiter, code, out):
+    """Into `code` and `out` ([llm, encoder, size, masked, delimiters] x segments): the
+    meta rows of records `items`, one after another, widened as they are written."""
+    j = 0
+    for k in range(items.size):
+        s = starts[items[k]]
+        for t in range(counts[k]):
+            c = rows[s + t, 0]
+            code[j] = c
+            for f in range(4):
+                out[f, j] = rows[s + t, f + 1]
+            out[4, j] = 0 if c == text else delimiter
+            j += 1
