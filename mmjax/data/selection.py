@@ -10,6 +10,7 @@ batch)."""
 from __future__ import annotations
 
 import numpy as np
+from numba import njit
 
 from mmjax.data.layout import AssemblyLayout, check_shapes
 from mmjax.data.records import sample_name, sample_where, source_problem
@@ -95,8 +96,19 @@ class Draws:
         return lo // self.n == hi // self.n
 
 
-def first_seen(ind: np.ndarray, seen: list[np.ndarray], distinct: bool) -> np.ndarray:
-    """Per draw whether its index is new: not in `seen` nor earlier in `ind`."""
+def first_seen(ind: np.ndarray, seen: list[np.ndarray], distinct: bool,
+               n: int = 0) -> np.ndarray:
+    """Per draw whether its index is new: not in `seen` nor earlier in `ind`. With `n`
+    (indices in [0, n), not too many for their count) one pass over a mark per index,
+    else sorting (`np.unique`, `np.isin`)."""
+    if distinct and not seen:
+        return np.ones(ind.size, bool)
+    total = ind.size + sum(x.size for x in seen)
+    if 0 < n <= max(MARKS, 16 * total):
+        mark = np.zeros(n, np.bool_)
+        for x in seen:
+            mark[x] = True
+        return _first_marks(ind, mark)
     if distinct:
         new = np.ones(ind.size, bool)
     else:
@@ -105,6 +117,19 @@ def first_seen(ind: np.ndarray, seen: list[np.ndarray], distinct: bool) -> np.nd
     if seen:
         new &= ~np.isin(ind, np.concatenate(seen))
     return new
+
+
+MARKS = 1 << 22  # `first_seen` marks up to this many indices whatever the draws' count
+
+
+@njit(cache=True)
+def _first_marks(ind, mark):
+    """Per entry of `ind` whether `mark` did not hold it yet; marks it."""
+    out = np.empty(ind.size, np.bool_)
+    for k in range(ind.size):
+        out[k] = not mark[ind[k]]
+        mark[ind[k]] = True
+    return out
 
 
 def pick(source, layout: AssemblyLayout, draws: Draws, count: int, budget: bool,
@@ -125,7 +150,7 @@ def pick(source, layout: AssemblyLayout, draws: Draws, count: int, budget: bool,
             count - have if not a else max(64, (count - have) * a // max(have, 1) * 5 // 4))
         b = min(draws.total, a + size)
         ind = draws.indices(a, b)
-        at = np.flatnonzero(first_seen(ind, seen, draws.distinct(a, b)))
+        at = np.flatnonzero(first_seen(ind, seen, draws.distinct(a, b), draws.n))
         cand = ind[at]
         ok, take, spec = candidate_shapes(source, layout, cand)
         ok &= problem_free(source, cand)
