@@ -37,11 +37,10 @@ def stream_indices(positions: np.ndarray, n: int, seed: int, shuffle: bool,
 
 
 def candidate_shapes(source, layout: AssemblyLayout, indices: np.ndarray):
-    """(per index whether its shapes are usable, positions -> their `SpecColumns` (or
-    `TableRecords`, read lazily),
-    position -> its spec): from
-    the source's `spec_table()` where it has one (gathering only what is taken), else
-    from its `specs(indices)` or its `spec` per index."""
+    """(per index whether its shapes are usable, positions -> their `SpecColumns`,
+    position -> its spec): from the source's `spec_table()` where it has one (the
+    positions' records as `TableRecords`, gathered only when read), else from its
+    `specs(indices)` or its `spec` per index."""
     table = getattr(source, "spec_table", None)
     if table is not None:
         t = table()
@@ -96,6 +95,9 @@ class Draws:
         return lo // self.n == hi // self.n
 
 
+MARKS = 1 << 22  # `first_seen` marks up to this many indices whatever the draws' count
+
+
 def first_seen(ind: np.ndarray, seen: list[np.ndarray], distinct: bool,
                n: int = 0) -> np.ndarray:
     """Per draw whether its index is new: not in `seen` nor earlier in `ind`. With `n`
@@ -117,9 +119,6 @@ def first_seen(ind: np.ndarray, seen: list[np.ndarray], distinct: bool,
     if seen:
         new &= ~np.isin(ind, np.concatenate(seen))
     return new
-
-
-MARKS = 1 << 22  # `first_seen` marks up to this many indices whatever the draws' count
 
 
 @njit(cache=True)

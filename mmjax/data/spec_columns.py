@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING
 from operator import itemgetter
+from typing import TYPE_CHECKING
 
 import numpy as np
 from numba import njit
@@ -200,7 +200,6 @@ class SpecTable:
         if layout not in self._usable:
             self._usable[layout] = self.columns.usable(layout)
         return self._usable[layout]
-
 
     def meta_rows(self, rules: TokenRules) -> tuple[np.ndarray, int]:
         """(per segment `meta_columns`'s modality code, LLM tokens, encoder tokens, input

@@ -1,8 +1,8 @@
 """Records taken from a `SpecTable` (data/spec_columns.py), read lazily (no JAX):
 `TableRecords` stands for the `SpecColumns` of a batch's records without gathering them,
 and turns into the batch's `MetaColumns` by one gather of the table's per-segment
-metadata, computed once per `TokenRules` (`SpecTable.meta_rows`), so a step does no per-segment
-arithmetic (issue 41: host planning linear in the batch)."""
+metadata, computed once per `TokenRules` (`SpecTable.meta_rows`), so a step does no
+per-segment arithmetic (issue 41: host planning linear in the batch)."""
 from __future__ import annotations
 
 import numpy as np
