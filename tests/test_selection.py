@@ -13,6 +13,7 @@ from mmjax.data.loader_settings import StreamSettings
 from mmjax.data.layout import check_shapes
 from mmjax.data.records import ArrayRecordSource, SyntheticSource, write_dataset
 from mmjax.data.sample_stream import SampleStream
+from mmjax.data.selection import first_seen
 from mmjax.data.spec_columns import SpecList
 from mmjax.data.synthetic import SyntheticConfig, SyntheticDataset
 from mmjax.errors import UserError
@@ -84,3 +85,20 @@ def test_too_few_usable_samples_is_the_same_error():
         b.select(0)
     with pytest.raises(UserError, match=r"only \d of \d+ samples"):
         before.select(b, 0)
+
+
+@pytest.mark.parametrize("distinct", [False, True])
+def test_first_seen_by_marks_equals_by_sorting(distinct):
+    """`first_seen` with marks per index (n given) equals the sorting path (n = 0)."""
+    rng = np.random.default_rng(7)
+    n = 5000
+    for _ in range(20):
+        ind = (rng.permutation(n)[:300] if distinct else rng.integers(0, n, 300))
+        seen = [rng.integers(0, n, int(rng.integers(0, 200))) for _ in range(2)]
+        seen = seen[:int(rng.integers(0, 3))]
+        want = first_seen(ind, seen, distinct)
+        got = first_seen(ind, seen, distinct, n)
+        assert got.tolist() == want.tolist()
+        flags = [i not in {int(x) for s in seen for x in s} and i not in ind[:k].tolist()
+                 for k, i in enumerate(ind.tolist())]
+        assert want.tolist() == flags

@@ -58,9 +58,9 @@ class MetaColumns:
         (modality, shape, num_queries[, num_masked]), as a source's `spec` gives them;
         `specs` may be a `SpecList` (data/spec_columns.py: its columns are read as they
         are, no spec built)."""
-        from mmjax.data.spec_columns import spec_columns  # it imports this module
+        from mmjax.data.spec_columns import SpecColumns, spec_columns  # they import this
         cols = spec_columns(specs)
-        if (cols.code < 0).any():
+        if isinstance(cols, SpecColumns) and (cols.code < 0).any():
             m = next(e[0] for s in specs for e in s if e[0] not in CODE)
             raise ValueError(f"unknown modality {m!r}; use one of {MODALITIES}")
         return cols.meta_columns(ids, rules)

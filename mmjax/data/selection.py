@@ -10,12 +10,14 @@ batch)."""
 from __future__ import annotations
 
 import numpy as np
+from numba import njit
 
 from mmjax.data.layout import AssemblyLayout, check_shapes
 from mmjax.data.records import source_problem
 from mmjax.data.skipped import Skipped
 from mmjax.data.shuffle import index_shuffle
 from mmjax.data.spec_columns import SpecColumns
+from mmjax.data.table_records import TableRecords, concat_records
 
 SEED_MUL, SALT_MUL = 1_000_003, 7_919  # the stream's per-epoch seed (`_index`'s)
 
@@ -37,13 +39,13 @@ def stream_indices(positions: np.ndarray, n: int, seed: int, shuffle: bool,
 
 def candidate_shapes(source, layout: AssemblyLayout, indices: np.ndarray):
     """(per index whether its shapes are usable, positions -> their `SpecColumns`,
-    position -> its spec): from
-    the source's `spec_table()` where it has one (gathering only what is taken), else
-    from its `specs(indices)` or its `spec` per index."""
+    position -> its spec): from the source's `spec_table()` where it has one (the
+    positions' records as `TableRecords`, gathered only when read), else from its
+    `specs(indices)` or its `spec` per index."""
     table = getattr(source, "spec_table", None)
     if table is not None:
         t = table()
-        return (t.usable(layout)[indices], lambda at: t.take(indices[at]),
+        return (t.usable(layout)[indices], lambda at: TableRecords(t, indices[at]),
                 lambda j: source.spec(int(indices[j])))
     bulk = getattr(source, "specs", None)
     specs = bulk(indices) if bulk is not None else [source.spec(i) for i in indices.tolist()]
@@ -94,8 +96,22 @@ class Draws:
         return lo // self.n == hi // self.n
 
 
-def first_seen(ind: np.ndarray, seen: list[np.ndarray], distinct: bool) -> np.ndarray:
-    """Per draw whether its index is new: not in `seen` nor earlier in `ind`."""
+MARKS = 1 << 22  # `first_seen` marks up to this many indices whatever the draws' count
+
+
+def first_seen(ind: np.ndarray, seen: list[np.ndarray], distinct: bool,
+               n: int = 0) -> np.ndarray:
+    """Per draw whether its index is new: not in `seen` nor earlier in `ind`. With `n`
+    (indices in [0, n), not too many for their count) one pass over a mark per index,
+    else sorting (`np.unique`, `np.isin`)."""
+    if distinct and not seen:
+        return np.ones(ind.size, bool)
+    total = ind.size + sum(x.size for x in seen)
+    if 0 < n <= max(MARKS, 16 * total):
+        mark = np.zeros(n, np.bool_)
+        for x in seen:
+            mark[x] = True
+        return _first_marks(ind, mark)
     if distinct:
         new = np.ones(ind.size, bool)
     else:
@@ -106,6 +122,16 @@ def first_seen(ind: np.ndarray, seen: list[np.ndarray], distinct: bool) -> np.nd
     return new
 
 
+@njit(cache=True)
+def _first_marks(ind, mark):
+    """Per entry of `ind` whether `mark` did not hold it yet; marks it."""
+    out = np.empty(ind.size, np.bool_)
+    for k in range(ind.size):
+        out[k] = not mark[ind[k]]
+        mark[ind[k]] = True
+    return out
+
+
 def pick(source, layout: AssemblyLayout, draws: Draws, count: int, budget: bool,
          skipped: list | None):
     """(indices, their `SpecColumns`, skip reasons, distinct candidates drawn): without
@@ -113,7 +139,7 @@ def pick(source, layout: AssemblyLayout, draws: Draws, count: int, budget: bool,
     window, then of the replacements until there are `count`. Each unusable candidate's
     a `Skipped` record is appended to `skipped`, in draw order."""
     got: list[np.ndarray] = []
-    cols: list[SpecColumns] = []
+    cols: list[SpecColumns | TableRecords] = []
     reasons: dict[str, int] = {}
     seen: list[np.ndarray] = []
     have = drawn = a = 0
@@ -124,7 +150,7 @@ def pick(source, layout: AssemblyLayout, draws: Draws, count: int, budget: bool,
             count - have if not a else max(64, (count - have) * a // max(have, 1) * 5 // 4))
         b = min(draws.total, a + size)
         ind = draws.indices(a, b)
-        at = np.flatnonzero(first_seen(ind, seen, draws.distinct(a, b)))
+        at = np.flatnonzero(first_seen(ind, seen, draws.distinct(a, b), draws.n))
         cand = ind[at]
         ok, take, spec = candidate_shapes(source, layout, cand)
         ok &= problem_free(source, cand)
@@ -145,7 +171,7 @@ def pick(source, layout: AssemblyLayout, draws: Draws, count: int, budget: bool,
             break
         a = b
     idx = np.concatenate(got) if got else np.zeros(0, np.int64)
-    return (idx.tolist(), SpecColumns.concat(cols) if cols else SpecColumns.from_specs([]),
+    return (idx.tolist(), concat_records(cols) if cols else SpecColumns.from_specs([]),
             reasons, drawn)
 
 

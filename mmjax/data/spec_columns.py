@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from operator import itemgetter
+from typing import TYPE_CHECKING
 
 import numpy as np
 from numba import njit
@@ -19,6 +20,9 @@ from mmjax.data.layout import AssemblyLayout
 from mmjax.data.meta_columns import AUDIO, CODE, IMAGE, IMAGE_OUT, TEXT, MetaColumns
 from mmjax.data.meta_columns import segment_fields
 from mmjax.data.sample import MODALITIES, TokenRules
+
+if TYPE_CHECKING:
+    from mmjax.data.table_records import TableRecords
 
 DIMS = 3  # shape entries kept; a longer shape fits no modality (`usable` is False)
 
@@ -164,15 +168,14 @@ class SpecTable:
 
     def __init__(self, cols: SpecColumns):
         self.columns, self.counts, self.starts = cols, cols.counts, cols.starts
-        # int32 rows (24 bytes a segment): code + 1 + 8 * ndim (at most 7) + 64 * fourth,
-        # d0, d1, d2, queries, masked (int64 when a value does not fit int32)
+        # rows of code + 1 + 8 * ndim (at most 7) + 64 * fourth, d0, d1, d2, queries,
+        # masked: int16 (12 bytes a segment), int32 or int64, what every value fits
         packed = [cols.code.astype(np.int64) + 1 + 8 * np.minimum(cols.ndim, 7)
                   + 64 * cols.fourth,
                   *cols.dims.T, cols.queries, cols.masked]
-        self.rows = np.ascontiguousarray(np.stack(packed, 1).astype(np.int32))
-        if not all(np.array_equal(self.rows[:, i], v) for i, v in enumerate(packed)):
-            self.rows = np.ascontiguousarray(np.stack(packed, 1))
+        self.rows = _narrow_rows(packed)
         self._usable: dict[AssemblyLayout, np.ndarray] = {}
+        self._meta: dict[TokenRules, tuple[np.ndarray, int]] = {}
 
     @classmethod
     def from_specs(cls, specs) -> "SpecTable":
@@ -198,6 +201,30 @@ class SpecTable:
             self._usable[layout] = self.columns.usable(layout)
         return self._usable[layout]
 
+    def meta_rows(self, rules: TokenRules) -> tuple[np.ndarray, int]:
+        """(per segment `meta_columns`'s modality code, LLM tokens, encoder tokens, input
+        size, masked as rows of the narrowest int type all fit; the delimiter tokens of a
+        non-text segment) of every record under `rules` (computed on first use), so a
+        batch's metadata is one gather (data/table_records.py)."""
+        if rules not in self._meta:
+            c, d = self.columns, self.columns.dims
+            llm, enc, size, masked, _ = segment_fields(rules, c.code, d[:, 0], d[:, 1],
+                                                       d[:, 2], c.queries, c.masked)
+            self._meta[rules] = (_narrow_rows([c.code.astype(np.int64), llm, enc, size,
+                                              masked]), 2 if rules.markers else 0)
+        return self._meta[rules]
+
+
+def _narrow_rows(packed: list[np.ndarray]) -> np.ndarray:
+    """The columns `packed` as contiguous rows of the narrowest of int16, int32, int64
+    that holds every value (a random gather's cost is the cache lines it reads)."""
+    stacked = np.stack(packed, 1)
+    lo, hi = (int(stacked.min(initial=0)), int(stacked.max(initial=0)))
+    for t in (np.int16, np.int32):
+        if np.iinfo(t).min <= lo and hi <= np.iinfo(t).max:
+            return np.ascontiguousarray(stacked.astype(t))
+    return np.ascontiguousarray(stacked)
+
 
 @njit(cache=True)
 def _gather_rows(rows, starts, counts, items):
@@ -214,9 +241,10 @@ def _gather_rows(rows, starts, counts, items):
 
 
 class SpecList(Sequence):
-    """The specs that `columns` stand for, each built when read (`SpecColumns.spec`)."""
+    """The specs that `columns` stand for (`SpecColumns`, or records of a table read
+    lazily: data/table_records.py), each built when read (`spec`)."""
 
-    def __init__(self, columns: SpecColumns):
+    def __init__(self, columns: "SpecColumns | TableRecords"):
         self.columns = columns
 
     def __len__(self) -> int:
@@ -232,6 +260,6 @@ class SpecList(Sequence):
         return self.columns.spec(p)
 
 
-def spec_columns(specs) -> SpecColumns:
+def spec_columns(specs) -> "SpecColumns | TableRecords":
     """The columns of `specs` (a `SpecList`'s own, or built from a list)."""
     return specs.columns if isinstance(specs, SpecList) else SpecColumns.from_specs(specs)

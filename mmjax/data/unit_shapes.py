@@ -14,7 +14,10 @@ from mmjax.data.shape_columns import ShapeColumns
 class UnitShapes(Mapping):
     """Unit -> its common `BatchShapes` over its DP ranks, each computed when first read
     (`rank_shapes`): the loader's feeds compute their own shapes, so a plan computes only
-    the ones something reads (the fill metrics, tests), not every unit's on every step."""
+    the ones something reads (the fill metrics, tests), not every unit's on every step.
+    An encoder unit whose samples carry no item of its modality (LAION-like samples on
+    the audio unit) gets the shapes of an empty batch, not its samples' packed LLM rows:
+    what it reads of them, its own slot, is the same either way (docs/packing.md)."""
 
     def __init__(self, cols: ShapeColumns, at: np.ndarray, splits: dict[str, RankSplit],
                  layout: AssemblyLayout):
@@ -24,8 +27,12 @@ class UnitShapes(Mapping):
     def __getitem__(self, unit: str) -> BatchShapes:
         if unit not in self._done:
             sp = self._splits[unit]
-            self._done[unit] = rank_shapes(self._cols, self._at[sp.items], sp.counts,
-                                           self._layout)
+            at = self._at[sp.items]
+            counts = sp.counts
+            items = self._cols.items.get(unit)
+            if items is not None and not items.counts[at].any():  # nothing for this unit
+                at, counts = at[:0], np.zeros_like(counts)
+            self._done[unit] = rank_shapes(self._cols, at, counts, self._layout)
         return self._done[unit]
 
     def __iter__(self) -> Iterator[str]:

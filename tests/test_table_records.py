@@ -1,0 +1,54 @@
+"""Records read lazily from a `SpecTable` (data/table_records.py, issue 41) equal the
+gathered columns exactly: `meta_columns` (one gather of the table's per-segment metadata)
+equals `TokenRules.meta_from_shapes` and `SpecColumns.meta_columns` of the same records,
+under markers and without; `take`, `spec`, `concat_records` and `SpecList` give back the
+specs; an unknown modality is refused."""
+import numpy as np
+import pytest
+
+from mmjax.data.layout import AssemblyLayout
+from mmjax.data.meta_columns import MetaColumns
+from mmjax.data.spec_columns import SpecColumns, SpecList, SpecTable
+from mmjax.data.table_records import TableRecords, concat_records
+from test_meta_columns import _model, random_specs
+
+
+def _same(a: MetaColumns, b: MetaColumns) -> bool:
+    return all(np.array_equal(getattr(a, f), getattr(b, f)) and
+               getattr(a, f).dtype == getattr(b, f).dtype
+               for f in ("ids", "counts", "modality", "llm_tokens", "encoder_tokens",
+                         "input_size", "masked", "delimiters"))
+
+
+@pytest.mark.parametrize("markers", [True, False])
+def test_meta_columns_equal_the_gathered_columns(markers):
+    layout = AssemblyLayout.from_config(_model(True), 1024, "pack", vision_caps=(256, 1024))
+    rules = layout.rules if markers else layout.rules.__class__(
+        **{**layout.rules.__dict__, "markers": False})
+    rng = np.random.default_rng(5)
+    specs = [[e if e[0] != "image_out" else ("image_out", (4, 8, 8), 16) for e in s]
+             for s in random_specs(rng, 400)]
+    table = SpecTable.from_specs(specs)
+    items = rng.permutation(len(specs))[:250]
+    ids = (items * 7 + 1).tolist()
+    lazy = TableRecords(table, items)
+    assert len(lazy) == 250 and np.array_equal(lazy.counts, table.take(items).counts)
+    got = lazy.meta_columns(ids, rules)
+    assert _same(got, table.take(items).meta_columns(ids, rules))
+    assert got.metas() == [rules.meta_from_shapes(i, specs[k]) for i, k in zip(ids, items)]
+    assert _same(MetaColumns.from_specs(ids, SpecList(lazy), rules), got)
+    parts = [lazy.take(np.arange(0, 100)), lazy.take(np.arange(100, 250))]
+    joined = concat_records(parts)
+    assert isinstance(joined, TableRecords) and np.array_equal(joined.items, items)
+    mixed = concat_records([parts[0], parts[1].columns])
+    assert isinstance(mixed, SpecColumns)
+    back = SpecList(joined)
+    assert list(back) == [specs[k] for k in items] == list(SpecList(mixed))
+    assert back[3] == lazy.spec(3) == specs[items[3]]
+
+
+def test_an_unknown_modality_is_refused():
+    table = SpecTable.from_specs([[("text", (5,), 0)], [("video", (3,), 0)]])
+    rules = AssemblyLayout.from_config(_model(False), 256, "pack").rules
+    with pytest.raises(ValueError, match="unknown modality; use one of"):
+        TableRecords(table, np.array([0, 1])).meta_columns([0, 1], rules)
