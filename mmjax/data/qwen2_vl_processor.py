@@ -113,13 +113,13 @@ class Qwen2VLImageProcessor(PilImageOps):
         assert lo is not None and hi is not None  # set by __post_init__
         return smart_resize(height, width, self.factor, lo, hi)
 
-    def __call__(self, image) -> np.ndarray:
-        """PIL image / uint8 array -> float32 [3, H, W], resized and normalised."""
+    def pixels(self, image) -> np.ndarray:
+        """PIL image / uint8 array -> uint8 [H, W, 3], resized."""
         image = self._prepare(image)
         h, w = self.output_size(image.height, image.width)
         if (h, w) != (image.height, image.width):
             image = image.resize((w, h), resample=self.resample, reducing_gap=None)
-        return self._finish(np.asarray(image))
+        return np.asarray(image)
 
     def patchify(self, image: np.ndarray):
         return patchify(image, self.patch_size, self.merge_size, self.temporal_patch_size)
