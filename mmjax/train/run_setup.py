@@ -7,7 +7,7 @@ import dataclasses
 import jax
 
 from mmjax.data.tokenizer import tokenizer
-from mmjax.errors import UserError
+from mmjax.errors import UserError, first_line
 from mmjax.models.config import MLLMConfig
 from mmjax.models.hf.pretrained import expand_whole_model, prepare_pretrained, whole_base
 from mmjax.planner.plan import Plan
@@ -123,7 +123,29 @@ def run_plan(plan: str, cfg: MLLMConfig, tok, dirs: dict, global_batch: int,
             f"{u.name} dp={u.dp} tp={u.tp} pp={u.pp}" for u in the_plan.units))
     else:
         the_plan = Plan.load(plan)
+        try:
+            return prepared_plan(the_plan, cfg, tok, dirs, global_batch, attention_impl)
+        except UserError as e:
+            raise another_models_plan(plan, cfg.name, e) from None
     return prepared_plan(the_plan, cfg, tok, dirs, global_batch, attention_impl)
+
+
+def another_models_plan(path: str, model: str, error: UserError) -> UserError:
+    """A Plan JSON this run refuses, said first as what it is when scripts/plan.py made it
+    for another model (its "model" field): the one line names both models and the fix,
+    then the first thing that failed; `error` itself otherwise."""
+    import json
+
+    try:
+        with open(path) as f:
+            made_for = json.load(f).get("model")
+    except (OSError, ValueError, AttributeError):
+        return error
+    if made_for is None or made_for == model:
+        return error
+    return UserError(f"--plan={path} was made for model {made_for!r}, this run trains "
+                     f"{model!r}: plan this model (scripts/plan.py --gin_file=<this run's "
+                     f"gin file> --json={path}) ({first_line(error)})")
 
 
 def prepared_plan(the_plan: Plan, cfg: MLLMConfig, tok, dirs: dict, global_batch: int,
