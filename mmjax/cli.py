@@ -14,6 +14,7 @@ import re
 import sys
 
 from mmjax.errors import UserError
+from mmjax.train.preemption import EXIT_INTERRUPTED
 
 EXIT_USER_ERROR = 2
 EXIT_OUT_OF_MEMORY = 1  # not bad input: the run itself did not fit
@@ -28,12 +29,18 @@ def user_error_types() -> tuple[type, ...]:
 def run_main(main, argv=None) -> int:
     """`main(argv)`'s exit code (0 when it returns a non-int, e.g. a benchmark's record); a
     user error -> one line on stderr, exit 2 (`--debug` in argv: re-raised with its
-    traceback)."""
+    traceback); a Ctrl-C the script does not handle itself (during imports, gin, set-up)
+    -> one line, exit 130, never a traceback."""
     argv = sys.argv[1:] if argv is None else list(argv)
     debug = "--debug" in argv
     try:
         rc = main([a for a in argv if a != "--debug"])
         return rc if isinstance(rc, int) and not isinstance(rc, bool) else 0
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print("interrupted (Ctrl-C): stopped at once", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except Exception as e:
         if not debug and not isinstance(e, user_error_types()):
             from mmjax.train.memory_check import out_of_memory_line

@@ -102,7 +102,7 @@ def main(argv=None) -> int:
         params.append(f"train.trace_steps = {args.trace_steps!r}")
     parse_gin(files, params)
     from mmjax.errors import first_line
-    from mmjax.train.preemption import EXIT_PREEMPTED, Preempted
+    from mmjax.train.preemption import EXIT_INTERRUPTED, EXIT_PREEMPTED, Preempted
     from mmjax.train.run_spec import RunSpec
     from mmjax.train.trainer import TrainingStopped, train
 
@@ -119,11 +119,11 @@ def main(argv=None) -> int:
         if jax.process_index() == 0:  # its first line: gin appends "In call to ..."
             print(f"preempted: {first_line(e)}", file=sys.stderr)
         return EXIT_PREEMPTED
-    except KeyboardInterrupt:  # a second Ctrl-C: stopped at once, no traceback
-        print("interrupted: stopped at once (a second Ctrl-C), without a checkpoint of this "
-              "step; rerun the same command to resume from the last checkpoint",
+    except KeyboardInterrupt:  # Ctrl-C before the loop's handler (set-up) or after it
+        print("interrupted (Ctrl-C): stopped at once, outside a step; rerun the same command "
+              "to resume from the last checkpoint (or start, if none was written)",
               file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
     if args.check:
         print("check: the settings, the plan and the first global batch are good; "
               "nothing written")

@@ -77,3 +77,17 @@ def test_ctrl_c_during_compilation_stops_after_it_and_a_second_exits_at_once(tmp
     assert "Traceback" not in text and "Segmentation" not in text
     assert run.lines[-1].startswith("SIGINT again: stopped at once")
     assert not any("compiled the training step" in line for line in run.lines)
+
+
+def test_ctrl_c_during_set_up_is_one_line_and_exit_130(capsys):
+    """A Ctrl-C before any handler of the script's own (imports, gin, the run's set-up)
+    ends the script with one line and exit 130, never a traceback; `--debug` keeps it."""
+    from mmjax.cli import run_main
+
+    def main(argv):
+        raise KeyboardInterrupt
+
+    assert run_main(main, []) == EXIT_INTERRUPTED
+    assert capsys.readouterr().err == "interrupted (Ctrl-C): stopped at once\n"
+    with pytest.raises(KeyboardInterrupt):
+        run_main(main, ["--debug"])

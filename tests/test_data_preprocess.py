@@ -108,6 +108,23 @@ def _whisper_reference(wave, n_mels, n_fft=400, hop=160, sr=16000, n_samples=Non
     return (np.maximum(mel, mel.max() - 8.0) + 4.0) / 4.0
 
 
+@pytest.mark.parametrize("make", ["clip", "native", "qwen2_vl"])
+def test_channels_last_is_the_processed_image_transposed(tmp_path, make):
+    """What the data sources keep (float32 [H, W, 3], contiguous, made without the
+    [3, H, W] copy) is the HF-layout output, value for value, for every processor."""
+    from mmjax.data.qwen2_vl_processor import Qwen2VLImageProcessor
+
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(CLIP_CONF))
+    proc = {"clip": lambda: load_processor(str(tmp_path)),
+            "native": lambda: NativeResizeProcessor(patch_size=4, max_grid=8),
+            "qwen2_vl": lambda: Qwen2VLImageProcessor(min_pixels=16 * 16, max_pixels=64 * 64,
+                                                      patch_size=4, merge_size=2)}[make]()
+    img = _image(37, 53, mode="RGBA")
+    hwc = proc.channels_last(img)
+    assert hwc.dtype == np.float32 and hwc.flags.c_contiguous and hwc.shape[2] == 3
+    np.testing.assert_array_equal(hwc, proc(img).transpose(1, 2, 0))
+
+
 @pytest.mark.parametrize("n_mels", [80, 128])
 def test_whisper_log_mel_matches_reference(tmp_path, n_mels):
     conf = {"feature_extractor_type": "WhisperFeatureExtractor", "feature_size": n_mels,

@@ -173,3 +173,28 @@ def test_an_image_request_needs_no_input_image():
     check(cfg, SimpleNamespace(**ask, output_image="red_square.png"))
     with pytest.raises(UserError, match=r"^--image: model llava_gen_tiny reads images"):
         check(cfg, SimpleNamespace(**ask, output_image=None))
+
+
+def test_a_plan_made_for_another_model_says_so_first(tmp_path):
+    """Issue 41: a Plan JSON from scripts/plan.py for another model is named as such (both
+    models, the fix), then the first check that failed; a plan of this model fails as
+    before."""
+    import json
+
+    from mmjax.models.tiny import tiny
+    from mmjax.train.manual_plan import manual_plan
+    from mmjax.train.run_setup import run_plan
+
+    d = manual_plan(global_batch=8, model=tiny()).to_json()
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps({**d, "global_batch": 128, "model": "disttrain/mllm_9b"}))
+    with pytest.raises(UserError) as e:
+        run_plan(str(path), tiny(), None, {}, 8, None)
+    assert str(e.value) == (
+        f"--plan={path} was made for model 'disttrain/mllm_9b', this run trains 'tiny': plan "
+        f"this model (scripts/plan.py --gin_file=<this run's gin file> --json={path}) (plan "
+        f"global_batch=128 differs from train.global_batch=8: make them equal)")
+    path.write_text(json.dumps({**d, "global_batch": 128, "model": "tiny"}))
+    with pytest.raises(UserError) as e:
+        run_plan(str(path), tiny(), None, {}, 8, None)
+    assert str(e.value) == "plan global_batch=128 differs from train.global_batch=8: make them equal"

@@ -79,6 +79,9 @@ def _plain(messages, add_generation_prompt, v):
 # renders, from one pass (tests/test_data_tokenizer_chat.py checks both); used when a
 # format's template is a named one, as the example tokenizer's is.
 COMPILED = {"llama3": _llama3, "qwen2": _qwen2, "plain": _plain}
+# placeholder text -> its modality, and the pattern that splits a rendered chat around them
+_KIND_OF = {v: k for k, v in PLACEHOLDERS.items()}
+_AROUND_PLACEHOLDERS = re.compile("(" + "|".join(map(re.escape, _KIND_OF)) + ")")
 
 
 class ChatError(ValueError):
@@ -213,12 +216,11 @@ class ChatFormat:
 
     def split(self, text: str, trained_chars: np.ndarray | None) -> RenderedChat:
         """Tokenise `text` piecewise around placeholders, with per-token masks."""
-        names = {v: k for k, v in PLACEHOLDERS.items()}
-        parts = re.split("(" + "|".join(map(re.escape, names)) + ")", text)
+        parts = _AROUND_PLACEHOLDERS.split(text)
         pieces, base = [], 0
         for part in parts:
-            if part in names:
-                pieces.append((names[part], None, None))
+            if part in _KIND_OF:
+                pieces.append((_KIND_OF[part], None, None))
             elif part:
                 enc = self.tokenizer.encode(part)
                 mask = None

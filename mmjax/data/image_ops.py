@@ -3,6 +3,8 @@ JAX): RGB conversion, then rescale and normalise with the CLIP mean and std by d
 preprocess.py and qwen2_vl_processor.py build their processors on `PilImageOps`."""
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import numpy as np
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -22,7 +24,7 @@ def convert_to_rgb(image):
     return image.convert("RGB")
 
 
-class PilImageOps:
+class PilImageOps(ABC):
     """Resize / rescale / normalise shared by the image processors (HF semantics)."""
 
     def _prepare(self, image):
@@ -34,17 +36,31 @@ class PilImageOps:
             image = convert_to_rgb(image)
         return image
 
+    def __call__(self, image) -> np.ndarray:
+        """PIL image / uint8 array -> float32 [3, H, W], resized and normalised (HF's
+        layout)."""
+        return np.ascontiguousarray(self.channels_last(image).transpose(2, 0, 1))
+
+    def channels_last(self, image) -> np.ndarray:
+        """The same pixels as float32 [H, W, 3], contiguous (what the data sources keep),
+        made without the [3, H, W] copy."""
+        return self._scaled(self.pixels(image))
+
+    @abstractmethod
+    def pixels(self, image) -> np.ndarray:
+        """The resized (and cropped) image, [H, W, C] before rescaling; each processor's."""
+
     def _at_output_size(self, image) -> np.ndarray:
-        """PIL image / uint8 array -> float32 [3, H, W] at `output_size` (resized when it
-        differs), rescaled and normalised."""
+        """PIL image / uint8 array -> uint8 [H, W, 3] at `output_size` (resized when it
+        differs): the processors whose `pixels` is a plain resize."""
         image = self._prepare(image)
         h, w = self.output_size(image.height, image.width)
         if (h, w) != (image.height, image.width):
             image = image.resize((w, h), resample=self.resample, reducing_gap=None)
-        return self._finish(np.asarray(image))
+        return np.asarray(image)
 
-    def _finish(self, arr: np.ndarray) -> np.ndarray:
-        """uint8 [H, W, 3] -> float32 [3, H, W] (rescale in float32, then normalise)."""
+    def _scaled(self, arr: np.ndarray) -> np.ndarray:
+        """[H, W, 3] -> float32 [H, W, 3], contiguous (rescale in float32, then normalise)."""
         x = arr
         if self.do_rescale:
             x = (x * self.rescale_factor).astype(np.float32)
@@ -53,4 +69,4 @@ class PilImageOps:
             mean = np.asarray(self.image_mean, dtype=x.dtype)
             std = np.asarray(self.image_std, dtype=x.dtype)
             x = (x - mean) / std
-        return np.ascontiguousarray(np.asarray(x, np.float32).transpose(2, 0, 1))
+        return np.ascontiguousarray(x, np.float32)

@@ -117,7 +117,7 @@ class ImageProcessor(PilImageOps):
             return int(self.crop_size["height"]), int(self.crop_size["width"])
         return h, w
 
-    def __call__(self, image) -> np.ndarray:
+    def pixels(self, image) -> np.ndarray:
         image = self._prepare(image)
         h, w = self.resize_size(image.height, image.width)
         if self.do_resize:
@@ -127,7 +127,7 @@ class ImageProcessor(PilImageOps):
             arr = arr[:, :, None]
         if self.do_center_crop:
             arr = center_crop(arr, int(self.crop_size["height"]), int(self.crop_size["width"]))
-        return self._finish(arr)
+        return arr
 
 
 def center_crop(arr: np.ndarray, ch: int, cw: int) -> np.ndarray:
@@ -166,7 +166,7 @@ class NativeResizeProcessor(PilImageOps):
         fit = lambda x: int(np.clip(round(x / p), 1, self.max_grid)) * p
         return fit(height), fit(width)
 
-    def __call__(self, image) -> np.ndarray:
+    def pixels(self, image) -> np.ndarray:
         return self._at_output_size(image)
 
 

@@ -113,8 +113,8 @@ class Qwen2VLImageProcessor(PilImageOps):
         assert lo is not None and hi is not None  # set by __post_init__
         return smart_resize(height, width, self.factor, lo, hi)
 
-    def __call__(self, image) -> np.ndarray:
-        """PIL image / uint8 array -> float32 [3, H, W], resized and normalised."""
+    def pixels(self, image) -> np.ndarray:
+        """PIL image / uint8 array -> uint8 [H, W, 3], resized."""
         return self._at_output_size(image)
 
     def patchify(self, image: np.ndarray):

@@ -7,7 +7,7 @@ import dataclasses
 import jax
 
 from mmjax.data.tokenizer import tokenizer
-from mmjax.errors import UserError
+from mmjax.errors import UserError, first_line
 from mmjax.models.config import MLLMConfig
 from mmjax.models.hf.pretrained import expand_whole_model, prepare_pretrained, whole_base
 from mmjax.planner.plan import Plan
@@ -109,9 +109,32 @@ def model_and_tokenizer(model: MLLMConfig | None):
 def run_plan(plan: str, cfg: MLLMConfig, tok, dirs: dict, global_batch: int,
              attention_impl: str | None, chosen: Plan | None = None) -> tuple[Plan, MLLMConfig]:
     """The run's Plan (`chosen`: the one `manual_plan` or `auto_plan` built for the layout;
-    else the Plan JSON `plan`), validated, and the config its tp sizes need."""
-    the_plan = chosen if chosen is not None else Plan.load(plan)
-    return prepared_plan(the_plan, cfg, tok, dirs, global_batch, attention_impl)
+    else the Plan JSON `plan`), validated, and the config its tp sizes need. A Plan JSON
+    that fails a check says first when it was made for another model."""
+    if chosen is not None:
+        return prepared_plan(chosen, cfg, tok, dirs, global_batch, attention_impl)
+    try:
+        return prepared_plan(Plan.load(plan), cfg, tok, dirs, global_batch, attention_impl)
+    except UserError as e:
+        raise another_models_plan(plan, cfg.name, e) from None
+
+
+def another_models_plan(path: str, model: str, error: UserError) -> UserError:
+    """A Plan JSON this run refuses, said first as what it is when scripts/plan.py made it
+    for another model (its "model" field): the one line names both models and the fix,
+    then the first thing that failed; `error` itself otherwise."""
+    import json
+
+    try:
+        with open(path) as f:
+            made_for = json.load(f).get("model")
+    except (OSError, ValueError, AttributeError):
+        return error
+    if made_for is None or made_for == model:
+        return error
+    return UserError(f"--plan={path} was made for model {made_for!r}, this run trains "
+                     f"{model!r}: plan this model (scripts/plan.py --gin_file=<this run's "
+                     f"gin file> --json={path}) ({first_line(error)})")
 
 
 def prepared_plan(the_plan: Plan, cfg: MLLMConfig, tok, dirs: dict, global_batch: int,

@@ -255,7 +255,7 @@ class ChatRecordSource:
                 if kind == "image":
                     with open_ref(ref) as f, Image.open(f) as im:
                         im.load()
-                        data = self.image_processor(im).transpose(1, 2, 0)
+                        data = self.image_processor.channels_last(im)
                 else:
                     wave = load_audio(ref, self.audio_processor.sampling_rate)
                     data = self.audio_processor(wave, padding="longest").T
