@@ -185,7 +185,7 @@ def test_a_plan_made_for_another_model_says_so_first(tmp_path):
     from mmjax.train.manual_plan import manual_plan
     from mmjax.train.run_setup import run_plan
 
-    d = manual_plan(global_batch=8, model=tiny()).to_json()
+    d = manual_plan(global_batch=8, model=tiny()).chosen.to_json()
     path = tmp_path / "plan.json"
     path.write_text(json.dumps({**d, "global_batch": 128, "model": "disttrain/mllm_9b"}))
     with pytest.raises(UserError) as e:
