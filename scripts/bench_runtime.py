@@ -86,6 +86,7 @@ from mmjax.schedule.stage_graph import StageId  # noqa: E402
 from mmjax.schedule.simulate import simulate  # noqa: E402
 from mmjax.planner.plan import Plan  # noqa: E402
 from mmjax.train.beside_profile import ProbeSet  # noqa: E402
+from mmjax.train.dispatch_probe import DispatchProbe  # noqa: E402
 
 PLANS = ("rigid", "disagg", "planner")
 CPU_NOTE = ("On CPU the 8 'devices' share {cores} host core(s): stages do not truly run "
@@ -287,14 +288,17 @@ def predicted_step(cfg, plan: Plan, lay, samples, profile: dict) -> dict:
     choices = {u.name: Choice(u.tp, u.dp, u.pp) for u in plan.units}
     t = shared_host_time(costs, choices, plan.global_batch, hw,
                          int(profile.get("cpu_cores") or os.cpu_count()),
-                         float(profile.get("device_busy_cores") or 1.0))
+                         float(profile.get("device_busy_cores") or 1.0),
+                         float(profile.get("action_host_cpu_s") or 0.0), plan.num_microbatches)
     return {"predicted_step_s": t.step_s, "predicted_schedule_s": t.schedule_s,
-            "predicted_cores_bound_s": t.cores_bound_s, "predicted_compute_s": t.compute_s}
+            "predicted_cores_bound_s": t.cores_bound_s, "predicted_compute_s": t.compute_s,
+            "predicted_host_s": t.host_s, "predicted_actions": t.num_actions,
+            "predicted_process_cpu_s": t.cpu_s}
 
 
 def timed_steps(rt: PipelineRuntime, feeds, steps: int, probes):
     """(dispatch s, step s, process CPU s per step, the dispatching thread's CPU s in
-    `run` per step, the last losses) of `steps` steps, the probes (if any) timed once
+    `run` per step, the last losses) of `steps` steps, each of `probes` sampled once
     after each."""
     dispatch, step, cpu, host = [], [], [], []
     for _ in range(steps):
@@ -307,8 +311,8 @@ def timed_steps(rt: PipelineRuntime, feeds, steps: int, probes):
         cpu.append(time.process_time() - c0)
         dispatch.append(t1 - t0)
         step.append(t2 - t0)
-        if probes is not None:
-            probes.sample()
+        for probe in probes:
+            probe.sample()
     return dispatch, step, cpu, host, losses
 
 
@@ -327,9 +331,16 @@ def bench_plan(name, cfg, lay, samples, args, out_dir, timeline, compiles) -> di
         b.ledger = None
     # without --profile, the host's profile is measured beside the timed steps (probes on
     # the first device after each step: the steps' own load, train/beside_profile.py)
-    probes = ProbeSet(dtype="float32") if args.host_profile is None else None
+    # and so is the host CPU of dispatching one action (train/dispatch_probe.py), on twice
+    # the parameter leaves of the plan's median stage (a forward takes the parameters; a
+    # backward also their gradient accumulators and the residuals)
+    probes = None
+    if args.host_profile is None:
+        leaves = statistics.median_low([len(jax.tree.leaves(st.abstract))
+                                        for st in rt.stages.values()])
+        probes = (ProbeSet(dtype="float32"), DispatchProbe(leaves=max(2 * leaves, 1)))
     compiled_before = compiles["n"]
-    dispatch, step, cpu, host, losses = timed_steps(rt, feeds, args.steps, probes)
+    dispatch, step, cpu, host, losses = timed_steps(rt, feeds, args.steps, probes or ())
     # the timed steps trace and compile nothing (tests/test_compile_once.py: nor do new
     # balanced global batches, padded to one shape floor);
     # the traced modes below compile their completion markers once (pipeline/trace.py)
@@ -397,14 +408,19 @@ def bench_plan(name, cfg, lay, samples, args, out_dir, timeline, compiles) -> di
 def predictions(cfg, plan: Plan, lay, samples, profile: dict | None, probes) -> dict:
     """The planner's step for `plan` priced with `profile` (--profile's), or with the
     probes' wall-second profile and, for the step's process CPU time, their CPU-second one
-    (its devices' compute: `predicted_cpu_s`)."""
+    (its devices' compute, `predicted_cpu_compute_s`, plus the actions' host dispatch CPU
+    from the dispatch probe: `predicted_cpu_s`)."""
     if probes is None:
         return {"hardware_profile": profile, **predicted_step(cfg, plan, lay, samples, profile)}
-    wall, per_cpu = probes.profile(), probes.profile("cpu")
+    device, dispatching = probes
+    host = {"action_host_cpu_s": dispatching.action_host_cpu_s(),
+            "action_host_cpu_samples": dispatching.samples}
+    wall, per_cpu = {**device.profile(), **host}, {**device.profile("cpu"), **host}
     out = {"hardware_profile": wall, "cpu_profile": per_cpu,
            **predicted_step(cfg, plan, lay, samples, wall)}
-    out["predicted_cpu_s"] = predicted_step(cfg, plan, lay, samples,
-                                            per_cpu)["predicted_compute_s"]
+    on_cpu = predicted_step(cfg, plan, lay, samples, per_cpu)
+    out["predicted_cpu_s"] = on_cpu["predicted_process_cpu_s"]
+    out["predicted_cpu_compute_s"] = on_cpu["predicted_compute_s"]
     return out
 
 
@@ -463,7 +479,7 @@ def main(argv=None) -> dict:
     for col in ("plan", "units dp/tp/pp", "#mb", "#actions", "dispatch us/action",
                 "measured step s", "serial sum s", "simulated step s", "ratio meas/sim",
                 "bubble frac", "predicted step s", "ratio meas/pred",
-                "CPU s meas/pred"):
+                "CPU s meas/pred", "host CPU ms/action"):
         table.add_column(col, justify="left" if col.startswith(("plan", "units")) else "right",
                          no_wrap=col.startswith("units"))
     for r in rows:
@@ -475,7 +491,8 @@ def main(argv=None) -> dict:
                       f"{r['predicted_step_s']:.3f}",
                       f"{r['measured_step_s'] / r['predicted_step_s']:.2f}",
                       f"{r['measured_cpu_s']:.3f}/{r['predicted_cpu_s']:.3f}"
-                      if r.get("predicted_cpu_s") else "-")
+                      if r.get("predicted_cpu_s") else "-",
+                      f"{r['predicted_host_s'] / r['num_actions'] * 1e3:.2f}")
     console.print(table)
     for r in rows:
         console.print(f"{r['plan']}: collectives per stage per step "

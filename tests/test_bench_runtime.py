@@ -20,7 +20,8 @@ FIELDS = {"plan", "units", "num_microbatches", "num_actions", "dispatch_us_per_a
           "stage_busy_s", "stage_costs_s", "serial_sum_s", "files", "collectives_per_step",
           "bytes_per_step", "node_map", "compiles_after_warmup", "stage_memory",
           "predicted_step_s", "predicted_schedule_s", "predicted_cores_bound_s",
-          "predicted_compute_s", "measured_cpu_s", "predicted_cpu_s", "cpu_profile"}
+          "predicted_compute_s", "measured_cpu_s", "predicted_cpu_s", "cpu_profile",
+          "predicted_host_s", "predicted_actions", "predicted_cpu_compute_s"}
 
 
 @pytest.fixture(scope="module")
@@ -58,11 +59,17 @@ def test_rows_and_fields(result):
         assert r["dispatch_us_per_action"] > 0 and r["measured_step_s"] > 0
         # the planner's prediction on this host: the schedule or the shared cores
         assert r["predicted_step_s"] == max(r["predicted_schedule_s"],
-                                            r["predicted_cores_bound_s"]) > 0
+                                            r["predicted_cores_bound_s"],
+                                            r["predicted_host_s"]) > 0
         # the profile measured beside the timed steps: wall seconds for the step, CPU
         # seconds for its devices' compute against the step's process CPU time
         assert r["hardware_profile"]["basis"] == "wall" and r["cpu_profile"]["basis"] == "cpu"
         assert r["measured_cpu_s"] > 0 and r["predicted_cpu_s"] > 0
+        # ... plus every action's host dispatch CPU, from the dispatch probe beside the steps
+        host = r["cpu_profile"]["action_host_cpu_s"]
+        assert host > 0 and r["predicted_actions"] == r["num_actions"]
+        assert r["predicted_cpu_s"] == pytest.approx(r["predicted_cpu_compute_s"]
+                                                     + r["num_actions"] * host)
     assert result["hardware_profile"]["dense_attention_pair_s"] > 0
 
 

@@ -10,7 +10,8 @@ from mmjax.planner.evaluate import Choice
 from mmjax.planner.hardware import H100
 from mmjax.planner.schedule_time import schedule_time
 from mmjax.planner.elementwise import elementwise_s
-from mmjax.planner.shared_host import (dense_costs, padded_workload, shared_host_time)
+from mmjax.planner.shared_host import (dense_costs, padded_workload, schedule_actions,
+                                       shared_host_time)
 from mmjax.planner.step_model import dense_attention_s, unit_seconds
 from mmjax.planner.workload import Workload
 
@@ -54,6 +55,7 @@ def test_shared_host_time_is_the_schedule_or_the_cores_whichever_is_longer():
     assert t.compute_s == pytest.approx(work)
     assert t.cores_bound_s == pytest.approx(work * 1.5 / 2)
     assert t.step_s == max(t.schedule_s, t.cores_bound_s)
+    assert t.host_s == 0.0 and t.cpu_s == t.compute_s  # no dispatch cost measured
     # a device cannot keep more cores busy than the host has
     assert shared_host_time(costs, choices, 8, HW, 2, 4.0).cores_bound_s == pytest.approx(work)
 
@@ -77,3 +79,27 @@ def test_dense_costs_under_full_remat_rerun_the_forward():
         elementwise_s(model, wl, "llm", HW, "none", 4) * 7 / 5)
     for tp, t in before["llm"].time_s.items():
         assert dense["llm"].time_s[tp] == pytest.approx(t + llm / tp)
+
+
+def test_each_action_dispatched_costs_the_measured_host_cpu():
+    """The runtime's thread dispatches a forward and a backward per microbatch on every
+    stage (vision 1 + llm 2 + generator 1 = 4 stages x 4 microbatches x 2 = 32 actions, as
+    bench_runtime.py counts them): each adds the probe's host CPU to the step's CPU and,
+    on a core, to the shared cores' bound."""
+    model = tiny()
+    costs = unit_costs(model, WL, HW)
+    choices = {"vision": Choice(1, 2, 1), "llm": Choice(2, 1, 2), "generator": Choice(1, 2, 1)}
+    assert schedule_actions(choices, 4) == 32
+    assert schedule_actions({**choices, "llm": Choice(2, 1, 2, vpp=2)}, 4) == 48
+    base = shared_host_time(costs, choices, 8, HW, cores=2, busy_cores=1.5)
+    t = shared_host_time(costs, choices, 8, HW, 2, 1.5, action_host_s=3e-3, num_microbatches=4)
+    assert t.num_actions == 32 and t.host_s == pytest.approx(32 * 3e-3)
+    assert t.cpu_s == pytest.approx(base.compute_s + 32 * 3e-3)
+    assert t.cores_bound_s == pytest.approx(base.cores_bound_s + 32 * 3e-3 / 2)
+    assert t.schedule_s == base.schedule_s
+    assert t.step_s == max(t.schedule_s, t.cores_bound_s, t.host_s)
+    # without the runtime's count, the planner's schedule's microbatches: batch / LLM dp
+    assert shared_host_time(costs, choices, 8, HW, 2, 1.5, 1e-3).num_actions == 2 * 8 * 4
+    # one thread dispatches them all: a step is never shorter than its dispatching
+    slow = shared_host_time(costs, choices, 8, HW, 64, 1.5, 1.0, 4)
+    assert slow.step_s == slow.host_s == pytest.approx(32.0)

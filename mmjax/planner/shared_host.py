@@ -10,7 +10,9 @@ Two things differ from a GPU cluster, and both are priced from measurements:
 - the devices are threads sharing the host's cores: the step takes at least the device-
   seconds of compute of all devices together, times the cores one device keeps busy
   (measured), over the host's cores - the 1F1B schedule's makespan assumes every device
-  has its own processor.
+  has its own processor;
+- one host thread dispatches every action of the schedule: each costs the measured host CPU
+  per action (profile field `action_host_cpu_s`, train/dispatch_probe.py), on a core too.
 """
 from __future__ import annotations
 
@@ -68,18 +70,39 @@ def dense_costs(model, wl: Workload, hw, costs: tuple[UnitCost, ...],
 class SharedHostTime:
     schedule_s: float  # the 1F1B makespan, each device on its own processor
     compute_s: float  # device-seconds of compute of all devices in one step
-    cores_bound_s: float  # compute_s x cores one device keeps busy / the host's cores
+    cores_bound_s: float  # (compute_s x cores one device keeps busy + host_s) / the cores
+    num_actions: int = 0  # forward and backward actions of the schedule in one step
+    host_s: float = 0.0  # num_actions x the host CPU seconds of dispatching one action
 
     @property
     def step_s(self) -> float:
-        return max(self.schedule_s, self.cores_bound_s)
+        return max(self.schedule_s, self.cores_bound_s, self.host_s)  # one thread dispatches
+
+    @property
+    def cpu_s(self) -> float:
+        """CPU seconds of the step's process: every device's compute and the dispatching."""
+        return self.compute_s + self.host_s
+
+
+def schedule_actions(choices: dict[str, Choice], num_microbatches: int) -> int:
+    """Actions one step dispatches: a forward and a backward per microbatch on every
+    (virtual) pipeline stage of every unit (a stage's dp and tp ranks are one mesh)."""
+    return 2 * num_microbatches * sum(c.pp * c.vpp for c in choices.values())
 
 
 def shared_host_time(costs: tuple[UnitCost, ...], choices: dict[str, Choice],
-                     global_batch: int, hw, cores: int, busy_cores: float) -> SharedHostTime:
+                     global_batch: int, hw, cores: int, busy_cores: float,
+                     action_host_s: float = 0.0, num_microbatches: int | None = None
+                     ) -> SharedHostTime:
     """The step of `choices` on one host whose devices share `cores` cores, each device
-    keeping `busy_cores` of them busy while it computes alone."""
+    keeping `busy_cores` of them busy while it computes alone, one thread dispatching its
+    actions at `action_host_s` CPU seconds each; `num_microbatches`: the runtime's (None:
+    the planner's schedule's, global batch / LLM dp)."""
     sched = schedule_time(costs, choices, global_batch, hw)
     work = sum(global_batch * c.time_s[choices[c.name].tp] * choices[c.name].tp
                for c in costs)
-    return SharedHostTime(sched, work, work * min(busy_cores, cores) / cores)
+    m = num_microbatches or global_batch // choices["llm"].dp
+    actions = schedule_actions(choices, m)
+    host = actions * action_host_s
+    return SharedHostTime(sched, work, (work * min(busy_cores, cores) + host) / cores,
+                          actions, host)
