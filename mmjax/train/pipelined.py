@@ -52,19 +52,20 @@ _NO_LIMITS = (np.inf, np.inf)
 
 class PipelinedRunner:
     """A Plan on the pipeline runtime, fed by `data` (a `Loader`; None:
-    feeds handed to `train_on`). `state` is the run's TrainState; the runtime is built once
+    feeds handed to `train_on`; its llm mask family from `layout`, else "bam"). `state` is the
+    run's TrainState; the runtime is built once
     from the plan and reads the compute copies it is handed."""
 
     def __init__(self, cfg: MLLMConfig, plan: Plan, schedule, compute_dtype=jnp.float32,
                  seed: int = 0, settings: OptimizerSettings | None = None, devices=None,
-                 pretrained: dict | None = None, llm_mask_family: str = "bam",
-                 data=None, layout=None, memory_line: str | None = None,
+                 pretrained: dict | None = None, data=None, layout=None, memory_line: str | None = None,
                  pipeline_schedule: str = "1f1b"):
         self.cfg, self.plan, self.global_batch = cfg, plan, plan.global_batch
         self.data, self.layout, self.memory_line = data, layout, memory_line
         self.settings = settings or OptimizerSettings()
         rt = self.runtime = PipelineRuntime(
-            cfg, plan, devices, seed, compute_dtype, pretrained, llm_mask_family,
+            cfg, plan, devices, seed, compute_dtype, pretrained,
+            layout.llm_mask_family if layout is not None else "bam",
             pipeline_schedule, exchange_kind(data.exchange if data is not None else "auto"))
         self.tx = optimizer_from_settings(schedule, self.settings, clip=False)
         # the learning rate a stage update's input: its program does not depend on
@@ -283,8 +284,7 @@ def pipelined_runner(cfg, layout, plan, schedule, dtype, seed, source=None, pret
                         **({} if steps is None else {"num_steps": steps}))
     try:
         return PipelinedRunner(cfg, plan, schedule, dtype, seed, pretrained=pretrained,
-                               llm_mask_family=layout.llm_mask_family, data=data,
-                               layout=layout, memory_line=memory_line,
+                               data=data, layout=layout, memory_line=memory_line,
                                pipeline_schedule=pipeline_schedule)
     except BaseException:
         data.close()
