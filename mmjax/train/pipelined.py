@@ -51,10 +51,10 @@ _NO_LIMITS = (np.inf, np.inf)
 
 
 class PipelinedRunner:
-    """A Plan on the pipeline runtime, fed by `data` (a `Loader`; None:
-    feeds handed to `train_on`; its llm mask family from `layout`, else "bam"). `state` is the
-    run's TrainState; the runtime is built once
-    from the plan and reads the compute copies it is handed."""
+    """A Plan on the pipeline runtime, fed by `data` (a `Loader`; None: feeds handed to
+    `train_on`), its LLM mask family `layout`'s (else "bam"). `state` is the run's
+    TrainState; the runtime is built once from the plan and reads the compute copies it is
+    handed."""
 
     def __init__(self, cfg: MLLMConfig, plan: Plan, schedule, compute_dtype=jnp.float32,
                  seed: int = 0, settings: OptimizerSettings | None = None, devices=None,
