@@ -155,9 +155,10 @@ class Broker:
         else:
             host = round_tables(routes, self.rounds, n, caps)
             arrays = {"send": host.send, "recv": host.recv}
-        device = {k: jax.make_array_from_callback(a.shape, self.union_sharding,
-                                                  lambda idx, a=a: a[idx], dtype=a.dtype)
-                  for k, a in arrays.items()}
+        device: dict[str, jax.Array] = {
+            k: jax.make_array_from_callback(a.shape, self.union_sharding, a.__getitem__,
+                                            dtype=a.dtype)
+            for k, a in arrays.items()}
         if len(self.tables) >= TABLES_KEPT:
             del self.tables[next(iter(self.tables))]
         t = self.tables[routes] = _Tables(host, device)
@@ -242,6 +243,7 @@ class Broker:
 
     def _count(self, count: np.ndarray, leaves, src_slots: int) -> None:
         """Add one exchange's delivered bytes per device pair to `ledger` (shapes only)."""
+        assert self.ledger is not None  # `transfer` counts only with a ledger
         part = sum(int(np.prod(x.shape[1:])) * np.dtype(x.dtype).itemsize for x in leaves)
         for u, v in zip(*np.nonzero(count)):
             key = (self.union_devices[u].id, self.union_devices[v].id)

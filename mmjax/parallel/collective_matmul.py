@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -94,7 +94,7 @@ def _ring_reduce_scatter(partial, axis_name, i, n: int, pieces):
     """sum over ranks of partial(block=i, piece), accumulated round the ring: at step s rank
     i adds its contribution to block i+s+1 (forward) / i-s-1 (backward) to the accumulator
     it received, then passes it on; after n steps it holds block i. Returns `[..., rows, m]`."""
-    accs = [None] * len(pieces)
+    accs: list[Any] = [None] * len(pieces)  # every slot filled at s == 0
     for s in range(n):
         for k, p in enumerate(pieces):
             block = (i + s + 1) % n if p.forward else (i - s - 1) % n
@@ -113,7 +113,7 @@ def _varying_axes(a) -> frozenset:
     """Manual mesh axes `a` varies over inside shard_map (empty outside or unchecked).
     jax <= 0.9 spells it `typeof(a).vma`, jax 0.10 `typeof(a).manual_axis_type.varying`."""
     t = jax.typeof(a)
-    vma = getattr(t, "vma", None)
+    vma: Any = getattr(t, "vma", None)
     if vma is None:
         vma = getattr(getattr(t, "manual_axis_type", None), "varying", frozenset())
     return frozenset(vma)

@@ -85,7 +85,7 @@ def layout_meta(bam, doc, sub, gather_idx) -> TokenMeta:
                          "(seq_len is the padding sentinel)")
     cols = [to_cp_layout(jnp.asarray(np.asarray(a, np.int32)), gather_idx)
             for a in (bam, doc, sub)]
-    return TokenMeta(*cols, idx=jnp.asarray(gather_idx))
+    return TokenMeta(cols[0], cols[1], cols[2], idx=jnp.asarray(gather_idx))
 
 
 def cp_attention(q, k, v, meta: TokenMeta, *, mesh_axis: str = "cp", num_head_groups: int = 1,
@@ -148,7 +148,7 @@ def cp_attention_sharded(q, k, v, meta: TokenMeta, mesh: Mesh, *, mesh_axis: str
                          f"({mesh.shape['tp']} * {num_head_groups})")
     seq = None if local_sequence else mesh_axis
     x_spec = P(batch, seq, heads, None)
-    m_spec = TokenMeta(*(P(batch, seq),) * 4)
+    m_spec = TokenMeta._make((P(batch, seq),) * 4)  # a spec tree: P leaves, not arrays
     body = lambda q_, k_, v_, m_: cp_attention(q_, k_, v_, m_, mesh_axis=mesh_axis,
                                                num_head_groups=num_head_groups,
                                                implementation=implementation, options=options)

@@ -64,7 +64,8 @@ def unit_tp_axes(mesh: Mesh, unit: str, colo=None) -> tuple[str, ...]:
     """The innermost tp axes of the mesh that `unit`'s tp spans (() at tp 1)."""
     t = _unit_tp(mesh, unit, colo)
     names = [a for a in mesh.axis_names if a not in ("rep", "fsdp")]
-    out, size = [], 1
+    out: list[str] = []
+    size = 1
     for a in reversed(names):
         if size >= t:
             break
@@ -90,8 +91,10 @@ def _tp_dim(names, shape, tp: int) -> int | None:
     """The leaf's Megatron dimension (parallel/tensor.py rules), when tp divides it."""
     role = megatron_role(names)
     nd = len(shape)
-    dim = {"column": nd - 1 if nd in (1, 2) else None, "row": 0 if nd == 2 else None,
-           "vocab_row": 0 if nd == 2 else None, "vocab_column": 1 if nd == 2 else None}.get(role)
+    dims: dict[str | None, int | None] = {
+        "column": nd - 1 if nd in (1, 2) else None, "row": 0 if nd == 2 else None,
+        "vocab_row": 0 if nd == 2 else None, "vocab_column": 1 if nd == 2 else None}
+    dim = dims.get(role)
     return dim if tp > 1 and dim is not None and shape[dim] % tp == 0 else None
 
 

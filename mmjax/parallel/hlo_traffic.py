@@ -75,6 +75,7 @@ def collective_bytes(hlo: str, ranks_per_node: int, scope: str = "",
         size = _bytes(m.group("shape"), m.group("op") == "all-to-all" and not m.group("start"))
         if m.group("op") == "collective-permute":
             pairs = _PAIRS.search(line)
+            assert pairs is not None, line  # HLO always writes a permute's source_target_pairs
             for p, q in re.findall(r"\{(\d+),(\d+)\}", pairs.group(1)):
                 p, q = int(p), int(q)
                 if p != q:

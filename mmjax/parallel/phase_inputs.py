@@ -10,6 +10,8 @@ own. `colo` (train/colocated_plan.py `Colocation`) gives each unit's tp; without
 LLM takes the mesh's "tp" axis and the encoders none."""
 from __future__ import annotations
 
+from typing import cast
+
 from jax.sharding import Mesh
 
 from mmjax.data.batch_plan import NodeWise
@@ -75,7 +77,7 @@ def place_phase_batch(pb: PhaseBatch, mesh: Mesh, capacity: tuple | None = None,
     tables = {}
     for e, axes in encoder_axes(mesh, pb.routes, colo).items():
         tables.update(route_tables({e: pb.routes[e]}, mesh, axes, dst, capacity, ledger,
-                                   None if ledger is None else {e: int(row_bytes)},
+                                   None if ledger is None else {e: int(cast(int, row_bytes))},
                                    ranks_per_node, kind))
     inputs[ROUTE_KEY] = tables
     return inputs

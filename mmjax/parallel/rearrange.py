@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import partial
+from typing import cast
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +38,7 @@ from mmjax.parallel.deliveries import deliveries_array, pair_counts
 from mmjax.parallel.exchange_stages import Caps, Topology, caps_bytes, needed_caps
 from mmjax.parallel.exchange_tables import StagedTables, staged_tables
 from mmjax.parallel.ragged_exchange import ragged_body
-from mmjax.parallel.ragged_tables import RaggedTables, ragged_caps, ragged_tables
+from mmjax.parallel.ragged_tables import RaggedCaps, RaggedTables, ragged_caps, ragged_tables
 
 
 def _axes(axes) -> tuple[str, ...]:
@@ -121,8 +122,9 @@ def plan_exchange(routes: Routes, mesh: Mesh, src_axes, dst_axes,
     fc, bc = (None, None) if capacity is None else capacity
     if kind == "ragged":
         s, d = routes.src_slots, routes.dst_slots
-        return ExchangePlan(routes, ragged_tables(fwd, topo.n, s, d, fc),
-                            ragged_tables(bwd, topo.n, d, s, bc), topo.n)
+        # kind 'ragged': the capacities are RaggedCaps (send rows, receive rows)
+        return ExchangePlan(routes, ragged_tables(fwd, topo.n, s, d, cast(RaggedCaps, fc)),
+                            ragged_tables(bwd, topo.n, d, s, cast(RaggedCaps, bc)), topo.n)
     return ExchangePlan(routes,
                         staged_tables(fwd, topo, routes.src_slots, routes.dst_slots, fc),
                         staged_tables(bwd, topo, routes.dst_slots, routes.src_slots, bc),
@@ -132,7 +134,7 @@ def plan_exchange(routes: Routes, mesh: Mesh, src_axes, dst_axes,
 def _host_tables(t: StagedTables | RaggedTables) -> dict:
     if isinstance(t, RaggedTables):
         return t.device_arrays()
-    stages = {"A": [], "B": [], "C": []}
+    stages: dict[str, list] = {"A": [], "B": [], "C": []}
     for (stage, _), send in zip(t.topo.shifts(), t.send):
         stages[stage].append(send)
     return {**{k: tuple(v) for k, v in stages.items()}, "recv": t.recv}

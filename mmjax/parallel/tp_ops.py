@@ -125,6 +125,7 @@ def sequence_sharded_llm_stage(
     for name in (axis_name, batch_axis):
         if name is not None and (mesh is None or name not in mesh.axis_names):
             raise ValueError(f"overlap_tp=True needs a mesh with a {name!r} axis; got {mesh}")
+    assert mesh is not None  # the check above raised otherwise (axis_name is a str)
     tp = mesh.shape[axis_name]
     ops = OverlappedTPOps(axis_name, num_chunks, bidirectional)
     param_specs = megatron_sp_specs(state, axis_name, tp)

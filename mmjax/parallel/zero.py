@@ -161,7 +161,7 @@ class Zero1Optimizer:
     def _owner(self, spec, ndim: int):
         """1.0 on the devices that hold replica 0 of a leaf sharded as `spec` (so a sum of
         per-device terms counts every element once), else 0.0; inside shard_map."""
-        used = set()
+        used: set[str] = set()
         for a in _padded(spec, ndim):
             used.update(a if isinstance(a, tuple) else (a,))
         first = jnp.ones((), jnp.float32)
@@ -283,7 +283,7 @@ class Zero1Optimizer:
 def state_bytes_per_device(opt_state) -> int:
     """Largest optimizer-state footprint on any one device (bytes), from the leaves'
     shardings (shard shape x itemsize), for the memory report."""
-    per_device = defaultdict(int)
+    per_device: defaultdict[jax.Device, int] = defaultdict(int)
     for leaf in jax.tree.leaves(opt_state):
         if not isinstance(leaf, jax.Array):
             continue

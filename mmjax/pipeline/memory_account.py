@@ -11,6 +11,8 @@ beside the frozen parameters and the compute copy it replaces. The stage's peak 
 largest phase."""
 from __future__ import annotations
 
+from typing import Any, cast
+
 import jax
 import numpy as np
 
@@ -26,7 +28,7 @@ def _footprint(compiled) -> int:
 
 
 def _device_bytes(tree) -> int:
-    per = {}
+    per: dict[jax.Device, int] = {}
     for a in jax.tree.leaves(tree):
         for s in a.addressable_shards:
             per[s.device] = per.get(s.device, 0) + s.data.nbytes
@@ -130,7 +132,8 @@ def predicted_stage(cfg, plan, ps, sid, flight: int, b: int = 4):
                         layers=end - start)
 
 
-def _zero_args(up, zmesh, trainable: float, frozen: float, layers: int, b: int) -> tuple:
+def _zero_args(up, zmesh, trainable: float, frozen: float, layers: int, b: int
+               ) -> tuple[int, int | None, float]:
     """`stage_memory`'s (zero, zero_dp, layer) of a stage of `up` on ZeRO mesh `zmesh`:
     one layer's gathered bytes taken as the stage's parameters / its layers."""
     from mmjax.parallel.zero_shards import zero_axes
@@ -163,7 +166,7 @@ def abstract_stage(cfg, up, start: int, end: int, feed, mesh, dtype) -> dict:
     gd, tr, fr = abstract_split(stage_module, (cfg, "llm", start, end), jax.random.key(0),
                                 (nnx.Param, ...), mesh)
     fns = make_stage_fns(cfg, up, gd, "full", dtype, mesh)
-    zero, zmesh = fns.zero_stage, fns.zero_mesh
+    zero, zmesh = fns.zero_stage, cast(jax.sharding.Mesh, fns.zero_mesh)  # a stage on a mesh has one
     on = lambda a, sh, dt=None: jax.ShapeDtypeStruct(a.shape, dt or a.dtype, sharding=sh)
     compute_sh = zero_shardings(tr, zmesh) if zero == 3 else state_shardings(tr, mesh)
     compute = jax.tree.map(lambda a, sh: on(a, sh, dtype), tr, compute_sh)
@@ -193,6 +196,7 @@ def abstract_stage(cfg, up, start: int, end: int, feed, mesh, dtype) -> dict:
         acc_sh = partial_shardings(tr, mesh)
         acc = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(
             (fns.ranks,) + a.shape, jnp.float32, sharding=sh), tr, acc_sh)
+    assert fns._backward is not None  # mode 'full': it has a backward
     bwd = fns._backward.lower(compute, fr, side, residuals, dy, acc).compile()
     opt = Zero1Optimizer(optax.adamw(1e-3), zmesh, tr, clip_norm=1.0, donate=True,
                          compute_dtype=dtype, rank_axes=rank_axes(zmesh), zero_stage=zero)
@@ -202,8 +206,9 @@ def abstract_stage(cfg, up, start: int, end: int, feed, mesh, dtype) -> dict:
     per_rank = _shard_bytes(tr, state_shardings(tr, mesh)) / 4
     return {"residuals": _shard_bytes(res_aval, res_sh), "forward": _footprint(fwd),
             "backward": _footprint(bwd), "step": _footprint(step),
-            "forward_temp": fwd.memory_analysis().temp_size_in_bytes,
-            "backward_temp": bwd.memory_analysis().temp_size_in_bytes,
+            # an analysis on every backend this runs on (None only where XLA has none)
+            "forward_temp": cast(Any, fwd.memory_analysis()).temp_size_in_bytes,
+            "backward_temp": cast(Any, bwd.memory_analysis()).temp_size_in_bytes,
             "master": _shard_bytes(master, opt.master_shardings),
             "adam": _shard_bytes(state, opt.state_shardings), "trainable": per_rank,
             "compute": _shard_bytes(compute, compute_sh),

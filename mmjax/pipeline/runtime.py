@@ -17,6 +17,7 @@ taken, the backward dispatch counts, and the brokers' ledgers (`transfers`).
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable, cast
 
 import jax
 import jax.numpy as jnp
@@ -66,7 +67,7 @@ class PipelineRuntime:
         # the chunk on its mesh.
         self.schedule_name = schedule
         self.schedule = named_schedule(schedule, self.graph, plan.num_microbatches)
-        self.order = [(self.graph.virtual(s, a.chunk), a)
+        self.order = [(self.graph.virtual(cast(StageId, s), a.chunk), a)  # the graph's stages
                       for s, a in dispatch_order(self.schedule, self.graph)]
         # index in `order` of each stage's last backward (its gradients are final there)
         self.last_backward = {sid: i for i, (sid, a) in enumerate(self.order) if a.kind == "B"}
@@ -171,8 +172,9 @@ class PipelineRuntime:
         tracer = make_tracer(trace_mode(trace))
         result = step.result
         result.reduced = {sid for sid, st in self.stages.items() if st.zero_stage >= 2}
-        result.partials = {sid: self.settle(st.zeros()) for sid, st in self.stages.items()
-                           if st.mode.param_grads and st.local}
+        # `zeros` is None only without parameter gradients, which this filter leaves out
+        result.partials = {sid: self.settle(cast(Callable, st.zeros)())
+                           for sid, st in self.stages.items() if st.mode.param_grads and st.local}
         tied = self.tied_embedding_stages() or ()
         for i, (sid, act) in enumerate(self.order):
             self._dispatch(sid, act, step, tracer)

@@ -21,6 +21,8 @@ gradients come out reduce-scattered per layer, summed over the ranks.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -77,7 +79,7 @@ class StageFns:
         self.cp, self.ranks = cp, dp * cp  # cp > 1: `run` takes params [cp, ...] (see _block)
         self.layouts: dict[int, ResidualLayout] = {}
         self._keys: dict = {}  # input signature -> key
-        self.signatures: dict[str, object] = {}  # kind -> last abstract arguments (for HLO)
+        self.signatures: dict[str, Any] = {}  # kind -> last abstract arguments (for HLO)
         self._forward = jax.jit(self._forward_impl, static_argnames=("key",))
         self._backward = (None if mode is Backward.NONE
                           else jax.jit(self._backward_impl, donate_argnums=(5,)))
@@ -173,6 +175,7 @@ class StageFns:
         if kind == "F":
             args, key = self.signatures["F"]
             return self._forward.lower(*args, key=key)
+        assert self._backward is not None  # "B" is recorded only by a stage with a backward
         return self._backward.lower(*self.signatures["B"])
 
     def _forward_impl(self, trainable, frozen, x, side, key):

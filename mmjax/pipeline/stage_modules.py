@@ -40,9 +40,11 @@ def build_stage_module(cfg: MLLMConfig, unit: str, root_key, start: int, end: in
         case UnitRole.LLM:
             return LLM(cfg.llm, unit_key(root_key, unit), start, end)
         case UnitRole.GENERATOR:
+            assert cfg.generator is not None  # the plan has a generator unit
             return DiffusionGenerator(cfg.generator, cfg.llm.hidden_size,
                                       unit_key(root_key, unit), start, end)
         case UnitRole.VAE:  # one stage; its weights are read from `vae.path` after placement
+            assert cfg.vae is not None  # the plan has a VAE unit
             return AutoencoderKL(cfg.vae, unit_key(root_key, unit))
     return EncoderStage(cfg, unit, root_key, start, end)
 

@@ -6,7 +6,7 @@ values then live in the training state (train/state.py), never here.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable, cast
 
 import jax
 import jax.numpy as jnp
@@ -84,8 +84,9 @@ class Stage:
         return self.fns.zero_stage
 
 
-def build_stage(cfg: MLLMConfig, up, sid: StageId, made: tuple, mesh, mode: Backward,
-                pretrained: dict, dtype, llm_mask_family: str) -> tuple[Stage, object]:
+def build_stage(cfg: MLLMConfig, up, sid: StageId, made: tuple[Callable, tuple, Any, tuple],
+                mesh, mode: Backward, pretrained: dict, dtype,
+                llm_mask_family: str) -> tuple[Stage, object]:
     """(the `Stage`, its initial trainable parameters) of virtual stage `sid` of unit plan
     `up` on `mesh`: `made` = (module maker, its args, key, filters); the parameters from the
     seed, or its own layers of the `pretrained` checkpoints ({unit or "model": directory})."""
@@ -145,7 +146,8 @@ def _programs(fns: StageFns, abstract, frozen, mesh, mode: Backward, local: bool
     step's float32 partial-gradient accumulators `[ranks, ...]`, ranks = dp or dp * cp;
     ZeRO-2/3: the shards; None without parameter gradients) and the frozen state (ZeRO-3:
     sharded like the weights)."""
-    zero, zmesh = fns.zero_stage, fns.zero_mesh
+    # the ZeRO mesh is None only without a stage mesh, at ZeRO stage 1, where it is not read
+    zero, zmesh = fns.zero_stage, cast(jax.sharding.Mesh, fns.zero_mesh)
     compute_sh = (zero_shardings(abstract, zmesh) if zero == 3
                   else state_shardings(abstract, mesh))
     gather = jax.jit(lambda t: cast_floats(t, dtype), out_shardings=compute_sh)

@@ -50,6 +50,7 @@ class Transfers:
             return Routes.order_preserving(self.stages[src].dp, self.stages[dst].dp)
         if is_llm(dst.unit):
             return feed.enc_routes[src.unit]
+        assert feed.gen_routes is not None  # a stage feeds the generator: the feed has its rows
         return feed.gen_routes
 
     # ---- host inputs ----------------------------------------------------------------
@@ -65,7 +66,8 @@ class Transfers:
             lambda a: dp_sharding(mesh, np.ndim(a)) if np.ndim(a) else
             jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()), tree))
 
-    def side(self, sid: StageId, feed: MicrobatchFeed, totals, dropout=None):
+    def side(self, sid: StageId, feed: MicrobatchFeed, totals,
+             dropout: tuple[int, int] | None = None):
         """The part of `feed` stage `sid` reads, placed; `totals` = (the step's trained
         tokens, generated elements): the loss normalisers; `dropout` = (applied-step count,
         microbatch) in a training step: a LoRA-dropout unit's stage also gets its mask ids

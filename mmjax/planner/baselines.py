@@ -16,6 +16,8 @@ that cannot be repaired raises `BaselineDoesNotFit` saying why.
 """
 from __future__ import annotations
 
+from typing import cast
+
 import numpy as np
 
 from mmjax.planner.build import model_costs, to_plan
@@ -117,6 +119,7 @@ def ratio_choices(costs: tuple[UnitCost, ...], hw: Hardware, num_gpus: int,
     gens = [by_name[u] for u in dag.successors("llm")]  # downstream of the LLM
     encs = [c for c in costs if not is_llm(c.name) and c not in gens]
     best = None
+    ch: Choice | None  # the LLM's candidates here, then each unit's fill (None: none fits)
     for dp in divisors(global_batch):
         if tp_llm * dp > max(tp_llm, num_gpus):  # no LLM choice within its budget
             continue
@@ -125,13 +128,13 @@ def ratio_choices(costs: tuple[UnitCost, ...], hw: Hardware, num_gpus: int,
         least_gen = [_fill(c, min(c.time_s), 0, dp, m, hw, 0) for c in gens]
         if any(ch is None for ch in least_gen):
             continue
-        after_llm = max((ch.pp for ch in least_gen), default=0)
+        after_llm = max((ch.pp for ch in cast("list[Choice]", least_gen)), default=0)  # no None
         dps, pps, fits = _fits(llm, tp_llm, dp, m, hw, after_llm)
         least_enc = [_fill(c, min(c.time_s), 0, dp, m, hw, after_llm + int(pps[-1]))
                      for c in encs]
         if any(ch is None for ch in least_enc):
             continue
-        reserve = sum(ch.gpus for ch in least_gen + least_enc)
+        reserve = sum(ch.gpus for ch in cast("list[Choice]", least_gen + least_enc))  # no None
         budget_llm = max(tp_llm, min(int(share["llm"] * num_gpus), num_gpus - reserve))
         row = list(dps).index(dp)
         for j, p in enumerate(pps):
@@ -143,7 +146,8 @@ def ratio_choices(costs: tuple[UnitCost, ...], hw: Hardware, num_gpus: int,
         raise BaselineDoesNotFit(f"ratio baseline: the LLM does not fit its FLOPs share of "
                                  f"{int(share['llm'] * num_gpus)} GPUs at tp={tp_llm}: add "
                                  f"GPUs")
-    choices, after = {"llm": best}, {}
+    choices: dict[str, Choice] = {"llm": best}
+    after: dict[str, int] = {}
     m = global_batch // best.dp
     for name in reversed(dag.names):  # downstream first: an encoder holds the LLM's depth
         after[name] = max((choices[v].pp * choices[v].vpp + after[v]

@@ -12,7 +12,7 @@ from mmjax.planner.evaluate import (Choice, evaluate, in_flight, over_memory,
 from mmjax.planner.hardware import Hardware
 from mmjax.planner.knobs import CP_SIZES, LONG_SEQUENCE, cp_cost, overlap_pays, zero_cost
 from mmjax.planner.memory import ZERO_STAGES
-from mmjax.planner.orchestrate import GPU_TOLERANCE, orchestrate
+from mmjax.planner.orchestrate import GPU_TOLERANCE, SearchState, orchestrate
 from mmjax.planner.partition import partition_unit
 from mmjax.planner.plan import Plan, PlanError, UnitPlan
 from mmjax.planner.workload import default_workload
@@ -119,6 +119,7 @@ def plan_model(model, hw: Hardware, num_gpus: int, global_batch: int, workload=N
             return plan
         except PlanError as e:
             first = first or e
+    assert first is not None  # ZERO_STAGES is not empty: a loop without a plan raised
     raise first
 
 
@@ -133,7 +134,8 @@ def _fit(model, wl, costs, layer_costs, hw, num_gpus, global_batch, vpp, gpu_tol
     fixed = [Proposal(schedule_lower_bound(costs, ch, global_batch, hw), costs, ch, kind)
              for kind, ch in (baselines or {}).items()
              if set(ch) == names and sum(c.gpus for c in ch.values()) <= num_gpus]
-    pools, error, over, reuse = [], None, {}, {}
+    pools, error, over = [], None, {}
+    reuse: dict[int, SearchState] = {}  # per CP size
     for rounds in range(FIT_ROUNDS):
         found, err = _search_cps(model, wl, costs, hw, num_gpus, global_batch, vpp,
                                  gpu_tolerance, reuse)
@@ -144,8 +146,9 @@ def _fit(model, wl, costs, layer_costs, hw, num_gpus, global_batch, vpp, gpu_tol
         _, res, cp_costs = found[0]
         over = over_memory(cp_costs, res.choices, global_batch, hw)
         if not over or rounds:  # the closed form's best fits, or a deepened round is in
-            proposals = Proposals([fixed] + [_proposals(*pool, global_batch, hw)
-                                             for pool in pools])
+            parts: list[list[Proposal] | FrontierProposals] = [fixed]
+            parts += [_proposals(cp, r, c, global_batch, hw) for cp, r, c in pools]
+            proposals = Proposals(parts)
             pick = pick_by_schedule(proposals, global_batch, hw, gpu_tolerance, timer)
             if pick is not None:
                 return _finish(model, wl, pick, layer_costs, global_batch, hw,

@@ -285,6 +285,7 @@ def best_colocated(costs: tuple[UnitCost, ...], num_gpus: int, global_batch: int
                         best = ev
                     break  # more micro-steps only add gathers
     if best is None:
+        assert smallest is not None  # the search evaluates at least one choice
         raise PlanError(f"co-located: nothing fits {num_gpus} GPUs; the leanest choice "
                          f"(tp {smallest.tp}, ZeRO {smallest.zero}, remat "
                          f"{smallest.remat}, {smallest.micro_steps} micro-steps) "

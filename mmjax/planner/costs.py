@@ -75,7 +75,7 @@ def work_time(w: Work, tp: int, hw: Hardware, recompute=False) -> tuple[float, f
     return fwd, bwd
 
 
-def layer_times(uw: UnitWork, tp: int, hw: Hardware, recompute: bool = False
+def layer_times(uw: UnitWork, tp: int, hw: Hardware, recompute: bool | str = False
                 ) -> list[tuple[float, float]]:
     """(forward, backward) seconds per layer; the last layer carries the projector."""
     out = [work_time(w, tp, hw, recompute) for w in uw.layers]
@@ -141,6 +141,7 @@ def _vae_acts(model: MLLMConfig, wl: Workload) -> memory.Acts:
     """Forward-only peak of the VAE unit for one sample: the widest conv's input and output
     at full resolution (fp32), the pixels in and the latents out."""
     v, k, side = model.vae, wl.mean_generated(), vae_side(model)
+    assert v is not None and model.generator is not None  # a VAE unit encodes for the generator
     peak = 4.0 * k * side * side * 2 * v.block_out_channels[0] * 2
     latent = 4.0 * k * model.generator.latent_channels * model.generator.latent_size ** 2
     return memory.Acts(0.0, 0.0, peak, latent, 4.0 * k * side * side * 3)

@@ -220,7 +220,7 @@ def pipeline_in_flight(choices: dict[str, Choice], num_microbatches: int,
     for name in reversed(dag.names):
         after[name] = max((choices[v].pp * choices[v].vpp + after[v]
                            for v in dag.successors(name)), default=0)
-    out = {}
+    out: dict[str, float] = {}
     for name, c in choices.items():
         if is_encoder(name):  # an encoder's own chunks are not interleaved in the count
             out[name] = min(m, c.pp + after[name])

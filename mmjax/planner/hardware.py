@@ -8,8 +8,12 @@ NVLink; H100 nodes in OrchMLLM §8: 8x400 Gb/s InfiniBand, 900 GB/s bidirectiona
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from mmjax.errors import UserError
+
+if TYPE_CHECKING:
+    from mmjax.planner.hardware_profile import HardwareProfile
 
 
 @dataclass(frozen=True)
@@ -27,7 +31,7 @@ class Hardware:
     # a measured HardwareProfile (planner/hardware_profile.py) replacing the assumed curve,
     # read at max(the piece's tokens per sample, call_tokens): the tokens one layer call
     # runs together (a microbatch's packed rows), which set the matmuls' M dimension
-    profile: object = field(default=None, compare=False, repr=False)
+    profile: HardwareProfile | None = field(default=None, compare=False, repr=False)
     call_tokens: float = 0.0
     # XLA's dense attention, forward + backward, seconds per (query, key, head) pair at head
     # dim `dense_pair_head_dim` (measured: train/device_measure.py; 0: not measured)

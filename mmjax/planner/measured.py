@@ -54,7 +54,8 @@ def unit_factors(plan: Plan, layer_costs: dict, trace: list[dict],
     if unknown:
         raise ValueError(f"trace stages {unknown} are not in the plan "
                          f"({sorted({k[0] for k in pred})}): trace a run of this plan")
-    ratio, count = defaultdict(float), defaultdict(int)
+    ratio: defaultdict[str, float] = defaultdict(float)
+    count: defaultdict[str, int] = defaultdict(int)
     for key, times in meas.items():
         if pred[key] > 0:
             unit = key[0].rpartition(":")[0]

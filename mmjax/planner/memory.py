@@ -50,6 +50,7 @@ float32 statistics, attention scores and logits, as counted here.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 
@@ -116,7 +117,8 @@ def zero_terms(trainable: float, frozen: float, b: int, zero: int, dp, layer: fl
         gathered = many * layer
         z3 = ((STACK_COPIES - 1) * b * trainable + ACC_BYTES * trainable
               + FROZEN_BYTES * frozen) / dp if scanned else (b + ACC_BYTES) * trainable / dp
-        backward = (np.where(many, z3, backward) if isinstance(many, np.ndarray)
+        # over an array of dp every term here is an array (elementwise floats)
+        backward = (cast(float, np.where(many, z3, backward)) if isinstance(many, np.ndarray)
                     else z3 if many else backward)
     return ZeroTerms(master=MASTER_BYTES * s, optimizer=ADAM_BYTES * s,
                      params=b * trainable / w, frozen=FROZEN_BYTES * frozen / w,

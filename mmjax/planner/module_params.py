@@ -80,6 +80,7 @@ def layer_params(model: MLLMConfig, unit: str, unit_params: float, layers: int) 
         outside = c.vocab_size * c.hidden_size * (1 if c.tie_embeddings else 2) + c.hidden_size
         return (llm_params(c) - outside) / max(c.num_layers, 1)
     if is_generator(unit):
+        assert model.generator is not None  # the model has a generator unit
         return float(_dit_block_params(model.generator))
     return unit_params / max(layers, 1)
 
@@ -125,14 +126,16 @@ def replicated_params(model: MLLMConfig, unit: str) -> int:
     params = module_params(model)
     if is_vae(unit):  # never split: tp = 1
         v = model.vae
+        assert v is not None  # the model has a VAE unit
         return vae_params(v.block_out_channels, v.layers_per_block, v.in_channels,
                           v.latent_channels, v.out_channels, v.mid_block_add_attention,
                           v.use_quant_conv, v.use_post_quant_conv)
     if is_llm(unit):
-        c = model.llm
-        return c.num_layers * 2 * c.hidden_size + c.hidden_size
+        llm = model.llm
+        return llm.num_layers * 2 * llm.hidden_size + llm.hidden_size
     if is_generator(unit):
         g = model.generator
+        assert g is not None  # the model has a generator unit
         d, f = g.hidden_size, g.ffn_size
         return params[unit] - g.num_layers * (8 * d * d + 6 * d + 2 * d * f + f)
     c = model.encoder(unit).encoder

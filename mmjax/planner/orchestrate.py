@@ -13,6 +13,7 @@ import math
 import time
 import warnings
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 
@@ -63,7 +64,7 @@ class SearchState:
     candidates, the relaxations solved so far in their order (functions of the candidates'
     inputs and the units' times, which an in-flight scale leaves alone)."""
 
-    candidates: list
+    candidates: list | None  # None: to recompute (`keep` after the LLM changed)
     tables: dict
     relaxed: list = field(default_factory=list)
 
@@ -97,7 +98,7 @@ class Orchestrator:
         self.method = "cvxpy" if relaxed_factory is not None else method
         self.relaxed = ((relaxed_factory or RelaxedProblem)(len(costs))
                         if self.method == "cvxpy" else None)
-        self._priced = {}  # (unit, TP, LLM DP) -> OptionTable, within one solve
+        self._priced: dict[tuple, OptionTable] = {}  # (unit, TP, LLM DP) -> OptionTable, within one solve
         self._solved: list = []  # fast method: (value, x) per candidate, in order
 
     # ---- candidate bounds --------------------------------------------------------------
@@ -218,6 +219,7 @@ class Orchestrator:
             return None if not np.isfinite(values[0]) else (float(values[0]), xs[0])
         c, e, slope, lo, hi, mm = inputs
         w, wc = self._warm_terms(tps, c)
+        assert self.relaxed is not None  # method 'cvxpy' builds it
         sol = self.relaxed.solve(c, e, slope, lo, hi, n, mm, w, wc)
         if sol is None:
             return None
@@ -229,7 +231,8 @@ class Orchestrator:
         where infeasible) and x, one row per candidate."""
         warm = [self._warm_terms(tps, inputs[0]) for _, _, tps, inputs in cands]
         cols = [np.array([inp[3][f] for inp in cands]) for f in range(6)]
-        values, x, ok = solve_relaxed(*cols[:5], n, cols[5], np.array([w for w, _ in warm]),
+        c, e, slope, lo, hi, mm = cols
+        values, x, ok = solve_relaxed(c, e, slope, lo, hi, n, mm, np.array([w for w, _ in warm]),
                                       np.array([wc for _, wc in warm]))
         vmax = 2 if self.vpp else 1
         llm_warm = np.array([self.costs[self.llm].time_s[tps[self.llm]] / vmax
@@ -308,8 +311,9 @@ class Orchestrator:
         n, bs = num_gpus, global_batch
         self._priced = dict(reuse.tables) if reuse is not None else {}
         kept = reuse is not None and reuse.candidates is not None
-        cands = reuse.candidates if kept else self.candidates(n, bs)
-        self._solved = list(reuse.relaxed) if kept else []
+        kept_state = cast(SearchState, reuse)  # read only when kept: reuse and its candidates
+        cands = cast(list, kept_state.candidates) if kept else self.candidates(n, bs)
+        self._solved = list(kept_state.relaxed) if kept else []
         best_t, best, relaxations, repairs, fronts = self._search(cands, n, bs, gpu_tolerance)
         if best is None:
             sp = smallest_plan(self.costs, self.hw, bs)

@@ -143,6 +143,7 @@ def loosely_coupled(llm_layers: LayerCosts, encoder_layers: Mapping[str, LayerCo
                 chosen = p
                 if p.max_stage_s <= t_i:
                     break
+            assert chosen is not None  # limit >= 1: an encoder has layers and cap >= 1
             enc_plans.append(chosen)
         total = i + sum(p.num_stages for p in enc_plans)
         if max_total_stages is not None and total > max_total_stages:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, cast
 
 import numpy as np
 
@@ -26,6 +26,9 @@ from mmjax.models.units import UnitDag
 from mmjax.planner.evaluate import Choice, runtime_memory
 from mmjax.planner.hardware import Hardware
 from mmjax.planner.schedule_time import ScheduleTimer
+
+if TYPE_CHECKING:
+    from mmjax.planner.frontier import Frontier
 
 MAX_TIMED = 2000  # a guard: plans timed at most (the bound stops far earlier in practice)
 
@@ -86,7 +89,7 @@ class FrontierProposals:
 
     bounds: np.ndarray
     costs: tuple
-    frontier: object
+    frontier: Frontier
     cp: int = 1
     fits: np.ndarray | None = None
 
@@ -120,7 +123,9 @@ def pick_by_schedule(proposals: "list[Proposal] | Proposals", global_batch: int,
     timer = timer or ScheduleTimer(hw)
     bounds = getattr(proposals, "bounds", None)
     if bounds is None:
-        bounds = np.array([p.lower_bound_s for p in proposals], dtype=np.float64)
+        # no bounds: a plain list (FrontierProposals always has them)
+        bounds = np.array([p.lower_bound_s for p in cast("list[Proposal]", proposals)],
+                          dtype=np.float64)
     known = getattr(proposals, "fits", None)  # False: over memory, known without building
     order = np.argsort(bounds, kind="stable")  # by bound; a tie keeps the given order
     dag = None  # the units' DAG, the same for every proposal (one model)

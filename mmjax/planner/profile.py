@@ -20,6 +20,7 @@ import dataclasses
 import json
 import math
 import time
+from typing import Literal, cast
 from dataclasses import dataclass
 
 import jax
@@ -46,10 +47,11 @@ class LayerShape:
 
 def unit_shape(model: MLLMConfig, unit: str) -> LayerShape:
     if is_llm(unit):
-        c = model.llm
-        return LayerShape(c.hidden_size, c.ffn_size, c.num_heads, True, True)
+        llm = model.llm
+        return LayerShape(llm.hidden_size, llm.ffn_size, llm.num_heads, True, True)
     if is_generator(unit):
         g = model.generator
+        assert g is not None  # the model has a generator unit
         return LayerShape(g.hidden_size, g.ffn_size, g.num_heads, False, False)
     c = model.encoder(unit).encoder
     return LayerShape(c.hidden_size, c.ffn_size, c.num_heads, False, False)
@@ -80,7 +82,9 @@ def layer_forward(shape: LayerShape, params: dict, x, attention: str | None = No
     split = lambda t: t.reshape(b, n, shape.heads, hd)
     att = jax.nn.dot_product_attention(split(h @ params["wq"]), split(h @ params["wk"]),
                                        split(h @ params["wv"]), is_causal=shape.causal,
-                                       implementation=attention)
+                                       # one of jax's implementation names (the caller's)
+                                       implementation=cast(Literal["xla", "cudnn"] | None,
+                                                           attention))
     x = x + att.reshape(b, n, d) @ params["wo"]
     h = norm(x)
     if shape.gated:
@@ -190,6 +194,7 @@ def sample_sizes(model: MLLMConfig, wl: Workload, unit: str, points: int = 4,
     if is_llm(unit):
         seqs = list(wl.llm_tokens)
     elif is_generator(unit):
+        assert model.generator is not None  # the model has a generator unit
         seqs = [model.generator.num_patches]
     else:
         seqs = [n for per in wl.encoder_tokens[unit] for n in per]
@@ -249,6 +254,7 @@ def _profiled(model: MLLMConfig, wl: Workload, hw: Hardware, table: ProfileTable
     if is_llm(cost.name):
         per_sample = [[n] for n in wl.llm_tokens]
     elif is_generator(cost.name):
+        assert model.generator is not None  # the model has a generator unit
         per_sample = [[model.generator.num_patches] * k for k in wl.generated]
     else:
         per_sample = [list(x) for x in wl.encoder_tokens[cost.name]]
@@ -287,7 +293,7 @@ def _attention_redo(model, wl, hw, cost: UnitCost, tp: int) -> float:
     return work_time(mid, tp, hw, "dots")[1] - work_time(mid, tp, hw, "none")[1]
 
 
-def _analytic_extras(model, wl, hw, cost: UnitCost, tp: int, recompute: bool
+def _analytic_extras(model, wl, hw, cost: UnitCost, tp: int, recompute: bool | str
                      ) -> tuple[float, float]:
     """Analytic (forward + backward, forward) time outside the repeated layers: total minus
     L x a middle layer."""

@@ -10,6 +10,7 @@ neighbourhoods and keeps the best plan and the (GPUs, time) Pareto front.
 """
 from __future__ import annotations
 
+from typing import Any
 
 import numpy as np
 
@@ -148,7 +149,12 @@ def combine(arrays, m: int, n: int):
     best (time, index tuple) and the (gpus, time) Pareto front (gpus, times, flat indices,
     shape), or None when no combination fits in n GPUs."""
     shape = [len(a) for a in arrays]
-    g = stage = warm = sync = 0.0  # broadcast up one unit's axis at a time
+    # broadcast up one unit's axis at a time: floats, then arrays from the first axis on
+    g: Any
+    stage: Any
+    warm: Any
+    sync: Any
+    g = stage = warm = sync = 0.0
     for ax, a in enumerate(arrays):
         view = [1] * len(shape)
         view[ax] = len(a)

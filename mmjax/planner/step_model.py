@@ -125,6 +125,7 @@ def single_step_time(model, wl, hw, samples: int, remat: dict, fills: dict,
             lin, att = unit_seconds(model, slot_wl, replace(hw, call_tokens=0.0), u,
                                      remat.get(u, "none"))
             if hw.dense_pair_s > 0:  # measured: pairs x heads, not FLOPs
+                assert slots is not None  # `dense` is empty without slots
                 tokens = slots.seq_len if is_llm(u) else slots.encoders[u][1]
                 att = dense_attention_s(model, u, tokens, hw,
                                         unit_work(model, slot_wl, u).layers[0].bwd,

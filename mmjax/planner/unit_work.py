@@ -8,6 +8,7 @@ into times and bytes.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 
@@ -113,7 +114,8 @@ def _llm_work(model: MLLMConfig, wl: Workload, bwd: int, impl: str | None = None
     glob = _llm_layer(model, wl, bwd, impl, None)
     head = Work(2 * n1 * d * v, d, 0.0, ACT_BYTES * n1 * v, 0.0, bwd, tokens=n1,
                 kind="gated_causal")
-    works = [local if c.is_sliding(i) else glob for i in range(c.num_layers)]
+    # a sliding layer only with a sliding window, where `local` is built
+    works = [cast(Work, local) if c.is_sliding(i) else glob for i in range(c.num_layers)]
     works[-1] = _merge(works[-1], head)
     return works
 
@@ -135,6 +137,7 @@ def _encoder_work(model: MLLMConfig, wl: Workload, name: str, bwd: int,
     layer = make(attn)
     side = window_patches(c) if getattr(c, "kind", None) == "qwen2_vl" else 0
     if side and impl is None:  # Qwen2.5-VL: window blocks pay their windows' exact pairs
+        assert isinstance(c, VisionConfig)  # kind 'qwen2_vl' is a vision encoder
         win = make(4 * d * float(np.mean([sum(image_window_pairs(n, side) for n in s)
                                           for s in wl.encoder_tokens[name]])))
         works = [layer if full_attention_layer(c, i) else win for i in range(c.depth)]
@@ -170,6 +173,7 @@ def _projector_work(model: MLLMConfig, wl: Workload, name: str, bwd: int) -> Wor
 
 def _generator_work(model: MLLMConfig, wl: Workload, bwd: int) -> list[Work]:
     g, c = model.generator, model.llm.hidden_size
+    assert g is not None  # the model has a generator unit
     d, f, pd, n, m = g.hidden_size, g.ffn_size, g.patch_dim, g.num_patches, wl.cond_tokens
     k = wl.mean_generated()
     block = Work(k * (2 * n * (6 * d * d + 2 * d * f) + 2 * m * 2 * d * d + 2 * 6 * d * d
@@ -188,13 +192,16 @@ def _generator_work(model: MLLMConfig, wl: Workload, bwd: int) -> list[Work]:
 
 def vae_side(model: MLLMConfig) -> int:
     """The pixels the VAE unit reads per target image (square)."""
-    return model.generator.latent_size * model.vae.downsample
+    g, v = model.generator, model.vae
+    assert g is not None and v is not None  # the model has a VAE unit feeding its generator
+    return g.latent_size * v.downsample
 
 
 def _vae_work(model: MLLMConfig, wl: Workload, unit: str) -> UnitWork:
     """The frozen VAE unit: its encoder's FLOPs on the mean generated images of a sample,
     forward only (no backward factor); it hands the generator fp32 latents."""
     v, g = model.vae, model.generator
+    assert v is not None and g is not None  # the model has a VAE unit feeding its generator
     k, side = wl.mean_generated(), vae_side(model)
     flops = k * vae_encoder_flops(v.block_out_channels, v.layers_per_block, v.in_channels,
                                   v.latent_channels, side, v.mid_block_add_attention)

@@ -160,6 +160,7 @@ def plan_with_vae(plan_fn, model, hardware: Hardware, num_gpus: int, images_per_
                   f"on {num_gpus - best[1]})" if best else "no device plan (no GPU to spare)"))
         base.predicted["vae"] = {"placement": "host", "reason": why}
         return base, VAEPlacement("host", host, best[0] if best else float("inf"), why)
+    assert best is not None  # placement 'device' without a plan raised; 'auto' chose host
     t, k, rest = best
     why = (f"device {t * 1e3:.1f} ms/step (VAE on {k} GPU(s): {flops / (k * rate) * 1e3:.1f} "
            f"ms of encoding beside a {rest.predicted['iteration_time_s'] * 1e3:.1f} ms step on "

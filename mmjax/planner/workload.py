@@ -57,7 +57,8 @@ class Workload:
 
     def mean_segments(self, unit: str) -> float:
         """Mean number of subsequences (images, clips) of `unit` per sample."""
-        return float(np.mean([len(x) for x in self.encoder_tokens.get(unit, ())] or [0.0]))
+        counts: list[float] = [len(x) for x in self.encoder_tokens.get(unit, ())]
+        return float(np.mean(counts or [0.0]))
 
     def mean_generated(self) -> float:
         return float(np.mean(self.generated)) if self.generated else 0.0
@@ -108,14 +109,14 @@ def orchmllm_like(model, num_samples: int = 512, seed: int = 0, max_side: int = 
     (modality composition incoherence)."""
     rng = np.random.default_rng(seed)
     specs = {e.name: e for e in model.encoders}
-    enc = {name: [] for name in specs}
+    enc: dict[str, list[tuple[int, ...]]] = {name: [] for name in specs}
     llm = []
     for _ in range(num_samples):
         kind = rng.choice(3, p=[0.5, 0.3, 0.2])
         text = int(rng.integers(50, 600)) if kind != 1 else int(rng.integers(10, 80))
         total = text
         for name, spec in specs.items():
-            sizes = ()
+            sizes: tuple[int, ...] = ()
             if spec.modality == "image" and kind == 0:
                 h, w = (int(rng.integers(224, max_side + 1)) for _ in range(2))
                 sizes = (patches(h, w, spec.encoder.patch_size),)
@@ -132,7 +133,8 @@ def cornstarch_like(model, num_samples: int = 24) -> Workload:
     """Cornstarch §6.1: 1k text tokens, one 1280x720 image and a 30-s clip per sample,
     1.5k-4k LLM tokens in total; the image is taken at 672x378 (48x27 patches of 14) so the
     totals land in that range."""
-    enc, total = {}, 1000
+    enc: dict[str, tuple[tuple[int, ...], ...]] = {}
+    total = 1000
     for spec in model.encoders:
         n = (patches(672, 378, spec.encoder.patch_size) if spec.modality == "image"
              else audio_tokens(3000))
