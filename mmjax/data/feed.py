@@ -13,6 +13,7 @@ Arrays of all dp ranks are stacked rank-major along axis 0, ready to shard over 
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -123,7 +124,7 @@ class MicrobatchFeed:
 
 
 def microbatch_feed(samples: list[Sample], layout: AssemblyLayout, dp: dict[str, int],
-                    assignments: dict[str, RankSplit | list[list[int]]] | None = None,
+                    assignments: Mapping[str, RankSplit | list[list[int]]] | None = None,
                     cp: int = 1,
                     cp_method: str = "lpt", cp_block: int = 128,
                     floor: FeedShapes | None = None) -> MicrobatchFeed:

@@ -77,7 +77,8 @@ def owned_ranks(plan: Plan, unit: str, local: frozenset[int] | None) -> list[int
 def mask_out_failed(batch: Batch, samples: list[Sample], failed: set[int]) -> None:
     """`mask_documents` on an assembled Batch: the samples whose ids are in `failed`;
     its token and generated-element counts recounted."""
-    docs, images, g = [], [], 0
+    docs, g = [], 0
+    images: list[int] = []
     for s, row_doc in zip(samples, batch.doc_index):
         n_out = sum(seg.modality == "image_out" for seg in s.segments)
         if s.id in failed:
