@@ -3,6 +3,8 @@ JAX): RGB conversion, then rescale and normalise with the CLIP mean and std by d
 preprocess.py and qwen2_vl_processor.py build their processors on `PilImageOps`."""
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import numpy as np
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -24,6 +26,16 @@ def convert_to_rgb(image):
 
 class PilImageOps:
     """Resize / rescale / normalise shared by the image processors (HF semantics)."""
+
+    # set by each processor (preprocess.py, qwen2_vl_processor.py)
+    do_convert_rgb: bool
+    resample: int
+    do_rescale: bool
+    rescale_factor: float
+    do_normalize: bool
+    image_mean: Sequence[float]
+    image_std: Sequence[float]
+    output_size: Callable[[int, int], tuple[int, int]]  # (height, width) -> resized
 
     def _prepare(self, image):
         from PIL import Image
