@@ -137,7 +137,7 @@ class RenderedChat:
     """The conversation in LLM order: ("text", ids, trained) or ("image"|"audio", None,
     None) pieces; `trained` is bool [L] (None: every token trained)."""
 
-    pieces: list[tuple[str, np.ndarray | None, np.ndarray | None]]
+    pieces: list[tuple[str, Any, np.ndarray | None]]  # ids: the tokenizer's list (or None)
 
     def count(self, modality: str) -> int:
         return sum(p[0] == modality for p in self.pieces)
