@@ -22,12 +22,13 @@ sets and counts are rounded up to powers of two, so jit sees few shapes. Token-c
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import numpy as np
 
 from mmjax.data.batch_shapes import (BatchShapes, audio_frames, image_runs, batch_shapes,
                                      pack_images, pack_rows)
-from mmjax.data.layout import AssemblyLayout, EncoderSlot, check_sample
+from mmjax.data.layout import AssemblyLayout, EncoderSlot, GenSlot, check_sample
 from mmjax.data.qwen2_vl_processor import patchify as qwen_patchify
 from mmjax.data.sample import AUDIO_STRIDE, Sample, SampleMeta
 from mmjax.models.qwen2_vl_config import merged_grid, patch_positions, vision_token_positions
@@ -115,7 +116,8 @@ def assemble(samples: list[Sample], layout: AssemblyLayout, shapes: BatchShapes 
         where.append(rows.put_document(sample, row))
         row_ids.append(sample.id)
     targets, loss_mask = rows.targets()
-    n_gen = int(gen["gen_valid"].sum()) * layout.gen.num_patches * layout.gen.patch_dim if gen else 0
+    g = cast(GenSlot, layout.gen)  # set whenever there are generator buffers
+    n_gen = int(gen["gen_valid"].sum()) * g.num_patches * g.patch_dim if gen else 0
     return Batch(rows.tokens, targets, loss_mask, rows.positions, rows.doc, rows.sub, rows.bam,
                  rows.gather, enc_out, gen, int(loss_mask.sum()), n_gen, shapes, row_ids, where,
                  skipped)
@@ -125,7 +127,8 @@ def _encoder_buffers(layout: AssemblyLayout, metas: list[SampleMeta], shapes: Ba
                      encoder_inputs: bool) -> tuple[dict, dict]:
     """Zeroed encoder input buffers (when `encoder_inputs`) and every item's place in them,
     in batch order: images packed first-fit-decreasing into buffers, audio one per row."""
-    enc_out, place = {}, {}
+    enc_out: dict[str, Any] = {}
+    place: dict[str, list[Any]] = {}
     for slot in layout.encoders:
         count, cap = shapes.encoder(slot.name)
         if slot.modality == "image":
@@ -226,6 +229,7 @@ class _Rows:
         self.sub_next[row] += 1
         if seg.modality == "image_out":
             gen, g = self.gen, lay.gen
+            assert g is not None  # check_shapes refuses image_out without a generator
             self.bam[row, span] = lay.text_bits
             gen["gen_query"][k] = row * s + np.arange(col, col + n)
             hwc = np.ascontiguousarray(seg.data.transpose(1, 2, 0), np.float32)
@@ -238,13 +242,14 @@ class _Rows:
             gen["gen_noise"][k], gen["gen_t"][k], gen["gen_valid"][k] = noise, t, 1.0
         else:
             slot = lay.slot(seg.modality)
+            assert slot is not None  # check_shapes refuses a modality without its encoder
             where = self.place[slot.name][k]
             # causal images (HF LLaVA) see what text sees; else their own block, both ways
             self.bam[row, span] = (lay.text_bits if slot.modality == "image"
                                    and lay.image_attention == "causal" else 1 << slot.bit)
             self.gather[slot.name][row, span] = _gather_rows(slot, self.shapes, where, n)
             if slot.merge:
-                self.images.append((col,) + merged_grid(*seg.data.shape[:2], slot.patch_size,
+                self.images.append((col,) + merged_grid(seg.data.shape[0], seg.data.shape[1], slot.patch_size,
                                                         slot.merge))
             if self.enc_out is not None:
                 _put_encoder_input(slot, self.enc_out[slot.name], where, seg.data)
@@ -301,6 +306,7 @@ def item_rows(metas: list[SampleMeta], layout: AssemblyLayout, shapes: BatchShap
     out = {}
     for slot in layout.encoders:
         count, cap = shapes.encoder(slot.name)
+        place: list[Any]
         if slot.modality == "image":
             place = pack_images(image_runs(metas, slot), cap,
                                 slot.max_items if slot.queries else None)

@@ -5,6 +5,8 @@ of a bucket capacity, audio clips one per row), generated-image slots; counts ro
 """
 from __future__ import annotations
 
+from typing import Any
+
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -58,7 +60,7 @@ def grow_shapes(shapes: BatchShapes | None, metas: "list[SampleMeta] | MetaColum
     depend on the capacity), then `union`. jit then compiles a handful of shapes per run
     instead of one per batch."""
     if shapes is not None:
-        kw = {}
+        kw: dict[str, Any] = {}
         for slot in layout.encoders:
             cap = shapes.encoder(slot.name)[1]
             key = "vision_caps" if slot.modality == "image" else "audio_frame_caps"
@@ -141,7 +143,8 @@ def pack_images(runs: list[int], cap: int, max_items: int | None) -> list[tuple[
     (`LeftmostFit`; a buffer holding `max_items` images takes the key -inf)."""
     order = sorted(range(len(runs)), key=lambda i: (-runs[i], i))
     fit = LeftmostFit(len(runs), cap)
-    free, items = [], []
+    free: list[int] = []
+    items: list[int] = []
     out: list[tuple[int, int, int]] = [(0, 0, 0)] * len(runs)
     for i in order:
         b = fit.find(runs[i])

@@ -17,6 +17,8 @@ token (caption / pretraining data).
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
+from typing import Any
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -78,7 +80,8 @@ def _plain(messages, add_generation_prompt, v):
 # end-of-turn marker). The same text as the Jinja template and the same spans as the prefix
 # renders, from one pass (tests/test_data_tokenizer_chat.py checks both); used when a
 # format's template is a named one, as the example tokenizer's is.
-COMPILED = {"llama3": _llama3, "qwen2": _qwen2, "plain": _plain}
+# (keyed `str | None`: looked up by a template name that may be None)
+COMPILED: dict[str | None, Callable] = {"llama3": _llama3, "qwen2": _qwen2, "plain": _plain}
 # placeholder text -> its modality, and the pattern that splits a rendered chat around them
 _KIND_OF = {v: k for k, v in PLACEHOLDERS.items()}
 _AROUND_PLACEHOLDERS = re.compile("(" + "|".join(map(re.escape, _KIND_OF)) + ")")
@@ -137,7 +140,7 @@ class RenderedChat:
     """The conversation in LLM order: ("text", ids, trained) or ("image"|"audio", None,
     None) pieces; `trained` is bool [L] (None: every token trained)."""
 
-    pieces: list[tuple[str, np.ndarray | None, np.ndarray | None]]
+    pieces: list[tuple[str, Any, np.ndarray | None]]  # ids: the tokenizer's list (or None)
 
     def count(self, modality: str) -> int:
         return sum(p[0] == modality for p in self.pieces)
@@ -188,6 +191,7 @@ class ChatFormat:
     def __call__(self, conversation: list[dict], add_generation_prompt: bool = False
                  ) -> RenderedChat:
         messages = normalize_messages(conversation)
+        spans: list[tuple[int, int]] | None
         if self.compiled is not None and messages and messages[0]["role"] != "assistant":
             full, spans = self.render_compiled(messages, add_generation_prompt)
         else:  # any other template (or a conversation the prefix rule refuses)
@@ -195,6 +199,7 @@ class ChatFormat:
             spans = None if self.loss_on == "all" else self.assistant_spans(messages, full)
         if self.loss_on == "all":
             return self.split(full, None)
+        assert spans is not None  # None only when loss_on == "all" (returned above)
         trained = np.zeros(len(full) + 1, bool)
         for a, b in spans:
             trained[a:b] = True
@@ -203,7 +208,10 @@ class ChatFormat:
     def render_compiled(self, messages: list[dict], add_generation_prompt: bool = False
                         ) -> tuple[str, list[tuple[int, int]]]:
         """A named template's text and assistant spans in one pass (`COMPILED`)."""
-        parts, spans, n = [], [], 0
+        assert self.compiled is not None  # __call__ renders compiled only with a named template
+        parts: list[str] = []
+        spans: list[tuple[int, int]] = []
+        n = 0
         for m, (head, body) in zip(messages + [{"role": ""}],
                                    self.compiled(messages, add_generation_prompt,
                                                  self.variables)):
@@ -217,7 +225,8 @@ class ChatFormat:
     def split(self, text: str, trained_chars: np.ndarray | None) -> RenderedChat:
         """Tokenise `text` piecewise around placeholders, with per-token masks."""
         parts = _AROUND_PLACEHOLDERS.split(text)
-        pieces, base = [], 0
+        pieces: list[tuple[str, Any, Any]] = []  # (kind, ids, mask) as RenderedChat holds
+        base = 0
         for part in parts:
             if part in _KIND_OF:
                 pieces.append((_KIND_OF[part], None, None))

@@ -15,6 +15,7 @@ so loss and gradients equal the single-device model's on the same samples.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, cast
 
 import numpy as np
 
@@ -113,7 +114,7 @@ def plan_phases(metas, layout: AssemblyLayout, encoder_ranks: int | dict, llm_ra
             it = iter(item_rows([metas[i] for i in g], layout, enc_shapes)[e])
             for i in g:
                 where[i] = (r, [next(it) for _ in range(metas[i].count(slot.modality))])
-        pairs = []
+        pairs: list[tuple[int, int, int, int]] = []
         for r, g in enumerate(llm_groups):
             it = iter(llm_rows[r][e])
             for i in g:
@@ -153,13 +154,14 @@ def phase_batch(samples: list[Sample], layout: AssemblyLayout, encoder_ranks: in
         if failed:
             mask_out_failed(part, [samples[i] for i in g], failed)
         llm_parts.append(part)
-    inputs = {k: _concat([getattr(b, k) for b in llm_parts]) for k in LLM_FIELDS}
+    inputs: dict[str, Any] = {k: _concat([getattr(b, k) for b in llm_parts]) for k in LLM_FIELDS}
     inputs["bam"] = inputs["bam"].astype(np.int32)
     rows, seq = llm_parts[0].tokens.shape
     n_gen = sum(b.num_gen_elements for b in llm_parts)
     if llm_parts[0].gen is not None:
         for k in llm_parts[0].gen:
-            blocks = [b.gen[k] for b in llm_parts]
+            # one layout: every part has gen when the first has
+            blocks = [cast(dict, b.gen)[k] for b in llm_parts]
             if k == "gen_query":  # flattened [rows * seq] hidden-state indices, per rank
                 blocks = [q + r * rows * seq for r, q in enumerate(blocks)]
             inputs[k] = _concat(blocks)

@@ -24,6 +24,8 @@ skipped and `node_wise["skipped"]` says so.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -242,7 +244,9 @@ def _node_wise(llm_split: RankSplit, enc_layouts, rows, row_bytes, llm_dp: int,
     sample) outputs at their encoder rank (counted at the LLM rank holding its first
     device: encoder rank r of dp d_e at r * `llm_dp` // d_e), sized in bytes; the new
     batches are the LLM's balanced mini-batches."""
-    src, size, item_of = [], [], {}
+    src: list[Any] = []
+    size: list[float] = []
+    item_of: dict[Any, Any] = {}
     for e, lay in enc_layouts.items():
         rb = 1 if row_bytes is None else int(row_bytes[e])
         for r, b in enumerate(lay.batches):

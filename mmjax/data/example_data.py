@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Any
 
 import numpy as np
 
@@ -81,11 +82,12 @@ def write_llava_example(out: str, num_samples: int = 48, seed: int = 0,
     rng = np.random.default_rng(seed)
     img_dir = os.path.join(out, "images")
     os.makedirs(img_dir, exist_ok=True)
-    records, texts = [], []
+    records: list[dict[str, Any]] = []
+    texts: list[str] = []
     for i in range(num_samples):
         colour = list(COLOURS)[rng.integers(len(COLOURS))]
         shape = SHAPES[rng.integers(len(SHAPES))]
-        rec = {"id": f"sample-{i:04d}"}
+        rec: dict[str, Any] = {"id": f"sample-{i:04d}"}
         if i % 8 == 7:  # text-only
             rec["conversations"] = [{"from": "human", "value": f"Name a {shape} colour."},
                                     {"from": "gpt", "value": f"{colour.capitalize()}."}]
@@ -107,6 +109,7 @@ def write_llava_example(out: str, num_samples: int = 48, seed: int = 0,
         head = f.read(200)
     with open(os.path.join(img_dir, "corrupt.jpg"), "wb") as f:
         f.write(head)
+    bad: list[dict[str, Any]]
     bad = [{"id": "corrupt-image", "image": "corrupt.jpg", "conversations": [
                {"from": "human", "value": "<image>\nWhat is this?"},
                {"from": "gpt", "value": "A broken file."}]},

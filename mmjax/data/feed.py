@@ -13,6 +13,8 @@ Arrays of all dp ranks are stacked rank-major along axis 0, ready to shard over 
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import cast
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -52,7 +54,7 @@ def _parts(src_groups, dst_groups, items_of):
     return per_pair
 
 
-def _part_map(per_pair, a, b, min_slots: tuple[int, int] = (1, 1)) -> tuple[Routes, dict]:
+def _part_map(per_pair, a, b, min_slots: tuple[int, ...] = (1, 1)) -> tuple[Routes, dict]:
     src_slot, dst_slot, pairs = {}, {}, []
     # in (i, j) order a pair's src slot is the count of earlier pairs from i (smaller j),
     # its dst slot the count of earlier pairs into j (smaller i): one pass, not pairs^2
@@ -69,6 +71,10 @@ def _part_map(per_pair, a, b, min_slots: tuple[int, int] = (1, 1)) -> tuple[Rout
     return Routes.from_pairs(a, ps, b, pr, pairs), {"src": src_slot, "dst": dst_slot}
 
 
+FeedUnits = tuple[tuple[str, BatchShapes], ...]
+FeedParts = tuple[tuple[str, int, int, int], ...]
+
+
 @dataclass(frozen=True)
 class FeedShapes:
     """Every static size of a microbatch feed: per unit its BatchShapes, per transfer
@@ -77,8 +83,8 @@ class FeedShapes:
     `floor`) makes feeds share one, so a run compiles once (data/loader.py scans the first
     steps for it)."""
 
-    units: tuple[tuple[str, BatchShapes], ...] = ()
-    parts: tuple[tuple[str, int, int, int], ...] = ()  # (name, cap, src slots, dst slots)
+    units: FeedUnits = ()
+    parts: FeedParts = ()  # (name, cap, src slots, dst slots)
 
     def unit(self, name: str) -> BatchShapes | None:
         return dict(self.units).get(name)
@@ -94,11 +100,13 @@ class FeedShapes:
         if other is None:
             return self
         names = sorted({n for n, _ in self.units} | {n for n, _ in other.units})
-        units = tuple((n, self.unit(n).union(other.unit(n))
-                       if self.unit(n) is not None else other.unit(n)) for n in names)
+        # each name is in self or other, so no unit is None (hence the casts)
+        units = cast(FeedUnits, tuple((n, cast(BatchShapes, self.unit(n)).union(other.unit(n))
+                                        if self.unit(n) is not None else other.unit(n))
+                                       for n in names))
         pnames = sorted({n for n, *_ in self.parts} | {n for n, *_ in other.parts})
-        parts = tuple((n, *(max(x, y) for x, y in zip(self.part(n), other.part(n))))
-                      for n in pnames)
+        parts = cast(FeedParts, tuple((n, *(max(x, y) for x, y in zip(self.part(n), other.part(n))))
+                                      for n in pnames))  # part() gives three ints
         return FeedShapes(units, parts)
 
 
@@ -123,7 +131,7 @@ class MicrobatchFeed:
 
 
 def microbatch_feed(samples: list[Sample], layout: AssemblyLayout, dp: dict[str, int],
-                    assignments: dict[str, RankSplit | list[list[int]]] | None = None,
+                    assignments: Mapping[str, RankSplit | list[list[int]]] | None = None,
                     cp: int = 1,
                     cp_method: str = "lpt", cp_block: int = 128,
                     floor: FeedShapes | None = None) -> MicrobatchFeed:
@@ -185,7 +193,8 @@ class _FeedBuilder:
         self.samples, self.layout, self.dp, self.groups, self.floor = (
             samples, layout, dp, groups, floor)
         self.metas = [layout.rules.meta(s) for s in samples]
-        self.unit_shapes, self.part_shapes = {}, {}
+        self.unit_shapes: dict[str, BatchShapes] = {}
+        self.part_shapes: dict[str, tuple[int, int, int]] = {}
         self.llm_pos = {s: (j, k) for j, g in enumerate(groups["llm"]) for k, s in enumerate(g)}
 
     def batches(self, unit: str, enc_inputs: bool) -> list:

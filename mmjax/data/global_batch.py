@@ -5,6 +5,7 @@ data/loader.py's docstring."""
 from __future__ import annotations
 
 import time
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 from mmjax.data.assemble import Batch
@@ -74,10 +75,11 @@ def owned_ranks(plan: Plan, unit: str, local: frozenset[int] | None) -> list[int
             if any(x in local for idx in stages for x in idx[d * g:(d + 1) * g])]
 
 
-def mask_out_failed(batch: Batch, samples: list[Sample], failed: set[int]) -> None:
+def mask_out_failed(batch: Batch, samples: list[Sample], failed: AbstractSet[int]) -> None:
     """`mask_documents` on an assembled Batch: the samples whose ids are in `failed`;
     its token and generated-element counts recounted."""
-    docs, images, g = [], [], 0
+    docs, g = [], 0
+    images: list[int] = []
     for s, row_doc in zip(samples, batch.doc_index):
         n_out = sum(seg.modality == "image_out" for seg in s.segments)
         if s.id in failed:

@@ -4,6 +4,7 @@ preprocess.py and qwen2_vl_processor.py build their processors on `PilImageOps`.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -26,6 +27,16 @@ def convert_to_rgb(image):
 
 class PilImageOps(ABC):
     """Resize / rescale / normalise shared by the image processors (HF semantics)."""
+
+    # set by each processor (preprocess.py, qwen2_vl_processor.py)
+    do_convert_rgb: bool
+    resample: int
+    do_rescale: bool
+    rescale_factor: float
+    do_normalize: bool
+    image_mean: Sequence[float]
+    image_std: Sequence[float]
+    output_size: Callable[[int, int], tuple[int, int]]  # (height, width) -> resized
 
     def _prepare(self, image):
         from PIL import Image

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, cast
 
 import numpy as np
 
@@ -148,7 +148,8 @@ class AssemblyLayout:
             special = dataclasses.replace(special, image_start=int(cfg.image_markers[0]),
                                           image_end=int(cfg.image_markers[1]))
         return cls(seq_len, cfg.llm.vocab_size, TokenRules.from_config(cfg), tuple(slots), gen,
-                   packing, cfg.placement, tuple(sorted(vision_caps)),
+                   cast(Literal["pad", "pack"], packing),  # checked against PACKINGS above
+                   cfg.placement, tuple(sorted(vision_caps)),
                    tuple(sorted(audio_frame_caps)), special,
                    cfg.llm.mrope_section is not None, cfg.image_attention)
 

@@ -42,6 +42,8 @@ One global batch (step k):
 """
 from __future__ import annotations
 
+from typing import Any
+
 from mmjax.data.global_batch import GlobalBatch, GlobalBatchBuilder, host_devices
 from mmjax.data.loader_settings import loader_settings
 from mmjax.data.sample_stream import SampleStream
@@ -76,7 +78,7 @@ class Loader:
 
     def __init__(self, builder: GlobalBatchBuilder):
         self.builder, self.stream = builder, builder.stream
-        self._it = None
+        self._it: Any = None  # stream.deliver's iterator (with producers: their positions())
         self.step = 0  # the pipeline starts at the first `next` (or `set_state`)
 
     @classmethod

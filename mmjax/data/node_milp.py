@@ -104,6 +104,7 @@ def milp_nodes(v: np.ndarray, c: int, include_recv: bool, time_limit: float,
     if start is not None:
         sol = np.zeros(d * nn + 1)
         sol[np.arange(d) * nn + start] = 1.0
+        assert start_objective is not None  # the caller passes start with its objective
         sol[-1] = float(start_objective)
         warm = highspy.HighsSolution()
         warm.col_value = sol.tolist()

@@ -30,6 +30,8 @@ import pickle
 import sys
 import traceback
 from collections import deque
+from collections.abc import Callable
+from typing import Any
 
 READY_LINE = "mmjax producer listening on "
 
@@ -72,7 +74,7 @@ def serve(listen: str, cpus: list[int] | None = None, announce=print,
     else:
         sock.bind(ep)
     announce(READY_LINE + ep, flush=True)
-    sessions: dict[bytes, tuple[bytes, object]] = {}
+    sessions: dict[bytes, tuple[bytes, Callable[[int], Any]]] = {}
     pending: deque = deque()
 
     def receive(frames: list[bytes]) -> None:

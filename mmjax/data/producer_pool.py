@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 import uuid
+from typing import Any
 
 from mmjax.data.producer import READY_LINE, endpoint
 
@@ -42,6 +43,8 @@ def spawn_local(cpus: list[int] | None = None, wait_s: float = 120.0):
     if cpus:
         cmd.append("--cpus=" + ",".join(map(str, cpus)))
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout is not None  # stdout=PIPE
+    assert proc.stdout is not None  # stdout=PIPE
     line = proc.stdout.readline()
     if not line.startswith(READY_LINE):
         proc.kill()
@@ -57,7 +60,9 @@ class _Producer:
         self.ready = False
         self.alive = True
         self.outstanding: dict[int, float] = {}  # step -> time requested
-        self.sock = self.monitor = None
+        # zmq sockets once connect() ran (zmq is imported lazily, so typed loosely)
+        self.sock: Any = None
+        self.monitor: Any = None
         self.connect()
 
     def connect(self) -> None:

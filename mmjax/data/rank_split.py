@@ -54,13 +54,13 @@ class RankSplit:
         ends = np.cumsum(self.counts).tolist()
         return [items[s:e] for s, e in zip([0] + ends[:-1], ends)]
 
-    def permute_ranks(self, perm: Sequence[int]) -> "RankSplit":
+    def permute_ranks(self, perm: Sequence[int] | np.ndarray) -> "RankSplit":
         """Batch i moves to rank perm[i] (node-wise rearrangement, OrchMLLM §5.2.2)."""
-        perm = np.asarray(perm, dtype=np.int64)
-        if perm.shape != self.counts.shape or not np.array_equal(np.sort(perm),
+        order = np.asarray(perm, dtype=np.int64)
+        if order.shape != self.counts.shape or not np.array_equal(np.sort(order),
                                                                  np.arange(self.dp)):
             raise ValueError(f"perm must be a permutation of range({self.dp})")
-        batch_of_rank = np.argsort(perm)
+        batch_of_rank = np.argsort(order)
         counts = self.counts[batch_of_rank]
         starts = self.starts[batch_of_rank]
         idx = np.repeat(starts - (np.cumsum(counts) - counts), counts) + np.arange(self.items.size)

@@ -103,7 +103,8 @@ def decode_record(raw: bytes, patch_size: int, max_grid: int) -> Sample:
             off += nb
             if s["modality"] == "image":
                 data = data.astype(np.float32) / 255.0
-                h, w, _ = decoded_image_shape(*data.shape[:2], patch_size, max_grid)
+                h, w, _ = decoded_image_shape(data.shape[0], data.shape[1], patch_size,
+                                              max_grid)
                 if data.shape[:2] != (h, w):
                     data = _resize_nearest(data, h, w)
             segs.append(Segment(s["modality"], np.array(data), int(s["num_queries"])))

@@ -215,7 +215,7 @@ def _algorithm3(fwd, bwd, p: int, v: int, model, scale0: float) -> list[int]:
     n_rear = min(p - 1 if v == 1 else 0, len(rest))
     rear = sorted(rest[:n_rear], key=lambda j: (-fwd[j], j))
     pending = rest[n_rear:]  # still sorted by (forward, index)
-    slots: list[int | None] = [first] + [None] * len(pending) + rear
+    slots: list[int | None] = [first, *([None] * len(pending)), *rear]
     fill = [scale0 * x for x in fwd]  # what a microbatch adds to stage 0's forward passes
     stage0 = [a for a, act in enumerate(model.actions) if act[1] == 0]
     while pending:

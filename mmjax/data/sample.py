@@ -24,6 +24,8 @@ its start/end special tokens (see `assemble.py`), so `SampleMeta.llm_length` cou
 """
 from __future__ import annotations
 
+from typing import Any
+
 
 import math
 from dataclasses import dataclass, field
@@ -162,7 +164,7 @@ class TokenRules:
 
     @classmethod
     def from_config(cls, cfg: MLLMConfig) -> "TokenRules":
-        kw = {}
+        kw: dict[str, Any] = {}
         for spec in cfg.encoders:
             ca = spec.projector.kind == "cross_attention"
             if isinstance(spec.encoder, VisionConfig):

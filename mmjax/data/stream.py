@@ -11,6 +11,8 @@ last batch handed out, so a resumed run sees exactly the same batches.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import queue
 import threading
 
@@ -28,7 +30,8 @@ class SourceBatches:
         # grow_shapes(previous shapes, metas) -> shapes (the trainer's high-water rule);
         # default: each batch's own shapes
         self.grow_shapes = grow_shapes or (lambda _, metas: batch_shapes([metas], layout))
-        self.position, self.shapes = 0, None
+        self.position = 0
+        self.shapes: BatchShapes | None = None
         self.workers = max(1, int(workers))
         self._thread = None
 
@@ -69,7 +72,9 @@ class SourceBatches:
 
     def _make(self, position: int, shapes):
         """(batch, skipped, next position, new shapes) of the batch starting at position."""
-        samples, skipped, tried = [], [], 0
+        samples: list[Any] = []
+        skipped: list[Any] = []
+        tried = 0
         limit = max(4 * self.global_batch, len(self.source))
         while len(samples) < self.global_batch:
             if tried >= limit:

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import math
+from typing import Any
 
 import numpy as np
 
@@ -67,7 +68,7 @@ class SyntheticConfig:
     @classmethod
     def for_model(cls, cfg: MLLMConfig, **kw) -> "SyntheticConfig":
         """Shapes that match `cfg` (vocab, patch size, mel bins, latent shape)."""
-        base = {"vocab_size": cfg.llm.vocab_size}
+        base: dict[str, Any] = {"vocab_size": cfg.llm.vocab_size}
         for spec in cfg.encoders:
             if isinstance(spec.encoder, VisionConfig):
                 # Qwen2-VL: sides in units of patch * merge (its processor's multiple)
@@ -217,7 +218,8 @@ class SyntheticDataset:
         rng = np.random.Generator(bits)
         out = []
         for words in seed_states(self.seed, indices, 0):
-            bits.state = pcg64_state(words)
+            # numpy's stubs want their private _PCG64State TypedDict; the dict has its keys
+            bits.state = pcg64_state(words)  # type: ignore[assignment]
             out.append(f(self.cfg, rng))
         return out
 

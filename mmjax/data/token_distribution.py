@@ -24,6 +24,7 @@ No JAX here: the distribution is planned on the host from metadata only.
 from __future__ import annotations
 
 import heapq
+from typing import Any
 
 import numpy as np
 
@@ -179,7 +180,7 @@ def _tiles_from_bitfield(mask: BitfieldMask, block_size: int, key_block: int) ->
     alone = np.bincount(block, minlength=nb)[block] == 1
 
     # Text patterns (doc, bits): distinct key blocks with their first covering start.
-    covers = {}
+    covers: dict[tuple, Any] = {}  # text: (starts, blocks); modality: blocks
     patterns, which = np.unique(np.stack([doc[text], bam[text]], axis=1), axis=0,
                                 return_inverse=True)
     which = which.reshape(-1)
@@ -245,7 +246,7 @@ def lpt(work: np.ndarray, num_ranks: int, capacity: int | None = None) -> np.nda
     # Heap of single ints key = load * G + rank: orders like (load, rank), so the pop gives
     # the least-loaded rank with ties to the lower rank, and adding w * G keeps the rank.
     heap = list(range(num_ranks))
-    picked = []
+    picked: list[int] = []
     pick, replace = picked.append, heapq.heapreplace
     if capacity is None:
         for w in (work[order] * num_ranks).tolist():

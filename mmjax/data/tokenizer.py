@@ -117,6 +117,7 @@ class Tokenizer:
     def special_tokens(self) -> SpecialTokens:
         """Assembly's ids: documents start with bos (pad or eos where there is no bos, as
         in Qwen2) and end with eos; modality blocks are wrapped in the markers."""
+        assert self.eos_token is not None  # __init__ refuses a tokenizer without one
         start = self.bos_token or self.pad_token or self.eos_token
         return SpecialTokens(bos=self.token_id(start), eos=self.token_id(self.eos_token),
                              first_text=0,

@@ -106,6 +106,7 @@ def _priced_layout(cfg, global_batch: int, hw, wl, n: int, layout: str
         except PlanError:
             plan = None
     if layout == "colocated":
+        assert colo is not None  # a co-located layout that does not fit raised above
         why = f"auto_plan.layout='colocated', predicted {colo.iteration_time_s:.3f} s per iteration"
     else:
         try:
@@ -117,9 +118,11 @@ def _priced_layout(cfg, global_batch: int, hw, wl, n: int, layout: str
             return (RunLayout("auto", chosen=plan),
                     f"auto layout: disaggregated ({pick.reason})")
         why = pick.reason
+        assert colo is not None  # choose_layout picks co-located only when it fits
     tps = {u: t for u, t in colo.tp.items() if is_llm(u) or is_encoder(u)}
     chosen = check_layout(cfg.unit_names, n, "colocated", dict(colo.zero), None, tps,
                           model=cfg)
+    assert chosen is not None  # check_layout's answer for layout "colocated"
     encs = "".join(f", {u} tp {t}" for u, t in chosen.unit_tp)
     return RunLayout("auto", colocation=chosen), (
         f"auto layout: co-located (llm tp {chosen.tp}{encs}, ZeRO {dict(colo.zero)}) ({why})")

@@ -20,6 +20,7 @@ import shutil
 import sys
 import time
 import types
+from typing import Any
 
 import jax
 import numpy as np
@@ -305,7 +306,8 @@ class Checkpointer:
             raise CheckpointUnusable(f"integrity record unreadable ({one_line(e, 160)})") from None
         named = named_arrays(like)
         self._check_structure(stored, named)
-        abstract, wides = {}, {}
+        abstract: dict[str, Any] = {}
+        wides: dict[str, Any] = {}
         for n, x in named.items():
             if not hasattr(x, "sharding"):
                 abstract[stored[n][0]] = np.asarray(x)

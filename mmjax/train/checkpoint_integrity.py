@@ -89,7 +89,7 @@ def partial_checksum(x) -> tuple[int, int, int]:
 def global_checksums(arrays: list) -> list[tuple[int, int, bool]]:
     """Per array: its `leaf_checksum` and whether it holds a non-finite value, computed
     from each process's own shards and summed across processes (one small all-gather)."""
-    parts = np.array([partial_checksum(x) for x in arrays], np.uint32).reshape(-1, 3)
+    parts: np.ndarray = np.array([partial_checksum(x) for x in arrays], np.uint32).reshape(-1, 3)
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 

@@ -31,7 +31,8 @@ _CODE = re.compile(r"os_error_code='?(\d+)")
 
 def write_failure_reason(err: BaseException) -> str:
     """What went wrong with a write, in a few words (the OS error when there is one)."""
-    e, texts = err, []
+    e: BaseException | None = err
+    texts: list[str] = []
     while e is not None and len(texts) < 8:
         texts.append(str(e))
         if isinstance(e, OSError) and e.errno in _OS_ERRORS:

@@ -18,11 +18,11 @@ class CompileWatch:
         self.count, self.seconds = 0, 0.0
         self._lock = threading.Lock()
 
-    def _listen(self, event: str, duration: float, **_) -> None:
+    def _listen(self, event: str, duration_secs: float, **_: str | int) -> None:
         if event == COMPILE_EVENT:
             with self._lock:
                 self.count += 1
-                self.seconds += duration
+                self.seconds += duration_secs
 
     def __enter__(self) -> "CompileWatch":
         jax.monitoring.register_event_duration_secs_listener(self._listen)

@@ -82,6 +82,7 @@ def restore_model(workdir: str, step: int | None = None
         step = ckpt.latest_step() if step is None else step
         if step not in steps:
             raise UserError(f"--step={step}: {workdir}/checkpoints holds steps {sorted(steps)}")
+        assert step is not None  # one of steps
         filters = (trainable_filter(cfg), ...)
         key = jax.random.key(seed)
         tx = optimizer_from_settings(learning_rate_schedule(1))

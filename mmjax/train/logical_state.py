@@ -10,6 +10,8 @@ it: they are rebuilt from the seed or the pretrained weights, exactly as at the 
 """
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 from jax.tree_util import DictKey, GetAttrKey, SequenceKey
 
@@ -42,7 +44,8 @@ def _opt_names(opt_state, param_name) -> list[str]:
     fields (Adam's mu, nu), "opt.<field>" for scalars (counts), the chain position dropped
     (the single program chains clipping in front, the pipeline clips outside). Repeated
     scalar names get "#k" in order."""
-    names, seen = [], {}
+    names: list[str] = []
+    seen: dict[str, int] = {}
     for path, _ in jax.tree_util.tree_flatten_with_path(opt_state)[0]:
         keys = path_keys(path)
         first = next((i for i, k in enumerate(keys) if isinstance(k, str)), len(keys))
@@ -107,7 +110,7 @@ def stage_param_name(plan, sid, keys) -> str:
     keys = list(keys)
     if not is_encoder(sid.unit):
         keys = [sid.unit] + keys
-        at = 1
+        at: int | None = 1
     else:
         at = 2 if keys[:2] == ["encoders", sid.unit] else None
     if at is not None and len(keys) > at + 1 and keys[at] == "layers":
@@ -135,7 +138,7 @@ def _stage_logical(plan, sid, params, opt_state, out: dict) -> None:
 def pipeline_logical(plan, stages: dict) -> dict:
     """{StageId: StageState} (train/state.py) -> {name: array}: the trained stages' master
     parameters and ZeRO-1 optimizer state."""
-    out = {}
+    out: dict[str, Any] = {}
     for sid, st in stages.items():
         _stage_logical(plan, sid, st.master, st.opt, out)
     return out
@@ -192,7 +195,7 @@ def pipeline_global_logical(plan, stages: dict, trained: list, remote) -> dict:
     shardings on every process, as a multi-host orbax save and restore need."""
     if jax.process_count() == 1:
         return pipeline_logical(plan, stages)
-    out = {}
+    out: dict[str, Any] = {}
     for sid in trained:
         params, opt_state = ((stages[sid].master, stages[sid].opt) if sid in stages
                              else remote(sid))

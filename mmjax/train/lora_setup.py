@@ -3,6 +3,8 @@ and with what rank, alpha, targets and scaling; `with_lora` puts them into the m
 (after the pretrained checkpoints' config.json set its sizes). docs/lora.md."""
 from __future__ import annotations
 
+from typing import cast
+
 import gin
 
 from mmjax.errors import UserError
@@ -53,6 +55,7 @@ def with_lora(cfg: MLLMConfig, units=None, settings: LoRAConfig | None = None) -
         units, settings = lora()
     if not units:
         return cfg
+    assert settings is not None  # from gin above, or passed by every caller that names units
     parts = lora_parts(cfg)
     bad = [u for u in units if u not in parts]
     if bad:
@@ -89,10 +92,11 @@ def with_adapter(cfg: MLLMConfig, adapter_dir: str, whole: bool) -> MLLMConfig:
     return with_overrides(cfg, over)
 
 
-def lora_of(cfg: MLLMConfig, part: str) -> LoRAConfig:
+def lora_of(cfg: MLLMConfig, part: str) -> LoRAConfig | None:
     """The LoRAConfig of a LoRA'd part ("llm", a tower, "<enc>.projector")."""
     if is_llm(part):
         return cfg.llm.lora
     if part.endswith(".projector"):
         return cfg.encoder(part.removesuffix(".projector")).projector.lora
-    return cfg.encoder(part).encoder.lora
+    # a LoRA'd tower is a vision tower (lora_parts: LoRA adapts no audio tower)
+    return cast(VisionConfig, cfg.encoder(part).encoder).lora

@@ -7,6 +7,8 @@ RESOURCE_EXHAUSTED. An estimate, not XLA's own account: XLA fuses and reuses buf
 the real peak is usually lower (the check refuses only above the device's memory)."""
 from __future__ import annotations
 
+from typing import Any
+
 import os
 import re
 
@@ -152,8 +154,8 @@ def out_of_memory_line(err: BaseException) -> str | None:
         return None
     if "os_error_code" in text or not _ALLOCATOR.search(text):
         return None
-    size = allocator_request(text)
-    size = f" ({size / GB:.1f} GB requested)" if size else ""
+    req = allocator_request(text)
+    size = f" ({req / GB:.1f} GB requested)" if req else ""
     return (f"error: the device ran out of memory{size}: lower train.global_batch or "
             f"data_layout.seq_len, recompute activations (manual_plan.remat = \"full\" with a "
             f"plan) or spread the model over more devices (--plan=auto); --debug shows the "
@@ -218,7 +220,7 @@ def _unit_params(tree, colo) -> dict:
     from mmjax.parallel.fsdp import unit_of
     from mmjax.parallel.tensor import path_names
 
-    out = {}
+    out: dict[str, Any] = {}
 
     def add(path, leaf):
         names = path_names(path)

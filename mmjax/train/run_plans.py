@@ -79,6 +79,7 @@ def plan_at_start(workdir: str, choice: RunLayout, maker: PlanMaker) -> StartPla
     """The Plan a disaggregated run starts on (none for one program or co-located)."""
     if not choice.pipelined:
         return StartPlan(choice.plan, None, None, maker)
+    assert choice.plan is not None  # pipelined
     resumed = plan_to_resume(workdir, choice.plan, progress_console())
     name = resumed[1] if resumed else choice.plan  # a re-planned run stays re-planned
     the_plan, cfg = maker.build(name, choice.chosen if name == choice.plan else None)
@@ -93,6 +94,7 @@ def plan_after_resume(loop, workdir: str, choice: RunLayout, start: StartPlan, m
     if start.plan is None or plan_in_effect(workdir, loop.start) == start.resumed:
         return start.name, start.plan
     in_effect = plan_in_effect(workdir, loop.start)
+    assert choice.plan is not None  # start.plan is set only on a pipelined run
     name = in_effect[1] if in_effect else choice.plan
     if loop.lead:
         loop.console.print(f"checkpoint step {loop.start} ran {name}: continuing on it"

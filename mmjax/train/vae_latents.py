@@ -32,7 +32,7 @@ def square_pixels(image, side: int) -> np.ndarray:
     w, h = im.size
     s = min(w, h)
     left, top = (w - s) // 2, (h - s) // 2
-    im = im.crop((left, top, left + s, top + s)).resize((side, side), Image.BICUBIC)
+    im = im.crop((left, top, left + s, top + s)).resize((side, side), Image.Resampling.BICUBIC)
     return np.asarray(im, np.float32) / 127.5 - 1.0
 
 
@@ -57,7 +57,7 @@ class LatentEncoder:
                             f"generator.latent_channels={self.vae_cfg.latent_channels}")
         if placement not in ("host", "device"):
             raise UserError(f"vae.placement={placement!r}: use 'auto', 'host' or 'device'")
-        self.path, self.latent_shape, self.num_queries = path, tuple(latent_shape), num_queries
+        self.path, self.latent_shape, self.num_queries = path, (c, h, w), num_queries
         self.placement = placement  # host: this process's CPU; device: the VAE unit's devices
         self.side = h * self.vae_cfg.downsample  # the pixels the VAE reads
         self.decision = None  # the planner's VAEPlacement when placement was "auto"

@@ -61,7 +61,7 @@ def post_balance(lengths: Sequence[float], num_ranks: int, policy: str = "sum", 
     return _lists(*post_balance_flat(lengths, num_ranks, policy, tolerance=tolerance))
 
 
-def post_balance_flat(lengths: Sequence[float], num_ranks: int, policy: str = "sum", *,
+def post_balance_flat(lengths: Sequence[float] | np.ndarray, num_ranks: int, policy: str = "sum", *,
                       tolerance: float | None = None) -> tuple[np.ndarray, np.ndarray]:
     """`post_balance` as arrays: (sample indices batch after batch, count per batch), the
     same batches in the same order. Skips building ``num_ranks`` Python lists (at 2560

@@ -28,8 +28,9 @@ def _conv(x: np.ndarray, d: int) -> tuple[np.ndarray, np.ndarray]:
     _lpt_assign(x, lpt_loads, desc, xs=xs)
     bound = float(lpt_loads.max())
     n = x.size
-    v = memoryview(xs)  # Python floats, no numpy scalar per step
-    ends = []
+    # Python floats, no numpy scalar per step (numpy declares the buffer protocol only for 3.12+)
+    v = memoryview(xs)  # type: ignore[arg-type]
+    ends: list[int] = []
     i = 0
     while i < n and len(ends) < d:
         xi = v[i]
@@ -85,7 +86,7 @@ def _conv_whole(x: np.ndarray, d: int) -> tuple[np.ndarray, np.ndarray] | None:
         return None
     many = value_counts(x, int(top))
     k, dtype = pick_bits(n, d)
-    picks = np.empty(n, dtype)
+    picks: np.ndarray = np.empty(n, dtype)
     loads, counts = np.zeros(d, np.int64), np.zeros(d, np.int64)
     lpt_buckets(many, loads, counts, picks, k, 0)  # Algorithm 1: the bound
     bound = float(loads.max())

@@ -10,7 +10,7 @@ import numpy as np
 from mmjax.data.balance.lpt_int import counting_order, lpt_whole, sortable, whole_stats
 
 
-def _as_lengths(lengths: Sequence[float], name: str) -> np.ndarray:
+def _as_lengths(lengths: Sequence[float] | np.ndarray, name: str) -> np.ndarray:
     x = np.asarray(lengths, dtype=np.float64)
     if x.ndim != 1:
         raise ValueError(f"{name} must be a flat sequence of per-sample lengths, "

@@ -227,6 +227,7 @@ def lpt_whole(x: np.ndarray, d: int) -> tuple[np.ndarray, np.ndarray] | None:
         return None
     many = value_counts(x, int(top))
     k, dtype = pick_bits(n, d)
-    picks, counts = np.empty(n, dtype), np.zeros(d, np.int64)
+    picks: np.ndarray = np.empty(n, dtype)
+    counts = np.zeros(d, np.int64)
     lpt_buckets(many, np.zeros(d, np.int64), counts, picks, k, 0)
     return group(x, many, picks, k, counts), counts

@@ -12,7 +12,8 @@ from mmjax.data.balance.node_swaps import swap_improve
 from mmjax.data.node_milp import milp_nodes
 
 
-def _per_sample(src_rank_of_sample, new_batches, sizes, ranks_per_node):
+def _per_sample(src_rank_of_sample, new_batches, sizes,
+                ranks_per_node) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
     """Validated per-sample arrays: source rank, new batch, volume; and d."""
     lens = np.array([len(b) for b in new_batches], dtype=np.int64)
     flat = np.fromiter(itertools.chain.from_iterable(new_batches), dtype=np.int64,
@@ -20,7 +21,8 @@ def _per_sample(src_rank_of_sample, new_batches, sizes, ranks_per_node):
     return _per_sample_flat(src_rank_of_sample, flat, lens, sizes, ranks_per_node)
 
 
-def _per_sample_flat(src_rank_of_sample, flat, lens, sizes, ranks_per_node):
+def _per_sample_flat(src_rank_of_sample, flat, lens, sizes,
+                     ranks_per_node) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
     """`_per_sample` with the new batches as (sample indices batch after batch, counts)."""
     src = np.asarray(src_rank_of_sample, dtype=np.int64)
     w = _as_lengths(sizes, "sizes")

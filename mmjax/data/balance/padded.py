@@ -75,6 +75,7 @@ def _padded(x: np.ndarray, d: int) -> tuple[np.ndarray, np.ndarray]:
         if hi is not None and lo >= hi:
             break
         probe = _next_probe(seen, d, lo, hi, width)
+    assert best is not None  # set with hi, and the loop ends only once hi is set
     counts = np.zeros(d, dtype=np.int64)
     counts[:best.size] = best
     return asc, counts

@@ -121,7 +121,8 @@ def sum_square_int(x: np.ndarray, d: int,
     span = math.ceil(tolerance) + int(top) + 2
     if span > _MAX_SPAN:
         return None
-    picks, counts = np.empty(n, dtype), np.zeros(d, np.int64)
+    picks: np.ndarray = np.empty(n, dtype)
+    counts = np.zeros(d, np.int64)
     many = value_counts(x, int(top))
     _assign(many, tolerance, 1 << (span - 1).bit_length(), k, picks, counts)
     return group(x, many, picks, k, counts), counts

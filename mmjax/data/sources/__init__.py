@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import gin
 
@@ -11,6 +12,9 @@ from mmjax.data.preprocess import (ImageProcessor, NativeResizeProcessor,
                                    WhisperFeatureExtractor, load_processor)
 from mmjax.data.qwen2_vl_processor import Qwen2VLImageProcessor
 from mmjax.models.config import MLLMConfig, VisionConfig
+
+if TYPE_CHECKING:
+    from mmjax.data.sources.common import ChatRecordSource
 
 
 def default_processors(model: MLLMConfig, image_processor: str | None,
@@ -119,6 +123,7 @@ def eval_source(model: MLLMConfig, tokenizer, json_path: str | None = None,
     if max_batches < 1:
         raise UserError(f"eval_source.max_batches={max_batches}: use >= 1")
     img, aud = default_processors(model, image_processor, audio_processor)
+    src: ChatRecordSource
     if json_path:
         from mmjax.data.sources.llava import LlavaSource
 

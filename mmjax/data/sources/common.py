@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import io
 import os
+from typing import cast
 from functools import cached_property
 
 import numpy as np
@@ -48,7 +49,7 @@ def text_chars(conversation) -> int:
     format reports it)."""
     if not isinstance(conversation, list):
         return 0
-    return sum(len(t.get("value", t.get("content"))) for t in conversation
+    return sum(len(cast(str, t.get("value", t.get("content")))) for t in conversation  # str by the filter
                if isinstance(t, dict) and isinstance(t.get("value", t.get("content")), str))
 
 
@@ -70,7 +71,7 @@ class EntryBuilder:
             per_token = max([tokenizer.max_token_chars()] + [len(p) for p in
                                                             PLACEHOLDERS.values()])
             self.max_chars = max_tokens * per_token
-        self._chat = None
+        self._chat: ChatFormat | None = None
 
     def __getstate__(self):
         return {**self.__dict__, "_chat": None}
@@ -119,12 +120,12 @@ class EntryBuilder:
                 lengths.append(audio_num_samples(ref, self.audio_rate))
             except Exception as e:  # soundfile raises RuntimeError / LibsndfileError
                 return {"problem": f"unreadable: audio {ref}: {e}"}
-        pieces, im, au = [], iter(sizes), iter(lengths)
+        pieces, size_it, au = [], iter(sizes), iter(lengths)
         for kind, ids, mask in chat.pieces:
             if kind == "text":
                 pieces.append(["text", len(ids), 0 if mask is None else int((~mask).sum())])
             elif kind == "image":
-                pieces.append(["image", *next(im)])
+                pieces.append(["image", *next(size_it)])
             else:
                 pieces.append(["audio", next(au)])
         out = rec.get("output_image")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Any
 
 from mmjax.errors import UserError
 from mmjax.data.index import file_digest
@@ -41,7 +42,7 @@ def read_llava(json_path: str, image_root: str = "", audio_root: str | None = No
     parse at all is a UserError (nothing of it can be read)."""
     if not os.path.isfile(json_path):
         raise UserError(f"llava_source.json_path={json_path!r}: no such file")
-    raw = []  # (where, record or None, problem)
+    raw: list[tuple[tuple[str, str, int], Any, str | None]] = []  # (where, record or None, problem)
     try:
         with open(json_path) as f:
             if json_path.endswith(".jsonl"):
@@ -68,7 +69,7 @@ def read_llava(json_path: str, image_root: str = "", audio_root: str | None = No
     records = []
     for k, (where, r, problem) in enumerate(raw):
         label = f"{where[0]} {where[1]} {where[2]}"
-        rec = {"id": str(r.get("id", k)) if isinstance(r, dict) else f"{where[1]}-{where[2]}",
+        rec: dict[str, Any] = {"id": str(r.get("id", k)) if isinstance(r, dict) else f"{where[1]}-{where[2]}",
                "images": [], "audio": [], "conversations": None, "output_image": None,
                "where": list(where)}
         try:
@@ -89,6 +90,8 @@ def read_llava(json_path: str, image_root: str = "", audio_root: str | None = No
 
 class LlavaSource(ChatRecordSource):
     """`read_llava` records; index cached at `<json_path>.mmjax_index.json`."""
+
+    missing_hint: str  # set by the builders in sources/__init__.py; read with getattr
 
     def __init__(self, json_path: str, tokenizer, image_processor, audio_processor,
                  image_root: str = "", audio_root: str | None = None,

@@ -77,7 +77,9 @@ def scan_shard(path: str) -> list[dict]:
                 g["member"] = m.name
             elif ext in ("txt", "json"):
                 g.setdefault("member", m.name)
-                raw = tar.extractfile(m).read().decode("utf-8", errors="replace")
+                member = tar.extractfile(m)
+                assert member is not None  # a regular file (isfile above)
+                raw = member.read().decode("utf-8", errors="replace")
                 try:
                     g["doc"] = json.loads(raw) if ext == "json" else raw.strip()
                 except ValueError:
