@@ -60,6 +60,7 @@ from mmjax.data.layout import AssemblyLayout  # noqa: E402
 from mmjax.data.meta_columns import MetaColumns  # noqa: E402
 from mmjax.data.shape_columns import shape_columns  # noqa: E402
 from mmjax.data.synthetic import SyntheticDataset  # noqa: E402
+from mmjax.data.spec_list import meta_columns_of  # noqa: E402
 from mmjax.host_info import machine  # noqa: E402
 from mmjax.planner.plan import Plan  # noqa: E402
 
@@ -117,7 +118,7 @@ def _row(d, args, pool, rng, layout, policies, algos, node_wise) -> dict:
                                  node_wise=node_wise)
 
     def after():  # the loader's call: columns from the specs, the plan from the columns
-        return planned(MetaColumns.from_specs(ids, specs, rules))
+        return planned(meta_columns_of(ids, specs, rules))
 
     def objects():
         return planned([rules.meta_from_shapes(i, s) for i, s in zip(ids, specs)])
@@ -143,7 +144,7 @@ def _row(d, args, pool, rng, layout, policies, algos, node_wise) -> dict:
     times = {k: [] for k in keys}
     for _ in range(args.repeats):  # interleaved: every column sees the same load
         times["after"].append(_ms(after)[0])
-        t, mc = _ms(lambda: MetaColumns.from_specs(ids, specs, rules))
+        t, mc = _ms(lambda: meta_columns_of(ids, specs, rules))
         times["from_specs"].append(t)
         times["plan"].append(_ms(lambda: planned(mc))[0])
         times["plan_all_shapes"].append(_ms(lambda: every_shape(mc))[0])

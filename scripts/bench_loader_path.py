@@ -20,8 +20,8 @@ from mmjax.data.batch_plan import plan_global_batch  # noqa: E402
 from mmjax.data.global_batch import GlobalBatchBuilder  # noqa: E402
 from mmjax.data.loader import Loader  # noqa: E402
 from mmjax.data.layout import check_shapes  # noqa: E402
-from mmjax.data.meta_columns import MetaColumns  # noqa: E402
 from mmjax.data.spec_columns import SpecColumns, SpecTable  # noqa: E402
+from mmjax.data.spec_list import meta_columns_of  # noqa: E402
 from mmjax.planner.plan import Plan  # noqa: E402
 
 
@@ -48,7 +48,7 @@ def _loader_path(b: GlobalBatchBuilder, select, step: int):
     t, w = [time.process_time()], time.perf_counter()
     idx, specs, _ = select(step)
     t.append(time.process_time())
-    mc = MetaColumns.from_specs(idx, specs, b.layout.rules)
+    mc = meta_columns_of(idx, specs, b.layout.rules)
     t.append(time.process_time())
     plans = plan_global_batch(mc, b.model, b.plan, b.layout, b.policies, b.algo,
                               node_wise=b.node_wise, hardware=b.hardware)

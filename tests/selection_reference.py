@@ -6,10 +6,10 @@ from grain.experimental import index_shuffle
 
 from mmjax.data.sample_stream import REPLACEMENTS
 from mmjax.data.layout import check_shapes
-from mmjax.data.meta_columns import MetaColumns
 from mmjax.data.records import source_problem
 from mmjax.data.row_budget import fill_rows
 from mmjax.data.skipped import Skipped
+from mmjax.data.spec_list import meta_columns_of
 from mmjax.errors import UserError
 
 
@@ -54,7 +54,7 @@ def select(b, step: int, skipped: list | None = None, start: int | None = None):
             idx.append(i)
             specs.append(spec)
     if budget is not None:
-        lens = MetaColumns.from_specs(idx, specs, b.layout.rules).llm_length.tolist()
+        lens = meta_columns_of(idx, specs, b.layout.rules).llm_length.tolist()
         keep = fill_rows(lens, budget, b.layout.seq_len)
         keep = keep[:len(keep) - len(keep) % mbs]
         if len(keep) < need <= len(idx):

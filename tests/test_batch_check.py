@@ -8,7 +8,7 @@ import pytest
 from mmjax.data.batch_check import check_global_batch
 from mmjax.data.batch_shapes import batch_shapes, grow_shapes
 from mmjax.data.loader import Loader
-from mmjax.data.meta_columns import MetaColumns
+from mmjax.data.spec_list import meta_columns_of
 from test_data_loader import CFG, LAYOUT, plan, source
 
 
@@ -53,7 +53,7 @@ def test_shapes_from_columns_equal_the_object_path():
     the `SampleMeta` objects."""
     _, builder = _builder(32)
     idx, specs, _ = builder.stream.select(0)
-    metas = MetaColumns.from_specs(idx, specs, LAYOUT.rules)
+    metas = meta_columns_of(idx, specs, LAYOUT.rules)
     assert grow_shapes(None, metas, LAYOUT) == batch_shapes([metas.metas()], LAYOUT)
     floor = grow_shapes(None, metas.metas()[:5], LAYOUT)
     assert grow_shapes(floor, metas, LAYOUT) == grow_shapes(floor, metas.metas(), LAYOUT)

@@ -12,6 +12,7 @@ from mmjax.data.layout import AssemblyLayout
 from mmjax.data.meta_columns import MetaColumns
 from mmjax.data.sample import TokenRules
 from mmjax.data.shape_columns import shape_columns
+from mmjax.data.spec_list import meta_columns_of
 from mmjax.models.config import (AudioConfig, EncoderSpec, GeneratorConfig, LLMConfig,
                                  MLLMConfig, ProjectorConfig, VisionConfig)
 from mmjax.planner.plan import Plan
@@ -53,7 +54,7 @@ def test_columns_from_specs_equal_the_objects(rules):
     rng = np.random.default_rng(hash(rules) % 1000)
     specs = random_specs(rng, 400)
     ids = rng.permutation(10_000)[:400].tolist()
-    mc = MetaColumns.from_specs(ids, specs, rules)
+    mc = meta_columns_of(ids, specs, rules)
     want = [rules.meta_from_shapes(i, s) for i, s in zip(ids, specs)]
     assert mc.metas() == want
     assert [mc[p] for p in (0, 7, 399)] == [want[p] for p in (0, 7, 399)]
@@ -70,10 +71,10 @@ def test_columns_from_specs_equal_the_objects(rules):
 
 
 def test_empty_batch_and_unknown_modality():
-    mc = MetaColumns.from_specs([], [], TokenRules())
+    mc = meta_columns_of([], [], TokenRules())
     assert len(mc) == 0 and mc.metas() == [] and mc.llm_length.size == 0
     with pytest.raises(ValueError, match="unknown modality 'video'"):
-        MetaColumns.from_specs([0], [[("video", (3,), 0)]], TokenRules())
+        meta_columns_of([0], [[("video", (3,), 0)]], TokenRules())
 
 
 def _model(gen: bool) -> MLLMConfig:
@@ -97,7 +98,7 @@ def test_plan_from_columns_equals_plan_from_objects(policy, gen):
     ids = list(range(480))
     plan = Plan.uniform(model, 480, 2, dp={"llm": 4, "vision": 3, "audio": 2,
                                            "generator": 2})
-    mc = MetaColumns.from_specs(ids, specs, layout.rules)
+    mc = meta_columns_of(ids, specs, layout.rules)
     metas = [layout.rules.meta_from_shapes(i, s) for i, s in zip(ids, specs)]
     kw = dict(policies=unit_policies(policy, model),
               post_balance_policy=post_balance_policies("sum", model))

@@ -14,8 +14,9 @@ from mmjax.data.layout import check_shapes
 from mmjax.data.records import ArrayRecordSource, SyntheticSource, write_dataset
 from mmjax.data.sample_stream import SampleStream
 from mmjax.data.selection import first_seen
-from mmjax.data.spec_columns import SpecList
+
 from mmjax.data.synthetic import SyntheticConfig, SyntheticDataset
+from mmjax.data.spec_list import SpecList
 from mmjax.errors import UserError
 from test_data_loader import CFG, LAYOUT, plan, source
 

@@ -8,10 +8,10 @@ import pytest
 from grain.experimental import index_shuffle as grain_shuffle
 
 from mmjax.data.layout import AssemblyLayout, check_shapes
-from mmjax.data.meta_columns import MetaColumns
 from mmjax.data.shuffle import index_shuffle
-from mmjax.data.spec_columns import SpecColumns, SpecList
+from mmjax.data.spec_columns import SpecColumns
 from mmjax.data.synthetic import SyntheticConfig, SyntheticDataset
+from mmjax.data.spec_list import SpecList, meta_columns_of
 from test_meta_columns import _model, random_specs
 
 
@@ -56,7 +56,7 @@ def test_usable_is_check_shapes_and_columns_give_the_specs_back(gen):
     assert list(back) == [specs[i] for i in items] and len(back) == len(items)
     assert back[-1] == specs[items[-1]] and back[1:3] == [specs[i] for i in items[1:3]]
     ids = list(range(len(good)))
-    mc = MetaColumns.from_specs(ids, SpecList(cols.take(np.flatnonzero(want))),
+    mc = meta_columns_of(ids, SpecList(cols.take(np.flatnonzero(want))),
                                 layout.rules)
     assert mc.metas() == [layout.rules.meta_from_shapes(i, s) for i, s in zip(ids, good)]
 

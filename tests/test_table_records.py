@@ -8,8 +8,9 @@ import pytest
 
 from mmjax.data.layout import AssemblyLayout
 from mmjax.data.meta_columns import MetaColumns
-from mmjax.data.spec_columns import SpecColumns, SpecList, SpecTable
+from mmjax.data.spec_columns import SpecColumns, SpecTable
 from mmjax.data.table_records import TableRecords, concat_records
+from mmjax.data.spec_list import SpecList, meta_columns_of
 from test_meta_columns import _model, random_specs
 
 
@@ -36,7 +37,7 @@ def test_meta_columns_equal_the_gathered_columns(markers):
     got = lazy.meta_columns(ids, rules)
     assert _same(got, table.take(items).meta_columns(ids, rules))
     assert got.metas() == [rules.meta_from_shapes(i, specs[k]) for i, k in zip(ids, items)]
-    assert _same(MetaColumns.from_specs(ids, SpecList(lazy), rules), got)
+    assert _same(meta_columns_of(ids, SpecList(lazy), rules), got)
     parts = [lazy.take(np.arange(0, 100)), lazy.take(np.arange(100, 250))]
     joined = concat_records(parts)
     assert isinstance(joined, TableRecords) and np.array_equal(joined.items, items)

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from mmjax.data.assemble import assemble
 from mmjax.data.meta_columns import MetaColumns
 from mmjax.data.sample_stream import SampleStream
+from mmjax.data.spec_list import meta_columns_of
 
 CHECK_DECODE = 512  # samples of a larger global batch that `--check` decodes and assembles
 
@@ -25,7 +26,7 @@ def check_global_batch(data, step: int = 0, decode: int = CHECK_DECODE,
     stream = data if isinstance(data, SampleStream) else data.stream
     layout = stream.layout
     idx, specs, _ = stream.select(step)
-    metas = MetaColumns.from_specs(idx, specs, layout.rules)
+    metas = meta_columns_of(idx, specs, layout.rules)
     if on_metadata is not None:
         on_metadata(metas)
     if stream is not data:

@@ -13,10 +13,10 @@ from mmjax.data.batch_plan import MicrobatchPlan, plan_global_batch
 from mmjax.data.feed import (MicrobatchFeed, gen_elements_per_image, mask_documents,
                              mask_samples, microbatch_feed)
 from mmjax.data.loader_settings import BalanceSettings
-from mmjax.data.meta_columns import MetaColumns
 from mmjax.data.sample import Sample
 from mmjax.data.sample_stream import SampleStream, blank_sample
 from mmjax.data.skipped import Skipped
+from mmjax.data.spec_list import meta_columns_of
 from mmjax.models.config import MLLMConfig
 from mmjax.models.units import UnitRole, is_vae, role
 from mmjax.planner.hardware import hardware as hardware_by_name
@@ -145,7 +145,7 @@ class GlobalBatchBuilder:
         t0 = time.perf_counter()
         skipped: list[Skipped] = []
         idx, specs, reasons = self.stream.select(int(step), skipped)
-        metas = MetaColumns.from_specs(idx, specs, self.layout.rules)
+        metas = meta_columns_of(idx, specs, self.layout.rules)
         mb_plans = self.plan_microbatches(metas)
         t_plan = time.perf_counter() - t0
         failed: set[int] = set()

@@ -1,5 +1,5 @@
 """A global batch's sample metadata as flat per-segment arrays (no JAX): `MetaColumns`,
-what `SampleMeta`s hold, built in bulk from the source's shapes (`from_specs`: the
+what `SampleMeta`s hold, built in bulk from the source's shapes (data/spec_list.py: the
 `TokenRules` rules as array arithmetic, one list pass per field instead of one
 `SegmentMeta` object per segment), so planning reads arrays end to end (issue 41: host
 planning linear in the batch). `SampleMeta` objects are built only where per-sample code
@@ -51,19 +51,6 @@ class MetaColumns:
         return cls(np.fromiter((m.id for m in metas), np.int64, len(metas)),
                    np.fromiter((len(m.segments) for m in metas), np.int64, len(metas)),
                    np.fromiter((CODE[s.modality] for s in segs), np.int8, k), *cols)
-
-    @classmethod
-    def from_specs(cls, ids, specs, rules: TokenRules) -> "MetaColumns":
-        """`rules.meta_from_shapes(ids[i], specs[i])` for every i, as columns. Entries are
-        (modality, shape, num_queries[, num_masked]), as a source's `spec` gives them;
-        `specs` may be a `SpecList` (data/spec_columns.py: its columns are read as they
-        are, no spec built)."""
-        from mmjax.data.spec_columns import SpecColumns, spec_columns  # they import this
-        cols = spec_columns(specs)
-        if isinstance(cols, SpecColumns) and (cols.code < 0).any():
-            m = next(e[0] for s in specs for e in s if e[0] not in CODE)
-            raise ValueError(f"unknown modality {m!r}; use one of {MODALITIES}")
-        return cols.meta_columns(ids, rules)
 
     def __getitem__(self, p: int) -> SampleMeta:
         return self.meta(p)

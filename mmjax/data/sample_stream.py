@@ -18,15 +18,15 @@ import numpy as np
 
 from mmjax.data.layout import AssemblyLayout, check_sample
 from mmjax.data.loader_settings import StreamSettings
-from mmjax.data.meta_columns import MetaColumns
 from mmjax.data.records import DecodeError, as_source
 from mmjax.data.row_budget import fill_rows
 from mmjax.data.sample import FIRST_TEXT_ID, Sample, Segment
 from mmjax.data.selection import Draws, pick, stream_indices
 from mmjax.data.skipped import Skipped
-from mmjax.data.spec_columns import SpecList
+
 from mmjax.data.stream_position import StreamOrigin, position_fields, resumed_origin
 from mmjax.data.synthetic import Spec
+from mmjax.data.spec_list import SpecList, meta_columns_of
 from mmjax.errors import UserError
 
 # global batches whose shapes a run scans at start-up by default (metadata only), however
@@ -189,7 +189,7 @@ class SampleStream:
                 idx, specs, _ = self.select(step, start=step * self.window)
             except UserError:
                 continue
-            yield idx, specs, MetaColumns.from_specs(idx, specs, self.layout.rules)
+            yield idx, specs, meta_columns_of(idx, specs, self.layout.rules)
 
     # ---- decoding ---------------------------------------------------------------------
     def sample_getter(self, idx, specs, metas, skipped: list, failed: set,
@@ -224,7 +224,7 @@ class SampleStream:
         plan's)."""
         skipped: list[Skipped] = []
         idx, specs, reasons = self.select(int(step), skipped)
-        metas = MetaColumns.from_specs(idx, specs, self.layout.rules)
+        metas = meta_columns_of(idx, specs, self.layout.rules)
         failed: set[int] = set()
         get = self.sample_getter(idx, specs, metas, skipped, failed)
         samples = [get(p) for p in range(len(idx))]

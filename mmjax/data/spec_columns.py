@@ -3,15 +3,13 @@ num_queries[, num_masked]) entries of many samples as arrays, so the loader chec
 candidates are usable (`usable`, `layout.check_shapes` over arrays) and turns them into
 metadata (`meta_columns`) without one Python object per sample; `SpecTable` is a data
 set's whole index so (a source's `spec_table()`), from which a batch's rows are gathered
-(issue 41: host planning linear in the batch). `SpecList` is the list of specs such columns stand for:
-what `GlobalBatchBuilder.select` returns, each spec built only when read."""
+(issue 41: host planning linear in the batch). data/spec_list.py has the list of specs
+such columns stand for."""
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from operator import itemgetter
-from typing import TYPE_CHECKING
 
 import numpy as np
 from numba import njit
@@ -20,9 +18,6 @@ from mmjax.data.layout import AssemblyLayout
 from mmjax.data.meta_columns import AUDIO, CODE, IMAGE, IMAGE_OUT, TEXT, MetaColumns
 from mmjax.data.meta_columns import segment_fields
 from mmjax.data.sample import MODALITIES, TokenRules
-
-if TYPE_CHECKING:
-    from mmjax.data.table_records import TableRecords
 
 DIMS = 3  # shape entries kept; a longer shape fits no modality (`usable` is False)
 
@@ -99,7 +94,7 @@ class SpecColumns:
         return out
 
     def meta_columns(self, ids, rules: TokenRules) -> MetaColumns:
-        """`MetaColumns.from_specs(ids, these specs, rules)`."""
+        """`spec_list.meta_columns_of(ids, these specs, rules)`."""
         if (self.code < 0).any():
             raise ValueError(f"unknown modality; use one of {MODALITIES}")
         d = self.dims
@@ -238,28 +233,3 @@ def _gather_rows(rows, starts, counts, items):
                 out[f, j] = rows[s + t, f]
             j += 1
     return out
-
-
-class SpecList(Sequence):
-    """The specs that `columns` stand for (`SpecColumns`, or records of a table read
-    lazily: data/table_records.py), each built when read (`spec`)."""
-
-    def __init__(self, columns: "SpecColumns | TableRecords"):
-        self.columns = columns
-
-    def __len__(self) -> int:
-        return len(self.columns)
-
-    def __getitem__(self, p):  # type: ignore[override]
-        if isinstance(p, slice):
-            return [self.columns.spec(i) for i in range(len(self))[p]]
-        if p < 0:
-            p += len(self)
-        if not 0 <= p < len(self):
-            raise IndexError(p)
-        return self.columns.spec(p)
-
-
-def spec_columns(specs) -> "SpecColumns | TableRecords":
-    """The columns of `specs` (a `SpecList`'s own, or built from a list)."""
-    return specs.columns if isinstance(specs, SpecList) else SpecColumns.from_specs(specs)

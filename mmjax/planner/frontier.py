@@ -7,18 +7,24 @@ computed for all of them at once from each option table's per-option columns.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
 from mmjax.models.units import UnitDag
+from mmjax.planner.costs import UnitCost
 from mmjax.planner.evaluate import Choice
 from mmjax.planner.frontier_memory import fits_by_runtime
 from mmjax.planner.hardware import Hardware
 from mmjax.planner.schedule_bound import chain_bound
 
-if TYPE_CHECKING:
-    from mmjax.planner.orchestrate import Orchestrator
+class Proposer(Protocol):
+    """What a frontier reads of its search (orchestrate.py `Orchestrator`): the units'
+    costs and a plan's choices from its picked option tables."""
+    @property
+    def costs(self) -> tuple[UnitCost, ...]: ...
+
+    def _choices(self, picked, idx) -> dict[str, Choice]: ...
 
 
 class Frontier:
@@ -26,7 +32,7 @@ class Frontier:
     (GPUs, closed-form time) Pareto front, least closed-form time first. `choices(k)`
     builds the k-th plan (lazily: a 72B search proposes thousands)."""
 
-    def __init__(self, orchestrator: "Orchestrator", fronts: list):
+    def __init__(self, orchestrator: Proposer, fronts: list):
         self.times = np.concatenate([f[1] for f in fronts]) if fronts else np.zeros(0)
         self.gpus = np.concatenate([f[0] for f in fronts]) if fronts else np.zeros(0)
         self.order = np.argsort(self.times, kind="stable")
