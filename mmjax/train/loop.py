@@ -12,6 +12,7 @@ import os
 import jax
 
 from mmjax.errors import UserError
+from mmjax.planner.plan import Plan
 from mmjax.train.bad_data import too_much_bad_data
 from mmjax.train.checkpoint import Checkpointer
 from mmjax.train.checkpoint_integrity import NonFiniteState
@@ -73,9 +74,11 @@ class TrainLoop:
             console.print(f"{jax.process_count()} processes: metrics from process 0, "
                           "checkpoints from all")
         self.start, self.skipped, self.nonfinite, self.in_a_row = 0, 0, 0, 0
-        self.plotted = None  # the last step in loss.png
+        self.plotted: int | None = None  # the last step in loss.png
         self.spike_steps = 0
-        self.replan_every, self.plan, self.plan_traces = 0, None, []
+        self.replan_every = 0
+        self.plan_traces: list[dict] = []
+        self.plan: Plan | None = None
         # from here a SIGTERM / SIGINT waits for a step boundary (restore and compile
         # included: the run then stops before its first step, nothing lost)
         self.preempt = Preemption(self.lead).__enter__()
@@ -142,11 +145,12 @@ class TrainLoop:
             for step in range(self.start, end):
                 n = step + 1
                 preempt.step = step
-                replan = self.replan_every and n % self.replan_every == 0
+                replan = bool(self.replan_every) and n % self.replan_every == 0
                 m = watched_step(self.runner, n, traced(n) or replan, report.say,
                                  warm=step > self.start, limits=self.spikes.limits())
                 trace = m.trace
                 if traced(n) and self.lead:
+                    assert self.plan is not None  # `traced_steps`: only a plan's steps
                     write_trace(self.workdir, n, cfg, self.plan, trace,
                                 max(m.compiled_programs, int(m.compile_s > 0)))
                 rec = self.record(n, m)
@@ -243,6 +247,7 @@ class TrainLoop:
         record changes: a rerun resumes on `plan`."""
         self.ckpt.wait()
         if self.lead:
+            assert self.plan is not None  # re-planning runs on plans only
             where = write_plan(self.workdir, n, plan)
             self.record_plan(plan)
             self.console.print(switch_line(n, self.plan, plan, gain, where), markup=False)
@@ -254,7 +259,7 @@ class TrainLoop:
         """Replace the runner by `make_runner()` (another plan), restored from step `n`'s
         checkpoint (n = 0: a fresh start)."""
         self.runner.close()
-        self.runner = None  # the old plan's arrays go before the new plan's are made
+        del self.runner  # the old plan's arrays go before the new plan's are made
         self.runner = make_runner()
         self.runner.progress = report
         if n:
@@ -321,5 +326,6 @@ class TrainLoop:
     def close(self) -> None:
         self.preempt.__exit__(None, None, None)
         self.ckpt.close()
-        if self.runner is not None:
-            self.runner.close()
+        runner = getattr(self, "runner", None)  # none while a rebuild that failed
+        if runner is not None:
+            runner.close()
