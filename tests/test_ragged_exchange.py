@@ -10,6 +10,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from ragged_reference import emulate, walk_tables
+from test_rearrange import _batch
 
 from mmjax.data.colocated_layout import plan_colocated_layout
 from mmjax.errors import UserError
@@ -19,7 +20,7 @@ from mmjax.parallel.hlo_traffic import ragged_bytes, ragged_operands
 from mmjax.parallel.ragged_exchange import exchange_kind
 from mmjax.parallel.ragged_tables import ragged_caps, ragged_tables
 
-N, HIDDEN = 48, 3
+HIDDEN = 3
 
 
 def _random_deliveries(rng, n: int, src_slots: int, dst_slots: int):
@@ -49,15 +50,6 @@ def test_tables_equal_a_row_walk():
         assert t.caps == (bucket(int(far.sum(1).max(initial=0))),
                           bucket(int(far.sum(0).max(initial=0))))
         assert t.caps == ragged_caps(t.count)
-
-
-def _batch(seed: int):
-    rng = np.random.default_rng(seed)
-    img = np.where(rng.random(N) < 0.66, rng.integers(4, 40, N) * 4, 0)
-    aud = np.where(rng.random(N) < 0.33, rng.integers(2, 30, N) * 4, 0)
-    text = rng.integers(8, 64, N)
-    lengths = {"vision": img, "audio": aud, "llm": text + img // 4 + aud // 4}
-    return lengths, {"vision": img // 4, "audio": aud // 4}
 
 
 def _per_device(x, mesh, axes, slots):
