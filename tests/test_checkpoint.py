@@ -288,13 +288,3 @@ def test_an_older_checkpoint_without_a_loader_checksum_is_named_once_as_unverifi
     assert (step, data) == (2, {"next": 2})
     assert logged == [f"checkpoint step 2 in {tmp_path} was written before loader states "
                       f"were checksummed: its arrays are verified, its loader state is not"]
-
-
-def test_one_process_makes_orbax_manager_at_first_use(tmp_path):
-    """Issue 41 (warm start): one process makes orbax's manager at its first save or
-    restore, not before the first step; the directory exists at once, and a run that
-    saved nothing closes without making one."""
-    ck = Checkpointer(str(tmp_path / "ckpt"))
-    assert ck._manager is None and (tmp_path / "ckpt").is_dir() and ck.latest_step() is None
-    ck.close()
-    assert ck._manager is None

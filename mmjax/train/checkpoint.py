@@ -24,6 +24,7 @@ from typing import Any
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 
 from mmjax.errors import UserError, one_line
 from mmjax.train.checkpoint_integrity import (all_processes, barrier,
@@ -93,8 +94,6 @@ def _narrow(x, sharding):
 def _handlers() -> dict:
     """Item handlers: arrays written by replica 0 only (orbax's replica-parallel writing
     would let the zero replicas of `_widened` write parts of a shard)."""
-    import orbax.checkpoint as ocp
-
     th = ocp.type_handlers
     registry = th.create_type_handler_registry(
         (int, th.ScalarHandler()), (float, th.ScalarHandler()), (np.number, th.ScalarHandler()),
@@ -169,25 +168,11 @@ class Checkpointer:
         # coordination service's barrier and our timeout
         meet_peers(f"checkpointer:{self.directory}", startup_timeout)
         self._remove_stray_temporaries()
-        self.async_save, self._manager = async_save, None
-        if jax.process_count() == 1:
-            os.makedirs(self.directory, exist_ok=True)  # as orbax's `create` would
-        else:  # orbax's own start-up barrier belongs here, with ours
-            _ = self.manager
-
-    @property
-    def manager(self):
-        """orbax's CheckpointManager, made on first use: one process imports orbax (0.2 s
-        of CPU) at its first save or restore, not before its first step."""
-        if self._manager is None:
-            import orbax.checkpoint as ocp
-
-            options = ocp.CheckpointManagerOptions(max_to_keep=None,
-                                                   enable_async_checkpointing=self.async_save,
-                                                   create=True)
-            self._manager = ocp.CheckpointManager(self.directory, options=options,
-                                                  item_handlers=_handlers())
-        return self._manager
+        options = ocp.CheckpointManagerOptions(max_to_keep=None,
+                                               enable_async_checkpointing=async_save,
+                                               create=True)
+        self.manager = ocp.CheckpointManager(self.directory, options=options,
+                                             item_handlers=_handlers())
 
     def _remove_stray_temporaries(self, quiet: bool = False, sync: bool = True) -> None:
         """A save killed mid-write (or failed) leaves orbax's temporary directory (`<step>.
@@ -232,8 +217,6 @@ class Checkpointer:
             tree[f"leaf_{i:05d}"] = x if wide is None else _widen(x, wide)
         self.pending = (step, need)
         try:
-            import orbax.checkpoint as ocp
-
             self.manager.save(step, args=ocp.args.Composite(
                 state=ocp.args.PyTreeSave(tree), data=ocp.args.JsonSave(data_state),
                 integrity=ocp.args.JsonSave(record)), force=True)
@@ -296,8 +279,6 @@ class Checkpointer:
                    if not os.path.isdir(os.path.join(path, n))]
         if missing:
             raise CheckpointUnusable(f"missing item(s) {', '.join(missing)}")
-        import orbax.checkpoint as ocp
-
         try:
             integrity = self.manager.restore(step, args=ocp.args.Composite(
                 integrity=ocp.args.JsonRestore()))["integrity"]
@@ -403,7 +384,7 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Wait for the save in flight; SaveFailed when it could not be written."""
-        if self.failed or self._manager is None:  # none made: nothing was saved
+        if self.failed:
             return
         self._settle(self.manager.wait_until_finished)
         self.pending = None
@@ -415,8 +396,7 @@ class Checkpointer:
                 self._prune()
         finally:
             try:
-                if self._manager is not None:
-                    self._manager.close()
+                self.manager.close()
             except Exception:  # noqa: BLE001 (a failed save: already reported)
                 if not self.failed:
                     raise

@@ -7,6 +7,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 
 _M32 = (1 << 32) - 1
 # 2: every checkpoint carries the loader state's SHA-256 and every array's checksum, and
@@ -112,8 +113,6 @@ def all_processes(ok: bool) -> bool:
 
 def barrier(name: str) -> None:
     if jax.process_count() > 1:
-        import orbax.checkpoint as ocp
-
         ocp.multihost.sync_global_processes(f"mmjax_checkpoint_{name}")
 
 
