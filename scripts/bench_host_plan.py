@@ -77,8 +77,15 @@ def _before(metas, plan, layout, policies, algos, node_wise):
     costs = before.unit_costs(metas, MODEL)
     splits = {u: split_unit(costs[u], plan.unit(u).dp, policies[u], algos[u], node_wise)
               for u in MODEL.unit_names}
-    return splits, {u: before.batch_shapes([[metas[p] for p in g] for g in s.lists()], layout,
-                                           before.pack_rows_decreasing)
+    slots = {slot.name: slot.modality for slot in layout.encoders}
+
+    def groups(u, s):  # a unit with nothing of its modality: an empty batch (unit_shapes.py)
+        g = [[metas[p] for p in grp] for grp in s.lists()]
+        if u in slots and not any(seg.modality == slots[u] for grp in g for m in grp
+                                  for seg in m.segments):
+            g = [[] for _ in g]
+        return g
+    return splits, {u: before.batch_shapes(groups(u, s), layout, before.pack_rows_decreasing)
                     for u, s in splits.items()}
 
 

@@ -20,6 +20,7 @@ from mmjax.data.batch_plan import plan_global_batch  # noqa: E402
 from mmjax.data.global_batch import GlobalBatchBuilder  # noqa: E402
 from mmjax.data.loader import Loader  # noqa: E402
 from mmjax.data.layout import check_shapes  # noqa: E402
+from mmjax.data.sample_stream import blank_sample  # noqa: E402
 from mmjax.data.spec_columns import SpecColumns, SpecTable  # noqa: E402
 from mmjax.data.spec_list import meta_columns_of  # noqa: E402
 from mmjax.planner.plan import Plan  # noqa: E402
@@ -41,6 +42,10 @@ class TableSource:
 
     def spec_table(self) -> SpecTable:
         return self.table
+
+    def load(self, i: int):
+        """Record i as a blank sample of its spec (the bench plans, it never decodes)."""
+        return blank_sample(self.spec(i), i)
 
 
 def _loader_path(b: GlobalBatchBuilder, select, step: int):

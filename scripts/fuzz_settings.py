@@ -114,9 +114,11 @@ def mutations() -> list[dict]:
                     e = "either"  # cuDNN needs a GPU and a plain mask; Pallas is slow on CPU
                 out.append(dict(binding=f"{conf}.{key}", value=v, expect=e))
                 if s.needs == "plan" and e != "either" and s.kind != "program":
+                    planned = "valid" if v == default or (choices and v in choices) else e
+                    if key == "schedule" and v == "interleaved":
+                        planned = "invalid"  # needs virtual stages: the default plan has none
                     out.append(dict(binding=f"{conf}.{key}", value=v, plan="manual",
-                                    expect="valid" if v == default or (
-                                        choices and v in choices) else e))
+                                    expect=planned))
     for key, s in SYNTHETIC_OVERRIDES.items():
         for v, e in _cases(None, s.default, s.kind, False, None):
             out.append(dict(binding=f"synthetic_dataset.{key}", value=v, expect=e))

@@ -20,7 +20,7 @@ def test_tied_llm_pp2_matches_single_device():
     lay, samples, ref_loss, ref_grads = cached_reference(None, cfg, 4)
     rt = PipelineRuntime(cfg, plan)
     res = rt.run([microbatch_feed(samples[m * 2:(m + 1) * 2], lay, {"vision": 1, "llm": 1})
-                  for m in range(2)])
+                  for m in range(2)], rt.initial_compute_params())
     grads = pure_grads(res)
     first, last = rt.tied_embedding_stages()
     # both copies get the sum, so they step alike

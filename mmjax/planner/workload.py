@@ -37,10 +37,11 @@ class Workload:
 
     def llm_moments(self) -> tuple[float, float]:
         """Mean over samples of (tokens, tokens^2)."""
-        if "llm" not in self._moments:
+        key = ("llm_tokens",)  # by the field read, like the encoders' below
+        if key not in self._moments:
             t = np.asarray(self.llm_tokens, dtype=np.float64)
-            self._moments["llm"] = float(t.mean()), float((t * t).mean())
-        return self._moments["llm"]
+            self._moments[key] = float(t.mean()), float((t * t).mean())
+        return self._moments[key]
 
     def encoder_moments(self, unit: str) -> tuple[float, float]:
         """Mean over samples of (sum_i n_i, sum_i n_i^2) over the sample's subsequences."""
