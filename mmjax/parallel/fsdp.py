@@ -185,22 +185,6 @@ def gather_layer(mesh: Mesh, colo):
     return layer_gather(mesh, spec)
 
 
-def gather_outside_layers(tree, mesh: Mesh, colo):
-    """The leaves outside the layer stacks (embeddings, projectors, a generator's time and
-    final modulations, ...) constrained whole but for their tp dimension, as the scan
-    gathers each layer's (`gather_layer`): at ZeRO-3 they are gathered where the step
-    starts instead of computed on their stored feature-sharded layout, which XLA can only
-    reshard to the batch's by replicating ("Involuntary full rematerialization"); the
-    stacks are left as stored. A no-op below ZeRO-3."""
-    def one(path, w):
-        names = path_names(path)
-        if "layers" in names or not getattr(w, "shape", ()):
-            return w
-        return jax.lax.with_sharding_constraint(
-            w, NamedSharding(mesh, leaf_spec(mesh, names, w.shape, False, colo)))
-    return jax.tree_util.tree_map_with_path(one, tree)
-
-
 def batch_sharding(mesh: Mesh, unit: str, shape, colo=None) -> NamedSharding:
     """A batch leaf of `unit`: its leading dimension over the unit's data-parallel axes
     (whole when they do not divide it)."""
