@@ -8,10 +8,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from mmjax.data.sample import AUDIO_STRIDE, MODALITIES, SampleMeta, SegmentMeta, TokenRules
+
+if TYPE_CHECKING:
+    from mmjax.data.layout import AssemblyLayout
+    from mmjax.data.shape_columns import ShapeColumns
 
 CODE = {m: i for i, m in enumerate(MODALITIES)}  # modality -> int8 code
 TEXT, IMAGE, AUDIO, IMAGE_OUT = (CODE[m] for m in MODALITIES)
@@ -51,6 +56,12 @@ class MetaColumns:
         return cls(np.fromiter((m.id for m in metas), np.int64, len(metas)),
                    np.fromiter((len(m.segments) for m in metas), np.int64, len(metas)),
                    np.fromiter((CODE[s.modality] for s in segs), np.int8, k), *cols)
+
+    def record_shapes(self, layout: "AssemblyLayout",
+                      modalities: tuple[str, ...]) -> "ShapeColumns | None":
+        """`shape_columns` of these samples when they are known without a pass over their
+        segments (records of a table, data/table_meta.py), else None."""
+        return None
 
     def __getitem__(self, p: int) -> SampleMeta:
         return self.meta(p)

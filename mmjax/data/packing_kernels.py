@@ -65,59 +65,74 @@ def _set(tree, size, b, key):
         i //= 2
 
 
+DIGIT = 6  # bits a radix pass sorts (64 buckets: a group of ~100 stays in L1)
+
+
 @njit(cache=True)
-def _decreasing_order(runs, ends):
-    """Item indices group after group, each group's by run decreasing, ties by index: two
-    stable counting sorts (by run decreasing, then by group), O(items + largest run);
-    per-group stable argsorts when the runs are large next to the item count."""
-    n = runs.size
-    order = np.empty(n, np.int64)
-    top = 0
+def _sort_decreasing(runs, start, end, out, tmp, hist):
+    """`out[:n]` = `runs[start:end]` sorted decreasing (n = end - start): LSD radix sort
+    on `DIGIT`-bit digits of top - run, O(n) a pass; `np.sort` past three passes. Only
+    the values: first fit's bin counts depend on the sequence of sizes alone (equal items
+    are interchangeable), so no index is carried."""
+    n = end - start
+    if n == 0:
+        return
+    top = runs[start]
+    low = runs[start]
     for i in range(n):
-        top = max(top, runs[i])
-    if top > 8 * n + 4096:
-        start = 0
-        for g in range(ends.size):
-            order[start:ends[g]] = start + np.argsort(-runs[start:ends[g]], kind="mergesort")
-            start = ends[g]
-        return order
-    at = np.zeros(top + 2, np.int64)  # by run decreasing: key top - run
-    for i in range(n):
-        at[top - runs[i] + 1] += 1
-    for v in range(1, top + 2):
-        at[v] += at[v - 1]
-    by_run = np.empty(n, np.int64)
-    for i in range(n):
-        k = top - runs[i]
-        by_run[at[k]] = i
-        at[k] += 1
-    group = np.empty(n, np.int64)
-    nxt = np.empty(ends.size, np.int64)  # next free slot of each group in `order`
-    start = 0
-    for g in range(ends.size):
-        group[start:ends[g]] = g
-        nxt[g] = start
-        start = ends[g]
-    for i in by_run:
-        g = group[i]
-        order[nxt[g]] = i
-        nxt[g] += 1
-    return order
+        v = runs[start + i]
+        out[i] = v
+        top = max(top, v)
+        low = min(low, v)
+    passes = 0
+    span = top - low
+    while span > 0:
+        span >>= DIGIT
+        passes += 1
+    if passes > 3:
+        s = np.sort(out[:n])
+        for i in range(n):
+            out[i] = s[n - 1 - i]
+        return
+    mask = (1 << DIGIT) - 1
+    src, dst = out, tmp
+    for p in range(passes):
+        shift = p * DIGIT
+        hist[:] = 0
+        for i in range(n):
+            hist[((top - src[i]) >> shift) & mask] += 1
+        acc = 0
+        for d in range(mask + 1):
+            c = hist[d]
+            hist[d] = acc
+            acc += c
+        for i in range(n):
+            d = ((top - src[i]) >> shift) & mask
+            dst[hist[d]] = src[i]
+            hist[d] += 1
+        src, dst = dst, src
+    if passes % 2:
+        out[:n] = tmp[:n]
 
 
 SCAN_BINS = 48  # up to this many bins a linear scan beats the tree
+FULL = -(1 << 62)  # the scan's free room of a bin that takes no more items
 
 
 @njit(cache=True)
-def _first_fit_scan(runs, order, start, end, cap, max_items, free, items):
-    """Bins first fit opens for `runs[order[start:end]]` by scanning the open bins left to
-    right (few bins: faster than the tree); `free`, `items`: scratch buffers."""
+def _first_fit_scan(vals, n, cap, max_items, free, items):
+    """Bins first fit opens for `vals[:n]` (decreasing) by scanning the open bins left to
+    right (few bins: faster than the tree); `free`, `items`: scratch buffers. An item over
+    half a bin opens one without a scan: every open bin holds one at least as large."""
     bins = 0
-    for k in range(start, end):
-        need = runs[order[k]]
+    for k in range(n):
+        need = vals[k]
         b = 0
-        while b < bins and free[b] < need:
-            b += 1
+        if 2 * need <= cap:
+            while b < bins and free[b] < need:
+                b += 1
+        else:
+            b = bins
         if b == bins:
             free[b] = cap
             items[b] = 0
@@ -125,7 +140,7 @@ def _first_fit_scan(runs, order, start, end, cap, max_items, free, items):
         free[b] -= need
         items[b] += 1
         if max_items >= 0 and items[b] >= max_items:
-            free[b] = -np.inf
+            free[b] = FULL
     return bins
 
 
@@ -133,9 +148,9 @@ def _first_fit_scan(runs, order, start, end, cap, max_items, free, items):
 def first_fit_decreasing_buffers(runs, ends, cap, max_items):
     """Buffers first fit decreasing (ties by order) opens per group, at most `max_items`
     images per buffer (< 0: no cap) (`pack_images`; LLM rows `pack_rows` "pack"): int64
-    [groups]. One sort for every group (`_decreasing_order`), one tree and item-count
-    buffer reused by every group, each sized to the group's bound on bins (`_bins_bound`),
-    not its item count. Equal items come in runs: first fit puts the next one in the bin
+    [groups]. Each group's sizes sorted in place (`_sort_decreasing`), one tree and
+    item-count buffer reused by every group, each sized to the group's bound on bins
+    (`_bins_bound`), not its item count. Equal items come in runs: first fit puts the next one in the bin
     that took the last while it fits (the bins left of it had less room), so each bin
     found takes as many of the run as fit, one tree update for them all."""
     out = np.zeros(ends.size, np.int64)
@@ -149,25 +164,35 @@ def first_fit_decreasing_buffers(runs, ends, cap, max_items):
         size *= 2
     tree = np.empty(max(2 * size, SCAN_BINS))
     items = np.zeros(max(width, SCAN_BINS), np.int64)
-    order = _decreasing_order(runs, ends)
+    longest = 0
+    start = 0
+    for g in range(ends.size):
+        longest = max(longest, ends[g] - start)
+        start = ends[g]
+    vals = np.empty(longest, np.int64)
+    tmp = np.empty(longest, np.int64)
+    hist = np.empty(1 << DIGIT, np.int64)
+    room = np.empty(SCAN_BINS, np.int64)
     start = 0
     for g in range(ends.size):
         end = ends[g]
         if end == start:
             continue
         m = _bins_bound(runs, start, end, cap, max_items)
+        _sort_decreasing(runs, start, end, vals, tmp, hist)
+        n = end - start
         if m <= SCAN_BINS:
-            out[g] = _first_fit_scan(runs, order, start, end, cap, max_items, tree, items)
+            out[g] = _first_fit_scan(vals, n, cap, max_items, room, items)
             start = end
             continue
         size = _reset(tree, m, float(cap))
         items[:m] = 0
         bins = 0
-        k = start
-        while k < end:  # a run of equal items: each bin found takes as many as fit
-            need = runs[order[k]]
+        k = 0
+        while k < n:  # a run of equal items: each bin found takes as many as fit
+            need = vals[k]
             e = k + 1
-            while e < end and runs[order[e]] == need:
+            while e < n and vals[e] == need:
                 e += 1
             left = e - k
             while left:

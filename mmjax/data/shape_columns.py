@@ -18,19 +18,26 @@ from mmjax.data.sample import MODALITIES, SampleMeta
 
 @dataclass(frozen=True)
 class Ragged:
-    """Per sample a run of values: `values[starts[i]:starts[i] + counts[i]]`."""
+    """Per sample a run of values: `values[starts[i]:starts[i] + counts[i]]`, the runs one
+    after another, or where `first` says (`view`: runs of some samples of a larger one)."""
 
-    values: np.ndarray  # int64, sample after sample
+    values: np.ndarray  # int64 (or narrower: `take` widens)
     counts: np.ndarray  # int64 [samples]
+    first: np.ndarray | None = None  # int64 [samples]: where each run starts, if not packed
 
     @cached_property
     def starts(self) -> np.ndarray:
-        return np.cumsum(self.counts) - self.counts
+        return np.cumsum(self.counts) - self.counts if self.first is None else self.first
 
     def take(self, items: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(values of samples `items`, in that order, flat; their counts)."""
-        counts = self.counts[items]
+        """(values of samples `items`, in that order, flat, int64; their counts)."""
+        counts = self.counts[items].astype(np.int64)
         return _gather(self.values, self.starts, counts, items), counts
+
+    def view(self, items: np.ndarray) -> "Ragged":
+        """Samples `items`' runs, in that order, read in place (nothing gathered)."""
+        return Ragged(self.values, self.counts[items].astype(np.int64),
+                      self.starts[items].astype(np.int64))
 
 
 @njit(cache=True)
@@ -58,12 +65,39 @@ class ShapeColumns:
     encoder_tokens: dict[str, np.ndarray]  # modality -> int64 [samples]
     items: dict[str, Ragged]  # encoder slot name -> its items' sizes
 
+    def take(self, items: np.ndarray) -> "ShapeColumns":
+        """The columns of samples `items` (an index array), in that order, as int64
+        (equal to `shape_columns` of their metadata: every column is per sample); the
+        items' sizes as views (`Ragged.view`), gathered when a rank group reads them."""
+        def t(x):
+            return x[items].astype(np.int64)
+        return ShapeColumns(t(self.llm), t(self.image_out),
+                            {m: t(v) for m, v in self.encoder_tokens.items()},
+                            {s: r.view(items) for s, r in self.items.items()})
+
+    def narrow(self) -> "ShapeColumns":
+        """These columns in the narrowest int type each fits (int32 or int64): a table of
+        every record's (`SpecTable.record_shapes`) is gathered by `take`, which widens."""
+        return ShapeColumns(_narrow(self.llm), _narrow(self.image_out),
+                            {m: _narrow(v) for m, v in self.encoder_tokens.items()},
+                            {s: Ragged(_narrow(r.values), _narrow(r.counts))
+                             for s, r in self.items.items()})
+
+
+def _narrow(x: np.ndarray) -> np.ndarray:
+    i32 = np.iinfo(np.int32)
+    fits = x.size == 0 or (i32.min <= x.min() and x.max() <= i32.max)
+    return x.astype(np.int32) if fits else x
+
 
 def shape_columns(metas: "list[SampleMeta] | MetaColumns", layout: AssemblyLayout,
                   modalities: tuple[str, ...] = ()) -> ShapeColumns:
     """The columns of `metas` (`SampleMeta`s or already `MetaColumns`); `encoder_tokens`
     for `modalities` (and the layout's). One compiled pass over the segments."""
     mc = metas if isinstance(metas, MetaColumns) else MetaColumns.from_metas(metas)
+    gathered = mc.record_shapes(layout, modalities)
+    if gathered is not None:  # records of a table: its per-record columns, gathered
+        return gathered
     llm, enc, count = _per_sample(mc.counts, mc.modality, mc.llm_tokens, mc.delimiters,
                                   mc.encoder_tokens, len(MODALITIES))
     slots = {s.modality: s for s in layout.encoders}

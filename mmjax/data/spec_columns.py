@@ -18,6 +18,7 @@ from mmjax.data.layout import AssemblyLayout
 from mmjax.data.meta_columns import AUDIO, CODE, IMAGE, IMAGE_OUT, TEXT, MetaColumns
 from mmjax.data.meta_columns import segment_fields
 from mmjax.data.sample import MODALITIES, TokenRules
+from mmjax.data.shape_columns import ShapeColumns, shape_columns
 
 DIMS = 3  # shape entries kept; a longer shape fits no modality (`usable` is False)
 
@@ -171,6 +172,8 @@ class SpecTable:
         self.rows = _narrow_rows(packed)
         self._usable: dict[AssemblyLayout, np.ndarray] = {}
         self._meta: dict[TokenRules, tuple[np.ndarray, int]] = {}
+        self._totals: dict[TokenRules, np.ndarray] = {}
+        self._shapes: dict[tuple[AssemblyLayout, tuple[str, ...]], ShapeColumns] = {}
 
     @classmethod
     def from_specs(cls, specs) -> "SpecTable":
@@ -208,6 +211,44 @@ class SpecTable:
             self._meta[rules] = (_narrow_rows([c.code.astype(np.int64), llm, enc, size,
                                               masked]), 2 if rules.markers else 0)
         return self._meta[rules]
+
+    @cached_property
+    def unknown_records(self) -> np.ndarray:
+        """The records with a segment of an unknown modality (a batch of one is refused)."""
+        bad = np.concatenate([[0], np.cumsum(self.columns.code < 0, dtype=np.int64)])
+        ends = np.cumsum(self.counts)
+        return np.flatnonzero(bad[ends] > bad[ends - self.counts])
+
+    def record_meta(self, rules: TokenRules) -> MetaColumns:
+        """Every record's `MetaColumns` (ids its index) from `meta_rows` (not kept: the
+        per-record tables below are); an unknown modality counts as text here (a batch
+        holding one is refused: `unknown_records`)."""
+        rows, delimiter = self.meta_rows(rules)
+        code = rows[:, 0].astype(np.int8)
+        code[code < 0] = TEXT
+        f = [rows[:, k].astype(np.int64) for k in range(1, 5)]
+        return MetaColumns(np.arange(len(self), dtype=np.int64), self.counts, code, *f,
+                           np.where(code == TEXT, 0, delimiter).astype(np.int64))
+
+    def record_totals(self, rules: TokenRules) -> np.ndarray:
+        """Per record (rows) its `MetaColumns.llm_length`, `num_targets` and `count` of
+        each of `MODALITIES`, in the narrowest int type they fit (computed on first use):
+        a batch's per-sample totals are one gather."""
+        if rules not in self._totals:
+            mc = self.record_meta(rules)
+            self._totals[rules] = _narrow_rows([mc.llm_length, mc.num_targets,
+                                                *(mc.count(m) for m in MODALITIES)])
+        return self._totals[rules]
+
+    def record_shapes(self, layout: AssemblyLayout, modalities: tuple[str, ...]
+                      ) -> ShapeColumns:
+        """`shape_columns` of every record under `layout` (computed on first use, kept
+        narrow): a batch's are `take` of these (`TableMetaColumns.record_shapes`)."""
+        key = (layout, tuple(modalities))
+        if key not in self._shapes:
+            self._shapes[key] = shape_columns(self.record_meta(layout.rules), layout,
+                                              key[1]).narrow()
+        return self._shapes[key]
 
 
 def _narrow_rows(packed: list[np.ndarray]) -> np.ndarray:

@@ -1,16 +1,16 @@
 """Records taken from a `SpecTable` (data/spec_columns.py), read lazily (no JAX):
 `TableRecords` stands for the `SpecColumns` of a batch's records without gathering them,
-and turns into the batch's `MetaColumns` by one gather of the table's per-segment
-metadata, computed once per `TokenRules` (`SpecTable.meta_rows`), so a step does no
-per-segment arithmetic (issue 41: host planning linear in the batch)."""
+and turns into the batch's `MetaColumns` read lazily from the table's per-record
+totals and shape columns (data/table_meta.py), so a step does no per-segment work
+(issue 41: host planning linear in the batch)."""
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
 
-from mmjax.data.meta_columns import MODALITIES, TEXT, MetaColumns
+from mmjax.data.meta_columns import MetaColumns
 from mmjax.data.sample import TokenRules
 from mmjax.data.spec_columns import SpecColumns, SpecTable
+from mmjax.data.table_meta import TableMetaColumns
 
 
 class TableRecords:
@@ -38,16 +38,10 @@ class TableRecords:
         return self.table.columns.spec(int(self.items[p]))
 
     def meta_columns(self, ids, rules: TokenRules) -> MetaColumns:
-        """`SpecColumns.meta_columns` of these records: one gather, no arithmetic."""
-        rows, delimiter = self.table.meta_rows(rules)
-        code = np.empty(int(self.counts.sum()), np.int8)
-        f = np.empty((5, code.size), np.int64)
-        _gather_meta(rows, self.table.starts, self.counts, self.items, TEXT, delimiter,
-                     code, f)
-        if (code < 0).any():  # as `SpecColumns.meta_columns` (columns keep no name)
-            raise ValueError(f"unknown modality; use one of {MODALITIES}")
-        return MetaColumns(np.asarray(ids, np.int64).reshape(len(self)), self.counts, code,
-                           f[0], f[1], f[2], f[3], f[4])
+        """`SpecColumns.meta_columns` of these records, read lazily: per-sample totals
+        gathered from the table's per-record ones, per-segment fields when read
+        (data/table_meta.py)."""
+        return TableMetaColumns(self.table, self.items, self.counts, ids, rules)
 
 
 def concat_records(parts: "list[SpecColumns | TableRecords]") -> "SpecColumns | TableRecords":
@@ -62,19 +56,3 @@ def concat_records(parts: "list[SpecColumns | TableRecords]") -> "SpecColumns | 
                                                          if isinstance(p, TableRecords)]))
     return SpecColumns.concat([p.columns if isinstance(p, TableRecords) else p
                                for p in parts])
-
-
-@njit(cache=True)
-def _gather_meta(rows, starts, counts, items, text, delimiter, code, out):
-    """Into `code` and `out` ([llm, encoder, size, masked, delimiters] x segments): the
-    meta rows of records `items`, one after another, widened as they are written."""
-    j = 0
-    for k in range(items.size):
-        s = starts[items[k]]
-        for t in range(counts[k]):
-            c = rows[s + t, 0]
-            code[j] = c
-            for f in range(4):
-                out[f, j] = rows[s + t, f + 1]
-            out[4, j] = 0 if c == text else delimiter
-            j += 1
