@@ -4,7 +4,7 @@ reordering, OrchMLLM §5.1 post-balancing and §5.2.2 node-wise rearrangement), 
 unit's common shapes. Step 2 of data/loader.py's docstring."""
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,7 +44,7 @@ class MicrobatchPlan:
     from the splits (data/feed.py builds them; `balance.compose_rearrangement` is the
     sample-level map, OrchMLLM §6)."""
 
-    positions: list[int]
+    positions: Sequence[int]  # a contiguous `range` of the global batch
     splits: dict[str, RankSplit]
     shapes: Mapping[str, BatchShapes]
 
@@ -223,7 +223,7 @@ def plan_global_batch(metas: "list[SampleMeta] | MetaColumns", model: MLLMConfig
     if node_wise is None:
         node_wise = NodeWise(ranks_per_node)
     size = n // l
-    mbs = [list(range(i * size, (i + 1) * size)) for i in range(l)]
+    mbs = [range(i * size, (i + 1) * size) for i in range(l)]  # no list of n ints a step
     if not isinstance(metas, MetaColumns):
         metas = MetaColumns.from_metas(metas)
     cols = shape_columns(metas, layout, tuple(e.modality for e in model.encoders))

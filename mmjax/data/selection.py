@@ -29,11 +29,15 @@ def stream_indices(positions: np.ndarray, n: int, seed: int, shuffle: bool,
     epoch, i = np.divmod(np.asarray(positions, np.int64), n)
     if not (shuffle or salt) or i.size == 0:
         return i
+    def shuffled(at, e):
+        return index_shuffle(at, n - 1, (seed * SEED_MUL + e + salt * SALT_MUL) % (1 << 32))
+    lo, hi = int(epoch.min()), int(epoch.max())
+    if lo == hi:  # one epoch (a window within it): no mask per epoch
+        return shuffled(i, lo)
     out = np.empty_like(i)
     for e in np.unique(epoch).tolist():
         at = epoch == e
-        out[at] = index_shuffle(i[at], n - 1, (seed * SEED_MUL + e + salt * SALT_MUL)
-                                % (1 << 32))
+        out[at] = shuffled(i[at], e)
     return out
 
 

@@ -19,7 +19,8 @@ from mmjax.data.sample import MODALITIES, SampleMeta
 @dataclass(frozen=True)
 class Ragged:
     """Per sample a run of values: `values[starts[i]:starts[i] + counts[i]]`, the runs one
-    after another, or where `first` says (`view`: runs of some samples of a larger one)."""
+    after another, or where `first` says (`RecordShapes.take`: runs of some records of a
+    data set's)."""
 
     values: np.ndarray  # int64 (or narrower: `take` widens)
     counts: np.ndarray  # int64 [samples]
@@ -33,11 +34,6 @@ class Ragged:
         """(values of samples `items`, in that order, flat, int64; their counts)."""
         counts = self.counts[items].astype(np.int64)
         return _gather(self.values, self.starts, counts, items), counts
-
-    def view(self, items: np.ndarray) -> "Ragged":
-        """Samples `items`' runs, in that order, read in place (nothing gathered)."""
-        return Ragged(self.values, self.counts[items].astype(np.int64),
-                      self.starts[items].astype(np.int64))
 
 
 @njit(cache=True)
@@ -65,29 +61,45 @@ class ShapeColumns:
     encoder_tokens: dict[str, np.ndarray]  # modality -> int64 [samples]
     items: dict[str, Ragged]  # encoder slot name -> its items' sizes
 
-    def take(self, items: np.ndarray) -> "ShapeColumns":
-        """The columns of samples `items` (an index array), in that order, as int64
-        (equal to `shape_columns` of their metadata: every column is per sample); the
-        items' sizes as views (`Ragged.view`), gathered when a rank group reads them."""
-        def t(x):
-            return x[items].astype(np.int64)
-        return ShapeColumns(t(self.llm), t(self.image_out),
-                            {m: t(v) for m, v in self.encoder_tokens.items()},
-                            {s: r.view(items) for s, r in self.items.items()})
 
-    def narrow(self) -> "ShapeColumns":
-        """These columns in the narrowest int type each fits (int32 or int64): a table of
-        every record's (`SpecTable.record_shapes`) is gathered by `take`, which widens."""
-        return ShapeColumns(_narrow(self.llm), _narrow(self.image_out),
-                            {m: _narrow(v) for m, v in self.encoder_tokens.items()},
-                            {s: Ragged(_narrow(r.values), _narrow(r.counts))
-                             for s, r in self.items.items()})
+class RecordShapes:
+    """Every record's `ShapeColumns` of a data set as one row per record (LLM tokens,
+    images generated, encoder tokens per modality, per encoder slot its items' count and
+    first offset; the narrowest int type all fit: one cache line a record), built once
+    (`SpecTable.record_shapes`); `take` gathers a batch's, its items' sizes read in place
+    (`Ragged.first`) until a rank group gathers them."""
+
+    def __init__(self, cols: ShapeColumns):
+        self.modalities, self.slots = tuple(cols.encoder_tokens), tuple(cols.items)
+        self.values = {s: r.values for s, r in cols.items.items()}
+        fields = [cols.llm, cols.image_out, *cols.encoder_tokens.values()]
+        for r in cols.items.values():
+            fields += [r.counts, r.starts]
+        stacked = np.stack(fields, 1) if len(cols.llm) else np.zeros((0, len(fields)),
+                                                                      np.int64)
+        i32 = np.iinfo(np.int32)
+        fits = stacked.size == 0 or (i32.min <= stacked.min() and stacked.max() <= i32.max)
+        self.rows = np.ascontiguousarray(stacked.astype(np.int32) if fits else stacked)
+
+    def take(self, items: np.ndarray) -> ShapeColumns:
+        """`shape_columns` of records `items`, in that order (every column is per record,
+        so equal to the columns of their gathered metadata), int64."""
+        f = _gather_rows(self.rows, np.asarray(items, np.int64))
+        k = 2 + len(self.modalities)
+        return ShapeColumns(f[0], f[1], dict(zip(self.modalities, f[2:k])),
+                            {s: Ragged(self.values[s], f[k + 2 * j], f[k + 2 * j + 1])
+                             for j, s in enumerate(self.slots)})
 
 
-def _narrow(x: np.ndarray) -> np.ndarray:
-    i32 = np.iinfo(np.int32)
-    fits = x.size == 0 or (i32.min <= x.min() and x.max() <= i32.max)
-    return x.astype(np.int32) if fits else x
+@njit(cache=True)
+def _gather_rows(rows, items):
+    """[fields, items] int64: row `items[k]` of `rows` as column k."""
+    out = np.empty((rows.shape[1], items.size), np.int64)
+    for k in range(items.size):
+        r = items[k]
+        for f in range(rows.shape[1]):
+            out[f, k] = rows[r, f]
+    return out
 
 
 def shape_columns(metas: "list[SampleMeta] | MetaColumns", layout: AssemblyLayout,

@@ -18,7 +18,7 @@ from mmjax.data.layout import AssemblyLayout
 from mmjax.data.meta_columns import AUDIO, CODE, IMAGE, IMAGE_OUT, TEXT, MetaColumns
 from mmjax.data.meta_columns import segment_fields
 from mmjax.data.sample import MODALITIES, TokenRules
-from mmjax.data.shape_columns import ShapeColumns, shape_columns
+from mmjax.data.shape_columns import RecordShapes, shape_columns
 
 DIMS = 3  # shape entries kept; a longer shape fits no modality (`usable` is False)
 
@@ -173,7 +173,7 @@ class SpecTable:
         self._usable: dict[AssemblyLayout, np.ndarray] = {}
         self._meta: dict[TokenRules, tuple[np.ndarray, int]] = {}
         self._totals: dict[TokenRules, np.ndarray] = {}
-        self._shapes: dict[tuple[AssemblyLayout, tuple[str, ...]], ShapeColumns] = {}
+        self._shapes: dict[tuple[AssemblyLayout, tuple[str, ...]], RecordShapes] = {}
 
     @classmethod
     def from_specs(cls, specs) -> "SpecTable":
@@ -227,8 +227,8 @@ class SpecTable:
         code = rows[:, 0].astype(np.int8)
         code[code < 0] = TEXT
         f = [rows[:, k].astype(np.int64) for k in range(1, 5)]
-        return MetaColumns(np.arange(len(self), dtype=np.int64), self.counts, code, *f,
-                           np.where(code == TEXT, 0, delimiter).astype(np.int64))
+        return MetaColumns(np.arange(len(self), dtype=np.int64), self.counts, code, f[0], f[1],
+                           f[2], f[3], np.where(code == TEXT, 0, delimiter).astype(np.int64))
 
     def record_totals(self, rules: TokenRules) -> np.ndarray:
         """Per record (rows) its `MetaColumns.llm_length`, `num_targets` and `count` of
@@ -241,13 +241,13 @@ class SpecTable:
         return self._totals[rules]
 
     def record_shapes(self, layout: AssemblyLayout, modalities: tuple[str, ...]
-                      ) -> ShapeColumns:
-        """`shape_columns` of every record under `layout` (computed on first use, kept
-        narrow): a batch's are `take` of these (`TableMetaColumns.record_shapes`)."""
+                      ) -> RecordShapes:
+        """`shape_columns` of every record under `layout` (computed on first use): a
+        batch's are `take` of these (`TableMetaColumns.record_shapes`)."""
         key = (layout, tuple(modalities))
         if key not in self._shapes:
-            self._shapes[key] = shape_columns(self.record_meta(layout.rules), layout,
-                                              key[1]).narrow()
+            self._shapes[key] = RecordShapes(shape_columns(self.record_meta(layout.rules),
+                                                           layout, key[1]))
         return self._shapes[key]
 
 
