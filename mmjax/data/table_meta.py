@@ -28,12 +28,22 @@ class TableMetaColumns(MetaColumns):
     _table: SpecTable
     _items: np.ndarray
     _rules: TokenRules
+    _ids: object  # the ids as given (a list, as `select` returns them): read when needed
 
-    def __init__(self, table: SpecTable, items: np.ndarray, counts: np.ndarray, ids,
-                 rules: TokenRules):
-        object.__setattr__(self, "ids", np.asarray(ids, np.int64).reshape(items.size))
-        object.__setattr__(self, "counts", counts)
-        for name, value in (("_table", table), ("_items", items), ("_rules", rules)):
+    @cached_property
+    def ids(self) -> np.ndarray:
+        return np.asarray(self._ids, np.int64).reshape(self._items.size)
+
+    @cached_property
+    def counts(self) -> np.ndarray:
+        return self._table.counts[self._items]
+
+    def __len__(self) -> int:
+        return int(self._items.size)
+
+    def __init__(self, table: SpecTable, items: np.ndarray, ids, rules: TokenRules):
+        for name, value in (("_table", table), ("_items", items), ("_rules", rules),
+                            ("_ids", ids)):
             object.__setattr__(self, name, value)  # the fields stay frozen
         bad = table.unknown_records
         if bad.size and np.isin(items, bad).any():  # as `SpecColumns.meta_columns`

@@ -5,6 +5,8 @@ totals and shape columns (data/table_meta.py), so a step does no per-segment wor
 (issue 41: host planning linear in the batch)."""
 from __future__ import annotations
 
+from functools import cached_property
+
 import numpy as np
 
 from mmjax.data.meta_columns import MetaColumns
@@ -19,8 +21,12 @@ class TableRecords:
 
     def __init__(self, table: SpecTable, items: np.ndarray):
         self.table, self.items = table, np.asarray(items, np.int64)
-        self.counts = table.counts[self.items]
         self._columns: SpecColumns | None = None
+
+    @cached_property
+    def counts(self) -> np.ndarray:
+        """Per record its segment count (gathered on first read)."""
+        return self.table.counts[self.items]
 
     def __len__(self) -> int:
         return int(self.items.size)
@@ -41,7 +47,7 @@ class TableRecords:
         """`SpecColumns.meta_columns` of these records, read lazily: per-sample totals
         gathered from the table's per-record ones, per-segment fields when read
         (data/table_meta.py)."""
-        return TableMetaColumns(self.table, self.items, self.counts, ids, rules)
+        return TableMetaColumns(self.table, self.items, ids, rules)
 
 
 def concat_records(parts: "list[SpecColumns | TableRecords]") -> "SpecColumns | TableRecords":
