@@ -1,10 +1,7 @@
-"""Compiled first-fit-decreasing packing counts over many groups at once (numba, no JAX):
-how many rows / buffers `batch_shapes.pack_rows` ("pack") and `pack_images` open for each
-group, for every DP rank of a unit in one call. The same leftmost-fit max segment tree as
-`batch_shapes.LeftmostFit` (O(n log n) per group), so the counts are exactly those of the
-Python packers (tests/test_packing_fast.py). Groups are consecutive slices of one flat
-array: group g is `x[ends[g - 1]:ends[g]]`.
-"""
+"""The frozen first-fit-decreasing count kernel before issue 41's per-group radix sort
+(a counting sort of every group at once, then a float scan), kept as the reference the
+compiled `mmjax.data.packing_kernels.first_fit_decreasing_buffers` must equal
+(tests/test_packing_fast.py). Do not edit."""
 from __future__ import annotations
 
 import numpy as np

@@ -154,3 +154,46 @@ def test_kernel_counts_equal_the_packer_per_group(seed):
         want = [1 + max([b for b, _, _ in pack_images(g.tolist(), cap, max_items)],
                         default=-1) for g in groups]
         assert got.tolist() == want, (cap, max_items)
+
+
+
+def _random_groups(rng):
+    """Random groups for the kernel: empty, a few, many (the tree); sizes of one value,
+    past the cap, past three radix passes, multiples of a downsample."""
+    cap = int(rng.choice([1, 4, 255, 4096, 1 << 30]))
+    sizes = rng.choice([0, 1, 2, 9, 60, 150, 700], int(rng.integers(1, 6)))
+    hi = int(rng.choice([0, cap // 8 + 1, cap // 2 + 1, cap, 2 * cap, 1 << 40]))
+    runs = rng.integers(0, hi + 1, int(sizes.sum())).astype(np.int64)
+    if rng.random() < 0.3:
+        runs = runs // 4 * 4
+    return runs, np.cumsum(sizes).astype(np.int64), cap
+
+
+def test_radix_sorted_kernel_counts_equal_the_packer():
+    """The kernel with each group radix-sorted in place and an int scan (issue 41) opens
+    per group exactly `pack_images`'s buffers on `_random_groups`, item caps none / 0 /
+    1 / 3 / 64 (the frozen kernel before it: the slow test below)."""
+    from mmjax.data.packing_kernels import first_fit_decreasing_buffers
+    rng = np.random.default_rng(41)
+    for _ in range(25):
+        runs, ends, cap = _random_groups(rng)
+        groups = np.split(runs, ends[:-1])
+        for mi in (None, 0, 1, 3, 64):
+            got = first_fit_decreasing_buffers(runs, ends, cap, -1 if mi is None else mi)
+            want = [1 + max([b for b, _, _ in pack_images(g.tolist(), cap, mi)],
+                            default=-1) for g in groups]
+            assert got.tolist() == want, (cap, mi)
+
+
+@pytest.mark.slow
+def test_kernel_counts_equal_the_frozen_kernel():
+    """The same kernel against the frozen one before issue 41's radix sort
+    (tests/packing_kernels_reference.py; slow: compiling it takes ~20 s)."""
+    import packing_kernels_reference as frozen
+    from mmjax.data.packing_kernels import first_fit_decreasing_buffers
+    rng = np.random.default_rng(410)
+    for _ in range(200):
+        runs, ends, cap = _random_groups(rng)
+        for mi in (-1, 0, 1, 3, 64):
+            assert np.array_equal(first_fit_decreasing_buffers(runs, ends, cap, mi),
+                                  frozen.first_fit_decreasing_buffers(runs, ends, cap, mi))
