@@ -35,4 +35,4 @@ def test_rows_time_the_loader_call_with_identical_output(tmp_path):
     loader = out["loader_rows"]
     assert [(r["dp"], r["identical"]) for r in loader] == [(4, True), (16, True)]
     assert all(r[f"{side}_{k}"]["median"] >= 0 for r in loader for side in ("after", "before")
-               for k in ("select", "columns", "plan", "shapes", "loader"))
+               for k in ("select", "columns", "plan", "shapes", "loader", "total"))

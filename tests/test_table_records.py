@@ -91,6 +91,12 @@ def test_table_meta_plans_as_the_gathered_columns(gen):
     for s in b.items:
         assert all(np.array_equal(x, y) for x, y in zip(a.items[s].take(order),
                                                          b.items[s].take(order)))
+    import pickle
+    for s in a.items:  # pickled (a plan sent by a producer) as the batch's runs alone
+        back = pickle.loads(pickle.dumps(a.items[s]))
+        assert back.values.size == back.counts.sum()
+        assert all(np.array_equal(x, y) for x, y in zip(back.take(order),
+                                                         b.items[s].take(order)))
     counts = np.array([0, 50, 1, 120, 69])
     assert rank_shapes(a, order, counts, layout) == rank_shapes(b, order, counts, layout)
     plan = Plan.uniform(model, 240, 2, dp={"llm": 4, "vision": 3, "audio": 2, "generator": 2})

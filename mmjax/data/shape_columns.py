@@ -18,17 +18,14 @@ from mmjax.data.sample import MODALITIES, SampleMeta
 
 @dataclass(frozen=True)
 class Ragged:
-    """Per sample a run of values: `values[starts[i]:starts[i] + counts[i]]`, the runs one
-    after another, or where `first` says (`RecordShapes.take`: runs of some records of a
-    data set's)."""
+    """Per sample a run of values: `values[starts[i]:starts[i] + counts[i]]`."""
 
-    values: np.ndarray  # int64 (or narrower: `take` widens)
+    values: np.ndarray  # int64, sample after sample
     counts: np.ndarray  # int64 [samples]
-    first: np.ndarray | None = None  # int64 [samples]: where each run starts, if not packed
 
     @cached_property
     def starts(self) -> np.ndarray:
-        return np.cumsum(self.counts) - self.counts if self.first is None else self.first
+        return np.cumsum(self.counts) - self.counts
 
     def take(self, items: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(values of samples `items`, in that order, flat, int64; their counts)."""
@@ -66,8 +63,7 @@ class RecordShapes:
     """Every record's `ShapeColumns` of a data set as one row per record (LLM tokens,
     images generated, encoder tokens per modality, per encoder slot its items' count and
     first offset; the narrowest int type all fit: one cache line a record), built once
-    (`SpecTable.record_shapes`); `take` gathers a batch's, its items' sizes read in place
-    (`Ragged.first`) until a rank group gathers them."""
+    (`SpecTable.record_shapes`); `take` gathers a batch's."""
 
     def __init__(self, cols: ShapeColumns):
         self.modalities, self.slots = tuple(cols.encoder_tokens), tuple(cols.items)
@@ -84,11 +80,15 @@ class RecordShapes:
     def take(self, items: np.ndarray) -> ShapeColumns:
         """`shape_columns` of records `items`, in that order (every column is per record,
         so equal to the columns of their gathered metadata), int64."""
-        f = _gather_rows(self.rows, np.asarray(items, np.int64))
+        items = np.asarray(items, np.int64)
+        f = _gather_rows(self.rows, items)
         k = 2 + len(self.modalities)
-        return ShapeColumns(f[0], f[1], dict(zip(self.modalities, f[2:k])),
-                            {s: Ragged(self.values[s], f[k + 2 * j], f[k + 2 * j + 1])
-                             for j, s in enumerate(self.slots)})
+        ragged = {}
+        for j, s in enumerate(self.slots):  # the batch's own runs: a plan (sent to the
+            counts, first = f[k + 2 * j], f[k + 2 * j + 1]  # trainer) holds no table's
+            ragged[s] = Ragged(_gather(self.values[s], first, counts, np.arange(items.size)),
+                               counts)
+        return ShapeColumns(f[0], f[1], dict(zip(self.modalities, f[2:k])), ragged)
 
 
 @njit(cache=True)

@@ -173,7 +173,7 @@ class SpecTable:
         self._usable: dict[AssemblyLayout, np.ndarray] = {}
         self._meta: dict[TokenRules, tuple[np.ndarray, int]] = {}
         self._totals: dict[TokenRules, np.ndarray] = {}
-        self._shapes: dict[tuple[AssemblyLayout, tuple[str, ...]], RecordShapes] = {}
+        self._shapes: dict[tuple, RecordShapes] = {}
 
     @classmethod
     def from_specs(cls, specs) -> "SpecTable":
@@ -244,10 +244,12 @@ class SpecTable:
                       ) -> RecordShapes:
         """`shape_columns` of every record under `layout` (computed on first use): a
         batch's are `take` of these (`TableMetaColumns.record_shapes`)."""
-        key = (layout, tuple(modalities))
+        slots = tuple((s.name, s.modality, s.downsample) for s in layout.encoders)
+        tokens = tuple(sorted(set(modalities) | {s.modality for s in layout.encoders}))
+        key = (layout.rules, slots, tokens)  # what the columns depend on (not the caps)
         if key not in self._shapes:
             self._shapes[key] = RecordShapes(shape_columns(self.record_meta(layout.rules),
-                                                           layout, key[1]))
+                                                           layout, tokens))
         return self._shapes[key]
 
 
