@@ -176,8 +176,8 @@ class WholeModelRunner:
                     args = (self.state._replace(data={}), self._frozen, *args[2:])
                 with program_cache.compiling() as from_jax_cache:
                     compiled = self.step_fn.lower(*args).compile()
-                if cache and not from_jax_cache:
-                    program_cache.store(cache, key, compiled)
+                if cache:
+                    program_cache.store(cache, key, compiled, bool(from_jax_cache))
         finally:
             if made is not None:
                 made.result()
