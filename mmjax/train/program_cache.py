@@ -146,15 +146,14 @@ def _entry(cache_dir: str, compiled, from_jax_cache: bool, digest: str | None):
     entry holds)."""
     from jax.experimental.serialize_executable import serialize
 
-    fresh = serialize(compiled)
     if not from_jax_cache:
-        return (*fresh, digest)
+        return (*serialize(compiled), digest)
     earlier = program_relink.named(cache_dir, digest)
     stored = _read(cache_dir, earlier) if earlier else None
     if stored is None:
         return None
-    return (*program_relink.relinked(stored, fresh, compiled.runtime_executable().client),
-            digest)
+    return (*program_relink.relinked(stored, serialize(compiled),
+                                     compiled.runtime_executable().client), digest)
 
 
 def store(cache_dir: str | None, key: str, compiled, from_jax_cache: bool = False) -> None:
