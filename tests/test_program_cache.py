@@ -133,3 +133,22 @@ def test_a_program_jaxs_cache_answered_is_stored_from_the_earlier_entry(tmp_path
     assert loaded is not None
     np.testing.assert_array_equal(np.asarray(loaded(x)), np.asarray(first(x)))
     assert not (tmp_path / f"mmjax-program-{'c' * 40}.pkl").exists()
+
+
+def test_an_entry_stored_without_its_digest_is_named_when_loaded(tmp_path):
+    """Entries written before they carried their program's digest: loading one names it,
+    so a later hit of JAX's cache for the same program is stored from it."""
+    import pickle
+
+    from jax.experimental.serialize_executable import serialize
+
+    cache = str(tmp_path)
+    args, compiled = _compiled()
+    tree = jax.tree.structure((args, {}))
+    with open(tmp_path / f"mmjax-program-{'d' * 40}.pkl", "wb") as f:
+        pickle.dump(serialize(compiled), f)  # the old three-part entry
+    assert not [p for p in os.listdir(cache) if "by-hlo" in p]
+    assert program_cache.load(cache, "d" * 40, tree, DEV) is not None
+    named = [p for p in os.listdir(cache) if "by-hlo" in p]
+    assert len(named) == 1
+    assert (tmp_path / named[0]).read_text() == "d" * 40
