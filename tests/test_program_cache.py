@@ -95,3 +95,60 @@ def test_a_broken_entry_is_a_miss(tmp_path, blob):
     (tmp_path / f"mmjax-program-{key}.pkl").write_bytes(blob)
     args, _ = _compiled()
     assert program_cache.load(str(tmp_path), key, jax.tree.structure((args, {})), DEV) is None
+
+
+def test_a_program_jaxs_cache_answered_is_stored_from_the_earlier_entry(tmp_path):
+    """After a source change every key is new and JAX's cache answers the step: its
+    executable does not serialize whole on XLA:CPU (`Function ... not found` when run),
+    so the entry is made from the earlier entry of the same compiled program, and the
+    next run loads it untraced. Without an earlier entry nothing is stored."""
+    cache = str(tmp_path)
+    x = jnp.linspace(0.0, 1.0, 64, dtype=jnp.float32).reshape(8, 8)
+    salt = float(time.time_ns() % 1_000_003)
+
+    def g(x):
+        return jnp.sin(x) @ x.T + salt
+
+    def compile_once():
+        jax.clear_caches()
+        with program_cache.compiling() as hits:
+            return jax.jit(g).lower(x).compile(), bool(hits)
+    tree = jax.tree.structure(((x,), {}))
+    old = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", cache)
+    try:
+        first, hit = compile_once()
+        assert not hit
+        program_cache.store(cache, "a" * 40, first)  # the run before the source change
+        again, hit = compile_once()
+        assert hit
+        program_cache.store(cache, "b" * 40, again, from_jax_cache=True)
+        loaded = program_cache.load(cache, "b" * 40, tree, DEV)
+        # no earlier entry of this program: a hit of JAX's cache stores nothing
+        os.remove(tmp_path / f"mmjax-program-{'a' * 40}.pkl")
+        os.remove(tmp_path / f"mmjax-program-{'b' * 40}.pkl")
+        program_cache.store(cache, "c" * 40, compile_once()[0], from_jax_cache=True)
+    finally:
+        jax.config.update("jax_compilation_cache_dir", old)
+    assert loaded is not None
+    np.testing.assert_array_equal(np.asarray(loaded(x)), np.asarray(first(x)))
+    assert not (tmp_path / f"mmjax-program-{'c' * 40}.pkl").exists()
+
+
+def test_an_entry_stored_without_its_digest_is_named_when_loaded(tmp_path):
+    """Entries written before they carried their program's digest: loading one names it,
+    so a later hit of JAX's cache for the same program is stored from it."""
+    import pickle
+
+    from jax.experimental.serialize_executable import serialize
+
+    cache = str(tmp_path)
+    args, compiled = _compiled()
+    tree = jax.tree.structure((args, {}))
+    with open(tmp_path / f"mmjax-program-{'d' * 40}.pkl", "wb") as f:
+        pickle.dump(serialize(compiled), f)  # the old three-part entry
+    assert not [p for p in os.listdir(cache) if "by-hlo" in p]
+    assert program_cache.load(cache, "d" * 40, tree, DEV) is not None
+    named = [p for p in os.listdir(cache) if "by-hlo" in p]
+    assert len(named) == 1
+    assert (tmp_path / named[0]).read_text() == "d" * 40

@@ -27,9 +27,14 @@ def init_split(make_module, args: tuple, key, filters: tuple, mesh=None):
     configs, names, layer numbers). `mesh`: each state gets its Megatron shardings on that
     mesh (parallel/tensor.py `state_shardings`); None: the default device."""
     graphdef = nnx.split(nnx.eval_shape(lambda: make_module(*args, key)), *filters)[0]
+    return (graphdef, *init_states(make_module, args, key, filters, mesh))
+
+
+def init_states(make_module, args: tuple, key, filters: tuple, mesh=None) -> tuple:
+    """`init_split`'s states without its graphdef (which costs another abstract
+    construction of the module: a caller that has one, train/single_program.py)."""
     with _fast_rng_compile(mesh):
-        states = _init_states(make_module, args, filters, mesh, key)
-    return (graphdef, *states)
+        return tuple(_init_states(make_module, args, filters, mesh, key))
 
 
 def _fast_rng_compile(mesh):

@@ -12,9 +12,10 @@ the caller's description of the model, settings and the abstract inputs (shapes,
 placement). A change in any of them is another key: a miss, never a wrong program. The
 entry is JAX's serialized executable (`jax.experimental.serialize_executable`) and its
 argument trees, a file `mmjax-program-<key>.pkl` beside JAX's own entries (off with the
-cache); an entry whose argument tree differs is not used. Only a program XLA compiled in
-this process is stored: one JAX's cache answered does not serialize whole on XLA:CPU (its
-kernels are missing when run), so `compiling` tells the two apart."""
+cache); an entry whose argument tree differs is not used. A program JAX's cache answered
+does not serialize whole on XLA:CPU (its kernels are missing when run), so `compiling`
+tells the two apart, and such a program is stored from an earlier entry of the same
+compiled program (train/program_relink.py: after a source change, say)."""
 from __future__ import annotations
 
 import hashlib
@@ -23,21 +24,33 @@ import pickle
 import re
 import threading
 from contextlib import contextmanager
-from importlib.metadata import PackageNotFoundError, version
 
 import jax
+
+from mmjax.train import program_relink
 
 _STEPS = re.compile(r"^train\.steps\s*=.*$", re.MULTILINE)
 
 
 def _versions() -> list[str]:
-    out = []
-    for pkg in ("jax", "jaxlib", "flax", "optax"):
-        try:
-            out.append(f"{pkg}={version(pkg)}")
-        except PackageNotFoundError:
-            out.append(f"{pkg}=?")
-    return out
+    """The versions of the packages a compiled step is made by (their own `__version__`:
+    importlib.metadata would list site-packages, ~0.2 s of a warm start)."""
+    import flax
+    import jaxlib
+    import optax
+
+    return [f"{m.__name__}={getattr(m, '__version__', '?')}"
+            for m in (jax, jaxlib, flax, optax)]
+
+
+def environment() -> list[str]:
+    """What every program of this process is compiled under: versions, backend and its
+    devices, the JAX_* / XLA_* environment."""
+    dev = jax.local_devices()[0]
+    env = sorted(f"{k}={v}" for k, v in os.environ.items()
+                 if k.startswith(("JAX_", "XLA_")) and k != "JAX_COMPILATION_CACHE_DIR")
+    return [*_versions(), dev.platform, dev.device_kind, str(jax.local_device_count()),
+            getattr(dev.client, "platform_version", ""), *env]
 
 
 def source_digest() -> str:
@@ -66,11 +79,7 @@ def gin_bindings() -> str:
 def program_key(*parts: str) -> str:
     """The key of a program made from `parts` (the caller's description) in this process:
     versions, backend, environment, mmjax's source and the gin bindings added."""
-    dev = jax.local_devices()[0]
-    env = sorted(f"{k}={v}" for k, v in os.environ.items()
-                 if k.startswith(("JAX_", "XLA_")) and k != "JAX_COMPILATION_CACHE_DIR")
-    fixed = [*_versions(), dev.platform, dev.device_kind, str(jax.local_device_count()),
-             getattr(dev.client, "platform_version", ""), *env, source_digest(), gin_bindings()]
+    fixed = [*environment(), source_digest(), gin_bindings()]
     h = hashlib.sha256()
     for p in (*fixed, *parts):
         h.update(str(p).encode() + b"\0")
@@ -100,6 +109,15 @@ def _path(cache_dir: str, key: str) -> str:
     return os.path.join(cache_dir, f"mmjax-program-{key}.pkl")
 
 
+def _read(cache_dir: str, key: str) -> tuple | None:
+    try:
+        with open(_path(cache_dir, key), "rb") as f:
+            entry = pickle.load(f)
+    except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ImportError):
+        return None
+    return entry if isinstance(entry, tuple) and len(entry) in (3, 4) else None
+
+
 def load(cache_dir: str | None, key: str, in_tree, devices):
     """The stored program of `key` whose argument tree is `in_tree`, loaded on `devices`
     (the ones it was compiled for, in order), or None."""
@@ -107,35 +125,58 @@ def load(cache_dir: str | None, key: str, in_tree, devices):
         return None
     from jax.experimental.serialize_executable import deserialize_and_load
 
-    try:
-        with open(_path(cache_dir, key), "rb") as f:
-            payload, stored_in, stored_out = pickle.load(f)
-    except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ImportError):
-        return None
-    if stored_in != in_tree:
+    entry = _read(cache_dir, key)
+    if entry is None or entry[1] != in_tree:
         return None
     try:
-        return deserialize_and_load(payload, stored_in, stored_out,
-                                    execution_devices=list(devices))
+        payload, stored_in, stored_out = entry[:3]
+        compiled = deserialize_and_load(payload, stored_in, stored_out,
+                                        execution_devices=list(devices))
     except Exception:  # noqa: BLE001  a damaged or foreign entry is a miss: trace again
         return None
+    if len(entry) == 3:  # stored before entries carried their program's digest
+        program_relink.name(cache_dir, program_relink.program_digest(
+            compiled, environment()), key)
+    return compiled
 
 
-def store(cache_dir: str | None, key: str, compiled) -> None:
-    """Write `compiled` under `key` (atomically); a full or read-only disk only loses the
-    entry (the next run traces and lowers again)."""
-    if not cache_dir:
-        return
+def _entry(cache_dir: str, compiled, from_jax_cache: bool, digest: str | None):
+    """The entry to store for `compiled` (serialized executable, its argument and output
+    trees, its program's digest), or None (JAX's cache answered a program no earlier
+    entry holds)."""
     from jax.experimental.serialize_executable import serialize
 
+    if not from_jax_cache:
+        return (*serialize(compiled), digest)
+    earlier = program_relink.named(cache_dir, digest)
+    stored = _read(cache_dir, earlier) if earlier else None
+    if stored is None:
+        return None
+    return (*program_relink.relinked(stored, serialize(compiled),
+                                     compiled.runtime_executable().client), digest)
+
+
+def store(cache_dir: str | None, key: str, compiled, from_jax_cache: bool = False) -> None:
+    """Write `compiled` under `key` (atomically; `from_jax_cache`: JAX's persistent cache
+    answered it, so the executable comes from an earlier entry of the same program, if
+    any); a full or read-only disk only loses the entry (the next run traces and lowers
+    again)."""
+    if not cache_dir:
+        return
+    digest = program_relink.program_digest(compiled, environment())
     path = _path(cache_dir, key)
     tmp = f"{path}.{os.getpid()}.tmp"
     try:
+        entry = _entry(cache_dir, compiled, from_jax_cache, digest)
+        if entry is None:
+            return
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(tmp, "wb") as f:
-            pickle.dump(serialize(compiled), f, protocol=pickle.HIGHEST_PROTOCOL)
+            pickle.dump(entry, f, protocol=pickle.HIGHEST_PROTOCOL)
         os.replace(tmp, path)
-    except (OSError, TypeError, ValueError, NotImplementedError, pickle.PicklingError):
+        program_relink.name(cache_dir, digest, key)
+    except (OSError, TypeError, ValueError, NotImplementedError, pickle.PicklingError,
+            pickle.UnpicklingError, KeyError):
         # NotImplementedError / ValueError: JAX cannot serialize this executable (closed-over
         # constants as arguments, say): it stays in JAX's cache only
         if os.path.exists(tmp):

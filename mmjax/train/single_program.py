@@ -13,7 +13,7 @@ from jax.sharding import SingleDeviceSharding
 
 from mmjax.data.batch_shapes import BatchShapes, grow_shapes
 from mmjax.models.mllm import MultimodalModel
-from mmjax.parallel.sharded_init import init_split
+from mmjax.parallel.sharded_init import init_states
 from mmjax.train.inputs import model_inputs
 from mmjax.train.memory_check import check_single_program
 from mmjax.train.state import WHOLE_MODEL, TrainState, whole_model_state
@@ -74,7 +74,7 @@ class OneDevice:
         parameter: one compile, then a persistent-cache hit. Committed to the device as a
         restored checkpoint's arrays are, so a fresh run and its resume lower to the same
         program (one persistent-cache entry)."""
-        _, trainable, frozen = init_split(MultimodalModel, (cfg,), key, filters)
+        trainable, frozen = init_states(MultimodalModel, (cfg,), key, filters)
         state = whole_model_state(trainable, jax.jit(tx.init)(trainable),
                                   jnp.zeros((), jnp.int32))
         return self.put((state, frozen), shardings)

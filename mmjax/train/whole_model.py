@@ -176,8 +176,8 @@ class WholeModelRunner:
                     args = (self.state._replace(data={}), self._frozen, *args[2:])
                 with program_cache.compiling() as from_jax_cache:
                     compiled = self.step_fn.lower(*args).compile()
-                if cache and not from_jax_cache:
-                    program_cache.store(cache, key, compiled)
+                if cache:
+                    program_cache.store(cache, key, compiled, bool(from_jax_cache))
         finally:
             if made is not None:
                 made.result()
@@ -185,8 +185,8 @@ class WholeModelRunner:
 
     def _program_key(self, args) -> str:
         """`program_cache.program_key` of the step at `args` (abstract state, frozen,
-        inputs, limits, rate): the model, the step's settings, every leaf's shape, dtype
-        and placement."""
+        inputs, limits, rate): the model, the step's settings, the argument tree (its
+        paths) and every leaf's shape, dtype and placement, in the tree's order."""
         def leaf(x):
             return (np.shape(x), str(getattr(x, "dtype", type(x).__name__)),
                     str(getattr(x, "sharding", "")))
@@ -194,7 +194,7 @@ class WholeModelRunner:
             "single_program.train_step", ",".join(map(str, self.placement.devices)),
             repr(self.cfg), str(self.dtype), str(self.attention_impl), str(self.mask_family),
             str(self.rate_at is None), str(jax.tree.structure((args, {}))),
-            repr(jax.tree.map(leaf, args)))
+            repr([leaf(x) for x in jax.tree.leaves(args)]))
 
     def _compiled_for(self, batch, inputs) -> float:
         """Compile the step for `inputs`' shapes unless done; -> the seconds it took (0:
