@@ -185,6 +185,30 @@ def gather_layer(mesh: Mesh, colo):
     return layer_gather(mesh, spec)
 
 
+def _split_product(names: tuple[str, ...]) -> bool:
+    """An adaLN modulation (DiT §3.2: the generator's `final_modulation`): the model splits
+    its product along the features into shift / scale (/ gate) chunks."""
+    return any(n.endswith("modulation") for n in names)
+
+
+def gather_split_products(tree, mesh: Mesh, colo):
+    """ZeRO-3: the weights outside the layer stacks whose product the model splits along
+    its features (`_split_product`) constrained whole but for their tp dimension where the
+    step starts. Stored feature-sharded, XLA computes the product on the weight's layout
+    and can move the split chunks to the batch's only by replicating them (its "Involuntary
+    full rematerialization"); gathered, the product is batch-sharded from the start. Only
+    these: gathering every weight outside the stacks (the embeddings too) raised the
+    step's temporary memory by a third of a layer (docs/colocated.md). The layer stacks
+    are gathered in the layer scan (`gather_layer`); a no-op below ZeRO-3."""
+    def one(path, w):
+        names = path_names(path)
+        if "layers" in names or not getattr(w, "shape", ()) or not _split_product(names):
+            return w
+        return jax.lax.with_sharding_constraint(
+            w, NamedSharding(mesh, leaf_spec(mesh, names, w.shape, False, colo)))
+    return jax.tree_util.tree_map_with_path(one, tree)
+
+
 def batch_sharding(mesh: Mesh, unit: str, shape, colo=None) -> NamedSharding:
     """A batch leaf of `unit`: its leading dimension over the unit's data-parallel axes
     (whole when they do not divide it)."""

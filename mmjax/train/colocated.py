@@ -20,7 +20,8 @@ from flax import nnx
 
 from mmjax.models.mllm import MultimodalModel
 from mmjax.models.scan import layer_weights
-from mmjax.parallel.fsdp import colocated_mesh, gather_layer, place_batch, tree_shardings
+from mmjax.parallel.fsdp import (colocated_mesh, gather_layer, gather_split_products,
+                                 place_batch, tree_shardings)
 from mmjax.parallel.phase_inputs import colocated_route, place_phase_batch
 from mmjax.parallel.hlo_traffic import collective_bytes
 from mmjax.parallel.rearrange import BACKWARD_SCOPE, FORWARD_SCOPE, TrafficLedger
@@ -57,12 +58,14 @@ def frozen_shardings(frozen, mesh, colo: Colocation):
 def colocated_loss_fn(graphdef, mesh, colo: Colocation, dtype=jnp.float32, attention_impl="auto",
                       llm_mask_family="bam", route=to_llm_layout):
     """(trainable, frozen, batch) -> (loss, aux) with each layer's weights gathered in the
-    layer scan (a no-op for units whose parameters are whole)."""
+    layer scan and the adaLN modulations outside it at the start (no-ops for units whose
+    parameters are whole)."""
     base = make_loss_fn(graphdef, dtype, attention_impl, llm_mask_family, route)
 
     def loss_fn(trainable, frozen, batch):
+        whole = lambda t: gather_split_products(t, mesh, colo)
         with layer_weights(gather_layer(mesh, colo)):
-            return base(trainable, frozen, batch)
+            return base(whole(trainable), whole(frozen), batch)
     return loss_fn
 
 
