@@ -24,9 +24,9 @@ def global_put(tree, shardings, batched: bool = False):
     of all leaves when every sharding is this process's alone (the feeds of a step)."""
     if batched:
         leaves, treedef = jax.tree.flatten(tree)
-        shards = treedef.flatten_up_to(shardings)
-        if all(s.is_fully_addressable for s in shards):
-            return treedef.unflatten(jax.device_put(leaves, shards))
+        shards = jax.tree.leaves(shardings)  # the same structure: one sharding per leaf
+        if len(shards) == len(leaves) and all(s.is_fully_addressable for s in shards):
+            return jax.tree.unflatten(treedef, jax.device_put(leaves, shards))
     return jax.tree.map(put_global, tree, shardings)
 
 
