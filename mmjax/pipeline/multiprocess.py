@@ -19,8 +19,14 @@ def sync_collectives() -> bool:
     return jax.process_count() > 1 and jax.devices()[0].platform == "cpu"
 
 
-def global_put(tree, shardings):
-    """`put_global` over a tree of arrays and their shardings."""
+def global_put(tree, shardings, batched: bool = False):
+    """`put_global` over a tree of arrays and their shardings; `batched`: one `device_put`
+    of all leaves when every sharding is this process's alone (the feeds of a step)."""
+    if batched:
+        leaves, treedef = jax.tree.flatten(tree)
+        shards = jax.tree.leaves(shardings)  # the same structure: one sharding per leaf
+        if len(shards) == len(leaves) and all(s.is_fully_addressable for s in shards):
+            return jax.tree.unflatten(treedef, jax.device_put(leaves, shards))
     return jax.tree.map(put_global, tree, shardings)
 
 

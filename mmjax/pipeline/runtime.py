@@ -177,7 +177,7 @@ class PipelineRuntime:
                            for sid, st in self.stages.items() if st.mode.param_grads and st.local}
         tied = self.tied_embedding_stages() or ()
         for i, (sid, act) in enumerate(self.order):
-            self._dispatch(sid, act, step, tracer)
+            self._dispatch(sid, act, step, tracer, self.last_backward.get(sid) == i)
             if (on_grads is not None and self.last_backward.get(sid) == i
                     and sid not in tied and sid in result.partials):
                 on_grads(sid, result.partials.pop(sid))
@@ -190,9 +190,10 @@ class PipelineRuntime:
             result.trace = tracer.finish()
         return result
 
-    def _dispatch(self, sid: StageId, act, step: StepState, tracer) -> None:
+    def _dispatch(self, sid: StageId, act, step: StepState, tracer, last: bool) -> None:
         """One action of the schedule: its stage's host inputs placed (once per
-        microbatch), its forward or backward dispatched, traced if asked."""
+        microbatch), its forward or backward dispatched (`last`: the stage's last
+        backward), traced if asked."""
         mb = act.microbatch
         t0 = tracer.start() if tracer else 0.0
         if (sid, mb) not in step.sides:
@@ -202,7 +203,7 @@ class PipelineRuntime:
         if act.kind == "F":
             self.actions.forward(sid, mb, step)
         else:
-            self.actions.backward(sid, mb, step)
+            self.actions.backward(sid, mb, step, last)
             self.backward_calls[sid] += 1
         if tracer:
             self.actions.trace(tracer, sid, act, t0, step)

@@ -161,12 +161,12 @@ class StageFns:
     def forward(self, trainable, frozen, x, side):
         args = (trainable, frozen, x, side)
         key = self.layout(*args)
-        self.signatures["F"] = (_abstract(args), key)
+        self.signatures["F"] = (abstract_args(args), key)
         return self._forward(*args, key=key)
 
     def _run_backward(self, trainable, frozen, side, residuals, dy, acc):
         args = (trainable, frozen, side, residuals, dy, acc)
-        self.signatures["B"] = _abstract(args)
+        self.signatures["B"] = abstract_args(args)
         return self._backward(*args)
 
     def lowered(self, kind: str):
@@ -289,7 +289,7 @@ def _padded_spec(spec, ndim: int) -> tuple:
     return tuple(spec) + (None,) * (ndim - len(spec))
 
 
-def _abstract(tree):
+def abstract_args(tree):
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(
         tuple(a.shape), a.dtype, sharding=getattr(a, "sharding", None)), tree)
 

@@ -14,6 +14,7 @@ import jax
 
 from mmjax.data.feed import MicrobatchFeed
 from mmjax.models.units import is_generator
+from mmjax.pipeline.flat_calls import Flat, FlatCalls
 from mmjax.pipeline.multiprocess import abstract
 from mmjax.pipeline.step_result import StepResult
 from mmjax.pipeline.trace import completion_marker
@@ -24,8 +25,9 @@ from mmjax.schedule.stage_graph import StageGraph, StageId
 @dataclass
 class StepState:
     """The in-flight state of one step (or one evaluation): per (stage, microbatch) host
-    inputs, forward outputs, residuals and cotangents; the result being filled. Made per
-    call and dropped when it returns."""
+    inputs, forward outputs, residuals and cotangents; per stage its parameters and frozen
+    weights flattened once (`flat`) and its gradient accumulators kept flat until its last
+    backward (`acc`); the result being filled. Made per call and dropped when it returns."""
 
     feeds: list
     totals: tuple  # (the step's trained tokens, generated elements): the loss normalisers
@@ -35,6 +37,8 @@ class StepState:
     outputs: dict = field(default_factory=dict)
     residuals: dict = field(default_factory=dict)
     cotangents: dict = field(default_factory=dict)
+    flat: dict = field(default_factory=dict)  # StageId -> (params, frozen) as `Flat`s
+    acc: dict = field(default_factory=dict)  # StageId -> accumulators as a `Flat`
     result: StepResult = field(default_factory=StepResult)
 
     @classmethod
@@ -53,12 +57,26 @@ class StageActions:
                  settle: Callable, last_llm: StageId, has_generator: bool):
         self.stages, self.graph, self.transfers, self.settle = stages, graph, transfers, settle
         self.last_llm, self.has_generator = last_llm, has_generator
+        self.calls: dict[StageId, FlatCalls] = {}  # per stage, its programs on flat leaves
+
+    def _calls(self, sid: StageId, step: StepState) -> tuple[FlatCalls, Flat, Flat]:
+        """(the stage's flat-leaf programs, its parameters and frozen weights flattened once
+        per step)."""
+        st = self.stages[sid]
+        calls = self.calls.get(sid)
+        if calls is None or calls.fns is not st.fns:
+            calls = self.calls[sid] = FlatCalls(st.fns)
+        flat = step.flat.get(sid)
+        if flat is None:
+            flat = step.flat[sid] = (Flat.of(step.params[sid]), Flat.of(st.frozen))
+        return (calls, *flat)
 
     def forward(self, sid: StageId, mb: int, step: StepState) -> None:
         st, side = self.stages[sid], step.sides[(sid, mb)]
         x = self.transfers.gather_input(sid, mb, step.outputs, step.feeds[mb])
         if st.local:  # keep the vjp residuals (pipeline/stage.py), not the input
-            y, res = self.settle(st.fns.forward(step.params[sid], st.frozen, x, side))
+            calls, params, frozen = self._calls(sid, step)
+            y, res = self.settle(calls.forward(params, frozen, x, side))
         else:  # another process runs it; keep the shapes for the transfers and dx
             y, _ = jax.eval_shape(st.fns.forward, st.abstract, st.frozen, x, side)
             res = abstract(x)
@@ -73,16 +91,23 @@ class StageActions:
             y = None
         step.outputs[(sid, mb)] = y
 
-    def backward(self, sid: StageId, mb: int, step: StepState) -> None:
+    def backward(self, sid: StageId, mb: int, step: StepState, last: bool = True) -> None:
+        """`last`: the stage's last backward of the step (its partials are final: they go
+        back into `step.result.partials` as a tree)."""
         st, side = self.stages[sid], step.sides[(sid, mb)]
         dy = self.transfers.gather_cotangent(sid, mb, step.cotangents, step.feeds[mb])
         res = step.residuals.pop((sid, mb))
         grads = step.result.partials
         if st.local:
-            acc, dx = self.settle(st.fns.backward(step.params[sid], st.frozen, side, res, dy,
-                                                  grads.get(sid, {})))
+            calls, params, frozen = self._calls(sid, step)
+            acc = step.acc.get(sid)
+            if acc is None:
+                acc = Flat.of(grads.get(sid, {}))
+            leaves, dx = self.settle(calls.backward(params, frozen, side, res, dy, acc))
             if sid in grads:
-                grads[sid] = acc
+                step.acc[sid] = acc = Flat(leaves, acc.treedef)
+                if last:
+                    grads[sid] = acc.tree()
         else:  # a cotangent has its primal's shape and dtype (res = abstract(x))
             dx = res if st.mode.input_grads else None
         if dx is not None:
@@ -112,8 +137,12 @@ class StageActions:
         if st.local:
             done = ((step.outputs.get((sid, mb)), step.residuals.get((sid, mb)))
                     if act.kind == "F" else
-                    (step.cotangents.get((sid, mb)), step.result.partials.get(sid)))
+                    (step.cotangents.get((sid, mb)), _leaves(step.acc.get(sid))))
             done = completion_marker(done)
         phys, _ = self.graph.physical(sid)
         tracer.done(str(phys), {"stage": str(phys), "kind": act.kind, "microbatch": mb,
                                 "chunk": act.chunk, "virtual_stage": str(sid)}, t0, done)
+
+
+def _leaves(flat: Flat | None) -> list | None:
+    return None if flat is None else flat.leaves

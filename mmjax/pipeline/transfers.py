@@ -9,6 +9,8 @@ with none on the source side sends no-shard placeholders (pipeline/multiprocess.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import numpy as np
 
@@ -35,6 +37,7 @@ class Transfers:
         self.dropout_units = dropout_units  # units whose stages apply LoRA dropout
         self.brokers: dict[tuple[StageId, StageId], Broker] = {}
         self.exchange = exchange  # the brokers' form: "staged" or "ragged" (GPU)
+        self._ones: dict[StageId, jax.Array] = {}  # per last stage, its loss cotangent
 
     def broker(self, src: StageId, dst: StageId) -> Broker:
         key = (src, dst)
@@ -64,7 +67,8 @@ class Transfers:
         mesh = st.mesh
         return global_put(tree, jax.tree.map(
             lambda a: dp_sharding(mesh, np.ndim(a)) if np.ndim(a) else
-            jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()), tree))
+            jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()), tree),
+            batched=True)
 
     def side(self, sid: StageId, feed: MicrobatchFeed, totals,
              dropout: tuple[int, int] | None = None):
@@ -152,9 +156,9 @@ class Transfers:
         dp = self.stages[src].dp
         broker = self.broker(src, dst)
         if intra:
-            x = jax.tree.map(lambda a: a.reshape((dp, -1) + a.shape[1:]) if src_local else
-                             jax.ShapeDtypeStruct((dp, a.shape[0] // dp) + tuple(a.shape[1:]),
-                                                  a.dtype), x)
+            x = (dp_blocks(x, dp) if src_local else jax.tree.map(
+                lambda a: jax.ShapeDtypeStruct((dp, a.shape[0] // dp) + tuple(a.shape[1:]),
+                                               a.dtype), x))
         if not src_local:
             x = placeholders(x, broker.src_sharding)
         moved = broker.transfer_tree(x, routes, wait=self.sync)
@@ -162,9 +166,10 @@ class Transfers:
             moved = abstract(moved)
         if not intra:
             return moved
-        return jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]) if dst_local else
-                            jax.ShapeDtypeStruct((a.shape[0] * a.shape[1],) + tuple(a.shape[2:]),
-                                                 a.dtype), moved)
+        if dst_local:
+            return merged_blocks(moved)
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(
+            (a.shape[0] * a.shape[1],) + tuple(a.shape[2:]), a.dtype), moved)
 
     def _move_parts(self, src, dst, x, routes, src_local, dst_local):
         """`x` as parts [ranks * slots, ...] moved by `routes` (the broker's transfer), with
@@ -179,9 +184,27 @@ class Transfers:
         return moved if dst_local else abstract(moved)
 
     def one(self, sid):
-        """The loss cotangent 1.0 per dp rank, `[dp]` on the stage mesh's dp axis."""
-        st = self.stages[sid]
-        return global_put(np.ones((st.dp,), np.float32), dp_sharding(st.mesh, 1))
+        """The loss cotangent 1.0 per dp rank, `[dp]` on the stage mesh's dp axis (placed
+        once: no program donates it)."""
+        one = self._ones.get(sid)
+        if one is None:
+            st = self.stages[sid]
+            one = self._ones[sid] = global_put(np.ones((st.dp,), np.float32),
+                                               dp_sharding(st.mesh, 1))
+        return one
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def dp_blocks(tree, dp: int):
+    """Rows [dp * b, ...] -> [dp, b, ...] for every leaf: one program per move (not one
+    eager reshape per leaf)."""
+    return jax.tree.map(lambda a: a.reshape((dp, -1) + a.shape[1:]), tree)
+
+
+@jax.jit
+def merged_blocks(tree):
+    """[dp, b, ...] -> rows [dp * b, ...] for every leaf (`dp_blocks`' inverse)."""
+    return jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), tree)
 
 
 def _reshaped(a, lead: tuple, local: bool):
