@@ -16,6 +16,12 @@
   test programs are tiny and run a few times, so compile time is most of their cost (a
   tiny MLLM's gradient: 14.8 -> 8.0 s CPU at -O0, -> 3 s without the fusion emitters;
   the same loss to the bit);
+- XLA:CPU's concurrency-optimised HLO scheduler off (where this XLA has the flag): with it,
+  a device may enter a program's independent collectives in another order than its peers
+  (hybrid ZeRO-3 groups: an all-gather within a group beside an all-reduce across groups),
+  and with 8 devices on 2 cores the rendezvous then deadlocks until XLA's 40 s timeout
+  aborts the worker (tests/test_pipeline_zero.py's hybrid case, 3 runs in 4 under load;
+  0 in 4 with the flag; docs/testing.md);
 - two pytest-xdist workers (pyproject's addopts): the suite is mostly single-threaded XLA
   compilation and Python tracing, so two processes use both cores.
 """
@@ -28,6 +34,7 @@ import pytest
 from mmjax.cpu_threads import reserve_cpu_threads  # imports no JAX
 
 NO_FUSION_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
+IN_ORDER_COLLECTIVES = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
 
 
 def _xla_accepts(flag: str) -> bool:
@@ -47,6 +54,9 @@ if os.environ["JAX_PLATFORMS"] == "cpu" and "xla_backend_optimization_level" not
     _flags += " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
     if _xla_accepts(NO_FUSION_EMITTERS):  # decided once: the workers inherit XLA_FLAGS
         _flags += " " + NO_FUSION_EMITTERS
+if os.environ["JAX_PLATFORMS"] == "cpu" and "concurrency_optimized_scheduler" not in _flags:
+    if _xla_accepts(IN_ORDER_COLLECTIVES):
+        _flags += " " + IN_ORDER_COLLECTIVES
 os.environ["XLA_FLAGS"] = _flags.strip()
 reserve_cpu_threads(env=os.environ)  # XLA:CPU's pool fits the 8 devices (mmjax/cpu_threads.py)
 _cache = os.environ.get("MMJAX_TEST_CACHE",
