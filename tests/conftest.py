@@ -16,12 +16,14 @@
   test programs are tiny and run a few times, so compile time is most of their cost (a
   tiny MLLM's gradient: 14.8 -> 8.0 s CPU at -O0, -> 3 s without the fusion emitters;
   the same loss to the bit);
-- XLA:CPU's concurrency-optimised HLO scheduler off (where this XLA has the flag): with it,
-  a device may enter a program's independent collectives in another order than its peers
-  (hybrid ZeRO-3 groups: an all-gather within a group beside an all-reduce across groups),
-  and with 8 devices on 2 cores the rendezvous then deadlocks until XLA's 40 s timeout
-  aborts the worker (tests/test_pipeline_zero.py's hybrid case, 3 runs in 4 under load;
-  0 in 4 with the flag; docs/testing.md);
+- with `MMJAX_TEST_IN_ORDER_COLLECTIVES=1`, XLA:CPU's concurrency-optimised HLO scheduler
+  off (where this XLA has the flag). With it on, a device may enter a program's independent
+  collectives in another order than its peers (hybrid ZeRO-3 groups: an all-gather within a
+  group beside an all-reduce across groups), and with 8 devices on 2 cores the rendezvous
+  then deadlocks until XLA's 40 s timeout aborts the worker. The tests that execute hybrid
+  groups in a pipeline stage rerun themselves in a child process with it
+  (`in_order_collectives` in tests/helpers.py); the rest of the suite keeps XLA's default
+  scheduler, whose memory the planner's memory model is checked against (docs/testing.md);
 - two pytest-xdist workers (pyproject's addopts): the suite is mostly single-threaded XLA
   compilation and Python tracing, so two processes use both cores.
 """
@@ -54,7 +56,8 @@ if os.environ["JAX_PLATFORMS"] == "cpu" and "xla_backend_optimization_level" not
     _flags += " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
     if _xla_accepts(NO_FUSION_EMITTERS):  # decided once: the workers inherit XLA_FLAGS
         _flags += " " + NO_FUSION_EMITTERS
-if os.environ["JAX_PLATFORMS"] == "cpu" and "concurrency_optimized_scheduler" not in _flags:
+if os.environ.get("MMJAX_TEST_IN_ORDER_COLLECTIVES") == "1" and \
+        "concurrency_optimized_scheduler" not in _flags:
     if _xla_accepts(IN_ORDER_COLLECTIVES):
         _flags += " " + IN_ORDER_COLLECTIVES
 os.environ["XLA_FLAGS"] = _flags.strip()

@@ -258,3 +258,30 @@ def load_script(name: str):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+IN_ORDER_ENV = "MMJAX_TEST_IN_ORDER_COLLECTIVES"
+
+
+def in_order_collectives(request) -> bool:
+    """Run the calling test in a child pytest whose XLA:CPU schedules collectives in
+    program order (tests/conftest.py, docs/testing.md): XLA flags are per process, and the
+    default scheduler can deadlock a stage with hybrid ZeRO-3 groups on 8 simulated devices.
+    -> True in the parent (the child passed: the caller returns), False in the child (the
+    caller runs its body)."""
+    import subprocess
+    import sys
+
+    if os.environ.get(IN_ORDER_ENV) == "1":
+        return False
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, IN_ORDER_ENV: "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    env.pop("PYTEST_XDIST_WORKER", None)
+    env.pop("PYTEST_XDIST_WORKER_COUNT", None)
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-m", "",
+                        "-p", "no:cacheprovider", request.node.nodeid], cwd=root, env=env,
+                       capture_output=True, text=True, timeout=1200)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    assert " 1 passed" in " " + p.stdout.splitlines()[-1], p.stdout[-2000:]
+    return True

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from helpers import (assert_same_grads, assert_same_loss, cached_reference, check,
-                     global_batch, make_cfg)
+                     global_batch, in_order_collectives, make_cfg)
 from mmjax.data.assemble import assemble
 from mmjax.data.feed import microbatch_feed
 from mmjax.models.mllm import MultimodalModel, trainable_filter
@@ -106,10 +106,14 @@ def test_zero3_with_tensor_parallelism_matches_single_device(reference_cache):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [2, 3])
-def test_hybrid_fsdp_groups_match_single_device(stage, reference_cache):
+def test_hybrid_fsdp_groups_match_single_device(stage, reference_cache, request):
     """OrchMLLM §7 hybrid sharding in a stage: the LLM at dp 4 in FSDP groups of 2 devices
     (sharded within a group, replicated across the two): single-device loss and gradients,
-    each device holding half of the gradient accumulators."""
+    each device holding half of the gradient accumulators. In a child process with
+    XLA:CPU's collectives in program order (`in_order_collectives`): XLA's default
+    scheduler deadlocked this stage's rendezvous in 3 runs of 4 under load."""
+    if in_order_collectives(request):
+        return
     cfg = CONFIGS["tiny"]()
     lay, samples, ref_loss, ref_grads = cached_reference(reference_cache, cfg, 8)
     plan = Plan.uniform(cfg, 8, 2, dp={"vision": 2, "llm": 4}, zero_stage=stage,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -16,7 +16,6 @@ from mmjax.data.sample import AUDIO_STRIDE, MODALITIES, SampleMeta, SegmentMeta,
 
 if TYPE_CHECKING:
     from mmjax.data.layout import AssemblyLayout
-    from mmjax.data.shape_columns import ShapeColumns
 
 CODE = {m: i for i, m in enumerate(MODALITIES)}  # modality -> int8 code
 TEXT, IMAGE, AUDIO, IMAGE_OUT = (CODE[m] for m in MODALITIES)
@@ -58,9 +57,10 @@ class MetaColumns:
                    np.fromiter((CODE[s.modality] for s in segs), np.int8, k), *cols)
 
     def record_shapes(self, layout: "AssemblyLayout",
-                      modalities: tuple[str, ...]) -> "ShapeColumns | None":
-        """`shape_columns` of these samples when they are known without a pass over their
-        segments (records of a table, data/table_meta.py), else None."""
+                      modalities: tuple[str, ...]) -> Any:
+        """`shape_columns` of these samples (a `data/shape_columns.py` `ShapeColumns`, which
+        imports this module, hence `Any` here) when they are known without a pass over
+        their segments (records of a table, data/table_meta.py), else None."""
         return None
 
     def __getitem__(self, p: int) -> SampleMeta:
