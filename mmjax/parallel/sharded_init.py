@@ -37,6 +37,13 @@ def init_states(make_module, args: tuple, key, filters: tuple, mesh=None) -> tup
         return tuple(_init_states(make_module, args, filters, mesh, key))
 
 
+def lower_init_states(make_module, args: tuple, key, filters: tuple):
+    """`init_states`' program on the default device, lowered (to compile, or to key a
+    stored one by; it is then called on `key` alone)."""
+    with _fast_rng_compile(None):
+        return _init_states.lower(make_module, args, filters, None, key)
+
+
 def _fast_rng_compile(mesh):
     """On one device, lower the init's threefry draws to JAX's GPU kernel: XLA:GPU inlines
     every draw's hash, and a 1.9B-parameter MLLM's init then had not compiled after 87 s on

@@ -138,6 +138,9 @@ class ColocatedMesh:
         return (state_shardings(abstract, self.mesh, self.colo),
                 frozen_shardings(abstract_frozen, self.mesh, self.colo))
 
+    def prefetch_init(self, cfg, key, filters: tuple) -> None:
+        """Nothing: the init is a mesh-sharded program, in JAX's compilation cache only."""
+
     def init(self, cfg, key, filters: tuple, tx, shardings: tuple) -> tuple[TrainState, Any]:
         """One jitted program that makes every array as its shards."""
         def init():

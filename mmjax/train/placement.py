@@ -39,6 +39,12 @@ class Placement(Protocol):
         """(the TrainState's per-leaf shardings, the frozen parameters')."""
         ...
 
+    def prefetch_init(self, cfg, key, filters: tuple) -> None:
+        """`init`'s program for these arguments may start loading now (in a thread, from
+        the program cache), before the data's shape scan; `init` may never be called (a
+        resume)."""
+        ...
+
     def init(self, cfg, key, filters: tuple, tx, shardings: tuple) -> tuple[TrainState, Any]:
         """(a fresh TrainState (step 0, no data position), the frozen parameters), made from
         `key` on `shardings` (`shardings()`'s pair)."""

@@ -118,15 +118,21 @@ def _read(cache_dir: str, key: str) -> tuple | None:
     return entry if isinstance(entry, tuple) and len(entry) in (3, 4) else None
 
 
-def load(cache_dir: str | None, key: str, in_tree, devices):
-    """The stored program of `key` whose argument tree is `in_tree`, loaded on `devices`
-    (the ones it was compiled for, in order), or None."""
-    if not cache_dir:
-        return None
+def cache_dir() -> str | None:
+    """JAX's persistent compilation cache directory of this process (None: off), where
+    the program cache's entries live beside JAX's own."""
+    # (a flag jax.config types only as a dynamic attribute)
+    return getattr(jax.config, "jax_compilation_cache_dir") or None
+
+
+def read_and_load(cache_dir: str, key: str, devices) -> tuple | None:
+    """(the stored entry of `key`, its program loaded on `devices`), or None: no entry,
+    or a damaged or foreign one. Loading is XLA's work without the GIL
+    (train/program_prefetch.py runs it in a thread)."""
     from jax.experimental.serialize_executable import deserialize_and_load
 
     entry = _read(cache_dir, key)
-    if entry is None or entry[1] != in_tree:
+    if entry is None:
         return None
     try:
         payload, stored_in, stored_out = entry[:3]
@@ -134,6 +140,20 @@ def load(cache_dir: str | None, key: str, in_tree, devices):
                                         execution_devices=list(devices))
     except Exception:  # noqa: BLE001  a damaged or foreign entry is a miss: trace again
         return None
+    return entry, compiled
+
+
+def load(cache_dir: str | None, key: str, in_tree, devices, loaded: tuple | None = None):
+    """The stored program of `key` whose argument tree is `in_tree`, loaded on `devices`
+    (the ones it was compiled for, in order), or None. `loaded`: `read_and_load`'s answer
+    for `key`, made earlier (a prefetch)."""
+    if not cache_dir:
+        return None
+    if loaded is None:
+        loaded = read_and_load(cache_dir, key, devices)
+    if loaded is None or loaded[0][1] != in_tree:
+        return None
+    entry, compiled = loaded
     if len(entry) == 3:  # stored before entries carried their program's digest
         program_relink.name(cache_dir, program_relink.program_digest(
             compiled, environment()), key)

@@ -28,6 +28,7 @@ from mmjax.train.held_out import held_out_loss
 from mmjax.train.logical_state import single_from_logical, single_logical
 from mmjax.train.optimizer import applied_updates, optimizer_from_settings, rate_as_input
 from mmjax.train.placement import Placement
+from mmjax.train.program_prefetch import Prefetch
 from mmjax.train.runner import StepMetrics
 from mmjax.train.state import WHOLE_MODEL, TrainState, whole_model_state
 from mmjax.train.step import make_loss_fn, split_model
@@ -49,6 +50,15 @@ class WholeModelRunner:
         self.placement, self.cfg, self.dtype = placement, cfg, dtype
         self.global_batch, self.attention_impl = global_batch, attention_impl
         self.mask_family = layout.llm_mask_family
+        self.filters = (trainable_filter(cfg), ...)
+        self.tx, self.key = optimizer_from_settings(schedule), jax.random.key(seed)
+        # stored programs load in threads meanwhile (the data's shape scan, the abstract
+        # build): the init's, and the step's of the last run like this one
+        placement.prefetch_init(cfg, self.key, self.filters)
+        self._prefetch = Prefetch.remembered(
+            program_cache.cache_dir() if placement.program_cache else None,
+            f"single_program.train_step {cfg!r} {dtype} {attention_impl} {global_batch}",
+            placement.devices)
         self.data = placement.batches(source if source is not None else train_source(cfg),
                                       cfg, layout, global_batch)
         try:
@@ -63,8 +73,6 @@ class WholeModelRunner:
         check, the step; the init itself only with pretrained files (else on first use)."""
         global_batch, dtype, attention_impl = self.global_batch, self.dtype, self.attention_impl
         placement = self.placement
-        self.filters = (trainable_filter(cfg), ...)
-        self.tx, self.key = optimizer_from_settings(schedule), jax.random.key(seed)
         self.pretrained = pretrained
         self.graphdef, tr, fr = abstract_split(MultimodalModel, (cfg,), self.key, self.filters)
         abstract = whole_model_state(tr, jax.eval_shape(self.tx.init, tr),
@@ -164,13 +172,11 @@ class WholeModelRunner:
             made = concurrent.futures.ThreadPoolExecutor(1, "mmjax-init").submit(self._make)
         try:
             args: tuple = (self.abstract, self.abstract_frozen, inputs, NO_LIMITS, rate)
-            # (a flag jax.config types only as a dynamic attribute)
-            cache = (getattr(jax.config, "jax_compilation_cache_dir") or None
-                     if self.placement.program_cache else None)
+            cache = program_cache.cache_dir() if self.placement.program_cache else None
             key = self._program_key(args) if cache else ""
             tree = jax.tree.structure((args, {}))
-            compiled = (program_cache.load(cache, key, tree, self.placement.devices)
-                        if cache else None)
+            compiled = (program_cache.load(cache, key, tree, self.placement.devices,
+                                           self._prefetch.take(key)) if cache else None)
             if compiled is None:
                 if made is None:
                     args = (self.state._replace(data={}), self._frozen, *args[2:])
@@ -178,6 +184,7 @@ class WholeModelRunner:
                     compiled = self.step_fn.lower(*args).compile()
                 if cache:
                     program_cache.store(cache, key, compiled, bool(from_jax_cache))
+            self._prefetch.remember(key)
         finally:
             if made is not None:
                 made.result()
