@@ -1,6 +1,7 @@
-"""Compiled training steps stored on disk by what they are made from, so a warm run skips
-tracing and lowering, not only XLA (issue 41: a second run's start within 10% of the
-first's compile).
+"""Compiled training steps (and the single program's init) stored on disk by what they are
+made from, so a warm run skips tracing and lowering, not only XLA (issue 41: a second
+run's start within 10% of the first's compile; train/program_prefetch.py loads them while
+the run starts).
 
 JAX's persistent compilation cache is keyed by the lowered program, so every run still
 traces and lowers the step (12-18 s of the tiny model's warm start on 2 cores) before the
