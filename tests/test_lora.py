@@ -151,6 +151,27 @@ def test_lora_on_a_patch_merger_projector_is_refused_in_one_line():
     assert "\n" not in str(e.value) and "use some of ['llm', 'vision']" in str(e.value)
 
 
+def test_with_lora_takes_what_it_is_not_given_from_gin():
+    """Units named without settings: gin's `lora.*` settings on them; neither named: gin's
+    `lora.units` too (the trainer's call)."""
+    import gin
+
+    from mmjax.models.tiny import tiny
+    from mmjax.train.lora_setup import with_lora
+
+    with gin.unlock_config():
+        gin.parse_config(["lora.rank = 3", "lora.targets = ('q', 'v')", "lora.units = ('llm',)"])
+    try:
+        cfg = with_lora(tiny(), ("vision",))
+        assert cfg.llm.lora is None
+        assert (cfg.encoder("vision").encoder.lora.rank,
+                cfg.encoder("vision").encoder.lora.targets) == (3, ("q", "v"))
+        assert with_lora(tiny()).llm.lora == LoRAConfig(rank=3, targets=("q", "v"))
+        assert with_lora(tiny(), ("llm",), LLM_LORA).llm.lora == LLM_LORA  # given: used
+    finally:
+        gin.clear_config()
+
+
 def test_lora_on_an_audio_tower_is_refused_in_one_line():
     from mmjax.models.tiny import tiny_valm
     from mmjax.train.lora_setup import with_lora

@@ -3,8 +3,6 @@ and with what rank, alpha, targets and scaling; `with_lora` puts them into the m
 (after the pretrained checkpoints' config.json set its sizes). docs/lora.md."""
 from __future__ import annotations
 
-from typing import cast
-
 import gin
 
 from mmjax.errors import UserError
@@ -50,12 +48,13 @@ def _not_adapted(cfg: MLLMConfig, unit: str) -> str:
 
 
 def with_lora(cfg: MLLMConfig, units=None, settings: LoRAConfig | None = None) -> MLLMConfig:
-    """`cfg` with `settings` (default: gin's `lora.*`) on each of `units`."""
-    if units is None:
-        units, settings = lora()
+    """`cfg` with `settings` (default: gin's `lora.*` settings) on each of `units`
+    (default: gin's `lora.units`)."""
+    gin_units, gin_settings = lora()
+    units = gin_units if units is None else units
+    settings = gin_settings if settings is None else settings
     if not units:
         return cfg
-    assert settings is not None  # from gin above, or passed by every caller that names units
     parts = lora_parts(cfg)
     bad = [u for u in units if u not in parts]
     if bad:
@@ -90,13 +89,3 @@ def with_adapter(cfg: MLLMConfig, adapter_dir: str, whole: bool) -> MLLMConfig:
     except UserError as e:
         raise UserError(f"pretrained.adapter: {e}") from None
     return with_overrides(cfg, over)
-
-
-def lora_of(cfg: MLLMConfig, part: str) -> LoRAConfig | None:
-    """The LoRAConfig of a LoRA'd part ("llm", a tower, "<enc>.projector")."""
-    if is_llm(part):
-        return cfg.llm.lora
-    if part.endswith(".projector"):
-        return cfg.encoder(part.removesuffix(".projector")).projector.lora
-    # a LoRA'd tower is a vision tower (lora_parts: LoRA adapts no audio tower)
-    return cast(VisionConfig, cfg.encoder(part).encoder).lora
